@@ -1,0 +1,5 @@
+import sys
+
+from vmfork.cli import main
+
+sys.exit(main())

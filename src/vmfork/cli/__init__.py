@@ -1,0 +1,56 @@
+"""The ``vmfork`` command line: one module per verb group.
+
+Each module exposes ``register(subparsers)``, which adds its verbs and sets
+``func`` on each parser; ``func(args)`` returns the process exit status. Errors
+meant for the user raise ``CliError`` with a message that names what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from vmfork import __version__
+
+# The verb groups, in the order ``vmfork --help`` lists them.
+_MODULES = ["run", "image", "doctor", "testhost"]
+
+
+class CliError(Exception):
+    """A user-facing error: printed as ``vmfork: <message>``, exit status 2 by default."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vmfork", description="fork(2) for microVMs")
+    parser.add_argument("--version", action="version", version=f"vmfork {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more logging (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name in _MODULES:
+        importlib.import_module(f"vmfork.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except CliError as err:
+        print(f"vmfork: {err}", file=sys.stderr)
+        return err.status
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,99 @@
+"""The VMM's I/O thread: one selector loop for every device back end.
+
+vCPU threads handle register accesses (MMIO/PIO exits). Everything that waits
+on the host -- queue notifications arriving through ioeventfds, Unix sockets of
+the vsock back end, timers -- is handled here, on one thread, so that device
+back ends need no locking among themselves. Work from other threads is handed
+over with ``call_soon`` (thread-safe; it wakes the loop through an eventfd).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import selectors
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+Callback = Callable[[], None]
+
+
+class EventLoop:
+    def __init__(self, name: str = "vmm-io") -> None:
+        self.name = name
+        self._sel = selectors.DefaultSelector()
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._sel.register(self._wake_fd, selectors.EVENT_READ, self._drain_wake)
+        self._pending: deque[Callback] = deque()
+        self._timers: list[tuple[float, int, Callback]] = []
+        self._seq = itertools.count()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.errors: list[BaseException] = []
+
+    # -- registration (call from the loop thread, or through call_soon) ----------
+    def add_reader(self, fd: int, callback: Callback) -> None:
+        self._sel.register(fd, selectors.EVENT_READ, callback)
+
+    def remove_reader(self, fd: int) -> None:
+        try:
+            self._sel.unregister(fd)
+        except (KeyError, ValueError):
+            pass
+
+    def call_later(self, delay: float, callback: Callback) -> None:
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), callback))
+
+    # -- cross-thread ---------------------------------------------------------------
+    def call_soon(self, callback: Callback) -> None:
+        """Run ``callback`` on the loop thread (safe from any thread)."""
+        self._pending.append(callback)
+        os.eventfd_write(self._wake_fd, 1)
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _drain_wake(self) -> None:
+        try:
+            os.eventfd_read(self._wake_fd)
+        except BlockingIOError:
+            pass
+
+    # -- running ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        os.eventfd_write(self._wake_fd, 1)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._sel.close()
+        os.close(self._wake_fd)
+
+    def _call(self, callback: Callback) -> None:
+        try:
+            callback()
+        except Exception as err:  # a device bug must not stop every other device
+            log.exception("%s: callback %r failed", self.name, callback)
+            self.errors.append(err)
+
+    def _run(self) -> None:
+        while not self._stopping:
+            timeout = None
+            if self._timers:
+                timeout = max(0.0, self._timers[0][0] - time.monotonic())
+            for key, _ in self._sel.select(timeout):
+                self._call(key.data)
+            while self._pending:
+                self._call(self._pending.popleft())
+            now = time.monotonic()
+            while self._timers and self._timers[0][0] <= now:
+                self._call(heapq.heappop(self._timers)[2])

@@ -1,0 +1,174 @@
+"""Guest physical memory.
+
+Guest RAM is one or more regions, each a host mapping registered with KVM as a
+memory slot. A region is backed by anonymous memory, a memfd (so that another
+process, or a snapshot writer, can map the same pages), or a file mapped
+``MAP_PRIVATE`` (a snapshot's memory file: children share its pages until they
+write). The VMM touches guest memory only through ``GuestMemory``, which
+bounds-checks every access: a guest-supplied address that is not wholly inside
+one region raises ``GuestMemoryError``. Nothing here trusts a guest address.
+
+x86 layout (chosen so that MMIO windows sit below 4 GiB in a hole, as on PCs)::
+
+    0            .. MMIO_HOLE_START   RAM (region 0)
+    MMIO_HOLE_START .. 4 GiB          MMIO: virtio-mmio windows, IOAPIC, LAPIC
+    4 GiB        .. 4 GiB + rest      RAM (region 1, when RAM exceeds the hole)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+
+from vmfork.vmm.errors import GuestMemoryError, HostError
+
+PAGE_SIZE = 4096
+MMIO_HOLE_START = 0xC000_0000  # 3 GiB: RAM below, device windows above
+FOUR_GIB = 1 << 32
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """Where one RAM region sits: guest physical address, size, and offset in the backing."""
+
+    guest_phys: int
+    size: int
+    backing_offset: int
+
+
+def ram_layout(mem_size: int) -> list[RegionLayout]:
+    """Split ``mem_size`` bytes of RAM around the MMIO hole."""
+    if mem_size <= 0 or mem_size % PAGE_SIZE:
+        raise ValueError(f"guest memory size must be a positive multiple of {PAGE_SIZE}")
+    low = min(mem_size, MMIO_HOLE_START)
+    regions = [RegionLayout(0, low, 0)]
+    if mem_size > low:
+        regions.append(RegionLayout(FOUR_GIB, mem_size - low, low))
+    return regions
+
+
+class MemoryRegion:
+    """One contiguous range of guest RAM and its host mapping."""
+
+    def __init__(self, layout: RegionLayout, mapping: mmap.mmap) -> None:
+        self.guest_phys = layout.guest_phys
+        self.size = layout.size
+        self.backing_offset = layout.backing_offset
+        self.mapping = mapping
+        self.host_addr = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+    @property
+    def end(self) -> int:
+        return self.guest_phys + self.size
+
+
+class GuestMemory:
+    """All of guest RAM. Thread-safe for reads and writes of distinct ranges."""
+
+    def __init__(self, regions: list[MemoryRegion], backing_fd: int | None = None) -> None:
+        self.regions = sorted(regions, key=lambda r: r.guest_phys)
+        self.backing_fd = backing_fd  # memfd or snapshot file, if any; owned by us
+        self.size = sum(r.size for r in self.regions)
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def anonymous(cls, mem_size: int) -> GuestMemory:
+        regions = []
+        for layout in ram_layout(mem_size):
+            m = mmap.mmap(-1, layout.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            regions.append(MemoryRegion(layout, m))
+        return cls(regions)
+
+    @classmethod
+    def memfd(cls, mem_size: int, name: str = "vmfork-guest-ram") -> GuestMemory:
+        """RAM in a memfd mapped ``MAP_SHARED``: its pages can be mapped elsewhere."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, mem_size)
+            regions = []
+            for layout in ram_layout(mem_size):
+                m = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED,
+                              offset=layout.backing_offset)
+                regions.append(MemoryRegion(layout, m))
+        except OSError as err:
+            os.close(fd)
+            raise HostError(f"guest memory: memfd of {mem_size} bytes: {err}",
+                            op="memfd", errno=err.errno) from err
+        return cls(regions, backing_fd=fd)
+
+    @classmethod
+    def from_file_private(cls, path: str, mem_size: int) -> GuestMemory:
+        """Map a memory file copy-on-write: reads share the page cache, writes are private."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size < mem_size:
+                raise HostError(f"memory file {path} is shorter than {mem_size} bytes",
+                                op="map_snapshot")
+            regions = []
+            for layout in ram_layout(mem_size):
+                m = mmap.mmap(fd, layout.size, flags=mmap.MAP_PRIVATE,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                              offset=layout.backing_offset)
+                regions.append(MemoryRegion(layout, m))
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(regions, backing_fd=fd)
+
+    def close(self) -> None:
+        for r in self.regions:
+            try:
+                r.mapping.close()
+            except BufferError:
+                # A ctypes view still points into it; the mapping goes with the process.
+                pass
+        if self.backing_fd is not None:
+            os.close(self.backing_fd)
+            self.backing_fd = None
+
+    # -- bounds-checked access ----------------------------------------------------
+    def _find(self, gpa: int, length: int) -> tuple[MemoryRegion, int]:
+        if gpa < 0 or length < 0:
+            raise GuestMemoryError(f"negative guest address or length ({gpa:#x}, {length})")
+        for r in self.regions:
+            if r.guest_phys <= gpa < r.end:
+                if gpa + length > r.end:
+                    raise GuestMemoryError(
+                        f"guest range {gpa:#x}+{length:#x} crosses the end of RAM region "
+                        f"{r.guest_phys:#x}..{r.end:#x}")
+                return r, gpa - r.guest_phys
+        raise GuestMemoryError(f"guest address {gpa:#x} is not in guest RAM")
+
+    def check_range(self, gpa: int, length: int) -> None:
+        self._find(gpa, length)
+
+    def view(self, gpa: int, length: int) -> memoryview:
+        """A writable view of ``length`` bytes at ``gpa`` (zero-copy)."""
+        region, off = self._find(gpa, length)
+        return memoryview(region.mapping)[off:off + length]
+
+    def read(self, gpa: int, length: int) -> bytes:
+        return bytes(self.view(gpa, length))
+
+    def write(self, gpa: int, data: bytes | bytearray | memoryview) -> None:
+        self.view(gpa, len(data))[:] = data
+
+    def read_u16(self, gpa: int) -> int:
+        return int.from_bytes(self.view(gpa, 2), "little")
+
+    def read_u32(self, gpa: int) -> int:
+        return int.from_bytes(self.view(gpa, 4), "little")
+
+    def read_u64(self, gpa: int) -> int:
+        return int.from_bytes(self.view(gpa, 8), "little")
+
+    def write_u16(self, gpa: int, value: int) -> None:
+        self.view(gpa, 2)[:] = (value & 0xFFFF).to_bytes(2, "little")
+
+    def write_u32(self, gpa: int, value: int) -> None:
+        self.view(gpa, 4)[:] = (value & 0xFFFF_FFFF).to_bytes(4, "little")
+
+    def write_u64(self, gpa: int, value: int) -> None:
+        self.view(gpa, 8)[:] = (value & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little")
