@@ -1,0 +1,261 @@
+"""Running one command in the emulated test host: the QEMU command line and its supervision.
+
+QEMU emulates (TCG, one host thread per vCPU) a q35 PC with an AMD EPYC CPU that has
+SVM, so Debian's kernel inside gets a real ``/dev/kvm`` from ``kvm_amd``. Three
+channels leave the guest, each a pipe that this process reads in its own thread:
+
+- the serial console (kernel and ``/init`` messages only): kept as a tail for error
+  reports, and shown on stderr with ``show_console``;
+- the virtio-serial ports ``stdout`` and ``stderr``: the command's two streams, copied to
+  ours as they arrive, separately (so ``2>/dev/null`` on the caller's side works);
+- QEMU's own stderr (its start-up errors), kept with the console tail.
+
+QEMU opens the pipes as ``file`` chardevs at ``/proc/self/fd/<n>``: a pipe does not
+care about the ``O_TRUNC`` QEMU opens files with, and the guest's ``write`` to a port
+returns only once QEMU has taken the bytes, so nothing written before ``poweroff``
+is lost. The exit status comes back as a file in the per-run control share, never
+parsed from a console. QEMU gets its own session, so a Ctrl-C on the caller's
+terminal reaches only us; we then kill QEMU (it holds no state worth a clean stop).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from vmfork.paths import run_dir
+from vmfork.testhost.errors import (
+    TesthostBootError,
+    TesthostSetupError,
+    TesthostTimeout,
+)
+from vmfork.testhost.initramfs import HostImage
+from vmfork.testhost.initscript import (
+    BOOT_SECONDS_FILE,
+    CTL_TAG,
+    JOB_FILE,
+    ROOT_TAG,
+    STATUS_FILE,
+    STDERR_PORT,
+    STDOUT_PORT,
+    Job,
+    render_job,
+    rw_tag,
+)
+
+log = logging.getLogger(__name__)
+
+QEMU = "qemu-system-x86_64"
+QEMU_PACKAGE = "qemu-system-x86"
+# quiet + loglevel: the console is slow under TCG and nobody reads it unless a run fails.
+# panic=-1 with QEMU's -no-reboot turns a guest panic into a prompt QEMU exit.
+KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init"
+CONSOLE_TAIL_BYTES = 16384
+
+
+def _qemu_path_arg(path: str) -> str:
+    """QEMU option values escape a literal comma by doubling it."""
+    return path.replace(",", ",,")
+
+
+def qemu_command(qemu: str, image: HostImage, *, ctl_dir: str, rw_paths: Sequence[str],
+                 mem_mib: int, cpus: int, console_fd: int, stdout_fd: int,
+                 stderr_fd: int) -> list[str]:
+    """The full QEMU argv (fds are this process's, passed to QEMU under the same numbers)."""
+    cmd = [
+        qemu, "-M", "q35", "-accel", "tcg,thread=multi", "-smp", str(cpus),
+        "-cpu", "EPYC,+svm", "-m", str(mem_mib),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-kernel", str(image.vmlinuz), "-initrd", str(image.initramfs),
+        "-append", KERNEL_CMDLINE,
+        "-chardev", f"file,id=console,path=/proc/self/fd/{console_fd}",
+        "-serial", "chardev:console",
+        "-device", "virtio-serial-pci,id=ports",
+        "-chardev", f"file,id=out,path=/proc/self/fd/{stdout_fd}",
+        "-device", f"virtserialport,bus=ports.0,chardev=out,name={STDOUT_PORT}",
+        "-chardev", f"file,id=err,path=/proc/self/fd/{stderr_fd}",
+        "-device", f"virtserialport,bus=ports.0,chardev=err,name={STDERR_PORT}",
+        "-virtfs", f"local,path=/,mount_tag={ROOT_TAG},security_model=none,readonly=on,"
+                   "multidevs=remap",
+        "-virtfs", f"local,path={_qemu_path_arg(ctl_dir)},mount_tag={CTL_TAG},"
+                   "security_model=none",
+    ]
+    for index, path in enumerate(rw_paths):
+        cmd += ["-virtfs", f"local,path={_qemu_path_arg(path)},mount_tag={rw_tag(index)},"
+                           "security_model=none,multidevs=remap"]
+    return cmd
+
+
+def _binary_stream(stream: object) -> BinaryIO | None:
+    buffer = getattr(stream, "buffer", None)
+    return buffer if buffer is not None else None
+
+
+@dataclass
+class _Relay:
+    """Copies one pipe to a stream as data arrives, optionally keeping a tail."""
+
+    fd: int
+    sink: BinaryIO | None
+    keep_tail: bool = False
+    tail: collections.deque[bytes] = field(default_factory=collections.deque)
+    _tail_bytes: int = 0
+    thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"testhost-relay-{self.fd}")
+        self.thread.start()
+
+    def _run(self) -> None:
+        with open(self.fd, "rb", buffering=0, closefd=True) as pipe:
+            while chunk := pipe.read(65536):
+                if self.sink is not None:
+                    try:
+                        self.sink.write(chunk)
+                        self.sink.flush()
+                    except (OSError, ValueError):
+                        self.sink = None  # the caller closed its stream; keep draining
+                if self.keep_tail:
+                    self.tail.append(chunk)
+                    self._tail_bytes += len(chunk)
+                    while self._tail_bytes - len(self.tail[0]) > CONSOLE_TAIL_BYTES:
+                        self._tail_bytes -= len(self.tail.popleft())
+
+    def join(self, timeout: float) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def text(self) -> str:
+        return b"".join(self.tail)[-CONSOLE_TAIL_BYTES:].decode(errors="replace")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one emulated run reports besides the exit status (for logs and benchmarks)."""
+
+    status: int
+    boot_seconds: float | None  # guest uptime when the command started
+    wall_seconds: float
+
+
+def _diagnose(returncode: int | None, console: str, qemu_stderr: str) -> str:
+    if "Kernel panic" in console:
+        line = next(ln for ln in console.splitlines() if "Kernel panic" in ln)
+        return f"the test host's kernel panicked: {line.strip()}"
+    for line in console.splitlines():
+        if line.startswith("vmfork-testhost init:"):
+            return f"the test host's /init failed: {line.split(':', 1)[1].strip()}"
+    if returncode:
+        first = qemu_stderr.strip().splitlines()[:1]
+        why = f": {first[0]}" if first else ""
+        return f"QEMU exited with status {returncode}{why}"
+    return "the test host powered off without reporting an exit status"
+
+
+def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
+                 timeout: float | None, show_console: bool = False) -> RunResult:
+    """Boot the test host, run ``job`` in it, and return its exit status.
+
+    Raises ``TesthostTimeout`` (after killing QEMU) when ``timeout`` seconds pass, and
+    ``TesthostBootError`` with the console tail when no exit status comes back.
+    """
+    qemu = shutil.which(QEMU)
+    if qemu is None:
+        raise TesthostSetupError(f"{QEMU} not found; install it: apt-get install {QEMU_PACKAGE}")
+    base = run_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    ctl_dir = Path(tempfile.mkdtemp(prefix="testhost-", dir=base))
+    pipes: list[int] = []
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        (ctl_dir / JOB_FILE).write_text(render_job(job))
+        console_r, console_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        qerr_r, qerr_w = os.pipe()
+        pipes = [console_w, out_w, err_w, qerr_w]
+        cmd = qemu_command(qemu, image, ctl_dir=str(ctl_dir), rw_paths=job.rw_paths,
+                           mem_mib=mem_mib, cpus=cpus, console_fd=console_w,
+                           stdout_fd=out_w, stderr_fd=err_w)
+        log.debug("starting %s", " ".join(cmd))
+        relays = [
+            _Relay(console_r, _binary_stream(sys.stderr) if show_console else None,
+                   keep_tail=True),
+            _Relay(out_r, _binary_stream(sys.stdout)),
+            _Relay(err_r, _binary_stream(sys.stderr)),
+            _Relay(qerr_r, _binary_stream(sys.stderr) if show_console else None,
+                   keep_tail=True),
+        ]
+        for relay in relays:
+            relay.start()
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qerr_w,
+                                    stderr=qerr_w, pass_fds=(console_w, out_w, err_w),
+                                    start_new_session=True)
+        except OSError as err:
+            raise TesthostSetupError(f"cannot start {qemu}: {err}") from err
+        finally:
+            # Only QEMU may hold the write ends, so the relays see EOF when it exits.
+            for fd in pipes:
+                os.close(fd)
+            pipes = []
+        try:
+            returncode = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            for relay in relays:
+                relay.join(2.0)
+            raise TesthostTimeout(
+                f"the command did not finish within {timeout:g} s; QEMU was killed "
+                "(raise --timeout, or find what hangs with --console)",
+                console_tail=relays[0].text()) from None
+        wall = time.monotonic() - started
+        for relay in relays:
+            relay.join(5.0)
+        status_text = _read(ctl_dir / STATUS_FILE)
+        boot_text = _read(ctl_dir / BOOT_SECONDS_FILE)
+        if status_text is None or not status_text.strip().isdigit():
+            console = relays[0].text()
+            qemu_stderr = relays[3].text()
+            raise TesthostBootError(_diagnose(returncode, console, qemu_stderr),
+                                    console_tail=(qemu_stderr + console)[-CONSOLE_TAIL_BYTES:])
+        boot = float(boot_text) if boot_text and _is_float(boot_text) else None
+        log.info("test host: kernel %s, command started at guest uptime %s s, %.2f s wall",
+                 image.kernel_version, boot_text and boot_text.strip(), wall)
+        return RunResult(int(status_text), boot, wall)
+    finally:
+        for fd in pipes:
+            os.close(fd)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(ctl_dir, ignore_errors=True)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
