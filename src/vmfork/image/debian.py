@@ -1,0 +1,264 @@
+"""The guest's user space, taken from Debian bookworm packages and nothing else.
+
+Why Debian packages: they are signed, versioned and reachable from every
+machine that builds vmfork (``apt-get download`` needs no root and no Docker),
+and Debian's CPython is the one that the host tests run against.
+
+Which packages: the roots (busybox and CPython's three "minimal/stdlib"
+packages) plus their dependency closure from ``apt-cache depends --recurse``,
+filtered by two explicit lists. ``ALLOW`` holds what the guest loads at run
+time (shared libraries, the MIME table). ``DENY`` holds what the closure drags
+in but a guest never needs: maintainer-script helpers (dpkg, perl, tar),
+documentation-only packages, and the libraries of the two extension modules
+we drop (``nis``, ``_dbm``; see ``initramfs.PRUNED_EXTENSIONS``). A package in
+neither list stops the build, so a Debian update that adds a dependency is a
+decision for a person, not a silent change to the guest. The build then checks
+the result independently (``elf.py``): every ``DT_NEEDED`` must be in the tree.
+
+Everything here except the download reads only local apt metadata, so the
+cache key of an already-built initramfs is computed without the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vmfork.image.errors import ImageBuildError
+
+ROOT_PACKAGES: tuple[str, ...] = (
+    "busybox-static",
+    "python3.11-minimal",
+    "libpython3.11-minimal",
+    "libpython3.11-stdlib",
+)
+
+# Package -> why the guest needs it.
+ALLOW: dict[str, str] = {
+    "busybox-static": "/bin/sh and the core utilities, statically linked",
+    "python3.11-minimal": "the interpreter, /usr/bin/python3.11",
+    "libpython3.11-minimal": "the core standard library (os, io, encodings, ...)",
+    "libpython3.11-stdlib": "the rest of the standard library and lib-dynload",
+    "libc6": "glibc and the dynamic loader",
+    "libgcc-s1": "libgcc_s, which glibc loads for thread cancellation",
+    "zlib1g": "zlib, linked by the interpreter",
+    "libexpat1": "expat, linked by the interpreter (pyexpat)",
+    "libssl3": "libssl/libcrypto for _ssl and _hashlib",
+    "libffi8": "libffi for _ctypes",
+    "libbz2-1.0": "libbz2 for _bz2",
+    "liblzma5": "liblzma for _lzma",
+    "libsqlite3-0": "libsqlite3 for _sqlite3",
+    "libuuid1": "libuuid for _uuid",
+    "libcrypt1": "libcrypt for _crypt",
+    "libncursesw6": "ncursesw for _curses",
+    "libtinfo6": "terminfo for _curses and readline",
+    "libreadline8": "readline for the interactive interpreter",
+    "media-types": "/etc/mime.types for the mimetypes module",
+}
+
+# Package -> why the guest does without it.
+DENY: dict[str, str] = {
+    "dpkg": "maintainer scripts only; the guest never installs packages",
+    "tar": "pulled in by dpkg",
+    "install-info": "documentation index maintenance",
+    "perl": "maintainer scripts only",
+    "perl-base": "maintainer scripts only",
+    "perl-modules-5.36": "maintainer scripts only",
+    "libperl5.36": "maintainer scripts only",
+    "libgdbm6": "perl's dependency; Python's _gdbm is not in libpython3.11-stdlib",
+    "libgdbm-compat4": "perl's dependency",
+    "gcc-12-base": "copyright files only",
+    "readline-common": "/etc/inputrc and docs; readline works without them",
+    "mime-support": "transitional; media-types provides /etc/mime.types",
+    "mailcap": "mailcap rules for desktop programs; pulled in by mime-support",
+    "libdb5.3": "only for the _dbm module, dropped (dbm.dumb remains)",
+    "libnsl2": "only for the deprecated nis module, dropped",
+    "libtirpc3": "only for nis",
+    "libtirpc-common": "only for nis",
+    "libgssapi-krb5-2": "only for nis (via libtirpc3)",
+    "libkrb5-3": "only for nis (via libtirpc3)",
+    "libkrb5support0": "only for nis (via libtirpc3)",
+    "libk5crypto3": "only for nis (via libtirpc3)",
+    "libkeyutils1": "only for nis (via libtirpc3)",
+    "libcom-err2": "only for nis (via libtirpc3)",
+    "libselinux1": "pulled in by dpkg/tar",
+    "libpcre2-8-0": "pulled in by libselinux1",
+    "libacl1": "pulled in by tar",
+    "libmd0": "pulled in by dpkg",
+    "libzstd1": "pulled in by dpkg",
+}
+
+
+@dataclass(frozen=True)
+class DebPackage:
+    """One pinned package, as apt's local metadata describes its candidate."""
+
+    name: str
+    version: str
+    architecture: str
+    filename: str  # path in the Debian pool, e.g. pool/main/b/busybox/busybox-static_....deb
+    sha256: str
+    size: int
+
+    @property
+    def deb_name(self) -> str:
+        """The local file name: the pool's base name (it has no epoch, so no ``%3a``)."""
+        return self.filename.rsplit("/", 1)[-1]
+
+    def pin(self) -> str:
+        """The line that enters the cache key: name, exact version, arch and hash."""
+        return f"{self.name}={self.version} {self.architecture} sha256:{self.sha256}"
+
+
+def parse_depends_closure(text: str) -> set[str]:
+    """Package names from ``apt-cache depends --recurse`` output.
+
+    Every package in the closure appears once as an unindented line; indented
+    lines are its dependency edges. Virtual packages appear as ``<name>`` and are
+    skipped: some real package provides them and is listed on its own.
+    """
+    names: set[str] = set()
+    for line in text.splitlines():
+        if not line or line[0].isspace() or line.startswith("<"):
+            continue
+        names.add(line.strip())
+    return names
+
+
+def select_packages(closure: Iterable[str]) -> list[str]:
+    """The allowed packages of ``closure``, sorted; unknown packages are an error."""
+    closure = set(closure)
+    unknown = sorted(closure - ALLOW.keys() - DENY.keys())
+    if unknown:
+        raise ImageBuildError(
+            "resolve-packages",
+            "the dependency closure now contains packages vmfork has not classified: "
+            + ", ".join(unknown)
+            + "; add each to ALLOW (the guest needs it) or DENY (it does not) in "
+            "src/vmfork/image/debian.py",
+        )
+    missing_roots = [p for p in ROOT_PACKAGES if p not in closure]
+    if missing_roots:
+        raise ImageBuildError(
+            "resolve-packages",
+            f"apt does not know {', '.join(missing_roots)}; run `apt-get update` and check "
+            "that a Debian bookworm source is configured",
+        )
+    return sorted(closure & ALLOW.keys())
+
+
+_FIELD = re.compile(r"^([A-Za-z0-9-]+):\s*(.*)$")
+
+
+def parse_package_records(text: str) -> dict[str, DebPackage]:
+    """``apt-cache show --no-all-versions`` output -> package name -> record."""
+    records: dict[str, DebPackage] = {}
+    for block in re.split(r"\n\s*\n", text):
+        fields: dict[str, str] = {}
+        for line in block.splitlines():
+            if m := _FIELD.match(line):
+                fields[m.group(1)] = m.group(2)
+        if "Package" not in fields:
+            continue
+        try:
+            pkg = DebPackage(
+                name=fields["Package"],
+                version=fields["Version"],
+                architecture=fields["Architecture"],
+                filename=fields["Filename"],
+                sha256=fields["SHA256"],
+                size=int(fields["Size"]),
+            )
+        except (KeyError, ValueError) as err:
+            raise ImageBuildError(
+                "resolve-packages",
+                f"apt's record for {fields['Package']} lacks {err}; run `apt-get update`",
+            ) from err
+        records.setdefault(pkg.name, pkg)
+    return records
+
+
+def _apt(step: str, cmd: Sequence[str], cwd: Path | None = None) -> str:
+    try:
+        proc = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError as err:
+        raise ImageBuildError(step, f"{cmd[0]} is not installed; the image build needs "
+                                    "a Debian (bookworm) host with apt and dpkg") from err
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-10:])
+        raise ImageBuildError(step, f"`{' '.join(cmd)}` failed:\n{tail}")
+    return proc.stdout
+
+
+def resolve_packages() -> list[DebPackage]:
+    """Pin every guest package to apt's current candidate (local metadata only)."""
+    closure_text = _apt(
+        "resolve-packages",
+        ["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
+         "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances", *ROOT_PACKAGES],
+    )
+    names = select_packages(parse_depends_closure(closure_text))
+    records = parse_package_records(
+        _apt("resolve-packages", ["apt-cache", "show", "--no-all-versions", *names])
+    )
+    missing = [n for n in names if n not in records]
+    if missing:
+        raise ImageBuildError(
+            "resolve-packages",
+            f"apt has no installable version of {', '.join(missing)}; run `apt-get update`",
+        )
+    return [records[n] for n in names]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def download(packages: Sequence[DebPackage], debs_dir: Path) -> list[Path]:
+    """The ``.deb`` of each package in ``debs_dir``, downloading those not there.
+
+    A cached file is trusted only if its SHA-256 matches apt's metadata, so a
+    truncated download is fetched again rather than unpacked.
+    """
+    debs_dir.mkdir(parents=True, exist_ok=True)
+    wanted = {p.sha256: p for p in packages
+              if not ((debs_dir / p.deb_name).is_file()
+                      and _sha256(debs_dir / p.deb_name) == p.sha256)}
+    if wanted:
+        # apt-get names files after the version with the epoch URL-encoded; download
+        # into a scratch directory and file each .deb under its pool name by hash.
+        scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=debs_dir))
+        try:
+            _apt("download",
+                 ["apt-get", "download", "-q", *(f"{p.name}={p.version}" for p in wanted.values())],
+                 cwd=scratch)
+            for deb in scratch.glob("*.deb"):
+                pkg = wanted.pop(_sha256(deb), None)
+                if pkg is not None:
+                    deb.replace(debs_dir / pkg.deb_name)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        if wanted:
+            raise ImageBuildError(
+                "download",
+                "apt-get download did not produce the expected file for "
+                + ", ".join(p.pin() for p in wanted.values())
+                + "; run `apt-get update` and retry",
+            )
+    return [debs_dir / p.deb_name for p in packages]
+
+
+def extract(debs: Iterable[Path], staging: Path) -> None:
+    """Unpack each package's data into ``staging``; maintainer scripts never run."""
+    for deb in debs:
+        _apt("extract", ["dpkg-deb", "-x", str(deb), str(staging)])
