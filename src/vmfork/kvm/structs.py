@@ -87,7 +87,7 @@ class kvm_cpuid2(_Struct):
 
 
 class kvm_lapic_state(_Struct):
-    _fields_ = [("regs", ctypes.c_char * 1024)]
+    _fields_ = [("regs", c_uint8 * 1024)]
 
 
 class kvm_mp_state(_Struct):
@@ -224,7 +224,7 @@ class kvm_run_exit(ctypes.Union):
     _fields_ = [
         ("io", kvm_run_io), ("mmio", kvm_run_mmio), ("fail_entry", kvm_run_fail_entry),
         ("internal", kvm_run_internal), ("system_event", kvm_run_system_event),
-        ("padding", ctypes.c_char * 256),
+        ("padding", c_uint8 * 256),
     ]
 
 

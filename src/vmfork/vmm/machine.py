@@ -1,0 +1,323 @@
+"""One microVM: guest memory, vCPUs, interrupt controllers, buses and devices.
+
+``Machine`` is the VMM as a library. It is built from a frozen
+``MachineConfig``, driven through a handful of methods (``start``, ``pause``,
+``resume``, ``stop``, ``wait``) and owns every live resource it creates (fds,
+mappings, threads, sockets); ``close`` releases all of them.
+
+Construction is a fixed recipe:
+
+1. open ``/dev/kvm``, check the API version and the capabilities we need;
+2. create the VM, its guest memory and the memory slots;
+3. create the in-kernel irqchip (PIC + IOAPIC + LAPICs) and PIT, the TSS and
+   identity-map pages;
+4. build the buses and the legacy devices (COM1, i8042) and the virtio-mmio
+   devices, each with an irqfd line; the virtio devices are announced to the
+   kernel on its command line (``virtio_mmio.device=4K@<base>:<irq>``);
+5. load Linux (``x86.boot``) and create and set up the vCPUs.
+
+The machine ends when the guest resets (Linux ``reboot=k`` pulses the i8042
+reset line: that is both "reboot" and "power off" for a microVM, and what a
+kernel panic with ``panic=1`` leads to), on a triple fault, on a KVM error, or
+when the host stops it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vmfork.kvm import api
+from vmfork.kvm.structs import kvm_cpuid_entry2
+from vmfork.vmm.bus import Bus
+from vmfork.vmm.devices.i8042 import I8042
+from vmfork.vmm.devices.serial import Serial
+from vmfork.vmm.errors import HostError, StateError
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
+from vmfork.vmm.x86 import boot
+from vmfork.vmm.x86 import layout as L
+
+log = logging.getLogger(__name__)
+
+# Console on COM1; reboot (and so power-off and panic) through the i8042 reset
+# line; no port-0x80 delays (each would be an exit); no PCI, ACPI or modules.
+BASE_CMDLINE = "console=ttyS0 reboot=k panic=1 io_delay=none quiet nomodule"
+MAX_VCPUS = 16
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    kernel: str | None = None
+    initrd: str | None = None
+    payload: bytes | None = None      # a flat 64-bit test guest instead of a kernel
+    cmdline_extra: str = ""
+    mem_mib: int = 256
+    vcpus: int = 1
+    console_log: str | None = None
+    vsock_uds: str | None = None
+    guest_cid: int = 3
+    rng: bool = True
+    memfd: bool = True
+    vm_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def validate(self) -> None:
+        if (self.kernel is None) == (self.payload is None):
+            raise ValueError("give exactly one of kernel (a vmlinux) and payload (a test guest)")
+        if not 1 <= self.vcpus <= MAX_VCPUS:
+            raise ValueError(f"vcpus must be 1..{MAX_VCPUS}, not {self.vcpus}")
+        if not 32 <= self.mem_mib <= 64 * 1024:
+            raise ValueError(f"mem_mib must be 32..65536, not {self.mem_mib}")
+        if not 3 <= self.guest_cid < 0xFFFF_FFFF:
+            raise ValueError(f"guest_cid must be >= 3, not {self.guest_cid}")
+
+
+@dataclass(frozen=True)
+class MachineExit:
+    reason: str            # reset | shutdown | internal_error | fail_entry | vmm_error | stopped
+    detail: str
+    console_tail: str
+
+    @property
+    def panicked(self) -> bool:
+        return "Kernel panic" in self.console_tail
+
+    @property
+    def clean(self) -> bool:
+        return self.reason in ("reset", "stopped") and not self.panicked
+
+
+class Machine:
+    def __init__(self, config: MachineConfig) -> None:
+        config.validate()
+        install_kick_handler()
+        self.config = config
+        self.vm_id = config.vm_id
+        self._closers: list[Any] = []     # callables, run in reverse on close
+        self._exit: MachineExit | None = None
+        self._exit_lock = threading.Lock()
+        self._exited = threading.Event()
+        self.timings: dict[str, float] = {}
+        started = time.monotonic()
+        try:
+            self._create(config)
+        except BaseException:
+            self.close()
+            raise
+        self.timings["setup"] = time.monotonic() - started
+
+    # -- construction -------------------------------------------------------------------
+    def _fd(self, fd: int) -> int:
+        self._closers.append(lambda: os.close(fd))
+        return fd
+
+    def _create(self, config: MachineConfig) -> None:
+        # 1. KVM and its capabilities
+        self.kvm_fd = self._fd(api.open_kvm())
+        version = api.get_api_version(self.kvm_fd)
+        if version != api.KVM_API_VERSION:
+            raise HostError(f"KVM API version {version}, expected {api.KVM_API_VERSION}",
+                            vm_id=self.vm_id, op="KVM_GET_API_VERSION")
+        missing = [what for cap, what in api.REQUIRED_CAPS.items()
+                   if not api.check_extension(self.kvm_fd, cap)]
+        if missing:
+            raise HostError("this host's KVM lacks: " + "; ".join(missing),
+                            vm_id=self.vm_id, op="KVM_CHECK_EXTENSION")
+
+        # 2. VM and memory
+        self.vm_fd = self._fd(api.create_vm(self.kvm_fd))
+        mem_size = config.mem_mib << 20
+        self.memory = (GuestMemory.memfd(mem_size, f"vmfork-{self.vm_id}") if config.memfd
+                       else GuestMemory.anonymous(mem_size))
+        self._closers.append(self.memory.close)
+        for slot, region in enumerate(self.memory.regions):
+            api.set_user_memory_region(self.vm_fd, slot, region.guest_phys, region.size,
+                                       region.host_addr)
+
+        # 3. interrupt controllers, PIT, real-mode helper pages
+        api.set_tss_addr(self.vm_fd, L.TSS_ADDR)
+        api.set_identity_map_addr(self.vm_fd, L.IDENTITY_MAP_ADDR)
+        api.create_irqchip(self.vm_fd)
+        api.create_pit2(self.vm_fd)
+
+        # 4. buses and devices
+        self.pio_bus = Bus("pio")
+        self.mmio_bus = Bus("mmio")
+        self.loop = EventLoop(f"vmm-io-{self.vm_id}")
+        self._closers.append(self.loop.stop)
+        self.loop.start()
+        self._irq_lines: list[IrqLine] = []
+        console_log = None
+        if config.console_log:
+            console_log = open(config.console_log, "ab", buffering=0)
+            self._closers.append(console_log.close)
+        self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
+        self.pio_bus.register(L.COM1_PORT, 8, self.serial)
+        self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
+            VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
+        self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
+        self.virtio_devices: list[Any] = []
+        self._next_virtio_slot = 0
+        self._cmdline_devices: list[str] = []
+        self._add_virtio_devices(config)
+
+        # 5. Linux and the vCPUs
+        cmdline = " ".join(p for p in (BASE_CMDLINE, *self._cmdline_devices,
+                                       config.cmdline_extra) if p)
+        if config.kernel is not None:
+            self.boot_info = boot.load_linux(self.memory, config.kernel, config.initrd, cmdline,
+                                             config.vcpus)
+        else:
+            assert config.payload is not None
+            self.boot_info = boot.load_flat_payload(self.memory, config.payload)
+        supported = api.get_supported_cpuid(self.kvm_fd)
+        mmap_size = api.get_vcpu_mmap_size(self.kvm_fd)
+        self.vcpus: list[Vcpu] = []
+        for index in range(config.vcpus):
+            fd = self._fd(api.create_vcpu(self.vm_fd, index))
+            vcpu = Vcpu(index, fd, mmap_size, self.pio_bus, self.mmio_bus, self._vcpu_exited)
+            self._closers.append(vcpu.close)
+            self.vcpus.append(vcpu)
+            self._setup_vcpu(vcpu, supported, index)
+
+    def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
+        boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)
+        if index == 0:
+            boot.setup_boot_cpu_registers(vcpu.fd, self.boot_info.entry)
+
+    def _irq_line(self, gsi: int) -> IrqLine:
+        line = IrqLine(gsi)
+        self._closers.append(line.close)
+        api.irqfd(self.vm_fd, line.fd, gsi)
+        self._irq_lines.append(line)
+        return line
+
+    def _add_virtio_devices(self, config: MachineConfig) -> None:
+        """Create the virtio devices this config asks for (see ``devices.virtio``)."""
+        from vmfork.vmm.virtio_wiring import add_configured_devices
+        add_configured_devices(self, config)
+
+    def add_virtio(self, make_transport: Any) -> Any:
+        """Give a virtio device an MMIO window and an IRQ, and announce it to the kernel.
+
+        ``make_transport(base, irq_line, register_ioeventfd)`` builds the transport.
+        """
+        slot = self._next_virtio_slot
+        irq = L.FIRST_DEVICE_IRQ + slot
+        if irq >= L.IOAPIC_PINS:
+            raise HostError("no IOAPIC pins left for another virtio device", op="add_virtio")
+        self._next_virtio_slot += 1
+        base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
+        line = self._irq_line(irq)
+
+        def register_ioeventfd(offset: int, datamatch: int, fd: int) -> None:
+            api.ioeventfd(self.vm_fd, fd, base + offset, 4, datamatch=datamatch)
+
+        transport = make_transport(base, line, register_ioeventfd)
+        self.mmio_bus.register(base, L.VIRTIO_MMIO_SIZE, transport)
+        self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
+        self.virtio_devices.append(transport)
+        return transport
+
+    # -- running ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.timings["started_at"] = time.monotonic()
+        for vcpu in self.vcpus:
+            vcpu.start()
+
+    def pause(self) -> None:
+        for vcpu in self.vcpus:
+            vcpu.pause()
+
+    def resume(self) -> None:
+        for vcpu in self.vcpus:
+            vcpu.resume()
+
+    @property
+    def paused(self) -> bool:
+        return all(v.state == VcpuRunState.PAUSED for v in self.vcpus)
+
+    def _vcpu_exited(self, event: VcpuExitEvent) -> None:
+        with self._exit_lock:
+            if self._exit is not None:
+                return
+            self._exit = MachineExit(event.reason, event.detail, self.serial.tail_text())
+        log.info("vm %s: %s (%s)", self.vm_id, event.reason, event.detail)
+        self._exited.set()
+        # Stopping the other vCPUs must not happen on a vCPU thread that then
+        # waits for itself; hand it to a helper thread.
+        threading.Thread(target=self._stop_vcpus, name=f"stop-{self.vm_id}", daemon=True).start()
+
+    def _stop_vcpus(self) -> None:
+        for vcpu in self.vcpus:
+            vcpu.stop()
+
+    def wait(self, timeout: float | None = None) -> MachineExit | None:
+        """Wait for the machine to end; ``None`` if it is still running after ``timeout``."""
+        if not self._exited.wait(timeout):
+            return None
+        for vcpu in self.vcpus:
+            vcpu.join(5.0)
+        return self._exit
+
+    def stop(self) -> MachineExit:
+        self._vcpu_exited(VcpuExitEvent(-1, "stopped", "stopped by the host"))
+        self._stop_vcpus()
+        exit_ = self._exit
+        if exit_ is None:
+            raise StateError("machine did not record an exit", vm_id=self.vm_id)
+        return exit_
+
+    @property
+    def exit(self) -> MachineExit | None:
+        return self._exit
+
+    def exit_profile(self) -> dict[str, Any]:
+        """VM exits by reason (all vCPUs) and the busiest I/O addresses."""
+        by_reason: collections.Counter[str] = collections.Counter()
+        by_address: collections.Counter[tuple[str, int]] = collections.Counter()
+        for vcpu in self.vcpus:
+            by_reason.update(vcpu.exits)
+            by_address.update(vcpu.io_exits)
+        return {
+            "by_reason": dict(by_reason.most_common()),
+            "top_io": [{"bus": bus, "address": hex(addr), "count": n}
+                       for (bus, addr), n in by_address.most_common(10)],
+            "unmapped": {"pio_reads": self.pio_bus.unmapped_reads,
+                         "pio_writes": self.pio_bus.unmapped_writes,
+                         "mmio_reads": self.mmio_bus.unmapped_reads,
+                         "mmio_writes": self.mmio_bus.unmapped_writes},
+            "irqs": {line.gsi: line.count for line in self._irq_lines},
+        }
+
+    # -- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the vCPUs and release every resource. Idempotent."""
+        vcpus = getattr(self, "vcpus", [])
+        for vcpu in vcpus:
+            vcpu.stop()
+        while self._closers:
+            closer = self._closers.pop()
+            try:
+                closer()
+            except Exception:
+                log.exception("vm %s: close step %r failed", self.vm_id, closer)
+
+    def __enter__(self) -> Machine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def console_log_path(run_dir: Path, vm_id: str) -> Path:
+    return run_dir / f"{vm_id}.console.log"

@@ -1,0 +1,2 @@
+def add_configured_devices(machine, config):
+    pass
