@@ -1,0 +1,1 @@
+"""The host side of sandboxes: booting guests, spawning VMM processes, supervision."""
