@@ -1,0 +1,72 @@
+# Shared by scripts/demo and scripts/test: set up everything vmfork needs,
+# idempotently, with what is built cached under the user's cache directory.
+#
+#   Debian packages   installed once (dpkg -s tells what is missing)
+#   Python venv       $CACHE/venv-<hash of requirements>, with the dev tools
+#   guest image       vmfork image build (kernel + initramfs, content-addressed)
+#
+# The project itself is not installed into the venv: PYTHONPATH points at this
+# checkout's src/, so several clones can share one cache.
+
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+CACHE=${VMFORK_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/vmfork}
+export VMFORK_CACHE_DIR=$CACHE
+export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
+
+DEBIAN_PACKAGES=(
+  qemu-system-x86 linux-image-amd64 linux-source-6.1 busybox-static cpio zstd
+  bc flex bison libelf-dev libssl-dev build-essential kmod python3
+)
+PYTHON_REQUIREMENTS=(pytest hypothesis)
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+need_root() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "vmfork setup: installing Debian packages needs root (or install them yourself: ${DEBIAN_PACKAGES[*]})" >&2
+    exit 1
+  fi
+}
+
+setup_debian() {
+  local missing=()
+  for pkg in "${DEBIAN_PACKAGES[@]}"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    need_root
+    log "installing Debian packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+setup_python() {
+  local base_python=${VMFORK_PYTHON:-python3}
+  local key
+  key=$(printf '%s\n' "$("$base_python" -c 'import sys; print(sys.version)')" "${PYTHON_REQUIREMENTS[@]}" | sha256sum | cut -c1-16)
+  VENV=$CACHE/venv-$key
+  if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
+    log "creating the Python environment in $VENV"
+    rm -rf "$VENV"
+    mkdir -p "$CACHE"
+    "$base_python" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${PYTHON_REQUIREMENTS[@]}"
+    touch "$VENV/.complete"
+  fi
+  PY=$VENV/bin/python
+  export PATH=$VENV/bin:$PATH
+}
+
+setup_image() {
+  log "guest image (kernel from linux-source-6.1, initramfs from Debian packages)"
+  "$PY" -m vmfork image build
+}
+
+setup_all() {
+  setup_debian
+  setup_python
+  setup_image
+}
