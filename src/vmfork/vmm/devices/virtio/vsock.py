@@ -195,6 +195,7 @@ class _PendingHost:
     """An accepted host connection that has not yet sent its CONNECT line."""
 
     sock: socket.socket
+    line: bytearray = field(default_factory=bytearray)
     closed: bool = False
 
 
@@ -417,14 +418,16 @@ class VirtioVsock(VirtioDevice):
         except OSError:
             self._close_pending(pending)
             return
+        # Consume only up to the newline: bytes after it are the stream's first bytes.
+        # A partial line is consumed too, or a level-triggered reader would spin on it.
         newline = peek.find(b"\n")
+        pending.line += pending.sock.recv(newline + 1 if newline >= 0 else len(peek))
         if newline < 0:
-            if not peek or len(peek) >= CONNECT_LINE_MAX:
+            if not peek or len(pending.line) >= CONNECT_LINE_MAX:
                 self._count("host connection closed without a CONNECT line")
                 self._close_pending(pending)
             return
-        line = pending.sock.recv(newline + 1)
-        match = _CONNECT_LINE.fullmatch(line)
+        match = _CONNECT_LINE.fullmatch(bytes(pending.line))
         port = int(match.group(1)) if match else -1
         if not 0 <= port <= _U32 or not self._usable():
             self._count("bad CONNECT line" if port < 0 or port > _U32
@@ -471,8 +474,11 @@ class VirtioVsock(VirtioDevice):
             assert self.interrupt is not None
             self.interrupt.trigger()
         if handled == MAX_PACKETS_PER_RUN:
-            self.loop.call_soon(lambda: self._on_io(lambda: (self._process_tx(),
-                                                             self._process_rx(), None)[-1]))
+            self.loop.call_soon(lambda: self._on_io(self._process_tx_then_rx))
+
+    def _process_tx_then_rx(self) -> None:
+        self._process_tx()
+        self._process_rx()
 
     def _handle_packet(self, memory: GuestMemory, chain: DescriptorChain) -> None:
         raw = chain.read_readable(memory, HEADER_SIZE)
@@ -504,6 +510,9 @@ class VirtioVsock(VirtioDevice):
             self._close(conn, rst=False)
         elif hdr.op == Op.RESPONSE:
             self._established(conn)
+        elif hdr.op == Op.REQUEST:
+            self._count("REQUEST on a connection that already exists")
+            self._close(conn, rst=True)
         elif conn.state is not _ConnState.ESTABLISHED:
             self._count(f"op {hdr.op} on a connection that is not established")
             self._close(conn, rst=True)
@@ -549,6 +558,7 @@ class VirtioVsock(VirtioDevice):
                      need_response=True)
         self._conns[conn.key] = conn
         self._schedule(conn)
+        self._arm_reader(conn)
 
     def _established(self, conn: _Conn) -> None:
         if conn.state is not _ConnState.REQUESTED:
@@ -559,7 +569,7 @@ class VirtioVsock(VirtioDevice):
         try:
             # A fresh socket's send buffer is empty: a 20-byte send cannot block.
             line = f"OK {conn.local_port}\n".encode()
-            if conn.sock.send(line) != len(line):
+            if conn.sock.send(line, socket.MSG_NOSIGNAL) != len(line):
                 raise OSError(errno.EAGAIN, "short send of the OK line")
         except OSError as err:
             log.debug("vsock: host side of port %d went away: %s", conn.local_port, err)
@@ -594,7 +604,7 @@ class VirtioVsock(VirtioDevice):
         """Write buffered guest bytes to the Unix socket; settle shutdown and credit."""
         while conn.out:
             try:
-                sent = conn.sock.send(conn.out[:MAX_PACKET_PAYLOAD])
+                sent = conn.sock.send(conn.out[:MAX_PACKET_PAYLOAD], socket.MSG_NOSIGNAL)
             except BlockingIOError:
                 break
             except OSError as err:
@@ -633,7 +643,11 @@ class VirtioVsock(VirtioDevice):
             conn = self._writers.get(fd)
             if conn is None:
                 continue
-            self._on_io(lambda c=conn: (self._flush(c), self._process_rx(), None)[-1])
+            self._on_io(lambda c=conn: self._flush_then_rx(c))
+
+    def _flush_then_rx(self, conn: _Conn) -> None:
+        self._flush(conn)
+        self._process_rx()
 
     # -- host -> guest: the rx queue --------------------------------------------------------------
     def _process_rx(self) -> None:
