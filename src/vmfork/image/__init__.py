@@ -20,7 +20,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +241,7 @@ def build_image(name: str = DEFAULT_NAME) -> GuestImage:
         kernel_key=kernel_entry.name,
         initramfs_key=initramfs.key,
         cmdline=DEFAULT_CMDLINE,
-        created=datetime.now(timezone.utc).replace(microsecond=0),
+        created=datetime.now(UTC).replace(microsecond=0),
         kernel_size=kernel.stat().st_size,
         initrd_size=initramfs.size,
         kernel_build_seconds=entry_build_seconds(kernel) if kernel_built else None,

@@ -80,7 +80,7 @@ def char_device(path: str, major: int, minor: int, perm: int = 0o600) -> CpioEnt
 
 
 def _check_path(path: str) -> None:
-    parts = PurePosixPath(path).parts
+    parts = path.split("/")
     if not path or path.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise CpioError(f"entry path {path!r} must be relative, without '.' or '..'")
     if "\0" in path:

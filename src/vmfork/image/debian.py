@@ -186,7 +186,7 @@ def parse_package_records(text: str) -> dict[str, DebPackage]:
 
 def _apt(step: str, cmd: Sequence[str], cwd: Path | None = None) -> str:
     try:
-        proc = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True)
+        proc = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, check=False)
     except FileNotFoundError as err:
         raise ImageBuildError(step, f"{cmd[0]} is not installed; the image build needs "
                                     "a Debian (bookworm) host with apt and dpkg") from err

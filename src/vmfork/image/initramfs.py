@@ -385,6 +385,7 @@ def install_base_files(root: Path) -> None:
         (root / rel).chmod(0o644)
     for rel, target in BASE_SYMLINKS.items():
         _remove(root / rel)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).symlink_to(target)
 
 
@@ -405,7 +406,9 @@ def device_entries() -> list[cpio.CpioEntry]:
             for p, (major, minor, perm) in DEVICE_NODES.items()]
 
 
-_GUEST_MAGIC = re.compile(r"^MAGIC_NUMBER = \((\d+)\)\.to_bytes\(2, 'little'\) \+ b'\\r\\n'$", re.M)
+_GUEST_MAGIC = re.compile(
+    r"^MAGIC_NUMBER = \((\d+)\)\.to_bytes\(2, 'little'\) \+ b'\\r\\n'$", re.MULTILINE
+)
 
 
 def check_bytecode_compatible(root: Path) -> None:
@@ -456,7 +459,8 @@ def compile_jobs(root: Path) -> list[tuple[str, str, str]]:
                 real = resolve_in_root(root, guest)
                 if real is None or not real.is_file():
                     continue  # a dangling link: nothing to import, nothing to compile
-                cfile = path.parent / "__pycache__" / f"{name[:-3]}.{sys.implementation.cache_tag}.pyc"
+                tag = sys.implementation.cache_tag
+                cfile = path.parent / "__pycache__" / f"{name[:-3]}.{tag}.pyc"
                 jobs.append((str(real), str(cfile), guest))
     return jobs
 
