@@ -1,0 +1,615 @@
+"""Host-side client of the guest agent (stdlib only; the protocol is in ``protocol.py``).
+
+``AgentClient`` opens one connection per call through a ``connect`` callable, so one
+client serves any number of threads at once. Connectors:
+
+* ``vsock_uds_connector(uds_path, port)`` — the VMM's vsock device exposed as a Unix
+  socket, Firecracker style: send ``CONNECT <port>\\n``, expect ``OK <hostport>\\n``.
+  The reply line is read one byte at a time: the agent may start talking right after
+  it, and those bytes belong to the protocol, not to a read-ahead buffer.
+* ``vsock_connector(cid, port)`` — AF_VSOCK directly (vhost-vsock hosts).
+* ``unix_connector(path)`` — an agent served on a Unix socket (tests, ``main --unix``).
+
+Errors: ``AgentError`` (the agent answered with an error; ``code`` is the protocol's
+error code), and its subclasses ``AgentTimeout`` (an exec hit its timeout — the output
+streamed until then is in ``stdout``/``stderr`` — or the agent went silent),
+``AgentUnavailable`` (could not connect: not booted yet, or gone) and
+``AgentProtocolError`` (a malformed reply or a connection cut mid-reply).
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from vmfork.agent.protocol import (
+    AGENT_PORT,
+    CHUNK_SIZE,
+    MAX_PAYLOAD,
+    ConnectionClosed,
+    Frame,
+    ProtocolError,
+    recv_frame,
+    send_frame,
+)
+
+Connector = Callable[[], socket.socket]
+OutputCallback = Callable[[bytes], None]
+StdinSource = bytes | bytearray | memoryview | str | BinaryIO | Iterable[bytes]
+
+EXEC_GRACE = 10.0
+"""Seconds beyond an exec's own timeout that the client waits for the agent's reply."""
+
+
+# -- errors ------------------------------------------------------------------------
+
+
+class AgentError(Exception):
+    """The agent (or the path to it) failed an op. ``code`` is the protocol error code
+    (``not_found``, ``timeout``, ``bad_request``, ``os_error``, …), ``op`` the op, and
+    ``details`` the error frame's other fields (``errno``, ``path``, ``exit_code``…)."""
+
+    def __init__(self, code: str, message: str, *, op: str | None = None,
+                 details: Mapping[str, Any] | None = None) -> None:
+        super().__init__(f"{op}: {message}" if op and not message.startswith(op) else message)
+        self.code = code
+        self.message = message
+        self.op = op
+        self.details: dict[str, Any] = dict(details or {})
+
+    @property
+    def errno(self) -> int | None:
+        value = self.details.get("errno")
+        return value if isinstance(value, int) else None
+
+    @property
+    def path(self) -> str | None:
+        value = self.details.get("path")
+        return value if isinstance(value, str) else None
+
+
+class AgentTimeout(AgentError):
+    """An exec exceeded its ``timeout`` (its process group was killed), or the agent sent
+    nothing for too long. ``stdout``/``stderr`` hold the output received before."""
+
+    def __init__(self, message: str, *, op: str | None = None, timeout: float | None = None,
+                 stdout: bytes = b"", stderr: bytes = b"",
+                 details: Mapping[str, Any] | None = None) -> None:
+        super().__init__("timeout", message, op=op, details=details)
+        self.timeout = timeout
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class AgentUnavailable(AgentError):
+    """No connection to the agent: the VM is not up yet, the agent is not listening
+    yet, or the VM is gone. ``wait_until_ready`` retries on this."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("unavailable", message)
+
+
+class AgentProtocolError(AgentError):
+    """The agent's reply broke the protocol, or the connection ended mid-reply."""
+
+    def __init__(self, message: str, *, op: str | None = None) -> None:
+        super().__init__("protocol", message, op=op)
+
+
+# -- results -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PingResult:
+    pid: int
+    version: str
+    protocol: int
+    uptime: float
+    """Seconds since the guest booted."""
+    boot_id: str | None
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+    """The exit status, or -N if the process was killed by signal N."""
+    signal: int | None
+    pid: int
+    duration: float
+    """Seconds from spawn to exit."""
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(frozen=True)
+class EvalException:
+    type: str
+    message: str
+    traceback: str
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    value: str | None
+    """``repr`` of the value of the code's trailing expression; None if it had none."""
+    stdout: str
+    stderr: str
+    exception: EvalException | None
+    value_truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exception is None
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    type: str
+    """``file``, ``dir``, ``symlink``, ``fifo``, ``socket``, ``char``, ``block``, ``other``."""
+    size: int
+    mode: int
+    """Permission bits (``0o644``)."""
+    mtime: float
+    target: str | None = None
+    """A symlink's target."""
+    path: str | None = None
+    uid: int | None = None
+    gid: int | None = None
+    nlink: int | None = None
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> FileInfo:
+        return cls(name=fields["name"], type=fields["type"], size=fields["size"],
+                   mode=fields["mode"], mtime=fields["mtime"], target=fields.get("target"),
+                   path=fields.get("path"), uid=fields.get("uid"), gid=fields.get("gid"),
+                   nlink=fields.get("nlink"))
+
+
+@dataclass(frozen=True)
+class ReseedResult:
+    bytes: int
+    entropy_bits: int
+    kernel_reseeded: bool
+
+
+# -- connectors --------------------------------------------------------------------
+
+
+def unix_connector(path: str, timeout: float = 5.0) -> Connector:
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+        except OSError as err:
+            sock.close()
+            raise AgentUnavailable(f"connect to agent socket {path!r}: {err}") from err
+        return sock
+    return connect
+
+
+def vsock_connector(cid: int, port: int = AGENT_PORT, timeout: float = 5.0) -> Connector:
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect((cid, port))
+        except OSError as err:
+            sock.close()
+            raise AgentUnavailable(f"connect to vsock {cid}:{port}: {err}") from err
+        return sock
+    return connect
+
+
+def vsock_uds_connector(uds_path: str, port: int = AGENT_PORT,
+                        timeout: float = 5.0) -> Connector:
+    """Connect through a VMM's vsock Unix socket (``CONNECT <port>\\n`` → ``OK <n>\\n``).
+    ``timeout`` bounds the connect and the handshake, in seconds."""
+
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            try:
+                sock.connect(uds_path)
+            except OSError as err:
+                raise AgentUnavailable(f"connect to the VMM's vsock socket {uds_path!r}: "
+                                       f"{err}") from err
+            try:
+                sock.sendall(f"CONNECT {port}\n".encode())
+                line = bytearray()
+                # One byte at a time: anything after '\n' is the agent's.
+                while not line.endswith(b"\n") and len(line) < 64:
+                    byte = sock.recv(1)
+                    if not byte:
+                        break
+                    line += byte
+            except OSError as err:
+                raise AgentUnavailable(f"vsock handshake on {uds_path!r} for port {port}: "
+                                       f"{err}") from err
+            if not (line.startswith(b"OK ") and line.endswith(b"\n")):
+                why = (f"replied {bytes(line)!r}" if line
+                       else "closed the connection (nothing listening on the port yet?)")
+                raise AgentUnavailable(f"vsock CONNECT {port} via {uds_path!r}: the VMM "
+                                       f"{why}; expected 'OK <port>'")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    return connect
+
+
+# -- the client --------------------------------------------------------------------
+
+
+class _Call:
+    """One op on one connection."""
+
+    def __init__(self, op: str, sock: socket.socket, timeout: float | None) -> None:
+        self.op = op
+        self.sock = sock
+        sock.settimeout(timeout)
+        self.timeout = timeout
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        send_frame(self.sock, header, payload)
+
+    def recv(self) -> Frame:
+        """The agent's next frame; an ``error`` frame is raised as ``AgentError``."""
+        try:
+            frame = recv_frame(self.sock)
+        except ConnectionClosed as err:
+            raise AgentProtocolError(f"the agent closed the connection before its final "
+                                     f"frame ({err.message})", op=self.op) from err
+        except ProtocolError as err:
+            raise AgentProtocolError(f"malformed frame from the agent: {err.message}",
+                                     op=self.op) from err
+        except TimeoutError as err:
+            raise AgentTimeout(f"no reply from the agent within {self.timeout:g} s",
+                               op=self.op, timeout=self.timeout) from err
+        except OSError as err:
+            raise AgentProtocolError(f"connection to the agent failed: {err}",
+                                     op=self.op) from err
+        if frame.type == "error":
+            raise _error_from(self.op, frame.header)
+        return frame
+
+    def expect(self, kind: str) -> Frame:
+        frame = self.recv()
+        if frame.type != kind:
+            raise AgentProtocolError(f"expected a {kind!r} frame, got {frame.header!r:.200}",
+                                     op=self.op)
+        return frame
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def _error_from(op: str, header: Mapping[str, Any]) -> AgentError:
+    code = str(header.get("error", "unknown"))
+    message = str(header.get("message", "(no message)"))
+    details = {k: v for k, v in header.items() if k not in ("type", "error", "message")}
+    if code == "timeout":
+        return AgentTimeout(message, op=op, timeout=details.get("timeout"), details=details)
+    return AgentError(code, message, op=op, details=details)
+
+
+def _chunks(source: StdinSource) -> Iterator[bytes]:
+    """Split any stdin/data source into frames of at most ``CHUNK_SIZE`` bytes."""
+    if isinstance(source, str):
+        source = source.encode("utf-8")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        view = memoryview(source).cast("B")
+        for start in range(0, len(view), CHUNK_SIZE):
+            yield bytes(view[start:start + CHUNK_SIZE])
+        return
+    read = getattr(source, "read", None)
+    if read is not None:
+        while chunk := read(CHUNK_SIZE):
+            yield bytes(chunk)
+        return
+    for piece in source:
+        if not isinstance(piece, (bytes, bytearray, memoryview)):
+            raise TypeError(f"stdin/data iterables must yield bytes, got "
+                            f"{type(piece).__name__}")
+        view = memoryview(piece).cast("B")
+        for start in range(0, len(view), MAX_PAYLOAD):
+            yield bytes(view[start:start + MAX_PAYLOAD])
+
+
+class AgentClient:
+    """Talks to one guest agent. Every method opens its own connection.
+
+    ``io_timeout`` (seconds) bounds how long any call other than ``exec``/``eval`` waits
+    for the agent's next frame; ``exec`` waits up to its own ``timeout`` plus
+    ``EXEC_GRACE`` (forever without one), ``eval`` up to its ``timeout``.
+    """
+
+    def __init__(self, connect: Connector, *, io_timeout: float | None = 60.0) -> None:
+        self._connect = connect
+        self.io_timeout = io_timeout
+
+    def _open(self, op: str, request: dict[str, Any], payload: bytes = b"",
+              timeout: float | None = None) -> _Call:
+        try:
+            sock = self._connect()
+        except AgentError:
+            raise
+        except OSError as err:
+            raise AgentUnavailable(f"{op}: cannot connect to the agent: {err}") from err
+        call = _Call(op, sock, timeout)
+        try:
+            call.send({"op": op, **request}, payload)
+        except ProtocolError as err:
+            call.close()
+            raise AgentError(err.code, err.message, op=op) from err
+        except OSError as err:
+            call.close()
+            raise AgentUnavailable(f"{op}: sending the request: {err}") from err
+        return call
+
+    def _simple(self, op: str, payload: bytes = b"", **request: Any) -> dict[str, Any]:
+        call = self._open(op, request, payload, self.io_timeout)
+        try:
+            return call.expect("result").header
+        finally:
+            call.close()
+
+    # -- ops -----------------------------------------------------------------------
+
+    def ping(self) -> PingResult:
+        r = self._simple("ping")
+        return PingResult(pid=r["pid"], version=r["version"], protocol=r["protocol"],
+                          uptime=r["uptime"], boot_id=r.get("boot_id"))
+
+    def wait_until_ready(self, timeout: float, interval: float = 0.02) -> PingResult:
+        """Ping until the agent answers (the guest is booting). Raises
+        ``AgentUnavailable`` with the last failure after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.ping()
+            except (AgentUnavailable, AgentProtocolError, AgentTimeout) as err:
+                if time.monotonic() + interval >= deadline:
+                    raise AgentUnavailable(f"the agent did not answer within {timeout:g} s; "
+                                           f"last error: {err}") from err
+            time.sleep(interval)
+
+    def exec(self, argv_or_cmd: str | Sequence[str], *,
+             env: Mapping[str, str | None] | None = None, cwd: str | None = None,
+             stdin: StdinSource | None = None, timeout: float | None = None,
+             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+             capture: bool = True) -> ExecResult:
+        """Run a program: ``argv_or_cmd`` is an argv list, or a string for ``/bin/sh -c``.
+
+        ``env`` is merged over the guest's default environment (a None value unsets);
+        ``stdin`` is streamed to the process (bytes, str, a binary file, or an iterable
+        of bytes); ``timeout`` is in seconds (None: no limit) — when it passes, the
+        process group is killed and ``AgentTimeout`` carries the output so far.
+        ``on_stdout``/``on_stderr`` get each chunk as the process writes it;
+        ``capture=False`` keeps the result's stdout/stderr empty (for huge outputs).
+        A missing program raises ``AgentError`` with code ``not_found`` (and
+        ``details["exit_code"] == 127``); a non-zero exit is a normal result.
+        """
+        request: dict[str, Any] = {"stdin": stdin is not None, "timeout": timeout}
+        if isinstance(argv_or_cmd, str):
+            request["cmd"] = argv_or_cmd
+        else:
+            request["argv"] = list(argv_or_cmd)
+        if env is not None:
+            request["env"] = dict(env)
+        if cwd is not None:
+            request["cwd"] = cwd
+        wait = None if timeout is None else timeout + EXEC_GRACE
+        if self.io_timeout is not None and wait is not None:
+            wait = max(wait, self.io_timeout)
+        call = self._open("exec", request, timeout=wait)
+        out: list[bytes] = []
+        err: list[bytes] = []
+        feeder: threading.Thread | None = None
+        feed_error: list[BaseException] = []
+        try:
+            try:
+                started = call.expect("started")
+                if stdin is not None:
+                    feeder = threading.Thread(target=self._feed, args=(call, stdin, feed_error),
+                                              name="agent-exec-stdin", daemon=True)
+                    feeder.start()
+                while True:
+                    frame = call.recv()
+                    if frame.type in ("stdout", "stderr"):
+                        is_out = frame.type == "stdout"
+                        if capture:
+                            (out if is_out else err).append(frame.payload)
+                        callback = on_stdout if is_out else on_stderr
+                        if callback is not None:
+                            callback(frame.payload)
+                    elif frame.type == "result":
+                        break
+                    else:
+                        raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
+                                                 op="exec")
+            except AgentTimeout as exc:
+                raise AgentTimeout(exc.message, op="exec", timeout=exc.timeout,
+                                   stdout=b"".join(out), stderr=b"".join(err),
+                                   details=exc.details) from None
+        finally:
+            call.close()
+            if feeder is not None:
+                feeder.join()
+        if feed_error:
+            raise feed_error[0]
+        r = frame.header
+        return ExecResult(stdout=b"".join(out), stderr=b"".join(err), exit_code=r["exit_code"],
+                          signal=r.get("signal"), pid=r.get("pid", started.header["pid"]),
+                          duration=r.get("duration", 0.0))
+
+    @staticmethod
+    def _feed(call: _Call, source: StdinSource, errors: list[BaseException]) -> None:
+        try:
+            for chunk in _chunks(source):
+                call.send({"type": "data"}, chunk)
+            call.send({"type": "eof"})
+        except OSError:
+            pass  # the exec ended (or the process stopped reading): the agent hung up
+        except BaseException as exc:  # noqa: BLE001 - the caller's source failed; report
+            errors.append(exc)
+            try:
+                call.send({"type": "eof"})
+            except OSError:
+                pass
+
+    def eval(self, code: str, *, timeout: float | None = None) -> EvalResult:
+        """Run Python in the agent's interpreter (globals persist between calls).
+
+        ``timeout`` (seconds) only bounds how long this call waits: the code itself
+        cannot be interrupted and keeps running in the guest."""
+        call = self._open("eval", {"code": code}, timeout=timeout)
+        out: list[bytes] = []
+        err: list[bytes] = []
+        try:
+            while True:
+                frame = call.recv()
+                if frame.type == "stdout":
+                    out.append(frame.payload)
+                elif frame.type == "stderr":
+                    err.append(frame.payload)
+                elif frame.type == "result":
+                    break
+                else:
+                    raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
+                                             op="eval")
+        finally:
+            call.close()
+        r = frame.header
+        exc = r.get("exception")
+        return EvalResult(
+            value=r.get("value"),
+            stdout=b"".join(out).decode("utf-8", "replace"),
+            stderr=b"".join(err).decode("utf-8", "replace"),
+            exception=EvalException(exc["type"], exc["message"], exc["traceback"])
+            if exc else None,
+            value_truncated=bool(r.get("value_truncated")))
+
+    # -- files ---------------------------------------------------------------------
+
+    def read_file_to(self, path: str, fileobj: BinaryIO, *, offset: int = 0,
+                     length: int | None = None) -> int:
+        """Stream a guest file into ``fileobj`` chunk by chunk; returns bytes written."""
+        call = self._open("read", {"path": path, "offset": offset, "length": length},
+                          timeout=self.io_timeout)
+        written = 0
+        try:
+            while True:
+                frame = call.recv()
+                if frame.type == "data":
+                    fileobj.write(frame.payload)
+                    written += len(frame.payload)
+                elif frame.type == "result":
+                    break
+                else:
+                    raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
+                                             op="read")
+        finally:
+            call.close()
+        if frame.header.get("size") != written:
+            raise AgentProtocolError(f"read {path!r}: got {written} bytes, the agent says it "
+                                     f"sent {frame.header.get('size')}", op="read")
+        return written
+
+    def read_file(self, path: str, *, offset: int = 0, length: int | None = None) -> bytes:
+        buf = io.BytesIO()
+        self.read_file_to(path, buf, offset=offset, length=length)
+        return buf.getvalue()
+
+    def write_file(self, path: str, data: bytes | str | BinaryIO | Iterable[bytes], *,
+                   mode: int = 0o644, make_parents: bool = False) -> int:
+        """Atomically replace the guest file ``path`` with ``data`` (bytes, str as
+        UTF-8, a binary file, or an iterable of bytes), streamed in chunks. ``mode`` is
+        applied exactly. Returns the number of bytes written."""
+        call = self._open("write", {"path": path, "mode": mode, "make_parents": make_parents},
+                          timeout=self.io_timeout)
+        try:
+            call.expect("ready")
+            sent = 0
+            try:
+                for chunk in _chunks(data):
+                    call.send({"type": "data"}, chunk)
+                    sent += len(chunk)
+                call.send({"type": "eof"})
+            except OSError as err:
+                # The agent gave up (disk full…) and hung up: its error frame says why.
+                call.recv()
+                raise AgentProtocolError(f"write {path!r}: the connection broke after "
+                                         f"{sent} bytes: {err}", op="write") from err
+            result = call.expect("result").header
+        finally:
+            call.close()
+        if result.get("size") != sent:
+            raise AgentProtocolError(f"write {path!r}: sent {sent} bytes, the agent wrote "
+                                     f"{result.get('size')}", op="write")
+        return sent
+
+    def list_dir(self, path: str) -> list[FileInfo]:
+        call = self._open("list", {"path": path}, timeout=self.io_timeout)
+        entries: list[FileInfo] = []
+        try:
+            while True:
+                frame = call.recv()
+                if frame.type == "entries":
+                    entries.extend(FileInfo.from_fields(e) for e in frame.header["entries"])
+                elif frame.type == "result":
+                    return entries
+                else:
+                    raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
+                                             op="list")
+        finally:
+            call.close()
+
+    def stat(self, path: str, *, follow_symlinks: bool = True) -> FileInfo:
+        r = self._simple("stat", path=path, follow_symlinks=follow_symlinks)
+        return FileInfo.from_fields(r["stat"])
+
+    def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
+        self._simple("remove", path=path, recursive=recursive, missing_ok=missing_ok)
+
+    def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
+        self._simple("mkdir", path=path, parents=parents, mode=mode)
+
+    # -- system --------------------------------------------------------------------
+
+    def reseed(self, data: bytes, *, entropy_bits: int | None = None) -> ReseedResult:
+        """Mix ``data`` (fresh host randomness, ≤ 1 MiB) into the guest kernel's CRNG,
+        crediting ``entropy_bits`` (default: 8 per byte), and reseed ``random``."""
+        request: dict[str, Any] = {}
+        if entropy_bits is not None:
+            request["entropy_bits"] = entropy_bits
+        r = self._simple("reseed", bytes(data), **request)
+        return ReseedResult(bytes=r["bytes"], entropy_bits=r["entropy_bits"],
+                            kernel_reseeded=r["kernel_reseeded"])
+
+    def set_time(self, ns: int | None = None) -> int:
+        """Set the guest's wall clock to ``ns`` nanoseconds since the epoch (default: the
+        host's clock now). Returns the guest's clock just before, in ns."""
+        r = self._simple("set_time", ns=time.time_ns() if ns is None else ns)
+        previous: int = r["previous_ns"]
+        return previous
+
+    def shutdown(self, *, reboot: bool = False) -> None:
+        """Power the guest off (or reboot it); returns once the agent has acknowledged."""
+        self._simple("shutdown", reboot=reboot)

@@ -1,0 +1,70 @@
+"""A host connection as the agent's ops see it: send frames, receive frames, finish
+(stdlib only). See ``server.py`` for the connection life cycle."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vmfork.agent.protocol import Frame, error_header, recv_frame, send_frame
+
+DRAIN_TIMEOUT = 2.0
+"""After the final frame, seconds to wait for the host to hang up (see ``close``)."""
+
+
+class PeerGone(Exception):
+    """Sending to the host failed: it closed the connection or the VM's vsock broke."""
+
+
+class Conn:
+    """One host connection, as seen by an op."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.finished = False
+        self.after: Callable[[], None] | None = None
+        """Run once the final frame has been delivered and the host has hung up."""
+        self.input_drained = False
+        """Set by an op that already read the host's input to its end (exec's stdin)."""
+        self._send_lock = threading.Lock()
+
+    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+        with self._send_lock:
+            try:
+                send_frame(self.sock, header, payload)
+            except OSError as err:
+                raise PeerGone(f"sending a {header.get('type')!r} frame: {err}") from err
+
+    def recv(self, timeout: float | None) -> Frame:
+        self.sock.settimeout(timeout)
+        return recv_frame(self.sock)
+
+    def result(self, **fields: Any) -> None:
+        self.send({"type": "result", **fields})
+        self.finished = True
+
+    def error(self, code: str, message: str, **extra: Any) -> None:
+        self.send(error_header(code, message, **extra))
+        self.finished = True
+
+    def half_close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.half_close()
+        if not self.input_drained:
+            deadline = time.monotonic() + DRAIN_TIMEOUT
+            try:
+                while (left := deadline - time.monotonic()) > 0:
+                    self.sock.settimeout(left)
+                    if not self.sock.recv(1 << 16):
+                        break
+            except OSError:
+                pass
+        self.sock.close()

@@ -1,0 +1,243 @@
+"""The wire protocol between the host and the guest agent (stdlib only).
+
+Transport
+=========
+The agent listens on AF_VSOCK port ``AGENT_PORT`` (1024). The host reaches it through
+the VMM's Unix socket with the Firecracker convention (``CONNECT 1024\\n`` → ``OK <n>\\n``,
+see ``client.vsock_uds_connector``). **One request per connection**; any number of
+connections may be open at once (the agent serves each on its own thread).
+
+Frames
+======
+Every message in both directions is one frame::
+
+    >II  header_len  payload_len      (8 bytes, big-endian unsigned)
+    header_len bytes  UTF-8 JSON object (the "header")
+    payload_len bytes raw payload      (file data, process output; binary-safe)
+
+``header_len`` is 1..``MAX_HEADER`` (1 MiB) and ``payload_len`` 0..``MAX_PAYLOAD``
+(1 MiB). A frame that breaks these limits, or whose header is not a JSON object, is
+answered with an ``error`` frame (``bad_request`` / ``too_large``) and the connection is
+closed; the agent keeps serving other connections.
+
+The first frame the host sends is the request: ``{"op": <name>, ...fields}``. Every
+frame the agent sends has a ``"type"``. A call ends with exactly one final frame,
+``result`` or ``error``, after which the agent half-closes the connection.
+
+Errors
+======
+``{"type": "error", "error": <code>, "message": <human text naming what failed>, ...}``.
+Codes: ``bad_request`` (malformed frame or field), ``too_large`` (frame over a cap),
+``unknown_op``, ``busy`` (too many connections), ``timeout`` (exec deadline hit),
+``not_found``, ``exists``, ``permission_denied``, ``not_a_directory``,
+``is_a_directory``, ``not_empty``, ``os_error`` (any other errno; ``errno`` field set),
+``unsupported`` (op not available in this agent, e.g. shutdown outside a VM),
+``internal`` (a bug in the agent; traceback logged on the guest console).
+Errors from a file system call also carry ``errno`` and ``path``.
+
+Ops
+===
+``ping`` — no fields.
+    → ``result {pong: true, pid, version, protocol, uptime (s, float), boot_id}``
+
+``exec`` — ``argv: [str]`` *or* ``cmd: str`` (run as ``/bin/sh -c cmd``);
+``env: {str: str|null}`` (merged over ``DEFAULT_ENV``; null removes a key);
+``cwd: str``; ``stdin: bool`` (default false: stdin is /dev/null);
+``timeout: float`` seconds (null or absent: no limit).
+    → ``started {pid}`` once the process runs. If ``stdin`` is true the host then sends
+      ``data`` frames (payload = bytes for the process's stdin) and one ``eof`` frame;
+      the host must wait for ``started`` before sending them.
+    → ``stdout`` / ``stderr`` frames (payload = bytes) **as the process produces them**,
+      in the order they were read (at most 64 KiB each).
+    → ``result {exit_code, signal, pid, duration}``: ``exit_code`` is the exit status, or
+      ``-N`` if the process was killed by signal N, in which case ``signal`` is N
+      (otherwise null) — the ``subprocess`` convention.
+    → or ``error timeout {timeout, pid, duration}`` if the deadline passed: the
+      process's whole process group was SIGKILLed; the output up to then has already
+      been streamed in ``stdout``/``stderr`` frames.
+    → or ``error not_found {exit_code: 127}`` if the program or ``cwd`` does not exist
+      (``permission_denied {exit_code: 126}`` if it is not executable).
+
+``eval`` — ``code: str``: Python run in the agent's own (warm) interpreter, in one
+globals dict shared by all calls (imports and variables persist). If ``code`` is a
+single expression, or ends with an expression statement, that expression's value is
+the result (like a REPL); otherwise the value is null.
+    → ``stdout`` / ``stderr`` frames with what the code printed (UTF-8).
+    → ``result {value: repr(value) | null, value_truncated: bool, exception: null |
+      {type, message, traceback}}``. An exception in the code (SyntaxError included) is a
+      *successful* eval whose ``exception`` is set; SystemExit is caught like any other.
+
+``read`` — ``path`` (absolute), ``offset`` (default 0), ``length`` (default: to EOF).
+    → ``data`` frames (payload = file bytes, ``CHUNK_SIZE`` each) → ``result {size}``.
+
+``write`` — ``path``, ``mode`` (default 0o644, applied exactly, umask ignored),
+``make_parents`` (default false).
+    → ``ready`` (the temporary file is open; send now) or an error.
+    ← host sends ``data`` frames then one ``eof`` frame.
+    → ``result {size}``. The write is atomic: data goes to a temporary file in the same
+      directory, which is fsynced and renamed over ``path`` (the directory is fsynced
+      too). A dropped connection or an error leaves ``path`` untouched.
+
+``list`` — ``path``.
+    → ``entries {entries: [entry…]}`` frames (at most ``LIST_BATCH`` entries each), then
+      ``result {count}``. An entry is ``{name, type, size, mode, mtime}`` (+ ``target``
+      for a symlink); ``type`` is ``file|dir|symlink|fifo|socket|char|block|other``
+      (the entry itself, symlinks not followed); ``mode`` is the permission bits;
+      ``mtime`` is seconds since the epoch (float). Entries are sorted by name.
+
+``stat`` — ``path``, ``follow_symlinks`` (default true).
+    → ``result {stat: {path, name, type, size, mode, mtime, uid, gid, nlink[, target]}}``
+      (nested: a frame's own ``type`` is taken).
+
+``remove`` — ``path``, ``recursive`` (default false), ``missing_ok`` (default false).
+A file or symlink is unlinked; a directory needs ``recursive`` unless empty.
+    → ``result {}``.
+
+``mkdir`` — ``path``, ``parents`` (default false: like ``mkdir``; true: like
+``mkdir -p``, an existing directory is fine), ``mode`` (default 0o755).
+    → ``result {}``.
+
+``reseed`` — payload = host random bytes (1..``MAX_PAYLOAD``); ``entropy_bits``
+(default 8 × len). Mixes the bytes into the kernel CRNG (ioctl RNDADDENTROPY on
+/dev/random, crediting the entropy, then RNDRESEEDCRNG) and reseeds Python's ``random``
+module in the agent interpreter (hence in ``eval``). Needed after every fork: children
+of one snapshot otherwise share the parent's RNG state.
+    → ``result {bytes, entropy_bits, kernel_reseeded}``.
+
+``set_time`` — ``ns``: wall-clock time in nanoseconds since the epoch.
+    → ``result {previous_ns, ns}``.
+
+``shutdown`` — ``reboot`` (default false). The agent replies, then syncs file systems and
+calls reboot(2) with RB_POWER_OFF (or RB_AUTOBOOT). The VMM sees the guest's final reset
+as the end of the VM.
+    → ``result {action: "poweroff"|"reboot"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+AGENT_PORT = 1024
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct(">II")
+MAX_HEADER = 1 << 20
+MAX_PAYLOAD = 1 << 20
+CHUNK_SIZE = 256 << 10
+"""File data is sent in frames of this many bytes (the last one may be shorter)."""
+OUTPUT_CHUNK = 64 << 10
+"""Largest stdout/stderr frame (one pipe read)."""
+LIST_BATCH = 512
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEFAULT_ENV: dict[str, str] = {
+    "PATH": DEFAULT_PATH,
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm",
+}
+
+OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
+       "reseed", "set_time", "shutdown")
+
+
+class ProtocolError(Exception):
+    """A frame broke the protocol. ``code`` is the error code the agent replies with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ConnectionClosed(ProtocolError):
+    """The peer closed the connection. ``clean`` when it did so between two frames."""
+
+    def __init__(self, message: str, *, clean: bool) -> None:
+        super().__init__("closed", message)
+        self.clean = clean
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: dict[str, Any]
+    payload: bytes = field(default=b"")
+
+    @property
+    def type(self) -> str:
+        """The agent's frame type (``result``, ``stdout``, …), or '' for a request."""
+        kind = self.header.get("type", "")
+        return kind if isinstance(kind, str) else ""
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        # A str holding lone surrogates: a non-UTF-8 file name decoded by os.listdir with
+        # surrogateescape. ASCII-escaped JSON carries it as "\udcXX", which decodes back
+        # to the same str on the other side, so such paths round-trip.
+        return json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def encode_frame(header: dict[str, Any], payload: bytes = b"") -> bytes:
+    body = encode_header(header)
+    if len(body) > MAX_HEADER:
+        raise ProtocolError("too_large", f"frame header is {len(body)} bytes, over {MAX_HEADER}")
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError("too_large",
+                            f"frame payload is {len(payload)} bytes, over {MAX_PAYLOAD}")
+    return HEADER.pack(len(body), len(payload)) + body + payload
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
+    sock.sendall(encode_frame(header, payload))
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str, started: bool) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            clean = not started and got == 0
+            raise ConnectionClosed(
+                "connection closed" if clean
+                else f"connection closed in the middle of a frame ({what}: {got} of {n} bytes)",
+                clean=clean)
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> Frame:
+    """Read one whole frame. Raises ``ConnectionClosed`` at EOF, ``ProtocolError`` if
+    the frame is invalid (after which the stream is out of sync and must be closed)."""
+    prefix = _recv_exact(sock, HEADER.size, "length prefix", started=False)
+    header_len, payload_len = HEADER.unpack(prefix)
+    if header_len == 0:
+        raise ProtocolError("bad_request", "frame header length is 0; a JSON object is required")
+    if header_len > MAX_HEADER:
+        raise ProtocolError("too_large",
+                            f"frame header length {header_len} is over the {MAX_HEADER} cap")
+    if payload_len > MAX_PAYLOAD:
+        raise ProtocolError("too_large",
+                            f"frame payload length {payload_len} is over the {MAX_PAYLOAD} cap")
+    raw = _recv_exact(sock, header_len, "header", started=True)
+    payload = _recv_exact(sock, payload_len, "payload", started=True) if payload_len else b""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ProtocolError("bad_request", f"frame header is not UTF-8 JSON: {err}") from err
+    if not isinstance(header, dict):
+        raise ProtocolError("bad_request",
+                            f"frame header must be a JSON object, got {type(header).__name__}")
+    return Frame(header, payload)
+
+
+def error_header(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "error", "error": code, "message": message, **extra}

@@ -1,0 +1,225 @@
+"""The agent's server: accepts connections on a listening socket and runs one op per
+connection, each on its own thread (stdlib only).
+
+``AgentServer`` takes any listening stream socket — AF_VSOCK in the guest, AF_UNIX in
+the unit tests — and knows nothing about being PID 1; ``main.py`` adds those duties.
+
+Connection life cycle: read the request frame (within ``REQUEST_TIMEOUT``), run the op,
+which sends zero or more streamed frames and exactly one final ``result``/``error``
+frame, then half-close (SHUT_WR) and read and discard whatever the host still sends
+until it closes (at most ``DRAIN_TIMEOUT``). Draining instead of closing at once matters
+when the agent fails an upload half-way: closing a socket with unread input can turn
+into a reset that destroys the error frame before the host reads it.
+
+Nothing a connection does may take the agent down: every exception is turned into an
+``error`` frame (``internal`` for bugs, with the traceback on the agent's log), and the
+accept loop survives errors such as EMFILE.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from vmfork import __version__
+from vmfork.agent import files, system
+from vmfork.agent.conn import Conn, PeerGone
+from vmfork.agent.evaluator import Evaluator
+from vmfork.agent.process import run_exec
+from vmfork.agent.protocol import (
+    OPS,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    Frame,
+    ProtocolError,
+    error_header,
+    recv_frame,
+    send_frame,
+)
+from vmfork.agent.reaper import OwnedPids
+from vmfork.agent.request import OpError, get_bool
+
+REQUEST_TIMEOUT = 30.0
+"""Seconds a new connection may take to send its request frame."""
+MAX_CONNECTIONS = 256
+
+Logger = Callable[[str], None]
+PowerAction = Callable[[bool], None]
+"""Called with ``reboot`` after a ``shutdown`` op has been answered."""
+
+
+def _stderr_log(message: str) -> None:
+    print(f"vmfork-agent: {message}", file=sys.__stderr__, flush=True)
+
+
+class AgentServer:
+    """Serves the agent protocol on ``listener`` (a bound, listening stream socket).
+
+    ``owned`` is shared with the PID-1 reaper (see ``reaper.py``); ``power`` performs
+    the ``shutdown`` op (None: the op answers ``unsupported``, as it must outside a VM).
+    """
+
+    def __init__(self, listener: socket.socket, *, owned: OwnedPids | None = None,
+                 power: PowerAction | None = None, log: Logger = _stderr_log,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        self.listener = listener
+        self.owned = owned if owned is not None else OwnedPids()
+        self.power = power
+        self.log = log
+        self.evaluator = Evaluator()
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._stopping = threading.Event()
+        self._handlers: dict[str, Callable[[Conn, Frame], None]] = {
+            "ping": self._ping,
+            "exec": lambda conn, frame: run_exec(conn, frame.header, self.owned),
+            "eval": lambda conn, frame: self.evaluator.handle(conn, frame.header),
+            "read": lambda conn, frame: files.read(conn, frame.header),
+            "write": lambda conn, frame: files.write(conn, frame.header),
+            "list": lambda conn, frame: files.list_dir(conn, frame.header),
+            "stat": lambda conn, frame: files.stat(conn, frame.header),
+            "remove": lambda conn, frame: files.remove(conn, frame.header),
+            "mkdir": lambda conn, frame: files.mkdir(conn, frame.header),
+            "reseed": self._reseed,
+            "set_time": lambda conn, frame: system.set_time_op(conn, frame.header),
+            "shutdown": self._shutdown,
+        }
+        assert set(self._handlers) == set(OPS)
+
+    # -- accept loop -------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Accept connections until ``stop()``. Never raises for a bad connection."""
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError as err:
+                if self._stopping.is_set():
+                    return
+                # EMFILE/ENFILE/ENOBUFS: back off instead of spinning; the connection
+                # waits in the backlog.
+                self.log(f"accept failed: {err}; retrying")
+                time.sleep(0.05)
+                continue
+            if not self._slots.acquire(blocking=False):
+                self._refuse(sock)
+                continue
+            try:
+                threading.Thread(target=self._serve_connection, args=(sock,),
+                                 name="agent-conn", daemon=True).start()
+            except RuntimeError as err:  # can't start new thread
+                self._slots.release()
+                self.log(f"cannot start a connection thread: {err}")
+                sock.close()
+
+    def start(self) -> threading.Thread:
+        """Serve on a daemon thread (tests, and ``main`` while it does other work)."""
+        thread = threading.Thread(target=self.serve_forever, name="agent-accept", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        self._stopping.set()
+        try:
+            # shutdown() wakes a thread blocked in accept(); close() alone does not.
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        try:
+            sock.settimeout(1.0)
+            send_frame(sock, error_header("busy", "the agent is serving too many connections; "
+                                                  "retry later"))
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    # -- one connection ----------------------------------------------------------
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        conn = Conn(sock)
+        try:
+            self._dispatch(conn)
+        except BaseException:  # noqa: BLE001 - a connection must never take PID 1 down
+            self.log("connection failed:\n" + traceback.format_exc())
+        finally:
+            try:
+                conn.close()
+            except OSError:
+                pass
+            self._slots.release()
+        if conn.after is not None:
+            conn.after()
+
+    def _dispatch(self, conn: Conn) -> None:
+        op = "?"
+        try:
+            try:
+                frame = conn.recv(REQUEST_TIMEOUT)
+            except ConnectionClosed as err:
+                if not err.clean:
+                    conn.error("bad_request", f"reading the request: {err.message}")
+                return  # a clean close is a readiness probe; nothing to answer
+            except TimeoutError:
+                conn.error("bad_request", f"no request frame within {REQUEST_TIMEOUT:g} s")
+                return
+            conn.sock.settimeout(None)
+            raw_op = frame.header.get("op")
+            if not isinstance(raw_op, str):
+                raise OpError("bad_request", "the request frame has no string field 'op'")
+            op = raw_op
+            handler = self._handlers.get(op)
+            if handler is None:
+                raise OpError("unknown_op", f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+            handler(conn, frame)
+            if not conn.finished:
+                raise OpError("internal", f"{op}: the op ended without a final frame")
+        except PeerGone as err:
+            self.log(f"{op}: host went away: {err}")
+        except OpError as err:
+            self._send_error(conn, err.code, err.message, **err.extra)
+        except ConnectionClosed as err:
+            self._send_error(conn, "bad_request", f"{op}: {err.message}")
+        except ProtocolError as err:
+            self._send_error(conn, err.code, f"{op}: {err.message}")
+        except TimeoutError:
+            self._send_error(conn, "bad_request", f"{op}: the host stopped sending")
+        except Exception as err:  # noqa: BLE001 - report bugs to the caller, keep serving
+            self.log(f"{op}: internal error:\n{traceback.format_exc()}")
+            self._send_error(conn, "internal", f"{op}: {type(err).__name__}: {err}")
+
+    def _send_error(self, conn: Conn, code: str, message: str, **extra: Any) -> None:
+        if conn.finished:
+            self.log(f"error after the final frame, not sent: {code}: {message}")
+            return
+        try:
+            conn.error(code, message, **extra)
+        except PeerGone:
+            pass
+
+    # -- small ops ---------------------------------------------------------------
+
+    def _ping(self, conn: Conn, frame: Frame) -> None:
+        conn.result(pong=True, pid=os.getpid(), version=__version__,
+                    protocol=PROTOCOL_VERSION, uptime=system.uptime(),
+                    boot_id=system.boot_id())
+
+    def _reseed(self, conn: Conn, frame: Frame) -> None:
+        conn.result(**system.reseed(frame.header, frame.payload))
+
+    def _shutdown(self, conn: Conn, frame: Frame) -> None:
+        reboot = get_bool(frame.header, "reboot", False)
+        power = self.power
+        if power is None:
+            raise OpError("unsupported", "shutdown: this agent is not PID 1 of a VM; "
+                                         "refusing to power off the machine it runs on")
+        conn.result(action="reboot" if reboot else "poweroff")
+        conn.after = lambda: power(reboot)
