@@ -2,9 +2,9 @@
 
 The 64-bit boot protocol wants long mode with paging on, an identity mapping
 covering the kernel, the zero page and the command line, and flat 4 GiB
-segments. We identity-map the first 1 GiB with 2 MiB pages (PML4 -> PDPT -> PD);
-``startup_64`` builds its own tables right away, so this only has to last a few
-hundred instructions.
+segments. We identity-map the first 4 GiB with 2 MiB pages (PML4 -> PDPT -> four
+PDs): Linux's ``startup_64`` builds its own tables right away, but the tiny test
+guests run on these and reach the MMIO windows below 4 GiB.
 """
 
 from __future__ import annotations
@@ -19,13 +19,18 @@ PTE_HUGE = 1 << 7
 HUGE_PAGE = 2 << 20
 
 
+IDENTITY_MAPPED_GIB = 4
+
+
 def build_page_tables() -> tuple[bytes, bytes, bytes]:
-    """Return (PML4, PDPT, PD) pages for a 1 GiB identity map."""
+    """Return the PML4 page, the PDPT page and the PD pages (4 KiB each,
+    consecutive from ``PD_ADDR``) of a 4 GiB identity map."""
     pml4 = struct.pack("<Q", PDPT_ADDR | PTE_PRESENT | PTE_WRITE).ljust(4096, b"\0")
-    pdpt = struct.pack("<Q", PD_ADDR | PTE_PRESENT | PTE_WRITE).ljust(4096, b"\0")
-    pd = b"".join(struct.pack("<Q", (i * HUGE_PAGE) | PTE_PRESENT | PTE_WRITE | PTE_HUGE)
-                  for i in range(512))
-    return pml4, pdpt, pd
+    pdpt = b"".join(struct.pack("<Q", (PD_ADDR + 4096 * g) | PTE_PRESENT | PTE_WRITE)
+                    for g in range(IDENTITY_MAPPED_GIB)).ljust(4096, b"\0")
+    pds = b"".join(struct.pack("<Q", (i * HUGE_PAGE) | PTE_PRESENT | PTE_WRITE | PTE_HUGE)
+                   for i in range(512 * IDENTITY_MAPPED_GIB))
+    return pml4, pdpt, pds
 
 
 def gdt_entry(flags: int, base: int, limit: int) -> int:
