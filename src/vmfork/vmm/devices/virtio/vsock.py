@@ -346,8 +346,8 @@ class VirtioVsock(VirtioDevice):
         if conn.writing:
             self._writers.pop(conn.sock.fileno(), None)
             self._wpoll.unregister(conn.sock.fileno())
-        conn.sock.close()
         self._conns.pop(conn.key, None)
+        conn.sock.close()
         if rst:
             self._queue_orphan_rst(conn.local_port, conn.peer_port)
 
@@ -368,15 +368,19 @@ class VirtioVsock(VirtioDevice):
 
     def _arm_reader(self, conn: _Conn) -> None:
         """Watch the Unix socket if the guest can take its data; else ask for credit."""
-        if not conn.wants_host_data() or conn.data_ready or conn.reading:
+        if not conn.wants_host_data() or conn.reading:
             return
         if conn.credit() == 0:
+            conn.data_ready = False  # relearnt from the reader once credit returns
             if not conn.credit_requested:
                 conn.credit_requested = True
                 conn.need_credit_request = True
                 self._schedule(conn)
             return
         conn.credit_requested = False
+        if conn.data_ready:
+            self._schedule(conn)
+            return
         conn.reading = True
         self.loop.add_reader(conn.sock.fileno(), lambda: self._on_io(lambda: self._readable(conn)))
 
@@ -704,6 +708,8 @@ class VirtioVsock(VirtioDevice):
         if packet is not None:
             conn.last_told_fwd = conn.fwd_cnt
             conn.need_credit_update = False
+            if not conn.closed:
+                self._arm_reader(conn)  # out of credit now? ask for more
         return packet
 
     def _control_packet(self, conn: _Conn) -> tuple[PacketHeader, bytes] | None:

@@ -1,0 +1,546 @@
+"""virtio-vsock end to end: a simulated guest driver on one side, real Unix
+sockets (Firecracker's CONNECT/OK convention) on the other, a real I/O thread
+in between."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import TracebackType
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_virtio_harness import MEM_SIZE, GuestDriver, loop, wait_until  # noqa: F401
+
+from vmfork.vmm.devices.virtio import mmio, vsock
+from vmfork.vmm.devices.virtio.device import STATUS_DEVICE_NEEDS_RESET, run_on_loop
+from vmfork.vmm.devices.virtio.vsock import HEADER_SIZE, Op, PacketHeader, VirtioVsock
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.memory import GuestMemory
+
+GUEST = 3
+HOST = 2
+RX_BUF = 4096
+
+
+def pkt(op: int, src_port: int, dst_port: int, length: int = 0, *, flags: int = 0,
+        buf_alloc: int = 256 * 1024, fwd_cnt: int = 0, src_cid: int = GUEST,
+        dst_cid: int = HOST, type_: int = 1) -> PacketHeader:
+    return PacketHeader(src_cid, dst_cid, src_port, dst_port, length, type_, op, flags,
+                        buf_alloc, fwd_cnt)
+
+
+class VsockEnv:
+    """A vsock device behind its transport, and the guest half driving it."""
+
+    def __init__(self, loop: EventLoop, rx_buffers: int = 32) -> None:
+        self.loop = loop
+        self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
+        self.uds = f"{self.dir}/v.sock"
+        self.memory = GuestMemory.anonymous(MEM_SIZE)
+        self.irq = IrqLine(gsi=6)
+        self.dev = VirtioVsock(loop, self.uds)
+        self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
+        self.driver = GuestDriver(self.transport, self.memory)
+        self.rx, self.tx, self.ev = self.driver.start(
+            [(64, RX_BUF), (64, 64 * 1024), (8, 8)])
+        self.packets: list[tuple[PacketHeader, bytes]] = []
+        self.post_rx(rx_buffers)
+
+    def __enter__(self) -> VsockEnv:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, v: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.dev.close()
+        run_on_loop(self.loop, lambda: None)
+        self.irq.close()
+        self.memory.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    @property
+    def needs_reset(self) -> bool:
+        return bool(self.driver.status & STATUS_DEVICE_NEEDS_RESET)
+
+    def post_rx(self, n: int) -> None:
+        # Linux 6.1: one descriptor for the header, one for 4 KiB of payload.
+        for _ in range(n):
+            self.rx.post(writable=[HEADER_SIZE, RX_BUF])
+        self.driver.notify(vsock.RX_QUEUE)
+
+    def send(self, hdr: PacketHeader, payload: bytes = b"") -> None:
+        while len(self.tx.free) < 2:
+            self.tx.take_used()
+            time.sleep(0.001)
+        self.tx.post(readable=[hdr.pack(), payload] if payload else [hdr.pack()])
+        self.driver.notify(vsock.TX_QUEUE)
+
+    def collect(self) -> list[tuple[PacketHeader, bytes]]:
+        self.tx.take_used()
+        new = []
+        for _, written, data in self.rx.take_used():
+            assert written >= HEADER_SIZE
+            hdr = PacketHeader.unpack(data[:HEADER_SIZE])
+            assert HEADER_SIZE + hdr.len == written
+            new.append((hdr, data[HEADER_SIZE:written]))
+        if new:
+            self.post_rx(len(new))
+        self.packets += new
+        return new
+
+    def wait_for(self, pred: Callable[[PacketHeader], bool], what: str,
+                 timeout: float = 5.0) -> tuple[PacketHeader, bytes]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, (hdr, payload) in enumerate(self.packets):
+                if pred(hdr):
+                    del self.packets[: i + 1]
+                    return hdr, payload
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} packet in {timeout} s; got {self.packets}")
+            if not self.collect():
+                time.sleep(0.002)
+
+    def wait_op(self, op: Op, what: str = "", timeout: float = 5.0) -> tuple[PacketHeader, bytes]:
+        return self.wait_for(lambda h: h.op == op, what or op.name, timeout)
+
+    def stream(self, nbytes: int, timeout: float = 5.0) -> bytes:
+        """Collect RW payload until ``nbytes`` arrived."""
+        out = b""
+        deadline = time.monotonic() + timeout
+        while len(out) < nbytes:
+            assert time.monotonic() < deadline, f"got {len(out)} of {nbytes} bytes"
+            self.collect()
+            keep = []
+            for hdr, payload in self.packets:
+                if hdr.op == Op.RW:
+                    out += payload
+                else:
+                    keep.append((hdr, payload))
+            self.packets = keep
+            time.sleep(0.001)
+        return out
+
+    # -- connections ------------------------------------------------------------------------------
+    def host_connect(self, port: int, extra: bytes = b"",
+                     buf_alloc: int = 256 * 1024) -> tuple[socket.socket, int]:
+        """Host-initiated connection, accepted by the guest; returns (socket, host port)."""
+        host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        host.settimeout(5)
+        host.connect(self.uds)
+        host.sendall(f"CONNECT {port}\n".encode() + extra)
+        req, _ = self.wait_op(Op.REQUEST)
+        assert (req.src_cid, req.dst_cid, req.dst_port) == (HOST, GUEST, port)
+        assert req.src_port >= 1 << 30
+        self.send(pkt(Op.RESPONSE, port, req.src_port, buf_alloc=buf_alloc))
+        assert recv_line(host) == f"OK {req.src_port}\n".encode()
+        return host, req.src_port
+
+
+def recv_line(sock: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        b = sock.recv(1)
+        if not b:
+            break
+        line += b
+    return line
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """EOF, or a reset when the peer closed with our bytes still unread."""
+    try:
+        return sock.recv(100) == b""
+    except ConnectionResetError:
+        return True
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, f"EOF after {len(out)} of {n} bytes"
+        out += chunk
+    return out
+
+
+@pytest.fixture
+def env(loop: EventLoop) -> Iterator[VsockEnv]:  # noqa: F811
+    with VsockEnv(loop) as e:
+        yield e
+    assert not e.needs_reset
+
+
+@pytest.fixture
+def guest_listener(env: VsockEnv) -> Iterator[socket.socket]:
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(f"{env.uds}_5000")
+    srv.listen(4)
+    srv.settimeout(5)
+    yield srv
+    srv.close()
+
+
+def test_config_space_holds_the_guest_cid(env: VsockEnv) -> None:
+    assert env.transport.read(0x100, 8) == struct.pack("<Q", 3)
+    assert env.transport.read(0x100, 4) == b"\3\0\0\0"
+    assert env.transport.read(0x104, 4) == b"\0\0\0\0"
+
+
+def test_host_initiated_connection_carries_data_both_ways(env: VsockEnv) -> None:
+    host, hport = env.host_connect(1234, extra=b"early")
+    assert env.stream(5) == b"early"  # bytes behind the CONNECT line are the stream's
+    host.sendall(b"hello")
+    assert env.stream(5) == b"hello"
+    env.send(pkt(Op.RW, 1234, hport, 5), b"world")
+    assert recv_exact(host, 5) == b"world"
+    big = bytes(range(256)) * 200  # 51200 bytes: many rx buffers
+    host.sendall(big)
+    assert env.stream(len(big)) == big
+    host.close()
+
+
+def test_a_second_host_connection_gets_its_own_port(env: VsockEnv) -> None:
+    a, pa = env.host_connect(1234)
+    b, pb = env.host_connect(1234)
+    assert pa != pb and env.dev.connection_count == 2
+    a.close()
+    b.close()
+
+
+def test_never_sends_more_than_the_guest_credit(env: VsockEnv) -> None:
+    host, hport = env.host_connect(77, buf_alloc=10)
+    host.sendall(b"x" * 100)
+    assert env.stream(10) == b"x" * 10
+    env.wait_op(Op.CREDIT_REQUEST)
+    time.sleep(0.1)
+    env.collect()
+    assert not [h for h, _ in env.packets if h.op == Op.RW], "sent beyond the guest's credit"
+    env.send(pkt(Op.CREDIT_UPDATE, 77, hport, buf_alloc=10, fwd_cnt=10))
+    assert env.stream(10) == b"x" * 10
+    env.send(pkt(Op.CREDIT_UPDATE, 77, hport, buf_alloc=1000, fwd_cnt=20))
+    assert env.stream(80) == b"x" * 80
+    host.close()
+
+
+def test_guest_honouring_credit_streams_far_more_than_the_buffer(env: VsockEnv) -> None:
+    host, hport = env.host_connect(88)
+    total = 4 * vsock.BUF_ALLOC + 12345
+    received = bytearray()
+
+    def drain() -> None:
+        while len(received) < total:
+            chunk = host.recv(65536)
+            if not chunk:
+                return
+            received.extend(chunk)
+            time.sleep(0.001)  # a slow reader: our buffer and credit must do the pacing
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    sent = peer_fwd = 0
+    deadline = time.monotonic() + 20
+    while sent < total:
+        assert time.monotonic() < deadline, f"stalled at {sent} bytes, fwd_cnt {peer_fwd}"
+        env.collect()
+        for hdr, _ in env.packets:
+            assert hdr.op == Op.CREDIT_UPDATE
+            peer_fwd = max(peer_fwd, hdr.fwd_cnt)
+        env.packets.clear()
+        n = min(vsock.BUF_ALLOC - (sent - peer_fwd), 65536, total - sent)
+        if n <= 0:
+            time.sleep(0.002)
+            continue
+        env.send(pkt(Op.RW, 88, hport, n, fwd_cnt=0), bytes([sent % 251]) * n)
+        sent += n
+    reader.join(10)
+    assert len(received) == total and env.dev.errors == {}
+    host.close()
+
+
+def test_guest_overrunning_our_credit_is_reset(env: VsockEnv) -> None:
+    host, hport = env.host_connect(89)  # the host never reads
+    chunk = b"z" * 65536
+    for _ in range(64):
+        env.send(pkt(Op.RW, 89, hport, len(chunk)), chunk)
+        env.collect()
+        if any(h.op == Op.RST for h, _ in env.packets):
+            break
+    env.wait_op(Op.RST)
+    assert env.dev.errors.get("guest overran the credit we advertised") == 1
+    assert env.dev.connection_count == 0
+    host.close()
+
+
+def test_guest_refusal_closes_the_host_socket_without_ok(env: VsockEnv) -> None:
+    host = socket.socket(socket.AF_UNIX)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 99\n")
+    req, _ = env.wait_op(Op.REQUEST)
+    env.send(pkt(Op.RST, 99, req.src_port))
+    assert host.recv(100) == b""
+    assert env.dev.connection_count == 0
+
+
+def test_unanswered_request_times_out(env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vsock, "CONNECT_TIMEOUT", 0.2)
+    host = socket.socket(socket.AF_UNIX)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 99\n")
+    req, _ = env.wait_op(Op.REQUEST)
+    assert host.recv(100) == b""
+    rst, _ = env.wait_op(Op.RST)
+    assert (rst.src_port, rst.dst_port) == (req.src_port, 99)
+
+
+@pytest.mark.parametrize("line", [b"HELLO\n", b"CONNECT\n", b"CONNECT -1\n",
+                                  b"CONNECT 99999999999\n", b"x" * 70])
+def test_bad_connect_lines_are_closed(env: VsockEnv, line: bytes) -> None:
+    host = socket.socket(socket.AF_UNIX)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(line)
+    assert closed_by_peer(host)
+    env.collect()
+    assert not env.packets
+
+
+def test_guest_initiated_connection(env: VsockEnv, guest_listener: socket.socket) -> None:
+    env.send(pkt(Op.REQUEST, 40000, 5000, buf_alloc=4096))
+    resp, _ = env.wait_op(Op.RESPONSE)
+    assert (resp.src_cid, resp.src_port, resp.dst_cid, resp.dst_port) == (HOST, 5000, GUEST,
+                                                                          40000)
+    assert resp.buf_alloc == vsock.BUF_ALLOC
+    peer, _ = guest_listener.accept()
+    peer.settimeout(5)
+    env.send(pkt(Op.RW, 40000, 5000, 4), b"ping")
+    assert recv_exact(peer, 4) == b"ping"
+    peer.sendall(b"pong")
+    assert env.stream(4) == b"pong"
+    # Half-close: the guest stops sending, the host sees EOF but can still send.
+    env.send(pkt(Op.SHUTDOWN, 40000, 5000, flags=vsock.SHUTDOWN_SEND))
+    assert peer.recv(10) == b""
+    peer.sendall(b"late")
+    assert env.stream(4) == b"late"
+    peer.close()  # both directions done: the connection ends with RST
+    env.wait_op(Op.RST)
+    wait_until(lambda: env.dev.connection_count == 0, what="the connection to go")
+
+
+def test_host_close_sends_shutdown(env: VsockEnv, guest_listener: socket.socket) -> None:
+    env.send(pkt(Op.REQUEST, 40001, 5000))
+    env.wait_op(Op.RESPONSE)
+    peer, _ = guest_listener.accept()
+    peer.shutdown(socket.SHUT_WR)
+    shut, _ = env.wait_op(Op.SHUTDOWN)
+    assert shut.flags == vsock.SHUTDOWN_SEND
+    env.send(pkt(Op.RW, 40001, 5000, 3), b"abc")  # the other direction still works
+    assert recv_exact(peer, 3) == b"abc"
+    env.send(pkt(Op.SHUTDOWN, 40001, 5000, flags=vsock.SHUTDOWN_SEND | vsock.SHUTDOWN_RCV))
+    env.wait_op(Op.RST)
+    assert peer.recv(10) == b""
+    peer.close()
+
+
+def test_guest_full_shutdown_is_answered_with_rst(env: VsockEnv,
+                                                 guest_listener: socket.socket) -> None:
+    env.send(pkt(Op.REQUEST, 40002, 5000))
+    env.wait_op(Op.RESPONSE)
+    peer, _ = guest_listener.accept()
+    env.send(pkt(Op.RW, 40002, 5000, 3), b"end")
+    env.send(pkt(Op.SHUTDOWN, 40002, 5000, flags=3))
+    rst, _ = env.wait_op(Op.RST)
+    assert (rst.src_port, rst.dst_port) == (5000, 40002)
+    assert recv_exact(peer, 3) == b"end" and peer.recv(10) == b""
+    peer.close()
+
+
+def test_guest_connection_without_listener_is_reset(env: VsockEnv) -> None:
+    env.send(pkt(Op.REQUEST, 40003, 6000))
+    rst, _ = env.wait_op(Op.RST)
+    assert (rst.src_port, rst.dst_port, rst.dst_cid) == (6000, 40003, GUEST)
+    assert env.dev.connection_count == 0
+
+
+def test_guest_credit_request_is_answered(env: VsockEnv, guest_listener: socket.socket) -> None:
+    env.send(pkt(Op.REQUEST, 40004, 5000))
+    env.wait_op(Op.RESPONSE)
+    env.send(pkt(Op.CREDIT_REQUEST, 40004, 5000))
+    upd, _ = env.wait_op(Op.CREDIT_UPDATE)
+    assert upd.buf_alloc == vsock.BUF_ALLOC and upd.fwd_cnt == 0
+
+
+@pytest.mark.parametrize("hdr, payload, error", [
+    (pkt(Op.RW, 1, 2, 3, src_cid=7), b"abc", "tx packet from CID 7 to CID 2"),
+    (pkt(Op.RW, 1, 2, 3, dst_cid=9), b"abc", "tx packet from CID 3 to CID 9"),
+    (pkt(Op.RW, 1, 2, 100), b"short", "tx packet payload beyond the chain or the 64 KiB limit"),
+    (pkt(Op.RW, 1, 2, 70000), b"", "tx packet payload beyond the chain or the 64 KiB limit"),
+])
+def test_malformed_packets_are_dropped_and_counted(env: VsockEnv, hdr: PacketHeader,
+                                                   payload: bytes, error: str) -> None:
+    env.send(hdr, payload)
+    wait_until(lambda: env.dev.errors.get(error) == 1, what=error)
+
+
+def test_short_header_is_dropped(env: VsockEnv) -> None:
+    env.tx.post(readable=[b"\0" * 20])
+    env.driver.notify(vsock.TX_QUEUE)
+    wait_until(lambda: env.dev.errors.get("tx packet shorter than the header") == 1,
+               what="the short header to be counted")
+
+
+@pytest.mark.parametrize("hdr", [pkt(Op.RW, 40010, 5000, 0, type_=2), pkt(42, 40010, 5000)])
+def test_bad_type_or_op_on_a_connection_resets_it(env: VsockEnv, guest_listener: socket.socket,
+                                                  hdr: PacketHeader) -> None:
+    env.send(pkt(Op.REQUEST, 40010, 5000))
+    env.wait_op(Op.RESPONSE)
+    peer, _ = guest_listener.accept()
+    env.send(hdr)
+    env.wait_op(Op.RST)
+    assert peer.recv(10) == b""
+    peer.close()
+
+
+def test_packet_for_unknown_connection_is_reset(env: VsockEnv) -> None:
+    env.send(pkt(Op.RW, 123, 456, 2), b"hi")
+    rst, _ = env.wait_op(Op.RST)
+    assert (rst.src_port, rst.dst_port) == (456, 123)
+    env.send(pkt(Op.RST, 123, 456))  # an RST is never answered
+    time.sleep(0.05)
+    env.collect()
+    assert not env.packets
+
+
+def test_transport_reset_drops_connections_and_posts_event(
+        env: VsockEnv, guest_listener: socket.socket) -> None:
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)
+    env.send(pkt(Op.REQUEST, 40020, 5000))
+    env.wait_op(Op.RESPONSE)
+    peer, _ = guest_listener.accept()
+    host, _ = env.host_connect(1234)
+    env.dev.transport_reset()
+    wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
+    [(_, written, data)] = env.ev.take_used()
+    assert (written, data) == (4, struct.pack("<I", vsock.EVENT_TRANSPORT_RESET))
+    assert peer.recv(10) == b"" and host.recv(10) == b""
+    assert env.dev.connection_count == 0
+    env.host_connect(1234)[0].close()  # new connections work at once
+    peer.close()
+    host.close()
+
+
+def test_reset_event_waits_for_an_event_buffer(env: VsockEnv) -> None:
+    env.dev.transport_reset()
+    run_on_loop(env.loop, lambda: None)
+    assert env.ev.used_idx() == 0
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)
+    wait_until(lambda: env.ev.used_idx() == 1, what="the deferred transport reset event")
+
+
+def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  # noqa: F811
+    with VsockEnv(loop) as parent:
+        parent.ev.post(writable=[4])
+        parent.driver.notify(vsock.EVENT_QUEUE)
+        host, _ = parent.host_connect(1234)
+        tstate = run_on_loop(loop, parent.transport.save)
+        dstate = run_on_loop(loop, parent.dev.save)
+        assert dstate == vsock.VsockState(guest_cid=3, acked_features=1 << 32)
+        # The child: same guest memory (as if mapped from the snapshot), new host resources.
+        child_uds = f"{parent.dir}/child.sock"
+        child = VirtioVsock(loop, child_uds, guest_cid=99)
+        child.restore(vsock.VsockState(**vars(dstate)))
+        assert child.guest_cid == 3
+        irq = IrqLine(gsi=7)
+        transport = mmio.MmioTransport(child, parent.memory, irq, loop)
+        try:
+            transport.restore(mmio.MmioTransportState(**vars(tstate)))
+            wait_until(lambda: parent.ev.used_idx() == 1, what="the event after restore")
+            [(_, written, data)] = parent.ev.take_used()
+            assert data == struct.pack("<I", vsock.EVENT_TRANSPORT_RESET)
+            # The child serves new connections on its own socket, continuing the rings.
+            parent.uds = child_uds
+            parent.transport = transport
+            parent.driver.t = transport
+            parent.host_connect(4321)[0].close()
+        finally:
+            child.close()
+            run_on_loop(loop, lambda: None)
+            irq.close()
+        host.close()
+
+
+def test_reset_by_the_driver_closes_connections(env: VsockEnv) -> None:
+    host, _ = env.host_connect(1234)
+    env.driver.w(mmio.REG_STATUS, 0)
+    assert env.dev.connection_count == 0 and not env.dev.active
+    assert host.recv(10) == b""
+    host.close()
+    # Host connections while the driver is down are refused after their CONNECT line.
+    late = socket.socket(socket.AF_UNIX)
+    late.settimeout(5)
+    late.connect(env.uds)
+    late.sendall(b"CONNECT 1\n")
+    assert late.recv(10) == b""
+    late.close()
+    env.rx, env.tx, env.ev = env.driver.start([(64, RX_BUF), (64, 64 * 1024), (8, 8)])
+    env.post_rx(8)
+    env.host_connect(1234)[0].close()
+
+
+def test_too_small_rx_buffer_needs_reset(loop: EventLoop) -> None:  # noqa: F811
+    with VsockEnv(loop, rx_buffers=0) as e:
+        e.rx.post(writable=[16])
+        e.driver.notify(vsock.RX_QUEUE)
+        e.send(pkt(Op.REQUEST, 1, 6000))  # answered with RST: needs an rx buffer
+        wait_until(lambda: e.needs_reset, what="DEVICE_NEEDS_RESET")
+        assert "cannot hold" in (e.transport.last_device_error or "")
+
+
+# -- property: whatever the guest sends, the device survives and stays usable ---------------
+header_fields = st.builds(
+    PacketHeader,
+    src_cid=st.sampled_from([GUEST, GUEST, HOST, 0, 2**64 - 1]),
+    dst_cid=st.sampled_from([HOST, HOST, GUEST, 2**64 - 1]),
+    src_port=st.sampled_from([1, 40000, 2**32 - 1]),
+    dst_port=st.sampled_from([5000, 6000, 1 << 30, 0]),
+    len=st.one_of(st.integers(0, 64), st.sampled_from([65536, 65537, 2**32 - 1])),
+    type=st.sampled_from([1, 1, 2, 0, 0xFFFF]),
+    op=st.integers(0, 9),
+    flags=st.integers(0, 2**32 - 1),
+    buf_alloc=st.one_of(st.integers(0, 100), st.sampled_from([2**32 - 1, 256 * 1024])),
+    fwd_cnt=st.one_of(st.integers(0, 100), st.just(2**32 - 1)),
+)
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(packets=st.lists(st.tuples(header_fields, st.binary(max_size=80)), max_size=20))
+def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
+                                               packets: list[tuple[PacketHeader, bytes]]
+                                               ) -> None:
+    with VsockEnv(loop, rx_buffers=16) as e:
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(f"{e.uds}_5000")
+        srv.listen(64)
+        for hdr, payload in packets:
+            e.send(hdr, payload)
+            e.collect()
+        # Still serving: a well-formed request is answered.
+        e.send(pkt(Op.REQUEST, 41000, 6000))
+        e.wait_for(lambda h: h.op == Op.RST and h.dst_port == 41000, "RST for port 6000")
+        assert not e.needs_reset and not loop.errors
+        srv.close()
