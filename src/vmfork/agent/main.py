@@ -44,6 +44,8 @@ _console_fd: int | None = None
 
 
 def _open_console() -> int | None:
+    if os.getpid() != 1:
+        return 2  # a development run: the machine's real console is not ours
     try:
         return os.open(CONSOLE, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
