@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +12,10 @@ from typing import Any
 
 from vmfork.agent.protocol import Frame, error_header, recv_frame, send_frame
 
+SEND_STALL_TIMEOUT = 120
+"""Seconds a send may block on a host that has stopped reading before the host counts
+as gone (SO_SNDTIMEO): an exec whose caller stalls is then killed instead of running on
+with a thread stuck in sendall. Reads have their own, per-op timeouts."""
 DRAIN_TIMEOUT = 2.0
 """After the final frame, seconds to wait for the host to hang up (see ``close``)."""
 
@@ -30,6 +35,11 @@ class Conn:
         self.input_drained = False
         """Set by an op that already read the host's input to its end (exec's stdin)."""
         self._send_lock = threading.Lock()
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            struct.pack("@ll", SEND_STALL_TIMEOUT, 0))
+        except OSError:
+            pass  # a socket family without SO_SNDTIMEO: sends may block indefinitely
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         with self._send_lock:

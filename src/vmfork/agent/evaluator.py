@@ -158,12 +158,13 @@ class Evaluator:
         """Run ``code``; return the value of its trailing expression (or None)."""
         tree = ast.parse(code, filename, "exec")
         last: ast.Expression | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+        if tree.body and isinstance(trailing := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(trailing.value)
         exec(compile(tree, filename, "exec"), self.namespace)  # noqa: S102 - the op's purpose
         if last is None:
             return None
-        return eval(compile(last, filename, "eval"), self.namespace)  # noqa: S307
+        return eval(compile(last, filename, "eval"), self.namespace)
 
     def handle(self, conn: Conn, req: dict[str, Any]) -> None:
         code = get_str(req, "code")

@@ -131,12 +131,14 @@ def write(conn: Conn, req: dict[str, Any]) -> None:
                     raise os_error(err, f"write: write at offset {size}", tmp) from err
                 view = view[n:]
                 size += n
-        for step, call in (("fsync", lambda: os.fsync(fd)),
-                           ("chmod", lambda: os.fchmod(fd, mode))):
-            try:
-                call()
-            except OSError as err:
-                raise os_error(err, f"write: {step}", tmp) from err
+        try:
+            os.fsync(fd)
+        except OSError as err:
+            raise os_error(err, "write: fsync", tmp) from err
+        try:
+            os.fchmod(fd, mode)
+        except OSError as err:
+            raise os_error(err, "write: chmod", tmp) from err
         os.close(fd)
         fd = -1
         try:

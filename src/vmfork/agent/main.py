@@ -150,8 +150,9 @@ def fix_stdio() -> None:
     for name, fd in (("stdout", 1), ("stderr", 2)):
         if getattr(sys, name) is None:
             try:
-                setattr(sys, name, open(fd, "w", buffering=1, encoding="utf-8",
-                                        errors="backslashreplace", closefd=False))
+                stream = open(fd, "w", buffering=1, encoding="utf-8",  # noqa: SIM115 - for
+                              errors="backslashreplace", closefd=False)  # PID 1's lifetime
+                setattr(sys, name, stream)
             except OSError:
                 pass
 

@@ -96,9 +96,13 @@ def waited_by_popen() -> set[int]:
     if mp_popen is not None:
         classes.append(mp_popen.Popen)
     kinds = tuple(classes)
-    return {obj.pid for obj in gc.get_objects()
-            if isinstance(obj, kinds) and getattr(obj, "returncode", 0) is None
-            and isinstance(getattr(obj, "pid", None), int)}
+    pids: set[int] = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, kinds) and getattr(obj, "returncode", 0) is None:
+            pid = getattr(obj, "pid", None)
+            if isinstance(pid, int):
+                pids.add(pid)
+    return pids
 
 
 class ZombieReaper:

@@ -39,7 +39,6 @@ from vmfork.agent.protocol import (
     Frame,
     ProtocolError,
     error_header,
-    recv_frame,
     send_frame,
 )
 from vmfork.agent.reaper import OwnedPids
