@@ -261,6 +261,7 @@ class _Call:
         self.sock = sock
         sock.settimeout(timeout)
         self.timeout = timeout
+        self.frames = 0
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         send_frame(self.sock, header, payload)
@@ -270,6 +271,11 @@ class _Call:
         try:
             frame = recv_frame(self.sock)
         except ConnectionClosed as err:
+            if err.clean and self.frames == 0:
+                # Nothing at all came back: during boot the VMM may accept before the
+                # agent listens; later, the agent or the VM is gone. Retryable.
+                raise AgentUnavailable(f"{self.op}: the connection closed before the agent "
+                                       "replied (agent not listening yet, or gone)") from err
             raise AgentProtocolError(f"the agent closed the connection before its final "
                                      f"frame ({err.message})", op=self.op) from err
         except ProtocolError as err:
@@ -281,6 +287,7 @@ class _Call:
         except OSError as err:
             raise AgentProtocolError(f"connection to the agent failed: {err}",
                                      op=self.op) from err
+        self.frames += 1
         if frame.type == "error":
             raise _error_from(self.op, frame.header)
         return frame
