@@ -170,19 +170,21 @@ class GuestDriver:
 
 
 @pytest.fixture
-def loop() -> Iterator[EventLoop]:
+def memory() -> Iterator[GuestMemory]:
+    mem = GuestMemory.anonymous(MEM_SIZE)
+    yield mem
+    mem.close()
+
+
+@pytest.fixture
+def loop(memory: GuestMemory) -> Iterator[EventLoop]:
+    """The I/O thread. It depends on ``memory`` so that it stops before guest memory
+    is unmapped, as in the VMM: no device callback may run on a closed mapping."""
     ev = EventLoop("test-vmm-io")
     ev.start()
     yield ev
     ev.stop()
     assert not ev.errors, f"exceptions escaped device callbacks: {ev.errors!r}"
-
-
-@pytest.fixture
-def memory() -> Iterator[GuestMemory]:
-    mem = GuestMemory.anonymous(MEM_SIZE)
-    yield mem
-    mem.close()
 
 
 # -- the harness against the spec's ring layout ---------------------------------------------

@@ -16,7 +16,7 @@ from types import TracebackType
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_virtio_harness import MEM_SIZE, GuestDriver, loop, wait_until  # noqa: F401
+from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.vmm.devices.virtio import mmio, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_DEVICE_NEEDS_RESET, run_on_loop
@@ -62,6 +62,7 @@ class VsockEnv:
         self.close()
 
     def close(self) -> None:
+        self.transport.reset()  # the device stops touching guest memory before it goes
         self.dev.close()
         run_on_loop(self.loop, lambda: None)
         self.irq.close()

@@ -452,6 +452,13 @@ class MmioTransport:
             if self.device.active:  # re-activation after restore onto a live device
                 self.device.reset()
             self.device.activate(self.memory, queues, _Signals(self, epoch))
+            # An ioeventfd kick right after DRIVER_OK can reach the loop before this
+            # callback (the loop serves ready fds before queued calls) and be dropped as
+            # "not active"; after a restore, the rings may hold unserved buffers. A
+            # notification per ready queue catches both; a spurious one costs a look.
+            for index, q in enumerate(queues):
+                if q.ready and not self._failed_in(epoch):
+                    self.device.queue_notify(index)
         except GuestError as err:
             self._device_error(err, epoch)
 
