@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from vmfork.testhost.environment import IN_TESTHOST, guest_environment
+from vmfork.paths import run_dir
+from vmfork.testhost.environment import IN_TESTHOST, assignments, guest_environment
 from vmfork.testhost.errors import (
     STATUS_HOST_FAILED,
     STATUS_SIGINT,
@@ -54,13 +54,39 @@ Mode = Literal["auto", "always", "never"]
 _MODES: tuple[Mode, ...] = ("auto", "always", "never")
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _native_kvm_runs_guests() -> bool:
-    """The one call into ``vmfork.kvm``'s probe; without the probe, assume KVM cannot."""
+    """The one call into ``vmfork.kvm``'s probe; without the probe, assume KVM cannot.
+
+    The probe boots a throwaway VM (about 2 s here), and its answer cannot change until
+    the machine reboots, so it is remembered per boot id in the run directory.
+    """
+    boot_id = _boot_id()
+    memo = run_dir() / f"testhost-native-kvm-{boot_id}" if boot_id else None
+    if memo is not None:
+        try:
+            return memo.read_text().strip() == "yes"
+        except OSError:
+            pass
     try:
         probe = importlib.import_module("vmfork.kvm.probe")
     except ImportError:
         return False
-    return bool(probe.native_kvm_runs_guests())
+    answer = bool(probe.native_kvm_runs_guests())
+    if memo is not None:
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            memo.write_text("yes\n" if answer else "no\n")
+        except OSError:
+            pass  # only a lost shortcut
+    return answer
 
 
 def needs_emulation(mode: Mode | None = None, environ: Mapping[str, str] = os.environ) -> bool:
@@ -120,6 +146,7 @@ def run_in_testhost(
     rw_paths: Sequence[str | os.PathLike[str]] | None = None,
     timeout: float | None = None,
     env: Mapping[str, str] | None = None,
+    pass_env: Sequence[str] = (),
     cwd: str | None = None,
     cgroup: CgroupLayout = "hybrid",
     mode: Mode | None = None,
@@ -130,10 +157,12 @@ def run_in_testhost(
     ``rw_paths``: directories the command may change on this machine (default: ``cwd``);
     the rest of the file system is read-only with writes kept in RAM until exit.
     ``timeout`` is in seconds for the whole run including boot (~4 s). ``env`` is the
-    command's whole environment (default: this process's, filtered by
-    ``vmfork.testhost.environment``; ``VMFORK_IN_TESTHOST=1`` is added in the test
-    host). ``cgroup`` picks the emulated host's cgroup layout: ``hybrid`` (v1 memory
-    controller + v2 at ``/sys/fs/cgroup/unified``, like the dev machines) or ``v2``.
+    command's whole environment; by default it is this process's, whole when the
+    command runs here and filtered by ``vmfork.testhost.environment`` when it runs in
+    the test host. ``pass_env`` adds ``NAME`` or ``NAME=VALUE`` items on top (``--env``).
+    Inside the test host ``VMFORK_IN_TESTHOST=1`` is always set. ``cgroup`` picks the
+    emulated host's cgroup layout: ``hybrid`` (v1 memory controller + v2 at
+    ``/sys/fs/cgroup/unified``, like the dev machines) or ``v2``.
     ``mode`` overrides ``$VMFORK_TESTHOST``. The command's stdout and stderr go to ours;
     its stdin is ``/dev/null``.
 
@@ -147,15 +176,16 @@ def run_in_testhost(
     if cgroup not in CGROUP_LAYOUTS:
         raise ValueError(f"cgroup={cgroup!r} is not one of {CGROUP_LAYOUTS}")
     workdir = os.path.realpath(cwd if cwd is not None else os.getcwd())
+    caller = dict(env) if env is not None else dict(os.environ)
+    # An explicit env is passed whole; the default one goes through the filter.
+    guest_env = guest_environment(caller, [*caller, *pass_env] if env is not None else pass_env)
     if not needs_emulation(mode):
-        return _run_here(argv, workdir, env if env is not None else os.environ, timeout)
+        return _run_here(argv, workdir, {**caller, **assignments(pass_env)}, timeout)
 
     # Imported here: the native path needs neither the image builder nor QEMU.
     from vmfork.testhost.initramfs import host_image
     from vmfork.testhost.qemu import run_emulated
 
-    guest_env = dict(env) if env is not None else guest_environment(os.environ)
-    guest_env[IN_TESTHOST] = "1"
     job = Job(argv=list(argv), cwd=workdir, env=guest_env,
               rw_paths=_resolve_rw_paths(rw_paths if rw_paths is not None else [workdir]),
               cgroup=cgroup)
@@ -165,11 +195,3 @@ def run_in_testhost(
     result = run_emulated(job, image, mem_mib=mem_mib, cpus=cpus, timeout=timeout,
                           show_console=show_console)
     return result.status
-
-
-def install_sigterm_handler() -> None:
-    """Turn SIGTERM into ``SystemExit(143)`` so the ``finally`` blocks kill QEMU."""
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise SystemExit(STATUS_SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_sigterm)

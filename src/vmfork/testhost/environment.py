@@ -43,6 +43,18 @@ def passes(name: str) -> bool:
     return name in PASS_NAMES or name.startswith(PASS_PREFIXES)
 
 
+def assignments(extra: Iterable[str]) -> dict[str, str]:
+    """The ``NAME=VALUE`` items of ``extra`` as a dict (``NAME``-only items are skipped)."""
+    result: dict[str, str] = {}
+    for item in extra:
+        name, sep, value = item.partition("=")
+        if not _NAME.match(name):
+            raise ValueError(f"--env {item!r}: {name!r} is not a valid variable name")
+        if sep:
+            result[name] = value
+    return result
+
+
 def guest_environment(caller: Mapping[str, str], extra: Iterable[str] = ()) -> dict[str, str]:
     """The environment of the command inside the test host.
 

@@ -39,7 +39,7 @@ from typing import Literal
 
 # Bump when the shape of /init changes in a way its text does not show (the text
 # itself is part of the cache key, so ordinary edits rebuild the initramfs anyway).
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 CTL_TAG = "vmfork_ctl"
 ROOT_TAG = "host"
