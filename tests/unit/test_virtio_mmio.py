@@ -155,7 +155,7 @@ def test_bad_queue_size_needs_reset(driver: GuestDriver, irq: IrqLine, num: int)
 
 
 def test_queue_writes_after_driver_ok_are_ignored(driver: GuestDriver) -> None:
-    (q,) = driver.start([(16, 4096)])
+    driver.start([(16, 4096)])
     driver.w(mmio.REG_QUEUE_SEL, 0)
     driver.w(mmio.REG_QUEUE_READY, 0)
     driver.w(mmio.REG_QUEUE_NUM, 3)

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
+from typing import Self
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,7 +41,7 @@ def pkt(op: int, src_port: int, dst_port: int, length: int = 0, *, flags: int = 
 class VsockEnv:
     """A vsock device behind its transport, and the guest half driving it."""
 
-    def __init__(self, loop: EventLoop, rx_buffers: int = 32) -> None:
+    def __init__(self, loop: EventLoop, rx_buffers: int = 32) -> None:  # noqa: F811
         self.loop = loop
         self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
         self.uds = f"{self.dir}/v.sock"
@@ -54,7 +55,7 @@ class VsockEnv:
         self.packets: list[tuple[PacketHeader, bytes]] = []
         self.post_rx(rx_buffers)
 
-    def __enter__(self) -> VsockEnv:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, t: type[BaseException] | None, v: BaseException | None,
@@ -470,7 +471,7 @@ def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  
         try:
             transport.restore(mmio.MmioTransportState(**vars(tstate)))
             wait_until(lambda: parent.ev.used_idx() == 1, what="the event after restore")
-            [(_, written, data)] = parent.ev.take_used()
+            [(_, _, data)] = parent.ev.take_used()
             assert data == struct.pack("<I", vsock.EVENT_TRANSPORT_RESET)
             # The child serves new connections on its own socket, continuing the rings.
             parent.uds = child_uds

@@ -157,7 +157,7 @@ def run_on_loop(loop: EventLoop, fn: Callable[[], Any], timeout: float = 5.0) ->
     def call() -> None:
         try:
             box["result"] = fn()
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 -- re-raised in the caller's thread
             box["error"] = err
         finally:
             done.set()

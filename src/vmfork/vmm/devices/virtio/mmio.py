@@ -62,6 +62,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from vmfork.vmm.devices.virtio.device import (
     STATUS_ACKNOWLEDGE,
@@ -207,7 +208,7 @@ class MmioTransport:
 
         def add_readers() -> None:
             for index, fd in enumerate(fds):
-                self.loop.add_reader(fd, lambda i=index, f=fd: self._ioeventfd_ready(i, f))
+                self.loop.add_reader(fd, partial(self._ioeventfd_ready, index, fd))
 
         loop_call(self.loop, add_readers)
 
@@ -350,10 +351,10 @@ class MmioTransport:
             else:
                 self.device.acked_features = self.driver_features
         self.status = (self.status & ~_DRIVER_STATUS_BITS) | wanted
-        if wanted & STATUS_DRIVER_OK and not current & STATUS_DRIVER_OK:
-            if not self.status & STATUS_DEVICE_NEEDS_RESET:
-                epoch = self._epoch
-                self.loop.call_soon(lambda: self._activate(epoch))
+        if (wanted & STATUS_DRIVER_OK and not current & STATUS_DRIVER_OK
+                and not self.status & STATUS_DEVICE_NEEDS_RESET):
+            epoch = self._epoch
+            self.loop.call_soon(lambda: self._activate(epoch))
 
     def _features_refusal(self) -> str | None:
         unoffered = self.driver_features & ~self.device.features

@@ -64,6 +64,7 @@ import struct
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from vmfork.vmm.devices.virtio.device import DEVICE_ID_VSOCK, VirtioDevice, VirtioInterrupt
 from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
@@ -411,8 +412,8 @@ class VirtioVsock(VirtioDevice):
                 continue
             pending = _PendingHost(sock)
             self._pending_hosts.add(pending)
-            self.loop.add_reader(sock.fileno(), lambda p=pending: self._connect_line(p))
-            self.loop.call_later(CONNECT_TIMEOUT, lambda p=pending: self._close_pending(p))
+            self.loop.add_reader(sock.fileno(), partial(self._connect_line, pending))
+            self.loop.call_later(CONNECT_TIMEOUT, partial(self._close_pending, pending))
 
     def _connect_line(self, pending: _PendingHost) -> None:
         try:
@@ -647,7 +648,7 @@ class VirtioVsock(VirtioDevice):
             conn = self._writers.get(fd)
             if conn is None:
                 continue
-            self._on_io(lambda c=conn: self._flush_then_rx(c))
+            self._on_io(partial(self._flush_then_rx, conn))
 
     def _flush_then_rx(self, conn: _Conn) -> None:
         self._flush(conn)
