@@ -39,6 +39,10 @@ from vmfork.kvm.structs import kvm_cpuid_entry2
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.serial import Serial
+from vmfork.vmm.devices.virtio.device import VirtioDevice
+from vmfork.vmm.devices.virtio.mmio import MmioTransport
+from vmfork.vmm.devices.virtio.rng import VirtioRng
+from vmfork.vmm.devices.virtio.vsock import VirtioVsock
 from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import IrqLine
@@ -165,7 +169,7 @@ class Machine:
         self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
             VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
         self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
-        self.virtio_devices: list[Any] = []
+        self.virtio_devices: list[MmioTransport] = []
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
@@ -202,15 +206,19 @@ class Machine:
         return line
 
     def _add_virtio_devices(self, config: MachineConfig) -> None:
-        """Create the virtio devices this config asks for (see ``devices.virtio``)."""
-        from vmfork.vmm.virtio_wiring import add_configured_devices
-        add_configured_devices(self, config)
+        """Create the virtio devices this config asks for: vsock (the agent channel)
+        first, so that it is always ``virtio-mmio.0``, then the entropy source."""
+        if config.vsock_uds is not None:
+            self.vsock = VirtioVsock(self.loop, config.vsock_uds, config.guest_cid)
+            self._closers.append(self.vsock.close)
+            self.add_virtio(self.vsock)
+        if config.rng:
+            self.rng = VirtioRng(self.loop)
+            self.add_virtio(self.rng)
 
-    def add_virtio(self, make_transport: Any) -> Any:
-        """Give a virtio device an MMIO window and an IRQ, and announce it to the kernel.
-
-        ``make_transport(base, irq_line, register_ioeventfd)`` builds the transport.
-        """
+    def add_virtio(self, device: VirtioDevice) -> MmioTransport:
+        """Give a virtio device an MMIO window, an IRQ and ioeventfds for its
+        queues, and announce it to the kernel on the command line."""
         slot = self._next_virtio_slot
         irq = L.FIRST_DEVICE_IRQ + slot
         if irq >= L.IOAPIC_PINS:
@@ -222,7 +230,10 @@ class Machine:
         def register_ioeventfd(offset: int, datamatch: int, fd: int) -> None:
             api.ioeventfd(self.vm_fd, fd, base + offset, 4, datamatch=datamatch)
 
-        transport = make_transport(base, line, register_ioeventfd)
+        transport = MmioTransport(device, self.memory, line, self.loop,
+                                  register_ioeventfd=register_ioeventfd,
+                                  name=f"virtio-mmio.{slot}")
+        self._closers.append(transport.close)
         self.mmio_bus.register(base, L.VIRTIO_MMIO_SIZE, transport)
         self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
         self.virtio_devices.append(transport)
