@@ -180,18 +180,29 @@ interesting_addr = st.one_of(
     st.integers(0, 0x30000), st.integers(0, (1 << 64) - 1))
 interesting_len = st.one_of(st.sampled_from([0, 1, 16, 0x1000, 0x10000, 0xFFFF_FFFF]),
                             st.integers(0, 0x20000))
-descriptor = st.tuples(interesting_addr, interesting_len, st.integers(0, 0xFFFF),
-                       st.one_of(st.integers(0, 20), st.integers(0, 0xFFFF)))
+# Mostly plausible descriptors (in RAM, sane flags, links inside the table), so that
+# long chains and cycles are common; some entirely arbitrary ones.
+plausible_descriptor = st.tuples(
+    st.sampled_from([0x8000, 0x9000, 0x20000, 0x2F000]), st.integers(0, 0x1000),
+    st.sampled_from([VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE,
+                     0, VIRTQ_DESC_F_WRITE]),
+    st.integers(0, 17))
+arbitrary_descriptor = st.tuples(interesting_addr, interesting_len, st.integers(0, 0xFFFF),
+                                 st.one_of(st.integers(0, 20), st.integers(0, 0xFFFF)))
+descriptor = st.one_of(plausible_descriptor, plausible_descriptor, plausible_descriptor,
+                       arbitrary_descriptor)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(size=st.sampled_from([1, 2, 4, 8, 16]),
        table=st.lists(descriptor, min_size=16, max_size=16),
-       ring=st.lists(st.integers(0, 0xFFFF), min_size=16, max_size=16),
-       avail_idx=st.integers(0, 0xFFFF), next_avail=st.integers(0, 0xFFFF),
+       ring=st.lists(st.one_of(st.integers(0, 17), st.integers(0, 0xFFFF)),
+                     min_size=16, max_size=16),
+       avail_ahead=st.one_of(st.integers(0, 17), st.integers(0, 0xFFFF)),
+       next_avail=st.integers(0, 0xFFFF),
        data=st.binary(max_size=300))
 def test_hostile_descriptor_tables_fail_only_as_guest_errors(
-        size: int, table: list[tuple[int, int, int, int]], ring: list[int], avail_idx: int,
+        size: int, table: list[tuple[int, int, int, int]], ring: list[int], avail_ahead: int,
         next_avail: int, data: bytes) -> None:
     mem = CountingMemory()
     q = Virtqueue(16)
@@ -199,9 +210,9 @@ def test_hostile_descriptor_tables_fail_only_as_guest_errors(
     q.next_avail = next_avail
     for i, (addr, length, flags, nxt) in enumerate(table):
         put_desc(mem, i, addr, length, flags, nxt)
-    for i, head in enumerate(ring):
+    for i, head in enumerate(ring[:size]):
         mem.write_u16(AVAIL + 4 + 2 * i, head)
-    mem.write_u16(AVAIL + 2, avail_idx)
+    mem.write_u16(AVAIL + 2, (next_avail + avail_ahead) & 0xFFFF)
     for _ in range(size + 2):  # more pops than the ring can legally hold
         mem.accesses = 0
         try:

@@ -418,15 +418,15 @@ class VirtioVsock(VirtioDevice):
     def _connect_line(self, pending: _PendingHost) -> None:
         try:
             peek = pending.sock.recv(CONNECT_LINE_MAX, socket.MSG_PEEK)
+            # Consume only up to the newline: bytes after it are the stream's first bytes.
+            # A partial line is consumed too, or a level-triggered reader would spin on it.
+            newline = peek.find(b"\n")
+            pending.line += pending.sock.recv(newline + 1 if newline >= 0 else len(peek))
         except BlockingIOError:
             return
         except OSError:
             self._close_pending(pending)
             return
-        # Consume only up to the newline: bytes after it are the stream's first bytes.
-        # A partial line is consumed too, or a level-triggered reader would spin on it.
-        newline = peek.find(b"\n")
-        pending.line += pending.sock.recv(newline + 1 if newline >= 0 else len(peek))
         if newline < 0:
             if not peek or len(pending.line) >= CONNECT_LINE_MAX:
                 self._count("host connection closed without a CONNECT line")
