@@ -1,0 +1,52 @@
+"""Shared by the benchmarks: where results go, routing into the test host, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+
+
+def ensure_kvm_host(script: str, argv: list[str]) -> None:
+    """Re-run this benchmark inside the emulated KVM test host when this host's
+    KVM cannot run unmodified guests; exit with its status."""
+    if os.environ.get("VMFORK_IN_TESTHOST") == "1":
+        return
+    from vmfork.kvm.probe import native_kvm_runs_guests
+    if native_kvm_runs_guests():
+        return
+    from vmfork.testhost import run_in_testhost
+    print(f"{script}: this host's KVM cannot run unmodified guests; running inside the "
+          "emulated KVM test host (figures are meaningful as ratios only)", file=sys.stderr)
+    sys.exit(run_in_testhost([sys.executable, script, *argv], rw_paths=[str(REPO)],
+                             cwd=str(REPO), timeout=3600))
+
+
+def where() -> str:
+    if os.environ.get("VMFORK_IN_TESTHOST") == "1":
+        return "emulated KVM test host (QEMU TCG, AMD SVM, nested kvm_amd): compare ratios only"
+    return f"native KVM on {platform.node()}"
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def write_results(name: str, data: dict[str, Any], markdown: str) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    data = {"benchmark": name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "where": where(), **data}
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown)
+    print(markdown)
+    print(f"results: {RESULTS / (name + '.json')}, {RESULTS / (name + '.md')}")
