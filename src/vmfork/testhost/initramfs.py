@@ -1,6 +1,6 @@
 """Building (once) and caching the test host's kernel + initramfs.
 
-The initramfs holds busybox-static, the modules the host needs (decompressed, in
+The initramfs (written by ``vmfork.image.cpio``, uncompressed) holds busybox-static, the modules the host needs (decompressed, in
 load order) and ``/init``; nothing else, because the host's real file system is this
 machine's ``/`` over 9p. An entry of the content-addressed cache (``testhost-initramfs``)
 holds ``initramfs.cpio``, the kernel to boot (``kernel``) and ``manifest.json``. Its key
@@ -19,9 +19,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from vmfork.image import cpio
 from vmfork.image.cache import cached_entry, hash_inputs
 from vmfork.testhost import modules as kmod
-from vmfork.testhost.cpio import CpioWriter
 from vmfork.testhost.errors import TesthostSetupError
 from vmfork.testhost.initscript import RECIPE_VERSION, render_init
 from vmfork.testhost.kernel_image import pvh_elf_from_bzimage
@@ -103,20 +103,20 @@ def host_image() -> HostImage:
                 "vmfork testhost as root, or make it readable") from err
         elf = pvh_elf_from_bzimage(bzimage)
         (tmp / KERNEL_FILE).write_bytes(elf if elf is not None else bzimage)
+        entries = [cpio.directory(d) for d in
+                   ("bin", "dev", "proc", "sys", "lib", "lib/modules", "newroot")]
+        # /dev/console must exist before devtmpfs is mounted, or /init starts without
+        # stdin/stdout/stderr and its first error message goes nowhere.
+        entries += [cpio.char_device("dev/console", 5, 1),
+                    cpio.char_device("dev/null", 1, 3, perm=0o666),
+                    cpio.regular_file("bin/busybox", BUSYBOX.read_bytes(), perm=0o755)]
+        entries += [cpio.symlink(f"bin/{applet}", "busybox") for applet in _APPLETS]
+        entries += [cpio.regular_file(f"lib/modules/{name}.ko",
+                                      kmod.read_module(kernel.modules_dir / deps.paths[name]))
+                    for name in order]
+        entries.append(cpio.regular_file("init", init_text.encode(), perm=0o755))
         with open(tmp / "initramfs.cpio", "wb") as out:
-            cpio = CpioWriter(out)
-            for directory in ("bin", "dev", "proc", "sys", "lib", "lib/modules", "newroot"):
-                cpio.directory(directory)
-            cpio.char_device("dev/console", 5, 1)
-            cpio.char_device("dev/null", 1, 3, perm=0o666)
-            cpio.file("bin/busybox", BUSYBOX.read_bytes(), perm=0o755)
-            for applet in _APPLETS:
-                cpio.symlink(f"bin/{applet}", "busybox")
-            for name in order:
-                cpio.file(f"lib/modules/{name}.ko",
-                          kmod.read_module(kernel.modules_dir / deps.paths[name]))
-            cpio.file("init", init_text.encode(), perm=0o755)
-            cpio.close()
+            cpio.write_cpio(out, entries)
         (tmp / "manifest.json").write_text(json.dumps({
             "kernel_version": kernel.version, "pvh_elf": elf is not None, "modules": order, "recipe": RECIPE_VERSION,
         }, indent=2) + "\n")
