@@ -23,6 +23,7 @@ class TesthostError(Exception):
     """The test host could not run the command; ``status`` is the exit status to report."""
 
     status = STATUS_HOST_FAILED
+    __test__ = False  # the name starts with "Test"; keep pytest from collecting it
 
     def __init__(self, message: str, *, console_tail: str = "") -> None:
         super().__init__(message)

@@ -1,0 +1,207 @@
+"""Where commands run, the native path, the QEMU command line, PVH kernel extraction."""
+
+from __future__ import annotations
+
+import lzma
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+import vmfork.testhost as testhost
+from vmfork.testhost import (
+    TesthostSetupError,
+    TesthostTimeout,
+    needs_emulation,
+    run_in_testhost,
+)
+from vmfork.testhost.initramfs import HostImage
+from vmfork.testhost.kernel_image import has_pvh_entry, pvh_elf_from_bzimage
+from vmfork.testhost.qemu import _diagnose, _without_tcg_warnings, qemu_command
+
+
+@pytest.fixture
+def probe_says(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    answer = [False]
+    monkeypatch.setattr(testhost, "_native_kvm_runs_guests", lambda: answer[0])
+    return answer
+
+
+def test_mode_decision(probe_says: list[bool]) -> None:
+    assert needs_emulation(environ={}) is True
+    probe_says[0] = True
+    assert needs_emulation(environ={}) is False
+    assert needs_emulation(environ={"VMFORK_TESTHOST": "always"}) is True
+    probe_says[0] = False
+    assert needs_emulation(environ={"VMFORK_TESTHOST": "never"}) is False
+    assert needs_emulation("never", environ={"VMFORK_TESTHOST": "always"}) is False
+    # inside the test host, always run directly
+    assert needs_emulation("always", environ={"VMFORK_IN_TESTHOST": "1"}) is False
+    with pytest.raises(TesthostSetupError, match="VMFORK_TESTHOST='sometimes'"):
+        needs_emulation(environ={"VMFORK_TESTHOST": "sometimes"})
+
+
+def test_missing_probe_means_emulate(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_probe(name: str) -> object:
+        raise ImportError(name)
+    monkeypatch.setattr(testhost.importlib, "import_module", no_probe)
+    monkeypatch.setattr(testhost, "_boot_id", lambda: "")
+    assert testhost._native_kvm_runs_guests() is False
+
+
+def test_native_run_passes_status_env_and_cwd(tmp_path: Path) -> None:
+    script = ("import os, sys; open('out', 'w').write(os.environ['X'] + os.getcwd()); "
+              "sys.exit(7)")
+    status = run_in_testhost([sys.executable, "-c", script], mode="never", cwd=str(tmp_path),
+                             pass_env=["X=hello"])
+    assert status == 7
+    assert (tmp_path / "out").read_text() == "hello" + str(tmp_path.resolve())
+
+
+def test_native_run_reports_signals_and_missing_commands(tmp_path: Path) -> None:
+    kill_self = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert run_in_testhost([sys.executable, "-c", kill_self], mode="never") == 128 + 9
+    assert run_in_testhost([str(tmp_path / "nope")], mode="never") == 127
+
+
+def test_native_timeout() -> None:
+    with pytest.raises(TesthostTimeout) as caught:
+        run_in_testhost([sys.executable, "-c", "import time; time.sleep(30)"], mode="never",
+                        timeout=0.5)
+    assert caught.value.status == 124
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        run_in_testhost([], mode="never")
+    with pytest.raises(ValueError):
+        run_in_testhost(["true"], mode="never", cgroup="v3")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a valid variable name"):
+        run_in_testhost(["true"], mode="never", pass_env=["1=2"])
+
+
+def test_qemu_command_line() -> None:
+    image = HostImage("6.1.0-57-amd64", Path("/c/kernel"), Path("/c/initramfs.cpio"), (), False)
+    cmd = qemu_command("/usr/bin/qemu-system-x86_64", image, ctl_dir="/run/x,y",
+                       rw_paths=["/work/main", "/tmp/a"], mem_mib=2048, cpus=3,
+                       console_fd=4, stdout_fd=6, stderr_fd=8)
+    joined = " ".join(cmd)
+    assert cmd[0] == "/usr/bin/qemu-system-x86_64"
+    for flag in ("-M q35", "-accel tcg,thread=multi", "-smp 3", "-cpu EPYC,+svm", "-m 2048",
+                 "-nodefaults", "-no-user-config", "-no-reboot", "-kernel /c/kernel",
+                 "-initrd /c/initramfs.cpio"):
+        assert flag in joined, flag
+    virtfs = [cmd[i + 1] for i, word in enumerate(cmd) if word == "-virtfs"]
+    assert virtfs[0] == ("local,path=/,mount_tag=host,security_model=none,readonly=on,"
+                         "multidevs=remap")
+    assert virtfs[1] == "local,path=/run/x,,y,mount_tag=vmfork_ctl,security_model=none"
+    assert virtfs[2].startswith("local,path=/work/main,mount_tag=rw0,")
+    assert virtfs[3].startswith("local,path=/tmp/a,mount_tag=rw1,")
+    assert "readonly" not in virtfs[2]
+    assert "path=/proc/self/fd/6" in joined and "name=stdout" in joined
+    assert "path=/proc/self/fd/8" in joined and "name=stderr" in joined
+
+
+def test_diagnosis_names_the_cause() -> None:
+    panic = "[ 4.3] Kernel panic - not syncing: sysrq triggered crash\n[ 4.3] stack"
+    assert "kernel panicked: [ 4.3] Kernel panic" in _diagnose(None, panic, "")
+    init = "vmfork-testhost init: mount 9p share host on /lower (ro)\n"
+    assert _diagnose(0, init, "") == "the test host's /init failed: mount 9p share host on " \
+                                     "/lower (ro)"
+    assert _diagnose(1, "", "qemu: cannot set up guest memory\n") == \
+        "QEMU exited with status 1: qemu: cannot set up guest memory"
+    assert "without reporting an exit status" in _diagnose(0, "", "")
+    noisy = "qemu: warning: TCG doesn't support requested feature: x\nreal error\n"
+    assert _without_tcg_warnings(noisy) == "real error\n"
+
+
+def _elf_with_notes(notes: list[tuple[bytes, int]]) -> bytes:
+    """A minimal ELF64 with one PT_NOTE segment holding ``notes``."""
+    blob = b""
+    for name, n_type in notes:
+        name0 = name + b"\0"
+        desc = b"\0" * 8
+        blob += struct.pack("<III", len(name0), len(desc), n_type)
+        blob += name0 + b"\0" * (-len(name0) % 4) + desc
+    phoff, note_off = 64, 64 + 56
+    header = b"\x7fELF" + bytes([2, 1, 1]) + b"\0" * 9
+    header += struct.pack("<HHIQQQIHHHHHH", 2, 62, 1, 0x1000000, phoff, 0, 0, 64, 56, 1, 64,
+                          0, 0)
+    phdr = struct.pack("<IIQQQQQQ", 4, 4, note_off, 0, 0, len(blob), len(blob), 4)
+    return header + phdr + blob
+
+
+def _bzimage(payload: bytes, version: int = 0x20F) -> bytes:
+    setup_sects = 1
+    image = bytearray((setup_sects + 1) * 512)
+    image[0x1F1] = setup_sects
+    image[0x202:0x206] = b"HdrS"
+    struct.pack_into("<H", image, 0x206, version)
+    struct.pack_into("<II", image, 0x248, 16, len(payload))
+    return bytes(image) + b"\0" * 16 + payload + b"trailing"
+
+
+def test_pvh_elf_is_extracted_from_an_xz_bzimage() -> None:
+    elf = _elf_with_notes([(b"Xen", 6), (b"Xen", 18)])
+    assert has_pvh_entry(elf)
+    packed = lzma.compress(elf, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC32)
+    assert pvh_elf_from_bzimage(_bzimage(packed)) == elf
+
+
+def test_no_pvh_note_or_old_protocol_falls_back() -> None:
+    plain = _elf_with_notes([(b"Xen", 6), (b"GNU", 18)])
+    assert not has_pvh_entry(plain)
+    packed = lzma.compress(plain, format=lzma.FORMAT_XZ)
+    assert pvh_elf_from_bzimage(_bzimage(packed)) is None
+    good = lzma.compress(_elf_with_notes([(b"Xen", 18)]), format=lzma.FORMAT_XZ)
+    assert pvh_elf_from_bzimage(_bzimage(good, version=0x207)) is None
+    assert pvh_elf_from_bzimage(_bzimage(b"\x28\xb5\x2f\xfdzstd")) is None
+    assert pvh_elf_from_bzimage(b"not a kernel") is None
+
+
+@pytest.mark.skipif(not any(Path("/boot").glob("vmlinuz-*")), reason="no installed kernel")
+def test_the_installed_debian_kernel_boots_by_pvh() -> None:
+    vmlinuz = sorted(Path("/boot").glob("vmlinuz-*"))[-1]
+    try:
+        data = vmlinuz.read_bytes()
+    except PermissionError:
+        pytest.skip(f"{vmlinuz} is not readable")
+    elf = pvh_elf_from_bzimage(data)
+    assert elf is not None and elf[:4] == b"\x7fELF"
+
+
+def _debian_kernel_installed() -> bool:
+    try:
+        from vmfork.testhost.modules import find_kernel, wanted_modules
+        find_kernel(wanted_modules())
+    except TesthostSetupError:
+        return False
+    return Path("/bin/busybox").exists()
+
+
+@pytest.mark.skipif(not _debian_kernel_installed(),
+                    reason="needs linux-image-amd64 and busybox-static")
+def test_host_image_is_built_once_and_holds_what_init_needs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stat
+
+    from vmfork.image.cpio import read_cpio
+    from vmfork.testhost.initramfs import host_image
+
+    monkeypatch.setenv("VMFORK_CACHE_DIR", str(tmp_path))
+    try:
+        image = host_image()
+    except TesthostSetupError as err:
+        pytest.skip(str(err))
+    assert image.built_now
+    entries = {e.path: e for e in read_cpio(image.initramfs.read_bytes())}
+    assert stat.S_ISCHR(entries["dev/console"].mode)
+    assert entries["bin/sh"].data == b"busybox"
+    init = entries["init"].data.decode()
+    assert f"for module in {' '.join(image.modules)}; do" in init
+    for name in image.modules:
+        assert entries[f"lib/modules/{name}.ko"].data[:4] == b"\x7fELF"
+    assert image.modules[-1] == "kvm_amd"
+    again = host_image()
+    assert (again.initramfs, again.built_now) == (image.initramfs, False)
