@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import vmfork.testhost as testhost
+from vmfork import testhost
 from vmfork.testhost import (
     TesthostSetupError,
     TesthostTimeout,
@@ -162,7 +162,7 @@ def test_no_pvh_note_or_old_protocol_falls_back() -> None:
 
 @pytest.mark.skipif(not any(Path("/boot").glob("vmlinuz-*")), reason="no installed kernel")
 def test_the_installed_debian_kernel_boots_by_pvh() -> None:
-    vmlinuz = sorted(Path("/boot").glob("vmlinuz-*"))[-1]
+    vmlinuz = max(Path("/boot").glob("vmlinuz-*"))
     try:
         data = vmlinuz.read_bytes()
     except PermissionError:

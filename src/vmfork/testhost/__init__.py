@@ -41,9 +41,19 @@ from vmfork.testhost.errors import (
 from vmfork.testhost.initscript import CGROUP_LAYOUTS, CgroupLayout, Job
 
 __all__ = [
-    "DEFAULT_CPUS", "DEFAULT_MEM_MIB", "MODE_ENV", "Mode", "STATUS_HOST_FAILED",
-    "STATUS_SIGINT", "STATUS_SIGTERM", "STATUS_TIMEOUT", "TesthostBootError",
-    "TesthostError", "TesthostSetupError", "TesthostTimeout", "needs_emulation",
+    "DEFAULT_CPUS",
+    "DEFAULT_MEM_MIB",
+    "MODE_ENV",
+    "STATUS_HOST_FAILED",
+    "STATUS_SIGINT",
+    "STATUS_SIGTERM",
+    "STATUS_TIMEOUT",
+    "Mode",
+    "TesthostBootError",
+    "TesthostError",
+    "TesthostSetupError",
+    "TesthostTimeout",
+    "needs_emulation",
     "run_in_testhost",
 ]
 

@@ -87,14 +87,14 @@ def qemu_command(qemu: str, image: HostImage, *, ctl_dir: str, rw_paths: Sequenc
         "-device", f"virtserialport,bus=ports.0,chardev=out,name={STDOUT_PORT}",
         "-chardev", f"file,id=err,path=/proc/self/fd/{stderr_fd}",
         "-device", f"virtserialport,bus=ports.0,chardev=err,name={STDERR_PORT}",
-        "-virtfs", f"local,path=/,mount_tag={ROOT_TAG},security_model=none,readonly=on,"
-                   "multidevs=remap",
-        "-virtfs", f"local,path={_qemu_path_arg(ctl_dir)},mount_tag={CTL_TAG},"
-                   "security_model=none",
+        "-virtfs", (f"local,path=/,mount_tag={ROOT_TAG},security_model=none,readonly=on,"
+                    "multidevs=remap"),
+        "-virtfs", (f"local,path={_qemu_path_arg(ctl_dir)},mount_tag={CTL_TAG},"
+                    "security_model=none"),
     ]
     for index, path in enumerate(rw_paths):
-        cmd += ["-virtfs", f"local,path={_qemu_path_arg(path)},mount_tag={rw_tag(index)},"
-                           "security_model=none,multidevs=remap"]
+        cmd += ["-virtfs", (f"local,path={_qemu_path_arg(path)},mount_tag={rw_tag(index)},"
+                            "security_model=none,multidevs=remap")]
     return cmd
 
 
