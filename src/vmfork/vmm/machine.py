@@ -39,7 +39,8 @@ from vmfork.kvm.structs import kvm_cpuid_entry2
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.serial import Serial
-from vmfork.vmm.devices.virtio.device import VirtioDevice
+from vmfork.vmm import vmstate
+from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransport
 from vmfork.vmm.devices.virtio.rng import VirtioRng
 from vmfork.vmm.devices.virtio.vsock import VirtioVsock
@@ -48,6 +49,7 @@ from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
+from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
 from vmfork.vmm.x86 import layout as L
 
@@ -64,6 +66,8 @@ class MachineConfig:
     kernel: str | None = None
     initrd: str | None = None
     payload: bytes | None = None      # a flat 64-bit test guest instead of a kernel
+    restore_state: MachineState | None = None   # restore instead of boot ...
+    memory_file: str | None = None              # ... mapping this file MAP_PRIVATE
     cmdline_extra: str = ""
     mem_mib: int = 256
     vcpus: int = 1
@@ -75,8 +79,20 @@ class MachineConfig:
     vm_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def validate(self) -> None:
-        if (self.kernel is None) == (self.payload is None):
-            raise ValueError("give exactly one of kernel (a vmlinux) and payload (a test guest)")
+        sources = [self.kernel is not None, self.payload is not None,
+                   self.restore_state is not None]
+        if sum(sources) != 1:
+            raise ValueError("give exactly one of kernel (a vmlinux), payload (a test guest) "
+                             "and restore_state (a snapshot)")
+        if (self.restore_state is None) != (self.memory_file is None):
+            raise ValueError("restore_state and memory_file go together")
+        if self.restore_state is not None:
+            if self.restore_state.mem_size != self.mem_mib << 20:
+                raise ValueError(f"the snapshot has {self.restore_state.mem_size >> 20} MiB of "
+                                 f"memory, the config {self.mem_mib} MiB")
+            if len(self.restore_state.vcpus) != self.vcpus:
+                raise ValueError(f"the snapshot has {len(self.restore_state.vcpus)} vCPUs, "
+                                 f"the config {self.vcpus}")
         if not 1 <= self.vcpus <= MAX_VCPUS:
             raise ValueError(f"vcpus must be 1..{MAX_VCPUS}, not {self.vcpus}")
         if not 32 <= self.mem_mib <= 64 * 1024:
@@ -140,8 +156,12 @@ class Machine:
         # 2. VM and memory
         self.vm_fd = self._fd(api.create_vm(self.kvm_fd))
         mem_size = config.mem_mib << 20
-        self.memory = (GuestMemory.memfd(mem_size, f"vmfork-{self.vm_id}") if config.memfd
-                       else GuestMemory.anonymous(mem_size))
+        if config.memory_file is not None:
+            self.memory = GuestMemory.from_file_private(config.memory_file, mem_size)
+        elif config.memfd:
+            self.memory = GuestMemory.memfd(mem_size, f"vmfork-{self.vm_id}")
+        else:
+            self.memory = GuestMemory.anonymous(mem_size)
         self._closers.append(self.memory.close)
         for slot, region in enumerate(self.memory.regions):
             api.set_user_memory_region(self.vm_fd, slot, region.guest_phys, region.size,
@@ -152,6 +172,10 @@ class Machine:
         api.set_identity_map_addr(self.vm_fd, L.IDENTITY_MAP_ADDR)
         api.create_irqchip(self.vm_fd)
         api.create_pit2(self.vm_fd)
+
+        self.vcpus: list[Vcpu] = []
+        self._vcpu_mmap_size = api.get_vcpu_mmap_size(self.kvm_fd)
+        self._msr_candidates: list[int] | None = None
 
         # 4. buses and devices
         self.pio_bus = Bus("pio")
@@ -170,13 +194,19 @@ class Machine:
             VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
         self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
         self.virtio_devices: list[MmioTransport] = []
+        self.vsock: VirtioVsock | None = None
+        self.rng: VirtioRng | None = None
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
 
-        # 5. Linux and the vCPUs
+        # 5. Linux (or a test payload, or a snapshot) and the vCPUs
         cmdline = " ".join(p for p in (BASE_CMDLINE, *self._cmdline_devices,
                                        config.cmdline_extra) if p)
+        self.cmdline = cmdline
+        if config.restore_state is not None:
+            self._restore(config.restore_state)
+            return
         if config.kernel is not None:
             self.boot_info = boot.load_linux(self.memory, config.kernel, config.initrd, cmdline,
                                              config.vcpus)
@@ -184,14 +214,91 @@ class Machine:
             assert config.payload is not None
             self.boot_info = boot.load_flat_payload(self.memory, config.payload)
         supported = api.get_supported_cpuid(self.kvm_fd)
-        mmap_size = api.get_vcpu_mmap_size(self.kvm_fd)
-        self.vcpus: list[Vcpu] = []
         for index in range(config.vcpus):
-            fd = self._fd(api.create_vcpu(self.vm_fd, index))
-            vcpu = Vcpu(index, fd, mmap_size, self.pio_bus, self.mmio_bus, self._vcpu_exited)
-            self._closers.append(vcpu.close)
-            self.vcpus.append(vcpu)
-            self._setup_vcpu(vcpu, supported, index)
+            self._setup_vcpu(self._new_vcpu(index), supported, index)
+
+    def _new_vcpu(self, index: int) -> Vcpu:
+        fd = self._fd(api.create_vcpu(self.vm_fd, index))
+        vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
+                    self._vcpu_exited)
+        self._closers.append(vcpu.close)
+        self.vcpus.append(vcpu)
+        return vcpu
+
+    def _restore(self, state: MachineState) -> None:
+        """Restore order: VM state (PIT, clock, irqchips), vCPUs (see ``vmstate``),
+        then devices: each virtio device before its transport, whose restore
+        re-activates the device; vsock then posts TRANSPORT_RESET so the guest
+        drops the parent's connections and accepts new ones."""
+        started = time.monotonic()
+        vmstate.restore_vm(self.vm_fd, state.vm)
+        host_tsc_khz = None
+        for vcpu_state in state.vcpus:
+            vcpu = self._new_vcpu(vcpu_state.index)
+            if host_tsc_khz is None:
+                host_tsc_khz = api.get_tsc_khz(vcpu.fd)
+            vmstate.restore_vcpu(vcpu.fd, vcpu_state, host_tsc_khz)
+        self.serial.restore(state.serial)
+        if (state.vsock is None) != (self.vsock is None) or \
+                (state.rng is None) != (self.rng is None):
+            raise HostError("the snapshot's devices differ from this machine's "
+                            f"(vsock {state.vsock is not None}, rng {state.rng is not None})",
+                            vm_id=self.vm_id, op="restore")
+        if state.vsock is not None and self.vsock is not None:
+            self.vsock.restore(state.vsock.device)
+            self._transport_of(self.vsock).restore(state.vsock.transport)
+        if state.rng is not None and self.rng is not None:
+            self.rng.restore(state.rng.device)
+            self._transport_of(self.rng).restore(state.rng.transport)
+        self.timings["restore_state"] = time.monotonic() - started
+
+    def _transport_of(self, device: VirtioDevice) -> MmioTransport:
+        return next(t for t in self.virtio_devices if t.device is device)
+
+    # -- snapshots ----------------------------------------------------------------------------
+    def snapshot(self, memory_path: str, *, resume: bool = True) -> tuple[MachineState,
+                                                                          dict[str, float]]:
+        """Capture the machine, pause-consistent, and write guest RAM to ``memory_path``.
+
+        The vCPUs are paused for the whole capture (this is the "full" mode).
+        Device state and memory are captured inside one callback on the I/O
+        thread, so no device can touch guest memory or change its own state
+        between the two. Returns the state and timings in seconds.
+        """
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        self.pause()
+        paused_at = time.monotonic()
+        timings["pause"] = paused_at - started
+        try:
+            if self._msr_candidates is None:
+                self._msr_candidates = api.get_msr_index_list(self.kvm_fd)
+            vm = vmstate.save_vm(self.vm_fd)
+            vcpus = [vmstate.save_vcpu(v.index, v.fd, self._msr_candidates) for v in self.vcpus]
+            timings["vcpu_state"] = time.monotonic() - paused_at
+
+            def devices_and_memory() -> MachineState:
+                vsock = rng = None
+                if self.vsock is not None:
+                    vsock = vmstate.VsockSnapshot(self._transport_of(self.vsock).save(),
+                                                  self.vsock.save())
+                if self.rng is not None:
+                    rng = vmstate.RngSnapshot(self._transport_of(self.rng).save(),
+                                              self.rng.save())
+                state = MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
+                                     serial=self.serial.save(), cmdline=self.cmdline,
+                                     vsock=vsock, rng=rng, guest_cid=self.config.guest_cid)
+                mem_started = time.monotonic()
+                timings["memory_bytes"] = float(self.memory.dump(memory_path))
+                timings["memory_write"] = time.monotonic() - mem_started
+                return state
+
+            state: MachineState = run_on_loop(self.loop, devices_and_memory, timeout=3600)
+        finally:
+            timings["paused"] = time.monotonic() - started
+            if resume:
+                self.resume()
+        return state, timings
 
     def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
         boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)

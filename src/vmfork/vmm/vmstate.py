@@ -1,0 +1,233 @@
+"""Capturing and restoring the state of a paused machine: vCPUs, VM, devices.
+
+Everything here is plain data (``*State`` dataclasses); the live machine is an
+argument. KVM's own structs are kept as their raw bytes (their layout is the
+kernel's ABI, checked by ``tests/unit/test_kvm_abi.py``); our own state is
+field-named, so the state file (``stateformat``) stays readable and extensible.
+
+Ordering requirements -- vCPU save (``save_vcpu``):
+
+1. ``MP_STATE`` first: the other GET ioctls may process pending events (an INIT
+   or SIPI) and change it; we want the state as the vCPU was parked.
+2. REGS, SREGS, XSAVE, XCRS, DEBUGREGS, LAPIC, CPUID, TSC kHz, then MSRs.
+3. ``VCPU_EVENTS`` last: reading MSRs and the LAPIC can make KVM inject or
+   queue events (e.g. a pending timer interrupt); capture them after everything
+   that could create them.
+
+vCPU restore (``restore_vcpu``):
+
+1. ``CPUID`` first: KVM derives what the other SET ioctls accept (XSAVE size,
+   valid MSRs, CR4 bits) from the guest CPUID.
+2. ``MP_STATE``, REGS, SREGS (the paging mode), XSAVE and XCRS (XSAVE before
+   XCRS: XCR0 must allow the features the XSAVE area holds), DEBUGREGS.
+3. LAPIC after SREGS (the APIC base MSR lives in SREGS) and before MSRs: the
+   TSC-deadline MSR is only accepted once the LAPIC is in TSC-deadline mode.
+4. MSRs, with ``IA32_TSC`` before ``IA32_TSC_DEADLINE`` (the deadline is
+   relative to the TSC value).
+5. ``VCPU_EVENTS`` after REGS (they refer to the restored RIP) and last.
+6. ``KVM_KVMCLOCK_CTRL``: tell the guest it was paused, so its watchdogs do not
+   fire for the time the snapshot sat on disk.
+
+VM state: the PIT, the kvmclock and the three irqchips (PIC master, PIC slave,
+IOAPIC) are restored before any vCPU runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+from dataclasses import dataclass, field
+
+from vmfork.kvm import api
+from vmfork.kvm import structs as s
+from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.virtio.mmio import MmioTransportState
+from vmfork.vmm.devices.virtio.rng import RngState
+from vmfork.vmm.devices.virtio.vsock import VsockState
+from vmfork.vmm.errors import HostError
+
+log = logging.getLogger(__name__)
+
+MSR_IA32_TSC = 0x10
+MSR_IA32_TSC_DEADLINE = 0x6E0
+
+
+@dataclass
+class VcpuState:
+    index: int
+    mp_state: int
+    regs: bytes
+    sregs: bytes
+    xsave: bytes
+    xcrs: bytes
+    debugregs: bytes
+    lapic: bytes
+    cpuid: bytes          # kvm_cpuid_entry2[] as set on the vCPU
+    msrs: dict[str, int]  # "0x<index>" -> value, every MSR KVM would read
+    tsc_khz: int
+    vcpu_events: bytes
+
+
+@dataclass
+class VmState:
+    pic_master: bytes
+    pic_slave: bytes
+    ioapic: bytes
+    pit: bytes
+    clock: int
+    clock_flags: int
+
+
+@dataclass
+class VsockSnapshot:
+    transport: MmioTransportState
+    device: VsockState
+
+
+@dataclass
+class RngSnapshot:
+    transport: MmioTransportState
+    device: RngState
+
+
+@dataclass
+class MachineState:
+    """Everything but guest memory. ``mem_size`` and the device list must match
+    the machine it is restored into (``Machine`` rebuilds the same devices)."""
+
+    mem_size: int
+    vcpus: list[VcpuState]
+    vm: VmState
+    serial: SerialState
+    cmdline: str = ""
+    vsock: VsockSnapshot | None = None
+    rng: RngSnapshot | None = None
+    guest_cid: int = 3
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def _raw(obj: ctypes.Structure) -> bytes:
+    return ctypes.string_at(ctypes.addressof(obj), ctypes.sizeof(obj))
+
+
+def _load(struct: type[ctypes.Structure], data: bytes, what: str) -> ctypes.Structure:
+    if len(data) != ctypes.sizeof(struct):
+        raise HostError(f"snapshot {what}: {len(data)} bytes, expected {ctypes.sizeof(struct)}",
+                        op="restore")
+    return struct.from_buffer_copy(data)
+
+
+# -- MSRs -----------------------------------------------------------------------------
+def readable_msrs(vcpu_fd: int, candidates: list[int]) -> dict[int, int]:
+    """Read every MSR in ``candidates`` that KVM can read.
+
+    ``KVM_GET_MSRS`` stops at the first MSR it cannot read and returns how many
+    it read; we skip that one and continue, so the cost is one ioctl per
+    unreadable MSR plus one.
+    """
+    values: dict[int, int] = {}
+    rest = list(candidates)
+    while rest:
+        got = api.get_msrs(vcpu_fd, rest)
+        values.update(got)
+        if len(got) == len(rest):
+            break
+        rest = rest[len(got) + 1:]
+    return values
+
+
+def _ordered_msrs(msrs: dict[int, int]) -> dict[int, int]:
+    """TSC first, TSC deadline last (see the ordering requirements)."""
+    ordered = {}
+    if MSR_IA32_TSC in msrs:
+        ordered[MSR_IA32_TSC] = msrs[MSR_IA32_TSC]
+    for index, value in msrs.items():
+        if index not in (MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE):
+            ordered[index] = value
+    if MSR_IA32_TSC_DEADLINE in msrs:
+        ordered[MSR_IA32_TSC_DEADLINE] = msrs[MSR_IA32_TSC_DEADLINE]
+    return ordered
+
+
+# -- vCPUs ----------------------------------------------------------------------------
+def save_vcpu(index: int, fd: int, msr_candidates: list[int]) -> VcpuState:
+    mp_state = api.get_mp_state(fd)
+    regs = _raw(api.get_regs(fd))
+    sregs = _raw(api.get_sregs(fd))
+    xsave = _raw(api.get_xsave(fd))
+    xcrs = _raw(api.get_xcrs(fd))
+    debugregs = _raw(api.get_debugregs(fd))
+    lapic = _raw(api.get_lapic(fd))
+    entries = api.get_cpuid2(fd)
+    cpuid = b"".join(_raw(e) for e in entries)
+    tsc_khz = api.get_tsc_khz(fd)
+    msrs = readable_msrs(fd, msr_candidates)
+    events = _raw(api.get_vcpu_events(fd))
+    return VcpuState(index=index, mp_state=mp_state, regs=regs, sregs=sregs, xsave=xsave,
+                     xcrs=xcrs, debugregs=debugregs, lapic=lapic, cpuid=cpuid,
+                     msrs={f"{k:#x}": v for k, v in msrs.items()}, tsc_khz=tsc_khz,
+                     vcpu_events=events)
+
+
+def restore_vcpu(fd: int, state: VcpuState, host_tsc_khz: int | None = None) -> list[int]:
+    """Restore one vCPU; returns the MSRs KVM refused (logged, not fatal)."""
+    entry_size = ctypes.sizeof(s.kvm_cpuid_entry2)
+    if len(state.cpuid) % entry_size:
+        raise HostError("snapshot cpuid: not a whole number of entries", op="restore")
+    entries = [s.kvm_cpuid_entry2.from_buffer_copy(state.cpuid, off)
+               for off in range(0, len(state.cpuid), entry_size)]
+    api.set_cpuid2(fd, entries)
+    if host_tsc_khz is not None and state.tsc_khz and state.tsc_khz != host_tsc_khz:
+        try:
+            api.set_tsc_khz(fd, state.tsc_khz)
+        except OSError as err:
+            log.warning("guest TSC was %d kHz, host is %d kHz and cannot scale it (%s): "
+                        "guest time may drift", state.tsc_khz, host_tsc_khz, err)
+    api.set_mp_state(fd, state.mp_state)
+    api.set_regs(fd, _load(s.kvm_regs, state.regs, "regs"))  # type: ignore[arg-type]
+    api.set_sregs(fd, _load(s.kvm_sregs, state.sregs, "sregs"))  # type: ignore[arg-type]
+    api.set_xsave(fd, _load(s.kvm_xsave, state.xsave, "xsave"))  # type: ignore[arg-type]
+    api.set_xcrs(fd, _load(s.kvm_xcrs, state.xcrs, "xcrs"))  # type: ignore[arg-type]
+    api.set_debugregs(fd, _load(s.kvm_debugregs, state.debugregs, "debugregs"))  # type: ignore[arg-type]
+    api.set_lapic(fd, _load(s.kvm_lapic_state, state.lapic, "lapic"))  # type: ignore[arg-type]
+    msrs = _ordered_msrs({int(k, 16): v for k, v in state.msrs.items()})
+    refused = []
+    pending = list(msrs.items())
+    while pending:
+        accepted = api.set_msrs(fd, dict(pending))
+        if accepted == len(pending):
+            break
+        refused.append(pending[accepted][0])
+        pending = pending[accepted + 1:]
+    if refused:
+        log.debug("vcpu%d: KVM refused MSRs %s", state.index, [hex(m) for m in refused])
+    api.set_vcpu_events(fd, _load(s.kvm_vcpu_events, state.vcpu_events, "vcpu_events"))  # type: ignore[arg-type]
+    try:
+        api.kvmclock_ctrl(fd)
+    except OSError as err:
+        if err.errno != errno.EINVAL:  # EINVAL: the guest has no kvmclock page yet
+            raise
+    return refused
+
+
+# -- the VM ---------------------------------------------------------------------------
+def save_vm(vm_fd: int) -> VmState:
+    clock = api.get_clock(vm_fd)
+    return VmState(
+        pic_master=_raw(api.get_irqchip(vm_fd, api.IRQCHIP_PIC_MASTER)),
+        pic_slave=_raw(api.get_irqchip(vm_fd, api.IRQCHIP_PIC_SLAVE)),
+        ioapic=_raw(api.get_irqchip(vm_fd, api.IRQCHIP_IOAPIC)),
+        pit=_raw(api.get_pit2(vm_fd)),
+        clock=int(clock.clock),
+        clock_flags=int(clock.flags),
+    )
+
+
+def restore_vm(vm_fd: int, state: VmState) -> None:
+    api.set_pit2(vm_fd, _load(s.kvm_pit_state2, state.pit, "pit"))  # type: ignore[arg-type]
+    # Only the clock value: the TSC-stable flag describes the source host.
+    api.set_clock(vm_fd, s.kvm_clock_data(clock=state.clock))
+    for name in ("pic_master", "pic_slave", "ioapic"):
+        chip = _load(s.kvm_irqchip, getattr(state, name), name)
+        api.set_irqchip(vm_fd, chip)  # type: ignore[arg-type]
