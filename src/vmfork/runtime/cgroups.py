@@ -1,0 +1,376 @@
+"""Per-child memory cgroups, on cgroup v2 or on a v1 memory hierarchy.
+
+Why both: production hosts run the unified (v2) hierarchy, where a group's limit is
+``memory.max`` and OOM kills are counted in ``memory.events``. The development and
+CI machines run a *hybrid* layout: a v2 tree exists but has no memory controller,
+and memory is a separate v1 hierarchy (``/sys/fs/cgroup/memory``) with
+``memory.limit_in_bytes`` and ``memory.oom_control``. ``detect()`` looks at
+``/proc/self/mountinfo`` once and picks the hierarchy that actually carries the
+memory controller (v2 first); every other function takes that choice as its
+argument, so the version is decided in exactly one place.
+
+Layout: one parent group (default ``vmfork``) directly under the root of the
+memory hierarchy, one group per child below it: ``<root>/vmfork/<vm_id>``. The
+spawner creates a child's group and writes its limit *before* forking; the child
+writes its own pid into ``cgroup.procs`` before it runs its entry, so nothing the
+entry allocates escapes the limit. No group is made for a child without a limit:
+a spawn without one costs no cgroup syscalls at all.
+
+The subtle parts:
+
+* v2's "no internal processes" rule: a group can hand the memory controller to its
+  children (``+memory`` in ``cgroup.subtree_control``) only while it has no member
+  processes itself. The parent group is only ever a container of child groups, so
+  the spawner enables ``+memory`` down the path from the root to the parent.
+* v1 charges stay where a page was first charged (unless
+  ``memory.move_charge_at_immigrate``), so a child must join before it allocates —
+  hence joining in the child, right after fork, before anything else.
+* A limit means RAM, not RAM plus swap: on v1 ``memory.memsw.limit_in_bytes`` (present
+  only with swap accounting) is set to the same value, on v2 ``memory.swap.max`` to 0.
+  On v2 ``memory.oom.group`` is set so an OOM kill takes the whole group at once.
+* OOM evidence: v2 ``memory.events`` has ``oom_kill N``. v1 ``memory.oom_control``
+  has an ``oom_kill`` field since Linux 4.13; older kernels only show
+  ``memory.failcnt`` (times the limit was hit), which is weaker evidence and is
+  reported as such.
+* ``rmdir`` removes a group only once it has no processes; right after the last
+  member is reaped it can still be briefly busy, so removal retries on EBUSY.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import functools
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+DEFAULT_PARENT = "vmfork"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+_REMOVE_RETRY_S = 2.0
+
+
+class CgroupError(Exception):
+    """A cgroup operation failed. ``op`` names the step, ``path`` the file or directory."""
+
+    def __init__(self, message: str, *, op: str, path: str | None = None,
+                 errno: int | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+        self.path = path
+        self.errno = errno
+
+
+class CgroupUnavailable(CgroupError):
+    """A memory limit was asked for, but this host has no usable memory controller."""
+
+
+class CgroupBusy(CgroupError):
+    """The group still has processes (rmdir refused, or a live group of that name exists)."""
+
+
+@dataclass(frozen=True)
+class MemoryHierarchy:
+    """Where the memory controller lives: its version and its mount point."""
+
+    version: Literal[1, 2]
+    root: Path
+
+    @property
+    def limit_file(self) -> str:
+        return "memory.max" if self.version == 2 else "memory.limit_in_bytes"
+
+
+@dataclass(frozen=True)
+class ChildCgroup:
+    """One child's group. ``path`` is absolute; ``name`` is relative to the hierarchy root."""
+
+    hierarchy: MemoryHierarchy
+    path: Path
+    limit_bytes: int
+
+    @property
+    def name(self) -> str:
+        return "/" + str(self.path.relative_to(self.hierarchy.root))
+
+
+@dataclass(frozen=True)
+class OomInfo:
+    """OOM evidence read from a group. ``oom_kills`` is None where the kernel has no counter."""
+
+    oom_kills: int | None
+    limit_hits: int
+
+    @property
+    def oom_killed(self) -> bool:
+        if self.oom_kills is not None:
+            return self.oom_kills > 0
+        return self.limit_hits > 0
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    removed: tuple[str, ...]
+    busy: tuple[str, ...]
+
+
+def _mountinfo_entries(text: str) -> list[tuple[str, str, str]]:
+    """(mount point, fs type, super options) for each line of /proc/self/mountinfo."""
+    out: list[tuple[str, str, str]] = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        fields = left.split()
+        rfields = right.split()
+        if len(fields) < 5 or len(rfields) < 3:
+            continue
+        mount_point = fields[4].replace("\\040", " ")
+        out.append((mount_point, rfields[0], rfields[2]))
+    return out
+
+
+def detect_from(mountinfo: str) -> MemoryHierarchy | None:
+    """Pick the memory hierarchy from a mountinfo text: v2 with memory first, then v1."""
+    entries = _mountinfo_entries(mountinfo)
+    for mount_point, fstype, _ in entries:
+        if fstype != "cgroup2":
+            continue
+        try:
+            controllers = Path(mount_point, "cgroup.controllers").read_text().split()
+        except OSError:
+            continue
+        if "memory" in controllers:
+            return MemoryHierarchy(2, Path(mount_point))
+    for mount_point, fstype, options in entries:
+        if fstype == "cgroup" and "memory" in options.split(","):
+            return MemoryHierarchy(1, Path(mount_point))
+    return None
+
+
+@functools.cache
+def detect() -> MemoryHierarchy | None:
+    """The host's memory hierarchy (probed once per process), or None if there is none."""
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return None
+    return detect_from(text)
+
+
+def require() -> MemoryHierarchy:
+    """The memory hierarchy, or a CgroupUnavailable that says what to do."""
+    found = detect()
+    if found is None:
+        raise CgroupUnavailable(
+            "a memory limit was requested but no cgroup memory controller is mounted "
+            "(neither cgroup v2 with 'memory' in cgroup.controllers nor a v1 'memory' "
+            "hierarchy in /proc/self/mountinfo); mount one, or spawn without "
+            "memory_limit_mib", op="detect")
+    return found
+
+
+def validate_name(name: str, what: str = "vm_id") -> str:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"invalid {what} {name!r}: use 1-64 characters from "
+                         "[A-Za-z0-9_.-], not starting with '.' or '-'")
+    return name
+
+
+def validate_parent(parent: str) -> str:
+    """A parent group path relative to the hierarchy root, e.g. ``vmfork`` or ``a/b``."""
+    parts = parent.strip("/").split("/")
+    for part in parts:
+        validate_name(part, "cgroup_parent component")
+    return "/".join(parts)
+
+
+def _write(path: Path, value: str, op: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError as err:
+        raise CgroupError(f"cgroup {op}: writing {value!r} to {path} failed: "
+                          f"{os.strerror(err.errno or 0)}", op=op, path=str(path),
+                          errno=err.errno) from err
+
+
+def parent_path(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
+    return h.root / validate_parent(parent)
+
+
+def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
+    """Create the parent group (and its ancestors); on v2 delegate memory down to it."""
+    target = parent_path(h, parent)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CgroupError(f"cgroup mkdir: cannot create {target}: {os.strerror(err.errno or 0)} "
+                          "(run as root, or pass a cgroup_parent delegated to this user)",
+                          op="mkdir", path=str(target), errno=err.errno) from err
+    if h.version == 2:
+        node = h.root
+        for part in [*target.relative_to(h.root).parts, None]:
+            control = node / "cgroup.subtree_control"
+            if "memory" not in control.read_text().split():
+                _write(control, "+memory", "enable-memory")
+            if part is None:
+                break
+            node = node / part
+    return target
+
+
+def _procs(path: Path) -> list[int]:
+    try:
+        return [int(x) for x in (path / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
+           parent: str = DEFAULT_PARENT) -> ChildCgroup:
+    """Make ``<parent>/<vm_id>`` with a memory limit of ``limit_bytes``.
+
+    An empty leftover group of the same name (a crashed spawner's) is replaced; a
+    group that still has processes is CgroupBusy.
+    """
+    validate_name(vm_id)
+    if limit_bytes <= 0:
+        raise ValueError(f"memory limit must be positive, got {limit_bytes} bytes")
+    path = ensure_parent(h, parent) / vm_id
+    try:
+        path.mkdir()
+    except FileExistsError:
+        if _procs(path):
+            raise CgroupBusy(f"cgroup {path} already exists and has processes "
+                             f"{_procs(path)}: another child with vm_id {vm_id!r} is alive",
+                             op="mkdir", path=str(path), errno=errno_mod.EEXIST) from None
+        _rmdir(path)
+        path.mkdir()
+    except OSError as err:
+        raise CgroupError(f"cgroup mkdir: cannot create {path}: {os.strerror(err.errno or 0)}",
+                          op="mkdir", path=str(path), errno=err.errno) from err
+    cg = ChildCgroup(h, path, limit_bytes)
+    try:
+        _write(path / h.limit_file, str(limit_bytes), "set-limit")
+        if h.version == 1:
+            memsw = path / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                _write(memsw, str(limit_bytes), "set-memsw-limit")
+        else:
+            if (path / "memory.swap.max").exists():
+                _write(path / "memory.swap.max", "0", "set-swap-max")
+            if (path / "memory.oom.group").exists():
+                _write(path / "memory.oom.group", "1", "set-oom-group")
+    except BaseException:
+        remove(cg)
+        raise
+    return cg
+
+
+def join(cg: ChildCgroup, pid: int) -> None:
+    """Move process ``pid`` (all its threads) into the group."""
+    _write(cg.path / "cgroup.procs", str(pid), "join")
+
+
+def procs(cg: ChildCgroup) -> list[int]:
+    return _procs(cg.path)
+
+
+def read_oom(cg: ChildCgroup) -> OomInfo:
+    """OOM evidence for the group: kill count where the kernel has one, and limit hits."""
+    h = cg.hierarchy
+    try:
+        if h.version == 2:
+            fields = _keyed(cg.path / "memory.events")
+            return OomInfo(fields.get("oom_kill", 0), fields.get("max", 0))
+        fields = _keyed(cg.path / "memory.oom_control")
+        failcnt = int((cg.path / "memory.failcnt").read_text())
+        return OomInfo(fields.get("oom_kill"), failcnt)
+    except OSError as err:
+        raise CgroupError(f"cgroup read-oom: cannot read OOM counters of {cg.path}: "
+                          f"{os.strerror(err.errno or 0)}", op="read-oom", path=str(cg.path),
+                          errno=err.errno) from err
+
+
+def _keyed(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().lstrip("-").isdigit():
+            out[key] = int(value)
+    return out
+
+
+def kill_all(cg: ChildCgroup, sig: int) -> None:
+    """Signal every process in the group (catches grandchildren that left the process group)."""
+    if cg.hierarchy.version == 2 and sig == 9 and (cg.path / "cgroup.kill").exists():
+        _write(cg.path / "cgroup.kill", "1", "kill")
+        return
+    for pid in procs(cg):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _rmdir(path: Path, timeout: float = _REMOVE_RETRY_S) -> None:
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            if err.errno != errno_mod.EBUSY or time.monotonic() >= deadline:
+                cls = CgroupBusy if err.errno == errno_mod.EBUSY else CgroupError
+                raise cls(f"cgroup rmdir: cannot remove {path}: {os.strerror(err.errno or 0)}"
+                          f" (processes still inside: {_procs(path)}; kill them first)",
+                          op="rmdir", path=str(path), errno=err.errno) from err
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def remove(cg: ChildCgroup, timeout: float = _REMOVE_RETRY_S) -> None:
+    """Remove the group once its processes are gone (retrying briefly on EBUSY)."""
+    _rmdir(cg.path, timeout)
+
+
+def list_groups(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> list[str]:
+    """Names of the child groups under ``parent`` (for leak checks and sweeps)."""
+    try:
+        return sorted(e.name for e in os.scandir(parent_path(h, parent)) if e.is_dir())
+    except FileNotFoundError:
+        return []
+
+
+def sweep_stale(active_ids: set[str] | frozenset[str], *, parent: str = DEFAULT_PARENT,
+                kill: bool = False, hierarchy: MemoryHierarchy | None = None) -> SweepReport:
+    """Remove child groups under ``parent`` whose vm_id is not in ``active_ids``.
+
+    For crash recovery: after a spawner restart, groups of children nobody tracks
+    are leftovers. Empty ones are removed. Ones that still hold processes are left
+    alone and reported as busy, unless ``kill`` is set: then their processes are
+    SIGKILLed first (only do that when ``parent`` is owned by this spawner alone).
+    """
+    h = hierarchy or detect()
+    if h is None:
+        return SweepReport((), ())
+    removed: list[str] = []
+    busy: list[str] = []
+    for name in list_groups(h, parent):
+        if name in active_ids:
+            continue
+        cg = ChildCgroup(h, parent_path(h, parent) / name, 0)
+        if procs(cg) and kill:
+            kill_all(cg, 9)
+        try:
+            remove(cg, timeout=1.0 if kill else 0.0)
+            removed.append(name)
+        except CgroupError:
+            busy.append(name)
+    return SweepReport(tuple(removed), tuple(busy))

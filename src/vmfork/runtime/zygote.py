@@ -1,0 +1,628 @@
+"""The spawner: a pre-imported, single-threaded process that forks VMM processes.
+
+``python -m vmfork.runtime.zygote --socket PATH [--preload MOD ...]`` imports the
+heavy modules once, then serves the JSON-lines protocol of ``zygote_protocol`` on
+a Unix socket. A spawn is one ``fork()``: the child starts with every module
+already imported, so it never pays interpreter start-up (DESIGN.md decision 1). A
+KVM VM does not survive fork (it belongs to the mm that created it), so the
+zygote never opens ``/dev/kvm``; each child creates its own VM in its entry.
+
+Fork safety. ``fork()`` copies only the calling thread. A lock held by any other
+thread at that instant stays locked forever in the child (the malloc arena lock,
+the import lock, a logging handler's lock), so the zygote must never have a
+second thread: not its own, not one started by a preloaded module or a C
+extension. The count of ``/proc/self/task`` entries (which sees native threads
+too, unlike ``threading``) is asserted to be 1 before every fork batch; a zygote
+that grew a thread refuses to fork rather than produce children that hang.
+Everything is therefore one ``selectors`` loop: the listening socket, client
+connections, one pidfd per child, and a signal wakeup socket.
+
+Reaping with pidfds. ``pidfd_open(pid)`` right after ``fork()`` is race-free
+(nobody else can reap our child, so the pid cannot be recycled before we hold
+the pidfd). A pidfd becomes readable when its process exits; the loop then calls
+``waitid(P_PIDFD, fd, WEXITED)``, which reaps exactly that child exactly once and
+can never collect a recycled pid. No SIGCHLD handler is needed. Signals go
+through the pidfd as well (``pidfd_send_signal``). While a child is an unreaped
+zombie its pid, and hence its process-group id, stays allocated, so
+``killpg(pid)`` before ``waitid`` safely reaches only what the child left in its
+group.
+
+Leak safety: when a child ends (exit, kill, crash, OOM), the zygote kills what is
+left of its process group and its cgroup, removes its cgroup directory and its
+``run_dir`` (see below), and closes its pidfd. The zygote's own fds are never
+inherited: each child closes everything above 2 (``zygote_child``).
+
+``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
+at least two levels below ``/``), the zygote creates that directory (mode 0700)
+before forking if it does not exist, and removes the whole tree after the child
+has been reaped. Put sockets and scratch files there; put a log you want to keep
+(``log_path``) outside it. The log tail is read before the tree is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import logging
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vmfork.runtime import cgroups, supervise
+from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
+from vmfork.runtime.zygote_protocol import MAX_LINE, encode
+
+log = logging.getLogger("vmfork.zygote")
+
+DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.vmm.snapshot", "vmfork.runtime.vmmchild")
+EVENTS_KEPT = 10_000
+
+
+class RequestError(Exception):
+    """A request the zygote refuses; ``type`` goes into the error reply."""
+
+    def __init__(self, message: str, type: str = "BadRequest") -> None:
+        super().__init__(message)
+        self.type = type
+
+
+@dataclass
+class _Child:
+    vm_id: str
+    pid: int
+    pidfd: int
+    entry: str
+    cgroup: cgroups.ChildCgroup | None
+    log_path: str | None
+    run_dir: str | None
+    started_mono: float
+    started_at: float
+    kill_requested: bool = False
+
+    def info(self) -> dict[str, Any]:
+        return {"vm_id": self.vm_id, "pid": self.pid, "entry": self.entry,
+                "cgroup": self.cgroup.name if self.cgroup else None,
+                "started_at": self.started_at, "log_path": self.log_path,
+                "run_dir": self.run_dir}
+
+
+@dataclass
+class _Prepared:
+    vm_id: str
+    args: dict[str, Any]
+    cgroup: cgroups.ChildCgroup | None
+    log_path: str | None
+    run_dir: str | None
+
+
+class _Slot:
+    """One reply, in request order; ``reply`` is None until it is known (``wait``)."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self, reply: dict[str, Any] | None = None) -> None:
+        self.reply = reply
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    slots: deque[_Slot] = field(default_factory=deque)
+    writing: bool = False
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _validate_run_dir(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not os.path.isabs(value):
+        raise RequestError(f"args.run_dir must be an absolute path, got {value!r}")
+    norm = os.path.normpath(value)
+    if len(Path(norm).parts) < 3:
+        raise RequestError(f"args.run_dir {value!r} is too close to / to be removed on exit; "
+                           "use a per-child directory such as /run/vmfork/<vm_id>")
+    return norm
+
+
+class Zygote:
+    def __init__(self, socket_path: str, preloaded: list[str], preload_failed: list[str]) -> None:
+        self.socket_path = socket_path
+        self.preloaded = preloaded
+        self.preload_failed = preload_failed
+        self.pid = os.getpid()
+        self.started = time.monotonic()
+        self.children: dict[str, _Child] = {}
+        self.by_pidfd: dict[int, _Child] = {}
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
+        self.next_seq = 1
+        self.waiters: dict[str, list[_Slot]] = {}
+        self.entries: dict[str, Entry] = {}
+        self.conns: dict[int, _Conn] = {}
+        self.stopping = False
+        self.sel = selectors.DefaultSelector()
+        self.listener = self._listen(socket_path)
+        self.sel.register(self.listener, selectors.EVENT_READ, "listen")
+        self.sig_r, self.sig_w = socket.socketpair()
+        self.sig_r.setblocking(False)
+        self.sig_w.setblocking(False)
+        signal.set_wakeup_fd(self.sig_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: None)
+        self.sel.register(self.sig_r, selectors.EVENT_READ, "signal")
+
+    @staticmethod
+    def _listen(path: str) -> socket.socket:
+        if os.path.exists(path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(path)
+            except OSError:
+                os.unlink(path)  # stale socket from a dead zygote
+            else:
+                raise SystemExit(f"vmfork zygote: another zygote already listens on {path}")
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        sock.listen(128)
+        sock.setblocking(False)
+        return sock
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self.stopping:
+            for key, mask in self.sel.select():
+                tag = key.data
+                if tag == "listen":
+                    self._accept()
+                elif tag == "signal":
+                    self._signals()
+                elif isinstance(tag, _Child):
+                    if tag.pidfd in self.by_pidfd:
+                        self._reap(tag)
+                elif isinstance(tag, _Conn):
+                    if mask & selectors.EVENT_READ:
+                        self._read(tag)
+                    if mask & selectors.EVENT_WRITE and tag.sock.fileno() in self.conns:
+                        self._flush(tag)
+                if self.stopping:
+                    break
+        self._shutdown_all()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            sock.setblocking(False)
+            conn = _Conn(sock)
+            self.conns[sock.fileno()] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _signals(self) -> None:
+        try:
+            data = self.sig_r.recv(256)
+        except BlockingIOError:
+            return
+        if any(b in (signal.SIGTERM, signal.SIGINT) for b in data):
+            log.info("signal received; shutting down")
+            self.stopping = True
+
+    def _close_conn(self, conn: _Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd in self.conns:
+            del self.conns[fd]
+            self.sel.unregister(conn.sock)
+        for slots in self.waiters.values():
+            for slot in list(slots):
+                if slot in conn.slots:
+                    slots.remove(slot)
+        conn.sock.close()
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_conn(conn)
+            return
+        conn.inbuf += data
+        while True:
+            nl = conn.inbuf.find(b"\n")
+            if nl < 0:
+                break
+            line = bytes(conn.inbuf[:nl])
+            del conn.inbuf[:nl + 1]
+            if line.strip():
+                conn.slots.append(self._handle_line(line))
+            if self.stopping:
+                break
+        if len(conn.inbuf) > MAX_LINE:
+            conn.slots.append(_Slot(_error("BadRequest", f"request line over {MAX_LINE} bytes")))
+            conn.inbuf.clear()
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.slots and conn.slots[0].reply is not None:
+            reply = conn.slots.popleft().reply
+            assert reply is not None
+            conn.outbuf += encode(reply)
+        while conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._close_conn(conn)
+                return
+            del conn.outbuf[:sent]
+        want = bool(conn.outbuf)
+        if want != conn.writing and conn.sock.fileno() in self.conns:
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if want else 0)
+            self.sel.modify(conn.sock, events, conn)
+            conn.writing = want
+
+    # -- requests ---------------------------------------------------------------------
+
+    def _handle_line(self, line: bytes) -> _Slot:
+        op = "?"
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict):
+                raise RequestError("a request must be a JSON object")
+            op = str(req.get("op"))
+            handler = getattr(self, "_op_" + op, None) if op.isidentifier() else None
+            if handler is None:
+                raise RequestError(f"unknown op {op!r}; expected one of spawn, spawn_many, "
+                                   "kill, wait, list, events, ping, shutdown")
+            result = handler(req)
+            if isinstance(result, _Slot):
+                return result
+            return _Slot({"ok": True, **result})
+        except RequestError as err:
+            return _Slot(_error(err.type, f"{op}: {err}"))
+        except json.JSONDecodeError as err:
+            return _Slot(_error("BadRequest", f"request is not valid JSON: {err}"))
+        except (ValueError, TypeError, KeyError) as err:
+            return _Slot(_error("BadRequest", f"{op}: {err}"))
+        except cgroups.CgroupError as err:
+            return _Slot(_error(type(err).__name__, f"{op}: {err}"))
+        except Exception as err:  # one bad request must not stop the zygote
+            log.exception("request %s failed", op)
+            return _Slot(_error(type(err).__name__, f"{op}: {err}"))
+
+    def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"pid": self.pid, "preloaded": self.preloaded,
+                "preload_failed": self.preload_failed, "children": len(self.children),
+                "uptime_s": time.monotonic() - self.started}
+
+    def _op_list(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"children": [c.info() for c in self.children.values()]}
+
+    def _op_events(self, req: dict[str, Any]) -> dict[str, Any]:
+        since = int(req.get("since", 0))
+        return {"events": [e for e in self.events if e["seq"] > since],
+                "next": self.next_seq - 1}
+
+    def _op_spawn(self, req: dict[str, Any]) -> dict[str, Any]:
+        entry = self._resolve(req.get("entry"))
+        prepared = self._prepare(req)
+        self._check_threads()
+        try:
+            child = self._fork(str(req["entry"]), entry, prepared)
+        except BaseException:
+            self._discard(prepared)
+            raise
+        return {"child": child.info()}
+
+    def _op_spawn_many(self, req: dict[str, Any]) -> dict[str, Any]:
+        entry = self._resolve(req.get("entry"))
+        items = req.get("items")
+        if not isinstance(items, list):
+            raise RequestError("spawn_many needs items: a list of {vm_id, args?, ...}")
+        failed: list[dict[str, str]] = []
+        batch: list[_Prepared] = []
+        seen: set[str] = set()
+        for item in items:
+            vm_id = str(item.get("vm_id")) if isinstance(item, dict) else "?"
+            try:
+                if not isinstance(item, dict):
+                    raise RequestError("each item must be an object")
+                if vm_id in seen:
+                    raise RequestError(f"vm_id {vm_id!r} appears twice in this batch",
+                                       "AlreadyExists")
+                batch.append(self._prepare(item))
+                seen.add(vm_id)
+            except (RequestError, ValueError, cgroups.CgroupError, OSError) as err:
+                failed.append({"vm_id": vm_id, "error": str(err)})
+        self._check_threads()
+        spawned: list[dict[str, Any]] = []
+        name = str(req["entry"])
+        for i, prep in enumerate(batch):
+            try:
+                spawned.append(self._fork(name, entry, prep).info())
+            except OSError as err:
+                for rest in batch[i:]:
+                    self._discard(rest)
+                    failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {err}"})
+                break
+        return {"children": spawned, "failed": failed}
+
+    def _op_kill(self, req: dict[str, Any]) -> dict[str, Any]:
+        child = self._child(req)
+        sig = int(req.get("signal", signal.SIGKILL))
+        child.kill_requested = True
+        self._signal_child(child, sig)
+        return {"sent": True}
+
+    def _op_wait(self, req: dict[str, Any]) -> _Slot | dict[str, Any]:
+        vm_id = str(req.get("vm_id"))
+        if vm_id in self.children:
+            slot = _Slot()
+            self.waiters.setdefault(vm_id, []).append(slot)
+            return slot
+        for event in reversed(self.events):
+            if event["vm_id"] == vm_id:
+                return {"event": event}
+        raise RequestError(f"no child with vm_id {vm_id!r} (never spawned, or its exit "
+                           "event is no longer kept)", "NotFound")
+
+    def _op_shutdown(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.stopping = True
+        return {"children_killed": len(self.children)}
+
+    # -- spawning ---------------------------------------------------------------------
+
+    def _resolve(self, name: object) -> Entry:
+        if not isinstance(name, str) or name.count(":") != 1:
+            raise RequestError(f"entry must be 'module:function', got {name!r}")
+        cached = self.entries.get(name)
+        if cached is not None:
+            return cached
+        module_name, func_name = name.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise RequestError(f"cannot import entry module {module_name!r}: {err}",
+                               "EntryNotFound") from err
+        func = getattr(module, func_name, None)
+        if not callable(func):
+            raise RequestError(f"entry {name!r}: module {module_name} has no function "
+                               f"{func_name!r}", "EntryNotFound")
+        self.entries[name] = func
+        return func  # type: ignore[no-any-return]
+
+    def _check_threads(self) -> None:
+        n = _thread_count()
+        if n != 1:
+            raise RequestError(f"the zygote has {n} threads (a preloaded or entry module "
+                               "started one); forking now could deadlock children, so it "
+                               "refuses. Remove the thread from import time, or restart the "
+                               "zygote without that module", "NotForkSafe")
+
+    def _prepare(self, req: dict[str, Any]) -> _Prepared:
+        vm_id = cgroups.validate_name(str(req.get("vm_id")))
+        if vm_id in self.children:
+            raise RequestError(f"a child with vm_id {vm_id!r} is already running "
+                               f"(pid {self.children[vm_id].pid})", "AlreadyExists")
+        args = req.get("args", {})
+        if not isinstance(args, dict):
+            raise RequestError("args must be a JSON object")
+        log_path = args.get("log_path")
+        if log_path is not None and not isinstance(log_path, str):
+            raise RequestError("args.log_path must be a string")
+        run_dir = _validate_run_dir(args.get("run_dir"))
+        limit = req.get("memory_limit_mib")
+        cg: cgroups.ChildCgroup | None = None
+        if limit is not None:
+            if not isinstance(limit, int) or limit <= 0:
+                raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
+            parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
+            cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent)
+        if run_dir is not None:
+            try:
+                os.makedirs(run_dir, mode=0o700, exist_ok=True)
+            except OSError as err:
+                if cg is not None:
+                    cgroups.remove(cg)
+                raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
+                                   "HostError") from err
+        return _Prepared(vm_id, args, cg, log_path, run_dir)
+
+    def _discard(self, prep: _Prepared) -> None:
+        if prep.cgroup is not None:
+            try:
+                cgroups.remove(prep.cgroup)
+            except cgroups.CgroupError as err:
+                log.warning("%s", err)
+        if prep.run_dir is not None:
+            shutil.rmtree(prep.run_dir, ignore_errors=True)
+
+    def _fork(self, name: str, entry: Entry, prep: _Prepared) -> _Child:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        forked_ns = time.monotonic_ns()
+        pid = os.fork()
+        if pid == 0:
+            run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns, entry=entry,
+                      args=prep.args, cgroup=prep.cgroup, log_path=prep.log_path)
+        pidfd = os.pidfd_open(pid)
+        child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
+                       time.monotonic(), time.time())
+        self.children[prep.vm_id] = child
+        self.by_pidfd[pidfd] = child
+        self.sel.register(pidfd, selectors.EVENT_READ, child)
+        return child
+
+    def _child(self, req: dict[str, Any]) -> _Child:
+        vm_id = str(req.get("vm_id"))
+        child = self.children.get(vm_id)
+        if child is None:
+            raise RequestError(f"no running child with vm_id {vm_id!r}", "NotFound")
+        return child
+
+    @staticmethod
+    def _signal_child(child: _Child, sig: int) -> None:
+        # The child may not have reached setsid() yet, so signal it through its pidfd
+        # and, separately, whatever is in its process group.
+        try:
+            signal.pidfd_send_signal(child.pidfd, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            os.killpg(child.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # -- reaping ----------------------------------------------------------------------
+
+    def _reap(self, child: _Child, block: bool = False) -> None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)  # leftovers; the zombie still holds the pgid
+        except (ProcessLookupError, PermissionError):
+            pass
+        result = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | (0 if block else os.WNOHANG))
+        if result is None:
+            return  # readable but not yet waitable; the next select() will come back
+        self.sel.unregister(child.pidfd)
+        del self.by_pidfd[child.pidfd]
+        os.close(child.pidfd)
+        del self.children[child.vm_id]
+        cleanup_errors: list[str] = []
+        oom: cgroups.OomInfo | None = None
+        if child.cgroup is not None:
+            try:
+                oom = cgroups.read_oom(child.cgroup)
+                cgroups.kill_all(child.cgroup, signal.SIGKILL)
+                cgroups.remove(child.cgroup)
+            except cgroups.CgroupError as err:
+                cleanup_errors.append(str(err))
+        tail = supervise.log_tail(child.log_path)
+        if child.run_dir is not None:
+            try:
+                shutil.rmtree(child.run_dir)
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                cleanup_errors.append(f"cannot remove run_dir {child.run_dir}: {err}")
+        cls = supervise.classify_exit(result.si_code, result.si_status,
+                                      kill_requested=child.kill_requested, oom=oom)
+        event = {"seq": self.next_seq, "vm_id": child.vm_id, "pid": child.pid,
+                 "reason": cls.reason, "description": cls.description,
+                 "exit_code": cls.exit_code, "signal": cls.signal,
+                 "core_dumped": cls.core_dumped, "kill_requested": child.kill_requested,
+                 "oom_kills": oom.oom_kills if oom else None,
+                 "runtime_s": time.monotonic() - child.started_mono,
+                 "log_tail": tail, "cleanup_errors": cleanup_errors}
+        self.next_seq += 1
+        self.events.append(event)
+        for problem in cleanup_errors:
+            log.warning("child %s: %s", child.vm_id, problem)
+        for slot in self.waiters.pop(child.vm_id, []):
+            slot.reply = {"ok": True, "event": event}
+        for conn in list(self.conns.values()):
+            if conn.slots and conn.slots[0].reply is not None:
+                self._flush(conn)
+
+    def _shutdown_all(self) -> None:
+        for child in list(self.children.values()):
+            child.kill_requested = True
+            self._signal_child(child, signal.SIGKILL)
+        for child in list(self.children.values()):
+            self._reap(child, block=True)
+        for conn in list(self.conns.values()):
+            conn.sock.setblocking(True)
+            conn.sock.settimeout(1.0)
+            for slot in conn.slots:
+                if slot.reply is None:
+                    slot.reply = _error("ShuttingDown", "the zygote is shutting down")
+            try:
+                self._flush(conn)
+                if conn.outbuf:
+                    conn.sock.sendall(conn.outbuf)
+            except OSError:
+                pass
+            self._close_conn(conn)
+        signal.set_wakeup_fd(-1)
+        self.sel.close()
+        self.listener.close()
+        self.sig_r.close()
+        self.sig_w.close()
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+
+def _error(type: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"type": type, "message": message}}
+
+
+def preload(required: list[str]) -> tuple[list[str], list[str]]:
+    """Import the default (optional) and the asked-for (required) modules."""
+    done: list[str] = []
+    failed: list[str] = []
+    for name in DEFAULT_PRELOAD:
+        try:
+            importlib.import_module(name)
+            done.append(name)
+        except ImportError as err:
+            log.warning("optional preload %s not imported: %s", name, err)
+            failed.append(name)
+    for name in required:
+        importlib.import_module(name)
+        done.append(name)
+    return done, failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vmfork.runtime.zygote",
+                                     description="vmfork's pre-imported VMM spawner")
+    parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="a module to import before serving (repeatable; must import)")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="die when this process (our parent) dies")
+    opts = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="vmfork zygote[%(process)d] %(levelname)s %(message)s")
+    if opts.parent_pid is not None and not die_with_parent(opts.parent_pid):
+        return 1  # the parent is already gone
+    done, failed = preload(opts.preload)
+    if _thread_count() != 1:
+        log.error("preloading started %d threads; a zygote must stay single-threaded",
+                  _thread_count() - 1)
+        return 1
+    gc.collect()
+    gc.freeze()  # keep the collector off inherited objects: fewer CoW faults, no finalizers
+    zygote = Zygote(opts.socket, done, failed)
+    zygote.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""What a forked child does between ``fork()`` and its entry function.
+
+The child contract, in the order the steps run (each has a reason):
+
+1. **Wakeup fd off.** The zygote routes signals to its selector through
+   ``signal.set_wakeup_fd``. The child inherits that setting at the C level; if it
+   stayed, a signal in the child would write a byte into whatever file later gets
+   that fd number. So it is the first thing undone.
+2. **Die with the zygote.** ``prctl(PR_SET_PDEATHSIG, SIGKILL)`` makes the kernel
+   kill the child when its parent *thread* exits. The zygote is single-threaded,
+   so that thread is the zygote itself. The race: the zygote can die between
+   ``fork()`` and the ``prctl``; the child would then have been re-parented already
+   and never get the signal. Hence the check right after: if ``getppid()`` is no
+   longer the zygote's pid, the child exits at once.
+3. **Own session.** ``setsid()`` makes the child a process-group (and session)
+   leader, so ``kill`` can signal the child and anything it started with one
+   ``killpg``, and a terminal's Ctrl-C reaches only the zygote, which shuts down in
+   order.
+4. **Signals as in a fresh interpreter.** The handlers the zygote installed
+   (SIGTERM, SIGINT) are put back to Python's start-up state (SIGTERM default,
+   SIGINT raising KeyboardInterrupt) and the signal mask is emptied.
+5. **Cgroup.** If the spawn asked for a memory limit, the child writes its own pid
+   into its group's ``cgroup.procs`` before it allocates anything of its own (v1
+   charges do not follow a process that moves later).
+6. **Fds.** stdin is ``/dev/null``; stdout and stderr go to ``args["log_path"]``
+   (opened for append, created 0644) if given, else stay the zygote's. Every other
+   fd is closed (``os.closerange`` uses close_range(2) on this kernel), so the
+   zygote's listening socket, client connections, pidfds and epoll fd never leak
+   into a child. The Python objects that wrapped them are still referenced by the
+   zygote's frames below this one; those frames never unwind in the child (it
+   always leaves through ``os._exit``) and the zygote calls ``gc.freeze()``, so no
+   finalizer can close an fd number the entry has since reused.
+7. **Entry.** ``function(args)`` runs; ``current()`` gives it a ``ChildContext``.
+   Its return value is the exit status (None is 0; an int must be 0-255). An
+   exception prints its traceback to stderr (the log) and exits 70; a failure in
+   steps 1-6 exits 71 with a message on stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from vmfork.runtime import cgroups
+from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+Entry = Callable[[dict[str, Any]], object]
+
+
+@dataclass(frozen=True)
+class ChildContext:
+    """Facts about the running child, for its entry. Times are CLOCK_MONOTONIC ns."""
+
+    vm_id: str
+    zygote_pid: int
+    forked_ns: int
+    entry_started_ns: int
+    cgroup: str | None
+
+
+_current: ChildContext | None = None
+
+
+def current() -> ChildContext | None:
+    """The context of this child, or None outside a zygote child."""
+    return _current
+
+
+def _fail(message: str) -> NoReturn:
+    try:
+        os.write(2, f"vmfork child: {message}\n".encode())
+    finally:
+        os._exit(EXIT_SETUP_FAILED)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """SIGKILL this process when its parent dies; False if the parent is already gone.
+
+    The check after the prctl closes the race where the parent died first (we were
+    re-parented before the prctl, so the signal would never come).
+    """
+    if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent_pid
+
+
+def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None) -> None:
+    signal.set_wakeup_fd(-1)
+    try:
+        alive = die_with_parent(zygote_pid)
+    except OSError as err:
+        _fail(f"{err.strerror}: {os.strerror(err.errno or 0)}")
+    if not alive:
+        os._exit(EXIT_SETUP_FAILED)  # the zygote died before the prctl; nobody to tell
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    if cgroup is not None:
+        try:
+            cgroups.join(cgroup, os.getpid())
+        except cgroups.CgroupError as err:
+            _fail(str(err))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    if log_path is not None:
+        try:
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError as err:
+            _fail(f"cannot open log_path {log_path}: {err.strerror}")
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+    os.closerange(3, 1 << 20)
+
+
+def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
+              args: dict[str, Any], cgroup: cgroups.ChildCgroup | None,
+              log_path: str | None) -> NoReturn:
+    """Set the child up (steps 1-6 above), run ``entry(args)`` and exit. Never returns."""
+    global _current
+    code = EXIT_SETUP_FAILED
+    try:
+        _setup(zygote_pid, cgroup, log_path)
+        _current = ChildContext(vm_id, zygote_pid, forked_ns, time.monotonic_ns(),
+                                cgroup.name if cgroup else None)
+        code = EXIT_ENTRY_RAISED
+        try:
+            result = entry(args)
+        except SystemExit as stop:
+            result = stop.code if isinstance(stop.code, int) or stop.code is None else 1
+            if not isinstance(stop.code, int) and stop.code is not None:
+                print(stop.code, file=sys.stderr)
+        if result is None:
+            code = 0
+        elif isinstance(result, int) and not isinstance(result, bool) and 0 <= result <= 255:
+            code = result
+        else:
+            print(f"vmfork child {vm_id}: entry returned {result!r}; expected None or an "
+                  "int exit status 0-255", file=sys.stderr)
+            code = EXIT_ENTRY_RAISED
+    except BaseException:  # noqa: BLE001 - the child must never unwind into the zygote
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
