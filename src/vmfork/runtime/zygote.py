@@ -66,6 +66,7 @@ log = logging.getLogger("vmfork.zygote")
 
 DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.vmm.snapshot", "vmfork.runtime.vmmchild")
 EVENTS_KEPT = 10_000
+_BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
 
 
 class RequestError(Exception):
@@ -465,11 +466,20 @@ class Zygote:
     def _fork(self, name: str, entry: Entry, prep: _Prepared) -> _Child:
         sys.stdout.flush()
         sys.stderr.flush()
-        forked_ns = time.monotonic_ns()
-        pid = os.fork()
-        if pid == 0:
-            run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns, entry=entry,
-                      args=prep.args, cgroup=prep.cgroup, log_path=prep.log_path)
+        # Signals stay blocked across fork(): until the child has reset its handlers
+        # and its wakeup fd, a signal sent to it (a quick kill) would run the zygote's
+        # handler and write into the zygote's own wakeup socket, which the child
+        # shares: the zygote would read the child's SIGTERM as its own.
+        signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
+        try:
+            forked_ns = time.monotonic_ns()
+            pid = os.fork()
+            if pid == 0:
+                run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
+                          entry=entry, args=prep.args, cgroup=prep.cgroup,
+                          log_path=prep.log_path)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)
         child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
                        time.monotonic(), time.time())

@@ -16,9 +16,12 @@ The child contract, in the order the steps run (each has a reason):
    leader, so ``kill`` can signal the child and anything it started with one
    ``killpg``, and a terminal's Ctrl-C reaches only the zygote, which shuts down in
    order.
-4. **Signals as in a fresh interpreter.** The handlers the zygote installed
-   (SIGTERM, SIGINT) are put back to Python's start-up state (SIGTERM default,
-   SIGINT raising KeyboardInterrupt) and the signal mask is emptied.
+4. **Signals as in a fresh interpreter.** The zygote forks with every signal
+   blocked, so nothing sent to a new child (a kill right after spawn) can run the
+   zygote's handlers, whose wakeup fd the child shares with the zygote. The child
+   puts the handlers the zygote installed (SIGTERM, SIGINT) back to Python's
+   start-up state (SIGTERM default, SIGINT raising KeyboardInterrupt), and only then
+   empties the signal mask; pending signals are delivered at that point.
 5. **Cgroup.** If the spawn asked for a memory limit, the child writes its own pid
    into its group's ``cgroup.procs`` before it allocates anything of its own (v1
    charges do not follow a process that moves later).

@@ -1,0 +1,339 @@
+"""The zygote spawner, end to end: a real zygote process, real forks, real cgroups.
+
+Entries live in ``test_zygote_entries``. Tests that need a memory cgroup (root and a
+v1 or v2 memory controller) skip with the reason otherwise; they use a parent group
+of their own (``vmfork-test-<pid>``) and remove it afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vmfork.runtime import cgroups
+from vmfork.runtime.supervise import child_pids, leak_snapshot
+from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
+from vmfork.runtime.zygote_protocol import SpawnItem, ZygoteError
+
+HERE = Path(__file__).resolve().parent
+E = "test_zygote_entries:"
+CG_PARENT = f"vmfork-test-{os.getpid()}"
+
+needs_cgroup = pytest.mark.skipif(
+    os.geteuid() != 0 or cgroups.detect() is None,
+    reason="needs root and a cgroup memory controller (v2 memory.max or v1 memory)")
+
+
+def _start(tmp: Path) -> ZygoteProcess:
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    return start_zygote(tmp / "zygote.sock", env=env)
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
+    z = _start(tmp_path_factory.mktemp("zygote"))
+    yield z
+    assert z.close() == 0
+    h = cgroups.detect()
+    if h is not None and os.geteuid() == 0:
+        report = cgroups.sweep_stale(set(), parent=CG_PARENT, kill=True)
+        assert not report.busy
+        try:
+            os.rmdir(cgroups.parent_path(h, CG_PARENT))
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture
+def client(zygote: ZygoteProcess) -> Iterator[ZygoteClient]:
+    with zygote.client() as c:
+        yield c
+
+
+def _until(pred: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def _read_json(path: Path, timeout: float = 10.0) -> Any:
+    _until(path.exists, timeout, f"{path}")
+    return json.loads(path.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+_ids = iter(range(1_000_000))
+
+
+def vid(prefix: str = "t") -> str:
+    return f"{prefix}{next(_ids)}"
+
+
+# -- exits and reasons ----------------------------------------------------------------
+
+
+def test_exit_code_is_the_entry_return_value(client: ZygoteClient, tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    child = client.spawn(E + "exit_with", {"code": 7, "log_path": str(log)}, vm_id=vid())
+    assert child.pid > 0 and child.cgroup is None
+    event = client.wait(child.vm_id)
+    assert (event.reason, event.exit_code, event.signal) == ("exited", 7, None)
+    assert event.log_tail == ["exiting with 7"]
+
+
+def test_entry_exception_exits_70_with_traceback_in_log(client: ZygoteClient,
+                                                         tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    event = client.wait(client.spawn(E + "raise_error", {"log_path": str(log)},
+                                     vm_id=vid()).vm_id)
+    assert event.exit_code == 70 and "entry raised" in event.description
+    assert event.log_tail[-1] == "RuntimeError: boom from the entry"
+
+
+def test_kill_with_a_signal_is_reported_as_killed(client: ZygoteClient) -> None:
+    child = client.spawn(E + "sleep", vm_id=vid())
+    event = client.kill_and_wait(child.vm_id, signal.SIGTERM)
+    assert (event.reason, event.signal, event.kill_requested) == ("killed", 15, True)
+    assert "killed by signal 15 (SIGTERM)" in event.description
+    assert not _alive(child.pid)
+
+
+def test_segfault_is_reported_as_crashed(client: ZygoteClient) -> None:
+    event = client.wait(client.spawn(E + "segfault", vm_id=vid()).vm_id)
+    assert (event.reason, event.signal, event.kill_requested) == ("crashed", 11, False)
+    assert "SIGSEGV" in event.description
+
+
+def test_events_cursor_returns_only_newer_exits(client: ZygoteClient) -> None:
+    _, cursor = client.events()
+    a, b = vid(), vid()
+    client.spawn(E + "exit_with", {"code": 1}, vm_id=a)
+    client.wait(a)
+    events, cursor2 = client.events(cursor)
+    assert [e.vm_id for e in events] == [a]
+    client.spawn(E + "exit_with", {"code": 2}, vm_id=b)
+    client.wait(b)
+    events, _ = client.events(cursor2)
+    assert [(e.vm_id, e.exit_code) for e in events] == [(b, 2)]
+
+
+def test_list_shows_running_children_only(client: ZygoteClient) -> None:
+    child = client.spawn(E + "sleep", vm_id=vid())
+    assert child.vm_id in {c.vm_id for c in client.list()}
+    client.kill_and_wait(child.vm_id)
+    assert child.vm_id not in {c.vm_id for c in client.list()}
+
+
+# -- bad requests ---------------------------------------------------------------------
+
+
+def test_bad_requests_are_refused_with_a_reason(client: ZygoteClient) -> None:
+    with pytest.raises(ZygoteError, match="cannot import entry module") as err:
+        client.spawn("no_such_module_xyz:main", vm_id=vid())
+    assert err.value.type == "EntryNotFound"
+    with pytest.raises(ZygoteError, match="has no function"):
+        client.spawn(E + "no_such_function", vm_id=vid())
+    with pytest.raises(ZygoteError, match="invalid vm_id"):
+        client.spawn(E + "sleep", vm_id="../escape")
+    with pytest.raises(ZygoteError, match="run_dir"):
+        client.spawn(E + "sleep", {"run_dir": "relative/dir"}, vm_id=vid())
+    running = client.spawn(E + "sleep", vm_id=vid())
+    with pytest.raises(ZygoteError, match="already running") as err:
+        client.spawn(E + "sleep", vm_id=running.vm_id)
+    assert err.value.type == "AlreadyExists"
+    client.kill_and_wait(running.vm_id)
+    with pytest.raises(ZygoteError, match="no running child") as err:
+        client.kill(running.vm_id)
+    assert err.value.type == "NotFound"
+    with pytest.raises(ZygoteError, match="unknown op"):
+        client.request("frobnicate")
+    assert client.ping()["pid"] > 0  # the connection survived all of that
+
+
+# -- the child contract ---------------------------------------------------------------
+
+
+def test_child_inherits_no_zygote_fd_and_fresh_signals(zygote: ZygoteProcess,
+                                                       client: ZygoteClient,
+                                                       tmp_path: Path) -> None:
+    # A second connection and a sleeping sibling make sure the zygote holds sockets
+    # and pidfds at fork time, so a leak would be visible.
+    with zygote.client() as other:
+        other.ping()
+        sibling = client.spawn(E + "sleep", vm_id=vid())
+        zfds = {os.readlink(f"/proc/{zygote.pid}/fd/{fd}")
+                for fd in os.listdir(f"/proc/{zygote.pid}/fd")}
+        assert any(t.startswith("socket:") for t in zfds)
+        assert any("pidfd" in t for t in zfds)
+        log = tmp_path / "inspect.log"
+        out = tmp_path / "inspect.json"
+        child = client.spawn(E + "inspect", {"out": str(out), "log_path": str(log)},
+                             vm_id=vid())
+        report = _read_json(out)
+    client.kill_and_wait(sibling.vm_id)
+    assert client.wait(child.vm_id).exit_code == 0
+    assert report["fds"] == {"0": "/dev/null", "1": str(log), "2": str(log)}
+    assert report["ppid"] == zygote.pid
+    assert report["sid"] == report["pid"] == report["pgid"]
+    assert report["sigterm_default"] and report["sigint_python"]
+    assert int(report["sigblk"], 16) == 0
+    assert report["ctx"] == {"vm_id": child.vm_id, "zygote_pid": zygote.pid, "cgroup": None}
+
+
+def test_children_die_when_the_zygote_is_sigkilled(tmp_path: Path) -> None:
+    z = _start(tmp_path)
+    with z.client() as c:
+        pids = [c.spawn(E + "sleep", vm_id=vid()).pid for _ in range(3)]
+        pids += [ch.pid for ch in c.spawn_many(E + "sleep", [SpawnItem(vid()) for _ in
+                                                             range(5)]).children]
+    assert all(_alive(p) for p in pids)
+    os.kill(z.pid, signal.SIGKILL)
+    z.proc.wait()
+    _until(lambda: not any(_alive(p) for p in pids), 5.0, "children to die with the zygote")
+    assert not os.path.exists(tmp_path / "zygote.sock") or True  # stale socket is allowed
+    z2 = _start(tmp_path)  # a new zygote replaces the stale socket
+    assert z2.close() == 0
+
+
+def test_killing_a_child_kills_its_grandchildren(client: ZygoteClient, tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    child = client.spawn(E + "grandchild", {"out": str(out)}, vm_id=vid())
+    grandchild = _read_json(out)["grandchild"]
+    assert _alive(grandchild)
+    client.kill_and_wait(child.vm_id)
+    _until(lambda: not _alive(grandchild), 5.0, "the grandchild to die")
+
+
+def test_run_dir_is_removed_after_exit(client: ZygoteClient, tmp_path: Path) -> None:
+    run_dir = tmp_path / "runs" / "vm-a"
+    log = tmp_path / "a.log"
+    child = client.spawn(E + "fill_run_dir", {"run_dir": str(run_dir), "log_path": str(log)},
+                         vm_id=vid())
+    _until(lambda: (run_dir / "vm.sock").exists(), what="the entry to fill its run_dir")
+    event = client.kill_and_wait(child.vm_id)
+    assert not run_dir.exists() and event.cleanup_errors == []
+    assert log.exists()  # the log lives outside run_dir and is kept
+
+
+def test_spawn_many_runs_50_children_in_parallel(client: ZygoteClient, tmp_path: Path) -> None:
+    items = [SpawnItem(vid("m"), {"seconds": 1.0, "out": str(tmp_path / f"{i}.json")})
+             for i in range(50)]
+    t0 = time.monotonic()
+    result = client.spawn_many(E + "sleep", items)
+    assert result.failed == []
+    assert len({c.pid for c in result.children}) == 50
+    events = [client.wait(c.vm_id) for c in result.children]
+    elapsed = time.monotonic() - t0
+    assert all(e.reason == "exited" and e.exit_code == 0 for e in events)
+    # 50 one-second sleeps in sequence would take 50 s; in parallel about 1 s.
+    assert elapsed < 10, f"50 children took {elapsed:.1f} s: they did not run in parallel"
+    assert len(list(tmp_path.glob("*.json"))) == 50
+
+
+def test_spawn_many_reports_bad_items_and_forks_the_rest(client: ZygoteClient) -> None:
+    good = vid()
+    result = client.spawn_many(E + "exit_with", [SpawnItem(good, {"code": 0}),
+                                                 SpawnItem("bad/id"), SpawnItem(good)])
+    assert [c.vm_id for c in result.children] == [good]
+    assert [vm for vm, _ in result.failed] == ["bad/id", good]
+    assert client.wait(good).exit_code == 0
+
+
+# -- cgroups --------------------------------------------------------------------------
+
+
+@needs_cgroup
+def test_child_joins_its_cgroup_with_the_limit(client: ZygoteClient, tmp_path: Path) -> None:
+    h = cgroups.detect()
+    assert h is not None
+    out = tmp_path / "inspect.json"
+    child = client.spawn(E + "inspect", {"out": str(out), "linger": 3600}, vm_id=vid(),
+                         memory_limit_mib=96, cgroup_parent=CG_PARENT)
+    assert child.cgroup == f"/{CG_PARENT}/{child.vm_id}"
+    report = _read_json(out)
+    limit = int((h.root / CG_PARENT / child.vm_id / h.limit_file).read_text())
+    client.kill_and_wait(child.vm_id)
+    assert limit == 96 << 20
+    assert report["ctx"]["cgroup"] == child.cgroup
+    memory_line = [ln for ln in report["cgroup"].splitlines()
+                   if (h.version == 1 and ":memory:" in ln) or (h.version == 2 and
+                                                                ln.startswith("0::"))]
+    assert memory_line[0].endswith(child.cgroup)
+    assert child.vm_id not in cgroups.list_groups(h, CG_PARENT)
+
+
+@needs_cgroup
+def test_oom_kill_is_reported_as_oom_killed(client: ZygoteClient, tmp_path: Path) -> None:
+    out = tmp_path / "alloc.json"
+    child = client.spawn(E + "allocate", {"mib": 256, "out": str(out)}, vm_id=vid(),
+                         memory_limit_mib=64, cgroup_parent=CG_PARENT)
+    event = client.wait(child.vm_id, timeout=60)
+    assert event.reason == "oom-killed", event
+    assert event.signal == signal.SIGKILL and not event.kill_requested
+    assert event.oom_kills is None or event.oom_kills >= 1
+    assert not out.exists()
+    # The same allocation without a limit succeeds: the limit, not the entry, killed it.
+    free = client.spawn(E + "allocate", {"mib": 256, "out": str(out)}, vm_id=vid())
+    assert client.wait(free.vm_id, timeout=60).exit_code == 0
+
+
+@needs_cgroup
+def test_killed_child_in_a_cgroup_is_killed_not_oom(client: ZygoteClient) -> None:
+    child = client.spawn(E + "sleep", vm_id=vid(), memory_limit_mib=64,
+                         cgroup_parent=CG_PARENT)
+    event = client.kill_and_wait(child.vm_id)
+    assert (event.reason, event.oom_kills) == ("killed", 0)
+
+
+# -- leaks ----------------------------------------------------------------------------
+
+
+def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, client: ZygoteClient,
+                                             tmp_path: Path) -> None:
+    use_cg = os.geteuid() == 0 and cgroups.detect() is not None
+    run_root = tmp_path / "run"
+    run_root.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def snap() -> Any:
+        return leak_snapshot(zygote.pid, cgroup_parent=CG_PARENT, run_root=run_root)
+
+    client.ping()  # this test's connection is open before the baseline is taken
+    before = snap()
+    assert before.children == ()
+    for i in range(200):
+        vm_id = vid("leak")
+        args = {"run_dir": str(run_root / vm_id), "log_path": str(logs / f"{vm_id}.log"),
+                "seconds": 3600}
+        limit = 64 if use_cg and i % 2 == 0 else None
+        child = client.spawn(E + "fill_run_dir", args, vm_id=vm_id, memory_limit_mib=limit,
+                             cgroup_parent=CG_PARENT)
+        if i % 3 == 0:  # sometimes kill it mid-setup, sometimes once it is running
+            _until(lambda: Path(logs / f"{vm_id}.log").exists()
+                   and Path(logs / f"{vm_id}.log").stat().st_size > 0, what="entry running")
+        during = snap()
+        assert during.children == (child.pid,)
+        if limit:
+            assert during.cgroup_dirs == (vm_id,)
+        event = client.kill_and_wait(vm_id)
+        assert event.cleanup_errors == []
+    after = snap()
+    assert after == before, f"leaked: before {before}, after {after}"
+    assert child_pids(zygote.pid) == ()

@@ -1,0 +1,110 @@
+"""Entry functions the zygote tests fork into (no tests here; stdlib only).
+
+The zygote imports this module by name (``test_zygote_entries:<function>``) with
+``tests/unit`` on its PYTHONPATH. Each entry takes the spawn's ``args`` dict and
+returns the child's exit status. Files they write go to ``args["out"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from vmfork.runtime.zygote_child import current
+
+
+def _write(args: dict[str, Any], data: object) -> None:
+    out = Path(args["out"])
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.rename(out)
+
+
+def sleep(args: dict[str, Any]) -> int:
+    time.sleep(float(args.get("seconds", 3600)))
+    if "out" in args:
+        _write(args, {"pid": os.getpid(), "done": time.monotonic()})
+    return 0
+
+
+def exit_with(args: dict[str, Any]) -> int:
+    print(f"exiting with {args['code']}", flush=True)
+    return int(args["code"])
+
+
+def raise_error(args: dict[str, Any]) -> int:
+    raise RuntimeError("boom from the entry")
+
+
+def segfault(args: dict[str, Any]) -> int:
+    os.kill(os.getpid(), signal.SIGSEGV)
+    time.sleep(10)
+    return 0
+
+
+def inspect(args: dict[str, Any]) -> int:
+    """Report what the child inherited: fds, session, signals, cgroup, timing."""
+    fds: dict[str, str] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listdir's own fd, already closed
+    status = dict(line.split(":\t", 1) for line in
+                  Path("/proc/self/status").read_text().splitlines() if ":\t" in line)
+    ctx = current()
+    assert ctx is not None
+    _write(args, {
+        "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
+        "fds": fds, "sigblk": status["SigBlk"].strip(),
+        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "sigint_python": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "cgroup": Path("/proc/self/cgroup").read_text(),
+        "ctx": {"vm_id": ctx.vm_id, "zygote_pid": ctx.zygote_pid, "cgroup": ctx.cgroup},
+        "fork_to_entry_ns": ctx.entry_started_ns - ctx.forked_ns,
+    })
+    time.sleep(float(args.get("linger", 0)))
+    return 0
+
+
+def fork_to_entry(args: dict[str, Any]) -> int:
+    """Record the time from the zygote's fork() to this entry starting, then exit."""
+    ctx = current()
+    assert ctx is not None
+    now = time.monotonic_ns()
+    Path(args["out"], ctx.vm_id).write_text(f"{ctx.entry_started_ns - ctx.forked_ns} {now}")
+    return 0
+
+
+def allocate(args: dict[str, Any]) -> int:
+    """Touch ``mib`` MiB of fresh memory (memset, so every page is really charged)."""
+    chunks = []
+    for _ in range(int(args["mib"])):
+        chunks.append(b"\x01" * (1 << 20))
+    _write(args, {"allocated_mib": len(chunks)})
+    return 0
+
+
+def grandchild(args: dict[str, Any]) -> int:
+    """Start a grandchild that sleeps, report its pid, then sleep."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(3600)
+        os._exit(0)
+    _write(args, {"grandchild": pid})
+    time.sleep(3600)
+    return 0
+
+
+def fill_run_dir(args: dict[str, Any]) -> int:
+    run_dir = Path(args["run_dir"])
+    (run_dir / "sub").mkdir()
+    (run_dir / "sub" / "state.bin").write_bytes(b"x" * 4096)
+    (run_dir / "vm.sock").write_text("")
+    print("run dir filled", flush=True)
+    time.sleep(float(args.get("seconds", 3600)))
+    return 0
