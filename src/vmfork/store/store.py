@@ -1,0 +1,494 @@
+"""The snapshot store: tagged snapshot directories, published atomically.
+
+Layout under the root (``$VMFORK_HOME``, else ``$XDG_DATA_HOME/vmfork``, else
+``~/.local/share/vmfork``)::
+
+    snapshots/<tag>/                    a ready snapshot (nothing else is listed)
+        state.bin                       vCPU/device state (vmfork.vmm.stateformat)
+        memory.bin                      guest RAM, usually sparse
+        meta.json                       SnapshotMeta (vmfork.store.meta)
+    snapshots/.pending-<tag>-<hex16>/   being written (private, mode 0700)
+    snapshots/.deleting-<tag>-<hex16>/  being removed
+    locks/<tag>.lock                    flock held while a tag is written or deleted
+
+Why this shape (DESIGN.md decision 8, "partial results are never registered as
+ready"): the only way a directory gets a tag's name is a ``rename(2)`` of a
+pending directory whose files and entries were all fsynced first, so after a
+crash at any instant a tag either names a complete snapshot or does not exist.
+Deletion is the mirror image: the tag disappears with one rename, and the slow
+removal happens under a dot-name that ``list`` never shows. Leftovers of a
+crashed writer or deleter are removed by ``cleanup_stale`` — only once the tag's
+lock is free, which is the kernel's word that their owner is gone (see locks.py).
+
+Issue 6 (layers, chains, packs) will make a snapshot a manifest of layers. The
+public surface is kept narrow so that fits: callers get ``Snapshot.memory_path``
+(the one file a child maps ``MAP_PRIVATE``, wherever the store decides it lives,
+e.g. a head image materialised once) and ``disk_usage``, never a directory
+walk of their own; ``delete`` already runs under the tag lock, which is where
+the dependents check will go.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import errno
+import os
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from vmfork.store.errors import (
+    SnapshotCorrupt,
+    SnapshotNotFound,
+    StoreError,
+    TagExists,
+)
+from vmfork.store.locks import TagLock
+from vmfork.store.meta import (
+    META_FORMAT_VERSION,
+    STATUS_READY,
+    MetaError,
+    SnapshotMeta,
+    SnapshotSizes,
+    decode_meta,
+    encode_meta,
+)
+from vmfork.store.tags import is_valid_tag, validate_tag
+
+STATE_FILE = "state.bin"
+MEMORY_FILE = "memory.bin"
+META_FILE = "meta.json"
+_REQUIRED_FILES = (STATE_FILE, MEMORY_FILE)
+
+# `.pending-<tag>-<hex16>` / `.deleting-<tag>-<hex16>`. Tags may contain '-', so the
+# fixed-width suffix is what makes the split unambiguous.
+_WORK_DIR = re.compile(r"\.(pending|deleting)-([A-Za-z0-9_-]{1,64})-([0-9a-f]{16})")
+
+
+def default_root() -> Path:
+    """The store root: ``$VMFORK_HOME``, else ``$XDG_DATA_HOME/vmfork``, else
+    ``~/.local/share/vmfork``."""
+    override = os.environ.get("VMFORK_HOME")
+    if override:
+        return Path(os.path.abspath(override))
+    data_home = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share")
+    return Path(os.path.abspath(data_home)) / "vmfork"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A ready snapshot: its tag, where its files are, and its metadata."""
+
+    tag: str
+    path: Path
+    meta: SnapshotMeta
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / STATE_FILE
+
+    @property
+    def memory_path(self) -> Path:
+        """The file a child maps ``MAP_PRIVATE`` as guest RAM.
+
+        For today's flat snapshots it is ``memory.bin`` inside ``path``; do not
+        assume so — layered snapshots (issue 6) may resolve it elsewhere.
+        """
+        return self.path / MEMORY_FILE
+
+    @property
+    def meta_path(self) -> Path:
+        return self.path / META_FILE
+
+
+@dataclass(frozen=True)
+class FileUsage:
+    name: str
+    logical_bytes: int   # st_size
+    physical_bytes: int  # st_blocks * 512: what the file occupies, holes excluded
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    logical_bytes: int
+    physical_bytes: int
+    files: tuple[FileUsage, ...]
+
+
+def disk_usage(snapshot: Snapshot) -> DiskUsage:
+    """Logical and physical bytes of a snapshot's files (physical counts only
+    allocated blocks, so a sparse memory file counts what the guest touched)."""
+    files = []
+    for entry in _walk_files(snapshot.path):
+        st = entry.stat(follow_symlinks=False)
+        files.append(FileUsage(os.path.relpath(entry.path, snapshot.path), st.st_size,
+                               st.st_blocks * 512))
+    files.sort(key=lambda f: f.name)
+    return DiskUsage(sum(f.logical_bytes for f in files), sum(f.physical_bytes for f in files),
+                     tuple(files))
+
+
+class Store:
+    """A snapshot store rooted at ``root``. ``Store.open()`` is the usual way in."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+        self.snapshots_dir = self.root / "snapshots"
+        self.locks_dir = self.root / "locks"
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str] | None = None) -> Store:
+        """Create the store's directories if needed and clear a crashed process's leftovers."""
+        store = cls(root)
+        store._ensure_dirs()
+        store.cleanup_stale()
+        return store
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r})"
+
+    # -- writing -------------------------------------------------------------------
+    def begin(self, tag: str) -> PendingSnapshot:
+        """Claim ``tag`` and create a private directory to write the snapshot's files into.
+
+        Raises ``InvalidTag``, ``TagExists`` if the tag is taken, ``TagBusy`` if another
+        pending snapshot or a delete holds it.
+        """
+        tag = validate_tag(tag)
+        self._ensure_dirs()
+        lock = TagLock.acquire(self.locks_dir, tag, "writing a snapshot")
+        try:
+            target = self.snapshots_dir / tag
+            if os.path.lexists(target):
+                raise TagExists(tag, target)
+            # Our own crashed predecessors' leftovers; nobody else can own them now.
+            for work_dir, _kind, work_tag in self._work_dirs():
+                if work_tag == tag:
+                    _remove_tree(work_dir)
+            path = self.snapshots_dir / f".pending-{tag}-{secrets.token_hex(8)}"
+            try:
+                path.mkdir(mode=0o700)
+            except OSError as err:
+                raise StoreError(f"cannot create {path}: {err.strerror}; check free space and "
+                                 f"permissions of {self.snapshots_dir}", tag=tag,
+                                 path=path) from err
+        except BaseException:
+            lock.release()
+            raise
+        return PendingSnapshot(self, tag, path, lock)
+
+    def delete(self, tag: str) -> None:
+        """Remove a snapshot. The tag disappears atomically; the files follow.
+
+        Raises ``InvalidTag``, ``SnapshotNotFound``, or ``TagBusy`` while the tag is
+        being written or deleted. Works on corrupt snapshots too (that is the remedy
+        ``SnapshotCorrupt`` suggests).
+        """
+        tag = validate_tag(tag)
+        self._ensure_dirs()
+        lock = TagLock.acquire(self.locks_dir, tag, "deleting a snapshot")
+        try:
+            path = self.snapshots_dir / tag
+            if not os.path.lexists(path):
+                raise SnapshotNotFound(tag, self.snapshots_dir, self._tag_names())
+            # Issue 6: under this lock, refuse (or cascade) when other snapshots list
+            # this one as their parent.
+            tomb = self.snapshots_dir / f".deleting-{tag}-{secrets.token_hex(8)}"
+            try:
+                os.rename(path, tomb)
+                _fsync_dir(self.snapshots_dir)
+            except OSError as err:
+                raise StoreError(f"cannot delete snapshot {tag!r}: rename to {tomb.name} "
+                                 f"failed: {err.strerror}", tag=tag, path=path) from err
+            _remove_tree(tomb)
+        finally:
+            lock.release()
+
+    def cleanup_stale(self) -> builtins.list[Path]:
+        """Remove pending and deleting directories whose owner process is gone.
+
+        A directory is stale when its tag's lock is free (its owner would hold it).
+        Live operations are never touched. Returns the removed paths.
+        """
+        removed = []
+        for work_dir, _kind, tag in self._work_dirs():
+            lock = TagLock.try_acquire(self.locks_dir, tag, "removing stale leftovers")
+            if lock is None:
+                continue  # a live process is writing or deleting this tag
+            try:
+                if os.path.lexists(work_dir):
+                    _remove_tree(work_dir)
+                    removed.append(work_dir)
+            finally:
+                lock.release()
+        return removed
+
+    # -- reading -------------------------------------------------------------------
+    def get(self, tag: str) -> Snapshot:
+        """The ready snapshot ``tag``: ``SnapshotNotFound`` if there is none,
+        ``SnapshotCorrupt`` if its files are damaged."""
+        tag = validate_tag(tag)
+        path = self.snapshots_dir / tag
+        if not path.is_dir():
+            raise SnapshotNotFound(tag, self.snapshots_dir, self._tag_names())
+        return self._load(tag, path)
+
+    def exists(self, tag: str) -> bool:
+        return (self.snapshots_dir / validate_tag(tag)).is_dir()
+
+    def list(self) -> list[Snapshot]:
+        """Every ready snapshot, sorted by tag. Damaged ones are left out
+        (``list_corrupt`` reports them)."""
+        self.cleanup_stale()
+        out = []
+        for tag in self._tag_names():
+            try:
+                out.append(self._load(tag, self.snapshots_dir / tag))
+            except SnapshotCorrupt:
+                continue
+        return out
+
+    def list_corrupt(self) -> builtins.list[SnapshotCorrupt]:
+        """One error per tagged directory that is not a usable snapshot, sorted by tag."""
+        problems = []
+        for tag in self._tag_names():
+            try:
+                self._load(tag, self.snapshots_dir / tag)
+            except SnapshotCorrupt as err:
+                problems.append(err)
+        return problems
+
+    # -- internals -----------------------------------------------------------------
+    def _ensure_dirs(self) -> None:
+        for d in (self.snapshots_dir, self.locks_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise StoreError(f"cannot create the store directory {d}: {err.strerror}; set "
+                                 "VMFORK_HOME to a writable directory", path=d) from err
+
+    def _tag_names(self) -> builtins.list[str]:
+        """Names of tagged directories; dot-entries and foreign names are not snapshots."""
+        try:
+            entries = list(os.scandir(self.snapshots_dir))
+        except FileNotFoundError:
+            return []
+        return sorted(e.name for e in entries
+                      if is_valid_tag(e.name) and e.is_dir(follow_symlinks=False))
+
+    def _work_dirs(self) -> Iterator[tuple[Path, str, str]]:
+        try:
+            entries = list(os.scandir(self.snapshots_dir))
+        except FileNotFoundError:
+            return
+        for e in entries:
+            m = _WORK_DIR.fullmatch(e.name)
+            if m:
+                yield Path(e.path), m.group(1), m.group(2)
+
+    def _load(self, tag: str, path: Path) -> Snapshot:
+        try:
+            raw = (path / META_FILE).read_bytes()
+        except FileNotFoundError:
+            raise SnapshotCorrupt(tag, path, f"{META_FILE} is missing") from None
+        except OSError as err:
+            raise SnapshotCorrupt(tag, path, f"{META_FILE} cannot be read ({err.strerror})",
+                                  remedy="check the permissions of the store") from err
+        try:
+            meta = decode_meta(raw)
+        except MetaError as err:
+            remedy = "upgrade vmfork to use it" if err.newer else None
+            raise SnapshotCorrupt(tag, path, str(err), remedy=remedy) from None
+        if meta.tag != tag:
+            raise SnapshotCorrupt(tag, path, f"{META_FILE} says it is {meta.tag!r} (was the "
+                                  "directory renamed by hand?)",
+                                  remedy=f"rename it back to {meta.tag!r} or delete it")
+        expected = {STATE_FILE: meta.sizes.state_bytes,
+                    MEMORY_FILE: meta.sizes.memory_logical_bytes}
+        for name, size in expected.items():
+            # A stat, not a read or a hash: nothing here may grow with guest memory.
+            try:
+                st = os.stat(path / name)
+            except FileNotFoundError:
+                raise SnapshotCorrupt(tag, path, f"{name} is missing") from None
+            except OSError as err:
+                raise SnapshotCorrupt(tag, path, f"{name} cannot be read ({err.strerror})",
+                                      remedy="check the permissions of the store") from err
+            if not stat.S_ISREG(st.st_mode):
+                raise SnapshotCorrupt(tag, path, f"{name} is not a regular file")
+            if st.st_size != size:
+                raise SnapshotCorrupt(tag, path, f"{name} is {st.st_size} bytes, {META_FILE} "
+                                      f"recorded {size} (truncated or replaced)")
+        return Snapshot(tag, path, meta)
+
+
+class PendingSnapshot:
+    """A snapshot being written: files go into ``path``, then ``publish`` or ``abort``.
+
+    Use as a context manager: leaving the block without ``publish`` (normally or by
+    an exception) aborts, so an incomplete snapshot never survives its writer.
+    """
+
+    def __init__(self, store: Store, tag: str, path: Path, lock: TagLock) -> None:
+        self.store = store
+        self.tag = tag
+        self.path = path
+        self._lock = lock
+        self._result: Snapshot | None = None
+        self._closed = False
+
+    @property
+    def state_path(self) -> Path:
+        return self.path / STATE_FILE
+
+    @property
+    def memory_path(self) -> Path:
+        return self.path / MEMORY_FILE
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._closed:
+            self.abort()
+
+    def __repr__(self) -> str:
+        state = "published" if self._result else "aborted" if self._closed else "open"
+        return f"PendingSnapshot({self.tag!r}, {state})"
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise StoreError(f"cannot {op} pending snapshot {self.tag!r}: it was already "
+                             f"{'published' if self._result else 'aborted'}", tag=self.tag)
+        if not self._lock.held:
+            raise StoreError(f"cannot {op} pending snapshot {self.tag!r} in this process: it "
+                             "belongs to the process that began it (this is a forked copy)",
+                             tag=self.tag)
+
+    def publish(self, meta: SnapshotMeta) -> Snapshot:
+        """Make the snapshot durable and visible under its tag, atomically.
+
+        ``state.bin`` and ``memory.bin`` must have been written into ``path``.
+        The store fills ``meta.sizes`` and ``meta.status``. On failure the pending
+        directory is left for ``abort`` (the context manager does it).
+        """
+        self._check_open("publish")
+        if meta.tag != self.tag:
+            raise StoreError(f"meta.tag {meta.tag!r} does not match the pending snapshot's tag "
+                             f"{self.tag!r}; build the meta with tag={self.tag!r}", tag=self.tag)
+        sizes: dict[str, os.stat_result] = {}
+        for name in _REQUIRED_FILES:
+            try:
+                st = os.stat(self.path / name)
+            except FileNotFoundError:
+                raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} was not written "
+                                 f"into {self.path}; write both {' and '.join(_REQUIRED_FILES)} "
+                                 "before publish", tag=self.tag, path=self.path) from None
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} is not a regular "
+                                 "file", tag=self.tag, path=self.path)
+            sizes[name] = st
+        final = dataclasses.replace(
+            meta, status=STATUS_READY, format_version=META_FORMAT_VERSION,
+            sizes=SnapshotSizes(
+                memory_logical_bytes=sizes[MEMORY_FILE].st_size,
+                memory_physical_bytes=sizes[MEMORY_FILE].st_blocks * 512,
+                state_bytes=sizes[STATE_FILE].st_size))
+        target = self.store.snapshots_dir / self.tag
+        stage = f"write {META_FILE}"
+        try:
+            fd = os.open(self.path / META_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                         | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, encode_meta(final))
+            finally:
+                os.close(fd)
+            stage = "fsync the files"
+            _fsync_tree(self.path)
+            stage = "make the directory readable"
+            os.chmod(self.path, 0o755)
+            _fsync_dir(self.path)
+            if os.path.lexists(target):
+                # Only a writer bypassing the tag lock gets here; never replace its work.
+                raise TagExists(self.tag, target)
+            stage = "rename into place"
+            os.rename(self.path, target)
+            stage = "fsync the snapshots directory"
+            _fsync_dir(self.store.snapshots_dir)
+        except OSError as err:
+            if stage == "fsync the snapshots directory":
+                # Renamed and visible; only the durability of the rename is unknown.
+                self._finish(Snapshot(self.tag, target, final))
+            raise StoreError(f"cannot publish snapshot {self.tag!r}: {stage} failed: "
+                             f"{err.strerror or err}; check free space and the store's file "
+                             "system", tag=self.tag, path=self.path) from err
+        snapshot = Snapshot(self.tag, target, final)
+        self._finish(snapshot)
+        return snapshot
+
+    def abort(self) -> None:
+        """Discard everything written so far and release the tag. Idempotent."""
+        if self._closed:
+            return
+        if self._lock.held:
+            _remove_tree(self.path)
+        self._finish(None)
+
+    def _finish(self, result: Snapshot | None) -> None:
+        self._result = result
+        self._closed = True
+        self._lock.release()
+
+
+# -- file-system helpers --------------------------------------------------------------
+
+def _walk_files(root: Path) -> Iterator[os.DirEntry[str]]:
+    for entry in os.scandir(root):
+        if entry.is_dir(follow_symlinks=False):
+            yield from _walk_files(Path(entry.path))
+        else:
+            yield entry
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every regular file and directory below ``root`` (``root`` included)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove a directory tree; a concurrent remover's deletions are not errors."""
+    def on_error(func: object, p: str,
+                 exc_info: tuple[type[BaseException], BaseException, object]) -> None:
+        exc = exc_info[1]
+        if isinstance(exc, OSError) and exc.errno == errno.ENOENT:
+            return
+        raise StoreError(f"cannot remove {p}: {exc}; remove it by hand", path=Path(p)) from exc
+
+    shutil.rmtree(path, onerror=on_error)
