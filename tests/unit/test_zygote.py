@@ -326,8 +326,9 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, client: Zygo
         child = client.spawn(E + "fill_run_dir", args, vm_id=vm_id, memory_limit_mib=limit,
                              cgroup_parent=CG_PARENT)
         if i % 3 == 0:  # sometimes kill it mid-setup, sometimes once it is running
-            _until(lambda: Path(logs / f"{vm_id}.log").exists()
-                   and Path(logs / f"{vm_id}.log").stat().st_size > 0, what="entry running")
+            log = logs / f"{vm_id}.log"
+            _until(lambda log=log: log.exists() and log.stat().st_size > 0,  # type: ignore[misc]
+                   what="entry running")
         during = snap()
         assert during.children == (child.pid,)
         if limit:

@@ -30,8 +30,9 @@ The subtle parts:
   On v2 ``memory.oom.group`` is set so an OOM kill takes the whole group at once.
 * OOM evidence: v2 ``memory.events`` has ``oom_kill N``. v1 ``memory.oom_control``
   has an ``oom_kill`` field since Linux 4.13; older kernels only show
-  ``memory.failcnt`` (times the limit was hit), which is weaker evidence and is
-  reported as such.
+  ``memory.failcnt`` / ``memory.memsw.failcnt`` (times the limit was hit; with
+  swap accounting the memsw counter is the one that fails), which is weaker
+  evidence and is reported as such.
 * ``rmdir`` removes a group only once it has no processes; right after the last
   member is reaped it can still be briefly busy, so removal retries on EBUSY.
 """
@@ -287,8 +288,11 @@ def read_oom(cg: ChildCgroup) -> OomInfo:
             fields = _keyed(cg.path / "memory.events")
             return OomInfo(fields.get("oom_kill", 0), fields.get("max", 0))
         fields = _keyed(cg.path / "memory.oom_control")
-        failcnt = int((cg.path / "memory.failcnt").read_text())
-        return OomInfo(fields.get("oom_kill"), failcnt)
+        # With swap accounting the memsw counter is charged (and fails) first.
+        hits = [int((cg.path / name).read_text())
+                for name in ("memory.failcnt", "memory.memsw.failcnt")
+                if name == "memory.failcnt" or (cg.path / name).exists()]
+        return OomInfo(fields.get("oom_kill"), max(hits))
     except OSError as err:
         raise CgroupError(f"cgroup read-oom: cannot read OOM counters of {cg.path}: "
                           f"{os.strerror(err.errno or 0)}", op="read-oom", path=str(cg.path),

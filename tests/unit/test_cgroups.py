@@ -1,0 +1,163 @@
+"""cgroups: layout detection from mountinfo, names, and the real hierarchy of this host.
+
+Tests on the real hierarchy need root and a memory controller (v1 here, v2 on
+production hosts); they use a parent group of their own and remove it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vmfork.runtime import cgroups
+
+needs_cgroup = pytest.mark.skipif(
+    os.geteuid() != 0 or cgroups.detect() is None,
+    reason="needs root and a cgroup memory controller (v2 memory.max or v1 memory)")
+
+PARENT = f"vmfork-cgtest-{os.getpid()}"
+
+
+def _mountinfo(*lines: tuple[str, str, str]) -> str:
+    return "".join(f"{i} 1 0:{i} / {mp} rw,nosuid - {fs} {fs} {opts}\n"
+                   for i, (mp, fs, opts) in enumerate(lines, start=30))
+
+
+def test_detect_prefers_v2_with_a_memory_controller(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    text = _mountinfo(("/sys/fs/cgroup/memory", "cgroup", "rw,memory"),
+                      (str(tmp_path), "cgroup2", "rw"))
+    assert cgroups.detect_from(text) == cgroups.MemoryHierarchy(2, tmp_path)
+
+
+def test_detect_hybrid_layout_uses_v1_memory(tmp_path: Path) -> None:
+    # As on the CI machines: a v2 tree without memory, and a v1 memory hierarchy.
+    (tmp_path / "cgroup.controllers").write_text("\n")
+    text = _mountinfo((str(tmp_path), "cgroup2", "rw,nsdelegate"),
+                      ("/sys/fs/cgroup/cpu", "cgroup", "rw,cpu"),
+                      ("/sys/fs/cgroup/memory", "cgroup", "rw,memory"))
+    found = cgroups.detect_from(text)
+    assert found == cgroups.MemoryHierarchy(1, Path("/sys/fs/cgroup/memory"))
+    assert found is not None and found.limit_file == "memory.limit_in_bytes"
+
+
+def test_detect_none_without_a_memory_controller(tmp_path: Path) -> None:
+    (tmp_path / "cgroup.controllers").write_text("cpu pids\n")
+    text = _mountinfo((str(tmp_path), "cgroup2", "rw"), ("/sys/fs/cgroup/cpu", "cgroup", "rw,cpu"))
+    assert cgroups.detect_from(text) is None
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "-x", "x" * 65, "a b"])
+def test_bad_names_are_refused_before_any_path_is_built(name: str) -> None:
+    with pytest.raises(ValueError, match="invalid vm_id"):
+        cgroups.validate_name(name)
+
+
+def test_parent_paths_are_validated_per_component() -> None:
+    assert cgroups.validate_parent("/a/b/") == "a/b"
+    with pytest.raises(ValueError, match="cgroup_parent"):
+        cgroups.validate_parent("a/../b")
+
+
+# -- the real hierarchy ---------------------------------------------------------------
+
+
+@pytest.fixture
+def hierarchy() -> Iterator[cgroups.MemoryHierarchy]:
+    h = cgroups.detect()
+    assert h is not None
+    yield h
+    report = cgroups.sweep_stale(set(), parent=PARENT, kill=True, hierarchy=h)
+    assert report.busy == ()
+    try:
+        os.rmdir(cgroups.parent_path(h, PARENT))
+    except FileNotFoundError:
+        pass
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen(["sleep", "60"])
+
+
+@needs_cgroup
+def test_create_join_remove(hierarchy: cgroups.MemoryHierarchy) -> None:
+    cg = cgroups.create(hierarchy, "vm1", 48 << 20, PARENT)
+    assert cg.name == f"/{PARENT}/vm1"
+    assert int((cg.path / hierarchy.limit_file).read_text()) == 48 << 20
+    memsw = cg.path / "memory.memsw.limit_in_bytes"
+    if hierarchy.version == 1 and memsw.exists():
+        assert int(memsw.read_text()) == 48 << 20
+    proc = _sleeper()
+    try:
+        cgroups.join(cg, proc.pid)
+        assert cgroups.procs(cg) == [proc.pid]
+        with pytest.raises(cgroups.CgroupBusy, match=str(cg.path)):
+            cgroups.remove(cg, timeout=0.05)
+        assert cgroups.read_oom(cg).oom_killed is False
+    finally:
+        proc.kill()
+        proc.wait()
+    cgroups.remove(cg)
+    assert not cg.path.exists()
+    assert cgroups.list_groups(hierarchy, PARENT) == []
+
+
+@needs_cgroup
+def test_create_replaces_an_empty_leftover_but_not_a_live_group(
+        hierarchy: cgroups.MemoryHierarchy) -> None:
+    stale = cgroups.create(hierarchy, "vm2", 32 << 20, PARENT)
+    again = cgroups.create(hierarchy, "vm2", 64 << 20, PARENT)
+    assert int((again.path / hierarchy.limit_file).read_text()) == 64 << 20
+    proc = _sleeper()
+    try:
+        cgroups.join(again, proc.pid)
+        with pytest.raises(cgroups.CgroupBusy, match="already exists and has processes"):
+            cgroups.create(hierarchy, "vm2", 32 << 20, PARENT)
+    finally:
+        proc.kill()
+        proc.wait()
+    cgroups.remove(stale)
+
+
+@needs_cgroup
+def test_oom_kill_is_counted(hierarchy: cgroups.MemoryHierarchy) -> None:
+    cg = cgroups.create(hierarchy, "oom", 32 << 20, PARENT)
+    # The child waits on stdin until it has been moved into the group, then allocates.
+    code = "import sys; sys.stdin.read(1); x = [b'1' * (1 << 20) for _ in range(128)]"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+    cgroups.join(cg, proc.pid)
+    assert proc.stdin is not None
+    proc.stdin.write(b"g")
+    proc.stdin.close()
+    assert proc.wait(60) == -9
+    oom = cgroups.read_oom(cg)
+    # (failcnt is not asserted: on this 6.x kernel's v1 it stays 0 even at the limit.)
+    assert oom.oom_killed and (oom.oom_kills is None or oom.oom_kills >= 1)
+    cgroups.remove(cg)
+
+
+@needs_cgroup
+def test_sweep_stale_removes_leftovers_and_leaves_live_groups_unless_told(
+        hierarchy: cgroups.MemoryHierarchy) -> None:
+    active = cgroups.create(hierarchy, "active", 32 << 20, PARENT)
+    cgroups.create(hierarchy, "empty", 32 << 20, PARENT)
+    busy = cgroups.create(hierarchy, "busy", 32 << 20, PARENT)
+    proc = _sleeper()
+    try:
+        cgroups.join(busy, proc.pid)
+        report = cgroups.sweep_stale({"active"}, parent=PARENT, hierarchy=hierarchy)
+        assert (report.removed, report.busy) == (("empty",), ("busy",))
+        report = cgroups.sweep_stale({"active"}, parent=PARENT, kill=True,
+                                     hierarchy=hierarchy)
+        assert (report.removed, report.busy) == (("busy",), ())
+        assert proc.wait(5) == -9
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cgroups.list_groups(hierarchy, PARENT) == ["active"]
+    cgroups.remove(active)
