@@ -409,7 +409,9 @@ class PendingSnapshot:
             fd = os.open(self.path / META_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
                          | os.O_CLOEXEC, 0o644)
             try:
-                os.write(fd, encode_meta(final))
+                view = memoryview(encode_meta(final))
+                while view:
+                    view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
             stage = "fsync the files"
