@@ -220,6 +220,28 @@ def test_killing_a_child_kills_its_grandchildren(client: ZygoteClient, tmp_path:
     _until(lambda: not _alive(grandchild), 5.0, "the grandchild to die")
 
 
+def test_a_child_that_exits_takes_its_grandchildren_along(client: ZygoteClient,
+                                                          tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    child = client.spawn(E + "grandchild", {"out": str(out), "exit": True}, vm_id=vid())
+    assert client.wait(child.vm_id).exit_code == 0
+    grandchild = _read_json(out)["grandchild"]
+    _until(lambda: not _alive(grandchild), 5.0, "the orphaned grandchild to be killed")
+
+
+def test_an_immediate_kill_hits_the_child_not_the_zygote(zygote: ZygoteProcess,
+                                                        client: ZygoteClient) -> None:
+    # SIGTERM sent right after fork, before the child reset the zygote's handlers.
+    for _ in range(10):
+        vm_ids = [vid("q") for _ in range(10)]
+        client.spawn_many(E + "sleep", [SpawnItem(v) for v in vm_ids])
+        for vm_id in vm_ids:
+            client.kill(vm_id, signal.SIGTERM)
+        events = [client.wait(vm_id) for vm_id in vm_ids]
+        assert {(e.reason, e.signal) for e in events} == {("killed", signal.SIGTERM)}
+    assert client.ping()["pid"] == zygote.pid and zygote.proc.poll() is None
+
+
 def test_run_dir_is_removed_after_exit(client: ZygoteClient, tmp_path: Path) -> None:
     run_dir = tmp_path / "runs" / "vm-a"
     log = tmp_path / "a.log"

@@ -90,13 +90,14 @@ def allocate(args: dict[str, Any]) -> int:
 
 
 def grandchild(args: dict[str, Any]) -> int:
-    """Start a grandchild that sleeps, report its pid, then sleep."""
+    """Start a grandchild that sleeps, report its pid, then sleep (or exit if ``exit``)."""
     pid = os.fork()
     if pid == 0:
         time.sleep(3600)
         os._exit(0)
     _write(args, {"grandchild": pid})
-    time.sleep(3600)
+    if not args.get("exit"):
+        time.sleep(3600)
     return 0
 
 
