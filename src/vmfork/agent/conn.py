@@ -24,6 +24,27 @@ class PeerGone(Exception):
     """Sending to the host failed: it closed the connection or the VM's vsock broke."""
 
 
+def _set_send_timeout(sock: socket.socket, seconds: int) -> None:
+    """SO_SNDTIMEO, so a host that stops reading cannot block a send forever.
+
+    CPython's ``setsockopt`` on an AF_VSOCK socket accepts only integers (it
+    parses the value as a u64 for the vsock-level options), so the struct
+    timeval goes through libc directly there.
+    """
+    timeval = struct.pack("@ll", seconds, 0)
+    if sock.family != getattr(socket, "AF_VSOCK", -1):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        except OSError:
+            pass  # a family without SO_SNDTIMEO: sends may block indefinitely
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(timeval, len(timeval))
+    libc.setsockopt(sock.fileno(), socket.SOL_SOCKET, socket.SO_SNDTIMEO, buf, len(timeval))
+
+
 class Conn:
     """One host connection, as seen by an op."""
 
@@ -35,11 +56,7 @@ class Conn:
         self.input_drained = False
         """Set by an op that already read the host's input to its end (exec's stdin)."""
         self._send_lock = threading.Lock()
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            struct.pack("@ll", SEND_STALL_TIMEOUT, 0))
-        except OSError:
-            pass  # a socket family without SO_SNDTIMEO: sends may block indefinitely
+        _set_send_timeout(sock, SEND_STALL_TIMEOUT)
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         with self._send_lock:
