@@ -199,7 +199,7 @@ class Zygote:
                 elif tag == "signal":
                     self._signals()
                 elif isinstance(tag, _Child):
-                    if tag.pidfd in self.by_pidfd:
+                    if self.by_pidfd.get(tag.pidfd) is tag:  # not reaped, fd not reused
                         self._reap(tag)
                 elif isinstance(tag, _Conn):
                     if mask & selectors.EVENT_READ:
