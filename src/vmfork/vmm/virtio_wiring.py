@@ -1,2 +1,0 @@
-def add_configured_devices(machine, config):
-    pass
