@@ -64,7 +64,7 @@ from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
 log = logging.getLogger("vmfork.zygote")
 
-DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.vmm.snapshot", "vmfork.runtime.vmmchild")
+DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.runtime.vmmchild")
 EVENTS_KEPT = 10_000
 _BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
 

@@ -1,0 +1,118 @@
+"""Fork N children of a snapshot through the zygote and wait until they are ready.
+
+Each child is a VMM process (``runtime.vmmchild``) forked by the zygote with its
+own run directory ``<run_root>/<vm_id>/``. Progress is read from each child's
+``status.json`` (written atomically by the child): ``restored`` once the VM
+runs again, ``ready`` once the agent has answered and the guest was reseeded
+and its clock set, ``failed`` with a reason. Two instants are reported: all
+children restored (host side) and all agents answered.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vmfork.agent.client import AgentClient, vsock_uds_connector
+from vmfork.agent.protocol import AGENT_PORT
+from vmfork.runtime.zygote_client import ZygoteClient
+from vmfork.runtime.zygote_protocol import SpawnItem
+from vmfork.store import Snapshot
+
+VMM_ENTRY = "vmfork.runtime.vmmchild:main"
+
+
+class SpawnFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    vm_id: str
+    pid: int
+    run_dir: Path
+    status: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def agent(self) -> AgentClient:
+        return AgentClient(vsock_uds_connector(str(self.run_dir / "vsock.sock"), AGENT_PORT,
+                                               timeout=5.0))
+
+    def read_status(self) -> dict[str, Any]:
+        try:
+            self.status = json.loads((self.run_dir / "status.json").read_bytes())
+        except (FileNotFoundError, json.JSONDecodeError):
+            pass
+        return self.status
+
+
+@dataclass
+class ForkReport:
+    children: list[Child]
+    spawn_s: float          # request to all pids
+    restored_s: float       # request to all VMs restored and running
+    ready_s: float          # request to all agents answered (reseeded, clock set)
+    failed: list[tuple[str, str]]
+
+
+def new_vm_id() -> str:
+    return "vm-" + secrets.token_hex(6)
+
+
+def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path, *,
+                  memory_limit_mib: int | None = None, timeout: float = 300.0,
+                  progress: Callable[[int, int, int], None] | None = None) -> ForkReport:
+    """Spawn ``n`` children and wait until every one is ready or failed.
+
+    ``progress(restored, ready, failed)`` is called as counts change.
+    """
+    if not 1 <= n <= 1000:
+        raise ValueError(f"n must be 1..1000, not {n}")
+    run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    items = []
+    for _ in range(n):
+        vm_id = new_vm_id()
+        run_dir = run_root / vm_id
+        items.append(SpawnItem(vm_id, {
+            "snapshot_dir": str(snapshot.path), "run_dir": str(run_dir), "vm_id": vm_id,
+            "log_path": str(run_dir / "vmm.log")}, memory_limit_mib))
+    started = time.monotonic()
+    result = zygote.spawn_many(VMM_ENTRY, items)
+    spawned = time.monotonic()
+    children = [Child(c.vm_id, c.pid, Path(c.run_dir or run_root / c.vm_id))
+                for c in result.children]
+    failed = list(result.failed)
+    restored_at: float | None = None
+    pending = {c.vm_id: c for c in children}
+    restored: set[str] = set()
+    last = (-1, -1, -1)
+    while pending:
+        if time.monotonic() - started > timeout:
+            raise SpawnFailed(f"{len(pending)} of {n} children not ready after {timeout:.0f} s")
+        for vm_id, child in list(pending.items()):
+            state = child.read_status().get("state")
+            if state in ("restored", "ready"):
+                restored.add(vm_id)
+            if state == "ready":
+                del pending[vm_id]
+            elif state in ("failed", "exited"):
+                failed.append((vm_id, str(child.status.get("reason"))))
+                del pending[vm_id]
+        if restored_at is None and len(restored) + len(failed) >= len(children):
+            restored_at = time.monotonic()
+        counts = (len(restored), len(children) - len(pending) - len(failed), len(failed))
+        if progress is not None and counts != last:
+            progress(*counts)
+            last = counts
+        if pending:
+            time.sleep(0.002)
+    ready_at = time.monotonic()
+    ok = [c for c in children if c.status.get("state") == "ready"]
+    return ForkReport(children=ok, spawn_s=spawned - started,
+                      restored_s=(restored_at or ready_at) - started,
+                      ready_s=ready_at - started, failed=failed)
