@@ -617,6 +617,33 @@ class AgentClient:
         previous: int = r["previous_ns"]
         return previous
 
+    def step_time(self, offset_ns: int) -> int:
+        """Step the guest's wall clock by ``offset_ns`` (0 only reads it); returns the
+        guest's clock just before the step, in ns."""
+        r = self._simple("set_time", offset_ns=offset_ns)
+        previous: int = r["previous_ns"]
+        return previous
+
+    def sync_clock(self, attempts: int = 3) -> int:
+        """Bring the guest's wall clock to the host's, independent of transit time.
+
+        Reads the guest clock bracketed by two host readings, keeps the reading
+        with the shortest round trip, and steps the guest by the difference to
+        the bracket's midpoint. The error is at most half that round trip.
+        Returns the step applied, in ns.
+        """
+        best: tuple[int, int] | None = None   # (round trip, offset)
+        for _ in range(max(attempts, 1)):
+            before = time.time_ns()
+            guest = self.step_time(0)
+            after = time.time_ns()
+            candidate = (after - before, (before + after) // 2 - guest)
+            if best is None or candidate[0] < best[0]:
+                best = candidate
+        assert best is not None
+        self.step_time(best[1])
+        return best[1]
+
     def shutdown(self, *, reboot: bool = False) -> None:
         """Power the guest off (or reboot it); returns once the agent has acknowledged."""
         self._simple("shutdown", reboot=reboot)

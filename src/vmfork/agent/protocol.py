@@ -104,7 +104,10 @@ module in the agent interpreter (hence in ``eval``). Needed after every fork: ch
 of one snapshot otherwise share the parent's RNG state.
     → ``result {bytes, entropy_bits, kernel_reseeded}``.
 
-``set_time`` — ``ns``: wall-clock time in nanoseconds since the epoch.
+``set_time`` — ``ns``: wall-clock time in nanoseconds since the epoch; or
+``offset_ns``: step the clock by this much from its value when the request is handled
+(0 only reads it). A relative step is immune to the request's transit time, which is
+how the host syncs a restored child (``client.sync_clock``).
     → ``result {previous_ns, ns}``.
 
 ``shutdown`` — ``reboot`` (default false). The agent replies, then syncs file systems and

@@ -118,10 +118,17 @@ def reseed(req: dict[str, Any], data: bytes) -> dict[str, Any]:
 
 def set_time_op(conn: Conn, req: dict[str, Any]) -> None:
     ns = get_int(req, "ns", None, minimum=1)
-    if ns is None:
-        raise OpError("bad_request", "set_time: field 'ns' (nanoseconds since the epoch) "
-                                     "is required")
+    offset = get_int(req, "offset_ns", None, minimum=-(1 << 62))
+    if (ns is None) == (offset is None):
+        raise OpError("bad_request", "set_time: give 'ns' (nanoseconds since the epoch) or "
+                                     "'offset_ns' (a step from the current time), not both")
     previous = time.clock_gettime_ns(time.CLOCK_REALTIME)
+    if offset is not None:
+        if offset == 0:
+            conn.result(previous_ns=previous, ns=previous)
+            return
+        ns = previous + offset
+    assert ns is not None
     try:
         time.clock_settime_ns(time.CLOCK_REALTIME, ns)
     except OSError as err:

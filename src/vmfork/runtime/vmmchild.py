@@ -56,7 +56,7 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str,
     agent.wait_until_ready(timeout)
     connected = time.monotonic()
     agent.reseed(os.urandom(RESEED_BYTES))
-    agent.set_time(time.time_ns())
+    agent.sync_clock()
     return {"agent_ready": connected - started, "reseed_and_clock": time.monotonic() - connected}
 
 
