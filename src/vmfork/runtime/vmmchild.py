@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vmfork.agent.client import AgentClient, vsock_uds_connector
+from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.stateformat import encode_state, read_state_file, write_file_atomic
@@ -42,7 +42,8 @@ from vmfork.vmm.vmstate import MachineState
 log = logging.getLogger(__name__)
 
 RESEED_BYTES = 64
-READY_TIMEOUT = 60.0
+READY_TIMEOUT = 120.0
+CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
 EXIT_GUEST_DIED = 3
 
 
@@ -51,12 +52,25 @@ def _write_status(run_dir: Path, status: dict[str, Any]) -> None:
 
 
 def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str, float]:
-    """Reseed the guest and set its clock; returns timings in seconds."""
+    """Reseed the guest and set its clock; returns timings in seconds.
+
+    Each step opens its own connection; a connection the guest could not take
+    yet (``AgentUnavailable``: a starved guest, its vsock still resetting) is
+    retried until ``timeout``.
+    """
     started = time.monotonic()
+    deadline = started + timeout
     agent.wait_until_ready(timeout)
     connected = time.monotonic()
-    agent.reseed(os.urandom(RESEED_BYTES))
-    agent.sync_clock()
+    for step in (lambda: agent.reseed(os.urandom(RESEED_BYTES)), agent.sync_clock):
+        while True:
+            try:
+                step()
+                break
+            except (AgentUnavailable, AgentTimeout):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
     return {"agent_ready": connected - started, "reseed_and_clock": time.monotonic() - connected}
 
 
@@ -159,7 +173,7 @@ def main(args: dict[str, Any]) -> int:
         control = ControlServer(machine, str(run_dir / "control.sock"), stop)
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
-                                                    timeout=5.0))
+                                                    timeout=CONNECT_TIMEOUT))
             unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)))
         except Exception as err:
             exit_ = machine.exit

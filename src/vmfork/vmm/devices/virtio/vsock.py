@@ -104,7 +104,8 @@ MAX_CONNECTIONS = 1024
 MAX_PACKETS_PER_RUN = 256
 MAX_ORPHAN_RSTS = 1024
 CONNECT_LINE_MAX = 64
-CONNECT_TIMEOUT = 5.0  # seconds for the CONNECT line, and for the guest's answer
+CONNECT_TIMEOUT = 20.0  # seconds for the CONNECT line, and for the guest's answer (a guest
+# starved of CPU -- many VMs on few cores -- can take seconds to answer a request)
 HOST_PORT_FIRST = 1 << 30
 _U32 = 0xFFFF_FFFF
 
