@@ -16,7 +16,7 @@ from vmfork.runtime import cgroups
 from vmfork.runtime.parent import snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
 from vmfork.runtime.supervise import leak_snapshot
-from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
+from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Snapshot, Store
 
 WARM = """

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from vmfork.vmm.machine import Machine, MachineConfig
-
 from tests.kvm.tinyguest import Script, script_machine, wait_until
+from vmfork.vmm.machine import Machine, MachineConfig
 
 COUNTER = 0x300000
 PATTERN_AT = 0x380000

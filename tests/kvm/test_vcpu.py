@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-from vmfork.vmm.machine import Machine, MachineConfig
-
 from tests.kvm.tinyguest import Script, run_script, script_machine, wait_until
+from vmfork.vmm.machine import Machine, MachineConfig
 
 # out 'H','i','\n' to COM1, then pulse the i8042 reset line
 SERIAL_HELLO = bytes.fromhex("66baf803b048eeb069eeb00aeeb0fee664f4ebfd")

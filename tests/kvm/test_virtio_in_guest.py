@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import struct
 
+from tests.kvm.tinyguest import Script
 from vmfork.vmm.devices.virtio import mmio as R
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_WRITE
 from vmfork.vmm.x86.layout import VIRTIO_MMIO_BASE
-
-from tests.kvm.tinyguest import Script, run_script
 
 DESC, AVAIL, USED, BUF = 0x300000, 0x301000, 0x302000, 0x400000
 QUEUE_SIZE = 8

@@ -9,9 +9,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import os
 import struct
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
                                           timeout=args.timeout, on_stdout=write_out,
                                           on_stderr=write_err)
                 status = result.exit_code
-            except AgentTimeout as err:
+            except AgentTimeout:
                 print(f"vmfork: command timed out after {args.timeout} s "
                       f"(raise --timeout to allow longer)", file=sys.stderr)
                 status = 124

@@ -183,7 +183,7 @@ def get_supported_cpuid(kvm_fd: int, max_entries: int = 256) -> list[s.kvm_cpuid
                 max_entries *= 2
                 continue
             raise
-        return [buf.entries[i] for i in range(buf.nent)]  # type: ignore[attr-defined]
+        return [buf.entries[i] for i in range(buf.nent)]
 
 
 def _get_msr_list(kvm_fd: int, request: int, op: str) -> list[int]:
@@ -197,7 +197,7 @@ def _get_msr_list(kvm_fd: int, request: int, op: str) -> list[int]:
     buf = s.kvm_msr_list_with(probe.nmsrs)()
     buf.nmsrs = probe.nmsrs
     _ioctl(kvm_fd, request, buf, op=op)
-    return [int(buf.indices[i]) for i in range(buf.nmsrs)]  # type: ignore[attr-defined]
+    return [int(buf.indices[i]) for i in range(buf.nmsrs)]
 
 
 def get_msr_index_list(kvm_fd: int) -> list[int]:
@@ -393,7 +393,7 @@ def set_cpuid2(vcpu_fd: int, entries: list[s.kvm_cpuid_entry2]) -> None:
     buf = s.kvm_cpuid2_with(len(entries))()
     buf.nent = len(entries)
     for i, e in enumerate(entries):
-        buf.entries[i] = e  # type: ignore[attr-defined]
+        buf.entries[i] = e
     _ioctl(vcpu_fd, io.KVM_SET_CPUID2, buf, op="KVM_SET_CPUID2")
 
 
@@ -401,7 +401,7 @@ def get_cpuid2(vcpu_fd: int, max_entries: int = 256) -> list[s.kvm_cpuid_entry2]
     buf = s.kvm_cpuid2_with(max_entries)()
     buf.nent = max_entries
     _ioctl(vcpu_fd, io.KVM_GET_CPUID2, buf, op="KVM_GET_CPUID2")
-    return [buf.entries[i] for i in range(buf.nent)]  # type: ignore[attr-defined]
+    return [buf.entries[i] for i in range(buf.nent)]
 
 
 def get_msrs(vcpu_fd: int, indices: list[int]) -> dict[int, int]:
@@ -410,9 +410,9 @@ def get_msrs(vcpu_fd: int, indices: list[int]) -> dict[int, int]:
     buf = s.kvm_msrs_with(len(indices))()
     buf.nmsrs = len(indices)
     for i, index in enumerate(indices):
-        buf.entries[i].index = index  # type: ignore[attr-defined]
+        buf.entries[i].index = index
     n = _ioctl(vcpu_fd, io.KVM_GET_MSRS, buf, op="KVM_GET_MSRS")
-    return {int(buf.entries[i].index): int(buf.entries[i].data)  # type: ignore[attr-defined]
+    return {int(buf.entries[i].index): int(buf.entries[i].data)
             for i in range(n)}
 
 
@@ -421,8 +421,8 @@ def set_msrs(vcpu_fd: int, values: dict[int, int]) -> int:
     buf = s.kvm_msrs_with(len(values))()
     buf.nmsrs = len(values)
     for i, (index, data) in enumerate(values.items()):
-        buf.entries[i].index = index  # type: ignore[attr-defined]
-        buf.entries[i].data = data  # type: ignore[attr-defined]
+        buf.entries[i].index = index
+        buf.entries[i].data = data
     return _ioctl(vcpu_fd, io.KVM_SET_MSRS, buf, op="KVM_SET_MSRS")
 
 

@@ -36,10 +36,10 @@ from typing import Any
 
 from vmfork.kvm import api
 from vmfork.kvm.structs import kvm_cpuid_entry2
+from vmfork.vmm import vmstate
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.serial import Serial
-from vmfork.vmm import vmstate
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransport
 from vmfork.vmm.devices.virtio.rng import VirtioRng

@@ -33,7 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vmfork.kvm import api
-from vmfork.kvm.structs import kvm_run
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.errors import StateError
 
@@ -229,9 +228,9 @@ class Vcpu:
             return False
         if reason == api.EXIT_INTERNAL_ERROR:
             internal = run.exit.internal
-            data = [hex(internal.data[i]) for i in range(min(internal.ndata, 16))]
+            words = [hex(internal.data[i]) for i in range(min(internal.ndata, 16))]
             self.on_exit(VcpuExitEvent(self.index, "internal_error",
-                                       f"suberror {internal.suberror} data {data}"))
+                                       f"suberror {internal.suberror} data {words}"))
             return False
         if reason == api.EXIT_FAIL_ENTRY:
             fail = run.exit.fail_entry

@@ -27,8 +27,14 @@ from vmfork.vmm.x86.bootparams import E820_RAM, E820_RESERVED, E820Entry, build_
 from vmfork.vmm.x86.cpuid import guest_cpuid
 from vmfork.vmm.x86.elf import load_elf_kernel
 from vmfork.vmm.x86.mptable import build_mptable
-from vmfork.vmm.x86.paging import (CODE_SELECTOR, DATA_SELECTOR, GDT, TSS_SELECTOR,
-                                   build_gdt, build_page_tables)
+from vmfork.vmm.x86.paging import (
+    CODE_SELECTOR,
+    DATA_SELECTOR,
+    GDT,
+    TSS_SELECTOR,
+    build_gdt,
+    build_page_tables,
+)
 
 # MSRs set on every vCPU before the first run (the values Linux expects from a
 # freshly reset CPU, plus fast strings).

@@ -19,6 +19,7 @@ from vmfork.vmm.memory import GuestMemory
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _PHDR = struct.Struct("<IIQQQQQQ")
 PT_LOAD = 1
+ET_EXEC = 2
 EM_X86_64 = 62
 
 
@@ -40,8 +41,8 @@ def load_elf_kernel(memory: GuestMemory, path: str) -> LoadedKernel:
                             "needed, not a bzImage)", op="parse_elf")
         (ident, e_type, machine, _, entry, phoff, _, _, _, phentsize, phnum,
          *_) = _EHDR.unpack_from(data, 0)
-        if ident[4] != 2 or ident[5] != 1 or machine != EM_X86_64:
-            raise BootError(f"kernel {path}: not a 64-bit little-endian x86-64 ELF",
+        if ident[4] != 2 or ident[5] != 1 or machine != EM_X86_64 or e_type != ET_EXEC:
+            raise BootError(f"kernel {path}: not a 64-bit little-endian x86-64 executable ELF",
                             op="parse_elf")
         if phentsize != _PHDR.size or phoff + phnum * phentsize > len(data):
             raise BootError(f"kernel {path}: program headers out of bounds", op="parse_elf")
