@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ensure_kvm_host, summary, where, write_results  # noqa: E402
+from _common import ensure_kvm_host, summary, where, write_results
 
 READY_MARKER = b"vmfork-agent: ready"
 INIT_MARKER = b"vmfork-agent: init"
