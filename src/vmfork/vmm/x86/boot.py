@@ -103,6 +103,16 @@ def load_initrd(memory: GuestMemory, path: str, kernel_end: int) -> tuple[int, i
     return addr, size
 
 
+def write_paging(memory: GuestMemory) -> None:
+    """Identity-mapped page tables, the GDT and an empty IDT for a 64-bit entry."""
+    pml4, pdpt, pds = build_page_tables()
+    memory.write(L.PML4_ADDR, pml4)
+    memory.write(L.PDPT_ADDR, pdpt)
+    memory.write(L.PD_ADDR, pds)
+    memory.write(L.GDT_ADDR, build_gdt())
+    memory.write(L.IDT_ADDR, bytes(8))
+
+
 def load_linux(memory: GuestMemory, kernel: str, initrd: str | None, cmdline: str,
                num_vcpus: int) -> BootInfo:
     # 1. kernel
@@ -124,12 +134,7 @@ def load_linux(memory: GuestMemory, kernel: str, initrd: str | None, cmdline: st
     # 5. MP table
     memory.write(L.MPTABLE_ADDR, build_mptable(L.MPTABLE_ADDR, num_vcpus))
     # 6. page tables, GDT, empty IDT
-    pml4, pdpt, pd = build_page_tables()
-    memory.write(L.PML4_ADDR, pml4)
-    memory.write(L.PDPT_ADDR, pdpt)
-    memory.write(L.PD_ADDR, pd)
-    memory.write(L.GDT_ADDR, build_gdt())
-    memory.write(L.IDT_ADDR, bytes(8))
+    write_paging(memory)
     return BootInfo(entry=loaded.entry, kernel_end=loaded.high, initrd_addr=initrd_addr,
                     initrd_size=initrd_size, cmdline=cmdline)
 
@@ -144,12 +149,7 @@ def load_flat_payload(memory: GuestMemory, code: bytes) -> BootInfo:
     gets (``%rsi`` = zero page), so tiny guests exercise the real vCPU set-up.
     """
     memory.write(FLAT_PAYLOAD_ADDR, code)
-    pml4, pdpt, pd = build_page_tables()
-    memory.write(L.PML4_ADDR, pml4)
-    memory.write(L.PDPT_ADDR, pdpt)
-    memory.write(L.PD_ADDR, pd)
-    memory.write(L.GDT_ADDR, build_gdt())
-    memory.write(L.IDT_ADDR, bytes(8))
+    write_paging(memory)
     return BootInfo(entry=FLAT_PAYLOAD_ADDR, kernel_end=FLAT_PAYLOAD_ADDR + len(code),
                     initrd_addr=0, initrd_size=0, cmdline="")
 
