@@ -121,6 +121,7 @@ CONCURRENT = int(os.environ.get("VMFORK_TEST_CONCURRENT",
                                 "20" if os.environ.get("VMFORK_IN_TESTHOST") == "1" else "50"))
 
 
+@pytest.mark.heavy
 def test_many_concurrent_children_answer(zygote: ZygoteProcess, warm: Snapshot,
                                          run_root: Path) -> None:
     client = zygote.client()
@@ -190,12 +191,20 @@ def test_memory_limit_oom_kill_is_reported(zygote: ZygoteProcess, warm: Snapshot
     assert event.reason == "oom-killed", event
 
 
+LEAK_CYCLES = int(os.environ.get("VMFORK_TEST_LEAK_CYCLES", "200"))
+LEAK_BATCH = 5
+
+
+@pytest.mark.heavy
 def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, warm: Snapshot,
                                              run_root: Path) -> None:
+    """Every resource a VMM child held -- its process, the zygote's fds for it,
+    its cgroup, its run directory (sockets, console log, status) -- is gone
+    after it is killed, over LEAK_CYCLES spawn/kill cycles."""
     client = zygote.client()
     baseline = leak_snapshot(zygote.pid, run_root=str(run_root))
-    for _ in range(20):
-        report = fork_children(client, warm, 10, run_root, timeout=600)
+    for _ in range(LEAK_CYCLES // LEAK_BATCH):
+        report = fork_children(client, warm, LEAK_BATCH, run_root, timeout=600)
         assert not report.failed, report.failed
         for child in report.children:
             client.kill(child.vm_id)

@@ -43,6 +43,7 @@ MODULE_GROUPS: Mapping[str, tuple[str, ...]] = {
     "ram overlay on the read-only root": ("overlay",),
     "stdout/stderr ports": ("virtio_console",),
     "nested kvm": ("kvm_amd",),
+    "/dev/vhost-vsock for QEMU peers in bench/spawn.py": ("vhost_vsock",),
 }
 
 KERNEL_PACKAGE = "linux-image-amd64"
