@@ -90,8 +90,12 @@ def _build(out_dir: Path) -> None:
     log = out_dir / "build.log"
     scratch = Path(tempfile.mkdtemp(prefix="vmfork-kernel-", dir=out_dir.parent))
     try:
-        with tarfile.open(SOURCE_TARBALL) as tar:
-            tar.extractall(scratch, filter="tar")
+        if shutil.which("tar"):
+            # GNU tar unpacks the ~80,000 files several times faster than tarfile.
+            _run("unpack", ["tar", "-xf", str(SOURCE_TARBALL), "-C", str(scratch)], scratch, log)
+        else:
+            with tarfile.open(SOURCE_TARBALL) as tar:
+                tar.extractall(scratch, filter="tar")
         (tree,) = [p for p in scratch.iterdir() if p.is_dir()]
         for patch in _patches():
             _run(f"patch {patch.name}", ["patch", "-p1", "-i", str(patch)], tree, log)
