@@ -1,0 +1,264 @@
+"""The daemon's registry: sandboxes and in-flight snapshots, in SQLite.
+
+Why SQLite and not a JSON file (forkd keeps its state in memory and loses its
+in-flight snapshots on restart): every change is one transaction, so a crash
+mid-write leaves the previous state, never a half-written file; WAL mode lets
+request threads read while another thread writes. One connection is shared
+behind a lock: the daemon's writes are tiny and rare next to VM work, and a
+single connection keeps transactions strictly ordered.
+
+The schema carries its version in ``schema_version``; ``_MIGRATIONS[i]`` takes a
+database from version ``i`` to ``i + 1``, so an older database is upgraded in
+place and a newer one is refused (an older daemon must not misread it).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        snapshot_tag TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        run_dir TEXT NOT NULL,
+        status TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        memory_limit_mib INTEGER,
+        branch_count INTEGER NOT NULL DEFAULT 0,
+        last_branch_memory_path TEXT,
+        exit_reason TEXT,
+        exit_description TEXT,
+        ended_at REAL
+    );
+    CREATE TABLE snapshot_jobs (
+        tag TEXT PRIMARY KEY,
+        status TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        finished_at REAL,
+        error TEXT,
+        daemon_pid INTEGER NOT NULL
+    );
+    """,
+)
+
+# Sandbox states. ``running``: its VMM process is alive as far as the daemon knows;
+# ``exited``: it died (the reason says how: exited, killed, oom-killed, crashed);
+# ``lost``: the daemon restarted and could not re-adopt it.
+RUNNING = "running"
+EXITED = "exited"
+LOST = "lost"
+
+# Snapshot job states, as forkd's SnapshotInfo ``status``.
+WRITING = "writing"
+FAILED = "failed"
+
+
+class RegistryError(Exception):
+    """The registry database cannot be opened or is from a newer vmfork."""
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    id: str
+    snapshot_tag: str
+    pid: int
+    run_dir: str
+    status: str
+    created_at: float
+    memory_limit_mib: int | None = None
+    branch_count: int = 0
+    last_branch_memory_path: str | None = None
+    exit_reason: str | None = None
+    exit_description: str | None = None
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotJob:
+    tag: str
+    status: str
+    started_at: float
+    finished_at: float | None
+    error: str | None
+    daemon_pid: int
+
+
+_SANDBOX_COLUMNS = ("id, snapshot_tag, pid, run_dir, status, created_at, memory_limit_mib, "
+                    "branch_count, last_branch_memory_path, exit_reason, exit_description, "
+                    "ended_at")
+
+
+class Registry:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(str(self.path), isolation_level=None,
+                                       check_same_thread=False, timeout=10.0)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._migrate()
+        except sqlite3.Error as err:
+            raise RegistryError(f"cannot open the registry database {self.path}: {err}; "
+                                "check the --state directory's permissions and free "
+                                "space") from err
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        with self._transaction() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            version = 0 if row is None else int(row[0])
+            if version > SCHEMA_VERSION:
+                raise RegistryError(f"the registry {self.path} has schema version {version}, "
+                                    f"newer than this vmfork's {SCHEMA_VERSION}; run a newer "
+                                    "vmfork or give this one another --state directory")
+            for script in _MIGRATIONS[version:]:
+                for statement in script.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+            if row is None:
+                db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
+            else:
+                db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT version FROM schema_version").fetchone()[0])
+
+    # -- sandboxes ----------------------------------------------------------------
+
+    def add_sandboxes(self, records: list[SandboxRecord]) -> None:
+        with self._transaction() as db:
+            db.executemany(
+                f"INSERT INTO sandboxes ({_SANDBOX_COLUMNS}) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r.id, r.snapshot_tag, r.pid, r.run_dir, r.status, r.created_at,
+                  r.memory_limit_mib, r.branch_count, r.last_branch_memory_path,
+                  r.exit_reason, r.exit_description, r.ended_at) for r in records])
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?",
+                                   (sandbox_id,)).fetchone()
+        return None if row is None else SandboxRecord(*row)
+
+    def list_sandboxes(self, status: str | None = None) -> list[SandboxRecord]:
+        query = f"SELECT {_SANDBOX_COLUMNS} FROM sandboxes"
+        params: tuple[str, ...] = ()
+        if status is not None:
+            query += " WHERE status = ?"
+            params = (status,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY created_at, id", params).fetchall()
+        return [SandboxRecord(*row) for row in rows]
+
+    def count_sandboxes(self, status: str = RUNNING) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM sandboxes WHERE status = ?",
+                                        (status,)).fetchone()[0])
+
+    def mark_ended(self, sandbox_id: str, status: str, reason: str, description: str) -> bool:
+        """Record that a running sandbox ended; False if it was not running (or unknown)."""
+        with self._transaction() as db:
+            cur = db.execute(
+                "UPDATE sandboxes SET status = ?, exit_reason = ?, exit_description = ?, "
+                "ended_at = ? WHERE id = ? AND status = ?",
+                (status, reason, description, time.time(), sandbox_id, RUNNING))
+            return cur.rowcount == 1
+
+    def mark_all_running_lost(self, reason: str, description: str) -> list[str]:
+        """At start-up: every sandbox still marked running belonged to a previous daemon."""
+        with self._transaction() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM sandboxes WHERE status = ?",
+                                            (RUNNING,))]
+            db.execute("UPDATE sandboxes SET status = ?, exit_reason = ?, exit_description = ?, "
+                       "ended_at = ? WHERE status = ?",
+                       (LOST, reason, description, time.time(), RUNNING))
+        return ids
+
+    def remove_sandbox(self, sandbox_id: str) -> bool:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount == 1
+
+    # -- snapshot jobs ------------------------------------------------------------
+
+    def begin_snapshot_job(self, tag: str, daemon_pid: int) -> bool:
+        """Claim ``tag`` for a snapshot being written; False if a job is already writing it.
+
+        A finished (failed) job's row is replaced: the failure was reported already.
+        """
+        with self._transaction() as db:
+            row = db.execute("SELECT status FROM snapshot_jobs WHERE tag = ?",
+                             (tag,)).fetchone()
+            if row is not None and row[0] == WRITING:
+                return False
+            db.execute("INSERT OR REPLACE INTO snapshot_jobs (tag, status, started_at, "
+                       "finished_at, error, daemon_pid) VALUES (?, ?, ?, NULL, NULL, ?)",
+                       (tag, WRITING, time.time(), daemon_pid))
+            return True
+
+    def finish_snapshot_job(self, tag: str, error: str | None) -> None:
+        """A job succeeded (its row goes: the store now lists the tag) or failed (kept)."""
+        with self._transaction() as db:
+            if error is None:
+                db.execute("DELETE FROM snapshot_jobs WHERE tag = ?", (tag,))
+            else:
+                db.execute("UPDATE snapshot_jobs SET status = ?, finished_at = ?, error = ? "
+                           "WHERE tag = ?", (FAILED, time.time(), error, tag))
+
+    def forget_snapshot_job(self, tag: str) -> bool:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM snapshot_jobs WHERE tag = ? AND status != ?",
+                              (tag, WRITING)).rowcount == 1
+
+    def get_snapshot_job(self, tag: str) -> SnapshotJob | None:
+        with self._lock:
+            row = self._db.execute("SELECT tag, status, started_at, finished_at, error, "
+                                   "daemon_pid FROM snapshot_jobs WHERE tag = ?",
+                                   (tag,)).fetchone()
+        return None if row is None else SnapshotJob(*row)
+
+    def list_snapshot_jobs(self) -> list[SnapshotJob]:
+        with self._lock:
+            rows = self._db.execute("SELECT tag, status, started_at, finished_at, error, "
+                                    "daemon_pid FROM snapshot_jobs ORDER BY tag").fetchall()
+        return [SnapshotJob(*row) for row in rows]
+
+    def fail_orphaned_snapshot_jobs(self, daemon_pid: int) -> list[str]:
+        """At start-up: jobs a previous daemon left ``writing`` can never finish (the store
+        removes their pending directories); they become ``failed`` with that reason."""
+        with self._transaction() as db:
+            tags = [r[0] for r in db.execute(
+                "SELECT tag FROM snapshot_jobs WHERE status = ? AND daemon_pid != ?",
+                (WRITING, daemon_pid))]
+            db.execute("UPDATE snapshot_jobs SET status = ?, finished_at = ?, error = ? "
+                       "WHERE status = ? AND daemon_pid != ?",
+                       (FAILED, time.time(), "the daemon stopped while this snapshot was being "
+                        "written; its partial files were removed. Create it again.",
+                        WRITING, daemon_pid))
+        return tags
