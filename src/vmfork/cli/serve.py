@@ -1,0 +1,65 @@
+"""``vmfork serve``: the controller daemon (REST ``/v1``, forkd-compatible).
+
+The verb only parses flags and reports start-up problems as ``CliError``; the
+daemon itself lives in ``vmfork.server.daemon``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from vmfork.cli import CliError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the controller daemon (REST API, forkd-compatible)")
+    p.add_argument("--state", type=Path, default=None, metavar="DIR",
+                   help="registry, sandbox run dirs and zygote socket (default "
+                        "$VMFORK_STATE_DIR or ~/.local/state/vmfork)")
+    p.add_argument("--socket", type=Path, default=None, metavar="PATH",
+                   help="Unix socket to listen on (default DIR/api.sock)")
+    p.add_argument("--no-socket", action="store_true", help="do not listen on a Unix socket")
+    p.add_argument("--bind", nargs="?", const="127.0.0.1:8889", default=None,
+                   metavar="HOST:PORT",
+                   help="also listen on TCP (bare --bind: 127.0.0.1:8889); a non-loopback "
+                        "address needs --token-file")
+    p.add_argument("--snapshot-root", type=Path, default=None, metavar="DIR",
+                   help="snapshot store (default $VMFORK_HOME or ~/.local/share/vmfork)")
+    p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                   help="require 'Authorization: Bearer <token>' with the token in FILE "
+                        "(at least 16 bytes)")
+    p.add_argument("--audit-log", type=Path, default=None, metavar="FILE",
+                   help="JSON-lines audit log (default DIR/audit.log; reopened on SIGHUP)")
+    p.add_argument("--max-concurrent-spawns", type=int, default=4, metavar="N",
+                   help="heavy operations (sandbox/snapshot create) at once; more get 503 "
+                        "(default 4)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from vmfork.runtime.zygote_protocol import ZygoteError
+    from vmfork.server.auth import AuthConfigError
+    from vmfork.server.daemon import SOCKET_NAME, Daemon, DaemonConfig, default_state_dir
+    from vmfork.server.registry import RegistryError
+    from vmfork.store import StoreError
+
+    if args.max_concurrent_spawns < 1:
+        raise CliError("--max-concurrent-spawns must be at least 1")
+    state = (args.state or default_state_dir()).absolute()
+    socket_path = None if args.no_socket else (args.socket or state / SOCKET_NAME).absolute()
+    config = DaemonConfig(state_dir=state, socket_path=socket_path, bind=args.bind,
+                          snapshot_root=args.snapshot_root, token_file=args.token_file,
+                          audit_log=args.audit_log,
+                          heavy_concurrency=args.max_concurrent_spawns)
+    try:
+        daemon = Daemon(config)
+    except (AuthConfigError, RegistryError, StoreError, ZygoteError, ValueError,
+            OSError) as err:
+        raise CliError(str(err), 1) from err
+    for address in daemon.addresses():
+        print(f"vmfork serve: listening on {address}", file=sys.stderr, flush=True)
+    daemon.run_until_signalled()
+    return 0

@@ -1,0 +1,315 @@
+"""``Controller``: one method per REST call, with forkd's names and signatures
+(REFERENCE-forkd.md, SDKs), so a forkd script runs by changing its import.
+
+Results are the decoded JSON (dicts and lists), as forkd's SDK returns them. Any
+non-2xx answer raises ``ControllerError(status, body, url)``; a daemon that does
+not answer raises ``ControllerError`` with status 0 and says how to start one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.parse
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, BinaryIO
+
+from vmfork.client.transport import Endpoint
+
+USER_AGENT = "vmfork-python"
+
+
+def default_url() -> str:
+    """``$VMFORK_URL``, ``$FORKD_URL``, else the Unix socket ``vmfork serve`` uses by
+    default (``$VMFORK_STATE_DIR``/``$XDG_STATE_HOME/vmfork``/``~/.local/state/vmfork``
+    + ``/api.sock``)."""
+    for name in ("VMFORK_URL", "FORKD_URL"):
+        if os.environ.get(name):
+            return os.environ[name]
+    state = os.environ.get("VMFORK_STATE_DIR")
+    if not state:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                ".local", "state")
+        state = os.path.join(base, "vmfork")
+    return "unix://" + os.path.join(os.path.abspath(state), "api.sock")
+
+
+class ControllerError(Exception):
+    """The daemon answered with an error (``status`` ≥ 400, ``body`` its decoded JSON or
+    text), or could not be reached (``status`` 0)."""
+
+    def __init__(self, status: int, body: Any, url: str) -> None:
+        message = body.get("error") if isinstance(body, dict) else body
+        super().__init__(f"{status} from {url}: {message}")
+        self.status = status
+        self.body = body
+        self.url = url
+
+    @property
+    def message(self) -> str:
+        return str(self.body.get("error") if isinstance(self.body, dict) else self.body)
+
+
+class Controller:
+    def __init__(self, base_url: str | None = None, token: str | None = None,
+                 timeout: float = 60) -> None:
+        """``timeout`` (seconds) bounds each request; exec waits its own timeout on top."""
+        self.base_url = base_url or default_url()
+        self.endpoint = Endpoint.parse(self.base_url)
+        self.token = token if token is not None else (
+            os.environ.get("VMFORK_TOKEN") or os.environ.get("FORKD_TOKEN"))
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"Controller({self.base_url!r})"
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _headers(self, content_type: str | None = None) -> dict[str, str]:
+        headers = {"User-Agent": USER_AGENT, "Accept": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if content_type:
+            headers["Content-Type"] = content_type
+        return headers
+
+    def _url(self, path: str, query: Mapping[str, Any] | None = None) -> str:
+        full = self.endpoint.prefix + path
+        if query:
+            full += "?" + urllib.parse.urlencode(
+                {k: (str(v).lower() if isinstance(v, bool) else v)
+                 for k, v in query.items() if v is not None})
+        return full
+
+    def _open(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
+              body: bytes | BinaryIO | Iterable[bytes] | None = None,
+              content_type: str | None = None, length: int | None = None,
+              timeout: float | None = None) -> Any:
+        url = self._url(path, query)
+        conn = self.endpoint.connection(self.timeout if timeout is None else timeout)
+        headers = self._headers(content_type)
+        if length is not None:
+            headers["Content-Length"] = str(length)
+        try:
+            conn.request(method, url, body=body, headers=headers)
+            response = conn.getresponse()
+        except OSError as err:
+            conn.close()
+            raise ControllerError(0, f"cannot reach the vmfork daemon at {self.base_url}: "
+                                  f"{err} (start it with `vmfork serve`, or set VMFORK_URL)",
+                                  self.base_url + url) from err
+        if response.status >= 400:
+            raw = response.read()
+            conn.close()
+            try:
+                decoded: Any = json.loads(raw)
+            except ValueError:
+                decoded = raw.decode("utf-8", "replace")
+            raise ControllerError(response.status, decoded, self.base_url + url)
+        response.vmfork_conn = conn  # type: ignore[attr-defined]
+        return response
+
+    def _call(self, method: str, path: str, payload: Mapping[str, Any] | None = None, *,
+              query: Mapping[str, Any] | None = None, timeout: float | None = None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        response = self._open(method, path, query=query, body=data,
+                              content_type="application/json" if data is not None else None,
+                              timeout=timeout)
+        try:
+            raw = response.read()
+        finally:
+            response.vmfork_conn.close()
+        return json.loads(raw) if raw else None
+
+    # -- service --------------------------------------------------------------------
+
+    def healthz(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/healthz")
+        return result
+
+    def version(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", "/version")
+        return result
+
+    def metrics(self) -> str:
+        response = self._open("GET", "/metrics")
+        try:
+            return str(response.read().decode())
+        finally:
+            response.vmfork_conn.close()
+
+    # -- snapshots ------------------------------------------------------------------
+
+    def list_snapshots(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/v1/snapshots")
+        return result
+
+    def create_snapshot(self, tag: str, *, image: str = "default", mem_mib: int = 256,
+                        vcpus: int = 1, warm_code: str | None = None,
+                        warm_cmd: str | None = None, timeout: float = 600) -> dict[str, Any]:
+        """Boot ``image``, warm it, snapshot it as ``tag``; blocks until ready (``timeout``
+        in seconds)."""
+        body: dict[str, Any] = {"tag": tag, "image": image, "mem_mib": mem_mib, "vcpus": vcpus}
+        if warm_code is not None:
+            body["warm_code"] = warm_code
+        if warm_cmd is not None:
+            body["warm_cmd"] = warm_cmd
+        result: dict[str, Any] = self._call("POST", "/v1/snapshots", body, timeout=timeout)
+        return result
+
+    def snapshot_info(self, tag: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/snapshots/{_seg(tag)}/info")
+        return result
+
+    def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> None:
+        query = {k: True for k, v in (("cascade", cascade), ("force", force)) if v}
+        self._call("DELETE", f"/v1/snapshots/{_seg(tag)}", query=query)
+
+    # -- sandboxes ------------------------------------------------------------------
+
+    def spawn_sandboxes(self, snapshot_tag: str, n: int = 1, per_child_netns: bool = False,
+                        memory_limit_mib: int | None = None, prewarm: bool = False,
+                        live_fork: bool = False, hugepages: bool = False,
+                        timeout: float | None = None) -> list[dict[str, Any]]:
+        body = {"snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns,
+                "memory_limit_mib": memory_limit_mib, "prewarm": prewarm,
+                "live_fork": live_fork, "hugepages": hugepages}
+        result: list[dict[str, Any]] = self._call(
+            "POST", "/v1/sandboxes", body, timeout=timeout or max(self.timeout, 300.0))
+        return result
+
+    def list_sandboxes(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/v1/sandboxes")
+        return result
+
+    def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/sandboxes/{_seg(sandbox_id)}")
+        return result
+
+    def kill_sandbox(self, sandbox_id: str) -> None:
+        self._call("DELETE", f"/v1/sandboxes/{_seg(sandbox_id)}")
+
+    def ping_sandbox(self, sandbox_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/ping")
+        return result
+
+    def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
+                     env: Mapping[str, str | None] | None = None, cwd: str | None = None,
+                     stdin: str | None = None) -> dict[str, Any]:
+        """``{stdout, stderr, exit_code, …}``; a timeout raises ``ControllerError`` 504
+        whose ``body`` holds ``timed_out`` and the output so far."""
+        body = _exec_body(args, timeout_secs, env, cwd, stdin)
+        result: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/exec",
+                                            body, timeout=timeout_secs + self.timeout)
+        return result
+
+    def exec_stream(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
+                    env: Mapping[str, str | None] | None = None, cwd: str | None = None,
+                    stdin: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Server-sent events as ``(event, data)``: ``stdout``/``stderr`` chunks, then
+        ``exit`` or ``error``."""
+        body = json.dumps(_exec_body(args, timeout_secs, env, cwd, stdin)).encode()
+        response = self._open("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/exec/stream",
+                              body=body, content_type="application/json",
+                              timeout=timeout_secs + self.timeout)
+        try:
+            event = "message"
+            data: list[str] = []
+            while True:
+                line = response.readline()
+                if not line:
+                    return
+                text = line.decode("utf-8").rstrip("\r\n")
+                if not text:
+                    if data:
+                        yield event, json.loads("\n".join(data))
+                    event, data = "message", []
+                elif text.startswith("event:"):
+                    event = text[6:].strip()
+                elif text.startswith("data:"):
+                    data.append(text[5:].strip())
+        finally:
+            response.vmfork_conn.close()
+
+    def eval_code(self, sandbox_id: str, code: str,
+                  timeout_secs: float | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": code}
+        if timeout_secs is not None:
+            body["timeout_secs"] = timeout_secs
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/eval", body,
+            timeout=(timeout_secs or 0) + self.timeout)
+        return result
+
+    # -- files ----------------------------------------------------------------------
+
+    def read_file_to(self, sandbox_id: str, path: str, out: BinaryIO) -> int:
+        """Stream a guest file into ``out``; returns the number of bytes."""
+        response = self._open("GET", f"/v1/sandboxes/{_seg(sandbox_id)}/files",
+                              query={"path": path})
+        total = 0
+        try:
+            while chunk := response.read(1 << 16):
+                out.write(chunk)
+                total += len(chunk)
+        finally:
+            response.vmfork_conn.close()
+        expected = response.getheader("X-File-Size")
+        if expected is not None and int(expected) != total:
+            raise ControllerError(502, f"read {path}: got {total} of {expected} bytes (the "
+                                  "stream was cut; see the daemon log)", self.base_url)
+        return total
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes | BinaryIO, *,
+                   length: int | None = None, mode: int = 0o644,
+                   make_parents: bool = False) -> dict[str, Any]:
+        """Replace a guest file with ``data`` (bytes, or a binary file streamed with
+        ``length`` bytes; default: its size from ``fstat``)."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            length = len(data)
+        elif length is None:
+            length = os.fstat(data.fileno()).st_size - data.tell()
+        response = self._open("PUT", f"/v1/sandboxes/{_seg(sandbox_id)}/files",
+                              query={"path": path, "mode": mode, "make_parents": make_parents},
+                              body=data, content_type="application/octet-stream",
+                              length=length)
+        try:
+            result: dict[str, Any] = json.loads(response.read())
+        finally:
+            response.vmfork_conn.close()
+        return result
+
+    def list_files(self, sandbox_id: str, path: str) -> list[dict[str, Any]]:
+        result: dict[str, Any] = self._call("GET", f"/v1/sandboxes/{_seg(sandbox_id)}/files/list",
+                                            query={"path": path})
+        entries: list[dict[str, Any]] = result["entries"]
+        return entries
+
+    def stat_file(self, sandbox_id: str, path: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/sandboxes/{_seg(sandbox_id)}/files/stat",
+                                            query={"path": path})
+        return result
+
+    def remove_file(self, sandbox_id: str, path: str, *, recursive: bool = False,
+                    missing_ok: bool = False) -> None:
+        self._call("DELETE", f"/v1/sandboxes/{_seg(sandbox_id)}/files",
+                   query={"path": path, "recursive": recursive, "missing_ok": missing_ok})
+
+
+def _seg(value: str) -> str:
+    """One path segment, percent-encoded (the daemon validates it)."""
+    return urllib.parse.quote(value, safe="")
+
+
+def _exec_body(args: list[str], timeout_secs: float, env: Mapping[str, str | None] | None,
+               cwd: str | None, stdin: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"args": list(args), "timeout_secs": timeout_secs}
+    if env is not None:
+        body["env"] = dict(env)
+    if cwd is not None:
+        body["cwd"] = cwd
+    if stdin is not None:
+        body["stdin"] = stdin
+    return body
+
+

@@ -1,0 +1,446 @@
+"""The REST routes: forkd v0.5.3's ``/v1`` surface plus vmfork's extensions.
+
+One table (``ROUTES``) lists every route with its method, path template, handler
+and accepted query parameters; the HTTP layer matches against it and the OpenAPI
+contract test compares it with ``openapi.json``, so a route cannot exist without
+being documented. Handlers validate everything first (path parameters by the
+matcher, bodies and queries by their ``Field`` specs), then call the controller.
+
+Wire compatibility (REFERENCE-forkd.md): same paths, field names, defaults and
+status codes. Extensions sit beside forkd's fields: ``env``/``cwd``/``stdin`` on
+exec, streaming exec (server-sent events), files, ``status``/``exit_reason`` on
+sandboxes, ``stdout``/``stderr``/``traceback`` on eval.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Protocol
+
+from vmfork.server.controller import Controller, agent_errors, exec_result_json
+from vmfork.server.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from vmfork.server.validation import (
+    Field,
+    between,
+    check_argv,
+    check_env,
+    check_guest_path,
+    check_path_tag,
+    check_sandbox_id,
+    check_tag,
+    parse_json_object,
+    parse_query,
+    validate_fields,
+)
+
+MAX_JSON_BODY = 1 << 20
+MAX_SANDBOXES_PER_REQUEST = 1000
+STREAM_CHUNK = 1 << 16
+
+
+# -- request and response ------------------------------------------------------------
+
+
+class BodyReader(Protocol):
+    def read(self, n: int = -1) -> bytes: ...
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]            # lower-cased names
+    body: BodyReader
+    content_length: int | None
+    params: dict[str, str] = field(default_factory=dict)
+    # Filled by handlers for the audit log.
+    sandbox_ids: list[str] = field(default_factory=list)
+    snapshot_tag: str | None = None
+
+    def json(self, spec: dict[str, Field], where: str) -> dict[str, Any]:
+        length = self.content_length or 0
+        if length > MAX_JSON_BODY:
+            raise PayloadTooLarge(f"{where}: the JSON body is {length} bytes; the limit is "
+                                  f"{MAX_JSON_BODY}")
+        raw = self.body.read(length) if length else b""
+        return validate_fields(parse_json_object(raw, where), spec, where)
+
+    def args(self, spec: dict[str, Field], where: str) -> dict[str, Any]:
+        return parse_query(self.query, spec, where)
+
+    def chunks(self) -> Iterator[bytes]:
+        """The raw body, streamed (needs Content-Length)."""
+        total = self.content_length
+        if total is None:
+            raise BadRequest(f"{self.method} {self.path}: send the body with a Content-Length")
+        remaining = total
+        while remaining > 0:
+            chunk = self.body.read(min(STREAM_CHUNK, remaining))
+            if not chunk:
+                raise BadRequest(f"{self.method} {self.path}: the body ended after "
+                                 f"{total - remaining} of {total} "
+                                 "bytes")
+            remaining -= len(chunk)
+            yield chunk
+
+
+@dataclass
+class Response:
+    status: int = 200
+    body: Any = None                   # JSON value, or bytes with content_type
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> bytes:
+        if self.body is None:
+            return b""
+        if isinstance(self.body, bytes):
+            return self.body
+        return json.dumps(self.body, separators=(",", ":")).encode("utf-8")
+
+
+Writer = Callable[[bytes], None]
+
+
+@dataclass
+class StreamResponse(Response):
+    """A response whose body is produced while it is sent (chunked transfer encoding)."""
+
+    produce: Callable[[Writer], None] = lambda write: None
+
+
+Handler = Callable[[Controller, Request], Response]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    template: str
+    handler: Handler
+
+    @property
+    def segments(self) -> list[str]:
+        return self.template.strip("/").split("/")
+
+
+# -- bodies ----------------------------------------------------------------------------
+
+SANDBOX_CREATE = {
+    "snapshot_tag": Field(str, check=check_tag),
+    "n": Field(int, 1, between(1, MAX_SANDBOXES_PER_REQUEST)),
+    "per_child_netns": Field(bool, False),
+    "memory_limit_mib": Field(int, None, between(16, 1 << 20), nullable=True),
+    "prewarm": Field(bool, False),
+    "live_fork": Field(bool, False),
+    "hugepages": Field(bool, False),
+}
+
+EXEC = {
+    "args": Field(list, check=check_argv),
+    "timeout_secs": Field((int, float), 30, between(0.001, 86400)),
+    "env": Field(dict, None, check_env, nullable=True),
+    "cwd": Field(str, None, check_guest_path, nullable=True),
+    "stdin": Field(str, None, nullable=True),
+}
+
+EVAL = {
+    "code": Field(str),
+    "timeout_secs": Field((int, float), None, between(0.001, 86400), nullable=True),
+}
+
+SNAPSHOT_CREATE = {
+    "tag": Field(str, check=check_tag),
+    "image": Field(str, "default"),
+    "mem_mib": Field(int, 256, between(64, 65536)),
+    "vcpus": Field(int, 1, between(1, 64)),
+    "warm_code": Field(str, None, nullable=True),
+    "warm_cmd": Field(str, None, nullable=True),
+    # forkd's fields: accepted by name so the refusal can say why.
+    "kernel": Field(str, None, nullable=True),
+    "rootfs": Field(str, None, nullable=True),
+    "rw": Field(bool, False),
+    "tap": Field(str, None, nullable=True),
+    "boot_wait_secs": Field((int, float), 10, between(0, 60)),
+}
+
+SNAPSHOT_DELETE_QUERY = {"cascade": Field(bool, False), "force": Field(bool, False)}
+PATH_QUERY = {"path": Field(str, check=check_guest_path)}
+WRITE_QUERY = {"path": Field(str, check=check_guest_path),
+               "mode": Field(int, 0o644, between(0, 0o7777)),
+               "make_parents": Field(bool, False)}
+REMOVE_QUERY = {"path": Field(str, check=check_guest_path),
+                "recursive": Field(bool, False), "missing_ok": Field(bool, False)}
+NO_QUERY: dict[str, Field] = {}
+
+
+def _where(req: Request) -> str:
+    return f"{req.method} {req.path}"
+
+
+def _no_query(req: Request) -> None:
+    req.args(NO_QUERY, _where(req))
+
+
+# -- handlers ------------------------------------------------------------------------
+
+
+def healthz(c: Controller, req: Request) -> Response:
+    return Response(body={"ok": True})
+
+
+def version(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.version())
+
+
+def metrics(c: Controller, req: Request) -> Response:
+    return Response(body=c.metrics.render().encode(),
+                    content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def openapi_document() -> dict[str, Any]:
+    text = resources.files("vmfork.server").joinpath("openapi.json").read_text("utf-8")
+    doc: dict[str, Any] = json.loads(text)
+    return doc
+
+
+def openapi(c: Controller, req: Request) -> Response:
+    doc = openapi_document()
+    doc["info"]["version"] = c.version()["version"]
+    return Response(body=doc)
+
+
+def list_snapshots(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.list_snapshots())
+
+
+def create_snapshot(c: Controller, req: Request) -> Response:
+    body = req.json(SNAPSHOT_CREATE, _where(req))
+    req.snapshot_tag = body["tag"]
+    if body["kernel"] is not None or body["rootfs"] is not None or body["tap"] is not None:
+        raise BadRequest(f"{_where(req)}: kernel/rootfs/tap are forkd's Firecracker inputs; "
+                         "vmfork boots a built guest image: pass \"image\" (default "
+                         "\"default\", see `vmfork image ls`) and optionally warm_code or "
+                         "warm_cmd")
+    if body["warm_code"] is not None and body["warm_cmd"] is not None:
+        raise BadRequest(f"{_where(req)}: give warm_code (Python) or warm_cmd (shell), "
+                         "not both")
+    return Response(201, c.create_snapshot(body))
+
+
+def snapshot_info(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    req.snapshot_tag = req.params["tag"]
+    return Response(body=c.snapshot_info(req.params["tag"]))
+
+
+def delete_snapshot(c: Controller, req: Request) -> Response:
+    req.snapshot_tag = req.params["tag"]
+    q = req.args(SNAPSHOT_DELETE_QUERY, _where(req))
+    c.delete_snapshot(req.params["tag"], q["cascade"], q["force"])
+    return Response(204)
+
+
+def create_sandboxes(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(SANDBOX_CREATE, _where(req))
+    req.snapshot_tag = body["snapshot_tag"]
+    infos = c.create_sandboxes(body)
+    req.sandbox_ids = [i["id"] for i in infos]
+    return Response(201, infos)
+
+
+def list_sandboxes(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.list_sandboxes())
+
+
+def _sandbox_id(req: Request) -> str:
+    sandbox_id = req.params["id"]
+    req.sandbox_ids = [sandbox_id]
+    return sandbox_id
+
+
+def get_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.get_sandbox(_sandbox_id(req)))
+
+
+def delete_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    c.delete_sandbox(_sandbox_id(req))
+    return Response(204)
+
+
+def ping_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    req.json({}, _where(req))
+    return Response(body=c.ping(sandbox_id))
+
+
+def exec_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    return Response(body=c.exec(sandbox_id, req.json(EXEC, _where(req))))
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def exec_stream(c: Controller, req: Request) -> Response:
+    """Server-sent events: ``stdout``/``stderr`` ({"data": text}) as the process writes,
+    then one ``exit`` (the exec result without its output) or ``error`` ({"error",
+    "status", ...}: a timeout carries ``timed_out``)."""
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(EXEC, _where(req))
+    c.agent(sandbox_id)  # refuse an unknown or dead sandbox before the stream starts
+
+    def produce(write: Writer) -> None:
+        def out(kind: str) -> Callable[[bytes], None]:
+            return lambda chunk: write(_sse(kind, {"data": chunk.decode("utf-8", "replace")}))
+        try:
+            result = c.exec(sandbox_id, body, on_stdout=out("stdout"), on_stderr=out("stderr"))
+        except ApiError as err:
+            write(_sse("error", {**err.body(), "status": err.status}))
+            return
+        result.pop("stdout")
+        result.pop("stderr")
+        write(_sse("exit", result))
+
+    return StreamResponse(200, content_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache"}, produce=produce)
+
+
+def eval_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    return Response(body=c.eval(sandbox_id, req.json(EVAL, _where(req))))
+
+
+class _WriterFile:
+    """The ``fileobj`` that ``AgentClient.read_file_to`` writes into: the response."""
+
+    def __init__(self, write: Writer) -> None:
+        self._write = write
+
+    def write(self, data: bytes) -> int:
+        self._write(bytes(data))
+        return len(data)
+
+
+def download_file(c: Controller, req: Request) -> Response:
+    sandbox_id = _sandbox_id(req)
+    path = req.args(PATH_QUERY, _where(req))["path"]
+    info = c.stat_file(sandbox_id, path)   # a missing file is a 404 before any byte is sent
+    if info["type"] != "file":
+        raise BadRequest(f"{_where(req)}: {path} is a {info['type']}, not a regular file; "
+                         "list a directory with GET .../files/list")
+    agent = c.agent(sandbox_id)
+
+    def produce(write: Writer) -> None:
+        with agent_errors(sandbox_id, "read"):
+            agent.read_file_to(path, _WriterFile(write))  # type: ignore[arg-type]
+
+    return StreamResponse(200, content_type="application/octet-stream",
+                          headers={"X-File-Size": str(info["size"])}, produce=produce)
+
+
+def upload_file(c: Controller, req: Request) -> Response:
+    sandbox_id = _sandbox_id(req)
+    q = req.args(WRITE_QUERY, _where(req))
+    agent = c.agent(sandbox_id)
+    with agent_errors(sandbox_id, "write"):
+        size = agent.write_file(q["path"], req.chunks(), mode=q["mode"],
+                                make_parents=q["make_parents"])
+    return Response(body={"path": q["path"], "size": size})
+
+
+def remove_file(c: Controller, req: Request) -> Response:
+    sandbox_id = _sandbox_id(req)
+    c.remove_file(sandbox_id, req.args(REMOVE_QUERY, _where(req)))
+    return Response(204)
+
+
+def list_files(c: Controller, req: Request) -> Response:
+    sandbox_id = _sandbox_id(req)
+    return Response(body=c.list_files(sandbox_id, req.args(PATH_QUERY, _where(req))["path"]))
+
+
+def stat_file(c: Controller, req: Request) -> Response:
+    sandbox_id = _sandbox_id(req)
+    return Response(body=c.stat_file(sandbox_id, req.args(PATH_QUERY, _where(req))["path"]))
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/healthz", healthz),
+    Route("GET", "/version", version),
+    Route("GET", "/metrics", metrics),
+    Route("GET", "/openapi.json", openapi),
+    Route("GET", "/v1/snapshots", list_snapshots),
+    Route("POST", "/v1/snapshots", create_snapshot),
+    Route("DELETE", "/v1/snapshots/{tag}", delete_snapshot),
+    Route("GET", "/v1/snapshots/{tag}/info", snapshot_info),
+    Route("GET", "/v1/sandboxes", list_sandboxes),
+    Route("POST", "/v1/sandboxes", create_sandboxes),
+    Route("GET", "/v1/sandboxes/{id}", get_sandbox),
+    Route("DELETE", "/v1/sandboxes/{id}", delete_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/ping", ping_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/exec", exec_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/exec/stream", exec_stream),
+    Route("POST", "/v1/sandboxes/{id}/eval", eval_sandbox),
+    Route("GET", "/v1/sandboxes/{id}/files", download_file),
+    Route("PUT", "/v1/sandboxes/{id}/files", upload_file),
+    Route("DELETE", "/v1/sandboxes/{id}/files", remove_file),
+    Route("GET", "/v1/sandboxes/{id}/files/list", list_files),
+    Route("GET", "/v1/sandboxes/{id}/files/stat", stat_file),
+)
+
+_PARAM_CHECKS: dict[str, Callable[[str], str]] = {
+    "tag": check_path_tag, "id": check_sandbox_id}
+
+
+def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:
+    """The route for ``method`` and the (percent-encoded) path, with its validated
+    parameters. 404 if no template fits, 405 if one fits another method."""
+    path = raw_path if raw_path == "/" else raw_path.rstrip("/") or "/"
+    try:
+        parts = [urllib.parse.unquote(p, errors="strict") for p in path.strip("/").split("/")]
+    except UnicodeDecodeError:
+        raise BadRequest(f"the path {raw_path[:100]!r} is not valid UTF-8 once "
+                         "percent-decoded") from None
+    allowed: list[str] = []
+    for route in ROUTES:
+        segments = route.segments
+        if len(segments) != len(parts):
+            continue
+        params: dict[str, str] = {}
+        for seg, part in zip(segments, parts, strict=True):
+            if seg.startswith("{"):
+                if not part:
+                    break
+                params[seg[1:-1]] = part
+            elif seg != part:
+                break
+        else:
+            if route.method != method:
+                allowed.append(route.method)
+                continue
+            for name, value in params.items():
+                params[name] = _PARAM_CHECKS[name](value)
+            return route, params
+    if allowed:
+        raise MethodNotAllowed(f"{method} is not allowed on {raw_path}; allowed: "
+                               f"{', '.join(sorted(set(allowed)))}",
+                               headers={"Allow": ", ".join(sorted(set(allowed)))})
+    raise NotFound(f"no route {method} {raw_path}; GET /openapi.json lists the API")
+
+

@@ -1,0 +1,155 @@
+"""``vmfork serve``: wire the store, registry, zygote, controller and listeners.
+
+Start-up order matters: the token and bind address are checked first (refusing
+to start is cheaper than refusing requests), then the registry is reconciled
+(sandboxes of a previous daemon are marked lost, half-written snapshots failed),
+then the zygote starts, and only then do the sockets accept requests. Shutdown
+runs in reverse: stop accepting, kill every sandbox, close the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from vmfork import __version__
+from vmfork.server import auth
+from vmfork.server.audit import AuditLog
+from vmfork.server.controller import Controller, Limits
+from vmfork.server.http import (
+    ServerContext,
+    TCPHTTPServer,
+    UnixHTTPServer,
+    handler_for,
+    parse_bind,
+    tcp_server,
+)
+from vmfork.server.metrics import DaemonMetrics
+from vmfork.server.registry import Registry
+from vmfork.server.spawner import Spawner, ZygoteSpawner
+from vmfork.store import Snapshot, Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BIND = "127.0.0.1:8889"
+SOCKET_NAME = "api.sock"
+
+
+def default_state_dir() -> Path:
+    """``$VMFORK_STATE_DIR``, else ``$XDG_STATE_HOME/vmfork``, else ``~/.local/state/vmfork``
+    (the SDK computes the same default socket path)."""
+    override = os.environ.get("VMFORK_STATE_DIR")
+    if override:
+        return Path(os.path.abspath(override))
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return Path(os.path.abspath(base)) / "vmfork"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    state_dir: Path
+    socket_path: Path | None          # None: no Unix socket
+    bind: str | None                  # None: no TCP listener
+    snapshot_root: Path | None = None  # None: the store's default ($VMFORK_HOME …)
+    token_file: Path | None = None
+    audit_log: Path | None = None     # default <state>/audit.log
+    heavy_concurrency: int = 4
+    spawner: bool = True              # False: API only (tests, hosts without KVM)
+
+
+def make_snapshot_from_image(store: Store, body: dict[str, Any]) -> Snapshot:
+    from vmfork.image import find_image
+    from vmfork.runtime.parent import snapshot_parent
+    image = find_image(body["image"])
+    return snapshot_parent(store, body["tag"], image, mem_mib=body["mem_mib"],
+                           vcpus=body["vcpus"], warm_code=body["warm_code"],
+                           warm_cmd=body["warm_cmd"]).snapshot
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.token = auth.load_token(config.token_file) if config.token_file else None
+        if config.bind is not None:
+            auth.check_bind(parse_bind(config.bind)[0], self.token)
+        if config.socket_path is None and config.bind is None:
+            raise ValueError("nothing to listen on: give a Unix socket path or --bind")
+        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.store = Store.open(config.snapshot_root)
+        self.registry = Registry(config.state_dir / "registry.db")
+        self.metrics = DaemonMetrics(__version__)
+        self.audit = AuditLog(config.audit_log or config.state_dir / "audit.log")
+        self.spawner: Spawner | None = None
+        if config.spawner:
+            zygote_log = open(config.state_dir / "zygote.log", "ab")  # noqa: SIM115
+            try:
+                self.spawner = ZygoteSpawner(config.state_dir, stderr=zygote_log)
+            finally:
+                zygote_log.close()
+        self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
+                                     make_snapshot=make_snapshot_from_image,
+                                     limits=Limits(heavy_concurrency=config.heavy_concurrency))
+        self.controller.start()
+        handler = handler_for(ServerContext(self.controller, self.token, self.audit))
+        self.servers: list[UnixHTTPServer | TCPHTTPServer] = []
+        if config.socket_path is not None:
+            self.servers.append(UnixHTTPServer(config.socket_path, handler))
+        if config.bind is not None:
+            self.servers.append(tcp_server(config.bind, handler))
+        self._threads: list[threading.Thread] = []
+        self._stopped = threading.Event()
+
+    def addresses(self) -> list[str]:
+        out = []
+        for server in self.servers:
+            if isinstance(server, UnixHTTPServer):
+                out.append(f"unix://{server.socket_path}")
+            else:
+                host, port = server.server_address[:2]
+                out.append(f"http://{host!s}:{port}")
+        return out
+
+    def start(self) -> None:
+        for server in self.servers:
+            thread = threading.Thread(target=server.serve_forever, name="http-listener",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        self.controller.stop()
+        self.registry.close()
+        self.audit.close()
+
+    def run_until_signalled(self) -> None:
+        """Serve until SIGTERM or SIGINT; SIGHUP reopens the audit log."""
+        done = threading.Event()
+
+        def on_stop(signum: int, frame: FrameType | None) -> None:
+            done.set()
+
+        def on_hup(signum: int, frame: FrameType | None) -> None:
+            self.audit.request_reopen()
+
+        signal.signal(signal.SIGTERM, on_stop)
+        signal.signal(signal.SIGINT, on_stop)
+        signal.signal(signal.SIGHUP, on_hup)
+        self.start()
+        try:
+            while not done.wait(1.0):
+                pass
+        finally:
+            self.stop()

@@ -1,0 +1,479 @@
+"""The daemon's HTTP API without KVM: a real store, registry and HTTP server on a
+Unix socket, with a fake spawner whose "sandboxes" answer like agents.
+
+Covers routing (404/405), strict validation, path-traversal attempts, auth, the
+OpenAPI contract (every route documented and vice versa), metrics and the audit
+log (including reopen after rotation), and the sandbox routes end to end.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vmfork.agent.client import AgentError, AgentTimeout, EvalResult, ExecResult, FileInfo, PingResult
+from vmfork.client import Controller, ControllerError, Sandbox
+from vmfork.client.transport import UnixHTTPConnection
+from vmfork.server import api, auth
+from vmfork.server.audit import AuditLog
+from vmfork.server.controller import Controller as Ctl
+from vmfork.server.controller import Limits
+from vmfork.server.errors import BadGateway
+from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
+from vmfork.server.metrics import DaemonMetrics
+from vmfork.server.registry import Registry
+from vmfork.server.spawner import ExitNotice, Spawned, SpawnOutcome
+from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
+
+TOKEN = b"0123456789abcdef-secret"
+
+
+class FakeAgent:
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def ping(self) -> PingResult:
+        return PingResult(pid=1, version="test", protocol=1, uptime=1.0, boot_id="b")
+
+    def exec(self, argv: list[str], *, env: Any = None, cwd: Any = None, stdin: Any = None,
+             timeout: float | None = None, on_stdout: Any = None,
+             on_stderr: Any = None) -> ExecResult:
+        if argv[0] == "sleep":
+            raise AgentTimeout("timed out", op="exec", timeout=timeout, stdout=b"partial")
+        if argv[0] == "missing":
+            raise AgentError("not_found", "no such program: missing", op="exec")
+        out = json.dumps({"argv": argv, "env": env, "cwd": cwd, "stdin": stdin}).encode()
+        if on_stdout is not None:
+            on_stdout(b"chunk1 ")
+            on_stdout(b"chunk2")
+        return ExecResult(stdout=out, stderr=b"err", exit_code=3, signal=None, pid=9,
+                          duration=0.5)
+
+    def eval(self, code: str, *, timeout: float | None = None) -> EvalResult:
+        return EvalResult(value=repr(eval(code)), stdout="", stderr="", exception=None)
+
+    def stat(self, path: str) -> FileInfo:
+        if path not in self.files:
+            raise AgentError("not_found", f"{path}: no such file", op="stat")
+        return FileInfo(name=path.rsplit("/", 1)[1], type="file", size=len(self.files[path]),
+                        mode=0o644, mtime=0.0, path=path)
+
+    def read_file_to(self, path: str, fileobj: Any) -> int:
+        data = self.files[path]
+        for i in range(0, len(data), 1000):
+            fileobj.write(data[i:i + 1000])
+        return len(data)
+
+    def write_file(self, path: str, data: Any, *, mode: int = 0o644,
+                   make_parents: bool = False) -> int:
+        self.files[path] = b"".join(data)
+        return len(self.files[path])
+
+    def list_dir(self, path: str) -> list[FileInfo]:
+        return [self.stat(p) for p in sorted(self.files)]
+
+    def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
+        if path not in self.files and not missing_ok:
+            raise AgentError("not_found", f"{path}: no such file", op="remove")
+        self.files.pop(path, None)
+
+
+class FakeSpawner:
+    def __init__(self) -> None:
+        self.live: set[str] = set()
+        self.pending_exits: list[ExitNotice] = []
+        self.files: dict[str, bytes] = {}
+        self.count = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None) -> SpawnOutcome:
+        self.gate.wait(10)
+        children = []
+        for _ in range(n):
+            self.count += 1
+            vm_id = f"vm-{self.count:012x}"
+            self.live.add(vm_id)
+            children.append(Spawned(vm_id, 4000 + self.count, f"/nonexistent/{vm_id}"))
+        return SpawnOutcome(children, [], 0.01, 0.02, 0.03)
+
+    def kill(self, vm_id: str) -> None:
+        self.live.discard(vm_id)
+
+    def exits(self) -> list[ExitNotice]:
+        out, self.pending_exits = self.pending_exits, []
+        return out
+
+    def agent(self, run_dir: str) -> Any:
+        return FakeAgent(self.files)
+
+    def close(self) -> None:
+        self.live.clear()
+
+
+def _fake_snapshot(store: Store, body: dict[str, Any]) -> Snapshot:
+    if body["warm_cmd"] == "fail":
+        raise RuntimeError("warm-up failed on purpose")
+    with store.begin(body["tag"]) as pending:
+        pending.state_path.write_bytes(b"state")
+        pending.memory_path.write_bytes(b"\0" * 4096)
+        return pending.publish(SnapshotMeta(tag=body["tag"], image="test", mem_mib=64, vcpus=1,
+                                            timings=SnapshotTimings(pause_ms=1.5)))
+
+
+@dataclass
+class Served:
+    url: str
+    socket: Path
+    spawner: FakeSpawner
+    controller: Ctl
+    audit_path: Path
+    audit: AuditLog
+    store: Store
+
+    def request(self, method: str, path: str, body: Any = None, token: bytes | None = TOKEN,
+                headers: dict[str, str] | None = None, raw: bytes | None = None
+                ) -> tuple[int, Any, http.client.HTTPResponse]:
+        conn = UnixHTTPConnection(str(self.socket), timeout=10)
+        h = dict(headers or {})
+        if token is not None:
+            h["Authorization"] = "Bearer " + token.decode()
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, body=data, headers=h)
+        resp = conn.getresponse()
+        payload = resp.read()
+        conn.close()
+        ctype = resp.getheader("Content-Type") or ""
+        decoded = json.loads(payload) if "json" in ctype and payload else payload
+        return resp.status, decoded, resp
+
+
+def _serve(tmp_path: Path, token: bytes | None, heavy: int = 4) -> Iterator[Served]:
+    store = Store.open(tmp_path / "home")
+    registry = Registry(tmp_path / "registry.db")
+    spawner = FakeSpawner()
+    metrics = DaemonMetrics("test")
+    ctl = Ctl(store, registry, spawner, metrics, make_snapshot=_fake_snapshot,
+              limits=Limits(heavy_concurrency=heavy, retry_after_s=3))
+    ctl.start()
+    audit = AuditLog(tmp_path / "audit.log")
+    server = UnixHTTPServer(tmp_path / "api.sock", handler_for(ServerContext(ctl, token, audit)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Served(f"unix://{tmp_path / 'api.sock'}", tmp_path / "api.sock", spawner, ctl,
+                     tmp_path / "audit.log", audit, store)
+    finally:
+        server.shutdown()
+        server.server_close()
+        ctl.stop()
+        registry.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    yield from _serve(tmp_path, TOKEN)
+
+
+@pytest.fixture
+def ctl(served: Served) -> Controller:
+    return Controller(served.url, token=TOKEN.decode(), timeout=10)
+
+
+# -- service routes and auth ------------------------------------------------------------
+
+
+def test_healthz_needs_no_token_and_version_does(served: Served) -> None:
+    assert served.request("GET", "/healthz", token=None)[:2] == (200, {"ok": True})
+    assert served.request("GET", "/healthz/", token=None)[0] == 200
+    status, body, resp = served.request("GET", "/version", token=None)
+    assert (status, body) == (401, {"error": auth.MISSING})
+    assert resp.getheader("WWW-Authenticate", "").startswith("Bearer")
+    assert served.request("GET", "/version", token=b"x" * 20)[:2] == (
+        401, {"error": auth.INVALID})
+    assert served.request("GET", "/version", token=None,
+                          headers={"Authorization": "Basic abc"})[:2] == (
+        401, {"error": auth.MISSING})
+    status, body, _ = served.request("GET", "/version")
+    assert status == 200 and body["api"] == "v1" and body["version"]
+
+
+def test_unknown_route_and_wrong_method(served: Served) -> None:
+    status, body, _ = served.request("GET", "/v2/nothing")
+    assert status == 404 and "no route" in body["error"]
+    status, body, resp = served.request("PUT", "/v1/sandboxes")
+    assert status == 405 and resp.getheader("Allow") == "GET, POST"
+
+
+@pytest.mark.parametrize("path", [
+    "/v1/snapshots/..%2F..%2Fetc/info", "/v1/snapshots/%2e%2e/info",
+    "/v1/snapshots/a.b/info", "/v1/sandboxes/..%2Fx", "/v1/sandboxes/%00",
+    "/v1/sandboxes/" + "a" * 65, "/v1/snapshots/%ff/info"])
+def test_path_traversal_is_refused_before_lookup(served: Served, path: str) -> None:
+    status, body, _ = served.request("GET", path)
+    assert status == 400, body
+    assert "invalid" in body["error"] or "UTF-8" in body["error"]
+
+
+def test_body_validation_names_the_field(served: Served) -> None:
+    cases = [
+        ({"snapshot_tag": "x", "nn": 1}, "unknown field 'nn'"),
+        ({"snapshot_tag": "x", "n": 0}, "'n' must be between 1 and 1000"),
+        ({"snapshot_tag": "x", "n": 1001}, "'n' must be between 1 and 1000"),
+        ({"snapshot_tag": "x", "n": True}, "'n' must be an integer"),
+        ({"snapshot_tag": "../x"}, "'snapshot_tag' is not a valid tag"),
+        ({}, "missing required field 'snapshot_tag'"),
+    ]
+    for body, expected in cases:
+        status, reply, _ = served.request("POST", "/v1/sandboxes", body)
+        assert status == 400 and expected in reply["error"], (body, reply)
+    status, reply, _ = served.request("POST", "/v1/sandboxes", raw=b"[1,2]")
+    assert status == 400 and "JSON object" in reply["error"]
+    status, reply, _ = served.request("POST", "/v1/sandboxes", raw=b"{nope")
+    assert status == 400 and "not valid JSON" in reply["error"]
+    status, reply, _ = served.request("GET", "/v1/sandboxes?x=1")
+    assert status == 400 and "unknown query parameter 'x'" in reply["error"]
+
+
+def test_openapi_documents_exactly_the_routes(served: Served) -> None:
+    status, doc, _ = served.request("GET", "/openapi.json")
+    assert status == 200
+    documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    served_routes = {(r.method, r.template) for r in api.ROUTES}
+    assert documented == served_routes
+    for schema_name, spec in (("SandboxCreate", api.SANDBOX_CREATE), ("ExecRequest", api.EXEC),
+                              ("EvalRequest", api.EVAL),
+                              ("SnapshotCreate", api.SNAPSHOT_CREATE)):
+        assert set(doc["components"]["schemas"][schema_name]["properties"]) == set(spec)
+
+
+# -- snapshots ------------------------------------------------------------------------
+
+
+def test_snapshot_create_list_info_delete(served: Served, ctl: Controller) -> None:
+    info = ctl.create_snapshot("base", warm_code="import json")
+    assert info["tag"] == "base" and info["status"] == "ready" and info["bootable"] is True
+    assert info["pause_ms"] == 1.5
+    with pytest.raises(ControllerError) as exc:
+        ctl.create_snapshot("base")
+    assert exc.value.status == 400 and "already exists" in exc.value.message
+    with pytest.raises(ControllerError) as exc:
+        ctl.create_snapshot("bad", warm_cmd="fail")
+    assert exc.value.status == 502
+    listed = {s["tag"]: s for s in ctl.list_snapshots()}
+    assert listed["base"]["bootable"] and listed["bad"]["status"] == "failed"
+    assert not listed["bad"]["bootable"] and "on purpose" in listed["bad"]["error"]
+    details = ctl.snapshot_info("base")
+    assert details["memory_logical_bytes"] == 4096 and details["vmstate_bytes"] == 5
+    assert details["chain_depth"] == 0 and details["dependents"] == []
+    status, body, _ = served.request("DELETE", "/v1/snapshots/base?cascade=true&force=true")
+    assert status == 400 and "not both" in body["error"]
+    status, body, _ = served.request("DELETE", "/v1/snapshots/base?cascade=maybe")
+    assert status == 400
+    with pytest.raises(ControllerError) as exc:
+        ctl.spawn_sandboxes("bad")
+    assert exc.value.status == 409 and "not bootable" in exc.value.message
+    ctl.delete_snapshot("base")
+    ctl.delete_snapshot("bad")
+    assert ctl.list_snapshots() == []
+    with pytest.raises(ControllerError) as exc:
+        ctl.delete_snapshot("base")
+    assert exc.value.status == 404
+    status, body, _ = served.request("POST", "/v1/snapshots",
+                                     {"tag": "fc", "kernel": "/vmlinux", "rootfs": "/r.ext4"})
+    assert status == 400 and "image" in body["error"]
+
+
+def test_writing_snapshot_is_not_spawnable(served: Served, ctl: Controller) -> None:
+    served.controller.registry.begin_snapshot_job("inflight", 1)
+    listed = ctl.list_snapshots()
+    assert listed == [{"tag": "inflight", "dir": listed[0]["dir"],
+                       "created_at_unix": listed[0]["created_at_unix"], "status": "writing",
+                       "bootable": False}]
+    with pytest.raises(ControllerError) as exc:
+        ctl.spawn_sandboxes("inflight")
+    assert exc.value.status == 409 and "still being written" in exc.value.message
+
+
+# -- sandboxes ------------------------------------------------------------------------
+
+
+def test_sandbox_lifecycle_through_the_sdk(served: Served, ctl: Controller) -> None:
+    with pytest.raises(ControllerError) as exc:
+        ctl.spawn_sandboxes("nope")
+    assert exc.value.status == 404 and "no snapshot tagged 'nope'" in exc.value.message
+    ctl.create_snapshot("base")
+    infos = ctl.spawn_sandboxes("base", n=3, memory_limit_mib=128)
+    assert len(infos) == 3
+    first = infos[0]
+    assert set(first) >= {"id", "snapshot_tag", "netns", "guest_addr", "created_at_unix",
+                          "pid", "memory_limit_mib", "has_branched",
+                          "last_branch_memory_path", "branch_count"}
+    assert first["memory_limit_mib"] == 128 and first["status"] == "running"
+    assert [s["id"] for s in ctl.list_sandboxes()] == [i["id"] for i in infos]
+    assert ctl.get_sandbox(first["id"])["pid"] == first["pid"]
+    assert ctl.ping_sandbox(first["id"])["pong"] is True
+    r = ctl.exec_command(first["id"], ["echo", "hi"], timeout_secs=5, env={"A": "1"},
+                         cwd="/tmp", stdin="in")
+    assert r["exit_code"] == 3 and r["stderr"] == "err"
+    assert json.loads(r["stdout"]) == {"argv": ["echo", "hi"], "env": {"A": "1"},
+                                       "cwd": "/tmp", "stdin": "in"}
+    with pytest.raises(ControllerError) as exc:
+        ctl.exec_command(first["id"], ["sleep", "9"], timeout_secs=1)
+    assert exc.value.status == 504 and exc.value.body["timed_out"] is True
+    assert exc.value.body["stdout"] == "partial" and "timeout_secs" in exc.value.message
+    assert ctl.exec_command(first["id"], ["missing"])["exit_code"] == 127
+    assert ctl.eval_code(first["id"], "1 + 2") == {
+        "result": "3", "error": None, "exit_code": 0, "stdout": "", "stderr": "",
+        "traceback": None, "value_truncated": False}
+    events = list(ctl.exec_stream(first["id"], ["echo"]))
+    assert events[:2] == [("stdout", {"data": "chunk1 "}), ("stdout", {"data": "chunk2"})]
+    assert events[-1][0] == "exit" and events[-1][1]["exit_code"] == 3
+    ctl.kill_sandbox(first["id"])
+    assert first["id"] not in served.spawner.live
+    with pytest.raises(ControllerError) as exc:
+        ctl.get_sandbox(first["id"])
+    assert exc.value.status == 404
+    # A sandbox that dies on its own is shown with its reason and refuses exec (409).
+    second = infos[1]["id"]
+    served.spawner.pending_exits.append(ExitNotice(second, "oom-killed", "killed by OOM"))
+    deadline = time.monotonic() + 5
+    while ctl.get_sandbox(second)["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dead = ctl.get_sandbox(second)
+    assert dead["status"] == "exited" and dead["exit_reason"] == "oom-killed"
+    with pytest.raises(ControllerError) as exc:
+        ctl.exec_command(second, ["true"])
+    assert exc.value.status == 409 and "not running" in exc.value.message
+    ctl.kill_sandbox(second)
+    metrics = ctl.metrics()
+    assert "vmfork_sandboxes_active 1" in metrics and "forkd_sandboxes_active 1" in metrics
+    assert 'vmfork_sandbox_exits_total{reason="oom-killed"} 1' in metrics
+    assert 'vmfork_spawn_seconds_count{outcome="ok"} 1' in metrics
+    assert 'vmfork_snapshots{status="ready"} 1' in metrics
+
+
+def test_unsupported_flags_are_refused(served: Served, ctl: Controller) -> None:
+    ctl.create_snapshot("base")
+    for flag in ("per_child_netns", "live_fork", "hugepages"):
+        status, body, _ = served.request("POST", "/v1/sandboxes",
+                                         {"snapshot_tag": "base", flag: True})
+        assert status == 400 and flag in body["error"]
+
+
+def test_files_round_trip_and_sandbox_facade(served: Served, ctl: Controller) -> None:
+    ctl.create_snapshot("base")
+    data = bytes(range(256)) * 4000   # ~1 MiB, streamed in both directions
+    with Sandbox.create("base", controller=ctl) as sb:
+        assert sb.files.write("/tmp/blob", data) == len(data)
+        assert sb.files.read("/tmp/blob") == data
+        assert [e["path"] for e in sb.files.list("/tmp")] == ["/tmp/blob"]
+        sb.files.remove("/tmp/blob")
+        with pytest.raises(ControllerError) as exc:
+            sb.files.read("/tmp/blob")
+        assert exc.value.status == 404
+        result = sb.commands.run("echo hi", timeout=5)
+        assert json.loads(result.stdout)["argv"] == ["/bin/sh", "-c", "echo hi"]
+        seen: list[str] = []
+        streamed = sb.commands.run(["x"], on_stdout=seen.append)
+        assert seen == ["chunk1 ", "chunk2"] and streamed.stdout == "chunk1 chunk2"
+        assert sb.eval("2 * 21").result == "42"
+        again = Sandbox.connect(sb.id, controller=ctl)
+        assert again.ping()["pong"]
+        status, body, _ = served.request("GET", f"/v1/sandboxes/{sb.id}/files?path=rel")
+        assert status == 400 and "absolute" in body["error"]
+    assert ctl.list_sandboxes() == []
+
+
+def test_heavy_operations_are_capped_with_retry_after(tmp_path: Path) -> None:
+    for served in _serve(tmp_path, None, heavy=1):
+        ctl = Controller(served.url, timeout=10)
+        ctl.create_snapshot("base")
+        served.spawner.gate.clear()
+        first = threading.Thread(target=ctl.spawn_sandboxes, args=("base",))
+        first.start()
+        time.sleep(0.3)
+        status, body, resp = served.request("POST", "/v1/sandboxes", {"snapshot_tag": "base"})
+        served.spawner.gate.set()
+        first.join()
+        assert status == 503 and resp.getheader("Retry-After") == "3"
+        assert "retry after 3 s" in body["error"]
+        assert "vmfork_heavy_operations_rejected_total 1" in ctl.metrics()
+
+
+def test_audit_log_lines_and_reopen(served: Served) -> None:
+    served.request("GET", "/version", headers={"User-Agent": "tester/1"})
+    served.request("GET", "/v1/snapshots/nope/info")
+    served.audit_path.rename(served.audit_path.with_suffix(".1"))
+    served.audit.request_reopen()
+    served.request("GET", "/healthz", token=None)
+    rotated = [json.loads(x) for x in served.audit_path.with_suffix(".1").read_text().splitlines()]
+    assert rotated[0]["method"] == "GET" and rotated[0]["path"] == "/version"
+    assert rotated[0]["status"] == 200 and rotated[0]["ua"] == "tester/1"
+    assert rotated[0]["remote"] == "unix" and isinstance(rotated[0]["latency_us"], int)
+    assert rotated[1]["status"] == 404 and rotated[1]["snapshot_tag"] == "nope"
+    fresh = [json.loads(x) for x in served.audit_path.read_text().splitlines()]
+    assert [e["path"] for e in fresh] == ["/healthz"]
+
+
+def test_errors_by_route_metric(served: Served) -> None:
+    served.request("GET", "/v1/snapshots/nope/info")
+    served.request("GET", "/nowhere")
+    _, text, _ = served.request("GET", "/metrics")
+    text = text.decode()
+    assert ('vmfork_http_errors_total{method="GET",route="/v1/snapshots/{tag}/info",'
+            'status="404"} 1') in text
+    assert 'vmfork_http_errors_total{method="GET",route="unmatched",status="404"} 1' in text
+    assert "vmfork_http_request_duration_seconds_bucket" in text
+
+
+def test_keep_alive_after_an_error(served: Served) -> None:
+    conn = UnixHTTPConnection(str(served.socket), timeout=5)
+    headers = {"Authorization": "Bearer " + TOKEN.decode()}
+    for _ in range(3):
+        conn.request("POST", "/v1/sandboxes", body=b'{"bogus": 1}', headers=headers)
+        resp = conn.getresponse()
+        assert resp.status == 400
+        resp.read()
+    conn.close()
+
+
+def test_internal_errors_are_500_and_serving_continues(served: Served) -> None:
+    def boom() -> list[Any]:
+        raise BadGateway("zygote gone")
+
+    served.controller.list_sandboxes = boom  # type: ignore[method-assign]
+    status, body, _ = served.request("GET", "/v1/sandboxes")
+    assert (status, body) == (502, {"error": "zygote gone"})
+
+    def crash() -> list[Any]:
+        raise KeyError("bug")
+
+    served.controller.list_sandboxes = crash  # type: ignore[method-assign]
+    status, body, _ = served.request("GET", "/v1/sandboxes")
+    assert status == 500 and "KeyError" in body["error"]
+    assert served.request("GET", "/healthz")[0] == 200
+
+
+def test_stale_unix_socket_is_replaced_and_live_one_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()
+    server = UnixHTTPServer(path, api_handler := handler_for(ServerContext(None)))  # type: ignore[arg-type]
+    assert (path.stat().st_mode & 0o777) == 0o600
+    try:
+        with pytest.raises(OSError, match="another daemon"):
+            UnixHTTPServer(path, api_handler)
+    finally:
+        server.server_close()
+    assert not path.exists()
