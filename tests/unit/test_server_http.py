@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 
-from vmfork.agent.client import AgentError, AgentTimeout, EvalResult, ExecResult, FileInfo, PingResult
+from vmfork.agent.client import (
+    AgentError,
+    AgentTimeout,
+    EvalResult,
+    ExecResult,
+    FileInfo,
+    PingResult,
+)
 from vmfork.client import Controller, ControllerError, Sandbox
 from vmfork.client.transport import UnixHTTPConnection
 from vmfork.server import api, auth

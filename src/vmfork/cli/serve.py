@@ -63,3 +63,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"vmfork serve: listening on {address}", file=sys.stderr, flush=True)
     daemon.run_until_signalled()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m vmfork.cli.serve``: the verb on its own (tests; before registration)."""
+    from vmfork.cli import _MODULES
+    from vmfork.cli import main as cli_main
+
+    if "serve" in _MODULES:
+        return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
+    parser = argparse.ArgumentParser(prog="vmfork")
+    register(parser.add_subparsers(dest="verb"))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args))
+    except CliError as err:
+        print(f"vmfork: {err}", file=sys.stderr)
+        return err.status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

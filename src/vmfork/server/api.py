@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Protocol
 
-from vmfork.server.controller import Controller, agent_errors, exec_result_json
+from vmfork.server.controller import Controller, agent_errors
 from vmfork.server.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from vmfork.server.validation import (
     Field,

@@ -67,7 +67,7 @@ def authorize(header: str | None, token: bytes) -> str | None:
         return MISSING
     scheme, _, value = header.strip().partition(" ")
     if scheme.lower() != "bearer" or not value.strip():
-        return MISSING if scheme.lower() != "bearer" else INVALID
+        return MISSING
     if not hmac.compare_digest(value.strip().encode("utf-8", "surrogateescape"), token):
         return INVALID
     return None

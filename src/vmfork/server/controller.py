@@ -299,8 +299,9 @@ class Controller:
 
     def create_sandboxes(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         for flag, why in (("per_child_netns", "networking is not implemented yet"),
-                          ("live_fork", "children always map the snapshot copy-on-write; "
-                           "forkd's live_fork copies RAM per child and is not offered"),
+                          ("live_fork", ("children always map the snapshot copy-on-write; "
+                                         "forkd's live_fork copies RAM per child and is not "
+                                         "offered")),
                           ("hugepages", "hugepage-backed guest RAM is not implemented yet")):
             if body[flag]:
                 raise BadRequest(f"{flag}=true is not supported: {why}; omit it")

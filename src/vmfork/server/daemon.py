@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from vmfork import __version__
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
+from vmfork.server.errors import BadGateway
 from vmfork.server.http import (
     ServerContext,
     TCPHTTPServer,
@@ -64,13 +67,37 @@ class DaemonConfig:
     spawner: bool = True              # False: API only (tests, hosts without KVM)
 
 
+SNAPSHOT_TIMEOUT_S = 1800.0
+
+
 def make_snapshot_from_image(store: Store, body: dict[str, Any]) -> Snapshot:
-    from vmfork.image import find_image
-    from vmfork.runtime.parent import snapshot_parent
-    image = find_image(body["image"])
-    return snapshot_parent(store, body["tag"], image, mem_mib=body["mem_mib"],
-                           vcpus=body["vcpus"], warm_code=body["warm_code"],
-                           warm_cmd=body["warm_cmd"]).snapshot
+    """Run ``vmfork snapshot`` in a child process and return the published snapshot.
+
+    A child, not a thread: the parent guest is a VM, and VMs live in their own
+    processes (DESIGN.md decision 1) — a crashing VMM must not take the daemon
+    with it, and the VMM needs the main thread for its vCPU kick signal.
+    """
+    cmd = [sys.executable, "-m", "vmfork", "snapshot", "--tag", body["tag"],
+           "--image", body["image"], "--mem-mib", str(body["mem_mib"]),
+           "--vcpus", str(body["vcpus"])]
+    if body["warm_code"] is not None:
+        cmd += ["--warm", body["warm_code"]]
+    if body["warm_cmd"] is not None:
+        cmd += ["--warm-cmd", body["warm_cmd"]]
+    src = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, VMFORK_HOME=str(store.root),
+               PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    try:
+        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=SNAPSHOT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise BadGateway(f"snapshot {body['tag']!r} was not ready after "
+                         f"{SNAPSHOT_TIMEOUT_S:.0f} s; the boot or warm-up hangs") from err
+    if done.returncode != 0:
+        detail = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        reason = detail[-1] if detail else f"exit status {done.returncode}"
+        raise BadGateway(f"snapshot {body['tag']!r} failed: {reason.removeprefix('vmfork: ')}")
+    return store.get(body["tag"])
 
 
 class Daemon:

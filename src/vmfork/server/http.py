@@ -110,13 +110,19 @@ class RequestHandler(BaseHTTPRequestHandler):
             response = route.handler(self.context.controller, req)
         except ApiError as err:
             response = api.Response(err.status, err.body(), headers=err.headers)
-        except Exception as err:  # noqa: BLE001 - answer 500 and keep serving
+        except Exception as err:
             log.exception("%s %s failed", self.command, self.path)
             response = api.Response(500, {"error": f"internal error: {type(err).__name__}: "
                                           f"{err}; see the daemon log"})
         self._drain(req)
-        self._send(response)
-        self._record(req, route_name, response.status, started)
+        if isinstance(response, api.StreamResponse):
+            self._send(response)
+            self._record(req, route_name, response.status, started)
+        else:
+            # Recorded before the client sees the answer, so a client that reads the
+            # audit log (or the metrics) right after a reply finds its request there.
+            self._record(req, route_name, response.status, started)
+            self._send(response)
 
     def _drain(self, req: api.Request) -> None:
         """Read what the handler left of a small body so keep-alive works; a large

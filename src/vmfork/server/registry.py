@@ -63,6 +63,10 @@ WRITING = "writing"
 FAILED = "failed"
 
 
+_ORPHANED_JOB = ("the daemon stopped while this snapshot was being written; its partial "
+                 "files were removed. Create it again.")
+
+
 class RegistryError(Exception):
     """The registry database cannot be opened or is from a newer vmfork."""
 
@@ -258,7 +262,5 @@ class Registry:
                 (WRITING, daemon_pid))]
             db.execute("UPDATE snapshot_jobs SET status = ?, finished_at = ?, error = ? "
                        "WHERE status = ? AND daemon_pid != ?",
-                       (FAILED, time.time(), "the daemon stopped while this snapshot was being "
-                        "written; its partial files were removed. Create it again.",
-                        WRITING, daemon_pid))
+                       (FAILED, time.time(), _ORPHANED_JOB, WRITING, daemon_pid))
         return tags
