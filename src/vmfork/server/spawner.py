@@ -15,6 +15,7 @@ connection and is not thread-safe, so each request thread gets its own client.
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,29 +99,42 @@ class ZygoteSpawner:
 
     def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None) -> SpawnOutcome:
         client = self._client()
+        # Each spawn gets its own directory of run dirs, so that after a failed spawn
+        # its children (whose ids fork_children chose) can be told from those of
+        # concurrent spawns and killed without touching anyone else's.
+        batch = Path(tempfile.mkdtemp(prefix="spawn-", dir=self.run_root))
         try:
-            report = fork_children(client, snapshot, n, self.run_root,
+            report = fork_children(client, snapshot, n, batch,
                                    memory_limit_mib=memory_limit_mib)
         except SpawnFailed as err:
-            # fork_children gave up waiting; its children are still ours to kill.
-            self._kill_untracked(client, known=set())
+            self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
                                "try a smaller n or check the host's load") from err
         except ZygoteError as err:
+            self._kill_batch(client, batch)
             raise SpawnerError(f"the zygote refused the spawn: {err}") from err
         for vm_id, _reason in report.failed:
             self.kill(vm_id)
+        self._remove_if_empty(batch)
         return SpawnOutcome([Spawned(c.vm_id, c.pid, str(c.run_dir)) for c in report.children],
                             list(report.failed), report.spawn_s, report.restored_s,
                             report.ready_s)
 
-    def _kill_untracked(self, client: ZygoteClient, known: set[str]) -> None:
+    def _kill_batch(self, client: ZygoteClient, batch: Path) -> None:
         try:
             for child in client.list():
-                if child.vm_id not in known:
+                if child.run_dir is not None and Path(child.run_dir).parent == batch:
                     self.kill(child.vm_id)
         except ZygoteError as err:
-            log.error("cannot list the zygote's children to clean up: %s", err)
+            log.error("cannot list the zygote's children to clean up %s: %s", batch, err)
+        self._remove_if_empty(batch)
+
+    @staticmethod
+    def _remove_if_empty(batch: Path) -> None:
+        try:
+            batch.rmdir()
+        except OSError:
+            pass  # children still run there; removed when the last one is killed
 
     def kill(self, vm_id: str) -> None:
         client = self._client()
@@ -137,6 +151,7 @@ class ZygoteSpawner:
                 return
             raise SpawnerError(f"sandbox {vm_id} was signalled but not reaped within 30 s: "
                                f"{err}") from err
+        self._sweep_batches()
 
     def exits(self) -> list[ExitNotice]:
         with self._events_lock:
@@ -147,5 +162,10 @@ class ZygoteSpawner:
         return AgentClient(vsock_uds_connector(str(Path(run_dir) / "vsock.sock"), AGENT_PORT,
                                                timeout=5.0))
 
+    def _sweep_batches(self) -> None:
+        for batch in self.run_root.glob("spawn-*"):
+            self._remove_if_empty(batch)
+
     def close(self) -> None:
         self._zygote.close()
+        self._sweep_batches()
