@@ -66,11 +66,16 @@ def new_vm_id() -> str:
 
 def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path, *,
                   memory_limit_mib: int | None = None, timeout: float = 300.0,
+                  wait_for: str = "ready",
                   progress: Callable[[int, int, int], None] | None = None) -> ForkReport:
-    """Spawn ``n`` children and wait until every one is ready or failed.
+    """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
+    or only restored and running (``"restored"``), or failed.
 
     ``progress(restored, ready, failed)`` is called as counts change.
     """
+    if wait_for not in ("ready", "restored"):
+        raise ValueError(f"wait_for must be 'ready' or 'restored', not {wait_for!r}")
+    done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")
     if not 1 <= n <= 1000:
         raise ValueError(f"n must be 1..1000, not {n}")
     run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -98,7 +103,7 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
             state = child.read_status().get("state")
             if state in ("restored", "ready"):
                 restored.add(vm_id)
-            if state == "ready":
+            if state in done_states:
                 del pending[vm_id]
             elif state in ("failed", "exited"):
                 failed.append((vm_id, str(child.status.get("reason"))))
@@ -112,7 +117,7 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
         if pending:
             time.sleep(0.002)
     ready_at = time.monotonic()
-    ok = [c for c in children if c.status.get("state") == "ready"]
+    ok = [c for c in children if c.status.get("state") in done_states]
     return ForkReport(children=ok, spawn_s=spawned - started,
                       restored_s=(restored_at or ready_at) - started,
                       ready_s=ready_at - started, failed=failed)
