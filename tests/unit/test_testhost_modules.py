@@ -31,6 +31,11 @@ kernel/drivers/net/tun.ko:
 kernel/net/9p/9pnet.ko:
 kernel/net/9p/9pnet_virtio.ko: kernel/net/9p/9pnet.ko kernel/drivers/virtio/virtio.ko kernel/drivers/virtio/virtio_ring.ko
 kernel/virt/lib/irqbypass.ko:
+kernel/drivers/vhost/vhost_vsock.ko: kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko kernel/drivers/vhost/vhost.ko kernel/drivers/vhost/vhost_iotlb.ko kernel/net/vmw_vsock/vsock.ko
+kernel/drivers/vhost/vhost.ko: kernel/drivers/vhost/vhost_iotlb.ko
+kernel/drivers/vhost/vhost_iotlb.ko:
+kernel/net/vmw_vsock/vsock.ko:
+kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko: kernel/net/vmw_vsock/vsock.ko
 """
 
 
@@ -59,6 +64,7 @@ def test_load_order_of_the_real_module_table() -> None:
         "virtio_ring", "virtio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
         "9pnet", "9pnet_virtio", "netfs", "fscache", "9p", "overlay", "virtio_console",
         "irqbypass", "kvm", "ccp", "kvm_amd",
+        "vsock", "vmw_vsock_virtio_transport_common", "vhost_iotlb", "vhost", "vhost_vsock",
     }
     assert "kvm_intel" not in order and "tun" not in order
 
