@@ -86,6 +86,9 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
         items.append(SpawnItem(vm_id, {
             "snapshot_dir": str(snapshot.path), "run_dir": str(run_dir), "vm_id": vm_id,
             "log_path": str(run_dir / "vmm.log")}, memory_limit_mib))
+    # A child can die before it writes any status (killed, OOM, a crash in the
+    # restore): the zygote's exit events catch those; take the cursor first.
+    _, events_cursor = zygote.events()
     started = time.monotonic()
     result = zygote.spawn_many(VMM_ENTRY, items)
     spawned = time.monotonic()
@@ -94,6 +97,7 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     failed = list(result.failed)
     restored_at: float | None = None
     pending = {c.vm_id: c for c in children}
+    next_events_check = started
     restored: set[str] = set()
     last = (-1, -1, -1)
     while pending:
@@ -108,6 +112,15 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
             elif state in ("failed", "exited"):
                 failed.append((vm_id, str(child.status.get("reason"))))
                 del pending[vm_id]
+        if pending and time.monotonic() >= next_events_check:
+            events, events_cursor = zygote.events(events_cursor)
+            for event in events:
+                child = pending.pop(event.vm_id, None)
+                if child is not None and child.read_status().get("state") not in done_states:
+                    tail = "; ".join(event.log_tail[-3:])
+                    failed.append((event.vm_id, f"{event.description}"
+                                   + (f" ({tail})" if tail else "")))
+            next_events_check = time.monotonic() + 0.1
         if restored_at is None and len(restored) + len(failed) >= len(children):
             restored_at = time.monotonic()
         counts = (len(restored), len(children) - len(pending) - len(failed), len(failed))
