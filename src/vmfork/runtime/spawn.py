@@ -115,8 +115,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
         if pending and time.monotonic() >= next_events_check:
             events, events_cursor = zygote.events(events_cursor)
             for event in events:
-                child = pending.pop(event.vm_id, None)
-                if child is not None and child.read_status().get("state") not in done_states:
+                dead = pending.pop(event.vm_id) if event.vm_id in pending else None
+                if dead is not None and dead.read_status().get("state") not in done_states:
                     tail = "; ".join(event.log_tail[-3:])
                     failed.append((event.vm_id, f"{event.description}"
                                    + (f" ({tail})" if tail else "")))
