@@ -62,11 +62,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import BENCH_DIR, ensure_kvm_host, summary, where, write_results
+from _common import BENCH_DIR, RESULTS, ensure_kvm_host, summary, where, write_results
 
 READY_MARKER = b"vmfork-agent: ready"
 MIB = 1 << 20
-PEERS = ("vmfork", "floor", "template", "cold")
+# Run in this order at each N; templating last, because 100 clones (100 vhost
+# workers) is what has crashed the emulated host's kernel.
+PEERS = ("vmfork", "floor", "cold", "template")
 PEER_TITLES = {"vmfork": "vmfork", "floor": "floor (C, KVM calls only)",
                "template": "QEMU templating", "cold": "QEMU cold boot"}
 # vhost-vsock CIDs are global on the host; give each QEMU peer its own range.
@@ -519,19 +521,40 @@ def qemu_template(fleet: QemuFleet, template: Template, n: int, settle: float,
 
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
                  timeout: float) -> dict[str, Any]:
-    from vmfork.runtime.spawn import fork_children
+    from vmfork.runtime.spawn import SpawnFailed, fork_children
     client = zygote.client(timeout=120.0)
+    # fork_children raises on timeout; the progress callback keeps the instant
+    # all were restored, so a run whose agents are too slow still has that.
+    started = time.monotonic()
+    restored_at: list[float] = []
+
+    def progress(restored: int, ready: int, failed: int) -> None:
+        if not restored_at and restored + failed >= n:
+            restored_at.append(time.monotonic())
+
+    out: dict[str, Any] = {}
     try:
-        report = fork_children(client, snapshot, n, run_root, timeout=timeout)
-        if report.failed:
-            raise BenchError(f"vmfork: {len(report.failed)} of {n} children failed: "
-                             + "; ".join(f"{v}: {r}" for v, r in report.failed[:5]))
+        try:
+            report = fork_children(client, snapshot, n, run_root, timeout=timeout,
+                                   progress=progress)
+        except SpawnFailed as err:
+            statuses = [json.loads(p.read_bytes()) for p in run_root.glob("*/status.json")]
+            ready = [s for s in statuses if s.get("state") == "ready"]
+            out = {"running_s": restored_at[0] - started if restored_at else None,
+                   "ready_s": None,
+                   "incomplete": f"{err}; {len(ready)} of {n} agents had answered"}
+        else:
+            if report.failed:
+                raise BenchError(f"vmfork: {len(report.failed)} of {n} children failed: "
+                                 + "; ".join(f"{v}: {r}" for v, r in report.failed[:5]))
+            ready = [c.read_status() for c in report.children]
+            out = {"spawn_s": report.spawn_s, "running_s": report.restored_s,
+                   "ready_s": report.ready_s}
         time.sleep(settle)
-        statuses = [c.read_status() for c in report.children]
+        statuses = ready
         is_guest = guest_ram_file(snapshot.memory_path)
         memory = [read_memory(int(s["pid"]), is_guest) for s in statuses]
-        return {"spawn_s": report.spawn_s, "running_s": report.restored_s,
-                "ready_s": report.ready_s,
+        return {**out,
                 "child_restore_s": [float(s["restore_s"]) for s in statuses],
                 "child_ready_s": [float(s["ready_s"]) for s in statuses],
                 # inside ready_s: first ping answered, then reseed + clock set
@@ -542,6 +565,8 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
     finally:
         kill_children(client)
         client.close()
+        for status_file in run_root.glob("*/status.json"):
+            status_file.unlink()
 
 
 def kill_children(client: Any) -> None:
@@ -677,7 +702,9 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                       f"{m['guest_private_dirty_mib']:.2f} |")
 
     md += ["", "## Targets (issue 3)", ""]
-    big = max((n for n in ns if results["vmfork"].get(n) and results["floor"].get(n)), default=None)
+    comparable = [n for n in ns if peer("vmfork", n, "running_s") is not None
+                  and peer("floor", n, "running_s") is not None]
+    big = max(comparable, default=None)
     targets: list[dict[str, Any]] = []
     if big is not None:
         d = derived[big]
@@ -686,7 +713,7 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
         mem = results["vmfork"][big][-1]["memory_summary"]
         # Per child at the smallest N: at larger N the children of both share
         # 2 cores, which stretches each one's own time by contention.
-        small = min(n for n in ns if results["vmfork"].get(n) and results["floor"].get(n))
+        small = min(comparable)
         per_child = derived[small]["per_child_beyond_floor_s"]
         beyond = d["wall_beyond_floor_per_child_s"]
         assert v_run is not None and floor is not None
@@ -765,7 +792,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--settle", type=float, default=2.0,
                         help="seconds idle after all agents answered, before reading memory")
     parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds per peer and N (and per parent boot)")
+                        help="seconds per peer and N (and per parent boot), at least")
+    parser.add_argument("--timeout-per-vm", type=float, default=25.0,
+                        help="seconds per VM: the timeout for N VMs is the larger of the two")
     parser.add_argument("--host-mem-mib", type=int, default=12288,
                         help="memory of the emulated test host, when one is needed")
     parser.add_argument("--host-timeout", type=float, default=3 * 3600.0,
@@ -886,6 +915,8 @@ def main() -> int:
                     skipped["template"][n] = f"template parent failed: {err}"
                 log(f"QEMU templating disabled: {err}")
 
+        partial = RESULTS / "spawn.partial.json"
+        RESULTS.mkdir(exist_ok=True)
         for rep in range(args.reps):
             for n in args.n:
                 # Interleaved per N, so drift on a shared machine hits every peer alike.
@@ -898,19 +929,20 @@ def main() -> int:
                         log(f"{name} N={n}: skipped: {why}")
                         continue
                     log(f"{name} N={n} (run {rep + 1}/{args.reps})")
+                    timeout = max(args.timeout, args.timeout_per_vm * n)
                     try:
                         if name == "vmfork":
                             out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", args.settle,
-                                               args.timeout)
+                                               timeout)
                         elif name == "floor":
                             assert floor_bin is not None
                             out = floor_run(floor_bin, snapshot.memory_path,
-                                            args.mem_mib * MIB, n, args.timeout)
+                                            args.mem_mib * MIB, n, timeout)
                         elif name == "template":
                             assert template is not None
-                            out = qemu_template(fleet, template, n, args.settle, args.timeout)
+                            out = qemu_template(fleet, template, n, args.settle, timeout)
                         else:
-                            out = qemu_cold(fleet, n, args.settle, args.timeout)
+                            out = qemu_cold(fleet, n, args.settle, timeout)
                     # Any failure of one peer at one N is reported in the results and
                     # the run goes on: the other figures are still worth having.
                     except Exception as err:  # noqa: BLE001
@@ -919,10 +951,16 @@ def main() -> int:
                         log(f"{name} N={n}: FAILED: {err}")
                         continue
                     results[name].setdefault(n, []).append(out)
+                    if out.get("incomplete"):
+                        skipped[name][n] = f"incomplete: {out['incomplete']}"
                     log(f"{name} N={n}: running {fmt_s(out.get('running_s'))}, "
                         f"ready {fmt_s(out.get('ready_s'))}")
+                    # If the emulated host dies later, what was measured survives.
+                    partial.write_text(json.dumps({"setup": setup, "results": results,
+                                                   "skipped": skipped}, indent=1, default=str))
 
         markdown, derived = render(args, results, skipped, setup)
+        partial.unlink(missing_ok=True)
         write_results("spawn", {
             "n": args.n, "reps": args.reps, "mem_mib": args.mem_mib, "warm": args.warm,
             "setup": setup, "results": {p: {str(n): runs for n, runs in by_n.items()}
