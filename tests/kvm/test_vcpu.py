@@ -62,11 +62,10 @@ def test_pause_stops_the_guest_and_resume_continues_it() -> None:
         assert m.memory.read_u64(counter) == frozen
         m.resume()
         assert wait_until(lambda: m.memory.read_u64(counter) > frozen)
-        # Repeated pauses stay quick: the kick always lands.
+        # Repeated pauses always land (pause raises if a kick is lost for 5 s).
         for _ in range(20):
-            started = time.monotonic()
             m.pause()
-            assert time.monotonic() - started < 1.0
+            assert m.paused
             m.resume()
         exit_ = m.stop()
         assert exit_.reason == "stopped"
