@@ -94,15 +94,19 @@ class MemUse:
     """One process's memory, KiB.
 
     ``pss``/``private_dirty`` are the whole process (``smaps_rollup``). The
-    ``guest_*`` figures are the guest-RAM mapping alone (``smaps``): for a
-    ``MAP_PRIVATE`` file mapping (vmfork, QEMU clones) its Private_Dirty is the
-    guest pages this VM copied on write, and its Pss is those plus its share of
-    the page-cache pages it reads (shared with every sibling mapping the file);
-    for QEMU cold boot the guest RAM is anonymous, so every page the guest ever
-    touched is private. ``own_*`` (process minus guest RAM) is the VMM process
-    itself. Private_Dirty counts only pages mapped by this process alone: pages
-    a forked child still shares copy-on-write with the zygote (or siblings) are
-    Shared_Dirty, and only their 1/n share shows up in Pss.
+    ``guest_*`` figures are the guest-RAM mapping alone (``smaps``). ``own_*``
+    (process minus guest RAM) is the VMM process itself.
+
+    Guest pages a VM copied on write are the mapping's ``Anonymous`` pages: in a
+    ``MAP_PRIVATE`` file mapping (vmfork, QEMU clones) a page becomes anonymous
+    exactly when it is written; for QEMU cold boot the guest RAM is anonymous,
+    so it is every page the guest touched. The mapping's Private_Dirty is *not*
+    that measure here: the snapshot files live on tmpfs, whose page-cache pages
+    are always dirty, so a page the guest only read counts as Private_Dirty when
+    one process maps it (N = 1) and as Shared_Dirty once siblings map it too.
+    For the process as a whole, Private_Dirty counts pages mapped by this
+    process alone: pages a forked child still shares copy-on-write with the
+    zygote (or siblings) are Shared_Dirty, and only their 1/n share is in Pss.
     """
 
     pss: int
@@ -110,6 +114,7 @@ class MemUse:
     guest_pss: int
     guest_private_dirty: int
     guest_rss: int  # guest pages mapped in this process at all (read or written)
+    guest_cow: int  # guest pages this VM wrote: its own copies (Anonymous)
 
     @property
     def own_pss(self) -> int:
@@ -140,7 +145,7 @@ def read_memory(pid: int, is_guest_ram: Callable[[int, str], bool]) -> MemUse:
     except OSError as err:
         raise BenchError(f"read memory of pid {pid}: {err} (the VM exited?)") from err
     total = _kib_fields(rollup, ("Pss", "Private_Dirty"))
-    guest = {"Pss": 0, "Private_Dirty": 0, "Rss": 0}
+    guest = {"Pss": 0, "Private_Dirty": 0, "Rss": 0, "Anonymous": 0}
     in_guest = False
     for line in smaps.splitlines():
         header = _MAPPING_HEADER.match(line)
@@ -153,7 +158,7 @@ def read_memory(pid: int, is_guest_ram: Callable[[int, str], bool]) -> MemUse:
             if key in guest:
                 guest[key] += int(rest.split()[0])
     return MemUse(total["Pss"], total["Private_Dirty"], guest["Pss"], guest["Private_Dirty"],
-                  guest["Rss"])
+                  guest["Rss"], guest["Anonymous"])
 
 
 def mem_available_kib() -> int:
@@ -170,6 +175,7 @@ def memory_summary(uses: list[MemUse]) -> dict[str, float]:
             "guest_pss_mib": med([u.guest_pss for u in uses]),
             "guest_private_dirty_mib": med([u.guest_private_dirty for u in uses]),
             "guest_rss_mib": med([u.guest_rss for u in uses]),
+            "guest_cow_mib": med([u.guest_cow for u in uses]),
             "children": len(uses)}
 
 
@@ -544,12 +550,18 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                    "ready_s": None,
                    "incomplete": f"{err}; {len(ready)} of {n} agents had answered"}
         else:
-            if report.failed:
-                raise BenchError(f"vmfork: {len(report.failed)} of {n} children failed: "
-                                 + "; ".join(f"{v}: {r}" for v, r in report.failed[:5]))
             ready = [c.read_status() for c in report.children]
             out = {"spawn_s": report.spawn_s, "running_s": report.restored_s,
                    "ready_s": report.ready_s}
+            if report.failed:
+                # A child that gives up waiting for its agent exits; its reason
+                # is in its status.json (the zygote reports only the status).
+                reasons = sorted({str(json.loads(p.read_bytes()).get("reason"))[:200]
+                                  for p in run_root.glob("*/status.json")
+                                  if json.loads(p.read_bytes()).get("state") == "failed"})
+                out.update(ready_s=None, incomplete=(
+                    f"{len(report.failed)} of {n} children failed ({'; '.join(reasons[:3])}); "
+                    f"{len(ready)} agents answered, the last after {report.ready_s:.1f} s"))
         time.sleep(settle)
         statuses = ready
         is_guest = guest_ram_file(snapshot.memory_path)
@@ -685,11 +697,15 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
 
     md += ["", "## Memory per idle child (median over the children, MiB)", "",
            ("VMM own = whole process (smaps_rollup) minus the guest-RAM mapping (smaps). Guest "
-           "dirtied = Private_Dirty of the guest-RAM mapping: for vmfork and the templating "
-           "clones, the guest pages the VM copied on write from the shared file; for a cold "
-           "boot the guest RAM is anonymous, so it is every page the guest has touched."), "",
+            "pages dirtied = `Anonymous` pages of the guest-RAM mapping: for vmfork and the "
+            "templating clones, the pages the VM copied on write from the shared file; for a "
+            "cold boot the guest RAM is anonymous, so it is every page the guest has touched. "
+            "(Private_Dirty of that mapping would overstate it: the files are on tmpfs, whose "
+            "pages are always dirty, so a page only read counts as Private_Dirty at N = 1.)"),
+           "",
            ("| peer | N | process Pss | VMM own Pss | VMM own Private_Dirty | guest-RAM Rss | "
-            "guest-RAM Pss | guest dirtied (Private_Dirty) |"), "|---|---|---|---|---|---|---|---|"]
+            "guest-RAM Pss | guest pages dirtied (own copies) |"),
+           "|---|---|---|---|---|---|---|---|"]
     for name in ("vmfork", "template", "cold"):
         for n in ns:
             runs = results[name].get(n, [])
@@ -698,8 +714,7 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
             m = runs[-1]["memory_summary"]
             md.append(f"| {PEER_TITLES[name]} | {n} | {m['pss_mib']:.2f} | {m['own_pss_mib']:.2f} | "
                       f"{m['own_private_dirty_mib']:.2f} | {m['guest_rss_mib']:.2f} | "
-                      f"{m['guest_pss_mib']:.2f} | "
-                      f"{m['guest_private_dirty_mib']:.2f} |")
+                      f"{m['guest_pss_mib']:.2f} | {m['guest_cow_mib']:.2f} |")
 
     md += ["", "## Targets (issue 3)", ""]
     comparable = [n for n in ns if peer("vmfork", n, "running_s") is not None
