@@ -149,6 +149,10 @@ BASE_SYMLINKS: dict[str, str] = {
 DEVICE_NODES: dict[str, tuple[int, int, int]] = {
     "dev/console": (5, 1, 0o600),
     "dev/null": (1, 3, 0o666),
+    # CPython reads these for its hash seed before the agent mounts devtmpfs when
+    # getrandom() would block (a CRNG not yet initialised: e.g. under QEMU).
+    "dev/urandom": (1, 9, 0o666),
+    "dev/random": (1, 8, 0o666),
 }
 
 _RECIPE_SOURCES: tuple[Path, ...] = tuple(
