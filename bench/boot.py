@@ -92,13 +92,20 @@ def boot_qemu(image: object, mem_mib: int, timeout: float, cid: int) -> dict[str
             "process_to_ready_line_s": marks["ready"] - started,
             "vsock": vsock,
         }
+        result["process_to_ready_s"] = result["process_to_ready_line_s"]
         if vsock:
-            from vmfork.agent.client import AgentClient, vsock_connector
+            from vmfork.agent.client import AgentClient, AgentUnavailable, vsock_connector
             agent = AgentClient(vsock_connector(cid, timeout=5.0))
-            agent.wait_until_ready(timeout)
-            result["process_to_ready_s"] = time.monotonic() - started
+            try:
+                agent.wait_until_ready(min(timeout, 60.0))
+                result["process_to_ready_s"] = time.monotonic() - started
+                result["ready_by"] = "vsock ping"
+            except AgentUnavailable as err:
+                # Timed to the agent's ready line instead (a lower bound for QEMU,
+                # so the ratio can only flatter QEMU); say why.
+                result["ready_by"] = f"ready console line (vsock ping failed: {err})"
         else:
-            result["process_to_ready_s"] = result["process_to_ready_line_s"]
+            result["ready_by"] = "ready console line (no /dev/vhost-vsock)"
         return result
     finally:
         proc.kill()
@@ -144,9 +151,8 @@ def main() -> int:
     for key, s in breakdown.items():
         md.append(f"- {key.removesuffix('_s').replace('_', ' ')}: {s['median']:.3f} s")
     md += ["", f"VM exits by reason (last run): {exits}", ""]
-    if not theirs[-1].get("vsock"):
-        md.append("QEMU ran without vsock (no /dev/vhost-vsock): timed to the agent's "
-                  "`ready` console line instead of a ping.")
+    md.append(f"QEMU readiness measured by: {theirs[-1].get('ready_by')}. vmfork's is always "
+              "a ping answered over vsock (after the same console line).")
     write_results("boot", {"runs": args.runs, "mem_mib": args.mem_mib, "vmfork": ours,
                            "qemu": theirs, "vmfork_ready_s": v_ready, "qemu_ready_s": q_ready,
                            "ratio_vmfork_over_qemu": ratio, "breakdown": breakdown},
