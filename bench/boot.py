@@ -55,7 +55,9 @@ def boot_qemu(image: object, mem_mib: int, timeout: float, cid: int) -> dict[str
     if qemu is None:
         raise RuntimeError("qemu-system-x86_64 not installed (Debian package qemu-system-x86)")
     vsock = os.path.exists("/dev/vhost-vsock")
-    cmd = [qemu, "-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on", "-enable-kvm",
+    # acpi=off: our kernel has no ACPI, and microvm only puts its virtio-mmio
+    # devices on the kernel command line (virtio_mmio.device=...) without ACPI.
+    cmd = [qemu, "-M", "microvm,x-option-roms=off,rtc=off,isa-serial=on,acpi=off", "-enable-kvm",
            "-cpu", "host", "-m", str(mem_mib), "-smp", "1", "-nodefaults", "-no-user-config",
            "-nographic", "-no-reboot", "-serial", "stdio",
            "-kernel", str(image.kernel), "-initrd", str(image.initrd),  # type: ignore[attr-defined]
