@@ -205,7 +205,7 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, warm: Snapsh
     Children are killed as soon as they are restored and running, usually in
     the middle of their first vsock handshake with the guest (the harsher case
     for leaks, and what keeps 200 cycles affordable in the emulated test host);
-    every fifth batch waits for ready agents instead, and every other batch
+    every tenth batch waits for ready agents instead, and every other batch
     runs under a memory cgroup.
     """
     client = zygote.client()
@@ -214,7 +214,7 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, warm: Snapsh
     for batch in range(LEAK_CYCLES // LEAK_BATCH):
         report = fork_children(
             client, warm, LEAK_BATCH, run_root, timeout=600,
-            wait_for="ready" if batch % 5 == 0 else "restored",
+            wait_for="ready" if batch % 10 == 0 else "restored",
             memory_limit_mib=512 if use_cgroups and batch % 2 else None)
         assert not report.failed, report.failed
         for child in report.children:
