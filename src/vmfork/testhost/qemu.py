@@ -16,14 +16,19 @@ returns only once QEMU has taken the bytes, so nothing written before ``poweroff
 is lost. The exit status comes back as a file in the per-run control share, never
 parsed from a console. QEMU gets its own session, so a Ctrl-C on the caller's
 terminal reaches only us; we then kill QEMU (it holds no state worth a clean stop).
+QEMU also asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), so
+a caller killed outright (SIGKILL, or SIGTERM with no handler: no ``finally`` runs)
+never leaves an emulated host running.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -96,6 +101,17 @@ def qemu_command(qemu: str, image: HostImage, *, ctl_dir: str, rw_paths: Sequenc
         cmd += ["-virtfs", (f"local,path={_qemu_path_arg(path)},mount_tag={rw_tag(index)},"
                             "security_model=none,multidevs=remap")]
     return cmd
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the forked child before exec: SIGKILL when the parent dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
 
 
 def _binary_stream(stream: object) -> BinaryIO | None:
@@ -208,10 +224,12 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
         for relay in relays:
             relay.start()
         started = time.monotonic()
+        parent_pid = os.getpid()
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=qerr_w,
                                     stderr=qerr_w, pass_fds=(console_w, out_w, err_w),
-                                    start_new_session=True)
+                                    start_new_session=True,
+                                    preexec_fn=lambda: _die_with_parent(parent_pid))
         except OSError as err:
             raise TesthostSetupError(f"cannot start {qemu}: {err}") from err
         finally:
