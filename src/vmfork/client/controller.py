@@ -193,6 +193,31 @@ class Controller:
         result: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/ping")
         return result
 
+    def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
+                       measure_diff: bool = False, mode: str | None = None, wait: bool = True,
+                       *, live: bool = False, parent_tag: str | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+        """Snapshot a running sandbox (``mode`` full, diff or live; forkd's ``diff``/``live``
+        booleans are the legacy spelling). With ``wait=False`` the answer comes at once
+        with status ``writing``; poll ``list_snapshots`` until ``ready`` or ``failed``."""
+        body: dict[str, Any] = {"wait": wait}
+        if tag is not None:
+            body["tag"] = tag
+        if mode is not None:
+            body["mode"] = mode
+        if diff:
+            body["diff"] = True
+        if live:
+            body["live"] = True
+        if measure_diff:
+            body["measure_diff"] = True
+        if parent_tag is not None:
+            body["parent_tag"] = parent_tag
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/branch", body,
+            timeout=timeout or max(self.timeout, 3600.0))
+        return result
+
     def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
                      env: Mapping[str, str | None] | None = None, cwd: str | None = None,
                      stdin: str | None = None) -> dict[str, Any]:
