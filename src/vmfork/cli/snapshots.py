@@ -24,6 +24,9 @@ def register(sub: Any) -> None:
     warm.add_argument("--warm", metavar="CODE",
                       help="Python run in the guest's warm interpreter, e.g. 'import json'")
     warm.add_argument("--warm-cmd", metavar="CMD", help="shell command run in the guest first")
+    p.add_argument("--local", action="store_true",
+                   help="boot the parent in this process, not through the daemon (the "
+                        "daemon itself uses this)")
     p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("fork", help="spawn N children of snapshot TAG and report timings")
