@@ -421,7 +421,11 @@ class Controller:
         self.metrics.spawn_seconds.observe(outcome.ready_s, outcome="ok")
         self.metrics.restore_seconds.observe(outcome.restored_s)
         self.metrics.sandboxes_spawned.inc(len(records))
-        return [self.sandbox_info(r) for r in records]
+        # An extension beside forkd's fields: this request's spawn timings.
+        timings = {"spawn_ms": round(outcome.spawn_s * 1000, 3),
+                   "restored_ms": round(outcome.restored_s * 1000, 3),
+                   "ready_ms": round(outcome.ready_s * 1000, 3)}
+        return [{**self.sandbox_info(r), "timings": timings} for r in records]
 
     def list_sandboxes(self) -> list[dict[str, Any]]:
         return [self.sandbox_info(r) for r in self.registry.list_sandboxes()]
