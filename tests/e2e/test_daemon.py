@@ -1,7 +1,14 @@
-"""``vmfork serve`` with real VMs: snapshot over REST, spawn two sandboxes, drive
-them through the SDK, delete them, stop the daemon, and check nothing is left.
+"""``vmfork serve`` with real VMs, through the SDK.
 
-Kept to one daemon and one snapshot: every VM costs seconds in the emulated host.
+* One daemon: snapshot over REST, spawn, drive (exec, eval, streaming, files), BRANCH
+  a sandbox and spawn from the branch, delete, stop with ``--kill-sandboxes-on-exit``
+  and check nothing is left.
+* Restart: 10 live sandboxes, the daemon SIGKILLed, a new daemon on the same state
+  re-adopts all 10 (each still has its own state and answers exec/eval); then the
+  daemon stops keeping them and the zygote's lease kills them.
+
+Kept to one snapshot for the module (every boot costs tens of seconds in the
+emulated host); children dirty only a few MiB each.
 """
 
 from __future__ import annotations
@@ -12,66 +19,102 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from vmfork.client import Controller, ControllerError, Sandbox
+from vmfork.runtime.zygote_client import ZygoteClient
+from vmfork.runtime.zygote_protocol import ZygoteError
 
 pytestmark = pytest.mark.e2e
+
+GUEST_MEM_MIB = 256
 
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it is gone for our purposes.
-    try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone for us
     except FileNotFoundError:
         return False
 
 
+def _until_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.1)
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    ctl: Controller
+    state: Path
+    socket: Path
+
+
+@dataclass
+class Home:
+    root: Path
+    env: dict[str, str]
+
+    def start(self, name: str, *flags: str) -> Daemon:
+        state = self.root / name
+        sock = self.root / f"{name}.sock"
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the daemon writes it
+        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "--state",
+                                 str(state), "--socket", str(sock), *flags],
+                                env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        ctl = Controller(f"unix://{sock}", timeout=600)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                ctl.healthz()
+                return Daemon(proc, ctl, state, sock)
+            except ControllerError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise AssertionError("the daemon did not start:\n"
+                                         + (self.root / f"{name}.log").read_text()) from None
+                time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Controller, subprocess.Popen[bytes], Path]]:
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     root = tmp_path_factory.mktemp("daemon")
     env = dict(os.environ, VMFORK_HOME=str(root / "home"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    sock = root / "api.sock"
-    log = open(root / "serve.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "--state",
-                             str(root / "state"), "--socket", str(sock)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    ctl = Controller(f"unix://{sock}", timeout=600)
-    deadline = time.monotonic() + 60
-    while True:
+    yield Home(root, env)
+    for sock in root.glob("*/zygote.sock"):  # whatever a failed test left running
         try:
-            ctl.healthz()
-            break
-        except ControllerError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("the daemon did not start:\n"
-                                     + (root / "serve.log").read_text()) from None
-            time.sleep(0.1)
-    yield ctl, proc, root
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    log.close()
+            with ZygoteClient(sock, timeout=30) as z:
+                z.shutdown()
+        except ZygoteError:
+            pass
 
 
-def test_daemon_snapshot_spawn_drive_delete(
-        daemon: tuple[Controller, subprocess.Popen[bytes], Path]) -> None:
-    ctl, proc, root = daemon
-    info = ctl.create_snapshot("warm", mem_mib=256, warm_code="answer = 41")
-    assert info["status"] == "ready" and info["bootable"] is True
-    assert [s["tag"] for s in ctl.list_snapshots()] == ["warm"]
+@pytest.fixture(scope="module")
+def snapshot(home: Home) -> str:
+    d = home.start("maker", "--kill-sandboxes-on-exit")
+    try:
+        info = d.ctl.create_snapshot("warm", mem_mib=GUEST_MEM_MIB, warm_code="answer = 41")
+        assert info["status"] == "ready" and info["bootable"] is True
+    finally:
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(60)
+    return "warm"
 
-    infos = ctl.spawn_sandboxes("warm", n=2)
-    assert len(infos) == 2
+
+def test_daemon_spawn_drive_branch_delete(home: Home, snapshot: str) -> None:
+    d = home.start("one", "--kill-sandboxes-on-exit")
+    ctl = d.ctl
+    assert [s["tag"] for s in ctl.list_snapshots()] == [snapshot]
+    infos = ctl.spawn_sandboxes(snapshot, n=2)
     pids = [i["pid"] for i in infos]
     assert all(_alive(pid) for pid in pids)
     for i in infos:
@@ -97,23 +140,70 @@ def test_daemon_snapshot_spawn_drive_delete(
     sb.files.write("/tmp/payload", payload)
     assert sb.files.read("/tmp/payload") == payload
 
+    # BRANCH (full) a sandbox mid-work; a child of the branch starts from its state,
+    # and the source keeps running.
+    branch = ctl.branch_sandbox(infos[0]["id"], tag="branched")
+    assert branch["status"] == "ready" and branch["pause_ms"] > 0
+    assert branch["branched_from"] == infos[0]["id"]
+    assert ctl.eval_code(infos[0]["id"], "answer")["result"] == "0"
+    child = ctl.spawn_sandboxes("branched")[0]
+    assert ctl.eval_code(child["id"], "answer")["result"] == "0"
+    assert ctl.exec_command(child["id"], ["cat", "/tmp/payload"])["exit_code"] == 0
+    assert 'vmfork_branch_pause_seconds_count{mode="full"} 1' in ctl.metrics()
+    ctl.kill_sandbox(child["id"])
+
     for i in infos:
         ctl.kill_sandbox(i["id"])
     assert ctl.list_sandboxes() == []
     assert not any(_alive(pid) for pid in pids)
     metrics = ctl.metrics()
     assert "vmfork_sandboxes_active 0" in metrics
-    assert 'vmfork_spawn_seconds_count{outcome="ok"} 1' in metrics
 
-    # Shutdown with one sandbox running: the daemon kills it and leaves nothing behind.
-    last = ctl.spawn_sandboxes("warm")[0]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0
-    deadline = time.monotonic() + 10
-    while _alive(last["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(last["pid"])
-    assert not (root / "api.sock").exists()
-    assert list((root / "state" / "run").iterdir()) == []
-    audit = (root / "state" / "audit.log").read_text().splitlines()
+    # --kill-sandboxes-on-exit: the daemon stops its sandboxes and its zygote.
+    last = ctl.spawn_sandboxes(snapshot)[0]
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(60) == 0
+    _until_gone([last["pid"]], 10)
+    assert not d.socket.exists() and not (d.state / "zygote.sock").exists()
+    assert list((d.state / "run").iterdir()) == []
+    audit = (d.state / "audit.log").read_text().splitlines()
     assert any('"/v1/sandboxes"' in line and '"status":201' in line for line in audit)
+
+
+def test_restart_readopts_10_live_sandboxes(home: Home, snapshot: str) -> None:
+    d = home.start("restart")
+    infos = d.ctl.spawn_sandboxes(snapshot, n=10)
+    ids = [i["id"] for i in infos]
+    pids = [i["pid"] for i in infos]
+    for n, sandbox in enumerate(ids):
+        d.ctl.eval_code(sandbox, f"mark = {n}")
+    with ZygoteClient(d.state / "zygote.sock") as z:
+        zygote_pid = int(z.ping()["pid"])
+
+    d.proc.kill()  # a crash: no shutdown code runs
+    d.proc.wait()
+    assert all(_alive(p) for p in pids) and _alive(zygote_pid)
+
+    # The new daemon shortens the lease so the end of this test can watch it expire.
+    again = home.start("restart", "--zygote-lease", "5")
+    listed = {s["id"]: s for s in again.ctl.list_sandboxes()}
+    assert sorted(listed) == sorted(ids)
+    assert all(s["status"] == "running" for s in listed.values())
+    for n, sandbox in enumerate(ids):
+        assert again.ctl.ping_sandbox(sandbox)["pong"] is True
+        assert again.ctl.eval_code(sandbox, "mark")["result"] == str(n)
+        r = again.ctl.exec_command(sandbox, ["/bin/sh", "-c", f"echo {n}"])
+        assert r["stdout"] == f"{n}\n"
+    assert "vmfork_sandboxes_active 10" in again.ctl.metrics()
+    # Sandboxes spawned before and after the restart compose.
+    extra = again.ctl.spawn_sandboxes(snapshot)[0]
+    again.ctl.kill_sandbox(ids[0])
+    assert not _alive(pids[0])
+
+    # A clean stop keeps the sandboxes; with no daemon back within the lease the
+    # zygote kills them and exits.
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.proc.wait(60) == 0
+    assert all(_alive(p) for p in pids[1:])
+    _until_gone([zygote_pid, extra["pid"], *pids[1:]], 5 + 30)
+    assert not (again.state / "zygote.sock").exists()

@@ -38,7 +38,7 @@ from vmfork.server.errors import BadGateway
 from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
-from vmfork.server.spawner import ExitNotice, Spawned, SpawnOutcome
+from vmfork.server.spawner import ControlError, ExitNotice, Spawned, SpawnOutcome
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 
 TOKEN = b"0123456789abcdef-secret"
@@ -95,8 +95,15 @@ class FakeAgent:
 
 
 class FakeSpawner:
+    """Sandboxes that are names with agents that answer from memory. ``control`` acts
+    as a VMM that knows only full captures: it writes the files it is asked to."""
+
     def __init__(self) -> None:
         self.live: set[str] = set()
+        self.run_dirs: dict[str, str] = {}
+        self.control_requests: list[dict[str, Any]] = []
+        self.control_gate = threading.Event()
+        self.control_gate.set()
         self.pending_exits: list[ExitNotice] = []
         self.files: dict[str, bytes] = {}
         self.count = 0
@@ -110,6 +117,7 @@ class FakeSpawner:
             self.count += 1
             vm_id = f"vm-{self.count:012x}"
             self.live.add(vm_id)
+            self.run_dirs[vm_id] = f"/nonexistent/{vm_id}"
             children.append(Spawned(vm_id, 4000 + self.count, f"/nonexistent/{vm_id}"))
         return SpawnOutcome(children, [], 0.01, 0.02, 0.03)
 
@@ -123,8 +131,32 @@ class FakeSpawner:
     def agent(self, run_dir: str) -> Any:
         return FakeAgent(self.files)
 
-    def close(self) -> None:
+    def revive(self) -> None:
         self.live.clear()
+
+    def children(self) -> list[Spawned]:
+        return [Spawned(v, 1, self.run_dirs[v]) for v in sorted(self.live)]
+
+    def exit_descriptions(self) -> dict[str, str]:
+        return {}
+
+    def clean_run_dirs(self, keep: set[str]) -> list[str]:
+        return []
+
+    def control(self, run_dir: str, request: dict[str, Any],
+                timeout: float = 60.0) -> dict[str, Any]:
+        self.control_gate.wait(10)
+        self.control_requests.append(request)
+        if request.get("mode") == "crash":
+            raise ControlError("boom")
+        Path(request["memory_path"]).write_bytes(b"\1" * 8192)
+        Path(request["state_path"]).write_bytes(b"branched-state")
+        return {"ok": True, "timings": {"paused": 0.004, "vcpu_state": 0.001,
+                                         "memory_write": 0.002, "memory_bytes": 8192.0}}
+
+    def close(self, kill_sandboxes: bool = False) -> None:
+        if kill_sandboxes:
+            self.live.clear()
 
 
 def _fake_snapshot(store: Store, body: dict[str, Any]) -> Snapshot:
@@ -164,10 +196,11 @@ class Served:
         return resp.status, decoded, resp
 
 
-def _serve(tmp_path: Path, token: bytes | None, heavy: int = 4) -> Iterator[Served]:
+def _serve(tmp_path: Path, token: bytes | None, heavy: int = 4,
+           spawner: FakeSpawner | None = None) -> Iterator[Served]:
     store = Store.open(tmp_path / "home")
     registry = Registry(tmp_path / "registry.db")
-    spawner = FakeSpawner()
+    spawner = spawner or FakeSpawner()
     metrics = DaemonMetrics("test")
     ctl = Ctl(store, registry, spawner, metrics, make_snapshot=_fake_snapshot,
               limits=Limits(heavy_concurrency=heavy, retry_after_s=3))
@@ -259,7 +292,8 @@ def test_openapi_documents_exactly_the_routes(served: Served) -> None:
     assert documented == served_routes
     for schema_name, spec in (("SandboxCreate", api.SANDBOX_CREATE), ("ExecRequest", api.EXEC),
                               ("EvalRequest", api.EVAL),
-                              ("SnapshotCreate", api.SNAPSHOT_CREATE)):
+                              ("SnapshotCreate", api.SNAPSHOT_CREATE),
+                              ("BranchRequest", api.BRANCH)):
         assert set(doc["components"]["schemas"][schema_name]["properties"]) == set(spec)
 
 
@@ -367,6 +401,117 @@ def test_sandbox_lifecycle_through_the_sdk(served: Served, ctl: Controller) -> N
     assert 'vmfork_sandbox_exits_total{reason="oom-killed"} 1' in metrics
     assert 'vmfork_spawn_seconds_count{outcome="ok"} 1' in metrics
     assert 'vmfork_snapshots{status="ready"} 1' in metrics
+
+
+# -- BRANCH ---------------------------------------------------------------------------
+
+
+def test_branch_full_publishes_a_spawnable_snapshot(served: Served, ctl: Controller) -> None:
+    ctl.create_snapshot("base")
+    sandbox = ctl.spawn_sandboxes("base")[0]["id"]
+    info = ctl.branch_sandbox(sandbox, tag="b1")
+    assert info["tag"] == "b1" and info["status"] == "ready" and info["bootable"] is True
+    assert info["pause_ms"] == 4.0 and info["branched_from"] == sandbox
+    request = served.spawner.control_requests[-1]
+    assert request["op"] == "snapshot" and request["resume"] is True and "mode" not in request
+    details = ctl.snapshot_info("b1")
+    assert details["memory_logical_bytes"] == 8192 and details["mem_mib"] == 64
+    after = ctl.get_sandbox(sandbox)
+    assert after["has_branched"] and after["branch_count"] == 1
+    assert after["last_branch_memory_path"].endswith("/b1/memory.bin")
+    assert ctl.spawn_sandboxes("b1")[0]["snapshot_tag"] == "b1"
+    # A default tag, the legacy flag spelling for full, and the pause histogram.
+    auto = ctl.branch_sandbox(sandbox)
+    assert auto["tag"].startswith(f"{sandbox}-branch-2-")
+    metrics = ctl.metrics()
+    assert 'vmfork_branch_pause_seconds_count{mode="full"} 2' in metrics
+    assert 'vmfork_branches_total{mode="full"} 2' in metrics
+    with pytest.raises(ControllerError) as exc:
+        ctl.branch_sandbox(sandbox, tag="b1")
+    assert exc.value.status == 409 and "already exists" in exc.value.message
+
+
+def test_branch_diff_on_a_vmm_without_it_is_501_and_leaves_nothing(
+        served: Served, ctl: Controller) -> None:
+    ctl.create_snapshot("base")
+    sandbox = ctl.spawn_sandboxes("base")[0]["id"]
+    for kwargs in ({"mode": "diff"}, {"diff": True}, {"mode": "live"}):
+        with pytest.raises(ControllerError) as exc:
+            ctl.branch_sandbox(sandbox, tag="d1", **kwargs)  # type: ignore[arg-type]
+        assert exc.value.status == 501 and "use mode full" in exc.value.message
+        assert served.spawner.control_requests[-1]["mode"] in ("diff", "live")
+        assert served.spawner.control_requests[-1]["parent_memory_path"].endswith(
+            "/base/memory.bin")
+    listed = {s["tag"]: s for s in ctl.list_snapshots()}
+    assert listed["d1"]["status"] == "failed" and not listed["d1"]["bootable"]
+    assert not any(p.name.startswith(".pending") for p in served.store.snapshots_dir.iterdir())
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"mode": "fast"}, "'mode' must be one of full, diff, live"),
+    ({"mode": "full", "diff": True}, "contradicts"),
+    ({"parent_tag": "base"}, "parent_tag names the base"),
+    ({"tag": "../x"}, "'tag' is not a valid tag"),
+    ({"wait": "no"}, "'wait' must be a boolean"),
+    ({"bogus": 1}, "unknown field 'bogus'"),
+])
+def test_branch_bad_combinations_are_400(served: Served, ctl: Controller,
+                                         body: dict[str, Any], expected: str) -> None:
+    ctl.create_snapshot("base")
+    sandbox = ctl.spawn_sandboxes("base")[0]["id"]
+    status, reply, _ = served.request("POST", f"/v1/sandboxes/{sandbox}/branch", body)
+    assert status == 400 and expected in reply["error"], reply
+
+
+def test_branch_without_wait_is_202_writing_then_ready(served: Served, ctl: Controller) -> None:
+    ctl.create_snapshot("base")
+    sandbox = ctl.spawn_sandboxes("base")[0]["id"]
+    served.spawner.control_gate.clear()
+    status, info, _ = served.request("POST", f"/v1/sandboxes/{sandbox}/branch",
+                                     {"tag": "later", "wait": False})
+    assert status == 202 and info["status"] == "writing" and info["bootable"] is False
+    assert {s["tag"]: s["status"] for s in ctl.list_snapshots()}["later"] == "writing"
+    with pytest.raises(ControllerError) as exc:
+        ctl.spawn_sandboxes("later")
+    assert exc.value.status == 409
+    status, reply, _ = served.request("POST", f"/v1/sandboxes/{sandbox}/branch",
+                                      {"tag": "later"})
+    assert status == 409 and "being written" in reply["error"]
+    assert "vmfork_branches_in_flight 1" in ctl.metrics()
+    served.spawner.control_gate.set()
+    deadline = time.monotonic() + 5
+    while {s["tag"]: s["status"] for s in ctl.list_snapshots()}["later"] != "ready":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert ctl.spawn_sandboxes("later")
+    assert "vmfork_branches_in_flight 0" in ctl.metrics()
+
+
+def test_branch_of_unknown_or_dead_sandbox(served: Served, ctl: Controller) -> None:
+    with pytest.raises(ControllerError) as exc:
+        ctl.branch_sandbox("vm-000000000000")
+    assert exc.value.status == 404
+
+
+def test_restart_readopts_running_marks_lost_and_fails_writing(tmp_path: Path) -> None:
+    spawner = FakeSpawner()
+    for served in _serve(tmp_path, None, spawner=spawner):
+        ctl = Controller(served.url, timeout=10)
+        ctl.create_snapshot("base")
+        ids = [i["id"] for i in ctl.spawn_sandboxes("base", n=3)]
+        served.controller.registry.begin_snapshot_job("halfway", 1)
+    # The daemon stopped (sandboxes kept); one sandbox died meanwhile.
+    assert spawner.live == set(ids)
+    spawner.live.discard(ids[0])
+    for served in _serve(tmp_path, None, spawner=spawner):
+        ctl = Controller(served.url, timeout=10)
+        states = {s["id"]: s for s in ctl.list_sandboxes()}
+        assert states[ids[0]]["status"] == "lost"
+        assert "daemon restarted" in states[ids[0]]["exit_description"] or \
+            "was gone" in states[ids[0]]["exit_description"]
+        assert [states[i]["status"] for i in ids[1:]] == ["running", "running"]
+        assert ctl.ping_sandbox(ids[1])["pong"]
+        assert {s["tag"]: s["status"] for s in ctl.list_snapshots()}["halfway"] == "failed"
 
 
 def test_unsupported_flags_are_refused(served: Served, ctl: Controller) -> None:

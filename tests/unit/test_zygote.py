@@ -211,6 +211,41 @@ def test_children_die_when_the_zygote_is_sigkilled(tmp_path: Path) -> None:
     assert z2.close() == 0
 
 
+def test_a_detached_zygote_outlives_its_starter_and_keeps_children_while_leased(
+        tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    z = start_zygote(tmp_path / "zygote.sock", env=env, die_with_parent=False, lease_s=1.0)
+    try:
+        assert os.getsid(z.pid) == z.pid  # its own session: no terminal signal reaches it
+        holder = z.client()
+        assert holder.lease()["holders"] == 1
+        pid = holder.spawn(E + "sleep", vm_id=vid()).pid
+        time.sleep(1.5)  # longer than the lease, but the holder is connected
+        assert _alive(pid) and z.proc.poll() is None
+        holder.close()
+        # A new holder within the lease (a restarted daemon) keeps everything alive.
+        time.sleep(0.3)
+        with z.client() as again:
+            again.lease()
+            assert [c.pid for c in again.list()] == [pid]
+            time.sleep(1.2)
+            assert _alive(pid)
+        # No holder for longer than the lease: children killed, the zygote exits.
+        assert z.proc.wait(10) == 0
+        _until(lambda: not _alive(pid), 5.0, "the child to die with its zygote")
+        assert not (tmp_path / "zygote.sock").exists()
+    finally:
+        if z.proc.poll() is None:
+            z.proc.kill()
+            z.proc.wait()
+
+
+def test_lease_requests_are_validated(client: ZygoteClient) -> None:
+    for bad in (0, -1, "10", True, 10**9):
+        with pytest.raises(ZygoteError, match="lease seconds"):
+            client.lease(bad)  # type: ignore[arg-type]
+
+
 def test_killing_a_child_kills_its_grandchildren(client: ZygoteClient, tmp_path: Path) -> None:
     out = tmp_path / "gc.json"
     child = client.spawn(E + "grandchild", {"out": str(out)}, vm_id=vid())

@@ -36,6 +36,14 @@ def register(sub: Any) -> None:
     p.add_argument("--max-concurrent-spawns", type=int, default=4, metavar="N",
                    help="heavy operations (sandbox/snapshot create) at once; more get 503 "
                         "(default 4)")
+    p.add_argument("--branch-concurrency", type=int, default=2, metavar="N",
+                   help="BRANCH operations at once; more get 503 (default 2)")
+    p.add_argument("--zygote-lease", type=float, default=60.0, metavar="SECONDS",
+                   help="sandboxes outlive the daemon (a restarted daemon re-adopts them); "
+                        "if no daemon comes back within SECONDS they are killed (default 60)")
+    p.add_argument("--kill-sandboxes-on-exit", action="store_true",
+                   help="stop every sandbox when the daemon stops (default: keep them for a "
+                        "restart within --zygote-lease)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -48,12 +56,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_concurrent_spawns < 1:
         raise CliError("--max-concurrent-spawns must be at least 1")
+    if args.branch_concurrency < 1:
+        raise CliError("--branch-concurrency must be at least 1")
+    if not 0 < args.zygote_lease <= 7 * 86400:
+        raise CliError("--zygote-lease must be between 0 and 604800 seconds (exclusive of 0)")
     state = (args.state or default_state_dir()).absolute()
     socket_path = None if args.no_socket else (args.socket or state / SOCKET_NAME).absolute()
     config = DaemonConfig(state_dir=state, socket_path=socket_path, bind=args.bind,
                           snapshot_root=args.snapshot_root, token_file=args.token_file,
                           audit_log=args.audit_log,
-                          heavy_concurrency=args.max_concurrent_spawns)
+                          heavy_concurrency=args.max_concurrent_spawns,
+                          branch_concurrency=args.branch_concurrency,
+                          zygote_lease_s=args.zygote_lease,
+                          kill_sandboxes_on_exit=args.kill_sandboxes_on_exit)
     try:
         daemon = Daemon(config)
     except (AuthConfigError, RegistryError, StoreError, ZygoteError, ValueError,

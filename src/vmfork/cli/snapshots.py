@@ -1,22 +1,44 @@
-"""Snapshot verbs: ``snapshot`` (boot, warm, capture), ``fork`` (spawn children),
-``images`` (list snapshots) and ``rmi`` (delete them)."""
+"""Snapshot verbs: ``snapshot`` (boot, warm, capture; or BRANCH a sandbox), ``fork``
+(spawn children and report timings), ``images``, ``rmi``, ``snapshot-info``.
+
+They go through the daemon when one answers, so its registry sees every change.
+The store-only verbs (``snapshot``, ``images``, ``rmi``, ``snapshot-info``) also work
+without a daemon, directly on the local store (safe next to a running daemon: the
+store locks each tag); ``fork`` starts an embedded daemon for the duration of the
+command when none runs.
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from vmfork.cli import CliError
-
+from vmfork.cli.daemon_client import (
+    add_daemon_options,
+    add_json_option,
+    call,
+    controller,
+    daemon_answers,
+    print_json,
+    print_table,
+    progress,
+    when,
+)
+from vmfork.cli.sandboxes import add_branch_options, branch
+from vmfork.client import Controller, ControllerError
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("snapshot", help="boot the image, warm it up, snapshot it as TAG")
-    p.add_argument("--tag", required=True, help="name of the snapshot ([A-Za-z0-9_-]{1,64})")
+    p = sub.add_parser("snapshot", help="boot the image, warm it up, snapshot it as TAG; or "
+                                        "BRANCH a running sandbox (--from-sandbox ID)")
+    p.add_argument("--tag", default=None, help="name of the snapshot ([A-Za-z0-9_-]{1,64})")
     p.add_argument("--image", default="default", help="guest image (default: default)")
     p.add_argument("--mem-mib", type=int, default=256, help="guest memory in MiB (default 256)")
     p.add_argument("--vcpus", type=int, default=1, help="vCPUs (default 1)")
@@ -24,25 +46,52 @@ def register(sub: Any) -> None:
     warm.add_argument("--warm", metavar="CODE",
                       help="Python run in the guest's warm interpreter, e.g. 'import json'")
     warm.add_argument("--warm-cmd", metavar="CMD", help="shell command run in the guest first")
+    p.add_argument("--local", action="store_true",
+                   help="boot the parent in this process, not through the daemon (the "
+                        "daemon itself uses this)")
+    p.add_argument("--from-sandbox", default=None, metavar="ID",
+                   help="snapshot this running sandbox instead of booting (BRANCH)")
+    add_json_option(p)
+    add_branch_options(p)
+    add_daemon_options(p)
     p.set_defaults(func=cmd_snapshot)
 
-    p = sub.add_parser("fork", help="spawn N children of snapshot TAG and report timings")
+    p = sub.add_parser("fork", help="spawn N children of snapshot TAG and report timings "
+                                    "(through the daemon; an embedded one if none runs)")
     p.add_argument("--tag", required=True, help="snapshot to fork")
     p.add_argument("-n", type=int, default=1, help="number of children (1..1000)")
     p.add_argument("--memory-limit-mib", type=int, default=None,
                    help="per-child memory limit (cgroup v2 memory.max or v1 limit_in_bytes)")
     p.add_argument("--exec", dest="exec_cmd", metavar="CMD",
                    help="run this shell command in every child and print each result")
-    p.add_argument("--hold", action="store_true",
-                   help="keep the children running until Ctrl-C (default: tear down)")
+    keep = p.add_mutually_exclusive_group()
+    keep.add_argument("--hold", action="store_true",
+                      help="keep the children running until Ctrl-C, then kill them")
+    keep.add_argument("--keep", action="store_true",
+                      help="leave the children running in the daemon (see `vmfork ls`)")
+    add_daemon_options(p)
     p.set_defaults(func=cmd_fork)
 
     p = sub.add_parser("images", help="list snapshots")
+    add_json_option(p)
+    add_daemon_options(p)
     p.set_defaults(func=cmd_images)
 
     p = sub.add_parser("rmi", help="delete snapshots")
     p.add_argument("tags", nargs="+", metavar="TAG")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--cascade", action="store_true",
+                     help="also delete the snapshots built on it")
+    how.add_argument("--force", action="store_true",
+                     help="delete even if other snapshots are built on it")
+    add_daemon_options(p)
     p.set_defaults(func=cmd_rmi)
+
+    p = sub.add_parser("snapshot-info", help="details of one snapshot")
+    p.add_argument("tag", metavar="TAG")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_snapshot_info)
 
 
 def _store() -> Any:
@@ -50,7 +99,40 @@ def _store() -> Any:
     return Store.open()
 
 
+def _daemon_or_none(args: argparse.Namespace, timeout: float = 60) -> Controller | None:
+    """The daemon if one answers; None if there is none at the default address. A daemon
+    named explicitly (--url, VMFORK_URL) must answer."""
+    ctl = controller(args, timeout)
+    if daemon_answers(ctl):
+        return ctl
+    if args.url is not None:
+        raise CliError(f"no daemon at {ctl.base_url}; start one with `vmfork serve` or drop "
+                       "--url to use the local store", 1)
+    return None
+
+
 def cmd_snapshot(args: argparse.Namespace) -> int:
+    if args.from_sandbox is not None:
+        return branch(args, args.from_sandbox, args.tag)
+    if args.tag is None:
+        raise CliError("--tag is required: the name of the new snapshot")
+    ctl = None if args.local else _daemon_or_none(args, timeout=3600)
+    if ctl is None:
+        return _snapshot_here(args)
+    with progress(f"booting and snapshotting {args.tag}"):
+        info = call(ctl, lambda: ctl.create_snapshot(
+            args.tag, image=args.image, mem_mib=args.mem_mib, vcpus=args.vcpus,
+            warm_code=args.warm, warm_cmd=args.warm_cmd, timeout=3600))
+    if args.json:
+        print_json(info)
+    else:
+        print(f"snapshot {info['tag']}: ready ({args.mem_mib} MiB guest), paused "
+              f"{info.get('pause_ms', 0):.1f} ms")
+        print(f"  {info['dir']}")
+    return 0
+
+
+def _snapshot_here(args: argparse.Namespace) -> int:
     from vmfork.image import ImageError, find_image
     from vmfork.runtime.guest import GuestBootError
     from vmfork.runtime.parent import WarmUpFailed, snapshot_parent
@@ -71,97 +153,172 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_fork(args: argparse.Namespace) -> int:
+@contextmanager
+def embedded_daemon() -> Iterator[Controller]:
+    """A daemon in this process, on a private state directory, for one command: its
+    sandboxes die with it (and, should this process be killed, with the zygote's
+    short lease)."""
     from vmfork.paths import run_dir
-    from vmfork.runtime.spawn import SpawnFailed, fork_children
-    from vmfork.runtime.zygote_client import start_zygote
-    from vmfork.store import StoreError
+    from vmfork.server.daemon import Daemon, DaemonConfig
 
-    try:
-        snapshot = _store().get(args.tag)
-    except StoreError as err:
-        raise CliError(str(err), 1) from err
-    if not 1 <= args.n <= 1000:
-        raise CliError(f"-n must be 1..1000, not {args.n}")
     base = run_dir()
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    session = Path(tempfile.mkdtemp(prefix="fork-", dir=base))
-    zygote = start_zygote(str(session / "zygote.sock"))
+    state = Path(tempfile.mkdtemp(prefix="fork-", dir=base))
     try:
-        client = zygote.client()
-
-        def progress(restored: int, ready: int, failed: int) -> None:
-            print(f"\r  restored {restored}/{args.n}, ready {ready}/{args.n}"
-                  + (f", failed {failed}" if failed else ""), end="", file=sys.stderr,
-                  flush=True)
-
-        try:
-            report = fork_children(client, snapshot, args.n, session / "vms",
-                                   memory_limit_mib=args.memory_limit_mib, progress=progress)
-        except SpawnFailed as err:
-            raise CliError(str(err), 1) from err
-        print(file=sys.stderr)
-        print(f"forked {len(report.children)} children of {snapshot.tag}: all forked in "
-              f"{report.spawn_s * 1000:.0f} ms, restored in {report.restored_s * 1000:.0f} ms, "
-              f"agents answered in {report.ready_s * 1000:.0f} ms")
-        for vm_id, reason in report.failed:
-            print(f"  {vm_id} failed: {reason}", file=sys.stderr)
-        if args.exec_cmd:
-            for child in report.children:
-                started = time.monotonic()
-                result = child.agent.exec(args.exec_cmd)
-                out = result.stdout.decode(errors="replace").strip()
-                print(f"  {child.vm_id} (pid {child.pid}) exit {result.exit_code} in "
-                      f"{(time.monotonic() - started) * 1000:.0f} ms: {out}")
-        if args.hold:
-            print("children running; Ctrl-C to stop them", file=sys.stderr)
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
-        return 1 if report.failed else 0
+        daemon = Daemon(DaemonConfig(state_dir=state, socket_path=state / "api.sock",
+                                     bind=None, kill_sandboxes_on_exit=True,
+                                     zygote_lease_s=10.0))
+    except Exception as err:
+        shutil.rmtree(state, ignore_errors=True)
+        raise CliError(f"cannot start an embedded daemon: {err}", 1) from err
+    daemon.start()
+    try:
+        yield Controller(f"unix://{state / 'api.sock'}", timeout=600)
     finally:
-        zygote.close()
+        daemon.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def cmd_fork(args: argparse.Namespace) -> int:
+    if not 1 <= args.n <= 1000:
+        raise CliError(f"-n must be 1..1000, not {args.n}")
+    shared = _daemon_or_none(args, timeout=600)
+    if shared is None and args.keep:
+        raise CliError("--keep leaves the children in a running daemon, and none answers; "
+                       "start one with `vmfork serve`")
+    if shared is None:
+        print("vmfork: no daemon running; using an embedded one for this command",
+              file=sys.stderr)
+    with nullcontext(shared) if shared is not None else embedded_daemon() as ctl:
+        assert ctl is not None
+        with progress(f"forking {args.n} children of {args.tag}"):
+            infos = call(ctl, lambda: ctl.spawn_sandboxes(
+                args.tag, args.n, memory_limit_mib=args.memory_limit_mib))
+        t = infos[0].get("timings", {})
+        print(f"forked {len(infos)} children of {args.tag}: all forked in "
+              f"{t.get('spawn_ms', 0):.0f} ms, restored in {t.get('restored_ms', 0):.0f} ms, "
+              f"agents answered in {t.get('ready_ms', 0):.0f} ms")
         try:
-            os.rmdir(session / "vms")
-        except OSError:
-            pass
-        for leftover in ("zygote.sock",):
-            try:
-                os.unlink(session / leftover)
-            except OSError:
-                pass
-        try:
-            os.rmdir(session)
-        except OSError:
-            pass
+            if args.exec_cmd:
+                for info in infos:
+                    started = time.monotonic()
+                    r = call(ctl, lambda i=info: ctl.exec_command(
+                        i["id"], ["/bin/sh", "-c", args.exec_cmd]))
+                    print(f"  {info['id']} (pid {info['pid']}) exit {r['exit_code']} in "
+                          f"{(time.monotonic() - started) * 1000:.0f} ms: "
+                          f"{r['stdout'].strip()}")
+            if args.keep:
+                for info in infos:
+                    print(info["id"])
+                return 0
+            if args.hold:
+                print(f"children running (reach them at {ctl.base_url}: VMFORK_URL="
+                      f"{ctl.base_url} vmfork ls); Ctrl-C to stop them", file=sys.stderr)
+                try:
+                    while True:
+                        time.sleep(3600)
+                except KeyboardInterrupt:
+                    pass
+        finally:
+            if not args.keep:
+                for info in infos:
+                    try:
+                        ctl.kill_sandbox(info["id"])
+                    except ControllerError as err:
+                        if err.status != 404:
+                            print(f"vmfork: cannot kill {info['id']}: {err.message}",
+                                  file=sys.stderr)
+    return 0
+
+
+def _local_snapshot_info(snap: Any) -> dict[str, Any]:
+    """A ready snapshot of the local store, in the daemon's ``SnapshotInfo`` shape."""
+    meta = snap.meta
+    info: dict[str, Any] = {
+        "tag": snap.tag, "dir": str(snap.path), "created_at_unix": int(meta.created_at_unix),
+        "status": "ready", "bootable": True, "image": meta.image, "mem_mib": meta.mem_mib,
+        "vcpus": meta.vcpus, "warm_up": meta.warm_up}
+    if meta.extra.get("branched_from") or meta.parent_tag:
+        info["branched_from"] = meta.extra.get("branched_from") or meta.parent_tag
+    if meta.timings.pause_ms is not None:
+        info["pause_ms"] = round(meta.timings.pause_ms, 3)
+    return info
 
 
 def cmd_images(args: argparse.Namespace) -> int:
-    from vmfork.store import disk_usage
-    store = _store()
-    snapshots = store.list()
-    print(f"{'TAG':24} {'MEM':>7} {'DISK':>9} {'VCPUS':>5}  CREATED              WARM-UP")
-    for snap in snapshots:
-        usage = disk_usage(snap)
-        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(snap.meta.created_at_unix))
-        print(f"{snap.tag:24} {snap.meta.mem_mib:>5}Mi {usage.physical_bytes / (1 << 20):>7.1f}Mi "
-              f"{snap.meta.vcpus:>5}  {created}  {snap.meta.warm_up or ''}")
-    for problem in store.list_corrupt():
-        print(f"damaged: {problem}", file=sys.stderr)
+    ctl = _daemon_or_none(args)
+    if ctl is not None:
+        snapshots = call(ctl, ctl.list_snapshots)
+    else:
+        store = _store()
+        snapshots = [_local_snapshot_info(s) for s in store.list()]
+        for problem in store.list_corrupt():
+            print(f"damaged: {problem}", file=sys.stderr)
+    if args.json:
+        print_json(snapshots)
+        return 0
+    rows = []
+    for s in snapshots:
+        origin = s.get("warm_up") or ""
+        if s.get("branched_from"):
+            origin = f"branch of {s['branched_from']}"
+        if s.get("error"):
+            origin = s["error"]
+        rows.append([s["tag"], s["status"], f"{s['mem_mib']}Mi" if "mem_mib" in s else "-",
+                     str(s.get("vcpus", "-")), when(s.get("created_at_unix")), origin])
+    print_table(["TAG", "STATUS", "MEM", "VCPUS", "CREATED", "ORIGIN"], rows)
     return 0
 
 
 def cmd_rmi(args: argparse.Namespace) -> int:
     from vmfork.store import StoreError
-    store = _store()
+    ctl = _daemon_or_none(args)
+    store = None if ctl is not None else _store()
+    if store is not None and args.cascade:
+        raise CliError("--cascade needs the daemon (it knows which snapshots depend on "
+                       "which); start one with `vmfork serve`")
     status = 0
     for tag in args.tags:
         try:
-            store.delete(tag)
+            if ctl is not None:
+                ctl.delete_snapshot(tag, cascade=args.cascade, force=args.force)
+            else:
+                store.delete(tag)
             print(f"deleted {tag}")
+        except ControllerError as err:
+            print(f"vmfork: {tag}: {err.message}", file=sys.stderr)
+            status = 1
         except StoreError as err:
             print(f"vmfork: {err}", file=sys.stderr)
             status = 1
     return status
+
+
+def cmd_snapshot_info(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, disk_usage
+    ctl = _daemon_or_none(args)
+    if ctl is not None:
+        info = call(ctl, lambda: ctl.snapshot_info(args.tag))
+    else:
+        try:
+            snap = _store().get(args.tag)
+        except StoreError as err:
+            raise CliError(str(err), 1) from err
+        usage = {f.name: f for f in disk_usage(snap).files}
+        memory, state = usage.get(snap.memory_path.name), usage.get(snap.state_path.name)
+        info = {**_local_snapshot_info(snap),
+                "memory_logical_bytes": memory.logical_bytes if memory else 0,
+                "memory_physical_bytes": memory.physical_bytes if memory else 0,
+                "vmstate_bytes": state.logical_bytes if state else 0,
+                "parent_tag": snap.meta.parent_tag, "chain_depth": 0, "dependents": [],
+                "ancestors": []}
+    if args.json:
+        print_json(info)
+        return 0
+    for key in ("tag", "status", "dir", "image", "mem_mib", "vcpus", "warm_up",
+                "memory_logical_bytes", "memory_physical_bytes", "vmstate_bytes",
+                "parent_tag", "chain_depth", "dependents", "ancestors"):
+        if key in info:
+            print(f"{key + ':':24} {info[key] if info[key] is not None else '-'}")
+    print(f"{'created:':24} {when(info.get('created_at_unix'))}")
+    return 0

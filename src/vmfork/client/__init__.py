@@ -4,16 +4,23 @@
     from vmfork.client import Sandbox
     with Sandbox.create("numpy-warm") as sb:
         print(sb.commands.run("python3 -c 'print(1)'").stdout)
+
+    async with await AsyncSandbox.create("numpy-warm") as sb:
+        print((await sb.commands.run("uname -r")).stdout)
 """
 
-from vmfork.client.controller import Controller, ControllerError, default_url
+from vmfork.client.controller import Controller, ControllerError, ExecStream, default_url
 from vmfork.client.sandbox import (
+    AsyncCommandHandle,
+    AsyncSandbox,
     CommandExitError,
+    CommandHandle,
     CommandResult,
     CommandTimeout,
     EvalResult,
     Sandbox,
 )
 
-__all__ = ["CommandExitError", "CommandResult", "CommandTimeout", "Controller",
-           "ControllerError", "EvalResult", "Sandbox", "default_url"]
+__all__ = ["AsyncCommandHandle", "AsyncSandbox", "CommandExitError", "CommandHandle",
+           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "EvalResult",
+           "ExecStream", "Sandbox", "default_url"]

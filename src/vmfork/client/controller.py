@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, BinaryIO
@@ -193,6 +194,31 @@ class Controller:
         result: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/ping")
         return result
 
+    def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
+                       measure_diff: bool = False, mode: str | None = None, wait: bool = True,
+                       *, live: bool = False, parent_tag: str | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+        """Snapshot a running sandbox (``mode`` full, diff or live; forkd's ``diff``/``live``
+        booleans are the legacy spelling). With ``wait=False`` the answer comes at once
+        with status ``writing``; poll ``list_snapshots`` until ``ready`` or ``failed``."""
+        body: dict[str, Any] = {"wait": wait}
+        if tag is not None:
+            body["tag"] = tag
+        if mode is not None:
+            body["mode"] = mode
+        if diff:
+            body["diff"] = True
+        if live:
+            body["live"] = True
+        if measure_diff:
+            body["measure_diff"] = True
+        if parent_tag is not None:
+            body["parent_tag"] = parent_tag
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/branch", body,
+            timeout=timeout or max(self.timeout, 3600.0))
+        return result
+
     def exec_command(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
                      env: Mapping[str, str | None] | None = None, cwd: str | None = None,
                      stdin: str | None = None) -> dict[str, Any]:
@@ -205,31 +231,15 @@ class Controller:
 
     def exec_stream(self, sandbox_id: str, args: list[str], timeout_secs: float = 30, *,
                     env: Mapping[str, str | None] | None = None, cwd: str | None = None,
-                    stdin: str | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+                    stdin: str | None = None) -> ExecStream:
         """Server-sent events as ``(event, data)``: ``stdout``/``stderr`` chunks, then
-        ``exit`` or ``error``."""
+        ``exit`` or ``error``. Iterate it; ``close()`` (from any thread) hangs up, and
+        the guest kills the command when it next writes or at its timeout."""
         body = json.dumps(_exec_body(args, timeout_secs, env, cwd, stdin)).encode()
         response = self._open("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/exec/stream",
                               body=body, content_type="application/json",
                               timeout=timeout_secs + self.timeout)
-        try:
-            event = "message"
-            data: list[str] = []
-            while True:
-                line = response.readline()
-                if not line:
-                    return
-                text = line.decode("utf-8").rstrip("\r\n")
-                if not text:
-                    if data:
-                        yield event, json.loads("\n".join(data))
-                    event, data = "message", []
-                elif text.startswith("event:"):
-                    event = text[6:].strip()
-                elif text.startswith("data:"):
-                    data.append(text[5:].strip())
-        finally:
-            response.vmfork_conn.close()
+        return ExecStream(response)
 
     def eval_code(self, sandbox_id: str, code: str,
                   timeout_secs: float | None = None) -> dict[str, Any]:
@@ -294,6 +304,45 @@ class Controller:
                     missing_ok: bool = False) -> None:
         self._call("DELETE", f"/v1/sandboxes/{_seg(sandbox_id)}/files",
                    query={"path": path, "recursive": recursive, "missing_ok": missing_ok})
+
+
+class ExecStream:
+    """The events of one streamed exec (see ``Controller.exec_stream``)."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+        self._conn = response.vmfork_conn
+
+    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        try:
+            event = "message"
+            data: list[str] = []
+            while True:
+                try:
+                    line = self._response.readline()
+                except (OSError, ValueError):
+                    return  # closed by ``close``
+                if not line:
+                    return
+                text = line.decode("utf-8").rstrip("\r\n")
+                if not text:
+                    if data:
+                        yield event, json.loads("\n".join(data))
+                    event, data = "message", []
+                elif text.startswith("event:"):
+                    event = text[6:].strip()
+                elif text.startswith("data:"):
+                    data.append(text[5:].strip())
+        finally:
+            self._conn.close()
+
+    def close(self) -> None:
+        sock = self._conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a reader in another thread
+            except OSError:
+                pass
 
 
 def _seg(value: str) -> str:

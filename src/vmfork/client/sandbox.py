@@ -1,22 +1,31 @@
-"""``Sandbox``: the E2B-shaped handle on one sandbox (REFERENCE-forkd.md, SDKs).
+"""``Sandbox``: the E2B-shaped handle on one sandbox (REFERENCE-forkd.md, SDKs), and
+``AsyncSandbox``, the same for ``asyncio``.
 
 ``Sandbox.create(tag)`` spawns one through the daemon, ``Sandbox.connect(id)``
 attaches to one spawned any other way (CLI, curl, another process): the daemon
 owns the state (DESIGN.md decision 6). ``with`` kills it on exit. Sub-APIs are
 properties: ``sb.commands.run``, ``sb.files.read/write/list/remove``.
-Synchronous only for now; every call is one request on its own connection, so
-many sandboxes can be driven from many threads.
+
+One implementation: the synchronous one. Every call is one request on its own
+connection, so many sandboxes can be driven from many threads at once.
+``AsyncSandbox`` is a thin facade that runs each call in a worker thread
+(``asyncio.to_thread``) and delivers streamed output to the event loop, so a
+coroutine never blocks the loop and there is no second copy of the logic.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import IO, Any, Self
 
-from vmfork.client.controller import Controller, ControllerError
+from vmfork.client.controller import Controller, ControllerError, ExecStream
+
+OutputCallback = Callable[[str], object]
 
 
 @dataclass(frozen=True)
@@ -58,27 +67,125 @@ class EvalResult:
     stderr: str = ""
 
 
+class CommandHandle:
+    """A command started with ``background=True``: its output streams into ``stdout`` /
+    ``stderr`` (and the callbacks) while it runs; ``wait()`` returns its result."""
+
+    def __init__(self, stream: ExecStream, base_url: str,
+                 on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+                 check: bool) -> None:
+        self._stream = stream
+        self._base_url = base_url
+        self._out, self._err = io.StringIO(), io.StringIO()
+        self._lock = threading.Lock()
+        self._result: CommandResult | None = None
+        self._error: BaseException | None = None
+        self._check = check
+        self._done = threading.Event()
+        self._callbacks = (on_stdout, on_stderr)
+        self._thread = threading.Thread(target=self._pump, name="vmfork-command", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        try:
+            data = _consume(self._stream, self._base_url, self._append)
+            with self._lock:
+                self._result = CommandResult(self._out.getvalue(), self._err.getvalue(),
+                                             data["exit_code"], data.get("signal"),
+                                             data.get("duration_secs", 0.0))
+        except BaseException as err:  # noqa: BLE001 - handed to wait()
+            self._error = err
+        finally:
+            self._done.set()
+
+    def _append(self, kind: str, text: str) -> None:
+        with self._lock:
+            (self._out if kind == "stdout" else self._err).write(text)
+        callback = self._callbacks[0 if kind == "stdout" else 1]
+        if callback is not None:
+            callback(text)
+
+    @property
+    def stdout(self) -> str:
+        with self._lock:
+            return self._out.getvalue()
+
+    @property
+    def stderr(self) -> str:
+        with self._lock:
+            return self._err.getvalue()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> CommandResult:
+        """The result once the command has exited (``timeout`` in seconds: how long to
+        wait here, not the command's own limit). Raises ``CommandTimeout`` if the
+        command's limit killed it, ``TimeoutError`` if ``timeout`` passed first."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the command is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        if self._check and self._result.exit_code != 0:
+            raise CommandExitError(self._result, self._base_url)
+        return self._result
+
+    def kill(self) -> None:
+        """Hang up: the guest kills the command's process group when it next writes
+        output (or at its timeout); ``wait`` then raises ``ControllerError``."""
+        self._stream.close()
+
+
+def _consume(stream: ExecStream, base_url: str,
+             emit: Callable[[str, str], None]) -> dict[str, Any]:
+    """Read an exec stream to its end: output events go to ``emit(kind, text)``; returns
+    the ``exit`` event's data or raises the ``error`` event as ``ControllerError``."""
+    for event, data in stream:
+        if event in ("stdout", "stderr"):
+            emit(event, data["data"])
+        elif event == "exit":
+            return data
+        elif event == "error":
+            error = ControllerError(int(data.get("status", 502)), data, base_url)
+            if error.status == 504:
+                raise CommandTimeout(error)
+            raise error
+    raise ControllerError(502, "the exec stream ended without a result (the daemon or the "
+                          "sandbox stopped, or the command was killed)", base_url)
+
+
 class Commands:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
 
     def run(self, cmd: str | Sequence[str], *, timeout: float = 60,
             envs: Mapping[str, str | None] | None = None, cwd: str | None = None,
-            stdin: str | None = None, on_stdout: Callable[[str], None] | None = None,
-            on_stderr: Callable[[str], None] | None = None,
-            check: bool = False) -> CommandResult:
+            stdin: str | None = None, on_stdout: OutputCallback | None = None,
+            on_stderr: OutputCallback | None = None, background: bool = False,
+            check: bool = False) -> Any:
         """Run ``cmd`` (a string for ``/bin/sh -c``, or an argv list); ``timeout`` in
-        seconds. With ``on_stdout``/``on_stderr`` the output streams to them as it is
-        written (and is also in the result)."""
+        seconds, after which the guest kills it (``CommandTimeout``).
+
+        With ``on_stdout``/``on_stderr`` the output streams to them as it is written
+        (and is also in the result). With ``background=True`` it returns at once with
+        a ``CommandHandle`` (``wait()``, ``kill()``, output so far); otherwise a
+        ``CommandResult``. ``check=True`` raises ``CommandExitError`` on non-zero exit.
+        """
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         c = self._sb.controller
         try:
+            if background:
+                stream = c.exec_stream(self._sb.id, args, timeout, env=envs, cwd=cwd,
+                                       stdin=stdin)
+                return CommandHandle(stream, c.base_url, on_stdout, on_stderr, check)
             if on_stdout is None and on_stderr is None:
                 r = c.exec_command(self._sb.id, args, timeout, env=envs, cwd=cwd, stdin=stdin)
             else:
                 r = self._stream(args, timeout, envs, cwd, stdin, on_stdout, on_stderr)
         except ControllerError as err:
-            if err.status == 504:
+            if err.status == 504 and not isinstance(err, CommandTimeout):
                 raise CommandTimeout(err) from None
             raise
         result = CommandResult(r["stdout"], r["stderr"], r["exit_code"], r.get("signal"),
@@ -88,27 +195,26 @@ class Commands:
         return result
 
     def _stream(self, args: list[str], timeout: float, envs: Mapping[str, str | None] | None,
-                cwd: str | None, stdin: str | None,
-                on_stdout: Callable[[str], None] | None,
-                on_stderr: Callable[[str], None] | None) -> dict[str, Any]:
+                cwd: str | None, stdin: str | None, on_stdout: OutputCallback | None,
+                on_stderr: OutputCallback | None) -> dict[str, Any]:
         out, err = io.StringIO(), io.StringIO()
         c = self._sb.controller
-        for event, data in c.exec_stream(self._sb.id, args, timeout, env=envs, cwd=cwd,
-                                         stdin=stdin):
-            if event in ("stdout", "stderr"):
-                (out if event == "stdout" else err).write(data["data"])
-                callback = on_stdout if event == "stdout" else on_stderr
-                if callback is not None:
-                    callback(data["data"])
-            elif event == "exit":
-                return {**data, "stdout": out.getvalue(), "stderr": err.getvalue()}
-            elif event == "error":
-                raise ControllerError(int(data.get("status", 502)), data, c.base_url)
-        raise ControllerError(502, "the exec stream ended without a result (the daemon or "
-                              "the sandbox stopped?)", c.base_url)
+
+        def emit(kind: str, text: str) -> None:
+            (out if kind == "stdout" else err).write(text)
+            callback = on_stdout if kind == "stdout" else on_stderr
+            if callback is not None:
+                callback(text)
+
+        stream = c.exec_stream(self._sb.id, args, timeout, env=envs, cwd=cwd, stdin=stdin)
+        data = _consume(stream, c.base_url, emit)
+        return {**data, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
 class Files:
+    """Guest files. Reads and writes stream (no size limit from buffering): pass a file
+    object to ``read_to``/``write`` for large files."""
+
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
 
@@ -117,18 +223,29 @@ class Files:
         self._sb.controller.read_file_to(self._sb.id, path, buf)
         return buf.getvalue()
 
-    def write(self, path: str, data: bytes | str, *, mode: int = 0o644,
-              make_parents: bool = False) -> int:
+    def read_to(self, path: str, out: IO[bytes]) -> int:
+        """Stream the guest file into ``out``; returns the number of bytes."""
+        return self._sb.controller.read_file_to(self._sb.id, path, out)  # type: ignore[arg-type]
+
+    def write(self, path: str, data: bytes | str | IO[bytes], *, mode: int = 0o644,
+              make_parents: bool = False, length: int | None = None) -> int:
+        """Replace the guest file with ``data``: bytes, text (UTF-8), or a binary file
+        object streamed (``length`` bytes; default: from its position to its end)."""
         raw = data.encode() if isinstance(data, str) else data
-        result = self._sb.controller.write_file(self._sb.id, path, raw, mode=mode,
+        result = self._sb.controller.write_file(self._sb.id, path, raw,  # type: ignore[arg-type]
+                                                length=length, mode=mode,
                                                 make_parents=make_parents)
         return int(result["size"])
 
     def list(self, path: str) -> list[dict[str, Any]]:
         return self._sb.controller.list_files(self._sb.id, path)
 
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        self._sb.controller.remove_file(self._sb.id, path, recursive=recursive)
+    def stat(self, path: str) -> dict[str, Any]:
+        return self._sb.controller.stat_file(self._sb.id, path)
+
+    def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
+        self._sb.controller.remove_file(self._sb.id, path, recursive=recursive,
+                                        missing_ok=missing_ok)
 
 
 class Sandbox:
@@ -162,6 +279,11 @@ class Sandbox:
     def ping(self) -> dict[str, Any]:
         return self.controller.ping_sandbox(self.id)
 
+    def branch(self, tag: str | None = None, *, mode: str = "full",
+               wait: bool = True) -> dict[str, Any]:
+        """Snapshot this sandbox as ``tag`` (BRANCH); returns the ``SnapshotInfo``."""
+        return self.controller.branch_sandbox(self.id, tag=tag, mode=mode, wait=wait)
+
     def kill(self) -> None:
         """Kill the sandbox; killing one that is already gone is not an error."""
         try:
@@ -176,3 +298,128 @@ class Sandbox:
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.kill()
+
+
+# -- asyncio facade -------------------------------------------------------------------
+
+
+def _on_loop(callback: OutputCallback | None) -> OutputCallback | None:
+    """``callback`` called on the running event loop, wherever the output arrives."""
+    if callback is None:
+        return None
+    loop = asyncio.get_running_loop()
+
+    def deliver(text: str) -> None:
+        loop.call_soon_threadsafe(callback, text)
+
+    return deliver
+
+
+class AsyncCommandHandle:
+    def __init__(self, handle: CommandHandle) -> None:
+        self._handle = handle
+
+    @property
+    def stdout(self) -> str:
+        return self._handle.stdout
+
+    @property
+    def stderr(self) -> str:
+        return self._handle.stderr
+
+    async def wait(self) -> CommandResult:
+        return await asyncio.to_thread(self._handle.wait)
+
+    def kill(self) -> None:
+        self._handle.kill()
+
+
+class AsyncCommands:
+    def __init__(self, commands: Commands) -> None:
+        self._commands = commands
+
+    async def run(self, cmd: str | Sequence[str], *, timeout: float = 60,
+                  envs: Mapping[str, str | None] | None = None, cwd: str | None = None,
+                  stdin: str | None = None, on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None, background: bool = False,
+                  check: bool = False) -> Any:
+        """``Commands.run``, awaited; callbacks run on the event loop. With
+        ``background=True`` returns an ``AsyncCommandHandle``."""
+        result = await asyncio.to_thread(
+            self._commands.run, cmd, timeout=timeout, envs=envs, cwd=cwd, stdin=stdin,
+            on_stdout=_on_loop(on_stdout), on_stderr=_on_loop(on_stderr),
+            background=background, check=check)
+        return AsyncCommandHandle(result) if background else result
+
+
+class AsyncFiles:
+    def __init__(self, files: Files) -> None:
+        self._files = files
+
+    async def read(self, path: str) -> bytes:
+        return await asyncio.to_thread(self._files.read, path)
+
+    async def read_to(self, path: str, out: IO[bytes]) -> int:
+        return await asyncio.to_thread(self._files.read_to, path, out)
+
+    async def write(self, path: str, data: bytes | str | IO[bytes], *, mode: int = 0o644,
+                    make_parents: bool = False, length: int | None = None) -> int:
+        return await asyncio.to_thread(self._files.write, path, data, mode=mode,
+                                       make_parents=make_parents, length=length)
+
+    async def list(self, path: str) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self._files.list, path)
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        return await asyncio.to_thread(self._files.stat, path)
+
+    async def remove(self, path: str, *, recursive: bool = False,
+                     missing_ok: bool = False) -> None:
+        await asyncio.to_thread(self._files.remove, path, recursive=recursive,
+                                missing_ok=missing_ok)
+
+
+class AsyncSandbox:
+    """``Sandbox`` for ``asyncio``: ``await AsyncSandbox.create(tag)``, ``async with``."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sync = sandbox
+        self.id = sandbox.id
+        self.info = sandbox.info
+        self.commands = AsyncCommands(sandbox.commands)
+        self.files = AsyncFiles(sandbox.files)
+
+    @classmethod
+    async def create(cls, snapshot_tag: str, *, memory_limit_mib: int | None = None,
+                     controller: Controller | None = None) -> AsyncSandbox:
+        return cls(await asyncio.to_thread(Sandbox.create, snapshot_tag,
+                                           memory_limit_mib=memory_limit_mib,
+                                           controller=controller))
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *,
+                      controller: Controller | None = None) -> AsyncSandbox:
+        return cls(await asyncio.to_thread(Sandbox.connect, sandbox_id, controller=controller))
+
+    def __repr__(self) -> str:
+        return f"Async{self.sync!r}"
+
+    async def eval(self, code: str, *, timeout: float | None = None) -> EvalResult:
+        return await asyncio.to_thread(self.sync.eval, code, timeout=timeout)
+
+    async def ping(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.sync.ping)
+
+    async def branch(self, tag: str | None = None, *, mode: str = "full",
+                     wait: bool = True) -> dict[str, Any]:
+        return await asyncio.to_thread(self.sync.branch, tag, mode=mode, wait=wait)
+
+    async def kill(self) -> None:
+        await asyncio.to_thread(self.sync.kill)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.kill()

@@ -14,9 +14,14 @@ import urllib.parse
 from dataclasses import dataclass
 
 
+# Request bodies (file uploads) are sent in blocks of this size; http.client's
+# default of 8 KiB costs a system call per 8 KiB of a 100 MiB upload.
+SEND_BLOCK = 1 << 20
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     def __init__(self, socket_path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
+        super().__init__("localhost", timeout=timeout, blocksize=SEND_BLOCK)
         self.socket_path = socket_path
 
     def connect(self) -> None:
@@ -59,5 +64,7 @@ class Endpoint:
         if self.socket_path is not None:
             return UnixHTTPConnection(self.socket_path, timeout)
         if self.scheme == "https":
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout)
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
+                                               blocksize=SEND_BLOCK)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout,
+                                          blocksize=SEND_BLOCK)

@@ -32,6 +32,15 @@ left of its process group and its cgroup, removes its cgroup directory and its
 ``run_dir`` (see below), and closes its pidfd. The zygote's own fds are never
 inherited: each child closes everything above 2 (``zygote_child``).
 
+Outliving the daemon, with a lease. The controller daemon starts its zygote in a
+session of its own (not as a child that dies with it), so a daemon restart does
+not kill the sandboxes: the new daemon connects to the same socket, lists the
+children and re-adopts them. What keeps a crashed daemon from leaving VMs running
+forever is the lease (``--lease-s``): a connection that sent ``lease`` holds it
+while it stays open; once no holder is connected and no holder request has come
+for ``lease_s`` seconds, the zygote kills every child and exits. The kernel
+closes a dead daemon's sockets, so a crash starts the clock at once.
+
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
 before forking if it does not exist, and removes the whole tree after the child
@@ -122,6 +131,7 @@ class _Conn:
     outbuf: bytearray = field(default_factory=bytearray)
     slots: deque[_Slot] = field(default_factory=deque)
     writing: bool = False
+    holds_lease: bool = False
 
 
 def _thread_count() -> int:
@@ -141,8 +151,11 @@ def _validate_run_dir(value: object) -> str | None:
 
 
 class Zygote:
-    def __init__(self, socket_path: str, preloaded: list[str], preload_failed: list[str]) -> None:
+    def __init__(self, socket_path: str, preloaded: list[str], preload_failed: list[str],
+                 lease_s: float | None = None) -> None:
         self.socket_path = socket_path
+        self.lease_s = lease_s                 # None: no lease, live until told to stop
+        self.lease_renewed = time.monotonic()
         self.preloaded = preloaded
         self.preload_failed = preload_failed
         self.pid = os.getpid()
@@ -190,9 +203,27 @@ class Zygote:
 
     # -- the loop ---------------------------------------------------------------------
 
+    def _lease_holders(self) -> int:
+        return sum(1 for c in self.conns.values() if c.holds_lease)
+
+    def _select_timeout(self) -> float | None:
+        """None (block) while the lease is held or there is none; else the time left."""
+        if self.lease_s is None or self._lease_holders():
+            return None
+        return max(0.0, self.lease_renewed + self.lease_s - time.monotonic())
+
+    def _lease_expired(self) -> bool:
+        if self.lease_s is None or self._lease_holders():
+            return False
+        return time.monotonic() - self.lease_renewed >= self.lease_s
+
     def serve_forever(self) -> None:
         while not self.stopping:
-            for key, mask in self.sel.select():
+            if self._lease_expired():
+                log.warning("no daemon held the lease for %.0f s; killing %d children and "
+                            "exiting", self.lease_s, len(self.children))
+                break
+            for key, mask in self.sel.select(self._select_timeout()):
                 tag = key.data
                 if tag == "listen":
                     self._accept()
@@ -231,6 +262,8 @@ class Zygote:
             self.stopping = True
 
     def _close_conn(self, conn: _Conn) -> None:
+        if conn.holds_lease:
+            self.lease_renewed = time.monotonic()  # the lease clock starts at the disconnect
         fd = conn.sock.fileno()
         if fd in self.conns:
             del self.conns[fd]
@@ -259,7 +292,9 @@ class Zygote:
             line = bytes(conn.inbuf[:nl])
             del conn.inbuf[:nl + 1]
             if line.strip():
-                conn.slots.append(self._handle_line(line))
+                if conn.holds_lease:
+                    self.lease_renewed = time.monotonic()
+                conn.slots.append(self._handle_line(line, conn))
             if self.stopping:
                 break
         if len(conn.inbuf) > MAX_LINE:
@@ -289,17 +324,19 @@ class Zygote:
 
     # -- requests ---------------------------------------------------------------------
 
-    def _handle_line(self, line: bytes) -> _Slot:
+    def _handle_line(self, line: bytes, conn: _Conn | None = None) -> _Slot:
         op = "?"
         try:
             req = json.loads(line)
             if not isinstance(req, dict):
                 raise RequestError("a request must be a JSON object")
             op = str(req.get("op"))
+            if op == "lease":
+                return _Slot({"ok": True, **self._lease(req, conn)})
             handler = getattr(self, "_op_" + op, None) if op.isidentifier() else None
             if handler is None:
                 raise RequestError(f"unknown op {op!r}; expected one of spawn, spawn_many, "
-                                   "kill, wait, list, events, ping, shutdown")
+                                   "kill, wait, list, events, ping, lease, shutdown")
             result = handler(req)
             if isinstance(result, _Slot):
                 return result
@@ -319,7 +356,24 @@ class Zygote:
     def _op_ping(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"pid": self.pid, "preloaded": self.preloaded,
                 "preload_failed": self.preload_failed, "children": len(self.children),
-                "uptime_s": time.monotonic() - self.started}
+                "uptime_s": time.monotonic() - self.started, "lease_s": self.lease_s,
+                "lease_holders": self._lease_holders()}
+
+    def _lease(self, req: dict[str, Any], conn: _Conn | None) -> dict[str, Any]:
+        """``lease {seconds?}``: this connection holds the lease while it is open;
+        ``seconds`` (if given) sets how long the zygote outlives the last holder."""
+        seconds = req.get("seconds")
+        if seconds is not None:
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+                    or not 0 < seconds <= 86400 * 7:
+                raise RequestError(f"lease seconds must be a number in (0, 604800], got "
+                                   f"{seconds!r}")
+            self.lease_s = float(seconds)
+        if conn is None:
+            raise RequestError("lease needs a connection to hold it")
+        conn.holds_lease = True
+        self.lease_renewed = time.monotonic()
+        return {"lease_s": self.lease_s, "holders": self._lease_holders()}
 
     def _op_list(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"children": [c.info() for c in self.children.values()]}
@@ -617,7 +671,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a module to import before serving (repeatable; must import)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="die when this process (our parent) dies")
+    parser.add_argument("--lease-s", type=float, default=None, metavar="SECONDS",
+                        help="kill the children and exit once no client has held the lease "
+                             "(op lease) for this long; default: no lease")
     opts = parser.parse_args(argv)
+    if opts.lease_s is not None and opts.lease_s <= 0:
+        parser.error("--lease-s must be positive")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="vmfork zygote[%(process)d] %(levelname)s %(message)s")
     if opts.parent_pid is not None and not die_with_parent(opts.parent_pid):
@@ -629,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer CoW faults, no finalizers
-    zygote = Zygote(opts.socket, done, failed)
+    zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s)
     zygote.serve_forever()
     return 0
 

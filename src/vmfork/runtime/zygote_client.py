@@ -132,6 +132,12 @@ class ZygoteClient:
         reply = self.request("events", since=since)
         return [ExitEvent.from_json(e) for e in reply["events"]], int(reply["next"])
 
+    def lease(self, seconds: float | None = None) -> dict[str, Any]:
+        """Hold the zygote's lease on this connection (see ``runtime.zygote``); with
+        ``seconds``, also set how long the zygote outlives its last holder."""
+        fields = {} if seconds is None else {"seconds": seconds}
+        return self.request("lease", **fields)
+
     def shutdown(self) -> int:
         """Kill every child, clean up, and stop the zygote. Returns how many were killed."""
         return int(self.request("shutdown")["children_killed"])
@@ -177,11 +183,15 @@ class ZygoteProcess:
 
 def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (), *,
                  stderr: IO[bytes] | int | None = None, die_with_parent: bool = True,
-                 timeout: float = 30.0, env: dict[str, str] | None = None) -> ZygoteProcess:
+                 timeout: float = 30.0, env: dict[str, str] | None = None,
+                 lease_s: float | None = None) -> ZygoteProcess:
     """Start ``python -m vmfork.runtime.zygote`` and wait until it answers ``ping``.
 
     ``preload`` names modules that must import (the defaults are always tried).
     With ``die_with_parent`` the zygote (and so every child) dies with this process.
+    Without it the zygote runs in a session of its own (a terminal's Ctrl-C does not
+    reach it) and outlives this process; pass ``lease_s`` so that it still stops
+    once no client has held its lease for that long.
     """
     path = os.fspath(socket_path)
     src = str(Path(__file__).resolve().parents[2])
@@ -193,7 +203,14 @@ def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (
         cmd += ["--preload", name]
     if die_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=stderr, env=child_env)
+    if lease_s is not None:
+        cmd += ["--lease-s", repr(float(lease_s))]
+    # A detached zygote must not hold the caller's terminal or working directory.
+    detached = not die_with_parent
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL if detached else None, stderr=stderr,
+                            env=child_env, cwd="/" if detached else None,
+                            start_new_session=detached)
     deadline = time.monotonic() + timeout
     client = ZygoteClient(path, timeout=max(1.0, timeout))
     try:

@@ -32,6 +32,7 @@ from vmfork.server.validation import (
     check_path_tag,
     check_sandbox_id,
     check_tag,
+    one_of,
     parse_json_object,
     parse_query,
     validate_fields,
@@ -168,6 +169,17 @@ SNAPSHOT_CREATE = {
     "boot_wait_secs": Field((int, float), 10, between(0, 60)),
 }
 
+BRANCH = {
+    "tag": Field(str, None, check_tag, nullable=True),
+    "mode": Field(str, None, one_of("full", "diff", "live"), nullable=True),
+    "wait": Field(bool, True),
+    "measure_diff": Field(bool, False),
+    "parent_tag": Field(str, None, check_tag, nullable=True),
+    # forkd's legacy spelling of mode.
+    "diff": Field(bool, False),
+    "live": Field(bool, False),
+}
+
 SNAPSHOT_DELETE_QUERY = {"cascade": Field(bool, False), "force": Field(bool, False)}
 PATH_QUERY = {"path": Field(str, check=check_guest_path)}
 WRITE_QUERY = {"path": Field(str, check=check_guest_path),
@@ -291,6 +303,15 @@ def exec_sandbox(c: Controller, req: Request) -> Response:
     return Response(body=c.exec(sandbox_id, req.json(EXEC, _where(req))))
 
 
+def branch_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(BRANCH, _where(req))
+    status, info = c.branch_sandbox(sandbox_id, body)
+    req.snapshot_tag = info["tag"]
+    return Response(status, info)
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
@@ -397,6 +418,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/sandboxes/{id}/exec", exec_sandbox),
     Route("POST", "/v1/sandboxes/{id}/exec/stream", exec_stream),
     Route("POST", "/v1/sandboxes/{id}/eval", eval_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/branch", branch_sandbox),
     Route("GET", "/v1/sandboxes/{id}/files", download_file),
     Route("PUT", "/v1/sandboxes/{id}/files", upload_file),
     Route("DELETE", "/v1/sandboxes/{id}/files", remove_file),

@@ -11,13 +11,23 @@ sandbox that dies on its own is shown with its reason, not as running.
 
 Heavy operations (sandbox create, snapshot create) take a slot from a bounded
 semaphore without blocking; when none is free the caller gets 503 with
-``Retry-After`` instead of piling more VMs onto a saturated host.
+``Retry-After`` instead of piling more VMs onto a saturated host. BRANCH has a
+cap of its own (forkd's ``--branch-concurrency``).
+
+Restarts. ``start`` reconciles the registry with the zygote, which outlives
+daemon restarts (see ``spawner``): sandboxes the zygote still runs are re-adopted
+as they are (their agents and control sockets live in their run directories),
+sandboxes it no longer runs are marked ``lost`` with how they ended, children the
+registry does not know (a spawn cut short by the crash) are killed, stale run
+directories are removed, and snapshots a crash left ``writing`` become ``failed``
+(the store removes their partial files).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,21 +53,26 @@ from vmfork.server.errors import (
     Conflict,
     GatewayTimeout,
     NotFound,
+    NotImplementedApi,
     Unprocessable,
 )
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import (
     EXITED,
     FAILED,
+    LOST,
     RUNNING,
     WRITING,
     Registry,
     SandboxRecord,
 )
-from vmfork.server.spawner import Spawner, SpawnerError
+from vmfork.server.spawner import ControlError, Spawner, SpawnerError, SpawnerGone
 from vmfork.store import (
+    PendingSnapshot,
     Snapshot,
     SnapshotCorrupt,
+    SnapshotMeta,
+    SnapshotTimings,
     SnapshotNotFound,
     Store,
     StoreError,
@@ -76,7 +91,11 @@ daemon; a fake in unit tests). Gets the store and the validated request body."""
 @dataclass(frozen=True)
 class Limits:
     heavy_concurrency: int = 4
+    branch_concurrency: int = 2
     retry_after_s: int = 2
+
+
+BRANCH_MODES = ("full", "diff", "live")
 
 
 class Controller:
@@ -90,46 +109,95 @@ class Controller:
         self.make_snapshot = make_snapshot
         self.limits = limits
         self._heavy = threading.BoundedSemaphore(limits.heavy_concurrency)
+        self._branches = threading.BoundedSemaphore(limits.branch_concurrency)
+        self._branches_in_flight = 0
+        self._branch_lock = threading.Lock()
+        self._branch_threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        metrics.set_sources(lambda: registry.count_sandboxes(RUNNING), self.snapshot_counts)
+        metrics.set_sources(lambda: registry.count_sandboxes(RUNNING), self.snapshot_counts,
+                            lambda: self._branches_in_flight)
 
     # -- lifecycle ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Reconcile the registry with a fresh start and watch for sandbox exits."""
-        lost = self.registry.mark_all_running_lost(
-            "daemon-restart", "the daemon restarted; its zygote (and with it this sandbox's "
-            "VMM process) stopped with the previous daemon. Re-adoption across restarts is "
-            "not implemented yet; delete this entry and spawn again")
-        if lost:
-            log.warning("%d sandboxes of a previous daemon marked lost", len(lost))
+        """Reconcile the registry with the zygote and the store, then watch for exits."""
         failed = self.registry.fail_orphaned_snapshot_jobs(os.getpid())
         if failed:
             log.warning("snapshots left writing by a previous daemon marked failed: %s",
                         ", ".join(failed))
         self.store.cleanup_stale()
-        if self.spawner is not None:
-            self._watcher = threading.Thread(target=self._watch_exits, name="exit-watcher",
-                                             daemon=True)
-            self._watcher.start()
+        if self.spawner is None:
+            lost = self.registry.mark_all_running_lost(
+                "no-spawner", "this daemon runs without a spawner, so it cannot reach the "
+                "sandboxes of a previous daemon; delete this entry")
+            if lost:
+                log.warning("%d sandboxes of a previous daemon marked lost", len(lost))
+            return
+        self.reconcile()
+        self._watcher = threading.Thread(target=self._watch_exits, name="exit-watcher",
+                                         daemon=True)
+        self._watcher.start()
 
-    def stop(self) -> None:
-        """Stop watching, kill every sandbox (through the spawner) and record why."""
+    def reconcile(self) -> dict[str, list[str]]:
+        """Match the registry's running sandboxes with the zygote's children (see the
+        module docstring). Returns the ids adopted, lost and killed."""
+        spawner = self._spawner()
+        live = {c.vm_id: c for c in spawner.children()}
+        ended = spawner.exit_descriptions()
+        adopted: list[str] = []
+        lost: list[str] = []
+        for record in self.registry.list_sandboxes(RUNNING):
+            child = live.get(record.id)
+            if child is not None and child.run_dir == record.run_dir:
+                del live[record.id]
+                adopted.append(record.id)
+                continue
+            how = ended.get(record.id)
+            description = (f"ended while no daemon was running: {how}" if how else
+                           "its VMM process was gone when the daemon restarted (the zygote "
+                           "stopped: no daemon held its lease, or the host rebooted)")
+            if self.registry.mark_ended(record.id, LOST, "daemon-restart", description):
+                self.metrics.sandbox_exits.inc(reason="lost")
+            lost.append(record.id)
+        killed = []
+        for vm_id in live:  # forked by a spawn the crash cut short: nobody knows them
+            try:
+                spawner.kill(vm_id)
+                killed.append(vm_id)
+            except SpawnerError as err:
+                log.error("cannot kill unknown sandbox %s: %s", vm_id, err)
+        keep = {r.run_dir for r in self.registry.list_sandboxes(RUNNING)}
+        removed = spawner.clean_run_dirs(keep)
+        if adopted or lost or killed or removed:
+            log.warning("reconciled with the zygote: %d sandboxes re-adopted, %d lost, %d "
+                        "unknown killed, %d stale run directories removed", len(adopted),
+                        len(lost), len(killed), len(removed))
+        return {"adopted": adopted, "lost": lost, "killed": killed}
+
+    def stop(self, kill_sandboxes: bool = False) -> None:
+        """Stop watching and let go of the zygote. Sandboxes keep running for the next
+        daemon (within the zygote's lease) unless ``kill_sandboxes``."""
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(5.0)
+        for thread in list(self._branch_threads):
+            thread.join(60.0)  # a wait:false BRANCH finishing its files
         if self.spawner is not None:
-            self.spawner.close()
-        for record in self.registry.list_sandboxes(RUNNING):
-            self.registry.mark_ended(record.id, EXITED, "daemon-stopped",
-                                     "the daemon shut down and stopped its sandboxes")
+            self.spawner.close(kill_sandboxes=kill_sandboxes)
+        if kill_sandboxes:
+            for record in self.registry.list_sandboxes(RUNNING):
+                self.registry.mark_ended(record.id, EXITED, "daemon-stopped",
+                                         "the daemon shut down and stopped its sandboxes")
 
     def _watch_exits(self) -> None:
         assert self.spawner is not None
         while not self._stop.wait(0.2):
             try:
                 notices = self.spawner.exits()
+            except SpawnerGone as err:
+                self._zygote_died(str(err))
+                continue
             except Exception as err:  # noqa: BLE001 - keep watching; say why once a cycle
                 log.error("cannot read sandbox exit events: %s", err)
                 continue
@@ -138,6 +206,18 @@ class Controller:
                                             notice.description):
                     self.metrics.sandbox_exits.inc(reason=notice.reason)
                     log.info("sandbox %s ended: %s", notice.vm_id, notice.description)
+
+    def _zygote_died(self, why: str) -> None:
+        assert self.spawner is not None
+        log.error("%s; its sandboxes died with it, starting a new zygote", why)
+        for record in self.registry.list_sandboxes(RUNNING):
+            if self.registry.mark_ended(record.id, LOST, "zygote-died",
+                                        f"{why}; the sandbox died with it"):
+                self.metrics.sandbox_exits.inc(reason="lost")
+        try:
+            self.spawner.revive()
+        except Exception as err:  # noqa: BLE001 - retried on the next cycle
+            log.error("cannot start a new zygote: %s", err)
 
     @contextmanager
     def _heavy_slot(self, what: str) -> Iterator[None]:
@@ -176,8 +256,13 @@ class Controller:
             "status": "ready", "bootable": True,
             "image": meta.image, "mem_mib": meta.mem_mib, "vcpus": meta.vcpus,
             "warm_up": meta.warm_up}
+        branched_from = meta.extra.get("branched_from") or meta.parent_tag
+        if branched_from is not None:
+            info["branched_from"] = branched_from
         if meta.parent_tag is not None:
-            info["branched_from"] = meta.parent_tag
+            info["parent_tag"] = meta.parent_tag
+        if meta.extra.get("branch_mode"):
+            info["branch_mode"] = meta.extra["branch_mode"]
         if meta.timings.pause_ms is not None:
             info["pause_ms"] = round(meta.timings.pause_ms, 3)
         return info
@@ -249,6 +334,8 @@ class Controller:
                 raise Conflict(str(err)) from err
             except ApiError as err:
                 self.registry.finish_snapshot_job(tag, err.message)
+                if err.status < 500:  # refused before anything started: nothing to show
+                    self.registry.forget_snapshot_job(tag)
                 raise
             except Exception as err:
                 self.registry.finish_snapshot_job(tag, f"{type(err).__name__}: {err}")
@@ -334,7 +421,11 @@ class Controller:
         self.metrics.spawn_seconds.observe(outcome.ready_s, outcome="ok")
         self.metrics.restore_seconds.observe(outcome.restored_s)
         self.metrics.sandboxes_spawned.inc(len(records))
-        return [self.sandbox_info(r) for r in records]
+        # An extension beside forkd's fields: this request's spawn timings.
+        timings = {"spawn_ms": round(outcome.spawn_s * 1000, 3),
+                   "restored_ms": round(outcome.restored_s * 1000, 3),
+                   "ready_ms": round(outcome.ready_s * 1000, 3)}
+        return [{**self.sandbox_info(r), "timings": timings} for r in records]
 
     def list_sandboxes(self) -> list[dict[str, Any]]:
         return [self.sandbox_info(r) for r in self.registry.list_sandboxes()]
@@ -416,6 +507,179 @@ class Controller:
         with agent_errors(sandbox_id, "remove"):
             self.agent(sandbox_id).remove(query["path"], recursive=query["recursive"],
                                           missing_ok=query["missing_ok"])
+
+
+    # -- BRANCH -----------------------------------------------------------------------
+
+    @staticmethod
+    def branch_mode(body: dict[str, Any]) -> str:
+        """forkd's ``mode``, or its legacy ``diff``/``live`` booleans (live implies a
+        diff capture); a ``mode`` that contradicts the booleans is refused."""
+        legacy = "live" if body["live"] else "diff" if body["diff"] else None
+        mode = body["mode"]
+        if mode is not None and legacy is not None and mode != legacy:
+            raise BadRequest(f"mode {mode!r} contradicts the legacy flags (diff={body['diff']}, "
+                             f"live={body['live']}); give mode alone")
+        mode = mode or legacy or "full"
+        if mode == "full" and body["parent_tag"] is not None:
+            raise BadRequest("parent_tag names the base of a diff or live BRANCH; a full "
+                             "BRANCH is self-contained: drop parent_tag or use mode diff")
+        return str(mode)
+
+    def branch_sandbox(self, sandbox_id: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Snapshot a running sandbox as ``tag`` (201 with ``SnapshotInfo`` and
+        ``pause_ms``), or with ``wait: false`` start it and answer 202 with status
+        ``writing`` (poll GET /v1/snapshots until ``ready`` or ``failed``)."""
+        mode = self.branch_mode(body)
+        record = self._record(sandbox_id)
+        if record.status != RUNNING:
+            raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); only a "
+                           "running sandbox can be branched")
+        spawner = self._spawner()
+        tag = body["tag"] or self._branch_tag(record)
+        if body["parent_tag"] is not None:
+            self._ready_snapshot(body["parent_tag"])  # 404/409 before anything starts
+        if self.store.exists(tag):
+            raise Conflict(f"snapshot tag {tag!r} already exists; choose another tag or "
+                           f"delete it first (DELETE /v1/snapshots/{tag})")
+        if not self._branches.acquire(blocking=False):
+            self.metrics.heavy_rejected.inc()
+            raise Busy(f"branch of {sandbox_id}: {self.limits.branch_concurrency} BRANCH "
+                       "operations are already running; retry after "
+                       f"{self.limits.retry_after_s} s", self.limits.retry_after_s)
+        try:
+            if not self.registry.begin_snapshot_job(tag, os.getpid()):
+                raise Conflict(f"snapshot {tag!r} is already being written (a BRANCH in "
+                               "flight); wait for it or choose another tag")
+            try:
+                pending = self.store.begin(tag)
+            except (TagExists, TagBusy) as err:
+                self.registry.finish_snapshot_job(tag, str(err))
+                self.registry.forget_snapshot_job(tag)
+                raise Conflict(str(err)) from err
+        except BaseException:
+            self._branches.release()
+            raise
+        with self._branch_lock:
+            self._branches_in_flight += 1
+        started = time.time()
+
+        def work() -> dict[str, Any]:
+            try:
+                return self._branch(record, mode, body, pending)
+            finally:
+                with self._branch_lock:
+                    self._branches_in_flight -= 1
+                self._branches.release()
+
+        if body["wait"]:
+            return 201, work()
+
+        def background() -> None:
+            try:
+                work()
+            except ApiError as err:
+                log.warning("BRANCH %s of %s failed: %s", tag, sandbox_id, err.message)
+            finally:
+                self._branch_threads.remove(threading.current_thread())
+
+        thread = threading.Thread(target=background, name=f"branch-{tag}", daemon=True)
+        self._branch_threads.append(thread)
+        thread.start()
+        return 202, {"tag": tag, "dir": str(self.store.snapshots_dir / tag),
+                     "created_at_unix": int(started), "status": WRITING, "bootable": False,
+                     "branched_from": sandbox_id, "branch_mode": mode}
+
+    def _branch_tag(self, record: SandboxRecord) -> str:
+        for _ in range(8):
+            tag = f"{record.id}-branch-{record.branch_count + 1}-{secrets.token_hex(3)}"
+            if not self.store.exists(tag) and self.registry.get_snapshot_job(tag) is None:
+                return tag
+        raise Conflict(f"cannot find a free tag for a BRANCH of {record.id}; pass one in "
+                       "\"tag\"")
+
+    def _branch(self, record: SandboxRecord, mode: str, body: dict[str, Any],
+                pending: PendingSnapshot) -> dict[str, Any]:
+        """Ask the sandbox's VMM to capture itself into ``pending``, then publish. Any
+        failure aborts ``pending`` (nothing partial is ever listed as ready) and leaves
+        the job ``failed`` with the reason."""
+        tag = pending.tag
+        spawner = self._spawner()
+        parent_tag = body["parent_tag"] or (record.snapshot_tag if mode != "full" else None)
+        request: dict[str, Any] = {"op": "snapshot", "memory_path": str(pending.memory_path),
+                                   "state_path": str(pending.state_path), "resume": True}
+        if mode != "full":
+            request["mode"] = mode
+            if parent_tag is not None:
+                request["parent_memory_path"] = str(self.store.get(parent_tag).memory_path)
+        try:
+            try:
+                reply = spawner.control(record.run_dir, request)
+            except ControlError as err:
+                if err.unreachable:
+                    raise BadGateway(f"BRANCH of {record.id}: its VMM cannot be reached: "
+                                     f"{err.message}; check GET /v1/sandboxes/{record.id}"
+                                     ) from err
+                if mode != "full" and ("mode" in err.message or "unknown" in err.message):
+                    raise NotImplementedApi(f"BRANCH mode {mode!r}: this VMM cannot capture "
+                                            f"it ({err.message}); use mode full") from err
+                raise BadGateway(f"BRANCH of {record.id} failed in its VMM: "
+                                 f"{err.message}") from err
+            if mode != "full" and reply.get("mode") != mode:
+                # A VMM that does not know ``mode`` ignores it and captures in full; such
+                # a capture must not be published under a diff/live contract.
+                raise NotImplementedApi(f"BRANCH mode {mode!r} is not supported by this VMM "
+                                        "(it answered with a full capture); use mode full")
+            timings: dict[str, float] = reply.get("timings", {})
+            meta = self._branch_meta(record, pending, mode, parent_tag, timings)
+            try:
+                snap = pending.publish(meta)
+            except StoreError as err:
+                raise BadGateway(f"BRANCH {tag!r}: {err}") from err
+        except ApiError as err:
+            pending.abort()
+            self.registry.finish_snapshot_job(tag, err.message)
+            raise
+        except Exception as err:
+            pending.abort()
+            self.registry.finish_snapshot_job(tag, f"{type(err).__name__}: {err}")
+            raise BadGateway(f"BRANCH {tag!r} failed: {err}") from err
+        self.registry.finish_snapshot_job(tag, None)
+        self.registry.record_branch(record.id, str(snap.memory_path))
+        paused_s = float(timings.get("paused", 0.0))
+        self.metrics.branch_pause_seconds.observe(paused_s, mode=mode)
+        self.metrics.branches.inc(mode=mode)
+        info = self._snapshot_info(snap)
+        if body["measure_diff"]:
+            info["warning"] = ("measure_diff is not implemented yet: diff_ms and "
+                               "diff_*_bytes are not reported")
+        return info
+
+    def _branch_meta(self, record: SandboxRecord, pending: PendingSnapshot, mode: str,
+                     parent_tag: str | None, timings: dict[str, float]) -> SnapshotMeta:
+        try:
+            source = self.store.get(record.snapshot_tag).meta
+            image, mem_mib, vcpus, warm_up = (source.image, source.mem_mib, source.vcpus,
+                                              source.warm_up)
+        except StoreError:
+            # The source snapshot was deleted while the sandbox ran: the machine is
+            # described by the state file its VMM just wrote.
+            from vmfork.vmm.stateformat import read_state_file
+            from vmfork.vmm.vmstate import MachineState
+            state = read_state_file(str(pending.state_path), MachineState)
+            image, mem_mib, vcpus, warm_up = "unknown", state.mem_size >> 20, \
+                len(state.vcpus), None
+
+        def ms(key: str) -> float | None:
+            return None if key not in timings else float(timings[key]) * 1000
+
+        return SnapshotMeta(
+            tag=pending.tag, image=image, mem_mib=mem_mib, vcpus=vcpus, warm_up=warm_up,
+            parent_tag=parent_tag,
+            timings=SnapshotTimings(pause_ms=ms("paused"), capture_ms=ms("vcpu_state"),
+                                    write_ms=ms("memory_write")),
+            extra={"branched_from": record.id, "branch_mode": mode,
+                   "source_snapshot": record.snapshot_tag})
 
 
 def exec_result_json(result: ExecResult) -> dict[str, Any]:

@@ -1,10 +1,15 @@
 """``vmfork serve``: wire the store, registry, zygote, controller and listeners.
 
 Start-up order matters: the token and bind address are checked first (refusing
-to start is cheaper than refusing requests), then the registry is reconciled
-(sandboxes of a previous daemon are marked lost, half-written snapshots failed),
-then the zygote starts, and only then do the sockets accept requests. Shutdown
-runs in reverse: stop accepting, kill every sandbox, close the registry.
+to start is cheaper than refusing requests), then the zygote is joined (the one a
+previous daemon left running) or started, then the registry is reconciled with it
+(running sandboxes re-adopted, vanished ones marked lost, half-written snapshots
+failed), and only then do the sockets accept requests.
+
+Shutdown runs in reverse: stop accepting, let go of the zygote, close the
+registry. By default the sandboxes keep running: a daemon restarted within the
+zygote's lease (``--zygote-lease``, default 60 s) re-adopts them, and if none
+comes the zygote kills them. ``--kill-sandboxes-on-exit`` stops them with the daemon.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from vmfork import __version__
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
-from vmfork.server.errors import BadGateway
+from vmfork.server.errors import BadGateway, BadRequest, NotFound
 from vmfork.server.http import (
     ServerContext,
     TCPHTTPServer,
@@ -35,7 +40,7 @@ from vmfork.server.http import (
 )
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
-from vmfork.server.spawner import Spawner, ZygoteSpawner
+from vmfork.server.spawner import DEFAULT_LEASE_S, Spawner, ZygoteSpawner
 from vmfork.store import Snapshot, Store
 
 log = logging.getLogger(__name__)
@@ -64,7 +69,10 @@ class DaemonConfig:
     token_file: Path | None = None
     audit_log: Path | None = None     # default <state>/audit.log
     heavy_concurrency: int = 4
+    branch_concurrency: int = 2
     spawner: bool = True              # False: API only (tests, hosts without KVM)
+    zygote_lease_s: float = DEFAULT_LEASE_S
+    kill_sandboxes_on_exit: bool = False
 
 
 SNAPSHOT_TIMEOUT_S = 1800.0
@@ -77,7 +85,14 @@ def make_snapshot_from_image(store: Store, body: dict[str, Any]) -> Snapshot:
     processes (DESIGN.md decision 1) — a crashing VMM must not take the daemon
     with it, and the VMM needs the main thread for its vCPU kick signal.
     """
-    cmd = [sys.executable, "-m", "vmfork", "snapshot", "--tag", body["tag"],
+    from vmfork.image import ImageError, ImageMissing, find_image
+    try:
+        find_image(body["image"])
+    except ImageMissing as err:
+        raise NotFound(f"{err}") from err
+    except ImageError as err:
+        raise BadRequest(f"image {body['image'][:80]!r}: {err}") from err
+    cmd = [sys.executable, "-m", "vmfork", "snapshot", "--local", "--tag", body["tag"],
            "--image", body["image"], "--mem-mib", str(body["mem_mib"]),
            "--vcpus", str(body["vcpus"])]
     if body["warm_code"] is not None:
@@ -111,18 +126,20 @@ class Daemon:
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.store = Store.open(config.snapshot_root)
         self.registry = Registry(config.state_dir / "registry.db")
-        self.metrics = DaemonMetrics(__version__)
+        self.metrics = DaemonMetrics(__version__, config.branch_concurrency)
         self.audit = AuditLog(config.audit_log or config.state_dir / "audit.log")
         self.spawner: Spawner | None = None
         if config.spawner:
             zygote_log = open(config.state_dir / "zygote.log", "ab")  # noqa: SIM115
             try:
-                self.spawner = ZygoteSpawner(config.state_dir, stderr=zygote_log)
+                self.spawner = ZygoteSpawner(config.state_dir, stderr=zygote_log,
+                                             lease_s=config.zygote_lease_s)
             finally:
                 zygote_log.close()
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=make_snapshot_from_image,
-                                     limits=Limits(heavy_concurrency=config.heavy_concurrency))
+                                     limits=Limits(heavy_concurrency=config.heavy_concurrency,
+                                                   branch_concurrency=config.branch_concurrency))
         self.controller.start()
         handler = handler_for(ServerContext(self.controller, self.token, self.audit))
         self.servers: list[UnixHTTPServer | TCPHTTPServer] = []
@@ -157,7 +174,7 @@ class Daemon:
         for server in self.servers:
             server.shutdown()
             server.server_close()
-        self.controller.stop()
+        self.controller.stop(kill_sandboxes=self.config.kill_sandboxes_on_exit)
         self.registry.close()
         self.audit.close()
 

@@ -54,6 +54,11 @@ class InternalError(ApiError):
     status = 500
 
 
+class NotImplementedApi(ApiError):
+    """A valid request for something this build cannot do (a BRANCH mode its VMM lacks)."""
+    status = 501
+
+
 class BadGateway(ApiError):
     """The sandbox (its VMM or agent) or the zygote failed or cannot be reached."""
     status = 502

@@ -72,10 +72,13 @@ class RequestHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
 
-    def do_GET(self) -> None:
-        self._dispatch()
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
+    def __getattr__(self, name: str) -> Any:
+        # Every method, standard or not (TRACE, QUERY, ...), goes through the router,
+        # which answers 405 with Allow when a path does not take it; the stdlib would
+        # answer 501 with an HTML page.
+        if name.startswith("do_"):
+            return self._dispatch
+        raise AttributeError(name)
 
     def _dispatch(self) -> None:
         started = time.monotonic()

@@ -25,6 +25,10 @@ Labels = tuple[tuple[str, str], ...]
 LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                                       0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
+# Seconds: a diff/live BRANCH pauses for ms, a full one for as long as writing guest RAM.
+PAUSE_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
@@ -192,6 +196,7 @@ class DaemonMetrics:
         self.registry = MetricsRegistry()
         self._active: Callable[[], int] = lambda: 0
         self._snapshots: Callable[[], dict[str, int]] = dict
+        self._branches_in_flight: Callable[[], int] = lambda: 0
         add = self.registry.add
         add(Gauge("vmfork_build_info", "Build information (always 1).", ("version",),
                   aliases=("forkd_build_info",),
@@ -226,15 +231,23 @@ class DaemonMetrics:
                                   for s, n in self._snapshots().items()}))
         add(Gauge("forkd_snapshots_total", "Snapshots in the store (forkd's name).",
                   source=lambda: {(): float(sum(self._snapshots().values()))}))
-        add(Gauge("forkd_branches_in_flight", "BRANCH operations running (vmfork: always 0, "
-                  "branch is not implemented yet).", source=lambda: {(): 0.0}))
+        self.branch_pause_seconds = add(Histogram(
+            "vmfork_branch_pause_seconds", "POST /v1/sandboxes/:id/branch: time the source "
+            "sandbox's vCPUs were paused, by mode.", ("mode",), buckets=PAUSE_BUCKETS))
+        self.branches = add(Counter("vmfork_branches_total", "BRANCH snapshots published, "
+                                    "by mode.", ("mode",)))
+        add(Gauge("vmfork_branches_in_flight", "BRANCH operations running.",
+                  aliases=("forkd_branches_in_flight",),
+                  source=lambda: {(): float(self._branches_in_flight())}))
         add(Gauge("forkd_branch_concurrency_cap", "Maximum concurrent BRANCH operations.",
                   source=lambda: {(): float(branch_concurrency_cap)}))
 
     def set_sources(self, sandboxes_active: Callable[[], int],
-                    snapshots_by_status: Callable[[], dict[str, int]]) -> None:
+                    snapshots_by_status: Callable[[], dict[str, int]],
+                    branches_in_flight: Callable[[], int] = lambda: 0) -> None:
         self._active = sandboxes_active
         self._snapshots = snapshots_by_status
+        self._branches_in_flight = branches_in_flight
 
     def render(self) -> str:
         return self.registry.render()

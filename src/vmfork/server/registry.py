@@ -205,6 +205,11 @@ class Registry:
                        (LOST, reason, description, time.time(), RUNNING))
         return ids
 
+    def record_branch(self, sandbox_id: str, memory_path: str) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE sandboxes SET branch_count = branch_count + 1, "
+                       "last_branch_memory_path = ? WHERE id = ?", (memory_path, sandbox_id))
+
     def remove_sandbox(self, sandbox_id: str) -> bool:
         with self._transaction() as db:
             return db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount == 1

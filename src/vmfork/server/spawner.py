@@ -2,33 +2,48 @@
 zygote-backed implementation.
 
 The controller talks to this narrow interface, not to the zygote, so that unit
-tests can run the whole HTTP API against a fake spawner without KVM, and so that
-re-adoption after a restart (a spawner that reconnects to a surviving zygote) can
-be added behind it later.
+tests can run the whole HTTP API against a fake spawner without KVM.
 
-``ZygoteSpawner`` owns one zygote, started with the daemon: the zygote, and so
-every VMM child, dies with the daemon (``die_with_parent`` + PDEATHSIG), which is
-what guarantees no orphan VMM processes today. ``ZygoteClient`` holds one
-connection and is not thread-safe, so each request thread gets its own client.
+``ZygoteSpawner`` and daemon restarts. The zygote (and with it every VMM child,
+which dies with its zygote through PDEATHSIG) is *not* tied to the daemon: it runs
+in a session of its own, on a fixed socket (``<state>/zygote.sock``), so a daemon
+that stops or crashes leaves the sandboxes running, and the next daemon on the
+same state directory connects to the same zygote and re-adopts them (the
+controller reconciles the zygote's ``list`` with the registry). The daemon holds
+the zygote's lease on one connection; a zygote whose lease nobody has held for
+``lease_s`` seconds kills its children and exits, so a crashed daemon that never
+comes back cannot leave VMs running forever. ``close(kill_sandboxes=True)`` stops
+the zygote and every sandbox at once.
+
+``ZygoteClient`` holds one connection and is not thread-safe, so each request
+thread gets its own client; the lease connection is used only under its lock.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
+import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.runtime.spawn import SpawnFailed, fork_children
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
-from vmfork.runtime.zygote_protocol import ZygoteError
+from vmfork.runtime.zygote_protocol import ZygoteError, ZygoteUnavailable
 from vmfork.store import Snapshot
 
 log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 60.0
+CONTROL_TIMEOUT_S = 3600.0   # a full BRANCH of a large guest writes all its memory
 
 
 @dataclass(frozen=True)
@@ -60,6 +75,20 @@ class SpawnerError(Exception):
     """The spawner (zygote) failed; the message says what and what to do."""
 
 
+class SpawnerGone(SpawnerError):
+    """The zygote died: every sandbox it ran is gone with it."""
+
+
+class ControlError(Exception):
+    """A sandbox's VMM refused or failed a control request (``message`` is the VMM's),
+    or its control socket cannot be reached (``unreachable``)."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.unreachable = unreachable
+
+
 class Spawner(Protocol):
     def spawn(self, snapshot: Snapshot, n: int,
               memory_limit_mib: int | None) -> SpawnOutcome: ...
@@ -68,32 +97,77 @@ class Spawner(Protocol):
         """Kill the sandbox and wait until it is reaped; no error if already gone."""
 
     def exits(self) -> list[ExitNotice]:
-        """Sandboxes that ended since the previous call."""
+        """Sandboxes that ended since the previous call (``SpawnerGone``: all of them)."""
+
+    def revive(self) -> None:
+        """After ``SpawnerGone``: start afresh."""
 
     def agent(self, run_dir: str) -> AgentClient: ...
 
-    def close(self) -> None:
-        """Kill every sandbox and stop."""
+    def children(self) -> list[Spawned]:
+        """The sandboxes running now (after a daemon restart: those to re-adopt)."""
+
+    def exit_descriptions(self) -> dict[str, str]:
+        """How each recently ended sandbox ended, in words, by id (as far as kept)."""
+
+    def clean_run_dirs(self, keep: set[str]) -> list[str]:
+        """Remove run directories other than ``keep`` (left by a dead zygote)."""
+
+    def control(self, run_dir: str, request: dict[str, Any],
+                timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        """One request to the sandbox's VMM control socket; its successful reply."""
+
+    def close(self, kill_sandboxes: bool = False) -> None:
+        """Stop using the zygote; with ``kill_sandboxes`` also kill every sandbox (else
+        they keep running for the next daemon, within the lease)."""
 
 
 class ZygoteSpawner:
-    def __init__(self, state_dir: Path, stderr: IO[bytes] | int | None = None) -> None:
+    def __init__(self, state_dir: Path, stderr: IO[bytes] | int | None = None,
+                 lease_s: float = DEFAULT_LEASE_S) -> None:
         self.run_root = state_dir / "run"
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.socket_path = state_dir / "zygote.sock"
-        self._zygote: ZygoteProcess = start_zygote(str(self.socket_path), stderr=stderr)
+        self.lease_s = lease_s
+        self._stderr = stderr
+        self._proc: ZygoteProcess | None = None
         self._local = threading.local()
-        self._events_lock = threading.Lock()
-        self._cursor = 0
+        self._lease_lock = threading.Lock()
+        self._lease_client = ZygoteClient(self.socket_path, timeout=30.0)
+        self.adopted = False
+        self.pid = self._connect_or_start()
+        # Exits before now belong to the reconciliation (``exit_descriptions``).
+        _, self._cursor = self._lease_client.events()
 
-    @property
-    def pid(self) -> int:
-        return self._zygote.pid
+    def _connect_or_start(self) -> int:
+        """Join the zygote a previous daemon left running, or start one; hold its lease."""
+        try:
+            info = self._lease_client.ping()
+            self.adopted = True
+            log.info("re-attached to the running zygote (pid %s, %s children)",
+                     info.get("pid"), info.get("children"))
+        except ZygoteUnavailable:
+            self._lease_client.close()
+            self.adopted = False
+            self._proc = start_zygote(str(self.socket_path), stderr=self._stderr,
+                                      die_with_parent=False, lease_s=self.lease_s)
+            info = self._proc.info
+        self._lease_client.lease(self.lease_s)
+        return int(info["pid"])
+
+    def revive(self) -> None:
+        with self._lease_lock:
+            self._lease_client.close()
+            if self._proc is not None:
+                self._proc.proc.poll()  # reap the dead one
+            self._local = threading.local()
+            self.pid = self._connect_or_start()
+            _, self._cursor = self._lease_client.events()
 
     def _client(self) -> ZygoteClient:
         client: ZygoteClient | None = getattr(self._local, "client", None)
         if client is None:
-            client = self._zygote.client()
+            client = ZygoteClient(self.socket_path, timeout=30.0)
             self._local.client = client
         return client
 
@@ -154,9 +228,40 @@ class ZygoteSpawner:
         self._sweep_batches()
 
     def exits(self) -> list[ExitNotice]:
-        with self._events_lock:
-            events, self._cursor = self._client().events(self._cursor)
+        """Exit events since the last call; as a request on the lease connection it
+        also renews the lease. ``SpawnerGone`` if the zygote died."""
+        with self._lease_lock:
+            try:
+                events, self._cursor = self._lease_client.events(self._cursor)
+            except ZygoteUnavailable as err:
+                if self._proc is not None:
+                    self._proc.proc.poll()  # reap our own child
+                raise SpawnerGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
         return [ExitNotice(e.vm_id, e.reason, e.description) for e in events]
+
+    def children(self) -> list[Spawned]:
+        with self._lease_lock:
+            listed = self._lease_client.list()
+        return [Spawned(c.vm_id, c.pid, c.run_dir or "") for c in listed]
+
+    def exit_descriptions(self) -> dict[str, str]:
+        with self._lease_lock:
+            events, _ = self._lease_client.events(0)
+        return {e.vm_id: e.description for e in events}
+
+    def clean_run_dirs(self, keep: set[str]) -> list[str]:
+        removed = []
+        for batch in self.run_root.glob("spawn-*"):
+            for run_dir in batch.iterdir():
+                if str(run_dir) not in keep:
+                    shutil.rmtree(run_dir, ignore_errors=True)
+                    removed.append(str(run_dir))
+            self._remove_if_empty(batch)
+        return removed
+
+    def control(self, run_dir: str, request: dict[str, Any],
+                timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+        return vmm_control(Path(run_dir) / "control.sock", request, timeout)
 
     def agent(self, run_dir: str) -> AgentClient:
         return AgentClient(vsock_uds_connector(str(Path(run_dir) / "vsock.sock"), AGENT_PORT,
@@ -166,6 +271,55 @@ class ZygoteSpawner:
         for batch in self.run_root.glob("spawn-*"):
             self._remove_if_empty(batch)
 
-    def close(self) -> None:
-        self._zygote.close()
-        self._sweep_batches()
+    def close(self, kill_sandboxes: bool = False) -> None:
+        with self._lease_lock:
+            if kill_sandboxes:
+                try:
+                    self._lease_client.shutdown()
+                except ZygoteError as err:
+                    log.error("cannot shut the zygote down: %s", err)
+                self._wait_for_zygote_exit()
+            self._lease_client.close()
+        if kill_sandboxes:
+            self._sweep_batches()
+
+    def _wait_for_zygote_exit(self, timeout: float = 30.0) -> None:
+        if self._proc is not None:
+            self._proc.close(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)  # not our child: we cannot wait for it, only watch it go
+
+
+def vmm_control(socket_path: Path, request: dict[str, Any],
+                timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
+    """One JSON-lines request to a VMM's control socket (``runtime.vmmchild``)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(socket_path))
+        except OSError as err:
+            raise ControlError(f"cannot connect to the VMM control socket {socket_path}: "
+                               f"{err.strerror}", unreachable=True) from err
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        with sock.makefile("rb") as reader:
+            line = reader.readline(1 << 20)
+    except TimeoutError as err:
+        raise ControlError(f"the VMM did not answer {request.get('op')!r} within "
+                           f"{timeout:.0f} s") from err
+    except OSError as err:
+        raise ControlError(f"the VMM control connection broke: {err}", unreachable=True) from err
+    finally:
+        sock.close()
+    if not line:
+        raise ControlError("the VMM closed its control connection without answering (it "
+                           "exited?)", unreachable=True)
+    try:
+        reply: dict[str, Any] = json.loads(line)
+    except ValueError as err:
+        raise ControlError(f"the VMM sent a reply that is not JSON: {line[:100]!r}") from err
+    if not reply.get("ok"):
+        raise ControlError(str(reply.get("error", "unknown error")))
+    return reply

@@ -133,6 +133,12 @@ def between(low: float, high: float) -> Callable[[Any], str | None]:
     return check
 
 
+def one_of(*allowed: str) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if value in allowed else f"must be one of {', '.join(allowed)}"
+    return check
+
+
 def check_tag(value: Any) -> str | None:
     return None if is_valid_tag(value) else f"is not a valid tag: a tag is {TAG_RULE}"
 

@@ -1,0 +1,254 @@
+"""Sandbox verbs, all through the daemon (forkd's names and flags): ``spawn``, ``ls``,
+``kill``, ``exec``, ``eval``, ``ping``, ``branch``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from vmfork.cli import CliError
+from vmfork.cli.daemon_client import (
+    add_daemon_options,
+    add_json_option,
+    call,
+    controller,
+    describe,
+    print_json,
+    print_table,
+    progress,
+    when,
+)
+from vmfork.client import ControllerError
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("spawn", help="spawn sandboxes from a snapshot (through the daemon)")
+    p.add_argument("--tag", required=True, help="snapshot to spawn from")
+    p.add_argument("-n", type=int, default=1, help="how many (1..1000, default 1)")
+    p.add_argument("--memory-limit-mib", type=int, default=None, metavar="M",
+                   help="per-sandbox memory limit")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_spawn)
+
+    p = sub.add_parser("ls", help="list sandboxes")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("kill", help="kill sandboxes")
+    p.add_argument("ids", nargs="*", metavar="ID")
+    p.add_argument("--all", action="store_true", help="every sandbox")
+    p.add_argument("--tag", default=None, help="every sandbox of this snapshot")
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_kill)
+
+    p = sub.add_parser("exec", help="run a command in a sandbox, streaming its output; "
+                                    "exits with the command's status")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="kill the command after this long (default 30)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--cwd", default=None, help="working directory in the guest")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as JSON once the command is done (no streaming)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- command and arguments")
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("eval", help="evaluate Python in the sandbox's warm interpreter")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("code", help="Python code; '-' reads it from stdin")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("ping", help="check that a sandbox's agent answers")
+    p.add_argument("id", metavar="ID")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_ping)
+
+    p = sub.add_parser("branch", help="snapshot a running sandbox (BRANCH); same as "
+                                      "`snapshot --from-sandbox ID`")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("--tag", default=None, help="name of the new snapshot (default: derived "
+                                                "from the sandbox id)")
+    add_branch_options(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_branch)
+
+
+def add_branch_options(p: argparse.ArgumentParser) -> None:
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--mode", choices=("full", "diff", "live"), default=None,
+                      help="full (default): pause while memory is written; diff/live: "
+                           "only the pages that changed, if the VMM supports it")
+    mode.add_argument("--diff", action="store_const", const="diff", dest="mode",
+                      help="same as --mode diff")
+    mode.add_argument("--live", action="store_const", const="live", dest="mode",
+                      help="same as --mode live")
+    p.add_argument("--no-wait", action="store_true",
+                   help="return at once (status writing); poll `vmfork images`")
+    p.add_argument("--parent-tag", default=None, help="base of a diff/live BRANCH")
+    if not any(a.dest == "json" for a in p._actions):
+        add_json_option(p)
+
+
+def _sandbox_row(s: dict[str, Any]) -> list[str]:
+    status = s.get("status", "running")
+    if status != "running" and s.get("exit_description"):
+        status += f" ({s['exit_description']})"
+    return [s["id"], s["snapshot_tag"], str(s.get("pid") or "-"), when(s["created_at_unix"]),
+            str(s.get("branch_count", 0)), status]
+
+
+def cmd_spawn(args: argparse.Namespace) -> int:
+    ctl = controller(args, timeout=600)
+    with progress(f"spawning {args.n} sandbox{'es' if args.n != 1 else ''} of {args.tag}"):
+        infos = call(ctl, lambda: ctl.spawn_sandboxes(args.tag, args.n,
+                                                      memory_limit_mib=args.memory_limit_mib))
+    if args.json:
+        print_json(infos)
+    else:
+        for info in infos:
+            print(info["id"])
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    ctl = controller(args)
+    sandboxes = call(ctl, ctl.list_sandboxes)
+    if args.json:
+        print_json(sandboxes)
+        return 0
+    print_table(["ID", "SNAPSHOT", "PID", "CREATED", "BRANCHES", "STATUS"],
+                [_sandbox_row(s) for s in sandboxes])
+    return 0
+
+
+def cmd_kill(args: argparse.Namespace) -> int:
+    if not args.ids and not args.all and args.tag is None:
+        raise CliError("name the sandboxes to kill: IDs, --all, or --tag TAG")
+    if args.ids and (args.all or args.tag):
+        raise CliError("give IDs or --all/--tag, not both")
+    ctl = controller(args)
+    ids = list(args.ids)
+    if not ids:
+        ids = [s["id"] for s in call(ctl, ctl.list_sandboxes)
+               if args.all or s["snapshot_tag"] == args.tag]
+    status = 0
+    for sandbox in ids:
+        try:
+            ctl.kill_sandbox(sandbox)
+            print(f"killed {sandbox}")
+        except ControllerError as err:
+            if err.status == 0:
+                raise CliError(describe(ctl, err), 1) from err
+            print(f"vmfork: {sandbox}: {describe(ctl, err)}", file=sys.stderr)
+            status = 1
+    return status
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str | None]:
+    env: dict[str, str | None] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+def cmd_exec(args: argparse.Namespace) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError("nothing to run: give a command after the id, e.g. "
+                       "vmfork exec ID -- uname -a")
+    ctl = controller(args)
+    env = _parse_env(args.env) or None
+    if args.json:
+        try:
+            result = ctl.exec_command(args.id, command, args.timeout, env=env, cwd=args.cwd)
+        except ControllerError as err:
+            if err.status == 504 and isinstance(err.body, dict):
+                print_json(err.body)
+                return 124
+            raise CliError(describe(ctl, err), 1) from err
+        print_json(result)
+        return int(result["exit_code"]) if result["exit_code"] >= 0 else 128 - result["exit_code"]
+    out, err_out = sys.stdout.buffer, sys.stderr.buffer
+    try:
+        for event, data in ctl.exec_stream(args.id, command, args.timeout, env=env,
+                                           cwd=args.cwd):
+            if event in ("stdout", "stderr"):
+                stream = out if event == "stdout" else err_out
+                stream.write(data["data"].encode())
+                stream.flush()
+            elif event == "exit":
+                code = int(data["exit_code"])
+                return code if code >= 0 else 128 - code  # killed by signal N: 128+N
+            elif event == "error":
+                if data.get("timed_out"):
+                    print(f"vmfork: command timed out after {args.timeout} s and was killed "
+                          "(raise --timeout to allow longer)", file=sys.stderr)
+                    return 124
+                raise CliError(str(data.get("error")), 1)
+    except ControllerError as err:
+        raise CliError(describe(ctl, err), 1) from err
+    raise CliError("the exec stream ended without a result (did the daemon stop?)", 1)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    code = sys.stdin.read() if args.code == "-" else args.code
+    ctl = controller(args)
+    result = call(ctl, lambda: ctl.eval_code(args.id, code, args.timeout))
+    if args.json:
+        print_json(result)
+        return int(result["exit_code"])
+    if result.get("stdout"):
+        sys.stdout.write(result["stdout"])
+    if result.get("stderr"):
+        sys.stderr.write(result["stderr"])
+    if result["error"] is not None:
+        print(result.get("traceback") or result["error"], file=sys.stderr)
+        return 1
+    if result["result"] is not None:
+        print(result["result"])
+    return 0
+
+
+def cmd_ping(args: argparse.Namespace) -> int:
+    ctl = controller(args)
+    reply = call(ctl, lambda: ctl.ping_sandbox(args.id))
+    if args.json:
+        print_json(reply)
+    else:
+        print(f"pong from {args.id}: agent pid {reply.get('pid')}, up "
+              f"{float(reply.get('uptime') or 0):.1f} s")
+    return 0
+
+
+def branch(args: argparse.Namespace, sandbox_id: str, tag: str | None) -> int:
+    ctl = controller(args)
+    wait = not args.no_wait
+    with progress(f"branching {sandbox_id}" if wait else "starting BRANCH"):
+        info = call(ctl, lambda: ctl.branch_sandbox(sandbox_id, tag=tag, mode=args.mode,
+                                                    wait=wait, parent_tag=args.parent_tag))
+    if args.json:
+        print_json(info)
+    elif info["status"] == "writing":
+        print(f"snapshot {info['tag']}: being written from {sandbox_id}; "
+              "`vmfork images` shows when it is ready")
+    else:
+        print(f"snapshot {info['tag']}: branched from {sandbox_id}, paused "
+              f"{info.get('pause_ms', 0):.1f} ms")
+    return 0
+
+
+def cmd_branch(args: argparse.Namespace) -> int:
+    return branch(args, args.id, args.tag)
