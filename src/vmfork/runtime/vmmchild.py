@@ -42,6 +42,7 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.runtime import zygote_child
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.stateformat import encode_state, read_state_file, write_file_atomic
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
@@ -264,8 +265,12 @@ def main(args: dict[str, Any]) -> int:
         return 1
     with machine:
         machine.start()
-        restored = time.monotonic() - started
-        report({"state": "restored", "pid": os.getpid(), "restore_s": restored})
+        forked = zygote_child.current()
+        timings = {"restore_s": time.monotonic() - started,
+                   # fork() in the zygote to this entry: the child's set-up (zygote_child)
+                   "fork_to_entry_s": None if forked is None
+                   else (forked.entry_started_ns - forked.forked_ns) / 1e9}
+        report({"state": "restored", "pid": os.getpid(), **timings})
         control = ControlServer(machine, str(run_dir / "control.sock"), stop)
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
@@ -278,7 +283,7 @@ def main(args: dict[str, Any]) -> int:
                     "console_tail": machine.serial.tail_text()})
             control.close()
             return EXIT_GUEST_DIED
-        report({"state": "ready", "pid": os.getpid(), "restore_s": restored,
+        report({"state": "ready", "pid": os.getpid(), **timings,
                 "ready_s": time.monotonic() - started, **unique})
         while not stop.is_set():
             exit_ = machine.wait(0.2)
