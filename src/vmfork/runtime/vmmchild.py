@@ -28,12 +28,15 @@ imports are already done and a spawn pays only for the restore. Contract:
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import logging
 import os
 import selectors
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ from vmfork.vmm.stateformat import encode_state, read_state_file, write_file_ato
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
+_libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
 READY_TIMEOUT = 120.0
@@ -245,6 +249,17 @@ class ControlServer:
         self.sock.close()
 
 
+def _release_start_up_memory() -> None:
+    """Give back what restoring and the first handshake allocated and freed.
+
+    Memory a child has written is its own (copy-on-write), so every freed page
+    counts against the idle child until it is returned: collect the cycles
+    those steps left, then ask glibc to hand free heap pages back to the kernel.
+    """
+    gc.collect()
+    _libc.malloc_trim(0)
+
+
 def main(args: dict[str, Any]) -> int:
     started = time.monotonic()
     run_dir = Path(args["run_dir"])
@@ -255,6 +270,10 @@ def main(args: dict[str, Any]) -> int:
         _write_status(run_dir, status)
         if notify is not None:
             _notify(str(notify), f"{vm_id} {status['state']}\n".encode())
+        if status["state"] == "failed":
+            # Also in the log: the zygote removes run_dir (and status.json) as soon
+            # as this process is reaped, but passes the log's tail on with the exit.
+            print(f"vmfork vmm {vm_id}: {status['reason']}", file=sys.stderr, flush=True)
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -285,6 +304,7 @@ def main(args: dict[str, Any]) -> int:
             return EXIT_GUEST_DIED
         report({"state": "ready", "pid": os.getpid(), **timings,
                 "ready_s": time.monotonic() - started, **unique})
+        _release_start_up_memory()
         while not stop.is_set():
             exit_ = machine.wait(0.2)
             if exit_ is not None:
