@@ -397,6 +397,11 @@ def set_cpuid2(vcpu_fd: int, entries: list[s.kvm_cpuid_entry2]) -> None:
     _ioctl(vcpu_fd, io.KVM_SET_CPUID2, buf, op="KVM_SET_CPUID2")
 
 
+def set_cpuid2_buffer(vcpu_fd: int, buf: ctypes.Structure) -> None:
+    """``KVM_SET_CPUID2`` with a ``kvm_cpuid2_with(n)`` buffer built beforehand."""
+    _ioctl(vcpu_fd, io.KVM_SET_CPUID2, buf, op="KVM_SET_CPUID2")
+
+
 def get_cpuid2(vcpu_fd: int, max_entries: int = 256) -> list[s.kvm_cpuid_entry2]:
     buf = s.kvm_cpuid2_with(max_entries)()
     buf.nent = max_entries
@@ -416,13 +421,23 @@ def get_msrs(vcpu_fd: int, indices: list[int]) -> dict[int, int]:
             for i in range(n)}
 
 
-def set_msrs(vcpu_fd: int, values: dict[int, int]) -> int:
-    """Write MSRs; returns how many KVM accepted (it stops at the first refusal)."""
+def msrs_buffer(values: dict[int, int]) -> ctypes.Structure:
+    """A ``kvm_msrs`` buffer holding ``values`` in their order, for ``set_msrs_buffer``."""
     buf = s.kvm_msrs_with(len(values))()
     buf.nmsrs = len(values)
     for i, (index, data) in enumerate(values.items()):
         buf.entries[i].index = index
         buf.entries[i].data = data
+    return buf
+
+
+def set_msrs(vcpu_fd: int, values: dict[int, int]) -> int:
+    """Write MSRs; returns how many KVM accepted (it stops at the first refusal)."""
+    return set_msrs_buffer(vcpu_fd, msrs_buffer(values))
+
+
+def set_msrs_buffer(vcpu_fd: int, buf: ctypes.Structure) -> int:
+    """``set_msrs`` with a buffer built beforehand (``msrs_buffer``)."""
     return _ioctl(vcpu_fd, io.KVM_SET_MSRS, buf, op="KVM_SET_MSRS")
 
 

@@ -6,12 +6,20 @@ own run directory ``<run_root>/<vm_id>/``. Progress is read from each child's
 runs again, ``ready`` once the agent has answered and the guest was reseeded
 and its clock set, ``failed`` with a reason. Two instants are reported: all
 children restored (host side) and all agents answered.
+
+Each child also writes ``<vm_id> <state>`` to a FIFO of this spawn after every
+status change, so the spawner sleeps until something changed and then reads
+only that child's file, instead of re-reading N files every few milliseconds
+(which, with 100 children on two cores, steals CPU from the children it waits
+for). Every file is still re-read now and then, in case a line was lost.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +33,10 @@ from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
 
 VMM_ENTRY = "vmfork.runtime.vmmchild:main"
+# Every child's status.json is re-read this often even without a FIFO line.
+FULL_SCAN_S = 0.25
+# The zygote's exit events (children that died without a status) this often.
+EVENTS_CHECK_S = 0.1
 
 
 class SpawnFailed(RuntimeError):
@@ -79,13 +91,49 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     if not 1 <= n <= 1000:
         raise ValueError(f"n must be 1..1000, not {n}")
     run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    notify_path = run_root / f".notify-{secrets.token_hex(6)}"
+    os.mkfifo(notify_path, 0o600)
+    try:
+        # O_RDWR: opening never blocks, and the FIFO never reads as closed (EOF)
+        # between one child's line and the next.
+        notify_fd = os.open(notify_path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        notify_path.unlink()
+        raise
+    try:
+        return _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
+                              done_states, progress, notify_path, notify_fd)
+    finally:
+        os.close(notify_fd)
+        notify_path.unlink()
+
+
+def _read_notifications(fd: int) -> set[str]:
+    """vm_ids named by the lines waiting in the FIFO."""
+    data = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return {line.split(b" ", 1)[0].decode(errors="replace") for line in data.splitlines()}
+
+
+def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path,
+                   memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
+                   progress: Callable[[int, int, int], None] | None, notify_path: Path,
+                   notify_fd: int) -> ForkReport:
     items = []
     for _ in range(n):
         vm_id = new_vm_id()
         run_dir = run_root / vm_id
         items.append(SpawnItem(vm_id, {
             "snapshot_dir": str(snapshot.path), "run_dir": str(run_dir), "vm_id": vm_id,
-            "log_path": str(run_dir / "vmm.log")}, memory_limit_mib))
+            "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify_path)},
+            memory_limit_mib))
     # A child can die before it writes any status (killed, OOM, a crash in the
     # restore): the zygote's exit events catch those; take the cursor first.
     _, events_cursor = zygote.events()
@@ -98,12 +146,20 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     restored_at: float | None = None
     pending = {c.vm_id: c for c in children}
     next_events_check = started
+    next_full_scan = started
+    changed: set[str] = set(pending)
     restored: set[str] = set()
     last = (-1, -1, -1)
     while pending:
-        if time.monotonic() - started > timeout:
+        now = time.monotonic()
+        if now - started > timeout:
             raise SpawnFailed(f"{len(pending)} of {n} children not ready after {timeout:.0f} s")
-        for vm_id, child in list(pending.items()):
+        changed |= _read_notifications(notify_fd)
+        if now >= next_full_scan:
+            changed |= set(pending)
+            next_full_scan = now + FULL_SCAN_S
+        for vm_id in changed & pending.keys():
+            child = pending[vm_id]
             state = child.read_status().get("state")
             if state in ("restored", "ready"):
                 restored.add(vm_id)
@@ -120,7 +176,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                     tail = "; ".join(event.log_tail[-3:])
                     failed.append((event.vm_id, f"{event.description}"
                                    + (f" ({tail})" if tail else "")))
-            next_events_check = time.monotonic() + 0.1
+            next_events_check = time.monotonic() + EVENTS_CHECK_S
+        changed.clear()
         if restored_at is None and len(restored) + len(failed) >= len(children):
             restored_at = time.monotonic()
         counts = (len(restored), len(children) - len(pending) - len(failed), len(failed))
@@ -128,7 +185,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
             progress(*counts)
             last = counts
         if pending:
-            time.sleep(0.002)
+            wake = min(next_events_check, next_full_scan, started + timeout)
+            select.select([notify_fd], [], [], max(0.0, wake - time.monotonic()))
     ready_at = time.monotonic()
     ok = [c for c in children if c.status.get("state") in done_states]
     return ForkReport(children=ok, spawn_s=spawned - started,

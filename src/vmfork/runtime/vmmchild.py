@@ -12,7 +12,13 @@ imports are already done and a spawn pays only for the restore. Contract:
   its wall clock -- two children of one snapshot must never share random
   streams or a stale clock.
 * ``status.json`` is written atomically at each stage (``restored``, ``ready``
-  with timings, or ``failed`` with the reason); the spawner reads it.
+  with timings, or ``failed`` with the reason); the spawner reads it. If
+  ``args["notify_path"]`` names a FIFO, one line ``<vm_id> <state>`` is written
+  to it after each status change, so the spawner need not poll every file.
+* The snapshot is decoded and its ioctl buffers built once, in the zygote
+  (``prefork``), and inherited by every child forked after it; a child checks
+  that ``state.bin`` is still the file that was decoded, and otherwise (or if
+  the zygote could not decode it) reads it itself and reports what is wrong.
 * ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
   ``resume``, ``snapshot {memory_path, state_path, resume}``, ``exits``, ``stop``.
 * The process exits when the guest stops (status 0 for a clean stop, 3 when the
@@ -22,24 +28,30 @@ imports are already done and a spawn pays only for the restore. Contract:
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import logging
 import os
 import selectors
 import signal
 import socket
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.runtime import zygote_child
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.stateformat import encode_state, read_state_file, write_file_atomic
-from vmfork.vmm.vmstate import MachineState
+from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
+_libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
 READY_TIMEOUT = 120.0
@@ -47,8 +59,89 @@ CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
 EXIT_GUEST_DIED = 3
 
 
+# Decoded snapshots kept by the zygote (and inherited by its children), keyed by
+# state.bin's path; at most this many, the oldest dropped first.
+SNAPSHOTS_KEPT = 8
+
+
+@dataclass(frozen=True)
+class _LoadedSnapshot:
+    identity: tuple[int, int, int, int]   # st_dev, st_ino, st_size, st_mtime_ns of state.bin
+    state: MachineState
+    prepared: PreparedRestore
+
+
+_snapshots: dict[str, _LoadedSnapshot] = {}
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
+    """The decoded state of ``snapshot_dir`` and its ioctl buffers, from the cache when
+    ``state.bin`` is unchanged (same inode, size and mtime), else read, checked and
+    cached. Raises what ``read_state_file``/``prepare_restore`` raise for a bad file."""
+    path = os.path.join(snapshot_dir, "state.bin")
+    try:
+        before = _identity(path)
+    except OSError:
+        before = None
+    cached = _snapshots.get(path)
+    if cached is not None and cached.identity == before:
+        return cached.state, cached.prepared
+    state = read_state_file(path, MachineState)
+    prepared = prepare_restore(state)
+    # Cache only if the file did not change while it was read.
+    if before is not None and _identity(path) == before:
+        _snapshots.pop(path, None)
+        _snapshots[path] = _LoadedSnapshot(before, state, prepared)
+        while len(_snapshots) > SNAPSHOTS_KEPT:
+            del _snapshots[next(iter(_snapshots))]
+    return state, prepared
+
+
+def prefork(batch: list[dict[str, Any]]) -> None:
+    """Zygote hook, run before a batch is forked: decode each snapshot once here so
+    every child inherits it. A snapshot that cannot be loaded is left to the
+    children, which report why in their status."""
+    for snapshot_dir in {str(args.get("snapshot_dir")) for args in batch}:
+        try:
+            load_snapshot(snapshot_dir)
+        except Exception as err:  # noqa: BLE001 -- each child reports it
+            log.info("prefork: %s not cached: %s", snapshot_dir, err)
+
+
 def _write_status(run_dir: Path, status: dict[str, Any]) -> None:
-    write_file_atomic(str(run_dir / "status.json"), json.dumps(status).encode())
+    """Replace status.json: write a temporary file, rename it over.
+
+    No fsync: the file describes this live process and its directory is removed
+    when the process ends, so surviving a host crash is worth nothing here.
+    """
+    data = json.dumps(status).encode()
+    tmp = run_dir / ".status.json.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, run_dir / "status.json")
+
+
+def _notify(path: str, line: bytes) -> None:
+    """Write one line to the spawner's FIFO; a line under PIPE_BUF is written whole.
+    Never blocks: if the spawner is gone or its FIFO full, it still polls the files."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.write(fd, line)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str, float]:
@@ -75,9 +168,10 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str,
 
 
 def restore(snapshot_dir: str, run_dir: Path, vm_id: str) -> tuple[Machine, MachineState]:
-    state = read_state_file(os.path.join(snapshot_dir, "state.bin"), MachineState)
+    state, prepared = load_snapshot(snapshot_dir)
     config = MachineConfig(
-        restore_state=state, memory_file=os.path.join(snapshot_dir, "memory.bin"),
+        restore_state=state, restore_prepared=prepared,
+        memory_file=os.path.join(snapshot_dir, "memory.bin"),
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=str(run_dir / "vsock.sock") if state.vsock is not None else None,
         rng=state.rng is not None, guest_cid=state.guest_cid,
@@ -155,21 +249,47 @@ class ControlServer:
         self.sock.close()
 
 
+def _release_start_up_memory() -> None:
+    """Give back what restoring and the first handshake allocated and freed.
+
+    Memory a child has written is its own (copy-on-write), so every freed page
+    counts against the idle child until it is returned: collect the cycles
+    those steps left, then ask glibc to hand free heap pages back to the kernel.
+    """
+    gc.collect()
+    _libc.malloc_trim(0)
+
+
 def main(args: dict[str, Any]) -> int:
     started = time.monotonic()
     run_dir = Path(args["run_dir"])
     vm_id = str(args["vm_id"])
+    notify = args.get("notify_path")
+
+    def report(status: dict[str, Any]) -> None:
+        _write_status(run_dir, status)
+        if notify is not None:
+            _notify(str(notify), f"{vm_id} {status['state']}\n".encode())
+        if status["state"] == "failed":
+            # Also in the log: the zygote removes run_dir (and status.json) as soon
+            # as this process is reaped, but passes the log's tail on with the exit.
+            print(f"vmfork vmm {vm_id}: {status['reason']}", file=sys.stderr, flush=True)
+
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         machine, _ = restore(args["snapshot_dir"], run_dir, vm_id)
     except Exception as err:
-        _write_status(run_dir, {"state": "failed", "reason": f"restore: {err}"})
+        report({"state": "failed", "reason": f"restore: {err}"})
         return 1
     with machine:
         machine.start()
-        restored = time.monotonic() - started
-        _write_status(run_dir, {"state": "restored", "pid": os.getpid(), "restore_s": restored})
+        forked = zygote_child.current()
+        timings = {"restore_s": time.monotonic() - started,
+                   # fork() in the zygote to this entry: the child's set-up (zygote_child)
+                   "fork_to_entry_s": None if forked is None
+                   else (forked.entry_started_ns - forked.forked_ns) / 1e9}
+        report({"state": "restored", "pid": os.getpid(), **timings})
         control = ControlServer(machine, str(run_dir / "control.sock"), stop)
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
@@ -178,18 +298,18 @@ def main(args: dict[str, Any]) -> int:
         except Exception as err:
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")
-            _write_status(run_dir, {"state": "failed", "reason": reason,
-                                    "console_tail": machine.serial.tail_text()})
+            report({"state": "failed", "reason": reason,
+                    "console_tail": machine.serial.tail_text()})
             control.close()
             return EXIT_GUEST_DIED
-        _write_status(run_dir, {"state": "ready", "pid": os.getpid(), "restore_s": restored,
-                                "ready_s": time.monotonic() - started, **unique})
+        report({"state": "ready", "pid": os.getpid(), **timings,
+                "ready_s": time.monotonic() - started, **unique})
+        _release_start_up_memory()
         while not stop.is_set():
             exit_ = machine.wait(0.2)
             if exit_ is not None:
-                _write_status(run_dir, {"state": "exited", "reason": exit_.reason,
-                                        "detail": exit_.detail, "panicked": exit_.panicked,
-                                        "console_tail": exit_.console_tail})
+                report({"state": "exited", "reason": exit_.reason, "detail": exit_.detail,
+                        "panicked": exit_.panicked, "console_tail": exit_.console_tail})
                 control.close()
                 return 0 if exit_.clean else EXIT_GUEST_DIED
         control.close()

@@ -41,6 +41,15 @@ while it stays open; once no holder is connected and no holder request has come
 for ``lease_s`` seconds, the zygote kills every child and exits. The kernel
 closes a dead daemon's sockets, so a crash starts the clock at once.
 
+Per-batch preparation: if the entry's module defines ``prefork(batch)``, the
+zygote calls it with the list of the batch's ``args`` before forking, so work
+that every child of the batch would repeat (decoding a snapshot) is done once
+and inherited. It must not start threads or open ``/dev/kvm``; an exception
+from it is logged and the batch is forked anyway. Then the zygote collects and
+freezes its heap (``gc.collect`` + ``gc.freeze``): the collector in a child
+never walks, and so never writes to, what the child inherited, and those pages
+stay shared with the zygote instead of being copied into every child.
+
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
 before forking if it does not exist, and removes the whole tree after the child
@@ -51,6 +60,7 @@ has been reaped. Put sockets and scratch files there; put a log you want to keep
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import importlib
 import json
@@ -74,6 +84,10 @@ from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 log = logging.getLogger("vmfork.zygote")
 
 DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.runtime.vmmchild")
+# glibc mallopt(M_ARENA_MAX): by default every thread that allocates gets its own
+# malloc arena, each a few pages a child dirties for itself; a VMM child's threads
+# run Python under one GIL anyway, so one shared arena costs nothing.
+M_ARENA_MAX = -8
 EVENTS_KEPT = 10_000
 _BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
 
@@ -386,7 +400,7 @@ class Zygote:
     def _op_spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         entry = self._resolve(req.get("entry"))
         prepared = self._prepare(req)
-        self._check_threads()
+        self._before_forks(entry, [prepared])
         try:
             child = self._fork(str(req["entry"]), entry, prepared)
         except BaseException:
@@ -414,7 +428,7 @@ class Zygote:
                 seen.add(vm_id)
             except (RequestError, ValueError, cgroups.CgroupError, OSError) as err:
                 failed.append({"vm_id": vm_id, "error": str(err)})
-        self._check_threads()
+        self._before_forks(entry, batch)
         spawned: list[dict[str, Any]] = []
         name = str(req["entry"])
         for i, prep in enumerate(batch):
@@ -470,6 +484,18 @@ class Zygote:
                                f"{func_name!r}", "EntryNotFound")
         self.entries[name] = func
         return func  # type: ignore[no-any-return]
+
+    def _before_forks(self, entry: Entry, batch: list[_Prepared]) -> None:
+        """The entry's ``prefork`` hook, then a clean, frozen heap (module docstring)."""
+        hook = getattr(sys.modules.get(entry.__module__), "prefork", None)
+        if callable(hook) and batch:
+            try:
+                hook([prep.args for prep in batch])
+            except Exception:  # the children will meet the same problem and report it
+                log.exception("prefork hook of %s failed", entry.__module__)
+        self._check_threads()
+        gc.collect()
+        gc.freeze()
 
     def _check_threads(self) -> None:
         n = _thread_count()
@@ -686,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("preloading started %d threads; a zygote must stay single-threaded",
                   _thread_count() - 1)
         return 1
+    ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)  # inherited by every child
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer CoW faults, no finalizers
     zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s)

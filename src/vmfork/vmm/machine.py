@@ -68,6 +68,9 @@ class MachineConfig:
     payload: bytes | None = None      # a flat 64-bit test guest instead of a kernel
     restore_state: MachineState | None = None   # restore instead of boot ...
     memory_file: str | None = None              # ... mapping this file MAP_PRIVATE
+    # restore_state's ioctl buffers, built beforehand (vmstate.prepare_restore) so a
+    # forked child only issues ioctls; built from restore_state when not given.
+    restore_prepared: vmstate.PreparedRestore | None = None
     cmdline_extra: str = ""
     mem_mib: int = 256
     vcpus: int = 1
@@ -93,6 +96,8 @@ class MachineConfig:
             if len(self.restore_state.vcpus) != self.vcpus:
                 raise ValueError(f"the snapshot has {len(self.restore_state.vcpus)} vCPUs, "
                                  f"the config {self.vcpus}")
+        elif self.restore_prepared is not None:
+            raise ValueError("restore_prepared needs restore_state")
         if not 1 <= self.vcpus <= MAX_VCPUS:
             raise ValueError(f"vcpus must be 1..{MAX_VCPUS}, not {self.vcpus}")
         if not 32 <= self.mem_mib <= 64 * 1024:
@@ -205,7 +210,8 @@ class Machine:
                                        config.cmdline_extra) if p)
         self.cmdline = cmdline
         if config.restore_state is not None:
-            self._restore(config.restore_state)
+            prepared = config.restore_prepared or vmstate.prepare_restore(config.restore_state)
+            self._restore(config.restore_state, prepared)
             return
         if config.kernel is not None:
             self.boot_info = boot.load_linux(self.memory, config.kernel, config.initrd, cmdline,
@@ -225,19 +231,19 @@ class Machine:
         self.vcpus.append(vcpu)
         return vcpu
 
-    def _restore(self, state: MachineState) -> None:
+    def _restore(self, state: MachineState, prepared: vmstate.PreparedRestore) -> None:
         """Restore order: VM state (PIT, clock, irqchips), vCPUs (see ``vmstate``),
         then devices: each virtio device before its transport, whose restore
         re-activates the device; vsock then posts TRANSPORT_RESET so the guest
         drops the parent's connections and accepts new ones."""
         started = time.monotonic()
-        vmstate.restore_vm(self.vm_fd, state.vm)
+        vmstate.apply_vm(self.vm_fd, prepared.vm)
         host_tsc_khz = None
-        for vcpu_state in state.vcpus:
+        for vcpu_state in prepared.vcpus:
             vcpu = self._new_vcpu(vcpu_state.index)
             if host_tsc_khz is None:
                 host_tsc_khz = api.get_tsc_khz(vcpu.fd)
-            vmstate.restore_vcpu(vcpu.fd, vcpu_state, host_tsc_khz)
+            vmstate.apply_vcpu(vcpu.fd, vcpu_state, host_tsc_khz)
         self.serial.restore(state.serial)
         if (state.vsock is None) != (self.vsock is None) or \
                 (state.rng is None) != (self.rng is None):

@@ -30,6 +30,13 @@ vCPU restore (``restore_vcpu``):
 
 VM state: the PIT, the kvmclock and the three irqchips (PIC master, PIC slave,
 IOAPIC) are restored before any vCPU runs.
+
+Restoring is split in two: ``prepare_restore`` turns the plain-data state into
+the ctypes buffers the SET ioctls take (checking every size), and
+``apply_vm``/``apply_vcpu`` only issue the ioctls. The spawner prepares once per
+snapshot before it forks, so a forked child neither decodes nor builds
+anything: it passes buffers it shares copy-on-write with the spawner to the
+kernel, which only reads them.
 """
 
 from __future__ import annotations
@@ -170,45 +177,87 @@ def save_vcpu(index: int, fd: int, msr_candidates: list[int]) -> VcpuState:
                      vcpu_events=events)
 
 
-def restore_vcpu(fd: int, state: VcpuState, host_tsc_khz: int | None = None) -> list[int]:
-    """Restore one vCPU; returns the MSRs KVM refused (logged, not fatal)."""
+@dataclass(frozen=True)
+class PreparedVcpu:
+    """One vCPU's state as the buffers its SET ioctls take (``prepare_vcpu``)."""
+
+    index: int
+    cpuid: ctypes.Structure          # kvm_cpuid2 with its entries
+    tsc_khz: int
+    mp_state: int
+    regs: s.kvm_regs
+    sregs: s.kvm_sregs
+    xsave: s.kvm_xsave
+    xcrs: s.kvm_xcrs
+    debugregs: s.kvm_debugregs
+    lapic: s.kvm_lapic_state
+    msrs: ctypes.Structure           # kvm_msrs: every MSR, in the required order ...
+    msr_values: tuple[tuple[int, int], ...]   # ... and the same as values, for retries
+    vcpu_events: s.kvm_vcpu_events
+
+
+def prepare_vcpu(state: VcpuState) -> PreparedVcpu:
+    """Check ``state`` and build its ioctl buffers; ``HostError`` names a bad field."""
     entry_size = ctypes.sizeof(s.kvm_cpuid_entry2)
     if len(state.cpuid) % entry_size:
         raise HostError("snapshot cpuid: not a whole number of entries", op="restore")
-    entries = [s.kvm_cpuid_entry2.from_buffer_copy(state.cpuid, off)
-               for off in range(0, len(state.cpuid), entry_size)]
-    api.set_cpuid2(fd, entries)
-    if host_tsc_khz is not None and state.tsc_khz and state.tsc_khz != host_tsc_khz:
+    count = len(state.cpuid) // entry_size
+    cpuid = s.kvm_cpuid2_with(count)()
+    cpuid.nent = count  # type: ignore[attr-defined]
+    ctypes.memmove(ctypes.addressof(cpuid.entries), state.cpuid, len(state.cpuid))  # type: ignore[attr-defined]
+    ordered = tuple(_ordered_msrs({int(k, 16): v for k, v in state.msrs.items()}).items())
+    return PreparedVcpu(
+        index=state.index, cpuid=cpuid, tsc_khz=state.tsc_khz, mp_state=state.mp_state,
+        regs=_load(s.kvm_regs, state.regs, "regs"),  # type: ignore[arg-type]
+        sregs=_load(s.kvm_sregs, state.sregs, "sregs"),  # type: ignore[arg-type]
+        xsave=_load(s.kvm_xsave, state.xsave, "xsave"),  # type: ignore[arg-type]
+        xcrs=_load(s.kvm_xcrs, state.xcrs, "xcrs"),  # type: ignore[arg-type]
+        debugregs=_load(s.kvm_debugregs, state.debugregs, "debugregs"),  # type: ignore[arg-type]
+        lapic=_load(s.kvm_lapic_state, state.lapic, "lapic"),  # type: ignore[arg-type]
+        msrs=api.msrs_buffer(dict(ordered)), msr_values=ordered,
+        vcpu_events=_load(s.kvm_vcpu_events, state.vcpu_events, "vcpu_events"),  # type: ignore[arg-type]
+    )
+
+
+def apply_vcpu(fd: int, vcpu: PreparedVcpu, host_tsc_khz: int | None = None) -> list[int]:
+    """Restore one vCPU in the order the module docstring gives; returns the MSRs KVM
+    refused (logged, not fatal). ``vcpu`` is only read: its buffers may be shared."""
+    api.set_cpuid2_buffer(fd, vcpu.cpuid)
+    if host_tsc_khz is not None and vcpu.tsc_khz and vcpu.tsc_khz != host_tsc_khz:
         try:
-            api.set_tsc_khz(fd, state.tsc_khz)
+            api.set_tsc_khz(fd, vcpu.tsc_khz)
         except OSError as err:
             log.warning("guest TSC was %d kHz, host is %d kHz and cannot scale it (%s): "
-                        "guest time may drift", state.tsc_khz, host_tsc_khz, err)
-    api.set_mp_state(fd, state.mp_state)
-    api.set_regs(fd, _load(s.kvm_regs, state.regs, "regs"))  # type: ignore[arg-type]
-    api.set_sregs(fd, _load(s.kvm_sregs, state.sregs, "sregs"))  # type: ignore[arg-type]
-    api.set_xsave(fd, _load(s.kvm_xsave, state.xsave, "xsave"))  # type: ignore[arg-type]
-    api.set_xcrs(fd, _load(s.kvm_xcrs, state.xcrs, "xcrs"))  # type: ignore[arg-type]
-    api.set_debugregs(fd, _load(s.kvm_debugregs, state.debugregs, "debugregs"))  # type: ignore[arg-type]
-    api.set_lapic(fd, _load(s.kvm_lapic_state, state.lapic, "lapic"))  # type: ignore[arg-type]
-    msrs = _ordered_msrs({int(k, 16): v for k, v in state.msrs.items()})
+                        "guest time may drift", vcpu.tsc_khz, host_tsc_khz, err)
+    api.set_mp_state(fd, vcpu.mp_state)
+    api.set_regs(fd, vcpu.regs)
+    api.set_sregs(fd, vcpu.sregs)
+    api.set_xsave(fd, vcpu.xsave)
+    api.set_xcrs(fd, vcpu.xcrs)
+    api.set_debugregs(fd, vcpu.debugregs)
+    api.set_lapic(fd, vcpu.lapic)
+    # KVM_SET_MSRS stops at the first MSR it refuses: skip that one, set the rest.
     refused = []
-    pending = list(msrs.items())
-    while pending:
-        accepted = api.set_msrs(fd, dict(pending))
-        if accepted == len(pending):
-            break
+    pending = list(vcpu.msr_values)
+    accepted = api.set_msrs_buffer(fd, vcpu.msrs)
+    while accepted < len(pending):
         refused.append(pending[accepted][0])
         pending = pending[accepted + 1:]
+        accepted = api.set_msrs(fd, dict(pending)) if pending else 0
     if refused:
-        log.debug("vcpu%d: KVM refused MSRs %s", state.index, [hex(m) for m in refused])
-    api.set_vcpu_events(fd, _load(s.kvm_vcpu_events, state.vcpu_events, "vcpu_events"))  # type: ignore[arg-type]
+        log.debug("vcpu%d: KVM refused MSRs %s", vcpu.index, [hex(m) for m in refused])
+    api.set_vcpu_events(fd, vcpu.vcpu_events)
     try:
         api.kvmclock_ctrl(fd)
     except OSError as err:
         if err.errno != errno.EINVAL:  # EINVAL: the guest has no kvmclock page yet
             raise
     return refused
+
+
+def restore_vcpu(fd: int, state: VcpuState, host_tsc_khz: int | None = None) -> list[int]:
+    """Restore one vCPU from plain state; returns the MSRs KVM refused."""
+    return apply_vcpu(fd, prepare_vcpu(state), host_tsc_khz)
 
 
 # -- the VM ---------------------------------------------------------------------------
@@ -224,10 +273,43 @@ def save_vm(vm_fd: int) -> VmState:
     )
 
 
+@dataclass(frozen=True)
+class PreparedVm:
+    """The VM-wide state as the buffers its SET ioctls take."""
+
+    pit: s.kvm_pit_state2
+    clock: s.kvm_clock_data
+    irqchips: tuple[s.kvm_irqchip, ...]   # PIC master, PIC slave, IOAPIC
+
+
+@dataclass(frozen=True)
+class PreparedRestore:
+    """Everything a restore sets through KVM, built once per snapshot."""
+
+    vm: PreparedVm
+    vcpus: tuple[PreparedVcpu, ...]
+
+
+def prepare_vm(state: VmState) -> PreparedVm:
+    return PreparedVm(
+        pit=_load(s.kvm_pit_state2, state.pit, "pit"),  # type: ignore[arg-type]
+        # Only the clock value: the TSC-stable flag describes the source host.
+        clock=s.kvm_clock_data(clock=state.clock),
+        irqchips=tuple(_load(s.kvm_irqchip, getattr(state, name), name)  # type: ignore[misc]
+                       for name in ("pic_master", "pic_slave", "ioapic")))
+
+
+def prepare_restore(state: MachineState) -> PreparedRestore:
+    """Check ``state`` and build every buffer its restore sets (``HostError`` if bad)."""
+    return PreparedRestore(prepare_vm(state.vm), tuple(prepare_vcpu(v) for v in state.vcpus))
+
+
+def apply_vm(vm_fd: int, vm: PreparedVm) -> None:
+    api.set_pit2(vm_fd, vm.pit)
+    api.set_clock(vm_fd, vm.clock)
+    for chip in vm.irqchips:
+        api.set_irqchip(vm_fd, chip)
+
+
 def restore_vm(vm_fd: int, state: VmState) -> None:
-    api.set_pit2(vm_fd, _load(s.kvm_pit_state2, state.pit, "pit"))  # type: ignore[arg-type]
-    # Only the clock value: the TSC-stable flag describes the source host.
-    api.set_clock(vm_fd, s.kvm_clock_data(clock=state.clock))
-    for name in ("pic_master", "pic_slave", "ioapic"):
-        chip = _load(s.kvm_irqchip, getattr(state, name), name)
-        api.set_irqchip(vm_fd, chip)  # type: ignore[arg-type]
+    apply_vm(vm_fd, prepare_vm(state))

@@ -1,0 +1,116 @@
+"""Restore buffers built once per snapshot (``vmstate.prepare_restore``) and the
+per-snapshot cache a zygote fills before it forks (``vmmchild.load_snapshot``).
+No /dev/kvm: these check what the buffers hold and when the cache is trusted."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+
+from vmfork.kvm import structs as s
+from vmfork.runtime import vmmchild
+from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.errors import HostError
+from vmfork.vmm.stateformat import StateFormatError, write_state_file
+from vmfork.vmm.vmstate import (MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE, MachineState, VcpuState,
+                                VmState, prepare_restore)
+
+
+def pattern(struct: type[ctypes.Structure], seed: int) -> bytes:
+    return bytes((seed + i) % 251 for i in range(ctypes.sizeof(struct)))
+
+
+def make_state(cpuid_entries: int = 3) -> MachineState:
+    cpuid = b"".join(pattern(s.kvm_cpuid_entry2, 40 + i) for i in range(cpuid_entries))
+    vcpu = VcpuState(
+        index=0, mp_state=3, regs=pattern(s.kvm_regs, 1), sregs=pattern(s.kvm_sregs, 2),
+        xsave=pattern(s.kvm_xsave, 3), xcrs=pattern(s.kvm_xcrs, 4),
+        debugregs=pattern(s.kvm_debugregs, 5), lapic=pattern(s.kvm_lapic_state, 6),
+        cpuid=cpuid,
+        msrs={f"{MSR_IA32_TSC_DEADLINE:#x}": 9, "0x174": 7, f"{MSR_IA32_TSC:#x}": 8},
+        tsc_khz=2_000_000, vcpu_events=pattern(s.kvm_vcpu_events, 7))
+    vm = VmState(pic_master=pattern(s.kvm_irqchip, 10), pic_slave=pattern(s.kvm_irqchip, 11),
+                 ioapic=pattern(s.kvm_irqchip, 12), pit=pattern(s.kvm_pit_state2, 13),
+                 clock=123456789, clock_flags=2)
+    return MachineState(mem_size=64 << 20, vcpus=[vcpu], vm=vm, serial=SerialState())
+
+
+def raw(obj: ctypes.Structure) -> bytes:
+    return ctypes.string_at(ctypes.addressof(obj), ctypes.sizeof(obj))
+
+
+def test_prepared_buffers_hold_the_snapshot_bytes() -> None:
+    state = make_state()
+    prepared = prepare_restore(state)
+    (vcpu,) = prepared.vcpus
+    src = state.vcpus[0]
+    assert raw(vcpu.regs) == src.regs and raw(vcpu.sregs) == src.sregs
+    assert raw(vcpu.xsave) == src.xsave and raw(vcpu.lapic) == src.lapic
+    assert raw(vcpu.vcpu_events) == src.vcpu_events
+    assert vcpu.cpuid.nent == 3  # type: ignore[attr-defined]
+    entries = ctypes.string_at(ctypes.addressof(vcpu.cpuid.entries),  # type: ignore[attr-defined]
+                               len(src.cpuid))
+    assert entries == src.cpuid
+    assert [raw(c) for c in prepared.vm.irqchips] == [state.vm.pic_master, state.vm.pic_slave,
+                                                      state.vm.ioapic]
+    assert prepared.vm.clock.clock == 123456789 and prepared.vm.clock.flags == 0
+
+
+def test_prepared_msrs_put_tsc_first_and_tsc_deadline_last() -> None:
+    (vcpu,) = prepare_restore(make_state()).vcpus
+    order = [index for index, _ in vcpu.msr_values]
+    assert order == [MSR_IA32_TSC, 0x174, MSR_IA32_TSC_DEADLINE]
+    buf = vcpu.msrs
+    assert buf.nmsrs == 3  # type: ignore[attr-defined]
+    assert [(buf.entries[i].index, buf.entries[i].data)  # type: ignore[attr-defined]
+            for i in range(3)] == [(MSR_IA32_TSC, 8), (0x174, 7), (MSR_IA32_TSC_DEADLINE, 9)]
+
+
+@pytest.mark.parametrize("field", ["regs", "xsave", "cpuid"])
+def test_prepare_names_a_field_of_the_wrong_size(field: str) -> None:
+    state = make_state()
+    setattr(state.vcpus[0], field, getattr(state.vcpus[0], field)[:-1])
+    with pytest.raises(HostError, match=field):
+        prepare_restore(state)
+
+
+@pytest.fixture
+def snapshot_dir(tmp_path: Path) -> Path:
+    vmmchild._snapshots.clear()
+    write_state_file(tmp_path / "state.bin", make_state())
+    yield tmp_path
+    vmmchild._snapshots.clear()
+
+
+def test_load_snapshot_decodes_once_while_the_file_is_unchanged(snapshot_dir: Path) -> None:
+    state, prepared = vmmchild.load_snapshot(str(snapshot_dir))
+    again, prepared_again = vmmchild.load_snapshot(str(snapshot_dir))
+    assert again is state and prepared_again is prepared
+    assert state == make_state()
+
+
+def test_load_snapshot_rereads_a_replaced_file(snapshot_dir: Path) -> None:
+    state, _ = vmmchild.load_snapshot(str(snapshot_dir))
+    changed = make_state(cpuid_entries=4)
+    write_state_file(snapshot_dir / "state.bin", changed)  # a new inode (rename)
+    fresh, prepared = vmmchild.load_snapshot(str(snapshot_dir))
+    assert fresh is not state and fresh == changed
+    assert prepared.vcpus[0].cpuid.nent == 4  # type: ignore[attr-defined]
+
+
+def test_a_damaged_file_is_reported_and_never_cached(snapshot_dir: Path) -> None:
+    vmmchild.load_snapshot(str(snapshot_dir))
+    path = snapshot_dir / "state.bin"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    tmp = snapshot_dir / "state.tmp"
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, path)
+    with pytest.raises(StateFormatError, match="checksum"):
+        vmmchild.load_snapshot(str(snapshot_dir))
+    with pytest.raises(StateFormatError, match="checksum"):
+        vmmchild.load_snapshot(str(snapshot_dir))
+    vmmchild.prefork([{"snapshot_dir": str(snapshot_dir)}])  # logs, never raises
