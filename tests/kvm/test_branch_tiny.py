@@ -19,6 +19,7 @@ from tests.kvm.tinyguest import Script, script_machine, wait_until
 from vmfork.vmm import dirty, layerfile
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
+from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
@@ -126,7 +127,7 @@ def test_repeated_branches_are_consistent_and_the_source_runs_on(
             f.seek(PATTERN_AT + n * 4096)
             assert f.read(4096) == marker
         # The source was not disturbed: it keeps counting.
-        assert wait_until(lambda: source.memory.read_u64(FILL_AT) > captured + 20)
+        assert wait_until(lambda c=captured: source.memory.read_u64(FILL_AT) > c + 20)
         previous_image, previous_tag, previous_c = image, f"b{n}", captured
 
 
@@ -161,7 +162,7 @@ def test_failure_leaves_nothing_and_the_source_runs_on(source: Machine,
             taker.take(mode, str(out / "memory.bin"), str(out / "state.bin"))
         assert sorted(p.name for p in out.iterdir()) == ["state.bin"]
         at = source.memory.read_u64(FILL_AT)
-        assert wait_until(lambda: source.memory.read_u64(FILL_AT) > at + 20)
+        assert wait_until(lambda at=at: source.memory.read_u64(FILL_AT) > at + 20)
     with pytest.raises(CaptureError, match="cannot diff against 'elsewhere'"):
         taker.take("diff", str(out / "memory.bin"), str(tmp_path / "s.bin"),
                    base_tag="elsewhere")
@@ -178,3 +179,21 @@ def test_live_needs_copy_on_write_memory(tmp_path: Path) -> None:
         with pytest.raises(CaptureError, match="no base to diff against"):
             SnapshotTaker(parent).take("diff", str(tmp_path / "m"), str(tmp_path / "s"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_soft_dirty_sees_vmm_writes_since_the_clear() -> None:
+    """The tracker behind diffs against a previous branch (vmm.dirty). This tier runs
+    on hosts with a usable KVM, whose kernels (Debian's, the test host's) have it."""
+    if not dirty.soft_dirty_supported():
+        pytest.skip("this kernel has no CONFIG_MEM_SOFT_DIRTY: diffs are taken against the "
+                    "restore base only (test_repeated_branches_... covers that)")
+    memory = GuestMemory.anonymous(4 << 20)
+    try:
+        memory.write(4096, b"a")
+        dirty.clear_soft_dirty()
+        assert dirty.soft_dirty_pages(memory) == []
+        memory.write(2 * 4096, b"c")
+        memory.write(6 * 4096 + 5, b"d")
+        assert dirty.soft_dirty_pages(memory) == [(2 * 4096, 4096), (6 * 4096, 4096)]
+    finally:
+        memory.close()

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
@@ -243,7 +243,7 @@ def _choose_parent(store: Store, bases: list[dict[str, Any]],
                    parent_tag: str | None) -> Snapshot:
     """The base of a diff: ``parent_tag`` if the sandbox can diff against it, else the
     newest base the sandbox offers that is a ready snapshot in this store."""
-    offered = [b.get("tag") for b in bases if isinstance(b.get("tag"), str)]
+    offered: list[str] = [b["tag"] for b in bases if isinstance(b.get("tag"), str)]
     wanted = [parent_tag] if parent_tag is not None else offered
     for tag in wanted:
         if tag not in offered:
@@ -270,7 +270,7 @@ class _Control:
         self.sock = sock
         self._buffer = b""
 
-    def __enter__(self) -> _Control:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -338,6 +338,7 @@ class _Writer:
                                errno=err.errno) from err
         if pid == 0:   # the writer: raw system calls only, then _exit (see module notes)
             status = 1
+            report: dict[str, object]
             try:
                 os.close(read_fd)
                 _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
