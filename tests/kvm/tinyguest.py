@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from vmfork.vmm.machine import Machine, MachineConfig, MachineExit
 
 SCRIPT_GUEST = bytes.fromhex(
-    "48c7c600002000488b06488b7e08488b5e104883c6184883f801741f4883f802741d4883f803741d4883f8"
-    "0474204883f8057421b0fee664f4ebfd891febc88b07e7e9ebc20fb70739d874f9ebb989faece6e9ebb248"
-    "ff07ebfb"
+    "48c7c600002000488b06488b7e08488b5e104883c6184883f80174254883f80274234883f80374234883f8"
+    "0474264883f80574274883f8067426b0fee664f4ebfd891febc28b07e7e9ebbc0fb70739d874f9ebb389fa"
+    "ece6e9ebac48ff07ebfb4831c948ffc14889fa4989d848890a4881c20010000049ffc875f1ebe6"
 )
 SCRIPT_ADDR = 0x200000
 RECORD_PORT = 0xE9
@@ -44,6 +44,11 @@ class Script:
 
     def count_forever(self, addr: int) -> Script:
         self.ops.append((5, addr, 0))
+        return self
+
+    def fill_pages_forever(self, addr: int, pages: int) -> Script:
+        """Forever: bump a counter, write it at the start of each of ``pages`` pages."""
+        self.ops.append((6, addr, pages))
         return self
 
     def encode(self) -> bytes:

@@ -20,7 +20,8 @@ imports are already done and a spawn pays only for the restore. Contract:
   that ``state.bin`` is still the file that was decoded, and otherwise (or if
   the zygote could not decode it) reads it itself and reports what is wrong.
 * ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
-  ``resume``, ``snapshot {memory_path, state_path, resume}``, ``exits``, ``stop``.
+  ``resume``, ``snapshot`` (full, diff or live; see ``ControlServer.snapshot``),
+  ``exits``, ``stop``.
 * The process exits when the guest stops (status 0 for a clean stop, 3 when the
   guest died: panic, triple fault, KVM error -- the reason is in status.json and
   the console log), or on SIGTERM/SIGKILL from the spawner.
@@ -46,8 +47,9 @@ from typing import Any
 from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.runtime import zygote_child
+from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
-from vmfork.vmm.stateformat import encode_state, read_state_file, write_file_atomic
+from vmfork.vmm.stateformat import read_state_file, write_file_atomic
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
@@ -180,11 +182,21 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str) -> tuple[Machine, Mach
 
 
 class ControlServer:
-    """JSON-lines control socket; one thread, requests handled in order."""
+    """JSON-lines control socket; one thread, requests handled in order.
 
-    def __init__(self, machine: Machine, path: str, on_stop: threading.Event) -> None:
+    ``origin_tag`` names the snapshot the machine was restored from (the base of
+    its first diff); by default the name of the directory holding the memory
+    file it maps, which is the tag in a store.
+    """
+
+    def __init__(self, machine: Machine, path: str, on_stop: threading.Event,
+                 origin_tag: str | None = None) -> None:
         self.machine = machine
         self.on_stop = on_stop
+        if origin_tag is None and machine.config.memory_file is not None:
+            origin_tag = os.path.basename(os.path.dirname(
+                os.path.abspath(machine.config.memory_file))) or None
+        self.snapshots = SnapshotTaker(machine, origin_tag)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.bind(path)
         self.sock.listen(8)
@@ -204,7 +216,10 @@ class ControlServer:
                     sel.register(conn, selectors.EVENT_READ)
                     buffers[conn] = b""
                     continue
-                data = sock.recv(65536)
+                try:
+                    data = sock.recv(65536)
+                except OSError:
+                    data = b""
                 if not data:
                     sel.unregister(sock)
                     buffers.pop(sock, None)
@@ -213,17 +228,24 @@ class ControlServer:
                 buffers[sock] += data
                 while b"\n" in buffers[sock]:
                     line, buffers[sock] = buffers[sock].split(b"\n", 1)
-                    sock.sendall(json.dumps(self._handle(line)).encode() + b"\n")
+                    try:
+                        sock.sendall(json.dumps(self._handle(line, sock)).encode() + b"\n")
+                    except OSError:
+                        break   # the caller went away; its connection is dropped next read
 
-    def _handle(self, line: bytes) -> dict[str, Any]:
+    def _handle(self, line: bytes, sock: socket.socket) -> dict[str, Any]:
         try:
             req = json.loads(line)
+            if not isinstance(req, dict):
+                return {"ok": False, "error": "a request is a JSON object with an \"op\""}
             op = req.get("op")
             m = self.machine
             if op == "status":
                 exit_ = m.exit
                 return {"ok": True, "paused": m.paused,
-                        "exit": None if exit_ is None else exit_.reason}
+                        "exit": None if exit_ is None else exit_.reason,
+                        "snapshot_bases": self.snapshots.bases(),
+                        "snapshot_tracking": self.snapshots.tracking}
             if op == "pause":
                 m.pause()
                 return {"ok": True}
@@ -233,15 +255,93 @@ class ControlServer:
             if op == "exits":
                 return {"ok": True, "profile": m.exit_profile()}
             if op == "snapshot":
-                state, timings = m.snapshot(req["memory_path"], resume=req.get("resume", True))
-                write_file_atomic(req["state_path"], encode_state(state))
-                return {"ok": True, "timings": timings}
+                return self.snapshot(req, sock)
             if op == "stop":
                 self.on_stop.set()
                 return {"ok": True}
             return {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as err:  # reported to the caller, never fatal to the VMM
             return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+
+    def snapshot(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
+        """The ``snapshot`` op: capture the running machine, pause-consistent.
+
+        Request (JSON object)::
+
+            {"op": "snapshot", "mode": "full" | "diff" | "live",   # absent: "full"
+             "memory_path": P, "state_path": S,      # files to create (their directory
+                                                     # must exist; they must not)
+             "tag": T,          # optional: names this capture, so a later diff can be
+                                # based on it (the store tag it is published as)
+             "base_tag": B,     # optional, diff only: the base to diff against, one of
+                                # status's "snapshot_bases" (default: the newest)
+             "resume": true,    # false leaves the source paused afterwards
+             "progress": false} # true: also send {"ok": true, "stage": "resumed",
+                                # "timings": {...}} as soon as the source runs again,
+                                # before the final reply (useful for live)
+
+        What is written: S is the vCPU/device state (``vmm.stateformat``). P is a
+        whole memory image in memory-file layout (``memory_format: "image"``; full
+        and live) or a layer file (``"layer"``; diff): the pages changed since the
+        base named by ``base_tag`` in the reply, plus their index
+        (``vmm.layerfile``). The base is either the snapshot this sandbox was
+        restored from (``base_kind: "restore"``, its tag is the directory name of
+        the memory file it maps) or this sandbox's previous successful capture
+        (``base_kind: "previous"``, named by that capture's ``tag``; available when
+        the host kernel tracks soft-dirty bits). base image + layer = this capture.
+
+        Reply, sent once both files are completely written::
+
+            {"ok": true, "mode": ..., "memory_format": "image" | "layer",
+             "memory_bytes": int,            # data bytes written to P
+             "dirty_pages": int | null,      # pages changed since the base
+             "base_tag": str | null, "base_kind": "restore" | "previous" | null,
+             "tag": T | null, "tracking": "soft-dirty" | "restore-base-only",
+             "timings": {"pause_s": float,   # the source's vCPUs were stopped this long
+                         "vcpu_state_s", "device_state_s", "fork_s" (live),
+                         "scan_s" (diff), "memory_write_s", "clear_soft_dirty_s",
+                         "state_write_s", ..., "total_s": float}}
+
+        or ``{"ok": false, "error": "..."}`` with nothing left at P or S.
+        """
+        mode = req.get("mode", "full")
+        memory_path, state_path = req.get("memory_path"), req.get("state_path")
+        tag, base_tag = req.get("tag"), req.get("base_tag")
+        if mode not in MODES:
+            return {"ok": False, "error": f"mode must be one of {', '.join(MODES)}, "
+                                          f"not {mode!r}"}
+        if not isinstance(memory_path, str) or not isinstance(state_path, str):
+            return {"ok": False, "error": "memory_path and state_path (strings) are required"}
+        if os.path.abspath(memory_path) == os.path.abspath(state_path):
+            return {"ok": False, "error": "memory_path and state_path must differ"}
+        for name, path in (("memory_path", memory_path), ("state_path", state_path)):
+            if os.path.lexists(path):
+                return {"ok": False, "error": f"{name} {path} exists; give a new path"}
+        for name, value in (("tag", tag), ("base_tag", base_tag)):
+            if value is not None and not isinstance(value, str):
+                return {"ok": False, "error": f"{name} must be a string"}
+        if base_tag is not None and mode != "diff":
+            return {"ok": False, "error": "base_tag applies to mode diff only"}
+
+        def resumed(timings: dict[str, float]) -> None:
+            if req.get("progress"):
+                try:
+                    sock.sendall(json.dumps({"ok": True, "stage": "resumed",
+                                             "timings": timings}).encode() + b"\n")
+                except OSError:
+                    pass   # the final reply will not arrive either; the capture goes on
+
+        try:
+            result = self.snapshots.take(mode, memory_path, state_path, tag=tag,
+                                         base_tag=base_tag,
+                                         resume=bool(req.get("resume", True)),
+                                         on_resumed=resumed)
+        except CaptureError as err:
+            return {"ok": False, "error": str(err)}
+        return {"ok": True, "mode": result.mode, "memory_format": result.memory_format,
+                "memory_bytes": result.memory_bytes, "dirty_pages": result.dirty_pages,
+                "base_tag": result.base_tag, "base_kind": result.base_kind, "tag": tag,
+                "tracking": result.tracking, "timings": result.timings}
 
     def close(self) -> None:
         self.on_stop.set()

@@ -55,6 +55,21 @@ class SnapshotSizes:
 
 
 @dataclass(frozen=True)
+class LayerRef:
+    """One memory layer of a diff chain: the pages snapshot ``tag`` changed over its
+    parent, stored as ``snapshots/<tag>/layer.bin`` (``vmfork.vmm.layerfile``).
+
+    ``content_hash`` is ``blake2b-256:<hex>`` of the whole layer file, computed when
+    it entered the store.
+    """
+
+    tag: str
+    content_hash: str
+    data_bytes: int
+    pages: int
+
+
+@dataclass(frozen=True)
 class SnapshotMeta:
     """Everything about a snapshot except its contents. ``tag`` must equal the store tag."""
 
@@ -70,6 +85,18 @@ class SnapshotMeta:
     sizes: SnapshotSizes = field(default_factory=SnapshotSizes)
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = META_FORMAT_VERSION
+    # Branches and diff chains (issues 5 and 6). A flat snapshot has no layers. A
+    # diff snapshot's memory.bin is its chain materialised once at publish time
+    # (root's memory.bin + every layer), so a child maps one file at any depth;
+    # ``memory_layers`` lists the chain's layers root to head (the last one is its own)
+    # and ``root_tag`` the flat snapshot below them.
+    branch_mode: str | None = None          # full | diff | live, for a branch
+    branched_from: str | None = None        # the sandbox it was branched from
+    branched_from_tag: str | None = None    # the snapshot that sandbox was restored from
+    root_tag: str | None = None
+    memory_layers: list[LayerRef] = field(default_factory=list)
+    content_hash: str | None = None         # of this snapshot's state and memory layers
+    parent_content_hash: str | None = None
 
 
 class MetaError(Exception):

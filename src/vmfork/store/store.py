@@ -50,6 +50,7 @@ from vmfork.store.errors import (
     StoreError,
     TagExists,
 )
+from vmfork.store.layers import LAYER_FILE
 from vmfork.store.locks import TagLock
 from vmfork.store.meta import (
     META_FORMAT_VERSION,
@@ -107,6 +108,13 @@ class Snapshot:
     @property
     def meta_path(self) -> Path:
         return self.path / META_FILE
+
+    @property
+    def layer_path(self) -> Path | None:
+        """This snapshot's own memory layer (a diff snapshot), else ``None``."""
+        if self.meta.memory_layers and self.meta.memory_layers[-1].tag == self.tag:
+            return self.path / LAYER_FILE
+        return None
 
 
 @dataclass(frozen=True)
@@ -327,7 +335,11 @@ class Store:
             if st.st_size != size:
                 raise SnapshotCorrupt(tag, path, f"{name} is {st.st_size} bytes, {META_FILE} "
                                       f"recorded {size} (truncated or replaced)")
-        return Snapshot(tag, path, meta)
+        snapshot = Snapshot(tag, path, meta)
+        layer = snapshot.layer_path
+        if layer is not None and not os.path.isfile(layer):
+            raise SnapshotCorrupt(tag, path, f"{LAYER_FILE} is missing (its meta.json lists it)")
+        return snapshot
 
 
 class PendingSnapshot:
@@ -352,6 +364,11 @@ class PendingSnapshot:
     @property
     def memory_path(self) -> Path:
         return self.path / MEMORY_FILE
+
+    @property
+    def layer_path(self) -> Path:
+        """Where a diff snapshot's own layer goes (``vmfork.store.layers``)."""
+        return self.path / LAYER_FILE
 
     def __enter__(self) -> Self:
         return self

@@ -269,7 +269,8 @@ class Machine:
         The vCPUs are paused for the whole capture (this is the "full" mode).
         Device state and memory are captured inside one callback on the I/O
         thread, so no device can touch guest memory or change its own state
-        between the two. Returns the state and timings in seconds.
+        between the two. Returns the state and timings in seconds. The other
+        capture modes (diff layers, live) are in ``vmfork.vmm.capture``.
         """
         timings: dict[str, float] = {}
         started = time.monotonic()
@@ -277,23 +278,11 @@ class Machine:
         paused_at = time.monotonic()
         timings["pause"] = paused_at - started
         try:
-            if self._msr_candidates is None:
-                self._msr_candidates = api.get_msr_index_list(self.kvm_fd)
-            vm = vmstate.save_vm(self.vm_fd)
-            vcpus = [vmstate.save_vcpu(v.index, v.fd, self._msr_candidates) for v in self.vcpus]
+            vm, vcpus = self.save_cpu_state()
             timings["vcpu_state"] = time.monotonic() - paused_at
 
             def devices_and_memory() -> MachineState:
-                vsock = rng = None
-                if self.vsock is not None:
-                    vsock = vmstate.VsockSnapshot(self._transport_of(self.vsock).save(),
-                                                  self.vsock.save())
-                if self.rng is not None:
-                    rng = vmstate.RngSnapshot(self._transport_of(self.rng).save(),
-                                              self.rng.save())
-                state = MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
-                                     serial=self.serial.save(), cmdline=self.cmdline,
-                                     vsock=vsock, rng=rng, guest_cid=self.config.guest_cid)
+                state = self.save_device_state(vm, vcpus)
                 mem_started = time.monotonic()
                 timings["memory_bytes"] = float(self.memory.dump(memory_path))
                 timings["memory_write"] = time.monotonic() - mem_started
@@ -305,6 +294,35 @@ class Machine:
             if resume:
                 self.resume()
         return state, timings
+
+    def save_cpu_state(self) -> tuple[vmstate.VmState, list[vmstate.VcpuState]]:
+        """VM-wide (PIT, clock, irqchips) and per-vCPU state. The vCPUs must be paused."""
+        if not self.paused:
+            raise StateError("save the vCPU state only while the vCPUs are paused",
+                             vm_id=self.vm_id, op="save_cpu_state")
+        if self._msr_candidates is None:
+            self._msr_candidates = api.get_msr_index_list(self.kvm_fd)
+        vm = vmstate.save_vm(self.vm_fd)
+        vcpus = [vmstate.save_vcpu(v.index, v.fd, self._msr_candidates) for v in self.vcpus]
+        return vm, vcpus
+
+    def save_device_state(self, vm: vmstate.VmState,
+                          vcpus: list[vmstate.VcpuState]) -> MachineState:
+        """The whole machine state around ``vm`` and ``vcpus``. Call it on the I/O
+        thread (``run_on_loop``), in the same callback that captures guest memory:
+        devices touch guest memory only on that thread, so the two agree."""
+        if not self.loop.in_loop_thread():
+            raise StateError("device state must be saved on the I/O thread",
+                             vm_id=self.vm_id, op="save_device_state")
+        vsock = rng = None
+        if self.vsock is not None:
+            vsock = vmstate.VsockSnapshot(self._transport_of(self.vsock).save(),
+                                          self.vsock.save())
+        if self.rng is not None:
+            rng = vmstate.RngSnapshot(self._transport_of(self.rng).save(), self.rng.save())
+        return MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
+                            serial=self.serial.save(), cmdline=self.cmdline,
+                            vsock=vsock, rng=rng, guest_cid=self.config.guest_cid)
 
     def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
         boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)

@@ -67,9 +67,13 @@ class MemoryRegion:
 class GuestMemory:
     """All of guest RAM. Thread-safe for reads and writes of distinct ranges."""
 
-    def __init__(self, regions: list[MemoryRegion], backing_fd: int | None = None) -> None:
+    def __init__(self, regions: list[MemoryRegion], backing_fd: int | None = None,
+                 private_file: bool = False) -> None:
         self.regions = sorted(regions, key=lambda r: r.guest_phys)
         self.backing_fd = backing_fd  # memfd or snapshot file, if any; owned by us
+        # True when RAM is a snapshot file mapped MAP_PRIVATE: every page the guest
+        # or the VMM wrote is then a private anonymous page (see vmm.dirty).
+        self.private_file = private_file
         self.size = sum(r.size for r in self.regions)
 
     # -- construction -------------------------------------------------------------
@@ -115,7 +119,7 @@ class GuestMemory:
         except BaseException:
             os.close(fd)
             raise
-        return cls(regions, backing_fd=fd)
+        return cls(regions, backing_fd=fd, private_file=True)
 
     def close(self) -> None:
         for r in self.regions:
@@ -189,6 +193,16 @@ class GuestMemory:
                     written += len(chunk)
             view.release()
         return written
+
+    def backing_view(self, offset: int, length: int) -> memoryview:
+        """A view of ``length`` bytes at ``offset`` in backing-file layout (the layout
+        of memory files and of layer extents), within one region."""
+        for r in self.regions:
+            if r.backing_offset <= offset and offset + length <= r.backing_offset + r.size:
+                start = offset - r.backing_offset
+                return memoryview(r.mapping)[start:start + length]
+        raise GuestMemoryError(f"backing range {offset:#x}+{length:#x} is not inside one "
+                               "RAM region")
 
     # -- bounds-checked access ----------------------------------------------------
     def _find(self, gpa: int, length: int) -> tuple[MemoryRegion, int]:

@@ -6,6 +6,9 @@
 #   op 3: spin while u16 [address] == value (wait for a device to publish)
 #   op 4: in8 from port <address>, write the byte to port 0xE9
 #   op 5: spin forever incrementing u64 [address] (pause/kick tests)
+#   op 6: forever: counter += 1, then write the u64 counter at the start of each of
+#         <value> pages from <address> in order (snapshot consistency tests: at any
+#         instant the pages hold c,...,c,c-1,...,c-1)
 #   op 0 (or anything else): end the VM through the i8042 reset line
 # Build: as -o g.o mmio_script.S && ld -Ttext=0x100000 --oformat binary -e _start -o g.bin g.o
     .code64
@@ -27,6 +30,8 @@ next:
     je in8
     cmp $5, %rax
     je count
+    cmp $6, %rax
+    je fill
     mov $0xFE, %al
     out %al, $0x64
 1:  hlt
@@ -51,3 +56,13 @@ in8:
 count:
     incq (%rdi)
     jmp count
+fill:
+    xor %rcx, %rcx
+1:  inc %rcx
+    mov %rdi, %rdx
+    mov %rbx, %r8
+2:  mov %rcx, (%rdx)
+    add $4096, %rdx
+    dec %r8
+    jnz 2b
+    jmp 1b

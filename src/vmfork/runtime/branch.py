@@ -1,0 +1,327 @@
+"""BRANCH: snapshot a running sandbox into the store, the source paused for an instant.
+
+``branch_sandbox`` is what the daemon's ``POST /v1/sandboxes/:id/branch`` calls.
+It claims the tag in the store first (a bad or taken tag fails before the
+sandbox is touched), asks the sandbox's VMM over its control socket to capture
+itself (the ``snapshot`` op, ``runtime.vmmchild.ControlServer.snapshot``) into
+the pending directory, resolves a diff into a spawnable head
+(``store.layers``), hashes what entered the store, and publishes atomically.
+Any failure -- the VMM refusing, dying mid-write, a full disk -- aborts the
+pending directory: nothing is ever listed ready unless complete.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
+from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
+from vmfork.store.layers import hash_file, materialise_head, snapshot_content_hash
+from vmfork.store.meta import LayerRef
+from vmfork.store.tags import validate_tag
+from vmfork.vmm.capture import MODES
+from vmfork.vmm.stateformat import read_state_file
+from vmfork.vmm.vmstate import MachineState
+
+CONTROL_TIMEOUT = 30.0       # connect and the pause itself
+WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
+MAX_REPLY_BYTES = 1 << 20
+
+
+class BranchFailed(RuntimeError):
+    """The branch did not happen; nothing was published. ``stage`` says where it failed."""
+
+    def __init__(self, message: str, *, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+@dataclass(frozen=True)
+class BranchResult:
+    """A published branch. Times in milliseconds, sizes in bytes."""
+
+    snapshot: Snapshot
+    mode: str
+    pause_ms: float              # the source's vCPUs were stopped this long
+    total_ms: float              # request to published
+    memory_bytes: int            # data written by the VMM (the layer's data for diff)
+    dirty_pages: int | None      # pages changed since the base
+    base_tag: str | None         # diff: the parent it was layered on
+    vmm_timings: dict[str, float] = field(default_factory=dict)   # seconds, from the VMM
+
+
+class BranchJob:
+    """A branch in progress. ``wait=False`` returns one as soon as the source runs again.
+
+    ``pause_ms`` is known from then on; ``result()`` waits for the snapshot to be
+    published (or raises ``BranchFailed``); ``done()`` polls.
+    """
+
+    def __init__(self, tag: str, mode: str) -> None:
+        self.tag = tag
+        self.mode = mode
+        self.pause_ms: float | None = None
+        self._done = threading.Event()
+        self._result: BranchResult | None = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> BranchResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"branch {self.tag!r} still writing after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def _finish(self, result: BranchResult | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+
+def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "full", *,
+                   parent_tag: str | None = None, wait: bool = True,
+                   sandbox_id: str | None = None,
+                   on_done: Callable[[BranchJob], None] | None = None) -> BranchJob:
+    """Branch the running sandbox whose VMM listens on ``control_socket`` into ``tag``.
+
+    * ``store``: where the snapshot is published; ``tag``: its name
+      (``InvalidTag``, ``TagExists``, ``TagBusy`` are raised before the sandbox is
+      touched).
+    * ``mode``: ``"full"`` (whole memory written while paused), ``"diff"`` (only
+      the pages changed since a base, written while paused; the snapshot is a
+      chain link and its ``memory.bin`` is resolved once at publish) or
+      ``"live"`` (whole memory written by a forked writer after the source
+      resumed). ``ValueError`` for anything else.
+    * ``parent_tag``: for ``diff``, the base to layer on: the snapshot the
+      sandbox was restored from or a previous branch of it still in the store
+      (default: the newest such base). ``BranchFailed`` (stage ``base``) when the
+      sandbox cannot diff against it. Ignored otherwise.
+    * ``wait``: ``True`` returns once published; ``False`` returns as soon as the
+      source runs again (``job.pause_ms`` set, the write continues on a thread;
+      ``job.result()`` waits, ``on_done(job)`` is called when it ends either way).
+    * ``sandbox_id``: recorded in the snapshot's meta (``branched_from``).
+
+    Returns a ``BranchJob`` (finished when ``wait`` is true: ``job.result()`` is
+    the ``BranchResult``, or raises ``BranchFailed``). With ``wait=False``, an error
+    before the source resumed is raised here; later ones end the job.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if parent_tag is not None:
+        parent_tag = validate_tag(parent_tag)
+    started = time.monotonic()
+    pending = store.begin(tag)        # claims the tag; raises before the sandbox is touched
+    job = BranchJob(pending.tag, mode)
+    resumed = threading.Event()
+    early_error: list[BaseException] = []
+
+    def run() -> None:
+        result: BranchResult | None = None
+        error: BaseException | None = None
+        try:
+            with pending:
+                result = _branch(store, pending, control_socket, mode, parent_tag,
+                                 sandbox_id, started, job, resumed)
+        except BaseException as err:  # noqa: BLE001 -- handed to the job's owner
+            error = err
+            if not resumed.is_set():
+                early_error.append(err)
+        finally:
+            resumed.set()
+            job._finish(result, error)
+            if on_done is not None:
+                on_done(job)
+
+    if wait:
+        run()
+        job.result()          # raises the failure, if any
+        return job
+    threading.Thread(target=run, name=f"branch-{pending.tag}", daemon=True).start()
+    resumed.wait()
+    if early_error:
+        raise early_error[0]
+    return job
+
+
+def _branch(store: Store, pending: Any, control_socket: str, mode: str,
+            parent_tag: str | None, sandbox_id: str | None, started: float, job: BranchJob,
+            resumed: threading.Event) -> BranchResult:
+    with _connect(control_socket) as control:
+        status = control.call({"op": "status"})
+        bases = status.get("snapshot_bases") or []
+        origin = next((b["tag"] for b in bases if b.get("kind") == "restore"), None)
+        parent: Snapshot | None = None
+        if mode == "diff":
+            parent = _choose_parent(store, bases, parent_tag)
+        request: dict[str, Any] = {
+            "op": "snapshot", "mode": mode, "memory_path": str(
+                pending.layer_path if mode == "diff" else pending.memory_path),
+            "state_path": str(pending.state_path), "tag": pending.tag, "progress": True}
+        if parent is not None:
+            request["base_tag"] = parent.tag
+        control.send(request)
+        first = control.receive(CONTROL_TIMEOUT)
+        if first.get("stage") == "resumed":
+            job.pause_ms = float(first["timings"]["pause_s"]) * 1000
+            resumed.set()
+            reply = control.receive(WRITE_TIMEOUT)
+        else:
+            reply = first
+    if not reply.get("ok"):
+        raise BranchFailed(f"the sandbox's VMM could not snapshot: {reply.get('error')}",
+                           stage="capture")
+    timings = {k: float(v) for k, v in reply["timings"].items()}
+    job.pause_ms = timings["pause_s"] * 1000
+    resumed.set()
+    written_at = time.monotonic()
+
+    state = read_state_file(str(pending.state_path), MachineState)
+    state_hash = hash_file(pending.state_path)
+    layers: list[LayerRef] = []
+    layer_hash = None
+    if mode == "diff":
+        assert parent is not None
+        if reply.get("base_tag") != parent.tag:
+            raise BranchFailed(f"the VMM layered on {reply.get('base_tag')!r}, not on "
+                               f"{parent.tag!r}", stage="capture")
+        layer_hash = hash_file(pending.layer_path)
+        materialise_head(parent.memory_path, pending.layer_path, pending.memory_path)
+        layers = [*parent.meta.memory_layers,
+                  LayerRef(pending.tag, layer_hash, int(reply["memory_bytes"]),
+                           int(reply["dirty_pages"] or 0))]
+    origin_meta = _meta_or_none(store, parent.tag if parent else origin)
+    meta = SnapshotMeta(
+        tag=pending.tag, image=origin_meta.image if origin_meta else "unknown",
+        mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
+        parent_tag=parent.tag if parent else None,
+        warm_up=origin_meta.warm_up if origin_meta else None,
+        timings=SnapshotTimings(
+            pause_ms=timings["pause_s"] * 1000,
+            capture_ms=(timings.get("vcpu_state_s", 0.0) + timings.get("device_state_s", 0.0))
+            * 1000,
+            write_ms=timings.get("memory_write_s", 0.0) * 1000),
+        branch_mode=mode, branched_from=sandbox_id, branched_from_tag=origin,
+        root_tag=(parent.meta.root_tag or parent.tag) if parent else None,
+        memory_layers=layers,
+        content_hash=snapshot_content_hash(
+            state_hash, layer_hash, parent.meta.content_hash if parent else None),
+        parent_content_hash=parent.meta.content_hash if parent else None,
+        extra={"resolve_ms": (time.monotonic() - written_at) * 1000,
+               "dirty_pages": reply.get("dirty_pages"),
+               "memory_bytes_written": reply.get("memory_bytes")})
+    snapshot = pending.publish(meta)
+    return BranchResult(snapshot=snapshot, mode=mode, pause_ms=timings["pause_s"] * 1000,
+                        total_ms=(time.monotonic() - started) * 1000,
+                        memory_bytes=int(reply["memory_bytes"]),
+                        dirty_pages=reply.get("dirty_pages"),
+                        base_tag=parent.tag if parent else None, vmm_timings=timings)
+
+
+def _meta_or_none(store: Store, tag: str | None) -> SnapshotMeta | None:
+    if tag is None:
+        return None
+    try:
+        return store.get(tag).meta
+    except (SnapshotNotFound, SnapshotCorrupt, ValueError):
+        return None
+
+
+def _choose_parent(store: Store, bases: list[dict[str, Any]],
+                   parent_tag: str | None) -> Snapshot:
+    """The base of a diff: ``parent_tag`` if the sandbox can diff against it, else the
+    newest base the sandbox offers that is a ready snapshot in this store."""
+    offered: list[str] = [b["tag"] for b in bases if isinstance(b.get("tag"), str)]
+    wanted = [parent_tag] if parent_tag is not None else offered
+    for tag in wanted:
+        if tag not in offered:
+            break
+        try:
+            return store.get(tag)
+        except (SnapshotNotFound, SnapshotCorrupt, ValueError):
+            continue
+    if parent_tag is not None:
+        raise BranchFailed(
+            f"cannot diff against {parent_tag!r}: the sandbox can diff against "
+            f"{', '.join(map(repr, offered)) or 'nothing'} (the snapshot it was restored "
+            "from, or its previous branch), and the parent must be a ready snapshot in the "
+            "store", stage="base")
+    raise BranchFailed("no base to diff against: the snapshot this sandbox was restored "
+                       f"from and its previous branches ({', '.join(map(repr, offered)) or 'none'}"
+                       ") are not in the store; branch with mode full or live", stage="base")
+
+
+class _Control:
+    """A JSON-lines connection to a VMM's control socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = b""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, request: dict[str, Any]) -> None:
+        try:
+            self.sock.sendall(json.dumps(request).encode() + b"\n")
+        except OSError as err:
+            raise BranchFailed(f"the sandbox's VMM is gone ({err})", stage="control") from err
+
+    def receive(self, timeout: float) -> dict[str, Any]:
+        self.sock.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            try:
+                chunk = self.sock.recv(65536)
+            except TimeoutError as err:
+                raise BranchFailed(f"the sandbox's VMM did not answer within {timeout:.0f} s",
+                                   stage="control") from err
+            except OSError as err:
+                raise BranchFailed(f"the sandbox's VMM is gone ({err})",
+                                   stage="control") from err
+            if not chunk:
+                raise BranchFailed("the sandbox's VMM closed the control connection (did it "
+                                   "exit?)", stage="control")
+            self._buffer += chunk
+            if len(self._buffer) > MAX_REPLY_BYTES:
+                raise BranchFailed("the sandbox's VMM sent an oversized reply",
+                                   stage="control")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise BranchFailed("the sandbox's VMM sent a malformed reply", stage="control")
+        return reply
+
+    def call(self, request: dict[str, Any], timeout: float = CONTROL_TIMEOUT) -> dict[str, Any]:
+        self.send(request)
+        reply = self.receive(timeout)
+        if not reply.get("ok"):
+            raise BranchFailed(f"the sandbox's VMM refused {request.get('op')!r}: "
+                               f"{reply.get('error')}", stage="control")
+        return reply
+
+
+def _connect(path: str) -> _Control:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(CONTROL_TIMEOUT)
+    try:
+        sock.connect(path)
+    except OSError as err:
+        sock.close()
+        raise BranchFailed(f"cannot reach the sandbox's VMM at {path}: {err.strerror or err}",
+                           stage="control") from err
+    return _Control(sock)

@@ -1,0 +1,395 @@
+"""Snapshots of a running machine in three modes: full, diff and live.
+
+Every mode is pause-consistent (DESIGN.md decision 4): the vCPUs are parked,
+their state and the VM's are read, and then -- inside one callback on the I/O
+thread, the only thread on which devices touch guest memory -- the device state
+is saved and guest memory is *fixed*: written (full, diff) or frozen by a
+``fork`` (live). Nothing can change guest memory or device state between the
+two. The modes differ in what is written and in how long the source stays
+paused:
+
+* **full**: the whole memory image, written while paused. For a sandbox (RAM
+  mapped ``MAP_PRIVATE`` from a snapshot file) the image is the base file's data
+  extents copied in the kernel (``copy_file_range``) plus the pages the sandbox
+  changed (``vmm.dirty``), so no page is scanned for zeros.
+* **diff**: a layer file (``vmm.layerfile``) holding only the pages changed
+  since a *base*, written while paused. The base is the snapshot the sandbox was
+  restored from (its changed pages are its private anonymous pages) or this
+  sandbox's previous capture (pages soft-dirty since then). ``take`` reports
+  which; the store materialises the head image from base + layer afterwards.
+* **live**: the same image as full, but the source is paused only while its
+  state is read and the VMM process ``fork``\\ s. The forked writer inherits a
+  copy-on-write view of guest RAM at that instant and writes the image while
+  the source runs on; a guest write after the resume breaks copy-on-write in the
+  source (KVM's mappings were write-protected by the fork through its MMU
+  notifier), so the writer keeps the old page and the guest stalls for one page
+  copy, never for the whole write.
+
+**Fork safety.** ``os.fork`` in a threaded process copies only the calling
+thread (here the I/O thread). Locks other threads held stay locked in the
+writer, so the writer does only what needs none of them: ``os`` calls on file
+descriptors and guest memory views, then ``os._exit`` (no ``atexit``, no stdio
+flush, no logging). It asks the kernel to kill it if the VMM dies
+(``PR_SET_PDEATHSIG``), reports over a pipe, and the VMM reaps it with
+``waitpid`` before answering. The fork's cost is the copy of the VMM's page
+tables, which grows with the RAM the guest has written (a restored sandbox's
+untouched file pages are not copied); ``bench/branch.py`` measures it.
+Machines whose RAM is a ``MAP_SHARED`` memfd (a freshly booted parent, not a
+sandbox) cannot be captured live: a fork shares, not copies, that memory.
+
+**Dirty tracking** costs nothing until the first capture: the restore base is
+always available from the page tables. Each successful capture then clears the
+soft-dirty bits during its pause, so the next diff can be taken against it,
+when the kernel supports soft-dirty (``vmm.dirty``).
+
+**Nothing partial.** Memory goes to a temporary name next to its target, the
+state file is written atomically, and the memory file is renamed into place
+last; any failure removes what was written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vmfork.vmm import dirty, layerfile
+from vmfork.vmm.devices.virtio.device import run_on_loop
+from vmfork.vmm.errors import HostError
+from vmfork.vmm.machine import Machine
+from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.stateformat import encode_state, write_file_atomic
+from vmfork.vmm.vmstate import MachineState
+
+MODES = ("full", "diff", "live")
+BASE_RESTORE = "restore"      # the snapshot the sandbox was restored from
+BASE_PREVIOUS = "previous"    # this sandbox's previous successful capture
+MEMORY_IMAGE = "image"        # a whole memory file (backing layout, sparse)
+MEMORY_LAYER = "layer"        # a layer file: changed pages + index
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class CaptureError(HostError):
+    """A snapshot could not be taken; nothing was left at its paths."""
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What ``SnapshotTaker.take`` wrote. Times in seconds, sizes in bytes."""
+
+    mode: str
+    state: MachineState
+    memory_format: str
+    memory_bytes: int                 # data bytes written to the memory file
+    dirty_pages: int | None           # pages changed since the base (None: not known)
+    base_tag: str | None              # diff: the snapshot the layer applies to
+    base_kind: str | None             # diff: BASE_RESTORE or BASE_PREVIOUS
+    tracking: str                     # "soft-dirty" or "restore-base-only"
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Base:
+    tag: str | None
+    kind: str
+
+
+class SnapshotTaker:
+    """Takes snapshots of one machine and remembers what the next diff can be based on.
+
+    ``origin_tag`` names the snapshot the machine was restored from (``None``
+    for a booted machine). Not thread-safe: one capture at a time (the control
+    server serialises them).
+    """
+
+    def __init__(self, machine: Machine, origin_tag: str | None = None) -> None:
+        self.machine = machine
+        self.origin_tag = origin_tag
+        self._previous: _Base | None = None   # set once soft-dirty bits track since it
+        self.captures = 0
+
+    @property
+    def tracking(self) -> str:
+        return "soft-dirty" if dirty.soft_dirty_supported() else "restore-base-only"
+
+    def bases(self) -> list[dict[str, str | None]]:
+        """The bases a diff can be taken against now, newest first."""
+        out: list[dict[str, str | None]] = []
+        if self._previous is not None:
+            out.append({"tag": self._previous.tag, "kind": BASE_PREVIOUS})
+        if self.machine.memory.private_file:
+            out.append({"tag": self.origin_tag, "kind": BASE_RESTORE})
+        return out
+
+    def _choose_base(self, base_tag: str | None) -> _Base:
+        memory = self.machine.memory
+        if base_tag is None:
+            if self._previous is not None:
+                return self._previous
+            if memory.private_file:
+                return _Base(self.origin_tag, BASE_RESTORE)
+        else:
+            if self._previous is not None and self._previous.tag == base_tag:
+                return self._previous
+            if memory.private_file and self.origin_tag == base_tag:
+                return _Base(base_tag, BASE_RESTORE)
+        known = [b["tag"] for b in self.bases() if b["tag"] is not None]
+        raise CaptureError(
+            (f"cannot diff against {base_tag!r}: " if base_tag else "no base to diff against: ")
+            + (f"this sandbox can diff against {', '.join(map(repr, known))}" if known else
+               "this machine was not restored from a snapshot and has no previous capture")
+            + "; take a full snapshot instead", op="snapshot")
+
+    # -- the capture -------------------------------------------------------------------
+    def take(self, mode: str, memory_path: str, state_path: str, *, tag: str | None = None,
+             base_tag: str | None = None, resume: bool = True,
+             on_resumed: Callable[[dict[str, float]], None] | None = None) -> CaptureResult:
+        """Capture the machine in ``mode`` into ``memory_path`` and ``state_path``.
+
+        ``memory_path`` receives a memory image (full, live) or a layer file
+        (diff, relative to the base named in the result). ``tag`` names this
+        capture so a later diff can use it as its base; ``base_tag`` picks the
+        base of a diff (default: the previous capture if tracked, else the
+        restore base). ``on_resumed(timings)`` is called once the source runs
+        again (before a live capture's memory is written). Leaves nothing at
+        either path on failure.
+        """
+        if mode not in MODES:
+            raise CaptureError(f"mode must be one of {', '.join(MODES)}, not {mode!r}",
+                               op="snapshot")
+        machine = self.machine
+        memory = machine.memory
+        base = self._choose_base(base_tag) if mode == "diff" else None
+        if mode == "live" and not _forks_copy_on_write(memory):
+            raise CaptureError("live snapshots need guest RAM that a fork copies on write "
+                               "(a sandbox restored from a snapshot); this machine's RAM is a "
+                               "shared memfd: use mode full", op="snapshot")
+        for path in (memory_path, state_path):
+            if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise CaptureError(f"the directory of {path} does not exist", op="snapshot")
+        track = dirty.soft_dirty_supported()
+        tmp_memory = _temp_name(memory_path)
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        writer: _Writer | None = None
+        cleared = False
+        try:
+            machine.pause()
+            paused_at = time.monotonic()
+            timings["pause_request_s"] = paused_at - started
+            try:
+                vm, vcpus = machine.save_cpu_state()
+                timings["vcpu_state_s"] = time.monotonic() - paused_at
+
+                def fix_memory() -> tuple[MachineState, int, int | None]:
+                    nonlocal writer, cleared
+                    at = time.monotonic()
+                    state = machine.save_device_state(vm, vcpus)
+                    timings["device_state_s"] = time.monotonic() - at
+                    written, pages = 0, None
+                    at = time.monotonic()
+                    if mode == "live":
+                        writer = _Writer.fork(memory, tmp_memory)
+                        timings["fork_s"] = time.monotonic() - at
+                    elif mode == "diff":
+                        assert base is not None
+                        runs = (dirty.soft_dirty_pages(memory) if base.kind == BASE_PREVIOUS
+                                else dirty.changed_private_pages(memory))
+                        timings["scan_s"] = time.monotonic() - at
+                        at = time.monotonic()
+                        written = _write_file(tmp_memory,
+                                              lambda fd: layerfile.write_layer(fd, memory, runs))
+                        pages = dirty.page_count(runs)
+                        timings["memory_write_s"] = time.monotonic() - at
+                    else:
+                        written, pages = _write_image_file(tmp_memory, memory)
+                        timings["memory_write_s"] = time.monotonic() - at
+                    if track:
+                        at = time.monotonic()
+                        dirty.clear_soft_dirty()
+                        cleared = True
+                        timings["clear_soft_dirty_s"] = time.monotonic() - at
+                    return state, written, pages
+
+                state, written, pages = run_on_loop(machine.loop, fix_memory, timeout=3600)
+            finally:
+                if resume:
+                    machine.resume()
+                timings["pause_s"] = time.monotonic() - started
+            if on_resumed is not None:
+                on_resumed(dict(timings))
+            if writer is not None:
+                at = time.monotonic()
+                written, pages = writer.wait()
+                timings["memory_write_s"] = time.monotonic() - at
+            at = time.monotonic()
+            write_file_atomic(state_path, encode_state(state))
+            try:
+                os.rename(tmp_memory, memory_path)
+            except OSError:
+                _unlink_quietly(state_path)
+                raise
+            timings["state_write_s"] = time.monotonic() - at
+        except BaseException as err:
+            if writer is not None:
+                writer.kill()
+            _unlink_quietly(tmp_memory)
+            if cleared:
+                # The pages dirtied since the previous capture are forgotten, so it can
+                # no longer be a base; the restore base always can.
+                self._previous = None
+            if isinstance(err, (HostError, OSError)) and not isinstance(err, CaptureError):
+                raise CaptureError(f"{mode} snapshot failed: {err}", op="snapshot") from err
+            raise
+        timings["total_s"] = time.monotonic() - started
+        if track:
+            self._previous = _Base(tag, BASE_PREVIOUS)
+        self.captures += 1
+        return CaptureResult(
+            mode=mode, state=state,
+            memory_format=MEMORY_LAYER if mode == "diff" else MEMORY_IMAGE,
+            memory_bytes=written, dirty_pages=pages,
+            base_tag=base.tag if base else None, base_kind=base.kind if base else None,
+            tracking=self.tracking, timings=timings)
+
+
+# -- memory files --------------------------------------------------------------------
+
+def _forks_copy_on_write(memory: GuestMemory) -> bool:
+    """A fork copies private mappings on write; a memfd mapped shared it would share."""
+    return memory.private_file or memory.backing_fd is None
+
+
+def _temp_name(path: str) -> str:
+    head, name = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_file(path: str, write: Callable[[int], int]) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        written = write(fd)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return written
+
+
+def _write_image_file(path: str, memory: GuestMemory) -> tuple[int, int | None]:
+    """Write the whole memory image to ``path``; returns (data bytes, changed pages or None).
+
+    A sandbox's image is its base file's data plus the pages it changed; any
+    other machine's is ``GuestMemory.dump`` (memfd extents, or non-zero blocks).
+    """
+    if not memory.private_file:
+        return memory.dump(path), None
+    assert memory.backing_fd is not None
+    base_fd = memory.backing_fd
+    runs = dirty.changed_private_pages(memory)
+
+    def write(fd: int) -> int:
+        os.ftruncate(fd, memory.size)
+        written = layerfile.copy_sparse(base_fd, fd, memory.size)
+        for offset, length in runs:
+            view = memory.backing_view(offset, length)
+            try:
+                layerfile.pwrite_all(fd, view, offset)
+            finally:
+                view.release()
+            written += length
+        return written
+
+    return _write_file(path, write), dirty.page_count(runs)
+
+
+class _Writer:
+    """The forked process that writes a live capture's memory image."""
+
+    def __init__(self, pid: int, report_fd: int, path: str) -> None:
+        self.pid = pid
+        self.report_fd = report_fd
+        self.path = path
+        self._reaped = False
+
+    @classmethod
+    def fork(cls, memory: GuestMemory, path: str) -> _Writer:
+        read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except OSError as err:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise CaptureError(f"fork for the live writer failed: {err}", op="fork",
+                               errno=err.errno) from err
+        if pid == 0:   # the writer: raw system calls only, then _exit (see module notes)
+            status = 1
+            report: dict[str, object]
+            try:
+                os.close(read_fd)
+                _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                if os.getppid() != parent:
+                    os._exit(1)
+                written, pages = _write_image_file(path, memory)
+                report = {"ok": True, "written": written, "pages": pages}
+                status = 0
+            except BaseException as err:  # noqa: BLE001 -- reported to the VMM, then _exit
+                report = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            try:
+                os.write(write_fd, json.dumps(report).encode()[:4000])
+            finally:
+                os._exit(status)
+        os.close(write_fd)
+        return cls(pid, read_fd, path)
+
+    def _close_report(self) -> None:
+        if self.report_fd >= 0:
+            os.close(self.report_fd)
+            self.report_fd = -1
+
+    def wait(self) -> tuple[int, int | None]:
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(self.report_fd, 4096)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            _, status = os.waitpid(self.pid, 0)
+            self._reaped = True
+        finally:
+            self._close_report()
+        try:
+            report = json.loads(b"".join(chunks) or b"{}")
+        except ValueError:
+            report = {}
+        if os.waitstatus_to_exitcode(status) != 0 or not report.get("ok"):
+            reason = report.get("error") or f"wait status {status:#x}"
+            raise CaptureError(f"the live snapshot writer failed: {reason}", op="live_write")
+        return int(report["written"]), report.get("pages")
+
+    def kill(self) -> None:
+        if self._reaped:
+            self._close_report()
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self._reaped = True
+        self._close_report()

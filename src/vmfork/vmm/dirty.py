@@ -1,0 +1,155 @@
+"""Which guest pages changed, read from the kernel's page tables: no tracking until asked.
+
+A diff snapshot needs the pages changed since some base. KVM's dirty log
+(``KVM_MEM_LOG_DIRTY_PAGES``) would give the guest's writes, but it must be armed
+before the writes happen (a cost every sandbox pays, branched or not) and it does
+not see the VMM's own writes into guest RAM (virtio buffers, used rings). The
+host kernel already knows both, for free, through ``/proc/self/pagemap``
+(Documentation/admin-guide/mm/pagemap.rst): one u64 per virtual page, with
+
+* bit 63 page present, bit 62 page swapped,
+* bit 61 "page is a file page or shared anonymous",
+* bit 55 "PTE is soft-dirty" (Documentation/admin-guide/mm/soft-dirty.rst).
+
+**Changed since the snapshot the sandbox was restored from.** A restored child
+maps the snapshot's ``memory.bin`` ``MAP_PRIVATE``. A page nobody wrote is the
+file's page cache page (bit 61 set, or not present at all); the first write,
+by a vCPU through KVM's fault path or by the VMM through its mapping, breaks
+copy-on-write and installs a private anonymous page (bit 61 clear, bit 63 or 62
+set). So "present or swapped, and not file" is exactly the set of pages that
+differ from the base file, with no tracking at all before the first branch.
+It stays exact over the sandbox's life (a COW page never turns back into a
+file page), so it is always a valid diff against the restore base.
+
+**Changed since the previous capture.** Writing ``4`` to
+``/proc/self/clear_refs`` clears every soft-dirty bit of the process and
+write-protects its PTEs; the next write to a page faults and sets the bit again.
+KVM takes part: clearing invalidates its secondary page tables through an MMU
+notifier (``MMU_NOTIFY_SOFT_DIRTY``), so a vCPU's next write goes through the
+host fault path too, and VMM writes fault like any user write. Clearing costs a
+walk over the process's page tables during the pause and one write fault per
+page written afterwards -- the same price as KVM dirty logging, paid only by
+sandboxes that have branched. ``CONFIG_MEM_SOFT_DIRTY`` is optional: where the
+kernel lacks it (``soft_dirty_supported``), diffs are taken against the restore
+base instead, which is correct and only larger.
+
+The bitmaps are classified without a Python loop per page: the flag bytes of
+every entry are sliced out (``data[7::8]``), mapped to 0/1 with
+``bytes.translate``, and the runs of ones are found with ``bytes.find``, so
+the Python work is per run of changed pages, not per page.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+
+from vmfork.vmm.errors import HostError
+from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
+
+Run = tuple[int, int]   # (offset in backing-file layout, length), both page-aligned bytes
+
+_ENTRY = 8
+# Byte 7 of an entry holds bits 56..63, byte 6 bits 48..55.
+_PRESENT, _SWAPPED, _FILE_OR_SHARED = 0x80, 0x40, 0x20     # bits 63, 62, 61 in byte 7
+_SOFT_DIRTY = 0x80                                          # bit 55 in byte 6
+
+_PRIVATE_CHANGED = bytes(1 if (b & (_PRESENT | _SWAPPED)) and not b & _FILE_OR_SHARED else 0
+                         for b in range(256))
+_IN_MEMORY = bytes(1 if b & (_PRESENT | _SWAPPED) else 0 for b in range(256))
+_SOFT_DIRTY_SET = bytes(1 if b & _SOFT_DIRTY else 0 for b in range(256))
+
+
+def _read_pagemap(host_addr: int, pages: int) -> bytes:
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        want = pages * _ENTRY
+        offset = (host_addr // PAGE_SIZE) * _ENTRY
+        chunks = []
+        got = 0
+        while got < want:
+            chunk = os.pread(fd, want - got, offset + got)
+            if not chunk:
+                raise HostError(f"pagemap read stopped at entry {got // _ENTRY} of {pages}",
+                                op="read_pagemap")
+            chunks.append(chunk)
+            got += len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
+
+
+def _runs(flags: bytes, backing_offset: int) -> list[Run]:
+    """Runs of 1 bytes in ``flags`` (one per page) as byte ranges in backing layout."""
+    runs = []
+    pos = flags.find(1)
+    while pos >= 0:
+        end = flags.find(0, pos)
+        if end < 0:
+            end = len(flags)
+        runs.append((backing_offset + pos * PAGE_SIZE, (end - pos) * PAGE_SIZE))
+        pos = flags.find(1, end)
+    return runs
+
+
+def changed_private_pages(memory: GuestMemory) -> list[Run]:
+    """Pages that differ from the memory file a ``MAP_PRIVATE`` guest was restored from."""
+    if not memory.private_file:
+        raise HostError("changed pages against the restore base need guest memory mapped "
+                        "MAP_PRIVATE from a snapshot file", op="changed_private_pages")
+    runs: list[Run] = []
+    for region in memory.regions:
+        data = _read_pagemap(region.host_addr, region.size // PAGE_SIZE)
+        runs += _runs(data[7::_ENTRY].translate(_PRIVATE_CHANGED), region.backing_offset)
+    return runs
+
+
+def soft_dirty_pages(memory: GuestMemory) -> list[Run]:
+    """Pages written since the last ``clear_soft_dirty`` (present or swapped ones:
+    a never-touched page can carry the bit of a fresh mapping but has no data)."""
+    runs: list[Run] = []
+    for region in memory.regions:
+        data = _read_pagemap(region.host_addr, region.size // PAGE_SIZE)
+        dirty = data[6::_ENTRY].translate(_SOFT_DIRTY_SET)
+        present = data[7::_ENTRY].translate(_IN_MEMORY)
+        both = (int.from_bytes(dirty, "little") & int.from_bytes(present, "little"))
+        runs += _runs(both.to_bytes(len(dirty), "little"), region.backing_offset)
+    return runs
+
+
+def clear_soft_dirty() -> None:
+    """Clear the soft-dirty bits of every page of this process (see the module notes)."""
+    fd = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, b"4")
+    except OSError as err:
+        raise HostError(f"clearing soft-dirty bits failed: {err}", op="clear_refs",
+                        errno=err.errno) from err
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def soft_dirty_supported() -> bool:
+    """Whether this kernel tracks soft-dirty bits (``CONFIG_MEM_SOFT_DIRTY``).
+
+    A new mapping starts soft-dirty (``VM_SOFTDIRTY``), so a touched page of a
+    fresh mapping reports bit 55 exactly when the kernel has the feature; the
+    probe clears nothing.
+    """
+    probe = mmap.mmap(-1, PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = ctypes.c_char.from_buffer(probe)
+        addr = ctypes.addressof(view)
+        del view
+        probe[0:1] = b"\1"
+        entry = _read_pagemap(addr, 1)
+    finally:
+        probe.close()
+    return bool(entry[6] & _SOFT_DIRTY) and bool(entry[7] & _PRESENT)
+
+
+def page_count(runs: list[Run]) -> int:
+    return sum(length for _, length in runs) // PAGE_SIZE

@@ -1,0 +1,153 @@
+"""BRANCH into the store through the VMM control socket, on tiny guests.
+
+A tiny filler guest (see test_branch_tiny) is snapshotted into a store, restored
+as a "sandbox" with its control server, and branched with ``branch_sandbox`` in
+every mode, repeatedly and nested; every branch is restored and checked.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.kvm.test_branch_tiny import FILL_AT, MEM_MIB, PAGES, _check_consistent, _page_values
+from tests.kvm.tinyguest import Script, script_machine, wait_until
+from vmfork.runtime.branch import BranchFailed, branch_sandbox
+from vmfork.runtime.vmmchild import ControlServer
+from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
+from vmfork.vmm import dirty
+from vmfork.vmm.machine import Machine, MachineConfig
+from vmfork.vmm.stateformat import read_state_file, write_state_file
+from vmfork.vmm.vmstate import MachineState
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    store = Store.open(tmp_path / "home")
+    parent, _ = script_machine(Script().fill_pages_forever(FILL_AT, PAGES), memfd=True,
+                               mem_mib=MEM_MIB)
+    with parent, store.begin("base") as pending:
+        parent.start()
+        assert wait_until(lambda: parent.memory.read_u64(FILL_AT) > 50)
+        state, _ = parent.snapshot(str(pending.memory_path), resume=False)
+        write_state_file(str(pending.state_path), state)
+        pending.publish(SnapshotMeta(tag="base", image="tiny", mem_mib=MEM_MIB, vcpus=1))
+    return store
+
+
+class Sandbox:
+    """A restored machine with its control server, as a VMM process would run it."""
+
+    def __init__(self, snapshot: Snapshot, run_dir: Path, *, start: bool = True) -> None:
+        run_dir.mkdir()
+        state = read_state_file(str(snapshot.state_path), MachineState)
+        self.machine = Machine(MachineConfig(restore_state=state,
+                                             memory_file=str(snapshot.memory_path),
+                                             mem_mib=MEM_MIB, rng=False, memfd=False))
+        if start:
+            self.machine.start()
+        self.control_path = str(run_dir / "control.sock")
+        self.control = ControlServer(self.machine, self.control_path, threading.Event())
+
+    def counter(self) -> int:
+        return self.machine.memory.read_u64(FILL_AT)
+
+    def close(self) -> None:
+        self.control.close()
+        self.machine.close()
+
+
+@pytest.fixture
+def sandbox(store: Store, tmp_path: Path) -> Iterator[Sandbox]:
+    box = Sandbox(store.get("base"), tmp_path / "sandbox")
+    yield box
+    box.close()
+
+
+def _check_spawnable(snapshot: Snapshot, tmp_path: Path) -> int:
+    child = Sandbox(snapshot, tmp_path / f"child-{snapshot.tag}", start=False)
+    try:
+        # Read before the child runs: its guest rewrites the pages at once.
+        captured = _check_consistent(_page_values(child.machine.memory.read_u64))
+        child.machine.start()
+        assert wait_until(lambda: child.counter() > captured + 20)
+    finally:
+        child.close()
+    return captured
+
+
+@pytest.mark.parametrize("mode", ["full", "diff", "live"])
+def test_ten_branches_of_one_sandbox(mode: str, store: Store, sandbox: Sandbox,
+                                     tmp_path: Path) -> None:
+    last = 0
+    for n in range(10):
+        result = branch_sandbox(store, sandbox.control_path, f"{mode}-{n}", mode,
+                                sandbox_id="sb-1").result()
+        snap = result.snapshot
+        assert store.get(snap.tag).meta.branch_mode == mode
+        assert snap.meta.branched_from == "sb-1" and snap.meta.branched_from_tag == "base"
+        assert result.pause_ms > 0 and result.total_ms >= result.pause_ms
+        if mode == "diff":
+            expected_parent = (f"diff-{n - 1}" if n and dirty.soft_dirty_supported()
+                               else "base")
+            assert snap.meta.parent_tag == expected_parent
+            assert snap.layer_path is not None and snap.layer_path.is_file()
+            assert snap.meta.memory_layers[-1].tag == snap.tag
+            assert snap.meta.content_hash and snap.meta.root_tag == "base"
+            assert result.dirty_pages is not None and result.dirty_pages < 2048
+        else:
+            assert snap.meta.parent_tag is None and snap.layer_path is None
+        if n in (0, 1, 9):
+            captured = _check_spawnable(snap, tmp_path)
+            assert captured > last
+            last = captured
+        at = sandbox.counter()
+        assert wait_until(lambda at=at: sandbox.counter() > at + 20)   # the source runs on
+
+
+def test_a_diff_of_a_sandbox_restored_from_a_diff(store: Store, sandbox: Sandbox,
+                                                  tmp_path: Path) -> None:
+    first = branch_sandbox(store, sandbox.control_path, "link1", "diff").result().snapshot
+    nested = Sandbox(first, tmp_path / "nested")
+    try:
+        at = nested.counter()
+        assert wait_until(lambda: nested.counter() > at + 20)
+        second = branch_sandbox(store, nested.control_path, "link2", "diff").result()
+    finally:
+        nested.close()
+    meta = second.snapshot.meta
+    assert meta.parent_tag == "link1" and meta.root_tag == "base"
+    assert [layer.tag for layer in meta.memory_layers] == ["link1", "link2"]
+    assert meta.parent_content_hash == first.meta.content_hash
+    assert _check_spawnable(second.snapshot, tmp_path) > at
+
+
+def test_wait_false_returns_once_the_source_runs_again(store: Store, sandbox: Sandbox,
+                                                       tmp_path: Path) -> None:
+    job = branch_sandbox(store, sandbox.control_path, "later", "live", wait=False)
+    assert job.pause_ms is not None
+    result = job.result(timeout=120)
+    assert job.done() and result.snapshot.tag == "later"
+    _check_spawnable(result.snapshot, tmp_path)
+
+
+def test_failures_publish_nothing(store: Store, sandbox: Sandbox, tmp_path: Path) -> None:
+    with pytest.raises(TagExists):
+        branch_sandbox(store, sandbox.control_path, "base", "full")
+    with pytest.raises(BranchFailed, match="cannot diff against 'nowhere'") as failed:
+        branch_sandbox(store, sandbox.control_path, "bad-parent", "diff", parent_tag="nowhere")
+    assert failed.value.stage == "base"
+    with pytest.raises(BranchFailed, match="cannot reach"):
+        branch_sandbox(store, str(tmp_path / "no.sock"), "no-vmm", "live")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        branch_sandbox(store, sandbox.control_path, "bad-mode", "partial")
+    assert [s.tag for s in store.list()] == ["base"]
+    assert not [p for p in os.listdir(store.snapshots_dir) if p.startswith(".")]
+    # The source was untouched and can still branch under the failed tags.
+    at = sandbox.counter()
+    assert wait_until(lambda: sandbox.counter() > at + 20)
+    assert branch_sandbox(store, sandbox.control_path, "no-vmm", "live").result()
