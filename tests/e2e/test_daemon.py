@@ -3,6 +3,9 @@
 * One daemon: snapshot over REST, spawn, drive (exec, eval, streaming, files), BRANCH
   a sandbox and spawn from the branch, delete, stop with ``--kill-sandboxes-on-exit``
   and check nothing is left.
+* The SDK, sync and async: streamed output as it is written, a background command,
+  several sandboxes from one event loop, and a 100 MiB file through the daemon and
+  back.
 * Restart: 10 live sandboxes, the daemon SIGKILLed, a new daemon on the same state
   re-adopts all 10 (each still has its own state and answers exec/eval); then the
   daemon stops keeping them and the zygote's lease kills them.
@@ -13,6 +16,8 @@ emulated host); children dirty only a few MiB each.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import os
 import signal
 import subprocess
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from vmfork.client import Controller, ControllerError, Sandbox
+from vmfork.client import AsyncSandbox, Controller, ControllerError, Sandbox
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import ZygoteError
 
@@ -207,3 +212,66 @@ def test_restart_readopts_10_live_sandboxes(home: Home, snapshot: str) -> None:
     assert all(_alive(p) for p in pids[1:])
     _until_gone([zygote_pid, extra["pid"], *pids[1:]], 5 + 30)
     assert not (again.state / "zygote.sock").exists()
+
+
+def test_sdk_sync_and_async_streaming_and_a_100_mib_file(home: Home, snapshot: str,
+                                                         tmp_path: Path) -> None:
+    d = home.start("sdk", "--kill-sandboxes-on-exit")
+    try:
+        # Sync: streamed output arrives while the command runs, a background command.
+        with Sandbox.create(snapshot, controller=d.ctl) as sb:
+            arrivals: list[float] = []
+            started = time.monotonic()
+            result = sb.commands.run("echo one; sleep 1; echo two",
+                                     on_stdout=lambda _: arrivals.append(time.monotonic()))
+            assert result.stdout == "one\ntwo\n" and result.exit_code == 0
+            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] > 0.5 > arrivals[0] - started
+            handle = sb.commands.run("sleep 0.5; echo late >&2; exit 7", background=True)
+            assert not handle.done
+            done = handle.wait(60)
+            assert (done.exit_code, done.stderr) == (7, "late\n")
+
+            # 100 MiB through the daemon and back, streamed from and into files.
+            source = tmp_path / "source.bin"
+            with source.open("wb") as f:
+                for _ in range(100):
+                    f.write(os.urandom(1 << 20))
+            with source.open("rb") as f:
+                assert sb.files.write("/tmp/big.bin", f) == 100 << 20
+            assert sb.files.stat("/tmp/big.bin")["size"] == 100 << 20
+            copy = tmp_path / "copy.bin"
+            with copy.open("wb") as f:
+                assert sb.files.read_to("/tmp/big.bin", f) == 100 << 20
+            assert _same_file(source, copy)
+            digest = sb.commands.run("sha256sum /tmp/big.bin").stdout.split()[0]
+            assert digest == hashlib.sha256(source.read_bytes()).hexdigest()
+            sb.files.remove("/tmp/big.bin")
+
+        # Async: several sandboxes driven concurrently from one event loop.
+        async def one(n: int) -> str:
+            async with await AsyncSandbox.create(snapshot, controller=d.ctl) as asb:
+                chunks: list[str] = []
+                r = await asb.commands.run(f"echo {n}", on_stdout=chunks.append)
+                assert chunks == [f"{n}\n"] and r.exit_code == 0
+                assert (await asb.eval(f"answer + {n}")).result == str(41 + n)
+                await asb.files.write("/tmp/n", str(n))
+                return (await asb.files.read("/tmp/n")).decode()
+
+        async def main() -> list[str]:
+            return await asyncio.gather(*(one(n) for n in range(3)))
+
+        assert asyncio.run(main()) == ["0", "1", "2"]
+        assert d.ctl.list_sandboxes() == []
+    finally:
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(60)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    with a.open("rb") as fa, b.open("rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
