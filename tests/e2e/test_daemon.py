@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -275,3 +276,37 @@ def _same_file(a: Path, b: Path) -> bool:
                 return False
             if not x:
                 return True
+
+
+def _cli(home: Home, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(home.env, VMFORK_STATE_DIR=str(home.root / "cli-state"))  # no daemon there
+    env.pop("VMFORK_URL", None)
+    return subprocess.run([sys.executable, "-m", "vmfork", *argv], env=env, text=True,
+                          capture_output=True, timeout=900, check=False)
+
+
+def test_cli_fork_embedded_and_verbs_through_a_daemon(home: Home, snapshot: str) -> None:
+    # No daemon answers: `fork` runs an embedded one for the command and tears down.
+    done = _cli(home, "fork", "--tag", snapshot, "-n", "2", "--exec", "echo hi")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"forked 2 children of {snapshot}")
+    assert done.stdout.count(": hi") == 2 and "embedded" in done.stderr
+    done = _cli(home, "ls")
+    assert done.returncode == 1 and "no daemon at unix://" in done.stderr
+
+    d = home.start("cli", "--kill-sandboxes-on-exit")
+    try:
+        url = ("--url", f"unix://{d.socket}")
+        spawned = _cli(home, "spawn", "--tag", snapshot, *url)
+        sandbox = spawned.stdout.strip()
+        assert spawned.returncode == 0 and sandbox.startswith("vm-"), spawned.stderr
+        done = _cli(home, "exec", *url, sandbox, "--", "/bin/sh", "-c", "echo out; exit 5")
+        assert (done.returncode, done.stdout) == (5, "out\n")
+        assert _cli(home, "eval", *url, sandbox, "answer").stdout == "41\n"
+        listed = _cli(home, "ls", "--json", *url)
+        assert [s["id"] for s in json.loads(listed.stdout)] == [sandbox]
+        assert _cli(home, "kill", "--all", *url).returncode == 0
+        assert d.ctl.list_sandboxes() == []
+    finally:
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(60)
