@@ -177,7 +177,8 @@ def test_daemon_spawn_drive_branch_delete(home: Home, snapshot: str) -> None:
 
 
 def test_restart_readopts_10_live_sandboxes(home: Home, snapshot: str) -> None:
-    d = home.start("restart")
+    # A long lease: a daemon start in a loaded emulated host can take a minute.
+    d = home.start("restart", "--zygote-lease", "900")
     infos = d.ctl.spawn_sandboxes(snapshot, n=10)
     ids = [i["id"] for i in infos]
     pids = [i["pid"] for i in infos]
