@@ -38,7 +38,7 @@ def test_sandbox_verbs_compose(served: Served, capsys: pytest.CaptureFixture[str
     status, out, _ = run(capsys, "ls", *url)
     assert out.splitlines()[0].split()[:3] == ["ID", "SNAPSHOT", "PID"] and ids[0] in out
     # exec streams stdout and exits with the command's status (the fake exits 3).
-    status, out, err = run(capsys, "exec", *url, ids[0], "--", "echo", "hi")
+    status, out, _ = run(capsys, "exec", *url, ids[0], "--", "echo", "hi")
     assert status == 3 and out == "chunk1 chunk2"
     status, out, _ = run(capsys, "exec", "--timeout", "1", *url, ids[0], "--", "sleep", "5")
     assert status == 124

@@ -73,8 +73,8 @@ from vmfork.store import (
     Snapshot,
     SnapshotCorrupt,
     SnapshotMeta,
-    SnapshotTimings,
     SnapshotNotFound,
+    SnapshotTimings,
     Store,
     StoreError,
     TagBusy,
@@ -537,7 +537,7 @@ class Controller:
         if record.status != RUNNING:
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); only a "
                            "running sandbox can be branched")
-        spawner = self._spawner()
+        self._spawner()  # 502 now if this daemon has none, before any tag is claimed
         tag = body["tag"] or self._branch_tag(record)
         if body["parent_tag"] is not None:
             self._ready_snapshot(body["parent_tag"])  # 404/409 before anything starts
