@@ -20,9 +20,11 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,19 +66,22 @@ class Daemon:
 
 @dataclass
 class Home:
-    root: Path
+    root: Path   # store and state directories: sockets need a local file system (tmpfs)
+    logs: Path   # daemon output, under pytest's basetemp (point it at a shared directory
+                 # to watch a run inside the test host)
     env: dict[str, str]
 
     def start(self, name: str, *flags: str) -> Daemon:
         state = self.root / name
         sock = self.root / f"{name}.sock"
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the daemon writes it
-        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "--state",
+        log_path = self.logs / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the daemon writes it
+        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "-v", "--state",
                                  str(state), "--socket", str(sock), *flags],
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        ctl = Controller(f"unix://{sock}", timeout=600)
-        deadline = time.monotonic() + 120
+        ctl = Controller(f"unix://{sock}", timeout=1800)
+        deadline = time.monotonic() + 300
         while True:
             try:
                 ctl.healthz()
@@ -84,24 +89,36 @@ class Home:
             except ControllerError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     proc.kill()
-                    raise AssertionError("the daemon did not start:\n"
-                                         + (self.root / f"{name}.log").read_text()) from None
+                    raise AssertionError("the daemon did not start:\n" + log_path.read_text()
+                                         + _zygote_log(state)) from None
                 time.sleep(0.1)
+
+
+def _zygote_log(state: Path) -> str:
+    try:
+        return "\nzygote.log:\n" + (state / "zygote.log").read_text()
+    except OSError:
+        return ""
 
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
-    root = tmp_path_factory.mktemp("daemon")
+    logs = tmp_path_factory.mktemp("daemon")
+    root = Path(tempfile.mkdtemp(prefix="vmfork-e2e-daemon-"))
     env = dict(os.environ, VMFORK_HOME=str(root / "home"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    yield Home(root, env)
+    yield Home(root, logs, env)
     for sock in root.glob("*/zygote.sock"):  # whatever a failed test left running
         try:
             with ZygoteClient(sock, timeout=30) as z:
                 z.shutdown()
         except ZygoteError:
             pass
+    for state in root.iterdir():
+        if (state / "zygote.log").exists():
+            shutil.copy(state / "zygote.log", logs / f"{state.name}-zygote.log")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
