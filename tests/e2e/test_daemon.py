@@ -3,6 +3,9 @@
 * One daemon: snapshot over REST, spawn, drive (exec, eval, streaming, files), BRANCH
   a sandbox and spawn from the branch, delete, stop with ``--kill-sandboxes-on-exit``
   and check nothing is left.
+* The SDK, sync and async: streamed output as it is written, a background command,
+  several sandboxes from one event loop, and a 100 MiB file through the daemon and
+  back.
 * Restart: 10 live sandboxes, the daemon SIGKILLed, a new daemon on the same state
   re-adopts all 10 (each still has its own state and answers exec/eval); then the
   daemon stops keeping them and the zygote's lease kills them.
@@ -13,10 +16,15 @@ emulated host); children dirty only a few MiB each.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from vmfork.client import Controller, ControllerError, Sandbox
+from vmfork.client import AsyncSandbox, Controller, ControllerError, Sandbox
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import ZygoteError
 
@@ -58,19 +66,22 @@ class Daemon:
 
 @dataclass
 class Home:
-    root: Path
+    root: Path   # store and state directories: sockets need a local file system (tmpfs)
+    logs: Path   # daemon output, under pytest's basetemp (point it at a shared directory
+                 # to watch a run inside the test host)
     env: dict[str, str]
 
     def start(self, name: str, *flags: str) -> Daemon:
         state = self.root / name
         sock = self.root / f"{name}.sock"
-        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115 - the daemon writes it
-        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "--state",
+        log_path = self.logs / f"{name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the daemon writes it
+        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "-v", "--state",
                                  str(state), "--socket", str(sock), *flags],
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        ctl = Controller(f"unix://{sock}", timeout=600)
-        deadline = time.monotonic() + 120
+        ctl = Controller(f"unix://{sock}", timeout=1800)
+        deadline = time.monotonic() + 300
         while True:
             try:
                 ctl.healthz()
@@ -78,24 +89,36 @@ class Home:
             except ControllerError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     proc.kill()
-                    raise AssertionError("the daemon did not start:\n"
-                                         + (self.root / f"{name}.log").read_text()) from None
+                    raise AssertionError("the daemon did not start:\n" + log_path.read_text()
+                                         + _zygote_log(state)) from None
                 time.sleep(0.1)
+
+
+def _zygote_log(state: Path) -> str:
+    try:
+        return "\nzygote.log:\n" + (state / "zygote.log").read_text()
+    except OSError:
+        return ""
 
 
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
-    root = tmp_path_factory.mktemp("daemon")
+    logs = tmp_path_factory.mktemp("daemon")
+    root = Path(tempfile.mkdtemp(prefix="vmfork-e2e-daemon-"))
     env = dict(os.environ, VMFORK_HOME=str(root / "home"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    yield Home(root, env)
+    yield Home(root, logs, env)
     for sock in root.glob("*/zygote.sock"):  # whatever a failed test left running
         try:
             with ZygoteClient(sock, timeout=30) as z:
                 z.shutdown()
         except ZygoteError:
             pass
+    for state in root.iterdir():
+        if (state / "zygote.log").exists():
+            shutil.copy(state / "zygote.log", logs / f"{state.name}-zygote.log")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +194,8 @@ def test_daemon_spawn_drive_branch_delete(home: Home, snapshot: str) -> None:
 
 
 def test_restart_readopts_10_live_sandboxes(home: Home, snapshot: str) -> None:
-    d = home.start("restart")
+    # A long lease: a daemon start in a loaded emulated host can take a minute.
+    d = home.start("restart", "--zygote-lease", "900")
     infos = d.ctl.spawn_sandboxes(snapshot, n=10)
     ids = [i["id"] for i in infos]
     pids = [i["pid"] for i in infos]
@@ -207,3 +231,100 @@ def test_restart_readopts_10_live_sandboxes(home: Home, snapshot: str) -> None:
     assert all(_alive(p) for p in pids[1:])
     _until_gone([zygote_pid, extra["pid"], *pids[1:]], 5 + 30)
     assert not (again.state / "zygote.sock").exists()
+
+
+def test_sdk_sync_and_async_streaming_and_a_100_mib_file(home: Home, snapshot: str,
+                                                         tmp_path: Path) -> None:
+    d = home.start("sdk", "--kill-sandboxes-on-exit")
+    try:
+        # Sync: streamed output arrives while the command runs, a background command.
+        with Sandbox.create(snapshot, controller=d.ctl) as sb:
+            arrivals: list[float] = []
+            started = time.monotonic()
+            result = sb.commands.run("echo one; sleep 1; echo two",
+                                     on_stdout=lambda _: arrivals.append(time.monotonic()))
+            assert result.stdout == "one\ntwo\n" and result.exit_code == 0
+            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] > 0.5 > arrivals[0] - started
+            handle = sb.commands.run("sleep 0.5; echo late >&2; exit 7", background=True)
+            assert not handle.done
+            done = handle.wait(60)
+            assert (done.exit_code, done.stderr) == (7, "late\n")
+
+            # 100 MiB through the daemon and back, streamed from and into files.
+            source = tmp_path / "source.bin"
+            with source.open("wb") as f:
+                for _ in range(100):
+                    f.write(os.urandom(1 << 20))
+            with source.open("rb") as f:
+                assert sb.files.write("/tmp/big.bin", f) == 100 << 20
+            assert sb.files.stat("/tmp/big.bin")["size"] == 100 << 20
+            copy = tmp_path / "copy.bin"
+            with copy.open("wb") as f:
+                assert sb.files.read_to("/tmp/big.bin", f) == 100 << 20
+            assert _same_file(source, copy)
+            digest = sb.commands.run("sha256sum /tmp/big.bin").stdout.split()[0]
+            assert digest == hashlib.sha256(source.read_bytes()).hexdigest()
+            sb.files.remove("/tmp/big.bin")
+
+        # Async: several sandboxes driven concurrently from one event loop.
+        async def one(n: int) -> str:
+            async with await AsyncSandbox.create(snapshot, controller=d.ctl) as asb:
+                chunks: list[str] = []
+                r = await asb.commands.run(f"echo {n}", on_stdout=chunks.append)
+                assert chunks == [f"{n}\n"] and r.exit_code == 0
+                assert (await asb.eval(f"answer + {n}")).result == str(41 + n)
+                await asb.files.write("/tmp/n", str(n))
+                return (await asb.files.read("/tmp/n")).decode()
+
+        async def main() -> list[str]:
+            return await asyncio.gather(*(one(n) for n in range(3)))
+
+        assert asyncio.run(main()) == ["0", "1", "2"]
+        assert d.ctl.list_sandboxes() == []
+    finally:
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(60)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    with a.open("rb") as fa, b.open("rb") as fb:
+        while True:
+            x, y = fa.read(1 << 20), fb.read(1 << 20)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def _cli(home: Home, *argv: str) -> subprocess.CompletedProcess[str]:
+    env = dict(home.env, VMFORK_STATE_DIR=str(home.root / "cli-state"))  # no daemon there
+    env.pop("VMFORK_URL", None)
+    return subprocess.run([sys.executable, "-m", "vmfork", *argv], env=env, text=True,
+                          capture_output=True, timeout=900, check=False)
+
+
+def test_cli_fork_embedded_and_verbs_through_a_daemon(home: Home, snapshot: str) -> None:
+    # No daemon answers: `fork` runs an embedded one for the command and tears down.
+    done = _cli(home, "fork", "--tag", snapshot, "-n", "2", "--exec", "echo hi")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"forked 2 children of {snapshot}")
+    assert done.stdout.count(": hi") == 2 and "embedded" in done.stderr
+    done = _cli(home, "ls")
+    assert done.returncode == 1 and "no daemon at unix://" in done.stderr
+
+    d = home.start("cli", "--kill-sandboxes-on-exit")
+    try:
+        url = ("--url", f"unix://{d.socket}")
+        spawned = _cli(home, "spawn", "--tag", snapshot, *url)
+        sandbox = spawned.stdout.strip()
+        assert spawned.returncode == 0 and sandbox.startswith("vm-"), spawned.stderr
+        done = _cli(home, "exec", *url, sandbox, "--", "/bin/sh", "-c", "echo out; exit 5")
+        assert (done.returncode, done.stdout) == (5, "out\n")
+        assert _cli(home, "eval", *url, sandbox, "answer").stdout == "41\n"
+        listed = _cli(home, "ls", "--json", *url)
+        assert [s["id"] for s in json.loads(listed.stdout)] == [sandbox]
+        assert _cli(home, "kill", "--all", *url).returncode == 0
+        assert d.ctl.list_sandboxes() == []
+    finally:
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(60)

@@ -38,7 +38,7 @@ def test_sandbox_verbs_compose(served: Served, capsys: pytest.CaptureFixture[str
     status, out, _ = run(capsys, "ls", *url)
     assert out.splitlines()[0].split()[:3] == ["ID", "SNAPSHOT", "PID"] and ids[0] in out
     # exec streams stdout and exits with the command's status (the fake exits 3).
-    status, out, err = run(capsys, "exec", *url, ids[0], "--", "echo", "hi")
+    status, out, _ = run(capsys, "exec", *url, ids[0], "--", "echo", "hi")
     assert status == 3 and out == "chunk1 chunk2"
     status, out, _ = run(capsys, "exec", "--timeout", "1", *url, ids[0], "--", "sleep", "5")
     assert status == 124
@@ -92,3 +92,23 @@ def test_errors_name_what_to_fix(served: Served, tmp_path: Path,
     assert status == 2 and "IDs, --all, or --tag" in err
     status, _, err = run(capsys, "exec", "--url", served.url, "vm-000000000001")
     assert status == 2 and "nothing to run" in err
+
+
+def test_workspace_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    url = ("--url", served.url)
+    served.controller.create_snapshot({"tag": "base", "image": "default", "mem_mib": 64,
+                                       "vcpus": 1, "warm_code": None, "warm_cmd": None,
+                                       "kernel": None, "rootfs": None, "rw": False,
+                                       "tap": None, "boot_wait_secs": 10})
+    status, out, _ = run(capsys, "workspace", "create", "dev", "--tag", "base", *url)
+    assert status == 0 and out.startswith("workspace dev: running (vm-")
+    status, out, _ = run(capsys, "workspace", "suspend", "dev", *url)
+    assert status == 0 and "suspended (ws-" in out
+    status, out, _ = run(capsys, "workspace", "resume", "dev", "--json", *url)
+    assert status == 0 and json.loads(out)["state"] == "running"
+    status, out, _ = run(capsys, "workspace", "list", *url)
+    assert out.splitlines()[1].split()[:2] == ["dev", "running"]
+    status, out, _ = run(capsys, "workspace", "delete", "dev", *url)
+    assert status == 0 and served.controller.list_workspaces() == []
+    status, _, err = run(capsys, "workspace", "resume", "dev", *url)
+    assert status == 1 and "no workspace 'dev'" in err

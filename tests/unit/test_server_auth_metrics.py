@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,14 @@ def test_instruments_render_prometheus_text() -> None:
     with pytest.raises(ValueError):
         c.inc(wrong="x")
     assert not math.isnan(h.count())
+
+
+def test_one_daemon_per_state_directory(tmp_path: Path) -> None:
+    from vmfork.server.daemon import lock_state_dir
+    fd = lock_state_dir(tmp_path)
+    try:
+        with pytest.raises(OSError, match=f"another daemon \\(pid {os.getpid()}\\)"):
+            lock_state_dir(tmp_path)
+    finally:
+        os.close(fd)
+    os.close(lock_state_dir(tmp_path))  # free again once the holder is gone

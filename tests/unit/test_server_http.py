@@ -257,9 +257,13 @@ def test_unknown_route_and_wrong_method(served: Served) -> None:
 @pytest.mark.parametrize("path", [
     "/v1/snapshots/..%2F..%2Fetc/info", "/v1/snapshots/%2e%2e/info",
     "/v1/snapshots/a.b/info", "/v1/sandboxes/..%2Fx", "/v1/sandboxes/%00",
-    "/v1/sandboxes/" + "a" * 65, "/v1/snapshots/%ff/info"])
+    "/v1/sandboxes/" + "a" * 65, "/v1/snapshots/%ff/info", "/v1/workspaces/..%2F..",
+    "/v1/workspaces/%2e%2e/resume", "/v1/sandboxes/..%2F../branch",
+    "/v1/snapshots/" + "..%2F" * 3 + "etc"])
 def test_path_traversal_is_refused_before_lookup(served: Served, path: str) -> None:
-    status, body, _ = served.request("GET", path)
+    method = ("POST" if path.endswith(("/resume", "/branch")) else
+              "DELETE" if path.startswith("/v1/snapshots/") and path.count("/") == 3 else "GET")
+    status, body, _ = served.request(method, path)
     assert status == 400, body
     assert "invalid" in body["error"] or "UTF-8" in body["error"]
 
@@ -629,3 +633,36 @@ def test_stale_unix_socket_is_replaced_and_live_one_refused(tmp_path: Path) -> N
     finally:
         server.server_close()
     assert not path.exists()
+
+
+# -- workspaces ----------------------------------------------------------------------
+
+
+def test_workspace_create_suspend_resume_delete(served: Served, ctl: Controller) -> None:
+    ctl.create_snapshot("base")
+    info = ctl.create_workspace("dev", "base", memory_limit_mib=64)
+    assert info["state"] == "running" and info["sandbox"]["snapshot_tag"] == "base"
+    first = info["sandbox_id"]
+    with pytest.raises(ControllerError) as exc:
+        ctl.create_workspace("dev", "base")
+    assert exc.value.status == 409
+    with pytest.raises(ControllerError) as exc:
+        ctl.resume_workspace("dev")
+    assert exc.value.status == 409 and "never suspended" in exc.value.message
+    suspended = ctl.suspend_workspace("dev")
+    assert suspended["state"] == "suspended" and suspended["sandbox_id"] is None
+    tag = suspended["suspended_snapshot"]
+    assert first not in served.spawner.live and ctl.snapshot_info(tag)["status"] == "ready"
+    resumed = ctl.resume_workspace("dev")
+    assert resumed["state"] == "running" and resumed["sandbox"]["snapshot_tag"] == tag
+    assert resumed["sandbox"]["memory_limit_mib"] == 64
+    again = ctl.suspend_workspace("dev")   # the older suspension snapshot is replaced
+    assert {s["tag"] for s in ctl.list_snapshots()} == {"base", again["suspended_snapshot"]}
+    assert [w["name"] for w in ctl.list_workspaces()] == ["dev"]
+    ctl.delete_workspace("dev")
+    assert ctl.list_workspaces() == [] and {s["tag"] for s in ctl.list_snapshots()} == {"base"}
+    for bad in ("..%2Fx", "a.b"):
+        status, body, _ = served.request("GET", f"/v1/workspaces/{bad}")
+        assert status == 400 and "invalid workspace name" in body["error"]
+    status, body, _ = served.request("GET", "/v1/workspaces/none")
+    assert status == 404

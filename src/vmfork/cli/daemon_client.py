@@ -89,7 +89,7 @@ def print_table(headers: list[str], rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
-def when(unix: float | int | None) -> str:
+def when(unix: float | None) -> str:
     return "-" if not unix else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unix))
 
 

@@ -1,5 +1,5 @@
 """Sandbox verbs, all through the daemon (forkd's names and flags): ``spawn``, ``ls``,
-``kill``, ``exec``, ``eval``, ``ping``, ``branch``."""
+``kill``, ``exec``, ``eval``, ``ping``, ``branch``, ``workspace``."""
 
 from __future__ import annotations
 
@@ -79,6 +79,34 @@ def register(sub: Any) -> None:
     add_branch_options(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_branch)
+
+
+    p = sub.add_parser("workspace", help="named long-lived sandboxes: create, suspend to a "
+                                         "snapshot, resume, list, delete")
+    ws = p.add_subparsers(dest="workspace_verb", metavar="ACTION", required=True)
+    w = ws.add_parser("create", help="spawn a named sandbox")
+    w.add_argument("name")
+    w.add_argument("--tag", required=True, help="snapshot to start from")
+    w.add_argument("--memory-limit-mib", type=int, default=None, metavar="M")
+    add_json_option(w)
+    add_daemon_options(w)
+    w.set_defaults(func=cmd_workspace_create)
+    for action, help_text in (("suspend", "snapshot it and stop its sandbox"),
+                              ("resume", "start its sandbox again from that snapshot"),
+                              ("delete", "kill it and remove its snapshot")):
+        w = ws.add_parser(action, help=help_text)
+        w.add_argument("name")
+        if action == "suspend":
+            w.add_argument("--diff", action="store_true",
+                           help="store only the pages that changed (if the VMM supports it)")
+        if action != "delete":
+            add_json_option(w)
+        add_daemon_options(w)
+        w.set_defaults(func=cmd_workspace_action, action=action)
+    w = ws.add_parser("list", help="list workspaces")
+    add_json_option(w)
+    add_daemon_options(w)
+    w.set_defaults(func=cmd_workspace_list)
 
 
 def add_branch_options(p: argparse.ArgumentParser) -> None:
@@ -252,3 +280,48 @@ def branch(args: argparse.Namespace, sandbox_id: str, tag: str | None) -> int:
 
 def cmd_branch(args: argparse.Namespace) -> int:
     return branch(args, args.id, args.tag)
+
+
+def _print_workspace(args: argparse.Namespace, info: dict[str, Any]) -> None:
+    if args.json:
+        print_json(info)
+    else:
+        where = info["sandbox_id"] if info["state"] == "running" else info["suspended_snapshot"]
+        print(f"workspace {info['name']}: {info['state']} ({where})")
+
+
+def cmd_workspace_create(args: argparse.Namespace) -> int:
+    ctl = controller(args, timeout=600)
+    with progress(f"creating workspace {args.name}"):
+        info = call(ctl, lambda: ctl.create_workspace(args.name, args.tag,
+                                                      memory_limit_mib=args.memory_limit_mib))
+    _print_workspace(args, info)
+    return 0
+
+
+def cmd_workspace_action(args: argparse.Namespace) -> int:
+    ctl = controller(args, timeout=600)
+    if args.action == "delete":
+        call(ctl, lambda: ctl.delete_workspace(args.name))
+        print(f"deleted workspace {args.name}")
+        return 0
+    with progress(f"{args.action[:-1]}ing workspace {args.name}"):
+        if args.action == "suspend":
+            info = call(ctl, lambda: ctl.suspend_workspace(args.name, diff=args.diff))
+        else:
+            info = call(ctl, lambda: ctl.resume_workspace(args.name))
+    _print_workspace(args, info)
+    return 0
+
+
+def cmd_workspace_list(args: argparse.Namespace) -> int:
+    ctl = controller(args)
+    workspaces = call(ctl, ctl.list_workspaces)
+    if args.json:
+        print_json(workspaces)
+        return 0
+    print_table(["NAME", "STATE", "SANDBOX", "SNAPSHOT", "SUSPENDED-TO", "UPDATED"],
+                [[w["name"], w["state"], w["sandbox_id"] or "-", w["snapshot_tag"],
+                  w["suspended_snapshot"] or "-", when(w.get("updated_at_unix"))]
+                 for w in workspaces])
+    return 0

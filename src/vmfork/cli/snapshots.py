@@ -35,6 +35,7 @@ from vmfork.cli.daemon_client import (
 from vmfork.cli.sandboxes import add_branch_options, branch
 from vmfork.client import Controller, ControllerError
 
+
 def register(sub: Any) -> None:
     p = sub.add_parser("snapshot", help="boot the image, warm it up, snapshot it as TAG; or "
                                         "BRANCH a running sandbox (--from-sandbox ID)")
@@ -179,6 +180,10 @@ def embedded_daemon() -> Iterator[Controller]:
         shutil.rmtree(state, ignore_errors=True)
 
 
+def _exec_in(ctl: Controller, sandbox_id: str, command: str) -> dict[str, Any]:
+    return call(ctl, lambda: ctl.exec_command(sandbox_id, ["/bin/sh", "-c", command]))
+
+
 def cmd_fork(args: argparse.Namespace) -> int:
     if not 1 <= args.n <= 1000:
         raise CliError(f"-n must be 1..1000, not {args.n}")
@@ -202,8 +207,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
             if args.exec_cmd:
                 for info in infos:
                     started = time.monotonic()
-                    r = call(ctl, lambda i=info: ctl.exec_command(
-                        i["id"], ["/bin/sh", "-c", args.exec_cmd]))
+                    r = _exec_in(ctl, info["id"], args.exec_cmd)
                     print(f"  {info['id']} (pid {info['pid']}) exit {r['exit_code']} in "
                           f"{(time.monotonic() - started) * 1000:.0f} ms: "
                           f"{r['stdout'].strip()}")
@@ -282,7 +286,7 @@ def cmd_rmi(args: argparse.Namespace) -> int:
         try:
             if ctl is not None:
                 ctl.delete_snapshot(tag, cascade=args.cascade, force=args.force)
-            else:
+            elif store is not None:
                 store.delete(tag)
             print(f"deleted {tag}")
         except ControllerError as err:

@@ -251,6 +251,37 @@ class Controller:
             timeout=(timeout_secs or 0) + self.timeout)
         return result
 
+    # -- workspaces -----------------------------------------------------------------
+
+    def list_workspaces(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/v1/workspaces")
+        return result
+
+    def create_workspace(self, name: str, snapshot_tag: str, per_child_netns: bool = False,
+                         memory_limit_mib: int | None = None) -> dict[str, Any]:
+        body = {"name": name, "snapshot_tag": snapshot_tag, "per_child_netns": per_child_netns,
+                "memory_limit_mib": memory_limit_mib}
+        result: dict[str, Any] = self._call("POST", "/v1/workspaces", body,
+                                            timeout=max(self.timeout, 300.0))
+        return result
+
+    def get_workspace(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/workspaces/{_seg(name)}")
+        return result
+
+    def delete_workspace(self, name: str) -> None:
+        self._call("DELETE", f"/v1/workspaces/{_seg(name)}")
+
+    def suspend_workspace(self, name: str, diff: bool = False) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/workspaces/{_seg(name)}/suspend",
+                                            {"diff": diff}, timeout=max(self.timeout, 3600.0))
+        return result
+
+    def resume_workspace(self, name: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("POST", f"/v1/workspaces/{_seg(name)}/resume",
+                                            timeout=max(self.timeout, 300.0))
+        return result
+
     # -- files ----------------------------------------------------------------------
 
     def read_file_to(self, sandbox_id: str, path: str, out: BinaryIO) -> int:

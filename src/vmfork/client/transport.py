@@ -13,7 +13,6 @@ import socket
 import urllib.parse
 from dataclasses import dataclass
 
-
 # Request bodies (file uploads) are sent in blocks of this size; http.client's
 # default of 8 KiB costs a system call per 8 KiB of a 100 MiB upload.
 SEND_BLOCK = 1 << 20

@@ -32,6 +32,7 @@ from vmfork.server.validation import (
     check_path_tag,
     check_sandbox_id,
     check_tag,
+    check_workspace_name,
     one_of,
     parse_json_object,
     parse_query,
@@ -179,6 +180,15 @@ BRANCH = {
     "diff": Field(bool, False),
     "live": Field(bool, False),
 }
+
+WORKSPACE_CREATE = {
+    "name": Field(str, check=check_tag),
+    "snapshot_tag": Field(str, check=check_tag),
+    "per_child_netns": Field(bool, False),
+    "memory_limit_mib": Field(int, None, between(16, 1 << 20), nullable=True),
+}
+
+WORKSPACE_SUSPEND = {"diff": Field(bool, False)}
 
 SNAPSHOT_DELETE_QUERY = {"cascade": Field(bool, False), "force": Field(bool, False)}
 PATH_QUERY = {"path": Field(str, check=check_guest_path)}
@@ -401,6 +411,47 @@ def stat_file(c: Controller, req: Request) -> Response:
     return Response(body=c.stat_file(sandbox_id, req.args(PATH_QUERY, _where(req))["path"]))
 
 
+def list_workspaces(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.list_workspaces())
+
+
+def create_workspace(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(WORKSPACE_CREATE, _where(req))
+    req.snapshot_tag = body["snapshot_tag"]
+    info = c.create_workspace(body)
+    req.sandbox_ids = [info["sandbox_id"]]
+    return Response(201, info)
+
+
+def get_workspace(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.get_workspace(req.params["name"]))
+
+
+def delete_workspace(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    c.delete_workspace(req.params["name"])
+    return Response(204)
+
+
+def suspend_workspace(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(WORKSPACE_SUSPEND, _where(req))
+    info = c.suspend_workspace(req.params["name"], body["diff"])
+    req.snapshot_tag = info["suspended_snapshot"]
+    return Response(body=info)
+
+
+def resume_workspace(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    req.json({}, _where(req))
+    info = c.resume_workspace(req.params["name"])
+    req.sandbox_ids = [info["sandbox_id"]]
+    return Response(body=info)
+
+
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", healthz),
     Route("GET", "/version", version),
@@ -424,10 +475,16 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", "/v1/sandboxes/{id}/files", remove_file),
     Route("GET", "/v1/sandboxes/{id}/files/list", list_files),
     Route("GET", "/v1/sandboxes/{id}/files/stat", stat_file),
+    Route("GET", "/v1/workspaces", list_workspaces),
+    Route("POST", "/v1/workspaces", create_workspace),
+    Route("GET", "/v1/workspaces/{name}", get_workspace),
+    Route("DELETE", "/v1/workspaces/{name}", delete_workspace),
+    Route("POST", "/v1/workspaces/{name}/suspend", suspend_workspace),
+    Route("POST", "/v1/workspaces/{name}/resume", resume_workspace),
 )
 
 _PARAM_CHECKS: dict[str, Callable[[str], str]] = {
-    "tag": check_path_tag, "id": check_sandbox_id}
+    "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name}
 
 
 def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:

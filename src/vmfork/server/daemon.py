@@ -14,6 +14,8 @@ comes the zygote kills them. ``--kill-sandboxes-on-exit`` stops them with the da
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import signal
@@ -115,6 +117,23 @@ def make_snapshot_from_image(store: Store, body: dict[str, Any]) -> Snapshot:
     return store.get(body["tag"])
 
 
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold ``<state>/daemon.lock`` (flock) for the daemon's life; the fd, or OSError
+    naming the daemon that holds it."""
+    path = state_dir / "daemon.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"another daemon ({holder}) uses the state directory "
+                      f"{state_dir}; stop it, or give this one another --state") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+    return fd
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -124,16 +143,21 @@ class Daemon:
         if config.socket_path is None and config.bind is None:
             raise ValueError("nothing to listen on: give a Unix socket path or --bind")
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # One daemon per state directory: a second one would reconcile the zygote's
+        # children against a registry another daemon is still writing (and kill the
+        # children of its spawns in flight as unknown).
+        self._state_lock = lock_state_dir(config.state_dir)
         self.store = Store.open(config.snapshot_root)
         self.registry = Registry(config.state_dir / "registry.db")
         self.metrics = DaemonMetrics(__version__, config.branch_concurrency)
         self.audit = AuditLog(config.audit_log or config.state_dir / "audit.log")
         self.spawner: Spawner | None = None
         if config.spawner:
-            zygote_log = open(config.state_dir / "zygote.log", "ab")  # noqa: SIM115
+            log_path = config.state_dir / "zygote.log"
+            zygote_log = open(log_path, "ab")  # noqa: SIM115
             try:
                 self.spawner = ZygoteSpawner(config.state_dir, stderr=zygote_log,
-                                             lease_s=config.zygote_lease_s)
+                                             lease_s=config.zygote_lease_s, log_path=log_path)
             finally:
                 zygote_log.close()
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
@@ -177,6 +201,7 @@ class Daemon:
         self.controller.stop(kill_sandboxes=self.config.kill_sandboxes_on_exit)
         self.registry.close()
         self.audit.close()
+        os.close(self._state_lock)
 
     def run_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT; SIGHUP reopens the audit log."""

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _MIGRATIONS: tuple[str, ...] = (
     """
@@ -47,6 +47,17 @@ _MIGRATIONS: tuple[str, ...] = (
         finished_at REAL,
         error TEXT,
         daemon_pid INTEGER NOT NULL
+    );
+    """,
+    """
+    CREATE TABLE workspaces (
+        name TEXT PRIMARY KEY,
+        snapshot_tag TEXT NOT NULL,
+        sandbox_id TEXT,
+        suspended_tag TEXT,
+        memory_limit_mib INTEGER,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
     );
     """,
 )
@@ -96,6 +107,23 @@ class SnapshotJob:
     error: str | None
     daemon_pid: int
 
+
+@dataclass(frozen=True)
+class WorkspaceRecord:
+    """A named, long-lived sandbox: running (``sandbox_id``) or suspended to a snapshot
+    (``suspended_tag``), never both."""
+
+    name: str
+    snapshot_tag: str
+    sandbox_id: str | None
+    suspended_tag: str | None
+    memory_limit_mib: int | None
+    created_at: float
+    updated_at: float
+
+
+_WORKSPACE_COLUMNS = ("name, snapshot_tag, sandbox_id, suspended_tag, memory_limit_mib, "
+                      "created_at, updated_at")
 
 _SANDBOX_COLUMNS = ("id, snapshot_tag, pid, run_dir, status, created_at, memory_limit_mib, "
                     "branch_count, last_branch_memory_path, exit_reason, exit_description, "
@@ -213,6 +241,45 @@ class Registry:
     def remove_sandbox(self, sandbox_id: str) -> bool:
         with self._transaction() as db:
             return db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount == 1
+
+    # -- workspaces ---------------------------------------------------------------
+
+    def add_workspace(self, record: WorkspaceRecord) -> bool:
+        """False if the name is taken."""
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM workspaces WHERE name = ?",
+                          (record.name,)).fetchone():
+                return False
+            db.execute(f"INSERT INTO workspaces ({_WORKSPACE_COLUMNS}) VALUES "
+                       "(?, ?, ?, ?, ?, ?, ?)",
+                       (record.name, record.snapshot_tag, record.sandbox_id,
+                        record.suspended_tag, record.memory_limit_mib, record.created_at,
+                        record.updated_at))
+            return True
+
+    def get_workspace(self, name: str) -> WorkspaceRecord | None:
+        with self._lock:
+            row = self._db.execute(f"SELECT {_WORKSPACE_COLUMNS} FROM workspaces WHERE "
+                                   "name = ?", (name,)).fetchone()
+        return None if row is None else WorkspaceRecord(*row)
+
+    def list_workspaces(self) -> list[WorkspaceRecord]:
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_WORKSPACE_COLUMNS} FROM workspaces "
+                                    "ORDER BY name").fetchall()
+        return [WorkspaceRecord(*row) for row in rows]
+
+    def set_workspace(self, name: str, sandbox_id: str | None,
+                      suspended_tag: str | None) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE workspaces SET sandbox_id = ?, suspended_tag = ?, "
+                       "updated_at = ? WHERE name = ?",
+                       (sandbox_id, suspended_tag, time.time(), name))
+
+    def remove_workspace(self, name: str) -> bool:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM workspaces WHERE name = ?",
+                              (name,)).rowcount == 1
 
     # -- snapshot jobs ------------------------------------------------------------
 

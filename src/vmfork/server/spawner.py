@@ -124,12 +124,13 @@ class Spawner(Protocol):
 
 class ZygoteSpawner:
     def __init__(self, state_dir: Path, stderr: IO[bytes] | int | None = None,
-                 lease_s: float = DEFAULT_LEASE_S) -> None:
+                 lease_s: float = DEFAULT_LEASE_S, log_path: Path | None = None) -> None:
         self.run_root = state_dir / "run"
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.socket_path = state_dir / "zygote.sock"
         self.lease_s = lease_s
         self._stderr = stderr
+        self._log_path = log_path
         self._proc: ZygoteProcess | None = None
         self._local = threading.local()
         self._lease_lock = threading.Lock()
@@ -149,8 +150,14 @@ class ZygoteSpawner:
         except ZygoteUnavailable:
             self._lease_client.close()
             self.adopted = False
-            self._proc = start_zygote(str(self.socket_path), stderr=self._stderr,
-                                      die_with_parent=False, lease_s=self.lease_s)
+            try:
+                self._proc = start_zygote(str(self.socket_path), stderr=self._stderr,
+                                          die_with_parent=False, lease_s=self.lease_s)
+            except ZygoteUnavailable as err:
+                where = f"; its log is {self._log_path}" if self._log_path else ""
+                raise ZygoteUnavailable(f"{err}{where} (the state directory must be on a "
+                                        "local file system that supports Unix sockets)",
+                                        op="start") from err
             info = self._proc.info
         self._lease_client.lease(self.lease_s)
         return int(info["pid"])

@@ -187,3 +187,10 @@ def check_path_tag(value: str) -> str:
         shown = value if len(value) <= 80 else value[:80] + "..."
         raise BadRequest(f"invalid snapshot tag {shown!r}: a tag is {TAG_RULE}")
     return value
+
+
+def check_workspace_name(value: str) -> str:
+    if not is_valid_tag(value):
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        raise BadRequest(f"invalid workspace name {shown!r}: a name is {TAG_RULE}")
+    return value
