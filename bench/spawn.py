@@ -528,7 +528,9 @@ def qemu_template(fleet: QemuFleet, template: Template, n: int, settle: float,
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
                  timeout: float) -> dict[str, Any]:
     from vmfork.runtime.spawn import SpawnFailed, fork_children
-    client = zygote.client(timeout=120.0)
+    # Every request may wait behind the zygote's fork loop, which for 100 children
+    # on a loaded emulated host can take minutes.
+    client = zygote.client(timeout=max(120.0, timeout))
     # fork_children raises on timeout; the progress callback keeps the instant
     # all were restored, so a run whose agents are too slow still has that.
     started = time.monotonic()
@@ -571,6 +573,8 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
         return {**out,
                 "child_restore_s": [float(s["restore_s"]) for s in statuses],
                 "child_fork_to_entry_s": fork_to_entry,
+                # restored state, then waited at the batch's start gate (not in restore_s)
+                "child_start_wait_s": [float(s.get("start_wait_s", 0.0)) for s in statuses],
                 "child_ready_s": [float(s["ready_s"]) for s in statuses],
                 # inside ready_s: first ping answered, then reseed + clock set
                 "child_agent_ready_s": [float(s.get("agent_ready", "nan")) for s in statuses],
@@ -765,9 +769,10 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                    "the ratios to the floor, measured in the same run, can.")]
     md += ["", "## What each peer measures", "",
            ("- vmfork restored: spawn request to the zygote → every child's `status.json` says "
-           "`restored` (state restored, vCPU thread started). vmfork ready: → every child's "
-           "agent answered a ping over vsock **and** the child reseeded the guest and set its "
-           "clock (`ready`)."),
+           "`restored` (state restored, vCPU thread started; the children of a batch start "
+           "their vCPUs together, once all have restored their state). vmfork ready: → every "
+           "child's agent answered a ping over vsock **and** the child reseeded the guest and "
+           "set its clock (`ready`). In-child restore time excludes the wait for siblings."),
            ("- QEMU cold boot: first `qemu-system-x86_64` started → every QMP `query-status` says "
            "`running` (QEMU set up, vCPU started at the kernel entry) / → every agent answered "
            "a ping over vhost-vsock after a full kernel boot."),

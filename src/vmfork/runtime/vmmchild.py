@@ -15,6 +15,14 @@ imports are already done and a spawn pays only for the restore. Contract:
   with timings, or ``failed`` with the reason); the spawner reads it. If
   ``args["notify_path"]`` names a FIFO, one line ``<vm_id> <state>`` is written
   to it after each status change, so the spawner need not poll every file.
+* If ``args["start_gate"]`` names a FIFO (a batch spawn), the child restores
+  everything, reports ``prepared``, and starts its vCPUs only once it has read a
+  byte from that FIFO: the spawner writes them when every sibling is prepared,
+  so guests that already run do not take the CPU from siblings still restoring
+  (on a loaded host that made the last restore of a batch many times slower).
+  It waits at most ``start_gate_timeout`` seconds, and not at all if the gate
+  is gone: a guest is never held back for a spawner that went away. The time
+  waited is reported as ``start_wait_s`` and is not part of ``restore_s``.
 * The snapshot is decoded and its ioctl buffers built once, in the zygote
   (``prefork``), and inherited by every child forked after it; a child checks
   that ``state.bin`` is still the file that was decoded, and otherwise (or if
@@ -33,6 +41,7 @@ import gc
 import json
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -54,6 +63,7 @@ log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
+START_GATE_TIMEOUT = 300.0
 READY_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
 EXIT_GUEST_DIED = 3
@@ -249,6 +259,29 @@ class ControlServer:
         self.sock.close()
 
 
+def _wait_for_start_gate(path: str, timeout: float) -> float:
+    """Block until this child takes a byte from the start gate FIFO, the gate is
+    closed or gone, or ``timeout`` passes; returns the seconds waited."""
+    started = time.monotonic()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return 0.0
+    try:
+        deadline = started + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], remaining)[0]:
+                continue
+            try:
+                os.read(fd, 1)  # a byte: our turn; b"": the spawner closed it
+                break
+            except BlockingIOError:
+                continue  # a sibling took the byte that woke us
+    finally:
+        os.close(fd)
+    return time.monotonic() - started
+
+
 def _release_start_up_memory() -> None:
     """Give back what restoring and the first handshake allocated and freed.
 
@@ -283,9 +316,16 @@ def main(args: dict[str, Any]) -> int:
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
     with machine:
+        start_wait = 0.0
+        gate = args.get("start_gate")
+        if gate is not None:
+            report({"state": "prepared", "pid": os.getpid()})
+            start_wait = _wait_for_start_gate(
+                str(gate), float(args.get("start_gate_timeout", START_GATE_TIMEOUT)))
         machine.start()
         forked = zygote_child.current()
-        timings = {"restore_s": time.monotonic() - started,
+        timings = {"restore_s": time.monotonic() - started - start_wait,
+                   "start_wait_s": start_wait,
                    # fork() in the zygote to this entry: the child's set-up (zygote_child)
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
