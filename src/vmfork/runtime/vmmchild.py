@@ -64,6 +64,7 @@ _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
 START_GATE_TIMEOUT = 300.0
+STOP_CHECK_S = 0.5   # how often a wait at the start gate looks for SIGTERM
 READY_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
 EXIT_GUEST_DIED = 3
@@ -259,9 +260,10 @@ class ControlServer:
         self.sock.close()
 
 
-def _wait_for_start_gate(path: str, timeout: float) -> float:
+def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> float:
     """Block until this child takes a byte from the start gate FIFO, the gate is
-    closed or gone, or ``timeout`` passes; returns the seconds waited."""
+    closed or gone, ``stop`` is set (SIGTERM) or ``timeout`` passes; returns the
+    seconds waited."""
     started = time.monotonic()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -269,8 +271,8 @@ def _wait_for_start_gate(path: str, timeout: float) -> float:
         return 0.0
     try:
         deadline = started + timeout
-        while (remaining := deadline - time.monotonic()) > 0:
-            if not select.select([fd], [], [], remaining)[0]:
+        while (remaining := deadline - time.monotonic()) > 0 and not stop.is_set():
+            if not select.select([fd], [], [], min(remaining, STOP_CHECK_S))[0]:
                 continue
             try:
                 os.read(fd, 1)  # a byte: our turn; b"": the spawner closed it
@@ -321,7 +323,9 @@ def main(args: dict[str, Any]) -> int:
         if gate is not None:
             report({"state": "prepared", "pid": os.getpid()})
             start_wait = _wait_for_start_gate(
-                str(gate), float(args.get("start_gate_timeout", START_GATE_TIMEOUT)))
+                str(gate), float(args.get("start_gate_timeout", START_GATE_TIMEOUT)), stop)
+            if stop.is_set():
+                return 0
         machine.start()
         forked = zygote_child.current()
         timings = {"restore_s": time.monotonic() - started - start_wait,
