@@ -556,11 +556,11 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
             out = {"spawn_s": report.spawn_s, "running_s": report.restored_s,
                    "ready_s": report.ready_s}
             if report.failed:
-                # A child that gives up waiting for its agent exits; its reason
-                # is in its status.json (the zygote reports only the status).
-                reasons = sorted({str(json.loads(p.read_bytes()).get("reason"))[:200]
-                                  for p in run_root.glob("*/status.json")
-                                  if json.loads(p.read_bytes()).get("state") == "failed"})
+                # A child that gives up waiting for its agent says why in its status
+                # and its log; the zygote removes the status with the run directory
+                # when it reaps the child, so the spawner's reason (which carries
+                # the log's tail) is the one that survives.
+                reasons = sorted({reason[-300:] for _, reason in report.failed})
                 out.update(ready_s=None, incomplete=(
                     f"{len(report.failed)} of {n} children failed ({'; '.join(reasons[:3])}); "
                     f"{len(ready)} agents answered, the last after {report.ready_s:.1f} s"))
