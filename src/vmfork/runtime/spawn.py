@@ -165,7 +165,9 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
         run_dir = run_root / vm_id
         args: dict[str, Any] = {
             "snapshot_dir": str(snapshot.path), "run_dir": str(run_dir), "vm_id": vm_id,
-            "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify.path)}
+            "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify.path),
+            # a child gives up on its agent when the spawner would give up on it
+            "ready_timeout": timeout}
         if gate is not None:
             args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
         items.append(SpawnItem(vm_id, args, memory_limit_mib))
