@@ -17,7 +17,7 @@ A batch (n > 1) starts together: each child restores everything, reports
 ``prepared`` and waits at a start gate (a second FIFO) before its vCPUs run; once
 every child is prepared (or has failed), the spawner writes one byte per child
 into the gate. Guests that already run would otherwise compete for the CPU with
-siblings still restoring, and the batch's last restore would come much later.
+siblings still restoring, and the batch's last restore would come later.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ imports are already done and a spawn pays only for the restore. Contract:
   everything, reports ``prepared``, and starts its vCPUs only once it has read a
   byte from that FIFO: the spawner writes them when every sibling is prepared,
   so guests that already run do not take the CPU from siblings still restoring
-  (on a loaded host that made the last restore of a batch many times slower).
+  (which would delay the batch's last restore).
   It waits at most ``start_gate_timeout`` seconds, and not at all if the gate
   is gone: a guest is never held back for a spawner that went away. The time
   waited is reported as ``start_wait_s`` and is not part of ``restore_s``.
