@@ -49,7 +49,9 @@ def warm(store: Store) -> Snapshot:
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     path = tmp_path_factory.mktemp("zygote") / "z.sock"
-    proc = start_zygote(str(path))
+    # Its imports take ~1 s natively, but ~40x that over the emulated test host's 9p
+    # on a loaded machine: past start_zygote's default 30 s.
+    proc = start_zygote(str(path), timeout=180.0)
     yield proc
     proc.close()
 

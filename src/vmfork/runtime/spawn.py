@@ -12,6 +12,12 @@ status change, so the spawner sleeps until something changed and then reads
 only that child's file, instead of re-reading N files every few milliseconds
 (which, with 100 children on two cores, steals CPU from the children it waits
 for). Every file is still re-read now and then, in case a line was lost.
+
+A batch (n > 1) starts together: each child restores everything, reports
+``prepared`` and waits at a start gate (a second FIFO) before its vCPUs run; once
+every child is prepared (or has failed), the spawner writes one byte per child
+into the gate. Guests that already run would otherwise compete for the CPU with
+siblings still restoring, and the batch's last restore would come later.
 """
 
 from __future__ import annotations
@@ -91,21 +97,48 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     if not 1 <= n <= 1000:
         raise ValueError(f"n must be 1..1000, not {n}")
     run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    notify_path = run_root / f".notify-{secrets.token_hex(6)}"
-    os.mkfifo(notify_path, 0o600)
+    token = secrets.token_hex(6)
+    notify = _Fifo.create(run_root / f".notify-{token}")
+    gate = None
     try:
-        # O_RDWR: opening never blocks, and the FIFO never reads as closed (EOF)
-        # between one child's line and the next.
-        notify_fd = os.open(notify_path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        notify_path.unlink()
-        raise
-    try:
+        if n > 1:
+            gate = _Fifo.create(run_root / f".start-{token}")
         return _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
-                              done_states, progress, notify_path, notify_fd)
+                              done_states, progress, notify, gate)
     finally:
-        os.close(notify_fd)
-        notify_path.unlink()
+        notify.remove()
+        if gate is not None:
+            gate.release(n)  # if it was not yet: never leave a child waiting for nothing
+            gate.remove()
+
+
+@dataclass
+class _Fifo:
+    """A FIFO in the run root, held open read-write by the spawner: opening it
+    never blocks, and it never reads as closed while the spawner holds it."""
+
+    path: Path
+    fd: int
+    released: bool = False
+
+    @classmethod
+    def create(cls, path: Path) -> _Fifo:
+        os.mkfifo(path, 0o600)
+        try:
+            return cls(path, os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError:
+            path.unlink()
+            raise
+
+    def release(self, children: int) -> None:
+        """Open the start gate: one byte for each child that waits (or will)."""
+        if not self.released:
+            os.write(self.fd, b"\0" * children)
+            self.released = True
+
+    def remove(self) -> None:
+        os.close(self.fd)
+        self.path.unlink()
 
 
 def _read_notifications(fd: int) -> set[str]:
@@ -124,21 +157,26 @@ def _read_notifications(fd: int) -> set[str]:
 
 def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path,
                    memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
-                   progress: Callable[[int, int, int], None] | None, notify_path: Path,
-                   notify_fd: int) -> ForkReport:
+                   progress: Callable[[int, int, int], None] | None, notify: _Fifo,
+                   gate: _Fifo | None) -> ForkReport:
     items = []
     for _ in range(n):
         vm_id = new_vm_id()
         run_dir = run_root / vm_id
-        items.append(SpawnItem(vm_id, {
+        args: dict[str, Any] = {
             "snapshot_dir": str(snapshot.path), "run_dir": str(run_dir), "vm_id": vm_id,
-            "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify_path)},
-            memory_limit_mib))
+            "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify.path),
+            # a child gives up on its agent when the spawner would give up on it
+            "ready_timeout": timeout}
+        if gate is not None:
+            args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
+        items.append(SpawnItem(vm_id, args, memory_limit_mib))
+    notify_fd = notify.fd
     # A child can die before it writes any status (killed, OOM, a crash in the
     # restore): the zygote's exit events catch those; take the cursor first.
     _, events_cursor = zygote.events()
     started = time.monotonic()
-    result = zygote.spawn_many(VMM_ENTRY, items)
+    result = zygote.spawn_many(VMM_ENTRY, items, timeout=timeout)
     spawned = time.monotonic()
     children = [Child(c.vm_id, c.pid, Path(c.run_dir or run_root / c.vm_id))
                 for c in result.children]
@@ -149,6 +187,7 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
     next_full_scan = started
     changed: set[str] = set(pending)
     restored: set[str] = set()
+    prepared: set[str] = set()   # at the start gate, or past it
     last = (-1, -1, -1)
     while pending:
         now = time.monotonic()
@@ -161,6 +200,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
         for vm_id in changed & pending.keys():
             child = pending[vm_id]
             state = child.read_status().get("state")
+            if state in ("prepared", "restored", "ready"):
+                prepared.add(vm_id)
             if state in ("restored", "ready"):
                 restored.add(vm_id)
             if state in done_states:
@@ -178,6 +219,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
                                    + (f" ({tail})" if tail else "")))
             next_events_check = time.monotonic() + EVENTS_CHECK_S
         changed.clear()
+        if gate is not None and pending.keys() <= prepared:
+            gate.release(len(children))
         if restored_at is None and len(restored) + len(failed) >= len(children):
             restored_at = time.monotonic()
         counts = (len(restored), len(children) - len(pending) - len(failed), len(failed))

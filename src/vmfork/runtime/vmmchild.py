@@ -15,6 +15,14 @@ imports are already done and a spawn pays only for the restore. Contract:
   with timings, or ``failed`` with the reason); the spawner reads it. If
   ``args["notify_path"]`` names a FIFO, one line ``<vm_id> <state>`` is written
   to it after each status change, so the spawner need not poll every file.
+* If ``args["start_gate"]`` names a FIFO (a batch spawn), the child restores
+  everything, reports ``prepared``, and starts its vCPUs only once it has read a
+  byte from that FIFO: the spawner writes them when every sibling is prepared,
+  so guests that already run do not take the CPU from siblings still restoring
+  (which would delay the batch's last restore).
+  It waits at most ``start_gate_timeout`` seconds, and not at all if the gate
+  is gone: a guest is never held back for a spawner that went away. The time
+  waited is reported as ``start_wait_s`` and is not part of ``restore_s``.
 * The snapshot is decoded and its ioctl buffers built once, in the zygote
   (``prefork``), and inherited by every child forked after it; a child checks
   that ``state.bin`` is still the file that was decoded, and otherwise (or if
@@ -34,10 +42,13 @@ import gc
 import json
 import logging
 import os
+import select
 import selectors
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -56,6 +67,8 @@ log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
+START_GATE_TIMEOUT = 300.0
+STOP_CHECK_S = 0.5   # how often a wait at the start gate looks for SIGTERM
 READY_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
 EXIT_GUEST_DIED = 3
@@ -104,15 +117,40 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
     return state, prepared
 
 
+_warmed_up: set[tuple[str, tuple[int, int, int, int]]] = set()
+
+
 def prefork(batch: list[dict[str, Any]]) -> None:
     """Zygote hook, run before a batch is forked: decode each snapshot once here so
-    every child inherits it. A snapshot that cannot be loaded is left to the
-    children, which report why in their status."""
+    every child inherits it, and warm the restore path up on its first batch. A
+    snapshot that cannot be loaded is left to the children, which report why."""
     for snapshot_dir in {str(args.get("snapshot_dir")) for args in batch}:
         try:
             load_snapshot(snapshot_dir)
+            key = (snapshot_dir, _identity(os.path.join(snapshot_dir, "state.bin")))
+            if key not in _warmed_up:
+                _warm_up_restore(snapshot_dir)
+                _warmed_up.add(key)
         except Exception as err:  # noqa: BLE001 -- each child reports it
-            log.info("prefork: %s not cached: %s", snapshot_dir, err)
+            log.info("prefork: %s not prepared: %s", snapshot_dir, err)
+
+
+def _warm_up_restore(snapshot_dir: str) -> None:
+    """Restore the snapshot here, into a VM that never runs, and close it again.
+
+    CPython 3.11 rewrites a function's bytecode in place (quickening, inline
+    caches) the first times it runs. Done here, once, those writes land in pages
+    every child then shares; left to the children, each one copies those pages
+    (measured: ~0.5 MiB less per child, and as many fewer copy-on-write faults).
+    Nothing of it survives: the VM, its fds, mappings and I/O thread are gone
+    before the zygote forks (it checks that it has one thread).
+    """
+    scratch = Path(tempfile.mkdtemp(prefix="vmfork-warm-up-"))
+    try:
+        machine, _ = restore(snapshot_dir, scratch, "warm-up")
+        machine.close()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _write_status(run_dir: Path, status: dict[str, Any]) -> None:
@@ -349,6 +387,30 @@ class ControlServer:
         self.sock.close()
 
 
+def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> float:
+    """Block until this child takes a byte from the start gate FIFO, the gate is
+    closed or gone, ``stop`` is set (SIGTERM) or ``timeout`` passes; returns the
+    seconds waited."""
+    started = time.monotonic()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return 0.0
+    try:
+        deadline = started + timeout
+        while (remaining := deadline - time.monotonic()) > 0 and not stop.is_set():
+            if not select.select([fd], [], [], min(remaining, STOP_CHECK_S))[0]:
+                continue
+            try:
+                os.read(fd, 1)  # a byte: our turn; b"": the spawner closed it
+                break
+            except BlockingIOError:
+                continue  # a sibling took the byte that woke us
+    finally:
+        os.close(fd)
+    return time.monotonic() - started
+
+
 def _release_start_up_memory() -> None:
     """Give back what restoring and the first handshake allocated and freed.
 
@@ -383,9 +445,18 @@ def main(args: dict[str, Any]) -> int:
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
     with machine:
+        start_wait = 0.0
+        gate = args.get("start_gate")
+        if gate is not None:
+            report({"state": "prepared", "pid": os.getpid()})
+            start_wait = _wait_for_start_gate(
+                str(gate), float(args.get("start_gate_timeout", START_GATE_TIMEOUT)), stop)
+            if stop.is_set():
+                return 0
         machine.start()
         forked = zygote_child.current()
-        timings = {"restore_s": time.monotonic() - started,
+        timings = {"restore_s": time.monotonic() - started - start_wait,
+                   "start_wait_s": start_wait,
                    # fork() in the zygote to this entry: the child's set-up (zygote_child)
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}

@@ -5,7 +5,8 @@ heavy modules once, then serves the JSON-lines protocol of ``zygote_protocol`` o
 a Unix socket. A spawn is one ``fork()``: the child starts with every module
 already imported, so it never pays interpreter start-up (DESIGN.md decision 1). A
 KVM VM does not survive fork (it belongs to the mm that created it), so the
-zygote never opens ``/dev/kvm``; each child creates its own VM in its entry.
+zygote holds no KVM fd when it forks (an entry's ``prefork`` hook may create and
+close a VM to warm code up); each child creates its own VM in its entry.
 
 Fork safety. ``fork()`` copies only the calling thread. A lock held by any other
 thread at that instant stays locked forever in the child (the malloc arena lock,
@@ -44,7 +45,7 @@ closes a dead daemon's sockets, so a crash starts the clock at once.
 Per-batch preparation: if the entry's module defines ``prefork(batch)``, the
 zygote calls it with the list of the batch's ``args`` before forking, so work
 that every child of the batch would repeat (decoding a snapshot) is done once
-and inherited. It must not start threads or open ``/dev/kvm``; an exception
+and inherited. It must leave no thread running and no KVM fd open; an exception
 from it is logged and the batch is forked anyway. Then the zygote collects and
 freezes its heap (``gc.collect`` + ``gc.freeze``): the collector in a child
 never walks, and so never writes to, what the child inherited, and those pages

@@ -105,9 +105,13 @@ class ZygoteClient:
         item = SpawnItem(vm_id, args or {}, memory_limit_mib, cgroup_parent)
         return ChildInfo.from_json(self.request("spawn", entry=entry, **item.to_json())["child"])
 
-    def spawn_many(self, entry: str, items: Iterable[SpawnItem]) -> SpawnManyResult:
-        """Fork one child per item, back to back; the children run in parallel."""
-        reply = self.request("spawn_many", entry=entry, items=[i.to_json() for i in items])
+    def spawn_many(self, entry: str, items: Iterable[SpawnItem],
+                   timeout: float | None = None) -> SpawnManyResult:
+        """Fork one child per item, back to back; the children run in parallel.
+        ``timeout`` (seconds) replaces the client's for this request: forking
+        many children on a loaded host can take longer than one request should."""
+        reply = self.request("spawn_many", timeout=timeout, entry=entry,
+                             items=[i.to_json() for i in items])
         return SpawnManyResult([ChildInfo.from_json(c) for c in reply["children"]],
                                [(f["vm_id"], f["error"]) for f in reply["failed"]])
 

@@ -236,14 +236,27 @@ def apply_vcpu(fd: int, vcpu: PreparedVcpu, host_tsc_khz: int | None = None) -> 
     api.set_xcrs(fd, vcpu.xcrs)
     api.set_debugregs(fd, vcpu.debugregs)
     api.set_lapic(fd, vcpu.lapic)
-    # KVM_SET_MSRS stops at the first MSR it refuses: skip that one, set the rest.
+    # KVM_SET_MSRS stops at the first MSR it refuses: skip that one and set the
+    # rest, from one private buffer (the prepared one is shared and only read;
+    # building a buffer per refusal would create a ctypes type each time).
     refused = []
-    pending = list(vcpu.msr_values)
-    accepted = api.set_msrs_buffer(fd, vcpu.msrs)
-    while accepted < len(pending):
-        refused.append(pending[accepted][0])
-        pending = pending[accepted + 1:]
-        accepted = api.set_msrs(fd, dict(pending)) if pending else 0
+    total = len(vcpu.msr_values)
+    done = api.set_msrs_buffer(fd, vcpu.msrs)
+    retry = None
+    entry_size = ctypes.sizeof(s.kvm_msr_entry)
+    while done < total:
+        refused.append(vcpu.msr_values[done][0])
+        done += 1
+        left = total - done
+        if left == 0:
+            break
+        if retry is None:
+            retry = type(vcpu.msrs)()
+        retry.nmsrs = left  # type: ignore[attr-defined]
+        ctypes.memmove(ctypes.addressof(retry.entries),  # type: ignore[attr-defined]
+                       ctypes.addressof(vcpu.msrs.entries) + done * entry_size,  # type: ignore[attr-defined]
+                       left * entry_size)
+        done += api.set_msrs_buffer(fd, retry)
     if refused:
         log.debug("vcpu%d: KVM refused MSRs %s", vcpu.index, [hex(m) for m in refused])
     api.set_vcpu_events(fd, vcpu.vcpu_events)
