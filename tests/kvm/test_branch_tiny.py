@@ -181,13 +181,17 @@ def test_live_needs_copy_on_write_memory(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_soft_dirty_sees_vmm_writes_since_the_clear() -> None:
-    """The tracker behind diffs against a previous branch (vmm.dirty). This tier runs
-    on hosts with a usable KVM, whose kernels (Debian's, the test host's) have it."""
+def test_soft_dirty_sees_vmm_writes_since_the_clear(tmp_path: Path) -> None:
+    """The tracker behind diffs against a previous branch (vmm.dirty), on memory mapped
+    like a sandbox's (a file, MAP_PRIVATE: copy-on-write breaks 4 KiB pages, where
+    anonymous memory may get transparent huge pages, dirty 2 MiB at a time). This tier
+    runs on hosts with a usable KVM, whose kernels (Debian's, the test host's) have it."""
     if not dirty.soft_dirty_supported():
         pytest.skip("this kernel has no CONFIG_MEM_SOFT_DIRTY: diffs are taken against the "
                     "restore base only (test_repeated_branches_... covers that)")
-    memory = GuestMemory.anonymous(4 << 20)
+    backing = tmp_path / "memory.bin"
+    backing.write_bytes(bytes(4 << 20))
+    memory = GuestMemory.from_file_private(str(backing), 4 << 20)
     try:
         memory.write(4096, b"a")
         dirty.clear_soft_dirty()

@@ -73,7 +73,9 @@ MEMORY_IMAGE = "image"        # a whole memory file (backing layout, sparse)
 MEMORY_LAYER = "layer"        # a layer file: changed pages + index
 
 _PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
+# Resolved here, not in the forked writer: a symbol lookup there could need a loader
+# lock that another thread held at the fork.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 class CaptureError(HostError):
@@ -341,7 +343,7 @@ class _Writer:
             report: dict[str, object]
             try:
                 os.close(read_fd)
-                _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 if os.getppid() != parent:
                     os._exit(1)
                 written, pages = _write_image_file(path, memory)
