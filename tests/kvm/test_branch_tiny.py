@@ -10,6 +10,7 @@ guest RAM, which checks that VMM-side writes reach the snapshots too.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -201,3 +202,29 @@ def test_soft_dirty_sees_vmm_writes_since_the_clear(tmp_path: Path) -> None:
         assert dirty.soft_dirty_pages(memory) == [(2 * 4096, 4096), (6 * 4096, 4096)]
     finally:
         memory.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs: too small for any memory image of the test guests."""
+    mount_point = tmp_path / "tiny-disk"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                   check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["full", "diff", "live"])
+def test_a_full_disk_fails_the_capture_cleanly(mode: str, source: Machine,
+                                               tiny_disk: Path) -> None:
+    taker = SnapshotTaker(source, origin_tag="base")
+    for n in range(8):      # the guest's counter pages alone fill 64 KiB: dirty more
+        source.memory.write(PATTERN_AT + n * 4096 * 8, os.urandom(4096 * 8))
+    with pytest.raises(CaptureError, match="No space left"):
+        taker.take(mode, str(tiny_disk / "memory.bin"), str(tiny_disk / "state.bin"))
+    assert list(tiny_disk.iterdir()) == []
+    at = source.memory.read_u64(FILL_AT)
+    assert wait_until(lambda: source.memory.read_u64(FILL_AT) > at + 20)
