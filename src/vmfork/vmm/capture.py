@@ -44,7 +44,8 @@ when the kernel supports soft-dirty (``vmm.dirty``).
 
 **Nothing partial.** Memory goes to a temporary name next to its target, the
 state file is written atomically, and the memory file is renamed into place
-last; any failure removes what was written.
+last; any failure removes what was written. The pause covers copying into the
+page cache only: the fsync that makes the file durable runs after the resume.
 """
 
 from __future__ import annotations
@@ -227,10 +228,13 @@ class SnapshotTaker:
                 timings["pause_s"] = time.monotonic() - started
             if on_resumed is not None:
                 on_resumed(dict(timings))
+            at = time.monotonic()
             if writer is not None:
-                at = time.monotonic()
                 written, pages = writer.wait()
                 timings["memory_write_s"] = time.monotonic() - at
+            else:
+                _fsync_file(tmp_memory)
+                timings["fsync_s"] = time.monotonic() - at
             at = time.monotonic()
             write_file_atomic(state_path, encode_state(state))
             try:
@@ -282,13 +286,21 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _write_file(path: str, write: Callable[[int], int]) -> int:
+    """Create ``path`` and fill it; no fsync (``_fsync_file``), which is kept out of
+    the pause: once written, the page cache holds the capture's bytes."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        written = write(fd)
+        return write(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return written
 
 
 def _write_image_file(path: str, memory: GuestMemory) -> tuple[int, int | None]:
@@ -347,6 +359,7 @@ class _Writer:
                 if os.getppid() != parent:
                     os._exit(1)
                 written, pages = _write_image_file(path, memory)
+                _fsync_file(path)
                 report = {"ok": True, "written": written, "pages": pages}
                 status = 0
             except BaseException as err:  # noqa: BLE001 -- reported to the VMM, then _exit
