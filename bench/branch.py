@@ -27,7 +27,7 @@ on hardware; compare ratios against it). forkd's published numbers
 (REFERENCE-forkd.md; bare metal, 1.5 GiB source) are quoted for reference:
 full ~13.5 s, diff 202 ms, live 56 ms p50 pause, ``wait:false`` 69 ms.
 
-Writes ``bench/results/branch.{json,md}``. On a host whose KVM cannot run
+Writes ``bench/results/branch.{json,md}`` (``--name`` to change). On a host whose KVM cannot run
 unmodified guests it re-runs itself inside the emulated test host, where only
 ratios within the run mean anything.
 """
@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--qemu", action="store_true",
                    help="also measure QEMU's stop+migrate-to-file and live-migrate pauses")
+    p.add_argument("--name", default="branch",
+                   help="results go to bench/results/<name>.{json,md}")
     p.add_argument("--host-mem-mib", type=int, default=6144)
     p.add_argument("--host-timeout", type=float, default=3600)
     return p.parse_args()
@@ -348,7 +350,7 @@ def main() -> int:
             if args.qemu:
                 setup.setdefault("qemu", {})[str(mem)] = qemu_pauses(
                     image, mem, workdir, args.branches, log)
-    write_results("branch", {"setup": setup, "results": results}, markdown(results, setup))
+    write_results(args.name, {"setup": setup, "results": results}, markdown(results, setup))
     return 0
 
 
