@@ -348,8 +348,12 @@ def main() -> int:
                     if snap.tag != parent.tag:
                         store.delete(snap.tag)
             if args.qemu:
-                setup.setdefault("qemu", {})[str(mem)] = qemu_pauses(
-                    image, mem, workdir, args.branches, log)
+                try:
+                    setup.setdefault("qemu", {})[str(mem)] = qemu_pauses(
+                        image, mem, workdir, args.branches, log)
+                except Exception as err:  # noqa: BLE001 -- the peer is optional; say why
+                    setup.setdefault("qemu_errors", {})[str(mem)] = repr(err)
+                    log(f"qemu {mem} MiB failed: {err!r}")
     write_results(args.name, {"setup": setup, "results": results}, markdown(results, setup))
     return 0
 
