@@ -15,6 +15,11 @@ has that much changed since the previous one. Reported per mode:
   and for live also to return with ``wait=False``;
 * **bytes written** by the VMM (the layer's data for diff).
 
+The **QEMU peer** (``--qemu``, same run, same kernel and initramfs, idle guest of
+each size): ``stop`` + ``migrate`` to a file + ``cont`` (what ``savevm`` does: the
+pause covers the whole write), and a live ``migrate`` to a file, whose pause is
+QEMU's reported ``downtime`` plus the ``cont`` that resumes the source after it.
+
 The **floor** of a pause on this host: the control socket's ``pause`` +
 ``resume`` round trip with nothing captured, measured in the same run (inside the
 emulated test host, kicking vCPUs and KVM's page-table work are far slower than
@@ -22,7 +27,7 @@ on hardware; compare ratios against it). forkd's published numbers
 (REFERENCE-forkd.md; bare metal, 1.5 GiB source) are quoted for reference:
 full ~13.5 s, diff 202 ms, live 56 ms p50 pause, ``wait:false`` 69 ms.
 
-Writes ``bench/results/branch.{json,md}``. On a host whose KVM cannot run
+Writes ``bench/results/branch.{json,md}`` (``--name`` to change). On a host whose KVM cannot run
 unmodified guests it re-runs itself inside the emulated test host, where only
 ratios within the run mean anything.
 """
@@ -68,6 +73,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dirty-mib", type=int, nargs="+", default=[0, 100])
     p.add_argument("--branches", type=int, default=10)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--qemu", action="store_true",
+                   help="also measure QEMU's stop+migrate-to-file and live-migrate pauses")
+    p.add_argument("--name", default="branch",
+                   help="results go to bench/results/<name>.{json,md}")
     p.add_argument("--host-mem-mib", type=int, default=6144)
     p.add_argument("--host-timeout", type=float, default=3600)
     return p.parse_args()
@@ -180,6 +189,51 @@ def run_series(store: Any, source: Any, mode: str, dirty_mib: int, branches: int
     return out
 
 
+def qemu_pauses(image: Any, mem_mib: int, workdir: Path, reps: int, log: Any) -> dict[str, Any]:
+    """QEMU's pauses for a snapshot of a running idle guest (see the module notes)."""
+    from spawn import QemuFleet, Qmp, wait_agent
+
+    fleet = QemuFleet(image, mem_mib, workdir / f"qemu-{mem_mib}",
+                      os.path.exists("/dev/vhost-vsock"))
+    try:
+        vm = fleet.start("source", 40)
+        deadline = time.monotonic() + 900
+        wait_agent(vm, fleet.vsock, deadline)
+        qmp = Qmp(vm.qmp_path, deadline, vm.proc)
+        target = workdir / f"qemu-{mem_mib}.state"
+
+        def migrate() -> dict[str, Any]:
+            qmp.execute("migrate", uri=f"exec:cat > {target}")
+            while True:
+                info: dict[str, Any] = qmp.execute("query-migrate")
+                if info.get("status") == "completed":
+                    return info
+                if info.get("status") in ("failed", "cancelled"):
+                    raise RuntimeError(f"QEMU migration {info.get('status')}: {info}")
+                time.sleep(0.002)
+
+        stop_copy, live = [], []
+        for _ in range(reps):
+            started = time.monotonic()
+            qmp.execute("stop")
+            migrate()
+            qmp.execute("cont")
+            stop_copy.append((time.monotonic() - started) * 1000)
+            target.unlink()
+        for _ in range(reps):
+            info = migrate()
+            resumed = time.monotonic()
+            qmp.execute("cont")      # a completed migration leaves the source paused
+            live.append(float(info.get("downtime", 0.0)) + (time.monotonic() - resumed) * 1000)
+            target.unlink()
+        qmp.close()
+        log(f"qemu {mem_mib} MiB: stop+migrate p50 {statistics.median(stop_copy):.0f} ms, "
+            f"live downtime p50 {statistics.median(live):.0f} ms")
+        return {"stop_migrate_cont_ms": stats(stop_copy), "live_migrate_pause_ms": stats(live)}
+    finally:
+        fleet.kill_all()
+
+
 def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
     lines = ["# BRANCH: pause of a running sandbox", "",
              (f"Where: {setup['where']}. Guest image {setup['image']}; each series branches one "
@@ -221,6 +275,19 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
     if lives:
         lines += ["", "`wait=False` live branch, call to return (p50): " + ", ".join(
             f"{k} MiB: {v:.1f} ms" for k, v in lives) + f" (forkd {FORKD_WAIT_FALSE_MS:.0f} ms)."]
+    qemu = setup.get("qemu") or {}
+    if qemu:
+        def ours(mem: str, mode: str) -> float:
+            series = results.get(f"{mem}/0", {}).get(mode)
+            return float(series["pause_ms"]["p50"]) if series else float("nan")
+
+        lines += ["", "QEMU, same run, idle guest (pause p50):", ""]
+        for mem, q in qemu.items():
+            lines.append(f"- {mem} MiB: stop + migrate to a file + cont "
+                         f"{q['stop_migrate_cont_ms']['p50']:.0f} ms (vmfork full "
+                         f"{ours(mem, 'full'):.0f} ms); live migrate, downtime + cont "
+                         f"{q['live_migrate_pause_ms']['p50']:.0f} ms (vmfork live "
+                         f"{ours(mem, 'live'):.0f} ms)")
     lines += ["", ("forkd (REFERENCE-forkd.md): full ~13.5 s, diff 202 ms, live 56 ms p50 pause "
                    "on a 1.5 GiB source, bare metal; its 6th branch once paused 2.7 s. Figures "
                    "from the emulated test host are comparable as ratios (pause/floor) only."),
@@ -280,7 +347,14 @@ def main() -> int:
                 for snap in sorted(store.list(), key=lambda s: -s.meta.created_at_unix):
                     if snap.tag != parent.tag:
                         store.delete(snap.tag)
-    write_results("branch", {"setup": setup, "results": results}, markdown(results, setup))
+            if args.qemu:
+                try:
+                    setup.setdefault("qemu", {})[str(mem)] = qemu_pauses(
+                        image, mem, workdir, args.branches, log)
+                except Exception as err:  # noqa: BLE001 -- the peer is optional; say why
+                    setup.setdefault("qemu_errors", {})[str(mem)] = repr(err)
+                    log(f"qemu {mem} MiB failed: {err!r}")
+    write_results(args.name, {"setup": setup, "results": results}, markdown(results, setup))
     return 0
 
 

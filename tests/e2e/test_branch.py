@@ -57,7 +57,8 @@ def warm(store: Store) -> Snapshot:
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
-    proc = start_zygote(str(tmp_path_factory.mktemp("zygote") / "z.sock"))
+    # Generous: the zygote imports over 9p, slow in a busy emulated test host.
+    proc = start_zygote(str(tmp_path_factory.mktemp("zygote") / "z.sock"), timeout=300.0)
     yield proc
     proc.close()
 

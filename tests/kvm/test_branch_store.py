@@ -7,7 +7,9 @@ every mode, repeatedly and nested; every branch is restored and checked.
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,3 +153,14 @@ def test_failures_publish_nothing(store: Store, sandbox: Sandbox, tmp_path: Path
     at = sandbox.counter()
     assert wait_until(lambda: sandbox.counter() > at + 20)
     assert branch_sandbox(store, sandbox.control_path, "no-vmm", "live").result()
+
+
+def test_the_op_refuses_fields_of_another_contract(sandbox: Sandbox, tmp_path: Path) -> None:
+    request = {"op": "snapshot", "mode": "diff", "memory_path": str(tmp_path / "m"),
+               "state_path": str(tmp_path / "s"), "parent_memory_path": "/elsewhere"}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(sandbox.control_path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert not reply["ok"] and "parent_memory_path" in reply["error"]
+    assert not (tmp_path / "m").exists() and not (tmp_path / "s").exists()

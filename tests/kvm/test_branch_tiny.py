@@ -10,6 +10,7 @@ guest RAM, which checks that VMM-side writes reach the snapshots too.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -181,13 +182,17 @@ def test_live_needs_copy_on_write_memory(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_soft_dirty_sees_vmm_writes_since_the_clear() -> None:
-    """The tracker behind diffs against a previous branch (vmm.dirty). This tier runs
-    on hosts with a usable KVM, whose kernels (Debian's, the test host's) have it."""
+def test_soft_dirty_sees_vmm_writes_since_the_clear(tmp_path: Path) -> None:
+    """The tracker behind diffs against a previous branch (vmm.dirty), on memory mapped
+    like a sandbox's (a file, MAP_PRIVATE: copy-on-write breaks 4 KiB pages, where
+    anonymous memory may get transparent huge pages, dirty 2 MiB at a time). This tier
+    runs on hosts with a usable KVM, whose kernels (Debian's, the test host's) have it."""
     if not dirty.soft_dirty_supported():
         pytest.skip("this kernel has no CONFIG_MEM_SOFT_DIRTY: diffs are taken against the "
                     "restore base only (test_repeated_branches_... covers that)")
-    memory = GuestMemory.anonymous(4 << 20)
+    backing = tmp_path / "memory.bin"
+    backing.write_bytes(bytes(4 << 20))
+    memory = GuestMemory.from_file_private(str(backing), 4 << 20)
     try:
         memory.write(4096, b"a")
         dirty.clear_soft_dirty()
@@ -197,3 +202,29 @@ def test_soft_dirty_sees_vmm_writes_since_the_clear() -> None:
         assert dirty.soft_dirty_pages(memory) == [(2 * 4096, 4096), (6 * 4096, 4096)]
     finally:
         memory.close()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs: too small for any memory image of the test guests."""
+    mount_point = tmp_path / "tiny-disk"
+    mount_point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                   check=True)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+@pytest.mark.parametrize("mode", ["full", "diff", "live"])
+def test_a_full_disk_fails_the_capture_cleanly(mode: str, source: Machine,
+                                               tiny_disk: Path) -> None:
+    taker = SnapshotTaker(source, origin_tag="base")
+    for n in range(8):      # the guest's counter pages alone fill 64 KiB: dirty more
+        source.memory.write(PATTERN_AT + n * 4096 * 8, os.urandom(4096 * 8))
+    with pytest.raises(CaptureError, match="No space left"):
+        taker.take(mode, str(tiny_disk / "memory.bin"), str(tiny_disk / "state.bin"))
+    assert list(tiny_disk.iterdir()) == []
+    at = source.memory.read_u64(FILL_AT)
+    assert wait_until(lambda: source.memory.read_u64(FILL_AT) > at + 20)

@@ -219,6 +219,10 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str) -> tuple[Machine, Mach
     return Machine(config), state
 
 
+_SNAPSHOT_FIELDS = frozenset({"op", "mode", "memory_path", "state_path", "tag", "base_tag",
+                              "resume", "progress"})
+
+
 class ControlServer:
     """JSON-lines control socket; one thread, requests handled in order.
 
@@ -342,6 +346,15 @@ class ControlServer:
 
         or ``{"ok": false, "error": "..."}`` with nothing left at P or S.
         """
+        unknown = sorted(set(req) - _SNAPSHOT_FIELDS)
+        if unknown:
+            # Refused, not ignored: a caller that expects another contract (say, a diff
+            # written as a whole image over some parent file) must not get a layer at P
+            # and publish it as a memory image.
+            return {"ok": False, "error": f"unknown snapshot field(s) {', '.join(unknown)}; "
+                    f"the op takes {', '.join(sorted(_SNAPSHOT_FIELDS - {'op'}))} (a diff "
+                    "writes a layer relative to base_tag: publish it with "
+                    "vmfork.runtime.branch.branch_sandbox)"}
         mode = req.get("mode", "full")
         memory_path, state_path = req.get("memory_path"), req.get("state_path")
         tag, base_tag = req.get("tag"), req.get("base_tag")

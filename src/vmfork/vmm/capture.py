@@ -8,10 +8,11 @@ is saved and guest memory is *fixed*: written (full, diff) or frozen by a
 two. The modes differ in what is written and in how long the source stays
 paused:
 
-* **full**: the whole memory image, written while paused. For a sandbox (RAM
-  mapped ``MAP_PRIVATE`` from a snapshot file) the image is the base file's data
-  extents copied in the kernel (``copy_file_range``) plus the pages the sandbox
-  changed (``vmm.dirty``), so no page is scanned for zeros.
+* **full**: the whole memory image. For a sandbox (RAM mapped ``MAP_PRIVATE``
+  from a snapshot file) only the pages it changed (``vmm.dirty``) are written
+  while paused; the rest of the image is the immutable base file's data, copied
+  in the kernel (``copy_file_range``) after the resume. Other machines (a
+  booted memfd parent) are written whole while paused.
 * **diff**: a layer file (``vmm.layerfile``) holding only the pages changed
   since a *base*, written while paused. The base is the snapshot the sandbox was
   restored from (its changed pages are its private anonymous pages) or this
@@ -44,7 +45,8 @@ when the kernel supports soft-dirty (``vmm.dirty``).
 
 **Nothing partial.** Memory goes to a temporary name next to its target, the
 state file is written atomically, and the memory file is renamed into place
-last; any failure removes what was written.
+last; any failure removes what was written. The pause covers copying into the
+page cache only: the fsync that makes the file durable runs after the resume.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ MEMORY_IMAGE = "image"        # a whole memory file (backing layout, sparse)
 MEMORY_LAYER = "layer"        # a layer file: changed pages + index
 
 _PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
+# Resolved here, not in the forked writer: a symbol lookup there could need a loader
+# lock that another thread held at the fork.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 
 
 class CaptureError(HostError):
@@ -179,6 +183,7 @@ class SnapshotTaker:
         timings: dict[str, float] = {}
         started = time.monotonic()
         writer: _Writer | None = None
+        changed: list[dirty.Run] | None = None   # full, sandbox: base data still to copy
         cleared = False
         try:
             machine.pause()
@@ -189,7 +194,7 @@ class SnapshotTaker:
                 timings["vcpu_state_s"] = time.monotonic() - paused_at
 
                 def fix_memory() -> tuple[MachineState, int, int | None]:
-                    nonlocal writer, cleared
+                    nonlocal writer, cleared, changed
                     at = time.monotonic()
                     state = machine.save_device_state(vm, vcpus)
                     timings["device_state_s"] = time.monotonic() - at
@@ -208,6 +213,10 @@ class SnapshotTaker:
                                               lambda fd: layerfile.write_layer(fd, memory, runs))
                         pages = dirty.page_count(runs)
                         timings["memory_write_s"] = time.monotonic() - at
+                    elif memory.private_file:
+                        written, changed = _write_changed_pages(tmp_memory, memory)
+                        pages = dirty.page_count(changed)
+                        timings["memory_write_s"] = time.monotonic() - at
                     else:
                         written, pages = _write_image_file(tmp_memory, memory)
                         timings["memory_write_s"] = time.monotonic() - at
@@ -225,10 +234,17 @@ class SnapshotTaker:
                 timings["pause_s"] = time.monotonic() - started
             if on_resumed is not None:
                 on_resumed(dict(timings))
+            at = time.monotonic()
             if writer is not None:
-                at = time.monotonic()
                 written, pages = writer.wait()
                 timings["memory_write_s"] = time.monotonic() - at
+            else:
+                if changed is not None:
+                    written += _fill_from_base(tmp_memory, memory, changed)
+                    timings["base_copy_s"] = time.monotonic() - at
+                    at = time.monotonic()
+                _fsync_file(tmp_memory)
+                timings["fsync_s"] = time.monotonic() - at
             at = time.monotonic()
             write_file_atomic(state_path, encode_state(state))
             try:
@@ -280,13 +296,21 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _write_file(path: str, write: Callable[[int], int]) -> int:
+    """Create ``path`` and fill it; no fsync (``_fsync_file``), which is kept out of
+    the pause: once written, the page cache holds the capture's bytes."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        written = write(fd)
+        return write(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return written
 
 
 def _write_image_file(path: str, memory: GuestMemory) -> tuple[int, int | None]:
@@ -297,23 +321,63 @@ def _write_image_file(path: str, memory: GuestMemory) -> tuple[int, int | None]:
     """
     if not memory.private_file:
         return memory.dump(path), None
-    assert memory.backing_fd is not None
-    base_fd = memory.backing_fd
+    written, runs = _write_changed_pages(path, memory)
+    return written + _fill_from_base(path, memory, runs), dirty.page_count(runs)
+
+
+def _write_changed_pages(path: str, memory: GuestMemory) -> tuple[int, list[dirty.Run]]:
+    """Create the image of a sandbox's RAM at ``path`` with only the pages it changed
+    written (the part that must be taken while paused); ``_fill_from_base`` adds the
+    rest, which comes from the immutable base file and can wait until after the resume."""
     runs = dirty.changed_private_pages(memory)
 
     def write(fd: int) -> int:
         os.ftruncate(fd, memory.size)
-        written = layerfile.copy_sparse(base_fd, fd, memory.size)
         for offset, length in runs:
             view = memory.backing_view(offset, length)
             try:
                 layerfile.pwrite_all(fd, view, offset)
             finally:
                 view.release()
-            written += length
-        return written
+        return sum(length for _, length in runs)
 
-    return _write_file(path, write), dirty.page_count(runs)
+    return _write_file(path, write), runs
+
+
+def _fill_from_base(path: str, memory: GuestMemory, changed: list[dirty.Run]) -> int:
+    """Copy the base file's data into the image at ``path`` everywhere but ``changed``."""
+    assert memory.backing_fd is not None
+    base_fd = memory.backing_fd
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        copied = 0
+        for offset, length in _subtract(layerfile.data_extents(base_fd, memory.size), changed):
+            layerfile.copy_range(base_fd, offset, fd, offset, length)
+            copied += length
+    finally:
+        os.close(fd)
+    return copied
+
+
+def _subtract(extents: list[dirty.Run], holes: list[dirty.Run]) -> list[dirty.Run]:
+    """The parts of sorted, disjoint ``extents`` outside sorted, disjoint ``holes``."""
+    out: list[dirty.Run] = []
+    h = 0
+    for start, length in extents:
+        end = start + length
+        while h < len(holes) and holes[h][0] + holes[h][1] <= start:
+            h += 1
+        k = h
+        while start < end:
+            if k >= len(holes) or holes[k][0] >= end:
+                out.append((start, end - start))
+                break
+            hole_start, hole_end = holes[k][0], holes[k][0] + holes[k][1]
+            if hole_start > start:
+                out.append((start, hole_start - start))
+            start = max(start, hole_end)
+            k += 1
+    return out
 
 
 class _Writer:
@@ -341,10 +405,11 @@ class _Writer:
             report: dict[str, object]
             try:
                 os.close(read_fd)
-                _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 if os.getppid() != parent:
                     os._exit(1)
                 written, pages = _write_image_file(path, memory)
+                _fsync_file(path)
                 report = {"ok": True, "written": written, "pages": pages}
                 status = 0
             except BaseException as err:  # noqa: BLE001 -- reported to the VMM, then _exit
