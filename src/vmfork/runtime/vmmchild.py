@@ -13,6 +13,10 @@ imports are already done and a spawn pays only for the restore. Contract:
   streams or a stale clock.
 * ``status.json`` is written atomically at each stage (``restored``, ``ready``
   with timings, or ``failed`` with the reason); the spawner reads it.
+* ``netns``/``net_tap`` (optional): the child's network namespace, entered before
+  anything else, and the tap in it that its virtio-net device attaches to. A
+  restored guest with a network device is told it was forked (``net_refresh``:
+  inherited connections aborted, neighbours flushed) once it answers.
 * ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
   ``resume``, ``snapshot {memory_path, state_path, resume}``, ``exits``, ``stop``.
 * The process exits when the guest stops (status 0 for a clean stop, 3 when the
@@ -35,6 +39,7 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.runtime.network import enter_netns
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.stateformat import encode_state, read_state_file, write_file_atomic
 from vmfork.vmm.vmstate import MachineState
@@ -74,14 +79,16 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str,
     return {"agent_ready": connected - started, "reseed_and_clock": time.monotonic() - connected}
 
 
-def restore(snapshot_dir: str, run_dir: Path, vm_id: str) -> tuple[Machine, MachineState]:
+def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
+            net_tap: str | None = None) -> tuple[Machine, MachineState]:
     state = read_state_file(os.path.join(snapshot_dir, "state.bin"), MachineState)
     config = MachineConfig(
         restore_state=state, memory_file=os.path.join(snapshot_dir, "memory.bin"),
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=str(run_dir / "vsock.sock") if state.vsock is not None else None,
         rng=state.rng is not None, guest_cid=state.guest_cid,
-        console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False)
+        console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False,
+        net_tap=net_tap)
     return Machine(config), state
 
 
@@ -162,7 +169,9 @@ def main(args: dict[str, Any]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        machine, _ = restore(args["snapshot_dir"], run_dir, vm_id)
+        if args.get("netns"):
+            enter_netns(str(args["netns"]))  # before any thread: they inherit it
+        machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"))
     except Exception as err:
         _write_status(run_dir, {"state": "failed", "reason": f"restore: {err}"})
         return 1
@@ -175,6 +184,10 @@ def main(args: dict[str, Any]) -> int:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
             unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)))
+            if state.net is not None:
+                refreshed = time.monotonic()
+                agent.net_refresh()
+                unique["net_refresh"] = time.monotonic() - refreshed
         except Exception as err:
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")
