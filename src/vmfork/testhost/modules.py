@@ -44,6 +44,9 @@ MODULE_GROUPS: Mapping[str, tuple[str, ...]] = {
     "stdout/stderr ports": ("virtio_console",),
     "nested kvm": ("kvm_amd",),
     "/dev/vhost-vsock for QEMU peers in bench/spawn.py": ("vhost_vsock",),
+    "per-child networks (runtime/network.py): taps, veths, nftables NAT, fib, reject": (
+        "tun", "veth", "nf_tables", "nft_chain_nat", "nft_nat", "nft_masq", "nft_ct",
+        "nft_fib_ipv4", "nft_reject_ipv4"),
 }
 
 KERNEL_PACKAGE = "linux-image-amd64"
