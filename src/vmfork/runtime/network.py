@@ -460,8 +460,15 @@ class HostNetwork:
         built are destroyed before the error is raised)."""
         policy = egress or EgressPolicy()
         allowed = policy.resolve() if policy.mode == "allowlist" else ()
-        futures = [self._pool.submit(self._build, self._claim_slot(), policy, allowed)
-                   for _ in range(n)]
+        slots: list[int] = []
+        try:
+            for _ in range(n):
+                slots.append(self._claim_slot())
+        except NetworkError:
+            for slot in slots:
+                self._release_slot(slot)
+            raise
+        futures = [self._pool.submit(self._build, slot, policy, allowed) for slot in slots]
         built: list[ChildNetwork] = []
         errors: list[BaseException] = []
         for future in futures:
