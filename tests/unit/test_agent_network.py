@@ -99,8 +99,9 @@ def test_inherited_connections_are_aborted_loopback_ones_kept(netns: PrivateNet)
     # Both ends are guest sockets here; aborting one resets the other, so the second
     # destroy may find nothing left to abort.
     assert aborted in (1, 2)
-    assert client_saw == "ConnectionAbortedError"
-    assert peer_saw in ("ConnectionAbortedError", "ConnectionResetError", "b''")
+    # Whichever end was aborted first sees ECONNABORTED, the other the RST it sent.
+    assert {client_saw, peer_saw} <= {"ConnectionAbortedError", "ConnectionResetError", "b''"}
+    assert "ConnectionAbortedError" in (client_saw, peer_saw)
     assert kept == b"still here"
 
 
