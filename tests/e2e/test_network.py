@@ -16,6 +16,7 @@ identity set per child after the fork.
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -195,7 +196,10 @@ def _get(url: str) -> str:
 
 
 def _fetch(child: Child, addr: str) -> str:
-    return str(child.agent.eval(f"fetch('http://{addr}:{SERVER_PORT}/')").value)
+    """``ok:<body>`` or ``error:<exception>``, as the guest's ``fetch`` saw it."""
+    value = child.agent.eval(f"fetch('http://{addr}:{SERVER_PORT}/')").value
+    assert value is not None
+    return str(ast.literal_eval(value))  # eval gives the repr of the value
 
 
 def test_two_children_serve_the_same_guest_port_each_reachable(spawner: Spawner) -> None:
