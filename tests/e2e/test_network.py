@@ -239,6 +239,25 @@ def test_egress_allow_deny_and_allowlist(spawner: Spawner) -> None:
     assert _get(f"http://{child.network.address}:{GUEST_PORT}/") == child.vm_id
 
 
+def test_net_refresh_aborts_outside_connections_keeps_listeners(spawner: Spawner) -> None:
+    (child,) = spawner.fork(1)
+    assert child.network is not None
+    child.agent.eval(f"import socket\n"
+                     f"_held = socket.create_connection(('{SERVER_A}', {SERVER_PORT}), 10)\n"
+                     f"def _send_held():\n"
+                     f"    try:\n"
+                     f"        _held.send(b'x')\n"
+                     f"        return 'sent'\n"
+                     f"    except OSError as err:\n"
+                     f"        return type(err).__name__\n")
+    refreshed = child.agent.net_refresh()
+    assert refreshed.interface == "eth0" and refreshed.connections_aborted >= 1
+    value = child.agent.eval("_send_held()").value
+    assert value is not None and ast.literal_eval(value) == "ConnectionAbortedError"
+    child.agent.eval(f"IDENT = {child.vm_id!r}")
+    assert _get(f"http://{child.network.address}:{GUEST_PORT}/") == child.vm_id
+
+
 def test_deny_all_from_the_start(spawner: Spawner) -> None:
     (child,) = spawner.fork(1, EgressPolicy("deny"))
     assert _fetch(child, SERVER_A).startswith("error:")
