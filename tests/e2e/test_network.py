@@ -147,7 +147,8 @@ def snapshot(store: Store) -> Snapshot:
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     path = tmp_path_factory.mktemp("zygote") / "z.sock"
-    proc = start_zygote(str(path))
+    # Its imports come over 9p in the emulated host: on a busy machine, well over 30 s.
+    proc = start_zygote(str(path), timeout=300.0)
     yield proc
     proc.close()
 
