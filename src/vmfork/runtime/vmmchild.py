@@ -186,7 +186,14 @@ def main(args: dict[str, Any]) -> int:
             unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)))
             if state.net is not None:
                 refreshed = time.monotonic()
-                agent.net_refresh()
+                while True:  # retried like make_unique's steps: a starved guest answers late
+                    try:
+                        agent.net_refresh()
+                        break
+                    except (AgentUnavailable, AgentTimeout):
+                        if time.monotonic() - refreshed > READY_TIMEOUT:
+                            raise
+                        time.sleep(0.05)
                 unique["net_refresh"] = time.monotonic() - refreshed
         except Exception as err:
             exit_ = machine.exit
