@@ -32,6 +32,15 @@ and ``/proc/<pid>/smaps`` (the guest-RAM mapping alone), once every agent has
 answered and the VMs have been idle for ``--settle`` seconds; see
 ``read_memory`` for what is counted where.
 
+``--network`` runs the networking benchmark instead (issue 7), written to
+``bench/results/spawn-network.{json,md}``: vmfork spawns of N children without
+and with per-child network namespaces, interleaved (plus the time to make and
+remove the namespaces), and guest TCP throughput to the host. The guest image
+has no iperf3, so the guest sends with a Python socket loop; the peers,
+measured in the same run, are that same Python sender in a plain network
+namespace (what Python sockets can push here, without a VM) and Debian's
+iperf3 over the same kind of veth path (what the host's network path carries).
+
 Writes ``bench/results/spawn.{json,md}``. On a host whose KVM cannot run
 unmodified guests it re-runs itself inside the emulated test host, where only
 ratios between peers of the same run mean anything.
@@ -526,7 +535,8 @@ def qemu_template(fleet: QemuFleet, template: Template, n: int, settle: float,
 # --------------------------------------------------------------------------- vmfork
 
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
-                 timeout: float) -> dict[str, Any]:
+                 timeout: float, network: Any = None) -> dict[str, Any]:
+    """``network``: a ``HostNetwork``; each child then gets a namespace of its own."""
     from vmfork.runtime.spawn import SpawnFailed, fork_children
     # Every request may wait behind the zygote's fork loop, which for 100 children
     # on a loaded emulated host can take minutes.
@@ -544,7 +554,8 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
     try:
         try:
             report = fork_children(client, snapshot, n, run_root, timeout=timeout,
-                                   progress=progress)
+                                   progress=progress, per_child_netns=network is not None,
+                                   network=network)
         except SpawnFailed as err:
             statuses = [json.loads(p.read_bytes()) for p in run_root.glob("*/status.json")]
             ready = [s for s in statuses if s.get("state") == "ready"]
@@ -554,7 +565,8 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
         else:
             ready = [c.read_status() for c in report.children]
             out = {"spawn_s": report.spawn_s, "running_s": report.restored_s,
-                   "ready_s": report.ready_s}
+                   "ready_s": report.ready_s, "network_s": report.network_s,
+                   "networks": [c.network for c in report.children if c.network is not None]}
             if report.failed:
                 # A child that gives up waiting for its agent says why in its status
                 # and its log; the zygote removes the status with the run directory
@@ -820,6 +832,237 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
     return "\n".join(md) + "\n", data
 
 
+# --------------------------------------------------------------------------- network
+
+NET_PREFIX = "vmfb"
+SINK_PORT = 5201
+# The guest's (and the plain namespace's) sender: as many bytes as it can for a
+# while, in 256 KiB writes; prints what it sent.
+PY_SENDER = """
+import socket, sys, time
+host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+s = socket.create_connection((host, port), timeout=30)
+chunk = bytes(256 * 1024)
+sent = 0
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    s.sendall(chunk)
+    sent += len(chunk)
+s.close()
+print(sent)
+"""
+
+
+def tcp_sink(port: int) -> tuple[socket.socket, Callable[[], dict[str, float]]]:
+    """A host-side receiver on every address: bytes and seconds from first byte to EOF."""
+    listener = socket.create_server(("0.0.0.0", port), reuse_port=False)
+    listener.settimeout(120)
+    result: dict[str, float] = {}
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            total = 0
+            first = None
+            while True:
+                data = conn.recv(1 << 20)
+                if not data:
+                    break
+                if first is None:
+                    first = time.monotonic()
+                total += len(data)
+            result.update(bytes=float(total),
+                          seconds=time.monotonic() - first if first is not None else 0.0)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def wait() -> dict[str, float]:
+        thread.join(300)
+        listener.close()
+        if not result.get("seconds"):
+            raise BenchError(f"throughput sink on port {port} received nothing")
+        return {**result, "mbit_s": result["bytes"] * 8 / result["seconds"] / 1e6}
+
+    return listener, wait
+
+
+@contextmanager
+def plain_netns(name: str, address: str, host_address: str) -> Iterator[None]:
+    """A namespace with a veth to the host and nothing else (the no-VM peers)."""
+    def ip(*a: str) -> None:
+        subprocess.run(["ip", *a], check=True, capture_output=True)
+
+    ip("netns", "add", name)
+    try:
+        ip("link", "add", f"{name}h", "type", "veth", "peer", "name", "eth0", "netns", name)
+        ip("addr", "add", f"{host_address}/31", "dev", f"{name}h")
+        ip("link", "set", f"{name}h", "up")
+        for cmd in (["link", "set", "lo", "up"], ["addr", "add", f"{address}/31", "dev", "eth0"],
+                    ["link", "set", "eth0", "up"]):
+            ip("-n", name, *cmd)
+        yield
+    finally:
+        subprocess.run(["ip", "link", "del", f"{name}h"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+def throughput_peers(seconds: float) -> dict[str, dict[str, float]]:
+    """Python sender and iperf3 from a plain namespace to the host, over a veth."""
+    out: dict[str, dict[str, float]] = {}
+    with plain_netns("vmfbplain", "10.201.255.1", "10.201.255.0"):
+        _, wait = tcp_sink(SINK_PORT)
+        subprocess.run(["ip", "netns", "exec", "vmfbplain", sys.executable, "-c", PY_SENDER,
+                        "10.201.255.0", str(SINK_PORT), str(seconds)],
+                       check=True, capture_output=True, timeout=seconds + 120)
+        out["python_veth"] = wait()
+        iperf3 = shutil.which("iperf3")
+        if iperf3 is not None:
+            server = subprocess.Popen([iperf3, "-s", "-1", "-p", str(SINK_PORT + 1)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                time.sleep(0.5)
+                done = subprocess.run(["ip", "netns", "exec", "vmfbplain", iperf3, "-J", "-c",
+                                       "10.201.255.0", "-p", str(SINK_PORT + 1), "-t",
+                                       str(max(1, int(seconds)))],
+                                      check=True, capture_output=True, timeout=seconds + 120)
+                end = json.loads(done.stdout)["end"]["sum_received"]
+                out["iperf3_veth"] = {"bytes": float(end["bytes"]),
+                                      "seconds": float(end["seconds"]),
+                                      "mbit_s": float(end["bits_per_second"]) / 1e6}
+            finally:
+                server.kill()
+                server.wait()
+    return out
+
+
+def guest_throughput(child: Any, seconds: float) -> dict[str, float]:
+    _, wait = tcp_sink(SINK_PORT)
+    done = child.agent.exec(["python3", "-c", PY_SENDER, child.network.host_address,
+                             str(SINK_PORT), str(seconds)], timeout=seconds + 120)
+    if done.exit_code != 0:
+        raise BenchError(f"guest sender exited {done.exit_code}: "
+                         f"{done.stderr.decode(errors='replace')[-300:]}")
+    return wait()
+
+
+def network_main(args: argparse.Namespace) -> int:
+    from vmfork.image import find_image
+    from vmfork.runtime import network as net
+    from vmfork.runtime.parent import snapshot_parent
+    from vmfork.runtime.spawn import fork_children
+    from vmfork.runtime.zygote_client import start_zygote
+    from vmfork.store import Store
+
+    def log(msg: str) -> None:
+        print(f"spawn --network: {msg}", file=sys.stderr, flush=True)
+
+    image = find_image()
+    results: dict[str, Any] = {"plain": {}, "netns": {}, "teardown": {}}
+    setup: dict[str, Any] = {"image": image.name}
+    with ExitStack() as stack:
+        workdir = Path(tempfile.mkdtemp(prefix="vmfork-bench-net-"))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        home = stack.enter_context(vmfork_home(workdir))
+        net.cleanup_stale(NET_PREFIX)
+        hostnet = net.HostNetwork(net.GuestNetwork(), prefix=NET_PREFIX)
+        hostnet.setup()
+        stack.callback(net.cleanup_stale, NET_PREFIX)
+        stack.callback(hostnet.close)
+        log("snapshotting a parent with a network device")
+        report = snapshot_parent(Store.open(home), "bench-net", image, mem_mib=args.mem_mib,
+                                 warm_code=args.warm, network=net.GuestNetwork())
+        snapshot = report.snapshot
+        with open(workdir / "zygote.log", "wb") as zlog:
+            zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
+        stack.callback(zygote.close)
+        for rep in range(args.reps):
+            for n in args.n:
+                timeout = max(args.timeout, args.timeout_per_vm * n)
+                for mode in ("plain", "netns"):
+                    log(f"{mode} N={n} (run {rep + 1}/{args.reps})")
+                    out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", 0.0, timeout,
+                                       network=hostnet if mode == "netns" else None)
+                    networks = out.pop("networks", [])
+                    out.pop("memory", None)
+                    started = time.monotonic()
+                    for child_net in networks:
+                        hostnet.destroy(child_net)
+                    if networks:
+                        results["teardown"].setdefault(n, []).append(
+                            {"seconds": time.monotonic() - started, "count": len(networks)})
+                    results[mode].setdefault(n, []).append(out)
+                    log(f"{mode} N={n}: restored {fmt_s(out.get('running_s'))}, ready "
+                        f"{fmt_s(out.get('ready_s'))}, networks {fmt_s(out.get('network_s'))}")
+        log("throughput: guest -> host")
+        client = zygote.client(timeout=120.0)
+        spawn = fork_children(client, snapshot, 1, workdir / "vms", timeout=args.timeout,
+                              per_child_netns=True, network=hostnet)
+        if spawn.failed:
+            raise BenchError(f"throughput child failed: {spawn.failed}")
+        child = spawn.children[0]
+        try:
+            results["throughput"] = {"vmfork_guest": guest_throughput(
+                child, args.throughput_seconds)}
+        finally:
+            kill_children(client)
+            client.close()
+            if child.network is not None:
+                hostnet.destroy(child.network)
+        log("throughput: peers without a VM")
+        results["throughput"].update(throughput_peers(args.throughput_seconds))
+        left = net.leftovers(NET_PREFIX)
+        setup["leftovers_after_teardown"] = {"namespaces": left.namespaces, "links": left.links}
+        markdown = render_network(args, results, setup)
+        write_results("spawn-network", {"n": args.n, "reps": args.reps, "mem_mib": args.mem_mib,
+                                        "setup": setup, "results": results}, markdown)
+    return 0
+
+
+def render_network(args: argparse.Namespace, results: dict[str, Any],
+                   setup: dict[str, Any]) -> str:
+    def med(mode: str, n: int, key: str) -> float | None:
+        return median_of(results[mode].get(n, []), key)
+
+    md = [f"# Spawn with per-child networks ({args.mem_mib} MiB, median of {args.reps} run(s))",
+          "", f"Measured in: {where()}.", "",
+          "## Spawn time without / with a network namespace per child", "",
+          ("| N | restored, no network | restored, netns | ready, no network | ready, netns | "
+           "ready ratio | making the N namespaces (inside 'netns') | removing them |"),
+          "|---|---|---|---|---|---|---|---|"]
+    for n in args.n:
+        teardown = [r["seconds"] for r in results["teardown"].get(n, [])]
+        making = med("netns", n, "network_s")
+        plain_ready = med("plain", n, "ready_s")
+        netns_ready = med("netns", n, "ready_s")
+        netns_total = netns_ready + (making or 0.0) if netns_ready is not None else None
+        md.append(f"| {n} | {fmt_s(med('plain', n, 'running_s'))} | "
+                  f"{fmt_s(med('netns', n, 'running_s'))} | {fmt_s(plain_ready)} | "
+                  f"{fmt_s(netns_total)} | {fmt_x(ratio(netns_total, plain_ready))} | "
+                  f"{fmt_s(making)} | "
+                  f"{fmt_s(statistics.median(teardown) if teardown else None)} |")
+    tp = results.get("throughput", {})
+    md += ["", ("'netns' ready counts from the request and includes making the namespaces "
+                "(in parallel, 4 workers), which happens before the spawn; 'restored, netns' "
+                "counts from the spawn."), "",
+           "## TCP throughput to the host (one stream)", "",
+           "| sender | path | Mbit/s |", "|---|---|---|"]
+    rows = (("vmfork_guest", "Python socket loop in the guest",
+             "virtio-net → tap → child netns (SNAT) → veth → host"),
+            ("python_veth", "the same Python loop in a plain namespace", "veth → host"),
+            ("iperf3_veth", "iperf3 (Debian) in a plain namespace", "veth → host"))
+    for key, sender, path in rows:
+        if key in tp:
+            md.append(f"| {sender} | {path} | {tp[key]['mbit_s']:.0f} |")
+    if "vmfork_guest" in tp and "python_veth" in tp:
+        md += ["", (f"Guest / same sender without a VM: "
+                    f"{tp['vmfork_guest']['mbit_s'] / tp['python_veth']['mbit_s']:.2f}×.")]
+    left = setup["leftovers_after_teardown"]
+    md += ["", (f"Left behind after every child was removed: {len(left['namespaces'])} "
+                f"namespaces, {len(left['links'])} host links."), ""]
+    return "\n".join(md) + "\n"
+
+
 # --------------------------------------------------------------------------- main
 
 def parse_args() -> argparse.Namespace:
@@ -844,7 +1087,13 @@ def parse_args() -> argparse.Namespace:
                         help="memory of the emulated test host, when one is needed")
     parser.add_argument("--host-timeout", type=float, default=3 * 3600.0,
                         help="seconds for the whole run in the emulated test host")
+    parser.add_argument("--network", action="store_true",
+                        help="run the networking benchmark (N default 10,100) instead")
+    parser.add_argument("--throughput-seconds", type=float, default=10.0,
+                        help="--network: seconds each TCP throughput run sends")
     args = parser.parse_args()
+    if args.network and args.n == [1, 10, 100]:
+        args.n = [10, 100]
     if args.quick:
         args.n = [1, 10]
     unknown = set(args.peers) - set(PEERS)
@@ -913,6 +1162,9 @@ def main() -> int:
     ensure_kvm_host_with_memory(args.host_mem_mib, args.host_timeout)
     # SIGTERM (e.g. the test host's timeout) must still run the clean-up below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    if args.network:
+        return network_main(args)
 
     from vmfork.image import find_image
     from vmfork.runtime.parent import snapshot_parent

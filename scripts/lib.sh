@@ -17,9 +17,13 @@ export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
 
 DEBIAN_PACKAGES=(
   qemu-system-x86 linux-image-amd64 linux-source-6.1 busybox-static cpio zstd
-  bc flex bison libelf-dev libssl-dev build-essential kmod python3
+  bc flex bison libelf-dev libssl-dev build-essential kmod python3 nftables iperf3
 )
+<<<<<<< HEAD
 PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis)
+=======
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis pyroute2)
+>>>>>>> net
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 

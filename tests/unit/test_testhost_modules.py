@@ -36,6 +36,24 @@ kernel/drivers/vhost/vhost.ko: kernel/drivers/vhost/vhost_iotlb.ko
 kernel/drivers/vhost/vhost_iotlb.ko:
 kernel/net/vmw_vsock/vsock.ko:
 kernel/net/vmw_vsock/vmw_vsock_virtio_transport_common.ko: kernel/net/vmw_vsock/vsock.ko
+kernel/drivers/net/veth.ko:
+kernel/net/netfilter/nfnetlink.ko:
+kernel/lib/libcrc32c.ko:
+kernel/crypto/crc32c_generic.ko:
+kernel/net/netfilter/nf_tables.ko: kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko:
+kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko:
+kernel/net/netfilter/nf_conntrack.ko: kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nf_nat.ko: kernel/net/netfilter/nf_conntrack.ko kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_chain_nat.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/net/netfilter/nf_nat.ko kernel/net/netfilter/nf_conntrack.ko kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_nat.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/net/netfilter/nf_nat.ko kernel/net/netfilter/nf_conntrack.ko kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_masq.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/net/netfilter/nf_nat.ko kernel/net/netfilter/nf_conntrack.ko kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_ct.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/net/netfilter/nf_conntrack.ko kernel/net/ipv6/netfilter/nf_defrag_ipv6.ko kernel/net/ipv4/netfilter/nf_defrag_ipv4.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_fib.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/ipv4/netfilter/nft_fib_ipv4.ko: kernel/net/netfilter/nft_fib.ko kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_reject.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/ipv4/netfilter/nf_reject_ipv4.ko:
+kernel/net/ipv4/netfilter/nft_reject_ipv4.ko: kernel/net/ipv4/netfilter/nf_reject_ipv4.ko kernel/net/netfilter/nft_reject.ko kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
 """
 
 
@@ -65,8 +83,12 @@ def test_load_order_of_the_real_module_table() -> None:
         "9pnet", "9pnet_virtio", "netfs", "fscache", "9p", "overlay", "virtio_console",
         "irqbypass", "kvm", "ccp", "kvm_amd",
         "vsock", "vmw_vsock_virtio_transport_common", "vhost_iotlb", "vhost", "vhost_vsock",
+        "tun", "veth", "crc32c_generic", "nfnetlink", "libcrc32c", "nf_tables", "nf_defrag_ipv4",
+        "nf_defrag_ipv6", "nf_conntrack", "nf_nat", "nft_chain_nat", "nft_nat", "nft_masq",
+        "nft_ct", "nft_fib", "nft_fib_ipv4", "nft_reject", "nf_reject_ipv4", "nft_reject_ipv4",
     }
-    assert "kvm_intel" not in order and "tun" not in order
+    assert "kvm_intel" not in order
+    assert order.index("crc32c_generic") < order.index("libcrc32c"), "libcrc32c's softdep"
 
 
 def test_a_misordered_wish_list_still_loads_dependencies_first() -> None:

@@ -182,6 +182,13 @@ class ReseedResult:
     kernel_reseeded: bool
 
 
+@dataclass(frozen=True)
+class NetRefreshResult:
+    interface: str | None
+    connections_aborted: int
+    neighbours_flushed: int
+
+
 # -- connectors --------------------------------------------------------------------
 
 
@@ -609,6 +616,15 @@ class AgentClient:
         r = self._simple("reseed", bytes(data), **request)
         return ReseedResult(bytes=r["bytes"], entropy_bits=r["entropy_bits"],
                             kernel_reseeded=r["kernel_reseeded"])
+
+    def net_refresh(self) -> NetRefreshResult:
+        """Tell the guest it was just forked: abort the TCP connections it inherited
+        (RST to their peers; loopback and listening sockets stay) and flush its
+        neighbour cache. vsock (this channel) is not affected."""
+        r = self._simple("net_refresh")
+        return NetRefreshResult(interface=r["interface"],
+                                connections_aborted=r["connections_aborted"],
+                                neighbours_flushed=r["neighbours_flushed"])
 
     def set_time(self, ns: int | None = None) -> int:
         """Set the guest's wall clock to ``ns`` nanoseconds since the epoch (default: the

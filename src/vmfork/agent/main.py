@@ -187,6 +187,14 @@ def loopback_up() -> None:
     system.interface_up("lo")
 
 
+def network_up() -> None:
+    from vmfork.agent import network
+
+    line = network.configure_from_cmdline(kernel_cmdline())
+    if line is not None:
+        log(line)
+
+
 def install_signal_handlers() -> None:
     import signal
 
@@ -223,6 +231,7 @@ PID1_STEPS: tuple[tuple[str, Callable[[], None]], ...] = (
     ("stdio", fix_stdio),
     ("/dev links", populate_dev),
     ("loopback", loopback_up),
+    ("network", network_up),
     ("hostname", set_hostname),
     ("signals", install_signal_handlers),
 )

@@ -114,6 +114,12 @@ how the host syncs a restored child (``client.sync_clock``).
 calls reboot(2) with RB_POWER_OFF (or RB_AUTOBOOT). The VMM sees the guest's final reset
 as the end of the VM.
     → ``result {action: "poweroff"|"reboot"}``.
+
+``net_refresh`` — no fields. Sent by the host right after a child is restored from a
+snapshot: the agent aborts every TCP connection the guest inherited (SOCK_DESTROY: the
+peer gets a RST; listening sockets and loopback connections stay) and flushes the
+network interface's neighbour cache (``agent/network.py``).
+    → ``result {interface, connections_aborted, neighbours_flushed}``.
 """
 
 from __future__ import annotations
@@ -145,7 +151,7 @@ DEFAULT_ENV: dict[str, str] = {
 }
 
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
-       "reseed", "set_time", "shutdown")
+       "reseed", "set_time", "shutdown", "net_refresh")
 
 
 class ProtocolError(Exception):

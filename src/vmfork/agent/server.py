@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vmfork import __version__
-from vmfork.agent import files, system
+from vmfork.agent import files, network, system
 from vmfork.agent.conn import Conn, PeerGone
 from vmfork.agent.evaluator import Evaluator
 from vmfork.agent.process import run_exec
@@ -87,6 +87,7 @@ class AgentServer:
             "reseed": self._reseed,
             "set_time": lambda conn, frame: system.set_time_op(conn, frame.header),
             "shutdown": self._shutdown,
+            "net_refresh": lambda conn, frame: conn.result(**network.refresh(frame.header)),
         }
         assert set(self._handlers) == set(OPS)
 

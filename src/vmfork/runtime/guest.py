@@ -28,6 +28,7 @@ from vmfork.agent.client import AgentClient, AgentUnavailable, vsock_uds_connect
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import GuestImage
 from vmfork.paths import run_dir
+from vmfork.runtime.network import GuestNetwork
 from vmfork.vmm.machine import Machine, MachineConfig, MachineExit
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,10 @@ class BootedGuest:
     """A running guest with a ready agent. Use as a context manager."""
 
     def __init__(self, image: GuestImage, *, mem_mib: int = 256, vcpus: int = 1,
-                 ready_timeout: float = READY_TIMEOUT, keep_run_dir: bool = False) -> None:
+                 ready_timeout: float = READY_TIMEOUT, keep_run_dir: bool = False,
+                 network: GuestNetwork | None = None, net_tap: str | None = None) -> None:
+        """``network``: give the guest a virtio-net device configured with it at boot;
+        ``net_tap``: the tap (in this thread's network namespace) that cables it."""
         self.created_at = time.monotonic()
         self.image = image
         self.keep_run_dir = keep_run_dir
@@ -74,10 +78,14 @@ class BootedGuest:
         self._init_seen = threading.Event()
         self.machine: Machine | None = None
         try:
+            cmdline = image.cmdline
+            if network is not None:
+                cmdline = f"{cmdline} {network.kernel_cmdline()}"
             self.machine = Machine(MachineConfig(
-                kernel=str(image.kernel), initrd=str(image.initrd), cmdline_extra=image.cmdline,
+                kernel=str(image.kernel), initrd=str(image.initrd), cmdline_extra=cmdline,
                 mem_mib=mem_mib, vcpus=vcpus, console_log=self.console_log,
-                vsock_uds=self.vsock_uds, vm_id=self.dir.name))
+                vsock_uds=self.vsock_uds, vm_id=self.dir.name,
+                guest_mac=network.mac if network is not None else None, net_tap=net_tap))
             self.machine.serial.line_listeners.append(self._on_console_line)
             self.agent = AgentClient(vsock_uds_connector(self.vsock_uds, AGENT_PORT, timeout=5.0))
             self.timings.vmm_setup = time.monotonic() - self.created_at

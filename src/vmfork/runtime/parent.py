@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from vmfork.image import GuestImage
 from vmfork.runtime.guest import BootedGuest
+from vmfork.runtime.network import GuestNetwork
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.vmm.stateformat import write_state_file
 
@@ -33,13 +34,17 @@ class SnapshotReport:
 
 def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int = 256,
                     vcpus: int = 1, warm_code: str | None = None,
-                    warm_cmd: str | None = None) -> SnapshotReport:
+                    warm_cmd: str | None = None,
+                    network: GuestNetwork | None = None) -> SnapshotReport:
+    """``network``: boot the parent with a network device configured with it, so
+    that its children can be given networks (``fork_children(per_child_netns=True)``
+    with a ``HostNetwork`` of the same ``GuestNetwork``)."""
     if warm_code is not None and warm_cmd is not None:
         raise ValueError("give warm_code (Python run by the agent) or warm_cmd "
                          "(a shell command), not both")
     with store.begin(tag) as pending:
         started = time.monotonic()
-        with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus) as guest:
+        with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus, network=network) as guest:
             booted = time.monotonic()
             if warm_code is not None:
                 result = guest.agent.eval(warm_code)

@@ -27,13 +27,14 @@ import os
 import secrets
 import select
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
@@ -55,6 +56,7 @@ class Child:
     pid: int
     run_dir: Path
     status: dict[str, Any] = field(default_factory=dict)
+    network: ChildNetwork | None = None   # with per_child_netns; destroy it after the VMM
 
     @property
     def agent(self) -> AgentClient:
@@ -76,6 +78,7 @@ class ForkReport:
     restored_s: float       # request to all VMs restored and running
     ready_s: float          # request to all agents answered (reseeded, clock set)
     failed: list[tuple[str, str]]
+    network_s: float = 0.0  # creating the per-child networks (before the request)
 
 
 def new_vm_id() -> str:
@@ -85,9 +88,17 @@ def new_vm_id() -> str:
 def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path, *,
                   memory_limit_mib: int | None = None, timeout: float = 300.0,
                   wait_for: str = "ready",
-                  progress: Callable[[int, int, int], None] | None = None) -> ForkReport:
+                  progress: Callable[[int, int, int], None] | None = None,
+                  per_child_netns: bool = False, network: HostNetwork | None = None,
+                  egress: EgressPolicy | None = None) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
+
+    ``per_child_netns``: each child gets a network of its own from ``network``
+    (made before the spawn, in parallel, with ``egress`` applied), in
+    ``Child.network``; the caller destroys it (``network.destroy``) once the child
+    is gone. Networks of children that failed, or of all if this raises, are
+    destroyed here.
 
     ``progress(restored, ready, failed)`` is called as counts change.
     """
@@ -96,20 +107,36 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")
     if not 1 <= n <= 1000:
         raise ValueError(f"n must be 1..1000, not {n}")
+    if per_child_netns and network is None:
+        raise ValueError("per_child_netns needs a HostNetwork (network=...)")
     run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    network_started = time.monotonic()
+    nets = network.create_many(n, egress) if per_child_netns and network is not None else []
+    network_s = time.monotonic() - network_started
     token = secrets.token_hex(6)
-    notify = _Fifo.create(run_root / f".notify-{token}")
+    try:
+        notify = _Fifo.create(run_root / f".notify-{token}")
+    except BaseException:
+        _destroy_networks(network, nets)
+        raise
     gate = None
     try:
         if n > 1:
             gate = _Fifo.create(run_root / f".start-{token}")
-        return _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
-                              done_states, progress, notify, gate)
+        report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
+                                done_states, progress, notify, gate, nets)
+    except BaseException:
+        _destroy_networks(network, nets)
+        raise
     finally:
         notify.remove()
         if gate is not None:
             gate.release(n)  # if it was not yet: never leave a child waiting for nothing
             gate.remove()
+    kept = {id(c.network) for c in report.children}
+    _destroy_networks(network, [net for net in nets if id(net) not in kept])
+    report.network_s = network_s
+    return report
 
 
 @dataclass
@@ -158,9 +185,10 @@ def _read_notifications(fd: int) -> set[str]:
 def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path,
                    memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
                    progress: Callable[[int, int, int], None] | None, notify: _Fifo,
-                   gate: _Fifo | None) -> ForkReport:
+                   gate: _Fifo | None, nets: list[ChildNetwork]) -> ForkReport:
     items = []
-    for _ in range(n):
+    by_vm: dict[str, ChildNetwork] = {}
+    for index in range(n):
         vm_id = new_vm_id()
         run_dir = run_root / vm_id
         args: dict[str, Any] = {
@@ -170,6 +198,9 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             "ready_timeout": timeout}
         if gate is not None:
             args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
+        if nets:
+            by_vm[vm_id] = nets[index]
+            args.update(netns=nets[index].netns, net_tap=nets[index].tap)
         items.append(SpawnItem(vm_id, args, memory_limit_mib))
     notify_fd = notify.fd
     # A child can die before it writes any status (killed, OOM, a crash in the
@@ -178,8 +209,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
     started = time.monotonic()
     result = zygote.spawn_many(VMM_ENTRY, items, timeout=timeout)
     spawned = time.monotonic()
-    children = [Child(c.vm_id, c.pid, Path(c.run_dir or run_root / c.vm_id))
-                for c in result.children]
+    children = [Child(c.vm_id, c.pid, Path(c.run_dir or run_root / c.vm_id),
+                      network=by_vm.get(c.vm_id)) for c in result.children]
     failed = list(result.failed)
     restored_at: float | None = None
     pending = {c.vm_id: c for c in children}
@@ -235,3 +266,10 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
     return ForkReport(children=ok, spawn_s=spawned - started,
                       restored_s=(restored_at or ready_at) - started,
                       ready_s=ready_at - started, failed=failed)
+
+
+def _destroy_networks(network: HostNetwork | None, nets: Iterable[ChildNetwork]) -> None:
+    if network is None:
+        return
+    for net in nets:
+        network.destroy(net)

@@ -27,6 +27,10 @@ imports are already done and a spawn pays only for the restore. Contract:
   (``prefork``), and inherited by every child forked after it; a child checks
   that ``state.bin`` is still the file that was decoded, and otherwise (or if
   the zygote could not decode it) reads it itself and reports what is wrong.
+* ``netns``/``net_tap`` (optional): the child's network namespace, entered before
+  anything else, and the tap in it that its virtio-net device attaches to. A
+  restored guest with a network device is told it was forked (``net_refresh``:
+  inherited connections aborted, neighbours flushed) once it answers.
 * ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
   ``resume``, ``snapshot`` (full, diff or live; see ``ControlServer.snapshot``),
   ``exits``, ``stop``.
@@ -59,6 +63,7 @@ from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vso
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.runtime import zygote_child
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
+from vmfork.runtime.network import enter_netns
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.stateformat import read_state_file, write_file_atomic
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
@@ -207,7 +212,8 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str,
     return {"agent_ready": connected - started, "reseed_and_clock": time.monotonic() - connected}
 
 
-def restore(snapshot_dir: str, run_dir: Path, vm_id: str) -> tuple[Machine, MachineState]:
+def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
+            net_tap: str | None = None) -> tuple[Machine, MachineState]:
     state, prepared = load_snapshot(snapshot_dir)
     config = MachineConfig(
         restore_state=state, restore_prepared=prepared,
@@ -215,7 +221,8 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str) -> tuple[Machine, Mach
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=str(run_dir / "vsock.sock") if state.vsock is not None else None,
         rng=state.rng is not None, guest_cid=state.guest_cid,
-        console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False)
+        console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False,
+        net_tap=net_tap)
     return Machine(config), state
 
 
@@ -453,7 +460,9 @@ def main(args: dict[str, Any]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        machine, _ = restore(args["snapshot_dir"], run_dir, vm_id)
+        if args.get("netns"):
+            enter_netns(str(args["netns"]))  # before any thread: they inherit it
+        machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"))
     except Exception as err:
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
@@ -479,6 +488,17 @@ def main(args: dict[str, Any]) -> int:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
             unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)))
+            if state.net is not None:
+                refreshed = time.monotonic()
+                while True:  # retried like make_unique's steps: a starved guest answers late
+                    try:
+                        agent.net_refresh()
+                        break
+                    except (AgentUnavailable, AgentTimeout):
+                        if time.monotonic() - refreshed > READY_TIMEOUT:
+                            raise
+                        time.sleep(0.05)
+                unique["net_refresh"] = time.monotonic() - refreshed
         except Exception as err:
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")

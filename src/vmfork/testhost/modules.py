@@ -44,6 +44,11 @@ MODULE_GROUPS: Mapping[str, tuple[str, ...]] = {
     "stdout/stderr ports": ("virtio_console",),
     "nested kvm": ("kvm_amd",),
     "/dev/vhost-vsock for QEMU peers in bench/spawn.py": ("vhost_vsock",),
+    # crc32c_generic first: libcrc32c (under nf_tables) only soft-depends on it, which
+    # modules.dep does not list, and fails to load without a crc32c implementation.
+    "per-child networks (runtime/network.py): taps, veths, nftables NAT, fib, reject": (
+        "tun", "veth", "crc32c_generic", "nf_tables", "nft_chain_nat", "nft_nat", "nft_masq", "nft_ct",
+        "nft_fib_ipv4", "nft_reject_ipv4"),
 }
 
 KERNEL_PACKAGE = "linux-image-amd64"

@@ -42,6 +42,7 @@ from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.serial import Serial
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransport
+from vmfork.vmm.devices.virtio.net import VirtioNet, open_tap, parse_mac
 from vmfork.vmm.devices.virtio.rng import VirtioRng
 from vmfork.vmm.devices.virtio.vsock import VirtioVsock
 from vmfork.vmm.errors import HostError, StateError
@@ -80,6 +81,11 @@ class MachineConfig:
     rng: bool = True
     memfd: bool = True
     vm_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # virtio-net: present when booted with a ``guest_mac`` or restored from a snapshot
+    # that had one (the MAC then comes from the snapshot); ``net_tap`` names the tap
+    # to attach to, in this thread's network namespace (None: no cable plugged in).
+    guest_mac: str | None = None
+    net_tap: str | None = None
 
     def validate(self) -> None:
         sources = [self.kernel is not None, self.payload is not None,
@@ -104,6 +110,19 @@ class MachineConfig:
             raise ValueError(f"mem_mib must be 32..65536, not {self.mem_mib}")
         if not 3 <= self.guest_cid < 0xFFFF_FFFF:
             raise ValueError(f"guest_cid must be >= 3, not {self.guest_cid}")
+        if self.guest_mac is not None:
+            parse_mac(self.guest_mac)
+        if self.net_tap is not None and self.net_mac is None:
+            raise ValueError("net_tap needs a network device: boot with guest_mac, or restore "
+                             "a snapshot whose parent had one")
+
+    @property
+    def net_mac(self) -> str | None:
+        """The MAC of the virtio-net device, None if the machine has none."""
+        if self.restore_state is not None:
+            net = self.restore_state.net
+            return net.device.mac if net is not None else None
+        return self.guest_mac
 
 
 @dataclass(frozen=True)
@@ -201,6 +220,7 @@ class Machine:
         self.virtio_devices: list[MmioTransport] = []
         self.vsock: VirtioVsock | None = None
         self.rng: VirtioRng | None = None
+        self.net: VirtioNet | None = None
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
@@ -256,6 +276,9 @@ class Machine:
         if state.rng is not None and self.rng is not None:
             self.rng.restore(state.rng.device)
             self._transport_of(self.rng).restore(state.rng.transport)
+        if state.net is not None and self.net is not None:
+            self.net.restore(state.net.device)
+            self._transport_of(self.net).restore(state.net.transport)
         self.timings["restore_state"] = time.monotonic() - started
 
     def _transport_of(self, device: VirtioDevice) -> MmioTransport:
@@ -320,9 +343,13 @@ class Machine:
                                           self.vsock.save())
         if self.rng is not None:
             rng = vmstate.RngSnapshot(self._transport_of(self.rng).save(), self.rng.save())
-        return MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
-                            serial=self.serial.save(), cmdline=self.cmdline,
-                            vsock=vsock, rng=rng, guest_cid=self.config.guest_cid)
+        state = MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
+                             serial=self.serial.save(), cmdline=self.cmdline,
+                             vsock=vsock, rng=rng, guest_cid=self.config.guest_cid)
+        if self.net is not None:
+            state.net = vmstate.NetSnapshot(self._transport_of(self.net).save(),
+                                            self.net.save())
+        return state
 
     def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
         boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)
@@ -338,7 +365,8 @@ class Machine:
 
     def _add_virtio_devices(self, config: MachineConfig) -> None:
         """Create the virtio devices this config asks for: vsock (the agent channel)
-        first, so that it is always ``virtio-mmio.0``, then the entropy source."""
+        first, so that it is always ``virtio-mmio.0``, then the entropy source, then
+        the network device."""
         if config.vsock_uds is not None:
             self.vsock = VirtioVsock(self.loop, config.vsock_uds, config.guest_cid)
             self._closers.append(self.vsock.close)
@@ -346,6 +374,12 @@ class Machine:
         if config.rng:
             self.rng = VirtioRng(self.loop)
             self.add_virtio(self.rng)
+        mac = config.net_mac
+        if mac is not None:
+            tap_fd = open_tap(config.net_tap) if config.net_tap is not None else None
+            self.net = VirtioNet(self.loop, parse_mac(mac), tap_fd)
+            self._closers.append(self.net.close)
+            self.add_virtio(self.net)
 
     def add_virtio(self, device: VirtioDevice) -> MmioTransport:
         """Give a virtio device an MMIO window, an IRQ and ioeventfds for its

@@ -50,6 +50,7 @@ from vmfork.kvm import api
 from vmfork.kvm import structs as s
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
+from vmfork.vmm.devices.virtio.net import NetState
 from vmfork.vmm.devices.virtio.rng import RngState
 from vmfork.vmm.devices.virtio.vsock import VsockState
 from vmfork.vmm.errors import HostError
@@ -99,6 +100,12 @@ class RngSnapshot:
 
 
 @dataclass
+class NetSnapshot:
+    transport: MmioTransportState
+    device: NetState
+
+
+@dataclass
 class MachineState:
     """Everything but guest memory. ``mem_size`` and the device list must match
     the machine it is restored into (``Machine`` rebuilds the same devices)."""
@@ -111,6 +118,7 @@ class MachineState:
     vsock: VsockSnapshot | None = None
     rng: RngSnapshot | None = None
     guest_cid: int = 3
+    net: NetSnapshot | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -1,0 +1,778 @@
+"""Per-child networks on the host: a network namespace per sandbox, NAT out, egress
+policy, published ports. Netlink through pyroute2, nftables through its JSON.
+
+Why this shape. Children of one snapshot are clones: the same MAC, the same IP,
+the same TCP state. Isolation therefore comes from the host: each child's VMM
+runs in a network namespace of its own, where the guest's gateway address
+exists once more. Every child's namespace looks the same from the guest::
+
+    guest eth0 172.16.0.2/30 ── tap0 172.16.0.1/30 (fixed MAC) ┐ child netns
+                                veth0 10.200.a.b+1/31 ─────────┘   "vmf-<slot>"
+                                     │ veth pair
+    host:                       vmfh<slot> 10.200.a.b/31 ── routing, NAT ── uplink
+
+* **Addressing: a routed /31 per child, no bridge.** Slot ``s`` gets
+  ``10.200.0.0/16 + 2s`` (host end) and ``+ 2s + 1`` (child end): 32,768
+  children per /16 (a larger ``subnet`` gives more), no address shared between
+  two children, and a host route to each child is just the /31's connected
+  route. A Linux bridge was the other choice; it takes at most 1,024 ports
+  (BR_MAX_PORTS) and puts every child on one L2 segment that then has to be
+  split again with port isolation. forkd's /24-per-child scheme stops at 253.
+* **Two NATs.** In the child's namespace, the guest's traffic is SNATed to the
+  child end of its /31 (all guests have the same address), and everything that
+  arrives for that address from the host is DNATed to the guest: the child end
+  *is* the guest, seen from the host. On the host, ``subnet`` is masqueraded
+  out of every other interface, and a published port is one element of an
+  nftables map (``<proto> . <host port> : <child address> . <guest port>``),
+  so publishing and unpublishing are O(1) whatever the number of children.
+* **Egress policy lives in the child's namespace** (a ``forward`` chain with
+  policy drop, an ``egress`` chain per policy), where the guest cannot touch it
+  and where it dies with the namespace. Allow-list entries are CIDRs and domain
+  names; **names are resolved once, when the policy is set, and the addresses
+  they had then are what is allowed** (DNS answers pinned; re-set the policy to
+  re-resolve). The guest's own DNS servers are then reachable on port 53 only.
+  Denied traffic is rejected (ICMP admin-prohibited), so the guest fails fast.
+* **Children cannot reach each other**: the host's forward chain drops every
+  new connection into a child that is not a published port.
+* **Creation is cheap and parallel.** A namespace is made by a worker thread
+  that ``unshare(CLONE_NEWNET)``s itself, bind-mounts its namespace at
+  ``/run/netns/<name>``, configures it from inside (netlink sockets, the tap,
+  the ``ip_forward`` sysctl and the nftables ruleset all bind to the namespace
+  of the thread that opens them) and ``setns``es back. nftables JSON is run
+  through libnftables, the library behind ``nft -j -f -``, in that thread:
+  a process per child would cost more than the namespace. ``create_many``
+  runs several workers.
+* **The VMM opens the tap inside the namespace.** The tap is created
+  persistent (address, MAC, up) with the namespace; the child's VMM process
+  calls ``enter_netns`` before it builds its machine, so its ``/dev/net/tun``
+  attach finds ``tap0`` there. Unix sockets (vsock, control) are unaffected.
+* **Nothing outlives the child.** ``destroy`` removes the published ports, the
+  host veth (its peer goes with it) and the namespace mount; the kernel frees
+  the namespace, the tap and its nftables table once the VMM is gone.
+  ``cleanup_stale`` removes whatever a crashed daemon left, by name prefix.
+
+All names carry the manager's ``prefix`` (default ``vmf``): namespaces
+``<prefix>-<slot>``, host links ``<prefix>h<slot>``, the host table
+``ip <prefix>``. Everything here needs CAP_NET_ADMIN and CAP_SYS_ADMIN (root).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import json
+import logging
+import os
+import re
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
+TAP_NAME = "tap0"
+INNER_VETH = "veth0"
+# The gateway's MAC is the same in every child namespace, so the ARP entry a
+# parent guest had for its gateway stays right in each of its children.
+TAP_MAC = "02:00:ac:10:00:01"
+DEFAULT_SUBNET = "10.200.0.0/16"
+DEFAULT_PREFIX = "vmf"
+NFT_TABLE_CHILD = "vmfork"
+TUNSETIFF = 0x400454CA
+TUNSETPERSIST = 0x400454CB
+IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
+_PREFIX_RE = re.compile(r"^[a-z]{1,6}$")
+_DOMAIN_RE = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?\.)*"
+                        r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?$")
+Proto = Literal["tcp", "udp"]
+
+
+class NetworkError(RuntimeError):
+    """A host network operation failed; the message names the step and the object."""
+
+
+# -- namespaces of threads --------------------------------------------------------------
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise NetworkError(f"{what}: {os.strerror(err)}")
+
+
+def _setns(fd: int, what: str) -> None:
+    _check(_libc.setns(fd, CLONE_NEWNET), f"setns({what})")
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread into network namespace ``/run/netns/<name>``.
+
+    For the VMM process of a child, before it creates any thread: threads it
+    starts afterwards inherit the namespace, and ``/dev/net/tun`` then attaches
+    to the tap inside it.
+    """
+    _validate_netns_name(name)
+    try:
+        fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise NetworkError(f"open network namespace {name}: {err.strerror}") from err
+    try:
+        _setns(fd, name)
+    finally:
+        os.close(fd)
+
+
+def _validate_netns_name(name: str) -> None:
+    if not re.match(r"^[a-z]{1,6}-\d{1,6}$", name):
+        raise NetworkError(f"network namespace name {name!r} is not one of ours "
+                           f"(<prefix>-<slot>)")
+
+
+# -- nftables through libnftables -----------------------------------------------------------
+
+NFT_CTX_OUTPUT_JSON = 1 << 4
+
+
+class _Nft:
+    """Run nftables JSON commands in the calling thread's network namespace."""
+
+    _lib: ctypes.CDLL | None = None
+
+    @classmethod
+    def lib(cls) -> ctypes.CDLL:
+        if cls._lib is None:
+            try:
+                lib = ctypes.CDLL("libnftables.so.1", use_errno=True)
+            except OSError as err:
+                raise NetworkError("libnftables.so.1 is missing: install the Debian package "
+                                   "'nftables' (scripts/lib.sh does)") from err
+            lib.nft_ctx_new.restype = ctypes.c_void_p
+            lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+            lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+            lib.nft_ctx_buffer_output.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_get_output_buffer.restype = ctypes.c_char_p
+            lib.nft_ctx_get_output_buffer.argtypes = [ctypes.c_void_p]
+            lib.nft_ctx_get_error_buffer.restype = ctypes.c_char_p
+            lib.nft_ctx_get_error_buffer.argtypes = [ctypes.c_void_p]
+            lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+            cls._lib = lib
+        return cls._lib
+
+    @classmethod
+    def run(cls, commands: list[dict[str, Any]], what: str) -> Any:
+        """One JSON batch (one transaction); returns the parsed JSON output, if any."""
+        out = cls._run(json.dumps({"nftables": commands}), what, json_mode=True)
+        return json.loads(out) if out.strip() else None
+
+    @classmethod
+    def run_text(cls, text: str, what: str) -> None:
+        """Native nft syntax, for what nftables 1.0.6 cannot take as JSON: its JSON
+        parser crashes (SIGSEGV, in ``nft -j -f -`` too) on a ``dnat`` whose address
+        comes from a map with concatenated keys and data, and a map declared in JSON
+        with concatenated types crashes the rule that uses it."""
+        cls._run(text, what, json_mode=False)
+
+    @classmethod
+    def _run(cls, buffer: str, what: str, *, json_mode: bool) -> str:
+        lib = cls.lib()
+        ctx = lib.nft_ctx_new(0)
+        if not ctx:
+            raise NetworkError(f"nft ({what}): nft_ctx_new failed")
+        try:
+            if json_mode:
+                lib.nft_ctx_output_set_flags(ctx, NFT_CTX_OUTPUT_JSON)
+            lib.nft_ctx_buffer_output(ctx)
+            lib.nft_ctx_buffer_error(ctx)
+            rc = lib.nft_run_cmd_from_buffer(ctx, buffer.encode())
+            out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode()
+            err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode().strip()
+        finally:
+            lib.nft_ctx_free(ctx)
+        if rc != 0:
+            raise NetworkError(f"nft ({what}) failed: {err or 'no message'}")
+        return out
+
+
+def _match(left: Any, right: Any, op: str = "==") -> dict[str, Any]:
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _meta(key: str) -> dict[str, Any]:
+    return {"meta": {"key": key}}
+
+
+def _payload(protocol: str, fld: str) -> dict[str, Any]:
+    return {"payload": {"protocol": protocol, "field": fld}}
+
+
+_ACCEPT: dict[str, Any] = {"accept": None}
+_REJECT: dict[str, Any] = {"reject": {"type": "icmp", "expr": "admin-prohibited"}}
+
+
+# -- what the caller chooses -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GuestNetwork:
+    """The guest-facing side: the same in a parent and in every child of it."""
+
+    address: str = "172.16.0.2"
+    gateway: str = "172.16.0.1"
+    prefix_len: int = 30
+    mac: str = "52:54:00:00:00:02"
+    dns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        try:
+            iface = ipaddress.IPv4Interface(f"{self.address}/{self.prefix_len}")
+            gateway = ipaddress.IPv4Address(self.gateway)
+            for server in self.dns:
+                ipaddress.IPv4Address(server)
+        except ValueError as err:
+            raise ValueError(f"guest network: {err}") from err
+        if gateway not in iface.network or gateway == iface.ip:
+            raise ValueError(f"guest network: gateway {gateway} is not another address on "
+                             f"{iface.network}")
+
+    def kernel_cmdline(self) -> str:
+        """The words the guest agent reads at boot (``agent/network.py``)."""
+        words = [f"vmfork.ip={self.address}/{self.prefix_len}", f"vmfork.gw={self.gateway}"]
+        if self.dns:
+            words.append("vmfork.dns=" + ",".join(self.dns))
+        return " ".join(words)
+
+
+def host_dns_servers(resolv_conf: str = "/etc/resolv.conf") -> tuple[str, ...]:
+    """The host's IPv4 name servers that a guest can reach (not loopback ones)."""
+    servers = []
+    try:
+        text = Path(resolv_conf).read_text()
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            try:
+                addr = ipaddress.IPv4Address(parts[1])
+            except ValueError:
+                continue
+            if not addr.is_loopback:
+                servers.append(str(addr))
+    return tuple(servers)
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """What a sandbox may connect to: ``allow`` all (default), ``deny`` all, or
+    ``allowlist`` (``cidrs`` and ``domains``; domains resolved when applied)."""
+
+    mode: Literal["allow", "deny", "allowlist"] = "allow"
+    cidrs: tuple[str, ...] = ()
+    domains: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("allow", "deny", "allowlist"):
+            raise ValueError(f"egress mode must be allow, deny or allowlist, not {self.mode!r}")
+        if self.mode != "allowlist" and (self.cidrs or self.domains):
+            raise ValueError(f"egress mode {self.mode!r} takes no cidrs or domains")
+        for cidr in self.cidrs:
+            try:
+                ipaddress.IPv4Network(cidr, strict=False)
+            except ValueError as err:
+                raise ValueError(f"egress allow-list entry {cidr!r}: {err}") from err
+        for domain in self.domains:
+            if not _DOMAIN_RE.match(domain):
+                raise ValueError(f"egress allow-list entry {domain!r} is not a domain name")
+
+    def resolve(self) -> tuple[str, ...]:
+        """The allow-list as networks: the CIDRs, and each domain's IPv4 addresses now."""
+        networks = {str(ipaddress.IPv4Network(c, strict=False)) for c in self.cidrs}
+        for domain in self.domains:
+            try:
+                infos = socket.getaddrinfo(domain, None, socket.AF_INET, socket.SOCK_STREAM)
+            except socket.gaierror as err:
+                raise NetworkError(f"egress allow-list: cannot resolve {domain!r}: "
+                                   f"{err.strerror}") from err
+            networks.update(f"{info[4][0]}/32" for info in infos)
+        return tuple(sorted(networks, key=lambda n: ipaddress.IPv4Network(n)))
+
+
+@dataclass
+class ChildNetwork:
+    """One child's network. ``address`` is how the host reaches the guest."""
+
+    slot: int
+    netns: str
+    tap: str
+    host_veth: str
+    host_address: str
+    address: str
+    guest: GuestNetwork
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
+    allowed: tuple[str, ...] = ()
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)  # (proto, host) -> guest
+
+    def describe(self) -> dict[str, Any]:
+        return {"netns": self.netns, "address": self.address, "guest_address": self.guest.address,
+                "egress": self.egress.mode, "allowed": list(self.allowed),
+                "ports": [{"protocol": p, "host_port": h, "guest_port": g}
+                          for (p, h), g in sorted(self.ports.items())]}
+
+
+# -- the manager ------------------------------------------------------------------------------
+
+def _iproute() -> Any:
+    from pyroute2 import IPRoute  # type: ignore[import-not-found]  # the VMM needs none
+
+    return IPRoute()
+
+
+def _write_sysctl(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class HostNetwork:
+    """Creates and destroys child networks. Thread-safe.
+
+    The namespace this object is created in is "the host": every operation runs
+    on worker threads that live there (tests create it inside a namespace of
+    their own). Call ``setup()`` once before the first child.
+    """
+
+    def __init__(self, guest: GuestNetwork | None = None, *, subnet: str = DEFAULT_SUBNET,
+                 prefix: str = DEFAULT_PREFIX, workers: int = 4) -> None:
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(f"prefix {prefix!r} must be 1-6 lowercase letters")
+        self.guest = guest or GuestNetwork()
+        self.subnet = ipaddress.IPv4Network(subnet)
+        if self.subnet.prefixlen > 30:
+            raise ValueError(f"subnet {subnet} is too small for even two children")
+        if self.subnet.overlaps(ipaddress.IPv4Interface(
+                f"{self.guest.address}/{self.guest.prefix_len}").network):
+            raise ValueError(f"subnet {subnet} overlaps the guest network")
+        self.prefix = prefix
+        self.table = prefix
+        self.capacity = min(self.subnet.num_addresses // 2, 10 ** 6)
+        self._host_ns = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self._lock = threading.Lock()
+        self._next_slot = 0
+        self._used: set[int] = set()
+        self.children: dict[int, ChildNetwork] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers),
+                                        thread_name_prefix=f"{prefix}-net",
+                                        initializer=self._enter_host)
+
+    def _enter_host(self) -> None:
+        _setns(self._host_ns, "the host namespace")
+
+    def _on_host(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._pool.submit(fn, *args).result()
+
+    # -- host set-up ------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Forwarding on, and the host table (NAT out, published ports, isolation)."""
+        self._on_host(self._setup)
+
+    def _setup(self) -> None:
+        _write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+        t = {"family": "ip", "table": self.table}
+        links = f"{self.prefix}h*"
+        commands: list[dict[str, Any]] = [
+            {"add": {"table": {"family": "ip", "name": self.table}}},
+            {"delete": {"table": {"family": "ip", "name": self.table}}},
+            {"add": {"table": {"family": "ip", "name": self.table}}},
+            {"add": {"chain": {**t, "name": "prerouting", "type": "nat", "hook": "prerouting",
+                               "prio": -100, "policy": "accept"}}},
+            {"add": {"chain": {**t, "name": "output", "type": "nat", "hook": "output",
+                               "prio": -100, "policy": "accept"}}},
+            {"add": {"chain": {**t, "name": "postrouting", "type": "nat",
+                               "hook": "postrouting", "prio": 100, "policy": "accept"}}},
+            {"add": {"chain": {**t, "name": "forward", "type": "filter", "hook": "forward",
+                               "prio": 0, "policy": "accept"}}},
+            {"add": {"rule": {**t, "chain": "postrouting", "expr": [
+                _match(_payload("ip", "saddr"), {"prefix": {
+                    "addr": str(self.subnet.network_address), "len": self.subnet.prefixlen}}),
+                _match(_meta("oifname"), links, "!="), {"masquerade": None}]}}},
+            # A published port reached from the host's own loopback: the guest must
+            # answer someone it can route to.
+            {"add": {"rule": {**t, "chain": "postrouting", "expr": [
+                _match(_meta("oifname"), links),
+                _match(_payload("ip", "saddr"), {"prefix": {"addr": "127.0.0.0", "len": 8}}),
+                {"masquerade": None}]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match(_meta("oifname"), links),
+                _match({"ct": {"key": "state"}}, ["established", "related"], "in"), _ACCEPT]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match(_meta("oifname"), links),
+                _match({"ct": {"key": "status"}}, "dnat", "in"), _ACCEPT]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match(_meta("oifname"), links), {"drop": None}]}}},
+        ]
+        _Nft.run(commands, f"host table ip {self.table}")
+        _Nft.run_text("\n".join([
+            (f"add map ip {self.table} ports {{ type inet_proto . inet_service : "
+             f"ipv4_addr . inet_service; }}"),
+            *(f"add rule ip {self.table} {chain} fib daddr type local "
+              f"dnat ip to meta l4proto . th dport map @ports"
+              for chain in ("prerouting", "output"))]), "published-port map")
+
+    # -- children ----------------------------------------------------------------------------
+    def _claim_slot(self) -> int:
+        with self._lock:
+            for _ in range(self.capacity):
+                slot = self._next_slot
+                self._next_slot = (self._next_slot + 1) % self.capacity
+                if slot not in self._used and not (NETNS_DIR / self._netns_name(slot)).exists():
+                    self._used.add(slot)
+                    return slot
+        raise NetworkError(f"no free network slot: all {self.capacity} of subnet "
+                           f"{self.subnet} are in use")
+
+    def _release_slot(self, slot: int) -> None:
+        with self._lock:
+            self._used.discard(slot)
+
+    def _netns_name(self, slot: int) -> str:
+        return f"{self.prefix}-{slot}"
+
+    def _addresses(self, slot: int) -> tuple[str, str]:
+        host = self.subnet.network_address + 2 * slot
+        return str(host), str(host + 1)
+
+    def create(self, egress: EgressPolicy | None = None) -> ChildNetwork:
+        """A new child network (namespace, tap, veth, NAT, egress policy)."""
+        return self.create_many(1, egress)[0]
+
+    def create_many(self, n: int, egress: EgressPolicy | None = None) -> list[ChildNetwork]:
+        """``n`` child networks, built in parallel; all or none (on error, the ones
+        built are destroyed before the error is raised)."""
+        policy = egress or EgressPolicy()
+        allowed = policy.resolve() if policy.mode == "allowlist" else ()
+        slots: list[int] = []
+        try:
+            for _ in range(n):
+                slots.append(self._claim_slot())
+        except NetworkError:
+            for slot in slots:
+                self._release_slot(slot)
+            raise
+        futures = [self._pool.submit(self._build, slot, policy, allowed) for slot in slots]
+        built: list[ChildNetwork] = []
+        errors: list[BaseException] = []
+        for future in futures:
+            try:
+                built.append(future.result())
+            except BaseException as err:  # noqa: BLE001 -- collected, re-raised below
+                errors.append(err)
+        if errors:
+            for child in built:
+                self.destroy(child)
+            raise NetworkError(f"{len(errors)} of {n} child networks failed; first: "
+                               f"{errors[0]}") from errors[0]
+        return built
+
+    def _build(self, slot: int, policy: EgressPolicy, allowed: tuple[str, ...]) -> ChildNetwork:
+        host_address, address = self._addresses(slot)
+        child = ChildNetwork(slot=slot, netns=self._netns_name(slot), tap=TAP_NAME,
+                             host_veth=f"{self.prefix}h{slot}", host_address=host_address,
+                             address=address, guest=self.guest, egress=policy, allowed=allowed)
+        try:
+            self._new_namespace(child)
+            self._configure_host_end(child)
+        except BaseException:
+            self._teardown(child)
+            raise
+        with self._lock:
+            self.children[slot] = child
+        return child
+
+    def _new_namespace(self, child: ChildNetwork) -> None:
+        """Runs on a worker: unshare, mount, configure from inside, come back."""
+        from pyroute2 import netns as pyroute2_netns
+
+        _check(_libc.unshare(CLONE_NEWNET), f"unshare for {child.netns}")
+        try:
+            try:
+                pyroute2_netns.attach(child.netns, "thread-self")
+            except OSError as err:
+                raise NetworkError(f"mount network namespace {child.netns}: {err}") from err
+            self._configure_inside(child)
+        finally:
+            self._enter_host()
+
+    def _configure_inside(self, child: ChildNetwork) -> None:
+        guest = child.guest
+        _make_persistent_tap(child.tap)
+        with _iproute() as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+            tap = ipr.link_lookup(ifname=child.tap)[0]
+            ipr.link("set", index=tap, address=TAP_MAC)
+            ipr.addr("add", index=tap, address=guest.gateway, prefixlen=guest.prefix_len)
+            ipr.link("set", index=tap, state="up")
+            ipr.link("add", ifname=INNER_VETH, kind="veth",
+                     peer={"ifname": child.host_veth, "net_ns_fd": self._host_ns})
+            veth = ipr.link_lookup(ifname=INNER_VETH)[0]
+            ipr.addr("add", index=veth, address=child.address, prefixlen=31)
+            ipr.link("set", index=veth, state="up")
+            ipr.route("add", dst="0.0.0.0/0", gateway=child.host_address)
+        _write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+        _Nft.run(self._child_ruleset(child) + self._egress_commands(child.egress, child.allowed),
+                 f"ruleset of {child.netns}")
+
+    def _configure_host_end(self, child: ChildNetwork) -> None:
+        with _iproute() as ipr:
+            index = ipr.link_lookup(ifname=child.host_veth)[0]
+            ipr.addr("add", index=index, address=child.host_address, prefixlen=31)
+            ipr.link("set", index=index, state="up")
+        # Published ports reached from 127.0.0.1 leave through this link.
+        _write_sysctl(f"/proc/sys/net/ipv4/conf/{child.host_veth}/route_localnet", "1")
+
+    def _child_ruleset(self, child: ChildNetwork) -> list[dict[str, Any]]:
+        t = {"family": "ip", "table": NFT_TABLE_CHILD}
+        iif, oif = _meta("iifname"), _meta("oifname")
+        return [
+            {"add": {"table": {"family": "ip", "name": NFT_TABLE_CHILD}}},
+            {"add": {"set": {**t, "name": "allowed", "type": "ipv4_addr",
+                             "flags": ["interval"]}}},
+            {"add": {"chain": {**t, "name": "prerouting", "type": "nat", "hook": "prerouting",
+                               "prio": -100, "policy": "accept"}}},
+            {"add": {"chain": {**t, "name": "postrouting", "type": "nat",
+                               "hook": "postrouting", "prio": 100, "policy": "accept"}}},
+            {"add": {"chain": {**t, "name": "forward", "type": "filter", "hook": "forward",
+                               "prio": 0, "policy": "drop"}}},
+            {"add": {"chain": {**t, "name": "egress"}}},
+            {"add": {"rule": {**t, "chain": "prerouting", "expr": [
+                _match(iif, INNER_VETH), _match(_payload("ip", "daddr"), child.address),
+                {"dnat": {"addr": child.guest.address}}]}}},
+            {"add": {"rule": {**t, "chain": "postrouting", "expr": [
+                _match(oif, INNER_VETH), {"snat": {"addr": child.address}}]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match({"ct": {"key": "state"}}, ["established", "related"], "in"), _ACCEPT]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match({"ct": {"key": "state"}}, "invalid", "in"), {"drop": None}]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match(iif, INNER_VETH), _match(oif, child.tap),
+                _match({"ct": {"key": "status"}}, "dnat", "in"), _ACCEPT]}}},
+            {"add": {"rule": {**t, "chain": "forward", "expr": [
+                _match(iif, child.tap), _match(oif, INNER_VETH),
+                {"jump": {"target": "egress"}}]}}},
+        ]
+
+    def _egress_commands(self, policy: EgressPolicy,
+                         allowed: tuple[str, ...]) -> list[dict[str, Any]]:
+        t = {"family": "ip", "table": NFT_TABLE_CHILD}
+        commands: list[dict[str, Any]] = [{"flush": {"chain": {**t, "name": "egress"}}},
+                                          {"flush": {"set": {**t, "name": "allowed"}}}]
+
+        def rule(*expr: dict[str, Any]) -> dict[str, Any]:
+            return {"add": {"rule": {**t, "chain": "egress", "expr": list(expr)}}}
+
+        if policy.mode == "allow":
+            commands.append(rule(_ACCEPT))
+            return commands
+        if policy.mode == "allowlist":
+            if allowed:
+                commands.append({"add": {"element": {**t, "name": "allowed", "elem": [
+                    {"prefix": {"addr": str(ipaddress.IPv4Network(n).network_address),
+                                "len": ipaddress.IPv4Network(n).prefixlen}}
+                    for n in allowed]}}})
+            commands.append(rule(_match(_payload("ip", "daddr"), "@allowed"), _ACCEPT))
+            if policy.domains and self.guest.dns:
+                commands.append(rule(
+                    _match(_payload("ip", "daddr"), {"set": list(self.guest.dns)}),
+                    _match(_meta("l4proto"), {"set": ["tcp", "udp"]}),
+                    _match(_payload("th", "dport"), 53), _ACCEPT))
+        commands.append(rule(_REJECT))
+        return commands
+
+    def set_egress(self, child: ChildNetwork, egress: EgressPolicy) -> None:
+        """Replace a child's egress policy (atomically: one nftables transaction)."""
+        allowed = egress.resolve() if egress.mode == "allowlist" else ()
+        self._on_host(self._in_child, child, lambda: _Nft.run(
+            self._egress_commands(egress, allowed), f"egress policy of {child.netns}"))
+        child.egress, child.allowed = egress, allowed
+
+    def _in_child(self, child: ChildNetwork, fn: Callable[[], T]) -> T:
+        fd = os.open(NETNS_DIR / child.netns, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(fd, child.netns)
+            try:
+                return fn()
+            finally:
+                self._enter_host()
+        finally:
+            os.close(fd)
+
+    # -- published ports ---------------------------------------------------------------------
+    def expose_port(self, child: ChildNetwork, guest_port: int, host_port: int = 0,
+                    protocol: Proto = "tcp") -> int:
+        """Publish ``guest_port`` of the child's guest on ``host_port`` of every host
+        address (0: pick a free port). Returns the host port."""
+        if protocol not in ("tcp", "udp"):
+            raise ValueError(f"protocol must be tcp or udp, not {protocol!r}")
+        for name, port in (("guest_port", guest_port), ("host_port", host_port)):
+            if not 0 <= port <= 65535 or (name == "guest_port" and port == 0):
+                raise ValueError(f"{name} {port} is not a port number")
+        if host_port == 0:
+            host_port = _free_port(protocol)
+        with self._lock:
+            taken = [c for c in self.children.values() if (protocol, host_port) in c.ports]
+            if taken:
+                raise NetworkError(f"host port {protocol}/{host_port} is already published "
+                                   f"for {taken[0].netns}")
+            child.ports[(protocol, host_port)] = guest_port
+        try:
+            self._on_host(_Nft.run, [{"add": {"element": self._port_element(
+                protocol, host_port, child.address, guest_port)}}],
+                f"publish {protocol}/{host_port}")
+        except BaseException:
+            with self._lock:
+                child.ports.pop((protocol, host_port), None)
+            raise
+        return host_port
+
+    def unexpose_port(self, child: ChildNetwork, host_port: int,
+                      protocol: Proto = "tcp") -> None:
+        with self._lock:
+            guest_port = child.ports.pop((protocol, host_port), None)
+        if guest_port is None:
+            raise NetworkError(f"{protocol}/{host_port} is not published for {child.netns}")
+        self._on_host(_Nft.run, [{"delete": {"element": self._port_element(
+            protocol, host_port)}}], f"unpublish {protocol}/{host_port}")
+
+    def _port_element(self, protocol: str, host_port: int, address: str | None = None,
+                      guest_port: int | None = None) -> dict[str, Any]:
+        key = {"concat": [protocol, host_port]}
+        elem: Any = key if address is None else [key, {"concat": [address, guest_port]}]
+        return {"family": "ip", "table": self.table, "name": "ports", "elem": [elem]}
+
+    # -- teardown ----------------------------------------------------------------------------
+    def destroy(self, child: ChildNetwork) -> None:
+        """Remove everything of this child (call once its VMM process is gone, or the
+        namespace is freed only when it exits). Idempotent."""
+        self._on_host(self._teardown, child)
+
+    def _teardown(self, child: ChildNetwork) -> None:
+        with self._lock:
+            ports = list(child.ports)
+            child.ports.clear()
+            self.children.pop(child.slot, None)
+        if ports:
+            try:
+                _Nft.run([{"delete": {"element": self._port_element(p, h)}} for p, h in ports],
+                         f"unpublish the ports of {child.netns}")
+            except NetworkError as err:
+                log.warning("%s", err)
+        with _iproute() as ipr:
+            for index in ipr.link_lookup(ifname=child.host_veth):
+                try:
+                    ipr.link("del", index=index)
+                except Exception as err:  # noqa: BLE001 -- the namespace going removes it too
+                    log.warning("delete link %s: %s", child.host_veth, err)
+        _remove_netns_mount(child.netns)
+        self._release_slot(child.slot)
+
+    def close(self) -> None:
+        """Destroy every child network this manager made; stop its workers."""
+        for child in list(self.children.values()):
+            self.destroy(child)
+        self._pool.shutdown()
+        os.close(self._host_ns)
+
+    def remove_host_table(self) -> None:
+        """Drop the host table (NAT, published ports). For a manager shutting down for good."""
+        self._on_host(_Nft.run, [{"delete": {"table": {"family": "ip", "name": self.table}}}],
+                      f"delete host table ip {self.table}")
+
+
+def _make_persistent_tap(name: str) -> None:
+    import fcntl
+    import struct
+
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(),
+                                               IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
+        fcntl.ioctl(fd, TUNSETPERSIST, 1)
+    except OSError as err:
+        raise NetworkError(f"create tap {name}: {err.strerror}") from err
+    finally:
+        os.close(fd)
+
+
+def _remove_netns_mount(name: str) -> None:
+    path = NETNS_DIR / name
+    MNT_DETACH = 2
+    _libc.umount2(str(path).encode(), MNT_DETACH)  # not mounted (a failed create): fine
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _free_port(protocol: str) -> int:
+    kind = socket.SOCK_STREAM if protocol == "tcp" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+# -- after a crash -------------------------------------------------------------------------------
+
+@dataclass
+class CleanupReport:
+    namespaces: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)
+    tables: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.namespaces or self.links or self.tables)
+
+
+def leftovers(prefix: str = DEFAULT_PREFIX) -> CleanupReport:
+    """What exists with our names in this namespace: namespaces, host links, tables."""
+    report = CleanupReport()
+    ns_re = re.compile(rf"^{re.escape(prefix)}-\d+$")
+    link_re = re.compile(rf"^{re.escape(prefix)}h\d+$")
+    if NETNS_DIR.is_dir():
+        report.namespaces = sorted(n for n in os.listdir(NETNS_DIR) if ns_re.match(n))
+    with _iproute() as ipr:
+        report.links = sorted(name for link in ipr.get_links()
+                              if (name := link.get_attr("IFLA_IFNAME")) and link_re.match(name))
+    listing = _Nft.run([{"list": {"tables": {"family": "ip"}}}], "list tables") or {}
+    report.tables = [item["table"]["name"] for item in listing.get("nftables", [])
+                     if "table" in item and item["table"]["name"] == prefix]
+    return report
+
+
+def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> CleanupReport:
+    """Remove every namespace, host link and host table with our ``prefix``.
+
+    For the daemon at start-up, after a crash: call it before any child is made
+    with this prefix (it removes live ones too). Returns what it removed.
+    """
+    if not _PREFIX_RE.match(prefix):
+        raise ValueError(f"prefix {prefix!r} must be 1-6 lowercase letters")
+    found = leftovers(prefix)
+    with _iproute() as ipr:
+        for name in found.links:
+            for index in ipr.link_lookup(ifname=name):
+                ipr.link("del", index=index)
+    for name in found.namespaces:
+        _remove_netns_mount(name)
+    for table in found.tables:
+        _Nft.run([{"delete": {"table": {"family": "ip", "name": table}}}], f"delete {table}")
+    return found

@@ -1,0 +1,363 @@
+"""virtio-net (device id 1) with a user-space back end on a Linux tap device.
+
+Queues: rx (0, host -> guest frames) and tx (1, guest -> host frames); no
+control queue, no multiqueue. Config space: the MAC (``VIRTIO_NET_F_MAC``)
+followed by a link status word that always says "up" (``VIRTIO_NET_F_STATUS``
+is not offered, so the driver does not read it).
+
+The tap is opened ``IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`` with a 12-byte vnet
+header (``TUNSETVNETHDRSZ``). That header is byte for byte the
+``virtio_net_hdr`` of a VERSION_1 device (flags, gso_type, hdr_len, gso_size,
+csum_start, csum_offset, num_buffers), so frames pass between the rings and
+the tap without being parsed or copied: a tx chain's readable buffers are
+``writev``-ed to the tap straight out of guest memory, and a tap frame is
+``readv``-ed straight into an rx chain's writable buffers. The one field we
+write ourselves is ``num_buffers`` (always 1: we do not offer MRG_RXBUF, so
+every frame goes into one chain; the tap leaves those two bytes alone).
+
+Offloads. We offer checksum offload and TSO both ways. The tap is told which
+offloads the *guest* accepted (``TUNSETOFFLOAD`` at activation, from the acked
+features), so the host kernel only hands us partial checksums and 64 KiB GSO
+frames when the guest driver can take them; in the other direction the host
+kernel validates whatever header the guest wrote (a bad one fails the write,
+which we count as a dropped frame). Without MRG_RXBUF and with GUEST_TSO, the
+Linux driver posts "big" rx chains of ~68 KiB, so one frame always fits.
+
+Bounds on what the guest can drive: ``MAX_FRAMES_PER_RUN`` frames per queue
+per loop turn (a tx backlog continues on a later turn; rx is a level-triggered
+reader that the loop calls again); a tx frame over ``MAX_TX_BYTES`` or under
+the header size is dropped; a chain is at most the queue size long (the queue
+checks that), so ``readv``/``writev`` never get more than 256 buffers. An rx
+chain too short for the header is a driver bug: DEVICE_NEEDS_RESET.
+
+The tap is read only while the guest has rx chains posted: with none, the
+reader is removed (a readable tap would otherwise spin the loop) and put back
+when the driver notifies the rx queue. Frames then wait in the tap's queue,
+and the host kernel drops them when it is full, as a NIC would.
+
+Without a tap (``tap_fd=None``) the device is a NIC with its cable pulled:
+the guest sees a working device, tx frames are dropped (counted), nothing is
+received. A snapshot taken with networking can so be restored without it.
+
+Snapshots. ``NetState`` holds the MAC and the acked features; the queues are
+the transport's, the tap is a live resource. On restore the MAC comes from the
+state, not the config: the guest driver read it at boot and keeps using it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
+from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
+from vmfork.vmm.errors import HostError, VirtqueueError
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.memory import GuestMemory
+
+log = logging.getLogger(__name__)
+
+DEVICE_ID_NET = 1
+RX_QUEUE, TX_QUEUE = 0, 1
+QUEUE_SIZE = 256
+
+# Feature bits (virtio 1.x, 5.1.3).
+F_CSUM = 1 << 0         # the guest may send frames with a partial checksum
+F_GUEST_CSUM = 1 << 1   # we may send the guest frames with a partial checksum
+F_MAC = 1 << 5
+F_GUEST_TSO4 = 1 << 7
+F_GUEST_TSO6 = 1 << 8
+F_GUEST_ECN = 1 << 9
+F_HOST_TSO4 = 1 << 11
+F_HOST_TSO6 = 1 << 12
+F_HOST_ECN = 1 << 13
+OFFERED_FEATURES = (F_CSUM | F_GUEST_CSUM | F_MAC | F_GUEST_TSO4 | F_GUEST_TSO6
+                    | F_GUEST_ECN | F_HOST_TSO4 | F_HOST_TSO6 | F_HOST_ECN)
+
+VNET_HDR_SIZE = 12       # struct virtio_net_hdr_mrg_rxbuf, what VERSION_1 always uses
+NUM_BUFFERS_OFFSET = 10
+LINK_UP = 1
+MAX_FRAMES_PER_RUN = 256
+# A GSO frame is at most 64 KiB of IP packet plus the Ethernet (and a VLAN) header.
+MAX_TX_BYTES = VNET_HDR_SIZE + 65536 + 64
+
+# <linux/if_tun.h>
+TUNSETIFF = 0x400454CA           # _IOW('T', 202, int)
+TUNSETOFFLOAD = 0x400454D0       # _IOW('T', 208, unsigned int)
+TUNSETVNETHDRSZ = 0x400454D8     # _IOW('T', 216, int)
+IFF_TAP = 0x0002
+IFF_NO_PI = 0x1000
+IFF_VNET_HDR = 0x4000
+TUN_F_CSUM = 0x01
+TUN_F_TSO4 = 0x02
+TUN_F_TSO6 = 0x04
+TUN_F_TSO_ECN = 0x08
+IFNAMSIZ = 16
+_IFREQ = struct.Struct("16sH22x")  # ifr_name, ifr_flags, rest of the 40-byte union
+
+_MAC_TEXT = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
+_IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+
+
+def parse_mac(text: str) -> bytes:
+    """``"52:54:00:12:34:56"`` -> 6 bytes; refuses multicast and all-zero addresses."""
+    if not _MAC_TEXT.match(text):
+        raise ValueError(f"MAC {text!r} is not six colon-separated hex bytes")
+    mac = bytes(int(part, 16) for part in text.split(":"))
+    if mac[0] & 1:
+        raise ValueError(f"MAC {text} is a multicast address (lowest bit of the first byte)")
+    if mac == bytes(6):
+        raise ValueError("MAC 00:00:00:00:00:00 is not a usable address")
+    return mac
+
+
+def format_mac(mac: bytes) -> str:
+    return ":".join(f"{b:02x}" for b in mac)
+
+
+def open_tap(name: str) -> int:
+    """Attach to tap ``name`` in this thread's network namespace; returns the fd.
+
+    The tap normally exists already (``runtime.network`` creates it persistent,
+    addressed and up); if it does not, the kernel creates a transient one that
+    disappears with the fd. Non-blocking, close-on-exec, vnet header on.
+    """
+    if not _IFNAME.match(name):
+        raise ValueError(f"tap name {name!r} is not a Linux interface name "
+                         f"(1-15 of letters, digits, '_', '.', '-')")
+    try:
+        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise HostError(f"open /dev/net/tun: {err}", op="open_tap", errno=err.errno) from err
+    try:
+        ifreq = _IFREQ.pack(name.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
+        fcntl.ioctl(fd, TUNSETIFF, ifreq)
+        fcntl.ioctl(fd, TUNSETVNETHDRSZ, struct.pack("i", VNET_HDR_SIZE))
+    except OSError as err:
+        os.close(fd)
+        raise HostError(f"tap {name}: TUNSETIFF/TUNSETVNETHDRSZ: {err}", op="open_tap",
+                        errno=err.errno) from err
+    return fd
+
+
+def tap_offloads(acked_features: int) -> int:
+    """The ``TUN_F_*`` flags matching what the guest driver accepted to receive."""
+    flags = 0
+    if acked_features & F_GUEST_CSUM:
+        flags |= TUN_F_CSUM
+        if acked_features & F_GUEST_TSO4:
+            flags |= TUN_F_TSO4
+        if acked_features & F_GUEST_TSO6:
+            flags |= TUN_F_TSO6
+        if acked_features & (F_GUEST_TSO4 | F_GUEST_TSO6) and acked_features & F_GUEST_ECN:
+            flags |= TUN_F_TSO_ECN
+    return flags
+
+
+@dataclass
+class NetState:
+    """Plain-data twin of ``VirtioNet`` (the queues are the transport's, the tap is live)."""
+
+    mac: str
+    acked_features: int
+
+
+@dataclass
+class NetCounters:
+    rx_frames: int = 0
+    rx_bytes: int = 0
+    rx_dropped: int = 0   # frames the tap refused to give us whole
+    tx_frames: int = 0
+    tx_bytes: int = 0
+    tx_dropped: int = 0   # malformed, oversized, refused by the tap, or no tap
+
+
+class VirtioNet(VirtioDevice):
+    device_type = DEVICE_ID_NET
+    queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE)
+
+    def __init__(self, loop: EventLoop, mac: bytes, tap_fd: int | None) -> None:
+        """``tap_fd`` (from ``open_tap``) is owned by the device from here on."""
+        super().__init__()
+        if len(mac) != 6:
+            raise ValueError(f"a MAC is 6 bytes, not {len(mac)}")
+        self.features |= OFFERED_FEATURES
+        self.loop = loop
+        self.mac = mac
+        self.tap_fd = tap_fd
+        self.counters = NetCounters()
+        self._reading = False
+        self._overflow = bytearray(1)
+
+    # -- config space -----------------------------------------------------------------
+    def config_bytes(self) -> bytes:
+        return self.mac + struct.pack("<H", LINK_UP)
+
+    # -- device contract (I/O thread) -----------------------------------------------
+    def activate(self, memory: GuestMemory, queues: list[Virtqueue],
+                 interrupt: VirtioInterrupt) -> None:
+        super().activate(memory, queues, interrupt)
+        if self.tap_fd is not None:
+            offloads = tap_offloads(self.acked_features)
+            try:
+                fcntl.ioctl(self.tap_fd, TUNSETOFFLOAD, offloads)
+            except OSError as err:
+                # The tap then keeps offloads off and sends only plain frames, which
+                # every driver takes: slower, not wrong.
+                log.warning("virtio-net: tap refused offloads %#x (%s)", offloads, err)
+
+    def queue_notify(self, index: int) -> None:
+        if index == RX_QUEUE:
+            self._start_reading()
+        elif index == TX_QUEUE:
+            self._transmit()
+
+    def reset(self) -> None:
+        self._stop_reading()
+        super().reset()
+
+    def close(self) -> None:
+        """Release the tap (call once the machine's vCPUs are stopped)."""
+
+        def do() -> None:
+            self._stop_reading()
+            if self.tap_fd is not None:
+                os.close(self.tap_fd)
+                self.tap_fd = None
+
+        if self.loop.in_loop_thread():
+            do()
+        else:
+            self.loop.call_soon(do)
+
+    # -- guest -> host -----------------------------------------------------------------
+    def _transmit(self) -> None:
+        if not self._usable() or self.memory is None:
+            return
+        memory, queue = self.memory, self.queues[TX_QUEUE]
+        sent = 0
+        while sent < MAX_FRAMES_PER_RUN:
+            chain = queue.pop(memory)
+            if chain is None:
+                break
+            self._send_frame(memory, chain)
+            queue.add_used(memory, chain.head, 0)
+            sent += 1
+        if sent:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+        if sent == MAX_FRAMES_PER_RUN:
+            self.loop.call_soon(lambda: self._guarded(self._transmit))
+
+    def _send_frame(self, memory: GuestMemory, chain: DescriptorChain) -> None:
+        length = chain.readable_len
+        if self.tap_fd is None or not VNET_HDR_SIZE < length <= MAX_TX_BYTES:
+            self.counters.tx_dropped += 1
+            return
+        views = [memory.view(gpa, n) for gpa, n in chain.readable if n]
+        try:
+            os.writev(self.tap_fd, views)
+        except OSError as err:
+            # EINVAL: a vnet header the host kernel refused; EAGAIN/ENOBUFS: the
+            # host is congested; EIO: the tap is down. All are the frame's loss.
+            self.counters.tx_dropped += 1
+            log.debug("virtio-net: tx frame of %d bytes dropped: %s", length, err)
+            return
+        finally:
+            for view in views:
+                view.release()
+        self.counters.tx_frames += 1
+        self.counters.tx_bytes += length - VNET_HDR_SIZE
+
+    # -- host -> guest -----------------------------------------------------------------
+    def _start_reading(self) -> None:
+        if self.tap_fd is None or not self._usable():
+            return
+        if not self._reading:
+            self.loop.add_reader(self.tap_fd, self._tap_readable)
+            self._reading = True
+        self._receive()
+
+    def _stop_reading(self) -> None:
+        if self._reading and self.tap_fd is not None:
+            self.loop.remove_reader(self.tap_fd)
+        self._reading = False
+
+    def _tap_readable(self) -> None:
+        if not self._usable():
+            self._stop_reading()  # a failed device must not leave a readable fd spinning
+            return
+        self._guarded(self._receive)
+
+    def _receive(self) -> None:
+        """Move frames from the tap into posted rx chains, one frame per chain."""
+        if self.memory is None or self.tap_fd is None:
+            return
+        memory, queue = self.memory, self.queues[RX_QUEUE]
+        delivered = 0
+        for _ in range(MAX_FRAMES_PER_RUN):
+            chain = queue.pop(memory)
+            if chain is None:
+                self._stop_reading()  # until the driver posts buffers (queue_notify)
+                break
+            if chain.writable_len < VNET_HDR_SIZE:
+                raise VirtqueueError(f"rx chain {chain.head} has {chain.writable_len} "
+                                     f"writable bytes, less than the {VNET_HDR_SIZE}-byte "
+                                     f"header")
+            got = self._read_frame(memory, chain)
+            if got is None:
+                queue.undo_pop()
+                break
+            if got == 0:
+                queue.undo_pop()  # frame dropped by the tap; the chain is still free
+                continue
+            chain.write_writable(memory, struct.pack("<H", 1), NUM_BUFFERS_OFFSET)
+            queue.add_used(memory, chain.head, got)
+            delivered += 1
+        if delivered:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+
+    def _read_frame(self, memory: GuestMemory, chain: DescriptorChain) -> int | None:
+        """Read one frame into ``chain``: its length, 0 if it was dropped, None if none."""
+        assert self.tap_fd is not None
+        views = [memory.view(gpa, n) for gpa, n in chain.writable if n]
+        # One byte past the chain: the tap truncates a frame that does not fit, and
+        # a truncated frame must be dropped, not handed to the guest as if whole.
+        views.append(memoryview(self._overflow))
+        try:
+            got = os.readv(self.tap_fd, views)
+        except BlockingIOError:
+            return None
+        except OSError as err:
+            if err.errno in (errno.EFAULT, errno.EINVAL):
+                # Not even the vnet header fitted: the tap drops the frame.
+                self.counters.rx_dropped += 1
+                return 0
+            # Not the guest's doing and not expected: stop reading rather than spin
+            # on an fd that keeps failing; the next rx notification tries again.
+            log.error("virtio-net: tap read failed, receive paused: %s", err)
+            self._stop_reading()
+            return None
+        finally:
+            for view in views:
+                view.release()
+        if got > chain.writable_len:
+            self.counters.rx_dropped += 1
+            return 0
+        self.counters.rx_frames += 1
+        self.counters.rx_bytes += max(0, got - VNET_HDR_SIZE)
+        return got
+
+    # -- snapshots ----------------------------------------------------------------------
+    def save(self) -> NetState:
+        return NetState(mac=format_mac(self.mac), acked_features=self.acked_features)
+
+    def restore(self, state: NetState) -> None:
+        self.mac = parse_mac(state.mac)
+        self.acked_features = state.acked_features

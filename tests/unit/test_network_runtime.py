@@ -1,0 +1,136 @@
+"""runtime/network.py for real, natively: the "host" is a network namespace this test
+creates (so nothing touches the machine's own network), the children are real
+namespaces with real taps, veths and nftables rulesets. Guest traffic needs a VM and
+is tested in tests/e2e/test_network.py."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_virtio_net import PrivateNet
+
+from vmfork.runtime import network
+from vmfork.runtime.network import EgressPolicy, GuestNetwork, HostNetwork, NetworkError
+
+PREFIX = "vmfu"
+
+
+@pytest.fixture
+def host() -> Iterator[PrivateNet]:
+    ns = PrivateNet()
+    yield ns
+    ns.run(network.cleanup_stale, PREFIX)
+    ns.close()
+
+
+@pytest.fixture
+def manager(host: PrivateNet) -> Iterator[HostNetwork]:
+    hn: HostNetwork = host.pool.submit(HostNetwork, None, prefix=PREFIX).result()
+    hn.setup()
+    yield hn
+    hn.close()
+
+
+def _nft(hn: HostNetwork, child: network.ChildNetwork, chain: str) -> list[dict[str, Any]]:
+    listing = hn._on_host(hn._in_child, child, lambda: network._Nft.run(
+        [{"list": {"chain": {"family": "ip", "table": "vmfork", "name": chain}}}], "list"))
+    return [item["rule"]["expr"] for item in listing["nftables"] if "rule" in item]
+
+
+def test_guest_network_and_policy_validation() -> None:
+    assert GuestNetwork().kernel_cmdline() == "vmfork.ip=172.16.0.2/30 vmfork.gw=172.16.0.1"
+    assert "vmfork.dns=192.0.2.53" in GuestNetwork(dns=("192.0.2.53",)).kernel_cmdline()
+    with pytest.raises(ValueError, match="gateway"):
+        GuestNetwork(gateway="10.0.0.1")
+    with pytest.raises(ValueError, match="takes no cidrs"):
+        EgressPolicy("deny", cidrs=("10.0.0.0/8",))
+    with pytest.raises(ValueError, match="not a domain"):
+        EgressPolicy("allowlist", domains=("bad domain",))
+    with pytest.raises(ValueError, match="allow-list entry"):
+        EgressPolicy("allowlist", cidrs=("10.0.0.0/33",))
+    policy = EgressPolicy("allowlist", cidrs=("192.0.2.7/24",), domains=("localhost",))
+    assert policy.resolve() == ("127.0.0.1/32", "192.0.2.0/24"), "DNS answers pinned at set-up"
+    with pytest.raises(NetworkError, match="cannot resolve"):
+        EgressPolicy("allowlist", domains=("no-such-host.invalid",)).resolve()
+    with pytest.raises(ValueError, match="prefix"):
+        HostNetwork(prefix="Bad-1")
+
+
+def test_children_get_their_own_namespace_addresses_and_are_removed(
+        host: PrivateNet, manager: HostNetwork) -> None:
+    children = manager.create_many(6)
+    addresses = {c.address for c in children} | {c.host_address for c in children}
+    assert len(addresses) == 12 and all(
+        ipaddress.IPv4Address(a) in manager.subnet for a in addresses)
+    found = host.run(network.leftovers, PREFIX)
+    assert sorted(found.namespaces) == sorted(c.netns for c in children)
+    assert sorted(found.links) == sorted(c.host_veth for c in children)
+    assert found.tables == [PREFIX]
+    inbound = _nft(manager, children[0], "prerouting")
+    assert inbound[0][-1] == {"dnat": {"addr": "172.16.0.2"}}, "the child address is the guest"
+    for child in children:
+        manager.destroy(child)
+    manager.destroy(children[0])  # idempotent
+    found = host.run(network.leftovers, PREFIX)
+    assert found.namespaces == [] and found.links == []
+
+
+def test_egress_policies_become_rules(manager: HostNetwork) -> None:
+    child = manager.create(EgressPolicy("deny"))
+    assert _nft(manager, child, "egress") == [[network._REJECT]]
+    manager.set_egress(child, EgressPolicy("allowlist", cidrs=("192.0.2.0/24",)))
+    rules = _nft(manager, child, "egress")
+    assert rules[0][-1] == {"accept": None} and "@allowed" in str(rules[0])
+    assert rules[-1] == [network._REJECT] and child.allowed == ("192.0.2.0/24",)
+    manager.set_egress(child, EgressPolicy())
+    assert _nft(manager, child, "egress") == [[{"accept": None}]]
+
+
+def test_published_ports_are_map_elements(host: PrivateNet, manager: HostNetwork) -> None:
+    a, b = manager.create_many(2)
+    port = manager.expose_port(a, 8080)
+    assert port > 0 and a.ports == {("tcp", port): 8080}
+    with pytest.raises(NetworkError, match="already published"):
+        manager.expose_port(b, 80, host_port=port)
+    manager.expose_port(b, 8080, host_port=port + 1 if port < 65535 else port - 1)
+
+    def elements() -> Any:
+        listing = network._Nft.run([{"list": {"map": {"family": "ip", "table": PREFIX,
+                                                      "name": "ports"}}}], "list ports")
+        return listing["nftables"][1]["map"].get("elem", [])
+
+    assert len(host.run(elements)) == 2
+    manager.unexpose_port(a, port)
+    with pytest.raises(NetworkError, match="not published"):
+        manager.unexpose_port(a, port)
+    manager.destroy(b)  # takes its published port with it
+    assert host.run(elements) == []
+    with pytest.raises(ValueError, match="guest_port"):
+        manager.expose_port(a, 0)
+
+
+def test_exhausted_subnet_fails_cleanly(host: PrivateNet) -> None:
+    small: HostNetwork = host.pool.submit(HostNetwork, None, prefix=PREFIX,
+                                          subnet="10.201.0.0/30").result()
+    try:
+        small.setup()
+        with pytest.raises(NetworkError, match="no free network slot"):
+            small.create_many(3)
+        assert host.run(network.leftovers, PREFIX).namespaces == []
+        assert len(small.create_many(2)) == 2
+    finally:
+        small.close()
+
+
+def test_cleanup_stale_removes_what_a_crashed_manager_left(host: PrivateNet) -> None:
+    crashed: HostNetwork = host.pool.submit(HostNetwork, None, prefix=PREFIX).result()
+    crashed.setup()
+    children = crashed.create_many(3)
+    crashed._pool.shutdown()  # "crash": nothing destroyed
+    removed = host.run(network.cleanup_stale, PREFIX)
+    assert sorted(removed.namespaces) == sorted(c.netns for c in children)
+    assert len(removed.links) == 3 and removed.tables == [PREFIX]
+    assert host.run(network.leftovers, PREFIX).empty

@@ -1,0 +1,318 @@
+"""virtio-net end to end: a simulated guest driver on one side, a real tap device
+in a private network namespace on the other (an AF_PACKET socket on the tap
+plays the host's network), a real I/O thread in between."""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
+
+from vmfork.vmm import stateformat, vmstate
+from vmfork.vmm.devices.virtio import mmio, net
+from vmfork.vmm.devices.virtio.device import (
+    STATUS_DEVICE_NEEDS_RESET,
+    STATUS_FEATURES_OK,
+    VIRTIO_F_VERSION_1,
+    run_on_loop,
+)
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.memory import GuestMemory
+
+GUEST_MAC = "52:54:00:aa:bb:01"
+PEER_MAC = bytes.fromhex("0200000000fe")
+ETHERTYPE = 0x88B5  # IEEE "local experimental": nothing else on the tap uses it
+TAP = "vmftest0"
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+RX_BUF = 2048
+ACKED = VIRTIO_F_VERSION_1 | net.F_MAC
+
+
+def _unshare_netns() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNET): {err}")
+
+
+class PrivateNet:
+    """A network namespace of our own, entered by one worker thread: whatever the
+    tests create through ``run`` (taps, sockets) lives there, and dies with it."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, initializer=_unshare_netns)
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        return self.pool.submit(fn, *args).result(timeout=10)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _bring_up(name: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sH14x", name.encode(), 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
+
+
+def _open_wire(name: str) -> socket.socket:
+    wire = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETHERTYPE))
+    wire.bind((name, ETHERTYPE))
+    wire.settimeout(5)
+    return wire
+
+
+def frame(payload: bytes, dst: bytes = b"\xff" * 6,
+          src: bytes = net.parse_mac(GUEST_MAC)) -> bytes:
+    return dst + src + struct.pack("!H", ETHERTYPE) + payload
+
+
+def vnet_header(flags: int = 0, gso_type: int = 0, hdr_len: int = 0, gso_size: int = 0,
+                csum_start: int = 0, csum_offset: int = 0) -> bytes:
+    return struct.pack("<BBHHHHH", flags, gso_type, hdr_len, gso_size, csum_start,
+                       csum_offset, 0)
+
+
+class NetEnv:
+    """A virtio-net device on a tap in ``netns``, the guest half, and the wire."""
+
+    def __init__(self, loop: EventLoop, netns: PrivateNet, *,  # noqa: F811
+                 tap: bool = True, features: int = ACKED) -> None:
+        self.loop = loop
+        self.netns = netns
+        self.memory = GuestMemory.anonymous(MEM_SIZE)
+        self.irq = IrqLine(gsi=7)
+        tap_fd = netns.run(net.open_tap, TAP) if tap else None
+        self.wire: socket.socket | None = None
+        if tap:
+            netns.run(_bring_up, TAP)
+            self.wire = netns.run(_open_wire, TAP)
+        self.dev = net.VirtioNet(loop, net.parse_mac(GUEST_MAC), tap_fd)
+        self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
+        self.driver = GuestDriver(self.transport, self.memory)
+        status = self.driver.negotiate(features)
+        assert status & STATUS_FEATURES_OK
+        self.rx = self.driver.setup_queue(0, 64, RX_BUF)
+        self.tx = self.driver.setup_queue(1, 64, RX_BUF)
+        self.driver.driver_ok()
+        run_on_loop(loop, lambda: None)  # activation has run
+
+    def close(self) -> None:
+        self.transport.reset()
+        self.dev.close()
+        run_on_loop(self.loop, lambda: None)
+        if self.wire is not None:
+            self.wire.close()
+        self.irq.close()
+        self.memory.close()
+
+    @property
+    def needs_reset(self) -> bool:
+        return bool(self.driver.status & STATUS_DEVICE_NEEDS_RESET)
+
+    def send(self, payload: bytes, header: bytes = vnet_header()) -> None:
+        """The guest transmits one frame (header and frame in separate buffers, as Linux)."""
+        self.tx.post([header, frame(payload)])
+        self.driver.notify(1)
+
+    def post_rx(self, n: int) -> None:
+        for _ in range(n):
+            self.rx.post(writable=[net.VNET_HDR_SIZE, RX_BUF])
+        self.driver.notify(0)
+
+    def received(self, want: int, timeout: float = 5.0) -> list[bytes]:
+        """``want`` frames of our ethertype that reached the guest, header checked."""
+        out: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < want:
+            assert time.monotonic() < deadline, f"guest received {len(out)} of {want} frames"
+            for _, written, data in self.rx.take_used():
+                assert written == len(data) >= net.VNET_HDR_SIZE
+                header, body = data[:net.VNET_HDR_SIZE], data[net.VNET_HDR_SIZE:]
+                assert struct.unpack_from("<H", header, net.NUM_BUFFERS_OFFSET)[0] == 1
+                if struct.unpack_from("!H", body, 12)[0] == ETHERTYPE:
+                    out.append(body)
+            time.sleep(0.002)
+        return out
+
+
+@pytest.fixture
+def netns() -> Iterator[PrivateNet]:
+    ns = PrivateNet()
+    yield ns
+    ns.close()
+
+
+@pytest.fixture
+def env(loop: EventLoop, netns: PrivateNet) -> Iterator[NetEnv]:  # noqa: F811
+    e = NetEnv(loop, netns)
+    yield e
+    e.close()
+
+
+def test_mac_text_is_validated() -> None:
+    assert net.parse_mac("52:54:00:AA:bb:01") == bytes.fromhex("525400aabb01")
+    assert net.format_mac(bytes.fromhex("525400aabb01")) == "52:54:00:aa:bb:01"
+    for bad in ("52:54:00:aa:bb", "01:00:5e:00:00:01", "00:00:00:00:00:00", "zz:54:00:aa:bb:01"):
+        with pytest.raises(ValueError):
+            net.parse_mac(bad)
+
+
+def test_tap_names_are_validated() -> None:
+    for bad in ("", "a" * 16, "../tun", "tap 0"):
+        with pytest.raises(ValueError):
+            net.open_tap(bad)
+
+
+def test_offloads_follow_the_features_the_guest_accepted() -> None:
+    assert net.tap_offloads(0) == 0
+    assert net.tap_offloads(net.F_GUEST_TSO4) == 0, "TSO without checksum offload is invalid"
+    everything = net.F_GUEST_CSUM | net.F_GUEST_TSO4 | net.F_GUEST_TSO6 | net.F_GUEST_ECN
+    assert net.tap_offloads(everything) == (net.TUN_F_CSUM | net.TUN_F_TSO4 | net.TUN_F_TSO6
+                                            | net.TUN_F_TSO_ECN)
+
+
+def test_config_space_holds_the_mac_and_link_up(env: NetEnv) -> None:
+    assert env.transport.read(0x100, 4) + env.transport.read(0x104, 2) == \
+        net.parse_mac(GUEST_MAC)
+    assert env.transport.read(0x106, 2) == b"\1\0"
+    env.driver.w(mmio.REG_DEVICE_FEATURES_SEL, 0)
+    assert env.driver.r(mmio.REG_DEVICE_FEATURES) & net.F_MAC
+
+
+def test_guest_frames_reach_the_tap(env: NetEnv) -> None:
+    assert env.wire is not None
+    for i in range(3):
+        env.send(b"hello %d" % i)
+        data = env.wire.recv(4096)
+        assert data == frame(b"hello %d" % i)
+    wait_until(lambda: env.dev.counters.tx_frames == 3, what="tx counters")
+    assert len(env.tx.take_used()) == 3
+
+
+def test_tap_frames_reach_the_guest(env: NetEnv) -> None:
+    assert env.wire is not None
+    env.post_rx(8)
+    sent = [frame(bytes([i]) * (100 + i), dst=net.parse_mac(GUEST_MAC), src=PEER_MAC)
+            for i in range(5)]
+    for f in sent:
+        env.wire.send(f)
+    assert env.received(5) == sent
+
+
+def test_frames_wait_for_rx_buffers(env: NetEnv) -> None:
+    assert env.wire is not None
+    sent = [frame(b"early %d" % i, src=PEER_MAC) for i in range(4)]
+    for f in sent:
+        env.wire.send(f)
+    time.sleep(0.2)  # the tap is readable, there is no rx buffer: nothing may spin or drop
+    assert env.rx.take_used() == []
+    env.post_rx(2)
+    env.post_rx(6)  # spare buffers: the host kernel sends the tap frames of its own (IPv6)
+    assert env.received(4) == sent
+    assert env.dev.counters.rx_dropped == 0
+
+
+def test_frame_larger_than_the_chain_is_dropped_not_truncated(env: NetEnv) -> None:
+    assert env.wire is not None
+    env.wire.send(frame(b"x" * 1400, src=PEER_MAC))
+    env.wire.send(frame(b"small", src=PEER_MAC))
+    env.rx.post(writable=[net.VNET_HDR_SIZE, 200])
+    env.rx.post(writable=[net.VNET_HDR_SIZE, 200])
+    env.driver.notify(0)
+    assert env.received(1) == [frame(b"small", src=PEER_MAC)]
+    assert env.dev.counters.rx_dropped == 1 and not env.needs_reset
+
+
+@pytest.mark.parametrize("length", [0, net.VNET_HDR_SIZE, net.MAX_TX_BYTES + 1])
+def test_malformed_tx_sizes_are_dropped(env: NetEnv, length: int) -> None:
+    parts = [b"\0" * min(length, RX_BUF) for _ in range((length + RX_BUF - 1) // RX_BUF)]
+    env.tx.post(parts or [b""])
+    env.driver.notify(1)
+    wait_until(lambda: env.dev.counters.tx_dropped == 1, what="drop counted")
+    assert not env.needs_reset and len(env.tx.take_used()) == 1
+
+
+def test_a_header_the_host_kernel_refuses_drops_the_frame(env: NetEnv) -> None:
+    # gso_type 0x7f is no GSO type the kernel knows: the tap write fails (EINVAL).
+    env.send(b"bad gso", header=vnet_header(gso_type=0x7F, gso_size=100))
+    wait_until(lambda: env.dev.counters.tx_dropped == 1, what="drop counted")
+    env.send(b"good")
+    assert env.wire is not None and env.wire.recv(4096) == frame(b"good")
+    assert not env.needs_reset
+
+
+def test_rx_chain_shorter_than_the_header_needs_reset(env: NetEnv) -> None:
+    assert env.wire is not None
+    env.wire.send(frame(b"x", src=PEER_MAC))
+    env.rx.post(writable=[4])
+    env.driver.notify(0)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+
+
+def test_descriptor_loop_in_tx_needs_reset(env: NetEnv) -> None:
+    head = env.tx.post([b"a", b"b"])
+    second = env.tx.chains[head][1][0]
+    env.memory.write_u16(env.tx.desc + 16 * second + 12, 1)       # NEXT
+    env.memory.write_u16(env.tx.desc + 16 * second + 14, head)    # ... back to the head
+    env.driver.notify(1)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+
+
+def test_without_a_tap_tx_is_dropped_and_nothing_arrives(loop: EventLoop,  # noqa: F811
+                                                         netns: PrivateNet) -> None:
+    env = NetEnv(loop, netns, tap=False)
+    try:
+        env.post_rx(2)
+        env.send(b"into the void")
+        wait_until(lambda: env.dev.counters.tx_dropped == 1, what="drop counted")
+        assert env.rx.take_used() == [] and not env.needs_reset
+    finally:
+        env.close()
+
+
+def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop,  # noqa: F811
+                                                    netns: PrivateNet) -> None:
+    env.post_rx(4)
+    saved = run_on_loop(loop, lambda: vmstate.NetSnapshot(env.transport.save(), env.dev.save()))
+    state = stateformat.decode_state(stateformat.encode_state(saved), vmstate.NetSnapshot)
+    assert state == saved
+    assert state.device.mac == GUEST_MAC and state.device.acked_features == ACKED
+
+    # The parent goes; a clone on the same tap is restored from the state.
+    env.transport.reset()
+    env.dev.close()
+    run_on_loop(loop, lambda: None)
+    tap_fd = netns.run(net.open_tap, TAP)  # the test's tap was transient: a new one
+    netns.run(_bring_up, TAP)
+    assert env.wire is not None
+    env.wire.close()
+    env.wire = netns.run(_open_wire, TAP)
+    clone = net.VirtioNet(loop, net.parse_mac("52:54:00:00:00:99"), tap_fd)
+    clone.restore(state.device)
+    transport = mmio.MmioTransport(clone, env.memory, env.irq, loop)
+    transport.restore(state.transport)
+    run_on_loop(loop, lambda: None)
+    try:
+        assert clone.mac == net.parse_mac(GUEST_MAC), "the MAC comes from the snapshot"
+        sent = frame(b"after restore", src=PEER_MAC)
+        env.wire.send(sent)
+        assert env.received(1) == [sent], "rx buffers posted before the snapshot are used"
+        env.tx.post([vnet_header(), frame(b"from the clone")])
+        GuestDriver(transport, env.memory).notify(1)
+        assert env.wire.recv(4096) == frame(b"from the clone")
+    finally:
+        transport.reset()
+        clone.close()
+        run_on_loop(loop, lambda: None)
