@@ -19,7 +19,7 @@ DEBIAN_PACKAGES=(
   qemu-system-x86 linux-image-amd64 linux-source-6.1 busybox-static cpio zstd
   bc flex bison libelf-dev libssl-dev build-essential kmod python3
 )
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis)
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis mcp)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
