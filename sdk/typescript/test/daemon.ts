@@ -1,7 +1,7 @@
 /**
  * Start a real `vmfork serve` for a test: a private state dir and snapshot
  * store under a fresh temp dir, a Unix socket, optionally a TCP port and a
- * token. The Python interpreter is `$VMFORK_PYTHON` (scripts set it to the
+ * token. The Python interpreter is `$VMFORK_SDK_TEST_PYTHON` (run-tests.sh sets it to the
  * project's venv), the source tree the one this SDK lives in.
  */
 
@@ -50,7 +50,7 @@ export async function startDaemon(options: { token?: string; tcp?: boolean } = {
     args.push("--bind", `127.0.0.1:${port}`);
     tcpUrl = `http://127.0.0.1:${port}`;
   }
-  const python = process.env.VMFORK_PYTHON || "python3";
+  const python = process.env.VMFORK_SDK_TEST_PYTHON || "python3";
   const env = {
     ...process.env,
     VMFORK_HOME: path.join(root, "home"),
