@@ -124,8 +124,10 @@ export interface BranchOptions extends CallOptions {
   mode?: BranchMode;
   /** Legacy forkd flag, same as `mode: "diff"`. */
   diff?: boolean;
+  /** Legacy forkd flag, same as `mode: "live"`. */
+  live?: boolean;
   measureDiff?: boolean;
-  /** With `mode: "live"`: false returns while the snapshot is still `writing`. Default true. */
+  /** false: answer at once, the snapshot still `writing`; poll listSnapshots until `ready`. Default true. */
   wait?: boolean;
   parentTag?: string;
 }
@@ -286,19 +288,21 @@ export class Controller {
   /**
    * Snapshot a running sandbox as a new tag to spawn from (forkd's BRANCH). The
    * source pauses briefly and runs on. Only the fields given are sent, so the
-   * daemon's defaults apply (`mode: "full"`, `wait: true`).
+   * daemon's defaults apply (`mode: "full"`, `wait: true`). A full copy of a large
+   * guest can take long: the default timeout is an hour.
    */
   branchSandbox(sandboxId: string, options: BranchOptions = {}): Promise<SnapshotInfo> {
     const body: Record<string, unknown> = {};
     if (options.tag !== undefined) body.tag = options.tag;
     if (options.mode !== undefined) body.mode = options.mode;
     if (options.diff !== undefined) body.diff = options.diff;
+    if (options.live !== undefined) body.live = options.live;
     if (options.measureDiff !== undefined) body.measure_diff = options.measureDiff;
     if (options.wait !== undefined) body.wait = options.wait;
     if (options.parentTag !== undefined) body.parent_tag = options.parentTag;
     return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/branch`, {
       ...options,
-      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 600_000),
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 3_600_000),
       json: body,
     });
   }

@@ -15,7 +15,7 @@ import sys
 from vmfork import __version__
 
 # The verb groups, in the order ``vmfork --help`` lists them.
-_MODULES = ["run", "snapshots", "serve", "image", "doctor", "testhost"]
+_MODULES = ["run", "snapshots", "serve", "mcp", "image", "doctor", "testhost"]
 
 
 class CliError(Exception):
