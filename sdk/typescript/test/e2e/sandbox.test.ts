@@ -6,7 +6,11 @@
  */
 
 import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
 import { randomBytes } from "node:crypto";
+import * as path from "node:path";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
 import { Readable } from "node:stream";
 import { describe, test } from "node:test";
 
@@ -189,5 +193,20 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
     } finally {
       await ctl.deleteSnapshot(branchTag);
     }
+  });
+
+  test("the quickstart example runs as documented", async () => {
+    const example = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "examples", "quickstart.js");
+    const { stdout } = await promisify(execFile)(process.execPath, [example], {
+      env: { ...process.env, VMFORK_SNAPSHOT: TAG },
+      timeout: 600_000,
+    });
+    assert.match(stdout, /^eval: 42$/m);
+    assert.match(stdout, /^stdout: streamed$/m);
+    assert.match(stdout, /^stderr: also$/m);
+    assert.match(stdout, /^stdout: 42$/m);
+    assert.match(stdout, /^file: hello from the host$/m);
+    assert.match(stdout, /^child of the branch: 7$/m);
+    assert.match(stdout, /^sandboxes left: 0$/m);
   });
 });
