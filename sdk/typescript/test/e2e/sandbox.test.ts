@@ -128,7 +128,10 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
       await assert.rejects(sb.files.stat("/tmp/sub"), (err: unknown) => err instanceof ControllerError && err.status === 404);
       // A path with shell metacharacters is a name, not a command.
       await sb.files.write("/tmp/$(touch pwned);x", "safe");
-      assert.equal((await sb.commands.run(["ls", "/tmp"])).stdout.includes("pwned"), false);
+      assert.equal(await sb.files.readText("/tmp/$(touch pwned);x"), "safe");
+      const tmp = (await sb.files.list("/tmp")).map((e) => e.name);
+      assert.ok(tmp.includes("$(touch pwned);x") && !tmp.includes("pwned"), JSON.stringify(tmp));
+      assert.equal((await sb.commands.run(["test", "-e", "/pwned"])).exitCode, 1);
 
       const ev = await sb.eval("answer * 2");
       assert.equal(ev.result, "82");
