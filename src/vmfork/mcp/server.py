@@ -143,7 +143,7 @@ class _Tools:
         boot_wait_secs: Annotated[float, Field(ge=0, le=60, description=(
             "forkd compatibility only; ignored: vmfork snapshots as soon as the guest "
             "answers and the warm-up has run."))] = 10,
-        image: Annotated[str, Field(pattern=NAME_PATTERN, description=(
+        image: Annotated[str, Field(min_length=1, max_length=255, description=(
             "Guest image to boot (default 'default')."))] = "default",
         mem_mib: Annotated[int, Field(ge=64, le=65536, description=(
             "Guest memory in MiB."))] = 256,
