@@ -6,12 +6,25 @@ Sandboxes themselves are exercised in tests/e2e/test_mcp.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mcp import Client
 
-from tests.mcp_support import RunningDaemon, ToolFailed, mcp_session, running_daemon
+from tests.mcp_support import (
+    SRC,
+    McpSession,
+    RunningDaemon,
+    ToolFailed,
+    mcp_session,
+    running_daemon,
+)
 
 TOKEN = "mcp-test-token-0123456789"
 FORKD_TOOLS = {"list_snapshots", "spawn_sandboxes", "branch_sandbox", "create_snapshot",
@@ -101,3 +114,43 @@ def test_an_unreachable_daemon_says_how_to_start_one(tmp_path: Path) -> None:
                 await mcp.call("list_snapshots")
 
     asyncio.run(session())
+
+
+def test_streamable_http_transport(daemon: RunningDaemon) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, VMFORK_URL=daemon.url, VMFORK_TOKEN=TOKEN,
+               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen([sys.executable, "-m", "vmfork", "mcp", "--http",
+                             f"127.0.0.1:{port}"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                assert proc.stderr is not None
+                raise AssertionError("vmfork mcp --http did not listen:\n"
+                                     + proc.stderr.read().decode()) from None
+            time.sleep(0.2)
+
+    async def session() -> None:
+        async with Client(f"http://127.0.0.1:{port}/mcp") as client:
+            mcp = McpSession(client)
+            assert {t.name for t in (await client.list_tools()).tools} == FORKD_TOOLS | VMFORK_TOOLS
+            assert await mcp.call("list_snapshots") == []
+            with pytest.raises(ToolFailed, match="HTTP 404"):
+                await mcp.call("get_sandbox", {"sandbox_id": "sb-none"})
+
+    try:
+        asyncio.run(session())
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        assert proc.stderr is not None
+        proc.stderr.close()
