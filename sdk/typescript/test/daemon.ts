@@ -17,6 +17,14 @@ import { Controller } from "../src/index.js";
 // build-test/test/daemon.js -> the repository root is four levels up.
 export const REPO = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "..", "..");
 
+const DIE_WITH_PARENT = [
+  "import ctypes, runpy, signal, sys",
+  "PR_SET_PDEATHSIG = 1",
+  "ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)",
+  "sys.argv[0] = 'vmfork serve'",
+  "runpy.run_module('vmfork.cli.serve', run_name='__main__', alter_sys=True)",
+].join("\n");
+
 export interface TestDaemon {
   socketUrl: string;
   tcpUrl: string | undefined;
@@ -39,7 +47,9 @@ export async function freePort(): Promise<number> {
 export async function startDaemon(options: { token?: string; tcp?: boolean } = {}): Promise<TestDaemon> {
   const root = mkdtempSync(path.join(os.tmpdir(), "vmfork-ts-"));
   const socket = path.join(root, "api.sock");
-  const args = ["-m", "vmfork.cli.serve", "--state", path.join(root, "state"), "--socket", socket];
+  // The daemon gets SIGTERM when this process dies, however it dies (a cancelled test
+  // run kills its file's process without running exit handlers): PR_SET_PDEATHSIG.
+  const args = ["-c", DIE_WITH_PARENT, "--state", path.join(root, "state"), "--socket", socket];
   if (options.token !== undefined) {
     writeFileSync(path.join(root, "token"), options.token);
     args.push("--token-file", path.join(root, "token"));
