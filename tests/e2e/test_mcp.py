@@ -87,7 +87,7 @@ def test_mcp_session_spawns_drives_branches_and_kills(daemon: RunningDaemon) -> 
 
             # wait_for_text: a file that is not there yet, then one with the marker. The
             # path is an argument, never shell text.
-            log_path = "/tmp/w/job.log; touch /tmp/pwned"
+            log_path = "/tmp/w/job.log; touch pwned-by-wait"
             waited = await mcp.call("wait_for_text", {
                 "sandbox_id": first, "path": log_path, "marker": "READY",
                 "timeout_secs": 1, "poll_interval_ms": 100})
@@ -97,9 +97,10 @@ def test_mcp_session_spawns_drives_branches_and_kills(daemon: RunningDaemon) -> 
             waited = await mcp.call("wait_for_text", {
                 "sandbox_id": first, "path": log_path, "marker": "READY", "timeout_secs": 30})
             assert waited["found"] is True and "READY" in waited["last_excerpt"]
-            pwned = await mcp.call("exec_command", {"sandbox_id": first,
-                                                    "args": ["test", "-e", "/tmp/pwned"]})
-            assert pwned["exit_code"] == 1
+            # Had a shell seen the path, `touch` would have run in the agent's directory.
+            listing = await mcp.call("exec_command", {"sandbox_id": first,
+                                                      "args": ["/bin/sh", "-c", "ls -a . / /tmp"]})
+            assert "pwned-by-wait" not in listing["stdout"]
 
             # branch: the second sandbox's state becomes a snapshot to spawn from.
             await mcp.call("eval_code", {"sandbox_id": second, "code": "answer = 7"})
