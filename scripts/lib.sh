@@ -4,6 +4,8 @@
 #   Debian packages   installed once (dpkg -s tells what is missing)
 #   Python venv       $CACHE/venv-<hash of requirements>, with the dev tools
 #   guest image       vmfork image build (kernel + initramfs, content-addressed)
+#   TypeScript SDK    npm ci into sdk/typescript/node_modules (npm cache under
+#                     $CACHE/npm), then tsc; here, never in the test host (no network)
 #
 # The project itself is not installed into the venv: PYTHONPATH points at this
 # checkout's src/, so several clones can share one cache.
@@ -19,11 +21,7 @@ DEBIAN_PACKAGES=(
   qemu-system-x86 linux-image-amd64 linux-source-6.1 busybox-static cpio zstd
   bc flex bison libelf-dev libssl-dev build-essential kmod python3 nftables iperf3
 )
-<<<<<<< HEAD
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis)
-=======
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis pyroute2)
->>>>>>> net
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -69,8 +67,31 @@ setup_image() {
   "$PY" -m vmfork image build
 }
 
+setup_typescript() {
+  local sdk=$REPO/sdk/typescript
+  if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    echo "vmfork setup: the TypeScript SDK needs Node.js 20+ and npm on PATH" >&2
+    exit 1
+  fi
+  if [ "$(node -p 'process.versions.node.split(".")[0]')" -lt 20 ]; then
+    echo "vmfork setup: the TypeScript SDK needs Node.js 20+, found $(node --version)" >&2
+    exit 1
+  fi
+  # npm ci only when package-lock.json changed since the last install.
+  local lock_hash stamp=$sdk/node_modules/.vmfork-lock-sha256
+  lock_hash=$(sha256sum "$sdk/package-lock.json" | cut -c1-64)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$lock_hash" ]; then
+    log "TypeScript SDK: npm ci"
+    (cd "$sdk" && npm ci --no-audit --no-fund --loglevel=error --cache "$CACHE/npm")
+    echo "$lock_hash" > "$stamp"
+  fi
+  log "TypeScript SDK: tsc"
+  (cd "$sdk" && npx --no-install tsc -p tsconfig.json && npx --no-install tsc -p tsconfig.test.json)
+}
+
 setup_all() {
   setup_debian
   setup_python
   setup_image
+  setup_typescript
 }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Run the TypeScript SDK's tests (built beforehand by scripts/lib.sh's
+# setup_typescript, which needs the network; this script does not).
+#
+#   run-tests.sh unit   tests that start their own `vmfork serve` and spawn
+#                       nothing: run anywhere
+#   run-tests.sh e2e    real sandboxes: needs a KVM that runs guests (the
+#                       emulated test host here). Starts `vmfork serve` on a
+#                       Unix socket with a temporary VMFORK_HOME, creates a
+#                       small warm snapshot, runs the tests, stops the daemon.
+set -euo pipefail
+SDK=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$SDK/../../scripts/lib.sh"
+setup_python   # the cached venv; sets PY and PYTHONPATH, installs nothing when present
+
+if [ ! -d "$SDK/build-test/test" ]; then
+  echo "run-tests.sh: the SDK is not built; run 'source scripts/lib.sh && setup_typescript' first" >&2
+  exit 2
+fi
+export VMFORK_SDK_TEST_PYTHON=$PY
+
+case ${1:-unit} in
+  unit)
+    exec node --test "$SDK"/build-test/test/*.test.js
+    ;;
+  e2e)
+    work=$(mktemp -d "${TMPDIR:-/tmp}/vmfork-ts-e2e.XXXXXX")
+    socket=$work/api.sock
+    VMFORK_HOME=$work/home "$PY" -m vmfork.cli.serve --state "$work/state" --socket "$socket" \
+      >"$work/serve.log" 2>&1 &
+    daemon=$!
+    stop_daemon() {
+      local rc=$?
+      if kill -0 "$daemon" 2>/dev/null; then
+        kill -TERM "$daemon"
+        wait "$daemon" || true
+      fi
+      if [ "$rc" -ne 0 ]; then
+        echo "--- vmfork serve log (last 40 lines) ---" >&2
+        tail -n 40 "$work/serve.log" >&2
+      fi
+      rm -rf "$work"
+      exit "$rc"
+    }
+    trap stop_daemon EXIT
+    export VMFORK_URL=unix://$socket VMFORK_TEST_SNAPSHOT=ts-warm
+    "$PY" - <<'PYEOF'
+import os, time
+from vmfork.client import Controller, ControllerError
+
+ctl = Controller(os.environ["VMFORK_URL"], timeout=900)
+deadline = time.monotonic() + 120
+while True:
+    try:
+        ctl.healthz()
+        break
+    except ControllerError:
+        if time.monotonic() > deadline:
+            raise SystemExit("vmfork serve did not answer within 120 s")
+        time.sleep(0.2)
+started = time.monotonic()
+info = ctl.create_snapshot(os.environ["VMFORK_TEST_SNAPSHOT"], mem_mib=256, warm_code="answer = 41")
+print(f"snapshot {info['tag']}: {info['status']} in {time.monotonic() - started:.1f} s", flush=True)
+PYEOF
+    # A hung test fails (with its name) instead of hanging the test host until its timeout.
+    node --test --test-timeout=900000 "$SDK"/build-test/test/e2e/*.test.js
+    ;;
+  *)
+    echo "usage: run-tests.sh [unit|e2e]" >&2
+    exit 2
+    ;;
+esac

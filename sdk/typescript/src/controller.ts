@@ -1,0 +1,610 @@
+/**
+ * `Controller`: one method per REST call of the vmfork daemon (`vmfork serve`),
+ * with forkd's method names in camelCase, so a script written for forkd's
+ * TypeScript SDK runs against vmfork by changing its import. Options are
+ * camelCase here and snake_case on the wire. Results are the decoded JSON
+ * records of ./types.ts.
+ *
+ * Any non-2xx answer rejects with `ControllerError(status, body, url)`; a
+ * daemon that cannot be reached, or does not answer within the timeout,
+ * rejects with `ControllerError` status 0 and a message saying what to do.
+ * Every method takes an optional `AbortSignal`; aborting rejects with the
+ * signal's reason (an `AbortError` by default) and closes the connection.
+ */
+
+import type { IncomingMessage } from "node:http";
+import * as os from "node:os";
+import * as path from "node:path";
+import { Readable } from "node:stream";
+
+import { parseEndpoint, readAll, send, type Endpoint } from "./transport.js";
+import type {
+  EvalResult,
+  ExecResult,
+  ExecStreamEvent,
+  FileInfo,
+  PingResult,
+  SandboxInfo,
+  SnapshotDetails,
+  SnapshotInfo,
+  VersionInfo,
+} from "./types.js";
+
+const USER_AGENT = "vmfork-typescript";
+const DEFAULT_TIMEOUT_MS = 60_000;
+/** Spawning boots nothing, but a batch of many children in a busy host can take minutes. */
+const MIN_SPAWN_TIMEOUT_MS = 300_000;
+
+/**
+ * `$VMFORK_URL`, `$FORKD_URL`, else the Unix socket `vmfork serve` listens on by
+ * default (`$VMFORK_STATE_DIR`, `$XDG_STATE_HOME/vmfork` or
+ * `~/.local/state/vmfork`, then `/api.sock`), as the Python SDK resolves it.
+ */
+export function defaultUrl(env: NodeJS.ProcessEnv = process.env): string {
+  for (const name of ["VMFORK_URL", "FORKD_URL"]) {
+    const value = env[name];
+    if (value) return value;
+  }
+  let state = env.VMFORK_STATE_DIR;
+  if (!state) {
+    const base = env.XDG_STATE_HOME || path.join(os.homedir(), ".local", "state");
+    state = path.join(base, "vmfork");
+  }
+  return "unix://" + path.resolve(state, "api.sock");
+}
+
+/**
+ * The daemon answered with an error (`status` ≥ 400; `body` its decoded JSON,
+ * usually `{error: "..."}`, or its text), or could not be reached (`status` 0).
+ */
+export class ControllerError extends Error {
+  readonly status: number;
+  readonly body: unknown;
+  readonly url: string;
+
+  constructor(status: number, body: unknown, url: string, options?: ErrorOptions) {
+    super(`${status} from ${url}: ${reasonOf(body)}`, options);
+    this.name = "ControllerError";
+    this.status = status;
+    this.body = body;
+    this.url = url;
+  }
+
+  /** The daemon's reason: `body.error`, or the body itself when it is text. */
+  get reason(): string {
+    return reasonOf(this.body);
+  }
+}
+
+function reasonOf(body: unknown): string {
+  if (body !== null && typeof body === "object" && "error" in body) {
+    return String((body as { error: unknown }).error);
+  }
+  return typeof body === "string" ? body : JSON.stringify(body);
+}
+
+export interface ControllerOptions {
+  /** Daemon URL: `unix:///path/api.sock` or `http(s)://host:port`. Default: {@link defaultUrl}. */
+  baseUrl?: string;
+  /** Bearer token. Default `$VMFORK_TOKEN`, then `$FORKD_TOKEN`. */
+  token?: string;
+  /**
+   * Milliseconds each request may take, body included (default 60 000). Exec
+   * and eval add their own `timeoutSecs` on top; spawns get at least 5 minutes.
+   */
+  timeoutMs?: number;
+}
+
+/** Per-call options every method accepts. */
+export interface CallOptions {
+  /** Cancels the call: the request is aborted and the promise rejects with the signal's reason. */
+  signal?: AbortSignal;
+  /** Overrides the controller's `timeoutMs` for this call. */
+  timeoutMs?: number;
+}
+
+export interface SpawnOptions extends CallOptions {
+  snapshotTag: string;
+  /** How many children, 1..1000 (default 1). */
+  n?: number;
+  perChildNetns?: boolean;
+  /** Memory limit of each child in MiB (a cgroup limit); default none. */
+  memoryLimitMib?: number;
+  prewarm?: boolean;
+  liveFork?: boolean;
+  hugepages?: boolean;
+}
+
+export type BranchMode = "full" | "diff" | "live";
+
+export interface BranchOptions extends CallOptions {
+  /** Tag of the new snapshot; the daemon names it when unset. */
+  tag?: string;
+  /** `full` (default), `diff` or `live`. */
+  mode?: BranchMode;
+  /** Legacy forkd flag, same as `mode: "diff"`. */
+  diff?: boolean;
+  /** Legacy forkd flag, same as `mode: "live"`. */
+  live?: boolean;
+  measureDiff?: boolean;
+  /** false: answer at once, the snapshot still `writing`; poll listSnapshots until `ready`. Default true. */
+  wait?: boolean;
+  parentTag?: string;
+}
+
+export interface CreateSnapshotOptions extends CallOptions {
+  tag: string;
+  /** Guest image name (default "default"). */
+  image?: string;
+  memMib?: number;
+  vcpus?: number;
+  /** Python run in the guest's warm interpreter before the snapshot (imports, state). */
+  warmCode?: string;
+  /** Shell command run in the guest before the snapshot. */
+  warmCmd?: string;
+}
+
+export interface ExecOptions extends CallOptions {
+  /** Seconds before the command is killed (default 30); a timeout rejects with status 504. */
+  timeoutSecs?: number;
+  /** Environment changes; a `null` value unsets the variable. */
+  env?: Record<string, string | null>;
+  cwd?: string;
+  stdin?: string;
+}
+
+export interface EvalOptions extends CallOptions {
+  timeoutSecs?: number;
+}
+
+export interface WriteFileOptions extends CallOptions {
+  /** Permission bits of the new file (default 0o644). */
+  mode?: number;
+  /** Create missing parent directories. */
+  makeParents?: boolean;
+  /** Byte count of a stream body; required when `data` is a stream (the daemon needs a Content-Length). */
+  length?: number;
+}
+
+export interface RemoveFileOptions extends CallOptions {
+  recursive?: boolean;
+  missingOk?: boolean;
+}
+
+export interface DeleteSnapshotOptions extends CallOptions {
+  /** Also delete the snapshots branched from it. */
+  cascade?: boolean;
+  /** Delete it even though others depend on it. */
+  force?: boolean;
+}
+
+type Query = Record<string, string | number | boolean | undefined>;
+
+interface RequestSpec extends CallOptions {
+  query?: Query;
+  json?: unknown;
+  body?: Buffer | Readable;
+  contentType?: string;
+  length?: number;
+}
+
+export class Controller {
+  readonly baseUrl: string;
+  readonly token: string | undefined;
+  readonly timeoutMs: number;
+  private readonly endpoint: Endpoint;
+
+  constructor(options: ControllerOptions = {}) {
+    this.baseUrl = options.baseUrl ?? defaultUrl();
+    this.endpoint = parseEndpoint(this.baseUrl);
+    this.token = options.token ?? (process.env.VMFORK_TOKEN || process.env.FORKD_TOKEN || undefined);
+    this.timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
+  }
+
+  // -- service ------------------------------------------------------------------
+
+  healthz(options: CallOptions = {}): Promise<{ ok: boolean }> {
+    return this.json("GET", "/healthz", options);
+  }
+
+  version(options: CallOptions = {}): Promise<VersionInfo> {
+    return this.json("GET", "/version", options);
+  }
+
+  /** Prometheus text. */
+  async metrics(options: CallOptions = {}): Promise<string> {
+    return this.call("GET", "/metrics", options, async (r) => (await readAll(r)).toString("utf8"));
+  }
+
+  // -- snapshots ----------------------------------------------------------------
+
+  listSnapshots(options: CallOptions = {}): Promise<SnapshotInfo[]> {
+    return this.json("GET", "/v1/snapshots", options);
+  }
+
+  /** Boot an image, warm it, snapshot it as `tag`; resolves when it is ready (default timeout 10 minutes). */
+  createSnapshot(options: CreateSnapshotOptions): Promise<SnapshotInfo> {
+    const body = {
+      tag: options.tag,
+      image: options.image ?? "default",
+      mem_mib: options.memMib ?? 256,
+      vcpus: options.vcpus ?? 1,
+      warm_code: options.warmCode,
+      warm_cmd: options.warmCmd,
+    };
+    return this.json("POST", "/v1/snapshots", {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 600_000),
+      json: body,
+    });
+  }
+
+  snapshotInfo(tag: string, options: CallOptions = {}): Promise<SnapshotDetails> {
+    return this.json("GET", `/v1/snapshots/${seg(tag)}/info`, options);
+  }
+
+  async deleteSnapshot(tag: string, options: DeleteSnapshotOptions = {}): Promise<void> {
+    await this.json("DELETE", `/v1/snapshots/${seg(tag)}`, {
+      ...options,
+      query: { cascade: options.cascade || undefined, force: options.force || undefined },
+    });
+  }
+
+  // -- sandboxes ----------------------------------------------------------------
+
+  spawnSandboxes(options: SpawnOptions): Promise<SandboxInfo[]> {
+    const body = {
+      snapshot_tag: options.snapshotTag,
+      n: options.n ?? 1,
+      per_child_netns: options.perChildNetns ?? false,
+      memory_limit_mib: options.memoryLimitMib ?? null,
+      prewarm: options.prewarm ?? false,
+      live_fork: options.liveFork ?? false,
+      hugepages: options.hugepages ?? false,
+    };
+    return this.json("POST", "/v1/sandboxes", {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, MIN_SPAWN_TIMEOUT_MS),
+      json: body,
+    });
+  }
+
+  listSandboxes(options: CallOptions = {}): Promise<SandboxInfo[]> {
+    return this.json("GET", "/v1/sandboxes", options);
+  }
+
+  getSandbox(sandboxId: string, options: CallOptions = {}): Promise<SandboxInfo> {
+    return this.json("GET", `/v1/sandboxes/${seg(sandboxId)}`, options);
+  }
+
+  async killSandbox(sandboxId: string, options: CallOptions = {}): Promise<void> {
+    await this.json("DELETE", `/v1/sandboxes/${seg(sandboxId)}`, options);
+  }
+
+  pingSandbox(sandboxId: string, options: CallOptions = {}): Promise<PingResult> {
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/ping`, options);
+  }
+
+  /**
+   * Snapshot a running sandbox as a new tag to spawn from (forkd's BRANCH). The
+   * source pauses briefly and runs on. Only the fields given are sent, so the
+   * daemon's defaults apply (`mode: "full"`, `wait: true`). A full copy of a large
+   * guest can take long: the default timeout is an hour.
+   */
+  branchSandbox(sandboxId: string, options: BranchOptions = {}): Promise<SnapshotInfo> {
+    const body: Record<string, unknown> = {};
+    if (options.tag !== undefined) body.tag = options.tag;
+    if (options.mode !== undefined) body.mode = options.mode;
+    if (options.diff !== undefined) body.diff = options.diff;
+    if (options.live !== undefined) body.live = options.live;
+    if (options.measureDiff !== undefined) body.measure_diff = options.measureDiff;
+    if (options.wait !== undefined) body.wait = options.wait;
+    if (options.parentTag !== undefined) body.parent_tag = options.parentTag;
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/branch`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 3_600_000),
+      json: body,
+    });
+  }
+
+  /**
+   * Run `args` (an argv, no shell) in the sandbox. Resolves with its output and
+   * exit code whatever the code; a timeout rejects with status 504 and the
+   * output so far in `body.stdout`/`body.stderr`.
+   */
+  execCommand(sandboxId: string, args: string[], options: ExecOptions = {}): Promise<ExecResult> {
+    const timeoutSecs = options.timeoutSecs ?? 30;
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/exec`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? timeoutSecs * 1000 + this.timeoutMs,
+      json: execBody(args, timeoutSecs, options),
+    });
+  }
+
+  /**
+   * Like {@link execCommand}, but yields the output as the command writes it:
+   * `stdout`/`stderr` events, then one `exit` or `error` event. Breaking out of
+   * the loop (or aborting `signal`) closes the stream.
+   */
+  async *execStream(
+    sandboxId: string,
+    args: string[],
+    options: ExecOptions = {},
+  ): AsyncGenerator<ExecStreamEvent, void, undefined> {
+    const timeoutSecs = options.timeoutSecs ?? 30;
+    const response = await this.open("POST", `/v1/sandboxes/${seg(sandboxId)}/exec/stream`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? timeoutSecs * 1000 + this.timeoutMs,
+      json: execBody(args, timeoutSecs, options),
+    });
+    try {
+      for await (const { event, data } of serverSentEvents(response)) {
+        const payload = JSON.parse(data) as Record<string, unknown>;
+        if (event === "stdout" || event === "stderr") {
+          yield { event, data: String(payload.data) };
+        } else if (event === "exit") {
+          yield {
+            event,
+            exitCode: Number(payload.exit_code),
+            signal: (payload.signal as number | null | undefined) ?? null,
+            durationSecs: Number(payload.duration_secs ?? 0),
+          };
+        } else if (event === "error") {
+          yield { event, body: payload as Record<string, unknown> & { error: string } };
+        }
+      }
+    } catch (err) {
+      throw this.transportError(err, `/v1/sandboxes/${seg(sandboxId)}/exec/stream`, options);
+    } finally {
+      response.destroy();
+    }
+  }
+
+  /** Evaluate Python in the sandbox's warm interpreter (an expression's value comes back as `result`). */
+  evalCode(sandboxId: string, code: string, options: EvalOptions = {}): Promise<EvalResult> {
+    const body: Record<string, unknown> = { code };
+    if (options.timeoutSecs !== undefined) body.timeout_secs = options.timeoutSecs;
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/eval`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? (options.timeoutSecs ?? 0) * 1000 + this.timeoutMs,
+      json: body,
+    });
+  }
+
+  // -- files --------------------------------------------------------------------
+
+  /**
+   * A guest file as a byte stream (for large files; {@link readFile} buffers).
+   * The stream errors if it ends short of the size the daemon announced.
+   */
+  async readFileStream(sandboxId: string, guestPath: string, options: CallOptions = {}): Promise<Readable> {
+    const response = await this.open("GET", `/v1/sandboxes/${seg(sandboxId)}/files`, {
+      ...options,
+      query: { path: guestPath },
+    });
+    const expected = response.headers["x-file-size"];
+    if (expected === undefined) return response;
+    const url = this.baseUrl + this.endpoint.prefix;
+    let received = 0;
+    async function* checked(): AsyncGenerator<Buffer> {
+      for await (const chunk of response) {
+        received += (chunk as Buffer).length;
+        yield chunk as Buffer;
+      }
+      if (received !== Number(expected)) {
+        throw new ControllerError(
+          502,
+          { error: `read ${guestPath}: got ${received} of ${expected} bytes (the stream was cut; see the daemon log)` },
+          url,
+        );
+      }
+    }
+    return Readable.from(checked(), { objectMode: false });
+  }
+
+  async readFile(sandboxId: string, guestPath: string, options: CallOptions = {}): Promise<Buffer> {
+    const stream = await this.readFileStream(sandboxId, guestPath, options);
+    try {
+      return await readAll(stream);
+    } catch (err) {
+      throw this.transportError(err, `/v1/sandboxes/${seg(sandboxId)}/files`, options);
+    }
+  }
+
+  /**
+   * Atomically replace a guest file. `data` is a string (UTF-8), bytes, or a
+   * stream of bytes with its `length`.
+   */
+  writeFile(
+    sandboxId: string,
+    guestPath: string,
+    data: string | Uint8Array | Readable,
+    options: WriteFileOptions = {},
+  ): Promise<{ path: string; size: number }> {
+    let body: Buffer | Readable;
+    let length: number;
+    if (typeof data === "string" || data instanceof Uint8Array) {
+      body = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+      length = body.length;
+    } else {
+      if (options.length === undefined) {
+        throw new TypeError("writeFile: pass `length` (bytes) with a stream body; the daemon needs a Content-Length");
+      }
+      body = data;
+      length = options.length;
+    }
+    return this.json("PUT", `/v1/sandboxes/${seg(sandboxId)}/files`, {
+      ...options,
+      query: { path: guestPath, mode: options.mode ?? 0o644, make_parents: options.makeParents ?? false },
+      body,
+      contentType: "application/octet-stream",
+      length,
+    });
+  }
+
+  async listFiles(sandboxId: string, guestPath: string, options: CallOptions = {}): Promise<FileInfo[]> {
+    const result = await this.json<{ entries: FileInfo[] }>("GET", `/v1/sandboxes/${seg(sandboxId)}/files/list`, {
+      ...options,
+      query: { path: guestPath },
+    });
+    return result.entries;
+  }
+
+  statFile(sandboxId: string, guestPath: string, options: CallOptions = {}): Promise<FileInfo> {
+    return this.json("GET", `/v1/sandboxes/${seg(sandboxId)}/files/stat`, { ...options, query: { path: guestPath } });
+  }
+
+  async removeFile(sandboxId: string, guestPath: string, options: RemoveFileOptions = {}): Promise<void> {
+    await this.json("DELETE", `/v1/sandboxes/${seg(sandboxId)}/files`, {
+      ...options,
+      query: { path: guestPath, recursive: options.recursive ?? false, missing_ok: options.missingOk ?? false },
+    });
+  }
+
+  // -- plumbing -----------------------------------------------------------------
+
+  private async json<T>(method: string, route: string, spec: RequestSpec): Promise<T> {
+    return this.call(method, route, spec, async (response) => {
+      const raw = await readAll(response);
+      return (raw.length ? JSON.parse(raw.toString("utf8")) : null) as T;
+    });
+  }
+
+  /** `open`, then `consume` the body under the same deadline and signal. */
+  private async call<T>(
+    method: string,
+    route: string,
+    spec: RequestSpec,
+    consume: (response: IncomingMessage) => Promise<T>,
+  ): Promise<T> {
+    const response = await this.open(method, route, spec);
+    try {
+      return await consume(response);
+    } catch (err) {
+      throw this.transportError(err, route, spec);
+    } finally {
+      response.destroy();
+    }
+  }
+
+  /** Send a request; resolve with a 2xx response whose body is still unread. */
+  private async open(method: string, route: string, spec: RequestSpec): Promise<IncomingMessage> {
+    const pathAndQuery = route + encodeQuery(spec.query);
+    const headers: Record<string, string> = { "User-Agent": USER_AGENT, Accept: "application/json" };
+    if (this.token) headers.Authorization = `Bearer ${this.token}`;
+    let body = spec.body;
+    if (spec.json !== undefined) {
+      body = Buffer.from(JSON.stringify(spec.json), "utf8");
+      headers["Content-Type"] = "application/json";
+    } else if (spec.contentType) {
+      headers["Content-Type"] = spec.contentType;
+    }
+    if (spec.length !== undefined) headers["Content-Length"] = String(spec.length);
+    else if (Buffer.isBuffer(body)) headers["Content-Length"] = String(body.length);
+    else if (method === "POST" || method === "PUT") headers["Content-Length"] = "0";
+
+    const signal = this.deadline(spec);
+    let response: IncomingMessage;
+    try {
+      response = await send(this.endpoint, { method, path: pathAndQuery, headers, body, signal });
+    } catch (err) {
+      throw this.transportError(err, route, spec);
+    }
+    const status = response.statusCode ?? 0;
+    if (status >= 400) {
+      let raw: Buffer;
+      try {
+        raw = await readAll(response);
+      } catch (err) {
+        throw this.transportError(err, route, spec);
+      } finally {
+        response.destroy();
+      }
+      const text = raw.toString("utf8");
+      let decoded: unknown = text;
+      try {
+        decoded = JSON.parse(text);
+      } catch {
+        // Not JSON (a proxy's error page): keep the text.
+      }
+      throw new ControllerError(status, decoded, this.baseUrl + pathAndQuery);
+    }
+    return response;
+  }
+
+  /** The caller's signal combined with this call's timeout. */
+  private deadline(spec: CallOptions): AbortSignal {
+    const timeout = AbortSignal.timeout(spec.timeoutMs ?? this.timeoutMs);
+    return spec.signal ? AbortSignal.any([spec.signal, timeout]) : timeout;
+  }
+
+  /**
+   * The caller's abort passes through unchanged; our own timeout and failures
+   * to connect become `ControllerError` status 0 naming the knob to turn.
+   */
+  private transportError(err: unknown, route: string, spec: CallOptions): unknown {
+    if (err instanceof ControllerError) return err;
+    if (spec.signal?.aborted) return spec.signal.reason ?? err;
+    const url = this.baseUrl + route;
+    const name = (err as { name?: string } | null)?.name;
+    if (name === "TimeoutError" || name === "AbortError") {
+      const ms = spec.timeoutMs ?? this.timeoutMs;
+      return new ControllerError(0, `no complete answer within ${ms} ms (pass a larger timeoutMs)`, url, { cause: err });
+    }
+    const message = err instanceof Error ? err.message : String(err);
+    return new ControllerError(
+      0,
+      `cannot reach the vmfork daemon at ${this.baseUrl}: ${message} (start it with \`vmfork serve\`, or set VMFORK_URL)`,
+      url,
+      { cause: err },
+    );
+  }
+}
+
+/** One path segment, percent-encoded (the daemon validates it). */
+function seg(value: string): string {
+  return encodeURIComponent(value);
+}
+
+function encodeQuery(query: Query | undefined): string {
+  if (!query) return "";
+  const params = new URLSearchParams();
+  for (const [key, value] of Object.entries(query)) {
+    if (value !== undefined) params.append(key, String(value));
+  }
+  const text = params.toString();
+  return text ? "?" + text : "";
+}
+
+function execBody(args: string[], timeoutSecs: number, options: ExecOptions): Record<string, unknown> {
+  const body: Record<string, unknown> = { args, timeout_secs: timeoutSecs };
+  if (options.env !== undefined) body.env = options.env;
+  if (options.cwd !== undefined) body.cwd = options.cwd;
+  if (options.stdin !== undefined) body.stdin = options.stdin;
+  return body;
+}
+
+/** Parse a text/event-stream body into `{event, data}` records. */
+async function* serverSentEvents(stream: AsyncIterable<Buffer | string>): AsyncGenerator<{ event: string; data: string }> {
+  let buffered = "";
+  let event = "message";
+  let data: string[] = [];
+  const decoder = new TextDecoder("utf-8");
+  for await (const chunk of stream) {
+    buffered += typeof chunk === "string" ? chunk : decoder.decode(chunk, { stream: true });
+    let newline: number;
+    while ((newline = buffered.indexOf("\n")) >= 0) {
+      const line = buffered.slice(0, newline).replace(/\r$/, "");
+      buffered = buffered.slice(newline + 1);
+      if (line === "") {
+        if (data.length) yield { event, data: data.join("\n") };
+        event = "message";
+        data = [];
+      } else if (line.startsWith("event:")) {
+        event = line.slice(6).trim();
+      } else if (line.startsWith("data:")) {
+        data.push(line.slice(5).trimStart());
+      }
+    }
+  }
+}

@@ -1,0 +1,111 @@
+/**
+ * The daemon's records, as they travel on the wire (snake_case), from
+ * src/vmfork/server/openapi.json. Fields forkd has and vmfork does not fill are
+ * optional; unknown fields are kept (the daemon may add some).
+ */
+
+export type SnapshotStatus = "writing" | "ready" | "failed";
+
+export interface SnapshotInfo {
+  tag: string;
+  dir: string;
+  created_at_unix: number;
+  status: SnapshotStatus;
+  bootable: boolean;
+  branched_from?: string;
+  pause_ms?: number;
+  diff_ms?: number;
+  diff_physical_bytes?: number;
+  diff_logical_bytes?: number;
+  warning?: string;
+  error?: string;
+  image?: string;
+  mem_mib?: number;
+  vcpus?: number;
+  warm_up?: string | null;
+  [extra: string]: unknown;
+}
+
+export interface SnapshotDetails {
+  tag: string;
+  dir: string;
+  created_at_unix: number;
+  memory_logical_bytes: number;
+  memory_physical_bytes: number;
+  vmstate_bytes: number;
+  parent_tag?: string | null;
+  parent_content_hash?: string | null;
+  chain_depth: number;
+  dependents: string[];
+  ancestors: string[];
+  status?: SnapshotStatus;
+  bootable?: boolean;
+  [extra: string]: unknown;
+}
+
+export interface SandboxInfo {
+  id: string;
+  snapshot_tag: string;
+  created_at_unix: number;
+  pid: number;
+  branch_count: number;
+  status: "running" | "exited" | "lost";
+  netns?: string | null;
+  guest_addr?: string | null;
+  memory_limit_mib?: number | null;
+  has_branched?: boolean;
+  last_branch_memory_path?: string | null;
+  exit_reason?: string | null;
+  exit_description?: string | null;
+  [extra: string]: unknown;
+}
+
+export interface PingResult {
+  pong: boolean;
+  pid?: number;
+  version?: string;
+  protocol?: number;
+  uptime?: number;
+  boot_id?: string | null;
+  [extra: string]: unknown;
+}
+
+export interface ExecResult {
+  stdout: string;
+  stderr: string;
+  exit_code: number;
+  signal?: number | null;
+  duration_secs?: number;
+}
+
+export interface EvalResult {
+  result: string | null;
+  error: string | null;
+  exit_code: number;
+  stdout?: string;
+  stderr?: string;
+  traceback?: string | null;
+  value_truncated?: boolean;
+}
+
+export interface FileInfo {
+  name: string;
+  path?: string | null;
+  type: string;
+  size: number;
+  mode: number;
+  mtime: number;
+  target?: string | null;
+}
+
+export interface VersionInfo {
+  version: string;
+  api: string;
+  implementation?: string;
+}
+
+/** One server-sent event of `POST /v1/sandboxes/{id}/exec/stream`. */
+export type ExecStreamEvent =
+  | { event: "stdout" | "stderr"; data: string }
+  | { event: "exit"; exitCode: number; signal: number | null; durationSecs: number }
+  | { event: "error"; body: Record<string, unknown> & { error: string; status?: number } };

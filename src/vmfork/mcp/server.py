@@ -1,0 +1,396 @@
+"""The MCP tools: forkd-mcp's eleven (same names and parameters) plus files and
+snapshot details, each a thin call through the Python SDK (``vmfork.client``).
+
+The server holds no state of its own: every call asks the daemon, which owns
+the sandboxes, so an MCP client, the CLI and SDK scripts see the same world.
+
+Arguments are checked twice. Their JSON schema (from the annotations below)
+already carries the patterns and bounds, so the model sees them and the MCP SDK
+refuses a call that breaks them; the daemon checks everything again. Nothing
+here goes through a shell: guest paths travel as query parameters of the files
+API or as separate argv entries, never inside a command string (forkd-mcp's
+``wait_for_text`` interpolated the path into ``sh -c``).
+
+Failures the caller can act on (the daemon's 4xx/5xx with its reason, an
+unreachable daemon, a timeout) become ``ToolError``: the model reads the
+reason as the tool result, with ``isError`` set.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from pydantic import Field
+
+from vmfork import __version__
+from vmfork.client import Controller, ControllerError
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# Absolute, no NUL; the daemon's own check (check_guest_path) is the authority.
+GUEST_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
+READ_LIMIT_DEFAULT = 1 << 20
+READ_LIMIT_MAX = 16 << 20
+EXCERPT_BYTES = 4096
+
+SandboxId = Annotated[str, Field(pattern=NAME_PATTERN, description=(
+    "Sandbox id, as returned by spawn_sandboxes or list_sandboxes."))]
+SnapshotTag = Annotated[str, Field(pattern=NAME_PATTERN, description=(
+    "Snapshot tag: 1-64 letters, digits, '-' or '_'."))]
+GuestPath = Annotated[str, Field(pattern=GUEST_PATH_PATTERN, description=(
+    "Absolute path inside the sandbox, e.g. /tmp/out.txt. Taken literally (no shell, "
+    "no globbing, no ~)."))]
+
+INSTRUCTIONS = """\
+vmfork runs code in microVM sandboxes forked copy-on-write from warm snapshots, so a new
+sandbox starts in milliseconds with its imports and state already loaded.
+
+Typical flow: list_snapshots to pick a snapshot (or create_snapshot to make one, which
+takes a while), spawn_sandboxes to get sandbox ids, then exec_command (programs) or
+eval_code (Python in the sandbox's already-warm interpreter: fastest), read_file /
+write_file / list_files for files. branch_sandbox snapshots a running sandbox so that
+later spawn_sandboxes calls start from exactly that state (fan out from a checkpoint).
+Always kill_sandbox what you spawned when you are done: sandboxes run until killed.
+"""
+
+
+def build_server(controller: Controller) -> MCPServer:
+    """An MCP server whose tools drive the daemon behind ``controller``."""
+    server: MCPServer = MCPServer("vmfork", version=__version__, instructions=INSTRUCTIONS)
+    tools = _Tools(controller)
+    for fn in (tools.list_snapshots, tools.snapshot_info, tools.create_snapshot,
+               tools.spawn_sandboxes, tools.list_sandboxes, tools.get_sandbox,
+               tools.kill_sandbox, tools.ping_sandbox, tools.exec_command, tools.eval_code,
+               tools.branch_sandbox, tools.wait_for_text, tools.read_file, tools.write_file,
+               tools.list_files):
+        server.add_tool(fn)
+    return server
+
+
+def _tool_error(err: ControllerError, action: str) -> ToolError:
+    """The daemon's reason, plus the output so far when a command timed out."""
+    body = err.body if isinstance(err.body, dict) else {}
+    where = "the vmfork daemon is unreachable" if err.status == 0 else f"HTTP {err.status}"
+    text = f"{action} failed ({where}): {err.message}"
+    for stream in ("stdout", "stderr"):
+        if body.get(stream):
+            text += f"\n{stream} so far:\n{str(body[stream])[-2000:]}"
+    return ToolError(text)
+
+
+class _BoundedSink:
+    """The file object ``read_file_to`` writes into; stops the transfer at ``limit``."""
+
+    class Full(Exception):
+        pass
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        room = self.limit - self.size
+        self.chunks.append(bytes(data[:room]))
+        self.size += min(len(data), room)
+        if len(data) > room:
+            raise self.Full
+        return len(data)
+
+
+class _Tools:
+    """One method per tool; the docstrings are what the model reads."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    # -- snapshots ------------------------------------------------------------------
+
+    def list_snapshots(self) -> list[dict[str, Any]]:
+        """List the snapshots sandboxes can be spawned from.
+
+        Each has a tag (pass it to spawn_sandboxes), a status (only "ready" ones can be
+        spawned from; "writing" means a branch is still being saved), and where it came
+        from (branched_from for snapshots made by branch_sandbox).
+        """
+        try:
+            return self.c.list_snapshots()
+        except ControllerError as err:
+            raise _tool_error(err, "list_snapshots") from None
+
+    def snapshot_info(self, tag: SnapshotTag) -> dict[str, Any]:
+        """Details of one snapshot: memory size on disk (logical and physical bytes), its
+        parent and ancestors if it was branched, and the snapshots that depend on it."""
+        try:
+            return self.c.snapshot_info(tag)
+        except ControllerError as err:
+            raise _tool_error(err, f"snapshot_info {tag}") from None
+
+    def create_snapshot(
+        self,
+        tag: SnapshotTag,
+        kernel: Annotated[str | None, Field(description=(
+            "forkd compatibility only: vmfork boots its own guest images; leave unset."))] = None,
+        rootfs: Annotated[str | None, Field(description=(
+            "forkd compatibility only; leave unset."))] = None,
+        rw: Annotated[bool, Field(description="forkd compatibility only; ignored.")] = False,
+        tap: Annotated[str | None, Field(description=(
+            "forkd compatibility only; leave unset."))] = None,
+        boot_wait_secs: Annotated[float, Field(ge=0, le=60, description=(
+            "forkd compatibility only; ignored: vmfork snapshots as soon as the guest "
+            "answers and the warm-up has run."))] = 10,
+        image: Annotated[str, Field(min_length=1, max_length=255, description=(
+            "Guest image to boot (default 'default')."))] = "default",
+        mem_mib: Annotated[int, Field(ge=64, le=65536, description=(
+            "Guest memory in MiB."))] = 256,
+        vcpus: Annotated[int, Field(ge=1, le=64)] = 1,
+        warm_code: Annotated[str | None, Field(description=(
+            "Python to run in the guest's interpreter before the snapshot, e.g. "
+            "'import numpy'; every sandbox spawned from it starts with this done."))] = None,
+        warm_cmd: Annotated[str | None, Field(description=(
+            "Shell command to run in the guest before the snapshot."))] = None,
+    ) -> dict[str, Any]:
+        """Boot a fresh VM, warm it (warm_code / warm_cmd), and save it as snapshot `tag`.
+
+        Slow (tens of seconds or more): prefer an existing snapshot from list_snapshots,
+        or branch_sandbox to checkpoint a sandbox that is already set up. Returns the
+        snapshot's info once it is ready.
+        """
+        if kernel is not None or rootfs is not None or tap is not None:
+            raise ToolError("create_snapshot: vmfork boots its own guest images and takes no "
+                            "kernel, rootfs or tap; leave them unset and pass image (and "
+                            "warm_code/warm_cmd to prepare the guest) instead")
+        try:
+            return self.c.create_snapshot(tag, image=image, mem_mib=mem_mib, vcpus=vcpus,
+                                          warm_code=warm_code, warm_cmd=warm_cmd)
+        except ControllerError as err:
+            raise _tool_error(err, f"create_snapshot {tag}") from None
+
+    # -- sandboxes ------------------------------------------------------------------
+
+    def spawn_sandboxes(
+        self,
+        snapshot_tag: SnapshotTag,
+        n: Annotated[int, Field(ge=1, le=1000, description=(
+            "How many sandboxes to fork (1-1000); each is an independent VM."))] = 1,
+        per_child_netns: Annotated[bool, Field(description=(
+            "Give each sandbox its own network namespace (refused where the daemon has "
+            "no networking)."))] = False,
+        memory_limit_mib: Annotated[int | None, Field(ge=16, description=(
+            "Memory limit of each sandbox in MiB; unset for none."))] = None,
+        prewarm: bool = False,
+        live_fork: Annotated[bool, Field(description=(
+            "forkd's live-branch mode (refused where unsupported)."))] = False,
+    ) -> list[dict[str, Any]]:
+        """Fork n new sandboxes from a ready snapshot. Each starts in the snapshot's exact
+        state (imports done, variables set) and is independent from then on.
+
+        Returns one record per sandbox; use its id with exec_command, eval_code, the file
+        tools, branch_sandbox and kill_sandbox. Sandboxes run until killed.
+        """
+        try:
+            return self.c.spawn_sandboxes(snapshot_tag, n, per_child_netns=per_child_netns,
+                                          memory_limit_mib=memory_limit_mib, prewarm=prewarm,
+                                          live_fork=live_fork)
+        except ControllerError as err:
+            raise _tool_error(err, f"spawn_sandboxes from {snapshot_tag}") from None
+
+    def list_sandboxes(self) -> list[dict[str, Any]]:
+        """List the sandboxes the daemon runs (id, snapshot_tag, status, pid, ...)."""
+        try:
+            return self.c.list_sandboxes()
+        except ControllerError as err:
+            raise _tool_error(err, "list_sandboxes") from None
+
+    def get_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
+        """One sandbox's record: status (running/exited/lost), its snapshot, branch count."""
+        try:
+            return self.c.get_sandbox(sandbox_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"get_sandbox {sandbox_id}") from None
+
+    def kill_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
+        """Stop a sandbox and free its memory. Its files and state are gone afterwards
+        (branch_sandbox first to keep them)."""
+        try:
+            self.c.kill_sandbox(sandbox_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"kill_sandbox {sandbox_id}") from None
+        return {"id": sandbox_id, "killed": True}
+
+    def ping_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
+        """Check that a sandbox's guest agent answers; returns its pid, version and uptime."""
+        try:
+            return self.c.ping_sandbox(sandbox_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"ping_sandbox {sandbox_id}") from None
+
+    def exec_command(
+        self,
+        sandbox_id: SandboxId,
+        args: Annotated[list[str], Field(min_length=1, description=(
+            "The program and its arguments, e.g. [\"python3\", \"-c\", \"print(2+2)\"]. "
+            "Not run through a shell: for pipes or redirections pass "
+            "[\"/bin/sh\", \"-c\", \"...\"]."))],
+        timeout_secs: Annotated[float, Field(gt=0, le=86400, description=(
+            "Seconds before the command is killed."))] = 30,
+        cwd: Annotated[str | None, Field(pattern=GUEST_PATH_PATTERN, description=(
+            "Working directory (absolute)."))] = None,
+        env: Annotated[dict[str, str] | None, Field(description=(
+            "Extra environment variables."))] = None,
+        stdin: Annotated[str | None, Field(description="Text fed to standard input.")] = None,
+    ) -> dict[str, Any]:
+        """Run a program inside a sandbox and wait for it. Returns stdout, stderr and
+        exit_code (a non-zero exit_code is a normal result, not a tool error). For Python
+        expressions against the warm interpreter, eval_code is much faster."""
+        try:
+            return self.c.exec_command(sandbox_id, args, timeout_secs, env=env, cwd=cwd,
+                                       stdin=stdin)
+        except ControllerError as err:
+            raise _tool_error(err, f"exec_command in {sandbox_id}") from None
+
+    def eval_code(
+        self,
+        sandbox_id: SandboxId,
+        code: Annotated[str, Field(description=(
+            "Python source. The value of a final expression is returned as result (its "
+            "repr); variables persist between calls in the same sandbox."))],
+        timeout_secs: Annotated[float | None, Field(gt=0, le=86400)] = None,
+    ) -> dict[str, Any]:
+        """Run Python in the sandbox's warm interpreter (already imported whatever the
+        snapshot warmed): milliseconds instead of starting python3. Returns result,
+        error (the exception, if any), exit_code, and printed stdout/stderr."""
+        try:
+            return self.c.eval_code(sandbox_id, code, timeout_secs)
+        except ControllerError as err:
+            raise _tool_error(err, f"eval_code in {sandbox_id}") from None
+
+    def branch_sandbox(
+        self,
+        sandbox_id: SandboxId,
+        tag: Annotated[str | None, Field(pattern=NAME_PATTERN, description=(
+            "Tag for the new snapshot; the daemon names it when unset."))] = None,
+        diff: Annotated[bool, Field(description=(
+            "Legacy forkd flag, same as mode=\"diff\"."))] = False,
+        measure_diff: Annotated[bool, Field(description=(
+            "Also report what a diff snapshot would have cost (measurement only)."))] = False,
+        mode: Annotated[Literal["full", "diff", "live"] | None, Field(description=(
+            "\"full\" (default) saves all memory; \"diff\" only what changed since the "
+            "sandbox's snapshot; \"live\" keeps the pause shortest (needs support from "
+            "the daemon)."))] = None,
+        wait: Annotated[bool, Field(description=(
+            "false returns at once while the snapshot is still being written (status "
+            "\"writing\"); poll list_snapshots until it is \"ready\"."))] = True,
+    ) -> dict[str, Any]:
+        """Checkpoint a running sandbox as a new snapshot. The sandbox pauses briefly and
+        then runs on; spawn_sandboxes with the returned tag gives new sandboxes that
+        start from exactly this moment (memory, files, variables). Use it to fan out
+        several attempts from one prepared state."""
+        try:
+            return self.c.branch_sandbox(sandbox_id, tag=tag, diff=diff,
+                                         measure_diff=measure_diff, mode=mode, wait=wait)
+        except ControllerError as err:
+            raise _tool_error(err, f"branch_sandbox {sandbox_id}") from None
+
+    # -- files and waiting ----------------------------------------------------------
+
+    def wait_for_text(
+        self,
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        marker: Annotated[str, Field(min_length=1, max_length=EXCERPT_BYTES // 2)],
+        timeout_secs: Annotated[float, Field(gt=0, le=3600)] = 60,
+        poll_interval_ms: Annotated[int, Field(ge=10, le=60_000)] = 200,
+    ) -> dict[str, Any]:
+        """Wait until a file in the sandbox (say a log a background job writes) contains
+        `marker`, polling its last 4 KiB. Returns found, elapsed_ms and last_excerpt (the
+        end of the file, so you can see what is written when the marker never comes).
+        A file that does not exist yet is waited for too."""
+        started = time.monotonic()
+        deadline = started + timeout_secs
+        excerpt = ""
+        while True:
+            try:
+                # tail reads the path as one argv entry: nothing is interpreted.
+                r = self.c.exec_command(sandbox_id, ["tail", "-c", str(EXCERPT_BYTES), path],
+                                        timeout_secs=10)
+            except ControllerError as err:
+                raise _tool_error(err, f"wait_for_text in {sandbox_id}") from None
+            if r["exit_code"] == 0:
+                excerpt = r["stdout"]
+                if marker in excerpt:
+                    return {"found": True, "elapsed_ms": _ms_since(started),
+                            "last_excerpt": excerpt[-256:]}
+            if time.monotonic() + poll_interval_ms / 1000 > deadline:
+                return {"found": False, "elapsed_ms": _ms_since(started),
+                        "last_excerpt": excerpt[-256:]}
+            time.sleep(poll_interval_ms / 1000)
+
+    def read_file(
+        self,
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        max_bytes: Annotated[int, Field(ge=1, le=READ_LIMIT_MAX, description=(
+            "Read at most this many bytes from the start of the file."))] = READ_LIMIT_DEFAULT,
+    ) -> dict[str, Any]:
+        """Read a file from a sandbox. Text comes back as content with encoding "utf-8";
+        other bytes as base64 (encoding "base64"). truncated is true when the file is
+        longer than max_bytes."""
+        sink = _BoundedSink(max_bytes)
+        truncated = False
+        try:
+            self.c.read_file_to(sandbox_id, path, sink)  # type: ignore[arg-type]
+        except _BoundedSink.Full:
+            truncated = True
+        except ControllerError as err:
+            raise _tool_error(err, f"read_file {path} in {sandbox_id}") from None
+        data = b"".join(sink.chunks)
+        try:
+            content, encoding = data.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            content, encoding = base64.b64encode(data).decode("ascii"), "base64"
+        return {"path": path, "size": len(data), "truncated": truncated,
+                "encoding": encoding, "content": content}
+
+    def write_file(
+        self,
+        sandbox_id: SandboxId,
+        path: GuestPath,
+        content: Annotated[str, Field(description="The new contents of the file.")],
+        encoding: Annotated[Literal["utf-8", "base64"], Field(description=(
+            "How content is encoded: \"utf-8\" text, or \"base64\" for binary data."))] = "utf-8",
+        mode: Annotated[str, Field(pattern=r"^0?[0-7]{3}$", description=(
+            "Permission bits in octal, e.g. \"644\" or \"755\"."))] = "644",
+        make_parents: Annotated[bool, Field(description=(
+            "Create missing parent directories."))] = False,
+    ) -> dict[str, Any]:
+        """Create or replace a file in a sandbox (atomically: readers never see half a
+        file). Returns its path and size in bytes."""
+        if encoding == "base64":
+            try:
+                data = base64.b64decode(content, validate=True)
+            except binascii.Error as err:
+                raise ToolError(f"write_file: content is not valid base64: {err}") from None
+        else:
+            data = content.encode("utf-8")
+        try:
+            return self.c.write_file(sandbox_id, path, data, mode=int(mode, 8),
+                                     make_parents=make_parents)
+        except ControllerError as err:
+            raise _tool_error(err, f"write_file {path} in {sandbox_id}") from None
+
+    def list_files(self, sandbox_id: SandboxId, path: GuestPath) -> list[dict[str, Any]]:
+        """List a directory in a sandbox: name, type (file, dir, symlink, ...), size, mode
+        and mtime of each entry."""
+        try:
+            return self.c.list_files(sandbox_id, path)
+        except ControllerError as err:
+            raise _tool_error(err, f"list_files {path} in {sandbox_id}") from None
+
+
+def _ms_since(started: float) -> int:
+    return int((time.monotonic() - started) * 1000)

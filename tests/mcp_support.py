@@ -1,0 +1,103 @@
+"""Shared by the MCP tests: a real ``vmfork serve`` in a subprocess, and an MCP
+client session (the MCP SDK's own stdio client) with ``vmfork mcp`` as its
+server process, talking to that daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mcp import Client, StdioServerParameters
+
+from vmfork.client import Controller, ControllerError
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@dataclass
+class RunningDaemon:
+    url: str
+    controller: Controller
+    root: Path
+
+
+@contextmanager
+def running_daemon(root: Path, *, token: str | None = None) -> Iterator[RunningDaemon]:
+    env = dict(os.environ, VMFORK_HOME=str(root / "home"),
+               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    socket = root / "api.sock"
+    cmd = [sys.executable, "-m", "vmfork.cli.serve", "--state", str(root / "state"),
+           "--socket", str(socket)]
+    if token is not None:
+        (root / "token").write_text(token)
+        cmd += ["--token-file", str(root / "token")]
+    with open(root / "serve.log", "wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"unix://{socket}"
+        ctl = Controller(url, token=token, timeout=900)
+        deadline = time.monotonic() + 120
+        try:
+            while True:
+                try:
+                    ctl.healthz()
+                    break
+                except ControllerError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError("vmfork serve did not start:\n"
+                                             + (root / "serve.log").read_text()) from None
+                    time.sleep(0.1)
+            yield RunningDaemon(url, ctl, root)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+class ToolFailed(Exception):
+    """The tool answered with ``isError``; the message is its text."""
+
+
+class McpSession:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    async def call(self, name: str, arguments: dict[str, Any] | None = None) -> Any:
+        """The tool's structured result (a list tool's list unwrapped); raises
+        ``ToolFailed`` with the error text when the tool reports an error."""
+        result = await self.client.call_tool(name, arguments or {})
+        text = "".join(getattr(c, "text", "") for c in result.content)
+        if result.is_error:
+            raise ToolFailed(text)
+        data = result.structured_content
+        if data is None:
+            return json.loads(text)
+        if set(data) == {"result"}:
+            return data["result"]
+        return data
+
+
+@asynccontextmanager
+async def mcp_session(url: str, *, token: str | None = None) -> AsyncIterator[McpSession]:
+    """``vmfork mcp`` as a stdio subprocess, the daemon at ``url``."""
+    env = dict(os.environ, VMFORK_URL=url,
+               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+    env.pop("VMFORK_TOKEN", None)
+    env.pop("FORKD_TOKEN", None)
+    if token is not None:
+        env["VMFORK_TOKEN"] = token
+    params = StdioServerParameters(command=sys.executable, args=["-m", "vmfork", "mcp"], env=env)
+    async with Client(params, read_timeout_seconds=900) as client:
+        yield McpSession(client)
