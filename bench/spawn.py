@@ -538,9 +538,7 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                  timeout: float, network: Any = None) -> dict[str, Any]:
     """``network``: a ``HostNetwork``; each child then gets a namespace of its own."""
     from vmfork.runtime.spawn import SpawnFailed, fork_children
-    # A spawn request for N children is answered once all are forked: minutes for
-    # N = 100 on a busy emulated host.
-    client = zygote.client(timeout=max(120.0, 3.0 * n))
+    client = zygote.client(timeout=120.0)
     # fork_children raises on timeout; the progress callback keeps the instant
     # all were restored, so a run whose agents are too slow still has that.
     started = time.monotonic()
