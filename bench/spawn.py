@@ -950,7 +950,6 @@ def network_main(args: argparse.Namespace) -> int:
     from vmfork.image import find_image
     from vmfork.runtime import network as net
     from vmfork.runtime.parent import snapshot_parent
-    from vmfork.runtime.spawn import fork_children
     from vmfork.runtime.zygote_client import start_zygote
     from vmfork.store import Store
 
@@ -958,7 +957,7 @@ def network_main(args: argparse.Namespace) -> int:
         print(f"spawn --network: {msg}", file=sys.stderr, flush=True)
 
     image = find_image()
-    results: dict[str, Any] = {"plain": {}, "netns": {}, "teardown": {}}
+    results: dict[str, Any] = {"plain": {}, "netns": {}, "teardown": {}, "failed": {}}
     setup: dict[str, Any] = {"image": image.name}
     with ExitStack() as stack:
         workdir = Path(tempfile.mkdtemp(prefix="vmfork-bench-net-"))
@@ -976,13 +975,40 @@ def network_main(args: argparse.Namespace) -> int:
         with open(workdir / "zygote.log", "wb") as zlog:
             zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
         stack.callback(zygote.close)
+
+        def save() -> None:
+            left = net.leftovers(NET_PREFIX)
+            setup["leftovers_after_teardown"] = {"namespaces": left.namespaces,
+                                                 "links": left.links}
+            write_results("spawn-network", {"n": args.n, "reps": args.reps,
+                                            "mem_mib": args.mem_mib, "setup": setup,
+                                            "results": results},
+                          render_network(args, results, setup))
+
+        # Throughput first, then N in rising order: on a busy machine a large N may not
+        # finish, and whatever did is saved after every step.
+        try:
+            results["throughput"] = network_throughput(zygote, snapshot, hostnet, workdir, args,
+                                                       log)
+        except Exception as err:  # noqa: BLE001 -- recorded, the spawn runs still go on
+            results["failed"]["throughput"] = str(err)
+            log(f"throughput: FAILED: {err}")
+        save()
         for rep in range(args.reps):
             for n in args.n:
                 timeout = max(args.timeout, args.timeout_per_vm * n)
                 for mode in ("plain", "netns"):
                     log(f"{mode} N={n} (run {rep + 1}/{args.reps})")
-                    out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", 0.0, timeout,
-                                       network=hostnet if mode == "netns" else None)
+                    try:
+                        out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", 0.0, timeout,
+                                           network=hostnet if mode == "netns" else None)
+                    except Exception as err:  # noqa: BLE001 -- recorded, the run goes on
+                        results["failed"][f"{mode} N={n}"] = str(err)
+                        log(f"{mode} N={n}: FAILED: {err}")
+                        for child_net in list(hostnet.children.values()):
+                            hostnet.destroy(child_net)
+                        save()
+                        continue
                     networks = out.pop("networks", [])
                     out.pop("memory", None)
                     started = time.monotonic()
@@ -993,30 +1019,33 @@ def network_main(args: argparse.Namespace) -> int:
                             {"seconds": time.monotonic() - started, "count": len(networks)})
                     results[mode].setdefault(n, []).append(out)
                     log(f"{mode} N={n}: restored {fmt_s(out.get('running_s'))}, ready "
-                        f"{fmt_s(out.get('ready_s'))}, networks {fmt_s(out.get('network_s'))}")
-        log("throughput: guest -> host")
-        client = zygote.client(timeout=120.0)
-        spawn = fork_children(client, snapshot, 1, workdir / "vms", timeout=args.timeout,
-                              per_child_netns=True, network=hostnet)
-        if spawn.failed:
-            raise BenchError(f"throughput child failed: {spawn.failed}")
-        child = spawn.children[0]
-        try:
-            results["throughput"] = {"vmfork_guest": guest_throughput(
-                child, args.throughput_seconds)}
-        finally:
-            kill_children(client)
-            client.close()
-            if child.network is not None:
-                hostnet.destroy(child.network)
-        log("throughput: peers without a VM")
-        results["throughput"].update(throughput_peers(args.throughput_seconds))
-        left = net.leftovers(NET_PREFIX)
-        setup["leftovers_after_teardown"] = {"namespaces": left.namespaces, "links": left.links}
-        markdown = render_network(args, results, setup)
-        write_results("spawn-network", {"n": args.n, "reps": args.reps, "mem_mib": args.mem_mib,
-                                        "setup": setup, "results": results}, markdown)
+                        f"{fmt_s(out.get('ready_s'))}, networks {fmt_s(out.get('network_s'))}"
+                        + (f" ({out['incomplete']})" if out.get("incomplete") else ""))
+                    save()
     return 0
+
+
+def network_throughput(zygote: Any, snapshot: Any, hostnet: Any, workdir: Path,
+                       args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    from vmfork.runtime.spawn import fork_children
+
+    log("throughput: guest -> host")
+    client = zygote.client(timeout=300.0)
+    spawn = fork_children(client, snapshot, 1, workdir / "vms", timeout=args.timeout,
+                          per_child_netns=True, network=hostnet)
+    if spawn.failed:
+        raise BenchError(f"throughput child failed: {spawn.failed}")
+    child = spawn.children[0]
+    try:
+        out: dict[str, Any] = {"vmfork_guest": guest_throughput(child, args.throughput_seconds)}
+    finally:
+        kill_children(client)
+        client.close()
+        if child.network is not None:
+            hostnet.destroy(child.network)
+    log("throughput: peers without a VM")
+    out.update(throughput_peers(args.throughput_seconds))
+    return out
 
 
 def render_network(args: argparse.Namespace, results: dict[str, Any],
@@ -1057,6 +1086,13 @@ def render_network(args: argparse.Namespace, results: dict[str, Any],
     if "vmfork_guest" in tp and "python_veth" in tp:
         md += ["", (f"Guest / same sender without a VM: "
                     f"{tp['vmfork_guest']['mbit_s'] / tp['python_veth']['mbit_s']:.2f}×.")]
+    if results["failed"]:
+        md += ["", "## Not measured", "",
+               *(f"- {what}: {why}" for what, why in results["failed"].items())]
+    incomplete = [f"- {mode} N={n}: {r['incomplete']}" for mode in ("plain", "netns")
+                  for n, runs in results[mode].items() for r in runs if r.get("incomplete")]
+    if incomplete:
+        md += ["", "## Incomplete runs (restored time kept)", "", *incomplete]
     left = setup["leftovers_after_teardown"]
     md += ["", (f"Left behind after every child was removed: {len(left['namespaces'])} "
                 f"namespaces, {len(left['links'])} host links."), ""]
