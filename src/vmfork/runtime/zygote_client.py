@@ -181,11 +181,14 @@ class ZygoteProcess:
 
 def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (), *,
                  stderr: IO[bytes] | int | None = None, die_with_parent: bool = True,
-                 timeout: float = 30.0, env: dict[str, str] | None = None) -> ZygoteProcess:
+                 timeout: float = 120.0, env: dict[str, str] | None = None) -> ZygoteProcess:
     """Start ``python -m vmfork.runtime.zygote`` and wait until it answers ``ping``.
 
     ``preload`` names modules that must import (the defaults are always tried).
     With ``die_with_parent`` the zygote (and so every child) dies with this process.
+    ``timeout`` (seconds) is generous: its imports take ~1 s natively but took over
+    30 s over the emulated test host's 9p on a loaded machine; a zygote that exits
+    is reported at once, whatever the timeout.
     """
     path = os.fspath(socket_path)
     src = str(Path(__file__).resolve().parents[2])
