@@ -87,12 +87,15 @@ def new_vm_id() -> str:
 
 def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path, *,
                   memory_limit_mib: int | None = None, timeout: float = 300.0,
-                  wait_for: str = "ready",
+                  wait_for: str = "ready", start_together: bool = True,
                   progress: Callable[[int, int, int], None] | None = None,
                   per_child_netns: bool = False, network: HostNetwork | None = None,
                   egress: EgressPolicy | None = None) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
+
+    ``start_together``: children of a batch start their vCPUs once all are
+    prepared (the start gate, module docstring); False lets each start at once.
 
     ``per_child_netns``: each child gets a network of its own from ``network``
     (made before the spawn, in parallel, with ``egress`` applied), in
@@ -121,7 +124,7 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
         raise
     gate = None
     try:
-        if n > 1:
+        if n > 1 and start_together:
             gate = _Fifo.create(run_root / f".start-{token}")
         report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
                                 done_states, progress, notify, gate, nets)

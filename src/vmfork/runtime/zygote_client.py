@@ -187,7 +187,7 @@ class ZygoteProcess:
 
 def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (), *,
                  stderr: IO[bytes] | int | None = None, die_with_parent: bool = True,
-                 timeout: float = 30.0, env: dict[str, str] | None = None,
+                 timeout: float = 120.0, env: dict[str, str] | None = None,
                  lease_s: float | None = None) -> ZygoteProcess:
     """Start ``python -m vmfork.runtime.zygote`` and wait until it answers ``ping``.
 
@@ -196,6 +196,9 @@ def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (
     Without it the zygote runs in a session of its own (a terminal's Ctrl-C does not
     reach it) and outlives this process; pass ``lease_s`` so that it still stops
     once no client has held its lease for that long.
+    ``timeout`` (seconds) is generous: its imports take ~1 s natively but took over
+    30 s over the emulated test host's 9p on a loaded machine; a zygote that exits
+    is reported at once, whatever the timeout.
     """
     path = os.fspath(socket_path)
     src = str(Path(__file__).resolve().parents[2])
