@@ -18,7 +18,7 @@ import pytest
 
 from tests.kvm.test_branch_tiny import FILL_AT, MEM_MIB, PAGES, _check_consistent, _page_values
 from tests.kvm.tinyguest import Script, script_machine, wait_until
-from vmfork.runtime.branch import BranchFailed, branch_sandbox
+from vmfork.runtime.branch import BranchFailed, branch_into_pending, branch_sandbox
 from vmfork.runtime.vmmchild import ControlServer
 from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
 from vmfork.vmm import dirty
@@ -164,3 +164,15 @@ def test_the_op_refuses_fields_of_another_contract(sandbox: Sandbox, tmp_path: P
         reply = json.loads(sock.makefile("rb").readline())
     assert not reply["ok"] and "parent_memory_path" in reply["error"]
     assert not (tmp_path / "m").exists() and not (tmp_path / "s").exists()
+
+
+def test_a_caller_that_claimed_the_tag_itself(store: Store, sandbox: Sandbox) -> None:
+    pauses: list[float] = []
+    with store.begin("claimed") as pending:
+        result = branch_into_pending(store, pending, sandbox.control_path, "diff",
+                                     parent_tag="base", on_resumed=pauses.append)
+    assert result.snapshot.tag == "claimed" and store.get("claimed").meta.parent_tag == "base"
+    assert pauses == [result.pause_ms]
+    with pytest.raises(BranchFailed), store.begin("refused") as pending:
+        branch_into_pending(store, pending, sandbox.control_path, "diff", parent_tag="nowhere")
+    assert not store.exists("refused")

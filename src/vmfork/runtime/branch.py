@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
+from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
 from vmfork.store.layers import hash_file, materialise_head, snapshot_content_hash
 from vmfork.store.meta import LayerRef
@@ -156,9 +156,35 @@ def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "ful
     return job
 
 
-def _branch(store: Store, pending: Any, control_socket: str, mode: str,
+def branch_into_pending(store: Store, pending: PendingSnapshot, control_socket: str,
+                        mode: str, *, parent_tag: str | None = None,
+                        sandbox_id: str | None = None,
+                        on_resumed: Callable[[float], None] | None = None) -> BranchResult:
+    """The body of ``branch_sandbox`` for a caller that claimed the tag itself
+    (``pending = store.begin(tag)``): capture the sandbox into ``pending`` and publish
+    it. ``on_resumed(pause_ms)`` is called as soon as the source runs again. On
+    failure it raises (``BranchFailed``, ``StoreError``, ...) and leaves ``pending``
+    to the caller, who must ``abort()`` it (``PendingSnapshot`` as a context manager
+    does)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+    job = BranchJob(pending.tag, mode)
+    resumed = threading.Event()
+    return _branch(store, pending, control_socket, mode, parent_tag, sandbox_id,
+                   time.monotonic(), job, resumed, on_resumed)
+
+
+def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: str,
             parent_tag: str | None, sandbox_id: str | None, started: float, job: BranchJob,
-            resumed: threading.Event) -> BranchResult:
+            resumed: threading.Event,
+            on_resumed: Callable[[float], None] | None = None) -> BranchResult:
+    def source_resumed(pause_ms: float) -> None:
+        if not resumed.is_set():
+            job.pause_ms = pause_ms
+            resumed.set()
+            if on_resumed is not None:
+                on_resumed(pause_ms)
+
     with _connect(control_socket) as control:
         status = control.call({"op": "status"})
         bases = status.get("snapshot_bases") or []
@@ -175,8 +201,7 @@ def _branch(store: Store, pending: Any, control_socket: str, mode: str,
         control.send(request)
         first = control.receive(CONTROL_TIMEOUT)
         if first.get("stage") == "resumed":
-            job.pause_ms = float(first["timings"]["pause_s"]) * 1000
-            resumed.set()
+            source_resumed(float(first["timings"]["pause_s"]) * 1000)
             reply = control.receive(WRITE_TIMEOUT)
         else:
             reply = first
@@ -184,8 +209,7 @@ def _branch(store: Store, pending: Any, control_socket: str, mode: str,
         raise BranchFailed(f"the sandbox's VMM could not snapshot: {reply.get('error')}",
                            stage="capture")
     timings = {k: float(v) for k, v in reply["timings"].items()}
-    job.pause_ms = timings["pause_s"] * 1000
-    resumed.set()
+    source_resumed(timings["pause_s"] * 1000)
     written_at = time.monotonic()
 
     state = read_state_file(str(pending.state_path), MachineState)
