@@ -90,7 +90,11 @@ def _child_runs_on(state_path: Path, image: Path) -> int:
     with child:
         captured = _check_consistent(_page_values(child.memory.read_u64))
         child.start()
-        assert wait_until(lambda: child.memory.read_u64(FILL_AT) > captured + 20)
+        # Generous: a loaded emulated test host can starve a vCPU for seconds; a
+        # child that does not run at all stays stuck however long we wait.
+        assert wait_until(lambda: child.memory.read_u64(FILL_AT) > captured + 20, 60.0), \
+            (f"restored child stuck at {child.memory.read_u64(FILL_AT)} (captured {captured}); "
+             f"exit: {child.exit}")
     return captured
 
 
