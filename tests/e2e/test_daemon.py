@@ -76,7 +76,7 @@ class Home:
         sock = self.root / f"{name}.sock"
         log_path = self.logs / f"{name}.log"
         log = open(log_path, "ab")  # noqa: SIM115 - the daemon writes it
-        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "-v", "--state",
+        proc = subprocess.Popen([sys.executable, "-m", "vmfork.cli.serve", "--state",
                                  str(state), "--socket", str(sock), *flags],
                                 env=self.env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
