@@ -43,6 +43,8 @@ from vmfork.store import Snapshot
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 60.0
+# Its imports (the whole VMM) take seconds; far longer on a loaded or emulated host.
+ZYGOTE_START_TIMEOUT_S = 300.0
 CONTROL_TIMEOUT_S = 3600.0   # a full BRANCH of a large guest writes all its memory
 
 
@@ -152,12 +154,11 @@ class ZygoteSpawner:
             self.adopted = False
             try:
                 self._proc = start_zygote(str(self.socket_path), stderr=self._stderr,
-                                          die_with_parent=False, lease_s=self.lease_s)
+                                          die_with_parent=False, lease_s=self.lease_s,
+                                          timeout=ZYGOTE_START_TIMEOUT_S)
             except ZygoteUnavailable as err:
-                where = f"; its log is {self._log_path}" if self._log_path else ""
-                raise ZygoteUnavailable(f"{err}{where} (the state directory must be on a "
-                                        "local file system that supports Unix sockets)",
-                                        op="start") from err
+                where = f"; see its log {self._log_path}" if self._log_path else ""
+                raise ZygoteUnavailable(f"{err}{where}", op="start") from err
             info = self._proc.info
         self._lease_client.lease(self.lease_s)
         return int(info["pid"])
