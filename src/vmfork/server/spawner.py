@@ -43,6 +43,9 @@ from vmfork.store import Snapshot
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 60.0
+# Up to 1000 children restoring at once on a busy host; each child also has its own
+# ready timeout (runtime.vmmchild), so a hung guest fails sooner than this.
+SPAWN_READY_TIMEOUT_S = 900.0
 # Its imports (the whole VMM) take seconds; far longer on a loaded or emulated host.
 ZYGOTE_START_TIMEOUT_S = 300.0
 CONTROL_TIMEOUT_S = 3600.0   # a full BRANCH of a large guest writes all its memory
@@ -187,7 +190,8 @@ class ZygoteSpawner:
         batch = Path(tempfile.mkdtemp(prefix="spawn-", dir=self.run_root))
         try:
             report = fork_children(client, snapshot, n, batch,
-                                   memory_limit_mib=memory_limit_mib)
+                                   memory_limit_mib=memory_limit_mib,
+                                   timeout=SPAWN_READY_TIMEOUT_S)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
