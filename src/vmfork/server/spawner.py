@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
@@ -128,13 +128,13 @@ class Spawner(Protocol):
 
 
 class ZygoteSpawner:
-    def __init__(self, state_dir: Path, stderr: IO[bytes] | int | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, log_path: Path | None = None) -> None:
+    def __init__(self, state_dir: Path, lease_s: float = DEFAULT_LEASE_S,
+                 log_path: Path | None = None) -> None:
+        """``log_path``: where the zygote's stderr goes (appended; default: ours)."""
         self.run_root = state_dir / "run"
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.socket_path = state_dir / "zygote.sock"
         self.lease_s = lease_s
-        self._stderr = stderr
         self._log_path = log_path
         self._proc: ZygoteProcess | None = None
         self._local = threading.local()
@@ -155,13 +155,17 @@ class ZygoteSpawner:
         except ZygoteUnavailable:
             self._lease_client.close()
             self.adopted = False
+            stderr = None if self._log_path is None else open(self._log_path, "ab")  # noqa: SIM115
             try:
-                self._proc = start_zygote(str(self.socket_path), stderr=self._stderr,
+                self._proc = start_zygote(str(self.socket_path), stderr=stderr,
                                           die_with_parent=False, lease_s=self.lease_s,
                                           timeout=ZYGOTE_START_TIMEOUT_S)
             except ZygoteUnavailable as err:
                 where = f"; see its log {self._log_path}" if self._log_path else ""
                 raise ZygoteUnavailable(f"{err}{where}", op="start") from err
+            finally:
+                if stderr is not None:
+                    stderr.close()  # the zygote holds its own descriptor
             info = self._proc.info
         self._lease_client.lease(self.lease_s)
         return int(info["pid"])
