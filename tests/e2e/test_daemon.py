@@ -246,18 +246,27 @@ def test_sdk_sync_and_async_streaming_and_a_100_mib_file(home: Home, snapshot: s
                                                          tmp_path: Path) -> None:
     d = home.start("sdk", "--kill-sandboxes-on-exit")
     try:
-        # Sync: streamed output arrives while the command runs, a background command.
+        # Sync: output streams while the command runs. The command waits for a file
+        # that is written only once its first line has arrived, so the test proves
+        # streaming without timing anything.
         with Sandbox.create(snapshot, controller=d.ctl) as sb:
-            arrivals: list[float] = []
-            started = time.monotonic()
-            result = sb.commands.run("echo one; sleep 1; echo two",
-                                     on_stdout=lambda _: arrivals.append(time.monotonic()))
-            assert result.stdout == "one\ntwo\n" and result.exit_code == 0
-            assert len(arrivals) == 2 and arrivals[1] - arrivals[0] > 0.5 > arrivals[0] - started
-            handle = sb.commands.run("sleep 0.5; echo late >&2; exit 7", background=True)
-            assert not handle.done
-            done = handle.wait(60)
-            assert (done.exit_code, done.stderr) == (7, "late\n")
+            seen: list[str] = []
+            handle = sb.commands.run(
+                "echo one; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo two >&2; exit 7",
+                background=True, on_stdout=seen.append, timeout=600)
+            deadline = time.monotonic() + 600
+            while handle.stdout != "one\n":
+                assert not handle.done and time.monotonic() < deadline, handle.stdout
+                time.sleep(0.05)
+            assert seen == ["one\n"]
+            sb.files.write("/tmp/go", "")
+            done = handle.wait(600)
+            assert (done.exit_code, done.stdout, done.stderr) == (7, "one\n", "two\n")
+            chunks: list[str] = []
+            result = sb.commands.run("echo a; echo b >&2", on_stdout=chunks.append,
+                                     on_stderr=chunks.append)
+            assert result.stdout == "a\n" and result.stderr == "b\n"
+            assert sorted(chunks) == ["a\n", "b\n"]
 
             # 100 MiB through the daemon and back, streamed from and into files.
             source = tmp_path / "source.bin"
