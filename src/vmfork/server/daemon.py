@@ -153,13 +153,8 @@ class Daemon:
         self.audit = AuditLog(config.audit_log or config.state_dir / "audit.log")
         self.spawner: Spawner | None = None
         if config.spawner:
-            log_path = config.state_dir / "zygote.log"
-            zygote_log = open(log_path, "ab")  # noqa: SIM115
-            try:
-                self.spawner = ZygoteSpawner(config.state_dir, stderr=zygote_log,
-                                             lease_s=config.zygote_lease_s, log_path=log_path)
-            finally:
-                zygote_log.close()
+            self.spawner = ZygoteSpawner(config.state_dir, lease_s=config.zygote_lease_s,
+                                         log_path=config.state_dir / "zygote.log")
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=make_snapshot_from_image,
                                      limits=Limits(heavy_concurrency=config.heavy_concurrency,

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
@@ -43,6 +43,11 @@ from vmfork.store import Snapshot
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 60.0
+# Up to 1000 children restoring at once on a busy host; each child also has its own
+# ready timeout (runtime.vmmchild), so a hung guest fails sooner than this.
+SPAWN_READY_TIMEOUT_S = 900.0
+# Its imports (the whole VMM) take seconds; far longer on a loaded or emulated host.
+ZYGOTE_START_TIMEOUT_S = 300.0
 CONTROL_TIMEOUT_S = 3600.0   # a full BRANCH of a large guest writes all its memory
 
 
@@ -123,13 +128,13 @@ class Spawner(Protocol):
 
 
 class ZygoteSpawner:
-    def __init__(self, state_dir: Path, stderr: IO[bytes] | int | None = None,
-                 lease_s: float = DEFAULT_LEASE_S, log_path: Path | None = None) -> None:
+    def __init__(self, state_dir: Path, lease_s: float = DEFAULT_LEASE_S,
+                 log_path: Path | None = None) -> None:
+        """``log_path``: where the zygote's stderr goes (appended; default: ours)."""
         self.run_root = state_dir / "run"
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.socket_path = state_dir / "zygote.sock"
         self.lease_s = lease_s
-        self._stderr = stderr
         self._log_path = log_path
         self._proc: ZygoteProcess | None = None
         self._local = threading.local()
@@ -150,14 +155,17 @@ class ZygoteSpawner:
         except ZygoteUnavailable:
             self._lease_client.close()
             self.adopted = False
+            stderr = None if self._log_path is None else open(self._log_path, "ab")  # noqa: SIM115
             try:
-                self._proc = start_zygote(str(self.socket_path), stderr=self._stderr,
-                                          die_with_parent=False, lease_s=self.lease_s)
+                self._proc = start_zygote(str(self.socket_path), stderr=stderr,
+                                          die_with_parent=False, lease_s=self.lease_s,
+                                          timeout=ZYGOTE_START_TIMEOUT_S)
             except ZygoteUnavailable as err:
-                where = f"; its log is {self._log_path}" if self._log_path else ""
-                raise ZygoteUnavailable(f"{err}{where} (the state directory must be on a "
-                                        "local file system that supports Unix sockets)",
-                                        op="start") from err
+                where = f"; see its log {self._log_path}" if self._log_path else ""
+                raise ZygoteUnavailable(f"{err}{where}", op="start") from err
+            finally:
+                if stderr is not None:
+                    stderr.close()  # the zygote holds its own descriptor
             info = self._proc.info
         self._lease_client.lease(self.lease_s)
         return int(info["pid"])
@@ -186,7 +194,8 @@ class ZygoteSpawner:
         batch = Path(tempfile.mkdtemp(prefix="spawn-", dir=self.run_root))
         try:
             report = fork_children(client, snapshot, n, batch,
-                                   memory_limit_mib=memory_limit_mib)
+                                   memory_limit_mib=memory_limit_mib,
+                                   timeout=SPAWN_READY_TIMEOUT_S)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
