@@ -39,7 +39,8 @@ from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
 from vmfork.server.spawner import ControlError, ExitNotice, Spawned, SpawnOutcome
-from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
+from vmfork.runtime.branch import BranchFailed, BranchResult
+from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 
 TOKEN = b"0123456789abcdef-secret"
 
@@ -95,13 +96,17 @@ class FakeAgent:
 
 
 class FakeSpawner:
-    """Sandboxes that are names with agents that answer from memory. ``control`` acts
-    as a VMM that knows only full captures: it writes the files it is asked to."""
+    """Sandboxes that are names with agents that answer from memory. ``branch`` writes
+    and publishes a snapshot as ``runtime.branch`` would (the real one is tested with
+    real VMs in tests/kvm/test_branch_store.py and tests/e2e), or raises
+    ``branch_failure`` when set."""
 
     def __init__(self) -> None:
         self.live: set[str] = set()
         self.run_dirs: dict[str, str] = {}
         self.control_requests: list[dict[str, Any]] = []
+        self.branch_requests: list[dict[str, Any]] = []
+        self.branch_failure: Exception | None = None
         self.control_gate = threading.Event()
         self.control_gate.set()
         self.pending_exits: list[ExitNotice] = []
@@ -153,6 +158,25 @@ class FakeSpawner:
         Path(request["state_path"]).write_bytes(b"branched-state")
         return {"ok": True, "timings": {"paused": 0.004, "vcpu_state": 0.001,
                                          "memory_write": 0.002, "memory_bytes": 8192.0}}
+
+    def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
+               parent_tag: str | None, sandbox_id: str) -> BranchResult:
+        self.control_gate.wait(10)
+        self.branch_requests.append({"run_dir": run_dir, "mode": mode,
+                                     "parent_tag": parent_tag, "sandbox_id": sandbox_id})
+        if self.branch_failure is not None:
+            Path(pending.state_path).write_bytes(b"half-written")  # must not survive
+            raise self.branch_failure
+        pending.memory_path.write_bytes(b"\1" * 8192)
+        pending.state_path.write_bytes(b"branched-state")
+        meta = SnapshotMeta(tag=pending.tag, image="default", mem_mib=64, vcpus=1,
+                            parent_tag=parent_tag if mode == "diff" else None,
+                            timings=SnapshotTimings(pause_ms=4.0), branch_mode=mode,
+                            branched_from=sandbox_id)
+        snap = pending.publish(meta)
+        return BranchResult(snapshot=snap, mode=mode, pause_ms=4.0, total_ms=9.0,
+                            memory_bytes=8192, dirty_pages=2 if mode == "diff" else None,
+                            base_tag=meta.parent_tag)
 
     def close(self, kill_sandboxes: bool = False) -> None:
         if kill_sandboxes:
@@ -416,8 +440,8 @@ def test_branch_full_publishes_a_spawnable_snapshot(served: Served, ctl: Control
     info = ctl.branch_sandbox(sandbox, tag="b1")
     assert info["tag"] == "b1" and info["status"] == "ready" and info["bootable"] is True
     assert info["pause_ms"] == 4.0 and info["branched_from"] == sandbox
-    request = served.spawner.control_requests[-1]
-    assert request["op"] == "snapshot" and request["resume"] is True and "mode" not in request
+    request = served.spawner.branch_requests[-1]
+    assert request["mode"] == "full" and request["sandbox_id"] == sandbox
     details = ctl.snapshot_info("b1")
     assert details["memory_logical_bytes"] == 8192 and details["mem_mib"] == 64
     after = ctl.get_sandbox(sandbox)
@@ -435,20 +459,41 @@ def test_branch_full_publishes_a_spawnable_snapshot(served: Served, ctl: Control
     assert exc.value.status == 409 and "already exists" in exc.value.message
 
 
-def test_branch_diff_on_a_vmm_without_it_is_501_and_leaves_nothing(
-        served: Served, ctl: Controller) -> None:
+def test_branch_modes_reach_the_spawner_and_measure_diff(served: Served,
+                                                         ctl: Controller) -> None:
     ctl.create_snapshot("base")
     sandbox = ctl.spawn_sandboxes("base")[0]["id"]
-    for kwargs in ({"mode": "diff"}, {"diff": True}, {"mode": "live"}):
-        with pytest.raises(ControllerError) as exc:
-            ctl.branch_sandbox(sandbox, tag="d1", **kwargs)  # type: ignore[arg-type]
-        assert exc.value.status == 501 and "use mode full" in exc.value.message
-        assert served.spawner.control_requests[-1]["mode"] in ("diff", "live")
-        assert served.spawner.control_requests[-1]["parent_memory_path"].endswith(
-            "/base/memory.bin")
+    for tag, kwargs, mode in (("d1", {"mode": "diff"}, "diff"), ("d2", {"diff": True}, "diff"),
+                              ("l1", {"mode": "live"}, "live"), ("l2", {"live": True}, "live")):
+        info = ctl.branch_sandbox(sandbox, tag=tag, **kwargs)  # type: ignore[arg-type]
+        assert info["status"] == "ready" and info["branch_mode"] == mode
+        assert served.spawner.branch_requests[-1]["mode"] == mode
+    info = ctl.branch_sandbox(sandbox, tag="d3", mode="diff", parent_tag="base",
+                              measure_diff=True)
+    assert served.spawner.branch_requests[-1]["parent_tag"] == "base"
+    assert info["parent_tag"] == "base" and info["diff_logical_bytes"] == 2 * 4096
+    assert info["diff_physical_bytes"] == 8192 and info["diff_ms"] == 9.0
+    assert 'vmfork_branches_total{mode="live"} 2' in ctl.metrics()
+
+
+@pytest.mark.parametrize(("failure", "status"), [
+    (BranchFailed("no base to diff against", stage="base"), 409),
+    (BranchFailed("the sandbox's VMM is gone", stage="control"), 502),
+    (BranchFailed("the sandbox's VMM could not snapshot: disk full", stage="capture"), 502),
+])
+def test_branch_failure_is_reported_and_leaves_nothing(
+        served: Served, ctl: Controller, failure: Exception, status: int) -> None:
+    ctl.create_snapshot("base")
+    sandbox = ctl.spawn_sandboxes("base")[0]["id"]
+    served.spawner.branch_failure = failure
+    with pytest.raises(ControllerError) as exc:
+        ctl.branch_sandbox(sandbox, tag="d1", mode="diff")
+    assert exc.value.status == status and str(failure) in exc.value.message
     listed = {s["tag"]: s for s in ctl.list_snapshots()}
     assert listed["d1"]["status"] == "failed" and not listed["d1"]["bootable"]
+    assert str(failure) in listed["d1"]["error"]
     assert not any(p.name.startswith(".pending") for p in served.store.snapshots_dir.iterdir())
+    assert not (served.store.snapshots_dir / "d1").exists()
 
 
 @pytest.mark.parametrize(("body", "expected"), [

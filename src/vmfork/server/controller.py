@@ -45,6 +45,7 @@ from vmfork.agent.client import (
     ExecResult,
     FileInfo,
 )
+from vmfork.runtime.branch import BranchFailed
 from vmfork.server.errors import (
     ApiError,
     BadGateway,
@@ -53,7 +54,6 @@ from vmfork.server.errors import (
     Conflict,
     GatewayTimeout,
     NotFound,
-    NotImplementedApi,
     Unprocessable,
 )
 from vmfork.server.metrics import DaemonMetrics
@@ -67,14 +67,12 @@ from vmfork.server.registry import (
     SandboxRecord,
     WorkspaceRecord,
 )
-from vmfork.server.spawner import ControlError, Spawner, SpawnerError, SpawnerGone
+from vmfork.server.spawner import Spawner, SpawnerError, SpawnerGone
 from vmfork.store import (
     PendingSnapshot,
     Snapshot,
     SnapshotCorrupt,
-    SnapshotMeta,
     SnapshotNotFound,
-    SnapshotTimings,
     Store,
     StoreError,
     TagBusy,
@@ -83,6 +81,8 @@ from vmfork.store import (
 )
 
 log = logging.getLogger(__name__)
+
+PAGE_SIZE = 4096   # the guest's page, the unit of a diff's dirty-page count
 
 SnapshotMaker = Callable[[Store, dict[str, Any]], Snapshot]
 """Boots, warms and snapshots a parent (``runtime.parent.snapshot_parent`` in the
@@ -258,13 +258,15 @@ class Controller:
             "status": "ready", "bootable": True,
             "image": meta.image, "mem_mib": meta.mem_mib, "vcpus": meta.vcpus,
             "warm_up": meta.warm_up}
-        branched_from = meta.extra.get("branched_from") or meta.parent_tag
+        branched_from = (meta.branched_from or meta.extra.get("branched_from")
+                         or meta.parent_tag)
         if branched_from is not None:
             info["branched_from"] = branched_from
         if meta.parent_tag is not None:
             info["parent_tag"] = meta.parent_tag
-        if meta.extra.get("branch_mode"):
-            info["branch_mode"] = meta.extra["branch_mode"]
+        branch_mode = meta.branch_mode or meta.extra.get("branch_mode")
+        if branch_mode:
+            info["branch_mode"] = branch_mode
         if meta.timings.pause_ms is not None:
             info["pause_ms"] = round(meta.timings.pause_ms, 3)
         return info
@@ -602,40 +604,23 @@ class Controller:
 
     def _branch(self, record: SandboxRecord, mode: str, body: dict[str, Any],
                 pending: PendingSnapshot) -> dict[str, Any]:
-        """Ask the sandbox's VMM to capture itself into ``pending``, then publish. Any
-        failure aborts ``pending`` (nothing partial is ever listed as ready) and leaves
-        the job ``failed`` with the reason."""
+        """Have the spawner capture the sandbox into ``pending`` and publish it
+        (``runtime.branch``: the VMM's control op, a diff resolved into a spawnable
+        head, content hashes). Any failure aborts ``pending`` (nothing partial is ever
+        listed as ready) and leaves the job ``failed`` with the reason."""
         tag = pending.tag
         spawner = self._spawner()
-        parent_tag = body["parent_tag"] or (record.snapshot_tag if mode != "full" else None)
-        request: dict[str, Any] = {"op": "snapshot", "memory_path": str(pending.memory_path),
-                                   "state_path": str(pending.state_path), "resume": True}
-        if mode != "full":
-            request["mode"] = mode
-            if parent_tag is not None:
-                request["parent_memory_path"] = str(self.store.get(parent_tag).memory_path)
         try:
             try:
-                reply = spawner.control(record.run_dir, request)
-            except ControlError as err:
-                if err.unreachable:
-                    raise BadGateway(f"BRANCH of {record.id}: its VMM cannot be reached: "
-                                     f"{err.message}; check GET /v1/sandboxes/{record.id}"
-                                     ) from err
-                if mode != "full" and ("mode" in err.message or "unknown" in err.message):
-                    raise NotImplementedApi(f"BRANCH mode {mode!r}: this VMM cannot capture "
-                                            f"it ({err.message}); use mode full") from err
-                raise BadGateway(f"BRANCH of {record.id} failed in its VMM: "
-                                 f"{err.message}") from err
-            if mode != "full" and reply.get("mode") != mode:
-                # A VMM that does not know ``mode`` ignores it and captures in full; such
-                # a capture must not be published under a diff/live contract.
-                raise NotImplementedApi(f"BRANCH mode {mode!r} is not supported by this VMM "
-                                        "(it answered with a full capture); use mode full")
-            timings: dict[str, float] = reply.get("timings", {})
-            meta = self._branch_meta(record, pending, mode, parent_tag, timings)
-            try:
-                snap = pending.publish(meta)
+                result = spawner.branch(record.run_dir, self.store, pending, mode,
+                                        parent_tag=body["parent_tag"], sandbox_id=record.id)
+            except BranchFailed as err:
+                if err.stage == "base":
+                    raise Conflict(f"BRANCH {tag!r} of {record.id}: {err}") from err
+                if err.stage == "control":
+                    raise BadGateway(f"BRANCH of {record.id}: {err}; check GET "
+                                     f"/v1/sandboxes/{record.id}") from err
+                raise BadGateway(f"BRANCH of {record.id} failed in its VMM: {err}") from err
             except StoreError as err:
                 raise BadGateway(f"BRANCH {tag!r}: {err}") from err
         except ApiError as err:
@@ -646,42 +631,22 @@ class Controller:
             pending.abort()
             self.registry.finish_snapshot_job(tag, f"{type(err).__name__}: {err}")
             raise BadGateway(f"BRANCH {tag!r} failed: {err}") from err
+        snap = result.snapshot
         self.registry.finish_snapshot_job(tag, None)
         self.registry.record_branch(record.id, str(snap.memory_path))
-        paused_s = float(timings.get("paused", 0.0))
-        self.metrics.branch_pause_seconds.observe(paused_s, mode=mode)
+        self.metrics.branch_pause_seconds.observe(result.pause_ms / 1000, mode=mode)
         self.metrics.branches.inc(mode=mode)
         info = self._snapshot_info(snap)
+        info["pause_ms"] = round(result.pause_ms, 3)
         if body["measure_diff"]:
-            info["warning"] = ("measure_diff is not implemented yet: diff_ms and "
-                               "diff_*_bytes are not reported")
+            # What this capture wrote for the memory: the changed pages of a diff, the
+            # whole image otherwise (forkd's diff_* fields; measured, not estimated).
+            info["diff_ms"] = round(result.total_ms, 3)
+            info["diff_physical_bytes"] = result.memory_bytes
+            info["diff_logical_bytes"] = (result.dirty_pages * PAGE_SIZE
+                                          if result.dirty_pages is not None
+                                          else result.memory_bytes)
         return info
-
-    def _branch_meta(self, record: SandboxRecord, pending: PendingSnapshot, mode: str,
-                     parent_tag: str | None, timings: dict[str, float]) -> SnapshotMeta:
-        try:
-            source = self.store.get(record.snapshot_tag).meta
-            image, mem_mib, vcpus, warm_up = (source.image, source.mem_mib, source.vcpus,
-                                              source.warm_up)
-        except StoreError:
-            # The source snapshot was deleted while the sandbox ran: the machine is
-            # described by the state file its VMM just wrote.
-            from vmfork.vmm.stateformat import read_state_file
-            from vmfork.vmm.vmstate import MachineState
-            state = read_state_file(str(pending.state_path), MachineState)
-            image, mem_mib, vcpus, warm_up = "unknown", state.mem_size >> 20, \
-                len(state.vcpus), None
-
-        def ms(key: str) -> float | None:
-            return None if key not in timings else float(timings[key]) * 1000
-
-        return SnapshotMeta(
-            tag=pending.tag, image=image, mem_mib=mem_mib, vcpus=vcpus, warm_up=warm_up,
-            parent_tag=parent_tag,
-            timings=SnapshotTimings(pause_ms=ms("paused"), capture_ms=ms("vcpu_state"),
-                                    write_ms=ms("memory_write")),
-            extra={"branched_from": record.id, "branch_mode": mode,
-                   "source_snapshot": record.snapshot_tag})
 
 
     # -- workspaces (forkd's named, long-lived sandboxes) ----------------------------

@@ -35,10 +35,11 @@ from typing import Any, Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.runtime.branch import BranchResult, branch_into_pending
 from vmfork.runtime.spawn import SpawnFailed, fork_children
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
 from vmfork.runtime.zygote_protocol import ZygoteError, ZygoteUnavailable
-from vmfork.store import Snapshot
+from vmfork.store import PendingSnapshot, Snapshot, Store
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,12 @@ class Spawner(Protocol):
     def control(self, run_dir: str, request: dict[str, Any],
                 timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         """One request to the sandbox's VMM control socket; its successful reply."""
+
+    def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
+               parent_tag: str | None, sandbox_id: str) -> BranchResult:
+        """Capture the sandbox into ``pending`` and publish it (``runtime.branch``);
+        raises ``BranchFailed`` (with its stage) or ``StoreError``, leaving ``pending``
+        to the caller to abort."""
 
     def close(self, kill_sandboxes: bool = False) -> None:
         """Stop using the zygote; with ``kill_sandboxes`` also kill every sandbox (else
@@ -278,6 +285,11 @@ class ZygoteSpawner:
     def control(self, run_dir: str, request: dict[str, Any],
                 timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
         return vmm_control(Path(run_dir) / "control.sock", request, timeout)
+
+    def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
+               parent_tag: str | None, sandbox_id: str) -> BranchResult:
+        return branch_into_pending(store, pending, str(Path(run_dir) / "control.sock"), mode,
+                                   parent_tag=parent_tag, sandbox_id=sandbox_id)
 
     def agent(self, run_dir: str) -> AgentClient:
         return AgentClient(vsock_uds_connector(str(Path(run_dir) / "vsock.sock"), AGENT_PORT,
