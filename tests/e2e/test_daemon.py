@@ -181,6 +181,23 @@ def test_daemon_spawn_drive_branch_delete(home: Home, snapshot: str) -> None:
     assert ctl.exec_command(child["id"], ["cat", "/tmp/payload"])["exit_code"] == 0
     assert 'vmfork_branch_pause_seconds_count{mode="full"} 1' in ctl.metrics()
     ctl.kill_sandbox(child["id"])
+    # diff (a layer over the sandbox's own snapshot, resolved into a spawnable head) and
+    # live (wait:false: 202 writing, then ready), each spawned and checked.
+    ctl.eval_code(infos[0]["id"], "answer = 7")
+    diff = ctl.branch_sandbox(infos[0]["id"], tag="branched-diff", mode="diff",
+                              measure_diff=True)
+    assert diff["status"] == "ready" and diff["parent_tag"] in (snapshot, "branched")
+    assert 0 < diff["diff_logical_bytes"] < 256 << 20
+    live = ctl.branch_sandbox(infos[0]["id"], tag="branched-live", mode="live", wait=False)
+    assert live["status"] in ("writing", "ready")
+    deadline = time.monotonic() + 300
+    while {s["tag"]: s["status"] for s in ctl.list_snapshots()}["branched-live"] != "ready":
+        assert time.monotonic() < deadline, ctl.list_snapshots()
+        time.sleep(0.2)
+    for tag in ("branched-diff", "branched-live"):
+        child = ctl.spawn_sandboxes(tag)[0]
+        assert ctl.eval_code(child["id"], "answer")["result"] == "7", tag
+        ctl.kill_sandbox(child["id"])
 
     for i in infos:
         ctl.kill_sandbox(i["id"])
