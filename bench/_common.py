@@ -16,9 +16,11 @@ REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
 
 
-def ensure_kvm_host(script: str, argv: list[str]) -> None:
-    """Re-run this benchmark inside the emulated KVM test host when this host's
-    KVM cannot run unmodified guests; exit with its status."""
+def ensure_kvm_host(script: str, argv: list[str], *, mem_mib: int = 4096,
+                    timeout: float = 3600.0) -> None:
+    """Re-run this benchmark inside the emulated KVM test host (``mem_mib`` of memory,
+    killed after ``timeout`` s) when this host's KVM cannot run unmodified guests;
+    exit with its status."""
     if os.environ.get("VMFORK_IN_TESTHOST") == "1":
         return
     from vmfork.kvm.probe import native_kvm_runs_guests
@@ -26,9 +28,10 @@ def ensure_kvm_host(script: str, argv: list[str]) -> None:
         return
     from vmfork.testhost import run_in_testhost
     print(f"{script}: this host's KVM cannot run unmodified guests; running inside the "
-          "emulated KVM test host (figures are meaningful as ratios only)", file=sys.stderr)
-    sys.exit(run_in_testhost([sys.executable, script, *argv], rw_paths=[str(REPO)],
-                             cwd=str(REPO), timeout=3600))
+          f"emulated KVM test host with {mem_mib} MiB (figures are meaningful as ratios "
+          "only)", file=sys.stderr)
+    sys.exit(run_in_testhost([sys.executable, script, *argv], mem_mib=mem_mib,
+                             rw_paths=[str(REPO)], cwd=str(REPO), timeout=timeout))
 
 
 def where() -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import BENCH_DIR, write_results
+from _common import ensure_kvm_host, write_results
 
 MODES = ("full", "diff", "live")
 FORKD = {"full": 13500.0, "diff": 202.0, "live": 56.0}
@@ -80,21 +80,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--host-mem-mib", type=int, default=6144)
     p.add_argument("--host-timeout", type=float, default=3600)
     return p.parse_args()
-
-
-def ensure_kvm_host(mem_mib: int, timeout: float) -> None:
-    if os.environ.get("VMFORK_IN_TESTHOST") == "1":
-        return
-    from vmfork.kvm.probe import native_kvm_runs_guests
-    if native_kvm_runs_guests():
-        return
-    from vmfork.testhost import run_in_testhost
-    print(f"{__file__}: this host's KVM cannot run unmodified guests; running inside the "
-          f"emulated KVM test host with {mem_mib} MiB (figures are meaningful as ratios only)",
-          file=sys.stderr)
-    sys.exit(run_in_testhost([sys.executable, __file__, *sys.argv[1:]], mem_mib=mem_mib,
-                             rw_paths=[str(BENCH_DIR.parent)], cwd=str(BENCH_DIR.parent),
-                             timeout=timeout))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -297,7 +282,8 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
 
 def main() -> int:
     args = parse_args()
-    ensure_kvm_host(args.host_mem_mib, args.host_timeout)
+    ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
+                    timeout=args.host_timeout)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from _common import where
 

@@ -84,9 +84,6 @@ PEER_TITLES = {"vmfork": "vmfork", "floor": "floor (C, KVM calls only)",
 COLD_CID_BASE = 1000
 TEMPLATE_PARENT_CID = 2999
 TEMPLATE_CID_BASE = 3000
-# What _common.ensure_kvm_host gives the test host (vmfork.testhost defaults).
-DEFAULT_HOST_MEM_MIB = 4096
-DEFAULT_HOST_TIMEOUT = 3600.0
 # A peer is run at N only if N times its per-child memory (measured at a smaller
 # N) fits in this share of MemAvailable; the rest is headroom for the kernel.
 MEMORY_HEADROOM = 0.75
@@ -1138,30 +1135,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def ensure_kvm_host_with_memory(mem_mib: int, timeout: float) -> None:
-    """``_common.ensure_kvm_host``, but with a bigger test host when asked.
-
-    The default 4 GiB test host cannot hold 100 idle children of any peer
-    (each keeps ~20-30 MiB of guest pages it wrote plus its VMM process), and
-    ``ensure_kvm_host`` takes no memory size, so route here the same way with one.
-    """
-    if mem_mib <= DEFAULT_HOST_MEM_MIB and timeout <= DEFAULT_HOST_TIMEOUT:
-        ensure_kvm_host(__file__, sys.argv[1:])
-        return
-    if os.environ.get("VMFORK_IN_TESTHOST") == "1":
-        return
-    from vmfork.kvm.probe import native_kvm_runs_guests
-    if native_kvm_runs_guests():
-        return
-    from vmfork.testhost import run_in_testhost
-    print(f"{__file__}: this host's KVM cannot run unmodified guests; running inside the "
-          f"emulated KVM test host with {mem_mib} MiB (figures are meaningful as ratios only)",
-          file=sys.stderr)
-    sys.exit(run_in_testhost([sys.executable, __file__, *sys.argv[1:]], mem_mib=mem_mib,
-                             rw_paths=[str(BENCH_DIR.parent)], cwd=str(BENCH_DIR.parent),
-                             timeout=timeout))
-
-
 @contextmanager
 def vmfork_home(workdir: Path) -> Iterator[Path]:
     home = workdir / "home"
@@ -1195,7 +1168,8 @@ def fits(name: str, n: int, results: dict[str, dict[int, list[dict[str, Any]]]])
 
 def main() -> int:
     args = parse_args()
-    ensure_kvm_host_with_memory(args.host_mem_mib, args.host_timeout)
+    ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
+                    timeout=args.host_timeout)
     # SIGTERM (e.g. the test host's timeout) must still run the clean-up below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 

@@ -91,7 +91,7 @@ def test_errors_name_what_to_fix(served: Served, tmp_path: Path,
     status, _, err = run(capsys, "kill", "--url", served.url)
     assert status == 2 and "IDs, --all, or --tag" in err
     status, _, err = run(capsys, "exec", "--url", served.url, "vm-000000000001")
-    assert status == 2 and "nothing to run" in err
+    assert status == 2 and "no command given" in err
 
 
 def test_workspace_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> None:

@@ -26,6 +26,28 @@ class CliError(Exception):
         self.status = status
 
 
+def command_words(words: list[str], usage: str) -> list[str]:
+    """The command after an optional ``--`` (argparse REMAINDER keeps it); ``usage``
+    says how to give one when there is none."""
+    command = list(words)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise CliError(f"no command given: {usage}")
+    return command
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """``--env KEY=VALUE`` options as a mapping."""
+    env: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"--env {pair!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vmfork", description="fork(2) for microVMs")
     parser.add_argument("--version", action="version", version=f"vmfork {__version__}")

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from vmfork.cli import CliError
+from vmfork.cli import CliError, command_words, parse_env
 
 
 def register(sub: Any) -> None:
@@ -28,23 +28,10 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _parse_env(pairs: list[str]) -> dict[str, str]:
-    env = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CliError(f"--env {pair!r}: expected KEY=VALUE")
-        env[key] = value
-    return env
-
-
 def run(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise CliError("nothing to run: give a command after --, e.g. vmfork run -- uname -a")
-    env = _parse_env(args.env)
+    command = command_words(args.command, "vmfork run [options] -- COMMAND [ARG...], "
+                                          "e.g. vmfork run -- uname -a")
+    env = parse_env(args.env)
 
     from vmfork.agent.client import AgentError, AgentTimeout
     from vmfork.image import ImageError, find_image

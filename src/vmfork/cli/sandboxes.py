@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from vmfork.cli import CliError
+from vmfork.cli import CliError, command_words, parse_env
 from vmfork.cli.daemon_client import (
     add_daemon_options,
     add_json_option,
@@ -180,25 +180,11 @@ def cmd_kill(args: argparse.Namespace) -> int:
     return status
 
 
-def _parse_env(pairs: list[str]) -> dict[str, str | None]:
-    env: dict[str, str | None] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise CliError(f"--env {pair!r}: expected KEY=VALUE")
-        env[key] = value
-    return env
-
-
 def cmd_exec(args: argparse.Namespace) -> int:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise CliError("nothing to run: give a command after the id, e.g. "
-                       "vmfork exec ID -- uname -a")
+    command = command_words(args.command, "vmfork exec ID [options] -- COMMAND [ARG...], "
+                                          "e.g. vmfork exec ID -- uname -a")
     ctl = controller(args)
-    env = _parse_env(args.env) or None
+    env: dict[str, str | None] | None = dict(parse_env(args.env)) or None
     if args.json:
         try:
             result = ctl.exec_command(args.id, command, args.timeout, env=env, cwd=args.cwd)

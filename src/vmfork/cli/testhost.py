@@ -13,7 +13,7 @@ import signal
 import sys
 from types import FrameType
 
-from vmfork.cli import CliError
+from vmfork.cli import CliError, command_words
 from vmfork.testhost import (
     DEFAULT_CPUS,
     DEFAULT_MEM_MIB,
@@ -90,11 +90,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    command: list[str] = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise CliError("no command given: vmfork testhost [options] -- COMMAND [ARG...]")
+    command = command_words(args.command, "vmfork testhost [options] -- COMMAND [ARG...]")
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return run_in_testhost(
