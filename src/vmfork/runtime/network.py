@@ -693,9 +693,8 @@ class HostNetwork:
             raise NetworkError(f"{child.netns} is not slot {child.slot} of prefix {self.prefix}")
         if not (NETNS_DIR / child.netns).exists():
             raise NetworkError(f"network namespace {child.netns} is gone")
-        with _iproute() as ipr:
-            if not ipr.link_lookup(ifname=child.host_veth):
-                raise NetworkError(f"host link {child.host_veth} of {child.netns} is gone")
+        if not self._on_host(_link_exists, child.host_veth):
+            raise NetworkError(f"host link {child.host_veth} of {child.netns} is gone")
         with self._lock:
             if child.slot in self._used:
                 raise NetworkError(f"slot {child.slot} ({child.netns}) is already in use")
@@ -775,6 +774,11 @@ def _remove_netns_mount(name: str) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def _link_exists(name: str) -> bool:
+    with _iproute() as ipr:
+        return bool(ipr.link_lookup(ifname=name))
 
 
 def _port_is_free(protocol: str, port: int) -> bool:
