@@ -130,6 +130,10 @@ class SandboxNetworks:
         if destroy:
             for sandbox_id in list(self._by_sandbox):
                 self.release(sandbox_id)
+            try:
+                self.host.remove_host_table()  # nothing is left to route or publish
+            except NetworkError as err:
+                log.warning("%s", err)
         self.host.close(destroy_children=destroy)
 
     # -- per sandbox ----------------------------------------------------------------
