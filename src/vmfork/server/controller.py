@@ -819,8 +819,9 @@ class Controller:
     def create_workspace(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["name"]
         if body["per_child_netns"]:
-            raise BadRequest("per_child_netns=true is not supported: networking is not "
-                             "implemented yet; omit it")
+            raise BadRequest("per_child_netns=true is not supported for workspaces yet (a "
+                             "suspended workspace would lose its network); omit it, or spawn "
+                             "a networked sandbox with POST /v1/sandboxes")
         with self._workspace_lock:
             if self.registry.get_workspace(name) is not None:
                 raise Conflict(f"workspace {name!r} already exists; choose another name or "
