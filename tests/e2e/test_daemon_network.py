@@ -13,15 +13,18 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_daemon import Home, _alive, _until_gone
-from vmfork.client import ControllerError, Sandbox
+from tests.e2e.test_daemon import Daemon, Home, _alive, _until_gone
+from vmfork.client import Controller, ControllerError, Sandbox
 from vmfork.runtime import network
 
 pytestmark = pytest.mark.e2e
@@ -58,13 +61,34 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _start(home: Home, name: str, *flags: str) -> Daemon:
+    state, sock = home.root / name, home.root / f"{name}.sock"
+    log_path = home.logs / f"{name}.log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "vmfork", "-v", "serve", "--state",
+                                 str(state), "--socket", str(sock), *flags],
+                                env=home.env, stdout=log, stderr=subprocess.STDOUT)
+    ctl = Controller(f"unix://{sock}", timeout=1800)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            ctl.healthz()
+            return Daemon(proc, ctl, state, sock)
+        except ControllerError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError("the daemon did not start:\n"
+                                     + log_path.read_text()) from None
+            time.sleep(0.1)
+
+
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=60) as r:
         return str(r.read().decode())
 
 
 def test_networked_sandboxes_through_the_daemon(home: Home) -> None:
-    d = home.start("net", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    d = _start(home, "net", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
     ctl = d.ctl
     try:
         info = ctl.create_snapshot("netwarm", mem_mib=256, warm_code=WARM, network=True,
