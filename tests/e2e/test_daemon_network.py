@@ -6,6 +6,8 @@ sandboxes from it, each answering on the same guest port with its own identity;
 one is published on a host port and fetched through 127.0.0.1, the other is
 reached at its own address; a taken host port is refused (409). Killing the
 sandboxes and stopping the daemon leaves no namespace, link or table behind.
+A daemon SIGKILLed and started again re-adopts a networked sandbox with its
+namespace and published port, which still reaches the guest.
 """
 
 from __future__ import annotations
@@ -87,18 +89,28 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
-def test_networked_sandboxes_through_the_daemon(home: Home) -> None:
+@pytest.fixture(scope="module")
+def snapshot(home: Home) -> str:
+    d = _start(home, "maker", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    try:
+        info = d.ctl.create_snapshot("netwarm", mem_mib=256, warm_code=WARM, network=True,
+                                     timeout=1800)
+        assert info["status"] == "ready" and info["network"] is True
+    finally:
+        d.proc.send_signal(signal.SIGTERM)
+        d.proc.wait(120)
+    return "netwarm"
+
+
+def test_networked_sandboxes_through_the_daemon(home: Home, snapshot: str) -> None:
     d = _start(home, "net", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
     ctl = d.ctl
     try:
-        info = ctl.create_snapshot("netwarm", mem_mib=256, warm_code=WARM, network=True,
-                                  timeout=1800)
-        assert info["status"] == "ready" and info["network"] is True
         with pytest.raises(ControllerError) as refused:
-            ctl.spawn_sandboxes("netwarm", per_child_netns=False, egress="deny")
+            ctl.spawn_sandboxes(snapshot, per_child_netns=False, egress="deny")
         assert refused.value.status == 400
 
-        a, b = ctl.spawn_sandboxes("netwarm", 2, per_child_netns=True)
+        a, b = ctl.spawn_sandboxes(snapshot, 2, per_child_netns=True)
         assert a["netns"] != b["netns"] and a["guest_addr"] != b["guest_addr"]
         for s in (a, b):
             ctl.eval_code(s["id"], f"IDENT = {s['id']!r}")
@@ -127,3 +139,27 @@ def test_networked_sandboxes_through_the_daemon(home: Home) -> None:
         assert d.proc.wait(120) == 0
     assert network.leftovers(PREFIX).empty, "the daemon removed its host table on exit"
     assert not any(_alive(p) for p in pids)
+
+
+def test_restarted_daemon_keeps_a_sandboxs_network(home: Home, snapshot: str) -> None:
+    # A long lease: the sandbox must outlive the SIGKILLed daemon until the next one.
+    d = _start(home, "restart", "--zygote-lease", "900", "--network-prefix", PREFIX)
+    (s,) = d.ctl.spawn_sandboxes(snapshot, per_child_netns=True, egress="deny")
+    d.ctl.eval_code(s["id"], f"IDENT = {s['id']!r}")
+    port = d.ctl.expose_port(s["id"], GUEST_PORT)["host_port"]
+    assert _get(f"http://127.0.0.1:{port}/") == s["id"]
+    d.proc.kill()
+    d.proc.wait(60)
+
+    again = _start(home, "restart", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    try:
+        info = again.ctl.get_sandbox(s["id"])
+        assert info["status"] == "running" and info["netns"] == s["netns"]
+        assert info["network"]["egress"] == "deny"
+        assert _get(f"http://127.0.0.1:{port}/") == s["id"], "the port is published again"
+        assert network.leftovers(PREFIX).namespaces == [s["netns"]]
+    finally:
+        again.proc.send_signal(signal.SIGTERM)
+        assert again.proc.wait(120) == 0
+    _until_gone([s["pid"]], 30)
+    assert network.leftovers(PREFIX).empty
