@@ -72,9 +72,9 @@ def test_tools_schemas_and_errors(daemon: RunningDaemon) -> None:
                 await mcp.call("read_file", {"sandbox_id": "sb-nope", "path": "/etc/hostname"})
             with pytest.raises(ToolFailed, match=r"HTTP 404"):
                 await mcp.call("snapshot_info", {"tag": "absent"})
-            with pytest.raises(ToolFailed, match=r"HTTP 400.*per_child_netns"):
+            with pytest.raises(ToolFailed, match=r"HTTP 400.*live_fork"):
                 await mcp.call("spawn_sandboxes", {"snapshot_tag": "absent",
-                                                   "per_child_netns": True})
+                                                   "live_fork": True})
 
             # Arguments are checked against the schema before anything is sent.
             with pytest.raises(ToolFailed, match="sandbox_id"):

@@ -565,10 +565,17 @@ def test_restart_readopts_running_marks_lost_and_fails_writing(tmp_path: Path) -
 
 def test_unsupported_flags_are_refused(served: Served, ctl: Controller) -> None:
     ctl.create_snapshot("base")
-    for flag in ("per_child_netns", "live_fork", "hugepages"):
+    for flag in ("live_fork", "hugepages"):
         status, body, _ = served.request("POST", "/v1/sandboxes",
                                          {"snapshot_tag": "base", flag: True})
         assert status == 400 and flag in body["error"]
+    # This daemon has no host networking (tests/unit/test_server_network.py has one).
+    status, body, _ = served.request("POST", "/v1/sandboxes",
+                                     {"snapshot_tag": "base", "per_child_netns": True})
+    assert status == 501 and "per_child_netns" in body["error"]
+    status, body, _ = served.request("POST", "/v1/sandboxes",
+                                     {"snapshot_tag": "base", "egress": {"mode": "deny"}})
+    assert status == 400 and "per_child_netns" in body["error"]
 
 
 def test_files_round_trip_and_sandbox_facade(served: Served, ctl: Controller) -> None:

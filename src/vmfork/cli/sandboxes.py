@@ -1,5 +1,6 @@
 """Sandbox verbs, all through the daemon (forkd's names and flags): ``spawn``, ``ls``,
-``kill``, ``exec``, ``eval``, ``ping``, ``branch``, ``workspace``."""
+``kill``, ``exec``, ``eval``, ``ping``, ``branch``, ``workspace``; and vmfork's
+``ports`` and ``egress`` for sandboxes with networks of their own."""
 
 from __future__ import annotations
 
@@ -22,15 +23,53 @@ from vmfork.cli.daemon_client import (
 from vmfork.client import ControllerError
 
 
+EGRESS_HELP = ("allow (default), deny, or an allow-list of CIDRs and domain names separated "
+               "by commas, e.g. 10.0.0.0/8,example.com (names are resolved when the policy "
+               "is set)")
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser("spawn", help="spawn sandboxes from a snapshot (through the daemon)")
     p.add_argument("--tag", required=True, help="snapshot to spawn from")
     p.add_argument("-n", type=int, default=1, help="how many (1..1000, default 1)")
     p.add_argument("--memory-limit-mib", type=int, default=None, metavar="M",
                    help="per-sandbox memory limit")
+    p.add_argument("--per-child-netns", action="store_true",
+                   help="give each sandbox a network of its own (the snapshot must have "
+                        "been made with `vmfork snapshot --network`)")
+    p.add_argument("--egress", default=None, metavar="POLICY", help=EGRESS_HELP)
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_spawn)
+
+    p = sub.add_parser("ports", help="publish a sandbox's guest ports on host ports")
+    ports = p.add_subparsers(dest="ports_action", metavar="ACTION", required=True)
+    q = ports.add_parser("ls", help="list a sandbox's published ports")
+    q.add_argument("id", metavar="ID")
+    add_json_option(q)
+    add_daemon_options(q)
+    q.set_defaults(func=cmd_ports_ls)
+    q = ports.add_parser("add", help="publish GUEST_PORT on a host port; prints the host port")
+    q.add_argument("id", metavar="ID")
+    q.add_argument("guest_port", type=int, metavar="GUEST_PORT")
+    q.add_argument("--host-port", type=int, default=0, metavar="N",
+                   help="host port (default: a free one)")
+    q.add_argument("--udp", action="store_true", help="UDP instead of TCP")
+    add_daemon_options(q)
+    q.set_defaults(func=cmd_ports_add)
+    q = ports.add_parser("rm", help="unpublish a host port")
+    q.add_argument("id", metavar="ID")
+    q.add_argument("host_port", type=int, metavar="HOST_PORT")
+    q.add_argument("--udp", action="store_true", help="UDP instead of TCP")
+    add_daemon_options(q)
+    q.set_defaults(func=cmd_ports_rm)
+
+    p = sub.add_parser("egress", help="replace the egress policy of a sandbox's network")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("policy", metavar="POLICY", help=EGRESS_HELP)
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_egress)
 
     p = sub.add_parser("ls", help="list sandboxes")
     add_json_option(p)
@@ -136,13 +175,67 @@ def _sandbox_row(s: dict[str, Any]) -> list[str]:
 def cmd_spawn(args: argparse.Namespace) -> int:
     ctl = controller(args, timeout=600)
     with progress(f"spawning {args.n} sandbox{'es' if args.n != 1 else ''} of {args.tag}"):
-        infos = call(ctl, lambda: ctl.spawn_sandboxes(args.tag, args.n,
-                                                      memory_limit_mib=args.memory_limit_mib))
+        infos = call(ctl, lambda: ctl.spawn_sandboxes(
+            args.tag, args.n, memory_limit_mib=args.memory_limit_mib,
+            per_child_netns=args.per_child_netns, egress=_egress(args.egress)))
     if args.json:
         print_json(infos)
     else:
         for info in infos:
-            print(info["id"])
+            address = f"\t{info['guest_addr']}" if info.get("guest_addr") else ""
+            print(f"{info['id']}{address}")
+    return 0
+
+
+def _egress(policy: str | None) -> str | None:
+    if policy is not None and not policy.strip(","):
+        raise CliError("--egress is empty: give allow, deny or a comma-separated allow-list")
+    return policy
+
+
+def cmd_ports_ls(args: argparse.Namespace) -> int:
+    ctl = controller(args)
+    ports = call(ctl, lambda: ctl.list_ports(args.id))
+    if args.json:
+        print_json(ports)
+        return 0
+    print_table(["PROTOCOL", "HOST PORT", "GUEST PORT"],
+                [[p["protocol"], str(p["host_port"]), str(p["guest_port"])] for p in ports])
+    return 0
+
+
+def _check_port(value: int, what: str, zero_ok: bool = False) -> None:
+    if not (0 if zero_ok else 1) <= value <= 65535:
+        raise CliError(f"{what} {value} is not a port number (1-65535)")
+
+
+def cmd_ports_add(args: argparse.Namespace) -> int:
+    _check_port(args.guest_port, "GUEST_PORT")
+    _check_port(args.host_port, "--host-port", zero_ok=True)
+    ctl = controller(args)
+    published = call(ctl, lambda: ctl.expose_port(args.id, args.guest_port, args.host_port,
+                                                  "udp" if args.udp else "tcp"))
+    print(published["host_port"])
+    return 0
+
+
+def cmd_ports_rm(args: argparse.Namespace) -> int:
+    _check_port(args.host_port, "HOST_PORT")
+    ctl = controller(args)
+    call(ctl, lambda: ctl.unexpose_port(args.id, args.host_port, "udp" if args.udp else "tcp"))
+    return 0
+
+
+def cmd_egress(args: argparse.Namespace) -> int:
+    policy = _egress(args.policy)
+    assert policy is not None
+    ctl = controller(args)
+    network = call(ctl, lambda: ctl.set_egress(args.id, policy))
+    if args.json:
+        print_json(network)
+    else:
+        print(f"{args.id}: egress {network['egress']}"
+              + (f" ({', '.join(network['allowed'])})" if network["allowed"] else ""))
     return 0
 
 

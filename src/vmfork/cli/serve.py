@@ -44,6 +44,15 @@ def register(sub: Any) -> None:
     p.add_argument("--kill-sandboxes-on-exit", action="store_true",
                    help="stop every sandbox when the daemon stops (default: keep them for a "
                         "restart within --zygote-lease)")
+    p.add_argument("--no-network", action="store_true",
+                   help="give sandboxes no networks of their own (per_child_netns refused)")
+    p.add_argument("--network-prefix", default="vmf", metavar="NAME",
+                   help="1-6 lowercase letters naming this daemon's network namespaces, "
+                        "links and nftables table; another daemon on this host needs "
+                        "another (default vmf)")
+    p.add_argument("--network-subnet", default="10.200.0.0/16", metavar="CIDR",
+                   help="host-side addresses of sandbox networks, a /31 each "
+                        "(default 10.200.0.0/16)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -68,7 +77,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           heavy_concurrency=args.max_concurrent_spawns,
                           branch_concurrency=args.branch_concurrency,
                           zygote_lease_s=args.zygote_lease,
-                          kill_sandboxes_on_exit=args.kill_sandboxes_on_exit)
+                          kill_sandboxes_on_exit=args.kill_sandboxes_on_exit,
+                          networking=not args.no_network,
+                          network_prefix=args.network_prefix,
+                          network_subnet=args.network_subnet)
     try:
         daemon = Daemon(config)
     except (AuthConfigError, RegistryError, StoreError, ZygoteError, ValueError,

@@ -47,6 +47,9 @@ def register(sub: Any) -> None:
     warm.add_argument("--warm", metavar="CODE",
                       help="Python run in the guest's warm interpreter, e.g. 'import json'")
     warm.add_argument("--warm-cmd", metavar="CMD", help="shell command run in the guest first")
+    p.add_argument("--network", action="store_true",
+                   help="boot the parent with a network device, so that its sandboxes can "
+                        "be spawned with --per-child-netns")
     p.add_argument("--local", action="store_true",
                    help="boot the parent in this process, not through the daemon (the "
                         "daemon itself uses this)")
@@ -123,7 +126,8 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     with progress(f"booting and snapshotting {args.tag}"):
         info = call(ctl, lambda: ctl.create_snapshot(
             args.tag, image=args.image, mem_mib=args.mem_mib, vcpus=args.vcpus,
-            warm_code=args.warm, warm_cmd=args.warm_cmd, timeout=3600))
+            warm_code=args.warm, warm_cmd=args.warm_cmd, network=args.network,
+            timeout=3600))
     if args.json:
         print_json(info)
     else:
@@ -141,8 +145,13 @@ def _snapshot_here(args: argparse.Namespace) -> int:
 
     try:
         image = find_image(args.image)
+        guest_network = None
+        if args.network:
+            from vmfork.server.networking import daemon_guest_network
+            guest_network = daemon_guest_network()
         report = snapshot_parent(_store(), args.tag, image, mem_mib=args.mem_mib,
-                                 vcpus=args.vcpus, warm_code=args.warm, warm_cmd=args.warm_cmd)
+                                 vcpus=args.vcpus, warm_code=args.warm, warm_cmd=args.warm_cmd,
+                                 network=guest_network)
     except (ImageError, StoreError, WarmUpFailed, GuestBootError, ValueError) as err:
         raise CliError(str(err), 1) from err
     print(f"snapshot {report.snapshot.tag}: {report.memory_bytes / (1 << 20):.1f} MiB of guest "

@@ -9,7 +9,14 @@
         print((await sb.commands.run("uname -r")).stdout)
 """
 
-from vmfork.client.controller import Controller, ControllerError, ExecStream, default_url
+from vmfork.client.controller import (
+    Controller,
+    ControllerError,
+    Egress,
+    ExecStream,
+    default_url,
+    egress_policy,
+)
 from vmfork.client.sandbox import (
     AsyncCommandHandle,
     AsyncSandbox,
@@ -22,5 +29,5 @@ from vmfork.client.sandbox import (
 )
 
 __all__ = ["AsyncCommandHandle", "AsyncSandbox", "CommandExitError", "CommandHandle",
-           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "EvalResult",
-           "ExecStream", "Sandbox", "default_url"]
+           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "Egress",
+           "EvalResult", "ExecStream", "Sandbox", "default_url", "egress_policy"]

@@ -8,12 +8,13 @@ not answer raises ``ControllerError`` with status 0 and says how to start one.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
 import urllib.parse
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, BinaryIO
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Union
 
 from vmfork.client.transport import Endpoint
 
@@ -34,6 +35,30 @@ def default_url() -> str:
         state = os.path.join(base, "vmfork")
     return "unix://" + os.path.join(os.path.abspath(state), "api.sock")
 
+
+
+Egress = Union[str, Sequence[str], Mapping[str, Any]]
+"""An egress policy: ``"allow"``, ``"deny"``, a list of allowed CIDRs and domain names,
+or the API's object ``{"mode": ..., "cidrs": [...], "domains": [...]}``."""
+
+
+def egress_policy(egress: Egress) -> dict[str, Any]:
+    """The API's egress object for ``egress``; a list's entries that parse as IPv4
+    networks are CIDRs, the others domain names (resolved by the daemon when set)."""
+    if isinstance(egress, str):
+        if egress in ("allow", "deny"):
+            return {"mode": egress}
+        egress = [e for e in egress.split(",") if e.strip()]
+    if isinstance(egress, Mapping):
+        return dict(egress)
+    cidrs, domains = [], []
+    for entry in (e.strip() for e in egress):
+        try:
+            ipaddress.IPv4Network(entry, strict=False)
+            cidrs.append(entry)
+        except ValueError:
+            domains.append(entry)
+    return {"mode": "allowlist", "cidrs": cidrs, "domains": domains}
 
 class ControllerError(Exception):
     """The daemon answered with an error (``status`` ≥ 400, ``body`` its decoded JSON or
@@ -147,10 +172,14 @@ class Controller:
 
     def create_snapshot(self, tag: str, *, image: str = "default", mem_mib: int = 256,
                         vcpus: int = 1, warm_code: str | None = None,
-                        warm_cmd: str | None = None, timeout: float = 600) -> dict[str, Any]:
+                        warm_cmd: str | None = None, network: bool = False,
+                        timeout: float = 600) -> dict[str, Any]:
         """Boot ``image``, warm it, snapshot it as ``tag``; blocks until ready (``timeout``
-        in seconds)."""
+        in seconds). ``network``: the parent gets a network device, so that sandboxes of
+        the snapshot can be spawned with ``per_child_netns``."""
         body: dict[str, Any] = {"tag": tag, "image": image, "mem_mib": mem_mib, "vcpus": vcpus}
+        if network:
+            body["network"] = True
         if warm_code is not None:
             body["warm_code"] = warm_code
         if warm_cmd is not None:
@@ -171,10 +200,17 @@ class Controller:
     def spawn_sandboxes(self, snapshot_tag: str, n: int = 1, per_child_netns: bool = False,
                         memory_limit_mib: int | None = None, prewarm: bool = False,
                         live_fork: bool = False, hugepages: bool = False,
-                        timeout: float | None = None) -> list[dict[str, Any]]:
-        body = {"snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns,
-                "memory_limit_mib": memory_limit_mib, "prewarm": prewarm,
-                "live_fork": live_fork, "hugepages": hugepages}
+                        timeout: float | None = None,
+                        egress: Egress | None = None) -> list[dict[str, Any]]:
+        """``per_child_netns``: each sandbox gets a network of its own (the snapshot must
+        have been created with ``network=True``); ``egress`` is its policy (see
+        ``egress_policy``; default allow)."""
+        body: dict[str, Any] = {
+            "snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns,
+            "memory_limit_mib": memory_limit_mib, "prewarm": prewarm,
+            "live_fork": live_fork, "hugepages": hugepages}
+        if egress is not None:
+            body["egress"] = egress_policy(egress)
         result: list[dict[str, Any]] = self._call(
             "POST", "/v1/sandboxes", body, timeout=timeout or max(self.timeout, 300.0))
         return result
@@ -189,6 +225,32 @@ class Controller:
 
     def kill_sandbox(self, sandbox_id: str) -> None:
         self._call("DELETE", f"/v1/sandboxes/{_seg(sandbox_id)}")
+
+    # -- networks of sandboxes (vmfork's extension) ---------------------------------
+
+    def list_ports(self, sandbox_id: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call(
+            "GET", f"/v1/sandboxes/{_seg(sandbox_id)}/ports")
+        return result
+
+    def expose_port(self, sandbox_id: str, guest_port: int, host_port: int = 0,
+                    protocol: str = "tcp") -> dict[str, Any]:
+        """Publish ``guest_port`` on ``host_port`` of every host address (0: a free one);
+        returns ``{"protocol", "host_port", "guest_port", "address"}``."""
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/ports",
+            {"guest_port": guest_port, "host_port": host_port, "protocol": protocol})
+        return result
+
+    def unexpose_port(self, sandbox_id: str, host_port: int, protocol: str = "tcp") -> None:
+        self._call("DELETE", f"/v1/sandboxes/{_seg(sandbox_id)}/ports/{int(host_port)}",
+                   query={"protocol": protocol})
+
+    def set_egress(self, sandbox_id: str, egress: Egress) -> dict[str, Any]:
+        """Replace the sandbox's egress policy; returns its network description."""
+        result: dict[str, Any] = self._call(
+            "PUT", f"/v1/sandboxes/{_seg(sandbox_id)}/egress", egress_policy(egress))
+        return result
 
     def ping_sandbox(self, sandbox_id: str) -> dict[str, Any]:
         result: dict[str, Any] = self._call("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/ping")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, Self
 
-from vmfork.client.controller import Controller, ControllerError, ExecStream
+from vmfork.client.controller import Controller, ControllerError, Egress, ExecStream
 
 OutputCallback = Callable[[str], object]
 
@@ -258,9 +258,15 @@ class Sandbox:
 
     @classmethod
     def create(cls, snapshot_tag: str, *, memory_limit_mib: int | None = None,
-               controller: Controller | None = None) -> Sandbox:
+               controller: Controller | None = None,
+               network: bool | Egress = False) -> Sandbox:
+        """``network``: give the sandbox a network of its own (``True``: egress allowed;
+        or an egress policy: ``"deny"``, a list of CIDRs and domain names, ...). The
+        snapshot must have been created with ``network=True``."""
         c = controller or Controller()
-        info = c.spawn_sandboxes(snapshot_tag, 1, memory_limit_mib=memory_limit_mib)[0]
+        egress = None if isinstance(network, bool) else network
+        info = c.spawn_sandboxes(snapshot_tag, 1, memory_limit_mib=memory_limit_mib,
+                                 per_child_netns=network is not False, egress=egress)[0]
         return cls(info, c)
 
     @classmethod
@@ -283,6 +289,28 @@ class Sandbox:
                wait: bool = True) -> dict[str, Any]:
         """Snapshot this sandbox as ``tag`` (BRANCH); returns the ``SnapshotInfo``."""
         return self.controller.branch_sandbox(self.id, tag=tag, mode=mode, wait=wait)
+
+    @property
+    def address(self) -> str | None:
+        """Where the host reaches the guest (a sandbox with a network of its own)."""
+        address: str | None = self.info.get("guest_addr")
+        return address
+
+    def expose(self, guest_port: int, host_port: int = 0,
+               protocol: str = "tcp") -> int:
+        """Publish ``guest_port`` on ``host_port`` of the host (0: a free one); returns
+        the host port (reachable on every host address, 127.0.0.1 included)."""
+        published = self.controller.expose_port(self.id, guest_port, host_port, protocol)
+        return int(published["host_port"])
+
+    def unexpose(self, host_port: int, protocol: str = "tcp") -> None:
+        self.controller.unexpose_port(self.id, host_port, protocol)
+
+    def ports(self) -> list[dict[str, Any]]:
+        return self.controller.list_ports(self.id)
+
+    def set_egress(self, egress: Egress) -> dict[str, Any]:
+        return self.controller.set_egress(self.id, egress)
 
     def kill(self) -> None:
         """Kill the sandbox; killing one that is already gone is not an error."""
@@ -391,10 +419,20 @@ class AsyncSandbox:
 
     @classmethod
     async def create(cls, snapshot_tag: str, *, memory_limit_mib: int | None = None,
-                     controller: Controller | None = None) -> AsyncSandbox:
+                     controller: Controller | None = None,
+                     network: bool | Egress = False) -> AsyncSandbox:
         return cls(await asyncio.to_thread(Sandbox.create, snapshot_tag,
                                            memory_limit_mib=memory_limit_mib,
-                                           controller=controller))
+                                           controller=controller, network=network))
+
+    async def expose(self, guest_port: int, host_port: int = 0, protocol: str = "tcp") -> int:
+        return await asyncio.to_thread(self.sync.expose, guest_port, host_port, protocol)
+
+    async def unexpose(self, host_port: int, protocol: str = "tcp") -> None:
+        await asyncio.to_thread(self.sync.unexpose, host_port, protocol)
+
+    async def ports(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.sync.ports)
 
     @classmethod
     async def connect(cls, sandbox_id: str, *,

@@ -323,6 +323,28 @@ class ChildNetwork:
     allowed: tuple[str, ...] = ()
     ports: dict[tuple[str, int], int] = field(default_factory=dict)  # (proto, host) -> guest
 
+    def to_record(self) -> dict[str, Any]:
+        """What a daemon stores to re-adopt this network after a restart (``adopt``)."""
+        return {"slot": self.slot, "netns": self.netns, "tap": self.tap,
+                "host_veth": self.host_veth, "host_address": self.host_address,
+                "address": self.address,
+                "egress": {"mode": self.egress.mode, "cidrs": list(self.egress.cidrs),
+                           "domains": list(self.egress.domains)},
+                "allowed": list(self.allowed),
+                "ports": [[p, h, g] for (p, h), g in sorted(self.ports.items())]}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], guest: GuestNetwork) -> ChildNetwork:
+        egress = record["egress"]
+        return cls(slot=int(record["slot"]), netns=str(record["netns"]), tap=str(record["tap"]),
+                   host_veth=str(record["host_veth"]),
+                   host_address=str(record["host_address"]), address=str(record["address"]),
+                   guest=guest,
+                   egress=EgressPolicy(egress["mode"], tuple(egress["cidrs"]),
+                                       tuple(egress["domains"])),
+                   allowed=tuple(record["allowed"]),
+                   ports={(str(p), int(h)): int(g) for p, h, g in record["ports"]})
+
     def describe(self) -> dict[str, Any]:
         return {"netns": self.netns, "address": self.address, "guest_address": self.guest.address,
                 "egress": self.egress.mode, "allowed": list(self.allowed),
@@ -627,6 +649,9 @@ class HostNetwork:
                 raise ValueError(f"{name} {port} is not a port number")
         if host_port == 0:
             host_port = _free_port(protocol)
+        elif not self._on_host(_port_is_free, protocol, host_port):
+            # The published port would hijack the connections of whoever listens there.
+            raise NetworkError(f"host port {protocol}/{host_port} is in use on the host")
         with self._lock:
             taken = [c for c in self.children.values() if (protocol, host_port) in c.ports]
             if taken:
@@ -658,6 +683,29 @@ class HostNetwork:
         elem: Any = key if address is None else [key, {"concat": [address, guest_port]}]
         return {"family": "ip", "table": self.table, "name": "ports", "elem": [elem]}
 
+    # -- re-adoption -------------------------------------------------------------------------
+    def adopt(self, child: ChildNetwork) -> None:
+        """Take over a child network a previous manager made (a daemon restarted while
+        its sandbox ran): claim its slot and publish its ports again (``setup`` made the
+        host table afresh). NetworkError if its namespace or host link is gone."""
+        _validate_netns_name(child.netns)
+        if child.netns != self._netns_name(child.slot):
+            raise NetworkError(f"{child.netns} is not slot {child.slot} of prefix {self.prefix}")
+        if not (NETNS_DIR / child.netns).exists():
+            raise NetworkError(f"network namespace {child.netns} is gone")
+        if not self._on_host(_link_exists, child.host_veth):
+            raise NetworkError(f"host link {child.host_veth} of {child.netns} is gone")
+        with self._lock:
+            if child.slot in self._used:
+                raise NetworkError(f"slot {child.slot} ({child.netns}) is already in use")
+            self._used.add(child.slot)
+            self.children[child.slot] = child
+        ports = [self._port_element(p, h, child.address, g)
+                 for (p, h), g in sorted(child.ports.items())]
+        if ports:
+            self._on_host(_Nft.run, [{"add": {"element": e}} for e in ports],
+                          f"publish the ports of {child.netns} again")
+
     # -- teardown ----------------------------------------------------------------------------
     def destroy(self, child: ChildNetwork) -> None:
         """Remove everything of this child (call once its VMM process is gone, or the
@@ -684,9 +732,15 @@ class HostNetwork:
         _remove_netns_mount(child.netns)
         self._release_slot(child.slot)
 
-    def close(self) -> None:
-        """Destroy every child network this manager made; stop its workers."""
-        for child in list(self.children.values()):
+    def run_on_host(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread in this manager's host namespace."""
+        return self._on_host(fn, *args)
+
+    def close(self, destroy_children: bool = True) -> None:
+        """Destroy every child network this manager made (unless not
+        ``destroy_children``: a daemon leaving its sandboxes running for the next
+        one, which adopts them); stop its workers."""
+        for child in list(self.children.values()) if destroy_children else []:
             self.destroy(child)
         self._pool.shutdown()
         os.close(self._host_ns)
@@ -720,6 +774,21 @@ def _remove_netns_mount(name: str) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def _link_exists(name: str) -> bool:
+    with _iproute() as ipr:
+        return bool(ipr.link_lookup(ifname=name))
+
+
+def _port_is_free(protocol: str, port: int) -> bool:
+    kind = socket.SOCK_STREAM if protocol == "tcp" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET, kind) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 def _free_port(protocol: str) -> int:
@@ -758,15 +827,23 @@ def leftovers(prefix: str = DEFAULT_PREFIX) -> CleanupReport:
     return report
 
 
-def cleanup_stale(prefix: str = DEFAULT_PREFIX) -> CleanupReport:
+def cleanup_stale(prefix: str = DEFAULT_PREFIX,
+                  keep: frozenset[str] = frozenset()) -> CleanupReport:
     """Remove every namespace, host link and host table with our ``prefix``.
 
     For the daemon at start-up, after a crash: call it before any child is made
-    with this prefix (it removes live ones too). Returns what it removed.
+    with this prefix (it removes live ones too). ``keep``: namespace names to
+    spare with their host links (``<prefix>-<slot>`` keeps ``<prefix>h<slot>``), the
+    networks of sandboxes a restarted daemon re-adopts (the host table goes
+    regardless: ``setup`` makes it afresh, ``adopt`` publishes their ports again).
+    Returns what it removed.
     """
     if not _PREFIX_RE.match(prefix):
         raise ValueError(f"prefix {prefix!r} must be 1-6 lowercase letters")
     found = leftovers(prefix)
+    kept_links = {name.replace("-", "h", 1) for name in keep}
+    found.namespaces = [n for n in found.namespaces if n not in keep]
+    found.links = [n for n in found.links if n not in kept_links]
     with _iproute() as ipr:
         for name in found.links:
             for index in ipr.link_lookup(ifname=name):

@@ -68,7 +68,9 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
                                     warm_ms=(warmed - booted) * 1000,
                                     pause_ms=timings["paused"] * 1000,
                                     capture_ms=timings["vcpu_state"] * 1000,
-                                    write_ms=timings["memory_write"] * 1000))
+                                    write_ms=timings["memory_write"] * 1000),
+            # Whether sandboxes of it can get networks (the daemon checks before a spawn).
+            extra={"network": network is not None})
         snapshot = pending.publish(meta)
     return SnapshotReport(snapshot=snapshot, boot_s=booted - started, warm_s=warmed - booted,
                           pause_ms=timings["paused"] * 1000,

@@ -136,6 +136,8 @@ SANDBOX_CREATE = {
     "snapshot_tag": Field(str, check=check_tag),
     "n": Field(int, 1, between(1, MAX_SANDBOXES_PER_REQUEST)),
     "per_child_netns": Field(bool, False),
+    # vmfork's extension: {"mode": "allow"|"deny"|"allowlist", "cidrs": [], "domains": []}
+    "egress": Field(dict, None, nullable=True),
     "memory_limit_mib": Field(int, None, between(16, 1 << 20), nullable=True),
     "prewarm": Field(bool, False),
     "live_fork": Field(bool, False),
@@ -168,7 +170,24 @@ SNAPSHOT_CREATE = {
     "rw": Field(bool, False),
     "tap": Field(str, None, nullable=True),
     "boot_wait_secs": Field((int, float), 10, between(0, 60)),
+    # vmfork's extension: boot the parent with a network device, so that its
+    # sandboxes can be spawned with per_child_netns.
+    "network": Field(bool, False),
 }
+
+PORT_EXPOSE = {
+    "guest_port": Field(int, check=between(1, 65535)),
+    "host_port": Field(int, 0, between(0, 65535)),
+    "protocol": Field(str, "tcp", one_of("tcp", "udp")),
+}
+
+EGRESS = {
+    "mode": Field(str, check=one_of("allow", "deny", "allowlist")),
+    "cidrs": Field(list, []),
+    "domains": Field(list, []),
+}
+
+PORT_QUERY = {"protocol": Field(str, "tcp", one_of("tcp", "udp"))}
 
 BRANCH = {
     "tag": Field(str, None, check_tag, nullable=True),
@@ -411,6 +430,29 @@ def stat_file(c: Controller, req: Request) -> Response:
     return Response(body=c.stat_file(sandbox_id, req.args(PATH_QUERY, _where(req))["path"]))
 
 
+def list_ports(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.list_ports(_sandbox_id(req)))
+
+
+def expose_port(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(PORT_EXPOSE, _where(req))
+    return Response(201, c.expose_port(_sandbox_id(req), body))
+
+
+def unexpose_port(c: Controller, req: Request) -> Response:
+    q = req.args(PORT_QUERY, _where(req))
+    c.unexpose_port(_sandbox_id(req), int(req.params["port"]), q["protocol"])
+    return Response(204)
+
+
+def set_egress(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(EGRESS, _where(req))
+    return Response(body=c.set_egress(_sandbox_id(req), body))
+
+
 def list_workspaces(c: Controller, req: Request) -> Response:
     _no_query(req)
     return Response(body=c.list_workspaces())
@@ -475,6 +517,10 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", "/v1/sandboxes/{id}/files", remove_file),
     Route("GET", "/v1/sandboxes/{id}/files/list", list_files),
     Route("GET", "/v1/sandboxes/{id}/files/stat", stat_file),
+    Route("GET", "/v1/sandboxes/{id}/ports", list_ports),
+    Route("POST", "/v1/sandboxes/{id}/ports", expose_port),
+    Route("DELETE", "/v1/sandboxes/{id}/ports/{port}", unexpose_port),
+    Route("PUT", "/v1/sandboxes/{id}/egress", set_egress),
     Route("GET", "/v1/workspaces", list_workspaces),
     Route("POST", "/v1/workspaces", create_workspace),
     Route("GET", "/v1/workspaces/{name}", get_workspace),
@@ -483,8 +529,15 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/workspaces/{name}/resume", resume_workspace),
 )
 
+def _check_path_port(value: str) -> str:
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
+        raise BadRequest(f"invalid host port {value[:20]!r}: a port is 1-65535")
+    return value
+
+
 _PARAM_CHECKS: dict[str, Callable[[str], str]] = {
-    "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name}
+    "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name,
+    "port": _check_path_port}
 
 
 def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:

@@ -54,9 +54,12 @@ from vmfork.server.errors import (
     Conflict,
     GatewayTimeout,
     NotFound,
+    NotImplementedApi,
     Unprocessable,
 )
+from vmfork.runtime.network import NetworkError
 from vmfork.server.metrics import DaemonMetrics
+from vmfork.server.networking import SandboxNetworks, egress_policy, snapshot_has_network
 from vmfork.server.registry import (
     EXITED,
     FAILED,
@@ -102,8 +105,9 @@ BRANCH_MODES = ("full", "diff", "live")
 class Controller:
     def __init__(self, store: Store, registry: Registry, spawner: Spawner | None,
                  metrics: DaemonMetrics, *, make_snapshot: SnapshotMaker | None = None,
-                 limits: Limits = Limits()) -> None:
+                 limits: Limits = Limits(), networks: SandboxNetworks | None = None) -> None:
         self.store = store
+        self.networks = networks  # None: this daemon gives sandboxes no networks
         self.registry = registry
         self.spawner = spawner
         self.metrics = metrics
@@ -135,8 +139,10 @@ class Controller:
                 "sandboxes of a previous daemon; delete this entry")
             if lost:
                 log.warning("%d sandboxes of a previous daemon marked lost", len(lost))
+            self._start_networks()
             return
         self.reconcile()
+        self._start_networks()
         self._watcher = threading.Thread(target=self._watch_exits, name="exit-watcher",
                                          daemon=True)
         self._watcher.start()
@@ -177,6 +183,21 @@ class Controller:
                         len(lost), len(killed), len(removed))
         return {"adopted": adopted, "lost": lost, "killed": killed}
 
+    def _start_networks(self) -> None:
+        if self.networks is None:
+            return
+        try:
+            self.networks.start({r.id for r in self.registry.list_sandboxes(RUNNING)})
+        except Exception as err:  # noqa: BLE001 - serve without networks, say why
+            log.error("sandboxes get no networks of their own (per_child_netns is refused): "
+                      "host networking failed to start: %s", err)
+            self.networks.host.close(destroy_children=False)
+            self.networks = None
+
+    def _release_network(self, sandbox_id: str) -> None:
+        if self.networks is not None:
+            self.networks.release(sandbox_id)
+
     def stop(self, kill_sandboxes: bool = False) -> None:
         """Stop watching and let go of the zygote. Sandboxes keep running for the next
         daemon (within the zygote's lease) unless ``kill_sandboxes``."""
@@ -191,6 +212,8 @@ class Controller:
             for record in self.registry.list_sandboxes(RUNNING):
                 self.registry.mark_ended(record.id, EXITED, "daemon-stopped",
                                          "the daemon shut down and stopped its sandboxes")
+        if self.networks is not None:
+            self.networks.close(destroy=kill_sandboxes)
 
     def _watch_exits(self) -> None:
         assert self.spawner is not None
@@ -204,6 +227,7 @@ class Controller:
                 log.error("cannot read sandbox exit events: %s", err)
                 continue
             for notice in notices:
+                self._release_network(notice.vm_id)
                 if self.registry.mark_ended(notice.vm_id, EXITED, notice.reason,
                                             notice.description):
                     self.metrics.sandbox_exits.inc(reason=notice.reason)
@@ -213,6 +237,7 @@ class Controller:
         assert self.spawner is not None
         log.error("%s; its sandboxes died with it, starting a new zygote", why)
         for record in self.registry.list_sandboxes(RUNNING):
+            self._release_network(record.id)
             if self.registry.mark_ended(record.id, LOST, "zygote-died",
                                         f"{why}; the sandbox died with it"):
                 self.metrics.sandbox_exits.inc(reason="lost")
@@ -269,6 +294,8 @@ class Controller:
             info["branch_mode"] = branch_mode
         if meta.timings.pause_ms is not None:
             info["pause_ms"] = round(meta.timings.pause_ms, 3)
+        if meta.extra.get("network"):
+            info["network"] = True  # its sandboxes can be spawned with per_child_netns
         return info
 
     def list_snapshots(self) -> list[dict[str, Any]]:
@@ -382,6 +409,15 @@ class Controller:
             info["exit_description"] = r.exit_description
         return info
 
+    def _with_network(self, info: dict[str, Any]) -> dict[str, Any]:
+        """forkd's ``netns``/``guest_addr`` (the address the host reaches the guest at)
+        and vmfork's ``network`` (egress, published ports) for a networked sandbox."""
+        described = None if self.networks is None else self.networks.describe(info["id"])
+        if described is not None:
+            info.update(netns=described["netns"], guest_addr=described["address"],
+                        network=described)
+        return info
+
     def _spawner(self) -> Spawner:
         if self.spawner is None:
             raise BadGateway("this daemon runs without a spawner (no sandboxes); start it "
@@ -389,8 +425,7 @@ class Controller:
         return self.spawner
 
     def create_sandboxes(self, body: dict[str, Any]) -> list[dict[str, Any]]:
-        for flag, why in (("per_child_netns", "networking is not implemented yet"),
-                          ("live_fork", ("children always map the snapshot copy-on-write; "
+        for flag, why in (("live_fork", ("children always map the snapshot copy-on-write; "
                                          "forkd's live_fork copies RAM per child and is not "
                                          "offered")),
                           ("hugepages", "hugepage-backed guest RAM is not implemented yet")):
@@ -400,16 +435,20 @@ class Controller:
         n = body["n"]
         snap = self._ready_snapshot(tag)
         spawner = self._spawner()
+        network_args = self._network_args(body, snap)
         with self._heavy_slot(f"spawn {n} sandboxes of {tag!r}"):
             started = time.time()
             try:
-                outcome = spawner.spawn(snap, n, body["memory_limit_mib"])
+                outcome = spawner.spawn(snap, n, body["memory_limit_mib"], **network_args)
             except SpawnerError as err:
                 self.metrics.spawn_seconds.observe(time.time() - started, outcome="failed")
                 raise BadGateway(str(err)) from err
             if outcome.failed:
                 for child in outcome.children:
                     spawner.kill(child.vm_id)
+                if self.networks is not None:
+                    self.networks.destroy_unregistered(
+                        [c.network for c in outcome.children if c.network is not None])
                 self.metrics.spawn_seconds.observe(outcome.ready_s, outcome="failed")
                 reasons = "; ".join(f"{vm}: {why}" for vm, why in outcome.failed[:5])
                 raise BadGateway(
@@ -421,6 +460,10 @@ class Controller:
                                      run_dir=c.run_dir, status=RUNNING, created_at=started,
                                      memory_limit_mib=body["memory_limit_mib"])
                        for c in outcome.children]
+            if self.networks is not None:
+                for child in outcome.children:
+                    if child.network is not None:
+                        self.networks.register(child.vm_id, child.network)
             self.registry.add_sandboxes(records)
         self.metrics.spawn_seconds.observe(outcome.ready_s, outcome="ok")
         self.metrics.restore_seconds.observe(outcome.restored_s)
@@ -429,10 +472,36 @@ class Controller:
         timings = {"spawn_ms": round(outcome.spawn_s * 1000, 3),
                    "restored_ms": round(outcome.restored_s * 1000, 3),
                    "ready_ms": round(outcome.ready_s * 1000, 3)}
-        return [{**self.sandbox_info(r), "timings": timings} for r in records]
+        return [{**self._with_network(self.sandbox_info(r)), "timings": timings}
+                for r in records]
+
+    def _network_args(self, body: dict[str, Any], snap: Snapshot) -> dict[str, Any]:
+        """The spawner's network arguments for ``per_child_netns``/``egress``; refuses
+        (before anything starts) what cannot get a network."""
+        egress = egress_policy(body.get("egress"))
+        if not body["per_child_netns"]:
+            if egress is not None:
+                raise BadRequest("egress applies to a sandbox's own network: add "
+                                 "per_child_netns=true, or drop egress")
+            return {}
+        if self.networks is None:
+            raise NotImplementedApi("per_child_netns=true: this daemon runs without host "
+                                    "networking (it needs root: CAP_NET_ADMIN, "
+                                    "CAP_SYS_ADMIN); omit per_child_netns")
+        if not snapshot_has_network(snap):
+            raise Conflict(f"snapshot {snap.tag!r} has no network device, so its sandboxes "
+                           "cannot be given networks; create a snapshot with network=true "
+                           "(`vmfork snapshot --network`) and spawn that one")
+        if egress is not None and egress.domains:
+            try:
+                egress.resolve()  # a name that does not resolve: refused before the spawn
+            except NetworkError as err:
+                raise Unprocessable(f"egress: {err}") from err
+        return {"network": self.networks.host, "egress": egress}
 
     def list_sandboxes(self) -> list[dict[str, Any]]:
-        return [self.sandbox_info(r) for r in self.registry.list_sandboxes()]
+        return [self._with_network(self.sandbox_info(r))
+                for r in self.registry.list_sandboxes()]
 
     def _record(self, sandbox_id: str) -> SandboxRecord:
         record = self.registry.get_sandbox(sandbox_id)
@@ -441,7 +510,7 @@ class Controller:
         return record
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
-        return self.sandbox_info(self._record(sandbox_id))
+        return self._with_network(self.sandbox_info(self._record(sandbox_id)))
 
     def delete_sandbox(self, sandbox_id: str) -> None:
         record = self._record(sandbox_id)
@@ -452,7 +521,35 @@ class Controller:
                 raise BadGateway(str(err)) from err
             if self.registry.mark_ended(sandbox_id, EXITED, "killed", "deleted through the API"):
                 self.metrics.sandbox_exits.inc(reason="killed")
+        self._release_network(sandbox_id)
         self.registry.remove_sandbox(sandbox_id)
+
+    # -- networks of sandboxes (per_child_netns) ---------------------------------------
+
+    def _networked(self, sandbox_id: str) -> SandboxNetworks:
+        record = self._record(sandbox_id)
+        if record.status != RUNNING:
+            raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); its "
+                           "network is gone")
+        if self.networks is None:
+            raise Conflict(f"sandbox {sandbox_id} has no network of its own: this daemon "
+                           "runs without host networking")
+        return self.networks
+
+    def list_ports(self, sandbox_id: str) -> list[dict[str, Any]]:
+        return self._networked(sandbox_id).ports(sandbox_id)
+
+    def expose_port(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._networked(sandbox_id).expose(sandbox_id, body["guest_port"],
+                                                  body["host_port"], body["protocol"])
+
+    def unexpose_port(self, sandbox_id: str, host_port: int, protocol: str) -> None:
+        self._networked(sandbox_id).unexpose(sandbox_id, host_port, protocol)
+
+    def set_egress(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        policy = egress_policy(body)
+        assert policy is not None
+        return self._networked(sandbox_id).set_egress(sandbox_id, policy)
 
     def agent(self, sandbox_id: str) -> AgentClient:
         record = self._record(sandbox_id)
@@ -688,8 +785,9 @@ class Controller:
     def create_workspace(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["name"]
         if body["per_child_netns"]:
-            raise BadRequest("per_child_netns=true is not supported: networking is not "
-                             "implemented yet; omit it")
+            raise BadRequest("per_child_netns=true is not supported for workspaces yet (a "
+                             "suspended workspace would lose its network); omit it, or spawn "
+                             "a networked sandbox with POST /v1/sandboxes")
         with self._workspace_lock:
             if self.registry.get_workspace(name) is not None:
                 raise Conflict(f"workspace {name!r} already exists; choose another name or "

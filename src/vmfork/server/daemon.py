@@ -41,6 +41,7 @@ from vmfork.server.http import (
     tcp_server,
 )
 from vmfork.server.metrics import DaemonMetrics
+from vmfork.server.networking import SandboxNetworks
 from vmfork.server.registry import Registry
 from vmfork.server.spawner import DEFAULT_LEASE_S, Spawner, ZygoteSpawner
 from vmfork.store import Snapshot, Store
@@ -75,6 +76,12 @@ class DaemonConfig:
     spawner: bool = True              # False: API only (tests, hosts without KVM)
     zygote_lease_s: float = DEFAULT_LEASE_S
     kill_sandboxes_on_exit: bool = False
+    # Per-sandbox networks (per_child_netns). The prefix names every namespace, host
+    # link and nftables table of this daemon: two daemons on one host need two
+    # prefixes (each removes whatever carries its own at start-up).
+    networking: bool = True
+    network_prefix: str = "vmf"
+    network_subnet: str = "10.200.0.0/16"
 
 
 SNAPSHOT_TIMEOUT_S = 1800.0
@@ -101,6 +108,8 @@ def make_snapshot_from_image(store: Store, body: dict[str, Any]) -> Snapshot:
         cmd += ["--warm", body["warm_code"]]
     if body["warm_cmd"] is not None:
         cmd += ["--warm-cmd", body["warm_cmd"]]
+    if body.get("network"):
+        cmd.append("--network")
     src = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, VMFORK_HOME=str(store.root),
                PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
@@ -158,7 +167,8 @@ class Daemon:
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=make_snapshot_from_image,
                                      limits=Limits(heavy_concurrency=config.heavy_concurrency,
-                                                   branch_concurrency=config.branch_concurrency))
+                                                   branch_concurrency=config.branch_concurrency),
+                                     networks=self._host_networks())
         self.controller.start()
         handler = handler_for(ServerContext(self.controller, self.token, self.audit))
         self.servers: list[UnixHTTPServer | TCPHTTPServer] = []
@@ -168,6 +178,24 @@ class Daemon:
             self.servers.append(tcp_server(config.bind, handler))
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
+
+    def _host_networks(self) -> SandboxNetworks | None:
+        """The manager of per-sandbox networks, or None (and per_child_netns is refused
+        with the reason) when networking is off or this host cannot do it."""
+        if not self.config.networking or not self.config.spawner:
+            return None
+        from vmfork.runtime.network import HostNetwork
+        from vmfork.server.networking import SandboxNetworks, daemon_guest_network
+        try:
+            host = HostNetwork(daemon_guest_network(), subnet=self.config.network_subnet,
+                               prefix=self.config.network_prefix)
+        except ValueError:
+            raise  # a bad --network-prefix/--network-subnet: refuse to start
+        except Exception as err:  # noqa: BLE001 - no root, no pyroute2: run without
+            log.warning("sandboxes get no networks of their own (per_child_netns is "
+                        "refused): %s", err)
+            return None
+        return SandboxNetworks(self.registry, host)
 
     def addresses(self) -> list[str]:
         out = []

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _MIGRATIONS: tuple[str, ...] = (
     """
@@ -58,6 +58,15 @@ _MIGRATIONS: tuple[str, ...] = (
         memory_limit_mib INTEGER,
         created_at REAL NOT NULL,
         updated_at REAL NOT NULL
+    );
+    """,
+    # A sandbox's own network (per_child_netns): what a restarted daemon needs to
+    # re-adopt it or, if the sandbox is gone, to know it must be removed. A table of
+    # its own, so that sandboxes without networking carry nothing.
+    """
+    CREATE TABLE sandbox_networks (
+        sandbox_id TEXT PRIMARY KEY,
+        network TEXT NOT NULL
     );
     """,
 )
@@ -241,6 +250,31 @@ class Registry:
     def remove_sandbox(self, sandbox_id: str) -> bool:
         with self._transaction() as db:
             return db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount == 1
+
+    # -- sandbox networks ---------------------------------------------------------
+
+    def put_network(self, sandbox_id: str, network_json: str) -> None:
+        """Record (or replace) the network of a sandbox, as ``ChildNetwork.to_record`` JSON."""
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO sandbox_networks (sandbox_id, network) "
+                       "VALUES (?, ?)", (sandbox_id, network_json))
+
+    def get_network(self, sandbox_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT network FROM sandbox_networks WHERE sandbox_id = ?",
+                                   (sandbox_id,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def list_networks(self) -> dict[str, str]:
+        with self._lock:
+            rows = self._db.execute("SELECT sandbox_id, network FROM sandbox_networks "
+                                    "ORDER BY sandbox_id").fetchall()
+        return {str(r[0]): str(r[1]) for r in rows}
+
+    def remove_network(self, sandbox_id: str) -> bool:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM sandbox_networks WHERE sandbox_id = ?",
+                              (sandbox_id,)).rowcount == 1
 
     # -- workspaces ---------------------------------------------------------------
 

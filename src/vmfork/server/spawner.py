@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.runtime.branch import BranchResult, branch_into_pending
+from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork, NetworkError
 from vmfork.runtime.spawn import SpawnFailed, fork_children
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
 from vmfork.runtime.zygote_protocol import ZygoteError, ZygoteUnavailable
@@ -57,6 +58,7 @@ class Spawned:
     vm_id: str
     pid: int
     run_dir: str
+    network: ChildNetwork | None = None   # its own network (spawned with ``network``)
 
 
 @dataclass(frozen=True)
@@ -96,8 +98,12 @@ class ControlError(Exception):
 
 
 class Spawner(Protocol):
-    def spawn(self, snapshot: Snapshot, n: int,
-              memory_limit_mib: int | None) -> SpawnOutcome: ...
+    def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
+              network: HostNetwork | None = None,
+              egress: EgressPolicy | None = None) -> SpawnOutcome:
+        """``network``: give each child a network of its own from it, with ``egress``
+        (the caller destroys them once the children are gone; those of failed
+        children are destroyed already)."""
 
     def kill(self, vm_id: str) -> None:
         """Kill the sandbox and wait until it is reaped; no error if already gone."""
@@ -193,7 +199,9 @@ class ZygoteSpawner:
             self._local.client = client
         return client
 
-    def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None) -> SpawnOutcome:
+    def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
+              network: HostNetwork | None = None,
+              egress: EgressPolicy | None = None) -> SpawnOutcome:
         client = self._client()
         # Each spawn gets its own directory of run dirs, so that after a failed spawn
         # its children (whose ids fork_children chose) can be told from those of
@@ -202,7 +210,9 @@ class ZygoteSpawner:
         try:
             report = fork_children(client, snapshot, n, batch,
                                    memory_limit_mib=memory_limit_mib,
-                                   timeout=SPAWN_READY_TIMEOUT_S)
+                                   timeout=SPAWN_READY_TIMEOUT_S,
+                                   per_child_netns=network is not None, network=network,
+                                   egress=egress)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
@@ -210,10 +220,14 @@ class ZygoteSpawner:
         except ZygoteError as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"the zygote refused the spawn: {err}") from err
+        except NetworkError as err:
+            self._kill_batch(client, batch)
+            raise SpawnerError(f"cannot make the sandboxes' networks: {err}") from err
         for vm_id, _reason in report.failed:
             self.kill(vm_id)
         self._remove_if_empty(batch)
-        return SpawnOutcome([Spawned(c.vm_id, c.pid, str(c.run_dir)) for c in report.children],
+        return SpawnOutcome([Spawned(c.vm_id, c.pid, str(c.run_dir), c.network)
+                             for c in report.children],
                             list(report.failed), report.spawn_s, report.restored_s,
                             report.ready_s)
 
