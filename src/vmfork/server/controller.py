@@ -46,6 +46,7 @@ from vmfork.agent.client import (
     FileInfo,
 )
 from vmfork.runtime.branch import BranchFailed
+from vmfork.runtime.network import NetworkError
 from vmfork.server.errors import (
     ApiError,
     BadGateway,
@@ -57,7 +58,6 @@ from vmfork.server.errors import (
     NotImplementedApi,
     Unprocessable,
 )
-from vmfork.runtime.network import NetworkError
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks, egress_policy, snapshot_has_network
 from vmfork.server.registry import (
