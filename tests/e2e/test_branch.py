@@ -10,6 +10,7 @@ must run on too, its agent answering and its clock right.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,8 +47,12 @@ READ_BUF = "memoryview(bytes(buf)).cast('Q')[::512].tolist()"
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Store:
-    return Store.open(tmp_path_factory.mktemp("home"))
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    # Its snapshots are whole memory images (hundreds of MiB each); in the emulated
+    # test host /tmp is RAM, so they go when the module is done, not at session end.
+    home = tmp_path_factory.mktemp("home")
+    yield Store.open(home)
+    shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -28,7 +29,9 @@ from vmfork.vmm.vmstate import MachineState
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Store:
+def store(tmp_path: Path) -> Iterator[Store]:
+    # Ten branches of whole images per test: removed after each test, not at session
+    # end (the emulated test host's /tmp is RAM).
     store = Store.open(tmp_path / "home")
     parent, _ = script_machine(Script().fill_pages_forever(FILL_AT, PAGES), memfd=True,
                                mem_mib=MEM_MIB)
@@ -38,7 +41,8 @@ def store(tmp_path: Path) -> Store:
         state, _ = parent.snapshot(str(pending.memory_path), resume=False)
         write_state_file(str(pending.state_path), state)
         pending.publish(SnapshotMeta(tag="base", image="tiny", mem_mib=MEM_MIB, vcpus=1))
-    return store
+    yield store
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 class Sandbox:
