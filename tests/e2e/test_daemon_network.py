@@ -15,18 +15,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_daemon import Daemon, Home, _alive, _until_gone
-from vmfork.client import Controller, ControllerError, Sandbox
+from tests.e2e.test_daemon import Home, _alive, _until_gone
+from vmfork.client import ControllerError, Sandbox
 from vmfork.runtime import network
 
 pytestmark = pytest.mark.e2e
@@ -63,27 +60,6 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _start(home: Home, name: str, *flags: str) -> Daemon:
-    state, sock = home.root / name, home.root / f"{name}.sock"
-    log_path = home.logs / f"{name}.log"
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "vmfork", "-v", "serve", "--state",
-                                 str(state), "--socket", str(sock), *flags],
-                                env=home.env, stdout=log, stderr=subprocess.STDOUT)
-    ctl = Controller(f"unix://{sock}", timeout=1800)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            ctl.healthz()
-            return Daemon(proc, ctl, state, sock)
-        except ControllerError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError("the daemon did not start:\n"
-                                     + log_path.read_text()) from None
-            time.sleep(0.1)
-
-
 def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=60) as r:
         return str(r.read().decode())
@@ -91,7 +67,7 @@ def _get(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def snapshot(home: Home) -> str:
-    d = _start(home, "maker", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    d = home.start("maker", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
     try:
         info = d.ctl.create_snapshot("netwarm", mem_mib=256, warm_code=WARM, network=True,
                                      timeout=1800)
@@ -103,7 +79,7 @@ def snapshot(home: Home) -> str:
 
 
 def test_networked_sandboxes_through_the_daemon(home: Home, snapshot: str) -> None:
-    d = _start(home, "net", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    d = home.start("net", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
     ctl = d.ctl
     try:
         with pytest.raises(ControllerError) as refused:
@@ -143,7 +119,7 @@ def test_networked_sandboxes_through_the_daemon(home: Home, snapshot: str) -> No
 
 def test_restarted_daemon_keeps_a_sandboxs_network(home: Home, snapshot: str) -> None:
     # A long lease: the sandbox must outlive the SIGKILLed daemon until the next one.
-    d = _start(home, "restart", "--zygote-lease", "900", "--network-prefix", PREFIX)
+    d = home.start("restart", "--zygote-lease", "900", "--network-prefix", PREFIX)
     (s,) = d.ctl.spawn_sandboxes(snapshot, per_child_netns=True, egress="deny")
     d.ctl.eval_code(s["id"], f"IDENT = {s['id']!r}")
     port = d.ctl.expose_port(s["id"], GUEST_PORT)["host_port"]
@@ -151,7 +127,7 @@ def test_restarted_daemon_keeps_a_sandboxs_network(home: Home, snapshot: str) ->
     d.proc.kill()
     d.proc.wait(60)
 
-    again = _start(home, "restart", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    again = home.start("restart", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
     try:
         info = again.ctl.get_sandbox(s["id"])
         assert info["status"] == "running" and info["netns"] == s["netns"]
