@@ -205,3 +205,49 @@ def test_host_image_is_built_once_and_holds_what_init_needs(
     assert image.modules.index("kvm") < image.modules.index("kvm_amd")
     again = host_image()
     assert (again.initramfs, again.built_now) == (image.initramfs, False)
+
+
+def _supervised(monkeypatch: pytest.MonkeyPatch, beats: int, lost_after: float,
+                timeout: float | None) -> tuple[BaseException | int, float]:
+    """Supervise a real `sleep 30` whose console pipe carries `beats` heartbeats, then silence."""
+    import os
+    import subprocess
+    import time
+
+    from vmfork.testhost import qemu
+
+    monkeypatch.setattr(qemu, "HEARTBEAT_LOST_SECONDS", lost_after)
+    read_end, write_end = os.pipe()
+    console = qemu._Relay(read_end, None, keep_tail=True)
+    console.start()
+    for _ in range(beats):
+        os.write(write_end, f"{qemu.HEARTBEAT_PREFIX} uptime=1.0\n".encode())
+    time.sleep(0.2)
+    proc = subprocess.Popen(["sleep", "30"])
+    started = time.monotonic()
+    try:
+        outcome: BaseException | int = qemu._supervise(proc, [console], started, timeout)
+    except Exception as err:  # noqa: BLE001 - the outcome under test
+        outcome = err
+    finally:
+        os.close(write_end)
+        proc.kill()
+        proc.wait()
+    return outcome, time.monotonic() - started
+
+
+def test_a_silent_test_host_is_killed_as_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmfork.testhost.errors import TesthostBootError
+
+    outcome, took = _supervised(monkeypatch, beats=1, lost_after=1.0, timeout=60)
+    assert isinstance(outcome, TesthostBootError), outcome
+    assert "no heartbeat" in str(outcome) and "heartbeat uptime=1.0" in outcome.console_tail
+    assert took < 20
+
+
+def test_without_any_heartbeat_only_the_timeout_stops_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before the first heartbeat (booting) silence means nothing: the timeout decides.
+    outcome, took = _supervised(monkeypatch, beats=0, lost_after=0.5, timeout=2)
+    assert isinstance(outcome, TesthostTimeout), outcome
+    assert 1.5 < took < 20

@@ -21,7 +21,8 @@ The guest, step by step (``/init`` runs under busybox ``sh`` as PID 1):
    writable mappings work and writes reach this machine at once) over its own path,
    then ``run_command``: ``chroot`` with an emptied environment (``env -i`` plus the
    passed variables), ``cd`` to the caller's directory, stdin from ``/dev/null``,
-   stdout and stderr to the virtio-serial ports named ``stdout`` and ``stderr``;
+   stdout and stderr to the virtio-serial ports named ``stdout`` and ``stderr``; while
+   it runs, a heartbeat line on the console every ``HEARTBEAT_SECONDS``;
 5. write the exit status to ``/ctl/status``, ``sync``, ``poweroff -f``.
 
 Any failing step prints ``vmfork-testhost init: <step>`` on the console and powers off
@@ -39,7 +40,7 @@ from typing import Literal
 
 # Bump when the shape of /init changes in a way its text does not show (the text
 # itself is part of the cache key, so ordinary edits rebuild the initramfs anyway).
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 CTL_TAG = "vmfork_ctl"
 ROOT_TAG = "host"
@@ -48,6 +49,11 @@ BOOT_SECONDS_FILE = "boot_seconds"
 JOB_FILE = "job.sh"
 STDOUT_PORT = "stdout"
 STDERR_PORT = "stderr"
+# While the command runs, /init prints a line starting with HEARTBEAT_PREFIX on the console
+# every HEARTBEAT_SECONDS (uptime, load, free memory): the runner outside tells a hung
+# test-host kernel (no heartbeat) from a slow command (heartbeats go on).
+HEARTBEAT_PREFIX = "vmfork-testhost heartbeat"
+HEARTBEAT_SECONDS = 30
 # The largest msize the 9p virtio transport of Linux 6.1 accepts (PAGE_SIZE * 125).
 MSIZE = 512000
 ROOT_CACHE = "loose"
@@ -140,12 +146,28 @@ port() {  # the /dev node of the virtio-serial port with this name (names arrive
     return 1
 }
 
+heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell builtins and sleep
+    while sleep @HEARTBEAT_SECONDS@; do
+        read -r up idle < /proc/uptime
+        read -r load1 load5 load15 tasks last < /proc/loadavg
+        avail=?
+        while read -r key value unit; do
+            [ "$key" = MemAvailable: ] && { avail=$((value / 1024)); break; }
+        done < /proc/meminfo
+        echo "@HEARTBEAT_PREFIX@ uptime=$up load=$load1,$load5,$load15 tasks=$tasks" \
+             "available=${avail}MiB" > /dev/console
+    done
+}
+
 run_command() {  # env -i arguments for the chroot: NAME=VALUE..., then the command
     out=$(port @STDOUT_PORT@) || die "no virtio-serial port @STDOUT_PORT@"
     err=$(port @STDERR_PORT@) || die "no virtio-serial port @STDERR_PORT@"
     cut -d' ' -f1 /proc/uptime > /ctl/@BOOT_SECONDS_FILE@
+    heartbeat &
+    beating=$!
     chroot "$NEWROOT" /usr/bin/env -i "$@" < /dev/null > "$out" 2> "$err"
     echo $? > /ctl/@STATUS_FILE@
+    kill "$beating"
 }
 
 [ -r /ctl/@JOB_FILE@ ] || die "no /ctl/@JOB_FILE@"
@@ -165,7 +187,8 @@ def render_init(modules: Sequence[str]) -> str:
         "CTL_TAG": CTL_TAG, "ROOT_TAG": ROOT_TAG, "ROOT_CACHE": ROOT_CACHE,
         "RW_CACHE": RW_CACHE, "STDOUT_PORT": STDOUT_PORT, "STDERR_PORT": STDERR_PORT,
         "STATUS_FILE": STATUS_FILE, "BOOT_SECONDS_FILE": BOOT_SECONDS_FILE,
-        "JOB_FILE": JOB_FILE,
+        "JOB_FILE": JOB_FILE, "HEARTBEAT_PREFIX": HEARTBEAT_PREFIX,
+        "HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
     }
     text = _INIT_TEMPLATE
     for key, value in values.items():

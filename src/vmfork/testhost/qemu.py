@@ -5,7 +5,9 @@ SVM, so Debian's kernel inside gets a real ``/dev/kvm`` from ``kvm_amd``. Three
 channels leave the guest, each a pipe that this process reads in its own thread:
 
 - the serial console (kernel and ``/init`` messages only): kept as a tail for error
-  reports, and shown on stderr with ``show_console``;
+  reports, and shown on stderr with ``show_console``; its heartbeat lines tell a hung
+  test-host kernel (QEMU is killed after ``HEARTBEAT_LOST_SECONDS`` of silence, a
+  test-host failure) from a command that is merely slow (only the timeout stops it);
 - the virtio-serial ports ``stdout`` and ``stderr``: the command's two streams, copied to
   ours as they arrive, separately (so ``2>/dev/null`` on the caller's side works);
 - QEMU's own stderr (its start-up errors), kept with the console tail.
@@ -49,6 +51,8 @@ from vmfork.testhost.initramfs import HostImage
 from vmfork.testhost.initscript import (
     BOOT_SECONDS_FILE,
     CTL_TAG,
+    HEARTBEAT_PREFIX,
+    HEARTBEAT_SECONDS,
     JOB_FILE,
     ROOT_TAG,
     STATUS_FILE,
@@ -63,11 +67,15 @@ log = logging.getLogger(__name__)
 
 QEMU = "qemu-system-x86_64"
 QEMU_PACKAGE = "qemu-system-x86"
-# quiet + loglevel: the console is slow under TCG and nobody reads it unless a run fails.
+# quiet + loglevel: the console is slow under TCG and nobody reads it unless a run fails;
+# loglevel=4 still prints errors (soft lockups, RCU stalls, hung tasks: the clues to a
+# hung test host).
 # cryptomgr.notests skips the crypto self-tests (~0.25 s of emulated boot).
 # panic=-1 with QEMU's -no-reboot turns a guest panic into a prompt QEMU exit.
-KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=3 panic=-1 rdinit=/init cryptomgr.notests"
+KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init cryptomgr.notests"
 CONSOLE_TAIL_BYTES = 16384
+# Ten missed heartbeats: far beyond any scheduling delay of a loaded emulated host.
+HEARTBEAT_LOST_SECONDS = 10 * HEARTBEAT_SECONDS
 
 
 def _qemu_path_arg(path: str) -> str:
@@ -129,6 +137,7 @@ class _Relay:
     tail: collections.deque[bytes] = field(default_factory=collections.deque)
     _tail_bytes: int = 0
     thread: threading.Thread | None = None
+    last_heartbeat: float | None = None  # time.monotonic() of the last heartbeat line seen
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -138,6 +147,8 @@ class _Relay:
     def _run(self) -> None:
         with open(self.fd, "rb", buffering=0, closefd=True) as pipe:
             while chunk := pipe.read(65536):
+                if HEARTBEAT_PREFIX.encode() in chunk:
+                    self.last_heartbeat = time.monotonic()
                 if self.sink is not None:
                     try:
                         self.sink.write(chunk)
@@ -237,17 +248,7 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
             for fd in pipes:
                 os.close(fd)
             pipes = []
-        try:
-            returncode = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            for relay in relays:
-                relay.join(2.0)
-            raise TesthostTimeout(
-                f"the command did not finish within {timeout:g} s; QEMU was killed "
-                "(raise --timeout, or find what hangs with --console)",
-                console_tail=relays[0].text()) from None
+        returncode = _supervise(proc, relays, started, timeout)
         wall = time.monotonic() - started
         for relay in relays:
             relay.join(5.0)
@@ -269,6 +270,37 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
             proc.kill()
             proc.wait()
         shutil.rmtree(ctl_dir, ignore_errors=True)
+
+
+def _supervise(proc: subprocess.Popen[bytes], relays: list[_Relay], started: float,
+               timeout: float | None) -> int:
+    """Wait for QEMU to exit; kill it on the timeout or when the heartbeat stops."""
+    console = relays[0]
+    while True:
+        now = time.monotonic()
+        wait = 5.0 if timeout is None else min(5.0, max(0.0, started + timeout - now))
+        try:
+            return proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        silent = None if console.last_heartbeat is None else now - console.last_heartbeat
+        timed_out = timeout is not None and now - started >= timeout
+        if not timed_out and (silent is None or silent < HEARTBEAT_LOST_SECONDS):
+            continue
+        proc.kill()
+        proc.wait()
+        for relay in relays:
+            relay.join(2.0)
+        if timed_out:
+            raise TesthostTimeout(
+                f"the command did not finish within {timeout:g} s; QEMU was killed "
+                "(raise --timeout, or find what hangs with --console)",
+                console_tail=console.text())
+        raise TesthostBootError(
+            f"the test host stopped answering: no heartbeat on its console for {silent:.0f} s "
+            "(its kernel hung; QEMU was killed after the command had run "
+            f"{now - started:.0f} s)", console_tail=console.text())
 
 
 def _read(path: Path) -> str | None:
