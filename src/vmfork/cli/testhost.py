@@ -25,7 +25,7 @@ from vmfork.testhost import (
 )
 from vmfork.testhost.initscript import CGROUP_LAYOUTS
 
-CONSOLE_TAIL_LINES = 40
+CONSOLE_TAIL_LINES = 100
 
 _EPILOG = f"""\
 The command sees this machine's / read-only with writes kept in RAM, the --rw

@@ -146,7 +146,7 @@ port() {  # the /dev node of the virtio-serial port with this name (names arrive
     return 1
 }
 
-heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell builtins and sleep
+heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell builtins, sleep and cat
     while sleep @HEARTBEAT_SECONDS@; do
         read -r up idle < /proc/uptime
         read -r load1 load5 load15 tasks last < /proc/loadavg
@@ -154,8 +154,13 @@ heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell
         while read -r key value unit; do
             [ "$key" = MemAvailable: ] && { avail=$((value / 1024)); break; }
         done < /proc/meminfo
+        blocked=
+        for stat in /proc/[0-9]*/stat; do  # tasks stuck in the kernel (state D), with where
+            read -r pid comm state rest < "$stat" 2>/dev/null || continue
+            [ "$state" = D ] && blocked="$blocked $pid$comm:$(cat "/proc/$pid/wchan" 2>/dev/null)"
+        done
         echo "@HEARTBEAT_PREFIX@ uptime=$up load=$load1,$load5,$load15 tasks=$tasks" \
-             "available=${avail}MiB" > /dev/console
+             "available=${avail}MiB${blocked:+ blocked:$blocked}" > /dev/console
     done
 }
 
@@ -163,6 +168,10 @@ run_command() {  # env -i arguments for the chroot: NAME=VALUE..., then the comm
     out=$(port @STDOUT_PORT@) || die "no virtio-serial port @STDOUT_PORT@"
     err=$(port @STDERR_PORT@) || die "no virtio-serial port @STDERR_PORT@"
     cut -d' ' -f1 /proc/uptime > /ctl/@BOOT_SECONDS_FILE@
+    # Booted quietly; from now on every kernel message reaches the console tail (hung-task
+    # reports with their stacks after 60 s, KVM's complaints), the clues when a run fails.
+    echo 7 > /proc/sys/kernel/printk
+    [ -w /proc/sys/kernel/hung_task_timeout_secs ] && echo 60 > /proc/sys/kernel/hung_task_timeout_secs
     heartbeat &
     beating=$!
     chroot "$NEWROOT" /usr/bin/env -i "$@" < /dev/null > "$out" 2> "$err"

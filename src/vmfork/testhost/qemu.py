@@ -83,12 +83,24 @@ def _qemu_path_arg(path: str) -> str:
     return path.replace(",", ",,")
 
 
+# TCG runs each vCPU in a host thread of its own (multi) or all in one (single);
+# $VMFORK_TESTHOST_TCG_THREAD picks, for chasing emulation faults that need parallel vCPUs.
+TCG_THREAD_ENV = "VMFORK_TESTHOST_TCG_THREAD"
+
+
+def _tcg_thread() -> str:
+    value = os.environ.get(TCG_THREAD_ENV, "multi")
+    if value not in ("multi", "single"):
+        raise TesthostSetupError(f"${TCG_THREAD_ENV}={value!r}: use multi or single")
+    return value
+
+
 def qemu_command(qemu: str, image: HostImage, *, ctl_dir: str, rw_paths: Sequence[str],
                  mem_mib: int, cpus: int, console_fd: int, stdout_fd: int,
                  stderr_fd: int) -> list[str]:
     """The full QEMU argv (fds are this process's, passed to QEMU under the same numbers)."""
     cmd = [
-        qemu, "-M", "q35", "-accel", "tcg,thread=multi", "-smp", str(cpus),
+        qemu, "-M", "q35", "-accel", f"tcg,thread={_tcg_thread()}", "-smp", str(cpus),
         "-cpu", "EPYC,+svm", "-m", str(mem_mib),
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-kernel", str(image.kernel), "-initrd", str(image.initramfs),
