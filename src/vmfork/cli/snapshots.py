@@ -1,9 +1,10 @@
 """Snapshot verbs: ``snapshot`` (boot, warm, capture; or BRANCH a sandbox), ``fork``
-(spawn children and report timings), ``images``, ``rmi``, ``snapshot-info``.
+(spawn children and report timings), ``images``, ``rmi``, ``snapshot-info``,
+``snapshot-compact``, ``verify``.
 
 They go through the daemon when one answers, so its registry sees every change.
-The store-only verbs (``snapshot``, ``images``, ``rmi``, ``snapshot-info``) also work
-without a daemon, directly on the local store (safe next to a running daemon: the
+The store-only verbs (``snapshot``, ``images``, ``rmi``, ``snapshot-info``,
+``snapshot-compact``; ``verify`` always) also work without a daemon, directly on the local store (safe next to a running daemon: the
 store locks each tag); ``fork`` starts an embedded daemon for the duration of the
 command when none runs.
 """
@@ -85,9 +86,10 @@ def register(sub: Any) -> None:
     p.add_argument("tags", nargs="+", metavar="TAG")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--cascade", action="store_true",
-                     help="also delete the snapshots built on it")
+                     help="also delete the snapshots built on it (its whole subtree)")
     how.add_argument("--force", action="store_true",
-                     help="delete even if other snapshots are built on it")
+                     help="delete it even if other snapshots are built on it; they become "
+                          "standalone snapshots (their memory is kept, they stay spawnable)")
     add_daemon_options(p)
     p.set_defaults(func=cmd_rmi)
 
@@ -96,6 +98,20 @@ def register(sub: Any) -> None:
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_snapshot_info)
+
+    p = sub.add_parser("snapshot-compact", help="publish a chain as one flat snapshot")
+    p.add_argument("--from", dest="source", required=True, metavar="TAG",
+                   help="the snapshot (a chain head at any depth) to compact")
+    p.add_argument("--to", required=True, metavar="NEW", help="tag of the flat snapshot")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_snapshot_compact)
+
+    p = sub.add_parser("verify", help="re-hash snapshot files and compare with the hashes "
+                                      "recorded when they entered the store")
+    p.add_argument("tag", nargs="?", metavar="TAG", help="one snapshot (default: all)")
+    add_json_option(p)
+    p.set_defaults(func=cmd_verify)
 
 
 def _store() -> Any:
@@ -287,17 +303,15 @@ def cmd_rmi(args: argparse.Namespace) -> int:
     from vmfork.store import StoreError
     ctl = _daemon_or_none(args)
     store = None if ctl is not None else _store()
-    if store is not None and args.cascade:
-        raise CliError("--cascade needs the daemon (it knows which snapshots depend on "
-                       "which); start one with `vmfork serve`")
     status = 0
     for tag in args.tags:
         try:
             if ctl is not None:
                 ctl.delete_snapshot(tag, cascade=args.cascade, force=args.force)
+                print(f"deleted {tag}")
             elif store is not None:
-                store.delete(tag)
-            print(f"deleted {tag}")
+                for gone in store.delete(tag, cascade=args.cascade, force=args.force):
+                    print(f"deleted {gone}")
         except ControllerError as err:
             print(f"vmfork: {tag}: {err.message}", file=sys.stderr)
             status = 1
@@ -308,30 +322,68 @@ def cmd_rmi(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot_info(args: argparse.Namespace) -> int:
-    from vmfork.store import StoreError, disk_usage
+    from vmfork.store import StoreError, chains
     ctl = _daemon_or_none(args)
     if ctl is not None:
         info = call(ctl, lambda: ctl.snapshot_info(args.tag))
     else:
         try:
-            snap = _store().get(args.tag)
+            info = chains.snapshot_info(_store(), args.tag)
         except StoreError as err:
             raise CliError(str(err), 1) from err
-        usage = {f.name: f for f in disk_usage(snap).files}
-        memory, state = usage.get(snap.memory_path.name), usage.get(snap.state_path.name)
-        info = {**_local_snapshot_info(snap),
-                "memory_logical_bytes": memory.logical_bytes if memory else 0,
-                "memory_physical_bytes": memory.physical_bytes if memory else 0,
-                "vmstate_bytes": state.logical_bytes if state else 0,
-                "parent_tag": snap.meta.parent_tag, "chain_depth": 0, "dependents": [],
-                "ancestors": []}
     if args.json:
         print_json(info)
         return 0
     for key in ("tag", "status", "dir", "image", "mem_mib", "vcpus", "warm_up",
+                "content_hash", "parent_tag", "parent_content_hash", "chain_depth",
+                "ancestors", "dependents", "descendants", "orphaned_from",
                 "memory_logical_bytes", "memory_physical_bytes", "vmstate_bytes",
-                "parent_tag", "chain_depth", "dependents", "ancestors"):
+                "layer_bytes", "logical_bytes", "physical_bytes", "unique_bytes"):
         if key in info:
-            print(f"{key + ':':24} {info[key] if info[key] is not None else '-'}")
+            value = info[key]
+            if isinstance(value, list):
+                value = ", ".join(value) or "-"
+            print(f"{key + ':':24} {value if value is not None else '-'}")
     print(f"{'created:':24} {when(info.get('created_at_unix'))}")
+    return 0
+
+
+def cmd_snapshot_compact(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, chains
+    ctl = _daemon_or_none(args, timeout=3600)
+    if ctl is not None:
+        with progress(f"compacting {args.source} into {args.to}"):
+            info = call(ctl, lambda: ctl.compact_snapshot(args.source, args.to))
+    else:
+        try:
+            store = _store()
+            info = chains.snapshot_info(store, chains.compact(store, args.source, args.to).tag)
+        except (StoreError, OSError) as err:
+            raise CliError(str(err), 1) from err
+    if args.json:
+        print_json(info)
+    else:
+        print(f"snapshot {info['tag']}: flat copy of {args.source} (chain depth 0)")
+        print(f"  {info['dir']}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, chains
+    try:
+        checks = chains.verify(_store(), args.tag)
+    except StoreError as err:
+        raise CliError(str(err), 1) from err
+    bad = [c for c in checks if c.status in ("mismatch", "missing")]
+    if args.json:
+        print_json([{"tag": c.tag, "file": c.name, "status": c.status, "detail": c.detail}
+                    for c in checks])
+    else:
+        print_table(["TAG", "FILE", "STATUS", "DETAIL"],
+                    [[c.tag, c.name, c.status, c.detail] for c in checks])
+    if bad:
+        print(f"vmfork: {len(bad)} file(s) do not match the hashes recorded when they entered "
+              "the store; delete the snapshots named above (`vmfork rmi TAG`) and rebuild or "
+              "unpack them again", file=sys.stderr)
+        return 1
     return 0
