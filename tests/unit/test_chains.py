@@ -322,3 +322,28 @@ def test_cli_chain_verbs_on_the_local_store(chain3: Store, capsys: pytest.Captur
     status, out, _ = run(capsys, "rmi", "--cascade", "numpy")
     assert status == 0 and out.split() == ["deleted", "sklearn", "deleted", "pandas",
                                            "deleted", "numpy"]
+
+
+def test_snapshot_diff_keeps_nothing_when_the_command_fails(
+        served: Served, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    url = ("--url", served.url)
+    make_root(served.store, "base", {1: b"b"})
+    make_link(served.store, "base", "numpy", {2: b"n"})
+    # The fake agent's commands print two chunks and exit 3.
+    status, out, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "pandas",
+                           "--exec", "pip install pandas", *url)
+    assert status == 1 and out == "chunk1 chunk2" and "exited with status 3" in err
+    assert not served.store.exists("pandas") and served.spawner.branch_requests == []
+    assert served.controller.list_sandboxes() == []             # the sandbox was killed
+    status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "base",
+                         "--exec", "true", *url)
+    assert status == 1 and "'base' already exists" in err
+    status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "../x",
+                         "--exec", "true", *url)
+    assert status == 2 and "invalid snapshot tag" in err
+    monkeypatch.setattr(chains, "MAX_CHAIN_DEPTH", 1)
+    status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "pandas",
+                         "--exec", "true", *url)
+    assert status == 1 and "chain depth 1" in err and "snapshot-compact" in err
+    assert served.controller.list_sandboxes() == []

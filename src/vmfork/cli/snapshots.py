@@ -99,6 +99,20 @@ def register(sub: Any) -> None:
     add_daemon_options(p)
     p.set_defaults(func=cmd_snapshot_info)
 
+    p = sub.add_parser("snapshot-diff", help="spawn from TAG, run a command, and keep what it "
+                                             "changed as a diff snapshot NEW on top of TAG")
+    p.add_argument("--from", dest="source", required=True, metavar="TAG",
+                   help="the snapshot to build on (flat or a chain head)")
+    p.add_argument("--tag", required=True, metavar="NEW", help="name of the new snapshot")
+    p.add_argument("--exec", dest="exec_cmd", required=True, metavar="CMD",
+                   help="shell command run in the sandbox; its output is streamed, and a "
+                        "non-zero exit fails the build (nothing is kept)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="kill the command after this long (default 600)")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_snapshot_diff)
+
     p = sub.add_parser("snapshot-compact", help="publish a chain as one flat snapshot")
     p.add_argument("--from", dest="source", required=True, metavar="TAG",
                    help="the snapshot (a chain head at any depth) to compact")
@@ -346,6 +360,76 @@ def cmd_snapshot_info(args: argparse.Namespace) -> int:
             print(f"{key + ':':24} {value if value is not None else '-'}")
     print(f"{'created:':24} {when(info.get('created_at_unix'))}")
     return 0
+
+
+def cmd_snapshot_diff(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, chains, validate_tag
+    try:
+        validate_tag(args.source)
+        validate_tag(args.tag)
+    except StoreError as err:
+        raise CliError(str(err)) from err
+    shared = _daemon_or_none(args, timeout=3600)
+    with nullcontext(shared) if shared is not None else embedded_daemon() as ctl:
+        assert ctl is not None
+        depth = call(ctl, lambda: ctl.snapshot_info(args.source))["chain_depth"]
+        if depth >= chains.MAX_CHAIN_DEPTH:
+            raise CliError(str(chains.ChainTooDeep(args.source, depth)), 1)
+        try:
+            ctl.snapshot_info(args.tag)
+        except ControllerError as err:
+            if err.status != 404:
+                raise CliError(f"{args.tag}: {err.message}", 1) from err
+        else:
+            raise CliError(f"snapshot tag {args.tag!r} already exists; choose another tag or "
+                           f"delete it first with `vmfork rmi {args.tag}`", 1)
+        with progress(f"spawning a sandbox of {args.source}"):
+            sandbox = call(ctl, lambda: ctl.spawn_sandboxes(args.source, 1))[0]["id"]
+        try:
+            code = _stream_command(ctl, sandbox, args.exec_cmd, args.timeout)
+            if code != 0:
+                raise CliError(f"the command exited with status {code}; nothing was built "
+                               f"(fix the command and run snapshot-diff again)", 1)
+            with progress(f"taking the diff {args.tag} of {args.source}"):
+                info = call(ctl, lambda: ctl.branch_sandbox(
+                    sandbox, tag=args.tag, mode="diff", parent_tag=args.source))
+        finally:
+            try:
+                ctl.kill_sandbox(sandbox)
+            except ControllerError as err:
+                if err.status != 404:
+                    print(f"vmfork: cannot kill sandbox {sandbox}: {err.message}",
+                          file=sys.stderr)
+    if args.json:
+        print_json(info)
+    else:
+        print(f"snapshot {info['tag']}: diff on {args.source} (chain depth {depth + 1}), "
+              f"paused {info.get('pause_ms', 0):.1f} ms")
+    return 0
+
+
+def _stream_command(ctl: Controller, sandbox: str, command: str, timeout: float) -> int:
+    """Run ``command`` in the sandbox, copying its output here as it comes; its status
+    (128+N for a signal, 124 for the timeout)."""
+    try:
+        for event, data in ctl.exec_stream(sandbox, ["/bin/sh", "-c", command], timeout):
+            if event in ("stdout", "stderr"):
+                stream = sys.stdout if event == "stdout" else sys.stderr
+                stream.write(data["data"])
+                stream.flush()
+            elif event == "exit":
+                code = int(data["exit_code"])
+                return code if code >= 0 else 128 - code
+            elif event == "error":
+                if data.get("timed_out"):
+                    print(f"vmfork: the command timed out after {timeout} s and was killed "
+                          "(raise --timeout to allow longer)", file=sys.stderr)
+                    return 124
+                raise CliError(f"the command failed in the sandbox: {data.get('error')}", 1)
+    except ControllerError as err:
+        raise CliError(f"running the command failed: {err.message}", 1) from err
+    raise CliError("the command's output stream ended without a result (did the daemon "
+                   "stop?)", 1)
 
 
 def cmd_snapshot_compact(args: argparse.Namespace) -> int:
