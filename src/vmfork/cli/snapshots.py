@@ -1,12 +1,14 @@
 """Snapshot verbs: ``snapshot`` (boot, warm, capture; or BRANCH a sandbox), ``fork``
 (spawn children and report timings), ``images``, ``rmi``, ``snapshot-info``,
-``snapshot-compact``, ``verify``.
+``snapshot-diff``, ``snapshot-compact``, ``pack``, ``unpack``, ``verify``.
 
 They go through the daemon when one answers, so its registry sees every change.
 The store-only verbs (``snapshot``, ``images``, ``rmi``, ``snapshot-info``,
-``snapshot-compact``; ``verify`` always) also work without a daemon, directly on the local store (safe next to a running daemon: the
-store locks each tag); ``fork`` starts an embedded daemon for the duration of the
-command when none runs.
+``snapshot-compact``) also work without a daemon, and ``pack``, ``unpack`` and
+``verify`` always work directly on the local store (safe next to a running daemon:
+the store locks each tag and each parent/child link); ``fork`` and
+``snapshot-diff`` start an embedded daemon for the duration of the command when
+none runs.
 """
 
 from __future__ import annotations
@@ -120,6 +122,26 @@ def register(sub: Any) -> None:
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_snapshot_compact)
+
+    p = sub.add_parser("pack", help="write a snapshot's whole chain (and its guest image) to "
+                                    "one .tar.zst")
+    p.add_argument("--tag", required=True, metavar="TAG", help="the snapshot (a chain head)")
+    p.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
+                   help="the pack to write (default TAG.tar.zst here)")
+    p.add_argument("--no-image", action="store_true",
+                   help="leave the guest image out (snapshots spawn without it; a host needs "
+                        "it only to boot new parents)")
+    add_json_option(p)
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("unpack", help="restore a pack into the store, verifying every hash "
+                                      "first")
+    p.add_argument("file", type=Path, metavar="FILE")
+    p.add_argument("--tag", default=None, metavar="NEW", help="store the head under this tag")
+    p.add_argument("--force", action="store_true",
+                   help="replace snapshots that hold other content under the pack's tags")
+    add_json_option(p)
+    p.set_defaults(func=cmd_unpack)
 
     p = sub.add_parser("verify", help="re-hash snapshot files and compare with the hashes "
                                       "recorded when they entered the store")
@@ -449,6 +471,46 @@ def cmd_snapshot_compact(args: argparse.Namespace) -> int:
     else:
         print(f"snapshot {info['tag']}: flat copy of {args.source} (chain depth 0)")
         print(f"  {info['dir']}")
+    return 0
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, packs
+    out = args.output if args.output is not None else Path(f"{args.tag}.tar.zst")
+    started = time.monotonic()
+    try:
+        with progress(f"packing {args.tag}"):
+            report = packs.pack(_store(), args.tag, out, with_image=not args.no_image)
+    except (StoreError, OSError) as err:
+        raise CliError(str(err), 1) from err
+    if args.json:
+        print_json({"path": str(report.path), "tags": report.tags, "bytes": report.bytes,
+                    "image": report.image, "seconds": time.monotonic() - started})
+    else:
+        print(f"packed {' <- '.join(report.tags)} into {report.path} "
+              f"({report.bytes / (1 << 20):.1f} MiB, image {report.image or 'not included'})")
+    return 0
+
+
+def cmd_unpack(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, packs
+    started = time.monotonic()
+    try:
+        with progress(f"unpacking {args.file}"):
+            report = packs.unpack(_store(), args.file, head_tag=args.tag, force=args.force)
+    except (StoreError, OSError) as err:
+        raise CliError(str(err), 1) from err
+    if args.json:
+        print_json({"tags": report.tags, "stored": report.stored, "present": report.present,
+                    "image": report.image, "image_note": report.image_note,
+                    "seconds": time.monotonic() - started})
+        return 0
+    print(f"unpacked {' <- '.join(report.tags)}: stored {', '.join(report.stored) or 'none'}"
+          f"; already present {', '.join(report.present) or 'none'}")
+    if report.image_note:
+        print(f"  image: {report.image_note}")
+    elif report.image:
+        print(f"  image: {report.image}")
     return 0
 
 

@@ -207,13 +207,21 @@ def compact(store: Store, source_tag: str, new_tag: str) -> Snapshot:
             meta, branched_from=f"compact:{source.tag}", branch_mode=None))
 
 
-def publish_link(pending: PendingSnapshot, parent: Snapshot, meta: SnapshotMeta) -> Snapshot:
+def publish_link(pending: PendingSnapshot, parent: Snapshot, meta: SnapshotMeta, *,
+                 expect_content_hash: str | None = None) -> Snapshot:
     """Publish a diff snapshot whose ``state.bin`` and ``layer.bin`` are in ``pending``:
     resolve its ``memory.bin`` from ``parent`` and record the chain in its meta. The
-    layer's index is validated (a hostile layer cannot write outside guest RAM)."""
+    layer's index is validated (a hostile layer cannot write outside guest RAM).
+    ``expect_content_hash``: refuse (``StoreError``) unless the link's content hash,
+    which covers its parent's, comes out as this (an unpacked link)."""
     check_depth_for_child(pending.store, parent.tag)
     state_hash = hash_file(pending.state_path)
     layer_hash = hash_file(pending.layer_path)
+    content_hash = snapshot_content_hash(state_hash, layer_hash, parent.meta.content_hash)
+    if expect_content_hash is not None and content_hash != expect_content_hash:
+        raise StoreError(f"snapshot {pending.tag!r}: its content hash {content_hash} is not "
+                         f"the recorded {expect_content_hash} (its parent {parent.tag!r} is "
+                         "not the snapshot it was built on)", tag=pending.tag)
     with open(pending.layer_path, "rb", buffering=0) as f:
         index = layerfile.read_layer_index(f.fileno())
     materialise_head(parent.memory_path, pending.layer_path, pending.memory_path)
@@ -222,8 +230,7 @@ def publish_link(pending: PendingSnapshot, parent: Snapshot, meta: SnapshotMeta)
         meta, tag=pending.tag, parent_tag=parent.tag,
         root_tag=parent.meta.root_tag or parent.tag,
         memory_layers=[*parent.meta.memory_layers, ref],
-        parent_content_hash=parent.meta.content_hash,
-        content_hash=snapshot_content_hash(state_hash, layer_hash, parent.meta.content_hash),
+        parent_content_hash=parent.meta.content_hash, content_hash=content_hash,
         file_hashes={STATE_FILE: state_hash, LAYER_FILE: layer_hash}))
 
 
