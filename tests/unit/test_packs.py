@@ -18,7 +18,7 @@ from test_chains import make_link, make_root, page
 
 from vmfork.image import GuestImage, find_image, write_record
 from vmfork.image.cache import cached_entry
-from vmfork.store import Store, chains, packs
+from vmfork.store import SnapshotMeta, Store, chains, packs
 from vmfork.store.errors import HasDependents
 from vmfork.store.packs import PackError
 
@@ -250,3 +250,21 @@ def test_pack_refuses_a_chain_whose_files_changed(source: Store, tmp_path: Path)
     with pytest.raises(PackError, match="vmfork verify numpy"):
         packs.pack(source, "pandas", tmp_path / "p.tar.zst", with_image=False)
     assert list(tmp_path.glob("*.tar.zst")) == [] and list(tmp_path.glob(".*.tmp")) == []
+
+
+def test_a_root_without_a_content_hash_round_trips(target: Store, tmp_path: Path) -> None:
+    """Parents made by `vmfork snapshot` record no content hash; their links' hashes are
+    derived from none, and must come out the same after unpack (twice)."""
+    source = Store.open(tmp_path / "plain")
+    with source.begin("plain") as pending:
+        pending.state_path.write_bytes(b"STATE")
+        with open(pending.memory_path, "wb") as f:
+            f.truncate(4 << 20)
+            f.write(b"root page")
+        pending.publish(SnapshotMeta(tag="plain", image="default", mem_mib=4, vcpus=1))
+    assert source.get("plain").meta.content_hash is None
+    make_link(source, "plain", "child", {5: b"child"})
+    out = packs.pack(source, "child", tmp_path / "c.tar.zst", with_image=False).path
+    assert packs.unpack(target, out).stored == ["plain", "child"]
+    assert target.get("child").meta.content_hash == source.get("child").meta.content_hash
+    assert packs.unpack(target, out).present == ["plain", "child"]

@@ -234,14 +234,17 @@ def publish_link(pending: PendingSnapshot, parent: Snapshot, meta: SnapshotMeta,
         file_hashes={STATE_FILE: state_hash, LAYER_FILE: layer_hash}))
 
 
-def publish_root(pending: PendingSnapshot, meta: SnapshotMeta) -> Snapshot:
+def publish_root(pending: PendingSnapshot, meta: SnapshotMeta, *,
+                 keep_content_hash: bool = False) -> Snapshot:
     """Publish a flat snapshot whose ``state.bin`` and ``memory.bin`` are in ``pending``,
-    hashing both. ``meta.content_hash`` is kept when set (an unpacked root keeps the
-    identity its dependents recorded), else derived from the two hashes."""
+    hashing both; its content hash is derived from the two, unless ``keep_content_hash``
+    (an unpacked root keeps ``meta.content_hash``, even none, because its dependents'
+    hashes were derived from it)."""
     state_hash = hash_file(pending.state_path)
     memory_hash = hash_memory(pending.memory_path)
+    content_hash = (meta.content_hash if keep_content_hash
+                    else snapshot_content_hash(state_hash, memory_hash, None))
     return pending.publish(dataclasses.replace(
         meta, tag=pending.tag, parent_tag=None, root_tag=None, memory_layers=[],
-        parent_content_hash=None,
-        content_hash=meta.content_hash or snapshot_content_hash(state_hash, memory_hash, None),
+        parent_content_hash=None, content_hash=content_hash,
         file_hashes={STATE_FILE: state_hash, MEMORY_FILE: memory_hash}))

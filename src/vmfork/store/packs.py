@@ -567,7 +567,7 @@ def _publish(store: Store, plan: list[dict[str, Any]], staging: Path,
                 for name in item["files"]:
                     os.rename(staging / "snapshots" / item["tag"] / name, pending.path / name)
                 if parent is None:
-                    snap = chains.publish_root(pending, meta)
+                    snap = chains.publish_root(pending, meta, keep_content_hash=True)
                 else:
                     snap = chains.publish_link(pending, parent, meta,
                                                expect_content_hash=meta.content_hash)
