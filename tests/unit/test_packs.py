@@ -7,14 +7,18 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
+import sys
 import tarfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from test_chains import make_link, make_root, page
+from test_store import SRC
 
 from vmfork.image import GuestImage, find_image, write_record
 from vmfork.image.cache import cached_entry
@@ -268,3 +272,58 @@ def test_a_root_without_a_content_hash_round_trips(target: Store, tmp_path: Path
     assert packs.unpack(target, out).stored == ["plain", "child"]
     assert target.get("child").meta.content_hash == source.get("child").meta.content_hash
     assert packs.unpack(target, out).present == ["plain", "child"]
+
+
+# -- crashes: a SIGKILLed unpack or compaction leaves the store as it was -------------------
+
+def big_root(store: Store, tag: str, mib: int) -> None:
+    with store.begin(tag) as pending:
+        pending.state_path.write_bytes(b"STATE")
+        with open(pending.memory_path, "wb") as f:
+            # Incompressible, so that unpacking it is slow enough to interrupt.
+            f.writelines(os.urandom(1 << 20) for _ in range(mib))
+        chains.publish_root(pending, SnapshotMeta(tag=tag, image="default", mem_mib=mib,
+                                                  vcpus=1))
+
+
+def kill_when(proc: subprocess.Popen[str], ready: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 60
+    while not ready():
+        assert proc.poll() is None, f"finished before the crash point: {proc.communicate()}"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def in_child(body: str) -> subprocess.Popen[str]:
+    code = f"import sys\nsys.path.insert(0, {SRC!r})\n" + body
+    return subprocess.Popen([sys.executable, "-c", code], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@pytest.mark.parametrize("operation", ["unpack", "compact"])
+def test_a_crash_mid_operation_leaves_the_store_consistent(operation: str, target: Store,
+                                                           tmp_path: Path) -> None:
+    source = Store.open(tmp_path / "big")
+    big_root(source, "big", 96)
+    if operation == "unpack":
+        out = packs.pack(source, "big", tmp_path / "big.tar.zst", with_image=False).path
+        proc = in_child(f"from vmfork.store import Store, packs\n"
+                        f"packs.unpack(Store.open({str(target.root)!r}), "
+                        f"__import__('pathlib').Path({str(out)!r}))\n")
+        store = target
+    else:
+        proc = in_child(f"from vmfork.store import Store, chains\n"
+                        f"chains.compact(Store.open({str(source.root)!r}), 'big', 'flat')\n")
+        store = source
+
+    def writing_memory() -> bool:
+        return any(p.stat().st_size > 0 for p in
+                   store.snapshots_dir.glob(".pending-*/**/memory.bin"))
+
+    kill_when(proc, writing_memory)
+    reopened = Store.open(store.root)               # clears the dead writer's pending files
+    assert [e for e in os.listdir(reopened.snapshots_dir) if e.startswith(".")] == []
+    assert [s.tag for s in reopened.list()] == (["big"] if operation == "compact" else [])
+    assert {c.status for c in chains.verify(reopened)} <= {"ok"}
