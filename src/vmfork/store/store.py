@@ -31,9 +31,9 @@ dependents unless told to ``cascade`` (remove the subtree, deepest first, so a
 crash leaves no child without its parent) or ``force`` (each direct dependent is
 first re-rooted: its meta.json is rewritten atomically to a standalone snapshot;
 its resolved ``memory.bin`` already holds all its memory, so nothing it needs is
-deleted). Each snapshot owns its files; nothing is shared between directories
-except by hard links (``unpack`` links identical layers), which the file system
-reference-counts, so no deletion can remove data another snapshot still uses.
+deleted). Each snapshot owns its files and shares none with another directory, so
+no deletion can remove data another snapshot still uses (should files ever be
+hard-linked between snapshots, the file system counts the references).
 """
 
 from __future__ import annotations
