@@ -194,6 +194,8 @@ HOSTILE: dict[str, tuple[Callable[[list[Any]], list[Any]], str]] = {
                         "format version 99"),
     "size bomb": (lambda m: with_manifest(m, lambda d: d["snapshots"][0]["files"]
                                           ["memory.bin"].update(size=1 << 40)), "oversized"),
+    "guest RAM bomb": (lambda m: with_manifest(m, lambda d: d["snapshots"][0]["meta"]
+                                               .update(mem_mib=1 << 30)), "MiB of guest RAM"),
     "entry larger than declared": (
         lambda m: with_manifest(m, lambda d: d["snapshots"][0]["files"]["state.bin"]
                                 .update(size=3)), "manifest says 3"),

@@ -61,6 +61,7 @@ KERNEL_FILE = "vmlinux"
 INITRD_FILE = "initramfs.cpio"
 
 MAX_MANIFEST_BYTES = 1 << 20
+MAX_GUEST_MEM_MIB = 65536        # the daemon's own limit for a snapshot's RAM
 MAX_STATE_BYTES = 64 << 20
 MAX_IMAGE_FILE_BYTES = 1 << 30
 _BLOCK = 1 << 20
@@ -347,6 +348,9 @@ def _plan(store: Store, manifest: dict[str, Any], head_tag: str | None, force: b
         if not isinstance(files, dict) or set(files) != {STATE_FILE, own}:
             raise PackError(f"refusing pack: {tag!r} must carry exactly {STATE_FILE} and {own};"
                             " nothing was stored")
+        if not 1 <= meta.mem_mib <= MAX_GUEST_MEM_MIB:
+            raise PackError(f"refusing pack: {tag!r} claims {meta.mem_mib} MiB of guest RAM "
+                            f"(limit {MAX_GUEST_MEM_MIB}); nothing was stored")
         mem_bytes = meta.mem_mib << 20
         limits = {STATE_FILE: MAX_STATE_BYTES, MEMORY_FILE: mem_bytes,
                   LAYER_FILE: mem_bytes + (mem_bytes >> 6) + (1 << 20)}
