@@ -97,8 +97,9 @@ def main() -> int:
             started = time.monotonic()
             sandbox = ctl.spawn_sandboxes(parent, 1)[0]["id"]
             done = ctl.exec_command(sandbox, ["/bin/sh", "-c",
-                                              (f"head -c {args.dirty_mib}M /dev/urandom "
-                                              f"> /tmp/link-{depth}")], timeout_secs=600)
+                                              (f"dd if=/dev/urandom of=/tmp/link-{depth} "
+                                               f"bs=65536 count={args.dirty_mib * 16}")],
+                                    timeout_secs=600)
             assert done["exit_code"] == 0, done
             branch_started = time.monotonic()
             info = ctl.branch_sandbox(sandbox, tag=tag, mode="diff", parent_tag=parent)
