@@ -13,7 +13,7 @@ diff, kill the sandbox). Reported:
   directory holds (its layer plus its resolved ``memory.bin``, which without
   reflink is a sparse copy of its memory);
 * **spawn by depth** -- ``--spawns`` single-sandbox spawns (request to agent ready)
-  from each depth and from the compacted head, p50/p90; the target is depth 3
+  from each depth and from the compacted head, round-robin, p50/p90; the target is depth 3
   within 1.1x of flat (forkd: 1668 vs 59 ms, 28x, because every spawn re-hashes and
   re-copies every link);
 * **compact, pack, unpack** -- time, and the pack's size (chain only, no image).
@@ -59,14 +59,22 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def spawn_times(ctl: Any, tag: str, n: int) -> list[float]:
-    """Request to agent-ready for one sandbox, ``n`` times (each killed before the next)."""
-    out = []
-    for _ in range(n):
+def spawn_times(ctl: Any, tags: dict[str, str], n: int) -> dict[str, list[float]]:
+    """Request to agent-ready for one sandbox (killed before the next), ``n`` times per
+    tag, round-robin over the tags so that drift in the host hits every depth alike;
+    one unmeasured spawn first warms the zygote and the page cache."""
+    def once(tag: str) -> float:
         started = time.monotonic()
         sandbox = ctl.spawn_sandboxes(tag, 1)[0]["id"]
-        out.append((time.monotonic() - started) * 1000)
+        elapsed = (time.monotonic() - started) * 1000
         ctl.kill_sandbox(sandbox)
+        return elapsed
+
+    once(next(iter(tags.values())))
+    out: dict[str, list[float]] = {key: [] for key in tags}
+    for _ in range(n):
+        for key, tag in tags.items():
+            out[key].append(once(tag))
     return out
 
 
@@ -118,12 +126,11 @@ def main() -> int:
                 "resolved_memory_physical_bytes": details["memory_physical_bytes"]})
             parent = tag
 
-        spawns = {str(d): spawn_times(ctl, t, args.spawns)
-                  for d, t in enumerate(("base", *LINKS))}
         started = time.monotonic()
         ctl.compact_snapshot(LINKS[-1], "compacted")
         compact_ms = (time.monotonic() - started) * 1000
-        spawns["compacted"] = spawn_times(ctl, "compacted", args.spawns)
+        spawns = spawn_times(ctl, {**{str(d): t for d, t in enumerate(("base", *LINKS))},
+                                   "compacted": "compacted"}, args.spawns)
 
         pack_path = work / "chain.tar.zst"
         started = time.monotonic()
