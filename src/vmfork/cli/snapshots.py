@@ -1,11 +1,14 @@
 """Snapshot verbs: ``snapshot`` (boot, warm, capture; or BRANCH a sandbox), ``fork``
-(spawn children and report timings), ``images``, ``rmi``, ``snapshot-info``.
+(spawn children and report timings), ``images``, ``rmi``, ``snapshot-info``,
+``snapshot-diff``, ``snapshot-compact``, ``pack``, ``unpack``, ``verify``.
 
 They go through the daemon when one answers, so its registry sees every change.
-The store-only verbs (``snapshot``, ``images``, ``rmi``, ``snapshot-info``) also work
-without a daemon, directly on the local store (safe next to a running daemon: the
-store locks each tag); ``fork`` starts an embedded daemon for the duration of the
-command when none runs.
+The store-only verbs (``snapshot``, ``images``, ``rmi``, ``snapshot-info``,
+``snapshot-compact``) also work without a daemon, and ``pack``, ``unpack`` and
+``verify`` always work directly on the local store (safe next to a running daemon:
+the store locks each tag and each parent/child link); ``fork`` and
+``snapshot-diff`` start an embedded daemon for the duration of the command when
+none runs.
 """
 
 from __future__ import annotations
@@ -85,9 +88,10 @@ def register(sub: Any) -> None:
     p.add_argument("tags", nargs="+", metavar="TAG")
     how = p.add_mutually_exclusive_group()
     how.add_argument("--cascade", action="store_true",
-                     help="also delete the snapshots built on it")
+                     help="also delete the snapshots built on it (its whole subtree)")
     how.add_argument("--force", action="store_true",
-                     help="delete even if other snapshots are built on it")
+                     help="delete it even if other snapshots are built on it; they become "
+                          "standalone snapshots (their memory is kept, they stay spawnable)")
     add_daemon_options(p)
     p.set_defaults(func=cmd_rmi)
 
@@ -96,6 +100,54 @@ def register(sub: Any) -> None:
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_snapshot_info)
+
+    p = sub.add_parser("snapshot-diff", help="spawn from TAG, run a command, and keep what it "
+                                             "changed as a diff snapshot NEW on top of TAG")
+    p.add_argument("--from", dest="source", required=True, metavar="TAG",
+                   help="the snapshot to build on (flat or a chain head)")
+    p.add_argument("--tag", required=True, metavar="NEW", help="name of the new snapshot")
+    p.add_argument("--exec", dest="exec_cmd", required=True, metavar="CMD",
+                   help="shell command run in the sandbox; its output is streamed, and a "
+                        "non-zero exit fails the build (nothing is kept)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="kill the command after this long (default 600)")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_snapshot_diff)
+
+    p = sub.add_parser("snapshot-compact", help="publish a chain as one flat snapshot")
+    p.add_argument("--from", dest="source", required=True, metavar="TAG",
+                   help="the snapshot (a chain head at any depth) to compact")
+    p.add_argument("--to", required=True, metavar="NEW", help="tag of the flat snapshot")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_snapshot_compact)
+
+    p = sub.add_parser("pack", help="write a snapshot's whole chain (and its guest image) to "
+                                    "one .tar.zst")
+    p.add_argument("--tag", required=True, metavar="TAG", help="the snapshot (a chain head)")
+    p.add_argument("-o", "--output", type=Path, default=None, metavar="FILE",
+                   help="the pack to write (default TAG.tar.zst here)")
+    p.add_argument("--no-image", action="store_true",
+                   help="leave the guest image out (snapshots spawn without it; a host needs "
+                        "it only to boot new parents)")
+    add_json_option(p)
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("unpack", help="restore a pack into the store, verifying every hash "
+                                      "first")
+    p.add_argument("file", type=Path, metavar="FILE")
+    p.add_argument("--tag", default=None, metavar="NEW", help="store the head under this tag")
+    p.add_argument("--force", action="store_true",
+                   help="replace snapshots that hold other content under the pack's tags")
+    add_json_option(p)
+    p.set_defaults(func=cmd_unpack)
+
+    p = sub.add_parser("verify", help="re-hash snapshot files and compare with the hashes "
+                                      "recorded when they entered the store")
+    p.add_argument("tag", nargs="?", metavar="TAG", help="one snapshot (default: all)")
+    add_json_option(p)
+    p.set_defaults(func=cmd_verify)
 
 
 def _store() -> Any:
@@ -287,17 +339,15 @@ def cmd_rmi(args: argparse.Namespace) -> int:
     from vmfork.store import StoreError
     ctl = _daemon_or_none(args)
     store = None if ctl is not None else _store()
-    if store is not None and args.cascade:
-        raise CliError("--cascade needs the daemon (it knows which snapshots depend on "
-                       "which); start one with `vmfork serve`")
     status = 0
     for tag in args.tags:
         try:
             if ctl is not None:
                 ctl.delete_snapshot(tag, cascade=args.cascade, force=args.force)
+                print(f"deleted {tag}")
             elif store is not None:
-                store.delete(tag)
-            print(f"deleted {tag}")
+                for gone in store.delete(tag, cascade=args.cascade, force=args.force):
+                    print(f"deleted {gone}")
         except ControllerError as err:
             print(f"vmfork: {tag}: {err.message}", file=sys.stderr)
             status = 1
@@ -308,30 +358,178 @@ def cmd_rmi(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot_info(args: argparse.Namespace) -> int:
-    from vmfork.store import StoreError, disk_usage
+    from vmfork.store import StoreError, chains
     ctl = _daemon_or_none(args)
     if ctl is not None:
         info = call(ctl, lambda: ctl.snapshot_info(args.tag))
     else:
         try:
-            snap = _store().get(args.tag)
+            info = chains.snapshot_info(_store(), args.tag)
         except StoreError as err:
             raise CliError(str(err), 1) from err
-        usage = {f.name: f for f in disk_usage(snap).files}
-        memory, state = usage.get(snap.memory_path.name), usage.get(snap.state_path.name)
-        info = {**_local_snapshot_info(snap),
-                "memory_logical_bytes": memory.logical_bytes if memory else 0,
-                "memory_physical_bytes": memory.physical_bytes if memory else 0,
-                "vmstate_bytes": state.logical_bytes if state else 0,
-                "parent_tag": snap.meta.parent_tag, "chain_depth": 0, "dependents": [],
-                "ancestors": []}
     if args.json:
         print_json(info)
         return 0
     for key in ("tag", "status", "dir", "image", "mem_mib", "vcpus", "warm_up",
+                "content_hash", "parent_tag", "parent_content_hash", "chain_depth",
+                "ancestors", "dependents", "descendants", "orphaned_from",
                 "memory_logical_bytes", "memory_physical_bytes", "vmstate_bytes",
-                "parent_tag", "chain_depth", "dependents", "ancestors"):
+                "layer_bytes", "logical_bytes", "physical_bytes", "unique_bytes"):
         if key in info:
-            print(f"{key + ':':24} {info[key] if info[key] is not None else '-'}")
+            value = info[key]
+            if isinstance(value, list):
+                value = ", ".join(value) or "-"
+            print(f"{key + ':':24} {value if value is not None else '-'}")
     print(f"{'created:':24} {when(info.get('created_at_unix'))}")
+    return 0
+
+
+def cmd_snapshot_diff(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, chains, validate_tag
+    try:
+        validate_tag(args.source)
+        validate_tag(args.tag)
+    except StoreError as err:
+        raise CliError(str(err)) from err
+    shared = _daemon_or_none(args, timeout=3600)
+    with nullcontext(shared) if shared is not None else embedded_daemon() as ctl:
+        assert ctl is not None
+        depth = call(ctl, lambda: ctl.snapshot_info(args.source))["chain_depth"]
+        if depth >= chains.MAX_CHAIN_DEPTH:
+            raise CliError(str(chains.ChainTooDeep(args.source, depth)), 1)
+        try:
+            ctl.snapshot_info(args.tag)
+        except ControllerError as err:
+            if err.status != 404:
+                raise CliError(f"{args.tag}: {err.message}", 1) from err
+        else:
+            raise CliError(f"snapshot tag {args.tag!r} already exists; choose another tag or "
+                           f"delete it first with `vmfork rmi {args.tag}`", 1)
+        with progress(f"spawning a sandbox of {args.source}"):
+            sandbox = call(ctl, lambda: ctl.spawn_sandboxes(args.source, 1))[0]["id"]
+        try:
+            code = _stream_command(ctl, sandbox, args.exec_cmd, args.timeout)
+            if code != 0:
+                raise CliError(f"the command exited with status {code}; nothing was built "
+                               f"(fix the command and run snapshot-diff again)", 1)
+            with progress(f"taking the diff {args.tag} of {args.source}"):
+                info = call(ctl, lambda: ctl.branch_sandbox(
+                    sandbox, tag=args.tag, mode="diff", parent_tag=args.source))
+        finally:
+            try:
+                ctl.kill_sandbox(sandbox)
+            except ControllerError as err:
+                if err.status != 404:
+                    print(f"vmfork: cannot kill sandbox {sandbox}: {err.message}",
+                          file=sys.stderr)
+    if args.json:
+        print_json(info)
+    else:
+        print(f"snapshot {info['tag']}: diff on {args.source} (chain depth {depth + 1}), "
+              f"paused {info.get('pause_ms', 0):.1f} ms")
+    return 0
+
+
+def _stream_command(ctl: Controller, sandbox: str, command: str, timeout: float) -> int:
+    """Run ``command`` in the sandbox, copying its output here as it comes; its status
+    (128+N for a signal, 124 for the timeout)."""
+    try:
+        for event, data in ctl.exec_stream(sandbox, ["/bin/sh", "-c", command], timeout):
+            if event in ("stdout", "stderr"):
+                stream = sys.stdout if event == "stdout" else sys.stderr
+                stream.write(data["data"])
+                stream.flush()
+            elif event == "exit":
+                code = int(data["exit_code"])
+                return code if code >= 0 else 128 - code
+            elif event == "error":
+                if data.get("timed_out"):
+                    print(f"vmfork: the command timed out after {timeout} s and was killed "
+                          "(raise --timeout to allow longer)", file=sys.stderr)
+                    return 124
+                raise CliError(f"the command failed in the sandbox: {data.get('error')}", 1)
+    except ControllerError as err:
+        raise CliError(f"running the command failed: {err.message}", 1) from err
+    raise CliError("the command's output stream ended without a result (did the daemon "
+                   "stop?)", 1)
+
+
+def cmd_snapshot_compact(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, chains
+    ctl = _daemon_or_none(args, timeout=3600)
+    if ctl is not None:
+        with progress(f"compacting {args.source} into {args.to}"):
+            info = call(ctl, lambda: ctl.compact_snapshot(args.source, args.to))
+    else:
+        try:
+            store = _store()
+            info = chains.snapshot_info(store, chains.compact(store, args.source, args.to).tag)
+        except (StoreError, OSError) as err:
+            raise CliError(str(err), 1) from err
+    if args.json:
+        print_json(info)
+    else:
+        print(f"snapshot {info['tag']}: flat copy of {args.source} (chain depth 0)")
+        print(f"  {info['dir']}")
+    return 0
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, packs
+    out = args.output if args.output is not None else Path(f"{args.tag}.tar.zst")
+    started = time.monotonic()
+    try:
+        with progress(f"packing {args.tag}"):
+            report = packs.pack(_store(), args.tag, out, with_image=not args.no_image)
+    except (StoreError, OSError) as err:
+        raise CliError(str(err), 1) from err
+    if args.json:
+        print_json({"path": str(report.path), "tags": report.tags, "bytes": report.bytes,
+                    "image": report.image, "seconds": time.monotonic() - started})
+    else:
+        print(f"packed {' <- '.join(report.tags)} into {report.path} "
+              f"({report.bytes / (1 << 20):.1f} MiB, image {report.image or 'not included'})")
+    return 0
+
+
+def cmd_unpack(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, packs
+    started = time.monotonic()
+    try:
+        with progress(f"unpacking {args.file}"):
+            report = packs.unpack(_store(), args.file, head_tag=args.tag, force=args.force)
+    except (StoreError, OSError) as err:
+        raise CliError(str(err), 1) from err
+    if args.json:
+        print_json({"tags": report.tags, "stored": report.stored, "present": report.present,
+                    "image": report.image, "image_note": report.image_note,
+                    "seconds": time.monotonic() - started})
+        return 0
+    print(f"unpacked {' <- '.join(report.tags)}: stored {', '.join(report.stored) or 'none'}"
+          f"; already present {', '.join(report.present) or 'none'}")
+    if report.image_note:
+        print(f"  image: {report.image_note}")
+    elif report.image:
+        print(f"  image: {report.image}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from vmfork.store import StoreError, chains
+    try:
+        checks = chains.verify(_store(), args.tag)
+    except StoreError as err:
+        raise CliError(str(err), 1) from err
+    bad = [c for c in checks if c.status in ("mismatch", "missing")]
+    if args.json:
+        print_json([{"tag": c.tag, "file": c.name, "status": c.status, "detail": c.detail}
+                    for c in checks])
+    else:
+        print_table(["TAG", "FILE", "STATUS", "DETAIL"],
+                    [[c.tag, c.name, c.status, c.detail] for c in checks])
+    if bad:
+        print(f"vmfork: {len(bad)} file(s) do not match the hashes recorded when they entered "
+              "the store; delete the snapshots named above (`vmfork rmi TAG`) and rebuild or "
+              "unpack them again", file=sys.stderr)
+        return 1
     return 0

@@ -191,6 +191,12 @@ class Controller:
         result: dict[str, Any] = self._call("GET", f"/v1/snapshots/{_seg(tag)}/info")
         return result
 
+    def compact_snapshot(self, tag: str, to: str, timeout: float = 3600) -> dict[str, Any]:
+        """Publish ``to``: snapshot ``tag``'s whole chain as one flat snapshot."""
+        result: dict[str, Any] = self._call("POST", f"/v1/snapshots/{_seg(tag)}/compact",
+                                            {"to": to}, timeout=timeout)
+        return result
+
     def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> None:
         query = {k: True for k, v in (("cascade", cascade), ("force", force)) if v}
         self._call("DELETE", f"/v1/snapshots/{_seg(tag)}", query=query)

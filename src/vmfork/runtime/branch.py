@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
+from vmfork.store.chains import ChainTooDeep, check_depth_for_child
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
 from vmfork.store.layers import hash_file, materialise_head, snapshot_content_hash
 from vmfork.store.meta import LayerRef
@@ -192,6 +193,10 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
         parent: Snapshot | None = None
         if mode == "diff":
             parent = _choose_parent(store, bases, parent_tag)
+            try:
+                check_depth_for_child(store, parent.tag)
+            except ChainTooDeep as err:
+                raise BranchFailed(str(err), stage="base") from err
         request: dict[str, Any] = {
             "op": "snapshot", "mode": mode, "memory_path": str(
                 pending.layer_path if mode == "diff" else pending.memory_path),

@@ -209,6 +209,7 @@ WORKSPACE_CREATE = {
 
 WORKSPACE_SUSPEND = {"diff": Field(bool, False)}
 
+SNAPSHOT_COMPACT = {"to": Field(str, check=check_tag)}
 SNAPSHOT_DELETE_QUERY = {"cascade": Field(bool, False), "force": Field(bool, False)}
 PATH_QUERY = {"path": Field(str, check=check_guest_path)}
 WRITE_QUERY = {"path": Field(str, check=check_guest_path),
@@ -286,6 +287,13 @@ def delete_snapshot(c: Controller, req: Request) -> Response:
     q = req.args(SNAPSHOT_DELETE_QUERY, _where(req))
     c.delete_snapshot(req.params["tag"], q["cascade"], q["force"])
     return Response(204)
+
+
+def compact_snapshot(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    req.snapshot_tag = req.params["tag"]
+    body = req.json(SNAPSHOT_COMPACT, _where(req))
+    return Response(200, c.compact_snapshot(req.params["tag"], body["to"]))
 
 
 def create_sandboxes(c: Controller, req: Request) -> Response:
@@ -503,6 +511,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/snapshots", create_snapshot),
     Route("DELETE", "/v1/snapshots/{tag}", delete_snapshot),
     Route("GET", "/v1/snapshots/{tag}/info", snapshot_info),
+    Route("POST", "/v1/snapshots/{tag}/compact", compact_snapshot),
     Route("GET", "/v1/sandboxes", list_sandboxes),
     Route("POST", "/v1/sandboxes", create_sandboxes),
     Route("GET", "/v1/sandboxes/{id}", get_sandbox),

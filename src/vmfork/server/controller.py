@@ -80,8 +80,9 @@ from vmfork.store import (
     StoreError,
     TagBusy,
     TagExists,
-    disk_usage,
+    chains,
 )
+from vmfork.store.errors import HasDependents
 
 log = logging.getLogger(__name__)
 
@@ -330,21 +331,32 @@ class Controller:
             raise Conflict(str(err)) from err
 
     def snapshot_info(self, tag: str) -> dict[str, Any]:
-        snap = self._ready_snapshot(tag)
-        usage = disk_usage(snap)
-        files = {f.name: f for f in usage.files}
-        memory = files.get(snap.memory_path.name)
-        state = files.get(snap.state_path.name)
-        return {
-            "tag": snap.tag, "dir": str(snap.path),
-            "created_at_unix": int(snap.meta.created_at_unix),
-            "memory_logical_bytes": memory.logical_bytes if memory else 0,
-            "memory_physical_bytes": memory.physical_bytes if memory else 0,
-            "vmstate_bytes": state.logical_bytes if state else 0,
-            "parent_tag": snap.meta.parent_tag, "parent_content_hash": None,
-            "chain_depth": 0, "dependents": [], "ancestors": [],
-            "status": "ready", "bootable": True, "mem_mib": snap.meta.mem_mib,
-            "vcpus": snap.meta.vcpus, "image": snap.meta.image, "warm_up": snap.meta.warm_up}
+        self._ready_snapshot(tag)
+        try:
+            return chains.snapshot_info(self.store, tag)
+        except SnapshotNotFound as err:
+            raise NotFound(str(err)) from err
+        except SnapshotCorrupt as err:
+            raise Conflict(str(err)) from err
+
+    def compact_snapshot(self, tag: str, to: str) -> dict[str, Any]:
+        """Publish ``to``: ``tag``'s chain as one flat snapshot (atomically)."""
+        self._ready_snapshot(tag)
+        if self.store.exists(to):
+            raise Conflict(f"snapshot tag {to!r} already exists; choose another tag or delete "
+                           f"it first (DELETE /v1/snapshots/{to})")
+        with self._heavy_slot(f"compact snapshot {tag!r}"):
+            try:
+                snap = chains.compact(self.store, tag, to)
+            except (TagExists, TagBusy) as err:
+                raise Conflict(str(err)) from err
+            except SnapshotNotFound as err:
+                raise NotFound(str(err)) from err
+            except SnapshotCorrupt as err:
+                raise Conflict(str(err)) from err
+            except (StoreError, OSError) as err:
+                raise BadGateway(f"compacting {tag!r} into {to!r} failed: {err}") from err
+        return self._snapshot_info(snap)
 
     def create_snapshot(self, body: dict[str, Any]) -> dict[str, Any]:
         tag = body["tag"]
@@ -383,16 +395,19 @@ class Controller:
             raise Conflict(f"snapshot {tag!r} is being written; wait until it is ready or "
                            "failed, then delete it")
         try:
-            self.store.delete(tag)
+            deleted = self.store.delete(tag, cascade=cascade, force=force)
         except SnapshotNotFound as err:
             if job is not None and self.registry.forget_snapshot_job(tag):
                 return
             raise NotFound(str(err)) from err
+        except HasDependents as err:
+            raise Conflict(str(err), extra={"dependents": err.dependents}) from err
         except TagBusy as err:
             raise Conflict(str(err)) from err
         except StoreError as err:
             raise BadGateway(str(err)) from err
-        self.registry.forget_snapshot_job(tag)
+        for gone in deleted:
+            self.registry.forget_snapshot_job(gone)
 
     # -- sandboxes ------------------------------------------------------------------
 

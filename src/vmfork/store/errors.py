@@ -63,3 +63,19 @@ class SnapshotCorrupt(StoreError):
         super().__init__(f"snapshot {tag!r} at {path} is unusable: {problem}; {todo}",
                          tag=tag, path=path)
         self.problem = problem
+
+
+class HasDependents(StoreError):
+    """A delete refused because other snapshots are built on this one (REST 409)."""
+
+    def __init__(self, tag: str, dependents: Sequence[str]) -> None:
+        names = ", ".join(dependents)
+        super().__init__(f"snapshot {tag!r} has dependents built on it: {names}; delete them "
+                         f"first, or `vmfork rmi --cascade {tag}` to delete them too, or "
+                         f"`vmfork rmi --force {tag}` to keep them as standalone snapshots",
+                         tag=tag)
+        self.dependents = list(dependents)
+
+
+class ParentGone(StoreError):
+    """A chain link's parent was deleted or replaced while the link was being written."""

@@ -18,6 +18,12 @@ link at publish time, off the source's pause. On file systems without reflink
 the head image is a full copy on disk; the layer stays the unit a pack
 ships and a compaction or verification works on.
 
+A memory image is hashed with ``hash_memory``: per-MiB block hashes under one
+outer hash, with all-zero blocks (holes included) marked rather than hashed, so
+that hashing a sparse 512 MiB image reads only its data and two copies of one
+image hash alike whatever their hole layout (a pack's memory.bin is written back
+sparse by ``unpack``).
+
 A snapshot's content hash covers its state file, its own layer and its parent's
 content hash, so it names the whole chain below it (like a commit hash).
 """
@@ -47,6 +53,37 @@ def hash_file(path: str | os.PathLike[str]) -> str:
                 break
             digest.update(view[:n])
     return f"{HASH_NAME}:{digest.hexdigest()}"
+
+
+MEMORY_HASH_NAME = "blake2b-256-mib"
+_ZERO_BLOCK = bytes(_BLOCK)
+
+
+def hash_memory(path: str | os.PathLike[str]) -> str:
+    """``blake2b-256-mib:<hex>`` of a (sparse) memory image: its length, then per 1 MiB
+    block either a zero marker or the block's own BLAKE2b-256. Reads data extents only."""
+    outer = hashlib.blake2b(digest_size=32)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        outer.update(size.to_bytes(8, "little"))
+        data_blocks: set[int] = set()
+        for offset, length in layerfile.data_extents(f.fileno(), size):
+            data_blocks.update(range(offset // _BLOCK, (offset + length - 1) // _BLOCK + 1))
+        buf = bytearray(_BLOCK)
+        for block in range((size + _BLOCK - 1) // _BLOCK):
+            if block not in data_blocks:
+                outer.update(b"Z")
+                continue
+            want = min(_BLOCK, size - block * _BLOCK)
+            n = os.preadv(f.fileno(), [memoryview(buf)[:want]], block * _BLOCK)
+            if n != want:
+                raise OSError(f"{path}: short read at block {block} (file changed?)")
+            chunk = memoryview(buf)[:want]
+            if chunk == _ZERO_BLOCK[:want]:
+                outer.update(b"Z")
+            else:
+                outer.update(b"D" + hashlib.blake2b(chunk, digest_size=32).digest())
+    return f"{MEMORY_HASH_NAME}:{outer.hexdigest()}"
 
 
 def snapshot_content_hash(state_hash: str, layer_hash: str | None,

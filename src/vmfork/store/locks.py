@@ -32,6 +32,7 @@ import os
 import time
 import weakref
 from pathlib import Path
+from typing import Self
 
 from vmfork.store.errors import StoreError, TagBusy
 
@@ -109,6 +110,41 @@ def _drop_inherited_locks() -> None:
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+# Tags cannot start with a dot, so this name never collides with a tag's lock file.
+CHAINS_LOCK = ".chains.lock"
+
+
+class ChainsLock:
+    """The store-wide lock held while parent/child links change: publishing a snapshot
+    that names a parent (the parent must still exist) and deleting one (its
+    dependents must not change under the check). Held for metadata work only, never
+    while memory is copied, so it is taken blocking. Crash-safe like ``TagLock``: the
+    kernel drops the ``flock`` when its holder dies."""
+
+    def __init__(self, locks_dir: Path) -> None:
+        self.path = locks_dir / CHAINS_LOCK
+        self._fd: int | None = None
+
+    def __enter__(self) -> Self:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as err:
+            raise StoreError(f"cannot open the lock file {self.path}: {err.strerror}; check "
+                             "that the store directory is writable", path=self.path) from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as err:
+            os.close(fd)
+            raise StoreError(f"cannot lock {self.path}: {err.strerror}; the store must be on "
+                             "a local file system that supports flock", path=self.path) from err
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 def _read_holder(path: Path) -> str | None:

@@ -97,6 +97,11 @@ class SnapshotMeta:
     memory_layers: list[LayerRef] = field(default_factory=list)
     content_hash: str | None = None         # of this snapshot's state and memory layers
     parent_content_hash: str | None = None
+    # Issue 6: ``blake2b-256:<hex>`` of the files that entered the store, by file name,
+    # filled by ``PendingSnapshot.publish`` (state.bin and layer.bin always; memory.bin
+    # when the writer asked for it, with ``layers.hash_memory``); ``vmfork verify``
+    # re-checks them. Absent for snapshots written before it existed.
+    file_hashes: dict[str, str] = field(default_factory=dict)
 
 
 class MetaError(Exception):

@@ -20,17 +20,26 @@ removal happens under a dot-name that ``list`` never shows. Leftovers of a
 crashed writer or deleter are removed by ``cleanup_stale`` — only once the tag's
 lock is free, which is the kernel's word that their owner is gone (see locks.py).
 
-Issue 6 (layers, chains, packs) will make a snapshot a manifest of layers. The
-public surface is kept narrow so that fits: callers get ``Snapshot.memory_path``
-(the one file a child maps ``MAP_PRIVATE``, wherever the store decides it lives,
-e.g. a head image materialised once) and ``disk_usage``, never a directory
-walk of their own; ``delete`` already runs under the tag lock, which is where
-the dependents check will go.
+Chains (issue 6): a diff snapshot names its parent (``meta.parent_tag`` and the
+parent's content hash) and carries its own ``layer.bin`` next to a ``memory.bin``
+resolved once at publish (``vmfork.store.layers``), so every snapshot is spawnable
+from its own directory alone. The links between snapshots change under one
+store-wide lock (``locks.ChainsLock``): ``publish`` of a link checks its parent is
+still there, and ``delete`` checks for dependents, so a child can never be
+published onto a parent being deleted. ``delete`` refuses a snapshot with
+dependents unless told to ``cascade`` (remove the subtree, deepest first, so a
+crash leaves no child without its parent) or ``force`` (each direct dependent is
+first re-rooted: its meta.json is rewritten atomically to a standalone snapshot;
+its resolved ``memory.bin`` already holds all its memory, so nothing it needs is
+deleted). Each snapshot owns its files and shares none with another directory, so
+no deletion can remove data another snapshot still uses (should files ever be
+hard-linked between snapshots, the file system counts the references).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import dataclasses
 import errno
 import os
@@ -45,13 +54,16 @@ from types import TracebackType
 from typing import Self
 
 from vmfork.store.errors import (
+    HasDependents,
+    ParentGone,
     SnapshotCorrupt,
     SnapshotNotFound,
     StoreError,
     TagExists,
 )
-from vmfork.store.layers import LAYER_FILE
-from vmfork.store.locks import TagLock
+from vmfork.store.layers import LAYER_FILE, hash_file
+from vmfork.store.layers import hash_memory as hash_memory_file
+from vmfork.store.locks import ChainsLock, TagLock
 from vmfork.store.meta import (
     META_FORMAT_VERSION,
     STATUS_READY,
@@ -193,32 +205,110 @@ class Store:
             raise
         return PendingSnapshot(self, tag, path, lock)
 
-    def delete(self, tag: str) -> None:
+    def delete(self, tag: str, *, cascade: bool = False,
+               force: bool = False) -> builtins.list[str]:
         """Remove a snapshot. The tag disappears atomically; the files follow.
+        Returns the deleted tags, in the order they were removed.
 
-        Raises ``InvalidTag``, ``SnapshotNotFound``, or ``TagBusy`` while the tag is
-        being written or deleted. Works on corrupt snapshots too (that is the remedy
-        ``SnapshotCorrupt`` suggests).
+        A snapshot other snapshots are built on is refused with ``HasDependents``
+        (naming them) unless ``cascade`` (delete them too, deepest first) or
+        ``force`` (re-root each direct dependent as a standalone snapshot that keeps
+        all its memory, then delete this one). Raises ``InvalidTag``,
+        ``SnapshotNotFound``, or ``TagBusy`` while any tag involved is being written
+        or deleted. Works on corrupt snapshots too (the remedy ``SnapshotCorrupt``
+        suggests).
         """
         tag = validate_tag(tag)
+        if cascade and force:
+            raise StoreError("give cascade or force, not both: cascade deletes the snapshots "
+                             "built on this one, force keeps them as standalone snapshots",
+                             tag=tag)
         self._ensure_dirs()
-        lock = TagLock.acquire(self.locks_dir, tag, "deleting a snapshot")
-        try:
-            path = self.snapshots_dir / tag
-            if not os.path.lexists(path):
-                raise SnapshotNotFound(tag, self.snapshots_dir, self._tag_names())
-            # Issue 6: under this lock, refuse (or cascade) when other snapshots list
-            # this one as their parent.
-            tomb = self.snapshots_dir / f".deleting-{tag}-{secrets.token_hex(8)}"
+        with contextlib.ExitStack() as held:
+            with ChainsLock(self.locks_dir):
+                lock = TagLock.acquire(self.locks_dir, tag, "deleting a snapshot")
+                held.callback(lock.release)
+                if not os.path.lexists(self.snapshots_dir / tag):
+                    raise SnapshotNotFound(tag, self.snapshots_dir, self._tag_names())
+                children = self.dependents_map()
+                direct = children.get(tag, [])
+                if direct and not (cascade or force):
+                    raise HasDependents(tag, direct)
+                doomed = _subtree_deepest_first(tag, children) if cascade else [tag]
+                for t in [*doomed, *(direct if force else [])]:
+                    if t != tag:
+                        lock = TagLock.acquire(self.locks_dir, t, "deleting a snapshot")
+                        held.callback(lock.release)
+                if force:
+                    for child in direct:
+                        self._reroot(child, tag)
+                tombs = [self._rename_to_tomb(t) for t in doomed]
+            for tomb in tombs:
+                _remove_tree(tomb)
+        return doomed
+
+    def dependents_map(self) -> dict[str, builtins.list[str]]:
+        """Parent tag -> the tags of the snapshots built directly on it (sorted). A
+        snapshot whose recorded parent hash differs from the snapshot now under its
+        parent's tag is not that snapshot's dependent (its parent was replaced)."""
+        metas = {}
+        for t in self._tag_names():
             try:
-                os.rename(path, tomb)
-                _fsync_dir(self.snapshots_dir)
-            except OSError as err:
-                raise StoreError(f"cannot delete snapshot {tag!r}: rename to {tomb.name} "
-                                 f"failed: {err.strerror}", tag=tag, path=path) from err
-            _remove_tree(tomb)
-        finally:
-            lock.release()
+                metas[t] = self._load(t, self.snapshots_dir / t).meta
+            except SnapshotCorrupt:
+                continue
+        children: dict[str, builtins.list[str]] = {}
+        for t, meta in metas.items():
+            parent = metas.get(meta.parent_tag) if meta.parent_tag else None
+            if parent is None or not _same_parent(meta, parent):
+                continue
+            children.setdefault(parent.tag, []).append(t)
+        return {p: sorted(c) for p, c in children.items()}
+
+    def rewrite_meta(self, snapshot: Snapshot, meta: SnapshotMeta) -> Snapshot:
+        """Replace a published snapshot's meta.json atomically (temp file, fsync, rename).
+        The caller holds the tag's lock; only chain bookkeeping changes this way, never
+        what the snapshot's files hold."""
+        if meta.tag != snapshot.tag:
+            raise StoreError(f"rewrite of {snapshot.tag!r} with the meta of {meta.tag!r}",
+                             tag=snapshot.tag)
+        temp = snapshot.path / f".{META_FILE}.{secrets.token_hex(8)}"
+        try:
+            _write_file(temp, encode_meta(meta))
+            os.rename(temp, snapshot.meta_path)
+            _fsync_dir(snapshot.path)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise StoreError(f"cannot rewrite {snapshot.meta_path}: {err.strerror or err}; "
+                             "check free space", tag=snapshot.tag, path=snapshot.path) from err
+        return Snapshot(snapshot.tag, snapshot.path, meta)
+
+    def _reroot(self, tag: str, parent_tag: str) -> None:
+        """Make ``tag`` a standalone snapshot: its memory.bin already holds its whole
+        memory (resolved at publish), so only the link to its parent goes."""
+        snapshot = self.get(tag)
+        meta = snapshot.meta
+        hashes = {k: v for k, v in meta.file_hashes.items() if k != LAYER_FILE}
+        self.rewrite_meta(snapshot, dataclasses.replace(
+            meta, parent_tag=None, root_tag=None, memory_layers=[],
+            parent_content_hash=None, file_hashes=hashes,
+            extra={**meta.extra, "orphaned_from": {
+                "tag": parent_tag, "content_hash": meta.parent_content_hash}}))
+        # No longer part of its meta; a crash before this unlink leaves an unlisted file.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(snapshot.path / LAYER_FILE)
+
+    def _rename_to_tomb(self, tag: str) -> Path:
+        path = self.snapshots_dir / tag
+        tomb = self.snapshots_dir / f".deleting-{tag}-{secrets.token_hex(8)}"
+        try:
+            os.rename(path, tomb)
+            _fsync_dir(self.snapshots_dir)
+        except OSError as err:
+            raise StoreError(f"cannot delete snapshot {tag!r}: rename to {tomb.name} "
+                             f"failed: {err.strerror}", tag=tag, path=path) from err
+        return tomb
 
     def cleanup_stale(self) -> builtins.list[Path]:
         """Remove pending and deleting directories whose owner process is gone.
@@ -391,12 +481,15 @@ class PendingSnapshot:
                              "belongs to the process that began it (this is a forked copy)",
                              tag=self.tag)
 
-    def publish(self, meta: SnapshotMeta) -> Snapshot:
+    def publish(self, meta: SnapshotMeta, *, hash_memory: bool = False) -> Snapshot:
         """Make the snapshot durable and visible under its tag, atomically.
 
         ``state.bin`` and ``memory.bin`` must have been written into ``path``.
-        The store fills ``meta.sizes`` and ``meta.status``. On failure the pending
-        directory is left for ``abort`` (the context manager does it).
+        The store fills ``meta.sizes``, ``meta.status`` and ``meta.file_hashes``
+        (state.bin, layer.bin, and memory.bin if ``hash_memory``). A snapshot naming
+        a parent is published only while that parent (same content hash) exists,
+        else ``ParentGone``. On failure the pending directory is left for ``abort``
+        (the context manager does it).
         """
         self._check_open("publish")
         if meta.tag != self.tag:
@@ -414,8 +507,15 @@ class PendingSnapshot:
                 raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} is not a regular "
                                  "file", tag=self.tag, path=self.path)
             sizes[name] = st
+        hashes = dict(meta.file_hashes)
+        hashes.setdefault(STATE_FILE, hash_file(self.state_path))
+        if os.path.exists(self.layer_path):
+            own = [r.content_hash for r in meta.memory_layers if r.tag == self.tag]
+            hashes.setdefault(LAYER_FILE, own[-1] if own else hash_file(self.layer_path))
+        if hash_memory:
+            hashes.setdefault(MEMORY_FILE, hash_memory_file(self.memory_path))
         final = dataclasses.replace(
-            meta, status=STATUS_READY, format_version=META_FORMAT_VERSION,
+            meta, status=STATUS_READY, format_version=META_FORMAT_VERSION, file_hashes=hashes,
             sizes=SnapshotSizes(
                 memory_logical_bytes=sizes[MEMORY_FILE].st_size,
                 memory_physical_bytes=sizes[MEMORY_FILE].st_blocks * 512,
@@ -436,13 +536,18 @@ class PendingSnapshot:
             stage = "make the directory readable"
             os.chmod(self.path, 0o755)
             _fsync_dir(self.path)
-            if os.path.lexists(target):
-                # Only a writer bypassing the tag lock gets here; never replace its work.
-                raise TagExists(self.tag, target)
-            stage = "rename into place"
-            os.rename(self.path, target)
-            stage = "fsync the snapshots directory"
-            _fsync_dir(self.store.snapshots_dir)
+            links = (ChainsLock(self.store.locks_dir) if final.parent_tag is not None
+                     else contextlib.nullcontext())
+            with links:
+                if final.parent_tag is not None:
+                    self._check_parent(final)
+                if os.path.lexists(target):
+                    # Only a writer bypassing the tag lock gets here; never replace its work.
+                    raise TagExists(self.tag, target)
+                stage = "rename into place"
+                os.rename(self.path, target)
+                stage = "fsync the snapshots directory"
+                _fsync_dir(self.store.snapshots_dir)
         except OSError as err:
             if stage == "fsync the snapshots directory":
                 # Renamed and visible; only the durability of the rename is unknown.
@@ -453,6 +558,19 @@ class PendingSnapshot:
         snapshot = Snapshot(self.tag, target, final)
         self._finish(snapshot)
         return snapshot
+
+    def _check_parent(self, meta: SnapshotMeta) -> None:
+        assert meta.parent_tag is not None
+        try:
+            parent = self.store.get(meta.parent_tag)
+        except (SnapshotNotFound, SnapshotCorrupt) as err:
+            raise ParentGone(f"cannot publish snapshot {self.tag!r}: its parent "
+                             f"{meta.parent_tag!r} was deleted while it was being written "
+                             f"({err})", tag=self.tag) from None
+        if not _same_parent(meta, parent.meta):
+            raise ParentGone(f"cannot publish snapshot {self.tag!r}: its parent "
+                             f"{meta.parent_tag!r} was replaced by another snapshot while it "
+                             "was being written", tag=self.tag)
 
     def abort(self) -> None:
         """Discard everything written so far and release the tag. Idempotent."""
@@ -468,7 +586,43 @@ class PendingSnapshot:
         self._lock.release()
 
 
+def _same_parent(child: SnapshotMeta, parent: SnapshotMeta) -> bool:
+    """Whether ``parent`` is the snapshot ``child`` was built on (content hashes agree,
+    where both were recorded)."""
+    return (child.parent_content_hash is None or parent.content_hash is None
+            or child.parent_content_hash == parent.content_hash)
+
+
+def _subtree_deepest_first(tag: str, children: dict[str, builtins.list[str]]
+                           ) -> builtins.list[str]:
+    """``tag`` and everything built on it, each snapshot after all its dependents."""
+    order: builtins.list[str] = []
+    seen: set[str] = set()
+
+    def visit(t: str) -> None:
+        if t in seen:       # only a hand-edited store has a cycle; do not loop on it
+            return
+        seen.add(t)
+        for child in children.get(t, []):
+            visit(child)
+        order.append(t)
+
+    visit(tag)
+    return order
+
+
 # -- file-system helpers --------------------------------------------------------------
+
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 def _walk_files(root: Path) -> Iterator[os.DirEntry[str]]:
     for entry in os.scandir(root):

@@ -1,0 +1,349 @@
+"""Diff chains in the store, without KVM: info, rmi guard/cascade/force, verify, compact.
+
+Chains are built with the store API from synthetic files: a root's memory.bin is
+a sparse file, each link's layer.bin is written by ``vmm.layerfile`` from an
+anonymous ``GuestMemory`` holding the pages it "changed", and
+``chains.publish_link`` resolves the link exactly as a BRANCH diff does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_server_http import Served, _serve
+
+from vmfork.cli import main
+from vmfork.store import SnapshotMeta, SnapshotNotFound, Store, StoreError, TagExists, chains
+from vmfork.store.errors import HasDependents, ParentGone
+from vmfork.store.layers import LAYER_FILE
+from vmfork.vmm import layerfile
+from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
+
+MEM = 4 << 20
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    return Store.open(tmp_path / "home")
+
+
+def meta(tag: str) -> SnapshotMeta:
+    return SnapshotMeta(tag=tag, image="default", mem_mib=MEM >> 20, vcpus=1)
+
+
+def make_root(store: Store, tag: str, pages: dict[int, bytes]) -> None:
+    with store.begin(tag) as pending:
+        pending.state_path.write_bytes(b"STATE-" + tag.encode())
+        with open(pending.memory_path, "wb") as f:
+            f.truncate(MEM)
+            for page, data in pages.items():
+                f.seek(page * PAGE_SIZE)
+                f.write(data.ljust(PAGE_SIZE, b"\0"))
+        chains.publish_root(pending, meta(tag))
+
+
+def make_link(store: Store, parent: str, tag: str, pages: dict[int, bytes]) -> None:
+    memory = GuestMemory.anonymous(MEM)
+    for page, data in pages.items():
+        memory.write(page * PAGE_SIZE, data.ljust(PAGE_SIZE, b"\0"))
+    with store.begin(tag) as pending:
+        pending.state_path.write_bytes(b"STATE-" + tag.encode())
+        fd = os.open(pending.layer_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            layerfile.write_layer(fd, memory, [(p * PAGE_SIZE, PAGE_SIZE) for p in sorted(pages)])
+        finally:
+            os.close(fd)
+        chains.publish_link(pending, store.get(parent), meta(tag))
+
+
+def page(store: Store, tag: str, n: int) -> bytes:
+    with open(store.get(tag).memory_path, "rb") as f:
+        f.seek(n * PAGE_SIZE)
+        return f.read(PAGE_SIZE).rstrip(b"\0")
+
+
+@pytest.fixture
+def chain3(store: Store) -> Store:
+    """base <- numpy <- pandas <- sklearn, plus a sibling base <- other."""
+    make_root(store, "base", {1: b"base-1", 2: b"base-2"})
+    make_link(store, "base", "numpy", {2: b"numpy-2", 3: b"numpy-3"})
+    make_link(store, "numpy", "pandas", {4: b"pandas-4"})
+    make_link(store, "pandas", "sklearn", {1: b"sklearn-1"})
+    make_link(store, "base", "other", {5: b"other-5"})
+    return store
+
+
+def test_every_head_resolves_its_whole_chain(chain3: Store) -> None:
+    assert [page(chain3, "sklearn", n) for n in range(1, 6)] == \
+        [b"sklearn-1", b"numpy-2", b"numpy-3", b"pandas-4", b""]
+    assert [page(chain3, "numpy", n) for n in range(1, 5)] == \
+        [b"base-1", b"numpy-2", b"numpy-3", b""]
+    assert page(chain3, "other", 2) == b"base-2" and page(chain3, "other", 5) == b"other-5"
+
+
+def test_info_reports_depth_parents_dependents_and_bytes(chain3: Store) -> None:
+    info = chains.snapshot_info(chain3, "pandas")
+    assert info["chain_depth"] == 2
+    assert info["ancestors"] == ["base", "numpy"]
+    assert info["parent_tag"] == "numpy"
+    assert info["parent_content_hash"] == chain3.get("numpy").meta.content_hash
+    assert info["content_hash"].startswith("blake2b-256:")
+    assert info["dependents"] == ["sklearn"] and info["descendants"] == ["sklearn"]
+    assert info["layer_bytes"] > PAGE_SIZE                   # header + index + one page
+    assert info["memory_logical_bytes"] == MEM
+    assert 0 < info["unique_bytes"] <= info["physical_bytes"]
+    base = chains.snapshot_info(chain3, "base")
+    assert base["chain_depth"] == 0 and base["ancestors"] == []
+    assert base["dependents"] == ["numpy", "other"]
+    assert sorted(base["descendants"]) == ["numpy", "other", "pandas", "sklearn"]
+    assert len({chain3.get(t).meta.content_hash
+                for t in ("base", "numpy", "pandas", "sklearn", "other")}) == 5
+
+
+def test_rmi_refuses_a_snapshot_with_dependents_and_names_them(chain3: Store) -> None:
+    with pytest.raises(HasDependents) as err:
+        chain3.delete("base")
+    assert err.value.dependents == ["numpy", "other"]
+    assert "numpy, other" in str(err.value) and "--cascade" in str(err.value)
+    assert chain3.exists("base")
+    assert chain3.delete("sklearn") == ["sklearn"]           # a leaf goes
+    with pytest.raises(StoreError, match="not both"):
+        chain3.delete("numpy", cascade=True, force=True)
+
+
+def test_cascade_removes_the_subtree_deepest_first(chain3: Store) -> None:
+    assert chain3.delete("numpy", cascade=True) == ["sklearn", "pandas", "numpy"]
+    assert [s.tag for s in chain3.list()] == ["base", "other"]
+    assert chains.snapshot_info(chain3, "base")["dependents"] == ["other"]
+    assert not [e for e in os.listdir(chain3.snapshots_dir) if e.startswith(".")]
+
+
+def test_a_crash_mid_cascade_leaves_every_remaining_chain_whole(
+        chain3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Store._rename_to_tomb
+    calls: list[str] = []
+
+    def crash_on_second(self: Store, tag: str) -> Path:
+        calls.append(tag)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated crash")
+        return real(self, tag)
+
+    monkeypatch.setattr(Store, "_rename_to_tomb", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        chain3.delete("numpy", cascade=True)
+    monkeypatch.undo()
+    reopened = Store.open(chain3.root)                        # clears the tomb left behind
+    assert [s.tag for s in reopened.list()] == ["base", "numpy", "other", "pandas"]
+    for snap in reopened.list():
+        chains.chain_of(reopened, snap.tag)                    # no dangling parent
+    assert not [e for e in os.listdir(reopened.snapshots_dir) if e.startswith(".")]
+
+
+def test_force_keeps_dependents_spawnable_as_standalone_snapshots(chain3: Store) -> None:
+    before = {t: chain3.get(t).memory_path.read_bytes() for t in ("numpy", "pandas", "sklearn")}
+    assert chain3.delete("numpy", force=True) == ["numpy"]
+    pandas = chains.snapshot_info(chain3, "pandas")
+    assert pandas["chain_depth"] == 0 and pandas["parent_tag"] is None
+    assert pandas["orphaned_from"] == "numpy"
+    assert not (chain3.get("pandas").path / LAYER_FILE).exists()
+    sklearn = chains.snapshot_info(chain3, "sklearn")
+    assert sklearn["ancestors"] == ["pandas"] and sklearn["chain_depth"] == 1
+    for tag in ("pandas", "sklearn"):
+        assert chain3.get(tag).memory_path.read_bytes() == before[tag]
+    assert all(c.status in ("ok", "unhashed") for c in chains.verify(chain3))
+    with pytest.raises(SnapshotNotFound):
+        chain3.get("numpy")
+
+
+def test_a_link_is_not_published_onto_a_parent_deleted_meanwhile(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_root(store, "base", {1: b"b"})
+    real = chains.materialise_head
+
+    def delete_parent_while_resolving(parent_memory: Path, layer: Path, out: Path) -> int:
+        copied = real(parent_memory, layer, out)
+        store.delete("base")                # no dependents yet: the child is unpublished
+        return copied
+
+    monkeypatch.setattr(chains, "materialise_head", delete_parent_while_resolving)
+    with pytest.raises(ParentGone, match="deleted while"):
+        make_link(store, "base", "child", {1: b"c"})
+    assert store.list() == [] and not os.listdir(store.snapshots_dir)
+
+
+def test_verify_finds_a_changed_byte(chain3: Store) -> None:
+    checks = chains.verify(chain3, "pandas")
+    assert {(c.name, c.status) for c in checks} == {
+        ("state.bin", "ok"), ("layer.bin", "ok"), ("memory.bin", "unhashed")}
+    assert {(c.name, c.status) for c in chains.verify(chain3, "base")} == {
+        ("state.bin", "ok"), ("memory.bin", "ok")}
+    layer = chain3.get("pandas").path / LAYER_FILE
+    os.chmod(layer.parent, 0o755)
+    data = bytearray(layer.read_bytes())
+    data[-1] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    bad = [c for c in chains.verify(chain3) if c.status != "ok" and c.status != "unhashed"]
+    assert [(c.tag, c.name, c.status) for c in bad] == [("pandas", "layer.bin", "mismatch")]
+
+
+def test_compact_publishes_one_flat_snapshot(chain3: Store) -> None:
+    flat = chains.compact(chain3, "sklearn", "sklearn-flat")
+    assert flat.meta.parent_tag is None and flat.meta.memory_layers == []
+    assert flat.memory_path.read_bytes() == chain3.get("sklearn").memory_path.read_bytes()
+    assert flat.state_path.read_bytes() == b"STATE-sklearn"
+    info = chains.snapshot_info(chain3, "sklearn-flat")
+    assert info["chain_depth"] == 0 and info["branched_from"] == "compact:sklearn"
+    assert os.stat(flat.memory_path).st_blocks * 512 < MEM // 2      # stays sparse
+    assert {c.status for c in chains.verify(chain3, "sklearn-flat")} == {"ok"}
+    with pytest.raises(TagExists):
+        chains.compact(chain3, "pandas", "sklearn-flat")
+    with pytest.raises(SnapshotNotFound):
+        chains.compact(chain3, "nope", "x")
+
+
+def test_a_failed_compact_leaves_nothing(chain3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(path: object) -> str:
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(chains, "hash_memory", fail)
+    with pytest.raises(OSError):
+        chains.compact(chain3, "sklearn", "flat")
+    assert not chain3.exists("flat")
+    assert not [e for e in os.listdir(chain3.snapshots_dir) if e.startswith(".")]
+
+
+def test_depth_limit_has_a_clear_error(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chains, "MAX_CHAIN_DEPTH", 2)
+    make_root(store, "d0", {1: b"0"})
+    make_link(store, "d0", "d1", {1: b"1"})
+    make_link(store, "d1", "d2", {1: b"2"})
+    with pytest.raises(chains.ChainTooDeep, match="snapshot-compact --from d2"):
+        make_link(store, "d2", "d3", {1: b"3"})
+    assert not store.exists("d3")
+
+
+def test_a_hostile_layer_cannot_write_outside_guest_ram(store: Store) -> None:
+    make_root(store, "base", {1: b"b"})
+    with store.begin("evil") as pending:
+        pending.state_path.write_bytes(b"S")
+        big = GuestMemory.anonymous(MEM * 2)
+        fd = os.open(pending.layer_path, os.O_RDWR | os.O_CREAT)
+        layerfile.write_layer(fd, big, [(MEM, PAGE_SIZE)])     # beyond the parent's RAM
+        os.close(fd)
+        with pytest.raises(layerfile.LayerError):
+            chains.publish_link(pending, store.get("base"), replace(meta("evil")))
+    assert not store.exists("evil")
+
+
+# -- through the daemon (real HTTP server, controller and store; no VMs) and the CLI ------
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    yield from _serve(tmp_path, None)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_rest_info_delete_and_compact(served: Served) -> None:
+    store = served.store
+    make_root(store, "base", {1: b"b"})
+    make_link(store, "base", "numpy", {2: b"n"})
+    make_link(store, "numpy", "pandas", {3: b"p"})
+    status, info, _ = served.request("GET", "/v1/snapshots/pandas/info")
+    assert status == 200 and info["chain_depth"] == 2 and info["ancestors"] == ["base", "numpy"]
+    assert info["parent_content_hash"] == store.get("numpy").meta.content_hash
+    status, reply, _ = served.request("DELETE", "/v1/snapshots/base")
+    assert status == 409 and reply["dependents"] == ["numpy"] and "numpy" in reply["error"]
+    status, reply, _ = served.request("DELETE", "/v1/snapshots/base?cascade=true&force=true")
+    assert status == 400
+    status, reply, _ = served.request("POST", "/v1/snapshots/pandas/compact", {"to": "flat"})
+    assert status == 200 and reply["branched_from"] == "compact:pandas"
+    status, reply, _ = served.request("POST", "/v1/snapshots/pandas/compact", {"to": "flat"})
+    assert status == 409 and "already exists" in reply["error"]
+    status, reply, _ = served.request("POST", "/v1/snapshots/pandas/compact", {"to": "../x"})
+    assert status == 400
+    status, reply, _ = served.request("POST", "/v1/snapshots/nope/compact", {"to": "y"})
+    assert status == 404
+    status, _, _ = served.request("DELETE", "/v1/snapshots/numpy?force=true")
+    assert status == 204
+    status, info, _ = served.request("GET", "/v1/snapshots/pandas/info")
+    assert info["chain_depth"] == 0 and info["orphaned_from"] == "numpy"
+    status, _, _ = served.request("DELETE", "/v1/snapshots/base?cascade=true")
+    assert status == 204
+    assert [s.tag for s in store.list()] == ["flat", "pandas"]
+
+
+def test_cli_chain_verbs_through_the_daemon(served: Served,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    url = ("--url", served.url)
+    make_root(served.store, "base", {1: b"b"})
+    make_link(served.store, "base", "numpy", {2: b"n"})
+    status, out, _ = run(capsys, "snapshot-info", "numpy", *url)
+    assert status == 0 and "chain_depth:             1" in out and "ancestors:               base" \
+        in out
+    status, out, err = run(capsys, "rmi", "base", *url)
+    assert status != 0 and "dependents" in err and "numpy" in err
+    status, out, _ = run(capsys, "snapshot-compact", "--from", "numpy", "--to", "numpy-flat",
+                         "--json", *url)
+    assert status == 0 and json.loads(out)["tag"] == "numpy-flat"
+    status, out, _ = run(capsys, "rmi", "--cascade", "base", *url)
+    assert status == 0 and served.store.exists("numpy-flat") and not served.store.exists("numpy")
+
+
+def test_cli_chain_verbs_on_the_local_store(chain3: Store, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMFORK_HOME", str(chain3.root))
+    monkeypatch.setenv("VMFORK_RUN_DIR", str(chain3.root / "run"))    # no daemon there
+    monkeypatch.delenv("VMFORK_URL", raising=False)
+    monkeypatch.delenv("FORKD_URL", raising=False)
+    status, out, _ = run(capsys, "snapshot-info", "sklearn", "--json")
+    assert status == 0 and json.loads(out)["ancestors"] == ["base", "numpy", "pandas"]
+    status, out, err = run(capsys, "rmi", "numpy")
+    assert status == 1 and "pandas" in err
+    status, out, _ = run(capsys, "verify")
+    assert status == 0 and "mismatch" not in out
+    layer = chain3.get("numpy").path / LAYER_FILE
+    os.chmod(layer, 0o644)
+    with open(layer, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x01")
+    status, out, err = run(capsys, "verify", "numpy")
+    assert status == 1 and "mismatch" in out and "vmfork rmi" in err
+    status, out, _ = run(capsys, "rmi", "--cascade", "numpy")
+    assert status == 0 and out.split() == ["deleted", "sklearn", "deleted", "pandas",
+                                           "deleted", "numpy"]
+
+
+def test_snapshot_diff_keeps_nothing_when_the_command_fails(
+        served: Served, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    url = ("--url", served.url)
+    make_root(served.store, "base", {1: b"b"})
+    make_link(served.store, "base", "numpy", {2: b"n"})
+    # The fake agent's commands print two chunks and exit 3.
+    status, out, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "pandas",
+                           "--exec", "pip install pandas", *url)
+    assert status == 1 and out == "chunk1 chunk2" and "exited with status 3" in err
+    assert not served.store.exists("pandas") and served.spawner.branch_requests == []
+    assert served.controller.list_sandboxes() == []             # the sandbox was killed
+    status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "base",
+                         "--exec", "true", *url)
+    assert status == 1 and "'base' already exists" in err
+    status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "../x",
+                         "--exec", "true", *url)
+    assert status == 2 and "invalid snapshot tag" in err
+    monkeypatch.setattr(chains, "MAX_CHAIN_DEPTH", 1)
+    status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "pandas",
+                         "--exec", "true", *url)
+    assert status == 1 and "chain depth 1" in err and "snapshot-compact" in err
+    assert served.controller.list_sandboxes() == []
