@@ -74,8 +74,8 @@ QEMU_PACKAGE = "qemu-system-x86"
 # panic=-1 with QEMU's -no-reboot turns a guest panic into a prompt QEMU exit.
 KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init cryptomgr.notests"
 CONSOLE_TAIL_BYTES = 16384
-# Ten missed heartbeats: far beyond any scheduling delay of a loaded emulated host.
-HEARTBEAT_LOST_SECONDS = 10 * HEARTBEAT_SECONDS
+# Six missed heartbeats: far beyond any scheduling delay of a loaded emulated host.
+HEARTBEAT_LOST_SECONDS = 6 * HEARTBEAT_SECONDS
 
 
 def _qemu_path_arg(path: str) -> str:
