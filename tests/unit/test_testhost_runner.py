@@ -207,6 +207,32 @@ def test_host_image_is_built_once_and_holds_what_init_needs(
     assert (again.initramfs, again.built_now) == (image.initramfs, False)
 
 
+def test_heartbeats_are_seen_when_the_console_trickles_in_byte_by_byte() -> None:
+    import os
+    import time
+
+    from vmfork.testhost import qemu
+
+    read_end, write_end = os.pipe()
+    console = qemu._Relay(read_end, None, keep_tail=True)
+    console.start()
+    try:
+        for byte in f"[ 1.0] boot\n{qemu.HEARTBEAT_PREFIX} uptime=1.0\n".encode():
+            os.write(write_end, bytes([byte]))
+            time.sleep(0.001)  # each byte its own read, as QEMU's UART delivers them
+        deadline = time.monotonic() + 5
+        while console.last_heartbeat is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert console.last_heartbeat is not None
+        seen = console.last_heartbeat
+        os.write(write_end, b"no heartbeat here, only heartbeat-like words\n")
+        time.sleep(0.2)
+        assert console.last_heartbeat == seen
+    finally:
+        os.close(write_end)
+        console.join(5)
+
+
 def _supervised(monkeypatch: pytest.MonkeyPatch, beats: int, lost_after: float,
                 timeout: float | None) -> tuple[BaseException | int, float]:
     """Supervise a real `sleep 30` whose console pipe carries `beats` heartbeats, then silence."""

@@ -150,6 +150,7 @@ class _Relay:
     _tail_bytes: int = 0
     thread: threading.Thread | None = None
     last_heartbeat: float | None = None  # time.monotonic() of the last heartbeat line seen
+    _unmatched: bytes = b""  # the console's last bytes, for a heartbeat split across reads
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, daemon=True,
@@ -159,8 +160,7 @@ class _Relay:
     def _run(self) -> None:
         with open(self.fd, "rb", buffering=0, closefd=True) as pipe:
             while chunk := pipe.read(65536):
-                if HEARTBEAT_PREFIX.encode() in chunk:
-                    self.last_heartbeat = time.monotonic()
+                self._watch_for_heartbeat(chunk)
                 if self.sink is not None:
                     try:
                         self.sink.write(chunk)
@@ -172,6 +172,17 @@ class _Relay:
                     self._tail_bytes += len(chunk)
                     while self._tail_bytes - len(self.tail[0]) > CONSOLE_TAIL_BYTES:
                         self._tail_bytes -= len(self.tail.popleft())
+
+    def _watch_for_heartbeat(self, chunk: bytes) -> None:
+        # The emulated UART hands QEMU one byte at a time, so a heartbeat line usually
+        # arrives over many reads: search the bytes kept from before plus this chunk.
+        prefix = HEARTBEAT_PREFIX.encode()
+        window = self._unmatched + chunk
+        found = window.rfind(prefix)
+        if found >= 0:
+            self.last_heartbeat = time.monotonic()
+            window = window[found + len(prefix):]
+        self._unmatched = window[-(len(prefix) - 1):]
 
     def join(self, timeout: float) -> None:
         if self.thread is not None:
