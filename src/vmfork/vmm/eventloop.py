@@ -70,6 +70,10 @@ class EventLoop:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
     def stop(self) -> None:
         self._stopping = True
         os.eventfd_write(self._wake_fd, 1)

@@ -23,8 +23,13 @@ class IrqLine:
         self.count = 0
 
     def trigger(self) -> None:
+        fd = self.fd
+        if fd < 0:  # closed: the machine is going away, nobody is listening
+            return
         self.count += 1
-        os.eventfd_write(self.fd, 1)
+        os.eventfd_write(fd, 1)
 
     def close(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)

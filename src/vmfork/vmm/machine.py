@@ -481,6 +481,15 @@ class Machine:
         vcpus = getattr(self, "vcpus", [])
         for vcpu in vcpus:
             vcpu.stop()
+        loop: EventLoop | None = getattr(self, "loop", None)
+        if self._closers and loop is not None and loop.running and not loop.in_loop_thread():
+            # A barrier: work queued on the I/O thread before now (a restore queues each
+            # device's activation, which raises interrupts) finishes before the closers
+            # below take its irq eventfds away.
+            try:
+                run_on_loop(loop, lambda: None)
+            except Exception:
+                log.exception("vm %s: the I/O thread did not drain before close", self.vm_id)
         while self._closers:
             closer = self._closers.pop()
             try:
