@@ -50,7 +50,7 @@ from vmfork.store import chains
 from vmfork.store.errors import HasDependents, SnapshotCorrupt, SnapshotNotFound, StoreError
 from vmfork.store.layers import HASH_NAME, LAYER_FILE, hash_file, hash_memory
 from vmfork.store.meta import SnapshotMeta
-from vmfork.store.store import MEMORY_FILE, STATE_FILE, Snapshot, Store
+from vmfork.store.store import MEMORY_FILE, STATE_FILE, Snapshot, Store, _fsync_dir
 from vmfork.store.tags import is_valid_tag, validate_tag
 from vmfork.vmm.stateformat import StateFormatError, from_json_value, to_json_value
 
@@ -583,11 +583,3 @@ def _publish(store: Store, plan: list[dict[str, Any]], staging: Path,
             with contextlib.suppress(StoreError):
                 store.delete(tag)
         raise
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
