@@ -16,7 +16,8 @@ for). Every file is still re-read now and then, in case a line was lost.
 A batch (n > 1) starts together: each child restores everything, reports
 ``prepared`` and waits at a start gate (a second FIFO) before its vCPUs run; once
 every child is prepared (or has failed), the spawner writes one byte per child
-into the gate. Guests that already run would otherwise compete for the CPU with
+into the gate (also when no child became prepared for ``GATE_STALL_S``: one that
+hangs in its restore does not hold back the others). Guests that already run would otherwise compete for the CPU with
 siblings still restoring, and the batch's last restore would come later.
 """
 
@@ -44,6 +45,10 @@ VMM_ENTRY = "vmfork.runtime.vmmchild:main"
 FULL_SCAN_S = 0.25
 # The zygote's exit events (children that died without a status) this often.
 EVENTS_CHECK_S = 0.1
+# The start gate opens once every child is prepared, or once no child became
+# prepared for this long: one child stuck in its restore must not hold back the
+# siblings that are ready to run.
+GATE_STALL_S = 20.0
 
 
 class SpawnFailed(RuntimeError):
@@ -222,11 +227,14 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
     changed: set[str] = set(pending)
     restored: set[str] = set()
     prepared: set[str] = set()   # at the start gate, or past it
+    prepared_progress = started  # when the last child became prepared
     last = (-1, -1, -1)
     while pending:
         now = time.monotonic()
         if now - started > timeout:
-            raise SpawnFailed(f"{len(pending)} of {n} children not ready after {timeout:.0f} s")
+            stuck = "; ".join(_describe_stuck(c) for c in list(pending.values())[:5])
+            raise SpawnFailed(f"{len(pending)} of {n} children not ready after {timeout:.0f} s"
+                              f" ({stuck})")
         changed |= _read_notifications(notify_fd)
         if now >= next_full_scan:
             changed |= set(pending)
@@ -234,8 +242,9 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
         for vm_id in changed & pending.keys():
             child = pending[vm_id]
             state = child.read_status().get("state")
-            if state in ("prepared", "restored", "ready"):
+            if state in ("prepared", "restored", "ready") and vm_id not in prepared:
                 prepared.add(vm_id)
+                prepared_progress = now
             if state in ("restored", "ready"):
                 restored.add(vm_id)
             if state in done_states:
@@ -253,7 +262,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
                                    + (f" ({tail})" if tail else "")))
             next_events_check = time.monotonic() + EVENTS_CHECK_S
         changed.clear()
-        if gate is not None and pending.keys() <= prepared:
+        if gate is not None and (pending.keys() <= prepared
+                                 or time.monotonic() - prepared_progress > GATE_STALL_S):
             gate.release(len(children))
         if restored_at is None and len(restored) + len(failed) >= len(children):
             restored_at = time.monotonic()
@@ -263,12 +273,36 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             last = counts
         if pending:
             wake = min(next_events_check, next_full_scan, started + timeout)
+            if gate is not None and not gate.released:
+                wake = min(wake, prepared_progress + GATE_STALL_S)
             select.select([notify_fd], [], [], max(0.0, wake - time.monotonic()))
     ready_at = time.monotonic()
     ok = [c for c in children if c.status.get("state") in done_states]
     return ForkReport(children=ok, spawn_s=spawned - started,
                       restored_s=(restored_at or ready_at) - started,
                       ready_s=ready_at - started, failed=failed)
+
+
+def _describe_stuck(child: Child) -> str:
+    """Where a child that never got ready is: its last state, whether its process
+    lives and where it waits in the kernel, and the last line of its VMM log."""
+    state = child.read_status().get("state", "no status yet")
+    try:
+        stat = Path(f"/proc/{child.pid}/stat").read_text()
+        proc_state = stat.rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{child.pid}/wchan").read_text().strip() or "-"
+        process = f"pid {child.pid} state {proc_state} wchan {wchan}"
+    except (OSError, IndexError):
+        process = f"pid {child.pid} gone"
+    try:
+        with open(child.run_dir / "vmm.log", "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 400))
+            lines = log.read().decode(errors="replace").splitlines()
+        last = lines[-1].strip() if lines else "empty log"
+    except OSError:
+        last = "no log"
+    return f"{child.vm_id}: {state}, {process}, log: {last}"
 
 
 def _destroy_networks(network: HostNetwork | None, nets: Iterable[ChildNetwork]) -> None:
