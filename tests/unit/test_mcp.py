@@ -30,7 +30,7 @@ TOKEN = "mcp-test-token-0123456789"
 FORKD_TOOLS = {"list_snapshots", "spawn_sandboxes", "branch_sandbox", "create_snapshot",
                "wait_for_text", "list_sandboxes", "get_sandbox", "kill_sandbox",
                "exec_command", "eval_code", "ping_sandbox"}
-VMFORK_TOOLS = {"read_file", "write_file", "list_files", "snapshot_info"}
+VMFORK_TOOLS = {"read_file", "write_file", "list_files", "snapshot_info", "compact_snapshot"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,8 @@ def test_tools_schemas_and_errors(daemon: RunningDaemon) -> None:
                 await mcp.call("read_file", {"sandbox_id": "sb-nope", "path": "/etc/hostname"})
             with pytest.raises(ToolFailed, match=r"HTTP 404"):
                 await mcp.call("snapshot_info", {"tag": "absent"})
+            with pytest.raises(ToolFailed, match=r"HTTP 404.*absent"):
+                await mcp.call("compact_snapshot", {"tag": "absent", "to": "flat"})
             with pytest.raises(ToolFailed, match=r"HTTP 400.*live_fork"):
                 await mcp.call("spawn_sandboxes", {"snapshot_tag": "absent",
                                                    "live_fork": True})

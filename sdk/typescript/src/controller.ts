@@ -243,6 +243,15 @@ export class Controller {
     return this.json("GET", `/v1/snapshots/${seg(tag)}/info`, options);
   }
 
+  /** Publish `to`: snapshot `tag`'s whole diff chain as one flat snapshot (atomically). */
+  compactSnapshot(tag: string, to: string, options: CallOptions = {}): Promise<SnapshotDetails> {
+    return this.json("POST", `/v1/snapshots/${seg(tag)}/compact`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 3_600_000),
+      json: { to },
+    });
+  }
+
   async deleteSnapshot(tag: string, options: DeleteSnapshotOptions = {}): Promise<void> {
     await this.json("DELETE", `/v1/snapshots/${seg(tag)}`, {
       ...options,

@@ -127,6 +127,8 @@ describe("against vmfork serve (no sandboxes)", () => {
     await rejectsWith(Sandbox.connect(id, { controller: ctl }), 404, new RegExp(id));
     await rejectsWith(ctl.deleteSnapshot("absent"), 404, /absent/);
     await rejectsWith(ctl.snapshotInfo("absent"), 404, /absent/);
+    await rejectsWith(ctl.compactSnapshot("absent", "flat"), 404, /absent/);
+    await rejectsWith(ctl.compactSnapshot("absent", "no/slash"), 400, /to/);
     // A tag that would escape the store is refused, whatever the encoding.
     await rejectsWith(ctl.snapshotInfo("../../etc"), 400, /tag/);
   });

@@ -63,6 +63,7 @@ def build_server(controller: Controller) -> MCPServer:
     server: MCPServer = MCPServer("vmfork", version=__version__, instructions=INSTRUCTIONS)
     tools = _Tools(controller)
     for fn in (tools.list_snapshots, tools.snapshot_info, tools.create_snapshot,
+               tools.compact_snapshot,
                tools.spawn_sandboxes, tools.list_sandboxes, tools.get_sandbox,
                tools.kill_sandbox, tools.ping_sandbox, tools.exec_command, tools.eval_code,
                tools.branch_sandbox, tools.wait_for_text, tools.read_file, tools.write_file,
@@ -129,6 +130,23 @@ class _Tools:
             return self.c.snapshot_info(tag)
         except ControllerError as err:
             raise _tool_error(err, f"snapshot_info {tag}") from None
+
+    def compact_snapshot(
+        self,
+        tag: SnapshotTag,
+        to: Annotated[str, Field(pattern=NAME_PATTERN, description=(
+            "Tag for the new flat snapshot: 1-64 letters, digits, '-' or '_'; "
+            "must not exist yet."))],
+    ) -> dict[str, Any]:
+        """Copy snapshot `tag` and the chain of branches under it into one new flat
+        snapshot `to`, which no longer depends on its ancestors (they can then be
+        deleted). Spawning is as fast either way; use this before deleting the base a
+        branch was made from, or to ship one self-contained snapshot. Returns the new
+        snapshot's details."""
+        try:
+            return self.c.compact_snapshot(tag, to)
+        except ControllerError as err:
+            raise _tool_error(err, f"compact_snapshot {tag} -> {to}") from None
 
     def create_snapshot(
         self,

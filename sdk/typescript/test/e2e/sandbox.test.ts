@@ -189,6 +189,21 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
         await ctl.killSandbox(child!.id);
       }
       assert.equal((await source.eval("answer")).result, "8");
+      // Its chain compacted into one flat snapshot spawns the same guest.
+      const flatTag = `${branchTag}-flat`;
+      const flat = await ctl.compactSnapshot(branchTag, flatTag);
+      try {
+        assert.equal(flat.tag, flatTag);
+        assert.equal(flat.chain_depth, 0);
+        const [fromFlat] = await ctl.spawnSandboxes({ snapshotTag: flatTag });
+        try {
+          assert.equal((await ctl.evalCode(fromFlat!.id, "answer")).result, "7");
+        } finally {
+          await ctl.killSandbox(fromFlat!.id);
+        }
+      } finally {
+        await ctl.deleteSnapshot(flatTag);
+      }
       await assert.rejects(
         source.branch({ tag: branchTag }),
         (err: unknown) => err instanceof ControllerError && err.status === 409,
