@@ -147,6 +147,9 @@ port() {  # the /dev node of the virtio-serial port with this name (names arrive
 }
 
 heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell builtins, sleep and cat
+    # Run in the background (its own subshell): quiet its stderr, where a task that
+    # exits between the /proc glob and the read would be reported as an error.
+    exec 2>/dev/null
     while sleep @HEARTBEAT_SECONDS@; do
         read -r up idle < /proc/uptime
         read -r load1 load5 load15 tasks last < /proc/loadavg
@@ -156,7 +159,7 @@ heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell
         done < /proc/meminfo
         blocked=
         for stat in /proc/[0-9]*/stat; do  # tasks stuck in the kernel (state D), with where
-            read -r pid comm state rest < "$stat" 2>/dev/null || continue
+            read -r pid comm state rest < "$stat" || continue  # it may have exited
             [ "$state" = D ] && blocked="$blocked $pid$comm:$(cat "/proc/$pid/wchan" 2>/dev/null)"
         done
         echo "@HEARTBEAT_PREFIX@ uptime=$up load=$load1,$load5,$load15 tasks=$tasks" \
