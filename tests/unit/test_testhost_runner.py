@@ -234,7 +234,8 @@ def test_heartbeats_are_seen_when_the_console_trickles_in_byte_by_byte() -> None
 
 
 def _supervised(monkeypatch: pytest.MonkeyPatch, beats: int, lost_after: float,
-                timeout: float | None) -> tuple[BaseException | int, float]:
+                timeout: float | None,
+                boot_limit: float = 300.0) -> tuple[BaseException | int, float]:
     """Supervise a real `sleep 30` whose console pipe carries `beats` heartbeats, then silence."""
     import os
     import subprocess
@@ -243,6 +244,7 @@ def _supervised(monkeypatch: pytest.MonkeyPatch, beats: int, lost_after: float,
     from vmfork.testhost import qemu
 
     monkeypatch.setattr(qemu, "HEARTBEAT_LOST_SECONDS", lost_after)
+    monkeypatch.setattr(qemu, "BOOT_SECONDS_LIMIT", boot_limit)
     read_end, write_end = os.pipe()
     console = qemu._Relay(read_end, None, keep_tail=True)
     console.start()
@@ -271,9 +273,70 @@ def test_a_silent_test_host_is_killed_as_hung(monkeypatch: pytest.MonkeyPatch) -
     assert took < 20
 
 
-def test_without_any_heartbeat_only_the_timeout_stops_it(
+def test_before_the_first_heartbeat_the_boot_limit_applies(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Before the first heartbeat (booting) silence means nothing: the timeout decides.
-    outcome, took = _supervised(monkeypatch, beats=0, lost_after=0.5, timeout=2)
+    from vmfork.testhost.errors import TesthostBootError
+
+    # Booting: heartbeat silence alone means nothing; a boot that never starts the
+    # command is a failed host once the boot limit passes...
+    outcome, took = _supervised(monkeypatch, beats=0, lost_after=0.5, timeout=60,
+                                boot_limit=2.0)
+    assert isinstance(outcome, TesthostBootError), outcome
+    assert "did not start the command" in str(outcome)
+    assert 1.5 < took < 20
+    # ... unless the timeout comes first.
+    outcome, took = _supervised(monkeypatch, beats=0, lost_after=0.5, timeout=2,
+                                boot_limit=60.0)
     assert isinstance(outcome, TesthostTimeout), outcome
     assert 1.5 < took < 20
+
+
+KALLSYMS = """\
+ffffffff81000000 T startup_64
+ffffffff81001000 T native_safe_halt
+ffffffff81001080 t default_idle
+ffffffff81a59180 T __svm_vcpu_run [kvm_amd]
+"""
+
+REGISTERS = """\
+CPU#0
+RAX=ffffffff81a59180 RBX=0000000000000000 RCX=0000000000000020 RDX=4000000000000000
+RIP=ffffffff81001084 RFL=00000216 [----AP-] CPL=0 II=0 A20=1 SMM=0 HLT=1
+CPU#1
+RAX=0000000000000000 RBX=0000000000000000 RCX=0000000000000000 RDX=0000000000000000
+RIP=ffffffff81a5929c RFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=0
+"""
+
+
+def test_monitor_registers_are_read_per_cpu_and_named_from_kallsyms() -> None:
+    from vmfork.testhost import monitor
+
+    rips = monitor.instruction_pointers(REGISTERS)
+    assert rips == {0: 0xFFFFFFFF81001084, 1: 0xFFFFFFFF81A5929C}
+    symbols = monitor.Symbols(KALLSYMS)
+    assert symbols.name(rips[0]) == "default_idle+0x4"
+    assert symbols.name(rips[1]) == "__svm_vcpu_run+0x11c [kvm_amd]"
+    assert symbols.name(0x5573EE84E1B6) is None  # below the kernel: user space
+
+
+def test_kernel_symbols_are_cached_per_version_and_never_outside_the_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmfork.testhost import monitor
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("VMFORK_CACHE_DIR", raising=False)
+    dump = tmp_path / "kallsyms"
+    monitor.keep_symbols("6.1.0-test", dump)  # absent: nothing cached
+    assert monitor.Symbols.load("6.1.0-test") is None
+    dump.write_text("")
+    monitor.keep_symbols("6.1.0-test", dump)  # empty: nothing cached
+    assert monitor.Symbols.load("6.1.0-test") is None
+    dump.write_text(KALLSYMS)
+    fresh = monitor.Symbols.load("6.1.0-test", dump)  # this run's dump, before caching
+    assert fresh is not None and fresh.name(0xFFFFFFFF81001001) == "native_safe_halt+0x1"
+    monitor.keep_symbols("6.1.0-test", dump)
+    cached = monitor.Symbols.load("6.1.0-test")
+    assert cached is not None and cached.name(0xFFFFFFFF81000010) == "startup_64+0x10"
+    for bad in ("", "../etc", "a/b", ".hidden"):
+        with pytest.raises(ValueError):
+            monitor.symbols_path(bad)

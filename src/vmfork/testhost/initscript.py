@@ -46,6 +46,8 @@ CTL_TAG = "vmfork_ctl"
 ROOT_TAG = "host"
 STATUS_FILE = "status"
 BOOT_SECONDS_FILE = "boot_seconds"
+WANT_KALLSYMS_FILE = "want_kallsyms"  # the runner asks for KALLSYMS_FILE by creating this
+KALLSYMS_FILE = "kallsyms"
 JOB_FILE = "job.sh"
 STDOUT_PORT = "stdout"
 STDERR_PORT = "stderr"
@@ -150,7 +152,7 @@ heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell
     # Run in the background (its own subshell): quiet its stderr, where a task that
     # exits between the /proc glob and the read would be reported as an error.
     exec 2>/dev/null
-    while sleep @HEARTBEAT_SECONDS@; do
+    while :; do  # the first at once: the runner then knows the command has started
         read -r up idle < /proc/uptime
         read -r load1 load5 load15 tasks last < /proc/loadavg
         avail=?
@@ -164,6 +166,7 @@ heartbeat() {  # forever: one console line per @HEARTBEAT_SECONDS@ s, from shell
         done
         echo "@HEARTBEAT_PREFIX@ uptime=$up load=$load1,$load5,$load15 tasks=$tasks" \
              "available=${avail}MiB${blocked:+ blocked:$blocked}" > /dev/console
+        sleep @HEARTBEAT_SECONDS@
     done
 }
 
@@ -171,6 +174,9 @@ run_command() {  # env -i arguments for the chroot: NAME=VALUE..., then the comm
     out=$(port @STDOUT_PORT@) || die "no virtio-serial port @STDOUT_PORT@"
     err=$(port @STDERR_PORT@) || die "no virtio-serial port @STDERR_PORT@"
     cut -d' ' -f1 /proc/uptime > /ctl/@BOOT_SECONDS_FILE@
+    # Once per kernel version: its function addresses, to name where a hung host's CPUs are.
+    [ -e /ctl/@WANT_KALLSYMS_FILE@ ] &&
+        chroot "$NEWROOT" grep ' [Tt] ' /proc/kallsyms > /ctl/@KALLSYMS_FILE@
     # Booted quietly; from now on every kernel message reaches the console tail (hung-task
     # reports with their stacks after 60 s, KVM's complaints), the clues when a run fails.
     echo 7 > /proc/sys/kernel/printk
@@ -199,6 +205,7 @@ def render_init(modules: Sequence[str]) -> str:
         "CTL_TAG": CTL_TAG, "ROOT_TAG": ROOT_TAG, "ROOT_CACHE": ROOT_CACHE,
         "RW_CACHE": RW_CACHE, "STDOUT_PORT": STDOUT_PORT, "STDERR_PORT": STDERR_PORT,
         "STATUS_FILE": STATUS_FILE, "BOOT_SECONDS_FILE": BOOT_SECONDS_FILE,
+        "WANT_KALLSYMS_FILE": WANT_KALLSYMS_FILE, "KALLSYMS_FILE": KALLSYMS_FILE,
         "JOB_FILE": JOB_FILE, "HEARTBEAT_PREFIX": HEARTBEAT_PREFIX,
         "HEARTBEAT_SECONDS": str(HEARTBEAT_SECONDS),
     }

@@ -36,12 +36,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 from vmfork.paths import run_dir
+from vmfork.testhost import monitor
 from vmfork.testhost.errors import (
     TesthostBootError,
     TesthostSetupError,
@@ -54,10 +55,12 @@ from vmfork.testhost.initscript import (
     HEARTBEAT_PREFIX,
     HEARTBEAT_SECONDS,
     JOB_FILE,
+    KALLSYMS_FILE,
     ROOT_TAG,
     STATUS_FILE,
     STDERR_PORT,
     STDOUT_PORT,
+    WANT_KALLSYMS_FILE,
     Job,
     render_job,
     rw_tag,
@@ -76,6 +79,9 @@ KERNEL_CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init cryptomgr
 CONSOLE_TAIL_BYTES = 16384
 # Six missed heartbeats: far beyond any scheduling delay of a loaded emulated host.
 HEARTBEAT_LOST_SECONDS = 6 * HEARTBEAT_SECONDS
+# From QEMU's start to the first heartbeat (the command starting): the emulated boot
+# takes 10-40 s on a loaded machine.
+BOOT_SECONDS_LIMIT = 300.0
 
 
 def _qemu_path_arg(path: str) -> str:
@@ -97,7 +103,7 @@ def _tcg_thread() -> str:
 
 def qemu_command(qemu: str, image: HostImage, *, ctl_dir: str, rw_paths: Sequence[str],
                  mem_mib: int, cpus: int, console_fd: int, stdout_fd: int,
-                 stderr_fd: int) -> list[str]:
+                 stderr_fd: int, monitor_path: str | None = None) -> list[str]:
     """The full QEMU argv (fds are this process's, passed to QEMU under the same numbers)."""
     cmd = [
         qemu, "-M", "q35", "-accel", f"tcg,thread={_tcg_thread()}", "-smp", str(cpus),
@@ -120,6 +126,8 @@ def qemu_command(qemu: str, image: HostImage, *, ctl_dir: str, rw_paths: Sequenc
     for index, path in enumerate(rw_paths):
         cmd += ["-virtfs", (f"local,path={_qemu_path_arg(path)},mount_tag={rw_tag(index)},"
                             "security_model=none,multidevs=remap")]
+    if monitor_path is not None:
+        cmd += monitor.monitor_option(_qemu_path_arg(monitor_path))
     return cmd
 
 
@@ -234,10 +242,14 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
     base = run_dir()
     base.mkdir(parents=True, exist_ok=True)
     ctl_dir = Path(tempfile.mkdtemp(prefix="testhost-", dir=base))
+    # Beside the control share, not in it: the guest sees that directory.
+    monitor_path = base / f"{ctl_dir.name}.monitor"
     pipes: list[int] = []
     proc: subprocess.Popen[bytes] | None = None
     try:
         (ctl_dir / JOB_FILE).write_text(render_job(job))
+        if not monitor.symbols_path(image.kernel_version).exists():
+            (ctl_dir / WANT_KALLSYMS_FILE).touch()
         console_r, console_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -245,7 +257,7 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
         pipes = [console_w, out_w, err_w, qerr_w]
         cmd = qemu_command(qemu, image, ctl_dir=str(ctl_dir), rw_paths=job.rw_paths,
                            mem_mib=mem_mib, cpus=cpus, console_fd=console_w,
-                           stdout_fd=out_w, stderr_fd=err_w)
+                           stdout_fd=out_w, stderr_fd=err_w, monitor_path=str(monitor_path))
         log.debug("starting %s", " ".join(cmd))
         relays = [
             _Relay(console_r, _binary_stream(sys.stderr) if show_console else None,
@@ -271,7 +283,11 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
             for fd in pipes:
                 os.close(fd)
             pipes = []
-        returncode = _supervise(proc, relays, started, timeout)
+        returncode = _supervise(
+            proc, relays, started, timeout,
+            where_cpus_are=lambda: monitor.where_cpus_are(
+                str(monitor_path), monitor.Symbols.load(image.kernel_version,
+                                                        ctl_dir / KALLSYMS_FILE)))
         wall = time.monotonic() - started
         for relay in relays:
             relay.join(5.0)
@@ -292,12 +308,18 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+        try:
+            monitor.keep_symbols(image.kernel_version, ctl_dir / KALLSYMS_FILE)
+        except OSError as err:
+            log.warning("could not cache the test host's kernel symbols: %s", err)
         shutil.rmtree(ctl_dir, ignore_errors=True)
+        monitor_path.unlink(missing_ok=True)
 
 
 def _supervise(proc: subprocess.Popen[bytes], relays: list[_Relay], started: float,
-               timeout: float | None) -> int:
-    """Wait for QEMU to exit; kill it on the timeout or when the heartbeat stops."""
+               timeout: float | None, where_cpus_are: Callable[[], str] | None = None) -> int:
+    """Wait for QEMU to exit; kill it on the timeout or when the heartbeat stops (first
+    asking ``where_cpus_are`` for the report)."""
     console = relays[0]
     while True:
         now = time.monotonic()
@@ -307,10 +329,15 @@ def _supervise(proc: subprocess.Popen[bytes], relays: list[_Relay], started: flo
         except subprocess.TimeoutExpired:
             pass
         now = time.monotonic()
-        silent = None if console.last_heartbeat is None else now - console.last_heartbeat
+        # The first heartbeat comes as the command starts; until then the host boots.
+        if console.last_heartbeat is None:
+            silent, limit = now - started, BOOT_SECONDS_LIMIT
+        else:
+            silent, limit = now - console.last_heartbeat, HEARTBEAT_LOST_SECONDS
         timed_out = timeout is not None and now - started >= timeout
-        if not timed_out and (silent is None or silent < HEARTBEAT_LOST_SECONDS):
+        if not timed_out and silent < limit:
             continue
+        cpus = where_cpus_are() if where_cpus_are is not None and not timed_out else None
         proc.kill()
         proc.wait()
         for relay in relays:
@@ -320,10 +347,14 @@ def _supervise(proc: subprocess.Popen[bytes], relays: list[_Relay], started: flo
                 f"the command did not finish within {timeout:g} s; QEMU was killed "
                 "(raise --timeout, or find what hangs with --console)",
                 console_tail=console.text())
+        if console.last_heartbeat is None:
+            what = f"the test host did not start the command within {silent:.0f} s"
+        else:
+            what = (f"the test host stopped answering: no heartbeat on its console for "
+                    f"{silent:.0f} s (its kernel hung)")
         raise TesthostBootError(
-            f"the test host stopped answering: no heartbeat on its console for {silent:.0f} s "
-            "(its kernel hung; QEMU was killed after the command had run "
-            f"{now - started:.0f} s)", console_tail=console.text())
+            f"{what}; QEMU was killed {now - started:.0f} s after it started"
+            + (f"; {cpus}" if cpus else ""), console_tail=console.text())
 
 
 def _read(path: Path) -> str | None:
