@@ -302,20 +302,23 @@ REGISTERS = """\
 CPU#0
 RAX=ffffffff81a59180 RBX=0000000000000000 RCX=0000000000000020 RDX=4000000000000000
 RIP=ffffffff81001084 RFL=00000216 [----AP-] CPL=0 II=0 A20=1 SMM=0 HLT=1
+EFER=0000000000001d01
 CPU#1
 RAX=0000000000000000 RBX=0000000000000000 RCX=0000000000000000 RDX=0000000000000000
 RIP=ffffffff81a5929c RFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=0
+EFER=0000000000000d01
 """
 
 
 def test_monitor_registers_are_read_per_cpu_and_named_from_kallsyms() -> None:
     from vmfork.testhost import monitor
 
-    rips = monitor.instruction_pointers(REGISTERS)
-    assert rips == {0: 0xFFFFFFFF81001084, 1: 0xFFFFFFFF81A5929C}
+    # CPU 1's EFER has no SVME: it is running a nested guest.
+    where = monitor.instruction_pointers(REGISTERS)
+    assert where == {0: (0xFFFFFFFF81001084, False), 1: (0xFFFFFFFF81A5929C, True)}
     symbols = monitor.Symbols(KALLSYMS)
-    assert symbols.name(rips[0]) == "default_idle+0x4"
-    assert symbols.name(rips[1]) == "__svm_vcpu_run+0x11c [kvm_amd]"
+    assert symbols.name(where[0][0]) == "default_idle+0x4"
+    assert symbols.name(where[1][0]) == "__svm_vcpu_run+0x11c [kvm_amd]"
     assert symbols.name(0x5573EE84E1B6) is None  # below the kernel: user space
 
 

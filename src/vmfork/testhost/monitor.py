@@ -25,7 +25,11 @@ from vmfork.paths import cache_dir
 PROMPT = b"(qemu) "
 SYMBOLS_CACHE = "testhost-kallsyms"
 _RIP = re.compile(r"RIP=([0-9a-f]{16})")
+_EFER = re.compile(r"EFER=([0-9a-f]{16})")
 _CPU = re.compile(r"^CPU#(\d+)", re.MULTILINE)
+# EFER.SVME: set in the test host's kernel (its KVM turned SVM on), clear while the
+# emulated CPU runs a nested guest (whose EFER the VMCB loaded).
+_EFER_SVME = 1 << 12
 
 
 def symbols_path(kernel_version: str) -> Path:
@@ -80,13 +84,16 @@ def ask(path: str, command: str, timeout: float = 3.0) -> str:
     return "\n".join(line for line in lines[1:] if not line.startswith("(qemu)"))
 
 
-def instruction_pointers(registers: str) -> dict[int, int]:
-    """vCPU index -> RIP from ``info registers -a`` output (one CPU: index 0)."""
+def instruction_pointers(registers: str) -> dict[int, tuple[int, bool]]:
+    """vCPU index -> (RIP, in a nested guest) from ``info registers -a`` output."""
     rips = [int(m.group(1), 16) for m in _RIP.finditer(registers)]
+    nested = [not int(m.group(1), 16) & _EFER_SVME for m in _EFER.finditer(registers)]
     cpus = [int(m.group(1)) for m in _CPU.finditer(registers)]
     if len(cpus) != len(rips):
         cpus = list(range(len(rips)))
-    return dict(zip(cpus, rips, strict=True))
+    if len(nested) != len(rips):
+        nested = [False] * len(rips)
+    return {cpu: (rip, guest) for cpu, rip, guest in zip(cpus, rips, nested, strict=True)}
 
 
 class Symbols:
@@ -127,21 +134,24 @@ def where_cpus_are(path: str, symbols: Symbols | None, samples: int = 3,
                    interval: float = 0.5) -> str:
     """A line for an error report: each vCPU's RIP over a few samples, with symbols;
     or why the monitor could not tell."""
-    seen: dict[int, list[int]] = {}
+    seen: dict[int, list[tuple[int, bool]]] = {}
     try:
         for sample in range(samples):
             if sample:
                 time.sleep(interval)
-            for cpu, rip in instruction_pointers(ask(path, "info registers -a")).items():
-                seen.setdefault(cpu, []).append(rip)
+            for cpu, where in instruction_pointers(ask(path, "info registers -a")).items():
+                seen.setdefault(cpu, []).append(where)
     except OSError as err:
         return f"QEMU's monitor did not answer ({err}): QEMU itself is stuck"
     if not seen:
         return "QEMU's monitor showed no registers"
 
-    def show(rip: int) -> str:
+    def show(where: tuple[int, bool]) -> str:
+        rip, nested = where
+        if nested:  # the test host's symbols say nothing about a nested guest's code
+            return f"{rip:#x} in a nested guest"
         name = symbols.name(rip) if symbols is not None else None
-        return f"{rip:#x}" + (f" {name}" if name else "")
+        return f"{rip:#x}" + (f" {name}" if name else " (user space)")
 
     parts = []
     for cpu, rips in sorted(seen.items()):
