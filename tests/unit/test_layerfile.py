@@ -121,7 +121,7 @@ def test_private_pages_of_a_file_mapping_are_the_changed_ones(tmp_path: Path) ->
 
 
 def test_base_extents_minus_the_changed_pages() -> None:
-    from vmfork.vmm.capture import _subtract
+    from vmfork.vmm.memory import subtract_runs as _subtract
     assert _subtract([(0, 100), (200, 100), (400, 50)],
                      [(10, 10), (50, 200), (290, 20), (420, 100)]) == \
         [(0, 10), (20, 30), (250, 40), (400, 20)]
