@@ -449,6 +449,12 @@ class Controller:
         tag = body["snapshot_tag"]
         n = body["n"]
         snap = self._ready_snapshot(tag)
+        try:
+            # A diff snapshot's memory is mapped from its ancestors' files: refuse (409)
+            # rather than map files that are not the ones its plan was computed on.
+            chains.check_plan(self.store, snap)
+        except SnapshotCorrupt as err:
+            raise Conflict(str(err)) from err
         spawner = self._spawner()
         network_args = self._network_args(body, snap)
         with self._heavy_slot(f"spawn {n} sandboxes of {tag!r}"):
