@@ -521,3 +521,25 @@ def test_a_full_capture_of_a_layered_restore_is_its_chain_plus_its_writes(
     data = out.read_bytes()
     pages = [data[n * PAGE_SIZE:(n + 1) * PAGE_SIZE].rstrip(b"\0") for n in range(1, 7)]
     assert pages == [b"sklearn-1", b"numpy-2", b"written-3", b"pandas-4", b"", b"written-6"]
+
+
+def test_a_crash_while_a_force_delete_rebases_leaves_dependents_spawnable(
+        chain3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = {t: image(chain3, t) for t in ("pandas", "sklearn")}
+    real = chain3.rewrite_meta
+
+    def crash(snapshot: object, meta: SnapshotMeta) -> object:
+        raise KeyboardInterrupt("simulated crash")
+
+    # pandas' memory.bin is written and renamed in; the crash comes before its meta.
+    monkeypatch.setattr(chain3, "rewrite_meta", crash)
+    with pytest.raises(KeyboardInterrupt):
+        chain3.delete("numpy", force=True)
+    monkeypatch.setattr(chain3, "rewrite_meta", real)
+    reopened = Store.open(chain3.root)
+    assert reopened.exists("numpy") and (reopened.get("pandas").path / "memory.bin").exists()
+    for tag in ("pandas", "sklearn"):
+        assert image(reopened, tag) == before[tag]
+    assert reopened.delete("numpy", force=True) == ["numpy"]      # and it can be finished
+    for tag in ("pandas", "sklearn"):
+        assert image(reopened, tag) == before[tag]

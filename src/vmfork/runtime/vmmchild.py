@@ -132,10 +132,12 @@ def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
     its memory plan (``vmm.memplan``), decoded once per plan file (in the zygote,
     whose children inherit it) rather than once per spawn."""
     plan_path = os.path.join(snapshot_dir, PLAN_FILE)
+    if os.path.exists(os.path.join(snapshot_dir, "memory.bin")):
+        return snapshot_memory(snapshot_dir)       # flat (see snapshot_memory)
     try:
         identity = _identity(plan_path)
     except FileNotFoundError:
-        return snapshot_memory(snapshot_dir)
+        return snapshot_memory(snapshot_dir)       # says what is missing
     cached = _plans.get(plan_path)
     if cached is not None and cached[0] == identity:
         plan = cached[1]

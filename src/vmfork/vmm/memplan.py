@@ -331,14 +331,19 @@ def _align8(n: int) -> int:
 # -- mapping ----------------------------------------------------------------------------
 
 def snapshot_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
-    """What a restore of the snapshot in ``snapshot_dir`` maps: its plan's base and the
-    plan (a diff snapshot), or its own ``memory.bin`` and None (a flat one, or a diff
-    head materialised because its plan was over the VMA budget)."""
-    plan_path = os.path.join(snapshot_dir, PLAN_FILE)
-    if os.path.exists(plan_path):
-        plan = read_plan(plan_path)
-        return plan.source_path(0), plan
-    return os.path.join(snapshot_dir, "memory.bin"), None
+    """What a restore of the snapshot in ``snapshot_dir`` maps: its own ``memory.bin``
+    and None (a flat snapshot, or a link materialised because its plan was over the
+    VMA budget), else its plan's base and the plan (a diff snapshot).
+
+    ``memory.bin`` wins when both exist: the store writes a link's ``memory.bin`` only
+    when it replaces the link's plan (``rmi --force`` of an ancestor), complete and
+    renamed into place before the plan is removed, so after a crash between the two
+    the image is the file that stays valid."""
+    memory_file = os.path.join(snapshot_dir, "memory.bin")
+    if os.path.exists(memory_file):
+        return memory_file, None
+    plan = read_plan(os.path.join(snapshot_dir, PLAN_FILE))
+    return plan.source_path(0), plan
 
 
 def open_sources(plan: MemoryPlan) -> list[int]:
