@@ -53,6 +53,7 @@ from vmfork.store.store import (
 )
 from vmfork.store.tags import validate_tag
 from vmfork.vmm import layerfile, memplan
+from vmfork.vmm.memory import PAGE_SIZE
 
 # Each link adds one resolve at build time and one entry to walk when packing; past
 # this, `vmfork snapshot-compact` makes a flat snapshot to build on instead.
@@ -144,7 +145,7 @@ def snapshot_info(store: Store, tag: str) -> dict[str, Any]:
         "ancestors": [s.tag for s in links[:-1]], "dependents": children.get(snap.tag, []),
         "descendants": descendants,
         "layer_bytes": layer.logical_bytes if layer else 0,
-        "changed_bytes": own_layer.pages * layerfile.PAGE_SIZE if own_layer else 0,
+        "changed_bytes": own_layer.pages * PAGE_SIZE if own_layer else 0,
         "logical_bytes": usage.logical_bytes, "physical_bytes": usage.physical_bytes,
         "unique_bytes": unique,
         "orphaned_from": (meta.extra.get("orphaned_from") or {}).get("tag"),
