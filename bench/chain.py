@@ -1,21 +1,22 @@
-"""Chain benchmark: diff-snapshot chains of depth 0-3 -- build, disk, spawn, compact, pack.
+"""Chain benchmark: diff-snapshot chains of depth 0-5 -- build, disk, spawn, compact, pack.
 
 A daemon (in this process, real zygote and VMs) boots and warms a ``--mem-mib``
-guest (default 512) as ``base``. Three links are built on it as ``vmfork
+guest (default 512) as ``base``. Five links are built on it as ``vmfork
 snapshot-diff`` does (spawn from the parent, run a command that writes
 ``--dirty-mib`` MiB of distinct data into the guest's RAM-backed /tmp, BRANCH mode
 diff, kill the sandbox). Reported:
 
 * **build** -- per link: the whole build (spawn + command + BRANCH) and the BRANCH
-  call alone (pause, layer write, resolving the head, hashing, publish);
-* **disk per link** -- the layer file against the bytes the link changed (dirty pages
-  x 4 KiB: the target is <= 1.1x), and the physical bytes only that link's
-  directory holds (its layer plus its resolved ``memory.bin``, which without
-  reflink is a sparse copy of its memory);
+  call alone (pause, layer write, computing the memory plan, hashing, publish);
+* **disk per link** -- the bytes on disk of the link's memory (its layer and its
+  memory plan: a link keeps no memory image) against the bytes it changed (dirty
+  pages x 4 KiB; the target is <= 1.1x), and of its whole directory (plus its
+  vCPU/device state and meta.json); and the plan's size in mappings;
 * **spawn by depth** -- ``--spawns`` single-sandbox spawns (request to agent ready)
-  from each depth and from the compacted head, round-robin, p50/p90; the target is depth 3
-  within 1.1x of flat (forkd: 1668 vs 59 ms, 28x, because every spawn re-hashes and
-  re-copies every link);
+  from depth 0 (the flat base), 1, 3 and 5 and from the depth-5 head compacted into
+  one flat snapshot (the same memory, flat: the closest peer), round-robin,
+  p50/p90; the target is depth 3 within 1.1x of flat (forkd: 1668 vs 59 ms, 28x,
+  because every spawn re-hashes and re-copies every link);
 * **compact, pack, unpack** -- time, and the pack's size (chain only, no image).
 
 forkd's published chain numbers (REFERENCE-forkd.md, bare metal) are quoted for
@@ -38,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_kvm_host, write_results
 
 FORKD_SPAWN_MS = {0: 59.0, 1: 751.0, 2: 1222.0, 3: 1668.0}
-LINKS = ("numpy", "pandas", "sklearn")
+LINKS = ("numpy", "pandas", "sklearn", "scipy", "torch")
+SPAWN_DEPTHS = (0, 1, 3, 5)
 PAGE = 4096
 
 
@@ -84,7 +86,7 @@ def main() -> int:
                     timeout=args.host_timeout)
     from vmfork.client import Controller
     from vmfork.server.daemon import Daemon, DaemonConfig
-    from vmfork.store import Store, packs
+    from vmfork.store import Store, disk_usage, packs
 
     work = Path(tempfile.mkdtemp(prefix="vmfork-bench-chain-"))
     home = work / "home"
@@ -117,19 +119,27 @@ def main() -> int:
             snap = store.get(tag)
             own = snap.meta.memory_layers[-1]
             details = ctl.snapshot_info(tag)
+            files = {f.name: f for f in disk_usage(snap).files}
+            memory_disk = sum(files[name].physical_bytes
+                              for name in ("layer.bin", "memory.plan", "memory.bin")
+                              if name in files)
+            changed = own.pages * PAGE
             builds.append({
                 "depth": depth, "tag": tag, "build_ms": build_ms, "branch_ms": branch_ms,
-                "pause_ms": info.get("pause_ms"), "changed_bytes": own.pages * PAGE,
+                "pause_ms": info.get("pause_ms"), "changed_bytes": changed,
                 "layer_bytes": details["layer_bytes"],
-                "layer_over_changed": details["layer_bytes"] / max(1, own.pages * PAGE),
-                "unique_physical_bytes": details["unique_bytes"],
-                "resolved_memory_physical_bytes": details["memory_physical_bytes"]})
+                "memory_disk_bytes": memory_disk,
+                "memory_disk_over_changed": memory_disk / max(1, changed),
+                "dir_physical_bytes": details["physical_bytes"],
+                "dir_over_changed": details["physical_bytes"] / max(1, changed),
+                "mapping": details["memory_mapping"]})
             parent = tag
 
         started = time.monotonic()
         ctl.compact_snapshot(LINKS[-1], "compacted")
         compact_ms = (time.monotonic() - started) * 1000
-        spawns = spawn_times(ctl, {**{str(d): t for d, t in enumerate(("base", *LINKS))},
+        chain = ("base", *LINKS)
+        spawns = spawn_times(ctl, {**{str(d): chain[d] for d in SPAWN_DEPTHS},
                                    "compacted": "compacted"}, args.spawns)
 
         pack_path = work / "chain.tar.zst"
@@ -147,40 +157,54 @@ def main() -> int:
     spawn_stats = {k: {"p50": statistics.median(v), "p90": pct(v, 0.9), "n": len(v)}
                    for k, v in spawns.items()}
     flat = spawn_stats["0"]["p50"]
+    compacted = spawn_stats["compacted"]["p50"]
+    deepest = str(SPAWN_DEPTHS[-1])
     data = {"mem_mib": args.mem_mib, "dirty_mib": args.dirty_mib, "base_snapshot_s": base_s,
             "links": builds, "spawn_ms": spawn_stats, "spawn_raw_ms": spawns,
             "depth3_over_flat_p50": spawn_stats["3"]["p50"] / flat,
-            # The compacted head holds the same memory as depth 3, flat: the closest peer.
-            "depth3_over_compacted_p50": spawn_stats["3"]["p50"]
-            / spawn_stats["compacted"]["p50"],
+            # The compacted head holds the same memory as the deepest link, flat.
+            f"depth{deepest}_over_compacted_p50": spawn_stats[deepest]["p50"] / compacted,
+            "max_memory_disk_over_changed": max(b["memory_disk_over_changed"]
+                                                for b in builds),
             "compact_ms": compact_ms, "pack_ms": pack_ms, "unpack_ms": unpack_ms,
             "pack_bytes": pack_bytes, "forkd_spawn_ms": FORKD_SPAWN_MS}
     mib = 1 << 20
     lines = [(f"# Chain benchmark ({args.mem_mib} MiB guest, {args.dirty_mib} MiB written "
              "per link)"), "",
-             ("| link | depth | build ms | BRANCH ms | pause ms | changed MiB | layer MiB | "
-             "layer / changed | link's own physical MiB |"), "|---" * 9 + "|"]
+             "## Disk per link", "",
+             ("| link | depth | build ms | BRANCH ms | pause ms | changed MiB | memory on disk "
+              "MiB (layer + plan) | memory disk / changed | whole dir MiB | dir / changed "
+              "| mapping |"), "|---" * 11 + "|"]
     for b in builds:
+        m = b["mapping"]
+        mapping = (f"plan: {m.get('runs')} runs, {m.get('files')} files"
+                   if m.get("kind") == "plan" else "materialised")
         lines.append(f"| {b['tag']} | {b['depth']} | {b['build_ms']:.0f} | "
                      f"{b['branch_ms']:.0f} | {b['pause_ms'] or 0:.1f} | "
-                     f"{b['changed_bytes'] / mib:.1f} | {b['layer_bytes'] / mib:.1f} | "
-                     f"{b['layer_over_changed']:.3f} | {b['unique_physical_bytes'] / mib:.1f} |")
-    lines += ["", ("| spawn from | p50 ms | p90 ms | p50 / flat | forkd ms (bare metal) | "
-              "forkd / flat |"), "|---|---|---|---|---|---|"]
-    for key, s in spawn_stats.items():
+                     f"{b['changed_bytes'] / mib:.1f} | {b['memory_disk_bytes'] / mib:.2f} | "
+                     f"{b['memory_disk_over_changed']:.3f}x | "
+                     f"{b['dir_physical_bytes'] / mib:.2f} | {b['dir_over_changed']:.3f}x | "
+                     f"{mapping} |")
+    lines += ["", "## Spawn by depth", "",
+              ("| spawn from | p50 ms | p90 ms | p50 / flat base | p50 / compacted | "
+               "forkd ms (bare metal) | forkd / flat |"), "|---|---|---|---|---|---|---|"]
+    for key, st in spawn_stats.items():
         forkd = FORKD_SPAWN_MS.get(int(key)) if key.isdigit() else None
-        label = f"depth {key}" if key.isdigit() else key
-        lines.append(f"| {label} | {s['p50']:.0f} | {s['p90']:.0f} | {s['p50'] / flat:.2f}x | "
+        label = f"depth {key}" if key.isdigit() else f"depth {deepest} compacted (flat)"
+        lines.append(f"| {label} | {st['p50']:.0f} | {st['p90']:.0f} | {st['p50'] / flat:.2f}x"
+                     f" | {st['p50'] / compacted:.2f}x | "
                      f"{forkd if forkd is not None else '-'} | "
                      f"{f'{forkd / FORKD_SPAWN_MS[0]:.1f}x' if forkd else '-'} |")
-    lines += ["", (f"Depth 3 / its compacted (flat) copy, p50: "
-              f"{data['depth3_over_compacted_p50']:.2f}x.")]
+    lines += ["", (f"Depth 3 / flat base, p50: {data['depth3_over_flat_p50']:.2f}x; depth "
+              f"{deepest} / its compacted copy: "
+              f"{data[f'depth{deepest}_over_compacted_p50']:.2f}x. Largest memory disk / "
+              f"changed of a link: {data['max_memory_disk_over_changed']:.3f}x.")]
     lines += ["", (f"Compact: {compact_ms:.0f} ms. Pack (chain, no image): {pack_ms:.0f} ms, "
               f"{pack_bytes / mib:.1f} MiB. Unpack into a second store: {unpack_ms:.0f} ms."),
-              "", ("Targets (issue 6): spawn at depth 3 within 1.1x of flat; layer within 1.1x "
-              "of the bytes the link changed. A link's directory also holds its resolved "
-              "memory.bin, a sparse copy of its whole memory unless the file system "
-              "reflinks (see docs/chains.md)."), ""]
+              "", ("Targets (issue 6): spawn at depth 3 within 1.1x of flat; a link's memory "
+              "on disk within 1.1x of the bytes it changed. A link keeps its layer and a "
+              "memory plan (its chain's files mapped layer over layer at restore), no memory "
+              "image (see docs/chains.md)."), ""]
     write_results(args.name, data, "\n".join(lines))
     return 0
 

@@ -93,12 +93,33 @@ def test_chain_build_spawn_compact_pack_unpack(home: Home, daemon: Daemon) -> No
     info = daemon.ctl.snapshot_info("sklearn")
     assert info["chain_depth"] == 3 and info["ancestors"] == ["base", "numpy", "pandas"]
     assert info["parent_content_hash"] == daemon.ctl.snapshot_info("pandas")["content_hash"]
-    # A link stores only what it changed: far less than the guest's RAM.
+    # A link stores only what it changed: its layer and a memory plan over its chain,
+    # no memory image of its own.
     assert 0 < info["layer_bytes"] < (GUEST_MEM_MIB << 20) // 4
+    assert info["layer_bytes"] <= info["changed_bytes"] * 1.1 + (64 << 10)
+    assert info["memory_mapping"]["kind"] == "plan" and info["memory_mapping"]["files"] == 4
+    assert not (Path(info["dir"]) / "memory.bin").exists()
 
     expected = {"base": "", "numpy": "one", "pandas": "one two", "sklearn": "one three two"}
     for tag, words in expected.items():
         assert " ".join(sorted(files_seen(daemon, tag).split())) == words, tag
+
+    # A child of a layered snapshot (its RAM mapped from the chain's files) branches in
+    # every mode: dirty tracking and the full/live images read guest memory through
+    # the layered mapping.
+    sandbox = daemon.ctl.spawn_sandboxes("pandas", 1)[0]["id"]
+    try:
+        done = daemon.ctl.exec_command(sandbox, ["/bin/sh", "-c",
+                                                 "echo four > /tmp/chain-9-four"])
+        assert done["exit_code"] == 0
+        for mode in ("full", "live", "diff"):
+            daemon.ctl.branch_sandbox(sandbox, tag=f"pandas-{mode}", mode=mode)
+    finally:
+        daemon.ctl.kill_sandbox(sandbox)
+    for mode in ("diff", "live", "full"):
+        assert " ".join(sorted(files_seen(daemon, f"pandas-{mode}").split())) == \
+            "four one two", mode
+        daemon.ctl.delete_snapshot(f"pandas-{mode}")
 
     # A failing command builds nothing and leaves no sandbox behind.
     done = cli(home.env, "snapshot-diff", "--from", "sklearn", "--tag", "broken", "--exec",

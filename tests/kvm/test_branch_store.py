@@ -24,6 +24,7 @@ from vmfork.runtime.vmmchild import ControlServer
 from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
 from vmfork.vmm import dirty
 from vmfork.vmm.machine import Machine, MachineConfig
+from vmfork.vmm.memplan import snapshot_memory
 from vmfork.vmm.stateformat import read_state_file, write_state_file
 from vmfork.vmm.vmstate import MachineState
 
@@ -51,9 +52,10 @@ class Sandbox:
     def __init__(self, snapshot: Snapshot, run_dir: Path, *, start: bool = True) -> None:
         run_dir.mkdir()
         state = read_state_file(str(snapshot.state_path), MachineState)
-        self.machine = Machine(MachineConfig(restore_state=state,
-                                             memory_file=str(snapshot.memory_path),
-                                             mem_mib=MEM_MIB, rng=False, memfd=False))
+        memory_file, plan = snapshot_memory(str(snapshot.path))   # a diff: its memory plan
+        self.machine = Machine(MachineConfig(restore_state=state, memory_file=memory_file,
+                                             memory_plan=plan, mem_mib=MEM_MIB, rng=False,
+                                             memfd=False))
         if start:
             self.machine.start()
         self.control_path = str(run_dir / "control.sock")

@@ -3,7 +3,9 @@
 Chains are built with the store API from synthetic files: a root's memory.bin is
 a sparse file, each link's layer.bin is written by ``vmm.layerfile`` from an
 anonymous ``GuestMemory`` holding the pages it "changed", and
-``chains.publish_link`` resolves the link exactly as a BRANCH diff does.
+``chains.publish_link`` publishes the link exactly as a BRANCH diff does. A
+snapshot's memory is read as a restore maps it: ``GuestMemory.from_file_private``
+with its memory plan (real ``MAP_PRIVATE | MAP_FIXED`` mappings, no KVM needed).
 """
 
 from __future__ import annotations
@@ -18,10 +20,18 @@ import pytest
 from test_server_http import Served, _serve
 
 from vmfork.cli import main
-from vmfork.store import SnapshotMeta, SnapshotNotFound, Store, StoreError, TagExists, chains
+from vmfork.store import (
+    SnapshotCorrupt,
+    SnapshotMeta,
+    SnapshotNotFound,
+    Store,
+    StoreError,
+    TagExists,
+    chains,
+)
 from vmfork.store.errors import HasDependents, ParentGone
-from vmfork.store.layers import LAYER_FILE
-from vmfork.vmm import layerfile
+from vmfork.store.layers import LAYER_FILE, PLAN_FILE
+from vmfork.vmm import dirty, layerfile, memplan
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 
 MEM = 4 << 20
@@ -61,10 +71,21 @@ def make_link(store: Store, parent: str, tag: str, pages: dict[int, bytes]) -> N
         chains.publish_link(pending, store.get(parent), meta(tag))
 
 
+def image(store: Store, tag: str) -> bytes:
+    """The guest RAM a restore of ``tag`` maps (its plan's files, or its memory.bin)."""
+    memory_file, plan = memplan.snapshot_memory(str(store.get(tag).path))
+    memory = GuestMemory.from_file_private(memory_file, MEM, plan)
+    try:
+        view = memory.backing_view(0, MEM)
+        data = bytes(view)
+        view.release()
+    finally:
+        memory.close()
+    return data
+
+
 def page(store: Store, tag: str, n: int) -> bytes:
-    with open(store.get(tag).memory_path, "rb") as f:
-        f.seek(n * PAGE_SIZE)
-        return f.read(PAGE_SIZE).rstrip(b"\0")
+    return image(store, tag)[n * PAGE_SIZE:(n + 1) * PAGE_SIZE].rstrip(b"\0")
 
 
 @pytest.fixture
@@ -146,17 +167,23 @@ def test_a_crash_mid_cascade_leaves_every_remaining_chain_whole(
 
 
 def test_force_keeps_dependents_spawnable_as_standalone_snapshots(chain3: Store) -> None:
-    before = {t: chain3.get(t).memory_path.read_bytes() for t in ("numpy", "pandas", "sklearn")}
+    before = {t: image(chain3, t) for t in ("numpy", "pandas", "sklearn")}
     assert chain3.delete("numpy", force=True) == ["numpy"]
     pandas = chains.snapshot_info(chain3, "pandas")
     assert pandas["chain_depth"] == 0 and pandas["parent_tag"] is None
-    assert pandas["orphaned_from"] == "numpy"
+    assert pandas["orphaned_from"] == "numpy" and pandas["memory_mapping"]["kind"] == "file"
     assert not (chain3.get("pandas").path / LAYER_FILE).exists()
+    assert not (chain3.get("pandas").path / PLAN_FILE).exists()
     sklearn = chains.snapshot_info(chain3, "sklearn")
     assert sklearn["ancestors"] == ["pandas"] and sklearn["chain_depth"] == 1
+    # sklearn's plan no longer maps anything of numpy or base: it maps pandas' image.
+    plan = memplan.read_plan(str(chain3.get("sklearn").plan_path))
+    assert [s.path for s in plan.sources] == ["pandas/memory.bin", "sklearn/layer.bin"]
+    assert chain3.get("sklearn").meta.root_tag == "pandas"
     for tag in ("pandas", "sklearn"):
-        assert chain3.get(tag).memory_path.read_bytes() == before[tag]
+        assert image(chain3, tag) == before[tag]
     assert all(c.status in ("ok", "unhashed") for c in chains.verify(chain3))
+    assert chain3.plan_references() == {"pandas": ["sklearn"], "base": ["other"]}
     with pytest.raises(SnapshotNotFound):
         chain3.get("numpy")
 
@@ -164,14 +191,13 @@ def test_force_keeps_dependents_spawnable_as_standalone_snapshots(chain3: Store)
 def test_a_link_is_not_published_onto_a_parent_deleted_meanwhile(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     make_root(store, "base", {1: b"b"})
-    real = chains.materialise_head
+    real = chains.write_plan
 
-    def delete_parent_while_resolving(parent_memory: Path, layer: Path, out: Path) -> int:
-        copied = real(parent_memory, layer, out)
+    def delete_parent_while_resolving(plan: memplan.MemoryPlan, path: Path) -> None:
+        real(plan, path)
         store.delete("base")                # no dependents yet: the child is unpublished
-        return copied
 
-    monkeypatch.setattr(chains, "materialise_head", delete_parent_while_resolving)
+    monkeypatch.setattr(chains, "write_plan", delete_parent_while_resolving)
     with pytest.raises(ParentGone, match="deleted while"):
         make_link(store, "base", "child", {1: b"c"})
     assert store.list() == [] and not os.listdir(store.snapshots_dir)
@@ -180,7 +206,7 @@ def test_a_link_is_not_published_onto_a_parent_deleted_meanwhile(
 def test_verify_finds_a_changed_byte(chain3: Store) -> None:
     checks = chains.verify(chain3, "pandas")
     assert {(c.name, c.status) for c in checks} == {
-        ("state.bin", "ok"), ("layer.bin", "ok"), ("memory.bin", "unhashed")}
+        ("state.bin", "ok"), ("layer.bin", "ok"), ("memory.plan", "ok")}
     assert {(c.name, c.status) for c in chains.verify(chain3, "base")} == {
         ("state.bin", "ok"), ("memory.bin", "ok")}
     layer = chain3.get("pandas").path / LAYER_FILE
@@ -195,7 +221,8 @@ def test_verify_finds_a_changed_byte(chain3: Store) -> None:
 def test_compact_publishes_one_flat_snapshot(chain3: Store) -> None:
     flat = chains.compact(chain3, "sklearn", "sklearn-flat")
     assert flat.meta.parent_tag is None and flat.meta.memory_layers == []
-    assert flat.memory_path.read_bytes() == chain3.get("sklearn").memory_path.read_bytes()
+    assert flat.memory_path.read_bytes() == image(chain3, "sklearn")
+    assert not flat.is_layered and not (flat.path / PLAN_FILE).exists()
     assert flat.state_path.read_bytes() == b"STATE-sklearn"
     info = chains.snapshot_info(chain3, "sklearn-flat")
     assert info["chain_depth"] == 0 and info["branched_from"] == "compact:sklearn"
@@ -347,3 +374,172 @@ def test_snapshot_diff_keeps_nothing_when_the_command_fails(
                          "--exec", "true", *url)
     assert status == 1 and "chain depth 1" in err and "snapshot-compact" in err
     assert served.controller.list_sandboxes() == []
+
+
+# -- memory plans ----------------------------------------------------------------------
+
+def _index(extents: list[tuple[int, int]], data_offset: int = PAGE_SIZE) -> layerfile.LayerIndex:
+    return layerfile.LayerIndex(MEM, tuple(extents), data_offset, sum(n for _, n in extents))
+
+
+def test_plan_runs_topmost_wins_and_adjacent_runs_coalesce() -> None:
+    P = PAGE_SIZE
+    lower = _index([(0, 4 * P), (10 * P, 2 * P)])               # pages 0-3, 10-11
+    upper = _index([(2 * P, 3 * P), (11 * P, P)])               # pages 2-4, 11
+    runs = memplan.resolve_runs([(1, lower), (2, upper)])
+    assert [(r.offset // P, r.length // P, r.source, r.source_offset // P) for r in runs] == [
+        (0, 2, 1, 1),          # lower's pages 0-1 (its data starts at file page 1)
+        (2, 3, 2, 1),          # upper wins pages 2-3 and adds 4
+        (10, 1, 1, 5),         # lower's page 10 (its 5th data page)
+        (11, 1, 2, 4)]         # upper wins page 11
+    # Two layers' runs touching in memory but from different files stay apart; one
+    # file's extents that are contiguous in memory and in the file become one run.
+    runs = memplan.resolve_runs([(1, _index([(0, P), (P, P), (3 * P, P)]))])
+    assert [(r.offset // P, r.length // P) for r in runs] == [(0, 2), (3, 1)]
+    assert memplan.resolve_runs([]) == []
+
+
+def test_a_link_stores_only_its_layer_and_a_small_plan(chain3: Store) -> None:
+    pandas = chain3.get("pandas")
+    assert pandas.is_layered and not pandas.memory_path.exists()
+    assert sorted(os.listdir(pandas.path)) == ["layer.bin", "memory.plan", "meta.json",
+                                               "state.bin"]
+    plan = memplan.read_plan(str(pandas.plan_path))
+    assert [s.path for s in plan.sources] == ["base/memory.bin", "numpy/layer.bin",
+                                              "pandas/layer.bin"]
+    assert plan.sources[1].owner_content_hash == chain3.get("numpy").meta.content_hash
+    info = chains.snapshot_info(chain3, "pandas")
+    assert info["memory_mapping"]["kind"] == "plan" and info["memory_mapping"]["runs"] == 2
+    assert info["changed_bytes"] == PAGE_SIZE
+    assert info["memory_physical_bytes"] == 0
+    assert chain3.get("pandas").meta.format_version == 2
+    assert chain3.plan_references()["base"] == ["numpy", "other", "pandas", "sklearn"]
+
+
+def _encode_unchecked(plan: memplan.MemoryPlan, monkeypatch: pytest.MonkeyPatch) -> bytes:
+    with monkeypatch.context() as m:
+        m.setattr(memplan, "_check", lambda plan, error: None)
+        return memplan.encode_plan(plan)
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda p: replace(p, runs=(*p.runs, p.runs[0])), "overlaps or is out of order"),
+    (lambda p: replace(p, runs=(memplan.PlanRun(MEM, PAGE_SIZE, 1, PAGE_SIZE),)),
+     "beyond guest RAM"),
+    (lambda p: replace(p, runs=(memplan.PlanRun(0, PAGE_SIZE, 1, 1 << 30),)),
+     "beyond its source"),
+    (lambda p: replace(p, runs=(memplan.PlanRun(0, 100, 1, PAGE_SIZE),)), "page-aligned"),
+    (lambda p: replace(p, runs=(memplan.PlanRun(0, PAGE_SIZE, 0, 0),)), "not a layer"),
+    (lambda p: replace(p, sources=(replace(p.sources[0], path="../x/memory.bin"),
+                                   *p.sources[1:])), "is not <tag>/memory.bin"),
+    (lambda p: replace(p, sources=(p.sources[1], p.sources[0])), "exactly one memory.bin"),
+])
+def test_a_hostile_plan_is_refused(chain3: Store, monkeypatch: pytest.MonkeyPatch,
+                                   change: object, problem: str) -> None:
+    plan = memplan.read_plan(str(chain3.get("numpy").plan_path))
+    assert callable(change)
+    data = _encode_unchecked(change(plan), monkeypatch)
+    with pytest.raises(memplan.PlanError, match=problem):
+        memplan.decode_plan(data)
+
+
+def test_a_damaged_plan_file_is_refused(chain3: Store) -> None:
+    data = chain3.get("numpy").plan_path.read_bytes()
+    for damaged, problem in [(b"NOTAPLAN" + data[8:], "bad magic"),
+                             (data[:-1] + bytes([data[-1] ^ 1]), "body checksum"),
+                             (data[:20] + b"\xff" + data[21:], "header checksum"),
+                             (data[:-8], "do not add up"),
+                             (data[:10], "shorter than its header")]:
+        with pytest.raises(memplan.PlanError, match=problem):
+            memplan.decode_plan(damaged)
+    with pytest.raises(memplan.PlanError, match="limit"):
+        memplan.decode_plan(bytes(memplan.MAX_PLAN_BYTES + 1))
+
+
+def test_a_spawn_refuses_a_plan_whose_files_are_missing_or_changed(chain3: Store) -> None:
+    layer = chain3.get("numpy").path / LAYER_FILE
+    saved = layer.read_bytes()
+    layer.unlink()
+    with pytest.raises(memplan.PlanError, match="numpy/layer.bin, which cannot be opened"):
+        image(chain3, "sklearn")
+    layer.write_bytes(saved + bytes(PAGE_SIZE))
+    with pytest.raises(memplan.PlanError, match="now .* bytes"):
+        image(chain3, "sklearn")
+    layer.write_bytes(saved)
+    assert page(chain3, "sklearn", 2) == b"numpy-2"
+    # The store also checks the tag still names the snapshot the plan was computed on.
+    numpy = chain3.get("numpy")
+    chain3.rewrite_meta(numpy, replace(numpy.meta, content_hash="blake2b-256:" + "0" * 64))
+    with pytest.raises(SnapshotCorrupt, match="now names another snapshot"):
+        chains.check_plan(chain3, chain3.get("sklearn"))
+    assert "mismatch" in {c.status for c in chains.verify(chain3, "sklearn")}
+
+
+def test_over_the_vma_budget_a_head_is_materialised_once(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memplan, "MAX_RUNS", 2)
+    make_root(store, "base", {1: b"base-1"})
+    make_link(store, "base", "two", {3: b"two-3", 5: b"two-5"})         # 2 runs: a plan
+    make_link(store, "two", "four", {7: b"four-7", 9: b"four-9"})       # 4 runs: too many
+    make_link(store, "four", "top", {3: b"top-3"})                      # over four's image
+    two, four, top = (store.get(t) for t in ("two", "four", "top"))
+    assert two.is_layered and not four.is_layered and top.is_layered
+    assert four.memory_path.is_file() and not four.plan_path.exists()
+    info = chains.snapshot_info(store, "four")
+    assert info["memory_mapping"]["kind"] == "file"
+    assert "over the budget of 2" in info["memory_mapping"]["materialised"]
+    plan = memplan.read_plan(str(top.plan_path))
+    assert [s.path for s in plan.sources] == ["four/memory.bin", "top/layer.bin"]
+    assert [page(store, "top", n) for n in (1, 3, 5, 7, 9)] == [
+        b"base-1", b"top-3", b"two-5", b"four-7", b"four-9"]
+    assert store.plan_references() == {"base": ["two"], "four": ["top"]}
+    assert chains.compact(store, "top", "flat").memory_path.read_bytes() == image(store, "top")
+
+
+def test_a_delete_never_removes_files_a_remaining_plan_maps(chain3: Store) -> None:
+    with pytest.raises(StoreError, match="maps its files"):
+        chain3._check_unreferenced(["numpy"])
+    chain3._check_unreferenced(["numpy", "pandas", "sklearn"])
+
+
+def test_a_full_capture_of_a_layered_restore_is_its_chain_plus_its_writes(
+        chain3: Store, tmp_path: Path) -> None:
+    from vmfork.vmm import capture
+
+    memory_file, plan = memplan.snapshot_memory(str(chain3.get("sklearn").path))
+    memory = GuestMemory.from_file_private(memory_file, MEM, plan)
+    try:
+        memory.write(6 * PAGE_SIZE, b"written-6")            # a private COW page
+        memory.write(3 * PAGE_SIZE, b"written-3")            # over numpy's layer page
+        changed = [(o // PAGE_SIZE, n // PAGE_SIZE) for o, n in
+                   dirty.changed_private_pages(memory)]
+        assert changed == [(3, 1), (6, 1)]
+        out = tmp_path / "full.bin"
+        capture._write_image_file(str(out), memory)
+    finally:
+        memory.close()
+    data = out.read_bytes()
+    pages = [data[n * PAGE_SIZE:(n + 1) * PAGE_SIZE].rstrip(b"\0") for n in range(1, 7)]
+    assert pages == [b"sklearn-1", b"numpy-2", b"written-3", b"pandas-4", b"", b"written-6"]
+
+
+def test_a_crash_while_a_force_delete_rebases_leaves_dependents_spawnable(
+        chain3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = {t: image(chain3, t) for t in ("pandas", "sklearn")}
+    real = chain3.rewrite_meta
+
+    def crash(snapshot: object, meta: SnapshotMeta) -> object:
+        raise KeyboardInterrupt("simulated crash")
+
+    # pandas' memory.bin is written and renamed in; the crash comes before its meta.
+    monkeypatch.setattr(chain3, "rewrite_meta", crash)
+    with pytest.raises(KeyboardInterrupt):
+        chain3.delete("numpy", force=True)
+    monkeypatch.setattr(chain3, "rewrite_meta", real)
+    reopened = Store.open(chain3.root)
+    assert reopened.exists("numpy") and (reopened.get("pandas").path / "memory.bin").exists()
+    for tag in ("pandas", "sklearn"):
+        assert image(reopened, tag) == before[tag]
+    assert reopened.delete("numpy", force=True) == ["numpy"]      # and it can be finished
+    for tag in ("pandas", "sklearn"):
+        assert image(reopened, tag) == before[tag]

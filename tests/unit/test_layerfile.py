@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from vmfork.store.layers import hash_file, materialise_head, snapshot_content_hash
+from vmfork.store.layers import (
+    PlanInput,
+    build_plan,
+    hash_file,
+    materialise,
+    snapshot_content_hash,
+)
 from vmfork.vmm import dirty, layerfile
 from vmfork.vmm.layerfile import LayerError
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
@@ -23,6 +29,13 @@ def _memory_with(pages: dict[int, bytes]) -> GuestMemory:
     for page, data in pages.items():
         memory.write(page * PAGE_SIZE, data)
     return memory
+
+
+def materialise_head(base: Path, layer: Path, out: Path) -> None:
+    """The head image of one layer over ``base``, through a memory plan."""
+    plan = build_plan(PlanInput("b/memory.bin", base, None, None),
+                      [PlanInput("l/layer.bin", layer, None, None)])
+    materialise(plan, [base, layer], out)
 
 
 def _write(path: Path, memory: GuestMemory, extents: list[tuple[int, int]]) -> int:
@@ -121,7 +134,7 @@ def test_private_pages_of_a_file_mapping_are_the_changed_ones(tmp_path: Path) ->
 
 
 def test_base_extents_minus_the_changed_pages() -> None:
-    from vmfork.vmm.capture import _subtract
+    from vmfork.vmm.memory import subtract_runs as _subtract
     assert _subtract([(0, 100), (200, 100), (400, 50)],
                      [(10, 10), (50, 200), (290, 20), (420, 100)]) == \
         [(0, 10), (20, 30), (250, 40), (400, 20)]

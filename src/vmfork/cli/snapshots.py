@@ -374,11 +374,17 @@ def cmd_snapshot_info(args: argparse.Namespace) -> int:
                 "content_hash", "parent_tag", "parent_content_hash", "chain_depth",
                 "ancestors", "dependents", "descendants", "orphaned_from",
                 "memory_logical_bytes", "memory_physical_bytes", "vmstate_bytes",
-                "layer_bytes", "logical_bytes", "physical_bytes", "unique_bytes"):
+                "layer_bytes", "changed_bytes", "logical_bytes", "physical_bytes",
+                "unique_bytes", "memory_mapping"):
         if key in info:
             value = info[key]
             if isinstance(value, list):
                 value = ", ".join(value) or "-"
+            elif key == "memory_mapping" and isinstance(value, dict):
+                value = (f"{value.get('kind')}" + (f", {value['runs']} runs over "
+                                                   f"{value['files']} files"
+                                                   if "runs" in value else "")
+                         + (f" ({value['materialised']})" if value.get("materialised") else ""))
             print(f"{key + ':':24} {value if value is not None else '-'}")
     print(f"{'created:':24} {when(info.get('created_at_unix'))}")
     return 0

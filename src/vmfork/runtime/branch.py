@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
-from vmfork.store.chains import ChainTooDeep, check_depth_for_child
+from vmfork.store.chains import ChainTooDeep, check_depth_for_child, publish_link
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
-from vmfork.store.layers import hash_file, materialise_head, snapshot_content_hash
-from vmfork.store.meta import LayerRef
 from vmfork.store.tags import validate_tag
 from vmfork.vmm.capture import MODES
 from vmfork.vmm.stateformat import read_state_file
@@ -103,7 +101,7 @@ def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "ful
       touched).
     * ``mode``: ``"full"`` (whole memory written while paused), ``"diff"`` (only
       the pages changed since a base, written while paused; the snapshot is a
-      chain link and its ``memory.bin`` is resolved once at publish) or
+      chain link and its memory plan is computed once at publish) or
       ``"live"`` (whole memory written by a forked writer after the source
       resumed). ``ValueError`` for anything else.
     * ``parent_tag``: for ``diff``, the base to layer on: the snapshot the
@@ -215,27 +213,17 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                            stage="capture")
     timings = {k: float(v) for k, v in reply["timings"].items()}
     source_resumed(timings["pause_s"] * 1000)
-    written_at = time.monotonic()
 
     state = read_state_file(str(pending.state_path), MachineState)
-    state_hash = hash_file(pending.state_path)
-    layers: list[LayerRef] = []
-    layer_hash = None
     if mode == "diff":
         assert parent is not None
         if reply.get("base_tag") != parent.tag:
             raise BranchFailed(f"the VMM layered on {reply.get('base_tag')!r}, not on "
                                f"{parent.tag!r}", stage="capture")
-        layer_hash = hash_file(pending.layer_path)
-        materialise_head(parent.memory_path, pending.layer_path, pending.memory_path)
-        layers = [*parent.meta.memory_layers,
-                  LayerRef(pending.tag, layer_hash, int(reply["memory_bytes"]),
-                           int(reply["dirty_pages"] or 0))]
     origin_meta = _meta_or_none(store, parent.tag if parent else origin)
     meta = SnapshotMeta(
         tag=pending.tag, image=origin_meta.image if origin_meta else "unknown",
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
-        parent_tag=parent.tag if parent else None,
         warm_up=origin_meta.warm_up if origin_meta else None,
         timings=SnapshotTimings(
             pause_ms=timings["pause_s"] * 1000,
@@ -243,15 +231,13 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
             * 1000,
             write_ms=timings.get("memory_write_s", 0.0) * 1000),
         branch_mode=mode, branched_from=sandbox_id, branched_from_tag=origin,
-        root_tag=(parent.meta.root_tag or parent.tag) if parent else None,
-        memory_layers=layers,
-        content_hash=snapshot_content_hash(
-            state_hash, layer_hash, parent.meta.content_hash if parent else None),
-        parent_content_hash=parent.meta.content_hash if parent else None,
-        extra={"resolve_ms": (time.monotonic() - written_at) * 1000,
-               "dirty_pages": reply.get("dirty_pages"),
+        extra={"dirty_pages": reply.get("dirty_pages"),
                "memory_bytes_written": reply.get("memory_bytes")})
-    snapshot = pending.publish(meta)
+    if parent is not None:
+        # Hashes the layer, computes the link's memory plan over its chain, publishes.
+        snapshot = publish_link(pending, parent, meta)
+    else:
+        snapshot = pending.publish(meta)
     return BranchResult(snapshot=snapshot, mode=mode, pause_ms=timings["pause_s"] * 1000,
                         total_ms=(time.monotonic() - started) * 1000,
                         memory_bytes=int(reply["memory_bytes"]),

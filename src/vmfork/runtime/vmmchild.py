@@ -3,7 +3,8 @@
 Runs as the entry of a process forked by the zygote (``runtime.zygote``), so the
 imports are already done and a spawn pays only for the restore. Contract:
 
-* ``args``: ``snapshot_dir`` (holds ``state.bin`` and ``memory.bin``),
+* ``args``: ``snapshot_dir`` (holds ``state.bin`` and ``memory.bin``, or for a diff
+  snapshot ``memory.plan``: its chain's files mapped layer over layer),
   ``run_dir`` (this sandbox's private directory: ``vsock.sock``,
   ``control.sock``, ``console.log``, ``status.json``), ``vm_id``,
   ``mem_mib``/``vcpus`` (checked against the snapshot).
@@ -65,6 +66,7 @@ from vmfork.runtime import zygote_child
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.runtime.network import enter_netns
 from vmfork.vmm.machine import Machine, MachineConfig
+from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.vmm.stateformat import read_state_file, write_file_atomic
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
@@ -92,6 +94,9 @@ class _LoadedSnapshot:
 
 
 _snapshots: dict[str, _LoadedSnapshot] = {}
+# Decoded memory plans of diff snapshots, keyed by the plan file's path, with its
+# identity (a plan is immutable once published; a changed identity is re-read).
+_plans: dict[str, tuple[tuple[int, int, int, int], MemoryPlan]] = {}
 
 
 def _identity(path: str) -> tuple[int, int, int, int]:
@@ -120,6 +125,30 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
         while len(_snapshots) > SNAPSHOTS_KEPT:
             del _snapshots[next(iter(_snapshots))]
     return state, prepared
+
+
+def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
+    """The memory file a restore of ``snapshot_dir`` maps and, for a diff snapshot,
+    its memory plan (``vmm.memplan``), decoded once per plan file (in the zygote,
+    whose children inherit it) rather than once per spawn."""
+    plan_path = os.path.join(snapshot_dir, PLAN_FILE)
+    if os.path.exists(os.path.join(snapshot_dir, "memory.bin")):
+        return snapshot_memory(snapshot_dir)       # flat (see snapshot_memory)
+    try:
+        identity = _identity(plan_path)
+    except FileNotFoundError:
+        return snapshot_memory(snapshot_dir)       # says what is missing
+    cached = _plans.get(plan_path)
+    if cached is not None and cached[0] == identity:
+        plan = cached[1]
+    else:
+        plan = read_plan(plan_path)
+        if _identity(plan_path) == identity:
+            _plans.pop(plan_path, None)
+            _plans[plan_path] = (identity, plan)
+            while len(_plans) > SNAPSHOTS_KEPT:
+                del _plans[next(iter(_plans))]
+    return plan.source_path(0), plan
 
 
 _warmed_up: set[tuple[str, tuple[int, int, int, int]]] = set()
@@ -215,9 +244,10 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str,
 def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
             net_tap: str | None = None) -> tuple[Machine, MachineState]:
     state, prepared = load_snapshot(snapshot_dir)
+    memory_file, plan = load_memory(snapshot_dir)
     config = MachineConfig(
         restore_state=state, restore_prepared=prepared,
-        memory_file=os.path.join(snapshot_dir, "memory.bin"),
+        memory_file=memory_file, memory_plan=plan,
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=str(run_dir / "vsock.sock") if state.vsock is not None else None,
         rng=state.rng is not None, guest_cid=state.guest_cid,
@@ -234,15 +264,17 @@ class ControlServer:
     """JSON-lines control socket; one thread, requests handled in order.
 
     ``origin_tag`` names the snapshot the machine was restored from (the base of
-    its first diff); by default the name of the directory holding the memory
-    file it maps, which is the tag in a store.
+    its first diff); by default the name of the directory holding its memory plan
+    or, for a flat snapshot, the memory file it maps: the tag in a store.
     """
 
     def __init__(self, machine: Machine, path: str, on_stop: threading.Event,
                  origin_tag: str | None = None) -> None:
         self.machine = machine
         self.on_stop = on_stop
-        if origin_tag is None and machine.config.memory_file is not None:
+        if origin_tag is None and machine.config.memory_plan is not None:
+            origin_tag = os.path.basename(machine.config.memory_plan.directory or "") or None
+        elif origin_tag is None and machine.config.memory_file is not None:
             origin_tag = os.path.basename(os.path.dirname(
                 os.path.abspath(machine.config.memory_file))) or None
         self.snapshots = SnapshotTaker(machine, origin_tag)

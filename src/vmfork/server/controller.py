@@ -449,6 +449,12 @@ class Controller:
         tag = body["snapshot_tag"]
         n = body["n"]
         snap = self._ready_snapshot(tag)
+        try:
+            # A diff snapshot's memory is mapped from its ancestors' files: refuse (409)
+            # rather than map files that are not the ones its plan was computed on.
+            chains.check_plan(self.store, snap)
+        except SnapshotCorrupt as err:
+            raise Conflict(str(err)) from err
         spawner = self._spawner()
         network_args = self._network_args(body, snap)
         with self._heavy_slot(f"spawn {n} sandboxes of {tag!r}"):
@@ -745,7 +751,9 @@ class Controller:
             raise BadGateway(f"BRANCH {tag!r} failed: {err}") from err
         snap = result.snapshot
         self.registry.finish_snapshot_job(tag, None)
-        self.registry.record_branch(record.id, str(snap.memory_path))
+        # A diff branch has no memory image of its own: its plan says what maps it.
+        self.registry.record_branch(
+            record.id, str(snap.plan_path if snap.is_layered else snap.memory_path))
         self.metrics.branch_pause_seconds.observe(result.pause_ms / 1000, mode=mode)
         self.metrics.branches.inc(mode=mode)
         info = self._snapshot_info(snap)

@@ -1,22 +1,22 @@
-"""Diff snapshots in the store: layer files, content hashes, materialised heads.
+"""Diff snapshots in the store: layer files, memory plans, content hashes.
 
 A diff snapshot directory holds, besides ``state.bin`` and ``meta.json``:
 
 * ``layer.bin`` -- the pages it changed over its parent (``vmfork.vmm.layerfile``),
   immutable once published, named in ``meta.memory_layers`` by its content hash
   (BLAKE2b-256 from ``hashlib``, computed as the file enters the store);
-* ``memory.bin`` -- its chain resolved once, at publish time: the parent's
-  ``memory.bin`` (itself already resolved) with the layer's pages copied over
-  it, sparse (only the parent's data extents and the layer's pages are
-  copied, in the kernel with ``copy_file_range``, which shares extents on file
-  systems that reflink).
+* ``memory.plan`` -- its chain resolved once, at publish time, into a map
+  (``vmfork.vmm.memplan``): for every range of guest RAM, which file of the chain
+  (the base's ``memory.bin`` or one link's ``layer.bin``) holds it, topmost link
+  winning. A child maps the base ``MAP_PRIVATE`` and each run of the plan from its
+  layer over it: a spawn never hashes, copies or assembles memory, at any depth
+  (issue 6 item 3), and a link costs on disk only the pages it changed (item 1),
+  on any file system -- the alternative, a resolved ``memory.bin`` per link, is a
+  full copy of the image per link wherever the file system cannot reflink.
 
-So a child of a chain head maps one ``memory.bin`` ``MAP_PRIVATE``, exactly like
-a child of a flat snapshot: a spawn never hashes, copies or assembles memory,
-at any depth (issue 6 item 3). Resolving costs one copy of the parent's data per
-link at publish time, off the source's pause. On file systems without reflink
-the head image is a full copy on disk; the layer stays the unit a pack
-ships and a compaction or verification works on.
+A plan whose runs would exceed the VMA budget (``memplan.MAX_RUNS``) is not used:
+that head is materialised once, at publish time, into its own ``memory.bin``
+(``materialise``), which its own dependents' plans then use as their base.
 
 A memory image is hashed with ``hash_memory``: per-MiB block hashes under one
 outer hash, with all-zero blocks (holes included) marked rather than hashed, so
@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from vmfork.vmm import layerfile
+from vmfork.vmm import layerfile, memplan
 
 LAYER_FILE = "layer.bin"
+PLAN_FILE = memplan.PLAN_FILE
 HASH_NAME = "blake2b-256"
 _BLOCK = 1 << 20
 
@@ -95,24 +97,73 @@ def snapshot_content_hash(state_hash: str, layer_hash: str | None,
     return f"{HASH_NAME}:{digest.hexdigest()}"
 
 
-def materialise_head(parent_memory: Path, layer: Path, out: Path) -> int:
-    """Write ``out`` = ``parent_memory`` with ``layer``'s pages over it (sparse,
-    fsynced). Checks the layer's index and that it fits the parent's RAM size.
-    Returns the data bytes copied."""
-    with open(parent_memory, "rb", buffering=0) as base, \
-            open(layer, "rb", buffering=0) as lay:
-        size = os.fstat(base.fileno()).st_size
-        index = layerfile.read_layer_index(lay.fileno())
-        if index.mem_size != size:
+@dataclass(frozen=True)
+class PlanInput:
+    """One file of a chain for ``build_plan``: ``store_path`` is where the plan will
+    find it (``<tag>/<file>`` under the snapshots directory), ``path`` where it is
+    now (a pending snapshot's own layer is not at its final path yet)."""
+
+    store_path: str
+    path: Path
+    owner_content_hash: str | None
+    file_hash: str | None
+
+
+def build_plan(base: PlanInput, layers: list[PlanInput]) -> memplan.MemoryPlan:
+    """The memory plan of ``base`` (a memory.bin) with ``layers`` (base to head) over
+    it. Reads the layers' indexes only, checking each against the base's RAM size (a
+    hostile layer cannot map outside guest RAM). ``PlanTooLarge`` is not raised here:
+    the caller compares ``len(plan.runs)`` with ``memplan.MAX_RUNS``."""
+    mem_size = os.stat(base.path).st_size
+    sources = [memplan.PlanSource(base.store_path, mem_size, base.owner_content_hash,
+                                  base.file_hash)]
+    indexes = []
+    for number, layer in enumerate(layers, start=1):
+        with open(layer.path, "rb", buffering=0) as f:
+            index = layerfile.read_layer_index(f.fileno())
+            size = os.fstat(f.fileno()).st_size
+        if index.mem_size != mem_size:
             raise layerfile.LayerError(
-                f"the layer is for {index.mem_size} bytes of RAM, its parent's memory file "
-                f"{parent_memory} has {size}", op="materialise")
+                f"the layer {layer.store_path} is for {index.mem_size} bytes of RAM, the "
+                f"chain's base {base.store_path} has {mem_size}", op="build_plan")
+        sources.append(memplan.PlanSource(layer.store_path, size, layer.owner_content_hash,
+                                          layer.file_hash))
+        indexes.append((number, index))
+    return memplan.MemoryPlan(mem_size, tuple(sources), tuple(memplan.resolve_runs(indexes)))
+
+
+def materialise(plan: memplan.MemoryPlan, paths: list[Path], out: Path) -> int:
+    """Write ``out``: the memory image ``plan`` maps, from its sources at ``paths``
+    (source order), sparse and fsynced. Returns the data bytes copied."""
+    fds = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            os.ftruncate(fd, size)
-            copied = layerfile.copy_sparse(base.fileno(), fd, size)
-            copied += layerfile.apply_layer(lay.fileno(), fd, index)
+            os.ftruncate(fd, plan.mem_size)
+            copied = layerfile.copy_sparse(fds[0], fd, plan.mem_size)
+            for run in plan.runs:
+                layerfile.copy_range(fds[run.source], run.source_offset, fd, run.offset,
+                                     run.length)
+                copied += run.length
             os.fsync(fd)
         finally:
             os.close(fd)
+    finally:
+        for source_fd in fds:
+            os.close(source_fd)
     return copied
+
+
+def write_plan(plan: memplan.MemoryPlan, path: Path) -> None:
+    """Write a plan file (new, fsynced; the store renames or publishes it)."""
+    data = memplan.encode_plan(plan)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)

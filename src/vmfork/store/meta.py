@@ -6,9 +6,11 @@ codec as the machine state (``vmfork.vmm.stateformat.to_json_value`` /
 ``from_json_value``), so the same evolution rules hold: a reader ignores fields
 it does not know and defaults fields the file lacks. ``format_version`` changes
 only for a change an older reader must not misread; issue 6 (layers, chains)
-is expected to add fields (a layer list, the parent's content hash) without
-bumping it, and to bump it only if a snapshot's memory can no longer be found
-at ``memory.bin`` by an older reader.
+added fields (a layer list, the parent's content hash) without bumping it. A
+diff snapshot mapped through a memory plan (``memory_source`` is
+``memory.plan``) has no ``memory.bin``, which an older reader would need: its
+meta.json is written as version 2 (flat snapshots stay version 1), so such a
+reader says "upgrade vmfork" instead of "memory.bin is missing".
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from typing import Any
 from vmfork.vmm.stateformat import StateFormatError, from_json_value, to_json_value
 
 META_FORMAT_VERSION = 1
-SUPPORTED_META_VERSIONS: tuple[int, ...] = (1,)
+# A snapshot whose memory is a plan over its chain's files (no memory.bin).
+META_FORMAT_VERSION_PLAN = 2
+SUPPORTED_META_VERSIONS: tuple[int, ...] = (1, 2)
+
+MEMORY_SOURCE_FILE = "memory.bin"
+MEMORY_SOURCE_PLAN = "memory.plan"
 
 STATUS_READY = "ready"
 
@@ -102,6 +109,8 @@ class SnapshotMeta:
     # when the writer asked for it, with ``layers.hash_memory``); ``vmfork verify``
     # re-checks them. Absent for snapshots written before it existed.
     file_hashes: dict[str, str] = field(default_factory=dict)
+    # Which file a restore maps: memory.bin, or memory.plan (see above).
+    memory_source: str = MEMORY_SOURCE_FILE
 
 
 class MetaError(Exception):

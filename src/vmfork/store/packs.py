@@ -21,7 +21,9 @@ the snapshot's RAM size). Files are written into the store's pending
 directories (removed by the store after a crash), hashed as they stream, and
 nothing is published until every hash matched and the stream ended cleanly;
 any failure removes everything this unpack wrote. Snapshots already in the
-store with the same content hash are not stored again.
+store with the same content hash are not stored again. A link is published as
+in the store it came from: its layer and a memory plan computed over the
+unpacked chain (``chains.publish_link``), never a resolved memory image.
 
 Compression uses the ``zstd`` command (a Debian package vmfork already installs
 for the guest image) through pipes rather than a Python binding: no extra

@@ -21,19 +21,23 @@ crashed writer or deleter are removed by ``cleanup_stale`` — only once the tag
 lock is free, which is the kernel's word that their owner is gone (see locks.py).
 
 Chains (issue 6): a diff snapshot names its parent (``meta.parent_tag`` and the
-parent's content hash) and carries its own ``layer.bin`` next to a ``memory.bin``
-resolved once at publish (``vmfork.store.layers``), so every snapshot is spawnable
-from its own directory alone. The links between snapshots change under one
-store-wide lock (``locks.ChainsLock``): ``publish`` of a link checks its parent is
-still there, and ``delete`` checks for dependents, so a child can never be
-published onto a parent being deleted. ``delete`` refuses a snapshot with
-dependents unless told to ``cascade`` (remove the subtree, deepest first, so a
-crash leaves no child without its parent) or ``force`` (each direct dependent is
-first re-rooted: its meta.json is rewritten atomically to a standalone snapshot;
-its resolved ``memory.bin`` already holds all its memory, so nothing it needs is
-deleted). Each snapshot owns its files and shares none with another directory, so
-no deletion can remove data another snapshot still uses (should files ever be
-hard-linked between snapshots, the file system counts the references).
+parent's content hash) and carries its own ``layer.bin`` and a ``memory.plan``
+computed once at publish (``vmfork.store.layers``, ``vmfork.vmm.memplan``): which
+file of its chain -- the base's ``memory.bin`` or an ancestor's ``layer.bin`` --
+holds each range of its RAM. So a snapshot's memory lives in its ancestors'
+directories too, and the store keeps every file a plan maps for as long as the
+plan exists. The links between snapshots change under one store-wide lock
+(``locks.ChainsLock``): ``publish`` of a link checks its parent is still there and
+every file its plan maps is present with the size it recorded, and ``delete``
+checks for dependents, so a child can never be published onto a parent being
+deleted. ``delete`` refuses a snapshot with dependents unless told to
+``cascade`` (remove the subtree, deepest first, so a crash leaves no child
+without its parent) or ``force`` (each direct dependent is first made
+standalone: its chain is materialised into its own ``memory.bin`` and its
+meta.json rewritten atomically; then the plans of everything built on those are
+recomputed over the new base). Before any snapshot is removed, ``delete`` checks
+that no remaining snapshot's plan maps one of its files -- the plans themselves
+are the reference count, so there is no counter to get out of step after a crash.
 """
 
 from __future__ import annotations
@@ -61,11 +65,13 @@ from vmfork.store.errors import (
     StoreError,
     TagExists,
 )
-from vmfork.store.layers import LAYER_FILE, hash_file
+from vmfork.store.layers import LAYER_FILE, PLAN_FILE, hash_file
 from vmfork.store.layers import hash_memory as hash_memory_file
 from vmfork.store.locks import ChainsLock, TagLock
 from vmfork.store.meta import (
+    MEMORY_SOURCE_PLAN,
     META_FORMAT_VERSION,
+    META_FORMAT_VERSION_PLAN,
     STATUS_READY,
     MetaError,
     SnapshotMeta,
@@ -74,6 +80,7 @@ from vmfork.store.meta import (
     encode_meta,
 )
 from vmfork.store.tags import is_valid_tag, validate_tag
+from vmfork.vmm import memplan
 
 STATE_FILE = "state.bin"
 MEMORY_FILE = "memory.bin"
@@ -110,12 +117,19 @@ class Snapshot:
 
     @property
     def memory_path(self) -> Path:
-        """The file a child maps ``MAP_PRIVATE`` as guest RAM.
-
-        For today's flat snapshots it is ``memory.bin`` inside ``path``; do not
-        assume so — layered snapshots (issue 6) may resolve it elsewhere.
-        """
+        """This snapshot's own memory image, ``memory.bin``: what a child maps for a
+        flat snapshot. A layered one (``is_layered``) has none: its ``plan_path``
+        says which files of its chain a child maps."""
         return self.path / MEMORY_FILE
+
+    @property
+    def is_layered(self) -> bool:
+        """Whether a child maps this snapshot's chain through ``memory.plan``."""
+        return self.meta.memory_source == MEMORY_SOURCE_PLAN
+
+    @property
+    def plan_path(self) -> Path:
+        return self.path / PLAN_FILE
 
     @property
     def meta_path(self) -> Path:
@@ -235,13 +249,24 @@ class Store:
                 if direct and not (cascade or force):
                     raise HasDependents(tag, direct)
                 doomed = _subtree_deepest_first(tag, children) if cascade else [tag]
-                for t in [*doomed, *(direct if force else [])]:
+                # force: the direct dependents become standalone and everything built
+                # on them gets a new plan; top-down, so each one's base is ready first.
+                rebased = ([t for child in direct
+                            for t in reversed(_subtree_deepest_first(child, children))]
+                           if force else [])
+                for t in [*doomed, *rebased]:
                     if t != tag:
                         lock = TagLock.acquire(self.locks_dir, t, "deleting a snapshot")
                         held.callback(lock.release)
                 if force:
-                    for child in direct:
-                        self._reroot(child, tag)
+                    # chains builds on this module; imported here, where it is needed.
+                    from vmfork.store import chains
+                    for t in rebased:
+                        if t in direct:
+                            chains.make_standalone(self, t, tag)
+                        else:
+                            chains.replan(self, t)
+                self._check_unreferenced(doomed)
                 tombs = [self._rename_to_tomb(t) for t in doomed]
             for tomb in tombs:
                 _remove_tree(tomb)
@@ -284,20 +309,32 @@ class Store:
                              "check free space", tag=snapshot.tag, path=snapshot.path) from err
         return Snapshot(snapshot.tag, snapshot.path, meta)
 
-    def _reroot(self, tag: str, parent_tag: str) -> None:
-        """Make ``tag`` a standalone snapshot: its memory.bin already holds its whole
-        memory (resolved at publish), so only the link to its parent goes."""
-        snapshot = self.get(tag)
-        meta = snapshot.meta
-        hashes = {k: v for k, v in meta.file_hashes.items() if k != LAYER_FILE}
-        self.rewrite_meta(snapshot, dataclasses.replace(
-            meta, parent_tag=None, root_tag=None, memory_layers=[],
-            parent_content_hash=None, file_hashes=hashes,
-            extra={**meta.extra, "orphaned_from": {
-                "tag": parent_tag, "content_hash": meta.parent_content_hash}}))
-        # No longer part of its meta; a crash before this unlink leaves an unlisted file.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(snapshot.path / LAYER_FILE)
+    def plan_references(self) -> dict[str, builtins.list[str]]:
+        """Snapshot tag -> the other snapshots whose memory plans map one of its files
+        (sorted). Read from the plans themselves: they are the reference count."""
+        refs: dict[str, set[str]] = {}
+        for t in self._tag_names():
+            try:
+                snap = self._load(t, self.snapshots_dir / t)
+                if not snap.is_layered:
+                    continue
+                plan = memplan.read_plan(str(snap.plan_path))
+            except (SnapshotCorrupt, memplan.PlanError):
+                continue
+            for source in plan.sources:
+                if source.owner_tag != t:
+                    refs.setdefault(source.owner_tag, set()).add(t)
+        return {owner: sorted(users) for owner, users in refs.items()}
+
+    def _check_unreferenced(self, doomed: builtins.list[str]) -> None:
+        """Refuse to delete files that a snapshot staying behind still maps."""
+        refs = self.plan_references()
+        for t in doomed:
+            users = [u for u in refs.get(t, []) if u not in doomed]
+            if users:
+                raise StoreError(f"cannot delete snapshot {t!r}: the memory of "
+                                 f"{', '.join(map(repr, users))} maps its files; delete those "
+                                 "first, or compact them", tag=t)
 
     def _rename_to_tomb(self, tag: str) -> Path:
         path = self.snapshots_dir / tag
@@ -409,8 +446,11 @@ class Store:
             raise SnapshotCorrupt(tag, path, f"{META_FILE} says it is {meta.tag!r} (was the "
                                   "directory renamed by hand?)",
                                   remedy=f"rename it back to {meta.tag!r} or delete it")
-        expected = {STATE_FILE: meta.sizes.state_bytes,
-                    MEMORY_FILE: meta.sizes.memory_logical_bytes}
+        expected: dict[str, int | None] = {STATE_FILE: meta.sizes.state_bytes}
+        if meta.memory_source == MEMORY_SOURCE_PLAN:
+            expected[PLAN_FILE] = None
+        else:
+            expected[MEMORY_FILE] = meta.sizes.memory_logical_bytes
         for name, size in expected.items():
             # A stat, not a read or a hash: nothing here may grow with guest memory.
             try:
@@ -422,7 +462,7 @@ class Store:
                                       remedy="check the permissions of the store") from err
             if not stat.S_ISREG(st.st_mode):
                 raise SnapshotCorrupt(tag, path, f"{name} is not a regular file")
-            if st.st_size != size:
+            if size is not None and st.st_size != size:
                 raise SnapshotCorrupt(tag, path, f"{name} is {st.st_size} bytes, {META_FILE} "
                                       f"recorded {size} (truncated or replaced)")
         snapshot = Snapshot(tag, path, meta)
@@ -460,6 +500,11 @@ class PendingSnapshot:
         """Where a diff snapshot's own layer goes (``vmfork.store.layers``)."""
         return self.path / LAYER_FILE
 
+    @property
+    def plan_path(self) -> Path:
+        """Where a diff snapshot's memory plan goes (``vmfork.vmm.memplan``)."""
+        return self.path / PLAN_FILE
+
     def __enter__(self) -> Self:
         return self
 
@@ -484,8 +529,9 @@ class PendingSnapshot:
     def publish(self, meta: SnapshotMeta, *, hash_memory: bool = False) -> Snapshot:
         """Make the snapshot durable and visible under its tag, atomically.
 
-        ``state.bin`` and ``memory.bin`` must have been written into ``path``.
-        The store fills ``meta.sizes``, ``meta.status`` and ``meta.file_hashes``
+        ``state.bin`` and ``memory.bin`` must have been written into ``path`` (for a
+        layered snapshot, ``meta.memory_source`` ``memory.plan``: ``state.bin``,
+        ``layer.bin`` and ``memory.plan``). The store fills ``meta.sizes``, ``meta.status`` and ``meta.file_hashes``
         (state.bin, layer.bin, and memory.bin if ``hash_memory``). A snapshot naming
         a parent is published only while that parent (same content hash) exists,
         else ``ParentGone``. On failure the pending directory is left for ``abort``
@@ -495,30 +541,39 @@ class PendingSnapshot:
         if meta.tag != self.tag:
             raise StoreError(f"meta.tag {meta.tag!r} does not match the pending snapshot's tag "
                              f"{self.tag!r}; build the meta with tag={self.tag!r}", tag=self.tag)
+        layered = meta.memory_source == MEMORY_SOURCE_PLAN
+        required = (STATE_FILE, LAYER_FILE, PLAN_FILE) if layered else _REQUIRED_FILES
         sizes: dict[str, os.stat_result] = {}
-        for name in _REQUIRED_FILES:
+        for name in required:
             try:
                 st = os.stat(self.path / name)
             except FileNotFoundError:
                 raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} was not written "
-                                 f"into {self.path}; write both {' and '.join(_REQUIRED_FILES)} "
+                                 f"into {self.path}; write {' and '.join(required)} "
                                  "before publish", tag=self.tag, path=self.path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} is not a regular "
                                  "file", tag=self.tag, path=self.path)
             sizes[name] = st
+        plan = None
+        if layered:
+            if meta.parent_tag is None:
+                raise StoreError(f"cannot publish snapshot {self.tag!r}: a memory plan needs a "
+                                 "parent", tag=self.tag)
+            plan = memplan.read_plan(str(self.plan_path))
         hashes = dict(meta.file_hashes)
         hashes.setdefault(STATE_FILE, hash_file(self.state_path))
         if os.path.exists(self.layer_path):
             own = [r.content_hash for r in meta.memory_layers if r.tag == self.tag]
             hashes.setdefault(LAYER_FILE, own[-1] if own else hash_file(self.layer_path))
-        if hash_memory:
+        if hash_memory and not layered:
             hashes.setdefault(MEMORY_FILE, hash_memory_file(self.memory_path))
         final = dataclasses.replace(
-            meta, status=STATUS_READY, format_version=META_FORMAT_VERSION, file_hashes=hashes,
+            meta, status=STATUS_READY, file_hashes=hashes,
+            format_version=META_FORMAT_VERSION_PLAN if layered else META_FORMAT_VERSION,
             sizes=SnapshotSizes(
-                memory_logical_bytes=sizes[MEMORY_FILE].st_size,
-                memory_physical_bytes=sizes[MEMORY_FILE].st_blocks * 512,
+                memory_logical_bytes=plan.mem_size if plan else sizes[MEMORY_FILE].st_size,
+                memory_physical_bytes=0 if plan else sizes[MEMORY_FILE].st_blocks * 512,
                 state_bytes=sizes[STATE_FILE].st_size))
         target = self.store.snapshots_dir / self.tag
         stage = f"write {META_FILE}"
@@ -541,6 +596,8 @@ class PendingSnapshot:
             with links:
                 if final.parent_tag is not None:
                     self._check_parent(final)
+                if plan is not None:
+                    self._check_plan_sources(plan)
                 if os.path.lexists(target):
                     # Only a writer bypassing the tag lock gets here; never replace its work.
                     raise TagExists(self.tag, target)
@@ -571,6 +628,21 @@ class PendingSnapshot:
             raise ParentGone(f"cannot publish snapshot {self.tag!r}: its parent "
                              f"{meta.parent_tag!r} was replaced by another snapshot while it "
                              "was being written", tag=self.tag)
+
+    def _check_plan_sources(self, plan: memplan.MemoryPlan) -> None:
+        """Every file the plan maps is there with the size it recorded (under the
+        chains lock: an ancestor deleted or re-based meanwhile fails the publish)."""
+        for source in plan.sources:
+            path = (self.path / LAYER_FILE if source.owner_tag == self.tag
+                    else self.store.snapshots_dir / source.path)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                size = -1
+            if size != source.size:
+                raise ParentGone(f"cannot publish snapshot {self.tag!r}: {source.path}, which "
+                                 "its memory plan maps, was deleted or replaced while it was "
+                                 "being written", tag=self.tag)
 
     def abort(self) -> None:
         """Discard everything written so far and release the tag. Idempotent."""

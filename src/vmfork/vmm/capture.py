@@ -64,7 +64,7 @@ from vmfork.vmm import dirty, layerfile
 from vmfork.vmm.devices.virtio.device import run_on_loop
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.machine import Machine
-from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.memory import GuestMemory, subtract_runs
 from vmfork.vmm.stateformat import encode_state, write_file_atomic
 from vmfork.vmm.vmstate import MachineState
 
@@ -345,39 +345,26 @@ def _write_changed_pages(path: str, memory: GuestMemory) -> tuple[int, list[dirt
 
 
 def _fill_from_base(path: str, memory: GuestMemory, changed: list[dirty.Run]) -> int:
-    """Copy the base file's data into the image at ``path`` everywhere but ``changed``."""
+    """Copy the base's data into the image at ``path`` everywhere but ``changed``: from
+    the snapshot file, and where a diff chain's layers are mapped over it, from them."""
     assert memory.backing_fd is not None
-    base_fd = memory.backing_fd
+    sources = list(memory.base_sources(layerfile.data_extents(memory.backing_fd,
+                                                              memory.size)))
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         copied = 0
-        for offset, length in _subtract(layerfile.data_extents(base_fd, memory.size), changed):
-            layerfile.copy_range(base_fd, offset, fd, offset, length)
+        at = 0
+        # Each piece lies inside one source (subtract_runs never joins its extents).
+        for offset, length in subtract_runs([(s.offset, s.length) for s in sources], changed):
+            while sources[at].offset + sources[at].length <= offset:
+                at += 1
+            source = sources[at]
+            layerfile.copy_range(source.fd, source.file_offset + offset - source.offset, fd,
+                                 offset, length)
             copied += length
     finally:
         os.close(fd)
     return copied
-
-
-def _subtract(extents: list[dirty.Run], holes: list[dirty.Run]) -> list[dirty.Run]:
-    """The parts of sorted, disjoint ``extents`` outside sorted, disjoint ``holes``."""
-    out: list[dirty.Run] = []
-    h = 0
-    for start, length in extents:
-        end = start + length
-        while h < len(holes) and holes[h][0] + holes[h][1] <= start:
-            h += 1
-        k = h
-        while start < end:
-            if k >= len(holes) or holes[k][0] >= end:
-                out.append((start, end - start))
-                break
-            hole_start, hole_end = holes[k][0], holes[k][0] + holes[k][1]
-            if hole_start > start:
-                out.append((start, hole_start - start))
-            start = max(start, hole_end)
-            k += 1
-    return out
 
 
 class _Writer:

@@ -49,6 +49,7 @@ from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.memplan import MemoryPlan
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
@@ -69,6 +70,8 @@ class MachineConfig:
     payload: bytes | None = None      # a flat 64-bit test guest instead of a kernel
     restore_state: MachineState | None = None   # restore instead of boot ...
     memory_file: str | None = None              # ... mapping this file MAP_PRIVATE
+    # ... and a diff chain's layers over it (memory_file is then the plan's base)
+    memory_plan: MemoryPlan | None = None
     # restore_state's ioctl buffers, built beforehand (vmstate.prepare_restore) so a
     # forked child only issues ioctls; built from restore_state when not given.
     restore_prepared: vmstate.PreparedRestore | None = None
@@ -95,6 +98,8 @@ class MachineConfig:
                              "and restore_state (a snapshot)")
         if (self.restore_state is None) != (self.memory_file is None):
             raise ValueError("restore_state and memory_file go together")
+        if self.memory_plan is not None and self.memory_file is None:
+            raise ValueError("memory_plan needs memory_file (its base)")
         if self.restore_state is not None:
             if self.restore_state.mem_size != self.mem_mib << 20:
                 raise ValueError(f"the snapshot has {self.restore_state.mem_size >> 20} MiB of "
@@ -181,7 +186,8 @@ class Machine:
         self.vm_fd = self._fd(api.create_vm(self.kvm_fd))
         mem_size = config.mem_mib << 20
         if config.memory_file is not None:
-            self.memory = GuestMemory.from_file_private(config.memory_file, mem_size)
+            self.memory = GuestMemory.from_file_private(config.memory_file, mem_size,
+                                                        config.memory_plan)
         elif config.memfd:
             self.memory = GuestMemory.memfd(mem_size, f"vmfork-{self.vm_id}")
         else:

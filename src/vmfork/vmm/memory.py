@@ -4,7 +4,8 @@ Guest RAM is one or more regions, each a host mapping registered with KVM as a
 memory slot. A region is backed by anonymous memory, a memfd (so that another
 process, or a snapshot writer, can map the same pages), or a file mapped
 ``MAP_PRIVATE`` (a snapshot's memory file: children share its pages until they
-write). The VMM touches guest memory only through ``GuestMemory``, which
+write), optionally with a diff chain's layer files mapped over parts of it
+(``vmm.memplan``). The VMM touches guest memory only through ``GuestMemory``, which
 bounds-checks every access: a guest-supplied address that is not wholly inside
 one region raises ``GuestMemoryError``. Nothing here trusts a guest address.
 
@@ -18,15 +19,22 @@ x86 layout (chosen so that MMIO windows sit below 4 GiB in a hole, as on PCs)::
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vmfork.vmm.errors import GuestMemoryError, HostError
+
+if TYPE_CHECKING:
+    from vmfork.vmm.memplan import MemoryPlan
 
 PAGE_SIZE = 4096
 MMIO_HOLE_START = 0xC000_0000  # 3 GiB: RAM below, device windows above
 FOUR_GIB = 1 << 32
+_MAP_FIXED = 0x10
 
 
 @dataclass(frozen=True)
@@ -64,16 +72,85 @@ class MemoryRegion:
         return self.guest_phys + self.size
 
 
+@dataclass(frozen=True)
+class Overlay:
+    """``length`` bytes of RAM at ``offset`` (backing layout) mapped from ``fd`` at
+    ``file_offset``."""
+
+    offset: int
+    length: int
+    fd: int
+    file_offset: int
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_run(regions: list[MemoryRegion], offset: int, length: int, fd: int,
+             file_offset: int) -> list[Overlay]:
+    """Map ``fd`` at ``file_offset`` over RAM at ``offset`` (backing layout), split at
+    region boundaries, MAP_PRIVATE | MAP_FIXED inside the regions' own mappings (so
+    closing a region's mmap unmaps its overlays too)."""
+    done: list[Overlay] = []
+    for r in regions:
+        start = max(offset, r.backing_offset)
+        end = min(offset + length, r.backing_offset + r.size)
+        if start >= end:
+            continue
+        at = _libc.mmap(r.host_addr + start - r.backing_offset, end - start,
+                        mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd,
+                        file_offset + start - offset)
+        if at == _MAP_FAILED or at is None:
+            err = ctypes.get_errno()
+            hint = ("; the process is out of memory mappings: raise vm.max_map_count or "
+                    "compact the snapshot" if err == errno.ENOMEM else "")
+            raise HostError(f"mapping a memory layer over RAM {start:#x}+{end - start:#x} "
+                            f"failed: {os.strerror(err)}{hint}", op="map_snapshot", errno=err)
+        done.append(Overlay(start, end - start, fd, file_offset + start - offset))
+    return done
+
+
+def subtract_runs(extents: list[tuple[int, int]],
+              holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted, disjoint ``extents`` outside sorted, disjoint ``holes``."""
+    out: list[tuple[int, int]] = []
+    h = 0
+    for start, length in extents:
+        end = start + length
+        while h < len(holes) and holes[h][0] + holes[h][1] <= start:
+            h += 1
+        k = h
+        while start < end:
+            if k >= len(holes) or holes[k][0] >= end:
+                out.append((start, end - start))
+                break
+            hole_start, hole_end = holes[k][0], holes[k][0] + holes[k][1]
+            if hole_start > start:
+                out.append((start, hole_start - start))
+            start = max(start, hole_end)
+            k += 1
+    return out
+
+
 class GuestMemory:
     """All of guest RAM. Thread-safe for reads and writes of distinct ranges."""
 
     def __init__(self, regions: list[MemoryRegion], backing_fd: int | None = None,
-                 private_file: bool = False) -> None:
+                 private_file: bool = False,
+                 overlays: tuple[Overlay, ...] = (), overlay_fds: tuple[int, ...] = ()) -> None:
         self.regions = sorted(regions, key=lambda r: r.guest_phys)
         self.backing_fd = backing_fd  # memfd or snapshot file, if any; owned by us
         # True when RAM is a snapshot file mapped MAP_PRIVATE: every page the guest
         # or the VMM wrote is then a private anonymous page (see vmm.dirty).
         self.private_file = private_file
+        # Ranges mapped from layer files over the snapshot file (a diff chain's plan),
+        # sorted; their fds are ours too.
+        self.overlays = overlays
+        self._overlay_fds = overlay_fds
         self.size = sum(r.size for r in self.regions)
 
     # -- construction -------------------------------------------------------------
@@ -103,23 +180,48 @@ class GuestMemory:
         return cls(regions, backing_fd=fd)
 
     @classmethod
-    def from_file_private(cls, path: str, mem_size: int) -> GuestMemory:
-        """Map a memory file copy-on-write: reads share the page cache, writes are private."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def from_file_private(cls, path: str, mem_size: int,
+                          plan: MemoryPlan | None = None) -> GuestMemory:
+        """Map a memory file copy-on-write: reads share the page cache, writes are private.
+
+        With ``plan`` (a diff chain, ``vmm.memplan``), ``path`` must be the plan's
+        base memory file; each run of the plan is then mapped from its layer file
+        over the base, ``MAP_PRIVATE | MAP_FIXED``: nothing is read or copied.
+        """
+        from vmfork.vmm import memplan
+
+        if plan is not None:
+            if plan.mem_size != mem_size:
+                raise HostError(f"the memory plan is for {plan.mem_size} bytes of RAM, not "
+                                f"{mem_size}", op="map_snapshot")
+            if os.path.abspath(path) != os.path.abspath(plan.source_path(0)):
+                raise HostError(f"the memory plan's base is {plan.source_path(0)}, not {path}",
+                                op="map_snapshot")
+            fds = memplan.open_sources(plan)
+        else:
+            fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+        regions: list[MemoryRegion] = []
+        overlays: list[Overlay] = []
         try:
-            if os.fstat(fd).st_size < mem_size:
+            if os.fstat(fds[0]).st_size < mem_size:
                 raise HostError(f"memory file {path} is shorter than {mem_size} bytes",
                                 op="map_snapshot")
-            regions = []
             for layout in ram_layout(mem_size):
-                m = mmap.mmap(fd, layout.size, flags=mmap.MAP_PRIVATE,
+                m = mmap.mmap(fds[0], layout.size, flags=mmap.MAP_PRIVATE,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE,
                               offset=layout.backing_offset)
                 regions.append(MemoryRegion(layout, m))
+            for run in plan.runs if plan is not None else ():
+                overlays.extend(_map_run(regions, run.offset, run.length, fds[run.source],
+                                         run.source_offset))
         except BaseException:
-            os.close(fd)
+            for r in regions:
+                r.mapping.close()
+            for fd in fds:
+                os.close(fd)
             raise
-        return cls(regions, backing_fd=fd, private_file=True)
+        return cls(regions, backing_fd=fds[0], private_file=True, overlays=tuple(overlays),
+                   overlay_fds=tuple(fds[1:]))
 
     def close(self) -> None:
         for r in self.regions:
@@ -131,6 +233,19 @@ class GuestMemory:
         if self.backing_fd is not None:
             os.close(self.backing_fd)
             self.backing_fd = None
+        for fd in self._overlay_fds:
+            os.close(fd)
+        self._overlay_fds = ()
+
+    def base_sources(self, data_extents: list[tuple[int, int]]) -> Iterator[Overlay]:
+        """Where the snapshot this RAM was restored from keeps each range of its data,
+        in offset order: ``data_extents`` (the snapshot file's data extents) outside
+        the overlays, from the snapshot file, and each overlay from its layer file."""
+        assert self.backing_fd is not None
+        pieces = [Overlay(offset, length, self.backing_fd, offset)
+                  for offset, length in subtract_runs(data_extents,
+                                                  [(o.offset, o.length) for o in self.overlays])]
+        yield from sorted([*pieces, *self.overlays], key=lambda o: o.offset)
 
     # -- memory files ---------------------------------------------------------------------
     def dump(self, path: str) -> int:
