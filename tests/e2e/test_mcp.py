@@ -113,7 +113,8 @@ def test_mcp_session_spawns_drives_branches_and_kills(daemon: RunningDaemon) -> 
             with pytest.raises(ToolFailed, match="HTTP 409"):
                 await mcp.call("branch_sandbox", {"sandbox_id": second, "tag": "mcp-branch"})
             flat = await mcp.call("compact_snapshot", {"tag": "mcp-branch", "to": "mcp-flat"})
-            assert flat["tag"] == "mcp-flat" and flat["chain_depth"] == 0
+            assert flat["tag"] == "mcp-flat" and flat["branched_from"] == "compact:mcp-branch"
+            assert (await mcp.call("snapshot_info", {"tag": "mcp-flat"}))["chain_depth"] == 0
             [flat_child] = await mcp.call("spawn_sandboxes", {"snapshot_tag": "mcp-flat"})
             assert (await mcp.call("eval_code", {"sandbox_id": flat_child["id"],
                                                  "code": "answer"}))["result"] == "7"

@@ -243,8 +243,9 @@ export class Controller {
     return this.json("GET", `/v1/snapshots/${seg(tag)}/info`, options);
   }
 
-  /** Publish `to`: snapshot `tag`'s whole diff chain as one flat snapshot (atomically). */
-  compactSnapshot(tag: string, to: string, options: CallOptions = {}): Promise<SnapshotDetails> {
+  /** Publish `to`: snapshot `tag`'s whole diff chain as one flat snapshot (atomically).
+   *  Resolves to the new snapshot, `branched_from: "compact:<tag>"` (as forkd). */
+  compactSnapshot(tag: string, to: string, options: CallOptions = {}): Promise<SnapshotInfo> {
     return this.json("POST", `/v1/snapshots/${seg(tag)}/compact`, {
       ...options,
       timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 3_600_000),

@@ -194,7 +194,8 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
       const flat = await ctl.compactSnapshot(branchTag, flatTag);
       try {
         assert.equal(flat.tag, flatTag);
-        assert.equal(flat.chain_depth, 0);
+        assert.equal(flat.branched_from, `compact:${branchTag}`);
+        assert.equal((await ctl.snapshotInfo(flatTag)).chain_depth, 0);
         const [fromFlat] = await ctl.spawnSandboxes({ snapshotTag: flatTag });
         try {
           assert.equal((await ctl.evalCode(fromFlat!.id, "answer")).result, "7");
