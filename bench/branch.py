@@ -142,14 +142,15 @@ def run_series(store: Any, source: Any, mode: str, dirty_mib: int, branches: int
                      "base_tag": result.base_tag,
                      "vmm_ms": {k: v * 1000 for k, v in result.vmm_timings.items()},
                      "call_ms": (time.monotonic() - started) * 1000})
-        # Keep the store small (the test host's disk is RAM). A diff keeps its newest
-        # link, the base of the next diff; a head's memory.bin never needs its parents.
+        # Keep the store small (the test host's disk is RAM). Diffs stay until the
+        # series ends: each is a layer mapped over its parents (they are its memory),
+        # and only the pages it changed.
         if mode != "diff":
             store.delete(tag)
-        elif n:
-            store.delete(f"{label}-{mode}-{n - 1}")
         log(f"{label} {mode} #{n + 1}: pause {result.pause_ms:.1f} ms, "
             f"round trip {result.total_ms:.0f} ms, {result.memory_bytes >> 20} MiB written")
+    if mode == "diff":
+        store.delete(f"{label}-{mode}-0", cascade=True)
     out: dict[str, Any] = {"rows": rows,
                            "pause_ms": stats([r["pause_ms"] for r in rows]),
                            "round_trip_ms": stats([r["round_trip_ms"] for r in rows]),
