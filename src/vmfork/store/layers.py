@@ -156,9 +156,9 @@ def materialise(plan: memplan.MemoryPlan, paths: list[Path], out: Path) -> int:
     return copied
 
 
-def write_plan(plan: memplan.MemoryPlan, path: Path) -> None:
-    """Write a plan file (new, fsynced; the store renames or publishes it)."""
-    data = memplan.encode_plan(plan)
+def write_new_file(path: Path, data: bytes) -> None:
+    """Create ``path`` (it must not exist) holding ``data``, fsynced; the caller renames
+    or publishes it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
@@ -167,3 +167,8 @@ def write_plan(plan: memplan.MemoryPlan, path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_plan(plan: memplan.MemoryPlan, path: Path) -> None:
+    """Write a plan file (new, fsynced; the store renames or publishes it)."""
+    write_new_file(path, memplan.encode_plan(plan))

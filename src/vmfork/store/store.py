@@ -65,7 +65,7 @@ from vmfork.store.errors import (
     StoreError,
     TagExists,
 )
-from vmfork.store.layers import LAYER_FILE, PLAN_FILE, hash_file
+from vmfork.store.layers import LAYER_FILE, PLAN_FILE, hash_file, write_new_file
 from vmfork.store.layers import hash_memory as hash_memory_file
 from vmfork.store.locks import ChainsLock, TagLock
 from vmfork.store.meta import (
@@ -299,7 +299,7 @@ class Store:
                              tag=snapshot.tag)
         temp = snapshot.path / f".{META_FILE}.{secrets.token_hex(8)}"
         try:
-            _write_file(temp, encode_meta(meta))
+            write_new_file(temp, encode_meta(meta))
             os.rename(temp, snapshot.meta_path)
             _fsync_dir(snapshot.path)
         except OSError as err:
@@ -684,17 +684,6 @@ def _subtree_deepest_first(tag: str, children: dict[str, builtins.list[str]]
 
 
 # -- file-system helpers --------------------------------------------------------------
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def _walk_files(root: Path) -> Iterator[os.DirEntry[str]]:
     for entry in os.scandir(root):

@@ -121,6 +121,22 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         offset += n
 
 
+def check_header(error: type[HostError], name: str, noun: str, op: str, *, magic_ok: bool,
+                 crc_ok: bool, version: int, expected_version: int, page_size: int) -> None:
+    """The checks a vmfork binary file's header starts with, in this order: its magic,
+    its own CRC (a torn write), its format version, its page size. ``name`` is the
+    format's name ("layer file"), ``noun`` how messages start ("layer")."""
+    if not magic_ok:
+        raise error(f"not a vmfork {name} (bad magic)", op=op)
+    if not crc_ok:
+        raise error(f"{noun} header checksum mismatch (torn or damaged file)", op=op)
+    if version != expected_version:
+        raise error(f"{noun} format version {version} is not one this vmfork reads "
+                    f"({expected_version})", op=op)
+    if page_size != PAGE_SIZE:
+        raise error(f"{noun} page size {page_size}, expected {PAGE_SIZE}", op=op)
+
+
 def read_layer_index(fd: int) -> LayerIndex:
     """Read and validate a layer's header and index from the open file ``fd``."""
     file_size = os.fstat(fd).st_size
@@ -130,17 +146,10 @@ def read_layer_index(fd: int) -> LayerIndex:
                          op="layer_index")
     (magic, version, page_size, mem_size, count, data_offset, data_bytes, index_crc,
      header_crc) = _HEADER.unpack(raw[:_HEADER.size])
-    if magic != MAGIC:
-        raise LayerError("not a vmfork layer file (bad magic)", op="layer_index")
-    if zlib.crc32(raw[:_HEADER.size - 4]) != header_crc:
-        raise LayerError("layer header checksum mismatch (torn or damaged file)",
-                         op="layer_index")
-    if version != FORMAT_VERSION:
-        raise LayerError(f"layer format version {version} is not one this vmfork reads "
-                         f"({FORMAT_VERSION})", op="layer_index")
-    if page_size != PAGE_SIZE:
-        raise LayerError(f"layer page size {page_size}, expected {PAGE_SIZE}",
-                         op="layer_index")
+    check_header(LayerError, "layer file", "layer", "layer_index",
+                 magic_ok=magic == MAGIC,
+                 crc_ok=zlib.crc32(raw[:_HEADER.size - 4]) == header_crc,
+                 version=version, expected_version=FORMAT_VERSION, page_size=page_size)
     index_end = HEADER_SIZE + count * _EXTENT.size
     if index_end > file_size or data_offset != _align_up(index_end) \
             or data_offset + data_bytes != file_size:

@@ -57,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vmfork.vmm.errors import HostError
-from vmfork.vmm.layerfile import LayerIndex
+from vmfork.vmm.layerfile import LayerIndex, check_header
 from vmfork.vmm.memory import PAGE_SIZE
 
 PLAN_FILE = "memory.plan"
@@ -214,17 +214,10 @@ def decode_plan(data: bytes, directory: str | None = None) -> MemoryPlan:
                         op="memory_plan")
     (magic, version, page_size, mem_size, source_count, run_count, sources_len, body_crc,
      header_crc) = _HEADER.unpack(data[:_HEADER.size])
-    if magic != MAGIC:
-        raise PlanError("not a vmfork memory plan (bad magic)", op="memory_plan")
-    if zlib.crc32(data[:_HEADER.size - 4]) != header_crc:
-        raise PlanError("memory plan header checksum mismatch (torn or damaged file)",
-                        op="memory_plan")
-    if version != FORMAT_VERSION:
-        raise PlanError(f"memory plan format version {version} is not one this vmfork reads "
-                        f"({FORMAT_VERSION})", op="memory_plan")
-    if page_size != PAGE_SIZE:
-        raise PlanError(f"memory plan page size {page_size}, expected {PAGE_SIZE}",
-                        op="memory_plan")
+    check_header(PlanError, "memory plan", "memory plan", "memory_plan",
+                 magic_ok=magic == MAGIC,
+                 crc_ok=zlib.crc32(data[:_HEADER.size - 4]) == header_crc,
+                 version=version, expected_version=FORMAT_VERSION, page_size=page_size)
     body = data[HEADER_SIZE:]
     runs_at = _align8(sources_len)
     if (not 1 <= source_count <= MAX_SOURCES or run_count > MAX_RUNS
