@@ -34,8 +34,9 @@ answered and the VMs have been idle for ``--settle`` seconds; see
 
 ``--network`` runs the networking benchmark instead (issue 7), written to
 ``bench/results/spawn-network.{json,md}``: vmfork spawns of N children without
-and with per-child network namespaces, interleaved (plus the time to make and
-remove the namespaces), and guest TCP throughput to the host. The guest image
+and with per-child network namespaces, interleaved: made for the spawn, or
+taken from a pool of spares filled before the request (plus the time to make,
+pool and remove the namespaces), and guest TCP throughput to the host. The guest image
 has no iperf3, so the guest sends with a Python socket loop; the peers,
 measured in the same run, are that same Python sender in a plain network
 namespace (what Python sockets can push here, without a VM) and Debian's
@@ -78,6 +79,8 @@ MIB = 1 << 20
 # Run in this order at each N; templating last, because 100 clones (100 vhost
 # workers) is what has crashed the emulated host's kernel.
 PEERS = ("vmfork", "floor", "cold", "template")
+# --network: no network, a namespace made per child, a namespace taken from the pool.
+NETWORK_MODES = ("plain", "netns", "pooled")
 PEER_TITLES = {"vmfork": "vmfork", "floor": "floor (C, KVM calls only)",
                "template": "QEMU templating", "cold": "QEMU cold boot"}
 # vhost-vsock CIDs are global on the host; give each QEMU peer its own range.
@@ -585,7 +588,9 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 # restored state, then waited at the batch's start gate (not in restore_s)
                 "child_start_wait_s": [float(s.get("start_wait_s", 0.0)) for s in statuses],
                 "child_ready_s": [float(s["ready_s"]) for s in statuses],
-                # inside ready_s: first ping answered, then reseed + clock set
+                # inside ready_s: the agent's first answer (after_fork: clock, reseed and
+                # network refresh in one round trip); an agent older than after_fork
+                # answers a ping first, then takes reseed + clock op by op
                 "child_agent_ready_s": [float(s.get("agent_ready", "nan")) for s in statuses],
                 "child_reseed_and_clock_s": [float(s.get("reseed_and_clock", "nan"))
                                              for s in statuses],
@@ -716,7 +721,9 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
 
     md += ["", "## Per child (medians over all children of all runs)", "",
            ("| N | vmfork fork → entry (child set-up) | vmfork restore, in the child | "
-           "… then first agent answer | … then reseed + clock | floor, in the child |"),
+           "… then the agent's first answer (after_fork: clock, reseed) | … then reseed + "
+           "clock (agents without after_fork) | "
+           "floor, in the child |"),
            "|---|---|---|---|---|---|"]
     def child_median(name: str, n: int, key: str) -> float | None:
         values = [x for r in results[name].get(n, []) for x in r.get(key, [])
@@ -954,7 +961,8 @@ def network_main(args: argparse.Namespace) -> int:
         print(f"spawn --network: {msg}", file=sys.stderr, flush=True)
 
     image = find_image()
-    results: dict[str, Any] = {"plain": {}, "netns": {}, "teardown": {}, "failed": {}}
+    results: dict[str, Any] = {"plain": {}, "netns": {}, "pooled": {}, "teardown": {},
+                               "pool_fill": {}, "failed": {}}
     setup: dict[str, Any] = {"image": image.name}
     with ExitStack() as stack:
         workdir = Path(tempfile.mkdtemp(prefix="vmfork-bench-net-"))
@@ -994,24 +1002,32 @@ def network_main(args: argparse.Namespace) -> int:
         for rep in range(args.reps):
             for n in args.n:
                 timeout = max(args.timeout, args.timeout_per_vm * n)
-                for mode in ("plain", "netns"):
+                for mode in NETWORK_MODES:
                     log(f"{mode} N={n} (run {rep + 1}/{args.reps})")
+                    if mode == "pooled":  # spares made before the request, not timed
+                        started = time.monotonic()
+                        hostnet.resize_pool(n)
+                        ready = hostnet.wait_for_pool(timeout)
+                        results["pool_fill"].setdefault(n, []).append(
+                            {"seconds": time.monotonic() - started, "spares": ready})
                     try:
                         out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", 0.0, timeout,
-                                           network=hostnet if mode == "netns" else None)
+                                           network=None if mode == "plain" else hostnet)
                     except Exception as err:  # noqa: BLE001 -- recorded, the run goes on
                         results["failed"][f"{mode} N={n}"] = str(err)
                         log(f"{mode} N={n}: FAILED: {err}")
+                        hostnet.resize_pool(0)
                         for child_net in list(hostnet.children.values()):
                             hostnet.destroy(child_net)
                         save()
                         continue
+                    hostnet.resize_pool(0)
                     networks = out.pop("networks", [])
                     out.pop("memory", None)
                     started = time.monotonic()
                     for child_net in networks:
                         hostnet.destroy(child_net)
-                    if networks:
+                    if networks and mode == "netns":
                         results["teardown"].setdefault(n, []).append(
                             {"seconds": time.monotonic() - started, "count": len(networks)})
                     results[mode].setdefault(n, []).append(out)
@@ -1054,23 +1070,33 @@ def render_network(args: argparse.Namespace, results: dict[str, Any],
           "", f"Measured in: {where()}.", "",
           "## Spawn time without / with a network namespace per child", "",
           ("| N | restored, no network | restored, netns | ready, no network | ready, netns | "
-           "ready ratio | making the N namespaces (inside 'netns') | removing them |"),
-          "|---|---|---|---|---|---|---|---|"]
+           "ready ratio | ready, pooled netns | ready ratio | making the N namespaces "
+           "(inside 'netns') | taking N spares (inside 'pooled') | filling the pool "
+           "beforehand | removing N |"),
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n in args.n:
         teardown = [r["seconds"] for r in results["teardown"].get(n, [])]
-        making = med("netns", n, "network_s")
+        fill = [r["seconds"] for r in results["pool_fill"].get(n, [])]
         plain_ready = med("plain", n, "ready_s")
-        netns_ready = med("netns", n, "ready_s")
-        netns_total = netns_ready + (making or 0.0) if netns_ready is not None else None
+        totals = {}
+        for mode in ("netns", "pooled"):
+            ready = med(mode, n, "ready_s")
+            totals[mode] = (ready + (med(mode, n, "network_s") or 0.0)
+                            if ready is not None else None)
         md.append(f"| {n} | {fmt_s(med('plain', n, 'running_s'))} | "
                   f"{fmt_s(med('netns', n, 'running_s'))} | {fmt_s(plain_ready)} | "
-                  f"{fmt_s(netns_total)} | {fmt_x(ratio(netns_total, plain_ready))} | "
-                  f"{fmt_s(making)} | "
+                  f"{fmt_s(totals['netns'])} | {fmt_x(ratio(totals['netns'], plain_ready))} | "
+                  f"{fmt_s(totals['pooled'])} | "
+                  f"{fmt_x(ratio(totals['pooled'], plain_ready))} | "
+                  f"{fmt_s(med('netns', n, 'network_s'))} | "
+                  f"{fmt_s(med('pooled', n, 'network_s'))} | "
+                  f"{fmt_s(statistics.median(fill) if fill else None)} | "
                   f"{fmt_s(statistics.median(teardown) if teardown else None)} |")
     tp = results.get("throughput", {})
     md += ["", ("'netns' ready counts from the request and includes making the namespaces "
-                "(in parallel, 4 workers), which happens before the spawn; 'restored, netns' "
-                "counts from the spawn."), "",
+                "(in parallel, 4 workers), which happens before the spawn; 'pooled' takes "
+                "them from a pool of spares filled before the request (``--netns-pool``); "
+                "'restored' counts from the spawn."), "",
            "## TCP throughput to the host (one stream)", "",
            "| sender | path | Mbit/s |", "|---|---|---|"]
     rows = (("vmfork_guest", "Python socket loop in the guest",
@@ -1086,7 +1112,7 @@ def render_network(args: argparse.Namespace, results: dict[str, Any],
     if results["failed"]:
         md += ["", "## Not measured", "",
                *(f"- {what}: {why}" for what, why in results["failed"].items())]
-    incomplete = [f"- {mode} N={n}: {r['incomplete']}" for mode in ("plain", "netns")
+    incomplete = [f"- {mode} N={n}: {r['incomplete']}" for mode in NETWORK_MODES
                   for n, runs in results[mode].items() for r in runs if r.get("incomplete")]
     if incomplete:
         md += ["", "## Incomplete runs (restored time kept)", "", *incomplete]

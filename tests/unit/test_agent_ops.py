@@ -397,6 +397,40 @@ def test_set_time_validates_and_sets(client: AgentClient, agent: Agent) -> None:
     assert 0 <= previous - now < 5_000_000_000
 
 
+def test_after_fork_sets_the_clock_and_reseeds_in_one_round_trip(
+        client: AgentClient, agent: Agent) -> None:
+    with agent.raw() as sock:
+        send_frame(sock, {"op": "after_fork"}, os.urandom(8))
+        reply = recv_frame(sock).header
+        assert reply["error"] == "bad_request" and "'ns'" in reply["message"]
+    before = client.eval("import random\nrandom.getstate()").value
+    try:  # the clock is set to the host's own (the agent runs here): a no-op step
+        r = client.after_fork(os.urandom(64))
+    except AgentError as err:  # an unprivileged run: clock_settime needs CAP_SYS_TIME
+        assert err.code == "permission_denied"
+        return
+    assert r.ping.pid == os.getpid() and (r.reseed.bytes, r.reseed.entropy_bits) == (64, 512)
+    assert r.net is None, "no network refresh unless asked"
+    assert 0 < r.clock_error_bound_ns < 5_000_000_000
+    assert abs(r.previous_ns - time.time_ns()) < 5_000_000_000
+    assert client.eval("random.getstate()").value != before
+
+
+def test_make_unique_falls_back_to_one_op_each_for_an_older_agent(
+        client: AgentClient, agent: Agent) -> None:
+    from vmfork.runtime.vmmchild import make_unique
+
+    del agent.server._handlers["after_fork"]  # as an agent of an earlier release
+    try:
+        timings = make_unique(client, timeout=10.0)
+    except AgentError as err:
+        assert err.code == "permission_denied"
+        return
+    assert set(timings) == {"agent_ready", "reseed_and_clock"}
+    agent.server._handlers["after_fork"] = agent.server._after_fork
+    assert "clock_error_bound_s" in make_unique(client, timeout=10.0)
+
+
 def test_shutdown_answers_then_powers_off(client: AgentClient, power_calls: list[bool]) -> None:
     client.shutdown(reboot=True)
     deadline = time.monotonic() + 5

@@ -134,3 +134,36 @@ def test_cleanup_stale_removes_what_a_crashed_manager_left(host: PrivateNet) -> 
     assert sorted(removed.namespaces) == sorted(c.netns for c in children)
     assert len(removed.links) == 3 and removed.tables == [PREFIX]
     assert host.run(network.leftovers, PREFIX).empty
+
+
+def test_pool_hands_out_spares_once_with_the_requested_policy(host: PrivateNet) -> None:
+    pooled: HostNetwork = host.pool.submit(HostNetwork, None, prefix=PREFIX,
+                                           pool_size=2).result()
+    try:
+        pooled.setup()
+        assert pooled.wait_for_pool(30) == 0, "the pool fills on first use, not at start"
+        first = pooled.create()
+        assert pooled.wait_for_pool(30) == 2
+        spares = sorted(host.run(network.leftovers, PREFIX).namespaces)
+        assert len(spares) == 3 and first.netns in spares
+        taken = pooled.create_many(3, EgressPolicy("deny"))
+        names = {c.netns for c in taken}
+        assert len(names) == 3 and first.netns not in names
+        assert len(names & set(spares)) == 2, "both spares were used"
+        for child in taken:  # a spare got the spawn's policy before it was handed out
+            assert child.egress.mode == "deny"
+            assert _nft(pooled, child, "egress") == [[network._REJECT]]
+        assert pooled.wait_for_pool(30) == 2, "topped up again"
+        assert len(host.run(network.leftovers, PREFIX).namespaces) == 6
+        for child in [first, *taken]:
+            pooled.destroy(child)
+        assert len(host.run(network.leftovers, PREFIX).namespaces) == 2, "only the spares"
+        pooled.resize_pool(1)
+        assert pooled.wait_for_pool(30) == 1
+        assert len(host.run(network.leftovers, PREFIX).namespaces) == 1
+        with pytest.raises(ValueError, match="pool_size"):
+            HostNetwork(prefix=PREFIX, pool_size=-1)
+    finally:
+        pooled.close()
+    found = host.run(network.leftovers, PREFIX)
+    assert found.namespaces == [] and found.links == [], "close removes the spares"

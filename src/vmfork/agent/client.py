@@ -189,6 +189,18 @@ class NetRefreshResult:
     neighbours_flushed: int
 
 
+@dataclass(frozen=True)
+class AfterForkResult:
+    ping: PingResult
+    reseed: ReseedResult
+    net: NetRefreshResult | None
+    previous_ns: int
+    """The guest's wall clock just before it was set."""
+    clock_error_bound_ns: int
+    """The most the guest's clock can be off after the call: the round trip, or half
+    the round trip of the correction ``after_fork`` made when that was too long."""
+
+
 # -- connectors --------------------------------------------------------------------
 
 
@@ -626,6 +638,34 @@ class AgentClient:
                                 connections_aborted=r["connections_aborted"],
                                 neighbours_flushed=r["neighbours_flushed"])
 
+    def after_fork(self, data: bytes, *, net_refresh: bool = False,
+                   clock_tolerance_ns: int = 50_000_000) -> AfterForkResult:
+        """Everything a restored child needs in one round trip: set the guest's clock
+        to the host's, mix ``data`` into its RNGs (as ``reseed``), and refresh its
+        network (as ``net_refresh``) if asked.
+
+        The clock is set to the host's time at sending, so it ends up behind by the
+        request's transit time, which the round trip bounds. A round trip over
+        ``clock_tolerance_ns`` (a starved guest) is followed by one bracketed
+        correction, as ``sync_clock`` makes. Raises ``AgentError`` with code
+        ``unknown_op`` from an agent older than this op.
+        """
+        before = time.time_ns()
+        r = self._simple("after_fork", bytes(data), ns=before, net_refresh=net_refresh)
+        bound = time.time_ns() - before
+        if bound > clock_tolerance_ns:
+            bound = min(bound, self._sync_clock(1)[0] // 2)
+        net = r.get("net")
+        return AfterForkResult(
+            ping=PingResult(pid=r["pid"], version=r["version"], protocol=r["protocol"],
+                            uptime=r["uptime"], boot_id=r.get("boot_id")),
+            reseed=ReseedResult(**{k: r["reseed"][k] for k in
+                                   ("bytes", "entropy_bits", "kernel_reseeded")}),
+            net=None if net is None else NetRefreshResult(
+                interface=net["interface"], connections_aborted=net["connections_aborted"],
+                neighbours_flushed=net["neighbours_flushed"]),
+            previous_ns=r["clock"]["previous_ns"], clock_error_bound_ns=bound)
+
     def set_time(self, ns: int | None = None) -> int:
         """Set the guest's wall clock to ``ns`` nanoseconds since the epoch (default: the
         host's clock now). Returns the guest's clock just before, in ns."""
@@ -648,6 +688,10 @@ class AgentClient:
         the bracket's midpoint. The error is at most half that round trip.
         Returns the step applied, in ns.
         """
+        return self._sync_clock(attempts)[1]
+
+    def _sync_clock(self, attempts: int) -> tuple[int, int]:
+        """``sync_clock``; returns (the round trip used, the step applied), in ns."""
         best: tuple[int, int] | None = None   # (round trip, offset)
         for _ in range(max(attempts, 1)):
             before = time.time_ns()
@@ -658,7 +702,7 @@ class AgentClient:
                 best = candidate
         assert best is not None
         self.step_time(best[1])
-        return best[1]
+        return best
 
     def shutdown(self, *, reboot: bool = False) -> None:
         """Power the guest off (or reboot it); returns once the agent has acknowledged."""

@@ -120,6 +120,15 @@ snapshot: the agent aborts every TCP connection the guest inherited (SOCK_DESTRO
 peer gets a RST; listening sockets and loopback connections stay) and flushes the
 network interface's neighbour cache (``agent/network.py``).
     → ``result {interface, connections_aborted, neighbours_flushed}``.
+
+``after_fork`` — what a restored child needs, in one round trip instead of one per
+op: ``ns`` (the host's wall clock when it sent the request), payload = host random
+bytes and ``entropy_bits`` as for ``reseed``, ``net_refresh`` (default false). Sets
+the clock to ``ns`` first (its error is the request's one-way transit time, which
+the host bounds by the round trip and corrects with ``set_time offset_ns`` when that
+is too long), then reseeds as ``reseed``, then refreshes as ``net_refresh``.
+    → ``result {pong, pid, version, protocol, uptime, boot_id, clock {previous_ns, ns},
+      reseed {bytes, entropy_bits, kernel_reseeded}, net null | {interface, …}}``.
 """
 
 from __future__ import annotations
@@ -151,7 +160,7 @@ DEFAULT_ENV: dict[str, str] = {
 }
 
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
-       "reseed", "set_time", "shutdown", "net_refresh")
+       "reseed", "set_time", "shutdown", "net_refresh", "after_fork")
 
 
 class ProtocolError(Exception):

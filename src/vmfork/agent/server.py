@@ -42,7 +42,7 @@ from vmfork.agent.protocol import (
     send_frame,
 )
 from vmfork.agent.reaper import OwnedPids
-from vmfork.agent.request import OpError, get_bool
+from vmfork.agent.request import OpError, get_bool, get_int
 
 REQUEST_TIMEOUT = 30.0
 """Seconds a new connection may take to send its request frame."""
@@ -88,6 +88,7 @@ class AgentServer:
             "set_time": lambda conn, frame: system.set_time_op(conn, frame.header),
             "shutdown": self._shutdown,
             "net_refresh": lambda conn, frame: conn.result(**network.refresh(frame.header)),
+            "after_fork": self._after_fork,
         }
         assert set(self._handlers) == set(OPS)
 
@@ -214,6 +215,20 @@ class AgentServer:
 
     def _reseed(self, conn: Conn, frame: Frame) -> None:
         conn.result(**system.reseed(frame.header, frame.payload))
+
+    def _after_fork(self, conn: Conn, frame: Frame) -> None:
+        """Clock first (the request's age is the clock's error), then the RNGs, then
+        the network; answers like ``ping`` plus each step's result."""
+        ns = get_int(frame.header, "ns", None, minimum=1)
+        if ns is None:
+            raise OpError("bad_request", "after_fork: 'ns' (the host's wall clock, "
+                                         "nanoseconds since the epoch) is required")
+        clock = system.set_time(ns)
+        reseeded = system.reseed(frame.header, frame.payload)
+        net = network.refresh({}) if get_bool(frame.header, "net_refresh", False) else None
+        conn.result(pong=True, pid=os.getpid(), version=__version__,
+                    protocol=PROTOCOL_VERSION, uptime=system.uptime(),
+                    boot_id=system.boot_id(), clock=clock, reseed=reseeded, net=net)
 
     def _shutdown(self, conn: Conn, frame: Frame) -> None:
         reboot = get_bool(frame.header, "reboot", False)

@@ -129,11 +129,18 @@ def set_time_op(conn: Conn, req: dict[str, Any]) -> None:
             return
         ns = previous + offset
     assert ns is not None
+    conn.result(**set_time(ns, previous))
+
+
+def set_time(ns: int, previous: int | None = None) -> dict[str, int]:
+    """Set CLOCK_REALTIME to ``ns``; ``{previous_ns, ns}``."""
+    if previous is None:
+        previous = time.clock_gettime_ns(time.CLOCK_REALTIME)
     try:
         time.clock_settime_ns(time.CLOCK_REALTIME, ns)
     except OSError as err:
         raise os_error(err, "set_time: clock_settime(CLOCK_REALTIME)") from err
-    conn.result(previous_ns=previous, ns=ns)
+    return {"previous_ns": previous, "ns": ns}
 
 
 def power_off(reboot: bool) -> None:

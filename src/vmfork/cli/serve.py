@@ -53,7 +53,24 @@ def register(sub: Any) -> None:
     p.add_argument("--network-subnet", default="10.200.0.0/16", metavar="CIDR",
                    help="host-side addresses of sandbox networks, a /31 each "
                         "(default 10.200.0.0/16)")
+    p.add_argument("--netns-pool", type=_pool_size, default=0, metavar="N",
+                   help="keep N sandbox networks made ahead, so that a per_child_netns "
+                        "spawn takes one instead of making it; the pool fills on the "
+                        "first such spawn (default 0: made per spawn, in parallel)")
     p.set_defaults(func=cmd_serve)
+
+
+def _pool_size(text: str) -> int:
+    from vmfork.runtime.network import MAX_POOL_SIZE
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_POOL_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pool size from 0 to "
+                                         f"{MAX_POOL_SIZE}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -80,6 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           kill_sandboxes_on_exit=args.kill_sandboxes_on_exit,
                           networking=not args.no_network,
                           network_prefix=args.network_prefix,
+                          network_pool=args.netns_pool,
                           network_subnet=args.network_subnet)
     try:
         daemon = Daemon(config)

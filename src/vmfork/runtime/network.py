@@ -42,6 +42,15 @@ exists once more. Every child's namespace looks the same from the guest::
   through libnftables, the library behind ``nft -j -f -``, in that thread:
   a process per child would cost more than the namespace. ``create_many``
   runs several workers.
+* **A pool of spares takes creation off the spawn path** (``pool_size``, off by
+  default). Spares are built with the default policy (allow all) by the same
+  workers, in the background; ``create_many`` takes spares first, builds the
+  rest in parallel, gives each taken spare its requested egress policy (one
+  nftables transaction, before any guest runs in it) and tops the pool up again.
+  The pool fills on first use, not at start-up, so a daemon that never spawns a
+  networked child makes no namespace. A spare is never handed out twice and
+  never reused after its child: a used namespace is destroyed (its conntrack and
+  neighbour state belong to a guest that is gone), the pool builds a new one.
 * **The VMM opens the tap inside the namespace.** The tap is created
   persistent (address, MAC, up) with the namespace; the child's VMM process
   calls ``enter_netns`` before it builds its machine, so its ``/dev/net/tun``
@@ -58,6 +67,7 @@ All names carry the manager's ``prefix`` (default ``vmf``): namespaces
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ipaddress
 import json
@@ -67,7 +77,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -85,6 +95,7 @@ INNER_VETH = "veth0"
 TAP_MAC = "02:00:ac:10:00:01"
 DEFAULT_SUBNET = "10.200.0.0/16"
 DEFAULT_PREFIX = "vmf"
+MAX_POOL_SIZE = 1024  # spare namespaces kept ready; each is a namespace, two links, a table
 NFT_TABLE_CHILD = "vmfork"
 TUNSETIFF = 0x400454CA
 TUNSETPERSIST = 0x400454CB
@@ -374,9 +385,11 @@ class HostNetwork:
     """
 
     def __init__(self, guest: GuestNetwork | None = None, *, subnet: str = DEFAULT_SUBNET,
-                 prefix: str = DEFAULT_PREFIX, workers: int = 4) -> None:
+                 prefix: str = DEFAULT_PREFIX, workers: int = 4, pool_size: int = 0) -> None:
         if not _PREFIX_RE.match(prefix):
             raise ValueError(f"prefix {prefix!r} must be 1-6 lowercase letters")
+        if not 0 <= pool_size <= MAX_POOL_SIZE:
+            raise ValueError(f"pool_size {pool_size} must be 0-{MAX_POOL_SIZE}")
         self.guest = guest or GuestNetwork()
         self.subnet = ipaddress.IPv4Network(subnet)
         if self.subnet.prefixlen > 30:
@@ -392,6 +405,11 @@ class HostNetwork:
         self._next_slot = 0
         self._used: set[int] = set()
         self.children: dict[int, ChildNetwork] = {}
+        self.pool_size = pool_size
+        self._spares: collections.deque[ChildNetwork] = collections.deque()
+        self._building = 0  # spares submitted and not yet in the pool
+        self._pool_changed = threading.Condition(self._lock)
+        self._closing = False
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers),
                                         thread_name_prefix=f"{prefix}-net",
                                         initializer=self._enter_host)
@@ -478,32 +496,113 @@ class HostNetwork:
         return self.create_many(1, egress)[0]
 
     def create_many(self, n: int, egress: EgressPolicy | None = None) -> list[ChildNetwork]:
-        """``n`` child networks, built in parallel; all or none (on error, the ones
-        built are destroyed before the error is raised)."""
+        """``n`` child networks: spares from the pool first, the rest built in
+        parallel; all or none (on error, the ones made are destroyed before the
+        error is raised)."""
         policy = egress or EgressPolicy()
         allowed = policy.resolve() if policy.mode == "allowlist" else ()
+        with self._lock:
+            spares = [self._spares.popleft() for _ in range(min(n, len(self._spares)))]
         slots: list[int] = []
         try:
-            for _ in range(n):
+            for _ in range(n - len(spares)):
                 slots.append(self._claim_slot())
         except NetworkError:
             for slot in slots:
                 self._release_slot(slot)
+            for child in spares:
+                self.destroy(child)
             raise
         futures = [self._pool.submit(self._build, slot, policy, allowed) for slot in slots]
-        built: list[ChildNetwork] = []
+        if policy.mode != "allow":
+            futures += [self._pool.submit(self._repolicy, child, policy, allowed)
+                        for child in spares]
+        else:
+            futures += [_done(child) for child in spares]
+        made: list[ChildNetwork] = []
         errors: list[BaseException] = []
         for future in futures:
             try:
-                built.append(future.result())
+                made.append(future.result())
             except BaseException as err:  # noqa: BLE001 -- collected, re-raised below
                 errors.append(err)
         if errors:
-            for child in built:
+            for child in made:
                 self.destroy(child)
+            for child in spares:  # a spare whose policy failed is not in ``made``
+                self.destroy(child)
+            self.refill()
             raise NetworkError(f"{len(errors)} of {n} child networks failed; first: "
                                f"{errors[0]}") from errors[0]
-        return built
+        self.refill()
+        return made
+
+    # -- the pool of spares ------------------------------------------------------------------
+    def refill(self) -> None:
+        """Start building spares until the pool (ready + being built) holds
+        ``pool_size``. Returns at once; a spare that fails to build is logged."""
+        with self._lock:
+            if self._closing:
+                return
+            missing = self.pool_size - len(self._spares) - self._building
+        for _ in range(max(0, missing)):
+            try:
+                slot = self._claim_slot()
+            except NetworkError as err:
+                log.warning("network pool not refilled: %s", err)
+                return
+            with self._lock:
+                self._building += 1
+            self._pool.submit(self._build_spare, slot)
+
+    def resize_pool(self, size: int) -> None:
+        """Keep ``size`` spares from now on: the excess ones are destroyed, the
+        missing ones built in the background (``wait_for_pool`` waits for them)."""
+        if not 0 <= size <= MAX_POOL_SIZE:
+            raise ValueError(f"pool_size {size} must be 0-{MAX_POOL_SIZE}")
+        with self._lock:
+            self.pool_size = size
+            excess = [self._spares.pop() for _ in range(max(0, len(self._spares) - size))]
+        for child in excess:
+            self.destroy(child)
+        self.refill()
+
+    def _build_spare(self, slot: int) -> None:
+        """On a worker: one spare, appended to the pool in this thread (so that
+        ``close``, once no spare is being built, sees every one of them)."""
+        child = None
+        try:
+            if self._closing:
+                self._release_slot(slot)
+            else:
+                child = self._build(slot, EgressPolicy(), ())
+        except BaseException as err:  # noqa: BLE001 -- _build tore it down; logged
+            log.warning("building a spare network failed: %s", err)
+        with self._pool_changed:
+            if child is not None:
+                self._spares.append(child)
+            self._building -= 1
+            self._pool_changed.notify_all()
+
+    def spares(self) -> int:
+        """How many spare networks are ready now."""
+        with self._lock:
+            return len(self._spares)
+
+    def wait_for_pool(self, timeout: float | None = None) -> int:
+        """Block until no spare is being built (for benchmarks, tests and ``close``);
+        returns how many spares are ready."""
+        with self._pool_changed:
+            self._pool_changed.wait_for(lambda: self._building == 0, timeout)
+            return len(self._spares)
+
+    def _repolicy(self, child: ChildNetwork, policy: EgressPolicy,
+                  allowed: tuple[str, ...]) -> ChildNetwork:
+        """A spare's egress policy set to the one its spawn asked for (on a worker)."""
+        self._in_child(child, lambda: _Nft.run(self._egress_commands(policy, allowed),
+                                               f"egress policy of {child.netns}"))
+        child.egress, child.allowed = policy, allowed
+        return child
 
     def _build(self, slot: int, policy: EgressPolicy, allowed: tuple[str, ...]) -> ChildNetwork:
         host_address, address = self._addresses(slot)
@@ -740,6 +839,14 @@ class HostNetwork:
         """Destroy every child network this manager made (unless not
         ``destroy_children``: a daemon leaving its sandboxes running for the next
         one, which adopts them); stop its workers."""
+        with self._lock:
+            self._closing = True  # spares not yet started give their slot back
+        self.wait_for_pool()  # a spare half-built must not outlive us
+        with self._lock:
+            spares = list(self._spares)
+            self._spares.clear()
+        for child in spares:  # spares belong to no sandbox: always removed
+            self.destroy(child)
         for child in list(self.children.values()) if destroy_children else []:
             self.destroy(child)
         self._pool.shutdown()
@@ -749,6 +856,12 @@ class HostNetwork:
         """Drop the host table (NAT, published ports). For a manager shutting down for good."""
         self._on_host(_Nft.run, [{"delete": {"table": {"family": "ip", "name": self.table}}}],
                       f"delete host table ip {self.table}")
+
+
+def _done(value: T) -> Future[T]:
+    future: Future[T] = Future()
+    future.set_result(value)
+    return future
 
 
 def _make_persistent_tap(name: str) -> None:

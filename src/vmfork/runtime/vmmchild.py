@@ -56,11 +56,18 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from vmfork.agent.client import AgentClient, AgentTimeout, AgentUnavailable, vsock_uds_connector
+from vmfork.agent.client import (
+    AgentClient,
+    AgentError,
+    AgentTimeout,
+    AgentUnavailable,
+    vsock_uds_connector,
+)
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.runtime import zygote_child
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
@@ -71,6 +78,7 @@ from vmfork.vmm.stateformat import read_state_file, write_file_atomic
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
@@ -218,27 +226,53 @@ def _notify(path: str, line: bytes) -> None:
         os.close(fd)
 
 
-def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT) -> dict[str, float]:
-    """Reseed the guest and set its clock; returns timings in seconds.
+def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT, *,
+                net_refresh: bool = False) -> dict[str, float]:
+    """Set the guest's clock, reseed it and (``net_refresh``) tell its network it was
+    forked; returns timings in seconds.
 
-    Each step opens its own connection; a connection the guest could not take
-    yet (``AgentUnavailable``: a starved guest, its vsock still resetting) is
-    retried until ``timeout``.
+    One ``after_fork`` round trip does all of it. It is retried until ``timeout``
+    while the guest cannot take a connection yet (``AgentUnavailable``: a starved
+    guest, its vsock still resetting); repeating it is harmless. An agent older than
+    that op gets the same steps one op (and one connection) each.
     """
     started = time.monotonic()
     deadline = started + timeout
-    agent.wait_until_ready(timeout)
+    try:
+        result = _retry_until(deadline, lambda: agent.after_fork(
+            os.urandom(RESEED_BYTES), net_refresh=net_refresh))
+    except AgentError as err:
+        if err.code != "unknown_op":
+            raise
+        return _make_unique_op_by_op(agent, started, deadline, net_refresh)
+    return {"agent_ready": time.monotonic() - started,  # clock, reseed, network included
+            "clock_error_bound_s": result.clock_error_bound_ns / 1e9}
+
+
+def _make_unique_op_by_op(agent: AgentClient, started: float, deadline: float,
+                          net_refresh: bool) -> dict[str, float]:
+    agent.wait_until_ready(max(0.0, deadline - time.monotonic()))
     connected = time.monotonic()
-    for step in (lambda: agent.reseed(os.urandom(RESEED_BYTES)), agent.sync_clock):
-        while True:
-            try:
-                step()
-                break
-            except (AgentUnavailable, AgentTimeout):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    return {"agent_ready": connected - started, "reseed_and_clock": time.monotonic() - connected}
+    _retry_until(deadline, lambda: agent.reseed(os.urandom(RESEED_BYTES)))
+    _retry_until(deadline, agent.sync_clock)
+    timings = {"agent_ready": connected - started,
+               "reseed_and_clock": time.monotonic() - connected}
+    if net_refresh:
+        refreshed = time.monotonic()
+        _retry_until(deadline, agent.net_refresh)
+        timings["net_refresh"] = time.monotonic() - refreshed
+    return timings
+
+
+def _retry_until(deadline: float, step: Callable[[], T]) -> T:
+    """``step()``, again every 50 ms while the guest cannot answer, until ``deadline``."""
+    while True:
+        try:
+            return step()
+        except (AgentUnavailable, AgentTimeout):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
@@ -519,18 +553,8 @@ def main(args: dict[str, Any]) -> int:
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
-            unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)))
-            if state.net is not None:
-                refreshed = time.monotonic()
-                while True:  # retried like make_unique's steps: a starved guest answers late
-                    try:
-                        agent.net_refresh()
-                        break
-                    except (AgentUnavailable, AgentTimeout):
-                        if time.monotonic() - refreshed > READY_TIMEOUT:
-                            raise
-                        time.sleep(0.05)
-                unique["net_refresh"] = time.monotonic() - refreshed
+            unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)),
+                                 net_refresh=state.net is not None)
         except Exception as err:
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")

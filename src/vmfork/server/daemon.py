@@ -82,6 +82,7 @@ class DaemonConfig:
     networking: bool = True
     network_prefix: str = "vmf"
     network_subnet: str = "10.200.0.0/16"
+    network_pool: int = 0             # spare networks kept ready (HostNetwork.pool_size)
 
 
 SNAPSHOT_TIMEOUT_S = 1800.0
@@ -188,9 +189,10 @@ class Daemon:
         from vmfork.server.networking import SandboxNetworks, daemon_guest_network
         try:
             host = HostNetwork(daemon_guest_network(), subnet=self.config.network_subnet,
-                               prefix=self.config.network_prefix)
+                               prefix=self.config.network_prefix,
+                               pool_size=self.config.network_pool)
         except ValueError:
-            raise  # a bad --network-prefix/--network-subnet: refuse to start
+            raise  # a bad --network-prefix/--network-subnet/--netns-pool: refuse to start
         except Exception as err:  # noqa: BLE001 - no root, no pyroute2: run without
             log.warning("sandboxes get no networks of their own (per_child_netns is "
                         "refused): %s", err)
