@@ -545,3 +545,62 @@ def test_a_thread_blocked_in_eval_does_not_block_others(client: AgentClient) -> 
     assert client.eval("'quick'").value == "'quick'"
     assert time.monotonic() - t0 < 1.0
     slow.join()
+
+
+def test_a_reset_connection_is_closed_quietly_and_the_agent_keeps_serving() -> None:
+    """A restored child's first vsock connections are dropped by the transport reset;
+    the agent must not log a traceback for each (its console is a slow serial line)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    logged: list[str] = []
+    server = AgentServer(listener, log=logged.append)
+    server.start()
+    try:
+        address = listener.getsockname()
+        for _ in range(3):
+            sock = socket.create_connection(address)
+            sock.sendall(b"\x00\x00")  # half a length prefix, then a reset (RST)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        time.sleep(0.3)
+
+        def connect() -> socket.socket:
+            return socket.create_connection(address, timeout=5)
+
+        assert AgentClient(connect).ping().pid == os.getpid()
+        assert logged == [], logged
+    finally:
+        server.stop()
+
+
+def test_console_log_never_blocks_and_says_what_it_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmfork.agent import main
+
+    read_end, write_end = os.pipe2(os.O_NONBLOCK)
+    try:
+        monkeypatch.setattr(main, "_console_fd", write_end)
+        monkeypatch.setattr(main, "_console_dropped", 0)
+        filler = b"x" * 65536
+        while True:  # a console that takes nothing more
+            try:
+                os.write(write_end, filler)
+            except BlockingIOError:
+                break
+        started = time.monotonic()
+        main.log("first")
+        main.log("second")
+        assert time.monotonic() - started < 1.0 and main._console_dropped == 2
+        while True:
+            try:
+                os.read(read_end, 1 << 20)
+            except BlockingIOError:
+                break
+        main.log("third")
+        assert os.read(read_end, 4096) == (b"vmfork-agent: (2 lines dropped: the console "
+                                           b"was full)\nvmfork-agent: third\n")
+        assert main._console_dropped == 0
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -41,34 +41,51 @@ CONSOLE = "/dev/console"
 DEFAULT_HOSTNAME = "vmfork"
 
 _console_fd: int | None = None
+_console_dropped = 0
 
 
 def _open_console() -> int | None:
     if os.getpid() != 1:
         return 2  # a development run: the machine's real console is not ours
-    try:
-        return os.open(CONSOLE, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError:
-        pass
-    try:
-        os.fstat(2)  # the kernel's console, if it could open one for us
-        return 2
-    except OSError:
-        return None
+    # Non-blocking: the console is a serial line, one VM exit per character. When the
+    # host is slow to serve those exits (a hundred children starting on a busy host),
+    # a blocking write would stall whichever agent thread logs -- a connection's
+    # thread, with the host waiting on it -- for as long as the line takes to drain.
+    flags = os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC | os.O_NONBLOCK
+    for path in (CONSOLE, "/proc/self/fd/2"):  # else the kernel's console, reopened
+        try:
+            return os.open(path, flags)
+        except OSError:
+            continue
+    return None
 
 
 def log(message: str) -> None:
-    """One line on the guest console (the host's serial log)."""
-    global _console_fd
+    """One line on the guest console (the host's serial log). Never blocks: a line
+    the console has no room for is dropped, and the next one that fits says how many
+    were."""
+    global _console_fd, _console_dropped
     if _console_fd is None:
         _console_fd = _open_console()
     if _console_fd is None:
         return
     data = f"vmfork-agent: {message}\n".encode("utf-8", "backslashreplace")
+    if _console_dropped:
+        data = (f"vmfork-agent: ({_console_dropped} lines dropped: the console was "
+                f"full)\n").encode() + data
     try:
-        os.write(_console_fd, data)
+        written = os.write(_console_fd, data)
+    except BlockingIOError:
+        _console_dropped += 1
+        return
     except OSError:
-        pass
+        return
+    _console_dropped = 0
+    if written < len(data):  # the rest of a line that only partly fitted
+        try:
+            os.write(_console_fd, b"...\n")
+        except OSError:
+            pass
 
 
 def _uptime() -> float:
@@ -131,8 +148,9 @@ def fix_stdio() -> None:
     """Give fds 0-2 and sys.stdout/stderr a home: /dev/null in, the console out. The
     kernel only opens them if the initramfs carries a /dev/console node."""
     global _console_fd
-    if _console_fd is None or _console_fd == 2:
-        _console_fd = None  # retry /dev/console now that devtmpfs is mounted
+    if _console_fd is not None and _console_fd != 2:
+        os.close(_console_fd)
+    _console_fd = None  # reopen /dev/console now that devtmpfs is mounted
     for fd, path, flags in ((0, "/dev/null", os.O_RDONLY), (1, CONSOLE, os.O_WRONLY),
                             (2, CONSOLE, os.O_WRONLY)):
         try:

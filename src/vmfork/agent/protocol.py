@@ -173,11 +173,13 @@ class ProtocolError(Exception):
 
 
 class ConnectionClosed(ProtocolError):
-    """The peer closed the connection. ``clean`` when it did so between two frames."""
+    """The peer closed the connection. ``clean`` when it did so between two frames;
+    ``lost`` when it was reset rather than closed (nothing can be sent back)."""
 
-    def __init__(self, message: str, *, clean: bool) -> None:
+    def __init__(self, message: str, *, clean: bool, lost: bool = False) -> None:
         super().__init__("closed", message)
         self.clean = clean
+        self.lost = lost
 
 
 @dataclass(frozen=True)
@@ -221,7 +223,13 @@ def _recv_exact(sock: socket.socket, n: int, what: str, started: bool) -> bytes:
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except ConnectionError as err:
+            # A reset, not a bug: the host gave up on the connection, or (vsock) a
+            # transport reset after a restore dropped every connection at once.
+            raise ConnectionClosed(f"connection lost ({what}: {err.strerror})",
+                                   clean=False, lost=True) from err
         if k == 0:
             clean = not started and got == 0
             raise ConnectionClosed(

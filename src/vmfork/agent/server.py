@@ -166,9 +166,13 @@ class AgentServer:
             try:
                 frame = conn.recv(REQUEST_TIMEOUT)
             except ConnectionClosed as err:
-                if not err.clean:
+                # A clean close is a readiness probe, a lost one a host that gave up
+                # (or a restore's vsock reset): nothing to answer, nothing to log. The
+                # console is a slow serial line, and a restored child's first
+                # connections are routinely reset.
+                if not err.clean and not err.lost:
                     conn.error("bad_request", f"reading the request: {err.message}")
-                return  # a clean close is a readiness probe; nothing to answer
+                return
             except TimeoutError:
                 conn.error("bad_request", f"no request frame within {REQUEST_TIMEOUT:g} s")
                 return
@@ -188,7 +192,10 @@ class AgentServer:
         except OpError as err:
             self._send_error(conn, err.code, err.message, **err.extra)
         except ConnectionClosed as err:
-            self._send_error(conn, "bad_request", f"{op}: {err.message}")
+            if err.lost:
+                self.log(f"{op}: host went away: {err.message}")
+            else:
+                self._send_error(conn, "bad_request", f"{op}: {err.message}")
         except ProtocolError as err:
             self._send_error(conn, err.code, f"{op}: {err.message}")
         except TimeoutError:
