@@ -574,6 +574,16 @@ def test_a_reset_connection_is_closed_quietly_and_the_agent_keeps_serving() -> N
         server.stop()
 
 
+def test_a_socket_no_longer_connected_reads_as_a_lost_connection() -> None:
+    """What a vsock transport reset leaves: recv fails with ENOTCONN, not ECONNRESET."""
+    from vmfork.agent.protocol import ConnectionClosed, recv_frame
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        with pytest.raises(ConnectionClosed) as err:
+            recv_frame(sock)
+    assert err.value.lost and not err.value.clean and "not connected" in err.value.message
+
+
 def test_console_log_never_blocks_and_says_what_it_dropped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from vmfork.agent import main

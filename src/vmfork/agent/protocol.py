@@ -225,10 +225,13 @@ def _recv_exact(sock: socket.socket, n: int, what: str, started: bool) -> bytes:
     while got < n:
         try:
             k = sock.recv_into(view[got:], n - got)
-        except ConnectionError as err:
-            # A reset, not a bug: the host gave up on the connection, or (vsock) a
-            # transport reset after a restore dropped every connection at once.
-            raise ConnectionClosed(f"connection lost ({what}: {err.strerror})",
+        except TimeoutError:
+            raise
+        except OSError as err:
+            # Not a bug: the host reset the connection, or (vsock) a transport reset
+            # after a restore dropped every connection at once (ECONNRESET, ENOTCONN,
+            # ESHUTDOWN, depending on the moment it hit).
+            raise ConnectionClosed(f"connection lost ({what}: {err.strerror or err})",
                                    clean=False, lost=True) from err
         if k == 0:
             clean = not started and got == 0

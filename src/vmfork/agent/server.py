@@ -200,6 +200,9 @@ class AgentServer:
             self._send_error(conn, err.code, f"{op}: {err.message}")
         except TimeoutError:
             self._send_error(conn, "bad_request", f"{op}: the host stopped sending")
+        except OSError as err:  # the connection or the host side of it, not a bug here
+            self.log(f"{op}: {type(err).__name__}: {err}")
+            self._send_error(conn, "os_error", f"{op}: {err}")
         except Exception as err:  # noqa: BLE001 - report bugs to the caller, keep serving
             self.log(f"{op}: internal error:\n{traceback.format_exc()}")
             self._send_error(conn, "internal", f"{op}: {type(err).__name__}: {err}")
