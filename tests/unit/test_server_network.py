@@ -67,10 +67,12 @@ def _snapshot_maker(store: Store, body: dict[str, Any]) -> Snapshot:
 class Daemon:
     """Controller + HTTP server on a Unix socket, with host networking in ``host``."""
 
-    def __init__(self, tmp_path: Path, host: PrivateNet, spawner: FakeSpawner) -> None:
+    def __init__(self, tmp_path: Path, host: PrivateNet, spawner: FakeSpawner,
+                 pool_size: int = 0) -> None:
         self.store = Store.open(tmp_path / "home")
         self.registry = Registry(tmp_path / "registry.db")
-        hn: HostNetwork = host.pool.submit(HostNetwork, None, prefix=PREFIX).result()
+        hn: HostNetwork = host.pool.submit(HostNetwork, None, prefix=PREFIX,
+                                           pool_size=pool_size).result()
         self.networks = SandboxNetworks(self.registry, hn)
         self.ctl = Ctl(self.store, self.registry, spawner, DaemonMetrics("test"),
                        make_snapshot=_snapshot_maker, networks=self.networks)
@@ -168,6 +170,29 @@ def test_spawn_with_networks_and_refusals(daemon: Daemon, host: PrivateNet) -> N
     found = _leftovers(host)
     assert found.namespaces == [] and found.links == []
     assert daemon.registry.list_networks() == {}
+
+
+def test_a_network_pool_serves_spawns_and_goes_with_the_daemon(tmp_path: Path,
+                                                               host: PrivateNet) -> None:
+    d = Daemon(tmp_path, host, NetFakeSpawner(), pool_size=2)
+    try:
+        d.client.create_snapshot("wired", network=True)
+        assert _leftovers(host).namespaces == [], "no spares before the first networked spawn"
+        first = d.client.spawn_sandboxes("wired", 2, per_child_netns=True)
+        assert d.networks.host.wait_for_pool(30) == 2
+        spares = set(_leftovers(host).namespaces) - {s["netns"] for s in first}
+        assert len(spares) == 2
+        second = d.client.spawn_sandboxes("wired", 2, per_child_netns=True, egress="deny")
+        assert {s["netns"] for s in second} == spares, "the spares were taken"
+        assert all(s["network"]["egress"] == "deny" for s in second)
+        assert d.networks.host.wait_for_pool(30) == 2, "and made again"
+        for sandbox in first + second:
+            d.client.kill_sandbox(sandbox["id"])
+        assert len(_leftovers(host).namespaces) == 2, "only the spares stay"
+    finally:
+        d.stop()  # sandboxes kept for a restart, spares not: they belong to no one
+    found = _leftovers(host)
+    assert found.namespaces == [] and found.links == []
 
 
 def test_ports_and_egress_routes(daemon: Daemon, host: PrivateNet) -> None:
