@@ -343,3 +343,35 @@ def test_kernel_symbols_are_cached_per_version_and_never_outside_the_cache(
     for bad in ("", "../etc", "a/b", ".hidden"):
         with pytest.raises(ValueError):
             monitor.symbols_path(bad)
+
+
+def test_stale_run_directories_of_dead_owners_are_swept(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import time
+
+    from vmfork.testhost.qemu import LEGACY_RUN_AGE_S, OWNER_FILE, sweep_stale_runs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+
+    def run(name: str, owner: int | None, age_s: float = 0.0) -> Path:
+        d = tmp_path / f"testhost-{name}"
+        d.mkdir()
+        (d / "job.sh").write_text("true\n")
+        (tmp_path / f"testhost-{name}.monitor").touch()
+        if owner is not None:
+            (d / OWNER_FILE).write_text(f"{owner}\n")
+        stamp = time.time() - age_s
+        os.utime(d, (stamp, stamp))
+        return d
+
+    run("gone", dead.pid)
+    run("mine", os.getpid())
+    run("oldlegacy", None, LEGACY_RUN_AGE_S + 60)
+    run("newlegacy", None)
+    (tmp_path / "testhost-native-kvm-boot").mkdir()
+    assert sweep_stale_runs(tmp_path) == ["testhost-gone", "testhost-oldlegacy"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["testhost-mine", "testhost-mine.monitor", "testhost-native-kvm-boot",
+                    "testhost-newlegacy", "testhost-newlegacy.monitor"]

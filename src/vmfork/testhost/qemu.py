@@ -235,6 +235,51 @@ def _diagnose(returncode: int | None, console: str, qemu_stderr: str) -> str:
     return "the test host powered off without reporting an exit status"
 
 
+RUN_PREFIX = "testhost-"
+OWNER_FILE = "owner.pid"
+LEGACY_RUN_AGE_S = 24 * 3600.0
+
+
+def sweep_stale_runs(base: Path) -> list[str]:
+    """Remove the control directories (and monitor sockets) of test-host runs whose
+    owner is gone: killed with SIGKILL, nothing of ours ran to clean up. A run names
+    its owner in ``owner.pid``; a directory without one (made before that file
+    existed) goes once it is a day old. Returns the names removed."""
+    removed: list[str] = []
+    for entry in sorted(base.glob(f"{RUN_PREFIX}*")):
+        if not entry.is_dir() or entry.is_symlink() or entry.name.startswith(
+                f"{RUN_PREFIX}native-kvm-"):
+            continue
+        try:
+            owner = int((entry / OWNER_FILE).read_text().strip())
+        except FileNotFoundError:
+            try:
+                stale = time.time() - entry.stat().st_mtime > LEGACY_RUN_AGE_S
+            except OSError:
+                continue
+        except (OSError, ValueError):
+            continue  # unreadable: not ours to judge
+        else:
+            stale = not _pid_alive(owner)
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            (base / f"{entry.name}.monitor").unlink(missing_ok=True)
+            removed.append(entry.name)
+    if removed:
+        log.info("removed %d stale test-host run directories", len(removed))
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
                  timeout: float | None, show_console: bool = False) -> RunResult:
     """Boot the test host, run ``job`` in it, and return its exit status.
@@ -247,7 +292,9 @@ def run_emulated(job: Job, image: HostImage, *, mem_mib: int, cpus: int,
         raise TesthostSetupError(f"{QEMU} not found; install it: apt-get install {QEMU_PACKAGE}")
     base = run_dir()
     base.mkdir(parents=True, exist_ok=True)
-    ctl_dir = Path(tempfile.mkdtemp(prefix="testhost-", dir=base))
+    sweep_stale_runs(base)
+    ctl_dir = Path(tempfile.mkdtemp(prefix=RUN_PREFIX, dir=base))
+    (ctl_dir / OWNER_FILE).write_text(f"{os.getpid()}\n")
     # Beside the control share, not in it: the guest sees that directory.
     monitor_path = base / f"{ctl_dir.name}.monitor"
     pipes: list[int] = []
