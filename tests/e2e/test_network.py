@@ -221,7 +221,8 @@ def test_two_children_serve_the_same_guest_port_each_reachable(spawner: Spawner)
         _get(f"http://127.0.0.1:{port_a}/")
     # vsock is untouched by any of it, and the guests were told they were forked.
     assert a.agent.ping().pid == 1
-    assert a.status.get("net_refresh") is not None
+    refreshed = a.status.get("net_refresh")
+    assert isinstance(refreshed, dict) and refreshed["connections_aborted"] >= 0
 
 
 def test_egress_allow_deny_and_allowlist(spawner: Spawner) -> None:

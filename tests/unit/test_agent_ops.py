@@ -426,7 +426,7 @@ def test_make_unique_falls_back_to_one_op_each_for_an_older_agent(
     except AgentError as err:
         assert err.code == "permission_denied"
         return
-    assert set(timings) == {"agent_ready", "reseed_and_clock"}
+    assert set(timings) == {"agent_ready", "reseed_and_clock"}, "no network refresh asked"
     agent.server._handlers["after_fork"] = agent.server._after_fork
     assert "clock_error_bound_s" in make_unique(client, timeout=10.0)
 

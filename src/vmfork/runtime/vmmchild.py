@@ -66,6 +66,7 @@ from vmfork.agent.client import (
     AgentError,
     AgentTimeout,
     AgentUnavailable,
+    NetRefreshResult,
     vsock_uds_connector,
 )
 from vmfork.agent.protocol import AGENT_PORT
@@ -227,9 +228,10 @@ def _notify(path: str, line: bytes) -> None:
 
 
 def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT, *,
-                net_refresh: bool = False) -> dict[str, float]:
+                net_refresh: bool = False) -> dict[str, Any]:
     """Set the guest's clock, reseed it and (``net_refresh``) tell its network it was
-    forked; returns timings in seconds.
+    forked; returns timings in seconds and, with ``net_refresh``, what the guest's
+    refresh did (``{"connections_aborted", "neighbours_flushed"}``).
 
     One ``after_fork`` round trip does all of it. It is retried until ``timeout``
     while the guest cannot take a connection yet (``AgentUnavailable``: a starved
@@ -245,23 +247,29 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT, *,
         if err.code != "unknown_op":
             raise
         return _make_unique_op_by_op(agent, started, deadline, net_refresh)
-    return {"agent_ready": time.monotonic() - started,  # clock, reseed, network included
-            "clock_error_bound_s": result.clock_error_bound_ns / 1e9}
+    out: dict[str, Any] = {"agent_ready": time.monotonic() - started,  # all steps included
+                           "clock_error_bound_s": result.clock_error_bound_ns / 1e9}
+    if result.net is not None:
+        out["net_refresh"] = _refreshed(result.net)
+    return out
 
 
 def _make_unique_op_by_op(agent: AgentClient, started: float, deadline: float,
-                          net_refresh: bool) -> dict[str, float]:
+                          net_refresh: bool) -> dict[str, Any]:
     agent.wait_until_ready(max(0.0, deadline - time.monotonic()))
     connected = time.monotonic()
     _retry_until(deadline, lambda: agent.reseed(os.urandom(RESEED_BYTES)))
     _retry_until(deadline, agent.sync_clock)
-    timings = {"agent_ready": connected - started,
-               "reseed_and_clock": time.monotonic() - connected}
+    out: dict[str, Any] = {"agent_ready": connected - started,
+                           "reseed_and_clock": time.monotonic() - connected}
     if net_refresh:
-        refreshed = time.monotonic()
-        _retry_until(deadline, agent.net_refresh)
-        timings["net_refresh"] = time.monotonic() - refreshed
-    return timings
+        out["net_refresh"] = _refreshed(_retry_until(deadline, agent.net_refresh))
+    return out
+
+
+def _refreshed(net: NetRefreshResult) -> dict[str, int]:
+    return {"connections_aborted": net.connections_aborted,
+            "neighbours_flushed": net.neighbours_flushed}
 
 
 def _retry_until(deadline: float, step: Callable[[], T]) -> T:
