@@ -373,6 +373,35 @@ def test_writing_snapshot_is_not_spawnable(served: Served, ctl: Controller) -> N
     assert exc.value.status == 409 and "still being written" in exc.value.message
 
 
+def test_a_snapshot_finishing_while_the_list_is_read_is_listed(served: Served,
+                                                                ctl: Controller) -> None:
+    """A job publishes its snapshot, then its row goes. Whichever of the list's two
+    reads (jobs, store) comes first, a job finishing right after it must still show."""
+    registry, store = served.controller.registry, served.controller.store
+    registry.begin_snapshot_job("racing", 1)
+    pending = store.begin("racing")
+    pending.state_path.write_bytes(b"state")
+    pending.memory_path.write_bytes(b"\0" * 4096)
+    first_read: list[str] = []
+
+    def finish_after(name: str, read: Any) -> Any:
+        def wrapped() -> Any:
+            result = read()
+            if not first_read:
+                first_read.append(name)
+                pending.publish(SnapshotMeta(tag="racing", image="test", mem_mib=64,
+                                             vcpus=1, timings=SnapshotTimings()))
+                registry.finish_snapshot_job("racing", None)
+            return result
+        return wrapped
+
+    served.controller.registry.list_snapshot_jobs = finish_after(  # type: ignore[method-assign]
+        "jobs", registry.list_snapshot_jobs)
+    served.controller.store.list = finish_after("store", store.list)  # type: ignore[method-assign]
+    listed = {s["tag"]: s["status"] for s in ctl.list_snapshots()}
+    assert first_read and listed == {"racing": "ready"}, (first_read, listed)
+
+
 # -- sandboxes ------------------------------------------------------------------------
 
 

@@ -300,9 +300,14 @@ class Controller:
         return info
 
     def list_snapshots(self) -> list[dict[str, Any]]:
+        # Jobs first, the store second: a job publishes its snapshot before it is
+        # marked finished, so one that finishes between the two reads is in the store
+        # by the second. In the other order it could be in neither (seen: a wait:false
+        # BRANCH that completed mid-listing was missing from the list).
+        jobs = self.registry.list_snapshot_jobs()
         out = [self._snapshot_info(s) for s in self.store.list()]
         ready = {i["tag"] for i in out}
-        for job in self.registry.list_snapshot_jobs():
+        for job in jobs:
             if job.tag in ready:
                 continue
             entry: dict[str, Any] = {
