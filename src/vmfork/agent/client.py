@@ -188,6 +188,11 @@ class NetRefreshResult:
     connections_aborted: int
     neighbours_flushed: int
 
+    @classmethod
+    def from_reply(cls, r: Mapping[str, Any]) -> NetRefreshResult:
+        return cls(interface=r["interface"], connections_aborted=r["connections_aborted"],
+                   neighbours_flushed=r["neighbours_flushed"])
+
 
 @dataclass(frozen=True)
 class AfterForkResult:
@@ -633,10 +638,7 @@ class AgentClient:
         """Tell the guest it was just forked: abort the TCP connections it inherited
         (RST to their peers; loopback and listening sockets stay) and flush its
         neighbour cache. vsock (this channel) is not affected."""
-        r = self._simple("net_refresh")
-        return NetRefreshResult(interface=r["interface"],
-                                connections_aborted=r["connections_aborted"],
-                                neighbours_flushed=r["neighbours_flushed"])
+        return NetRefreshResult.from_reply(self._simple("net_refresh"))
 
     def after_fork(self, data: bytes, *, net_refresh: bool = False,
                    clock_tolerance_ns: int = 50_000_000) -> AfterForkResult:
@@ -661,9 +663,7 @@ class AgentClient:
                             uptime=r["uptime"], boot_id=r.get("boot_id")),
             reseed=ReseedResult(**{k: r["reseed"][k] for k in
                                    ("bytes", "entropy_bits", "kernel_reseeded")}),
-            net=None if net is None else NetRefreshResult(
-                interface=net["interface"], connections_aborted=net["connections_aborted"],
-                neighbours_flushed=net["neighbours_flushed"]),
+            net=None if net is None else NetRefreshResult.from_reply(net),
             previous_ns=r["clock"]["previous_ns"], clock_error_bound_ns=bound)
 
     def set_time(self, ns: int | None = None) -> int:
