@@ -113,6 +113,11 @@ class PingResult:
     """Seconds since the guest booted."""
     boot_id: str | None
 
+    @classmethod
+    def from_reply(cls, r: Mapping[str, Any]) -> PingResult:
+        return cls(pid=r["pid"], version=r["version"], protocol=r["protocol"],
+                   uptime=r["uptime"], boot_id=r.get("boot_id"))
+
 
 @dataclass(frozen=True)
 class ExecResult:
@@ -404,9 +409,7 @@ class AgentClient:
     # -- ops -----------------------------------------------------------------------
 
     def ping(self) -> PingResult:
-        r = self._simple("ping")
-        return PingResult(pid=r["pid"], version=r["version"], protocol=r["protocol"],
-                          uptime=r["uptime"], boot_id=r.get("boot_id"))
+        return PingResult.from_reply(self._simple("ping"))
 
     def wait_until_ready(self, timeout: float, interval: float = 0.02) -> PingResult:
         """Ping until the agent answers (the guest is booting). Raises
@@ -659,8 +662,7 @@ class AgentClient:
             bound = min(bound, self._sync_clock(1)[0] // 2)
         net = r.get("net")
         return AfterForkResult(
-            ping=PingResult(pid=r["pid"], version=r["version"], protocol=r["protocol"],
-                            uptime=r["uptime"], boot_id=r.get("boot_id")),
+            ping=PingResult.from_reply(r),
             reseed=ReseedResult(**{k: r["reseed"][k] for k in
                                    ("bytes", "entropy_bits", "kernel_reseeded")}),
             net=None if net is None else NetRefreshResult.from_reply(net),

@@ -219,9 +219,7 @@ class AgentServer:
     # -- small ops ---------------------------------------------------------------
 
     def _ping(self, conn: Conn, frame: Frame) -> None:
-        conn.result(pong=True, pid=os.getpid(), version=__version__,
-                    protocol=PROTOCOL_VERSION, uptime=system.uptime(),
-                    boot_id=system.boot_id())
+        conn.result(**_pong())
 
     def _reseed(self, conn: Conn, frame: Frame) -> None:
         conn.result(**system.reseed(frame.header, frame.payload))
@@ -236,9 +234,7 @@ class AgentServer:
         clock = system.set_time(ns)
         reseeded = system.reseed(frame.header, frame.payload)
         net = network.refresh({}) if get_bool(frame.header, "net_refresh", False) else None
-        conn.result(pong=True, pid=os.getpid(), version=__version__,
-                    protocol=PROTOCOL_VERSION, uptime=system.uptime(),
-                    boot_id=system.boot_id(), clock=clock, reseed=reseeded, net=net)
+        conn.result(**_pong(), clock=clock, reseed=reseeded, net=net)
 
     def _shutdown(self, conn: Conn, frame: Frame) -> None:
         reboot = get_bool(frame.header, "reboot", False)
@@ -248,3 +244,10 @@ class AgentServer:
                                          "refusing to power off the machine it runs on")
         conn.result(action="reboot" if reboot else "poweroff")
         conn.after = lambda: power(reboot)
+
+
+def _pong() -> dict[str, Any]:
+    """What ``ping`` answers (``after_fork`` answers it too)."""
+    return {"pong": True, "pid": os.getpid(), "version": __version__,
+            "protocol": PROTOCOL_VERSION, "uptime": system.uptime(),
+            "boot_id": system.boot_id()}

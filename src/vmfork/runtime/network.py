@@ -77,7 +77,7 @@ import re
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -514,12 +514,12 @@ class HostNetwork:
                 self.destroy(child)
             raise
         futures = [self._pool.submit(self._build, slot, policy, allowed) for slot in slots]
-        if policy.mode != "allow":
+        made: list[ChildNetwork] = []
+        if policy.mode == "allow":  # what spares are built with
+            made += spares
+        else:
             futures += [self._pool.submit(self._repolicy, child, policy, allowed)
                         for child in spares]
-        else:
-            futures += [_done(child) for child in spares]
-        made: list[ChildNetwork] = []
         errors: list[BaseException] = []
         for future in futures:
             try:
@@ -584,11 +584,6 @@ class HostNetwork:
             self._building -= 1
             self._pool_changed.notify_all()
 
-    def spares(self) -> int:
-        """How many spare networks are ready now."""
-        with self._lock:
-            return len(self._spares)
-
     def wait_for_pool(self, timeout: float | None = None) -> int:
         """Block until no spare is being built (for benchmarks, tests and ``close``);
         returns how many spares are ready."""
@@ -598,7 +593,8 @@ class HostNetwork:
 
     def _repolicy(self, child: ChildNetwork, policy: EgressPolicy,
                   allowed: tuple[str, ...]) -> ChildNetwork:
-        """A spare's egress policy set to the one its spawn asked for (on a worker)."""
+        """On a worker: ``child``'s egress policy replaced (``set_egress``; a spare
+        given the one its spawn asked for)."""
         self._in_child(child, lambda: _Nft.run(self._egress_commands(policy, allowed),
                                                f"egress policy of {child.netns}"))
         child.egress, child.allowed = policy, allowed
@@ -721,9 +717,7 @@ class HostNetwork:
     def set_egress(self, child: ChildNetwork, egress: EgressPolicy) -> None:
         """Replace a child's egress policy (atomically: one nftables transaction)."""
         allowed = egress.resolve() if egress.mode == "allowlist" else ()
-        self._on_host(self._in_child, child, lambda: _Nft.run(
-            self._egress_commands(egress, allowed), f"egress policy of {child.netns}"))
-        child.egress, child.allowed = egress, allowed
+        self._on_host(self._repolicy, child, egress, allowed)
 
     def _in_child(self, child: ChildNetwork, fn: Callable[[], T]) -> T:
         fd = os.open(NETNS_DIR / child.netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -856,12 +850,6 @@ class HostNetwork:
         """Drop the host table (NAT, published ports). For a manager shutting down for good."""
         self._on_host(_Nft.run, [{"delete": {"table": {"family": "ip", "name": self.table}}}],
                       f"delete host table ip {self.table}")
-
-
-def _done(value: T) -> Future[T]:
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
 
 
 def _make_persistent_tap(name: str) -> None:
