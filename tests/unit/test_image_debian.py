@@ -60,7 +60,8 @@ def test_closure_lists_packages_not_edges_or_virtuals() -> None:
 
 
 def test_select_keeps_allowed_and_drops_denied() -> None:
-    selected = debian.select_packages(debian.parse_depends_closure(CLOSURE))
+    closure = debian.parse_depends_closure(CLOSURE) | set(debian.ROOT_PACKAGES)
+    selected = debian.select_packages(closure)
     assert selected == sorted(selected)
     assert "libc6" in selected and "media-types" in selected
     for denied in ("gcc-12-base", "mime-support", "mailcap"):

@@ -69,7 +69,7 @@ def test_write_find_list(cache: Path) -> None:
 def test_find_missing_says_what_to_run(cache: Path) -> None:
     with pytest.raises(ImageMissing, match=r"run `vmfork image build`"):
         image.find_image()
-    with pytest.raises(ImageMissing, match=r"`vmfork image build --name dev`"):
+    with pytest.raises(ImageMissing, match=r"`vmfork image build dev`"):
         image.find_image("dev")
 
 

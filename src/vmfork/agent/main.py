@@ -176,9 +176,12 @@ def fix_stdio() -> None:
 
 
 def set_environment() -> None:
-    from vmfork.agent.protocol import DEFAULT_ENV
+    from vmfork.agent import defaults
 
-    os.environ.update(DEFAULT_ENV)
+    image = defaults.load()
+    for problem in image.problems:
+        log(problem)
+    os.environ.update(image.env)
     os.environ.setdefault("TERM", "linux")
     os.chdir("/")
 

@@ -37,8 +37,9 @@ import threading
 import time
 from typing import Any
 
+from vmfork.agent import defaults
 from vmfork.agent.conn import Conn, PeerGone
-from vmfork.agent.protocol import DEFAULT_ENV, OUTPUT_CHUNK, ConnectionClosed, ProtocolError
+from vmfork.agent.protocol import OUTPUT_CHUNK, ConnectionClosed, ProtocolError
 from vmfork.agent.reaper import OwnedPids
 from vmfork.agent.request import OpError, os_error
 
@@ -65,7 +66,7 @@ def _parse_argv(req: dict[str, Any]) -> list[str]:
 
 
 def _parse_env(req: dict[str, Any]) -> dict[str, str]:
-    env = dict(DEFAULT_ENV)
+    env = dict(defaults.current().env)
     extra = req.get("env") or {}
     if not isinstance(extra, dict):
         raise OpError("bad_request", "exec: 'env' must be an object of strings")
@@ -93,11 +94,17 @@ def _parse_timeout(req: dict[str, Any]) -> float | None:
 
 def _spawn(argv: list[str], env: dict[str, str], cwd: str | None,
            want_stdin: bool) -> subprocess.Popen[bytes]:
+    image = defaults.current()
+    # The image's user, if it names one (an OCI image's User): as a container runtime
+    # runs its processes, with the groups /etc/group gives that user.
+    ids: dict[str, Any] = {}
+    if image.uid is not None:
+        ids = {"user": image.uid, "group": image.gid, "extra_groups": list(image.groups)}
     try:
         return subprocess.Popen(
             argv, stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
-            close_fds=True, start_new_session=True)
+            close_fds=True, start_new_session=True, **ids)
     except FileNotFoundError as err:
         # Popen names the missing file: the working directory if chdir failed,
         # otherwise the program.
@@ -120,6 +127,8 @@ def run_exec(conn: Conn, req: dict[str, Any], owned: OwnedPids) -> None:
     cwd = req.get("cwd")
     if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
         raise OpError("bad_request", f"exec: 'cwd' must be an absolute path, got {cwd!r}")
+    if cwd is None:
+        cwd = defaults.current().cwd
     want_stdin = req.get("stdin", False)
     if not isinstance(want_stdin, bool):
         raise OpError("bad_request", "exec: 'stdin' must be true or false")

@@ -1,8 +1,11 @@
-"""Guest images: a kernel and an initramfs, built from pinned inputs and cached.
+"""Guest images: a kernel, an initramfs and (for users' images) a read-only root disk.
 
-An image is a name pointing at two content-addressed cache entries
-(``kernel/<key>/vmlinux`` and ``initramfs/<key>/initramfs.cpio``) plus the kernel
-command-line words the image needs. The record ``<cache>/images/<name>.json``
+An image is a name pointing at content-addressed cache entries
+(``kernel/<key>/vmlinux``, ``initramfs/<key>/initramfs.cpio`` and, for an image
+that is more than the default, ``disks/<key>/root.img``) plus the kernel
+command-line words the image needs. The default image's root is the initramfs;
+a user's image boots a small initramfs that mounts the disk read-only under an
+overlay whose upper layer is guest RAM (``builder.py``, ``docs/images.md``). The record ``<cache>/images/<name>.json``
 stores keys, not paths, so moving the cache (``VMFORK_CACHE_DIR``) keeps images
 valid; it is replaced atomically (temp file, fsync, rename), so a reader sees the
 old image or the new one, never half of each.
@@ -19,7 +22,7 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ __all__ = [
     "ImageMissing",
     "InvalidImageName",
     "build_image",
+    "disk_path",
     "entry_build_seconds",
     "find_image",
     "initrd_path",
@@ -47,13 +51,15 @@ __all__ = [
     "write_record",
 ]
 
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 DEFAULT_NAME = "default"
 # What this image needs on the kernel command line; the VMM adds its own
 # (console, virtio-mmio devices). /init is the agent (initramfs.INIT_SCRIPT).
 DEFAULT_CMDLINE = "rdinit=/init"
 KERNEL_FILE = "vmlinux"
 INITRD_FILE = "initramfs.cpio"
+DISK_FILE = "root.img"
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -85,10 +91,36 @@ class GuestImage:
     initrd_size: int
     kernel_build_seconds: float | None = None  # set only when built by this call
     initramfs_build_seconds: float | None = None  # set only when built by this call
+    # A user's image (format 2): its read-only root disk and what it was built from.
+    disk_key: str | None = None
+    disk_size: int = 0
+    disk_format: str | None = None         # squashfs | erofs
+    built_from: str = DEFAULT_NAME          # the base image, or an OCI reference
+    definition: dict[str, Any] = field(default_factory=dict)   # ImageSpec.summary()
+    env: tuple[str, ...] = ()               # K=V defaults for exec
+    workdir: str | None = None
+    user: str | None = None
+    agent_python: str | None = None         # the interpreter the agent runs on
+    disk_build_seconds: float | None = None  # set only when built by this call
+
+    @property
+    def disk(self) -> Path | None:
+        """The root disk image, None for an initramfs-rooted image."""
+        return disk_path(self.disk_key, self._cache) if self.disk_key else None
+
+    @property
+    def _cache(self) -> Path:
+        # kernel is <cache>/kernel/<key>/vmlinux: the cache this record was read from.
+        return self.kernel.parent.parent.parent
+
+    @property
+    def size(self) -> int:
+        """Bytes of the image's own files (kernel, initramfs, disk)."""
+        return self.kernel_size + self.initrd_size + self.disk_size
 
     def to_record(self) -> dict[str, Any]:
         """The JSON record; paths are derived from the keys when it is read back."""
-        return {
+        record: dict[str, Any] = {
             "format": RECORD_FORMAT,
             "name": self.name,
             "kernel_key": self.kernel_key,
@@ -97,16 +129,39 @@ class GuestImage:
             "created": self.created.isoformat(),
             "kernel_size": self.kernel_size,
             "initrd_size": self.initrd_size,
+            "built_from": self.built_from,
         }
+        if self.disk_key is not None:
+            record.update(disk_key=self.disk_key, disk_size=self.disk_size,
+                          disk_format=self.disk_format, definition=self.definition,
+                          env=list(self.env), workdir=self.workdir, user=self.user,
+                          agent_python=self.agent_python)
+        return record
 
     @classmethod
     def from_record(cls, record: dict[str, Any], cache: Path) -> GuestImage:
-        if record.get("format") != RECORD_FORMAT:
+        if record.get("format") not in READABLE_FORMATS:
             raise ValueError(f"unknown image record format {record.get('format')!r}")
         name = validate_name(record["name"])
         kernel_key = _validate_key(record["kernel_key"])
         initramfs_key = _validate_key(record["initramfs_key"])
+        disk_key = record.get("disk_key")
+        disk: dict[str, Any] = {}
+        if disk_key is not None:
+            env = record.get("env") or []
+            if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+                raise ValueError("env must be a list of K=V strings")
+            definition = record.get("definition") or {}
+            if not isinstance(definition, dict):
+                raise ValueError("definition must be an object")
+            disk = {"disk_key": _validate_key(disk_key), "disk_size": int(record["disk_size"]),
+                    "disk_format": str(record["disk_format"]), "definition": definition,
+                    "env": tuple(env), "workdir": _opt_str(record.get("workdir")),
+                    "user": _opt_str(record.get("user")),
+                    "agent_python": _opt_str(record.get("agent_python"))}
         return cls(
+            **disk,
+            built_from=str(record.get("built_from", DEFAULT_NAME)),
             name=name,
             kernel=kernel_path(kernel_key, cache),
             initrd=initrd_path(initramfs_key, cache),
@@ -119,7 +174,15 @@ class GuestImage:
         )
 
     def files_present(self) -> bool:
-        return self.kernel.is_file() and self.initrd.is_file()
+        disk = self.disk
+        return self.kernel.is_file() and self.initrd.is_file() and (disk is None
+                                                                    or disk.is_file())
+
+
+def _opt_str(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
 
 
 def _validate_key(key: object) -> str:
@@ -137,6 +200,10 @@ def initrd_path(key: str, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "initramfs" / key / INITRD_FILE
 
 
+def disk_path(key: str, cache: Path | None = None) -> Path:
+    return (cache or cache_dir()) / "disks" / _validate_key(key) / DISK_FILE
+
+
 def record_path(name: str, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "images" / f"{validate_name(name)}.json"
 
@@ -150,8 +217,9 @@ def entry_build_seconds(entry_file: Path) -> float | None:
 
 
 def _build_hint(name: str) -> str:
-    flag = "" if name == DEFAULT_NAME else f" --name {name}"
-    return f"run `vmfork image build{flag}`"
+    what = "" if name == DEFAULT_NAME else f" {name}"
+    return f"run `vmfork image build{what}`" + ("" if name == DEFAULT_NAME
+                                                  else " with its definition")
 
 
 def write_record(image: GuestImage, cache: Path | None = None) -> Path:
@@ -202,7 +270,8 @@ def find_image(name: str = DEFAULT_NAME) -> GuestImage:
     if not image.files_present():
         raise ImageMissing(
             f"image {name!r} refers to cache entries that no longer exist "
-            f"(kernel {image.kernel_key}, initramfs {image.initramfs_key}); {_build_hint(name)}"
+            f"(kernel {image.kernel_key}, initramfs {image.initramfs_key}"
+            + (f", disk {image.disk_key}" if image.disk_key else "") + f"); {_build_hint(name)}"
         )
     return image
 

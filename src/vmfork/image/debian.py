@@ -22,6 +22,7 @@ cache key of an already-built initramfs is computed without the network.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
@@ -37,6 +38,12 @@ ROOT_PACKAGES: tuple[str, ...] = (
     "python3.11-minimal",
     "libpython3.11-minimal",
     "libpython3.11-stdlib",
+    # What users expect of a guest before they add anything (issue 13): a real shell,
+    # TLS that verifies, pip for their packages, and the C++ runtime most wheels load.
+    "bash",
+    "ca-certificates",
+    "python3-pip",
+    "libstdc++6",
 )
 
 # Package -> why the guest needs it.
@@ -60,6 +67,23 @@ ALLOW: dict[str, str] = {
     "libtinfo6": "terminfo for _curses and readline",
     "libreadline8": "readline for the interactive interpreter",
     "media-types": "/etc/mime.types for the mimetypes module",
+    "bash": "the shell users' scripts expect (/bin/sh stays busybox)",
+    "base-files": "/etc/os-release, /etc/debian_version and the FHS skeleton",
+    "debianutils": "which, run-parts and tempfile (bash depends on it)",
+    "mawk": "awk, which scripts and base-files expect",
+    "libstdc++6": "the C++ runtime that compiled wheels (numpy, pandas, ...) load",
+    "ca-certificates": "the CA bundle, so TLS (pip, urllib, ssl) verifies servers",
+    "openssl": "/usr/lib/ssl (the default certificate paths) and the openssl tool",
+    "python3": "/usr/bin/python3 and Debian's site configuration (dist-packages)",
+    "python3-minimal": "/usr/bin/python3 -> python3.11",
+    "python3.11": "the rest of the interpreter package (pydoc, venv support files)",
+    "libpython3-stdlib": "the python3 stdlib metapackage's files",
+    "python3-pip": "pip, so users can install wheels into the guest",
+    "python3-setuptools": "pip's build back end for source distributions",
+    "python3-pkg-resources": "setuptools' runtime",
+    "python3-wheel": "pip builds and installs wheels with it",
+    "python3-distutils": "distutils, which setuptools on 3.11 still imports",
+    "python3-lib2to3": "distutils' dependency (its files are pruned)",
 }
 
 # Package -> why the guest does without it.
@@ -92,7 +116,27 @@ DENY: dict[str, str] = {
     "libacl1": "pulled in by tar",
     "libmd0": "pulled in by dpkg",
     "libzstd1": "pulled in by dpkg",
+    "debconf": "maintainer scripts only (ca-certificates' configuration)",
+    "cdebconf": "an alternative to debconf, also maintainer scripts only",
+    "libdebian-installer4": "cdebconf's dependency",
+    "libnewt0.52": "cdebconf's dependency",
+    "libslang2": "cdebconf's dependency",
+    "libtextwrap1": "cdebconf's dependency",
+    "gawk": "an alternative awk; mawk is the one the guest has",
+    "original-awk": "an alternative awk; mawk is the one the guest has",
+    "libsigsegv2": "gawk's dependency",
+    "libmpfr6": "gawk's dependency",
+    "libgmp10": "gawk's dependency",
 }
+
+# Packages a user's image never gets from the dependency closure alone (they can still
+# ask for them by name): they serve dpkg's maintainer scripts, which never run in a
+# guest, and bring perl and dpkg's database along.
+MAINTAINER_ONLY: frozenset[str] = frozenset({
+    "dpkg", "debconf", "cdebconf", "perl-base", "install-info", "debconf-i18n",
+    "libdebian-installer4", "libnewt0.52", "libslang2", "libtextwrap1", "init-system-helpers",
+    "sensible-utils", "ucf",
+})
 
 
 @dataclass(frozen=True)
@@ -262,3 +306,123 @@ def extract(debs: Iterable[Path], staging: Path) -> None:
     """Unpack each package's data into ``staging``; maintainer scripts never run."""
     for deb in debs:
         _apt("extract", ["dpkg-deb", "-x", str(deb), str(staging)])
+
+
+# -- users' packages (issue 13) --------------------------------------------------------
+
+_PACKAGE_ARG = re.compile(r"[a-z0-9][a-z0-9+.-]{0,127}(=[A-Za-z0-9.+~:-]{1,128})?")
+
+
+def validate_package_args(packages: Iterable[str]) -> list[str]:
+    """``name`` or ``name=version`` words, checked before they reach apt's command line."""
+    out: list[str] = []
+    for word in packages:
+        if not isinstance(word, str) or not _PACKAGE_ARG.fullmatch(word):
+            raise ImageBuildError("resolve-packages",
+                                  f"{word!r} is not a Debian package name (optionally "
+                                  "=version), e.g. python3-numpy or curl=7.88.1-10+deb12u8")
+        out.append(word)
+    return out
+
+
+def parse_simulated_install(text: str) -> list[tuple[str, str]]:
+    """``(name, version)`` of each ``Inst`` line of ``apt-get -s install`` output."""
+    chosen: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        # Inst libblas3 (3.11.0-2 Debian:12.8/stable [amd64])
+        if m := re.match(r"^Inst (\S+) (?:\[[^]]*\] )?\((\S+) ", line):
+            chosen.append((m.group(1), m.group(2)))
+    return chosen
+
+
+def resolve_extra_packages(requested: Sequence[str], present: Iterable[str]) -> list[DebPackage]:
+    """Pin ``requested`` and their dependency closure, less what ``present`` holds.
+
+    apt's own solver decides the closure (``apt-get -s`` against an empty package
+    database, so nothing the build host has installed counts): one provider per
+    alternative, as an install would pick, with Recommends off. There is no
+    allow-list: whatever the packages need comes along, except ``MAINTAINER_ONLY``
+    packages that only the closure (not the user) asked for. Local metadata only.
+    """
+    words = validate_package_args(requested)
+    if not words:
+        return []
+    out = _apt("resolve-packages",
+               ["apt-get", "-s", "-q", "-o", "Dir::State::status=/dev/null",
+                "-o", "APT::Install-Recommends=false", "-o", "APT::Get::AllowUnauthenticated=false",
+                "install", *words])
+    asked = {w.split("=", 1)[0] for w in words}
+    have = set(present)
+    chosen = [(n, v) for n, v in parse_simulated_install(out)
+              if n not in have and (n in asked or n not in MAINTAINER_ONLY)]
+    if not chosen:
+        return []
+    specs = [f"{n}={v}" for n, v in chosen]
+    records = parse_package_records(
+        _apt("resolve-packages", ["apt-cache", "show", "--no-all-versions", *specs]))
+    missing = [n for n, _ in chosen if n not in records]
+    if missing:
+        raise ImageBuildError("resolve-packages",
+                              f"apt has no record of {', '.join(missing)}; run `apt-get update`")
+    return [records[n] for n, _ in sorted(chosen)]
+
+
+_ALTERNATIVE = re.compile(
+    r"update-alternatives\s+(?:--quiet\s+)?--install\s+(/\S+)\s+(\S+)\s+(/\S+)\s+(\d+)")
+
+
+def alternatives(debs: Iterable[Path]) -> dict[str, tuple[str, str]]:
+    """``link -> (target, name)``: what the packages' postinst would register with
+    ``update-alternatives``, the highest priority per alternative name.
+
+    Maintainer scripts never run in a guest build, but some packages ship a library
+    only under an alternative (libblas3 puts ``libblas.so.3`` in ``.../blas/`` and
+    links it from the loader's path in its postinst), so the links are made here.
+    Only literal ``--install`` lines are understood; a line with shell variables is
+    skipped (no package the guest needs has been seen to use one).
+    """
+    best: dict[str, tuple[int, str, str]] = {}
+    for deb in debs:
+        proc = subprocess.run(["dpkg-deb", "-I", str(deb), "postinst"], capture_output=True,
+                              text=True, check=False)
+        if proc.returncode != 0:
+            continue  # no postinst
+        for m in _ALTERNATIVE.finditer(proc.stdout.replace("\\\n", " ")):
+            link, name, target, prio = m.group(1), m.group(2), m.group(3), int(m.group(4))
+            if "$" in link + name + target:
+                continue
+            if name not in best or prio > best[name][0]:
+                best[name] = (prio, link, target)
+    return {link: (target, name) for _, link, target in best.values()}
+
+
+def install_alternatives(root: Path, debs: Iterable[Path]) -> int:
+    """Make the alternatives' links inside ``root``; return how many were made."""
+    made = 0
+    for link, (target, _name) in alternatives(debs).items():
+        path = root / link.lstrip("/")
+        if os.path.lexists(path) or not os.path.lexists(root / target.lstrip("/")):
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.symlink_to(target)
+        made += 1
+    return made
+
+
+CA_BUNDLE = "etc/ssl/certs/ca-certificates.crt"
+
+
+def install_ca_bundle(root: Path) -> int:
+    """Write the CA bundle ``update-ca-certificates`` would (the certificates the
+    ca-certificates package ships, concatenated); return how many it holds."""
+    certs = sorted((root / "usr/share/ca-certificates").rglob("*.crt"))
+    if not certs:
+        return 0
+    bundle = root / CA_BUNDLE
+    bundle.parent.mkdir(parents=True, exist_ok=True)
+    with open(bundle, "wb") as out:
+        for cert in certs:
+            data = cert.read_bytes()
+            out.write(data if data.endswith(b"\n") else data + b"\n")
+    bundle.chmod(0o644)
+    return len(certs)

@@ -56,13 +56,13 @@ GUEST_PYTHON = "usr/bin/python3.11"
 GUEST_STDLIB = "usr/lib/python3.11"
 AGENT_ROOT = "opt/vmfork"
 
-# `-I` isolates the agent from the environment and the current directory; `-S`
-# skips `site`, which only adds site-packages directories this guest does not have
-# and costs start-up time (measured in the module's report: see the task note).
+# `-I` isolates the agent from the environment and the current directory. `site` runs
+# (no `-S`): the guest has pip, and what a user pip-installs into dist-packages must be
+# importable by warm-up code and eval in the agent's interpreter.
 # One shebang argument only: Linux passes everything after the interpreter as a
 # single argument, so the flags must be combined.
 INIT_SCRIPT = """\
-#!/usr/bin/python3.11 -IS
+#!/usr/bin/python3.11 -I
 # PID 1 of a vmfork guest: the vmfork agent (src/vmfork/agent), stdlib only.
 # If it ever returns or raises, the kernel panics; the VMM sees the guest stop.
 import sys
@@ -98,6 +98,9 @@ PRUNED_PATHS: tuple[str, ...] = (
     f"{GUEST_STDLIB}/lib2to3",
     f"{GUEST_STDLIB}/pydoc_data",
     f"{GUEST_STDLIB}/__phello__",
+    # PEP 668's marker: a guest is a sandbox of its own, and `pip install` in it (a
+    # warm-up, forkd's `snapshot-diff --exec "pip install ..."`) must just work.
+    f"{GUEST_STDLIB}/EXTERNALLY-MANAGED",
 )
 
 # Directory names removed anywhere in the standard library.
@@ -233,6 +236,8 @@ def _build(out: Path, packages: list[debian.DebPackage], agent: list[tuple[str, 
         debs = debian.download(packages, cache_dir() / "debs")
         t = step("download", t)
         debian.extract(debs, staging)
+        debian.install_ca_bundle(staging)
+        debian.install_alternatives(staging, debs)
         t = step("extract", t)
         prune(staging)
         t = step("prune", t)
@@ -446,6 +451,14 @@ def _compile_one(job: tuple[str, str, str]) -> str | None:
     return None
 
 
+SITE_DIRS = ("usr/lib/python3/dist-packages", "usr/local/lib/python3.11/dist-packages")
+
+
+def extra_tops(root: Path) -> list[Path]:
+    """The site-packages directories of the guest's 3.11 that exist (pip, users' wheels)."""
+    return [root / d for d in SITE_DIRS if (root / d).is_dir()]
+
+
 def compile_jobs(root: Path) -> list[tuple[str, str, str]]:
     """``(source to read, .pyc to write, path shown in tracebacks)`` per guest module.
 
@@ -453,7 +466,7 @@ def compile_jobs(root: Path) -> list[tuple[str, str, str]]:
     stdlib files to absolute paths, which on the host would name the host's files.
     """
     jobs: list[tuple[str, str, str]] = []
-    for top in (root / GUEST_STDLIB, root / AGENT_ROOT):
+    for top in (root / GUEST_STDLIB, root / AGENT_ROOT, *extra_tops(root)):
         for dirpath, _, filenames in os.walk(top):
             for name in sorted(filenames):
                 if not name.endswith(".py"):
@@ -479,10 +492,122 @@ def compile_tree(root: Path) -> int:
     check_bytecode_compatible(root)
     jobs = compile_jobs(root)
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        failures = [f for f in pool.map(_compile_one, jobs, chunksize=32) if f]
+        results = list(pool.map(_compile_one, jobs, chunksize=32))
+    # The stdlib and the agent must compile; a package in site-packages may carry files
+    # that are not meant to (templates, other Pythons' code): those import as they would
+    # anywhere, failing only if someone imports them.
+    strict = (f"/{GUEST_STDLIB}/", f"/{AGENT_ROOT}/")
+    failures = [f for f in results if f and f.startswith(strict)]
     if failures:
         raise ImageBuildError("compile", "these modules do not compile: " + "; ".join(failures))
-    for _, cfile, _ in jobs:
+    for (_, cfile, _), failure in zip(jobs, results, strict=True):
+        if failure:
+            continue
         os.chmod(cfile, 0o644)
         os.chmod(Path(cfile).parent, 0o755)
     return len(jobs)
+
+
+# -- the boot initramfs of an image with a root disk (issue 13) ------------------------
+
+BOOT_RECIPE_VERSION = "1"
+BOOT_AGENT_DIR = "vmfork-agent"          # in the boot initramfs; copied into the new root
+GUEST_AGENT_DIR = "/opt/vmfork/agent"    # where the agent lives in a disk-rooted guest
+AGENT_PYTHON_FILE = ".vmfork/agent-python"   # in the disk: the agent's interpreter command
+
+# The agent's entry in a disk-rooted guest. `-I` (not `-IS`): the agent runs on the
+# image's interpreter *with* its site-packages, so warm-up imports and eval see the
+# user's packages. The agent's own directory goes on sys.path first.
+GUEST_INIT_PY = f"""\
+# PID 1 of a vmfork guest booted from a root disk: the vmfork agent, stdlib only.
+import sys
+
+sys.path.insert(0, "{GUEST_AGENT_DIR}")
+
+from vmfork.agent.main import main
+
+raise SystemExit(main())
+"""
+
+# PID 1 of the boot initramfs: mount the image's disk read-only, put an overlay with a
+# tmpfs upper layer on it (every write stays in this guest's RAM: no disk is ever
+# writable, DESIGN decision 3), copy the agent in, and hand over to the agent on the
+# interpreter the builder chose (the image's own Python, or the bundled one under
+# /opt/vmfork/python). switch_root frees the initramfs's RAM. Any failure prints why
+# and ends PID 1, which panics the kernel: the host sees the reason on the console.
+BOOT_INIT_SCRIPT = f"""\
+#!/bin/busybox sh
+# PID 1 of a vmfork guest with a root disk (vmfork.image.initramfs.BOOT_INIT_SCRIPT).
+export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+fail() {{ echo "vmfork-init: $*" >/dev/console; exit 1; }}
+mount -t proc proc /proc || fail "cannot mount /proc"
+mount -t devtmpfs devtmpfs /dev || fail "cannot mount /dev"
+fstype=squashfs
+for word in $(cat /proc/cmdline); do
+  case "$word" in vmfork.rootfs=*) fstype=${{word#vmfork.rootfs=}} ;; esac
+done
+i=0
+while [ ! -b /dev/vda ]; do
+  i=$((i + 1)); [ $i -gt 500 ] && fail "no root disk (/dev/vda) appeared"; usleep 10000
+done
+mkdir -p /lower /rw /newroot
+mount -t "$fstype" -o ro /dev/vda /lower || fail "cannot mount the root disk ($fstype)"
+mount -t tmpfs -o mode=0755 tmpfs /rw || fail "cannot mount the overlay's tmpfs"
+mkdir -p /rw/upper /rw/work
+mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \\
+  || fail "cannot mount the root overlay"
+mkdir -p /newroot{GUEST_AGENT_DIR} /newroot/proc /newroot/sys /newroot/dev /newroot/tmp \\
+  || fail "cannot make the agent's directories in the root"
+cp -a /{BOOT_AGENT_DIR}/. /newroot{GUEST_AGENT_DIR}/ || fail "cannot copy the agent"
+read -r python < /newroot/{AGENT_PYTHON_FILE} || fail "the disk has no /{AGENT_PYTHON_FILE}"
+umount /dev
+umount /proc
+exec switch_root /newroot $python {GUEST_AGENT_DIR}/init.py
+"""
+
+_BOOT_DIRS = ("bin", "dev", "proc", "sys", "lower", "rw", "newroot", BOOT_AGENT_DIR)
+
+
+def build_boot_initramfs(vmfork_source: Path | None = None) -> Initramfs:
+    """The cached initramfs that boots a disk-rooted image: busybox, ``BOOT_INIT_SCRIPT``
+    and the agent's source (compiled for 3.11; other interpreters compile it at start)."""
+    busybox = [p for p in debian.resolve_packages() if p.name == "busybox-static"]
+    agent = agent_files(vmfork_source or default_vmfork_source())
+    parts: list[str | bytes | Path] = [f"boot recipe {BOOT_RECIPE_VERSION}",
+                                       *_RECIPE_SOURCES, *(p.pin() for p in busybox)]
+    for rel, source in agent:
+        parts += [f"agent {rel}", source]
+    parts += [BOOT_INIT_SCRIPT, GUEST_INIT_PY]
+    key = hash_inputs(parts)
+
+    def build(out: Path) -> None:
+        started = time.monotonic()
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out.parent))
+        extracted = Path(tempfile.mkdtemp(prefix=".busybox-", dir=out.parent))
+        try:
+            debian.extract(debian.download(busybox, cache_dir() / "debs"), extracted)
+            for rel in _BOOT_DIRS:
+                (staging / rel).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(extracted / "bin/busybox", staging / "bin/busybox")
+            install_busybox_links(staging)
+            package = staging / BOOT_AGENT_DIR / "vmfork"
+            for rel, source in agent:
+                (package / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, package / rel)
+            (staging / BOOT_AGENT_DIR / "init.py").write_text(GUEST_INIT_PY)
+            init = staging / "init"
+            init.write_text(BOOT_INIT_SCRIPT)
+            init.chmod(0o755)
+            with open(out / ARCHIVE_NAME, "wb") as f:
+                cpio.write_cpio(f, [*cpio.entries_from_tree(staging), *device_entries()])
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(extracted, ignore_errors=True)
+        (out / "build-seconds").write_text(f"{time.monotonic() - started:.1f}\n")
+
+    entry, built_now = cached_entry("initramfs", key, build)
+    seconds_file = entry / "build-seconds"
+    seconds = float(seconds_file.read_text()) if seconds_file.is_file() else None
+    return Initramfs(key, entry / ARCHIVE_NAME, built_now, seconds)
