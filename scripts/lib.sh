@@ -6,6 +6,10 @@
 #   guest image       vmfork image build (kernel + initramfs, content-addressed)
 #   TypeScript SDK    npm ci into sdk/typescript/node_modules (npm cache under
 #                     $CACHE/npm), then tsc; here, never in the test host (no network)
+#   vmfork launcher   /usr/local/bin/vmfork (or ~/.local/bin/vmfork when not root):
+#                     runs this checkout with the venv, so a new shell has `vmfork`
+#   test images       (scripts/test only) the users' images the tests boot, built
+#                     here from tests/images/*.toml, where the registries are reachable
 #
 # The project itself is not installed into the venv: PYTHONPATH points at this
 # checkout's src/, so several clones can share one cache.
@@ -20,6 +24,7 @@ export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
 DEBIAN_PACKAGES=(
   qemu-system-x86 linux-image-amd64 linux-source-6.1 busybox-static cpio zstd
   bc flex bison libelf-dev libssl-dev build-essential kmod python3 nftables iperf3
+  squashfs-tools erofs-utils
 )
 PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp)
 
@@ -67,6 +72,42 @@ setup_image() {
   "$PY" -m vmfork image build
 }
 
+# A `vmfork` command for new shells: a launcher naming this checkout and the venv.
+# Rewritten each set-up, so it follows the checkout that ran it last.
+setup_launcher() {
+  local bin=/usr/local/bin
+  if [ "$(id -u)" -ne 0 ]; then bin=$HOME/.local/bin; fi
+  mkdir -p "$bin"
+  local tmp
+  tmp=$(mktemp "$bin/.vmfork.XXXXXX")
+  cat > "$tmp" <<LAUNCHER
+#!/bin/sh
+# The vmfork command, written by $REPO/scripts/lib.sh (setup_launcher).
+export VMFORK_CACHE_DIR="\${VMFORK_CACHE_DIR:-$CACHE}"
+export PYTHONPATH="$REPO/src\${PYTHONPATH:+:\$PYTHONPATH}"
+exec "$VENV/bin/python" -m vmfork "\$@"
+LAUNCHER
+  chmod 755 "$tmp"
+  mv -f "$tmp" "$bin/vmfork"
+  case ":$PATH:" in
+    *":$bin:"*) ;;
+    *) log "vmfork is in $bin, which is not on PATH: add it (export PATH=$bin:\$PATH)" ;;
+  esac
+}
+
+# The users' images the tests and benchmarks boot (tests/images/*.toml), built natively
+# (apt metadata, the package index and npm are reachable here, not in the test host);
+# cached by content, so a second set-up only checks them.
+TEST_IMAGES=(sci-deb sci-pip node)
+setup_test_images() {
+  log "test images: ${TEST_IMAGES[*]} (tests/images)"
+  local name
+  for name in "${TEST_IMAGES[@]}"; do
+    "$PY" -m vmfork image build "t-$name" -f "$REPO/tests/images/$name.toml" >/dev/null
+  done
+  "$PY" -m tests.images.prepare
+}
+
 setup_typescript() {
   local sdk=$REPO/sdk/typescript
   if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
@@ -93,5 +134,6 @@ setup_all() {
   setup_debian
   setup_python
   setup_image
+  setup_launcher
   setup_typescript
 }

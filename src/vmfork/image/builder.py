@@ -589,6 +589,7 @@ def _build_disk(out: Path, plan: _Plan, progress: Progress) -> None:
     disk_bytes = (out / DISK_FILE).stat().st_size
     total = round(sum(timings.values()), 3)
     manifest = {"recipe_version": RECIPE_VERSION, "definition": spec.summary(),
+                "content_key": disk_content_key(out / DISK_FILE),
                 "apt": [p.pin() for p in plan.apt],
                 "wheels": [f"{w.name} sha256:{_sha256(w)}" for w in plan.wheels],
                 "copies": len(plan.copies), "tree_bytes": tree_bytes,
@@ -670,14 +671,14 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
     try:
         plan = _plan(spec, scratch, progress, oci_ref=oci_ref, oci_options=oci_options)
         key = plan.key()
-        cached = disk_path(key).is_file()
-        if cached:
-            progress("disk", f"cached: {disk_path(key)}")
-        entry, disk_built = cached_entry("disks", key,
+        entry, disk_built = cached_entry("disk-builds", key,
                                          lambda out: _build_disk(out, plan, progress))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     manifest = json.loads((entry / "manifest.json").read_text())
+    content_key = publish_disk(entry / DISK_FILE, str(manifest["content_key"]))
+    if not disk_built:
+        progress("disk", f"cached: {disk_path(content_key)}")
     definition = spec.summary()
     if oci_ref is not None:
         definition["from"] = oci_ref
@@ -691,7 +692,7 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
         kernel_size=kernel.stat().st_size, initrd_size=boot.size,
         kernel_build_seconds=entry_build_seconds(kernel) if kernel_built else None,
         initramfs_build_seconds=boot.build_seconds if boot.built_now else None,
-        disk_key=key, disk_size=int(manifest["disk_bytes"]),
+        disk_key=content_key, disk_size=int(manifest["disk_bytes"]),
         disk_format=str(manifest["disk_format"]),
         built_from=built_from or oci_ref or spec.base or DEFAULT_NAME,
         definition=definition, env=tuple(manifest["env"]), workdir=manifest["workdir"],
@@ -711,6 +712,28 @@ def import_oci(name: str, ref: str, *, progress: Progress = _quiet,
     if auth_file is not None:
         options["auth_file"] = auth_file
     return build(name, ImageSpec(), progress=progress, oci_ref=ref, oci_options=options)
+
+
+def disk_content_key(disk: Path) -> str:
+    """A disk's identity: the SHA-256 of its bytes. Snapshots name their disk by it, and
+    a disk from elsewhere (a pack) is stored only under the hash of what it holds, so it
+    can never stand in for another."""
+    return _sha256(disk)
+
+
+def publish_disk(source: Path, content_key: str) -> str:
+    """Make ``source`` (whose SHA-256 is ``content_key``, checked by the caller) the disk
+    ``disks/<content_key>/root.img``: a hard link when it can be (same file system), so
+    the build entry and the disk share their bytes; returns ``content_key``."""
+    def put(out: Path) -> None:
+        try:
+            os.link(source, out / DISK_FILE)
+        except OSError:
+            shutil.copyfile(source, out / DISK_FILE)
+        os.chmod(out / DISK_FILE, 0o444)
+
+    cached_entry("disks", content_key, put)
+    return content_key
 
 
 def _scratch_root() -> Path:

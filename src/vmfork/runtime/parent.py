@@ -21,6 +21,21 @@ class WarmUpFailed(RuntimeError):
     """The warm-up code or command failed in the guest; nothing was snapshotted."""
 
 
+# What the guest kernel prints when memory runs out (mm/oom_kill.c, mm/page_alloc.c).
+_OOM_MARKERS = ("Out of memory", "oom-kill", "invoked oom-killer", "page allocation failure")
+
+
+def out_of_memory_hint(console_tail: str, mem_mib: int) -> str | None:
+    """A sentence for a failure the guest's console shows as an OOM, else None."""
+    lines = [line for line in console_tail.splitlines()
+             if any(marker in line for marker in _OOM_MARKERS)]
+    if not lines:
+        return None
+    return (f"the guest ran out of memory ({lines[-1].strip()[:160]}); it has "
+            f"{mem_mib} MiB: give it more with --mem-mib {max(mem_mib * 2, 512)} "
+            "(the root overlay's writes and the warm-up's allocations both live in guest RAM)")
+
+
 @dataclass(frozen=True)
 class SnapshotReport:
     snapshot: Snapshot
@@ -30,6 +45,20 @@ class SnapshotReport:
     capture_ms: float
     memory_write_ms: float
     memory_bytes: int
+
+
+def _warm_up(guest: BootedGuest, warm_code: str | None, warm_cmd: str | None) -> None:
+    if warm_code is not None:
+        result = guest.agent.eval(warm_code)
+        if result.exception is not None:
+            raise WarmUpFailed(f"warm-up code raised {result.exception.type}: "
+                               f"{result.exception.message}")
+    elif warm_cmd is not None:
+        done = guest.agent.exec(warm_cmd)
+        if done.exit_code != 0:
+            raise WarmUpFailed(
+                f"warm-up command exited {done.exit_code}: "
+                f"{done.stderr.decode(errors='replace').strip()[-500:]}")
 
 
 def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int = 256,
@@ -46,17 +75,13 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
         started = time.monotonic()
         with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus, network=network) as guest:
             booted = time.monotonic()
-            if warm_code is not None:
-                result = guest.agent.eval(warm_code)
-                if result.exception is not None:
-                    raise WarmUpFailed(f"warm-up code raised {result.exception.type}: "
-                                       f"{result.exception.message}")
-            elif warm_cmd is not None:
-                done = guest.agent.exec(warm_cmd)
-                if done.exit_code != 0:
-                    raise WarmUpFailed(
-                        f"warm-up command exited {done.exit_code}: "
-                        f"{done.stderr.decode(errors='replace').strip()[-500:]}")
+            try:
+                _warm_up(guest, warm_code, warm_cmd)
+            except WarmUpFailed as err:
+                hint = out_of_memory_hint(guest.console_tail(), mem_mib)
+                if hint is not None:
+                    raise WarmUpFailed(f"{err}; {hint}") from None
+                raise
             warmed = time.monotonic()
             assert guest.machine is not None
             state, timings = guest.machine.snapshot(str(pending.memory_path), resume=False)
@@ -69,8 +94,10 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
                                     pause_ms=timings["paused"] * 1000,
                                     capture_ms=timings["vcpu_state"] * 1000,
                                     write_ms=timings["memory_write"] * 1000),
-            # Whether sandboxes of it can get networks (the daemon checks before a spawn).
-            extra={"network": network is not None})
+            # Whether sandboxes of it can get networks (the daemon checks before a spawn),
+            # and the root disk its children open (by content hash), if its image has one.
+            extra={"network": network is not None,
+                   **({"image_disk": image.disk_key} if image.disk_key else {})})
         snapshot = pending.publish(meta)
     return SnapshotReport(snapshot=snapshot, boot_s=booted - started, warm_s=warmed - booted,
                           pause_ms=timings["paused"] * 1000,
