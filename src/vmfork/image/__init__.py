@@ -36,6 +36,7 @@ __all__ = [
     "ImageMissing",
     "InvalidImageName",
     "build_image",
+    "disk_path",
     "entry_build_seconds",
     "find_image",
     "initrd_path",
@@ -54,6 +55,7 @@ DEFAULT_NAME = "default"
 DEFAULT_CMDLINE = "rdinit=/init"
 KERNEL_FILE = "vmlinux"
 INITRD_FILE = "initramfs.cpio"
+DISK_FILE = "root.img"
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -135,6 +137,10 @@ def kernel_path(key: str, cache: Path | None = None) -> Path:
 
 def initrd_path(key: str, cache: Path | None = None) -> Path:
     return (cache or cache_dir()) / "initramfs" / key / INITRD_FILE
+
+
+def disk_path(key: str, cache: Path | None = None) -> Path:
+    return (cache or cache_dir()) / "disks" / _validate_key(key) / DISK_FILE
 
 
 def record_path(name: str, cache: Path | None = None) -> Path:

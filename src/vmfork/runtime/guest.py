@@ -63,9 +63,12 @@ class BootedGuest:
 
     def __init__(self, image: GuestImage, *, mem_mib: int = 256, vcpus: int = 1,
                  ready_timeout: float = READY_TIMEOUT, keep_run_dir: bool = False,
-                 network: GuestNetwork | None = None, net_tap: str | None = None) -> None:
+                 network: GuestNetwork | None = None, net_tap: str | None = None,
+                 root_disk: str | None = None, root_disk_key: str | None = None) -> None:
         """``network``: give the guest a virtio-net device configured with it at boot;
-        ``net_tap``: the tap (in this thread's network namespace) that cables it."""
+        ``net_tap``: the tap (in this thread's network namespace) that cables it;
+        ``root_disk``/``root_disk_key``: a read-only disk image and its content key
+        (``MachineConfig``)."""
         self.created_at = time.monotonic()
         self.image = image
         self.keep_run_dir = keep_run_dir
@@ -85,7 +88,8 @@ class BootedGuest:
                 kernel=str(image.kernel), initrd=str(image.initrd), cmdline_extra=cmdline,
                 mem_mib=mem_mib, vcpus=vcpus, console_log=self.console_log,
                 vsock_uds=self.vsock_uds, vm_id=self.dir.name,
-                guest_mac=network.mac if network is not None else None, net_tap=net_tap))
+                guest_mac=network.mac if network is not None else None, net_tap=net_tap,
+                root_disk=root_disk, root_disk_key=root_disk_key))
             self.machine.serial.line_listeners.append(self._on_console_line)
             self.agent = AgentClient(vsock_uds_connector(self.vsock_uds, AGENT_PORT, timeout=5.0))
             self.timings.vmm_setup = time.monotonic() - self.created_at
