@@ -32,6 +32,9 @@ imports are already done and a spawn pays only for the restore. Contract:
   anything else, and the tap in it that its virtio-net device attaches to. A
   restored guest with a network device is told it was forked (``net_refresh``:
   inherited connections aborted, neighbours flushed) once it answers.
+* A guest booted on a read-only root disk is restored on the disk its state names
+  by content key, found in the image cache (``vmfork.image.disk_path``); the
+  machine checks that its size is the one recorded.
 * ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
   ``resume``, ``snapshot`` (full, diff or live; see ``ControlServer.snapshot``),
   ``exits``, ``stop``.
@@ -70,6 +73,7 @@ from vmfork.agent.client import (
     vsock_uds_connector,
 )
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.image import disk_path
 from vmfork.runtime import zygote_child
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.runtime.network import enter_netns
@@ -287,6 +291,9 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
             net_tap: str | None = None) -> tuple[Machine, MachineState]:
     state, prepared = load_snapshot(snapshot_dir)
     memory_file, plan = load_memory(snapshot_dir)
+    # A guest booted on a root disk is named by the disk's content key alone: the
+    # snapshot says which disk, the image cache says where it is.
+    disk_key = state.blk.device.disk_key if state.blk is not None else None
     config = MachineConfig(
         restore_state=state, restore_prepared=prepared,
         memory_file=memory_file, memory_plan=plan,
@@ -294,7 +301,9 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
         vsock_uds=str(run_dir / "vsock.sock") if state.vsock is not None else None,
         rng=state.rng is not None, guest_cid=state.guest_cid,
         console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False,
-        net_tap=net_tap)
+        net_tap=net_tap,
+        root_disk=str(disk_path(disk_key)) if disk_key is not None else None,
+        root_disk_key=disk_key)
     return Machine(config), state
 
 

@@ -40,6 +40,7 @@ from vmfork.vmm import vmstate
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.serial import Serial
+from vmfork.vmm.devices.virtio.blk import VirtioBlk, open_disk, validate_disk_key
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransport
 from vmfork.vmm.devices.virtio.net import VirtioNet, open_tap, parse_mac
@@ -93,6 +94,11 @@ class MachineConfig:
     # to attach to, in this thread's network namespace (None: no cable plugged in).
     guest_mac: str | None = None
     net_tap: str | None = None
+    # virtio-blk, read-only: the host path of a disk image and its content key (the
+    # disk's name in snapshots; the guest sees its first 20 characters as the disk's
+    # serial). A restore must be given the snapshot's disk, the same key and size.
+    root_disk: str | None = None
+    root_disk_key: str | None = None
 
     def validate(self) -> None:
         sources = [self.kernel is not None, self.payload is not None,
@@ -124,6 +130,25 @@ class MachineConfig:
         if self.net_tap is not None and self.net_mac is None:
             raise ValueError("net_tap needs a network device: boot with guest_mac, or restore "
                              "a snapshot whose parent had one")
+        self._validate_root_disk()
+
+    def _validate_root_disk(self) -> None:
+        if (self.root_disk is None) != (self.root_disk_key is None):
+            # Without its key a disk could not be named in a snapshot, and a key
+            # without a disk names nothing.
+            raise ValueError("root_disk and root_disk_key go together (the disk image and "
+                             "its content key)")
+        if self.root_disk_key is not None:
+            validate_disk_key(self.root_disk_key)
+        if self.restore_state is None:
+            return
+        blk = self.restore_state.blk
+        if blk is not None and self.root_disk is None:
+            raise ValueError(f"the snapshot's guest has root disk {blk.device.disk_key}: give "
+                             "root_disk (its image) and root_disk_key")
+        if blk is None and self.root_disk is not None:
+            raise ValueError(f"the snapshot's guest has no root disk; a restored guest cannot "
+                             f"be given one ({self.root_disk})")
 
     @property
     def net_mac(self) -> str | None:
@@ -231,6 +256,7 @@ class Machine:
         self.vsock: VirtioVsock | None = None
         self.rng: VirtioRng | None = None
         self.net: VirtioNet | None = None
+        self.blk: VirtioBlk | None = None
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
@@ -276,9 +302,11 @@ class Machine:
             vmstate.apply_vcpu(vcpu.fd, vcpu_state, host_tsc_khz)
         self.serial.restore(state.serial)
         if (state.vsock is None) != (self.vsock is None) or \
-                (state.rng is None) != (self.rng is None):
+                (state.rng is None) != (self.rng is None) or \
+                (state.blk is None) != (self.blk is None):
             raise HostError("the snapshot's devices differ from this machine's "
-                            f"(vsock {state.vsock is not None}, rng {state.rng is not None})",
+                            f"(vsock {state.vsock is not None}, rng {state.rng is not None}, "
+                            f"root disk {state.blk is not None})",
                             vm_id=self.vm_id, op="restore")
         if state.vsock is not None and self.vsock is not None:
             self.vsock.restore(state.vsock.device)
@@ -289,6 +317,9 @@ class Machine:
         if state.net is not None and self.net is not None:
             self.net.restore(state.net.device)
             self._transport_of(self.net).restore(state.net.transport)
+        if state.blk is not None and self.blk is not None:
+            self.blk.restore(state.blk.device)   # refuses another disk (key or size)
+            self._transport_of(self.blk).restore(state.blk.transport)
         self.timings["restore_state"] = time.monotonic() - started
 
     def _transport_of(self, device: VirtioDevice) -> MmioTransport:
@@ -359,6 +390,9 @@ class Machine:
         if self.net is not None:
             state.net = vmstate.NetSnapshot(self._transport_of(self.net).save(),
                                             self.net.save())
+        if self.blk is not None:
+            state.blk = vmstate.BlkSnapshot(self._transport_of(self.blk).save(),
+                                            self.blk.save())
         return state
 
     def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
@@ -376,7 +410,9 @@ class Machine:
     def _add_virtio_devices(self, config: MachineConfig) -> None:
         """Create the virtio devices this config asks for: vsock (the agent channel)
         first, so that it is always ``virtio-mmio.0``, then the entropy source, then
-        the network device."""
+        the network device, then the root disk. The order is the guest's view
+        (each device's window and IRQ follow from its slot), so a new device goes
+        last: snapshots taken before it existed keep their slots."""
         if config.vsock_uds is not None:
             self.vsock = VirtioVsock(self.loop, config.vsock_uds, config.guest_cid)
             self._closers.append(self.vsock.close)
@@ -390,6 +426,22 @@ class Machine:
             self.net = VirtioNet(self.loop, parse_mac(mac), tap_fd)
             self._closers.append(self.net.close)
             self.add_virtio(self.net)
+        if config.root_disk is not None:
+            assert config.root_disk_key is not None   # validate()
+            fd, size = open_disk(config.root_disk)
+            self._closers.append(lambda: self._close_disk(fd))
+            self.blk = VirtioBlk(self.loop, fd, size, config.root_disk_key,
+                                 path=config.root_disk)
+            self.add_virtio(self.blk)
+
+    def _close_disk(self, fd: int) -> None:
+        """Close the root disk's fd once the device can no longer read it: a read
+        queued on the I/O thread must not land on a reused fd number."""
+        try:
+            if self.blk is not None and self.loop.running:
+                run_on_loop(self.loop, self.blk.detach)
+        finally:
+            os.close(fd)
 
     def add_virtio(self, device: VirtioDevice) -> MmioTransport:
         """Give a virtio device an MMIO window, an IRQ and ioeventfds for its

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from vmfork.kvm import api
 from vmfork.kvm import structs as s
 from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.virtio.blk import BlkState
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.net import NetState
 from vmfork.vmm.devices.virtio.rng import RngState
@@ -106,6 +107,12 @@ class NetSnapshot:
 
 
 @dataclass
+class BlkSnapshot:
+    transport: MmioTransportState
+    device: BlkState
+
+
+@dataclass
 class MachineState:
     """Everything but guest memory. ``mem_size`` and the device list must match
     the machine it is restored into (``Machine`` rebuilds the same devices)."""
@@ -119,6 +126,8 @@ class MachineState:
     rng: RngSnapshot | None = None
     guest_cid: int = 3
     net: NetSnapshot | None = None
+    # The read-only root disk; None in state files written before it existed.
+    blk: BlkSnapshot | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -1,0 +1,343 @@
+"""virtio-blk (device id 2), read-only, on a host file: a user image's root disk.
+
+Why read-only. DESIGN.md decision 3: a disk image is named by its content hash
+and shared by every sandbox forked from a snapshot of a guest that booted on it;
+if any of them could write it, all the others (and the hash) would be wrong. The
+guest keeps its writes in RAM (an overlay whose upper layer is tmpfs), which is
+snapshotted and forked with the rest of guest memory. So the device offers
+``VIRTIO_BLK_F_RO`` and refuses every request that would change the disk.
+
+What is offered. ``VERSION_1``, ``RO``, ``SEG_MAX`` and ``SIZE_MAX``; config
+space is ``capacity`` (512-byte sectors), ``size_max``, ``seg_max``. Not
+offered: ``BLK_SIZE`` (the logical block size then is 512, the unit the
+capacity is checked in; a larger one would also demand a capacity that is a
+multiple of it), ``FLUSH`` (nothing is ever written, so there is no volatile
+cache to flush; a ``T_FLUSH`` that arrives anyway is answered OK, which is true),
+``DISCARD``/``WRITE_ZEROES`` (writes), ``MQ``, ``TOPOLOGY``, ``GEOMETRY``,
+``CONFIG_WCE``. Without ``SEG_MAX`` Linux would use one data segment per
+request; ``SEG_MAX`` x ``SIZE_MAX`` is the largest request a conforming driver
+sends (the block layer splits bios to both limits), and it is our
+``MAX_BYTES_PER_REQUEST``.
+
+Requests (virtio 1.x, 5.2.6): a 16-byte device-readable header ``{le32 type,
+le32 reserved, le64 sector}``, the data, and a device-writable status byte as
+the very last byte of the chain. Descriptor layout is not assumed (2.6.4): the
+header may span descriptors, and the status byte may share its descriptor with
+data. ``T_IN`` reads straight from the file into the chain's writable buffers
+with one ``preadv`` (no host copy, no allocation that grows with the request);
+``T_GET_ID`` writes the disk id (the first 20 characters of its content key,
+NUL-padded); ``T_FLUSH`` succeeds; ``T_OUT``, ``T_DISCARD``,
+``T_WRITE_ZEROES`` and ``T_SECURE_ERASE`` get ``S_IOERR`` without a byte
+touched (the spec's answer to a write on an RO device); any other type gets
+``S_UNSUPP``.
+
+What we do with a malformed request, by case. The rule: if the chain has a
+status byte, the request can be completed and the guest told it failed, so it
+gets ``S_IOERR`` (counted in ``malformed``) and the device keeps serving; only
+a chain we cannot complete at all is a ``GuestError`` (DEVICE_NEEDS_RESET, as
+every device here treats a broken driver).
+
+* No device-writable byte (nowhere to put the status): ``GuestError``.
+* Header shorter than 16 bytes: ``S_IOERR``; the request type is unknowable.
+* Device-readable data after the header of an IN or GET_ID request (the data
+  of those is device-writable by definition): ``S_IOERR``.
+* An IN whose data is not a whole number of sectors, or more than
+  ``MAX_BYTES_PER_REQUEST``, or that reaches past ``capacity``: ``S_IOERR``
+  before anything is read; the guest's buffers are untouched. (Sector numbers
+  are u64 and lengths sums of u32s; Python ints do not overflow.)
+* A read the host cannot complete (an I/O error, or the file was shortened
+  under us): ``S_IOERR``.
+
+Bounds on what the guest can drive: a chain is at most the queue size long
+(the queue checks that), so ``preadv`` gets at most 256 buffers (IOV_MAX is
+1024); a request reads at most ``MAX_BYTES_PER_REQUEST``; a notification serves
+at most ``MAX_REQUESTS_PER_NOTIFY`` requests and ``MAX_BYTES_PER_NOTIFY``
+bytes, the rest on a later loop turn, so a busy disk does not starve the vsock
+and network devices on the same I/O thread. Reads block that thread; the
+image is usually in the host's page cache (every sandbox of an image reads the
+same file), where they cost a memcpy.
+
+The backing fd is opened by the ``Machine`` (``open_disk``) and owned by it;
+the device only reads it, and ``detach`` (on the I/O thread) makes sure no
+read starts after the machine closes it.
+
+Snapshots. ``BlkState`` holds the acked features, the disk's content key and
+its capacity; the queue is the transport's, the fd a live resource. A restore
+must be given the same disk: ``restore`` checks the key and the size (not the
+content: hashes are checked when data enters the cache, and nothing at spawn
+time may scale with the disk's size, DESIGN.md decisions 2 and 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+from vmfork.vmm.devices.virtio.device import VirtioDevice
+from vmfork.vmm.devices.virtio.queue import DescriptorChain
+from vmfork.vmm.errors import HostError, VirtqueueError
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.memory import GuestMemory
+
+log = logging.getLogger(__name__)
+
+DEVICE_ID_BLK = 2
+QUEUE_SIZE = 256
+SECTOR_SIZE = 512
+
+# Feature bits (virtio 1.x, 5.2.3).
+F_SIZE_MAX = 1 << 1
+F_SEG_MAX = 1 << 2
+F_RO = 1 << 5
+OFFERED_FEATURES = F_SIZE_MAX | F_SEG_MAX | F_RO
+
+# Request types and status values (virtio 1.x, 5.2.6).
+T_IN = 0
+T_OUT = 1
+T_FLUSH = 4
+T_GET_ID = 8
+T_GET_LIFETIME = 10
+T_DISCARD = 11
+T_WRITE_ZEROES = 13
+T_SECURE_ERASE = 14
+# Everything that would change the disk: IOERR on an RO device, never UNSUPP, so
+# the guest learns the disk refused the write rather than that we cannot parse it.
+WRITE_TYPES = frozenset({T_OUT, T_DISCARD, T_WRITE_ZEROES, T_SECURE_ERASE})
+S_OK = 0
+S_IOERR = 1
+S_UNSUPP = 2
+
+HEADER = struct.Struct("<IIQ")   # type, reserved, sector
+ID_BYTES = 20
+
+# 128 segments: with a 256-entry queue and no indirect descriptors, two requests
+# of the largest size (plus header and status) fit at once. 64 KiB per segment:
+# page-cache pages are 4 KiB and rarely contiguous, so this seldom splits anything.
+SEG_MAX = 128
+SIZE_MAX = 64 * 1024
+MAX_BYTES_PER_REQUEST = SEG_MAX * SIZE_MAX       # 8 MiB
+MAX_REQUESTS_PER_NOTIFY = 64
+MAX_BYTES_PER_NOTIFY = 4 * MAX_BYTES_PER_REQUEST
+
+_DISK_KEY = re.compile(r"[0-9a-f]{8,64}")
+
+
+def validate_disk_key(key: str) -> str:
+    """Return ``key`` if it is a content key (lowercase hex, 8 to 64 digits)."""
+    if not isinstance(key, str) or not _DISK_KEY.fullmatch(key):
+        raise ValueError(f"disk key {key!r} is not a content key (8 to 64 lowercase hex "
+                         "digits)")
+    return key
+
+
+def open_disk(path: str) -> tuple[int, int]:
+    """Open a disk image read-only; return the fd and its size in bytes.
+
+    The size must be a positive multiple of 512: the guest addresses the disk in
+    sectors, and a partial last sector could be neither read whole nor refused
+    consistently.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise HostError(f"root disk {path}: open: {err.strerror}", op="open_disk",
+                        errno=err.errno) from err
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)   # also right for a block device (st_size 0)
+    except OSError as err:
+        os.close(fd)
+        raise HostError(f"root disk {path}: size: {err.strerror}", op="open_disk",
+                        errno=err.errno) from err
+    if size <= 0 or size % SECTOR_SIZE:
+        os.close(fd)
+        raise HostError(f"root disk {path} is {size} bytes; a disk image must be a positive "
+                        f"multiple of {SECTOR_SIZE} bytes (pad it, e.g. mksquashfs pads to "
+                        "4 KiB by default)", op="open_disk")
+    return fd, size
+
+
+@dataclass
+class BlkState:
+    """Plain-data twin of ``VirtioBlk`` (the queue is the transport's, the fd is live)."""
+
+    acked_features: int
+    disk_key: str
+    capacity_bytes: int
+
+
+@dataclass
+class BlkCounters:
+    requests: int = 0
+    reads: int = 0
+    bytes_read: int = 0
+    flushes: int = 0
+    get_ids: int = 0
+    writes_refused: int = 0   # OUT, DISCARD, WRITE_ZEROES, SECURE_ERASE
+    read_errors: int = 0      # reads refused (bounds, size) or failed on the host
+    malformed: int = 0        # requests answered IOERR for their layout
+    unsupported: int = 0
+
+
+class VirtioBlk(VirtioDevice):
+    device_type = DEVICE_ID_BLK
+    queue_max_sizes = (QUEUE_SIZE,)
+
+    def __init__(self, loop: EventLoop, fd: int, size: int, disk_key: str,
+                 path: str = "<disk>") -> None:
+        """``fd``/``size`` from ``open_disk``; the caller keeps owning the fd."""
+        super().__init__()
+        if size <= 0 or size % SECTOR_SIZE:
+            raise ValueError(f"disk size {size} is not a positive multiple of {SECTOR_SIZE}")
+        self.features |= OFFERED_FEATURES
+        self.loop = loop
+        self.fd: int | None = fd
+        self.capacity_bytes = size
+        self.disk_key = validate_disk_key(disk_key)
+        self.path = path
+        self.counters = BlkCounters()
+        self._id = disk_key[:ID_BYTES].encode().ljust(ID_BYTES, b"\0")
+
+    # -- config space (immutable, so no lock needed) ----------------------------------
+    def config_bytes(self) -> bytes:
+        return struct.pack("<QII", self.capacity_bytes // SECTOR_SIZE, SIZE_MAX, SEG_MAX)
+
+    # -- device contract (I/O thread) -----------------------------------------------
+    def queue_notify(self, index: int) -> None:
+        if index == 0:
+            self._serve()
+
+    def detach(self) -> None:
+        """Stop using the fd (call on the I/O thread before the owner closes it)."""
+        self.fd = None
+
+    def _serve(self) -> None:
+        if not self._usable() or self.memory is None:
+            return
+        memory, queue = self.memory, self.queues[0]
+        served = moved = 0
+        more = True
+        while served < MAX_REQUESTS_PER_NOTIFY and moved < MAX_BYTES_PER_NOTIFY:
+            chain = queue.pop(memory)
+            if chain is None:
+                more = False
+                break
+            written = self._handle(memory, chain)
+            queue.add_used(memory, chain.head, written)
+            served += 1
+            moved += written
+        if served:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+        if more:
+            self.loop.call_soon(lambda: self._guarded(self._serve))
+
+    def _handle(self, memory: GuestMemory, chain: DescriptorChain) -> int:
+        """Serve one request; return the bytes written to its writable part (status
+        included)."""
+        data, status_at = _split_status(chain)
+        self.counters.requests += 1
+        status, written = self._execute(memory, chain, data)
+        memory.write(status_at, bytes((status,)))
+        return written + 1
+
+    def _execute(self, memory: GuestMemory, chain: DescriptorChain,
+                 data: list[tuple[int, int]]) -> tuple[int, int]:
+        """(status, data bytes written) for one request."""
+        readable = chain.readable_len
+        if readable < HEADER.size:
+            self.counters.malformed += 1
+            return S_IOERR, 0
+        kind, _reserved, sector = HEADER.unpack(chain.read_readable(memory, HEADER.size))
+        if kind in WRITE_TYPES:
+            self.counters.writes_refused += 1
+            return S_IOERR, 0
+        if kind == T_FLUSH:
+            self.counters.flushes += 1
+            return S_OK, 0
+        if kind not in (T_IN, T_GET_ID):
+            self.counters.unsupported += 1
+            return S_UNSUPP, 0
+        if readable != HEADER.size:
+            self.counters.malformed += 1
+            return S_IOERR, 0
+        if kind == T_GET_ID:
+            self.counters.get_ids += 1
+            room = sum(n for _, n in data)
+            return S_OK, _scatter(memory, data, self._id[:room])
+        return self._read(memory, data, sector)
+
+    def _read(self, memory: GuestMemory, data: list[tuple[int, int]],
+              sector: int) -> tuple[int, int]:
+        length = sum(n for _, n in data)
+        offset = sector * SECTOR_SIZE
+        if (length % SECTOR_SIZE or length > MAX_BYTES_PER_REQUEST
+                or offset + length > self.capacity_bytes or self.fd is None):
+            self.counters.read_errors += 1
+            return S_IOERR, 0
+        if length == 0:
+            return S_OK, 0
+        views = [memory.view(gpa, n) for gpa, n in data]
+        try:
+            got = os.preadv(self.fd, views, offset)
+        except OSError as err:
+            self.counters.read_errors += 1
+            log.warning("virtio-blk %s: read of %d bytes at %d failed: %s", self.path,
+                        length, offset, err)
+            return S_IOERR, 0
+        finally:
+            for view in views:
+                view.release()
+        if got != length:
+            # A regular file reads short only at its end: it was shortened after we
+            # sized it. Whatever arrived is in the guest's buffers; the status says
+            # not to trust them.
+            self.counters.read_errors += 1
+            log.warning("virtio-blk %s: read %d of %d bytes at %d (file shortened?)",
+                        self.path, got, length, offset)
+            return S_IOERR, got
+        self.counters.reads += 1
+        self.counters.bytes_read += length
+        return S_OK, length
+
+    # -- snapshots ----------------------------------------------------------------------
+    def save(self) -> BlkState:
+        return BlkState(acked_features=self.acked_features, disk_key=self.disk_key,
+                        capacity_bytes=self.capacity_bytes)
+
+    def restore(self, state: BlkState) -> None:
+        """Take the state of a snapshot; it must be of this very disk (key and size)."""
+        if state.disk_key != self.disk_key:
+            raise HostError(f"the snapshot's root disk is {state.disk_key}, but this machine "
+                            f"was given {self.disk_key} ({self.path})", op="restore")
+        if state.capacity_bytes != self.capacity_bytes:
+            raise HostError(f"the snapshot's root disk {state.disk_key} had "
+                            f"{state.capacity_bytes} bytes, but {self.path} has "
+                            f"{self.capacity_bytes}: not the same disk", op="restore")
+        self.acked_features = state.acked_features
+
+
+def _split_status(chain: DescriptorChain) -> tuple[list[tuple[int, int]], int]:
+    """The data segments of the writable part and the address of the status byte
+    (its very last byte). Zero-length descriptors carry nothing and are dropped."""
+    segments = [(gpa, n) for gpa, n in chain.writable if n]
+    if not segments:
+        raise VirtqueueError(f"virtio-blk request {chain.head} has no device-writable "
+                             "byte for its status")
+    gpa, n = segments[-1]
+    data = segments[:-1] + ([(gpa, n - 1)] if n > 1 else [])
+    return data, gpa + n - 1
+
+
+def _scatter(memory: GuestMemory, segments: list[tuple[int, int]], payload: bytes) -> int:
+    """Write ``payload`` across ``segments`` (which hold at least that much)."""
+    done = 0
+    for gpa, n in segments:
+        if done >= len(payload):
+            break
+        take = min(n, len(payload) - done)
+        memory.write(gpa, payload[done:done + take])
+        done += take
+    return done

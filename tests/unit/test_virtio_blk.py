@@ -1,0 +1,633 @@
+"""virtio-blk, read-only: a simulated guest driver on one side, a real disk image
+file on the other, a real I/O thread in between. Requests are laid out the way
+the Linux driver lays them out (header, data, status in their own descriptors)
+and, for the hostile cases, every other way the spec allows or forbids."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from test_restore_prepared import make_state
+from test_virtio_harness import MEM_SIZE, DriverQueue, GuestDriver, loop, memory, wait_until  # noqa: F401
+
+from vmfork.image import disk_path
+from vmfork.vmm import stateformat, vmstate
+from vmfork.vmm.devices.virtio import blk, mmio
+from vmfork.vmm.devices.virtio.device import (
+    STATUS_DEVICE_NEEDS_RESET,
+    STATUS_FEATURES_OK,
+    VIRTIO_F_VERSION_1,
+    run_on_loop,
+)
+from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
+from vmfork.vmm.errors import HostError
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.machine import MachineConfig
+from vmfork.vmm.memory import GuestMemory
+
+DISK_SECTORS = 2048 + 7                  # 1 MiB + 7 sectors: not a round number
+DISK_BYTES = DISK_SECTORS * blk.SECTOR_SIZE
+BIG_BYTES = 16 << 20
+KEY = hashlib.sha256(b"a test disk").hexdigest()
+ACKED = VIRTIO_F_VERSION_1 | blk.F_RO | blk.F_SEG_MAX | blk.F_SIZE_MAX
+QSIZE = 16
+BUF = 128 * 1024
+CANARY = 0xA5
+# Raw chains (built descriptor by descriptor) use their own scratch area, above
+# the harness's rings and buffers.
+SCRATCH = 16 << 20
+
+
+def header(kind: int, sector: int = 0) -> bytes:
+    return struct.pack("<IIQ", kind, 0, sector)
+
+
+@pytest.fixture(scope="module")
+def disk(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("disk") / "root.img"
+    path.write_bytes(os.urandom(DISK_BYTES))
+    return path
+
+
+@pytest.fixture
+def disk_fd(disk: Path) -> Iterator[int]:
+    fd, size = blk.open_disk(str(disk))
+    assert size == DISK_BYTES
+    yield fd
+    os.close(fd)
+
+
+@pytest.fixture
+def irq() -> Iterator[IrqLine]:
+    line = IrqLine(gsi=7)
+    yield line
+    line.close()
+
+
+class BlkEnv:
+    """One device and transport on the shared disk, driven by a ``GuestDriver``."""
+
+    def __init__(self, loop: EventLoop, memory: GuestMemory, irq: IrqLine, fd: int,  # noqa: F811
+                 key: str = KEY, start: bool = True, size: int = DISK_BYTES) -> None:
+        self.loop, self.memory, self.fd = loop, memory, fd
+        self.dev = blk.VirtioBlk(loop, fd, size, key, path="test.img")
+        self.raw_ids: dict[int, list[int]] = {}
+        self.transport = mmio.MmioTransport(self.dev, memory, irq, loop)
+        self.driver = GuestDriver(self.transport, memory)
+        self.q: DriverQueue
+        if start:
+            self.start()
+
+    def start(self, size: int = QSIZE, buf: int = BUF) -> None:
+        status = self.driver.negotiate(ACKED)
+        assert status & STATUS_FEATURES_OK, f"FEATURES_OK refused ({status:#x})"
+        self.q = self.driver.setup_queue(0, size, buf)
+        # Fresh rings: a hypothesis example reuses the memory (and ring addresses) of
+        # the one before, whose used index would otherwise look like an answer.
+        self.memory.write(self.q.desc, bytes(self.q.end - self.q.desc))
+        self.raw_ids = {}
+        self.driver.driver_ok()
+        wait_until(lambda: self.dev.active, what="activation")
+        run_on_loop(self.loop, lambda: None)   # the activation's own notification is done
+
+    @property
+    def needs_reset(self) -> bool:
+        return bool(self.driver.status & STATUS_DEVICE_NEEDS_RESET)
+
+    def request(self, readable: list[bytes], writable: list[int]) -> tuple[int, bytes, int]:
+        """Post one chain (Linux's layout: one descriptor per part), notify, wait;
+        return (used length, data written before the status byte, status)."""
+        before = self.q.used_idx()
+        head = self.q.post(readable, writable)
+        last_index, last_len, _ = self.q.chains[head][-1]
+        status_at = self.q.buf_addr(last_index) + last_len - 1
+        self.driver.notify(0)
+        wait_until(lambda: self.q.used_idx() != before or self.needs_reset, what="the request")
+        assert not self.needs_reset, self.transport.last_device_error
+        [(_, written, data)] = self.q.take_used()
+        return written, data[:max(0, written - 1)], self.memory.read(status_at, 1)[0]
+
+    def read(self, sector: int, lengths: list[int]) -> tuple[int, bytes, int]:
+        return self.request([header(blk.T_IN, sector)], [*lengths, 1])
+
+    def post_raw(self, parts: list[tuple[int, int, bool]]) -> int:
+        """A chain of (guest address, length, device-writable) descriptors."""
+        q = self.q
+        ids = [q.free.pop(0) for _ in parts]
+        for k, (index, (addr, length, wr)) in enumerate(zip(ids, parts)):
+            last = k == len(ids) - 1
+            flags = (0 if last else VIRTQ_DESC_F_NEXT) | (VIRTQ_DESC_F_WRITE if wr else 0)
+            self.memory.write(q.desc + 16 * index, struct.pack(
+                "<QIHH", addr, length, flags, 0 if last else ids[k + 1]))
+        self.raw_ids[ids[0]] = ids
+        self.memory.write_u16(q.avail + 4 + 2 * (q.avail_idx % q.size), ids[0])
+        q.avail_idx = (q.avail_idx + 1) & 0xFFFF
+        self.memory.write_u16(q.avail + 2, q.avail_idx)
+        return ids[0]
+
+    def take_raw(self) -> list[tuple[int, int]]:
+        """Used (head, length) pairs of raw chains; their descriptors become free."""
+        q, out = self.q, []
+        while q.last_used != q.used_idx():
+            elem = q.used + 4 + 8 * (q.last_used % q.size)
+            head, written = struct.unpack("<II", self.memory.read(elem, 8))
+            q.last_used = (q.last_used + 1) & 0xFFFF
+            q.free.extend(self.raw_ids.pop(head))
+            out.append((head, written))
+        return out
+
+    def close(self) -> None:
+        self.transport.reset()
+        run_on_loop(self.loop, lambda: None)
+
+
+@pytest.fixture
+def big(loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
+        tmp_path: Path) -> Iterator[BlkEnv]:
+    """A 16 MiB disk (sparse: it reads as zeros), for the size bounds."""
+    path = tmp_path / "big.img"
+    with open(path, "wb") as f:
+        f.truncate(BIG_BYTES)
+    fd, size = blk.open_disk(str(path))
+    e = BlkEnv(loop, memory, irq, fd, size=size)
+    yield e
+    e.close()
+    os.close(fd)
+    assert not loop.errors
+
+
+@pytest.fixture
+def env(loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
+        disk_fd: int) -> Iterator[BlkEnv]:
+    e = BlkEnv(loop, memory, irq, disk_fd)
+    yield e
+    e.close()
+    assert not loop.errors
+
+
+def file_bytes(disk: Path, offset: int, length: int) -> bytes:
+    with open(disk, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+# -- what the device offers ---------------------------------------------------------------
+def test_features_and_config_space(env: BlkEnv) -> None:
+    t = env.transport
+    assert env.driver.r(mmio.REG_DEVICE_ID) == blk.DEVICE_ID_BLK == 2
+    offered = 0
+    for sel in (0, 1):
+        env.driver.w(mmio.REG_DEVICE_FEATURES_SEL, sel)
+        offered |= env.driver.r(mmio.REG_DEVICE_FEATURES) << (32 * sel)
+    assert offered == ACKED, "read-only, VERSION_1, SEG_MAX and SIZE_MAX; no FLUSH, no writes"
+    assert t.read(0x100, 8) == struct.pack("<Q", DISK_SECTORS)
+    assert t.read(0x108, 4) == struct.pack("<I", blk.SIZE_MAX)
+    assert t.read(0x10C, 4) == struct.pack("<I", blk.SEG_MAX)
+    assert t.read(0x114, 4) == b"\0\0\0\0", "blk_size is not offered"
+    assert blk.SEG_MAX * blk.SIZE_MAX == blk.MAX_BYTES_PER_REQUEST
+    assert blk.SEG_MAX + 2 <= blk.QUEUE_SIZE, "a largest request fits the ring"
+
+
+# -- reads ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("sector, lengths", [
+    (0, [512]),
+    (1, [4096]),
+    (3, [512, 1024, 4096]),                       # several data segments
+    (100, [BUF]),
+    (DISK_SECTORS - 8, [4096]),                   # up to the very last sector
+    (DISK_SECTORS - 1, [512]),
+    (17, [0]),                                    # no data: nothing to read, OK
+])
+def test_reads_match_the_file(env: BlkEnv, disk: Path, sector: int, lengths: list[int]) -> None:
+    written, data, status = env.read(sector, lengths)
+    total = sum(lengths)
+    assert status == blk.S_OK
+    assert written == total + 1
+    assert data == file_bytes(disk, sector * 512, total)
+    assert env.dev.counters.bytes_read == total
+
+
+def test_header_split_and_status_sharing_a_data_descriptor(env: BlkEnv, disk: Path) -> None:
+    """The spec forbids assuming a descriptor layout (2.6.4): a header in two pieces,
+    data and status in one descriptor, must work."""
+    a, b, buf = SCRATCH, SCRATCH + 0x1000, SCRATCH + 0x2000
+    hdr = header(blk.T_IN, 9)
+    env.memory.write(a, hdr[:5])
+    env.memory.write(b, hdr[5:])
+    env.post_raw([(a, 5, False), (b, 11, False), (buf, 1024 + 1, True)])
+    env.driver.notify(0)
+    wait_until(lambda: env.q.used_idx() == 1, what="the request")
+    assert [w for _, w in env.take_raw()] == [1025]
+    assert env.memory.read(buf, 1024) == file_bytes(disk, 9 * 512, 1024)
+    assert env.memory.read(buf + 1024, 1)[0] == blk.S_OK
+
+
+@pytest.mark.parametrize("sector, length", [
+    (DISK_SECTORS, 512),            # just past the end
+    (DISK_SECTORS - 1, 1024),       # starts inside, ends outside
+    (2**64 - 1, 512),               # an offset no 64-bit multiply would survive
+    (2**55, 512),                   # sector * 512 wraps a u64 to a small number
+])
+def test_read_past_capacity_is_ioerr_and_writes_nothing(env: BlkEnv, sector: int,
+                                                        length: int) -> None:
+    slot = env.q.buf_addr(env.q.free[1])   # the data descriptor's buffer
+    env.memory.write(slot, bytes([CANARY]) * length)
+    written, _, status = env.read(sector, [length])
+    assert status == blk.S_IOERR
+    assert written == 1, "only the status byte"
+    assert env.memory.read(slot, length) == bytes([CANARY]) * length
+    assert env.dev.counters.read_errors == 1 and env.dev.counters.bytes_read == 0
+
+
+@pytest.mark.parametrize("lengths", [[511], [512, 1], [100, 100]])
+def test_reads_of_partial_sectors_are_ioerr(env: BlkEnv, lengths: list[int]) -> None:
+    _, _, status = env.read(0, lengths)
+    assert status == blk.S_IOERR
+
+
+# -- everything but reads --------------------------------------------------------------------
+@pytest.mark.parametrize("kind", [blk.T_OUT, blk.T_DISCARD, blk.T_WRITE_ZEROES,
+                                  blk.T_SECURE_ERASE])
+def test_writes_are_refused_and_the_disk_is_unchanged(env: BlkEnv, disk: Path,
+                                                      kind: int) -> None:
+    before = hashlib.sha256(disk.read_bytes()).hexdigest()
+    payload = b"\xff" * 512 if kind == blk.T_OUT else struct.pack("<QII", 0, 8, 0)
+    written, _, status = env.request([header(kind, 0), payload], [1])
+    assert (written, status) == (1, blk.S_IOERR)
+    assert env.dev.counters.writes_refused == 1
+    assert hashlib.sha256(disk.read_bytes()).hexdigest() == before
+
+
+def test_the_fd_cannot_write_anyway(disk_fd: int) -> None:
+    with pytest.raises(OSError):
+        os.pwrite(disk_fd, b"x", 0)
+
+
+@pytest.mark.parametrize("room, expected", [
+    (20, KEY[:20].encode()),
+    (8, KEY[:8].encode()),
+    (64, KEY[:20].encode()),                 # never more than 20 bytes
+])
+def test_get_id_is_the_start_of_the_disk_key(env: BlkEnv, room: int, expected: bytes) -> None:
+    written, data, status = env.request([header(blk.T_GET_ID)], [room, 1])
+    assert status == blk.S_OK
+    assert written == len(expected) + 1 and data == expected
+
+
+def test_get_id_of_a_short_key_is_nul_padded(loop: EventLoop, memory: GuestMemory,  # noqa: F811
+                                             irq: IrqLine, disk_fd: int) -> None:
+    e = BlkEnv(loop, memory, irq, disk_fd, key="0123abcd")
+    try:
+        e.q.post([header(blk.T_GET_ID)], [20, 1])
+        e.driver.notify(0)
+        wait_until(lambda: e.q.used_idx() == 1, what="GET_ID")
+        [(_, written, data)] = e.q.take_used()
+        assert written == 21 and data[:20] == b"0123abcd" + bytes(12)
+    finally:
+        e.close()
+
+
+def test_flush_is_ok_and_unknown_types_unsupported(env: BlkEnv) -> None:
+    assert env.request([header(blk.T_FLUSH)], [1])[2] == blk.S_OK
+    for kind in (blk.T_GET_LIFETIME, 2, 99, 2**32 - 1):
+        written, _, status = env.request([header(kind)], [16, 1])
+        assert (written, status) == (1, blk.S_UNSUPP)
+    c = env.dev.counters
+    assert (c.flushes, c.unsupported, c.requests) == (1, 4, 5)
+
+
+# -- malformed and hostile chains -------------------------------------------------------------
+def test_short_header_is_ioerr_and_the_device_serves_on(env: BlkEnv, disk: Path) -> None:
+    written, _, status = env.request([header(blk.T_IN, 0)[:15]], [512, 1])
+    assert (written, status) == (1, blk.S_IOERR)
+    assert env.dev.counters.malformed == 1
+    assert env.read(0, [512])[1] == file_bytes(disk, 0, 512)
+
+
+def test_readable_data_in_a_read_is_ioerr(env: BlkEnv) -> None:
+    written, _, status = env.request([header(blk.T_IN, 0), b"\0" * 512], [512, 1])
+    assert (written, status) == (1, blk.S_IOERR)
+    assert env.dev.counters.malformed == 1 and env.dev.counters.bytes_read == 0
+
+
+def test_no_writable_status_byte_needs_reset_then_reset_recovers(env: BlkEnv,
+                                                                 disk: Path) -> None:
+    env.q.post([header(blk.T_IN, 0), b"\0" * 512])
+    env.driver.notify(0)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+    assert "status" in (env.transport.last_device_error or "")
+    # A zero-length writable descriptor holds no status byte either.
+    env.start()
+    env.q.post([header(blk.T_FLUSH)], [0])
+    env.driver.notify(0)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+    env.start()
+    assert env.read(5, [512])[1] == file_bytes(disk, 5 * 512, 512)
+
+
+def test_a_request_larger_than_the_bound_is_ioerr_without_a_read(big: BlkEnv) -> None:
+    hdr, data = SCRATCH, SCRATCH + 0x1000
+    big.memory.write(hdr, header(blk.T_IN, 0))
+    # 12 MiB of real guest RAM in three descriptors, inside the 16 MiB disk: only
+    # MAX_BYTES_PER_REQUEST refuses it.
+    seg = 4 << 20
+    big.memory.write(data, bytes([CANARY]) * 16)
+    big.post_raw([(hdr, 16, False), (data, seg, True), (data + seg, seg, True),
+                  (data + 2 * seg, seg + 1, True)])
+    big.driver.notify(0)
+    wait_until(lambda: big.q.used_idx() == 1, what="the request")
+    assert [w for _, w in big.take_raw()] == [1]
+    assert big.memory.read(data + 3 * seg, 1)[0] == blk.S_IOERR
+    assert big.memory.read(data, 16) == bytes([CANARY]) * 16
+    assert big.dev.counters.read_errors == 1 and big.dev.counters.bytes_read == 0
+
+
+def test_buffers_outside_ram_need_reset(env: BlkEnv) -> None:
+    env.memory.write(SCRATCH, header(blk.T_IN, 0))
+    env.post_raw([(SCRATCH, 16, False), (MEM_SIZE - 512, 0xFFFF_FFFF, True)])
+    env.driver.notify(0)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+    assert "outside guest RAM" in (env.transport.last_device_error or "")
+
+
+def test_a_chain_as_long_as_the_queue_is_served(env: BlkEnv, disk: Path) -> None:
+    env.memory.write(SCRATCH, header(blk.T_IN, 2))
+    parts = [(SCRATCH, 16, False)] + [(SCRATCH + 0x1000 * (i + 1), 512, True)
+                                      for i in range(QSIZE - 2)]
+    status_at = SCRATCH + 0x1000 * QSIZE
+    env.post_raw([*parts, (status_at, 1, True)])
+    env.driver.notify(0)
+    wait_until(lambda: env.q.used_idx() == 1, what="the request")
+    assert [w for _, w in env.take_raw()] == [512 * (QSIZE - 2) + 1]
+    got = b"".join(env.memory.read(a, 512) for a, _, _ in parts[1:])
+    assert got == file_bytes(disk, 2 * 512, 512 * (QSIZE - 2))
+    assert env.memory.read(status_at, 1)[0] == blk.S_OK
+
+
+def test_a_descriptor_loop_needs_reset(env: BlkEnv) -> None:
+    head = env.q.post([header(blk.T_IN, 0)], [512, 1])
+    # The status descriptor links back to the data descriptor: a writable cycle.
+    (_, _, _), (data, _, _), (last, _, _) = env.q.chains[head]
+    env.memory.write_u16(env.q.desc + 16 * last + 12, VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE)
+    env.memory.write_u16(env.q.desc + 16 * last + 14, data)
+    env.driver.notify(0)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+    assert "loop" in (env.transport.last_device_error or "")
+
+
+def test_work_per_notification_is_bounded_by_count(loop: EventLoop,  # noqa: F811
+                                                   memory: GuestMemory,  # noqa: F811
+                                                   irq: IrqLine, disk_fd: int) -> None:
+    e = BlkEnv(loop, memory, irq, disk_fd, start=False)
+    try:
+        e.start(size=256, buf=4096)
+        for _ in range(100):
+            e.q.post([header(blk.T_FLUSH)], [1])
+        # One serving pass, on the I/O thread, and the used index read in the same
+        # callback: the continuation it queued has not run yet.
+        first = run_on_loop(loop, lambda: (e.dev._serve(), e.q.used_idx())[1])
+        assert first == blk.MAX_REQUESTS_PER_NOTIFY
+        wait_until(lambda: e.q.used_idx() == 100, what="the rest, on later loop turns")
+        assert all(w == 1 for _, w, _ in e.q.take_used())
+    finally:
+        e.close()
+
+
+def test_work_per_notification_is_bounded_by_bytes(big: BlkEnv) -> None:
+    size = blk.MAX_BYTES_PER_REQUEST
+    hdr, data = SCRATCH, SCRATCH + 0x1000
+    big.memory.write(hdr, header(blk.T_IN, 0))
+    for _ in range(5):   # all five share one guest buffer; the device does not care
+        big.post_raw([(hdr, 16, False), (data, size, True), (data + size, 1, True)])
+    first = run_on_loop(big.loop, lambda: (big.dev._serve(), big.q.used_idx())[1])
+    # Four 8 MiB reads reach MAX_BYTES_PER_NOTIFY; the fifth waits for the next turn.
+    assert first == blk.MAX_BYTES_PER_NOTIFY // size == 4
+    wait_until(lambda: big.q.used_idx() == 5, what="the fifth request")
+    assert [w for _, w in big.take_raw()] == [size + 1] * 5
+
+
+# -- property: random descriptor layouts ------------------------------------------------------
+# Buffers are placed in a 64 KiB area of RAM; lengths and places near its edges and
+# past the end of RAM are common.
+AREA = SCRATCH
+AREA_SIZE = 0x10000
+place = st.one_of(st.integers(0, AREA_SIZE - 1), st.sampled_from([0, 0x1000, AREA_SIZE - 1]))
+length = st.one_of(st.sampled_from([0, 1, 15, 16, 17, 511, 512, 513, 1024, 4096]),
+                   st.integers(0, 0x2000))
+descriptor = st.one_of(
+    st.tuples(place, length, st.booleans()),                       # inside guest RAM
+    st.tuples(st.sampled_from([MEM_SIZE - 512, MEM_SIZE - 1, MEM_SIZE, 1 << 40]),
+              st.sampled_from([1, 512, 0xFFFF_FFFF]), st.booleans()))   # at or past its end
+# Linux's layout (a 16-byte header, whole sectors, a one-byte status) at random
+# places; the same shape with lengths often off by one; and arbitrary chains.
+in_area = st.integers(0, AREA_SIZE - 1)
+one_header = st.tuples(in_area, st.just(16), st.just(False)).map(lambda d: [d])
+status_byte = st.tuples(in_area, st.just(1), st.just(True)).map(lambda d: [d])
+sector_data = st.lists(st.tuples(in_area, st.sampled_from([512, 1024, 4096]), st.just(True)),
+                       max_size=5)
+linux_layout = st.tuples(one_header, sector_data, status_byte).map(lambda p: p[0] + p[1] + p[2])
+plausible_layout = st.tuples(
+    st.lists(st.tuples(in_area, st.sampled_from([16, 8, 15, 17, 0, 1, 528]), st.just(False)),
+             max_size=3),
+    st.lists(st.tuples(in_area, st.sampled_from([512, 1024, 4096, 1, 513, 0, 20, 511, 0x2000]),
+                       st.just(True)), max_size=6),
+).map(lambda rw: rw[0] + rw[1]).filter(bool)
+layouts = st.one_of(linux_layout, linux_layout, plausible_layout,
+                    st.lists(descriptor, min_size=1, max_size=QSIZE))
+kinds = st.sampled_from([blk.T_IN] * 8 + [blk.T_OUT, blk.T_FLUSH, blk.T_GET_ID,
+                         blk.T_DISCARD, blk.T_WRITE_ZEROES, blk.T_GET_LIFETIME, 99,
+                         2**32 - 1])
+sectors = st.one_of(st.integers(0, DISK_SECTORS - 64), st.integers(0, DISK_SECTORS + 2),
+                    st.sampled_from([DISK_SECTORS - 1, 2**32, 2**55, 2**64 - 1]))
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(layout=layouts, kind=kinds, sector=sectors)
+def test_random_descriptor_layouts_never_break_the_vmm(
+        loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
+        disk: Path, disk_fd: int, layout: list[tuple[int, int, bool]], kind: int,
+        sector: int) -> None:
+    memory.write(AREA, bytes([CANARY]) * (2 * AREA_SIZE))
+    # Readable descriptors first (the queue refuses other orders, which is fine: a
+    # guest error), the header written across the readable bytes in order.
+    parts = [(AREA + off if off < AREA_SIZE else off, n, wr) for off, n, wr in layout]
+    hdr = header(kind, sector)
+    done = 0
+    for addr, n, wr in parts:
+        if wr or done >= len(hdr) or addr + n > MEM_SIZE:
+            continue
+        take = min(n, len(hdr) - done)
+        memory.write(addr, hdr[done:done + take])
+        done += take
+    snapshot_outside = memory.read(AREA, 2 * AREA_SIZE)
+    e = BlkEnv(loop, memory, irq, disk_fd)
+    try:
+        e.post_raw(parts)
+        e.driver.notify(0)
+        wait_until(lambda: e.q.used_idx() == 1 or e.needs_reset, what="an answer")
+        assert not loop.errors
+        if e.needs_reset:
+            event("device needs reset")
+            return
+        [(_, written)] = e.take_raw()
+        writable = [(a, n) for a, n, wr in parts if wr and n]
+        assert 1 <= written <= sum(n for _, n in writable)
+        status_addr = writable[-1][0] + writable[-1][1] - 1
+        status = memory.read(status_addr, 1)[0]
+        assert status in (blk.S_OK, blk.S_IOERR, blk.S_UNSUPP)
+        event(f"status {status}" + (" (a read with data)" if kind == blk.T_IN and status == 0
+                                    and written > 1 else ""))
+        if kind in blk.WRITE_TYPES:
+            assert status == blk.S_IOERR
+        # Nothing is ever written outside the chain's writable buffers.
+        after = memory.read(AREA, 2 * AREA_SIZE)
+        inside = bytearray(2 * AREA_SIZE)
+        for a, n in writable:
+            lo, hi = max(a, AREA), min(a + n, AREA + 2 * AREA_SIZE)
+            inside[lo - AREA:hi - AREA] = b"\1" * max(0, hi - lo)
+        assert all(after[i] == snapshot_outside[i] for i in range(len(after)) if not inside[i])
+        if status == blk.S_OK and kind == blk.T_IN and written > 1:
+            got = bytearray()
+            for a, n in writable:
+                got += memory.read(a, n)
+            # Overlapping buffers may hold the later segment's bytes; only a layout
+            # without overlaps can be compared byte for byte.
+            spans = sorted(writable)
+            if all(x[0] + x[1] <= y[0] for x, y in itertools.pairwise(spans)):
+                assert bytes(got[:written - 1]) == file_bytes(disk, sector * 512, written - 1)
+        # And the device still serves a well-formed read.
+        e.memory.write(AREA + 2 * AREA_SIZE, header(blk.T_IN, 1))
+        e.post_raw([(AREA + 2 * AREA_SIZE, 16, False), (AREA + 2 * AREA_SIZE + 16, 513, True)])
+        e.driver.notify(0)
+        wait_until(lambda: e.q.used_idx() == 2, what="a good request after a bad one")
+        assert e.memory.read(AREA + 2 * AREA_SIZE + 16, 512) == file_bytes(disk, 512, 512)
+    finally:
+        e.close()
+
+
+# -- the disk file ------------------------------------------------------------------------------
+@pytest.mark.parametrize("size", [0, 511, 513, 4096 + 100])
+def test_disks_that_are_not_whole_sectors_are_refused(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "odd.img"
+    path.write_bytes(b"x" * size)
+    with pytest.raises(HostError, match=f"{path} is {size} bytes.*multiple of 512"):
+        blk.open_disk(str(path))
+
+
+def test_a_missing_disk_names_its_path(tmp_path: Path) -> None:
+    with pytest.raises(HostError, match="nope.img: open"):
+        blk.open_disk(str(tmp_path / "nope.img"))
+
+
+@pytest.mark.parametrize("key", ["", "ABCDEF0123", "abc", "g" * 16, "a" * 65, "../etc/passwd"])
+def test_disk_keys_are_lowercase_hex(key: str) -> None:
+    with pytest.raises(ValueError, match="content key"):
+        blk.validate_disk_key(key)
+
+
+def test_disk_path_is_under_the_cache(tmp_path: Path) -> None:
+    assert disk_path(KEY, tmp_path) == tmp_path / "disks" / KEY / "root.img"
+    with pytest.raises(ValueError):
+        disk_path("../x", tmp_path)
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+def test_state_round_trip_restores_a_working_device(env: BlkEnv, loop: EventLoop,  # noqa: F811
+                                                    irq: IrqLine, disk: Path) -> None:
+    env.read(0, [512])
+    saved = run_on_loop(loop, lambda: vmstate.BlkSnapshot(env.transport.save(), env.dev.save()))
+    state = stateformat.decode_state(stateformat.encode_state(saved), vmstate.BlkSnapshot)
+    assert state == saved
+    assert state.device == blk.BlkState(acked_features=ACKED, disk_key=KEY,
+                                        capacity_bytes=DISK_BYTES)
+    # The parent goes; a clone (as in a forked child) on its own fd of the same file
+    # picks up the queue where the parent left it.
+    env.transport.reset()
+    fd, size = blk.open_disk(str(disk))
+    clone = blk.VirtioBlk(loop, fd, size, KEY)
+    clone.restore(state.device)
+    transport = mmio.MmioTransport(clone, env.memory, irq, loop)
+    transport.restore(state.transport)
+    try:
+        wait_until(lambda: clone.active, what="re-activation after restore")
+        assert clone.acked_features == ACKED
+        env.q.post([header(blk.T_IN, 33)], [1024, 1])
+        GuestDriver(transport, env.memory).notify(0)
+        wait_until(lambda: env.q.used_idx() == 2, what="a read served by the clone")
+        [(_, written, data)] = env.q.take_used()
+        assert written == 1025 and data[:1024] == file_bytes(disk, 33 * 512, 1024)
+        assert clone.counters.reads == 1
+    finally:
+        transport.reset()
+        run_on_loop(loop, lambda: None)
+        os.close(fd)
+
+
+def test_restore_onto_another_disk_is_refused(loop: EventLoop, disk_fd: int) -> None:  # noqa: F811
+    state = blk.BlkState(acked_features=ACKED, disk_key=KEY, capacity_bytes=DISK_BYTES)
+    other_key = blk.VirtioBlk(loop, disk_fd, DISK_BYTES, "ab" * 32, path="other.img")
+    with pytest.raises(HostError, match=f"snapshot's root disk is {KEY}.*{'ab' * 32}"):
+        other_key.restore(state)
+    smaller = blk.VirtioBlk(loop, disk_fd, DISK_BYTES - 512, KEY, path="small.img")
+    with pytest.raises(HostError, match=f"{DISK_BYTES} bytes.*small.img has {DISK_BYTES - 512}"):
+        smaller.restore(state)
+
+
+def _blk_snapshot() -> vmstate.BlkSnapshot:
+    transport = mmio.MmioTransportState(
+        device_type=blk.DEVICE_ID_BLK, status=0xF, device_features_sel=0,
+        driver_features_sel=1, driver_features=ACKED, driver_features_bad=False, queue_sel=0,
+        interrupt_status=0, config_generation=0)
+    return vmstate.BlkSnapshot(transport, blk.BlkState(ACKED, KEY, DISK_BYTES))
+
+
+def test_machine_state_with_a_root_disk_round_trips() -> None:
+    state = make_state()
+    state.blk = _blk_snapshot()
+    again = stateformat.decode_state(stateformat.encode_state(state), vmstate.MachineState)
+    assert again == state and again.blk is not None and again.blk.device.disk_key == KEY
+
+
+def test_machine_state_written_before_root_disks_decodes() -> None:
+    """A state.bin from before the field existed has no "blk" key at all."""
+    encoded = stateformat.encode_state(make_state())
+    payload = json.loads(encoded[stateformat.HEADER_SIZE:])
+    del payload["blk"]
+    body = json.dumps(payload).encode()
+    old = struct.pack("<8sIIQ32s", stateformat.MAGIC, stateformat.FORMAT_VERSION, 0, len(body),
+                      hashlib.sha256(body).digest()) + body
+    state = stateformat.decode_state(old, vmstate.MachineState)
+    assert state.blk is None and state == make_state()
+
+
+# -- machine configuration -------------------------------------------------------------------
+def test_machine_config_root_disk_rules(disk: Path) -> None:
+    boot = MachineConfig(kernel="/vmlinux", root_disk=str(disk), root_disk_key=KEY)
+    boot.validate()
+    with pytest.raises(ValueError, match="go together"):
+        MachineConfig(kernel="/vmlinux", root_disk_key=KEY).validate()
+    with pytest.raises(ValueError, match="go together"):
+        MachineConfig(kernel="/vmlinux", root_disk=str(disk)).validate()
+    with pytest.raises(ValueError, match="content key"):
+        MachineConfig(kernel="/vmlinux", root_disk=str(disk), root_disk_key="XYZ").validate()
+    with_disk = make_state()
+    with_disk.blk = _blk_snapshot()
+    restore = MachineConfig(restore_state=with_disk, memory_file="/m", mem_mib=64)
+    with pytest.raises(ValueError, match=f"root disk {KEY}: give root_disk"):
+        restore.validate()
+    replace(restore, root_disk=str(disk), root_disk_key=KEY).validate()
+    with pytest.raises(ValueError, match="no root disk"):
+        MachineConfig(restore_state=make_state(), memory_file="/m", mem_mib=64,
+                      root_disk=str(disk), root_disk_key=KEY).validate()
