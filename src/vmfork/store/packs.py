@@ -66,6 +66,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_GUEST_MEM_MIB = 65536        # the daemon's own limit for a snapshot's RAM
 MAX_STATE_BYTES = 64 << 20
 MAX_IMAGE_FILE_BYTES = 1 << 30
+MAX_DISK_BYTES = 64 << 30     # a user's root disk (image/root.img)
+DISK_FILE = "root.img"
 _BLOCK = 1 << 20
 _ZERO = bytes(_BLOCK)
 _PAGE = 4096
@@ -134,6 +136,10 @@ def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackR
     if with_image:
         image_entry, image_files = _image_entry(links[-1].meta.image)
         entries.extend(image_files)
+    elif "image_disk" in links[-1].meta.extra:
+        raise PackError(f"snapshot {links[-1].tag!r} boots image {links[-1].meta.image!r}, "
+                        "whose root disk its children open: pack it with its image "
+                        "(without --no-image)", tag=links[-1].tag)
     manifest = {"format": PACK_FORMAT, "format_version": PACK_FORMAT_VERSION,
                 "head": links[-1].tag, "hash": HASH_NAME, "snapshots": snapshots,
                 "image": image_entry}
@@ -178,6 +184,8 @@ def _image_entry(name: str) -> tuple[dict[str, Any], list[tuple[str, Path, int]]
         raise PackError(f"the snapshot's guest image cannot be packed: {err}; or pack without "
                         "it (`vmfork pack --no-image`)") from err
     files = {KERNEL_FILE: image.kernel, INITRD_FILE: image.initrd}
+    if image.disk is not None:
+        files[DISK_FILE] = image.disk   # stored once, whatever else uses the image
     entry = {"name": image.name, "record": image.to_record(),
              "files": {n: {"size": p.stat().st_size, "hash": hash_file(p)}
                        for n, p in files.items()}}
@@ -247,6 +255,7 @@ def unpack(store: Store, pack_path: Path, *, head_tag: str | None = None,
         missing = [n for n, e in expected.items() if not e.seen]
         if missing:
             raise _refused(pack_path, f"entries missing (truncated?): {', '.join(missing)}")
+        _check_disk(manifest.get("image"), staging.path / "image")
         # Verified. Only now does anything outside the staging directory change.
         _replace_for_force(store, plan)
         _publish(store, plan, staging.path, report)
@@ -431,14 +440,19 @@ def _expected_entries(plan: list[dict[str, Any]], manifest: dict[str, Any],
     image = manifest.get("image")
     if image is not None:
         files = image.get("files") if isinstance(image, dict) else None
-        if not isinstance(files, dict) or set(files) != {KERNEL_FILE, INITRD_FILE}:
+        record = image.get("record") if isinstance(image, dict) else None
+        wanted = {KERNEL_FILE, INITRD_FILE}
+        if isinstance(record, dict) and record.get("disk_key") is not None:
+            wanted.add(DISK_FILE)
+        if not isinstance(files, dict) or set(files) != wanted:
             raise PackError("refusing pack: its image entry must carry exactly "
-                            f"{KERNEL_FILE} and {INITRD_FILE}; nothing was stored")
+                            f"{', '.join(sorted(wanted))}; nothing was stored")
         (staging / "image").mkdir()
         for name, spec in files.items():
+            limit = MAX_DISK_BYTES if name == DISK_FILE else MAX_IMAGE_FILE_BYTES
             if not (isinstance(spec, dict) and isinstance(spec.get("size"), int)
                     and isinstance(spec.get("hash"), str)
-                    and 0 <= spec["size"] <= MAX_IMAGE_FILE_BYTES):
+                    and 0 <= spec["size"] <= limit):
                 raise PackError(f"refusing pack: image/{name} has a malformed or oversized "
                                 "entry; nothing was stored")
             expected[f"image/{name}"] = _Expected(spec["size"], spec["hash"],
@@ -525,6 +539,23 @@ def _write_nonzero_pages(fd: int, chunk: bytes, offset: int) -> None:
             os.pwrite(fd, page, offset + start)
 
 
+def _check_disk(entry: Any, staging: Path) -> None:
+    """A pack's root disk is stored under the hash of its bytes, checked before anything
+    is published: a pack cannot put other bytes where a snapshot's (or a local build's)
+    disk is looked up, and a bad disk leaves no snapshot behind that needs it."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("record"), dict):
+        return
+    key = entry["record"].get("disk_key")
+    if key is None:
+        return
+    from vmfork.image.builder import disk_content_key
+
+    actual = disk_content_key(staging / DISK_FILE)
+    if actual != key:
+        raise PackError(f"refusing pack: its root disk's SHA-256 is {actual}, not the "
+                        f"{key} its image record names; nothing was stored")
+
+
 def _install_image(entry: dict[str, Any], staging: Path) -> tuple[str | None, str | None]:
     """Install the pack's guest image unless one of that name exists (never replaced)."""
     from vmfork.image import GuestImage, ImageError, find_image, write_record
@@ -539,12 +570,17 @@ def _install_image(entry: dict[str, Any], staging: Path) -> tuple[str | None, st
         existing = find_image(image.name)
     except ImageError:
         existing = None
+    if image.disk_key is not None:
+        from vmfork.image.builder import publish_disk
+
+        publish_disk(staging / DISK_FILE, image.disk_key)   # checked by _check_disk
     if existing is not None:
-        if (existing.kernel_key, existing.initramfs_key) == (image.kernel_key,
-                                                            image.initramfs_key):
+        if (existing.kernel_key, existing.initramfs_key, existing.disk_key) == \
+                (image.kernel_key, image.initramfs_key, image.disk_key):
             return image.name, None
-        return None, (f"a different image named {image.name!r} exists here and was kept "
-                      "(snapshots spawn without it; it is only needed to boot new parents)")
+        note = (" (its root disk is installed: the snapshots spawn)" if image.disk_key
+                else " (snapshots spawn without it; it is only needed to boot new parents)")
+        return None, f"a different image named {image.name!r} exists here and was kept{note}"
     for kind, key, name in (("kernel", image.kernel_key, KERNEL_FILE),
                             ("initramfs", image.initramfs_key, INITRD_FILE)):
         cached_entry(kind, key, functools.partial(_copy_into, staging / name, name))
