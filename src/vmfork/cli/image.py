@@ -67,6 +67,9 @@ def register(subparsers: Any) -> None:
     build.add_argument("--user", metavar="USER[:GROUP]", help="default user of exec")
     build.add_argument("--disk-format", choices=DISK_FORMATS, default=None,
                        help=f"root disk file system (default {DEFAULT_DISK_FORMAT})")
+    build.add_argument("--root", choices=("disk", "initramfs"), default=None,
+                       help="where the root lives: a read-only disk under a RAM overlay "
+                            "(default), or all of it in guest RAM as an initramfs")
     build.add_argument("--json", action="store_true", help="print the image record as JSON")
     build.set_defaults(func=cmd_build)
 
@@ -130,7 +133,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         copy=base.copy + tuple(parse_copy(w) for w in args.copy),
         env=base.env + parse_env(args.env), workdir=args.workdir or base.workdir,
         user=args.user or base.user,
-        disk_format=args.disk_format or base.disk_format).validate()
+        disk_format=args.disk_format or base.disk_format,
+        root=args.root or base.root).validate()
 
 
 def _print_user_image(image: GuestImage, seconds: float, as_json: bool) -> None:

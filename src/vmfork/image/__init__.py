@@ -133,9 +133,10 @@ class GuestImage:
         }
         if self.disk_key is not None:
             record.update(disk_key=self.disk_key, disk_size=self.disk_size,
-                          disk_format=self.disk_format, definition=self.definition,
-                          env=list(self.env), workdir=self.workdir, user=self.user,
-                          agent_python=self.agent_python)
+                          disk_format=self.disk_format)
+        if self.definition:
+            record.update(definition=self.definition, env=list(self.env),
+                          workdir=self.workdir, user=self.user, agent_python=self.agent_python)
         return record
 
     @classmethod
@@ -146,19 +147,19 @@ class GuestImage:
         kernel_key = _validate_key(record["kernel_key"])
         initramfs_key = _validate_key(record["initramfs_key"])
         disk_key = record.get("disk_key")
-        disk: dict[str, Any] = {}
+        env = record.get("env") or []
+        if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
+            raise ValueError("env must be a list of K=V strings")
+        definition = record.get("definition") or {}
+        if not isinstance(definition, dict):
+            raise ValueError("definition must be an object")
+        disk: dict[str, Any] = {
+            "definition": definition, "env": tuple(env),
+            "workdir": _opt_str(record.get("workdir")), "user": _opt_str(record.get("user")),
+            "agent_python": _opt_str(record.get("agent_python"))}
         if disk_key is not None:
-            env = record.get("env") or []
-            if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
-                raise ValueError("env must be a list of K=V strings")
-            definition = record.get("definition") or {}
-            if not isinstance(definition, dict):
-                raise ValueError("definition must be an object")
-            disk = {"disk_key": _validate_key(disk_key), "disk_size": int(record["disk_size"]),
-                    "disk_format": str(record["disk_format"]), "definition": definition,
-                    "env": tuple(env), "workdir": _opt_str(record.get("workdir")),
-                    "user": _opt_str(record.get("user")),
-                    "agent_python": _opt_str(record.get("agent_python"))}
+            disk.update(disk_key=_validate_key(disk_key), disk_size=int(record["disk_size"]),
+                        disk_format=str(record["disk_format"]))
         return cls(
             **disk,
             built_from=str(record.get("built_from", DEFAULT_NAME)),

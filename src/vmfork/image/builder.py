@@ -126,7 +126,7 @@ class _Plan:
         parts += [f"copy {d} {r} {m:o} {h}" for d, r, m, h in self.copies]
         parts += [f"env {k}={v}" for k, v in self.spec.env]
         parts += [f"workdir {self.spec.workdir}", f"user {self.spec.user}",
-                  f"format {self.spec.disk_format}"]
+                  f"format {self.spec.disk_format}", f"root {self.spec.root}"]
         return hash_inputs(parts)
 
 
@@ -581,15 +581,22 @@ def _build_disk(out: Path, plan: _Plan, progress: Progress) -> None:
             initramfs.compile_tree(root)
             step("compile")
         tree_bytes = _tree_bytes(root)
-        progress("disk", f"{spec.disk_format} image of {tree_bytes >> 20} MiB of files")
-        make_disk(root, out / DISK_FILE, spec.disk_format)
+        if spec.root == "initramfs":
+            progress("disk", f"an initramfs of {tree_bytes >> 20} MiB of files (the root "
+                             "in guest RAM)")
+            _make_initramfs(root, out / initramfs.ARCHIVE_NAME, agent)
+            output = out / initramfs.ARCHIVE_NAME
+        else:
+            progress("disk", f"{spec.disk_format} image of {tree_bytes >> 20} MiB of files")
+            make_disk(root, out / DISK_FILE, spec.disk_format)
+            output = out / DISK_FILE
         step("disk")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    disk_bytes = (out / DISK_FILE).stat().st_size
+    disk_bytes = output.stat().st_size
     total = round(sum(timings.values()), 3)
     manifest = {"recipe_version": RECIPE_VERSION, "definition": spec.summary(),
-                "content_key": disk_content_key(out / DISK_FILE),
+                "content_key": disk_content_key(output), "root": spec.root,
                 "apt": [p.pin() for p in plan.apt],
                 "wheels": [f"{w.name} sha256:{_sha256(w)}" for w in plan.wheels],
                 "copies": len(plan.copies), "tree_bytes": tree_bytes,
@@ -676,6 +683,9 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     manifest = json.loads((entry / "manifest.json").read_text())
+    if manifest.get("root") == "initramfs":
+        return _record_initramfs_root(name, spec, entry, manifest, kernel_entry, kernel_built,
+                                      plan, built_from or oci_ref, disk_built)
     content_key = publish_disk(entry / DISK_FILE, str(manifest["content_key"]))
     if not disk_built:
         progress("disk", f"cached: {disk_path(content_key)}")
@@ -704,6 +714,36 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
     return image
 
 
+def _record_initramfs_root(name: str, spec: ImageSpec, entry: Path, manifest: dict[str, Any],
+                           kernel_entry: Path, kernel_built: bool, plan: _Plan,
+                           built_from: str | None, built_now: bool) -> GuestImage:
+    key = str(manifest["content_key"])[:24]
+    archive = entry / initramfs.ARCHIVE_NAME
+
+    def put(out: Path) -> None:
+        try:
+            os.link(archive, out / initramfs.ARCHIVE_NAME)
+        except OSError:
+            shutil.copyfile(archive, out / initramfs.ARCHIVE_NAME)
+
+    initrd_entry, _ = cached_entry("initramfs", key, put)
+    kernel = kernel_entry / "vmlinux"
+    definition = spec.summary()
+    definition["packages_present"] = sorted(_packages_present(plan) | {p.name for p in plan.apt})
+    image = GuestImage(
+        name=name, kernel=kernel, initrd=initrd_entry / initramfs.ARCHIVE_NAME,
+        kernel_key=kernel_entry.name, initramfs_key=key, cmdline=DEFAULT_CMDLINE,
+        created=datetime.now(UTC).replace(microsecond=0), kernel_size=kernel.stat().st_size,
+        initrd_size=int(manifest["disk_bytes"]),
+        kernel_build_seconds=entry_build_seconds(kernel) if kernel_built else None,
+        initramfs_build_seconds=float(manifest["build_seconds"]) if built_now else None,
+        built_from=built_from or spec.base or DEFAULT_NAME, definition=definition,
+        env=tuple(manifest["env"]), workdir=manifest["workdir"], user=manifest["user"],
+        agent_python=manifest["agent_python"])
+    write_record(image)
+    return image
+
+
 def import_oci(name: str, ref: str, *, progress: Progress = _quiet,
                auth_file: Path | None = None, insecure: bool = False) -> GuestImage:
     """Import the OCI image ``ref`` as image ``name`` (its Env, WorkingDir and User
@@ -712,6 +752,22 @@ def import_oci(name: str, ref: str, *, progress: Progress = _quiet,
     if auth_file is not None:
         options["auth_file"] = auth_file
     return build(name, ImageSpec(), progress=progress, oci_ref=ref, oci_options=options)
+
+
+def _make_initramfs(root: Path, out: Path, agent: _Agent) -> None:
+    """The tree as the default image's kind of root: the agent as ``/init`` on the
+    image's own 3.11, every byte unpacked into guest RAM at boot."""
+    if agent.bundled or not agent.python_cmd.startswith("/usr/bin/python3.11"):
+        raise ImageBuildError("disk", "an initramfs root needs the image's own "
+                                      "/usr/bin/python3.11 for /init; use the disk root")
+    initramfs.install_agent(root, initramfs.agent_files(initramfs.default_vmfork_source()))
+    initramfs.compile_tree(root)
+    from vmfork.image import cpio
+
+    with open(out, "wb") as f:
+        cpio.write_cpio(f, [*cpio.entries_from_tree(root), *initramfs.device_entries()])
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def disk_content_key(disk: Path) -> str:

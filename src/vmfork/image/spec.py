@@ -28,6 +28,10 @@ from typing import Any
 from vmfork.image.errors import ImageError
 
 DISK_FORMATS = ("squashfs", "erofs")
+# Where the root lives: a read-only disk under a RAM overlay (the default), or the
+# whole tree unpacked into guest RAM as an initramfs (what the default image does; the
+# benchmark compares the two for the same content).
+ROOTS = ("disk", "initramfs")
 DEFAULT_DISK_FORMAT = "squashfs"
 
 MAX_ITEMS = 512          # packages, requirements, copies, env entries: each list
@@ -69,6 +73,7 @@ class ImageSpec:
     workdir: str | None = None
     user: str | None = None
     disk_format: str = DEFAULT_DISK_FORMAT
+    root: str = "disk"
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -105,6 +110,8 @@ class ImageSpec:
             _guest_path("workdir", self.workdir)
         if self.user is not None and not _USER.fullmatch(self.user):
             raise SpecError(f"user: {self.user!r} is not NAME, UID, or USER:GROUP")
+        if self.root not in ROOTS:
+            raise SpecError(f"root: {self.root!r} is not one of {', '.join(ROOTS)}")
         if self.disk_format not in DISK_FORMATS:
             raise SpecError(f"disk_format: {self.disk_format!r} is not one of "
                             f"{', '.join(DISK_FORMATS)}")
@@ -125,6 +132,8 @@ class ImageSpec:
             out["copy"] = [c.describe() for c in self.copy]
         if self.env:
             out["env"] = [f"{k}={v}" for k, v in self.env]
+        if self.root != "disk":
+            out["root"] = self.root
         for name in ("workdir", "user"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -167,7 +176,7 @@ def parse_env(words: list[str] | dict[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 _TOML_KEYS = {"from", "apt", "pip", "requirements", "pip_index_url", "pip_find_links",
-              "pip_no_index", "npm", "copy", "env", "workdir", "user", "disk_format"}
+              "pip_no_index", "npm", "copy", "env", "workdir", "user", "disk_format", "root"}
 
 
 def _str_list(tree: dict[str, Any], key: str) -> tuple[str, ...]:
@@ -208,7 +217,7 @@ def spec_from_toml(path: Path) -> ImageSpec:
     env_value = tree.get("env", [])
     if not isinstance(env_value, list | dict):
         raise SpecError("env: must be a table or a list of K=V strings")
-    for key in ("pip_index_url", "workdir", "user", "disk_format"):
+    for key in ("pip_index_url", "workdir", "user", "disk_format", "root"):
         if key in tree and not isinstance(tree[key], str):
             raise SpecError(f"{key}: must be a string")
     if "pip_no_index" in tree and not isinstance(tree["pip_no_index"], bool):
@@ -220,5 +229,5 @@ def spec_from_toml(path: Path) -> ImageSpec:
         pip_no_index=bool(tree.get("pip_no_index", False)), npm=_str_list(tree, "npm"),
         copy=tuple(parse_copy(w, here) for w in _str_list(tree, "copy")),
         env=parse_env(env_value), workdir=tree.get("workdir"), user=tree.get("user"),
-        disk_format=tree.get("disk_format", DEFAULT_DISK_FORMAT),
+        disk_format=tree.get("disk_format", DEFAULT_DISK_FORMAT), root=tree.get("root", "disk"),
     ).validate()
