@@ -55,6 +55,7 @@ from vmfork.image.registry import (
     RegistryRef,
     blob_cache_dir,
     cached_blob,
+    normalized_name,
     parse_registry_ref,
 )
 
@@ -559,7 +560,9 @@ class _DockerArchive(_Source):
                                   "images")
         names = [t for e in entries for t in (e.get("RepoTags") or []) if isinstance(t, str)]
         if self.name is not None:
-            chosen = [e for e in entries if self.name in (e.get("RepoTags") or [])]
+            wanted = normalized_name(self.name)
+            chosen = [e for e in entries if wanted in
+                      {normalized_name(t) for t in e.get("RepoTags") or [] if isinstance(t, str)}]
         else:
             chosen = entries
         if len(chosen) != 1:

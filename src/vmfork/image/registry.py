@@ -131,7 +131,8 @@ def parse_registry_ref(ref: str) -> RegistryRef:
             "docker-archive:TAR for local images")
     if not _HOST.fullmatch(host):
         raise ImageBuildError("oci-ref", f"{ref!r}: {host!r} is not a valid registry host")
-    repo, colon, tag = rest.rpartition(":") if ":" in rest else (rest, "", "")
+    # A tag follows the last ':' only when no '/' comes after it.
+    repo, colon, tag = rest.rpartition(":") if ":" in rest.rsplit("/", 1)[-1] else (rest, "", "")
     if colon and not _TAG.fullmatch(tag):
         raise ImageBuildError("oci-ref", f"{ref!r}: {tag!r} is not a valid tag (letters, "
                               "digits, '_', '.', '-'; at most 128)")
@@ -141,6 +142,16 @@ def parse_registry_ref(ref: str) -> RegistryRef:
     if host in _HUB_NAMES and "/" not in repo:
         repo = "library/" + repo
     return RegistryRef(host=host, repository=repo, tag=tag or None, digest=digest or None)
+
+
+def normalized_name(name: str) -> str:
+    """``NAME[:TAG]`` as Docker expands it: a name without a registry host is Docker
+    Hub's (``busybox:1`` is ``docker.io/library/busybox:1``). For matching a
+    docker-archive's ``RepoTags``, which tools write in either form."""
+    first, slash, _ = name.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return name
+    return "docker.io/" + (name if slash else "library/" + name)
 
 
 def _is_loopback(hostname: str) -> bool:
@@ -308,10 +319,11 @@ class RegistryClient:
             challenge = r.header("WWW-Authenticate") or ""
             _read_capped(r, ERROR_BODY_CAP, "an error body", self)
             r.close()
-            self._authenticate(challenge, had=self._authorization is not None)
+            self._authenticate(challenge)
         raise AssertionError("unreachable")
 
-    def _authenticate(self, challenge: str, had: bool) -> None:
+    def _authenticate(self, challenge: str) -> None:
+        """Set ``Authorization`` for the retry the 401's ``challenge`` asks for."""
         scheme, params = _parse_challenge(challenge)
         creds = self._credentials()
         if scheme == "basic":
@@ -319,9 +331,6 @@ class RegistryClient:
                 raise self._fail(401, f"needs a user name and password: add them to "
                                  f"{self._auth_file or docker_config_path()} (auths.{self.ref.host}"
                                  ".auth = base64 of user:password, as docker login writes)")
-            if had:
-                raise self._fail(401, "refused the credentials for "
-                                 f"{self.ref.host} in {self._auth_file or docker_config_path()}")
             self._authorization = _basic(creds)
             return
         if scheme != "bearer" or "realm" not in params:
@@ -358,9 +367,6 @@ class RegistryClient:
             token = None
         if not isinstance(token, str) or not token:
             raise self._fail(None, "its token service sent no token")
-        if had and self._authorization == f"Bearer {token}":
-            raise self._fail(401, f"refused its own token for {self.ref.repository}: no access "
-                             "(check the repository name and your credentials)")
         self._authorization = f"Bearer {token}"
 
     def _check(self, r: _Response, what: str) -> None:
@@ -372,9 +378,13 @@ class RegistryClient:
             raise self._fail(404, f"{what} not found in {self.ref.repository} ({detail}): check "
                              "the name, tag or digest")
         if r.status in (401, 403):
-            raise self._fail(r.status, f"no access to {what} in {self.ref.repository} "
-                             f"({detail}): check the credentials in "
-                             f"{self._auth_file or docker_config_path()}")
+            source = self._auth_file or docker_config_path()
+            if self._credentials() is None:
+                raise self._fail(r.status, f"no anonymous access to {what} in "
+                                 f"{self.ref.repository} ({detail}): add credentials for "
+                                 f"{self.ref.host} to {source}")
+            raise self._fail(r.status, f"refused the credentials for {self.ref.host} in {source} "
+                             f"for {what} in {self.ref.repository} ({detail})")
         if r.status == 429:
             raise self._fail(429, "rate-limited the pull (429 Too Many Requests): wait, or log in")
         raise self._fail(r.status, f"answered {r.status} for {what}: {detail}")
