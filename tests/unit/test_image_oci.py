@@ -807,3 +807,122 @@ def test_pull_with_bearer_tokens(token_registry: Registry, tmp_path: Path) -> No
     assert token_registry.token_requests[0] == ""  # anonymous first
     # One token served the whole import: it is kept between requests.
     assert token_registry.token_requests[2:] == [good]
+
+
+class MisbehavingRegistry(http.server.ThreadingHTTPServer):
+    """A registry that lies: what ``mode`` says goes wrong. Not a stand-in for a real
+    registry (those tests use docker-registry); it is the hostile one real ones are not.
+
+    It asks for Basic auth on manifests, redirects the config blob to another host
+    name (``localhost`` instead of ``127.0.0.1``), and records each request's
+    ``Authorization`` by path.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _MisbehavingHandler)
+        self.mode = "ok"
+        self.seen: dict[str, str | None] = {}
+        self.layer = gzip.compress(layer(f("hello", b"hi")), mtime=0)
+        diff_id = "sha256:" + hashlib.sha256(gzip.decompress(self.layer)).hexdigest()
+        self.config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                                  "rootfs": {"type": "layers", "diff_ids": [diff_id]}}).encode()
+
+    def manifest(self) -> bytes:
+        def desc(media_type: str, data: bytes) -> dict[str, Any]:
+            return {"mediaType": media_type, "size": len(data),
+                    "digest": "sha256:" + hashlib.sha256(data).hexdigest()}
+
+        return json.dumps({"schemaVersion": 2, "mediaType": oci.OCI_MANIFEST,
+                           "config": desc(oci.CONFIG_TYPES[0], self.config),
+                           "layers": [desc("application/vnd.oci.image.layer.v1.tar+gzip",
+                                           self.layer)]}).encode()
+
+
+class _MisbehavingHandler(http.server.BaseHTTPRequestHandler):
+    server: MisbehavingRegistry
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None,
+              length: int | None = None) -> None:
+        self.send_response(status)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        srv = self.server
+        srv.seen[self.path] = self.headers.get("Authorization")
+        port = srv.server_address[1]
+        config_path = "/v2/r/blobs/sha256:" + hashlib.sha256(srv.config).hexdigest()
+        if self.path == "/v2/r/manifests/latest":
+            if self.headers.get("Authorization") is None:
+                self._send(401, b"{}", {"WWW-Authenticate": 'Basic realm="test"'})
+            elif srv.mode == "stall":
+                time.sleep(3)
+                self._send(200, srv.manifest())
+            elif srv.mode == "huge-manifest":
+                self._send(200, b"{" + b" " * (64 << 10) + b"}",
+                           {"Content-Type": oci.OCI_MANIFEST})
+            else:
+                self._send(200, srv.manifest(), {"Content-Type": oci.OCI_MANIFEST})
+        elif self.path == config_path:
+            self._send(307, b"", {"Location": f"http://localhost:{port}/storage/config"})
+        elif self.path == "/storage/config":
+            self._send(200, srv.config)
+        elif self.path.startswith("/v2/r/blobs/"):
+            if srv.mode == "big-blob":  # no Content-Length: the excess shows only as it streams
+                self.send_response(200)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.wfile.write(srv.layer + bytes(1 << 16))
+                self.close_connection = True
+            else:
+                self._send(200, srv.layer)
+        else:
+            self._send(404, b'{"errors": [{"code": "NAME_UNKNOWN", "message": "no"}]}')
+
+
+@pytest.fixture
+def misbehaving(tmp_path: Path) -> Iterator[tuple[MisbehavingRegistry, Path]]:
+    server = MisbehavingRegistry()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    auth = tmp_path / "auth.json"
+    host = f"127.0.0.1:{server.server_address[1]}"
+    auth.write_text(json.dumps({"auths": {host: {"auth": base64.b64encode(b"u:p").decode()}}}))
+    try:
+        yield server, auth
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_misbehaving_registry_is_caught(misbehaving: tuple[MisbehavingRegistry, Path],
+                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    server, auth = misbehaving
+    ref = f"127.0.0.1:{server.server_address[1]}/r:latest"
+    target = tmp_path / "target"
+    target.mkdir()
+    cfg = oci.import_image(ref, target, auth_file=auth)
+    assert (target / "hello").read_bytes() == b"hi" and cfg.layer_digests
+    # Basic credentials went to the registry, but not with the redirect to another host.
+    assert server.seen["/v2/r/manifests/latest"] == "Basic " + base64.b64encode(b"u:p").decode()
+    assert server.seen["/storage/config"] is None
+    shutil.rmtree(tmp_path / "cache")  # so the blobs are fetched again
+    server.mode = "big-blob"
+    (tmp_path / "t2").mkdir()
+    with pytest.raises(ImageBuildError, match="larger than its descriptor"):
+        oci.import_image(ref, tmp_path / "t2", auth_file=auth)
+    server.mode = "huge-manifest"
+    with pytest.raises(ImageBuildError, match="over the cap of 4096"):
+        oci.import_image(ref, tmp_path / "t2", auth_file=auth,
+                         limits=Limits(max_document_bytes=4096))
+    server.mode = "stall"
+    monkeypatch.setattr("vmfork.image.registry.SOCKET_TIMEOUT", 0.5)
+    with pytest.raises(ImageBuildError, match="timed out"):
+        oci.resolve(ref, auth_file=auth)
+    assert os.listdir(tmp_path / "t2") == []

@@ -40,6 +40,7 @@ import json
 import os
 import posixpath
 import re
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -232,7 +233,12 @@ class _Source:
                 assert desc is not None
                 body = self.document(desc, limits)
             doc = _json(body, f"{self.where}: {digest}")
-            kind = doc.get("mediaType") if isinstance(doc.get("mediaType"), str) else media_type
+            # The document's own mediaType first; then the descriptor's or the HTTP
+            # Content-Type if it is one we know (some registries send application/json);
+            # else its shape, as OCI 1.0 made mediaType optional.
+            declared = doc.get("mediaType")
+            kind = (declared if isinstance(declared, str) and declared else
+                    media_type if media_type in INDEX_TYPES + MANIFEST_TYPES else "")
             if doc.get("schemaVersion") == 1:
                 raise ImageBuildError("oci-manifest", f"{self.where}: {digest} is a Docker "
                                       "schema 1 manifest, which is deprecated and not supported; "
@@ -524,12 +530,16 @@ class _RegistrySource(_Source):
 def _store(path: Path, data: bytes) -> None:
     """Write a verified blob into the cache atomically (write, fsync, rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".store-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=".store-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 class _DockerArchive(_Source):
@@ -727,11 +737,13 @@ def import_image(ref: str, root: Path, *, progress: Progress | None = None,
     applied (done counts file bytes written in that layer; total is None).
     """
     try:
-        if any(os.scandir(root)):
-            raise ImageBuildError("oci-import", f"{root} is not empty: import into an empty "
-                                  "directory")
+        with os.scandir(root) as entries:
+            empty = next(entries, None) is None
     except (FileNotFoundError, NotADirectoryError):
         raise ImageBuildError("oci-import", f"{root} is not a directory: make it first") from None
+    if not empty:
+        raise ImageBuildError("oci-import", f"{root} is not empty: import into an empty "
+                              "directory")
     with ExitStack() as stack:
         source = _open_source(ref, auth_file=auth_file, insecure=insecure, limits=limits)
         stack.callback(source.close)

@@ -129,7 +129,8 @@ def parse_registry_ref(ref: str) -> RegistryRef:
             "oci-ref", f"{ref!r} names no registry host: write HOST[:PORT]/REPO[:TAG] (for "
             "example docker.io/library/debian:12), or oci:DIR, oci-archive:TAR or "
             "docker-archive:TAR for local images")
-    if not _HOST.fullmatch(host):
+    port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host.rpartition("]")[2] else ""
+    if not _HOST.fullmatch(host) or (port and not 0 < int(port) < 65536):
         raise ImageBuildError("oci-ref", f"{ref!r}: {host!r} is not a valid registry host")
     # A tag follows the last ':' only when no '/' comes after it.
     repo, colon, tag = rest.rpartition(":") if ":" in rest.rsplit("/", 1)[-1] else (rest, "", "")

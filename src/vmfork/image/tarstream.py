@@ -292,8 +292,10 @@ class TarStream:
         except ValueError:
             raise TarFormatError("a pax size, uid, gid or mtime record is not a number",
                                  name) from None
-        if size < 0 or uid < 0 or gid < 0:
-            raise TarFormatError("negative size, uid or gid", name)
+        if size < 0 or not 0 <= uid < 1 << 32 or not 0 <= gid < 1 << 32:
+            raise TarFormatError(f"size {size}, uid {uid} or gid {gid} is out of range", name)
+        if not -(1 << 63) <= mtime_ns < 1 << 63:
+            raise TarFormatError(f"mtime {mtime_ns // 10**9} is out of range", name)
         xattrs: list[tuple[str, bytes]] = []
         for key, value in pax.items():
             if key.startswith("SCHILY.xattr."):
