@@ -180,7 +180,8 @@ def _verify_stream(f: IO[bytes], desc: Descriptor, where: str) -> None:
 
 class _Source:
     """Where an image's documents and blobs come from. Subclasses give ``top``,
-    ``document`` and ``_open_blob``; finding the manifest is shared."""
+    ``_choose_entry`` and ``_open_blob`` (or their own ``document`` and ``layer``);
+    finding the linux/amd64 manifest through indexes is shared."""
 
     where: str
 
@@ -211,9 +212,6 @@ class _Source:
 
     def close(self) -> None:
         pass
-
-    def tag_hint(self) -> str:
-        return ""
 
     def find(self, limits: Limits) -> tuple[str, bytes | None, Descriptor | None]:
         """The digest of the linux/amd64 manifest: its bytes if already fetched, else
