@@ -24,7 +24,8 @@ export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
 DEBIAN_PACKAGES=(
   qemu-system-x86 linux-image-amd64 linux-source-6.1 busybox-static cpio zstd
   bc flex bison libelf-dev libssl-dev build-essential kmod python3 nftables iperf3
-  squashfs-tools erofs-utils
+  squashfs-tools erofs-utils  # users' images: their read-only root disks
+  docker-registry skopeo apache2-utils openssl  # OCI import tests: a real registry, its client, htpasswd, token signing
 )
 PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp)
 

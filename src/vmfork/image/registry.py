@@ -1,0 +1,510 @@
+"""Pulling from a registry over the OCI distribution API (v2), with its auth.
+
+What a pull needs of the API is small: ``GET /v2/<repo>/manifests/<tag|digest>``
+with an ``Accept`` list (manifest negotiation: OCI index and manifest, Docker
+manifest list and schema 2) and ``GET /v2/<repo>/blobs/<digest>``, which often
+redirects to storage elsewhere. Auth is what registries do:
+
+1. ask anonymously (or with the token this client already holds);
+2. on 401 read ``WWW-Authenticate``. ``Bearer realm=…,service=…,scope=…``: ask
+   the realm for a token (with Basic credentials when we have some: a private
+   repository; anonymously otherwise: a public one) and retry with it.
+   ``Basic``: retry with the credentials;
+3. a second 401 or a 403 is the credentials' fault, said so.
+
+Credentials come from the Docker config file (``$DOCKER_CONFIG/config.json`` or
+``~/.docker/config.json``; ``auths.<host>.auth`` is base64 ``user:pass``), or
+the file the caller names. Credential helpers are not run.
+
+Why the stdlib (``http.client``) and not httpx: a pull makes a handful of
+requests, and what matters is control we would have to configure anyway: a
+timeout on every socket operation plus a deadline per document, a byte cap on
+every body (a manifest is a few MiB at most, a blob exactly its descriptor's
+size), and redirects that drop ``Authorization`` when they leave the registry's
+host (storage back ends reject it, and it must not leak). That is a few lines
+over ``http.client``, and vmfork gains no dependency.
+
+HTTPS by default (the system's CA store); plain HTTP only for a loopback
+registry (``localhost``, ``127.0.0.0/8``, ``[::1]``) or with ``insecure=True``.
+Every blob is streamed to a temporary file in the cache and checked against its
+digest and size before it is renamed to ``<cache>/oci/blobs/sha256/<hex>``;
+a blob found there was checked when it entered and is trusted (DESIGN.md,
+decision 5).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import ipaddress
+import json
+import os
+import re
+import socket
+import ssl
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Self
+
+from vmfork.image.errors import ImageBuildError
+from vmfork.paths import cache_dir
+
+SOCKET_TIMEOUT = 30.0  # seconds, for connect and for each read
+DOCUMENT_DEADLINE = 120.0  # seconds for a whole manifest, token or error body
+TOKEN_CAP = 1 << 20
+ERROR_BODY_CAP = 64 << 10
+MAX_REDIRECTS = 5
+
+MANIFEST_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
+
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_REPO = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = re.compile(rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\])(?::[0-9]{{1,5}})?")
+_CHALLENGE_PARAM = re.compile(r'([A-Za-z_]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^,\s]*)')
+
+# Docker Hub's names: docker.io is what people write, this is where its API is,
+# and its one-component repositories live under library/.
+_HUB_NAMES = ("docker.io", "index.docker.io", "registry-1.docker.io")
+_HUB_API = "registry-1.docker.io"
+
+
+class RegistryError(ImageBuildError):
+    """A registry refused or failed a request; ``host`` and ``status`` say which."""
+
+    def __init__(self, host: str, status: int | None, message: str) -> None:
+        super().__init__("oci-pull", message)
+        self.host = host
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RegistryRef:
+    """``HOST[:PORT]/REPO[:TAG][@sha256:HEX]``; ``reference`` is what to ask for."""
+
+    host: str  # as written
+    repository: str
+    tag: str | None
+    digest: str | None
+
+    @property
+    def reference(self) -> str:
+        return self.digest or self.tag or "latest"
+
+    @property
+    def api_host(self) -> str:
+        return _HUB_API if self.host in _HUB_NAMES else self.host
+
+    def __str__(self) -> str:
+        return (f"{self.host}/{self.repository}" + (f":{self.tag}" if self.tag else "")
+                + (f"@{self.digest}" if self.digest else ""))
+
+
+def parse_registry_ref(ref: str) -> RegistryRef:
+    """Parse a registry reference; ``docker://`` (skopeo's spelling) may lead."""
+    text = ref.removeprefix("docker://")
+    name, at, digest = text.partition("@")
+    if at:
+        if digest.startswith("sha256:") and not _DIGEST.fullmatch(digest):
+            raise ImageBuildError("oci-ref", f"{ref!r}: a sha256 digest is 64 lowercase hex "
+                                  "digits")
+        if not _DIGEST.fullmatch(digest):
+            raise ImageBuildError("oci-ref", f"{ref!r}: only sha256 digests are supported")
+    host, slash, rest = name.partition("/")
+    looks_like_host = "." in host or ":" in host or host == "localhost" or host.startswith("[")
+    if not slash or not looks_like_host:
+        raise ImageBuildError(
+            "oci-ref", f"{ref!r} names no registry host: write HOST[:PORT]/REPO[:TAG] (for "
+            "example docker.io/library/debian:12), or oci:DIR, oci-archive:TAR or "
+            "docker-archive:TAR for local images")
+    port = host.rpartition("]")[2].rpartition(":")[2] if ":" in host.rpartition("]")[2] else ""
+    if not _HOST.fullmatch(host) or (port and not 0 < int(port) < 65536):
+        raise ImageBuildError("oci-ref", f"{ref!r}: {host!r} is not a valid registry host")
+    # A tag follows the last ':' only when no '/' comes after it.
+    repo, colon, tag = rest.rpartition(":") if ":" in rest.rsplit("/", 1)[-1] else (rest, "", "")
+    if colon and not _TAG.fullmatch(tag):
+        raise ImageBuildError("oci-ref", f"{ref!r}: {tag!r} is not a valid tag (letters, "
+                              "digits, '_', '.', '-'; at most 128)")
+    if not _REPO.fullmatch(repo):
+        raise ImageBuildError("oci-ref", f"{ref!r}: {repo!r} is not a valid repository name "
+                              "(lowercase letters, digits and separators, '/' between parts)")
+    if host in _HUB_NAMES and "/" not in repo:
+        repo = "library/" + repo
+    return RegistryRef(host=host, repository=repo, tag=tag or None, digest=digest or None)
+
+
+def normalized_name(name: str) -> str:
+    """``NAME[:TAG]`` as Docker expands it: a name without a registry host is Docker
+    Hub's (``busybox:1`` is ``docker.io/library/busybox:1``). For matching a
+    docker-archive's ``RepoTags``, which tools write in either form."""
+    first, slash, _ = name.partition("/")
+    if slash and ("." in first or ":" in first or first == "localhost"):
+        return name
+    return "docker.io/" + (name if slash else "library/" + name)
+
+
+def _is_loopback(hostname: str) -> bool:
+    if hostname == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
+
+
+def docker_config_path() -> Path:
+    base = os.environ.get("DOCKER_CONFIG")
+    return Path(base) / "config.json" if base else Path.home() / ".docker" / "config.json"
+
+
+def read_credentials(host: str, auth_file: Path | None) -> tuple[str, str] | None:
+    """``(user, password)`` for ``host`` from a Docker config file, or None.
+
+    A named ``auth_file`` must exist; the default one may be absent.
+    """
+    path = auth_file or docker_config_path()
+    try:
+        config = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        if auth_file is not None:
+            raise ImageBuildError("oci-auth", f"the auth file {path} does not exist") from None
+        return None
+    except (OSError, ValueError) as err:
+        raise ImageBuildError("oci-auth", f"cannot read the auth file {path}: {err}") from None
+    auths = config.get("auths") if isinstance(config, dict) else None
+    if not isinstance(auths, dict):
+        return None
+    wanted = {host} | (set(_HUB_NAMES) if host in _HUB_NAMES else set())
+    for key, entry in auths.items():
+        # Keys are "host[:port]" or URLs ("https://index.docker.io/v1/"), as Docker writes them.
+        key_host = str(key).split("://", 1)[-1].split("/", 1)[0]
+        if key_host not in wanted or not isinstance(entry, dict):
+            continue
+        if isinstance(entry.get("auth"), str) and entry["auth"]:
+            try:
+                user, colon, password = base64.b64decode(entry["auth"]).decode().partition(":")
+            except (ValueError, UnicodeDecodeError):
+                raise ImageBuildError("oci-auth", f"{path}: auths.{key}.auth is not base64 "
+                                      "of user:password") from None
+            if colon:
+                return user, password
+        if isinstance(entry.get("username"), str) and isinstance(entry.get("password"), str):
+            return entry["username"], entry["password"]
+    return None
+
+
+def _basic(creds: tuple[str, str]) -> str:
+    return "Basic " + base64.b64encode(f"{creds[0]}:{creds[1]}".encode()).decode()
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, params = header.strip().partition(" ")
+    found = {k.lower(): (v[1:-1].replace('\\"', '"') if v.startswith('"') else v)
+             for k, v in _CHALLENGE_PARAM.findall(params)}
+    return scheme.lower(), found
+
+
+class _Response:
+    """An open response and its connection, closed together."""
+
+    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
+                 url: str) -> None:
+        self.conn = conn
+        self.resp = resp
+        self.url = url
+        self.status = resp.status
+
+    def header(self, name: str) -> str | None:
+        return self.resp.getheader(name)
+
+    def close(self) -> None:
+        self.resp.close()
+        self.conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RegistryClient:
+    """One repository on one registry; holds the bearer token between requests."""
+
+    def __init__(self, ref: RegistryRef, *, auth_file: Path | None = None,
+                 insecure: bool = False) -> None:
+        self.ref = ref
+        self.insecure = insecure
+        host = urllib.parse.urlsplit("//" + ref.api_host).hostname or ref.api_host
+        self.scheme = "http" if insecure or _is_loopback(host) else "https"
+        self.base = f"{self.scheme}://{ref.api_host}/v2/{ref.repository}"
+        self._auth_file = auth_file
+        self._creds: tuple[str, str] | None = None
+        self._creds_read = False
+        self._authorization: str | None = None
+        self._ssl = ssl.create_default_context()
+
+    def _credentials(self) -> tuple[str, str] | None:
+        if not self._creds_read:
+            self._creds = read_credentials(self.ref.host, self._auth_file)
+            self._creds_read = True
+        return self._creds
+
+    def _fail(self, status: int | None, message: str) -> RegistryError:
+        return RegistryError(self.ref.host, status, f"{self.ref.host}: {message}")
+
+    # HTTP ------------------------------------------------------------------
+
+    def _open(self, url: str, headers: dict[str, str]) -> _Response:
+        """One request, following redirects; ``Authorization`` stays on the first host."""
+        first_host = urllib.parse.urlsplit(url).netloc
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise self._fail(None, f"the registry sent us to {url!r}, not an http(s) URL")
+            if parts.scheme == "http" and self.scheme == "https" and not self.insecure:
+                raise self._fail(None, f"the registry redirected to plain http ({parts.netloc}); "
+                                 "pass insecure=True only if you trust the network")
+            conn: http.client.HTTPConnection
+            if parts.scheme == "https":
+                conn = http.client.HTTPSConnection(parts.hostname, parts.port,
+                                                   timeout=SOCKET_TIMEOUT, context=self._ssl)
+            else:
+                conn = http.client.HTTPConnection(parts.hostname, parts.port,
+                                                  timeout=SOCKET_TIMEOUT)
+            sent = dict(headers)
+            if parts.netloc != first_host:
+                sent.pop("Authorization", None)
+            sent.setdefault("User-Agent", "vmfork")
+            path = parts.path + (f"?{parts.query}" if parts.query else "")
+            try:
+                conn.request("GET", path or "/", headers=sent)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as err:
+                conn.close()
+                raise self._fail(None, f"GET {parts.scheme}://{parts.netloc}{parts.path} failed: "
+                                 f"{_describe(err)}") from err
+            if resp.status in (301, 302, 303, 307, 308):
+                location = resp.getheader("Location")
+                resp.close()
+                conn.close()
+                if not location:
+                    raise self._fail(resp.status, "a redirect without a Location")
+                url = urllib.parse.urljoin(url, location)
+                continue
+            return _Response(conn, resp, url)
+        raise self._fail(None, f"more than {MAX_REDIRECTS} redirects from {first_host}")
+
+    def _get(self, path: str, headers: dict[str, str]) -> _Response:
+        """GET ``<base>/<path>``, authenticating when the registry asks."""
+        url = f"{self.base}/{path}"
+        for attempt in range(2):
+            sent = dict(headers)
+            if self._authorization:
+                sent["Authorization"] = self._authorization
+            r = self._open(url, sent)
+            if r.status != 401 or attempt == 1:
+                return r
+            challenge = r.header("WWW-Authenticate") or ""
+            _read_capped(r, ERROR_BODY_CAP, "an error body", self)
+            r.close()
+            self._authenticate(challenge)
+        raise AssertionError("unreachable")
+
+    def _authenticate(self, challenge: str) -> None:
+        """Set ``Authorization`` for the retry the 401's ``challenge`` asks for."""
+        scheme, params = _parse_challenge(challenge)
+        creds = self._credentials()
+        if scheme == "basic":
+            if creds is None:
+                raise self._fail(401, f"needs a user name and password: add them to "
+                                 f"{self._auth_file or docker_config_path()} (auths.{self.ref.host}"
+                                 ".auth = base64 of user:password, as docker login writes)")
+            self._authorization = _basic(creds)
+            return
+        if scheme != "bearer" or "realm" not in params:
+            raise self._fail(401, f"asks for auth we do not speak: {challenge!r}")
+        realm = urllib.parse.urlsplit(params["realm"])
+        if realm.scheme not in ("http", "https") or not realm.hostname:
+            raise self._fail(401, f"its token realm {params['realm']!r} is not an http(s) URL")
+        if (realm.scheme == "http" and creds is not None and not self.insecure
+                and not _is_loopback(realm.hostname)):
+            raise self._fail(401, f"its token realm {params['realm']} is plain http: refusing "
+                             "to send credentials there (insecure=True overrides)")
+        query = []
+        if "service" in params:
+            query.append(("service", params["service"]))
+        scope = params.get("scope") or f"repository:{self.ref.repository}:pull"
+        query += [("scope", s) for s in scope.split(" ") if s]
+        url = params["realm"] + ("&" if realm.query else "?") + urllib.parse.urlencode(query)
+        headers = {"Authorization": _basic(creds)} if creds else {}
+        with self._open(url, headers) as r:
+            body = _read_capped(r, TOKEN_CAP, "a token response", self)
+            if r.status in (401, 403):
+                who = (f"the credentials for {self.ref.host} in "
+                       f"{self._auth_file or docker_config_path()}" if creds else
+                       "anonymous access")
+                raise self._fail(r.status, f"its token service refused {who} to "
+                                 f"{self.ref.repository} (docker login, or check the name)")
+            if r.status != 200:
+                raise self._fail(r.status, f"its token service answered {r.status}: "
+                                 f"{_error_text(body)}")
+        try:
+            doc = json.loads(body)
+            token = doc.get("token") or doc.get("access_token")
+        except (ValueError, AttributeError):
+            token = None
+        if not isinstance(token, str) or not token:
+            raise self._fail(None, "its token service sent no token")
+        self._authorization = f"Bearer {token}"
+
+    def _check(self, r: _Response, what: str) -> None:
+        if r.status == 200:
+            return
+        body = _read_capped(r, ERROR_BODY_CAP, "an error body", self)
+        detail = _error_text(body)
+        if r.status == 404:
+            raise self._fail(404, f"{what} not found in {self.ref.repository} ({detail}): check "
+                             "the name, tag or digest")
+        if r.status in (401, 403):
+            source = self._auth_file or docker_config_path()
+            if self._credentials() is None:
+                raise self._fail(r.status, f"no anonymous access to {what} in "
+                                 f"{self.ref.repository} ({detail}): add credentials for "
+                                 f"{self.ref.host} to {source}")
+            raise self._fail(r.status, f"refused the credentials for {self.ref.host} in {source} "
+                             f"for {what} in {self.ref.repository} ({detail})")
+        if r.status == 429:
+            raise self._fail(429, "rate-limited the pull (429 Too Many Requests): wait, or log in")
+        raise self._fail(r.status, f"answered {r.status} for {what}: {detail}")
+
+    # The API ---------------------------------------------------------------
+
+    def manifest(self, reference: str, cap: int) -> tuple[bytes, str]:
+        """The manifest (or index) ``reference`` names: its bytes and media type."""
+        with self._get(f"manifests/{reference}", {"Accept": ", ".join(MANIFEST_TYPES)}) as r:
+            self._check(r, f"manifest {reference}")
+            body = _read_capped(r, cap, f"manifest {reference}", self)
+            media_type = (r.header("Content-Type") or "").split(";")[0].strip()
+        return body, media_type
+
+    def blob_to(self, digest: str, size: int, out: IO[bytes],
+                progress: Callable[[int], None] | None = None) -> str:
+        """Stream blob ``digest`` into the binary file ``out``; return its sha256 hex.
+
+        More bytes than ``size`` is refused as soon as they arrive.
+        """
+        h = hashlib.sha256()
+        done = 0
+        with self._get(f"blobs/{digest}", {}) as r:
+            self._check(r, f"blob {digest}")
+            length = r.header("Content-Length")
+            if length is not None and length.isdigit() and int(length) != size:
+                raise self._fail(None, f"blob {digest} is {length} bytes, but its descriptor says "
+                                 f"{size}")
+            while True:
+                try:
+                    chunk = r.resp.read(1 << 20)
+                except (OSError, http.client.HTTPException) as err:
+                    raise self._fail(None, f"blob {digest}: the download broke after {done} "
+                                     f"bytes ({_describe(err)})") from err
+                if not chunk:
+                    break
+                done += len(chunk)
+                if done > size:
+                    raise self._fail(None, f"blob {digest} is larger than its descriptor's "
+                                     f"{size} bytes")
+                h.update(chunk)
+                out.write(chunk)
+                if progress is not None:
+                    progress(done)
+        if done != size:
+            raise self._fail(None, f"blob {digest} ended after {done} of {size} bytes")
+        return h.hexdigest()
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, socket.timeout):
+        return f"timed out after {SOCKET_TIMEOUT:.0f} s"
+    if isinstance(err, ssl.SSLCertVerificationError):
+        return f"{err.verify_message} (a registry with a private CA needs it in the system store)"
+    return str(err) or type(err).__name__
+
+
+def _read_capped(r: _Response, cap: int, what: str, client: RegistryClient) -> bytes:
+    """A whole body of at most ``cap`` bytes, read within ``DOCUMENT_DEADLINE``."""
+    length = r.header("Content-Length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise client._fail(r.status, f"{what} is {length} bytes, over the cap of {cap}")
+    deadline = time.monotonic() + DOCUMENT_DEADLINE
+    chunks: list[bytes] = []
+    got = 0
+    while True:
+        try:
+            chunk = r.resp.read(min(1 << 16, cap + 1 - got))
+        except (OSError, http.client.HTTPException) as err:
+            raise client._fail(r.status, f"reading {what} failed: {_describe(err)}") from err
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        got += len(chunk)
+        if got > cap:
+            raise client._fail(r.status, f"{what} is over the cap of {cap} bytes")
+        if time.monotonic() > deadline:
+            raise client._fail(r.status, f"{what} took more than {DOCUMENT_DEADLINE:.0f} s")
+
+
+def _error_text(body: bytes) -> str:
+    """The distribution API's ``{"errors": [{"code", "message"}]}``, or the raw text."""
+    try:
+        errors = json.loads(body)["errors"]
+        return "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors[:5])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return body[:300].decode(errors="replace").strip() or "no details"
+
+
+def blob_cache_dir() -> Path:
+    return cache_dir() / "oci" / "blobs" / "sha256"
+
+
+def cached_blob(client: RegistryClient, digest: str, size: int,
+                progress: Callable[[int], None] | None = None) -> Path:
+    """The verified local copy of blob ``digest``, downloading it if it is not cached."""
+    hexdigest = digest.removeprefix("sha256:")
+    final = blob_cache_dir() / hexdigest
+    try:
+        if final.stat().st_size == size:
+            return final
+    except FileNotFoundError:
+        pass
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=".download-", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            got = client.blob_to(digest, size, out, progress)
+            if got != hexdigest:
+                raise RegistryError(client.ref.host, None, f"{client.ref.host}: blob {digest} "
+                                    f"arrived with digest sha256:{got}: a corrupt registry or a "
+                                    "tampered connection; it was not used")
+            out.flush()
+            os.fsync(out.fileno())
+        os.rename(tmp_name, final)
+    except BaseException:
+        try:
+            os.unlink(tmp_name)
+        except FileNotFoundError:
+            pass
+        raise
+    return final
