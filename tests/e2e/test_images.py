@@ -88,13 +88,13 @@ def test_numpy_pandas_warm_in_ten_children(store: Store, zygote: ZygoteProcess,
     try:
         for n, child in enumerate(fork.children):
             # numpy and pandas are already imported: eval sees the parent's modules.
-            result = child.agent().eval(COMPUTE.replace("{n}", str(n + 1)))
+            result = child.agent.eval(COMPUTE.replace("{n}", str(n + 1)))
             assert result.exception is None, result.exception
             total, np_version, pd_version = json.loads(json.dumps(result.value))
             assert total == 45 * (n + 1)
             assert np_version.startswith("2.0" if image_name == "t-sci-pip" else "1.")
         if image_name == "t-sci-pip":
-            cwd = fork.children[0].agent().exec("pwd")
+            cwd = fork.children[0].agent.exec("pwd")
             assert cwd.stdout.decode().strip() == "/work"   # the image's workdir
     finally:
         for child in fork.children:
@@ -110,7 +110,7 @@ def test_node_image_runs_its_own_programs() -> None:
 def test_warm_up_out_of_memory_says_so(store: Store) -> None:
     with pytest.raises(WarmUpFailed, match="ran out of memory.*--mem-mib"):
         snapshot_parent(store, "oom", find_image("t-sci-deb"), mem_mib=128,
-                        warm_cmd="python3 -c 'b = bytearray(512 << 20)'")
+                        warm_cmd="python3 -c 'x = [bytearray(1 << 20) for _ in range(400)]'")
     assert not store.exists("oom")
 
 
@@ -129,7 +129,48 @@ def test_pack_of_a_custom_image_spawns_in_a_fresh_store(store: Store, zygote: Zy
     fork = fork_children(client, fresh.get("packed"), 1, tmp_path / "vms")
     assert not fork.failed, fork.failed
     try:
-        result = fork.children[0].agent().eval("numpy.arange(4).sum()")
+        result = fork.children[0].agent.eval("numpy.arange(4).sum()")
         assert result.exception is None and result.value == 6
     finally:
         client.kill_and_wait(fork.children[0].vm_id)
+
+
+def test_a_1_gib_image_boots_without_1_gib_of_ram() -> None:
+    image = find_image("t-big")
+    assert image.disk is not None and image.disk_size > 1 << 30
+    with BootedGuest(image, mem_mib=256) as guest:
+        assert _exec(guest, "stat -c %s /data/big.bin").strip() == str(1 << 30)
+        # A slice from the end of the file reads back what the host wrote.
+        out = _exec(guest, "dd if=/data/big.bin bs=1M skip=1020 count=2 2>/dev/null "
+                           "| sha256sum").split()[0]
+        meminfo = dict(line.split(":", 1) for line in
+                       _exec(guest, "cat /proc/meminfo").splitlines())
+    import hashlib
+
+    from tests.images.prepare import big_file
+    with open(big_file(), "rb") as f:
+        f.seek(1020 << 20)
+        assert out == hashlib.sha256(f.read(2 << 20)).hexdigest()
+    total_kib = int(meminfo["MemTotal"].split()[0])
+    assert total_kib < 256 << 10   # the guest never had room for the disk's bytes
+
+
+def test_oci_image_python_runs_the_agent_with_its_config() -> None:
+    image = find_image("t-oci-python")
+    assert image.built_from.startswith("oci:") and image.agent_python == "/usr/bin/python3.11 -I"
+    with BootedGuest(image, mem_mib=256) as guest:
+        # The image's Env, WorkingDir and User are exec's defaults.
+        assert _exec(guest, "echo $APP_MODE; pwd; id -u").split() == ["oci", "/srv", "65534"]
+        result = guest.agent.eval("import sys; sys.executable")
+        assert result.exception is None and result.value == "/usr/bin/python3.11"
+
+
+def test_oci_node_image_without_python_gets_the_bundled_agent() -> None:
+    image = find_image("t-oci-node")
+    assert image.agent_python is not None and "/opt/vmfork/python" in image.agent_python
+    with BootedGuest(image, mem_mib=256) as guest:
+        assert _exec(guest, "node -e 'console.log(6 * 7)'").strip() == "42"
+        # The bundled interpreter is kept apart: the image has no python of its own.
+        assert guest.agent.exec("command -v python3").exit_code != 0
+        result = guest.agent.eval("import sys; sys.prefix")
+        assert result.exception is None and result.value == "/opt/vmfork/python/usr"

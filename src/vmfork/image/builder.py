@@ -527,10 +527,10 @@ def _build_disk(out: Path, plan: _Plan, progress: Progress) -> None:
         base_env: tuple[str, ...] = ()
         workdir, user = spec.workdir, spec.user
         if plan.oci_ref is not None:
-            from vmfork.image import oci
+            from vmfork.image.oci import import_image
 
             progress("base", f"importing {plan.oci_ref}")
-            config = oci.import_image(plan.oci_ref, root, **plan.oci_options,
+            config = import_image(plan.oci_ref, root, **plan.oci_options,
                                       progress=lambda what, done, total: progress(
                                           "base", f"{what} {done >> 20}"
                                           + (f"/{total >> 20}" if total else "") + " MiB"))
@@ -617,10 +617,10 @@ def _plan(spec: ImageSpec, scratch: Path, progress: Progress, *, oci_ref: str | 
           oci_options: dict[str, Any] | None = None) -> _Plan:
     spec.validate()
     if oci_ref is not None:
-        from vmfork.image import oci
+        from vmfork.image.oci import resolve
 
         progress("base", f"resolving {oci_ref}")
-        digest = oci.resolve(oci_ref, **(oci_options or {}))
+        digest = resolve(oci_ref, **(oci_options or {}))
         plan = _Plan(spec, [f"base oci {digest}"], oci_ref=oci_ref,
                      oci_options=dict(oci_options or {}))
     else:

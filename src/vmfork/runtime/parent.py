@@ -25,10 +25,13 @@ class WarmUpFailed(RuntimeError):
 _OOM_MARKERS = ("Out of memory", "oom-kill", "invoked oom-killer", "page allocation failure")
 
 
-def out_of_memory_hint(console_tail: str, mem_mib: int) -> str | None:
-    """A sentence for a failure the guest's console shows as an OOM, else None."""
+def out_of_memory_hint(console_tail: str, mem_mib: int, error: str = "") -> str | None:
+    """A sentence for a failure that the guest's console (the kernel's OOM killer) or
+    the error itself (Python's MemoryError) shows as running out of memory, else None."""
     lines = [line for line in console_tail.splitlines()
              if any(marker in line for marker in _OOM_MARKERS)]
+    if not lines and "MemoryError" in error:
+        lines = ["MemoryError"]
     if not lines:
         return None
     return (f"the guest ran out of memory ({lines[-1].strip()[:160]}); it has "
@@ -78,7 +81,7 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
             try:
                 _warm_up(guest, warm_code, warm_cmd)
             except WarmUpFailed as err:
-                hint = out_of_memory_hint(guest.console_tail(), mem_mib)
+                hint = out_of_memory_hint(guest.console_tail(), mem_mib, str(err))
                 if hint is not None:
                     raise WarmUpFailed(f"{err}; {hint}") from None
                 raise
