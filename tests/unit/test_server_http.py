@@ -321,7 +321,9 @@ def test_openapi_documents_exactly_the_routes(served: Served) -> None:
     for schema_name, spec in (("SandboxCreate", api.SANDBOX_CREATE), ("ExecRequest", api.EXEC),
                               ("EvalRequest", api.EVAL),
                               ("SnapshotCreate", api.SNAPSHOT_CREATE),
-                              ("BranchRequest", api.BRANCH)):
+                              ("BranchRequest", api.BRANCH),
+                              ("ImageBuild", api.IMAGE_BUILD),
+                              ("ImageImport", api.IMAGE_IMPORT)):
         assert set(doc["components"]["schemas"][schema_name]["properties"]) == set(spec)
 
 
