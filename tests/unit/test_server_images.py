@@ -286,8 +286,8 @@ def test_a_real_build_through_the_api(served: Served, ctl: Controller, build_cac
 
     metrics = ctl.metrics()
     assert re.search(r'^vmfork_image_builds_total\{kind="build",outcome="ok"\} 2$', metrics,
-                     re.M), metrics
-    assert re.search(r"^vmfork_image_builds_in_flight 0$", metrics, re.M)
+                     re.MULTILINE), metrics
+    assert re.search(r"^vmfork_image_builds_in_flight 0$", metrics, re.MULTILINE)
 
 
 def test_a_failed_build_is_failed_never_ready(served: Served, ctl: Controller,

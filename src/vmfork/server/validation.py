@@ -201,9 +201,21 @@ def check_workspace_name(value: str) -> str:
     return value
 
 
-def max_length(limit: int) -> Callable[[Any], str | None]:
+def _utf8(value: str) -> bool:
+    # JSON can carry lone surrogates ("\ud800"), which no file, path or process argument
+    # can hold; refused here rather than failing deep inside a build.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def text_up_to(limit: int) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
-        return None if len(value) <= limit else f"is longer than {limit} characters"
+        if len(value) > limit:
+            return f"is longer than {limit} characters"
+        return None if _utf8(value) else "is not valid Unicode (a lone surrogate)"
     return check
 
 
@@ -211,9 +223,9 @@ def check_strings(value: Any) -> str | None:
     for item in value:
         if not isinstance(item, str):
             return f"must hold only strings, not {json.dumps(item)[:40]}"
-        if not item or len(item) > MAX_LIST_STRING or "\0" in item:
+        if not item or len(item) > MAX_LIST_STRING or "\0" in item or not _utf8(item):
             return (f"holds {item[:40]!r}: each entry is 1 to {MAX_LIST_STRING} characters "
-                    "without NUL")
+                    "of valid Unicode without NUL")
     return None
 
 
@@ -223,14 +235,16 @@ def check_string_map(value: Any) -> str | None:
             return f"value of {key[:40]!r} must be a string"
         if len(item) > MAX_LIST_STRING * 8:
             return f"value of {key[:40]!r} is longer than {MAX_LIST_STRING * 8} characters"
+        if not (_utf8(key) and _utf8(item)):
+            return f"entry {key[:40]!r} is not valid Unicode (a lone surrogate)"
     return None
 
 
 def _host_path_problem(path: str) -> str | None:
     if not path.startswith("/"):
         return "must be an absolute path on the daemon's host"
-    if "\0" in path or len(path) > MAX_HOST_PATH:
-        return f"must be at most {MAX_HOST_PATH} characters without NUL"
+    if "\0" in path or len(path) > MAX_HOST_PATH or not _utf8(path):
+        return f"must be at most {MAX_HOST_PATH} characters of valid Unicode without NUL"
     return None
 
 
@@ -244,7 +258,8 @@ def check_copies(value: Any) -> str | None:
         problem = _host_path_problem(item["src"])
         if problem is not None:
             return f"entry {i}: src {item['src'][:80]!r} {problem}"
-        problem = check_guest_path(item["dst"])
+        problem = (check_guest_path(item["dst"]) if _utf8(item["dst"]) else
+                   "is not valid Unicode (a lone surrogate)")
         if problem is not None:
             return f"entry {i}: dst {item['dst'][:80]!r} {problem}"
     return None
@@ -270,7 +285,8 @@ def check_image_name(value: Any) -> str | None:
 
 
 def check_image_ref(value: Any) -> str | None:
-    if not value or len(value) > MAX_IMAGE_REF or re.search(r"[\s\0]", value):
+    if (not value or len(value) > MAX_IMAGE_REF or re.search(r"[\s\0]", value)
+            or not _utf8(value)):
         return (f"must be an OCI reference (HOST/REPO:TAG, an OCI layout directory, "
                 f"oci-archive:PATH or docker-archive:PATH): 1 to {MAX_IMAGE_REF} characters "
                 "without whitespace")
