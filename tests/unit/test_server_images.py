@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -37,7 +38,8 @@ from vmfork.image import (
 )
 from vmfork.paths import cache_dir
 from vmfork.server import api
-from vmfork.server.images import PROGRESS_LINES, ImageJob
+from vmfork.server.errors import Busy, Conflict
+from vmfork.server.images import PROGRESS_LINES, ImageBuilds, ImageJob
 from vmfork.store import SnapshotMeta, SnapshotTimings, Store
 
 # Read before any test points VMFORK_CACHE_DIR at a cache of its own.
@@ -218,6 +220,54 @@ def test_delete_is_refused_while_snapshots_use_the_image(served: Served, ctl: Co
     lines = [json.loads(line) for line in served.audit_path.read_text().splitlines()]
     deletes = [e for e in lines if e["method"] == "DELETE" and e.get("image") == "in-use"]
     assert [e["status"] for e in deletes] == [409, 204]
+
+
+def test_the_sdk_reads_requirement_files_and_makes_copy_sources_absolute(
+        served: Served, ctl: Controller, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    requirements = tmp_path / "requirements.txt"
+    requirements.write_text("numpy==2.0.2\n--extra-index-url http://elsewhere\n")
+    err = _error(ctl.build_image, "a", requirements=requirements)
+    assert err.status == 400 and "'requirements', line 2" in err.message
+    (tmp_path / "payload").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    # Accepted (an absolute, existing source) up to the refusal for want of a kernel.
+    err = _error(ctl.build_image, "a", copy=["payload:/opt/payload"], wait=False)
+    assert err.status == 409 and "guest kernel" in err.message
+    with pytest.raises(ValueError, match="not SRC:DST"):
+        ctl.build_image("a", copy=["payload"])
+    with pytest.raises(TypeError, match="list of strings"):
+        ctl.build_image("a", apt="curl")
+
+
+def test_one_job_per_name_and_a_cap_on_jobs(served: Served, build_cache: Path) -> None:
+    """The job machinery with work that waits for the test (the real builder runs in
+    the tests below): 409 for a name in flight, 503 over the cap, progress as reported."""
+    builds = ImageBuilds(served.store, served.controller.metrics, concurrency=1,
+                         retry_after_s=7)
+    gate = threading.Event()
+
+    def work(progress: Any) -> GuestImage:
+        progress("base", "waiting for the test")
+        gate.wait(30)
+        return _fake_record("gated", build_cache)
+
+    status, job = builds._start("gated", "build", "default", work, False, None)
+    assert (status, job["status"]) == (202, "building")
+    with pytest.raises(Conflict, match="already being built"):
+        builds._start("gated", "build", "default", work, False, None)
+    with pytest.raises(Busy, match="1 image builds are already running") as busy:
+        builds._start("other", "build", "default", work, False, None)
+    assert busy.value.headers == {"Retry-After": "7"}
+    deadline = time.monotonic() + 10
+    while not builds.get("gated")["progress"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p["message"] for p in builds.get("gated")["progress"]] == ["waiting for the test"]
+    gate.set()
+    while builds.get("gated")["status"] == "building" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert builds.get("gated")["status"] == "ready"
+    assert builds.list_all()[0]["name"] == "gated"
 
 
 def test_progress_is_bounded() -> None:
