@@ -31,9 +31,12 @@ class RunningDaemon:
 
 
 @contextmanager
-def running_daemon(root: Path, *, token: str | None = None) -> Iterator[RunningDaemon]:
+def running_daemon(root: Path, *, token: str | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[RunningDaemon]:
+    """``env``: more of the daemon's environment (e.g. an image cache of its own)."""
     env = dict(os.environ, VMFORK_HOME=str(root / "home"),
-               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p))
+               PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
+               **(env or {}))
     socket = root / "api.sock"
     cmd = [sys.executable, "-m", "vmfork.cli.serve", "--state", str(root / "state"),
            "--socket", str(socket)]

@@ -1,6 +1,8 @@
 """``vmfork mcp`` over stdio (the MCP SDK's own client) against a real ``vmfork
 serve`` on routes that spawn nothing: the tool list and its schemas, the
-daemon's reasons as tool errors, argument validation, auth pass-through.
+daemon's reasons as tool errors, argument validation, auth pass-through, the
+image tools (the daemon's image cache is its own and empty: builds are refused
+for want of a kernel, a record written into it is listed and deleted).
 Sandboxes themselves are exercised in tests/e2e/test_mcp.py."""
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -25,17 +28,20 @@ from tests.mcp_support import (
     mcp_session,
     running_daemon,
 )
+from vmfork.image import GuestImage, initrd_path, kernel_path, write_record
 
 TOKEN = "mcp-test-token-0123456789"
 FORKD_TOOLS = {"list_snapshots", "spawn_sandboxes", "branch_sandbox", "create_snapshot",
                "wait_for_text", "list_sandboxes", "get_sandbox", "kill_sandbox",
                "exec_command", "eval_code", "ping_sandbox"}
-VMFORK_TOOLS = {"read_file", "write_file", "list_files", "snapshot_info", "compact_snapshot"}
+VMFORK_TOOLS = {"read_file", "write_file", "list_files", "snapshot_info", "compact_snapshot",
+                "build_image", "list_images", "get_image", "delete_image"}
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
-    with running_daemon(tmp_path_factory.mktemp("mcp"), token=TOKEN) as d:
+    root = tmp_path_factory.mktemp("mcp")
+    with running_daemon(root, token=TOKEN, env={"VMFORK_CACHE_DIR": str(root / "cache")}) as d:
         yield d
 
 
@@ -96,6 +102,53 @@ def test_tools_schemas_and_errors(daemon: RunningDaemon) -> None:
             with pytest.raises(ToolFailed, match="kernel, rootfs or tap"):
                 await mcp.call("create_snapshot", {"tag": "t", "kernel": "/boot/vmlinuz",
                                                    "rootfs": "/rootfs.ext4"})
+
+    asyncio.run(session())
+
+
+def test_image_tools(daemon: RunningDaemon, tmp_path: Path) -> None:
+    payload = tmp_path / "payload"
+    payload.write_text("x")
+    cache = daemon.root / "cache"
+    write_record(GuestImage(
+        name="recorded", kernel=kernel_path("a" * 24, cache), initrd=initrd_path("b" * 24, cache),
+        kernel_key="a" * 24, initramfs_key="b" * 24, cmdline="rdinit=/init",
+        created=datetime.now(UTC).replace(microsecond=0), kernel_size=1, initrd_size=2), cache)
+
+    async def session() -> None:
+        async with mcp_session(daemon.url, token=TOKEN) as mcp:
+            tools = {t.name: t for t in (await mcp.client.list_tools()).tools}
+            assert {"name", "base", "apt", "pip", "requirements", "npm", "copy", "env",
+                    "workdir", "user", "wait"} == set(tools["build_image"].input_schema[
+                        "properties"])
+            assert tools["build_image"].input_schema["required"] == ["name"]
+
+            listed = await mcp.call("list_images")
+            assert [(i["name"], i["status"], i["root"]) for i in listed] == [
+                ("recorded", "ready", "initramfs")]
+            assert (await mcp.call("get_image", {"name": "recorded"}))["size"] == 3
+
+            with pytest.raises(ToolFailed, match=r"HTTP 409.*guest kernel is not built"):
+                await mcp.call("build_image", {"name": "mine", "apt": ["curl"],
+                                               "copy": [f"{payload}:/opt/payload"],
+                                               "env": {"A": "b"}, "wait": False})
+            with pytest.raises(ToolFailed, match=r"HTTP 400.*env: '1A' is not a variable"):
+                await mcp.call("build_image", {"name": "mine", "env": {"1A": "b"}})
+            with pytest.raises(ToolFailed, match=r"HTTP 404.*field 'from'"):
+                await mcp.call("build_image", {"name": "mine", "base": "absent",
+                                               "env": {"A": "b"}})
+            with pytest.raises(ToolFailed, match="not SRC:DST"):
+                await mcp.call("build_image", {"name": "mine", "copy": ["no-destination"]})
+            with pytest.raises(ToolFailed, match="name"):
+                await mcp.call("build_image", {"name": "../escape"})
+            with pytest.raises(ToolFailed, match=r"HTTP 404.*no image 'absent'"):
+                await mcp.call("get_image", {"name": "absent"})
+
+            assert await mcp.call("delete_image", {"name": "recorded"}) == {
+                "name": "recorded", "deleted": True}
+            with pytest.raises(ToolFailed, match=r"HTTP 404"):
+                await mcp.call("delete_image", {"name": "recorded"})
+            assert await mcp.call("list_images") == []
 
     asyncio.run(session())
 

@@ -30,6 +30,7 @@ from vmfork.agent.client import (
 )
 from vmfork.client import Controller, ControllerError, Sandbox
 from vmfork.client.transport import UnixHTTPConnection
+from vmfork.runtime.branch import BranchFailed, BranchResult
 from vmfork.server import api, auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller as Ctl
@@ -39,7 +40,6 @@ from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
 from vmfork.server.spawner import ControlError, ExitNotice, Spawned, SpawnOutcome
-from vmfork.runtime.branch import BranchFailed, BranchResult
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 
 TOKEN = b"0123456789abcdef-secret"
@@ -321,7 +321,9 @@ def test_openapi_documents_exactly_the_routes(served: Served) -> None:
     for schema_name, spec in (("SandboxCreate", api.SANDBOX_CREATE), ("ExecRequest", api.EXEC),
                               ("EvalRequest", api.EVAL),
                               ("SnapshotCreate", api.SNAPSHOT_CREATE),
-                              ("BranchRequest", api.BRANCH)):
+                              ("BranchRequest", api.BRANCH),
+                              ("ImageBuild", api.IMAGE_BUILD),
+                              ("ImageImport", api.IMAGE_IMPORT)):
         assert set(doc["components"]["schemas"][schema_name]["properties"]) == set(spec)
 
 

@@ -3,7 +3,8 @@
  * with forkd's method names in camelCase, so a script written for forkd's
  * TypeScript SDK runs against vmfork by changing its import. Options are
  * camelCase here and snake_case on the wire. Results are the decoded JSON
- * records of ./types.ts.
+ * records of ./types.ts. Guest images (`buildImage`, `importImage`, `listImages`,
+ * `getImage`, `deleteImage`, `waitImage`) are vmfork's extension.
  *
  * Any non-2xx answer rejects with `ControllerError(status, body, url)`; a
  * daemon that cannot be reached, or does not answer within the timeout,
@@ -23,6 +24,7 @@ import type {
   ExecResult,
   ExecStreamEvent,
   FileInfo,
+  ImageInfo,
   PingResult,
   SandboxInfo,
   SnapshotDetails,
@@ -176,6 +178,83 @@ export interface DeleteSnapshotOptions extends CallOptions {
   cascade?: boolean;
   /** Delete it even though others depend on it. */
   force?: boolean;
+}
+
+/** A file or directory copied into an image: `"SRC:DST"`, `[src, dst]` or `{src, dst}`; `src` is on the daemon's host. */
+export type ImageCopy = string | [string, string] | { src: string; dst: string };
+
+export interface BuildImageOptions extends CallOptions {
+  /** The image to start from (default: the default image); `from` on the wire. */
+  base?: string;
+  /** Debian packages (their dependencies come along). */
+  apt?: string[];
+  /** Python requirements, installed as wheels. */
+  pip?: string[];
+  /** A requirements file's text (requirements, optionally `--hash`-pinned; no other pip options). */
+  requirements?: string;
+  pipIndexUrl?: string;
+  /** http(s)/file URLs or absolute directories on the daemon's host. */
+  pipFindLinks?: string[];
+  pipNoIndex?: boolean;
+  /** npm packages (run with Debian's nodejs: add it to `apt`). */
+  npm?: string[];
+  /** Host files in; a relative `src` is resolved against this process's directory. */
+  copy?: ImageCopy[];
+  /** Environment of commands run in its sandboxes. */
+  env?: Record<string, string>;
+  workdir?: string;
+  /** NAME, UID or USER:GROUP. */
+  user?: string;
+  diskFormat?: "squashfs" | "erofs";
+  /**
+   * true (default): resolve when the image is ready (a failed step rejects with
+   * status 422 naming it; default timeout an hour). false: resolve at once with the
+   * job (`status: "building"`); follow it with {@link Controller.waitImage}.
+   */
+  wait?: boolean;
+}
+
+export interface ImportImageOptions extends CallOptions {
+  /** Plain HTTP to the registry. */
+  insecure?: boolean;
+  /** As for {@link BuildImageOptions.wait}. */
+  wait?: boolean;
+}
+
+export interface WaitImageOptions {
+  signal?: AbortSignal;
+  /** Milliseconds to wait in all (default an hour). */
+  timeoutMs?: number;
+  /** Milliseconds between polls (default 1000). */
+  pollMs?: number;
+}
+
+/** `waitImage`: the build or import ended `failed`; `info.error` says why, `info.progress` shows its last steps. */
+export class ImageBuildFailedError extends ControllerError {
+  readonly info: ImageInfo;
+
+  constructor(info: ImageInfo, url: string) {
+    super(422, { error: info.error ?? "the image build failed" }, url);
+    this.name = "ImageBuildFailedError";
+    this.info = info;
+  }
+}
+
+function copyEntry(entry: ImageCopy): { src: string; dst: string } {
+  let src: string;
+  let dst: string;
+  if (typeof entry === "string") {
+    const colon = entry.lastIndexOf(":"); // the last ':' as the CLI: SRC may hold one
+    if (colon <= 0) throw new TypeError(`copy entry ${JSON.stringify(entry)} is not SRC:DST`);
+    [src, dst] = [entry.slice(0, colon), entry.slice(colon + 1)];
+  } else if (Array.isArray(entry)) {
+    [src, dst] = entry;
+  } else {
+    ({ src, dst } = entry);
+  }
+  // The daemon has no working directory of the caller's; a relative source means this
+  // process's, which is right when the daemon runs on this host (its usual place).
+  return { src: path.resolve(src), dst };
 }
 
 type Query = Record<string, string | number | boolean | undefined>;
@@ -379,6 +458,104 @@ export class Controller {
       timeoutMs: options.timeoutMs ?? (options.timeoutSecs ?? 0) * 1000 + this.timeoutMs,
       json: body,
     });
+  }
+
+  // -- guest images (vmfork's extension) ------------------------------------------
+
+  /**
+   * Have the daemon build image `name` (as `vmfork image build`): a read-only root
+   * disk of `base` plus packages, wheels, npm packages and copied files, with
+   * `env`/`workdir`/`user` for exec. Only the options given are sent.
+   */
+  buildImage(name: string, options: BuildImageOptions = {}): Promise<ImageInfo> {
+    const body: Record<string, unknown> = { name };
+    if (options.base !== undefined) body.from = options.base;
+    for (const [key, value] of [
+      ["apt", options.apt],
+      ["pip", options.pip],
+      ["npm", options.npm],
+      ["pip_find_links", options.pipFindLinks],
+    ] as const) {
+      if (value !== undefined && value.length) body[key] = value;
+    }
+    if (options.requirements !== undefined) body.requirements = options.requirements;
+    if (options.pipIndexUrl !== undefined) body.pip_index_url = options.pipIndexUrl;
+    if (options.pipNoIndex !== undefined) body.pip_no_index = options.pipNoIndex;
+    if (options.copy !== undefined && options.copy.length) body.copy = options.copy.map(copyEntry);
+    if (options.env !== undefined) body.env = options.env;
+    if (options.workdir !== undefined) body.workdir = options.workdir;
+    if (options.user !== undefined) body.user = options.user;
+    if (options.diskFormat !== undefined) body.disk_format = options.diskFormat;
+    if (options.wait !== undefined) body.wait = options.wait;
+    return this.json("POST", "/v1/images", {
+      ...options,
+      timeoutMs: options.timeoutMs ?? (options.wait === false ? undefined : Math.max(this.timeoutMs, 3_600_000)),
+      json: body,
+    });
+  }
+
+  /**
+   * Import the OCI image `ref` (`HOST/REPO:TAG`, an OCI layout directory,
+   * `oci-archive:PATH` or `docker-archive:PATH` on the daemon's host) as image `name`.
+   */
+  importImage(name: string, ref: string, options: ImportImageOptions = {}): Promise<ImageInfo> {
+    const body: Record<string, unknown> = { name, ref };
+    if (options.insecure !== undefined) body.insecure = options.insecure;
+    if (options.wait !== undefined) body.wait = options.wait;
+    return this.json("POST", "/v1/images/import", {
+      ...options,
+      timeoutMs: options.timeoutMs ?? (options.wait === false ? undefined : Math.max(this.timeoutMs, 3_600_000)),
+      json: body,
+    });
+  }
+
+  /** Built images and builds in flight or failed, by name. */
+  listImages(options: CallOptions = {}): Promise<ImageInfo[]> {
+    return this.json("GET", "/v1/images", options);
+  }
+
+  getImage(name: string, options: CallOptions = {}): Promise<ImageInfo> {
+    return this.json("GET", `/v1/images/${seg(name)}`, options);
+  }
+
+  /** Remove image `name`; rejects with 409 (`body.snapshots` names them) while snapshots use it. */
+  async deleteImage(name: string, options: CallOptions = {}): Promise<void> {
+    await this.json("DELETE", `/v1/images/${seg(name)}`, options);
+  }
+
+  /**
+   * Poll image `name` until its build is over: resolves with the ready image,
+   * rejects with {@link ImageBuildFailedError} if it failed, or with status 0 when
+   * `timeoutMs` passes first.
+   */
+  async waitImage(name: string, options: WaitImageOptions = {}): Promise<ImageInfo> {
+    const timeoutMs = options.timeoutMs ?? 3_600_000;
+    const pollMs = options.pollMs ?? 1000;
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      const info = await this.getImage(name, { signal: options.signal });
+      if (info.status === "ready") return info;
+      if (info.status === "failed") throw new ImageBuildFailedError(info, this.baseUrl + `/v1/images/${seg(name)}`);
+      if (Date.now() + pollMs > deadline) {
+        const last = info.progress?.at(-1)?.message ?? "no progress yet";
+        throw new ControllerError(
+          0,
+          `image ${name} still ${info.status} after ${timeoutMs} ms (last: ${last}); pass a larger timeoutMs to waitImage`,
+          this.baseUrl + `/v1/images/${seg(name)}`,
+        );
+      }
+      await new Promise<void>((resolve, reject) => {
+        const onAbort = (): void => {
+          clearTimeout(timer);
+          reject(options.signal?.reason);
+        };
+        const timer = setTimeout(() => {
+          options.signal?.removeEventListener("abort", onAbort);
+          resolve();
+        }, pollMs);
+        options.signal?.addEventListener("abort", onAbort, { once: true });
+      });
+    }
   }
 
   // -- files --------------------------------------------------------------------

@@ -1,6 +1,6 @@
 /**
  * The vmfork TypeScript SDK: `Controller` (the daemon's REST API, forkd's method
- * names in camelCase) and `Sandbox` (E2B-shaped). No runtime dependencies.
+ * names in camelCase, plus guest images) and `Sandbox` (E2B-shaped). No runtime dependencies.
  *
  *     import { Sandbox } from "vmfork";
  *     await using sb = await Sandbox.create("py-warm");
@@ -10,17 +10,22 @@
 export {
   Controller,
   ControllerError,
+  ImageBuildFailedError,
   defaultUrl,
   type BranchMode,
   type BranchOptions,
+  type BuildImageOptions,
   type CallOptions,
   type ControllerOptions,
   type CreateSnapshotOptions,
   type DeleteSnapshotOptions,
   type EvalOptions,
   type ExecOptions,
+  type ImageCopy,
+  type ImportImageOptions,
   type RemoveFileOptions,
   type SpawnOptions,
+  type WaitImageOptions,
   type WriteFileOptions,
 } from "./controller.js";
 export {

@@ -109,3 +109,49 @@ export type ExecStreamEvent =
   | { event: "stdout" | "stderr"; data: string }
   | { event: "exit"; exitCode: number; signal: number | null; durationSecs: number }
   | { event: "error"; body: Record<string, unknown> & { error: string; status?: number } };
+
+export type ImageStatus = "building" | "ready" | "failed";
+
+/** One line a build reported: its step (`base`, `apt`, `pip`, `copy`, `disk`, ...), what it did, when (unix seconds). */
+export interface ImageProgress {
+  step: string;
+  message: string;
+  at: number;
+}
+
+/**
+ * A guest image (`status: "ready"`), or its build or import (`"building"`, or
+ * `"failed"` with `error`), from `/v1/images`. Sizes in bytes; paths are on the
+ * daemon's host. `previous` is the image that keeps the name while it is rebuilt,
+ * or after a rebuild failed.
+ */
+export interface ImageInfo {
+  name: string;
+  status: ImageStatus;
+  size?: number;
+  root?: "initramfs" | "disk";
+  disk?: string | null;
+  disk_format?: string | null;
+  disk_size?: number;
+  kernel_size?: number;
+  initrd_size?: number;
+  built_from?: string;
+  definition?: Record<string, unknown>;
+  /** ISO 8601, UTC. */
+  created?: string;
+  env?: string[];
+  workdir?: string | null;
+  user?: string | null;
+  agent_python?: string | null;
+  files_present?: boolean;
+  kind?: "build" | "import";
+  from?: string;
+  started_at_unix?: number;
+  finished_at_unix?: number;
+  /** The build's last lines (at most 200); `progress_lines` counts them all. */
+  progress?: ImageProgress[];
+  progress_lines?: number;
+  error?: string;
+  previous?: ImageInfo;
+  [extra: string]: unknown;
+}

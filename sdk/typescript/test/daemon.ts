@@ -44,7 +44,10 @@ export async function freePort(): Promise<number> {
   });
 }
 
-export async function startDaemon(options: { token?: string; tcp?: boolean } = {}): Promise<TestDaemon> {
+/** `env`: extra environment of the daemon (e.g. `VMFORK_CACHE_DIR`, an image cache of the test's own). */
+export async function startDaemon(
+  options: { token?: string; tcp?: boolean; env?: Record<string, string> } = {},
+): Promise<TestDaemon> {
   const root = mkdtempSync(path.join(os.tmpdir(), "vmfork-ts-"));
   const socket = path.join(root, "api.sock");
   // The daemon gets SIGTERM when this process dies, however it dies (a cancelled test
@@ -65,6 +68,7 @@ export async function startDaemon(options: { token?: string; tcp?: boolean } = {
     ...process.env,
     VMFORK_HOME: path.join(root, "home"),
     PYTHONPATH: [path.join(REPO, "src"), process.env.PYTHONPATH].filter(Boolean).join(path.delimiter),
+    ...options.env,
   };
   const logPath = path.join(root, "serve.log");
   const log = openSync(logPath, "w");

@@ -12,11 +12,14 @@
 from vmfork.client.controller import (
     Controller,
     ControllerError,
+    Copy,
     Egress,
     ExecStream,
+    ImageBuildFailed,
     default_url,
     egress_policy,
 )
+from vmfork.client.images import ImageInfo, ImageProgress
 from vmfork.client.sandbox import (
     AsyncCommandHandle,
     AsyncSandbox,
@@ -29,5 +32,6 @@ from vmfork.client.sandbox import (
 )
 
 __all__ = ["AsyncCommandHandle", "AsyncSandbox", "CommandExitError", "CommandHandle",
-           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "Egress",
-           "EvalResult", "ExecStream", "Sandbox", "default_url", "egress_policy"]
+           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "Copy", "Egress",
+           "EvalResult", "ExecStream", "ImageBuildFailed", "ImageInfo", "ImageProgress",
+           "Sandbox", "default_url", "egress_policy"]

@@ -1,9 +1,10 @@
 """``Controller``: one method per REST call, with forkd's names and signatures
 (REFERENCE-forkd.md, SDKs), so a forkd script runs by changing its import.
 
-Results are the decoded JSON (dicts and lists), as forkd's SDK returns them. Any
-non-2xx answer raises ``ControllerError(status, body, url)``; a daemon that does
-not answer raises ``ControllerError`` with status 0 and says how to start one.
+Results are the decoded JSON (dicts and lists), as forkd's SDK returns them; the
+image calls, which forkd lacks, return typed ``ImageInfo`` records. Any non-2xx
+answer raises ``ControllerError(status, body, url)``; a daemon that does not
+answer raises ``ControllerError`` with status 0 and says how to start one.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import ipaddress
 import json
 import os
 import socket
+import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, BinaryIO, Union
+from pathlib import Path
+from typing import Any, BinaryIO
 
+from vmfork.client.images import FAILED, READY, ImageInfo
 from vmfork.client.transport import Endpoint
 
 USER_AGENT = "vmfork-python"
@@ -37,7 +41,7 @@ def default_url() -> str:
 
 
 
-Egress = Union[str, Sequence[str], Mapping[str, Any]]
+Egress = str | Sequence[str] | Mapping[str, Any]
 """An egress policy: ``"allow"``, ``"deny"``, a list of allowed CIDRs and domain names,
 or the API's object ``{"mode": ..., "cidrs": [...], "domains": [...]}``."""
 
@@ -74,6 +78,35 @@ class ControllerError(Exception):
     @property
     def message(self) -> str:
         return str(self.body.get("error") if isinstance(self.body, dict) else self.body)
+
+
+class ImageBuildFailed(ControllerError):
+    """``wait_image``: the build or import ended ``failed``; ``info.error`` says why and
+    ``info.progress`` shows its last steps."""
+
+    def __init__(self, info: ImageInfo, url: str) -> None:
+        super().__init__(422, {"error": info.error or "the image build failed"}, url)
+        self.info = info
+
+
+Copy = str | tuple[str, str] | Mapping[str, str]
+"""A file or directory to copy into an image: ``"SRC:DST"``, ``(src, dst)`` or
+``{"src": ..., "dst": ...}``; ``src`` is a path on the daemon's host."""
+
+
+def _copy_entry(entry: Copy) -> dict[str, str]:
+    if isinstance(entry, str):
+        src, sep, dst = entry.rpartition(":")   # the last ':' as the CLI: SRC may hold one
+        if not sep:
+            raise ValueError(f"copy entry {entry!r} is not SRC:DST")
+    elif isinstance(entry, Mapping):
+        src, dst = entry["src"], entry["dst"]
+    else:
+        src, dst = entry
+    # A relative source means the caller's directory; the daemon has no such notion, so
+    # it is made absolute here (right when the daemon runs on this host, its usual
+    # place; a remote daemon needs paths of its own host anyway).
+    return {"src": os.path.abspath(os.fspath(src)), "dst": dst}
 
 
 class Controller:
@@ -318,6 +351,84 @@ class Controller:
             "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/eval", body,
             timeout=(timeout_secs or 0) + self.timeout)
         return result
+
+    # -- guest images (vmfork's extension) ------------------------------------------
+
+    def build_image(self, name: str, *, base: str | None = None, apt: Iterable[str] = (),
+                    pip: Iterable[str] = (), requirements: str | os.PathLike[str] | None = None,
+                    pip_index_url: str | None = None, pip_find_links: Iterable[str] = (),
+                    pip_no_index: bool = False, npm: Iterable[str] = (),
+                    copy: Iterable[Copy] = (), env: Mapping[str, str] | None = None,
+                    workdir: str | None = None, user: str | None = None,
+                    disk_format: str | None = None, wait: bool = True,
+                    timeout: float = 3600) -> ImageInfo:
+        """Have the daemon build image ``name`` (as ``vmfork image build``): ``base``
+        another image (default: the default one), Debian packages ``apt``, wheels ``pip``
+        (and ``requirements``: a requirements file's text, or a path to one read here),
+        ``npm`` packages, ``copy`` host files in, ``env``/``workdir``/``user`` for exec.
+
+        ``wait=True`` blocks until it is ready (``timeout`` in seconds; a failed step
+        raises ``ControllerError`` 422 naming it); ``wait=False`` returns the job
+        (``status`` ``building``) at once: follow it with ``wait_image``."""
+        body: dict[str, Any] = {"name": name, "wait": wait}
+        if base is not None:
+            body["from"] = base
+        for key, items in (("apt", apt), ("pip", pip), ("pip_find_links", pip_find_links),
+                           ("npm", npm)):
+            if isinstance(items, str):
+                raise TypeError(f"{key} takes a list of strings, not one string")
+            if items:
+                body[key] = list(items)
+        if requirements is not None:
+            body["requirements"] = (requirements if isinstance(requirements, str) else
+                                    Path(requirements).read_text(encoding="utf-8"))
+        if copy:
+            body["copy"] = [_copy_entry(c) for c in copy]
+        if env:
+            body["env"] = dict(env)
+        for key, value in (("pip_index_url", pip_index_url), ("workdir", workdir),
+                           ("user", user), ("disk_format", disk_format)):
+            if value is not None:
+                body[key] = value
+        if pip_no_index:
+            body["pip_no_index"] = True
+        return ImageInfo.from_json(self._call("POST", "/v1/images", body, timeout=timeout))
+
+    def import_image(self, name: str, ref: str, *, insecure: bool = False, wait: bool = True,
+                     timeout: float = 3600) -> ImageInfo:
+        """Import the OCI image ``ref`` (``HOST/REPO:TAG``, an OCI layout directory,
+        ``oci-archive:PATH`` or ``docker-archive:PATH`` on the daemon's host) as image
+        ``name``; ``wait`` and ``timeout`` as for ``build_image``."""
+        body = {"name": name, "ref": ref, "insecure": insecure, "wait": wait}
+        return ImageInfo.from_json(self._call("POST", "/v1/images/import", body,
+                                              timeout=timeout))
+
+    def list_images(self) -> list[ImageInfo]:
+        """Built images and builds in flight or failed, by name."""
+        return [ImageInfo.from_json(i) for i in self._call("GET", "/v1/images")]
+
+    def get_image(self, name: str) -> ImageInfo:
+        return ImageInfo.from_json(self._call("GET", f"/v1/images/{_seg(name)}"))
+
+    def delete_image(self, name: str) -> None:
+        """Remove image ``name``; 409 (``body["snapshots"]``) while snapshots use it."""
+        self._call("DELETE", f"/v1/images/{_seg(name)}")
+
+    def wait_image(self, name: str, timeout: float = 3600, poll: float = 1.0) -> ImageInfo:
+        """Poll image ``name`` until its build is over (``timeout``, ``poll`` in seconds):
+        the ready image, or ``ImageBuildFailed`` carrying the failed job."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.get_image(name)
+            if info.status == READY:
+                return info
+            if info.status == FAILED:
+                raise ImageBuildFailed(info, self.base_url + f"/v1/images/{_seg(name)}")
+            if time.monotonic() + poll > deadline:
+                last = info.progress[-1].message if info.progress else "no progress yet"
+                raise TimeoutError(f"image {name!r} still {info.status} after {timeout:g} s "
+                                   f"(last: {last}); pass a larger timeout to wait_image")
+            time.sleep(poll)
 
     # -- workspaces -----------------------------------------------------------------
 

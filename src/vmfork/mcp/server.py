@@ -1,5 +1,6 @@
-"""The MCP tools: forkd-mcp's eleven (same names and parameters) plus files and
-snapshot details, each a thin call through the Python SDK (``vmfork.client``).
+"""The MCP tools: forkd-mcp's eleven (same names and parameters) plus files,
+snapshot details and guest images, each a thin call through the Python SDK
+(``vmfork.client``).
 
 The server holds no state of its own: every call asks the daemon, which owns
 the sandboxes, so an MCP client, the CLI and SDK scripts see the same world.
@@ -28,7 +29,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 
 from vmfork import __version__
-from vmfork.client import Controller, ControllerError
+from vmfork.client import Controller, ControllerError, ImageInfo
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 # Absolute, no NUL; the daemon's own check (check_guest_path) is the authority.
@@ -36,11 +37,17 @@ GUEST_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 READ_LIMIT_DEFAULT = 1 << 20
 READ_LIMIT_MAX = 16 << 20
 EXCERPT_BYTES = 4096
+# An image build's progress, as a tool returns it: the last lines are what tell a model
+# where a build is or why it failed; the daemon keeps 200.
+PROGRESS_SHOWN = 20
 
 SandboxId = Annotated[str, Field(pattern=NAME_PATTERN, description=(
     "Sandbox id, as returned by spawn_sandboxes or list_sandboxes."))]
 SnapshotTag = Annotated[str, Field(pattern=NAME_PATTERN, description=(
     "Snapshot tag: 1-64 letters, digits, '-' or '_'."))]
+ImageName = Annotated[str, Field(pattern=NAME_PATTERN, description=(
+    "Image name: 1-64 letters, digits, '-' or '_'."))]
+Packages = Annotated[list[str], Field(max_length=512)]
 GuestPath = Annotated[str, Field(pattern=GUEST_PATH_PATTERN, description=(
     "Absolute path inside the sandbox, e.g. /tmp/out.txt. Taken literally (no shell, "
     "no globbing, no ~)."))]
@@ -55,6 +62,10 @@ eval_code (Python in the sandbox's already-warm interpreter: fastest), read_file
 write_file / list_files for files. branch_sandbox snapshots a running sandbox so that
 later spawn_sandboxes calls start from exactly that state (fan out from a checkpoint).
 Always kill_sandbox what you spawned when you are done: sandboxes run until killed.
+
+Sandboxes need other software than the default image has? build_image makes an image
+(Debian packages, Python wheels, npm packages, files, environment), then create_snapshot
+with image=<its name> boots it and saves a snapshot to spawn from.
 """
 
 
@@ -67,7 +78,8 @@ def build_server(controller: Controller) -> MCPServer:
                tools.spawn_sandboxes, tools.list_sandboxes, tools.get_sandbox,
                tools.kill_sandbox, tools.ping_sandbox, tools.exec_command, tools.eval_code,
                tools.branch_sandbox, tools.wait_for_text, tools.read_file, tools.write_file,
-               tools.list_files):
+               tools.list_files, tools.list_images, tools.get_image, tools.build_image,
+               tools.delete_image):
         server.add_tool(fn)
     return server
 
@@ -401,6 +413,79 @@ class _Tools:
         except ControllerError as err:
             raise _tool_error(err, f"write_file {path} in {sandbox_id}") from None
 
+    # -- guest images -----------------------------------------------------------------
+
+    def list_images(self) -> list[dict[str, Any]]:
+        """List the guest images snapshots can boot: name, status ("ready", or
+        "building"/"failed" for a build), size in bytes, root ("initramfs" for the
+        default image, "disk" for built ones), built_from and the definition it was built
+        from (packages, copies, env)."""
+        try:
+            return [_image_json(i) for i in self.c.list_images()]
+        except ControllerError as err:
+            raise _tool_error(err, "list_images") from None
+
+    def get_image(self, name: ImageName) -> dict[str, Any]:
+        """One image, or its build: status "building" with the build's last progress
+        lines, "ready" with its record, or "failed" with error (the step that failed)."""
+        try:
+            return _image_json(self.c.get_image(name))
+        except ControllerError as err:
+            raise _tool_error(err, f"get_image {name}") from None
+
+    def build_image(
+        self,
+        name: ImageName,
+        base: Annotated[str | None, Field(pattern=NAME_PATTERN, description=(
+            "Image to start from (default: the default image, Debian with Python 3.11)."
+            ))] = None,
+        apt: Annotated[Packages, Field(description=(
+            "Debian packages, e.g. [\"python3-numpy\", \"curl\"]; dependencies come "
+            "along."))] = [],  # noqa: B006 - pydantic copies defaults; the schema shows []
+        pip: Annotated[Packages, Field(description=(
+            "Python requirements installed as wheels, e.g. [\"pandas==2.2.3\"]."))] = [],  # noqa: B006
+        requirements: Annotated[str | None, Field(max_length=256 << 10, description=(
+            "The text of a requirements.txt (requirements only, optionally with "
+            "--hash)."))] = None,
+        npm: Annotated[Packages, Field(description=(
+            "npm packages, e.g. [\"left-pad@1.3.0\"]; run them with Debian's nodejs "
+            "(add \"nodejs\" to apt)."))] = [],  # noqa: B006
+        copy: Annotated[Packages, Field(description=(
+            "Files or directories of the daemon's host to copy in, each \"SRC:DST\" with "
+            "absolute paths, e.g. \"/srv/app:/app\"."))] = [],  # noqa: B006
+        env: Annotated[dict[str, str] | None, Field(description=(
+            "Environment of commands run in its sandboxes."))] = None,
+        workdir: Annotated[str | None, Field(pattern=GUEST_PATH_PATTERN, description=(
+            "Default working directory of commands (absolute)."))] = None,
+        user: Annotated[str | None, Field(max_length=65, description=(
+            "Default user of commands: NAME, UID or USER:GROUP."))] = None,
+        wait: Annotated[bool, Field(description=(
+            "true waits until the image is ready (a cached definition takes seconds, new "
+            "packages or wheels minutes); false returns at once with status \"building\": "
+            "poll get_image."))] = True,
+    ) -> dict[str, Any]:
+        """Build a guest image: the base plus Debian packages, Python wheels, npm
+        packages and files, with an environment for commands. An unchanged definition is
+        reused from cache. Returns the image's record once ready (or the build, with
+        wait=false); then create_snapshot with image=name boots it."""
+        try:
+            return _image_json(self.c.build_image(
+                name, base=base, apt=apt, pip=pip, requirements=requirements, npm=npm,
+                copy=copy, env=env, workdir=workdir, user=user, wait=wait))
+        except ControllerError as err:
+            raise _tool_error(err, f"build_image {name}") from None
+        except ValueError as err:   # a copy entry that is not SRC:DST
+            raise ToolError(f"build_image {name}: {err}") from None
+
+    def delete_image(self, name: ImageName) -> dict[str, Any]:
+        """Remove an image. Refused while snapshots were booted from it (the error names
+        them: delete those snapshots first)."""
+        try:
+            self.c.delete_image(name)
+        except ControllerError as err:
+            raise _tool_error(err, f"delete_image {name}") from None
+        return {"name": name, "deleted": True}
+
     def list_files(self, sandbox_id: SandboxId, path: GuestPath) -> list[dict[str, Any]]:
         """List a directory in a sandbox: name, type (file, dir, symlink, ...), size, mode
         and mtime of each entry."""
@@ -408,6 +493,13 @@ class _Tools:
             return self.c.list_files(sandbox_id, path)
         except ControllerError as err:
             raise _tool_error(err, f"list_files {path} in {sandbox_id}") from None
+
+
+def _image_json(info: ImageInfo) -> dict[str, Any]:
+    record = dict(info.raw)
+    if "progress" in record:
+        record["progress"] = record["progress"][-PROGRESS_SHOWN:]
+    return record
 
 
 def _ms_since(started: float) -> int:

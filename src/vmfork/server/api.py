@@ -9,7 +9,8 @@ matcher, bodies and queries by their ``Field`` specs), then call the controller.
 Wire compatibility (REFERENCE-forkd.md): same paths, field names, defaults and
 status codes. Extensions sit beside forkd's fields: ``env``/``cwd``/``stdin`` on
 exec, streaming exec (server-sent events), files, ``status``/``exit_reason`` on
-sandboxes, ``stdout``/``stderr``/``traceback`` on eval.
+sandboxes, ``stdout``/``stderr``/``traceback`` on eval, guest images
+(``/v1/images``, ``server.images``).
 """
 
 from __future__ import annotations
@@ -21,25 +22,35 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Protocol
 
+from vmfork.image.spec import DEFAULT_DISK_FORMAT, DISK_FORMATS
 from vmfork.server.controller import Controller, agent_errors
 from vmfork.server.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 from vmfork.server.validation import (
     Field,
     between,
     check_argv,
+    check_copies,
     check_env,
+    check_find_links,
     check_guest_path,
+    check_image_name,
+    check_image_ref,
+    check_path_image,
     check_path_tag,
     check_sandbox_id,
+    check_string_map,
+    check_strings,
     check_tag,
     check_workspace_name,
     one_of,
     parse_json_object,
     parse_query,
+    text_up_to,
     validate_fields,
 )
 
 MAX_JSON_BODY = 1 << 20
+MAX_REQUIREMENTS = 256 << 10   # a requirements file's text, in characters
 MAX_SANDBOXES_PER_REQUEST = 1000
 STREAM_CHUNK = 1 << 16
 
@@ -63,6 +74,7 @@ class Request:
     # Filled by handlers for the audit log.
     sandbox_ids: list[str] = field(default_factory=list)
     snapshot_tag: str | None = None
+    image: str | None = None
 
     def json(self, spec: dict[str, Field], where: str) -> dict[str, Any]:
         length = self.content_length or 0
@@ -208,6 +220,33 @@ WORKSPACE_CREATE = {
 }
 
 WORKSPACE_SUSPEND = {"diff": Field(bool, False)}
+
+# Each list is bounded again by ImageSpec.validate (MAX_ITEMS), and the whole body by
+# MAX_JSON_BODY; paths (copy sources, find-links) are the daemon host's.
+IMAGE_BUILD = {
+    "name": Field(str, check=check_image_name),
+    "from": Field(str, None, check_image_name, nullable=True),
+    "apt": Field(list, [], check_strings),
+    "pip": Field(list, [], check_strings),
+    "requirements": Field(str, None, text_up_to(MAX_REQUIREMENTS), nullable=True),
+    "pip_index_url": Field(str, None, text_up_to(2048), nullable=True),
+    "pip_find_links": Field(list, [], check_find_links),
+    "pip_no_index": Field(bool, False),
+    "npm": Field(list, [], check_strings),
+    "copy": Field(list, [], check_copies),
+    "env": Field(dict, {}, check_string_map),
+    "workdir": Field(str, None, text_up_to(1024), nullable=True),
+    "user": Field(str, None, text_up_to(65), nullable=True),
+    "disk_format": Field(str, DEFAULT_DISK_FORMAT, one_of(*DISK_FORMATS)),
+    "wait": Field(bool, True),
+}
+
+IMAGE_IMPORT = {
+    "name": Field(str, check=check_image_name),
+    "ref": Field(str, check=check_image_ref),
+    "insecure": Field(bool, False),
+    "wait": Field(bool, True),
+}
 
 SNAPSHOT_COMPACT = {"to": Field(str, check=check_tag)}
 SNAPSHOT_DELETE_QUERY = {"cascade": Field(bool, False), "force": Field(bool, False)}
@@ -461,6 +500,40 @@ def set_egress(c: Controller, req: Request) -> Response:
     return Response(body=c.set_egress(_sandbox_id(req), body))
 
 
+def list_images(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.images.list_all())
+
+
+def build_image(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(IMAGE_BUILD, _where(req))
+    req.image = body["name"]
+    status, info = c.images.build(body["name"], body)
+    return Response(status, info)
+
+
+def import_image(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    body = req.json(IMAGE_IMPORT, _where(req))
+    req.image = body["name"]
+    status, info = c.images.import_oci(body["name"], body)
+    return Response(status, info)
+
+
+def get_image(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    req.image = req.params["image"]
+    return Response(body=c.images.get(req.params["image"]))
+
+
+def delete_image(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    req.image = req.params["image"]
+    c.images.delete(req.params["image"])
+    return Response(204)
+
+
 def list_workspaces(c: Controller, req: Request) -> Response:
     _no_query(req)
     return Response(body=c.list_workspaces())
@@ -530,6 +603,11 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/sandboxes/{id}/ports", expose_port),
     Route("DELETE", "/v1/sandboxes/{id}/ports/{port}", unexpose_port),
     Route("PUT", "/v1/sandboxes/{id}/egress", set_egress),
+    Route("GET", "/v1/images", list_images),
+    Route("POST", "/v1/images", build_image),
+    Route("POST", "/v1/images/import", import_image),
+    Route("GET", "/v1/images/{image}", get_image),
+    Route("DELETE", "/v1/images/{image}", delete_image),
     Route("GET", "/v1/workspaces", list_workspaces),
     Route("POST", "/v1/workspaces", create_workspace),
     Route("GET", "/v1/workspaces/{name}", get_workspace),
@@ -546,7 +624,7 @@ def _check_path_port(value: str) -> str:
 
 _PARAM_CHECKS: dict[str, Callable[[str], str]] = {
     "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name,
-    "port": _check_path_port}
+    "image": check_path_image, "port": _check_path_port}
 
 
 def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:

@@ -1,8 +1,8 @@
 """The audit log: one JSON object per request, appended to a file.
 
 Fields are forkd's (``ts, method, path, status, latency_us, ua``) plus ``remote``
-and the ids a request touched (``sandbox_ids``, ``snapshot_tag``), so "who killed
-this sandbox" is a grep. Each line is written with one ``write`` to a file opened
+and the ids a request touched (``sandbox_ids``, ``snapshot_tag``, ``image``), so "who
+killed this sandbox" is a grep. Each line is written with one ``write`` to a file opened
 ``O_APPEND``, so concurrent request threads never interleave within a line.
 
 Log rotation: ``logrotate`` renames the file and sends SIGHUP. The signal handler
@@ -32,6 +32,7 @@ class AuditEntry:
     remote: str
     sandbox_ids: list[str] = field(default_factory=list)
     snapshot_tag: str | None = None
+    image: str | None = None
     ts: float = field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:
@@ -44,6 +45,8 @@ class AuditEntry:
             out["sandbox_ids"] = self.sandbox_ids
         if self.snapshot_tag is not None:
             out["snapshot_tag"] = self.snapshot_tag
+        if self.image is not None:
+            out["image"] = self.image
         return out
 
 

@@ -1,4 +1,5 @@
-"""What the daemon does, independent of HTTP: snapshots and sandboxes.
+"""What the daemon does, independent of HTTP: snapshots, sandboxes and (through
+``server.images``) guest images.
 
 Every method takes validated input, raises an ``ApiError`` subclass that names
 what failed and what to do, and returns plain JSON-ready data in forkd's wire
@@ -58,6 +59,7 @@ from vmfork.server.errors import (
     NotImplementedApi,
     Unprocessable,
 )
+from vmfork.server.images import ImageBuilds
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks, egress_policy, snapshot_has_network
 from vmfork.server.registry import (
@@ -97,6 +99,8 @@ daemon; a fake in unit tests). Gets the store and the validated request body."""
 class Limits:
     heavy_concurrency: int = 4
     branch_concurrency: int = 2
+    # Image builds and imports at once: each compresses its disk on every core.
+    image_builds: int = 2
     retry_after_s: int = 2
 
 
@@ -122,6 +126,8 @@ class Controller:
         self._workspace_lock = threading.Lock()
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.images = ImageBuilds(store, metrics, concurrency=limits.image_builds,
+                                  retry_after_s=limits.retry_after_s)
         metrics.set_sources(lambda: registry.count_sandboxes(RUNNING), self.snapshot_counts,
                             lambda: self._branches_in_flight)
 
@@ -207,6 +213,7 @@ class Controller:
             self._watcher.join(5.0)
         for thread in list(self._branch_threads):
             thread.join(60.0)  # a wait:false BRANCH finishing its files
+        self.images.stop()
         if self.spawner is not None:
             self.spawner.close(kill_sandboxes=kill_sandboxes)
         if kill_sandboxes:

@@ -181,7 +181,7 @@ class RequestHandler(BaseHTTPRequestHandler):
                     method=self.command, path=req.path, status=status,
                     latency_us=int(elapsed * 1e6), ua=self.headers.get("User-Agent", ""),
                     remote=self.address_string(), sandbox_ids=req.sandbox_ids,
-                    snapshot_tag=req.snapshot_tag))
+                    snapshot_tag=req.snapshot_tag, image=req.image))
             except OSError as err:
                 log.error("cannot write the audit log: %s", err)
 

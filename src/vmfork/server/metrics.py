@@ -29,6 +29,11 @@ LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0
 PAUSE_BUCKETS: tuple[float, ...] = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
+# Seconds: a cached image build takes about a second, a fresh one with packages and
+# wheels minutes, an import of a large OCI image longer.
+BUILD_BUCKETS: tuple[float, ...] = (1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+                                    3600.0)
+
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
@@ -197,6 +202,7 @@ class DaemonMetrics:
         self._active: Callable[[], int] = lambda: 0
         self._snapshots: Callable[[], dict[str, int]] = dict
         self._branches_in_flight: Callable[[], int] = lambda: 0
+        self._image_builds: Callable[[], int] = lambda: 0
         add = self.registry.add
         add(Gauge("vmfork_build_info", "Build information (always 1).", ("version",),
                   aliases=("forkd_build_info",),
@@ -241,6 +247,14 @@ class DaemonMetrics:
                   source=lambda: {(): float(self._branches_in_flight())}))
         add(Gauge("forkd_branch_concurrency_cap", "Maximum concurrent BRANCH operations.",
                   source=lambda: {(): float(branch_concurrency_cap)}))
+        self.image_builds = add(Counter(
+            "vmfork_image_builds_total", "Image builds and imports that ended, by kind "
+            "(build, import) and outcome (ok, failed).", ("kind", "outcome")))
+        self.image_build_seconds = add(Histogram(
+            "vmfork_image_build_seconds", "POST /v1/images[/import]: job start to end, by kind "
+            "and outcome.", ("kind", "outcome"), buckets=BUILD_BUCKETS))
+        add(Gauge("vmfork_image_builds_in_flight", "Image builds and imports running.",
+                  source=lambda: {(): float(self._image_builds())}))
 
     def set_sources(self, sandboxes_active: Callable[[], int],
                     snapshots_by_status: Callable[[], dict[str, int]],
@@ -248,6 +262,9 @@ class DaemonMetrics:
         self._active = sandboxes_active
         self._snapshots = snapshots_by_status
         self._branches_in_flight = branches_in_flight
+
+    def set_image_source(self, image_builds_in_flight: Callable[[], int]) -> None:
+        self._image_builds = image_builds_in_flight
 
     def render(self) -> str:
         return self.registry.render()

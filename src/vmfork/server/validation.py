@@ -15,12 +15,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vmfork.image import InvalidImageName, validate_name
 from vmfork.server.errors import BadRequest
 from vmfork.store import TAG_RULE, is_valid_tag
 
 SANDBOX_ID_RULE = "1 to 64 characters from A-Z, a-z, 0-9, '_' and '-' (e.g. vm-0123456789ab)"
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_GUEST_PATH = 4096
+MAX_HOST_PATH = 4096
+MAX_LIST_STRING = 4096    # one package, requirement, URL or env value in a list or map
+MAX_IMAGE_REF = 2048
+IMAGE_NAME_RULE = "1 to 64 letters, digits, '_' or '-'"
 
 _MISSING = object()
 
@@ -193,4 +198,103 @@ def check_workspace_name(value: str) -> str:
     if not is_valid_tag(value):
         shown = value if len(value) <= 80 else value[:80] + "..."
         raise BadRequest(f"invalid workspace name {shown!r}: a name is {TAG_RULE}")
+    return value
+
+
+def _utf8(value: str) -> bool:
+    # JSON can carry lone surrogates ("\ud800"), which no file, path or process argument
+    # can hold; refused here rather than failing deep inside a build.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def text_up_to(limit: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if len(value) > limit:
+            return f"is longer than {limit} characters"
+        return None if _utf8(value) else "is not valid Unicode (a lone surrogate)"
+    return check
+
+
+def check_strings(value: Any) -> str | None:
+    for item in value:
+        if not isinstance(item, str):
+            return f"must hold only strings, not {json.dumps(item)[:40]}"
+        if not item or len(item) > MAX_LIST_STRING or "\0" in item or not _utf8(item):
+            return (f"holds {item[:40]!r}: each entry is 1 to {MAX_LIST_STRING} characters "
+                    "of valid Unicode without NUL")
+    return None
+
+
+def check_string_map(value: Any) -> str | None:
+    for key, item in value.items():
+        if not isinstance(item, str):
+            return f"value of {key[:40]!r} must be a string"
+        if len(item) > MAX_LIST_STRING * 8:
+            return f"value of {key[:40]!r} is longer than {MAX_LIST_STRING * 8} characters"
+        if not (_utf8(key) and _utf8(item)):
+            return f"entry {key[:40]!r} is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def _host_path_problem(path: str) -> str | None:
+    if not path.startswith("/"):
+        return "must be an absolute path on the daemon's host"
+    if "\0" in path or len(path) > MAX_HOST_PATH or not _utf8(path):
+        return f"must be at most {MAX_HOST_PATH} characters of valid Unicode without NUL"
+    return None
+
+
+def check_copies(value: Any) -> str | None:
+    """``[{"src": host path, "dst": guest path}]``; the image spec checks the rest."""
+    for i, item in enumerate(value):
+        if not isinstance(item, dict) or set(item) != {"src", "dst"} or not all(
+                isinstance(v, str) for v in item.values()):
+            return (f"entry {i} must be an object {{\"src\": host path, \"dst\": guest "
+                    f"path}}, not {json.dumps(item)[:60]}")
+        problem = _host_path_problem(item["src"])
+        if problem is not None:
+            return f"entry {i}: src {item['src'][:80]!r} {problem}"
+        problem = (check_guest_path(item["dst"]) if _utf8(item["dst"]) else
+                   "is not valid Unicode (a lone surrogate)")
+        if problem is not None:
+            return f"entry {i}: dst {item['dst'][:80]!r} {problem}"
+    return None
+
+
+def check_find_links(value: Any) -> str | None:
+    problem = check_strings(value)
+    if problem is not None:
+        return problem
+    for item in value:
+        if not re.fullmatch(r"(https?|file)://\S+", item) and _host_path_problem(item):
+            return (f"holds {item[:80]!r}: each entry is an http(s)/file URL or an absolute "
+                    "directory on the daemon's host")
+    return None
+
+
+def check_image_name(value: Any) -> str | None:
+    try:
+        validate_name(value)
+    except InvalidImageName:
+        return f"is not a valid image name: a name is {IMAGE_NAME_RULE}"
+    return None
+
+
+def check_image_ref(value: Any) -> str | None:
+    if (not value or len(value) > MAX_IMAGE_REF or re.search(r"[\s\0]", value)
+            or not _utf8(value)):
+        return (f"must be an OCI reference (HOST/REPO:TAG, an OCI layout directory, "
+                f"oci-archive:PATH or docker-archive:PATH): 1 to {MAX_IMAGE_REF} characters "
+                "without whitespace")
+    return None
+
+
+def check_path_image(value: str) -> str:
+    if check_image_name(value) is not None:
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        raise BadRequest(f"invalid image name {shown!r}: a name is {IMAGE_NAME_RULE}")
     return value
