@@ -366,7 +366,7 @@ class ChildNetwork:
 # -- the manager ------------------------------------------------------------------------------
 
 def _iproute() -> Any:
-    from pyroute2 import IPRoute  # type: ignore[import-not-found]  # the VMM needs none
+    from pyroute2 import IPRoute  # type: ignore[import-not-found,import-untyped,unused-ignore]  # the VMM needs none
 
     return IPRoute()
 

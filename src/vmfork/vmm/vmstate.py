@@ -220,8 +220,8 @@ def prepare_vcpu(state: VcpuState) -> PreparedVcpu:
         raise HostError("snapshot cpuid: not a whole number of entries", op="restore")
     count = len(state.cpuid) // entry_size
     cpuid = s.kvm_cpuid2_with(count)()
-    cpuid.nent = count  # type: ignore[attr-defined]
-    ctypes.memmove(ctypes.addressof(cpuid.entries), state.cpuid, len(state.cpuid))  # type: ignore[attr-defined]
+    cpuid.nent = count
+    ctypes.memmove(ctypes.addressof(cpuid.entries), state.cpuid, len(state.cpuid))
     ordered = tuple(_ordered_msrs({int(k, 16): v for k, v in state.msrs.items()}).items())
     return PreparedVcpu(
         index=state.index, cpuid=cpuid, tsc_khz=state.tsc_khz, mp_state=state.mp_state,
@@ -269,9 +269,9 @@ def apply_vcpu(fd: int, vcpu: PreparedVcpu, host_tsc_khz: int | None = None) -> 
             break
         if retry is None:
             retry = type(vcpu.msrs)()
-        retry.nmsrs = left  # type: ignore[attr-defined]
-        ctypes.memmove(ctypes.addressof(retry.entries),  # type: ignore[attr-defined]
-                       ctypes.addressof(vcpu.msrs.entries) + done * entry_size,  # type: ignore[attr-defined]
+        retry.nmsrs = left
+        ctypes.memmove(ctypes.addressof(retry.entries),
+                       ctypes.addressof(vcpu.msrs.entries) + done * entry_size,
                        left * entry_size)
         done += api.set_msrs_buffer(fd, retry)
     if refused:
