@@ -111,7 +111,7 @@ def test_node_image_runs_its_own_programs() -> None:
 def test_warm_up_out_of_memory_says_so(store: Store) -> None:
     with pytest.raises(WarmUpFailed, match="ran out of memory.*--mem-mib"):
         snapshot_parent(store, "oom", find_image("t-sci-deb"), mem_mib=128,
-                        warm_cmd="python3 -c 'x = [bytearray(1 << 20) for _ in range(400)]'")
+                        warm_cmd="python3 -c 'b = bytearray(512 << 20)'")
     assert not store.exists("oom")
 
 
