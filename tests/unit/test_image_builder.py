@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,9 @@ def test_build_copy_env_workdir_then_cached_then_changed(real_cache: Path,
     app = tmp_path / "app"
     (app / "pkg").mkdir(parents=True)
     (app / "pkg/mod.py").write_text("VALUE = 41\n")
+    # Content-addressed: a token of this run's own, so the first build is not a cache hit
+    # of an earlier run's identical tree.
+    (app / "token").write_text(uuid.uuid4().hex)
     (app / "run.sh").write_text("#!/bin/sh\necho hi\n")
     (app / "run.sh").chmod(0o750)
     os.symlink("run.sh", app / "link")
