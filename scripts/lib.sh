@@ -106,7 +106,7 @@ setup_test_images() {
   for name in "${TEST_IMAGES[@]}"; do
     "$PY" -m vmfork image build "t-$name" -f "$REPO/tests/images/$name.toml" >/dev/null
   done
-  "$PY" -m tests.images.prepare
+  (cd "$REPO" && "$PY" -m tests.images.prepare)
 }
 
 setup_typescript() {

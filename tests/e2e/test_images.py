@@ -18,8 +18,7 @@ from vmfork.runtime.guest import BootedGuest
 from vmfork.runtime.parent import WarmUpFailed, snapshot_parent
 from vmfork.runtime.spawn import fork_children
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
-from vmfork.store import Store
-from vmfork.store import packs
+from vmfork.store import Store, packs
 
 pytestmark = pytest.mark.e2e
 
@@ -91,7 +90,7 @@ def test_numpy_pandas_warm_in_ten_children(store: Store, zygote: ZygoteProcess,
             result = child.agent.eval(COMPUTE.replace("{n}", str(n + 1)))
             assert result.exception is None, result.exception
             assert result.value is not None
-            total, np_version, pd_version = ast.literal_eval(result.value)
+            total, np_version, _pd_version = ast.literal_eval(result.value)
             assert total == 45 * (n + 1)
             assert np_version.startswith("2.0" if image_name == "t-sci-pip" else "1.")
         if image_name == "t-sci-pip":

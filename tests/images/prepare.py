@@ -15,11 +15,10 @@ Node.js and no Python at all, where the agent runs on the bundled interpreter.
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
-
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 from tests.oci_support import make_oci_layout
 from vmfork.image import debian, initramfs
@@ -41,8 +40,7 @@ def big_file() -> Path:
     tmp = path.with_suffix(".tmp")
     rng = random.Random(SEED)
     with open(tmp, "wb") as f:
-        for _ in range(BIG_BYTES >> 24):
-            f.write(rng.randbytes(1 << 24))
+        f.writelines(rng.randbytes(1 << 24) for _ in range(BIG_BYTES >> 24))
     tmp.rename(path)
     return path
 

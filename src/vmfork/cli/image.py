@@ -142,11 +142,16 @@ def _print_user_image(image: GuestImage, seconds: float, as_json: bool) -> None:
         print(json.dumps(_row(image), indent=2))
         return
     disk = image.disk
-    took = _took(image.disk_build_seconds, entry_build_seconds(disk) if disk else None)
+    if disk is not None:
+        took = _took(image.disk_build_seconds, entry_build_seconds(disk))
+        root = f"{image.disk_format} disk {_mb(image.disk_size)}"
+    else:
+        took = _took(image.initramfs_build_seconds, entry_build_seconds(image.initrd))
+        root = "root in the initramfs"
     print(f"image {image.name!r}: {_mb(image.size)} (kernel {_mb(image.kernel_size)}, "
-          f"boot initramfs {_mb(image.initrd_size)}, {image.disk_format} disk "
-          f"{_mb(image.disk_size)}, {took}); {seconds:.1f} s in all")
-    print(f"  from    {image.built_from}\n  disk    {disk}\n  agent   {image.agent_python}")
+          f"initramfs {_mb(image.initrd_size)}, {root}, {took}); {seconds:.1f} s in all")
+    print(f"  from    {image.built_from}\n  root    {disk or image.initrd}\n"
+          f"  agent   {image.agent_python}")
     if image.env:
         print("  env     " + " ".join(image.env))
     if image.workdir or image.user:

@@ -149,10 +149,10 @@ class GuestImage:
         disk_key = record.get("disk_key")
         env = record.get("env") or []
         if not isinstance(env, list) or not all(isinstance(e, str) for e in env):
-            raise ValueError("env must be a list of K=V strings")
+            raise TypeError("env must be a list of K=V strings")
         definition = record.get("definition") or {}
         if not isinstance(definition, dict):
-            raise ValueError("definition must be an object")
+            raise TypeError("definition must be an object")
         disk: dict[str, Any] = {
             "definition": definition, "env": tuple(env),
             "workdir": _opt_str(record.get("workdir")), "user": _opt_str(record.get("user")),
