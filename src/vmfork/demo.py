@@ -21,6 +21,7 @@ from vmfork.runtime.zygote_client import start_zygote
 from vmfork.store import Store
 
 WARM_UP = "import json, hashlib, random, statistics\nwarm = sum(range(10**6))"
+EVAL = "warm + random.randrange(1000)"
 
 
 def _ms(seconds: float) -> str:
@@ -31,15 +32,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m vmfork.demo", description=__doc__)
     parser.add_argument("-n", type=int, default=4, help="children to fork (default 4)")
     parser.add_argument("--mem-mib", type=int, default=256)
+    parser.add_argument("--image", default="default",
+                        help="the guest image (`vmfork image build NAME ...` makes yours)")
+    parser.add_argument("--warm", default=WARM_UP, help="warm-up code run in the parent")
+    parser.add_argument("--eval", default=EVAL, help="code each child evaluates")
     args = parser.parse_args(argv)
 
-    image = find_image()
-    print(f"guest image: kernel {image.kernel_size >> 20} MiB, "
-          f"initramfs {image.initrd_size >> 20} MiB")
+    image = find_image(args.image)
+    root = (f"{image.disk_format} root disk {image.disk_size >> 20} MiB "
+            f"({image.built_from}; " + " ".join(image.definition.get("apt", [])
+                                               + image.definition.get("pip", [])) + ")"
+            if image.disk_key else f"initramfs {image.initrd_size >> 20} MiB")
+    print(f"guest image {image.name!r}: kernel {image.kernel_size >> 20} MiB, {root}")
     with tempfile.TemporaryDirectory(prefix="vmfork-demo-") as tmp:
         store = Store.open(Path(tmp) / "store")
         t0 = time.monotonic()
-        report = snapshot_parent(store, "demo", image, mem_mib=args.mem_mib, warm_code=WARM_UP)
+        report = snapshot_parent(store, "demo", image, mem_mib=args.mem_mib,
+                                 warm_code=args.warm)
         print(f"1. booted a {args.mem_mib} MiB parent to a ready agent  {_ms(report.boot_s)}")
         print(f"2. warmed it (imports in the warm interpreter)      {_ms(report.warm_s)}")
         print(f"3. snapshotted it: paused {report.pause_ms:.1f} ms, "
@@ -57,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             for child in fork.children:
                 agent = child.agent
                 started = time.monotonic()
-                value = agent.eval("warm + random.randrange(1000)").value
+                value = agent.eval(args.eval).value
                 evaled = time.monotonic()
                 out = agent.exec(["sh", "-c", "head -c 4 /dev/urandom | od -An -tx1"]).stdout
                 done = time.monotonic()
