@@ -256,3 +256,27 @@ def test_failed_build_leaves_no_image(real_cache: Path, tmp_path: Path) -> None:
 def test_remove_refuses_while_snapshots_use_the_image(real_cache: Path) -> None:
     with pytest.raises(builder.ImageInUse, match="py-a, py-b"):
         builder.remove_image("default", ["py-a", "py-b"])
+
+
+def test_an_imported_oci_image_is_the_base_of_a_build(real_cache: Path, tmp_path: Path) -> None:
+    try:
+        base = images.find_image("t-oci-python")   # made by the set-up (tests/images)
+    except ImageMissing as err:
+        pytest.fail(f"{err} (the set-up, scripts/test, imports it)")
+    (tmp_path / "tool.py").write_text(f"print({uuid.uuid4().hex!r})\n")
+    name = f"unit-on-oci-{os.getpid()}"
+    try:
+        img = builder.build(name, ImageSpec(base="t-oci-python",
+                                            copy=(CopySpec(tmp_path / "tool.py", "/srv/tool.py"),),
+                                            env=(("EXTRA", "1"),)).validate())
+        assert img.built_from == "t-oci-python"
+        # The OCI config's defaults carry over; the build's own env is added to them.
+        assert "APP_MODE=oci" in img.env and "EXTRA=1" in img.env
+        assert img.workdir == base.workdir == "/srv" and img.user == "nobody"
+        assert img.agent_python == base.agent_python
+        assert img.disk is not None
+        listing = subprocess.run(["unsquashfs", "-l", "-n", str(img.disk)], check=True,
+                                 capture_output=True, text=True).stdout
+        assert "/srv/tool.py" in listing and "/usr/bin/python3.11" in listing
+    finally:
+        images.record_path(name).unlink(missing_ok=True)
