@@ -240,8 +240,31 @@ def _apt(step: str, cmd: Sequence[str], cwd: Path | None = None) -> str:
     return proc.stdout
 
 
+APT_LISTS = Path("/var/lib/apt/lists")
+_resolved: dict[tuple[int, tuple[str, ...]], list[DebPackage]] = {}
+
+
+def _lists_stamp() -> int:
+    """Changes whenever ``apt-get update`` rewrites the package lists."""
+    try:
+        return APT_LISTS.stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
 def resolve_packages() -> list[DebPackage]:
-    """Pin every guest package to apt's current candidate (local metadata only)."""
+    """Pin every guest package to apt's current candidate (local metadata only).
+
+    Remembered per process until apt's lists change: a build resolves the base for its
+    tree and for its boot initramfs, and a daemon resolves it for every build."""
+    key = (_lists_stamp(), ROOT_PACKAGES)
+    if key not in _resolved:
+        _resolved.clear()
+        _resolved[key] = _resolve_packages()
+    return list(_resolved[key])
+
+
+def _resolve_packages() -> list[DebPackage]:
     closure_text = _apt(
         "resolve-packages",
         ["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
