@@ -1,8 +1,8 @@
 """Users' guest images: a root tree built from a definition, on a read-only disk.
 
 ``build(name, spec)`` turns an ``ImageSpec`` into a root file system image
-(``disks/<key>/root.img``, squashfs or erofs) and records the image. Recipe, each
-step named (a failure says which):
+(squashfs or erofs; or, with ``root="initramfs"``, an initramfs) and records the
+image. Recipe, each step named (a failure says which):
 
 1. ``base``: the root tree to start from -- the default image's packages (the same
    pinned Debian packages as its initramfs, with pip, bash, CA certificates and
@@ -26,9 +26,12 @@ step named (a failure says which):
 Content addressing: the key hashes the recipe, the base's key, every pinned package
 (name, version, SHA-256), every wheel's SHA-256, the npm lock file, every copied
 file's path, mode and SHA-256, and the env/workdir/user, so an unchanged definition
-reuses its disk and any changed input builds a new one. The disk is built in a
-temporary directory and renamed into place (``cache.cached_entry``); the record is
-written last, so a failed build leaves no image and no half-written disk.
+reuses its disk (``disk-builds/<key>/``) and any changed input builds a new one. The
+disk itself is then named by the SHA-256 of its bytes (``disks/<sha256>/root.img``, a
+hard link): that is what snapshots record and what a pack's disk is checked against.
+Everything is built in a temporary directory and renamed into place
+(``cache.cached_entry``); the record is written last, so a failed build leaves no
+image and no half-written disk.
 """
 
 from __future__ import annotations
