@@ -209,8 +209,10 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
     finally:
         daemon.ctl.kill_sandbox(kid["id"])
     pack = tmp_path / "py-six.tar.zst"
-    code, out, err, _ = _cli(home, daemon, "pack", "--tag", "py-six", "-o", str(pack))
-    assert code == 0, err
+    done = subprocess.run([sys.executable, "-m", "vmfork", "pack", "--tag", "py-six", "-o",
+                           str(pack)], env=home.env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr
     fresh = dict(home.env, VMFORK_HOME=str(home.root / "fresh"))
     done = subprocess.run([sys.executable, "-m", "vmfork", "unpack", str(pack), "--json"],
                           env=fresh, capture_output=True, text=True, timeout=900,
