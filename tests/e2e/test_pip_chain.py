@@ -43,7 +43,7 @@ INET_HOST_SIDE = "198.51.100.1"
 INDEX_ADDR, INDEX_PORT = "198.51.100.10", 8000
 INDEX = f"http://{INDEX_ADDR}:{INDEX_PORT}/simple"
 PIP = ("python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 "
-       f"--timeout 30 --index-url {INDEX}")
+       f"--timeout 30 --index-url {INDEX} --trusted-host {INDEX_ADDR}")
 REPO = Path(__file__).parents[2]
 # The installed size of the packages named, measured in the guest: every file of each
 # distribution's RECORD (what pip wrote, .pyc files included).
