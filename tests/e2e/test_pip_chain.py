@@ -117,7 +117,7 @@ def daemon(home: Home, index: str) -> Iterator[Daemon]:
 
 def _cli(home: Home, d: Daemon, *args: str, timeout: float = 1800) -> tuple[int, str, str, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "vmfork", *args, "--url", f"unix://{d.sock}"],
+    done = subprocess.run([sys.executable, "-m", "vmfork", *args, "--url", f"unix://{d.socket}"],
                           env=home.env, capture_output=True, text=True, timeout=timeout,
                           check=False)
     return done.returncode, done.stdout, done.stderr, time.monotonic() - started
