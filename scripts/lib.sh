@@ -10,6 +10,8 @@
 #                     runs this checkout with the venv, so a new shell has `vmfork`
 #   test images       (scripts/test only) the users' images the tests boot, built
 #                     here from tests/images/*.toml, where the registries are reachable
+#   test wheels       (scripts/test only) the pinned wheels the guests' package index
+#                     serves (tests/pip_index.py), under $CACHE/test-assets/wheels
 #
 # The project itself is not installed into the venv: PYTHONPATH points at this
 # checkout's src/, so several clones can share one cache.
@@ -107,6 +109,26 @@ setup_test_images() {
     "$PY" -m vmfork image build "t-$name" -f "$REPO/tests/images/$name.toml" >/dev/null
   done
   (cd "$REPO" && "$PY" -m tests.images.prepare)
+  setup_test_wheels
+}
+
+# The wheels the pip-chain tests install in guests from a package index on the host
+# (tests/pip_index.py): pinned, for the guest's CPython 3.11 on x86-64, fetched here
+# once (the test host has no network).
+setup_test_wheels() {
+  local dir=$CACHE/test-assets/wheels
+  local wheels
+  wheels=$(cd "$REPO" && "$PY" -c 'from tests.pip_index import WHEELS; print(" ".join(WHEELS))')
+  local stamp=$dir/.complete
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$wheels" ]; then
+    log "test wheels: $wheels"
+    mkdir -p "$dir"
+    # shellcheck disable=SC2086 # one argument per requirement
+    "$PY" -m pip download -q --disable-pip-version-check --only-binary=:all: --no-deps \
+      --python-version 3.11 --implementation cp --abi cp311 \
+      --platform manylinux_2_17_x86_64 -d "$dir" $wheels
+    echo "$wheels" > "$stamp"
+  fi
 }
 
 setup_typescript() {

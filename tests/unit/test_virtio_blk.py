@@ -41,6 +41,7 @@ DISK_BYTES = DISK_SECTORS * blk.SECTOR_SIZE
 BIG_BYTES = 16 << 20
 KEY = hashlib.sha256(b"a test disk").hexdigest()
 ACKED = VIRTIO_F_VERSION_1 | blk.F_RO | blk.F_SEG_MAX | blk.F_SIZE_MAX
+ACKED_RW = VIRTIO_F_VERSION_1 | blk.F_FLUSH | blk.F_SEG_MAX | blk.F_SIZE_MAX
 QSIZE = 16
 BUF = 128 * 1024
 CANARY = 0xA5
@@ -79,9 +80,11 @@ class BlkEnv:
     """One device and transport on the shared disk, driven by a ``GuestDriver``."""
 
     def __init__(self, loop: EventLoop, memory: GuestMemory, irq: IrqLine, fd: int,  # noqa: F811
-                 key: str = KEY, start: bool = True, size: int = DISK_BYTES) -> None:
+                 key: str = KEY, start: bool = True, size: int = DISK_BYTES,
+                 read_only: bool = True) -> None:
         self.loop, self.memory, self.fd = loop, memory, fd
-        self.dev = blk.VirtioBlk(loop, fd, size, key, path="test.img")
+        self.acked = ACKED if read_only else ACKED_RW
+        self.dev = blk.VirtioBlk(loop, fd, size, key, path="test.img", read_only=read_only)
         self.raw_ids: dict[int, list[int]] = {}
         self.transport = mmio.MmioTransport(self.dev, memory, irq, loop)
         self.driver = GuestDriver(self.transport, memory)
@@ -90,7 +93,7 @@ class BlkEnv:
             self.start()
 
     def start(self, size: int = QSIZE, buf: int = BUF) -> None:
-        status = self.driver.negotiate(ACKED)
+        status = self.driver.negotiate(self.acked)
         assert status & STATUS_FEATURES_OK, f"FEATURES_OK refused ({status:#x})"
         self.q = self.driver.setup_queue(0, size, buf)
         # Fresh rings: a hypothesis example reuses the memory (and ring addresses) of
@@ -631,3 +634,103 @@ def test_machine_config_root_disk_rules(disk: Path) -> None:
     with pytest.raises(ValueError, match="no root disk"):
         MachineConfig(restore_state=make_state(), memory_file="/m", mem_mib=64,
                       root_disk=str(disk), root_disk_key=KEY).validate()
+
+
+# -- read-write volumes -----------------------------------------------------------------------
+@pytest.fixture
+def rw_disk(tmp_path: Path) -> Path:
+    path = tmp_path / "volume.img"
+    path.write_bytes(os.urandom(DISK_BYTES))
+    return path
+
+
+@pytest.fixture
+def rw(loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
+       rw_disk: Path) -> Iterator[BlkEnv]:
+    fd, size = blk.open_disk(str(rw_disk), writable=True)
+    e = BlkEnv(loop, memory, irq, fd, size=size, read_only=False)
+    yield e
+    e.close()
+    os.close(fd)
+    assert not loop.errors
+
+
+def test_a_rw_disk_offers_flush_and_not_ro(rw: BlkEnv) -> None:
+    offered = 0
+    for sel in (0, 1):
+        rw.driver.w(mmio.REG_DEVICE_FEATURES_SEL, sel)
+        offered |= rw.driver.r(mmio.REG_DEVICE_FEATURES) << (32 * sel)
+    assert offered == ACKED_RW
+
+
+@pytest.mark.parametrize("sector, parts", [
+    (0, [512]), (5, [4096, 512]), (DISK_SECTORS - 1, [512]), (9, [512] * 8)])
+def test_writes_land_in_the_file_and_read_back(rw: BlkEnv, rw_disk: Path, sector: int,
+                                               parts: list[int]) -> None:
+    payloads = [os.urandom(n) for n in parts]
+    # The header and the first data part share a descriptor, as a driver may send them.
+    readable = [header(blk.T_OUT, sector) + payloads[0], *payloads[1:]]
+    written, _, status = rw.request(readable, [1])
+    assert (written, status) == (1, blk.S_OK)
+    data = b"".join(payloads)
+    assert file_bytes(rw_disk, sector * 512, len(data)) == data
+    _, back, status = rw.read(sector, [len(data)])
+    assert status == blk.S_OK and back == data
+    assert rw.dev.counters.writes == 1 and rw.dev.counters.bytes_written == len(data)
+
+
+@pytest.mark.parametrize("sector, length", [
+    (DISK_SECTORS, 512),              # past the end
+    (DISK_SECTORS - 1, 1024),         # reaches past the end
+    (0, 100),                         # not a whole sector
+    (2**63, 512),                     # absurd sector
+])
+def test_bad_writes_are_ioerr_and_change_nothing(rw: BlkEnv, rw_disk: Path, sector: int,
+                                                 length: int) -> None:
+    before = hashlib.sha256(rw_disk.read_bytes()).hexdigest()
+    written, _, status = rw.request([header(blk.T_OUT, sector), b"\xee" * length], [1])
+    assert (written, status) == (1, blk.S_IOERR)
+    assert rw.dev.counters.write_errors == 1
+    assert hashlib.sha256(rw_disk.read_bytes()).hexdigest() == before
+
+
+def test_a_write_with_writable_data_is_malformed(rw: BlkEnv, rw_disk: Path) -> None:
+    before = rw_disk.read_bytes()
+    _, _, status = rw.request([header(blk.T_OUT, 0), b"\x11" * 512], [512, 1])
+    assert status == blk.S_IOERR and rw.dev.counters.malformed == 1
+    assert rw_disk.read_bytes() == before
+
+
+def test_flush_syncs_a_rw_disk_and_other_writes_stay_refused(rw: BlkEnv) -> None:
+    assert rw.request([header(blk.T_FLUSH)], [1])[2] == blk.S_OK
+    assert rw.dev.counters.flushes == 1
+    for kind in (blk.T_DISCARD, blk.T_WRITE_ZEROES, blk.T_SECURE_ERASE):
+        assert rw.request([header(kind), struct.pack("<QII", 0, 8, 0)], [1])[2] == blk.S_IOERR
+
+
+def test_a_read_only_device_refuses_writes_even_on_a_writable_fd(
+        loop: EventLoop, memory: GuestMemory, irq: IrqLine, rw_disk: Path) -> None:  # noqa: F811
+    fd, size = blk.open_disk(str(rw_disk), writable=True)
+    e = BlkEnv(loop, memory, irq, fd, size=size)
+    try:
+        before = rw_disk.read_bytes()
+        assert e.request([header(blk.T_OUT, 0), b"\x22" * 512], [1])[2] == blk.S_IOERR
+        assert rw_disk.read_bytes() == before
+    finally:
+        e.close()
+        os.close(fd)
+
+
+def test_rw_state_round_trips_and_mode_must_match(rw: BlkEnv, loop: EventLoop,  # noqa: F811
+                                                  rw_disk: Path) -> None:
+    saved = run_on_loop(loop, rw.dev.save)
+    again = stateformat.decode_state(stateformat.encode_state(
+        vmstate.BlkSnapshot(rw.transport.save(), saved)), vmstate.BlkSnapshot)
+    assert again.device == saved and saved.read_only is False
+    fd, size = blk.open_disk(str(rw_disk))
+    try:
+        ro = blk.VirtioBlk(loop, fd, size, KEY, path="ro.img")
+        with pytest.raises(HostError, match="read-write"):
+            ro.restore(saved)
+    finally:
+        os.close(fd)

@@ -35,7 +35,7 @@ from vmfork.cli.daemon_client import (
     progress,
     when,
 )
-from vmfork.cli.sandboxes import add_branch_options, branch
+from vmfork.cli.sandboxes import EGRESS_HELP, _egress, add_branch_options, branch
 from vmfork.client import Controller, ControllerError
 
 
@@ -51,8 +51,11 @@ def register(sub: Any) -> None:
                       help="Python run in the guest's warm interpreter, e.g. 'import json'")
     warm.add_argument("--warm-cmd", metavar="CMD", help="shell command run in the guest first")
     p.add_argument("--network", action="store_true",
-                   help="boot the parent with a network device, so that its sandboxes can "
-                        "be spawned with --per-child-netns")
+                   help="boot the parent with a real network (a namespace of its own, NAT "
+                        "out), so the warm-up can download and its sandboxes can be spawned "
+                        "with --per-child-netns")
+    p.add_argument("--egress", default=None, metavar="POLICY",
+                   help="the parent's egress policy with --network: " + EGRESS_HELP)
     p.add_argument("--local", action="store_true",
                    help="boot the parent in this process, not through the daemon (the "
                         "daemon itself uses this)")
@@ -111,6 +114,11 @@ def register(sub: Any) -> None:
                         "non-zero exit fails the build (nothing is kept)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                    help="kill the command after this long (default 600)")
+    p.add_argument("--network", action="store_true",
+                   help="give the build sandbox a network of its own (the snapshot must have "
+                        "been made with --network), e.g. for pip install")
+    p.add_argument("--egress", default=None, metavar="POLICY",
+                   help="the build sandbox's egress policy with --network: " + EGRESS_HELP)
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_snapshot_diff)
@@ -172,6 +180,9 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         return branch(args, args.from_sandbox, args.tag)
     if args.tag is None:
         raise CliError("--tag is required: the name of the new snapshot")
+    if args.egress is not None and not args.network:
+        raise CliError("--egress is the parent's policy on its network: add --network")
+    _egress(args.egress)
     ctl = None if args.local else _daemon_or_none(args, timeout=3600)
     if ctl is None:
         return _snapshot_here(args)
@@ -179,7 +190,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         info = call(ctl, lambda: ctl.create_snapshot(
             args.tag, image=args.image, mem_mib=args.mem_mib, vcpus=args.vcpus,
             warm_code=args.warm, warm_cmd=args.warm_cmd, network=args.network,
-            timeout=3600))
+            egress=args.egress, timeout=3600))
     if args.json:
         print_json(info)
     else:
@@ -191,28 +202,88 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 def _snapshot_here(args: argparse.Namespace) -> int:
     from vmfork.image import ImageError, find_image
-    from vmfork.runtime.guest import GuestBootError
-    from vmfork.runtime.parent import WarmUpFailed, snapshot_parent
-    from vmfork.store import StoreError
+    from vmfork.runtime.parent import ParentFailed, ParentRequest, boot_parent
 
     try:
-        image = find_image(args.image)
-        guest_network = None
-        if args.network:
-            from vmfork.server.networking import daemon_guest_network
-            guest_network = daemon_guest_network()
-        report = snapshot_parent(_store(), args.tag, image, mem_mib=args.mem_mib,
-                                 vcpus=args.vcpus, warm_code=args.warm, warm_cmd=args.warm_cmd,
-                                 network=guest_network)
-    except (ImageError, StoreError, WarmUpFailed, GuestBootError, ValueError) as err:
+        find_image(args.image)
+    except ImageError as err:
         raise CliError(str(err), 1) from err
-    print(f"snapshot {report.snapshot.tag}: {report.memory_bytes / (1 << 20):.1f} MiB of guest "
+    store = _store()
+    req = ParentRequest(tag=args.tag, image=args.image, mem_mib=args.mem_mib, vcpus=args.vcpus,
+                        warm_code=args.warm, warm_cmd=args.warm_cmd, network=args.network,
+                        store_root=str(store.root))
+    try:
+        with _local_host_network(args.network) as host:
+            egress = _local_egress(args.egress)
+            with progress(f"booting and snapshotting {args.tag}"):
+                result = boot_parent(req, host_network=host, egress=egress)
+    except ParentFailed as err:
+        raise CliError(err.message, 1) from err
+    report = store.get(result.tag)
+    print(f"snapshot {report.tag}: {result.memory_bytes / (1 << 20):.1f} MiB of guest "
           f"memory written ({args.mem_mib} MiB logical)")
-    print(f"  boot {report.boot_s:.2f} s, warm-up {report.warm_s:.2f} s, paused "
-          f"{report.pause_ms:.1f} ms (state {report.capture_ms:.1f} ms, memory "
-          f"{report.memory_write_ms:.1f} ms)")
-    print(f"  {report.snapshot.path}")
+    print(f"  boot {result.boot_s:.2f} s, warm-up {result.warm_s:.2f} s, paused "
+          f"{result.pause_ms:.1f} ms (state {result.capture_ms:.1f} ms, memory "
+          f"{result.memory_write_ms:.1f} ms)")
+    print(f"  {report.path}")
     return 0
+
+
+def _local_egress(policy: str | None) -> Any:
+    from vmfork.client.controller import egress_policy
+    from vmfork.runtime.network import EgressPolicy
+    if policy is None:
+        return None
+    spec = egress_policy(policy)
+    try:
+        return EgressPolicy(spec["mode"], tuple(spec.get("cidrs", ())),
+                            tuple(spec.get("domains", ())))
+    except ValueError as err:
+        raise CliError(f"--egress: {err}") from err
+
+
+# The CLI's own networks (no daemon): a prefix and subnet of their own, so they never
+# meet a daemon's (whose start-up removes whatever carries its prefix).
+LOCAL_NETWORK_PREFIX = "vmfl"
+LOCAL_NETWORK_SUBNET = "10.201.0.0/24"
+
+
+@contextmanager
+def _local_host_network(wanted: bool) -> Iterator[Any]:
+    """A ``HostNetwork`` for a parent booted without a daemon, or None. Local builds take
+    one lock, so two of them never claim the same namespace; whatever carries the
+    prefix when the lock is taken is a killed build's leftover and is removed first."""
+    if not wanted:
+        yield None
+        return
+    import fcntl
+    import os
+
+    from vmfork.paths import run_dir
+    from vmfork.runtime.network import HostNetwork, NetworkError, cleanup_stale
+    from vmfork.runtime.parent import guest_network
+    if os.geteuid() != 0:
+        raise CliError("--network needs root (network namespaces, nftables), or a daemon "
+                       "run as root (`vmfork serve`)", 1)
+    base = run_dir()
+    base.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = os.open(base / "local-network.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cleanup_stale(LOCAL_NETWORK_PREFIX)
+            host = HostNetwork(guest_network(), prefix=LOCAL_NETWORK_PREFIX,
+                               subnet=LOCAL_NETWORK_SUBNET, workers=1)
+            host.setup()
+        except (NetworkError, OSError) as err:
+            raise CliError(f"cannot make the parent's network: {err}", 1) from err
+        try:
+            yield host
+        finally:
+            host.close()
+            host.remove_host_table()
+    finally:
+        os.close(lock)
 
 
 @contextmanager
@@ -390,8 +461,18 @@ def cmd_snapshot_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_egress_hint(policy: str | None) -> str:
+    """What the build sandbox's egress policy refuses, for a command that failed."""
+    from vmfork.runtime.parent import egress_hint
+    local = _local_egress(policy)
+    return "" if local is None or local.mode == "allow" else f"; {egress_hint(local)}"
+
+
 def cmd_snapshot_diff(args: argparse.Namespace) -> int:
     from vmfork.store import StoreError, chains, validate_tag
+    if args.egress is not None and not args.network:
+        raise CliError("--egress is the build sandbox's policy on its network: add --network")
+    _egress(args.egress)
     try:
         validate_tag(args.source)
         validate_tag(args.tag)
@@ -411,13 +492,18 @@ def cmd_snapshot_diff(args: argparse.Namespace) -> int:
         else:
             raise CliError(f"snapshot tag {args.tag!r} already exists; choose another tag or "
                            f"delete it first with `vmfork rmi {args.tag}`", 1)
-        with progress(f"spawning a sandbox of {args.source}"):
-            sandbox = call(ctl, lambda: ctl.spawn_sandboxes(args.source, 1))[0]["id"]
+        with progress(f"spawning a sandbox of {args.source}"
+                      + (" with a network" if args.network else "")):
+            sandbox = call(ctl, lambda: ctl.spawn_sandboxes(
+                args.source, 1, per_child_netns=args.network,
+                egress=args.egress))[0]["id"]
         try:
             code = _stream_command(ctl, sandbox, args.exec_cmd, args.timeout)
             if code != 0:
+                hint = _build_egress_hint(args.egress) if args.network else (
+                    "; the sandbox has no network: add --network if it downloads")
                 raise CliError(f"the command exited with status {code}; nothing was built "
-                               f"(fix the command and run snapshot-diff again)", 1)
+                               f"(fix the command and run snapshot-diff again){hint}", 1)
             with progress(f"taking the diff {args.tag} of {args.source}"):
                 info = call(ctl, lambda: ctl.branch_sandbox(
                     sandbox, tag=args.tag, mode="diff", parent_tag=args.source))

@@ -206,13 +206,17 @@ class Controller:
     def create_snapshot(self, tag: str, *, image: str = "default", mem_mib: int = 256,
                         vcpus: int = 1, warm_code: str | None = None,
                         warm_cmd: str | None = None, network: bool = False,
-                        timeout: float = 600) -> dict[str, Any]:
+                        timeout: float = 600,
+                        egress: Egress | None = None) -> dict[str, Any]:
         """Boot ``image``, warm it, snapshot it as ``tag``; blocks until ready (``timeout``
-        in seconds). ``network``: the parent gets a network device, so that sandboxes of
-        the snapshot can be spawned with ``per_child_netns``."""
+        in seconds). ``network``: the parent gets a network device, connected through a
+        namespace of its own (so the warm-up can download, under ``egress``, default
+        allow), and sandboxes of the snapshot can be spawned with ``per_child_netns``."""
         body: dict[str, Any] = {"tag": tag, "image": image, "mem_mib": mem_mib, "vcpus": vcpus}
         if network:
             body["network"] = True
+        if egress is not None:
+            body["egress"] = egress_policy(egress)
         if warm_code is not None:
             body["warm_code"] = warm_code
         if warm_cmd is not None:

@@ -182,9 +182,11 @@ SNAPSHOT_CREATE = {
     "rw": Field(bool, False),
     "tap": Field(str, None, nullable=True),
     "boot_wait_secs": Field((int, float), 10, between(0, 60)),
-    # vmfork's extension: boot the parent with a network device, so that its
-    # sandboxes can be spawned with per_child_netns.
+    # vmfork's extension: boot the parent with a network device (connected through a
+    # namespace of its own, so the warm-up can download), so that its sandboxes can be
+    # spawned with per_child_netns; egress: the parent's policy, as for sandboxes.
     "network": Field(bool, False),
+    "egress": Field(dict, None, nullable=True),
 }
 
 PORT_EXPOSE = {

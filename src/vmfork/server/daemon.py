@@ -19,8 +19,6 @@ import fcntl
 import logging
 import os
 import signal
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,15 @@ from vmfork import __version__
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
-from vmfork.server.errors import BadGateway, BadRequest, NotFound
+from vmfork.server.errors import (
+    ApiError,
+    BadGateway,
+    BadRequest,
+    Conflict,
+    GatewayTimeout,
+    NotFound,
+    Unprocessable,
+)
 from vmfork.server.http import (
     ServerContext,
     TCPHTTPServer,
@@ -85,46 +91,54 @@ class DaemonConfig:
     network_pool: int = 0             # spare networks kept ready (HostNetwork.pool_size)
 
 
-SNAPSHOT_TIMEOUT_S = 1800.0
+# How each kind of ParentFailed reaches the API: the request's fault 4xx, the user's
+# warm-up 422 (the request was well-formed; what it ran failed), the host's 502/504.
+_PARENT_ERRORS: dict[str, type[ApiError]] = {
+    "invalid": BadRequest, "image_missing": NotFound, "image": BadRequest,
+    "tag_exists": Conflict, "tag_busy": Conflict, "warm_up": Unprocessable,
+    "boot": BadGateway, "network": BadGateway, "store": BadGateway, "crashed": BadGateway,
+    "timeout": GatewayTimeout, "internal": BadGateway}
 
 
-def make_snapshot_from_image(store: Store, body: dict[str, Any]) -> Snapshot:
-    """Run ``vmfork snapshot`` in a child process and return the published snapshot.
+class ParentMaker:
+    """The daemon's ``make_snapshot``: boots a parent with ``runtime.parent.boot_parent``
+    (a process of its own), cabled to a namespace of the daemon's ``HostNetwork`` when
+    the request asks for a network and the daemon has networks."""
 
-    A child, not a thread: the parent guest is a VM, and VMs live in their own
-    processes (DESIGN.md decision 1) — a crashing VMM must not take the daemon
-    with it, and the VMM needs the main thread for its vCPU kick signal.
-    """
-    from vmfork.image import ImageError, ImageMissing, find_image
-    try:
-        find_image(body["image"])
-    except ImageMissing as err:
-        raise NotFound(f"{err}") from err
-    except ImageError as err:
-        raise BadRequest(f"image {body['image'][:80]!r}: {err}") from err
-    cmd = [sys.executable, "-m", "vmfork", "snapshot", "--local", "--tag", body["tag"],
-           "--image", body["image"], "--mem-mib", str(body["mem_mib"]),
-           "--vcpus", str(body["vcpus"])]
-    if body["warm_code"] is not None:
-        cmd += ["--warm", body["warm_code"]]
-    if body["warm_cmd"] is not None:
-        cmd += ["--warm-cmd", body["warm_cmd"]]
-    if body.get("network"):
-        cmd.append("--network")
-    src = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, VMFORK_HOME=str(store.root),
-               PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
-    try:
-        done = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=SNAPSHOT_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired as err:
-        raise BadGateway(f"snapshot {body['tag']!r} was not ready after "
-                         f"{SNAPSHOT_TIMEOUT_S:.0f} s; the boot or warm-up hangs") from err
-    if done.returncode != 0:
-        detail = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        reason = detail[-1] if detail else f"exit status {done.returncode}"
-        raise BadGateway(f"snapshot {body['tag']!r} failed: {reason.removeprefix('vmfork: ')}")
-    return store.get(body["tag"])
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.networks: SandboxNetworks | None = None  # set once the controller has them
+
+    def __call__(self, store: Store, body: dict[str, Any]) -> Snapshot:
+        from vmfork.image import ImageError, ImageMissing, find_image
+        from vmfork.runtime.parent import ParentFailed, ParentRequest, boot_parent
+        from vmfork.server.networking import egress_policy
+        try:  # before a process is started for it: a missing image is the caller's 404
+            find_image(body["image"])
+        except ImageMissing as err:
+            raise NotFound(f"{err}") from err
+        except ImageError as err:
+            raise BadRequest(f"image {body['image'][:80]!r}: {err}") from err
+        egress = egress_policy(body.get("egress"))
+        network = bool(body.get("network"))
+        if egress is not None and not network:
+            raise BadRequest("egress applies to the parent's network: add \"network\": true")
+        req = ParentRequest(tag=body["tag"], image=body["image"], mem_mib=body["mem_mib"],
+                            vcpus=body["vcpus"], warm_code=body["warm_code"],
+                            warm_cmd=body["warm_cmd"], network=network,
+                            store_root=str(store.root))
+        host = self.networks.host if self.networks is not None else None
+        if network and host is None and (egress is not None or body["warm_cmd"] is not None
+                                         or body["warm_code"] is not None):
+            log.warning("snapshot %s: this daemon has no host networks; the parent's NIC has "
+                        "no cable, its warm-up cannot reach out", body["tag"])
+        try:
+            boot_parent(req, host_network=host, egress=egress,
+                        log_path=self.log_dir / f"parent-{body['tag']}.log")
+        except ParentFailed as err:
+            raise _PARENT_ERRORS[err.kind](f"snapshot {body['tag']!r} failed: "
+                                           f"{err.message}") from err
+        return store.get(body["tag"])
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -165,12 +179,14 @@ class Daemon:
         if config.spawner:
             self.spawner = ZygoteSpawner(config.state_dir, lease_s=config.zygote_lease_s,
                                          log_path=config.state_dir / "zygote.log")
+        maker = ParentMaker(config.state_dir)
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
-                                     make_snapshot=make_snapshot_from_image,
+                                     make_snapshot=maker,
                                      limits=Limits(heavy_concurrency=config.heavy_concurrency,
                                                    branch_concurrency=config.branch_concurrency),
                                      networks=self._host_networks())
         self.controller.start()
+        maker.networks = self.controller.networks  # None if they failed to start
         handler = handler_for(ServerContext(self.controller, self.token, self.audit))
         self.servers: list[UnixHTTPServer | TCPHTTPServer] = []
         if config.socket_path is not None:
@@ -186,9 +202,10 @@ class Daemon:
         if not self.config.networking or not self.config.spawner:
             return None
         from vmfork.runtime.network import HostNetwork
-        from vmfork.server.networking import SandboxNetworks, daemon_guest_network
+        from vmfork.runtime.parent import guest_network
+        from vmfork.server.networking import SandboxNetworks
         try:
-            host = HostNetwork(daemon_guest_network(), subnet=self.config.network_subnet,
+            host = HostNetwork(guest_network(), subnet=self.config.network_subnet,
                                prefix=self.config.network_prefix,
                                pool_size=self.config.network_pool)
         except ValueError:

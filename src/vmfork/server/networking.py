@@ -25,23 +25,15 @@ from typing import Any
 from vmfork.runtime.network import (
     ChildNetwork,
     EgressPolicy,
-    GuestNetwork,
     HostNetwork,
     NetworkError,
     cleanup_stale,
-    host_dns_servers,
 )
 from vmfork.server.errors import BadGateway, BadRequest, Conflict, NotFound, Unprocessable
 from vmfork.server.registry import Registry
 from vmfork.store import Snapshot
 
 log = logging.getLogger(__name__)
-
-
-def daemon_guest_network() -> GuestNetwork:
-    """The guest side of every networked snapshot the daemon makes and spawns: the
-    fixed addresses (``GuestNetwork``), with the host's name servers for the guest."""
-    return GuestNetwork(dns=host_dns_servers())
 
 
 def egress_policy(spec: dict[str, Any] | None) -> EgressPolicy | None:

@@ -57,6 +57,18 @@ and network devices on the same I/O thread. Reads block that thread; the
 image is usually in the host's page cache (every sandbox of an image reads the
 same file), where they cost a memcpy.
 
+Read-write disks (issue 14's volumes). A volume opened read-write is one sandbox's
+own file, never a disk image named by content (DESIGN decision 3: "read-write
+volumes belong to one sandbox at a time"), so the device may write it. Such a
+device (``read_only=False``) offers ``FLUSH`` instead of ``RO``; ``T_OUT`` writes
+the chain's device-readable data (after the header) with one ``pwritev``, checked
+exactly as a read is (whole sectors, at most ``MAX_BYTES_PER_REQUEST``, inside the
+capacity; device-writable data besides the status byte is malformed); ``T_FLUSH``
+is ``fdatasync`` of the file, so what the guest flushed survives a host crash.
+Discard and write-zeroes stay unoffered (``S_IOERR``). A read-only device refuses
+every write whatever the fd allows, and ``open_disk`` opens a read-only disk
+``O_RDONLY``, so a bug here still cannot change a shared image.
+
 The backing fd is opened by the ``Machine`` (``open_disk``) and owned by it;
 the device only reads it, and ``detach`` (on the I/O thread) makes sure no
 read starts after the machine closes it.
@@ -92,7 +104,9 @@ SECTOR_SIZE = 512
 F_SIZE_MAX = 1 << 1
 F_SEG_MAX = 1 << 2
 F_RO = 1 << 5
+F_FLUSH = 1 << 9
 OFFERED_FEATURES = F_SIZE_MAX | F_SEG_MAX | F_RO
+OFFERED_FEATURES_RW = F_SIZE_MAX | F_SEG_MAX | F_FLUSH
 
 # Request types and status values (virtio 1.x, 5.2.6).
 T_IN = 0
@@ -133,15 +147,16 @@ def validate_disk_key(key: str) -> str:
     return key
 
 
-def open_disk(path: str) -> tuple[int, int]:
-    """Open a disk image read-only; return the fd and its size in bytes.
+def open_disk(path: str, writable: bool = False) -> tuple[int, int]:
+    """Open a disk image (read-only unless ``writable``); return the fd and its size
+    in bytes.
 
     The size must be a positive multiple of 512: the guest addresses the disk in
     sectors, and a partial last sector could be neither read whole nor refused
     consistently.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError as err:
         raise HostError(f"root disk {path}: open: {err.strerror}", op="open_disk",
                         errno=err.errno) from err
@@ -166,6 +181,7 @@ class BlkState:
     acked_features: int
     disk_key: str
     capacity_bytes: int
+    read_only: bool = True   # absent in state files from before read-write volumes
 
 
 @dataclass
@@ -175,7 +191,10 @@ class BlkCounters:
     bytes_read: int = 0
     flushes: int = 0
     get_ids: int = 0
-    writes_refused: int = 0   # OUT, DISCARD, WRITE_ZEROES, SECURE_ERASE
+    writes: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0     # writes refused (bounds, size) or failed on the host
+    writes_refused: int = 0   # OUT on a read-only disk, DISCARD, WRITE_ZEROES, SECURE_ERASE
     read_errors: int = 0      # reads refused (bounds, size) or failed on the host
     malformed: int = 0        # requests answered IOERR for their layout
     unsupported: int = 0
@@ -186,12 +205,14 @@ class VirtioBlk(VirtioDevice):
     queue_max_sizes = (QUEUE_SIZE,)
 
     def __init__(self, loop: EventLoop, fd: int, size: int, disk_key: str,
-                 path: str = "<disk>") -> None:
-        """``fd``/``size`` from ``open_disk``; the caller keeps owning the fd."""
+                 path: str = "<disk>", read_only: bool = True) -> None:
+        """``fd``/``size`` from ``open_disk`` (``writable=True`` for a device with
+        ``read_only=False``); the caller keeps owning the fd."""
         super().__init__()
         if size <= 0 or size % SECTOR_SIZE:
             raise ValueError(f"disk size {size} is not a positive multiple of {SECTOR_SIZE}")
-        self.features |= OFFERED_FEATURES
+        self.read_only = read_only
+        self.features |= OFFERED_FEATURES if read_only else OFFERED_FEATURES_RW
         self.loop = loop
         self.fd: int | None = fd
         self.capacity_bytes = size
@@ -251,12 +272,17 @@ class VirtioBlk(VirtioDevice):
             self.counters.malformed += 1
             return S_IOERR, 0
         kind, _reserved, sector = HEADER.unpack(chain.read_readable(memory, HEADER.size))
+        if kind == T_OUT and not self.read_only:
+            if data:   # an OUT's data is device-readable; only the status is writable
+                self.counters.malformed += 1
+                return S_IOERR, 0
+            return self._write(memory, chain, sector), 0
         if kind in WRITE_TYPES:
             self.counters.writes_refused += 1
             return S_IOERR, 0
         if kind == T_FLUSH:
             self.counters.flushes += 1
-            return S_OK, 0
+            return self._flush(), 0
         if kind not in (T_IN, T_GET_ID):
             self.counters.unsupported += 1
             return S_UNSUPP, 0
@@ -302,10 +328,55 @@ class VirtioBlk(VirtioDevice):
         self.counters.bytes_read += length
         return S_OK, length
 
+    def _write(self, memory: GuestMemory, chain: DescriptorChain, sector: int) -> int:
+        """Write the data after the header at ``sector``; the status."""
+        segments = _skip(chain.readable, HEADER.size)
+        length = sum(n for _, n in segments)
+        offset = sector * SECTOR_SIZE
+        if (length % SECTOR_SIZE or length > MAX_BYTES_PER_REQUEST
+                or offset + length > self.capacity_bytes or self.fd is None):
+            self.counters.write_errors += 1
+            return S_IOERR
+        if length == 0:
+            return S_OK
+        views = [memory.view(gpa, n) for gpa, n in segments]
+        try:
+            done = os.pwritev(self.fd, views, offset)
+        except OSError as err:
+            self.counters.write_errors += 1
+            log.warning("virtio-blk %s: write of %d bytes at %d failed: %s", self.path,
+                        length, offset, err)
+            return S_IOERR
+        finally:
+            for view in views:
+                view.release()
+        if done != length:   # a full file system; the sectors after `done` are not written
+            self.counters.write_errors += 1
+            log.warning("virtio-blk %s: wrote %d of %d bytes at %d", self.path, done, length,
+                        offset)
+            return S_IOERR
+        self.counters.writes += 1
+        self.counters.bytes_written += length
+        return S_OK
+
+    def _flush(self) -> int:
+        """A read-only disk has no cache to flush (OK, and true); a writable one is
+        ``fdatasync``ed, so the guest's flushed writes are on the host's disk."""
+        if self.read_only:
+            return S_OK
+        if self.fd is None:
+            return S_IOERR
+        try:
+            os.fdatasync(self.fd)
+        except OSError as err:
+            log.warning("virtio-blk %s: fdatasync failed: %s", self.path, err)
+            return S_IOERR
+        return S_OK
+
     # -- snapshots ----------------------------------------------------------------------
     def save(self) -> BlkState:
         return BlkState(acked_features=self.acked_features, disk_key=self.disk_key,
-                        capacity_bytes=self.capacity_bytes)
+                        capacity_bytes=self.capacity_bytes, read_only=self.read_only)
 
     def restore(self, state: BlkState) -> None:
         """Take the state of a snapshot; it must be of this very disk (key and size)."""
@@ -316,6 +387,10 @@ class VirtioBlk(VirtioDevice):
             raise HostError(f"the snapshot's root disk {state.disk_key} had "
                             f"{state.capacity_bytes} bytes, but {self.path} has "
                             f"{self.capacity_bytes}: not the same disk", op="restore")
+        if state.read_only != self.read_only:
+            want = "read-only" if state.read_only else "read-write"
+            raise HostError(f"the snapshot's disk {state.disk_key} was {want}, and "
+                            f"{self.path} is not given {want}", op="restore")
         self.acked_features = state.acked_features
 
 
@@ -329,6 +404,18 @@ def _split_status(chain: DescriptorChain) -> tuple[list[tuple[int, int]], int]:
     gpa, n = segments[-1]
     data = segments[:-1] + ([(gpa, n - 1)] if n > 1 else [])
     return data, gpa + n - 1
+
+
+def _skip(segments: list[tuple[int, int]], skip: int) -> list[tuple[int, int]]:
+    """``segments`` without their first ``skip`` bytes (the header may span several)."""
+    out = []
+    for gpa, n in segments:
+        if skip >= n:
+            skip -= n
+            continue
+        out.append((gpa + skip, n - skip))
+        skip = 0
+    return [(gpa, n) for gpa, n in out if n]
 
 
 def _scatter(memory: GuestMemory, segments: list[tuple[int, int]], payload: bytes) -> int:

@@ -1,0 +1,238 @@
+"""forkd's pip chain, for real (issue 14 items 1-2), through ``vmfork serve`` and the CLI.
+
+A package index (``tests/pip_index.py``: the pinned wheels the set-up fetched, as a
+PEP 503 repository over HTTP) runs "on the internet": a namespace routed from the
+host, as PyPI would be. Then, as forkd's README does it (with ``--network``):
+
+    snapshot --tag py-base --network --warm-cmd 'pip install idna'     (a warm-up that downloads)
+    snapshot-diff --from py-base  --tag py-numpy --network --exec 'pip install numpy==2.0.2'
+    snapshot-diff --from py-numpy --tag py-six   --network --exec 'pip install six==1.16.0'
+
+A child of the head imports all three; ``snapshot-info`` shows the chain; each layer
+is compared with the bytes pip installed; a build under ``--egress deny`` is refused
+with the reason and builds nothing; the head compacts and packs. The numbers (build
+time, layer size, spawn time of head against base) are printed for the closing note.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_daemon import Daemon, Home
+from tests.pip_index import wheel_dir
+from vmfork.client import ControllerError
+from vmfork.runtime import network
+
+pytestmark = pytest.mark.e2e
+
+PREFIX = "vmfc"
+INET_NS = "vmfc-inet"
+INET_HOST_SIDE = "198.51.100.1"
+INDEX_ADDR, INDEX_PORT = "198.51.100.10", 8000
+INDEX = f"http://{INDEX_ADDR}:{INDEX_PORT}/simple"
+PIP = ("python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 "
+       f"--timeout 30 --index-url {INDEX} --trusted-host {INDEX_ADDR}")
+REPO = Path(__file__).parents[2]
+# The installed size of the packages named, measured in the guest: every file of each
+# distribution's RECORD (what pip wrote, .pyc files included).
+INSTALLED = ("import importlib.metadata as m, os, sys\n"
+             "total = 0\n"
+             "for name in sys.argv[1:]:\n"
+             "    for f in m.distribution(name).files or ():\n"
+             "        p = f.locate()\n"
+             "        total += os.path.getsize(p) if os.path.isfile(p) else 0\n"
+             "print(total)\n")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def index() -> Iterator[str]:
+    """The index in a namespace standing for the internet, routed from the host."""
+    if not any(wheel_dir().glob("numpy-*.whl")):
+        pytest.fail(f"no test wheels in {wheel_dir()}: the set-up fetches them "
+                    "(scripts/lib.sh setup_test_wheels)")
+    subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
+    _ip("netns", "add", INET_NS)
+    server = None
+    try:
+        _ip("link", "add", "cinet0", "type", "veth", "peer", "name", "cinet1", "netns", INET_NS)
+        _ip("addr", "add", f"{INET_HOST_SIDE}/24", "dev", "cinet0")
+        _ip("link", "set", "cinet0", "up")
+        for cmd in (["link", "set", "lo", "up"], ["link", "set", "cinet1", "up"],
+                    ["addr", "add", f"{INDEX_ADDR}/24", "dev", "cinet1"],
+                    ["route", "add", "default", "via", INET_HOST_SIDE]):
+            _ip("-n", INET_NS, *cmd)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", INET_NS, sys.executable, "-m", "tests.pip_index",
+             INDEX_ADDR, str(INDEX_PORT), str(wheel_dir())], cwd=REPO, stdout=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"))
+        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+        with urllib.request.urlopen(f"{INDEX}/numpy/", timeout=30) as r:
+            assert b"numpy-2.0.2" in r.read()
+        yield INDEX
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", "cinet0"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Home]:
+    logs = tmp_path_factory.mktemp("pip-chain")
+    root = Path(tempfile.mkdtemp(prefix="vmfork-e2e-pip-"))
+    env = dict(os.environ, VMFORK_HOME=str(root / "home"),
+               PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO),
+                                           os.environ.get("PYTHONPATH", "")]))
+    yield Home(root, logs, env)
+    network.cleanup_stale(PREFIX)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(home: Home, index: str) -> Iterator[Daemon]:
+    d = home.start("chain", "--kill-sandboxes-on-exit", "--network-prefix", PREFIX)
+    yield d
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(300)
+    left = network.leftovers(PREFIX)
+    assert left.namespaces == [] and left.links == [], left
+
+
+def _cli(home: Home, d: Daemon, *args: str, timeout: float = 1800) -> tuple[int, str, str, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "vmfork", *args, "--url", f"unix://{d.socket}"],
+                          env=home.env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - started
+
+
+def _exec(d: Daemon, sandbox: str, script: str, *argv: str) -> str:
+    r = d.ctl.exec_command(sandbox, ["python3", "-c", script, *argv], timeout_secs=600)
+    assert r["exit_code"] == 0, r
+    return str(r["stdout"]).strip()
+
+
+NUMBERS: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def base(daemon: Daemon) -> str:
+    started = time.monotonic()
+    info = daemon.ctl.create_snapshot("py-base", mem_mib=768, network=True,
+                                      warm_cmd=f"{PIP} idna==3.7", timeout=1800)
+    NUMBERS["base_build_s"] = round(time.monotonic() - started, 1)
+    assert info["status"] == "ready" and info["network"] is True
+    return "py-base"
+
+
+def test_warm_up_downloaded_and_children_are_unique(daemon: Daemon, base: str) -> None:
+    kids = daemon.ctl.spawn_sandboxes(base, 2, per_child_netns=True)
+    try:
+        got = [_exec(daemon, k["id"], "import idna, random, time; "
+                     "print(idna.__version__, random.random(), int(time.time()))")
+               for k in kids]
+        versions = {g.split()[0] for g in got}
+        assert versions == {"3.7"}
+        assert got[0].split()[1] != got[1].split()[1]          # RNG made unique
+        assert abs(int(got[0].split()[2]) - time.time()) < 120  # clock set after the fork
+    finally:
+        for k in kids:
+            daemon.ctl.kill_sandbox(k["id"])
+
+
+def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> None:
+    for parent, tag, req in (("py-base", "py-numpy", "numpy==2.0.2"),
+                             ("py-numpy", "py-six", "six==1.16.0")):
+        code, out, err, seconds = _cli(home, daemon, "snapshot-diff", "--from", parent,
+                                       "--tag", tag, "--network", "--exec", f"{PIP} {req}")
+        assert code == 0, f"{out}\n{err}"
+        NUMBERS[f"{tag}_build_s"] = round(seconds, 1)
+
+    code, out, err, _ = _cli(home, daemon, "snapshot-info", "py-six", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["chain_depth"] == 2, info
+    assert set(info["ancestors"]) == {"py-numpy", "py-base"}, info
+
+    layers = {t: daemon.ctl.snapshot_info(t)["changed_bytes"] for t in ("py-numpy", "py-six")}
+    child = daemon.ctl.spawn_sandboxes("py-six", 1)[0]
+    try:
+        assert _exec(daemon, child["id"], "import numpy, six, idna; "
+                     "print(numpy.__version__, six.__version__, int(numpy.arange(10).sum()))") \
+            == "2.0.2 1.16.0 45"
+        installed = {"py-numpy": int(_exec(daemon, child["id"], INSTALLED, "numpy")),
+                     "py-six": int(_exec(daemon, child["id"], INSTALLED, "six"))}
+    finally:
+        daemon.ctl.kill_sandbox(child["id"])
+    for tag, layer in layers.items():
+        NUMBERS[f"{tag}_layer_MiB"] = round(layer / 2**20, 1)
+        NUMBERS[f"{tag}_installed_MiB"] = round(installed[tag] / 2**20, 2)
+        NUMBERS[f"{tag}_ratio"] = round(layer / installed[tag], 2)
+    base_mem = daemon.ctl.snapshot_info("py-base")["memory_logical_bytes"]
+    # The layers hold what the build wrote, not the base.
+    assert layers["py-numpy"] >= installed["py-numpy"]
+    assert layers["py-numpy"] < base_mem / 2
+
+    # Spawn time of the head against the base (request to agent ready), alternating.
+    spawns: dict[str, list[float]] = {"py-base": [], "py-six": []}
+    for _ in range(3):
+        for tag, values in spawns.items():
+            kid = daemon.ctl.spawn_sandboxes(tag, 1)[0]
+            values.append(kid["timings"]["ready_ms"])
+            daemon.ctl.kill_sandbox(kid["id"])
+    for tag, values in spawns.items():
+        NUMBERS[f"{tag}_spawn_ready_ms_p50"] = sorted(values)[1]
+
+    # Compaction and packs work on the chain.
+    flat = daemon.ctl.compact_snapshot("py-six", "py-flat")
+    assert flat["tag"] == "py-flat"
+    kid = daemon.ctl.spawn_sandboxes("py-flat", 1)[0]
+    try:
+        assert _exec(daemon, kid["id"], "import numpy, six; print('ok')") == "ok"
+    finally:
+        daemon.ctl.kill_sandbox(kid["id"])
+    pack = tmp_path / "py-six.tar.zst"
+    done = subprocess.run([sys.executable, "-m", "vmfork", "pack", "--tag", "py-six", "-o",
+                           str(pack)], env=home.env, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    fresh = dict(home.env, VMFORK_HOME=str(home.root / "fresh"))
+    done = subprocess.run([sys.executable, "-m", "vmfork", "unpack", str(pack), "--json"],
+                          env=fresh, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["tags"] == ["py-base", "py-numpy", "py-six"]
+    NUMBERS["pack_MiB"] = round(pack.stat().st_size / 2**20, 1)
+    print("pip chain numbers:", json.dumps(NUMBERS))
+    (home.logs / "numbers.json").write_text(json.dumps(NUMBERS))
+    out_dir = os.environ.get("VMFORK_NUMBERS_DIR")
+    if out_dir:
+        Path(out_dir, "pip-chain.json").write_text(json.dumps(NUMBERS, indent=1))
+
+
+def test_egress_deny_refuses_the_download(home: Home, daemon: Daemon, base: str) -> None:
+    code, out, err, _ = _cli(home, daemon, "snapshot-diff", "--from", base, "--tag",
+                             "py-denied", "--network", "--egress", "deny", "--exec",
+                             f"{PIP} six==1.16.0", timeout=900)
+    assert code == 1, f"{out}\n{err}"
+    assert "egress policy is deny" in err and "nothing was built" in err, err
+    with pytest.raises(ControllerError) as caught:
+        daemon.ctl.snapshot_info("py-denied")
+    assert caught.value.status == 404

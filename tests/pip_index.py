@@ -1,0 +1,90 @@
+"""A package index for the guests: the wheels the set-up fetched (``scripts/lib.sh``,
+``setup_test_wheels``) served as a PEP 503 "simple" repository over HTTP.
+
+Real pip talks to it as to PyPI: ``/simple/`` lists the projects, ``/simple/<name>/``
+links each file with its ``#sha256=`` (pip checks it), ``/files/<wheel>`` serves the
+bytes. The tree is written once into a directory and served by ``http.server``, so
+what the guest downloads is exactly the file the set-up fetched and pinned.
+
+Run as ``python -m tests.pip_index ADDRESS PORT [WHEEL_DIR]`` (in a network namespace,
+``ip netns exec NS python -m tests.pip_index ...``): it prints ``ready`` once it serves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import http.server
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from vmfork.paths import cache_dir
+
+# What the set-up fetches (pinned; cp311 manylinux wheels for the guest's Python 3.11).
+WHEELS = ("six==1.16.0", "idna==3.7", "numpy==2.0.2")
+
+
+def wheel_dir() -> Path:
+    return cache_dir() / "test-assets" / "wheels"
+
+
+def normalize(name: str) -> str:
+    """PEP 503's normalised project name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def build_tree(wheels: Path, root: Path) -> list[str]:
+    """Write the simple index for every wheel in ``wheels`` under ``root``; the project
+    names. The wheels are hard-linked (or copied) into ``root/files``."""
+    files = sorted(wheels.glob("*.whl"))
+    if not files:
+        raise FileNotFoundError(f"no wheels in {wheels}: run the set-up (scripts/test or "
+                                "`source scripts/lib.sh; setup_python; setup_test_wheels`)")
+    (root / "files").mkdir(parents=True, exist_ok=True)
+    projects: dict[str, list[tuple[str, str]]] = {}
+    for wheel in files:
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        target = root / "files" / wheel.name
+        try:
+            target.hardlink_to(wheel)
+        except OSError:
+            shutil.copyfile(wheel, target)
+        projects.setdefault(normalize(wheel.name.split("-", 1)[0]), []).append(
+            (wheel.name, digest))
+    simple = root / "simple"
+    simple.mkdir(exist_ok=True)
+    links = "".join(f'<a href="{p}/">{p}</a>\n' for p in sorted(projects))
+    (simple / "index.html").write_text(f"<!DOCTYPE html>\n<html><body>\n{links}</body></html>\n")
+    for project, entries in projects.items():
+        (simple / project).mkdir(exist_ok=True)
+        anchors = "".join(f'<a href="../../files/{html.escape(n)}#sha256={d}">'
+                          f"{html.escape(n)}</a>\n" for n, d in entries)
+        (simple / project / "index.html").write_text(
+            f"<!DOCTYPE html>\n<html><body>\n{anchors}</body></html>\n")
+    return sorted(projects)
+
+
+def serve(address: str, port: int, wheels: Path) -> None:
+    root = Path(tempfile.mkdtemp(prefix="vmfork-index-"))
+    try:
+        build_tree(wheels, root)
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                super().__init__(*args, directory=str(root), **kwargs)  # type: ignore[arg-type]
+
+            def log_message(self, format: str, *args: object) -> None:
+                sys.stderr.write(f"index: {format % args}\n")
+
+        server = http.server.ThreadingHTTPServer((address, port), Handler)
+        print("ready", flush=True)
+        server.serve_forever()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else wheel_dir())
