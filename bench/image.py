@@ -201,7 +201,9 @@ def parse_args() -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=10, help="children per spawn (default 10)")
     parser.add_argument("--repeat", type=int, default=2, help="spawns per variant")
-    parser.add_argument("--mem-mib", type=int, default=512, help="guest RAM (default 512)")
+    # 1024: an initramfs root is unpacked from a copy of itself, so at boot the guest
+    # holds the numpy+pandas tree (208 MiB) twice
+    parser.add_argument("--mem-mib", type=int, default=1024, help="guest RAM (default 1024)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--phase", choices=("all", "vms"), default="all",
                         help=argparse.SUPPRESS)
