@@ -245,6 +245,8 @@ def _built_from(image: GuestImage) -> str:
     for key in ("apt", "pip", "npm"):
         if d.get(key):
             parts.append(f"{key}: " + " ".join(d[key][:4]) + (" ..." if len(d[key]) > 4 else ""))
+    if d.get("requirements"):
+        parts.append(f"requirements: {Path(d['requirements']).name}")
     if d.get("copy"):
         parts.append(f"copy: {len(d['copy'])}")
     return "; ".join(parts)
@@ -261,7 +263,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     header = ("NAME", "SIZE", "ROOT", "BUILT FROM", "CREATED", "")
     lines = [header] + [
         (i.name, _mb(i.size), f"{i.disk_format} disk" if i.disk_key else "initramfs",
-         _built_from(i) if i.disk_key else "default packages",
+         _built_from(i) if i.definition else "default packages",
          i.created.strftime("%Y-%m-%d %H:%M:%S"),
          "" if i.files_present() else "files missing: rebuild")
         for i in images
