@@ -44,6 +44,8 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "default (initramfs)": ("default", "import json"),
     "numpy+pandas (initramfs root)": ("bench-sci-ram", "import numpy, pandas"),
     "numpy+pandas (disk root)": ("bench-sci-disk", "import numpy, pandas"),
+    "numpy+pandas (disk root, squashfs lz4)": ("bench-sci-lz4", "import numpy, pandas"),
+    "numpy+pandas (disk root, erofs lz4hc)": ("bench-sci-erofs", "import numpy, pandas"),
     "1 GiB (disk root)": ("bench-big", "import json"),
 }
 BUILD_JSON = RESULTS / "image-builds.json"
@@ -56,6 +58,8 @@ def _specs() -> dict[str, Any]:
     return {
         "bench-sci-disk": ImageSpec(apt=SCI).validate(),
         "bench-sci-ram": ImageSpec(apt=SCI, root="initramfs").validate(),
+        "bench-sci-lz4": ImageSpec(apt=SCI, disk_format="squashfs-lz4").validate(),
+        "bench-sci-erofs": ImageSpec(apt=SCI, disk_format="erofs").validate(),
         "bench-big": ImageSpec(copy=(CopySpec(big_file(), "/data/big.bin"),)).validate(),
     }
 
@@ -205,16 +209,19 @@ def parse_args() -> argparse.Namespace:
     # holds the numpy+pandas tree (208 MiB) twice
     parser.add_argument("--mem-mib", type=int, default=1024, help="guest RAM (default 1024)")
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--phase", choices=("all", "vms"), default="all",
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=("all", "builds", "vms"), default="all",
+                        help="builds: only the native build phase; vms: only the guests "
+                             "(with the builds' images already made)")
     return parser.parse_args()
 
 
 def main() -> int:
     args = parse_args()
-    if args.phase == "all" and os.environ.get("VMFORK_IN_TESTHOST") != "1":
+    if args.phase in ("all", "builds") and os.environ.get("VMFORK_IN_TESTHOST") != "1":
         RESULTS.mkdir(exist_ok=True)
         BUILD_JSON.write_text(json.dumps(build_phase(args), indent=2) + "\n")
+        if args.phase == "builds":
+            return 0
         argv = ["--phase", "vms", "--n", str(args.n), "--repeat", str(args.repeat),
                 "--mem-mib", str(args.mem_mib), "--timeout", str(args.timeout)]
         ensure_kvm_host(__file__, argv, mem_mib=6144, timeout=5400.0)

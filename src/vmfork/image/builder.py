@@ -456,14 +456,20 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
+def mount_type(fmt: str) -> str:
+    """The guest's file-system type for a disk format (``vmfork.rootfs=`` for /init)."""
+    return "erofs" if fmt == "erofs" else "squashfs"
+
+
 def make_disk(tree: Path, out: Path, fmt: str) -> None:
     """``tree`` as a read-only file-system image at ``out``; timestamps fixed at 0 so the
     same tree makes the same bytes."""
     if fmt == "erofs":
         _run("disk", ["mkfs.erofs", "-zlz4hc", "-T0", str(out), str(tree)])
     else:
+        comp = "lz4" if fmt == "squashfs-lz4" else "zstd"
         _run("disk", ["mksquashfs", str(tree), str(out), "-noappend", "-quiet",
-                      "-no-progress", "-comp", "zstd", "-b", "128K", "-mkfs-time", "0",
+                      "-no-progress", "-comp", comp, "-b", "128K", "-mkfs-time", "0",
                       "-all-time", "0", "-processors", str(os.cpu_count() or 1)])
     # virtio-blk serves whole 512-byte sectors
     size = out.stat().st_size
@@ -700,7 +706,7 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
     image = GuestImage(
         name=name, kernel=kernel, initrd=boot.path, kernel_key=kernel_entry.name,
         initramfs_key=boot.key,
-        cmdline=f"{DEFAULT_CMDLINE} vmfork.rootfs={manifest['disk_format']}",
+        cmdline=f"{DEFAULT_CMDLINE} vmfork.rootfs={mount_type(str(manifest['disk_format']))}",
         created=datetime.now(UTC).replace(microsecond=0),
         kernel_size=kernel.stat().st_size, initrd_size=boot.size,
         kernel_build_seconds=entry_build_seconds(kernel) if kernel_built else None,

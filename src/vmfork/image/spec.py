@@ -27,7 +27,7 @@ from typing import Any
 
 from vmfork.image.errors import ImageError
 
-DISK_FORMATS = ("squashfs", "erofs")
+DISK_FORMATS = ("squashfs", "squashfs-lz4", "erofs")   # squashfs: zstd-compressed
 # Where the root lives: a read-only disk under a RAM overlay (the default), or the
 # whole tree unpacked into guest RAM as an initramfs (what the default image does; the
 # benchmark compares the two for the same content).
