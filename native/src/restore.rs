@@ -43,15 +43,25 @@ pub struct BadField {
     pub field: &'static str,
     pub got: usize,
     pub expected: usize,
+    /// What `got` and `expected` count: "bytes", or "entries" (at most `expected`).
+    pub unit: &'static str,
 }
 
 impl std::fmt::Display for BadField {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "snapshot {}: {} bytes, expected {}",
-            self.field, self.got, self.expected
-        )
+        if self.unit == "entries" {
+            write!(
+                f,
+                "snapshot {}: {} entries, at most {}",
+                self.field, self.got, self.expected
+            )
+        } else {
+            write!(
+                f,
+                "snapshot {}: {} {}, expected {}",
+                self.field, self.got, self.unit, self.expected
+            )
+        }
     }
 }
 
@@ -60,6 +70,7 @@ fn load<T: FromBytes>(field: &'static str, data: &[u8]) -> Result<T, BadField> {
         field,
         got: data.len(),
         expected: std::mem::size_of::<T>(),
+        unit: "bytes",
     })
 }
 
@@ -129,6 +140,7 @@ impl VcpuBuffers {
                 field: "cpuid",
                 got: f.cpuid.len(),
                 expected: f.cpuid.len() / entry * entry,
+                unit: "bytes (a whole number of kvm_cpuid_entry2)",
             });
         }
         let entries: Vec<kvm_cpuid_entry2> = f
@@ -140,6 +152,7 @@ impl VcpuBuffers {
             field: "cpuid",
             got: entries.len(),
             expected: kvm_bindings::KVM_MAX_CPUID_ENTRIES,
+            unit: "entries",
         })?;
         // The kernel takes at most KVM_MAX_MSR_ENTRIES per KVM_SET_MSRS (E2BIG).
         let msrs: Vec<kvm_msr_entry> = f
@@ -168,6 +181,7 @@ impl VcpuBuffers {
                 field: "msrs",
                 got: msrs.len(),
                 expected: KVM_MAX_MSR_ENTRIES,
+                unit: "entries",
             })?,
             vcpu_events: load("vcpu_events", f.vcpu_events)?,
         })

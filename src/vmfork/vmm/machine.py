@@ -185,6 +185,7 @@ class Machine:
         self._exit_lock = threading.Lock()
         self._exited = threading.Event()
         self.timings: dict[str, float] = {}
+        self.restore_refused_msrs: list[list[int]] = []
         started = time.monotonic()
         try:
             self._create(config)
@@ -288,18 +289,15 @@ class Machine:
         return vcpu
 
     def _restore(self, state: MachineState, prepared: vmstate.PreparedRestore) -> None:
-        """Restore order: VM state (PIT, clock, irqchips), vCPUs (see ``vmstate``),
-        then devices: each virtio device before its transport, whose restore
+        """Restore order: the vCPUs are created, then VM state (PIT, clock, irqchips)
+        and vCPU state are set (``vmstate.apply_restore``), then devices: each virtio device before its transport, whose restore
         re-activates the device; vsock then posts TRANSPORT_RESET so the guest
         drops the parent's connections and accepts new ones."""
         started = time.monotonic()
-        vmstate.apply_vm(self.vm_fd, prepared.vm)
-        host_tsc_khz = None
-        for vcpu_state in prepared.vcpus:
-            vcpu = self._new_vcpu(vcpu_state.index)
-            if host_tsc_khz is None:
-                host_tsc_khz = api.get_tsc_khz(vcpu.fd)
-            vmstate.apply_vcpu(vcpu.fd, vcpu_state, host_tsc_khz)
+        vcpus = [self._new_vcpu(vcpu_state.index) for vcpu_state in prepared.vcpus]
+        # Per vCPU, the snapshot's MSRs this KVM refused (skipped, logged).
+        self.restore_refused_msrs = vmstate.apply_restore(self.kvm_fd, self.vm_fd,
+                                                          [v.fd for v in vcpus], prepared)
         self.serial.restore(state.serial)
         if (state.vsock is None) != (self.vsock is None) or \
                 (state.rng is None) != (self.rng is None) or \
