@@ -10,6 +10,7 @@
 //! the GIL, and closes its duplicates before it returns.
 
 mod restore;
+mod vcpu;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
@@ -125,6 +126,35 @@ fn dup(fd: RawFd, what: &'static str) -> PyResult<OwnedFd> {
         .map_err(|e| IoctlError::new_err((e.raw_os_error().unwrap_or(0), what, None::<u32>)))
 }
 
+/// The VM as kvm-ioctls' `VmFd`, on a copy of Python's descriptor.
+pub(crate) fn open_vm(kvm_fd: RawFd, vm_fd: RawFd) -> PyResult<VmFd> {
+    let kvm_dup = dup(kvm_fd, "dup /dev/kvm fd")?;
+    // SAFETY: `kvm_dup` is an open descriptor we own; the caller says it is /dev/kvm
+    // (if not, the ioctls below fail with ENOTTY, nothing else). Ownership moves.
+    let kvm = unsafe { Kvm::from_raw_fd(kvm_dup.into_raw_fd()) };
+    let vm_dup = dup(vm_fd, "dup VM fd")?;
+    // SAFETY: as above, for a VM fd; `kvm` only supplies the vCPU mmap size.
+    unsafe { kvm.create_vmfd_from_rawfd(vm_dup.into_raw_fd()) }
+        .map_err(|e| IoctlError::new_err((e.errno(), "KVM_GET_VCPU_MMAP_SIZE", None::<u32>)))
+}
+
+/// The vCPUs `(fd, index)` of the VM `vm_fd` as kvm-ioctls' `VcpuFd`s, each on a
+/// copy of Python's descriptor with its own `kvm_run` mapping; dropping one closes
+/// its copy and unmaps.
+pub(crate) fn open_vcpus(vm: &VmFd, fds: &[(RawFd, u32)]) -> PyResult<Vec<VcpuFd>> {
+    let mut vcpus = Vec::with_capacity(fds.len());
+    for &(fd, index) in fds {
+        let raw = dup(fd, "dup vCPU fd")?.into_raw_fd();
+        // SAFETY: an open vCPU descriptor we own (a wrong kind of fd fails the
+        // mmap of its run structure or its ioctls). Ownership moves to the call:
+        // the VcpuFd unmaps and closes on drop, and on an error the call closes it.
+        let vcpu = unsafe { vm.create_vcpu_from_rawfd(raw) }
+            .map_err(|e| IoctlError::new_err((e.errno(), "mmap kvm_run", Some(index))))?;
+        vcpus.push(vcpu);
+    }
+    Ok(vcpus)
+}
+
 /// Restore a snapshot's VM and vCPU state: every SET ioctl, in the order the
 /// module `restore` gives, in one call with the GIL released. `vcpu_fds[i]`
 /// gets `prepared`'s vCPU `i`. Returns (MSRs KVM refused, per vCPU;
@@ -146,27 +176,15 @@ fn restore_machine(
             prepared.vcpus.len()
         )));
     }
-    let kvm_dup = dup(kvm_fd, "dup /dev/kvm fd")?;
-    // SAFETY: `kvm_dup` is an open descriptor we own; the caller says it is /dev/kvm
-    // (if not, the ioctls below fail with ENOTTY, nothing else). Ownership moves.
-    let kvm = unsafe { Kvm::from_raw_fd(kvm_dup.into_raw_fd()) };
-    let vm_dup = dup(vm_fd, "dup VM fd")?;
-    // SAFETY: as above, for a VM fd; `kvm` only supplies the vCPU mmap size.
-    let vm: VmFd = unsafe { kvm.create_vmfd_from_rawfd(vm_dup.into_raw_fd()) }
-        .map_err(|e| IoctlError::new_err((e.errno(), "KVM_GET_VCPU_MMAP_SIZE", None::<u32>)))?;
-    let mut vcpus: Vec<VcpuFd> = Vec::with_capacity(vcpu_fds.len());
     let states: Vec<&restore::VcpuBuffers> =
         prepared.vcpus.iter().map(|v| &v.get().inner).collect();
-    for (&fd, state) in vcpu_fds.iter().zip(&states) {
-        let raw = dup(fd, "dup vCPU fd")?.into_raw_fd();
-        // SAFETY: an open vCPU descriptor we own (a wrong kind of fd fails the
-        // mmap of its run structure or its ioctls). Ownership moves to the call:
-        // the VcpuFd unmaps and closes on drop, and on an error the call closes it.
-        // We never KVM_RUN through it.
-        let vcpu = unsafe { vm.create_vcpu_from_rawfd(raw) }
-            .map_err(|e| IoctlError::new_err((e.errno(), "mmap kvm_run", Some(state.index()))))?;
-        vcpus.push(vcpu);
-    }
+    let fds: Vec<(RawFd, u32)> = vcpu_fds
+        .iter()
+        .zip(&states)
+        .map(|(&fd, state)| (fd, state.index()))
+        .collect();
+    let vm = open_vm(kvm_fd, vm_fd)?;
+    let vcpus = open_vcpus(&vm, &fds)?;
     let report = py
         .detach(|| restore::apply(&vm, &vcpus, &prepared.vm, &states))
         .map_err(ioctl_error)?;
@@ -177,6 +195,7 @@ fn restore_machine(
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedVcpu>()?;
     m.add_class::<PreparedRestore>()?;
+    m.add_class::<vcpu::VcpuLoop>()?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())

@@ -54,6 +54,10 @@ from vmfork.vmm.memplan import MemoryPlan
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
+
+if vmstate.NATIVE:
+    # The native core's vCPU loop (the same interface); the Python one otherwise.
+    from vmfork.vmm.native_vcpu import NativeVcpu
 from vmfork.vmm.x86 import layout as L
 
 log = logging.getLogger(__name__)
@@ -233,7 +237,7 @@ class Machine:
         api.create_irqchip(self.vm_fd)
         api.create_pit2(self.vm_fd)
 
-        self.vcpus: list[Vcpu] = []
+        self.vcpus: list[Vcpu | NativeVcpu] = []
         self._vcpu_mmap_size = api.get_vcpu_mmap_size(self.kvm_fd)
         self._msr_candidates: list[int] | None = None
 
@@ -280,10 +284,15 @@ class Machine:
         for index in range(config.vcpus):
             self._setup_vcpu(self._new_vcpu(index), supported, index)
 
-    def _new_vcpu(self, index: int) -> Vcpu:
+    def _new_vcpu(self, index: int) -> Vcpu | NativeVcpu:
         fd = self._fd(api.create_vcpu(self.vm_fd, index))
-        vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
-                    self._vcpu_exited)
+        vcpu: Vcpu | NativeVcpu
+        if vmstate.NATIVE:
+            vcpu = NativeVcpu(index, fd, self.kvm_fd, self.vm_fd, self.pio_bus, self.mmio_bus,
+                              self._vcpu_exited)
+        else:
+            vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
+                        self._vcpu_exited)
         self._closers.append(vcpu.close)
         self.vcpus.append(vcpu)
         return vcpu
@@ -393,7 +402,8 @@ class Machine:
                                             self.blk.save())
         return state
 
-    def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
+    def _setup_vcpu(self, vcpu: Vcpu | NativeVcpu, supported: list[kvm_cpuid_entry2],
+                    index: int) -> None:
         boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)
         if index == 0:
             boot.setup_boot_cpu_registers(vcpu.fd, self.boot_info.entry)
