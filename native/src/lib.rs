@@ -9,6 +9,7 @@
 //! hands to `kvm-ioctls` (whose wrappers own and close their fd) while it holds
 //! the GIL, and closes its duplicates before it returns.
 
+mod console;
 mod restore;
 mod vcpu;
 
@@ -196,6 +197,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedVcpu>()?;
     m.add_class::<PreparedRestore>()?;
     m.add_class::<vcpu::VcpuLoop>()?;
+    m.add_class::<console::Console>()?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())

@@ -36,6 +36,8 @@ use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
+
+use crate::console::{Console, Served};
 use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -210,6 +212,8 @@ struct Callbacks {
     pio: Py<PyAny>,
     mmio: Py<PyAny>,
     on_exit: Py<PyAny>,
+    /// COM1 and the i8042, served without Python, when the machine has them native.
+    console: Option<Py<Console>>,
 }
 
 /// One vCPU's run loop (`vmfork.vmm.native_vcpu.NativeVcpu` wraps it).
@@ -223,13 +227,7 @@ pub struct VcpuLoop {
 }
 
 impl VcpuLoop {
-    fn with_vcpu(
-        index: u32,
-        vcpu: VcpuFd,
-        pio: Py<PyAny>,
-        mmio: Py<PyAny>,
-        on_exit: Py<PyAny>,
-    ) -> Self {
+    fn with_vcpu(index: u32, vcpu: VcpuFd, callbacks: Callbacks) -> Self {
         VcpuLoop {
             index,
             shared: Arc::new(Shared {
@@ -243,7 +241,7 @@ impl VcpuLoop {
                 counters: Mutex::new(Counters::default()),
                 error: Mutex::new(None),
             }),
-            pending: Mutex::new(Some((vcpu, Callbacks { pio, mmio, on_exit }))),
+            pending: Mutex::new(Some((vcpu, callbacks))),
             handle: Mutex::new(None),
         }
     }
@@ -272,8 +270,11 @@ impl VcpuLoop {
     /// A loop for the vCPU `vcpu_fd` (index `index`) of the VM `vm_fd`. Port exits
     /// call `pio.read(port, size)`/`pio.write(port, data)`, MMIO exits the same on
     /// `mmio`; an exit that ends the vCPU calls `on_exit(reason, detail)` once, on
-    /// the vCPU's thread. The descriptors stay the caller's (the loop uses copies).
+    /// the vCPU's thread. With `console`, its ports (COM1, the i8042) never reach
+    /// `pio`. The descriptors stay the caller's (the loop uses copies).
     #[new]
+    #[pyo3(signature = (kvm_fd, vm_fd, vcpu_fd, index, pio, mmio, on_exit, console = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         kvm_fd: RawFd,
         vm_fd: RawFd,
@@ -282,11 +283,21 @@ impl VcpuLoop {
         pio: Py<PyAny>,
         mmio: Py<PyAny>,
         on_exit: Py<PyAny>,
+        console: Option<Py<Console>>,
     ) -> PyResult<Self> {
         let vm = crate::open_vm(kvm_fd, vm_fd)?;
         let mut vcpus = crate::open_vcpus(&vm, &[(vcpu_fd, index)])?;
         let vcpu = vcpus.pop().expect("one vCPU asked, one opened");
-        Ok(VcpuLoop::with_vcpu(index, vcpu, pio, mmio, on_exit))
+        Ok(VcpuLoop::with_vcpu(
+            index,
+            vcpu,
+            Callbacks {
+                pio,
+                mmio,
+                on_exit,
+                console,
+            },
+        ))
     }
 
     /// Start the thread; with `paused`, it parks before entering the guest.
@@ -433,6 +444,9 @@ impl VcpuLoop {
                 visit.call(&cb.pio)?;
                 visit.call(&cb.mmio)?;
                 visit.call(&cb.on_exit)?;
+                if let Some(console) = cb.console.as_ref() {
+                    visit.call(console)?;
+                }
             }
         }
         Ok(())
@@ -607,6 +621,22 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
                 format!("port I/O exit at {port:#x}: {len} bytes of {size}-byte elements"),
                 None,
             ));
+        }
+        if let Some(console) = cb.console.as_ref() {
+            match console
+                .get()
+                .pio(port, data, size, matches!(direction, Io::Out))
+            {
+                Some(Served::Done) => continue,
+                Some(Served::Reset) => {
+                    return Some((
+                        "reset",
+                        "the guest pulsed the i8042 reset line".into(),
+                        None,
+                    ))
+                }
+                None => {}
+            }
         }
         let served = Python::attach(|py| -> PyResult<()> {
             for chunk in data.chunks_exact_mut(size) {

@@ -57,6 +57,7 @@ from vmfork.vmm.x86 import boot
 
 if vmstate.NATIVE:
     # The native core's vCPU loop (the same interface); the Python one otherwise.
+    from vmfork.vmm.devices.native_console import NativeSerial
     from vmfork.vmm.native_vcpu import NativeVcpu
 from vmfork.vmm.x86 import layout as L
 
@@ -252,11 +253,17 @@ class Machine:
         if config.console_log:
             console_log = open(config.console_log, "ab", buffering=0)
             self._closers.append(console_log.close)
-        self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
-        self.pio_bus.register(L.COM1_PORT, 8, self.serial)
-        self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
-            VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
-        self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
+        self.serial: Serial | NativeSerial
+        if vmstate.NATIVE:
+            # The native vCPU loop serves COM1 and the i8042 itself (a reset ends
+            # the vCPU that saw it, reported as "reset"); they are not on pio_bus.
+            self.serial = NativeSerial(self._irq_line(L.COM1_IRQ), log=console_log)
+        else:
+            self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
+            self.pio_bus.register(L.COM1_PORT, 8, self.serial)
+            self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
+                VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
+            self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
         self.virtio_devices: list[MmioTransport] = []
         self.vsock: VirtioVsock | None = None
         self.rng: VirtioRng | None = None
@@ -288,8 +295,9 @@ class Machine:
         fd = self._fd(api.create_vcpu(self.vm_fd, index))
         vcpu: Vcpu | NativeVcpu
         if vmstate.NATIVE:
+            assert isinstance(self.serial, NativeSerial)
             vcpu = NativeVcpu(index, fd, self.kvm_fd, self.vm_fd, self.pio_bus, self.mmio_bus,
-                              self._vcpu_exited)
+                              self._vcpu_exited, console=self.serial.console)
         else:
             vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
                         self._vcpu_exited)

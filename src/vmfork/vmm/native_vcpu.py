@@ -2,9 +2,10 @@
 ``vmfork._core.VcpuLoop`` (``native/src/vcpu.rs``, whose module comment says how
 kicking works there).
 
-Each vCPU is one native thread on ``KVM_RUN``; it takes the GIL only for a port or
-MMIO exit, which it hands to the same ``Bus`` objects the Python loop uses, and for
-the one exit that ends it (reported to ``on_exit`` as a ``VcpuExitEvent``).
+Each vCPU is one native thread on ``KVM_RUN``; COM1 and the i8042 (``console``) it
+serves itself; it takes the GIL only for other port and MMIO exits, which it hands
+to the same ``Bus`` objects the Python loop uses, and for the one exit that ends it
+(reported to ``on_exit`` as a ``VcpuExitEvent``).
 ``Machine`` uses this class whenever the native core is built (``vmstate.NATIVE``).
 """
 
@@ -46,14 +47,15 @@ def _report(on_exit: Callable[[VcpuExitEvent], None], index: int, reason: str,
 
 class NativeVcpu:
     def __init__(self, index: int, fd: int, kvm_fd: int, vm_fd: int, pio: Bus, mmio: Bus,
-                 on_exit: Callable[[VcpuExitEvent], None]) -> None:
+                 on_exit: Callable[[VcpuExitEvent], None],
+                 console: _core.Console | None = None) -> None:
         self.index = index
         self.fd = fd
         self.pio = pio
         self.mmio = mmio
         self.on_exit = on_exit
         self._loop = _core.VcpuLoop(kvm_fd, vm_fd, fd, index, pio, mmio,
-                                    functools.partial(_report, on_exit, index))
+                                    functools.partial(_report, on_exit, index), console)
         _live.add(self)
 
     def start(self, paused: bool = False) -> None:
