@@ -18,6 +18,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
 
@@ -211,6 +212,25 @@ impl Console {
             uart: Mutex::new(Serial::new(irq, out)),
             listeners: Mutex::new(Vec::new()),
         })
+    }
+
+    /// COM1's register `offset` as a bus device reads it (`Bus` protocol): one byte,
+    /// zero-extended to `size` (at most 8).
+    fn read<'py>(&self, py: Python<'py>, offset: u16, size: usize) -> Bound<'py, PyBytes> {
+        let mut data = vec![0xFF; size.clamp(1, 8)];
+        if offset < COM1_LEN {
+            let width = data.len();
+            self.pio(COM1_BASE + offset, &mut data, width, false);
+        }
+        PyBytes::new(py, &data)
+    }
+
+    /// A write of `data` (its first byte) to COM1's register `offset` (`Bus` protocol).
+    fn write(&self, offset: u16, data: &[u8]) {
+        if offset < COM1_LEN && !data.is_empty() {
+            let mut byte = [data[0]];
+            self.pio(COM1_BASE + offset, &mut byte, 1, true);
+        }
     }
 
     /// Call `listener(line)` for every console line from now on (on a vCPU thread).

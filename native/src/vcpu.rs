@@ -466,6 +466,17 @@ fn run_thread(mut vcpu: VcpuFd, callbacks: Callbacks, shared: Arc<Shared>) {
     let flag: *mut u8 = &mut vcpu.get_kvm_run().immediate_exit;
     IMMEDIATE_EXIT.with(|f| f.set(flag));
     mask_kick(libc::SIG_UNBLOCK);
+    // One Python thread state for the thread's whole life, the GIL released: each
+    // exit's `Python::attach` is then a GIL take and release, not a thread state
+    // created and destroyed per exit (PyGILState_Ensure/Release on a thread without
+    // one).
+    // SAFETY: the interpreter is initialised (we were started from Python); the
+    // Ensure is balanced by the Release below, on this thread, after the matching
+    // RestoreThread; atexit stops every loop before the interpreter finalises.
+    let (gil, saved) = unsafe {
+        let gil = pyo3::ffi::PyGILState_Ensure();
+        (gil, pyo3::ffi::PyEval_SaveThread())
+    };
     {
         let mut ctl = lock(&shared.ctl);
         ctl.state = RunState::Running;
@@ -486,6 +497,11 @@ fn run_thread(mut vcpu: VcpuFd, callbacks: Callbacks, shared: Arc<Shared>) {
         drop(callbacks);
     });
     drop(vcpu);
+    // SAFETY: the state saved above, on this thread, with the GIL released since.
+    unsafe {
+        pyo3::ffi::PyEval_RestoreThread(saved);
+        pyo3::ffi::PyGILState_Release(gil);
+    }
     let mut ctl = lock(&shared.ctl);
     ctl.state = RunState::Stopped;
     shared.cond.notify_all();
