@@ -54,12 +54,13 @@ from vmfork.vmm.memplan import MemoryPlan
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
+from vmfork.vmm.x86 import layout as L
 
 if vmstate.NATIVE:
-    # The native core's vCPU loop (the same interface); the Python one otherwise.
+    # The native core's vCPU loop and console (the same interfaces); the Python
+    # ones where the core is not built.
     from vmfork.vmm.devices.native_console import NativeSerial
     from vmfork.vmm.native_vcpu import NativeVcpu
-from vmfork.vmm.x86 import layout as L
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +308,10 @@ class Machine:
 
     def _restore(self, state: MachineState, prepared: vmstate.PreparedRestore) -> None:
         """Restore order: the vCPUs are created, then VM state (PIT, clock, irqchips)
-        and vCPU state are set (``vmstate.apply_restore``), then devices: each virtio device before its transport, whose restore
-        re-activates the device; vsock then posts TRANSPORT_RESET so the guest
-        drops the parent's connections and accepts new ones."""
+        and vCPU state are set (``vmstate.apply_restore``), then devices: each virtio
+        device before its transport, whose restore re-activates the device; vsock then
+        posts TRANSPORT_RESET so the guest drops the parent's connections and accepts
+        new ones."""
         started = time.monotonic()
         vcpus = [self._new_vcpu(vcpu_state.index) for vcpu_state in prepared.vcpus]
         # Per vCPU, the snapshot's MSRs this KVM refused (skipped, logged).
