@@ -3,6 +3,8 @@
 #
 #   Debian packages   installed once (dpkg -s tells what is missing)
 #   Python venv       $CACHE/venv-<hash of requirements>, with the dev tools
+#   native core       native/ (Rust, PyO3) built by maturin into src/vmfork/_core.abi3.so
+#                     (gitignored), cargo's target directory in $CACHE/cargo-target
 #   guest image       vmfork image build (kernel + initramfs, content-addressed)
 #   TypeScript SDK    npm ci into sdk/typescript/node_modules (npm cache under
 #                     $CACHE/npm), then tsc; here, never in the test host (no network)
@@ -29,7 +31,7 @@ DEBIAN_PACKAGES=(
   squashfs-tools erofs-utils  # users' images: their read-only root disks
   docker-registry skopeo apache2-utils openssl  # OCI import tests: a real registry, its client, htpasswd, token signing
 )
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp)
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp maturin)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -68,6 +70,54 @@ setup_python() {
   fi
   PY=$VENV/bin/python
   export PATH=$VENV/bin:$PATH
+}
+
+# The native core: maturin builds the wheel `pip install .` would (the same
+# [tool.maturin] settings), and its extension module is placed in src/vmfork/, since
+# this checkout runs from PYTHONPATH=src. Cargo rebuilds only what changed: its
+# target directory (and the crates it downloaded, in CARGO_HOME) outlive the run.
+# The module is replaced by rename, so a VMM process that has the old one loaded
+# keeps it intact.
+setup_native() {
+  # rustup's default place, for shells (and CI) whose PATH does not name it
+  if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH=$HOME/.cargo/bin:$PATH
+  fi
+  if ! command -v cargo >/dev/null; then
+    echo "vmfork setup: the native core (native/) needs Rust and cargo on PATH (rustup, or Debian's cargo)" >&2
+    exit 1
+  fi
+  log "native core (native/ -> src/vmfork/_core.abi3.so)"
+  local out
+  mkdir -p "$CACHE"
+  out=$(mktemp -d "$CACHE/native-wheel.XXXXXX")
+  (cd "$REPO" && CARGO_TARGET_DIR=$CACHE/cargo-target "$VENV/bin/maturin" build --release \
+      --locked --jobs "${VMFORK_BUILD_JOBS:-2}" --interpreter "$PY" --out "$out" --quiet) || {
+    rm -rf "$out"
+    echo "vmfork setup: building the native core failed (output above)" >&2
+    exit 1
+  }
+  "$PY" - "$out" "$REPO/src/vmfork" <<'PLACE'
+import glob, os, sys, zipfile
+out, dest = sys.argv[1], sys.argv[2]
+(wheel,) = glob.glob(os.path.join(out, "*.whl"))
+with zipfile.ZipFile(wheel) as z:
+    (member,) = [n for n in z.namelist() if n.startswith("vmfork/_core.") and n.endswith(".so")]
+    data = z.read(member)
+target = os.path.join(dest, os.path.basename(member))
+try:
+    with open(target, "rb") as f:
+        same = f.read() == data
+except FileNotFoundError:
+    same = False
+if not same:
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, target)
+PLACE
+  rm -rf "$out"
 }
 
 setup_image() {
@@ -156,6 +206,7 @@ setup_typescript() {
 setup_all() {
   setup_debian
   setup_python
+  setup_native
   setup_image
   setup_launcher
   setup_typescript

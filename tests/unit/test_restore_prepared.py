@@ -12,6 +12,7 @@ import pytest
 
 from vmfork.kvm import structs as s
 from vmfork.runtime import vmmchild
+from vmfork.vmm import vmstate
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.stateformat import StateFormatError, write_state_file
@@ -114,3 +115,37 @@ def test_a_damaged_file_is_reported_and_never_cached(snapshot_dir: Path) -> None
     with pytest.raises(StateFormatError, match="checksum"):
         vmmchild.load_snapshot(str(snapshot_dir))
     vmmchild.prefork([{"snapshot_dir": str(snapshot_dir)}])  # logs, never raises
+
+
+native = pytest.mark.skipif(not vmstate.NATIVE, reason="the native core is not built "
+                            "(scripts/lib.sh setup_native)")
+
+
+@native
+def test_prepare_builds_the_native_buffers_unless_asked_not_to() -> None:
+    prepared = prepare_restore(make_state())
+    assert prepared.native is not None and prepared.native.vcpu_count == 1
+    assert prepare_restore(make_state(), native=False).native is None
+
+
+@native
+@pytest.mark.parametrize("field", ["regs", "sregs", "xsave", "xcrs", "debugregs", "lapic",
+                                   "vcpu_events", "cpuid"])
+def test_the_native_core_checks_every_size_itself(field: str) -> None:
+    from vmfork import _core
+    v = make_state().vcpus[0]
+    fields = {name: getattr(v, name) for name in (
+        "index", "cpuid", "tsc_khz", "mp_state", "regs", "sregs", "xsave", "xcrs",
+        "debugregs", "lapic", "vcpu_events")}
+    _core.PreparedVcpu(**fields, msrs=[(0x174, 7)])
+    fields[field] = fields[field][:-1]
+    with pytest.raises(ValueError, match=f"snapshot {field}"):
+        _core.PreparedVcpu(**fields, msrs=[(0x174, 7)])
+
+
+@native
+def test_more_msrs_than_one_kvm_set_msrs_takes_are_refused_by_name() -> None:
+    state = make_state()
+    state.vcpus[0].msrs = {f"{0xC000_0000 + i:#x}": i for i in range(257)}
+    with pytest.raises(HostError, match="msrs: 257 entries, at most 256"):
+        prepare_restore(state)

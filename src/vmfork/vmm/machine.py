@@ -56,6 +56,12 @@ from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
 from vmfork.vmm.x86 import layout as L
 
+if vmstate.NATIVE:
+    # The native core's vCPU loop and console (the same interfaces); the Python
+    # ones where the core is not built.
+    from vmfork.vmm.devices.native_console import NativeSerial
+    from vmfork.vmm.native_vcpu import NativeVcpu
+
 log = logging.getLogger(__name__)
 
 # Console on COM1; reboot (and so power-off and panic) through the i8042 reset
@@ -185,6 +191,7 @@ class Machine:
         self._exit_lock = threading.Lock()
         self._exited = threading.Event()
         self.timings: dict[str, float] = {}
+        self.restore_refused_msrs: list[list[int]] = []
         started = time.monotonic()
         try:
             self._create(config)
@@ -232,7 +239,7 @@ class Machine:
         api.create_irqchip(self.vm_fd)
         api.create_pit2(self.vm_fd)
 
-        self.vcpus: list[Vcpu] = []
+        self.vcpus: list[Vcpu | NativeVcpu] = []
         self._vcpu_mmap_size = api.get_vcpu_mmap_size(self.kvm_fd)
         self._msr_candidates: list[int] | None = None
 
@@ -247,11 +254,17 @@ class Machine:
         if config.console_log:
             console_log = open(config.console_log, "ab", buffering=0)
             self._closers.append(console_log.close)
-        self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
-        self.pio_bus.register(L.COM1_PORT, 8, self.serial)
-        self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
-            VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
-        self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
+        self.serial: Serial | NativeSerial
+        if vmstate.NATIVE:
+            # The native vCPU loop serves COM1 and the i8042 itself (a reset ends
+            # the vCPU that saw it, reported as "reset"); they are not on pio_bus.
+            self.serial = NativeSerial(self._irq_line(L.COM1_IRQ), log=console_log)
+        else:
+            self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
+            self.pio_bus.register(L.COM1_PORT, 8, self.serial)
+            self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
+                VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
+            self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
         self.virtio_devices: list[MmioTransport] = []
         self.vsock: VirtioVsock | None = None
         self.rng: VirtioRng | None = None
@@ -279,27 +292,31 @@ class Machine:
         for index in range(config.vcpus):
             self._setup_vcpu(self._new_vcpu(index), supported, index)
 
-    def _new_vcpu(self, index: int) -> Vcpu:
+    def _new_vcpu(self, index: int) -> Vcpu | NativeVcpu:
         fd = self._fd(api.create_vcpu(self.vm_fd, index))
-        vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
-                    self._vcpu_exited)
+        vcpu: Vcpu | NativeVcpu
+        if vmstate.NATIVE:
+            assert isinstance(self.serial, NativeSerial)
+            vcpu = NativeVcpu(index, fd, self.kvm_fd, self.vm_fd, self.pio_bus, self.mmio_bus,
+                              self._vcpu_exited, console=self.serial.console)
+        else:
+            vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
+                        self._vcpu_exited)
         self._closers.append(vcpu.close)
         self.vcpus.append(vcpu)
         return vcpu
 
     def _restore(self, state: MachineState, prepared: vmstate.PreparedRestore) -> None:
-        """Restore order: VM state (PIT, clock, irqchips), vCPUs (see ``vmstate``),
-        then devices: each virtio device before its transport, whose restore
-        re-activates the device; vsock then posts TRANSPORT_RESET so the guest
-        drops the parent's connections and accepts new ones."""
+        """Restore order: the vCPUs are created, then VM state (PIT, clock, irqchips)
+        and vCPU state are set (``vmstate.apply_restore``), then devices: each virtio
+        device before its transport, whose restore re-activates the device; vsock then
+        posts TRANSPORT_RESET so the guest drops the parent's connections and accepts
+        new ones."""
         started = time.monotonic()
-        vmstate.apply_vm(self.vm_fd, prepared.vm)
-        host_tsc_khz = None
-        for vcpu_state in prepared.vcpus:
-            vcpu = self._new_vcpu(vcpu_state.index)
-            if host_tsc_khz is None:
-                host_tsc_khz = api.get_tsc_khz(vcpu.fd)
-            vmstate.apply_vcpu(vcpu.fd, vcpu_state, host_tsc_khz)
+        vcpus = [self._new_vcpu(vcpu_state.index) for vcpu_state in prepared.vcpus]
+        # Per vCPU, the snapshot's MSRs this KVM refused (skipped, logged).
+        self.restore_refused_msrs = vmstate.apply_restore(self.kvm_fd, self.vm_fd,
+                                                          [v.fd for v in vcpus], prepared)
         self.serial.restore(state.serial)
         if (state.vsock is None) != (self.vsock is None) or \
                 (state.rng is None) != (self.rng is None) or \
@@ -395,7 +412,8 @@ class Machine:
                                             self.blk.save())
         return state
 
-    def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2], index: int) -> None:
+    def _setup_vcpu(self, vcpu: Vcpu | NativeVcpu, supported: list[kvm_cpuid_entry2],
+                    index: int) -> None:
         boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)
         if index == 0:
             boot.setup_boot_cpu_registers(vcpu.fd, self.boot_info.entry)

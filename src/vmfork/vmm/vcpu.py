@@ -112,9 +112,11 @@ class Vcpu:
     def pause(self, timeout: float = 5.0) -> None:
         """Return once the vCPU is out of the guest and parked."""
         with self._cond:
+            # Asked first: a vCPU still PAUSED after a resume it has not woken up for
+            # yet then stays parked (its wait loop sees the request again).
+            self._want_pause = True
             if self.state in (VcpuRunState.PAUSED, VcpuRunState.STOPPED):
                 return
-            self._want_pause = True
             waited = 0.0
             while self.state not in (VcpuRunState.PAUSED, VcpuRunState.STOPPED):
                 self._kick()

@@ -32,11 +32,17 @@ VM state: the PIT, the kvmclock and the three irqchips (PIC master, PIC slave,
 IOAPIC) are restored before any vCPU runs.
 
 Restoring is split in two: ``prepare_restore`` turns the plain-data state into
-the ctypes buffers the SET ioctls take (checking every size), and
-``apply_vm``/``apply_vcpu`` only issue the ioctls. The spawner prepares once per
-snapshot before it forks, so a forked child neither decodes nor builds
-anything: it passes buffers it shares copy-on-write with the spawner to the
-kernel, which only reads them.
+the buffers the SET ioctls take (checking every size), and ``apply_restore``
+only issues the ioctls: all vCPUs are created first, then the VM state, then each
+vCPU in index order. The spawner prepares once per snapshot before it forks, so a
+forked child neither decodes nor builds anything: it passes buffers it shares
+copy-on-write with the spawner to the kernel, which only reads them.
+
+The ioctls are issued by the native core (``vmfork._core.restore``, Rust on
+kvm-ioctls): one call per restore, the GIL released, no Python between ioctls.
+``apply_vm``/``apply_vcpu`` below are the same restore in Python; they run only
+when the native core is not built (see ``NATIVE``), and are the reference the
+native path is tested against (``tests/kvm/test_native_restore.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import os
 from dataclasses import dataclass, field
 
 from vmfork.kvm import api
@@ -55,6 +62,16 @@ from vmfork.vmm.devices.virtio.net import NetState
 from vmfork.vmm.devices.virtio.rng import RngState
 from vmfork.vmm.devices.virtio.vsock import VsockState
 from vmfork.vmm.errors import HostError
+
+# The native core is built by the set-up (scripts/lib.sh setup_native) or by
+# `pip install .`, not by importing: a source checkout that was never set up has
+# none, and still restores, in Python. That fallback is the only reason the Python
+# path below is kept; the state formats and their preparation stay Python's either way.
+try:
+    from vmfork import _core
+    NATIVE = True
+except ImportError:
+    NATIVE = False
 
 log = logging.getLogger(__name__)
 
@@ -314,10 +331,13 @@ class PreparedVm:
 
 @dataclass(frozen=True)
 class PreparedRestore:
-    """Everything a restore sets through KVM, built once per snapshot."""
+    """Everything a restore sets through KVM, built once per snapshot: as ctypes
+    buffers for the Python path and, where the native core is built, as its own
+    (``native``, the same bytes as KVM structs in Rust)."""
 
     vm: PreparedVm
     vcpus: tuple[PreparedVcpu, ...]
+    native: _core.PreparedRestore | None = None
 
 
 def prepare_vm(state: VmState) -> PreparedVm:
@@ -329,9 +349,61 @@ def prepare_vm(state: VmState) -> PreparedVm:
                        for name in ("pic_master", "pic_slave", "ioapic")))
 
 
-def prepare_restore(state: MachineState) -> PreparedRestore:
-    """Check ``state`` and build every buffer its restore sets (``HostError`` if bad)."""
-    return PreparedRestore(prepare_vm(state.vm), tuple(prepare_vcpu(v) for v in state.vcpus))
+def prepare_restore(state: MachineState, *, native: bool = NATIVE) -> PreparedRestore:
+    """Check ``state`` and build every buffer its restore sets (``HostError`` if bad);
+    ``native=False`` leaves out the native core's buffers (``apply_restore`` then
+    runs the Python path)."""
+    vcpus = tuple(prepare_vcpu(v) for v in state.vcpus)
+    return PreparedRestore(prepare_vm(state.vm), vcpus,
+                           _prepare_native(state, vcpus) if native else None)
+
+
+def _prepare_native(state: MachineState, vcpus: tuple[PreparedVcpu, ...]) -> _core.PreparedRestore:
+    """The native core's buffers, from the same bytes (sizes already checked) and the
+    MSRs in the order ``prepare_vcpu`` gave them."""
+    try:
+        return _core.PreparedRestore(
+            pit=state.vm.pit, clock=state.vm.clock,
+            irqchips=(state.vm.pic_master, state.vm.pic_slave, state.vm.ioapic),
+            vcpus=[_core.PreparedVcpu(
+                index=v.index, cpuid=v.cpuid, tsc_khz=v.tsc_khz, mp_state=v.mp_state,
+                regs=v.regs, sregs=v.sregs, xsave=v.xsave, xcrs=v.xcrs,
+                debugregs=v.debugregs, lapic=v.lapic, msrs=list(p.msr_values),
+                vcpu_events=v.vcpu_events) for v, p in zip(state.vcpus, vcpus)])
+    except (ValueError, OverflowError) as err:
+        raise HostError(f"native restore buffers: {err}", op="restore") from err
+
+
+def apply_restore(kvm_fd: int, vm_fd: int, vcpu_fds: list[int],
+                  prepared: PreparedRestore) -> list[list[int]]:
+    """Set a snapshot's VM and vCPU state on a fresh VM whose vCPUs exist
+    (``vcpu_fds[i]`` is vCPU ``prepared.vcpus[i].index``): the VM state, then each
+    vCPU, in the order the module docstring gives. Returns the MSRs KVM refused, per
+    vCPU (logged, not fatal). Natively when ``prepared`` has the native buffers."""
+    if len(vcpu_fds) != len(prepared.vcpus):
+        raise HostError(f"{len(vcpu_fds)} vCPUs for a snapshot of {len(prepared.vcpus)}",
+                        op="restore")
+    if prepared.native is not None:
+        try:
+            refused, unscaled = _core.restore(kvm_fd, vm_fd, vcpu_fds, prepared.native)
+        except _core.IoctlError as err:
+            code, op, index = err.args
+            raise api.KvmError(op, code, "" if index is None else f"vcpu{index}") from err
+        for index, wanted, host, code in unscaled:
+            log.warning("guest TSC was %d kHz, host is %d kHz and cannot scale it (%s): "
+                        "guest time may drift (vcpu%d)", wanted, host, os.strerror(code), index)
+        for vcpu, msrs in zip(prepared.vcpus, refused):
+            if msrs:
+                log.debug("vcpu%d: KVM refused MSRs %s", vcpu.index, [hex(m) for m in msrs])
+        return refused
+    apply_vm(vm_fd, prepared.vm)
+    host_tsc_khz = None
+    refused = []
+    for fd, vcpu in zip(vcpu_fds, prepared.vcpus):
+        if host_tsc_khz is None:
+            host_tsc_khz = api.get_tsc_khz(fd)
+        refused.append(apply_vcpu(fd, vcpu, host_tsc_khz))
+    return refused
 
 
 def apply_vm(vm_fd: int, vm: PreparedVm) -> None:

@@ -1,0 +1,96 @@
+"""vCPUs run by the native core: the same interface as ``vcpu.Vcpu``, on
+``vmfork._core.VcpuLoop`` (``native/src/vcpu.rs``, whose module comment says how
+kicking works there).
+
+Each vCPU is one native thread on ``KVM_RUN``; COM1 and the i8042 (``console``) it
+serves itself; it takes the GIL only for other port and MMIO exits, which it hands
+to the same ``Bus`` objects the Python loop uses, and for the one exit that ends it
+(reported to ``on_exit`` as a ``VcpuExitEvent``).
+``Machine`` uses this class whenever the native core is built (``vmstate.NATIVE``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import functools
+import logging
+import weakref
+from collections.abc import Callable
+
+from vmfork import _core
+from vmfork.vmm.bus import Bus
+from vmfork.vmm.errors import StateError
+from vmfork.vmm.vcpu import VcpuExitEvent, VcpuRunState
+
+log = logging.getLogger(__name__)
+
+# Native vCPU threads call into Python; none may still run when the interpreter
+# finalises, so every live one is stopped at exit (a Machine left unclosed).
+_live: weakref.WeakSet[NativeVcpu] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for vcpu in list(_live):
+        vcpu.stop(1.0)
+
+
+def _report(on_exit: Callable[[VcpuExitEvent], None], index: int, reason: str,
+            detail: str) -> None:
+    # A module function (not a bound method), so the native loop holds no
+    # reference back to its NativeVcpu.
+    if reason == "vmm_error":
+        log.error("vcpu%d failed: %s", index, detail)
+    on_exit(VcpuExitEvent(index, reason, detail))
+
+
+class NativeVcpu:
+    def __init__(self, index: int, fd: int, kvm_fd: int, vm_fd: int, pio: Bus, mmio: Bus,
+                 on_exit: Callable[[VcpuExitEvent], None],
+                 console: _core.Console | None = None) -> None:
+        self.index = index
+        self.fd = fd
+        self.pio = pio
+        self.mmio = mmio
+        self.on_exit = on_exit
+        self._loop = _core.VcpuLoop(kvm_fd, vm_fd, fd, index, pio, mmio,
+                                    functools.partial(_report, on_exit, index), console)
+        _live.add(self)
+
+    def start(self, paused: bool = False) -> None:
+        self._loop.start(paused)
+
+    def pause(self, timeout: float = 5.0) -> None:
+        """Return once the vCPU is out of the guest and parked."""
+        if not self._loop.pause(timeout):
+            raise StateError(f"vcpu{self.index} did not pause within {timeout} s", op="pause")
+
+    def resume(self) -> None:
+        self._loop.resume()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._loop.stop(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._loop.join(timeout)
+
+    @property
+    def state(self) -> VcpuRunState:
+        return VcpuRunState(self._loop.state)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._loop.error
+
+    @property
+    def exits(self) -> collections.Counter[str]:
+        return collections.Counter(self._loop.exits())
+
+    @property
+    def io_exits(self) -> collections.Counter[tuple[str, int]]:
+        return collections.Counter(self._loop.io_exits())
+
+    def close(self) -> None:
+        self._loop.close()
+        _live.discard(self)
