@@ -117,6 +117,16 @@ class RequestHandler(BaseHTTPRequestHandler):
             log.exception("%s %s failed", self.command, self.path)
             response = api.Response(500, {"error": f"internal error: {type(err).__name__}: "
                                           f"{err}; see the daemon log"})
+        unsafe = _unsafe_header(response.headers)
+        if unsafe is not None:
+            # A header value made from something a guest said (a file's size, a name)
+            # that could end the header line would let the guest write its own headers,
+            # or a whole second response, to the client. Nothing of it is sent.
+            log.warning("%s %s: refused to send header %s: %s", self.command, self.path,
+                        unsafe[0], unsafe[1])
+            response = api.Response(502, {"error": f"the reply for {split.path} would carry "
+                                          f"header {unsafe[0]!r:.60} with {unsafe[1]}; nothing "
+                                          "of it was sent (a hostile or broken guest agent?)"})
         self._drain(req)
         if isinstance(response, api.StreamResponse):
             self._send(response)
@@ -126,6 +136,14 @@ class RequestHandler(BaseHTTPRequestHandler):
             # audit log (or the metrics) right after a reply finds its request there.
             self._record(req, route_name, response.status, started)
             self._send(response)
+
+    def send_header(self, keyword: str, value: str) -> None:
+        # Every header, including the stdlib's own, passes here: the last line of
+        # defence against response splitting, whatever code path made the value.
+        problem = _header_problem(keyword, value)
+        if problem is not None:
+            raise ValueError(f"refusing to send header {keyword!r:.60}: {problem}")
+        super().send_header(keyword, value)
 
     def _drain(self, req: api.Request) -> None:
         """Read what the handler left of a small body so keep-alive works; a large
@@ -184,6 +202,32 @@ class RequestHandler(BaseHTTPRequestHandler):
                     snapshot_tag=req.snapshot_tag, image=req.image))
             except OSError as err:
                 log.error("cannot write the audit log: %s", err)
+
+
+def _header_problem(name: str, value: object) -> str | None:
+    """Why ``name: value`` cannot be sent as one header line, or None if it can."""
+    if not isinstance(value, str):
+        return f"a {type(value).__name__} value, not a str"
+    if not name or any(c in _NOT_TOKEN or ord(c) > 126 for c in name):
+        return "a name that is not an HTTP token"
+    for c in value:
+        code = ord(c)
+        # HTAB is the one control character a field value may hold (RFC 9110 5.5); CR,
+        # LF and NUL would end or corrupt the line. Above Latin-1 cannot be encoded.
+        if (code < 0x20 and c != "\t") or code == 0x7F or code > 0xFF:
+            return f"control or non-Latin-1 character {c!r} in its value"
+    return None
+
+
+_NOT_TOKEN = frozenset('()<>@,;:\\"/[]?={} \t') | {chr(c) for c in range(0x20)}
+
+
+def _unsafe_header(headers: dict[str, str]) -> tuple[str, str] | None:
+    for name, value in headers.items():
+        problem = _header_problem(name, value)
+        if problem is not None:
+            return name, problem
+    return None
 
 
 class _Unauthorized(ApiError):
