@@ -75,8 +75,9 @@ from vmfork.agent.client import (
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.runtime import zygote_child
-from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.runtime.network import enter_netns
+from vmfork.vmm.bounded import LogBudget, limit_log_handlers
+from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.vmm.stateformat import read_state_file, write_file_atomic
@@ -540,6 +541,9 @@ def main(args: dict[str, Any]) -> int:
             # as this process is reaped, but passes the log's tail on with the exit.
             print(f"vmfork vmm {vm_id}: {status['reason']}", file=sys.stderr, flush=True)
 
+    # The VMM logs what its devices see, and the guest decides what they see: one
+    # budget for the whole process log, so no guest can fill the disk through it.
+    limit_log_handlers(logging.getLogger(), LogBudget("VMM log"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
