@@ -24,6 +24,11 @@ def _write(args: dict[str, Any], data: object) -> None:
     tmp.rename(out)
 
 
+ZYGOTE_ENTRIES = ("sleep", "exit_with", "raise_error", "segfault", "inspect", "fork_to_entry",
+                  "allocate", "grandchild", "fill_run_dir")
+"""Registered with the test zygotes only (``--entries-module test_zygote_entries``)."""
+
+
 def sleep(args: dict[str, Any]) -> int:
     time.sleep(float(args.get("seconds", 3600)))
     if "out" in args:

@@ -85,6 +85,9 @@ from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+ZYGOTE_ENTRIES = ("main",)
+"""What the zygote may run of this module (see ``zygote.register_entries``)."""
 _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64

@@ -42,6 +42,14 @@ while it stays open; once no holder is connected and no holder request has come
 for ``lease_s`` seconds, the zygote kills every child and exits. The kernel
 closes a dead daemon's sockets, so a crash starts the clock at once.
 
+Entries: the zygote runs only the entries it registered at start, never an arbitrary
+``module:function`` a request names (it would be code execution for anyone who can
+reach its socket, and imports after start are what a jail cannot allow). A module
+offers entries by listing their function names in ``ZYGOTE_ENTRIES``; the zygote
+registers those of ``REGISTERED_MODULES`` and of each ``--entries-module``, importing
+them before it serves. A spawn naming anything else is refused (``EntryNotAllowed``)
+and nothing is imported for it.
+
 Per-batch preparation: if the entry's module defines ``prefork(batch)``, the
 zygote calls it with the list of the batch's ``args`` before forking, so work
 that every child of the batch would repeat (decoding a snapshot) is done once
@@ -165,9 +173,34 @@ def _validate_run_dir(value: object) -> str | None:
     return norm
 
 
+REGISTERED_MODULES = ("vmfork.runtime.vmmchild",)
+"""Modules whose ``ZYGOTE_ENTRIES`` every zygote registers."""
+
+
+def register_entries(modules: list[str]) -> dict[str, Entry]:
+    """``module:function`` -> function, for every name in each module's
+    ``ZYGOTE_ENTRIES``. Raises ``TypeError``/``ValueError`` for a module that offers none."""
+    entries: dict[str, Entry] = {}
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        names = getattr(module, "ZYGOTE_ENTRIES", None)
+        if not isinstance(names, tuple):
+            raise TypeError(f"module {module_name} lists no ZYGOTE_ENTRIES tuple")
+        if not names:
+            raise ValueError(f"module {module_name} lists no ZYGOTE_ENTRIES")
+        for func_name in names:
+            func = getattr(module, func_name, None)
+            if not callable(func):
+                raise TypeError(f"{module_name}.ZYGOTE_ENTRIES names {func_name!r}, which "
+                                 "is not a function of the module")
+            entries[f"{module_name}:{func_name}"] = func
+    return entries
+
+
 class Zygote:
     def __init__(self, socket_path: str, preloaded: list[str], preload_failed: list[str],
-                 lease_s: float | None = None) -> None:
+                 lease_s: float | None = None,
+                 entries: dict[str, Entry] | None = None) -> None:
         self.socket_path = socket_path
         self.lease_s = lease_s                 # None: no lease, live until told to stop
         self.lease_renewed = time.monotonic()
@@ -180,7 +213,7 @@ class Zygote:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.next_seq = 1
         self.waiters: dict[str, list[_Slot]] = {}
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, Entry] = dict(entries or {})
         self.conns: dict[int, _Conn] = {}
         self.stopping = False
         self.sel = selectors.DefaultSelector()
@@ -469,22 +502,14 @@ class Zygote:
 
     def _resolve(self, name: object) -> Entry:
         if not isinstance(name, str) or name.count(":") != 1:
-            raise RequestError(f"entry must be 'module:function', got {name!r}")
-        cached = self.entries.get(name)
-        if cached is not None:
-            return cached
-        module_name, func_name = name.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise RequestError(f"cannot import entry module {module_name!r}: {err}",
-                               "EntryNotFound") from err
-        func = getattr(module, func_name, None)
-        if not callable(func):
-            raise RequestError(f"entry {name!r}: module {module_name} has no function "
-                               f"{func_name!r}", "EntryNotFound")
-        self.entries[name] = func
-        return func  # type: ignore[no-any-return]
+            raise RequestError(f"entry must be 'module:function', got {name!r:.200}")
+        entry = self.entries.get(name)
+        if entry is None:
+            raise RequestError(f"entry {name!r:.200} is not registered with this zygote "
+                               f"(registered: {', '.join(sorted(self.entries))}); a module "
+                               "offers entries in ZYGOTE_ENTRIES and is named with "
+                               "--entries-module", "EntryNotAllowed")
+        return entry
 
     def _before_forks(self, entry: Entry, batch: list[_Prepared]) -> None:
         """The entry's ``prefork`` hook, then a clean, frozen heap (module docstring)."""
@@ -696,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
     parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
                         help="a module to import before serving (repeatable; must import)")
+    parser.add_argument("--entries-module", action="append", default=[], metavar="MODULE",
+                        help="register the entries a module lists in ZYGOTE_ENTRIES "
+                             "(repeatable; vmfork.runtime.vmmchild's always are)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="die when this process (our parent) dies")
     parser.add_argument("--lease-s", type=float, default=None, metavar="SECONDS",
@@ -709,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.parent_pid is not None and not die_with_parent(opts.parent_pid):
         return 1  # the parent is already gone
     done, failed = preload(opts.preload)
+    entries = register_entries([*REGISTERED_MODULES, *opts.entries_module])
     if _thread_count() != 1:
         log.error("preloading started %d threads; a zygote must stay single-threaded",
                   _thread_count() - 1)
@@ -716,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)  # inherited by every child
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer CoW faults, no finalizers
-    zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s)
+    zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s, entries=entries)
     zygote.serve_forever()
     return 0
 

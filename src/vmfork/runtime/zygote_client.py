@@ -188,10 +188,13 @@ class ZygoteProcess:
 def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (), *,
                  stderr: IO[bytes] | int | None = None, die_with_parent: bool = True,
                  timeout: float = 120.0, env: dict[str, str] | None = None,
-                 lease_s: float | None = None) -> ZygoteProcess:
+                 lease_s: float | None = None,
+                 entries_modules: Sequence[str] = ()) -> ZygoteProcess:
     """Start ``python -m vmfork.runtime.zygote`` and wait until it answers ``ping``.
 
-    ``preload`` names modules that must import (the defaults are always tried).
+    ``preload`` names modules that must import (the defaults are always tried);
+    ``entries_modules`` names modules whose ``ZYGOTE_ENTRIES`` the zygote registers
+    besides the VMM's (it runs no other entry).
     With ``die_with_parent`` the zygote (and so every child) dies with this process.
     Without it the zygote runs in a session of its own (a terminal's Ctrl-C does not
     reach it) and outlives this process; pass ``lease_s`` so that it still stops
@@ -208,6 +211,8 @@ def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (
     cmd = [sys.executable, "-m", "vmfork.runtime.zygote", "--socket", path]
     for name in preload:
         cmd += ["--preload", name]
+    for name in entries_modules:
+        cmd += ["--entries-module", name]
     if die_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     if lease_s is not None:
