@@ -59,6 +59,13 @@ freezes its heap (``gc.collect`` + ``gc.freeze``): the collector in a child
 never walks, and so never writes to, what the child inherited, and those pages
 stay shared with the zygote instead of being copied into every child.
 
+Jail: a spawn may carry ``jail: {uid, gid, read_only: [path], devices: [path]}``
+(it needs a ``run_dir``); the child then builds ``runtime/jail.py``'s jail before its
+entry, rooted at ``<run_dir>/.jail-root``, with the run directory writable and
+Python's own paths (``jail.python_paths()``) read-only besides ``read_only``. The
+uid/gid must be positive; choosing them (one unused pair per sandbox) is the
+caller's job.
+
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
 before forking if it does not exist, and removes the whole tree after the child
@@ -87,6 +94,7 @@ from pathlib import Path
 from typing import Any
 
 from vmfork.runtime import cgroups, supervise
+from vmfork.runtime.jail import JailSpec, python_paths
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
@@ -136,6 +144,7 @@ class _Prepared:
     cgroup: cgroups.ChildCgroup | None
     log_path: str | None
     run_dir: str | None
+    jail: JailSpec | None = None
 
 
 class _Slot:
@@ -159,6 +168,30 @@ class _Conn:
 
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def _jail_spec(value: object, run_dir: str | None) -> JailSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"uid", "gid", "read_only", "devices"}:
+        raise RequestError("jail must be {uid, gid, read_only: [path], devices: [path]}")
+    if run_dir is None:
+        raise RequestError("a jailed spawn needs args.run_dir (the jail's writable place)")
+    uid, gid = value.get("uid"), value.get("gid")
+    if not (isinstance(uid, int) and isinstance(gid, int) and uid > 0 and gid > 0):
+        raise RequestError(f"jail.uid and jail.gid must be positive integers, got "
+                           f"{uid!r}/{gid!r}: a jail never runs as root")
+    paths: dict[str, tuple[str, ...]] = {}
+    for key in ("read_only", "devices"):
+        items = value.get(key, [])
+        if not isinstance(items, list) or not all(
+                isinstance(p, str) and os.path.isabs(p) and ".." not in p.split("/")
+                for p in items):
+            raise RequestError(f"jail.{key} must be a list of absolute paths")
+        paths[key] = tuple(items)
+    return JailSpec(root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
+                    read_only=(*python_paths(), *paths["read_only"]),
+                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",))
 
 
 def _validate_run_dir(value: object) -> str | None:
@@ -558,7 +591,10 @@ class Zygote:
                     cgroups.remove(cg)
                 raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
                                    "HostError") from err
-        return _Prepared(vm_id, args, cg, log_path, run_dir)
+        jail_spec = _jail_spec(req.get("jail"), run_dir)
+        if jail_spec is not None and run_dir is not None:
+            os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
+        return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec)
 
     def _discard(self, prep: _Prepared) -> None:
         if prep.cgroup is not None:
@@ -583,7 +619,7 @@ class Zygote:
             if pid == 0:
                 run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
                           entry=entry, args=prep.args, cgroup=prep.cgroup,
-                          log_path=prep.log_path)
+                          log_path=prep.log_path, jail_spec=prep.jail)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)

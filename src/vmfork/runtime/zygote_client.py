@@ -100,9 +100,10 @@ class ZygoteClient:
 
     def spawn(self, entry: str, args: dict[str, Any] | None = None, *, vm_id: str,
               memory_limit_mib: int | None = None,
-              cgroup_parent: str | None = None) -> ChildInfo:
+              cgroup_parent: str | None = None,
+              jail: dict[str, Any] | None = None) -> ChildInfo:
         """Fork one child running ``entry(args)``; returns once it is forked."""
-        item = SpawnItem(vm_id, args or {}, memory_limit_mib, cgroup_parent)
+        item = SpawnItem(vm_id, args or {}, memory_limit_mib, cgroup_parent, jail)
         return ChildInfo.from_json(self.request("spawn", entry=entry, **item.to_json())["child"])
 
     def spawn_many(self, entry: str, items: Iterable[SpawnItem],
