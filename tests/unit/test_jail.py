@@ -90,7 +90,8 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
 
     assert (report["uid"], report["gid"], report["groups"]) == (71001, 71001, [])
     assert report["cap_eff"] == report["cap_bnd"] == "0000000000000000"
-    assert report["no_new_privs"] == "1" and report["env"] == {}
+    # Nothing of the zygote's environment but where vmfork's cache is.
+    assert report["no_new_privs"] == "1" and set(report["env"]) == {"VMFORK_CACHE_DIR"}
     assert "etc" not in report["root"] and "home" not in report["root"]
     assert report["shadow"].startswith("refused: FileNotFoundError")
     assert report["peer_socket"].startswith("refused: FileNotFoundError")
@@ -120,3 +121,26 @@ def test_a_jail_as_root_or_without_a_run_dir_is_refused(client: ZygoteClient,
                      jail=_jail(0))
     with pytest.raises(ZygoteError, match="needs args.run_dir"):
         client.spawn(E + "sleep", vm_id=vid(), jail=_jail(71004))
+
+
+def test_uid_range_gives_each_live_child_its_own_uid(client: ZygoteClient, base: Path) -> None:
+    jail_range = {"uid_range": [72000, 2], "read_only": [], "devices": ["/dev/kvm"]}
+    a = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=jail_range)
+    b = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=jail_range)
+    try:
+        time.sleep(0.3)
+        uids = sorted(os.stat(f"/proc/{c.pid}").st_uid for c in (a, b))
+        assert uids == [72000, 72001]
+        with pytest.raises(ZygoteError, match="held by a live child"):
+            client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                         jail=jail_range)
+    finally:
+        client.kill_and_wait(a.vm_id)
+    c = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=jail_range)   # a's uid is free again
+    time.sleep(0.3)
+    assert os.stat(f"/proc/{c.pid}").st_uid == 72000
+    client.kill_and_wait(b.vm_id)
+    client.kill_and_wait(c.vm_id)

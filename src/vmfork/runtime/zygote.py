@@ -59,12 +59,13 @@ freezes its heap (``gc.collect`` + ``gc.freeze``): the collector in a child
 never walks, and so never writes to, what the child inherited, and those pages
 stay shared with the zygote instead of being copied into every child.
 
-Jail: a spawn may carry ``jail: {uid, gid, read_only: [path], devices: [path]}``
-(it needs a ``run_dir``); the child then builds ``runtime/jail.py``'s jail before its
-entry, rooted at ``<run_dir>/.jail-root``, with the run directory writable and
-Python's own paths (``jail.python_paths()``) read-only besides ``read_only``. The
-uid/gid must be positive; choosing them (one unused pair per sandbox) is the
-caller's job.
+Jail: a spawn may carry ``jail: {uid, gid | uid_range, read_only: [path],
+devices: [path]}`` (it needs a ``run_dir``); the child then builds
+``runtime/jail.py``'s jail before its entry, rooted at ``<run_dir>/.jail-root``, with
+the run directory writable and Python's own paths (``jail.python_paths()``)
+read-only besides ``read_only``. ``uid_range: [first, count]`` has the zygote pick
+the lowest uid of the range that no live child of its holds (gid = uid), so no two
+sandboxes ever share a uid; explicit ids must be positive.
 
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
@@ -93,6 +94,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
 from vmfork.runtime.jail import JailSpec, python_paths
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
@@ -129,6 +131,7 @@ class _Child:
     started_mono: float
     started_at: float
     kill_requested: bool = False
+    jail_uid: int | None = None
 
     def info(self) -> dict[str, Any]:
         return {"vm_id": self.vm_id, "pid": self.pid, "entry": self.entry,
@@ -170,14 +173,26 @@ def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _jail_spec(value: object, run_dir: str | None) -> JailSpec | None:
+def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) - {"uid", "gid", "read_only", "devices"}:
-        raise RequestError("jail must be {uid, gid, read_only: [path], devices: [path]}")
+    if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
+                                                    "devices"}:
+        raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
+                           "devices: [path]}")
     if run_dir is None:
         raise RequestError("a jailed spawn needs args.run_dir (the jail's writable place)")
     uid, gid = value.get("uid"), value.get("gid")
+    if "uid_range" in value:
+        span = value["uid_range"]
+        if not (isinstance(span, list) and len(span) == 2
+                and all(isinstance(v, int) and v > 0 for v in span)):
+            raise RequestError("jail.uid_range must be [first uid, count], both positive")
+        free = next((u for u in range(span[0], span[0] + span[1]) if u not in taken), None)
+        if free is None:
+            raise RequestError(f"every uid of jail.uid_range {span} is held by a live "
+                               "child", "Busy")
+        uid = gid = free
     if not (isinstance(uid, int) and isinstance(gid, int) and uid > 0 and gid > 0):
         raise RequestError(f"jail.uid and jail.gid must be positive integers, got "
                            f"{uid!r}/{gid!r}: a jail never runs as root")
@@ -189,9 +204,12 @@ def _jail_spec(value: object, run_dir: str | None) -> JailSpec | None:
                 for p in items):
             raise RequestError(f"jail.{key} must be a list of absolute paths")
         paths[key] = tuple(items)
+    # The environment is emptied; what vmfork reads from it (where its cache is) is
+    # resolved here and passed on, nothing else of the daemon's environment is.
+    env = {"VMFORK_CACHE_DIR": str(cache_dir())}
     return JailSpec(root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
                     read_only=(*python_paths(), *paths["read_only"]),
-                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",))
+                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env)
 
 
 def _validate_run_dir(value: object) -> str | None:
@@ -247,6 +265,7 @@ class Zygote:
         self.next_seq = 1
         self.waiters: dict[str, list[_Slot]] = {}
         self.entries: dict[str, Entry] = dict(entries or {})
+        self._uids_taken: set[int] = set()   # jail uids of children prepared or alive
         self.conns: dict[int, _Conn] = {}
         self.stopping = False
         self.sel = selectors.DefaultSelector()
@@ -591,9 +610,10 @@ class Zygote:
                     cgroups.remove(cg)
                 raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
                                    "HostError") from err
-        jail_spec = _jail_spec(req.get("jail"), run_dir)
+        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken)
         if jail_spec is not None and run_dir is not None:
             os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
+            self._uids_taken.add(jail_spec.uid)
         return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec)
 
     def _discard(self, prep: _Prepared) -> None:
@@ -604,6 +624,8 @@ class Zygote:
                 log.warning("%s", err)
         if prep.run_dir is not None:
             shutil.rmtree(prep.run_dir, ignore_errors=True)
+        if prep.jail is not None:
+            self._uids_taken.discard(prep.jail.uid)
 
     def _fork(self, name: str, entry: Entry, prep: _Prepared) -> _Child:
         sys.stdout.flush()
@@ -624,7 +646,8 @@ class Zygote:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)
         child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
-                       time.monotonic(), time.time())
+                       time.monotonic(), time.time(),
+                       jail_uid=prep.jail.uid if prep.jail is not None else None)
         self.children[prep.vm_id] = child
         self.by_pidfd[pidfd] = child
         self.sel.register(pidfd, selectors.EVENT_READ, child)
@@ -664,6 +687,8 @@ class Zygote:
         del self.by_pidfd[child.pidfd]
         os.close(child.pidfd)
         del self.children[child.vm_id]
+        if child.jail_uid is not None:
+            self._uids_taken.discard(child.jail_uid)
         cleanup_errors: list[str] = []
         oom: cgroups.OomInfo | None = None
         if child.cgroup is not None:
