@@ -69,6 +69,9 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     (snapshot / "state.bin").write_bytes(b"snapshot state")
     # World-writable on the host, so only the jail's read-only bind can refuse a write.
     (snapshot / "state.bin").chmod(0o666)
+    # Like a snapshot's memory.bin: 0600, the daemon's; readable only if pre-opened.
+    (snapshot / "memory.bin").write_bytes(b"guest memory")
+    (snapshot / "memory.bin").chmod(0o600)
     peer_dir = base / "run" / vid()
     peer = client.spawn(E + "listen_and_sleep", {"run_dir": str(peer_dir)}, vm_id=vid(),
                         jail=_jail(71002))
@@ -81,8 +84,10 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     run_dir = base / "run" / vid()
     child = client.spawn(E + "jail_probe", {
         "run_dir": str(run_dir), "log_path": str(log), "peer_socket": str(peer_dir / "control.sock"),
-        "peer_pid": peer.pid, "snapshot_file": str(snapshot / "state.bin")},
-        vm_id=vid(), jail=_jail(71001, str(snapshot)))
+        "peer_pid": peer.pid, "snapshot_file": str(snapshot / "state.bin"),
+        "private_file": str(snapshot / "memory.bin")},
+        vm_id=vid(), jail={**_jail(71001, str(snapshot)),
+                           "preopen": [str(snapshot / "memory.bin")]})
     event = client.wait(child.vm_id)
     assert event.exit_code == 0, log.read_text()
     report = json.loads(log.read_text().splitlines()[-1])
@@ -102,6 +107,8 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["run_dir_write"] == "allowed"
     assert report["snapshot_write"].startswith("refused: OSError 30")    # EROFS
     assert report["snapshot_read"] == "snapshot state"
+    assert report["private_open"].startswith("refused: PermissionError")
+    assert report["private_preopened"] == "guest memory"
 
 
 @pytest.mark.parametrize("call", ["execve", "socket_inet", "ptrace"])

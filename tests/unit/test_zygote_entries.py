@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vmfork.runtime.zygote_child import current
+from vmfork.vmm.openfiles import open_ro
 
 
 def _write(args: dict[str, Any], data: object) -> None:
@@ -162,6 +163,8 @@ def jail_probe(args: dict[str, Any]) -> int:
         "run_dir_write": attempt("run", lambda: Path(args["run_dir"], "x").write_text("x")),
         "snapshot_write": attempt("snap", lambda: open(args["snapshot_file"], "r+b").close()),
         "snapshot_read": Path(args["snapshot_file"]).read_bytes().decode(),
+        "private_open": attempt("private", lambda: open(args["private_file"], "rb").close()),
+        "private_preopened": os.read(open_ro(args["private_file"]), 100).decode(),
     }
     os.close(kvm)
     print(json.dumps(report), flush=True)

@@ -40,6 +40,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vmfork.vmm import openfiles
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -89,6 +91,9 @@ class JailSpec:
     """A VMM writes BRANCH snapshots of its guest's RAM: large, but not unbounded."""
     hostname: str = "vmfork"
     env: dict[str, str] = field(default_factory=dict)
+    preopen: tuple[str, ...] = ()
+    """Files the VMM must read but its uid may not open (a snapshot's 0600
+    ``memory.bin``): opened read-only before the drop (``vmm/openfiles.py``)."""
 
 
 def _check(rc: int, step: str) -> None:
@@ -135,6 +140,7 @@ def enter(spec: JailSpec) -> None:
         raise JailError(f"uid {spec.uid}/gid {spec.gid}: a jail never runs as root",
                         errno.EINVAL)
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    openfiles.preopen(list(spec.preopen))
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
     root = spec.root

@@ -35,12 +35,15 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
 from vmfork.vmm.memplan import PLAN_FILE, read_plan
+from vmfork.vmm.stateformat import read_state_file
+from vmfork.vmm.vmstate import MachineState
 
 VMM_ENTRY = "vmfork.runtime.vmmchild:main"
 JAIL_UID_RANGE = (1_000_000, 65_536)
@@ -201,16 +204,23 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
     its plan maps (a diff's ancestors), the content-addressed root disks (read-only,
     shared by design: decision 3) and this spawn's FIFOs."""
     read_only = [str(snapshot.path)]
+    # Opened before the uid changes: the jail's uid may not read the daemon's files.
+    preopen = [str(p) for p in snapshot.path.iterdir() if p.is_file()]
     plan_path = snapshot.path / PLAN_FILE
     if plan_path.exists():
         plan = read_plan(str(plan_path))
-        read_only += [plan.source_path(i) for i in range(len(plan.sources))]
+        sources = [plan.source_path(i) for i in range(len(plan.sources))]
+        read_only += sources
+        preopen += sources
     disks = cache_dir() / "disks"
     if disks.is_dir():
         read_only.append(str(disks))
+        state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
+        if state.blk is not None:
+            preopen.append(str(disk_path(state.blk.device.disk_key)))
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
-            "devices": ["/dev/kvm"]}
+            "devices": ["/dev/kvm"], "preopen": preopen}
 
 
 def _read_notifications(fd: int) -> set[str]:

@@ -177,7 +177,7 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec 
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
-                                                    "devices"}:
+                                                    "devices", "preopen"}:
         raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
                            "devices: [path]}")
     if run_dir is None:
@@ -197,7 +197,7 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec 
         raise RequestError(f"jail.uid and jail.gid must be positive integers, got "
                            f"{uid!r}/{gid!r}: a jail never runs as root")
     paths: dict[str, tuple[str, ...]] = {}
-    for key in ("read_only", "devices"):
+    for key in ("read_only", "devices", "preopen"):
         items = value.get(key, [])
         if not isinstance(items, list) or not all(
                 isinstance(p, str) and os.path.isabs(p) and ".." not in p.split("/")
@@ -209,7 +209,8 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec 
     env = {"VMFORK_CACHE_DIR": str(cache_dir())}
     return JailSpec(root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
                     read_only=(*python_paths(), *paths["read_only"]),
-                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env)
+                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
+                    preopen=paths["preopen"])
 
 
 def _validate_run_dir(value: object) -> str | None:

@@ -81,6 +81,7 @@ from vmfork.vmm.devices.virtio.queue import DescriptorChain
 from vmfork.vmm.errors import HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.openfiles import open_ro
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ def open_disk(path: str) -> tuple[int, int]:
     consistently.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_ro(path)   # pre-opened for a jailed VMM (vmm/openfiles.py)
     except OSError as err:
         raise HostError(f"root disk {path}: open: {err.strerror}", op="open_disk",
                         errno=err.errno) from err
