@@ -172,8 +172,10 @@ TUNSETVNETHDRSZ = 0x400454D8
 
 def vmm_ioctls() -> list[int]:
     """Every KVM ioctl vmfork defines, tun's three, and CPython's own four."""
+    # Every request whose _IOC type byte is KVMIO: the _IO ones (KVM_RUN 0xAE80,
+    # KVM_CREATE_VM 0xAE01...) as much as those with a size.
     kvm = sorted({v for k, v in vars(ioctls).items()
-                  if k.startswith("KVM_") and isinstance(v, int) and v > 0xFFFF})
+                  if k.startswith("KVM_") and isinstance(v, int) and (v >> 8) & 0xFF == 0xAE})
     return kvm + [TUNSETIFF, TUNSETOFFLOAD, TUNSETVNETHDRSZ, FIONBIO, FIOCLEX, FIONCLEX,
                   FIONREAD, TCGETS]
 

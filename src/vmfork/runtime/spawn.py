@@ -48,6 +48,9 @@ from vmfork.vmm.vmstate import MachineState
 VMM_ENTRY = "vmfork.runtime.vmmchild:main"
 JAIL_UID_RANGE = (1_000_000, 65_536)
 """The uids (gid = uid) jailed VMMs take, one per live VMM (the zygote picks)."""
+SECCOMP_LOG_ENV = "VMFORK_SECCOMP_LOG"
+"""``1``: a jailed VMM's seccomp filter logs calls outside its list instead of killing
+(the kernel's audit records, type 1326), to collect what a workload needs."""
 JAIL_ENV = "VMFORK_JAIL"
 """``1`` jails every VMM this process spawns (off by default while the jail cannot
 yet serve BRANCH or networked sandboxes: docs/security.md)."""
@@ -254,6 +257,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             "ready_timeout": timeout}
         if gate is not None:
             args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
+        if jail is not None and os.environ.get(SECCOMP_LOG_ENV) == "1":
+            args["seccomp_log_only"] = True
         if nets:
             by_vm[vm_id] = nets[index]
             args.update(netns=nets[index].netns, net_tap=nets[index].tap)
