@@ -151,3 +151,22 @@ def test_uid_range_gives_each_live_child_its_own_uid(client: ZygoteClient, base:
     assert os.stat(f"/proc/{c.pid}").st_uid == 72000
     client.kill_and_wait(b.vm_id)
     client.kill_and_wait(c.vm_id)
+
+
+def test_the_jail_request_of_a_damaged_snapshot_leaves_the_error_to_its_vmm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawner reads state.bin only to pre-open the root disk; a damaged one must
+    fail in the VMM with its usual report (test_fork's damaged-snapshot cases), not in
+    the spawner."""
+    from types import SimpleNamespace
+
+    from vmfork.runtime.spawn import _jail_request
+
+    monkeypatch.setenv("VMFORK_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "disks").mkdir(parents=True)
+    snap = tmp_path / "broken"
+    snap.mkdir()
+    (snap / "state.bin").write_bytes(b"not a state file")
+    (snap / "memory.bin").write_bytes(b"\0" * 4096)
+    request = _jail_request(SimpleNamespace(path=snap), [])  # type: ignore[arg-type]
+    assert sorted(request["preopen"]) == [str(snap / "memory.bin"), str(snap / "state.bin")]

@@ -41,6 +41,7 @@ from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
+from vmfork.vmm.errors import VmmError
 from vmfork.vmm.memplan import PLAN_FILE, read_plan
 from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
@@ -218,8 +219,11 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
     disks = cache_dir() / "disks"
     if disks.is_dir():
         read_only.append(str(disks))
-        state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
-        if state.blk is not None:
+        try:
+            state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
+        except VmmError:
+            state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
+        if state is not None and state.blk is not None:
             preopen.append(str(disk_path(state.blk.device.disk_key)))
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
