@@ -330,3 +330,71 @@ def test_a_crash_mid_operation_leaves_the_store_consistent(operation: str, targe
     assert [e for e in os.listdir(reopened.snapshots_dir) if e.startswith(".")] == []
     assert [s.tag for s in reopened.list()] == (["big"] if operation == "compact" else [])
     assert {c.status for c in chains.verify(reopened)} <= {"ok"}
+
+
+# -- issue 16, item 4: packs that cannot poison anything --------------------------------
+
+
+def test_a_pack_reusing_a_local_recipe_key_cannot_become_that_cache_entry(
+        source: Store, target: Store, tmp_path: Path, image_cache: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pack's record names kernel key 'aaaaaaaaaaaa' (as a local recipe would); on a
+    host that has not built that recipe yet, the pack's kernel must not be stored there
+    (a later `vmfork image build` would find it in the cache and boot it)."""
+    out = tmp_path / "p.tar.zst"
+    packs.pack(source, "pandas", out)
+    fresh = tmp_path / "fresh-cache"
+    monkeypatch.setenv("VMFORK_CACHE_DIR", str(fresh))
+    assert packs.unpack(target, out).image == "default"
+    assert not (fresh / "kernel" / "aaaaaaaaaaaa").exists()
+    assert not (fresh / "initramfs" / "bbbbbbbbbbbb").exists()
+    installed = find_image("default")
+    import hashlib
+    assert installed.kernel_key == hashlib.sha256(b"KERNEL" * 100).hexdigest()
+    assert installed.initramfs_key == hashlib.sha256(b"CPIO" * 100).hexdigest()
+    assert installed.kernel.read_bytes() == b"KERNEL" * 100   # and its snapshots still boot
+
+
+def _pax_bomb(path: Path, claimed: int) -> Path:
+    """A tar whose first header is a pax extended header claiming ``claimed`` bytes,
+    then that many bytes (zeros: they compress to almost nothing)."""
+    header = tarfile.TarInfo("././@PaxHeader")
+    header.type = tarfile.XHDTYPE
+    header.size = claimed
+    raw = header.tobuf(format=tarfile.USTAR_FORMAT)
+    zstd = subprocess.Popen(["zstd", "-q", "-c", "-1", "-o", str(path)],
+                            stdin=subprocess.PIPE)
+    assert zstd.stdin is not None
+    zstd.stdin.write(raw)
+    chunk = b"\0" * (1 << 20)
+    for _ in range(claimed >> 20):
+        zstd.stdin.write(chunk)
+    zstd.stdin.write(b"\0" * 1024)
+    zstd.stdin.close()
+    assert zstd.wait() == 0
+    return path
+
+
+def _peak_reset() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _kib("VmRSS")
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def test_a_huge_pax_header_is_refused_with_bounded_memory(target: Store,
+                                                          tmp_path: Path) -> None:
+    bomb = _pax_bomb(tmp_path / "bomb.tar.zst", 300 << 20)
+    assert bomb.stat().st_size < 64 << 10
+    before = _peak_reset()
+    with pytest.raises(PackError, match="over the cap"):
+        packs.unpack(target, bomb)
+    grown_mib = (_kib("VmHWM") - before) / 1024
+    assert grown_mib < 32, f"a {bomb.stat().st_size}-byte pack took {grown_mib:.0f} MiB"
+    assert leftovers(target) == []

@@ -26,6 +26,7 @@ from vmfork.agent.client import (
     EvalResult,
     ExecResult,
     FileInfo,
+    Listing,
     PingResult,
 )
 from vmfork.client import Controller, ControllerError, Sandbox
@@ -54,7 +55,8 @@ class FakeAgent:
 
     def exec(self, argv: list[str], *, env: Any = None, cwd: Any = None, stdin: Any = None,
              timeout: float | None = None, on_stdout: Any = None,
-             on_stderr: Any = None) -> ExecResult:
+             on_stderr: Any = None, capture: bool = True,
+             max_output: int | None = None) -> ExecResult:
         if argv[0] == "sleep":
             raise AgentTimeout("timed out", op="exec", timeout=timeout, stdout=b"partial")
         if argv[0] == "missing":
@@ -88,6 +90,11 @@ class FakeAgent:
 
     def list_dir(self, path: str) -> list[FileInfo]:
         return [self.stat(p) for p in sorted(self.files)]
+
+    def list_dir_bounded(self, path: str, max_entries: int | None = None) -> Listing:
+        entries = self.list_dir(path)
+        return Listing(entries[:max_entries], max_entries is not None
+                       and len(entries) > max_entries)
 
     def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
         if path not in self.files and not missing_ok:

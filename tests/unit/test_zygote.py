@@ -33,7 +33,7 @@ needs_cgroup = pytest.mark.skipif(
 
 def _start(tmp: Path) -> ZygoteProcess:
     env = dict(os.environ, PYTHONPATH=str(HERE))
-    return start_zygote(tmp / "zygote.sock", env=env)
+    return start_zygote(tmp / "zygote.sock", env=env, entries_modules=["test_zygote_entries"])
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +144,14 @@ def test_list_shows_running_children_only(client: ZygoteClient) -> None:
 
 
 def test_bad_requests_are_refused_with_a_reason(client: ZygoteClient) -> None:
-    with pytest.raises(ZygoteError, match="cannot import entry module") as err:
-        client.spawn("no_such_module_xyz:main", vm_id=vid())
-    assert err.value.type == "EntryNotFound"
-    with pytest.raises(ZygoteError, match="has no function"):
-        client.spawn(E + "no_such_function", vm_id=vid())
+    # Only registered entries run: not an importable function of the stdlib (this one
+    # would run a shell command in the zygote's child as root), not a function of a
+    # registered module that it did not list, not a module that does not exist.
+    for name in ("os:system", "subprocess:run", "no_such_module_xyz:main",
+                 E + "no_such_function", "vmfork.runtime.vmmchild:prefork"):
+        with pytest.raises(ZygoteError, match="not registered") as err:
+            client.spawn(name, {"cmd": "touch /tmp/vmfork-pwned"}, vm_id=vid())
+        assert err.value.type == "EntryNotAllowed"
     with pytest.raises(ZygoteError, match="invalid vm_id"):
         client.spawn(E + "sleep", vm_id="../escape")
     with pytest.raises(ZygoteError, match="run_dir"):
@@ -214,7 +217,8 @@ def test_children_die_when_the_zygote_is_sigkilled(tmp_path: Path) -> None:
 def test_a_detached_zygote_outlives_its_starter_and_keeps_children_while_leased(
         tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(HERE))
-    z = start_zygote(tmp_path / "zygote.sock", env=env, die_with_parent=False, lease_s=1.0)
+    z = start_zygote(tmp_path / "zygote.sock", env=env, die_with_parent=False, lease_s=1.0,
+                     entries_modules=["test_zygote_entries"])
     try:
         assert os.getsid(z.pid) == z.pid  # its own session: no terminal signal reaches it
         holder = z.client()

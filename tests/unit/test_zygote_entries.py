@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from vmfork.runtime.zygote_child import current
+from vmfork.vmm.openfiles import open_ro
 
 
 def _write(args: dict[str, Any], data: object) -> None:
@@ -22,6 +23,12 @@ def _write(args: dict[str, Any], data: object) -> None:
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
     tmp.rename(out)
+
+
+ZYGOTE_ENTRIES = ("sleep", "exit_with", "raise_error", "segfault", "inspect", "fork_to_entry",
+                  "allocate", "grandchild", "fill_run_dir", "jail_probe", "jail_forbidden",
+                  "listen_and_sleep")
+"""Registered with the test zygotes only (``--entries-module test_zygote_entries``)."""
 
 
 def sleep(args: dict[str, Any]) -> int:
@@ -108,4 +115,76 @@ def fill_run_dir(args: dict[str, Any]) -> int:
     (run_dir / "vm.sock").write_text("")
     print("run dir filled", flush=True)
     time.sleep(float(args.get("seconds", 3600)))
+    return 0
+
+
+def listen_and_sleep(args: dict[str, Any]) -> int:
+    """A stand-in sandbox: a control socket in its run directory, then sleep."""
+    import socket
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(Path(args["run_dir"]) / "control.sock"))
+    sock.listen()
+    time.sleep(float(args.get("seconds", 60)))
+    return 0
+
+
+def jail_probe(args: dict[str, Any]) -> int:
+    """From inside a jail, try what a compromised VMM would: print what it got."""
+    import fcntl
+    import json
+    import socket
+
+    def attempt(what: str, action: Any) -> str:
+        try:
+            action()
+            return "allowed"
+        except OSError as err:
+            return f"refused: {type(err).__name__} {err.errno}"
+
+    def connect(path: str) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+
+    status = dict(line.split(":\t", 1) for line in
+                  Path("/proc/self/status").read_text().splitlines() if ":\t" in line)
+    kvm = os.open("/dev/kvm", os.O_RDWR)
+    report = {
+        "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+        "cap_eff": status["CapEff"].strip(), "cap_bnd": status["CapBnd"].strip(),
+        "no_new_privs": status["NoNewPrivs"].strip(), "env": dict(os.environ),
+        "root": sorted(os.listdir("/")),
+        "shadow": attempt("shadow", lambda: open("/etc/shadow", "rb").close()),
+        "peer_socket": attempt("peer", lambda: connect(args["peer_socket"])),
+        "peer_mem": attempt("mem", lambda: open(f"/proc/{args['peer_pid']}/mem", "rb").close()),
+        "zygote_environ": attempt("env", lambda: open(
+            f"/proc/{current().zygote_pid}/environ", "rb").close()),  # type: ignore[union-attr]
+        "init_mem": attempt("init", lambda: open("/proc/1/mem", "rb").close()),
+        "kvm_api": fcntl.ioctl(kvm, 0xAE00),   # KVM_GET_API_VERSION
+        "run_dir_write": attempt("run", lambda: Path(args["run_dir"], "x").write_text("x")),
+        "snapshot_write": attempt("snap", lambda: open(args["snapshot_file"], "r+b").close()),
+        "snapshot_read": Path(args["snapshot_file"]).read_bytes().decode(),
+        "private_open": attempt("private", lambda: open(args["private_file"], "rb").close()),
+        "private_preopened": os.read(open_ro(args["private_file"]), 100).decode(),
+    }
+    os.close(kvm)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def jail_forbidden(args: dict[str, Any]) -> int:
+    """Install the VMM's seccomp filter, as a jailed VMM does, then make one call it
+    must never make: the child should die with SIGSYS before returning."""
+    import ctypes
+    import socket
+
+    from vmfork.runtime import seccomp
+
+    seccomp.install_vmm_filter()
+    call = args["call"]
+    if call == "execve":
+        os.execv("/bin/true", ["true"])
+    elif call == "socket_inet":
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    elif call == "ptrace":
+        ctypes.CDLL(None).ptrace(16, os.getppid(), 0, 0)   # PTRACE_ATTACH the zygote
     return 0

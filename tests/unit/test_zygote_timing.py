@@ -25,7 +25,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     tmp = tmp_path_factory.mktemp("ztiming")
-    z = start_zygote(tmp / "z.sock", env=dict(os.environ, PYTHONPATH=str(HERE)))
+    z = start_zygote(tmp / "z.sock", env=dict(os.environ, PYTHONPATH=str(HERE)),
+                     entries_modules=["test_zygote_entries"])
     yield z
     z.close()
 

@@ -20,6 +20,7 @@ streamed until then is in ``stdout``/``stderr`` — or the agent went silent),
 from __future__ import annotations
 
 import io
+import math
 import socket
 import threading
 import time
@@ -44,6 +45,79 @@ StdinSource = bytes | bytearray | memoryview | str | BinaryIO | Iterable[bytes]
 
 EXEC_GRACE = 10.0
 """Seconds beyond an exec's own timeout that the client waits for the agent's reply."""
+
+TRANSFER_DEADLINE = 3600.0
+"""Seconds a whole file read or write may take, however steadily the agent answers."""
+
+FILE_TYPES = frozenset({"file", "dir", "symlink", "fifo", "socket", "char", "block", "other"})
+
+
+# -- typed reading of replies ------------------------------------------------------
+#
+# Everything an agent sends is data from the guest, which runs untrusted code. A reply
+# is checked field by field before any of it is used: a value of the wrong type would
+# otherwise travel on into HTTP headers, JSON bodies and arithmetic on the host (an
+# agent that answered ``size: "1\r\nX-Injected: 1"`` once forged a response header).
+
+
+def _field(r: Mapping[str, Any], key: str, kinds: tuple[type, ...], op: str | None,
+           optional: bool) -> Any:
+    value = r.get(key)
+    if value is None:
+        if optional:
+            return None
+        raise AgentProtocolError(f"the agent's reply lacks {key!r}", op=op)
+    # bool is an int subclass; a count or a size of True is a lie, not a number.
+    if isinstance(value, bool) and bool not in kinds:
+        raise AgentProtocolError(f"the agent's {key!r} is a bool, expected "
+                                 f"{'/'.join(k.__name__ for k in kinds)}", op=op)
+    if not isinstance(value, kinds):
+        raise AgentProtocolError(f"the agent's {key!r} is {type(value).__name__} "
+                                 f"{value!r:.60}, expected "
+                                 f"{'/'.join(k.__name__ for k in kinds)}", op=op)
+    return value
+
+
+def _int(r: Mapping[str, Any], key: str, op: str | None = None, *,
+         minimum: int | None = None) -> int:
+    value: int = _field(r, key, (int,), op, False)
+    if minimum is not None and value < minimum:
+        raise AgentProtocolError(f"the agent's {key!r} is {value}, below {minimum}", op=op)
+    return value
+
+
+def _opt_int(r: Mapping[str, Any], key: str, op: str | None = None, *,
+             minimum: int | None = None) -> int | None:
+    if r.get(key) is None:
+        return None
+    return _int(r, key, op, minimum=minimum)
+
+
+def _num(r: Mapping[str, Any], key: str, op: str | None = None) -> float:
+    value = _field(r, key, (int, float), op, False)
+    if not math.isfinite(value):
+        raise AgentProtocolError(f"the agent's {key!r} is not a finite number", op=op)
+    return float(value)
+
+
+def _str(r: Mapping[str, Any], key: str, op: str | None = None) -> str:
+    value: str = _field(r, key, (str,), op, False)
+    return value
+
+
+def _opt_str(r: Mapping[str, Any], key: str, op: str | None = None) -> str | None:
+    value: str | None = _field(r, key, (str,), op, True)
+    return value
+
+
+def _bool(r: Mapping[str, Any], key: str, op: str | None = None) -> bool:
+    value: bool = _field(r, key, (bool,), op, False)
+    return value
+
+
+def _record(r: Mapping[str, Any], key: str, op: str | None = None) -> Mapping[str, Any]:
+    value: Mapping[str, Any] = _field(r, key, (dict,), op, False)
+    return value
 
 
 # -- errors ------------------------------------------------------------------------
@@ -115,8 +189,9 @@ class PingResult:
 
     @classmethod
     def from_reply(cls, r: Mapping[str, Any]) -> PingResult:
-        return cls(pid=r["pid"], version=r["version"], protocol=r["protocol"],
-                   uptime=r["uptime"], boot_id=r.get("boot_id"))
+        return cls(pid=_int(r, "pid", "ping", minimum=0), version=_str(r, "version", "ping"),
+                   protocol=_int(r, "protocol", "ping"), uptime=_num(r, "uptime", "ping"),
+                   boot_id=_opt_str(r, "boot_id", "ping"))
 
 
 @dataclass(frozen=True)
@@ -129,6 +204,9 @@ class ExecResult:
     pid: int
     duration: float
     """Seconds from spawn to exit."""
+    truncated: bool = False
+    """The output went past the call's ``max_output``: ``stdout``/``stderr`` hold its
+    first bytes only (callbacks still got all of it)."""
 
     @property
     def ok(self) -> bool:
@@ -173,11 +251,31 @@ class FileInfo:
     nlink: int | None = None
 
     @classmethod
-    def from_fields(cls, fields: Mapping[str, Any]) -> FileInfo:
-        return cls(name=fields["name"], type=fields["type"], size=fields["size"],
-                   mode=fields["mode"], mtime=fields["mtime"], target=fields.get("target"),
-                   path=fields.get("path"), uid=fields.get("uid"), gid=fields.get("gid"),
-                   nlink=fields.get("nlink"))
+    def from_fields(cls, fields: Any, op: str | None = None) -> FileInfo:
+        """Checks every field's type and range (see "typed reading of replies")."""
+        if not isinstance(fields, dict):
+            raise AgentProtocolError(f"a file entry is {type(fields).__name__}, expected an "
+                                     "object", op=op)
+        kind = _str(fields, "type", op)
+        if kind not in FILE_TYPES:
+            raise AgentProtocolError(f"unknown file type {kind!r:.40}", op=op)
+        mode = _int(fields, "mode", op, minimum=0)
+        if mode > 0o7777:
+            raise AgentProtocolError(f"file mode {mode:#o} has bits beyond 0o7777", op=op)
+        return cls(name=_str(fields, "name", op), type=kind,
+                   size=_int(fields, "size", op, minimum=0), mode=mode,
+                   mtime=_num(fields, "mtime", op), target=_opt_str(fields, "target", op),
+                   path=_opt_str(fields, "path", op),
+                   uid=_opt_int(fields, "uid", op, minimum=0),
+                   gid=_opt_int(fields, "gid", op, minimum=0),
+                   nlink=_opt_int(fields, "nlink", op, minimum=0))
+
+
+@dataclass(frozen=True)
+class Listing:
+    entries: list[FileInfo]
+    truncated: bool
+    """The directory has more entries than the call's ``max_entries``."""
 
 
 @dataclass(frozen=True)
@@ -195,8 +293,10 @@ class NetRefreshResult:
 
     @classmethod
     def from_reply(cls, r: Mapping[str, Any]) -> NetRefreshResult:
-        return cls(interface=r["interface"], connections_aborted=r["connections_aborted"],
-                   neighbours_flushed=r["neighbours_flushed"])
+        op = "net_refresh"
+        return cls(interface=_opt_str(r, "interface", op),
+                   connections_aborted=_int(r, "connections_aborted", op, minimum=0),
+                   neighbours_flushed=_int(r, "neighbours_flushed", op, minimum=0))
 
 
 @dataclass(frozen=True)
@@ -285,11 +385,14 @@ def vsock_uds_connector(uds_path: str, port: int = AGENT_PORT,
 class _Call:
     """One op on one connection."""
 
-    def __init__(self, op: str, sock: socket.socket, timeout: float | None) -> None:
+    def __init__(self, op: str, sock: socket.socket, timeout: float | None,
+                 deadline: float | None = None) -> None:
         self.op = op
         self.sock = sock
         sock.settimeout(timeout)
         self.timeout = timeout
+        self.deadline = deadline
+        """A ``time.monotonic()`` instant by which the whole call must be over."""
         self.frames = 0
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
@@ -298,7 +401,7 @@ class _Call:
     def recv(self) -> Frame:
         """The agent's next frame; an ``error`` frame is raised as ``AgentError``."""
         try:
-            frame = recv_frame(self.sock)
+            frame = recv_frame(self.sock, self.deadline)
         except ConnectionClosed as err:
             if err.clean and self.frames == 0:
                 # Nothing at all came back: during boot the VMM may accept before the
@@ -311,7 +414,10 @@ class _Call:
             raise AgentProtocolError(f"malformed frame from the agent: {err.message}",
                                      op=self.op) from err
         except TimeoutError as err:
-            raise AgentTimeout(f"no reply from the agent within {self.timeout:g} s",
+            if self.deadline is not None and time.monotonic() >= self.deadline:
+                raise AgentTimeout("the agent did not finish the call within its deadline",
+                                   op=self.op, timeout=self.timeout) from err
+            raise AgentTimeout(f"no reply from the agent within {self.timeout} s",
                                op=self.op, timeout=self.timeout) from err
         except OSError as err:
             raise AgentProtocolError(f"connection to the agent failed: {err}",
@@ -381,14 +487,14 @@ class AgentClient:
         self.io_timeout = io_timeout
 
     def _open(self, op: str, request: dict[str, Any], payload: bytes = b"",
-              timeout: float | None = None) -> _Call:
+              timeout: float | None = None, deadline: float | None = None) -> _Call:
         try:
             sock = self._connect()
         except AgentError:
             raise
         except OSError as err:
             raise AgentUnavailable(f"{op}: cannot connect to the agent: {err}") from err
-        call = _Call(op, sock, timeout)
+        call = _Call(op, sock, timeout, deadline)
         try:
             call.send({"op": op, **request}, payload)
         except ProtocolError as err:
@@ -400,11 +506,15 @@ class AgentClient:
         return call
 
     def _simple(self, op: str, payload: bytes = b"", **request: Any) -> dict[str, Any]:
-        call = self._open(op, request, payload, self.io_timeout)
+        call = self._open(op, request, payload, self.io_timeout, self._deadline(self.io_timeout))
         try:
             return call.expect("result").header
         finally:
             call.close()
+
+    @staticmethod
+    def _deadline(seconds: float | None) -> float | None:
+        return None if seconds is None else time.monotonic() + seconds
 
     # -- ops -----------------------------------------------------------------------
 
@@ -428,7 +538,7 @@ class AgentClient:
              env: Mapping[str, str | None] | None = None, cwd: str | None = None,
              stdin: StdinSource | None = None, timeout: float | None = None,
              on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-             capture: bool = True) -> ExecResult:
+             capture: bool = True, max_output: int | None = None) -> ExecResult:
         """Run a program: ``argv_or_cmd`` is an argv list, or a string for ``/bin/sh -c``.
 
         ``env`` is merged over the guest's default environment (a None value unsets);
@@ -436,7 +546,10 @@ class AgentClient:
         of bytes); ``timeout`` is in seconds (None: no limit) — when it passes, the
         process group is killed and ``AgentTimeout`` carries the output so far.
         ``on_stdout``/``on_stderr`` get each chunk as the process writes it;
-        ``capture=False`` keeps the result's stdout/stderr empty (for huge outputs).
+        ``capture=False`` keeps the result's stdout/stderr empty (for huge outputs);
+        ``max_output`` caps the bytes kept in stdout + stderr together (the result says
+        ``truncated``; callbacks see everything). With a ``timeout`` the whole call is
+        over by ``timeout + EXEC_GRACE`` seconds, however the agent paces its frames.
         A missing program raises ``AgentError`` with code ``not_found`` (and
         ``details["exit_code"] == 127``); a non-zero exit is a normal result.
         """
@@ -452,9 +565,13 @@ class AgentClient:
         wait = None if timeout is None else timeout + EXEC_GRACE
         if self.io_timeout is not None and wait is not None:
             wait = max(wait, self.io_timeout)
-        call = self._open("exec", request, timeout=wait)
+        call = self._open("exec", request, timeout=wait,
+                          deadline=self._deadline(None if timeout is None
+                                                  else timeout + EXEC_GRACE))
         out: list[bytes] = []
         err: list[bytes] = []
+        room = max_output
+        truncated = False
         feeder: threading.Thread | None = None
         feed_error: list[BaseException] = []
         try:
@@ -469,7 +586,13 @@ class AgentClient:
                     if frame.type in ("stdout", "stderr"):
                         is_out = frame.type == "stdout"
                         if capture:
-                            (out if is_out else err).append(frame.payload)
+                            data = frame.payload
+                            if room is not None:
+                                if len(data) > room:
+                                    data, truncated = data[:room], True
+                                room -= len(data)
+                            if data:
+                                (out if is_out else err).append(data)
                         callback = on_stdout if is_out else on_stderr
                         if callback is not None:
                             callback(frame.payload)
@@ -489,9 +612,14 @@ class AgentClient:
         if feed_error:
             raise feed_error[0]
         r = frame.header
-        return ExecResult(stdout=b"".join(out), stderr=b"".join(err), exit_code=r["exit_code"],
-                          signal=r.get("signal"), pid=r.get("pid", started.header["pid"]),
-                          duration=r.get("duration", 0.0))
+        pid = _opt_int(r, "pid", "exec", minimum=0)
+        return ExecResult(stdout=b"".join(out), stderr=b"".join(err),
+                          exit_code=_int(r, "exit_code", "exec"),
+                          signal=_opt_int(r, "signal", "exec", minimum=0),
+                          pid=_int(started.header, "pid", "exec", minimum=0)
+                          if pid is None else pid,
+                          duration=_num(r, "duration", "exec") if "duration" in r else 0.0,
+                          truncated=truncated)
 
     @staticmethod
     def _feed(call: _Call, source: StdinSource, errors: list[BaseException]) -> None:
@@ -513,7 +641,8 @@ class AgentClient:
 
         ``timeout`` (seconds) only bounds how long this call waits: the code itself
         cannot be interrupted and keeps running in the guest."""
-        call = self._open("eval", {"code": code}, timeout=timeout)
+        call = self._open("eval", {"code": code}, timeout=timeout,
+                          deadline=self._deadline(timeout))
         out: list[bytes] = []
         err: list[bytes] = []
         try:
@@ -532,12 +661,16 @@ class AgentClient:
             call.close()
         r = frame.header
         exc = r.get("exception")
+        exception = None
+        if exc is not None:
+            exc = _record(r, "exception", "eval")
+            exception = EvalException(_str(exc, "type", "eval"), _str(exc, "message", "eval"),
+                                      _str(exc, "traceback", "eval"))
         return EvalResult(
-            value=r.get("value"),
+            value=_opt_str(r, "value", "eval"),
             stdout=b"".join(out).decode("utf-8", "replace"),
             stderr=b"".join(err).decode("utf-8", "replace"),
-            exception=EvalException(exc["type"], exc["message"], exc["traceback"])
-            if exc else None,
+            exception=exception,
             value_truncated=bool(r.get("value_truncated")))
 
     # -- files ---------------------------------------------------------------------
@@ -546,7 +679,7 @@ class AgentClient:
                      length: int | None = None) -> int:
         """Stream a guest file into ``fileobj`` chunk by chunk; returns bytes written."""
         call = self._open("read", {"path": path, "offset": offset, "length": length},
-                          timeout=self.io_timeout)
+                          timeout=self.io_timeout, deadline=self._deadline(TRANSFER_DEADLINE))
         written = 0
         try:
             while True:
@@ -577,7 +710,7 @@ class AgentClient:
         UTF-8, a binary file, or an iterable of bytes), streamed in chunks. ``mode`` is
         applied exactly. Returns the number of bytes written."""
         call = self._open("write", {"path": path, "mode": mode, "make_parents": make_parents},
-                          timeout=self.io_timeout)
+                          timeout=self.io_timeout, deadline=self._deadline(TRANSFER_DEADLINE))
         try:
             call.expect("ready")
             sent = 0
@@ -600,15 +733,28 @@ class AgentClient:
         return sent
 
     def list_dir(self, path: str) -> list[FileInfo]:
-        call = self._open("list", {"path": path}, timeout=self.io_timeout)
+        return self.list_dir_bounded(path).entries
+
+    def list_dir_bounded(self, path: str, max_entries: int | None = None) -> Listing:
+        """The entries of a guest directory, at most ``max_entries`` of them (the rest
+        are not read: the connection is closed), within ``io_timeout`` overall."""
+        call = self._open("list", {"path": path}, timeout=self.io_timeout,
+                          deadline=self._deadline(self.io_timeout))
         entries: list[FileInfo] = []
         try:
             while True:
                 frame = call.recv()
                 if frame.type == "entries":
-                    entries.extend(FileInfo.from_fields(e) for e in frame.header["entries"])
+                    batch = frame.header.get("entries")
+                    if not isinstance(batch, list):
+                        raise AgentProtocolError("an entries frame without an entries list",
+                                                 op="list")
+                    for fields in batch:
+                        if max_entries is not None and len(entries) >= max_entries:
+                            return Listing(entries, truncated=True)
+                        entries.append(FileInfo.from_fields(fields, "list"))
                 elif frame.type == "result":
-                    return entries
+                    return Listing(entries, truncated=False)
                 else:
                     raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
                                              op="list")
@@ -617,7 +763,7 @@ class AgentClient:
 
     def stat(self, path: str, *, follow_symlinks: bool = True) -> FileInfo:
         r = self._simple("stat", path=path, follow_symlinks=follow_symlinks)
-        return FileInfo.from_fields(r["stat"])
+        return FileInfo.from_fields(r.get("stat"), "stat")
 
     def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
         self._simple("remove", path=path, recursive=recursive, missing_ok=missing_ok)
@@ -633,9 +779,7 @@ class AgentClient:
         request: dict[str, Any] = {}
         if entropy_bits is not None:
             request["entropy_bits"] = entropy_bits
-        r = self._simple("reseed", bytes(data), **request)
-        return ReseedResult(bytes=r["bytes"], entropy_bits=r["entropy_bits"],
-                            kernel_reseeded=r["kernel_reseeded"])
+        return _reseed_result(self._simple("reseed", bytes(data), **request))
 
     def net_refresh(self) -> NetRefreshResult:
         """Tell the guest it was just forked: abort the TCP connections it inherited
@@ -663,24 +807,23 @@ class AgentClient:
         net = r.get("net")
         return AfterForkResult(
             ping=PingResult.from_reply(r),
-            reseed=ReseedResult(**{k: r["reseed"][k] for k in
-                                   ("bytes", "entropy_bits", "kernel_reseeded")}),
-            net=None if net is None else NetRefreshResult.from_reply(net),
-            previous_ns=r["clock"]["previous_ns"], clock_error_bound_ns=bound)
+            reseed=_reseed_result(_record(r, "reseed", "after_fork")),
+            net=None if net is None else NetRefreshResult.from_reply(_record(r, "net",
+                                                                             "after_fork")),
+            previous_ns=_int(_record(r, "clock", "after_fork"), "previous_ns", "after_fork"),
+            clock_error_bound_ns=bound)
 
     def set_time(self, ns: int | None = None) -> int:
         """Set the guest's wall clock to ``ns`` nanoseconds since the epoch (default: the
         host's clock now). Returns the guest's clock just before, in ns."""
         r = self._simple("set_time", ns=time.time_ns() if ns is None else ns)
-        previous: int = r["previous_ns"]
-        return previous
+        return _int(r, "previous_ns", "set_time")
 
     def step_time(self, offset_ns: int) -> int:
         """Step the guest's wall clock by ``offset_ns`` (0 only reads it); returns the
         guest's clock just before the step, in ns."""
         r = self._simple("set_time", offset_ns=offset_ns)
-        previous: int = r["previous_ns"]
-        return previous
+        return _int(r, "previous_ns", "set_time")
 
     def sync_clock(self, attempts: int = 3) -> int:
         """Bring the guest's wall clock to the host's, independent of transit time.
@@ -709,3 +852,9 @@ class AgentClient:
     def shutdown(self, *, reboot: bool = False) -> None:
         """Power the guest off (or reboot it); returns once the agent has acknowledged."""
         self._simple("shutdown", reboot=reboot)
+
+
+def _reseed_result(r: Mapping[str, Any]) -> ReseedResult:
+    return ReseedResult(bytes=_int(r, "bytes", "reseed", minimum=0),
+                        entropy_bits=_int(r, "entropy_bits", "reseed", minimum=0),
+                        kernel_reseeded=_bool(r, "kernel_reseeded", "reseed"))

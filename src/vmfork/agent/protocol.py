@@ -136,6 +136,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,11 +219,19 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: bytes = b""
     sock.sendall(encode_frame(header, payload))
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str, started: bool) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, what: str, started: bool,
+                deadline: float | None = None, idle: float | None = None) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            # The socket's own timeout restarts at every recv, so a peer that trickles a
+            # byte at a time would never hit it; the deadline bounds the whole call.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"deadline passed while reading the {what}")
+            sock.settimeout(left if idle is None else min(left, idle))
         try:
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
@@ -243,10 +252,21 @@ def _recv_exact(sock: socket.socket, n: int, what: str, started: bool) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> Frame:
+def recv_frame(sock: socket.socket, deadline: float | None = None) -> Frame:
     """Read one whole frame. Raises ``ConnectionClosed`` at EOF, ``ProtocolError`` if
-    the frame is invalid (after which the stream is out of sync and must be closed)."""
-    prefix = _recv_exact(sock, HEADER.size, "length prefix", started=False)
+    the frame is invalid (after which the stream is out of sync and must be closed),
+    ``TimeoutError`` if ``deadline`` (a ``time.monotonic()`` instant) passes first."""
+    idle = sock.gettimeout()
+    try:
+        return _recv_frame(sock, deadline, idle)
+    finally:
+        if deadline is not None:
+            sock.settimeout(idle)
+
+
+def _recv_frame(sock: socket.socket, deadline: float | None, idle: float | None) -> Frame:
+    prefix = _recv_exact(sock, HEADER.size, "length prefix", started=False, deadline=deadline,
+                         idle=idle)
     header_len, payload_len = HEADER.unpack(prefix)
     if header_len == 0:
         raise ProtocolError("bad_request", "frame header length is 0; a JSON object is required")
@@ -256,8 +276,9 @@ def recv_frame(sock: socket.socket) -> Frame:
     if payload_len > MAX_PAYLOAD:
         raise ProtocolError("too_large",
                             f"frame payload length {payload_len} is over the {MAX_PAYLOAD} cap")
-    raw = _recv_exact(sock, header_len, "header", started=True)
-    payload = _recv_exact(sock, payload_len, "payload", started=True) if payload_len else b""
+    raw = _recv_exact(sock, header_len, "header", started=True, deadline=deadline, idle=idle)
+    payload = (_recv_exact(sock, payload_len, "payload", started=True, deadline=deadline,
+                           idle=idle) if payload_len else b"")
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

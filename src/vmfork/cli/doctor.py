@@ -136,6 +136,22 @@ def _disk() -> Check:
     return Check("free disk", "PASS", f"{gib:.0f} GiB free under {path}")
 
 
+def _jail() -> Check:
+    from vmfork.runtime import jail, seccomp
+
+    problems = jail.problems()
+    no_filter = seccomp.available()
+    if no_filter is not None:
+        problems.append(no_filter)
+    if problems:
+        return Check("VMM jail", "WARN", "; ".join(problems),
+                     "run the daemon as root on a kernel with seccomp and mount/IPC/UTS "
+                     "namespaces (VMM processes are then not contained)")
+    return Check("VMM jail", "PASS", "namespaces (mount, IPC, UTS), pivot_root, uid change "
+                 "and seccomp filters are available (the jail is opt-in per spawn for now: "
+                 "docs/security.md)")
+
+
 def _image() -> Check:
     from vmfork.image import ImageError, find_image
     try:
@@ -148,7 +164,7 @@ def _image() -> Check:
 
 
 CHECKS: list[Callable[[], Check]] = [
-    _kvm_device, _kvm_caps, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _netns, _disk,
+    _kvm_device, _kvm_caps, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _netns, _jail, _disk,
     _image,
 ]
 

@@ -35,6 +35,8 @@ class CommandResult:
     exit_code: int
     signal: int | None = None
     duration_secs: float = 0.0
+    truncated: bool = False
+    """The output went past the daemon's cap and was cut (stream it to get it whole)."""
 
 
 class CommandExitError(ControllerError):
@@ -189,7 +191,7 @@ class Commands:
                 raise CommandTimeout(err) from None
             raise
         result = CommandResult(r["stdout"], r["stderr"], r["exit_code"], r.get("signal"),
-                               r.get("duration_secs", 0.0))
+                               r.get("duration_secs", 0.0), bool(r.get("truncated", False)))
         if check and result.exit_code != 0:
             raise CommandExitError(result, c.base_url)
         return result

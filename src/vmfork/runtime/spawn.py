@@ -35,12 +35,26 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.image import disk_path
+from vmfork.paths import cache_dir
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
+from vmfork.vmm.errors import VmmError
+from vmfork.vmm.memplan import PLAN_FILE, read_plan
+from vmfork.vmm.stateformat import read_state_file
+from vmfork.vmm.vmstate import MachineState
 
 VMM_ENTRY = "vmfork.runtime.vmmchild:main"
+JAIL_UID_RANGE = (1_000_000, 65_536)
+"""The uids (gid = uid) jailed VMMs take, one per live VMM (the zygote picks)."""
+SECCOMP_LOG_ENV = "VMFORK_SECCOMP_LOG"
+"""``1``: a jailed VMM's seccomp filter logs calls outside its list instead of killing
+(the kernel's audit records, type 1326), to collect what a workload needs."""
+JAIL_ENV = "VMFORK_JAIL"
+"""``1`` jails every VMM this process spawns (off by default while the jail cannot
+yet serve BRANCH or networked sandboxes: docs/security.md)."""
 # Every child's status.json is re-read this often even without a FIFO line.
 FULL_SCAN_S = 0.25
 # The zygote's exit events (children that died without a status) this often.
@@ -95,7 +109,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                   wait_for: str = "ready", start_together: bool = True,
                   progress: Callable[[int, int, int], None] | None = None,
                   per_child_netns: bool = False, network: HostNetwork | None = None,
-                  egress: EgressPolicy | None = None) -> ForkReport:
+                  egress: EgressPolicy | None = None,
+                  jail: bool | None = None) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
 
@@ -109,7 +124,14 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     destroyed here.
 
     ``progress(restored, ready, failed)`` is called as counts change.
+
+    ``jail``: build each VMM a jail (``runtime/jail.py``); None reads ``VMFORK_JAIL``.
     """
+    if jail is None:
+        jail = os.environ.get(JAIL_ENV) == "1"
+    if jail and per_child_netns:
+        raise ValueError("a jailed VMM cannot have a network of its own yet "
+                         "(unset VMFORK_JAIL or spawn without per_child_netns)")
     if wait_for not in ("ready", "restored"):
         raise ValueError(f"wait_for must be 'ready' or 'restored', not {wait_for!r}")
     done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")
@@ -123,16 +145,20 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     network_s = time.monotonic() - network_started
     token = secrets.token_hex(6)
     try:
-        notify = _Fifo.create(run_root / f".notify-{token}")
+        # A jailed VMM runs as a uid of its own: it may write the notify FIFO and read
+        # the gate (both bound into its jail alone, by path).
+        notify = _Fifo.create(run_root / f".notify-{token}", 0o622 if jail else 0o600)
     except BaseException:
         _destroy_networks(network, nets)
         raise
     gate = None
     try:
         if n > 1 and start_together:
-            gate = _Fifo.create(run_root / f".start-{token}")
+            gate = _Fifo.create(run_root / f".start-{token}", 0o644 if jail else 0o600)
+        jail_request = _jail_request(snapshot, [notify.path] + ([gate.path] if gate else [])
+                                     ) if jail else None
         report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
-                                done_states, progress, notify, gate, nets)
+                                done_states, progress, notify, gate, nets, jail_request)
     except BaseException:
         _destroy_networks(network, nets)
         raise
@@ -157,8 +183,9 @@ class _Fifo:
     released: bool = False
 
     @classmethod
-    def create(cls, path: Path) -> _Fifo:
-        os.mkfifo(path, 0o600)
+    def create(cls, path: Path, mode: int = 0o600) -> _Fifo:
+        os.mkfifo(path, mode)
+        os.chmod(path, mode)   # mkfifo's mode is masked by the umask
         try:
             return cls(path, os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
         except OSError:
@@ -174,6 +201,33 @@ class _Fifo:
     def remove(self) -> None:
         os.close(self.fd)
         self.path.unlink()
+
+
+def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
+    """What a VMM of ``snapshot`` may see: the snapshot's directory, the memory files
+    its plan maps (a diff's ancestors), the content-addressed root disks (read-only,
+    shared by design: decision 3) and this spawn's FIFOs."""
+    read_only = [str(snapshot.path)]
+    # Opened before the uid changes: the jail's uid may not read the daemon's files.
+    preopen = [str(p) for p in snapshot.path.iterdir() if p.is_file()]
+    plan_path = snapshot.path / PLAN_FILE
+    if plan_path.exists():
+        plan = read_plan(str(plan_path))
+        sources = [plan.source_path(i) for i in range(len(plan.sources))]
+        read_only += sources
+        preopen += sources
+    disks = cache_dir() / "disks"
+    if disks.is_dir():
+        read_only.append(str(disks))
+        try:
+            state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
+        except VmmError:
+            state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
+        if state is not None and state.blk is not None:
+            preopen.append(str(disk_path(state.blk.device.disk_key)))
+    read_only += [str(f) for f in fifos]
+    return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
+            "devices": ["/dev/kvm"], "preopen": preopen}
 
 
 def _read_notifications(fd: int) -> set[str]:
@@ -193,7 +247,8 @@ def _read_notifications(fd: int) -> set[str]:
 def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path,
                    memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
                    progress: Callable[[int, int, int], None] | None, notify: _Fifo,
-                   gate: _Fifo | None, nets: list[ChildNetwork]) -> ForkReport:
+                   gate: _Fifo | None, nets: list[ChildNetwork],
+                   jail: dict[str, Any] | None = None) -> ForkReport:
     items = []
     by_vm: dict[str, ChildNetwork] = {}
     for index in range(n):
@@ -206,10 +261,12 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             "ready_timeout": timeout}
         if gate is not None:
             args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
+        if jail is not None and os.environ.get(SECCOMP_LOG_ENV) == "1":
+            args["seccomp_log_only"] = True
         if nets:
             by_vm[vm_id] = nets[index]
             args.update(netns=nets[index].netns, net_tap=nets[index].tap)
-        items.append(SpawnItem(vm_id, args, memory_limit_mib))
+        items.append(SpawnItem(vm_id, args, memory_limit_mib, jail=jail))
     notify_fd = notify.fd
     # A child can die before it writes any status (killed, OOM, a crash in the
     # restore): the zygote's exit events catch those; take the cursor first.

@@ -74,9 +74,10 @@ from vmfork.agent.client import (
 )
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
-from vmfork.runtime import zygote_child
-from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
+from vmfork.runtime import seccomp, zygote_child
 from vmfork.runtime.network import enter_netns
+from vmfork.vmm.bounded import LogBudget, limit_log_handlers
+from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.vmm.stateformat import read_state_file, write_file_atomic
@@ -84,6 +85,9 @@ from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+ZYGOTE_ENTRIES = ("main",)
+"""What the zygote may run of this module (see ``zygote.register_entries``)."""
 _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
@@ -540,10 +544,19 @@ def main(args: dict[str, Any]) -> int:
             # as this process is reaped, but passes the log's tail on with the exit.
             print(f"vmfork vmm {vm_id}: {status['reason']}", file=sys.stderr, flush=True)
 
+    # The VMM logs what its devices see, and the guest decides what they see: one
+    # budget for the whole process log, so no guest can fill the disk through it.
+    limit_log_handlers(logging.getLogger(), LogBudget("VMM log"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        forked = zygote_child.current()
+        jailed = forked is not None and forked.jailed
         if args.get("netns"):
+            if jailed:
+                # setns needs CAP_SYS_ADMIN, which the jail dropped, and attaching the
+                # tap needs it to be owned by the jail's uid: not built yet.
+                raise RuntimeError("a jailed VMM cannot join a network namespace yet")
             enter_netns(str(args["netns"]))  # before any thread: they inherit it
         machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"))
     except Exception as err:
@@ -558,8 +571,11 @@ def main(args: dict[str, Any]) -> int:
                 str(gate), float(args.get("start_gate_timeout", START_GATE_TIMEOUT)), stop)
             if stop.is_set():
                 return 0
+        if jailed:
+            # Last step of set-up, before the guest runs a single instruction: from
+            # here the process may only do what a running VMM does (runtime/seccomp.py).
+            seccomp.install_vmm_filter(log_only=bool(args.get("seccomp_log_only")))
         machine.start()
-        forked = zygote_child.current()
         timings = {"restore_s": time.monotonic() - started - start_wait,
                    "start_wait_s": start_wait,
                    # fork() in the zygote to this entry: the child's set-up (zygote_child)

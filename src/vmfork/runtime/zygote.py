@@ -42,6 +42,14 @@ while it stays open; once no holder is connected and no holder request has come
 for ``lease_s`` seconds, the zygote kills every child and exits. The kernel
 closes a dead daemon's sockets, so a crash starts the clock at once.
 
+Entries: the zygote runs only the entries it registered at start, never an arbitrary
+``module:function`` a request names (it would be code execution for anyone who can
+reach its socket, and imports after start are what a jail cannot allow). A module
+offers entries by listing their function names in ``ZYGOTE_ENTRIES``; the zygote
+registers those of ``REGISTERED_MODULES`` and of each ``--entries-module``, importing
+them before it serves. A spawn naming anything else is refused (``EntryNotAllowed``)
+and nothing is imported for it.
+
 Per-batch preparation: if the entry's module defines ``prefork(batch)``, the
 zygote calls it with the list of the batch's ``args`` before forking, so work
 that every child of the batch would repeat (decoding a snapshot) is done once
@@ -50,6 +58,14 @@ from it is logged and the batch is forked anyway. Then the zygote collects and
 freezes its heap (``gc.collect`` + ``gc.freeze``): the collector in a child
 never walks, and so never writes to, what the child inherited, and those pages
 stay shared with the zygote instead of being copied into every child.
+
+Jail: a spawn may carry ``jail: {uid, gid | uid_range, read_only: [path],
+devices: [path]}`` (it needs a ``run_dir``); the child then builds
+``runtime/jail.py``'s jail before its entry, rooted at ``<run_dir>/.jail-root``, with
+the run directory writable and Python's own paths (``jail.python_paths()``)
+read-only besides ``read_only``. ``uid_range: [first, count]`` has the zygote pick
+the lowest uid of the range that no live child of its holds (gid = uid), so no two
+sandboxes ever share a uid; explicit ids must be positive.
 
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
@@ -78,7 +94,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
+from vmfork.runtime.jail import JailSpec, python_paths
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
@@ -113,6 +131,7 @@ class _Child:
     started_mono: float
     started_at: float
     kill_requested: bool = False
+    jail_uid: int | None = None
 
     def info(self) -> dict[str, Any]:
         return {"vm_id": self.vm_id, "pid": self.pid, "entry": self.entry,
@@ -128,6 +147,7 @@ class _Prepared:
     cgroup: cgroups.ChildCgroup | None
     log_path: str | None
     run_dir: str | None
+    jail: JailSpec | None = None
 
 
 class _Slot:
@@ -153,6 +173,46 @@ def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
+                                                    "devices", "preopen"}:
+        raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
+                           "devices: [path]}")
+    if run_dir is None:
+        raise RequestError("a jailed spawn needs args.run_dir (the jail's writable place)")
+    uid, gid = value.get("uid"), value.get("gid")
+    if "uid_range" in value:
+        span = value["uid_range"]
+        if not (isinstance(span, list) and len(span) == 2
+                and all(isinstance(v, int) and v > 0 for v in span)):
+            raise RequestError("jail.uid_range must be [first uid, count], both positive")
+        free = next((u for u in range(span[0], span[0] + span[1]) if u not in taken), None)
+        if free is None:
+            raise RequestError(f"every uid of jail.uid_range {span} is held by a live "
+                               "child", "Busy")
+        uid = gid = free
+    if not (isinstance(uid, int) and isinstance(gid, int) and uid > 0 and gid > 0):
+        raise RequestError(f"jail.uid and jail.gid must be positive integers, got "
+                           f"{uid!r}/{gid!r}: a jail never runs as root")
+    paths: dict[str, tuple[str, ...]] = {}
+    for key in ("read_only", "devices", "preopen"):
+        items = value.get(key, [])
+        if not isinstance(items, list) or not all(
+                isinstance(p, str) and os.path.isabs(p) and ".." not in p.split("/")
+                for p in items):
+            raise RequestError(f"jail.{key} must be a list of absolute paths")
+        paths[key] = tuple(items)
+    # The environment is emptied; what vmfork reads from it (where its cache is) is
+    # resolved here and passed on, nothing else of the daemon's environment is.
+    env = {"VMFORK_CACHE_DIR": str(cache_dir())}
+    return JailSpec(root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
+                    read_only=(*python_paths(), *paths["read_only"]),
+                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
+                    preopen=paths["preopen"])
+
+
 def _validate_run_dir(value: object) -> str | None:
     if value is None:
         return None
@@ -165,9 +225,34 @@ def _validate_run_dir(value: object) -> str | None:
     return norm
 
 
+REGISTERED_MODULES = ("vmfork.runtime.vmmchild",)
+"""Modules whose ``ZYGOTE_ENTRIES`` every zygote registers."""
+
+
+def register_entries(modules: list[str]) -> dict[str, Entry]:
+    """``module:function`` -> function, for every name in each module's
+    ``ZYGOTE_ENTRIES``. Raises ``TypeError``/``ValueError`` for a module that offers none."""
+    entries: dict[str, Entry] = {}
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        names = getattr(module, "ZYGOTE_ENTRIES", None)
+        if not isinstance(names, tuple):
+            raise TypeError(f"module {module_name} lists no ZYGOTE_ENTRIES tuple")
+        if not names:
+            raise ValueError(f"module {module_name} lists no ZYGOTE_ENTRIES")
+        for func_name in names:
+            func = getattr(module, func_name, None)
+            if not callable(func):
+                raise TypeError(f"{module_name}.ZYGOTE_ENTRIES names {func_name!r}, which "
+                                 "is not a function of the module")
+            entries[f"{module_name}:{func_name}"] = func
+    return entries
+
+
 class Zygote:
     def __init__(self, socket_path: str, preloaded: list[str], preload_failed: list[str],
-                 lease_s: float | None = None) -> None:
+                 lease_s: float | None = None,
+                 entries: dict[str, Entry] | None = None) -> None:
         self.socket_path = socket_path
         self.lease_s = lease_s                 # None: no lease, live until told to stop
         self.lease_renewed = time.monotonic()
@@ -180,7 +265,8 @@ class Zygote:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.next_seq = 1
         self.waiters: dict[str, list[_Slot]] = {}
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, Entry] = dict(entries or {})
+        self._uids_taken: set[int] = set()   # jail uids of children prepared or alive
         self.conns: dict[int, _Conn] = {}
         self.stopping = False
         self.sel = selectors.DefaultSelector()
@@ -469,22 +555,14 @@ class Zygote:
 
     def _resolve(self, name: object) -> Entry:
         if not isinstance(name, str) or name.count(":") != 1:
-            raise RequestError(f"entry must be 'module:function', got {name!r}")
-        cached = self.entries.get(name)
-        if cached is not None:
-            return cached
-        module_name, func_name = name.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            raise RequestError(f"cannot import entry module {module_name!r}: {err}",
-                               "EntryNotFound") from err
-        func = getattr(module, func_name, None)
-        if not callable(func):
-            raise RequestError(f"entry {name!r}: module {module_name} has no function "
-                               f"{func_name!r}", "EntryNotFound")
-        self.entries[name] = func
-        return func  # type: ignore[no-any-return]
+            raise RequestError(f"entry must be 'module:function', got {name!r:.200}")
+        entry = self.entries.get(name)
+        if entry is None:
+            raise RequestError(f"entry {name!r:.200} is not registered with this zygote "
+                               f"(registered: {', '.join(sorted(self.entries))}); a module "
+                               "offers entries in ZYGOTE_ENTRIES and is named with "
+                               "--entries-module", "EntryNotAllowed")
+        return entry
 
     def _before_forks(self, entry: Entry, batch: list[_Prepared]) -> None:
         """The entry's ``prefork`` hook, then a clean, frozen heap (module docstring)."""
@@ -533,7 +611,11 @@ class Zygote:
                     cgroups.remove(cg)
                 raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
                                    "HostError") from err
-        return _Prepared(vm_id, args, cg, log_path, run_dir)
+        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken)
+        if jail_spec is not None and run_dir is not None:
+            os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
+            self._uids_taken.add(jail_spec.uid)
+        return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec)
 
     def _discard(self, prep: _Prepared) -> None:
         if prep.cgroup is not None:
@@ -543,6 +625,8 @@ class Zygote:
                 log.warning("%s", err)
         if prep.run_dir is not None:
             shutil.rmtree(prep.run_dir, ignore_errors=True)
+        if prep.jail is not None:
+            self._uids_taken.discard(prep.jail.uid)
 
     def _fork(self, name: str, entry: Entry, prep: _Prepared) -> _Child:
         sys.stdout.flush()
@@ -558,12 +642,13 @@ class Zygote:
             if pid == 0:
                 run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
                           entry=entry, args=prep.args, cgroup=prep.cgroup,
-                          log_path=prep.log_path)
+                          log_path=prep.log_path, jail_spec=prep.jail)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)
         child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
-                       time.monotonic(), time.time())
+                       time.monotonic(), time.time(),
+                       jail_uid=prep.jail.uid if prep.jail is not None else None)
         self.children[prep.vm_id] = child
         self.by_pidfd[pidfd] = child
         self.sel.register(pidfd, selectors.EVENT_READ, child)
@@ -603,6 +688,8 @@ class Zygote:
         del self.by_pidfd[child.pidfd]
         os.close(child.pidfd)
         del self.children[child.vm_id]
+        if child.jail_uid is not None:
+            self._uids_taken.discard(child.jail_uid)
         cleanup_errors: list[str] = []
         oom: cgroups.OomInfo | None = None
         if child.cgroup is not None:
@@ -696,6 +783,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="Unix socket path to serve on")
     parser.add_argument("--preload", action="append", default=[], metavar="MODULE",
                         help="a module to import before serving (repeatable; must import)")
+    parser.add_argument("--entries-module", action="append", default=[], metavar="MODULE",
+                        help="register the entries a module lists in ZYGOTE_ENTRIES "
+                             "(repeatable; vmfork.runtime.vmmchild's always are)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="die when this process (our parent) dies")
     parser.add_argument("--lease-s", type=float, default=None, metavar="SECONDS",
@@ -709,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.parent_pid is not None and not die_with_parent(opts.parent_pid):
         return 1  # the parent is already gone
     done, failed = preload(opts.preload)
+    entries = register_entries([*REGISTERED_MODULES, *opts.entries_module])
     if _thread_count() != 1:
         log.error("preloading started %d threads; a zygote must stay single-threaded",
                   _thread_count() - 1)
@@ -716,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)  # inherited by every child
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer CoW faults, no finalizers
-    zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s)
+    zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s, entries=entries)
     zygote.serve_forever()
     return 0
 

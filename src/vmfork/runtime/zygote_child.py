@@ -33,10 +33,13 @@ The child contract, in the order the steps run (each has a reason):
    zygote's frames below this one; those frames never unwind in the child (it
    always leaves through ``os._exit``) and the zygote calls ``gc.freeze()``, so no
    finalizer can close an fd number the entry has since reused.
-7. **Entry.** ``function(args)`` runs; ``current()`` gives it a ``ChildContext``.
+7. **Jail** (only when the spawn asked for one: ``runtime/jail.py``). After the fds,
+   since the log must be opened on the host's file system; before the entry, so no
+   entry code runs with the zygote's privileges. A failure exits 71.
+8. **Entry.** ``function(args)`` runs; ``current()`` gives it a ``ChildContext``.
    Its return value is the exit status (None is 0; an int must be 0-255). An
    exception prints its traceback to stderr (the log) and exits 70; a failure in
-   steps 1-6 exits 71 with a message on stderr.
+   steps 1-7 exits 71 with a message on stderr.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from vmfork.runtime import cgroups
+from vmfork.runtime import cgroups, jail
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
 
 PR_SET_PDEATHSIG = 1
@@ -69,6 +72,8 @@ class ChildContext:
     forked_ns: int
     entry_started_ns: int
     cgroup: str | None
+    jailed: bool = False
+    """The child runs in a jail; its entry installs the seccomp filter once set up."""
 
 
 _current: ChildContext | None = None
@@ -130,14 +135,19 @@ def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | 
 
 def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
               args: dict[str, Any], cgroup: cgroups.ChildCgroup | None,
-              log_path: str | None) -> NoReturn:
+              log_path: str | None, jail_spec: jail.JailSpec | None = None) -> NoReturn:
     """Set the child up (steps 1-6 above), run ``entry(args)`` and exit. Never returns."""
     global _current
     code = EXIT_SETUP_FAILED
     try:
         _setup(zygote_pid, cgroup, log_path)
+        if jail_spec is not None:
+            try:
+                jail.enter(jail_spec)
+            except OSError as err:
+                _fail(str(err))
         _current = ChildContext(vm_id, zygote_pid, forked_ns, time.monotonic_ns(),
-                                cgroup.name if cgroup else None)
+                                cgroup.name if cgroup else None, jail_spec is not None)
         code = EXIT_ENTRY_RAISED
         try:
             result = entry(args)

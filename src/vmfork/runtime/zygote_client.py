@@ -100,9 +100,10 @@ class ZygoteClient:
 
     def spawn(self, entry: str, args: dict[str, Any] | None = None, *, vm_id: str,
               memory_limit_mib: int | None = None,
-              cgroup_parent: str | None = None) -> ChildInfo:
+              cgroup_parent: str | None = None,
+              jail: dict[str, Any] | None = None) -> ChildInfo:
         """Fork one child running ``entry(args)``; returns once it is forked."""
-        item = SpawnItem(vm_id, args or {}, memory_limit_mib, cgroup_parent)
+        item = SpawnItem(vm_id, args or {}, memory_limit_mib, cgroup_parent, jail)
         return ChildInfo.from_json(self.request("spawn", entry=entry, **item.to_json())["child"])
 
     def spawn_many(self, entry: str, items: Iterable[SpawnItem],
@@ -188,10 +189,13 @@ class ZygoteProcess:
 def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (), *,
                  stderr: IO[bytes] | int | None = None, die_with_parent: bool = True,
                  timeout: float = 120.0, env: dict[str, str] | None = None,
-                 lease_s: float | None = None) -> ZygoteProcess:
+                 lease_s: float | None = None,
+                 entries_modules: Sequence[str] = ()) -> ZygoteProcess:
     """Start ``python -m vmfork.runtime.zygote`` and wait until it answers ``ping``.
 
-    ``preload`` names modules that must import (the defaults are always tried).
+    ``preload`` names modules that must import (the defaults are always tried);
+    ``entries_modules`` names modules whose ``ZYGOTE_ENTRIES`` the zygote registers
+    besides the VMM's (it runs no other entry).
     With ``die_with_parent`` the zygote (and so every child) dies with this process.
     Without it the zygote runs in a session of its own (a terminal's Ctrl-C does not
     reach it) and outlives this process; pass ``lease_s`` so that it still stops
@@ -208,6 +212,8 @@ def start_zygote(socket_path: str | os.PathLike[str], preload: Sequence[str] = (
     cmd = [sys.executable, "-m", "vmfork.runtime.zygote", "--socket", path]
     for name in preload:
         cmd += ["--preload", name]
+    for name in entries_modules:
+        cmd += ["--entries-module", name]
     if die_with_parent:
         cmd += ["--parent-pid", str(os.getpid())]
     if lease_s is not None:

@@ -59,6 +59,8 @@ class SpawnItem:
     args: dict[str, Any] = field(default_factory=dict)
     memory_limit_mib: int | None = None
     cgroup_parent: str | None = None
+    jail: dict[str, Any] | None = None
+    """``{uid, gid, read_only, devices}``: build the child a jail (``runtime/jail.py``)."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -102,6 +102,11 @@ class Limits:
     # Image builds and imports at once: each compresses its disk on every core.
     image_builds: int = 2
     retry_after_s: int = 2
+    # What one call may make the daemon hold for a guest (which runs untrusted code):
+    # bytes of exec output buffered for a non-streamed exec (stdout + stderr; the stream
+    # route forwards output as it comes and keeps none), and entries of a file listing.
+    exec_output_bytes: int = 4 << 20
+    list_entries: int = 10_000
 
 
 BRANCH_MODES = ("full", "diff", "live")
@@ -605,9 +610,12 @@ class Controller:
         timeout = float(body["timeout_secs"])
         try:
             with agent_errors(sandbox_id, "exec"):
+                streamed = on_stdout is not None or on_stderr is not None
                 result = agent.exec(body["args"], env=body["env"], cwd=body["cwd"],
                                     stdin=body["stdin"], timeout=timeout,
-                                    on_stdout=on_stdout, on_stderr=on_stderr)
+                                    on_stdout=on_stdout, on_stderr=on_stderr,
+                                    capture=not streamed,
+                                    max_output=self.limits.exec_output_bytes)
         except AgentError as err:
             if err.code == "not_found":
                 # As a shell would: the program is missing, exit status 127.
@@ -634,8 +642,9 @@ class Controller:
 
     def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:
         with agent_errors(sandbox_id, "list"):
-            entries = self.agent(sandbox_id).list_dir(path)
-        return {"path": path, "entries": [file_info_json(e) for e in entries]}
+            listing = self.agent(sandbox_id).list_dir_bounded(path, self.limits.list_entries)
+        return {"path": path, "entries": [file_info_json(e) for e in listing.entries],
+                "truncated": listing.truncated}
 
     def remove_file(self, sandbox_id: str, query: dict[str, Any]) -> None:
         with agent_errors(sandbox_id, "remove"):
@@ -887,7 +896,7 @@ def exec_result_json(result: ExecResult) -> dict[str, Any]:
     return {"stdout": result.stdout.decode("utf-8", "replace"),
             "stderr": result.stderr.decode("utf-8", "replace"),
             "exit_code": result.exit_code, "signal": result.signal,
-            "duration_secs": round(result.duration, 6)}
+            "duration_secs": round(result.duration, 6), "truncated": result.truncated}
 
 
 def file_info_json(info: FileInfo) -> dict[str, Any]:

@@ -16,13 +16,17 @@ unexpected exception is a 500 that names its type and points at the daemon log.
 from __future__ import annotations
 
 import errno
+import http.client
 import logging
 import os
 import socket
 import socketserver
 import stat
+import sys
+import threading
 import time
 import urllib.parse
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,31 @@ from vmfork.server.controller import Controller
 from vmfork.server.errors import ApiError, BadRequest
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FrontLimits:
+    """What one client may hold of the daemon's HTTP front, before it has proved anything
+    (the token is checked only once a request is whole). Times are in seconds.
+
+    A connection gets ``header_timeout`` from accept to the end of its first request's
+    headers, and ``idle_timeout`` from the end of a response to the end of the next
+    request's headers (keep-alive); the whole span, not each read, so sending a byte at
+    a time does not extend it. Past it the connection is shut down. Bodies are read by
+    handlers, each read bounded by ``read_timeout``.
+
+    At most ``max_connections`` connections are served (one thread each). When all are
+    taken, a new connection evicts the oldest one that has not sent a whole request yet
+    (a slow or stalled client; a busy request is never evicted), so half-open
+    connections cannot lock real clients out; with none to evict it gets a 503.
+    """
+
+    header_timeout: float = 10.0
+    idle_timeout: float = 30.0
+    read_timeout: float = 120.0
+    max_connections: int = 256
+    max_header_bytes: int = 64 << 10
+    """Request line and headers together."""
 
 
 class ServerContext:
@@ -71,6 +100,37 @@ class RequestHandler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s %s", self.address_string(), format % args)
+
+    def setup(self) -> None:
+        front: FrontLimits = getattr(self.server, "front_limits", FrontLimits())
+        self._front = front
+        self._requests = 0
+        super().setup()
+        self.connection.settimeout(front.read_timeout)
+
+    def handle_one_request(self) -> None:
+        watch = getattr(self.server, "watch", None)
+        if watch is not None:
+            watch(self.connection, self._front.header_timeout if self._requests == 0
+                  else self._front.idle_timeout)
+        self._requests += 1
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        # The request line was read by the caller (the stdlib caps it at 64 KiB); the
+        # headers are read here, through a budget, so that 100 lines of 64 KiB each
+        # (the stdlib's own caps) cannot make one client cost 6.5 MB.
+        original = self.rfile
+        self.rfile = _HeaderBudget(original, self._front.max_header_bytes  # type: ignore[assignment]
+                                   - len(self.raw_requestline))
+        try:
+            ok = super().parse_request()
+        finally:
+            self.rfile = original
+        busy = getattr(self.server, "busy", None)
+        if ok and busy is not None:
+            busy(self.connection)
+        return ok
 
     def __getattr__(self, name: str) -> Any:
         # Every method, standard or not (TRACE, QUERY, ...), goes through the router,
@@ -117,6 +177,16 @@ class RequestHandler(BaseHTTPRequestHandler):
             log.exception("%s %s failed", self.command, self.path)
             response = api.Response(500, {"error": f"internal error: {type(err).__name__}: "
                                           f"{err}; see the daemon log"})
+        unsafe = _unsafe_header(response.headers)
+        if unsafe is not None:
+            # A header value made from something a guest said (a file's size, a name)
+            # that could end the header line would let the guest write its own headers,
+            # or a whole second response, to the client. Nothing of it is sent.
+            log.warning("%s %s: refused to send header %s: %s", self.command, self.path,
+                        unsafe[0], unsafe[1])
+            response = api.Response(502, {"error": f"the reply for {split.path} would carry "
+                                          f"header {unsafe[0]!r:.60} with {unsafe[1]}; nothing "
+                                          "of it was sent (a hostile or broken guest agent?)"})
         self._drain(req)
         if isinstance(response, api.StreamResponse):
             self._send(response)
@@ -126,6 +196,14 @@ class RequestHandler(BaseHTTPRequestHandler):
             # audit log (or the metrics) right after a reply finds its request there.
             self._record(req, route_name, response.status, started)
             self._send(response)
+
+    def send_header(self, keyword: str, value: str) -> None:
+        # Every header, including the stdlib's own, passes here: the last line of
+        # defence against response splitting, whatever code path made the value.
+        problem = _header_problem(keyword, value)
+        if problem is not None:
+            raise ValueError(f"refusing to send header {keyword!r:.60}: {problem}")
+        super().send_header(keyword, value)
 
     def _drain(self, req: api.Request) -> None:
         """Read what the handler left of a small body so keep-alive works; a large
@@ -186,6 +264,55 @@ class RequestHandler(BaseHTTPRequestHandler):
                 log.error("cannot write the audit log: %s", err)
 
 
+def _header_problem(name: str, value: object) -> str | None:
+    """Why ``name: value`` cannot be sent as one header line, or None if it can."""
+    if not isinstance(value, str):
+        return f"a {type(value).__name__} value, not a str"
+    if not name or any(c in _NOT_TOKEN or ord(c) > 126 for c in name):
+        return "a name that is not an HTTP token"
+    for c in value:
+        code = ord(c)
+        # HTAB is the one control character a field value may hold (RFC 9110 5.5); CR,
+        # LF and NUL would end or corrupt the line. Above Latin-1 cannot be encoded.
+        if (code < 0x20 and c != "\t") or code == 0x7F or code > 0xFF:
+            return f"control or non-Latin-1 character {c!r} in its value"
+    return None
+
+
+_NOT_TOKEN = frozenset('()<>@,;:\\"/[]?={} \t') | {chr(c) for c in range(0x20)}
+
+
+def _unsafe_header(headers: dict[str, str]) -> tuple[str, str] | None:
+    for name, value in headers.items():
+        problem = _header_problem(name, value)
+        if problem is not None:
+            return name, problem
+    return None
+
+
+class _HeaderBudget:
+    """The read side while headers are parsed: ``readline`` past ``budget`` bytes
+    raises what the stdlib answers with 431."""
+
+    def __init__(self, raw: Any, budget: int) -> None:
+        self._raw = raw
+        self._left = budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self._left <= 0:
+            raise http.client.LineTooLong("request headers over the daemon's size limit")
+        line: bytes = self._raw.readline(self._left + 1 if limit < 0
+                                         else min(limit, self._left + 1))
+        self._left -= len(line)
+        if self._left < 0:
+            raise http.client.LineTooLong("request headers over the daemon's size limit")
+        return line
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self._raw.read(n)
+        return data
+
+
 class _Unauthorized(ApiError):
     status = 401
 
@@ -231,10 +358,122 @@ def handler_for(context: ServerContext) -> type[RequestHandler]:
     return type("BoundRequestHandler", (_BoundedHandler,), {"context": context})
 
 
-class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
+_BUSY = -1.0
+"""The watch deadline of a connection whose request is being handled."""
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: 53\r\nConnection: close\r\n\r\n"
+            b'{"error": "too many connections to the daemon open"}\n')
 
-    def __init__(self, path: str | Path, handler: type[RequestHandler]) -> None:
+
+class _BoundedFront(socketserver.ThreadingMixIn):
+    """Bounds connections and the time a connection may take to say what it wants
+    (see ``FrontLimits``). One watchdog thread per server shuts down connections whose
+    deadline passed; shutting the socket down wakes the handler thread blocked in its
+    read, which then ends as if the client had closed."""
+
+    daemon_threads = True
+    request_queue_size = 128
+    front_limits = FrontLimits()
+
+    def _front_init(self, limits: FrontLimits | None) -> None:
+        if limits is not None:
+            self.front_limits = limits
+        self._lock = threading.Lock()
+        # socket -> (deadline: monotonic instant or _BUSY, admitted at)
+        self._conns: dict[socket.socket, tuple[float, float]] = {}
+        self._closing = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def active_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def watch(self, conn: socket.socket, seconds: float) -> None:
+        with self._lock:
+            if conn in self._conns:
+                self._conns[conn] = (time.monotonic() + seconds, self._conns[conn][1])
+
+    def busy(self, conn: socket.socket) -> None:
+        with self._lock:
+            if conn in self._conns:
+                self._conns[conn] = (_BUSY, self._conns[conn][1])
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        now = time.monotonic()
+        evict: socket.socket | None = None
+        with self._lock:
+            if len(self._conns) >= self.front_limits.max_connections:
+                waiting = [(admitted, c) for c, (deadline, admitted) in self._conns.items()
+                           if deadline != _BUSY]
+                if not waiting:
+                    self._refuse(request)
+                    return
+                evict = min(waiting, key=lambda pair: pair[0])[1]
+                del self._conns[evict]   # its slot is the newcomer's from now on
+            self._conns[request] = (now + self.front_limits.header_timeout, now)
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch_loop,
+                                                  name="http-front-watchdog", daemon=True)
+                self._watchdog.start()
+        if evict is not None:
+            _shut(evict)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._conns.pop(request, None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away, or was cut off by the watchdog, is not a daemon
+        # error; anything else is logged with its traceback (socketserver would print
+        # it to stderr).
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s ended: %s", client_address or "unix", exc)
+        else:
+            log.exception("connection from %s failed", client_address or "unix")
+
+    @staticmethod
+    def _refuse(request: socket.socket) -> None:
+        try:
+            request.send(_REFUSED, socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        request.close()
+
+    def _watch_loop(self) -> None:
+        while not self._closing.wait(0.25):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c, (deadline, _) in self._conns.items()
+                        if deadline != _BUSY and deadline <= now]
+                for conn in late:
+                    # Not forgotten here: the handler thread does that as it ends, so
+                    # the count stays true until the thread is gone.
+                    self._conns[conn] = (_BUSY, self._conns[conn][1])
+            for conn in late:
+                _shut(conn)
+
+    def server_close(self) -> None:
+        self._closing.set()
+        super().server_close()
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by its handler
+
+
+class UnixHTTPServer(_BoundedFront, socketserver.UnixStreamServer):
+    def __init__(self, path: str | Path, handler: type[RequestHandler],
+                 limits: FrontLimits | None = None) -> None:
+        self._front_init(limits)
         self.socket_path = Path(path)
         _remove_stale_socket(self.socket_path)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -252,8 +491,11 @@ class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
             pass
 
 
-class TCPHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
+class TCPHTTPServer(_BoundedFront, ThreadingHTTPServer):
+    def __init__(self, address: tuple[str, int], handler: type[RequestHandler],
+                 limits: FrontLimits | None = None) -> None:
+        self._front_init(limits)
+        super().__init__(address, handler)
 
 
 class TCP6HTTPServer(TCPHTTPServer):
@@ -288,8 +530,9 @@ def parse_bind(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def tcp_server(bind: str, handler: type[RequestHandler]) -> TCPHTTPServer:
+def tcp_server(bind: str, handler: type[RequestHandler],
+               limits: FrontLimits | None = None) -> TCPHTTPServer:
     host, port = parse_bind(bind)
     if ":" in host:
-        return TCP6HTTPServer((host, port), handler)
-    return TCPHTTPServer((host, port), handler)
+        return TCP6HTTPServer((host, port), handler, limits)
+    return TCPHTTPServer((host, port), handler, limits)

@@ -46,8 +46,9 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from vmfork.image.tarstream import FILE, Member, TarFormatError, TarStream
 from vmfork.store import chains
 from vmfork.store.errors import HasDependents, SnapshotCorrupt, SnapshotNotFound, StoreError
 from vmfork.store.layers import HASH_NAME, LAYER_FILE, hash_file, hash_memory
@@ -63,6 +64,12 @@ KERNEL_FILE = "vmlinux"
 INITRD_FILE = "initramfs.cpio"
 
 MAX_MANIFEST_BYTES = 1 << 20
+# A pack's tar headers are read by our own bounded reader (image/tarstream.py), never by
+# tarfile, which reads a pax or GNU long-name header whole whatever size it claims (a
+# 3.2 KB pack once took 309 MiB). Our packs' names are short and their pax records few.
+MAX_TAR_HEADER_BYTES = 64 << 10
+MAX_TAR_NAME_BYTES = 1024
+MAX_TRAILER_BYTES = 1 << 20
 MAX_GUEST_MEM_MIB = 65536        # the daemon's own limit for a snapshot's RAM
 MAX_STATE_BYTES = 64 << 20
 MAX_IMAGE_FILE_BYTES = 1 << 30
@@ -240,15 +247,18 @@ def unpack(store: Store, pack_path: Path, *, head_tag: str | None = None,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         cleanup.callback(_reap, zstd)
         assert zstd.stdout is not None
-        try:
-            tar = cleanup.enter_context(tarfile.open(fileobj=zstd.stdout, mode="r|"))
-        except tarfile.TarError as err:
-            raise _refused(pack_path, f"not a tar stream ({err})", zstd) from None
-        members = iter(tar)
+        tar = TarStream(zstd.stdout, max_header_bytes=MAX_TAR_HEADER_BYTES,
+                        max_name_bytes=MAX_TAR_NAME_BYTES)
+        members = _members(tar, pack_path, zstd)
         manifest = _read_manifest(tar, members, pack_path, zstd)
         plan = _plan(store, manifest, head_tag, force, report)
         expected = _expected_entries(plan, manifest, staging.path)
         _extract(tar, members, expected, pack_path, zstd)
+        # The archive's end is followed by the padding of its last record (tarfile
+        # writes 10 KiB records): read it, so zstd is not cut off mid-write, but no
+        # more than that; a stream that goes on is not one `vmfork pack` wrote.
+        if len(zstd.stdout.read(MAX_TRAILER_BYTES + 1)) > MAX_TRAILER_BYTES:
+            raise _refused(pack_path, "data follows the end of its archive", zstd)
         zstd.stdout.close()
         if zstd.wait() != 0:
             raise _refused(pack_path, "the compressed stream is damaged or truncated", zstd)
@@ -283,25 +293,34 @@ def _refused(pack_path: Path, why: str, zstd: subprocess.Popen[bytes] | None = N
     return PackError(f"refusing pack {pack_path}: {why}{detail}; nothing was stored")
 
 
-def _check_member(member: tarfile.TarInfo, pack_path: Path) -> None:
+def _members(tar: TarStream, pack_path: Path,
+             zstd: subprocess.Popen[bytes]) -> Iterator[Member]:
+    while True:
+        try:
+            member = tar.next()
+        except TarFormatError as err:
+            raise _refused(pack_path, f"unreadable tar stream ({err})", zstd) from None
+        if member is None:
+            return
+        yield member
+
+
+def _check_member(member: Member, pack_path: Path) -> None:
     name = member.name
     if name.startswith("/"):
         raise _refused(pack_path, f"entry {name!r} has an absolute path")
     if ".." in name.split("/"):
         raise _refused(pack_path, f"entry {name!r} climbs out with '..'")
-    if not member.isreg():
-        kind = ("a link" if member.issym() or member.islnk() else
-                "a device" if member.ischr() or member.isblk() else
-                "a directory" if member.isdir() else "not a regular file")
+    if member.kind != FILE:
+        kind = ("a link" if member.kind in ("symlink", "hardlink") else
+                "a device" if member.kind in ("chardev", "blockdev") else
+                "a directory" if member.kind == "directory" else "not a regular file")
         raise _refused(pack_path, f"entry {name!r} is {kind}; packs hold regular files only")
 
 
-def _read_manifest(tar: tarfile.TarFile, members: Iterator[tarfile.TarInfo],
+def _read_manifest(tar: TarStream, members: Iterator[Member],
                    pack_path: Path, zstd: subprocess.Popen[bytes]) -> dict[str, Any]:
-    try:
-        first = next(members, None)
-    except tarfile.TarError as err:
-        raise _refused(pack_path, f"unreadable tar stream ({err})", zstd) from None
+    first = next(members, None)
     if first is None:
         raise _refused(pack_path, "it is empty", zstd)
     _check_member(first, pack_path)
@@ -310,12 +329,10 @@ def _read_manifest(tar: tarfile.TarFile, members: Iterator[tarfile.TarInfo],
     if first.size > MAX_MANIFEST_BYTES:
         raise _refused(pack_path, f"{MANIFEST} is {first.size} bytes (limit "
                        f"{MAX_MANIFEST_BYTES})")
-    reader = tar.extractfile(first)
-    assert reader is not None
     try:
-        raw = reader.read()
+        raw = tar.read(first.size)
         manifest = json.loads(raw)
-    except (tarfile.TarError, ValueError, RecursionError) as err:
+    except (TarFormatError, ValueError, RecursionError) as err:
         raise _refused(pack_path, f"{MANIFEST} is not readable JSON ({str(err)[:100]})",
                        zstd) from None
     if not isinstance(manifest, dict) or manifest.get("format") != PACK_FORMAT:
@@ -460,14 +477,11 @@ def _expected_entries(plan: list[dict[str, Any]], manifest: dict[str, Any],
     return expected
 
 
-def _extract(tar: tarfile.TarFile, members: Iterator[tarfile.TarInfo],
+def _extract(tar: TarStream, members: Iterator[Member],
              expected: dict[str, _Expected], pack_path: Path,
              zstd: subprocess.Popen[bytes]) -> None:
     while True:
-        try:
-            member = next(members, None)
-        except tarfile.TarError as err:
-            raise _refused(pack_path, f"unreadable tar stream ({err})", zstd) from None
+        member = next(members, None)
         if member is None:
             return
         _check_member(member, pack_path)
@@ -480,11 +494,9 @@ def _extract(tar: tarfile.TarFile, members: Iterator[tarfile.TarInfo],
             raise _refused(pack_path, f"entry {member.name!r} is {member.size} bytes, its "
                            f"manifest says {want.size}")
         want.seen = True
-        source = tar.extractfile(member)
-        assert source is not None
         try:
-            digest = _copy(source, want)
-        except tarfile.TarError as err:
+            digest = _copy(tar, want)
+        except TarFormatError as err:
             raise _refused(pack_path, f"entry {member.name!r} is truncated ({err})",
                            zstd) from None
         if digest != want.digest:
@@ -492,7 +504,7 @@ def _extract(tar: tarfile.TarFile, members: Iterator[tarfile.TarInfo],
                            f"(manifest {want.digest}, content {digest})")
 
 
-def _copy(source: IO[bytes], want: _Expected) -> str:
+def _copy(source: TarStream, want: _Expected) -> str:
     """Stream one entry to its target (holes for zero blocks of memory) and return its
     hash in the manifest's scheme."""
     plain = hashlib.blake2b(digest_size=32)
@@ -506,7 +518,7 @@ def _copy(source: IO[bytes], want: _Expected) -> str:
         while offset < want.size:
             chunk = source.read(min(_BLOCK, want.size - offset))
             if not chunk:
-                raise tarfile.ReadError(f"ended at {offset} of {want.size} bytes")
+                raise TarFormatError(f"ended at {offset} of {want.size} bytes")
             if want.sparse:
                 # Blocks are whole MiB except the last; the reader fills each one.
                 zero = chunk == _ZERO[:len(chunk)]
@@ -556,13 +568,33 @@ def _check_disk(entry: Any, staging: Path) -> None:
                         f"{key} its image record names; nothing was stored")
 
 
+def _content_key(path: Path) -> str:
+    """The cache key a pack's kernel or initramfs is stored under: the SHA-256 of its
+    bytes, whatever key the pack's record claims. A local build's entries are keyed by
+    the hash of their *recipe*; a pack naming a recipe's key (so that every later
+    ``vmfork image build`` found the pack's kernel and PID 1 in the cache) would need a
+    SHA-256 preimage of that key to land there now."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _install_image(entry: dict[str, Any], staging: Path) -> tuple[str | None, str | None]:
-    """Install the pack's guest image unless one of that name exists (never replaced)."""
+    """Install the pack's guest image unless one of that name exists (never replaced).
+    Its kernel and initramfs go under keys recomputed from their content."""
     from vmfork.image import GuestImage, ImageError, find_image, write_record
     from vmfork.image.cache import cached_entry
     from vmfork.paths import cache_dir
+    record = entry.get("record")
+    if not isinstance(record, dict):
+        raise PackError("refusing pack: its image record is not an object; nothing was "
+                        "stored")
+    record = {**record, "kernel_key": _content_key(staging / KERNEL_FILE),
+              "initramfs_key": _content_key(staging / INITRD_FILE)}
     try:
-        image = GuestImage.from_record(entry["record"], cache_dir())
+        image = GuestImage.from_record(record, cache_dir())
     except (KeyError, TypeError, ValueError) as err:
         raise PackError(f"refusing pack: its image record is malformed ({err}); nothing was "
                         "stored") from None

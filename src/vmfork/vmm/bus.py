@@ -7,8 +7,9 @@ overlap (``BusConflict`` at registration time, never a silent shadowing).
 Unmapped accesses have one behaviour, on both buses, as on a PC's open bus:
 **reads return all ones** (``0xff`` in every byte) **and writes are dropped**.
 Each is counted (``Bus.unmapped_reads``/``unmapped_writes``) and the first few
-of each address are logged, so a probing guest neither crashes the VMM nor
-floods the log. Linux probes many legacy ports at boot and expects exactly this.
+of each address are logged (for at most ``_LOGGED_ADDRESSES`` addresses: the
+addresses are the guest's choice), so a probing guest neither crashes the VMM nor
+floods the log or grows it. Linux probes many legacy ports at boot and expects exactly this.
 
 A device's handler runs on the vCPU thread that exited. A device shared with
 other threads (an I/O thread, another vCPU) takes its own lock.
@@ -24,6 +25,7 @@ from typing import Protocol
 log = logging.getLogger(__name__)
 
 _LOGGED_PER_ADDRESS = 3
+_LOGGED_ADDRESSES = 256
 
 
 class BusDevice(Protocol):
@@ -75,6 +77,8 @@ class Bus:
 
     def _note_unmapped(self, kind: str, addr: int, size: int) -> None:
         seen = self._logged.get(addr, 0)
+        if seen == 0 and len(self._logged) >= _LOGGED_ADDRESSES:
+            return
         if seen < _LOGGED_PER_ADDRESS:
             self._logged[addr] = seen + 1
             log.debug("%s: unmapped %s of %d bytes at %#x", self.name, kind, size, addr)

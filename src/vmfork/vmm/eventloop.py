@@ -35,7 +35,10 @@ class EventLoop:
         self._seq = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.errors: list[BaseException] = []
+        # The last few exceptions escaped from callbacks (a guest that triggers one per
+        # packet must not grow a list without end), and how many there were.
+        self.errors: deque[BaseException] = deque(maxlen=16)
+        self.error_count = 0
 
     # -- registration (call from the loop thread, or through call_soon) ----------
     def add_reader(self, fd: int, callback: Callback) -> None:
@@ -88,6 +91,7 @@ class EventLoop:
         except Exception as err:  # a device bug must not stop every other device
             log.exception("%s: callback %r failed", self.name, callback)
             self.errors.append(err)
+            self.error_count += 1
 
     def _run(self) -> None:
         while not self._stopping:

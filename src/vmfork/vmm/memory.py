@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vmfork.vmm.errors import GuestMemoryError, HostError
+from vmfork.vmm.openfiles import open_ro
 
 if TYPE_CHECKING:
     from vmfork.vmm.memplan import MemoryPlan
@@ -199,7 +200,7 @@ class GuestMemory:
                                 op="map_snapshot")
             fds = memplan.open_sources(plan)
         else:
-            fds = [os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+            fds = [open_ro(path)]
         regions: list[MemoryRegion] = []
         overlays: list[Overlay] = []
         try:

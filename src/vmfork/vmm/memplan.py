@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.layerfile import LayerIndex, check_header
 from vmfork.vmm.memory import PAGE_SIZE
+from vmfork.vmm.openfiles import open_ro
 
 PLAN_FILE = "memory.plan"
 MAGIC = b"VMFKPLAN"
@@ -238,7 +239,7 @@ def decode_plan(data: bytes, directory: str | None = None) -> MemoryPlan:
 def read_plan(path: str) -> MemoryPlan:
     """Read and validate the plan file at ``path`` (bounded: it is never large)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_ro(path)
     except OSError as err:
         raise PlanError(f"cannot open memory plan {path}: {err.strerror}", op="memory_plan",
                         errno=err.errno) from err
@@ -349,7 +350,7 @@ def open_sources(plan: MemoryPlan) -> list[int]:
         for i, source in enumerate(plan.sources):
             path = plan.source_path(i)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = open_ro(path)
             except OSError as err:
                 raise PlanError(
                     f"the memory plan maps {source.path}, which cannot be opened "

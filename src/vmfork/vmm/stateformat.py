@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from vmfork.vmm.errors import HostError, VmmError
+from vmfork.vmm.openfiles import open_ro
 
 MAGIC = b"VMFKSTAT"
 FORMAT_VERSION = 1
@@ -581,7 +582,7 @@ def read_state_file(path: str | os.PathLike[str], cls: type[T]) -> T:
     """Read and decode a state file; ``StateFormatError`` (with ``.path``) if it is bad,
     ``HostError`` if it cannot be read at all."""
     try:
-        with open(path, "rb") as f:
+        with open(open_ro(str(path)), "rb") as f:   # pre-opened for a jailed VMM
             data = f.read()
     except OSError as err:
         raise HostError(f"cannot read state file {path}: {err.strerror or err}",

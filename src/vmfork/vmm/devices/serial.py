@@ -6,8 +6,10 @@ modem control with loopback (the driver's probe checks that MSR mirrors MCR in
 loopback), line status. There is no FIFO: IIR never reports one, so the driver
 treats it as a 16450 and writes one byte per THR-empty interrupt.
 
-Output goes to the per-VM console log (flushed per line) and to an optional
-sink; the last lines are kept in memory so that errors (a kernel panic, a guest
+Output goes to the per-VM console log (flushed per line; at most
+``CONSOLE_LINES_PER_S`` lines a second after a burst, ``CONSOLE_LOG_BYTES`` in all,
+with a marker line where lines were dropped: the guest decides what it prints)
+and to an optional sink; the last lines are kept in memory so that errors (a kernel panic, a guest
 that never became ready) can show the console tail.
 """
 
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from vmfork.vmm.bounded import LogBudget
 from vmfork.vmm.irq import Interrupt
 
 DATA = 0          # RBR (read) / THR (write); DLL when DLAB
@@ -42,6 +45,9 @@ MSR_CTS, MSR_DSR, MSR_RI, MSR_DCD = 0x10, 0x20, 0x40, 0x80
 
 TAIL_LINES = 50
 INPUT_LIMIT = 64 * 1024
+CONSOLE_LOG_BYTES = 8 << 20
+CONSOLE_LINES_PER_S = 100.0
+CONSOLE_BURST = 2000
 
 
 @dataclass
@@ -68,6 +74,9 @@ class Serial:
         self._rx: collections.deque[int] = collections.deque()
         self._lock = threading.Lock()
         self.line_listeners: list[Callable[[str], None]] = []
+        self.log_budget = LogBudget("console", burst=CONSOLE_BURST,
+                                    per_second=CONSOLE_LINES_PER_S,
+                                    total_bytes=CONSOLE_LOG_BYTES)
 
     # -- host side ---------------------------------------------------------------------
     def queue_input(self, data: bytes) -> None:
@@ -93,8 +102,14 @@ class Serial:
             self._line.clear()
             self.tail.append(line)
             if self.log is not None:
-                self.log.write(line.encode() + b"\n")
-                self.log.flush()
+                data = line.encode() + b"\n"
+                allowed, marker = self.log_budget.take(len(data))
+                if marker is not None:
+                    self.log.write(marker.encode() + b"\n")
+                if allowed:
+                    self.log.write(data)
+                if marker is not None or allowed:
+                    self.log.flush()
             for listener in self.line_listeners:
                 listener(line)
         elif len(self._line) < 4096:

@@ -93,6 +93,7 @@ from vmfork.vmm.devices.virtio.queue import DescriptorChain
 from vmfork.vmm.errors import HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.openfiles import open_ro
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,10 @@ def open_disk(path: str, writable: bool = False) -> tuple[int, int]:
     consistently.
     """
     try:
-        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+        # Read-only disks may be pre-opened for a jailed VMM (vmm/openfiles.py); a
+        # read-write volume is opened here (it is its sandbox's own file).
+        fd = (os.open(path, os.O_RDWR | os.O_CLOEXEC) if writable
+              else open_ro(path))
     except OSError as err:
         raise HostError(f"root disk {path}: open: {err.strerror}", op="open_disk",
                         errno=err.errno) from err

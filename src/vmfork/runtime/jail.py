@@ -1,0 +1,228 @@
+"""The jail of one VMM process, built by the process itself right after fork.
+
+A VMM runs a guest that runs untrusted code, and its device emulation is Python that
+parses what the guest writes. If that code has a bug, the jail is what stands between
+the guest and the host. ``enter(spec)`` builds it, in this order (each step needs the
+privileges the next ones drop):
+
+1. **Namespaces.** ``unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)``: a mount
+   table, System V IPC and host name of its own. (No PID namespace: ``unshare`` of
+   one only moves the caller's *children*, and the zygote tracks the VMM by pid.
+   ``/proc`` is mounted ``hidepid=invisible`` instead, below.) Every mount is made
+   private first, so nothing done here propagates back to the host.
+2. **A new root** on a small tmpfs at ``spec.root`` holding only: the device nodes
+   (``mknod``'d anew, owned by the jail's uid: ``/dev/kvm``, ``/dev/net/tun`` when
+   networked, ``/dev/null``, ``/dev/urandom``), ``spec.read_only`` paths (the
+   snapshot's files, the disk images, the Python installation and vmfork's source,
+   so that a late import still works) bound read-only, nosuid and nodev at the same
+   paths, ``spec.writable`` (the run directory) bound read-write, and a ``/proc``
+   that shows only this uid's processes. ``pivot_root`` into it, the old root
+   detached, the new root remounted read-only.
+3. **Identity.** Capability bounding set emptied, no supplementary groups, then
+   ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
+   configured range): the kernel clears every capability at that change.
+   ``PR_SET_NO_NEW_PRIVS``; ``PR_SET_DUMPABLE`` 0 (no ptrace or ``/proc/<pid>/mem`` by
+   a peer of the same uid).
+4. **Limits.** ``RLIMIT_NOFILE``, ``RLIMIT_NPROC`` (per uid, so per sandbox),
+   ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` 0. A clean environment.
+
+The seccomp filter (``runtime/seccomp.py``) comes last, from the VMM's entry once its
+machine is set up, since set-up uses calls the running VMM never needs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import resource
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vmfork.vmm import openfiles
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+PR_SET_DUMPABLE = 4
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAP_AMBIENT = 47
+PR_CAP_AMBIENT_CLEAR_ALL = 4
+SYS_PIVOT_ROOT = 155
+
+DEVICES = ("/dev/null", "/dev/urandom")
+"""Device nodes every jail gets, besides ``JailSpec.devices``."""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class JailError(OSError):
+    """A step of the jail's set-up failed; ``step`` names it."""
+
+    def __init__(self, step: str, err: int) -> None:
+        super().__init__(err, f"jail: {step}: {os.strerror(err)}")
+        self.step = step
+
+
+@dataclass(frozen=True)
+class JailSpec:
+    root: str
+    """An empty directory to build the jail's root in (a tmpfs is mounted on it)."""
+    uid: int
+    gid: int
+    read_only: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ("/dev/kvm",)
+    nofile: int = 4096
+    nproc: int = 512
+    """Threads count: a VMM has one per vCPU, an I/O thread and a few helpers."""
+    fsize: int = 1 << 40
+    """A VMM writes BRANCH snapshots of its guest's RAM: large, but not unbounded."""
+    hostname: str = "vmfork"
+    env: dict[str, str] = field(default_factory=dict)
+    preopen: tuple[str, ...] = ()
+    """Files the VMM must read but its uid may not open (a snapshot's 0600
+    ``memory.bin``): opened read-only before the drop (``vmm/openfiles.py``)."""
+
+
+def _check(rc: int, step: str) -> None:
+    if rc != 0:
+        raise JailError(step, ctypes.get_errno())
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None, step: str) -> None:
+    _check(_libc.mount(source.encode() if source else None, target.encode(),
+                       fstype.encode() if fstype else None, ctypes.c_ulong(flags),
+                       data.encode() if data else None), step)
+
+
+def _bind(host: str, inside: str, *, read_only: bool) -> None:
+    """Bind ``host`` at ``inside`` (created to match: directory or file), then remount
+    the bind with its flags (a bind mount ignores them on the first call)."""
+    if os.path.isdir(host):
+        os.makedirs(inside, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        with open(inside, "a"):
+            pass
+    # Not MS_REC: mounts below ``host`` (the jail's own root when it sits in the run
+    # directory, anything a host mounted there) stay out of the jail.
+    _mount(host, inside, None, MS_BIND, None, f"bind {host}")
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0)
+    _mount(None, inside, None, flags, None, f"remount {host}")
+
+
+def _make_device(host: str, inside: str, uid: int, gid: int) -> None:
+    st = os.stat(host)
+    if not stat.S_ISCHR(st.st_mode):
+        raise JailError(f"device {host} is not a character device", errno.ENODEV)
+    os.makedirs(os.path.dirname(inside), exist_ok=True)
+    os.mknod(inside, stat.S_IFCHR | 0o600, st.st_rdev)
+    os.chown(inside, uid, gid)
+
+
+def enter(spec: JailSpec) -> None:
+    """Build the jail and move this process into it (see the module docstring).
+    Raises ``JailError`` naming the step that failed; the process must then exit."""
+    if spec.uid <= 0 or spec.gid <= 0:
+        raise JailError(f"uid {spec.uid}/gid {spec.gid}: a jail never runs as root",
+                        errno.EINVAL)
+    last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    openfiles.preopen(list(spec.preopen))
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
+    root = spec.root
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755", "tmpfs root")
+    for device in (*DEVICES, *spec.devices):
+        _make_device(device, root + device, spec.uid, spec.gid)
+    # Read-only first, parents before children, then the writable paths: a later bind
+    # covers what an earlier one showed at the same place, never the reverse.
+    for path in sorted(spec.read_only, key=len):
+        if os.path.exists(path):
+            _bind(path, root + path, read_only=True)
+    for path in spec.writable:
+        _bind(path, root + path, read_only=False)
+        os.chown(path, spec.uid, spec.gid)
+    os.makedirs(root + "/proc")
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           "hidepid=invisible", "mount /proc")
+    old = root + "/.old-root"
+    os.mkdir(old)
+    _check(_libc.syscall(SYS_PIVOT_ROOT, root.encode(), old.encode()), "pivot_root")
+    os.chdir("/")
+    _check(_libc.umount2(b"/.old-root", MNT_DETACH), "detach the old root")
+    os.rmdir("/.old-root")
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None,
+           "remount / read-only")
+    name = spec.hostname.encode()
+    _check(_libc.sethostname(name, len(name)), "sethostname")
+    for cap in range(last_cap + 1):
+        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
+    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
+    os.setgroups([])
+    os.setresgid(spec.gid, spec.gid, spec.gid)
+    os.setresuid(spec.uid, spec.uid, spec.uid)
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
+    for limit, value in ((resource.RLIMIT_NOFILE, spec.nofile),
+                         (resource.RLIMIT_NPROC, spec.nproc),
+                         (resource.RLIMIT_FSIZE, spec.fsize), (resource.RLIMIT_CORE, 0)):
+        resource.setrlimit(limit, (value, value))
+    os.environ.clear()
+    os.environ.update(spec.env)
+
+
+def python_paths() -> tuple[str, ...]:
+    """What this interpreter may still read after the pivot: its standard library
+    (``lib-dynload`` included), its site-packages and vmfork's own source. Nothing
+    else of ``sys.path``: an entry such as the working directory or ``/tmp`` would
+    show the jail a whole host directory."""
+    import site
+    import sys
+    import sysconfig
+
+    import vmfork
+
+    paths = {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
+             *site.getsitepackages(), str(Path(vmfork.__file__).resolve().parents[1])}
+    if site.ENABLE_USER_SITE and site.USER_SITE:
+        paths.add(site.USER_SITE)
+    paths.add(os.path.dirname(os.path.realpath(sys.executable)))
+    return tuple(sorted(p for p in paths if p and os.path.isabs(p) and p != "/"))
+
+
+def problems() -> list[str]:
+    """What this host lacks to build a jail (empty: it can). Probed in a throwaway
+    child, so nothing here changes the caller."""
+    out: list[str] = []
+    if os.geteuid() != 0:
+        out.append("not root: a jail needs CAP_SYS_ADMIN (namespaces, mounts) and "
+                   "CAP_SETUID/CAP_SETGID (its own uid)")
+        return out
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        if _libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS) != 0:
+            code |= 1
+        if _libc.prctl(21, 0, 0, 0, 0) < 0:   # PR_GET_SECCOMP
+            code |= 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0 or code & 1:
+        out.append("unshare(mount, IPC, UTS namespaces) is refused here")
+    if code > 0 and code & 2:
+        out.append("this kernel has no seccomp filters")
+    return out

@@ -1,0 +1,145 @@
+"""What a hostile guest can make the VMM hold (issue 16, item 2's VMM half).
+
+Real device objects, driven the way a guest drives them: the vsock device through its
+virtio-mmio transport and split virtqueues (the ``test_virtio_harness`` driver), the
+port-I/O bus with unmapped accesses, the UART with console lines, the event loop with
+failing callbacks. Growth is measured as the process's peak RSS (``VmHWM``, reset by
+``/proc/self/clear_refs`` = 5) over the whole run, plus the structures' own sizes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_virtio_harness import loop, memory  # noqa: F401
+from test_virtio_vsock import VsockEnv, pkt
+
+from vmfork.vmm.bounded import BoundedCounter, LogBudget
+from vmfork.vmm.bus import Bus
+from vmfork.vmm.devices import serial
+from vmfork.vmm.devices.virtio import vsock
+from vmfork.vmm.devices.virtio.vsock import Op
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.irq import IrqLine
+
+MiB = 1 << 20
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _kib("VmRSS")
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def _grown_bytes(before_kib: int) -> int:
+    return (_kib("VmHWM") - before_kib) * 1024
+
+
+@pytest.fixture
+def env(loop: EventLoop) -> Iterator[VsockEnv]:  # noqa: F811
+    with VsockEnv(loop) as e:
+        yield e
+
+
+def test_a_million_packets_with_guest_chosen_cids_grow_nothing(env: VsockEnv) -> None:
+    """Each packet names a different (src, dst) CID pair: the counter keys were those
+    CIDs (+6.6 MiB per 50k packets)."""
+    total = 1_000_000
+    batch = 32   # packets per notify; the TX queue has 64 descriptors, 1 per packet
+    before = _reset_peak()
+    t0 = time.monotonic()
+    sent = 0
+    while sent < total:
+        while len(env.tx.free) < batch:
+            env.tx.take_used()
+        for _ in range(batch):
+            env.tx.post(readable=[pkt(Op.RW, 1, 2, 0, src_cid=1000 + sent,
+                                      dst_cid=7 + sent).pack()])
+            sent += 1
+        env.driver.notify(vsock.TX_QUEUE)
+    key = "tx packet with a wrong source or destination CID"
+    deadline = time.monotonic() + 120
+    while env.dev.errors.get(key) != total and time.monotonic() < deadline:
+        env.tx.take_used()
+        time.sleep(0.01)
+    grown = _grown_bytes(before)
+    assert env.dev.errors == {key: total}
+    assert not env.needs_reset
+    assert grown < MiB, f"{total} hostile packets grew the VMM by {grown / MiB:.1f} MiB"
+    print(f"vsock: {total} packets in {time.monotonic() - t0:.1f} s, +{grown / 1024:.0f} KiB")
+
+
+def test_a_million_unmapped_exits_at_distinct_addresses_grow_nothing() -> None:
+    """The bus logs the first accesses per address; the per-address dict was the
+    guest's to grow (+24 MiB per 300k addresses)."""
+    bus = Bus("pio")
+    exits: BoundedCounter[tuple[str, int]] = BoundedCounter(64)  # as Vcpu.io_exits
+    before = _reset_peak()
+    for addr in range(1_000_000):
+        bus.read(addr * 8, 1)
+        bus.write(addr * 8 + 4, b"\0")
+        exits.add(("mmio", addr << 12))
+    grown = _grown_bytes(before)
+    assert bus.unmapped_reads == bus.unmapped_writes == 1_000_000
+    assert len(bus._logged) <= 256
+    assert len(exits) == 64 and exits.total() == 1_000_000 and exits.other == 1_000_000 - 64
+    assert grown < MiB, f"10^6 unmapped exits grew the VMM by {grown / MiB:.1f} MiB"
+
+
+def test_a_flood_of_console_lines_is_capped_with_markers(tmp_path: Path) -> None:
+    irq = IrqLine(gsi=4)
+    log_path = tmp_path / "console.log"
+    try:
+        with open(log_path, "ab", buffering=0) as log:
+            uart = serial.Serial(irq, log=log)
+            uart.log_budget = LogBudget("console", burst=100, per_second=1000,
+                                        total_bytes=64 << 10)
+            line = b"x" * 60 + b"\n"
+            for _ in range(50_000):   # 3 MB of guest output, far past both limits
+                for byte in line:
+                    uart.write(serial.DATA, bytes([byte]))
+    finally:
+        irq.close()
+    text = log_path.read_text()
+    assert len(text) <= (64 << 10) + 200
+    assert "lines dropped" in text            # the rate limit left a marker
+    assert text.rstrip().endswith("later lines are dropped]")   # and the cap a final one
+    assert uart.log_budget.dropped > 40_000
+
+
+def test_the_event_loop_keeps_a_bounded_error_list() -> None:
+    ev = EventLoop("test")
+    ev.start()
+    try:
+        def boom() -> None:
+            raise ValueError("a device bug a guest can trigger per packet")
+        for _ in range(10_000):
+            ev.call_soon(boom)
+        deadline = time.monotonic() + 30
+        while ev.error_count < 10_000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ev.error_count == 10_000 and len(ev.errors) == 16
+    finally:
+        ev.stop()
+
+
+def test_log_budget_rate_limits_and_marks() -> None:
+    budget = LogBudget("VMM log", burst=3, per_second=10, total_bytes=1000)
+    results = [budget.take(10) for _ in range(5)]
+    assert [ok for ok, _ in results] == [True, True, True, False, False]
+    time.sleep(0.15)
+    ok, marker = budget.take(10)
+    assert ok and marker is not None and "2 VMM log lines dropped" in marker
+    ok, marker = budget.take(2000)
+    assert not ok and marker is not None and "truncated" in marker
+    assert budget.take(1) == (False, None)

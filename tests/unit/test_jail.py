@@ -1,0 +1,172 @@
+"""The jail, from inside jailed children of a real zygote (issue 16, item 1).
+
+A zygote started as for the daemon, with this directory's ``test_zygote_entries``
+registered (for tests only); children are spawned with a ``jail`` and probe what a
+compromised VMM would reach. Needs root (namespaces, mounts, another uid) and
+``/dev/kvm`` (a jailed child must still open it and talk to KVM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from vmfork.runtime import jail
+from vmfork.runtime.zygote_client import ZygoteClient, ZygoteError, ZygoteProcess, start_zygote
+
+HERE = Path(__file__).resolve().parent
+E = "test_zygote_entries:"
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/dev/kvm") or bool(jail.problems()),
+    reason="needs root, /dev/kvm and a host that can build a jail")
+
+
+def vid() -> str:
+    return "j-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[Path]:
+    # Not under pytest's tmp_path: that is below /tmp/pytest-of-root, and the jail must
+    # not be the test's whole temporary tree.
+    root = Path(tempfile.mkdtemp(prefix="vmfj-", dir="/tmp"))
+    root.chmod(0o755)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def zygote(base: Path) -> Iterator[ZygoteProcess]:
+    z = start_zygote(base / "zygote.sock", env=dict(os.environ, PYTHONPATH=str(HERE)),
+                     entries_modules=["test_zygote_entries"])
+    yield z
+    z.close()
+
+
+@pytest.fixture
+def client(zygote: ZygoteProcess) -> ZygoteClient:
+    return zygote.client()
+
+
+def _jail(uid: int, *read_only: str) -> dict[str, object]:
+    return {"uid": uid, "gid": uid, "read_only": list(read_only), "devices": ["/dev/kvm"]}
+
+
+def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient,
+                                                              base: Path) -> None:
+    snapshot = base / "snapshots" / "s1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "state.bin").write_bytes(b"snapshot state")
+    # World-writable on the host, so only the jail's read-only bind can refuse a write.
+    (snapshot / "state.bin").chmod(0o666)
+    # Like a snapshot's memory.bin: 0600, the daemon's; readable only if pre-opened.
+    (snapshot / "memory.bin").write_bytes(b"guest memory")
+    (snapshot / "memory.bin").chmod(0o600)
+    peer_dir = base / "run" / vid()
+    peer = client.spawn(E + "listen_and_sleep", {"run_dir": str(peer_dir)}, vm_id=vid(),
+                        jail=_jail(71002))
+    for _ in range(200):
+        if (peer_dir / "control.sock").exists():
+            break
+        time.sleep(0.02)
+    assert (peer_dir / "control.sock").exists()
+    log = base / "probe.log"
+    run_dir = base / "run" / vid()
+    child = client.spawn(E + "jail_probe", {
+        "run_dir": str(run_dir), "log_path": str(log), "peer_socket": str(peer_dir / "control.sock"),
+        "peer_pid": peer.pid, "snapshot_file": str(snapshot / "state.bin"),
+        "private_file": str(snapshot / "memory.bin")},
+        vm_id=vid(), jail={**_jail(71001, str(snapshot)),
+                           "preopen": [str(snapshot / "memory.bin")]})
+    event = client.wait(child.vm_id)
+    assert event.exit_code == 0, log.read_text()
+    report = json.loads(log.read_text().splitlines()[-1])
+    client.kill_and_wait(peer.vm_id)
+
+    assert (report["uid"], report["gid"], report["groups"]) == (71001, 71001, [])
+    assert report["cap_eff"] == report["cap_bnd"] == "0000000000000000"
+    # Nothing of the zygote's environment but where vmfork's cache is.
+    assert report["no_new_privs"] == "1" and set(report["env"]) == {"VMFORK_CACHE_DIR"}
+    assert "etc" not in report["root"] and "home" not in report["root"]
+    assert report["shadow"].startswith("refused: FileNotFoundError")
+    assert report["peer_socket"].startswith("refused: FileNotFoundError")
+    assert report["peer_mem"].startswith("refused: FileNotFoundError")   # hidepid
+    assert report["zygote_environ"].startswith("refused: FileNotFoundError")
+    assert report["init_mem"].startswith("refused: FileNotFoundError")
+    assert report["kvm_api"] == 12
+    assert report["run_dir_write"] == "allowed"
+    assert report["snapshot_write"].startswith("refused: OSError 30")    # EROFS
+    assert report["snapshot_read"] == "snapshot state"
+    assert report["private_open"].startswith("refused: PermissionError")
+    assert report["private_preopened"] == "guest memory"
+
+
+@pytest.mark.parametrize("call", ["execve", "socket_inet", "ptrace"])
+def test_forbidden_calls_in_a_jailed_child_die_with_sigsys(client: ZygoteClient, base: Path,
+                                                           call: str) -> None:
+    child = client.spawn(E + "jail_forbidden", {"run_dir": str(base / "run" / vid()),
+                                                "call": call},
+                         vm_id=vid(), jail=_jail(71003))
+    event = client.wait(child.vm_id)
+    assert (event.reason, event.signal) == ("crashed", signal.SIGSYS), event.description
+
+
+def test_a_jail_as_root_or_without_a_run_dir_is_refused(client: ZygoteClient,
+                                                        base: Path) -> None:
+    with pytest.raises(ZygoteError, match="never runs as root"):
+        client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=_jail(0))
+    with pytest.raises(ZygoteError, match="needs args.run_dir"):
+        client.spawn(E + "sleep", vm_id=vid(), jail=_jail(71004))
+
+
+def test_uid_range_gives_each_live_child_its_own_uid(client: ZygoteClient, base: Path) -> None:
+    jail_range = {"uid_range": [72000, 2], "read_only": [], "devices": ["/dev/kvm"]}
+    a = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=jail_range)
+    b = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=jail_range)
+    try:
+        time.sleep(0.3)
+        uids = sorted(os.stat(f"/proc/{c.pid}").st_uid for c in (a, b))
+        assert uids == [72000, 72001]
+        with pytest.raises(ZygoteError, match="held by a live child"):
+            client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                         jail=jail_range)
+    finally:
+        client.kill_and_wait(a.vm_id)
+    c = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                     jail=jail_range)   # a's uid is free again
+    time.sleep(0.3)
+    assert os.stat(f"/proc/{c.pid}").st_uid == 72000
+    client.kill_and_wait(b.vm_id)
+    client.kill_and_wait(c.vm_id)
+
+
+def test_the_jail_request_of_a_damaged_snapshot_leaves_the_error_to_its_vmm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawner reads state.bin only to pre-open the root disk; a damaged one must
+    fail in the VMM with its usual report (test_fork's damaged-snapshot cases), not in
+    the spawner."""
+    from types import SimpleNamespace
+
+    from vmfork.runtime.spawn import _jail_request
+
+    monkeypatch.setenv("VMFORK_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "disks").mkdir(parents=True)
+    snap = tmp_path / "broken"
+    snap.mkdir()
+    (snap / "state.bin").write_bytes(b"not a state file")
+    (snap / "memory.bin").write_bytes(b"\0" * 4096)
+    request = _jail_request(SimpleNamespace(path=snap), [])  # type: ignore[arg-type]
+    assert sorted(request["preopen"]) == [str(snap / "memory.bin"), str(snap / "state.bin")]
