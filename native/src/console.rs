@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
+use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyOSError, PyValueError};
@@ -197,8 +197,7 @@ impl Console {
     fn new(irq_fd: RawFd, log_fd: Option<RawFd>) -> PyResult<Self> {
         let irq = IrqFd(dup(irq_fd)?);
         let log = match log_fd {
-            // SAFETY: a descriptor we own, moved into the File.
-            Some(fd) => Some(unsafe { File::from_raw_fd(dup(fd)?.into_raw_fd()) }),
+            Some(fd) => Some(File::from(dup(fd)?)),
             None => None,
         };
         let out = ConsoleOut {
