@@ -205,7 +205,7 @@ export interface BuildImageOptions extends CallOptions {
   workdir?: string;
   /** NAME, UID or USER:GROUP. */
   user?: string;
-  diskFormat?: "squashfs" | "erofs";
+  diskFormat?: "squashfs" | "squashfs-lz4" | "erofs";
   /**
    * true (default): resolve when the image is ready (a failed step rejects with
    * status 422 naming it; default timeout an hour). false: resolve at once with the
