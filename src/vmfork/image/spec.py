@@ -27,12 +27,12 @@ from typing import Any
 
 from vmfork.image.errors import ImageError
 
-DISK_FORMATS = ("squashfs", "squashfs-lz4", "erofs")   # squashfs: zstd-compressed
+DISK_FORMATS = ("squashfs", "squashfs-lz4", "erofs")   # squashfs: zstd; erofs: lz4hc
 # Where the root lives: a read-only disk under a RAM overlay (the default), or the
 # whole tree unpacked into guest RAM as an initramfs (what the default image does; the
 # benchmark compares the two for the same content).
 ROOTS = ("disk", "initramfs")
-DEFAULT_DISK_FORMAT = "squashfs"
+DEFAULT_DISK_FORMAT = "erofs"      # measured: docs/images.md, "squashfs or erofs"
 
 MAX_ITEMS = 512          # packages, requirements, copies, env entries: each list
 MAX_ENV_VALUE = 32 << 10
