@@ -17,6 +17,7 @@ import pytest
 from test_virtio_harness import loop, memory  # noqa: F401
 from test_virtio_vsock import VsockEnv, pkt
 
+from tests.memory_support import grown_bytes, reset_peak
 from vmfork.vmm.bounded import BoundedCounter, LogBudget
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices import serial
@@ -28,21 +29,10 @@ from vmfork.vmm.irq import IrqLine
 MiB = 1 << 20
 
 
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _kib("VmRSS")
 
 
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(field)
 
 
-def _grown_bytes(before_kib: int) -> int:
-    return (_kib("VmHWM") - before_kib) * 1024
 
 
 @pytest.fixture
@@ -56,7 +46,7 @@ def test_a_million_packets_with_guest_chosen_cids_grow_nothing(env: VsockEnv) ->
     CIDs (+6.6 MiB per 50k packets)."""
     total = 1_000_000
     batch = 32   # packets per notify; the TX queue has 64 descriptors, 1 per packet
-    before = _reset_peak()
+    before = reset_peak()
     t0 = time.monotonic()
     sent = 0
     while sent < total:
@@ -72,7 +62,7 @@ def test_a_million_packets_with_guest_chosen_cids_grow_nothing(env: VsockEnv) ->
     while env.dev.errors.get(key) != total and time.monotonic() < deadline:
         env.tx.take_used()
         time.sleep(0.01)
-    grown = _grown_bytes(before)
+    grown = grown_bytes(before)
     assert env.dev.errors == {key: total}
     assert not env.needs_reset
     assert grown < MiB, f"{total} hostile packets grew the VMM by {grown / MiB:.1f} MiB"
@@ -84,12 +74,12 @@ def test_a_million_unmapped_exits_at_distinct_addresses_grow_nothing() -> None:
     guest's to grow (+24 MiB per 300k addresses)."""
     bus = Bus("pio")
     exits: BoundedCounter[tuple[str, int]] = BoundedCounter(64)  # as Vcpu.io_exits
-    before = _reset_peak()
+    before = reset_peak()
     for addr in range(1_000_000):
         bus.read(addr * 8, 1)
         bus.write(addr * 8 + 4, b"\0")
         exits.add(("mmio", addr << 12))
-    grown = _grown_bytes(before)
+    grown = grown_bytes(before)
     assert bus.unmapped_reads == bus.unmapped_writes == 1_000_000
     assert len(bus._logged) <= 256
     assert len(exits) == 64 and exits.total() == 1_000_000 and exits.other == 1_000_000 - 64

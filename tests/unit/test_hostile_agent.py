@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 from test_server_http import TOKEN, FakeAgent, FakeSpawner, Served, _serve
 
+from tests.memory_support import reset_peak, status_kib
 from vmfork.agent.client import (
     AgentClient,
     AgentProtocolError,
@@ -123,26 +124,17 @@ def _sandbox(served: Served) -> str:
     return sandbox_id
 
 
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS")
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(field)
 
 
 def test_one_gib_of_stdout_grows_the_daemon_by_less_than_64_mib(hostile: Served) -> None:
     sandbox_id = _sandbox(hostile)
-    before = _reset_peak()
+    before = reset_peak()
     t0 = time.monotonic()
     status, body, _ = hostile.request("POST", f"/v1/sandboxes/{sandbox_id}/exec",
                                       {"args": ["yes"], "timeout_secs": 600})
-    grew_mib = (_status_kib("VmHWM") - before) / 1024
+    grew_mib = (status_kib("VmHWM") - before) / 1024
     assert status == 200, body
     assert body["truncated"] is True and body["exit_code"] == 0
     assert len(body["stdout"]) == hostile.controller.limits.exec_output_bytes
@@ -156,7 +148,7 @@ def test_streamed_exec_forwards_output_and_keeps_none(tmp_path: Path) -> None:
         for served in _serve(tmp_path, TOKEN,
                              spawner=HostileSpawner(str(tmp_path / "agent.sock"))):
             sandbox_id = _sandbox(served)
-            before = _reset_peak()
+            before = reset_peak()
             conn = UnixHTTPConnection(str(served.socket), timeout=60)
             conn.request("POST", f"/v1/sandboxes/{sandbox_id}/exec/stream",
                          body=json.dumps({"args": ["yes"], "timeout_secs": 600}),
@@ -168,7 +160,7 @@ def test_streamed_exec_forwards_output_and_keeps_none(tmp_path: Path) -> None:
                 received += chunk.count(b"A")
                 last = (last + chunk)[-4096:]
             conn.close()
-            grew_mib = (_status_kib("VmHWM") - before) / 1024
+            grew_mib = (status_kib("VmHWM") - before) / 1024
             assert received == 256 << 20
             assert b"event: exit" in last
             assert grew_mib < 64, f"256 MiB streamed grew the daemon by {grew_mib:.0f} MiB"

@@ -20,6 +20,7 @@ import pytest
 from test_chains import image, make_link, make_root, page
 from test_store import SRC
 
+from tests.memory_support import reset_peak, status_kib
 from vmfork.image import GuestImage, find_image, write_record
 from vmfork.image.cache import cached_entry
 from vmfork.store import SnapshotMeta, Store, chains, packs
@@ -375,26 +376,17 @@ def _pax_bomb(path: Path, claimed: int) -> Path:
     return path
 
 
-def _peak_reset() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _kib("VmRSS")
 
 
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(field)
 
 
 def test_a_huge_pax_header_is_refused_with_bounded_memory(target: Store,
                                                           tmp_path: Path) -> None:
     bomb = _pax_bomb(tmp_path / "bomb.tar.zst", 300 << 20)
     assert bomb.stat().st_size < 64 << 10
-    before = _peak_reset()
+    before = reset_peak()
     with pytest.raises(PackError, match="over the cap"):
         packs.unpack(target, bomb)
-    grown_mib = (_kib("VmHWM") - before) / 1024
+    grown_mib = (status_kib("VmHWM") - before) / 1024
     assert grown_mib < 32, f"a {bomb.stat().st_size}-byte pack took {grown_mib:.0f} MiB"
     assert leftovers(target) == []

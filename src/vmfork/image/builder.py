@@ -36,7 +36,6 @@ image and no half-written disk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -123,7 +122,7 @@ class _Plan:
         parts: list[str | bytes | Path] = [f"user image recipe {RECIPE_VERSION}", *_SOURCES]
         parts += self.base_parts
         parts += [p.pin() for p in self.apt]
-        parts += [f"wheel {w.name} {_sha256(w)}" for w in self.wheels]
+        parts += [f"wheel {w.name} {debian.sha256_file(w)}" for w in self.wheels]
         if self.npm_lock is not None and self.npm_manifest is not None:
             parts += [b"npm-manifest", self.npm_manifest, b"npm-lock", self.npm_lock]
         parts += [f"copy {d} {r} {m:o} {h}" for d, r, m, h in self.copies]
@@ -131,14 +130,6 @@ class _Plan:
         parts += [f"workdir {self.spec.workdir}", f"user {self.spec.user}",
                   f"format {self.spec.disk_format}", f"root {self.spec.root}"]
         return hash_inputs(parts)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _run(step: str, cmd: list[str], *, cwd: Path | None = None,
@@ -277,7 +268,7 @@ def _hash_copies(spec: ImageSpec) -> list[tuple[str, str, int, str]]:
             if stat.S_ISLNK(st.st_mode):
                 digest = "link:" + os.readlink(path)
             elif stat.S_ISREG(st.st_mode):
-                digest = _sha256(path)
+                digest = debian.sha256_file(path)
             elif stat.S_ISDIR(st.st_mode):
                 digest = "dir"
             else:
@@ -607,7 +598,7 @@ def _build_disk(out: Path, plan: _Plan, progress: Progress) -> None:
     manifest = {"recipe_version": RECIPE_VERSION, "definition": spec.summary(),
                 "content_key": disk_content_key(output), "root": spec.root,
                 "apt": [p.pin() for p in plan.apt],
-                "wheels": [f"{w.name} sha256:{_sha256(w)}" for w in plan.wheels],
+                "wheels": [f"{w.name} sha256:{debian.sha256_file(w)}" for w in plan.wheels],
                 "copies": len(plan.copies), "tree_bytes": tree_bytes,
                 "disk_bytes": disk_bytes, "disk_format": spec.disk_format,
                 "env": env, "workdir": workdir, "user": user,
@@ -783,7 +774,7 @@ def disk_content_key(disk: Path) -> str:
     """A disk's identity: the SHA-256 of its bytes. Snapshots name their disk by it, and
     a disk from elsewhere (a pack) is stored only under the hash of what it holds, so it
     can never stand in for another."""
-    return _sha256(disk)
+    return debian.sha256_file(disk)
 
 
 def publish_disk(source: Path, content_key: str) -> str:

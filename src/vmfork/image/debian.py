@@ -283,7 +283,8 @@ def _resolve_packages() -> list[DebPackage]:
     return [records[n] for n in names]
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file, hex (read in 1 MiB blocks)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
@@ -300,7 +301,7 @@ def download(packages: Sequence[DebPackage], debs_dir: Path) -> list[Path]:
     debs_dir.mkdir(parents=True, exist_ok=True)
     wanted = {p.sha256: p for p in packages
               if not ((debs_dir / p.deb_name).is_file()
-                      and _sha256(debs_dir / p.deb_name) == p.sha256)}
+                      and sha256_file(debs_dir / p.deb_name) == p.sha256)}
     if wanted:
         # apt-get names files after the version with the epoch URL-encoded; download
         # into a scratch directory and file each .deb under its pool name by hash.
@@ -310,7 +311,7 @@ def download(packages: Sequence[DebPackage], debs_dir: Path) -> list[Path]:
                  ["apt-get", "download", "-q", *(f"{p.name}={p.version}" for p in wanted.values())],
                  cwd=scratch)
             for deb in scratch.glob("*.deb"):
-                pkg = wanted.pop(_sha256(deb), None)
+                pkg = wanted.pop(sha256_file(deb), None)
                 if pkg is not None:
                     deb.replace(debs_dir / pkg.deb_name)
         finally:
