@@ -67,9 +67,11 @@ from vmfork.vmm.errors import HostError
 # `pip install .`, not by importing: a source checkout that was never set up has
 # none, and still restores, in Python. That fallback is the only reason the Python
 # path below is kept; the state formats and their preparation stay Python's either way.
+# VMFORK_NATIVE=0 takes the Python path on purpose (to compare the two, or to rule the
+# core out while chasing a bug); it is read once, when the VMM's modules are imported.
 try:
     from vmfork import _core
-    NATIVE = True
+    NATIVE = os.environ.get("VMFORK_NATIVE", "1") != "0"
 except ImportError:
     NATIVE = False
 
