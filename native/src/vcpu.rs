@@ -545,7 +545,9 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
         // Port I/O is served after the exit's borrow of the vCPU ends: its element
         // size is in `kvm_run`, which kvm-ioctls' IoIn/IoOut do not carry.
         let io = match vcpu.run() {
-            Err(e) if e.errno() == EINTR => {
+            // EAGAIN: an application processor still waiting for its SIPI (KVM returns
+            // it from a KVM_RUN that blocked and woke without one), retried like EINTR.
+            Err(e) if e.errno() == EINTR || e.errno() == libc::EAGAIN => {
                 lock(&shared.counters).exit("intr");
                 vcpu.set_kvm_immediate_exit(0);
                 continue;
