@@ -611,11 +611,13 @@ class Controller:
         try:
             with agent_errors(sandbox_id, "exec"):
                 streamed = on_stdout is not None or on_stderr is not None
+                # A streamed exec's output went to the client as it came; a bounded
+                # head is still kept, for the error of one that times out.
                 result = agent.exec(body["args"], env=body["env"], cwd=body["cwd"],
                                     stdin=body["stdin"], timeout=timeout,
                                     on_stdout=on_stdout, on_stderr=on_stderr,
-                                    capture=not streamed,
-                                    max_output=self.limits.exec_output_bytes)
+                                    max_output=(STREAMED_KEPT_BYTES if streamed
+                                                else self.limits.exec_output_bytes))
         except AgentError as err:
             if err.code == "not_found":
                 # As a shell would: the program is missing, exit status 127.
@@ -902,6 +904,9 @@ def exec_result_json(result: ExecResult) -> dict[str, Any]:
 def file_info_json(info: FileInfo) -> dict[str, Any]:
     return {"name": info.name, "path": info.path, "type": info.type, "size": info.size,
             "mode": info.mode, "mtime": info.mtime, "target": info.target}
+
+
+STREAMED_KEPT_BYTES = 64 << 10
 
 
 @contextmanager
