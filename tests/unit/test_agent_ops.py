@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import os
 import random
-import shutil
 import socket
 import struct
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.agent_support import Agent, running_agent
 from vmfork.agent.client import (
     AgentClient,
     AgentError,
@@ -35,24 +35,6 @@ from vmfork.agent.protocol import (
 from vmfork.agent.server import AgentServer
 
 
-class Agent:
-    def __init__(self, root: Path, power_calls: list[bool]) -> None:
-        self.root = root
-        self.sock_path = str(root / "agent.sock")
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.sock_path)
-        listener.listen(128)
-        self.server = AgentServer(listener, power=power_calls.append, log=lambda m: None)
-        self.thread = self.server.start()
-        self.client = AgentClient(unix_connector(self.sock_path), io_timeout=30)
-
-    def raw(self) -> socket.socket:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(10)
-        sock.connect(self.sock_path)
-        return sock
-
-
 @pytest.fixture
 def power_calls() -> list[bool]:
     return []
@@ -60,14 +42,8 @@ def power_calls() -> list[bool]:
 
 @pytest.fixture
 def agent(power_calls: list[bool]) -> Iterator[Agent]:
-    root = Path(tempfile.mkdtemp(prefix="vmfa-", dir="/tmp"))  # short: AF_UNIX path limit
-    a = Agent(root, power_calls)
-    try:
+    with running_agent(power_calls) as a:
         yield a
-    finally:
-        a.server.stop()
-        a.thread.join(timeout=5)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

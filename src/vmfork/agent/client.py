@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Self
 
 from vmfork.agent.protocol import (
     AGENT_PORT,
@@ -309,6 +309,82 @@ class AfterForkResult:
     clock_error_bound_ns: int
     """The most the guest's clock can be off after the call: the round trip, or half
     the round trip of the correction ``after_fork`` made when that was too long."""
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A background process (``start``), as ``ps`` lists it."""
+
+    pid: int
+    argv: list[str]
+    cwd: str | None
+    tag: str | None
+    pty: bool
+    started_at: float
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    timed_out: bool
+    stdin_open: bool
+    output_bytes: int
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> ProcessInfo:
+        op = "ps"
+        if not isinstance(fields, dict):
+            raise AgentProtocolError("a process entry is not an object", op=op)
+        argv = fields.get("argv")
+        if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+            raise AgentProtocolError("a process entry's argv is not a list of strings", op=op)
+        return cls(pid=_int(fields, "pid", op, minimum=1), argv=argv,
+                   cwd=_opt_str(fields, "cwd", op), tag=_opt_str(fields, "tag", op),
+                   pty=_bool(fields, "pty", op), started_at=_num(fields, "started_at", op),
+                   running=_bool(fields, "running", op),
+                   exit_code=_opt_int(fields, "exit_code", op, minimum=-64),
+                   signal=_opt_int(fields, "signal", op, minimum=0),
+                   timed_out=_bool(fields, "timed_out", op),
+                   stdin_open=_bool(fields, "stdin_open", op),
+                   output_bytes=_int(fields, "output_bytes", op, minimum=0))
+
+
+@dataclass(frozen=True)
+class ProcessOutput:
+    """A chunk of a background process's output, from ``attach``."""
+
+    stream: str
+    """``stdout``, ``stderr`` or ``pty``."""
+    offset: int
+    """Where ``data`` starts in the process's output (reattach from ``offset + len``)."""
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ProcessEnd:
+    """How a background process ended (the last item ``attach`` yields)."""
+
+    pid: int
+    exit_code: int
+    signal: int | None
+    timed_out: bool
+    duration: float
+    offset: int
+    """The end of its output."""
+    skipped: int
+    """Bytes of output this attach never saw: scrolled out of the agent's buffer."""
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    name: str
+    """Relative to the watched directory."""
+    type: str
+    """``create``, ``write``, ``remove``, ``rename_from``, ``rename_to``, ``chmod``."""
+    is_dir: bool
+
+
+WATCH_EVENT_TYPES = frozenset({"create", "write", "remove", "rename_from", "rename_to",
+                               "chmod"})
+OUTPUT_STREAMS = frozenset({"stdout", "stderr", "pty"})
 
 
 # -- connectors --------------------------------------------------------------------
@@ -771,6 +847,113 @@ class AgentClient:
     def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
         self._simple("mkdir", path=path, parents=parents, mode=mode)
 
+    # -- background processes ------------------------------------------------------
+
+    def start(self, argv_or_cmd: str | Sequence[str], *,
+              env: Mapping[str, str | None] | None = None, cwd: str | None = None,
+              stdin: bool = False, timeout: float | None = None,
+              pty: tuple[int, int] | None = None, tag: str | None = None) -> int:
+        """Start a background process (it outlives this call); returns its pid.
+
+        ``stdin`` keeps its stdin open for ``send_stdin``; ``pty=(rows, cols)`` runs it
+        on a pseudo-terminal (output is one ``pty`` stream, stdin always open);
+        ``timeout`` kills its process group after that many seconds."""
+        request: dict[str, Any] = {"stdin": stdin, "timeout": timeout, "tag": tag}
+        if isinstance(argv_or_cmd, str):
+            request["cmd"] = argv_or_cmd
+        else:
+            request["argv"] = list(argv_or_cmd)
+        if env is not None:
+            request["env"] = dict(env)
+        if cwd is not None:
+            request["cwd"] = cwd
+        if pty is not None:
+            request["pty"] = {"rows": pty[0], "cols": pty[1]}
+        return _int(self._simple("start", **request), "pid", "start", minimum=1)
+
+    def attach(self, pid: int, *, offset: int = 0,
+               idle_timeout: float | None = None) -> Iterator[ProcessOutput | ProcessEnd]:
+        """Follow a background process's output from ``offset`` (what the agent still
+        keeps of it, then live) until it ends: yields ``ProcessOutput`` chunks and
+        finally one ``ProcessEnd``. Closing the iterator early detaches; the process
+        goes on. ``idle_timeout`` bounds the wait for each frame (None: a silent
+        process may be waited for indefinitely)."""
+        op = "attach"
+        call = self._open(op, {"pid": pid, "offset": offset}, timeout=idle_timeout)
+        try:
+            call.expect("attached")
+            while True:
+                frame = call.recv()
+                if frame.type in OUTPUT_STREAMS:
+                    yield ProcessOutput(frame.type, _int(frame.header, "offset", op, minimum=0),
+                                        frame.payload)
+                elif frame.type == "result":
+                    r = frame.header
+                    yield ProcessEnd(pid=_int(r, "pid", op, minimum=1),
+                                     exit_code=_int(r, "exit_code", op, minimum=-64),
+                                     signal=_opt_int(r, "signal", op, minimum=0),
+                                     timed_out=_bool(r, "timed_out", op),
+                                     duration=_num(r, "duration", op),
+                                     offset=_int(r, "offset", op, minimum=0),
+                                     skipped=_int(r, "skipped", op, minimum=0))
+                    return
+                else:
+                    raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}", op=op)
+        finally:
+            call.close()
+
+    def wait_process(self, pid: int, *, timeout: float | None = None) -> tuple[bytes, bytes,
+                                                                              ProcessEnd]:
+        """Attach from the start and collect everything: (stdout, stderr or pty, end)."""
+        out: list[bytes] = []
+        err: list[bytes] = []
+        for item in self.attach(pid, idle_timeout=timeout):
+            if isinstance(item, ProcessEnd):
+                return b"".join(out), b"".join(err), item
+            (err if item.stream == "stderr" else out).append(item.data)
+        raise AgentProtocolError("attach ended without the process's end", op="attach")
+
+    def send_stdin(self, pid: int, data: bytes | str, *, eof: bool = False) -> int:
+        """Write ``data`` to a background process's stdin (≤ 1 MiB per call);
+        ``eof`` closes it afterwards. Returns the bytes written."""
+        payload = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        r = self._simple("send_stdin", payload, pid=pid, eof=eof)
+        return _int(r, "written", "send_stdin", minimum=0)
+
+    def close_stdin(self, pid: int) -> None:
+        self._simple("send_stdin", pid=pid, eof=True)
+
+    def signal(self, pid: int, signal: str | int = "SIGKILL", *, group: bool = True) -> bool:
+        """Send ``signal`` to a background process (its whole group unless ``group``
+        is false). Returns whether it was delivered (False: it had already exited)."""
+        r = self._simple("signal", pid=pid, signal=signal, group=group)
+        return _bool(r, "delivered", "signal")
+
+    def resize_pty(self, pid: int, rows: int, cols: int) -> None:
+        self._simple("pty_resize", pid=pid, rows=rows, cols=cols)
+
+    def processes(self) -> list[ProcessInfo]:
+        entries = self._simple("ps").get("processes")
+        if not isinstance(entries, list):
+            raise AgentProtocolError("ps: the reply has no processes list", op="ps")
+        return [ProcessInfo.from_fields(entry) for entry in entries]
+
+    def rename(self, path: str, new_path: str, *, overwrite: bool = False) -> None:
+        self._simple("rename", path=path, new_path=new_path, overwrite=overwrite)
+
+    def watch(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Watch a guest directory; the returned ``DirWatch`` is active (changes from
+        now on are reported) and must be closed."""
+        call = self._open("watch", {"path": path, "recursive": recursive},
+                          timeout=self.io_timeout)
+        try:
+            ready = call.expect("watching")
+        except BaseException:
+            call.close()
+            raise
+        return DirWatch(call, _int(ready.header, "directories", "watch", minimum=0))
+
+
     # -- system --------------------------------------------------------------------
 
     def reseed(self, data: bytes, *, entropy_bits: int | None = None) -> ReseedResult:
@@ -852,6 +1035,61 @@ class AgentClient:
     def shutdown(self, *, reboot: bool = False) -> None:
         """Power the guest off (or reboot it); returns once the agent has acknowledged."""
         self._simple("shutdown", reboot=reboot)
+
+
+class DirWatch:
+    """An active ``watch``: ``events(timeout)`` returns the next batch of changes."""
+
+    def __init__(self, call: _Call, directories: int) -> None:
+        self._call = call
+        self.directories = directories
+        """Directories watched (a recursive watch follows subdirectories)."""
+        self.overflow = 0
+        """Times the guest kernel's event queue overflowed (changes were lost)."""
+        self.ended = False
+        """The watched directory itself was removed or moved: no more events."""
+
+    def events(self, timeout: float | None = None) -> list[WatchEvent]:
+        """The next batch (waiting up to ``timeout`` seconds: [] if nothing came)."""
+        if self.ended:
+            return []
+        self._call.sock.settimeout(timeout)
+        try:
+            frame = self._call.recv()
+        except AgentTimeout:
+            return []
+        if frame.type == "result":
+            self.ended = True
+            return []
+        if frame.type != "events":
+            raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}", op="watch")
+        self.overflow = _int(frame.header, "overflow", "watch", minimum=0)
+        batch = frame.header.get("events")
+        if not isinstance(batch, list):
+            raise AgentProtocolError("an events frame without an events list", op="watch")
+        out: list[WatchEvent] = []
+        for item in batch:
+            if not isinstance(item, dict):
+                raise AgentProtocolError("a watch event is not an object", op="watch")
+            kind = _str(item, "type", "watch")
+            if kind not in WATCH_EVENT_TYPES:
+                raise AgentProtocolError(f"unknown watch event type {kind!r:.40}", op="watch")
+            out.append(WatchEvent(_str(item, "name", "watch"), kind,
+                                  _bool(item, "is_dir", "watch")))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._call.send({"type": "eof"})
+        except OSError:
+            pass
+        self._call.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _reseed_result(r: Mapping[str, Any]) -> ReseedResult:

@@ -1,4 +1,4 @@
-"""File ops: read, write, list, stat, remove, mkdir (stdlib only).
+"""File ops: read, write, list, stat, remove, mkdir, rename (stdlib only).
 
 Data moves in ``CHUNK_SIZE`` frames both ways and is never held whole in memory, so
 files of any size work. ``write`` is atomic: the data goes to a temporary file in the
@@ -10,6 +10,7 @@ or a dropped connection removes the temporary file.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import secrets
@@ -17,6 +18,7 @@ import shutil
 import stat as stat_mod
 from typing import Any
 
+from vmfork.agent import system
 from vmfork.agent.conn import Conn
 from vmfork.agent.protocol import CHUNK_SIZE, LIST_BATCH, ConnectionClosed
 from vmfork.agent.request import OpError, get_bool, get_int, get_mode, get_path, os_error
@@ -257,3 +259,49 @@ def mkdir(conn: Conn, req: dict[str, Any]) -> None:
     except OSError as err:
         raise os_error(err, "mkdir", err.filename or path) from err
     conn.result()
+
+
+RENAME_NOREPLACE = 1
+AT_FDCWD = -100
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    """rename(2) that fails with EEXIST instead of replacing ``dst``, atomically
+    (renameat2's RENAME_NOREPLACE; a check-then-rename would race a guest program).
+    File systems without the flag (EINVAL) fall back to the check."""
+    libc = system.libc()
+    call = libc.renameat2
+    call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                     ctypes.c_uint]
+    if call(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+        os.rename(src, dst)
+        return
+    raise OSError(err, os.strerror(err), src)
+
+
+def rename(conn: Conn, req: dict[str, Any]) -> None:
+    """Move ``path`` to ``new_path`` (same file system; a directory with its contents).
+    An existing ``new_path`` is an ``exists`` error unless ``overwrite``."""
+    src = get_path(req)
+    dst = get_path(req, "new_path")
+    overwrite = get_bool(req, "overwrite", False)
+    try:
+        if overwrite:
+            os.rename(src, dst)
+        else:
+            _rename_noreplace(src, dst)
+    except FileExistsError as err:
+        raise OpError("exists", f"rename: {dst!r} already exists; pass overwrite=true to "
+                                "replace it", path=dst, errno=err.errno) from err
+    except OSError as err:
+        if err.errno == errno.EXDEV:
+            raise OpError("os_error", f"rename {src!r} -> {dst!r}: the two paths are on "
+                                      "different file systems", errno=err.errno,
+                          path=dst) from err
+        raise os_error(err, "rename", src) from err
+    conn.result(path=src, new_path=dst)

@@ -35,6 +35,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from vmfork.agent import defaults
@@ -92,8 +93,12 @@ def _parse_timeout(req: dict[str, Any]) -> float | None:
     return float(timeout)
 
 
-def _spawn(argv: list[str], env: dict[str, str], cwd: str | None,
-           want_stdin: bool) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], env: dict[str, str], cwd: str | None, *,
+          stdin: int, stdout: int = subprocess.PIPE,
+          stderr: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a session of its own, as the image's user, with errors mapped
+    to the protocol's codes (``exec`` and background jobs both start processes here).
+    ``stdin``/``stdout``/``stderr`` are ``subprocess`` constants or fds."""
     image = defaults.current()
     # The image's user, if it names one (an OCI image's User): as a container runtime
     # runs its processes, with the groups /etc/group gives that user.
@@ -102,8 +107,7 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None,
         ids = {"user": image.uid, "group": image.gid, "extra_groups": list(image.groups)}
     try:
         return subprocess.Popen(
-            argv, stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+            argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
             close_fds=True, start_new_session=True, **ids)
     except FileNotFoundError as err:
         # Popen names the missing file: the working directory if chdir failed,
@@ -121,21 +125,39 @@ def _spawn(argv: list[str], env: dict[str, str], cwd: str | None,
         raise os_error(err, "exec", err.filename or argv[0], exit_code=126) from err
 
 
-def run_exec(conn: Conn, req: dict[str, Any], owned: OwnedPids) -> None:
-    argv = _parse_argv(req)
-    env = _parse_env(req)
-    cwd = req.get("cwd")
-    if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
-        raise OpError("bad_request", f"exec: 'cwd' must be an absolute path, got {cwd!r}")
-    if cwd is None:
-        cwd = defaults.current().cwd
-    want_stdin = req.get("stdin", False)
-    if not isinstance(want_stdin, bool):
-        raise OpError("bad_request", "exec: 'stdin' must be true or false")
-    timeout = _parse_timeout(req)
+@dataclass(frozen=True)
+class Command:
+    """What ``exec`` and ``start`` share: the validated program, environment,
+    working directory, stdin choice and timeout of a request."""
 
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None
+    stdin: bool
+    timeout: float | None
+
+    @classmethod
+    def parse(cls, req: dict[str, Any]) -> Command:
+        argv = _parse_argv(req)
+        env = _parse_env(req)
+        cwd = req.get("cwd")
+        if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
+            raise OpError("bad_request", f"exec: 'cwd' must be an absolute path, got {cwd!r}")
+        if cwd is None:
+            cwd = defaults.current().cwd
+        want_stdin = req.get("stdin", False)
+        if not isinstance(want_stdin, bool):
+            raise OpError("bad_request", "exec: 'stdin' must be true or false")
+        return cls(argv, env, cwd, want_stdin, _parse_timeout(req))
+
+
+def run_exec(conn: Conn, req: dict[str, Any], owned: OwnedPids) -> None:
+    command = Command.parse(req)
+    argv = command.argv
+    timeout = command.timeout
     started = time.monotonic()
-    proc = _spawn(argv, env, cwd, want_stdin)
+    proc = spawn(argv, command.env, command.cwd,
+                 stdin=subprocess.PIPE if command.stdin else subprocess.DEVNULL)
     with owned.owning(proc.pid):
         _Execution(conn, proc, argv[0], started, timeout).run()
 

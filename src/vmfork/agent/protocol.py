@@ -129,6 +129,51 @@ the host bounds by the round trip and corrects with ``set_time offset_ns`` when 
 is too long), then reseeds as ``reseed``, then refreshes as ``net_refresh``.
     → ``result {pong, pid, version, protocol, uptime, boot_id, clock {previous_ns, ns},
       reseed {bytes, entropy_bits, kernel_reseeded}, net null | {interface, …}}``.
+
+``rename`` — ``path``, ``new_path``, ``overwrite`` (default false: an existing
+``new_path`` is an ``exists`` error, checked atomically with RENAME_NOREPLACE).
+    → ``result {path, new_path}``.
+
+``watch`` — ``path`` (a directory), ``recursive`` (default false).
+    → ``watching {path, recursive, directories, unwatched}`` once the watches are set,
+      then ``events {events: [{name, type, is_dir}], overflow, unwatched}`` frames as
+      changes happen (``name`` relative to ``path``; ``type`` is ``create``,
+      ``write``, ``remove``, ``rename_from``, ``rename_to`` or ``chmod``).
+    ← the host sends any frame (``eof``) or hangs up to stop.
+    → ``result {events, overflow, unwatched, root_gone}`` (also sent, unasked, if the
+      watched directory itself is removed or moved).
+
+Background processes (``agent/jobs.py``): a process that outlives the connection that
+started it, reached by pid from other connections.
+
+``start`` — the fields of ``exec`` (``argv``/``cmd``, ``env``, ``cwd``, ``timeout``;
+``stdin: true`` keeps a pipe open for ``send_stdin``), ``pty: {rows, cols}`` (run on
+a new pseudo-terminal: one output stream, ``pty``, and stdin always open), ``tag``.
+    → ``result {pid, pty}`` as soon as it runs.
+
+``attach`` — ``pid``, ``offset`` (default 0: the start of its output).
+    → ``attached {pid, pty, skipped}`` (``skipped``: bytes before ``offset`` that are no
+      longer kept), then ``stdout``/``stderr``/``pty`` frames ``{offset}`` with the kept
+      output from ``offset`` and then live output, then when the process has ended
+      ``result {pid, exit_code, signal, timed_out, duration, offset, skipped}``. The
+      host may hang up at any time: the process goes on (reattach with ``offset``).
+
+``send_stdin`` — ``pid``, payload = bytes for its stdin, ``eof`` (default false: true
+closes stdin after the bytes; on a PTY it sends ^D).
+    → ``result {pid, written, closed}``; ``busy`` if the process does not read for 10 s.
+
+``signal`` — ``pid``, ``signal`` (a name such as ``SIGTERM``/``TERM`` or its number;
+default SIGKILL; only the signals in ``jobs.SIGNALS``), ``group`` (default true: its
+whole process group).
+    → ``result {pid, signal, delivered, running}``.
+
+``pty_resize`` — ``pid``, ``rows``, ``cols`` (1..1000).
+    → ``result {pid, rows, cols}``.
+
+``ps`` — no fields.
+    → ``result {processes: [{pid, argv, cwd, tag, pty, started_at, running, exit_code,
+      signal, timed_out, stdin_open, output_bytes}]}`` (at most ``jobs.MAX_JOBS``; the
+      oldest finished ones are forgotten first).
 """
 
 from __future__ import annotations
@@ -141,7 +186,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 AGENT_PORT = 1024
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2 added ``rename``, ``watch`` and background processes (``start`` … ``ps``);
+an agent that answers 1 (an older snapshot's) does not have them."""
 
 HEADER = struct.Struct(">II")
 MAX_HEADER = 1 << 20
@@ -161,7 +208,8 @@ DEFAULT_ENV: dict[str, str] = {
 }
 
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
-       "reseed", "set_time", "shutdown", "net_refresh", "after_fork")
+       "reseed", "set_time", "shutdown", "net_refresh", "after_fork", "rename", "watch",
+       "start", "attach", "send_stdin", "signal", "pty_resize", "ps")
 
 
 class ProtocolError(Exception):

@@ -28,9 +28,10 @@ from collections.abc import Callable
 from typing import Any
 
 from vmfork import __version__
-from vmfork.agent import files, network, system
+from vmfork.agent import files, network, system, watch
 from vmfork.agent.conn import Conn, PeerGone
 from vmfork.agent.evaluator import Evaluator
+from vmfork.agent.jobs import JobTable
 from vmfork.agent.process import run_exec
 from vmfork.agent.protocol import (
     OPS,
@@ -72,6 +73,7 @@ class AgentServer:
         self.power = power
         self.log = log
         self.evaluator = Evaluator()
+        self.jobs = JobTable(self.owned)
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
         self._handlers: dict[str, Callable[[Conn, Frame], None]] = {
@@ -89,6 +91,15 @@ class AgentServer:
             "shutdown": self._shutdown,
             "net_refresh": lambda conn, frame: conn.result(**network.refresh(frame.header)),
             "after_fork": self._after_fork,
+            "rename": lambda conn, frame: files.rename(conn, frame.header),
+            "watch": lambda conn, frame: watch.watch(conn, frame.header),
+            "start": lambda conn, frame: self.jobs.start(conn, frame.header),
+            "attach": lambda conn, frame: self.jobs.attach(conn, frame.header),
+            "send_stdin": lambda conn, frame: self.jobs.send_stdin(conn, frame.header,
+                                                                   frame.payload),
+            "signal": lambda conn, frame: self.jobs.signal(conn, frame.header),
+            "pty_resize": lambda conn, frame: self.jobs.resize(conn, frame.header),
+            "ps": lambda conn, frame: self.jobs.list(conn, frame.header),
         }
         assert set(self._handlers) == set(OPS)
 
