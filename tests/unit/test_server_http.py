@@ -693,6 +693,30 @@ def test_keep_alive_after_an_error(served: Served) -> None:
     conn.close()
 
 
+def test_a_body_refused_unread_is_drained_so_the_connection_lives(served: Served) -> None:
+    """A bad path (or a missing token) is refused before the handler reads the body;
+    the client may still be sending it, so a small one is read and dropped: the
+    client gets its answer and the connection stays usable."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(5)
+    sock.connect(str(served.socket))
+    body = b'{"signal": "SIGTERM"}'
+    head = (f"POST /v1/sandboxes/vm-1/processes/not-a-pid/signal HTTP/1.1\r\n"
+            f"Host: x\r\nAuthorization: Bearer {TOKEN.decode()}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    sock.sendall(head.encode())
+    time.sleep(0.2)      # the answer is made before the body arrives
+    sock.sendall(body)   # would be EPIPE had the daemon closed without reading
+    conn = http.client.HTTPResponse(sock)
+    conn.begin()
+    assert conn.status == 400 and b"invalid process id" in conn.read()
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    again = http.client.HTTPResponse(sock)
+    again.begin()
+    assert again.status == 200
+    sock.close()
+
+
 def test_internal_errors_are_500_and_serving_continues(served: Served) -> None:
     def boom() -> list[Any]:
         raise BadGateway("zygote gone")

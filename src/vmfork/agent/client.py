@@ -24,7 +24,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Self
 
@@ -872,7 +872,8 @@ class AgentClient:
         return _int(self._simple("start", **request), "pid", "start", minimum=1)
 
     def attach(self, pid: int, *, offset: int = 0,
-               idle_timeout: float | None = None) -> Iterator[ProcessOutput | ProcessEnd]:
+               idle_timeout: float | None = None
+               ) -> Generator[ProcessOutput | ProcessEnd, None, None]:
         """Follow a background process's output from ``offset`` (what the agent still
         keeps of it, then live) until it ends: yields ``ProcessOutput`` chunks and
         finally one ``ProcessEnd``. Closing the iterator early detaches; the process

@@ -27,11 +27,14 @@ from vmfork.client.sandbox import (
     CommandHandle,
     CommandResult,
     CommandTimeout,
+    DirWatcher,
     EvalResult,
+    Process,
+    Pty,
     Sandbox,
 )
 
 __all__ = ["AsyncCommandHandle", "AsyncSandbox", "CommandExitError", "CommandHandle",
-           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "Copy", "Egress",
-           "EvalResult", "ExecStream", "ImageBuildFailed", "ImageInfo", "ImageProgress",
-           "Sandbox", "default_url", "egress_policy"]
+           "CommandResult", "CommandTimeout", "Controller", "ControllerError", "Copy",
+           "DirWatcher", "Egress", "EvalResult", "ExecStream", "ImageBuildFailed", "ImageInfo",
+           "ImageProgress", "Process", "Pty", "Sandbox", "default_url", "egress_policy"]

@@ -23,6 +23,9 @@ from vmfork.client.images import FAILED, READY, ImageInfo
 from vmfork.client.transport import Endpoint
 
 USER_AGENT = "vmfork-python"
+STREAM_IDLE_TIMEOUT = 60.0
+"""Seconds a process-output or watch stream may stay silent: the daemon sends a
+heartbeat every 15 s, so a longer silence is a daemon that went away."""
 
 
 def default_url() -> str:
@@ -518,6 +521,96 @@ class Controller:
                     missing_ok: bool = False) -> None:
         self._call("DELETE", f"/v1/sandboxes/{_seg(sandbox_id)}/files",
                    query={"path": path, "recursive": recursive, "missing_ok": missing_ok})
+
+
+    # -- background processes and more file calls ------------------------------------
+
+    def start_process(self, sandbox_id: str, cmd: str | Sequence[str], *,
+                      env: Mapping[str, str | None] | None = None, cwd: str | None = None,
+                      stdin: bool = False, timeout_secs: float | None = None,
+                      pty: tuple[int, int] | None = None,
+                      tag: str | None = None) -> dict[str, Any]:
+        """Start a background process (a shell string or an argv list) that outlives
+        the call: ``{pid, pty, sandbox_id}``. ``stdin`` keeps its stdin open for
+        ``send_process_stdin``; ``pty=(rows, cols)`` runs it on a terminal."""
+        body: dict[str, Any] = {"stdin": stdin, "timeout_secs": timeout_secs, "env": env,
+                                "cwd": cwd, "tag": tag,
+                                "pty": None if pty is None else {"rows": pty[0],
+                                                                 "cols": pty[1]}}
+        if isinstance(cmd, str):
+            body["cmd"] = cmd
+        else:
+            body["args"] = list(cmd)
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/processes", body)
+        return result
+
+    def list_processes(self, sandbox_id: str) -> list[dict[str, Any]]:
+        result: dict[str, Any] = self._call("GET",
+                                            f"/v1/sandboxes/{_seg(sandbox_id)}/processes")
+        processes: list[dict[str, Any]] = result["processes"]
+        return processes
+
+    def process_output(self, sandbox_id: str, pid: int, *, offset: int = 0,
+                       encoding: str = "text") -> ExecStream:
+        """Server-sent events as ``(event, data)``: ``stdout``/``stderr``/``pty``
+        chunks ``{offset, data}`` (``data_b64`` with ``encoding="base64"``) from
+        ``offset``, then ``exit`` or ``error``. ``close()`` detaches."""
+        response = self._open("GET", f"/v1/sandboxes/{_seg(sandbox_id)}/processes/{pid}/output",
+                              query={"offset": offset, "encoding": encoding},
+                              timeout=max(self.timeout, STREAM_IDLE_TIMEOUT))
+        return ExecStream(response)
+
+    def send_process_stdin(self, sandbox_id: str, pid: int, data: bytes, *,
+                           eof: bool = False) -> int:
+        response = self._open("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/processes/{pid}/stdin",
+                              query={"eof": eof}, body=bytes(data),
+                              content_type="application/octet-stream", length=len(data))
+        try:
+            result: dict[str, Any] = json.loads(response.read())
+        finally:
+            response.vmfork_conn.close()
+        return int(result["written"])
+
+    def signal_process(self, sandbox_id: str, pid: int, signal: str | int = "SIGKILL", *,
+                       group: bool = True) -> bool:
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/processes/{pid}/signal",
+            {"signal": signal, "group": group})
+        return bool(result["delivered"])
+
+    def resize_process_pty(self, sandbox_id: str, pid: int, rows: int, cols: int) -> None:
+        self._call("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/processes/{pid}/resize",
+                   {"rows": rows, "cols": cols})
+
+    def rename_file(self, sandbox_id: str, path: str, new_path: str, *,
+                    overwrite: bool = False) -> dict[str, Any]:
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/files/rename",
+            {"path": path, "new_path": new_path, "overwrite": overwrite})
+        return result
+
+    def make_dir(self, sandbox_id: str, path: str, *, parents: bool = False,
+                 mode: int = 0o755) -> bool:
+        """Make a guest directory; returns False if ``parents`` found it already there."""
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/files/mkdir",
+            {"path": path, "parents": parents, "mode": mode})
+        return bool(result["created"])
+
+    def file_exists(self, sandbox_id: str, path: str) -> bool:
+        result: dict[str, Any] = self._call(
+            "GET", f"/v1/sandboxes/{_seg(sandbox_id)}/files/exists", query={"path": path})
+        return bool(result["exists"])
+
+    def watch_dir(self, sandbox_id: str, path: str, *, recursive: bool = False) -> ExecStream:
+        """Server-sent events as ``(event, data)``: ``watching``, then ``events``
+        (``{events: [{name, type, is_dir}], overflow}``), ``end`` if the directory
+        goes. ``close()`` stops the watch."""
+        response = self._open("GET", f"/v1/sandboxes/{_seg(sandbox_id)}/files/watch",
+                              query={"path": path, "recursive": recursive},
+                              timeout=max(self.timeout, STREAM_IDLE_TIMEOUT))
+        return ExecStream(response)
 
 
 class ExecStream:

@@ -16,9 +16,11 @@ coroutine never blocks the loop and there is no second copy of the logic.
 from __future__ import annotations
 
 import asyncio
+import base64
+import builtins
 import io
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, Self
@@ -158,6 +160,74 @@ def _consume(stream: ExecStream, base_url: str,
                           "sandbox stopped, or the command was killed)", base_url)
 
 
+class Process:
+    """A background process in a sandbox (``commands.start``, ``commands.connect``,
+    ``pty.create``): it outlives the call that started it and this handle; any client
+    can reach it again by ``pid``."""
+
+    def __init__(self, sandbox: Sandbox, pid: int, *, pty: bool = False) -> None:
+        self._sb = sandbox
+        self.pid = pid
+        self.pty = pty
+        self._end: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"Process({self.pid}, sandbox={self._sb.id!r})"
+
+    def output(self, *, offset: int = 0) -> Iterator[tuple[str, bytes]]:
+        """``(stream, bytes)`` as the process writes (what the guest still keeps from
+        ``offset`` first), until it ends; ``stream`` is ``stdout``, ``stderr`` or
+        ``pty``. Stopping the iteration detaches."""
+        stream = self._sb.controller.process_output(self._sb.id, self.pid, offset=offset,
+                                                    encoding="base64")
+        try:
+            for event, data in stream:
+                if event in ("stdout", "stderr", "pty"):
+                    yield event, base64.b64decode(data["data_b64"])
+                elif event == "exit":
+                    self._end = data
+                    return
+                elif event == "error":
+                    raise ControllerError(int(data.get("status", 502)), data,
+                                          self._sb.controller.base_url)
+        finally:
+            stream.close()
+
+    def wait(self, *, on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> CommandResult:
+        """Follow the output from the start until the process ends."""
+        out, err = bytearray(), bytearray()
+        self._end = None
+        for kind, chunk in self.output():
+            (err if kind == "stderr" else out).extend(chunk)
+            callback = on_stderr if kind == "stderr" else on_stdout
+            if callback is not None:
+                callback(chunk.decode("utf-8", "replace"))
+        end = self._end
+        if end is None:
+            raise ControllerError(502, "the output stream ended without the process's end "
+                                  "(the daemon or the sandbox stopped)",
+                                  self._sb.controller.base_url)
+        return CommandResult(out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
+                             int(end["exit_code"]), end.get("signal"),
+                             float(end.get("duration", 0.0)),
+                             truncated=int(end.get("skipped", 0)) > 0)
+
+    def send_stdin(self, data: bytes | str) -> int:
+        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+        return self._sb.controller.send_process_stdin(self._sb.id, self.pid, raw)
+
+    def close_stdin(self) -> None:
+        self._sb.controller.send_process_stdin(self._sb.id, self.pid, b"", eof=True)
+
+    def kill(self, signal: str | int = "SIGKILL") -> bool:
+        """Signal its process group; False if it had already exited."""
+        return self._sb.controller.signal_process(self._sb.id, self.pid, signal)
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._sb.controller.resize_process_pty(self._sb.id, self.pid, rows, cols)
+
+
 class Commands:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sb = sandbox
@@ -196,7 +266,34 @@ class Commands:
             raise CommandExitError(result, c.base_url)
         return result
 
-    def _stream(self, args: list[str], timeout: float, envs: Mapping[str, str | None] | None,
+    def start(self, cmd: str | Sequence[str], *, envs: Mapping[str, str | None] | None = None,
+              cwd: str | None = None, stdin: bool = False, timeout: float | None = None,
+              tag: str | None = None) -> Process:
+        """Start ``cmd`` in the background and return at once; the process outlives
+        this call (``connect(pid)`` reaches it later). ``stdin=True`` keeps its stdin
+        open for ``Process.send_stdin``."""
+        r = self._sb.controller.start_process(self._sb.id, cmd, env=envs, cwd=cwd,
+                                              stdin=stdin, timeout_secs=timeout, tag=tag)
+        return Process(self._sb, int(r["pid"]))
+
+    def list(self) -> list[dict[str, Any]]:
+        """The sandbox's background processes (running, and recently ended)."""
+        return self._sb.controller.list_processes(self._sb.id)
+
+    def connect(self, pid: int) -> Process:
+        for info in self.list():
+            if info["pid"] == pid:
+                return Process(self._sb, pid, pty=bool(info["pty"]))
+        raise ControllerError(404, {"error": f"sandbox {self._sb.id} has no background "
+                                             f"process {pid}"}, self._sb.controller.base_url)
+
+    def kill(self, pid: int, signal: str | int = "SIGKILL") -> bool:
+        return self._sb.controller.signal_process(self._sb.id, pid, signal)
+
+    def send_stdin(self, pid: int, data: bytes | str) -> int:
+        return Process(self._sb, pid).send_stdin(data)
+
+    def _stream(self, args: builtins.list[str], timeout: float, envs: Mapping[str, str | None] | None,
                 cwd: str | None, stdin: str | None, on_stdout: OutputCallback | None,
                 on_stderr: OutputCallback | None) -> dict[str, Any]:
         out, err = io.StringIO(), io.StringIO()
@@ -211,6 +308,30 @@ class Commands:
         stream = c.exec_stream(self._sb.id, args, timeout, env=envs, cwd=cwd, stdin=stdin)
         data = _consume(stream, c.base_url, emit)
         return {**data, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+class Pty:
+    """Terminals: a process on a pseudo-terminal (one output stream, input by
+    ``send_input``, a size that ``resize`` changes)."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sb = sandbox
+
+    def create(self, rows: int = 24, cols: int = 80, *, cmd: str | Sequence[str] = "/bin/sh",
+               envs: Mapping[str, str | None] | None = None, cwd: str | None = None,
+               timeout: float | None = None) -> Process:
+        r = self._sb.controller.start_process(self._sb.id, cmd, env=envs, cwd=cwd,
+                                              timeout_secs=timeout, pty=(rows, cols))
+        return Process(self._sb, int(r["pid"]), pty=True)
+
+    def send_input(self, pid: int, data: bytes | str) -> int:
+        return Process(self._sb, pid, pty=True).send_stdin(data)
+
+    def resize(self, pid: int, rows: int, cols: int) -> None:
+        self._sb.controller.resize_process_pty(self._sb.id, pid, rows, cols)
+
+    def kill(self, pid: int) -> bool:
+        return self._sb.controller.signal_process(self._sb.id, pid, "SIGKILL")
 
 
 class Files:
@@ -245,9 +366,60 @@ class Files:
     def stat(self, path: str) -> dict[str, Any]:
         return self._sb.controller.stat_file(self._sb.id, path)
 
+    def rename(self, path: str, new_path: str, *, overwrite: bool = False) -> dict[str, Any]:
+        """Move a guest path; returns the moved file's stat."""
+        return self._sb.controller.rename_file(self._sb.id, path, new_path,
+                                               overwrite=overwrite)
+
+    def make_dir(self, path: str, *, parents: bool = True, mode: int = 0o755) -> bool:
+        """Make a directory (with its parents, by default); False if it was there."""
+        return self._sb.controller.make_dir(self._sb.id, path, parents=parents, mode=mode)
+
+    def exists(self, path: str) -> bool:
+        return self._sb.controller.file_exists(self._sb.id, path)
+
+    def watch_dir(self, path: str, *, recursive: bool = False) -> DirWatcher:
+        """Changes under a guest directory, as they happen: iterate the returned
+        watcher (lists of ``{name, type, is_dir}``); ``close()`` stops it."""
+        return DirWatcher(self._sb.controller.watch_dir(self._sb.id, path,
+                                                        recursive=recursive),
+                          self._sb.controller.base_url)
+
     def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
         self._sb.controller.remove_file(self._sb.id, path, recursive=recursive,
                                         missing_ok=missing_ok)
+
+
+class DirWatcher:
+    """An active directory watch: iterate it for batches of events."""
+
+    def __init__(self, stream: ExecStream, base_url: str) -> None:
+        self._stream = stream
+        self._base_url = base_url
+        self._events = iter(stream)
+        event, data = next(self._events, ("closed", {}))
+        if event != "watching":
+            stream.close()
+            raise ControllerError(int(data.get("status", 502)), data, base_url)
+        self.directories = int(data.get("directories", 0))
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        for event, data in self._events:
+            if event == "events":
+                yield list(data["events"])
+            elif event == "end":
+                return
+            elif event == "error":
+                raise ControllerError(int(data.get("status", 502)), data, self._base_url)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Sandbox:
@@ -257,6 +429,7 @@ class Sandbox:
         self.controller = controller
         self.commands = Commands(self)
         self.files = Files(self)
+        self.pty = Pty(self)
 
     @classmethod
     def create(cls, snapshot_tag: str, *, memory_limit_mib: int | None = None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import threading
 import time
 from typing import Annotated, Any, Literal
 
@@ -37,6 +38,7 @@ GUEST_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 READ_LIMIT_DEFAULT = 1 << 20
 READ_LIMIT_MAX = 16 << 20
 EXCERPT_BYTES = 4096
+PROCESS_OUTPUT_SHOWN = 64 << 10
 # An image build's progress, as a tool returns it: the last lines are what tell a model
 # where a build is or why it failed; the daemon keeps 200.
 PROGRESS_SHOWN = 20
@@ -79,7 +81,8 @@ def build_server(controller: Controller) -> MCPServer:
                tools.kill_sandbox, tools.ping_sandbox, tools.exec_command, tools.eval_code,
                tools.branch_sandbox, tools.wait_for_text, tools.read_file, tools.write_file,
                tools.list_files, tools.list_images, tools.get_image, tools.build_image,
-               tools.delete_image):
+               tools.delete_image, tools.start_process, tools.list_processes,
+               tools.read_process_output, tools.send_process_input, tools.kill_process):
         server.add_tool(fn)
     return server
 
@@ -494,6 +497,117 @@ class _Tools:
         except ControllerError as err:
             raise _tool_error(err, f"list_files {path} in {sandbox_id}") from None
 
+
+    # -- background processes ------------------------------------------------------
+
+    def start_process(
+        self,
+        sandbox_id: SandboxId,
+        command: Annotated[str, Field(min_length=1, max_length=65536, description=(
+            "A shell command line (run by /bin/sh -c), e.g. \"python3 server.py\"."))],
+        stdin: Annotated[bool, Field(description=(
+            "Keep its standard input open for send_process_input."))] = False,
+        timeout_secs: Annotated[float | None, Field(gt=0, le=86400, description=(
+            "Kill it after this many seconds (default: never)."))] = None,
+        cwd: Annotated[str | None, Field(pattern=GUEST_PATH_PATTERN)] = None,
+    ) -> dict[str, Any]:
+        """Start a long-running program in the background (a server, a watcher, an
+        interactive tool) and return at once with its pid. Read what it prints with
+        read_process_output, type into it with send_process_input, stop it with
+        kill_process; list_processes shows them all."""
+        try:
+            return self.c.start_process(sandbox_id, command, stdin=stdin, cwd=cwd,
+                                        timeout_secs=timeout_secs)
+        except ControllerError as err:
+            raise _tool_error(err, f"start_process in {sandbox_id}") from None
+
+    def list_processes(self, sandbox_id: SandboxId) -> list[dict[str, Any]]:
+        """The sandbox's background processes: pid, argv, running, exit_code,
+        output_bytes (how far read_process_output can read)."""
+        try:
+            return self.c.list_processes(sandbox_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"list_processes in {sandbox_id}") from None
+
+    def read_process_output(
+        self,
+        sandbox_id: SandboxId,
+        pid: Annotated[int, Field(ge=1, le=1 << 22)],
+        offset: Annotated[int, Field(ge=0, description=(
+            "Where to start: 0, or the next_offset of the previous call."))] = 0,
+        wait_secs: Annotated[float, Field(ge=0, le=600, description=(
+            "How long to wait for more output (or for the end) before returning."))] = 2,
+    ) -> dict[str, Any]:
+        """What a background process printed from `offset` (stdout and stderr
+        interleaved, at most 64 KiB per call), waiting up to wait_secs for more.
+        Returns output, next_offset (pass it to the next call), running and, once it
+        ended, exit_code."""
+        try:
+            stream = self.c.process_output(sandbox_id, pid, offset=offset,
+                                           encoding="base64")
+        except ControllerError as err:
+            raise _tool_error(err, f"read_process_output {pid} in {sandbox_id}") from None
+        chunks: list[bytes] = []
+        size = 0
+        next_offset = offset
+        end: dict[str, Any] | None = None
+        timer = threading.Timer(wait_secs, stream.close)
+        timer.start()
+        try:
+            for event, data in stream:
+                if event == "exit":
+                    end = data
+                    break
+                if event == "error":
+                    raise ToolError(f"read_process_output {pid} in {sandbox_id} failed: "
+                                    f"{data.get('error')}")
+                if event in ("stdout", "stderr", "pty"):
+                    chunk = base64.b64decode(data["data_b64"])[:PROCESS_OUTPUT_SHOWN - size]
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    next_offset = int(data["offset"]) + len(chunk)
+                    if size >= PROCESS_OUTPUT_SHOWN:
+                        break
+        finally:
+            timer.cancel()
+            stream.close()
+        result: dict[str, Any] = {"output": b"".join(chunks).decode("utf-8", "replace"),
+                                  "next_offset": next_offset, "running": end is None}
+        if end is not None:
+            result.update(exit_code=end["exit_code"], signal=end["signal"],
+                          next_offset=end["offset"])
+        return result
+
+    def send_process_input(
+        self,
+        sandbox_id: SandboxId,
+        pid: Annotated[int, Field(ge=1, le=1 << 22)],
+        text: Annotated[str, Field(max_length=1 << 20, description=(
+            "Text for its standard input; end lines with \\n."))],
+        close: Annotated[bool, Field(description="Close its input afterwards.")] = False,
+    ) -> dict[str, Any]:
+        """Type into a background process started with stdin=true."""
+        try:
+            written = self.c.send_process_stdin(sandbox_id, pid, text.encode("utf-8"),
+                                                eof=close)
+        except ControllerError as err:
+            raise _tool_error(err, f"send_process_input {pid} in {sandbox_id}") from None
+        return {"pid": pid, "written": written, "closed": close}
+
+    def kill_process(
+        self,
+        sandbox_id: SandboxId,
+        pid: Annotated[int, Field(ge=1, le=1 << 22)],
+        signal: Annotated[Literal["SIGTERM", "SIGKILL", "SIGINT", "SIGHUP"],
+                          Field(description="SIGTERM asks it to stop; SIGKILL forces.")
+                          ] = "SIGKILL",
+    ) -> dict[str, Any]:
+        """Stop a background process (and the processes it started)."""
+        try:
+            delivered = self.c.signal_process(sandbox_id, pid, signal)
+        except ControllerError as err:
+            raise _tool_error(err, f"kill_process {pid} in {sandbox_id}") from None
+        return {"pid": pid, "delivered": delivered}
 
 def _image_json(info: ImageInfo) -> dict[str, Any]:
     record = dict(info.raw)

@@ -15,6 +15,8 @@ sandboxes, ``stdout``/``stderr``/``traceback`` on eval, guest images
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
 import urllib.parse
 from collections.abc import Callable, Iterator
@@ -22,9 +24,17 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Protocol
 
+from vmfork.agent.client import AgentError, ProcessEnd
 from vmfork.image.spec import DEFAULT_DISK_FORMAT, DISK_FORMATS
 from vmfork.server.controller import Controller, agent_errors
-from vmfork.server.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
+from vmfork.server.errors import (
+    ApiError,
+    BadRequest,
+    GatewayTimeout,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+)
 from vmfork.server.validation import (
     Field,
     between,
@@ -37,6 +47,7 @@ from vmfork.server.validation import (
     check_image_ref,
     check_path_image,
     check_path_tag,
+    check_pty_size,
     check_sandbox_id,
     check_string_map,
     check_strings,
@@ -53,6 +64,10 @@ MAX_JSON_BODY = 1 << 20
 MAX_REQUIREMENTS = 256 << 10   # a requirements file's text, in characters
 MAX_SANDBOXES_PER_REQUEST = 1000
 STREAM_CHUNK = 1 << 16
+MAX_COMMAND = 64 << 10         # a shell command line, in characters
+MAX_STDIN_BODY = 1 << 20       # one send_stdin call (the agent's frame payload cap)
+MAX_PTY_SIZE = 1000
+WATCH_HEARTBEAT_SECS = 15.0    # an idle watch stream sends a comment this often
 
 
 # -- request and response ------------------------------------------------------------
@@ -259,6 +274,30 @@ WRITE_QUERY = {"path": Field(str, check=check_guest_path),
 REMOVE_QUERY = {"path": Field(str, check=check_guest_path),
                 "recursive": Field(bool, False), "missing_ok": Field(bool, False)}
 NO_QUERY: dict[str, Field] = {}
+
+# Background processes (the agent's ``start`` … ``ps``, see agent/jobs.py).
+PROCESS_START = {
+    "args": Field(list, None, check_argv, nullable=True),
+    "cmd": Field(str, None, text_up_to(MAX_COMMAND), nullable=True),
+    "timeout_secs": Field((int, float), None, between(0.001, 86400), nullable=True),
+    "env": Field(dict, None, check_env, nullable=True),
+    "cwd": Field(str, None, check_guest_path, nullable=True),
+    "stdin": Field(bool, False),
+    "pty": Field(dict, None, check_pty_size, nullable=True),
+    "tag": Field(str, None, text_up_to(256), nullable=True),
+}
+PROCESS_OUTPUT_QUERY = {"offset": Field(int, 0, between(0, 1 << 62)),
+                        "encoding": Field(str, "text", one_of("text", "base64"))}
+PROCESS_STDIN_QUERY = {"eof": Field(bool, False)}
+PROCESS_SIGNAL = {"signal": Field((str, int), "SIGKILL"), "group": Field(bool, True)}
+PTY_RESIZE = {"rows": Field(int, check=between(1, MAX_PTY_SIZE)),
+              "cols": Field(int, check=between(1, MAX_PTY_SIZE))}
+FILE_RENAME = {"path": Field(str, check=check_guest_path),
+               "new_path": Field(str, check=check_guest_path),
+               "overwrite": Field(bool, False)}
+FILE_MKDIR = {"path": Field(str, check=check_guest_path), "parents": Field(bool, False),
+              "mode": Field(int, 0o755, between(0, 0o7777))}
+WATCH_QUERY = {"path": Field(str, check=check_guest_path), "recursive": Field(bool, False)}
 
 
 def _where(req: Request) -> str:
@@ -479,6 +518,201 @@ def stat_file(c: Controller, req: Request) -> Response:
     return Response(body=c.stat_file(sandbox_id, req.args(PATH_QUERY, _where(req))["path"]))
 
 
+# -- background processes and more file calls (E2B's surface, issue 15) ----------------
+
+
+def _process_pid(req: Request) -> int:
+    return int(req.params["pid"])
+
+
+def _output_event(stream: str, offset: int, data: bytes, encoding: str) -> bytes:
+    if encoding == "base64":
+        return _sse(stream, {"offset": offset, "data_b64": base64.b64encode(data).decode()})
+    return _sse(stream, {"offset": offset, "data": data.decode("utf-8", "replace")})
+
+
+def start_process(c: Controller, req: Request) -> Response:
+    """Start a background process (it outlives the call): 201 ``{pid, pty}``."""
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(PROCESS_START, _where(req))
+    if (body["args"] is None) == (body["cmd"] is None):
+        raise BadRequest(f"{_where(req)}: give exactly one of args (an argv array) and cmd "
+                         "(a shell command line)")
+    pty = body["pty"]
+    agent = c.agent(sandbox_id)
+    with agent_errors(sandbox_id, "start"):
+        pid = agent.start(body["args"] if body["args"] is not None else body["cmd"],
+                          env=body["env"], cwd=body["cwd"], stdin=body["stdin"],
+                          timeout=body["timeout_secs"], tag=body["tag"],
+                          pty=None if pty is None else (pty["rows"], pty["cols"]))
+    return Response(201, {"pid": pid, "pty": pty is not None, "sandbox_id": sandbox_id})
+
+
+def list_processes(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    with agent_errors(sandbox_id, "ps"):
+        processes = c.agent(sandbox_id).processes()
+    return Response(body={"processes": [dataclasses.asdict(p) for p in processes]})
+
+
+def process_output(c: Controller, req: Request) -> Response:
+    """Server-sent events: the process's kept output from ``offset``, then live, as
+    ``stdout``/``stderr``/``pty`` ({offset, data} or {offset, data_b64}), then ``exit``
+    (``ProcessEnd``) or ``error``; a comment line every ``WATCH_HEARTBEAT_SECS`` while
+    the process is silent (how a client that went away is noticed). Closing the
+    stream detaches; the process goes on."""
+    sandbox_id = _sandbox_id(req)
+    pid = _process_pid(req)
+    q = req.args(PROCESS_OUTPUT_QUERY, _where(req))
+    agent = c.agent(sandbox_id)
+    with agent_errors(sandbox_id, "ps"):
+        known = {p.pid for p in agent.processes()}
+    if pid not in known:  # a 404 while the status code can still say so
+        raise NotFound(f"{_where(req)}: sandbox {sandbox_id} has no background process "
+                       f"{pid} (GET /v1/sandboxes/{sandbox_id}/processes lists them)")
+
+    def produce(write: Writer) -> None:
+        offset = q["offset"]
+        skipped = 0
+        try:
+            while True:
+                # Each attach waits at most a heartbeat for the next frame; a silent
+                # process is followed by reattaching from where the last one stopped.
+                attach = agent.attach(pid, offset=offset, idle_timeout=WATCH_HEARTBEAT_SECS)
+                try:
+                    with agent_errors(sandbox_id, "attach"):
+                        for item in attach:
+                            if isinstance(item, ProcessEnd):
+                                end = dataclasses.asdict(item)
+                                # Counted from offsets: what no chunk ever covered.
+                                end["skipped"] = skipped + max(0, item.offset - offset)
+                                write(_sse("exit", end))
+                                return
+                            skipped += max(0, item.offset - offset)
+                            write(_output_event(item.stream, item.offset, item.data,
+                                                q["encoding"]))
+                            offset = item.offset + len(item.data)
+                except GatewayTimeout:
+                    write(b": idle\n\n")
+                finally:
+                    attach.close()
+        except ApiError as err:
+            write(_sse("error", {**err.body(), "status": err.status}))
+
+    return StreamResponse(200, content_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache"}, produce=produce)
+
+
+def process_stdin(c: Controller, req: Request) -> Response:
+    """The raw body (at most 1 MiB) goes to the process's stdin; ``?eof=true`` closes
+    it afterwards."""
+    sandbox_id = _sandbox_id(req)
+    pid = _process_pid(req)
+    q = req.args(PROCESS_STDIN_QUERY, _where(req))
+    length = req.content_length or 0
+    if length > MAX_STDIN_BODY:
+        raise PayloadTooLarge(f"{_where(req)}: {length} bytes of stdin in one call; the "
+                              f"limit is {MAX_STDIN_BODY} (send it in several calls)")
+    data = b"".join(req.chunks()) if length else b""
+    with agent_errors(sandbox_id, "send_stdin"):
+        written = c.agent(sandbox_id).send_stdin(pid, data, eof=q["eof"])
+    return Response(body={"pid": pid, "written": written, "closed": q["eof"]})
+
+
+def signal_process(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    pid = _process_pid(req)
+    body = req.json(PROCESS_SIGNAL, _where(req))
+    with agent_errors(sandbox_id, "signal"):
+        delivered = c.agent(sandbox_id).signal(pid, body["signal"], group=body["group"])
+    return Response(body={"pid": pid, "delivered": delivered})
+
+
+def resize_process_pty(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    pid = _process_pid(req)
+    body = req.json(PTY_RESIZE, _where(req))
+    with agent_errors(sandbox_id, "pty_resize"):
+        c.agent(sandbox_id).resize_pty(pid, body["rows"], body["cols"])
+    return Response(body={"pid": pid, "rows": body["rows"], "cols": body["cols"]})
+
+
+def rename_file(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(FILE_RENAME, _where(req))
+    with agent_errors(sandbox_id, "rename"):
+        c.agent(sandbox_id).rename(body["path"], body["new_path"], overwrite=body["overwrite"])
+    return Response(body=c.stat_file(sandbox_id, body["new_path"]))
+
+
+def make_dir(c: Controller, req: Request) -> Response:
+    """201 with the directory's stat when it was made; 200 when ``parents`` accepted
+    an existing one (E2B's ``make_dir`` returns whether it created it)."""
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(FILE_MKDIR, _where(req))
+    agent = c.agent(sandbox_id)
+    with agent_errors(sandbox_id, "mkdir"):
+        try:
+            existed = agent.stat(body["path"]).type == "dir"
+        except AgentError as err:
+            if err.code != "not_found":
+                raise
+            existed = False
+        agent.mkdir(body["path"], parents=body["parents"], mode=body["mode"])
+    return Response(200 if existed else 201,
+                    {**c.stat_file(sandbox_id, body["path"]), "created": not existed})
+
+
+def file_exists(c: Controller, req: Request) -> Response:
+    sandbox_id = _sandbox_id(req)
+    path = req.args(PATH_QUERY, _where(req))["path"]
+    try:
+        info = c.stat_file(sandbox_id, path)
+    except NotFound:
+        return Response(body={"path": path, "exists": False, "type": None})
+    return Response(body={"path": path, "exists": True, "type": info["type"]})
+
+
+def watch_dir(c: Controller, req: Request) -> Response:
+    """Server-sent events: ``events`` ({events: [{name, type, is_dir}], overflow}) as
+    the directory changes, a comment line every ``WATCH_HEARTBEAT_SECS`` while idle
+    (which is also how a client that went away is noticed), ``end`` if the directory
+    itself goes. Closing the stream stops the watch."""
+    sandbox_id = _sandbox_id(req)
+    q = req.args(WATCH_QUERY, _where(req))
+    agent = c.agent(sandbox_id)
+    with agent_errors(sandbox_id, "watch"):
+        watch = agent.watch(q["path"], recursive=q["recursive"])
+
+    def produce(write: Writer) -> None:
+        try:
+            write(_sse("watching", {"path": q["path"], "recursive": q["recursive"],
+                                    "directories": watch.directories}))
+            while not watch.ended:
+                with agent_errors(sandbox_id, "watch"):
+                    batch = watch.events(timeout=WATCH_HEARTBEAT_SECS)
+                if batch:
+                    write(_sse("events", {"events": [dataclasses.asdict(e) for e in batch],
+                                          "overflow": watch.overflow}))
+                elif not watch.ended:
+                    write(b": idle\n\n")
+            write(_sse("end", {"path": q["path"], "reason": "the directory was removed or "
+                                                            "moved"}))
+        except ApiError as err:
+            write(_sse("error", {**err.body(), "status": err.status}))
+        finally:
+            watch.close()
+
+    return StreamResponse(200, content_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache"}, produce=produce)
+
+
 def list_ports(c: Controller, req: Request) -> Response:
     _no_query(req)
     return Response(body=c.list_ports(_sandbox_id(req)))
@@ -601,6 +835,16 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", "/v1/sandboxes/{id}/files", remove_file),
     Route("GET", "/v1/sandboxes/{id}/files/list", list_files),
     Route("GET", "/v1/sandboxes/{id}/files/stat", stat_file),
+    Route("GET", "/v1/sandboxes/{id}/files/exists", file_exists),
+    Route("POST", "/v1/sandboxes/{id}/files/rename", rename_file),
+    Route("POST", "/v1/sandboxes/{id}/files/mkdir", make_dir),
+    Route("GET", "/v1/sandboxes/{id}/files/watch", watch_dir),
+    Route("GET", "/v1/sandboxes/{id}/processes", list_processes),
+    Route("POST", "/v1/sandboxes/{id}/processes", start_process),
+    Route("GET", "/v1/sandboxes/{id}/processes/{pid}/output", process_output),
+    Route("POST", "/v1/sandboxes/{id}/processes/{pid}/stdin", process_stdin),
+    Route("POST", "/v1/sandboxes/{id}/processes/{pid}/signal", signal_process),
+    Route("POST", "/v1/sandboxes/{id}/processes/{pid}/resize", resize_process_pty),
     Route("GET", "/v1/sandboxes/{id}/ports", list_ports),
     Route("POST", "/v1/sandboxes/{id}/ports", expose_port),
     Route("DELETE", "/v1/sandboxes/{id}/ports/{port}", unexpose_port),
@@ -618,6 +862,12 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/workspaces/{name}/resume", resume_workspace),
 )
 
+def _check_path_pid(value: str) -> str:
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= (1 << 22)):
+        raise BadRequest(f"invalid process id {value[:20]!r}: a pid is 1-{1 << 22}")
+    return value
+
+
 def _check_path_port(value: str) -> str:
     if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
         raise BadRequest(f"invalid host port {value[:20]!r}: a port is 1-65535")
@@ -626,7 +876,7 @@ def _check_path_port(value: str) -> str:
 
 _PARAM_CHECKS: dict[str, Callable[[str], str]] = {
     "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name,
-    "image": check_path_image, "port": _check_path_port}
+    "image": check_path_image, "port": _check_path_port, "pid": _check_path_pid}
 
 
 def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:

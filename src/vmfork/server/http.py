@@ -37,6 +37,9 @@ from vmfork.server.controller import Controller
 from vmfork.server.errors import ApiError, BadRequest
 
 log = logging.getLogger(__name__)
+DRAIN_BYTES = 64 << 10
+"""An unread request body up to this size is read and dropped after the answer is
+made (see ``RequestHandler._drain``)."""
 
 
 @dataclass(frozen=True)
@@ -206,13 +209,15 @@ class RequestHandler(BaseHTTPRequestHandler):
         super().send_header(keyword, value)
 
     def _drain(self, req: api.Request) -> None:
-        """Read what the handler left of a small body so keep-alive works; a large
-        unread body (an upload refused early) closes the connection instead."""
+        """Read what the handler left of a small body (a request refused before its
+        body was read: a bad path, a missing token), so the client, which may still
+        be sending it, gets to read the answer and keep-alive works; a large unread
+        body (an upload refused early) closes the connection instead."""
         length = req.content_length or 0
         if not length:
             return
-        consumed_all = getattr(req.body, "_vmfork_consumed", False)
-        if consumed_all:
+        body = req.body
+        if isinstance(body, _CountingReader) and body.drain(DRAIN_BYTES):
             return
         self.close_connection = True
 
@@ -336,6 +341,20 @@ class _CountingReader:
         if self._left <= 0:
             self._vmfork_consumed = True
         return data
+
+    def drain(self, limit: int) -> bool:
+        """Read and drop the rest of the body if it is at most ``limit`` bytes (within
+        the socket's timeout). True if the whole body has now been read."""
+        if self._vmfork_consumed:
+            return True
+        if self._left > limit:
+            return False
+        try:
+            while self._left > 0 and self.read(self._left):
+                pass
+        except OSError:
+            return False
+        return self._vmfork_consumed
 
 
 class _BoundedHandler(RequestHandler):

@@ -298,3 +298,14 @@ def check_path_image(value: str) -> str:
         shown = value if len(value) <= 80 else value[:80] + "..."
         raise BadRequest(f"invalid image name {shown!r}: a name is {IMAGE_NAME_RULE}")
     return value
+
+
+def check_pty_size(value: Any) -> str | None:
+    """A PTY size object: exactly ``rows`` and ``cols``, integers 1-1000."""
+    if set(value) != {"rows", "cols"}:
+        return "must be an object with exactly 'rows' and 'cols'"
+    for name in ("rows", "cols"):
+        dim = value[name]
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= 1000:
+            return f"{name!r} must be an integer from 1 to 1000"
+    return None
