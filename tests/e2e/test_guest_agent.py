@@ -91,3 +91,23 @@ def test_virtio_rng_feeds_the_guest(guest: BootedGuest) -> None:
     assert rng.strip().startswith(b"virtio_rng")
     sample = guest.agent.exec(["head", "-c", "64", "/dev/hwrng"]).stdout
     assert len(sample) == 64 and len(set(sample)) > 8
+
+
+def test_background_processes_a_pty_and_watch_in_the_guest(guest: BootedGuest) -> None:
+    agent = guest.agent
+    cat = agent.start(["cat"], stdin=True)
+    agent.send_stdin(cat, b"to the guest\n", eof=True)
+    stdout, _, end = agent.wait_process(cat, timeout=30)
+    assert (stdout, end.exit_code) == (b"to the guest\n", 0)
+    term = agent.start(["sh", "-c", "stty size; tty"], pty=(40, 120))
+    stdout, _, end = agent.wait_process(term, timeout=30)
+    assert end.exit_code == 0 and b"40 120" in stdout and b"/dev/pts/" in stdout
+    agent.mkdir("/tmp/watched", parents=True)
+    with agent.watch("/tmp/watched") as watch:
+        agent.exec(["touch", "/tmp/watched/new"])
+        seen = []
+        for _ in range(20):
+            seen += watch.events(timeout=1.0)
+            if any(e.name == "new" for e in seen):
+                break
+    assert any((e.name, e.type) == ("new", "create") for e in seen)

@@ -155,6 +155,48 @@ export interface ExecOptions extends CallOptions {
   stdin?: string;
 }
 
+export interface StartProcessOptions extends CallOptions {
+  env?: Record<string, string | null>;
+  cwd?: string;
+  /** Keep its stdin open for {@link Controller.sendProcessStdin}. */
+  stdin?: boolean;
+  /** Kill its process group after this many seconds (default: never). */
+  timeoutSecs?: number;
+  /** Run it on a pseudo-terminal of this size. */
+  pty?: { rows: number; cols: number };
+  tag?: string;
+}
+
+export interface ProcessInfo {
+  pid: number;
+  argv: string[];
+  cwd: string | null;
+  tag: string | null;
+  pty: boolean;
+  started_at: number;
+  running: boolean;
+  exit_code: number | null;
+  signal: number | null;
+  timed_out: boolean;
+  stdin_open: boolean;
+  output_bytes: number;
+}
+
+/** One event of a process's output stream. */
+export type ProcessOutputEvent =
+  | { event: "stdout" | "stderr" | "pty"; offset: number; data: Buffer }
+  | { event: "exit"; exitCode: number; signal: number | null; timedOut: boolean; durationSecs: number; offset: number; skipped: number }
+  | { event: "error"; body: Record<string, unknown> & { error: string } };
+
+export interface WatchEvent {
+  name: string;
+  type: "create" | "write" | "remove" | "rename_from" | "rename_to" | "chmod";
+  is_dir: boolean;
+}
+
+/** A stream that follows a live process or directory lasts as long as they do. */
+const STREAM_TIMEOUT_MS = 2 ** 31 - 1;
+
 export interface EvalOptions extends CallOptions {
   timeoutSecs?: number;
 }
@@ -646,6 +688,155 @@ export class Controller {
       ...options,
       query: { path: guestPath, recursive: options.recursive ?? false, missing_ok: options.missingOk ?? false },
     });
+  }
+
+  // -- background processes and more file calls (vmfork's extension) ----------------
+
+  /** Start a background process (a shell string or an argv) that outlives the call. */
+  startProcess(sandboxId: string, cmd: string | string[], options: StartProcessOptions = {}): Promise<{ pid: number; pty: boolean; sandbox_id: string }> {
+    const body: Record<string, unknown> = typeof cmd === "string" ? { cmd } : { args: cmd };
+    if (options.env !== undefined) body.env = options.env;
+    if (options.cwd !== undefined) body.cwd = options.cwd;
+    if (options.stdin !== undefined) body.stdin = options.stdin;
+    if (options.timeoutSecs !== undefined) body.timeout_secs = options.timeoutSecs;
+    if (options.pty !== undefined) body.pty = { rows: options.pty.rows, cols: options.pty.cols };
+    if (options.tag !== undefined) body.tag = options.tag;
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/processes`, { ...options, json: body });
+  }
+
+  async listProcesses(sandboxId: string, options: CallOptions = {}): Promise<ProcessInfo[]> {
+    const r = await this.json<{ processes: ProcessInfo[] }>("GET", `/v1/sandboxes/${seg(sandboxId)}/processes`, options);
+    return r.processes;
+  }
+
+  /**
+   * A background process's output from `offset` (what the guest still keeps, then
+   * live) until it ends: output events, then `exit` (or `error`). Breaking out of
+   * the loop detaches; the process goes on.
+   */
+  async *processOutput(
+    sandboxId: string,
+    pid: number,
+    options: CallOptions & { offset?: number } = {},
+  ): AsyncGenerator<ProcessOutputEvent, void, undefined> {
+    const route = `/v1/sandboxes/${seg(sandboxId)}/processes/${pid}/output`;
+    const spec = { ...options, timeoutMs: options.timeoutMs ?? STREAM_TIMEOUT_MS };
+    const response = await this.open("GET", route, {
+      ...spec,
+      query: { offset: options.offset ?? 0, encoding: "base64" },
+    });
+    try {
+      for await (const { event, data } of serverSentEvents(response)) {
+        const payload = JSON.parse(data) as Record<string, unknown>;
+        if (event === "stdout" || event === "stderr" || event === "pty") {
+          yield { event, offset: Number(payload.offset), data: Buffer.from(String(payload.data_b64), "base64") };
+        } else if (event === "exit") {
+          yield {
+            event,
+            exitCode: Number(payload.exit_code),
+            signal: (payload.signal as number | null | undefined) ?? null,
+            timedOut: Boolean(payload.timed_out),
+            durationSecs: Number(payload.duration ?? 0),
+            offset: Number(payload.offset),
+            skipped: Number(payload.skipped ?? 0),
+          };
+          return;
+        } else if (event === "error") {
+          yield { event, body: payload as Record<string, unknown> & { error: string } };
+          return;
+        }
+      }
+    } catch (err) {
+      throw this.transportError(err, route, spec);
+    } finally {
+      response.destroy();
+    }
+  }
+
+  /** Write `data` (at most 1 MiB) to a background process's stdin; `eof` closes it after. */
+  async sendProcessStdin(
+    sandboxId: string,
+    pid: number,
+    data: string | Uint8Array,
+    options: CallOptions & { eof?: boolean } = {},
+  ): Promise<number> {
+    const body = typeof data === "string" ? Buffer.from(data, "utf8") : Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+    const r = await this.json<{ written: number }>("POST", `/v1/sandboxes/${seg(sandboxId)}/processes/${pid}/stdin`, {
+      ...options,
+      query: { eof: options.eof ?? false },
+      body,
+      contentType: "application/octet-stream",
+    });
+    return r.written;
+  }
+
+  /** Signal a background process (its group unless `group: false`); false if it had exited. */
+  async signalProcess(
+    sandboxId: string,
+    pid: number,
+    signal: string | number = "SIGKILL",
+    options: CallOptions & { group?: boolean } = {},
+  ): Promise<boolean> {
+    const r = await this.json<{ delivered: boolean }>("POST", `/v1/sandboxes/${seg(sandboxId)}/processes/${pid}/signal`, {
+      ...options,
+      json: { signal, group: options.group ?? true },
+    });
+    return r.delivered;
+  }
+
+  async resizeProcessPty(sandboxId: string, pid: number, rows: number, cols: number, options: CallOptions = {}): Promise<void> {
+    await this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/processes/${pid}/resize`, { ...options, json: { rows, cols } });
+  }
+
+  renameFile(sandboxId: string, from: string, to: string, options: CallOptions & { overwrite?: boolean } = {}): Promise<FileInfo> {
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/files/rename`, {
+      ...options,
+      json: { path: from, new_path: to, overwrite: options.overwrite ?? false },
+    });
+  }
+
+  /** Make a directory; resolves false when `parents` found it already there. */
+  async makeDir(sandboxId: string, guestPath: string, options: CallOptions & { parents?: boolean; mode?: number } = {}): Promise<boolean> {
+    const r = await this.json<{ created: boolean }>("POST", `/v1/sandboxes/${seg(sandboxId)}/files/mkdir`, {
+      ...options,
+      json: { path: guestPath, parents: options.parents ?? false, mode: options.mode ?? 0o755 },
+    });
+    return r.created;
+  }
+
+  async fileExists(sandboxId: string, guestPath: string, options: CallOptions = {}): Promise<boolean> {
+    const r = await this.json<{ exists: boolean }>("GET", `/v1/sandboxes/${seg(sandboxId)}/files/exists`, {
+      ...options,
+      query: { path: guestPath },
+    });
+    return r.exists;
+  }
+
+  /** Batches of changes under a guest directory, as they happen; break out of the loop to stop. */
+  async *watchDir(
+    sandboxId: string,
+    guestPath: string,
+    options: CallOptions & { recursive?: boolean; onReady?: () => void } = {},
+  ): AsyncGenerator<WatchEvent[], void, undefined> {
+    const route = `/v1/sandboxes/${seg(sandboxId)}/files/watch`;
+    const spec = { ...options, timeoutMs: options.timeoutMs ?? STREAM_TIMEOUT_MS };
+    const response = await this.open("GET", route, {
+      ...spec,
+      query: { path: guestPath, recursive: options.recursive ?? false },
+    });
+    try {
+      for await (const { event, data } of serverSentEvents(response)) {
+        const payload = JSON.parse(data) as Record<string, unknown>;
+        if (event === "watching") options.onReady?.();
+        else if (event === "events") yield payload.events as WatchEvent[];
+        else if (event === "end") return;
+        else if (event === "error") throw new ControllerError(Number(payload.status ?? 502), payload, this.baseUrl + route);
+      }
+    } catch (err) {
+      throw this.transportError(err, route, spec);
+    } finally {
+      response.destroy();
+    }
   }
 
   // -- plumbing -----------------------------------------------------------------

@@ -23,9 +23,13 @@ export {
   type ExecOptions,
   type ImageCopy,
   type ImportImageOptions,
+  type ProcessInfo,
+  type ProcessOutputEvent,
   type RemoveFileOptions,
   type SpawnOptions,
+  type StartProcessOptions,
   type WaitImageOptions,
+  type WatchEvent,
   type WriteFileOptions,
 } from "./controller.js";
 export {
@@ -34,6 +38,8 @@ export {
   CommandTimeoutError,
   Commands,
   Files,
+  Process,
+  Pty,
   Sandbox,
   type CommandResult,
   type CreateOptions,

@@ -16,6 +16,9 @@ import {
   ControllerError,
   type BranchOptions,
   type CallOptions,
+  type ProcessInfo,
+  type StartProcessOptions,
+  type WatchEvent,
   type WriteFileOptions,
 } from "./controller.js";
 import type { FileInfo, PingResult, SandboxInfo, SnapshotInfo } from "./types.js";
@@ -188,6 +191,70 @@ async function* streamCommand(
   );
 }
 
+/** A background process in a sandbox: it outlives the call that started it and this handle. */
+export class Process {
+  constructor(
+    private readonly sandbox: Sandbox,
+    readonly pid: number,
+    readonly pty = false,
+  ) {}
+
+  /** `{stream, data}` chunks as the process writes them (kept output from `offset` first) until it ends. */
+  async *output(options: CallOptions & { offset?: number } = {}): AsyncGenerator<{ stream: string; data: Buffer }, void, undefined> {
+    for await (const event of this.sandbox.controller.processOutput(this.sandbox.id, this.pid, options)) {
+      if (event.event === "exit") {
+        this.ended = event;
+        return;
+      }
+      if (event.event === "error") {
+        throw new ControllerError(Number(event.body.status ?? 502), event.body, this.sandbox.controller.baseUrl);
+      }
+      yield { stream: event.event, data: event.data };
+    }
+  }
+
+  private ended: { exitCode: number; signal: number | null; durationSecs: number } | undefined;
+
+  /** Follow it from the start until it ends; `onData` sees each chunk as it comes. */
+  async wait(options: CallOptions & { onData?: (stream: string, data: Buffer) => void } = {}): Promise<CommandResult> {
+    const out: Buffer[] = [];
+    const err: Buffer[] = [];
+    this.ended = undefined;
+    for await (const { stream, data } of this.output(options)) {
+      (stream === "stderr" ? err : out).push(data);
+      options.onData?.(stream, data);
+    }
+    const end = this.ended as { exitCode: number; signal: number | null; durationSecs: number } | undefined;
+    if (end === undefined) {
+      throw new ControllerError(502, { error: "the output stream ended without the process's end" }, this.sandbox.controller.baseUrl);
+    }
+    return {
+      stdout: Buffer.concat(out).toString("utf8"),
+      stderr: Buffer.concat(err).toString("utf8"),
+      exitCode: end.exitCode,
+      signal: end.signal,
+      durationSecs: end.durationSecs,
+    };
+  }
+
+  sendStdin(data: string | Uint8Array, options: CallOptions = {}): Promise<number> {
+    return this.sandbox.controller.sendProcessStdin(this.sandbox.id, this.pid, data, options);
+  }
+
+  async closeStdin(options: CallOptions = {}): Promise<void> {
+    await this.sandbox.controller.sendProcessStdin(this.sandbox.id, this.pid, "", { ...options, eof: true });
+  }
+
+  /** Signal its process group; false if it had already exited. */
+  kill(signal: string | number = "SIGKILL", options: CallOptions = {}): Promise<boolean> {
+    return this.sandbox.controller.signalProcess(this.sandbox.id, this.pid, signal, options);
+  }
+
+  resize(rows: number, cols: number, options: CallOptions = {}): Promise<void> {
+    return this.sandbox.controller.resizeProcessPty(this.sandbox.id, this.pid, rows, cols, options);
+  }
+}
+
 export class Commands {
   constructor(private readonly sandbox: Sandbox) {}
 
@@ -228,6 +295,34 @@ export class Commands {
     return result;
   }
 
+  /** Start `cmd` in the background and resolve at once with its {@link Process}. */
+  async start(cmd: string | string[], options: StartProcessOptions = {}): Promise<Process> {
+    const r = await this.sandbox.controller.startProcess(this.sandbox.id, cmd, options);
+    return new Process(this.sandbox, r.pid, r.pty);
+  }
+
+  /** The sandbox's background processes (running, and recently ended). */
+  list(options: CallOptions = {}): Promise<ProcessInfo[]> {
+    return this.sandbox.controller.listProcesses(this.sandbox.id, options);
+  }
+
+  /** A handle on a background process started earlier (by any client). */
+  async connect(pid: number, options: CallOptions = {}): Promise<Process> {
+    const info = (await this.list(options)).find((p) => p.pid === pid);
+    if (info === undefined) {
+      throw new ControllerError(404, { error: `sandbox ${this.sandbox.id} has no background process ${pid}` }, this.sandbox.controller.baseUrl);
+    }
+    return new Process(this.sandbox, pid, info.pty);
+  }
+
+  kill(pid: number, signal: string | number = "SIGKILL", options: CallOptions = {}): Promise<boolean> {
+    return this.sandbox.controller.signalProcess(this.sandbox.id, pid, signal, options);
+  }
+
+  sendStdin(pid: number, data: string | Uint8Array, options: CallOptions = {}): Promise<number> {
+    return this.sandbox.controller.sendProcessStdin(this.sandbox.id, pid, data, options);
+  }
+
   /** Start `cmd` and iterate its output: `for await (const {stream, data} of sb.commands.stream(cmd))`. */
   stream(cmd: string | string[], options: RunOptions = {}): CommandStream {
     return new CommandStream(this.sandbox, cmd, options);
@@ -263,8 +358,50 @@ export class Files {
     return this.sandbox.controller.statFile(this.sandbox.id, path, options);
   }
 
+  /** Move a guest path (an existing target is an error unless `overwrite`); resolves with its stat. */
+  rename(from: string, to: string, options: CallOptions & { overwrite?: boolean } = {}): Promise<FileInfo> {
+    return this.sandbox.controller.renameFile(this.sandbox.id, from, to, options);
+  }
+
+  /** Make a directory with its parents; resolves false if it was already there. */
+  makeDir(path: string, options: CallOptions & { mode?: number } = {}): Promise<boolean> {
+    return this.sandbox.controller.makeDir(this.sandbox.id, path, { parents: true, ...options });
+  }
+
+  exists(path: string, options: CallOptions = {}): Promise<boolean> {
+    return this.sandbox.controller.fileExists(this.sandbox.id, path, options);
+  }
+
+  /** Batches of changes under a guest directory; break out of the loop to stop watching. */
+  watchDir(path: string, options: CallOptions & { recursive?: boolean; onReady?: () => void } = {}): AsyncGenerator<WatchEvent[], void, undefined> {
+    return this.sandbox.controller.watchDir(this.sandbox.id, path, options);
+  }
+
   remove(path: string, options: CallOptions & { recursive?: boolean } = {}): Promise<void> {
     return this.sandbox.controller.removeFile(this.sandbox.id, path, options);
+  }
+}
+
+/** Terminals: a process on a pseudo-terminal (one output stream, input by `sendInput`). */
+export class Pty {
+  constructor(private readonly sandbox: Sandbox) {}
+
+  async create(options: StartProcessOptions & { rows?: number; cols?: number; cmd?: string | string[] } = {}): Promise<Process> {
+    const { rows = 24, cols = 80, cmd = "/bin/sh", ...rest } = options;
+    const r = await this.sandbox.controller.startProcess(this.sandbox.id, cmd, { ...rest, pty: { rows, cols } });
+    return new Process(this.sandbox, r.pid, true);
+  }
+
+  sendInput(pid: number, data: string | Uint8Array, options: CallOptions = {}): Promise<number> {
+    return this.sandbox.controller.sendProcessStdin(this.sandbox.id, pid, data, options);
+  }
+
+  resize(pid: number, rows: number, cols: number, options: CallOptions = {}): Promise<void> {
+    return this.sandbox.controller.resizeProcessPty(this.sandbox.id, pid, rows, cols, options);
+  }
+
+  kill(pid: number, options: CallOptions = {}): Promise<boolean> {
+    return this.sandbox.controller.signalProcess(this.sandbox.id, pid, "SIGKILL", options);
   }
 }
 
@@ -279,6 +416,7 @@ export class Sandbox implements AsyncDisposable {
   readonly controller: Controller;
   readonly commands: Commands;
   readonly files: Files;
+  readonly pty: Pty;
 
   constructor(info: SandboxInfo, controller: Controller) {
     this.info = info;
@@ -286,6 +424,7 @@ export class Sandbox implements AsyncDisposable {
     this.controller = controller;
     this.commands = new Commands(this);
     this.files = new Files(this);
+    this.pty = new Pty(this);
   }
 
   /** Spawn one sandbox from `snapshotTag`. */

@@ -214,6 +214,40 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
     }
   });
 
+  test("background processes, a PTY and file calls in a real guest", async () => {
+    await Sandbox.with(TAG, async (sb) => {
+      const cat = await sb.commands.start(["cat"], { stdin: true, tag: "echo" });
+      await (await sb.commands.connect(cat.pid)).sendStdin("typed later\n");
+      await cat.closeStdin();
+      assert.equal((await cat.wait()).stdout, "typed later\n");
+      const sleeper = await sb.commands.start("sleep 60");
+      assert.ok((await sb.commands.list()).some((p) => p.pid === sleeper.pid && p.running));
+      assert.equal(await sleeper.kill("SIGTERM"), true);
+      assert.equal((await sleeper.wait()).signal, 15);
+      const term = await sb.pty.create({ rows: 30, cols: 100, cmd: ["sh", "-c", "stty size; read x; echo got:$x"] });
+      await sb.pty.sendInput(term.pid, "hi\n");
+      const out = (await term.wait()).stdout;
+      assert.ok(out.includes("30 100") && out.includes("got:hi"), out);
+      assert.equal(await sb.files.makeDir("/tmp/w/a"), true);
+      await sb.files.write("/tmp/w/f", "x");
+      assert.equal((await sb.files.rename("/tmp/w/f", "/tmp/w/g")).type, "file");
+      assert.equal(await sb.files.exists("/tmp/w/f"), false);
+      let ready!: () => void;
+      const watching = new Promise<void>((resolve) => (ready = resolve));
+      const seen: string[] = [];
+      const watch = (async () => {
+        for await (const batch of sb.files.watchDir("/tmp/w", { onReady: ready })) {
+          seen.push(...batch.map((e) => `${e.type}:${e.name}`));
+          if (seen.includes("create:new")) return;
+        }
+      })();
+      await watching;
+      await sb.files.write("/tmp/w/new", "y");
+      await watch;
+      assert.ok(seen.includes("create:new"), seen.join(","));
+    });
+  });
+
   test("the quickstart example runs as documented", async () => {
     const example = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..", "examples", "quickstart.js");
     const { stdout } = await promisify(execFile)(process.execPath, [example], {
