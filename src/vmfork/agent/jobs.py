@@ -32,7 +32,6 @@ from __future__ import annotations
 import fcntl
 import os
 import select
-import selectors
 import signal as signals
 import socket
 import struct
@@ -46,8 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vmfork.agent.conn import Conn
-from vmfork.agent.process import DRAIN_LIMIT, POLL, QUIET, Command, spawn
-from vmfork.agent.protocol import OUTPUT_CHUNK
+from vmfork.agent.process import Command, follow_output, kill_group, spawn
 from vmfork.agent.reaper import OwnedPids
 from vmfork.agent.request import OpError, get_bool, get_int, get_str
 
@@ -352,78 +350,36 @@ class JobTable:
     def _pump(self, job: Job, timeout: float | None) -> None:
         """Read the job's output into its log until it has exited and its output is
         drained; reap it. Runs on the job's own thread."""
-        sources: dict[int, str] = {}
         proc = job.proc
+        sources: dict[int, str] = {}
+        pty_copy: int | None = None
         if job.pty:
             assert job.stdin_fd is not None
             # The master is shared with stdin writers; a dup lets the pump close its
             # own copy whatever they do.
-            sources[os.dup(job.stdin_fd)] = "pty"
+            pty_copy = os.dup(job.stdin_fd)
+            sources[pty_copy] = "pty"
         else:
             assert proc.stdout is not None and proc.stderr is not None
             sources[proc.stdout.fileno()] = "stdout"
             sources[proc.stderr.fileno()] = "stderr"
-        sel = selectors.DefaultSelector()
-        for fd, name in sources.items():
-            sel.register(fd, selectors.EVENT_READ, name)
-        pidfd: int | None
+
+        def keep(stream: str, data: bytes) -> None:
+            with job.changed:
+                job.output.append(stream, data)
+                job.changed.notify_all()
+
         try:
-            pidfd = os.pidfd_open(job.pid)
-            sel.register(pidfd, selectors.EVENT_READ, "exit")
-        except (AttributeError, OSError):
-            pidfd = None
-        deadline = job.started + timeout if timeout is not None else None
-        open_sources = len(sources)
-        exited_at: float | None = None
-        try:
-            while True:
-                now = time.monotonic()
-                if exited_at is None:
-                    if deadline is not None and now >= deadline:
-                        job.timed_out = True
-                        self._kill(job)
-                        self._reap(job, block=True)
-                        exited_at = now
-                        continue
-                    wait = None if deadline is None else deadline - now
-                    if pidfd is None:
-                        wait = POLL if wait is None else min(wait, POLL)
-                else:
-                    if open_sources == 0 or now - exited_at >= DRAIN_LIMIT:
-                        break
-                    wait = min(QUIET, exited_at + DRAIN_LIMIT - now)
-                events = sel.select(wait)
-                if not events and exited_at is not None:
-                    break
-                for key, _ in events:
-                    if key.data == "exit":
-                        sel.unregister(key.fd)
-                        self._reap(job, block=True)
-                        exited_at = time.monotonic()
-                        continue
-                    try:
-                        data = os.read(key.fd, OUTPUT_CHUNK)
-                    except OSError:  # EIO: a PTY whose last slave fd closed
-                        data = b""
-                    if data:
-                        with job.changed:
-                            job.output.append(key.data, data)
-                            job.changed.notify_all()
-                    else:
-                        sel.unregister(key.fd)
-                        open_sources -= 1
-                if exited_at is None and pidfd is None and self._reap(job, block=False):
-                    exited_at = time.monotonic()
+            deadline = job.started + timeout if timeout is not None else None
+            job.timed_out = follow_output(sources, job.pid, deadline, keep,
+                                          kill_group(job.pid),
+                                          lambda block: self._reap(job, block=block))
         finally:
-            sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
             if job.exit_code is None:  # a bug above: leave no orphan behind
-                self._kill(job)
+                kill_group(job.pid)()
                 self._reap(job, block=True)
-            for fd, name in sources.items():
-                if name == "pty":
-                    os.close(fd)
+            if pty_copy is not None:
+                os.close(pty_copy)
             if proc.stdout is not None:
                 proc.stdout.close()
             if proc.stderr is not None:
@@ -451,14 +407,6 @@ class JobTable:
         job.proc.returncode = job.exit_code  # so Popen never calls waitpid itself
         self.owned.discard(job.pid)
         return True
-
-    @staticmethod
-    def _kill(job: Job) -> None:
-        for kill, target in ((os.killpg, job.pid), (os.kill, job.pid)):
-            try:
-                kill(target, signals.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
 
     @staticmethod
     def _write_stdin(job: Job, payload: bytes) -> int:

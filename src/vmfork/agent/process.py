@@ -35,6 +35,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,68 +229,18 @@ class _Execution:
         Returns True if the timeout killed it."""
         proc = self.proc
         assert proc.stdout is not None and proc.stderr is not None
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout.fileno(), selectors.EVENT_READ, "stdout")
-        sel.register(proc.stderr.fileno(), selectors.EVENT_READ, "stderr")
-        open_pipes = 2
-        pidfd: int | None = None
-        try:
-            pidfd = os.pidfd_open(proc.pid)
-            sel.register(pidfd, selectors.EVENT_READ, "exit")
-        except (AttributeError, OSError):
-            pidfd = None
         deadline = self.started + self.timeout if self.timeout is not None else None
-        timed_out = False
-        exited_at: float | None = None
         try:
-            while True:
-                now = time.monotonic()
-                if exited_at is None:
-                    if deadline is not None and now >= deadline:
-                        timed_out = True
-                        self._kill()
-                        self._reap(block=True)
-                        exited_at = now
-                        continue
-                    wait = None if deadline is None else deadline - now
-                    if pidfd is None:
-                        wait = POLL if wait is None else min(wait, POLL)
-                else:
-                    if open_pipes == 0 or now - exited_at >= DRAIN_LIMIT:
-                        break
-                    wait = min(QUIET, exited_at + DRAIN_LIMIT - now)
-                events = sel.select(wait)
-                if not events and exited_at is not None:
-                    break  # quiet since the exit: whatever still holds the pipes is not it
-                for key, _ in events:
-                    if key.data == "exit":
-                        sel.unregister(key.fd)
-                        self._reap(block=True)
-                        exited_at = time.monotonic()
-                        continue
-                    data = os.read(key.fd, OUTPUT_CHUNK)
-                    if data:
-                        self.conn.send({"type": key.data}, data)
-                    else:
-                        sel.unregister(key.fd)
-                        open_pipes -= 1
-                if exited_at is None and pidfd is None and self._reap(block=False):
-                    exited_at = time.monotonic()
+            return follow_output(
+                {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}, proc.pid,
+                deadline, lambda stream, data: self.conn.send({"type": stream}, data),
+                kill_group(proc.pid), lambda block: self._reap(block=block))
         except PeerGone:
-            self._kill()
+            kill_group(proc.pid)()
             raise
-        finally:
-            sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
-        return timed_out
 
     def _kill(self) -> None:
-        for kill, target in ((os.killpg, self.proc.pid), (os.kill, self.proc.pid)):
-            try:
-                kill(target, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        kill_group(self.proc.pid)()
 
     def _reap(self, *, block: bool) -> bool:
         """Collect the child's exit status. True once collected."""
@@ -305,6 +256,84 @@ class _Execution:
         self.exit_code = os.waitstatus_to_exitcode(status)
         self.proc.returncode = self.exit_code  # so Popen never calls waitpid itself
         return True
+
+
+def kill_group(pid: int) -> Callable[[], None]:
+    """A call that SIGKILLs ``pid``'s process group (it leads its own session), then
+    ``pid`` itself in case it changed its group."""
+    def kill() -> None:
+        for call, target in ((os.killpg, pid), (os.kill, pid)):
+            try:
+                call(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    return kill
+
+
+def follow_output(sources: dict[int, str], pid: int, deadline: float | None,
+                  emit: Callable[[str, bytes], None], kill: Callable[[], None],
+                  reap: Callable[[bool], bool]) -> bool:
+    """Read ``sources`` (fd → stream name) into ``emit`` until process ``pid`` has
+    exited and its output is drained (see "End of output" above); at ``deadline``
+    (a ``time.monotonic()`` instant) ``kill`` it. ``reap(block)`` collects its exit
+    status and says whether it has. Returns True if the deadline killed it.
+
+    ``exec`` and background jobs both follow their processes here. A read error
+    counts as EOF: a PTY master gives EIO once the last slave fd is closed."""
+    sel = selectors.DefaultSelector()
+    for fd, name in sources.items():
+        sel.register(fd, selectors.EVENT_READ, name)
+    open_sources = len(sources)
+    pidfd: int | None = None
+    try:
+        pidfd = os.pidfd_open(pid)
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+    except (AttributeError, OSError):
+        pidfd = None
+    timed_out = False
+    exited_at: float | None = None
+    try:
+        while True:
+            now = time.monotonic()
+            if exited_at is None:
+                if deadline is not None and now >= deadline:
+                    timed_out = True
+                    kill()
+                    reap(True)
+                    exited_at = now
+                    continue
+                wait = None if deadline is None else deadline - now
+                if pidfd is None:
+                    wait = POLL if wait is None else min(wait, POLL)
+            else:
+                if open_sources == 0 or now - exited_at >= DRAIN_LIMIT:
+                    break
+                wait = min(QUIET, exited_at + DRAIN_LIMIT - now)
+            events = sel.select(wait)
+            if not events and exited_at is not None:
+                break  # quiet since the exit: whatever still holds the pipes is not it
+            for key, _ in events:
+                if key.data == "exit":
+                    sel.unregister(key.fd)
+                    reap(True)
+                    exited_at = time.monotonic()
+                    continue
+                try:
+                    data = os.read(key.fd, OUTPUT_CHUNK)
+                except OSError:
+                    data = b""
+                if data:
+                    emit(key.data, data)
+                else:
+                    sel.unregister(key.fd)
+                    open_sources -= 1
+            if exited_at is None and pidfd is None and reap(False):
+                exited_at = time.monotonic()
+    finally:
+        sel.close()
+        if pidfd is not None:
+            os.close(pidfd)
+    return timed_out
 
 
 def _pump_stdin(conn: Conn, fd: int, stop: threading.Event) -> None:
