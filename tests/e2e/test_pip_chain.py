@@ -241,3 +241,15 @@ def test_egress_deny_refuses_the_download(home: Home, daemon: Daemon, base: str)
     with pytest.raises(ControllerError) as caught:
         daemon.ctl.snapshot_info("py-denied")
     assert caught.value.status == 404
+
+
+def test_warm_up_under_egress_deny_is_refused_with_the_reason(daemon: Daemon) -> None:
+    """A parent's warm-up that downloads, under deny: 422 with what the policy refused,
+    and no snapshot (the allowed warm-up that downloads is ``base`` above)."""
+    with pytest.raises(ControllerError) as caught:
+        daemon.ctl.create_snapshot("py-deny-warm", mem_mib=512, network=True, egress="deny",
+                                   warm_cmd=f"{PIP} six==1.16.0", timeout=1800)
+    assert caught.value.status == 422, caught.value
+    assert "egress policy is deny" in str(caught.value) and "exited" in str(caught.value)
+    assert "py-deny-warm" not in [s["tag"] for s in daemon.ctl.list_snapshots()
+                                  if s["status"] == "ready"]
