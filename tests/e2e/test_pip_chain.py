@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_daemon import Daemon, Home
-from tests.pip_index import wheel_dir
+from tests.pip_index import index_on_the_internet, wheel_dir
 from vmfork.client import ControllerError
 from vmfork.runtime import network
 
@@ -56,41 +56,18 @@ INSTALLED = ("import importlib.metadata as m, os, sys\n"
              "print(total)\n")
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def index() -> Iterator[str]:
     """The index in a namespace standing for the internet, routed from the host."""
     if not any(wheel_dir().glob("numpy-*.whl")):
         pytest.fail(f"no test wheels in {wheel_dir()}: the set-up fetches them "
                     "(scripts/lib.sh setup_test_wheels)")
-    subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
-    _ip("netns", "add", INET_NS)
-    server = None
-    try:
-        _ip("link", "add", "cinet0", "type", "veth", "peer", "name", "cinet1", "netns", INET_NS)
-        _ip("addr", "add", f"{INET_HOST_SIDE}/24", "dev", "cinet0")
-        _ip("link", "set", "cinet0", "up")
-        for cmd in (["link", "set", "lo", "up"], ["link", "set", "cinet1", "up"],
-                    ["addr", "add", f"{INDEX_ADDR}/24", "dev", "cinet1"],
-                    ["route", "add", "default", "via", INET_HOST_SIDE]):
-            _ip("-n", INET_NS, *cmd)
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", INET_NS, sys.executable, "-m", "tests.pip_index",
-             INDEX_ADDR, str(INDEX_PORT), str(wheel_dir())], cwd=REPO, stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"))
-        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+    with index_on_the_internet(INET_NS, host_side=INET_HOST_SIDE, address=INDEX_ADDR,
+                               port=INDEX_PORT) as url:
+        assert url == INDEX
         with urllib.request.urlopen(f"{INDEX}/numpy/", timeout=30) as r:
             assert b"numpy-2.0.2" in r.read()
         yield INDEX
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-        subprocess.run(["ip", "link", "del", "cinet0"], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="module")
