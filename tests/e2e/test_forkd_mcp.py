@@ -78,13 +78,16 @@ def test_forkd_mcp_create_snapshot_boots_kernel_and_rootfs(
             r = await mcp.call("exec_command", {
                 "sandbox_id": second, "args": ["cat", "/etc/forkd-rootfs-marker"]})
             assert r["stdout"] == marker
-            # The agent runs on the rootfs's own interpreter, the root disk is read-only.
+            # The agent runs on the rootfs's own interpreter; the root is an overlay on
+            # the read-only disk (the disk's mount is in the boot initramfs's tree, which
+            # switch_root left, so /proc/mounts shows the overlay only).
             r = await mcp.call("eval_code", {"sandbox_id": second,
                                              "code": "__import__('sys').executable"})
             assert "python3" in r["result"]
-            r = await mcp.call("exec_command", {
-                "sandbox_id": second, "args": ["/bin/sh", "-c", "grep ' /lower ' /proc/mounts"]})
-            assert " ext4 ro," in r["stdout"]
+            r = await mcp.call("exec_command", {"sandbox_id": second, "args": [
+                "/bin/sh", "-c", "awk '$2 == \"/\" {print $3}' /proc/mounts; "
+                                 "cat /sys/block/vda/ro"]})
+            assert r["stdout"].split() == ["overlay", "1"], r
             for sandbox_id in ids:
                 await mcp.call("kill_sandbox", {"sandbox_id": sandbox_id})
 

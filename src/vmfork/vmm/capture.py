@@ -292,12 +292,13 @@ def without_zero_over_zero(memory: GuestMemory,
     zero now *and* in the base, and how many were dropped.
 
     A page the guest wrote and then freed stays a private page of the sandbox: in the
-    page tables it changed, whatever it holds. The guest kernel runs with
-    ``init_on_free=1`` (``machine.BASE_CMDLINE``), so what a build frees (pip's heap,
-    the wheel it downloaded and deleted, page cache it dropped) is zero by the capture;
-    where the base also holds zeros (a hole of its file, or zero bytes), the page did
-    not change and is left out of the layer. A zero page over a base page that was not
-    zero is a change and stays: a layer has no "zero" extents, it stores the zeros."""
+    page tables it changed, whatever it holds. Builds zero the guest's free memory
+    before their capture (``vmfork.guestcode.ZERO_FREE_MEMORY``), as parents do before
+    their snapshot, so what a build freed (pip's heap, the wheel it downloaded and
+    deleted) is zero; where the base also holds zeros (a hole of its file, or zero
+    bytes), the page did not change and is left out of the layer. A zero page over a
+    base page that was not zero is a change and stays: a layer has no "zero" extents,
+    it stores the zeros."""
     if not runs:
         return runs, 0
     assert memory.backing_fd is not None

@@ -69,11 +69,8 @@ log = logging.getLogger(__name__)
 # No RCU stall warnings: a sandbox's vCPU is paused (BRANCH) and descheduled (many
 # children on few cores) as a matter of course, and the warning it then prints goes
 # out a character per VM exit, which on a busy host kept a guest busy for minutes.
-# init_on_free=1: the guest zeroes every page it frees, so what a build or a warm-up
-# frees (pip's heap, a deleted download) is zero in the snapshot, and a diff layer
-# leaves out the zero pages whose base was zero too (capture.without_zero_over_zero).
 BASE_CMDLINE = ("console=ttyS0 reboot=k panic=1 io_delay=none quiet nomodule "
-                "rcupdate.rcu_cpu_stall_suppress=1 init_on_free=1")
+                "rcupdate.rcu_cpu_stall_suppress=1")
 MAX_VCPUS = 16
 
 
