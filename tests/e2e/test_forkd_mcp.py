@@ -85,8 +85,8 @@ def test_forkd_mcp_create_snapshot_boots_kernel_and_rootfs(
                                              "code": "__import__('sys').executable"})
             assert "python3" in r["result"]
             r = await mcp.call("exec_command", {"sandbox_id": second, "args": [
-                "/bin/sh", "-c", "awk '$2 == \"/\" {print $3}' /proc/mounts; "
-                                 "cat /sys/block/vda/ro"]})
+                "/bin/sh", "-c", ("awk '$2 == \"/\" {print $3}' /proc/mounts; "
+                                  "cat /sys/block/vda/ro")]})
             assert r["stdout"].split() == ["overlay", "1"], r
             for sandbox_id in ids:
                 await mcp.call("kill_sandbox", {"sandbox_id": sandbox_id})
