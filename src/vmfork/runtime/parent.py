@@ -78,6 +78,12 @@ def out_of_memory_hint(console_tail: str, mem_mib: int, error: str = "") -> str 
             "(the root overlay's writes and the warm-up's allocations both live in guest RAM)")
 
 
+# A parent boots once and then warms for minutes, under PARENT_TIMEOUT_S in all; on a
+# loaded host (the emulated test host with several others beside it) its kernel alone
+# was seen to take 107 s to reach /init, so the sandbox's 120 s would fail it for nothing.
+PARENT_READY_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class SnapshotReport:
     snapshot: Snapshot
@@ -134,7 +140,7 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
     with store.begin(tag) as pending:
         started = time.monotonic()
         with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus, network=network,
-                         net_tap=net_tap) as guest:
+                         net_tap=net_tap, ready_timeout=PARENT_READY_TIMEOUT_S) as guest:
             booted = time.monotonic()
             try:
                 _warm_up(guest, warm_code, warm_cmd)
