@@ -8,8 +8,9 @@ networks) takes the CLI's requests. Then, through ``vmfork`` on the command line
     vmfork snapshot-diff --from py-base  --tag py-numpy  --network --exec "pip install numpy==2.0.2"
     vmfork snapshot-diff --from py-numpy --tag py-pandas --network --exec "pip install pandas==2.2.3"
 
-(the base's ``/etc/pip.conf`` names the index, as a mirror would, and turns pip's wheel
-cache off: a cache in a snapshot is never read again). Reported, from one run: each
+(the base's ``/etc/pip.conf`` names the index, as a mirror would, turns pip's wheel
+cache off, since a cache in a snapshot is never read again, and gives a read 300 s
+instead of 15: a guest's network in the loaded emulated host stalls for longer). Reported, from one run: each
 link's build time (the CLI command, spawn + pip + BRANCH), its layer (``changed_bytes``)
 against what pip installed (every file of the distributions' RECORDs, measured in a
 child of the head), and ``--spawns`` single-sandbox spawns of the head against the base
@@ -89,7 +90,8 @@ def main() -> int:
             ctl = Controller(f"unix://{sock}", timeout=3600)
             host = index.split("/")[2].split(":")[0]
             pip_conf = (f"printf '[global]\\nindex-url = {index}\\ntrusted-host = {host}\\n"
-                        "no-cache-dir = true\\ndisable-pip-version-check = true\\n' "
+                        "no-cache-dir = true\\ndisable-pip-version-check = true\\n"
+                        "timeout = 300\\n' "
                         "> /etc/pip.conf")
             base_s = cli("snapshot", "--tag", "py-base", "--network", "--mem-mib",
                          str(args.mem_mib), "--warm-cmd", pip_conf)
