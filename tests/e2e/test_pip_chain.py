@@ -138,7 +138,10 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
     for parent, tag, req in (("py-base", "py-numpy", "numpy==2.0.2"),
                              ("py-numpy", "py-six", "six==1.16.0")):
         code, out, err, seconds = _cli(home, daemon, "snapshot-diff", "--from", parent,
-                                       "--tag", tag, "--network", "--exec", f"{PIP} {req}")
+                                       "--tag", tag, "--network", "--exec", f"{PIP} {req}",
+                                       # the default 600 s is short for a 19.5 MB download
+                                       # in a loaded emulated host (70 kB/s was seen)
+                                       "--timeout", "1800")
         assert code == 0, f"{out}\n{err}"
         NUMBERS[f"{tag}_build_s"] = round(seconds, 1)
 
