@@ -143,39 +143,8 @@ def test_base_extents_minus_the_changed_pages() -> None:
     assert _subtract([], [(0, 4)]) == []
 
 
-def test_zero_pages_over_a_zero_base_are_not_changes(tmp_path: Path) -> None:
-    """What a guest freed (zeroed by init_on_free) over a base that held zeros there,
-    a hole or zero bytes, is left out of a diff; zeros over data are a change and stay."""
-    from vmfork.vmm.capture import without_zero_over_zero
-    backing = tmp_path / "memory.bin"
-    with open(backing, "wb") as f:
-        f.truncate(MEM)                                  # a hole everywhere ...
-        f.seek(4 * PAGE_SIZE)
-        f.write(b"\1" * 4 * PAGE_SIZE)                   # ... but data in pages 4-7
-        f.seek(8 * PAGE_SIZE)
-        f.write(bytes(PAGE_SIZE))                        # and zero bytes written in page 8
-    memory = GuestMemory.from_file_private(str(backing), MEM)
-    try:
-        for page in range(10):                           # the guest writes pages 0-9 ...
-            memory.write(page * PAGE_SIZE, b"\7" * PAGE_SIZE)
-        for page in (1, 2, 5, 8):                        # ... then frees four of them
-            memory.write(page * PAGE_SIZE, bytes(PAGE_SIZE))
-        memory.write(3 * PAGE_SIZE + PAGE_SIZE - 1, b"\0")   # last byte of page 3 only
-        runs = dirty.changed_private_pages(memory)
-        assert runs == [(0, 10 * PAGE_SIZE)]
-        kept, dropped = without_zero_over_zero(memory, runs)
-        # 1, 2 over the hole and 8 over written zeros go; 5 (over data) stays.
-        assert dropped == 3
-        assert kept == [(0, PAGE_SIZE), (3 * PAGE_SIZE, 5 * PAGE_SIZE),
-                        (9 * PAGE_SIZE, PAGE_SIZE)]
-        assert without_zero_over_zero(memory, []) == ([], 0)
-    finally:
-        memory.close()
-
-
 def test_a_memfd_dump_skips_zero_pages(tmp_path: Path) -> None:
-    """A booted parent's RAM (a memfd) is written without the pages that are all zero,
-    such as the free memory a guest zeroed before its snapshot."""
+    """A booted parent's RAM (a memfd) is written without the pages that are all zero."""
     memory = GuestMemory.memfd(MEM)
     try:
         memory.write(0, b"\1" * PAGE_SIZE)

@@ -469,7 +469,6 @@ def _build_egress_hint(policy: str | None) -> str:
 
 
 def cmd_snapshot_diff(args: argparse.Namespace) -> int:
-    from vmfork.guestcode import ZERO_FREE_MEMORY
     from vmfork.store import StoreError, chains, validate_tag
     if args.egress is not None and not args.network:
         raise CliError("--egress is the build sandbox's policy on its network: add --network")
@@ -506,13 +505,6 @@ def cmd_snapshot_diff(args: argparse.Namespace) -> int:
                 raise CliError(f"the command exited with status {code}; nothing was built "
                                f"(fix the command and run snapshot-diff again){hint}", 1)
             with progress(f"taking the diff {args.tag} of {args.source}"):
-                # What the command freed is zeroed, so the layer leaves it out
-                # (vmfork.guestcode); only a smaller layer hangs on it.
-                try:
-                    ctl.eval_code(sandbox, ZERO_FREE_MEMORY, timeout_secs=600)
-                except ControllerError as err:
-                    print(f"vmfork: could not zero the sandbox's free memory (the layer "
-                          f"keeps what the command freed): {err.message}", file=sys.stderr)
                 info = call(ctl, lambda: ctl.branch_sandbox(
                     sandbox, tag=args.tag, mode="diff", parent_tag=args.source))
         finally:

@@ -24,7 +24,6 @@ Two ways in:
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -46,8 +45,6 @@ from vmfork.runtime.network import (
 )
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.vmm.stateformat import write_state_file
-
-log = logging.getLogger(__name__)
 
 
 class WarmUpFailed(RuntimeError):
@@ -109,22 +106,6 @@ def _warm_up(guest: BootedGuest, warm_code: str | None, warm_cmd: str | None) ->
                 f"{done.stderr.decode(errors='replace').strip()[-500:]}")
 
 
-def _zero_free_memory(guest: BootedGuest) -> None:
-    """Zero the guest's free memory before the snapshot (``vmfork.guestcode``), so that
-    what boot and warm-up freed is zero in it: its memory file skips those pages, and
-    diffs built on it leave out what their builds free. Only smaller files hang on it,
-    so a guest that cannot run it (a rootfs's Python without mmap) is snapshotted as is."""
-    from vmfork.guestcode import ZERO_FREE_MEMORY
-    try:
-        result = guest.agent.eval(ZERO_FREE_MEMORY, timeout=600)
-    except Exception as err:  # noqa: BLE001 - an optimisation; the snapshot goes on
-        log.warning("could not zero the guest's free memory before the snapshot: %s", err)
-        return
-    if result.exception is not None:
-        log.warning("could not zero the guest's free memory before the snapshot: %s",
-                    result.exception.message)
-
-
 def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int = 256,
                     vcpus: int = 1, warm_code: str | None = None,
                     warm_cmd: str | None = None,
@@ -149,7 +130,6 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
                 if hint is not None:
                     raise WarmUpFailed(f"{err}; {hint}") from None
                 raise
-            _zero_free_memory(guest)
             warmed = time.monotonic()
             assert guest.machine is not None
             state, timings = guest.machine.snapshot(str(pending.memory_path), resume=False)

@@ -64,7 +64,7 @@ from vmfork.vmm import dirty, layerfile
 from vmfork.vmm.devices.virtio.device import run_on_loop
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.machine import Machine
-from vmfork.vmm.memory import PAGE_SIZE, GuestMemory, subtract_runs
+from vmfork.vmm.memory import GuestMemory, subtract_runs
 from vmfork.vmm.stateformat import encode_state, write_file_atomic
 from vmfork.vmm.vmstate import MachineState
 
@@ -205,12 +205,8 @@ class SnapshotTaker:
                         timings["fork_s"] = time.monotonic() - at
                     elif mode == "diff":
                         assert base is not None
-                        if base.kind == BASE_PREVIOUS:
-                            runs = dirty.soft_dirty_pages(memory)
-                        else:
-                            runs, zeroed = without_zero_over_zero(
-                                memory, dirty.changed_private_pages(memory))
-                            timings["zero_pages_dropped"] = zeroed
+                        runs = (dirty.soft_dirty_pages(memory) if base.kind == BASE_PREVIOUS
+                                else dirty.changed_private_pages(memory))
                         timings["scan_s"] = time.monotonic() - at
                         at = time.monotonic()
                         written = _write_file(tmp_memory,
@@ -281,59 +277,6 @@ class SnapshotTaker:
 
 
 # -- memory files --------------------------------------------------------------------
-
-_ZERO_PAGE = bytes(PAGE_SIZE)
-_ZERO_HEAD = bytes(64)
-
-
-def without_zero_over_zero(memory: GuestMemory,
-                           runs: list[dirty.Run]) -> tuple[list[dirty.Run], int]:
-    """``runs`` (pages changed since the restore base) without the pages that are all
-    zero now *and* in the base, and how many were dropped.
-
-    A page the guest wrote and then freed stays a private page of the sandbox: in the
-    page tables it changed, whatever it holds. Builds zero the guest's free memory
-    before their capture (``vmfork.guestcode.ZERO_FREE_MEMORY``), as parents do before
-    their snapshot, so what a build freed (pip's heap, the wheel it downloaded and
-    deleted) is zero; where the base also holds zeros (a hole of its file, or zero
-    bytes), the page did not change and is left out of the layer. A zero page over a
-    base page that was not zero is a change and stays: a layer has no "zero" extents,
-    it stores the zeros."""
-    if not runs:
-        return runs, 0
-    assert memory.backing_fd is not None
-    sources = list(memory.base_sources(layerfile.data_extents(memory.backing_fd,
-                                                              memory.size)))
-    kept: list[dirty.Run] = []
-    dropped = 0
-    at = 0
-    for offset, length in runs:
-        view = memory.backing_view(offset, length)
-        try:
-            start = offset   # the run being kept, up to the current page
-            for page in range(offset, offset + length, PAGE_SIZE):
-                rel = page - offset
-                # Most changed pages are not zero, and say so in their first bytes.
-                if view[rel:rel + 64].tobytes() != _ZERO_HEAD or \
-                        view[rel:rel + PAGE_SIZE].tobytes() != _ZERO_PAGE:
-                    continue
-                while at < len(sources) and sources[at].offset + sources[at].length <= page:
-                    at += 1
-                if at < len(sources) and sources[at].offset <= page:
-                    src = sources[at]
-                    base = os.pread(src.fd, PAGE_SIZE, src.file_offset + page - src.offset)
-                    if base.rstrip(b"\0"):
-                        continue
-                if page > start:
-                    kept.append((start, page - start))
-                start = page + PAGE_SIZE
-                dropped += 1
-            if offset + length > start:
-                kept.append((start, offset + length - start))
-        finally:
-            view.release()
-    return kept, dropped
-
 
 def _forks_copy_on_write(memory: GuestMemory) -> bool:
     """A fork copies private mappings on write; a memfd mapped shared it would share."""

@@ -255,9 +255,9 @@ class GuestMemory:
 
         A memfd is copied in the kernel (``sendfile``) extent by extent, found with
         ``SEEK_DATA``/``SEEK_HOLE``, so never-touched RAM costs nothing, and the
-        all-zero pages inside its extents are skipped (a guest zeroes its free memory
-        before a snapshot, ``vmfork.guestcode``). Other mappings are scanned in 1 MiB
-        blocks and all-zero blocks are skipped.
+        all-zero pages inside its extents are skipped (RAM a guest touched but holds
+        zeros, e.g. pages it zeroed for an allocation and freed). Other mappings are
+        scanned in 1 MiB blocks and all-zero blocks are skipped.
         """
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         written = 0
