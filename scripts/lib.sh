@@ -14,6 +14,8 @@
 #                     here from tests/images/*.toml, where the registries are reachable
 #   test wheels       (scripts/test only) the pinned wheels the guests' package index
 #                     serves (tests/pip_index.py), under $CACHE/test-assets/wheels
+#   forkd-mcp         (scripts/test only) forkd's own MCP server, pinned, in a venv of its
+#                     own under $CACHE/forkd-mcp-<version> (it needs mcp < 2; ours is 2.x)
 #
 # The project itself is not installed into the venv: PYTHONPATH points at this
 # checkout's src/, so several clones can share one cache.
@@ -160,6 +162,22 @@ setup_test_images() {
   done
   (cd "$REPO" && "$PY" -m tests.images.prepare)
   setup_test_wheels
+  setup_forkd_mcp
+}
+
+# forkd's MCP server from the registry, unchanged, for the wire-compatibility test
+# (tests/e2e/test_forkd_mcp.py drives it with our MCP client against `vmfork serve`).
+# A venv of its own: it pins mcp < 2, the project's venv has mcp 2.
+FORKD_MCP_VERSION=0.2.1
+setup_forkd_mcp() {
+  local venv=$CACHE/forkd-mcp-$FORKD_MCP_VERSION
+  if [ ! -x "$venv/bin/forkd-mcp" ] || [ ! -f "$venv/.complete" ]; then
+    log "forkd-mcp $FORKD_MCP_VERSION (the compatibility test's MCP server)"
+    rm -rf "$venv"
+    "${VMFORK_PYTHON:-python3}" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "forkd-mcp==$FORKD_MCP_VERSION"
+    touch "$venv/.complete"
+  fi
 }
 
 # The wheels the pip-chain tests install in guests from a package index on the host

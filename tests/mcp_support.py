@@ -32,14 +32,18 @@ class RunningDaemon:
 
 @contextmanager
 def running_daemon(root: Path, *, token: str | None = None,
-                   env: dict[str, str] | None = None) -> Iterator[RunningDaemon]:
-    """``env``: more of the daemon's environment (e.g. an image cache of its own)."""
+                   env: dict[str, str] | None = None,
+                   bind: str | None = None) -> Iterator[RunningDaemon]:
+    """``env``: more of the daemon's environment (e.g. an image cache of its own);
+    ``bind``: also listen on this TCP address (forkd's clients speak HTTP over TCP)."""
     env = dict(os.environ, VMFORK_HOME=str(root / "home"),
                PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
                **(env or {}))
     socket = root / "api.sock"
     cmd = [sys.executable, "-m", "vmfork.cli.serve", "--state", str(root / "state"),
            "--socket", str(socket)]
+    if bind is not None:
+        cmd += ["--bind", bind]
     if token is not None:
         (root / "token").write_text(token)
         cmd += ["--token-file", str(root / "token")]
@@ -121,4 +125,29 @@ async def mcp_session(url: str, *, token: str | None = None) -> AsyncIterator[Mc
         env["VMFORK_TOKEN"] = token
     params = StdioServerParameters(command=sys.executable, args=["-m", "vmfork", "mcp"], env=env)
     async with Client(params, read_timeout_seconds=900) as client:
+        yield McpSession(client)
+
+
+FORKD_MCP_VERSION = "0.2.1"   # scripts/lib.sh setup_forkd_mcp installs it
+
+
+def forkd_mcp_command() -> Path:
+    """forkd's own MCP server from the registry, in the venv the set-up made for it."""
+    cache = Path(os.environ.get("VMFORK_CACHE_DIR") or Path.home() / ".cache/vmfork")
+    command = cache / f"forkd-mcp-{FORKD_MCP_VERSION}" / "bin" / "forkd-mcp"
+    if not command.is_file():
+        raise AssertionError(f"forkd-mcp {FORKD_MCP_VERSION} is not installed at {command}: "
+                             "run the set-up (scripts/test, scripts/lib.sh setup_forkd_mcp)")
+    return command
+
+
+@asynccontextmanager
+async def forkd_mcp_session(http_url: str) -> AsyncIterator[McpSession]:
+    """forkd-mcp as a stdio subprocess, pointed at the daemon's TCP address with
+    ``FORKD_URL`` as forkd's users point it at forkd; its HTTP timeout (60 s by
+    default) raised for boots in the emulated test host."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKD_", "VMFORK_"))}
+    env.update(FORKD_URL=http_url, FORKD_HTTP_TIMEOUT="1500")
+    params = StdioServerParameters(command=str(forkd_mcp_command()), args=[], env=env)
+    async with Client(params, read_timeout_seconds=1800) as client:
         yield McpSession(client)

@@ -15,16 +15,24 @@ from __future__ import annotations
 import hashlib
 import html
 import http.server
+import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from vmfork.paths import cache_dir
 
 # What the set-up fetches (pinned; cp311 manylinux wheels for the guest's Python 3.11).
-WHEELS = ("six==1.16.0", "idna==3.7", "numpy==2.0.2")
+# pandas and its dependencies are for forkd's README chain (numpy, then pandas on top;
+# bench/pip_chain.py).
+WHEELS = ("six==1.16.0", "idna==3.7", "numpy==2.0.2", "pandas==2.2.3",
+          "python-dateutil==2.9.0.post0", "pytz==2024.2", "tzdata==2024.2")
 
 
 def wheel_dir() -> Path:
@@ -84,6 +92,55 @@ def serve(address: str, port: int, wheels: Path) -> None:
         server.serve_forever()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@contextmanager
+def index_on_the_internet(namespace: str, *, host_side: str = "198.51.100.1",
+                          address: str = "198.51.100.10", port: int = 8000,
+                          link: str = "cinet") -> Iterator[str]:
+    """The index served in network namespace ``namespace``, standing for the internet
+    (a /24 routed from the host over a veth ``<link>0``/``<link>1``), so guests reach
+    it through their NAT and egress policy as they would reach PyPI; yields its
+    ``/simple`` URL. Needs root; everything it made is removed afterwards."""
+    if not any(wheel_dir().glob("*.whl")):
+        raise FileNotFoundError(f"no test wheels in {wheel_dir()}: the set-up fetches them "
+                                "(scripts/lib.sh setup_test_wheels)")
+    url = f"http://{address}:{port}/simple"
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+    _ip("netns", "add", namespace)
+    server = None
+    try:
+        _ip("link", "add", f"{link}0", "type", "veth", "peer", "name", f"{link}1",
+            "netns", namespace)
+        _ip("addr", "add", f"{host_side}/24", "dev", f"{link}0")
+        _ip("link", "set", f"{link}0", "up")
+        for cmd in (["link", "set", "lo", "up"], ["link", "set", f"{link}1", "up"],
+                    ["addr", "add", f"{address}/24", "dev", f"{link}1"],
+                    ["route", "add", "default", "via", host_side]):
+            _ip("-n", namespace, *cmd)
+        server = subprocess.Popen(
+            ["ip", "netns", "exec", namespace, sys.executable, "-m", "tests.pip_index",
+             address, str(port), str(wheel_dir())], cwd=REPO, stdout=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"))
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the package index did not start")
+        with urllib.request.urlopen(f"{url}/", timeout=30) as r:
+            r.read()
+        yield url
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait()
+        subprocess.run(["ip", "link", "del", f"{link}0"], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
 
 
 if __name__ == "__main__":

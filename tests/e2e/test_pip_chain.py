@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_daemon import Daemon, Home
-from tests.pip_index import wheel_dir
+from tests.pip_index import index_on_the_internet, wheel_dir
 from vmfork.client import ControllerError
 from vmfork.runtime import network
 
@@ -56,41 +56,18 @@ INSTALLED = ("import importlib.metadata as m, os, sys\n"
              "print(total)\n")
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def index() -> Iterator[str]:
     """The index in a namespace standing for the internet, routed from the host."""
     if not any(wheel_dir().glob("numpy-*.whl")):
         pytest.fail(f"no test wheels in {wheel_dir()}: the set-up fetches them "
                     "(scripts/lib.sh setup_test_wheels)")
-    subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
-    _ip("netns", "add", INET_NS)
-    server = None
-    try:
-        _ip("link", "add", "cinet0", "type", "veth", "peer", "name", "cinet1", "netns", INET_NS)
-        _ip("addr", "add", f"{INET_HOST_SIDE}/24", "dev", "cinet0")
-        _ip("link", "set", "cinet0", "up")
-        for cmd in (["link", "set", "lo", "up"], ["link", "set", "cinet1", "up"],
-                    ["addr", "add", f"{INDEX_ADDR}/24", "dev", "cinet1"],
-                    ["route", "add", "default", "via", INET_HOST_SIDE]):
-            _ip("-n", INET_NS, *cmd)
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", INET_NS, sys.executable, "-m", "tests.pip_index",
-             INDEX_ADDR, str(INDEX_PORT), str(wheel_dir())], cwd=REPO, stdout=subprocess.PIPE,
-            env=dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{REPO}"))
-        assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
+    with index_on_the_internet(INET_NS, host_side=INET_HOST_SIDE, address=INDEX_ADDR,
+                               port=INDEX_PORT) as url:
+        assert url == INDEX
         with urllib.request.urlopen(f"{INDEX}/numpy/", timeout=30) as r:
             assert b"numpy-2.0.2" in r.read()
         yield INDEX
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait()
-        subprocess.run(["ip", "link", "del", "cinet0"], capture_output=True, check=False)
-        subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +138,10 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
     for parent, tag, req in (("py-base", "py-numpy", "numpy==2.0.2"),
                              ("py-numpy", "py-six", "six==1.16.0")):
         code, out, err, seconds = _cli(home, daemon, "snapshot-diff", "--from", parent,
-                                       "--tag", tag, "--network", "--exec", f"{PIP} {req}")
+                                       "--tag", tag, "--network", "--exec", f"{PIP} {req}",
+                                       # the default 600 s is short for a 19.5 MB download
+                                       # in a loaded emulated host (70 kB/s was seen)
+                                       "--timeout", "1800")
         assert code == 0, f"{out}\n{err}"
         NUMBERS[f"{tag}_build_s"] = round(seconds, 1)
 
@@ -186,8 +166,10 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
         NUMBERS[f"{tag}_installed_MiB"] = round(installed[tag] / 2**20, 2)
         NUMBERS[f"{tag}_ratio"] = round(layer / installed[tag], 2)
     base_mem = daemon.ctl.snapshot_info("py-base")["memory_logical_bytes"]
-    # The layers hold what the build wrote, not the base.
+    # The layers hold what the build wrote, not the base. Not yet within the issue's
+    # 1.2x of what pip installed: they also carry what pip freed (docs/design-notes.md).
     assert layers["py-numpy"] >= installed["py-numpy"]
+    NUMBERS["head_layers_ratio"] = round(sum(layers.values()) / sum(installed.values()), 2)
     assert layers["py-numpy"] < base_mem / 2
 
     # Spawn time of the head against the base (request to agent ready), alternating.
@@ -236,3 +218,15 @@ def test_egress_deny_refuses_the_download(home: Home, daemon: Daemon, base: str)
     with pytest.raises(ControllerError) as caught:
         daemon.ctl.snapshot_info("py-denied")
     assert caught.value.status == 404
+
+
+def test_warm_up_under_egress_deny_is_refused_with_the_reason(daemon: Daemon) -> None:
+    """A parent's warm-up that downloads, under deny: 422 with what the policy refused,
+    and no snapshot (the allowed warm-up that downloads is ``base`` above)."""
+    with pytest.raises(ControllerError) as caught:
+        daemon.ctl.create_snapshot("py-deny-warm", mem_mib=512, network=True, egress="deny",
+                                   warm_cmd=f"{PIP} six==1.16.0", timeout=1800)
+    assert caught.value.status == 422, caught.value
+    assert "egress policy is deny" in str(caught.value) and "exited" in str(caught.value)
+    assert "py-deny-warm" not in [s["tag"] for s in daemon.ctl.list_snapshots()
+                                  if s["status"] == "ready"]

@@ -141,3 +141,22 @@ def test_base_extents_minus_the_changed_pages() -> None:
     assert _subtract([(0, 100)], []) == [(0, 100)]
     assert _subtract([(0, 100)], [(0, 100)]) == []
     assert _subtract([], [(0, 4)]) == []
+
+
+def test_a_memfd_dump_skips_zero_pages(tmp_path: Path) -> None:
+    """A booted parent's RAM (a memfd) is written without the pages that are all zero."""
+    memory = GuestMemory.memfd(MEM)
+    try:
+        memory.write(0, b"\1" * PAGE_SIZE)
+        memory.write(PAGE_SIZE, bytes(3 * PAGE_SIZE))      # touched, but zero
+        memory.write(4 * PAGE_SIZE + 10, b"x")
+        out = tmp_path / "memory.bin"
+        assert memory.dump(str(out)) == 2 * PAGE_SIZE
+        with open(out, "rb") as f:
+            assert layerfile.data_extents(f.fileno(), MEM) == [
+                (0, PAGE_SIZE), (4 * PAGE_SIZE, PAGE_SIZE)]
+        data = out.read_bytes()
+        assert data[:PAGE_SIZE] == b"\1" * PAGE_SIZE and data[4 * PAGE_SIZE + 10] == ord("x")
+        assert len(data) == MEM and data.count(0) == MEM - PAGE_SIZE - 1
+    finally:
+        memory.close()

@@ -100,9 +100,9 @@ def test_tools_schemas_and_errors(daemon: RunningDaemon) -> None:
             with pytest.raises(ToolFailed, match="base64"):
                 await mcp.call("write_file", {"sandbox_id": "sb-x", "path": "/tmp/x",
                                               "content": "not base64!", "encoding": "base64"})
-            with pytest.raises(ToolFailed, match="kernel, rootfs or tap"):
+            with pytest.raises(ToolFailed, match="host tap"):
                 await mcp.call("create_snapshot", {"tag": "t", "kernel": "/boot/vmlinuz",
-                                                   "rootfs": "/rootfs.ext4"})
+                                                   "rootfs": "/rootfs.ext4", "tap": "tap0"})
 
     asyncio.run(session())
 

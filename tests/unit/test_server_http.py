@@ -366,9 +366,20 @@ def test_snapshot_create_list_info_delete(served: Served, ctl: Controller) -> No
     with pytest.raises(ControllerError) as exc:
         ctl.delete_snapshot("base")
     assert exc.value.status == 404
-    status, body, _ = served.request("POST", "/v1/snapshots",
-                                     {"tag": "fc", "kernel": "/vmlinux", "rootfs": "/r.ext4"})
-    assert status == 400 and "image" in body["error"]
+    # forkd's body: kernel and rootfs go together, not with an image; a host tap is
+    # refused for vmfork's own networks (the daemon's ParentMaker checks the files,
+    # tests/unit/test_image_foreign.py and tests/e2e/test_forkd_mcp.py).
+    status, body, _ = served.request("POST", "/v1/snapshots", {"tag": "fc", "kernel": "/vmlinux"})
+    assert status == 400 and "go together" in body["error"]
+    status, body, _ = served.request("POST", "/v1/snapshots", {
+        "tag": "fc", "kernel": "/vmlinux", "rootfs": "/r.ext4", "image": "sci"})
+    assert status == 400 and "not both" in body["error"]
+    status, body, _ = served.request("POST", "/v1/snapshots", {
+        "tag": "fc", "kernel": "/vmlinux", "rootfs": "/r.ext4", "tap": "tap0"})
+    assert status == 400 and "network" in body["error"]
+    status, body, _ = served.request("POST", "/v1/snapshots", {
+        "tag": "fc", "kernel": "vmlinux", "rootfs": "/r.ext4"})
+    assert status == 400 and "absolute" in body["error"]
 
 
 def test_writing_snapshot_is_not_spawnable(served: Served, ctl: Controller) -> None:

@@ -210,12 +210,18 @@ class Controller:
                         vcpus: int = 1, warm_code: str | None = None,
                         warm_cmd: str | None = None, network: bool = False,
                         timeout: float = 600,
-                        egress: Egress | None = None) -> dict[str, Any]:
+                        egress: Egress | None = None, kernel: str | None = None,
+                        rootfs: str | None = None) -> dict[str, Any]:
         """Boot ``image``, warm it, snapshot it as ``tag``; blocks until ready (``timeout``
         in seconds). ``network``: the parent gets a network device, connected through a
         namespace of its own (so the warm-up can download, under ``egress``, default
-        allow), and sandboxes of the snapshot can be spawned with ``per_child_netns``."""
+        allow), and sandboxes of the snapshot can be spawned with ``per_child_netns``.
+        ``kernel`` + ``rootfs`` (forkd's body, paths on the daemon's host): boot that
+        vmlinux with that ext4/squashfs/erofs image as the read-only root instead of
+        ``image``."""
         body: dict[str, Any] = {"tag": tag, "image": image, "mem_mib": mem_mib, "vcpus": vcpus}
+        if kernel is not None or rootfs is not None:
+            body.update(kernel=kernel, rootfs=rootfs)
         if network:
             body["network"] = True
         if egress is not None:

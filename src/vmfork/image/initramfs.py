@@ -551,7 +551,10 @@ while [ ! -b /dev/vda ]; do
   i=$((i + 1)); [ $i -gt 500 ] && fail "no root disk (/dev/vda) appeared"; usleep 10000
 done
 mkdir -p /lower /rw /newroot
-mount -t "$fstype" -o ro /dev/vda /lower || fail "cannot mount the root disk ($fstype)"
+# noload: an ext4 rootfs from elsewhere may carry a journal to replay, and replaying it
+# would write the read-only disk (the mount would fail on the device's IOERR).
+opts=ro; [ "$fstype" = ext4 ] && opts=ro,noload
+mount -t "$fstype" -o $opts /dev/vda /lower || fail "cannot mount the root disk ($fstype)"
 mount -t tmpfs -o mode=0755 tmpfs /rw || fail "cannot mount the overlay's tmpfs"
 mkdir -p /rw/upper /rw/work
 mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work /newroot \\
@@ -559,7 +562,21 @@ mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work 
 mkdir -p /newroot{GUEST_AGENT_DIR} /newroot/proc /newroot/sys /newroot/dev /newroot/tmp \\
   || fail "cannot make the agent's directories in the root"
 cp -a /{BOOT_AGENT_DIR}/. /newroot{GUEST_AGENT_DIR}/ || fail "cannot copy the agent"
-read -r python < /newroot/{AGENT_PYTHON_FILE} || fail "the disk has no /{AGENT_PYTHON_FILE}"
+# A disk vmfork built names the agent's interpreter; a rootfs from elsewhere (forkd's
+# POST /v1/snapshots body) does not, and its own Python 3.9+ is used if it has one.
+if ! read -r python 2>/dev/null < /newroot/{AGENT_PYTHON_FILE}; then
+  python=
+  for candidate in /usr/bin/python3 /usr/local/bin/python3 /bin/python3; do
+    # chroot, not a test of the path: the rootfs's links may be absolute.
+    if chroot /newroot "$candidate" -I -c \\
+        'import sys; sys.exit(sys.version_info < (3, 9))' 2>/dev/null; then
+      python=$candidate; break
+    fi
+  done
+  [ -n "$python" ] || fail "the root file system has no Python 3.9 or newer for vmfork's \\
+agent (looked for /{AGENT_PYTHON_FILE}, /usr/bin/python3, /usr/local/bin/python3, \\
+/bin/python3): install python3 in it, or build a vmfork image (vmfork image build)"
+fi
 umount /dev
 umount /proc
 exec switch_root /newroot $python {GUEST_AGENT_DIR}/init.py

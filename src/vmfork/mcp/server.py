@@ -167,12 +167,17 @@ class _Tools:
         self,
         tag: SnapshotTag,
         kernel: Annotated[str | None, Field(description=(
-            "forkd compatibility only: vmfork boots its own guest images; leave unset."))] = None,
+            "forkd's form: a vmlinux (uncompressed x86-64 ELF) on the daemon's host, "
+            "booted with rootfs instead of an image; unset to boot an image."))] = None,
         rootfs: Annotated[str | None, Field(description=(
-            "forkd compatibility only; leave unset."))] = None,
-        rw: Annotated[bool, Field(description="forkd compatibility only; ignored.")] = False,
+            "forkd's form, with kernel: an ext4, squashfs or erofs image on the daemon's "
+            "host, mounted read-only as the guest's root under a RAM overlay; it needs "
+            "a python3 (3.9+) for vmfork's agent."))] = None,
+        rw: Annotated[bool, Field(description=(
+            "forkd compatibility; the root is always writable in guest RAM and never "
+            "written on the host."))] = False,
         tap: Annotated[str | None, Field(description=(
-            "forkd compatibility only; leave unset."))] = None,
+            "forkd compatibility only; refused: vmfork makes its own networks."))] = None,
         boot_wait_secs: Annotated[float, Field(ge=0, le=60, description=(
             "forkd compatibility only; ignored: vmfork snapshots as soon as the guest "
             "answers and the warm-up has run."))] = 10,
@@ -193,13 +198,13 @@ class _Tools:
         or branch_sandbox to checkpoint a sandbox that is already set up. Returns the
         snapshot's info once it is ready.
         """
-        if kernel is not None or rootfs is not None or tap is not None:
-            raise ToolError("create_snapshot: vmfork boots its own guest images and takes no "
-                            "kernel, rootfs or tap; leave them unset and pass image (and "
-                            "warm_code/warm_cmd to prepare the guest) instead")
+        if tap is not None:
+            raise ToolError("create_snapshot: vmfork takes no host tap; it gives each "
+                            "parent and sandbox a network namespace of its own")
         try:
             return self.c.create_snapshot(tag, image=image, mem_mib=mem_mib, vcpus=vcpus,
-                                          warm_code=warm_code, warm_cmd=warm_cmd)
+                                          warm_code=warm_code, warm_cmd=warm_cmd,
+                                          kernel=kernel, rootfs=rootfs)
         except ControllerError as err:
             raise _tool_error(err, f"create_snapshot {tag}") from None
 

@@ -75,6 +75,12 @@ def out_of_memory_hint(console_tail: str, mem_mib: int, error: str = "") -> str 
             "(the root overlay's writes and the warm-up's allocations both live in guest RAM)")
 
 
+# A parent boots once and then warms for minutes, under PARENT_TIMEOUT_S in all; on a
+# loaded host (the emulated test host with several others beside it) its kernel alone
+# was seen to take 107 s to reach /init, so the sandbox's 120 s would fail it for nothing.
+PARENT_READY_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
 class SnapshotReport:
     snapshot: Snapshot
@@ -115,7 +121,7 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
     with store.begin(tag) as pending:
         started = time.monotonic()
         with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus, network=network,
-                         net_tap=net_tap) as guest:
+                         net_tap=net_tap, ready_timeout=PARENT_READY_TIMEOUT_S) as guest:
             booted = time.monotonic()
             try:
                 _warm_up(guest, warm_code, warm_cmd)
@@ -221,6 +227,18 @@ def _classify(err: BaseException) -> FailureKind:
     return "internal"
 
 
+def _init_refusal(err: BaseException) -> str | None:
+    """What the boot /init said when it stopped on the image's root (no Python for the
+    agent, a disk it cannot mount): the image's fault, not the host's, so the caller
+    gets it as such (``BOOT_INIT_SCRIPT`` prints these as ``vmfork-init: ...``)."""
+    from vmfork.runtime.guest import GuestBootError
+    if not isinstance(err, GuestBootError):
+        return None
+    said = [line.split("vmfork-init:", 1)[1].strip()
+            for line in err.console_tail.splitlines() if "vmfork-init:" in line]
+    return said[-1] if said else None
+
+
 def _write_json_atomic(path: str, doc: dict[str, Any]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -252,11 +270,14 @@ def _process_main(request_path: str, result_path: str) -> int:
                                  network=network, net_tap=req.net_tap)
     except Exception as err:  # noqa: BLE001 - every failure becomes a typed result
         kind = _classify(err)
+        message = f"{err}" or type(err).__name__
+        refused = _init_refusal(err)
+        if refused is not None:
+            kind, message = "image", f"the image cannot boot: {refused}"
         if kind == "internal":
             import traceback
             traceback.print_exc()
-        _write_json_atomic(result_path, {"ok": False, "kind": kind,
-                                         "message": f"{err}" or type(err).__name__})
+        _write_json_atomic(result_path, {"ok": False, "kind": kind, "message": message})
         return 0
     result = ParentResult(tag=report.snapshot.tag, boot_s=report.boot_s, warm_s=report.warm_s,
                           pause_ms=report.pause_ms, capture_ms=report.capture_ms,

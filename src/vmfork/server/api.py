@@ -43,6 +43,7 @@ from vmfork.server.validation import (
     check_env,
     check_find_links,
     check_guest_path,
+    check_host_path,
     check_image_name,
     check_image_ref,
     check_path_image,
@@ -191,9 +192,13 @@ SNAPSHOT_CREATE = {
     "vcpus": Field(int, 1, between(1, 64)),
     "warm_code": Field(str, None, nullable=True),
     "warm_cmd": Field(str, None, nullable=True),
-    # forkd's fields: accepted by name so the refusal can say why.
-    "kernel": Field(str, None, nullable=True),
-    "rootfs": Field(str, None, nullable=True),
+    # forkd's fields (vmfork.image.foreign): a vmlinux and a root file system image on
+    # the daemon's host, booted with the rootfs read-only under a RAM overlay, so rw
+    # changes nothing (the guest may write its root; the writes stay in its RAM);
+    # boot_wait_secs is checked but not waited: the snapshot is taken once the agent
+    # answers, and nothing of the rootfs's own init runs. tap is refused (create_snapshot).
+    "kernel": Field(str, None, check_host_path, nullable=True),
+    "rootfs": Field(str, None, check_host_path, nullable=True),
     "rw": Field(bool, False),
     "tap": Field(str, None, nullable=True),
     "boot_wait_secs": Field((int, float), 10, between(0, 60)),
@@ -345,11 +350,17 @@ def list_snapshots(c: Controller, req: Request) -> Response:
 def create_snapshot(c: Controller, req: Request) -> Response:
     body = req.json(SNAPSHOT_CREATE, _where(req))
     req.snapshot_tag = body["tag"]
-    if body["kernel"] is not None or body["rootfs"] is not None or body["tap"] is not None:
-        raise BadRequest(f"{_where(req)}: kernel/rootfs/tap are forkd's Firecracker inputs; "
-                         "vmfork boots a built guest image: pass \"image\" (default "
-                         "\"default\", see `vmfork image ls`) and optionally warm_code or "
-                         "warm_cmd")
+    if body["tap"] is not None:
+        # A host tap is host state shared by whoever opens it; vmfork cables each parent
+        # and each child to a namespace of its own instead (docs/networking.md).
+        raise BadRequest(f"{_where(req)}: tap is not taken: vmfork makes the parent's "
+                         "network itself; pass \"network\": true (and \"egress\") instead "
+                         "of a host tap")
+    if (body["kernel"] is None) != (body["rootfs"] is None):
+        raise BadRequest(f"{_where(req)}: kernel and rootfs go together (a vmlinux and the "
+                         "root file system image it boots); or pass neither and an \"image\"")
+    if body["kernel"] is not None and body["image"] != "default":
+        raise BadRequest(f"{_where(req)}: give kernel + rootfs or an image, not both")
     if body["warm_code"] is not None and body["warm_cmd"] is not None:
         raise BadRequest(f"{_where(req)}: give warm_code (Python) or warm_cmd (shell), "
                          "not both")

@@ -113,6 +113,15 @@ class ParentMaker:
         from vmfork.image import ImageError, ImageMissing, find_image
         from vmfork.runtime.parent import ParentFailed, ParentRequest, boot_parent
         from vmfork.server.networking import egress_policy
+        if body.get("kernel") is not None:
+            # forkd's body: the kernel and rootfs become an image of their own (checked,
+            # copied into the cache by content) before anything boots.
+            from vmfork.image.foreign import import_kernel_rootfs
+            try:
+                body = {**body, "image": import_kernel_rootfs(body["kernel"],
+                                                              body["rootfs"]).name}
+            except ImageError as err:
+                raise BadRequest(f"{err}") from err
         try:  # before a process is started for it: a missing image is the caller's 404
             find_image(body["image"])
         except ImageMissing as err:

@@ -265,6 +265,11 @@ def check_copies(value: Any) -> str | None:
     return None
 
 
+def check_host_path(value: Any) -> str | None:
+    """A file on the daemon's host (forkd's kernel and rootfs)."""
+    return _host_path_problem(value)
+
+
 def check_find_links(value: Any) -> str | None:
     problem = check_strings(value)
     if problem is not None:

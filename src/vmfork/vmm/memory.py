@@ -254,8 +254,10 @@ class GuestMemory:
         ``backing_offset``), sparse: only data is written. Returns bytes written.
 
         A memfd is copied in the kernel (``sendfile``) extent by extent, found with
-        ``SEEK_DATA``/``SEEK_HOLE``, so never-touched RAM costs nothing. Other
-        mappings are scanned in 1 MiB blocks and all-zero blocks are skipped.
+        ``SEEK_DATA``/``SEEK_HOLE``, so never-touched RAM costs nothing, and the
+        all-zero pages inside its extents are skipped (RAM a guest touched but holds
+        zeros, e.g. pages it zeroed for an allocation and freed). Other mappings are
+        scanned in 1 MiB blocks and all-zero blocks are skipped.
         """
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         written = 0
@@ -284,17 +286,45 @@ class GuestMemory:
             except OSError:  # ENXIO: no data after offset
                 break
             end = min(os.lseek(src, start, os.SEEK_HOLE), self.size)
-            pos = start
-            while pos < end:
-                os.lseek(out, pos, os.SEEK_SET)
-                n = os.sendfile(out, src, pos, end - pos)
-                if n <= 0:
-                    raise HostError(f"guest memory dump: sendfile stopped at {pos:#x}",
-                                    op="dump_memory")
-                pos += n
-            written += end - start
+            for run_start, run_end in self._nonzero_runs(start, end):
+                pos = run_start
+                while pos < run_end:
+                    os.lseek(out, pos, os.SEEK_SET)
+                    n = os.sendfile(out, src, pos, run_end - pos)
+                    if n <= 0:
+                        raise HostError(f"guest memory dump: sendfile stopped at {pos:#x}",
+                                        op="dump_memory")
+                    pos += n
+                written += run_end - run_start
             offset = end
         return written
+
+    def _nonzero_runs(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """``[start, end)`` (backing layout, page-aligned) as runs of pages that are not
+        all zero, read through the mappings."""
+        zero_head, zero_page = bytes(64), bytes(PAGE_SIZE)
+        run: int | None = None
+        for region in self.regions:
+            lo = max(start, region.backing_offset)
+            hi = min(end, region.backing_offset + region.size)
+            if lo >= hi:
+                continue
+            view = memoryview(region.mapping)
+            try:
+                for page in range(lo, hi, PAGE_SIZE):
+                    rel = page - region.backing_offset
+                    zero = (view[rel:rel + 64].tobytes() == zero_head
+                            and view[rel:rel + PAGE_SIZE].tobytes() == zero_page)
+                    if zero and run is not None:
+                        yield run, page
+                        run = None
+                    elif not zero and run is None:
+                        run = page
+            finally:
+                view.release()
+            if run is not None:
+                yield run, hi
+                run = None
 
     def _dump_mappings(self, out: int) -> int:
         block = 1 << 20

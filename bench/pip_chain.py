@@ -1,0 +1,162 @@
+"""forkd's README chain, as written (with ``--network``): build time, layer size, spawn time.
+
+A package index (``tests/pip_index.py``, the pinned wheels the set-up fetched) is served
+in a network namespace standing for the internet; a daemon (in this process, with host
+networks) takes the CLI's requests. Then, through ``vmfork`` on the command line:
+
+    vmfork snapshot --tag py-base --network --mem-mib 1024 --warm-cmd '<pip.conf: the index>'
+    vmfork snapshot-diff --from py-base  --tag py-numpy  --network --exec "pip install numpy==2.0.2"
+    vmfork snapshot-diff --from py-numpy --tag py-pandas --network --exec "pip install pandas==2.2.3"
+
+(the base's ``/etc/pip.conf`` names the index, as a mirror would, turns pip's wheel
+cache off, since a cache in a snapshot is never read again, and gives a read 300 s
+instead of 15: a guest's network in the loaded emulated host stalls for longer). Reported, from one run: each
+link's build time (the CLI command, spawn + pip + BRANCH), its layer (``changed_bytes``)
+against what pip installed (every file of the distributions' RECORDs, measured in a
+child of the head), and ``--spawns`` single-sandbox spawns of the head against the base
+(request to agent ready), alternating. Writes ``bench/results/pip-chain.{json,md}``.
+Inside the emulated test host only the ratios within the run mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, ensure_kvm_host, write_results
+
+INSTALLED = ("import importlib.metadata as m, os, sys\n"
+             "total = 0\n"
+             "for name in sys.argv[1:]:\n"
+             "    for f in m.distribution(name).files or ():\n"
+             "        p = f.locate()\n"
+             "        total += os.path.getsize(p) if os.path.isfile(p) else 0\n"
+             "print(total)\n")
+LINKS = (("py-base", "py-numpy", "pip install numpy==2.0.2", ("numpy",)),
+         ("py-numpy", "py-pandas", "pip install pandas==2.2.3",
+          ("pandas", "python-dateutil", "pytz", "tzdata", "six")))
+MIB = 1 << 20
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mem-mib", type=int, default=1024)
+    p.add_argument("--spawns", type=int, default=5, help="spawns of head and of base each")
+    p.add_argument("--host-mem-mib", type=int, default=4096)
+    p.add_argument("--host-timeout", type=float, default=3600)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
+                    timeout=args.host_timeout)
+    sys.path.insert(0, str(REPO))
+    from tests.pip_index import index_on_the_internet
+    from vmfork.client import Controller
+    from vmfork.runtime import network
+    from vmfork.server.daemon import Daemon, DaemonConfig
+
+    work = Path(tempfile.mkdtemp(prefix="vmfork-bench-pip-chain-"))
+    sock = work / "api.sock"
+    env = dict(os.environ, VMFORK_HOME=str(work / "home"),
+               PYTHONPATH=os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]))
+
+    def cli(*argv: str) -> float:
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "vmfork", *argv, "--url", f"unix://{sock}"],
+                              env=env, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"vmfork {' '.join(argv)} failed ({done.returncode}):\n"
+                             f"{done.stdout}\n{done.stderr}")
+        return time.monotonic() - started
+
+    with index_on_the_internet("vmfb-inet", link="bpinet") as index:
+        daemon = Daemon(DaemonConfig(state_dir=work / "state", socket_path=sock, bind=None,
+                                     snapshot_root=work / "home", network_prefix="vmfb",
+                                     network_subnet="10.202.0.0/16",
+                                     kill_sandboxes_on_exit=True))
+        daemon.start()
+        try:
+            ctl = Controller(f"unix://{sock}", timeout=3600)
+            host = index.split("/")[2].split(":")[0]
+            pip_conf = (f"printf '[global]\\nindex-url = {index}\\ntrusted-host = {host}\\n"
+                        "no-cache-dir = true\\ndisable-pip-version-check = true\\n"
+                        "timeout = 300\\n' "
+                        "> /etc/pip.conf")
+            base_s = cli("snapshot", "--tag", "py-base", "--network", "--mem-mib",
+                         str(args.mem_mib), "--warm-cmd", pip_conf)
+            links: list[dict[str, Any]] = []
+            for parent, tag, command, _ in LINKS:
+                # --timeout: pip under TCG emulation can take longer than the default 600 s.
+                seconds = cli("snapshot-diff", "--from", parent, "--tag", tag, "--network",
+                              "--exec", command, "--timeout", "3000")
+                links.append({"tag": tag, "from": parent, "exec": command,
+                              "build_s": round(seconds, 1),
+                              "layer_bytes": ctl.snapshot_info(tag)["changed_bytes"]})
+            head = LINKS[-1][1]
+            child = ctl.spawn_sandboxes(head, 1)[0]["id"]
+            try:
+                check = ctl.exec_command(child, ["python3", "-c", (
+                    "import numpy, pandas; print(numpy.__version__, pandas.__version__, "
+                    "int(pandas.Series(numpy.arange(10)).sum()))")], timeout_secs=900)
+                assert check["stdout"].strip() == "2.0.2 2.2.3 45", check
+                for link, (_, _, _, names) in zip(links, LINKS, strict=True):
+                    out = ctl.exec_command(child, ["python3", "-c", INSTALLED, *names],
+                                           timeout_secs=900)
+                    link["installed_bytes"] = int(out["stdout"])
+                    link["layer_over_installed"] = round(
+                        link["layer_bytes"] / link["installed_bytes"], 2)
+            finally:
+                ctl.kill_sandbox(child)
+            spawns: dict[str, list[float]] = {"py-base": [], head: []}
+            for _ in range(args.spawns):
+                for tag, values in spawns.items():
+                    kid = ctl.spawn_sandboxes(tag, 1)[0]
+                    values.append(kid["timings"]["ready_ms"])
+                    ctl.kill_sandbox(kid["id"])
+            info = ctl.snapshot_info(head)
+        finally:
+            daemon.stop()
+            network.cleanup_stale("vmfb")
+    p50 = {tag: statistics.median(values) for tag, values in spawns.items()}
+    layers = sum(link["layer_bytes"] for link in links)
+    installed = sum(link["installed_bytes"] for link in links)
+    head_ratio = round(layers / installed, 2)
+    data: dict[str, Any] = {
+            "base_build_s": round(base_s, 1), "links": links,
+            "head": {"tag": head, "chain_depth": info["chain_depth"],
+                     "ancestors": info["ancestors"], "layers_over_installed": head_ratio},
+            "spawn_ready_ms": spawns, "spawn_ready_ms_p50": p50,
+            "head_over_base_spawn": round(p50[head] / p50["py-base"], 2)}
+    rows = "\n".join(
+        f"| `{link['tag']}` | `{link['exec']}` | {link['build_s']} s | "
+        f"{link['layer_bytes'] / MIB:.1f} MiB | {link['installed_bytes'] / MIB:.1f} MiB | "
+        f"{link['layer_over_installed']}x |" for link in links)
+    markdown = (
+        "# forkd's README chain (`python bench/pip_chain.py`)\n\n"
+        f"Base `py-base` (`vmfork snapshot --network`, {args.mem_mib} MiB): "
+        f"{data['base_build_s']} s.\n\n"
+        "| link | `--exec` | build | layer | pip installed | layer / installed |\n"
+        "|---|---|---:|---:|---:|---:|\n" + rows + "\n\n"
+        f"Head `{head}` (depth {info['chain_depth']}): layers {layers / MIB:.1f} MiB for "
+        f"{installed / MIB:.1f} MiB installed ({head_ratio}x).\n\n"
+        f"Spawn to ready, median of {args.spawns} (alternating): base "
+        f"{p50['py-base']:.0f} ms, head {p50[head]:.0f} ms "
+        f"({data['head_over_base_spawn']}x).\n")
+    write_results("pip-chain", data, markdown)
+    print(json.dumps(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
