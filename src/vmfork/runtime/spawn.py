@@ -53,8 +53,13 @@ SECCOMP_LOG_ENV = "VMFORK_SECCOMP_LOG"
 """``1``: a jailed VMM's seccomp filter logs calls outside its list instead of killing
 (the kernel's audit records, type 1326), to collect what a workload needs."""
 JAIL_ENV = "VMFORK_JAIL"
-"""``1`` jails every VMM this process spawns (off by default while the jail cannot
-yet serve BRANCH or networked sandboxes: docs/security.md)."""
+"""``0`` spawns VMMs without a jail (for comparisons, and hosts that cannot build one);
+anything else, or unset, jails every VMM this process spawns (docs/security.md)."""
+
+
+def jail_by_default() -> bool:
+    """Whether a spawn that does not say is jailed: yes unless ``VMFORK_JAIL=0``."""
+    return os.environ.get(JAIL_ENV, "1") != "0"
 # Every child's status.json is re-read this often even without a FIFO line.
 FULL_SCAN_S = 0.25
 # The zygote's exit events (children that died without a status) this often.
@@ -125,13 +130,10 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
 
     ``progress(restored, ready, failed)`` is called as counts change.
 
-    ``jail``: build each VMM a jail (``runtime/jail.py``); None reads ``VMFORK_JAIL``.
+    ``jail``: build each VMM a jail (``runtime/jail.py``); None: ``jail_by_default()``.
     """
     if jail is None:
-        jail = os.environ.get(JAIL_ENV) == "1"
-    if jail and per_child_netns:
-        raise ValueError("a jailed VMM cannot have a network of its own yet "
-                         "(unset VMFORK_JAIL or spawn without per_child_netns)")
+        jail = jail_by_default()
     if wait_for not in ("ready", "restored"):
         raise ValueError(f"wait_for must be 'ready' or 'restored', not {wait_for!r}")
     done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")

@@ -89,6 +89,13 @@ class DaemonConfig:
     network_prefix: str = "vmf"
     network_subnet: str = "10.200.0.0/16"
     network_pool: int = 0             # spare networks kept ready (HostNetwork.pool_size)
+    # Every VMM in a jail (runtime/jail.py). False only when asked for
+    # (--insecure-no-jail): a daemon that cannot build one refuses to start.
+    jail: bool = True
+
+
+class JailUnavailable(RuntimeError):
+    """The daemon would run sandboxes uncontained; it refuses to start."""
 
 
 # How each kind of ParentFailed reaches the API: the request's fault 4xx, the user's
@@ -158,6 +165,23 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
+def _check_jail() -> None:
+    """Refuse to start (``JailUnavailable``) when this host cannot jail a VMM: running
+    guests of untrusted code uncontained must be a choice, never a fallback."""
+    from vmfork.runtime import jail, seccomp
+
+    problems = jail.problems()
+    no_filter = seccomp.available()
+    if no_filter is not None:
+        problems.append(no_filter)
+    if problems:
+        raise JailUnavailable("cannot jail sandbox VMMs on this host: " + "; ".join(problems)
+                              + ". Run the daemon as root on a kernel with seccomp and "
+                              "mount namespaces (`vmfork doctor` says what is missing), or "
+                              "start it with --insecure-no-jail (VMFORK_JAIL=0) to run "
+                              "sandboxes uncontained")
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -166,6 +190,8 @@ class Daemon:
             auth.check_bind(parse_bind(config.bind)[0], self.token)
         if config.socket_path is None and config.bind is None:
             raise ValueError("nothing to listen on: give a Unix socket path or --bind")
+        if config.spawner and config.jail:
+            _check_jail()
         config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         # One daemon per state directory: a second one would reconcile the zygote's
         # children against a registry another daemon is still writing (and kill the
@@ -178,7 +204,8 @@ class Daemon:
         self.spawner: Spawner | None = None
         if config.spawner:
             self.spawner = ZygoteSpawner(config.state_dir, lease_s=config.zygote_lease_s,
-                                         log_path=config.state_dir / "zygote.log")
+                                         log_path=config.state_dir / "zygote.log",
+                                         jail=config.jail)
         maker = ParentMaker(config.state_dir)
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=maker,

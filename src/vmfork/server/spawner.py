@@ -142,8 +142,10 @@ class Spawner(Protocol):
 
 class ZygoteSpawner:
     def __init__(self, state_dir: Path, lease_s: float = DEFAULT_LEASE_S,
-                 log_path: Path | None = None) -> None:
-        """``log_path``: where the zygote's stderr goes (appended; default: ours)."""
+                 log_path: Path | None = None, *, jail: bool = True) -> None:
+        """``log_path``: where the zygote's stderr goes (appended; default: ours).
+        ``jail``: every VMM in a jail of its own (``runtime/jail.py``)."""
+        self.jail = jail
         self.run_root = state_dir / "run"
         self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.socket_path = state_dir / "zygote.sock"
@@ -212,7 +214,7 @@ class ZygoteSpawner:
                                    memory_limit_mib=memory_limit_mib,
                                    timeout=SPAWN_READY_TIMEOUT_S,
                                    per_child_netns=network is not None, network=network,
-                                   egress=egress)
+                                   egress=egress, jail=self.jail)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
