@@ -172,9 +172,17 @@ def enter(spec: JailSpec) -> None:
         _make_device(device, root + device, spec.uid, spec.gid)
     # Read-only first, parents before children, then the writable paths: a later bind
     # covers what an earlier one showed at the same place, never the reverse.
-    for path in sorted(spec.read_only, key=len):
+    bound: list[str] = []
+    for path in sorted(set(spec.read_only), key=len):
+        # A path under a directory bound already is visible through it (a diff's own
+        # layer, named by its plan, sits in its snapshot directory), and a mount point
+        # cannot be made inside a read-only bind.
+        if any(path.startswith(parent.rstrip("/") + "/") for parent in bound):
+            continue
         if os.path.exists(path):
             _bind(path, root + path, read_only=True)
+            if os.path.isdir(path):
+                bound.append(path)
     for path in spec.writable:
         _bind(path, root + path, read_only=False)
         os.chown(path, spec.uid, spec.gid)
