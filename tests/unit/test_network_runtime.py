@@ -189,7 +189,7 @@ def test_pool_hands_out_spares_once_with_the_requested_policy(host: PrivateNet) 
         assert len(names & set(spares)) == 2, "both spares were used"
         for child in taken:  # a spare got the spawn's policy before it was handed out
             assert child.egress.mode == "deny"
-            assert _nft(pooled, child, "egress") == [[network._REJECT]]
+            assert _nft(pooled, child, "egress")[2:] == [[network._REJECT]]
         assert pooled.wait_for_pool(30) == 2, "topped up again"
         assert len(host.run(network.leftovers, PREFIX).namespaces) == 6
         for child in [first, *taken]:
