@@ -58,6 +58,11 @@ def register(sub: Any) -> None:
                    help="keep N sandbox networks made ahead, so that a per_child_netns "
                         "spawn takes one instead of making it; the pool fills on the "
                         "first such spawn (default 0: made per spawn, in parallel)")
+    p.add_argument("--max-sandboxes", type=int, default=1000, metavar="N",
+                   help="running sandboxes at most; more get 429 (default 1000)")
+    p.add_argument("--max-guest-memory-mib", type=int, default=None, metavar="MIB",
+                   help="guest RAM committed to running sandboxes at most (each counts its "
+                        "snapshot's size); more get 429 (default: 4 x this host's RAM)")
     p.add_argument("--insecure-no-jail", action="store_true",
                    default=os.environ.get("VMFORK_JAIL") == "0",
                    help="run sandbox VMMs without a jail (own uid, namespaces, seccomp): a "
@@ -99,6 +104,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--branch-concurrency must be at least 1")
     if not 0 < args.zygote_lease <= 7 * 86400:
         raise CliError("--zygote-lease must be between 0 and 604800 seconds (exclusive of 0)")
+    if args.max_sandboxes < 1:
+        raise CliError("--max-sandboxes must be at least 1")
+    if args.max_guest_memory_mib is not None and args.max_guest_memory_mib < 1:
+        raise CliError("--max-guest-memory-mib must be at least 1")
     state = (args.state or default_state_dir()).absolute()
     socket_path = None if args.no_socket else (args.socket or state / SOCKET_NAME).absolute()
     config = DaemonConfig(state_dir=state, socket_path=socket_path, bind=args.bind,
@@ -112,7 +121,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           network_prefix=args.network_prefix,
                           network_pool=args.netns_pool,
                           network_subnet=args.network_subnet,
-                          jail=not args.insecure_no_jail)
+                          jail=not args.insecure_no_jail,
+                          max_sandboxes=args.max_sandboxes,
+                          max_guest_mib=args.max_guest_memory_mib)
     try:
         daemon = Daemon(config)
     except JailUnavailable as err:

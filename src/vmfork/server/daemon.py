@@ -92,6 +92,8 @@ class DaemonConfig:
     # Every VMM in a jail (runtime/jail.py). False only when asked for
     # (--insecure-no-jail): a daemon that cannot build one refuses to start.
     jail: bool = True
+    max_sandboxes: int = 1000          # running sandboxes (429 beyond)
+    max_guest_mib: int | None = None   # guest RAM committed to them; None: 4 x host RAM
 
 
 class JailUnavailable(RuntimeError):
@@ -210,7 +212,9 @@ class Daemon:
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=maker,
                                      limits=Limits(heavy_concurrency=config.heavy_concurrency,
-                                                   branch_concurrency=config.branch_concurrency),
+                                                   branch_concurrency=config.branch_concurrency,
+                                                   max_sandboxes=config.max_sandboxes,
+                                                   max_guest_mib=config.max_guest_mib),
                                      networks=self._host_networks())
         self.controller.start()
         maker.networks = self.controller.networks  # None if they failed to start
