@@ -73,6 +73,7 @@ def inspect(args: dict[str, Any]) -> int:
         "cgroup": Path("/proc/self/cgroup").read_text(),
         "ctx": {"vm_id": ctx.vm_id, "zygote_pid": ctx.zygote_pid, "cgroup": ctx.cgroup},
         "fork_to_entry_ns": ctx.entry_started_ns - ctx.forked_ns,
+        "oom_score_adj": int(Path("/proc/self/oom_score_adj").read_text()),
     })
     time.sleep(float(args.get("linger", 0)))
     return 0

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from vmfork import __version__
+from vmfork.paths import private_dir
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
@@ -194,7 +195,9 @@ class Daemon:
             raise ValueError("nothing to listen on: give a Unix socket path or --bind")
         if config.spawner and config.jail:
             _check_jail()
-        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # The registry, the zygote's socket and every sandbox's run directory live here:
+        # a directory another user owns or can write would hand them our sandboxes.
+        private_dir(config.state_dir, "give --state a directory of your own")
         # One daemon per state directory: a second one would reconcile the zygote's
         # children against a registry another daemon is still writing (and kill the
         # children of its spawns in flight as unknown).

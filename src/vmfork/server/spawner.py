@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.paths import private_dir
 from vmfork.runtime.branch import BranchResult, branch_into_pending
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork, NetworkError
 from vmfork.runtime.spawn import SpawnFailed, fork_children
@@ -147,7 +148,7 @@ class ZygoteSpawner:
         ``jail``: every VMM in a jail of its own (``runtime/jail.py``)."""
         self.jail = jail
         self.run_root = state_dir / "run"
-        self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.run_root, "give the daemon a --state directory of your own")
         self.socket_path = state_dir / "zygote.sock"
         self.lease_s = lease_s
         self._log_path = log_path
