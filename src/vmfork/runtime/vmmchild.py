@@ -80,7 +80,7 @@ from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
-from vmfork.vmm.stateformat import read_state_file, write_file_atomic
+from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
@@ -400,7 +400,7 @@ class ControlServer:
                 self.on_stop.set()
                 return {"ok": True}
             return {"ok": False, "error": f"unknown op {op!r}"}
-        except Exception as err:  # reported to the caller, never fatal to the VMM
+        except Exception as err:  # noqa: BLE001 - reported to the caller, never fatal to the VMM
             return {"ok": False, "error": f"{type(err).__name__}: {err}"}
 
     def snapshot(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
@@ -560,7 +560,7 @@ def main(args: dict[str, Any]) -> int:
             # (A jail joined it already, and attached the tap, while it could.)
             enter_netns(str(args["netns"]))  # before any thread: they inherit it
         machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"))
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - whatever failed, the spawner is told why
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
     with machine:
@@ -589,7 +589,7 @@ def main(args: dict[str, Any]) -> int:
                                                     timeout=CONNECT_TIMEOUT))
             unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)),
                                  net_refresh=state.net is not None)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported as the child's failure
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")
             report({"state": "failed", "reason": reason,
