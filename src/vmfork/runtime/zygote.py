@@ -169,6 +169,15 @@ class _Conn:
     holds_lease: bool = False
 
 
+CHILD_PIDS_MAX = 1024
+"""Tasks (threads count) in a child's cgroup on v2: a VMM has one per vCPU, its I/O
+and control threads, a live-BRANCH writer; far fewer than this, far more than a
+fork bomb gets."""
+CHILD_CPU_WEIGHT = 100
+"""Every sandbox the same share of CPU under contention (cgroup v2's default, set
+explicitly so that a parent group's weight is what decides sandboxes against the rest)."""
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
@@ -608,7 +617,8 @@ class Zygote:
             if not isinstance(limit, int) or limit <= 0:
                 raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
             parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
-            cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent)
+            cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent,
+                                pids_max=CHILD_PIDS_MAX, cpu_weight=CHILD_CPU_WEIGHT)
         if run_dir is not None:
             try:
                 os.makedirs(run_dir, mode=0o700, exist_ok=True)

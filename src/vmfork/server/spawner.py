@@ -141,6 +141,18 @@ class Spawner(Protocol):
         they keep running for the next daemon, within the lease)."""
 
 
+VMM_OVERHEAD_MIB = 512
+"""A VMM's own memory beyond its guest's: the interpreter, device buffers, logs."""
+
+
+def default_memory_limit_mib(guest_mib: int) -> int:
+    """The cgroup limit of a sandbox spawned without one: its guest RAM twice (a BRANCH
+    stages a whole memory image in the run directory, which on a tmpfs is memory the
+    VMM is charged for until the daemon has copied it out) plus the VMM's overhead.
+    It bounds a VMM that grows without end, not a guest that uses what it was given."""
+    return 2 * guest_mib + VMM_OVERHEAD_MIB
+
+
 class ZygoteSpawner:
     def __init__(self, state_dir: Path, lease_s: float = DEFAULT_LEASE_S,
                  log_path: Path | None = None, *, jail: bool = True) -> None:
@@ -210,6 +222,8 @@ class ZygoteSpawner:
         # its children (whose ids fork_children chose) can be told from those of
         # concurrent spawns and killed without touching anyone else's.
         batch = Path(tempfile.mkdtemp(prefix="spawn-", dir=self.run_root))
+        if memory_limit_mib is None:
+            memory_limit_mib = default_memory_limit_mib(snapshot.meta.mem_mib)
         try:
             report = fork_children(client, snapshot, n, batch,
                                    memory_limit_mib=memory_limit_mib,
