@@ -36,7 +36,6 @@ from typing import Any
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
-from vmfork.paths import cache_dir
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
@@ -206,27 +205,29 @@ class _Fifo:
 
 
 def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
-    """What a VMM of ``snapshot`` may see: the snapshot's directory, the memory files
-    its plan maps (a diff's ancestors), the content-addressed root disks (read-only,
-    shared by design: decision 3) and this spawn's FIFOs."""
-    read_only = [str(snapshot.path)]
+    """What a VMM of ``snapshot`` may see: the snapshot's files, the memory files its
+    plan maps (a diff's ancestors), its root disk (read-only, shared by design:
+    decision 3) and this spawn's FIFOs. Files one by one, never their directories:
+    the store's directories are the daemon's alone (0700), and a bound directory would
+    keep that mode inside the jail, where the jail's parents are its own."""
+    files = [str(p) for p in snapshot.path.iterdir() if p.is_file()]
+    read_only = list(files)
     # Opened before the uid changes: the jail's uid may not read the daemon's files.
-    preopen = [str(p) for p in snapshot.path.iterdir() if p.is_file()]
+    preopen = list(files)
     plan_path = snapshot.path / PLAN_FILE
     if plan_path.exists():
         plan = read_plan(str(plan_path))
         sources = [plan.source_path(i) for i in range(len(plan.sources))]
         read_only += sources
         preopen += sources
-    disks = cache_dir() / "disks"
-    if disks.is_dir():
-        read_only.append(str(disks))
-        try:
-            state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
-        except VmmError:
-            state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
-        if state is not None and state.blk is not None:
-            preopen.append(str(disk_path(state.blk.device.disk_key)))
+    try:
+        state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
+    except VmmError:
+        state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
+    if state is not None and state.blk is not None:
+        disk = str(disk_path(state.blk.device.disk_key))
+        read_only.append(disk)
+        preopen.append(disk)
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
             "devices": ["/dev/kvm"], "preopen": preopen}
