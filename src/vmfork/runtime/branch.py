@@ -41,6 +41,7 @@ from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 CONTROL_TIMEOUT = 30.0       # connect and the pause itself
+MAX_STATE_BYTES = 64 << 20   # a jailed VMM's state file taken into the store at most
 WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
 MAX_REPLY_BYTES = 1 << 20
 
@@ -231,8 +232,11 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
             else:
                 reply = first
             if reply.get("ok") and staged is not None:
-                _take_from_run_dir(staged[0], memory_path)
-                _take_from_run_dir(staged[1], state_path)
+                _take_from_run_dir(staged[1], state_path, MAX_STATE_BYTES)
+                # The state says how large the guest is: a memory image is that size, a
+                # layer (its pages and their index) at most twice it. No more is copied.
+                mem_size = read_state_file(state_path, MachineState).mem_size
+                _take_from_run_dir(staged[0], memory_path, 2 * mem_size + (1 << 20))
         finally:
             if staged is not None:
                 for path in staged:
@@ -274,12 +278,14 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                         base_tag=parent.tag if parent else None, vmm_timings=timings)
 
 
-def _take_from_run_dir(source: str, target: str) -> None:
+def _take_from_run_dir(source: str, target: str, max_bytes: int) -> None:
     """Copy a jailed VMM's output ``source`` (in its run directory) to ``target``, a new
     0600 file of ours. The VMM is not trusted with what it names: ``source`` must be a
     regular file with one link owned by the run directory's owner (the jail's uid), so
     that a symlink or hard link to a host file cannot be copied into the store (and
-    from there into a guest's memory)."""
+    from there into a guest's memory), and no larger than ``max_bytes`` (a VMM may
+    write up to its RLIMIT_FSIZE into its run directory; the store takes only what a
+    capture of its guest can be)."""
     owner = os.stat(os.path.dirname(source)).st_uid
     try:
         fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -291,6 +297,10 @@ def _take_from_run_dir(source: str, target: str) -> None:
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != owner:
             raise BranchFailed(f"the sandbox's VMM left {source} as something other than a "
                                "file of its own (refused)", stage="capture")
+        if st.st_size > max_bytes:
+            raise BranchFailed(f"the sandbox's VMM left {source} of {st.st_size} bytes, more "
+                               f"than a capture of its guest can be ({max_bytes}; refused)",
+                               stage="capture")
         out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(out, st.st_size)
