@@ -33,7 +33,10 @@ DEBIAN_PACKAGES=(
   squashfs-tools erofs-utils  # users' images: their read-only root disks
   docker-registry skopeo apache2-utils openssl  # OCI import tests: a real registry, its client, htpasswd, token signing
 )
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp maturin)
+# The quality gates' tools pinned (pyproject.toml's dev extra says the same): a new
+# mypy or ruff changes what passes; atheris runs the fuzzing tier (tests/fuzz).
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp maturin
+                     mypy==2.4.1 ruff==0.17.6 atheris==3.0.0)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 

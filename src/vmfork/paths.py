@@ -41,7 +41,8 @@ class UnsafeDirectory(PermissionError):
     """A directory vmfork would keep sockets or state in belongs to someone else."""
 
 
-def private_dir(path: Path) -> Path:
+def private_dir(path: Path, fix: str = "set VMFORK_RUN_DIR to a directory of your own"
+                ) -> Path:
     """``path`` as a directory of this user's alone: made (0700) if missing; else it
     must be a real directory (not a symlink), owned by this user, and writable by no
     one else. ``/tmp/vmfork-<uid>`` is a name any local user can take first: their
@@ -55,14 +56,11 @@ def private_dir(path: Path) -> Path:
         os.mkdir(path, 0o700)
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise UnsafeDirectory(f"{path} is not a directory (a symlink?); remove it, or set "
-                              "VMFORK_RUN_DIR to a directory of your own")
+        raise UnsafeDirectory(f"{path} is not a directory (a symlink?); remove it, or {fix}")
     if st.st_uid != os.geteuid():
         raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to this user "
-                              f"({os.geteuid()}); remove it, or set VMFORK_RUN_DIR to a "
-                              "directory of your own")
+                              f"({os.geteuid()}); remove it, or {fix}")
     if st.st_mode & 0o022:
         raise UnsafeDirectory(f"{path} is writable by other users (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}); chmod go-w it, or set "
-                              "VMFORK_RUN_DIR to a directory of your own")
+                              f"{stat.S_IMODE(st.st_mode):o}); chmod go-w it, or {fix}")
     return path

@@ -33,8 +33,10 @@ from pathlib import Path
 import pytest
 
 from vmfork.client import AsyncSandbox, Controller, ControllerError, Sandbox
+from vmfork.runtime import cgroups
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import ZygoteError
+from vmfork.server.spawner import default_memory_limit_mib
 
 pytestmark = pytest.mark.e2e
 
@@ -140,6 +142,31 @@ def snapshot(home: Home) -> str:
     return "warm"
 
 
+def _assert_contained(pids: list[int], guest_mib: int) -> None:
+    """A daemon's VMMs run jailed (a uid of their own each, no capabilities, seccomp
+    filtering), first in line for the OOM killer, in a memory cgroup with the default
+    limit (none was asked for)."""
+    uids = set()
+    for pid in pids:
+        status = dict(line.split(":\t", 1) for line in
+                      Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+        uid = int(status["Uid"].split()[0])
+        assert uid >= 1_000_000 and int(status["CapEff"], 16) == 0, status
+        assert status["Seccomp"].strip() == "2" and status["NoNewPrivs"].strip() == "1"
+        uids.add(uid)
+        assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
+        h = cgroups.detect()
+        assert h is not None
+        line = next(x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                    if (h.version == 2 and x.startswith("0::")) or
+                    (h.version == 1 and "memory" in x.split(":")[1].split(",")))
+        group = h.root / line.split(":", 2)[2].lstrip("/")
+        assert group.parent.name == cgroups.DEFAULT_PARENT, line
+        limit = int((group / h.limit_file).read_text())
+        assert limit == default_memory_limit_mib(guest_mib) << 20
+    assert len(uids) == len(pids), "one uid per sandbox"
+
+
 def test_daemon_spawn_drive_branch_delete(home: Home, snapshot: str) -> None:
     d = home.start("one", "--kill-sandboxes-on-exit")
     ctl = d.ctl
@@ -147,6 +174,7 @@ def test_daemon_spawn_drive_branch_delete(home: Home, snapshot: str) -> None:
     infos = ctl.spawn_sandboxes(snapshot, n=2)
     pids = [i["pid"] for i in infos]
     assert all(_alive(pid) for pid in pids)
+    _assert_contained(pids, GUEST_MEM_MIB)
     for i in infos:
         assert ctl.ping_sandbox(i["id"])["pong"] is True
         r = ctl.exec_command(i["id"], ["/bin/sh", "-c", "echo out; echo err >&2; exit 4"])

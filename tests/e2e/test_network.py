@@ -41,6 +41,8 @@ INET_HOST_SIDE = "198.51.100.1"
 SERVER_A, SERVER_B = "198.51.100.2", "198.51.100.3"
 SERVER_PORT = 8000
 GUEST_PORT = 8080
+METADATA = "169.254.169.254"   # a cloud metadata address, served "on the internet"
+HOST_PORT = 8001               # a service of the host itself, on all its addresses
 
 WARM = f"""
 import http.server, threading, urllib.request
@@ -95,18 +97,23 @@ def internet() -> Iterator[None]:
         for cmd in (["link", "set", "lo", "up"], ["link", "set", "inet1", "up"],
                     ["addr", "add", f"{SERVER_A}/24", "dev", "inet1"],
                     ["addr", "add", f"{SERVER_B}/24", "dev", "inet1"],
+                    ["addr", "add", f"{METADATA}/32", "dev", "inet1"],
                     ["route", "add", "default", "via", INET_HOST_SIDE]):
             _ip("-n", INET_NS, *cmd)
-        for addr in (SERVER_A, SERVER_B):
+        _ip("route", "add", f"{METADATA}/32", "via", SERVER_A)
+        for addr in (SERVER_A, SERVER_B, METADATA):
             servers.append(subprocess.Popen(
                 ["ip", "netns", "exec", INET_NS, sys.executable, "-c", SERVER, addr,
                  str(SERVER_PORT)]))
+        servers.append(subprocess.Popen([sys.executable, "-c", SERVER, "0.0.0.0",
+                                         str(HOST_PORT)]))
         deadline = time.monotonic() + 60
-        for addr in (SERVER_A, SERVER_B):
+        for addr, port in ((SERVER_A, SERVER_PORT), (SERVER_B, SERVER_PORT),
+                           (METADATA, SERVER_PORT), ("127.0.0.1", HOST_PORT)):
             while True:
                 try:
-                    with urllib.request.urlopen(f"http://{addr}:{SERVER_PORT}/", timeout=5) as r:
-                        assert r.read().decode() == addr
+                    with urllib.request.urlopen(f"http://{addr}:{port}/", timeout=5) as r:
+                        assert r.read().decode() in (addr, "0.0.0.0")
                     break
                 except OSError:
                     assert time.monotonic() < deadline, f"server {addr} did not come up"
@@ -116,6 +123,8 @@ def internet() -> Iterator[None]:
         for server in servers:
             server.kill()
             server.wait()
+        subprocess.run(["ip", "route", "del", f"{METADATA}/32"], capture_output=True,
+                       check=False)
         subprocess.run(["ip", "link", "del", "inet0"], capture_output=True, check=False)
         subprocess.run(["ip", "netns", "del", INET_NS], capture_output=True, check=False)
 
@@ -196,9 +205,9 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
-def _fetch(child: Child, addr: str) -> str:
+def _fetch(child: Child, addr: str, port: int = SERVER_PORT) -> str:
     """``ok:<body>`` or ``error:<exception>``, as the guest's ``fetch`` saw it."""
-    value = child.agent.eval(f"fetch('http://{addr}:{SERVER_PORT}/')").value
+    value = child.agent.eval(f"fetch('http://{addr}:{port}/')").value
     assert value is not None
     return str(ast.literal_eval(value))  # eval gives the repr of the value
 
@@ -239,6 +248,36 @@ def test_egress_allow_deny_and_allowlist(spawner: Spawner) -> None:
     spawner.hostnet.set_egress(child.network, EgressPolicy("deny"))
     child.agent.eval(f"IDENT = {child.vm_id!r}")
     assert _get(f"http://{child.network.address}:{GUEST_PORT}/") == child.vm_id
+
+
+def test_default_policy_refuses_metadata_the_host_and_peers_published_ports(
+        spawner: Spawner) -> None:
+    a, b = spawner.fork(2)
+    assert a.network is not None and b.network is not None
+    assert _fetch(a, SERVER_A) == f"ok:{SERVER_A}", "the internet is allowed by default"
+    # The host answers on every address of its own (127.0.0.1: the fixture saw it).
+    refused = {
+        "metadata": (METADATA, SERVER_PORT),
+        "the host end of its own link": (a.network.host_address, HOST_PORT),
+        "another address of the host": (INET_HOST_SIDE, HOST_PORT),
+    }
+    b.agent.eval(f"IDENT = {b.vm_id!r}")
+    published = spawner.hostnet.expose_port(b.network, GUEST_PORT)
+    assert _get(f"http://127.0.0.1:{published}/") == b.vm_id
+    refused["a peer's published port"] = (INET_HOST_SIDE, published)
+    refused["a peer's published port on its own host end"] = (a.network.host_address,
+                                                              published)
+    for what, (addr, port) in refused.items():
+        assert _fetch(a, addr, port).startswith("error:"), f"{what} ({addr}:{port}) reached"
+    # Asked for, each is reachable: link-local by naming it, the host by reach_host.
+    spawner.hostnet.set_egress(a.network, EgressPolicy("allowlist",
+                                                       cidrs=(f"{METADATA}/32",)))
+    assert _fetch(a, METADATA) == f"ok:{METADATA}"
+    assert _fetch(a, SERVER_A).startswith("error:"), "the allow-list still limits"
+    spawner.hostnet.set_egress(a.network, EgressPolicy(reach_host=True))
+    assert _fetch(a, INET_HOST_SIDE, HOST_PORT) == "ok:0.0.0.0"
+    assert _fetch(a, INET_HOST_SIDE, published) == f"ok:{b.vm_id}"
+    assert _fetch(b, INET_HOST_SIDE, HOST_PORT).startswith("error:"), "only a's policy"
 
 
 def test_net_refresh_aborts_outside_connections_keeps_listeners(spawner: Spawner) -> None:

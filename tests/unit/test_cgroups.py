@@ -161,3 +161,29 @@ def test_sweep_stale_removes_leftovers_and_leaves_live_groups_unless_told(
         proc.wait()
     assert cgroups.list_groups(hierarchy, PARENT) == ["active"]
     cgroups.remove(active)
+
+
+@needs_cgroup
+def test_v2_groups_bound_pids_and_weigh_cpu(hierarchy: cgroups.MemoryHierarchy) -> None:
+    """On v2 (the emulated host's --cgroup v2 layout, production hosts) a child's group
+    also bounds its tasks and has its CPU weight; a hybrid host has no such files."""
+    offered = (hierarchy.root / "cgroup.controllers").read_text().split() \
+        if hierarchy.version == 2 else []
+    if not {"pids", "cpu"} <= set(offered):
+        pytest.skip(f"no v2 pids/cpu controllers here (cgroup v{hierarchy.version})")
+    cg = cgroups.create(hierarchy, "vm-pids", 48 << 20, PARENT, pids_max=8, cpu_weight=50)
+    try:
+        assert (cg.path / "pids.max").read_text().strip() == "8"
+        assert (cg.path / "cpu.weight").read_text().strip() == "50"
+        # It forks only once it is in the group (its first line waits for ours).
+        proc = subprocess.Popen(["sh", "-c", "read go; for i in 1 2 3 4 5 6 7 8 9 10; do "
+                                 "sleep 30 & done; wait"], stdin=subprocess.PIPE)
+        cgroups.join(cg, proc.pid)
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        assert int((cg.path / "pids.events").read_text().split()[1]) > 0, "pids.max hit"
+    finally:
+        cgroups.kill_all(cg, 9)
+        cgroups.remove(cg)

@@ -170,3 +170,30 @@ def test_the_jail_request_of_a_damaged_snapshot_leaves_the_error_to_its_vmm(
     (snap / "memory.bin").write_bytes(b"\0" * 4096)
     request = _jail_request(SimpleNamespace(path=snap), [])  # type: ignore[arg-type]
     assert sorted(request["preopen"]) == [str(snap / "memory.bin"), str(snap / "state.bin")]
+
+
+def test_a_networked_jail_holds_its_tap_and_its_own_tracking_files(client: ZygoteClient,
+                                                                   base: Path) -> None:
+    """The jail joins the sandbox's namespace and attaches to its tap before the drop;
+    inside, the VMM has that descriptor but no /dev/net/tun, and it can still read its
+    own pagemap and clear its soft-dirty bits (BRANCH), which its new uid could not open."""
+    import subprocess
+
+    ns = f"vmfj-{uuid.uuid4().int % 10**6}"   # named as ours: <prefix>-<slot>
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        subprocess.run(["ip", "-n", ns, "tuntap", "add", "tap0", "mode", "tap", "vnet_hdr"],
+                       check=True)
+        log = base / f"{ns}.log"
+        child = client.spawn(E + "jail_net_probe", {
+            "run_dir": str(base / "run" / vid()), "log_path": str(log), "netns": ns,
+            "net_tap": "tap0"}, vm_id=vid(), jail=_jail(71005))
+        event = client.wait(child.vm_id)
+        assert event.exit_code == 0, log.read_text()
+        report = json.loads(log.read_text().splitlines()[-1])
+        assert report["uid"] == 71005 and report["tap"] == "tap0"
+        assert report["netns"] == os.stat(f"/run/netns/{ns}").st_ino
+        assert report["tun"].startswith("refused: FileNotFoundError")
+        assert report["pagemap_bytes"] == 8 and report["clear_refs"] == 1
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)

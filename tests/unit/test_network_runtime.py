@@ -36,7 +36,7 @@ def manager(host: PrivateNet) -> Iterator[HostNetwork]:
 
 def _nft(hn: HostNetwork, child: network.ChildNetwork, chain: str) -> list[dict[str, Any]]:
     listing = hn._on_host(hn._in_child, child, lambda: network._Nft.run(
-        [{"list": {"chain": {"family": "ip", "table": "vmfork", "name": chain}}}], "list"))
+        [{"list": {"chain": {"family": "inet", "table": "vmfork", "name": chain}}}], "list"))
     return [item["rule"]["expr"] for item in listing["nftables"] if "rule" in item]
 
 
@@ -70,7 +70,8 @@ def test_children_get_their_own_namespace_addresses_and_are_removed(
     assert sorted(found.links) == sorted(c.host_veth for c in children)
     assert found.tables == [PREFIX]
     inbound = _nft(manager, children[0], "prerouting")
-    assert inbound[0][-1] == {"dnat": {"addr": "172.16.0.2"}}, "the child address is the guest"
+    assert inbound[0][-1] == {"dnat": {"family": "ip", "addr": "172.16.0.2"}}, \
+        "the child address is the guest"
     for child in children:
         manager.destroy(child)
     manager.destroy(children[0])  # idempotent
@@ -78,15 +79,51 @@ def test_children_get_their_own_namespace_addresses_and_are_removed(
     assert found.namespaces == [] and found.links == []
 
 
+def _is_link_local_reject(rule: list[dict[str, Any]]) -> bool:
+    return "169.254.0.0" in str(rule) and rule[-1] == network._REJECT
+
+
 def test_egress_policies_become_rules(manager: HostNetwork) -> None:
+    ipv6_refused = [{"match": {"op": "==", "left": {"meta": {"key": "nfproto"}},
+                               "right": "ipv6"}}, network._REJECT_ANY]
     child = manager.create(EgressPolicy("deny"))
-    assert _nft(manager, child, "egress") == [[network._REJECT]]
-    manager.set_egress(child, EgressPolicy("allowlist", cidrs=("192.0.2.0/24",)))
     rules = _nft(manager, child, "egress")
-    assert rules[0][-1] == {"accept": None} and "@allowed" in str(rules[0])
-    assert rules[-1] == [network._REJECT] and child.allowed == ("192.0.2.0/24",)
+    assert rules[0] == ipv6_refused and _is_link_local_reject(rules[1])
+    assert rules[2:] == [[network._REJECT]]
+    # An allow-list may name a link-local address: its accept comes before the refusal.
+    manager.set_egress(child, EgressPolicy("allowlist",
+                                           cidrs=("192.0.2.0/24", "169.254.169.254/32")))
+    rules = _nft(manager, child, "egress")
+    assert rules[0] == ipv6_refused
+    assert rules[1][-1] == {"accept": None} and "@allowed" in str(rules[1])
+    assert _is_link_local_reject(rules[2]) and rules[-1] == [network._REJECT]
+    assert child.allowed == ("169.254.169.254/32", "192.0.2.0/24")
     manager.set_egress(child, EgressPolicy())
-    assert _nft(manager, child, "egress") == [[{"accept": None}]]
+    rules = _nft(manager, child, "egress")
+    assert rules[0] == ipv6_refused and _is_link_local_reject(rules[1])
+    assert rules[2:] == [[{"accept": None}]]
+
+
+def test_the_host_guard_refuses_the_host_unless_a_policy_reaches_it(
+        manager: HostNetwork) -> None:
+    listing = manager._on_host(network._Nft.run, [{"list": {"chain": {
+        "family": "inet", "table": PREFIX, "name": "guard"}}}], "list guard")
+    rules = [item["rule"]["expr"] for item in listing["nftables"] if "rule" in item]
+    assert rules[-1][-1] == network._REJECT_ANY and "fib" in str(rules[-1])
+    assert any("@host_ok" in str(r) for r in rules)
+
+    def host_ok() -> list[str]:
+        out = manager._on_host(network._Nft.run, [{"list": {"set": {
+            "family": "inet", "table": PREFIX, "name": "host_ok"}}}], "list host_ok")
+        return list(out["nftables"][1]["set"].get("elem", []))
+
+    child = manager.create(EgressPolicy(reach_host=True))
+    assert host_ok() == [child.host_veth]
+    manager.set_egress(child, EgressPolicy())
+    assert host_ok() == []
+    manager.set_egress(child, EgressPolicy("deny", reach_host=True))
+    manager.destroy(child)
+    assert host_ok() == []   # a later child on this slot's link starts without it
 
 
 def test_published_ports_are_map_elements(host: PrivateNet, manager: HostNetwork) -> None:
@@ -152,7 +189,7 @@ def test_pool_hands_out_spares_once_with_the_requested_policy(host: PrivateNet) 
         assert len(names & set(spares)) == 2, "both spares were used"
         for child in taken:  # a spare got the spawn's policy before it was handed out
             assert child.egress.mode == "deny"
-            assert _nft(pooled, child, "egress") == [[network._REJECT]]
+            assert _nft(pooled, child, "egress")[2:] == [[network._REJECT]]
         assert pooled.wait_for_pool(30) == 2, "topped up again"
         assert len(host.run(network.leftovers, PREFIX).namespaces) == 6
         for child in [first, *taken]:

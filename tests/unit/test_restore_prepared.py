@@ -16,8 +16,14 @@ from vmfork.vmm import vmstate
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.stateformat import StateFormatError, write_state_file
-from vmfork.vmm.vmstate import (MSR_IA32_TSC, MSR_IA32_TSC_DEADLINE, MachineState, VcpuState,
-                                VmState, prepare_restore)
+from vmfork.vmm.vmstate import (
+    MSR_IA32_TSC,
+    MSR_IA32_TSC_DEADLINE,
+    MachineState,
+    VcpuState,
+    VmState,
+    prepare_restore,
+)
 
 
 def pattern(struct: type[ctypes.Structure], seed: int) -> bytes:

@@ -228,13 +228,13 @@ class Served:
 
 
 def _serve(tmp_path: Path, token: bytes | None, heavy: int = 4,
-           spawner: FakeSpawner | None = None) -> Iterator[Served]:
+           spawner: FakeSpawner | None = None, **limits: Any) -> Iterator[Served]:
     store = Store.open(tmp_path / "home")
     registry = Registry(tmp_path / "registry.db")
     spawner = spawner or FakeSpawner()
     metrics = DaemonMetrics("test")
     ctl = Ctl(store, registry, spawner, metrics, make_snapshot=_fake_snapshot,
-              limits=Limits(heavy_concurrency=heavy, retry_after_s=3))
+              limits=Limits(heavy_concurrency=heavy, retry_after_s=3, **limits))
     ctl.start()
     audit = AuditLog(tmp_path / "audit.log")
     server = UnixHTTPServer(tmp_path / "api.sock", handler_for(ServerContext(ctl, token, audit)))
@@ -665,6 +665,26 @@ def test_heavy_operations_are_capped_with_retry_after(tmp_path: Path) -> None:
         assert status == 503 and resp.getheader("Retry-After") == "3"
         assert "retry after 3 s" in body["error"]
         assert "vmfork_heavy_operations_rejected_total 1" in ctl.metrics()
+
+
+def test_daemon_wide_caps_refuse_with_429_and_a_reason(tmp_path: Path) -> None:
+    # Snapshots of this fake are 64 MiB guests: 3 sandboxes fit 200 MiB, a fourth not.
+    for served in _serve(tmp_path, None, max_sandboxes=5, max_guest_mib=200):
+        ctl = Controller(served.url, timeout=10)
+        ctl.create_snapshot("base")
+        assert len(ctl.spawn_sandboxes("base", n=3)) == 3
+        status, body, _ = served.request("POST", "/v1/sandboxes", {"snapshot_tag": "base"})
+        assert status == 429 and body["quota"] == "guest_memory_mib", body
+        assert (body["in_use"], body["limit"]) == (192, 200)
+        assert "--max-guest-memory-mib" in body["error"]
+        status, body, _ = served.request("POST", "/v1/sandboxes",
+                                         {"snapshot_tag": "base", "n": 3})
+        assert status == 429 and body["quota"] == "sandboxes" and "--max-sandboxes" in body[
+            "error"]
+        assert served.spawner.count == 3, "nothing refused reached the spawner"
+        for sandbox in ctl.list_sandboxes():
+            ctl.kill_sandbox(sandbox["id"])
+        assert len(ctl.spawn_sandboxes("base", n=3)) == 3, "deleted ones free their share"
 
 
 def test_audit_log_lines_and_reopen(served: Served) -> None:

@@ -141,6 +141,17 @@ def test_publish_then_get_and_list(store: Store) -> None:
     assert on_disk["format_version"] == 1 and on_disk["tag"] == "warm"
 
 
+def test_published_snapshots_are_the_daemons_alone(store: Store) -> None:
+    """0700 directories, the meta file 0600 (the memory and state files are the
+    writer's, made 0600 by the VMM or the branch copy): no other local user reads a
+    guest's memory or lists the store."""
+    make(store, "private")
+    snap = store.get("private")
+    for d in (store.snapshots_dir, snap.path):
+        assert (d.stat().st_mode & 0o777) == 0o700, d
+    assert (snap.meta_path.stat().st_mode & 0o777) == 0o600
+
+
 def test_list_is_sorted(store: Store) -> None:
     for tag in ["b", "A", "c-2", "a"]:
         make(store, tag)

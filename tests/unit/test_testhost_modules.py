@@ -54,6 +54,10 @@ kernel/net/ipv4/netfilter/nft_fib_ipv4.ko: kernel/net/netfilter/nft_fib.ko kerne
 kernel/net/netfilter/nft_reject.ko: kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
 kernel/net/ipv4/netfilter/nf_reject_ipv4.ko:
 kernel/net/ipv4/netfilter/nft_reject_ipv4.ko: kernel/net/ipv4/netfilter/nf_reject_ipv4.ko kernel/net/netfilter/nft_reject.ko kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/ipv6/netfilter/nft_fib_ipv6.ko: kernel/net/netfilter/nft_fib.ko kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/netfilter/nft_fib_inet.ko: kernel/net/ipv4/netfilter/nft_fib_ipv4.ko kernel/net/ipv6/netfilter/nft_fib_ipv6.ko kernel/net/netfilter/nft_fib.ko kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
+kernel/net/ipv6/netfilter/nf_reject_ipv6.ko:
+kernel/net/netfilter/nft_reject_inet.ko: kernel/net/ipv4/netfilter/nf_reject_ipv4.ko kernel/net/ipv6/netfilter/nf_reject_ipv6.ko kernel/net/netfilter/nft_reject.ko kernel/net/netfilter/nf_tables.ko kernel/net/netfilter/nfnetlink.ko kernel/lib/libcrc32c.ko
 """
 
 
@@ -86,6 +90,7 @@ def test_load_order_of_the_real_module_table() -> None:
         "tun", "veth", "crc32c_generic", "nfnetlink", "libcrc32c", "nf_tables", "nf_defrag_ipv4",
         "nf_defrag_ipv6", "nf_conntrack", "nf_nat", "nft_chain_nat", "nft_nat", "nft_masq",
         "nft_ct", "nft_fib", "nft_fib_ipv4", "nft_reject", "nf_reject_ipv4", "nft_reject_ipv4",
+        "nft_fib_ipv6", "nft_fib_inet", "nf_reject_ipv6", "nft_reject_inet",
     }
     assert "kvm_intel" not in order
     assert order.index("crc32c_generic") < order.index("libcrc32c"), "libcrc32c's softdep"

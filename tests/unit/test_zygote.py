@@ -24,6 +24,7 @@ from vmfork.runtime.zygote_protocol import SpawnItem, ZygoteError
 
 HERE = Path(__file__).resolve().parent
 E = "test_zygote_entries:"
+OOM_SCORE_ADJ_CHILD = 1000
 CG_PARENT = f"vmfork-test-{os.getpid()}"
 
 needs_cgroup = pytest.mark.skipif(
@@ -197,6 +198,9 @@ def test_child_inherits_no_zygote_fd_and_fresh_signals(zygote: ZygoteProcess,
     assert report["sigterm_default"] and report["sigint_python"]
     assert int(report["sigblk"], 16) == 0
     assert report["ctx"] == {"vm_id": child.vm_id, "zygote_pid": zygote.pid, "cgroup": None}
+    # Under memory pressure the kernel kills a VMM before the zygote or the daemon.
+    assert report["oom_score_adj"] == OOM_SCORE_ADJ_CHILD
+    assert int(Path(f"/proc/{zygote.pid}/oom_score_adj").read_text()) < OOM_SCORE_ADJ_CHILD
 
 
 def test_children_die_when_the_zygote_is_sigkilled(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ def _write(args: dict[str, Any], data: object) -> None:
 
 ZYGOTE_ENTRIES = ("sleep", "exit_with", "raise_error", "segfault", "inspect", "fork_to_entry",
                   "allocate", "grandchild", "fill_run_dir", "jail_probe", "jail_forbidden",
-                  "listen_and_sleep")
+                  "listen_and_sleep", "jail_net_probe")
 """Registered with the test zygotes only (``--entries-module test_zygote_entries``)."""
 
 
@@ -73,6 +73,7 @@ def inspect(args: dict[str, Any]) -> int:
         "cgroup": Path("/proc/self/cgroup").read_text(),
         "ctx": {"vm_id": ctx.vm_id, "zygote_pid": ctx.zygote_pid, "cgroup": ctx.cgroup},
         "fork_to_entry_ns": ctx.entry_started_ns - ctx.forked_ns,
+        "oom_score_adj": int(Path("/proc/self/oom_score_adj").read_text()),
     })
     time.sleep(float(args.get("linger", 0)))
     return 0
@@ -187,4 +188,33 @@ def jail_forbidden(args: dict[str, Any]) -> int:
         socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     elif call == "ptrace":
         ctypes.CDLL(None).ptrace(16, os.getppid(), 0, 0)   # PTRACE_ATTACH the zygote
+    return 0
+
+
+def jail_net_probe(args: dict[str, Any]) -> int:
+    """From inside a networked jail: the tap its jail attached, the namespace it is in,
+    what else of the network it can reach, and its own dirty-page tracking files."""
+    import fcntl
+    import json
+
+    from vmfork.vmm import openfiles
+
+    tap = openfiles.take_tap(str(args["net_tap"]))
+    name = ""
+    if tap is not None:
+        ifreq = fcntl.ioctl(tap, 0x800454D2, b"\0" * 40)   # TUNGETIFF
+        name = ifreq[:16].rstrip(b"\0").decode()
+    try:
+        os.open("/dev/net/tun", os.O_RDWR)
+        tun = "allowed"
+    except OSError as err:
+        tun = f"refused: {type(err).__name__}"
+    pagemap = openfiles.open_proc_self("pagemap", os.O_RDONLY)
+    entry = os.pread(pagemap, 8, 0)
+    report = {"tap": name, "netns": os.stat("/proc/self/ns/net").st_ino, "tun": tun,
+              "pagemap_bytes": len(entry),
+              "clear_refs": os.write(openfiles.open_proc_self("clear_refs", os.O_WRONLY),
+                                     b"4"),
+              "uid": os.getuid()}
+    print(json.dumps(report), flush=True)
     return 0

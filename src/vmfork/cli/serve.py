@@ -7,6 +7,7 @@ daemon itself lives in ``vmfork.server.daemon``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,17 @@ def register(sub: Any) -> None:
                    help="keep N sandbox networks made ahead, so that a per_child_netns "
                         "spawn takes one instead of making it; the pool fills on the "
                         "first such spawn (default 0: made per spawn, in parallel)")
+    p.add_argument("--max-sandboxes", type=int, default=1000, metavar="N",
+                   help="running sandboxes at most; more get 429 (default 1000)")
+    p.add_argument("--max-guest-memory-mib", type=int, default=None, metavar="MIB",
+                   help="guest RAM committed to running sandboxes at most (each counts its "
+                        "snapshot's size); more get 429 (default: 4 x this host's RAM)")
+    p.add_argument("--insecure-no-jail", action="store_true",
+                   default=os.environ.get("VMFORK_JAIL") == "0",
+                   help="run sandbox VMMs without a jail (own uid, namespaces, seccomp): a "
+                        "guest that escapes its VMM then holds the daemon's privileges. "
+                        "Without it the daemon refuses to start where it cannot build a "
+                        "jail (default: off; VMFORK_JAIL=0 turns it on)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -76,7 +88,13 @@ def _pool_size(text: str) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from vmfork.runtime.zygote_protocol import ZygoteError
     from vmfork.server.auth import AuthConfigError
-    from vmfork.server.daemon import SOCKET_NAME, Daemon, DaemonConfig, default_state_dir
+    from vmfork.server.daemon import (
+        SOCKET_NAME,
+        Daemon,
+        DaemonConfig,
+        JailUnavailable,
+        default_state_dir,
+    )
     from vmfork.server.registry import RegistryError
     from vmfork.store import StoreError
 
@@ -86,6 +104,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise CliError("--branch-concurrency must be at least 1")
     if not 0 < args.zygote_lease <= 7 * 86400:
         raise CliError("--zygote-lease must be between 0 and 604800 seconds (exclusive of 0)")
+    if args.max_sandboxes < 1:
+        raise CliError("--max-sandboxes must be at least 1")
+    if args.max_guest_memory_mib is not None and args.max_guest_memory_mib < 1:
+        raise CliError("--max-guest-memory-mib must be at least 1")
     state = (args.state or default_state_dir()).absolute()
     socket_path = None if args.no_socket else (args.socket or state / SOCKET_NAME).absolute()
     config = DaemonConfig(state_dir=state, socket_path=socket_path, bind=args.bind,
@@ -98,12 +120,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           networking=not args.no_network,
                           network_prefix=args.network_prefix,
                           network_pool=args.netns_pool,
-                          network_subnet=args.network_subnet)
+                          network_subnet=args.network_subnet,
+                          jail=not args.insecure_no_jail,
+                          max_sandboxes=args.max_sandboxes,
+                          max_guest_mib=args.max_guest_memory_mib)
     try:
         daemon = Daemon(config)
+    except JailUnavailable as err:
+        raise CliError(str(err), 1) from err
     except (AuthConfigError, RegistryError, StoreError, ZygoteError, ValueError,
             OSError) as err:
         raise CliError(str(err), 1) from err
+    if not config.jail:
+        print("vmfork serve: WARNING: --insecure-no-jail: sandbox VMMs run uncontained",
+              file=sys.stderr, flush=True)
     for address in daemon.addresses():
         print(f"vmfork serve: listening on {address}", file=sys.stderr, flush=True)
     daemon.run_until_signalled()

@@ -292,6 +292,7 @@ def embedded_daemon() -> Iterator[Controller]:
     sandboxes die with it (and, should this process be killed, with the zygote's
     short lease)."""
     from vmfork.paths import run_dir
+    from vmfork.runtime.spawn import jail_by_default
     from vmfork.server.daemon import Daemon, DaemonConfig
 
     base = run_dir()
@@ -300,7 +301,7 @@ def embedded_daemon() -> Iterator[Controller]:
     try:
         daemon = Daemon(DaemonConfig(state_dir=state, socket_path=state / "api.sock",
                                      bind=None, kill_sandboxes_on_exit=True,
-                                     zygote_lease_s=10.0))
+                                     zygote_lease_s=10.0, jail=jail_by_default()))
     except Exception as err:
         shutil.rmtree(state, ignore_errors=True)
         raise CliError(f"cannot start an embedded daemon: {err}", 1) from err

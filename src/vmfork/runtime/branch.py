@@ -8,12 +8,23 @@ the pending directory, resolves a diff into a spawnable head
 (``store.layers``), hashes what entered the store, and publishes atomically.
 Any failure -- the VMM refusing, dying mid-write, a full disk -- aborts the
 pending directory: nothing is ever listed ready unless complete.
+
+A jailed VMM (its ``status`` says ``jailed``) sees nothing of the store and may write
+only its run directory. It captures into two fresh names there, and this side copies
+them into the pending directory (``_take_from_run_dir``): a copy, not a rename, so a
+descriptor the VMM kept on its output cannot change the snapshot after its hashes are
+taken, and the store's files are the daemon's (0600), never the jail uid's. Holes stay
+holes (``layerfile.copy_sparse``); the copy runs after the source resumed, so it
+lengthens the branch, not the pause.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -24,11 +35,13 @@ from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTiming
 from vmfork.store.chains import ChainTooDeep, check_depth_for_child, publish_link
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
 from vmfork.store.tags import validate_tag
+from vmfork.vmm import layerfile
 from vmfork.vmm.capture import MODES
 from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 CONTROL_TIMEOUT = 30.0       # connect and the pause itself
+MAX_STATE_BYTES = 64 << 20   # a jailed VMM's state file taken into the store at most
 WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
 MAX_REPLY_BYTES = 1 << 20
 
@@ -195,19 +208,39 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                 check_depth_for_child(store, parent.tag)
             except ChainTooDeep as err:
                 raise BranchFailed(str(err), stage="base") from err
+        memory_path = str(pending.layer_path if mode == "diff" else pending.memory_path)
+        state_path = str(pending.state_path)
+        staged: tuple[str, str] | None = None
+        if status.get("jailed"):
+            run_dir = os.path.dirname(os.path.abspath(control_socket))
+            name = f".branch-{secrets.token_hex(8)}"
+            staged = (os.path.join(run_dir, name + ".memory"),
+                      os.path.join(run_dir, name + ".state"))
         request: dict[str, Any] = {
-            "op": "snapshot", "mode": mode, "memory_path": str(
-                pending.layer_path if mode == "diff" else pending.memory_path),
-            "state_path": str(pending.state_path), "tag": pending.tag, "progress": True}
+            "op": "snapshot", "mode": mode,
+            "memory_path": staged[0] if staged else memory_path,
+            "state_path": staged[1] if staged else state_path,
+            "tag": pending.tag, "progress": True}
         if parent is not None:
             request["base_tag"] = parent.tag
-        control.send(request)
-        first = control.receive(CONTROL_TIMEOUT)
-        if first.get("stage") == "resumed":
-            source_resumed(float(first["timings"]["pause_s"]) * 1000)
-            reply = control.receive(WRITE_TIMEOUT)
-        else:
-            reply = first
+        try:
+            control.send(request)
+            first = control.receive(CONTROL_TIMEOUT)
+            if first.get("stage") == "resumed":
+                source_resumed(float(first["timings"]["pause_s"]) * 1000)
+                reply = control.receive(WRITE_TIMEOUT)
+            else:
+                reply = first
+            if reply.get("ok") and staged is not None:
+                _take_from_run_dir(staged[1], state_path, MAX_STATE_BYTES)
+                # The state says how large the guest is: a memory image is that size, a
+                # layer (its pages and their index) at most twice it. No more is copied.
+                mem_size = read_state_file(state_path, MachineState).mem_size
+                _take_from_run_dir(staged[0], memory_path, 2 * mem_size + (1 << 20))
+        finally:
+            if staged is not None:
+                for path in staged:
+                    _unlink_quietly(path)
     if not reply.get("ok"):
         raise BranchFailed(f"the sandbox's VMM could not snapshot: {reply.get('error')}",
                            stage="capture")
@@ -243,6 +276,47 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                         memory_bytes=int(reply["memory_bytes"]),
                         dirty_pages=reply.get("dirty_pages"),
                         base_tag=parent.tag if parent else None, vmm_timings=timings)
+
+
+def _take_from_run_dir(source: str, target: str, max_bytes: int) -> None:
+    """Copy a jailed VMM's output ``source`` (in its run directory) to ``target``, a new
+    0600 file of ours. The VMM is not trusted with what it names: ``source`` must be a
+    regular file with one link owned by the run directory's owner (the jail's uid), so
+    that a symlink or hard link to a host file cannot be copied into the store (and
+    from there into a guest's memory), and no larger than ``max_bytes`` (a VMM may
+    write up to its RLIMIT_FSIZE into its run directory; the store takes only what a
+    capture of its guest can be)."""
+    owner = os.stat(os.path.dirname(source)).st_uid
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as err:
+        raise BranchFailed(f"the sandbox's VMM reported a snapshot but {source} cannot be "
+                           f"opened: {err.strerror}", stage="capture") from err
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != owner:
+            raise BranchFailed(f"the sandbox's VMM left {source} as something other than a "
+                               "file of its own (refused)", stage="capture")
+        if st.st_size > max_bytes:
+            raise BranchFailed(f"the sandbox's VMM left {source} of {st.st_size} bytes, more "
+                               f"than a capture of its guest can be ({max_bytes}; refused)",
+                               stage="capture")
+        out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(out, st.st_size)
+            layerfile.copy_sparse(fd, out, st.st_size)
+            os.fsync(out)
+        finally:
+            os.close(out)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _meta_or_none(store: Store, tag: str | None) -> SnapshotMeta | None:

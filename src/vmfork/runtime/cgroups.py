@@ -33,6 +33,10 @@ The subtle parts:
   ``memory.failcnt`` / ``memory.memsw.failcnt`` (times the limit was hit; with
   swap accounting the memsw counter is the one that fails), which is weaker
   evidence and is reported as such.
+* Processes and CPU: on v2 a child's group also gets ``pids.max`` and ``cpu.weight``
+  (``+pids +cpu`` delegated down like ``+memory``, where the root offers them). On a
+  v1 memory hierarchy they are not set: those controllers are other v1 hierarchies,
+  and a jailed VMM's processes are bounded by ``RLIMIT_NPROC`` of its own uid instead.
 * ``rmdir`` removes a group only once it has no processes; right after the last
   member is reaped it can still be briefly busy, so removal retries on EBUSY.
 """
@@ -213,14 +217,21 @@ def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
                           op="mkdir", path=str(target), errno=err.errno) from err
     if h.version == 2:
         node = h.root
+        offered = set((h.root / "cgroup.controllers").read_text().split())
         for part in [*target.relative_to(h.root).parts, None]:
             control = node / "cgroup.subtree_control"
-            if "memory" not in control.read_text().split():
-                _write(control, "+memory", "enable-memory")
+            enabled = control.read_text().split()
+            for controller in ("memory", *(c for c in _OPTIONAL_V2 if c in offered)):
+                if controller not in enabled:
+                    _write(control, f"+{controller}", f"enable-{controller}")
             if part is None:
                 break
             node = node / part
     return target
+
+
+_OPTIONAL_V2 = ("pids", "cpu")
+"""v2 controllers a child's group also gets where the hierarchy offers them."""
 
 
 def _procs(path: Path) -> list[int]:
@@ -231,8 +242,10 @@ def _procs(path: Path) -> list[int]:
 
 
 def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
-           parent: str = DEFAULT_PARENT) -> ChildCgroup:
-    """Make ``<parent>/<vm_id>`` with a memory limit of ``limit_bytes``.
+           parent: str = DEFAULT_PARENT, *, pids_max: int | None = None,
+           cpu_weight: int | None = None) -> ChildCgroup:
+    """Make ``<parent>/<vm_id>`` with a memory limit of ``limit_bytes`` and, on v2
+    where the controllers are delegated, ``pids.max`` and ``cpu.weight`` (1-10000).
 
     An empty leftover group of the same name (a crashed spawner's) is replaced; a
     group that still has processes is CgroupBusy.
@@ -265,6 +278,10 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
                 _write(path / "memory.swap.max", "0", "set-swap-max")
             if (path / "memory.oom.group").exists():
                 _write(path / "memory.oom.group", "1", "set-oom-group")
+            if pids_max is not None and (path / "pids.max").exists():
+                _write(path / "pids.max", str(pids_max), "set-pids-max")
+            if cpu_weight is not None and (path / "cpu.weight").exists():
+                _write(path / "cpu.weight", str(cpu_weight), "set-cpu-weight")
     except BaseException:
         remove(cg)
         raise

@@ -5,6 +5,10 @@ parses what the guest writes. If that code has a bug, the jail is what stands be
 the guest and the host. ``enter(spec)`` builds it, in this order (each step needs the
 privileges the next ones drop):
 
+0. **The sandbox's network**, when it has one: ``setns`` into its network namespace
+   and attach to its tap there (``vmm/openfiles.preopen_tap``), while the process still
+   has the capabilities both need; the VMM later takes that descriptor instead of
+   opening ``/dev/net/tun`` (which the jail does not hold).
 1. **Namespaces.** ``unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)``: a mount
    table, System V IPC and host name of its own. (No PID namespace: ``unshare`` of
    one only moves the caller's *children*, and the zygote tracks the VMM by pid.
@@ -45,6 +49,7 @@ from vmfork.vmm import openfiles
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -94,6 +99,10 @@ class JailSpec:
     preopen: tuple[str, ...] = ()
     """Files the VMM must read but its uid may not open (a snapshot's 0600
     ``memory.bin``): opened read-only before the drop (``vmm/openfiles.py``)."""
+    netns: str | None = None
+    """The sandbox's network namespace (``/run/netns/<name>``), joined before the drop."""
+    tap: str | None = None
+    """The tap in ``netns`` its virtio-net attaches to, opened before the drop."""
 
 
 def _check(rc: int, step: str) -> None:
@@ -141,6 +150,20 @@ def enter(spec: JailSpec) -> None:
                         errno.EINVAL)
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     openfiles.preopen(list(spec.preopen))
+    openfiles.preopen_proc_self({"pagemap": os.O_RDONLY, "clear_refs": os.O_WRONLY})
+    if spec.netns is not None:
+        # setns needs CAP_SYS_ADMIN and TUNSETIFF on a tap the jail's uid does not own
+        # needs CAP_NET_ADMIN: both happen here, as root, and only the tap's descriptor
+        # crosses into the jail. The process stays in the sandbox's namespace, whose
+        # only way out is the egress policy on its host end.
+        from vmfork.runtime.network import NetworkError, enter_netns
+        from vmfork.vmm.devices.virtio.net import open_tap
+        try:
+            enter_netns(spec.netns)
+        except NetworkError as err:
+            raise JailError(f"join network namespace {spec.netns}: {err}", errno.EPERM) from err
+        if spec.tap is not None:
+            openfiles.preopen_tap(spec.tap, open_tap(spec.tap))
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
     root = spec.root
@@ -149,9 +172,17 @@ def enter(spec: JailSpec) -> None:
         _make_device(device, root + device, spec.uid, spec.gid)
     # Read-only first, parents before children, then the writable paths: a later bind
     # covers what an earlier one showed at the same place, never the reverse.
-    for path in sorted(spec.read_only, key=len):
+    bound: list[str] = []
+    for path in sorted(set(spec.read_only), key=len):
+        # A path under a directory bound already is visible through it (a diff's own
+        # layer, named by its plan, sits in its snapshot directory), and a mount point
+        # cannot be made inside a read-only bind.
+        if any(path.startswith(parent.rstrip("/") + "/") for parent in bound):
+            continue
         if os.path.exists(path):
             _bind(path, root + path, read_only=True)
+            if os.path.isdir(path):
+                bound.append(path)
     for path in spec.writable:
         _bind(path, root + path, read_only=False)
         os.chown(path, spec.uid, spec.gid)
@@ -226,3 +257,22 @@ def problems() -> list[str]:
     if code > 0 and code & 2:
         out.append("this kernel has no seccomp filters")
     return out
+
+
+def user_namespaces() -> str | None:
+    """None if a new user namespace can be made here, else why not (probed by
+    ``unshare(CLONE_NEWUSER)`` in a throwaway child, with the sysctls that forbid it)."""
+    for path, bad in (("/proc/sys/user/max_user_namespaces", "0"),
+                      ("/proc/sys/kernel/unprivileged_userns_clone", "0")):
+        try:
+            if Path(path).read_text().strip() == bad:
+                return f"{path} is {bad}"
+        except OSError:
+            continue
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _libc.unshare(CLONE_NEWUSER) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return "unshare(CLONE_NEWUSER) is refused here"
+    return None

@@ -230,6 +230,8 @@ def _payload(protocol: str, fld: str) -> dict[str, Any]:
 
 _ACCEPT: dict[str, Any] = {"accept": None}
 _REJECT: dict[str, Any] = {"reject": {"type": "icmp", "expr": "admin-prohibited"}}
+# For both families (an inet chain): ICMPv6 for IPv6, ICMP for IPv4.
+_REJECT_ANY: dict[str, Any] = {"reject": {"type": "icmpx", "expr": "admin-prohibited"}}
 
 
 # -- what the caller chooses -------------------------------------------------------------------
@@ -286,11 +288,16 @@ def host_dns_servers(resolv_conf: str = "/etc/resolv.conf") -> tuple[str, ...]:
 @dataclass(frozen=True)
 class EgressPolicy:
     """What a sandbox may connect to: ``allow`` all (default), ``deny`` all, or
-    ``allowlist`` (``cidrs`` and ``domains``; domains resolved when applied)."""
+    ``allowlist`` (``cidrs`` and ``domains``; domains resolved when applied); never,
+    whatever the mode, the host or link-local addresses unless asked for (below)."""
 
     mode: Literal["allow", "deny", "allowlist"] = "allow"
     cidrs: tuple[str, ...] = ()
     domains: tuple[str, ...] = ()
+    reach_host: bool = False
+    """Let the sandbox reach the host's own addresses (its host end among them) and
+    other sandboxes' published ports, which every policy refuses otherwise. Link-local
+    addresses (cloud metadata) are refused unless ``cidrs`` names them."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("allow", "deny", "allowlist"):
@@ -340,7 +347,8 @@ class ChildNetwork:
                 "host_veth": self.host_veth, "host_address": self.host_address,
                 "address": self.address,
                 "egress": {"mode": self.egress.mode, "cidrs": list(self.egress.cidrs),
-                           "domains": list(self.egress.domains)},
+                           "domains": list(self.egress.domains),
+                           "reach_host": self.egress.reach_host},
                 "allowed": list(self.allowed),
                 "ports": [[p, h, g] for (p, h), g in sorted(self.ports.items())]}
 
@@ -352,7 +360,8 @@ class ChildNetwork:
                    host_address=str(record["host_address"]), address=str(record["address"]),
                    guest=guest,
                    egress=EgressPolicy(egress["mode"], tuple(egress["cidrs"]),
-                                       tuple(egress["domains"])),
+                                       tuple(egress["domains"]),
+                                       bool(egress.get("reach_host", False))),
                    allowed=tuple(record["allowed"]),
                    ports={(str(p), int(h)): int(g) for p, h, g in record["ports"]})
 
@@ -461,12 +470,62 @@ class HostNetwork:
                 _match(_meta("oifname"), links), {"drop": None}]}}},
         ]
         _Nft.run(commands, f"host table ip {self.table}")
+        _Nft.run(self._guard_commands(links), f"host table inet {self.table}")
         _Nft.run_text("\n".join([
             (f"add map ip {self.table} ports {{ type inet_proto . inet_service : "
              f"ipv4_addr . inet_service; }}"),
             *(f"add rule ip {self.table} {chain} fib daddr type local "
               f"dnat ip to meta l4proto . th dport map @ports"
               for chain in ("prerouting", "output"))]), "published-port map")
+
+    def _guard_commands(self, links: str) -> list[dict[str, Any]]:
+        """The host's guard (table ``inet <prefix>``): what a sandbox sends to the host
+        itself is refused before the published-port DNAT (priority -150 < -100) sees
+        it, so a guest reaches neither a service of the host on any of its addresses
+        (its host end included) nor another sandbox's published port, over IPv4 or
+        IPv6. Replies to connections the host opened pass (conntrack has run by then,
+        at -200), and so do the guest's DNS servers on port 53 when one is a host
+        address. A sandbox whose policy has ``reach_host`` has its link in the set
+        ``host_ok`` (``_set_host_access``)."""
+        t = {"family": "inet", "table": self.table}
+        iif = _meta("iifname")
+        table = {"family": "inet", "name": self.table}
+
+        def rule(*expr: dict[str, Any]) -> dict[str, Any]:
+            return {"add": {"rule": {**t, "chain": "guard", "expr": list(expr)}}}
+
+        commands: list[dict[str, Any]] = [
+            {"add": {"table": table}}, {"delete": {"table": table}}, {"add": {"table": table}},
+            {"add": {"set": {**t, "name": "host_ok", "type": "ifname"}}},
+            {"add": {"chain": {**t, "name": "guard", "type": "filter", "hook": "prerouting",
+                               "prio": -150, "policy": "accept"}}},
+            rule(_match(iif, links, "!="), _ACCEPT),
+            rule(_match({"ct": {"key": "state"}}, ["established", "related"], "in"), _ACCEPT),
+            rule(_match(iif, "@host_ok"), _ACCEPT),
+            rule(_match(_meta("nfproto"), "ipv6"), _REJECT_ANY),
+        ]
+        if self.guest.dns:
+            commands.append(rule(
+                _match(_payload("ip", "daddr"), {"set": list(self.guest.dns)}),
+                _match(_meta("l4proto"), {"set": ["tcp", "udp"]}),
+                _match(_payload("th", "dport"), 53), _ACCEPT))
+        commands.append(rule(_match({"fib": {"result": "type", "flags": ["daddr"]}}, "local"),
+                             _REJECT_ANY))
+        return commands
+
+    def _set_host_access(self, child: ChildNetwork, policy: EgressPolicy) -> None:
+        """On a worker: ``child``'s host link in the guard's ``host_ok`` set exactly when
+        its policy asks to reach the host (a slot's link name is reused by later
+        children, so it is also taken out on teardown)."""
+        element = {"family": "inet", "table": self.table, "name": "host_ok",
+                   "elem": [child.host_veth]}
+        if policy.reach_host:
+            _Nft.run([{"add": {"element": element}}], f"host access of {child.netns}")
+        else:
+            try:
+                _Nft.run([{"delete": {"element": element}}], f"host access of {child.netns}")
+            except NetworkError:
+                pass   # it was not there
 
     # -- children ----------------------------------------------------------------------------
     def _claim_slot(self) -> int:
@@ -597,6 +656,7 @@ class HostNetwork:
         given the one its spawn asked for)."""
         self._in_child(child, lambda: _Nft.run(self._egress_commands(policy, allowed),
                                                f"egress policy of {child.netns}"))
+        self._set_host_access(child, policy)
         child.egress, child.allowed = policy, allowed
         return child
 
@@ -608,6 +668,8 @@ class HostNetwork:
         try:
             self._new_namespace(child)
             self._configure_host_end(child)
+            if policy.reach_host:
+                self._set_host_access(child, policy)
         except BaseException:
             self._teardown(child)
             raise
@@ -657,10 +719,10 @@ class HostNetwork:
         _write_sysctl(f"/proc/sys/net/ipv4/conf/{child.host_veth}/route_localnet", "1")
 
     def _child_ruleset(self, child: ChildNetwork) -> list[dict[str, Any]]:
-        t = {"family": "ip", "table": NFT_TABLE_CHILD}
+        t = {"family": "inet", "table": NFT_TABLE_CHILD}
         iif, oif = _meta("iifname"), _meta("oifname")
         return [
-            {"add": {"table": {"family": "ip", "name": NFT_TABLE_CHILD}}},
+            {"add": {"table": {"family": "inet", "name": NFT_TABLE_CHILD}}},
             {"add": {"set": {**t, "name": "allowed", "type": "ipv4_addr",
                              "flags": ["interval"]}}},
             {"add": {"chain": {**t, "name": "prerouting", "type": "nat", "hook": "prerouting",
@@ -672,9 +734,10 @@ class HostNetwork:
             {"add": {"chain": {**t, "name": "egress"}}},
             {"add": {"rule": {**t, "chain": "prerouting", "expr": [
                 _match(iif, INNER_VETH), _match(_payload("ip", "daddr"), child.address),
-                {"dnat": {"addr": child.guest.address}}]}}},
+                {"dnat": {"family": "ip", "addr": child.guest.address}}]}}},
             {"add": {"rule": {**t, "chain": "postrouting", "expr": [
-                _match(oif, INNER_VETH), {"snat": {"addr": child.address}}]}}},
+                _match(oif, INNER_VETH), _match(_meta("nfproto"), "ipv4"),
+                {"snat": {"family": "ip", "addr": child.address}}]}}},
             {"add": {"rule": {**t, "chain": "forward", "expr": [
                 _match({"ct": {"key": "state"}}, ["established", "related"], "in"), _ACCEPT]}}},
             {"add": {"rule": {**t, "chain": "forward", "expr": [
@@ -689,23 +752,32 @@ class HostNetwork:
 
     def _egress_commands(self, policy: EgressPolicy,
                          allowed: tuple[str, ...]) -> list[dict[str, Any]]:
-        t = {"family": "ip", "table": NFT_TABLE_CHILD}
+        """The ``egress`` chain for ``policy``. Whatever the mode, a guest reaches no
+        IPv6 destination (it has no IPv6 address; the table is ``inet`` so that a
+        forged packet is refused, not forwarded) and no link-local IPv4 address
+        (169.254.0.0/16: cloud metadata services answer there) unless its allow-list
+        names it. The host's own addresses and other sandboxes' published ports are
+        refused on the host side (``_setup``, chain ``guard``)."""
+        t = {"family": "inet", "table": NFT_TABLE_CHILD}
         commands: list[dict[str, Any]] = [{"flush": {"chain": {**t, "name": "egress"}}},
                                           {"flush": {"set": {**t, "name": "allowed"}}}]
 
         def rule(*expr: dict[str, Any]) -> dict[str, Any]:
             return {"add": {"rule": {**t, "chain": "egress", "expr": list(expr)}}}
 
+        commands.append(rule(_match(_meta("nfproto"), "ipv6"), _REJECT_ANY))
+        if policy.mode == "allowlist" and allowed:
+            commands.append({"add": {"element": {**t, "name": "allowed", "elem": [
+                {"prefix": {"addr": str(ipaddress.IPv4Network(n).network_address),
+                            "len": ipaddress.IPv4Network(n).prefixlen}}
+                for n in allowed]}}})
+            commands.append(rule(_match(_payload("ip", "daddr"), "@allowed"), _ACCEPT))
+        commands.append(rule(_match(_payload("ip", "daddr"),
+                                    {"prefix": {"addr": "169.254.0.0", "len": 16}}), _REJECT))
         if policy.mode == "allow":
             commands.append(rule(_ACCEPT))
             return commands
         if policy.mode == "allowlist":
-            if allowed:
-                commands.append({"add": {"element": {**t, "name": "allowed", "elem": [
-                    {"prefix": {"addr": str(ipaddress.IPv4Network(n).network_address),
-                                "len": ipaddress.IPv4Network(n).prefixlen}}
-                    for n in allowed]}}})
-            commands.append(rule(_match(_payload("ip", "daddr"), "@allowed"), _ACCEPT))
             if policy.domains and self.guest.dns:
                 commands.append(rule(
                     _match(_payload("ip", "daddr"), {"set": list(self.guest.dns)}),
@@ -816,6 +888,8 @@ class HostNetwork:
                          f"unpublish the ports of {child.netns}")
             except NetworkError as err:
                 log.warning("%s", err)
+        if child.egress.reach_host:
+            self._set_host_access(child, EgressPolicy(child.egress.mode))
         with _iproute() as ipr:
             for index in ipr.link_lookup(ifname=child.host_veth):
                 try:
@@ -848,8 +922,9 @@ class HostNetwork:
 
     def remove_host_table(self) -> None:
         """Drop the host table (NAT, published ports). For a manager shutting down for good."""
-        self._on_host(_Nft.run, [{"delete": {"table": {"family": "ip", "name": self.table}}}],
-                      f"delete host table ip {self.table}")
+        self._on_host(_Nft.run, [{"delete": {"table": {"family": "ip", "name": self.table}}},
+                                 {"delete": {"table": {"family": "inet", "name": self.table}}}],
+                      f"delete host tables ip/inet {self.table}")
 
 
 def _make_persistent_tap(name: str) -> None:
@@ -953,4 +1028,6 @@ def cleanup_stale(prefix: str = DEFAULT_PREFIX,
         _remove_netns_mount(name)
     for table in found.tables:
         _Nft.run([{"delete": {"table": {"family": "ip", "name": table}}}], f"delete {table}")
+    guard = {"family": "inet", "name": prefix}   # the host guard, if a manager left one
+    _Nft.run([{"add": {"table": guard}}, {"delete": {"table": guard}}], f"delete inet {prefix}")
     return found

@@ -36,7 +36,6 @@ from typing import Any
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
-from vmfork.paths import cache_dir
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
@@ -53,8 +52,13 @@ SECCOMP_LOG_ENV = "VMFORK_SECCOMP_LOG"
 """``1``: a jailed VMM's seccomp filter logs calls outside its list instead of killing
 (the kernel's audit records, type 1326), to collect what a workload needs."""
 JAIL_ENV = "VMFORK_JAIL"
-"""``1`` jails every VMM this process spawns (off by default while the jail cannot
-yet serve BRANCH or networked sandboxes: docs/security.md)."""
+"""``0`` spawns VMMs without a jail (for comparisons, and hosts that cannot build one);
+anything else, or unset, jails every VMM this process spawns (docs/security.md)."""
+
+
+def jail_by_default() -> bool:
+    """Whether a spawn that does not say is jailed: yes unless ``VMFORK_JAIL=0``."""
+    return os.environ.get(JAIL_ENV, "1") != "0"
 # Every child's status.json is re-read this often even without a FIFO line.
 FULL_SCAN_S = 0.25
 # The zygote's exit events (children that died without a status) this often.
@@ -125,13 +129,10 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
 
     ``progress(restored, ready, failed)`` is called as counts change.
 
-    ``jail``: build each VMM a jail (``runtime/jail.py``); None reads ``VMFORK_JAIL``.
+    ``jail``: build each VMM a jail (``runtime/jail.py``); None: ``jail_by_default()``.
     """
     if jail is None:
-        jail = os.environ.get(JAIL_ENV) == "1"
-    if jail and per_child_netns:
-        raise ValueError("a jailed VMM cannot have a network of its own yet "
-                         "(unset VMFORK_JAIL or spawn without per_child_netns)")
+        jail = jail_by_default()
     if wait_for not in ("ready", "restored"):
         raise ValueError(f"wait_for must be 'ready' or 'restored', not {wait_for!r}")
     done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")
@@ -204,27 +205,29 @@ class _Fifo:
 
 
 def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
-    """What a VMM of ``snapshot`` may see: the snapshot's directory, the memory files
-    its plan maps (a diff's ancestors), the content-addressed root disks (read-only,
-    shared by design: decision 3) and this spawn's FIFOs."""
-    read_only = [str(snapshot.path)]
+    """What a VMM of ``snapshot`` may see: the snapshot's files, the memory files its
+    plan maps (a diff's ancestors), its root disk (read-only, shared by design:
+    decision 3) and this spawn's FIFOs. Files one by one, never their directories:
+    the store's directories are the daemon's alone (0700), and a bound directory would
+    keep that mode inside the jail, where the jail's parents are its own."""
+    files = [str(p) for p in snapshot.path.iterdir() if p.is_file()]
+    read_only = list(files)
     # Opened before the uid changes: the jail's uid may not read the daemon's files.
-    preopen = [str(p) for p in snapshot.path.iterdir() if p.is_file()]
+    preopen = list(files)
     plan_path = snapshot.path / PLAN_FILE
     if plan_path.exists():
         plan = read_plan(str(plan_path))
         sources = [plan.source_path(i) for i in range(len(plan.sources))]
         read_only += sources
         preopen += sources
-    disks = cache_dir() / "disks"
-    if disks.is_dir():
-        read_only.append(str(disks))
-        try:
-            state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
-        except VmmError:
-            state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
-        if state is not None and state.blk is not None:
-            preopen.append(str(disk_path(state.blk.device.disk_key)))
+    try:
+        state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
+    except VmmError:
+        state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
+    if state is not None and state.blk is not None:
+        disk = str(disk_path(state.blk.device.disk_key))
+        read_only.append(disk)
+        preopen.append(disk)
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
             "devices": ["/dev/kvm"], "preopen": preopen}

@@ -80,7 +80,7 @@ from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
-from vmfork.vmm.stateformat import read_state_file, write_file_atomic
+from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
@@ -324,8 +324,11 @@ class ControlServer:
     """
 
     def __init__(self, machine: Machine, path: str, on_stop: threading.Event,
-                 origin_tag: str | None = None) -> None:
+                 origin_tag: str | None = None, *, jailed: bool = False) -> None:
         self.machine = machine
+        # A jailed VMM sees only its run directory: a BRANCH must name files there
+        # (runtime/branch.py copies them into the store), and status says so.
+        self.jailed = jailed
         self.on_stop = on_stop
         if origin_tag is None and machine.config.memory_plan is not None:
             origin_tag = os.path.basename(machine.config.memory_plan.directory or "") or None
@@ -381,7 +384,8 @@ class ControlServer:
                 return {"ok": True, "paused": m.paused,
                         "exit": None if exit_ is None else exit_.reason,
                         "snapshot_bases": self.snapshots.bases(),
-                        "snapshot_tracking": self.snapshots.tracking}
+                        "snapshot_tracking": self.snapshots.tracking,
+                        "jailed": self.jailed}
             if op == "pause":
                 m.pause()
                 return {"ok": True}
@@ -396,7 +400,7 @@ class ControlServer:
                 self.on_stop.set()
                 return {"ok": True}
             return {"ok": False, "error": f"unknown op {op!r}"}
-        except Exception as err:  # reported to the caller, never fatal to the VMM
+        except Exception as err:  # noqa: BLE001 - reported to the caller, never fatal to the VMM
             return {"ok": False, "error": f"{type(err).__name__}: {err}"}
 
     def snapshot(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
@@ -552,14 +556,11 @@ def main(args: dict[str, Any]) -> int:
     try:
         forked = zygote_child.current()
         jailed = forked is not None and forked.jailed
-        if args.get("netns"):
-            if jailed:
-                # setns needs CAP_SYS_ADMIN, which the jail dropped, and attaching the
-                # tap needs it to be owned by the jail's uid: not built yet.
-                raise RuntimeError("a jailed VMM cannot join a network namespace yet")
+        if args.get("netns") and not jailed:
+            # (A jail joined it already, and attached the tap, while it could.)
             enter_netns(str(args["netns"]))  # before any thread: they inherit it
         machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"))
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - whatever failed, the spawner is told why
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
     with machine:
@@ -582,13 +583,13 @@ def main(args: dict[str, Any]) -> int:
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
         report({"state": "restored", "pid": os.getpid(), **timings})
-        control = ControlServer(machine, str(run_dir / "control.sock"), stop)
+        control = ControlServer(machine, str(run_dir / "control.sock"), stop, jailed=jailed)
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
             unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)),
                                  net_refresh=state.net is not None)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - reported as the child's failure
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")
             report({"state": "failed", "reason": reason,

@@ -169,11 +169,21 @@ class _Conn:
     holds_lease: bool = False
 
 
+CHILD_PIDS_MAX = 1024
+"""Tasks (threads count) in a child's cgroup on v2: a VMM has one per vCPU, its I/O
+and control threads, a live-BRANCH writer; far fewer than this, far more than a
+fork bomb gets."""
+CHILD_CPU_WEIGHT = 100
+"""Every sandbox the same share of CPU under contention (cgroup v2's default, set
+explicitly so that a parent group's weight is what decides sandboxes against the rest)."""
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec | None:
+def _jail_spec(value: object, run_dir: str | None, taken: set[int],
+               args: dict[str, Any]) -> JailSpec | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
@@ -207,7 +217,12 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int]) -> JailSpec 
     # The environment is emptied; what vmfork reads from it (where its cache is) is
     # resolved here and passed on, nothing else of the daemon's environment is.
     env = {"VMFORK_CACHE_DIR": str(cache_dir())}
-    return JailSpec(root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
+    # A networked VMM's namespace and tap are in its args (one per child, where the
+    # jail request is one per batch); the jail joins and opens them before the drop.
+    netns, tap = args.get("netns"), args.get("net_tap")
+    if not (netns is None or isinstance(netns, str)) or not (tap is None or isinstance(tap, str)):
+        raise RequestError("args.netns and args.net_tap must be strings")
+    return JailSpec(netns=netns, tap=tap, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
                     read_only=(*python_paths(), *paths["read_only"]),
                     writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
                     preopen=paths["preopen"])
@@ -602,7 +617,8 @@ class Zygote:
             if not isinstance(limit, int) or limit <= 0:
                 raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
             parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
-            cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent)
+            cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent,
+                                pids_max=CHILD_PIDS_MAX, cpu_weight=CHILD_CPU_WEIGHT)
         if run_dir is not None:
             try:
                 os.makedirs(run_dir, mode=0o700, exist_ok=True)
@@ -611,7 +627,7 @@ class Zygote:
                     cgroups.remove(cg)
                 raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
                                    "HostError") from err
-        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken)
+        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args)
         if jail_spec is not None and run_dir is not None:
             os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
             self._uids_taken.add(jail_spec.uid)

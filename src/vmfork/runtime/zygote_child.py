@@ -22,7 +22,10 @@ The child contract, in the order the steps run (each has a reason):
    puts the handlers the zygote installed (SIGTERM, SIGINT) back to Python's
    start-up state (SIGTERM default, SIGINT raising KeyboardInterrupt), and only then
    empties the signal mask; pending signals are delivered at that point.
-5. **Cgroup.** If the spawn asked for a memory limit, the child writes its own pid
+5. **OOM order.** ``oom_score_adj`` 1000 (``OOM_SCORE_ADJ``): when the host runs out
+   of memory, the kernel kills VMMs (one sandbox each) before the zygote or the daemon
+   (each holds every sandbox). A process may always raise its own score.
+5b. **Cgroup.** If the spawn asked for a memory limit, the child writes its own pid
    into its group's ``cgroup.procs`` before it allocates anything of its own (v1
    charges do not follow a process that moves later).
 6. **Fds.** stdin is ``/dev/null``; stdout and stderr go to ``args["log_path"]``
@@ -58,6 +61,8 @@ from vmfork.runtime import cgroups, jail
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
 
 PR_SET_PDEATHSIG = 1
+OOM_SCORE_ADJ = 1000
+"""A VMM is the first process the OOM killer takes (the maximum; see step 5)."""
 _libc = ctypes.CDLL(None, use_errno=True)
 
 Entry = Callable[[dict[str, Any]], object]
@@ -114,6 +119,11 @@ def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    try:
+        with open("/proc/self/oom_score_adj", "w") as adj:
+            adj.write(str(OOM_SCORE_ADJ))
+    except OSError as err:
+        _fail(f"cannot set oom_score_adj: {err.strerror}")
     if cgroup is not None:
         try:
             cgroups.join(cgroup, os.getpid())

@@ -164,7 +164,8 @@ SANDBOX_CREATE = {
     "snapshot_tag": Field(str, check=check_tag),
     "n": Field(int, 1, between(1, MAX_SANDBOXES_PER_REQUEST)),
     "per_child_netns": Field(bool, False),
-    # vmfork's extension: {"mode": "allow"|"deny"|"allowlist", "cidrs": [], "domains": []}
+    # vmfork's extension: {"mode": "allow"|"deny"|"allowlist", "cidrs": [], "domains": [],
+    # "reach_host": false}
     "egress": Field(dict, None, nullable=True),
     "memory_limit_mib": Field(int, None, between(16, 1 << 20), nullable=True),
     "prewarm": Field(bool, False),
@@ -219,6 +220,9 @@ EGRESS = {
     "mode": Field(str, check=one_of("allow", "deny", "allowlist")),
     "cidrs": Field(list, []),
     "domains": Field(list, []),
+    # Whether the sandbox may reach the host's own addresses and other sandboxes'
+    # published ports, which every policy refuses otherwise (docs/security.md).
+    "reach_host": Field(bool, False),
 }
 
 PORT_QUERY = {"protocol": Field(str, "tcp", one_of("tcp", "udp"))}

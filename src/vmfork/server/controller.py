@@ -57,6 +57,7 @@ from vmfork.server.errors import (
     GatewayTimeout,
     NotFound,
     NotImplementedApi,
+    QuotaExceeded,
     Unprocessable,
 )
 from vmfork.server.images import ImageBuilds
@@ -107,6 +108,21 @@ class Limits:
     # route forwards output as it comes and keeps none), and entries of a file listing.
     exec_output_bytes: int = 4 << 20
     list_entries: int = 10_000
+    # Daemon-wide caps on what clients may start (429 beyond them): running sandboxes,
+    # and guest RAM committed to them (each sandbox counts its snapshot's mem_mib, though
+    # children share their snapshot's pages until they write: the cap bounds what they
+    # could come to hold). None: four times the host's RAM (see docs/security.md).
+    max_sandboxes: int = 1000
+    max_guest_mib: int | None = None
+
+
+def host_memory_mib() -> int:
+    """MemTotal of this host, in MiB."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    raise OSError("no MemTotal in /proc/meminfo")
 
 
 BRANCH_MODES = ("full", "diff", "live")
@@ -129,6 +145,12 @@ class Controller:
         self._branch_lock = threading.Lock()
         self._branch_threads: list[threading.Thread] = []
         self._workspace_lock = threading.Lock()
+        # Sandboxes and guest MiB of spawns admitted and still running (not yet in the
+        # registry): concurrent spawns must not all pass the caps on the same count.
+        self._admission_lock = threading.Lock()
+        self._admitted = (0, 0)
+        self.max_guest_mib = (limits.max_guest_mib if limits.max_guest_mib is not None
+                              else 4 * host_memory_mib())
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self.images = ImageBuilds(store, metrics, concurrency=limits.image_builds,
@@ -270,6 +292,44 @@ class Controller:
             yield
         finally:
             self._heavy.release()
+
+    @contextmanager
+    def _admission(self, n: int, mem_mib: int, tag: str) -> Iterator[None]:
+        """Admit ``n`` sandboxes of ``mem_mib`` each under the daemon-wide caps, or raise
+        ``QuotaExceeded`` (429) saying which cap and how much is in use."""
+        with self._admission_lock:
+            running = self.registry.list_sandboxes(RUNNING)
+            sizes: dict[str, int] = {}
+            for record in running:
+                if record.snapshot_tag not in sizes:
+                    try:
+                        sizes[record.snapshot_tag] = self.store.get(record.snapshot_tag
+                                                                    ).meta.mem_mib
+                    except (SnapshotNotFound, SnapshotCorrupt, ValueError):
+                        sizes[record.snapshot_tag] = 0   # deleted since: its size unknown
+            count = len(running) + self._admitted[0]
+            committed = sum(sizes[r.snapshot_tag] for r in running) + self._admitted[1]
+            cap = self.limits.max_sandboxes
+            if count + n > cap:
+                raise QuotaExceeded(
+                    f"spawn {n} sandboxes of {tag!r}: {count} of this daemon's {cap} "
+                    "sandboxes are running or starting; delete some, or raise the cap "
+                    "(vmfork serve --max-sandboxes)",
+                    extra={"quota": "sandboxes", "in_use": count, "limit": cap})
+            if committed + n * mem_mib > self.max_guest_mib:
+                raise QuotaExceeded(
+                    f"spawn {n} sandboxes of {tag!r} ({mem_mib} MiB of guest RAM each): "
+                    f"{committed} MiB of this daemon's {self.max_guest_mib} MiB of guest "
+                    "RAM are committed; delete some sandboxes, or raise the cap "
+                    "(vmfork serve --max-guest-memory-mib)",
+                    extra={"quota": "guest_memory_mib", "in_use": committed,
+                           "limit": self.max_guest_mib})
+            self._admitted = (self._admitted[0] + n, self._admitted[1] + n * mem_mib)
+        try:
+            yield
+        finally:
+            with self._admission_lock:
+                self._admitted = (self._admitted[0] - n, self._admitted[1] - n * mem_mib)
 
     # -- service --------------------------------------------------------------------
 
@@ -474,7 +534,8 @@ class Controller:
             raise Conflict(str(err)) from err
         spawner = self._spawner()
         network_args = self._network_args(body, snap)
-        with self._heavy_slot(f"spawn {n} sandboxes of {tag!r}"):
+        with self._heavy_slot(f"spawn {n} sandboxes of {tag!r}"), \
+                self._admission(n, snap.meta.mem_mib, tag):
             started = time.time()
             try:
                 outcome = spawner.spawn(snap, n, body["memory_limit_mib"], **network_args)

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from vmfork import __version__
+from vmfork.paths import private_dir
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
@@ -89,6 +90,15 @@ class DaemonConfig:
     network_prefix: str = "vmf"
     network_subnet: str = "10.200.0.0/16"
     network_pool: int = 0             # spare networks kept ready (HostNetwork.pool_size)
+    # Every VMM in a jail (runtime/jail.py). False only when asked for
+    # (--insecure-no-jail): a daemon that cannot build one refuses to start.
+    jail: bool = True
+    max_sandboxes: int = 1000          # running sandboxes (429 beyond)
+    max_guest_mib: int | None = None   # guest RAM committed to them; None: 4 x host RAM
+
+
+class JailUnavailable(RuntimeError):
+    """The daemon would run sandboxes uncontained; it refuses to start."""
 
 
 # How each kind of ParentFailed reaches the API: the request's fault 4xx, the user's
@@ -167,6 +177,23 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
+def _check_jail() -> None:
+    """Refuse to start (``JailUnavailable``) when this host cannot jail a VMM: running
+    guests of untrusted code uncontained must be a choice, never a fallback."""
+    from vmfork.runtime import jail, seccomp
+
+    problems = jail.problems()
+    no_filter = seccomp.available()
+    if no_filter is not None:
+        problems.append(no_filter)
+    if problems:
+        raise JailUnavailable("cannot jail sandbox VMMs on this host: " + "; ".join(problems)
+                              + ". Run the daemon as root on a kernel with seccomp and "
+                              "mount namespaces (`vmfork doctor` says what is missing), or "
+                              "start it with --insecure-no-jail (VMFORK_JAIL=0) to run "
+                              "sandboxes uncontained")
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -175,7 +202,11 @@ class Daemon:
             auth.check_bind(parse_bind(config.bind)[0], self.token)
         if config.socket_path is None and config.bind is None:
             raise ValueError("nothing to listen on: give a Unix socket path or --bind")
-        config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if config.spawner and config.jail:
+            _check_jail()
+        # The registry, the zygote's socket and every sandbox's run directory live here:
+        # a directory another user owns or can write would hand them our sandboxes.
+        private_dir(config.state_dir, "give --state a directory of your own")
         # One daemon per state directory: a second one would reconcile the zygote's
         # children against a registry another daemon is still writing (and kill the
         # children of its spawns in flight as unknown).
@@ -187,12 +218,15 @@ class Daemon:
         self.spawner: Spawner | None = None
         if config.spawner:
             self.spawner = ZygoteSpawner(config.state_dir, lease_s=config.zygote_lease_s,
-                                         log_path=config.state_dir / "zygote.log")
+                                         log_path=config.state_dir / "zygote.log",
+                                         jail=config.jail)
         maker = ParentMaker(config.state_dir)
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=maker,
                                      limits=Limits(heavy_concurrency=config.heavy_concurrency,
-                                                   branch_concurrency=config.branch_concurrency),
+                                                   branch_concurrency=config.branch_concurrency,
+                                                   max_sandboxes=config.max_sandboxes,
+                                                   max_guest_mib=config.max_guest_mib),
                                      networks=self._host_networks())
         self.controller.start()
         maker.networks = self.controller.networks  # None if they failed to start

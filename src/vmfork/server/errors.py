@@ -64,6 +64,12 @@ class BadGateway(ApiError):
     status = 502
 
 
+class QuotaExceeded(ApiError):
+    """The daemon-wide caps on sandboxes or committed guest RAM would be exceeded; the
+    message says which cap, what is in use and the flag that sets it."""
+    status = 429
+
+
 class Busy(ApiError):
     """Too many heavy operations at once; retry after ``retry_after`` seconds."""
     status = 503

@@ -37,14 +37,16 @@ log = logging.getLogger(__name__)
 
 
 def egress_policy(spec: dict[str, Any] | None) -> EgressPolicy | None:
-    """``{"mode": "allow"|"deny"|"allowlist", "cidrs": [...], "domains": [...]}`` as a
-    policy; BadRequest naming what is wrong."""
+    """``{"mode": "allow"|"deny"|"allowlist", "cidrs": [...], "domains": [...],
+    "reach_host": bool}`` as a policy; BadRequest naming what is wrong. ``reach_host``
+    (default false) lets the sandbox reach the host's addresses and other sandboxes'
+    published ports; link-local addresses need an allow-list entry."""
     if spec is None:
         return None
-    unknown = sorted(set(spec) - {"mode", "cidrs", "domains"})
+    unknown = sorted(set(spec) - {"mode", "cidrs", "domains", "reach_host"})
     if unknown:
         raise BadRequest(f"egress: unknown field {unknown[0]!r}; accepted: mode, cidrs, "
-                         "domains")
+                         "domains, reach_host")
     mode = spec.get("mode", "allow")
     lists: dict[str, tuple[str, ...]] = {}
     for name in ("cidrs", "domains"):
@@ -56,8 +58,12 @@ def egress_policy(spec: dict[str, Any] | None) -> EgressPolicy | None:
         lists[name] = tuple(value)
     if not isinstance(mode, str):
         raise BadRequest("egress: mode must be a string: allow, deny or allowlist")
+    reach_host = spec.get("reach_host", False)
+    if not isinstance(reach_host, bool):
+        raise BadRequest("egress: reach_host must be true or false")
     try:
-        return EgressPolicy(mode, lists["cidrs"], lists["domains"])  # type: ignore[arg-type]
+        return EgressPolicy(mode, lists["cidrs"], lists["domains"],  # type: ignore[arg-type]
+                            reach_host)
     except ValueError as err:
         raise BadRequest(f"egress: {err}") from err
 

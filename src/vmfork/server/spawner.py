@@ -35,6 +35,7 @@ from typing import Any, Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.paths import private_dir
 from vmfork.runtime.branch import BranchResult, branch_into_pending
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork, NetworkError
 from vmfork.runtime.spawn import SpawnFailed, fork_children
@@ -140,12 +141,26 @@ class Spawner(Protocol):
         they keep running for the next daemon, within the lease)."""
 
 
+VMM_OVERHEAD_MIB = 512
+"""A VMM's own memory beyond its guest's: the interpreter, device buffers, logs."""
+
+
+def default_memory_limit_mib(guest_mib: int) -> int:
+    """The cgroup limit of a sandbox spawned without one: its guest RAM twice (a BRANCH
+    stages a whole memory image in the run directory, which on a tmpfs is memory the
+    VMM is charged for until the daemon has copied it out) plus the VMM's overhead.
+    It bounds a VMM that grows without end, not a guest that uses what it was given."""
+    return 2 * guest_mib + VMM_OVERHEAD_MIB
+
+
 class ZygoteSpawner:
     def __init__(self, state_dir: Path, lease_s: float = DEFAULT_LEASE_S,
-                 log_path: Path | None = None) -> None:
-        """``log_path``: where the zygote's stderr goes (appended; default: ours)."""
+                 log_path: Path | None = None, *, jail: bool = True) -> None:
+        """``log_path``: where the zygote's stderr goes (appended; default: ours).
+        ``jail``: every VMM in a jail of its own (``runtime/jail.py``)."""
+        self.jail = jail
         self.run_root = state_dir / "run"
-        self.run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(self.run_root, "give the daemon a --state directory of your own")
         self.socket_path = state_dir / "zygote.sock"
         self.lease_s = lease_s
         self._log_path = log_path
@@ -207,12 +222,14 @@ class ZygoteSpawner:
         # its children (whose ids fork_children chose) can be told from those of
         # concurrent spawns and killed without touching anyone else's.
         batch = Path(tempfile.mkdtemp(prefix="spawn-", dir=self.run_root))
+        if memory_limit_mib is None:
+            memory_limit_mib = default_memory_limit_mib(snapshot.meta.mem_mib)
         try:
             report = fork_children(client, snapshot, n, batch,
                                    memory_limit_mib=memory_limit_mib,
                                    timeout=SPAWN_READY_TIMEOUT_S,
                                    per_child_netns=network is not None, network=network,
-                                   egress=egress)
+                                   egress=egress, jail=self.jail)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "

@@ -245,7 +245,7 @@ def compact(store: Store, source_tag: str, new_tag: str) -> Snapshot:
             with open(source.memory_path, "rb", buffering=0) as src:
                 size = os.fstat(src.fileno()).st_size
                 fd = os.open(pending.memory_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                             | os.O_CLOEXEC, 0o644)
+                             | os.O_CLOEXEC, 0o600)
                 try:
                     os.ftruncate(fd, size)
                     layerfile.copy_sparse(src.fileno(), fd, size)

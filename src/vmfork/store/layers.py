@@ -139,7 +139,7 @@ def materialise(plan: memplan.MemoryPlan, paths: list[Path], out: Path) -> int:
     try:
         for path in paths:
             fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, plan.mem_size)
             copied = layerfile.copy_sparse(fds[0], fd, plan.mem_size)
@@ -159,7 +159,7 @@ def materialise(plan: memplan.MemoryPlan, paths: list[Path], out: Path) -> int:
 def write_new_file(path: Path, data: bytes) -> None:
     """Create ``path`` (it must not exist) holding ``data``, fsynced; the caller renames
     or publishes it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)
         while view:

@@ -512,7 +512,7 @@ def _copy(source: TarStream, want: _Expected) -> str:
     mib.update(want.size.to_bytes(8, "little"))
     fd = -1
     if want.target is not None:
-        fd = os.open(want.target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(want.target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         offset = 0
         while offset < want.size:

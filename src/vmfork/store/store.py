@@ -405,7 +405,7 @@ class Store:
     def _ensure_dirs(self) -> None:
         for d in (self.snapshots_dir, self.locks_dir):
             try:
-                d.mkdir(parents=True, exist_ok=True)
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
             except OSError as err:
                 raise StoreError(f"cannot create the store directory {d}: {err.strerror}; set "
                                  "VMFORK_HOME to a writable directory", path=d) from err
@@ -579,7 +579,7 @@ class PendingSnapshot:
         stage = f"write {META_FILE}"
         try:
             fd = os.open(self.path / META_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                         | os.O_CLOEXEC, 0o644)
+                         | os.O_CLOEXEC, 0o600)
             try:
                 view = memoryview(encode_meta(final))
                 while view:
@@ -588,8 +588,10 @@ class PendingSnapshot:
                 os.close(fd)
             stage = "fsync the files"
             _fsync_tree(self.path)
-            stage = "make the directory readable"
-            os.chmod(self.path, 0o755)
+            # The daemon's alone (0700, its files 0600): a jailed VMM gets the files it
+            # maps as descriptors opened before its uid changed, bound one by one.
+            stage = "make the directory private"
+            os.chmod(self.path, 0o700)
             _fsync_dir(self.path)
             links = (ChainsLock(self.store.locks_dir) if final.parent_tag is not None
                      else contextlib.nullcontext())

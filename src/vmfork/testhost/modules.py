@@ -48,7 +48,9 @@ MODULE_GROUPS: Mapping[str, tuple[str, ...]] = {
     # modules.dep does not list, and fails to load without a crc32c implementation.
     "per-child networks (runtime/network.py): taps, veths, nftables NAT, fib, reject": (
         "tun", "veth", "crc32c_generic", "nf_tables", "nft_chain_nat", "nft_nat", "nft_masq", "nft_ct",
-        "nft_fib_ipv4", "nft_reject_ipv4"),
+        "nft_fib_ipv4", "nft_reject_ipv4",
+        # the inet tables of the egress rules and the host guard (IPv6 covered too)
+        "nft_fib_inet", "nft_reject_inet"),
 }
 
 KERNEL_PACKAGE = "linux-image-amd64"

@@ -46,6 +46,7 @@ import functools
 import mmap
 import os
 
+from vmfork.vmm import openfiles
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 
@@ -63,7 +64,7 @@ _SOFT_DIRTY_SET = bytes(1 if b & _SOFT_DIRTY else 0 for b in range(256))
 
 
 def _read_pagemap(host_addr: int, pages: int) -> bytes:
-    fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    fd = openfiles.open_proc_self("pagemap", os.O_RDONLY)
     try:
         want = pages * _ENTRY
         offset = (host_addr // PAGE_SIZE) * _ENTRY
@@ -121,7 +122,7 @@ def soft_dirty_pages(memory: GuestMemory) -> list[Run]:
 
 def clear_soft_dirty() -> None:
     """Clear the soft-dirty bits of every page of this process (see the module notes)."""
-    fd = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+    fd = openfiles.open_proc_self("clear_refs", os.O_WRONLY)
     try:
         os.write(fd, b"4")
     except OSError as err:

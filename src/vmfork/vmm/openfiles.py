@@ -14,6 +14,8 @@ import fcntl
 import os
 
 _preopened: dict[str, int] = {}
+_taps: dict[str, int] = {}
+_proc_self: dict[str, tuple[int, int]] = {}   # name -> (fd, open flags)
 
 
 def preopen(paths: list[str]) -> None:
@@ -36,3 +38,37 @@ def open_ro(path: str) -> int:
     if fd is not None:
         return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def preopen_tap(name: str, fd: int) -> None:
+    """Keep ``fd``, a descriptor attached to tap ``name``, for ``take_tap``: a jailed VMM
+    can neither open ``/dev/net/tun`` nor attach to a tap it does not own."""
+    old = _taps.pop(name, None)
+    if old is not None:
+        os.close(old)
+    _taps[name] = fd
+
+
+def take_tap(name: str) -> int | None:
+    """The pre-opened descriptor of tap ``name`` (now the caller's), or None."""
+    return _taps.pop(name, None)
+
+
+def preopen_proc_self(names: dict[str, int]) -> None:
+    """Open ``/proc/self/<name>`` with the given flags for each entry, for
+    ``open_proc_self``. A process whose uid changed is not dumpable, so its own
+    ``/proc/self`` files belong to root and its new uid cannot open ``pagemap`` or
+    ``clear_refs`` (dirty-page tracking for BRANCH): the jail opens them first. Both
+    check access at open only and keep referring to this process's memory."""
+    for name, flags in names.items():
+        if name not in _proc_self:
+            _proc_self[name] = (os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC), flags)
+
+
+def open_proc_self(name: str, flags: int) -> int:
+    """A new descriptor of ``/proc/self/<name>`` (the caller closes it): a duplicate of
+    the pre-opened one when it was opened with ``flags``, else a fresh open."""
+    held = _proc_self.get(name)
+    if held is not None and held[1] == flags:
+        return fcntl.fcntl(held[0], fcntl.F_DUPFD_CLOEXEC, 0)
+    return os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC)

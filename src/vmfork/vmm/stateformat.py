@@ -533,7 +533,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def write_file_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o644) -> None:
+def write_file_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` so that readers see the old file or the new, never a part.
 
     A temporary file in the same directory (a rename is atomic only within one file

@@ -54,6 +54,7 @@ import re
 import struct
 from dataclasses import dataclass
 
+from vmfork.vmm import openfiles
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
 from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
 from vmfork.vmm.errors import HostError, VirtqueueError
@@ -125,8 +126,13 @@ def open_tap(name: str) -> int:
 
     The tap normally exists already (``runtime.network`` creates it persistent,
     addressed and up); if it does not, the kernel creates a transient one that
-    disappears with the fd. Non-blocking, close-on-exec, vnet header on.
+    disappears with the fd. Non-blocking, close-on-exec, vnet header on. A jailed VMM
+    gets the descriptor its jail attached before the privileges went
+    (``vmm/openfiles.take_tap``): it can neither open ``/dev/net/tun`` nor attach.
     """
+    preopened = openfiles.take_tap(name)
+    if preopened is not None:
+        return preopened
     if not _IFNAME.match(name):
         raise ValueError(f"tap name {name!r} is not a Linux interface name "
                          f"(1-15 of letters, digits, '_', '.', '-')")
