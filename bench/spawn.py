@@ -1091,13 +1091,13 @@ def vsock_main(args: argparse.Namespace) -> int:
                 f"guest->host {args.vsock_mib / to_host:.1f} MiB/s")
     to_guest_med = statistics.median(r["to_guest_s"] for r in runs)
     to_host_med = statistics.median(r["to_host_s"] for r in runs)
-    md = [f"# vsock throughput through the agent ({args.vsock_mib} MiB each way, median of "
-          f"{args.reps} run(s))", "", f"Measured in: {where()}.", "",
+    md = [(f"# vsock throughput through the agent ({args.vsock_mib} MiB each way, median "
+           f"of {args.reps} run(s))"), "", f"Measured in: {where()}.", "",
           "| direction | seconds | MiB/s |", "|---|---|---|",
-          f"| host -> guest (write_file) | {to_guest_med:.2f} | "
-          f"{args.vsock_mib / to_guest_med:.1f} |",
-          f"| guest -> host (read_file) | {to_host_med:.2f} | "
-          f"{args.vsock_mib / to_host_med:.1f} |", ""]
+          (f"| host -> guest (write_file) | {to_guest_med:.2f} | "
+           f"{args.vsock_mib / to_guest_med:.1f} |"),
+          (f"| guest -> host (read_file) | {to_host_med:.2f} | "
+           f"{args.vsock_mib / to_host_med:.1f} |"), ""]
     write_results("spawn-vsock", {"mib": args.vsock_mib, "reps": args.reps,
                                   "native": os.environ.get("VMFORK_NATIVE", "1"),
                                   "runs": runs}, "\n".join(md))
