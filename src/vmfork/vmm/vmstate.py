@@ -55,10 +55,6 @@ from dataclasses import dataclass, field
 
 from vmfork.kvm import api
 from vmfork.kvm import structs as s
-
-# Where the core is not built (or VMFORK_NATIVE=0, see vmm.native) the restore runs
-# in Python; that fallback is the only reason the Python path below is kept; the state
-# formats and their preparation stay Python's either way.
 from vmfork.vmm import native as _native
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio.blk import BlkState
@@ -68,6 +64,9 @@ from vmfork.vmm.devices.virtio.rng import RngState
 from vmfork.vmm.devices.virtio.vsock import VsockState
 from vmfork.vmm.errors import HostError
 
+# Where the core is not built (or VMFORK_NATIVE=0, see vmm.native) the restore runs
+# in Python; that fallback is the only reason the Python path below is kept; the state
+# formats and their preparation stay Python's either way.
 NATIVE = _native.NATIVE  # read here by machine, tests and bench
 
 try:  # also when NATIVE is off: tests compare the two paths in one process
