@@ -17,6 +17,7 @@ mod restore;
 mod vcpu;
 mod virtio_py;
 mod virtq;
+mod vsock_io;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 

@@ -180,9 +180,11 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-@pytest.fixture
-def env(loop: EventLoop) -> Iterator[VsockEnv]:  # noqa: F811
-    with VsockEnv(loop) as e:
+@pytest.fixture(params=[True, False], ids=["native-bytes", "python-bytes"])
+def env(loop: EventLoop, request: pytest.FixtureRequest) -> Iterator[VsockEnv]:  # noqa: F811
+    """Each test on both byte paths: the native one (readv/sendmsg over the guest's
+    buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)."""
+    with VsockEnv(loop, native=request.param) as e:
         yield e
     assert not e.needs_reset
 
