@@ -157,8 +157,16 @@ mod tests {
         // SAFETY: both vectors outlive `ram` in this test.
         let ram = unsafe {
             GuestRam::new(vec![
-                Region { gpa: 0x2000, size: 0x1000, host: high.as_mut_ptr() as usize },
-                Region { gpa: 0, size: 0x1000, host: low.as_mut_ptr() as usize },
+                Region {
+                    gpa: 0x2000,
+                    size: 0x1000,
+                    host: high.as_mut_ptr() as usize,
+                },
+                Region {
+                    gpa: 0,
+                    size: 0x1000,
+                    host: low.as_mut_ptr() as usize,
+                },
             ])
         };
         let r = ram.lock().unwrap();

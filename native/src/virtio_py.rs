@@ -122,7 +122,13 @@ impl GuestRam {
         let chain = self.with(py, |ram| {
             virtq::pop(ram, &Self::rings(size, desc, avail, 0), next_avail)
         })?;
-        Ok(chain.map(|Chain { head, readable, writable }| (head, readable, writable)))
+        Ok(chain.map(
+            |Chain {
+                 head,
+                 readable,
+                 writable,
+             }| (head, readable, writable),
+        ))
     }
 
     /// Return `head` to the driver with `written` bytes; returns the new next_used.
@@ -136,7 +142,13 @@ impl GuestRam {
         written: u32,
     ) -> PyResult<u16> {
         self.with(py, |ram| {
-            virtq::add_used(ram, &Self::rings(size, 0, 0, used), next_used, head, written)
+            virtq::add_used(
+                ram,
+                &Self::rings(size, 0, 0, used),
+                next_used,
+                head,
+                written,
+            )
         })
     }
 
@@ -149,7 +161,9 @@ impl GuestRam {
         limit: usize,
         offset: u64,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let data = self.with(py, |ram| virtq::read_segments(ram, &segments, limit, offset))?;
+        let data = self.with(py, |ram| {
+            virtq::read_segments(ram, &segments, limit, offset)
+        })?;
         Ok(PyBytes::new(py, &data))
     }
 
@@ -162,7 +176,9 @@ impl GuestRam {
         data: &[u8],
         offset: u64,
     ) -> PyResult<usize> {
-        self.with(py, |ram| virtq::write_segments(ram, &segments, data, offset))
+        self.with(py, |ram| {
+            virtq::write_segments(ram, &segments, data, offset)
+        })
     }
 
     /// virtio-rng's request queue: serve at most `max_requests` chains, each filled
@@ -234,7 +250,16 @@ impl GuestRam {
             fwd_cnt,
         };
         let b = self.with(py, |ram| {
-            vsock_io::rx_data(ram, &rings, next_avail, next_used, fd, &header, credit, max_packets)
+            vsock_io::rx_data(
+                ram,
+                &rings,
+                next_avail,
+                next_used,
+                fd,
+                &header,
+                credit,
+                max_packets,
+            )
         })?;
         let stop = match b.stop {
             Stop::Drained => "drained".into_pyobject(py)?.into_any().unbind(),
@@ -258,9 +283,14 @@ impl GuestRam {
         length: usize,
         fd: i32,
     ) -> PyResult<usize> {
-        let sent = self.with(py, |ram| vsock_io::send_segments(ram, &segments, offset, length, fd))?;
+        let sent = self.with(py, |ram| {
+            vsock_io::send_segments(ram, &segments, offset, length, fd)
+        })?;
         sent.map_err(|errno| {
-            pyo3::exceptions::PyOSError::new_err((errno, std::io::Error::from_raw_os_error(errno).to_string()))
+            pyo3::exceptions::PyOSError::new_err((
+                errno,
+                std::io::Error::from_raw_os_error(errno).to_string(),
+            ))
         })
     }
 }

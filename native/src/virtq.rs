@@ -25,7 +25,7 @@
 
 use std::sync::atomic::{fence, Ordering};
 
-use crate::guest_ram::{RamError, Ram};
+use crate::guest_ram::{Ram, RamError};
 
 pub const DESC_SIZE: u64 = 16;
 pub const F_NEXT: u16 = 1;
@@ -278,9 +278,7 @@ pub fn fill_random(
             // `ram` holds its read lock; getrandom writes at most `take - filled`
             // bytes at `dst + filled`. The guest may read or write them meanwhile;
             // every byte value is valid for both sides.
-            let n = unsafe {
-                libc::getrandom(dst.add(filled).cast(), take - filled, 0)
-            };
+            let n = unsafe { libc::getrandom(dst.add(filled).cast(), take - filled, 0) };
             if n < 0 {
                 let err = std::io::Error::last_os_error();
                 if err.kind() == std::io::ErrorKind::Interrupted {
@@ -326,7 +324,12 @@ mod tests {
         r.write_from(DESC + 16 * i, &raw).unwrap();
     }
 
-    const RINGS: Rings = Rings { size: 8, desc: DESC, avail: AVAIL, used: USED };
+    const RINGS: Rings = Rings {
+        size: 8,
+        desc: DESC,
+        avail: AVAIL,
+        used: USED,
+    };
 
     #[test]
     fn a_loop_is_an_error_not_a_hang() {

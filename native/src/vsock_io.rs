@@ -139,7 +139,9 @@ pub fn rx_data(
                 "rx buffer of {room} bytes cannot hold a {HEADER_SIZE}-byte packet header"
             )));
         }
-        let want = (room - HEADER_SIZE as u64).min(credit).min(MAX_PAYLOAD as u64) as usize;
+        let want = (room - HEADER_SIZE as u64)
+            .min(credit)
+            .min(MAX_PAYLOAD as u64) as usize;
         if want == 0 {
             // A buffer with room for the header alone: wait for the guest to offer
             // another rather than re-reading the socket for a packet that cannot go.

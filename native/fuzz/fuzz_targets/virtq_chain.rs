@@ -30,9 +30,21 @@ fuzz_target!(|input: &[u8]| {
     let rings = Rings {
         size,
         // Mostly inside RAM and aligned, so that chains are walked; sometimes anywhere.
-        desc: if head[1] & 1 == 0 { (word(8) % LOW) & !15 } else { word(8) },
-        avail: if head[1] & 2 == 0 { (word(16) % LOW) & !1 } else { word(16) },
-        used: if head[1] & 4 == 0 { (word(24) % LOW) & !3 } else { word(24) },
+        desc: if head[1] & 1 == 0 {
+            (word(8) % LOW) & !15
+        } else {
+            word(8)
+        },
+        avail: if head[1] & 2 == 0 {
+            (word(16) % LOW) & !1
+        } else {
+            word(16)
+        },
+        used: if head[1] & 4 == 0 {
+            (word(24) % LOW) & !3
+        } else {
+            word(24)
+        },
     };
     let next_avail = u16::from_le_bytes([head[2], head[3]]);
     let mut low = vec![0u8; LOW as usize];
@@ -50,8 +62,16 @@ fuzz_target!(|input: &[u8]| {
     // SAFETY: both vectors outlive `ram` (dropped at the end of this closure).
     let ram = unsafe {
         GuestRam::new(vec![
-            Region { gpa: 0, size: LOW, host: low.as_mut_ptr() as usize },
-            Region { gpa: HIGH_AT, size: HIGH, host: high.as_mut_ptr() as usize },
+            Region {
+                gpa: 0,
+                size: LOW,
+                host: low.as_mut_ptr() as usize,
+            },
+            Region {
+                gpa: HIGH_AT,
+                size: HIGH,
+                host: high.as_mut_ptr() as usize,
+            },
         ])
     };
     let r = ram.lock().unwrap();
@@ -66,12 +86,16 @@ fuzz_target!(|input: &[u8]| {
                 assert!(chain.head < size);
                 assert!(chain.readable.len() + chain.writable.len() <= usize::from(size));
                 for &(gpa, len) in chain.readable.iter().chain(&chain.writable) {
-                    assert!(check(gpa, u64::from(len)), "segment {gpa:#x}+{len:#x} outside RAM");
+                    assert!(
+                        check(gpa, u64::from(len)),
+                        "segment {gpa:#x}+{len:#x} outside RAM"
+                    );
                 }
                 let data = virtq::read_segments(&r, &chain.readable, 4096, 3).unwrap();
                 assert!(data.len() <= 4096);
-                let wrote = virtq::write_segments(&r, &chain.writable, &image[..image.len().min(300)], 1)
-                    .unwrap();
+                let wrote =
+                    virtq::write_segments(&r, &chain.writable, &image[..image.len().min(300)], 1)
+                        .unwrap();
                 assert!(wrote <= 300);
                 avail = avail.wrapping_add(1);
                 used = virtq::add_used(&r, &rings, used, chain.head, wrote as u32).unwrap();
