@@ -52,6 +52,7 @@ class VsockEnv:
             self.memory.native = None
         self.irq = IrqLine(gsi=6)
         self.dev = VirtioVsock(loop, self.uds)
+        self.dev.native_bytes = native  # the native byte paths, whatever the default
         self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
         self.driver = GuestDriver(self.transport, self.memory)
         self.rx, self.tx, self.ev = self.driver.start(

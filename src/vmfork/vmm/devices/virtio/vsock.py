@@ -44,7 +44,8 @@ wrong CIDs, unknown type or op) are dropped and counted in ``errors``; if they
 belong to a connection, it is reset. They are the guest's business and never
 make the device NEEDS_RESET; only a broken virtqueue does.
 
-Native byte paths. Where the native core is built (``GuestMemory.native``), stream
+Native byte paths (with ``VMFORK_NATIVE_VSOCK=1``; off by default, see
+``NATIVE_BYTES``). Where the native core is built (``GuestMemory.native``), stream
 bytes move between a Unix socket and the guest's buffers without Python objects:
 guest -> host with one ``sendmsg`` from the tx chain's buffers (only what the socket
 does not take is copied into the connection's buffer), host -> guest with a batch of
@@ -113,6 +114,10 @@ MAX_ORPHAN_RSTS = 1024
 # Data packets one connection gets per turn on the native path before the next
 # connection's turn (the Python path takes one per turn).
 NATIVE_RX_BATCH = 32
+# The native byte paths are off unless VMFORK_NATIVE_VSOCK=1: e2e test_fork's
+# test_many_concurrent_children_answer timed out a vsock handshake twice with them on
+# (and passed on the tree before them, under the same load); not yet diagnosed.
+NATIVE_BYTES = os.environ.get("VMFORK_NATIVE_VSOCK", "0") == "1"
 CONNECT_LINE_MAX = 64
 CONNECT_TIMEOUT = 20.0  # seconds for the CONNECT line, and for the guest's answer (a guest
 # starved of CPU -- many VMs on few cores -- can take seconds to answer a request)
@@ -231,6 +236,7 @@ class VirtioVsock(VirtioDevice):
         self._next_port = HOST_PORT_FIRST
         self._reset_event_pending = False
         self.errors: dict[str, int] = {}
+        self.native_bytes = NATIVE_BYTES  # and guest memory has a native view
         try:
             if os.path.exists(uds_path):
                 os.unlink(uds_path)
@@ -605,7 +611,7 @@ class VirtioVsock(VirtioDevice):
             self._close(conn, rst=True)
             return
         conn.rx_cnt = (conn.rx_cnt + length) & _U32
-        if memory.native is not None and not conn.out:
+        if memory.native is not None and self.native_bytes and not conn.out:
             # Natively: one sendmsg straight from the guest's buffers; only what the
             # socket does not take now is copied into ``out``.
             try:
@@ -690,7 +696,7 @@ class VirtioVsock(VirtioDevice):
         memory, queue = self.memory, self.queues[RX_QUEUE]
         delivered = 0
         while delivered < MAX_PACKETS_PER_RUN and (self._orphan_rsts or self._rx_queue):
-            if (memory.native is not None and not self._orphan_rsts
+            if (memory.native is not None and self.native_bytes and not self._orphan_rsts
                     and self._data_only(self._rx_queue[0])):
                 served, buffers_left = self._native_data(memory, queue, self._rx_queue.popleft(),
                                                          MAX_PACKETS_PER_RUN - delivered)
