@@ -2,16 +2,22 @@
 //!
 //! The boundary (docs/design-notes.md, "Native core"): Python owns state formats,
 //! their preparation and all orchestration; this module owns what a forked child
-//! runs per sandbox. This slice is the restore: every SET ioctl of a snapshot's
-//! VM and vCPU state, issued by one call with the GIL released.
+//! runs per sandbox: the restore (every SET ioctl of a snapshot's VM and vCPU
+//! state, issued by one call with the GIL released), the vCPU loop with COM1 and
+//! the i8042, and the split virtqueue (chain walks, used ring, copies) with the
+//! rng device's serving loop over guest RAM.
 //!
 //! File descriptors stay Python's: a call borrows them, duplicates the ones it
 //! hands to `kvm-ioctls` (whose wrappers own and close their fd) while it holds
 //! the GIL, and closes its duplicates before it returns.
 
 mod console;
+mod guest_ram;
 mod restore;
 mod vcpu;
+mod virtio_py;
+mod virtq;
+mod vsock_io;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
@@ -198,6 +204,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedRestore>()?;
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<console::Console>()?;
+    m.add_class::<virtio_py::GuestRam>()?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())

@@ -1,4 +1,10 @@
-"""The split virtqueue against well-formed and hostile descriptor tables."""
+"""The split virtqueue against well-formed and hostile descriptor tables.
+
+Every test runs on both implementations of the walk: the native one
+(``native/src/virtq.rs``, through ``GuestMemory.native``) and the Python one
+(``VMFORK_NATIVE=0``'s), and a differential property holds them to the same
+outcome, chain for chain and message for message.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from vmfork.vmm.devices.virtio.queue import (
 )
 from vmfork.vmm.errors import GuestError, GuestMemoryError, VirtqueueError
 from vmfork.vmm.memory import GuestMemory, MemoryRegion, RegionLayout
+from vmfork.vmm.native import NATIVE
 
 # Two RAM regions with a hole between them, so that "outside RAM" includes the
 # hole and the end: [0, 64 KiB) and [128 KiB, 192 KiB).
@@ -36,10 +43,18 @@ class CountingMemory(GuestMemory):
 
     budget = 10_000
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "python") -> None:
         regions = [MemoryRegion(lay, mmap.mmap(-1, lay.size)) for lay in (LOW, HIGH)]
         super().__init__(regions)
         self.accesses = 0
+        if backend == "native":
+            if self.native is None:
+                pytest.skip("the native core is not built (scripts/lib.sh setup_native) "
+                            "or VMFORK_NATIVE=0")
+        elif self.native is not None:
+            # The Python walk, which counts its accesses through view() below.
+            self.native.close()
+            self.native = None
 
     def view(self, gpa: int, length: int) -> memoryview:
         self.accesses += 1
@@ -70,9 +85,12 @@ def offer(mem: GuestMemory, *heads: int, start: int = 0, size: int = 8) -> None:
     mem.write_u16(AVAIL + 2, (start + len(heads)) & 0xFFFF)
 
 
-@pytest.fixture
-def mem() -> CountingMemory:
-    return CountingMemory()
+BACKENDS = ["python", "native"]
+
+
+@pytest.fixture(params=BACKENDS)
+def mem(request: pytest.FixtureRequest) -> CountingMemory:
+    return CountingMemory(request.param)
 
 
 def test_pop_exposes_readable_then_writable_segments(mem: CountingMemory) -> None:
@@ -201,10 +219,11 @@ descriptor = st.one_of(plausible_descriptor, plausible_descriptor, plausible_des
        avail_ahead=st.one_of(st.integers(0, 17), st.integers(0, 0xFFFF)),
        next_avail=st.integers(0, 0xFFFF),
        data=st.binary(max_size=300))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_hostile_descriptor_tables_fail_only_as_guest_errors(
-        size: int, table: list[tuple[int, int, int, int]], ring: list[int], avail_ahead: int,
-        next_avail: int, data: bytes) -> None:
-    mem = CountingMemory()
+        backend: str, size: int, table: list[tuple[int, int, int, int]], ring: list[int],
+        avail_ahead: int, next_avail: int, data: bytes) -> None:
+    mem = CountingMemory(backend)
     q = Virtqueue(16)
     q.size, q.desc_table, q.avail_ring, q.used_ring, q.ready = size, DESC, AVAIL, USED, True
     q.next_avail = next_avail
@@ -231,3 +250,54 @@ def test_hostile_descriptor_tables_fail_only_as_guest_errors(
         assert len(chain.read_readable(mem, 4096)) <= 4096
         assert chain.write_writable(mem, data) <= len(data)
         q.add_used(mem, chain.head, 0)
+
+
+def _outcomes(mem: CountingMemory, size: int, table: list[tuple[int, int, int, int]],
+              ring: list[int], avail_ahead: int, next_avail: int, data: bytes,
+              offset: int) -> list[object]:
+    """Everything a device could learn from popping this queue dry, in order."""
+    q = Virtqueue(16)
+    q.size, q.desc_table, q.avail_ring, q.used_ring, q.ready = size, DESC, AVAIL, USED, True
+    q.next_avail = q.next_used = next_avail
+    for i, (addr, length, flags, nxt) in enumerate(table):
+        put_desc(mem, i, addr, length, flags, nxt)
+    for i, head in enumerate(ring[:size]):
+        mem.write_u16(AVAIL + 4 + 2 * i, head)
+    mem.write_u16(AVAIL + 2, (next_avail + avail_ahead) & 0xFFFF)
+    seen: list[object] = []
+    for _ in range(size + 2):
+        try:
+            chain = q.pop(mem)
+        except GuestError as err:
+            seen.append((type(err).__name__, str(err)))
+            break
+        if chain is None:
+            seen.append(None)
+            break
+        seen.append((chain.head, chain.readable, chain.writable,
+                     chain.read_readable(mem, 4096, offset),
+                     chain.write_writable(mem, data, offset)))
+        q.add_used(mem, chain.head, len(data))
+    seen.append((q.next_avail, q.next_used, mem.read(USED, 4 + 8 * size)))
+    # What the device wrote into the guest's buffers, wherever the chains put them.
+    seen.append((mem.read(0x8000, 0x2000), mem.read(0x20000, 0x10000)))
+    return seen
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native core is not built (scripts/lib.sh "
+                    "setup_native) or VMFORK_NATIVE=0")
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(size=st.sampled_from([1, 2, 4, 8, 16]),
+       table=st.lists(descriptor, min_size=16, max_size=16),
+       ring=st.lists(st.one_of(st.integers(0, 17), st.integers(0, 0xFFFF)),
+                     min_size=16, max_size=16),
+       avail_ahead=st.one_of(st.integers(0, 17), st.integers(0, 0xFFFF)),
+       next_avail=st.integers(0, 0xFFFF),
+       data=st.binary(max_size=300),
+       offset=st.one_of(st.integers(0, 8), st.integers(0, 0x2000)))
+def test_native_and_python_walks_agree(size: int, table: list[tuple[int, int, int, int]],
+                                       ring: list[int], avail_ahead: int, next_avail: int,
+                                       data: bytes, offset: int) -> None:
+    args = (size, table, ring, avail_ahead, next_avail, data, offset)
+    assert (_outcomes(CountingMemory("native"), *args)
+            == _outcomes(CountingMemory("python"), *args))

@@ -41,13 +41,18 @@ def pkt(op: int, src_port: int, dst_port: int, length: int = 0, *, flags: int = 
 class VsockEnv:
     """A vsock device behind its transport, and the guest half driving it."""
 
-    def __init__(self, loop: EventLoop, rx_buffers: int = 32) -> None:  # noqa: F811
+    def __init__(self, loop: EventLoop, rx_buffers: int = 32,  # noqa: F811
+                 native: bool = True) -> None:
         self.loop = loop
         self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
         self.uds = f"{self.dir}/v.sock"
         self.memory = GuestMemory.anonymous(MEM_SIZE)
+        if not native and self.memory.native is not None:
+            self.memory.native.close()  # the Python virtqueue walk and copies
+            self.memory.native = None
         self.irq = IrqLine(gsi=6)
         self.dev = VirtioVsock(loop, self.uds)
+        self.dev.native_bytes = native  # the native byte paths, whatever the default
         self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
         self.driver = GuestDriver(self.transport, self.memory)
         self.rx, self.tx, self.ev = self.driver.start(
@@ -176,9 +181,11 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-@pytest.fixture
-def env(loop: EventLoop) -> Iterator[VsockEnv]:  # noqa: F811
-    with VsockEnv(loop) as e:
+@pytest.fixture(params=[True, False], ids=["native-bytes", "python-bytes"])
+def env(loop: EventLoop, request: pytest.FixtureRequest) -> Iterator[VsockEnv]:  # noqa: F811
+    """Each test on both byte paths: the native one (readv/sendmsg over the guest's
+    buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)."""
+    with VsockEnv(loop, native=request.param) as e:
         yield e
     assert not e.needs_reset
 
@@ -531,10 +538,11 @@ header_fields = st.builds(
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(packets=st.lists(st.tuples(header_fields, st.binary(max_size=80)), max_size=20))
+@pytest.mark.parametrize("native", [True, False], ids=["native-queue", "python-queue"])
 def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
-                                               packets: list[tuple[PacketHeader, bytes]]
-                                               ) -> None:
-    with VsockEnv(loop, rx_buffers=16) as e:
+                                               packets: list[tuple[PacketHeader, bytes]],
+                                               native: bool) -> None:
+    with VsockEnv(loop, rx_buffers=16, native=native) as e:
         srv = socket.socket(socket.AF_UNIX)
         srv.bind(f"{e.uds}_5000")
         srv.listen(64)

@@ -27,7 +27,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vmfork.vmm.errors import GuestMemoryError, HostError
+from vmfork.vmm.native import NATIVE
 from vmfork.vmm.openfiles import open_ro
+
+if NATIVE:
+    from vmfork import _core
 
 if TYPE_CHECKING:
     from vmfork.vmm.memplan import MemoryPlan
@@ -153,6 +157,11 @@ class GuestMemory:
         self.overlays = overlays
         self._overlay_fds = overlay_fds
         self.size = sum(r.size for r in self.regions)
+        # The native core's view of the same mappings (virtqueue walks and copies run
+        # there); it forgets them in close(), before they are unmapped.
+        self.native: _core.GuestRam | None = (
+            _core.GuestRam([(r.guest_phys, r.size, r.host_addr) for r in self.regions])
+            if NATIVE else None)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -225,6 +234,8 @@ class GuestMemory:
                    overlay_fds=tuple(fds[1:]))
 
     def close(self) -> None:
+        if self.native is not None:
+            self.native.close()  # waits for a native access in flight on another thread
         for r in self.regions:
             try:
                 r.mapping.close()

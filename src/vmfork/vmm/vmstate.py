@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 
 from vmfork.kvm import api
 from vmfork.kvm import structs as s
+from vmfork.vmm import native as _native
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio.blk import BlkState
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
@@ -63,17 +64,15 @@ from vmfork.vmm.devices.virtio.rng import RngState
 from vmfork.vmm.devices.virtio.vsock import VsockState
 from vmfork.vmm.errors import HostError
 
-# The native core is built by the set-up (scripts/lib.sh setup_native) or by
-# `pip install .`, not by importing: a source checkout that was never set up has
-# none, and still restores, in Python. That fallback is the only reason the Python
-# path below is kept; the state formats and their preparation stay Python's either way.
-# VMFORK_NATIVE=0 takes the Python path on purpose (to compare the two, or to rule the
-# core out while chasing a bug); it is read once, when the VMM's modules are imported.
-try:
+# Where the core is not built (or VMFORK_NATIVE=0, see vmm.native) the restore runs
+# in Python; that fallback is the only reason the Python path below is kept; the state
+# formats and their preparation stay Python's either way.
+NATIVE = _native.NATIVE  # read here by machine, tests and bench
+
+try:  # also when NATIVE is off: tests compare the two paths in one process
     from vmfork import _core
-    NATIVE = os.environ.get("VMFORK_NATIVE", "1") != "0"
 except ImportError:
-    NATIVE = False
+    pass
 
 log = logging.getLogger(__name__)
 

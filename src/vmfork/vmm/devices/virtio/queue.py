@@ -33,6 +33,12 @@ older loads and stores are not reordered with older stores, and CPython issues
 our loads and stores in program order, one bytecode at a time; so program order
 *is* the required order and no explicit fence is needed. A port to a weakly
 ordered architecture would need fences where the comments say "barrier".
+
+Native path. Where the native core is built (``GuestMemory.native``), the walk, the
+used ring and the copies run in Rust (``native/src/virtq.rs``) under the same rules
+and with the same error messages; the registers and ``QueueState`` stay here, so a
+snapshot's record is one and the same. The Python code below is the
+``VMFORK_NATIVE=0`` path and the reference the unit tests hold the native one to.
 """
 
 from __future__ import annotations
@@ -98,6 +104,8 @@ class DescriptorChain:
 
     def read_readable(self, memory: GuestMemory, limit: int, offset: int = 0) -> bytes:
         """Up to ``limit`` bytes of the readable part, starting ``offset`` bytes in."""
+        if memory.native is not None:
+            return memory.native.read(self.readable, limit, offset)
         out = bytearray()
         for gpa, length in self.readable:
             if len(out) >= limit:
@@ -117,6 +125,9 @@ class DescriptorChain:
         Writes stop at the end of the writable buffers: a short chain truncates,
         it never overflows.
         """
+        if memory.native is not None:
+            return memory.native.write(self.writable, data if isinstance(data, bytes)
+                                       else bytes(data), offset)
         src = memoryview(data)
         written = 0
         for gpa, length in self.writable:
@@ -160,6 +171,10 @@ class Virtqueue:
         if not self.size_is_valid(self.size, self.max_size):
             raise VirtqueueError(f"queue size {self.size} is not a power of 2 "
                                  f"in 1..{self.max_size}")
+        if memory.native is not None:
+            memory.native.validate(self.size, self.desc_table, self.avail_ring,
+                                   self.used_ring, self.max_size)
+            return
         for name, addr, align, length in (
                 ("descriptor table", self.desc_table, 16, DESC_SIZE * self.size),
                 ("available ring", self.avail_ring, 2, avail_ring_bytes(self.size)),
@@ -178,6 +193,8 @@ class Virtqueue:
 
     def pending(self, memory: GuestMemory) -> int:
         """How many chains the driver has made available that we have not popped."""
+        if memory.native is not None:
+            return memory.native.pending(self.size, self.avail_ring, self.next_avail)
         ahead = (self._avail_idx(memory) - self.next_avail) & 0xFFFF
         if ahead > self.size:
             raise VirtqueueError(f"available index ran {ahead} entries ahead of the device, "
@@ -188,6 +205,13 @@ class Virtqueue:
         """The next available chain, or ``None`` if the driver has offered none."""
         if not self.ready:
             raise VirtqueueError("pop from a queue that is not ready")
+        if memory.native is not None:
+            got = memory.native.pop(self.size, self.desc_table, self.avail_ring,
+                                    self.next_avail)
+            if got is None:
+                return None
+            self.next_avail = (self.next_avail + 1) & 0xFFFF
+            return DescriptorChain(*got)
         if self.pending(memory) == 0:
             return None
         # barrier: the avail idx load above precedes the ring-entry load below (TSO).
@@ -237,6 +261,10 @@ class Virtqueue:
 
     def add_used(self, memory: GuestMemory, head: int, written: int) -> None:
         """Return chain ``head`` to the driver with ``written`` bytes filled in."""
+        if memory.native is not None:
+            self.next_used = memory.native.add_used(self.size, self.used_ring, self.next_used,
+                                                    head, written)
+            return
         slot = self.next_used % self.size
         elem = self.used_ring + 4 + 8 * slot
         memory.write_u32(elem, head)

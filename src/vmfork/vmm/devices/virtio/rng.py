@@ -14,7 +14,10 @@ import os
 from dataclasses import dataclass
 
 from vmfork.vmm.devices.virtio.device import DEVICE_ID_RNG, VirtioDevice
+from vmfork.vmm.devices.virtio.queue import Virtqueue
+from vmfork.vmm.errors import VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.memory import GuestMemory
 
 MAX_BYTES_PER_REQUEST = 64 * 1024
 MAX_REQUESTS_PER_NOTIFY = 64
@@ -45,6 +48,23 @@ class VirtioRng(VirtioDevice):
         if not self._usable() or self.memory is None:
             return
         memory, queue = self.memory, self.queues[0]
+        if memory.native is not None:
+            if not queue.ready:  # as Virtqueue.pop says it
+                raise VirtqueueError("pop from a queue that is not ready")
+            queue.next_avail, queue.next_used, served, written = memory.native.serve_rng(
+                queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
+                queue.next_avail, queue.next_used, MAX_REQUESTS_PER_NOTIFY,
+                MAX_BYTES_PER_REQUEST)
+            self.bytes_served += written
+        else:
+            served = self._serve_python(memory, queue)
+        if served:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+        if served == MAX_REQUESTS_PER_NOTIFY:
+            self.loop.call_soon(lambda: self._guarded(self._serve))
+
+    def _serve_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
         served = 0
         while served < MAX_REQUESTS_PER_NOTIFY:
             chain = queue.pop(memory)
@@ -55,11 +75,7 @@ class VirtioRng(VirtioDevice):
             queue.add_used(memory, chain.head, written)
             self.bytes_served += written
             served += 1
-        if served:
-            assert self.interrupt is not None
-            self.interrupt.trigger()
-        if served == MAX_REQUESTS_PER_NOTIFY:
-            self.loop.call_soon(lambda: self._guarded(self._serve))
+        return served
 
     def save(self) -> RngState:
         return RngState(acked_features=self.acked_features)

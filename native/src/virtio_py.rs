@@ -1,0 +1,296 @@
+//! Python's handle on the native virtqueue code: `_core.GuestRam`, built by
+//! `GuestMemory` over the regions it mapped, with the split-queue operations and
+//! the rng device's serving loop on it. Python keeps the queue registers (the
+//! transport's `Virtqueue` and its `QueueState`), so state stays one plain record;
+//! each call takes the numbers it needs and returns what changed.
+//!
+//! Errors are the Python hierarchy's own (`vmfork.vmm.errors`): a guest fault is a
+//! `VirtqueueError` or `GuestMemoryError` (the transport turns either into
+//! DEVICE_NEEDS_RESET), a closed memory a `HostError`.
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::guest_ram::{GuestRam as Ram, Ram as Locked, RamError, Region};
+use crate::virtq::{self, Chain, QueueError, Rings};
+use crate::vsock_io::{self, DataHeader, Stop};
+
+fn py_error(py: Python<'_>, e: QueueError) -> PyErr {
+    let (class, msg) = match e {
+        QueueError::Virtqueue(m) => ("VirtqueueError", m),
+        QueueError::Memory(RamError::OutOfRange(m)) => ("GuestMemoryError", m),
+        QueueError::Memory(RamError::Closed) => ("HostError", RamError::Closed.to_string()),
+    };
+    match py
+        .import("vmfork.vmm.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|c| c.call1((msg,)))
+    {
+        Ok(err) => PyErr::from_value(err),
+        Err(import_failed) => import_failed,
+    }
+}
+
+type Segments = Vec<(u64, u32)>;
+
+/// Guest RAM for the native device code. Only `GuestMemory` makes one, over
+/// mappings it keeps until after it called `close()`.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct GuestRam {
+    ram: Ram,
+}
+
+impl GuestRam {
+    /// Run `op` with the regions locked, and build a Python error (which runs Python
+    /// code, so the GIL may pass to a thread that wants to `close()`) only after the
+    /// lock is released.
+    fn with<T>(
+        &self,
+        py: Python<'_>,
+        op: impl FnOnce(&Locked<'_>) -> Result<T, QueueError>,
+    ) -> PyResult<T> {
+        let result = match self.ram.lock() {
+            Ok(ram) => op(&ram),
+            Err(e) => Err(e.into()),
+        };
+        result.map_err(|e| py_error(py, e))
+    }
+
+    fn rings(size: u16, desc: u64, avail: u64, used: u64) -> Rings {
+        Rings {
+            size,
+            desc,
+            avail,
+            used,
+        }
+    }
+}
+
+#[pymethods]
+impl GuestRam {
+    /// `regions`: (guest physical address, size, host address) of each mapping.
+    #[new]
+    fn new(regions: Vec<(u64, u64, usize)>) -> Self {
+        let regions = regions
+            .into_iter()
+            .map(|(gpa, size, host)| Region { gpa, size, host })
+            .collect();
+        // SAFETY: the one caller, `GuestMemory.__init__`, passes the addresses of
+        // mappings it owns (`ctypes.addressof` of each region's mmap) and calls
+        // `close()` before it unmaps any of them (`GuestMemory.close`).
+        GuestRam {
+            ram: unsafe { Ram::new(regions) },
+        }
+    }
+
+    /// Forget the regions; later calls raise `HostError`. Waits for calls in flight.
+    fn close(&self) {
+        self.ram.close();
+    }
+
+    /// Check a queue's size, alignment and placement (at DRIVER_OK).
+    fn validate(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        desc: u64,
+        avail: u64,
+        used: u64,
+        max_size: u32,
+    ) -> PyResult<()> {
+        self.with(py, |ram| {
+            virtq::validate(ram, &Self::rings(size, desc, avail, used), max_size)
+        })
+    }
+
+    /// Chains offered and not yet popped.
+    fn pending(&self, py: Python<'_>, size: u16, avail: u64, next_avail: u16) -> PyResult<u16> {
+        self.with(py, |ram| {
+            virtq::pending(ram, &Self::rings(size, 0, avail, 0), next_avail)
+        })
+    }
+
+    /// The chain at `next_avail`: None, or (head, readable, writable).
+    fn pop(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        desc: u64,
+        avail: u64,
+        next_avail: u16,
+    ) -> PyResult<Option<(u16, Segments, Segments)>> {
+        let chain = self.with(py, |ram| {
+            virtq::pop(ram, &Self::rings(size, desc, avail, 0), next_avail)
+        })?;
+        Ok(chain.map(
+            |Chain {
+                 head,
+                 readable,
+                 writable,
+             }| (head, readable, writable),
+        ))
+    }
+
+    /// Return `head` to the driver with `written` bytes; returns the new next_used.
+    fn add_used(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        used: u64,
+        next_used: u16,
+        head: u16,
+        written: u32,
+    ) -> PyResult<u16> {
+        self.with(py, |ram| {
+            virtq::add_used(
+                ram,
+                &Self::rings(size, 0, 0, used),
+                next_used,
+                head,
+                written,
+            )
+        })
+    }
+
+    /// Up to `limit` bytes of `segments`, from `offset` bytes in.
+    #[pyo3(signature = (segments, limit, offset = 0))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        segments: Segments,
+        limit: usize,
+        offset: u64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let data = self.with(py, |ram| {
+            virtq::read_segments(ram, &segments, limit, offset)
+        })?;
+        Ok(PyBytes::new(py, &data))
+    }
+
+    /// Scatter `data` into `segments` from `offset`; returns bytes written.
+    #[pyo3(signature = (segments, data, offset = 0))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        segments: Segments,
+        data: &[u8],
+        offset: u64,
+    ) -> PyResult<usize> {
+        self.with(py, |ram| {
+            virtq::write_segments(ram, &segments, data, offset)
+        })
+    }
+
+    /// virtio-rng's request queue: serve at most `max_requests` chains, each filled
+    /// with at most `max_bytes` of getrandom(2) output straight into guest RAM.
+    /// Returns (next_avail, next_used, chains served, bytes written). A guest fault
+    /// raises; the transport then fails the device until the driver resets it, and
+    /// the reset drops the queue indices, so those of the chains served before the
+    /// fault are not needed.
+    #[allow(clippy::too_many_arguments)]
+    fn serve_rng(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        desc: u64,
+        avail: u64,
+        used: u64,
+        next_avail: u16,
+        next_used: u16,
+        max_requests: u32,
+        max_bytes: usize,
+    ) -> PyResult<(u16, u16, u32, u64)> {
+        let rings = Self::rings(size, desc, avail, used);
+        self.with(py, |ram| {
+            let (mut next_avail, mut next_used) = (next_avail, next_used);
+            let (mut served, mut bytes) = (0u32, 0u64);
+            while served < max_requests {
+                let Some(chain) = virtq::pop(ram, &rings, next_avail)? else {
+                    break;
+                };
+                next_avail = next_avail.wrapping_add(1);
+                let want = (virtq::total(&chain.writable) as usize).min(max_bytes);
+                let written = virtq::fill_random(ram, &chain.writable, want)?;
+                next_used = virtq::add_used(ram, &rings, next_used, chain.head, written as u32)?;
+                served += 1;
+                bytes += written as u64;
+            }
+            Ok((next_avail, next_used, served, bytes))
+        })
+    }
+
+    /// vsock: deliver what the Unix socket `fd` holds to the guest as RW packets on
+    /// the rx queue, one per chain, at most `max_packets` and `credit` bytes.
+    /// `header` is (src_cid, dst_cid, src_port, dst_port, buf_alloc, fwd_cnt).
+    /// Returns (next_avail, next_used, packets, bytes, why it stopped: "drained",
+    /// "eof", "credit", "no_buffers", "budget", or the errno of a failed read).
+    #[allow(clippy::too_many_arguments)]
+    fn vsock_rx_data(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        desc: u64,
+        avail: u64,
+        used: u64,
+        next_avail: u16,
+        next_used: u16,
+        fd: i32,
+        header: (u64, u64, u32, u32, u32, u32),
+        credit: u64,
+        max_packets: u32,
+    ) -> PyResult<(u16, u16, u32, u64, Py<PyAny>)> {
+        let rings = Self::rings(size, desc, avail, used);
+        let (src_cid, dst_cid, src_port, dst_port, buf_alloc, fwd_cnt) = header;
+        let header = DataHeader {
+            src_cid,
+            dst_cid,
+            src_port,
+            dst_port,
+            buf_alloc,
+            fwd_cnt,
+        };
+        let b = self.with(py, |ram| {
+            vsock_io::rx_data(
+                ram,
+                &rings,
+                next_avail,
+                next_used,
+                fd,
+                &header,
+                credit,
+                max_packets,
+            )
+        })?;
+        let stop = match b.stop {
+            Stop::Drained => "drained".into_pyobject(py)?.into_any().unbind(),
+            Stop::Eof => "eof".into_pyobject(py)?.into_any().unbind(),
+            Stop::Credit => "credit".into_pyobject(py)?.into_any().unbind(),
+            Stop::NoBuffers => "no_buffers".into_pyobject(py)?.into_any().unbind(),
+            Stop::Budget => "budget".into_pyobject(py)?.into_any().unbind(),
+            Stop::Failed(errno) => errno.into_pyobject(py)?.into_any().unbind(),
+        };
+        Ok((b.next_avail, b.next_used, b.packets, b.bytes, stop))
+    }
+
+    /// vsock: send up to `length` bytes of `segments` from `offset` to the Unix socket
+    /// `fd` (one sendmsg, MSG_NOSIGNAL | MSG_DONTWAIT, at most 64 KiB). Returns the
+    /// bytes sent (0 when the socket is full); raises OSError if the socket failed.
+    fn vsock_send(
+        &self,
+        py: Python<'_>,
+        segments: Segments,
+        offset: u64,
+        length: usize,
+        fd: i32,
+    ) -> PyResult<usize> {
+        let sent = self.with(py, |ram| {
+            vsock_io::send_segments(ram, &segments, offset, length, fd)
+        })?;
+        sent.map_err(|errno| {
+            pyo3::exceptions::PyOSError::new_err((
+                errno,
+                std::io::Error::from_raw_os_error(errno).to_string(),
+            ))
+        })
+    }
+}
