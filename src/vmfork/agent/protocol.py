@@ -129,6 +129,14 @@ the host bounds by the round trip and corrects with ``set_time offset_ns`` when 
 is too long), then reseeds as ``reseed``, then refreshes as ``net_refresh``.
     → ``result {pong, pid, version, protocol, uptime, boot_id, clock {previous_ns, ns},
       reseed {bytes, entropy_bits, kernel_reseeded}, net null | {interface, …}}``.
+
+``mount_volume`` — ``slot`` (the volume slot: the device's place on the kernel command
+line), ``guest_path`` (absolute), ``read_only`` (default true), ``sectors`` (the size the
+host gave the disk). Waits (at most 10 s) until the slot's block device has that size,
+recognises erofs, squashfs or ext4 by its superblock and mounts it there (``MS_RDONLY``
+when read-only), making the directory if needed (``agent/volumes.py``).
+    → ``result {device, fstype, guest_path, read_only, sectors}``; ``exists`` if
+      something is mounted there, ``not_ready`` if the disk never showed up.
 """
 
 from __future__ import annotations
@@ -161,7 +169,7 @@ DEFAULT_ENV: dict[str, str] = {
 }
 
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
-       "reseed", "set_time", "shutdown", "net_refresh", "after_fork")
+       "reseed", "set_time", "shutdown", "net_refresh", "after_fork", "mount_volume")
 
 
 class ProtocolError(Exception):

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vmfork import __version__
-from vmfork.agent import files, network, system
+from vmfork.agent import files, network, system, volumes
 from vmfork.agent.conn import Conn, PeerGone
 from vmfork.agent.evaluator import Evaluator
 from vmfork.agent.process import run_exec
@@ -89,6 +89,8 @@ class AgentServer:
             "shutdown": self._shutdown,
             "net_refresh": lambda conn, frame: conn.result(**network.refresh(frame.header)),
             "after_fork": self._after_fork,
+            "mount_volume": lambda conn, frame: conn.result(
+                **volumes.mount_volume(frame.header)),
         }
         assert set(self._handlers) == set(OPS)
 

@@ -28,7 +28,7 @@ import os
 import secrets
 import select
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
+from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
@@ -110,7 +111,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                   progress: Callable[[int, int, int], None] | None = None,
                   per_child_netns: bool = False, network: HostNetwork | None = None,
                   egress: EgressPolicy | None = None,
-                  jail: bool | None = None) -> ForkReport:
+                  jail: bool | None = None,
+                  volumes: Sequence[PreparedVolume] = ()) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
 
@@ -126,9 +128,18 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     ``progress(restored, ready, failed)`` is called as counts change.
 
     ``jail``: build each VMM a jail (``runtime/jail.py``); None reads ``VMFORK_JAIL``.
+
+    ``volumes``: prepared volumes (``runtime.volumes.prepare``) every child attaches
+    into its snapshot's empty volume slots, or -- a read-write file a slot of the
+    snapshot already holds (a workspace's) -- reopens there (``runtime.vmmchild``).
     """
     if jail is None:
         jail = os.environ.get(JAIL_ENV) == "1"
+    if jail and volumes:
+        raise ValueError("a jailed VMM cannot be given volumes at spawn yet (unset "
+                         "VMFORK_JAIL, or put the volumes in the snapshot)")
+    if n > 1 and any(not v.read_only for v in volumes):
+        raise ValueError("a read-write volume belongs to one sandbox: spawn it with n=1")
     if jail and per_child_netns:
         raise ValueError("a jailed VMM cannot have a network of its own yet "
                          "(unset VMFORK_JAIL or spawn without per_child_netns)")
@@ -158,7 +169,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
         jail_request = _jail_request(snapshot, [notify.path] + ([gate.path] if gate else [])
                                      ) if jail else None
         report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
-                                done_states, progress, notify, gate, nets, jail_request)
+                                done_states, progress, notify, gate, nets, jail_request,
+                                [v.to_json() for v in volumes])
     except BaseException:
         _destroy_networks(network, nets)
         raise
@@ -216,15 +228,22 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
         sources = [plan.source_path(i) for i in range(len(plan.sources))]
         read_only += sources
         preopen += sources
+    try:
+        state: MachineState | None = read_state_file(str(snapshot.path / "state.bin"),
+                                                     MachineState)
+    except VmmError:
+        state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
     disks = cache_dir() / "disks"
     if disks.is_dir():
         read_only.append(str(disks))
-        try:
-            state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
-        except VmmError:
-            state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
         if state is not None and state.blk is not None:
             preopen.append(str(disk_path(state.blk.device.disk_key)))
+    # The snapshot's read-only volumes, content-addressed like root disks.
+    for volume in state.volumes if state is not None else []:
+        if volume.device.disk_key and volume.device.read_only:
+            path = volume_image_path(volume.device.disk_key)
+            read_only.append(str(path.parent))
+            preopen.append(str(path))
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
             "devices": ["/dev/kvm"], "preopen": preopen}
@@ -248,7 +267,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
                    memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
                    progress: Callable[[int, int, int], None] | None, notify: _Fifo,
                    gate: _Fifo | None, nets: list[ChildNetwork],
-                   jail: dict[str, Any] | None = None) -> ForkReport:
+                   jail: dict[str, Any] | None = None,
+                   volumes: list[dict[str, Any]] | None = None) -> ForkReport:
     items = []
     by_vm: dict[str, ChildNetwork] = {}
     for index in range(n):
@@ -259,6 +279,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify.path),
             # a child gives up on its agent when the spawner would give up on it
             "ready_timeout": timeout}
+        if volumes:
+            args["volumes"] = volumes
         if gate is not None:
             args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
         if jail is not None and os.environ.get(SECCOMP_LOG_ENV) == "1":
