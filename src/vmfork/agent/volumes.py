@@ -48,7 +48,7 @@ def slot_block_device(slot: int, sys_root: str = "/sys") -> str | None:
         except OSError:
             continue
         if blocks:
-            return sorted(blocks)[0]
+            return min(blocks)
     return None
 
 

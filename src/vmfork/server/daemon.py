@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from vmfork import __version__
+from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, MAX_VOLUMES, PreparedVolume
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
@@ -123,10 +124,13 @@ class ParentMaker:
         network = bool(body.get("network"))
         if egress is not None and not network:
             raise BadRequest("egress applies to the parent's network: add \"network\": true")
+        prepared, free_slots = snapshot_volumes(body.get("volumes"), body.get("volume_slots"))
         req = ParentRequest(tag=body["tag"], image=body["image"], mem_mib=body["mem_mib"],
                             vcpus=body["vcpus"], warm_code=body["warm_code"],
                             warm_cmd=body["warm_cmd"], network=network,
-                            store_root=str(store.root))
+                            store_root=str(store.root),
+                            volumes=tuple(v.to_json() for v in prepared),
+                            free_volume_slots=free_slots)
         host = self.networks.host if self.networks is not None else None
         if network and host is None and (egress is not None or body["warm_cmd"] is not None
                                          or body["warm_code"] is not None):
@@ -139,6 +143,26 @@ class ParentMaker:
             raise _PARENT_ERRORS[err.kind](f"snapshot {body['tag']!r} failed: "
                                            f"{err.message}") from err
         return store.get(body["tag"])
+
+
+def snapshot_volumes(items: Any, volume_slots: int | None
+                     ) -> tuple[list[PreparedVolume], int]:
+    """A snapshot's read-only volumes, prepared, and its empty slots (by default
+    ``DEFAULT_FREE_SLOTS``, fewer if the volumes leave fewer of the 24)."""
+    from vmfork.server import volumes as server_volumes
+    where = "volumes"
+    specs = server_volumes.parse_request(items, where)
+    for spec in specs:
+        if not spec.read_only:
+            raise BadRequest(f"{where}: {spec.as_text()}: a snapshot's volumes are shared by "
+                             "every child, so they are read-only; attach a read-write "
+                             "volume at spawn or workspace create")
+    if volume_slots is None:
+        volume_slots = min(DEFAULT_FREE_SLOTS, MAX_VOLUMES - len(specs))
+    elif len(specs) + volume_slots > MAX_VOLUMES:
+        raise BadRequest(f"{len(specs)} volumes and volume_slots={volume_slots}: a sandbox "
+                         f"has at most {MAX_VOLUMES} volumes; lower volume_slots")
+    return server_volumes.prepare_all(specs, where), volume_slots
 
 
 def lock_state_dir(state_dir: Path) -> int:
