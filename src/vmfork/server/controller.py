@@ -317,6 +317,11 @@ class Controller:
             info["pause_ms"] = round(meta.timings.pause_ms, 3)
         if meta.extra.get("network"):
             info["network"] = True  # its sandboxes can be spawned with per_child_netns
+        if "volume_slots" in meta.extra:   # a parent's (a BRANCH keeps its parent's slots)
+            info["volume_slots"] = meta.extra["volume_slots"]
+            info["volumes"] = [{"guest_path": v["guest_path"], "mode": "ro", "key": v["key"],
+                                "source": v["source"]}
+                               for v in meta.extra.get("volumes", [])]
         return info
 
     def list_snapshots(self) -> list[dict[str, Any]]:

@@ -42,11 +42,12 @@ class SlotInfo:
 
 
 def snapshot_slots(snap: Snapshot) -> list[SlotInfo]:
-    """The snapshot's volume slots, from its state file (a few KiB)."""
+    """The snapshot's volume slots, from its state file (a few KiB). A state file that
+    cannot be read has none here: the spawn's VMM reports what is wrong with it."""
     try:
         state = read_state_file(str(snap.state_path), MachineState)
-    except VmmError as err:
-        raise Conflict(f"snapshot {snap.tag!r}: its state cannot be read ({err})") from err
+    except (VmmError, OSError):
+        return []
     return [SlotInfo(v.guest_path, v.device.disk_key, v.device.read_only)
             for v in state.volumes]
 
