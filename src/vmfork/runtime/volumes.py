@@ -25,7 +25,7 @@ import posixpath
 import re
 import shutil
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -183,6 +183,26 @@ def check_volume_set(specs: Iterable[tuple[str, bool]], *,
 # -- sources into disks ---------------------------------------------------------------
 
 
+def prepare_snapshot_volumes(items: Sequence[str | Mapping[str, Any]],
+                             volume_slots: int | None) -> tuple[list[PreparedVolume], int]:
+    """A snapshot's volumes, prepared, and its empty slots (by default
+    ``DEFAULT_FREE_SLOTS``, fewer if the volumes leave fewer of the 24). A snapshot's
+    volumes are read-only: every child shares them."""
+    specs = [parse_volume(item) for item in items]
+    check_volume_set([(s.guest_path, s.read_only) for s in specs])
+    for spec in specs:
+        if not spec.read_only:
+            raise VolumeError(f"{spec.as_text()}: a snapshot's volumes are shared by every "
+                              "child, so they are read-only; attach a read-write volume at "
+                              "spawn or workspace create")
+    if volume_slots is None:
+        volume_slots = min(DEFAULT_FREE_SLOTS, MAX_VOLUMES - len(specs))
+    elif not 0 <= volume_slots <= MAX_VOLUMES - len(specs):
+        raise VolumeError(f"{len(specs)} volumes and volume_slots={volume_slots}: a sandbox "
+                          f"has at most {MAX_VOLUMES} volumes; lower volume_slots")
+    return [prepare(spec) for spec in specs], volume_slots
+
+
 def volume_image_path(key: str, cache: Path | None = None) -> Path:
     """Where the read-only volume ``key`` lives in the cache."""
     if not re.fullmatch(r"[0-9a-f]{24,64}", key):
@@ -234,7 +254,11 @@ def prepare(spec: VolumeSpec, disk_format: str = "erofs") -> PreparedVolume:
     from vmfork.image.builder import make_disk
     from vmfork.image.cache import cached_entry
 
-    source = os.path.abspath(spec.source)
+    if not spec.source.startswith("/"):
+        # A daemon would resolve it from its own directory, not the caller's.
+        raise VolumeError(f"volume source {spec.source!r:.200} is relative; give an absolute "
+                          "host path (the CLI makes --volume sources absolute)")
+    source = os.path.normpath(spec.source)
     try:
         st = os.stat(source)
     except OSError as err:

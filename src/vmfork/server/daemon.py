@@ -26,7 +26,7 @@ from types import FrameType
 from typing import Any
 
 from vmfork import __version__
-from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, MAX_VOLUMES, PreparedVolume
+from vmfork.runtime.volumes import PreparedVolume, VolumeError, prepare_snapshot_volumes
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
@@ -147,22 +147,14 @@ class ParentMaker:
 
 def snapshot_volumes(items: Any, volume_slots: int | None
                      ) -> tuple[list[PreparedVolume], int]:
-    """A snapshot's read-only volumes, prepared, and its empty slots (by default
-    ``DEFAULT_FREE_SLOTS``, fewer if the volumes leave fewer of the 24)."""
-    from vmfork.server import volumes as server_volumes
-    where = "volumes"
-    specs = server_volumes.parse_request(items, where)
-    for spec in specs:
-        if not spec.read_only:
-            raise BadRequest(f"{where}: {spec.as_text()}: a snapshot's volumes are shared by "
-                             "every child, so they are read-only; attach a read-write "
-                             "volume at spawn or workspace create")
-    if volume_slots is None:
-        volume_slots = min(DEFAULT_FREE_SLOTS, MAX_VOLUMES - len(specs))
-    elif len(specs) + volume_slots > MAX_VOLUMES:
-        raise BadRequest(f"{len(specs)} volumes and volume_slots={volume_slots}: a sandbox "
-                         f"has at most {MAX_VOLUMES} volumes; lower volume_slots")
-    return server_volumes.prepare_all(specs, where), volume_slots
+    """``runtime.volumes.snapshot_volumes`` for a request: 400 for what it refuses."""
+    if items is not None and not isinstance(items, list):
+        raise BadRequest("volumes must be a list of \"SRC:GUEST_PATH[:ro]\" strings or "
+                         "{source, guest_path, mode} objects")
+    try:
+        return prepare_snapshot_volumes(items or [], volume_slots)
+    except VolumeError as err:
+        raise BadRequest(f"volumes: {err}") from err
 
 
 def lock_state_dir(state_dir: Path) -> int:
