@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_daemon import Daemon, Home
+from tests.e2e.test_daemon import Daemon, Home, home  # noqa: F401 - the fixture
 from vmfork.client import ControllerError
 
 pytestmark = pytest.mark.e2e

@@ -25,6 +25,7 @@ export {
   type ImportImageOptions,
   type RemoveFileOptions,
   type SpawnOptions,
+  type Volume,
   type WaitImageOptions,
   type WriteFileOptions,
 } from "./controller.js";

@@ -90,16 +90,12 @@ def parse_volume(item: str | Mapping[str, Any]) -> VolumeSpec:
     object ``{"source", "guest_path", "mode": "ro"|"rw"}`` for a source whose name
     holds a colon."""
     if isinstance(item, Mapping):
-        unknown = set(item) - {"source", "guest_path", "mode", "read_only"}
+        unknown = set(item) - {"source", "guest_path", "mode"}
         if unknown:
             raise VolumeError(f"volume {dict(item)!r:.200}: unknown fields "
                               f"{sorted(unknown)}; give source, guest_path and mode")
         source, guest = item.get("source"), item.get("guest_path")
         mode = item.get("mode", "ro")
-        if "read_only" in item:
-            if not isinstance(item["read_only"], bool):
-                raise VolumeError("volume read_only must be true or false")
-            mode = "ro" if item["read_only"] else "rw"
         if not isinstance(source, str) or not isinstance(guest, str):
             raise VolumeError("a volume object needs \"source\" (a host path) and "
                               "\"guest_path\" (where the guest mounts it), both strings")
@@ -116,7 +112,8 @@ def parse_volume(item: str | Mapping[str, Any]) -> VolumeSpec:
         raise VolumeError(f"a volume is a string SRC:GUEST_PATH[:ro|:rw] or an object, "
                           f"not {type(item).__name__}")
     if mode not in ("ro", "rw"):
-        raise VolumeError(f"volume {source}:{guest}: mode {mode!r:.40} is neither ro nor rw")
+        raise VolumeError(f"volume {source[:200]}:{guest[:200]}: mode {mode!r:.40} is "
+                          "neither ro nor rw")
     if not source:
         raise VolumeError(f"volume :{guest}: the source (a host directory or image file) "
                           "is empty")
