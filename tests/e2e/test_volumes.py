@@ -22,13 +22,16 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.e2e.test_daemon import Daemon, Home, home  # noqa: F401 - the fixture
-from vmfork.client import ControllerError
+from tests.e2e import test_daemon
+from tests.e2e.test_daemon import Daemon, Home
+from vmfork.client import Controller, ControllerError
 
 pytestmark = pytest.mark.e2e
+home = test_daemon.home   # the daemons' home directory, as test_daemon's
 
 BIG_BYTES = 50 << 20
 CHILDREN = 20
@@ -55,9 +58,7 @@ def data_dir(home: Home) -> tuple[Path, str]:
     return root, hashlib.sha256(big).hexdigest()
 
 
-def _run(ctl: object, sandbox_id: str, script: str) -> dict[str, object]:
-    from vmfork.client import Controller
-    assert isinstance(ctl, Controller)
+def _run(ctl: Controller, sandbox_id: str, script: str) -> dict[str, Any]:
     return ctl.exec_command(sandbox_id, ["/bin/sh", "-c", script], timeout_secs=600)
 
 
@@ -166,7 +167,7 @@ def test_bad_volume_requests_are_refused_and_leave_nothing(home: Home, daemon: D
     data, _ = data_dir
     image = home.root / "bad.img"
     _ext4_image(image)
-    cases: list[tuple[list[object], int, str]] = [
+    cases: list[tuple[list[str], int, str]] = [
         ([f"{home.root}/missing:/x"], 400, "missing"),
         ([f"{data}:data"], 400, "relative"),
         ([f"{data}:/"], 400, "cannot be mounted on /"),
@@ -182,7 +183,7 @@ def test_bad_volume_requests_are_refused_and_leave_nothing(home: Home, daemon: D
     ]
     for items, status, words in cases:
         with pytest.raises(ControllerError) as exc:
-            ctl.spawn_sandboxes("plain", volumes=items)  # type: ignore[arg-type]
+            ctl.spawn_sandboxes("plain", volumes=items)
         assert exc.value.status == status and words in exc.value.message, (items, exc.value)
     with pytest.raises(ControllerError) as exc:
         ctl.spawn_sandboxes("plain", n=2, volumes=[f"{image}:/a:rw"])
