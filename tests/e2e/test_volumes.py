@@ -70,7 +70,7 @@ def test_twenty_children_read_the_same_read_only_volumes(home: Home, daemon: Dae
     extra.mkdir()
     (extra / "note.txt").write_text("attached at spawn\n")
 
-    info = ctl.create_snapshot("vols", mem_mib=256, volumes=[f"{data}:/data:ro"],
+    info = ctl.create_snapshot("vols", mem_mib=256, volumes=[f"{data}:/data:ro"], timeout=1800,
                                warm_code="import hashlib")
     assert info["status"] == "ready" and info["volume_slots"] == 5
     assert [v["guest_path"] for v in info["volumes"]] == ["/data"]
@@ -108,7 +108,7 @@ def _ext4_image(path: Path) -> None:
 def test_read_write_volume_is_private_and_survives_suspend(home: Home, daemon: Daemon) -> None:
     ctl = daemon.ctl
     if "plain" not in {s["tag"] for s in ctl.list_snapshots()}:
-        ctl.create_snapshot("plain", mem_mib=256)
+        ctl.create_snapshot("plain", mem_mib=256, timeout=1800)
     image = home.root / "work.img"
     _ext4_image(image)
     volume = f"{image}:/work:rw"
@@ -163,7 +163,7 @@ def test_bad_volume_requests_are_refused_and_leave_nothing(home: Home, daemon: D
                                                            data_dir: tuple[Path, str]) -> None:
     ctl = daemon.ctl
     if "plain" not in {s["tag"] for s in ctl.list_snapshots()}:
-        ctl.create_snapshot("plain", mem_mib=256)
+        ctl.create_snapshot("plain", mem_mib=256, timeout=1800)
     data, _ = data_dir
     image = home.root / "bad.img"
     _ext4_image(image)
