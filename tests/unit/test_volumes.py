@@ -479,3 +479,30 @@ def test_a_version_3_registry_gains_the_holds_table(tmp_path: Path) -> None:
     reg = Registry(path)
     assert reg.schema_version() == 4 and reg.hold_volumes([_hold(KEY, "sandbox:a")]) is None
     reg.close()
+
+
+# -- the CLI's --volume ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, words", [
+    (["spawn", "--tag", "t", "--volume", "/src:data"], "relative"),
+    (["spawn", "--tag", "t", "--volume", "/src:/data:rx"], "neither ro nor rw"),
+    (["workspace", "create", "w", "--tag", "t", "--volume", "/src"], "SRC:GUEST_PATH"),
+    (["snapshot", "--tag", "t", "--volume", "/src:/proc"], "/proc"),
+])
+def test_cli_volume_mistakes_exit_2_before_any_request(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path, argv: list[str], words: str) -> None:
+    from vmfork.cli import main
+    # A daemon address nothing listens on: the CLI must stop before it tries.
+    monkeypatch.setenv("VMFORK_URL", f"unix://{tmp_path}/nobody.sock")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--volume" in err and words in err
+
+
+def test_cli_volume_sources_are_made_absolute(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    from vmfork.cli import volume_args
+    monkeypatch.chdir(tmp_path)
+    assert volume_args(["data:/d", "img:/w:rw"]) == [f"{tmp_path}/data:/d:ro",
+                                                     f"{tmp_path}/img:/w:rw"]
