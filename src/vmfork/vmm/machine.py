@@ -299,6 +299,7 @@ class Machine:
         self._closers.append(self.loop.stop)
         self.loop.start()
         self._irq_lines: list[IrqLine] = []
+        self._lines_by_gsi: dict[int, IrqLine] = {}
         console_log = None
         if config.console_log:
             console_log = open(config.console_log, "ab", buffering=0)
@@ -321,7 +322,6 @@ class Machine:
         self.blk: VirtioBlk | None = None
         self.volume_slots: list[VirtioBlk] = []
         self.volume_paths: list[str] = []   # guest mount point per slot, "" if empty
-        self._lines_by_gsi: dict[int, IrqLine] = {}
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
