@@ -78,7 +78,7 @@ def main() -> None:
                         agent.wait_until_ready(120)
                         last = slots - 1
                         machine.attach_volume(VolumeMedia(last, str(disk), key, True, "/v"))
-                        agent.mount_volume(last, "/v", read_only=True,
+                        agent.mount_volume(machine.volume_devices[last], "/v", read_only=True,
                                            sectors=disk.stat().st_size // 512)
                         done = agent.exec(["sha256sum", "/v/payload.bin"])
                         mounted = done.stdout.split()[0].decode() == \

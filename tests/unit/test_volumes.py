@@ -433,13 +433,13 @@ def test_a_slot_is_found_by_its_platform_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("req, words", [
-    ({"guest_path": "/d", "sectors": 8}, "slot"),
-    ({"slot": 64, "guest_path": "/d", "sectors": 8}, "slot"),
-    ({"slot": 0, "guest_path": "/d"}, "sectors"),
-    ({"slot": 0, "guest_path": "/d", "sectors": 0}, "sectors"),
-    ({"slot": 0, "guest_path": "d", "sectors": 8}, "absolute"),
-    ({"slot": 0, "guest_path": "/", "sectors": 8}, "on /"),
-    ({"slot": 0, "guest_path": "/d", "sectors": 8, "read_only": "yes"}, "true or false"),
+    ({"guest_path": "/d", "sectors": 8}, "device"),
+    ({"device": 64, "guest_path": "/d", "sectors": 8}, "device"),
+    ({"device": 0, "guest_path": "/d"}, "sectors"),
+    ({"device": 0, "guest_path": "/d", "sectors": 0}, "sectors"),
+    ({"device": 0, "guest_path": "d", "sectors": 8}, "absolute"),
+    ({"device": 0, "guest_path": "/", "sectors": 8}, "on /"),
+    ({"device": 0, "guest_path": "/d", "sectors": 8, "read_only": "yes"}, "true or false"),
 ])
 def test_mount_volume_refuses_bad_requests(req: dict[str, object], words: str) -> None:
     with pytest.raises(OpError, match=words) as exc:

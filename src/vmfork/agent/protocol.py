@@ -130,8 +130,8 @@ is too long), then reseeds as ``reseed``, then refreshes as ``net_refresh``.
     → ``result {pong, pid, version, protocol, uptime, boot_id, clock {previous_ns, ns},
       reseed {bytes, entropy_bits, kernel_reseeded}, net null | {interface, …}}``.
 
-``mount_volume`` — ``slot`` (the volume slot: the device's place on the kernel command
-line), ``guest_path`` (absolute), ``read_only`` (default true), ``sectors`` (the size the
+``mount_volume`` — ``device`` (the volume slot's place among the ``virtio_mmio.device=``
+entries of the kernel command line: the N of ``virtio-mmio.N``), ``guest_path`` (absolute), ``read_only`` (default true), ``sectors`` (the size the
 host gave the disk). Waits (at most 10 s) until the slot's block device has that size,
 recognises erofs, squashfs or ext4 by its superblock and mounts it there (``MS_RDONLY``
 when read-only), making the directory if needed (``agent/volumes.py``).

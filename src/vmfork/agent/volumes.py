@@ -2,11 +2,12 @@
 
 The host gives a volume its disk in a virtio-blk *volume slot* (vmm/devices/virtio/
 blk.py), at boot for a snapshot's volumes or after a restore for a spawn's, and then
-sends ``mount_volume`` with the slot, the mount point, the mode and the disk's size in
-sectors. The slot is the device's place on the kernel command line, and Linux names
-the platform device of the N-th ``virtio_mmio.device=`` entry ``virtio-mmio.N``, so
-the block device is the one under ``/sys/bus/platform/devices/virtio-mmio.N``; the
-guest's ``vdX`` letters follow probe order and are not relied on.
+sends ``mount_volume`` with the slot's device number, the mount point, the mode and
+the disk's size in sectors. The device number is the slot's place among the
+``virtio_mmio.device=`` entries of the kernel command line, and Linux names the
+platform device of the N-th entry ``virtio-mmio.N``, so the block device is the one
+under ``/sys/bus/platform/devices/virtio-mmio.N``; the guest's ``vdX`` letters follow
+probe order and are not relied on.
 
 A disk put into a slot after boot reaches the guest as a configuration-change
 interrupt on which virtio_blk re-reads the capacity from a work queue, so the mount
@@ -28,16 +29,17 @@ from vmfork.agent.request import OpError, get_bool, get_int, get_path, os_error
 
 CAPACITY_WAIT_S = 10.0
 MS_RDONLY = 0x1
-MAX_SLOT = 63
+MAX_DEVICE = 63
 
 _EROFS_MAGIC = 0xE0F5E1E2        # le32 at byte 1024
 _EXT_MAGIC = 0xEF53              # le16 at byte 1024 + 56
 _SQUASHFS_MAGIC = b"hsqs"        # at byte 0
 
 
-def slot_block_device(slot: int, sys_root: str = "/sys") -> str | None:
-    """The block device name (``vdb``) of volume slot ``slot``, None if not found."""
-    platform = os.path.join(sys_root, "bus", "platform", "devices", f"virtio-mmio.{slot}")
+def slot_block_device(device: int, sys_root: str = "/sys") -> str | None:
+    """The block device name (``vdb``) of platform device ``virtio-mmio.<device>``,
+    None if it has none."""
+    platform = os.path.join(sys_root, "bus", "platform", "devices", f"virtio-mmio.{device}")
     try:
         virtio = sorted(n for n in os.listdir(platform) if n.startswith("virtio"))
     except OSError:
@@ -77,12 +79,13 @@ def _mounted_at(path: str) -> bool:
 
 
 def mount_volume(req: dict[str, Any]) -> dict[str, Any]:
-    """The ``mount_volume`` op: ``slot``, ``guest_path``, ``read_only``, ``sectors``."""
-    slot = get_int(req, "slot", None)
+    """The ``mount_volume`` op: ``device``, ``guest_path``, ``read_only``, ``sectors``."""
+    slot = get_int(req, "device", None)
     sectors = get_int(req, "sectors", None, minimum=1)
-    if slot is None or slot > MAX_SLOT or sectors is None:
-        raise OpError("bad_request", f"mount_volume: 'slot' (0..{MAX_SLOT}) and 'sectors' "
-                                     "(the disk's size, >= 1) are required")
+    if slot is None or slot > MAX_DEVICE or sectors is None:
+        raise OpError("bad_request", f"mount_volume: 'device' (the N of virtio-mmio.N, "
+                                     f"0..{MAX_DEVICE}) and 'sectors' (the disk's size, "
+                                     ">= 1) are required")
     target = os.path.normpath(get_path(req, "guest_path"))
     read_only = get_bool(req, "read_only", True)
     if target == "/":
@@ -102,7 +105,7 @@ def mount_volume(req: dict[str, Any]) -> dict[str, Any]:
                 break
         if time.monotonic() > deadline:
             where = f"/dev/{block} shows {seen} sectors" if block else "no block device"
-            raise OpError("not_ready", f"mount_volume: slot {slot}: {where} after "
+            raise OpError("not_ready", f"mount_volume: virtio-mmio.{slot}: {where} after "
                                        f"{CAPACITY_WAIT_S:.0f} s, the host gave {sectors}")
         time.sleep(0.02)
     device = f"/dev/{block}"
@@ -113,7 +116,7 @@ def mount_volume(req: dict[str, Any]) -> dict[str, Any]:
         raise os_error(err, "mount_volume: read the superblock", device) from err
     fstype = file_system_type(head)
     if fstype is None:
-        raise OpError("bad_request", f"mount_volume: slot {slot} ({device}) holds no erofs, "
+        raise OpError("bad_request", f"mount_volume: {device} holds no erofs, "
                                      "squashfs or ext4 file system")
     try:
         os.makedirs(target, 0o755, exist_ok=True)

@@ -106,7 +106,8 @@ class BootedGuest:
             self.machine.start()
             self._wait_ready(ready_timeout)
             for slot, volume in enumerate(volumes):
-                self.agent.mount_volume(slot, volume.guest_path, read_only=volume.read_only,
+                self.agent.mount_volume(self.machine.volume_devices[slot], volume.guest_path,
+                                        read_only=volume.read_only,
                                         sectors=volume.size_bytes // 512)
         except BaseException:
             self.close()

@@ -336,7 +336,7 @@ def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
         sectors = machine.volume_slots[media.slot].capacity_bytes // 512
 
         def mount(media: VolumeMedia = media, sectors: int = sectors) -> dict[str, Any]:
-            return agent.mount_volume(media.slot, media.guest_path,
+            return agent.mount_volume(machine.volume_devices[media.slot], media.guest_path,
                                       read_only=media.read_only, sectors=sectors)
 
         _retry_until(deadline, mount)

@@ -322,6 +322,9 @@ class Machine:
         self.blk: VirtioBlk | None = None
         self.volume_slots: list[VirtioBlk] = []
         self.volume_paths: list[str] = []   # guest mount point per slot, "" if empty
+        # Per slot, its place among the virtio-mmio devices (the N of the guest's
+        # virtio-mmio.N platform device, which the agent finds its disk by).
+        self.volume_devices: list[int] = []
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
@@ -540,6 +543,7 @@ class Machine:
                              volume_slot=True)
             self.volume_slots.append(slot)
             self.volume_paths.append("")
+            self.volume_devices.append(self._next_virtio_slot)
             self.add_virtio(slot, irq=first_pin + index % pins)
             if index in media:
                 self._open_volume(slot, media[index])
