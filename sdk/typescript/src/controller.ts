@@ -105,8 +105,20 @@ export interface CallOptions {
   timeoutMs?: number;
 }
 
+/**
+ * A volume: `"SRC:GUEST_PATH[:ro|:rw]"` (forkd's `--volume`), or an object for a source
+ * whose name holds a colon. SRC is an absolute path on the daemon's host: a directory
+ * (made a read-only image) or an image file; read-write needs an image file of its own.
+ */
+export type Volume = string | { source: string; guest_path: string; mode?: "ro" | "rw" };
+
 export interface SpawnOptions extends CallOptions {
   snapshotTag: string;
+  /**
+   * Volumes attached in each sandbox (into the snapshot's empty volume slots); a
+   * read-write one needs `n: 1` and is refused (409) while another sandbox holds it.
+   */
+  volumes?: Volume[];
   /** How many children, 1..1000 (default 1). */
   n?: number;
   perChildNetns?: boolean;
@@ -144,6 +156,10 @@ export interface CreateSnapshotOptions extends CallOptions {
   warmCode?: string;
   /** Shell command run in the guest before the snapshot. */
   warmCmd?: string;
+  /** Read-only volumes mounted before the warm-up and in every child. */
+  volumes?: Volume[];
+  /** Empty volume slots reserved for volumes given at spawn (daemon default 4). */
+  volumeSlots?: number;
 }
 
 export interface ExecOptions extends CallOptions {
@@ -352,6 +368,8 @@ export class Controller {
       vcpus: options.vcpus ?? 1,
       warm_code: options.warmCode,
       warm_cmd: options.warmCmd,
+      volumes: options.volumes,
+      volume_slots: options.volumeSlots,
     };
     return this.json("POST", "/v1/snapshots", {
       ...options,
@@ -392,6 +410,7 @@ export class Controller {
       prewarm: options.prewarm ?? false,
       live_fork: options.liveFork ?? false,
       hugepages: options.hugepages ?? false,
+      volumes: options.volumes,
     };
     return this.json("POST", "/v1/sandboxes", {
       ...options,

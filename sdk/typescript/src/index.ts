@@ -28,6 +28,7 @@ export {
   type RemoveFileOptions,
   type SpawnOptions,
   type StartProcessOptions,
+  type Volume,
   type WaitImageOptions,
   type WatchEvent,
   type WriteFileOptions,

@@ -971,6 +971,15 @@ class AgentClient:
         neighbour cache. vsock (this channel) is not affected."""
         return NetRefreshResult.from_reply(self._simple("net_refresh"))
 
+    def mount_volume(self, device: int, guest_path: str, *, read_only: bool,
+                     sectors: int) -> dict[str, Any]:
+        """Have the guest mount the disk of virtio-mmio device ``device`` (a volume
+        slot, ``Machine.volume_devices``; ``sectors`` 512-byte sectors) at
+        ``guest_path``; waits in the guest until the disk shows up. Returns the
+        agent's ``{device, fstype, guest_path, read_only, sectors}``."""
+        return self._simple("mount_volume", device=device, guest_path=guest_path,
+                            read_only=read_only, sectors=sectors)
+
     def after_fork(self, data: bytes, *, net_refresh: bool = False,
                    clock_tolerance_ns: int = 50_000_000) -> AfterForkResult:
         """Everything a restored child needs in one round trip: set the guest's clock

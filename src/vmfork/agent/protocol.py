@@ -174,6 +174,14 @@ whole process group).
     → ``result {processes: [{pid, argv, cwd, tag, pty, started_at, running, exit_code,
       signal, timed_out, stdin_open, output_bytes}]}`` (at most ``jobs.MAX_JOBS``; the
       oldest finished ones are forgotten first).
+
+``mount_volume`` — ``device`` (the volume slot's place among the ``virtio_mmio.device=``
+entries of the kernel command line: the N of ``virtio-mmio.N``), ``guest_path`` (absolute), ``read_only`` (default true), ``sectors`` (the size the
+host gave the disk). Waits (at most 10 s) until the slot's block device has that size,
+recognises erofs, squashfs or ext4 by its superblock and mounts it there (``MS_RDONLY``
+when read-only), making the directory if needed (``agent/volumes.py``).
+    → ``result {device, fstype, guest_path, read_only, sectors}``; ``exists`` if
+      something is mounted there, ``not_ready`` if the disk never showed up.
 """
 
 from __future__ import annotations
@@ -209,7 +217,7 @@ DEFAULT_ENV: dict[str, str] = {
 
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
        "reseed", "set_time", "shutdown", "net_refresh", "after_fork", "rename", "watch",
-       "start", "attach", "send_stdin", "signal", "pty_resize", "ps")
+       "start", "attach", "send_stdin", "signal", "pty_resize", "ps", "mount_volume")
 
 
 class ProtocolError(Exception):

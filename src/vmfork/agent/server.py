@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vmfork import __version__
-from vmfork.agent import files, network, system, watch
+from vmfork.agent import files, network, system, volumes, watch
 from vmfork.agent.conn import Conn, PeerGone
 from vmfork.agent.evaluator import Evaluator
 from vmfork.agent.jobs import JobTable
@@ -100,6 +100,8 @@ class AgentServer:
             "signal": lambda conn, frame: self.jobs.signal(conn, frame.header),
             "pty_resize": lambda conn, frame: self.jobs.resize(conn, frame.header),
             "ps": lambda conn, frame: self.jobs.list(conn, frame.header),
+            "mount_volume": lambda conn, frame: conn.result(
+                **volumes.mount_volume(frame.header)),
         }
         assert set(self._handlers) == set(OPS)
 

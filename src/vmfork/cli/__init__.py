@@ -18,6 +18,29 @@ from vmfork import __version__
 _MODULES = ["run", "snapshots", "sandboxes", "serve", "mcp", "image", "doctor", "testhost"]
 
 
+VOLUME_HELP = ("SRC:GUEST_PATH[:ro|:rw]: mount SRC (a host directory, made a read-only "
+               "image, or an image file) at GUEST_PATH in the guest; read-only unless :rw "
+               "(an image file of its own, one sandbox at a time); repeat for more (at "
+               "most 24)")
+
+
+def volume_args(values: list[str] | None) -> list[str]:
+    """``--volume`` values checked here (exit 2 naming what to fix) and with SRC made
+    absolute, since the daemon resolves paths from its own directory."""
+    import os
+
+    from vmfork.runtime.volumes import VolumeError, VolumeSpec, parse_volume
+    out = []
+    for value in values or []:
+        try:
+            spec = parse_volume(value)
+        except VolumeError as err:
+            raise CliError(f"--volume {value}: {err}") from err
+        out.append(VolumeSpec(os.path.abspath(spec.source), spec.guest_path,
+                              spec.read_only).as_text())
+    return out
+
+
 class CliError(Exception):
     """A user-facing error: printed as ``vmfork: <message>``, exit status 2 by default."""
 

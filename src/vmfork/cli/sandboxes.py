@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from vmfork.cli import CliError, command_words, parse_env
+from vmfork.cli import VOLUME_HELP, CliError, command_words, parse_env, volume_args
 from vmfork.cli.daemon_client import (
     add_daemon_options,
     add_json_option,
@@ -37,6 +37,8 @@ def register(sub: Any) -> None:
                    help="give each sandbox a network of its own (the snapshot must have "
                         "been made with `vmfork snapshot --network`)")
     p.add_argument("--egress", default=None, metavar="POLICY", help=EGRESS_HELP)
+    p.add_argument("--volume", action="append", metavar="SRC:GUEST_PATH[:ro|:rw]",
+                   help=VOLUME_HELP)
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_spawn)
@@ -126,6 +128,8 @@ def register(sub: Any) -> None:
     w.add_argument("name")
     w.add_argument("--tag", required=True, help="snapshot to start from")
     w.add_argument("--memory-limit-mib", type=int, default=None, metavar="M")
+    w.add_argument("--volume", action="append", metavar="SRC:GUEST_PATH[:ro|:rw]",
+                   help=VOLUME_HELP + "; a :rw one stays with the workspace while suspended")
     add_json_option(w)
     add_daemon_options(w)
     w.set_defaults(func=cmd_workspace_create)
@@ -172,11 +176,13 @@ def _sandbox_row(s: dict[str, Any]) -> list[str]:
 
 
 def cmd_spawn(args: argparse.Namespace) -> int:
+    volumes = volume_args(args.volume)
     ctl = controller(args, timeout=600)
     with progress(f"spawning {args.n} sandbox{'es' if args.n != 1 else ''} of {args.tag}"):
         infos = call(ctl, lambda: ctl.spawn_sandboxes(
             args.tag, args.n, memory_limit_mib=args.memory_limit_mib,
-            per_child_netns=args.per_child_netns, egress=_egress(args.egress)))
+            per_child_netns=args.per_child_netns, egress=_egress(args.egress),
+            volumes=volumes))
     if args.json:
         print_json(infos)
     else:
@@ -369,10 +375,12 @@ def _print_workspace(args: argparse.Namespace, info: dict[str, Any]) -> None:
 
 
 def cmd_workspace_create(args: argparse.Namespace) -> int:
+    volumes = volume_args(args.volume)
     ctl = controller(args, timeout=600)
     with progress(f"creating workspace {args.name}"):
         info = call(ctl, lambda: ctl.create_workspace(args.name, args.tag,
-                                                      memory_limit_mib=args.memory_limit_mib))
+                                                      memory_limit_mib=args.memory_limit_mib,
+                                                      volumes=volumes))
     _print_workspace(args, info)
     return 0
 

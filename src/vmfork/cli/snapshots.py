@@ -23,7 +23,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from vmfork.cli import CliError
+from vmfork.cli import VOLUME_HELP, CliError, volume_args
 from vmfork.cli.daemon_client import (
     add_daemon_options,
     add_json_option,
@@ -56,6 +56,12 @@ def register(sub: Any) -> None:
                         "with --per-child-netns")
     p.add_argument("--egress", default=None, metavar="POLICY",
                    help="the parent's egress policy with --network: " + EGRESS_HELP)
+    p.add_argument("--volume", action="append", metavar="SRC:GUEST_PATH[:ro]",
+                   help=VOLUME_HELP + "; a snapshot's volumes are read-only, mounted before "
+                        "the warm-up and in every child")
+    p.add_argument("--volume-slots", type=int, default=None, metavar="N",
+                   help="empty volume slots to reserve for volumes given at spawn (default "
+                        "4; volumes + slots <= 24)")
     p.add_argument("--local", action="store_true",
                    help="boot the parent in this process, not through the daemon (the "
                         "daemon itself uses this)")
@@ -183,14 +189,16 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     if args.egress is not None and not args.network:
         raise CliError("--egress is the parent's policy on its network: add --network")
     _egress(args.egress)
+    volumes = volume_args(args.volume)
     ctl = None if args.local else _daemon_or_none(args, timeout=3600)
     if ctl is None:
-        return _snapshot_here(args)
+        return _snapshot_here(args, volumes)
     with progress(f"booting and snapshotting {args.tag}"):
         info = call(ctl, lambda: ctl.create_snapshot(
             args.tag, image=args.image, mem_mib=args.mem_mib, vcpus=args.vcpus,
             warm_code=args.warm, warm_cmd=args.warm_cmd, network=args.network,
-            egress=args.egress, timeout=3600))
+            egress=args.egress, timeout=3600, volumes=volumes,
+            volume_slots=args.volume_slots))
     if args.json:
         print_json(info)
     else:
@@ -200,18 +208,25 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _snapshot_here(args: argparse.Namespace) -> int:
+def _snapshot_here(args: argparse.Namespace, volumes: list[str]) -> int:
     from vmfork.image import ImageError, find_image
     from vmfork.runtime.parent import ParentFailed, ParentRequest, boot_parent
+    from vmfork.runtime.volumes import VolumeError, prepare_snapshot_volumes
 
     try:
         find_image(args.image)
     except ImageError as err:
         raise CliError(str(err), 1) from err
+    try:   # the daemon's checks, so that both paths refuse the same requests
+        prepared, free_slots = prepare_snapshot_volumes(volumes, args.volume_slots)
+    except VolumeError as err:
+        raise CliError(f"--volume: {err}") from err
     store = _store()
     req = ParentRequest(tag=args.tag, image=args.image, mem_mib=args.mem_mib, vcpus=args.vcpus,
                         warm_code=args.warm, warm_cmd=args.warm_cmd, network=args.network,
-                        store_root=str(store.root))
+                        store_root=str(store.root),
+                        volumes=tuple(v.to_json() for v in prepared),
+                        free_volume_slots=free_slots)
     try:
         with _local_host_network(args.network) as host:
             egress = _local_egress(args.egress)

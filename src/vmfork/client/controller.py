@@ -45,6 +45,9 @@ def default_url() -> str:
 
 
 Egress = str | Sequence[str] | Mapping[str, Any]
+# A volume: "SRC:GUEST_PATH[:ro|:rw]" (forkd's --volume), or {"source", "guest_path",
+# "mode"} for a source whose name holds a colon. SRC is a path on the daemon's host.
+Volume = str | Mapping[str, Any]
 """An egress policy: ``"allow"``, ``"deny"``, a list of allowed CIDRs and domain names,
 or the API's object ``{"mode": ..., "cidrs": [...], "domains": [...]}``."""
 
@@ -211,17 +214,26 @@ class Controller:
                         warm_cmd: str | None = None, network: bool = False,
                         timeout: float = 600,
                         egress: Egress | None = None, kernel: str | None = None,
-                        rootfs: str | None = None) -> dict[str, Any]:
+                        rootfs: str | None = None,
+                        volumes: Sequence[Volume] | None = None,
+                        volume_slots: int | None = None) -> dict[str, Any]:
         """Boot ``image``, warm it, snapshot it as ``tag``; blocks until ready (``timeout``
         in seconds). ``network``: the parent gets a network device, connected through a
         namespace of its own (so the warm-up can download, under ``egress``, default
         allow), and sandboxes of the snapshot can be spawned with ``per_child_netns``.
         ``kernel`` + ``rootfs`` (forkd's body, paths on the daemon's host): boot that
         vmlinux with that ext4/squashfs/erofs image as the read-only root instead of
-        ``image``."""
+        ``image``. ``volumes``: read-only volumes (``"SRC:GUEST_PATH[:ro]"``, SRC a
+        directory or image file on the daemon's host) mounted before the warm-up and in
+        every child; ``volume_slots``: empty slots for volumes given at spawn (daemon
+        default 4)."""
         body: dict[str, Any] = {"tag": tag, "image": image, "mem_mib": mem_mib, "vcpus": vcpus}
         if kernel is not None or rootfs is not None:
             body.update(kernel=kernel, rootfs=rootfs)
+        if volumes:
+            body["volumes"] = list(volumes)
+        if volume_slots is not None:
+            body["volume_slots"] = volume_slots
         if network:
             body["network"] = True
         if egress is not None:
@@ -253,14 +265,19 @@ class Controller:
                         memory_limit_mib: int | None = None, prewarm: bool = False,
                         live_fork: bool = False, hugepages: bool = False,
                         timeout: float | None = None,
-                        egress: Egress | None = None) -> list[dict[str, Any]]:
+                        egress: Egress | None = None,
+                        volumes: Sequence[Volume] | None = None) -> list[dict[str, Any]]:
         """``per_child_netns``: each sandbox gets a network of its own (the snapshot must
         have been created with ``network=True``); ``egress`` is its policy (see
-        ``egress_policy``; default allow)."""
+        ``egress_policy``; default allow). ``volumes``: ``"SRC:GUEST_PATH[:ro|:rw]"``
+        strings (or ``{source, guest_path, mode}``), attached in each sandbox's empty
+        volume slots; a read-write one needs ``n=1`` and is 409 while another holds it."""
         body: dict[str, Any] = {
             "snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns,
             "memory_limit_mib": memory_limit_mib, "prewarm": prewarm,
             "live_fork": live_fork, "hugepages": hugepages}
+        if volumes:
+            body["volumes"] = list(volumes)
         if egress is not None:
             body["egress"] = egress_policy(egress)
         result: list[dict[str, Any]] = self._call(
@@ -450,9 +467,15 @@ class Controller:
         return result
 
     def create_workspace(self, name: str, snapshot_tag: str, per_child_netns: bool = False,
-                         memory_limit_mib: int | None = None) -> dict[str, Any]:
-        body = {"name": name, "snapshot_tag": snapshot_tag, "per_child_netns": per_child_netns,
-                "memory_limit_mib": memory_limit_mib}
+                         memory_limit_mib: int | None = None,
+                         volumes: Sequence[Volume] | None = None) -> dict[str, Any]:
+        """``volumes`` as for ``spawn_sandboxes``; a read-write one stays held by the
+        workspace while it is suspended and is reattached when it resumes."""
+        body: dict[str, Any] = {"name": name, "snapshot_tag": snapshot_tag,
+                                "per_child_netns": per_child_netns,
+                                "memory_limit_mib": memory_limit_mib}
+        if volumes:
+            body["volumes"] = list(volumes)
         result: dict[str, Any] = self._call("POST", "/v1/workspaces", body,
                                             timeout=max(self.timeout, 300.0))
         return result

@@ -191,6 +191,13 @@ class _Tools:
             "'import numpy'; every sandbox spawned from it starts with this done."))] = None,
         warm_cmd: Annotated[str | None, Field(description=(
             "Shell command to run in the guest before the snapshot."))] = None,
+        volumes: Annotated[list[str] | None, Field(max_length=24, description=(
+            "Read-only volumes, each 'SRC:GUEST_PATH' (SRC an absolute directory or image "
+            "file on the daemon's host), mounted before the warm-up and in every "
+            "sandbox of the snapshot."))] = None,
+        volume_slots: Annotated[int | None, Field(ge=0, le=24, description=(
+            "Empty volume slots to reserve for volumes given to spawn_sandboxes "
+            "(default 4)."))] = None,
     ) -> dict[str, Any]:
         """Boot a fresh VM, warm it (warm_code / warm_cmd), and save it as snapshot `tag`.
 
@@ -204,7 +211,8 @@ class _Tools:
         try:
             return self.c.create_snapshot(tag, image=image, mem_mib=mem_mib, vcpus=vcpus,
                                           warm_code=warm_code, warm_cmd=warm_cmd,
-                                          kernel=kernel, rootfs=rootfs)
+                                          kernel=kernel, rootfs=rootfs,
+                                          volumes=volumes, volume_slots=volume_slots)
         except ControllerError as err:
             raise _tool_error(err, f"create_snapshot {tag}") from None
 
@@ -223,6 +231,10 @@ class _Tools:
         prewarm: bool = False,
         live_fork: Annotated[bool, Field(description=(
             "forkd's live-branch mode (refused where unsupported)."))] = False,
+        volumes: Annotated[list[str] | None, Field(max_length=24, description=(
+            "Volumes to attach, each 'SRC:GUEST_PATH[:ro|:rw]' (SRC an absolute directory "
+            "or image file on the daemon's host; read-only unless ':rw', which needs an "
+            "image file, n=1, and is refused while another sandbox holds it)."))] = None,
     ) -> list[dict[str, Any]]:
         """Fork n new sandboxes from a ready snapshot. Each starts in the snapshot's exact
         state (imports done, variables set) and is independent from then on.
@@ -233,7 +245,7 @@ class _Tools:
         try:
             return self.c.spawn_sandboxes(snapshot_tag, n, per_child_netns=per_child_netns,
                                           memory_limit_mib=memory_limit_mib, prewarm=prewarm,
-                                          live_fork=live_fork)
+                                          live_fork=live_fork, volumes=volumes)
         except ControllerError as err:
             raise _tool_error(err, f"spawn_sandboxes from {snapshot_tag}") from None
 

@@ -30,7 +30,8 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import GuestImage
 from vmfork.paths import run_dir
 from vmfork.runtime.network import GuestNetwork
-from vmfork.vmm.machine import Machine, MachineConfig, MachineExit
+from vmfork.runtime.volumes import PreparedVolume
+from vmfork.vmm.machine import Machine, MachineConfig, MachineExit, VolumeMedia
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +69,14 @@ class BootedGuest:
     def __init__(self, image: GuestImage, *, mem_mib: int = 256, vcpus: int = 1,
                  ready_timeout: float = READY_TIMEOUT, keep_run_dir: bool = False,
                  network: GuestNetwork | None = None, net_tap: str | None = None,
-                 root_disk: str | None = None, root_disk_key: str | None = None) -> None:
+                 root_disk: str | None = None, root_disk_key: str | None = None,
+                 volumes: tuple[PreparedVolume, ...] = (), free_volume_slots: int = 0) -> None:
         """``network``: give the guest a virtio-net device configured with it at boot;
         ``net_tap``: the tap (in this thread's network namespace) that cables it.
         ``root_disk``/``root_disk_key``: a read-only disk (virtio-blk) and its content
-        key; by default the image's own root disk, if it has one."""
+        key; by default the image's own root disk, if it has one. ``volumes``: disks in
+        the first volume slots, mounted by the agent before the guest counts as ready;
+        ``free_volume_slots``: empty slots after them, for volumes given at spawn."""
         if root_disk is None and image.disk is not None:
             root_disk, root_disk_key = str(image.disk), image.disk_key
         self.created_at = time.monotonic()
@@ -95,13 +99,20 @@ class BootedGuest:
                 mem_mib=mem_mib, vcpus=vcpus, console_log=self.console_log,
                 vsock_uds=self.vsock_uds, vm_id=self.dir.name,
                 guest_mac=network.mac if network is not None else None, net_tap=net_tap,
-                root_disk=root_disk, root_disk_key=root_disk_key))
+                root_disk=root_disk, root_disk_key=root_disk_key,
+                volume_slots=len(volumes) + free_volume_slots,
+                volumes=tuple(VolumeMedia(slot, v.path, v.key, v.read_only, v.guest_path)
+                              for slot, v in enumerate(volumes))))
             self.machine.serial.line_listeners.append(self._on_console_line)
             self.agent = AgentClient(vsock_uds_connector(self.vsock_uds, AGENT_PORT, timeout=5.0))
             self.timings.vmm_setup = time.monotonic() - self.created_at
             self._started_at = time.monotonic()
             self.machine.start()
             self._wait_ready(ready_timeout)
+            for slot, volume in enumerate(volumes):
+                self.agent.mount_volume(self.machine.volume_devices[slot], volume.guest_path,
+                                        read_only=volume.read_only,
+                                        sectors=volume.size_bytes // 512)
         except BaseException:
             self.close()
             raise

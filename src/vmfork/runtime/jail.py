@@ -97,6 +97,9 @@ class JailSpec:
     hostname: str = "vmfork"
     env: dict[str, str] = field(default_factory=dict)
     preopen: tuple[str, ...] = ()
+    preopen_rw: tuple[str, ...] = ()
+    """Files opened read-write before the drop and never bound in: a sandbox's
+    read-write volumes (``vmm/openfiles.open_rw``)."""
     """Files the VMM must read but its uid may not open (a snapshot's 0600
     ``memory.bin``): opened read-only before the drop (``vmm/openfiles.py``)."""
     netns: str | None = None
@@ -150,6 +153,7 @@ def enter(spec: JailSpec) -> None:
                         errno.EINVAL)
     last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     openfiles.preopen(list(spec.preopen))
+    openfiles.preopen_rw(list(spec.preopen_rw))
     openfiles.preopen_proc_self({"pagemap": os.O_RDONLY, "clear_refs": os.O_WRONLY})
     if spec.netns is not None:
         # setns needs CAP_SYS_ADMIN and TUNSETIFF on a tap the jail's uid does not own

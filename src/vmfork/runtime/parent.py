@@ -43,6 +43,7 @@ from vmfork.runtime.network import (
     NetworkError,
     host_dns_servers,
 )
+from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, PreparedVolume
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.vmm.stateformat import write_state_file
 
@@ -110,18 +111,31 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
                     vcpus: int = 1, warm_code: str | None = None,
                     warm_cmd: str | None = None,
                     network: GuestNetwork | None = None,
-                    net_tap: str | None = None) -> SnapshotReport:
+                    net_tap: str | None = None,
+                    volumes: tuple[PreparedVolume, ...] = (),
+                    free_volume_slots: int = DEFAULT_FREE_SLOTS) -> SnapshotReport:
     """``network``: boot the parent with a network device configured with it, so
     that its children can be given networks (``fork_children(per_child_netns=True)``
     with a ``HostNetwork`` of the same ``GuestNetwork``); ``net_tap``: the tap (in
-    this thread's network namespace) that cables it, so the warm-up can reach out."""
+    this thread's network namespace) that cables it, so the warm-up can reach out.
+    ``volumes``: read-only volumes mounted before the warm-up and recorded in the
+    snapshot (every child has them at the same paths); ``free_volume_slots``: empty
+    slots reserved for volumes given at spawn."""
+    for volume in volumes:
+        if not volume.read_only:
+            raise ValueError(f"volume {volume.source}:{volume.guest_path}:rw: a snapshot's "
+                             "volumes are shared by all its children, so they are "
+                             "read-only; attach a read-write volume at spawn or "
+                             "workspace create")
     if warm_code is not None and warm_cmd is not None:
         raise ValueError("give warm_code (Python run by the agent) or warm_cmd "
                          "(a shell command), not both")
     with store.begin(tag) as pending:
         started = time.monotonic()
         with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus, network=network,
-                         net_tap=net_tap, ready_timeout=PARENT_READY_TIMEOUT_S) as guest:
+                         net_tap=net_tap, volumes=volumes,
+                         free_volume_slots=free_volume_slots,
+                         ready_timeout=PARENT_READY_TIMEOUT_S) as guest:
             booted = time.monotonic()
             try:
                 _warm_up(guest, warm_code, warm_cmd)
@@ -146,7 +160,11 @@ def snapshot_parent(store: Store, tag: str, image: GuestImage, *, mem_mib: int =
             # and the root disk its children open (by content hash), if its image has one.
             extra={"network": network is not None,
                    **({"network_connected": True} if net_tap is not None else {}),
-                   **({"image_disk": image.disk_key} if image.disk_key else {})})
+                   **({"image_disk": image.disk_key} if image.disk_key else {}),
+                   **({"volumes": [{"guest_path": v.guest_path, "key": v.key,
+                                    "read_only": True, "source": v.source}
+                                   for v in volumes]} if volumes else {}),
+                   "volume_slots": len(volumes) + free_volume_slots})
         snapshot = pending.publish(meta)
     return SnapshotReport(snapshot=snapshot, boot_s=booted - started, warm_s=warmed - booted,
                           pause_ms=timings["paused"] * 1000,
@@ -196,6 +214,9 @@ class ParentRequest:
     netns: str | None = None
     net_tap: str | None = None
     dns: tuple[str, ...] = field(default_factory=tuple)
+    # Prepared read-only volumes (PreparedVolume.to_json) and the empty slots to add.
+    volumes: tuple[dict[str, Any], ...] = field(default_factory=tuple)
+    free_volume_slots: int = DEFAULT_FREE_SLOTS
 
 
 @dataclass(frozen=True)
@@ -254,6 +275,7 @@ def _process_main(request_path: str, result_path: str) -> int:
     with open(request_path) as f:
         doc = json.load(f)
     doc["dns"] = tuple(doc.get("dns") or ())
+    doc["volumes"] = tuple(doc.get("volumes") or ())
     req = ParentRequest(**doc)
     try:
         # Before any thread exists: the VMM's threads inherit the namespace, and the
@@ -267,7 +289,10 @@ def _process_main(request_path: str, result_path: str) -> int:
         network = GuestNetwork(dns=req.dns) if req.network else None
         report = snapshot_parent(store, req.tag, image, mem_mib=req.mem_mib, vcpus=req.vcpus,
                                  warm_code=req.warm_code, warm_cmd=req.warm_cmd,
-                                 network=network, net_tap=req.net_tap)
+                                 network=network, net_tap=req.net_tap,
+                                 volumes=tuple(PreparedVolume.from_json(v)
+                                               for v in req.volumes),
+                                 free_volume_slots=req.free_volume_slots)
     except Exception as err:  # noqa: BLE001 - every failure becomes a typed result
         kind = _classify(err)
         message = f"{err}" or type(err).__name__

@@ -28,7 +28,7 @@ import os
 import secrets
 import select
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
+from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
@@ -114,7 +115,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                   progress: Callable[[int, int, int], None] | None = None,
                   per_child_netns: bool = False, network: HostNetwork | None = None,
                   egress: EgressPolicy | None = None,
-                  jail: bool | None = None) -> ForkReport:
+                  jail: bool | None = None,
+                  volumes: Sequence[PreparedVolume] = ()) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
 
@@ -130,9 +132,16 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     ``progress(restored, ready, failed)`` is called as counts change.
 
     ``jail``: build each VMM a jail (``runtime/jail.py``); None: ``jail_by_default()``.
+
+    ``volumes``: prepared volumes (``runtime.volumes.prepare``) every child attaches
+    into its snapshot's empty volume slots, or -- a read-write file a slot of the
+    snapshot already holds (a workspace's) -- reopens there (``runtime.vmmchild``).
+    A jailed VMM gets them opened before its uid changes (``_jail_request``).
     """
     if jail is None:
         jail = jail_by_default()
+    if n > 1 and any(not v.read_only for v in volumes):
+        raise ValueError("a read-write volume belongs to one sandbox: spawn it with n=1")
     if wait_for not in ("ready", "restored"):
         raise ValueError(f"wait_for must be 'ready' or 'restored', not {wait_for!r}")
     done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")
@@ -156,10 +165,11 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     try:
         if n > 1 and start_together:
             gate = _Fifo.create(run_root / f".start-{token}", 0o644 if jail else 0o600)
-        jail_request = _jail_request(snapshot, [notify.path] + ([gate.path] if gate else [])
-                                     ) if jail else None
+        jail_request = _jail_request(snapshot, [notify.path] + ([gate.path] if gate else []),
+                                     volumes) if jail else None
         report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
-                                done_states, progress, notify, gate, nets, jail_request)
+                                done_states, progress, notify, gate, nets, jail_request,
+                                [v.to_json() for v in volumes])
     except BaseException:
         _destroy_networks(network, nets)
         raise
@@ -204,7 +214,8 @@ class _Fifo:
         self.path.unlink()
 
 
-def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
+def _jail_request(snapshot: Snapshot, fifos: list[Path],
+                  volumes: Sequence[PreparedVolume] = ()) -> dict[str, Any]:
     """What a VMM of ``snapshot`` may see: the snapshot's files, the memory files its
     plan maps (a diff's ancestors), its root disk (read-only, shared by design:
     decision 3) and this spawn's FIFOs. Files one by one, never their directories:
@@ -228,9 +239,24 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path]) -> dict[str, Any]:
         disk = str(disk_path(state.blk.device.disk_key))
         read_only.append(disk)
         preopen.append(disk)
+    # The snapshot's read-only volumes, content-addressed like root disks.
+    for volume in state.volumes if state is not None else []:
+        if volume.device.disk_key and volume.device.read_only:
+            image = str(volume_image_path(volume.device.disk_key))
+            read_only.append(image)
+            preopen.append(image)
+    # Volumes given at spawn: read-only ones bound and pre-opened as the others; a
+    # read-write one (its sandbox's own file) only pre-opened for writing, never bound.
+    preopen_rw: list[str] = []
+    for prepared in volumes:
+        if prepared.read_only:
+            read_only.append(prepared.path)
+            preopen.append(prepared.path)
+        else:
+            preopen_rw.append(prepared.path)
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
-            "devices": ["/dev/kvm"], "preopen": preopen}
+            "devices": ["/dev/kvm"], "preopen": preopen, "preopen_rw": preopen_rw}
 
 
 def _read_notifications(fd: int) -> set[str]:
@@ -251,7 +277,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
                    memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
                    progress: Callable[[int, int, int], None] | None, notify: _Fifo,
                    gate: _Fifo | None, nets: list[ChildNetwork],
-                   jail: dict[str, Any] | None = None) -> ForkReport:
+                   jail: dict[str, Any] | None = None,
+                   volumes: list[dict[str, Any]] | None = None) -> ForkReport:
     items = []
     by_vm: dict[str, ChildNetwork] = {}
     for index in range(n):
@@ -262,6 +289,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             "log_path": str(run_dir / "vmm.log"), "notify_path": str(notify.path),
             # a child gives up on its agent when the spawner would give up on it
             "ready_timeout": timeout}
+        if volumes:
+            args["volumes"] = volumes
         if gate is not None:
             args.update(start_gate=str(gate.path), start_gate_timeout=timeout)
         if jail is not None and os.environ.get(SECCOMP_LOG_ENV) == "1":

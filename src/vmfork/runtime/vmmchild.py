@@ -35,6 +35,13 @@ imports are already done and a spawn pays only for the restore. Contract:
 * A guest booted on a read-only root disk is restored on the disk its state names
   by content key, found in the image cache (``vmfork.image.disk_path``); the
   machine checks that its size is the one recorded.
+* ``volumes`` (optional): ``runtime.volumes.PreparedVolume`` documents. Those whose
+  key a slot of the snapshot holds are that slot's disk (a read-write volume's file
+  has no other way to be found; a read-only one not listed is found in the volume
+  cache by its key); the others go into the snapshot's empty slots, lowest first,
+  once the guest runs, and the agent mounts each (``attach_volumes``). A volume that
+  cannot be attached or mounted fails the sandbox: it never runs without a volume it
+  was asked for.
 * ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
   ``resume``, ``snapshot`` (full, diff or live; see ``ControlServer.snapshot``),
   ``exits``, ``stop``.
@@ -76,9 +83,10 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.runtime import seccomp, zygote_child
 from vmfork.runtime.network import enter_netns
+from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
-from vmfork.vmm.machine import Machine, MachineConfig
+from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
@@ -291,8 +299,52 @@ def _retry_until(deadline: float, step: Callable[[], T]) -> T:
             time.sleep(0.05)
 
 
+def snapshot_slot_media(state: MachineState,
+                        volumes: list[PreparedVolume]) -> tuple[tuple[VolumeMedia, ...],
+                                                                list[VolumeMedia]]:
+    """The disks for the snapshot's filled volume slots, and the new volumes placed in
+    its empty slots (lowest first). ``ValueError`` if a filled slot's read-write disk
+    is not given, or the new volumes do not fit."""
+    by_key = {v.key: v for v in volumes}
+    held: list[VolumeMedia] = []
+    free: list[int] = []
+    for slot, volume in enumerate(state.volumes):
+        key = volume.device.disk_key
+        if not key:
+            free.append(slot)
+            continue
+        given = by_key.pop(key, None)
+        if given is None and not volume.device.read_only:
+            raise ValueError(f"the snapshot's read-write volume at {volume.guest_path} "
+                             f"({key}) needs its file: only the sandbox that holds it "
+                             "(a workspace) can be restored from this snapshot")
+        path = given.path if given is not None else str(volume_image_path(key))
+        held.append(VolumeMedia(slot, path, key, volume.device.read_only, volume.guest_path))
+    new = list(by_key.values())
+    if len(new) > len(free):
+        raise ValueError(f"{len(new)} volumes asked for, but the snapshot has {len(free)} "
+                         "empty volume slots")
+    return tuple(held), [VolumeMedia(slot, v.path, v.key, v.read_only, v.guest_path)
+                         for slot, v in zip(free, new)]
+
+
+def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
+                   deadline: float) -> None:
+    """Put each new volume into its slot and have the agent mount it."""
+    for media in new:
+        machine.attach_volume(media)
+        sectors = machine.volume_slots[media.slot].capacity_bytes // 512
+
+        def mount(media: VolumeMedia = media, sectors: int = sectors) -> dict[str, Any]:
+            return agent.mount_volume(machine.volume_devices[media.slot], media.guest_path,
+                                      read_only=media.read_only, sectors=sectors)
+
+        _retry_until(deadline, mount)
+
+
 def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
-            net_tap: str | None = None) -> tuple[Machine, MachineState]:
+            net_tap: str | None = None,
+            volumes: tuple[VolumeMedia, ...] = ()) -> tuple[Machine, MachineState]:
     state, prepared = load_snapshot(snapshot_dir)
     memory_file, plan = load_memory(snapshot_dir)
     # A guest booted on a root disk is named by the disk's content key alone: the
@@ -307,7 +359,7 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
         console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False,
         net_tap=net_tap,
         root_disk=str(disk_path(disk_key)) if disk_key is not None else None,
-        root_disk_key=disk_key)
+        root_disk_key=disk_key, volumes=volumes)
     return Machine(config), state
 
 
@@ -559,7 +611,11 @@ def main(args: dict[str, Any]) -> int:
         if args.get("netns") and not jailed:
             # (A jail joined it already, and attached the tap, while it could.)
             enter_netns(str(args["netns"]))  # before any thread: they inherit it
-        machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"))
+        asked = [PreparedVolume.from_json(v) for v in args.get("volumes") or ()]
+        state, _ = load_snapshot(args["snapshot_dir"])
+        held, new_volumes = snapshot_slot_media(state, asked)
+        machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"),
+                                 held)
     except Exception as err:  # noqa: BLE001 - whatever failed, the spawner is told why
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
@@ -587,8 +643,12 @@ def main(args: dict[str, Any]) -> int:
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
-            unique = make_unique(agent, float(args.get("ready_timeout", READY_TIMEOUT)),
-                                 net_refresh=state.net is not None)
+            ready_timeout = float(args.get("ready_timeout", READY_TIMEOUT))
+            unique = make_unique(agent, ready_timeout, net_refresh=state.net is not None)
+            if new_volumes:
+                mount_started = time.monotonic()
+                attach_volumes(machine, agent, new_volumes, time.monotonic() + ready_timeout)
+                unique["volumes_s"] = time.monotonic() - mount_started
         except Exception as err:  # noqa: BLE001 - reported as the child's failure
             exit_ = machine.exit
             reason = f"guest not ready: {err}" + (f" ({exit_.reason})" if exit_ else "")

@@ -187,7 +187,7 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
-                                                    "devices", "preopen"}:
+                                                    "devices", "preopen", "preopen_rw"}:
         raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
                            "devices: [path]}")
     if run_dir is None:
@@ -207,7 +207,7 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
         raise RequestError(f"jail.uid and jail.gid must be positive integers, got "
                            f"{uid!r}/{gid!r}: a jail never runs as root")
     paths: dict[str, tuple[str, ...]] = {}
-    for key in ("read_only", "devices", "preopen"):
+    for key in ("read_only", "devices", "preopen", "preopen_rw"):
         items = value.get(key, [])
         if not isinstance(items, list) or not all(
                 isinstance(p, str) and os.path.isabs(p) and ".." not in p.split("/")
@@ -225,7 +225,7 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
     return JailSpec(netns=netns, tap=tap, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
                     read_only=(*python_paths(), *paths["read_only"]),
                     writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
-                    preopen=paths["preopen"])
+                    preopen=paths["preopen"], preopen_rw=paths["preopen_rw"])
 
 
 def _validate_run_dir(value: object) -> str | None:

@@ -171,6 +171,9 @@ SANDBOX_CREATE = {
     "prewarm": Field(bool, False),
     "live_fork": Field(bool, False),
     "hugepages": Field(bool, False),
+    # forkd's --volume: ["SRC:GUEST_PATH[:ro|:rw]" | {source, guest_path, mode}], into
+    # the snapshot's empty volume slots (docs/volumes.md).
+    "volumes": Field(list, None, nullable=True),
 }
 
 EXEC = {
@@ -208,6 +211,10 @@ SNAPSHOT_CREATE = {
     # spawned with per_child_netns; egress: the parent's policy, as for sandboxes.
     "network": Field(bool, False),
     "egress": Field(dict, None, nullable=True),
+    # Read-only volumes every child has (forkd's --volume), and the empty volume slots
+    # reserved for volumes given at spawn (default 4; volumes + slots <= 24).
+    "volumes": Field(list, None, nullable=True),
+    "volume_slots": Field(int, None, between(0, 24), nullable=True),
 }
 
 PORT_EXPOSE = {
@@ -243,6 +250,7 @@ WORKSPACE_CREATE = {
     "snapshot_tag": Field(str, check=check_tag),
     "per_child_netns": Field(bool, False),
     "memory_limit_mib": Field(int, None, between(16, 1 << 20), nullable=True),
+    "volumes": Field(list, None, nullable=True),
 }
 
 WORKSPACE_SUSPEND = {"diff": Field(bool, False)}

@@ -48,6 +48,8 @@ from vmfork.agent.client import (
 )
 from vmfork.runtime.branch import BranchFailed
 from vmfork.runtime.network import NetworkError
+from vmfork.runtime.volumes import PreparedVolume
+from vmfork.server import volumes
 from vmfork.server.errors import (
     ApiError,
     BadGateway,
@@ -167,6 +169,8 @@ class Controller:
             log.warning("snapshots left writing by a previous daemon marked failed: %s",
                         ", ".join(failed))
         self.store.cleanup_stale()
+        # Holds of spawns a previous daemon did not finish: nothing runs on them.
+        self.registry.release_volumes_of_unfinished_spawns()
         if self.spawner is None:
             lost = self.registry.mark_all_running_lost(
                 "no-spawner", "this daemon runs without a spawner, so it cannot reach the "
@@ -201,6 +205,7 @@ class Controller:
                            "stopped: no daemon held its lease, or the host rebooted)")
             if self.registry.mark_ended(record.id, LOST, "daemon-restart", description):
                 self.metrics.sandbox_exits.inc(reason="lost")
+            self.registry.release_volumes(f"sandbox:{record.id}")
             lost.append(record.id)
         killed = []
         for vm_id in live:  # forked by a spawn the crash cut short: nobody knows them
@@ -228,9 +233,12 @@ class Controller:
             self.networks.host.close(destroy_children=False)
             self.networks = None
 
-    def _release_network(self, sandbox_id: str) -> None:
+    def _release_sandbox(self, sandbox_id: str) -> None:
+        """Let go of what a sandbox that ended held: its network and its read-write
+        volumes (a workspace's stay held by the workspace)."""
         if self.networks is not None:
             self.networks.release(sandbox_id)
+        self.registry.release_volumes(f"sandbox:{sandbox_id}")
 
     def stop(self, kill_sandboxes: bool = False) -> None:
         """Stop watching and let go of the zygote. Sandboxes keep running for the next
@@ -262,7 +270,7 @@ class Controller:
                 log.error("cannot read sandbox exit events: %s", err)
                 continue
             for notice in notices:
-                self._release_network(notice.vm_id)
+                self._release_sandbox(notice.vm_id)
                 if self.registry.mark_ended(notice.vm_id, EXITED, notice.reason,
                                             notice.description):
                     self.metrics.sandbox_exits.inc(reason=notice.reason)
@@ -272,7 +280,7 @@ class Controller:
         assert self.spawner is not None
         log.error("%s; its sandboxes died with it, starting a new zygote", why)
         for record in self.registry.list_sandboxes(RUNNING):
-            self._release_network(record.id)
+            self._release_sandbox(record.id)
             if self.registry.mark_ended(record.id, LOST, "zygote-died",
                                         f"{why}; the sandbox died with it"):
                 self.metrics.sandbox_exits.inc(reason="lost")
@@ -369,6 +377,11 @@ class Controller:
             info["pause_ms"] = round(meta.timings.pause_ms, 3)
         if meta.extra.get("network"):
             info["network"] = True  # its sandboxes can be spawned with per_child_netns
+        if "volume_slots" in meta.extra:   # a parent's (a BRANCH keeps its parent's slots)
+            info["volume_slots"] = meta.extra["volume_slots"]
+            info["volumes"] = [{"guest_path": v["guest_path"], "mode": "ro", "key": v["key"],
+                                "source": v["source"]}
+                               for v in meta.extra.get("volumes", [])]
         return info
 
     def list_snapshots(self) -> list[dict[str, Any]]:
@@ -516,7 +529,10 @@ class Controller:
                              "with `vmfork serve` on a host with KVM")
         return self.spawner
 
-    def create_sandboxes(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+    def create_sandboxes(self, body: dict[str, Any], *,
+                         workspace: str | None = None) -> list[dict[str, Any]]:
+        """``workspace``: the spawn is that workspace's sandbox (its read-write volumes
+        are held by the workspace, and a suspension snapshot's are reopened)."""
         for flag, why in (("live_fork", ("children always map the snapshot copy-on-write; "
                                          "forkd's live_fork copies RAM per child and is not "
                                          "offered")),
@@ -534,11 +550,17 @@ class Controller:
             raise Conflict(str(err)) from err
         spawner = self._spawner()
         network_args = self._network_args(body, snap)
+        new_volumes, reopened = self._spawn_volumes(body, snap, workspace)
+        # Only when there are any: a spawner from before volumes takes no such argument.
+        volume_args: dict[str, Any] = ({"volumes": [*new_volumes, *reopened]}
+                                       if new_volumes or reopened else {})
         with self._heavy_slot(f"spawn {n} sandboxes of {tag!r}"), \
-                self._admission(n, snap.meta.mem_mib, tag):
+                self._admission(n, snap.meta.mem_mib, tag), \
+                volumes.held(self.registry, new_volumes, secrets.token_hex(6)) as holder:
             started = time.time()
             try:
-                outcome = spawner.spawn(snap, n, body["memory_limit_mib"], **network_args)
+                outcome = spawner.spawn(snap, n, body["memory_limit_mib"], **network_args,
+                                        **volume_args)
             except SpawnerError as err:
                 self.metrics.spawn_seconds.observe(time.time() - started, outcome="failed")
                 raise BadGateway(str(err)) from err
@@ -564,6 +586,8 @@ class Controller:
                     if child.network is not None:
                         self.networks.register(child.vm_id, child.network)
             self.registry.add_sandboxes(records)
+            self.registry.move_volume_holds(
+                holder, f"workspace:{workspace}" if workspace else f"sandbox:{records[0].id}")
         self.metrics.spawn_seconds.observe(outcome.ready_s, outcome="ok")
         self.metrics.restore_seconds.observe(outcome.restored_s)
         self.metrics.sandboxes_spawned.inc(len(records))
@@ -573,6 +597,40 @@ class Controller:
                    "ready_ms": round(outcome.ready_s * 1000, 3)}
         return [{**self._with_network(self.sandbox_info(r)), "timings": timings}
                 for r in records]
+
+    def _spawn_volumes(self, body: dict[str, Any], snap: Snapshot, workspace: str | None
+                       ) -> tuple[list[PreparedVolume], list[PreparedVolume]]:
+        """The volumes a spawn attaches (parsed, checked against the snapshot's slots,
+        their disks made), and the read-write files of the snapshot's own slots that a
+        workspace's sandbox reopens. Refuses (before anything starts) what cannot be."""
+        where = "volumes"
+        specs = volumes.parse_request(body.get("volumes"), where)
+        slots = volumes.snapshot_slots(snap)
+        rw_slots = [s for s in slots if s.key and not s.read_only]
+        reopened: list[PreparedVolume] = []
+        if rw_slots:
+            mine = ({v.key: v for v in volumes.held_volumes(self.registry,
+                                                            f"workspace:{workspace}")}
+                    if workspace else {})
+            missing = [s for s in rw_slots if s.key not in mine]
+            if missing:
+                raise Conflict(f"snapshot {snap.tag!r} holds the read-write volume at "
+                               f"{missing[0].guest_path} of the workspace it suspends; "
+                               "resume that workspace (POST /v1/workspaces/{name}/resume) "
+                               "instead of spawning it")
+            reopened = [mine[s.key] for s in rw_slots]
+        if not specs:
+            return [], reopened
+        volumes.check_fits(snap, slots, specs, where)
+        if body["n"] > 1 and any(not s.read_only for s in specs):
+            raise Conflict(f"{where}: a read-write volume belongs to one sandbox, and n is "
+                           f"{body['n']}; spawn it with n=1 (read-only volumes are shared "
+                           "by any number)")
+        prepared = volumes.prepare_all(specs, where)
+        rw_keys = [v.key for v in prepared if not v.read_only]
+        if len(set(rw_keys)) != len(rw_keys):
+            raise BadRequest(f"{where}: the same read-write file is given twice")
+        return prepared, reopened
 
     def _network_args(self, body: dict[str, Any], snap: Snapshot) -> dict[str, Any]:
         """The spawner's network arguments for ``per_child_netns``/``egress``; refuses
@@ -620,7 +678,7 @@ class Controller:
                 raise BadGateway(str(err)) from err
             if self.registry.mark_ended(sandbox_id, EXITED, "killed", "deleted through the API"):
                 self.metrics.sandbox_exits.inc(reason="killed")
-        self._release_network(sandbox_id)
+        self._release_sandbox(sandbox_id)
         self.registry.remove_sandbox(sandbox_id)
 
     # -- networks of sandboxes (per_child_netns) ---------------------------------------
@@ -732,7 +790,22 @@ class Controller:
                              "BRANCH is self-contained: drop parent_tag or use mode diff")
         return str(mode)
 
-    def branch_sandbox(self, sandbox_id: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _refuse_branch_with_rw_volume(self, sandbox_id: str) -> None:
+        holders = [f"sandbox:{sandbox_id}"] + [
+            f"workspace:{w.name}" for w in self.registry.list_workspaces()
+            if w.sandbox_id == sandbox_id]
+        for holder in holders:
+            for hold in self.registry.volumes_held_by(holder):
+                raise Conflict(
+                    f"sandbox {sandbox_id} has the read-write volume {hold.path} at "
+                    f"{hold.guest_path}: a BRANCH's children would each need that disk as "
+                    "it was at the pause, but it is a file outside guest memory that the "
+                    "sandbox goes on writing, and it cannot be attached to two sandboxes; "
+                    "BRANCH is refused (a workspace suspend captures it, keeping the "
+                    "volume with the workspace)")
+
+    def branch_sandbox(self, sandbox_id: str, body: dict[str, Any], *,
+                       suspending: bool = False) -> tuple[int, dict[str, Any]]:
         """Snapshot a running sandbox as ``tag`` (201 with ``SnapshotInfo`` and
         ``pause_ms``), or with ``wait: false`` start it and answer 202 with status
         ``writing`` (poll GET /v1/snapshots until ``ready`` or ``failed``)."""
@@ -741,6 +814,8 @@ class Controller:
         if record.status != RUNNING:
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); only a "
                            "running sandbox can be branched")
+        if not suspending:
+            self._refuse_branch_with_rw_volume(sandbox_id)
         self._spawner()  # 502 now if this daemon has none, before any tag is claimed
         tag = body["tag"] or self._branch_tag(record)
         if body["parent_tag"] is not None:
@@ -873,6 +948,9 @@ class Controller:
                 "sandbox_id": w.sandbox_id,
                 "sandbox": None if sandbox is None else self.sandbox_info(sandbox),
                 "suspended_snapshot": w.suspended_tag,
+                # vmfork's extension: the read-write volumes the workspace holds.
+                "volumes": [{"source": h.path, "guest_path": h.guest_path, "mode": "rw"}
+                            for h in self.registry.volumes_held_by(f"workspace:{w.name}")],
                 "memory_limit_mib": w.memory_limit_mib,
                 "created_at_unix": int(w.created_at), "updated_at_unix": int(w.updated_at)}
 
@@ -882,11 +960,12 @@ class Controller:
     def get_workspace(self, name: str) -> dict[str, Any]:
         return self.workspace_info(self._workspace(name))
 
-    def _spawn_one(self, tag: str, memory_limit_mib: int | None) -> str:
+    def _spawn_one(self, tag: str, memory_limit_mib: int | None, workspace: str,
+                   volume_items: list[Any] | None = None) -> str:
         infos = self.create_sandboxes({
             "snapshot_tag": tag, "n": 1, "per_child_netns": False,
             "memory_limit_mib": memory_limit_mib, "prewarm": False, "live_fork": False,
-            "hugepages": False})
+            "hugepages": False, "volumes": volume_items}, workspace=workspace)
         return str(infos[0]["id"])
 
     def create_workspace(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -899,7 +978,8 @@ class Controller:
             if self.registry.get_workspace(name) is not None:
                 raise Conflict(f"workspace {name!r} already exists; choose another name or "
                                f"delete it (DELETE /v1/workspaces/{name})")
-            sandbox_id = self._spawn_one(body["snapshot_tag"], body["memory_limit_mib"])
+            sandbox_id = self._spawn_one(body["snapshot_tag"], body["memory_limit_mib"], name,
+                                         body.get("volumes"))
             now = time.time()
             self.registry.add_workspace(WorkspaceRecord(
                 name, body["snapshot_tag"], sandbox_id, None, body["memory_limit_mib"], now,
@@ -917,7 +997,8 @@ class Controller:
             tag = f"ws-{secrets.token_hex(4)}-{name}"[:64]
             self.branch_sandbox(w.sandbox_id, {
                 "tag": tag, "mode": "diff" if diff else "full", "wait": True,
-                "measure_diff": False, "parent_tag": None, "diff": False, "live": False})
+                "measure_diff": False, "parent_tag": None, "diff": False, "live": False},
+                suspending=True)
             self.delete_sandbox(w.sandbox_id)
             self.registry.set_workspace(name, None, tag)
             self._drop_suspension(w.suspended_tag)
@@ -932,7 +1013,7 @@ class Controller:
                                "resume")
             if self.workspace_info(w)["state"] == "running":
                 raise Conflict(f"workspace {name!r} is already running")
-            sandbox_id = self._spawn_one(w.suspended_tag, w.memory_limit_mib)
+            sandbox_id = self._spawn_one(w.suspended_tag, w.memory_limit_mib, name)
             self.registry.set_workspace(name, sandbox_id, w.suspended_tag)
             return self.workspace_info(self._workspace(name))
 
@@ -942,6 +1023,7 @@ class Controller:
             if w.sandbox_id is not None and self.registry.get_sandbox(w.sandbox_id):
                 self.delete_sandbox(w.sandbox_id)
             self._drop_suspension(w.suspended_tag)
+            self.registry.release_volumes(f"workspace:{name}")
             self.registry.remove_workspace(name)
 
     def _drop_suspension(self, tag: str | None) -> None:

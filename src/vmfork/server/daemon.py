@@ -27,6 +27,7 @@ from typing import Any
 
 from vmfork import __version__
 from vmfork.paths import private_dir
+from vmfork.runtime.volumes import PreparedVolume, VolumeError, prepare_snapshot_volumes
 from vmfork.server import auth
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller, Limits
@@ -142,10 +143,13 @@ class ParentMaker:
         network = bool(body.get("network"))
         if egress is not None and not network:
             raise BadRequest("egress applies to the parent's network: add \"network\": true")
+        prepared, free_slots = snapshot_volumes(body.get("volumes"), body.get("volume_slots"))
         req = ParentRequest(tag=body["tag"], image=body["image"], mem_mib=body["mem_mib"],
                             vcpus=body["vcpus"], warm_code=body["warm_code"],
                             warm_cmd=body["warm_cmd"], network=network,
-                            store_root=str(store.root))
+                            store_root=str(store.root),
+                            volumes=tuple(v.to_json() for v in prepared),
+                            free_volume_slots=free_slots)
         host = self.networks.host if self.networks is not None else None
         if network and host is None and (egress is not None or body["warm_cmd"] is not None
                                          or body["warm_code"] is not None):
@@ -158,6 +162,18 @@ class ParentMaker:
             raise _PARENT_ERRORS[err.kind](f"snapshot {body['tag']!r} failed: "
                                            f"{err.message}") from err
         return store.get(body["tag"])
+
+
+def snapshot_volumes(items: Any, volume_slots: int | None
+                     ) -> tuple[list[PreparedVolume], int]:
+    """``runtime.volumes.snapshot_volumes`` for a request: 400 for what it refuses."""
+    if items is not None and not isinstance(items, list):
+        raise BadRequest("volumes must be a list of \"SRC:GUEST_PATH[:ro]\" strings or "
+                         "{source, guest_path, mode} objects")
+    try:
+        return prepare_snapshot_volumes(items or [], volume_slots)
+    except VolumeError as err:
+        raise BadRequest(f"volumes: {err}") from err
 
 
 def lock_state_dir(state_dir: Path) -> int:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _MIGRATIONS: tuple[str, ...] = (
     """
@@ -67,6 +67,18 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE TABLE sandbox_networks (
         sandbox_id TEXT PRIMARY KEY,
         network TEXT NOT NULL
+    );
+    """,
+    # Read-write volumes and who holds each (a sandbox, a workspace, or a spawn in
+    # progress): one holder per file, so a second attach is refused (409).
+    """
+    CREATE TABLE volume_holds (
+        key TEXT PRIMARY KEY,
+        path TEXT NOT NULL,
+        guest_path TEXT NOT NULL,
+        size_bytes INTEGER NOT NULL,
+        holder TEXT NOT NULL,
+        since REAL NOT NULL
     );
     """,
 )
@@ -129,6 +141,20 @@ class WorkspaceRecord:
     memory_limit_mib: int | None
     created_at: float
     updated_at: float
+
+
+@dataclass(frozen=True)
+class VolumeHold:
+    """A read-write volume's file and who holds it: ``sandbox:<id>``,
+    ``workspace:<name>`` (kept while the workspace is suspended) or ``spawn:<token>``
+    (a spawn that has not finished)."""
+
+    key: str
+    path: str
+    guest_path: str
+    size_bytes: int
+    holder: str
+    since: float
 
 
 _WORKSPACE_COLUMNS = ("name, snapshot_tag, sandbox_id, suspended_tag, memory_limit_mib, "
@@ -275,6 +301,49 @@ class Registry:
         with self._transaction() as db:
             return db.execute("DELETE FROM sandbox_networks WHERE sandbox_id = ?",
                               (sandbox_id,)).rowcount == 1
+
+    # -- read-write volume holds ----------------------------------------------------
+
+    def hold_volumes(self, holds: list[VolumeHold]) -> VolumeHold | None:
+        """Record every hold, or none: the hold already on a key if one is taken."""
+        with self._transaction() as db:
+            for hold in holds:
+                row = db.execute("SELECT key, path, guest_path, size_bytes, holder, since "
+                                 "FROM volume_holds WHERE key = ?", (hold.key,)).fetchone()
+                if row is not None:
+                    return VolumeHold(*row)
+            db.executemany("INSERT INTO volume_holds (key, path, guest_path, size_bytes, "
+                           "holder, since) VALUES (?, ?, ?, ?, ?, ?)",
+                           [(h.key, h.path, h.guest_path, h.size_bytes, h.holder, h.since)
+                            for h in holds])
+        return None
+
+    def volumes_held_by(self, holder: str) -> list[VolumeHold]:
+        with self._lock:
+            rows = self._db.execute("SELECT key, path, guest_path, size_bytes, holder, since "
+                                    "FROM volume_holds WHERE holder = ? ORDER BY guest_path",
+                                    (holder,)).fetchall()
+        return [VolumeHold(*row) for row in rows]
+
+    def list_volume_holds(self) -> list[VolumeHold]:
+        with self._lock:
+            rows = self._db.execute("SELECT key, path, guest_path, size_bytes, holder, since "
+                                    "FROM volume_holds ORDER BY holder, guest_path").fetchall()
+        return [VolumeHold(*row) for row in rows]
+
+    def move_volume_holds(self, holder: str, new_holder: str) -> int:
+        with self._transaction() as db:
+            return db.execute("UPDATE volume_holds SET holder = ? WHERE holder = ?",
+                              (new_holder, holder)).rowcount
+
+    def release_volumes_of_unfinished_spawns(self) -> int:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM volume_holds WHERE holder LIKE 'spawn:%'").rowcount
+
+    def release_volumes(self, holder: str) -> int:
+        with self._transaction() as db:
+            return db.execute("DELETE FROM volume_holds WHERE holder = ?",
+                              (holder,)).rowcount
 
     # -- workspaces ---------------------------------------------------------------
 

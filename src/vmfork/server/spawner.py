@@ -29,6 +29,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ from vmfork.paths import private_dir
 from vmfork.runtime.branch import BranchResult, branch_into_pending
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork, NetworkError
 from vmfork.runtime.spawn import SpawnFailed, fork_children
+from vmfork.runtime.volumes import PreparedVolume
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
 from vmfork.runtime.zygote_protocol import ZygoteError, ZygoteUnavailable
 from vmfork.store import PendingSnapshot, Snapshot, Store
@@ -101,10 +103,12 @@ class ControlError(Exception):
 class Spawner(Protocol):
     def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
               network: HostNetwork | None = None,
-              egress: EgressPolicy | None = None) -> SpawnOutcome:
+              egress: EgressPolicy | None = None,
+              volumes: Sequence[PreparedVolume] = ()) -> SpawnOutcome:
         """``network``: give each child a network of its own from it, with ``egress``
         (the caller destroys them once the children are gone; those of failed
-        children are destroyed already)."""
+        children are destroyed already). ``volumes``: attached in every child
+        (``runtime.spawn.fork_children``)."""
 
     def kill(self, vm_id: str) -> None:
         """Kill the sandbox and wait until it is reaped; no error if already gone."""
@@ -216,7 +220,8 @@ class ZygoteSpawner:
 
     def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
               network: HostNetwork | None = None,
-              egress: EgressPolicy | None = None) -> SpawnOutcome:
+              egress: EgressPolicy | None = None,
+              volumes: Sequence[PreparedVolume] = ()) -> SpawnOutcome:
         client = self._client()
         # Each spawn gets its own directory of run dirs, so that after a failed spawn
         # its children (whose ids fork_children chose) can be told from those of
@@ -229,7 +234,7 @@ class ZygoteSpawner:
                                    memory_limit_mib=memory_limit_mib,
                                    timeout=SPAWN_READY_TIMEOUT_S,
                                    per_child_netns=network is not None, network=network,
-                                   egress=egress, jail=self.jail)
+                                   egress=egress, jail=self.jail, volumes=volumes)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
@@ -240,6 +245,9 @@ class ZygoteSpawner:
         except NetworkError as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"cannot make the sandboxes' networks: {err}") from err
+        except ValueError as err:   # refused before any child was forked
+            self._remove_if_empty(batch)
+            raise SpawnerError(f"spawn of {snapshot.tag!r} refused: {err}") from err
         for vm_id, _reason in report.failed:
             self.kill(vm_id)
         self._remove_if_empty(batch)

@@ -72,6 +72,26 @@ log = logging.getLogger(__name__)
 BASE_CMDLINE = ("console=ttyS0 reboot=k panic=1 io_delay=none quiet nomodule "
                 "rcupdate.rcu_cpu_stall_suppress=1")
 MAX_VCPUS = 16
+MAX_VOLUME_SLOTS = 24   # forkd's cap on volumes per sandbox
+
+
+@dataclass(frozen=True)
+class VolumeMedia:
+    """A disk for a volume slot: the host file, its key (a content key for read-only
+    media, the volume's id for a read-write one), and where the guest mounts it."""
+
+    slot: int
+    path: str
+    key: str
+    read_only: bool
+    guest_path: str
+
+    def validate(self) -> None:
+        if not 0 <= self.slot < MAX_VOLUME_SLOTS:
+            raise ValueError(f"volume slot {self.slot} is not 0..{MAX_VOLUME_SLOTS - 1}")
+        validate_disk_key(self.key)
+        if not self.guest_path.startswith("/"):
+            raise ValueError(f"volume guest path {self.guest_path!r} is not absolute")
 
 
 @dataclass(frozen=True)
@@ -105,6 +125,13 @@ class MachineConfig:
     # serial). A restore must be given the snapshot's disk, the same key and size.
     root_disk: str | None = None
     root_disk_key: str | None = None
+    # Volume slots (virtio-blk, after every other device so that older snapshots keep
+    # their slots): how many a booted machine gets (a restored one has its
+    # snapshot's), and the disks in them from the start -- for a boot, the snapshot
+    # volumes; for a restore, every disk the snapshot's slots held, by slot. Disks
+    # for a restored machine's empty slots come later (``Machine.attach_volume``).
+    volume_slots: int = 0
+    volumes: tuple[VolumeMedia, ...] = ()
 
     def validate(self) -> None:
         sources = [self.kernel is not None, self.payload is not None,
@@ -137,6 +164,28 @@ class MachineConfig:
             raise ValueError("net_tap needs a network device: boot with guest_mac, or restore "
                              "a snapshot whose parent had one")
         self._validate_root_disk()
+        self._validate_volumes()
+
+    def _validate_volumes(self) -> None:
+        slots = (len(self.restore_state.volumes) if self.restore_state is not None
+                 else self.volume_slots)
+        if not 0 <= slots <= MAX_VOLUME_SLOTS:
+            raise ValueError(f"volume_slots must be 0..{MAX_VOLUME_SLOTS}, not {slots}")
+        taken: set[int] = set()
+        for media in self.volumes:
+            media.validate()
+            if media.slot >= slots:
+                raise ValueError(f"volume slot {media.slot}: the machine has {slots} slots")
+            if media.slot in taken:
+                raise ValueError(f"volume slot {media.slot} is given two disks")
+            taken.add(media.slot)
+        if self.restore_state is None:
+            return
+        filled = {i for i, v in enumerate(self.restore_state.volumes)
+                  if v.device.disk_key}
+        if filled != taken:
+            raise ValueError(f"the snapshot's volume slots {sorted(filled)} hold disks; "
+                             f"give exactly those (given: {sorted(taken)})")
 
     def _validate_root_disk(self) -> None:
         if (self.root_disk is None) != (self.root_disk_key is None):
@@ -250,6 +299,7 @@ class Machine:
         self._closers.append(self.loop.stop)
         self.loop.start()
         self._irq_lines: list[IrqLine] = []
+        self._lines_by_gsi: dict[int, IrqLine] = {}
         console_log = None
         if config.console_log:
             console_log = open(config.console_log, "ab", buffering=0)
@@ -270,6 +320,11 @@ class Machine:
         self.rng: VirtioRng | None = None
         self.net: VirtioNet | None = None
         self.blk: VirtioBlk | None = None
+        self.volume_slots: list[VirtioBlk] = []
+        self.volume_paths: list[str] = []   # guest mount point per slot, "" if empty
+        # Per slot, its place among the virtio-mmio devices (the N of the guest's
+        # virtio-mmio.N platform device, which the agent finds its disk by).
+        self.volume_devices: list[int] = []
         self._next_virtio_slot = 0
         self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
@@ -320,10 +375,12 @@ class Machine:
         self.serial.restore(state.serial)
         if (state.vsock is None) != (self.vsock is None) or \
                 (state.rng is None) != (self.rng is None) or \
-                (state.blk is None) != (self.blk is None):
+                (state.blk is None) != (self.blk is None) or \
+                len(state.volumes) != len(self.volume_slots):
             raise HostError("the snapshot's devices differ from this machine's "
                             f"(vsock {state.vsock is not None}, rng {state.rng is not None}, "
-                            f"root disk {state.blk is not None})",
+                            f"root disk {state.blk is not None}, volume slots "
+                            f"{len(state.volumes)}/{len(self.volume_slots)})",
                             vm_id=self.vm_id, op="restore")
         if state.vsock is not None and self.vsock is not None:
             self.vsock.restore(state.vsock.device)
@@ -337,6 +394,10 @@ class Machine:
         if state.blk is not None and self.blk is not None:
             self.blk.restore(state.blk.device)   # refuses another disk (key or size)
             self._transport_of(self.blk).restore(state.blk.transport)
+        for index, (volume, slot) in enumerate(zip(state.volumes, self.volume_slots)):
+            slot.restore(volume.device)   # refuses another disk (key, size or mode)
+            self._transport_of(slot).restore(volume.transport)
+            self.volume_paths[index] = volume.guest_path
         self.timings["restore_state"] = time.monotonic() - started
 
     def _transport_of(self, device: VirtioDevice) -> MmioTransport:
@@ -410,6 +471,9 @@ class Machine:
         if self.blk is not None:
             state.blk = vmstate.BlkSnapshot(self._transport_of(self.blk).save(),
                                             self.blk.save())
+        state.volumes = [vmstate.VolumeSnapshot(self._transport_of(slot).save(), slot.save(),
+                                                self.volume_paths[index])
+                         for index, slot in enumerate(self.volume_slots)]
         return state
 
     def _setup_vcpu(self, vcpu: Vcpu | NativeVcpu, supported: list[kvm_cpuid_entry2],
@@ -419,10 +483,16 @@ class Machine:
             boot.setup_boot_cpu_registers(vcpu.fd, self.boot_info.entry)
 
     def _irq_line(self, gsi: int) -> IrqLine:
+        """The line (an irqfd) of IOAPIC pin ``gsi``; devices that share a pin share
+        its line."""
+        line = self._lines_by_gsi.get(gsi)
+        if line is not None:
+            return line
         line = IrqLine(gsi)
         self._closers.append(line.close)
         api.irqfd(self.vm_fd, line.fd, gsi)
         self._irq_lines.append(line)
+        self._lines_by_gsi[gsi] = line
         return line
 
     def _add_virtio_devices(self, config: MachineConfig) -> None:
@@ -451,6 +521,84 @@ class Machine:
             self.blk = VirtioBlk(self.loop, fd, size, config.root_disk_key,
                                  path=config.root_disk)
             self.add_virtio(self.blk)
+        self._add_volume_slots(config)
+
+    def _add_volume_slots(self, config: MachineConfig) -> None:
+        """The volume slots, last. IOAPIC pins run out before slots do (24 pins, five
+        taken by legacy devices, up to four by the devices above), so the slots take
+        the pins left and share them round-robin past that: virtio-mmio's interrupt
+        is shared (Linux's handler reads each device's InterruptStatus), and a disk
+        interrupt costs a few more status reads on a shared pin, not a lost wake-up."""
+        count = (len(config.restore_state.volumes) if config.restore_state is not None
+                 else config.volume_slots)
+        if not count:
+            return
+        first_pin = L.FIRST_DEVICE_IRQ + self._next_virtio_slot
+        pins = L.IOAPIC_PINS - first_pin
+        if pins <= 0:
+            raise HostError("no IOAPIC pins left for volume slots", op="add_virtio")
+        media = {m.slot: m for m in config.volumes}
+        for index in range(count):
+            slot = VirtioBlk(self.loop, None, 0, "", path=f"<volume slot {index}>",
+                             volume_slot=True)
+            self.volume_slots.append(slot)
+            self.volume_paths.append("")
+            self.volume_devices.append(self._next_virtio_slot)
+            self.add_virtio(slot, irq=first_pin + index % pins)
+            if index in media:
+                self._open_volume(slot, media[index])
+                self.volume_paths[index] = media[index].guest_path
+
+    def _open_volume(self, slot: VirtioBlk, media: VolumeMedia) -> None:
+        fd, size = open_disk(media.path, writable=not media.read_only, what="volume")
+        self._closers.append(lambda: self._close_volume(slot, fd))
+        try:
+            slot.insert_media(fd, size, media.key, media.read_only, media.path)
+        except BaseException:
+            os.close(fd)
+            self._closers.pop()
+            raise
+
+    def _close_volume(self, slot: VirtioBlk, fd: int) -> None:
+        """As ``_close_disk``, for one volume slot's disk."""
+        try:
+            if self.loop.running:
+                run_on_loop(self.loop, slot.detach)
+        finally:
+            os.close(fd)
+
+    def attach_volume(self, media: VolumeMedia) -> None:
+        """Put ``media`` into an empty volume slot of a running machine and tell the
+        guest (a configuration-change interrupt); the guest agent mounts it after
+        (``AgentClient.mount_volume``). Raises ``HostError`` if the slot is missing or
+        full, or the disk cannot be opened; nothing changes then."""
+        media.validate()
+        if media.slot >= len(self.volume_slots):
+            raise HostError(f"volume slot {media.slot}: this machine has "
+                            f"{len(self.volume_slots)} slots", vm_id=self.vm_id,
+                            op="attach_volume")
+        slot = self.volume_slots[media.slot]
+        fd, size = open_disk(media.path, writable=not media.read_only, what="volume")
+
+        finished: list[bool] = []
+
+        def insert() -> None:
+            try:
+                slot.insert_media(fd, size, media.key, media.read_only, media.path)
+                self._transport_of(slot).notify_config_change()
+            finally:
+                finished.append(True)
+
+        try:
+            run_on_loop(self.loop, insert)
+        except BaseException:
+            if finished and slot.fd != fd:   # refused: the device never saw the fd
+                os.close(fd)
+            else:   # it may still run (an I/O thread that timed out): close it last
+                self._closers.append(lambda: self._close_volume(slot, fd))
+            raise
+        self._closers.append(lambda: self._close_volume(slot, fd))
+        self.volume_paths[media.slot] = media.guest_path
 
     def _close_disk(self, fd: int) -> None:
         """Close the root disk's fd once the device can no longer read it: a read
@@ -461,11 +609,13 @@ class Machine:
         finally:
             os.close(fd)
 
-    def add_virtio(self, device: VirtioDevice) -> MmioTransport:
-        """Give a virtio device an MMIO window, an IRQ and ioeventfds for its
-        queues, and announce it to the kernel on the command line."""
+    def add_virtio(self, device: VirtioDevice, irq: int | None = None) -> MmioTransport:
+        """Give a virtio device an MMIO window, an IRQ (its own unless ``irq`` names
+        a pin to share) and ioeventfds for its queues, and announce it to the kernel
+        on the command line."""
         slot = self._next_virtio_slot
-        irq = L.FIRST_DEVICE_IRQ + slot
+        if irq is None:
+            irq = L.FIRST_DEVICE_IRQ + slot
         if irq >= L.IOAPIC_PINS:
             raise HostError("no IOAPIC pins left for another virtio device", op="add_virtio")
         self._next_virtio_slot += 1

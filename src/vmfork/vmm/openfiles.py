@@ -14,6 +14,7 @@ import fcntl
 import os
 
 _preopened: dict[str, int] = {}
+_preopened_rw: dict[str, int] = {}
 _taps: dict[str, int] = {}
 _proc_self: dict[str, tuple[int, int]] = {}   # name -> (fd, open flags)
 
@@ -38,6 +39,28 @@ def open_ro(path: str) -> int:
     if fd is not None:
         return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
     return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def preopen_rw(paths: list[str]) -> None:
+    """Open each of ``paths`` read-write (a sandbox's read-write volumes): unlike
+    read-only inputs they are never bound into the jail, so the descriptor is the
+    VMM's only way to them. A missing one is skipped: the VMM reports it."""
+    for path in paths:
+        key = os.path.abspath(path)
+        if key in _preopened_rw:
+            continue
+        try:
+            _preopened_rw[key] = os.open(key, os.O_RDWR | os.O_CLOEXEC)
+        except (FileNotFoundError, IsADirectoryError):
+            continue
+
+
+def open_rw(path: str) -> int:
+    """A new read-write descriptor of ``path`` (the caller closes it)."""
+    fd = _preopened_rw.get(os.path.abspath(path))
+    if fd is not None:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+    return os.open(path, os.O_RDWR | os.O_CLOEXEC)
 
 
 def preopen_tap(name: str, fd: int) -> None:

@@ -131,6 +131,16 @@ class BlkSnapshot:
 
 
 @dataclass
+class VolumeSnapshot:
+    """A volume slot: its transport and device, and where the guest mounted its disk
+    ("" for an empty slot)."""
+
+    transport: MmioTransportState
+    device: BlkState
+    guest_path: str = ""
+
+
+@dataclass
 class MachineState:
     """Everything but guest memory. ``mem_size`` and the device list must match
     the machine it is restored into (``Machine`` rebuilds the same devices)."""
@@ -147,6 +157,9 @@ class MachineState:
     # The read-only root disk; None in state files written before it existed.
     blk: BlkSnapshot | None = None
     extra: dict[str, str] = field(default_factory=dict)
+    # Volume slots, after every other device; empty in state files written before
+    # volumes existed (their machines had none).
+    volumes: list[VolumeSnapshot] = field(default_factory=list)
 
 
 def _raw(obj: ctypes.Structure) -> bytes:

@@ -69,13 +69,27 @@ Discard and write-zeroes stay unoffered (``S_IOERR``). A read-only device refuse
 every write whatever the fd allows, and ``open_disk`` opens a read-only disk
 ``O_RDONLY``, so a bug here still cannot change a shared image.
 
+Volume slots (issue 14's volumes). A guest finds virtio-mmio devices only at boot
+(``virtio_mmio.device=`` on its command line), so a child restored from a snapshot
+cannot be given a new device; it can be given new media in a device that is already
+there. A parent therefore boots with volume *slots*: virtio-blk devices made with
+``volume_slot=True``, empty (capacity 0, no fd) unless a snapshot volume fills them
+at boot. ``insert_media`` (on the I/O thread) gives an empty slot its disk and the
+transport raises a configuration-change interrupt, on which Linux's virtio_blk
+re-reads the capacity (``virtblk_config_changed_work``); the guest agent then mounts
+it. Features are negotiated once, at boot, before anyone knows what a slot will
+hold, so a slot offers ``FLUSH`` and never ``RO``: read-only media are refused every
+write here (``S_IOERR``, as on an RO device) and mounted read-only by the agent. A
+slot's media stay until the machine ends (no eject: a mounted file system would see
+its disk vanish).
+
 The backing fd is opened by the ``Machine`` (``open_disk``) and owned by it;
 the device only reads it, and ``detach`` (on the I/O thread) makes sure no
 read starts after the machine closes it.
 
 Snapshots. ``BlkState`` holds the acked features, the disk's content key and
-its capacity; the queue is the transport's, the fd a live resource. A restore
-must be given the same disk: ``restore`` checks the key and the size (not the
+its capacity (an empty slot: key ``""``, capacity 0); the queue is the transport's,
+the fd a live resource. A restore must be given the same disk: ``restore`` checks the key and the size (not the
 content: hashes are checked when data enters the cache, and nothing at spawn
 time may scale with the disk's size, DESIGN.md decisions 2 and 5).
 """
@@ -93,7 +107,7 @@ from vmfork.vmm.devices.virtio.queue import DescriptorChain
 from vmfork.vmm.errors import HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.openfiles import open_ro
+from vmfork.vmm.openfiles import open_ro, open_rw
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +122,7 @@ F_RO = 1 << 5
 F_FLUSH = 1 << 9
 OFFERED_FEATURES = F_SIZE_MAX | F_SEG_MAX | F_RO
 OFFERED_FEATURES_RW = F_SIZE_MAX | F_SEG_MAX | F_FLUSH
+OFFERED_FEATURES_SLOT = OFFERED_FEATURES_RW   # either kind of media may come later
 
 # Request types and status values (virtio 1.x, 5.2.6).
 T_IN = 0
@@ -148,7 +163,7 @@ def validate_disk_key(key: str) -> str:
     return key
 
 
-def open_disk(path: str, writable: bool = False) -> tuple[int, int]:
+def open_disk(path: str, writable: bool = False, what: str = "root disk") -> tuple[int, int]:
     """Open a disk image (read-only unless ``writable``); return the fd and its size
     in bytes.
 
@@ -157,22 +172,21 @@ def open_disk(path: str, writable: bool = False) -> tuple[int, int]:
     consistently.
     """
     try:
-        # Read-only disks may be pre-opened for a jailed VMM (vmm/openfiles.py); a
-        # read-write volume is opened here (it is its sandbox's own file).
-        fd = (os.open(path, os.O_RDWR | os.O_CLOEXEC) if writable
-              else open_ro(path))
+        # Disks may be pre-opened for a jailed VMM (vmm/openfiles.py): read-only ones
+        # shared by many, a read-write volume (its sandbox's own file) for writing.
+        fd = open_rw(path) if writable else open_ro(path)
     except OSError as err:
-        raise HostError(f"root disk {path}: open: {err.strerror}", op="open_disk",
+        raise HostError(f"{what} {path}: open: {err.strerror}", op="open_disk",
                         errno=err.errno) from err
     try:
         size = os.lseek(fd, 0, os.SEEK_END)   # also right for a block device (st_size 0)
     except OSError as err:
         os.close(fd)
-        raise HostError(f"root disk {path}: size: {err.strerror}", op="open_disk",
+        raise HostError(f"{what} {path}: size: {err.strerror}", op="open_disk",
                         errno=err.errno) from err
     if size <= 0 or size % SECTOR_SIZE:
         os.close(fd)
-        raise HostError(f"root disk {path} is {size} bytes; a disk image must be a positive "
+        raise HostError(f"{what} {path} is {size} bytes; a disk image must be a positive "
                         f"multiple of {SECTOR_SIZE} bytes (pad it, e.g. mksquashfs pads to "
                         "4 KiB by default)", op="open_disk")
     return fd, size
@@ -186,6 +200,7 @@ class BlkState:
     disk_key: str
     capacity_bytes: int
     read_only: bool = True   # absent in state files from before read-write volumes
+    volume_slot: bool = False   # absent in state files from before volume slots
 
 
 @dataclass
@@ -208,24 +223,63 @@ class VirtioBlk(VirtioDevice):
     device_type = DEVICE_ID_BLK
     queue_max_sizes = (QUEUE_SIZE,)
 
-    def __init__(self, loop: EventLoop, fd: int, size: int, disk_key: str,
-                 path: str = "<disk>", read_only: bool = True) -> None:
+    def __init__(self, loop: EventLoop, fd: int | None, size: int, disk_key: str,
+                 path: str = "<disk>", read_only: bool = True,
+                 volume_slot: bool = False) -> None:
         """``fd``/``size`` from ``open_disk`` (``writable=True`` for a device with
-        ``read_only=False``); the caller keeps owning the fd."""
+        ``read_only=False``); the caller keeps owning the fd. A ``volume_slot`` may
+        be made empty (``fd`` None, ``size`` 0, ``disk_key`` "") and given its disk
+        later (``insert_media``)."""
         super().__init__()
+        self.volume_slot = volume_slot
+        self.loop = loop
+        self.counters = BlkCounters()
+        if volume_slot:
+            self.features |= OFFERED_FEATURES_SLOT
+        else:
+            self.features |= OFFERED_FEATURES if read_only else OFFERED_FEATURES_RW
+        self.fd: int | None = None
+        self.capacity_bytes = 0
+        self.disk_key = ""
+        self.read_only = True
+        self.path = path
+        self._id = b"\0" * ID_BYTES
+        if fd is None:
+            if not volume_slot or size or disk_key:
+                raise ValueError("only a volume slot is made without a disk, and then with "
+                                 "size 0 and no key")
+            return
+        self._set_media(fd, size, disk_key, read_only, path)
+
+    def _set_media(self, fd: int, size: int, disk_key: str, read_only: bool,
+                   path: str) -> None:
         if size <= 0 or size % SECTOR_SIZE:
             raise ValueError(f"disk size {size} is not a positive multiple of {SECTOR_SIZE}")
-        self.read_only = read_only
-        self.features |= OFFERED_FEATURES if read_only else OFFERED_FEATURES_RW
-        self.loop = loop
-        self.fd: int | None = fd
-        self.capacity_bytes = size
         self.disk_key = validate_disk_key(disk_key)
+        self.read_only = read_only
         self.path = path
-        self.counters = BlkCounters()
         self._id = disk_key[:ID_BYTES].encode().ljust(ID_BYTES, b"\0")
+        # The capacity last: a request served meanwhile is bounded by the old one (0).
+        self.fd = fd
+        self.capacity_bytes = size
 
-    # -- config space (immutable, so no lock needed) ----------------------------------
+    @property
+    def empty(self) -> bool:
+        return self.capacity_bytes == 0
+
+    def insert_media(self, fd: int, size: int, disk_key: str, read_only: bool,
+                     path: str) -> None:
+        """Give an empty volume slot its disk (call on the I/O thread; the caller
+        keeps owning ``fd`` and then raises the configuration-change interrupt)."""
+        if not self.volume_slot:
+            raise HostError(f"virtio-blk {self.path} is not a volume slot; its disk is fixed",
+                            op="insert_media")
+        if not self.empty:
+            raise HostError(f"volume slot already holds {self.disk_key} ({self.path})",
+                            op="insert_media")
+        self._set_media(fd, size, disk_key, read_only, path)
+
+    # -- config space (changes only by insert_media, on the I/O thread) ---------------
     def config_bytes(self) -> bytes:
         return struct.pack("<QII", self.capacity_bytes // SECTOR_SIZE, SIZE_MAX, SEG_MAX)
 
@@ -380,10 +434,16 @@ class VirtioBlk(VirtioDevice):
     # -- snapshots ----------------------------------------------------------------------
     def save(self) -> BlkState:
         return BlkState(acked_features=self.acked_features, disk_key=self.disk_key,
-                        capacity_bytes=self.capacity_bytes, read_only=self.read_only)
+                        capacity_bytes=self.capacity_bytes, read_only=self.read_only,
+                        volume_slot=self.volume_slot)
 
     def restore(self, state: BlkState) -> None:
         """Take the state of a snapshot; it must be of this very disk (key and size)."""
+        if state.volume_slot != self.volume_slot:
+            raise HostError(f"the snapshot's disk {state.disk_key or '(empty)'} was "
+                            f"{'a' if state.volume_slot else 'not a'} volume slot, and "
+                            f"{self.path} is {'' if self.volume_slot else 'not '}one",
+                            op="restore")
         if state.disk_key != self.disk_key:
             raise HostError(f"the snapshot's root disk is {state.disk_key}, but this machine "
                             f"was given {self.disk_key} ({self.path})", op="restore")

@@ -482,6 +482,18 @@ class MmioTransport:
             self.interrupt_status |= bits
         self.irq.trigger()
 
+    def notify_config_change(self) -> None:
+        """The device's configuration space changed (a volume slot got its disk): a
+        new ``ConfigGeneration`` (so a driver reading the multi-byte fields across the
+        change reads them again) and, if the driver is running, the interrupt. A
+        driver that has not started yet reads the new values when it probes."""
+        with self._lock:
+            self.config_generation = (self.config_generation + 1) & 0xFFFF_FFFF
+            if not self.status & STATUS_DRIVER_OK or self.status & STATUS_DEVICE_NEEDS_RESET:
+                return
+            self.interrupt_status |= INT_CONFIG_CHANGE
+        self.irq.trigger()
+
     def _set_needs_reset(self, reason: str) -> None:
         """Under the lock: mark the device broken and tell the driver."""
         self.device_errors += 1
