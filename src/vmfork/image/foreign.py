@@ -55,6 +55,7 @@ from vmfork.image import (
     write_record,
 )
 from vmfork.image.cache import cached_entry
+from vmfork.image.debian import sha256_file
 
 
 class ForeignImageRefused(ImageError, ValueError):
@@ -203,20 +204,12 @@ def rootfs_type(path: Path) -> str:
                               "(no superblock magic of any of them)")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _copy_in(kind: str, key: str, source: Path, name: str) -> Path:
     """``source`` copied to ``<cache>/<kind>/<key>/<name>``, read-only, and checked
     against ``key`` after the copy (the source may change while it is read)."""
     def put(out: Path) -> None:
         shutil.copyfile(source, out / name)
-        if _sha256(out / name) != key:
+        if sha256_file(out / name) != key:
             raise ForeignImageRefused(f"{source} changed while it was copied; try again")
         os.chmod(out / name, 0o444)
 
@@ -234,7 +227,7 @@ def import_kernel_rootfs(kernel: str, rootfs: str) -> GuestImage:
                                   "daemon's host")
     fstype = rootfs_type(rootfs_file)
     check_kernel(kernel_file, fstype)
-    kernel_key, disk_key = _sha256(kernel_file), _sha256(rootfs_file)
+    kernel_key, disk_key = sha256_file(kernel_file), sha256_file(rootfs_file)
     name = "forkd-" + hashlib.sha256(f"{kernel_key} {disk_key}".encode()).hexdigest()[:16]
     if record_path(name).is_file():
         existing = read_record(name)

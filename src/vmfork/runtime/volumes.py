@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vmfork.image.debian import sha256_file
 from vmfork.paths import cache_dir
 
 MAX_VOLUMES = 24                   # forkd's cap, per sandbox
@@ -234,20 +235,12 @@ def tree_key(root: Path, fmt: str) -> str:
                 h.update(os.readlink(full).encode("utf-8", "surrogateescape") + b"\0")
             elif stat.S_ISREG(st.st_mode):
                 h.update(f"{st.st_size}\0".encode())
-                h.update(_file_digest(full))
+                h.update(bytes.fromhex(sha256_file(Path(full))))
             elif not stat.S_ISDIR(st.st_mode):
                 raise VolumeError(f"volume source {root}: {rel} is neither a file, a "
                                   "directory nor a symlink (a device, socket or FIFO); "
                                   "remove it or mount a directory without it")
     return h.hexdigest()[:32]
-
-
-def _file_digest(path: str) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.digest()
 
 
 def rw_key(st: os.stat_result) -> str:
@@ -310,7 +303,7 @@ def prepare(spec: VolumeSpec, disk_format: str = "erofs-plain") -> PreparedVolum
                               "the daemon; a read-write volume is written in place")
         return PreparedVolume(spec.guest_path, False, rw_key(st), source, source,
                               st.st_size)
-    key = _file_digest(source).hex()[:32]
+    key = sha256_file(Path(source))[:32]
 
     def import_file(tmp: Path) -> None:
         shutil.copyfile(source, tmp / VOLUME_FILE)
