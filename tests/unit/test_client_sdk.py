@@ -18,7 +18,9 @@ from vmfork.client import AsyncSandbox, CommandHandle, CommandTimeout, Controlle
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[Served]:
-    yield from _serve(tmp_path, TOKEN)
+    # Room for the five concurrent creates below: the heavy-operation cap (503 past it)
+    # is test_server_http's subject, not this file's.
+    yield from _serve(tmp_path, TOKEN, heavy=8)
 
 
 @pytest.fixture
