@@ -35,9 +35,8 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
-from vmfork.image import disk_path
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
-from vmfork.runtime.volumes import PreparedVolume, volume_image_path
+from vmfork.runtime.volumes import PreparedVolume
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
@@ -235,16 +234,12 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
         state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
     except VmmError:
         state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
-    if state is not None and state.blk is not None:
-        disk = str(disk_path(state.blk.device.disk_key))
-        read_only.append(disk)
-        preopen.append(disk)
-    # The snapshot's read-only volumes, content-addressed like root disks.
-    for volume in state.volumes if state is not None else []:
-        if volume.device.disk_key and volume.device.read_only:
-            image = str(volume_image_path(volume.device.disk_key))
-            read_only.append(image)
-            preopen.append(image)
+    # The root disk and the snapshot's read-only volumes go by content key: the zygote
+    # resolves them in its own image cache, which is the one its VMMs read (a spawner
+    # may run with another).
+    disk_keys = [state.blk.device.disk_key] if state is not None and state.blk else []
+    volume_keys = [v.device.disk_key for v in (state.volumes if state is not None else [])
+                   if v.device.disk_key and v.device.read_only]
     # Volumes given at spawn: read-only ones bound and pre-opened as the others; a
     # read-write one (its sandbox's own file) only pre-opened for writing, never bound.
     preopen_rw: list[str] = []
@@ -256,7 +251,8 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
             preopen_rw.append(prepared.path)
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
-            "devices": ["/dev/kvm"], "preopen": preopen, "preopen_rw": preopen_rw}
+            "devices": ["/dev/kvm"], "preopen": preopen, "preopen_rw": preopen_rw,
+            "disk_keys": disk_keys, "volume_keys": volume_keys}
 
 
 def _read_notifications(fd: int) -> set[str]:

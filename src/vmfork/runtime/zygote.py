@@ -94,9 +94,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
 from vmfork.runtime.jail import JailSpec, python_paths
+from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
@@ -187,7 +189,8 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
-                                                    "devices", "preopen", "preopen_rw"}:
+                                                    "devices", "preopen", "preopen_rw",
+                                                    "disk_keys", "volume_keys"}:
         raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
                            "devices: [path]}")
     if run_dir is None:
@@ -214,6 +217,19 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
                 for p in items):
             raise RequestError(f"jail.{key} must be a list of absolute paths")
         paths[key] = tuple(items)
+    # Root disks and read-only volumes by content key, in this zygote's cache (the one
+    # its VMMs open them from): bound and opened before the drop, like the rest.
+    content: list[str] = []
+    for key, place in (("disk_keys", disk_path), ("volume_keys", volume_image_path)):
+        keys = value.get(key, [])
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise RequestError(f"jail.{key} must be a list of content keys")
+        try:
+            content += [str(place(k)) for k in keys]
+        except (ValueError, VolumeError) as err:
+            raise RequestError(f"jail.{key}: {err}") from None
+    paths["read_only"] += tuple(content)
+    paths["preopen"] += tuple(content)
     # The environment is emptied; what vmfork reads from it (where its cache is) is
     # resolved here and passed on, nothing else of the daemon's environment is.
     env = {"VMFORK_CACHE_DIR": str(cache_dir())}
