@@ -214,7 +214,8 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
     }
   });
 
-  test("background processes, a PTY and file calls in a real guest", async () => {
+  // Bounded: a stream that never ends must fail this test, not hang the tier.
+  test("background processes, a PTY and file calls in a real guest", { timeout: 300_000 }, async () => {
     await Sandbox.with(TAG, async (sb) => {
       const cat = await sb.commands.start(["cat"], { stdin: true, tag: "echo" });
       await (await sb.commands.connect(cat.pid)).sendStdin("typed later\n");
