@@ -34,13 +34,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, ensure_kvm_host, write_results
 
-INSTALLED = ("import importlib.metadata as m, os, sys\n"
-             "total = 0\n"
-             "for name in sys.argv[1:]:\n"
-             "    for f in m.distribution(name).files or ():\n"
-             "        p = f.locate()\n"
-             "        total += os.path.getsize(p) if os.path.isfile(p) else 0\n"
-             "print(total)\n")
 LINKS = (("py-base", "py-numpy", "pip install numpy==2.0.2", ("numpy",)),
          ("py-numpy", "py-pandas", "pip install pandas==2.2.3",
           ("pandas", "python-dateutil", "pytz", "tzdata", "six")))
@@ -61,7 +54,7 @@ def main() -> int:
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
     sys.path.insert(0, str(REPO))
-    from tests.pip_index import index_on_the_internet
+    from tests.pip_index import INSTALLED, index_on_the_internet
     from vmfork.client import Controller
     from vmfork.runtime import network
     from vmfork.server.daemon import Daemon, DaemonConfig

@@ -35,6 +35,17 @@ WHEELS = ("six==1.16.0", "idna==3.7", "numpy==2.0.2", "pandas==2.2.3",
           "python-dateutil==2.9.0.post0", "pytz==2024.2", "tzdata==2024.2")
 
 
+# The installed size of the packages named, measured in the guest: every file of each
+# distribution's RECORD (what pip wrote, .pyc files included). The pip-chain test and
+# bench/pip_chain.py both measure layers against it.
+INSTALLED = ("import importlib.metadata as m, os, sys\n"
+             "total = 0\n"
+             "for name in sys.argv[1:]:\n"
+             "    for f in m.distribution(name).files or ():\n"
+             "        p = f.locate()\n"
+             "        total += os.path.getsize(p) if os.path.isfile(p) else 0\n"
+             "print(total)\n")
+
 def wheel_dir() -> Path:
     return cache_dir() / "test-assets" / "wheels"
 

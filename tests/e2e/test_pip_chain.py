@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_daemon import Daemon, Home
-from tests.pip_index import index_on_the_internet, wheel_dir
+from tests.pip_index import INSTALLED, index_on_the_internet, wheel_dir
 from vmfork.client import ControllerError
 from vmfork.runtime import network
 
@@ -45,15 +45,6 @@ INDEX = f"http://{INDEX_ADDR}:{INDEX_PORT}/simple"
 PIP = ("python3 -m pip install --disable-pip-version-check --no-cache-dir --retries 0 "
        f"--timeout 30 --index-url {INDEX} --trusted-host {INDEX_ADDR}")
 REPO = Path(__file__).parents[2]
-# The installed size of the packages named, measured in the guest: every file of each
-# distribution's RECORD (what pip wrote, .pyc files included).
-INSTALLED = ("import importlib.metadata as m, os, sys\n"
-             "total = 0\n"
-             "for name in sys.argv[1:]:\n"
-             "    for f in m.distribution(name).files or ():\n"
-             "        p = f.locate()\n"
-             "        total += os.path.getsize(p) if os.path.isfile(p) else 0\n"
-             "print(total)\n")
 
 
 @pytest.fixture(scope="module")
