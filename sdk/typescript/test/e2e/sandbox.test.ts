@@ -239,13 +239,15 @@ describe("sandboxes on a real daemon", { concurrency: false }, () => {
       const watch = (async () => {
         for await (const batch of sb.files.watchDir("/tmp/w", { onReady: ready })) {
           seen.push(...batch.map((e) => `${e.type}:${e.name}`));
-          if (seen.includes("create:new")) return;
+          // files.write is atomic (a temporary file renamed into place), so the
+          // new name arrives as rename_to, as inotify reports IN_MOVED_TO.
+          if (seen.includes("rename_to:new")) return;
         }
       })();
       await watching;
       await sb.files.write("/tmp/w/new", "y");
       await watch;
-      assert.ok(seen.includes("create:new"), seen.join(","));
+      assert.ok(seen.includes("rename_to:new"), seen.join(","));
     });
   });
 
