@@ -624,12 +624,13 @@ class _TokenHandler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def start_registry(workdir: Path, auth: str | None) -> Iterator[Registry]:
+def start_registry(workdir: Path, auth: str | None, log_level: str = "warn"
+                   ) -> Iterator[Registry]:
     need_tools("docker-registry", "skopeo", "htpasswd", "openssl")
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     config: dict[str, Any] = {
-        "version": "0.1", "log": {"level": "warn"},
+        "version": "0.1", "log": {"level": log_level},
         "storage": {"filesystem": {"rootdirectory": str(workdir / "storage")}},
         "http": {"addr": f"127.0.0.1:{port}", "secret": "vmfork-test"},
     }

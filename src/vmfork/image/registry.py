@@ -244,9 +244,11 @@ class RegistryClient:
     """One repository on one registry; holds the bearer token between requests."""
 
     def __init__(self, ref: RegistryRef, *, auth_file: Path | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, actions: str = "pull") -> None:
         self.ref = ref
         self.insecure = insecure
+        self.actions = actions  # the token scope asked for when a challenge names none
+        self.last_resumes = 0   # how often the last resume_blob_to continued a download
         host = urllib.parse.urlsplit("//" + ref.api_host).hostname or ref.api_host
         self.scheme = "http" if insecure or _is_loopback(host) else "https"
         self.base = f"{self.scheme}://{ref.api_host}/v2/{ref.repository}"
@@ -267,8 +269,10 @@ class RegistryClient:
 
     # HTTP ------------------------------------------------------------------
 
-    def _open(self, url: str, headers: dict[str, str]) -> _Response:
-        """One request, following redirects; ``Authorization`` stays on the first host."""
+    def _open(self, url: str, headers: dict[str, str], method: str = "GET",
+              body: bytes | None = None) -> _Response:
+        """One request, following redirects (of GET and HEAD only); ``Authorization``
+        stays on the first host."""
         first_host = urllib.parse.urlsplit(url).netloc
         for _ in range(MAX_REDIRECTS + 1):
             parts = urllib.parse.urlsplit(url)
@@ -289,14 +293,16 @@ class RegistryClient:
                 sent.pop("Authorization", None)
             sent.setdefault("User-Agent", "vmfork")
             path = parts.path + (f"?{parts.query}" if parts.query else "")
+            if body is not None:
+                sent["Content-Length"] = str(len(body))
             try:
-                conn.request("GET", path or "/", headers=sent)
+                conn.request(method, path or "/", body=body, headers=sent)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as err:
                 conn.close()
-                raise self._fail(None, f"GET {parts.scheme}://{parts.netloc}{parts.path} failed: "
-                                 f"{_describe(err)}") from err
-            if resp.status in (301, 302, 303, 307, 308):
+                raise self._fail(None, f"{method} {parts.scheme}://{parts.netloc}{parts.path} "
+                                 f"failed: {_describe(err)}") from err
+            if resp.status in (301, 302, 303, 307, 308) and method in ("GET", "HEAD"):
                 location = resp.getheader("Location")
                 resp.close()
                 conn.close()
@@ -309,12 +315,23 @@ class RegistryClient:
 
     def _get(self, path: str, headers: dict[str, str]) -> _Response:
         """GET ``<base>/<path>``, authenticating when the registry asks."""
-        url = f"{self.base}/{path}"
+        return self.request("GET", path, headers)
+
+    def request(self, method: str, path: str, headers: dict[str, str] | None = None,
+                body: bytes | None = None) -> _Response:
+        """``method`` on ``<base>/<path>`` (or on an absolute URL of the registry's own
+        host, as upload ``Location``s are), authenticating when the registry asks: a
+        token for pulling does not cover pushing, so a push's first write is answered
+        with a new challenge naming the wider scope, and a new token is fetched."""
+        url = path if "://" in path else f"{self.base}/{path}"
+        if urllib.parse.urlsplit(url).netloc != self.ref.api_host:
+            raise self._fail(None, f"the registry named {url!r}, which is not on "
+                             f"{self.ref.api_host}; refusing to send it anything")
         for attempt in range(2):
-            sent = dict(headers)
+            sent = dict(headers or {})
             if self._authorization:
                 sent["Authorization"] = self._authorization
-            r = self._open(url, sent)
+            r = self._open(url, sent, method, body)
             if r.status != 401 or attempt == 1:
                 return r
             challenge = r.header("WWW-Authenticate") or ""
@@ -346,7 +363,7 @@ class RegistryClient:
         query = []
         if "service" in params:
             query.append(("service", params["service"]))
-        scope = params.get("scope") or f"repository:{self.ref.repository}:pull"
+        scope = params.get("scope") or f"repository:{self.ref.repository}:{self.actions}"
         query += [("scope", s) for s in scope.split(" ") if s]
         url = params["realm"] + ("&" if realm.query else "?") + urllib.parse.urlencode(query)
         headers = {"Authorization": _basic(creds)} if creds else {}
@@ -433,6 +450,133 @@ class RegistryClient:
         if done != size:
             raise self._fail(None, f"blob {digest} ended after {done} of {size} bytes")
         return h.hexdigest()
+
+
+    # Pushing, and resumable pulls (snapshots: vmfork.store.distribution) ---------
+
+    def has_blob(self, digest: str) -> int | None:
+        """The size of blob ``digest`` if the repository has it (HEAD), else None."""
+        with self.request("HEAD", f"blobs/{digest}") as r:
+            if r.status == 404:
+                return None
+            self._check(r, f"blob {digest}")
+            length = r.header("Content-Length")
+            return int(length) if length is not None and length.isdigit() else 0
+
+    def mount_blob(self, digest: str, source_repository: str) -> str | None:
+        """Ask for ``digest`` to be mounted from another repository of this registry.
+        True mount: None. A registry that cannot (or a blob that is not there) starts
+        an ordinary upload instead (202): its URL is returned, for ``upload_blob``."""
+        query = urllib.parse.urlencode({"mount": digest, "from": source_repository})
+        with self.request("POST", f"blobs/uploads/?{query}", body=b"") as r:
+            if r.status == 201:
+                _read_capped(r, ERROR_BODY_CAP, "a mount answer", self)
+                return None
+            return self._upload_location(r, "a mount")
+
+    def start_upload(self) -> str:
+        with self.request("POST", "blobs/uploads/", body=b"") as r:
+            return self._upload_location(r, "an upload")
+
+    def _upload_location(self, r: _Response, what: str) -> str:
+        if r.status != 202:
+            self._check(r, what)        # raises: 200 is no answer to a POST either
+            raise self._fail(r.status, f"answered {r.status} to {what} (wanted 202)")
+        _read_capped(r, ERROR_BODY_CAP, "an upload answer", self)
+        location = r.header("Location")
+        if not location:
+            raise self._fail(r.status, f"accepted {what} but named no upload Location")
+        return urllib.parse.urljoin(r.url, location)
+
+    def upload_blob(self, location: str, source: IO[bytes], size: int, digest: str,
+                    chunk_bytes: int, progress: Callable[[int], None] | None = None) -> None:
+        """Upload ``size`` bytes of ``source`` in chunks: ``PATCH`` each with its
+        ``Content-Range`` (the registry answers with the next ``Location``), then
+        ``PUT ?digest=`` to close the upload; the registry checks the digest."""
+        done = 0
+        while done < size:
+            chunk = source.read(min(chunk_bytes, size - done))
+            if not chunk:
+                raise self._fail(None, f"the local file for blob {digest} ended at {done} of "
+                                 f"{size} bytes")
+            headers = {"Content-Type": "application/octet-stream",
+                       "Content-Range": f"{done}-{done + len(chunk) - 1}"}
+            with self.request("PATCH", location, headers, chunk) as r:
+                if r.status != 202:
+                    self._check(r, f"a chunk of blob {digest}")
+                    raise self._fail(r.status, f"answered {r.status} to a chunk of {digest}")
+                _read_capped(r, ERROR_BODY_CAP, "an upload answer", self)
+                location = urllib.parse.urljoin(r.url, r.header("Location") or location)
+            done += len(chunk)
+            if progress is not None:
+                progress(done)
+        joiner = "&" if urllib.parse.urlsplit(location).query else "?"
+        url = location + joiner + urllib.parse.urlencode({"digest": digest})
+        with self.request("PUT", url, {"Content-Type": "application/octet-stream"}, b"") as r:
+            if r.status != 201:
+                self._check(r, f"the end of blob {digest}'s upload")
+                raise self._fail(r.status, f"answered {r.status} closing blob {digest}")
+            _read_capped(r, ERROR_BODY_CAP, "an upload answer", self)
+
+    def put_manifest(self, reference: str, body: bytes, media_type: str) -> str:
+        """``PUT`` a manifest under a tag (or its digest); returns its digest."""
+        with self.request("PUT", f"manifests/{reference}", {"Content-Type": media_type},
+                          body) as r:
+            if r.status not in (200, 201):
+                self._check(r, f"manifest {reference}")
+                raise self._fail(r.status, f"answered {r.status} to manifest {reference}")
+            _read_capped(r, ERROR_BODY_CAP, "a manifest answer", self)
+        return "sha256:" + hashlib.sha256(body).hexdigest()
+
+    def resume_blob_to(self, digest: str, size: int, out: IO[bytes], *, retries: int = 5,
+                       progress: Callable[[int], None] | None = None) -> str:
+        """Like ``blob_to``, but a download that breaks is continued where it stopped
+        (``Range: bytes=N-``, answered ``206``), up to ``retries`` times; a registry
+        that ignores the range (``200``) is read again from the start. Returns the
+        sha256 hex of the whole blob. ``out`` must be empty, opened for writing."""
+        h = hashlib.sha256()
+        done = 0
+        self.last_resumes = 0
+        for attempt in range(retries + 1):
+            headers = {"Range": f"bytes={done}-"} if done else {}
+            self.last_resumes += bool(done)
+            try:
+                with self._get(f"blobs/{digest}", headers) as r:
+                    if done and r.status == 206:
+                        span = (r.header("Content-Range") or "").removeprefix("bytes ")
+                        if not span.startswith(f"{done}-"):
+                            raise self._fail(206, f"blob {digest}: asked for bytes from {done}"
+                                             f", the registry sent {span!r}")
+                    elif r.status == 200:
+                        if done:
+                            out.seek(0)
+                            out.truncate()
+                            h, done = hashlib.sha256(), 0
+                    else:
+                        self._check(r, f"blob {digest}")
+                    while True:
+                        chunk = r.resp.read(1 << 20)
+                        if not chunk:
+                            break
+                        done += len(chunk)
+                        if done > size:
+                            raise self._fail(None, f"blob {digest} is larger than its "
+                                             f"descriptor's {size} bytes")
+                        h.update(chunk)
+                        out.write(chunk)
+                        if progress is not None:
+                            progress(done)
+            except (OSError, http.client.HTTPException) as err:
+                if attempt == retries:
+                    raise self._fail(None, f"blob {digest}: the download broke after {done} "
+                                     f"bytes, {retries} times resumed ({_describe(err)})"
+                                     ) from err
+                continue
+            if done == size:
+                return h.hexdigest()
+            if attempt == retries:
+                break
+        raise self._fail(None, f"blob {digest} ended after {done} of {size} bytes")
 
 
 def _describe(err: BaseException) -> str:

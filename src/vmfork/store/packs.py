@@ -112,10 +112,12 @@ def _hash(name: str, path: Path) -> str:
     return hash_memory(path) if name == MEMORY_FILE else hash_file(path)
 
 
-def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackReport:
-    """Write the chain ending at ``tag`` to ``out`` (``.tar.zst``), atomically: a
-    temporary file next to it, fsynced, renamed. Refuses a chain whose files no
-    longer match the hashes recorded when they entered the store."""
+def chain_manifest(store: Store, tag: str, *, with_image: bool = True
+                   ) -> tuple[dict[str, Any], list[tuple[str, Path, int]]]:
+    """The manifest of the chain ending at ``tag`` (what a pack's ``manifest.json`` and
+    a pushed snapshot's config hold) and its files, ``(name, path, size)`` root to head
+    then the image's. Refuses a chain whose files no longer match the hashes recorded
+    when they entered the store."""
     links = chains.chain_of(store, validate_tag(tag))
     entries: list[tuple[str, Path, int]] = []
     snapshots = []
@@ -150,7 +152,17 @@ def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackR
     manifest = {"format": PACK_FORMAT, "format_version": PACK_FORMAT_VERSION,
                 "head": links[-1].tag, "hash": HASH_NAME, "snapshots": snapshots,
                 "image": image_entry}
+    return manifest, entries
+
+
+def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackReport:
+    """Write the chain ending at ``tag`` to ``out`` (``.tar.zst``), atomically: a
+    temporary file next to it, fsynced, renamed. Refuses a chain whose files no
+    longer match the hashes recorded when they entered the store."""
+    manifest, entries = chain_manifest(store, tag, with_image=with_image)
     raw = json.dumps(manifest, indent=1).encode()
+    image_entry = manifest["image"]
+    tags = [s["tag"] for s in manifest["snapshots"]]
 
     out = Path(out)
     temp = out.with_name(f".{out.name}.{secrets.token_hex(8)}.tmp")
@@ -179,7 +191,7 @@ def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackR
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-    return PackReport(out, [s.tag for s in links], out.stat().st_size,
+    return PackReport(out, tags, out.stat().st_size,
                       image_entry["name"] if image_entry else None)
 
 

@@ -1,0 +1,270 @@
+"""Snapshots pushed to and pulled from a real registry (Debian's docker-registry, started
+per module as the OCI import tests start it), between two real stores: content-addressed
+dedupe both ways, a tampered blob refused with nothing stored, a dropped connection
+resumed through a real TCP proxy, auth from the Docker config file (Basic and bearer
+tokens), and Ed25519 signatures with both refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_chains import image, make_link, make_root, page
+from test_image_oci import Registry, start_registry
+from test_packs import image_cache  # noqa: F401 - the fake image 'default', a fixture
+
+from vmfork.store import Store, chains
+from vmfork.store.distribution import DistributionError, pull, push
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry"), None, log_level="info")
+
+
+@pytest.fixture(scope="module")
+def basic_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry-basic"), "htpasswd")
+
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    yield from start_registry(tmp_path_factory.mktemp("registry-token"), "token")
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Store:
+    store = Store.open(tmp_path / "source")
+    # Random pages, so the base's memory blob is big enough to cut mid-download.
+    make_root(store, "base", {n: os.urandom(4096) for n in range(1, 200)} | {700: b"base-700"})
+    make_link(store, "base", "numpy", {2: b"numpy-2"})
+    make_link(store, "numpy", "pandas", {3: b"pandas-3"})
+    make_link(store, "base", "other", {5: b"other-5"})
+    return store
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> Store:
+    return Store.open(tmp_path / "target")
+
+
+def leftovers(store: Store) -> list[str]:
+    return sorted(os.listdir(store.snapshots_dir))
+
+
+def uploads(reg: Registry) -> list[str]:
+    """The blob uploads the registry completed (PUT …/blobs/uploads/…?digest=), from its
+    own access log."""
+    log = (reg.storage.parent / "registry.log").read_text(errors="replace")
+    found = re.findall(r'http\.request\.method=PUT http\.request\.remoteaddr=\S+ '
+                       r'http\.request\.uri="[^"]*/blobs/uploads/[^"]*digest=(sha256%3A|sha256:)'
+                       r'([0-9a-f]{64})', log)
+    return [f"sha256:{hexdigest}" for _sep, hexdigest in found]
+
+
+def blob_data(reg: Registry, digest: str) -> Path:
+    hexdigest = digest.removeprefix("sha256:")
+    return reg.storage / f"docker/registry/v2/blobs/sha256/{hexdigest[:2]}/{hexdigest}/data"
+
+
+def test_push_pull_round_trip_with_dedupe_both_ways(registry: Registry, source: Store,
+                                                    target: Store, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = f"{registry.host}/team/snaps:numpy"
+    before = uploads(registry)
+    first = push(source, "numpy", ref, chunk_bytes=64 << 10)
+    assert first.tags == ["base", "numpy"] and first.present == []
+    # state + memory, state + layer, kernel + initramfs: six blobs, each sent once.
+    assert len(first.uploaded) == 6 == len(set(first.uploaded))
+    sent = uploads(registry)[len(before):]
+    assert set(first.uploaded) <= set(sent)
+
+    # A second chain on the same base sends only its new link (and its config): of its
+    # eight blobs, six are in the registry already.
+    mark = len(uploads(registry))
+    second = push(source, "pandas", f"{registry.host}/team/snaps:pandas")
+    assert len(second.uploaded) == 2 and len(second.present) == 6
+    new = uploads(registry)[mark:]
+    assert set(second.uploaded) <= set(new) and not set(new) & set(first.uploaded)
+    # Another repository of the registry gets the known blobs by cross-repo mount.
+    third = push(source, "numpy", f"{registry.host}/other/repo")
+    assert third.ref.endswith("other/repo:numpy")
+    assert set(third.mounted) == set(first.uploaded) and third.uploaded == []
+
+    # Pull into an empty store, with a fresh image cache: everything comes down.
+    monkeypatch.setenv("VMFORK_CACHE_DIR", str(tmp_path / "fresh-cache"))
+    got = pull(target, ref)
+    assert got.digest == first.digest and got.stored == ["base", "numpy"]
+    assert got.image == "default" and len(got.downloaded) == 6
+    for tag in ("base", "numpy"):
+        assert image(target, tag) == image(source, tag)
+        assert target.get(tag).meta.content_hash == source.get(tag).meta.content_hash
+    assert target.get("numpy").is_layered and page(target, "numpy", 700) == b"base-700"
+    assert {c.status for c in chains.verify(target)} <= {"ok", "unhashed"}
+    # The deeper chain: only pandas' blobs are fetched; base, numpy and the image are here.
+    deeper = pull(target, f"{registry.host}/team/snaps:pandas", head_tag="pandas-copy")
+    assert deeper.present == ["base", "numpy"] and deeper.stored == ["pandas-copy"]
+    assert len(deeper.downloaded) == 2 and len(deeper.skipped) == 6
+    assert page(target, "pandas-copy", 3) == b"pandas-3"
+    # By digest, again: nothing to fetch, nothing stored.
+    again = pull(target, f"{registry.host}/team/snaps@{first.digest}")
+    assert again.downloaded == [] and again.stored == [] and again.present == ["base", "numpy"]
+    assert leftovers(target) == ["base", "numpy", "pandas-copy"]
+
+
+def test_a_tampered_blob_is_refused_and_nothing_is_stored(registry: Registry, source: Store,
+                                                          target: Store) -> None:
+    report = push(source, "other", f"{registry.host}/tamper/snaps:other", with_image=False)
+    manifest = json.loads(subprocess.run(
+        ["curl", "-sf", "-H", "Accept: application/vnd.oci.image.manifest.v1+json",
+         f"http://{registry.host}/v2/tamper/snaps/manifests/other"],
+        check=True, capture_output=True).stdout)
+    layer = next(d for d in manifest["layers"]
+                 if d["annotations"]["org.opencontainers.image.title"].endswith("layer.bin"))
+    data = blob_data(registry, layer["digest"])
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(DistributionError, match="arrived with digest"):
+        pull(target, f"{registry.host}/tamper/snaps:other")
+    assert leftovers(target) == []           # not even the verified base
+    # A digest the registry does not have: refused by it, nothing stored either.
+    with pytest.raises(Exception, match="not found"):
+        pull(target, f"{registry.host}/tamper/snaps@sha256:{report.digest[7:][::-1]}")
+    assert leftovers(target) == []
+
+
+class CuttingProxy:
+    """A real TCP proxy in front of the registry that drops the first connection serving
+    a blob (no Range asked) after ``cut_after`` bytes of its answer."""
+
+    def __init__(self, upstream: str, cut_after: int) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.cut_after = cut_after
+        self.cuts = 0
+        self.ranges: list[str] = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.host = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(client,), daemon=True).start()
+
+    def _handle(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self.upstream)
+        head = client.recv(65536)
+        text = head.decode(errors="replace")
+        for line in text.split("\r\n"):
+            if line.lower().startswith("range:"):
+                self.ranges.append(line.split(":", 1)[1].strip())
+        cut = (self.cuts == 0 and text.startswith("GET ") and "/blobs/sha256:" in
+               text.split("\r\n", 1)[0] and "range:" not in text.lower())
+        upstream.sendall(head)
+
+        def up() -> None:
+            try:
+                while data := client.recv(65536):
+                    upstream.sendall(data)
+            except OSError:
+                pass
+
+        threading.Thread(target=up, daemon=True).start()
+        sent = 0
+        try:
+            while data := upstream.recv(65536):
+                if cut and sent + len(data) > self.cut_after:
+                    client.sendall(data[:self.cut_after - sent])
+                    self.cuts += 1
+                    break
+                client.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (client, upstream):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_dropped_connection_mid_blob_resumes_with_a_range(registry: Registry, source: Store,
+                                                            target: Store) -> None:
+    push(source, "base", f"{registry.host}/resume/snaps:base", with_image=False)
+    proxy = CuttingProxy(registry.host, cut_after=200 << 10)
+    try:
+        report = pull(target, f"{proxy.host}/resume/snaps:base")
+    finally:
+        proxy.close()
+    assert proxy.cuts == 1 and report.resumed == 1
+    assert any(re.fullmatch(r"bytes=\d+-", r) and r != "bytes=0-" for r in proxy.ranges)
+    assert report.stored == ["base"] and image(target, "base") == image(source, "base")
+
+
+def test_basic_auth_from_the_docker_config(basic_registry: Registry, source: Store,
+                                           target: Store, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    ref = f"{basic_registry.host}/private/snaps:numpy"
+    with pytest.raises(Exception, match="needs a user name and password"):
+        push(source, "numpy", ref, with_image=False)
+    docker_config = tmp_path / "docker"
+    docker_config.mkdir()
+    (docker_config / "config.json").write_bytes(basic_registry.auth_file(tmp_path).read_bytes())
+    monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
+    push(source, "numpy", ref, with_image=False)
+    assert pull(target, ref).stored == ["base", "numpy"]
+
+
+def test_bearer_tokens_for_push_and_pull(token_registry: Registry, source: Store,
+                                         target: Store, tmp_path: Path) -> None:
+    ref = f"{token_registry.host}/private/tok:numpy"
+    with pytest.raises(Exception, match="token service refused anonymous access"):
+        push(source, "numpy", ref, with_image=False)
+    auth = token_registry.auth_file(tmp_path)
+    token_registry.token_requests.clear()
+    report = push(source, "numpy", ref, with_image=False, auth_file=auth)
+    assert len(report.uploaded) == 4 and token_registry.token_requests
+    assert pull(target, ref, auth_file=auth).stored == ["base", "numpy"]
+
+
+def keypair(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    private, public = tmp_path / f"{name}.pem", tmp_path / f"{name}.pub.pem"
+    subprocess.run(["openssl", "genpkey", "-algorithm", "ed25519", "-out", str(private)],
+                   check=True, capture_output=True)
+    subprocess.run(["openssl", "pkey", "-in", str(private), "-pubout", "-out", str(public)],
+                   check=True, capture_output=True)
+    return private, public
+
+
+def test_signing_round_trip_and_both_refusals(registry: Registry, source: Store,
+                                              target: Store, tmp_path: Path) -> None:
+    mine, mine_pub = keypair(tmp_path, "mine")
+    _theirs, theirs_pub = keypair(tmp_path, "theirs")
+    signed = push(source, "numpy", f"{registry.host}/signed/snaps:numpy", sign_key=mine,
+                  with_image=False)
+    assert signed.signature == signed.digest.replace(":", "-") + ".sig"
+    push(source, "other", f"{registry.host}/signed/snaps:unsigned", with_image=False)
+    with pytest.raises(DistributionError, match="it is not signed"):
+        pull(target, f"{registry.host}/signed/snaps:unsigned", verify_key=mine_pub)
+    with pytest.raises(DistributionError, match="signed, but not by the key"):
+        pull(target, f"{registry.host}/signed/snaps:numpy", verify_key=theirs_pub)
+    assert leftovers(target) == []
+    report = pull(target, f"{registry.host}/signed/snaps:numpy", verify_key=mine_pub)
+    assert report.stored == ["base", "numpy"] and report.signed_by
