@@ -15,7 +15,7 @@ import sys
 from vmfork import __version__
 
 # The verb groups, in the order ``vmfork --help`` lists them.
-_MODULES = ["run", "snapshots", "sandboxes", "serve", "mcp", "image", "doctor", "testhost"]
+_MODULES = ["run", "snapshots", "distribution", "sandboxes", "serve", "mcp", "image", "doctor", "testhost"]
 
 
 VOLUME_HELP = ("SRC:GUEST_PATH[:ro|:rw]: mount SRC (a host directory, made a read-only "
