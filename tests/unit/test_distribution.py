@@ -268,3 +268,36 @@ def test_signing_round_trip_and_both_refusals(registry: Registry, source: Store,
     assert leftovers(target) == []
     report = pull(target, f"{registry.host}/signed/snaps:numpy", verify_key=mine_pub)
     assert report.stored == ["base", "numpy"] and report.signed_by
+
+
+def test_push_and_pull_as_daemon_jobs(registry: Registry, tmp_path: Path) -> None:
+    from test_server_http import TOKEN, _serve
+
+    from vmfork.client import Controller
+    serving = _serve(tmp_path, TOKEN)
+    served = next(serving)
+    try:
+        make_root(served.store, "base", {1: b"daemon-1"})
+        make_link(served.store, "base", "linked", {2: b"daemon-2"})
+        ctl = Controller(served.url, token=TOKEN.decode(), timeout=10)
+        ref = f"{registry.host}/daemon/snaps:linked"
+        started = ctl.push_snapshot("linked", ref, with_image=False)
+        assert started["kind"] == "push" and started["status"] in ("running", "done")
+        pushed = ctl.wait_transfer(started["id"], timeout=120)
+        assert pushed["status"] == "done", pushed
+        assert pushed["result"]["tags"] == ["base", "linked"]
+        assert pushed["progress"]["bytes_done"] == pushed["progress"]["bytes_total"] > 0
+        job = ctl.pull_snapshot(ref, tag="copy")
+        pulled = ctl.wait_transfer(job["id"], timeout=120)
+        assert pulled["status"] == "done", pulled
+        assert pulled["result"]["present"] == ["base"] and pulled["result"]["stored"] == ["copy"]
+        assert page(served.store, "copy", 2) == b"daemon-2"
+        failed = ctl.wait_transfer(ctl.pull_snapshot(f"{registry.host}/daemon/none:x")["id"])
+        assert failed["status"] == "failed" and "not found" in failed["error"]
+        assert {j["id"] for j in ctl.list_transfers()} >= {started["id"], job["id"]}
+        status, body, _ = served.request("POST", "/v1/snapshots/nope/push", {"ref": ref})
+        assert status == 404
+        status, body, _ = served.request("POST", "/v1/snapshots/pull", {"ref": "no host"})
+        assert status == 400 and "ref" in body["error"]
+    finally:
+        serving.close()

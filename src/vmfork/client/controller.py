@@ -255,6 +255,48 @@ class Controller:
                                             {"to": to}, timeout=timeout)
         return result
 
+    # Snapshots to and from OCI registries (docs/distribution.md): background jobs.
+
+    def push_snapshot(self, tag: str, ref: str, *, sign_key: str | None = None,
+                      auth_file: str | None = None, insecure: bool = False,
+                      with_image: bool = True) -> dict[str, Any]:
+        """Start pushing ``tag``'s chain to ``ref``; returns the job (``wait_transfer``).
+        Key and auth file paths are on the daemon's host."""
+        body = {"ref": ref, "sign_key": sign_key, "auth_file": auth_file,
+                "insecure": insecure, "with_image": with_image}
+        result: dict[str, Any] = self._call("POST", f"/v1/snapshots/{_seg(tag)}/push", body)
+        return result
+
+    def pull_snapshot(self, ref: str, *, tag: str | None = None, force: bool = False,
+                      verify_key: str | None = None, auth_file: str | None = None,
+                      insecure: bool = False) -> dict[str, Any]:
+        """Start pulling the chain ``ref`` names into the daemon's store; returns the job."""
+        body = {"ref": ref, "tag": tag, "force": force, "verify_key": verify_key,
+                "auth_file": auth_file, "insecure": insecure}
+        result: dict[str, Any] = self._call("POST", "/v1/snapshots/pull", body)
+        return result
+
+    def get_transfer(self, job_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("GET", f"/v1/transfers/{_seg(job_id)}")
+        return result
+
+    def list_transfers(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._call("GET", "/v1/transfers")
+        return result
+
+    def wait_transfer(self, job_id: str, timeout: float = 3600,
+                      poll: float = 0.2) -> dict[str, Any]:
+        """The job once it is done or failed (raises ``TimeoutError`` after ``timeout``)."""
+        import time
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get_transfer(job_id)
+            if job["status"] != "running":
+                return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"transfer {job_id} still running after {timeout:.0f} s")
+            time.sleep(poll)
+
     def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> None:
         query = {k: True for k, v in (("cascade", cascade), ("force", force)) if v}
         self._call("DELETE", f"/v1/snapshots/{_seg(tag)}", query=query)

@@ -35,6 +35,7 @@ from vmfork.server.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from vmfork.server.transfers import check_ref, optional_path, transfers_of
 from vmfork.server.validation import (
     Field,
     between,
@@ -834,6 +835,56 @@ def resume_workspace(c: Controller, req: Request) -> Response:
     return Response(body=info)
 
 
+# Snapshots to and from OCI registries, as background jobs (server/transfers.py).
+SNAPSHOT_PUSH = {"ref": Field(str, check=check_ref),
+                 "sign_key": Field(str, None, check_host_path, nullable=True),
+                 "auth_file": Field(str, None, check_host_path, nullable=True),
+                 "insecure": Field(bool, False), "with_image": Field(bool, True)}
+SNAPSHOT_PULL = {"ref": Field(str, check=check_ref),
+                 "tag": Field(str, None, check_tag, nullable=True),
+                 "force": Field(bool, False),
+                 "verify_key": Field(str, None, check_host_path, nullable=True),
+                 "auth_file": Field(str, None, check_host_path, nullable=True),
+                 "insecure": Field(bool, False)}
+
+
+def push_snapshot(c: Controller, req: Request) -> Response:
+    from vmfork.store import distribution
+    _no_query(req)
+    tag = req.snapshot_tag = req.params["tag"]
+    body = req.json(SNAPSHOT_PUSH, _where(req))
+    if not c.store.exists(tag):
+        raise NotFound(f"no snapshot {tag!r}")
+    sign_key, auth_file = optional_path(body["sign_key"]), optional_path(body["auth_file"])
+    job = transfers_of(c).start("push", body["ref"], tag, lambda progress: distribution.push(
+        c.store, tag, body["ref"], sign_key=sign_key, auth_file=auth_file,
+        insecure=body["insecure"], with_image=body["with_image"], progress=progress))
+    return Response(202, job)
+
+
+def pull_snapshot(c: Controller, req: Request) -> Response:
+    from vmfork.store import distribution
+    _no_query(req)
+    body = req.json(SNAPSHOT_PULL, _where(req))
+    req.snapshot_tag = body["tag"]
+    verify_key, auth_file = optional_path(body["verify_key"]), optional_path(body["auth_file"])
+    job = transfers_of(c).start("pull", body["ref"], body["tag"], lambda progress: (
+        distribution.pull(c.store, body["ref"], head_tag=body["tag"], force=body["force"],
+                          verify_key=verify_key, auth_file=auth_file,
+                          insecure=body["insecure"], progress=progress)))
+    return Response(202, job)
+
+
+def list_transfers(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=transfers_of(c).list())
+
+
+def get_transfer(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=transfers_of(c).get(req.params["job"]))
+
+
 ROUTES: tuple[Route, ...] = (
     Route("GET", "/healthz", healthz),
     Route("GET", "/version", version),
@@ -844,6 +895,10 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", "/v1/snapshots/{tag}", delete_snapshot),
     Route("GET", "/v1/snapshots/{tag}/info", snapshot_info),
     Route("POST", "/v1/snapshots/{tag}/compact", compact_snapshot),
+    Route("POST", "/v1/snapshots/{tag}/push", push_snapshot),
+    Route("POST", "/v1/snapshots/pull", pull_snapshot),
+    Route("GET", "/v1/transfers", list_transfers),
+    Route("GET", "/v1/transfers/{job}", get_transfer),
     Route("GET", "/v1/sandboxes", list_sandboxes),
     Route("POST", "/v1/sandboxes", create_sandboxes),
     Route("GET", "/v1/sandboxes/{id}", get_sandbox),
@@ -897,9 +952,16 @@ def _check_path_port(value: str) -> str:
     return value
 
 
+def _check_path_job(value: str) -> str:
+    if not (len(value) == 16 and all(ch in "0123456789abcdef" for ch in value)):
+        raise BadRequest(f"invalid transfer job id {value[:20]!r}: 16 hex digits")
+    return value
+
+
 _PARAM_CHECKS: dict[str, Callable[[str], str]] = {
     "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name,
-    "image": check_path_image, "port": _check_path_port, "pid": _check_path_pid}
+    "image": check_path_image, "port": _check_path_port, "pid": _check_path_pid,
+    "job": _check_path_job}
 
 
 def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:
