@@ -36,7 +36,8 @@ FORKD_TOOLS = {"list_snapshots", "spawn_sandboxes", "branch_sandbox", "create_sn
                "exec_command", "eval_code", "ping_sandbox"}
 VMFORK_TOOLS = {"read_file", "write_file", "list_files", "snapshot_info", "compact_snapshot",
                 "build_image", "list_images", "get_image", "delete_image", "start_process",
-                "list_processes", "read_process_output", "send_process_input", "kill_process"}
+                "list_processes", "read_process_output", "send_process_input", "kill_process",
+                "push_snapshot", "pull_snapshot", "transfer_status"}
 
 
 @pytest.fixture(scope="module")

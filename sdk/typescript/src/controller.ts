@@ -29,6 +29,7 @@ import type {
   SandboxInfo,
   SnapshotDetails,
   SnapshotInfo,
+  TransferJob,
   VersionInfo,
 } from "./types.js";
 
@@ -144,6 +145,25 @@ export interface BranchOptions extends CallOptions {
   /** false: answer at once, the snapshot still `writing`; poll listSnapshots until `ready`. Default true. */
   wait?: boolean;
   parentTag?: string;
+}
+
+export interface PushSnapshotOptions extends CallOptions {
+  /** An Ed25519 private key (PEM) on the daemon's host. */
+  signKey?: string;
+  /** A Docker config file with the registry's credentials, on the daemon's host. */
+  authFile?: string;
+  insecure?: boolean;
+  withImage?: boolean;
+}
+
+export interface PullSnapshotOptions extends CallOptions {
+  /** Store the chain's head under this tag. */
+  tag?: string;
+  force?: boolean;
+  /** An Ed25519 public key (PEM) on the daemon's host: refuse unless signed by it. */
+  verifyKey?: string;
+  authFile?: string;
+  insecure?: boolean;
 }
 
 export interface CreateSnapshotOptions extends CallOptions {
@@ -390,6 +410,62 @@ export class Controller {
       timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 3_600_000),
       json: { to },
     });
+  }
+
+  /** Start pushing snapshot `tag`'s chain to the OCI registry `ref`
+   *  (`HOST[:PORT]/REPO[:TAG]`); resolves to the job (see {@link waitTransfer}).
+   *  Key and auth file paths are on the daemon's host. */
+  pushSnapshot(tag: string, ref: string, options: PushSnapshotOptions = {}): Promise<TransferJob> {
+    return this.json("POST", `/v1/snapshots/${seg(tag)}/push`, {
+      ...options,
+      json: {
+        ref,
+        sign_key: options.signKey ?? null,
+        auth_file: options.authFile ?? null,
+        insecure: options.insecure ?? false,
+        with_image: options.withImage ?? true,
+      },
+    });
+  }
+
+  /** Start pulling the snapshot chain `ref` names into the daemon's store. */
+  pullSnapshot(ref: string, options: PullSnapshotOptions = {}): Promise<TransferJob> {
+    return this.json("POST", "/v1/snapshots/pull", {
+      ...options,
+      json: {
+        ref,
+        tag: options.tag ?? null,
+        force: options.force ?? false,
+        verify_key: options.verifyKey ?? null,
+        auth_file: options.authFile ?? null,
+        insecure: options.insecure ?? false,
+      },
+    });
+  }
+
+  getTransfer(jobId: string, options: CallOptions = {}): Promise<TransferJob> {
+    return this.json("GET", `/v1/transfers/${seg(jobId)}`, options);
+  }
+
+  listTransfers(options: CallOptions = {}): Promise<TransferJob[]> {
+    return this.json("GET", "/v1/transfers", options);
+  }
+
+  /** Poll a push or pull until it is done or failed (resolves with the job either way;
+   *  check `status`), or reject with status 0 once `timeoutMs` passes. */
+  async waitTransfer(jobId: string, options: WaitImageOptions = {}): Promise<TransferJob> {
+    const timeoutMs = options.timeoutMs ?? 3_600_000;
+    const pollMs = options.pollMs ?? 500;
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      const job = await this.getTransfer(jobId, { signal: options.signal });
+      if (job.status !== "running") return job;
+      if (Date.now() + pollMs > deadline) {
+        throw new ControllerError(0, `transfer ${jobId} still running after ${timeoutMs} ms`,
+          this.baseUrl + `/v1/transfers/${seg(jobId)}`);
+      }
+      await new Promise<void>((resolve) => setTimeout(resolve, pollMs));
+    }
   }
 
   async deleteSnapshot(tag: string, options: DeleteSnapshotOptions = {}): Promise<void> {

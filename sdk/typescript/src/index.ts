@@ -25,6 +25,8 @@ export {
   type ImportImageOptions,
   type ProcessInfo,
   type ProcessOutputEvent,
+  type PullSnapshotOptions,
+  type PushSnapshotOptions,
   type RemoveFileOptions,
   type SpawnOptions,
   type StartProcessOptions,

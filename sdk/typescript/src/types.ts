@@ -155,3 +155,22 @@ export interface ImageInfo {
   previous?: ImageInfo;
   [extra: string]: unknown;
 }
+
+/** A push or pull of a snapshot chain through an OCI registry (docs/distribution.md). */
+export type TransferStatus = "running" | "done" | "failed";
+
+export interface TransferJob {
+  id: string;
+  kind: "push" | "pull";
+  ref: string;
+  tag?: string | null;
+  status: TransferStatus;
+  started_at_unix?: number;
+  finished_at_unix?: number;
+  progress: { what: string; bytes_done: number; bytes_total: number };
+  /** The push report (digest, uploaded, mounted, present, ...) or the pull report
+   *  (digest, stored, present, downloaded, skipped, resumed, ...), once done. */
+  result?: Record<string, unknown>;
+  error?: string;
+  [extra: string]: unknown;
+}

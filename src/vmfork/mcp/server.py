@@ -33,6 +33,7 @@ from vmfork import __version__
 from vmfork.client import Controller, ControllerError, ImageInfo
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_TRANSFER_WAIT = 600.0   # seconds a push_snapshot/pull_snapshot call waits for its job
 # Absolute, no NUL; the daemon's own check (check_guest_path) is the authority.
 GUEST_PATH_PATTERN = r"^/[^\x00]{0,4095}$"
 READ_LIMIT_DEFAULT = 1 << 20
@@ -76,7 +77,8 @@ def build_server(controller: Controller) -> MCPServer:
     server: MCPServer = MCPServer("vmfork", version=__version__, instructions=INSTRUCTIONS)
     tools = _Tools(controller)
     for fn in (tools.list_snapshots, tools.snapshot_info, tools.create_snapshot,
-               tools.compact_snapshot,
+               tools.compact_snapshot, tools.push_snapshot, tools.pull_snapshot,
+               tools.transfer_status,
                tools.spawn_sandboxes, tools.list_sandboxes, tools.get_sandbox,
                tools.kill_sandbox, tools.ping_sandbox, tools.exec_command, tools.eval_code,
                tools.branch_sandbox, tools.wait_for_text, tools.read_file, tools.write_file,
@@ -162,6 +164,65 @@ class _Tools:
             return self.c.compact_snapshot(tag, to)
         except ControllerError as err:
             raise _tool_error(err, f"compact_snapshot {tag} -> {to}") from None
+
+    def _waited(self, job: dict[str, Any], wait: bool) -> dict[str, Any]:
+        return self.c.wait_transfer(job["id"], timeout=MAX_TRANSFER_WAIT) if wait else job
+
+    def push_snapshot(
+        self,
+        tag: SnapshotTag,
+        ref: Annotated[str, Field(max_length=512, description=(
+            "Where to: HOST[:PORT]/REPO[:TAG] of an OCI registry (the registry tag "
+            "defaults to the snapshot's). Credentials come from the daemon host's Docker "
+            "config file."))],
+        sign_key: Annotated[str | None, Field(description=(
+            "An Ed25519 private key (PEM) on the daemon's host to sign it with."))] = None,
+        wait: Annotated[bool, Field(description=(
+            f"Wait (up to {MAX_TRANSFER_WAIT:.0f} s) for the push to finish; otherwise "
+            "return the job at once, for transfer_status."))] = True,
+    ) -> dict[str, Any]:
+        """Push snapshot `tag` with its whole chain (and guest image) to an OCI registry,
+        so another host can pull_snapshot it. Only what the registry lacks is sent.
+        Returns the job: status done/failed/running, progress, and the result (the
+        manifest digest, blobs uploaded and already present) or error."""
+        try:
+            return self._waited(self.c.push_snapshot(tag, ref, sign_key=sign_key), wait)
+        except ControllerError as err:
+            raise _tool_error(err, f"push_snapshot {tag} -> {ref}") from None
+
+    def pull_snapshot(
+        self,
+        ref: Annotated[str, Field(max_length=512, description=(
+            "What: HOST[:PORT]/REPO[:TAG|@sha256:HEX] of a snapshot pushed by vmfork."))],
+        tag: Annotated[str | None, Field(pattern=NAME_PATTERN, description=(
+            "Store the chain's head under this tag (default: the tag it was pushed "
+            "with)."))] = None,
+        verify_key: Annotated[str | None, Field(description=(
+            "An Ed25519 public key (PEM) on the daemon's host: refuse the snapshot "
+            "unless it is signed by it."))] = None,
+        wait: Annotated[bool, Field(description=(
+            f"Wait (up to {MAX_TRANSFER_WAIT:.0f} s) for the pull to finish."))] = True,
+    ) -> dict[str, Any]:
+        """Pull a snapshot chain from an OCI registry into the daemon's store (every
+        blob verified; what is already here is skipped), then spawn_sandboxes from it.
+        Returns the job, with the stored tags in its result once done."""
+        try:
+            return self._waited(self.c.pull_snapshot(ref, tag=tag, verify_key=verify_key),
+                                wait)
+        except ControllerError as err:
+            raise _tool_error(err, f"pull_snapshot {ref}") from None
+
+    def transfer_status(
+        self,
+        job_id: Annotated[str, Field(pattern=r"^[0-9a-f]{16}$", description=(
+            "The id push_snapshot or pull_snapshot returned."))],
+    ) -> dict[str, Any]:
+        """The status of a push or pull: running (with bytes done of total), done (with
+        its result) or failed (with the reason)."""
+        try:
+            return self.c.get_transfer(job_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"transfer_status {job_id}") from None
 
     def create_snapshot(
         self,
