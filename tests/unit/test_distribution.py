@@ -301,3 +301,45 @@ def test_push_and_pull_as_daemon_jobs(registry: Registry, tmp_path: Path) -> Non
         assert status == 400 and "ref" in body["error"]
     finally:
         serving.close()
+
+
+def test_hostile_manifests_are_refused_and_leave_nothing(registry: Registry, source: Store,
+                                                         target: Store) -> None:
+    from vmfork.image.registry import RegistryClient, parse_registry_ref
+    good = push(source, "numpy", f"{registry.host}/hostile/snaps:numpy", with_image=False)
+    client = RegistryClient(parse_registry_ref(f"{registry.host}/hostile/snaps"),
+                            actions="pull,push")
+    body, _ = client.manifest(good.digest, 1 << 20)
+    manifest = json.loads(body)
+
+    def put(tag: str, doc: dict[str, object]) -> str:
+        client.put_manifest(tag, json.dumps(doc).encode(),
+                            "application/vnd.oci.image.manifest.v1+json")
+        return f"{registry.host}/hostile/snaps:{tag}"
+
+    # Not a vmfork snapshot at all (a container image's config type).
+    image_like = dict(manifest, artifactType=None,
+                      config=dict(manifest["config"],
+                                  mediaType="application/vnd.oci.image.config.v1+json"))
+    with pytest.raises(DistributionError, match="not a vmfork snapshot"):
+        pull(target, put("image-like", image_like))
+    # A blob the config names is missing from the manifest.
+    missing = dict(manifest, layers=[d for d in manifest["layers"]
+                                     if not d["annotations"][
+                                         "org.opencontainers.image.title"].endswith("layer.bin")])
+    with pytest.raises(DistributionError, match="lists no blob for snapshots/numpy/layer.bin"):
+        pull(target, put("missing", missing))
+    # A descriptor claiming more bytes than its file could compress to.
+    layers = [dict(d) for d in manifest["layers"]]
+    state = next(d for d in layers
+                 if d["annotations"]["org.opencontainers.image.title"].endswith("state.bin"))
+    state["size"] = 1 << 40
+    with pytest.raises(DistributionError, match="more than"):
+        pull(target, put("oversized", dict(manifest, layers=layers)))
+    # A blob under a title the config does not name.
+    extra = dict(manifest, layers=manifest["layers"] + [
+        dict(manifest["layers"][0], annotations={
+            "org.opencontainers.image.title": "snapshots/evil/state.bin"})])
+    with pytest.raises(DistributionError, match="does not name"):
+        pull(target, put("extra", extra))
+    assert leftovers(target) == []
