@@ -131,7 +131,10 @@ def parse_ref(ref: str) -> RegistryRef:
     try:
         return parse_registry_ref(ref)
     except ImageBuildError as err:
-        raise DistributionError(str(err)) from None
+        why = str(err).removeprefix("step oci-ref: ").split(": write ")[0]
+        raise DistributionError(f"{why}: a snapshot's REF is HOST[:PORT]/REPO[:TAG|"
+                                "@sha256:HEX], for example 127.0.0.1:5000/team/snaps:v1"
+                                ) from None
 
 
 def _client(ref: RegistryRef, auth_file: Path | None, insecure: bool,
@@ -216,8 +219,9 @@ def push(store: Store, tag: str, ref: str, *, sign_key: Path | None = None,
     done_bytes = 0
     layers: list[dict[str, Any]] = []
     with contextlib.ExitStack() as cleanup:
-        scratch = Path(cleanup.enter_context(tempfile.TemporaryDirectory(
-            prefix="vmfork-push-", dir=_scratch_dir(store))))
+        # Compressed blobs wait in a pending directory of the store (never published):
+        # the store's own stale cleanup removes it after a crash.
+        scratch = cleanup.enter_context(store.begin(f"push-{secrets.token_hex(8)}")).path
         for name, path, size in entries:
             file_hash = hashes[name]
             kind = name.rsplit("/", 1)[-1]
@@ -262,12 +266,6 @@ def push(store: Store, tag: str, ref: str, *, sign_key: Path | None = None,
         if signer is not None:
             report.signature = _push_signature(client, signer, report.digest)
     return report
-
-
-def _scratch_dir(store: Store) -> Path:
-    path = store.root / "distribution" / "tmp"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _entry_hashes(manifest: dict[str, Any]) -> dict[str, str]:
@@ -374,10 +372,9 @@ def _push_signature(client: RegistryClient, signer: Any, digest: str) -> str:
     return tag
 
 
-def _verify_signature(client: RegistryClient, digest: str, key_path: Path) -> str:
+def _verify_signature(client: RegistryClient, digest: str, key_path: Path, key: Any) -> str:
     """The verifying key's fingerprint, if a signature by it over ``digest`` is in the
     registry; raises saying whether the snapshot is unsigned or signed otherwise."""
-    key = _load_public_key(key_path)
     from cryptography.exceptions import InvalidSignature
     tag = signature_tag(digest)
     try:
@@ -436,6 +433,7 @@ def pull(store: Store, ref: str, *, head_tag: str | None = None, force: bool = F
     source = parse_ref(ref)
     if head_tag is not None:
         validate_tag(head_tag)
+    key = _load_public_key(verify_key) if verify_key is not None else None
     client = _client(source, auth_file, insecure, "pull")
     body, _media_type = client.manifest(source.reference, MAX_MANIFEST_BYTES)
     digest = "sha256:" + hashlib.sha256(body).hexdigest()
@@ -444,7 +442,7 @@ def pull(store: Store, ref: str, *, head_tag: str | None = None, force: bool = F
                                 f"{digest}; nothing was stored")
     report = PullReport(str(source), digest)
     if verify_key is not None:
-        report.signed_by = _verify_signature(client, digest, verify_key)
+        report.signed_by = _verify_signature(client, digest, verify_key, key)
     layers, config_desc = _parse_manifest(body, ref)
     config = _fetch_small(client, config_desc, MAX_CONFIG_BYTES, "its config")
     try:
