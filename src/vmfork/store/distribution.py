@@ -47,8 +47,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import os
+import re
 import secrets
 import subprocess
 import tempfile
@@ -226,20 +228,38 @@ def push(store: Store, tag: str, ref: str, *, sign_key: Path | None = None,
             file_hash = hashes[name]
             kind = name.rsplit("/", 1)[-1]
             hint = known.get(file_hash)
-            digest = blob_size = None
-            if isinstance(hint, dict) and isinstance(hint.get("digest"), str):
-                digest, blob_size = hint["digest"], hint.get("size")
+            digest: str | None = None
+            blob_size: int | None = None
+            hinted: str | None = None
+            location = None            # an upload a refused mount started
+            if isinstance(hint, dict) and isinstance(hint.get("digest"), str) \
+                    and isinstance(hint.get("size"), int):
+                # Known from an earlier push: here already, or mounted from where it went,
+                # without compressing the file again.
+                digest, blob_size = hint["digest"], hint["size"]
                 if client.has_blob(digest) == blob_size:
                     report.present.append(digest)
                 else:
-                    digest = None
+                    mounted, location = _mount(client, digest, hint, repo_name)
+                    if mounted:
+                        report.mounted.append(digest)
+                    else:
+                        hinted, digest = digest, None
             if digest is None:
                 blob, digest, blob_size = _compress(path, scratch)
+                if location is not None and digest != hinted:
+                    location = None            # zstd changed: that upload was for another
                 if client.has_blob(digest) == blob_size:
                     report.present.append(digest)
                 else:
-                    _send_blob(client, blob, digest, blob_size, hint, repo_name, chunk_bytes,
-                               report, progress, name)
+                    mounted = False
+                    if location is None:
+                        mounted, location = _mount(client, digest, hint, repo_name)
+                    if mounted:
+                        report.mounted.append(digest)
+                    else:
+                        _upload(client, blob, digest, blob_size, location, chunk_bytes,
+                                report, progress, name)
                 blob.unlink()
             assert isinstance(blob_size, int)
             record.update(file_hash, digest, blob_size, repo_name)
@@ -278,28 +298,32 @@ def _entry_hashes(manifest: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def _send_blob(client: RegistryClient, blob: Path, digest: str, size: int, hint: Any,
-               repo_name: str, chunk_bytes: int, report: PushReport,
-               progress: Progress | None, name: str) -> None:
-    location = None
+def _mount(client: RegistryClient, digest: str, hint: Any,
+           repo_name: str) -> tuple[bool, str | None]:
+    """Try a cross-repository mount of ``digest`` from a repository of this registry the
+    store pushed it to: ``(True, None)`` if mounted; ``(False, location)`` with the
+    upload the registry started instead, or ``(False, None)`` with nowhere to mount
+    from."""
     host = client.ref.host + "/"
-    sources = [r.removeprefix(host) for r in (hint or {}).get("repos", [])
+    repos = hint.get("repos", []) if isinstance(hint, dict) else []
+    sources = [r.removeprefix(host) for r in repos
                if isinstance(r, str) and r.startswith(host) and r != repo_name]
-    for source in reversed(sources):
-        location = client.mount_blob(digest, source)
-        if location is None:
-            report.mounted.append(digest)
-            return
-        break      # the registry started an upload instead: use it
-    if location is None:
-        location = client.start_upload()
+    if not sources:
+        return False, None
+    location = client.mount_blob(digest, sources[-1])    # the latest push first
+    return location is None, location
 
+
+def _upload(client: RegistryClient, blob: Path, digest: str, size: int,
+            location: str | None, chunk_bytes: int, report: PushReport,
+            progress: Progress | None, name: str) -> None:
     def sent(n: int) -> None:
         if progress is not None:
             progress(f"uploading {name}", n, size)
 
     with open(blob, "rb") as source_file:
-        client.upload_blob(location, source_file, size, digest, chunk_bytes, sent)
+        client.upload_blob(location or client.start_upload(), source_file, size, digest,
+                           chunk_bytes, sent)
     report.uploaded.append(digest)
     report.bytes_uploaded += size
 
@@ -308,7 +332,6 @@ def _put_small_blob(client: RegistryClient, data: bytes, media_type: str) -> dic
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
     if client.has_blob(digest) != len(data):
         location = client.start_upload()
-        import io
         client.upload_blob(location, io.BytesIO(data), len(data), digest, CHUNK_BYTES)
     return {"mediaType": media_type, "digest": digest, "size": len(data)}
 
@@ -468,7 +491,9 @@ def pull(store: Store, ref: str, *, head_tag: str | None = None, force: bool = F
         missing = sorted(set(expected) - set(layers))
         if missing:
             raise _refused(ref, f"its manifest lists no blob for {', '.join(missing)}")
-        extra = set(layers) - set(expected) - _skippable(manifest, image_here, layers)
+        # The image's blobs are not wanted when this host has that image.
+        skippable = {n for n in layers if n.startswith("image/")} if image_here else set()
+        extra = set(layers) - set(expected) - skippable
         if extra:
             raise _refused(ref, f"its manifest lists blobs its config does not name: "
                            f"{', '.join(sorted(extra))}")
@@ -476,9 +501,7 @@ def pull(store: Store, ref: str, *, head_tag: str | None = None, force: bool = F
         blobs.mkdir()
         wanted = [(n, e) for n, e in expected.items() if e.target is not None]
         report.skipped = sorted({layers[n]["digest"] for n, e in expected.items()
-                                 if e.target is None}
-                                | ({layers[n]["digest"] for n in layers
-                                    if n.startswith("image/")} if image_here else set()))
+                                 if e.target is None} | {layers[n]["digest"] for n in skippable})
         total = sum(layers[n]["size"] for n, _e in wanted)
         done_before = 0
         for i, (name, want) in enumerate(wanted):
@@ -549,7 +572,6 @@ def _parse_manifest(body: bytes, ref: str) -> tuple[dict[str, dict[str, Any]], d
 
 
 def _descriptor(raw: Any, ref: str, media_type: str) -> dict[str, Any]:
-    import re
     if not (isinstance(raw, dict) and raw.get("mediaType") == media_type
             and isinstance(raw.get("digest"), str)
             and re.fullmatch(r"sha256:[0-9a-f]{64}", raw["digest"])
@@ -557,11 +579,6 @@ def _descriptor(raw: Any, ref: str, media_type: str) -> dict[str, Any]:
         raise _refused(ref, f"a descriptor of its manifest is malformed (wanted a {media_type} "
                        "blob with a sha256 digest and a size)")
     return raw
-
-
-def _skippable(manifest: dict[str, Any], image_here: str | None,
-               layers: dict[str, Any]) -> set[str]:
-    return {n for n in layers if n.startswith("image/")} if image_here else set()
 
 
 def _image_already_here(entry: Any) -> str | None:
