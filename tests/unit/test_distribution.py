@@ -151,9 +151,11 @@ def test_a_tampered_blob_is_refused_and_nothing_is_stored(registry: Registry, so
 
 class CuttingProxy:
     """A real TCP proxy in front of the registry that drops the first connection serving
-    a blob (no Range asked) after ``cut_after`` bytes of its answer."""
+    a blob (no Range asked) after ``cut_after`` bytes of its answer; with ``always``,
+    every blob connection, ranged or not."""
 
-    def __init__(self, upstream: str, cut_after: int) -> None:
+    def __init__(self, upstream: str, cut_after: int, always: bool = False) -> None:
+        self.always = always
         host, port = upstream.rsplit(":", 1)
         self.upstream = (host, int(port))
         self.cut_after = cut_after
@@ -178,8 +180,8 @@ class CuttingProxy:
         for line in text.split("\r\n"):
             if line.lower().startswith("range:"):
                 self.ranges.append(line.split(":", 1)[1].strip())
-        cut = (self.cuts == 0 and text.startswith("GET ") and "/blobs/sha256:" in
-               text.split("\r\n", 1)[0] and "range:" not in text.lower())
+        blob_get = text.startswith("GET ") and "/blobs/sha256:" in text.split("\r\n", 1)[0]
+        cut = blob_get and (self.always or (self.cuts == 0 and "range:" not in text.lower()))
         upstream.sendall(head)
 
         def up() -> None:
@@ -224,6 +226,18 @@ def test_a_dropped_connection_mid_blob_resumes_with_a_range(registry: Registry, 
     assert proxy.cuts == 1 and report.resumed == 1
     assert any(re.fullmatch(r"bytes=\d+-", r) and r != "bytes=0-" for r in proxy.ranges)
     assert report.stored == ["base"] and image(target, "base") == image(source, "base")
+
+
+def test_a_download_that_keeps_breaking_fails_and_leaves_nothing(
+        registry: Registry, source: Store, target: Store) -> None:
+    push(source, "base", f"{registry.host}/broken/snaps:base", with_image=False)
+    proxy = CuttingProxy(registry.host, cut_after=2 << 10, always=True)
+    try:
+        with pytest.raises(Exception, match="the download broke"):
+            pull(target, f"{proxy.host}/broken/snaps:base", retries=2)
+    finally:
+        proxy.close()
+    assert proxy.cuts >= 3 and leftovers(target) == []
 
 
 def test_basic_auth_from_the_docker_config(basic_registry: Registry, source: Store,

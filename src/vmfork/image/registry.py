@@ -574,9 +574,9 @@ class RegistryClient:
                 continue
             if done == size:
                 return h.hexdigest()
-            if attempt == retries:
-                break
-        raise self._fail(None, f"blob {digest} ended after {done} of {size} bytes")
+            # The body ended short (the connection closed early): continue from here.
+        raise self._fail(None, f"blob {digest}: the download broke after {done} of {size} "
+                         f"bytes, {retries} times resumed")
 
 
 def _describe(err: BaseException) -> str:
