@@ -170,7 +170,7 @@ class RequestHandler(BaseHTTPRequestHandler):
             route, req.params = api.match(self.command, split.path)
             route_name = route.template
             token = self.context.token
-            if token is not None and split.path not in auth.OPEN_PATHS:
+            if token is not None and route.template not in auth.OPEN_ROUTES:
                 problem = auth.authorize(self.headers.get("Authorization"), token)
                 if problem is not None:
                     raise _Unauthorized(problem)
