@@ -35,7 +35,7 @@ DEBIAN_PACKAGES=(
 )
 # The quality gates' tools pinned (pyproject.toml's dev extra says the same): a new
 # mypy or ruff changes what passes; atheris runs the fuzzing tier (tests/fuzz).
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 mcp maturin
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 cryptography mcp maturin
                      mypy==2.4.1 ruff==0.17.6 atheris==3.0.0)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
@@ -199,6 +199,31 @@ setup_test_wheels() {
       --python-version 3.11 --implementation cp --abi cp311 \
       --platform manylinux_2_17_x86_64 -d "$dir" $wheels
     echo "$wheels" > "$stamp"
+  fi
+}
+
+# The dashboard's browser test (tests/ui): Debian's chromium and a font to render with,
+# and playwright-core from npm (tests/ui/package-lock.json) to drive it. Test-only: the
+# demo's set-up does not need a browser.
+UI_DEBIAN_PACKAGES=(chromium fonts-dejavu-core)
+
+setup_ui() {
+  local missing=() pkg
+  for pkg in "${UI_DEBIAN_PACKAGES[@]}"; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    need_root
+    log "installing Debian packages for the dashboard test: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  local dir=$REPO/tests/ui lock_hash stamp=$REPO/tests/ui/node_modules/.vmfork-lock-sha256
+  lock_hash=$(sha256sum "$dir/package-lock.json" | cut -c1-64)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$lock_hash" ]; then
+    log "dashboard test: npm ci (playwright-core)"
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error --cache "$CACHE/npm")
+    echo "$lock_hash" > "$stamp"
   fi
 }
 

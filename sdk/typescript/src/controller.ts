@@ -13,6 +13,7 @@
  * signal's reason (an `AbortError` by default) and closes the connection.
  */
 
+import { readFileSync } from "node:fs";
 import type { IncomingMessage } from "node:http";
 import * as os from "node:os";
 import * as path from "node:path";
@@ -96,6 +97,14 @@ export interface ControllerOptions {
    * and eval add their own `timeoutSecs` on top; spawns get at least 5 minutes.
    */
   timeoutMs?: number;
+  /**
+   * PEM certificate(s) an `https://` daemon is verified against instead of the
+   * system's roots: its CA's, or its own self-signed one. Default: the file named by
+   * `caFile`, then by `$VMFORK_CA_FILE`.
+   */
+  ca?: string | Buffer;
+  /** A file holding `ca`. */
+  caFile?: string;
 }
 
 /** Per-call options every method accepts. */
@@ -353,7 +362,9 @@ export class Controller {
 
   constructor(options: ControllerOptions = {}) {
     this.baseUrl = options.baseUrl ?? defaultUrl();
-    this.endpoint = parseEndpoint(this.baseUrl);
+    const caFile = options.caFile ?? (process.env.VMFORK_CA_FILE || undefined);
+    const ca = options.ca ?? (caFile !== undefined ? readFileSync(caFile) : undefined);
+    this.endpoint = { ...parseEndpoint(this.baseUrl), ca };
     this.token = options.token ?? (process.env.VMFORK_TOKEN || process.env.FORKD_TOKEN || undefined);
     this.timeoutMs = options.timeoutMs ?? DEFAULT_TIMEOUT_MS;
   }
@@ -1025,6 +1036,15 @@ export class Controller {
       return new ControllerError(0, `no complete answer within ${ms} ms (pass a larger timeoutMs)`, url, { cause: err });
     }
     const message = err instanceof Error ? err.message : String(err);
+    const code = String((err as { code?: unknown } | null)?.code ?? "");
+    if (TLS_TRUST_ERRORS.has(code)) {
+      return new ControllerError(
+        0,
+        `the vmfork daemon at ${this.baseUrl} has a certificate this client does not trust: ${message} (give its CA certificate with the ca/caFile option or VMFORK_CA_FILE)`,
+        url,
+        { cause: err },
+      );
+    }
     return new ControllerError(
       0,
       `cannot reach the vmfork daemon at ${this.baseUrl}: ${message} (start it with \`vmfork serve\`, or set VMFORK_URL)`,
@@ -1033,6 +1053,17 @@ export class Controller {
     );
   }
 }
+
+/** node:tls's codes for a certificate the client cannot verify (OpenSSL's names). */
+const TLS_TRUST_ERRORS = new Set([
+  "UNABLE_TO_VERIFY_LEAF_SIGNATURE",
+  "UNABLE_TO_GET_ISSUER_CERT_LOCALLY",
+  "SELF_SIGNED_CERT_IN_CHAIN",
+  "DEPTH_ZERO_SELF_SIGNED_CERT",
+  "CERT_HAS_EXPIRED",
+  "CERT_NOT_YET_VALID",
+  "ERR_TLS_CERT_ALTNAME_INVALID",
+]);
 
 /** One path segment, percent-encoded (the daemon validates it). */
 function seg(value: string): string {

@@ -25,6 +25,8 @@ export interface Endpoint {
   readonly port?: number;
   /** Path prefix prepended to every request path (`http://h/prefix`); "" if none. */
   readonly prefix: string;
+  /** PEM roots an `https:` daemon is verified against; the system's when unset. */
+  readonly ca?: string | Buffer;
 }
 
 export function parseEndpoint(url: string): Endpoint {
@@ -94,8 +96,15 @@ export function send(endpoint: Endpoint, req: RawRequest): Promise<http.Incoming
       options.hostname = endpoint.hostname;
       if (endpoint.port !== undefined) options.port = endpoint.port;
     }
-    const lib = endpoint.protocol === "https:" ? https : http;
-    const request = lib.request(options, resolve);
+    let request: http.ClientRequest;
+    if (endpoint.protocol === "https:") {
+      // Verified (node's default), TLS 1.2 at least, as the daemon requires.
+      const tls: https.RequestOptions = { ...options, minVersion: "TLSv1.2" };
+      if (endpoint.ca !== undefined) tls.ca = endpoint.ca;
+      request = https.request(tls, resolve);
+    } else {
+      request = http.request(options, resolve);
+    }
     request.on("error", (err) => {
       reject(req.signal?.aborted ? abortReason(req.signal) : err);
     });

@@ -5,7 +5,7 @@
  * project's venv), the source tree the one this SDK lives in.
  */
 
-import { spawn, type ChildProcess } from "node:child_process";
+import { execFileSync, spawn, type ChildProcess } from "node:child_process";
 import { mkdtempSync, openSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import * as net from "node:net";
 import * as os from "node:os";
@@ -28,6 +28,8 @@ const DIE_WITH_PARENT = [
 export interface TestDaemon {
   socketUrl: string;
   tcpUrl: string | undefined;
+  /** With `tls`: the CA certificate that signed the daemon's (made for this daemon). */
+  caFile: string | undefined;
   token: string | undefined;
   root: string;
   stop(): Promise<void>;
@@ -44,9 +46,13 @@ export async function freePort(): Promise<number> {
   });
 }
 
-/** `env`: extra environment of the daemon (e.g. `VMFORK_CACHE_DIR`, an image cache of the test's own). */
+/**
+ * `env`: extra environment of the daemon (e.g. `VMFORK_CACHE_DIR`, an image cache of the
+ * test's own). `tls`: the TCP listener serves TLS with a certificate for localhost and
+ * 127.0.0.1, signed by a CA made for this daemon (tests/tls_certs.py).
+ */
 export async function startDaemon(
-  options: { token?: string; tcp?: boolean; env?: Record<string, string> } = {},
+  options: { token?: string; tcp?: boolean; tls?: boolean; env?: Record<string, string> } = {},
 ): Promise<TestDaemon> {
   const root = mkdtempSync(path.join(os.tmpdir(), "vmfork-ts-"));
   const socket = path.join(root, "api.sock");
@@ -57,19 +63,26 @@ export async function startDaemon(
     writeFileSync(path.join(root, "token"), options.token);
     args.push("--token-file", path.join(root, "token"));
   }
-  let tcpUrl: string | undefined;
-  if (options.tcp) {
-    const port = await freePort();
-    args.push("--bind", `127.0.0.1:${port}`);
-    tcpUrl = `http://127.0.0.1:${port}`;
-  }
   const python = process.env.VMFORK_SDK_TEST_PYTHON || "python3";
   const env = {
     ...process.env,
     VMFORK_HOME: path.join(root, "home"),
-    PYTHONPATH: [path.join(REPO, "src"), process.env.PYTHONPATH].filter(Boolean).join(path.delimiter),
+    PYTHONPATH: [path.join(REPO, "src"), REPO, process.env.PYTHONPATH].filter(Boolean).join(path.delimiter),
     ...options.env,
   };
+  let tcpUrl: string | undefined;
+  let caFile: string | undefined;
+  if (options.tcp || options.tls) {
+    const port = await freePort();
+    args.push("--bind", `127.0.0.1:${port}`);
+    tcpUrl = `${options.tls ? "https" : "http"}://127.0.0.1:${port}`;
+  }
+  if (options.tls) {
+    const dir = path.join(root, "tls");
+    execFileSync(python, ["-m", "tests.tls_certs", dir], { env, stdio: ["ignore", "ignore", "inherit"] });
+    args.push("--tls-cert", path.join(dir, "server.pem"), "--tls-key", path.join(dir, "server.key"));
+    caFile = path.join(dir, "ca.pem");
+  }
   const logPath = path.join(root, "serve.log");
   const log = openSync(logPath, "w");
   const child: ChildProcess = spawn(python, args, { env, stdio: ["ignore", log, log] });
@@ -91,6 +104,7 @@ export async function startDaemon(
   return {
     socketUrl,
     tcpUrl,
+    caFile,
     token: options.token,
     root,
     async stop() {

@@ -32,6 +32,9 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
                         "`vmfork serve`)")
     p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
                    help="bearer token for the daemon (default $VMFORK_TOKEN / $FORKD_TOKEN)")
+    p.add_argument("--ca-file", default=None, metavar="FILE",
+                   help="PEM CA certificate an https:// daemon is verified against "
+                        "(default $VMFORK_CA_FILE, else the system's roots)")
 
 
 def add_json_option(p: argparse.ArgumentParser) -> None:
@@ -46,10 +49,15 @@ def controller(args: argparse.Namespace, timeout: float = 60) -> Controller:
         except OSError as err:
             raise CliError(f"cannot read --token-file {args.token_file}: {err.strerror}",
                            1) from err
+    ca_file = getattr(args, "ca_file", None)
     try:
-        return Controller(getattr(args, "url", None), token=token, timeout=timeout)
+        return Controller(getattr(args, "url", None), token=token, timeout=timeout,
+                          ca_file=ca_file)
     except ValueError as err:
         raise CliError(str(err)) from err
+    except OSError as err:   # an unreadable or non-PEM --ca-file / VMFORK_CA_FILE
+        raise CliError(f"cannot use the CA file {ca_file or '$VMFORK_CA_FILE'}: {err}",
+                       1) from err
 
 
 def daemon_answers(ctl: Controller) -> bool:

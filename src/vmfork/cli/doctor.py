@@ -28,6 +28,10 @@ def register(sub: Any) -> None:
     p = sub.add_parser("doctor", help="check this host and say how to fix what is missing",
                        description=__doc__)
     p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="also check the certificate `vmfork serve --tls-cert` would use")
+    p.add_argument("--tls-key", default=None, metavar="FILE",
+                   help="... and its key (given with --tls-cert)")
     p.set_defaults(func=run)
 
 
@@ -177,6 +181,37 @@ def _image() -> Check:
                  f"initramfs {image.initrd_size >> 20} MiB")
 
 
+def tls_check(cert: str | None, key: str | None) -> Check:
+    """What ``vmfork serve`` would say about these files, before it is started."""
+    from pathlib import Path
+
+    from vmfork.server.tls import (
+        EXPIRY_WARNING_DAYS,
+        TlsConfigError,
+        read_certificate,
+        server_context,
+    )
+    if cert is None or key is None:
+        return Check("TLS", "FAIL", "--tls-cert and --tls-key go together",
+                     "give both files, as to `vmfork serve`")
+    try:
+        server_context(Path(cert), Path(key))
+        info = read_certificate(Path(cert))
+    except TlsConfigError as err:
+        return Check("TLS", "FAIL", str(err), "give the PEM certificate and its own key")
+    names = ", ".join(info.names) or "no subject alternative names"
+    finding = (f"{info.subject} for {names}, valid until {info.not_after:%Y-%m-%d}; "
+               "TLS 1.2 or later")
+    if not info.names:
+        return Check("TLS", "WARN", finding, "clients check the host name against the "
+                     "certificate's subject alternative names: add the daemon's DNS name "
+                     "or IP address")
+    if info.days_left() < EXPIRY_WARNING_DAYS:
+        return Check("TLS", "WARN", finding, "the certificate expires within "
+                     f"{EXPIRY_WARNING_DAYS} days: renew it")
+    return Check("TLS", "PASS", finding)
+
+
 CHECKS: list[Callable[[], Check]] = [
     _kvm_device, _kvm_caps, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _netns, _jail, _user_namespaces, _disk,
     _image,
@@ -193,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
             results.append(Check(name, "FAIL", f"check failed: {err}"))
         if results[-1].status == "FAIL" and check in (_kvm_device,):
             break  # nothing KVM-related can be checked without /dev/kvm
+    if args.tls_cert is not None or args.tls_key is not None:
+        results.append(tls_check(args.tls_cert, args.tls_key))
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:

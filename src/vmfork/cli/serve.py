@@ -27,6 +27,11 @@ def register(sub: Any) -> None:
                    metavar="HOST:PORT",
                    help="also listen on TCP (bare --bind: 127.0.0.1:8889); a non-loopback "
                         "address needs --token-file")
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="FILE",
+                   help="serve the --bind listener over TLS (1.2 or later) with this PEM "
+                        "certificate (chain); needs --tls-key")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="FILE",
+                   help="the PEM private key of --tls-cert")
     p.add_argument("--snapshot-root", type=Path, default=None, metavar="DIR",
                    help="snapshot store (default $VMFORK_HOME or ~/.local/share/vmfork)")
     p.add_argument("--token-file", type=Path, default=None, metavar="FILE",
@@ -96,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_state_dir,
     )
     from vmfork.server.registry import RegistryError
+    from vmfork.server.tls import TlsConfigError
     from vmfork.store import StoreError
 
     if args.max_concurrent_spawns < 1:
@@ -123,13 +129,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           network_subnet=args.network_subnet,
                           jail=not args.insecure_no_jail,
                           max_sandboxes=args.max_sandboxes,
-                          max_guest_mib=args.max_guest_memory_mib)
+                          max_guest_mib=args.max_guest_memory_mib,
+                          tls_cert=args.tls_cert, tls_key=args.tls_key)
     try:
         daemon = Daemon(config)
     except JailUnavailable as err:
         raise CliError(str(err), 1) from err
-    except (AuthConfigError, RegistryError, StoreError, ZygoteError, ValueError,
-            OSError) as err:
+    except (AuthConfigError, TlsConfigError, RegistryError, StoreError, ZygoteError,
+            ValueError, OSError) as err:
         raise CliError(str(err), 1) from err
     if not config.jail:
         print("vmfork serve: WARNING: --insecure-no-jail: sandbox VMMs run uncontained",

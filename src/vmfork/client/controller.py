@@ -13,6 +13,7 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from vmfork.client.images import FAILED, READY, ImageInfo
-from vmfork.client.transport import Endpoint
+from vmfork.client.transport import Endpoint, tls_context
 
 USER_AGENT = "vmfork-python"
 STREAM_IDLE_TIMEOUT = 60.0
@@ -117,13 +118,18 @@ def _copy_entry(entry: Copy) -> dict[str, str]:
 
 class Controller:
     def __init__(self, base_url: str | None = None, token: str | None = None,
-                 timeout: float = 60) -> None:
-        """``timeout`` (seconds) bounds each request; exec waits its own timeout on top."""
+                 timeout: float = 60, ca_file: str | None = None) -> None:
+        """``timeout`` (seconds) bounds each request; exec waits its own timeout on top.
+        ``ca_file`` (default ``$VMFORK_CA_FILE``): the PEM certificate(s) an ``https://``
+        daemon is verified against instead of the system's roots."""
         self.base_url = base_url or default_url()
         self.endpoint = Endpoint.parse(self.base_url)
         self.token = token if token is not None else (
             os.environ.get("VMFORK_TOKEN") or os.environ.get("FORKD_TOKEN"))
         self.timeout = timeout
+        self.ca_file = ca_file or os.environ.get("VMFORK_CA_FILE") or None
+        # Made once: loading the roots costs milliseconds, every request would pay it.
+        self._tls = tls_context(self.ca_file) if self.endpoint.scheme == "https" else None
 
     def __repr__(self) -> str:
         return f"Controller({self.base_url!r})"
@@ -151,13 +157,20 @@ class Controller:
               content_type: str | None = None, length: int | None = None,
               timeout: float | None = None) -> Any:
         url = self._url(path, query)
-        conn = self.endpoint.connection(self.timeout if timeout is None else timeout)
+        conn = self.endpoint.connection(self.timeout if timeout is None else timeout,
+                                        self._tls)
         headers = self._headers(content_type)
         if length is not None:
             headers["Content-Length"] = str(length)
         try:
             conn.request(method, url, body=body, headers=headers)
             response = conn.getresponse()
+        except ssl.SSLCertVerificationError as err:
+            conn.close()
+            raise ControllerError(0, f"the vmfork daemon at {self.base_url} has a certificate "
+                                  f"this client does not trust: {err.verify_message} (give "
+                                  "its CA certificate with ca_file= or VMFORK_CA_FILE)",
+                                  self.base_url + url) from err
         except OSError as err:
             conn.close()
             raise ControllerError(0, f"cannot reach the vmfork daemon at {self.base_url}: "

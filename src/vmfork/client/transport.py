@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import ssl
 import urllib.parse
 from dataclasses import dataclass
 
@@ -59,11 +60,22 @@ class Endpoint:
         raise ValueError(f"{url!r} is not a daemon URL: use http://HOST:PORT or "
                          "unix:///path/to/api.sock")
 
-    def connection(self, timeout: float | None) -> http.client.HTTPConnection:
+    def connection(self, timeout: float | None,
+                   tls: ssl.SSLContext | None = None) -> http.client.HTTPConnection:
         if self.socket_path is not None:
             return UnixHTTPConnection(self.socket_path, timeout)
         if self.scheme == "https":
             return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               blocksize=SEND_BLOCK)
+                                               blocksize=SEND_BLOCK,
+                                               context=tls or tls_context(None))
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout,
                                           blocksize=SEND_BLOCK)
+
+
+def tls_context(ca_file: str | None) -> ssl.SSLContext:
+    """How an ``https://`` daemon is verified: the system's roots, or only ``ca_file``
+    (a private CA, or the daemon's self-signed certificate). The host name is checked
+    against the certificate either way; TLS 1.2 at least, as the daemon."""
+    context = ssl.create_default_context(cafile=ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context

@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 from vmfork.agent.client import AgentError, ProcessEnd
 from vmfork.image.spec import DEFAULT_DISK_FORMAT, DISK_FORMATS
+from vmfork.server import ui
+from vmfork.server.console import MAX_TAIL, ConsoleUnavailable, console_tail
 from vmfork.server.controller import Controller, agent_errors
 from vmfork.server.errors import (
     ApiError,
@@ -327,6 +329,39 @@ def _no_query(req: Request) -> None:
 
 
 # -- handlers ------------------------------------------------------------------------
+
+
+def ui_page(c: Controller, req: Request) -> Response:
+    return _ui_file("index.html")
+
+
+def ui_asset(c: Controller, req: Request) -> Response:
+    return _ui_file(req.params["asset"])
+
+
+def _ui_file(name: str) -> Response:
+    found = ui.asset(name)
+    if found is None:
+        raise NotFound(f"no dashboard file {name!r}")
+    data, content_type = found
+    return Response(body=data, content_type=content_type, headers=dict(ui.HEADERS))
+
+
+CONSOLE_QUERY = {"tail": Field(int, 16 << 10, between(1, MAX_TAIL))}
+
+
+def sandbox_console(c: Controller, req: Request) -> Response:
+    """The tail of the guest's console log (kernel messages, the agent's start-up), as
+    text; a sandbox that ended keeps its log until its run directory is cleaned."""
+    sandbox_id = _sandbox_id(req)
+    q = req.args(CONSOLE_QUERY, _where(req))
+    run_dir = c.sandbox_run_dir(sandbox_id)
+    try:
+        data = console_tail(run_dir, q["tail"])
+    except ConsoleUnavailable as err:
+        raise NotFound(f"sandbox {sandbox_id} has no console log to show: {err}") from err
+    return Response(body=data, content_type="text/plain; charset=utf-8",
+                    headers={"X-Content-Type-Options": "nosniff"})
 
 
 def healthz(c: Controller, req: Request) -> Response:
@@ -890,6 +925,8 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/version", version),
     Route("GET", "/metrics", metrics),
     Route("GET", "/openapi.json", openapi),
+    Route("GET", "/ui", ui_page),
+    Route("GET", "/ui/{asset}", ui_asset),
     Route("GET", "/v1/snapshots", list_snapshots),
     Route("POST", "/v1/snapshots", create_snapshot),
     Route("DELETE", "/v1/snapshots/{tag}", delete_snapshot),
@@ -923,6 +960,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/sandboxes/{id}/processes/{pid}/stdin", process_stdin),
     Route("POST", "/v1/sandboxes/{id}/processes/{pid}/signal", signal_process),
     Route("POST", "/v1/sandboxes/{id}/processes/{pid}/resize", resize_process_pty),
+    Route("GET", "/v1/sandboxes/{id}/console", sandbox_console),
     Route("GET", "/v1/sandboxes/{id}/ports", list_ports),
     Route("POST", "/v1/sandboxes/{id}/ports", expose_port),
     Route("DELETE", "/v1/sandboxes/{id}/ports/{port}", unexpose_port),
@@ -958,10 +996,16 @@ def _check_path_job(value: str) -> str:
     return value
 
 
+def _check_path_asset(value: str) -> str:
+    if value not in ui.ASSETS:
+        raise NotFound(f"no dashboard file {value[:60]!r}; the dashboard is at /ui")
+    return value
+
+
 _PARAM_CHECKS: dict[str, Callable[[str], str]] = {
     "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name,
     "image": check_path_image, "port": _check_path_port, "pid": _check_path_pid,
-    "job": _check_path_job}
+    "job": _check_path_job, "asset": _check_path_asset}
 
 
 def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:

@@ -15,7 +15,11 @@ from pathlib import Path
 
 MIN_TOKEN_BYTES = 16
 PLACEHOLDER_PREFIXES = ("REPLACE_ME", "CHANGE_ME")
-OPEN_PATHS = frozenset({"/healthz", "/healthz/"})
+# Route templates (server/api.ROUTES) served without a token: the health check, and the
+# dashboard's files, which hold no data (server/ui): the page asks for the token and
+# sends it with every API call it makes, which the API checks as any other client's.
+# Matched on the route, never on a path prefix, so no path can borrow their openness.
+OPEN_ROUTES = frozenset({"/healthz", "/ui", "/ui/{asset}"})
 
 MISSING = "missing bearer token"
 INVALID = "invalid bearer token"

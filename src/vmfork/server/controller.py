@@ -669,6 +669,10 @@ class Controller:
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:
         return self._with_network(self.sandbox_info(self._record(sandbox_id)))
 
+    def sandbox_run_dir(self, sandbox_id: str) -> str:
+        """Where the sandbox's VMM keeps its files (its console log among them)."""
+        return self._record(sandbox_id).run_dir
+
     def delete_sandbox(self, sandbox_id: str) -> None:
         record = self._record(sandbox_id)
         if record.status == RUNNING:

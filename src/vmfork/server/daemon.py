@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import signal
+import ssl
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +97,9 @@ class DaemonConfig:
     jail: bool = True
     max_sandboxes: int = 1000          # running sandboxes (429 beyond)
     max_guest_mib: int | None = None   # guest RAM committed to them; None: 4 x host RAM
+    # TLS on the TCP listener (server/tls.py): both or neither.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
 
 class JailUnavailable(RuntimeError):
@@ -210,6 +214,19 @@ def _check_jail() -> None:
                               "sandboxes uncontained")
 
 
+def _tls_context(config: DaemonConfig) -> ssl.SSLContext | None:
+    """The TCP listener's TLS context, checked before anything else starts."""
+    if config.tls_cert is None and config.tls_key is None:
+        return None
+    from vmfork.server.tls import TlsConfigError, server_context
+    if config.tls_cert is None or config.tls_key is None:
+        raise TlsConfigError("--tls-cert and --tls-key go together: give both")
+    if config.bind is None:
+        raise TlsConfigError("--tls-cert/--tls-key secure the TCP listener: add --bind "
+                             "HOST:PORT (the Unix socket is never TLS)")
+    return server_context(config.tls_cert, config.tls_key)
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
@@ -218,6 +235,7 @@ class Daemon:
             auth.check_bind(parse_bind(config.bind)[0], self.token)
         if config.socket_path is None and config.bind is None:
             raise ValueError("nothing to listen on: give a Unix socket path or --bind")
+        self.tls = _tls_context(config)
         if config.spawner and config.jail:
             _check_jail()
         # The registry, the zygote's socket and every sandbox's run directory live here:
@@ -251,7 +269,7 @@ class Daemon:
         if config.socket_path is not None:
             self.servers.append(UnixHTTPServer(config.socket_path, handler))
         if config.bind is not None:
-            self.servers.append(tcp_server(config.bind, handler))
+            self.servers.append(tcp_server(config.bind, handler, tls=self.tls))
         self._threads: list[threading.Thread] = []
         self._stopped = threading.Event()
 
@@ -281,8 +299,11 @@ class Daemon:
             if isinstance(server, UnixHTTPServer):
                 out.append(f"unix://{server.socket_path}")
             else:
-                host, port = server.server_address[:2]
-                out.append(f"http://{host!s}:{port}")
+                address, port = server.server_address[:2]
+                host = str(address)
+                if ":" in host:
+                    host = f"[{host}]"   # an IPv6 literal, as URLs write it
+                out.append(f"{'https' if server.tls else 'http'}://{host}:{port}")
         return out
 
     def start(self) -> None:

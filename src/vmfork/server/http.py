@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import socketserver
+import ssl
 import stat
 import sys
 import threading
@@ -169,7 +170,7 @@ class RequestHandler(BaseHTTPRequestHandler):
             route, req.params = api.match(self.command, split.path)
             route_name = route.template
             token = self.context.token
-            if token is not None and split.path not in auth.OPEN_PATHS:
+            if token is not None and route.template not in auth.OPEN_ROUTES:
                 problem = auth.authorize(self.headers.get("Authorization"), token)
                 if problem is not None:
                     raise _Unauthorized(problem)
@@ -439,12 +440,44 @@ class _BoundedFront(socketserver.ThreadingMixIn):
             _shut(evict)
         super().process_request(request, client_address)
 
+    tls: ssl.SSLContext | None = None
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
+            if self.tls is not None:
+                request = self._handshake(request)
+                if request is None:
+                    return
             super().process_request_thread(request, client_address)
         finally:
             with self._lock:
                 self._conns.pop(request, None)
+
+    def _handshake(self, raw: socket.socket) -> ssl.SSLSocket | None:
+        """TLS on an admitted connection, in its own handler thread (a slow client's
+        handshake never holds up ``accept``) and inside the same header deadline: the
+        watchdog cuts a client that stalls it, as it cuts one that stalls its headers."""
+        assert self.tls is not None
+        try:
+            conn = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        except OSError:
+            raw.close()
+            return None
+        with self._lock:   # the wrapped socket owns the descriptor now: watch it instead
+            entry = self._conns.pop(raw, None)
+            if entry is not None:
+                self._conns[conn] = entry
+        try:
+            conn.settimeout(self.front_limits.header_timeout)
+            conn.do_handshake()
+            conn.settimeout(None)
+        except (OSError, ValueError) as err:   # a plain-HTTP client, an old TLS, a cut
+            log.debug("TLS handshake failed: %s", err)
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+            return None
+        return conn
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that went away, or was cut off by the watchdog, is not a daemon
@@ -484,7 +517,9 @@ class _BoundedFront(socketserver.ThreadingMixIn):
 
 def _shut(conn: socket.socket) -> None:
     try:
-        conn.shutdown(socket.SHUT_RDWR)
+        # The descriptor's shutdown, also for a TLS socket: SSLSocket.shutdown would
+        # first drop its TLS object under the handler thread reading from it.
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
     except OSError:
         pass  # already closed by its handler
 
@@ -512,8 +547,9 @@ class UnixHTTPServer(_BoundedFront, socketserver.UnixStreamServer):
 
 class TCPHTTPServer(_BoundedFront, ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type[RequestHandler],
-                 limits: FrontLimits | None = None) -> None:
+                 limits: FrontLimits | None = None, tls: ssl.SSLContext | None = None) -> None:
         self._front_init(limits)
+        self.tls = tls
         super().__init__(address, handler)
 
 
@@ -549,9 +585,9 @@ def parse_bind(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def tcp_server(bind: str, handler: type[RequestHandler],
-               limits: FrontLimits | None = None) -> TCPHTTPServer:
+def tcp_server(bind: str, handler: type[RequestHandler], limits: FrontLimits | None = None,
+               tls: ssl.SSLContext | None = None) -> TCPHTTPServer:
     host, port = parse_bind(bind)
     if ":" in host:
-        return TCP6HTTPServer((host, port), handler, limits)
-    return TCPHTTPServer((host, port), handler, limits)
+        return TCP6HTTPServer((host, port), handler, limits, tls)
+    return TCPHTTPServer((host, port), handler, limits, tls)
