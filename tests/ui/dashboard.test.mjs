@@ -69,7 +69,7 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await token.fill("");
     await page.keyboard.type(TOKEN);
     await page.keyboard.press("Enter");
-    await page.getByRole("heading", { name: "Sandboxes" }).waitFor(WAIT);
+    await page.getByRole("heading", { name: "Sandboxes", exact: true }).waitFor(WAIT);
     // The token lives in the tab's session, never in the address.
     assert.ok(!page.url().includes(TOKEN));
     assert.equal(await page.evaluate(() => sessionStorage.getItem("vmfork.token")), TOKEN);
@@ -89,9 +89,9 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
 
   let sandboxId;
   test("spawn from the form: the batch's progress, then the row in the live table", async () => {
-    await page.getByLabel("Snapshot").selectOption(SNAPSHOT, WAIT);
-    await page.getByLabel("Count").fill("2");
-    await page.getByRole("button", { name: "Spawn" }).click();
+    await page.getByLabel("Snapshot", { exact: true }).selectOption(SNAPSHOT, WAIT);
+    await page.getByLabel("Count", { exact: true }).fill("2");
+    await page.getByRole("button", { name: "Spawn", exact: true }).click();
     await page.locator(".batch").filter({ hasText: "2 of 2 ready" }).waitFor(WAIT);
     const rows = page.locator("#sandboxes tbody tr");
     await rows.nth(1).waitFor(WAIT);
@@ -116,7 +116,7 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await page.getByLabel(`branch mode for ${sandboxId}`).selectOption("diff");
     await page.getByRole("button", { name: `branch ${sandboxId}` }).click();
     await page.getByRole("status").filter({ hasText: "branched" }).waitFor(WAIT);
-    await page.getByRole("button", { name: "Snapshots" }).click();
+    await page.getByRole("button", { name: "Snapshots", exact: true }).click();
     const parent = page.locator(`#snapshot-tree li[data-tag="${SNAPSHOT}"]`);
     const branch = parent.locator("ul li").filter({ hasText: `${sandboxId}-diff` });
     await branch.waitFor(WAIT);
@@ -128,7 +128,7 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await page.goto(`${URL_}/ui#sandbox/${sandboxId}`);
     await page.getByRole("heading", { name: `Sandbox ${sandboxId}` }).waitFor(WAIT);
     await page.getByLabel("Command (run with /bin/sh -c)").fill("echo first; sleep 3; echo second");
-    await page.getByRole("button", { name: "Run" }).click();
+    await page.getByRole("button", { name: "Run", exact: true }).click();
     const out = page.getByLabel("command output");
     // Streamed: the first line is on the page while the command still sleeps.
     await out.filter({ hasText: "first" }).waitFor(WAIT);
@@ -141,7 +141,7 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     const got = await api("POST", `/v1/sandboxes/${sandboxId}/exec`, { args: ["cat", "/tmp/from-browser.txt"] });
     assert.equal(got.stdout, "uploaded\n");
 
-    await page.getByRole("button", { name: "Open a terminal" }).click();
+    await page.getByRole("button", { name: "Open a terminal", exact: true }).click();
     const term = page.getByLabel("terminal: focus it and type");
     await term.waitFor(WAIT);
     await term.focus();
@@ -149,13 +149,13 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await page.keyboard.press("Enter");
     await term.filter({ hasText: "term-42" }).waitFor(WAIT);
 
-    await page.getByRole("button", { name: "Refresh" }).click();
+    await page.getByRole("button", { name: "Refresh", exact: true }).click();
     await page.getByLabel("guest console log tail").filter({ hasText: /\S/ }).waitFor(WAIT);
     await shot("sandbox");
   });
 
   test("kill from the table removes the row", async () => {
-    await page.getByRole("button", { name: "Back to sandboxes" }).click();
+    await page.getByRole("button", { name: "Back to sandboxes", exact: true }).click();
     await page.getByRole("button", { name: `kill ${sandboxId}` }).click();
     await page.locator(`#sandboxes tr[data-id="${sandboxId}"]`).waitFor({ state: "detached", ...WAIT });
     const left = (await api("GET", "/v1/sandboxes")).filter((s) => s.id === sandboxId);
@@ -163,7 +163,7 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
   });
 
   test("charts draw the daemon's spawn latency", async () => {
-    await page.getByRole("button", { name: "Charts" }).click();
+    await page.getByRole("button", { name: "Charts", exact: true }).click();
     // Two samples five seconds apart with a spawn between them give a bar.
     await page.waitForTimeout(5500);
     await api("POST", "/v1/sandboxes", { snapshot_tag: SNAPSHOT, n: 1 });
