@@ -518,7 +518,7 @@ class Sandbox:
     def unexpose(self, host_port: int, protocol: str = "tcp") -> None:
         self.controller.unexpose_port(self.id, host_port, protocol)
 
-    def ports(self) -> list[dict[str, Any]]:
+    def ports(self) -> builtins.list[dict[str, Any]]:
         return self.controller.list_ports(self.id)
 
     def set_egress(self, egress: Egress) -> dict[str, Any]:

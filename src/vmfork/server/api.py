@@ -169,6 +169,43 @@ class Route:
 
 # -- bodies ----------------------------------------------------------------------------
 
+def check_metadata(value: Any) -> str | None:
+    """A string map of at most 64 entries, keys 1-128 and values up to 1024 characters
+    of printable Unicode."""
+    if len(value) > MAX_METADATA_ENTRIES:
+        return f"has {len(value)} entries; at most {MAX_METADATA_ENTRIES} are kept"
+    for key, item in value.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY or not key.isprintable():
+            return (f"key {key[:40]!r} must be 1-{MAX_METADATA_KEY} printable characters")
+        if not isinstance(item, str):
+            return f"value of {key[:40]!r} must be a string"
+        if len(item) > MAX_METADATA_VALUE or not item.isprintable():
+            return (f"value of {key[:40]!r} must be at most {MAX_METADATA_VALUE} printable "
+                    "characters")
+    return check_string_map(value)
+
+
+def check_envs(value: Any) -> str | None:
+    """Environment variables every command of the sandbox gets: names as a shell's
+    (letters, digits, underscore; not starting with a digit), string values."""
+    if len(value) > MAX_ENVS_ENTRIES:
+        return f"has {len(value)} variables; at most {MAX_ENVS_ENTRIES}"
+    size = 0
+    for key, item in value.items():
+        if not (0 < len(key) <= MAX_ENV_NAME and key.isascii()
+                and (key[0].isalpha() or key[0] == "_")
+                and all(c.isalnum() or c == "_" for c in key)):
+            return (f"has an invalid variable name {key[:40]!r} (letters, digits and _, "
+                    f"not starting with a digit, at most {MAX_ENV_NAME})")
+        if not isinstance(item, str) or "\0" in item:
+            return f"value of {key!r} must be a string without NUL"
+        size += len(key.encode()) + len(item.encode("utf-8", "surrogatepass"))
+    if size > MAX_ENVS_BYTES:
+        return f"is {size} bytes of names and values; the limit is {MAX_ENVS_BYTES}"
+    return check_string_map(value)
+
+
+
 SANDBOX_CREATE = {
     "snapshot_tag": Field(str, check=check_tag),
     "n": Field(int, 1, between(1, MAX_SANDBOXES_PER_REQUEST)),
@@ -345,42 +382,6 @@ FILE_RENAME = {"path": Field(str, check=check_guest_path),
 FILE_MKDIR = {"path": Field(str, check=check_guest_path), "parents": Field(bool, False),
               "mode": Field(int, 0o755, between(0, 0o7777))}
 WATCH_QUERY = {"path": Field(str, check=check_guest_path), "recursive": Field(bool, False)}
-
-
-def check_metadata(value: Any) -> str | None:
-    """A string map of at most 64 entries, keys 1-128 and values up to 1024 characters
-    of printable Unicode."""
-    if len(value) > MAX_METADATA_ENTRIES:
-        return f"has {len(value)} entries; at most {MAX_METADATA_ENTRIES} are kept"
-    for key, item in value.items():
-        if not 1 <= len(key) <= MAX_METADATA_KEY or not key.isprintable():
-            return (f"key {key[:40]!r} must be 1-{MAX_METADATA_KEY} printable characters")
-        if not isinstance(item, str):
-            return f"value of {key[:40]!r} must be a string"
-        if len(item) > MAX_METADATA_VALUE or not item.isprintable():
-            return (f"value of {key[:40]!r} must be at most {MAX_METADATA_VALUE} printable "
-                    "characters")
-    return check_string_map(value)
-
-
-def check_envs(value: Any) -> str | None:
-    """Environment variables every command of the sandbox gets: names as a shell's
-    (letters, digits, underscore; not starting with a digit), string values."""
-    if len(value) > MAX_ENVS_ENTRIES:
-        return f"has {len(value)} variables; at most {MAX_ENVS_ENTRIES}"
-    size = 0
-    for key, item in value.items():
-        if not (0 < len(key) <= MAX_ENV_NAME and key.isascii()
-                and (key[0].isalpha() or key[0] == "_")
-                and all(c.isalnum() or c == "_" for c in key)):
-            return (f"has an invalid variable name {key[:40]!r} (letters, digits and _, "
-                    f"not starting with a digit, at most {MAX_ENV_NAME})")
-        if not isinstance(item, str) or "\0" in item:
-            return f"value of {key!r} must be a string without NUL"
-        size += len(key.encode()) + len(item.encode("utf-8", "surrogatepass"))
-    if size > MAX_ENVS_BYTES:
-        return f"is {size} bytes of names and values; the limit is {MAX_ENVS_BYTES}"
-    return check_string_map(value)
 
 
 def _where(req: Request) -> str:

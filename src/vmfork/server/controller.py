@@ -758,25 +758,28 @@ class Controller:
             self._drop_pause_snapshots(record)
 
     def _drop_pause_snapshots(self, record: SandboxRecord) -> None:
-        """Delete the snapshots pauses of this sandbox made: the newest, then each
-        ancestor that is also one of its pauses (a diff pause of a resumed sandbox
-        builds on the previous one)."""
-        tag = record.paused_tag
+        """Delete the snapshots this sandbox's pauses made (``pause-<id>-*``): a diff
+        pause of a resumed sandbox builds on the previous one, so dependents go first
+        (each round deletes those nothing depends on any more)."""
         prefix = f"{PAUSE_TAG_PREFIX}{record.id}-"
-        while tag is not None and tag.startswith(prefix):
-            try:
-                parent = self.store.get(tag).meta.parent_tag
-            except (SnapshotNotFound, SnapshotCorrupt, ValueError):
-                parent = None
-            try:
-                self.store.delete(tag)
-            except SnapshotNotFound:
-                pass
-            except StoreError as err:
-                log.warning("cannot delete %s, a pause snapshot of %s: %s", tag, record.id,
-                            err)
+        left = [s.tag for s in self.store.list() if s.tag.startswith(prefix)]
+        while left:
+            kept = []
+            for tag in left:
+                try:
+                    self.store.delete(tag)
+                except SnapshotNotFound:
+                    pass
+                except HasDependents:
+                    kept.append(tag)
+                except StoreError as err:
+                    log.warning("cannot delete %s, a pause snapshot of %s: %s", tag,
+                                record.id, err)
+            if len(kept) == len(left):   # what depends on them is not this sandbox's
+                log.warning("pause snapshots of %s kept (other snapshots depend on them): "
+                            "%s", record.id, ", ".join(kept))
                 return
-            tag = parent
+            left = kept
 
     # -- lifecycle: timeouts, pause/resume, envs, metrics (issue 15) ---------------------
 
