@@ -105,7 +105,7 @@ def test_a_deadline_survives_a_daemon_restart(tmp_path: Path) -> None:
     time.sleep(1.2)
     for served in _serve(tmp_path, None, spawner=spawner):
         ctl = Controller(served.url, timeout=10)
-        _wait_for(lambda: ctl.get_sandbox(info["id"])["status"] == "exited")
+        _wait_for(lambda c=ctl: c.get_sandbox(info["id"])["status"] == "exited")
         assert ctl.get_sandbox(info["id"])["exit_reason"] == "timeout"
         assert info["id"] not in spawner.live
 

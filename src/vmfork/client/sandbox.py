@@ -456,7 +456,10 @@ class Sandbox:
         """Attach to a sandbox by id; a paused one is resumed (same id). ``timeout``
         extends its lifetime to at least that many seconds from now."""
         c = controller or Controller()
-        return cls(c.connect_sandbox(sandbox_id, timeout), c)
+        info = c.get_sandbox(sandbox_id)   # all a forkd daemon offers
+        if info.get("status") == "paused" or timeout is not None:
+            info = c.connect_sandbox(sandbox_id, timeout)
+        return cls(info, c)
 
     @classmethod
     def list(cls, *, metadata: Mapping[str, str] | None = None,
