@@ -753,14 +753,14 @@ def test_a_body_refused_unread_is_drained_so_the_connection_lives(served: Served
 
 
 def test_internal_errors_are_500_and_serving_continues(served: Served) -> None:
-    def boom() -> list[Any]:
+    def boom(*_: Any) -> list[Any]:
         raise BadGateway("zygote gone")
 
     served.controller.list_sandboxes = boom  # type: ignore[method-assign]
     status, body, _ = served.request("GET", "/v1/sandboxes")
     assert (status, body) == (502, {"error": "zygote gone"})
 
-    def crash() -> list[Any]:
+    def crash(*_: Any) -> list[Any]:
         raise KeyError("bug")
 
     served.controller.list_sandboxes = crash  # type: ignore[method-assign]

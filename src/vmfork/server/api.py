@@ -238,7 +238,7 @@ SANDBOX_RESUME = {
 SANDBOX_LIST_QUERY = {
     # E2B's form: one parameter holding a URL-encoded query string, k1=v1&k2=v2; a
     # sandbox is listed when its metadata has every pair.
-    "metadata": Field(str, None, text_up_to(16 << 10), nullable=True),
+    "metadata": Field(str, None, text_up_to(8 << 10), nullable=True),
     # Comma-separated statuses (running,paused,exited,lost).
     "state": Field(str, None, text_up_to(64), nullable=True),
 }
