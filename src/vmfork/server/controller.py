@@ -174,6 +174,7 @@ class Controller:
         self._lifecycle_locks_lock = threading.Lock()
         # VMMs stopped by a pause: their exit events are not the sandbox's end.
         self._expected_exits: set[str] = set()
+        self._pausing: set[str] = set()   # guest calls are 409 meanwhile, not 502
         self._expected_lock = threading.Lock()
         self.images = ImageBuilds(store, metrics, concurrency=limits.image_builds,
                                   retry_after_s=limits.retry_after_s)
@@ -887,22 +888,29 @@ class Controller:
         tag = f"{PAUSE_TAG_PREFIX}{sandbox_id}-{secrets.token_hex(3)}"
         branch = {"tag": tag, "mode": "diff", "wait": True, "measure_diff": False,
                   "parent_tag": None, "diff": False, "live": False}
-        try:
-            self.branch_sandbox(sandbox_id, branch, suspending=True)
-        except Conflict as err:
-            # A diff cannot be made (its chain is as deep as allowed, or it has no
-            # base): a full capture instead.
-            log.info("pause of %s: %s; capturing it whole", sandbox_id, err.message)
-            self.branch_sandbox(sandbox_id, {**branch, "mode": "full"}, suspending=True)
-        # In the registry first: from here a restarted daemon knows it is paused (and
-        # kills a VMM still running under its id as one nobody knows).
-        self.registry.mark_paused(sandbox_id, tag)
         with self._expected_lock:
-            self._expected_exits.add(sandbox_id)
+            self._pausing.add(sandbox_id)
         try:
-            self._spawner().kill(sandbox_id)
-        except SpawnerError as err:
-            log.error("paused sandbox %s: its VMM could not be stopped: %s", sandbox_id, err)
+            try:
+                self.branch_sandbox(sandbox_id, branch, suspending=True)
+            except Conflict as err:
+                # A diff cannot be made (its chain is as deep as allowed, or it has no
+                # base): a full capture instead.
+                log.info("pause of %s: %s; capturing it whole", sandbox_id, err.message)
+                self.branch_sandbox(sandbox_id, {**branch, "mode": "full"}, suspending=True)
+            # In the registry first: from here a restarted daemon knows it is paused
+            # (and kills a VMM still running under its id as one nobody knows).
+            self.registry.mark_paused(sandbox_id, tag)
+            with self._expected_lock:
+                self._expected_exits.add(sandbox_id)
+            try:
+                self._spawner().kill(sandbox_id)
+            except SpawnerError as err:
+                log.error("paused sandbox %s: its VMM could not be stopped: %s", sandbox_id,
+                          err)
+        finally:
+            with self._expected_lock:
+                self._pausing.discard(sandbox_id)
         log.info("sandbox %s paused into %s", sandbox_id, tag)
 
     def resume_sandbox(self, sandbox_id: str, timeout_secs: float | None = None
@@ -1039,9 +1047,9 @@ class Controller:
 
     def agent(self, sandbox_id: str) -> AgentClient:
         record = self._record(sandbox_id)
-        if record.status == PAUSED:
-            raise Conflict(f"sandbox {sandbox_id!r} is paused; resume it first (POST "
-                           f"/v1/sandboxes/{sandbox_id}/resume, or .../connect)")
+        if record.status == PAUSED or sandbox_id in self._pausing:
+            raise Conflict(f"sandbox {sandbox_id!r} is paused (or being paused); resume it "
+                           f"first (POST /v1/sandboxes/{sandbox_id}/resume, or .../connect)")
         if record.status != RUNNING:
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}: "
                            f"{record.exit_description}); delete it with DELETE "
