@@ -117,6 +117,18 @@ _ORPHANED_JOB = ("the daemon stopped while this snapshot was being written; its 
                  "files were removed. Create it again.")
 
 
+def _column_exists(db: sqlite3.Connection, statement: str) -> bool:
+    """Whether ``statement`` is an ``ALTER TABLE t ADD COLUMN c`` whose column is there
+    already (SQLite has no ``IF NOT EXISTS`` for columns): a migration is re-run safely
+    on a database that got the column but not the version bump."""
+    words = statement.split()
+    if [w.upper() for w in words[:2]] != ["ALTER", "TABLE"] or len(words) < 6 or \
+            [w.upper() for w in words[3:5]] != ["ADD", "COLUMN"]:
+        return False
+    columns = {row[1] for row in db.execute(f"PRAGMA table_info({words[2]})")}
+    return words[5] in columns
+
+
 class RegistryError(Exception):
     """The registry database cannot be opened or is from a newer vmfork."""
 
@@ -249,7 +261,7 @@ class Registry:
                                     "vmfork or give this one another --state directory")
             for script in _MIGRATIONS[version:]:
                 for statement in script.split(";"):
-                    if statement.strip():
+                    if statement.strip() and not _column_exists(db, statement):
                         db.execute(statement)
             if row is None:
                 db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
