@@ -162,6 +162,22 @@ def test_pause_resume_connect_and_delete_leave_nothing(served: Served,
     assert err.value.status == 404
 
 
+def test_the_old_vmms_exit_after_a_resume_is_not_the_sandboxs_end(served: Served,
+                                                                  ctl: Controller) -> None:
+    from vmfork.server.spawner import ExitNotice
+    [info] = ctl.spawn_sandboxes("base")
+    ctl.pause_sandbox(info["id"])
+    resumed = ctl.resume_sandbox(info["id"])
+    assert resumed["pid"] != info["pid"]
+    served.spawner.pending_exits.append(ExitNotice(info["id"], "killed", "late",
+                                                   info["pid"]))
+    time.sleep(0.6)
+    assert ctl.get_sandbox(info["id"])["status"] == "running"
+    served.spawner.pending_exits.append(ExitNotice(info["id"], "crashed", "now",
+                                                   resumed["pid"]))
+    _wait_for(lambda: ctl.get_sandbox(info["id"])["status"] == "exited")
+
+
 def test_resume_of_a_running_sandbox_is_a_no_op_and_of_an_exited_one_409(
         served: Served, ctl: Controller) -> None:
     [info] = ctl.spawn_sandboxes("base")

@@ -305,8 +305,9 @@ class Controller:
                         self._expected_exits.discard(notice.vm_id)
                         continue   # a pause stopped it
                 record = self.registry.get_sandbox(notice.vm_id)
-                if record is not None and record.status == PAUSED:
-                    continue
+                if record is not None and (record.status == PAUSED or (
+                        notice.pid is not None and notice.pid != record.pid)):
+                    continue   # paused, or the VMM of before a pause: not its end
                 self._release_sandbox(notice.vm_id)
                 if self.registry.mark_ended(notice.vm_id, EXITED, notice.reason,
                                             notice.description):
@@ -843,17 +844,16 @@ class Controller:
             with self._lifecycle(record.id):
                 if not self.registry.claim_expired(record.id, record.end_at or 0.0):
                     continue   # extended, deleted or ended meanwhile
-                try:
-                    if record.on_timeout == "pause":
+                if record.on_timeout == "pause":
+                    try:
                         self._pause_locked(record.id)
-                    else:
+                    except Exception as err:  # noqa: BLE001 - it must not outlive its deadline
+                        log.error("sandbox %s timed out but could not be paused (%s); it is "
+                                  "killed instead", record.id,
+                                  err.message if isinstance(err, ApiError) else err)
                         self._kill_expired(record)
-                except ApiError as err:
-                    log.error("sandbox %s timed out but could not be %s: %s", record.id,
-                              "paused" if record.on_timeout == "pause" else "killed",
-                              err.message)
-                    if record.on_timeout == "pause":   # it must not outlive its deadline
-                        self._kill_expired(record)
+                else:
+                    self._kill_expired(record)
                 done.append(record.id)
                 self.metrics.sandbox_exits.inc(reason=f"timeout-{record.on_timeout}")
         return done

@@ -80,6 +80,9 @@ class ExitNotice:
     vm_id: str
     reason: str        # exited, killed, oom-killed, crashed
     description: str   # in words, e.g. "killed by signal 9 (SIGKILL)"
+    # The VMM process that ended: a resumed sandbox runs under its id in a new one, so
+    # the old one's exit is told from the sandbox's end by it.
+    pid: int | None = None
 
 
 class SpawnerError(Exception):
@@ -305,7 +308,7 @@ class ZygoteSpawner:
                 if self._proc is not None:
                     self._proc.proc.poll()  # reap our own child
                 raise SpawnerGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
-        return [ExitNotice(e.vm_id, e.reason, e.description) for e in events]
+        return [ExitNotice(e.vm_id, e.reason, e.description, e.pid) for e in events]
 
     def children(self) -> list[Spawned]:
         with self._lease_lock:
