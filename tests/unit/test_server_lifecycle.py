@@ -110,6 +110,21 @@ def test_a_deadline_survives_a_daemon_restart(tmp_path: Path) -> None:
         assert info["id"] not in spawner.live
 
 
+def test_a_paused_sandbox_survives_a_daemon_restart(tmp_path: Path) -> None:
+    spawner = FakeSpawner()
+    for served in _serve(tmp_path, None, spawner=spawner):
+        _fake_snapshot(served.store, {"tag": "base", "warm_cmd": None})
+        ctl = Controller(served.url, timeout=10)
+        [info] = ctl.spawn_sandboxes("base", metadata={"k": "v"})
+        tag = ctl.pause_sandbox(info["id"])["paused_snapshot"]
+    for served in _serve(tmp_path, None, spawner=spawner):
+        ctl = Controller(served.url, timeout=10)
+        assert ctl.get_sandbox(info["id"])["status"] == "paused"
+        resumed = ctl.resume_sandbox(info["id"])
+        assert resumed["status"] == "running" and resumed["metadata"] == {"k": "v"}
+        assert spawner.spawned_from[-1] == tag and info["id"] in spawner.live
+
+
 def test_on_timeout_pause_pauses_and_resume_keeps_the_id(served: Served,
                                                          ctl: Controller) -> None:
     [info] = ctl.spawn_sandboxes("base", timeout_secs=1, on_timeout="pause",
