@@ -4,7 +4,8 @@
 #
 #   run-tests.sh unit   tests that start their own `vmfork serve` and spawn
 #                       nothing: run anywhere
-#   run-tests.sh e2e    real sandboxes: needs a KVM that runs guests (the
+#   run-tests.sh e2e [NAME...]
+#                       real sandboxes: needs a KVM that runs guests (the
 #                       emulated test host here). Starts `vmfork serve` on a
 #                       Unix socket with a temporary VMFORK_HOME, creates a
 #                       small warm snapshot, runs the tests, stops the daemon.
@@ -84,7 +85,14 @@ info = ctl.create_snapshot(os.environ["VMFORK_TEST_SNAPSHOT"], mem_mib=256, warm
 print(f"snapshot {info['tag']}: {info['status']} in {time.monotonic() - started:.1f} s", flush=True)
 PYEOF
     # A hung test fails (with its name) instead of hanging the test host until its timeout.
-    node --test --test-timeout=900000 "$SDK"/build-test/test/e2e/*.test.js
+    # run-tests.sh e2e [NAME...]: only test/e2e/NAME.test.ts (default: all of them).
+    shift || true
+    files=("$SDK"/build-test/test/e2e/*.test.js)
+    if [ "$#" -gt 0 ]; then
+      files=()
+      for name in "$@"; do files+=("$SDK/build-test/test/e2e/$name.test.js"); done
+    fi
+    node --test --test-timeout=900000 "${files[@]}"
     ;;
   *)
     echo "usage: run-tests.sh [unit|e2e]" >&2

@@ -112,3 +112,34 @@ def test_workspace_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> 
     assert status == 0 and served.controller.list_workspaces() == []
     status, _, err = run(capsys, "workspace", "resume", "dev", *url)
     assert status == 1 and "no workspace 'dev'" in err
+
+
+def test_lifecycle_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
+    url = ("--url", served.url)
+    served.controller.create_snapshot({"tag": "base", "image": "default", "mem_mib": 64,
+                                       "vcpus": 1, "warm_code": None, "warm_cmd": None,
+                                       "kernel": None, "rootfs": None, "rw": False,
+                                       "tap": None, "boot_wait_secs": 10})
+    status, out, _ = run(capsys, "spawn", "--tag", "base", "--timeout", "600",
+                         "--on-timeout", "pause", "--metadata", "team=red",
+                         "--env", "A=1", "--json", *url)
+    [info] = json.loads(out)
+    assert status == 0 and info["metadata"] == {"team": "red"} and info["env_names"] == ["A"]
+    assert info["on_timeout"] == "pause" and info["end_at_unix"] is not None
+    run(capsys, "spawn", "--tag", "base", "--metadata", "team=blue", *url)
+    status, out, _ = run(capsys, "ls", "--metadata", "team=red", "--json", *url)
+    assert [s["id"] for s in json.loads(out)] == [info["id"]]
+    status, out, _ = run(capsys, "set-timeout", info["id"], "none", *url)
+    assert (status, out) == (0, f"{info['id']}: running\n")
+    status, out, _ = run(capsys, "pause", info["id"], *url)
+    assert (status, out) == (0, f"{info['id']}: paused\n")
+    status, out, _ = run(capsys, "ls", "--state", "paused", "--json", *url)
+    assert [s["id"] for s in json.loads(out)] == [info["id"]]
+    status, out, _ = run(capsys, "resume", info["id"], "--timeout", "60", *url)
+    assert status == 0 and out.startswith(f"{info['id']}: running, ends ")
+    status, out, _ = run(capsys, "metrics", info["id"], "--json", *url)
+    assert status == 0 and json.loads(out)["sandbox_id"] == info["id"]
+    status, _, err = run(capsys, "set-timeout", info["id"], "soon", *url)
+    assert status != 0 and "give a number of seconds or none" in err
+    status, _, err = run(capsys, "spawn", "--tag", "base", "--metadata", "novalue", *url)
+    assert status != 0 and "expected KEY=VALUE" in err

@@ -37,7 +37,8 @@ FORKD_TOOLS = {"list_snapshots", "spawn_sandboxes", "branch_sandbox", "create_sn
 VMFORK_TOOLS = {"read_file", "write_file", "list_files", "snapshot_info", "compact_snapshot",
                 "build_image", "list_images", "get_image", "delete_image", "start_process",
                 "list_processes", "read_process_output", "send_process_input", "kill_process",
-                "push_snapshot", "pull_snapshot", "transfer_status"}
+                "push_snapshot", "pull_snapshot", "transfer_status",
+                "set_sandbox_timeout", "pause_sandbox", "resume_sandbox", "sandbox_metrics"}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,19 @@ def test_tools_schemas_and_errors(daemon: RunningDaemon) -> None:
 
             assert await mcp.call("list_snapshots") == []
             assert await mcp.call("list_sandboxes") == []
+            assert await mcp.call("list_sandboxes", {"metadata": {"team": "red"},
+                                                     "state": ["paused"]}) == []
+            assert {"timeout_secs", "on_timeout", "metadata",
+                    "envs"} <= params["spawn_sandboxes"]
+            with pytest.raises(ToolFailed, match=r"HTTP 400.*invalid variable name '1X'"):
+                await mcp.call("spawn_sandboxes", {"snapshot_tag": "absent",
+                                                   "envs": {"1X": "v"}})
+            for tool in ("pause_sandbox", "resume_sandbox", "sandbox_metrics"):
+                with pytest.raises(ToolFailed, match=r"HTTP 404.*sb-nope"):
+                    await mcp.call(tool, {"sandbox_id": "sb-nope"})
+            with pytest.raises(ToolFailed, match=r"HTTP 404.*sb-nope"):
+                await mcp.call("set_sandbox_timeout", {"sandbox_id": "sb-nope",
+                                                       "timeout_secs": 60})
 
             # The daemon's reason reaches the model.
             with pytest.raises(ToolFailed, match=r"HTTP 404.*no snapshot tagged 'absent'"):

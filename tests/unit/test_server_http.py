@@ -119,15 +119,19 @@ class FakeSpawner:
         self.pending_exits: list[ExitNotice] = []
         self.files: dict[str, bytes] = {}
         self.count = 0
+        self.spawned_from: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
 
-    def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None) -> SpawnOutcome:
+    def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
+              vm_ids: list[str] | None = None, networks: Any = None) -> SpawnOutcome:
         self.gate.wait(10)
+        self.spawned_from.append(snapshot.tag)
         children = []
-        for _ in range(n):
+        for index in range(n):
             self.count += 1
-            vm_id = f"vm-{self.count:012x}"
+            vm_id = vm_ids[index] if vm_ids else f"vm-{self.count:012x}"
+            assert vm_id not in self.live, "a live id spawned again"
             self.live.add(vm_id)
             self.run_dirs[vm_id] = f"/nonexistent/{vm_id}"
             children.append(Spawned(vm_id, 4000 + self.count, f"/nonexistent/{vm_id}"))
@@ -749,14 +753,14 @@ def test_a_body_refused_unread_is_drained_so_the_connection_lives(served: Served
 
 
 def test_internal_errors_are_500_and_serving_continues(served: Served) -> None:
-    def boom() -> list[Any]:
+    def boom(*_: Any) -> list[Any]:
         raise BadGateway("zygote gone")
 
     served.controller.list_sandboxes = boom  # type: ignore[method-assign]
     status, body, _ = served.request("GET", "/v1/sandboxes")
     assert (status, body) == (502, {"error": "zygote gone"})
 
-    def crash() -> list[Any]:
+    def crash(*_: Any) -> list[Any]:
         raise KeyError("bug")
 
     served.controller.list_sandboxes = crash  # type: ignore[method-assign]

@@ -24,7 +24,7 @@ from vmfork.agent import volumes as agent_volumes
 from vmfork.agent.request import OpError
 from vmfork.runtime import volumes as rv
 from vmfork.runtime.vmmchild import snapshot_slot_media
-from vmfork.server.registry import Registry, VolumeHold
+from vmfork.server.registry import SCHEMA_VERSION, Registry, VolumeHold
 from vmfork.vmm import stateformat, vmstate
 from vmfork.vmm.devices.virtio import blk, mmio
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1, run_on_loop
@@ -477,7 +477,7 @@ def test_a_version_3_registry_gains_the_holds_table(tmp_path: Path) -> None:
         db.execute("DROP TABLE volume_holds")
         db.execute("UPDATE schema_version SET version = 3")
     reg = Registry(path)
-    assert reg.schema_version() == 4 and reg.hold_volumes([_hold(KEY, "sandbox:a")]) is None
+    assert reg.schema_version() == SCHEMA_VERSION and reg.hold_volumes([_hold(KEY, "sandbox:a")]) is None
     reg.close()
 
 

@@ -28,6 +28,7 @@ import type {
   ImageInfo,
   PingResult,
   SandboxInfo,
+  SandboxMetrics,
   SnapshotDetails,
   SnapshotInfo,
   TransferJob,
@@ -137,6 +138,21 @@ export interface SpawnOptions extends CallOptions {
   prewarm?: boolean;
   liveFork?: boolean;
   hugepages?: boolean;
+  /** The sandbox's lifetime in seconds (then killed, or paused with `onTimeout: "pause"`);
+   *  default none. `timeoutMs` is this HTTP call's. */
+  timeoutSecs?: number;
+  onTimeout?: "kill" | "pause";
+  /** Labels to list it by (at most 64; keys 1-128, values up to 1024 characters). */
+  metadata?: Record<string, string>;
+  /** Environment variables every command in the sandbox gets (a command's own win). */
+  envs?: Record<string, string>;
+}
+
+export interface ListSandboxesOptions extends CallOptions {
+  /** Only sandboxes whose metadata has every pair. */
+  metadata?: Record<string, string>;
+  /** Only sandboxes in these states. */
+  state?: SandboxInfo["status"] | SandboxInfo["status"][];
 }
 
 export type BranchMode = "full" | "diff" | "live";
@@ -498,6 +514,11 @@ export class Controller {
       live_fork: options.liveFork ?? false,
       hugepages: options.hugepages ?? false,
       volumes: options.volumes,
+      // Lifecycle fields only when used: a forkd daemon knows none of them.
+      timeout_secs: options.timeoutSecs,
+      on_timeout: options.onTimeout,
+      metadata: options.metadata,
+      envs: options.envs,
     };
     return this.json("POST", "/v1/sandboxes", {
       ...options,
@@ -506,8 +527,56 @@ export class Controller {
     });
   }
 
-  listSandboxes(options: CallOptions = {}): Promise<SandboxInfo[]> {
-    return this.json("GET", "/v1/sandboxes", options);
+  listSandboxes(options: ListSandboxesOptions = {}): Promise<SandboxInfo[]> {
+    const state = options.state === undefined ? undefined
+      : Array.isArray(options.state) ? options.state.join(",") : options.state;
+    return this.json("GET", "/v1/sandboxes", {
+      ...options,
+      query: {
+        metadata: options.metadata ? new URLSearchParams(options.metadata).toString() : undefined,
+        state,
+      },
+    });
+  }
+
+  /** The sandbox ends `timeoutSecs` from now (`null`: never). Resolves to its info. */
+  setTimeout(sandboxId: string, timeoutSecs: number | null, options: CallOptions = {}): Promise<SandboxInfo> {
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/timeout`, {
+      ...options,
+      json: { timeout_secs: timeoutSecs },
+    });
+  }
+
+  /** Snapshot the sandbox and stop its VMM, keeping its id (status `paused`). */
+  pauseSandbox(sandboxId: string, options: CallOptions = {}): Promise<SandboxInfo> {
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/pause`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 600_000),
+      json: {},
+    });
+  }
+
+  /** Run a paused sandbox again in the same id; `timeoutSecs`: its new lifetime. */
+  resumeSandbox(sandboxId: string, options: CallOptions & { timeoutSecs?: number } = {}): Promise<SandboxInfo> {
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/resume`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, MIN_SPAWN_TIMEOUT_MS),
+      json: { timeout_secs: options.timeoutSecs ?? null },
+    });
+  }
+
+  /** E2B's connect: resumes a paused sandbox; `timeoutSecs` only extends a running one's. */
+  connectSandbox(sandboxId: string, options: CallOptions & { timeoutSecs?: number } = {}): Promise<SandboxInfo> {
+    return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/connect`, {
+      ...options,
+      timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, MIN_SPAWN_TIMEOUT_MS),
+      json: { timeout_secs: options.timeoutSecs ?? null },
+    });
+  }
+
+  /** CPU seconds, memory and disk use of a running sandbox. */
+  sandboxMetrics(sandboxId: string, options: CallOptions = {}): Promise<SandboxMetrics> {
+    return this.json("GET", `/v1/sandboxes/${seg(sandboxId)}/metrics`, options);
   }
 
   getSandbox(sandboxId: string, options: CallOptions = {}): Promise<SandboxInfo> {

@@ -23,6 +23,7 @@ export {
   type ExecOptions,
   type ImageCopy,
   type ImportImageOptions,
+  type ListSandboxesOptions,
   type ProcessInfo,
   type ProcessOutputEvent,
   type PullSnapshotOptions,

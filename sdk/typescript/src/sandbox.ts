@@ -16,12 +16,13 @@ import {
   ControllerError,
   type BranchOptions,
   type CallOptions,
+  type ListSandboxesOptions,
   type ProcessInfo,
   type StartProcessOptions,
   type WatchEvent,
   type WriteFileOptions,
 } from "./controller.js";
-import type { FileInfo, PingResult, SandboxInfo, SnapshotInfo } from "./types.js";
+import type { FileInfo, PingResult, SandboxInfo, SandboxMetrics, SnapshotInfo } from "./types.js";
 
 export interface CommandResult {
   stdout: string;
@@ -408,11 +409,20 @@ export class Pty {
 export interface CreateOptions extends CallOptions {
   memoryLimitMib?: number;
   controller?: Controller;
+  /** Seconds until the sandbox is killed (or paused, `onTimeout: "pause"`); default
+   *  none. (`timeoutMs` is the HTTP call's.) */
+  timeoutSecs?: number;
+  onTimeout?: "kill" | "pause";
+  /** Labels `Sandbox.list` finds it by. */
+  metadata?: Record<string, string>;
+  /** Environment variables every command in it gets. */
+  envs?: Record<string, string>;
 }
 
 export class Sandbox implements AsyncDisposable {
   readonly id: string;
-  readonly info: SandboxInfo;
+  /** As last read (create, connect, getInfo, pause, resume, setTimeout). */
+  info: SandboxInfo;
   readonly controller: Controller;
   readonly commands: Commands;
   readonly files: Files;
@@ -436,16 +446,59 @@ export class Sandbox implements AsyncDisposable {
       memoryLimitMib: options.memoryLimitMib,
       signal: options.signal,
       timeoutMs: options.timeoutMs,
+      timeoutSecs: options.timeoutSecs,
+      onTimeout: options.onTimeout,
+      metadata: options.metadata,
+      envs: options.envs,
     });
     const info = infos[0];
     if (info === undefined) throw new ControllerError(502, { error: "the daemon spawned no sandbox" }, c.baseUrl);
     return new Sandbox(info, c);
   }
 
-  /** Attach to a sandbox that already runs. */
-  static async connect(sandboxId: string, options: { controller?: Controller } & CallOptions = {}): Promise<Sandbox> {
+  /** Attach to a sandbox by id; a paused one is resumed (same id). `timeoutSecs`
+   *  extends its lifetime to at least that many seconds from now. */
+  static async connect(
+    sandboxId: string,
+    options: { controller?: Controller; timeoutSecs?: number } & CallOptions = {},
+  ): Promise<Sandbox> {
     const c = options.controller ?? new Controller();
-    return new Sandbox(await c.getSandbox(sandboxId, options), c);
+    let info = await c.getSandbox(sandboxId, options);   // all a forkd daemon offers
+    if (info.status === "paused" || options.timeoutSecs !== undefined) {
+      info = await c.connectSandbox(sandboxId, options);
+    }
+    return new Sandbox(info, c);
+  }
+
+  /** The sandboxes whose metadata has every pair of `metadata` (and in `state`). */
+  static list(options: ListSandboxesOptions & { controller?: Controller } = {}): Promise<SandboxInfo[]> {
+    return (options.controller ?? new Controller()).listSandboxes(options);
+  }
+
+  /** Its info now: status, `end_at_unix`, metadata, volumes. */
+  async getInfo(options: CallOptions = {}): Promise<SandboxInfo> {
+    this.info = await this.controller.getSandbox(this.id, options);
+    return this.info;
+  }
+
+  /** End the sandbox `timeoutSecs` from now (`null`: never). */
+  async setTimeout(timeoutSecs: number | null, options: CallOptions = {}): Promise<void> {
+    this.info = await this.controller.setTimeout(this.id, timeoutSecs, options);
+  }
+
+  /** Snapshot the sandbox and stop it; `resume` (or `connect`) brings it back with the
+   *  same id, files and processes. */
+  async pause(options: CallOptions = {}): Promise<void> {
+    this.info = await this.controller.pauseSandbox(this.id, options);
+  }
+
+  async resume(options: CallOptions & { timeoutSecs?: number } = {}): Promise<void> {
+    this.info = await this.controller.resumeSandbox(this.id, options);
+  }
+
+  /** CPU seconds, memory and disk use, measured now. */
+  getMetrics(options: CallOptions = {}): Promise<SandboxMetrics> {
+    return this.controller.sandboxMetrics(this.id, options);
   }
 
   /** Spawn a sandbox, run `body` with it, and kill it however `body` ends. */

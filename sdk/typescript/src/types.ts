@@ -49,7 +49,18 @@ export interface SandboxInfo {
   created_at_unix: number;
   pid: number;
   branch_count: number;
-  status: "running" | "exited" | "lost";
+  status: "running" | "paused" | "exited" | "lost";
+  /** vmfork's lifecycle: the lifetime last set, and when the reaper ends it (unix s). */
+  timeout_secs?: number | null;
+  end_at_unix?: number | null;
+  on_timeout?: "kill" | "pause";
+  metadata?: Record<string, string>;
+  /** The names of its sandbox-wide envs (values are not shown). */
+  env_names?: string[];
+  volumes?: { source: string; guest_path: string; mode: "ro" | "rw"; from_snapshot: boolean }[];
+  /** While paused: the snapshot it resumes from. */
+  paused_snapshot?: string | null;
+  paused_at_unix?: number | null;
   netns?: string | null;
   guest_addr?: string | null;
   memory_limit_mib?: number | null;
@@ -57,6 +68,21 @@ export interface SandboxInfo {
   last_branch_memory_path?: string | null;
   exit_reason?: string | null;
   exit_description?: string | null;
+  [extra: string]: unknown;
+}
+
+/** What a sandbox uses, measured by the daemon (`GET /v1/sandboxes/{id}/metrics`). */
+export interface SandboxMetrics {
+  sandbox_id: string;
+  timestamp_unix: number;
+  cpu_seconds: number | null;
+  memory_rss_bytes: number | null;
+  memory_private_dirty_bytes: number | null;
+  memory_cgroup_bytes: number | null;
+  guest_mem_mib: number | null;
+  disk_total_bytes: number | null;
+  disk_used_bytes: number | null;
+  disk_inodes_used?: number | null;
   [extra: string]: unknown;
 }
 

@@ -133,6 +133,26 @@ describe("against vmfork serve (no sandboxes)", () => {
     await rejectsWith(ctl.snapshotInfo("../../etc"), 400, /tag/);
   });
 
+  test("lifecycle options and calls reach the daemon's validation as snake_case", async () => {
+    // Accepted fields: the snapshot lookup is what fails.
+    await rejectsWith(ctl.spawnSandboxes({
+      snapshotTag: "absent", timeoutSecs: 60, onTimeout: "pause", metadata: { team: "red" }, envs: { A: "1" },
+    }), 404, /no snapshot tagged 'absent'/);
+    await rejectsWith(ctl.spawnSandboxes({ snapshotTag: "absent", timeoutSecs: 0 }), 400, /timeout_secs/);
+    await rejectsWith(ctl.spawnSandboxes({ snapshotTag: "absent", metadata: { "": "v" } }), 400, /metadata/);
+    await rejectsWith(ctl.spawnSandboxes({ snapshotTag: "absent", envs: { "1X": "v" } }), 400, /invalid variable name '1X'/);
+    assert.deepEqual(await ctl.listSandboxes({ metadata: { team: "red", "a&b": "c=d" }, state: ["running", "paused"] }), []);
+    assert.deepEqual(await Sandbox.list({ controller: ctl, metadata: { team: "red" } }), []);
+    await rejectsWith(ctl.listSandboxes({ state: "sleeping" as "running" }), 400, /state must be/);
+    const id = "sb-does-not-exist";
+    await rejectsWith(ctl.setTimeout(id, 30), 404, new RegExp(id));
+    await rejectsWith(ctl.setTimeout(id, 0), 400, /timeout_secs/);
+    await rejectsWith(ctl.pauseSandbox(id), 404, new RegExp(id));
+    await rejectsWith(ctl.resumeSandbox(id, { timeoutSecs: 30 }), 404, new RegExp(id));
+    await rejectsWith(ctl.connectSandbox(id), 404, new RegExp(id));
+    await rejectsWith(ctl.sandboxMetrics(id), 404, new RegExp(id));
+  });
+
   test("exec arguments are checked before the sandbox is looked up", async () => {
     await rejectsWith(ctl.execCommand("sb-x", []), 400, /args/);
     await rejectsWith(ctl.execCommand("sb-x", ["true"], { timeoutSecs: 0 }), 400, /timeout_secs/);

@@ -1,6 +1,7 @@
 """Sandbox verbs, all through the daemon (forkd's names and flags): ``spawn``, ``ls``,
-``kill``, ``exec``, ``eval``, ``ping``, ``branch``, ``workspace``; and vmfork's
-``ports`` and ``egress`` for sandboxes with networks of their own."""
+``kill``, ``exec``, ``eval``, ``ping``, ``branch``, ``workspace``; vmfork's
+``ports`` and ``egress`` for sandboxes with networks of their own; and the lifecycle
+verbs ``set-timeout``, ``pause``, ``resume`` and ``metrics``."""
 
 from __future__ import annotations
 
@@ -39,9 +40,45 @@ def register(sub: Any) -> None:
     p.add_argument("--egress", default=None, metavar="POLICY", help=EGRESS_HELP)
     p.add_argument("--volume", action="append", metavar="SRC:GUEST_PATH[:ro|:rw]",
                    help=VOLUME_HELP)
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="the sandboxes' lifetime: then they are killed (or paused, "
+                        "--on-timeout pause); default: until killed")
+    p.add_argument("--on-timeout", choices=("kill", "pause"), default="kill",
+                   help="what the timeout does (default kill)")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
+                   help="a label to list them by (`vmfork ls --metadata KEY=VALUE`)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable every command in them gets")
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_spawn)
+
+    p = sub.add_parser("set-timeout", help="end a sandbox SECONDS from now (or never: none)")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("seconds", metavar="SECONDS|none")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_set_timeout)
+
+    p = sub.add_parser("pause", help="snapshot a sandbox and stop it, keeping its id")
+    p.add_argument("id", metavar="ID")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_pause)
+
+    p = sub.add_parser("resume", help="run a paused sandbox again, same id")
+    p.add_argument("id", metavar="ID")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="its lifetime from now (default: the one it had)")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_resume)
+
+    p = sub.add_parser("metrics", help="a sandbox's CPU time, memory and disk use")
+    p.add_argument("id", metavar="ID")
+    add_json_option(p)
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_metrics)
 
     p = sub.add_parser("ports", help="publish a sandbox's guest ports on host ports")
     ports = p.add_subparsers(dest="ports_action", metavar="ACTION", required=True)
@@ -73,6 +110,11 @@ def register(sub: Any) -> None:
     p.set_defaults(func=cmd_egress)
 
     p = sub.add_parser("ls", help="list sandboxes")
+    p.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
+                   help="only those with this label (repeat: all of them)")
+    p.add_argument("--state", action="append", default=None,
+                   choices=("running", "paused", "exited", "lost"),
+                   help="only those in this state (repeatable)")
     add_json_option(p)
     add_daemon_options(p)
     p.set_defaults(func=cmd_ls)
@@ -182,13 +224,79 @@ def cmd_spawn(args: argparse.Namespace) -> int:
         infos = call(ctl, lambda: ctl.spawn_sandboxes(
             args.tag, args.n, memory_limit_mib=args.memory_limit_mib,
             per_child_netns=args.per_child_netns, egress=_egress(args.egress),
-            volumes=volumes))
+            volumes=volumes, timeout_secs=args.timeout, on_timeout=args.on_timeout,
+            metadata=_pairs(args.metadata, "--metadata"), envs=parse_env(args.env)))
     if args.json:
         print_json(infos)
     else:
         for info in infos:
             address = f"\t{info['guest_addr']}" if info.get("guest_addr") else ""
             print(f"{info['id']}{address}")
+    return 0
+
+
+def _pairs(pairs: list[str], option: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CliError(f"{option} {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _print_sandbox(args: argparse.Namespace, info: dict[str, Any]) -> None:
+    if args.json:
+        print_json(info)
+        return
+    ends = (f", ends {when(int(info['end_at_unix']))}" if info.get("end_at_unix")
+            else "")
+    print(f"{info['id']}: {info['status']}{ends}")
+
+
+def cmd_set_timeout(args: argparse.Namespace) -> int:
+    if args.seconds.lower() in ("none", "never"):
+        seconds = None
+    else:
+        try:
+            seconds = float(args.seconds)
+        except ValueError:
+            raise CliError(f"SECONDS {args.seconds!r}: give a number of seconds or none") from None
+    ctl = controller(args)
+    _print_sandbox(args, call(ctl, lambda: ctl.set_timeout(args.id, seconds)))
+    return 0
+
+
+def cmd_pause(args: argparse.Namespace) -> int:
+    ctl = controller(args, timeout=600)
+    with progress(f"pausing {args.id}"):
+        info = call(ctl, lambda: ctl.pause_sandbox(args.id))
+    _print_sandbox(args, info)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    ctl = controller(args, timeout=600)
+    with progress(f"resuming {args.id}"):
+        info = call(ctl, lambda: ctl.resume_sandbox(args.id, args.timeout))
+    _print_sandbox(args, info)
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    ctl = controller(args)
+    m = call(ctl, lambda: ctl.sandbox_metrics(args.id))
+    if args.json:
+        print_json(m)
+        return 0
+
+    def mib(value: Any) -> str:
+        return "-" if value is None else f"{value / (1 << 20):.1f} MiB"
+
+    print(f"cpu {m['cpu_seconds']} s; memory: cgroup {mib(m['memory_cgroup_bytes'])}, "
+          f"rss {mib(m['memory_rss_bytes'])}, private dirty "
+          f"{mib(m['memory_private_dirty_bytes'])}; disk {mib(m['disk_used_bytes'])} of "
+          f"{mib(m['disk_total_bytes'])}")
     return 0
 
 
@@ -246,7 +354,9 @@ def cmd_egress(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     ctl = controller(args)
-    sandboxes = call(ctl, ctl.list_sandboxes)
+    wanted = _pairs(args.metadata, "--metadata")
+    sandboxes = call(ctl, lambda: ctl.list_sandboxes(metadata=wanted or None,
+                                                     state=args.state))
     if args.json:
         print_json(sandboxes)
         return 0

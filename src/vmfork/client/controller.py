@@ -321,12 +321,18 @@ class Controller:
                         live_fork: bool = False, hugepages: bool = False,
                         timeout: float | None = None,
                         egress: Egress | None = None,
-                        volumes: Sequence[Volume] | None = None) -> list[dict[str, Any]]:
+                        volumes: Sequence[Volume] | None = None, *,
+                        timeout_secs: float | None = None, on_timeout: str = "kill",
+                        metadata: Mapping[str, str] | None = None,
+                        envs: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
         """``per_child_netns``: each sandbox gets a network of its own (the snapshot must
         have been created with ``network=True``); ``egress`` is its policy (see
         ``egress_policy``; default allow). ``volumes``: ``"SRC:GUEST_PATH[:ro|:rw]"``
         strings (or ``{source, guest_path, mode}``), attached in each sandbox's empty
-        volume slots; a read-write one needs ``n=1`` and is 409 while another holds it."""
+        volume slots; a read-write one needs ``n=1`` and is 409 while another holds it.
+        ``timeout`` is this HTTP call's; ``timeout_secs`` is the sandbox's lifetime
+        (then it is killed, or paused with ``on_timeout="pause"``; default: none).
+        ``metadata``: labels to list it by; ``envs``: every command's environment."""
         body: dict[str, Any] = {
             "snapshot_tag": snapshot_tag, "n": n, "per_child_netns": per_child_netns,
             "memory_limit_mib": memory_limit_mib, "prewarm": prewarm,
@@ -335,12 +341,65 @@ class Controller:
             body["volumes"] = list(volumes)
         if egress is not None:
             body["egress"] = egress_policy(egress)
+        # Lifecycle fields only when used: a forkd daemon knows none of them.
+        if timeout_secs is not None:
+            body["timeout_secs"] = timeout_secs
+        if on_timeout != "kill":
+            body["on_timeout"] = on_timeout
+        if metadata:
+            body["metadata"] = dict(metadata)
+        if envs:
+            body["envs"] = dict(envs)
         result: list[dict[str, Any]] = self._call(
             "POST", "/v1/sandboxes", body, timeout=timeout or max(self.timeout, 300.0))
         return result
 
-    def list_sandboxes(self) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._call("GET", "/v1/sandboxes")
+    def list_sandboxes(self, metadata: Mapping[str, str] | None = None,
+                       state: Sequence[str] | str | None = None) -> list[dict[str, Any]]:
+        """All sandboxes, or those whose metadata has every pair of ``metadata`` and
+        whose status is (one of) ``state``."""
+        query: dict[str, Any] = {}
+        if metadata:
+            query["metadata"] = urllib.parse.urlencode(dict(metadata))
+        if state:
+            query["state"] = state if isinstance(state, str) else ",".join(state)
+        result: list[dict[str, Any]] = self._call("GET", "/v1/sandboxes", query=query or None)
+        return result
+
+    def set_timeout(self, sandbox_id: str, timeout_secs: float | None) -> dict[str, Any]:
+        """The sandbox ends ``timeout_secs`` from now (None: never); its info."""
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/timeout", {"timeout_secs": timeout_secs})
+        return result
+
+    def pause_sandbox(self, sandbox_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """Snapshot the sandbox and stop its VMM, keeping its id; its info (paused)."""
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/pause", {},
+            timeout=timeout or max(self.timeout, 600.0))
+        return result
+
+    def resume_sandbox(self, sandbox_id: str, timeout_secs: float | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+        """Run a paused sandbox again, same id; ``timeout_secs``: its new lifetime
+        (default: the one it had)."""
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/resume",
+            {"timeout_secs": timeout_secs}, timeout=timeout or max(self.timeout, 300.0))
+        return result
+
+    def connect_sandbox(self, sandbox_id: str, timeout_secs: float | None = None,
+                        timeout: float | None = None) -> dict[str, Any]:
+        """E2B's connect: resumes a paused sandbox; ``timeout_secs`` only extends."""
+        result: dict[str, Any] = self._call(
+            "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/connect",
+            {"timeout_secs": timeout_secs}, timeout=timeout or max(self.timeout, 300.0))
+        return result
+
+    def sandbox_metrics(self, sandbox_id: str) -> dict[str, Any]:
+        """CPU seconds, memory (cgroup, RSS, private dirty) and disk use of a sandbox."""
+        result: dict[str, Any] = self._call("GET",
+                                            f"/v1/sandboxes/{_seg(sandbox_id)}/metrics")
         return result
 
     def get_sandbox(self, sandbox_id: str) -> dict[str, Any]:

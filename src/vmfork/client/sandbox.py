@@ -434,20 +434,60 @@ class Sandbox:
     @classmethod
     def create(cls, snapshot_tag: str, *, memory_limit_mib: int | None = None,
                controller: Controller | None = None,
-               network: bool | Egress = False) -> Sandbox:
+               network: bool | Egress = False, timeout: float | None = None,
+               on_timeout: str = "kill", metadata: Mapping[str, str] | None = None,
+               envs: Mapping[str, str] | None = None) -> Sandbox:
         """``network``: give the sandbox a network of its own (``True``: egress allowed;
         or an egress policy: ``"deny"``, a list of CIDRs and domain names, ...). The
-        snapshot must have been created with ``network=True``."""
+        snapshot must have been created with ``network=True``. ``timeout``: seconds
+        until it is killed (or paused, ``on_timeout="pause"``); default none.
+        ``metadata``: labels ``Sandbox.list`` finds it by; ``envs``: every command's."""
         c = controller or Controller()
         egress = None if isinstance(network, bool) else network
         info = c.spawn_sandboxes(snapshot_tag, 1, memory_limit_mib=memory_limit_mib,
-                                 per_child_netns=network is not False, egress=egress)[0]
+                                 per_child_netns=network is not False, egress=egress,
+                                 timeout_secs=timeout, on_timeout=on_timeout,
+                                 metadata=metadata, envs=envs)[0]
         return cls(info, c)
 
     @classmethod
-    def connect(cls, sandbox_id: str, *, controller: Controller | None = None) -> Sandbox:
+    def connect(cls, sandbox_id: str, *, controller: Controller | None = None,
+                timeout: float | None = None) -> Sandbox:
+        """Attach to a sandbox by id; a paused one is resumed (same id). ``timeout``
+        extends its lifetime to at least that many seconds from now."""
         c = controller or Controller()
-        return cls(c.get_sandbox(sandbox_id), c)
+        info = c.get_sandbox(sandbox_id)   # all a forkd daemon offers
+        if info.get("status") == "paused" or timeout is not None:
+            info = c.connect_sandbox(sandbox_id, timeout)
+        return cls(info, c)
+
+    @classmethod
+    def list(cls, *, metadata: Mapping[str, str] | None = None,
+             state: Sequence[str] | str | None = None,
+             controller: Controller | None = None) -> builtins.list[dict[str, Any]]:
+        """The sandboxes (their info) whose metadata has every pair of ``metadata``."""
+        return (controller or Controller()).list_sandboxes(metadata=metadata, state=state)
+
+    def get_info(self) -> dict[str, Any]:
+        """The sandbox's info now (status, ``end_at_unix``, metadata, volumes)."""
+        self.info = self.controller.get_sandbox(self.id)
+        return self.info
+
+    def set_timeout(self, timeout: float | None) -> None:
+        """End the sandbox ``timeout`` seconds from now (None: never)."""
+        self.info = self.controller.set_timeout(self.id, timeout)
+
+    def pause(self) -> None:
+        """Snapshot the sandbox and stop it; ``resume`` (or ``connect``) brings it back
+        with the same id, files and processes."""
+        self.info = self.controller.pause_sandbox(self.id)
+
+    def resume(self, *, timeout: float | None = None) -> None:
+        self.info = self.controller.resume_sandbox(self.id, timeout)
+
+    def get_metrics(self) -> dict[str, Any]:
+        """CPU seconds, memory and disk use, measured now."""
+        return self.controller.sandbox_metrics(self.id)
 
     def __repr__(self) -> str:
         return f"Sandbox({self.id!r}, snapshot={self.info.get('snapshot_tag')!r})"
@@ -481,7 +521,7 @@ class Sandbox:
     def unexpose(self, host_port: int, protocol: str = "tcp") -> None:
         self.controller.unexpose_port(self.id, host_port, protocol)
 
-    def ports(self) -> list[dict[str, Any]]:
+    def ports(self) -> builtins.list[dict[str, Any]]:
         return self.controller.list_ports(self.id)
 
     def set_egress(self, egress: Egress) -> dict[str, Any]:

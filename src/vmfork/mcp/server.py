@@ -64,7 +64,10 @@ takes a while), spawn_sandboxes to get sandbox ids, then exec_command (programs)
 eval_code (Python in the sandbox's already-warm interpreter: fastest), read_file /
 write_file / list_files for files. branch_sandbox snapshots a running sandbox so that
 later spawn_sandboxes calls start from exactly that state (fan out from a checkpoint).
-Always kill_sandbox what you spawned when you are done: sandboxes run until killed.
+Always kill_sandbox what you spawned when you are done: sandboxes run until killed, unless
+spawned with timeout_secs (then killed, or paused with on_timeout="pause", at the end;
+set_sandbox_timeout moves it). pause_sandbox keeps a sandbox (files, processes) without
+running it; resume_sandbox brings it back under the same id.
 
 Sandboxes need other software than the default image has? build_image makes an image
 (Debian packages, Python wheels, npm packages, files, environment), then create_snapshot
@@ -84,7 +87,9 @@ def build_server(controller: Controller) -> MCPServer:
                tools.branch_sandbox, tools.wait_for_text, tools.read_file, tools.write_file,
                tools.list_files, tools.list_images, tools.get_image, tools.build_image,
                tools.delete_image, tools.start_process, tools.list_processes,
-               tools.read_process_output, tools.send_process_input, tools.kill_process):
+               tools.read_process_output, tools.send_process_input, tools.kill_process,
+               tools.set_sandbox_timeout, tools.pause_sandbox, tools.resume_sandbox,
+               tools.sandbox_metrics):
         server.add_tool(fn)
     return server
 
@@ -296,26 +301,89 @@ class _Tools:
             "Volumes to attach, each 'SRC:GUEST_PATH[:ro|:rw]' (SRC an absolute directory "
             "or image file on the daemon's host; read-only unless ':rw', which needs an "
             "image file, n=1, and is refused while another sandbox holds it)."))] = None,
+        timeout_secs: Annotated[float | None, Field(ge=1, le=30 * 86400, description=(
+            "Lifetime in seconds: then the sandbox is killed (or paused, on_timeout="
+            "'pause'). Unset: it runs until killed."))] = None,
+        on_timeout: Literal["kill", "pause"] = "kill",
+        metadata: Annotated[dict[str, str] | None, Field(max_length=64, description=(
+            "Labels to find the sandboxes by with list_sandboxes (keys 1-128, values up to "
+            "1024 characters)."))] = None,
+        envs: Annotated[dict[str, str] | None, Field(max_length=256, description=(
+            "Environment variables every command in the sandboxes gets."))] = None,
     ) -> list[dict[str, Any]]:
         """Fork n new sandboxes from a ready snapshot. Each starts in the snapshot's exact
         state (imports done, variables set) and is independent from then on.
 
         Returns one record per sandbox; use its id with exec_command, eval_code, the file
-        tools, branch_sandbox and kill_sandbox. Sandboxes run until killed.
+        tools, branch_sandbox and kill_sandbox. Sandboxes run until killed (or until
+        timeout_secs, if given).
         """
         try:
             return self.c.spawn_sandboxes(snapshot_tag, n, per_child_netns=per_child_netns,
                                           memory_limit_mib=memory_limit_mib, prewarm=prewarm,
-                                          live_fork=live_fork, volumes=volumes)
+                                          live_fork=live_fork, volumes=volumes,
+                                          timeout_secs=timeout_secs, on_timeout=on_timeout,
+                                          metadata=metadata, envs=envs)
         except ControllerError as err:
             raise _tool_error(err, f"spawn_sandboxes from {snapshot_tag}") from None
 
-    def list_sandboxes(self) -> list[dict[str, Any]]:
-        """List the sandboxes the daemon runs (id, snapshot_tag, status, pid, ...)."""
+    def list_sandboxes(
+        self,
+        metadata: Annotated[dict[str, str] | None, Field(max_length=64, description=(
+            "Only sandboxes whose metadata has every one of these pairs."))] = None,
+        state: Annotated[list[Literal["running", "paused", "exited", "lost"]] | None,
+                         Field(max_length=4, description="Only sandboxes in these states."
+                               )] = None,
+    ) -> list[dict[str, Any]]:
+        """List the sandboxes the daemon runs (id, snapshot_tag, status, pid, metadata,
+        end_at_unix, ...)."""
         try:
-            return self.c.list_sandboxes()
+            return self.c.list_sandboxes(metadata=metadata, state=state)
         except ControllerError as err:
             raise _tool_error(err, "list_sandboxes") from None
+
+    def set_sandbox_timeout(
+        self,
+        sandbox_id: SandboxId,
+        timeout_secs: Annotated[float | None, Field(ge=1, le=30 * 86400, description=(
+            "Seconds from now until the sandbox ends (killed, or paused if spawned with "
+            "on_timeout='pause'); null: never."))],
+    ) -> dict[str, Any]:
+        """Extend (or shorten, or clear) a running sandbox's lifetime; returns its record
+        with the new end_at_unix."""
+        try:
+            return self.c.set_timeout(sandbox_id, timeout_secs)
+        except ControllerError as err:
+            raise _tool_error(err, f"set_sandbox_timeout {sandbox_id}") from None
+
+    def pause_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
+        """Pause a sandbox: its whole state (memory, files, running processes) is saved and
+        it stops using CPU and memory. resume_sandbox brings it back with the same id."""
+        try:
+            return self.c.pause_sandbox(sandbox_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"pause_sandbox {sandbox_id}") from None
+
+    def resume_sandbox(
+        self,
+        sandbox_id: SandboxId,
+        timeout_secs: Annotated[float | None, Field(ge=1, le=30 * 86400, description=(
+            "Its lifetime from now; unset: the one it had."))] = None,
+    ) -> dict[str, Any]:
+        """Resume a paused sandbox under the same id, exactly as it was paused (processes
+        go on running)."""
+        try:
+            return self.c.resume_sandbox(sandbox_id, timeout_secs)
+        except ControllerError as err:
+            raise _tool_error(err, f"resume_sandbox {sandbox_id}") from None
+
+    def sandbox_metrics(self, sandbox_id: SandboxId) -> dict[str, Any]:
+        """What a running sandbox uses now: CPU seconds, memory (bytes) and disk use of its
+        root file system (bytes)."""
+        try:
+            return self.c.sandbox_metrics(sandbox_id)
+        except ControllerError as err:
+            raise _tool_error(err, f"sandbox_metrics {sandbox_id}") from None
 
     def get_sandbox(self, sandbox_id: SandboxId) -> dict[str, Any]:
         """One sandbox's record: status (running/exited/lost), its snapshot, branch count."""

@@ -115,7 +115,9 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                   per_child_netns: bool = False, network: HostNetwork | None = None,
                   egress: EgressPolicy | None = None,
                   jail: bool | None = None,
-                  volumes: Sequence[PreparedVolume] = ()) -> ForkReport:
+                  volumes: Sequence[PreparedVolume] = (),
+                  vm_ids: Sequence[str] | None = None,
+                  networks: Sequence[ChildNetwork] | None = None) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
 
@@ -136,6 +138,10 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     into its snapshot's empty volume slots, or -- a read-write file a slot of the
     snapshot already holds (a workspace's) -- reopens there (``runtime.vmmchild``).
     A jailed VMM gets them opened before its uid changes (``_jail_request``).
+
+    ``vm_ids``: the children's ids (default: new ones), and ``networks``: networks
+    that exist already, one per child, kept by the caller whatever happens here --
+    how a paused sandbox is resumed into its own id and network.
     """
     if jail is None:
         jail = jail_by_default()
@@ -146,11 +152,20 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     done_states = ("ready",) if wait_for == "ready" else ("restored", "ready")
     if not 1 <= n <= 1000:
         raise ValueError(f"n must be 1..1000, not {n}")
-    if per_child_netns and network is None:
+    if per_child_netns and network is None and networks is None:
         raise ValueError("per_child_netns needs a HostNetwork (network=...)")
+    if vm_ids is not None and len(vm_ids) != n:
+        raise ValueError(f"{len(vm_ids)} vm_ids for {n} children")
+    if networks is not None and len(networks) != n:
+        raise ValueError(f"{len(networks)} networks for {n} children")
     run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
     network_started = time.monotonic()
-    nets = network.create_many(n, egress) if per_child_netns and network is not None else []
+    if networks is not None:
+        nets = list(networks)
+        network = None   # the caller's: never destroyed here
+    else:
+        nets = (network.create_many(n, egress) if per_child_netns and network is not None
+                else [])
     network_s = time.monotonic() - network_started
     token = secrets.token_hex(6)
     try:
@@ -168,7 +183,7 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                                      volumes) if jail else None
         report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
                                 done_states, progress, notify, gate, nets, jail_request,
-                                [v.to_json() for v in volumes])
+                                [v.to_json() for v in volumes], vm_ids)
     except BaseException:
         _destroy_networks(network, nets)
         raise
@@ -274,11 +289,12 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
                    progress: Callable[[int, int, int], None] | None, notify: _Fifo,
                    gate: _Fifo | None, nets: list[ChildNetwork],
                    jail: dict[str, Any] | None = None,
-                   volumes: list[dict[str, Any]] | None = None) -> ForkReport:
+                   volumes: list[dict[str, Any]] | None = None,
+                   vm_ids: Sequence[str] | None = None) -> ForkReport:
     items = []
     by_vm: dict[str, ChildNetwork] = {}
     for index in range(n):
-        vm_id = new_vm_id()
+        vm_id = vm_ids[index] if vm_ids is not None else new_vm_id()
         run_dir = run_root / vm_id
         args: dict[str, Any] = {
             "snapshot_dir": str(snapshot.path), "run_dir": str(run_dir), "vm_id": vm_id,

@@ -72,6 +72,15 @@ MAX_COMMAND = 64 << 10         # a shell command line, in characters
 MAX_STDIN_BODY = 1 << 20       # one send_stdin call (the agent's frame payload cap)
 MAX_PTY_SIZE = 1000
 WATCH_HEARTBEAT_SECS = 15.0    # an idle watch stream sends a comment this often
+MAX_TIMEOUT_SECS = 30 * 86400  # a sandbox's lifetime (timeout_secs at spawn, set_timeout)
+# Metadata (labels to find sandboxes by) and sandbox-wide environment variables.
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY = 128
+MAX_METADATA_VALUE = 1024
+MAX_ENVS_ENTRIES = 256
+MAX_ENV_NAME = 256
+MAX_ENVS_BYTES = 64 << 10      # names and values together
+SANDBOX_STATES = ("running", "paused", "exited", "lost")
 
 
 # -- request and response ------------------------------------------------------------
@@ -163,6 +172,43 @@ class Route:
 
 # -- bodies ----------------------------------------------------------------------------
 
+def check_metadata(value: Any) -> str | None:
+    """A string map of at most 64 entries, keys 1-128 and values up to 1024 characters
+    of printable Unicode."""
+    if len(value) > MAX_METADATA_ENTRIES:
+        return f"has {len(value)} entries; at most {MAX_METADATA_ENTRIES} are kept"
+    for key, item in value.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY or not key.isprintable():
+            return (f"key {key[:40]!r} must be 1-{MAX_METADATA_KEY} printable characters")
+        if not isinstance(item, str):
+            return f"value of {key[:40]!r} must be a string"
+        if len(item) > MAX_METADATA_VALUE or not item.isprintable():
+            return (f"value of {key[:40]!r} must be at most {MAX_METADATA_VALUE} printable "
+                    "characters")
+    return check_string_map(value)
+
+
+def check_envs(value: Any) -> str | None:
+    """Environment variables every command of the sandbox gets: names as a shell's
+    (letters, digits, underscore; not starting with a digit), string values."""
+    if len(value) > MAX_ENVS_ENTRIES:
+        return f"has {len(value)} variables; at most {MAX_ENVS_ENTRIES}"
+    size = 0
+    for key, item in value.items():
+        if not (0 < len(key) <= MAX_ENV_NAME and key.isascii()
+                and (key[0].isalpha() or key[0] == "_")
+                and all(c.isalnum() or c == "_" for c in key)):
+            return (f"has an invalid variable name {key[:40]!r} (letters, digits and _, "
+                    f"not starting with a digit, at most {MAX_ENV_NAME})")
+        if not isinstance(item, str) or "\0" in item:
+            return f"value of {key!r} must be a string without NUL"
+        size += len(key.encode()) + len(item.encode("utf-8", "surrogatepass"))
+    if size > MAX_ENVS_BYTES:
+        return f"is {size} bytes of names and values; the limit is {MAX_ENVS_BYTES}"
+    return check_string_map(value)
+
+
+
 SANDBOX_CREATE = {
     "snapshot_tag": Field(str, check=check_tag),
     "n": Field(int, 1, between(1, MAX_SANDBOXES_PER_REQUEST)),
@@ -177,6 +223,27 @@ SANDBOX_CREATE = {
     # forkd's --volume: ["SRC:GUEST_PATH[:ro|:rw]" | {source, guest_path, mode}], into
     # the snapshot's empty volume slots (docs/volumes.md).
     "volumes": Field(list, None, nullable=True),
+    # vmfork's lifecycle (issue 15, docs/e2b.md): the sandbox ends timeout_secs after
+    # it started (none: it runs until deleted), killed or, with on_timeout "pause",
+    # paused; metadata to list it by; envs every command in it gets.
+    "timeout_secs": Field((int, float), None, between(1, MAX_TIMEOUT_SECS), nullable=True),
+    "on_timeout": Field(str, "kill", one_of("kill", "pause")),
+    "metadata": Field(dict, None, check_metadata, nullable=True),
+    "envs": Field(dict, None, check_envs, nullable=True),
+}
+
+SANDBOX_TIMEOUT = {
+    "timeout_secs": Field((int, float), check=between(1, MAX_TIMEOUT_SECS), nullable=True),
+}
+SANDBOX_RESUME = {
+    "timeout_secs": Field((int, float), None, between(1, MAX_TIMEOUT_SECS), nullable=True),
+}
+SANDBOX_LIST_QUERY = {
+    # E2B's form: one parameter holding a URL-encoded query string, k1=v1&k2=v2; a
+    # sandbox is listed when its metadata has every pair.
+    "metadata": Field(str, None, text_up_to(8 << 10), nullable=True),
+    # Comma-separated statuses (running,paused,exited,lost).
+    "state": Field(str, None, text_up_to(64), nullable=True),
 }
 
 EXEC = {
@@ -444,9 +511,40 @@ def create_sandboxes(c: Controller, req: Request) -> Response:
     return Response(201, infos)
 
 
+def _metadata_filter(raw: str | None, where: str) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    try:
+        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True,
+                                       errors="strict", max_num_fields=MAX_METADATA_ENTRIES)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"{where}: metadata must be a URL-encoded query string of key=value "
+                         f"pairs (k1=v1&k2=v2, encoded once more as the parameter's value): "
+                         f"{err}") from None
+    wanted: dict[str, str] = {}
+    for key, value in pairs:
+        if key in wanted and wanted[key] != value:
+            raise BadRequest(f"{where}: metadata filter gives {key[:40]!r} twice")
+        wanted[key] = value
+    return wanted
+
+
+def _state_filter(raw: str | None, where: str) -> set[str] | None:
+    if raw is None:
+        return None
+    states = {s.strip() for s in raw.split(",") if s.strip()}
+    unknown = states - set(SANDBOX_STATES)
+    if unknown or not states:
+        raise BadRequest(f"{where}: state must be a comma-separated list of "
+                         f"{', '.join(SANDBOX_STATES)}, not {raw[:40]!r}")
+    return states
+
+
 def list_sandboxes(c: Controller, req: Request) -> Response:
-    _no_query(req)
-    return Response(body=c.list_sandboxes())
+    where = _where(req)
+    q = req.args(SANDBOX_LIST_QUERY, where)
+    return Response(body=c.list_sandboxes(_metadata_filter(q["metadata"], where),
+                                          _state_filter(q["state"], where)))
 
 
 def _sandbox_id(req: Request) -> str:
@@ -464,6 +562,41 @@ def delete_sandbox(c: Controller, req: Request) -> Response:
     _no_query(req)
     c.delete_sandbox(_sandbox_id(req))
     return Response(204)
+
+
+def set_sandbox_timeout(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(SANDBOX_TIMEOUT, _where(req))
+    return Response(body=c.set_timeout(sandbox_id, body["timeout_secs"]))
+
+
+def pause_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    req.json({}, _where(req))
+    info = c.pause_sandbox(sandbox_id)
+    req.snapshot_tag = info["paused_snapshot"]
+    return Response(body=info)
+
+
+def resume_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(SANDBOX_RESUME, _where(req))
+    return Response(body=c.resume_sandbox(sandbox_id, body["timeout_secs"]))
+
+
+def connect_sandbox(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    sandbox_id = _sandbox_id(req)
+    body = req.json(SANDBOX_RESUME, _where(req))
+    return Response(body=c.connect_sandbox(sandbox_id, body["timeout_secs"]))
+
+
+def sandbox_metrics(c: Controller, req: Request) -> Response:
+    _no_query(req)
+    return Response(body=c.sandbox_metrics(_sandbox_id(req)))
 
 
 def ping_sandbox(c: Controller, req: Request) -> Response:
@@ -602,7 +735,8 @@ def start_process(c: Controller, req: Request) -> Response:
     agent = c.agent(sandbox_id)
     with agent_errors(sandbox_id, "start"):
         pid = agent.start(body["args"] if body["args"] is not None else body["cmd"],
-                          env=body["env"], cwd=body["cwd"], stdin=body["stdin"],
+                          env=c.command_env(sandbox_id, body["env"]), cwd=body["cwd"],
+                          stdin=body["stdin"],
                           timeout=body["timeout_secs"], tag=body["tag"],
                           pty=None if pty is None else (pty["rows"], pty["cols"]))
     return Response(201, {"pid": pid, "pty": pty is not None, "sandbox_id": sandbox_id})
@@ -941,6 +1075,11 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/sandboxes/{id}", get_sandbox),
     Route("DELETE", "/v1/sandboxes/{id}", delete_sandbox),
     Route("POST", "/v1/sandboxes/{id}/ping", ping_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/timeout", set_sandbox_timeout),
+    Route("POST", "/v1/sandboxes/{id}/pause", pause_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/resume", resume_sandbox),
+    Route("POST", "/v1/sandboxes/{id}/connect", connect_sandbox),
+    Route("GET", "/v1/sandboxes/{id}/metrics", sandbox_metrics),
     Route("POST", "/v1/sandboxes/{id}/exec", exec_sandbox),
     Route("POST", "/v1/sandboxes/{id}/exec/stream", exec_stream),
     Route("POST", "/v1/sandboxes/{id}/eval", eval_sandbox),

@@ -46,6 +46,7 @@ from vmfork.agent.client import (
     ExecResult,
     FileInfo,
 )
+from vmfork.runtime import cgroups
 from vmfork.runtime.branch import BranchFailed
 from vmfork.runtime.network import NetworkError
 from vmfork.runtime.volumes import PreparedVolume
@@ -69,6 +70,7 @@ from vmfork.server.registry import (
     EXITED,
     FAILED,
     LOST,
+    PAUSED,
     RUNNING,
     WRITING,
     Registry,
@@ -92,6 +94,16 @@ from vmfork.store.errors import HasDependents
 log = logging.getLogger(__name__)
 
 PAGE_SIZE = 4096   # the guest's page, the unit of a diff's dirty-page count
+
+# The reaper (sandbox timeouts): how often it looks, and how many expired sandboxes it
+# ends in one look (each kill or pause is done in turn; the rest wait a cycle).
+REAPER_INTERVAL_S = 1.0
+REAP_PER_CYCLE = 16
+PAUSE_TAG_PREFIX = "pause-"
+# What the guest reports about its root (the overlay it writes to), for metrics: run
+# by the guest's own Python, which every image has (the agent is Python).
+_STATFS_CODE = ("import os;s=os.statvfs('/');"
+                "print(s.f_frsize*s.f_blocks,s.f_frsize*s.f_bavail,s.f_files,s.f_ffree)")
 
 SnapshotMaker = Callable[[Store, dict[str, Any]], Snapshot]
 """Boots, warms and snapshots a parent (``runtime.parent.snapshot_parent`` in the
@@ -155,6 +167,15 @@ class Controller:
                               else 4 * host_memory_mib())
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None
+        # Pause, resume, set_timeout and the reaper's kill or pause of one sandbox are
+        # done one at a time (so a timeout extended while the reaper looks wins).
+        self._lifecycle_locks: dict[str, list[Any]] = {}   # id: [lock, users]
+        self._lifecycle_locks_lock = threading.Lock()
+        # VMMs stopped by a pause: their exit events are not the sandbox's end.
+        self._expected_exits: set[str] = set()
+        self._pausing: set[str] = set()   # guest calls are 409 meanwhile, not 502
+        self._expected_lock = threading.Lock()
         self.images = ImageBuilds(store, metrics, concurrency=limits.image_builds,
                                   retry_after_s=limits.retry_after_s)
         metrics.set_sources(lambda: registry.count_sandboxes(RUNNING), self.snapshot_counts,
@@ -184,6 +205,11 @@ class Controller:
         self._watcher = threading.Thread(target=self._watch_exits, name="exit-watcher",
                                          daemon=True)
         self._watcher.start()
+        # Deadlines are in the registry: ones that passed while no daemon ran are acted
+        # on in the first cycle.
+        self._reaper = threading.Thread(target=self._reap_expired_loop, name="reaper",
+                                        daemon=True)
+        self._reaper.start()
 
     def reconcile(self) -> dict[str, list[str]]:
         """Match the registry's running sandboxes with the zygote's children (see the
@@ -226,7 +252,9 @@ class Controller:
         if self.networks is None:
             return
         try:
-            self.networks.start({r.id for r in self.registry.list_sandboxes(RUNNING)})
+            # A paused sandbox keeps its network for its resume.
+            self.networks.start({r.id for r in self.registry.list_sandboxes(RUNNING)}
+                                | {r.id for r in self.registry.list_sandboxes(PAUSED)})
         except Exception as err:  # noqa: BLE001 - serve without networks, say why
             log.error("sandboxes get no networks of their own (per_child_netns is refused): "
                       "host networking failed to start: %s", err)
@@ -246,6 +274,8 @@ class Controller:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(5.0)
+        if self._reaper is not None:
+            self._reaper.join(60.0)   # a pause in progress finishes its snapshot
         for thread in list(self._branch_threads):
             thread.join(60.0)  # a wait:false BRANCH finishing its files
         self.images.stop()
@@ -270,6 +300,14 @@ class Controller:
                 log.error("cannot read sandbox exit events: %s", err)
                 continue
             for notice in notices:
+                with self._expected_lock:
+                    if notice.vm_id in self._expected_exits:
+                        self._expected_exits.discard(notice.vm_id)
+                        continue   # a pause stopped it
+                record = self.registry.get_sandbox(notice.vm_id)
+                if record is not None and (record.status == PAUSED or (
+                        notice.pid is not None and notice.pid != record.pid)):
+                    continue   # paused, or the VMM of before a pause: not its end
                 self._release_sandbox(notice.vm_id)
                 if self.registry.mark_ended(notice.vm_id, EXITED, notice.reason,
                                             notice.description):
@@ -484,6 +522,11 @@ class Controller:
         if job is not None and job.status == WRITING:
             raise Conflict(f"snapshot {tag!r} is being written; wait until it is ready or "
                            "failed, then delete it")
+        for record in self.registry.list_sandboxes():
+            if record.paused_tag == tag:
+                raise Conflict(f"snapshot {tag!r} is what sandbox {record.id} "
+                               f"({record.status}) resumes or runs from; it goes when that "
+                               f"sandbox is deleted (DELETE /v1/sandboxes/{record.id})")
         try:
             deleted = self.store.delete(tag, cascade=cascade, force=force)
         except SnapshotNotFound as err:
@@ -508,8 +551,15 @@ class Controller:
             "created_at_unix": int(r.created_at), "pid": r.pid,
             "memory_limit_mib": r.memory_limit_mib, "has_branched": r.branch_count > 0,
             "last_branch_memory_path": r.last_branch_memory_path,
-            "branch_count": r.branch_count, "status": r.status}
-        if r.status != RUNNING:
+            "branch_count": r.branch_count, "status": r.status,
+            # vmfork's lifecycle extensions (issue 15; docs/e2b.md). envs are not
+            # shown (they may hold secrets): only their names.
+            "timeout_secs": r.timeout_secs, "end_at_unix": r.end_at,
+            "on_timeout": r.on_timeout, "metadata": r.metadata,
+            "env_names": sorted(r.envs), "volumes": r.volumes,
+            "paused_snapshot": r.paused_tag if r.status == PAUSED else None,
+            "paused_at_unix": r.paused_at}
+        if r.status not in (RUNNING, PAUSED):
             info["exit_reason"] = r.exit_reason
             info["exit_description"] = r.exit_description
         return info
@@ -577,9 +627,16 @@ class Controller:
                     f"({reasons}); none were kept. See the daemon log and the snapshot's "
                     "health (GET /v1/snapshots/{tag}/info)",
                     extra={"failed": [{"id": vm, "reason": why} for vm, why in outcome.failed]})
+            timeout = body.get("timeout_secs")
+            listed = self._volumes_listed(snap, [*new_volumes, *reopened])
             records = [SandboxRecord(id=c.vm_id, snapshot_tag=tag, pid=c.pid,
                                      run_dir=c.run_dir, status=RUNNING, created_at=started,
-                                     memory_limit_mib=body["memory_limit_mib"])
+                                     memory_limit_mib=body["memory_limit_mib"],
+                                     timeout_secs=timeout,
+                                     end_at=None if timeout is None else started + timeout,
+                                     on_timeout=body.get("on_timeout") or "kill",
+                                     metadata=dict(body.get("metadata") or {}),
+                                     envs=dict(body.get("envs") or {}), volumes=listed)
                        for c in outcome.children]
             if self.networks is not None:
                 for child in outcome.children:
@@ -597,6 +654,18 @@ class Controller:
                    "ready_ms": round(outcome.ready_s * 1000, 3)}
         return [{**self._with_network(self.sandbox_info(r)), "timings": timings}
                 for r in records]
+
+    @staticmethod
+    def _volumes_listed(snap: Snapshot, attached: list[PreparedVolume]
+                        ) -> list[dict[str, Any]]:
+        """A sandbox's volumes as ``SandboxInfo`` lists them: its snapshot's own (read-only,
+        every child has them) and those its spawn attached or reopened."""
+        own = [{"source": v["source"], "guest_path": v["guest_path"], "mode": "ro",
+                "from_snapshot": True} for v in snap.meta.extra.get("volumes", [])]
+        given = {v.guest_path: {"source": v.source, "guest_path": v.guest_path,
+                                "mode": "ro" if v.read_only else "rw",
+                                "from_snapshot": False} for v in attached}
+        return [v for v in own if v["guest_path"] not in given] + list(given.values())
 
     def _spawn_volumes(self, body: dict[str, Any], snap: Snapshot, workspace: str | None
                        ) -> tuple[list[PreparedVolume], list[PreparedVolume]]:
@@ -656,9 +725,15 @@ class Controller:
                 raise Unprocessable(f"egress: {err}") from err
         return {"network": self.networks.host, "egress": egress}
 
-    def list_sandboxes(self) -> list[dict[str, Any]]:
+    def list_sandboxes(self, metadata: dict[str, str] | None = None,
+                       states: set[str] | None = None) -> list[dict[str, Any]]:
+        """Every sandbox, or those whose metadata has every pair of ``metadata`` and
+        whose status is one of ``states``."""
+        wanted = (metadata or {}).items()
         return [self._with_network(self.sandbox_info(r))
-                for r in self.registry.list_sandboxes()]
+                for r in self.registry.list_sandboxes()
+                if (states is None or r.status in states)
+                and all(r.metadata.get(k) == v for k, v in wanted)]
 
     def _record(self, sandbox_id: str) -> SandboxRecord:
         record = self.registry.get_sandbox(sandbox_id)
@@ -674,16 +749,278 @@ class Controller:
         return self._record(sandbox_id).run_dir
 
     def delete_sandbox(self, sandbox_id: str) -> None:
+        with self._lifecycle(sandbox_id):
+            record = self._record(sandbox_id)
+            if record.status == RUNNING:
+                try:
+                    self._spawner().kill(sandbox_id)
+                except SpawnerError as err:
+                    raise BadGateway(str(err)) from err
+                if self.registry.mark_ended(sandbox_id, EXITED, "killed",
+                                            "deleted through the API"):
+                    self.metrics.sandbox_exits.inc(reason="killed")
+            self._release_sandbox(sandbox_id)
+            self.registry.remove_sandbox(sandbox_id)
+            self._drop_pause_snapshots(record)
+
+    def _drop_pause_snapshots(self, record: SandboxRecord) -> None:
+        """Delete the snapshots this sandbox's pauses made (``pause-<id>-*``): a diff
+        pause of a resumed sandbox builds on the previous one, so dependents go first
+        (each round deletes those nothing depends on any more)."""
+        prefix = f"{PAUSE_TAG_PREFIX}{record.id}-"
+        left = [s.tag for s in self.store.list() if s.tag.startswith(prefix)]
+        while left:
+            kept = []
+            for tag in left:
+                try:
+                    self.store.delete(tag)
+                except SnapshotNotFound:
+                    pass
+                except HasDependents:
+                    kept.append(tag)
+                except StoreError as err:
+                    log.warning("cannot delete %s, a pause snapshot of %s: %s", tag,
+                                record.id, err)
+            if len(kept) == len(left):   # what depends on them is not this sandbox's
+                log.warning("pause snapshots of %s kept (other snapshots depend on them): "
+                            "%s", record.id, ", ".join(kept))
+                return
+            left = kept
+
+    # -- lifecycle: timeouts, pause/resume, envs, metrics (issue 15) ---------------------
+
+    @contextmanager
+    def _lifecycle(self, sandbox_id: str) -> Iterator[None]:
+        """One lifecycle change of a sandbox at a time (pause, resume, set_timeout,
+        delete, the reaper's action)."""
+        with self._lifecycle_locks_lock:
+            entry = self._lifecycle_locks.setdefault(sandbox_id, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lifecycle_locks_lock:   # the last user forgets it
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._lifecycle_locks[sandbox_id]
+
+    def command_env(self, sandbox_id: str, env: dict[str, Any] | None
+                    ) -> dict[str, Any] | None:
+        """The environment of one command: the sandbox's ``envs`` (given at spawn), then
+        the command's own (which wins; a null value unsets)."""
+        record = self.registry.get_sandbox(sandbox_id)
+        if record is None or not record.envs:
+            return env
+        return {**record.envs, **(env or {})}
+
+    def set_timeout(self, sandbox_id: str, timeout_secs: float | None) -> dict[str, Any]:
+        """E2B's ``set_timeout``: the sandbox ends ``timeout_secs`` from now (kill or
+        pause, as spawned); None: never. Shortening is allowed, as in E2B."""
+        with self._lifecycle(sandbox_id):
+            record = self._record(sandbox_id)
+            if record.status != RUNNING:
+                raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); "
+                               "only a running sandbox has a timeout (a paused one waits "
+                               "for its resume, which takes a timeout)")
+            end_at = None if timeout_secs is None else time.time() + timeout_secs
+            if not self.registry.set_timeout(sandbox_id, timeout_secs, end_at):
+                raise Conflict(f"sandbox {sandbox_id!r} stopped running meanwhile")
+            return self.get_sandbox(sandbox_id)
+
+    def _reap_expired_loop(self) -> None:
+        while not self._stop.wait(REAPER_INTERVAL_S):
+            try:
+                self.reap_expired()
+            except Exception as err:  # noqa: BLE001 - keep reaping; say why once a cycle
+                log.error("the reaper failed a cycle: %s", err)
+
+    def reap_expired(self, now: float | None = None) -> list[str]:
+        """End (kill, or pause if spawned with on_timeout=pause) up to
+        ``REAP_PER_CYCLE`` running sandboxes whose deadline passed. Each is re-checked
+        under its lifecycle lock: one whose timeout was extended since is left alone.
+        Returns the ids acted on."""
+        done = []
+        for record in self.registry.expired(time.time() if now is None else now)[
+                :REAP_PER_CYCLE]:
+            if self._stop.is_set():
+                break
+            with self._lifecycle(record.id):
+                if not self.registry.claim_expired(record.id, record.end_at or 0.0):
+                    continue   # extended, deleted or ended meanwhile
+                if record.on_timeout == "pause":
+                    try:
+                        self._pause_locked(record.id)
+                    except Exception as err:  # noqa: BLE001 - it must not outlive its deadline
+                        log.error("sandbox %s timed out but could not be paused (%s); it is "
+                                  "killed instead", record.id,
+                                  err.message if isinstance(err, ApiError) else err)
+                        self._kill_expired(record)
+                else:
+                    self._kill_expired(record)
+                done.append(record.id)
+                self.metrics.sandbox_exits.inc(reason=f"timeout-{record.on_timeout}")
+        return done
+
+    def _kill_expired(self, record: SandboxRecord) -> None:
+        # Marked first, so the exit watcher does not record it as merely killed.
+        self.registry.mark_ended(record.id, EXITED, "timeout",
+                                 f"its timeout of {record.timeout_secs} s passed; the "
+                                 "reaper killed it")
+        try:
+            self._spawner().kill(record.id)
+        except SpawnerError as err:
+            log.error("cannot kill the expired sandbox %s: %s", record.id, err)
+        self._release_sandbox(record.id)
+        log.info("sandbox %s timed out and was killed", record.id)
+
+    def pause_sandbox(self, sandbox_id: str) -> dict[str, Any]:
+        """Capture the sandbox (a diff snapshot on the one it runs from), stop its VMM,
+        and keep its id, network, read-write volumes and metadata for ``resume``."""
+        with self._lifecycle(sandbox_id):
+            record = self._record(sandbox_id)
+            if record.status == PAUSED:
+                return self.get_sandbox(sandbox_id)
+            self._pause_locked(sandbox_id)
+            return self.get_sandbox(sandbox_id)
+
+    def _pause_locked(self, sandbox_id: str) -> None:
         record = self._record(sandbox_id)
-        if record.status == RUNNING:
+        if record.status != RUNNING:
+            raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); only "
+                           "a running sandbox can be paused")
+        tag = f"{PAUSE_TAG_PREFIX}{sandbox_id}-{secrets.token_hex(3)}"
+        branch = {"tag": tag, "mode": "diff", "wait": True, "measure_diff": False,
+                  "parent_tag": None, "diff": False, "live": False}
+        with self._expected_lock:
+            self._pausing.add(sandbox_id)
+        try:
+            try:
+                self.branch_sandbox(sandbox_id, branch, suspending=True)
+            except Conflict as err:
+                # A diff cannot be made (its chain is as deep as allowed, or it has no
+                # base): a full capture instead.
+                log.info("pause of %s: %s; capturing it whole", sandbox_id, err.message)
+                self.branch_sandbox(sandbox_id, {**branch, "mode": "full"}, suspending=True)
+            # In the registry first: from here a restarted daemon knows it is paused
+            # (and kills a VMM still running under its id as one nobody knows).
+            self.registry.mark_paused(sandbox_id, tag)
+            with self._expected_lock:
+                self._expected_exits.add(sandbox_id)
             try:
                 self._spawner().kill(sandbox_id)
             except SpawnerError as err:
-                raise BadGateway(str(err)) from err
-            if self.registry.mark_ended(sandbox_id, EXITED, "killed", "deleted through the API"):
-                self.metrics.sandbox_exits.inc(reason="killed")
-        self._release_sandbox(sandbox_id)
-        self.registry.remove_sandbox(sandbox_id)
+                log.error("paused sandbox %s: its VMM could not be stopped: %s", sandbox_id,
+                          err)
+        finally:
+            with self._expected_lock:
+                self._pausing.discard(sandbox_id)
+        log.info("sandbox %s paused into %s", sandbox_id, tag)
+
+    def resume_sandbox(self, sandbox_id: str, timeout_secs: float | None = None
+                       ) -> dict[str, Any]:
+        """Restore a paused sandbox from its pause snapshot into the same id (and its
+        network, volumes, metadata, envs); its timeout starts again: ``timeout_secs``,
+        else the one it had. A running sandbox is returned as it is."""
+        with self._lifecycle(sandbox_id):
+            record = self._record(sandbox_id)
+            if record.status == RUNNING:
+                return self.get_sandbox(sandbox_id)
+            if record.status != PAUSED or record.paused_tag is None:
+                raise Conflict(f"sandbox {sandbox_id!r} is not paused ({record.status}); "
+                               "only a paused sandbox can be resumed")
+            snap = self._ready_snapshot(record.paused_tag)
+            try:
+                chains.check_plan(self.store, snap)
+            except SnapshotCorrupt as err:
+                raise Conflict(str(err)) from err
+            spawner = self._spawner()
+            kwargs: dict[str, Any] = {"vm_ids": [sandbox_id]}
+            network = None if self.networks is None else self.networks.get(sandbox_id)
+            if network is not None:
+                kwargs["networks"] = [network]
+            reopened = [v for v in volumes.held_volumes(self.registry, f"sandbox:{sandbox_id}")
+                        if any(s.key == v.key for s in volumes.snapshot_slots(snap))]
+            if reopened:
+                kwargs["volumes"] = reopened
+            with self._heavy_slot(f"resume sandbox {sandbox_id}"), \
+                    self._admission(1, snap.meta.mem_mib, snap.tag):
+                try:
+                    outcome = spawner.spawn(snap, 1, record.memory_limit_mib, **kwargs)
+                except SpawnerError as err:
+                    raise BadGateway(f"resume of {sandbox_id}: {err}; it stays paused") from err
+                if outcome.failed or not outcome.children:
+                    for child in outcome.children:
+                        with self._expected_lock:
+                            self._expected_exits.add(child.vm_id)
+                        spawner.kill(child.vm_id)
+                    reasons = "; ".join(why for _, why in outcome.failed[:3])
+                    raise BadGateway(f"resume of {sandbox_id} failed ({reasons}); it stays "
+                                     "paused, see the daemon log")
+                child = outcome.children[0]
+                timeout = timeout_secs if timeout_secs is not None else record.timeout_secs
+                end_at = None if timeout is None else time.time() + timeout
+                self.registry.mark_resumed(sandbox_id, child.pid, child.run_dir, timeout,
+                                           end_at)
+            self.metrics.restore_seconds.observe(outcome.restored_s)
+            log.info("sandbox %s resumed from %s", sandbox_id, record.paused_tag)
+            info = self.get_sandbox(sandbox_id)
+            info["timings"] = {"spawn_ms": round(outcome.spawn_s * 1000, 3),
+                               "restored_ms": round(outcome.restored_s * 1000, 3),
+                               "ready_ms": round(outcome.ready_s * 1000, 3)}
+            return info
+
+    def connect_sandbox(self, sandbox_id: str, timeout_secs: float | None = None
+                        ) -> dict[str, Any]:
+        """E2B's ``connect``: resume a paused sandbox; for a running one, a
+        ``timeout_secs`` only ever extends its deadline (never shortens it)."""
+        record = self._record(sandbox_id)
+        if record.status == PAUSED:
+            return self.resume_sandbox(sandbox_id, timeout_secs)
+        if record.status != RUNNING:
+            raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}: "
+                           f"{record.exit_description}); it cannot be connected to")
+        if timeout_secs is not None and record.end_at is not None:
+            with self._lifecycle(sandbox_id):
+                current = self._record(sandbox_id)
+                if current.end_at is not None and current.end_at < time.time() + timeout_secs:
+                    self.registry.set_timeout(sandbox_id, timeout_secs,
+                                              time.time() + timeout_secs)
+        return self.get_sandbox(sandbox_id)
+
+    def sandbox_metrics(self, sandbox_id: str) -> dict[str, Any]:
+        """What a sandbox uses, measured from the host (its VMM's process and memory
+        cgroup) and, for the disk, by the guest's statfs of its root."""
+        record = self._record(sandbox_id)
+        if record.status != RUNNING:
+            raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); a "
+                           "stopped VMM uses nothing")
+        out: dict[str, Any] = {"sandbox_id": sandbox_id, "timestamp_unix": time.time()}
+        out.update(_process_usage(record.pid))
+        out["memory_cgroup_bytes"] = _cgroup_memory(sandbox_id)
+        try:
+            out["guest_mem_mib"] = self.store.get(record.snapshot_tag).meta.mem_mib
+        except (SnapshotNotFound, SnapshotCorrupt, ValueError):
+            out["guest_mem_mib"] = None
+        out.update(self._guest_disk(sandbox_id))
+        return out
+
+    def _guest_disk(self, sandbox_id: str) -> dict[str, Any]:
+        agent = self.agent(sandbox_id)
+        with agent_errors(sandbox_id, "metrics"):
+            try:
+                result = agent.exec(["python3", "-I", "-S", "-c", _STATFS_CODE], timeout=10.0,
+                                    max_output=4096)
+            except AgentError as err:
+                if err.code != "not_found":
+                    raise
+                return {"disk_total_bytes": None, "disk_used_bytes": None}
+        fields = result.stdout.split()
+        if result.exit_code != 0 or len(fields) != 4:
+            return {"disk_total_bytes": None, "disk_used_bytes": None}
+        total, avail, files, ffree = (int(f) for f in fields)
+        return {"disk_total_bytes": total, "disk_used_bytes": total - avail,
+                "disk_inodes_used": files - ffree}
 
     # -- networks of sandboxes (per_child_netns) ---------------------------------------
 
@@ -714,6 +1051,9 @@ class Controller:
 
     def agent(self, sandbox_id: str) -> AgentClient:
         record = self._record(sandbox_id)
+        if record.status == PAUSED or sandbox_id in self._pausing:
+            raise Conflict(f"sandbox {sandbox_id!r} is paused (or being paused); resume it "
+                           f"first (POST /v1/sandboxes/{sandbox_id}/resume, or .../connect)")
         if record.status != RUNNING:
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}: "
                            f"{record.exit_description}); delete it with DELETE "
@@ -736,7 +1076,9 @@ class Controller:
                 streamed = on_stdout is not None or on_stderr is not None
                 # A streamed exec's output went to the client as it came; a bounded
                 # head is still kept, for the error of one that times out.
-                result = agent.exec(body["args"], env=body["env"], cwd=body["cwd"],
+                result = agent.exec(body["args"], env=self.command_env(sandbox_id,
+                                                                      body["env"]),
+                                    cwd=body["cwd"],
                                     stdin=body["stdin"], timeout=timeout,
                                     on_stdout=on_stdout, on_stderr=on_stderr,
                                     max_output=(STREAMED_KEPT_BYTES if streamed
@@ -1078,3 +1420,39 @@ def agent_errors(sandbox_id: str, op: str) -> Iterator[None]:
         if err.code == "not_found":
             raise
         raise Unprocessable(f"{op} in sandbox {sandbox_id} failed: {err.message}") from err
+
+
+def _process_usage(pid: int) -> dict[str, Any]:
+    """CPU time (user + system, its threads and reaped children) and memory of a VMM
+    process, from /proc: resident and private dirty bytes (what it does not share with
+    its snapshot's page cache, i.e. what the sandbox wrote)."""
+    out: dict[str, Any] = {"cpu_seconds": None, "memory_rss_bytes": None,
+                           "memory_private_dirty_bytes": None}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        ticks = os.sysconf("SC_CLK_TCK")
+        # After the ")": state is field 3, utime..cstime are 14..17 (1-based).
+        out["cpu_seconds"] = round(sum(int(x) for x in fields[11:15]) / ticks, 3)
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key == "Rss":
+                    out["memory_rss_bytes"] = int(value.split()[0]) * 1024
+                elif key == "Private_Dirty":
+                    out["memory_private_dirty_bytes"] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass   # the process went meanwhile: what was read stands
+    return out
+
+
+def _cgroup_memory(sandbox_id: str) -> int | None:
+    """The VMM's memory cgroup's charge (memory.current, or v1's usage_in_bytes)."""
+    hierarchy = cgroups.detect()
+    if hierarchy is None:
+        return None
+    name = "memory.current" if hierarchy.version == 2 else "memory.usage_in_bytes"
+    try:
+        return int((cgroups.parent_path(hierarchy) / sandbox_id / name).read_text())
+    except (OSError, ValueError, cgroups.CgroupError):
+        return None

@@ -14,15 +14,17 @@ place and a newer one is refused (an older daemon must not misread it).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _MIGRATIONS: tuple[str, ...] = (
     """
@@ -81,12 +83,28 @@ _MIGRATIONS: tuple[str, ...] = (
         since REAL NOT NULL
     );
     """,
+    # Lifecycle (issue 15): a sandbox's timeout (``end_at``, moved by set_timeout, and
+    # what happens then: kill or pause), its metadata and sandbox-wide environment (JSON
+    # string maps), while it is paused the snapshot it resumes from, and the volumes it
+    # was spawned with (JSON, as SandboxInfo lists them).
+    """
+    ALTER TABLE sandboxes ADD COLUMN timeout_secs REAL;
+    ALTER TABLE sandboxes ADD COLUMN end_at REAL;
+    ALTER TABLE sandboxes ADD COLUMN on_timeout TEXT NOT NULL DEFAULT 'kill';
+    ALTER TABLE sandboxes ADD COLUMN metadata TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE sandboxes ADD COLUMN envs TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE sandboxes ADD COLUMN paused_tag TEXT;
+    ALTER TABLE sandboxes ADD COLUMN paused_at REAL;
+    ALTER TABLE sandboxes ADD COLUMN volumes TEXT NOT NULL DEFAULT '[]';
+    """,
 )
 
 # Sandbox states. ``running``: its VMM process is alive as far as the daemon knows;
 # ``exited``: it died (the reason says how: exited, killed, oom-killed, crashed);
-# ``lost``: the daemon restarted and could not re-adopt it.
+# ``lost``: the daemon restarted and could not re-adopt it; ``paused``: its VMM is
+# stopped and its state is in a snapshot (``paused_tag``) it resumes from, same id.
 RUNNING = "running"
+PAUSED = "paused"
 EXITED = "exited"
 LOST = "lost"
 
@@ -97,6 +115,18 @@ FAILED = "failed"
 
 _ORPHANED_JOB = ("the daemon stopped while this snapshot was being written; its partial "
                  "files were removed. Create it again.")
+
+
+def _column_exists(db: sqlite3.Connection, statement: str) -> bool:
+    """Whether ``statement`` is an ``ALTER TABLE t ADD COLUMN c`` whose column is there
+    already (SQLite has no ``IF NOT EXISTS`` for columns): a migration is re-run safely
+    on a database that got the column but not the version bump."""
+    words = statement.split()
+    if [w.upper() for w in words[:2]] != ["ALTER", "TABLE"] or len(words) < 6 or \
+            [w.upper() for w in words[3:5]] != ["ADD", "COLUMN"]:
+        return False
+    columns = {row[1] for row in db.execute(f"PRAGMA table_info({words[2]})")}
+    return words[5] in columns
 
 
 class RegistryError(Exception):
@@ -117,6 +147,31 @@ class SandboxRecord:
     exit_reason: str | None = None
     exit_description: str | None = None
     ended_at: float | None = None
+    timeout_secs: float | None = None    # the lifetime last set (a resume renews it)
+    end_at: float | None = None          # when the reaper ends it (None: never)
+    on_timeout: str = "kill"             # what it does then: kill or pause
+    metadata: dict[str, str] = field(default_factory=dict)
+    envs: dict[str, str] = field(default_factory=dict)
+    paused_tag: str | None = None
+    paused_at: float | None = None
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> SandboxRecord:
+        values = list(row)
+        values[15] = json.loads(values[15])
+        values[16] = json.loads(values[16])
+        values[19] = json.loads(values[19])
+        return cls(*values)
+
+    def to_row(self) -> tuple[Any, ...]:
+        return (self.id, self.snapshot_tag, self.pid, self.run_dir, self.status,
+                self.created_at, self.memory_limit_mib, self.branch_count,
+                self.last_branch_memory_path, self.exit_reason, self.exit_description,
+                self.ended_at, self.timeout_secs, self.end_at, self.on_timeout,
+                json.dumps(self.metadata, sort_keys=True),
+                json.dumps(self.envs, sort_keys=True), self.paused_tag, self.paused_at,
+                json.dumps(self.volumes))
 
 
 @dataclass(frozen=True)
@@ -162,7 +217,7 @@ _WORKSPACE_COLUMNS = ("name, snapshot_tag, sandbox_id, suspended_tag, memory_lim
 
 _SANDBOX_COLUMNS = ("id, snapshot_tag, pid, run_dir, status, created_at, memory_limit_mib, "
                     "branch_count, last_branch_memory_path, exit_reason, exit_description, "
-                    "ended_at")
+                    "ended_at, timeout_secs, end_at, on_timeout, metadata, envs, paused_tag, paused_at, volumes")
 
 
 class Registry:
@@ -206,7 +261,7 @@ class Registry:
                                     "vmfork or give this one another --state directory")
             for script in _MIGRATIONS[version:]:
                 for statement in script.split(";"):
-                    if statement.strip():
+                    if statement.strip() and not _column_exists(db, statement):
                         db.execute(statement)
             if row is None:
                 db.execute("INSERT INTO schema_version VALUES (?)", (SCHEMA_VERSION,))
@@ -223,16 +278,13 @@ class Registry:
         with self._transaction() as db:
             db.executemany(
                 f"INSERT INTO sandboxes ({_SANDBOX_COLUMNS}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(r.id, r.snapshot_tag, r.pid, r.run_dir, r.status, r.created_at,
-                  r.memory_limit_mib, r.branch_count, r.last_branch_memory_path,
-                  r.exit_reason, r.exit_description, r.ended_at) for r in records])
+                f"({', '.join('?' * 20)})", [r.to_row() for r in records])
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         with self._lock:
             row = self._db.execute(f"SELECT {_SANDBOX_COLUMNS} FROM sandboxes WHERE id = ?",
                                    (sandbox_id,)).fetchone()
-        return None if row is None else SandboxRecord(*row)
+        return None if row is None else SandboxRecord.from_row(row)
 
     def list_sandboxes(self, status: str | None = None) -> list[SandboxRecord]:
         query = f"SELECT {_SANDBOX_COLUMNS} FROM sandboxes"
@@ -242,7 +294,7 @@ class Registry:
             params = (status,)
         with self._lock:
             rows = self._db.execute(query + " ORDER BY created_at, id", params).fetchall()
-        return [SandboxRecord(*row) for row in rows]
+        return [SandboxRecord.from_row(row) for row in rows]
 
     def count_sandboxes(self, status: str = RUNNING) -> int:
         with self._lock:
@@ -276,6 +328,52 @@ class Registry:
     def remove_sandbox(self, sandbox_id: str) -> bool:
         with self._transaction() as db:
             return db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount == 1
+
+    # -- lifecycle (timeouts, pause/resume) ---------------------------------------
+
+    def set_timeout(self, sandbox_id: str, timeout_secs: float | None,
+                    end_at: float | None) -> bool:
+        """Set a running sandbox's lifetime and deadline; False if it is not running."""
+        with self._transaction() as db:
+            return db.execute("UPDATE sandboxes SET timeout_secs = ?, end_at = ? WHERE id = ? "
+                              "AND status = ?",
+                              (timeout_secs, end_at, sandbox_id, RUNNING)).rowcount == 1
+
+    def expired(self, now: float) -> list[SandboxRecord]:
+        """Running sandboxes whose deadline has passed (paused ones wait for a resume)."""
+        with self._lock:
+            rows = self._db.execute(f"SELECT {_SANDBOX_COLUMNS} FROM sandboxes WHERE status "
+                                    "= ? AND end_at IS NOT NULL AND end_at <= ? ORDER BY "
+                                    "end_at", (RUNNING, now)).fetchall()
+        return [SandboxRecord.from_row(row) for row in rows]
+
+    def claim_expired(self, sandbox_id: str, end_at: float) -> bool:
+        """The reaper's compare-and-set: True (and the deadline cleared, so no one else
+        acts on it) only if the sandbox still runs with the deadline the reaper read. A
+        ``set_timeout`` that moved it in the meantime wins."""
+        with self._transaction() as db:
+            return db.execute("UPDATE sandboxes SET end_at = NULL WHERE id = ? AND status = ? "
+                              "AND end_at = ?", (sandbox_id, RUNNING, end_at)).rowcount == 1
+
+    def mark_paused(self, sandbox_id: str, paused_tag: str) -> bool:
+        """A running sandbox was captured into ``paused_tag`` and its VMM is being
+        stopped. A paused sandbox has no deadline: it waits for a resume or a delete."""
+        with self._transaction() as db:
+            return db.execute(
+                "UPDATE sandboxes SET status = ?, paused_tag = ?, paused_at = ?, end_at = NULL "
+                "WHERE id = ? AND status = ?",
+                (PAUSED, paused_tag, time.time(), sandbox_id, RUNNING)).rowcount == 1
+
+    def mark_resumed(self, sandbox_id: str, pid: int, run_dir: str,
+                     timeout_secs: float | None, end_at: float | None) -> bool:
+        """A paused sandbox runs again, same id, in a new VMM. ``paused_tag`` stays: the
+        new VMM maps its memory from that snapshot, so it lives as long as the sandbox."""
+        with self._transaction() as db:
+            return db.execute(
+                "UPDATE sandboxes SET status = ?, pid = ?, run_dir = ?, paused_at = NULL, "
+                "timeout_secs = ?, end_at = ? WHERE id = ? AND status = ?",
+                (RUNNING, pid, run_dir, timeout_secs, end_at, sandbox_id,
+                 PAUSED)).rowcount == 1
 
     # -- sandbox networks ---------------------------------------------------------
 

@@ -80,6 +80,9 @@ class ExitNotice:
     vm_id: str
     reason: str        # exited, killed, oom-killed, crashed
     description: str   # in words, e.g. "killed by signal 9 (SIGKILL)"
+    # The VMM process that ended: a resumed sandbox runs under its id in a new one, so
+    # the old one's exit is told from the sandbox's end by it.
+    pid: int | None = None
 
 
 class SpawnerError(Exception):
@@ -104,11 +107,14 @@ class Spawner(Protocol):
     def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
               network: HostNetwork | None = None,
               egress: EgressPolicy | None = None,
-              volumes: Sequence[PreparedVolume] = ()) -> SpawnOutcome:
+              volumes: Sequence[PreparedVolume] = (),
+              vm_ids: Sequence[str] | None = None,
+              networks: Sequence[ChildNetwork] | None = None) -> SpawnOutcome:
         """``network``: give each child a network of its own from it, with ``egress``
         (the caller destroys them once the children are gone; those of failed
         children are destroyed already). ``volumes``: attached in every child
-        (``runtime.spawn.fork_children``)."""
+        (``runtime.spawn.fork_children``). ``vm_ids`` and ``networks``: a resume's --
+        the paused sandbox's own id and network (kept by the caller on failure)."""
 
     def kill(self, vm_id: str) -> None:
         """Kill the sandbox and wait until it is reaped; no error if already gone."""
@@ -221,7 +227,9 @@ class ZygoteSpawner:
     def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
               network: HostNetwork | None = None,
               egress: EgressPolicy | None = None,
-              volumes: Sequence[PreparedVolume] = ()) -> SpawnOutcome:
+              volumes: Sequence[PreparedVolume] = (),
+              vm_ids: Sequence[str] | None = None,
+              networks: Sequence[ChildNetwork] | None = None) -> SpawnOutcome:
         client = self._client()
         # Each spawn gets its own directory of run dirs, so that after a failed spawn
         # its children (whose ids fork_children chose) can be told from those of
@@ -233,8 +241,9 @@ class ZygoteSpawner:
             report = fork_children(client, snapshot, n, batch,
                                    memory_limit_mib=memory_limit_mib,
                                    timeout=SPAWN_READY_TIMEOUT_S,
-                                   per_child_netns=network is not None, network=network,
-                                   egress=egress, jail=self.jail, volumes=volumes)
+                                   per_child_netns=network is not None or bool(networks),
+                                   network=network, egress=egress, jail=self.jail,
+                                   volumes=volumes, vm_ids=vm_ids, networks=networks)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
@@ -299,7 +308,7 @@ class ZygoteSpawner:
                 if self._proc is not None:
                     self._proc.proc.poll()  # reap our own child
                 raise SpawnerGone(f"the zygote (pid {self.pid}) is gone: {err}") from err
-        return [ExitNotice(e.vm_id, e.reason, e.description) for e in events]
+        return [ExitNotice(e.vm_id, e.reason, e.description, e.pid) for e in events]
 
     def children(self) -> list[Spawned]:
         with self._lease_lock:
