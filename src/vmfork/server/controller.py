@@ -988,9 +988,10 @@ class Controller:
                                               time.time() + timeout_secs)
         return self.get_sandbox(sandbox_id)
 
-    def sandbox_metrics(self, sandbox_id: str) -> dict[str, Any]:
+    def sandbox_metrics(self, sandbox_id: str, *, disk: bool = True) -> dict[str, Any]:
         """What a sandbox uses, measured from the host (its VMM's process and memory
-        cgroup) and, for the disk, by the guest's statfs of its root."""
+        cgroup) and, for the disk (unless ``disk`` is false), by the guest's statfs of
+        its root."""
         record = self._record(sandbox_id)
         if record.status != RUNNING:
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); a "
@@ -1002,7 +1003,8 @@ class Controller:
             out["guest_mem_mib"] = self.store.get(record.snapshot_tag).meta.mem_mib
         except (SnapshotNotFound, SnapshotCorrupt, ValueError):
             out["guest_mem_mib"] = None
-        out.update(self._guest_disk(sandbox_id))
+        if disk:
+            out.update(self._guest_disk(sandbox_id))
         return out
 
     def _guest_disk(self, sandbox_id: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ const CHART_MS = 5000;
 const CHART_POINTS = 120;
 const SPAWN_PARALLEL = 4;   // the daemon's default heavy-operation cap
 const TERMINAL_MAX_CHARS = 200_000;
+const METRICS_ROWS = 50;    // rows whose CPU and memory are asked for each poll (a bounded load)
 
 class ApiError extends Error {
   constructor(status, message) {
@@ -150,10 +151,10 @@ const metricsCache = new Map();   // id -> {cpu, mem} from /v1/sandboxes/{id}/me
 async function sandboxMetrics(id) {
   if (metricsCache.get(id) === "none") return null;
   try {
-    const m = await getJson(`/v1/sandboxes/${encodeURIComponent(id)}/metrics`);
+    const m = await getJson(`/v1/sandboxes/${encodeURIComponent(id)}/metrics?disk=false`);
     return m;
   } catch (err) {
-    if (err.status === 404 || err.status === 405) metricsCache.set(id, "none");
+    if (err.status === 404 || err.status === 405) metricsCache.set(id, "none");   // an older daemon
     return null;
   }
 }
@@ -168,16 +169,16 @@ async function refreshSandboxes() {
     $("#sandboxes-error").textContent = `cannot list sandboxes: ${err.message}`;
     return;
   }
-  const rows = await Promise.all(list.map(async (s) => {
-    const m = s.status === "running" ? await sandboxMetrics(s.id) : null;
+  const rows = await Promise.all(list.map(async (s, i) => {
+    const m = s.status === "running" && i < METRICS_ROWS ? await sandboxMetrics(s.id) : null;
     const cells = [
       s.snapshot_tag,
       s.status,
       age(s.created_at_unix),
-      m?.memory_bytes != null ? mib(m.memory_bytes) : "—",
+      m?.memory_private_dirty_bytes != null ? mib(m.memory_private_dirty_bytes) : "—",
       m?.cpu_seconds != null ? `${m.cpu_seconds.toFixed(2)} s` : "—",
       s.network ? [s.guest_addr, ...(s.network.ports ?? []).map((p) => `:${p.host_port ?? p}`)].filter(Boolean).join(" ") : "none",
-      s.end_at ? `until ${new Date(s.end_at * 1000).toLocaleTimeString()}` : "no limit",
+      s.end_at_unix ? `until ${new Date(s.end_at_unix * 1000).toLocaleTimeString()}` : "no limit",
     ];
     // A row whose cells did not change is kept as it is: a redraw would take the
     // keyboard focus and a half-made choice (the branch mode) from under the user.
