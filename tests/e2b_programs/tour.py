@@ -24,6 +24,7 @@ def main() -> None:
     sandbox = Sandbox.create(template=template)
     seen["id"] = sandbox.sandbox_id
     try:
+        sandbox.files.make_dir(work)
         chunks: list[str] = []
         result = sandbox.commands.run("echo hello; echo oops >&2; printf \"$GREETING\"",
                                       envs={"GREETING": "hi-env"}, cwd=work,

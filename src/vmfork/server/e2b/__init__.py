@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from vmfork.server import api
 from vmfork.server.controller import Controller
+from vmfork.server.e2b import connect, envd
 from vmfork.server.e2b.connect import ConnectError
 from vmfork.server.e2b.control import ControlPlane, Tokens
 from vmfork.server.e2b.envd import Envd
@@ -71,14 +72,16 @@ def route_for(req: api.Request) -> Route | None:
         if found is not None and int(found.group(1)) == ENVD_PORT:
             sandbox = found.group(2)
     if sandbox is not None:
-        name = req.path if req.path in ("/files", "/health") else "envd " + req.path[:80]
-        return Route(name if len(name) < 100 else "envd", "envd", sandbox)
+        # Metrics and audit names from a fixed set (a client picks the path).
+        known = req.path in ("/files", "/health") or envd.is_rpc(req.path)
+        return Route("envd " + req.path if known else "envd unmatched", "envd", sandbox)
     parts = req.path.rstrip("/").strip("/").split("/")
     if not parts or parts[0] not in ("sandboxes", "v2"):
         return None
     if parts[0] == "v2" and (len(parts) < 2 or parts[1] != "sandboxes"):
         return None
     allowed = []
+    matched = ""
     for method, template, target in _CONTROL_ROUTES:
         segments = template.strip("/").split("/")
         if len(segments) != len(parts):
@@ -92,11 +95,12 @@ def route_for(req: api.Request) -> Route | None:
         else:
             if method != req.method:
                 allowed.append(method)
+                matched = template
                 continue
             req.params = params
             return Route("e2b " + template, "control", target)
     if allowed:
-        return Route("e2b " + req.path[:60], "control", "!405 " + ", ".join(sorted(allowed)))
+        return Route("e2b " + matched, "control", "!405 " + ", ".join(sorted(set(allowed))))
     return Route("e2b unmatched", "control", "!404")
 
 
@@ -171,7 +175,6 @@ def _denied(req: api.Request, status: int, code: str, message: str) -> api.Respo
     if req.path in ("/files", "/health"):
         return api.Response(status, {"code": status, "message": message})
     if req.headers.get("content-type", "").startswith("application/connect+json"):
-        from vmfork.server.e2b import connect
         return api.Response(200, connect.end_of_stream(ConnectError(code, message)),
                             content_type=connect.STREAM_TYPE)
     return api.Response(status, {"code": code, "message": message})

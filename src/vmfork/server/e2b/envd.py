@@ -152,6 +152,10 @@ class Envd:
                         req: api.Request) -> api.Response:
         agent = c.agent(sandbox_id)
         pid = self._pid(agent, sandbox_id, m, where)
+        with _agent(sandbox_id, "ps"):
+            known = {p.pid for p in agent.processes()}
+        if pid not in known:   # said before the stream starts
+            raise ConnectError("not_found", f"{where}: no process {pid}")
         return connect.stream_response(
             lambda: self._follow(agent, sandbox_id, pid, _keepalive(req), started=True))
 
@@ -510,6 +514,11 @@ _RPCS: dict[tuple[str, str], tuple[Callable[..., Any], bool]] = {
 }
 """Every envd call served, and whether it is a server stream. ``StreamInput`` (a
 client stream) is not: the SDKs send stdin with ``SendInput``."""
+
+
+def is_rpc(path: str) -> bool:
+    service, _, method = path.strip("/").partition("/")
+    return (service, method) in _RPCS
 
 
 class _agent:
