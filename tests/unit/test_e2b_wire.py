@@ -233,3 +233,54 @@ def test_chunked_request_bodies(daemon: Daemon, tmp_path: Path) -> None:
                  f"{TOKEN.decode()}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n",
                  b'1a\r\n{"snapshot_tag": "base"}  \r\n0\r\n\r\n')
     assert reply.startswith(b"HTTP/1.1 201"), reply[:300]
+
+
+def test_list_pages(daemon: Daemon) -> None:
+    made = {_create(daemon)["sandboxID"] for _ in range(3)}
+    key = {"X-API-KEY": TOKEN.decode()}
+    status, headers, raw = _request(daemon, "GET", "/v2/sandboxes?limit=2", headers=key)
+    first = [s["sandboxID"] for s in json.loads(raw)]
+    assert status == 200 and len(first) == 2 and headers["x-next-token"]
+    status, headers, raw = _request(
+        daemon, "GET", f"/v2/sandboxes?limit=2&nextToken={headers['x-next-token']}",
+        headers=key)
+    second = [s["sandboxID"] for s in json.loads(raw)]
+    assert len(second) == 1 and "x-next-token" not in headers
+    assert set(first + second) == made
+    assert _request(daemon, "GET", "/v2/sandboxes?limit=0", headers=key)[0] == 400
+    assert _request(daemon, "GET", "/v2/sandboxes?state=gone", headers=key)[0] == 400
+
+
+def test_files_multipart_and_octet_stream(daemon: Daemon, tmp_path: Path) -> None:
+    sb = _create(daemon)
+    envd = {"E2b-Sandbox-Id": sb["sandboxID"], "X-Access-Token": sb["envdAccessToken"]}
+    one, two = tmp_path / "m" / "one.txt", tmp_path / "m" / "deep" / "two.bin"
+    boundary = "b0undary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"{one}\"\r\nContent-Type: text/plain\r\n\r\nfirst\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"{two}\"\r\n\r\n").encode() + bytes(range(256)) * 400 + (
+            f"\r\n--{boundary}--\r\n").encode()
+    status, _, raw = _request(daemon, "POST", "/files", body, {
+        **envd, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 200, raw
+    assert [w["path"] for w in json.loads(raw)] == [str(one), str(two)]
+    assert one.read_bytes() == b"first" and two.read_bytes() == bytes(range(256)) * 400
+    status, _, raw = _request(daemon, "POST", f"/files?path={tmp_path}/o/raw.bin",
+                              b"\x00raw\r\n--x", {**envd,
+                                                  "Content-Type": "application/octet-stream"})
+    assert status == 200 and (tmp_path / "o" / "raw.bin").read_bytes() == b"\x00raw\r\n--x"
+    status, _, raw = _request(daemon, "GET", f"/files?path={tmp_path}/o/raw.bin", headers=envd)
+    assert status == 200 and raw == b"\x00raw\r\n--x"
+    status, _, raw = _request(daemon, "GET", f"/files?path={tmp_path}/nope", headers=envd)
+    assert status == 404 and json.loads(raw)["code"] == 404
+    for bad_type, bad_body in (("multipart/form-data", b"--x\r\n"),   # no boundary
+                               ("multipart/form-data; boundary=x", b"no delimiter here"),
+                               ("multipart/form-data; boundary=x",
+                                b"--x\r\nContent-Disposition: form-data; name=f; "
+                                b"filename=\"%s/cut/t\"\r\n\r\nnever ends" % str(
+                                    tmp_path).encode())):
+        status, _, raw = _request(daemon, "POST", "/files", bad_body,
+                                  {**envd, "Content-Type": bad_type})
+        assert status == 400, (bad_type, raw)
+    assert not (tmp_path / "cut" / "t").exists()   # a cut upload leaves no file
