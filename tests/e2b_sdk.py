@@ -89,4 +89,5 @@ def check_tour(seen: dict, work: str) -> None:
     assert "30 100" in seen["pty"]
     assert seen["listed"] is True and seen["running"] is True
     assert seen["connected_run"] == "again\n"
+    assert seen["forks"] == ["kept", "kept"] and seen["forks_distinct"] == 3
     assert seen["kill"] is True and seen["listed_after_kill"] is False

@@ -87,6 +87,15 @@ async function main () {
     seen.running = await sandbox.isRunning()
     const other = await Sandbox.connect(sandbox.sandboxId)
     seen.connected_run = (await other.commands.run('echo again')).stdout
+
+    await sandbox.files.write(`${work}/before-fork.txt`, 'kept')
+    const forks = await sandbox.fork({ count: 2 })
+    seen.forks = []
+    for (const fork of forks) {
+      seen.forks.push(fork instanceof Error ? String(fork) : await fork.files.read(`${work}/before-fork.txt`))
+    }
+    seen.forks_distinct = new Set([sandbox.sandboxId, ...forks.map((f) => f.sandboxId)]).size
+    for (const fork of forks) { if (!(fork instanceof Error)) await fork.kill() }
   } finally {
     seen.kill = await sandbox.kill()
   }

@@ -112,6 +112,13 @@ def main() -> None:
         seen["running"] = sandbox.is_running()
         other = Sandbox.connect(sandbox.sandbox_id)
         seen["connected_run"] = other.commands.run("echo again").stdout
+
+        sandbox.files.write(f"{work}/before-fork.txt", "kept")
+        forks = sandbox.fork(count=2)
+        seen["forks"] = [f.files.read(f"{work}/before-fork.txt") for f in forks]
+        seen["forks_distinct"] = len({f.sandbox_id for f in forks} | {sandbox.sandbox_id})
+        for fork in forks:
+            fork.kill()
     finally:
         seen["kill"] = sandbox.kill()
     seen["listed_after_kill"] = sandbox.sandbox_id in [s.sandbox_id for s in

@@ -46,6 +46,7 @@ _CONTROL_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", "/sandboxes/{id}/pause", "pause"),
     ("POST", "/sandboxes/{id}/resume", "resume"),
     ("GET", "/sandboxes/{id}/metrics", "metrics"),
+    ("POST", "/sandboxes/{id}/fork", "fork"),
 )
 
 

@@ -56,6 +56,9 @@ CONNECT = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=Tr
 RESUME = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
           "autoPause": Field(bool, None, nullable=True)}
 REFRESH = {"duration": Field(int, None, between(0, 3600), nullable=True)}
+MAX_FORK_COUNT = 20
+FORK = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
+        "count": Field(int, 1, between(1, MAX_FORK_COUNT))}
 
 
 class Tokens:
@@ -257,6 +260,24 @@ class ControlPlane:
         body = _body(req, RESUME, f"{req.method} {req.path}")
         info = _lifecycle(c, "resume_sandbox", "resume")(sandbox_id, body["timeout"] or None)
         return api.Response(201, self._sandbox(c, info, req))
+
+    def fork(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's fork: BRANCH the running sandbox (it pauses briefly and goes on, same id)
+        into a snapshot named by the daemon, then spawn ``count`` sandboxes from it. The
+        snapshot stays, as a template (``templateID`` of the forks) that can be deleted
+        once they are gone; each fork's result is one entry, as E2B answers."""
+        sandbox_id = _id(req)
+        where = f"{req.method} {req.path}"
+        body = _body(req, FORK, where)
+        branch = validate_fields({}, api.BRANCH, where)
+        _, snapshot = c.branch_sandbox(sandbox_id, branch)
+        spawn: dict[str, Any] = {"snapshot_tag": snapshot["tag"], "n": body["count"]}
+        if body["timeout"] and "timeout_secs" in api.SANDBOX_CREATE:
+            spawn["timeout_secs"] = body["timeout"]
+        req.snapshot_tag = snapshot["tag"]
+        infos = c.create_sandboxes(validate_fields(spawn, api.SANDBOX_CREATE, where))
+        req.sandbox_ids = [sandbox_id, *(i["id"] for i in infos)]
+        return api.Response(201, [{"sandbox": self._sandbox(c, i, req)} for i in infos])
 
     def metrics(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
