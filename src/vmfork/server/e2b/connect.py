@@ -21,7 +21,7 @@ import binascii
 import json
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from vmfork.server import api
@@ -84,13 +84,15 @@ def end_of_stream(err: ConnectError | None = None) -> bytes:
     return envelope({} if err is None else {"error": err.body()}, END_STREAM)
 
 
-def stream_response(events: Callable[[], Iterator[dict[str, Any]]]) -> api.StreamResponse:
+def stream_response(events: Callable[[], Generator[dict[str, Any], None, None]]
+                    ) -> api.StreamResponse:
     """A server stream: each message ``events`` yields as an envelope, then the end of
     the stream, with the error that stopped it if one did."""
 
     def produce(write: api.Writer) -> None:
+        stream = events()
         try:
-            for message in events():
+            for message in stream:
                 write(envelope(message))
         except ConnectError as err:
             write(end_of_stream(err))
@@ -98,6 +100,10 @@ def stream_response(events: Callable[[], Iterator[dict[str, Any]]]) -> api.Strea
         except ApiError as err:
             write(end_of_stream(ConnectError.from_api(err)))
             return
+        finally:
+            # A client that went away (a write failed) ends the stream here, and with
+            # it what it holds in the agent (an attach, a watch), not at some later GC.
+            stream.close()
         write(end_of_stream())
 
     return api.StreamResponse(200, content_type=STREAM_TYPE, produce=produce)

@@ -19,7 +19,7 @@ import secrets
 import stat as stat_module
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 from vmfork.agent.client import (
@@ -160,7 +160,7 @@ class Envd:
             lambda: self._follow(agent, sandbox_id, pid, _keepalive(req), started=True))
 
     def _follow(self, agent: AgentClient, sandbox_id: str, pid: int, keepalive: float, *,
-                started: bool) -> Iterator[dict[str, Any]]:
+                started: bool) -> Generator[dict[str, Any], None, None]:
         """Start (pid), the process's output from the beginning of what the agent kept,
         then its end; keep-alives while it is silent (each attach waits at most that
         long, and the next one goes on from the offset reached)."""
@@ -342,7 +342,7 @@ class Envd:
             watch = agent.watch(path, recursive=connect.boolean(m, "recursive", where))
         keepalive = _keepalive(req)
 
-        def events() -> Iterator[dict[str, Any]]:
+        def events() -> Generator[dict[str, Any], None, None]:
             try:
                 yield {"start": {}}
                 while not watch.ended:
