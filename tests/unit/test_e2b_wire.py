@@ -284,3 +284,30 @@ def test_files_multipart_and_octet_stream(daemon: Daemon, tmp_path: Path) -> Non
                                   {**envd, "Content-Type": bad_type})
         assert status == 400, (bad_type, raw)
     assert not (tmp_path / "cut" / "t").exists()   # a cut upload leaves no file
+
+
+def test_lifecycle_calls(daemon: Daemon) -> None:
+    """With the controller's lifecycles (timeouts, metadata, envs, pause/resume,
+    metrics), the SDK's lifecycle program; without them, each call is refused with 501
+    rather than half done (the E2B SDK's default timeout alone is accepted)."""
+    if hasattr(Ctl, "set_timeout"):
+        seen = run_program(sdk_python(), "lifecycle", ["base"],
+                           e2b_env(daemon.url, TOKEN.decode()))
+        assert seen["env"] == "yes\n" and seen["env_after_resume"] == "yes\n"
+        assert 100 < seen["end_in"] <= 120 and 580 < seen["end_in_after"] <= 600
+        assert seen["filtered"] == [True] and seen["filtered_none"] == []
+        assert seen["states"] == ["paused"] and seen["same_id"] is True
+        assert seen["metrics"] == 1 and seen["kill"] is True
+        return
+    key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
+    for extra in ({"metadata": {"a": "b"}}, {"envVars": {"A": "b"}}):
+        status, _, raw = _request(daemon, "POST", "/v2/sandboxes", json.dumps(
+            {"templateID": "base", **extra}).encode(), key)
+        assert status == 501, raw
+    assert daemon.ctl.list_sandboxes() == []
+    sb = _create(daemon)
+    for method, path, body in (("POST", "timeout", {"timeout": 60}), ("POST", "pause", {}),
+                               ("POST", "resume", {}), ("GET", "metrics", None)):
+        status, _, raw = _request(daemon, method, f"/sandboxes/{sb['sandboxID']}/{path}",
+                                  None if body is None else json.dumps(body).encode(), key)
+        assert status == 501 and "lifecycles" in json.loads(raw)["message"], (path, raw)

@@ -141,7 +141,7 @@ class Envd:
         timeout = _timeout_ms(req)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "start"):
-            pid = agent.start([cmd, *args], env=envs, cwd=cwd,
+            pid = agent.start([cmd, *args], env=_command_env(c, sandbox_id, envs), cwd=cwd,
                               stdin=connect.boolean(m, "stdin", where), tag=tag,
                               timeout=None if timeout is None else timeout / 1000,
                               pty=pty_size)
@@ -582,6 +582,16 @@ def _query(req: api.Request, name: str, where: str) -> str:
     if not values or not values[0]:
         raise ConnectError("invalid_argument", f"{where}: ?{name}= is required")
     return values[0]
+
+
+def _command_env(c: Controller, sandbox_id: str, envs: dict[str, str]) -> dict[str, Any]:
+    """The sandbox's own ``envs`` (given at spawn) under the command's, as ``/v1``'s
+    process routes do, on a daemon with lifecycles (``Controller.command_env``)."""
+    command_env = getattr(c, "command_env", None)
+    if command_env is None:
+        return dict(envs)
+    merged: dict[str, Any] = command_env(sandbox_id, envs) or {}
+    return merged
 
 
 def _timeout_ms(req: api.Request) -> int | None:
