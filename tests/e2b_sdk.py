@@ -44,8 +44,8 @@ def e2b_env(api_url: str, key: str, ca_file: str | None = None) -> dict[str, str
     """What an E2B user sets to point the SDK at vmfork: nothing else."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env.update(E2B_API_KEY=key, E2B_API_URL=api_url, E2B_SANDBOX_URL=api_url)
-    if ca_file is not None:
-        env["SSL_CERT_FILE"] = ca_file
+    if ca_file is not None:   # how each runtime takes a CA beside the system's
+        env.update(SSL_CERT_FILE=ca_file, NODE_EXTRA_CA_CERTS=ca_file)
     return env
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2b_sdk import check_tour, e2b_env, run_js_program, run_program, sdk_python
+from tests.tls_certs import make_ca, make_server
 from tests.unit.agent_support import running_agent
 from tests.unit.test_server_http import TOKEN, _fake_snapshot
 from tests.unit.test_server_processes import AgentBackedSpawner
@@ -26,6 +28,7 @@ from vmfork.server.controller import Limits
 from vmfork.server.http import ServerContext, handler_for, tcp_server
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
+from vmfork.server.tls import server_context
 from vmfork.store import Store
 
 
@@ -38,6 +41,10 @@ class Daemon:
 
 @pytest.fixture
 def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    yield from _daemon(tmp_path)
+
+
+def _daemon(tmp_path: Path, tls: ssl.SSLContext | None = None) -> Iterator[Daemon]:
     with running_agent() as agent:
         store = Store.open(tmp_path / "home")
         registry = Registry(tmp_path / "registry.db")
@@ -45,13 +52,13 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
                   make_snapshot=_fake_snapshot, limits=Limits(heavy_concurrency=4))
         ctl.start()
         server = tcp_server("127.0.0.1:0", handler_for(
-            ServerContext(ctl, TOKEN, AuditLog(tmp_path / "audit.log"))))
+            ServerContext(ctl, TOKEN, AuditLog(tmp_path / "audit.log"))), tls=tls)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         _fake_snapshot(store, {"tag": "base", "warm_cmd": None})
         port = server.server_address[1]
         try:
-            yield Daemon(f"http://127.0.0.1:{port}", port, ctl)
+            yield Daemon(f"{'https' if tls else 'http'}://127.0.0.1:{port}", port, ctl)
         finally:
             server.shutdown()
             server.server_close()
@@ -68,6 +75,24 @@ def test_the_e2b_sdk_tour(daemon: Daemon, tmp_path: Path, sdk: str) -> None:
     else:
         seen = run_js_program("tour", ["base", work], env)
     check_tour(seen, work)
+
+
+@pytest.mark.parametrize("sdk", ["python", "javascript"])
+def test_the_e2b_sdk_tour_over_tls(tmp_path: Path, sdk: str) -> None:
+    """``--tls-cert/--tls-key``: the SDKs verify the daemon with a CA given the way
+    each runtime takes one (SSL_CERT_FILE, NODE_EXTRA_CA_CERTS), and speak HTTP/1.1
+    over it (the daemon's TLS offers no HTTP/2)."""
+    (tmp_path / "certs").mkdir()
+    ca, ca_cert, ca_key = make_ca(tmp_path / "certs")
+    pair = make_server(tmp_path / "certs", ca_cert, ca_key)
+    for d in _daemon(tmp_path, server_context(pair.cert, pair.key)):
+        env = e2b_env(d.url, TOKEN.decode(), ca_file=str(ca.cert))
+        work = str(tmp_path / "work")
+        if sdk == "python":
+            seen = run_program(sdk_python(), "tour", ["base", work], env)
+        else:
+            seen = run_js_program("tour", ["base", work], env)
+        check_tour(seen, work)
 
 
 # -- the protocol's edges, with raw HTTP ------------------------------------------------
