@@ -166,6 +166,7 @@ setup_test_images() {
   (cd "$REPO" && "$PY" -m tests.images.prepare)
   setup_test_wheels
   setup_forkd_mcp
+  setup_e2b_sdk
 }
 
 # forkd's MCP server from the registry, unchanged, for the wire-compatibility test
@@ -180,6 +181,33 @@ setup_forkd_mcp() {
     "${VMFORK_PYTHON:-python3}" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --disable-pip-version-check "forkd-mcp==$FORKD_MCP_VERSION"
     touch "$venv/.complete"
+  fi
+}
+
+# E2B's SDKs from the registries, unchanged, for the E2B wire tests
+# (tests/unit/test_e2b_wire.py, tests/e2e/test_e2b_sdk.py run E2B programs with them
+# against `vmfork serve`): the Python one in a venv of its own (its dependencies are not
+# vmfork's), the JavaScript one in a node_modules of its own. Kept equal to
+# E2B_SDK_VERSION and E2B_JS_SDK_VERSION in tests/e2b_sdk.py.
+E2B_SDK_VERSION=2.63.0
+E2B_JS_SDK_VERSION=2.51.0
+setup_e2b_sdk() {
+  local venv=$CACHE/e2b-$E2B_SDK_VERSION
+  if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
+    log "e2b $E2B_SDK_VERSION (the E2B wire tests' Python SDK)"
+    rm -rf "$venv"
+    "${VMFORK_PYTHON:-python3}" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check "e2b==$E2B_SDK_VERSION"
+    touch "$venv/.complete"
+  fi
+  local js=$CACHE/e2b-js-$E2B_JS_SDK_VERSION
+  if [ ! -f "$js/.complete" ]; then
+    log "e2b $E2B_JS_SDK_VERSION (the E2B wire tests' JavaScript SDK)"
+    rm -rf "$js"
+    mkdir -p "$js"
+    echo '{"private": true}' > "$js/package.json"
+    (cd "$js" && npm install --no-audit --no-fund --silent "e2b@$E2B_JS_SDK_VERSION")
+    touch "$js/.complete"
   fi
 }
 

@@ -99,24 +99,45 @@ class Request:
     body: BodyReader
     content_length: int | None
     params: dict[str, str] = field(default_factory=dict)
+    chunked: bool = False
+    """The body is ``Transfer-Encoding: chunked`` (``content_length`` is None): its
+    reader ends at the last chunk, and each consumer reads at most its own limit."""
     # Filled by handlers for the audit log.
     sandbox_ids: list[str] = field(default_factory=list)
     snapshot_tag: str | None = None
     image: str | None = None
 
     def json(self, spec: dict[str, Field], where: str) -> dict[str, Any]:
-        length = self.content_length or 0
-        if length > MAX_JSON_BODY:
-            raise PayloadTooLarge(f"{where}: the JSON body is {length} bytes; the limit is "
-                                  f"{MAX_JSON_BODY}")
-        raw = self.body.read(length) if length else b""
+        raw = self.read_all(MAX_JSON_BODY, where, "the JSON body")
         return validate_fields(parse_json_object(raw, where), spec, where)
+
+    def read_all(self, limit: int, where: str, what: str = "the body") -> bytes:
+        """The whole body, refused (413) past ``limit`` bytes: by its Content-Length
+        before any of it is read, or, chunked, as soon as more than that arrived."""
+        if self.chunked:
+            raw = self.body.read(limit + 1)
+            while len(raw) <= limit:
+                more = self.body.read(limit + 1 - len(raw))
+                if not more:
+                    break
+                raw += more
+            if len(raw) > limit:
+                raise PayloadTooLarge(f"{where}: {what} is over {limit} bytes, the limit")
+            return raw
+        length = self.content_length or 0
+        if length > limit:
+            raise PayloadTooLarge(f"{where}: {what} is {length} bytes; the limit is {limit}")
+        return b"".join(self.chunks()) if length else b""
 
     def args(self, spec: dict[str, Field], where: str) -> dict[str, Any]:
         return parse_query(self.query, spec, where)
 
     def chunks(self) -> Iterator[bytes]:
-        """The raw body, streamed (needs Content-Length)."""
+        """The raw body, streamed (a Content-Length, or chunked)."""
+        if self.chunked:
+            while chunk := self.body.read(STREAM_CHUNK):
+                yield chunk
+            return
         total = self.content_length
         if total is None:
             raise BadRequest(f"{self.method} {self.path}: send the body with a Content-Length")
@@ -810,11 +831,8 @@ def process_stdin(c: Controller, req: Request) -> Response:
     sandbox_id = _sandbox_id(req)
     pid = _process_pid(req)
     q = req.args(PROCESS_STDIN_QUERY, _where(req))
-    length = req.content_length or 0
-    if length > MAX_STDIN_BODY:
-        raise PayloadTooLarge(f"{_where(req)}: {length} bytes of stdin in one call; the "
-                              f"limit is {MAX_STDIN_BODY} (send it in several calls)")
-    data = b"".join(req.chunks()) if length else b""
+    data = req.read_all(MAX_STDIN_BODY, _where(req), "stdin in one call (send it in "
+                        "several calls)")
     with agent_errors(sandbox_id, "send_stdin"):
         written = c.agent(sandbox_id).send_stdin(pid, data, eof=q["eof"])
     return Response(body={"pid": pid, "written": written, "closed": q["eof"]})

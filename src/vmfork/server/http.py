@@ -32,10 +32,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from vmfork.server import api, auth
+from vmfork.server import api, auth, e2b
 from vmfork.server.audit import AuditEntry, AuditLog
 from vmfork.server.controller import Controller
-from vmfork.server.errors import ApiError, BadRequest
+from vmfork.server.errors import ApiError, BadRequest, PayloadTooLarge
 
 log = logging.getLogger(__name__)
 DRAIN_BYTES = 64 << 10
@@ -155,11 +155,13 @@ class RequestHandler(BaseHTTPRequestHandler):
                           body=self.rfile, content_length=None)
         response: api.Response
         try:
-            if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            if isinstance(self.rfile, _ChunkedReader):
+                req.chunked = True
+            elif "Transfer-Encoding" in self.headers:
                 self.close_connection = True
-                raise BadRequest("chunked request bodies are not supported; send a "
-                                 "Content-Length")
-            if length_header is not None:
+                raise BadRequest(f"Transfer-Encoding {self.headers['Transfer-Encoding']!r:.60}"
+                                 " is not supported: send a Content-Length or chunked")
+            elif length_header is not None:
                 try:
                     req.content_length = int(length_header)
                     if req.content_length < 0:
@@ -167,14 +169,20 @@ class RequestHandler(BaseHTTPRequestHandler):
                 except ValueError:
                     self.close_connection = True
                     raise BadRequest(f"invalid Content-Length {length_header[:40]!r}") from None
-            route, req.params = api.match(self.command, split.path)
-            route_name = route.template
-            token = self.context.token
-            if token is not None and route.template not in auth.OPEN_ROUTES:
-                problem = auth.authorize(self.headers.get("Authorization"), token)
-                if problem is not None:
-                    raise _Unauthorized(problem)
-            response = route.handler(self.context.controller, req)
+            e2b_route = e2b.route_for(req)
+            if e2b_route is not None:
+                # E2B's wire (its control plane and envd): its own routes and tokens.
+                route_name = e2b_route.name
+                response = e2b_route.handle(self.context.controller, req, self.context.token)
+            else:
+                route, req.params = api.match(self.command, split.path)
+                route_name = route.template
+                token = self.context.token
+                if token is not None and route.template not in auth.OPEN_ROUTES:
+                    problem = auth.authorize(self.headers.get("Authorization"), token)
+                    if problem is not None:
+                        raise _Unauthorized(problem)
+                response = route.handler(self.context.controller, req)
         except ApiError as err:
             response = api.Response(err.status, err.body(), headers=err.headers)
         except Exception as err:
@@ -191,6 +199,8 @@ class RequestHandler(BaseHTTPRequestHandler):
             response = api.Response(502, {"error": f"the reply for {split.path} would carry "
                                           f"header {unsafe[0]!r:.60} with {unsafe[1]}; nothing "
                                           "of it was sent (a hostile or broken guest agent?)"})
+        if isinstance(req.body, _ChunkedReader) and req.body.broken:
+            self.close_connection = True   # the framing is lost: nothing after it is read
         self._drain(req)
         if isinstance(response, api.StreamResponse):
             self._send(response)
@@ -214,10 +224,14 @@ class RequestHandler(BaseHTTPRequestHandler):
         body was read: a bad path, a missing token), so the client, which may still
         be sending it, gets to read the answer and keep-alive works; a large unread
         body (an upload refused early) closes the connection instead."""
+        body = req.body
+        if isinstance(body, _ChunkedReader):
+            if not body.drain(DRAIN_BYTES):
+                self.close_connection = True
+            return
         length = req.content_length or 0
         if not length:
             return
-        body = req.body
         if isinstance(body, _CountingReader) and body.drain(DRAIN_BYTES):
             return
         self.close_connection = True
@@ -358,15 +372,118 @@ class _CountingReader:
         return self._vmfork_consumed
 
 
+MAX_CHUNK_LINE = 4096
+"""A chunk-size line, extensions included, and each trailer line, in bytes."""
+MAX_TRAILER_BYTES = 16 << 10
+MAX_CHUNKED_BODY = 64 << 30
+"""The most a chunked body may carry on any route; each route bounds its own body
+below that (a JSON body at ``api.MAX_JSON_BODY``, stdin at ``api.MAX_STDIN_BODY``) by
+reading at most its limit, as it does with a Content-Length."""
+
+
+class _ChunkedReader:
+    """A ``Transfer-Encoding: chunked`` request body (RFC 9112 7.1) as a plain reader:
+    ``read`` returns the data of the chunks and b"" after the last one. Bounded: a
+    chunk-size line or trailer line of at most ``MAX_CHUNK_LINE`` bytes, trailers
+    (read and ignored) of at most ``MAX_TRAILER_BYTES``, a body of at most
+    ``MAX_CHUNKED_BODY``. Bad framing raises ``BadRequest`` and marks the reader
+    ``broken`` (the connection is then closed: where the next request starts is
+    unknown). Each read is bounded by the socket's timeout, like any body read."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._left = 0           # of the current chunk
+        self._total = 0
+        self._done = False
+        self.broken = False
+
+    @property
+    def _vmfork_consumed(self) -> bool:
+        return self._done
+
+    def _fail(self, problem: str) -> BadRequest:
+        self.broken = True
+        return BadRequest(f"bad chunked request body: {problem}")
+
+    def _line(self) -> bytes:
+        line: bytes = self._raw.readline(MAX_CHUNK_LINE + 1)
+        if not line:
+            raise self._fail("the connection ended inside it")
+        if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n"):
+            raise self._fail(f"a line over {MAX_CHUNK_LINE} bytes")
+        return line.rstrip(b"\r\n")
+
+    def _next_chunk(self) -> None:
+        size_text = self._line().split(b";", 1)[0].strip()
+        if not size_text or len(size_text) > 16 or any(
+                c not in b"0123456789abcdefABCDEF" for c in size_text):
+            raise self._fail(f"chunk size {size_text[:20]!r} is not hexadecimal")
+        size = int(size_text, 16)
+        if self._total + size > MAX_CHUNKED_BODY:
+            raise PayloadTooLarge(f"chunked request body over {MAX_CHUNKED_BODY} bytes")
+        if size == 0:
+            trailer = 0
+            while True:   # trailers, ignored; the empty line ends the body
+                line = self._line()
+                if not line:
+                    break
+                trailer += len(line)
+                if trailer > MAX_TRAILER_BYTES:
+                    raise self._fail(f"trailers over {MAX_TRAILER_BYTES} bytes")
+            self._done = True
+        self._left = size
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while not self._done and (n < 0 or len(out) < n):
+            if self._left == 0:
+                self._next_chunk()
+                continue
+            want = self._left if n < 0 else min(self._left, n - len(out))
+            data: bytes = self._raw.read(want)
+            if not data:
+                raise self._fail("the connection ended inside a chunk")
+            out += data
+            self._left -= len(data)
+            self._total += len(data)
+            if self._left == 0 and self._raw.read(2) != b"\r\n":
+                raise self._fail("a chunk is not followed by CRLF")
+            if n < 0:
+                continue
+            break   # return what one chunk gave, as a socket read would
+        return bytes(out)
+
+    def drain(self, limit: int) -> bool:
+        """Read and drop what is left if it is at most ``limit`` bytes. True if the
+        body has now been read to its end, framing intact."""
+        try:
+            while not self._done and not self.broken and limit >= 0:
+                limit -= len(self.read(min(limit + 1, STREAM_DRAIN_READ)))
+        except (ApiError, OSError):
+            return False
+        return self._done and not self.broken
+
+
+STREAM_DRAIN_READ = 64 << 10
+
+
 class _BoundedHandler(RequestHandler):
     def _dispatch(self) -> None:
-        # Give handlers a reader that stops at Content-Length (never blocks reading
-        # into the next pipelined request) and records whether it was all read.
+        # Give handlers a reader that stops at the end of the body (Content-Length or
+        # the last chunk; never blocks reading into the next pipelined request) and
+        # records whether it was all read.
+        original = self.rfile
+        if self.headers.get("Transfer-Encoding", "").strip().lower() == "chunked":
+            self.rfile = _ChunkedReader(original)  # type: ignore[assignment]
+            try:
+                super()._dispatch()
+            finally:
+                self.rfile = original
+            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = 0
-        original = self.rfile
         self.rfile = _CountingReader(original, max(length, 0))  # type: ignore[assignment]
         try:
             super()._dispatch()

@@ -1,0 +1,313 @@
+"""E2B's control plane (the API its SDKs reach at ``E2B_API_URL``, ``api.<domain>``)
+translated onto vmfork's controller: templates are snapshot tags, a sandbox is a
+vmfork sandbox, and the key in ``X-API-KEY`` is the daemon's bearer token.
+
+Lifecycle (timeout, metadata, envs, pause/resume, metrics) goes to the controller's
+lifecycle methods where this daemon has them (``_lifecycle``); without them, a
+request that needs one is refused with 501 rather than half done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vmfork.server import api
+from vmfork.server.controller import Controller
+from vmfork.server.e2b.envd import ENVD_VERSION
+from vmfork.server.errors import ApiError, BadRequest, NotFound
+from vmfork.server.validation import (
+    Field,
+    between,
+    check_string_map,
+    check_tag,
+    parse_json_object,
+    parse_query,
+    validate_fields,
+)
+
+CLIENT_ID = "vmfork"
+MAX_TIMEOUT_SECS = 30 * 86400
+MAX_LIST_LIMIT = 1000
+MAX_METADATA = 64
+
+NEW_SANDBOX = {
+    "templateID": Field(str, check=check_tag),
+    "timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
+    "metadata": Field(dict, None, check_string_map, nullable=True),
+    "envVars": Field(dict, None, check_string_map, nullable=True),
+    "autoPause": Field(bool, None, nullable=True),
+    "autoPauseMemory": Field(bool, None, nullable=True),
+    "autoResume": Field(dict, None, nullable=True),
+    "secure": Field(bool, None, nullable=True),
+    "allow_internet_access": Field(bool, None, nullable=True),
+    "network": Field(dict, None, nullable=True),
+    "mcp": Field(dict, None, nullable=True),
+    "iam": Field(dict, None, nullable=True),
+    "volumeMounts": Field(list, None, nullable=True),
+}
+"""The fields of E2B's ``NewSandbox``; unknown ones are refused, as by vmfork's API."""
+TIMEOUT = {"timeout": Field(int, check=between(0, MAX_TIMEOUT_SECS))}
+CONNECT = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
+           "memory": Field(str, None, nullable=True)}
+RESUME = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
+          "autoPause": Field(bool, None, nullable=True)}
+REFRESH = {"duration": Field(int, None, between(0, 3600), nullable=True)}
+MAX_FORK_COUNT = 20
+FORK = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
+        "count": Field(int, 1, between(1, MAX_FORK_COUNT))}
+
+
+class Tokens:
+    """Per-sandbox envd access tokens: an HMAC of the sandbox id under the daemon's
+    key, so any daemon with the same key (a restarted one) checks them without
+    storing them, and one sandbox's token opens no other."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def for_sandbox(self, sandbox_id: str) -> str:
+        return hmac.new(self._key, b"envd:" + sandbox_id.encode(), hashlib.sha256).hexdigest()
+
+    def check(self, sandbox_id: str, given: str | None) -> bool:
+        return given is not None and hmac.compare_digest(
+            given.encode("utf-8", "surrogateescape"), self.for_sandbox(sandbox_id).encode())
+
+
+def _body(req: api.Request, spec: dict[str, Field], where: str) -> dict[str, Any]:
+    raw = req.read_all(api.MAX_JSON_BODY, where, "the JSON body")
+    return validate_fields(parse_json_object(raw or b"{}", where), spec, where)
+
+
+def _lifecycle(c: Controller, name: str, what: str) -> Callable[..., Any]:
+    """The controller's lifecycle method ``name`` (timeouts, pause/resume, metrics), or
+    a 501 that says this daemon has none."""
+    method = getattr(c, name, None)
+    if method is None:
+        raise NotImplementedOnThisDaemon(f"{what} needs sandbox lifecycles, which this "
+                                         "vmfork daemon does not have")
+    return method   # type: ignore[no-any-return]
+
+
+class NotImplementedOnThisDaemon(ApiError):
+    status = 501
+
+
+def _domain(req: api.Request) -> str | None:
+    """The sandbox domain to hand out: ``<domain>`` when the client reached this daemon
+    as ``api.<domain>`` (so envd is ``49983-<id>.<domain>``), else None (the SDK then
+    uses its own setting: ``E2B_SANDBOX_URL`` or ``E2B_DOMAIN``)."""
+    host = req.headers.get("host", "").rsplit(":", 1)[0] if "]" not in req.headers.get(
+        "host", "") else ""
+    return host[4:] if host.startswith("api.") and len(host) > 4 else None
+
+
+class ControlPlane:
+    def __init__(self, tokens: Tokens) -> None:
+        self.tokens = tokens
+
+    def _sandbox(self, c: Controller, info: dict[str, Any], req: api.Request) -> dict[str, Any]:
+        """E2B's ``Sandbox`` (what create, connect and resume answer)."""
+        return {"templateID": info["snapshot_tag"], "sandboxID": info["id"],
+                "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
+                "envdAccessToken": self.tokens.for_sandbox(info["id"]),
+                "domain": _domain(req)}
+
+    def _listed(self, c: Controller, info: dict[str, Any], sizes: dict[str, Any]
+                ) -> dict[str, Any]:
+        """E2B's ``ListedSandbox``."""
+        tag = info["snapshot_tag"]
+        if tag not in sizes:
+            try:
+                sizes[tag] = c.snapshot_info(tag)
+            except ApiError:
+                sizes[tag] = {}
+        snapshot = sizes[tag]
+        started = float(info.get("created_at_unix") or 0)
+        end_at = info.get("end_at_unix")
+        state = "paused" if info.get("status") == "paused" else "running"
+        return {"sandboxID": info["id"], "templateID": tag, "clientID": CLIENT_ID,
+                "startedAt": _iso(started),
+                "endAt": _iso(float(end_at)) if end_at else _iso(started + 100 * 365 * 86400),
+                "cpuCount": int(snapshot.get("vcpus") or 1),
+                "memoryMB": int(info.get("memory_limit_mib") or snapshot.get("mem_mib") or 0),
+                "diskSizeMB": 0, "envdVersion": ENVD_VERSION, "state": state,
+                "metadata": info.get("metadata") or {}}
+
+    # -- routes ------------------------------------------------------------------------
+
+    def create(self, c: Controller, req: api.Request) -> api.Response:
+        where = f"{req.method} {req.path}"
+        body = _body(req, NEW_SANDBOX, where)
+        for name in ("mcp", "iam", "volumeMounts", "autoResume"):
+            if body[name]:
+                raise BadRequest(f"{where}: {name} is not supported by vmfork")
+        if body["network"]:
+            raise BadRequest(f"{where}: network rules are not supported here; leave "
+                             "network out (vmfork's own API has egress policies)")
+        spawn: dict[str, Any] = {"snapshot_tag": body["templateID"]}
+        if body["allow_internet_access"] is False:
+            spawn.update(per_child_netns=True, egress={"mode": "deny"})
+        lifecycle = {}
+        if body["timeout"]:
+            lifecycle["timeout_secs"] = body["timeout"]
+            lifecycle["on_timeout"] = "pause" if body["autoPause"] else "kill"
+        if body["metadata"]:
+            if len(body["metadata"]) > MAX_METADATA:
+                raise BadRequest(f"{where}: more than {MAX_METADATA} metadata entries")
+            lifecycle["metadata"] = body["metadata"]
+        if body["envVars"]:
+            lifecycle["envs"] = body["envVars"]
+        if lifecycle:
+            if "timeout_secs" not in api.SANDBOX_CREATE:
+                # Without lifecycles the sandbox would live forever or lack its envs:
+                # accept only the E2B SDK's default timeout, which it always sends.
+                lifecycle.pop("timeout_secs", None)
+                lifecycle.pop("on_timeout", None)
+                if lifecycle:
+                    raise NotImplementedOnThisDaemon(
+                        f"{where}: {', '.join(sorted(lifecycle))} need sandbox lifecycles, "
+                        "which this vmfork daemon does not have")
+            spawn.update(lifecycle)
+        spawn = validate_fields(spawn, api.SANDBOX_CREATE, where)
+        req.snapshot_tag = body["templateID"]
+        [info] = c.create_sandboxes(spawn)
+        req.sandbox_ids = [info["id"]]
+        return api.Response(201, self._sandbox(c, info, req))
+
+    def list(self, c: Controller, req: api.Request) -> api.Response:
+        where = f"{req.method} {req.path}"
+        q = parse_query(req.query, {
+            "metadata": Field(str, None, nullable=True), "state": Field(str, None,
+                                                                      nullable=True),
+            "limit": Field(int, None, between(1, MAX_LIST_LIMIT), nullable=True),
+            "nextToken": Field(str, None, nullable=True),
+            "order": Field(str, None, nullable=True),
+            "template": Field(str, None, nullable=True),
+            "startedAfter": Field(str, None, nullable=True)}, where)
+        wanted_meta = _metadata_query(q["metadata"], where)
+        states = set(q["state"].split(",")) if q["state"] else {"running", "paused"}
+        if not states <= {"running", "paused"}:
+            raise BadRequest(f"{where}: state is running and/or paused")
+        sizes: dict[str, Any] = {}
+        listed = [self._listed(c, i, sizes) for i in c.list_sandboxes()
+                  if i.get("status") in ("running", "paused")]
+        listed = [s for s in listed if s["state"] in states
+                  and all(s["metadata"].get(k) == v for k, v in wanted_meta.items())
+                  and (q["template"] is None or s["templateID"] == q["template"])]
+        listed.sort(key=lambda s: (s["startedAt"], s["sandboxID"]),
+                    reverse=q["order"] == "desc")
+        start = 0
+        if q["nextToken"]:
+            if not q["nextToken"].isdigit():
+                raise BadRequest(f"{where}: nextToken is not one this server gave")
+            start = int(q["nextToken"])
+        limit = q["limit"] or MAX_LIST_LIMIT
+        page = listed[start:start + limit]
+        headers = {}
+        if start + limit < len(listed):
+            headers["x-next-token"] = str(start + limit)
+        return api.Response(200, page, headers=headers)
+
+    def get(self, c: Controller, req: api.Request) -> api.Response:
+        info = c.get_sandbox(_id(req))
+        detail = self._listed(c, info, {})
+        detail.update(envdAccessToken=self.tokens.for_sandbox(info["id"]), domain=_domain(req))
+        return api.Response(200, detail)
+
+    def kill(self, c: Controller, req: api.Request) -> api.Response:
+        c.delete_sandbox(_id(req))
+        return api.Response(204)
+
+    def set_timeout(self, c: Controller, req: api.Request) -> api.Response:
+        sandbox_id = _id(req)
+        body = _body(req, TIMEOUT, f"{req.method} {req.path}")
+        _lifecycle(c, "set_timeout", "set_timeout")(sandbox_id, body["timeout"] or None)
+        return api.Response(204)
+
+    def refresh(self, c: Controller, req: api.Request) -> api.Response:
+        sandbox_id = _id(req)
+        body = _body(req, REFRESH, f"{req.method} {req.path}")
+        if body["duration"]:
+            _lifecycle(c, "connect_sandbox", "a refresh")(sandbox_id, body["duration"])
+        else:
+            c.get_sandbox(sandbox_id)
+        return api.Response(204)
+
+    def connect(self, c: Controller, req: api.Request) -> api.Response:
+        sandbox_id = _id(req)
+        body = _body(req, CONNECT, f"{req.method} {req.path}")
+        method = getattr(c, "connect_sandbox", None)
+        if method is not None:
+            info = method(sandbox_id, body["timeout"] or None)
+        else:
+            info = c.get_sandbox(sandbox_id)
+            if info.get("status") != "running":
+                raise NotFound(f"sandbox {sandbox_id} is {info.get('status')}, not running")
+        return api.Response(200, self._sandbox(c, info, req))
+
+    def pause(self, c: Controller, req: api.Request) -> api.Response:
+        sandbox_id = _id(req)
+        _body(req, {}, f"{req.method} {req.path}")
+        _lifecycle(c, "pause_sandbox", "pause")(sandbox_id)
+        return api.Response(204)
+
+    def resume(self, c: Controller, req: api.Request) -> api.Response:
+        sandbox_id = _id(req)
+        body = _body(req, RESUME, f"{req.method} {req.path}")
+        info = _lifecycle(c, "resume_sandbox", "resume")(sandbox_id, body["timeout"] or None)
+        return api.Response(201, self._sandbox(c, info, req))
+
+    def fork(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's fork: BRANCH the running sandbox (it pauses briefly and goes on, same id)
+        into a snapshot named by the daemon, then spawn ``count`` sandboxes from it. The
+        snapshot stays, as a template (``templateID`` of the forks) that can be deleted
+        once they are gone; each fork's result is one entry, as E2B answers."""
+        sandbox_id = _id(req)
+        where = f"{req.method} {req.path}"
+        body = _body(req, FORK, where)
+        branch = validate_fields({}, api.BRANCH, where)
+        _, snapshot = c.branch_sandbox(sandbox_id, branch)
+        spawn: dict[str, Any] = {"snapshot_tag": snapshot["tag"], "n": body["count"]}
+        if body["timeout"] and "timeout_secs" in api.SANDBOX_CREATE:
+            spawn["timeout_secs"] = body["timeout"]
+        req.snapshot_tag = snapshot["tag"]
+        infos = c.create_sandboxes(validate_fields(spawn, api.SANDBOX_CREATE, where))
+        req.sandbox_ids = [sandbox_id, *(i["id"] for i in infos)]
+        return api.Response(201, [{"sandbox": self._sandbox(c, i, req)} for i in infos])
+
+    def metrics(self, c: Controller, req: api.Request) -> api.Response:
+        sandbox_id = _id(req)
+        m = _lifecycle(c, "sandbox_metrics", "get_metrics")(sandbox_id)
+        return api.Response(200, [{
+            "timestamp": _iso(time.time()), "timestampUnix": int(time.time()),
+            "cpuCount": int(m.get("vcpus") or 1),
+            "cpuUsedPct": float(m.get("cpu_used_pct") or 0.0),
+            "memUsed": int(m.get("memory_cgroup_bytes") or 0),
+            "memTotal": int(m.get("guest_mem_mib") or 0) << 20,
+            "memCache": 0,
+            "diskUsed": int(m.get("disk_used_bytes") or 0),
+            "diskTotal": int(m.get("disk_total_bytes") or 0)}])
+
+
+def _id(req: api.Request) -> str:
+    sandbox_id = req.params["id"]
+    req.sandbox_ids = [sandbox_id]
+    return sandbox_id
+
+
+def _metadata_query(raw: str | None, where: str) -> dict[str, str]:
+    """E2B's ``metadata`` filter: ``k=v&k2=v2``, each key and value percent-encoded,
+    the whole percent-encoded again as one query value."""
+    import urllib.parse
+    if not raw:
+        return {}
+    pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, max_num_fields=MAX_METADATA)
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def _iso(unix: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix))

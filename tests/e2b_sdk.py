@@ -1,0 +1,93 @@
+"""The real E2B SDK (``e2b`` from the package index, pinned; its own venv, made by
+``scripts/lib.sh setup_e2b_sdk``) for the tests that drive ``vmfork serve`` with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+E2B_SDK_VERSION = "2.63.0"
+"""Kept equal to ``E2B_SDK_VERSION`` in scripts/lib.sh."""
+E2B_JS_SDK_VERSION = "2.51.0"
+"""The JavaScript SDK (``e2b`` on the npm registry); ``E2B_JS_SDK_VERSION`` there."""
+PROGRAMS = Path(__file__).parent / "e2b_programs"
+
+
+def _cache() -> Path:
+    return Path(os.environ.get("VMFORK_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vmfork")
+
+
+def sdk_node_modules() -> Path:
+    """The JavaScript SDK's ``node_modules`` (the set-up installs it)."""
+    where = _cache() / f"e2b-js-{E2B_JS_SDK_VERSION}"
+    if not (where / ".complete").exists():
+        raise AssertionError(f"e2b {E2B_JS_SDK_VERSION} (npm) is not installed at {where}: "
+                             "run the set-up (scripts/test, or scripts/lib.sh setup_e2b_sdk)")
+    return where / "node_modules"
+
+
+def sdk_python() -> Path:
+    """The E2B SDK venv's interpreter (the set-up makes it; a test fails without it)."""
+    venv = _cache() / f"e2b-{E2B_SDK_VERSION}"
+    python = venv / "bin" / "python"
+    if not (python.exists() and (venv / ".complete").exists()):
+        raise AssertionError(f"e2b {E2B_SDK_VERSION} is not installed at {venv}: run the "
+                             "set-up (scripts/test, or scripts/lib.sh setup_e2b_sdk)")
+    return python
+
+
+def e2b_env(api_url: str, key: str, ca_file: str | None = None) -> dict[str, str]:
+    """What an E2B user sets to point the SDK at vmfork: nothing else."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
+    env.update(E2B_API_KEY=key, E2B_API_URL=api_url, E2B_SANDBOX_URL=api_url)
+    if ca_file is not None:   # how each runtime takes a CA beside the system's
+        env.update(SSL_CERT_FILE=ca_file, NODE_EXTRA_CA_CERTS=ca_file)
+    return env
+
+
+def run_program(python: Path, name: str, args: list[str], env: dict[str, str],
+                timeout: float = 300) -> dict:
+    """Run ``tests/e2b_programs/<name>.py`` with the SDK; its one JSON line of output."""
+    return _run([str(python), str(PROGRAMS / f"{name}.py"), *args], name, env, timeout)
+
+
+def run_js_program(name: str, args: list[str], env: dict[str, str],
+                   timeout: float = 300) -> dict:
+    """Run ``tests/e2b_programs/<name>.cjs`` with the JavaScript SDK, likewise."""
+    env = dict(env, NODE_PATH=str(sdk_node_modules()))
+    return _run(["node", str(PROGRAMS / f"{name}.cjs"), *args], name, env, timeout)
+
+
+def _run(cmd: list[str], name: str, env: dict[str, str], timeout: float) -> dict:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        raise AssertionError(f"{name} exited {done.returncode}: {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_tour(seen: dict, work: str) -> None:
+    """What tests/e2b_programs/tour.py and tour.cjs must have seen."""
+    assert seen["run"]["stdout"] == "hello\nhi-env" and seen["run"]["stderr"] == "oops\n"
+    assert seen["run"]["exit_code"] == 0 and "".join(seen["run"]["chunks"]) == "hello\nhi-env"
+    assert seen["pwd"] == work + "\n"
+    assert seen["exit3"] == 3
+    assert seen["echoed"] is True and seen["listed_cat"] is True and seen["killed"] is True
+    assert seen["cat_end"]["stdout"] == "from stdin\n"
+    assert seen["reconnected"] == "woke\n"
+    assert seen["read"] == "alpha" and bytes(seen["read_bytes"]) == b"alpha"
+    assert seen["exists"] == [True, False]
+    assert seen["made"] == [True, False]
+    assert seen["renamed"] == f"{work}/sub/b.txt"
+    assert seen["list"] == [["b.txt", False], ["deeper", True]]
+    assert seen["info_size"] == 5 and seen["removed"] is True and seen["big"] is True
+    assert "watched.txt" in {name for name, _ in seen["watch"]}
+    assert "30 100" in seen["pty"]
+    assert seen["listed"] is True and seen["running"] is True
+    assert seen["connected_run"] == "again\n"
+    assert seen["forks"] == ["kept", "kept"] and seen["forks_distinct"] == 3
+    assert seen["kill"] is True and seen["listed_after_kill"] is False

@@ -1,0 +1,53 @@
+"""The unmodified E2B SDK (``e2b`` from the package index, pinned, in its own venv)
+against ``vmfork serve`` with real guests: an E2B program (tests/e2b_programs/tour.py)
+pointed at the daemon by environment variables only — E2B_API_KEY (the daemon's
+token), E2B_API_URL and E2B_SANDBOX_URL (the daemon's TCP address). A template is a
+snapshot tag."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2b_sdk import check_tour, e2b_env, run_js_program, run_program, sdk_python
+from tests.mcp_support import RunningDaemon, running_daemon
+
+pytestmark = pytest.mark.e2e
+TOKEN = "e2b-wire-e2e-token-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, str]]:
+    port = _free_port()
+    with running_daemon(tmp_path_factory.mktemp("e2b"), token=TOKEN,
+                        bind=f"127.0.0.1:{port}") as d:
+        d.controller.create_snapshot("e2b-base", mem_mib=256)
+        yield d, f"http://127.0.0.1:{port}"
+        for sandbox in d.controller.list_sandboxes():
+            d.controller.kill_sandbox(sandbox["id"])
+
+
+@pytest.mark.parametrize("sdk", ["python", "javascript"])
+def test_the_e2b_sdk_drives_real_guests(daemon: tuple[RunningDaemon, str], sdk: str) -> None:
+    d, url = daemon
+    work = f"/tmp/e2b-tour-{sdk}"
+    started = time.monotonic()
+    if sdk == "python":
+        seen = run_program(sdk_python(), "tour", ["e2b-base", work], e2b_env(url, TOKEN),
+                           timeout=900)
+    else:
+        seen = run_js_program("tour", ["e2b-base", work], e2b_env(url, TOKEN), timeout=900)
+    elapsed = time.monotonic() - started
+    check_tour(seen, work)
+    assert d.controller.list_sandboxes() == []
+    print(f"\nE2B tour ({sdk} SDK) against real guests: {elapsed:.1f} s")

@@ -1,0 +1,338 @@
+"""E2B's wire on the daemon: the real E2B SDK (its own venv) drives a real daemon on
+TCP, whose sandboxes have a real agent server behind them (on this host: only the VM
+is left out; tests/e2e/test_e2b_sdk.py runs the same program against real guests).
+Plus the protocol's edges with raw HTTP: tokens, Connect errors, chunked bodies."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.e2b_sdk import check_tour, e2b_env, run_js_program, run_program, sdk_python
+from tests.tls_certs import make_ca, make_server
+from tests.unit.agent_support import running_agent
+from tests.unit.test_server_http import TOKEN, _fake_snapshot
+from tests.unit.test_server_processes import AgentBackedSpawner
+from vmfork.server.audit import AuditLog
+from vmfork.server.controller import Controller as Ctl
+from vmfork.server.controller import Limits
+from vmfork.server.http import ServerContext, handler_for, tcp_server
+from vmfork.server.metrics import DaemonMetrics
+from vmfork.server.registry import Registry
+from vmfork.server.tls import server_context
+from vmfork.store import Store
+
+
+@dataclass
+class Daemon:
+    url: str
+    port: int
+    ctl: Ctl
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Daemon]:
+    yield from _daemon(tmp_path)
+
+
+def _daemon(tmp_path: Path, tls: ssl.SSLContext | None = None) -> Iterator[Daemon]:
+    with running_agent() as agent:
+        store = Store.open(tmp_path / "home")
+        registry = Registry(tmp_path / "registry.db")
+        ctl = Ctl(store, registry, AgentBackedSpawner(agent), DaemonMetrics("test"),
+                  make_snapshot=_fake_snapshot, limits=Limits(heavy_concurrency=4))
+        ctl.start()
+        server = tcp_server("127.0.0.1:0", handler_for(
+            ServerContext(ctl, TOKEN, AuditLog(tmp_path / "audit.log"))), tls=tls)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        _fake_snapshot(store, {"tag": "base", "warm_cmd": None})
+        port = server.server_address[1]
+        try:
+            yield Daemon(f"{'https' if tls else 'http'}://127.0.0.1:{port}", port, ctl)
+        finally:
+            server.shutdown()
+            server.server_close()
+            ctl.stop()
+            registry.close()
+
+
+@pytest.mark.parametrize("sdk", ["python", "javascript"])
+def test_the_e2b_sdk_tour(daemon: Daemon, tmp_path: Path, sdk: str) -> None:
+    work = str(tmp_path / "work")
+    env = e2b_env(daemon.url, TOKEN.decode())
+    if sdk == "python":
+        seen = run_program(sdk_python(), "tour", ["base", work], env)
+    else:
+        seen = run_js_program("tour", ["base", work], env)
+    check_tour(seen, work)
+
+
+@pytest.mark.parametrize("sdk", ["python", "javascript"])
+def test_the_e2b_sdk_tour_over_tls(tmp_path: Path, sdk: str) -> None:
+    """``--tls-cert/--tls-key``: the SDKs verify the daemon with a CA given the way
+    each runtime takes one (SSL_CERT_FILE, NODE_EXTRA_CA_CERTS), and speak HTTP/1.1
+    over it (the daemon's TLS offers no HTTP/2)."""
+    (tmp_path / "certs").mkdir()
+    ca, ca_cert, ca_key = make_ca(tmp_path / "certs")
+    pair = make_server(tmp_path / "certs", ca_cert, ca_key)
+    for d in _daemon(tmp_path, server_context(pair.cert, pair.key)):
+        env = e2b_env(d.url, TOKEN.decode(), ca_file=str(ca.cert))
+        work = str(tmp_path / "work")
+        if sdk == "python":
+            seen = run_program(sdk_python(), "tour", ["base", work], env)
+        else:
+            seen = run_js_program("tour", ["base", work], env)
+        check_tour(seen, work)
+
+
+# -- the protocol's edges, with raw HTTP ------------------------------------------------
+
+
+def _request(d: Daemon, method: str, path: str, body: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def _create(d: Daemon) -> dict:
+    status, _, raw = _request(d, "POST", "/v2/sandboxes", json.dumps(
+        {"templateID": "base", "timeout": 300}).encode(),
+        {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"})
+    assert status == 201, raw
+    return json.loads(raw)
+
+
+def _rpc(d: Daemon, sandbox: dict, method: str, message: dict,
+         token: str | None = None) -> tuple[int, dict]:
+    status, _, raw = _request(d, "POST", f"/{method}", json.dumps(message).encode(), {
+        "Content-Type": "application/json", "E2b-Sandbox-Id": sandbox["sandboxID"],
+        "X-Access-Token": token or sandbox["envdAccessToken"]})
+    return status, json.loads(raw)
+
+
+def _envelopes(raw: bytes) -> list[tuple[int, dict]]:
+    out = []
+    while raw:
+        flags, length = struct.unpack(">BI", raw[:5])
+        out.append((flags, json.loads(raw[5:5 + length])))
+        raw = raw[5 + length:]
+    return out
+
+
+def test_the_control_plane_wants_the_daemon_token(daemon: Daemon) -> None:
+    for headers in ({}, {"X-API-KEY": "wrong"}, {"Authorization": f"Bearer {TOKEN.decode()}"}):
+        status, _, raw = _request(daemon, "GET", "/v2/sandboxes", headers=headers)
+        assert status == 401 and json.loads(raw)["code"] == 401
+    status, _, raw = _request(daemon, "GET", "/v2/sandboxes",
+                              headers={"X-API-KEY": TOKEN.decode()})
+    assert status == 200 and json.loads(raw) == []
+    # vmfork's own API is untouched: a bearer token, not X-API-KEY.
+    assert _request(daemon, "GET", "/v1/sandboxes",
+                    headers={"X-API-KEY": TOKEN.decode()})[0] == 401
+
+
+def test_create_refuses_what_it_cannot_do(daemon: Daemon) -> None:
+    key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
+    for body, status in (({"templateID": "nope"}, 404), ({"templateID": "../x"}, 400),
+                         ({"templateID": "base", "bogus": 1}, 400),
+                         ({"templateID": "base", "mcp": {"x": {}}}, 400),
+                         ({"templateID": "base", "timeout": -1}, 400),
+                         ({"templateID": "base", "metadata": {"k": 1}}, 400)):
+        got, _, raw = _request(daemon, "POST", "/v2/sandboxes", json.dumps(body).encode(), key)
+        assert got == status, (body, raw)
+        assert json.loads(raw)["code"] == status
+    assert daemon.ctl.list_sandboxes() == []   # nothing partial was made
+    got, headers, _ = _request(daemon, "PUT", "/v2/sandboxes", b"{}", key)
+    assert got == 405 and headers["allow"] == "GET, POST"
+    assert _request(daemon, "DELETE", "/sandboxes/sb-nope", headers=key)[0] in (400, 404)
+
+
+def test_envd_tokens_are_per_sandbox(daemon: Daemon) -> None:
+    one, two = _create(daemon), _create(daemon)
+    assert one["envdAccessToken"] != two["envdAccessToken"]
+    status, body = _rpc(daemon, one, "process.Process/List", {}, token=two["envdAccessToken"])
+    assert status == 401 and body["code"] == "unauthenticated"
+    status, body = _rpc(daemon, one, "process.Process/List", {})
+    assert status == 200 and body == {"processes": []}
+    # By Host, as behind a TLS proxy for E2B_DOMAIN: 49983-<id>.<domain>.
+    status, _, raw = _request(daemon, "POST", "/process.Process/List", b"{}", {
+        "Host": f"49983-{one['sandboxID']}.e2b.example", "Content-Type": "application/json",
+        "X-Access-Token": one["envdAccessToken"]})
+    assert status == 200 and json.loads(raw) == {"processes": []}
+    status, _, raw = _request(daemon, "GET", "/health", headers={
+        "E2b-Sandbox-Id": "sb-unknown", "X-Access-Token": one["envdAccessToken"]})
+    assert status == 401
+
+
+def test_connect_errors(daemon: Daemon) -> None:
+    sb = _create(daemon)
+    cases = [
+        ("process.Process/SendSignal", {"process": {"pid": 1}, "signal": "SIGNAL_SIGHUP"},
+         "invalid_argument"),
+        ("process.Process/SendInput", {"process": {"pid": 4000000}, "input": {"stdin": "eA=="}},
+         "not_found"),
+        ("process.Process/Update", {"process": {"pid": 1}, "pty": {"size": {"rows": 5000,
+                                                                             "cols": 80}}},
+         "invalid_argument"),
+        ("process.Process/StreamInput", {}, "unimplemented"),
+        ("filesystem.Filesystem/Stat", {"path": "/definitely/not/here"}, "not_found"),
+        ("filesystem.Filesystem/Stat", {"path": "a\u0000b"}, "invalid_argument"),
+        ("filesystem.Filesystem/GetWatcherEvents", {"watcherId": "nope"}, "not_found"),
+        ("filesystem.Filesystem/ListDir", {"path": "/", "depth": 99}, "invalid_argument"),
+    ]
+    for method, message, code in cases:
+        status, body = _rpc(daemon, sb, method, message)
+        assert body["code"] == code, (method, body)
+        assert status == {"invalid_argument": 400, "not_found": 404,
+                          "unimplemented": 501}[code]
+    status, _, raw = _request(daemon, "POST", "/process.Process/List", b"not json", {
+        "Content-Type": "application/json", "E2b-Sandbox-Id": sb["sandboxID"],
+        "X-Access-Token": sb["envdAccessToken"]})
+    assert status == 400 and json.loads(raw)["code"] == "invalid_argument"
+    # A stream's error is in its end-of-stream envelope, with status 200.
+    message = json.dumps({"process": {"pid": 4000000}}).encode()
+    status, headers, raw = _request(daemon, "POST", "/process.Process/Connect",
+                                    struct.pack(">BI", 0, len(message)) + message, {
+        "Content-Type": "application/connect+json", "E2b-Sandbox-Id": sb["sandboxID"],
+        "X-Access-Token": sb["envdAccessToken"]})
+    assert status == 200 and headers["content-type"] == "application/connect+json"
+    [(flags, end)] = _envelopes(raw)
+    assert flags == 2 and end["error"]["code"] == "not_found"
+
+
+def _raw(d: Daemon, head: str, body: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", d.port), timeout=30) as sock:
+        try:
+            sock.sendall(head.encode() + b"\r\n" + body)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass   # answered and closed before all of it was sent
+        out = b""
+        while chunk := sock.recv(65536):
+            out += chunk
+        return out
+
+
+def test_chunked_request_bodies(daemon: Daemon, tmp_path: Path) -> None:
+    sb = _create(daemon)
+    head = (f"POST /filesystem.Filesystem/MakeDir HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Type: application/json\r\nE2b-Sandbox-Id: {sb['sandboxID']}\r\n"
+            f"X-Access-Token: {sb['envdAccessToken']}\r\nTransfer-Encoding: chunked\r\n"
+            "Connection: close\r\n")
+    target = str(tmp_path / "made-from-chunks")
+    message = json.dumps({"path": target}).encode()
+    half = len(message) // 2
+    good = (b"%x;ext=1\r\n%s\r\n%x\r\n%s\r\n0\r\nX-Trailer: ignored\r\n\r\n"
+            % (half, message[:half], len(message) - half, message[half:]))
+    reply = _raw(daemon, head, good)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["entry"]["path"] == target
+    for bad in (b"zz\r\n{}\r\n0\r\n\r\n",              # not hexadecimal
+                b"2\r\n{}XX0\r\n\r\n",                    # no CRLF after the data
+                b"%s\r\n" % (b"1" * 5000),                # a chunk-size line too long
+                b"10\r\n{}"):                              # ends inside a chunk
+        reply = _raw(daemon, head, bad)
+        assert reply.startswith(b"HTTP/1.1 400"), (bad[:40], reply[:300])
+    # Over the route's own limit (a JSON message is at most 1 MiB): 413 / resource_exhausted.
+    big = b"[" + b"1," * (600 << 10) + b"1]"
+    reply = _raw(daemon, head, b"%x\r\n%s\r\n0\r\n\r\n" % (len(big), big))
+    assert reply.split(b"\r\n", 1)[0] in (b"HTTP/1.1 413 Payload Too Large",
+                                           b"HTTP/1.1 429 Too Many Requests"), reply[:300]
+    # vmfork's own routes take chunked bodies too (they were refused before).
+    reply = _raw(daemon, "POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                 f"{TOKEN.decode()}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n",
+                 b'1a\r\n{"snapshot_tag": "base"}  \r\n0\r\n\r\n')
+    assert reply.startswith(b"HTTP/1.1 201"), reply[:300]
+
+
+def test_list_pages(daemon: Daemon) -> None:
+    made = {_create(daemon)["sandboxID"] for _ in range(3)}
+    key = {"X-API-KEY": TOKEN.decode()}
+    status, headers, raw = _request(daemon, "GET", "/v2/sandboxes?limit=2", headers=key)
+    first = [s["sandboxID"] for s in json.loads(raw)]
+    assert status == 200 and len(first) == 2 and headers["x-next-token"]
+    status, headers, raw = _request(
+        daemon, "GET", f"/v2/sandboxes?limit=2&nextToken={headers['x-next-token']}",
+        headers=key)
+    second = [s["sandboxID"] for s in json.loads(raw)]
+    assert len(second) == 1 and "x-next-token" not in headers
+    assert set(first + second) == made
+    assert _request(daemon, "GET", "/v2/sandboxes?limit=0", headers=key)[0] == 400
+    assert _request(daemon, "GET", "/v2/sandboxes?state=gone", headers=key)[0] == 400
+
+
+def test_files_multipart_and_octet_stream(daemon: Daemon, tmp_path: Path) -> None:
+    sb = _create(daemon)
+    envd = {"E2b-Sandbox-Id": sb["sandboxID"], "X-Access-Token": sb["envdAccessToken"]}
+    one, two = tmp_path / "m" / "one.txt", tmp_path / "m" / "deep" / "two.bin"
+    boundary = "b0undary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"{one}\"\r\nContent-Type: text/plain\r\n\r\nfirst\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"{two}\"\r\n\r\n").encode() + bytes(range(256)) * 400 + (
+            f"\r\n--{boundary}--\r\n").encode()
+    status, _, raw = _request(daemon, "POST", "/files", body, {
+        **envd, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert status == 200, raw
+    assert [w["path"] for w in json.loads(raw)] == [str(one), str(two)]
+    assert one.read_bytes() == b"first" and two.read_bytes() == bytes(range(256)) * 400
+    status, _, raw = _request(daemon, "POST", f"/files?path={tmp_path}/o/raw.bin",
+                              b"\x00raw\r\n--x", {**envd,
+                                                  "Content-Type": "application/octet-stream"})
+    assert status == 200 and (tmp_path / "o" / "raw.bin").read_bytes() == b"\x00raw\r\n--x"
+    status, _, raw = _request(daemon, "GET", f"/files?path={tmp_path}/o/raw.bin", headers=envd)
+    assert status == 200 and raw == b"\x00raw\r\n--x"
+    status, _, raw = _request(daemon, "GET", f"/files?path={tmp_path}/nope", headers=envd)
+    assert status == 404 and json.loads(raw)["code"] == 404
+    for bad_type, bad_body in (("multipart/form-data", b"--x\r\n"),   # no boundary
+                               ("multipart/form-data; boundary=x", b"no delimiter here"),
+                               ("multipart/form-data; boundary=x",
+                                b"--x\r\nContent-Disposition: form-data; name=f; "
+                                b"filename=\"%s/cut/t\"\r\n\r\nnever ends" % str(
+                                    tmp_path).encode())):
+        status, _, raw = _request(daemon, "POST", "/files", bad_body,
+                                  {**envd, "Content-Type": bad_type})
+        assert status == 400, (bad_type, raw)
+    assert not (tmp_path / "cut" / "t").exists()   # a cut upload leaves no file
+
+
+def test_lifecycle_calls(daemon: Daemon) -> None:
+    """With the controller's lifecycles (timeouts, metadata, envs, pause/resume,
+    metrics), the SDK's lifecycle program; without them, each call is refused with 501
+    rather than half done (the E2B SDK's default timeout alone is accepted)."""
+    if hasattr(Ctl, "set_timeout"):
+        seen = run_program(sdk_python(), "lifecycle", ["base"],
+                           e2b_env(daemon.url, TOKEN.decode()))
+        assert seen["env"] == "yes\n" and seen["env_after_resume"] == "yes\n"
+        assert 100 < seen["end_in"] <= 120 and 580 < seen["end_in_after"] <= 600
+        assert seen["filtered"] == [True] and seen["filtered_none"] == []
+        assert seen["states"] == ["paused"] and seen["same_id"] is True
+        assert seen["metrics"] == 1 and seen["kill"] is True
+        return
+    key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
+    for extra in ({"metadata": {"a": "b"}}, {"envVars": {"A": "b"}}):
+        status, _, raw = _request(daemon, "POST", "/v2/sandboxes", json.dumps(
+            {"templateID": "base", **extra}).encode(), key)
+        assert status == 501, raw
+    assert daemon.ctl.list_sandboxes() == []
+    sb = _create(daemon)
+    for method, path, body in (("POST", "timeout", {"timeout": 60}), ("POST", "pause", {}),
+                               ("POST", "resume", {}), ("GET", "metrics", None)):
+        status, _, raw = _request(daemon, method, f"/sandboxes/{sb['sandboxID']}/{path}",
+                                  None if body is None else json.dumps(body).encode(), key)
+        assert status == 501 and "lifecycles" in json.loads(raw)["message"], (path, raw)
