@@ -106,8 +106,9 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
   test("a sandbox that ends changes state in the table without a reload", async () => {
     const listed = await api("GET", "/v1/sandboxes");
     const other = listed.find((s) => s.id !== sandboxId).id;
-    // Its guest powers off: the table follows the daemon's view of it.
-    await api("POST", `/v1/sandboxes/${other}/exec`, { args: ["/bin/sh", "-c", "(sleep 1; poweroff -f) >/dev/null 2>&1 &"] });
+    // Its guest resets (the i8042 reset line ends the VMM): the table follows the
+    // daemon's view of it.
+    await api("POST", `/v1/sandboxes/${other}/exec`, { args: ["/bin/sh", "-c", "(sleep 1; reboot -f) >/dev/null 2>&1 &"] });
     await page.locator(`#sandboxes tr[data-id="${other}"] .state`).filter({ hasNotText: "running" }).waitFor(WAIT);
     await page.getByRole("button", { name: `kill ${other}` }).waitFor({ state: "detached", ...WAIT });
   });

@@ -304,7 +304,9 @@ async function refreshSnapshots() {
   }));
   const render = (node) => {
     const info = infos.get(node.tag);
-    const kind = node.parent_tag ? "diff link" : node.branched_from ? `branch (${node.branch_mode ?? "full"})` : "root";
+    // A BRANCH of a running sandbox says its mode (a diff one also has a parent_tag);
+    // a link made another way (snapshot-diff, a pull) is a plain diff link.
+    const kind = node.branch_mode ? `branch (${node.branch_mode})` : node.parent_tag ? "diff link" : "root";
     const details = [kind, node.status];
     if (info) details.push(`disk ${mib(info.unique_bytes ?? info.physical_bytes ?? 0)}`, `layer ${mib(info.layer_bytes ?? 0)}`);
     if (node.compacted_from || info?.compacted_from) details.push("compacted");
