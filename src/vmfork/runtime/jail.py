@@ -246,6 +246,34 @@ class PidNamespaces:
         _check(_libc.setns(self._own, CLONE_NEWPID), "setns back to the zygote's PID namespace")
 
 
+def become_pid_namespace_init() -> None:
+    """Go on as pid 1 of a new PID namespace, for a process the zygote did not fork (a
+    parent VMM, ``runtime/parent.py``): ``unshare(CLONE_NEWPID)`` then ``fork``; the
+    caller's process stays outside only to wait for it and end as it ended (the same
+    exit status, or killed by the same signal), and the new process dies with it.
+    Call it before any thread exists."""
+    import signal
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    pid = os.fork()
+    if pid == 0:
+        _check(_libc.prctl(1, signal.SIGKILL, 0, 0, 0), "die with the waiter")  # PDEATHSIG
+        return
+    for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(forwarded, lambda signum, _frame: os.kill(pid, signal.SIGKILL))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
 def python_paths() -> tuple[str, ...]:
     """What this interpreter may still read after the pivot: its standard library
     (``lib-dynload`` included), its site-packages and vmfork's own source. Nothing

@@ -371,6 +371,8 @@ def _process_main(request_path: str, result_path: str) -> int:
         _check_parent_args(req.warm_code, req.warm_cmd, volumes)
         before_start: Callable[[], None] | None = None
         if req.jail_uid is not None:
+            from vmfork.runtime.jail import become_pid_namespace_init
+            become_pid_namespace_init()   # from here, pid 1 of a namespace of its own
             # Before any thread exists: the jail joins the network namespace (the VMM's
             # threads inherit it) and attaches to the tap while it still may.
             _enter_parent_jail(req, image, volumes)
