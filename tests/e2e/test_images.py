@@ -15,7 +15,7 @@ import pytest
 
 from vmfork.image import find_image
 from vmfork.runtime.guest import BootedGuest
-from vmfork.runtime.parent import WarmUpFailed, snapshot_parent
+from vmfork.runtime.parent import ParentFailed, ParentRequest, boot_parent, snapshot_parent
 from vmfork.runtime.spawn import fork_children
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Store, packs
@@ -78,8 +78,10 @@ def test_disk_root_is_read_only_under_a_ram_overlay() -> None:
 def test_numpy_pandas_warm_in_ten_children(store: Store, zygote: ZygoteProcess,
                                            tmp_path: Path, image_name: str) -> None:
     image = find_image(image_name)
-    report = snapshot_parent(store, image_name, image, mem_mib=384, warm_code=SCI_WARM)
-    snap = report.snapshot
+    # The way the CLI and the daemon make it: a jailed parent VMM (docs/security.md).
+    boot_parent(ParentRequest(tag=image_name, image=image_name, mem_mib=384,
+                              warm_code=SCI_WARM, store_root=str(store.root)), jail=True)
+    snap = store.get(image_name)
     assert snap.meta.image == image_name and snap.meta.extra["image_disk"] == image.disk_key
     client = zygote.client()
     fork = fork_children(client, snap, 10, tmp_path / "vms")
@@ -108,9 +110,11 @@ def test_node_image_runs_its_own_programs() -> None:
 
 
 def test_warm_up_out_of_memory_says_so(store: Store) -> None:
-    with pytest.raises(WarmUpFailed, match="ran out of memory.*--mem-mib"):
-        snapshot_parent(store, "oom", find_image("t-sci-deb"), mem_mib=128,
-                        warm_cmd="python3 -c 'b = bytearray(512 << 20)'")
+    with pytest.raises(ParentFailed, match="ran out of memory.*--mem-mib") as caught:
+        boot_parent(ParentRequest(tag="oom", image="t-sci-deb", mem_mib=128,
+                                  warm_cmd="python3 -c 'b = bytearray(512 << 20)'",
+                                  store_root=str(store.root)), jail=True)
+    assert caught.value.kind == "warm_up"
     assert not store.exists("oom")
 
 

@@ -74,10 +74,7 @@ def hierarchy() -> Iterator[cgroups.MemoryHierarchy]:
     yield h
     report = cgroups.sweep_stale(set(), parent=PARENT, kill=True, hierarchy=h)
     assert report.busy == ()
-    try:
-        os.rmdir(cgroups.parent_path(h, PARENT))
-    except FileNotFoundError:
-        pass
+    cgroups.remove_parent(h, PARENT)
 
 
 def _sleeper() -> subprocess.Popen[bytes]:
@@ -187,3 +184,49 @@ def test_v2_groups_bound_pids_and_weigh_cpu(hierarchy: cgroups.MemoryHierarchy) 
     finally:
         cgroups.kill_all(cg, 9)
         cgroups.remove(cg)
+
+
+@needs_cgroup
+def test_v1_groups_bound_pids_and_weigh_cpu_in_their_own_hierarchies(
+        hierarchy: cgroups.MemoryHierarchy) -> None:
+    """On a v1 host with ``pids`` and ``cpu`` hierarchies (the dev machines: the real
+    kernel's), a child gets a group in each beside its memory group, with
+    ``pids.max`` (hit by a fork bomb) and ``cpu.shares``; all are joined, killed and
+    removed together, and a sweep takes the leftovers of all three."""
+    found = cgroups.v1_controllers()
+    if hierarchy.version != 1 or not {"pids", "cpu"} <= set(found):
+        pytest.skip(f"no v1 pids and cpu hierarchies here (memory on v{hierarchy.version}, "
+                    f"v1 controllers {sorted(found)})")
+    cg = cgroups.create(hierarchy, "vm-pids1", 48 << 20, PARENT, pids_max=8, cpu_weight=50)
+    pids_group = found["pids"] / PARENT / "vm-pids1"
+    cpu_group = found["cpu"] / PARENT / "vm-pids1"
+    assert set(cg.others) == {pids_group, cpu_group}
+    try:
+        assert (pids_group / "pids.max").read_text().strip() == "8"
+        assert (cpu_group / "cpu.shares").read_text().strip() == "512"
+        proc = subprocess.Popen(["sh", "-c", "read go; for i in 1 2 3 4 5 6 7 8 9 10; do "
+                                 "sleep 30 & done; wait"], stdin=subprocess.PIPE)
+        cgroups.join(cg, proc.pid)
+        for group in cg.paths:
+            assert proc.pid in [int(x) for x in (group / "cgroup.procs").read_text().split()]
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        assert int((pids_group / "pids.events").read_text().split()[1]) > 0, "pids.max hit"
+    finally:
+        cgroups.kill_all(cg, 9)
+        cgroups.remove(cg)
+    assert not pids_group.exists() and not cpu_group.exists() and not cg.path.exists()
+    # A leftover (a crashed spawner's): the sweep removes it in every hierarchy.
+    left = cgroups.create(hierarchy, "vm-left1", 48 << 20, PARENT, pids_max=8, cpu_weight=100)
+    assert (found["cpu"] / PARENT / "vm-left1" / "cpu.shares").read_text().strip() == "1024"
+    report = cgroups.sweep_stale(set(), parent=PARENT, hierarchy=hierarchy)
+    assert report.removed == ("vm-left1",)
+    assert not any(p.exists() for p in left.paths)
+
+
+def test_cpu_weight_maps_onto_v1_shares() -> None:
+    assert cgroups.shares_for_weight(100) == 1024
+    assert cgroups.shares_for_weight(1) == 10 and cgroups.shares_for_weight(10000) == 102400
+    assert cgroups.shares_for_weight(0) == 2

@@ -102,7 +102,11 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["peer_socket"].startswith("refused: FileNotFoundError")
     assert report["peer_mem"].startswith("refused: FileNotFoundError")   # hidepid
     assert report["zygote_environ"].startswith("refused: FileNotFoundError")
-    assert report["init_mem"].startswith("refused: FileNotFoundError")
+    # A PID namespace of its own: it is pid 1, sees no other process, and cannot
+    # signal its sibling sandbox or the zygote (ESRCH: they have no pid there).
+    assert (report["pid"], report["ppid"], report["procs"]) == (1, 0, ["1"])
+    assert report["peer_signal"] == "refused: ProcessLookupError 3"
+    assert report["zygote_signal"] == "refused: ProcessLookupError 3"
     assert report["kvm_api"] == 12
     assert report["run_dir_write"] == "allowed"
     assert report["snapshot_write"].startswith("refused: OSError 30")    # EROFS
@@ -197,3 +201,25 @@ def test_a_networked_jail_holds_its_tap_and_its_own_tracking_files(client: Zygot
         assert report["pagemap_bytes"] == 8 and report["clear_refs"] == 1
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def test_the_zygote_still_kills_and_reaps_a_child_in_its_own_pid_namespace(
+        client: ZygoteClient, base: Path) -> None:
+    """A PID namespace's first process gets only the signals it handles (and SIGKILL
+    from the zygote's namespace): SIGKILL, and SIGTERM before its entry handles one,
+    both end it, and it is reaped."""
+    killed = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                          jail=_jail(71010))
+    termed = client.spawn(E + "sleep", {"run_dir": str(base / "run" / vid())}, vm_id=vid(),
+                          jail=_jail(71011))
+    time.sleep(0.3)
+    nspid = next(line for line in Path(f"/proc/{killed.pid}/status").read_text().splitlines()
+                 if line.startswith("NSpid:")).split()[1:]
+    assert nspid == [str(killed.pid), "1"]
+    client.kill(killed.vm_id, signal.SIGKILL)
+    client.kill(termed.vm_id, signal.SIGTERM)
+    event = client.wait(killed.vm_id)
+    assert (event.reason, event.signal) == ("killed", signal.SIGKILL), event.description
+    event = client.wait(termed.vm_id)
+    assert event.exit_code == 128 + signal.SIGTERM, event.description
+    assert not Path(f"/proc/{killed.pid}").exists() and not Path(f"/proc/{termed.pid}").exists()

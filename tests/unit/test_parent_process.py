@@ -59,3 +59,79 @@ def test_classification_of_the_runtime_errors() -> None:
     assert _classify(TagExists("t", Path("/s/t"))) == "tag_exists"
     assert _classify(ValueError("x")) == "invalid"
     assert _classify(KeyError("x")) == "internal"
+
+
+# -- what a jailed parent leaves is checked before it enters the store ---------------
+
+def _staged(tmp_path: Path, data: bytes = b"x" * 4096) -> tuple[Path, Path]:
+    staging = tmp_path / "staging"
+    staging.mkdir(exist_ok=True)
+    source = staging / "memory.bin"
+    source.write_bytes(data)
+    return source, tmp_path / "memory.bin"
+
+
+def test_a_staged_file_is_moved_in_and_made_ours(tmp_path: Path) -> None:
+    from vmfork.runtime.parent import _take_staged
+    source, target = _staged(tmp_path)
+    os.chmod(source, 0o666)
+    _take_staged(source, target, 1 << 20, os.geteuid())
+    assert not source.exists() and target.read_bytes() == b"x" * 4096
+    st = target.stat()
+    assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
+
+
+@pytest.mark.parametrize("how", ["symlink", "hard link", "too large", "other owner",
+                                 "directory", "missing"])
+def test_a_staged_file_that_is_not_the_jails_own_is_refused(tmp_path: Path, how: str) -> None:
+    from vmfork.runtime.parent import _take_staged
+    secret = tmp_path / "host-secret"
+    secret.write_bytes(b"secret")
+    source, target = _staged(tmp_path)
+    owner = os.geteuid()
+    if how == "symlink":
+        source.unlink()
+        source.symlink_to(secret)
+    elif how == "hard link":
+        source.unlink()
+        os.link(secret, source)
+    elif how == "directory":
+        source.unlink()
+        source.mkdir()
+    elif how == "missing":
+        source.unlink()
+    elif how == "other owner":
+        owner += 1
+    limit = 100 if how == "too large" else 1 << 20
+    with pytest.raises(ParentFailed) as caught:
+        _take_staged(source, target, limit, owner)
+    assert caught.value.kind == "crashed"
+    assert not target.exists() and secret.read_bytes() == b"secret"
+
+
+def test_the_result_a_jailed_parent_writes_is_read_as_a_typed_record(tmp_path: Path) -> None:
+    import json
+
+    from vmfork.runtime.parent import _read_result
+    path = tmp_path / "result.json"
+    good = {"boot_s": 1.0, "warm_s": 2.0, "pause_ms": 3.0, "capture_ms": 4.0,
+            "memory_write_ms": 5.0, "memory_bytes": 6}
+    path.write_text(json.dumps({"ok": True, "result": {**good, "extra": "ignored"}}))
+    assert _read_result(path) == {"ok": True, "result": good}
+    for bad in ({"ok": True, "result": {**good, "boot_s": "1\r\nX: y"}},
+                {"ok": True, "result": {**good, "memory_bytes": -1}},
+                {"ok": False, "kind": "not-a-kind", "message": "m"},
+                {"ok": False, "kind": "warm_up", "message": 5}, [1, 2]):
+        path.write_text(json.dumps(bad))
+        assert _read_result(path) is None, bad
+    path.write_text(json.dumps({"ok": False, "kind": "warm_up", "message": "m" * 10**6}))
+    assert len(_read_result(path)["message"]) <= 4000  # type: ignore[index]
+    # A symlink to a host file is not followed (its content never reaches an error).
+    secret = tmp_path / "secret.json"
+    secret.write_text(json.dumps({"ok": False, "kind": "warm_up", "message": "secret"}))
+    path.unlink()
+    path.symlink_to(secret)
+    assert _read_result(path) is None
+    path.unlink()
+    path.write_bytes(b"{" * (2 << 20))
+    assert _read_result(path) is None

@@ -23,12 +23,17 @@ from vmfork.runtime import seccomp
 UNISTD = Path("/usr/include/x86_64-linux-gnu/asm/unistd_64.h")
 
 
-def _in_filtered_child(probe: Callable[[], None], *, log_only: bool = False) -> int:
-    """The child's wait status after it installs the filter and runs ``probe``."""
+def _in_filtered_child(probe: Callable[[], None], *, log_only: bool = False,
+                       parent: bool = False) -> int:
+    """The child's wait status after it installs the filter (the parent VMM's with
+    ``parent``) and runs ``probe``."""
     pid = os.fork()
     if pid == 0:
         try:
-            seccomp.install_vmm_filter(log_only=log_only)
+            if parent:
+                seccomp.install_parent_filter(log_only=log_only)
+            else:
+                seccomp.install_vmm_filter(log_only=log_only)
             probe()
             os._exit(0)
         except BaseException:  # noqa: BLE001 - report by status, never unwind in the child
@@ -118,3 +123,26 @@ def test_the_program_fits_and_names_only_known_syscalls() -> None:
     with pytest.raises(ValueError, match="no x86-64 number"):
         seccomp.build_filter(["not_a_syscall"])
     assert seccomp.available() is None
+
+
+def test_a_parent_vmm_makes_threads_but_never_forks() -> None:
+    """The parent's list: threads (clone with CLONE_THREAD) and files as a VMM; a fork
+    (clone without CLONE_THREAD) dies, as do the VMM's forbidden calls."""
+    def threads_and_files() -> None:
+        done = []
+        t = threading.Thread(target=lambda: done.append(1))
+        t.start()
+        t.join()
+        assert done == [1]
+        a, b = socket.socketpair(socket.AF_UNIX)
+        a.close()
+        b.close()
+
+    status = _in_filtered_child(threads_and_files, parent=True)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert _killed_by_sigsys(_in_filtered_child(lambda: os._exit(0) if os.fork() == 0
+                                                else None, parent=True))
+    assert _killed_by_sigsys(_in_filtered_child(
+        lambda: socket.socket(socket.AF_INET).close(), parent=True))
+    assert _killed_by_sigsys(_in_filtered_child(
+        lambda: os.execv("/bin/true", ["true"]), parent=True))

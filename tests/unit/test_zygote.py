@@ -46,10 +46,7 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     if h is not None and os.geteuid() == 0:
         report = cgroups.sweep_stale(set(), parent=CG_PARENT, kill=True)
         assert not report.busy
-        try:
-            os.rmdir(cgroups.parent_path(h, CG_PARENT))
-        except FileNotFoundError:
-            pass
+        cgroups.remove_parent(h, CG_PARENT)
 
 
 @pytest.fixture

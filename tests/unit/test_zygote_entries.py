@@ -159,7 +159,12 @@ def jail_probe(args: dict[str, Any]) -> int:
         "peer_mem": attempt("mem", lambda: open(f"/proc/{args['peer_pid']}/mem", "rb").close()),
         "zygote_environ": attempt("env", lambda: open(
             f"/proc/{current().zygote_pid}/environ", "rb").close()),  # type: ignore[union-attr]
-        "init_mem": attempt("init", lambda: open("/proc/1/mem", "rb").close()),
+        # Its own PID namespace: pid 1 is itself, and no host process can be named.
+        "pid": os.getpid(), "ppid": os.getppid(),
+        "procs": sorted(p for p in os.listdir("/proc") if p.isdigit()),
+        "peer_signal": attempt("kill", lambda: os.kill(args["peer_pid"], 0)),
+        "zygote_signal": attempt("kill", lambda: os.kill(
+            current().zygote_pid, 0)),  # type: ignore[union-attr]
         "kvm_api": fcntl.ioctl(kvm, 0xAE00),   # KVM_GET_API_VERSION
         "run_dir_write": attempt("run", lambda: Path(args["run_dir"], "x").write_text("x")),
         "snapshot_write": attempt("snap", lambda: open(args["snapshot_file"], "r+b").close()),

@@ -149,12 +149,12 @@ def _jail() -> Check:
         problems.append(no_filter)
     if problems:
         return Check("VMM jail", "FAIL", "; ".join(problems),
-                     "run the daemon as root on a kernel with seccomp and mount/IPC/UTS "
+                     "run the daemon as root on a kernel with seccomp and mount/IPC/UTS/PID "
                      "namespaces; otherwise `vmfork serve` refuses to start unless given "
                      "--insecure-no-jail (sandboxes then run uncontained)")
-    return Check("VMM jail", "PASS", "namespaces (mount, IPC, UTS), pivot_root, uid change "
-                 "and seccomp filters (SECCOMP_MODE_FILTER) are available: every VMM is "
-                 "jailed (docs/security.md)")
+    return Check("VMM jail", "PASS", "namespaces (mount, IPC, UTS, PID), pivot_root, uid "
+                 "change and seccomp filters (SECCOMP_MODE_FILTER) are available: every VMM, "
+                 "a snapshot's parent included, is jailed (docs/security.md)")
 
 
 def _user_namespaces() -> Check:

@@ -34,9 +34,13 @@ The subtle parts:
   swap accounting the memsw counter is the one that fails), which is weaker
   evidence and is reported as such.
 * Processes and CPU: on v2 a child's group also gets ``pids.max`` and ``cpu.weight``
-  (``+pids +cpu`` delegated down like ``+memory``, where the root offers them). On a
-  v1 memory hierarchy they are not set: those controllers are other v1 hierarchies,
-  and a jailed VMM's processes are bounded by ``RLIMIT_NPROC`` of its own uid instead.
+  (``+pids +cpu`` delegated down like ``+memory``, where the root offers them). On v1
+  each controller is a hierarchy of its own: where the host mounts ``pids`` and
+  ``cpu``, the child gets a group of the same name (``<parent>/<vm_id>``) in each,
+  with ``pids.max`` and ``cpu.shares`` (the v2 weight scaled: 100 is 1024), joined,
+  killed, swept and removed with its memory group (``ChildCgroup.others``). Where
+  they are not mounted (the emulated test host's hybrid layout mounts only
+  ``memory``), a jailed VMM's tasks are bounded by ``RLIMIT_NPROC`` of its own uid.
 * ``rmdir`` removes a group only once it has no processes; right after the last
   member is reaped it can still be briefly busy, so removal retries on EBUSY.
 """
@@ -90,11 +94,18 @@ class MemoryHierarchy:
 
 @dataclass(frozen=True)
 class ChildCgroup:
-    """One child's group. ``path`` is absolute; ``name`` is relative to the hierarchy root."""
+    """One child's group. ``path`` is absolute; ``name`` is relative to the hierarchy root.
+    ``others``: on v1, the child's groups of the same name in the ``pids`` and ``cpu``
+    hierarchies (each a hierarchy of its own there), joined and removed with it."""
 
     hierarchy: MemoryHierarchy
     path: Path
     limit_bytes: int
+    others: tuple[Path, ...] = ()
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        return (self.path, *self.others)
 
     @property
     def name(self) -> str:
@@ -153,6 +164,39 @@ def detect_from(mountinfo: str) -> MemoryHierarchy | None:
         if fstype == "cgroup" and "memory" in options.split(","):
             return MemoryHierarchy(1, Path(mount_point))
     return None
+
+
+def v1_controllers_from(mountinfo: str, names: tuple[str, ...] = ("pids", "cpu")
+                        ) -> dict[str, Path]:
+    """Where each v1 controller of ``names`` is mounted (``cpu`` is often co-mounted
+    with ``cpuacct``: ``/sys/fs/cgroup/cpu,cpuacct``), from a mountinfo text."""
+    found: dict[str, Path] = {}
+    for mount_point, fstype, options in _mountinfo_entries(mountinfo):
+        if fstype != "cgroup":
+            continue
+        for name in names:
+            if name in options.split(",") and name not in found:
+                found[name] = Path(mount_point)
+    return found
+
+
+@functools.cache
+def v1_controllers() -> dict[str, Path]:
+    """This host's v1 ``pids`` and ``cpu`` hierarchies (probed once per process)."""
+    try:
+        return v1_controllers_from(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return {}
+
+
+V1_DEFAULT_SHARES = 1024
+V2_DEFAULT_WEIGHT = 100
+
+
+def shares_for_weight(weight: int) -> int:
+    """v1 ``cpu.shares`` for a v2 ``cpu.weight``: the defaults map onto each other
+    (100 is 1024), proportionally, within v1's 2..262144."""
+    return max(2, min(262144, weight * V1_DEFAULT_SHARES // V2_DEFAULT_WEIGHT))
 
 
 @functools.cache
@@ -234,6 +278,45 @@ _OPTIONAL_V2 = ("pids", "cpu")
 """v2 controllers a child's group also gets where the hierarchy offers them."""
 
 
+def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
+                      cpu_weight: int | None) -> ChildCgroup:
+    """On v1, the child's groups in the ``pids`` and ``cpu`` hierarchies where the host
+    mounts them (in the memory group itself where one is co-mounted with memory),
+    with ``pids.max`` and ``cpu.shares``: ``cg`` with them. On failure the groups
+    made here are removed (the caller removes the memory group)."""
+    wanted = {"pids": ("pids.max", pids_max),
+              "cpu": ("cpu.shares", None if cpu_weight is None else shares_for_weight(cpu_weight))}
+    made: list[Path] = []
+    try:
+        for name, (knob, value) in wanted.items():
+            root = v1_controllers().get(name)
+            if value is None or root is None:
+                continue
+            if root == cg.hierarchy.root:
+                _write(cg.path / knob, str(value), f"set-{knob}")
+                continue
+            group = root / validate_parent(parent) / vm_id
+            try:
+                group.parent.mkdir(parents=True, exist_ok=True)
+                if group.exists() and not _procs(group):
+                    _rmdir(group)   # an empty leftover, as for the memory group
+                group.mkdir()
+            except OSError as err:
+                raise CgroupError(f"cgroup mkdir: cannot create {group}: "
+                                  f"{os.strerror(err.errno or 0)}", op="mkdir",
+                                  path=str(group), errno=err.errno) from err
+            made.append(group)
+            _write(group / knob, str(value), f"set-{knob}")
+    except BaseException:
+        for group in made:
+            try:
+                _rmdir(group, 0.0)
+            except CgroupError:
+                pass
+        raise
+    return ChildCgroup(cg.hierarchy, cg.path, cg.limit_bytes, (*cg.others, *made))
+
+
 def _procs(path: Path) -> list[int]:
     try:
         return [int(x) for x in (path / "cgroup.procs").read_text().split()]
@@ -273,6 +356,7 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
             memsw = path / "memory.memsw.limit_in_bytes"
             if memsw.exists():
                 _write(memsw, str(limit_bytes), "set-memsw-limit")
+            cg = _create_v1_others(cg, vm_id, parent, pids_max, cpu_weight)
         else:
             if (path / "memory.swap.max").exists():
                 _write(path / "memory.swap.max", "0", "set-swap-max")
@@ -289,12 +373,14 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
 
 
 def join(cg: ChildCgroup, pid: int) -> None:
-    """Move process ``pid`` (all its threads) into the group."""
-    _write(cg.path / "cgroup.procs", str(pid), "join")
+    """Move process ``pid`` (all its threads) into the group (on v1, into each of its
+    hierarchies' groups)."""
+    for path in cg.paths:
+        _write(path / "cgroup.procs", str(pid), "join")
 
 
 def procs(cg: ChildCgroup) -> list[int]:
-    return _procs(cg.path)
+    return sorted({pid for path in cg.paths for pid in _procs(path)})
 
 
 def read_oom(cg: ChildCgroup) -> OomInfo:
@@ -357,8 +443,21 @@ def _rmdir(path: Path, timeout: float = _REMOVE_RETRY_S) -> None:
 
 
 def remove(cg: ChildCgroup, timeout: float = _REMOVE_RETRY_S) -> None:
-    """Remove the group once its processes are gone (retrying briefly on EBUSY)."""
-    _rmdir(cg.path, timeout)
+    """Remove the group (and its v1 ``pids``/``cpu`` groups) once its processes are gone
+    (retrying briefly on EBUSY)."""
+    for path in reversed(cg.paths):
+        _rmdir(path, timeout)
+
+
+def remove_parent(h: MemoryHierarchy, parent: str) -> None:
+    """Remove an (empty) parent group, in the v1 ``pids``/``cpu`` hierarchies too."""
+    roots = [h.root] + ([r for r in v1_controllers().values() if r != h.root]
+                        if h.version == 1 else [])
+    for root in roots:
+        try:
+            os.rmdir(root / validate_parent(parent))
+        except FileNotFoundError:
+            pass
 
 
 def list_groups(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> list[str]:
@@ -386,7 +485,10 @@ def sweep_stale(active_ids: set[str] | frozenset[str], *, parent: str = DEFAULT_
     for name in list_groups(h, parent):
         if name in active_ids:
             continue
-        cg = ChildCgroup(h, parent_path(h, parent) / name, 0)
+        others = () if h.version == 2 else tuple(
+            root / validate_parent(parent) / name for root in v1_controllers().values()
+            if root != h.root and (root / validate_parent(parent) / name).is_dir())
+        cg = ChildCgroup(h, parent_path(h, parent) / name, 0, others)
         if procs(cg) and kill:
             kill_all(cg, 9)
         try:

@@ -22,6 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,13 +71,16 @@ class BootedGuest:
                  ready_timeout: float = READY_TIMEOUT, keep_run_dir: bool = False,
                  network: GuestNetwork | None = None, net_tap: str | None = None,
                  root_disk: str | None = None, root_disk_key: str | None = None,
-                 volumes: tuple[PreparedVolume, ...] = (), free_volume_slots: int = 0) -> None:
+                 volumes: tuple[PreparedVolume, ...] = (), free_volume_slots: int = 0,
+                 before_start: Callable[[], None] | None = None) -> None:
         """``network``: give the guest a virtio-net device configured with it at boot;
         ``net_tap``: the tap (in this thread's network namespace) that cables it.
         ``root_disk``/``root_disk_key``: a read-only disk (virtio-blk) and its content
         key; by default the image's own root disk, if it has one. ``volumes``: disks in
         the first volume slots, mounted by the agent before the guest counts as ready;
-        ``free_volume_slots``: empty slots after them, for volumes given at spawn."""
+        ``free_volume_slots``: empty slots after them, for volumes given at spawn.
+        ``before_start``: called once the machine is set up, just before its first
+        instruction runs (a jailed parent installs its seccomp filter there)."""
         if root_disk is None and image.disk is not None:
             root_disk, root_disk_key = str(image.disk), image.disk_key
         self.created_at = time.monotonic()
@@ -106,6 +110,8 @@ class BootedGuest:
             self.machine.serial.line_listeners.append(self._on_console_line)
             self.agent = AgentClient(vsock_uds_connector(self.vsock_uds, AGENT_PORT, timeout=5.0))
             self.timings.vmm_setup = time.monotonic() - self.created_at
+            if before_start is not None:
+                before_start()
             self._started_at = time.monotonic()
             self.machine.start()
             self._wait_ready(ready_timeout)

@@ -10,17 +10,18 @@ privileges the next ones drop):
    has the capabilities both need; the VMM later takes that descriptor instead of
    opening ``/dev/net/tun`` (which the jail does not hold).
 1. **Namespaces.** ``unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)``: a mount
-   table, System V IPC and host name of its own. (No PID namespace: ``unshare`` of
-   one only moves the caller's *children*, and the zygote tracks the VMM by pid.
-   ``/proc`` is mounted ``hidepid=invisible`` instead, below.) Every mount is made
-   private first, so nothing done here propagates back to the host.
+   table, System V IPC and host name of its own. The PID namespace comes before, from
+   the zygote's fork (``PidNamespaces``: the process is pid 1 of a namespace of its
+   own), since ``unshare`` of one moves only the caller's children. Every mount is
+   made private first, so nothing done here propagates back to the host.
 2. **A new root** on a small tmpfs at ``spec.root`` holding only: the device nodes
    (``mknod``'d anew, owned by the jail's uid: ``/dev/kvm``, ``/dev/net/tun`` when
    networked, ``/dev/null``, ``/dev/urandom``), ``spec.read_only`` paths (the
    snapshot's files, the disk images, the Python installation and vmfork's source,
    so that a late import still works) bound read-only, nosuid and nodev at the same
-   paths, ``spec.writable`` (the run directory) bound read-write, and a ``/proc``
-   that shows only this uid's processes. ``pivot_root`` into it, the old root
+   paths, ``spec.writable`` (the run directory) bound read-write, and a ``/proc`` of
+   its own PID namespace (``hidepid=invisible`` besides, for a jail entered without
+   one: a jailed parent VMM). ``pivot_root`` into it, the old root
    detached, the new root remounted read-only.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
    ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
@@ -50,6 +51,7 @@ CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -219,6 +221,59 @@ def enter(spec: JailSpec) -> None:
     os.environ.update(spec.env)
 
 
+class PidNamespaces:
+    """Each jailed child the zygote forks is the first process (pid 1) of a new PID
+    namespace: it sees no other process of the host, so it can name (signal, trace,
+    open in ``/proc``) none of them, a sibling sandbox included.
+
+    ``unshare(CLONE_NEWPID)`` moves only the caller's *next* children, and a second one
+    is refused while the first is pending, so the zygote brackets each jailed
+    ``os.fork()`` with ``before_fork`` (a new namespace for the child to come) and
+    ``after_fork`` (``setns`` back to its own, so the next jailed fork gets a fresh
+    one and an unjailed fork none). A plain ``os.fork``: CPython's before- and
+    after-fork hooks run as for any child, no raw ``clone``. What a namespace's first
+    process changes (``zygote_child``): ``getppid()`` is 0 (the zygote is outside), and
+    the kernel delivers it only the signals it has a handler for, besides SIGKILL and
+    SIGSTOP from the zygote's namespace."""
+
+    def __init__(self) -> None:
+        self._own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+
+    def before_fork(self) -> None:
+        _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+
+    def after_fork(self) -> None:
+        _check(_libc.setns(self._own, CLONE_NEWPID), "setns back to the zygote's PID namespace")
+
+
+def become_pid_namespace_init() -> None:
+    """Go on as pid 1 of a new PID namespace, for a process the zygote did not fork (a
+    parent VMM, ``runtime/parent.py``): ``unshare(CLONE_NEWPID)`` then ``fork``; the
+    caller's process stays outside only to wait for it and end as it ended (the same
+    exit status, or killed by the same signal), and the new process dies with it.
+    Call it before any thread exists."""
+    import signal
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    pid = os.fork()
+    if pid == 0:
+        _check(_libc.prctl(1, signal.SIGKILL, 0, 0, 0), "die with the waiter")  # PDEATHSIG
+        return
+    for forwarded in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(forwarded, lambda signum, _frame: os.kill(pid, signal.SIGKILL))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+
+
 def python_paths() -> tuple[str, ...]:
     """What this interpreter may still read after the pivot: its standard library
     (``lib-dynload`` included), its site-packages and vmfork's own source. Nothing
@@ -253,6 +308,8 @@ def problems() -> list[str]:
             code |= 1
         if _libc.prctl(21, 0, 0, 0, 0) < 0:   # PR_GET_SECCOMP
             code |= 2
+        if _libc.unshare(CLONE_NEWPID) != 0:
+            code |= 4
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
@@ -260,6 +317,8 @@ def problems() -> list[str]:
         out.append("unshare(mount, IPC, UTS namespaces) is refused here")
     if code > 0 and code & 2:
         out.append("this kernel has no seccomp filters")
+    if code > 0 and code & 4:
+        out.append("unshare(CLONE_NEWPID) is refused here (a PID namespace per VMM)")
     return out
 
 

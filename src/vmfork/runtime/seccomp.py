@@ -55,6 +55,8 @@ BPF_LD_W_ABS = 0x20
 BPF_JEQ_K = 0x15
 BPF_JGE_K = 0x35
 BPF_RET_K = 0x06
+BPF_ALU_AND_K = 0x54
+CLONE_THREAD = 0x00010000
 
 # seccomp_data offsets: nr (0), arch (4), instruction_pointer (8), args[6] (16 + 8 i),
 # each argument little-endian, so its low word is at +0 and its high word at +4.
@@ -185,11 +187,16 @@ def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
 
 
 def build_filter(allowed: Iterable[str], *, ioctl_requests: Iterable[int] = (),
-                 default: int = SECCOMP_RET_KILL_PROCESS) -> bytes:
-    """The BPF program (a sequence of 8-byte ``sock_filter``), as described above."""
+                 default: int = SECCOMP_RET_KILL_PROCESS,
+                 threads_only: bool = False) -> bytes:
+    """The BPF program (a sequence of 8-byte ``sock_filter``), as described above.
+    ``threads_only``: ``clone`` only with ``CLONE_THREAD`` (new threads, never a new
+    process: ``fork`` dies), for a process that never forks."""
     deny = _insn(BPF_RET_K, default)
     allow = _insn(BPF_RET_K, SECCOMP_RET_ALLOW)
-    names = sorted(set(allowed) - {"ioctl", "socket", "socketpair", "clone3"})
+    allowed = set(allowed)
+    names = sorted(allowed - {"ioctl", "socket", "socketpair", "clone3"}
+                   - ({"clone", "fork", "vfork"} if threads_only else set()))
     unknown = [n for n in names if n not in SYSCALLS]
     if unknown:
         raise ValueError(f"no x86-64 number known for {unknown}")
@@ -205,6 +212,12 @@ def build_filter(allowed: Iterable[str], *, ioctl_requests: Iterable[int] = (),
     ]
     for name in names:
         prog += [_insn(BPF_JEQ_K, SYSCALLS[name], 0, 1), allow]
+    if threads_only and "clone" in allowed:
+        # clone's flags are argument 0 (a register, unlike clone3's).
+        prog += [_insn(BPF_JEQ_K, SYSCALLS["clone"], 0, 5),
+                 _insn(BPF_LD_W_ABS, _arg_lo(0)),
+                 _insn(BPF_ALU_AND_K, CLONE_THREAD),
+                 _insn(BPF_JEQ_K, CLONE_THREAD, 0, 1), allow, deny]
     # socket / socketpair: the domain (argument 0) must be AF_UNIX.
     for name in ("socket", "socketpair"):
         prog += [_insn(BPF_JEQ_K, SYSCALLS[name], 0, 4),
@@ -253,6 +266,19 @@ def install_vmm_filter(*, log_only: bool = False) -> None:
     """The VMM's allow-list; ``log_only`` logs instead of killing (to collect a
     workload's syscalls: ``journalctl -k``/``dmesg`` show ``type=1326``)."""
     install(build_filter(VMM_ALLOWED, ioctl_requests=vmm_ioctls(),
+                         default=SECCOMP_RET_LOG if log_only else SECCOMP_RET_KILL_PROCESS))
+
+
+# What a parent VMM does once its jail is set up and its machine built: boot a kernel,
+# run the warm-up over vsock, capture into its run directory. The VMM's list, but it
+# never forks (no live capture; a fork would also be a way out of its process group).
+PARENT_ALLOWED = tuple(n for n in VMM_ALLOWED
+                       if n not in {"wait4", "waitid", "pidfd_open", "pidfd_send_signal"})
+
+
+def install_parent_filter(*, log_only: bool = False) -> None:
+    """The parent VMM's allow-list (``PARENT_ALLOWED``, ``clone`` for threads only)."""
+    install(build_filter(PARENT_ALLOWED, ioctl_requests=vmm_ioctls(), threads_only=True,
                          default=SECCOMP_RET_LOG if log_only else SECCOMP_RET_KILL_PROCESS))
 
 

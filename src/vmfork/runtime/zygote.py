@@ -97,7 +97,7 @@ from typing import Any
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
-from vmfork.runtime.jail import JailSpec, python_paths
+from vmfork.runtime.jail import JailSpec, PidNamespaces, python_paths
 from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
@@ -290,6 +290,10 @@ class Zygote:
         self.preloaded = preloaded
         self.preload_failed = preload_failed
         self.pid = os.getpid()
+        # Readable once the zygote exited: how a child in a PID namespace of its own
+        # (getppid() 0) tells that its zygote died before it could ask to die with it.
+        self.own_pidfd = os.pidfd_open(self.pid)
+        self._pid_namespaces: PidNamespaces | None = None   # opened on the first jailed fork
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
         self.by_pidfd: dict[int, _Child] = {}
@@ -667,14 +671,28 @@ class Zygote:
         # and its wakeup fd, a signal sent to it (a quick kill) would run the zygote's
         # handler and write into the zygote's own wakeup socket, which the child
         # shares: the zygote would read the child's SIGTERM as its own.
+        # A jailed child is the first process of a PID namespace of its own
+        # (jail.PidNamespaces): it can name no other process of the host.
+        pidns = None
+        if prep.jail is not None:
+            if self._pid_namespaces is None:
+                self._pid_namespaces = PidNamespaces()
+            pidns = self._pid_namespaces
         signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
         try:
-            forked_ns = time.monotonic_ns()
-            pid = os.fork()
-            if pid == 0:
-                run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
-                          entry=entry, args=prep.args, cgroup=prep.cgroup,
-                          log_path=prep.log_path, jail_spec=prep.jail)
+            if pidns is not None:
+                pidns.before_fork()
+            try:
+                forked_ns = time.monotonic_ns()
+                pid = os.fork()
+                if pid == 0:
+                    run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
+                              entry=entry, args=prep.args, cgroup=prep.cgroup,
+                              log_path=prep.log_path, jail_spec=prep.jail,
+                              zygote_pidfd=self.own_pidfd if pidns is not None else None)
+            finally:
+                if pidns is not None:
+                    pidns.after_fork()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)

@@ -11,7 +11,11 @@ The child contract, in the order the steps run (each has a reason):
    so that thread is the zygote itself. The race: the zygote can die between
    ``fork()`` and the ``prctl``; the child would then have been re-parented already
    and never get the signal. Hence the check right after: if ``getppid()`` is no
-   longer the zygote's pid, the child exits at once.
+   longer the zygote's pid, the child exits at once. A jailed child is pid 1 of a
+   PID namespace of its own (``jail.PidNamespaces``), where ``getppid()`` is 0: it
+   checks the zygote's pidfd (inherited) instead, and, since the kernel spares a
+   namespace's first process the signals it has no handler for, handles SIGTERM by
+   exiting (128 + 15) until its entry installs its own handler.
 3. **Own session.** ``setsid()`` makes the child a process-group (and session)
    leader, so ``kill`` can signal the child and anything it started with one
    ``killpg``, and a terminal's Ctrl-C reaches only the zygote, which shuts down in
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
 import time
@@ -96,27 +101,40 @@ def _fail(message: str) -> NoReturn:
         os._exit(EXIT_SETUP_FAILED)
 
 
-def die_with_parent(parent_pid: int) -> bool:
+def die_with_parent(parent_pid: int, parent_pidfd: int | None = None) -> bool:
     """SIGKILL this process when its parent dies; False if the parent is already gone.
 
     The check after the prctl closes the race where the parent died first (we were
-    re-parented before the prctl, so the signal would never come).
+    re-parented before the prctl, so the signal would never come). With
+    ``parent_pidfd`` (the parent's pidfd, inherited) the check is that it is not yet
+    readable: the first process of a PID namespace sees ``getppid()`` 0.
     """
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent_pidfd is not None:
+        poller = select.poll()
+        poller.register(parent_pidfd, select.POLLIN)
+        return not poller.poll(0)
     return os.getppid() == parent_pid
 
 
-def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None) -> None:
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM's default action for the first process of a PID namespace, which the
+    kernel spares signals it has no handler for (until the entry installs its own)."""
+    os._exit(128 + signum)
+
+
+def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
+           zygote_pidfd: int | None = None) -> None:
     signal.set_wakeup_fd(-1)
     try:
-        alive = die_with_parent(zygote_pid)
+        alive = die_with_parent(zygote_pid, zygote_pidfd)
     except OSError as err:
         _fail(f"{err.strerror}: {os.strerror(err.errno or 0)}")
     if not alive:
         os._exit(EXIT_SETUP_FAILED)  # the zygote died before the prctl; nobody to tell
     os.setsid()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _terminate if zygote_pidfd is not None else signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     try:
@@ -145,12 +163,15 @@ def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | 
 
 def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
               args: dict[str, Any], cgroup: cgroups.ChildCgroup | None,
-              log_path: str | None, jail_spec: jail.JailSpec | None = None) -> NoReturn:
-    """Set the child up (steps 1-6 above), run ``entry(args)`` and exit. Never returns."""
+              log_path: str | None, jail_spec: jail.JailSpec | None = None,
+              zygote_pidfd: int | None = None) -> NoReturn:
+    """Set the child up (steps 1-6 above), run ``entry(args)`` and exit. Never returns.
+    ``zygote_pidfd``: given when the child is the first process of a PID namespace of
+    its own (a jailed one: ``jail.PidNamespaces``)."""
     global _current
     code = EXIT_SETUP_FAILED
     try:
-        _setup(zygote_pid, cgroup, log_path)
+        _setup(zygote_pid, cgroup, log_path, zygote_pidfd)
         if jail_spec is not None:
             try:
                 jail.enter(jail_spec)

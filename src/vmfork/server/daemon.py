@@ -120,8 +120,9 @@ class ParentMaker:
     (a process of its own), cabled to a namespace of the daemon's ``HostNetwork`` when
     the request asks for a network and the daemon has networks."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, *, jail: bool = True) -> None:
         self.log_dir = log_dir
+        self.jail = jail   # the parent's VMM jailed as the sandboxes' (--insecure-no-jail)
         self.networks: SandboxNetworks | None = None  # set once the controller has them
 
     def __call__(self, store: Store, body: dict[str, Any]) -> Snapshot:
@@ -161,7 +162,7 @@ class ParentMaker:
                         "no cable, its warm-up cannot reach out", body["tag"])
         try:
             boot_parent(req, host_network=host, egress=egress,
-                        log_path=self.log_dir / f"parent-{body['tag']}.log")
+                        log_path=self.log_dir / f"parent-{body['tag']}.log", jail=self.jail)
         except ParentFailed as err:
             raise _PARENT_ERRORS[err.kind](f"snapshot {body['tag']!r} failed: "
                                            f"{err.message}") from err
@@ -254,7 +255,7 @@ class Daemon:
             self.spawner = ZygoteSpawner(config.state_dir, lease_s=config.zygote_lease_s,
                                          log_path=config.state_dir / "zygote.log",
                                          jail=config.jail)
-        maker = ParentMaker(config.state_dir)
+        maker = ParentMaker(config.state_dir, jail=config.jail)
         self.controller = Controller(self.store, self.registry, self.spawner, self.metrics,
                                      make_snapshot=maker,
                                      limits=Limits(heavy_concurrency=config.heavy_concurrency,

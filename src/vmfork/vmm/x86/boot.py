@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from vmfork.kvm import api
 from vmfork.kvm.structs import kvm_cpuid_entry2, kvm_segment
+from vmfork.vmm import openfiles
 from vmfork.vmm.errors import BootError
 from vmfork.vmm.memory import FOUR_GIB, PAGE_SIZE, GuestMemory
 from vmfork.vmm.x86 import layout as L
@@ -96,7 +97,7 @@ def load_initrd(memory: GuestMemory, path: str, kernel_end: int) -> tuple[int, i
             f"{memory.regions[0].size >> 20} MiB of low memory; give the VM more memory",
             op="load_initrd")
     view = memory.view(addr, size)
-    with open(path, "rb") as f:
+    with os.fdopen(openfiles.open_ro(path), "rb") as f:
         got = f.readinto(view)
     if got != size:
         raise BootError(f"initrd {path}: short read ({got} of {size} bytes)", op="load_initrd")

@@ -10,9 +10,11 @@ and guest memory before anything is copied.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 
+from vmfork.vmm import openfiles
 from vmfork.vmm.errors import BootError, GuestMemoryError
 from vmfork.vmm.memory import GuestMemory
 
@@ -32,7 +34,7 @@ class LoadedKernel:
 
 def load_elf_kernel(memory: GuestMemory, path: str) -> LoadedKernel:
     try:
-        f = open(path, "rb")
+        f = os.fdopen(openfiles.open_ro(path), "rb")
     except OSError as err:
         raise BootError(f"kernel {path}: {err.strerror}", op="open_kernel") from err
     with f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as data:
