@@ -8,7 +8,7 @@
 import assert from "node:assert/strict";
 import { mkdirSync } from "node:fs";
 import * as path from "node:path";
-import { after, before, describe, test } from "node:test";
+import { after, afterEach, before, describe, test } from "node:test";
 
 import { chromium } from "playwright-core";
 
@@ -50,6 +50,11 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     page = await browser.newPage({ viewport: { width: 1280, height: 800 } });
     page.setDefaultTimeout(WAIT.timeout);
     page.on("pageerror", (err) => pageErrors.push(err.message));
+  });
+
+  afterEach(async (t) => {
+    // What the page looked like when a step failed, beside the views' screenshots.
+    if (t.passed === false && page) await shot(`failed-${t.name.replace(/[^a-z0-9]+/gi, "-").slice(0, 60)}`).catch(() => {});
   });
 
   after(async () => {
@@ -145,6 +150,7 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await page.getByRole("button", { name: "Open a terminal", exact: true }).click();
     const term = page.getByLabel("terminal: focus it and type");
     await term.waitFor(WAIT);
+    await term.filter({ hasText: "$" }).waitFor(WAIT);   // the shell's prompt: it reads now
     await term.focus();
     await page.keyboard.type("echo term-$((6*7))");
     await page.keyboard.press("Enter");

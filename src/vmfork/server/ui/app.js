@@ -506,12 +506,13 @@ const ANSI = /\x1b\[[0-9;?]*[ -\/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|
 async function openTerminal() {
   closeTerminal();
   const pre = $("#terminal");
-  pre.hidden = false;
   pre.textContent = "";
   try {
     const r = await (await api("POST", `${base()}/processes`, { json: { args: ["/bin/sh", "-i"], pty: { rows: 24, cols: 100 }, env: { TERM: "dumb", PS1: "$ " } } })).json();
     const abort = new AbortController();
     terminal = { pid: r.pid, abort };
+    // Shown (and focusable) only once its shell runs: nothing typed is lost.
+    pre.hidden = false;
     pre.focus();
     const token = sessionStorage.getItem(TOKEN_KEY);
     const response = await fetch(`${base()}/processes/${r.pid}/output?offset=0`, {
