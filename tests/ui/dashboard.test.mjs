@@ -128,6 +128,12 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await branch.waitFor(WAIT);
     assert.match(await branch.innerText(), /branch \(diff\).*ready/);
     await shot("snapshots");
+    // Pack it: the chain (and its image) downloads as vmfork unpack takes it.
+    const downloaded = page.waitForEvent("download", WAIT);
+    await branch.getByRole("button", { name: "pack", exact: false }).first().click();
+    const file = await downloaded;
+    assert.match(file.suggestedFilename(), /-diff-.*\.tar\.zst$/);
+    await page.getByRole("status").filter({ hasText: "packed" }).waitFor(WAIT);
   });
 
   test("one sandbox: a command's output streams into the page, files, a terminal", async () => {

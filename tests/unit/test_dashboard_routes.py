@@ -109,3 +109,17 @@ def test_a_console_log_the_vmm_replaced_is_not_followed(tmp_path: Path) -> None:
             log.unlink()
     log.write_bytes(b"x" * (MAX_TAIL * 4))
     assert len(console_tail(run, MAX_TAIL * 4)) == MAX_TAIL
+
+
+def test_a_pack_downloads_and_leaves_no_file(tmp_path: Path) -> None:
+    for served in _serve(tmp_path, TOKEN):
+        status, body, _ = served.request("POST", "/v1/snapshots", {"tag": "base", "warm_cmd": "ok"})
+        assert status in (200, 201), body
+        status, body, response = served.request("GET", "/v1/snapshots/base/pack?image=false")
+        assert status == 200, body
+        assert body[:4] == b"\x28\xb5\x2f\xfd"   # zstd's magic
+        assert response.getheader("Content-Disposition") == 'attachment; filename="base.tar.zst"'
+        assert list((served.store.root / "pack-downloads").iterdir()) == []
+        assert served.request("GET", "/v1/snapshots/nope/pack")[0] == 404
+        assert served.request("GET", "/v1/snapshots/base/pack?image=maybe")[0] == 400
+        assert served.request("GET", "/v1/snapshots/base/pack", token=None)[0] == 401

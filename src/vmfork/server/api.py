@@ -523,6 +523,31 @@ def compact_snapshot(c: Controller, req: Request) -> Response:
     return Response(200, c.compact_snapshot(req.params["tag"], body["to"]))
 
 
+PACK_QUERY = {"image": Field(bool, True)}
+
+
+def pack_snapshot(c: Controller, req: Request) -> Response:
+    """The chain ending at the tag as a pack (``vmfork pack``'s ``.tar.zst``, which
+    ``vmfork unpack`` takes on another host), streamed; ``?image=false`` leaves the
+    guest image out. Made whole before the first byte is sent, so a refusal is a
+    proper error, and removed once sent (or not)."""
+    tag = req.snapshot_tag = req.params["tag"]
+    q = req.args(PACK_QUERY, _where(req))
+    path = c.pack_snapshot(tag, with_image=q["image"])
+
+    def produce(write: Writer) -> None:
+        try:
+            with open(path, "rb") as f:
+                while chunk := f.read(STREAM_CHUNK):
+                    write(chunk)
+        finally:
+            path.unlink(missing_ok=True)
+
+    return StreamResponse(200, content_type="application/zstd",
+                          headers={"Content-Disposition": f'attachment; filename="{tag}.tar.zst"'},
+                          produce=produce)
+
+
 def create_sandboxes(c: Controller, req: Request) -> Response:
     _no_query(req)
     body = req.json(SANDBOX_CREATE, _where(req))
@@ -1090,6 +1115,7 @@ ROUTES: tuple[Route, ...] = (
     Route("DELETE", "/v1/snapshots/{tag}", delete_snapshot),
     Route("GET", "/v1/snapshots/{tag}/info", snapshot_info),
     Route("POST", "/v1/snapshots/{tag}/compact", compact_snapshot),
+    Route("GET", "/v1/snapshots/{tag}/pack", pack_snapshot),
     Route("POST", "/v1/snapshots/{tag}/push", push_snapshot),
     Route("POST", "/v1/snapshots/pull", pull_snapshot),
     Route("GET", "/v1/transfers", list_transfers),

@@ -26,11 +26,13 @@ directories are removed, and snapshots a crash left ``writing`` become ``failed`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -485,6 +487,32 @@ class Controller:
             except (StoreError, OSError) as err:
                 raise BadGateway(f"compacting {tag!r} into {to!r} failed: {err}") from err
         return self._snapshot_info(snap)
+
+    def pack_snapshot(self, tag: str, *, with_image: bool) -> Path:
+        """``tag``'s chain (and its image) as a pack in a private temporary file of the
+        store's, which the caller streams and removes. A heavy operation: compression
+        takes a core for as long as the chain is large."""
+        from vmfork.store import packs
+        self._ready_snapshot(tag)
+        with self._heavy_slot(f"pack snapshot {tag!r}"):
+            scratch = self.store.root / "pack-downloads"
+            scratch.mkdir(mode=0o700, exist_ok=True)
+            # A download whose client went before the first byte leaves its file:
+            # what is older than an hour is such a leftover.
+            for old in scratch.iterdir():
+                with contextlib.suppress(OSError):
+                    if time.time() - old.lstat().st_mtime > 3600:
+                        old.unlink()
+            out = scratch / f"{tag}.{secrets.token_hex(8)}.tar.zst"
+            try:
+                packs.pack(self.store, tag, out, with_image=with_image)
+            except SnapshotNotFound as err:
+                raise NotFound(str(err)) from err
+            except (SnapshotCorrupt, packs.PackError) as err:
+                raise Conflict(f"cannot pack {tag!r}: {err}") from err
+            except (StoreError, OSError) as err:
+                raise BadGateway(f"packing {tag!r} failed: {err}") from err
+        return out
 
     def create_snapshot(self, body: dict[str, Any]) -> dict[str, Any]:
         tag = body["tag"]

@@ -315,7 +315,8 @@ async function refreshSnapshots() {
     const label = el("span", { class: `node ${node.status}` }, el("strong", {}, node.tag), ` — ${details.join(" · ")}`);
     const del = el("button", { type: "button", "aria-label": `delete ${node.tag}`, onclick: () => deleteSnapshot(node.tag) }, "Delete");
     const compact = node.parent_tag ? el("button", { type: "button", "aria-label": `compact ${node.tag}`, onclick: () => compactSnapshot(node.tag) }, "Compact") : "";
-    const item = el("li", { "data-tag": node.tag }, label, " ", del, " ", compact);
+    const pack = node.status === "ready" ? el("button", { type: "button", "aria-label": `pack ${node.tag}`, onclick: () => packSnapshot(node.tag) }, "Pack") : "";
+    const item = el("li", { "data-tag": node.tag }, label, " ", del, " ", compact, " ", pack);
     if (node.children.length) item.append(el("ul", {}, ...node.children.map(render)));
     return item;
   };
@@ -338,6 +339,28 @@ async function deleteSnapshot(tag) {
     }
   }
   await refreshSnapshots();
+}
+
+/** The chain as a pack (`vmfork unpack` takes it on another host), downloaded. */
+async function packSnapshot(tag) {
+  $("#snapshots-status").textContent = `packing ${tag}…`;
+  try {
+    const blob = await (await api("GET", `/v1/snapshots/${encodeURIComponent(tag)}/pack`, { headers: { Accept: "application/zstd" } })).blob();
+    saveBlob(blob, `${tag}.tar.zst`);
+    $("#snapshots-status").textContent = `packed ${tag}: ${mib(blob.size)}`;
+  } catch (err) {
+    $("#snapshots-status").textContent = "";
+    $("#snapshots-error").textContent = `pack ${tag}: ${err.message}`;
+  }
+}
+
+function saveBlob(blob, name) {
+  const url = URL.createObjectURL(blob);
+  const a = el("a", { href: url, download: name });
+  document.body.append(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 10_000);
 }
 
 async function compactSnapshot(tag) {
@@ -467,12 +490,7 @@ async function listFiles() {
 async function download(path, name) {
   try {
     const blob = await (await api("GET", `${base()}/files?path=${encodeURIComponent(path)}`, { headers: { Accept: "*/*" } })).blob();
-    const url = URL.createObjectURL(blob);
-    const a = el("a", { href: url, download: name });
-    document.body.append(a);
-    a.click();
-    a.remove();
-    setTimeout(() => URL.revokeObjectURL(url), 10_000);
+    saveBlob(blob, name);
   } catch (err) {
     $("#sandbox-error").textContent = `download ${path}: ${err.message}`;
   }
