@@ -32,10 +32,10 @@ import os
 import secrets
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vmfork import __version__
