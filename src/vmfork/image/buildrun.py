@@ -210,8 +210,11 @@ def _build_network(egress: str | None) -> Iterator[tuple[str, str, tuple[str, ..
             finally:
                 host.destroy(child)
         finally:
-            host.close()
-            host.remove_host_table()
+            # The table first: close() stops the workers that run on the host's side.
+            try:
+                host.remove_host_table()
+            finally:
+                host.close()
     finally:
         os.close(lock)
 
