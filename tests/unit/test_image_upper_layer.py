@@ -134,3 +134,33 @@ def test_caps_and_refusals(tmp_path: Path) -> None:
         os.setxattr(upper / "d", "trusted.overlay.redirect", b"/elsewhere")
         with pytest.raises(UpperError, match="redirect"):
             write_layer(str(upper), io.BytesIO())
+
+
+def test_the_export_upper_op_streams_the_layer_and_is_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op through the real agent server and client (a Unix socket): refused outside
+    a build VM, then the layer in frames whose total the result confirms, and a cap
+    the guest is given failing the op with the reason."""
+    from tests.unit.agent_support import running_agent
+    from vmfork.agent import upper
+    from vmfork.agent.client import AgentError
+
+    with running_agent() as agent:
+        monkeypatch.setattr(upper, "UPPER_DIR", str(tmp_path / "absent"))
+        with pytest.raises(AgentError, match="not booted as a build VM") as err:
+            agent.client.export_upper(io.BytesIO(), max_bytes=1 << 20, max_members=100)
+        assert err.value.code == "unsupported"
+        tree = tmp_path / "upper"
+        (tree / "srv").mkdir(parents=True)
+        payload = os.urandom(3 << 20)            # several frames
+        (tree / "srv/data.bin").write_bytes(payload)
+        monkeypatch.setattr(upper, "UPPER_DIR", str(tree))
+        out = io.BytesIO()
+        result = agent.client.export_upper(out, max_bytes=8 << 20, max_members=100)
+        assert result["size"] == len(out.getvalue()) and result["members"] == 2
+        member = tarfile.open(fileobj=io.BytesIO(out.getvalue())).extractfile("srv/data.bin")
+        assert member is not None and member.read() == payload
+        with pytest.raises(AgentError, match="more than 1048576 bytes") as err:
+            agent.client.export_upper(io.BytesIO(), max_bytes=1 << 20, max_members=100)
+        assert err.value.code == "too_large"
+        agent.client.ping()                        # the agent is fine after it
