@@ -13,6 +13,7 @@ records no image and leaves no VM, network or file behind.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def _vmfork(*args: str, timeout: float = 3000) -> tuple[int, str, str, float]:
 
 def _left_behind() -> tuple[list[str], list[str], list[str]]:
     left = network.leftovers("vmfb")
-    builds = sorted(p.name for p in run_dir().glob("build-*")) if run_dir().is_dir() else []
+    builds = sorted(p.name for p in run_dir().glob("build-*")
+                    if p.is_dir()) if run_dir().is_dir() else []
     return left.namespaces + left.links, left.tables, builds
 
 
@@ -147,11 +149,14 @@ def test_a_failing_step_fails_the_build_and_leaves_nothing(index: str) -> None:
     assert "run #2" in err and "exited 3" in err and "this step broke" in err, err
     with pytest.raises(ImageMissing):
         read_record("t-run-bad")
-    # The first step's layer is kept (it succeeded: a fix of the second reuses it);
-    # nothing half-built is.
+    # What succeeded is kept (the first step: a fix of the second reuses it); nothing
+    # half-built is, and nothing of the failed step.
     new = set((cache_dir() / "disk-builds").iterdir()) - entries
-    assert all(not p.name.startswith(".") for p in new), new
-    assert len(new) <= 1, new
+    assert all(not p.name.startswith(".") for p in new), (new, err)
+    for entry in new:
+        manifest = json.loads((entry / "manifest.json").read_text())
+        assert (entry / "root.img").is_file(), (entry, err)
+        assert "broke" not in manifest.get("command", ""), (manifest, err)
     assert _left_behind() == ([], [], [])
 
 

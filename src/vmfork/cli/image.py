@@ -171,7 +171,7 @@ def _print_user_image(image: GuestImage, seconds: float, as_json: bool) -> None:
     if image.workdir or image.user:
         print(f"  workdir {image.workdir or '/'}  user {image.user or 'root'}")
     for n, layer in enumerate(image.definition.get("run_layers", []), 1):
-        print(f"  run #{n}  layer {layer['layer_bytes'] / 1e6:.1f} MB "
+        print(f"  run #{n}  layer {layer['layer_bytes'] / 1e3:.1f} kB "
               f"({'cached' if layer['cached'] else 'built now'}): {layer['command'][:60]}")
 
 

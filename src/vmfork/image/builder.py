@@ -717,12 +717,17 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
     seconds = float(manifest["build_seconds"]) if disk_built else None
     image = image_of(content_key, manifest, seconds, [])
     layers: list[dict[str, Any]] = []
+    first_disk = disk_path(content_key)
+    prior_layers: list[Path] = []
     for index, command in enumerate(spec.run):
         # Each step boots the image so far (not recorded: a failed step records nothing).
-        from vmfork.image.buildrun import run_step
+        from vmfork.image.buildrun import LAYER_FILE, run_step
 
         entry, manifest, step_built = run_step(image, index, command, egress=spec.egress,
+                                               first_disk=first_disk,
+                                               prior_layers=list(prior_layers),
                                                mem_mib=spec.run_mem_mib, progress=progress)
+        prior_layers.append(entry / LAYER_FILE)
         content_key = publish_disk(entry / DISK_FILE, str(manifest["content_key"]))
         layers.append({"command": command, "disk": content_key,
                        "diff_id": manifest["layer"]["diff_id"],

@@ -13,9 +13,11 @@ For each step, in order, on top of the image built so far:
 3. the agent streams the overlay's **upper directory** as an OCI layer tar
    (``agent/upper.py``: whiteouts and opaque directories as OCI marks them, modes,
    owners, symlinks and hard links kept), at most ``MAX_LAYER_BYTES``;
-4. the VM is shut down; the base disk is unpacked, the layer applied by the layer code
-   that applies OCI images' layers (``layers.LayerApplier``: hostile members refused
-   as for any image), and the tree made a disk again.
+4. the VM is shut down; the disk before the first step is unpacked, the earlier steps'
+   layers and this one applied by the layer code that applies OCI images' layers
+   (``layers.LayerApplier``: hostile members refused as for any image), and the tree
+   made a disk again. The layer is kept in the step's cache entry (the next steps
+   apply it: unpacking a disk loses hard links, a layer keeps them).
 
 **Cached by content**: a step's key is the base disk's SHA-256 (which covers the
 definition and every earlier step), the command and its egress policy, so a rebuild
@@ -45,7 +47,8 @@ from vmfork.image import DISK_FILE, GuestImage
 from vmfork.image.cache import cached_entry, hash_inputs
 from vmfork.image.errors import ImageBuildError
 
-RUN_RECIPE_VERSION = "1"
+RUN_RECIPE_VERSION = "2"
+LAYER_FILE = "layer.tar"         # a step's changes, kept: later steps' trees apply it
 BUILD_KERNEL_WORD = "vmfork.build=1"
 DEFAULT_RUN_MEM_MIB = 1024
 RUN_TIMEOUT_S = 3600.0
@@ -73,15 +76,23 @@ def step_key(base_disk_key: str, command: str, egress: str | None) -> str:
 
 
 def run_step(image: GuestImage, index: int, command: str, *, egress: str | None,
-             mem_mib: int = DEFAULT_RUN_MEM_MIB, timeout: float = RUN_TIMEOUT_S,
+             first_disk: Path, prior_layers: list[Path], mem_mib: int = DEFAULT_RUN_MEM_MIB,
+             timeout: float = RUN_TIMEOUT_S,
              progress: Progress) -> tuple[Path, dict[str, Any], bool]:
     """Run ``command`` on top of ``image`` (a disk-rooted image, recorded or not) and
-    return ``(cache entry, manifest, built now)``: the entry holds the new disk."""
+    return ``(cache entry, manifest, built now)``: the entry holds the new disk and the
+    step's layer (``LAYER_FILE``).
+
+    The new disk's tree is made from ``first_disk`` (the disk before any run step) with
+    ``prior_layers`` (the earlier steps' layers) and this step's applied in order,
+    rather than from ``image``'s disk: unpacking a disk (``fsck.erofs --extract``)
+    loses hard links, which the layers keep."""
     assert image.disk_key is not None and image.disk is not None
     label = f"run #{index + 1}"
     key = step_key(image.disk_key, command, egress)
     entry, built = cached_entry("disk-builds", key, lambda out: _build_step(
-        out, image, label, command, egress, mem_mib, timeout, progress))
+        out, image, label, command, egress, mem_mib, timeout, progress, first_disk,
+        prior_layers))
     manifest = json.loads((entry / "manifest.json").read_text())
     if not built:
         layer = manifest["layer"]
@@ -95,14 +106,15 @@ def _short(command: str) -> str:
 
 
 def _build_step(out: Path, image: GuestImage, label: str, command: str, egress: str | None,
-                mem_mib: int, timeout: float, progress: Progress) -> None:
+                mem_mib: int, timeout: float, progress: Progress, first_disk: Path,
+                prior_layers: list[Path]) -> None:
     from vmfork.image.builder import _extract_disk, _tree_bytes, disk_content_key, make_disk
     from vmfork.image.layers import LayerApplier
 
     started = time.monotonic()
     progress("run", f"{label}: booting a build VM ({mem_mib} MiB, egress "
                     f"{egress or 'allow'}) for: {_short(command)}")
-    layer_path = out / "layer.tar"
+    layer_path = out / LAYER_FILE
     report = run_in_build_vm(image, command, layer_path, egress=egress, mem_mib=mem_mib,
                              timeout=timeout, label=label)
     ran = time.monotonic()
@@ -111,16 +123,19 @@ def _build_step(out: Path, image: GuestImage, label: str, command: str, egress: 
                     f"{report['whiteouts']} deletions)")
     root = Path(tempfile.mkdtemp(prefix=".root-", dir=out.parent))
     try:
-        assert image.disk is not None
-        _extract_disk(image.disk, image.disk_format, root)
-        with LayerApplier(root) as applier, open(layer_path, "rb") as layer:
-            diff_id = applier.apply(layer, f"the changes of {label}")
+        _extract_disk(first_disk, image.disk_format, root)
+        with LayerApplier(root) as applier:
+            for n, prior in enumerate(prior_layers, 1):
+                with open(prior, "rb") as layer:
+                    applier.apply(layer, f"the changes of run #{n}")
+            with open(layer_path, "rb") as layer:
+                diff_id = applier.apply(layer, f"the changes of {label}")
         tree_bytes = _tree_bytes(root)
         fmt = image.disk_format or "erofs"
         make_disk(root, out / DISK_FILE, fmt)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        layer_path.unlink(missing_ok=True)
+    os.chmod(layer_path, 0o444)
     disk_bytes = (out / DISK_FILE).stat().st_size
     total = round(time.monotonic() - started, 3)
     manifest = {"recipe_version": RUN_RECIPE_VERSION, "root": "disk", "command": command,
