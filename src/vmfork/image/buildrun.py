@@ -187,8 +187,9 @@ def egress_policy(policy: str | None) -> Any:
 @contextmanager
 def _build_network(egress: str | None) -> Iterator[tuple[str, str, tuple[str, ...]]]:
     """``(netns, tap, dns)`` of a network for one build VM, removed afterwards. Builds
-    take one lock, so two never claim the same namespace; whatever carries the prefix
-    when it is taken is a killed build's leftover and is removed first."""
+    take one lock, so two never claim the same namespace (one build VM at a time on a
+    host); whatever carries the prefix when it is taken is a killed build's leftover
+    and is removed first."""
     import fcntl
 
     from vmfork.paths import run_dir
@@ -323,15 +324,24 @@ def _process_main(request_path: str, result_path: str) -> int:
                 ready_timeout=PARENT_READY_TIMEOUT_S) as guest:
             booted = time.monotonic()
 
+            # The command's output goes to this process's log; only the tail of its
+            # stderr is kept (a chatty command's whole output could be any size).
+            stderr_tail = bytearray()
+
             def echo(chunk: bytes) -> None:
                 sys.stderr.buffer.write(chunk)
                 sys.stderr.buffer.flush()
 
+            def keep_tail(chunk: bytes) -> None:
+                echo(chunk)
+                stderr_tail.extend(chunk)
+                del stderr_tail[:-4 * STDERR_TAIL]
+
             done = guest.agent.exec(req["command"], timeout=req["timeout"],
-                                    on_stdout=echo, on_stderr=echo, max_output=1 << 20)
+                                    on_stdout=echo, on_stderr=keep_tail, capture=False)
             ran = time.monotonic()
             if done.exit_code != 0:
-                tail = done.stderr.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
+                tail = stderr_tail.decode("utf-8", "replace").strip()[-STDERR_TAIL:]
                 message = f"exited {done.exit_code}" + (f":\n{tail}" if tail else "")
                 hint = out_of_memory_hint(guest.console_tail(), req["mem_mib"], tail)
                 if hint is not None:
