@@ -135,8 +135,8 @@ def test_image_tools(daemon: RunningDaemon, tmp_path: Path) -> None:
         async with mcp_session(daemon.url, token=TOKEN) as mcp:
             tools = {t.name: t for t in (await mcp.client.list_tools()).tools}
             assert {"name", "base", "apt", "pip", "requirements", "npm", "copy", "env",
-                    "workdir", "user", "wait"} == set(tools["build_image"].input_schema[
-                        "properties"])
+                    "workdir", "user", "run", "egress", "wait"} == set(
+                        tools["build_image"].input_schema["properties"])
             assert tools["build_image"].input_schema["required"] == ["name"]
 
             listed = await mcp.call("list_images")

@@ -310,6 +310,15 @@ export interface BuildImageOptions extends CallOptions {
   user?: string;
   diskFormat?: "squashfs" | "squashfs-lz4" | "erofs";
   /**
+   * Shell commands run in order after the other steps, each in a build VM booted
+   * from the image so far with a network; each one's changes become the next layer.
+   */
+  run?: string[];
+  /** The run steps' egress policy: "allow" (default), "deny", or an allow-list "cidr,domain,...". */
+  egress?: string;
+  /** Memory of the run steps' build VM (default 1024). */
+  runMemMib?: number;
+  /**
    * true (default): resolve when the image is ready (a failed step rejects with
    * status 422 naming it; default timeout an hour). false: resolve at once with the
    * job (`status: "building"`); follow it with {@link Controller.waitImage}.
@@ -692,6 +701,7 @@ export class Controller {
       ["pip", options.pip],
       ["npm", options.npm],
       ["pip_find_links", options.pipFindLinks],
+      ["run", options.run],
     ] as const) {
       if (value !== undefined && value.length) body[key] = value;
     }
@@ -703,6 +713,8 @@ export class Controller {
     if (options.workdir !== undefined) body.workdir = options.workdir;
     if (options.user !== undefined) body.user = options.user;
     if (options.diskFormat !== undefined) body.disk_format = options.diskFormat;
+    if (options.egress !== undefined) body.egress = options.egress;
+    if (options.runMemMib !== undefined) body.run_mem_mib = options.runMemMib;
     if (options.wait !== undefined) body.wait = options.wait;
     return this.json("POST", "/v1/images", {
       ...options,

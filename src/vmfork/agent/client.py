@@ -980,6 +980,37 @@ class AgentClient:
         return self._simple("mount_volume", device=device, guest_path=guest_path,
                             read_only=read_only, sectors=sectors)
 
+    def export_upper(self, fileobj: BinaryIO, *, max_bytes: int,
+                     max_members: int) -> dict[str, Any]:
+        """Stream a build VM's root overlay changes, as an OCI layer tar, into
+        ``fileobj`` (``agent/upper.py``); at most ``max_bytes`` are accepted. Returns
+        the agent's ``{size, members, file_bytes, whiteouts, opaque_dirs}``."""
+        call = self._open("export_upper", {"max_bytes": max_bytes, "max_members": max_members},
+                          timeout=self.io_timeout, deadline=self._deadline(TRANSFER_DEADLINE))
+        written = 0
+        # The tar's headers and padding come on top of the file data.
+        cap = max_bytes + max_members * 2048 + (1 << 20)
+        try:
+            while True:
+                frame = call.recv()
+                if frame.type == "data":
+                    written += len(frame.payload)
+                    if written > cap:
+                        raise AgentProtocolError(f"export_upper: the guest sent over {cap} "
+                                                 "bytes", op="export_upper")
+                    fileobj.write(frame.payload)
+                elif frame.type == "result":
+                    break
+                else:
+                    raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
+                                             op="export_upper")
+        finally:
+            call.close()
+        if frame.header.get("size") != written:
+            raise AgentProtocolError(f"export_upper: got {written} bytes, the agent says it "
+                                     f"sent {frame.header.get('size')}", op="export_upper")
+        return dict(frame.header)
+
     def after_fork(self, data: bytes, *, net_refresh: bool = False,
                    clock_tolerance_ns: int = 50_000_000) -> AfterForkResult:
         """Everything a restored child needs in one round trip: set the guest's clock

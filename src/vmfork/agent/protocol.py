@@ -182,6 +182,14 @@ recognises erofs, squashfs or ext4 by its superblock and mounts it there (``MS_R
 when read-only), making the directory if needed (``agent/volumes.py``).
     → ``result {device, fstype, guest_path, read_only, sectors}``; ``exists`` if
       something is mounted there, ``not_ready`` if the disk never showed up.
+
+``export_upper`` — ``max_bytes``, ``max_members`` (caps; the agent caps them too). Only in
+a build VM (kernel word ``vmfork.build=1``, whose ``/init`` moves the root overlay's
+tmpfs to ``/.vmfork-rw``): streams the overlay's upper directory as an OCI layer tar
+(whiteouts and opaque directories converted, ``agent/upper.py``).
+    → ``data`` frames, then ``result {size, members, file_bytes, whiteouts,
+      opaque_dirs}``; ``unsupported`` in a guest not booted for a build, ``too_large``
+      over a cap.
 """
 
 from __future__ import annotations
@@ -217,7 +225,8 @@ DEFAULT_ENV: dict[str, str] = {
 
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
        "reseed", "set_time", "shutdown", "net_refresh", "after_fork", "rename", "watch",
-       "start", "attach", "send_stdin", "signal", "pty_resize", "ps", "mount_volume")
+       "start", "attach", "send_stdin", "signal", "pty_resize", "ps", "mount_volume",
+       "export_upper")
 
 
 class ProtocolError(Exception):

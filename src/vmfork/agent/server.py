@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vmfork import __version__
-from vmfork.agent import files, network, system, volumes, watch
+from vmfork.agent import files, network, system, upper, volumes, watch
 from vmfork.agent.conn import Conn, PeerGone
 from vmfork.agent.evaluator import Evaluator
 from vmfork.agent.jobs import JobTable
@@ -102,6 +102,7 @@ class AgentServer:
             "ps": lambda conn, frame: self.jobs.list(conn, frame.header),
             "mount_volume": lambda conn, frame: conn.result(
                 **volumes.mount_volume(frame.header)),
+            "export_upper": lambda conn, frame: upper.export_upper(conn, frame.header),
         }
         assert set(self._handlers) == set(OPS)
 

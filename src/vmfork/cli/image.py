@@ -38,7 +38,8 @@ def register(subparsers: Any) -> None:
     build = verbs.add_parser(
         "build", help="build a guest image: the default, or yours (packages, wheels, files)",
         description="With no definition, builds the default image (kernel + initramfs). "
-                    "With any of --from/--apt/--pip/--npm/--copy/--env/--workdir or -f, "
+                    "With any of --from/--apt/--pip/--npm/--copy/--env/--workdir/--run or "
+                    "-f, "
                     "builds a read-only root disk holding them. Cached by content.")
     build.add_argument("image_name", nargs="?", metavar="NAME",
                        help=f"image name (default {DEFAULT_NAME!r}; letters, digits, '_', '-')")
@@ -65,6 +66,17 @@ def register(subparsers: Any) -> None:
                        help="environment for commands run in sandboxes of it")
     build.add_argument("--workdir", metavar="DIR", help="default working directory of exec")
     build.add_argument("--user", metavar="USER[:GROUP]", help="default user of exec")
+    build.add_argument("--run", action="append", default=[], metavar="CMD",
+                       help="a shell command run in a build VM booted from the image so far, "
+                            "with a network; what it changes in the file system becomes the "
+                            "next layer (repeatable, run in order after the other steps; "
+                            "needs root)")
+    build.add_argument("--egress", default=None, metavar="POLICY",
+                       help="the --run steps' egress policy: allow (default), deny, or a "
+                            "comma-separated allow-list of CIDRs and domain names")
+    build.add_argument("--run-mem-mib", type=int, default=None, metavar="MIB",
+                       help="memory of the --run steps' build VM (default 1024; the changes "
+                            "live in its RAM until they are exported)")
     build.add_argument("--disk-format", choices=DISK_FORMATS, default=None,
                        help=f"root disk file system (default {DEFAULT_DISK_FORMAT})")
     build.add_argument("--root", choices=("disk", "initramfs"), default=None,
@@ -134,7 +146,9 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         env=base.env + parse_env(args.env), workdir=args.workdir or base.workdir,
         user=args.user or base.user,
         disk_format=args.disk_format or base.disk_format,
-        root=args.root or base.root).validate()
+        root=args.root or base.root, run=base.run + tuple(args.run),
+        egress=args.egress or base.egress,
+        run_mem_mib=args.run_mem_mib or base.run_mem_mib).validate()
 
 
 def _print_user_image(image: GuestImage, seconds: float, as_json: bool) -> None:
@@ -156,6 +170,9 @@ def _print_user_image(image: GuestImage, seconds: float, as_json: bool) -> None:
         print("  env     " + " ".join(image.env))
     if image.workdir or image.user:
         print(f"  workdir {image.workdir or '/'}  user {image.user or 'root'}")
+    for n, layer in enumerate(image.definition.get("run_layers", []), 1):
+        print(f"  run #{n}  layer {layer['layer_bytes'] / 1e3:.1f} kB "
+              f"({'cached' if layer['cached'] else 'built now'}): {layer['command'][:60]}")
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -249,6 +266,8 @@ def _built_from(image: GuestImage) -> str:
         parts.append(f"requirements: {Path(d['requirements']).name}")
     if d.get("copy"):
         parts.append(f"copy: {len(d['copy'])}")
+    if d.get("run"):
+        parts.append(f"run: {len(d['run'])}")
     return "; ".join(parts)
 
 

@@ -295,8 +295,9 @@ def _local_host_network(wanted: bool) -> Iterator[Any]:
         try:
             yield host
         finally:
-            host.close()
+            # The table first: removing it needs the worker pool close() shuts down.
             host.remove_host_table()
+            host.close()
     finally:
         os.close(lock)
 

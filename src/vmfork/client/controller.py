@@ -504,12 +504,16 @@ class Controller:
                     pip_no_index: bool = False, npm: Iterable[str] = (),
                     copy: Iterable[Copy] = (), env: Mapping[str, str] | None = None,
                     workdir: str | None = None, user: str | None = None,
-                    disk_format: str | None = None, wait: bool = True,
-                    timeout: float = 3600) -> ImageInfo:
+                    disk_format: str | None = None, run: Iterable[str] = (),
+                    egress: str | None = None, run_mem_mib: int | None = None,
+                    wait: bool = True, timeout: float = 3600) -> ImageInfo:
         """Have the daemon build image ``name`` (as ``vmfork image build``): ``base``
         another image (default: the default one), Debian packages ``apt``, wheels ``pip``
         (and ``requirements``: a requirements file's text, or a path to one read here),
-        ``npm`` packages, ``copy`` host files in, ``env``/``workdir``/``user`` for exec.
+        ``npm`` packages, ``copy`` host files in, ``env``/``workdir``/``user`` for exec;
+        then ``run``: shell commands, each run in a build VM booted from the image so far
+        with a network under ``egress`` (``run_mem_mib`` of memory), its changes the next
+        layer (a failing command fails the build with its stderr).
 
         ``wait=True`` blocks until it is ready (``timeout`` in seconds; a failed step
         raises ``ControllerError`` 422 naming it); ``wait=False`` returns the job
@@ -518,7 +522,7 @@ class Controller:
         if base is not None:
             body["from"] = base
         for key, items in (("apt", apt), ("pip", pip), ("pip_find_links", pip_find_links),
-                           ("npm", npm)):
+                           ("npm", npm), ("run", run)):
             if isinstance(items, str):
                 raise TypeError(f"{key} takes a list of strings, not one string")
             if items:
@@ -531,7 +535,8 @@ class Controller:
         if env:
             body["env"] = dict(env)
         for key, value in (("pip_index_url", pip_index_url), ("workdir", workdir),
-                           ("user", user), ("disk_format", disk_format)):
+                           ("user", user), ("disk_format", disk_format),
+                           ("egress", egress), ("run_mem_mib", run_mem_mib)):
             if value is not None:
                 body[key] = value
         if pip_no_index:

@@ -694,20 +694,47 @@ def build(name: str, spec: ImageSpec, *, progress: Progress = _quiet,
         definition["from"] = oci_ref
     definition["packages_present"] = sorted(_packages_present(plan)
                                             | {p.name for p in plan.apt})
-    image = GuestImage(
-        name=name, kernel=kernel, initrd=boot.path, kernel_key=kernel_entry.name,
-        initramfs_key=boot.key,
-        cmdline=f"{DEFAULT_CMDLINE} vmfork.rootfs={mount_type(str(manifest['disk_format']))}",
-        created=datetime.now(UTC).replace(microsecond=0),
-        kernel_size=kernel.stat().st_size, initrd_size=boot.size,
-        kernel_build_seconds=entry_build_seconds(kernel) if kernel_built else None,
-        initramfs_build_seconds=boot.build_seconds if boot.built_now else None,
-        disk_key=content_key, disk_size=int(manifest["disk_bytes"]),
-        disk_format=str(manifest["disk_format"]),
-        built_from=built_from or oci_ref or spec.base or DEFAULT_NAME,
-        definition=definition, env=tuple(manifest["env"]), workdir=manifest["workdir"],
-        user=manifest["user"], agent_python=manifest["agent_python"],
-        disk_build_seconds=(float(manifest["build_seconds"]) if disk_built else None))
+
+    def image_of(content_key: str, manifest: dict[str, Any], seconds: float | None,
+                 layers: list[dict[str, Any]]) -> GuestImage:
+        return GuestImage(
+            name=name, kernel=kernel, initrd=boot.path, kernel_key=kernel_entry.name,
+            initramfs_key=boot.key,
+            cmdline=f"{DEFAULT_CMDLINE} vmfork.rootfs="
+                    f"{mount_type(str(manifest['disk_format']))}",
+            created=datetime.now(UTC).replace(microsecond=0),
+            kernel_size=kernel.stat().st_size, initrd_size=boot.size,
+            kernel_build_seconds=entry_build_seconds(kernel) if kernel_built else None,
+            initramfs_build_seconds=boot.build_seconds if boot.built_now else None,
+            disk_key=content_key, disk_size=int(manifest["disk_bytes"]),
+            disk_format=str(manifest["disk_format"]),
+            built_from=built_from or oci_ref or spec.base or DEFAULT_NAME,
+            definition={**definition, **({"run_layers": layers} if layers else {})},
+            env=tuple(manifest["env"]), workdir=manifest["workdir"],
+            user=manifest["user"], agent_python=manifest["agent_python"],
+            disk_build_seconds=seconds)
+
+    seconds = float(manifest["build_seconds"]) if disk_built else None
+    image = image_of(content_key, manifest, seconds, [])
+    layers: list[dict[str, Any]] = []
+    first_disk = disk_path(content_key)
+    prior_layers: list[Path] = []
+    for index, command in enumerate(spec.run):
+        # Each step boots the image so far (not recorded: a failed step records nothing).
+        from vmfork.image.buildrun import LAYER_FILE, run_step
+
+        entry, manifest, step_built = run_step(image, index, command, egress=spec.egress,
+                                               first_disk=first_disk,
+                                               prior_layers=list(prior_layers),
+                                               mem_mib=spec.run_mem_mib, progress=progress)
+        prior_layers.append(entry / LAYER_FILE)
+        content_key = publish_disk(entry / DISK_FILE, str(manifest["content_key"]))
+        layers.append({"command": command, "disk": content_key,
+                       "diff_id": manifest["layer"]["diff_id"],
+                       "layer_bytes": manifest["layer"]["bytes"], "cached": not step_built})
+        if step_built:
+            seconds = (seconds or 0.0) + float(manifest["build_seconds"])
+        image = image_of(content_key, manifest, seconds, layers)
     write_record(image)
     progress("done", f"image {name!r}: {image.size >> 20} MiB in "
                      f"{time.monotonic() - started:.1f} s")

@@ -543,8 +543,12 @@ fail() {{ echo "vmfork-init: $*" >/dev/console; exit 1; }}
 mount -t proc proc /proc || fail "cannot mount /proc"
 mount -t devtmpfs devtmpfs /dev || fail "cannot mount /dev"
 fstype=squashfs
+build=
 for word in $(cat /proc/cmdline); do
-  case "$word" in vmfork.rootfs=*) fstype=${{word#vmfork.rootfs=}} ;; esac
+  case "$word" in
+    vmfork.rootfs=*) fstype=${{word#vmfork.rootfs=}} ;;
+    vmfork.build=1) build=1 ;;
+  esac
 done
 i=0
 while [ ! -b /dev/vda ]; do
@@ -576,6 +580,13 @@ if ! read -r python 2>/dev/null < /newroot/{AGENT_PYTHON_FILE}; then
   [ -n "$python" ] || fail "the root file system has no Python 3.9 or newer for vmfork's \\
 agent (looked for /{AGENT_PYTHON_FILE}, /usr/bin/python3, /usr/local/bin/python3, \\
 /bin/python3): install python3 in it, or build a vmfork image (vmfork image build)"
+fi
+# A build VM (an image's --run step): the overlay's tmpfs, upper directory and all,
+# stays reachable in the new root, so the agent can export what the step changed
+# (vmfork.agent.upper). Ordinary guests never see it.
+if [ -n "$build" ]; then
+  mkdir -p /newroot/.vmfork-rw && mount -o move /rw /newroot/.vmfork-rw \
+    || fail "cannot move the overlay's tmpfs into the build VM's root"
 fi
 umount /dev
 umount /proc

@@ -15,6 +15,8 @@ the file's directory::
     env = { MODEL = "/models/model.bin" }   # or ["K=V", ...]
     workdir = "/app"
     user = "1000:1000"
+    run = ["pip install requests", "rm -rf /root/.cache"]   # after the steps above
+    egress = "allow"                 # the --run steps' network: allow, deny, an allow-list
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ DEFAULT_DISK_FORMAT = "erofs"      # measured: docs/images.md, "squashfs or erof
 
 MAX_ITEMS = 512          # packages, requirements, copies, env entries: each list
 MAX_ENV_VALUE = 32 << 10
+MAX_RUN_COMMAND = 64 << 10
+MIN_RUN_MEM_MIB, MAX_RUN_MEM_MIB = 128, 65536
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
@@ -74,18 +78,24 @@ class ImageSpec:
     user: str | None = None
     disk_format: str = DEFAULT_DISK_FORMAT
     root: str = "disk"
+    # Commands run in a build VM after the steps above, in order, each one's changes
+    # the next layer (image/buildrun.py); their network's egress policy; its memory.
+    run: tuple[str, ...] = ()
+    egress: str | None = None
+    run_mem_mib: int = 1024
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def is_default(self) -> bool:
         """Nothing beyond the default image: it is built as the plain initramfs."""
         return (self.base in (None, "default") and not (self.apt or self.pip or self.requirements
-                or self.npm or self.copy or self.env or self.workdir or self.user))
+                or self.npm or self.copy or self.env or self.workdir or self.user
+                or self.run))
 
     def validate(self) -> ImageSpec:
         for name, items in (("apt", self.apt), ("pip", self.pip), ("npm", self.npm),
                             ("copy", self.copy), ("env", self.env),
-                            ("pip_find_links", self.pip_find_links)):
+                            ("pip_find_links", self.pip_find_links), ("run", self.run)):
             if len(items) > MAX_ITEMS:
                 raise SpecError(f"{name}: at most {MAX_ITEMS} entries, not {len(items)}")
         for req in self.pip:
@@ -115,6 +125,25 @@ class ImageSpec:
         if self.disk_format not in DISK_FORMATS:
             raise SpecError(f"disk_format: {self.disk_format!r} is not one of "
                             f"{', '.join(DISK_FORMATS)}")
+        for command in self.run:
+            if not command.strip() or "\0" in command or len(command) > MAX_RUN_COMMAND:
+                raise SpecError(f"run: {command[:60]!r} must be a non-empty shell command "
+                                "without NUL bytes, at most 64 KiB")
+        if self.run and self.root != "disk":
+            raise SpecError("run: --run steps need the disk root (their changes become "
+                            "layers of the disk), not root = initramfs")
+        if self.egress is not None:
+            if not self.run:
+                raise SpecError("egress: the policy is for the network of --run steps; "
+                                "there are none")
+            from vmfork.image.buildrun import egress_policy
+            try:
+                egress_policy(self.egress)
+            except ValueError as err:
+                raise SpecError(f"egress: {err}") from err
+        if not MIN_RUN_MEM_MIB <= self.run_mem_mib <= MAX_RUN_MEM_MIB:
+            raise SpecError(f"run_mem_mib: {self.run_mem_mib} is not in "
+                            f"{MIN_RUN_MEM_MIB}..{MAX_RUN_MEM_MIB}")
         if self.pip_index_url is not None and not re.fullmatch(r"https?://\S{1,2000}",
                                                                self.pip_index_url):
             raise SpecError(f"pip_index_url: {self.pip_index_url!r} is not an http(s) URL")
@@ -134,6 +163,9 @@ class ImageSpec:
             out["env"] = [f"{k}={v}" for k, v in self.env]
         if self.root != "disk":
             out["root"] = self.root
+        if self.run:
+            out["run"] = list(self.run)
+            out["egress"] = self.egress or "allow"
         for name in ("workdir", "user"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -176,7 +208,8 @@ def parse_env(words: list[str] | dict[str, Any]) -> tuple[tuple[str, str], ...]:
 
 
 _TOML_KEYS = {"from", "apt", "pip", "requirements", "pip_index_url", "pip_find_links",
-              "pip_no_index", "npm", "copy", "env", "workdir", "user", "disk_format", "root"}
+              "pip_no_index", "npm", "copy", "env", "workdir", "user", "disk_format", "root",
+              "run", "egress", "run_mem_mib"}
 
 
 def _str_list(tree: dict[str, Any], key: str) -> tuple[str, ...]:
@@ -217,11 +250,14 @@ def spec_from_toml(path: Path) -> ImageSpec:
     env_value = tree.get("env", [])
     if not isinstance(env_value, list | dict):
         raise SpecError("env: must be a table or a list of K=V strings")
-    for key in ("pip_index_url", "workdir", "user", "disk_format", "root"):
+    for key in ("pip_index_url", "workdir", "user", "disk_format", "root", "egress"):
         if key in tree and not isinstance(tree[key], str):
             raise SpecError(f"{key}: must be a string")
     if "pip_no_index" in tree and not isinstance(tree["pip_no_index"], bool):
         raise SpecError("pip_no_index: must be true or false")
+    run_mem = tree.get("run_mem_mib", 1024)
+    if isinstance(run_mem, bool) or not isinstance(run_mem, int):
+        raise SpecError("run_mem_mib: must be an integer (MiB)")
     return ImageSpec(
         base=base, apt=_str_list(tree, "apt"), pip=_str_list(tree, "pip"),
         requirements=local(requirements) if requirements else None,
@@ -230,4 +266,5 @@ def spec_from_toml(path: Path) -> ImageSpec:
         copy=tuple(parse_copy(w, here) for w in _str_list(tree, "copy")),
         env=parse_env(env_value), workdir=tree.get("workdir"), user=tree.get("user"),
         disk_format=tree.get("disk_format", DEFAULT_DISK_FORMAT), root=tree.get("root", "disk"),
+        run=_str_list(tree, "run"), egress=tree.get("egress"), run_mem_mib=run_mem,
     ).validate()

@@ -608,6 +608,14 @@ class _Tools:
             "Default working directory of commands (absolute)."))] = None,
         user: Annotated[str | None, Field(max_length=65, description=(
             "Default user of commands: NAME, UID or USER:GROUP."))] = None,
+        run: Annotated[Packages, Field(description=(
+            "Shell commands (a Dockerfile RUN), run in order after the rest, each in a "
+            "build VM booted from the image so far with a network; what each changes in "
+            "the file system becomes the image's next layer, e.g. [\"pip install "
+            "requests\"]. A command exiting non-zero fails the build."))] = [],  # noqa: B006
+        egress: Annotated[str | None, Field(max_length=4096, description=(
+            "The run commands' network policy: allow (default), deny, or a "
+            "comma-separated allow-list of CIDRs and domain names."))] = None,
         wait: Annotated[bool, Field(description=(
             "true waits until the image is ready (a cached definition takes seconds, new "
             "packages or wheels minutes); false returns at once with status \"building\": "
@@ -620,7 +628,8 @@ class _Tools:
         try:
             return _image_json(self.c.build_image(
                 name, base=base, apt=apt, pip=pip, requirements=requirements, npm=npm,
-                copy=copy, env=env, workdir=workdir, user=user, wait=wait))
+                copy=copy, env=env, workdir=workdir, user=user, run=run, egress=egress,
+                wait=wait))
         except ControllerError as err:
             raise _tool_error(err, f"build_image {name}") from None
         except ValueError as err:   # a copy entry that is not SRC:DST

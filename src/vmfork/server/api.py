@@ -363,6 +363,9 @@ IMAGE_BUILD = {
     "workdir": Field(str, None, text_up_to(1024), nullable=True),
     "user": Field(str, None, text_up_to(65), nullable=True),
     "disk_format": Field(str, DEFAULT_DISK_FORMAT, one_of(*DISK_FORMATS)),
+    "run": Field(list, [], check_strings),
+    "egress": Field(str, None, text_up_to(4096), nullable=True),
+    "run_mem_mib": Field(int, 1024, between(128, 65536)),
     "wait": Field(bool, True),
 }
 

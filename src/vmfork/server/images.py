@@ -144,7 +144,8 @@ def spec_from_body(body: dict[str, Any], requirements: Path | None) -> ImageSpec
             npm=tuple(body["npm"]), copy=tuple(copies),
             env=tuple((str(k), v) for k, v in body["env"].items()),
             workdir=body["workdir"], user=body["user"],
-            disk_format=body["disk_format"]).validate()
+            disk_format=body["disk_format"], run=tuple(body["run"]),
+            egress=body["egress"], run_mem_mib=body["run_mem_mib"]).validate()
     except SpecError as err:
         raise BadRequest(f"POST /v1/images: {err}") from err
 

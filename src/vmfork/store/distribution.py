@@ -211,6 +211,12 @@ def push(store: Store, tag: str, ref: str, *, sign_key: Path | None = None,
         manifest, entries = packs.chain_manifest(store, tag, with_image=with_image)
     except packs.PackError as err:
         raise DistributionError(str(err).replace("pack", "push")) from None
+    if manifest.get("volumes"):
+        # A pack carries them (checked on unpack); a registry artifact has no media type
+        # or pull-side check for them yet, and a child must never run without one.
+        raise DistributionError(f"snapshot {tag!r} attaches read-only volumes, which a push "
+                                "does not carry yet; move it with `vmfork pack` / `vmfork "
+                                "unpack`, which do")
     hashes = _entry_hashes(manifest)
     client = _client(target, auth_file, insecure, "pull,push")
     record = _DigestRecord(store)

@@ -7,6 +7,7 @@ Layout of the tar stream (compressed by the ``zstd`` tool, see below)::
     snapshots/<tag>/memory.bin     the root only (holes read as zeros; zstd squeezes them)
     snapshots/<tag>/layer.bin      each link: only the pages it changed, once
     image/vmlinux, image/initramfs.cpio   the guest image, unless packed without it
+    volumes/<key>.img              each read-only volume the chain's snapshots attach
 
 The manifest carries a format name and version, each snapshot's tag, parent and
 content hashes, its ``meta.json`` and, per file, its size and hash
@@ -25,6 +26,15 @@ store with the same content hash are not stored again. A link is published as
 in the store it came from: its layer and a memory plan computed over the
 unpacked chain (``chains.publish_link``), never a resolved memory image.
 
+Volumes: a snapshot's read-only volumes (recorded in its machine state, by content
+key) travel with it, once each, and are verified on unpack before anything is
+published: an image file's key is the SHA-256 of its bytes, a directory's the hash of
+its tree (``runtime.volumes.tree_key``), recomputed over the image's files
+(``fsck.erofs --extract``, which checks the image too); a pack cannot put other bytes
+where a volume is looked up. A volume that is neither in the pack nor already here
+refuses the pack. A read-write volume (a workspace's suspension) is refused at pack
+time: it is a file of this host that its workspace goes on writing (docs/volumes.md).
+
 Compression uses the ``zstd`` command (a Debian package vmfork already installs
 for the guest image) through pipes rather than a Python binding: no extra
 wheel in every environment, multi-threaded compression, and a damaged or
@@ -39,10 +49,12 @@ import functools
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +87,8 @@ MAX_STATE_BYTES = 64 << 20
 MAX_IMAGE_FILE_BYTES = 1 << 30
 MAX_DISK_BYTES = 64 << 30     # a user's root disk (image/root.img)
 DISK_FILE = "root.img"
+MAX_VOLUME_BYTES = 64 << 30
+MAX_PACK_VOLUMES = 24 * 4       # forkd's 24 per sandbox, over a chain's few snapshots
 _BLOCK = 1 << 20
 _ZERO = bytes(_BLOCK)
 _PAGE = 4096
@@ -141,6 +155,8 @@ def chain_manifest(store: Store, tag: str, *, with_image: bool = True
                           "content_hash": snap.meta.content_hash,
                           "parent_content_hash": snap.meta.parent_content_hash,
                           "meta": to_json_value(snap.meta), "files": files})
+    volumes, volume_files = _volume_entries(links)
+    entries.extend(volume_files)
     image_entry: dict[str, Any] | None = None
     if with_image:
         image_entry, image_files = _image_entry(links[-1].meta.image)
@@ -151,7 +167,7 @@ def chain_manifest(store: Store, tag: str, *, with_image: bool = True
                         "(without --no-image)", tag=links[-1].tag)
     manifest = {"format": PACK_FORMAT, "format_version": PACK_FORMAT_VERSION,
                 "head": links[-1].tag, "hash": HASH_NAME, "snapshots": snapshots,
-                "image": image_entry}
+                "image": image_entry, "volumes": volumes}
     return manifest, entries
 
 
@@ -193,6 +209,55 @@ def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackR
         raise
     return PackReport(out, tags, out.stat().st_size,
                       image_entry["name"] if image_entry else None)
+
+
+def _state_volumes(state_path: Path, meta: SnapshotMeta) -> list[tuple[str, bool, str]]:
+    """``(disk_key, read_only, guest_path)`` of each filled volume slot of a snapshot: from
+    its machine state (which names what its children attach), or, for a state that does
+    not decode (its spawns fail anyway), what its meta recorded at snapshot time."""
+    from vmfork.vmm.errors import VmmError
+    from vmfork.vmm.stateformat import read_state_file
+    from vmfork.vmm.vmstate import MachineState
+    try:
+        state = read_state_file(str(state_path), MachineState)
+    except VmmError:
+        recorded = meta.extra.get("volumes") or []
+        return [(str(v.get("key")), bool(v.get("read_only", True)), str(v.get("guest_path")))
+                for v in recorded if isinstance(v, dict) and v.get("key")]
+    return [(v.device.disk_key, bool(v.device.read_only), v.guest_path)
+            for v in state.volumes if v.device.disk_key]
+
+
+def _volume_entries(links: list[Snapshot]) -> tuple[list[dict[str, Any]],
+                                                    list[tuple[str, Path, int]]]:
+    """The read-only volumes the chain's snapshots attach (once each), or ``PackError``
+    for a read-write one or a volume image missing here."""
+    from vmfork.runtime.volumes import VolumeError, volume_image_path
+    found: dict[str, Path] = {}
+    for snap in links:
+        for key, read_only, guest_path in _state_volumes(snap.state_path, snap.meta):
+            where = f" at {guest_path}" if guest_path else ""
+            if not read_only:
+                raise PackError(
+                    f"snapshot {snap.tag!r} records a read-write volume{where} (a workspace's "
+                    "suspension): that volume is a file of this host its workspace goes on "
+                    "writing, not part of the snapshot, so it cannot travel in a pack; "
+                    "resume the workspace, or copy the volume file yourself",
+                    tag=snap.tag)
+            try:
+                path = volume_image_path(key)
+            except VolumeError as err:
+                raise PackError(f"snapshot {snap.tag!r}: {err}", tag=snap.tag) from None
+            if not path.is_file():
+                raise PackError(f"snapshot {snap.tag!r} attaches volume {key}{where}, whose "
+                                f"image {path} is gone from this host's cache", tag=snap.tag)
+            found[key] = path
+    ordered = sorted(found.items())
+    volumes: list[dict[str, Any]] = [
+        {"key": key, "size": path.stat().st_size, "hash": hash_file(path)}
+        for key, path in ordered]
+    return volumes, [(f"volumes/{key}.img", path, path.stat().st_size)
+                     for key, path in ordered]
 
 
 def _image_entry(name: str) -> tuple[dict[str, Any], list[tuple[str, Path, int]]]:
@@ -278,7 +343,9 @@ def unpack(store: Store, pack_path: Path, *, head_tag: str | None = None,
         if missing:
             raise _refused(pack_path, f"entries missing (truncated?): {', '.join(missing)}")
         _check_disk(manifest.get("image"), staging.path / "image")
+        volume_keys = _check_volumes(plan, manifest, staging.path)
         # Verified. Only now does anything outside the staging directory change.
+        _install_volumes(volume_keys, staging.path / "volumes")
         _replace_for_force(store, plan)
         _publish(store, plan, staging.path, report)
         if manifest.get("image") is not None:
@@ -486,7 +553,88 @@ def _expected_entries(plan: list[dict[str, Any]], manifest: dict[str, Any],
                                 "entry; nothing was stored")
             expected[f"image/{name}"] = _Expected(spec["size"], spec["hash"],
                                                   staging / "image" / name)
+    volumes = manifest.get("volumes") or []
+    if not isinstance(volumes, list) or len(volumes) > MAX_PACK_VOLUMES:
+        raise PackError(f"refusing pack: its volumes entry is not a list of at most "
+                        f"{MAX_PACK_VOLUMES}; nothing was stored")
+    if volumes:
+        (staging / "volumes").mkdir()
+    for spec in volumes:
+        key = spec.get("key") if isinstance(spec, dict) else None
+        if not (isinstance(key, str) and _VOLUME_KEY.fullmatch(key)
+                and isinstance(spec.get("size"), int) and isinstance(spec.get("hash"), str)
+                and 0 < spec["size"] <= MAX_VOLUME_BYTES and spec["size"] % 512 == 0
+                and f"volumes/{key}.img" not in expected):
+            raise PackError("refusing pack: a volume entry is malformed, oversized or "
+                            "repeated; nothing was stored")
+        expected[f"volumes/{key}.img"] = _Expected(spec["size"], spec["hash"],
+                                                   staging / "volumes" / f"{key}.img")
     return expected
+
+
+_VOLUME_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def _check_volumes(plan: list[dict[str, Any]], manifest: dict[str, Any],
+                   staging: Path) -> list[str]:
+    """Every volume the unpacked snapshots attach is in the pack (and is what its key
+    says: bytes or tree) or already here; returns the pack's volume keys, verified."""
+    from vmfork.runtime.volumes import volume_image_path
+    packed = [v["key"] for v in manifest.get("volumes") or []]
+    for key in packed:
+        _verify_volume(key, staging / "volumes" / f"{key}.img")
+    for item in plan:
+        if item["present"] is not None:
+            continue
+        state_path = staging / "snapshots" / item["tag"] / STATE_FILE
+        attached = _state_volumes(state_path, item["meta"])
+        for key, read_only, _ in attached:
+            if not read_only:
+                raise PackError(f"refusing pack: snapshot {item['tag']!r} records a "
+                                "read-write volume, which packs never carry; nothing was "
+                                "stored")
+            if key not in packed and not volume_image_path(key).is_file():
+                raise PackError(f"refusing pack: snapshot {item['tag']!r} attaches volume "
+                                f"{key}, which is neither in the pack nor here; nothing "
+                                "was stored")
+    return packed
+
+
+def _verify_volume(key: str, path: Path) -> None:
+    from vmfork.image.debian import sha256_file
+    if sha256_file(path)[:32] == key:
+        return      # an image file's volume: named by its bytes
+    # A directory's volume: named by its tree, so the tree is what is checked.
+    from vmfork.runtime.volumes import tree_key
+    tree = Path(tempfile.mkdtemp(prefix=".volume-", dir=path.parent))
+    try:
+        done = subprocess.run(["fsck.erofs", f"--extract={tree / 'root'}", "--preserve-perms",
+                               "--no-preserve-owner", str(path)], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            raise PackError(f"refusing pack: volume {key} is neither an image file named by "
+                            "its bytes nor a readable erofs volume (fsck.erofs: "
+                            f"{done.stderr.strip()[-300:]}); nothing was stored")
+        actual = tree_key(tree / "root", "erofs-plain")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    if actual != key:
+        raise PackError(f"refusing pack: volume {key}'s files hash to {actual}, not its "
+                        "key; nothing was stored")
+
+
+def _install_volumes(keys: list[str], staging: Path) -> None:
+    """Put the verified volume images where spawns look for them (an entry already
+    here is the same content: it is kept)."""
+    from vmfork.image.cache import cached_entry
+    from vmfork.runtime.volumes import VOLUME_FILE
+
+    def put(source: Path, out: Path) -> None:
+        shutil.move(source, out / VOLUME_FILE)   # the store and the cache may differ
+        os.chmod(out / VOLUME_FILE, 0o444)
+
+    for key in keys:
+        cached_entry("volumes", key, functools.partial(put, staging / f"{key}.img"))
 
 
 def _extract(tar: TarStream, members: Iterator[Member],
