@@ -47,9 +47,9 @@ need_root() {
   fi
 }
 
-setup_debian() {
-  local missing=()
-  for pkg in "${DEBIAN_PACKAGES[@]}"; do
+install_debian_packages() {  # package...: installs those not installed yet
+  local missing=() pkg
+  for pkg in "$@"; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -58,6 +58,27 @@ setup_debian() {
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
+}
+
+setup_debian() {
+  install_debian_packages "${DEBIAN_PACKAGES[@]}"
+}
+
+# A `vmfork serve` a test script started (its pid in $daemon, its files in $work, its
+# log $work/serve.log): the script's EXIT trap. Stops it, shows its log's tail when the
+# script failed, removes $work, and exits with the script's status.
+stop_test_daemon() {
+  local rc=$?
+  if [ -n "${daemon:-}" ] && kill -0 "$daemon" 2>/dev/null; then
+    kill -TERM "$daemon"
+    wait "$daemon" || true
+  fi
+  if [ "$rc" -ne 0 ] && [ -f "$work/serve.log" ]; then
+    echo "--- vmfork serve log (last 40 lines) ---" >&2
+    tail -n 40 "$work/serve.log" >&2
+  fi
+  rm -rf "$work"
+  exit "$rc"
 }
 
 setup_python() {
@@ -236,16 +257,7 @@ setup_test_wheels() {
 UI_DEBIAN_PACKAGES=(chromium fonts-dejavu-core)
 
 setup_ui() {
-  local missing=() pkg
-  for pkg in "${UI_DEBIAN_PACKAGES[@]}"; do
-    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
-  done
-  if [ ${#missing[@]} -gt 0 ]; then
-    need_root
-    log "installing Debian packages for the dashboard test: ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  fi
+  install_debian_packages "${UI_DEBIAN_PACKAGES[@]}"
   local dir=$REPO/tests/ui lock_hash stamp=$REPO/tests/ui/node_modules/.vmfork-lock-sha256
   lock_hash=$(sha256sum "$dir/package-lock.json" | cut -c1-64)
   if [ "$(cat "$stamp" 2>/dev/null)" != "$lock_hash" ]; then

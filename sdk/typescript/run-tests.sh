@@ -33,20 +33,7 @@ case ${1:-unit} in
         >"$work/serve.log" 2>&1 &
       daemon=$!
     }
-    stop_daemon() {
-      local rc=$?
-      if [ -n "$daemon" ] && kill -0 "$daemon" 2>/dev/null; then
-        kill -TERM "$daemon"
-        wait "$daemon" || true
-      fi
-      if [ "$rc" -ne 0 ]; then
-        echo "--- vmfork serve log (last 40 lines) ---" >&2
-        tail -n 40 "$work/serve.log" >&2
-      fi
-      rm -rf "$work"
-      exit "$rc"
-    }
-    trap stop_daemon EXIT
+    trap stop_test_daemon EXIT   # scripts/lib.sh
     # Its first start in a fresh emulated host reads every module over 9p, and a
     # loaded machine can push the zygote past its 30 s start-up limit; the second
     # start finds them cached. One retry, said out loud.

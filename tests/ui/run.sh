@@ -23,20 +23,7 @@ token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
 printf '%s' "$token" > "$work/token"
 port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 daemon=
-stop_daemon() {
-  local rc=$?
-  if [ -n "$daemon" ] && kill -0 "$daemon" 2>/dev/null; then
-    kill -TERM "$daemon"
-    wait "$daemon" || true
-  fi
-  if [ "$rc" -ne 0 ]; then
-    echo "--- vmfork serve log (last 40 lines) ---" >&2
-    tail -n 40 "$work/serve.log" >&2
-  fi
-  rm -rf "$work"
-  exit "$rc"
-}
-trap stop_daemon EXIT
+trap stop_test_daemon EXIT   # scripts/lib.sh
 VMFORK_HOME=$work/home "$PY" -m vmfork.cli.serve --state "$work/state" --no-socket \
   --bind "127.0.0.1:$port" --token-file "$work/token" >"$work/serve.log" 2>&1 &
 daemon=$!
