@@ -108,6 +108,9 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["peer_signal"] == "refused: ProcessLookupError 3"
     assert report["zygote_signal"] == "refused: ProcessLookupError 3"
     assert report["kvm_api"] == 12
+    # Not the host's network: the zygote's empty namespace, a loopback and nothing else.
+    assert report["netns"] != os.readlink("/proc/self/ns/net")
+    assert report["interfaces"] == ["lo"]
     assert report["run_dir_write"] == "allowed"
     assert report["snapshot_write"].startswith("refused: OSError 30")    # EROFS
     assert report["snapshot_read"] == "snapshot state"

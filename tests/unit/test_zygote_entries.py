@@ -166,6 +166,10 @@ def jail_probe(args: dict[str, Any]) -> int:
         "zygote_signal": attempt("kill", lambda: os.kill(
             current().zygote_pid, 0)),  # type: ignore[union-attr]
         "kvm_api": fcntl.ioctl(kvm, 0xAE00),   # KVM_GET_API_VERSION
+        # Its network namespace, and the interfaces in it.
+        "netns": os.readlink("/proc/self/ns/net"),
+        "interfaces": sorted(line.split(":")[0].strip() for line in
+                             Path("/proc/self/net/dev").read_text().splitlines()[2:]),
         "run_dir_write": attempt("run", lambda: Path(args["run_dir"], "x").write_text("x")),
         "snapshot_write": attempt("snap", lambda: open(args["snapshot_file"], "r+b").close()),
         "snapshot_read": Path(args["snapshot_file"]).read_bytes().decode(),

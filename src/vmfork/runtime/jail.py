@@ -9,7 +9,14 @@ privileges the next ones drop):
    and attach to its tap there (``vmm/openfiles.preopen_tap``), while the process still
    has the capabilities both need; the VMM later takes that descriptor instead of
    opening ``/dev/net/tun`` (which the jail does not hold).
-1. **Namespaces.** ``unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)``: a mount
+1. **Namespaces.** A VMM without a network of its own joins an empty network
+   namespace the zygote made once (``hold_empty_netns``): no interface but a loopback
+   that is down, no route to the host or anywhere, none of the host's abstract Unix
+   sockets. Made once and shared, because ``unshare(CLONE_NEWNET)`` per spawn costs
+   milliseconds (a namespace to build, and one to tear down at exit), a ``setns`` into
+   a held one microseconds; its only peers are other jailed VMMs, which have nothing
+   listening in it. (Without a held one, as for a parent VMM, it unshares its own.)
+   Then ``unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS)``: a mount
    table, System V IPC and host name of its own. The PID namespace comes before, from
    the zygote's fork (``PidNamespaces``: the process is pid 1 of a namespace of its
    own), since ``unshare`` of one moves only the caller's children. Every mount is
@@ -52,6 +59,7 @@ CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -147,6 +155,50 @@ def _make_device(host: str, inside: str, uid: int, gid: int) -> None:
     os.chown(inside, uid, gid)
 
 
+_empty_netns: int | None = None
+"""A descriptor of the zygote's empty network namespace, inherited by every child."""
+
+
+def hold_empty_netns() -> bool:
+    """Make the empty network namespace jailed VMMs without a network join, and keep a
+    descriptor of it (the zygote, once, as root, before it forks anything). False if
+    this process cannot make one (no ``CAP_SYS_ADMIN``); a jail then makes its own."""
+    global _empty_netns
+    if _empty_netns is not None:
+        return True
+    own = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.unshare(CLONE_NEWNET) != 0:
+            return False
+        try:
+            _empty_netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            # Back at once: the zygote itself stays where it was.
+            _check(_libc.setns(own, CLONE_NEWNET), "setns back to the zygote's network "
+                   "namespace")
+    finally:
+        os.close(own)
+    return True
+
+
+_in_empty_netns = False
+
+
+def join_empty_netns() -> None:
+    """In a child of the zygote about to be jailed without a network: join the held
+    empty namespace (before the child closes what it inherited, the descriptor with it).
+    Does nothing where the zygote holds none; ``enter`` then makes one."""
+    global _empty_netns, _in_empty_netns
+    if _empty_netns is None:
+        return
+    try:
+        _check(_libc.setns(_empty_netns, CLONE_NEWNET), "join the empty network namespace")
+    finally:
+        os.close(_empty_netns)
+        _empty_netns = None
+    _in_empty_netns = True
+
+
 def enter(spec: JailSpec) -> None:
     """Build the jail and move this process into it (see the module docstring).
     Raises ``JailError`` naming the step that failed; the process must then exit."""
@@ -170,7 +222,10 @@ def enter(spec: JailSpec) -> None:
             raise JailError(f"join network namespace {spec.netns}: {err}", errno.EPERM) from err
         if spec.tap is not None:
             openfiles.preopen_tap(spec.tap, open_tap(spec.tap))
-    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
+    if spec.netns is None and not _in_empty_netns:
+        flags |= CLONE_NEWNET   # no held namespace to join (a parent VMM): one of its own
+    _check(_libc.unshare(flags), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
     root = spec.root
     _mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755", "tmpfs root")

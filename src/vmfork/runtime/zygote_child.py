@@ -171,6 +171,11 @@ def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
     global _current
     code = EXIT_SETUP_FAILED
     try:
+        if jail_spec is not None and jail_spec.netns is None:
+            try:
+                jail.join_empty_netns()   # before _setup closes the descriptor it needs
+            except OSError as err:
+                _fail(str(err))
         _setup(zygote_pid, cgroup, log_path, zygote_pidfd)
         if jail_spec is not None:
             try:
