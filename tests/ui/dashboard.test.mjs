@@ -162,8 +162,11 @@ describe("the dashboard in a real browser", { timeout: 1_500_000 }, () => {
     await page.keyboard.press("Enter");
     await term.filter({ hasText: "term-42" }).waitFor(WAIT);
 
+    // A child's console holds what its guest wrote since the restore (the boot was the
+    // parent's): have it write a line there.
+    await api("POST", `/v1/sandboxes/${sandboxId}/exec`, { args: ["/bin/sh", "-c", "echo console-says-hello > /dev/console"] });
     await page.getByRole("button", { name: "Refresh", exact: true }).click();
-    await page.getByLabel("guest console log tail").filter({ hasText: /\S/ }).waitFor(WAIT);
+    await page.getByLabel("guest console log tail").filter({ hasText: "console-says-hello" }).waitFor(WAIT);
     await shot("sandbox");
   });
 

@@ -512,7 +512,7 @@ async function upload(file) {
 async function refreshConsole() {
   try {
     const text = await (await api("GET", `${base()}/console?tail=16384`, { headers: { Accept: "text/plain" } })).text();
-    $("#console").textContent = text;
+    $("#console").textContent = text || "(empty: the guest wrote nothing to its console since this sandbox started; a forked sandbox's boot messages are its parent's)";
   } catch (err) {
     $("#console").textContent = `(console not available: ${err.message})`;
   }
