@@ -77,6 +77,7 @@ has been reaped. Put sockets and scratch files there; put a log you want to keep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -293,7 +294,13 @@ class Zygote:
         # Readable once the zygote exited: how a child in a PID namespace of its own
         # (getppid() 0) tells that its zygote died before it could ask to die with it.
         self.own_pidfd = os.pidfd_open(self.pid)
-        self._pid_namespaces: PidNamespaces | None = None   # opened on the first jailed fork
+        # Opened now, where jails can be made, so that the descriptors a zygote holds
+        # are all there before its first child (a leak check compares with that);
+        # otherwise on the first jailed fork, which then fails with the reason.
+        self._pid_namespaces: PidNamespaces | None = None
+        if os.geteuid() == 0:
+            with contextlib.suppress(OSError):
+                self._pid_namespaces = PidNamespaces()
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
         self.by_pidfd: dict[int, _Child] = {}
