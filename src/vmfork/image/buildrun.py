@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from typing import Any
 from vmfork.image import DISK_FILE, GuestImage
 from vmfork.image.cache import cached_entry, hash_inputs
 from vmfork.image.errors import ImageBuildError
+from vmfork.runtime.supervise import run_module_in_own_group
 
 RUN_RECIPE_VERSION = "2"
 LAYER_FILE = "layer.tar"         # a step's changes, kept: later steps' trees apply it
@@ -274,19 +274,13 @@ def _run_process(work: Path, request: dict[str, Any], timeout: float,
         p for p in (src, os.environ.get("PYTHONPATH")) if p))
     with open(log_path, "ab") as log:
         # Its own session, so a timeout kills the process and anything it started.
-        proc = subprocess.Popen([sys.executable, "-m", "vmfork.image.buildrun",
-                                 str(request_path), str(result_path)],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                start_new_session=True)
         try:
-            status = proc.wait(timeout)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if sys.exc_info()[0] is subprocess.TimeoutExpired:
-                raise RunStepFailed("run", f"{label}: the build VM was not done after "
-                                           f"{timeout:.0f} s") from None
-            raise
+            status = run_module_in_own_group("vmfork.image.buildrun",
+                                             [str(request_path), str(result_path)],
+                                             output=log, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise RunStepFailed("run", f"{label}: the build VM was not done after "
+                                       f"{timeout:.0f} s") from None
     try:
         return dict(json.loads(result_path.read_text()))
     except (OSError, ValueError):

@@ -45,6 +45,7 @@ from vmfork.runtime.network import (
     NetworkError,
     host_dns_servers,
 )
+from vmfork.runtime.supervise import run_module_in_own_group
 from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, PreparedVolume
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.vmm.stateformat import write_state_file
@@ -625,19 +626,14 @@ def _run_child(req: ParentRequest, work: Path, timeout: float,
     # what its run directory holds.
     with open(stderr_path, "a+b") as stderr:
         # Its own session, so a timeout kills the process and anything it started.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vmfork.runtime.parent", str(request_path),
-             str(result_path)], stdin=subprocess.DEVNULL, stdout=stderr, stderr=stderr,
-            env=env, start_new_session=True)
         try:
-            status = proc.wait(timeout)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if sys.exc_info()[0] is subprocess.TimeoutExpired:
-                raise ParentFailed("timeout", f"snapshot {req.tag!r} was not ready after "
-                                   f"{timeout:.0f} s; the boot or warm-up hangs") from None
-            raise
+            proc = run_module_in_own_group("vmfork.runtime.parent",
+                                           [str(request_path), str(result_path)],
+                                           output=stderr, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ParentFailed("timeout", f"snapshot {req.tag!r} was not ready after "
+                               f"{timeout:.0f} s; the boot or warm-up hangs") from None
+        status = proc.returncode
         try:   # anything it left in its group (it cannot leave the group: no setsid)
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:

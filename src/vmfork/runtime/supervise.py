@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from vmfork.runtime import cgroups
 
@@ -137,3 +141,23 @@ def leak_snapshot(pid: int, *, cgroup_parent: str = cgroups.DEFAULT_PARENT,
         for dirpath, dirnames, filenames in os.walk(run_root):
             files.extend(os.path.join(dirpath, n) for n in [*dirnames, *filenames])
     return LeakSnapshot(open_fds(pid), child_pids(pid), groups, tuple(sorted(files)))
+
+
+def run_module_in_own_group(module: str, args: list[str], *, output: IO[bytes],
+                            env: Mapping[str, str], timeout: float
+                            ) -> subprocess.Popen[bytes]:
+    """``python -m module args…`` in a session of its own, its stdout and stderr to
+    ``output``, waited for at most ``timeout`` seconds; the ended process is returned.
+    If the wait ends any other way (``subprocess.TimeoutExpired``, an interrupt) the
+    whole group is killed and reaped first, so nothing it started outlives it, and
+    the exception goes on to the caller."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL,
+                            stdout=output, stderr=output, env=dict(env),
+                            start_new_session=True)
+    try:
+        proc.wait(timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc
