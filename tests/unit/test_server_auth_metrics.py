@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from vmfork.client import Controller
 from vmfork.server import auth
 from vmfork.server.daemon import Daemon, DaemonConfig
 from vmfork.server.http import parse_bind
-from vmfork.server.metrics import Counter, Gauge, Histogram, MetricsRegistry
+from vmfork.server.metrics import DaemonMetrics
 
 
 @pytest.mark.parametrize("token, problem", [
@@ -81,29 +80,36 @@ def test_daemon_refuses_open_bind_and_serves_api_only(tmp_path: Path) -> None:
 
 
 def test_instruments_render_prometheus_text() -> None:
-    reg = MetricsRegistry()
-    c = reg.add(Counter("c_total", "a counter", ("route",), aliases=("old_c_total",)))
-    g = reg.add(Gauge("g", "a gauge"))
-    h = reg.add(Histogram("h_seconds", "a histogram", buckets=(0.1, 1.0)))
-    c.inc(route='/a"b')
-    c.inc(2, route='/a"b')
-    g.set(1.5)
-    for v in (0.05, 0.1, 0.5, 5.0):
-        h.observe(v)
-    text = reg.render()
-    assert 'c_total{route="/a\\"b"} 3' in text and 'old_c_total{route="/a\\"b"} 3' in text
-    assert "# TYPE c_total counter" in text and "# TYPE old_c_total counter" in text
-    assert "g 1.5" in text
-    assert 'h_seconds_bucket{le="0.1"} 2' in text
-    assert 'h_seconds_bucket{le="1"} 3' in text
-    assert 'h_seconds_bucket{le="+Inf"} 4' in text
-    assert "h_seconds_count 4" in text and "h_seconds_sum 5.65" in text
-    assert h.count() == 4 and c.value(route='/a"b') == 3
+    metrics = DaemonMetrics("9.9", branch_concurrency_cap=3)
+    metrics.set_sources(lambda: 2, lambda: {"ready": 4, "failed": 1}, lambda: 1)
+    metrics.requests.inc(method="GET", route='/a"b', status="200")
+    metrics.requests.inc(2, method="GET", route='/a"b', status="200")
+    for v in (0.0004, 0.0005, 0.03, 50.0):
+        metrics.branch_pause_seconds.observe(v, mode="diff")
+    text = metrics.render()
+    assert 'vmfork_http_requests_total{method="GET",route="/a\\"b",status="200"} 3' in text
+    assert "# TYPE vmfork_http_requests_total counter" in text
+    assert "_created" not in text
+    # Scraped gauges, under forkd's names too.
+    assert 'vmfork_build_info{version="9.9"} 1' in text and 'forkd_build_info{version="9.9"} 1' in text
+    assert "vmfork_sandboxes_active 2" in text and "forkd_sandboxes_active 2" in text
+    assert 'vmfork_snapshots{status="failed"} 1' in text and "forkd_snapshots_total 5" in text
+    assert "forkd_branch_concurrency_cap 3" in text and "forkd_branches_in_flight 1" in text
+    assert 'vmfork_branch_pause_seconds_bucket{le="0.0005",mode="diff"} 2' in text
+    assert 'vmfork_branch_pause_seconds_bucket{le="+Inf",mode="diff"} 4' in text
+    assert 'vmfork_branch_pause_seconds_count{mode="diff"} 4' in text
+    assert metrics.branch_pause_seconds.count(mode="diff") == 4
+    assert metrics.branch_pause_seconds.count(mode="full") == 0
+    assert metrics.requests.value(method="GET", route='/a"b', status="200") == 3
     with pytest.raises(ValueError):
-        c.inc(-1, route="x")
+        metrics.sandboxes_spawned.inc(-1)
     with pytest.raises(ValueError):
-        c.inc(wrong="x")
-    assert not math.isnan(h.count())
+        metrics.sandbox_exits.inc(wrong="x")
+    with pytest.raises(ValueError):
+        metrics.heavy_rejected.inc(wrong="x")
+    # Two daemons in one process keep their own samples.
+    other = DaemonMetrics("9.9")
+    assert other.requests.value(method="GET", route='/a"b', status="200") == 0
 
 
 def test_one_daemon_per_state_directory(tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from vmfork.server.errors import (
     NotFound,
     PayloadTooLarge,
 )
+from vmfork.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from vmfork.server.transfers import check_ref, optional_path, transfers_of
 from vmfork.server.validation import (
     Field,
@@ -465,8 +466,7 @@ def version(c: Controller, req: Request) -> Response:
 
 
 def metrics(c: Controller, req: Request) -> Response:
-    return Response(body=c.metrics.render().encode(),
-                    content_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(body=c.metrics.render().encode(), content_type=METRICS_CONTENT_TYPE)
 
 
 def openapi_document() -> dict[str, Any]:
