@@ -28,6 +28,7 @@ import pytest
 from test_server_http import TOKEN, FakeAgent, FakeSpawner, Served, _serve
 
 from tests.memory_support import reset_peak, status_kib
+from tests.unix_http import UnixHTTPConnection
 from vmfork.agent.client import (
     AgentClient,
     AgentProtocolError,
@@ -36,7 +37,6 @@ from vmfork.agent.client import (
     unix_connector,
 )
 from vmfork.client import Controller
-from vmfork.client.transport import UnixHTTPConnection
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.unix_http import UnixHTTPConnection
 from vmfork.agent.client import (
     AgentError,
     AgentTimeout,
@@ -30,7 +31,6 @@ from vmfork.agent.client import (
     PingResult,
 )
 from vmfork.client import Controller, ControllerError, Sandbox
-from vmfork.client.transport import UnixHTTPConnection
 from vmfork.runtime.branch import BranchFailed, BranchResult
 from vmfork.server import api, auth
 from vmfork.server.audit import AuditLog

@@ -18,10 +18,12 @@ import time
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
+
+import httpx
 
 from vmfork.client.images import FAILED, READY, ImageInfo
-from vmfork.client.transport import Endpoint, tls_context
+from vmfork.client.transport import SEND_BLOCK, Endpoint, tls_context
 
 USER_AGENT = "vmfork-python"
 STREAM_IDLE_TIMEOUT = 60.0
@@ -130,9 +132,20 @@ class Controller:
         self.ca_file = ca_file or os.environ.get("VMFORK_CA_FILE") or None
         # Made once: loading the roots costs milliseconds, every request would pay it.
         self._tls = tls_context(self.ca_file) if self.endpoint.scheme == "https" else None
+        self._http = self.endpoint.client(timeout, self._tls)
 
     def __repr__(self) -> str:
         return f"Controller({self.base_url!r})"
+
+    def close(self) -> None:
+        """Close the pooled connections (streams still open keep theirs)."""
+        self._http.close()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -155,36 +168,41 @@ class Controller:
     def _open(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
               body: bytes | BinaryIO | Iterable[bytes] | None = None,
               content_type: str | None = None, length: int | None = None,
-              timeout: float | None = None) -> Any:
+              timeout: float | None = None) -> httpx.Response:
+        """Send a request and return its response with the body unread (the caller
+        reads it and closes the response); a status of 400 or more raises."""
         url = self._url(path, query)
-        conn = self.endpoint.connection(self.timeout if timeout is None else timeout,
-                                        self._tls)
         headers = self._headers(content_type)
         if length is not None:
             headers["Content-Length"] = str(length)
+        request = self._http.build_request(
+            method, url, content=_blocks(body), headers=headers,
+            timeout=httpx.Timeout(self.timeout if timeout is None else timeout))
         try:
-            conn.request(method, url, body=body, headers=headers)
-            response = conn.getresponse()
-        except ssl.SSLCertVerificationError as err:
-            conn.close()
-            raise ControllerError(0, f"the vmfork daemon at {self.base_url} has a certificate "
-                                  f"this client does not trust: {err.verify_message} (give "
-                                  "its CA certificate with ca_file= or VMFORK_CA_FILE)",
-                                  self.base_url + url) from err
-        except OSError as err:
-            conn.close()
+            response = self._http.send(request, stream=True)
+        except httpx.TransportError as err:
+            untrusted = _cause(err, ssl.SSLCertVerificationError)
+            if untrusted is not None:
+                raise ControllerError(0, f"the vmfork daemon at {self.base_url} has a "
+                                      "certificate this client does not trust: "
+                                      f"{untrusted.verify_message} (give its CA certificate "
+                                      "with ca_file= or VMFORK_CA_FILE)",
+                                      self.base_url + url) from err
             raise ControllerError(0, f"cannot reach the vmfork daemon at {self.base_url}: "
-                                  f"{err} (start it with `vmfork serve`, or set VMFORK_URL)",
-                                  self.base_url + url) from err
-        if response.status >= 400:
-            raw = response.read()
-            conn.close()
+                                  f"{_describe(err)} (start it with `vmfork serve`, or set "
+                                  "VMFORK_URL)", self.base_url + url) from err
+        if response.status_code >= 400:
+            try:
+                raw = response.read()
+            except httpx.HTTPError:
+                raw = b""
+            finally:
+                response.close()
             try:
                 decoded: Any = json.loads(raw)
             except ValueError:
                 decoded = raw.decode("utf-8", "replace")
-            raise ControllerError(response.status, decoded, self.base_url + url)
-        response.vmfork_conn = conn  # type: ignore[attr-defined]
+            raise ControllerError(response.status_code, decoded, self.base_url + url)
         return response
 
     def _call(self, method: str, path: str, payload: Mapping[str, Any] | None = None, *,
@@ -193,10 +211,7 @@ class Controller:
         response = self._open(method, path, query=query, body=data,
                               content_type="application/json" if data is not None else None,
                               timeout=timeout)
-        try:
-            raw = response.read()
-        finally:
-            response.vmfork_conn.close()
+        raw = _read_all(response, self.base_url + path)
         return json.loads(raw) if raw else None
 
     # -- service --------------------------------------------------------------------
@@ -211,10 +226,7 @@ class Controller:
 
     def metrics(self) -> str:
         response = self._open("GET", "/metrics")
-        try:
-            return str(response.read().decode())
-        finally:
-            response.vmfork_conn.close()
+        return _read_all(response, self.base_url + "/metrics").decode()
 
     # -- snapshots ------------------------------------------------------------------
 
@@ -624,12 +636,15 @@ class Controller:
                               query={"path": path})
         total = 0
         try:
-            while chunk := response.read(1 << 16):
+            for chunk in response.iter_raw(1 << 16):
                 out.write(chunk)
                 total += len(chunk)
+        except httpx.HTTPError as err:
+            raise ControllerError(502, f"read {path}: the stream was cut after {total} bytes "
+                                  f"({_describe(err)})", self.base_url) from err
         finally:
-            response.vmfork_conn.close()
-        expected = response.getheader("X-File-Size")
+            response.close()
+        expected = response.headers.get("X-File-Size")
         if expected is not None and int(expected) != total:
             raise ControllerError(502, f"read {path}: got {total} of {expected} bytes (the "
                                   "stream was cut; see the daemon log)", self.base_url)
@@ -648,10 +663,7 @@ class Controller:
                               query={"path": path, "mode": mode, "make_parents": make_parents},
                               body=data, content_type="application/octet-stream",
                               length=length)
-        try:
-            result: dict[str, Any] = json.loads(response.read())
-        finally:
-            response.vmfork_conn.close()
+        result: dict[str, Any] = json.loads(_read_all(response, self.base_url))
         return result
 
     def list_files(self, sandbox_id: str, path: str) -> list[dict[str, Any]]:
@@ -714,10 +726,7 @@ class Controller:
         response = self._open("POST", f"/v1/sandboxes/{_seg(sandbox_id)}/processes/{pid}/stdin",
                               query={"eof": eof}, body=bytes(data),
                               content_type="application/octet-stream", length=len(data))
-        try:
-            result: dict[str, Any] = json.loads(response.read())
-        finally:
-            response.vmfork_conn.close()
+        result: dict[str, Any] = json.loads(_read_all(response, self.base_url))
         return int(result["written"])
 
     def signal_process(self, sandbox_id: str, pid: int, signal: str | int = "SIGKILL", *,
@@ -764,40 +773,84 @@ class Controller:
 class ExecStream:
     """The events of one streamed exec (see ``Controller.exec_stream``)."""
 
-    def __init__(self, response: Any) -> None:
+    def __init__(self, response: httpx.Response) -> None:
         self._response = response
-        self._conn = response.vmfork_conn
 
     def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
         try:
             event = "message"
             data: list[str] = []
-            while True:
-                try:
-                    line = self._response.readline()
-                except (OSError, ValueError):
-                    return  # closed by ``close``
-                if not line:
-                    return
-                text = line.decode("utf-8").rstrip("\r\n")
-                if not text:
-                    if data:
-                        yield event, json.loads("\n".join(data))
-                    event, data = "message", []
-                elif text.startswith("event:"):
-                    event = text[6:].strip()
-                elif text.startswith("data:"):
-                    data.append(text[5:].strip())
+            try:
+                for text in self._response.iter_lines():
+                    if not text:
+                        if data:
+                            yield event, json.loads("\n".join(data))
+                        event, data = "message", []
+                    elif text.startswith("event:"):
+                        event = text[6:].strip()
+                    elif text.startswith("data:"):
+                        data.append(text[5:].strip())
+            except (httpx.HTTPError, httpx.StreamError, OSError, ValueError):
+                return  # cut, or closed by ``close``
         finally:
-            self._conn.close()
+            self._response.close()
 
     def close(self) -> None:
-        sock = self._conn.sock
+        """Hang up, from any thread: a reader blocked in another thread wakes."""
+        stream = self._response.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
         if sock is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a reader in another thread
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        else:
+            self._response.close()
+
+
+def _blocks(body: bytes | BinaryIO | Iterable[bytes] | None) -> bytes | Iterator[bytes] | None:
+    """A request body as httpx takes it: a file is read in ``SEND_BLOCK`` pieces (httpx
+    would iterate a binary file by lines)."""
+    if body is None or isinstance(body, bytes):
+        return body
+    if isinstance(body, (bytearray, memoryview)):
+        return bytes(body)
+    if hasattr(body, "read"):
+        reader: BinaryIO = body  # type: ignore[assignment]
+        return iter(lambda: reader.read(SEND_BLOCK), b"")
+    return iter(body)
+
+
+def _read_all(response: httpx.Response, url: str) -> bytes:
+    try:
+        return response.read()
+    except httpx.HTTPError as err:
+        raise ControllerError(502, f"the daemon's answer was cut: {_describe(err)}",
+                              url) from err
+    finally:
+        response.close()
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def _cause(err: BaseException, kind: type[E]) -> E | None:
+    """The first exception of ``kind`` among ``err``'s causes and contexts (httpx wraps
+    the ``ssl`` and ``OSError`` it met)."""
+    seen: BaseException | None = err
+    for _ in range(8):  # chains are short; a cycle must not loop
+        if seen is None:
+            return None
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _describe(err: httpx.HTTPError) -> str:
+    """What went wrong in words: the OS error underneath if there is one."""
+    os_error = _cause(err, OSError)
+    return str(os_error) if os_error is not None else (str(err) or type(err).__name__)
 
 
 def _seg(value: str) -> str:

@@ -1,38 +1,27 @@
-"""HTTP over TCP or a Unix socket, with ``http.client``.
+"""HTTP to the daemon over TCP or a Unix socket, with ``httpx``.
 
-One connection per request: requests from many threads (many sandboxes driven
-at once) never share a connection, and a daemon restart never leaves a stale
-keep-alive socket behind. The cost, a connect per call, is microseconds on a
-Unix socket or loopback.
+One ``httpx.Client`` per ``Controller``: a pool of keep-alive connections that many
+threads (many sandboxes driven at once) share safely; a stream (exec, watch, process
+output) holds a connection of its own until it is closed. The pool has no cap on
+connections, because a caller with a hundred sandboxes streaming at once must not
+wait for a slot, and it drops an idle connection after a few seconds, well inside
+the daemon's 30-second idle deadline (``server/http.py``), so a request never lands
+on a connection the daemon is closing.
 """
 
 from __future__ import annotations
 
-import http.client
-import socket
 import ssl
 import urllib.parse
 from dataclasses import dataclass
 
-# Request bodies (file uploads) are sent in blocks of this size; http.client's
-# default of 8 KiB costs a system call per 8 KiB of a 100 MiB upload.
+import httpx
+
+# An idle pooled connection is dropped after this many seconds: the daemon closes one
+# idle for 30 (``FrontConfig.idle_timeout``), and reusing a socket it is closing fails.
+KEEPALIVE_EXPIRY = 5.0
+# Request bodies read from a file are sent in blocks of this size.
 SEND_BLOCK = 1 << 20
-
-
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, socket_path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout, blocksize=SEND_BLOCK)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except OSError:
-            sock.close()
-            raise
-        self.sock = sock
 
 
 @dataclass(frozen=True)
@@ -60,16 +49,26 @@ class Endpoint:
         raise ValueError(f"{url!r} is not a daemon URL: use http://HOST:PORT or "
                          "unix:///path/to/api.sock")
 
-    def connection(self, timeout: float | None,
-                   tls: ssl.SSLContext | None = None) -> http.client.HTTPConnection:
+    @property
+    def origin(self) -> str:
+        """The URL requests are made against (a Unix socket's is nominal)."""
         if self.socket_path is not None:
-            return UnixHTTPConnection(self.socket_path, timeout)
-        if self.scheme == "https":
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout,
-                                               blocksize=SEND_BLOCK,
-                                               context=tls or tls_context(None))
-        return http.client.HTTPConnection(self.host, self.port, timeout=timeout,
-                                          blocksize=SEND_BLOCK)
+            return "http://localhost"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}" + (f":{self.port}" if self.port else "")
+
+    def client(self, timeout: float | None, tls: ssl.SSLContext | None = None) -> httpx.Client:
+        """A pooled client for this endpoint; ``timeout`` bounds each connect, read and
+        write (a request may pass its own)."""
+        verify: ssl.SSLContext | bool = (tls or tls_context(None)) if self.scheme == "https" \
+            else False
+        transport = httpx.HTTPTransport(
+            uds=self.socket_path, verify=verify, retries=1,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=32,
+                                keepalive_expiry=KEEPALIVE_EXPIRY))
+        # No proxy from the environment: the daemon is this host's or named exactly.
+        return httpx.Client(base_url=self.origin, transport=transport, trust_env=False,
+                            timeout=httpx.Timeout(timeout))
 
 
 def tls_context(ca_file: str | None) -> ssl.SSLContext:
