@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_chains import image, make_link, make_root, page
-from test_image_oci import Registry, start_registry
+from test_image_oci import Registry, credential_helper, start_registry
 from test_packs import image_cache  # noqa: F401 - the fake image 'default', a fixture
 
 from vmfork.store import Store, chains
@@ -250,6 +250,28 @@ def test_basic_auth_from_the_docker_config(basic_registry: Registry, source: Sto
     docker_config.mkdir()
     (docker_config / "config.json").write_bytes(basic_registry.auth_file(tmp_path).read_bytes())
     monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
+    push(source, "numpy", ref, with_image=False)
+    assert pull(target, ref).stored == ["base", "numpy"]
+
+
+def test_basic_auth_from_a_credential_helper(basic_registry: Registry, source: Store,
+                                            target: Store, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """``credsStore``: the password lives in a helper, not in the config file."""
+    assert basic_registry.creds is not None
+    user, password = basic_registry.creds
+    answer = json.dumps({"ServerURL": basic_registry.host, "Username": user, "Secret": password})
+    bin_dir = tmp_path / "bin"
+    credential_helper(bin_dir, "vmfork-test", f"""read server
+[ "$1" = get ] && [ "$server" = "{basic_registry.host}" ] || {{ echo "credentials not found"; exit 1; }}
+echo '{answer}'
+""")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    docker_config = tmp_path / "docker"
+    docker_config.mkdir()
+    (docker_config / "config.json").write_text(json.dumps({"credsStore": "vmfork-test"}))
+    monkeypatch.setenv("DOCKER_CONFIG", str(docker_config))
+    ref = f"{basic_registry.host}/private/helper:numpy"
     push(source, "numpy", ref, with_image=False)
     assert pull(target, ref).stored == ["base", "numpy"]
 

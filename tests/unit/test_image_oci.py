@@ -17,6 +17,7 @@ import http.server
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -532,6 +533,66 @@ def test_credentials_from_a_docker_config(tmp_path: Path) -> None:
     assert read_credentials("unknown.example", config) is None
     with pytest.raises(ImageBuildError, match="does not exist"):
         read_credentials("x", tmp_path / "absent.json")
+
+
+def credential_helper(bin_dir: Path, name: str, script: str) -> None:
+    """A real ``docker-credential-<name>`` on PATH (a shell script speaking Docker's
+    helper protocol: the server on stdin, JSON or an error on stdout)."""
+    bin_dir.mkdir(exist_ok=True)
+    helper = bin_dir / f"docker-credential-{name}"
+    helper.write_text("#!/bin/sh\n" + script)
+    helper.chmod(0o755)
+
+
+def test_credentials_from_credential_helpers(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    # One helper answers for two servers and prints what it was asked.
+    credential_helper(bin_dir, "vault", """[ "$1" = get ] || exit 2
+read server
+case "$server" in
+  registry.example:5000) echo '{"ServerURL":"registry.example:5000","Username":"me","Secret":"s3"}' ;;
+  https://index.docker.io/v1/) echo '{"Username":"hub","Secret":"tok"}' ;;
+  *) echo "credentials not found in native keychain"; exit 1 ;;
+esac
+""")
+    credential_helper(bin_dir, "broken", "echo 'keychain locked'; exit 3\n")
+    credential_helper(bin_dir, "garbage", "echo 'not json'\n")
+    credential_helper(bin_dir, "flood", "yes x | head -c 200000\n")
+    credential_helper(bin_dir, "slow", "sleep 20\n")
+    credential_helper(bin_dir, "oauth", "echo '{\"Username\":\"<token>\",\"Secret\":\"r\"}'\n")
+    config = tmp_path / "config.json"
+
+    def write(**fields: Any) -> Path:
+        config.write_text(json.dumps(fields))
+        return config
+
+    write(credsStore="vault", auths={"inline.example": {"username": "u", "password": "p"}})
+    assert read_credentials("registry.example:5000", config) == ("me", "s3")
+    assert read_credentials("docker.io", config) == ("hub", "tok")
+    assert read_credentials("inline.example", config) == ("u", "p")  # auths before the store
+    assert read_credentials("unknown.example", config) is None  # "not found": anonymous
+    # credHelpers wins for its host, over auths and the store.
+    write(credsStore="broken", credHelpers={"registry.example:5000": "vault"},
+          auths={"registry.example:5000": {"username": "x", "password": "y"}})
+    assert read_credentials("registry.example:5000", config) == ("me", "s3")
+    with pytest.raises(ImageBuildError, match=r"docker-credential-broken get failed \(exit 3\)"
+                                              ": keychain locked"):
+        read_credentials("other.example", config)
+    for store, why in (("garbage", "other than {Username, Secret} JSON"),
+                       ("flood", "at most 65536 bytes"), ("oauth", "identity token"),
+                       ("absent", "docker-credential-absent is not on PATH"),
+                       ("../../bin/sh", "not a credential helper name")):
+        write(credsStore=store)
+        with pytest.raises(ImageBuildError, match=re.escape(why)):
+            read_credentials("other.example", config)
+    monkeypatch.setattr("vmfork.image.registry.HELPER_TIMEOUT", 1.0)
+    write(credsStore="slow")
+    started = time.monotonic()
+    with pytest.raises(ImageBuildError, match="did not answer within 1 s"):
+        read_credentials("other.example", config)
+    assert time.monotonic() - started < 10
 
 
 # A real registry ---------------------------------------------------------------

@@ -14,7 +14,9 @@ redirects to storage elsewhere. Auth is what registries do:
 
 Credentials come from the Docker config file (``$DOCKER_CONFIG/config.json`` or
 ``~/.docker/config.json``; ``auths.<host>.auth`` is base64 ``user:pass``), or
-the file the caller names. Credential helpers are not run.
+the file the caller names, or the credential helpers it names (``credHelpers``
+per host, ``credsStore`` for the rest), run as Docker runs them: ``docker-credential-
+<name> get`` on ``PATH``, the server on stdin, ``{Username, Secret}`` on stdout.
 
 Why the stdlib (``http.client``) and not httpx: a pull makes a handful of
 requests, and what matters is control we would have to configure anyway: a
@@ -35,14 +37,19 @@ decision 5).
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import http.client
 import ipaddress
 import json
 import os
 import re
+import select
+import shutil
+import signal
 import socket
 import ssl
+import subprocess
 import tempfile
 import time
 import urllib.parse
@@ -172,7 +179,9 @@ def docker_config_path() -> Path:
 def read_credentials(host: str, auth_file: Path | None) -> tuple[str, str] | None:
     """``(user, password)`` for ``host`` from a Docker config file, or None.
 
-    A named ``auth_file`` must exist; the default one may be absent.
+    Docker's order: a credential helper named for the host in ``credHelpers``; then an
+    entry in ``auths``; then the ``credsStore`` helper. A named ``auth_file`` must
+    exist; the default one may be absent.
     """
     path = auth_file or docker_config_path()
     try:
@@ -183,14 +192,17 @@ def read_credentials(host: str, auth_file: Path | None) -> tuple[str, str] | Non
         return None
     except (OSError, ValueError) as err:
         raise ImageBuildError("oci-auth", f"cannot read the auth file {path}: {err}") from None
-    auths = config.get("auths") if isinstance(config, dict) else None
-    if not isinstance(auths, dict):
+    if not isinstance(config, dict):
         return None
     wanted = {host} | (set(_HUB_NAMES) if host in _HUB_NAMES else set())
-    for key, entry in auths.items():
-        # Keys are "host[:port]" or URLs ("https://index.docker.io/v1/"), as Docker writes them.
-        key_host = str(key).split("://", 1)[-1].split("/", 1)[0]
-        if key_host not in wanted or not isinstance(entry, dict):
+    helpers = config.get("credHelpers")
+    if isinstance(helpers, dict):
+        for key, name in helpers.items():
+            if _config_key_host(key) in wanted and isinstance(name, str):
+                return run_credential_helper(name, _helper_server(host), path)
+    auths = config.get("auths")
+    for key, entry in (auths.items() if isinstance(auths, dict) else ()):
+        if _config_key_host(key) not in wanted or not isinstance(entry, dict):
             continue
         if isinstance(entry.get("auth"), str) and entry["auth"]:
             try:
@@ -202,7 +214,112 @@ def read_credentials(host: str, auth_file: Path | None) -> tuple[str, str] | Non
                 return user, password
         if isinstance(entry.get("username"), str) and isinstance(entry.get("password"), str):
             return entry["username"], entry["password"]
+    store = config.get("credsStore")
+    if isinstance(store, str) and store:
+        return run_credential_helper(store, _helper_server(host), path)
     return None
+
+
+def _config_key_host(key: object) -> str:
+    """Keys are "host[:port]" or URLs ("https://index.docker.io/v1/"), as Docker writes them."""
+    return str(key).split("://", 1)[-1].split("/", 1)[0]
+
+
+def _helper_server(host: str) -> str:
+    """The server name a helper stores credentials under: Docker Hub's v1 URL, else the
+    host as written (``docker login HOST`` stores ``HOST``)."""
+    return "https://index.docker.io/v1/" if host in _HUB_NAMES else host
+
+
+_HELPER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+HELPER_TIMEOUT = 30.0  # seconds: a helper that asks a keychain or a cloud's metadata service
+HELPER_OUTPUT_CAP = 64 << 10
+# What Docker's helpers print (exit 1) when they hold nothing for the server.
+_HELPER_NOT_FOUND = "credentials not found"
+
+
+def run_credential_helper(name: str, server: str, config: Path) -> tuple[str, str] | None:
+    """``docker-credential-<name> get`` for ``server``: its ``(Username, Secret)``, None if
+    it holds nothing for the server; any other failure is an ``oci-auth`` error naming
+    the helper and what it said. Its output is read up to a cap, under a deadline."""
+    if not _HELPER_NAME.fullmatch(name):
+        raise ImageBuildError("oci-auth", f"{config}: {name!r} is not a credential helper name "
+                              "(letters, digits, '.', '_', '-')")
+    program = shutil.which(f"docker-credential-{name}")
+    if program is None:
+        raise ImageBuildError("oci-auth", f"{config} names the credential helper {name!r}, but "
+                              f"docker-credential-{name} is not on PATH")
+    try:
+        helper = subprocess.Popen([program, "get"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+    except OSError as err:
+        raise ImageBuildError("oci-auth", f"cannot run docker-credential-{name}: {err}") from None
+    assert helper.stdin is not None and helper.stdout is not None
+    try:
+        try:
+            helper.stdin.write(server.encode() + b"\n")
+            helper.stdin.close()
+        except BrokenPipeError:
+            pass  # it exited without reading; its status says why
+        output = _read_bounded(helper.stdout, HELPER_OUTPUT_CAP, time.monotonic() + HELPER_TIMEOUT)
+        if output is None:
+            raise ImageBuildError("oci-auth", f"docker-credential-{name} get did not answer "
+                                  f"within {HELPER_TIMEOUT:.0f} s with at most "
+                                  f"{HELPER_OUTPUT_CAP} bytes")
+        status = helper.wait(timeout=HELPER_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise ImageBuildError("oci-auth", f"docker-credential-{name} get did not exit within "
+                              f"{HELPER_TIMEOUT:.0f} s") from None
+    finally:
+        if helper.poll() is None:
+            # Its whole session: a helper's own children (a shell's ``sleep``) go too.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(helper.pid, signal.SIGKILL)
+            helper.wait()
+        helper.stdout.close()
+    said = output.decode("utf-8", "replace").strip()
+    if status != 0:
+        if _HELPER_NOT_FOUND in said.lower():
+            return None
+        raise ImageBuildError("oci-auth", f"docker-credential-{name} get failed "
+                              f"(exit {status}): {said[:300]}")
+    try:
+        answer = json.loads(output)
+        user, secret = answer["Username"], answer["Secret"]
+    except (ValueError, KeyError, TypeError):
+        raise ImageBuildError("oci-auth", f"docker-credential-{name} get answered something "
+                              "other than {Username, Secret} JSON") from None
+    if not isinstance(user, str) or not isinstance(secret, str):
+        raise ImageBuildError("oci-auth", f"docker-credential-{name} get: Username and Secret "
+                              "must be strings")
+    if user == "<token>":
+        # An identity token: an OAuth2 refresh token for the registry's token service.
+        raise ImageBuildError("oci-auth", f"docker-credential-{name} holds an identity token "
+                              f"for {server}; vmfork needs a user name and password (or an "
+                              "access token as the password)")
+    return user, secret
+
+
+def _read_bounded(stream: IO[bytes], cap: int, deadline: float) -> bytes | None:
+    """All of ``stream`` up to EOF, or None if it passes ``cap`` bytes or ``deadline``."""
+    chunks: list[bytes] = []
+    size = 0
+    fd = stream.fileno()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
 
 
 def _basic(creds: tuple[str, str]) -> str:
