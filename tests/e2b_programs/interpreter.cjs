@@ -48,10 +48,22 @@ async function main () {
       "    def _repr_png_(self): return b'\\x89PNG-bytes'\nRich()")
     const r = rich.results[0]
     seen.rich = { text: r.text, html: r.html, png: r.png, formats: r.formats().sort() }
+    try {
+      await sandbox.runCode('while True: pass', { timeoutMs: 2000 })
+      seen.timed_out = null
+    } catch (err) {
+      seen.timed_out = String(err.message)
+    }
+    const started = performance.now()
+    seen.after_timeout = (await sandbox.runCode("'alive'")).text
+    seen.after_timeout_secs = (performance.now() - started) / 1000
   } finally {
     await sandbox.kill()
   }
   console.log(JSON.stringify(seen))
+  // The SDK leaves its request timer (60 s) running after a runCode that failed (the
+  // removed context's 404), which would keep node alive that long.
+  process.exit(0)
 }
 
 main().catch((err) => { console.error(err); process.exit(1) })

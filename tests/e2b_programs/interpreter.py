@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from e2b import NotFoundException
+from e2b import NotFoundException, TimeoutException
 from e2b_code_interpreter import Sandbox
 
 
@@ -62,6 +62,14 @@ def main() -> None:
                                 "    def _repr_png_(self): return b'\\x89PNG-bytes'\nRich()")
         seen["rich"] = {"text": rich.results[0].text, "html": rich.results[0].html,
                         "png": rich.results[0].png, "formats": sorted(rich.results[0].formats())}
+        try:
+            sandbox.run_code("while True: pass", timeout=2)
+            seen["timed_out"] = None
+        except TimeoutException as err:
+            seen["timed_out"] = str(err)
+        started = time.monotonic()
+        seen["after_timeout"] = sandbox.run_code("'alive'").text
+        seen["after_timeout_secs"] = time.monotonic() - started
         has_mpl = sandbox.run_code("import importlib.util\n"
                                    "importlib.util.find_spec('matplotlib') is not None").text
         if has_mpl == "True":

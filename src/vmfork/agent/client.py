@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import select
 import socket
 import threading
 import time
@@ -984,13 +985,16 @@ class AgentClient:
                             read_only=read_only, sectors=sectors)
 
     def cell(self, code: str, *, context: str | None = None, timeout: float,
-             env: Mapping[str, str] | None = None) -> Generator[tuple[str, Any], None, None]:
+             env: Mapping[str, str] | None = None, idle: float | None = None
+             ) -> Generator[tuple[str, Any], None, None]:
         """Run a code-interpreter cell (``agent/interpreter.py``), as it goes:
         ``("started", context_id)`` first (an unknown context raises ``AgentError``
         ``not_found`` before it), then ``("stdout" | "stderr", (text, ts_ns))``,
         ``("result", bundle)`` and at the end ``("end", {execution_count, error,
-        output_truncated})``. Closing the iterator early hangs up, which interrupts the
-        cell. A result's bundle is at most ``max_result`` bytes of JSON."""
+        output_truncated})``; with ``idle``, ``("idle", None)`` after each ``idle``
+        seconds without a frame (so a caller can check on its own client). Closing the
+        iterator early hangs up, which interrupts the cell. A result's bundle is at most
+        ``CELL_RESULT_BYTES`` of JSON."""
         request: dict[str, Any] = {"code": code, "context": context, "timeout": timeout}
         if env:
             request["env"] = dict(env)
@@ -1002,6 +1006,10 @@ class AgentClient:
             pieces: list[bytes] = []
             size = 0
             while True:
+                # Readable: a frame has begun (the agent sends each whole), so the
+                # blocking read that follows cannot be cut inside one.
+                while idle is not None and not select.select([call.sock], [], [], idle)[0]:
+                    yield "idle", None
                 frame = call.recv()
                 if frame.type in ("stdout", "stderr"):
                     yield frame.type, (frame.payload.decode("utf-8", "replace"),

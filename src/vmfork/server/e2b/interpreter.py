@@ -47,6 +47,10 @@ from vmfork.server.validation import Field, parse_json_object, validate_fields
 INTERPRETER_PORT = 49999
 CELL_TIMEOUT_SECS = MAX_TIMEOUT
 NDJSON = "application/x-ndjson"
+KEEPALIVE_SECS = 1.0
+"""A silent cell's stream gets one space this often: JSON allows it before the next
+line, and a write that fails tells that the client went away (the cell is then
+interrupted rather than left running, holding the interpreter)."""
 MAX_CONTEXT_ID = 128
 EXECUTE: dict[str, Field] = {
     "code": Field(str),
@@ -191,7 +195,8 @@ def _execute(c: Controller, req: api.Request, sandbox_id: str, where: str) -> ap
         raise BadRequest(f"{where}: env_vars must map at most {MAX_ENV} names to strings, "
                          f"{MAX_ENV_BYTES} characters in all")
     agent = c.agent(sandbox_id)
-    events = agent.cell(code, context=context_id, timeout=CELL_TIMEOUT_SECS, env=env)
+    events = agent.cell(code, context=context_id, timeout=CELL_TIMEOUT_SECS, env=env,
+                        idle=KEEPALIVE_SECS)
     try:
         with _agent_call(sandbox_id, "cell"):
             next(events)   # "started", or the refusal (an unknown context) as a 4xx
@@ -202,18 +207,24 @@ def _execute(c: Controller, req: api.Request, sandbox_id: str, where: str) -> ap
     def produce(write: api.Writer) -> None:
         try:
             for line in _lines(events, sandbox_id):
-                write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
+                if line is None:
+                    write(b" ")
+                else:
+                    write(json.dumps(line, separators=(",", ":")).encode() + b"\n")
         finally:
             events.close()   # a client that went away: the agent interrupts the cell
 
     return api.StreamResponse(200, content_type=NDJSON, produce=produce)
 
 
-def _lines(events: Generator[tuple[str, Any], None, None], sandbox_id: str) -> Iterator[dict[str, Any]]:
-    """The agent's cell events as E2B's NDJSON messages."""
+def _lines(events: Generator[tuple[str, Any], None, None], sandbox_id: str
+           ) -> Iterator[dict[str, Any] | None]:
+    """The agent's cell events as E2B's NDJSON messages (None: a keep-alive)."""
     try:
         for kind, data in events:
-            if kind in ("stdout", "stderr"):
+            if kind == "idle":
+                yield None
+            elif kind in ("stdout", "stderr"):
                 text, ts = data
                 yield {"type": kind, "text": text, "timestamp": ts}
             elif kind == "result":
