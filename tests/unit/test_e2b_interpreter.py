@@ -167,3 +167,15 @@ def test_a_cells_output_is_bounded(daemon: Daemon) -> None:
     assert out == 8 << 20
     assert any("output passed" in line["text"] for line in lines if line["type"] == "stderr")
     assert [line["text"] for line in lines if line["type"] == "result"] == ["'done'"]
+
+
+def test_the_default_context_is_the_eval_namespace(daemon: Daemon) -> None:
+    """What a snapshot's warm-up (or vmfork's own ``eval``) defined is in run_code's
+    default context, and the other way round."""
+    sb = _create(daemon)
+    _execute(daemon, sb, {"code": "shared = 7"})
+    status, _, raw = _request(daemon, "POST", f"/v1/sandboxes/{sb['sandboxID']}/eval",
+                              json.dumps({"code": "shared * 6"}).encode(),
+                              {"Authorization": f"Bearer {TOKEN.decode()}",
+                               "Content-Type": "application/json"})
+    assert status == 200 and json.loads(raw)["result"] == "42", raw
