@@ -212,6 +212,10 @@ setup_forkd_mcp() {
 # E2B_SDK_VERSION and E2B_JS_SDK_VERSION in tests/e2b_sdk.py.
 E2B_SDK_VERSION=2.63.0
 E2B_JS_SDK_VERSION=2.51.0
+# E2B's code-interpreter SDKs, each beside the e2b it requires (kept equal to
+# E2B_INTERPRETER_VERSION and E2B_JS_INTERPRETER_VERSION in tests/e2b_sdk.py).
+E2B_INTERPRETER_VERSION=2.11.5
+E2B_JS_INTERPRETER_VERSION=2.8.0
 setup_e2b_sdk() {
   local venv=$CACHE/e2b-$E2B_SDK_VERSION
   if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
@@ -229,6 +233,25 @@ setup_e2b_sdk() {
     echo '{"private": true}' > "$js/package.json"
     (cd "$js" && npm install --no-audit --no-fund --silent "e2b@$E2B_JS_SDK_VERSION")
     touch "$js/.complete"
+  fi
+  local ci=$CACHE/e2b-code-interpreter-$E2B_INTERPRETER_VERSION
+  if [ ! -x "$ci/bin/python" ] || [ ! -f "$ci/.complete" ]; then
+    log "e2b-code-interpreter $E2B_INTERPRETER_VERSION (the E2B code-interpreter tests)"
+    rm -rf "$ci"
+    "${VMFORK_PYTHON:-python3}" -m venv "$ci"
+    "$ci/bin/python" -m pip install -q --disable-pip-version-check \
+      "e2b==$E2B_SDK_VERSION" "e2b-code-interpreter==$E2B_INTERPRETER_VERSION"
+    touch "$ci/.complete"
+  fi
+  local cijs=$CACHE/e2b-code-interpreter-js-$E2B_JS_INTERPRETER_VERSION
+  if [ ! -f "$cijs/.complete" ]; then
+    log "@e2b/code-interpreter $E2B_JS_INTERPRETER_VERSION (the E2B code-interpreter tests)"
+    rm -rf "$cijs"
+    mkdir -p "$cijs"
+    echo '{"private": true}' > "$cijs/package.json"
+    (cd "$cijs" && npm install --no-audit --no-fund --silent "e2b@$E2B_JS_SDK_VERSION" \
+      "@e2b/code-interpreter@$E2B_JS_INTERPRETER_VERSION")
+    touch "$cijs/.complete"
   fi
 }
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -13,6 +14,10 @@ E2B_SDK_VERSION = "2.63.0"
 """Kept equal to ``E2B_SDK_VERSION`` in scripts/lib.sh."""
 E2B_JS_SDK_VERSION = "2.51.0"
 """The JavaScript SDK (``e2b`` on the npm registry); ``E2B_JS_SDK_VERSION`` there."""
+E2B_INTERPRETER_VERSION = "2.11.5"
+"""``e2b-code-interpreter`` (with e2b 2.63.0), ``E2B_INTERPRETER_VERSION`` in lib.sh."""
+E2B_JS_INTERPRETER_VERSION = "2.8.0"
+"""``@e2b/code-interpreter`` (with e2b 2.51.0), ``E2B_JS_INTERPRETER_VERSION`` there."""
 PROGRAMS = Path(__file__).parent / "e2b_programs"
 
 
@@ -40,6 +45,57 @@ def sdk_python() -> Path:
     return python
 
 
+def interpreter_python() -> Path:
+    """The code-interpreter SDK venv's interpreter (``e2b-code-interpreter``)."""
+    venv = _cache() / f"e2b-code-interpreter-{E2B_INTERPRETER_VERSION}"
+    python = venv / "bin" / "python"
+    if not (python.exists() and (venv / ".complete").exists()):
+        raise AssertionError(f"e2b-code-interpreter {E2B_INTERPRETER_VERSION} is not "
+                             f"installed at {venv}: run the set-up (scripts/test, or "
+                             "scripts/lib.sh setup_e2b_sdk)")
+    return python
+
+
+def interpreter_node_modules() -> Path:
+    """``@e2b/code-interpreter``'s ``node_modules`` (the set-up installs it)."""
+    where = _cache() / f"e2b-code-interpreter-js-{E2B_JS_INTERPRETER_VERSION}"
+    if not (where / ".complete").exists():
+        raise AssertionError(f"@e2b/code-interpreter {E2B_JS_INTERPRETER_VERSION} is not "
+                             f"installed at {where}: run the set-up (scripts/lib.sh "
+                             "setup_e2b_sdk)")
+    return where / "node_modules"
+
+
+def check_interpreter(seen: dict) -> None:
+    """What tests/e2b_programs/interpreter.py and interpreter.cjs must have seen."""
+    value = seen["value"]
+    assert value["text"] == "42" and value["error"] is False, value
+    assert value["stdout"] == ["hello\n"] and value["stderr"] == ["warn\n"], value
+    assert value["chunks"] == ["hello\n"] and value["count"] == 1, value
+    assert seen["persists"] == "82"
+    error = seen["error"]
+    assert error["name"] == "ValueError" and error["value"] == "bad value", error
+    assert "raise ValueError('bad value')" in error["traceback"], error
+    assert "in f" in error["traceback"] and error["text"] is None, error
+    # stdout arrives as it is printed: the two lines 1.5 s apart, not together at the end.
+    assert seen["streamed_gap"] is not None and seen["streamed_gap"] > 1.0, seen
+    assert seen["context_cwd"] == "/tmp" and seen["context_getcwd"] == "'/tmp'"
+    assert seen["context_sees_x"] == "NameError" and seen["context_y"] == "'mine'"
+    assert seen["default_sees_y"] == "NameError" and seen["listed"] is True
+    assert seen["after_restart"] == "NameError"
+    assert seen["removed_context"] and "no code context" in seen["removed_context"], seen
+    assert seen["env"] == "'from-envs'"
+    rich = seen["rich"]
+    assert rich["text"] == "Rich()" and rich["html"] == "<b>rich</b>", rich
+    assert base64.b64decode(rich["png"]) == b"\x89PNG-bytes", rich
+    assert {"html", "png"} <= set(rich["formats"]), rich
+    # The SDK's own timeout hangs up; the cell is interrupted and the next one runs.
+    assert seen["timed_out"] and "timed out" in seen["timed_out"].lower(), seen
+    assert seen["after_timeout"] == "'alive'" and seen["after_timeout_secs"] < 30, seen
+    if "plot_png" in seen:   # the image has matplotlib
+        assert seen["plot_png"] and seen["plot_png"][0].startswith("iVBORw0KGgo"), seen
+
+
 def e2b_env(api_url: str, key: str, ca_file: str | None = None) -> dict[str, str]:
     """What an E2B user sets to point the SDK at vmfork: nothing else."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
@@ -56,9 +112,10 @@ def run_program(python: Path, name: str, args: list[str], env: dict[str, str],
 
 
 def run_js_program(name: str, args: list[str], env: dict[str, str],
-                   timeout: float = 300) -> dict:
-    """Run ``tests/e2b_programs/<name>.cjs`` with the JavaScript SDK, likewise."""
-    env = dict(env, NODE_PATH=str(sdk_node_modules()))
+                   timeout: float = 300, node_modules: Path | None = None) -> dict:
+    """Run ``tests/e2b_programs/<name>.cjs`` with the JavaScript SDK (or the one in
+    ``node_modules``), likewise."""
+    env = dict(env, NODE_PATH=str(node_modules or sdk_node_modules()))
     return _run(["node", str(PROGRAMS / f"{name}.cjs"), *args], name, env, timeout)
 
 

@@ -20,7 +20,9 @@ streamed until then is in ``stdout``/``stderr`` — or the agent went silent),
 from __future__ import annotations
 
 import io
+import json
 import math
+import select
 import socket
 import threading
 import time
@@ -48,6 +50,8 @@ EXEC_GRACE = 10.0
 
 TRANSFER_DEADLINE = 3600.0
 """Seconds a whole file read or write may take, however steadily the agent answers."""
+CELL_RESULT_BYTES = 9 << 20
+"""A code-interpreter result's bundle (the agent keeps them under 8 MiB)."""
 
 FILE_TYPES = frozenset({"file", "dir", "symlink", "fifo", "socket", "char", "block", "other"})
 
@@ -979,6 +983,67 @@ class AgentClient:
         agent's ``{device, fstype, guest_path, read_only, sectors}``."""
         return self._simple("mount_volume", device=device, guest_path=guest_path,
                             read_only=read_only, sectors=sectors)
+
+    def cell(self, code: str, *, context: str | None = None, timeout: float,
+             env: Mapping[str, str] | None = None, idle: float | None = None
+             ) -> Generator[tuple[str, Any], None, None]:
+        """Run a code-interpreter cell (``agent/interpreter.py``), as it goes:
+        ``("started", context_id)`` first (an unknown context raises ``AgentError``
+        ``not_found`` before it), then ``("stdout" | "stderr", (text, ts_ns))``,
+        ``("result", bundle)`` and at the end ``("end", {execution_count, error,
+        output_truncated})``; with ``idle``, ``("idle", None)`` after each ``idle``
+        seconds without a frame (so a caller can check on its own client). Closing the
+        iterator early hangs up, which interrupts the cell. A result's bundle is at most
+        ``CELL_RESULT_BYTES`` of JSON."""
+        request: dict[str, Any] = {"code": code, "context": context, "timeout": timeout}
+        if env:
+            request["env"] = dict(env)
+        call = self._open("cell", request, timeout=timeout + EXEC_GRACE,
+                          deadline=self._deadline(timeout + EXEC_GRACE))
+        try:
+            started = call.expect("started")
+            yield "started", _str(started.header, "context", "cell")
+            pieces: list[bytes] = []
+            size = 0
+            while True:
+                # Readable: a frame has begun (the agent sends each whole), so the
+                # blocking read that follows cannot be cut inside one.
+                while idle is not None and not select.select([call.sock], [], [], idle)[0]:
+                    yield "idle", None
+                frame = call.recv()
+                if frame.type in ("stdout", "stderr"):
+                    yield frame.type, (frame.payload.decode("utf-8", "replace"),
+                                       _int(frame.header, "ts", "cell", minimum=0))
+                elif frame.type == "display":
+                    size += len(frame.payload)
+                    if size > CELL_RESULT_BYTES:
+                        raise AgentProtocolError(f"cell: a result over {CELL_RESULT_BYTES} "
+                                                 "bytes", op="cell")
+                    pieces.append(frame.payload)
+                    if not frame.header.get("more"):
+                        try:
+                            bundle = json.loads(b"".join(pieces))
+                        except ValueError as err:
+                            raise AgentProtocolError(f"cell: a malformed result: {err}",
+                                                     op="cell") from err
+                        if not isinstance(bundle, dict):
+                            raise AgentProtocolError("cell: a result is not an object",
+                                                     op="cell")
+                        pieces, size = [], 0
+                        yield "result", bundle
+                elif frame.type == "result":
+                    yield "end", frame.header
+                    return
+                else:
+                    raise AgentProtocolError(f"unexpected frame {frame.header!r:.200}",
+                                             op="cell")
+        finally:
+            call.close()
+
+    def code_contexts(self, action: str, **fields: Any) -> dict[str, Any]:
+        """The code interpreter's contexts: ``list``, ``create`` (``cwd``), ``remove``
+        and ``restart`` (``context``); the agent's ``result`` (``agent/interpreter.py``)."""
+        return self._simple("contexts", action=action, **fields)
 
     def export_upper(self, fileobj: BinaryIO, *, max_bytes: int,
                      max_members: int) -> dict[str, Any]:

@@ -190,6 +190,20 @@ tmpfs to ``/.vmfork-rw``): streams the overlay's upper directory as an OCI layer
     → ``data`` frames, then ``result {size, members, file_bytes, whiteouts,
       opaque_dirs}``; ``unsupported`` in a guest not booted for a build, ``too_large``
       over a cap.
+
+``cell`` — ``code`` (Python, at most 128 Ki characters), ``context`` (default
+``default``: the ``eval`` op's namespace), ``timeout`` (seconds, at most 3600),
+``env`` (set for the cell's duration). A code-interpreter cell (``agent/interpreter.py``):
+    → ``started {context}``, then ``stdout``/``stderr`` frames ``{ts}`` as it prints,
+      then ``display {more}`` frames (a result's JSON bundle — ``text``, ``html``,
+      ``png``…, ``is_main_result`` — in payloads; ``more`` until its last piece), then
+      ``result {execution_count, error: {name, value, traceback} | null,
+      output_truncated}``; ``not_found`` for an unknown context.
+
+``contexts`` — ``action``: ``list``, ``create`` (``cwd``), ``remove`` or ``restart``
+(``context``).
+    → ``result {contexts: [{id, language, cwd}]}`` / ``{context}`` / ``{removed}``;
+      ``not_found``, ``limit`` past 32 contexts.
 """
 
 from __future__ import annotations
@@ -226,7 +240,7 @@ DEFAULT_ENV: dict[str, str] = {
 OPS = ("ping", "exec", "eval", "read", "write", "list", "stat", "remove", "mkdir",
        "reseed", "set_time", "shutdown", "net_refresh", "after_fork", "rename", "watch",
        "start", "attach", "send_stdin", "signal", "pty_resize", "ps", "mount_volume",
-       "export_upper")
+       "export_upper", "cell", "contexts")
 
 
 class ProtocolError(Exception):

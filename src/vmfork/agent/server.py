@@ -31,6 +31,7 @@ from vmfork import __version__
 from vmfork.agent import files, network, system, upper, volumes, watch
 from vmfork.agent.conn import Conn, PeerGone
 from vmfork.agent.evaluator import Evaluator
+from vmfork.agent.interpreter import Interpreter
 from vmfork.agent.jobs import JobTable
 from vmfork.agent.process import run_exec
 from vmfork.agent.protocol import (
@@ -74,6 +75,7 @@ class AgentServer:
         self.log = log
         self.evaluator = Evaluator()
         self.jobs = JobTable(self.owned)
+        self.interpreter = Interpreter(self.evaluator)
         self._slots = threading.BoundedSemaphore(max_connections)
         self._stopping = threading.Event()
         self._handlers: dict[str, Callable[[Conn, Frame], None]] = {
@@ -103,6 +105,8 @@ class AgentServer:
             "mount_volume": lambda conn, frame: conn.result(
                 **volumes.mount_volume(frame.header)),
             "export_upper": lambda conn, frame: upper.export_upper(conn, frame.header),
+            "cell": lambda conn, frame: self.interpreter.cell(conn, frame.header),
+            "contexts": lambda conn, frame: self.interpreter.contexts(conn, frame.header),
         }
         assert set(self._handlers) == set(OPS)
 

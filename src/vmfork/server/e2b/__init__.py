@@ -9,7 +9,9 @@ Two surfaces share the daemon's listeners with ``/v1``, without path collisions:
 - envd, the in-sandbox daemon (``envd.py``): Connect RPCs, ``/files``, ``/health``,
   which the SDK reaches at ``E2B_SANDBOX_URL`` with the ``E2b-Sandbox-Id`` header, or
   at ``https://49983-<id>.<domain>`` (the ``Host`` names the sandbox), with the
-  sandbox's access token as ``X-Access-Token``.
+  sandbox's access token as ``X-Access-Token``;
+- the code interpreter (``interpreter.py``), port 49999 of a sandbox: the same, with
+  ``E2b-Sandbox-Port: 49999`` or ``Host: 49999-<id>.<domain>``.
 
 A request is E2B's when its path is a control-plane path, or when it names a sandbox
 by header or Host; everything else is vmfork's own API, untouched.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 
 from vmfork.server import api
 from vmfork.server.controller import Controller
-from vmfork.server.e2b import connect, envd
+from vmfork.server.e2b import connect, envd, interpreter
 from vmfork.server.e2b.connect import ConnectError
 from vmfork.server.e2b.control import ControlPlane, Tokens
 from vmfork.server.e2b.envd import Envd
@@ -62,16 +64,21 @@ class Route:
         wire = _wire(token)
         if self.kind == "envd":
             return _envd(wire, c, req, self.target)
+        if self.kind == "interpreter":
+            return _interpreter(wire, c, req, self.target)
         return _control(wire, c, req, self.target, token)
 
 
 def route_for(req: api.Request) -> Route | None:
     """The E2B route ``req`` is for, or None when it is for vmfork's own API."""
     sandbox = req.headers.get("e2b-sandbox-id")
+    port = req.headers.get("e2b-sandbox-port", str(ENVD_PORT)).strip()
     if sandbox is None:
         found = _ENVD_HOST.fullmatch(req.headers.get("host", ""))
-        if found is not None and int(found.group(1)) == ENVD_PORT:
-            sandbox = found.group(2)
+        if found is not None and int(found.group(1)) in (ENVD_PORT, interpreter.INTERPRETER_PORT):
+            sandbox, port = found.group(2), found.group(1)
+    if sandbox is not None and port == str(interpreter.INTERPRETER_PORT):
+        return Route(interpreter.route_name(req), "interpreter", sandbox)
     if sandbox is not None:
         # Metrics and audit names from a fixed set (a client picks the path).
         known = req.path in ("/files", "/health") or envd.is_rpc(req.path)
@@ -170,6 +177,23 @@ def _envd(wire: _Wire, c: Controller, req: api.Request, sandbox_id: str) -> api.
     except ApiError as err:   # an unknown or stopped sandbox, before any RPC parsing
         code = ConnectError.from_api(err)
         return _denied(req, err.status, code.code, code.message)
+
+
+def _interpreter(wire: _Wire, c: Controller, req: api.Request,
+                 sandbox_id: str) -> api.Response:
+    """The code interpreter's routes: the sandbox's token as ``X-Access-Token`` or as
+    ``E2B-Traffic-Access-Token`` (its SDK sends only the latter on context calls)."""
+    try:
+        check_sandbox_id(sandbox_id)
+    except BadRequest as err:
+        return interpreter.error_response(err)
+    req.sandbox_ids = [sandbox_id]
+    if not any(wire.tokens.check(sandbox_id, req.headers.get(name))
+               for name in ("x-access-token", "e2b-traffic-access-token")):
+        return api.Response(401, {"code": 401, "message": f"sandbox {sandbox_id}: neither "
+                                  "X-Access-Token nor E2B-Traffic-Access-Token is this "
+                                  "sandbox's access token"})
+    return interpreter.handle(c, req, sandbox_id)
 
 
 def _denied(req: api.Request, status: int, code: str, message: str) -> api.Response:

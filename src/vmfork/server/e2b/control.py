@@ -114,6 +114,8 @@ class ControlPlane:
         return {"templateID": info["snapshot_tag"], "sandboxID": info["id"],
                 "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
                 "envdAccessToken": self.tokens.for_sandbox(info["id"]),
+                # The code interpreter's SDK sends only this one on its context calls.
+                "trafficAccessToken": self.tokens.for_sandbox(info["id"]),
                 "domain": _domain(req)}
 
     def _listed(self, c: Controller, info: dict[str, Any], sizes: dict[str, Any]
