@@ -161,6 +161,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         daemon.stop()
 
     source = Store.open(home)
+    # The base, and each chain's links without it.
     sizes = {"base": chain_bytes(source, [BASE]),
              **{name: chain_bytes(source, list(tags)) for name, tags in CHAINS.items()}}
     rows = measure_transfers(source, work)
@@ -287,8 +288,8 @@ def markdown(args: argparse.Namespace, data: dict[str, Any]) -> str:
          f"MiB), {args.mem_mib} MiB guest warmed with `import numpy`; "
          f"{sizes['base']['physical_bytes'] / MIB:.1f} MiB on disk. Each chain adds two "
          f"links, each holding a {args.link_mib} MiB numpy array of random floats "
-         f"(chain A on disk {mib(sizes['A']['physical_bytes'])} MiB, B "
-         f"{mib(sizes['B']['physical_bytes'])} MiB, base included)."), "",
+         f"(A's two links on disk {mib(sizes['A']['physical_bytes'])} MiB, B's "
+         f"{mib(sizes['B']['physical_bytes'])} MiB)."), "",
         ("| step | time s | client bytes MiB | registry: stored MiB (push) / GET answered "
          "MiB (pull) | blobs |"), "|---|---:|---:|---:|---|"]
     for r in rows:
