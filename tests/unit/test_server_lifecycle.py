@@ -333,7 +333,7 @@ def test_a_version_4_registry_is_migrated_keeping_its_sandboxes(tmp_path: Path) 
     db.commit()
     db.close()
     registry = Registry(path)
-    assert registry.schema_version() == SCHEMA_VERSION == 5
+    assert registry.schema_version() == SCHEMA_VERSION == 6
     record = registry.get_sandbox("vm-000000000001")
     assert record is not None and record.pid == 7
     assert (record.end_at, record.on_timeout, record.metadata, record.envs,

@@ -333,7 +333,7 @@ def test_registry_migrates_a_version_2_database(tmp_path: Path) -> None:
     """)
     db.close()
     reg = Registry(path)
-    assert reg.schema_version() == SCHEMA_VERSION == 5
+    assert reg.schema_version() == SCHEMA_VERSION == 6
     assert reg.get_sandbox("vm-old") is not None, "existing rows survive"
     reg.put_network("vm-old", '{"x": 1}')
     assert reg.list_networks() == {"vm-old": '{"x": 1}'}

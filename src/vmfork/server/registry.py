@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _MIGRATIONS: tuple[str, ...] = (
     """
@@ -96,6 +96,18 @@ _MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE sandboxes ADD COLUMN paused_tag TEXT;
     ALTER TABLE sandboxes ADD COLUMN paused_at REAL;
     ALTER TABLE sandboxes ADD COLUMN volumes TEXT NOT NULL DEFAULT '[]';
+    """,
+    # Push and pull jobs (server/transfers.py): each job as its JSON, with the daemon
+    # that ran it (``owner``), so that a restarted daemon reports the ones its
+    # predecessor left running as failed instead of forgetting them. IF NOT EXISTS: a
+    # migration re-run over a database that has the table is harmless.
+    """
+    CREATE TABLE IF NOT EXISTS transfer_jobs (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        job TEXT NOT NULL
+    );
     """,
 )
 
@@ -537,3 +549,22 @@ class Registry:
                        "WHERE status = ? AND daemon_pid != ?",
                        (FAILED, time.time(), _ORPHANED_JOB, WRITING, daemon_pid))
         return tags
+
+    # -- transfer jobs (server/transfers.py) ----------------------------------------
+
+    def save_transfer_job(self, job_id: str, owner: str, started_at: float,
+                          job_json: str) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO transfer_jobs (id, owner, started_at, job) "
+                       "VALUES (?, ?, ?, ?)", (job_id, owner, started_at, job_json))
+
+    def list_transfer_jobs(self) -> list[tuple[str, str, str]]:
+        """``(id, owner, job JSON)``, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, owner, job FROM transfer_jobs "
+                                    "ORDER BY started_at, id").fetchall()
+        return [(str(a), str(b), str(c)) for a, b, c in rows]
+
+    def forget_transfer_jobs(self, job_ids: list[str]) -> None:
+        with self._transaction() as db:
+            db.executemany("DELETE FROM transfer_jobs WHERE id = ?", [(i,) for i in job_ids])

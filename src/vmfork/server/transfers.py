@@ -8,14 +8,23 @@ thread of the daemon against its store.
 
 Bounded, since clients drive it: at most ``MAX_RUNNING`` transfers at once (more is
 ``503`` with ``Retry-After``), and at most ``MAX_KEPT`` finished jobs remembered
-(the oldest finished are forgotten first). Jobs live in the daemon's memory only: a
-restart forgets them, and a pull cut short by one left nothing in the store (the
-store removes its pending directory).
+(the oldest finished are forgotten first).
+
+Jobs are recorded in the daemon's registry (SQLite, ``transfer_jobs``) when they start
+and when they end (progress is kept in memory only), so a restarted daemon still lists
+the jobs that finished before it, and reports the ones its predecessor left running as
+failed, with the reason (``INTERRUPTED``), instead of forgetting them: their threads
+died with the old daemon, and a transfer is not resumed by itself. A pull cut short
+left nothing in the store (the store removes its pending directory); a push cut short
+tagged nothing in the registry (the manifest goes last).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import secrets
+import sqlite3
 import threading
 import time
 import weakref
@@ -26,9 +35,14 @@ from typing import Any
 from vmfork.server.errors import BadRequest, Busy, NotFound
 from vmfork.server.validation import check_host_path
 
+log = logging.getLogger(__name__)
+
 MAX_RUNNING = 2
 MAX_KEPT = 64
 PUSH_FIELDS_HELP = "ref, sign_key, auth_file, insecure, with_image"
+INTERRUPTED = ("the daemon stopped while this transfer was running, so it never finished; "
+               "nothing of it was published (a pull cut short stores nothing, a push cut "
+               "short tags nothing): start it again")
 
 
 @dataclass
@@ -60,14 +74,62 @@ class TransferJob:
             out["error"] = self.error
         return out
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TransferJob:
+        """The job ``to_json`` gave (as the registry keeps it)."""
+        progress = data["progress"]
+        return cls(id=str(data["id"]), kind=str(data["kind"]), ref=str(data["ref"]),
+                   tag=data["tag"], status=str(data["status"]),
+                   started_at=float(data["started_at_unix"]),
+                   finished_at=data.get("finished_at_unix"), what=str(progress["what"]),
+                   bytes_done=int(progress["bytes_done"]),
+                   bytes_total=int(progress["bytes_total"]), result=data.get("result"),
+                   error=data.get("error"))
+
 
 class Transfers:
-    """The jobs of one daemon (one store)."""
+    """The jobs of one daemon (one store), recorded in its registry when there is one."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, registry: Any = None) -> None:
         self.store = store
+        self.registry = registry
+        self.owner = secrets.token_hex(8)     # this daemon, in the registry's rows
         self._lock = threading.Lock()
         self._jobs: dict[str, TransferJob] = {}
+        if registry is not None:
+            self._load_previous()
+
+    def _load_previous(self) -> None:
+        """The jobs earlier daemons recorded, the newest ``MAX_KEPT``. One still marked
+        running was cut short by its daemon's end (no thread of this daemon runs it): it
+        becomes failed, saying so, in the registry too."""
+        rows = self.registry.list_transfer_jobs()
+        unreadable: list[str] = []
+        interrupted: list[str] = []
+        for job_id, owner, raw in rows:
+            try:
+                job = TransferJob.from_json(json.loads(raw))
+            except (ValueError, KeyError, TypeError, RecursionError):
+                unreadable.append(job_id)
+                continue
+            if job.status == "running" and owner != self.owner:
+                job.status, job.error, job.finished_at = "failed", INTERRUPTED, time.time()
+                self._save(job)
+                interrupted.append(job.id)
+            self._jobs[job.id] = job
+        excess = list(self._jobs)[:max(0, len(self._jobs) - MAX_KEPT)]
+        for job_id in excess:
+            del self._jobs[job_id]
+        if unreadable or excess:
+            self.registry.forget_transfer_jobs(unreadable + excess)
+        if interrupted:
+            log.warning("transfers a previous daemon left running marked failed: %s",
+                        ", ".join(interrupted))
+
+    def _save(self, job: TransferJob) -> None:
+        if self.registry is not None:
+            self.registry.save_transfer_job(job.id, self.owner, job.started_at,
+                                            json.dumps(job.to_json()))
 
     def list(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -77,8 +139,8 @@ class Transfers:
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
-                raise NotFound(f"no transfer job {job_id!r} (jobs are kept in the daemon's "
-                               f"memory, the last {MAX_KEPT} finished ones)")
+                raise NotFound(f"no transfer job {job_id!r} (the daemon keeps the last "
+                               f"{MAX_KEPT} finished jobs)")
             return job.to_json()
 
     def start(self, kind: str, ref: str, tag: str | None, work: Any) -> dict[str, Any]:
@@ -88,11 +150,16 @@ class Transfers:
                 raise Busy(f"{running} transfers are running (at most {MAX_RUNNING}); retry "
                            "when one is done", retry_after=5)
             finished = [j for j in self._jobs.values() if j.status != "running"]
-            for old in sorted(finished, key=lambda j: j.started_at)[:max(
-                    0, len(self._jobs) + 1 - MAX_KEPT)]:
-                del self._jobs[old.id]
+            forgotten = [old.id for old in sorted(finished, key=lambda j: j.started_at)[:max(
+                0, len(self._jobs) + 1 - MAX_KEPT)]]
+            for old_id in forgotten:
+                del self._jobs[old_id]
             job = TransferJob(secrets.token_hex(8), kind, ref, tag)
+            # Recorded before it runs: a registry that cannot take it refuses the job.
+            self._save(job)
             self._jobs[job.id] = job
+        if forgotten and self.registry is not None:
+            self.registry.forget_transfer_jobs(forgotten)
         threading.Thread(target=self._run, args=(job, work), name=f"transfer-{job.id}",
                          daemon=True).start()
         return job.to_json()
@@ -111,6 +178,11 @@ class Transfers:
                 job.error, job.status = str(err) or type(err).__name__, "failed"
         finally:
             job.finished_at = time.time()
+        try:
+            self._save(job)
+        except sqlite3.Error as err:
+            # Still reported from memory; a restart would call it interrupted.
+            log.warning("could not record the end of transfer %s: %s", job.id, err)
 
 
 _BY_CONTROLLER: weakref.WeakKeyDictionary[Any, Transfers] = weakref.WeakKeyDictionary()
@@ -121,7 +193,8 @@ def transfers_of(controller: Any) -> Transfers:
     with _BY_CONTROLLER_LOCK:
         found = _BY_CONTROLLER.get(controller)
         if found is None:
-            found = _BY_CONTROLLER[controller] = Transfers(controller.store)
+            found = _BY_CONTROLLER[controller] = Transfers(controller.store,
+                                                           controller.registry)
         return found
 
 
