@@ -1,7 +1,7 @@
 """Diff chains in the store, without KVM: info, rmi guard/cascade/force, verify, compact.
 
 Chains are built with the store API from synthetic files: a root's memory.bin is
-a sparse file, each link's layer.bin is written by ``vmm.layerfile`` from an
+a sparse file, each link's layer.bin is written by ``ondisk.layerfile`` from an
 anonymous ``GuestMemory`` holding the pages it "changed", and
 ``chains.publish_link`` publishes the link exactly as a BRANCH diff does. A
 snapshot's memory is read as a restore maps it: ``GuestMemory.from_file_private``
@@ -20,6 +20,7 @@ import pytest
 from test_server_http import Served, _serve
 
 from vmfork.cli import main
+from vmfork.ondisk import layerfile, memplan
 from vmfork.store import (
     SnapshotCorrupt,
     SnapshotMeta,
@@ -31,7 +32,7 @@ from vmfork.store import (
 )
 from vmfork.store.errors import HasDependents, ParentGone
 from vmfork.store.layers import LAYER_FILE, PLAN_FILE
-from vmfork.vmm import dirty, layerfile, memplan
+from vmfork.vmm import dirty
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 
 MEM = 4 << 20

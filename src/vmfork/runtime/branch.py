@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from vmfork.ondisk import layerfile
+from vmfork.ondisk.stateformat import read_state_file
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.store.chains import ChainTooDeep, check_depth_for_child, publish_link
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
 from vmfork.store.tags import validate_tag
-from vmfork.vmm import layerfile
 from vmfork.vmm.capture import MODES
-from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 CONTROL_TIMEOUT = 30.0       # connect and the pause itself

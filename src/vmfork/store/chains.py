@@ -3,7 +3,7 @@
 A chain is followed through ``meta.parent_tag`` (checked against the parent's
 content hash). Each link's own data is its ``layer.bin``; the root's is its
 ``memory.bin``. A link's memory is its ``memory.plan`` (``vmfork.store.layers``,
-``vmfork.vmm.memplan``), computed here once when the link is published, over the
+``vmfork.ondisk.memplan``), computed here once when the link is published, over the
 nearest snapshot below it that has a ``memory.bin`` (the root, or a head that
 was materialised because its plan was over the VMA budget); children map that
 plan, so none of this runs on a spawn. ``make_standalone`` and ``replan`` keep
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vmfork.ondisk import layerfile, memplan
+from vmfork.ondisk.durable import fsync_dir
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound, StoreError
 from vmfork.store.layers import (
     LAYER_FILE,
@@ -48,11 +50,9 @@ from vmfork.store.store import (
     PendingSnapshot,
     Snapshot,
     Store,
-    _fsync_dir,
     disk_usage,
 )
 from vmfork.store.tags import validate_tag
-from vmfork.vmm import layerfile, memplan
 from vmfork.vmm.memory import PAGE_SIZE
 
 # Each link adds one resolve at build time and one entry to walk when packing; past
@@ -294,7 +294,7 @@ def _resolve_memory(store: Store, directory: Path, links: list[Snapshot],
         temp = directory / f".{PLAN_FILE}.{secrets.token_hex(8)}"
         write_plan(plan, temp)
         os.rename(temp, directory / PLAN_FILE)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         return MEMORY_SOURCE_PLAN, {"memory_mapping": {
             "runs": len(plan.runs), "files": len(plan.sources),
             "resolve_ms": (time.monotonic() - started) * 1000}}
@@ -306,7 +306,7 @@ def _resolve_memory(store: Store, directory: Path, links: list[Snapshot],
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return MEMORY_SOURCE_FILE, {"memory_mapping": {
         "runs": len(plan.runs), "files": len(plan.sources),
         "resolve_ms": (time.monotonic() - started) * 1000,
@@ -365,7 +365,7 @@ def make_standalone(store: Store, tag: str, parent_tag: str) -> Snapshot:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
             raise
-        _fsync_dir(snap.path)
+        fsync_dir(snap.path)
     memory_hash = snap.meta.file_hashes.get(MEMORY_FILE) or hash_memory(snap.memory_path)
     st = os.stat(snap.memory_path)
     meta = snap.meta

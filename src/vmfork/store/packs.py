@@ -61,13 +61,14 @@ from pathlib import Path
 from typing import Any
 
 from vmfork.image.tarstream import FILE, Member, TarFormatError, TarStream
+from vmfork.ondisk.durable import fsync_dir
+from vmfork.ondisk.stateformat import StateFormatError, from_json_value, to_json_value
 from vmfork.store import chains
 from vmfork.store.errors import HasDependents, SnapshotCorrupt, SnapshotNotFound, StoreError
 from vmfork.store.layers import HASH_NAME, LAYER_FILE, hash_file, hash_memory
 from vmfork.store.meta import SnapshotMeta
-from vmfork.store.store import MEMORY_FILE, STATE_FILE, Snapshot, Store, _fsync_dir
+from vmfork.store.store import MEMORY_FILE, STATE_FILE, Snapshot, Store
 from vmfork.store.tags import is_valid_tag, validate_tag
-from vmfork.vmm.stateformat import StateFormatError, from_json_value, to_json_value
 
 PACK_FORMAT = "vmfork-pack"
 PACK_FORMAT_VERSION = 1
@@ -202,7 +203,7 @@ def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackR
             sink.flush()
             os.fsync(sink.fileno())
         os.rename(temp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -215,12 +216,12 @@ def _state_volumes(state_path: Path, meta: SnapshotMeta) -> list[tuple[str, bool
     """``(disk_key, read_only, guest_path)`` of each filled volume slot of a snapshot: from
     its machine state (which names what its children attach), or, for a state that does
     not decode (its spawns fail anyway), what its meta recorded at snapshot time."""
-    from vmfork.vmm.errors import VmmError
-    from vmfork.vmm.stateformat import read_state_file
+    from vmfork.ondisk.errors import OnDiskError
+    from vmfork.ondisk.stateformat import read_state_file
     from vmfork.vmm.vmstate import MachineState
     try:
         state = read_state_file(str(state_path), MachineState)
-    except VmmError:
+    except OnDiskError:
         recorded = meta.extra.get("volumes") or []
         return [(str(v.get("key")), bool(v.get("read_only", True)), str(v.get("guest_path")))
                 for v in recorded if isinstance(v, dict) and v.get("key")]

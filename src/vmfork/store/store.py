@@ -4,7 +4,7 @@ Layout under the root (``$VMFORK_HOME``, else ``$XDG_DATA_HOME/vmfork``, else
 ``~/.local/share/vmfork``)::
 
     snapshots/<tag>/                    a ready snapshot (nothing else is listed)
-        state.bin                       vCPU/device state (vmfork.vmm.stateformat)
+        state.bin                       vCPU/device state (vmfork.ondisk.stateformat)
         memory.bin                      guest RAM, usually sparse
         meta.json                       SnapshotMeta (vmfork.store.meta)
     snapshots/.pending-<tag>-<hex16>/   being written (private, mode 0700)
@@ -22,7 +22,7 @@ lock is free, which is the kernel's word that their owner is gone (see locks.py)
 
 Chains (issue 6): a diff snapshot names its parent (``meta.parent_tag`` and the
 parent's content hash) and carries its own ``layer.bin`` and a ``memory.plan``
-computed once at publish (``vmfork.store.layers``, ``vmfork.vmm.memplan``): which
+computed once at publish (``vmfork.store.layers``, ``vmfork.ondisk.memplan``): which
 file of its chain -- the base's ``memory.bin`` or an ancestor's ``layer.bin`` --
 holds each range of its RAM. So a snapshot's memory lives in its ancestors'
 directories too, and the store keeps every file a plan maps for as long as the
@@ -57,6 +57,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from vmfork.ondisk import memplan
+from vmfork.ondisk.durable import fsync_dir, fsync_tree, write_new_file
 from vmfork.store.errors import (
     HasDependents,
     ParentGone,
@@ -65,7 +67,7 @@ from vmfork.store.errors import (
     StoreError,
     TagExists,
 )
-from vmfork.store.layers import LAYER_FILE, PLAN_FILE, hash_file, write_new_file
+from vmfork.store.layers import LAYER_FILE, PLAN_FILE, hash_file
 from vmfork.store.layers import hash_memory as hash_memory_file
 from vmfork.store.locks import ChainsLock, TagLock
 from vmfork.store.meta import (
@@ -80,7 +82,6 @@ from vmfork.store.meta import (
     encode_meta,
 )
 from vmfork.store.tags import is_valid_tag, validate_tag
-from vmfork.vmm import memplan
 
 STATE_FILE = "state.bin"
 MEMORY_FILE = "memory.bin"
@@ -301,7 +302,7 @@ class Store:
         try:
             write_new_file(temp, encode_meta(meta))
             os.rename(temp, snapshot.meta_path)
-            _fsync_dir(snapshot.path)
+            fsync_dir(snapshot.path)
         except OSError as err:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
@@ -341,7 +342,7 @@ class Store:
         tomb = self.snapshots_dir / f".deleting-{tag}-{secrets.token_hex(8)}"
         try:
             os.rename(path, tomb)
-            _fsync_dir(self.snapshots_dir)
+            fsync_dir(self.snapshots_dir)
         except OSError as err:
             raise StoreError(f"cannot delete snapshot {tag!r}: rename to {tomb.name} "
                              f"failed: {err.strerror}", tag=tag, path=path) from err
@@ -502,7 +503,7 @@ class PendingSnapshot:
 
     @property
     def plan_path(self) -> Path:
-        """Where a diff snapshot's memory plan goes (``vmfork.vmm.memplan``)."""
+        """Where a diff snapshot's memory plan goes (``vmfork.ondisk.memplan``)."""
         return self.path / PLAN_FILE
 
     def __enter__(self) -> Self:
@@ -587,12 +588,12 @@ class PendingSnapshot:
             finally:
                 os.close(fd)
             stage = "fsync the files"
-            _fsync_tree(self.path)
+            fsync_tree(self.path)
             # The daemon's alone (0700, its files 0600): a jailed VMM gets the files it
             # maps as descriptors opened before its uid changed, bound one by one.
             stage = "make the directory private"
             os.chmod(self.path, 0o700)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             links = (ChainsLock(self.store.locks_dir) if final.parent_tag is not None
                      else contextlib.nullcontext())
             with links:
@@ -606,7 +607,7 @@ class PendingSnapshot:
                 stage = "rename into place"
                 os.rename(self.path, target)
                 stage = "fsync the snapshots directory"
-                _fsync_dir(self.store.snapshots_dir)
+                fsync_dir(self.store.snapshots_dir)
         except OSError as err:
             if stage == "fsync the snapshots directory":
                 # Renamed and visible; only the durability of the rename is unknown.
@@ -693,29 +694,6 @@ def _walk_files(root: Path) -> Iterator[os.DirEntry[str]]:
             yield from _walk_files(Path(entry.path))
         else:
             yield entry
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every regular file and directory below ``root`` (``root`` included)."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not stat.S_ISREG(os.lstat(p).st_mode):
-                continue
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
 
 
 def _remove_tree(path: Path) -> None:

@@ -13,7 +13,7 @@ paused:
   while paused; the rest of the image is the immutable base file's data, copied
   in the kernel (``copy_file_range``) after the resume. Other machines (a
   booted memfd parent) are written whole while paused.
-* **diff**: a layer file (``vmm.layerfile``) holding only the pages changed
+* **diff**: a layer file (``ondisk.layerfile``) holding only the pages changed
   since a *base*, written while paused. The base is the snapshot the sandbox was
   restored from (its changed pages are its private anonymous pages) or this
   sandbox's previous capture (pages soft-dirty since then). ``take`` reports
@@ -60,12 +60,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vmfork.vmm import dirty, layerfile
+from vmfork.ondisk import layerfile
+from vmfork.ondisk.durable import write_file_atomic
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.stateformat import encode_state
+from vmfork.vmm import dirty
 from vmfork.vmm.devices.virtio.device import run_on_loop
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.machine import Machine
 from vmfork.vmm.memory import GuestMemory, subtract_runs
-from vmfork.vmm.stateformat import encode_state, write_file_atomic
 from vmfork.vmm.vmstate import MachineState
 
 MODES = ("full", "diff", "live")
@@ -261,7 +264,8 @@ class SnapshotTaker:
                 # The pages dirtied since the previous capture are forgotten, so it can
                 # no longer be a base; the restore base always can.
                 self._previous = None
-            if isinstance(err, (HostError, OSError)) and not isinstance(err, CaptureError):
+            if isinstance(err, (HostError, OnDiskError, OSError)) \
+                    and not isinstance(err, CaptureError):
                 raise CaptureError(f"{mode} snapshot failed: {err}", op="snapshot") from err
             raise
         timings["total_s"] = time.monotonic() - started
