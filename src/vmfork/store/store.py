@@ -60,7 +60,14 @@ from types import TracebackType
 from typing import Any, Self
 
 from vmfork.ondisk import layerfile, memplan
-from vmfork.ondisk.durable import fsync_dir, fsync_tree, write_new_file
+from vmfork.ondisk.durable import (
+    fsync_dir,
+    fsync_tree,
+    rename_into_place,
+    temp_name,
+    write_file_atomic,
+)
+from vmfork.ondisk.errors import OnDiskError
 from vmfork.store.errors import (
     HasDependents,
     ParentGone,
@@ -318,16 +325,11 @@ class Store:
         if meta.tag != snapshot.tag:
             raise StoreError(f"rewrite of {snapshot.tag!r} with the meta of {meta.tag!r}",
                              tag=snapshot.tag)
-        temp = snapshot.path / f".{META_FILE}.{secrets.token_hex(8)}"
         try:
-            write_new_file(temp, encode_meta(meta))
-            os.rename(temp, snapshot.meta_path)
-            fsync_dir(snapshot.path)
-        except OSError as err:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise StoreError(f"cannot rewrite {snapshot.meta_path}: {err.strerror or err}; "
-                             "check free space", tag=snapshot.tag, path=snapshot.path) from err
+            write_file_atomic(snapshot.meta_path, encode_meta(meta))
+        except OnDiskError as err:
+            raise StoreError(f"cannot rewrite {snapshot.meta_path}: {err}", tag=snapshot.tag,
+                             path=snapshot.path) from err
         return Snapshot(snapshot.tag, snapshot.path, meta)
 
     def plan_references(self) -> dict[str, builtins.list[str]]:
@@ -847,28 +849,37 @@ def _resolve_memory(store: Store, directory: Path, links: list[Snapshot],
     started = time.monotonic()
     plan = _plan_over(links, head)
     if len(plan.runs) <= memplan.MAX_RUNS:
-        temp = directory / f".{PLAN_FILE}.{secrets.token_hex(8)}"
-        write_plan(plan, temp)
-        os.rename(temp, directory / PLAN_FILE)
-        fsync_dir(directory)
+        temp = temp_name(directory / PLAN_FILE)
+        try:
+            write_plan(plan, temp)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
+        rename_into_place(temp, directory / PLAN_FILE)
         return MEMORY_SOURCE_PLAN, {"memory_mapping": {
             "runs": len(plan.runs), "files": len(plan.sources),
             "resolve_ms": (time.monotonic() - started) * 1000}}
-    temp = directory / f".{MEMORY_FILE}.{secrets.token_hex(8)}"
-    try:
-        materialise(plan, _source_paths(store, plan, head), temp)
-        os.rename(temp, directory / MEMORY_FILE)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    fsync_dir(directory)
+    _materialise_into(plan, _source_paths(store, plan, head), directory / MEMORY_FILE)
     return MEMORY_SOURCE_FILE, {"memory_mapping": {
         "runs": len(plan.runs), "files": len(plan.sources),
         "resolve_ms": (time.monotonic() - started) * 1000,
         "materialised": f"its plan needs {len(plan.runs)} mappings, over the budget of "
                         f"{memplan.MAX_RUNS}: its chain was copied into its own memory.bin "
                         "once, at publish"}}
+
+
+def _materialise_into(plan: memplan.MemoryPlan, sources: list[Path], out: Path) -> None:
+    """Write the memory image ``plan`` maps as ``out``: under a temporary name, fsynced,
+    renamed into place (nothing is left behind on failure)."""
+    temp = temp_name(out)
+    try:
+        materialise(plan, sources, temp)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    rename_into_place(temp, out)
 
 
 def make_standalone(store: Store, tag: str, parent_tag: str) -> Snapshot:
@@ -880,16 +891,8 @@ def make_standalone(store: Store, tag: str, parent_tag: str) -> Snapshot:
     snap = store.get(tag)
     if snap.is_layered:
         plan = memplan.read_plan(str(snap.plan_path))
-        temp = snap.path / f".{MEMORY_FILE}.{secrets.token_hex(8)}"
-        try:
-            materialise(plan, [Path(plan.source_path(i)) for i in range(len(plan.sources))],
-                        temp)
-            os.rename(temp, snap.memory_path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            raise
-        fsync_dir(snap.path)
+        _materialise_into(plan, [Path(plan.source_path(i)) for i in range(len(plan.sources))],
+                          snap.memory_path)
     memory_hash = snap.meta.file_hashes.get(MEMORY_FILE) or hash_memory_file(snap.memory_path)
     st = os.stat(snap.memory_path)
     meta = snap.meta

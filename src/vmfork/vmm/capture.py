@@ -61,7 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vmfork.ondisk import layerfile
-from vmfork.ondisk.durable import write_file_atomic
+from vmfork.ondisk.durable import fsync_file, write_file_atomic
 from vmfork.ondisk.errors import OnDiskError
 from vmfork.ondisk.stateformat import encode_state
 from vmfork.vmm import dirty
@@ -246,7 +246,7 @@ class SnapshotTaker:
                     written += _fill_from_base(tmp_memory, memory, changed)
                     timings["base_copy_s"] = time.monotonic() - at
                     at = time.monotonic()
-                _fsync_file(tmp_memory)
+                fsync_file(tmp_memory)
                 timings["fsync_s"] = time.monotonic() - at
             at = time.monotonic()
             write_file_atomic(state_path, encode_state(state))
@@ -300,19 +300,11 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _write_file(path: str, write: Callable[[int], int]) -> int:
-    """Create ``path`` and fill it; no fsync (``_fsync_file``), which is kept out of
+    """Create ``path`` and fill it; no fsync (``durable.fsync_file``), which is kept out of
     the pause: once written, the page cache holds the capture's bytes."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         return write(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -400,7 +392,7 @@ class _Writer:
                 if os.getppid() != parent:
                     os._exit(1)
                 written, pages = _write_image_file(path, memory)
-                _fsync_file(path)
+                fsync_file(path)
                 report = {"ok": True, "written": written, "pages": pages}
                 status = 0
             except BaseException as err:  # noqa: BLE001 -- reported to the VMM, then _exit
