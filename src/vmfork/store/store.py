@@ -20,6 +20,13 @@ removal happens under a dot-name that ``list`` never shows. Leftovers of a
 crashed writer or deleter are removed by ``cleanup_stale`` — only once the tag's
 lock is free, which is the kernel's word that their owner is gone (see locks.py).
 
+One publish path: every snapshot enters the store through
+``PendingSnapshot.publish`` -- a capture, a BRANCH, a compaction, an unpack, a pull
+-- a root, or a link with ``parent=``, so every one has the same guarantees: its
+files hashed and its content hash recorded, everything fsynced, one rename, a link
+checked against its parent under the chains lock. The files' formats and the
+durable-write helpers are ``vmfork.ondisk``'s.
+
 Chains (issue 6): a diff snapshot names its parent (``meta.parent_tag`` and the
 parent's content hash) and carries its own ``layer.bin`` and a ``memory.plan``
 computed once at publish (``vmfork.store.layers``, ``vmfork.ondisk.memplan``): which
