@@ -39,9 +39,9 @@ def main() -> None:
     from vmfork.agent.protocol import AGENT_PORT
     from vmfork.image import find_image
     from vmfork.image.builder import make_disk
+    from vmfork.ondisk.stateformat import write_state_file
     from vmfork.runtime.guest import BootedGuest
     from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
-    from vmfork.vmm.stateformat import write_state_file
 
     image = find_image()
     rows = []

@@ -22,6 +22,7 @@ import pytest
 
 from vmfork.agent.client import AgentClient
 from vmfork.image import disk_path, find_image
+from vmfork.ondisk.stateformat import read_state_file, write_state_file
 from vmfork.runtime import vmmchild
 from vmfork.runtime.branch import branch_sandbox
 from vmfork.runtime.guest import BootedGuest
@@ -29,7 +30,6 @@ from vmfork.runtime.spawn import Child, fork_children
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Snapshot, SnapshotMeta, Store
 from vmfork.vmm.errors import HostError
-from vmfork.vmm.stateformat import read_state_file, write_state_file
 from vmfork.vmm.vmstate import MachineState
 
 pytestmark = pytest.mark.e2e

@@ -19,13 +19,13 @@ import pytest
 
 from tests.kvm.test_branch_tiny import FILL_AT, MEM_MIB, PAGES, _check_consistent, _page_values
 from tests.kvm.tinyguest import Script, script_machine, wait_until
+from vmfork.ondisk.memplan import snapshot_memory
+from vmfork.ondisk.stateformat import read_state_file, write_state_file
 from vmfork.runtime.branch import BranchFailed, branch_into_pending, branch_sandbox
 from vmfork.runtime.vmmchild import ControlServer
 from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
 from vmfork.vmm import dirty
 from vmfork.vmm.machine import Machine, MachineConfig
-from vmfork.vmm.memplan import snapshot_memory
-from vmfork.vmm.stateformat import read_state_file, write_state_file
 from vmfork.vmm.vmstate import MachineState
 
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from tests.kvm.tinyguest import Script, script_machine, wait_until
-from vmfork.vmm import dirty, layerfile
+from vmfork.ondisk import layerfile
+from vmfork.ondisk.stateformat import read_state_file
+from vmfork.vmm import dirty
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 MEM_MIB = 64

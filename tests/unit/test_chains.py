@@ -1,9 +1,9 @@
 """Diff chains in the store, without KVM: info, rmi guard/cascade/force, verify, compact.
 
 Chains are built with the store API from synthetic files: a root's memory.bin is
-a sparse file, each link's layer.bin is written by ``vmm.layerfile`` from an
+a sparse file, each link's layer.bin is written by ``ondisk.layerfile`` from an
 anonymous ``GuestMemory`` holding the pages it "changed", and
-``chains.publish_link`` publishes the link exactly as a BRANCH diff does. A
+``PendingSnapshot.publish`` publishes the link exactly as a BRANCH diff does. A
 snapshot's memory is read as a restore maps it: ``GuestMemory.from_file_private``
 with its memory plan (real ``MAP_PRIVATE | MAP_FIXED`` mappings, no KVM needed).
 """
@@ -20,6 +20,7 @@ import pytest
 from test_server_http import Served, _serve
 
 from vmfork.cli import main
+from vmfork.ondisk import layerfile, memplan
 from vmfork.store import (
     SnapshotCorrupt,
     SnapshotMeta,
@@ -29,9 +30,11 @@ from vmfork.store import (
     TagExists,
     chains,
 )
+from vmfork.store import store as store_module
 from vmfork.store.errors import HasDependents, ParentGone
 from vmfork.store.layers import LAYER_FILE, PLAN_FILE
-from vmfork.vmm import dirty, layerfile, memplan
+from vmfork.store.store import ChainTooDeep, chain_of
+from vmfork.vmm import dirty
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 
 MEM = 4 << 20
@@ -54,7 +57,7 @@ def make_root(store: Store, tag: str, pages: dict[int, bytes]) -> None:
             for page, data in pages.items():
                 f.seek(page * PAGE_SIZE)
                 f.write(data.ljust(PAGE_SIZE, b"\0"))
-        chains.publish_root(pending, meta(tag))
+        pending.publish(meta(tag))
 
 
 def make_link(store: Store, parent: str, tag: str, pages: dict[int, bytes]) -> None:
@@ -68,7 +71,7 @@ def make_link(store: Store, parent: str, tag: str, pages: dict[int, bytes]) -> N
             layerfile.write_layer(fd, memory, [(p * PAGE_SIZE, PAGE_SIZE) for p in sorted(pages)])
         finally:
             os.close(fd)
-        chains.publish_link(pending, store.get(parent), meta(tag))
+        pending.publish(meta(tag), parent=store.get(parent))
 
 
 def image(store: Store, tag: str) -> bytes:
@@ -162,7 +165,7 @@ def test_a_crash_mid_cascade_leaves_every_remaining_chain_whole(
     reopened = Store.open(chain3.root)                        # clears the tomb left behind
     assert [s.tag for s in reopened.list()] == ["base", "numpy", "other", "pandas"]
     for snap in reopened.list():
-        chains.chain_of(reopened, snap.tag)                    # no dangling parent
+        chain_of(reopened, snap.tag)                    # no dangling parent
     assert not [e for e in os.listdir(reopened.snapshots_dir) if e.startswith(".")]
 
 
@@ -191,13 +194,13 @@ def test_force_keeps_dependents_spawnable_as_standalone_snapshots(chain3: Store)
 def test_a_link_is_not_published_onto_a_parent_deleted_meanwhile(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     make_root(store, "base", {1: b"b"})
-    real = chains.write_plan
+    real = store_module.write_plan
 
     def delete_parent_while_resolving(plan: memplan.MemoryPlan, path: Path) -> None:
         real(plan, path)
         store.delete("base")                # no dependents yet: the child is unpublished
 
-    monkeypatch.setattr(chains, "write_plan", delete_parent_while_resolving)
+    monkeypatch.setattr(store_module, "write_plan", delete_parent_while_resolving)
     with pytest.raises(ParentGone, match="deleted while"):
         make_link(store, "base", "child", {1: b"c"})
     assert store.list() == [] and not os.listdir(store.snapshots_dir)
@@ -238,7 +241,7 @@ def test_a_failed_compact_leaves_nothing(chain3: Store, monkeypatch: pytest.Monk
     def fail(path: object) -> str:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(chains, "hash_memory", fail)
+    monkeypatch.setattr(store_module, "hash_memory_file", fail)
     with pytest.raises(OSError):
         chains.compact(chain3, "sklearn", "flat")
     assert not chain3.exists("flat")
@@ -246,11 +249,11 @@ def test_a_failed_compact_leaves_nothing(chain3: Store, monkeypatch: pytest.Monk
 
 
 def test_depth_limit_has_a_clear_error(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(chains, "MAX_CHAIN_DEPTH", 2)
+    monkeypatch.setattr(store_module, "MAX_CHAIN_DEPTH", 2)
     make_root(store, "d0", {1: b"0"})
     make_link(store, "d0", "d1", {1: b"1"})
     make_link(store, "d1", "d2", {1: b"2"})
-    with pytest.raises(chains.ChainTooDeep, match="snapshot-compact --from d2"):
+    with pytest.raises(ChainTooDeep, match="snapshot-compact --from d2"):
         make_link(store, "d2", "d3", {1: b"3"})
     assert not store.exists("d3")
 
@@ -264,7 +267,7 @@ def test_a_hostile_layer_cannot_write_outside_guest_ram(store: Store) -> None:
         layerfile.write_layer(fd, big, [(MEM, PAGE_SIZE)])     # beyond the parent's RAM
         os.close(fd)
         with pytest.raises(layerfile.LayerError):
-            chains.publish_link(pending, store.get("base"), replace(meta("evil")))
+            pending.publish(replace(meta("evil")), parent=store.get("base"))
     assert not store.exists("evil")
 
 
@@ -369,7 +372,7 @@ def test_snapshot_diff_keeps_nothing_when_the_command_fails(
     status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "../x",
                          "--exec", "true", *url)
     assert status == 2 and "invalid snapshot tag" in err
-    monkeypatch.setattr(chains, "MAX_CHAIN_DEPTH", 1)
+    monkeypatch.setattr(store_module, "MAX_CHAIN_DEPTH", 1)
     status, _, err = run(capsys, "snapshot-diff", "--from", "numpy", "--tag", "pandas",
                          "--exec", "true", *url)
     assert status == 1 and "chain depth 1" in err and "snapshot-compact" in err

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from vmfork.ondisk import layerfile
+from vmfork.ondisk.layerfile import LayerError
 from vmfork.store.layers import (
     PlanInput,
     build_plan,
@@ -16,12 +18,11 @@ from vmfork.store.layers import (
     materialise,
     snapshot_content_hash,
 )
-from vmfork.vmm import dirty, layerfile
-from vmfork.vmm.layerfile import LayerError
+from vmfork.vmm import dirty
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 
 MEM = 4 << 20
-HEADER = "<8sIIQQQQII"   # vmm.layerfile's header fields
+HEADER = "<8sIIQQQQII"   # ondisk.layerfile's header fields
 
 
 def _memory_with(pages: dict[int, bytes]) -> GuestMemory:

@@ -25,7 +25,7 @@ from test_chains import MEM, PAGE_SIZE
 from vmfork.image import GuestImage, write_record
 from vmfork.image.cache import cached_entry
 from vmfork.runtime.volumes import VolumeSpec, prepare, volume_image_path
-from vmfork.store import SnapshotMeta, Store, chains, packs
+from vmfork.store import SnapshotMeta, Store, packs
 from vmfork.store.packs import PackError
 
 
@@ -64,8 +64,8 @@ def _snapshot(store: Store, tag: str, volumes: list[dict[str, Any]]) -> None:
         with open(pending.memory_path, "wb") as f:
             f.truncate(MEM)
             f.write(b"page".ljust(PAGE_SIZE, b"\0"))
-        chains.publish_root(pending, SnapshotMeta(tag=tag, image="default", mem_mib=MEM >> 20,
-                                                  vcpus=1, extra={"volumes": volumes}))
+        pending.publish(SnapshotMeta(tag=tag, image="default", mem_mib=MEM >> 20,
+                                     vcpus=1, extra={"volumes": volumes}))
 
 
 def _rewrite(pack: Path, out: Path, change: Any) -> None:

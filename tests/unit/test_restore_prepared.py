@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from vmfork.kvm import structs as s
+from vmfork.ondisk.stateformat import StateFormatError, write_state_file
 from vmfork.runtime import vmmchild
 from vmfork.vmm import vmstate
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.errors import HostError
-from vmfork.vmm.stateformat import StateFormatError, write_state_file
 from vmfork.vmm.vmstate import (
     MSR_IA32_TSC,
     MSR_IA32_TSC_DEADLINE,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -31,6 +32,7 @@ from vmfork.agent.client import (
     PingResult,
 )
 from vmfork.client import Controller, ControllerError, Sandbox
+from vmfork.ondisk import layerfile
 from vmfork.runtime.branch import BranchFailed, BranchResult
 from vmfork.server import api, auth
 from vmfork.server.audit import AuditLog
@@ -42,6 +44,7 @@ from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
 from vmfork.server.spawner import ControlError, ExitNotice, Spawned, SpawnOutcome
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
+from vmfork.vmm.memory import GuestMemory
 
 TOKEN = b"0123456789abcdef-secret"
 
@@ -178,16 +181,28 @@ class FakeSpawner:
         if self.branch_failure is not None:
             Path(pending.state_path).write_bytes(b"half-written")  # must not survive
             raise self.branch_failure
-        pending.memory_path.write_bytes(b"\1" * 8192)
         pending.state_path.write_bytes(b"branched-state")
         meta = SnapshotMeta(tag=pending.tag, image="default", mem_mib=64, vcpus=1,
-                            parent_tag=parent_tag if mode == "diff" else None,
                             timings=SnapshotTimings(pause_ms=4.0), branch_mode=mode,
                             branched_from=sandbox_id)
-        snap = pending.publish(meta)
+        if mode == "diff" and parent_tag is not None:
+            # A link, published as runtime.branch publishes one: its changed pages (a
+            # real layer file) over its parent's RAM.
+            parent = store.get(parent_tag)
+            ram = GuestMemory.anonymous(os.stat(parent.memory_path).st_size)
+            ram.write(0, b"\1" * 4096)
+            fd = os.open(pending.layer_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                layerfile.write_layer(fd, ram, [(0, 4096)])
+            finally:
+                os.close(fd)
+            snap = pending.publish(meta, parent=parent)
+        else:
+            pending.memory_path.write_bytes(b"\1" * 8192)
+            snap = pending.publish(meta)
         return BranchResult(snapshot=snap, mode=mode, pause_ms=4.0, total_ms=9.0,
                             memory_bytes=8192, dirty_pages=2 if mode == "diff" else None,
-                            base_tag=meta.parent_tag)
+                            base_tag=snap.meta.parent_tag)
 
     def close(self, kill_sandboxes: bool = False) -> None:
         if kill_sandboxes:

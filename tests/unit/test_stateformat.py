@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vmfork.vmm.errors import HostError, VmmError
-from vmfork.vmm.stateformat import (
+from vmfork.ondisk.durable import write_file_atomic
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.stateformat import (
     FORMAT_VERSION,
     HEADER_SIZE,
     MAGIC,
@@ -29,7 +30,6 @@ from vmfork.vmm.stateformat import (
     from_json_value,
     read_state_file,
     to_json_value,
-    write_file_atomic,
     write_state_file,
 )
 
@@ -230,8 +230,8 @@ def test_missing_field_without_default_is_an_error() -> None:
 
 # --------------------------------------------------------------------------- refusals
 
-def test_error_is_a_vmm_error() -> None:
-    assert issubclass(StateFormatError, VmmError)
+def test_error_is_an_on_disk_error() -> None:
+    assert issubclass(StateFormatError, OnDiskError)
 
 
 def test_bad_magic() -> None:
@@ -473,7 +473,7 @@ def test_write_file_atomic_replaces(tmp_path: Path) -> None:
 
 
 def test_write_file_atomic_failure_is_host_error(tmp_path: Path) -> None:
-    with pytest.raises(HostError, match="open failed"):
+    with pytest.raises(OnDiskError, match="open failed"):
         write_file_atomic(tmp_path / "missing-dir" / "f", b"x")
 
 
@@ -484,5 +484,5 @@ def test_read_state_file_errors_name_the_file(tmp_path: Path) -> None:
         read_state_file(path, MachineState)
     assert info.value.kind == "truncated" and info.value.path == str(path)
     assert str(path) in str(info.value)
-    with pytest.raises(HostError, match="cannot read state file"):
+    with pytest.raises(OnDiskError, match="cannot read state file"):
         read_state_file(tmp_path / "absent.bin", MachineState)

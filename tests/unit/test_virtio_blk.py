@@ -21,7 +21,8 @@ from test_restore_prepared import make_state
 from test_virtio_harness import MEM_SIZE, DriverQueue, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.image import disk_path
-from vmfork.vmm import stateformat, vmstate
+from vmfork.ondisk import stateformat
+from vmfork.vmm import vmstate
 from vmfork.vmm.devices.virtio import blk, mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
 
-from vmfork.vmm import stateformat, vmstate
+from vmfork.ondisk import stateformat
+from vmfork.vmm import vmstate
 from vmfork.vmm.devices.virtio import mmio, net
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,

@@ -22,10 +22,11 @@ from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until 
 
 from vmfork.agent import volumes as agent_volumes
 from vmfork.agent.request import OpError
+from vmfork.ondisk import stateformat
 from vmfork.runtime import volumes as rv
 from vmfork.runtime.vmmchild import snapshot_slot_media
 from vmfork.server.registry import SCHEMA_VERSION, Registry, VolumeHold
-from vmfork.vmm import stateformat, vmstate
+from vmfork.vmm import vmstate
 from vmfork.vmm.devices.virtio import blk, mmio
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1, run_on_loop
 from vmfork.vmm.errors import HostError

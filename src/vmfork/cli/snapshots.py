@@ -486,7 +486,8 @@ def _build_egress_hint(policy: str | None) -> str:
 
 
 def cmd_snapshot_diff(args: argparse.Namespace) -> int:
-    from vmfork.store import StoreError, chains, validate_tag
+    from vmfork.store import StoreError, validate_tag
+    from vmfork.store.store import MAX_CHAIN_DEPTH, ChainTooDeep
     if args.egress is not None and not args.network:
         raise CliError("--egress is the build sandbox's policy on its network: add --network")
     _egress(args.egress)
@@ -499,8 +500,8 @@ def cmd_snapshot_diff(args: argparse.Namespace) -> int:
     with nullcontext(shared) if shared is not None else embedded_daemon() as ctl:
         assert ctl is not None
         depth = call(ctl, lambda: ctl.snapshot_info(args.source))["chain_depth"]
-        if depth >= chains.MAX_CHAIN_DEPTH:
-            raise CliError(str(chains.ChainTooDeep(args.source, depth)), 1)
+        if depth >= MAX_CHAIN_DEPTH:
+            raise CliError(str(ChainTooDeep(args.source, depth)), 1)
         try:
             ctl.snapshot_info(args.tag)
         except ControllerError as err:

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from vmfork.ondisk import layerfile
+from vmfork.ondisk.stateformat import read_state_file
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
-from vmfork.store.chains import ChainTooDeep, check_depth_for_child, publish_link
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
+from vmfork.store.store import ChainTooDeep, check_depth_for_child
 from vmfork.store.tags import validate_tag
-from vmfork.vmm import layerfile
 from vmfork.vmm.capture import MODES
-from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 CONTROL_TIMEOUT = 30.0       # connect and the pause itself
@@ -266,11 +266,9 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
         branch_mode=mode, branched_from=sandbox_id, branched_from_tag=origin,
         extra={"dirty_pages": reply.get("dirty_pages"),
                "memory_bytes_written": reply.get("memory_bytes")})
-    if parent is not None:
-        # Hashes the layer, computes the link's memory plan over its chain, publishes.
-        snapshot = publish_link(pending, parent, meta)
-    else:
-        snapshot = pending.publish(meta)
+    # A link on parent: the store hashes the layer, computes the link's memory plan
+    # over its chain and publishes; a full snapshot is a root.
+    snapshot = pending.publish(meta, parent=parent)
     return BranchResult(snapshot=snapshot, mode=mode, pause_ms=timings["pause_s"] * 1000,
                         total_ms=(time.monotonic() - started) * 1000,
                         memory_bytes=int(reply["memory_bytes"]),

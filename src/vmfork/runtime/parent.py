@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from vmfork.image import GuestImage
+from vmfork.ondisk.stateformat import write_state_file
 from vmfork.runtime.guest import BootedGuest
 from vmfork.runtime.network import (
     EgressPolicy,
@@ -48,7 +49,6 @@ from vmfork.runtime.network import (
 from vmfork.runtime.supervise import run_module_in_own_group
 from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, PreparedVolume
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
-from vmfork.vmm.stateformat import write_state_file
 
 
 class WarmUpFailed(RuntimeError):
@@ -600,12 +600,12 @@ def _run_process(req: ParentRequest, timeout: float, log_path: Path | None,
 
 def _check_state(path: Path, mem_bytes: int, vcpus: int) -> None:
     """The state the process wrote is a valid state file of the machine asked for."""
-    from vmfork.vmm.errors import VmmError
-    from vmfork.vmm.stateformat import read_state_file
+    from vmfork.ondisk.errors import OnDiskError
+    from vmfork.ondisk.stateformat import read_state_file
     from vmfork.vmm.vmstate import MachineState
     try:
         state = read_state_file(str(path), MachineState)
-    except (VmmError, OSError, ValueError) as err:
+    except (OnDiskError, OSError, ValueError) as err:
         raise ParentFailed("crashed", f"the parent's VMM wrote a state file that cannot be "
                            f"read: {err}") from err
     if state.mem_size != mem_bytes or len(state.vcpus) != vcpus:

@@ -35,14 +35,14 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.memplan import PLAN_FILE, read_plan
+from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime.network import ChildNetwork, EgressPolicy, HostNetwork
 from vmfork.runtime.volumes import PreparedVolume
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
-from vmfork.vmm.errors import VmmError
-from vmfork.vmm.memplan import PLAN_FILE, read_plan
-from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 VMM_ENTRY = "vmfork.runtime.vmmchild:main"
@@ -247,7 +247,7 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
         preopen += sources
     try:
         state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
-    except VmmError:
+    except OnDiskError:
         state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
     # The root disk and the snapshot's read-only volumes go by content key: the zygote
     # resolves them in its own image cache, which is the one its VMMs read (a spawner

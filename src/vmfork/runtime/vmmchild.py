@@ -81,14 +81,14 @@ from vmfork.agent.client import (
 )
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
+from vmfork.ondisk.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
+from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime import seccomp, zygote_child
 from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
-from vmfork.vmm.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
-from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
 
 def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
     """The memory file a restore of ``snapshot_dir`` maps and, for a diff snapshot,
-    its memory plan (``vmm.memplan``), decoded once per plan file (in the zygote,
+    its memory plan (``ondisk.memplan``), decoded once per plan file (in the zygote,
     whose children inherit it) rather than once per spawn."""
     plan_path = os.path.join(snapshot_dir, PLAN_FILE)
     if os.path.exists(os.path.join(snapshot_dir, "memory.bin")):
@@ -472,11 +472,11 @@ class ControlServer:
                                 # "timings": {...}} as soon as the source runs again,
                                 # before the final reply (useful for live)
 
-        What is written: S is the vCPU/device state (``vmm.stateformat``). P is a
+        What is written: S is the vCPU/device state (``ondisk.stateformat``). P is a
         whole memory image in memory-file layout (``memory_format: "image"``; full
         and live) or a layer file (``"layer"``; diff): the pages changed since the
         base named by ``base_tag`` in the reply, plus their index
-        (``vmm.layerfile``). The base is either the snapshot this sandbox was
+        (``ondisk.layerfile``). The base is either the snapshot this sandbox was
         restored from (``base_kind: "restore"``, its tag is the directory name of
         the memory file it maps) or this sandbox's previous successful capture
         (``base_kind: "previous"``, named by that capture's ``tag``; available when

@@ -74,7 +74,7 @@ def snapshot_has_network(snap: Snapshot) -> bool:
     recorded = snap.meta.extra.get("network")
     if recorded is not None:
         return bool(recorded)
-    from vmfork.vmm.stateformat import read_state_file
+    from vmfork.ondisk.stateformat import read_state_file
     from vmfork.vmm.vmstate import MachineState
     try:
         return read_state_file(str(snap.state_path), MachineState).net is not None

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime.volumes import (
     MAX_VOLUMES,
     PreparedVolume,
@@ -29,8 +31,6 @@ from vmfork.runtime.volumes import (
 from vmfork.server.errors import BadRequest, Conflict
 from vmfork.server.registry import Registry, VolumeHold
 from vmfork.store import Snapshot
-from vmfork.vmm.errors import VmmError
-from vmfork.vmm.stateformat import read_state_file
 from vmfork.vmm.vmstate import MachineState
 
 
@@ -46,7 +46,7 @@ def snapshot_slots(snap: Snapshot) -> list[SlotInfo]:
     cannot be read has none here: the spawn's VMM reports what is wrong with it."""
     try:
         state = read_state_file(str(snap.state_path), MachineState)
-    except (VmmError, OSError):
+    except (OnDiskError, OSError):
         return []
     return [SlotInfo(v.guest_path, v.device.disk_key, v.device.read_only)
             for v in state.volumes]

@@ -63,6 +63,7 @@ from typing import Any
 from vmfork.image.errors import ImageBuildError
 from vmfork.image.registry import RegistryClient, RegistryError, RegistryRef, parse_registry_ref
 from vmfork.image.tarstream import TarFormatError
+from vmfork.ondisk.durable import write_file_atomic
 from vmfork.store import packs
 from vmfork.store.errors import StoreError
 from vmfork.store.layers import LAYER_FILE
@@ -172,9 +173,7 @@ class _DigestRecord:
             entry["repos"] = (repos + [repo])[-16:]
             data[file_hash] = entry
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            temp = self.path.with_name(f".digests.{secrets.token_hex(6)}.tmp")
-            temp.write_text(json.dumps(data))
-            os.rename(temp, self.path)
+            write_file_atomic(self.path, json.dumps(data).encode())
 
 
 # -- push -------------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 A diff snapshot directory holds, besides ``state.bin`` and ``meta.json``:
 
-* ``layer.bin`` -- the pages it changed over its parent (``vmfork.vmm.layerfile``),
+* ``layer.bin`` -- the pages it changed over its parent (``vmfork.ondisk.layerfile``),
   immutable once published, named in ``meta.memory_layers`` by its content hash
   (BLAKE2b-256 from ``hashlib``, computed as the file enters the store);
 * ``memory.plan`` -- its chain resolved once, at publish time, into a map
-  (``vmfork.vmm.memplan``): for every range of guest RAM, which file of the chain
+  (``vmfork.ondisk.memplan``): for every range of guest RAM, which file of the chain
   (the base's ``memory.bin`` or one link's ``layer.bin``) holds it, topmost link
   winning. A child maps the base ``MAP_PRIVATE`` and each run of the plan from its
   layer over it: a spawn never hashes, copies or assembles memory, at any depth
@@ -35,7 +35,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vmfork.vmm import layerfile, memplan
+from vmfork.ondisk import layerfile, memplan
+from vmfork.ondisk.durable import write_new_file
 
 LAYER_FILE = "layer.bin"
 PLAN_FILE = memplan.PLAN_FILE
@@ -154,19 +155,6 @@ def materialise(plan: memplan.MemoryPlan, paths: list[Path], out: Path) -> int:
         for source_fd in fds:
             os.close(source_fd)
     return copied
-
-
-def write_new_file(path: Path, data: bytes) -> None:
-    """Create ``path`` (it must not exist) holding ``data``, fsynced; the caller renames
-    or publishes it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_plan(plan: memplan.MemoryPlan, path: Path) -> None:

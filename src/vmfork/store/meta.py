@@ -2,7 +2,7 @@
 
 It is JSON (not the binary state format) because it is small, read on every
 ``list``, and read by people and scripts (``jq``). It uses the same field-named
-codec as the machine state (``vmfork.vmm.stateformat.to_json_value`` /
+codec as the machine state (``vmfork.ondisk.stateformat.to_json_value`` /
 ``from_json_value``), so the same evolution rules hold: a reader ignores fields
 it does not know and defaults fields the file lacks. ``format_version`` changes
 only for a change an older reader must not misread; issue 6 (layers, chains)
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vmfork.vmm.stateformat import StateFormatError, from_json_value, to_json_value
+from vmfork.ondisk.stateformat import StateFormatError, from_json_value, to_json_value
 
 META_FORMAT_VERSION = 1
 # A snapshot whose memory is a plan over its chain's files (no memory.bin).
@@ -64,7 +64,7 @@ class SnapshotSizes:
 @dataclass(frozen=True)
 class LayerRef:
     """One memory layer of a diff chain: the pages snapshot ``tag`` changed over its
-    parent, stored as ``snapshots/<tag>/layer.bin`` (``vmfork.vmm.layerfile``).
+    parent, stored as ``snapshots/<tag>/layer.bin`` (``vmfork.ondisk.layerfile``).
 
     ``content_hash`` is ``blake2b-256:<hex>`` of the whole layer file, computed when
     it entered the store.

@@ -24,7 +24,8 @@ nothing is published until every hash matched and the stream ended cleanly;
 any failure removes everything this unpack wrote. Snapshots already in the
 store with the same content hash are not stored again. A link is published as
 in the store it came from: its layer and a memory plan computed over the
-unpacked chain (``chains.publish_link``), never a resolved memory image.
+unpacked chain (``PendingSnapshot.publish``, as every snapshot enters the store),
+never a resolved memory image.
 
 Volumes: a snapshot's read-only volumes (recorded in its machine state, by content
 key) travel with it, once each, and are verified on unpack before anything is
@@ -61,13 +62,20 @@ from pathlib import Path
 from typing import Any
 
 from vmfork.image.tarstream import FILE, Member, TarFormatError, TarStream
-from vmfork.store import chains
+from vmfork.ondisk.durable import fsync_dir
+from vmfork.ondisk.stateformat import StateFormatError, from_json_value, to_json_value
 from vmfork.store.errors import HasDependents, SnapshotCorrupt, SnapshotNotFound, StoreError
 from vmfork.store.layers import HASH_NAME, LAYER_FILE, hash_file, hash_memory
 from vmfork.store.meta import SnapshotMeta
-from vmfork.store.store import MEMORY_FILE, STATE_FILE, Snapshot, Store, _fsync_dir
+from vmfork.store.store import (
+    MAX_CHAIN_DEPTH,
+    MEMORY_FILE,
+    STATE_FILE,
+    Snapshot,
+    Store,
+    chain_of,
+)
 from vmfork.store.tags import is_valid_tag, validate_tag
-from vmfork.vmm.stateformat import StateFormatError, from_json_value, to_json_value
 
 PACK_FORMAT = "vmfork-pack"
 PACK_FORMAT_VERSION = 1
@@ -132,7 +140,7 @@ def chain_manifest(store: Store, tag: str, *, with_image: bool = True
     a pushed snapshot's config hold) and its files, ``(name, path, size)`` root to head
     then the image's. Refuses a chain whose files no longer match the hashes recorded
     when they entered the store."""
-    links = chains.chain_of(store, validate_tag(tag))
+    links = chain_of(store, validate_tag(tag))
     entries: list[tuple[str, Path, int]] = []
     snapshots = []
     for i, snap in enumerate(links):
@@ -202,7 +210,7 @@ def pack(store: Store, tag: str, out: Path, *, with_image: bool = True) -> PackR
             sink.flush()
             os.fsync(sink.fileno())
         os.rename(temp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -215,12 +223,12 @@ def _state_volumes(state_path: Path, meta: SnapshotMeta) -> list[tuple[str, bool
     """``(disk_key, read_only, guest_path)`` of each filled volume slot of a snapshot: from
     its machine state (which names what its children attach), or, for a state that does
     not decode (its spawns fail anyway), what its meta recorded at snapshot time."""
-    from vmfork.vmm.errors import VmmError
-    from vmfork.vmm.stateformat import read_state_file
+    from vmfork.ondisk.errors import OnDiskError
+    from vmfork.ondisk.stateformat import read_state_file
     from vmfork.vmm.vmstate import MachineState
     try:
         state = read_state_file(str(state_path), MachineState)
-    except VmmError:
+    except OnDiskError:
         recorded = meta.extra.get("volumes") or []
         return [(str(v.get("key")), bool(v.get("read_only", True)), str(v.get("guest_path")))
                 for v in recorded if isinstance(v, dict) and v.get("key")]
@@ -428,9 +436,9 @@ def _plan(store: Store, manifest: dict[str, Any], head_tag: str | None, force: b
     """Validate the manifest's chain and decide, per snapshot, to store it or reuse the
     snapshot already here. Nothing is written."""
     entries = manifest.get("snapshots")
-    if not isinstance(entries, list) or not 1 <= len(entries) <= chains.MAX_CHAIN_DEPTH + 1:
+    if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_CHAIN_DEPTH + 1:
         raise PackError("refusing pack: its manifest does not list a chain of 1 to "
-                        f"{chains.MAX_CHAIN_DEPTH + 1} snapshots; nothing was stored")
+                        f"{MAX_CHAIN_DEPTH + 1} snapshots; nothing was stored")
     plan: list[dict[str, Any]] = []
     previous: dict[str, Any] | None = None
     for i, entry in enumerate(entries):
@@ -800,11 +808,10 @@ def _publish(store: Store, plan: list[dict[str, Any]], staging: Path,
             with store.begin(item["new_tag"]) as pending:
                 for name in item["files"]:
                     os.rename(staging / "snapshots" / item["tag"] / name, pending.path / name)
-                if parent is None:
-                    snap = chains.publish_root(pending, meta, keep_content_hash=True)
-                else:
-                    snap = chains.publish_link(pending, parent, meta,
-                                               expect_content_hash=meta.content_hash)
+                # The store's one publish path: a root keeps the content hash it was
+                # packed with, a link's must come out as recorded.
+                snap = pending.publish(meta, parent=parent,
+                                       recorded_content_hash=meta.content_hash)
             published.append(snap.tag)
             report.stored.append(snap.tag)
             parent = snap

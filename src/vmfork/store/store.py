@@ -4,7 +4,7 @@ Layout under the root (``$VMFORK_HOME``, else ``$XDG_DATA_HOME/vmfork``, else
 ``~/.local/share/vmfork``)::
 
     snapshots/<tag>/                    a ready snapshot (nothing else is listed)
-        state.bin                       vCPU/device state (vmfork.vmm.stateformat)
+        state.bin                       vCPU/device state (vmfork.ondisk.stateformat)
         memory.bin                      guest RAM, usually sparse
         meta.json                       SnapshotMeta (vmfork.store.meta)
     snapshots/.pending-<tag>-<hex16>/   being written (private, mode 0700)
@@ -20,9 +20,16 @@ removal happens under a dot-name that ``list`` never shows. Leftovers of a
 crashed writer or deleter are removed by ``cleanup_stale`` — only once the tag's
 lock is free, which is the kernel's word that their owner is gone (see locks.py).
 
+One publish path: every snapshot enters the store through
+``PendingSnapshot.publish`` -- a capture, a BRANCH, a compaction, an unpack, a pull
+-- a root, or a link with ``parent=``, so every one has the same guarantees: its
+files hashed and its content hash recorded, everything fsynced, one rename, a link
+checked against its parent under the chains lock. The files' formats and the
+durable-write helpers are ``vmfork.ondisk``'s.
+
 Chains (issue 6): a diff snapshot names its parent (``meta.parent_tag`` and the
 parent's content hash) and carries its own ``layer.bin`` and a ``memory.plan``
-computed once at publish (``vmfork.store.layers``, ``vmfork.vmm.memplan``): which
+computed once at publish (``vmfork.store.layers``, ``vmfork.ondisk.memplan``): which
 file of its chain -- the base's ``memory.bin`` or an ancestor's ``layer.bin`` --
 holds each range of its RAM. So a snapshot's memory lives in its ancestors'
 directories too, and the store keeps every file a plan maps for as long as the
@@ -45,18 +52,29 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import enum
 import errno
 import os
 import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
+from vmfork.ondisk import layerfile, memplan
+from vmfork.ondisk.durable import (
+    fsync_dir,
+    fsync_tree,
+    rename_into_place,
+    temp_name,
+    write_file_atomic,
+)
+from vmfork.ondisk.errors import OnDiskError
 from vmfork.store.errors import (
     HasDependents,
     ParentGone,
@@ -65,14 +83,25 @@ from vmfork.store.errors import (
     StoreError,
     TagExists,
 )
-from vmfork.store.layers import LAYER_FILE, PLAN_FILE, hash_file, write_new_file
+from vmfork.store.layers import (
+    LAYER_FILE,
+    PLAN_FILE,
+    PlanInput,
+    build_plan,
+    hash_file,
+    materialise,
+    snapshot_content_hash,
+    write_plan,
+)
 from vmfork.store.layers import hash_memory as hash_memory_file
 from vmfork.store.locks import ChainsLock, TagLock
 from vmfork.store.meta import (
+    MEMORY_SOURCE_FILE,
     MEMORY_SOURCE_PLAN,
     META_FORMAT_VERSION,
     META_FORMAT_VERSION_PLAN,
     STATUS_READY,
+    LayerRef,
     MetaError,
     SnapshotMeta,
     SnapshotSizes,
@@ -80,7 +109,6 @@ from vmfork.store.meta import (
     encode_meta,
 )
 from vmfork.store.tags import is_valid_tag, validate_tag
-from vmfork.vmm import memplan
 
 STATE_FILE = "state.bin"
 MEMORY_FILE = "memory.bin"
@@ -90,6 +118,15 @@ _REQUIRED_FILES = (STATE_FILE, MEMORY_FILE)
 # `.pending-<tag>-<hex16>` / `.deleting-<tag>-<hex16>`. Tags may contain '-', so the
 # fixed-width suffix is what makes the split unambiguous.
 _WORK_DIR = re.compile(r"\.(pending|deleting)-([A-Za-z0-9_-]{1,64})-([0-9a-f]{16})")
+
+
+class _Derive(enum.Enum):
+    """``PendingSnapshot.publish``'s default: derive the content hash from the files."""
+
+    DERIVE = "derive"
+
+
+DERIVE = _Derive.DERIVE
 
 
 def default_root() -> Path:
@@ -259,13 +296,11 @@ class Store:
                         lock = TagLock.acquire(self.locks_dir, t, "deleting a snapshot")
                         held.callback(lock.release)
                 if force:
-                    # chains builds on this module; imported here, where it is needed.
-                    from vmfork.store import chains
                     for t in rebased:
                         if t in direct:
-                            chains.make_standalone(self, t, tag)
+                            make_standalone(self, t, tag)
                         else:
-                            chains.replan(self, t)
+                            replan(self, t)
                 self._check_unreferenced(doomed)
                 tombs = [self._rename_to_tomb(t) for t in doomed]
             for tomb in tombs:
@@ -297,16 +332,11 @@ class Store:
         if meta.tag != snapshot.tag:
             raise StoreError(f"rewrite of {snapshot.tag!r} with the meta of {meta.tag!r}",
                              tag=snapshot.tag)
-        temp = snapshot.path / f".{META_FILE}.{secrets.token_hex(8)}"
         try:
-            write_new_file(temp, encode_meta(meta))
-            os.rename(temp, snapshot.meta_path)
-            _fsync_dir(snapshot.path)
-        except OSError as err:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise StoreError(f"cannot rewrite {snapshot.meta_path}: {err.strerror or err}; "
-                             "check free space", tag=snapshot.tag, path=snapshot.path) from err
+            write_file_atomic(snapshot.meta_path, encode_meta(meta))
+        except OnDiskError as err:
+            raise StoreError(f"cannot rewrite {snapshot.meta_path}: {err}", tag=snapshot.tag,
+                             path=snapshot.path) from err
         return Snapshot(snapshot.tag, snapshot.path, meta)
 
     def plan_references(self) -> dict[str, builtins.list[str]]:
@@ -341,7 +371,7 @@ class Store:
         tomb = self.snapshots_dir / f".deleting-{tag}-{secrets.token_hex(8)}"
         try:
             os.rename(path, tomb)
-            _fsync_dir(self.snapshots_dir)
+            fsync_dir(self.snapshots_dir)
         except OSError as err:
             raise StoreError(f"cannot delete snapshot {tag!r}: rename to {tomb.name} "
                              f"failed: {err.strerror}", tag=tag, path=path) from err
@@ -502,7 +532,7 @@ class PendingSnapshot:
 
     @property
     def plan_path(self) -> Path:
-        """Where a diff snapshot's memory plan goes (``vmfork.vmm.memplan``)."""
+        """Where a diff snapshot's memory plan goes (``vmfork.ondisk.memplan``)."""
         return self.path / PLAN_FILE
 
     def __enter__(self) -> Self:
@@ -526,55 +556,111 @@ class PendingSnapshot:
                              "belongs to the process that began it (this is a forked copy)",
                              tag=self.tag)
 
-    def publish(self, meta: SnapshotMeta, *, hash_memory: bool = False) -> Snapshot:
-        """Make the snapshot durable and visible under its tag, atomically.
+    def publish(self, meta: SnapshotMeta, *, parent: Snapshot | None = None,
+                recorded_content_hash: str | None | _Derive = DERIVE) -> Snapshot:
+        """Make the snapshot durable and visible under its tag, atomically: the one way
+        a snapshot enters the store (a capture, a BRANCH, a compact, an unpack, a pull).
 
-        ``state.bin`` and ``memory.bin`` must have been written into ``path`` (for a
-        layered snapshot, ``meta.memory_source`` ``memory.plan``: ``state.bin``,
-        ``layer.bin`` and ``memory.plan``). The store fills ``meta.sizes``, ``meta.status`` and ``meta.file_hashes``
-        (state.bin, layer.bin, and memory.bin if ``hash_memory``). A snapshot naming
-        a parent is published only while that parent (same content hash) exists,
-        else ``ParentGone``. On failure the pending directory is left for ``abort``
-        (the context manager does it).
+        A root (no ``parent``): ``state.bin`` and ``memory.bin`` must be in ``path``. A
+        link on ``parent``: ``state.bin`` and ``layer.bin``; its memory plan over the
+        parent's chain is computed here (or, over the VMA budget, the chain is
+        materialised into its own ``memory.bin``), the layer's index validated on the
+        way (a hostile layer cannot map outside guest RAM), and the chain recorded in
+        its meta (``ChainTooDeep`` past ``MAX_CHAIN_DEPTH``).
+
+        Every snapshot gets the same guarantees: its files are hashed as published
+        (``meta.file_hashes``) and its content hash recorded -- its state, its own
+        memory (a root's image, a link's layer) and its parent's content hash, so it
+        names the chain below it; every file and directory is fsynced before the one
+        rename that makes the tag appear; a link is published only while its parent
+        (same content hash) and every file its plan maps are there, under the chains
+        lock (``ParentGone``). ``recorded_content_hash``: the hash the snapshot had
+        where it came from (an unpacked or pulled one). A link's must come out the
+        same (``StoreError`` otherwise: it was built on another parent); a root keeps
+        it as recorded, even none, because its dependents' hashes were derived from it.
+
+        The store fills ``meta.sizes``, ``meta.status``, the hashes and, for a link,
+        the chain fields. On failure the pending directory is left for ``abort`` (the
+        context manager does it): nothing half-written is ever listed.
         """
         self._check_open("publish")
         if meta.tag != self.tag:
             raise StoreError(f"meta.tag {meta.tag!r} does not match the pending snapshot's tag "
                              f"{self.tag!r}; build the meta with tag={self.tag!r}", tag=self.tag)
-        layered = meta.memory_source == MEMORY_SOURCE_PLAN
-        required = (STATE_FILE, LAYER_FILE, PLAN_FILE) if layered else _REQUIRED_FILES
-        sizes: dict[str, os.stat_result] = {}
-        for name in required:
+        if parent is None:
+            if meta.memory_source == MEMORY_SOURCE_PLAN:
+                raise StoreError(f"cannot publish snapshot {self.tag!r}: a memory plan needs a "
+                                 "parent", tag=self.tag)
+            self._require(_REQUIRED_FILES)
+            final = self._root_meta(meta, recorded_content_hash)
+        else:
+            self._require((STATE_FILE, LAYER_FILE))
+            final = self._link_meta(meta, parent, recorded_content_hash)
+        return self._commit(final)
+
+    def _require(self, names: tuple[str, ...]) -> None:
+        for name in names:
             try:
                 st = os.stat(self.path / name)
             except FileNotFoundError:
                 raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} was not written "
-                                 f"into {self.path}; write {' and '.join(required)} "
+                                 f"into {self.path}; write {' and '.join(names)} "
                                  "before publish", tag=self.tag, path=self.path) from None
             if not stat.S_ISREG(st.st_mode):
                 raise StoreError(f"cannot publish snapshot {self.tag!r}: {name} is not a regular "
                                  "file", tag=self.tag, path=self.path)
-            sizes[name] = st
-        plan = None
-        if layered:
-            if meta.parent_tag is None:
-                raise StoreError(f"cannot publish snapshot {self.tag!r}: a memory plan needs a "
-                                 "parent", tag=self.tag)
-            plan = memplan.read_plan(str(self.plan_path))
-        hashes = dict(meta.file_hashes)
-        hashes.setdefault(STATE_FILE, hash_file(self.state_path))
-        if os.path.exists(self.layer_path):
-            own = [r.content_hash for r in meta.memory_layers if r.tag == self.tag]
-            hashes.setdefault(LAYER_FILE, own[-1] if own else hash_file(self.layer_path))
-        if hash_memory and not layered:
-            hashes.setdefault(MEMORY_FILE, hash_memory_file(self.memory_path))
+
+    def _root_meta(self, meta: SnapshotMeta,
+                   recorded: str | None | _Derive) -> SnapshotMeta:
+        state_hash = hash_file(self.state_path)
+        memory_hash = hash_memory_file(self.memory_path)
+        content_hash = (snapshot_content_hash(state_hash, memory_hash, None)
+                        if isinstance(recorded, _Derive) else recorded)
+        return dataclasses.replace(
+            meta, parent_tag=None, root_tag=None, memory_layers=[],
+            parent_content_hash=None, memory_source=MEMORY_SOURCE_FILE,
+            content_hash=content_hash,
+            file_hashes={STATE_FILE: state_hash, MEMORY_FILE: memory_hash})
+
+    def _link_meta(self, meta: SnapshotMeta, parent: Snapshot,
+                   recorded: str | None | _Derive) -> SnapshotMeta:
+        check_depth_for_child(self.store, parent.tag)
+        state_hash = hash_file(self.state_path)
+        layer_hash = hash_file(self.layer_path)
+        content_hash = snapshot_content_hash(state_hash, layer_hash, parent.meta.content_hash)
+        if not isinstance(recorded, _Derive) and content_hash != recorded:
+            raise StoreError(f"snapshot {self.tag!r}: its content hash {content_hash} is not "
+                             f"the recorded {recorded} (its parent {parent.tag!r} is "
+                             "not the snapshot it was built on)", tag=self.tag)
+        with open(self.layer_path, "rb", buffering=0) as f:
+            index = layerfile.read_layer_index(f.fileno())
+        links = chain_of(self.store, parent.tag)
+        source, mapping = _resolve_memory(
+            self.store, self.path, links,
+            PlanInput(f"{self.tag}/{LAYER_FILE}", self.layer_path, content_hash, layer_hash))
+        ref = LayerRef(self.tag, layer_hash, index.data_bytes, index.pages)
+        return dataclasses.replace(
+            meta, parent_tag=parent.tag, root_tag=links[0].tag,
+            memory_layers=[*parent.meta.memory_layers, ref], memory_source=source,
+            parent_content_hash=parent.meta.content_hash, content_hash=content_hash,
+            file_hashes={STATE_FILE: state_hash, LAYER_FILE: layer_hash},
+            extra={**meta.extra, **mapping})
+
+    def _commit(self, meta: SnapshotMeta) -> Snapshot:
+        """Write meta.json, fsync everything, and rename the directory into place
+        (under the chains lock for a link, after checking its parent and plan)."""
+        layered = meta.memory_source == MEMORY_SOURCE_PLAN
+        plan = memplan.read_plan(str(self.plan_path)) if layered else None
+        if plan is not None:
+            logical, physical = plan.mem_size, 0
+        else:
+            st = os.stat(self.memory_path)
+            logical, physical = st.st_size, st.st_blocks * 512
         final = dataclasses.replace(
-            meta, status=STATUS_READY, file_hashes=hashes,
+            meta, status=STATUS_READY,
             format_version=META_FORMAT_VERSION_PLAN if layered else META_FORMAT_VERSION,
-            sizes=SnapshotSizes(
-                memory_logical_bytes=plan.mem_size if plan else sizes[MEMORY_FILE].st_size,
-                memory_physical_bytes=0 if plan else sizes[MEMORY_FILE].st_blocks * 512,
-                state_bytes=sizes[STATE_FILE].st_size))
+            sizes=SnapshotSizes(memory_logical_bytes=logical, memory_physical_bytes=physical,
+                                state_bytes=os.stat(self.state_path).st_size))
         target = self.store.snapshots_dir / self.tag
         stage = f"write {META_FILE}"
         try:
@@ -587,12 +673,12 @@ class PendingSnapshot:
             finally:
                 os.close(fd)
             stage = "fsync the files"
-            _fsync_tree(self.path)
+            fsync_tree(self.path)
             # The daemon's alone (0700, its files 0600): a jailed VMM gets the files it
             # maps as descriptors opened before its uid changed, bound one by one.
             stage = "make the directory private"
             os.chmod(self.path, 0o700)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             links = (ChainsLock(self.store.locks_dir) if final.parent_tag is not None
                      else contextlib.nullcontext())
             with links:
@@ -606,7 +692,7 @@ class PendingSnapshot:
                 stage = "rename into place"
                 os.rename(self.path, target)
                 stage = "fsync the snapshots directory"
-                _fsync_dir(self.store.snapshots_dir)
+                fsync_dir(self.store.snapshots_dir)
         except OSError as err:
             if stage == "fsync the snapshots directory":
                 # Renamed and visible; only the durability of the rename is unknown.
@@ -685,6 +771,185 @@ def _subtree_deepest_first(tag: str, children: dict[str, builtins.list[str]]
     return order
 
 
+# -- chains: what publishing a link and deleting with force need ------------------------
+# (``vmfork.store.chains`` builds inspection, verification and compaction on these.)
+
+# Each link adds one resolve at build time and one entry to walk when packing; past
+# this, `vmfork snapshot-compact` makes a flat snapshot to build on instead.
+MAX_CHAIN_DEPTH = 32
+
+
+class ChainTooDeep(StoreError):
+    def __init__(self, tag: str, depth: int) -> None:
+        super().__init__(f"snapshot {tag!r} is already at chain depth {depth} (the limit is "
+                         f"{MAX_CHAIN_DEPTH}); compact it first with `vmfork snapshot-compact "
+                         f"--from {tag} --to NEW` and build on NEW", tag=tag)
+        self.depth = depth
+
+
+def chain_of(store: Store, tag: str) -> list[Snapshot]:
+    """The chain ending at ``tag``, root first. ``SnapshotCorrupt`` if a parent it
+    names is missing or was replaced (only a hand-edited store gets there: a parent
+    cannot be deleted under its dependents)."""
+    head = store.get(tag)
+    links = [head]
+    seen = {head.tag}
+    while links[-1].meta.parent_tag is not None:
+        child = links[-1]
+        parent_tag = child.meta.parent_tag
+        assert parent_tag is not None
+        if parent_tag in seen or len(links) > MAX_CHAIN_DEPTH * 4:
+            raise SnapshotCorrupt(child.tag, child.path, "its chain of parents loops")
+        try:
+            parent = store.get(parent_tag)
+        except SnapshotNotFound:
+            raise SnapshotCorrupt(child.tag, child.path, f"its parent {parent_tag!r} is "
+                                  "missing", remedy="compact it or delete it") from None
+        if (child.meta.parent_content_hash is not None and parent.meta.content_hash is not None
+                and child.meta.parent_content_hash != parent.meta.content_hash):
+            raise SnapshotCorrupt(child.tag, child.path, f"the snapshot tagged {parent_tag!r} "
+                                  "is not the parent it was built on",
+                                  remedy="compact it or delete it")
+        seen.add(parent_tag)
+        links.append(parent)
+    links.reverse()
+    return links
+
+
+def check_depth_for_child(store: Store, parent_tag: str) -> int:
+    """The depth a new link on ``parent_tag`` would have; ``ChainTooDeep`` past the limit."""
+    depth = len(chain_of(store, parent_tag))
+    if depth > MAX_CHAIN_DEPTH:
+        raise ChainTooDeep(parent_tag, depth - 1)
+    return depth
+
+
+def _plan_over(links: list[Snapshot], head: PlanInput) -> memplan.MemoryPlan:
+    """The plan of ``head`` (a layer) on the chain ``links`` (root to parent): over the
+    nearest snapshot of the chain that has a memory.bin, with every layer above it."""
+    base_at = max(i for i, link in enumerate(links) if not link.is_layered)
+    base = links[base_at]
+    layers = []
+    for link in links[base_at + 1:]:
+        if link.layer_path is None:
+            raise SnapshotCorrupt(link.tag, link.path, "it maps its memory through a plan but "
+                                  "has no layer of its own", remedy="delete it")
+        layers.append(PlanInput(f"{link.tag}/{LAYER_FILE}", link.layer_path,
+                                link.meta.content_hash, link.meta.file_hashes.get(LAYER_FILE)))
+    return build_plan(PlanInput(f"{base.tag}/{MEMORY_FILE}", base.memory_path,
+                                base.meta.content_hash, base.meta.file_hashes.get(MEMORY_FILE)),
+                      [*layers, head])
+
+
+def _source_paths(store: Store, plan: memplan.MemoryPlan, head: PlanInput) -> list[Path]:
+    return [head.path if source.path == head.store_path else store.snapshots_dir / source.path
+            for source in plan.sources]
+
+
+def _resolve_memory(store: Store, directory: Path, links: list[Snapshot],
+                    head: PlanInput) -> tuple[str, dict[str, Any]]:
+    """Write the memory of ``head`` on ``links`` into ``directory`` (a pending snapshot,
+    or a published one being re-based): its plan, or -- over the VMA budget -- the
+    chain materialised into memory.bin. Returns the meta's memory_source and what
+    snapshot-info reports about it. The file is written under a temporary name and
+    renamed into place."""
+    started = time.monotonic()
+    plan = _plan_over(links, head)
+    if len(plan.runs) <= memplan.MAX_RUNS:
+        temp = temp_name(directory / PLAN_FILE)
+        try:
+            write_plan(plan, temp)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
+        rename_into_place(temp, directory / PLAN_FILE)
+        return MEMORY_SOURCE_PLAN, {"memory_mapping": {
+            "runs": len(plan.runs), "files": len(plan.sources),
+            "resolve_ms": (time.monotonic() - started) * 1000}}
+    _materialise_into(plan, _source_paths(store, plan, head), directory / MEMORY_FILE)
+    return MEMORY_SOURCE_FILE, {"memory_mapping": {
+        "runs": len(plan.runs), "files": len(plan.sources),
+        "resolve_ms": (time.monotonic() - started) * 1000,
+        "materialised": f"its plan needs {len(plan.runs)} mappings, over the budget of "
+                        f"{memplan.MAX_RUNS}: its chain was copied into its own memory.bin "
+                        "once, at publish"}}
+
+
+def _materialise_into(plan: memplan.MemoryPlan, sources: list[Path], out: Path) -> None:
+    """Write the memory image ``plan`` maps as ``out``: under a temporary name, fsynced,
+    renamed into place (nothing is left behind on failure)."""
+    temp = temp_name(out)
+    try:
+        materialise(plan, sources, temp)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    rename_into_place(temp, out)
+
+
+def make_standalone(store: Store, tag: str, parent_tag: str) -> Snapshot:
+    """Turn the link ``tag`` into a flat snapshot (``rmi --force`` of its parent): its
+    chain is materialised into its own memory.bin (unless it already has one), then its
+    meta.json is rewritten atomically without the parent, then its plan and layer go.
+    The caller holds the chains lock and the tag's lock. A crash part-way leaves a
+    spawnable snapshot (the plan stays valid until the parent is deleted, after this)."""
+    snap = store.get(tag)
+    if snap.is_layered:
+        plan = memplan.read_plan(str(snap.plan_path))
+        _materialise_into(plan, [Path(plan.source_path(i)) for i in range(len(plan.sources))],
+                          snap.memory_path)
+    memory_hash = snap.meta.file_hashes.get(MEMORY_FILE) or hash_memory_file(snap.memory_path)
+    st = os.stat(snap.memory_path)
+    meta = snap.meta
+    snap = store.rewrite_meta(snap, dataclasses.replace(
+        meta, parent_tag=None, root_tag=None, memory_layers=[], parent_content_hash=None,
+        memory_source=MEMORY_SOURCE_FILE, format_version=META_FORMAT_VERSION,
+        file_hashes={STATE_FILE: meta.file_hashes.get(STATE_FILE) or hash_file(snap.state_path),
+                     MEMORY_FILE: memory_hash},
+        sizes=SnapshotSizes(memory_logical_bytes=st.st_size,
+                            memory_physical_bytes=st.st_blocks * 512,
+                            state_bytes=meta.sizes.state_bytes),
+        extra={**{k: v for k, v in meta.extra.items() if k != "memory_mapping"},
+               "orphaned_from": {"tag": parent_tag, "content_hash": meta.parent_content_hash}}))
+    # No longer part of its meta; a crash before these unlinks leaves unlisted files.
+    for name in (PLAN_FILE, LAYER_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(snap.path / name)
+    return snap
+
+
+def replan(store: Store, tag: str) -> Snapshot:
+    """Recompute the memory of the link ``tag`` over its chain as it is now (after an
+    ancestor was made standalone) and trim its meta's chain to match. The caller holds
+    the chains lock and the tag's lock. The new plan replaces the old one atomically;
+    both are valid until the old ancestor is deleted, after this."""
+    links = chain_of(store, tag)
+    snap = links[-1]
+    meta = snap.meta
+    in_chain = {link.tag for link in links[1:]}
+    changes: dict[str, Any] = {
+        "root_tag": links[0].tag,
+        "memory_layers": [r for r in meta.memory_layers if r.tag in in_chain]}
+    source = meta.memory_source
+    if snap.is_layered:
+        own = snap.layer_path
+        assert own is not None
+        source, mapping = _resolve_memory(store, snap.path, links[:-1], PlanInput(
+            f"{tag}/{LAYER_FILE}", own, meta.content_hash, meta.file_hashes.get(LAYER_FILE)))
+        changes["extra"] = {**meta.extra, **mapping}
+        if source == MEMORY_SOURCE_FILE:     # over the budget now: materialised
+            changes.update(memory_source=source, format_version=META_FORMAT_VERSION,
+                           sizes=dataclasses.replace(meta.sizes, memory_physical_bytes=os.stat(
+                               snap.memory_path).st_blocks * 512))
+    snap = store.rewrite_meta(snap, dataclasses.replace(meta, **changes))
+    if source == MEMORY_SOURCE_FILE:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(snap.plan_path)
+    return snap
+
+
 # -- file-system helpers --------------------------------------------------------------
 
 def _walk_files(root: Path) -> Iterator[os.DirEntry[str]]:
@@ -693,29 +958,6 @@ def _walk_files(root: Path) -> Iterator[os.DirEntry[str]]:
             yield from _walk_files(Path(entry.path))
         else:
             yield entry
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync every regular file and directory below ``root`` (``root`` included)."""
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not stat.S_ISREG(os.lstat(p).st_mode):
-                continue
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(dirpath))
 
 
 def _remove_tree(path: Path) -> None:

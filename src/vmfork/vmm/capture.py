@@ -13,7 +13,7 @@ paused:
   while paused; the rest of the image is the immutable base file's data, copied
   in the kernel (``copy_file_range``) after the resume. Other machines (a
   booted memfd parent) are written whole while paused.
-* **diff**: a layer file (``vmm.layerfile``) holding only the pages changed
+* **diff**: a layer file (``ondisk.layerfile``) holding only the pages changed
   since a *base*, written while paused. The base is the snapshot the sandbox was
   restored from (its changed pages are its private anonymous pages) or this
   sandbox's previous capture (pages soft-dirty since then). ``take`` reports
@@ -60,12 +60,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vmfork.vmm import dirty, layerfile
+from vmfork.ondisk import layerfile
+from vmfork.ondisk.durable import fsync_file, write_file_atomic
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.stateformat import encode_state
+from vmfork.vmm import dirty
 from vmfork.vmm.devices.virtio.device import run_on_loop
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.machine import Machine
 from vmfork.vmm.memory import GuestMemory, subtract_runs
-from vmfork.vmm.stateformat import encode_state, write_file_atomic
 from vmfork.vmm.vmstate import MachineState
 
 MODES = ("full", "diff", "live")
@@ -243,7 +246,7 @@ class SnapshotTaker:
                     written += _fill_from_base(tmp_memory, memory, changed)
                     timings["base_copy_s"] = time.monotonic() - at
                     at = time.monotonic()
-                _fsync_file(tmp_memory)
+                fsync_file(tmp_memory)
                 timings["fsync_s"] = time.monotonic() - at
             at = time.monotonic()
             write_file_atomic(state_path, encode_state(state))
@@ -261,7 +264,8 @@ class SnapshotTaker:
                 # The pages dirtied since the previous capture are forgotten, so it can
                 # no longer be a base; the restore base always can.
                 self._previous = None
-            if isinstance(err, (HostError, OSError)) and not isinstance(err, CaptureError):
+            if isinstance(err, (HostError, OnDiskError, OSError)) \
+                    and not isinstance(err, CaptureError):
                 raise CaptureError(f"{mode} snapshot failed: {err}", op="snapshot") from err
             raise
         timings["total_s"] = time.monotonic() - started
@@ -296,19 +300,11 @@ def _unlink_quietly(path: str) -> None:
 
 
 def _write_file(path: str, write: Callable[[int], int]) -> int:
-    """Create ``path`` and fill it; no fsync (``_fsync_file``), which is kept out of
+    """Create ``path`` and fill it; no fsync (``durable.fsync_file``), which is kept out of
     the pause: once written, the page cache holds the capture's bytes."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         return write(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -396,7 +392,7 @@ class _Writer:
                 if os.getppid() != parent:
                     os._exit(1)
                 written, pages = _write_image_file(path, memory)
-                _fsync_file(path)
+                fsync_file(path)
                 report = {"ok": True, "written": written, "pages": pages}
                 status = 0
             except BaseException as err:  # noqa: BLE001 -- reported to the VMM, then _exit

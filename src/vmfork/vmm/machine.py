@@ -36,6 +36,7 @@ from typing import Any
 
 from vmfork.kvm import api
 from vmfork.kvm.structs import kvm_cpuid_entry2
+from vmfork.ondisk.memplan import MemoryPlan
 from vmfork.vmm import vmstate
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
@@ -50,7 +51,6 @@ from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.memplan import MemoryPlan
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot

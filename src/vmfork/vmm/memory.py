@@ -5,7 +5,7 @@ memory slot. A region is backed by anonymous memory, a memfd (so that another
 process, or a snapshot writer, can map the same pages), or a file mapped
 ``MAP_PRIVATE`` (a snapshot's memory file: children share its pages until they
 write), optionally with a diff chain's layer files mapped over parts of it
-(``vmm.memplan``). The VMM touches guest memory only through ``GuestMemory``, which
+(``ondisk.memplan``). The VMM touches guest memory only through ``GuestMemory``, which
 bounds-checks every access: a guest-supplied address that is not wholly inside
 one region raises ``GuestMemoryError``. Nothing here trusts a guest address.
 
@@ -24,8 +24,10 @@ import mmap
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from vmfork.ondisk import memplan
+from vmfork.ondisk.layerfile import PAGE_SIZE as PAGE_SIZE  # guest RAM's, and its files'
+from vmfork.ondisk.memplan import MemoryPlan
 from vmfork.vmm.errors import GuestMemoryError, HostError
 from vmfork.vmm.native import NATIVE
 from vmfork.vmm.openfiles import open_ro
@@ -33,10 +35,6 @@ from vmfork.vmm.openfiles import open_ro
 if NATIVE:
     from vmfork import _core
 
-if TYPE_CHECKING:
-    from vmfork.vmm.memplan import MemoryPlan
-
-PAGE_SIZE = 4096
 MMIO_HOLE_START = 0xC000_0000  # 3 GiB: RAM below, device windows above
 FOUR_GIB = 1 << 32
 _MAP_FIXED = 0x10
@@ -194,12 +192,10 @@ class GuestMemory:
                           plan: MemoryPlan | None = None) -> GuestMemory:
         """Map a memory file copy-on-write: reads share the page cache, writes are private.
 
-        With ``plan`` (a diff chain, ``vmm.memplan``), ``path`` must be the plan's
+        With ``plan`` (a diff chain, ``ondisk.memplan``), ``path`` must be the plan's
         base memory file; each run of the plan is then mapped from its layer file
         over the base, ``MAP_PRIVATE | MAP_FIXED``: nothing is read or copied.
         """
-        from vmfork.vmm import memplan
-
         if plan is not None:
             if plan.mem_size != mem_size:
                 raise HostError(f"the memory plan is for {plan.mem_size} bytes of RAM, not "

@@ -5,7 +5,8 @@ A jailed VMM (``runtime/jail.py``) runs as a uid of its own, and the files it ma
 that uid. The jail opens them first, as the daemon's user, and leaves the descriptors
 here; the VMM's code opens its read-only inputs through ``open_ro``, which hands out a
 duplicate of a pre-opened descriptor for that path and otherwise opens the path as
-usual (an unjailed VMM pre-opens nothing).
+usual (an unjailed VMM pre-opens nothing). ``open_ro`` and ``preopen`` are defined in
+``vmfork.ondisk.readonly`` (the state file and memory plans are read through them).
 """
 
 from __future__ import annotations
@@ -13,32 +14,16 @@ from __future__ import annotations
 import fcntl
 import os
 
-_preopened: dict[str, int] = {}
+# The read-only half lives with the formats it reads (the state file, memory plans):
+# one registry, filled by the jail, for both packages.
+from vmfork.ondisk.readonly import open_ro, preopen
+
+__all__ = ["open_ro", "open_proc_self", "open_rw", "preopen", "preopen_proc_self",
+           "preopen_rw", "preopen_tap", "take_tap"]
+
 _preopened_rw: dict[str, int] = {}
 _taps: dict[str, int] = {}
 _proc_self: dict[str, tuple[int, int]] = {}   # name -> (fd, open flags)
-
-
-def preopen(paths: list[str]) -> None:
-    """Open each regular file of ``paths`` read-only (missing ones are skipped: the
-    VMM reports them itself when it needs them)."""
-    for path in paths:
-        key = os.path.abspath(path)
-        if key in _preopened:
-            continue
-        try:
-            fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, IsADirectoryError):
-            continue
-        _preopened[key] = fd
-
-
-def open_ro(path: str) -> int:
-    """A new read-only descriptor of ``path`` (the caller closes it)."""
-    fd = _preopened.get(os.path.abspath(path))
-    if fd is not None:
-        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
 
 def preopen_rw(paths: list[str]) -> None:

@@ -1,7 +1,7 @@
 """Memory plans: guest RAM as a chain's files mapped layer over layer.
 
 A diff snapshot does not store its memory image. It stores the pages it changed
-(``layer.bin``, ``vmm.layerfile``) and a *plan*: for every range of guest RAM
+(``layer.bin``, ``ondisk.layerfile``) and a *plan*: for every range of guest RAM
 (in memory-file layout) the file and file offset that holds its bytes -- the
 chain's base ``memory.bin`` everywhere, except where a link's layer provides
 the page, the topmost link winning. The store computes it once, when the
@@ -16,7 +16,7 @@ snapshot is published; a restore then only maps:
 No guest memory is read, hashed or copied at restore, so a spawn costs the same
 at any chain depth, up to the cost of one ``mmap`` per run; and disk per link is
 the pages it changed. To the kernel every page of the result is still a file
-page until written, so dirty tracking (``vmm.dirty``: "present and not a file
+page until written, so dirty tracking (``vmfork.vmm.dirty``: "present and not a file
 page" = changed since the restore) and copy-on-write work as for one file.
 
 **The VMA budget.** Each run splits a mapping: ``n`` runs cost up to ``2n + 1``
@@ -56,10 +56,9 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from vmfork.vmm.errors import HostError
-from vmfork.vmm.layerfile import LayerIndex, check_header
-from vmfork.vmm.memory import PAGE_SIZE
-from vmfork.vmm.openfiles import open_ro
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.layerfile import PAGE_SIZE, LayerIndex, check_header
+from vmfork.ondisk.readonly import open_ro
 
 PLAN_FILE = "memory.plan"
 MAGIC = b"VMFKPLAN"
@@ -75,7 +74,7 @@ MAX_PLAN_BYTES = HEADER_SIZE + _MAX_SOURCES_BYTES + 8 + MAX_RUNS * _RUN.size
 _SOURCE_PATH = re.compile(r"[A-Za-z0-9_-]{1,64}/(memory|layer)\.bin")
 
 
-class PlanError(HostError):
+class PlanError(OnDiskError):
     """A memory plan is malformed, or a file it maps is missing or changed."""
 
 
@@ -278,7 +277,7 @@ def _decode_sources(raw: bytes, count: int) -> tuple[PlanSource, ...]:
     return tuple(sources)
 
 
-def _check(plan: MemoryPlan, error: type[HostError]) -> None:
+def _check(plan: MemoryPlan, error: type[OnDiskError]) -> None:
     if plan.mem_size <= 0 or plan.mem_size % PAGE_SIZE:
         raise error(f"memory plan RAM size {plan.mem_size:#x} is not page-aligned",
                     op="memory_plan")

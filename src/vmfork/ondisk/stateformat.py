@@ -32,9 +32,9 @@ can only ever produce a ``StateFormatError`` naming the offending field path,
 never a half-built object of the wrong shape. The checksum makes accidental
 corruption fail early; the typed decoder makes deliberate corruption fail safely.
 
-This module imports only the stdlib and ``vmfork.vmm.errors``: the store reuses
-``to_json_value``/``from_json_value`` for its ``meta.json``, and nothing here may
-drag the VMM's KVM layer into processes that only read snapshots.
+Like the rest of ``vmfork.ondisk`` this module imports only the stdlib: the store
+reuses ``to_json_value``/``from_json_value`` for its ``meta.json``, and nothing here
+may drag the VMM's KVM layer into processes that only read snapshots.
 """
 
 from __future__ import annotations
@@ -48,16 +48,15 @@ import json
 import math
 import os
 import re
-import secrets
 import struct
 import types
 import typing
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from vmfork.vmm.errors import HostError, VmmError
-from vmfork.vmm.openfiles import open_ro
+from vmfork.ondisk.durable import write_file_atomic
+from vmfork.ondisk.errors import OnDiskError
+from vmfork.ondisk.readonly import open_ro
 
 MAGIC = b"VMFKSTAT"
 FORMAT_VERSION = 1
@@ -74,7 +73,7 @@ StateFormatErrorKind = Literal[
 ]
 
 
-class StateFormatError(VmmError):
+class StateFormatError(OnDiskError):
     """A state file or state tree that cannot be encoded or decoded.
 
     ``kind`` says which check failed (see ``StateFormatErrorKind``); ``field`` is
@@ -524,53 +523,6 @@ def decode_state(data: bytes, cls: type[T]) -> T:
 
 # --------------------------------------------------------------------------- files
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory, making the names created or renamed in it durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: str | os.PathLike[str], data: bytes, *, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old file or the new, never a part.
-
-    A temporary file in the same directory (a rename is atomic only within one file
-    system) is written and fsynced, renamed over ``path``, and the directory is
-    fsynced so the rename itself survives a crash. Raises ``HostError`` naming the
-    stage that failed; the temporary file is removed on failure.
-    """
-    target = Path(path)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    stage = "open"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        try:
-            stage = "write"
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            stage = "fsync"
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        stage = "rename"
-        os.replace(tmp, target)
-        stage = "fsync directory"
-        fsync_dir(target.parent)
-    except OSError as err:
-        if stage != "fsync directory":
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-        raise HostError(f"cannot write {target}: {stage} failed: {err.strerror or err}; check "
-                        "free space and permissions of the directory", op=f"write_file_atomic "
-                        f"({stage})", errno=err.errno) from err
-
-
 def write_state_file(path: str | os.PathLike[str], obj: object) -> int:
     """Encode ``obj`` and write it atomically to ``path``; returns the file size in bytes."""
     data = encode_state(obj)
@@ -580,13 +532,13 @@ def write_state_file(path: str | os.PathLike[str], obj: object) -> int:
 
 def read_state_file(path: str | os.PathLike[str], cls: type[T]) -> T:
     """Read and decode a state file; ``StateFormatError`` (with ``.path``) if it is bad,
-    ``HostError`` if it cannot be read at all."""
+    ``OnDiskError`` if it cannot be read at all."""
     try:
         with open(open_ro(str(path)), "rb") as f:   # pre-opened for a jailed VMM
             data = f.read()
     except OSError as err:
-        raise HostError(f"cannot read state file {path}: {err.strerror or err}",
-                        op="read_state_file", errno=err.errno) from err
+        raise OnDiskError(f"cannot read state file {path}: {err.strerror or err}",
+                          op="read_state_file", errno=err.errno) from err
     try:
         return decode_state(data, cls)
     except StateFormatError as err:

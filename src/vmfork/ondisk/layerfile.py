@@ -28,10 +28,13 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Protocol
 
-from vmfork.vmm.errors import HostError
-from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
+from vmfork.ondisk.errors import OnDiskError
 
+# The page size of every vmfork file that holds guest memory (``vmm.memory`` uses it
+# for guest RAM); a file recording another is refused (``check_header``).
+PAGE_SIZE = 4096
 MAGIC = b"VMFKLAYR"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIIQQQQII")
@@ -42,8 +45,18 @@ _MAX_CHUNK = 1 << 30     # one pwrite/copy_file_range call; the kernel caps at ~
 Extent = tuple[int, int]    # (offset in memory-file layout, length)
 
 
-class LayerError(HostError):
+class LayerError(OnDiskError):
     """A layer file is malformed, truncated or not a layer file."""
+
+
+class PageSource(Protocol):
+    """Guest RAM as ``write_layer`` reads it (``vmm.memory.GuestMemory``): its size and
+    a view of its backing, in memory-file layout."""
+
+    @property
+    def size(self) -> int: ...
+
+    def backing_view(self, offset: int, length: int) -> memoryview: ...
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,7 @@ def _align_up(value: int) -> int:
 
 
 def _check_extents(extents: list[Extent] | tuple[Extent, ...], mem_size: int,
-                   error: type[HostError]) -> None:
+                   error: type[OnDiskError]) -> None:
     previous_end = 0
     for offset, length in extents:
         if offset % PAGE_SIZE or length % PAGE_SIZE or length <= 0:
@@ -89,10 +102,10 @@ def _encode_head(mem_size: int, extents: list[Extent]) -> tuple[bytes, int, int]
     return header.ljust(HEADER_SIZE, b"\0") + index, data_offset, data_bytes
 
 
-def write_layer(fd: int, memory: GuestMemory, extents: list[Extent]) -> int:
+def write_layer(fd: int, memory: PageSource, extents: list[Extent]) -> int:
     """Write a layer of ``extents`` of ``memory`` to the open file ``fd`` (from
     offset 0; the caller owns fsync and naming). Returns the data bytes written."""
-    _check_extents(extents, memory.size, HostError)
+    _check_extents(extents, memory.size, OnDiskError)
     head, data_offset, data_bytes = _encode_head(memory.size, extents)
     os.ftruncate(fd, data_offset + data_bytes)
     pwrite_all(fd, memoryview(head), 0)
@@ -116,12 +129,12 @@ def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while view:
         n = os.pwrite(fd, view, offset)
         if n <= 0:
-            raise HostError(f"layer write stopped at {offset:#x}", op="write_layer")
+            raise OnDiskError(f"layer write stopped at {offset:#x}", op="write_layer")
         view = view[n:]
         offset += n
 
 
-def check_header(error: type[HostError], name: str, noun: str, op: str, *, magic_ok: bool,
+def check_header(error: type[OnDiskError], name: str, noun: str, op: str, *, magic_ok: bool,
                  crc_ok: bool, version: int, expected_version: int, page_size: int) -> None:
     """The checks a vmfork binary file's header starts with, in this order: its magic,
     its own CRC (a torn write), its format version, its page size. ``name`` is the
@@ -194,7 +207,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int,
             os.lseek(dst_fd, dst_offset, os.SEEK_SET)
             n = os.sendfile(dst_fd, src_fd, src_offset, min(length, _MAX_CHUNK))
         if n <= 0:
-            raise HostError(f"copy stopped at {src_offset:#x} (source shorter than expected)",
+            raise OnDiskError(f"copy stopped at {src_offset:#x} (source shorter than expected)",
                             op="copy_range")
         src_offset += n
         dst_offset += n
