@@ -21,7 +21,7 @@ from tests.unit.agent_support import running_agent
 from tests.unit.test_server_http import TOKEN, FakeSpawner, Served, _fake_snapshot, _serve
 from tests.unit.test_server_processes import AgentBackedSpawner
 from vmfork.client import Controller, ControllerError, Sandbox
-from vmfork.server import controller as controller_module
+from vmfork.server.controller import reconcile as controller_module
 from vmfork.server.registry import SCHEMA_VERSION, Registry
 
 
