@@ -12,29 +12,11 @@ import time
 from typing import Any
 
 from vmfork.runtime.branch import BranchFailed
-from vmfork.server.controller.core import (
-    Core,
-    Part,
-)
+from vmfork.server.controller.core import Core, Part
 from vmfork.server.controller.snapshots import snapshot_json
-from vmfork.server.errors import (
-    ApiError,
-    BadGateway,
-    BadRequest,
-    Busy,
-    Conflict,
-)
-from vmfork.server.registry import (
-    RUNNING,
-    WRITING,
-    SandboxRecord,
-)
-from vmfork.store import (
-    PendingSnapshot,
-    StoreError,
-    TagBusy,
-    TagExists,
-)
+from vmfork.server.errors import ApiError, BadGateway, BadRequest, Busy, Conflict
+from vmfork.server.registry import RUNNING, WRITING, SandboxRecord
+from vmfork.store import PendingSnapshot, StoreError, TagBusy, TagExists
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +25,9 @@ PAGE_SIZE = 4096   # the guest's page, the unit of a diff's dirty-page count
 
 
 class Branches(Part):
+    """BRANCH of a running sandbox; pauses and workspace suspends are BRANCHes
+    too (``suspending``: the read-write volumes go with the sandbox)."""
+
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self._branches = threading.BoundedSemaphore(self.limits.branch_concurrency)

@@ -34,14 +34,7 @@ from vmfork.server.errors import (
 )
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks
-from vmfork.server.registry import (
-    FAILED,
-    PAUSED,
-    RUNNING,
-    WRITING,
-    Registry,
-    SandboxRecord,
-)
+from vmfork.server.registry import FAILED, PAUSED, RUNNING, WRITING, Registry, SandboxRecord
 from vmfork.server.spawner import Spawner
 from vmfork.store import Snapshot, SnapshotCorrupt, SnapshotNotFound, Store
 

@@ -10,29 +10,19 @@ from typing import Any
 
 from vmfork.server import volumes
 from vmfork.server.controller.branches import Branches
-from vmfork.server.controller.core import (
-    PAUSE_TAG_PREFIX,
-    Core,
-    Part,
-)
-from vmfork.server.errors import (
-    BadGateway,
-    Conflict,
-)
-from vmfork.server.registry import (
-    PAUSED,
-    RUNNING,
-)
+from vmfork.server.controller.core import PAUSE_TAG_PREFIX, Core, Part
+from vmfork.server.errors import BadGateway, Conflict
+from vmfork.server.registry import PAUSED, RUNNING
 from vmfork.server.spawner import SpawnerError
-from vmfork.store import (
-    SnapshotCorrupt,
-    chains,
-)
+from vmfork.store import SnapshotCorrupt, chains
 
 log = logging.getLogger(__name__)
 
 
 class Lifecycle(Part):
+    """Each change is made under the sandbox's lifecycle lock, so a timeout
+    extended while the reaper looks wins, and a pause and a resume never cross."""
+
     def __init__(self, core: Core, branches: Branches) -> None:
         super().__init__(core)
         self.branches = branches

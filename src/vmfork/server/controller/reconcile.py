@@ -8,21 +8,10 @@ import os
 import threading
 import time
 
-from vmfork.server.controller.core import (
-    Core,
-    Part,
-)
+from vmfork.server.controller.core import Core, Part
 from vmfork.server.controller.lifecycle import Lifecycle
-from vmfork.server.errors import (
-    ApiError,
-)
-from vmfork.server.registry import (
-    EXITED,
-    LOST,
-    PAUSED,
-    RUNNING,
-    SandboxRecord,
-)
+from vmfork.server.errors import ApiError
+from vmfork.server.registry import EXITED, LOST, PAUSED, RUNNING, SandboxRecord
 from vmfork.server.spawner import SpawnerError, SpawnerGone
 
 log = logging.getLogger(__name__)
@@ -34,6 +23,9 @@ REAP_PER_CYCLE = 16
 
 
 class Reconciler(Part):
+    """The daemon's background threads (the exit watcher, the reaper) and what
+    ``start`` makes true before the first request."""
+
     def __init__(self, core: Core, lifecycle: Lifecycle) -> None:
         super().__init__(core)
         self.lifecycle = lifecycle

@@ -7,15 +7,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from vmfork.agent.client import (
-    AgentError,
-    ExecResult,
-    FileInfo,
-)
-from vmfork.server.controller.core import (
-    Part,
-    agent_errors,
-)
+from vmfork.agent.client import AgentError, ExecResult, FileInfo
+from vmfork.server.controller.core import Part, agent_errors
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +29,9 @@ STREAMED_KEPT_BYTES = 64 << 10
 
 
 class SandboxIO(Part):
+    """Calls into a running sandbox's agent, their errors mapped by
+    ``agent_errors``."""
+
     def command_env(self, sandbox_id: str, env: dict[str, Any] | None
                     ) -> dict[str, Any] | None:
         """The environment of one command: the sandbox's ``envs`` (given at spawn), then

@@ -11,38 +11,21 @@ from typing import Any
 from vmfork.runtime.network import NetworkError
 from vmfork.runtime.volumes import PreparedVolume
 from vmfork.server import volumes
-from vmfork.server.controller.core import (
-    PAUSE_TAG_PREFIX,
-    Part,
-    sandbox_info,
-)
-from vmfork.server.errors import (
-    BadGateway,
-    BadRequest,
-    Conflict,
-    NotImplementedApi,
-    Unprocessable,
-)
+from vmfork.server.controller.core import PAUSE_TAG_PREFIX, Part, sandbox_info
+from vmfork.server.errors import BadGateway, BadRequest, Conflict, NotImplementedApi, Unprocessable
 from vmfork.server.networking import SandboxNetworks, egress_policy, snapshot_has_network
-from vmfork.server.registry import (
-    EXITED,
-    RUNNING,
-    SandboxRecord,
-)
+from vmfork.server.registry import EXITED, RUNNING, SandboxRecord
 from vmfork.server.spawner import SpawnerError
-from vmfork.store import (
-    Snapshot,
-    SnapshotCorrupt,
-    SnapshotNotFound,
-    StoreError,
-    chains,
-)
+from vmfork.store import Snapshot, SnapshotCorrupt, SnapshotNotFound, StoreError, chains
 from vmfork.store.errors import HasDependents
 
 log = logging.getLogger(__name__)
 
 
 class Sandboxes(Part):
+    """Spawns are admitted under the daemon-wide caps and take a heavy slot; what a
+    spawn cannot be given (a network, a volume) is refused before anything starts."""
+
     def create_sandboxes(self, body: dict[str, Any], *,
                          workspace: str | None = None) -> list[dict[str, Any]]:
         """``workspace``: the spawn is that workspace's sandbox (its read-write volumes

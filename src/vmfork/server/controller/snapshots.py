@@ -11,21 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vmfork.server.controller.core import (
-    Core,
-    Part,
-)
-from vmfork.server.errors import (
-    ApiError,
-    BadGateway,
-    BadRequest,
-    Conflict,
-    NotFound,
-)
-from vmfork.server.registry import (
-    FAILED,
-    WRITING,
-)
+from vmfork.server.controller.core import Core, Part
+from vmfork.server.errors import ApiError, BadGateway, BadRequest, Conflict, NotFound
+from vmfork.server.registry import FAILED, WRITING
 from vmfork.store import (
     Snapshot,
     SnapshotCorrupt,
@@ -75,6 +63,9 @@ def snapshot_json(snap: Snapshot) -> dict[str, Any]:
 
 
 class Snapshots(Part):
+    """Ready snapshots are the store's; those being written or that failed are
+    the registry's snapshot jobs, listed beside them."""
+
     def __init__(self, core: Core, make_snapshot: SnapshotMaker | None) -> None:
         super().__init__(core)
         self.make_snapshot = make_snapshot

@@ -8,24 +8,12 @@ import os
 import time
 from typing import Any
 
-from vmfork.agent.client import (
-    AgentError,
-)
+from vmfork.agent.client import AgentError
 from vmfork.runtime import cgroups
-from vmfork.server.controller.core import (
-    Part,
-    agent_errors,
-)
-from vmfork.server.errors import (
-    Conflict,
-)
-from vmfork.server.registry import (
-    RUNNING,
-)
-from vmfork.store import (
-    SnapshotCorrupt,
-    SnapshotNotFound,
-)
+from vmfork.server.controller.core import Part, agent_errors
+from vmfork.server.errors import Conflict
+from vmfork.server.registry import RUNNING
+from vmfork.store import SnapshotCorrupt, SnapshotNotFound
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +24,8 @@ _STATFS_CODE = ("import os;s=os.statvfs('/');"
 
 
 class Usage(Part):
+    """Per-sandbox metrics (``GET /v1/sandboxes/{id}/metrics``)."""
+
     def sandbox_metrics(self, sandbox_id: str, *, disk: bool = True) -> dict[str, Any]:
         """What a sandbox uses, measured from the host (its VMM's process and memory
         cgroup) and, for the disk (unless ``disk`` is false), by the guest's statfs of

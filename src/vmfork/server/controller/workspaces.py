@@ -10,30 +10,19 @@ import time
 from typing import Any
 
 from vmfork.server.controller.branches import Branches
-from vmfork.server.controller.core import (
-    Core,
-    Part,
-    sandbox_info,
-)
+from vmfork.server.controller.core import Core, Part, sandbox_info
 from vmfork.server.controller.sandboxes import Sandboxes
-from vmfork.server.errors import (
-    BadRequest,
-    Conflict,
-    NotFound,
-)
-from vmfork.server.registry import (
-    RUNNING,
-    WorkspaceRecord,
-)
-from vmfork.store import (
-    SnapshotNotFound,
-    StoreError,
-)
+from vmfork.server.errors import BadRequest, Conflict, NotFound
+from vmfork.server.registry import RUNNING, WorkspaceRecord
+from vmfork.store import SnapshotNotFound, StoreError
 
 log = logging.getLogger(__name__)
 
 
 class Workspaces(Part):
+    """One workspace change at a time (its own lock): a workspace's sandbox is
+    spawned, branched and deleted through the sandbox and BRANCH parts."""
+
     def __init__(self, core: Core, sandboxes: Sandboxes, branches: Branches) -> None:
         super().__init__(core)
         self.sandboxes = sandboxes
