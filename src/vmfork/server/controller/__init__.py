@@ -65,6 +65,17 @@ from vmfork.server.images import ImageBuilds
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks
 from vmfork.server.registry import RUNNING, Registry, WorkspaceRecord
+from vmfork.server.requests import (
+    Branch,
+    Egress,
+    Eval,
+    Exec,
+    PortExpose,
+    RemoveFile,
+    SandboxCreate,
+    SnapshotCreate,
+    WorkspaceCreate,
+)
 from vmfork.server.spawner import Spawner
 from vmfork.store import Store
 
@@ -163,8 +174,8 @@ class Controller:
     def snapshot_info(self, tag: str) -> dict[str, Any]:
         return self.snapshots.snapshot_info(tag)
 
-    def create_snapshot(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.snapshots.create_snapshot(body)
+    def create_snapshot(self, request: SnapshotCreate) -> dict[str, Any]:
+        return self.snapshots.create_snapshot(request)
 
     def compact_snapshot(self, tag: str, to: str) -> dict[str, Any]:
         return self.snapshots.compact_snapshot(tag, to)
@@ -179,9 +190,9 @@ class Controller:
 
     sandbox_info = staticmethod(sandbox_info)
 
-    def create_sandboxes(self, body: dict[str, Any], *,
+    def create_sandboxes(self, request: SandboxCreate, *,
                          workspace: str | None = None) -> list[dict[str, Any]]:
-        return self.sandboxes.create_sandboxes(body, workspace=workspace)
+        return self.sandboxes.create_sandboxes(request, workspace=workspace)
 
     def list_sandboxes(self, metadata: dict[str, str] | None = None,
                        states: set[str] | None = None) -> list[dict[str, Any]]:
@@ -199,22 +210,21 @@ class Controller:
     def list_ports(self, sandbox_id: str) -> list[dict[str, Any]]:
         return self.sandboxes.list_ports(sandbox_id)
 
-    def expose_port(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.sandboxes.expose_port(sandbox_id, body)
+    def expose_port(self, sandbox_id: str, request: PortExpose) -> dict[str, Any]:
+        return self.sandboxes.expose_port(sandbox_id, request)
 
     def unexpose_port(self, sandbox_id: str, host_port: int, protocol: str) -> None:
         self.sandboxes.unexpose_port(sandbox_id, host_port, protocol)
 
-    def set_egress(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.sandboxes.set_egress(sandbox_id, body)
+    def set_egress(self, sandbox_id: str, request: Egress) -> dict[str, Any]:
+        return self.sandboxes.set_egress(sandbox_id, request)
 
     # -- BRANCH -----------------------------------------------------------------------------
 
     branch_mode = staticmethod(Branches.branch_mode)
 
-    def branch_sandbox(self, sandbox_id: str, body: dict[str, Any]
-                       ) -> tuple[int, dict[str, Any]]:
-        return self.branches.branch_sandbox(sandbox_id, body)
+    def branch_sandbox(self, sandbox_id: str, request: Branch) -> tuple[int, dict[str, Any]]:
+        return self.branches.branch_sandbox(sandbox_id, request)
 
     # -- lifecycle: timeouts, pause/resume, connect, metrics (issue 15) ---------------------
 
@@ -248,13 +258,13 @@ class Controller:
     def ping(self, sandbox_id: str) -> dict[str, Any]:
         return self.io.ping(sandbox_id)
 
-    def exec(self, sandbox_id: str, body: dict[str, Any],
+    def exec(self, sandbox_id: str, request: Exec,
              on_stdout: Callable[[bytes], None] | None = None,
              on_stderr: Callable[[bytes], None] | None = None) -> dict[str, Any]:
-        return self.io.exec(sandbox_id, body, on_stdout, on_stderr)
+        return self.io.exec(sandbox_id, request, on_stdout, on_stderr)
 
-    def eval(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self.io.eval(sandbox_id, body)
+    def eval(self, sandbox_id: str, request: Eval) -> dict[str, Any]:
+        return self.io.eval(sandbox_id, request)
 
     def stat_file(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return self.io.stat_file(sandbox_id, path)
@@ -262,7 +272,7 @@ class Controller:
     def list_files(self, sandbox_id: str, path: str) -> dict[str, Any]:
         return self.io.list_files(sandbox_id, path)
 
-    def remove_file(self, sandbox_id: str, query: dict[str, Any]) -> None:
+    def remove_file(self, sandbox_id: str, query: RemoveFile) -> None:
         self.io.remove_file(sandbox_id, query)
 
     # -- workspaces -------------------------------------------------------------------------
@@ -276,8 +286,8 @@ class Controller:
     def get_workspace(self, name: str) -> dict[str, Any]:
         return self.workspaces.get_workspace(name)
 
-    def create_workspace(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self.workspaces.create_workspace(body)
+    def create_workspace(self, request: WorkspaceCreate) -> dict[str, Any]:
+        return self.workspaces.create_workspace(request)
 
     def suspend_workspace(self, name: str, diff: bool) -> dict[str, Any]:
         return self.workspaces.suspend_workspace(name, diff)

@@ -16,6 +16,7 @@ from vmfork.server.controller.core import Core, Part
 from vmfork.server.controller.snapshots import snapshot_json
 from vmfork.server.errors import ApiError, BadGateway, BadRequest, Busy, Conflict
 from vmfork.server.registry import RUNNING, WRITING, SandboxRecord
+from vmfork.server.requests import Branch
 from vmfork.store import PendingSnapshot, StoreError, TagBusy, TagExists
 
 log = logging.getLogger(__name__)
@@ -36,16 +37,16 @@ class Branches(Part):
         self.threads: list[threading.Thread] = []
 
     @staticmethod
-    def branch_mode(body: dict[str, Any]) -> str:
+    def branch_mode(request: Branch) -> str:
         """forkd's ``mode``, or its legacy ``diff``/``live`` booleans (live implies a
         diff capture); a ``mode`` that contradicts the booleans is refused."""
-        legacy = "live" if body["live"] else "diff" if body["diff"] else None
-        mode = body["mode"]
+        legacy = "live" if request.live else "diff" if request.diff else None
+        mode = request.mode
         if mode is not None and legacy is not None and mode != legacy:
-            raise BadRequest(f"mode {mode!r} contradicts the legacy flags (diff={body['diff']}, "
-                             f"live={body['live']}); give mode alone")
+            raise BadRequest(f"mode {mode!r} contradicts the legacy flags (diff={request.diff}, "
+                             f"live={request.live}); give mode alone")
         mode = mode or legacy or "full"
-        if mode == "full" and body["parent_tag"] is not None:
+        if mode == "full" and request.parent_tag is not None:
             raise BadRequest("parent_tag names the base of a diff or live BRANCH; a full "
                              "BRANCH is self-contained: drop parent_tag or use mode diff")
         return str(mode)
@@ -64,12 +65,12 @@ class Branches(Part):
                     "BRANCH is refused (a workspace suspend captures it, keeping the "
                     "volume with the workspace)")
 
-    def branch_sandbox(self, sandbox_id: str, body: dict[str, Any], *,
+    def branch_sandbox(self, sandbox_id: str, request: Branch, *,
                        suspending: bool = False) -> tuple[int, dict[str, Any]]:
         """Snapshot a running sandbox as ``tag`` (201 with ``SnapshotInfo`` and
         ``pause_ms``), or with ``wait: false`` start it and answer 202 with status
         ``writing`` (poll GET /v1/snapshots until ``ready`` or ``failed``)."""
-        mode = self.branch_mode(body)
+        mode = self.branch_mode(request)
         record = self.core.record(sandbox_id)
         if record.status != RUNNING:
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); only a "
@@ -77,9 +78,9 @@ class Branches(Part):
         if not suspending:
             self._refuse_branch_with_rw_volume(sandbox_id)
         self.core.require_spawner()  # 502 now if this daemon has none, before any tag is claimed
-        tag = body["tag"] or self._branch_tag(record)
-        if body["parent_tag"] is not None:
-            self.core.ready_snapshot(body["parent_tag"])  # 404/409 before anything starts
+        tag = request.tag or self._branch_tag(record)
+        if request.parent_tag is not None:
+            self.core.ready_snapshot(request.parent_tag)  # 404/409 before anything starts
         if self.store.exists(tag):
             raise Conflict(f"snapshot tag {tag!r} already exists; choose another tag or "
                            f"delete it first (DELETE /v1/snapshots/{tag})")
@@ -107,13 +108,13 @@ class Branches(Part):
 
         def work() -> dict[str, Any]:
             try:
-                return self._branch(record, mode, body, pending)
+                return self._branch(record, mode, request, pending)
             finally:
                 with self._branch_lock:
                     self.in_flight -= 1
                 self._branches.release()
 
-        if body["wait"]:
+        if request.wait:
             return 201, work()
 
         def background() -> None:
@@ -139,7 +140,7 @@ class Branches(Part):
         raise Conflict(f"cannot find a free tag for a BRANCH of {record.id}; pass one in "
                        "\"tag\"")
 
-    def _branch(self, record: SandboxRecord, mode: str, body: dict[str, Any],
+    def _branch(self, record: SandboxRecord, mode: str, request: Branch,
                 pending: PendingSnapshot) -> dict[str, Any]:
         """Have the spawner capture the sandbox into ``pending`` and publish it
         (``runtime.branch``: the VMM's control op, a diff resolved into a spawnable
@@ -150,7 +151,7 @@ class Branches(Part):
         try:
             try:
                 result = spawner.branch(record.run_dir, self.store, pending, mode,
-                                        parent_tag=body["parent_tag"], sandbox_id=record.id)
+                                        parent_tag=request.parent_tag, sandbox_id=record.id)
             except BranchFailed as err:
                 if err.stage == "base":
                     raise Conflict(f"BRANCH {tag!r} of {record.id}: {err}") from err
@@ -177,7 +178,7 @@ class Branches(Part):
         self.metrics.branches.inc(mode=mode)
         info = snapshot_json(snap)
         info["pause_ms"] = round(result.pause_ms, 3)
-        if body["measure_diff"]:
+        if request.measure_diff:
             # What this capture wrote for the memory: the changed pages of a diff, the
             # whole image otherwise (forkd's diff_* fields; measured, not estimated).
             info["diff_ms"] = round(result.total_ms, 3)

@@ -13,6 +13,7 @@ from vmfork.server.controller.branches import Branches
 from vmfork.server.controller.core import PAUSE_TAG_PREFIX, Core, Part
 from vmfork.server.errors import BadGateway, Conflict
 from vmfork.server.registry import PAUSED, RUNNING
+from vmfork.server.requests import Branch
 from vmfork.server.spawner import SpawnerError
 from vmfork.store import SnapshotCorrupt, chains
 
@@ -57,8 +58,7 @@ class Lifecycle(Part):
             raise Conflict(f"sandbox {sandbox_id!r} is not running ({record.status}); only "
                            "a running sandbox can be paused")
         tag = f"{PAUSE_TAG_PREFIX}{sandbox_id}-{secrets.token_hex(3)}"
-        branch = {"tag": tag, "mode": "diff", "wait": True, "measure_diff": False,
-                  "parent_tag": None, "diff": False, "live": False}
+        branch = Branch(tag=tag, mode="diff")
         with self.core.expected_lock:
             self.core.pausing.add(sandbox_id)
         try:
@@ -68,7 +68,7 @@ class Lifecycle(Part):
                 # A diff cannot be made (its chain is as deep as allowed, or it has no
                 # base): a full capture instead.
                 log.info("pause of %s: %s; capturing it whole", sandbox_id, err.message)
-                self.branches.branch_sandbox(sandbox_id, {**branch, "mode": "full"},
+                self.branches.branch_sandbox(sandbox_id, branch.replace(mode="full"),
                                              suspending=True)
             # In the registry first: from here a restarted daemon knows it is paused
             # (and kills a VMM still running under its id as one nobody knows).

@@ -9,6 +9,7 @@ from typing import Any
 
 from vmfork.agent.client import AgentError, ExecResult, FileInfo
 from vmfork.server.controller.core import Part, agent_errors
+from vmfork.server.requests import Eval, Exec, RemoveFile
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +49,20 @@ class SandboxIO(Part):
         return {"pong": True, "pid": result.pid, "version": result.version,
                 "protocol": result.protocol, "uptime": result.uptime, "boot_id": result.boot_id}
 
-    def exec(self, sandbox_id: str, body: dict[str, Any],
+    def exec(self, sandbox_id: str, request: Exec,
              on_stdout: Callable[[bytes], None] | None = None,
              on_stderr: Callable[[bytes], None] | None = None) -> dict[str, Any]:
         agent = self.core.agent(sandbox_id)
-        timeout = float(body["timeout_secs"])
+        timeout = float(request.timeout_secs)
         try:
             with agent_errors(sandbox_id, "exec"):
                 streamed = on_stdout is not None or on_stderr is not None
                 # A streamed exec's output went to the client as it came; a bounded
                 # head is still kept, for the error of one that times out.
-                result = agent.exec(body["args"], env=self.command_env(sandbox_id,
-                                                                      body["env"]),
-                                    cwd=body["cwd"],
-                                    stdin=body["stdin"], timeout=timeout,
+                result = agent.exec(request.args, env=self.command_env(sandbox_id,
+                                                                      request.env),
+                                    cwd=request.cwd,
+                                    stdin=request.stdin, timeout=timeout,
                                     on_stdout=on_stdout, on_stderr=on_stderr,
                                     max_output=(STREAMED_KEPT_BYTES if streamed
                                                 else self.limits.exec_output_bytes))
@@ -73,10 +74,10 @@ class SandboxIO(Part):
             raise
         return exec_result_json(result)
 
-    def eval(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    def eval(self, sandbox_id: str, request: Eval) -> dict[str, Any]:
         agent = self.core.agent(sandbox_id)
         with agent_errors(sandbox_id, "eval"):
-            result = agent.eval(body["code"], timeout=body["timeout_secs"])
+            result = agent.eval(request.code, timeout=request.timeout_secs)
         exc = result.exception
         return {"result": result.value,
                 "error": None if exc is None else f"{exc.type}: {exc.message}",
@@ -95,9 +96,9 @@ class SandboxIO(Part):
         return {"path": path, "entries": [file_info_json(e) for e in listing.entries],
                 "truncated": listing.truncated}
 
-    def remove_file(self, sandbox_id: str, query: dict[str, Any]) -> None:
+    def remove_file(self, sandbox_id: str, query: RemoveFile) -> None:
         with agent_errors(sandbox_id, "remove"):
-            self.core.agent(sandbox_id).remove(query["path"], recursive=query["recursive"],
-                                               missing_ok=query["missing_ok"])
+            self.core.agent(sandbox_id).remove(query.path, recursive=query.recursive,
+                                               missing_ok=query.missing_ok)
 
 

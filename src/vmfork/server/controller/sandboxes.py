@@ -15,6 +15,7 @@ from vmfork.server.controller.core import PAUSE_TAG_PREFIX, Part, sandbox_info
 from vmfork.server.errors import BadGateway, BadRequest, Conflict, NotImplementedApi, Unprocessable
 from vmfork.server.networking import SandboxNetworks, egress_policy, snapshot_has_network
 from vmfork.server.registry import EXITED, RUNNING, SandboxRecord
+from vmfork.server.requests import Egress, PortExpose, SandboxCreate
 from vmfork.server.spawner import SpawnerError
 from vmfork.store import Snapshot, SnapshotCorrupt, SnapshotNotFound, StoreError, chains
 from vmfork.store.errors import HasDependents
@@ -26,18 +27,19 @@ class Sandboxes(Part):
     """Spawns are admitted under the daemon-wide caps and take a heavy slot; what a
     spawn cannot be given (a network, a volume) is refused before anything starts."""
 
-    def create_sandboxes(self, body: dict[str, Any], *,
+    def create_sandboxes(self, request: SandboxCreate, *,
                          workspace: str | None = None) -> list[dict[str, Any]]:
         """``workspace``: the spawn is that workspace's sandbox (its read-write volumes
         are held by the workspace, and a suspension snapshot's are reopened)."""
-        for flag, why in (("live_fork", ("children always map the snapshot copy-on-write; "
-                                         "forkd's live_fork copies RAM per child and is not "
-                                         "offered")),
-                          ("hugepages", "hugepage-backed guest RAM is not implemented yet")):
-            if body[flag]:
+        for flag, asked, why in (
+                ("live_fork", request.live_fork, "children always map the snapshot "
+                 "copy-on-write; forkd's live_fork copies RAM per child and is not offered"),
+                ("hugepages", request.hugepages, "hugepage-backed guest RAM is not "
+                 "implemented yet")):
+            if asked:
                 raise BadRequest(f"{flag}=true is not supported: {why}; omit it")
-        tag = body["snapshot_tag"]
-        n = body["n"]
+        tag = request.snapshot_tag
+        n = request.n
         snap = self.core.ready_snapshot(tag)
         try:
             # A diff snapshot's memory is mapped from its ancestors' files: refuse (409)
@@ -46,8 +48,8 @@ class Sandboxes(Part):
         except SnapshotCorrupt as err:
             raise Conflict(str(err)) from err
         spawner = self.core.require_spawner()
-        network_args = self._network_args(body, snap)
-        new_volumes, reopened = self._spawn_volumes(body, snap, workspace)
+        network_args = self._network_args(request, snap)
+        new_volumes, reopened = self._spawn_volumes(request, snap, workspace)
         # Only when there are any: a spawner from before volumes takes no such argument.
         volume_args: dict[str, Any] = ({"volumes": [*new_volumes, *reopened]}
                                        if new_volumes or reopened else {})
@@ -56,7 +58,7 @@ class Sandboxes(Part):
                 volumes.held(self.registry, new_volumes, secrets.token_hex(6)) as holder:
             started = time.time()
             try:
-                outcome = spawner.spawn(snap, n, body["memory_limit_mib"], **network_args,
+                outcome = spawner.spawn(snap, n, request.memory_limit_mib, **network_args,
                                         **volume_args)
             except SpawnerError as err:
                 self.metrics.spawn_seconds.observe(time.time() - started, outcome="failed")
@@ -74,16 +76,16 @@ class Sandboxes(Part):
                     f"({reasons}); none were kept. See the daemon log and the snapshot's "
                     "health (GET /v1/snapshots/{tag}/info)",
                     extra={"failed": [{"id": vm, "reason": why} for vm, why in outcome.failed]})
-            timeout = body.get("timeout_secs")
+            timeout = request.timeout_secs
             listed = self._volumes_listed(snap, [*new_volumes, *reopened])
             records = [SandboxRecord(id=c.vm_id, snapshot_tag=tag, pid=c.pid,
                                      run_dir=c.run_dir, status=RUNNING, created_at=started,
-                                     memory_limit_mib=body["memory_limit_mib"],
+                                     memory_limit_mib=request.memory_limit_mib,
                                      timeout_secs=timeout,
                                      end_at=None if timeout is None else started + timeout,
-                                     on_timeout=body.get("on_timeout") or "kill",
-                                     metadata=dict(body.get("metadata") or {}),
-                                     envs=dict(body.get("envs") or {}), volumes=listed)
+                                     on_timeout=request.on_timeout,
+                                     metadata=dict(request.metadata or {}),
+                                     envs=dict(request.envs or {}), volumes=listed)
                        for c in outcome.children]
             if self.networks is not None:
                 for child in outcome.children:
@@ -114,13 +116,13 @@ class Sandboxes(Part):
                                 "from_snapshot": False} for v in attached}
         return [v for v in own if v["guest_path"] not in given] + list(given.values())
 
-    def _spawn_volumes(self, body: dict[str, Any], snap: Snapshot, workspace: str | None
+    def _spawn_volumes(self, request: SandboxCreate, snap: Snapshot, workspace: str | None
                        ) -> tuple[list[PreparedVolume], list[PreparedVolume]]:
         """The volumes a spawn attaches (parsed, checked against the snapshot's slots,
         their disks made), and the read-write files of the snapshot's own slots that a
         workspace's sandbox reopens. Refuses (before anything starts) what cannot be."""
         where = "volumes"
-        specs = volumes.parse_request(body.get("volumes"), where)
+        specs = volumes.parse_request(request.volumes, where)
         slots = volumes.snapshot_slots(snap)
         rw_slots = [s for s in slots if s.key and not s.read_only]
         reopened: list[PreparedVolume] = []
@@ -138,9 +140,9 @@ class Sandboxes(Part):
         if not specs:
             return [], reopened
         volumes.check_fits(snap, slots, specs, where)
-        if body["n"] > 1 and any(not s.read_only for s in specs):
+        if request.n > 1 and any(not s.read_only for s in specs):
             raise Conflict(f"{where}: a read-write volume belongs to one sandbox, and n is "
-                           f"{body['n']}; spawn it with n=1 (read-only volumes are shared "
+                           f"{request.n}; spawn it with n=1 (read-only volumes are shared "
                            "by any number)")
         prepared = volumes.prepare_all(specs, where)
         rw_keys = [v.key for v in prepared if not v.read_only]
@@ -148,11 +150,11 @@ class Sandboxes(Part):
             raise BadRequest(f"{where}: the same read-write file is given twice")
         return prepared, reopened
 
-    def _network_args(self, body: dict[str, Any], snap: Snapshot) -> dict[str, Any]:
+    def _network_args(self, request: SandboxCreate, snap: Snapshot) -> dict[str, Any]:
         """The spawner's network arguments for ``per_child_netns``/``egress``; refuses
         (before anything starts) what cannot get a network."""
-        egress = egress_policy(body.get("egress"))
-        if not body["per_child_netns"]:
+        egress = egress_policy(request.egress)
+        if not request.per_child_netns:
             if egress is not None:
                 raise BadRequest("egress applies to a sandbox's own network: add "
                                  "per_child_netns=true, or drop egress")
@@ -243,14 +245,14 @@ class Sandboxes(Part):
     def list_ports(self, sandbox_id: str) -> list[dict[str, Any]]:
         return self._networked(sandbox_id).ports(sandbox_id)
 
-    def expose_port(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._networked(sandbox_id).expose(sandbox_id, body["guest_port"],
-                                                  body["host_port"], body["protocol"])
+    def expose_port(self, sandbox_id: str, request: PortExpose) -> dict[str, Any]:
+        return self._networked(sandbox_id).expose(sandbox_id, request.guest_port,
+                                                  request.host_port, request.protocol)
 
     def unexpose_port(self, sandbox_id: str, host_port: int, protocol: str) -> None:
         self._networked(sandbox_id).unexpose(sandbox_id, host_port, protocol)
 
-    def set_egress(self, sandbox_id: str, body: dict[str, Any]) -> dict[str, Any]:
-        policy = egress_policy(body)
+    def set_egress(self, sandbox_id: str, request: Egress) -> dict[str, Any]:
+        policy = egress_policy(request.as_policy_spec())
         assert policy is not None
         return self._networked(sandbox_id).set_egress(sandbox_id, policy)

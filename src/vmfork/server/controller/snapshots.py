@@ -14,6 +14,7 @@ from typing import Any
 from vmfork.server.controller.core import Core, Part
 from vmfork.server.errors import ApiError, BadGateway, BadRequest, Conflict, NotFound
 from vmfork.server.registry import FAILED, WRITING
+from vmfork.server.requests import SnapshotCreate
 from vmfork.store import (
     Snapshot,
     SnapshotCorrupt,
@@ -28,9 +29,9 @@ from vmfork.store.errors import HasDependents
 
 log = logging.getLogger(__name__)
 
-SnapshotMaker = Callable[[Store, dict[str, Any]], Snapshot]
+SnapshotMaker = Callable[[Store, SnapshotCreate], Snapshot]
 """Boots, warms and snapshots a parent (``runtime.parent.snapshot_parent`` in the
-daemon; a fake in unit tests). Gets the store and the validated request body."""
+daemon; a fake in unit tests). Gets the store and the request."""
 
 
 def snapshot_json(snap: Snapshot) -> dict[str, Any]:
@@ -154,8 +155,8 @@ class Snapshots(Part):
                 raise BadGateway(f"packing {tag!r} failed: {err}") from err
         return out
 
-    def create_snapshot(self, body: dict[str, Any]) -> dict[str, Any]:
-        tag = body["tag"]
+    def create_snapshot(self, request: SnapshotCreate) -> dict[str, Any]:
+        tag = request.tag
         if self.make_snapshot is None:
             raise BadGateway("this daemon cannot boot parents (started without a guest "
                              "image); create the snapshot with `vmfork snapshot` instead")
@@ -166,7 +167,7 @@ class Snapshots(Part):
             if not self.registry.begin_snapshot_job(tag, os.getpid()):
                 raise Conflict(f"snapshot {tag!r} is already being written; wait for it")
             try:
-                snap = self.make_snapshot(self.store, body)
+                snap = self.make_snapshot(self.store, request)
             except (TagExists, TagBusy) as err:
                 self.registry.finish_snapshot_job(tag, str(err))
                 self.registry.forget_snapshot_job(tag)

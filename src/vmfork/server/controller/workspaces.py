@@ -14,6 +14,7 @@ from vmfork.server.controller.core import Core, Part, sandbox_info
 from vmfork.server.controller.sandboxes import Sandboxes
 from vmfork.server.errors import BadRequest, Conflict, NotFound
 from vmfork.server.registry import RUNNING, WorkspaceRecord
+from vmfork.server.requests import Branch, SandboxCreate, WorkspaceCreate
 from vmfork.store import SnapshotNotFound, StoreError
 
 log = logging.getLogger(__name__)
@@ -61,15 +62,14 @@ class Workspaces(Part):
 
     def _spawn_one(self, tag: str, memory_limit_mib: int | None, workspace: str,
                    volume_items: list[Any] | None = None) -> str:
-        infos = self.sandboxes.create_sandboxes({
-            "snapshot_tag": tag, "n": 1, "per_child_netns": False,
-            "memory_limit_mib": memory_limit_mib, "prewarm": False, "live_fork": False,
-            "hugepages": False, "volumes": volume_items}, workspace=workspace)
+        infos = self.sandboxes.create_sandboxes(SandboxCreate(
+            snapshot_tag=tag, memory_limit_mib=memory_limit_mib, volumes=volume_items),
+            workspace=workspace)
         return str(infos[0]["id"])
 
-    def create_workspace(self, body: dict[str, Any]) -> dict[str, Any]:
-        name = body["name"]
-        if body["per_child_netns"]:
+    def create_workspace(self, request: WorkspaceCreate) -> dict[str, Any]:
+        name = request.name
+        if request.per_child_netns:
             raise BadRequest("per_child_netns=true is not supported for workspaces yet (a "
                              "suspended workspace would lose its network); omit it, or spawn "
                              "a networked sandbox with POST /v1/sandboxes")
@@ -77,11 +77,11 @@ class Workspaces(Part):
             if self.registry.get_workspace(name) is not None:
                 raise Conflict(f"workspace {name!r} already exists; choose another name or "
                                f"delete it (DELETE /v1/workspaces/{name})")
-            sandbox_id = self._spawn_one(body["snapshot_tag"], body["memory_limit_mib"], name,
-                                         body["volumes"])
+            sandbox_id = self._spawn_one(request.snapshot_tag, request.memory_limit_mib, name,
+                                         request.volumes)
             now = time.time()
             self.registry.add_workspace(WorkspaceRecord(
-                name, body["snapshot_tag"], sandbox_id, None, body["memory_limit_mib"], now,
+                name, request.snapshot_tag, sandbox_id, None, request.memory_limit_mib, now,
                 now))
             return self.workspace_info(self._workspace(name))
 
@@ -94,9 +94,8 @@ class Workspaces(Part):
                                f"(POST /v1/workspaces/{name}/resume)")
             assert w.sandbox_id is not None
             tag = f"ws-{secrets.token_hex(4)}-{name}"[:64]
-            self.branches.branch_sandbox(w.sandbox_id, {
-                "tag": tag, "mode": "diff" if diff else "full", "wait": True,
-                "measure_diff": False, "parent_tag": None, "diff": False, "live": False},
+            self.branches.branch_sandbox(
+                w.sandbox_id, Branch(tag=tag, mode="diff" if diff else "full"),
                 suspending=True)
             self.sandboxes.delete_sandbox(w.sandbox_id)
             self.registry.set_workspace(name, None, tag)

@@ -19,6 +19,7 @@ from vmfork.server import api
 from vmfork.server.controller import Controller
 from vmfork.server.e2b.envd import ENVD_VERSION
 from vmfork.server.errors import ApiError, BadRequest, NotFound
+from vmfork.server.requests import Branch, SandboxCreate
 from vmfork.server.validation import (
     Field,
     between,
@@ -174,7 +175,7 @@ class ControlPlane:
             spawn.update(lifecycle)
         spawn = validate_fields(spawn, api.SANDBOX_CREATE, where)
         req.snapshot_tag = body["templateID"]
-        [info] = c.create_sandboxes(spawn)
+        [info] = c.create_sandboxes(SandboxCreate.of(spawn))
         req.sandbox_ids = [info["id"]]
         return api.Response(201, self._sandbox(c, info, req))
 
@@ -269,13 +270,13 @@ class ControlPlane:
         sandbox_id = _id(req)
         where = f"{req.method} {req.path}"
         body = _body(req, FORK, where)
-        branch = validate_fields({}, api.BRANCH, where)
-        _, snapshot = c.branch_sandbox(sandbox_id, branch)
+        _, snapshot = c.branch_sandbox(sandbox_id, Branch())
         spawn: dict[str, Any] = {"snapshot_tag": snapshot["tag"], "n": body["count"]}
         if body["timeout"] and "timeout_secs" in api.SANDBOX_CREATE:
             spawn["timeout_secs"] = body["timeout"]
         req.snapshot_tag = snapshot["tag"]
-        infos = c.create_sandboxes(validate_fields(spawn, api.SANDBOX_CREATE, where))
+        infos = c.create_sandboxes(SandboxCreate.of(validate_fields(spawn, api.SANDBOX_CREATE,
+                                                                    where)))
         req.sandbox_ids = [sandbox_id, *(i["id"] for i in infos)]
         return api.Response(201, [{"sandbox": self._sandbox(c, i, req)} for i in infos])
 
