@@ -11,6 +11,7 @@ import pytest
 from test_server_http import Served, _serve
 
 from vmfork.cli import main
+from vmfork.server.requests import SnapshotCreate
 
 
 @pytest.fixture
@@ -26,10 +27,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 def test_sandbox_verbs_compose(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
     url = ("--url", served.url)
-    served.controller.create_snapshot({"tag": "base", "image": "default", "mem_mib": 64,
-                                       "vcpus": 1, "warm_code": None, "warm_cmd": None,
-                                       "kernel": None, "rootfs": None, "rw": False,
-                                       "tap": None, "boot_wait_secs": 10})
+    served.controller.create_snapshot(SnapshotCreate(tag="base", mem_mib=64))
     status, out, _ = run(capsys, "spawn", "--tag", "base", "-n", "2", *url)
     ids = out.split()
     assert status == 0 and len(ids) == 2 and all(i.startswith("vm-") for i in ids)
@@ -65,10 +63,7 @@ def test_sandbox_verbs_compose(served: Served, capsys: pytest.CaptureFixture[str
 
 def test_fork_through_a_running_daemon(served: Served,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    served.controller.create_snapshot({"tag": "base", "image": "default", "mem_mib": 64,
-                                       "vcpus": 1, "warm_code": None, "warm_cmd": None,
-                                       "kernel": None, "rootfs": None, "rw": False,
-                                       "tap": None, "boot_wait_secs": 10})
+    served.controller.create_snapshot(SnapshotCreate(tag="base", mem_mib=64))
     status, out, _ = run(capsys, "fork", "--tag", "base", "-n", "3", "--exec", "true",
                          "--url", served.url)
     assert status == 0 and out.startswith("forked 3 children of base")
@@ -96,10 +91,7 @@ def test_errors_name_what_to_fix(served: Served, tmp_path: Path,
 
 def test_workspace_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
     url = ("--url", served.url)
-    served.controller.create_snapshot({"tag": "base", "image": "default", "mem_mib": 64,
-                                       "vcpus": 1, "warm_code": None, "warm_cmd": None,
-                                       "kernel": None, "rootfs": None, "rw": False,
-                                       "tap": None, "boot_wait_secs": 10})
+    served.controller.create_snapshot(SnapshotCreate(tag="base", mem_mib=64))
     status, out, _ = run(capsys, "workspace", "create", "dev", "--tag", "base", *url)
     assert status == 0 and out.startswith("workspace dev: running (vm-")
     status, out, _ = run(capsys, "workspace", "suspend", "dev", *url)
@@ -116,10 +108,7 @@ def test_workspace_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> 
 
 def test_lifecycle_verbs(served: Served, capsys: pytest.CaptureFixture[str]) -> None:
     url = ("--url", served.url)
-    served.controller.create_snapshot({"tag": "base", "image": "default", "mem_mib": 64,
-                                       "vcpus": 1, "warm_code": None, "warm_cmd": None,
-                                       "kernel": None, "rootfs": None, "rw": False,
-                                       "tap": None, "boot_wait_secs": 10})
+    served.controller.create_snapshot(SnapshotCreate(tag="base", mem_mib=64))
     status, out, _ = run(capsys, "spawn", "--tag", "base", "--timeout", "600",
                          "--on-timeout", "pause", "--metadata", "team=red",
                          "--env", "A=1", "--json", *url)

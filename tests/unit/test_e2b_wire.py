@@ -28,6 +28,7 @@ from vmfork.server.controller import Limits
 from vmfork.server.http import ServerContext, handler_for, tcp_server
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
+from vmfork.server.requests import SnapshotCreate
 from vmfork.server.tls import server_context
 from vmfork.store import Store
 
@@ -55,7 +56,7 @@ def _daemon(tmp_path: Path, tls: ssl.SSLContext | None = None) -> Iterator[Daemo
             ServerContext(ctl, TOKEN, AuditLog(tmp_path / "audit.log"))), tls=tls)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
-        _fake_snapshot(store, {"tag": "base", "warm_cmd": None})
+        _fake_snapshot(store, SnapshotCreate(tag="base"))
         port = server.server_address[1]
         try:
             yield Daemon(f"{'https' if tls else 'http'}://127.0.0.1:{port}", port, ctl)

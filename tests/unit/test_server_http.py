@@ -42,6 +42,7 @@ from vmfork.server.errors import BadGateway
 from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
+from vmfork.server.requests import SnapshotCreate
 from vmfork.server.spawner import ControlError, ExitNotice, Spawned, SpawnOutcome
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.vmm.memory import GuestMemory
@@ -209,13 +210,13 @@ class FakeSpawner:
             self.live.clear()
 
 
-def _fake_snapshot(store: Store, body: dict[str, Any]) -> Snapshot:
-    if body["warm_cmd"] == "fail":
+def _fake_snapshot(store: Store, request: SnapshotCreate) -> Snapshot:
+    if request.warm_cmd == "fail":
         raise RuntimeError("warm-up failed on purpose")
-    with store.begin(body["tag"]) as pending:
+    with store.begin(request.tag) as pending:
         pending.state_path.write_bytes(b"state")
         pending.memory_path.write_bytes(b"\0" * 4096)
-        return pending.publish(SnapshotMeta(tag=body["tag"], image="test", mem_mib=64, vcpus=1,
+        return pending.publish(SnapshotMeta(tag=request.tag, image="test", mem_mib=64, vcpus=1,
                                             timings=SnapshotTimings(pause_ms=1.5)))
 
 

@@ -21,8 +21,9 @@ from tests.unit.agent_support import running_agent
 from tests.unit.test_server_http import TOKEN, FakeSpawner, Served, _fake_snapshot, _serve
 from tests.unit.test_server_processes import AgentBackedSpawner
 from vmfork.client import Controller, ControllerError, Sandbox
-from vmfork.server import controller as controller_module
+from vmfork.server.controller import reconcile as controller_module
 from vmfork.server.registry import SCHEMA_VERSION, Registry
+from vmfork.server.requests import SnapshotCreate
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +38,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 @pytest.fixture
 def ctl(served: Served) -> Controller:
-    _fake_snapshot(served.store, {"tag": "base", "warm_cmd": None})
+    _fake_snapshot(served.store, SnapshotCreate(tag="base"))
     return Controller(served.url, token=TOKEN.decode(), timeout=10)
 
 
@@ -97,7 +98,7 @@ def test_a_timeout_extended_in_a_race_wins(served: Served, ctl: Controller,
 def test_a_deadline_survives_a_daemon_restart(tmp_path: Path) -> None:
     spawner = FakeSpawner()
     for served in _serve(tmp_path, None, spawner=spawner):
-        _fake_snapshot(served.store, {"tag": "base", "warm_cmd": None})
+        _fake_snapshot(served.store, SnapshotCreate(tag="base"))
         ctl = Controller(served.url, timeout=10)
         [info] = ctl.spawn_sandboxes("base", timeout_secs=1)
         served.controller.stop()   # before the deadline: the reaper did nothing
@@ -113,7 +114,7 @@ def test_a_deadline_survives_a_daemon_restart(tmp_path: Path) -> None:
 def test_a_paused_sandbox_survives_a_daemon_restart(tmp_path: Path) -> None:
     spawner = FakeSpawner()
     for served in _serve(tmp_path, None, spawner=spawner):
-        _fake_snapshot(served.store, {"tag": "base", "warm_cmd": None})
+        _fake_snapshot(served.store, SnapshotCreate(tag="base"))
         ctl = Controller(served.url, timeout=10)
         [info] = ctl.spawn_sandboxes("base", metadata={"k": "v"})
         tag = ctl.pause_sandbox(info["id"])["paused_snapshot"]
@@ -276,7 +277,7 @@ def agent_served(tmp_path: Path) -> Iterator[Served]:
 
 
 def test_envs_reach_exec_background_processes_and_ptys(agent_served: Served) -> None:
-    _fake_snapshot(agent_served.store, {"tag": "base", "warm_cmd": None})
+    _fake_snapshot(agent_served.store, SnapshotCreate(tag="base"))
     ctl = Controller(agent_served.url, token=TOKEN.decode(), timeout=30)
     sandbox = Sandbox.create("base", controller=ctl, envs={"SB_A": "one", "SB_B": "two"})
     assert sandbox.info["env_names"] == ["SB_A", "SB_B"]
@@ -294,7 +295,7 @@ def test_envs_reach_exec_background_processes_and_ptys(agent_served: Served) -> 
 
 
 def test_metrics_are_measured(agent_served: Served) -> None:
-    _fake_snapshot(agent_served.store, {"tag": "base", "warm_cmd": None})
+    _fake_snapshot(agent_served.store, SnapshotCreate(tag="base"))
     ctl = Controller(agent_served.url, token=TOKEN.decode(), timeout=30)
     sandbox = Sandbox.create("base", controller=ctl)
     first = sandbox.get_metrics()

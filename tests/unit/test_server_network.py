@@ -34,6 +34,7 @@ from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks
 from vmfork.server.registry import SCHEMA_VERSION, Registry
+from vmfork.server.requests import SnapshotCreate
 from vmfork.server.spawner import ExitNotice, Spawned, SpawnOutcome
 from vmfork.store import Snapshot, SnapshotMeta, SnapshotTimings, Store
 
@@ -55,13 +56,13 @@ class NetFakeSpawner(FakeSpawner):
         return SpawnOutcome(children, [], 0.01, 0.02, 0.03)
 
 
-def _snapshot_maker(store: Store, body: dict[str, Any]) -> Snapshot:
-    with store.begin(body["tag"]) as pending:
+def _snapshot_maker(store: Store, request: SnapshotCreate) -> Snapshot:
+    with store.begin(request.tag) as pending:
         pending.state_path.write_bytes(b"state")
         pending.memory_path.write_bytes(b"\0" * 4096)
         return pending.publish(SnapshotMeta(
-            tag=body["tag"], image="test", mem_mib=64, vcpus=1,
-            timings=SnapshotTimings(pause_ms=1.0), extra={"network": body["network"]}))
+            tag=request.tag, image="test", mem_mib=64, vcpus=1,
+            timings=SnapshotTimings(pause_ms=1.0), extra={"network": request.network}))
 
 
 class Daemon:

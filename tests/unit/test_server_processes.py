@@ -18,6 +18,7 @@ from tests.unit.agent_support import Agent, running_agent
 from tests.unit.test_server_http import TOKEN, FakeSpawner, Served, _fake_snapshot, _serve
 from vmfork.agent.client import AgentClient, unix_connector
 from vmfork.client import Controller, ControllerError, Sandbox
+from vmfork.server.requests import SnapshotCreate
 
 
 class AgentBackedSpawner(FakeSpawner):
@@ -39,7 +40,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 @pytest.fixture
 def sandbox(served: Served) -> Sandbox:
-    _fake_snapshot(served.store, {"tag": "base", "warm_cmd": None})
+    _fake_snapshot(served.store, SnapshotCreate(tag="base"))
     controller = Controller(served.url, token=TOKEN.decode(), timeout=30)
     return Sandbox.create("base", controller=controller)
 

@@ -38,6 +38,17 @@ from vmfork.server.errors import (
     PayloadTooLarge,
 )
 from vmfork.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from vmfork.server.requests import (
+    Branch,
+    Egress,
+    Eval,
+    Exec,
+    PortExpose,
+    RemoveFile,
+    SandboxCreate,
+    SnapshotCreate,
+    WorkspaceCreate,
+)
 from vmfork.server.transfers import check_ref, optional_path, transfers_of
 from vmfork.server.validation import (
     Field,
@@ -503,7 +514,7 @@ def create_snapshot(c: Controller, req: Request) -> Response:
     if body["warm_code"] is not None and body["warm_cmd"] is not None:
         raise BadRequest(f"{_where(req)}: give warm_code (Python) or warm_cmd (shell), "
                          "not both")
-    return Response(201, c.create_snapshot(body))
+    return Response(201, c.create_snapshot(SnapshotCreate.of(body)))
 
 
 def snapshot_info(c: Controller, req: Request) -> Response:
@@ -555,7 +566,7 @@ def create_sandboxes(c: Controller, req: Request) -> Response:
     _no_query(req)
     body = req.json(SANDBOX_CREATE, _where(req))
     req.snapshot_tag = body["snapshot_tag"]
-    infos = c.create_sandboxes(body)
+    infos = c.create_sandboxes(SandboxCreate.of(body))
     req.sandbox_ids = [i["id"] for i in infos]
     return Response(201, infos)
 
@@ -664,14 +675,14 @@ def ping_sandbox(c: Controller, req: Request) -> Response:
 def exec_sandbox(c: Controller, req: Request) -> Response:
     _no_query(req)
     sandbox_id = _sandbox_id(req)
-    return Response(body=c.exec(sandbox_id, req.json(EXEC, _where(req))))
+    return Response(body=c.exec(sandbox_id, Exec.of(req.json(EXEC, _where(req)))))
 
 
 def branch_sandbox(c: Controller, req: Request) -> Response:
     _no_query(req)
     sandbox_id = _sandbox_id(req)
     body = req.json(BRANCH, _where(req))
-    status, info = c.branch_sandbox(sandbox_id, body)
+    status, info = c.branch_sandbox(sandbox_id, Branch.of(body))
     req.snapshot_tag = info["tag"]
     return Response(status, info)
 
@@ -686,7 +697,7 @@ def exec_stream(c: Controller, req: Request) -> Response:
     "status", ...}: a timeout carries ``timed_out``)."""
     _no_query(req)
     sandbox_id = _sandbox_id(req)
-    body = req.json(EXEC, _where(req))
+    body = Exec.of(req.json(EXEC, _where(req)))
     c.agent(sandbox_id)  # refuse an unknown or dead sandbox before the stream starts
 
     def produce(write: Writer) -> None:
@@ -708,7 +719,7 @@ def exec_stream(c: Controller, req: Request) -> Response:
 def eval_sandbox(c: Controller, req: Request) -> Response:
     _no_query(req)
     sandbox_id = _sandbox_id(req)
-    return Response(body=c.eval(sandbox_id, req.json(EVAL, _where(req))))
+    return Response(body=c.eval(sandbox_id, Eval.of(req.json(EVAL, _where(req)))))
 
 
 class _WriterFile:
@@ -751,7 +762,7 @@ def upload_file(c: Controller, req: Request) -> Response:
 
 def remove_file(c: Controller, req: Request) -> Response:
     sandbox_id = _sandbox_id(req)
-    c.remove_file(sandbox_id, req.args(REMOVE_QUERY, _where(req)))
+    c.remove_file(sandbox_id, RemoveFile.of(req.args(REMOVE_QUERY, _where(req))))
     return Response(204)
 
 
@@ -966,7 +977,7 @@ def list_ports(c: Controller, req: Request) -> Response:
 def expose_port(c: Controller, req: Request) -> Response:
     _no_query(req)
     body = req.json(PORT_EXPOSE, _where(req))
-    return Response(201, c.expose_port(_sandbox_id(req), body))
+    return Response(201, c.expose_port(_sandbox_id(req), PortExpose.of(body)))
 
 
 def unexpose_port(c: Controller, req: Request) -> Response:
@@ -978,7 +989,7 @@ def unexpose_port(c: Controller, req: Request) -> Response:
 def set_egress(c: Controller, req: Request) -> Response:
     _no_query(req)
     body = req.json(EGRESS, _where(req))
-    return Response(body=c.set_egress(_sandbox_id(req), body))
+    return Response(body=c.set_egress(_sandbox_id(req), Egress.of(body)))
 
 
 def list_images(c: Controller, req: Request) -> Response:
@@ -1024,7 +1035,7 @@ def create_workspace(c: Controller, req: Request) -> Response:
     _no_query(req)
     body = req.json(WORKSPACE_CREATE, _where(req))
     req.snapshot_tag = body["snapshot_tag"]
-    info = c.create_workspace(body)
+    info = c.create_workspace(WorkspaceCreate.of(body))
     req.sandbox_ids = [info["sandbox_id"]]
     return Response(201, info)
 

@@ -52,6 +52,7 @@ from vmfork.server.http import (
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks
 from vmfork.server.registry import Registry
+from vmfork.server.requests import SnapshotCreate
 from vmfork.server.spawner import DEFAULT_LEASE_S, Spawner, ZygoteSpawner
 from vmfork.store import Snapshot, Store
 
@@ -125,48 +126,49 @@ class ParentMaker:
         self.jail = jail   # the parent's VMM jailed as the sandboxes' (--insecure-no-jail)
         self.networks: SandboxNetworks | None = None  # set once the controller has them
 
-    def __call__(self, store: Store, body: dict[str, Any]) -> Snapshot:
+    def __call__(self, store: Store, request: SnapshotCreate) -> Snapshot:
         from vmfork.image import ImageError, ImageMissing, find_image
         from vmfork.runtime.parent import ParentFailed, ParentRequest, boot_parent
         from vmfork.server.networking import egress_policy
-        if body.get("kernel") is not None:
+        if request.kernel is not None:
             # forkd's body: the kernel and rootfs become an image of their own (checked,
             # copied into the cache by content) before anything boots.
             from vmfork.image.foreign import import_kernel_rootfs
+            assert request.rootfs is not None   # the route refuses one without the other
             try:
-                body = {**body, "image": import_kernel_rootfs(body["kernel"],
-                                                              body["rootfs"]).name}
+                request = request.replace(image=import_kernel_rootfs(
+                    request.kernel, request.rootfs).name)
             except ImageError as err:
                 raise BadRequest(f"{err}") from err
         try:  # before a process is started for it: a missing image is the caller's 404
-            find_image(body["image"])
+            find_image(request.image)
         except ImageMissing as err:
             raise NotFound(f"{err}") from err
         except ImageError as err:
-            raise BadRequest(f"image {body['image'][:80]!r}: {err}") from err
-        egress = egress_policy(body.get("egress"))
-        network = bool(body.get("network"))
+            raise BadRequest(f"image {request.image[:80]!r}: {err}") from err
+        egress = egress_policy(request.egress)
+        network = bool(request.network)
         if egress is not None and not network:
             raise BadRequest("egress applies to the parent's network: add \"network\": true")
-        prepared, free_slots = snapshot_volumes(body.get("volumes"), body.get("volume_slots"))
-        req = ParentRequest(tag=body["tag"], image=body["image"], mem_mib=body["mem_mib"],
-                            vcpus=body["vcpus"], warm_code=body["warm_code"],
-                            warm_cmd=body["warm_cmd"], network=network,
+        prepared, free_slots = snapshot_volumes(request.volumes, request.volume_slots)
+        req = ParentRequest(tag=request.tag, image=request.image, mem_mib=request.mem_mib,
+                            vcpus=request.vcpus, warm_code=request.warm_code,
+                            warm_cmd=request.warm_cmd, network=network,
                             store_root=str(store.root),
                             volumes=tuple(v.to_json() for v in prepared),
                             free_volume_slots=free_slots)
         host = self.networks.host if self.networks is not None else None
-        if network and host is None and (egress is not None or body["warm_cmd"] is not None
-                                         or body["warm_code"] is not None):
+        if network and host is None and (egress is not None or request.warm_cmd is not None
+                                         or request.warm_code is not None):
             log.warning("snapshot %s: this daemon has no host networks; the parent's NIC has "
-                        "no cable, its warm-up cannot reach out", body["tag"])
+                        "no cable, its warm-up cannot reach out", request.tag)
         try:
             boot_parent(req, host_network=host, egress=egress,
-                        log_path=self.log_dir / f"parent-{body['tag']}.log", jail=self.jail)
+                        log_path=self.log_dir / f"parent-{request.tag}.log", jail=self.jail)
         except ParentFailed as err:
-            raise _PARENT_ERRORS[err.kind](f"snapshot {body['tag']!r} failed: "
+            raise _PARENT_ERRORS[err.kind](f"snapshot {request.tag!r} failed: "
                                            f"{err.message}") from err
-        return store.get(body["tag"])
+        return store.get(request.tag)
 
 
 def snapshot_volumes(items: Any, volume_slots: int | None

@@ -2,9 +2,12 @@
 translated onto vmfork's controller: templates are snapshot tags, a sandbox is a
 vmfork sandbox, and the key in ``X-API-KEY`` is the daemon's bearer token.
 
-Lifecycle (timeout, metadata, envs, pause/resume, metrics) goes to the controller's
-lifecycle methods where this daemon has them (``_lifecycle``); without them, a
-request that needs one is refused with 501 rather than half done.
+Each route checks E2B's body, makes the controller's own request of it and calls
+the controller's method for it (create → ``create_sandboxes``, ``…/timeout`` →
+``set_timeout``, ``…/connect`` → ``connect_sandbox``, ``…/pause`` →
+``pause_sandbox``, fork → ``branch_sandbox`` then ``create_sandboxes``, metrics →
+``sandbox_metrics``), then answers in E2B's shapes: a translator onto the
+controller, with no lifecycle of its own.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
-from collections.abc import Callable
 from typing import Any
 
 from vmfork.server import api
 from vmfork.server.controller import Controller
 from vmfork.server.e2b.envd import ENVD_VERSION
-from vmfork.server.errors import ApiError, BadRequest, NotFound
+from vmfork.server.errors import ApiError, BadRequest
+from vmfork.server.requests import Branch, SandboxCreate
 from vmfork.server.validation import (
     Field,
     between,
@@ -80,20 +83,6 @@ class Tokens:
 def _body(req: api.Request, spec: dict[str, Field], where: str) -> dict[str, Any]:
     raw = req.read_all(api.MAX_JSON_BODY, where, "the JSON body")
     return validate_fields(parse_json_object(raw or b"{}", where), spec, where)
-
-
-def _lifecycle(c: Controller, name: str, what: str) -> Callable[..., Any]:
-    """The controller's lifecycle method ``name`` (timeouts, pause/resume, metrics), or
-    a 501 that says this daemon has none."""
-    method = getattr(c, name, None)
-    if method is None:
-        raise NotImplementedOnThisDaemon(f"{what} needs sandbox lifecycles, which this "
-                                         "vmfork daemon does not have")
-    return method   # type: ignore[no-any-return]
-
-
-class NotImplementedOnThisDaemon(ApiError):
-    status = 501
 
 
 def _domain(req: api.Request) -> str | None:
@@ -163,20 +152,10 @@ class ControlPlane:
             lifecycle["metadata"] = body["metadata"]
         if body["envVars"]:
             lifecycle["envs"] = body["envVars"]
-        if lifecycle:
-            if "timeout_secs" not in api.SANDBOX_CREATE:
-                # Without lifecycles the sandbox would live forever or lack its envs:
-                # accept only the E2B SDK's default timeout, which it always sends.
-                lifecycle.pop("timeout_secs", None)
-                lifecycle.pop("on_timeout", None)
-                if lifecycle:
-                    raise NotImplementedOnThisDaemon(
-                        f"{where}: {', '.join(sorted(lifecycle))} need sandbox lifecycles, "
-                        "which this vmfork daemon does not have")
-            spawn.update(lifecycle)
+        spawn.update(lifecycle)
         spawn = validate_fields(spawn, api.SANDBOX_CREATE, where)
         req.snapshot_tag = body["templateID"]
-        [info] = c.create_sandboxes(spawn)
+        [info] = c.create_sandboxes(SandboxCreate.of(spawn))
         req.sandbox_ids = [info["id"]]
         return api.Response(201, self._sandbox(c, info, req))
 
@@ -227,14 +206,14 @@ class ControlPlane:
     def set_timeout(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
         body = _body(req, TIMEOUT, f"{req.method} {req.path}")
-        _lifecycle(c, "set_timeout", "set_timeout")(sandbox_id, body["timeout"] or None)
+        c.set_timeout(sandbox_id, body["timeout"] or None)
         return api.Response(204)
 
     def refresh(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
         body = _body(req, REFRESH, f"{req.method} {req.path}")
         if body["duration"]:
-            _lifecycle(c, "connect_sandbox", "a refresh")(sandbox_id, body["duration"])
+            c.connect_sandbox(sandbox_id, body["duration"])
         else:
             c.get_sandbox(sandbox_id)
         return api.Response(204)
@@ -242,25 +221,19 @@ class ControlPlane:
     def connect(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
         body = _body(req, CONNECT, f"{req.method} {req.path}")
-        method = getattr(c, "connect_sandbox", None)
-        if method is not None:
-            info = method(sandbox_id, body["timeout"] or None)
-        else:
-            info = c.get_sandbox(sandbox_id)
-            if info.get("status") != "running":
-                raise NotFound(f"sandbox {sandbox_id} is {info.get('status')}, not running")
+        info = c.connect_sandbox(sandbox_id, body["timeout"] or None)
         return api.Response(200, self._sandbox(c, info, req))
 
     def pause(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
         _body(req, {}, f"{req.method} {req.path}")
-        _lifecycle(c, "pause_sandbox", "pause")(sandbox_id)
+        c.pause_sandbox(sandbox_id)
         return api.Response(204)
 
     def resume(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
         body = _body(req, RESUME, f"{req.method} {req.path}")
-        info = _lifecycle(c, "resume_sandbox", "resume")(sandbox_id, body["timeout"] or None)
+        info = c.resume_sandbox(sandbox_id, body["timeout"] or None)
         return api.Response(201, self._sandbox(c, info, req))
 
     def fork(self, c: Controller, req: api.Request) -> api.Response:
@@ -271,19 +244,19 @@ class ControlPlane:
         sandbox_id = _id(req)
         where = f"{req.method} {req.path}"
         body = _body(req, FORK, where)
-        branch = validate_fields({}, api.BRANCH, where)
-        _, snapshot = c.branch_sandbox(sandbox_id, branch)
+        _, snapshot = c.branch_sandbox(sandbox_id, Branch())
         spawn: dict[str, Any] = {"snapshot_tag": snapshot["tag"], "n": body["count"]}
-        if body["timeout"] and "timeout_secs" in api.SANDBOX_CREATE:
+        if body["timeout"]:
             spawn["timeout_secs"] = body["timeout"]
         req.snapshot_tag = snapshot["tag"]
-        infos = c.create_sandboxes(validate_fields(spawn, api.SANDBOX_CREATE, where))
+        infos = c.create_sandboxes(SandboxCreate.of(validate_fields(spawn, api.SANDBOX_CREATE,
+                                                                    where)))
         req.sandbox_ids = [sandbox_id, *(i["id"] for i in infos)]
         return api.Response(201, [{"sandbox": self._sandbox(c, i, req)} for i in infos])
 
     def metrics(self, c: Controller, req: api.Request) -> api.Response:
         sandbox_id = _id(req)
-        m = _lifecycle(c, "sandbox_metrics", "get_metrics")(sandbox_id)
+        m = c.sandbox_metrics(sandbox_id)
         return api.Response(200, [{
             "timestamp": _iso(time.time()), "timestampUnix": int(time.time()),
             "cpuCount": int(m.get("vcpus") or 1),
