@@ -27,7 +27,11 @@ def _serve(state: Path, *flags: str, as_nobody: bool = False,
     cmd = [sys.executable, "-m", "vmfork", "serve", "--state", str(state), "--no-network",
            "--snapshot-root", str(state / "snapshots"), *flags]
     if as_nobody:
-        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+        # Nobody, with one capability: reading any file (CAP_DAC_READ_SEARCH), because
+        # the interpreter and its packages are often root's alone (a venv under /root).
+        # It grants nothing a jail needs (setuid, namespaces, cgroups, mounts).
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+               "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search", *cmd]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     env.pop("VMFORK_JAIL", None)
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env,

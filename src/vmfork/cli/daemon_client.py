@@ -18,10 +18,13 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vmfork.cli import CliError
-from vmfork.client import Controller, ControllerError
+from vmfork.client.errors import ControllerError
+
+if TYPE_CHECKING:
+    from vmfork.client.controller import Controller
 
 T = TypeVar("T")
 
@@ -49,6 +52,8 @@ def controller(args: argparse.Namespace, timeout: float = 60) -> Controller:
         except OSError as err:
             raise CliError(f"cannot read --token-file {args.token_file}: {err.strerror}",
                            1) from err
+    from vmfork.client.controller import Controller  # httpx: only for a daemon's commands
+
     ca_file = getattr(args, "ca_file", None)
     try:
         return Controller(getattr(args, "url", None), token=token, timeout=timeout,

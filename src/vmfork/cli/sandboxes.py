@@ -21,7 +21,7 @@ from vmfork.cli.daemon_client import (
     progress,
     when,
 )
-from vmfork.client import ControllerError
+from vmfork.client.errors import ControllerError
 
 EGRESS_HELP = ("allow (default), deny, or an allow-list of CIDRs and domain names separated "
                "by commas, e.g. 10.0.0.0/8,example.com (names are resolved when the policy "

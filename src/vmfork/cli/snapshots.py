@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vmfork.cli import VOLUME_HELP, CliError, volume_args
 from vmfork.cli.daemon_client import (
@@ -36,7 +36,10 @@ from vmfork.cli.daemon_client import (
     when,
 )
 from vmfork.cli.sandboxes import EGRESS_HELP, _egress, add_branch_options, branch
-from vmfork.client import Controller, ControllerError
+from vmfork.client.errors import ControllerError
+
+if TYPE_CHECKING:
+    from vmfork.client.controller import Controller
 
 
 def register(sub: Any) -> None:
@@ -307,6 +310,7 @@ def embedded_daemon() -> Iterator[Controller]:
     """A daemon in this process, on a private state directory, for one command: its
     sandboxes die with it (and, should this process be killed, with the zygote's
     short lease)."""
+    from vmfork.client.controller import Controller
     from vmfork.paths import run_dir
     from vmfork.runtime.spawn import jail_by_default
     from vmfork.server.daemon import Daemon, DaemonConfig

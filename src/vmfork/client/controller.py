@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import httpx
 
+from vmfork.client.errors import ControllerError, ImageBuildFailed
 from vmfork.client.images import FAILED, READY, ImageInfo
 from vmfork.client.transport import SEND_BLOCK, Endpoint, tls_context
 
@@ -72,31 +73,6 @@ def egress_policy(egress: Egress) -> dict[str, Any]:
         except ValueError:
             domains.append(entry)
     return {"mode": "allowlist", "cidrs": cidrs, "domains": domains}
-
-class ControllerError(Exception):
-    """The daemon answered with an error (``status`` ≥ 400, ``body`` its decoded JSON or
-    text), or could not be reached (``status`` 0)."""
-
-    def __init__(self, status: int, body: Any, url: str) -> None:
-        message = body.get("error") if isinstance(body, dict) else body
-        super().__init__(f"{status} from {url}: {message}")
-        self.status = status
-        self.body = body
-        self.url = url
-
-    @property
-    def message(self) -> str:
-        return str(self.body.get("error") if isinstance(self.body, dict) else self.body)
-
-
-class ImageBuildFailed(ControllerError):
-    """``wait_image``: the build or import ended ``failed``; ``info.error`` says why and
-    ``info.progress`` shows its last steps."""
-
-    def __init__(self, info: ImageInfo, url: str) -> None:
-        super().__init__(422, {"error": info.error or "the image build failed"}, url)
-        self.info = info
-
 
 Copy = str | tuple[str, str] | Mapping[str, str]
 """A file or directory to copy into an image: ``"SRC:DST"``, ``(src, dst)`` or

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, Self
 
-from vmfork.client.controller import Controller, ControllerError, Egress, ExecStream
+from vmfork.client.controller import Controller, Egress, ExecStream
+from vmfork.client.errors import ControllerError
 
 OutputCallback = Callable[[str], object]
 
