@@ -5,10 +5,13 @@ HTTP routes ``/files`` and ``/health``.
 Each RPC is a translation onto the agent calls the REST routes make (``api.py``'s
 ``/v1/sandboxes/{id}/processes…`` and ``files…`` handlers): background processes by
 pid (output kept in the agent and replayed on ``Connect``), stdin, signals, PTYs,
-inotify watches. What the agent does not have — users, a process selected by tag —
-is refused or mapped as the docstrings say. Relative paths are resolved against
-``GUEST_HOME`` (envd resolves them against the user's home; vmfork's guest runs as
-root).
+inotify watches. What the agent does not have — a process selected by tag — is
+mapped as the docstrings say. envd's users (``Authorization: Basic`` on an RPC,
+``?username=`` on ``/files``) become the agent's ``user``: processes run as that user
+and what it writes is its own; no user is root, vmfork's default, and relative paths
+resolve against the user's home (``GUEST_HOME`` for root). ``/files`` without an
+``X-Access-Token`` must be a signed URL (``file_signature``), as envd requires on a
+secured sandbox.
 """
 
 from __future__ import annotations
