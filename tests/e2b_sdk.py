@@ -115,6 +115,16 @@ def check_signed_urls(seen: dict) -> None:
     assert "signature=v1_" in seen["urls"]["plain"]
 
 
+def check_signed_urls_js(seen: dict) -> None:
+    """What tests/e2b_programs/signed_urls.cjs must have seen."""
+    assert seen["plain"] == {"status": 200, "body": "signed from js"}, seen
+    assert seen["expiring"] == {"status": 200, "body": "signed from js"}, seen
+    assert seen["expired"]["status"] == 401 and "expired" in seen["expired"]["body"], seen
+    assert seen["upload"]["status"] == 200, seen
+    assert seen["uploaded"] == "uploaded from js"
+    assert seen["write_url_read"]["status"] == 401, seen
+
+
 def check_users(seen: dict, name: str, uid: int, gid: int, home_dir: str, *,
                 home: bool) -> None:
     """What tests/e2b_programs/users.py must have seen for the user ``name``

@@ -22,6 +22,7 @@ import pytest
 
 from tests.e2b_sdk import (
     check_signed_urls,
+    check_signed_urls_js,
     check_tour,
     check_users,
     e2b_env,
@@ -357,6 +358,8 @@ def test_signed_file_urls(daemon: Daemon, tmp_path: Path) -> None:
     seen = run_program(sdk_python(), "signed_urls", ["base", work],
                        e2b_env(daemon.url, TOKEN.decode()))
     check_signed_urls(seen)
+    seen = run_js_program("signed_urls", ["base", work], e2b_env(daemon.url, TOKEN.decode()))
+    check_signed_urls_js(seen)
 
 
 def test_file_signature_is_the_sdks() -> None:
