@@ -64,7 +64,7 @@ def main() -> None:
             seen["home_pwd"] = sandbox.commands.run("pwd", user=user).stdout
             sandbox.files.write("relative.txt", "in my home", user=user)
             seen["relative"] = sandbox.commands.run(
-                f"cat ~{user}/relative.txt; stat -c %U ~{user}/relative.txt").stdout
+                f"cat ~{user}/relative.txt; echo; stat -c %U ~{user}/relative.txt").stdout
             seen["relative_read"] = sandbox.files.read("relative.txt", user=user)
             seen["root_relative"] = sandbox.commands.run("pwd", user="root").stdout
         seen["unknown_run"] = refused(
