@@ -148,3 +148,61 @@ def check_tour(seen: dict, work: str) -> None:
     assert seen["connected_run"] == "again\n"
     assert seen["forks"] == ["kept", "kept"] and seen["forks_distinct"] == 3
     assert seen["kill"] is True and seen["listed_after_kill"] is False
+
+
+def check_signed_urls(seen: dict) -> None:
+    """What tests/e2b_programs/signed_urls.py must have seen, by either routing."""
+    for how in ("header", "host"):
+        out = seen[how]
+        for name in ("plain", "expiring", "as_root"):
+            assert out[name] == {"status": 200, "body": "signed content"}, (how, name, out)
+        refusals = {"expired": "signature is already expired",
+                    "tampered": "invalid signature", "unsigned": "missing signature",
+                    "other_path": "invalid signature", "other_user": "invalid signature",
+                    "later_expiry": "invalid signature",
+                    "other_sandbox": "invalid signature",
+                    "read_url_posted": "invalid signature",
+                    "write_url_read": "invalid signature"}
+        for name, reason in refusals.items():
+            assert out[name]["status"] == 401 and reason in out[name]["body"], (how, name, out)
+        assert out["bad_expiry"]["status"] == 400, out
+        assert out["upload"]["status"] == 200, out
+        assert out["uploaded"] == f"uploaded via {how}"
+    assert "signature_expiration=" in seen["urls"]["expiring"]
+    assert "signature=v1_" in seen["urls"]["plain"]
+
+
+def check_signed_urls_js(seen: dict) -> None:
+    """What tests/e2b_programs/signed_urls.cjs must have seen."""
+    assert seen["plain"] == {"status": 200, "body": "signed from js"}, seen
+    assert seen["expiring"] == {"status": 200, "body": "signed from js"}, seen
+    assert seen["expired"]["status"] == 401 and "expired" in seen["expired"]["body"], seen
+    assert seen["upload"]["status"] == 200, seen
+    assert seen["uploaded"] == "uploaded from js"
+    assert seen["write_url_read"]["status"] == 401, seen
+
+
+def check_users(seen: dict, name: str, uid: int, gid: int, home_dir: str, *,
+                home: bool) -> None:
+    """What tests/e2b_programs/users.py must have seen for the user ``name``
+    (``home_dir``: its home in the sandbox's /etc/passwd)."""
+    first, second, third = seen["id"].splitlines()
+    assert (first, second) == (name, str(uid))
+    assert third.split() == [home_dir, name]
+    assert seen["root_id"] == "root\n" and seen["default_id"] == "0\n"
+    assert seen["background_id"] == f"{uid}\n"
+    assert seen["file_owner"] == f"{uid}:{gid}\n"
+    assert seen["dir_owners"] == f"{uid}:{gid}\n" * 3
+    assert seen["root_file_owner"] == "0:0\n"
+    assert seen["read_back"] == "mine"
+    assert seen["upload_status"] == 200 and seen["upload_owner"] == f"{uid}:{gid}\n"
+    assert seen["upload_url_user"] == name
+    for refusal in ("unknown_run", "unknown_write"):
+        assert seen[refusal] is not None and "no-such-user" in seen[refusal]["message"], seen
+    assert seen["unknown_run"]["type"] == "InvalidArgumentException", seen
+    assert seen["never_written"] is False
+    if home:
+        assert seen["home_pwd"] == f"/home/{name}\n"
+        assert seen["relative"] == f"in my home\n{name}\n"
+        assert seen["relative_read"] == "in my home"
+        assert seen["root_relative"] == "/root\n"

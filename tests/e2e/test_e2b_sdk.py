@@ -12,7 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2b_sdk import check_tour, e2b_env, run_js_program, run_program, sdk_python
+from tests.e2b_sdk import (
+    check_signed_urls,
+    check_tour,
+    check_users,
+    e2b_env,
+    run_js_program,
+    run_program,
+    sdk_python,
+)
 from tests.mcp_support import RunningDaemon, running_daemon
 
 pytestmark = pytest.mark.e2e
@@ -51,3 +59,19 @@ def test_the_e2b_sdk_drives_real_guests(daemon: tuple[RunningDaemon, str], sdk: 
     check_tour(seen, work)
     assert d.controller.list_sandboxes() == []
     print(f"\nE2B tour ({sdk} SDK) against real guests: {elapsed:.1f} s")
+
+
+def test_envd_users_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
+    """The default image's ``user`` (uid 1000, home /home/user): the SDK's ``user=``
+    runs commands as it, in its home, and its files are its own."""
+    _, url = daemon
+    seen = run_program(sdk_python(), "users", ["e2b-base", "/tmp/e2b-users", "user", "--home"],
+                       e2b_env(url, TOKEN), timeout=900)
+    check_users(seen, "user", 1000, 1000, "/home/user", home=True)
+
+
+def test_signed_file_urls_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
+    _, url = daemon
+    seen = run_program(sdk_python(), "signed_urls", ["e2b-base", "/tmp/e2b-signed"],
+                       e2b_env(url, TOKEN), timeout=900)
+    check_signed_urls(seen)

@@ -5,11 +5,14 @@ Plus the protocol's edges with raw HTTP: tokens, Connect errors, chunked bodies.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
+import pwd
 import socket
 import ssl
 import struct
+import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2b_sdk import check_tour, e2b_env, run_js_program, run_program, sdk_python
+from tests.e2b_sdk import (
+    check_signed_urls,
+    check_signed_urls_js,
+    check_tour,
+    check_users,
+    e2b_env,
+    run_js_program,
+    run_program,
+    sdk_python,
+)
 from tests.tls_certs import make_ca, make_server
 from tests.unit.agent_support import running_agent
 from tests.unit.test_server_http import TOKEN, _fake_snapshot
@@ -337,3 +349,55 @@ def test_lifecycle_calls(daemon: Daemon) -> None:
         status, _, raw = _request(daemon, method, f"/sandboxes/{sb['sandboxID']}/{path}",
                                   None if body is None else json.dumps(body).encode(), key)
         assert status == 501 and "lifecycles" in json.loads(raw)["message"], (path, raw)
+
+
+def test_signed_file_urls(daemon: Daemon, tmp_path: Path) -> None:
+    """The SDK's ``download_url``/``upload_url``: a URL carries no X-Access-Token, so
+    envd checks its signature (sha256 of path, operation, user, the sandbox's token and
+    the expiration): a wrong, missing or expired one is a 401 that says which."""
+    work = str(tmp_path / "work")
+    seen = run_program(sdk_python(), "signed_urls", ["base", work],
+                       e2b_env(daemon.url, TOKEN.decode()))
+    check_signed_urls(seen)
+    seen = run_js_program("signed_urls", ["base", work], e2b_env(daemon.url, TOKEN.decode()))
+    check_signed_urls_js(seen)
+
+
+def test_file_signature_is_the_sdks() -> None:
+    """``file_signature`` against the SDK's own ``get_signature`` (in its venv)."""
+    from vmfork.server.e2b.envd import file_signature
+    code = ("import json; from e2b import get_signature; print(json.dumps(["
+            "get_signature('/a b/ü.txt', 'read', None, 'tok'), "
+            "get_signature('x', 'write', 'user', 'tok', 60)]))")
+    done = subprocess.run([str(sdk_python()), "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    plain, expiring = json.loads(done.stdout)
+    assert file_signature("/a b/ü.txt", "read", "", "tok", None) == plain["signature"]
+    assert file_signature("x", "write", "user", "tok",
+                          expiring["expiration"]) == expiring["signature"]
+
+
+def test_envd_users(daemon: Daemon, tmp_path: Path) -> None:
+    """The SDK's ``user=`` (``Authorization: Basic``, ``?username=``): commands run as
+    that user, files and directories it makes are its own; an unknown user is refused
+    before anything runs. Here the agent is on this host (as root), whose ``nobody`` is
+    the user; tests/e2e/test_e2b_sdk.py runs it in a guest as ``user``."""
+    nobody = pwd.getpwnam("nobody")
+    work = str(tmp_path / "work")
+    seen = run_program(sdk_python(), "users", ["base", work, "nobody"],
+                       e2b_env(daemon.url, TOKEN.decode()))
+    check_users(seen, "nobody", nobody.pw_uid, nobody.pw_gid, nobody.pw_dir, home=False)
+
+
+def test_envd_user_header_is_checked(daemon: Daemon) -> None:
+    sb = _create(daemon)
+    envd = {"Content-Type": "application/json", "E2b-Sandbox-Id": sb["sandboxID"],
+            "X-Access-Token": sb["envdAccessToken"]}
+    for header in ("Bearer abc", "Basic !!!", "Basic " + base64.b64encode(b"nocolon").decode(),
+                   "Basic " + base64.b64encode(b"bad/name:").decode()):
+        status, _, raw = _request(daemon, "POST", "/filesystem.Filesystem/Stat",
+                                  b'{"path": "/"}', {**envd, "Authorization": header})
+        assert status == 400 and json.loads(raw)["code"] == "invalid_argument", (header, raw)
+    status, _, raw = _request(daemon, "GET", "/files?path=/etc/hostname&username=a%2Fb",
+                              headers=envd)
+    assert status == 400, raw

@@ -565,6 +565,7 @@ class AgentClient:
     def __init__(self, connect: Connector, *, io_timeout: float | None = 60.0) -> None:
         self._connect = connect
         self.io_timeout = io_timeout
+        self._protocol: int | None = None
 
     def _open(self, op: str, request: dict[str, Any], payload: bytes = b"",
               timeout: float | None = None, deadline: float | None = None) -> _Call:
@@ -785,11 +786,17 @@ class AgentClient:
         return buf.getvalue()
 
     def write_file(self, path: str, data: bytes | str | BinaryIO | Iterable[bytes], *,
-                   mode: int = 0o644, make_parents: bool = False) -> int:
+                   mode: int = 0o644, make_parents: bool = False,
+                   user: str | None = None) -> int:
         """Atomically replace the guest file ``path`` with ``data`` (bytes, str as
         UTF-8, a binary file, or an iterable of bytes), streamed in chunks. ``mode`` is
-        applied exactly. Returns the number of bytes written."""
-        call = self._open("write", {"path": path, "mode": mode, "make_parents": make_parents},
+        applied exactly; ``user`` (a guest user name) owns the file and the parents
+        made for it. Returns the number of bytes written."""
+        request: dict[str, Any] = {"path": path, "mode": mode, "make_parents": make_parents}
+        if user is not None:
+            self._need_protocol(3, "write", "writing a file as a user")
+            request["user"] = user
+        call = self._open("write", request,
                           timeout=self.io_timeout, deadline=self._deadline(TRANSFER_DEADLINE))
         try:
             call.expect("ready")
@@ -848,21 +855,44 @@ class AgentClient:
     def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None:
         self._simple("remove", path=path, recursive=recursive, missing_ok=missing_ok)
 
-    def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755) -> None:
-        self._simple("mkdir", path=path, parents=parents, mode=mode)
+    def mkdir(self, path: str, *, parents: bool = False, mode: int = 0o755,
+              user: str | None = None) -> None:
+        """Make a guest directory (``parents``: and its missing parents, like
+        ``mkdir -p``), owned by ``user`` (a guest user name) if given."""
+        fields: dict[str, Any] = {"path": path, "parents": parents, "mode": mode}
+        if user is not None:
+            self._need_protocol(3, "mkdir", "making a directory as a user")
+            fields["user"] = user
+        self._simple("mkdir", **fields)
+
+    def _need_protocol(self, version: int, op: str, what: str) -> None:
+        """Refuse, before anything runs, what an older agent would silently do
+        differently: an agent before protocol 3 ignores ``user`` (and would act as
+        root). The agent's protocol is asked once per client."""
+        if self._protocol is None:
+            self._protocol = self.ping().protocol
+        if self._protocol < version:
+            raise AgentError("unsupported", f"{what} needs guest agent protocol {version}; "
+                             f"this sandbox's agent speaks {self._protocol} (its snapshot "
+                             "was made by an older vmfork: make it again)", op=op)
 
     # -- background processes ------------------------------------------------------
 
     def start(self, argv_or_cmd: str | Sequence[str], *,
               env: Mapping[str, str | None] | None = None, cwd: str | None = None,
               stdin: bool = False, timeout: float | None = None,
-              pty: tuple[int, int] | None = None, tag: str | None = None) -> int:
+              pty: tuple[int, int] | None = None, tag: str | None = None,
+              user: str | None = None) -> int:
         """Start a background process (it outlives this call); returns its pid.
 
         ``stdin`` keeps its stdin open for ``send_stdin``; ``pty=(rows, cols)`` runs it
         on a pseudo-terminal (output is one ``pty`` stream, stdin always open);
-        ``timeout`` kills its process group after that many seconds."""
+        ``timeout`` kills its process group after that many seconds; ``user`` (a guest
+        user name) runs it as that user, in its home unless ``cwd`` is given."""
         request: dict[str, Any] = {"stdin": stdin, "timeout": timeout, "tag": tag}
+        if user is not None:
+            self._need_protocol(3, "start", "running a process as a user")
+            request["user"] = user
         if isinstance(argv_or_cmd, str):
             request["cmd"] = argv_or_cmd
         else:

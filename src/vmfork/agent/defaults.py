@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field
 
 from vmfork.agent.protocol import DEFAULT_ENV
+from vmfork.agent.request import OpError
 
 IMAGE_JSON = "/.vmfork/image.json"
 MAX_IMAGE_JSON = 1 << 20
@@ -35,6 +36,39 @@ _defaults = ExecDefaults()
 
 def current() -> ExecDefaults:
     return _defaults
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """A user a request asked to run as (``user``: a name in the guest's /etc/passwd)."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+
+MAX_USER_NAME = 32
+
+
+def run_as(name: object, op: str) -> RunAs | None:
+    """The user a request names in ``user`` (None: the image's default, as before).
+    Looked up in the guest's own /etc/passwd and /etc/group; an unknown name is an
+    error, never a silent fallback to root."""
+    if name is None:
+        return None
+    if (not isinstance(name, str) or not 0 < len(name) <= MAX_USER_NAME
+            or not all(c.isalnum() or c in "._-" for c in name) or name[0] == "-"):
+        raise OpError("bad_request", f"{op}: 'user' must be a user name of 1-"
+                                     f"{MAX_USER_NAME} letters, digits, '.', '_' or '-', "
+                                     f"got {str(name)[:40]!r}")
+    entry = _lookup("/etc/passwd", name)
+    if entry is None or len(entry) < 6 or not entry[2].isdigit():
+        raise OpError("unknown_user", f"{op}: there is no user {name!r} in the guest (not "
+                                      "in its /etc/passwd)", user=name)
+    uid, gid, groups, home = _resolve_user(name)
+    return RunAs(name, uid, gid, groups, home or "/")
 
 
 def _lookup(path: str, name: str) -> list[str] | None:

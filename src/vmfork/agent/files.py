@@ -18,7 +18,7 @@ import shutil
 import stat as stat_mod
 from typing import Any
 
-from vmfork.agent import system
+from vmfork.agent import defaults, system
 from vmfork.agent.conn import Conn
 from vmfork.agent.protocol import CHUNK_SIZE, LIST_BATCH, ConnectionClosed
 from vmfork.agent.request import OpError, get_bool, get_int, get_mode, get_path, os_error
@@ -89,12 +89,13 @@ def write(conn: Conn, req: dict[str, Any]) -> None:
     path = get_path(req)
     mode = get_mode(req, "mode", 0o644)
     make_parents = get_bool(req, "make_parents", False)
+    user = defaults.run_as(req.get("user"), "write")
     directory, name = os.path.split(path)
     if not name:
         raise OpError("bad_request", f"write: {path!r} names a directory, not a file")
     if make_parents:
         try:
-            os.makedirs(directory, exist_ok=True)
+            _makedirs(directory, 0o755, user)
         except OSError as err:
             raise os_error(err, "write: create parent directories", directory) from err
     if os.path.isdir(path):
@@ -138,9 +139,11 @@ def write(conn: Conn, req: dict[str, Any]) -> None:
         except OSError as err:
             raise os_error(err, "write: fsync", tmp) from err
         try:
+            if user is not None:
+                os.fchown(fd, user.uid, user.gid)
             os.fchmod(fd, mode)
         except OSError as err:
-            raise os_error(err, "write: chmod", tmp) from err
+            raise os_error(err, "write: chown/chmod", tmp) from err
         os.close(fd)
         fd = -1
         try:
@@ -157,7 +160,7 @@ def write(conn: Conn, req: dict[str, Any]) -> None:
                 os.unlink(tmp)
             except OSError:
                 pass
-    conn.result(size=size)
+    conn.result(size=size, uid=os.getuid() if user is None else user.uid)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -245,11 +248,14 @@ def mkdir(conn: Conn, req: dict[str, Any]) -> None:
     path = get_path(req)
     parents = get_bool(req, "parents", False)
     mode = get_mode(req, "mode", 0o755)
+    user = defaults.run_as(req.get("user"), "mkdir")
     try:
         if parents:
-            os.makedirs(path, mode, exist_ok=True)
+            _makedirs(path, mode, user)
         else:
             os.mkdir(path, mode)
+            if user is not None:
+                os.chown(path, user.uid, user.gid)
     except FileExistsError as err:
         kind = "a directory" if os.path.isdir(path) else "a file"
         raise OpError("exists", f"mkdir: {path!r} already exists ({kind})"
@@ -258,7 +264,32 @@ def mkdir(conn: Conn, req: dict[str, Any]) -> None:
                       path=path, errno=err.errno) from err
     except OSError as err:
         raise os_error(err, "mkdir", err.filename or path) from err
-    conn.result()
+    conn.result(uid=os.getuid() if user is None else user.uid)
+
+
+def _makedirs(path: str, mode: int, user: defaults.RunAs | None) -> None:
+    """``os.makedirs(path, exist_ok=True)``, each directory it creates owned by
+    ``user`` (if given), as envd makes a user's missing parents; existing ones are
+    left as they are."""
+    if user is None:
+        os.makedirs(path, mode, exist_ok=True)
+        return
+    missing: list[str] = []
+    at = os.path.normpath(path)
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue
+        os.chown(directory, user.uid, user.gid)
 
 
 RENAME_NOREPLACE = 1

@@ -198,7 +198,7 @@ class JobTable:
     # -- ops -----------------------------------------------------------------------
 
     def start(self, conn: Conn, req: dict[str, Any]) -> None:
-        command = Command.parse(req)
+        command = Command.parse(req, "start")
         pty_size = _parse_pty(req)
         tag = req.get("tag")
         if tag is not None:
@@ -212,7 +212,7 @@ class JobTable:
             self._jobs[job.pid] = job
         threading.Thread(target=self._pump, args=(job, command.timeout),
                          name=f"job-{job.pid}", daemon=True).start()
-        conn.result(pid=job.pid, pty=job.pty)
+        conn.result(pid=job.pid, pty=job.pty, uid=command.uid())
 
     def attach(self, conn: Conn, req: dict[str, Any]) -> None:
         job = self._job(req, "attach")
@@ -320,7 +320,8 @@ class JobTable:
                tag: str | None) -> Job:
         if pty_size is None:
             proc = spawn(command.argv, command.env, command.cwd,
-                         stdin=subprocess.PIPE if command.stdin else subprocess.DEVNULL)
+                         stdin=subprocess.PIPE if command.stdin else subprocess.DEVNULL,
+                         user=command.user)
             stdin_fd = None
             if proc.stdin is not None:
                 stdin_fd = os.dup(proc.stdin.fileno())
@@ -332,7 +333,7 @@ class JobTable:
                 env = dict(command.env)
                 env.setdefault("TERM", "xterm-256color")
                 proc = spawn(_on_controlling_tty(command.argv), env, command.cwd,
-                             stdin=slave, stdout=slave, stderr=slave)
+                             stdin=slave, stdout=slave, stderr=slave, user=command.user)
             except BaseException:
                 os.close(master)
                 raise

@@ -67,8 +67,10 @@ def _parse_argv(req: dict[str, Any]) -> list[str]:
     return argv
 
 
-def _parse_env(req: dict[str, Any]) -> dict[str, str]:
+def _parse_env(req: dict[str, Any], user: defaults.RunAs | None = None) -> dict[str, str]:
     env = dict(defaults.current().env)
+    if user is not None:   # what login(1) sets; the request's own env still wins
+        env.update(HOME=user.home, USER=user.name, LOGNAME=user.name)
     extra = req.get("env") or {}
     if not isinstance(extra, dict):
         raise OpError("bad_request", "exec: 'env' must be an object of strings")
@@ -96,15 +98,19 @@ def _parse_timeout(req: dict[str, Any]) -> float | None:
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str | None, *,
           stdin: int, stdout: int = subprocess.PIPE,
-          stderr: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    """Start ``argv`` in a session of its own, as the image's user, with errors mapped
-    to the protocol's codes (``exec`` and background jobs both start processes here).
-    ``stdin``/``stdout``/``stderr`` are ``subprocess`` constants or fds."""
+          stderr: int = subprocess.PIPE,
+          user: defaults.RunAs | None = None) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a session of its own, as ``user`` (the request's) or else the
+    image's user, with errors mapped to the protocol's codes (``exec`` and background
+    jobs both start processes here). ``stdin``/``stdout``/``stderr`` are ``subprocess``
+    constants or fds."""
     image = defaults.current()
     # The image's user, if it names one (an OCI image's User): as a container runtime
     # runs its processes, with the groups /etc/group gives that user.
     ids: dict[str, Any] = {}
-    if image.uid is not None:
+    if user is not None:
+        ids = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+    elif image.uid is not None:
         ids = {"user": image.uid, "group": image.gid, "extra_groups": list(image.groups)}
     try:
         return subprocess.Popen(
@@ -136,20 +142,30 @@ class Command:
     cwd: str | None
     stdin: bool
     timeout: float | None
+    user: defaults.RunAs | None = None
 
     @classmethod
-    def parse(cls, req: dict[str, Any]) -> Command:
+    def parse(cls, req: dict[str, Any], op: str = "exec") -> Command:
         argv = _parse_argv(req)
-        env = _parse_env(req)
+        user = defaults.run_as(req.get("user"), op)
+        env = _parse_env(req, user)
         cwd = req.get("cwd")
         if cwd is not None and (not isinstance(cwd, str) or not os.path.isabs(cwd)):
             raise OpError("bad_request", f"exec: 'cwd' must be an absolute path, got {cwd!r}")
         if cwd is None:
-            cwd = defaults.current().cwd
+            cwd = user.home if user is not None else defaults.current().cwd
         want_stdin = req.get("stdin", False)
         if not isinstance(want_stdin, bool):
             raise OpError("bad_request", "exec: 'stdin' must be true or false")
-        return cls(argv, env, cwd, want_stdin, _parse_timeout(req))
+        return cls(argv, env, cwd, want_stdin, _parse_timeout(req), user)
+
+    def uid(self) -> int:
+        """Whom the process runs as (told to the host, which checks that a ``user`` it
+        asked for was heard: an agent older than protocol 3 ignores the field)."""
+        if self.user is not None:
+            return self.user.uid
+        image = defaults.current().uid
+        return os.getuid() if image is None else image
 
 
 def run_exec(conn: Conn, req: dict[str, Any], owned: OwnedPids) -> None:
@@ -158,15 +174,17 @@ def run_exec(conn: Conn, req: dict[str, Any], owned: OwnedPids) -> None:
     timeout = command.timeout
     started = time.monotonic()
     proc = spawn(argv, command.env, command.cwd,
-                 stdin=subprocess.PIPE if command.stdin else subprocess.DEVNULL)
+                 stdin=subprocess.PIPE if command.stdin else subprocess.DEVNULL,
+                 user=command.user)
     with owned.owning(proc.pid):
-        _Execution(conn, proc, argv[0], started, timeout).run()
+        _Execution(conn, proc, argv[0], started, timeout, command.uid()).run()
 
 
 class _Execution:
     def __init__(self, conn: Conn, proc: subprocess.Popen[bytes], program: str,
-                 started: float, timeout: float | None) -> None:
+                 started: float, timeout: float | None, uid: int = 0) -> None:
         self.conn = conn
+        self.uid = uid
         self.proc = proc
         self.program = program
         self.started = started
@@ -182,7 +200,7 @@ class _Execution:
         stop_stdin = threading.Event()
         pump: threading.Thread | None = None
         try:
-            self.conn.send({"type": "started", "pid": proc.pid})
+            self.conn.send({"type": "started", "pid": proc.pid, "uid": self.uid})
             if stdin_fd is not None:
                 pump = threading.Thread(target=_pump_stdin,
                                         args=(self.conn, stdin_fd, stop_stdin),

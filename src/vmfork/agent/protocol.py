@@ -43,8 +43,11 @@ Ops
 ``exec`` — ``argv: [str]`` *or* ``cmd: str`` (run as ``/bin/sh -c cmd``);
 ``env: {str: str|null}`` (merged over ``DEFAULT_ENV``; null removes a key);
 ``cwd: str``; ``stdin: bool`` (default false: stdin is /dev/null);
-``timeout: float`` seconds (null or absent: no limit).
-    → ``started {pid}`` once the process runs. If ``stdin`` is true the host then sends
+``timeout: float`` seconds (null or absent: no limit); ``user: str`` (protocol 3: a
+name in the guest's /etc/passwd to run as, with its groups, ``HOME``/``USER``/
+``LOGNAME`` under the request's ``env``, and its home as the default ``cwd``; an
+unknown name is ``error unknown_user``; absent: the image's user, root by default).
+    → ``started {pid, uid}`` once the process runs (``uid``: whom it runs as). If ``stdin`` is true the host then sends
       ``data`` frames (payload = bytes for the process's stdin) and one ``eof`` frame;
       the host must wait for ``started`` before sending them.
     → ``stdout`` / ``stderr`` frames (payload = bytes) **as the process produces them**,
@@ -71,10 +74,11 @@ the result (like a REPL); otherwise the value is null.
     → ``data`` frames (payload = file bytes, ``CHUNK_SIZE`` each) → ``result {size}``.
 
 ``write`` — ``path``, ``mode`` (default 0o644, applied exactly, umask ignored),
-``make_parents`` (default false).
+``make_parents`` (default false), ``user`` (protocol 3: the file, and the parents
+made for it, are owned by that user and its primary group).
     → ``ready`` (the temporary file is open; send now) or an error.
     ← host sends ``data`` frames then one ``eof`` frame.
-    → ``result {size}``. The write is atomic: data goes to a temporary file in the same
+    → ``result {size, uid}``. The write is atomic: data goes to a temporary file in the same
       directory, which is fsynced and renamed over ``path`` (the directory is fsynced
       too). A dropped connection or an error leaves ``path`` untouched.
 
@@ -94,8 +98,9 @@ A file or symlink is unlinked; a directory needs ``recursive`` unless empty.
     → ``result {}``.
 
 ``mkdir`` — ``path``, ``parents`` (default false: like ``mkdir``; true: like
-``mkdir -p``, an existing directory is fine), ``mode`` (default 0o755).
-    → ``result {}``.
+``mkdir -p``, an existing directory is fine), ``mode`` (default 0o755), ``user``
+(protocol 3: the directories made are owned by that user).
+    → ``result {uid}``.
 
 ``reseed`` — payload = host random bytes (1..``MAX_PAYLOAD``); ``entropy_bits``
 (default 8 × len). Mixes the bytes into the kernel CRNG (ioctl RNDADDENTROPY on
@@ -148,8 +153,9 @@ started it, reached by pid from other connections.
 
 ``start`` — the fields of ``exec`` (``argv``/``cmd``, ``env``, ``cwd``, ``timeout``;
 ``stdin: true`` keeps a pipe open for ``send_stdin``), ``pty: {rows, cols}`` (run on
-a new pseudo-terminal: one output stream, ``pty``, and stdin always open), ``tag``.
-    → ``result {pid, pty}`` as soon as it runs.
+a new pseudo-terminal: one output stream, ``pty``, and stdin always open), ``tag``,
+``user`` (as for ``exec``).
+    → ``result {pid, pty, uid}`` as soon as it runs.
 
 ``attach`` — ``pid``, ``offset`` (default 0: the start of its output).
     → ``attached {pid, pty, skipped}`` (``skipped``: bytes before ``offset`` that are no
@@ -216,9 +222,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 AGENT_PORT = 1024
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """2 added ``rename``, ``watch`` and background processes (``start`` … ``ps``);
-an agent that answers 1 (an older snapshot's) does not have them."""
+an agent that answers 1 (an older snapshot's) does not have them. 3 added ``user`` on
+``exec``, ``start``, ``write`` and ``mkdir``; an older agent ignores the field, so its
+replies' ``uid`` (which it does not send) is how the host tells."""
 
 HEADER = struct.Struct(">II")
 MAX_HEADER = 1 << 20

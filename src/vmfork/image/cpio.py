@@ -56,6 +56,8 @@ class CpioEntry:
     data: bytes = b""
     source: Path | None = None
     rdev: tuple[int, int] = (0, 0)
+    owner: tuple[int, int] = (0, 0)
+    """``(uid, gid)``: root's, but for what a recipe gives to a user (its home)."""
 
     def size(self) -> int:
         if self.source is not None:
@@ -63,8 +65,8 @@ class CpioEntry:
         return len(self.data)
 
 
-def directory(path: str, perm: int = 0o755) -> CpioEntry:
-    return CpioEntry(path, stat.S_IFDIR | perm)
+def directory(path: str, perm: int = 0o755, owner: tuple[int, int] = (0, 0)) -> CpioEntry:
+    return CpioEntry(path, stat.S_IFDIR | perm, owner=owner)
 
 
 def regular_file(path: str, data: bytes, perm: int = 0o644) -> CpioEntry:
@@ -100,7 +102,7 @@ def _pad(length: int) -> bytes:
 def _header(ino: int, entry: CpioEntry, size: int, name: bytes) -> bytes:
     major, minor = entry.rdev
     fields = (
-        ino, entry.mode, 0, 0,          # ino, mode, uid, gid
+        ino, entry.mode, *entry.owner,  # ino, mode, uid, gid
         2 if stat.S_ISDIR(entry.mode) else 1,  # nlink
         0, size,                        # mtime, filesize
         0, 0, major, minor,             # devmajor, devminor, rdevmajor, rdevminor
@@ -160,10 +162,12 @@ def _write_data(out: BinaryIO, entry: CpioEntry, size: int) -> int:
     return size + len(_pad(size))
 
 
-def entries_from_tree(root: Path) -> Iterator[CpioEntry]:
+def entries_from_tree(root: Path, owners: dict[str, tuple[int, int]] | None = None
+                      ) -> Iterator[CpioEntry]:
     """The entries for everything under ``root`` (not ``root`` itself).
 
-    Ownership and times are dropped (the archive is owned by root, mtime 0);
+    Ownership and times are dropped (the archive is owned by root, mtime 0), except
+    the directories ``owners`` gives to a ``(uid, gid)`` (by relative path);
     permission bits, including set-id bits, are kept. Anything but regular files,
     directories and symlinks is refused: device nodes cannot be created without
     privilege, so they are added as explicit entries instead.
@@ -178,7 +182,7 @@ def entries_from_tree(root: Path) -> Iterator[CpioEntry]:
             if stat.S_ISLNK(st.st_mode):
                 yield symlink(rel, os.readlink(full))
             elif stat.S_ISDIR(st.st_mode):
-                yield directory(rel, perm)
+                yield directory(rel, perm, (owners or {}).get(rel, (0, 0)))
             elif stat.S_ISREG(st.st_mode):
                 yield CpioEntry(rel, stat.S_IFREG | perm, source=full)
             else:
@@ -208,4 +212,4 @@ def read_cpio(data: bytes) -> list[CpioEntry]:
         if len(body) != size:
             raise CpioError(f"{name}: archive truncated")
         pos += size + (-size % 4)
-        entries.append(CpioEntry(name, mode, data=body, rdev=rdev))
+        entries.append(CpioEntry(name, mode, data=body, rdev=rdev, owner=(fields[2], fields[3])))

@@ -122,14 +122,15 @@ LIBRARY_DIRS: tuple[str, ...] = (
 
 BASE_DIRS: dict[str, int] = {
     "dev": 0o755, "proc": 0o555, "sys": 0o555, "run": 0o755, "tmp": 0o1777,
-    "root": 0o700, "home": 0o755, "mnt": 0o755, "var": 0o755, "var/tmp": 0o1777,
+    "root": 0o700, "home": 0o755, "home/user": 0o755, "mnt": 0o755, "var": 0o755, "var/tmp": 0o1777,
     "etc": 0o755, "opt": 0o755, AGENT_ROOT: 0o755,
 }
 
 BASE_FILES: dict[str, str] = {
     "etc/passwd": "root:x:0:0:root:/root:/bin/sh\n"
+                  "user:x:1000:1000:user:/home/user:/bin/bash\n"
                   "nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n",
-    "etc/group": "root:x:0:\nnogroup:x:65534:\n",
+    "etc/group": "root:x:0:\nuser:x:1000:\nnogroup:x:65534:\n",
     "etc/hostname": "vmfork\n",
     "etc/hosts": "127.0.0.1\tlocalhost vmfork\n::1\tlocalhost ip6-localhost ip6-loopback\n",
     "etc/resolv.conf": "# Placeholder: the vmfork agent writes name servers here when the\n"
@@ -140,6 +141,10 @@ BASE_FILES: dict[str, str] = {
                          "hosts: files dns\nnetworks: files\nprotocols: files\n"
                          "services: files\n",
 }
+
+BASE_OWNERS: dict[str, tuple[int, int]] = {"home/user": (1000, 1000)}
+"""``user`` (uid 1000), the non-root user E2B's SDKs ask for (``user="user"``), owns
+its home; everything else in the image is root's."""
 
 BASE_SYMLINKS: dict[str, str] = {
     "usr/bin/python3": "python3.11",
@@ -251,7 +256,7 @@ def _build(out: Path, packages: list[debian.DebPackage], agent: list[tuple[str, 
         t = step("compile", t)
         archive = out / ARCHIVE_NAME
         with open(archive, "wb") as f:
-            size = cpio.write_cpio(f, [*cpio.entries_from_tree(staging), *device_entries()])
+            size = cpio.write_cpio(f, [*cpio.entries_from_tree(staging, BASE_OWNERS), *device_entries()])
             f.flush()
             os.fsync(f.fileno())
         step("archive", t)
@@ -627,7 +632,7 @@ def build_boot_initramfs(vmfork_source: Path | None = None) -> Initramfs:
             init.write_text(BOOT_INIT_SCRIPT)
             init.chmod(0o755)
             with open(out / ARCHIVE_NAME, "wb") as f:
-                cpio.write_cpio(f, [*cpio.entries_from_tree(staging), *device_entries()])
+                cpio.write_cpio(f, [*cpio.entries_from_tree(staging, BASE_OWNERS), *device_entries()])
                 f.flush()
                 os.fsync(f.fileno())
         finally:

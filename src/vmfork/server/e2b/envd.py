@@ -5,15 +5,20 @@ HTTP routes ``/files`` and ``/health``.
 Each RPC is a translation onto the agent calls the REST routes make (``api.py``'s
 ``/v1/sandboxes/{id}/processes…`` and ``files…`` handlers): background processes by
 pid (output kept in the agent and replayed on ``Connect``), stdin, signals, PTYs,
-inotify watches. What the agent does not have — users, a process selected by tag —
-is refused or mapped as the docstrings say. Relative paths are resolved against
-``GUEST_HOME`` (envd resolves them against the user's home; vmfork's guest runs as
-root).
+inotify watches. What the agent does not have — a process selected by tag — is
+mapped as the docstrings say. envd's users (``Authorization: Basic`` on an RPC,
+``?username=`` on ``/files``) become the agent's ``user``: processes run as that user
+and what it writes is its own; no user is root, vmfork's default, and relative paths
+resolve against the user's home (``GUEST_HOME`` for root). ``/files`` without an
+``X-Access-Token`` must be a signed URL (``file_signature``), as envd requires on a
+secured sandbox.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import hashlib
 import posixpath
 import secrets
 import stat as stat_module
@@ -43,6 +48,9 @@ ENVD_VERSION = "0.5.7"
 first with octet-stream uploads and has stdin on ``Start`` and ``CloseStdin``; later
 versions add entry metadata and entries in watch events, which are not emulated."""
 GUEST_HOME = "/root"
+USER_HOMES = "/home"
+"""A non-root envd user's home is ``/home/<name>`` (as in E2B's templates and the
+default image's ``user``): where its relative paths and its processes start."""
 KEEPALIVE_SECS = 15.0
 """A silent stream sends a keep-alive event this often (or at the client's
 ``Keepalive-Ping-Interval``, if shorter); it is also how a client that went away is
@@ -63,6 +71,7 @@ _EVENT_TYPES = {"create": "EVENT_TYPE_CREATE", "write": "EVENT_TYPE_WRITE",
 """inotify's two halves of a rename as envd reports them: the old name renamed, the
 new one created."""
 _AGENT_CODES = {"not_found": "not_found", "exists": "already_exists",
+                "unknown_user": "invalid_argument", "unsupported": "failed_precondition",
                 "permission_denied": "permission_denied",
                 "not_a_directory": "invalid_argument", "is_a_directory": "invalid_argument",
                 "not_empty": "failed_precondition", "invalid": "invalid_argument"}
@@ -78,11 +87,14 @@ class _Watcher:
 
 
 class Envd:
-    """The envd of every sandbox: stateless except for polled watchers."""
+    """The envd of every sandbox: stateless except for polled watchers.
+    ``access_token(sandbox_id)`` is the sandbox's ``envdAccessToken``, which signed
+    ``/files`` URLs are signed with."""
 
-    def __init__(self) -> None:
+    def __init__(self, access_token: Callable[[str], str]) -> None:
         self._lock = threading.Lock()
         self._watchers: dict[str, _Watcher] = {}
+        self._access_token = access_token
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -129,7 +141,8 @@ class Envd:
             raise ConnectError("invalid_argument", f"{where}: process.envs must map names "
                                "to strings")
         cwd = connect.field(config, "cwd")
-        cwd = GUEST_HOME if cwd in (None, "") else _path(cwd, where)
+        who = _rpc_user(req, where)
+        cwd = who.home if cwd in (None, "") else _path(cwd, where, who.home)
         pty_size = None
         pty = connect.obj(m, "pty", where)
         if pty is not None:
@@ -144,7 +157,7 @@ class Envd:
             pid = agent.start([cmd, *args], env=_command_env(c, sandbox_id, envs), cwd=cwd,
                               stdin=connect.boolean(m, "stdin", where), tag=tag,
                               timeout=None if timeout is None else timeout / 1000,
-                              pty=pty_size)
+                              pty=pty_size, user=who.name)
         return connect.stream_response(
             lambda: self._follow(agent, sandbox_id, pid, _keepalive(req), started=True))
 
@@ -270,7 +283,7 @@ class Envd:
 
     def stat(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
              req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
         with _agent(sandbox_id, "stat"):
             info = c.agent(sandbox_id).stat(path, follow_symlinks=False)
         return {"entry": _entry(info, path)}
@@ -279,7 +292,8 @@ class Envd:
                  req: api.Request) -> dict[str, Any]:
         """envd makes the parents too, and answers ALREADY_EXISTS for an existing
         directory (the SDK's ``make_dir`` then returns False)."""
-        path = _path(connect.string(m, "path", where), where)
+        who = _rpc_user(req, where)
+        path = _path(connect.string(m, "path", where), where, who.home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "mkdir"):
             try:
@@ -288,14 +302,15 @@ class Envd:
             except AgentError as err:
                 if err.code != "not_found":
                     raise
-            agent.mkdir(path, parents=True)
+            agent.mkdir(path, parents=True, user=who.name)
             info = agent.stat(path, follow_symlinks=False)
         return {"entry": _entry(info, path)}
 
     def move(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
              req: api.Request) -> dict[str, Any]:
-        source = _path(connect.string(m, "source", where), where)
-        destination = _path(connect.string(m, "destination", where), where)
+        home = _rpc_user(req, where).home
+        source = _path(connect.string(m, "source", where), where, home)
+        destination = _path(connect.string(m, "destination", where), where, home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "rename"):
             agent.rename(source, destination, overwrite=True)   # rename(2), as envd
@@ -304,7 +319,7 @@ class Envd:
 
     def list_dir(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                  req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
         depth = connect.uint(m, "depth", where, MAX_LIST_DEPTH) or 1
         limit = c.limits.list_entries
         agent = c.agent(sandbox_id)
@@ -329,14 +344,14 @@ class Envd:
 
     def remove(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
         with _agent(sandbox_id, "remove"):
             c.agent(sandbox_id).remove(path, recursive=True)
         return {}
 
     def watch_dir(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                   req: api.Request) -> api.Response:
-        path = _path(connect.string(m, "path", where), where)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "watch"):
             watch = agent.watch(path, recursive=connect.boolean(m, "recursive", where))
@@ -359,7 +374,7 @@ class Envd:
 
     def create_watcher(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                        req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
         self._expire_watchers()
         with self._lock:
             if len(self._watchers) >= MAX_WATCHERS:
@@ -425,6 +440,12 @@ class Envd:
     def _files(self, c: Controller, req: api.Request, sandbox_id: str,
                where: str) -> api.Response:
         try:
+            if req.method not in ("GET", "POST"):
+                return _files_error(405, f"{where}: /files takes GET and POST")
+            if req.headers.get("x-access-token") is None:   # checked before, if given
+                refused = self._check_signature(req, sandbox_id, where)
+                if refused is not None:
+                    return refused
             if req.method == "GET":
                 return self._download(c, req, sandbox_id, where)
             if req.method == "POST":
@@ -435,9 +456,42 @@ class Envd:
             return _files_error(connect._STATUS[err.code], err.message)
         return _files_error(405, f"{where}: /files takes GET and POST")
 
+    def _check_signature(self, req: api.Request, sandbox_id: str,
+                         where: str) -> api.Response | None:
+        """A signed URL (the SDK's ``download_url``/``upload_url``), checked as envd
+        checks one on a secured sandbox (every sandbox here is): ``signature`` must be
+        ``file_signature`` of the URL's own ``path`` and ``username``, the operation
+        (GET reads, POST writes) and, if the URL has one, ``signature_expiration``,
+        which must not have passed. None when it holds; a 401 saying why when not."""
+        signature = req.query.get("signature", [None])[0]
+        if signature is None:
+            return _files_error(401, f"{where}: missing signature query parameter (a "
+                                "/files call needs the X-Access-Token header or a signed "
+                                "URL: download_url/upload_url)")
+        raw_expiration = req.query.get("signature_expiration", [None])[0]
+        expiration = None
+        if raw_expiration is not None:
+            digits = raw_expiration.removeprefix("-")
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 19):
+                return _files_error(400, f"{where}: signature_expiration "
+                                    f"{raw_expiration[:24]!r} is not a Unix time")
+            expiration = int(raw_expiration)
+        expected = file_signature(req.query.get("path", [""])[0],
+                                  "read" if req.method == "GET" else "write",
+                                  req.query.get("username", [""])[0],
+                                  self._access_token(sandbox_id), expiration)
+        if not secrets.compare_digest(signature.encode("utf-8", "surrogateescape"),
+                                      expected.encode()):
+            return _files_error(401, f"{where}: invalid signature (not this sandbox's, or "
+                                "for another path, user, operation or expiration)")
+        if expiration is not None and expiration < time.time():
+            return _files_error(401, f"{where}: signature is already expired (at "
+                                f"{expiration}, now {int(time.time())})")
+        return None
+
     def _download(self, c: Controller, req: api.Request, sandbox_id: str,
                   where: str) -> api.Response:
-        path = _path(_query(req, "path", where), where)
+        path = _path(_query(req, "path", where), where, _files_user(req, where).home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "stat"):
             info = agent.stat(path)
@@ -457,6 +511,7 @@ class Envd:
         """Multipart (one part per file, its filename the path; ``?path=`` names a lone
         file) or ``application/octet-stream`` (the body is the file at ``?path=``).
         Parents are made, as envd does. Streamed to the agent, never held whole."""
+        who = _files_user(req, where)
         agent = c.agent(sandbox_id)
         kind = req.headers.get("content-type", "")
         written: list[dict[str, str]] = []
@@ -467,18 +522,18 @@ class Envd:
                 if not target:
                     raise BadRequest(f"{where}: a part has no filename and there is no "
                                      "?path=")
-                path = _path(target, where)
+                path = _path(target, where, who.home)
                 with _agent(sandbox_id, "write"):
-                    agent.write_file(path, part.chunks(), make_parents=True)
+                    agent.write_file(path, part.chunks(), make_parents=True, user=who.name)
                 written.append({"name": posixpath.basename(path), "type": "file",
                                 "path": path})
         else:
             if req.headers.get("content-encoding", "identity").lower() != "identity":
                 raise BadRequest(f"{where}: compressed uploads are not accepted; send the "
                                  "file as it is")
-            path = _path(_query(req, "path", where), where)
+            path = _path(_query(req, "path", where), where, who.home)
             with _agent(sandbox_id, "write"):
-                agent.write_file(path, req.chunks(), make_parents=True)
+                agent.write_file(path, req.chunks(), make_parents=True, user=who.name)
             written.append({"name": posixpath.basename(path), "type": "file", "path": path})
         if not written:
             raise BadRequest(f"{where}: the upload holds no file")
@@ -562,19 +617,80 @@ def _error(err: ConnectError, streaming: bool) -> api.Response:
     return api.Response(200, connect.end_of_stream(err), content_type=connect.STREAM_TYPE)
 
 
+def file_signature(path: str, operation: str, user: str, access_token: str,
+                   expiration: int | None) -> str:
+    """envd's v1 signature of a ``/files`` URL, as the SDKs make it (``get_signature``):
+    ``v1_`` and the unpadded base64 of SHA-256 over
+    ``path:operation:user:access-token[:expiration]`` (``user`` empty for the default
+    user, ``operation`` ``read`` or ``write``)."""
+    raw = f"{path}:{operation}:{user}:{access_token}"
+    if expiration is not None:
+        raw += f":{expiration}"
+    digest = hashlib.sha256(raw.encode("utf-8", "surrogateescape")).digest()
+    return "v1_" + base64.b64encode(digest).rstrip(b"=").decode("ascii")
+
+
 def _files_error(status: int, message: str) -> api.Response:
     return api.Response(status, {"code": status, "message": message})
 
 
-def _path(value: Any, where: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Who:
+    """The envd user a call is made as: ``name`` for the agent (None: root, the
+    guest's default) and the home relative paths resolve against."""
+
+    name: str | None
+    home: str
+
+
+_ROOT = _Who(None, GUEST_HOME)
+
+
+def _user(name: str | None, where: str) -> _Who:
+    """envd's ``user``: none or empty is the default user (root here: vmfork's guests
+    run as root, where E2B's templates default to ``user``); another name must be a
+    user in the guest, which the agent checks (``unknown_user``)."""
+    if name is None or name in ("", "root"):
+        return _ROOT
+    if len(name) > 32 or not all(c.isalnum() or c in "._-" for c in name) or name[0] == "-":
+        raise ConnectError("invalid_argument", f"{where}: the user {name[:40]!r} is not a "
+                           "user name")
+    return _Who(name, f"{USER_HOMES}/{name}")
+
+
+def _rpc_user(req: api.Request, where: str) -> _Who:
+    """The user of an RPC: the SDK sends ``Authorization: Basic base64(<user>:)``."""
+    header = req.headers.get("authorization")
+    if header is None:
+        return _ROOT
+    scheme, _, encoded = header.strip().partition(" ")
+    try:
+        if scheme.lower() != "basic" or len(encoded) > 256:
+            raise ValueError(scheme)
+        name, sep, _password = base64.b64decode(encoded.strip(), validate=True).decode(
+            "utf-8").partition(":")
+        if not sep:
+            raise ValueError("no colon")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConnectError("invalid_argument", f"{where}: the Authorization header must be "
+                           "'Basic ' and base64 of '<user>:' (how the SDK names the user)"
+                           ) from err
+    return _user(name, where)
+
+
+def _files_user(req: api.Request, where: str) -> _Who:
+    return _user(req.query.get("username", [None])[0], where)
+
+
+def _path(value: Any, where: str, home: str = GUEST_HOME) -> str:
     if not isinstance(value, str) or not value:
         raise ConnectError("invalid_argument", f"{where}: a path is required")
     if "\0" in value or len(value.encode("utf-8", "surrogateescape")) > MAX_GUEST_PATH:
         raise ConnectError("invalid_argument", f"{where}: the path is not valid (NUL, or "
                            f"over {MAX_GUEST_PATH} bytes)")
     if value.startswith("~/") or value == "~":
-        value = GUEST_HOME + value[1:]
-    return posixpath.normpath(posixpath.join(GUEST_HOME, value))
+        value = home + value[1:]
+    return posixpath.normpath(posixpath.join(home, value))
 
 
 def _query(req: api.Request, name: str, where: str) -> str:
