@@ -59,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--host-timeout", type=float, default=3600)
     p.add_argument("--no-balloon", action="store_true",
                    help="boot the base without the free-page-reporting balloon (VMFORK_BALLOON=0)")
+    p.add_argument("--compare", action="store_true",
+                   help="in one test host: the chain with the balloon, then without it")
     return p.parse_args()
 
 
@@ -66,6 +68,11 @@ def main() -> int:
     args = parse_args()
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
+    if args.compare:
+        common = [sys.executable, __file__, "--mem-mib", str(args.mem_mib)]
+        with_balloon = subprocess.run([*common, "--spawns", str(args.spawns)], check=False)
+        without = subprocess.run([*common, "--spawns", "3", "--no-balloon"], check=False)
+        return with_balloon.returncode or without.returncode
     sys.path.insert(0, str(REPO))
     from tests.pip_index import INSTALLED, index_on_the_internet
     from vmfork.client import Controller
@@ -136,7 +143,7 @@ def main() -> int:
                         kid, ["python3", "-c", READ_MEMINFO], timeout_secs=300)["stdout"])
                 finally:
                     ctl.kill_sandbox(kid)
-            store = Store.open(work / "home")
+            store = Store(work / "home")   # read only: the daemon owns it
             for link in links:
                 before, after = meminfo[link["from"]], meminfo[link["tag"]]
                 link["meminfo_delta_bytes"] = {k: after.get(k, 0) - before.get(k, 0)
