@@ -168,8 +168,12 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
         assert fpr["bytes_discarded"] > 0 and fpr["discard_errors"] == 0, (tag, fpr)
         assert fpr["settle_s"] <= 25, (tag, fpr)
         NUMBERS[f"{tag}_balloon_dropped_MiB"] = round(fpr["bytes_discarded"] / 2**20, 1)
-    # The layers hold what the build wrote, not the base.
+    # The layers hold what the build wrote, not the base; with the freed pages gone,
+    # the numpy layer is close to what pip installed (bench/pip_chain.py measured 1.23x;
+    # 2.35x before the balloon). Not yet the 1.2x: docs/chains.md says where the
+    # rest is.
     assert layers["py-numpy"] >= installed["py-numpy"]
+    assert layers["py-numpy"] <= 1.5 * installed["py-numpy"], NUMBERS
     NUMBERS["head_layers_ratio"] = round(sum(layers.values()) / sum(installed.values()), 2)
     assert layers["py-numpy"] < base_mem / 2
 
