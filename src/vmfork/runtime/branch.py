@@ -212,7 +212,6 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
 
     with _connect(control_socket) as control:
         status = control.call({"op": "status"})
-        settled = _settle_free_pages(control, status) if mode == "diff" else None
         bases = status.get("snapshot_bases") or []
         origin = next((b["tag"] for b in bases if b.get("kind") == "restore"), None)
         parent: Snapshot | None = None
@@ -222,6 +221,8 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                 check_depth_for_child(store, parent.tag)
             except ChainTooDeep as err:
                 raise BranchFailed(str(err), stage="base") from err
+        # After the checks that can refuse the branch, before the pause.
+        settled = _settle_free_pages(control, status) if mode == "diff" else None
         memory_path = str(pending.layer_path if mode == "diff" else pending.memory_path)
         state_path = str(pending.state_path)
         staged: tuple[str, str] | None = None
