@@ -14,8 +14,16 @@ instead of 15: a guest's network in the loaded emulated host stalls for longer).
 link's build time (the CLI command, spawn + pip + BRANCH), its layer (``changed_bytes``)
 against what pip installed (every file of the distributions' RECORDs, measured in a
 child of the head), and ``--spawns`` single-sandbox spawns of the head against the base
-(request to agent ready), alternating. Writes ``bench/results/pip-chain.{json,md}``.
-Inside the emulated test host only the ratios within the run mean anything.
+(request to agent ready), alternating. Writes ``bench/results/pip-chain.{json,md}``
+(``pip-chain-no-balloon.*`` with ``--no-balloon``).
+
+Where a layer's pages are: a child of every snapshot reads ``/proc/meminfo``, and each
+link is reported as the change from its parent (memory in use, tmpfs -- which holds
+what pip installed, the root being a RAM overlay --, page cache, anonymous, slab), with
+what the VMM's balloon dropped before the capture (free page reporting,
+``vmm/devices/virtio/balloon.py``; ``--no-balloon`` boots the base without one, the
+"before" of the same run conditions). Inside the emulated test host only the ratios
+within the run mean anything.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ LINKS = (("py-base", "py-numpy", "pip install numpy==2.0.2", ("numpy",)),
          ("py-numpy", "py-pandas", "pip install pandas==2.2.3",
           ("pandas", "python-dateutil", "pytz", "tzdata", "six")))
 MIB = 1 << 20
+MEMINFO = ("MemFree", "Shmem", "Cached", "AnonPages", "Slab", "PageTables")
+READ_MEMINFO = ("import json; print(json.dumps({l.split(':')[0]: int(l.split()[1]) * 1024 "
+                "for l in open('/proc/meminfo')}))")
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,6 +57,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--spawns", type=int, default=5, help="spawns of head and of base each")
     p.add_argument("--host-mem-mib", type=int, default=4096)
     p.add_argument("--host-timeout", type=float, default=3600)
+    p.add_argument("--no-balloon", action="store_true",
+                   help="boot the base without the free-page-reporting balloon (VMFORK_BALLOON=0)")
+    p.add_argument("--compare", action="store_true",
+                   help="in one test host: the chain with the balloon, then without it")
     return p.parse_args()
 
 
@@ -53,11 +68,20 @@ def main() -> int:
     args = parse_args()
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
+    if args.compare:
+        common = [sys.executable, __file__, "--mem-mib", str(args.mem_mib)]
+        with_balloon = subprocess.run([*common, "--spawns", str(args.spawns)], check=False)
+        without = subprocess.run([*common, "--spawns", "3", "--no-balloon"], check=False)
+        return with_balloon.returncode or without.returncode
     sys.path.insert(0, str(REPO))
     from tests.pip_index import INSTALLED, index_on_the_internet
     from vmfork.client import Controller
     from vmfork.runtime import network
     from vmfork.server.daemon import Daemon, DaemonConfig
+
+    if args.no_balloon:
+        os.environ["VMFORK_BALLOON"] = "0"    # the daemon boots the base in this process tree
+    from vmfork.store import Store
 
     work = Path(tempfile.mkdtemp(prefix="vmfork-bench-pip-chain-"))
     sock = work / "api.sock"
@@ -111,6 +135,22 @@ def main() -> int:
                         link["layer_bytes"] / link["installed_bytes"], 2)
             finally:
                 ctl.kill_sandbox(child)
+            meminfo: dict[str, dict[str, int]] = {}
+            for tag in ("py-base", *(link["tag"] for link in links)):
+                kid = ctl.spawn_sandboxes(tag, 1)[0]["id"]
+                try:
+                    meminfo[tag] = json.loads(ctl.exec_command(
+                        kid, ["python3", "-c", READ_MEMINFO], timeout_secs=300)["stdout"])
+                finally:
+                    ctl.kill_sandbox(kid)
+            store = Store(work / "home")   # read only: the daemon owns it
+            for link in links:
+                before, after = meminfo[link["from"]], meminfo[link["tag"]]
+                link["meminfo_delta_bytes"] = {k: after.get(k, 0) - before.get(k, 0)
+                                               for k in MEMINFO}
+                link["in_use_delta_bytes"] = before["MemFree"] - after["MemFree"]
+                link["free_page_reporting"] = store.get(link["tag"]).meta.extra.get(
+                    "free_page_reporting")
             spawns: dict[str, list[float]] = {"py-base": [], head: []}
             for _ in range(args.spawns):
                 for tag, values in spawns.items():
@@ -126,6 +166,7 @@ def main() -> int:
     installed = sum(link["installed_bytes"] for link in links)
     head_ratio = round(layers / installed, 2)
     data: dict[str, Any] = {
+            "balloon": not args.no_balloon,
             "base_build_s": round(base_s, 1), "links": links,
             "head": {"tag": head, "chain_depth": info["chain_depth"],
                      "ancestors": info["ancestors"], "layers_over_installed": head_ratio},
@@ -134,21 +175,31 @@ def main() -> int:
     rows = "\n".join(
         f"| `{link['tag']}` | `{link['exec']}` | {link['build_s']} s | "
         f"{link['layer_bytes'] / MIB:.1f} MiB | {link['installed_bytes'] / MIB:.1f} MiB | "
-        f"{link['layer_over_installed']}x |" for link in links)
+        f"{link['layer_over_installed']}x | {link['in_use_delta_bytes'] / MIB:.1f} MiB | "
+        f"{_dropped(link)} |" for link in links)
     markdown = (
         "# forkd's README chain (`python bench/pip_chain.py`)\n\n"
         f"Base `py-base` (`vmfork snapshot --network`, {args.mem_mib} MiB): "
         f"{data['base_build_s']} s.\n\n"
-        "| link | `--exec` | build | layer | pip installed | layer / installed |\n"
-        "|---|---|---:|---:|---:|---:|\n" + rows + "\n\n"
+        "| link | `--exec` | build | layer | pip installed | layer / installed "
+        "| guest memory in use, change | balloon dropped before the capture |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|\n" + rows + "\n\n"
         f"Head `{head}` (depth {info['chain_depth']}): layers {layers / MIB:.1f} MiB for "
         f"{installed / MIB:.1f} MiB installed ({head_ratio}x).\n\n"
         f"Spawn to ready, median of {args.spawns} (alternating): base "
         f"{p50['py-base']:.0f} ms, head {p50[head]:.0f} ms "
         f"({data['head_over_base_spawn']}x).\n")
-    write_results("pip-chain", data, markdown)
+    write_results("pip-chain-no-balloon" if args.no_balloon else "pip-chain", data, markdown)
     print(json.dumps(data))
     return 0
+
+
+def _dropped(link: dict[str, Any]) -> str:
+    fpr = link.get("free_page_reporting")
+    if not fpr:
+        return "no balloon"
+    return (f"{fpr['bytes_discarded'] / MIB:.1f} MiB in {fpr['reports']} reports "
+            f"(waited {fpr['settle_s']} s)")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from tests.e2e.test_daemon import Daemon, Home
 from tests.pip_index import INSTALLED, index_on_the_internet, wheel_dir
 from vmfork.client import ControllerError
 from vmfork.runtime import network
+from vmfork.store import Store
 
 pytestmark = pytest.mark.e2e
 
@@ -157,9 +158,22 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
         NUMBERS[f"{tag}_installed_MiB"] = round(installed[tag] / 2**20, 2)
         NUMBERS[f"{tag}_ratio"] = round(layer / installed[tag], 2)
     base_mem = daemon.ctl.snapshot_info("py-base")["memory_logical_bytes"]
-    # The layers hold what the build wrote, not the base. Not yet within the issue's
-    # 1.2x of what pip installed: they also carry what pip freed (docs/design-notes.md).
+    # What the guest freed during the build (pip's heap, the wheel it deleted) was
+    # reported by the guest's free page reporting and dropped by the VMM's balloon
+    # before the capture (docs/chains.md), and the BRANCH waited for it, boundedly.
+    store = Store(home.root / "home")   # read only: the daemon owns it
+    for tag in layers:
+        fpr = store.get(tag).meta.extra.get("free_page_reporting")
+        assert fpr and fpr["active"] and fpr["reports"] > 0, (tag, fpr)
+        assert fpr["bytes_discarded"] > 0 and fpr["discard_errors"] == 0, (tag, fpr)
+        assert fpr["settle_s"] <= 25, (tag, fpr)
+        NUMBERS[f"{tag}_balloon_dropped_MiB"] = round(fpr["bytes_discarded"] / 2**20, 1)
+    # The layers hold what the build wrote, not the base; with the freed pages gone,
+    # the numpy layer is close to what pip installed (bench/pip_chain.py measured 1.23x;
+    # 2.35x before the balloon). Not yet the 1.2x: docs/chains.md says where the
+    # rest is.
     assert layers["py-numpy"] >= installed["py-numpy"]
+    assert layers["py-numpy"] <= 1.5 * installed["py-numpy"], NUMBERS
     NUMBERS["head_layers_ratio"] = round(sum(layers.values()) / sum(installed.values()), 2)
     assert layers["py-numpy"] < base_mem / 2
 
