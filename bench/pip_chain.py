@@ -47,6 +47,11 @@ LINKS = (("py-base", "py-numpy", "pip install numpy==2.0.2", ("numpy",)),
           ("pandas", "python-dateutil", "pytz", "tzdata", "six")))
 MIB = 1 << 20
 MEMINFO = ("MemFree", "Shmem", "Cached", "AnonPages", "Slab", "PageTables")
+# What a child of the head checks, by how many links were built.
+CHECK = {1: "import numpy; print(numpy.__version__, int(numpy.arange(10).sum()))",
+         2: ("import numpy, pandas; print(numpy.__version__, pandas.__version__, "
+             "int(pandas.Series(numpy.arange(10)).sum()))")}
+CHECK_OUT = {1: "2.0.2 45", 2: "2.0.2 2.2.3 45"}
 READ_MEMINFO = ("import json; print(json.dumps({l.split(':')[0]: int(l.split()[1]) * 1024 "
                 "for l in open('/proc/meminfo')}))")
 
@@ -59,8 +64,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--host-timeout", type=float, default=3600)
     p.add_argument("--no-balloon", action="store_true",
                    help="boot the base without the free-page-reporting balloon (VMFORK_BALLOON=0)")
+    p.add_argument("--links", type=int, choices=(1, 2), default=2,
+                   help="build the first N links (1: numpy only)")
     p.add_argument("--compare", action="store_true",
-                   help="in one test host: the chain with the balloon, then without it")
+                   help="in one test host: the chain with the balloon and without it, "
+                        "alternating, --rounds times")
+    p.add_argument("--rounds", type=int, default=2, help="with --compare: with/without pairs")
     return p.parse_args()
 
 
@@ -69,10 +78,7 @@ def main() -> int:
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
     if args.compare:
-        common = [sys.executable, __file__, "--mem-mib", str(args.mem_mib)]
-        with_balloon = subprocess.run([*common, "--spawns", str(args.spawns)], check=False)
-        without = subprocess.run([*common, "--spawns", "3", "--no-balloon"], check=False)
-        return with_balloon.returncode or without.returncode
+        return compare(args)
     sys.path.insert(0, str(REPO))
     from tests.pip_index import INSTALLED, index_on_the_internet
     from vmfork.client import Controller
@@ -113,26 +119,27 @@ def main() -> int:
             base_s = cli("snapshot", "--tag", "py-base", "--network", "--mem-mib",
                          str(args.mem_mib), "--warm-cmd", pip_conf)
             links: list[dict[str, Any]] = []
-            for parent, tag, command, _ in LINKS:
+            for parent, tag, command, _ in LINKS[:args.links]:
                 # --timeout: pip under TCG emulation can take longer than the default 600 s.
                 seconds = cli("snapshot-diff", "--from", parent, "--tag", tag, "--network",
                               "--exec", command, "--timeout", "3000")
                 links.append({"tag": tag, "from": parent, "exec": command,
                               "build_s": round(seconds, 1),
                               "layer_bytes": ctl.snapshot_info(tag)["changed_bytes"]})
-            head = LINKS[-1][1]
+            head = links[-1]["tag"]
             child = ctl.spawn_sandboxes(head, 1)[0]["id"]
             try:
-                check = ctl.exec_command(child, ["python3", "-c", (
-                    "import numpy, pandas; print(numpy.__version__, pandas.__version__, "
-                    "int(pandas.Series(numpy.arange(10)).sum()))")], timeout_secs=900)
-                assert check["stdout"].strip() == "2.0.2 2.2.3 45", check
-                for link, (_, _, _, names) in zip(links, LINKS, strict=True):
+                check = ctl.exec_command(child, ["python3", "-c", CHECK[args.links]],
+                                         timeout_secs=900)
+                assert check["stdout"].strip() == CHECK_OUT[args.links], check
+                for link, (_, _, _, names) in zip(links, LINKS, strict=False):
                     out = ctl.exec_command(child, ["python3", "-c", INSTALLED, *names],
                                            timeout_secs=900)
-                    link["installed_bytes"] = int(out["stdout"])
-                    link["layer_over_installed"] = round(
-                        link["layer_bytes"] / link["installed_bytes"], 2)
+                    apparent, allocated = (int(n) for n in out["stdout"].split())
+                    link["installed_bytes"] = apparent
+                    link["installed_allocated_bytes"] = allocated
+                    link["layer_over_installed"] = round(link["layer_bytes"] / apparent, 2)
+                    link["layer_over_allocated"] = round(link["layer_bytes"] / allocated, 2)
             finally:
                 ctl.kill_sandbox(child)
             meminfo: dict[str, dict[str, int]] = {}
@@ -164,33 +171,79 @@ def main() -> int:
     p50 = {tag: statistics.median(values) for tag, values in spawns.items()}
     layers = sum(link["layer_bytes"] for link in links)
     installed = sum(link["installed_bytes"] for link in links)
+    allocated = sum(link["installed_allocated_bytes"] for link in links)
     head_ratio = round(layers / installed, 2)
+    head_ratio_allocated = round(layers / allocated, 2)
     data: dict[str, Any] = {
             "balloon": not args.no_balloon,
             "base_build_s": round(base_s, 1), "links": links,
             "head": {"tag": head, "chain_depth": info["chain_depth"],
-                     "ancestors": info["ancestors"], "layers_over_installed": head_ratio},
+                     "ancestors": info["ancestors"], "layers_over_installed": head_ratio,
+                     "layers_over_allocated": head_ratio_allocated},
             "spawn_ready_ms": spawns, "spawn_ready_ms_p50": p50,
             "head_over_base_spawn": round(p50[head] / p50["py-base"], 2)}
     rows = "\n".join(
         f"| `{link['tag']}` | `{link['exec']}` | {link['build_s']} s | "
         f"{link['layer_bytes'] / MIB:.1f} MiB | {link['installed_bytes'] / MIB:.1f} MiB | "
-        f"{link['layer_over_installed']}x | {link['in_use_delta_bytes'] / MIB:.1f} MiB | "
+        f"{link['installed_allocated_bytes'] / MIB:.1f} MiB | {link['layer_over_installed']}x | "
+        f"**{link['layer_over_allocated']}x** | {link['in_use_delta_bytes'] / MIB:.1f} MiB | "
         f"{_dropped(link)} |" for link in links)
     markdown = (
         "# forkd's README chain (`python bench/pip_chain.py`)\n\n"
         f"Base `py-base` (`vmfork snapshot --network`, {args.mem_mib} MiB): "
         f"{data['base_build_s']} s.\n\n"
-        "| link | `--exec` | build | layer | pip installed | layer / installed "
+        "| link | `--exec` | build | layer | pip installed (apparent) | (allocated) "
+        "| layer / apparent | layer / allocated "
         "| guest memory in use, change | balloon dropped before the capture |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|\n" + rows + "\n\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n" + rows + "\n\n"
         f"Head `{head}` (depth {info['chain_depth']}): layers {layers / MIB:.1f} MiB for "
-        f"{installed / MIB:.1f} MiB installed ({head_ratio}x).\n\n"
+        f"{installed / MIB:.1f} MiB installed, {allocated / MIB:.1f} MiB allocated "
+        f"({head_ratio}x, {head_ratio_allocated}x).\n\n"
         f"Spawn to ready, median of {args.spawns} (alternating): base "
         f"{p50['py-base']:.0f} ms, head {p50[head]:.0f} ms "
         f"({data['head_over_base_spawn']}x).\n")
     write_results("pip-chain-no-balloon" if args.no_balloon else "pip-chain", data, markdown)
     print(json.dumps(data))
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """With and without the balloon, alternating (with, without, with, ...) in this one
+    test host, so that the balloon's cost shows apart from the host's load, which drifts
+    over minutes. Each run is this script as a process of its own (a fresh daemon and
+    store; VMFORK_BALLOON is read when a machine is configured)."""
+    runs: list[dict[str, Any]] = []
+    for round_ in range(1, args.rounds + 1):
+        for balloon in (True, False):
+            argv = [sys.executable, __file__, "--mem-mib", str(args.mem_mib), "--spawns",
+                    str(args.spawns), "--links", str(args.links),
+                    *(() if balloon else ("--no-balloon",))]
+            done = subprocess.run(argv, stdout=subprocess.PIPE, text=True, check=False)
+            sys.stdout.write(done.stdout)
+            if done.returncode != 0:
+                return done.returncode
+            runs.append({"round": round_, **json.loads(done.stdout.strip().splitlines()[-1])})
+    rows = []
+    for run in runs:
+        p50 = run["spawn_ready_ms_p50"]
+        for link in run["links"]:
+            rows.append(
+                f"| {run['round']} | {'with' if run['balloon'] else 'without'} | "
+                f"{run['base_build_s']} s | `{link['tag']}` | {link['build_s']} s | "
+                f"{link['layer_bytes'] / MIB:.1f} MiB | {link['installed_bytes'] / MIB:.1f} MiB | "
+                f"{link['installed_allocated_bytes'] / MIB:.1f} MiB | "
+                f"{link['layer_over_installed']}x | {link['layer_over_allocated']}x | "
+                f"{_dropped(link)} | {p50['py-base']:.0f} ms | {p50[run['head']['tag']]:.0f} ms |")
+    markdown = (
+        "# forkd's chain with and without the balloon, alternating "
+        f"(`python bench/pip_chain.py --compare --links {args.links} --rounds {args.rounds}`)"
+        "\n\n| round | balloon | base build | link | build | layer | installed (apparent) "
+        "| (allocated) | layer / apparent | layer / allocated | balloon dropped "
+        f"| base spawn p50 of {args.spawns} | head spawn p50 |\n"
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|\n"
+        + "\n".join(rows) + "\n")
+    write_results("pip-chain-compare", {"links": args.links, "rounds": args.rounds,
+                                        "runs": runs}, markdown)
     return 0
 
 
