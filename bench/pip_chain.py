@@ -29,6 +29,7 @@ within the run mean anything.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import statistics
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,34 @@ CHECK = {1: "import numpy; print(numpy.__version__, int(numpy.arange(10).sum()))
          2: ("import numpy, pandas; print(numpy.__version__, pandas.__version__, "
              "int(pandas.Series(numpy.arange(10)).sum()))")}
 CHECK_OUT = {1: "2.0.2 45", 2: "2.0.2 2.2.3 45"}
+# What each page of a layer is now, read in a child of the link from /proc/kpageflags
+# (the child's memory is the link's, give or take what this script itself allocates):
+# argv[1] is the layer's extents as zlib'd JSON [[first pfn, pages], ...], base64.
+# Bits: include/uapi/linux/kernel-page-flags.h (PG_reported shares PG_uptodate's bit).
+PAGE_KINDS = r"""
+import base64, json, struct, sys, zlib
+runs = json.loads(zlib.decompress(base64.b64decode(sys.argv[1])))
+def kind(f):
+    bit = lambda n: f >> n & 1
+    if bit(32): return "reserved (kernel image, struct page array)"
+    if bit(10): return "free, reported" if bit(3) else "free, not reported"
+    if bit(26): return "page table"
+    if bit(7): return "slab"
+    if bit(12): return "anonymous"
+    if bit(14): return "tmpfs"
+    if bit(5): return "page cache"
+    if bit(15) or bit(16): return "compound, other"
+    if f == 0: return "no flags (tail of a free block, or kernel)"
+    return "other"
+kinds = {}
+with open("/proc/kpageflags", "rb") as f:
+    for first, pages in runs:
+        f.seek(first * 8)
+        for (flags,) in struct.iter_unpack("<Q", f.read(pages * 8)):
+            k = kind(flags)
+            kinds[k] = kinds.get(k, 0) + 1
+print(json.dumps(kinds))
+"""
 READ_MEMINFO = ("import json; print(json.dumps({l.split(':')[0]: int(l.split()[1]) * 1024 "
                 "for l in open('/proc/meminfo')}))")
 
@@ -152,6 +182,8 @@ def main() -> int:
                     ctl.kill_sandbox(kid)
             store = Store(work / "home")   # read only: the daemon owns it
             for link in links:
+                link["layer_page_kinds_mib"] = _layer_page_kinds(ctl, store, link["tag"])
+            for link in links:
                 before, after = meminfo[link["from"]], meminfo[link["tag"]]
                 link["meminfo_delta_bytes"] = {k: after.get(k, 0) - before.get(k, 0)
                                                for k in MEMINFO}
@@ -199,7 +231,9 @@ def main() -> int:
         f"Head `{head}` (depth {info['chain_depth']}): layers {layers / MIB:.1f} MiB for "
         f"{installed / MIB:.1f} MiB installed, {allocated / MIB:.1f} MiB allocated "
         f"({head_ratio}x, {head_ratio_allocated}x).\n\n"
-        f"Spawn to ready, median of {args.spawns} (alternating): base "
+        + "".join(f"`{link['tag']}`'s layer, by what its pages are in a child of the link: "
+                  f"{_kinds(link)}.\n\n" for link in links)
+        + f"Spawn to ready, median of {args.spawns} (alternating): base "
         f"{p50['py-base']:.0f} ms, head {p50[head]:.0f} ms "
         f"({data['head_over_base_spawn']}x).\n")
     write_results("pip-chain-no-balloon" if args.no_balloon else "pip-chain", data, markdown)
@@ -241,10 +275,38 @@ def compare(args: argparse.Namespace) -> int:
         "| (allocated) | layer / apparent | layer / allocated | balloon dropped "
         f"| base spawn p50 of {args.spawns} | head spawn p50 |\n"
         "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|\n"
-        + "\n".join(rows) + "\n")
+        + "\n".join(rows) + "\n\nWhat each layer's pages are, in a child of the link "
+        "(MiB, /proc/kpageflags):\n\n"
+        + "\n".join(f"- round {run['round']}, {'with' if run['balloon'] else 'without'}, "
+                     f"`{link['tag']}`: {_kinds(link)}"
+                     for run in runs for link in run["links"]) + "\n")
     write_results("pip-chain-compare", {"links": args.links, "rounds": args.rounds,
                                         "runs": runs}, markdown)
     return 0
+
+
+def _layer_page_kinds(ctl: Any, store: Any, tag: str) -> dict[str, float]:
+    """MiB of the link's layer by what each page is in a child of the link."""
+    from vmfork.vmm.layerfile import read_layer_index
+    layer = store.get(tag).layer_path
+    with open(layer, "rb", buffering=0) as f:
+        index = read_layer_index(f.fileno())
+    # 1 GiB of RAM or less sits below the MMIO hole: file offset == guest physical.
+    runs = [[offset // 4096, length // 4096] for offset, length in index.extents]
+    arg = base64.b64encode(zlib.compress(json.dumps(runs).encode(), 9)).decode()
+    kid = ctl.spawn_sandboxes(tag, 1)[0]["id"]
+    try:
+        out = ctl.exec_command(kid, ["python3", "-c", PAGE_KINDS, arg], timeout_secs=300)
+    finally:
+        ctl.kill_sandbox(kid)
+    if out.get("exit_code") != 0:
+        return {"error": str(out.get("stderr"))[-300:]}  # type: ignore[dict-item]
+    return {k: round(v * 4096 / MIB, 1)
+            for k, v in sorted(json.loads(out["stdout"]).items(), key=lambda kv: -kv[1])}
+
+
+def _kinds(link: dict[str, Any]) -> str:
+    return ", ".join(f"{kind} {mib}" for kind, mib in link["layer_page_kinds_mib"].items())
 
 
 def _dropped(link: dict[str, Any]) -> str:
