@@ -314,7 +314,8 @@ def _dropped(link: dict[str, Any]) -> str:
     if not fpr:
         return "no balloon"
     return (f"{fpr['bytes_discarded'] / MIB:.1f} MiB in {fpr['reports']} reports "
-            f"(waited {fpr['settle_s']} s)")
+            f"(waited {fpr['settle_s']} s; last report "
+            f"{fpr.get('report_age_at_start_s')} s before the BRANCH)")
 
 
 if __name__ == "__main__":

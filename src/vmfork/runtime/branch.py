@@ -23,7 +23,12 @@ VMM's balloon drops every page the guest reports free (free page reporting,
 downloaded and deleted -- is not kept as changed pages. The guest reports a block
 about 2 s after freeing it; we poll the VMM's status until no report came for
 ``SETTLE_QUIET_S``, at most ``SETTLE_MAX_S``, while the source runs: the wait
-lengthens the branch, never the pause, and each poll is an ordinary control call.
+lengthens the branch, never the pause, and each poll is an ordinary control call. Only
+a guest that reported within the last ``SETTLE_IDLE_S`` is waited for (a build that
+just ended: pip reports all through its run); a guest idle that long, or that never
+reported, is branched at once, so a diff BRANCH of an idle sandbox costs what it did
+before the balloon. What a quiet guest freed in its last 2 s then stays in the layer:
+a larger layer, never a wrong one.
 """
 
 from __future__ import annotations
@@ -53,9 +58,12 @@ MAX_STATE_BYTES = 64 << 20   # a jailed VMM's state file taken into the store at
 WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
 MAX_REPLY_BYTES = 1 << 20
 # Free page reporting settles when a pass found nothing more: a pass that did re-runs
-# within the guest's 2 s delay, so 3 s without a report means it is idle.
+# within the guest's 2 s delay, so 3 s without a report means it is idle. A guest with
+# no report in SETTLE_IDLE_S is not waited for at all; one that keeps freeing, at most
+# SETTLE_MAX_S (builds settled in 4-5 s, docs/chains.md).
 SETTLE_QUIET_S = 3.0
-SETTLE_MAX_S = 20.0
+SETTLE_IDLE_S = 10.0
+SETTLE_MAX_S = 10.0
 SETTLE_POLL_S = 0.25
 
 
@@ -296,18 +304,32 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
 
 def _settle_free_pages(control: _Control, status: dict[str, Any]) -> dict[str, Any] | None:
     """Wait (bounded) for the guest to finish reporting its free pages; what the VMM's
-    balloon did, with the seconds waited, or None for a VMM or guest without one."""
+    balloon did, with the seconds waited and how long ago the guest had last reported
+    when the wait began, or None for a VMM or guest without one."""
     started = time.monotonic()
     balloon = status.get("free_page_reporting")
+    if not isinstance(balloon, dict) or not balloon.get("active"):
+        return None
+    age_at_start = balloon.get("last_report_age_s")
     while isinstance(balloon, dict) and balloon.get("active"):
         waited = time.monotonic() - started
-        age = balloon.get("last_report_age_s")
-        quiet = waited if not isinstance(age, (int, float)) else min(float(age), waited)
-        if quiet >= SETTLE_QUIET_S or waited >= SETTLE_MAX_S:
-            return {**balloon, "settle_s": round(waited, 2)}
-        time.sleep(min(SETTLE_POLL_S, SETTLE_QUIET_S - quiet))
+        if settled(balloon.get("last_report_age_s"), waited, age_at_start):
+            return {**balloon, "settle_s": round(waited, 2),
+                    "report_age_at_start_s": (None if age_at_start is None
+                                              else round(float(age_at_start), 2))}
+        time.sleep(SETTLE_POLL_S)
         balloon = control.call({"op": "status"}).get("free_page_reporting")
     return None
+
+
+def settled(age: object, waited: float, age_at_start: object) -> bool:
+    """Whether a diff may be taken now: the guest was idle when the BRANCH came (no
+    report for ``SETTLE_IDLE_S``, or none ever), or no report came for ``SETTLE_QUIET_S``
+    of this wait, or the wait reached ``SETTLE_MAX_S``."""
+    if not isinstance(age_at_start, (int, float)) or age_at_start >= SETTLE_IDLE_S:
+        return True
+    quiet = waited if not isinstance(age, (int, float)) else min(float(age), waited)
+    return quiet >= SETTLE_QUIET_S or waited >= SETTLE_MAX_S
 
 
 def _take_from_run_dir(source: str, target: str, max_bytes: int) -> None:
