@@ -190,6 +190,11 @@ def main() -> int:
                 link["in_use_delta_bytes"] = before["MemFree"] - after["MemFree"]
                 link["free_page_reporting"] = store.get(link["tag"]).meta.extra.get(
                     "free_page_reporting")
+                if not args.no_balloon and not link["free_page_reporting"]:
+                    # The device is there but the guest never drove it: a kernel without
+                    # CONFIG_VIRTIO_BALLOON (an image built before it); not a balloon run.
+                    raise SystemExit(f"{link['tag']}: the balloon was not active; rebuild "
+                                     "the image (vmfork image build) with this kernel")
             spawns: dict[str, list[float]] = {"py-base": [], head: []}
             for _ in range(args.spawns):
                 for tag, values in spawns.items():
