@@ -13,9 +13,14 @@ cache off, since a cache in a snapshot is never read again, and gives a read 300
 instead of 15: a guest's network in the loaded emulated host stalls for longer). Reported, from one run: each
 link's build time (the CLI command, spawn + pip + BRANCH), its layer (``changed_bytes``)
 against what pip installed (every file of the distributions' RECORDs, measured in a
-child of the head), and ``--spawns`` single-sandbox spawns of the head against the base
-(request to agent ready), alternating. Writes ``bench/results/pip-chain.{json,md}``
-(``pip-chain-no-balloon.*`` with ``--no-balloon``).
+child of the head, both in apparent bytes and in the bytes the guest's tmpfs allocated
+for them -- the issue's measure, ``du``'s), what the layer's pages are now (a child of
+the link reads ``/proc/kpageflags`` for them), and ``--spawns`` single-sandbox spawns of
+the head against the base (request to agent ready), alternating. Writes
+``bench/results/pip-chain.{json,md}`` (``pip-chain-no-balloon.*`` with ``--no-balloon``).
+``--compare`` runs it with and without the balloon alternately, ``--rounds`` pairs (each
+a process of its own), and writes ``pip-chain-compare.*``; ``--links 1`` builds numpy
+alone.
 
 Where a layer's pages are: a child of every snapshot reads ``/proc/meminfo``, and each
 link is reported as the change from its parent (memory in use, tmpfs -- which holds
