@@ -200,6 +200,7 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
             daemon.ctl.kill_sandbox(kid["id"])
     for tag, values in spawns.items():
         NUMBERS[f"{tag}_spawn_ready_ms_p50"] = sorted(values)[1]
+    print("pip chain numbers (before compaction and packs):", json.dumps(NUMBERS))
 
     # Compaction and packs work on the chain.
     flat = daemon.ctl.compact_snapshot("py-pandas", "py-flat")
