@@ -23,12 +23,11 @@ VMM's balloon drops every page the guest reports free (free page reporting,
 downloaded and deleted -- is not kept as changed pages. The guest reports a block
 about 2 s after freeing it; we poll the VMM's status until no report came for
 ``SETTLE_QUIET_S``, at most ``SETTLE_MAX_S``, while the source runs: the wait
-lengthens the branch, never the pause, and each poll is an ordinary control call. Only
-a guest that reported within the last ``SETTLE_IDLE_S`` is waited for (a build that
-just ended: pip reports all through its run); a guest idle that long, or that never
-reported, is branched at once, so a diff BRANCH of an idle sandbox costs what it did
-before the balloon. What a quiet guest freed in its last 2 s then stays in the layer:
-a larger layer, never a wrong one.
+lengthens the branch, never the pause, and each poll is an ordinary control call. The
+wait is paid by every diff BRANCH, idle guest or not: a guest never says that nothing
+is pending, and a build's garbage is reported after it ends, not during it (pip's
+builds reported twice in the 15-20 s before their BRANCH, the rest during the wait;
+docs/chains.md), so "no report lately" cannot stand for "nothing to come".
 """
 
 from __future__ import annotations
@@ -58,12 +57,10 @@ MAX_STATE_BYTES = 64 << 20   # a jailed VMM's state file taken into the store at
 WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
 MAX_REPLY_BYTES = 1 << 20
 # Free page reporting settles when a pass found nothing more: a pass that did re-runs
-# within the guest's 2 s delay, so 3 s without a report means it is idle. A guest with
-# no report in SETTLE_IDLE_S is not waited for at all; one that keeps freeing, at most
-# SETTLE_MAX_S (builds settled in 4-5 s, docs/chains.md).
+# within the guest's 2 s delay, so 3 s without a report means it is idle; one that
+# keeps freeing is waited for SETTLE_MAX_S at most (builds settled in 4-5 s).
 SETTLE_QUIET_S = 3.0
-SETTLE_IDLE_S = 10.0
-SETTLE_MAX_S = 10.0
+SETTLE_MAX_S = 20.0
 SETTLE_POLL_S = 0.25
 
 
@@ -313,7 +310,7 @@ def _settle_free_pages(control: _Control, status: dict[str, Any]) -> dict[str, A
     age_at_start = balloon.get("last_report_age_s")
     while isinstance(balloon, dict) and balloon.get("active"):
         waited = time.monotonic() - started
-        if settled(balloon.get("last_report_age_s"), waited, age_at_start):
+        if settled(balloon.get("last_report_age_s"), waited):
             return {**balloon, "settle_s": round(waited, 2),
                     "report_age_at_start_s": (None if age_at_start is None
                                               else round(float(age_at_start), 2))}
@@ -322,12 +319,10 @@ def _settle_free_pages(control: _Control, status: dict[str, Any]) -> dict[str, A
     return None
 
 
-def settled(age: object, waited: float, age_at_start: object) -> bool:
-    """Whether a diff may be taken now: the guest was idle when the BRANCH came (no
-    report for ``SETTLE_IDLE_S``, or none ever), or no report came for ``SETTLE_QUIET_S``
-    of this wait, or the wait reached ``SETTLE_MAX_S``."""
-    if not isinstance(age_at_start, (int, float)) or age_at_start >= SETTLE_IDLE_S:
-        return True
+def settled(age: object, waited: float) -> bool:
+    """Whether a diff may be taken now: no report came for ``SETTLE_QUIET_S`` of this
+    wait (``age``: seconds since the guest's last report, None if it never reported),
+    or the wait reached ``SETTLE_MAX_S``."""
     quiet = waited if not isinstance(age, (int, float)) else min(float(age), waited)
     return quiet >= SETTLE_QUIET_S or waited >= SETTLE_MAX_S
 
