@@ -36,15 +36,21 @@ WHEELS = ("six==1.16.0", "idna==3.7", "numpy==2.0.2", "pandas==2.2.3",
 
 
 # The installed size of the packages named, measured in the guest: every file of each
-# distribution's RECORD (what pip wrote, .pyc files included). The pip-chain test and
-# bench/pip_chain.py both measure layers against it.
+# distribution's RECORD (what pip wrote, .pyc files included), printed as two numbers:
+# the files' apparent bytes (st_size) and the bytes the file system allocated for them
+# (st_blocks, what du counts: on the guest's tmpfs root, whole 4 KiB pages). The
+# pip-chain test and bench/pip_chain.py both measure layers against it.
 INSTALLED = ("import importlib.metadata as m, os, sys\n"
-             "total = 0\n"
+             "apparent = allocated = 0\n"
              "for name in sys.argv[1:]:\n"
              "    for f in m.distribution(name).files or ():\n"
              "        p = f.locate()\n"
-             "        total += os.path.getsize(p) if os.path.isfile(p) else 0\n"
-             "print(total)\n")
+             "        if os.path.isfile(p):\n"
+             "            st = os.stat(p)\n"
+             "            apparent += st.st_size\n"
+             "            allocated += st.st_blocks * 512\n"
+             "print(apparent, allocated)\n")
+
 
 def wheel_dir() -> Path:
     return cache_dir() / "test-assets" / "wheels"

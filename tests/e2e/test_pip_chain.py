@@ -6,12 +6,15 @@ host, as PyPI would be. Then, as forkd's README does it (with ``--network``):
 
     snapshot --tag py-base --network --warm-cmd 'pip install idna'     (a warm-up that downloads)
     snapshot-diff --from py-base  --tag py-numpy --network --exec 'pip install numpy==2.0.2'
-    snapshot-diff --from py-numpy --tag py-six   --network --exec 'pip install six==1.16.0'
+    snapshot-diff --from py-numpy --tag py-pandas --network --exec 'pip install pandas==2.2.3'
 
-A child of the head imports all three; ``snapshot-info`` shows the chain; each layer
-is compared with the bytes pip installed; a build under ``--egress deny`` is refused
-with the reason and builds nothing; the head compacts and packs. The numbers (build
-time, layer size, spawn time of head against base) are printed for the closing note.
+A child of the head imports them all; ``snapshot-info`` shows the chain; the head's
+layers are at most 1.2x what pip installed, counted as the file system counts an
+installed size (allocated blocks, ``du``; ``tests/pip_index.py`` INSTALLED); a build
+under ``--egress deny`` is refused with the reason and builds nothing; the head compacts
+and packs. The numbers (build time, layer size against both the apparent and the
+allocated installed size, spawn time of head against base) are printed for the closing
+note.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tests.e2e.test_daemon import Daemon, Home
 from tests.pip_index import INSTALLED, index_on_the_internet, wheel_dir
 from vmfork.client import ControllerError
 from vmfork.runtime import network
+from vmfork.store import Store
 
 pytestmark = pytest.mark.e2e
 
@@ -127,7 +131,7 @@ def test_warm_up_downloaded_and_children_are_unique(daemon: Daemon, base: str) -
 
 def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> None:
     for parent, tag, req in (("py-base", "py-numpy", "numpy==2.0.2"),
-                             ("py-numpy", "py-six", "six==1.16.0")):
+                             ("py-numpy", "py-pandas", "pandas==2.2.3")):
         code, out, err, seconds = _cli(home, daemon, "snapshot-diff", "--from", parent,
                                        "--tag", tag, "--network", "--exec", f"{PIP} {req}",
                                        # the default 600 s is short for a 19.5 MB download
@@ -136,35 +140,59 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
         assert code == 0, f"{out}\n{err}"
         NUMBERS[f"{tag}_build_s"] = round(seconds, 1)
 
-    code, out, err, _ = _cli(home, daemon, "snapshot-info", "py-six", "--json")
+    code, out, err, _ = _cli(home, daemon, "snapshot-info", "py-pandas", "--json")
     assert code == 0, err
     info = json.loads(out)
     assert info["chain_depth"] == 2, info
     assert set(info["ancestors"]) == {"py-numpy", "py-base"}, info
 
-    layers = {t: daemon.ctl.snapshot_info(t)["changed_bytes"] for t in ("py-numpy", "py-six")}
-    child = daemon.ctl.spawn_sandboxes("py-six", 1)[0]
+    links = {"py-numpy": ("numpy",),
+             "py-pandas": ("pandas", "python-dateutil", "pytz", "tzdata", "six")}
+    layers = {t: daemon.ctl.snapshot_info(t)["changed_bytes"] for t in links}
+    child = daemon.ctl.spawn_sandboxes("py-pandas", 1)[0]
     try:
-        assert _exec(daemon, child["id"], "import numpy, six, idna; "
-                     "print(numpy.__version__, six.__version__, int(numpy.arange(10).sum()))") \
-            == "2.0.2 1.16.0 45"
-        installed = {"py-numpy": int(_exec(daemon, child["id"], INSTALLED, "numpy")),
-                     "py-six": int(_exec(daemon, child["id"], INSTALLED, "six"))}
+        assert _exec(daemon, child["id"], "import numpy, pandas, idna; "
+                     "print(numpy.__version__, pandas.__version__, "
+                     "int(pandas.Series(numpy.arange(10)).sum()))") == "2.0.2 2.2.3 45"
+        # (apparent bytes, allocated bytes) of every file pip wrote for the link
+        installed = {t: tuple(int(n) for n in _exec(daemon, child["id"], INSTALLED,
+                                                     *names).split())
+                     for t, names in links.items()}
     finally:
         daemon.ctl.kill_sandbox(child["id"])
     for tag, layer in layers.items():
+        apparent, allocated = installed[tag]
         NUMBERS[f"{tag}_layer_MiB"] = round(layer / 2**20, 1)
-        NUMBERS[f"{tag}_installed_MiB"] = round(installed[tag] / 2**20, 2)
-        NUMBERS[f"{tag}_ratio"] = round(layer / installed[tag], 2)
+        NUMBERS[f"{tag}_installed_MiB"] = round(apparent / 2**20, 2)
+        NUMBERS[f"{tag}_installed_allocated_MiB"] = round(allocated / 2**20, 2)
+        NUMBERS[f"{tag}_over_installed"] = round(layer / apparent, 2)
+        NUMBERS[f"{tag}_over_allocated"] = round(layer / allocated, 2)
     base_mem = daemon.ctl.snapshot_info("py-base")["memory_logical_bytes"]
-    # The layers hold what the build wrote, not the base. Not yet within the issue's
-    # 1.2x of what pip installed: they also carry what pip freed (docs/design-notes.md).
-    assert layers["py-numpy"] >= installed["py-numpy"]
-    NUMBERS["head_layers_ratio"] = round(sum(layers.values()) / sum(installed.values()), 2)
-    assert layers["py-numpy"] < base_mem / 2
+    # What the guest freed during the build (pip's heap, the wheel it deleted) was
+    # reported by the guest's free page reporting and dropped by the VMM's balloon
+    # before the capture (docs/chains.md), and the BRANCH waited for it, boundedly.
+    store = Store(home.root / "home")   # read only: the daemon owns it
+    for tag in layers:
+        fpr = store.get(tag).meta.extra.get("free_page_reporting")
+        assert fpr and fpr["active"] and fpr["reports"] > 0, (tag, fpr)
+        assert fpr["bytes_discarded"] > 0 and fpr["discard_errors"] == 0, (tag, fpr)
+        assert fpr["settle_s"] <= 25, (tag, fpr)
+        NUMBERS[f"{tag}_balloon_dropped_MiB"] = round(fpr["bytes_discarded"] / 2**20, 1)
+    # The issue's measure: the head's layers against what pip installed, counted as an
+    # installed size is counted on any file system (allocated blocks, du). Counted in
+    # apparent bytes it could not be met by any capture of guest pages: the guest's
+    # root is tmpfs, which holds each file in whole pages, and pandas's thousands of
+    # small files take 1.21x their apparent size (docs/chains.md). Each layer also
+    # holds at least the files' bytes, and neither is anywhere near the base.
+    head = sum(layers.values())
+    NUMBERS["head_over_installed"] = round(head / sum(a for a, _ in installed.values()), 2)
+    head_over_allocated = head / sum(b for _, b in installed.values())
+    NUMBERS["head_over_allocated"] = round(head_over_allocated, 2)
+    for tag, layer in layers.items():
+        assert installed[tag][0] <= layer < base_mem / 2, (tag, NUMBERS)
 
     # Spawn time of the head against the base (request to agent ready), alternating.
-    spawns: dict[str, list[float]] = {"py-base": [], "py-six": []}
+    spawns: dict[str, list[float]] = {"py-base": [], "py-pandas": []}
     for _ in range(3):
         for tag, values in spawns.items():
             kid = daemon.ctl.spawn_sandboxes(tag, 1)[0]
@@ -172,17 +200,18 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
             daemon.ctl.kill_sandbox(kid["id"])
     for tag, values in spawns.items():
         NUMBERS[f"{tag}_spawn_ready_ms_p50"] = sorted(values)[1]
+    print("pip chain numbers (before compaction and packs):", json.dumps(NUMBERS))
 
     # Compaction and packs work on the chain.
-    flat = daemon.ctl.compact_snapshot("py-six", "py-flat")
+    flat = daemon.ctl.compact_snapshot("py-pandas", "py-flat")
     assert flat["tag"] == "py-flat"
     kid = daemon.ctl.spawn_sandboxes("py-flat", 1)[0]
     try:
-        assert _exec(daemon, kid["id"], "import numpy, six; print('ok')") == "ok"
+        assert _exec(daemon, kid["id"], "import numpy, pandas; print('ok')") == "ok"
     finally:
         daemon.ctl.kill_sandbox(kid["id"])
-    pack = tmp_path / "py-six.tar.zst"
-    done = subprocess.run([sys.executable, "-m", "vmfork", "pack", "--tag", "py-six", "-o",
+    pack = tmp_path / "py-pandas.tar.zst"
+    done = subprocess.run([sys.executable, "-m", "vmfork", "pack", "--tag", "py-pandas", "-o",
                            str(pack)], env=home.env, capture_output=True, text=True, timeout=900,
                           check=False)
     assert done.returncode == 0, done.stderr
@@ -191,13 +220,15 @@ def test_the_chain(home: Home, daemon: Daemon, base: str, tmp_path: Path) -> Non
                           env=fresh, capture_output=True, text=True, timeout=900,
                           check=False)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["tags"] == ["py-base", "py-numpy", "py-six"]
+    assert json.loads(done.stdout)["tags"] == ["py-base", "py-numpy", "py-pandas"]
     NUMBERS["pack_MiB"] = round(pack.stat().st_size / 2**20, 1)
     print("pip chain numbers:", json.dumps(NUMBERS))
     (home.logs / "numbers.json").write_text(json.dumps(NUMBERS))
     out_dir = os.environ.get("VMFORK_NUMBERS_DIR")
     if out_dir:
         Path(out_dir, "pip-chain.json").write_text(json.dumps(NUMBERS, indent=1))
+    # Last, so that a miss still leaves every number printed and the rest checked.
+    assert head_over_allocated <= 1.2, NUMBERS
 
 
 def test_egress_deny_refuses_the_download(home: Home, daemon: Daemon, base: str) -> None:

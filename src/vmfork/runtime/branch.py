@@ -16,6 +16,18 @@ descriptor the VMM kept on its output cannot change the snapshot after its hashe
 taken, and the store's files are the daemon's (0600), never the jail uid's. Holes stay
 holes (``layerfile.copy_sparse``); the copy runs after the source resumed, so it
 lengthens the branch, not the pause.
+
+A diff first lets the guest hand back what it freed (``_settle_free_pages``): the
+VMM's balloon drops every page the guest reports free (free page reporting,
+``vmm/devices/virtio/balloon.py``), so a build's garbage -- pip's heap, a wheel it
+downloaded and deleted -- is not kept as changed pages. The guest reports a block
+about 2 s after freeing it; we poll the VMM's status until no report came for
+``SETTLE_QUIET_S``, at most ``SETTLE_MAX_S``, while the source runs: the wait
+lengthens the branch, never the pause, and each poll is an ordinary control call. The
+wait is paid by every diff BRANCH, idle guest or not: a guest never says that nothing
+is pending, and a build's garbage is reported after it ends, not during it (pip's
+builds reported twice in the 15-20 s before their BRANCH, the rest during the wait;
+docs/chains.md), so "no report lately" cannot stand for "nothing to come".
 """
 
 from __future__ import annotations
@@ -44,6 +56,12 @@ CONTROL_TIMEOUT = 30.0       # connect and the pause itself
 MAX_STATE_BYTES = 64 << 20   # a jailed VMM's state file taken into the store at most
 WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
 MAX_REPLY_BYTES = 1 << 20
+# Free page reporting settles when a pass found nothing more: a pass that did re-runs
+# within the guest's 2 s delay, so 3 s without a report means it is idle; one that
+# keeps freeing is waited for SETTLE_MAX_S at most (builds settled in 4-5 s).
+SETTLE_QUIET_S = 3.0
+SETTLE_MAX_S = 20.0
+SETTLE_POLL_S = 0.25
 
 
 class BranchFailed(RuntimeError):
@@ -208,6 +226,8 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                 check_depth_for_child(store, parent.tag)
             except ChainTooDeep as err:
                 raise BranchFailed(str(err), stage="base") from err
+        # After the checks that can refuse the branch, before the pause.
+        settled = _settle_free_pages(control, status) if mode == "diff" else None
         memory_path = str(pending.layer_path if mode == "diff" else pending.memory_path)
         state_path = str(pending.state_path)
         staged: tuple[str, str] | None = None
@@ -265,7 +285,8 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
             write_ms=timings.get("memory_write_s", 0.0) * 1000),
         branch_mode=mode, branched_from=sandbox_id, branched_from_tag=origin,
         extra={"dirty_pages": reply.get("dirty_pages"),
-               "memory_bytes_written": reply.get("memory_bytes")})
+               "memory_bytes_written": reply.get("memory_bytes"),
+               **({"free_page_reporting": settled} if settled is not None else {})})
     # A link on parent: the store hashes the layer, computes the link's memory plan
     # over its chain and publishes; a full snapshot is a root.
     snapshot = pending.publish(meta, parent=parent)
@@ -274,6 +295,34 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
                         memory_bytes=int(reply["memory_bytes"]),
                         dirty_pages=reply.get("dirty_pages"),
                         base_tag=parent.tag if parent else None, vmm_timings=timings)
+
+
+def _settle_free_pages(control: _Control, status: dict[str, Any]) -> dict[str, Any] | None:
+    """Wait (bounded) for the guest to finish reporting its free pages; what the VMM's
+    balloon did, with the seconds waited and how long ago the guest had last reported
+    when the wait began, or None for a VMM or guest without one."""
+    started = time.monotonic()
+    balloon = status.get("free_page_reporting")
+    if not isinstance(balloon, dict) or not balloon.get("active"):
+        return None
+    age_at_start = balloon.get("last_report_age_s")
+    while isinstance(balloon, dict) and balloon.get("active"):
+        waited = time.monotonic() - started
+        if settled(balloon.get("last_report_age_s"), waited):
+            return {**balloon, "settle_s": round(waited, 2),
+                    "report_age_at_start_s": (None if age_at_start is None
+                                              else round(float(age_at_start), 2))}
+        time.sleep(SETTLE_POLL_S)
+        balloon = control.call({"op": "status"}).get("free_page_reporting")
+    return None
+
+
+def settled(age: object, waited: float) -> bool:
+    """Whether a diff may be taken now: no report came for ``SETTLE_QUIET_S`` of this
+    wait (``age``: seconds since the guest's last report, None if it never reported),
+    or the wait reached ``SETTLE_MAX_S``."""
+    quiet = waited if not isinstance(age, (int, float)) else min(float(age), waited)
+    return quiet >= SETTLE_QUIET_S or waited >= SETTLE_MAX_S
 
 
 def _take_from_run_dir(source: str, target: str, max_bytes: int) -> None:

@@ -437,7 +437,8 @@ class ControlServer:
                         "exit": None if exit_ is None else exit_.reason,
                         "snapshot_bases": self.snapshots.bases(),
                         "snapshot_tracking": self.snapshots.tracking,
-                        "jailed": self.jailed}
+                        "jailed": self.jailed,
+                        "free_page_reporting": m.free_page_reporting()}
             if op == "pause":
                 m.pause()
                 return {"ok": True}

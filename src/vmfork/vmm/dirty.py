@@ -18,8 +18,10 @@ by a vCPU through KVM's fault path or by the VMM through its mapping, breaks
 copy-on-write and installs a private anonymous page (bit 61 clear, bit 63 or 62
 set). So "present or swapped, and not file" is exactly the set of pages that
 differ from the base file, with no tracking at all before the first branch.
-It stays exact over the sandbox's life (a COW page never turns back into a
-file page), so it is always a valid diff against the restore base.
+It stays exact over the sandbox's life, so it is always a valid diff against
+the restore base: a COW page turns back into a file page only when the VMM drops
+it (``MADV_DONTNEED``), which it does for pages the guest reported free
+(``devices/virtio/balloon.py``), and then it reads as the file's page again.
 
 **Changed since the previous capture.** Writing ``4`` to
 ``/proc/self/clear_refs`` clears every soft-dirty bit of the process and

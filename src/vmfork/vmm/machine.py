@@ -41,6 +41,7 @@ from vmfork.vmm import vmstate
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.serial import Serial
+from vmfork.vmm.devices.virtio.balloon import VirtioBalloon
 from vmfork.vmm.devices.virtio.blk import VirtioBlk, open_disk, validate_disk_key
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransport
@@ -71,6 +72,10 @@ log = logging.getLogger(__name__)
 # out a character per VM exit, which on a busy host kept a guest busy for minutes.
 BASE_CMDLINE = ("console=ttyS0 reboot=k panic=1 io_delay=none quiet nomodule "
                 "rcupdate.rcu_cpu_stall_suppress=1")
+# With the balloon: report free blocks of every order, not only of pageblock_order
+# (4 MiB here): what a build frees is interleaved with what it keeps, so few whole
+# 4 MiB blocks come free (our kernel patch makes the driver honour this).
+BALLOON_CMDLINE = "page_reporting.page_reporting_order=0"
 MAX_VCPUS = 16
 MAX_VOLUME_SLOTS = 24   # forkd's cap on volumes per sandbox
 
@@ -113,6 +118,10 @@ class MachineConfig:
     vsock_uds: str | None = None
     guest_cid: int = 3
     rng: bool = True
+    # virtio-balloon with free page reporting only (devices/virtio/balloon.py), for a
+    # booted machine; a restored one has it exactly when its snapshot had it.
+    # VMFORK_BALLOON=0 leaves it out (a measurement switch: bench/pip_chain.py --no-balloon).
+    balloon: bool = field(default_factory=lambda: os.environ.get("VMFORK_BALLOON", "1") != "0")
     memfd: bool = True
     vm_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     # virtio-net: present when booted with a ``guest_mac`` or restored from a snapshot
@@ -320,6 +329,7 @@ class Machine:
         self.rng: VirtioRng | None = None
         self.net: VirtioNet | None = None
         self.blk: VirtioBlk | None = None
+        self.balloon: VirtioBalloon | None = None
         self.volume_slots: list[VirtioBlk] = []
         self.volume_paths: list[str] = []   # guest mount point per slot, "" if empty
         # Per slot, its place among the virtio-mmio devices (the N of the guest's
@@ -376,10 +386,12 @@ class Machine:
         if (state.vsock is None) != (self.vsock is None) or \
                 (state.rng is None) != (self.rng is None) or \
                 (state.blk is None) != (self.blk is None) or \
+                (state.balloon is None) != (self.balloon is None) or \
                 len(state.volumes) != len(self.volume_slots):
             raise HostError("the snapshot's devices differ from this machine's "
                             f"(vsock {state.vsock is not None}, rng {state.rng is not None}, "
-                            f"root disk {state.blk is not None}, volume slots "
+                            f"root disk {state.blk is not None}, balloon "
+                            f"{state.balloon is not None}, volume slots "
                             f"{len(state.volumes)}/{len(self.volume_slots)})",
                             vm_id=self.vm_id, op="restore")
         if state.vsock is not None and self.vsock is not None:
@@ -394,6 +406,9 @@ class Machine:
         if state.blk is not None and self.blk is not None:
             self.blk.restore(state.blk.device)   # refuses another disk (key or size)
             self._transport_of(self.blk).restore(state.blk.transport)
+        if state.balloon is not None and self.balloon is not None:
+            self.balloon.restore(state.balloon.device)
+            self._transport_of(self.balloon).restore(state.balloon.transport)
         for index, (volume, slot) in enumerate(zip(state.volumes, self.volume_slots)):
             slot.restore(volume.device)   # refuses another disk (key, size or mode)
             self._transport_of(slot).restore(volume.transport)
@@ -402,6 +417,17 @@ class Machine:
 
     def _transport_of(self, device: VirtioDevice) -> MmioTransport:
         return next(t for t in self.virtio_devices if t.device is device)
+
+    def free_page_reporting(self) -> dict[str, Any] | None:
+        """What the balloon did (devices/virtio/balloon.py), None without one: whether
+        the guest's driver runs it, its counters, and seconds since the last report."""
+        if self.balloon is None:
+            return None
+        stats = self.balloon.stats()
+        return {"active": self.balloon.active, "reports": stats.reports,
+                "bytes_discarded": stats.bytes_discarded,
+                "discard_errors": stats.discard_errors,
+                "last_report_age_s": stats.last_report_age_s}
 
     # -- snapshots ----------------------------------------------------------------------------
     def snapshot(self, memory_path: str, *, resume: bool = True) -> tuple[MachineState,
@@ -471,6 +497,9 @@ class Machine:
         if self.blk is not None:
             state.blk = vmstate.BlkSnapshot(self._transport_of(self.blk).save(),
                                             self.blk.save())
+        if self.balloon is not None:
+            state.balloon = vmstate.BalloonSnapshot(self._transport_of(self.balloon).save(),
+                                                    self.balloon.save())
         state.volumes = [vmstate.VolumeSnapshot(self._transport_of(slot).save(), slot.save(),
                                                 self.volume_paths[index])
                          for index, slot in enumerate(self.volume_slots)]
@@ -498,7 +527,7 @@ class Machine:
     def _add_virtio_devices(self, config: MachineConfig) -> None:
         """Create the virtio devices this config asks for: vsock (the agent channel)
         first, so that it is always ``virtio-mmio.0``, then the entropy source, then
-        the network device, then the root disk. The order is the guest's view
+        the network device, then the root disk, then the balloon. The order is the guest's view
         (each device's window and IRQ follow from its slot), so a new device goes
         last: snapshots taken before it existed keep their slots."""
         if config.vsock_uds is not None:
@@ -521,6 +550,12 @@ class Machine:
             self.blk = VirtioBlk(self.loop, fd, size, config.root_disk_key,
                                  path=config.root_disk)
             self.add_virtio(self.blk)
+        balloon = (config.restore_state.balloon is not None
+                   if config.restore_state is not None else config.balloon)
+        if balloon:
+            self.balloon = VirtioBalloon(self.loop)
+            self.add_virtio(self.balloon)
+            self._cmdline_devices.append(BALLOON_CMDLINE)
         self._add_volume_slots(config)
 
     def _add_volume_slots(self, config: MachineConfig) -> None:

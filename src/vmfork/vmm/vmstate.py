@@ -57,6 +57,7 @@ from vmfork.kvm import api
 from vmfork.kvm import structs as s
 from vmfork.vmm import native as _native
 from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.virtio.balloon import BalloonState
 from vmfork.vmm.devices.virtio.blk import BlkState
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.net import NetState
@@ -131,6 +132,12 @@ class BlkSnapshot:
 
 
 @dataclass
+class BalloonSnapshot:
+    transport: MmioTransportState
+    device: BalloonState
+
+
+@dataclass
 class VolumeSnapshot:
     """A volume slot: its transport and device, and where the guest mounted its disk
     ("" for an empty slot)."""
@@ -160,6 +167,9 @@ class MachineState:
     # Volume slots, after every other device; empty in state files written before
     # volumes existed (their machines had none).
     volumes: list[VolumeSnapshot] = field(default_factory=list)
+    # The free-page-reporting balloon; None in state files written before it existed
+    # (their machines had none, and their restored children get none).
+    balloon: BalloonSnapshot | None = None
 
 
 def _raw(obj: ctypes.Structure) -> bytes:

@@ -1,0 +1,205 @@
+"""virtio-balloon (device id 5), offering free page reporting and nothing else.
+
+Why a balloon. A diff snapshot keeps every guest page that differs from its base
+(``vmm.dirty``): on a ``MAP_PRIVATE`` snapshot mapping, every page the guest ever
+wrote. A build step (``pip install``) writes far more than it keeps -- the
+interpreter's heap, the downloaded wheel in ``/tmp``, the unzip -- and frees it
+when it exits; those pages would stay "changed" and fill the layer. With
+``VIRTIO_BALLOON_F_REPORTING`` (virtio 1.2, 5.5.6.7; Linux's
+``mm/page_reporting.c``) the guest tells us which blocks of its free lists it is
+giving up, and we ``madvise`` them away in our mapping of guest RAM:
+
+* snapshot file mapped ``MAP_PRIVATE`` (a restored sandbox) or anonymous RAM:
+  ``MADV_DONTNEED`` drops our private copy. The page reads back as the file's
+  page (or zeros), is a file page again to the pagemap, and no diff keeps it;
+* RAM in a memfd mapped ``MAP_SHARED`` (a booted parent): ``MADV_REMOVE`` punches
+  the hole in the memfd, so the page reads as zeros and its memory is freed.
+
+That is safe only because the guest gave the page up: Linux reuses a reported page
+without asking (no ``MUST_TELL_HOST``) and never reads a free page's contents,
+unless page poisoning or ``init_on_free`` is on -- then it would check or expect
+its pattern, so the driver refuses to report without ``VIRTIO_BALLOON_F_PAGE_POISON``,
+which we do not offer. The guest kernel has neither (image/kernel/vmfork.config).
+
+The queues. Linux's driver always sets up ``inflateq`` and ``deflateq``, then one
+queue per offered feature with one; with only ``REPORTING`` that is
+``reporting_vq`` at index 2 (it numbers the queues that exist, like QEMU). We
+never ask for inflation (``num_pages`` stays 0); a buffer the guest puts on
+``inflateq`` or ``deflateq`` anyway is returned untouched. The driver wants a
+reporting queue of at least 32 entries (``PAGE_REPORTING_CAPACITY``): each report
+is one chain of up to 32 device-writable buffers, one free block each, and the
+driver waits for it to come back before it reuses those pages.
+
+Hostile input. Every buffer is checked against guest RAM when its chain is walked
+(``Virtqueue``); we check again that it lies in one RAM region and discard only the
+whole pages inside it, so a misaligned or short buffer drops nothing it did not
+name. Work per notification is bounded by ``MAX_CHAINS_PER_NOTIFY`` chains of at
+most ``QUEUE_SIZE`` buffers each. A failing ``madvise`` is counted and logged; the
+buffer still goes back (the guest loses nothing but the saving).
+
+Settling. The guest reports a block about 2 s after it was freed
+(``PAGE_REPORTING_DELAY``), and only blocks of ``page_reporting_order`` and up
+(the VMM asks for order 0 on the command line, machine.BALLOON_CMDLINE). A diff
+capture first waits, while the guest runs, until no report came for a few seconds
+(``stats``, read through the control socket's ``status``; runtime/branch.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+from dataclasses import dataclass
+
+from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
+from vmfork.vmm.devices.virtio.queue import Virtqueue
+from vmfork.vmm.errors import GuestMemoryError
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
+
+log = logging.getLogger(__name__)
+
+DEVICE_ID_BALLOON = 5
+VIRTIO_BALLOON_F_REPORTING = 1 << 5
+
+INFLATE_QUEUE, DEFLATE_QUEUE, REPORTING_QUEUE = 0, 1, 2
+QUEUE_SIZE = 64                 # the driver needs >= 32 on the reporting queue
+MAX_CHAINS_PER_NOTIFY = 16
+CONFIG_SIZE = 16                # num_pages, actual, free_page_hint_cmd_id, poison_val
+_ACTUAL_OFFSET = 4
+
+
+@dataclass
+class BalloonState:
+    """Plain-data twin of ``VirtioBalloon``: the features and what the driver wrote to
+    ``actual`` (always 0 from a Linux guest we never ask to inflate). Counters are
+    per process, not state: a restored child starts its own."""
+
+    acked_features: int
+    actual: int = 0
+
+
+@dataclass(frozen=True)
+class BalloonStats:
+    reports: int                # chains handled on the reporting queue
+    bytes_discarded: int        # whole pages dropped from our mapping
+    discard_errors: int
+    ignored_buffers: int        # inflate/deflate buffers, device-readable ones, slivers
+    last_report_age_s: float | None   # since the last report, None if there was none
+
+
+class VirtioBalloon(VirtioDevice):
+    device_type = DEVICE_ID_BALLOON
+    queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE, QUEUE_SIZE)
+
+    def __init__(self, loop: EventLoop) -> None:
+        super().__init__()
+        self.features |= VIRTIO_BALLOON_F_REPORTING
+        self.loop = loop
+        self._config_lock = threading.Lock()
+        self.actual = 0
+        self.reports = 0
+        self.bytes_discarded = 0
+        self.discard_errors = 0
+        self.ignored_buffers = 0
+        self._last_report: float | None = None   # time.monotonic() of the last report
+        self._advice: int = mmap.MADV_DONTNEED
+
+    # -- config space -------------------------------------------------------------------
+    def config_bytes(self) -> bytes:
+        with self._config_lock:
+            actual = self.actual
+        return (0).to_bytes(4, "little") + actual.to_bytes(4, "little") + bytes(8)
+
+    def write_config(self, offset: int, data: bytes) -> None:
+        """Only ``actual`` is the driver's to write (the pages it holds inflated)."""
+        if offset == _ACTUAL_OFFSET and len(data) == 4:
+            with self._config_lock:
+                self.actual = int.from_bytes(data, "little")
+            return
+        super().write_config(offset, data)
+
+    # -- queues (I/O thread) --------------------------------------------------------------
+    def activate(self, memory: GuestMemory, queues: list[Virtqueue],
+                 interrupt: VirtioInterrupt) -> None:
+        super().activate(memory, queues, interrupt)
+        # A memfd mapped shared keeps the data past MADV_DONTNEED; only a hole frees it.
+        shared = memory.backing_fd is not None and not memory.private_file
+        self._advice = mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
+
+    def queue_notify(self, index: int) -> None:
+        if index in (INFLATE_QUEUE, DEFLATE_QUEUE, REPORTING_QUEUE):
+            self._serve(index)
+
+    def _serve(self, index: int) -> None:
+        if not self._usable() or self.memory is None:
+            return
+        memory, queue = self.memory, self.queues[index]
+        if not queue.ready:
+            return
+        served = 0
+        while served < MAX_CHAINS_PER_NOTIFY:
+            chain = queue.pop(memory)
+            if chain is None:
+                break
+            if index == REPORTING_QUEUE:
+                for gpa, length in chain.writable:
+                    self._discard(memory, gpa, length)
+                self.ignored_buffers += len(chain.readable)
+                self.reports += 1
+                self._last_report = time.monotonic()
+            else:
+                self.ignored_buffers += len(chain.readable) + len(chain.writable)
+            queue.add_used(memory, chain.head, 0)
+            served += 1
+        if served:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+        if served == MAX_CHAINS_PER_NOTIFY:
+            self.loop.call_soon(lambda: self._guarded(lambda: self._serve(index)))
+
+    def _discard(self, memory: GuestMemory, gpa: int, length: int) -> None:
+        """Drop the whole pages of guest range ``gpa``+``length`` from our mapping."""
+        start = -(-gpa // PAGE_SIZE) * PAGE_SIZE
+        end = (gpa + length) // PAGE_SIZE * PAGE_SIZE
+        if end <= start:
+            self.ignored_buffers += 1
+            return
+        for region in memory.regions:
+            if region.guest_phys <= start < region.end:
+                if end > region.end:
+                    raise GuestMemoryError(f"reported range {gpa:#x}+{length:#x} crosses the "
+                                           f"end of RAM region {region.guest_phys:#x}.."
+                                           f"{region.end:#x}")
+                try:
+                    region.mapping.madvise(self._advice, start - region.guest_phys, end - start)
+                except OSError as err:
+                    self.discard_errors += 1
+                    log.warning("balloon: madvise of %#x+%#x failed: %s", start, end - start, err)
+                    return
+                self.bytes_discarded += end - start
+                return
+        raise GuestMemoryError(f"reported range {gpa:#x}+{length:#x} is not in guest RAM")
+
+    def reset(self) -> None:
+        super().reset()
+        with self._config_lock:
+            self.actual = 0
+
+    # -- settling (any thread) -----------------------------------------------------------
+    def stats(self) -> BalloonStats:
+        last = self._last_report
+        return BalloonStats(self.reports, self.bytes_discarded, self.discard_errors,
+                            self.ignored_buffers,
+                            None if last is None else time.monotonic() - last)
+
+    # -- snapshots ----------------------------------------------------------------------
+    def save(self) -> BalloonState:
+        with self._config_lock:
+            return BalloonState(acked_features=self.acked_features, actual=self.actual)
+
+    def restore(self, state: BalloonState) -> None:
+        self.acked_features = state.acked_features
+        with self._config_lock:
+            self.actual = state.actual & 0xFFFF_FFFF
