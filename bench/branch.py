@@ -245,6 +245,11 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
                 f"{p['max']:.1f} | {trend} | {floor:.1f} ms | {p['p50'] / floor:.1f}x | "
                 f"{r['round_trip_ms']['p50']:.0f} ms | {r['memory_mib']['p50']:.1f} MiB | "
                 f"{FORKD[mode]:.0f} ms (1.5 GiB, bare metal) |")
+    ratios = [f"{key} MiB: {s['diff']['pause_ms']['p50'] / s['live']['pause_ms']['p50']:.2f}x"
+              for key, s in results.items() if "diff" in s and "live" in s]
+    if ratios:
+        lines += ["", "diff pause / live pause (p50, same source): " + ", ".join(ratios)
+                  + " (issue 19's target: within 1.5x)."]
     lines += ["", "Host-side parts of the pause (p50, ms):", ""]
     for key, series in results.items():
         for mode in MODES:
