@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.kvm.test_branch_tiny import FILL_AT, MEM_MIB, PAGES, _check_consistent, _page_values
+from tests.kvm.test_branch_tiny import (
+    FILL_AT,
+    MEM_MIB,
+    PAGES,
+    PATTERN_AT,
+    _check_consistent,
+    _page_values,
+)
 from tests.kvm.tinyguest import Script, script_machine, wait_until
 from vmfork.ondisk.memplan import snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file, write_state_file
@@ -159,6 +168,46 @@ def test_failures_publish_nothing(store: Store, sandbox: Sandbox, tmp_path: Path
     at = sandbox.counter()
     assert wait_until(lambda: sandbox.counter() > at + 20)
     assert branch_sandbox(store, sandbox.control_path, "no-vmm", "live").result()
+
+
+def test_a_diff_whose_write_fails_after_the_resume_publishes_nothing(
+        store: Store, sandbox: Sandbox, tmp_path: Path) -> None:
+    """A diff's layer is written by the forked writer once the source runs again; when
+    that write fails (here: the file-size limit the writer inherits) the branch fails,
+    the pending snapshot is discarded, no writer or descriptor is left, the source runs
+    on, and the next diff is based on what is still valid."""
+    first = branch_sandbox(store, sandbox.control_path, "d1", "diff").result()
+    marker = os.urandom(1 << 20)
+    sandbox.machine.memory.write(PATTERN_AT, marker)     # 1 MiB changed since "d1"
+    fds = len(os.listdir("/proc/self/fd"))
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # EFBIG, not a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, old[1]))
+    try:
+        job = branch_sandbox(store, sandbox.control_path, "d2", "diff", wait=False)
+        assert job.pause_ms is not None          # the source resumed before the failure
+        with pytest.raises(BranchFailed, match="snapshot writer failed.*File too large"):
+            job.result(timeout=120)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert sorted(s.tag for s in store.list()) == ["base", "d1"]
+    assert not [p for p in os.listdir(store.snapshots_dir) if p.startswith(".")]
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        assert f.read().split() == []
+    assert len(os.listdir("/proc/self/fd")) == fds
+    at = sandbox.counter()
+    assert wait_until(lambda: sandbox.counter() > at + 20)
+    # The soft-dirty bits were cleared for "d2", which does not exist: "d1" can no longer
+    # be a base, and the next diff is taken against the restore base.
+    third = branch_sandbox(store, sandbox.control_path, "d3", "diff").result()
+    assert third.base_tag == "base" and first.snapshot.tag == "d1"
+    child = Sandbox(third.snapshot, tmp_path / "child-d3-marker", start=False)
+    try:
+        assert child.machine.memory.read(PATTERN_AT, len(marker)) == marker
+    finally:
+        child.close()
+    _check_spawnable(third.snapshot, tmp_path)
 
 
 def test_the_op_refuses_fields_of_another_contract(sandbox: Sandbox, tmp_path: Path) -> None:

@@ -228,8 +228,66 @@ def test_a_full_disk_fails_the_capture_cleanly(mode: str, source: Machine,
     taker = SnapshotTaker(source, origin_tag="base")
     for n in range(8):      # the guest's counter pages alone fill 64 KiB: dirty more
         source.memory.write(PATTERN_AT + n * 4096 * 8, os.urandom(4096 * 8))
+    fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(CaptureError, match="No space left"):
         taker.take(mode, str(tiny_disk / "memory.bin"), str(tiny_disk / "state.bin"))
     assert list(tiny_disk.iterdir()) == []
+    assert _children() == [] and len(os.listdir("/proc/self/fd")) == fds
     at = source.memory.read_u64(FILL_AT)
     assert wait_until(lambda: source.memory.read_u64(FILL_AT) > at + 20)
+
+
+def _children() -> list[int]:
+    with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as f:
+        return [int(pid) for pid in f.read().split()]
+
+
+def test_a_diff_holds_memory_as_of_the_pause(source: Machine, base: tuple[MachineState, Path],
+                                             tmp_path: Path) -> None:
+    """A diff's pages are written after the resume, from the writer's copy-on-write view:
+    what the source writes once it runs again -- its vCPU at once (the filler), the VMM
+    as soon as the capture says the source resumed -- is not in the layer, but in the next
+    diff, whose soft-dirty tracking restarted at the pause."""
+    taker = SnapshotTaker(source, origin_tag="base")
+    # 24 MiB of changed pages, so the writer is still writing when the overwrite lands;
+    # the marked page is the highest, written last.
+    bulk_at, bulk = 0x1000000, 24 << 20
+    source.memory.write(bulk_at, os.urandom(bulk))
+    mark_at = bulk_at + bulk - 4096
+    before, after = os.urandom(4096), os.urandom(4096)
+    source.memory.write(mark_at, before)
+    overwrote: list[float] = []
+
+    def overwrite(timings: dict[str, float]) -> None:
+        source.memory.write(mark_at, after)
+        overwrote.append(timings["pause_s"])
+
+    first = tmp_path / "first"
+    first.mkdir()
+    result = taker.take("diff", str(first / "layer.bin"), str(first / "state.bin"),
+                        tag="first", on_resumed=overwrite)
+    assert overwrote and result.base_kind == "restore"
+    assert result.dirty_pages is not None and result.dirty_pages >= bulk // 4096
+    assert "fork_s" in result.timings       # the layer was written by the forked writer
+    _materialise(base[1], first / "layer.bin", first / "memory.bin")
+    with open(first / "memory.bin", "rb") as f:
+        f.seek(mark_at)
+        assert f.read(4096) == before
+    _child_runs_on(first / "state.bin", first / "memory.bin")
+    assert _children() == []
+    assert source.memory.read(mark_at, 4096) == after
+
+    second = tmp_path / "second"
+    second.mkdir()
+    result = taker.take("diff", str(second / "layer.bin"), str(second / "state.bin"),
+                        tag="second")
+    if dirty.soft_dirty_supported():
+        assert result.base_tag == "first" and result.dirty_pages is not None
+        assert result.dirty_pages < bulk // 4096        # only what changed since "first"
+        _materialise(first / "memory.bin", second / "layer.bin", second / "memory.bin")
+    else:
+        _materialise(base[1], second / "layer.bin", second / "memory.bin")
+    with open(second / "memory.bin", "rb") as f:
+        f.seek(mark_at)
+        assert f.read(4096) == after
+    _child_runs_on(second / "state.bin", second / "memory.bin")

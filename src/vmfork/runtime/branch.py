@@ -130,11 +130,12 @@ def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "ful
     * ``store``: where the snapshot is published; ``tag``: its name
       (``InvalidTag``, ``TagExists``, ``TagBusy`` are raised before the sandbox is
       touched).
-    * ``mode``: ``"full"`` (whole memory written while paused), ``"diff"`` (only
-      the pages changed since a base, written while paused; the snapshot is a
-      chain link and its memory plan is computed once at publish) or
-      ``"live"`` (whole memory written by a forked writer after the source
-      resumed). ``ValueError`` for anything else.
+    * ``mode``: ``"full"`` (the pages the sandbox changed written while paused,
+      the rest after the resume), ``"diff"`` (only the pages changed since a
+      base, listed while paused and written by a forked writer after the source
+      resumed; the snapshot is a chain link and its memory plan is computed once
+      at publish) or ``"live"`` (whole memory written by a forked writer after the
+      source resumed). ``ValueError`` for anything else.
     * ``parent_tag``: for ``diff``, the base to layer on: the snapshot the
       sandbox was restored from or a previous branch of it still in the store
       (default: the newest such base). ``BranchFailed`` (stage ``base``) when the

@@ -3,8 +3,8 @@
 Every mode is pause-consistent (DESIGN.md decision 4): the vCPUs are parked,
 their state and the VM's are read, and then -- inside one callback on the I/O
 thread, the only thread on which devices touch guest memory -- the device state
-is saved and guest memory is *fixed*: written (full, diff) or frozen by a
-``fork`` (live). Nothing can change guest memory or device state between the
+is saved and guest memory is *fixed*: written (full) or frozen by a ``fork``
+(live, diff). Nothing can change guest memory or device state between the
 two. The modes differ in what is written and in how long the source stays
 paused:
 
@@ -14,10 +14,20 @@ paused:
   in the kernel (``copy_file_range``) after the resume. Other machines (a
   booted memfd parent) are written whole while paused.
 * **diff**: a layer file (``ondisk.layerfile``) holding only the pages changed
-  since a *base*, written while paused. The base is the snapshot the sandbox was
-  restored from (its changed pages are its private anonymous pages) or this
-  sandbox's previous capture (pages soft-dirty since then). ``take`` reports
-  which; the store materialises the head image from base + layer afterwards.
+  since a *base*. The base is the snapshot the sandbox was restored from (its
+  changed pages are its private anonymous pages) or this sandbox's previous
+  capture (pages soft-dirty since then). ``take`` reports which; the store
+  materialises the head image from base + layer afterwards. While paused, the
+  changed pages are listed (the page-table scan, ``vmm.dirty``), the VMM forks
+  as for live, and the soft-dirty bits are cleared; the forked writer writes the
+  listed pages from its copy-on-write view after the resume, so the pause no
+  longer grows with the bytes a diff writes, only with the scan and the fork.
+  The list must be taken in the pause: a jailed VMM's writer cannot open its own
+  ``/proc/self/pagemap`` (it is not dumpable), the pre-opened descriptor shows the
+  source's page tables as they change after the resume, and the bits are
+  cleared for the next diff before the resume. A machine whose RAM is a shared
+  memfd (a booted parent with a previous capture) cannot be forked
+  copy-on-write and writes its layer while paused.
 * **live**: the same image as full, but the source is paused only while its
   state is read and the VMM process ``fork``\\ s. The forked writer inherits a
   copy-on-write view of guest RAM at that instant and writes the image while
@@ -32,7 +42,10 @@ writer, so the writer does only what needs none of them: ``os`` calls on file
 descriptors and guest memory views, then ``os._exit`` (no ``atexit``, no stdio
 flush, no logging). It asks the kernel to kill it if the VMM dies
 (``PR_SET_PDEATHSIG``), reports over a pipe, and the VMM reaps it with
-``waitpid`` before answering. The fork's cost is the copy of the VMM's page
+``waitpid`` before answering. A writer that fails (a full disk, a kill) fails the
+capture after the resume: its temporary file is removed, nothing is renamed into
+place, and the next diff is no longer offered the previous capture as its base
+(the bits were cleared for a capture that does not exist) but the restore base. The fork's cost is the copy of the VMM's page
 tables, which grows with the RAM the guest has written (a restored sandbox's
 untouched file pages are not copied); ``bench/branch.py`` measures it.
 Machines whose RAM is a ``MAP_SHARED`` memfd (a freshly booted parent, not a
@@ -165,8 +178,8 @@ class SnapshotTaker:
         capture so a later diff can use it as its base; ``base_tag`` picks the
         base of a diff (default: the previous capture if tracked, else the
         restore base). ``on_resumed(timings)`` is called once the source runs
-        again (before a live capture's memory is written). Leaves nothing at
-        either path on failure.
+        again (before the memory of a live capture, or of a diff of a sandbox, is
+        written). Leaves nothing at either path on failure.
         """
         if mode not in MODES:
             raise CaptureError(f"mode must be one of {', '.join(MODES)}, not {mode!r}",
@@ -204,18 +217,25 @@ class SnapshotTaker:
                     written, pages = 0, None
                     at = time.monotonic()
                     if mode == "live":
-                        writer = _Writer.fork(memory, tmp_memory)
+                        writer = _Writer.fork(
+                            tmp_memory, lambda: _write_image_file(tmp_memory, memory))
                         timings["fork_s"] = time.monotonic() - at
                     elif mode == "diff":
                         assert base is not None
-                        runs = (dirty.soft_dirty_pages(memory) if base.kind == BASE_PREVIOUS
-                                else dirty.changed_private_pages(memory))
+                        runs = _changed_since(memory, base)
+                        pages = dirty.page_count(runs)
                         timings["scan_s"] = time.monotonic() - at
                         at = time.monotonic()
-                        written = _write_file(tmp_memory,
-                                              lambda fd: layerfile.write_layer(fd, memory, runs))
-                        pages = dirty.page_count(runs)
-                        timings["memory_write_s"] = time.monotonic() - at
+                        if _forks_copy_on_write(memory):
+                            # The pages are fixed: the writer's copy-on-write view holds
+                            # them as of now, whatever the guest writes after the resume.
+                            writer = _Writer.fork(
+                                tmp_memory, lambda: (_write_layer_file(tmp_memory, memory,
+                                                                       runs), pages))
+                            timings["fork_s"] = time.monotonic() - at
+                        else:
+                            written = _write_layer_file(tmp_memory, memory, runs)
+                            timings["memory_write_s"] = time.monotonic() - at
                     elif memory.private_file:
                         written, changed = _write_changed_pages(tmp_memory, memory)
                         pages = dirty.page_count(changed)
@@ -280,6 +300,13 @@ class SnapshotTaker:
             tracking=self.tracking, timings=timings)
 
 
+def _changed_since(memory: GuestMemory, base: _Base) -> list[dirty.Run]:
+    """The pages a diff against ``base`` holds; read while paused (see ``take``)."""
+    if base.kind == BASE_PREVIOUS:
+        return dirty.soft_dirty_pages(memory)
+    return dirty.changed_private_pages(memory)
+
+
 # -- memory files --------------------------------------------------------------------
 
 def _forks_copy_on_write(memory: GuestMemory) -> bool:
@@ -307,6 +334,11 @@ def _write_file(path: str, write: Callable[[int], int]) -> int:
         return write(fd)
     finally:
         os.close(fd)
+
+
+def _write_layer_file(path: str, memory: GuestMemory, runs: list[dirty.Run]) -> int:
+    """Create the layer file of ``runs`` of ``memory`` at ``path``; returns data bytes."""
+    return _write_file(path, lambda fd: layerfile.write_layer(fd, memory, runs))
 
 
 def _write_image_file(path: str, memory: GuestMemory) -> tuple[int, int | None]:
@@ -364,7 +396,10 @@ def _fill_from_base(path: str, memory: GuestMemory, changed: list[dirty.Run]) ->
 
 
 class _Writer:
-    """The forked process that writes a live capture's memory image."""
+    """The forked process that writes a capture's memory after the source resumed (a live
+    capture's image, a diff's layer) from its copy-on-write view of guest RAM at the
+    fork. ``write()`` runs in it and returns (data bytes written, changed pages or None);
+    the writer then fsyncs ``path`` and reports over a pipe."""
 
     def __init__(self, pid: int, report_fd: int, path: str) -> None:
         self.pid = pid
@@ -373,7 +408,7 @@ class _Writer:
         self._reaped = False
 
     @classmethod
-    def fork(cls, memory: GuestMemory, path: str) -> _Writer:
+    def fork(cls, path: str, write: Callable[[], tuple[int, int | None]]) -> _Writer:
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
         try:
@@ -381,7 +416,7 @@ class _Writer:
         except OSError as err:
             os.close(read_fd)
             os.close(write_fd)
-            raise CaptureError(f"fork for the live writer failed: {err}", op="fork",
+            raise CaptureError(f"fork for the snapshot writer failed: {err}", op="fork",
                                errno=err.errno) from err
         if pid == 0:   # the writer: raw system calls only, then _exit (see module notes)
             status = 1
@@ -391,7 +426,7 @@ class _Writer:
                 _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 if os.getppid() != parent:
                     os._exit(1)
-                written, pages = _write_image_file(path, memory)
+                written, pages = write()
                 fsync_file(path)
                 report = {"ok": True, "written": written, "pages": pages}
                 status = 0
@@ -427,7 +462,7 @@ class _Writer:
             report = {}
         if os.waitstatus_to_exitcode(status) != 0 or not report.get("ok"):
             reason = report.get("error") or f"wait status {status:#x}"
-            raise CaptureError(f"the live snapshot writer failed: {reason}", op="live_write")
+            raise CaptureError(f"the snapshot writer failed: {reason}", op="memory_write")
         return int(report["written"]), report.get("pages")
 
     def kill(self) -> None:
