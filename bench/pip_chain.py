@@ -297,7 +297,7 @@ def compare(args: argparse.Namespace) -> int:
 
 def _layer_page_kinds(ctl: Any, store: Any, tag: str) -> dict[str, float]:
     """MiB of the link's layer by what each page is in a child of the link."""
-    from vmfork.vmm.layerfile import read_layer_index
+    from vmfork.ondisk.layerfile import read_layer_index
     layer = store.get(tag).layer_path
     with open(layer, "rb", buffering=0) as f:
         index = read_layer_index(f.fileno())

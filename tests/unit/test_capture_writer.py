@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vmfork.vmm import layerfile
+from vmfork.ondisk import layerfile
 from vmfork.vmm.capture import CaptureError, _write_layer_file, _Writer
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 

@@ -11,7 +11,8 @@ import pytest
 from test_restore_prepared import make_state
 from test_virtio_harness import DriverQueue, GuestDriver, wait_until
 
-from vmfork.vmm import dirty, stateformat, vmstate
+from vmfork.ondisk import stateformat
+from vmfork.vmm import dirty, vmstate
 from vmfork.vmm.devices.virtio import balloon, mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,
@@ -149,6 +150,24 @@ def test_reported_pages_are_dropped_and_no_longer_changed(env: Env) -> None:
     assert stats.reports == 1 and stats.bytes_discarded == 64 * PAGE_SIZE
     assert stats.last_report_age_s is not None and stats.discard_errors == 0
     assert env.transport.read(mmio.REG_INTERRUPT_STATUS, 4)[0] & mmio.INT_USED_BUFFER
+
+
+def test_reports_during_a_capture_are_acknowledged_and_kept(env: Env) -> None:
+    """A capture in flight (vmm/capture.py holds discards from the pause until its
+    writer is done) must see the page tables as they were at the pause."""
+    mem = env.memory
+    mem.write(FREE_AT, b"\xcd" * PAGE_SIZE)
+    env.dev.hold_discards()
+    env.dev.hold_discards()     # two captures: both must end before a page goes
+    assert env.report([(FREE_AT, PAGE_SIZE)]) == 1
+    env.dev.release_discards()
+    assert env.report([(FREE_AT, PAGE_SIZE)]) == 1
+    assert mem.read(FREE_AT, PAGE_SIZE) == b"\xcd" * PAGE_SIZE
+    assert env.dev.stats().bytes_discarded == 0 and env.dev.discards_held == 2
+    env.dev.release_discards()
+    assert env.report([(FREE_AT, PAGE_SIZE)]) == 1
+    assert mem.read(FREE_AT, PAGE_SIZE) == _expected(mem, FREE_AT // PAGE_SIZE)
+    assert env.dev.stats().bytes_discarded == PAGE_SIZE
 
 
 def test_a_ragged_range_drops_only_the_whole_pages_inside_it(env: Env) -> None:

@@ -201,6 +201,9 @@ class SnapshotTaker:
         writer: _Writer | None = None
         changed: list[dirty.Run] | None = None   # full, sandbox: base data still to copy
         cleared = False
+        balloon = machine.balloon
+        if balloon is not None:
+            balloon.hold_discards()   # until the writer is done: see hold_discards
         try:
             machine.pause()
             paused_at = time.monotonic()
@@ -288,6 +291,9 @@ class SnapshotTaker:
                     and not isinstance(err, CaptureError):
                 raise CaptureError(f"{mode} snapshot failed: {err}", op="snapshot") from err
             raise
+        finally:
+            if balloon is not None:
+                balloon.release_discards()
         timings["total_s"] = time.monotonic() - started
         if track:
             self._previous = _Base(tag, BASE_PREVIOUS)

@@ -105,6 +105,9 @@ class VirtioBalloon(VirtioDevice):
         self.ignored_buffers = 0
         self._last_report: float | None = None   # time.monotonic() of the last report
         self._advice: int = mmap.MADV_DONTNEED
+        self._holds = 0          # captures in flight (hold_discards); changed under _hold_lock
+        self._hold_lock = threading.Lock()
+        self.discards_held = 0   # reported ranges kept because a capture was in flight
 
     # -- config space -------------------------------------------------------------------
     def config_bytes(self) -> bytes:
@@ -159,8 +162,27 @@ class VirtioBalloon(VirtioDevice):
         if served == MAX_CHAINS_PER_NOTIFY:
             self.loop.call_soon(lambda: self._guarded(lambda: self._serve(index)))
 
+    # -- captures (vmm/capture.py) ---------------------------------------------------------
+    def hold_discards(self) -> None:
+        """Keep reported pages until ``release_discards``. A capture's writer, forked at
+        the pause, lists the pages that changed by reading this process's page tables
+        after the resume (a live capture); a page dropped then would read as the base
+        file's, and the snapshot would lose what the page held at the pause. Reports
+        are still acknowledged: the guest's pages stay ours a little longer."""
+        with self._hold_lock:
+            self._holds += 1
+
+    def release_discards(self) -> None:
+        with self._hold_lock:
+            self._holds = max(0, self._holds - 1)
+
     def _discard(self, memory: GuestMemory, gpa: int, length: int) -> None:
         """Drop the whole pages of guest range ``gpa``+``length`` from our mapping."""
+        # Read on the I/O thread, which also runs a capture's fork (``run_on_loop``): no
+        # drop can straddle the fork, and none starts after a hold.
+        if self._holds:
+            self.discards_held += 1
+            return
         start = -(-gpa // PAGE_SIZE) * PAGE_SIZE
         end = (gpa + length) // PAGE_SIZE * PAGE_SIZE
         if end <= start:
