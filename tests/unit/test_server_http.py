@@ -175,7 +175,8 @@ class FakeSpawner:
                                          "memory_write": 0.002, "memory_bytes": 8192.0}}
 
     def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
-               parent_tag: str | None, sandbox_id: str) -> BranchResult:
+               parent_tag: str | None, sandbox_id: str,
+               settle_free_pages: bool = False) -> BranchResult:
         self.control_gate.wait(10)
         self.branch_requests.append({"run_dir": run_dir, "mode": mode,
                                      "parent_tag": parent_tag, "sandbox_id": sandbox_id})

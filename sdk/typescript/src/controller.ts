@@ -170,6 +170,8 @@ export interface BranchOptions extends CallOptions {
   /** false: answer at once, the snapshot still `writing`; poll listSnapshots until `ready`. Default true. */
   wait?: boolean;
   parentTag?: string;
+  /** A diff after a build: first wait (seconds) for the guest to report what it freed. */
+  settleFreePages?: boolean;
 }
 
 export interface PushSnapshotOptions extends CallOptions {
@@ -615,6 +617,7 @@ export class Controller {
     if (options.measureDiff !== undefined) body.measure_diff = options.measureDiff;
     if (options.wait !== undefined) body.wait = options.wait;
     if (options.parentTag !== undefined) body.parent_tag = options.parentTag;
+    if (options.settleFreePages !== undefined) body.settle_free_pages = options.settleFreePages;
     return this.json("POST", `/v1/sandboxes/${seg(sandboxId)}/branch`, {
       ...options,
       timeoutMs: options.timeoutMs ?? Math.max(this.timeoutMs, 3_600_000),

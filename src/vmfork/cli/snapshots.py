@@ -528,7 +528,8 @@ def cmd_snapshot_diff(args: argparse.Namespace) -> int:
                                f"(fix the command and run snapshot-diff again){hint}", 1)
             with progress(f"taking the diff {args.tag} of {args.source}"):
                 info = call(ctl, lambda: ctl.branch_sandbox(
-                    sandbox, tag=args.tag, mode="diff", parent_tag=args.source))
+                    sandbox, tag=args.tag, mode="diff", parent_tag=args.source,
+                    settle_free_pages=True))
         finally:
             try:
                 ctl.kill_sandbox(sandbox)

@@ -430,10 +430,13 @@ class Controller:
     def branch_sandbox(self, sandbox_id: str, tag: str | None = None, diff: bool = False,
                        measure_diff: bool = False, mode: str | None = None, wait: bool = True,
                        *, live: bool = False, parent_tag: str | None = None,
+                       settle_free_pages: bool = False,
                        timeout: float | None = None) -> dict[str, Any]:
         """Snapshot a running sandbox (``mode`` full, diff or live; forkd's ``diff``/``live``
         booleans are the legacy spelling). With ``wait=False`` the answer comes at once
-        with status ``writing``; poll ``list_snapshots`` until ``ready`` or ``failed``."""
+        with status ``writing``; poll ``list_snapshots`` until ``ready`` or ``failed``.
+        ``settle_free_pages`` (a diff after a build): wait seconds first for the guest to
+        report what it freed, so the layer leaves it out."""
         body: dict[str, Any] = {"wait": wait}
         if tag is not None:
             body["tag"] = tag
@@ -447,6 +450,8 @@ class Controller:
             body["measure_diff"] = True
         if parent_tag is not None:
             body["parent_tag"] = parent_tag
+        if settle_free_pages:
+            body["settle_free_pages"] = True
         result: dict[str, Any] = self._call(
             "POST", f"/v1/sandboxes/{_seg(sandbox_id)}/branch", body,
             timeout=timeout or max(self.timeout, 3600.0))

@@ -17,14 +17,17 @@ taken, and the store's files are the daemon's (0600), never the jail uid's. Hole
 holes (``layerfile.copy_sparse``); the copy runs after the source resumed, so it
 lengthens the branch, not the pause.
 
-A diff first lets the guest hand back what it freed (``_settle_free_pages``): the
+A diff asked to settle (``settle_free_pages``: a build's ``snapshot-diff``) first lets
+the guest hand back what it freed (``_settle_free_pages``): the
 VMM's balloon drops every page the guest reports free (free page reporting,
 ``vmm/devices/virtio/balloon.py``), so a build's garbage -- pip's heap, a wheel it
 downloaded and deleted -- is not kept as changed pages. The guest reports a block
 about 2 s after freeing it; we poll the VMM's status until no report came for
 ``SETTLE_QUIET_S``, at most ``SETTLE_MAX_S``, while the source runs: the wait
-lengthens the branch, never the pause, and each poll is an ordinary control call. The
-wait is paid by every diff BRANCH, idle guest or not: a guest never says that nothing
+lengthens the branch, never the pause, and each poll is an ordinary control call. It is
+asked for, not the default, because it costs seconds on every such BRANCH, idle guest
+or not (a BRANCH of a sandbox mid-work, an E2B fork or pause, wants its snapshot now,
+and what the guest reported before it is dropped anyway): a guest never says that nothing
 is pending, and a build's garbage is reported after it ends, not during it (pip's
 builds reported twice in the 15-20 s before their BRANCH, the rest during the wait;
 docs/chains.md), so "no report lately" cannot stand for "nothing to come".
@@ -123,7 +126,7 @@ class BranchJob:
 
 def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "full", *,
                    parent_tag: str | None = None, wait: bool = True,
-                   sandbox_id: str | None = None,
+                   sandbox_id: str | None = None, settle_free_pages: bool = False,
                    on_done: Callable[[BranchJob], None] | None = None) -> BranchJob:
     """Branch the running sandbox whose VMM listens on ``control_socket`` into ``tag``.
 
@@ -144,6 +147,9 @@ def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "ful
       source runs again (``job.pause_ms`` set, the write continues on a thread;
       ``job.result()`` waits, ``on_done(job)`` is called when it ends either way).
     * ``sandbox_id``: recorded in the snapshot's meta (``branched_from``).
+    * ``settle_free_pages``: for ``diff``, first let the guest report the pages it
+      freed (``_settle_free_pages``: seconds), so the layer does not hold them; what
+      a build wants, not a BRANCH of a sandbox mid-work.
 
     Returns a ``BranchJob`` (finished when ``wait`` is true: ``job.result()`` is
     the ``BranchResult``, or raises ``BranchFailed``). With ``wait=False``, an error
@@ -165,7 +171,8 @@ def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "ful
         try:
             with pending:
                 result = _branch(store, pending, control_socket, mode, parent_tag,
-                                 sandbox_id, started, job, resumed)
+                                 sandbox_id, started, job, resumed,
+                                 settle_free_pages=settle_free_pages)
         except BaseException as err:  # noqa: BLE001 -- handed to the job's owner
             error = err
             if not resumed.is_set():
@@ -189,7 +196,7 @@ def branch_sandbox(store: Store, control_socket: str, tag: str, mode: str = "ful
 
 def branch_into_pending(store: Store, pending: PendingSnapshot, control_socket: str,
                         mode: str, *, parent_tag: str | None = None,
-                        sandbox_id: str | None = None,
+                        sandbox_id: str | None = None, settle_free_pages: bool = False,
                         on_resumed: Callable[[float], None] | None = None) -> BranchResult:
     """The body of ``branch_sandbox`` for a caller that claimed the tag itself
     (``pending = store.begin(tag)``): capture the sandbox into ``pending`` and publish
@@ -202,13 +209,15 @@ def branch_into_pending(store: Store, pending: PendingSnapshot, control_socket: 
     job = BranchJob(pending.tag, mode)
     resumed = threading.Event()
     return _branch(store, pending, control_socket, mode, parent_tag, sandbox_id,
-                   time.monotonic(), job, resumed, on_resumed)
+                   time.monotonic(), job, resumed, on_resumed,
+                   settle_free_pages=settle_free_pages)
 
 
 def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: str,
             parent_tag: str | None, sandbox_id: str | None, started: float, job: BranchJob,
             resumed: threading.Event,
-            on_resumed: Callable[[float], None] | None = None) -> BranchResult:
+            on_resumed: Callable[[float], None] | None = None, *,
+            settle_free_pages: bool = False) -> BranchResult:
     def source_resumed(pause_ms: float) -> None:
         if not resumed.is_set():
             job.pause_ms = pause_ms
@@ -228,7 +237,8 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
             except ChainTooDeep as err:
                 raise BranchFailed(str(err), stage="base") from err
         # After the checks that can refuse the branch, before the pause.
-        settled = _settle_free_pages(control, status) if mode == "diff" else None
+        settled = _settle_free_pages(control, status) \
+            if mode == "diff" and settle_free_pages else None
         memory_path = str(pending.layer_path if mode == "diff" else pending.memory_path)
         state_path = str(pending.state_path)
         staged: tuple[str, str] | None = None

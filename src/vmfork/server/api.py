@@ -343,6 +343,9 @@ BRANCH = {
     "wait": Field(bool, True),
     "measure_diff": Field(bool, False),
     "parent_tag": Field(str, None, check_tag, nullable=True),
+    # A diff first waits (3 s of quiet, 20 s at most) for the guest to report the pages
+    # it freed, so they are not captured: what a build (snapshot-diff) wants.
+    "settle_free_pages": Field(bool, False),
     # forkd's legacy spelling of mode.
     "diff": Field(bool, False),
     "live": Field(bool, False),

@@ -81,6 +81,7 @@ class Branch(_Request):
     wait: bool = True
     measure_diff: bool = False
     parent_tag: str | None = None
+    settle_free_pages: bool = False
     diff: bool = False     # forkd's legacy spelling of mode
     live: bool = False
 

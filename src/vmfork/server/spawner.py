@@ -141,8 +141,10 @@ class Spawner(Protocol):
         """One request to the sandbox's VMM control socket; its successful reply."""
 
     def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
-               parent_tag: str | None, sandbox_id: str) -> BranchResult:
-        """Capture the sandbox into ``pending`` and publish it (``runtime.branch``);
+               parent_tag: str | None, sandbox_id: str,
+               settle_free_pages: bool = False) -> BranchResult:
+        """Capture the sandbox into ``pending`` and publish it (``runtime.branch``;
+        ``settle_free_pages``: a diff first waits for the guest to report what it freed);
         raises ``BranchFailed`` (with its stage) or ``StoreError``, leaving ``pending``
         to the caller to abort."""
 
@@ -335,9 +337,11 @@ class ZygoteSpawner:
         return vmm_control(Path(run_dir) / "control.sock", request, timeout)
 
     def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
-               parent_tag: str | None, sandbox_id: str) -> BranchResult:
+               parent_tag: str | None, sandbox_id: str,
+               settle_free_pages: bool = False) -> BranchResult:
         return branch_into_pending(store, pending, str(Path(run_dir) / "control.sock"), mode,
-                                   parent_tag=parent_tag, sandbox_id=sandbox_id)
+                                   parent_tag=parent_tag, sandbox_id=sandbox_id,
+                                   settle_free_pages=settle_free_pages)
 
     def agent(self, run_dir: str) -> AgentClient:
         return AgentClient(vsock_uds_connector(str(Path(run_dir) / "vsock.sock"), AGENT_PORT,

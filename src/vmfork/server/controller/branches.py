@@ -151,7 +151,8 @@ class Branches(Part):
         try:
             try:
                 result = spawner.branch(record.run_dir, self.store, pending, mode,
-                                        parent_tag=request.parent_tag, sandbox_id=record.id)
+                                        parent_tag=request.parent_tag, sandbox_id=record.id,
+                                        settle_free_pages=request.settle_free_pages)
             except BranchFailed as err:
                 if err.stage == "base":
                     raise Conflict(f"BRANCH {tag!r} of {record.id}: {err}") from err
