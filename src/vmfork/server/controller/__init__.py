@@ -45,6 +45,7 @@ from vmfork.server.controller.core import (
     PAUSE_TAG_PREFIX,
     Core,
     Limits,
+    Part,
     agent_errors,
     host_memory_mib,
     sandbox_info,
@@ -86,14 +87,16 @@ __all__ = ["BRANCH_MODES", "PAUSE_TAG_PREFIX", "REAPER_INTERVAL_S", "REAP_PER_CY
 DEFAULT_LIMITS = Limits()
 
 
-class Controller:
+class Controller(Part):
     """The daemon's operations, one method per thing a client can ask, each handed to
-    the part that owns its resource."""
+    the part that owns its resource. It is a ``Part`` itself only to read the shared
+    state as the parts do."""
 
     def __init__(self, store: Store, registry: Registry, spawner: Spawner | None,
                  metrics: DaemonMetrics, *, make_snapshot: SnapshotMaker | None = None,
                  limits: Limits = DEFAULT_LIMITS, networks: SandboxNetworks | None = None) -> None:
-        self.core = core = Core(store, registry, spawner, metrics, limits, networks)
+        core = Core(store, registry, spawner, metrics, limits, networks)
+        super().__init__(core)
         self.snapshots = Snapshots(core, make_snapshot)
         self.sandboxes = Sandboxes(core)
         self.branches = Branches(core)
@@ -107,33 +110,8 @@ class Controller:
         metrics.set_sources(lambda: registry.count_sandboxes(RUNNING),
                             self.snapshots.snapshot_counts, lambda: self.branches.in_flight)
 
-    # What the routes and the daemon read of the shared state.
-
-    @property
-    def store(self) -> Store:
-        return self.core.store
-
-    @property
-    def registry(self) -> Registry:
-        return self.core.registry
-
-    @property
-    def spawner(self) -> Spawner | None:
-        return self.core.spawner
-
-    @property
-    def metrics(self) -> DaemonMetrics:
-        return self.core.metrics
-
-    @property
-    def limits(self) -> Limits:
-        return self.core.limits
-
-    @property
-    def networks(self) -> SandboxNetworks | None:
-        """The sandboxes' networks; None when this daemon has none (or they failed to
-        start)."""
-        return self.core.networks
+    # What the routes and the daemon read of the shared state: ``Part``'s properties
+    # (store, registry, spawner, metrics, limits, networks), and:
 
     @property
     def max_guest_mib(self) -> int:

@@ -304,4 +304,6 @@ class Part:
 
     @property
     def networks(self) -> SandboxNetworks | None:
+        """The sandboxes' networks; None when this daemon has none (or they failed to
+        start)."""
         return self.core.networks
