@@ -135,3 +135,17 @@ def test_the_result_a_jailed_parent_writes_is_read_as_a_typed_record(tmp_path: P
     path.unlink()
     path.write_bytes(b"{" * (2 << 20))
     assert _read_result(path) is None
+
+
+def test_the_balloon_switch_is_read_where_the_request_is_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process that boots a parent runs in a jail's clean environment, so
+    ``VMFORK_BALLOON`` is read by the caller and travels in the request's JSON."""
+    import json
+    from dataclasses import asdict
+    monkeypatch.delenv("VMFORK_BALLOON", raising=False)
+    assert ParentRequest(tag="on").balloon
+    monkeypatch.setenv("VMFORK_BALLOON", "0")
+    request = ParentRequest(tag="off")
+    monkeypatch.delenv("VMFORK_BALLOON")   # as in the jail
+    assert not ParentRequest(**json.loads(json.dumps(asdict(request)))).balloon

@@ -16,6 +16,7 @@ answers, ``GuestBootError`` carries the reason and the console tail.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -72,7 +73,8 @@ class BootedGuest:
                  network: GuestNetwork | None = None, net_tap: str | None = None,
                  root_disk: str | None = None, root_disk_key: str | None = None,
                  volumes: tuple[PreparedVolume, ...] = (), free_volume_slots: int = 0,
-                 before_start: Callable[[], None] | None = None) -> None:
+                 before_start: Callable[[], None] | None = None,
+                 balloon: bool | None = None) -> None:
         """``network``: give the guest a virtio-net device configured with it at boot;
         ``net_tap``: the tap (in this thread's network namespace) that cables it.
         ``root_disk``/``root_disk_key``: a read-only disk (virtio-blk) and its content
@@ -80,7 +82,10 @@ class BootedGuest:
         the first volume slots, mounted by the agent before the guest counts as ready;
         ``free_volume_slots``: empty slots after them, for volumes given at spawn.
         ``before_start``: called once the machine is set up, just before its first
-        instruction runs (a jailed parent installs its seccomp filter there)."""
+        instruction runs (a jailed parent installs its seccomp filter there).
+        ``balloon``: the free-page-reporting device (default: ``MachineConfig``'s, from
+        ``$VMFORK_BALLOON``; a jailed process has a clean environment, so its caller
+        decides and passes it)."""
         if root_disk is None and image.disk is not None:
             root_disk, root_disk_key = str(image.disk), image.disk_key
         self.created_at = time.monotonic()
@@ -98,7 +103,7 @@ class BootedGuest:
             cmdline = image.cmdline
             if network is not None:
                 cmdline = f"{cmdline} {network.kernel_cmdline()}"
-            self.machine = Machine(MachineConfig(
+            config = MachineConfig(
                 kernel=str(image.kernel), initrd=str(image.initrd), cmdline_extra=cmdline,
                 mem_mib=mem_mib, vcpus=vcpus, console_log=self.console_log,
                 vsock_uds=self.vsock_uds, vm_id=self.dir.name,
@@ -106,7 +111,10 @@ class BootedGuest:
                 root_disk=root_disk, root_disk_key=root_disk_key,
                 volume_slots=len(volumes) + free_volume_slots,
                 volumes=tuple(VolumeMedia(slot, v.path, v.key, v.read_only, v.guest_path)
-                              for slot, v in enumerate(volumes))))
+                              for slot, v in enumerate(volumes)))
+            if balloon is not None:
+                config = dataclasses.replace(config, balloon=balloon)
+            self.machine = Machine(config)
             self.machine.serial.line_listeners.append(self._on_console_line)
             self.agent = AgentClient(vsock_uds_connector(self.vsock_uds, AGENT_PORT, timeout=5.0))
             self.timings.vmm_setup = time.monotonic() - self.created_at

@@ -171,13 +171,14 @@ def boot_and_capture(image: GuestImage, memory_path: str, state_path: str, *,
                      mem_mib: int, vcpus: int, warm_code: str | None, warm_cmd: str | None,
                      network: GuestNetwork | None, net_tap: str | None,
                      volumes: tuple[PreparedVolume, ...], free_volume_slots: int,
-                     before_start: Callable[[], None] | None = None) -> Captured:
+                     before_start: Callable[[], None] | None = None,
+                     balloon: bool | None = None) -> Captured:
     """Boot ``image``, run the warm-up, write the paused guest to ``memory_path`` and
     ``state_path`` (new files). ``before_start``: see ``BootedGuest``."""
     started = time.monotonic()
     with BootedGuest(image, mem_mib=mem_mib, vcpus=vcpus, network=network,
                      net_tap=net_tap, volumes=volumes,
-                     free_volume_slots=free_volume_slots,
+                     free_volume_slots=free_volume_slots, balloon=balloon,
                      ready_timeout=PARENT_READY_TIMEOUT_S, before_start=before_start) as guest:
         booted = time.monotonic()
         try:
@@ -272,6 +273,10 @@ class ParentRequest:
     run_dir: str | None = None
     staging_dir: str | None = None
     seccomp_log_only: bool = False
+    # The free-page-reporting balloon (a measurement switch, bench/pip_chain.py
+    # --no-balloon): read from the caller's environment when the request is made,
+    # because the process that boots runs in a jail's clean environment.
+    balloon: bool = field(default_factory=lambda: os.environ.get("VMFORK_BALLOON", "1") != "0")
 
 
 @dataclass(frozen=True)
@@ -395,7 +400,7 @@ def _process_main(request_path: str, result_path: str) -> int:
                                     warm_code=req.warm_code, warm_cmd=req.warm_cmd,
                                     network=network, net_tap=req.net_tap, volumes=volumes,
                                     free_volume_slots=req.free_volume_slots,
-                                    before_start=before_start)
+                                    before_start=before_start, balloon=req.balloon)
     except Exception as err:  # noqa: BLE001 - every failure becomes a typed result
         kind = _classify(err)
         message = f"{err}" or type(err).__name__
