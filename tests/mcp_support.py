@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,15 +40,15 @@ def running_daemon(root: Path, *, token: str | None = None,
     env = dict(os.environ, VMFORK_HOME=str(root / "home"),
                PYTHONPATH=os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH")) if p),
                **(env or {}))
-    socket = root / "api.sock"
+    api_socket = root / "api.sock"
     cmd = [sys.executable, "-m", "vmfork.cli.serve", "--state", str(root / "state"),
-           "--socket", str(socket)]
+           "--socket", str(api_socket)]
     if bind is not None:
         cmd += ["--bind", bind]
     if token is not None:
         (root / "token").write_text(token)
         cmd += ["--token-file", str(root / "token")]
-    url = f"unix://{socket}"
+    url = f"unix://{api_socket}"
     ctl = Controller(url, token=token, timeout=900)
     with open(root / "serve.log", "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -72,6 +73,29 @@ def running_daemon(root: Path, *, token: str | None = None,
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def free_port() -> int:
+    """A TCP port on loopback nobody listens on (as of now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def tcp_daemon(root: Path, *, token: str | None = None,
+               snapshot: str | None = None) -> Iterator[tuple[RunningDaemon, int]]:
+    """A daemon that also listens on a loopback TCP port (E2B's and forkd's clients
+    speak HTTP over TCP), with ``snapshot`` (a tag, 256 MiB) made before it is
+    handed out, and every sandbox left killed at the end."""
+    port = free_port()
+    with running_daemon(root, token=token, bind=f"127.0.0.1:{port}") as d:
+        if snapshot is not None:
+            d.controller.create_snapshot(snapshot, mem_mib=256)
+        yield d, port
+        for sandbox in d.controller.list_sandboxes():
+            d.controller.kill_sandbox(sandbox["id"])
 
 
 def _answers(ctl: Controller, proc: subprocess.Popen[bytes]) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 from collections.abc import Iterator
 
@@ -23,29 +22,18 @@ from tests.e2b_sdk import (
     run_js_program,
     run_program,
 )
-from tests.mcp_support import RunningDaemon, running_daemon
+from tests.mcp_support import RunningDaemon, tcp_daemon
 from vmfork.agent.interpreter import MAX_CODE_CHARS
 
 pytestmark = pytest.mark.e2e
 TOKEN = "e2b-interpreter-e2e-token-0123456789"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, int]]:
-    port = _free_port()
-    with running_daemon(tmp_path_factory.mktemp("e2b-interpreter"), token=TOKEN,
-                        bind=f"127.0.0.1:{port}") as d:
-        d.controller.create_snapshot("e2b-ci", mem_mib=256)
-        yield d, port
-        for sandbox in d.controller.list_sandboxes():
-            d.controller.kill_sandbox(sandbox["id"])
+    with tcp_daemon(tmp_path_factory.mktemp("e2b-interpreter"), token=TOKEN,
+                    snapshot="e2b-ci") as running:
+        yield running
 
 
 @pytest.mark.parametrize("sdk", ["python", "javascript"])

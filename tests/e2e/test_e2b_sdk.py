@@ -6,7 +6,6 @@ snapshot tag."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -21,28 +20,17 @@ from tests.e2b_sdk import (
     run_program,
     sdk_python,
 )
-from tests.mcp_support import RunningDaemon, running_daemon
+from tests.mcp_support import RunningDaemon, tcp_daemon
 
 pytestmark = pytest.mark.e2e
 TOKEN = "e2b-wire-e2e-token-0123456789"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, str]]:
-    port = _free_port()
-    with running_daemon(tmp_path_factory.mktemp("e2b"), token=TOKEN,
-                        bind=f"127.0.0.1:{port}") as d:
-        d.controller.create_snapshot("e2b-base", mem_mib=256)
+    with tcp_daemon(tmp_path_factory.mktemp("e2b"), token=TOKEN,
+                    snapshot="e2b-base") as (d, port):
         yield d, f"http://127.0.0.1:{port}"
-        for sandbox in d.controller.list_sandboxes():
-            d.controller.kill_sandbox(sandbox["id"])
 
 
 @pytest.mark.parametrize("sdk", ["python", "javascript"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,28 +17,17 @@ from pathlib import Path
 import pytest
 
 from tests.forkd_rootfs import make_ext4_rootfs
-from tests.mcp_support import RunningDaemon, ToolFailed, forkd_mcp_session, running_daemon
+from tests.mcp_support import RunningDaemon, ToolFailed, forkd_mcp_session, tcp_daemon
 from vmfork.client import ControllerError
 from vmfork.image import find_image
 
 pytestmark = pytest.mark.e2e
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningDaemon, str]]:
-    port = _free_port()
-    with running_daemon(tmp_path_factory.mktemp("forkd-mcp"),
-                        bind=f"127.0.0.1:{port}") as d:
+    with tcp_daemon(tmp_path_factory.mktemp("forkd-mcp")) as (d, port):
         yield d, f"http://127.0.0.1:{port}"
-        for sandbox in d.controller.list_sandboxes():
-            d.controller.kill_sandbox(sandbox["id"])
 
 
 def _sha256(path: Path) -> str:
