@@ -9,7 +9,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vmfork.client import Controller
+    from vmfork.server.daemon import Daemon
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -53,3 +57,19 @@ def write_results(name: str, data: dict[str, Any], markdown: str) -> None:
     (RESULTS / f"{name}.md").write_text(markdown)
     print(markdown)
     print(f"results: {RESULTS / (name + '.json')}, {RESULTS / (name + '.md')}")
+
+
+def local_daemon(work: Path, home: Path, *, name: str = "api",
+                 **config: Any) -> tuple[Daemon, Controller]:
+    """A daemon started in this process (state in ``work/<name>-state``, its socket
+    ``work/<name>.sock``, the store ``home``; sandboxes killed when it stops) and a
+    client of it with an hour's timeout. The caller stops it."""
+    from vmfork.client import Controller
+    from vmfork.server.daemon import Daemon, DaemonConfig
+
+    sock = work / f"{name}.sock"
+    config.setdefault("kill_sandboxes_on_exit", True)
+    daemon = Daemon(DaemonConfig(state_dir=work / f"{name}-state", socket_path=sock,
+                                 bind=None, snapshot_root=home, **config))
+    daemon.start()
+    return daemon, Controller(f"unix://{sock}", timeout=3600)

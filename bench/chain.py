@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ensure_kvm_host, write_results
+from _common import ensure_kvm_host, local_daemon, write_results
 
 FORKD_SPAWN_MS = {0: 59.0, 1: 751.0, 2: 1222.0, 3: 1668.0}
 LINKS = ("numpy", "pandas", "sklearn", "scipy", "torch")
@@ -84,18 +84,12 @@ def main() -> int:
     args = parse_args()
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
-    from vmfork.client import Controller
-    from vmfork.server.daemon import Daemon, DaemonConfig
     from vmfork.store import Store, disk_usage, packs
 
     work = Path(tempfile.mkdtemp(prefix="vmfork-bench-chain-"))
     home = work / "home"
-    daemon = Daemon(DaemonConfig(state_dir=work / "state", socket_path=work / "api.sock",
-                                 bind=None, snapshot_root=home, networking=False,
-                                 kill_sandboxes_on_exit=True))
-    daemon.start()
+    daemon, ctl = local_daemon(work, home, networking=False)
     try:
-        ctl = Controller(f"unix://{work / 'api.sock'}", timeout=3600)
         store = Store.open(home)
         started = time.monotonic()
         ctl.create_snapshot("base", mem_mib=args.mem_mib, warm_code="import json, os, sys")

@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.unit's registry
-from _common import ensure_kvm_host, write_results
+from _common import ensure_kvm_host, local_daemon, write_results
 
 IMAGE = "bench-numpy"
 BASE = "np-base"
@@ -139,21 +139,15 @@ def chain_bytes(store: Any, tags: list[str]) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from vmfork.client import Controller
     from vmfork.image.builder import build
     from vmfork.image.spec import ImageSpec
-    from vmfork.server.daemon import Daemon, DaemonConfig
     from vmfork.store import Store
 
     image, image_build_s = timed(lambda: build(IMAGE, ImageSpec(apt=("python3-numpy",))
                                                .validate()))
     home = work / "home"
-    daemon = Daemon(DaemonConfig(state_dir=work / "state", socket_path=work / "api.sock",
-                                 bind=None, snapshot_root=home, networking=False,
-                                 kill_sandboxes_on_exit=True))
-    daemon.start()
+    daemon, ctl = local_daemon(work, home, networking=False)
     try:
-        ctl = Controller(f"unix://{work / 'api.sock'}", timeout=3600)
         _, base_s = timed(lambda: ctl.create_snapshot(BASE, image=IMAGE, mem_mib=args.mem_mib,
                                                       warm_code="import numpy"))
         links = build_chains(ctl, args.link_mib)
@@ -244,15 +238,8 @@ def spawn_check(home: Path, work: Path, links: dict[str, dict[str, Any]]) -> dic
     """Spawn B's head once from the store that pulled A and then B (base and A from the
     first pull, B's links from the second): the child must see numpy and both of B's
     arrays with the sums they had where they were made."""
-    from vmfork.client import Controller
-    from vmfork.server.daemon import Daemon, DaemonConfig
-
-    check_daemon = Daemon(DaemonConfig(state_dir=work / "state2", socket_path=work / "api2.sock",
-                                       bind=None, snapshot_root=home,
-                                       networking=False, kill_sandboxes_on_exit=True))
-    check_daemon.start()
+    check_daemon, ctl = local_daemon(work, home, name="api2", networking=False)
     try:
-        ctl = Controller(f"unix://{work / 'api2.sock'}", timeout=3600)
         head = CHAINS["B"][-1]
         kid = ctl.spawn_sandboxes(head, 1)[0]
         arrays = [links[tag]["array"] for tag in CHAINS["B"]]
