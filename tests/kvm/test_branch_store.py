@@ -31,8 +31,8 @@ from tests.kvm.test_branch_tiny import (
 from tests.kvm.tinyguest import Script, script_machine, wait_until
 from vmfork.ondisk.memplan import snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file, write_state_file
-from vmfork.runtime.branch import BranchFailed, branch_into_pending, branch_sandbox
 from vmfork.runtime import control
+from vmfork.runtime.branch import BranchFailed, branch_into_pending, branch_sandbox
 from vmfork.runtime.vmmchild import ControlServer
 from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
 from vmfork.vmm import dirty
