@@ -295,9 +295,9 @@ def _capture(client: control.ControlClient, store: Store, pending: PendingSnapsh
         staged = (os.path.join(run_dir, name + ".memory"),
                   os.path.join(run_dir, name + ".state"))
     request = control.Snapshot(memory_path=staged[0] if staged else memory_path,
-                       state_path=staged[1] if staged else state_path, mode=mode,
-                       tag=pending.tag, base_tag=parent.tag if parent else None,
-                       progress=True)
+                               state_path=staged[1] if staged else state_path, mode=mode,
+                               tag=pending.tag, base_tag=parent.tag if parent else None,
+                               progress=True)
     try:
         try:
             reply = client.snapshot(request,
