@@ -35,11 +35,9 @@ ratios within the run mean anything.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import sys
 import tempfile
@@ -92,33 +90,15 @@ def stats(values: list[float]) -> dict[str, float]:
             "max": max(values), "min": min(values), "n": len(values)}
 
 
-def control_call(path: str, request: dict[str, Any]) -> dict[str, Any]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(60)
-        sock.connect(path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    reply: dict[str, Any] = json.loads(data)
-    return reply
-
-
 def pause_floor_ms(control: str, reps: int = 10) -> list[float]:
     """The control socket's pause + resume round trip: the floor of any pause here."""
+    from vmfork.runtime.control import ControlClient, Pause, Resume
     out = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(60)
-        sock.connect(control)
-        reader = sock.makefile("rb")
+    with ControlClient.connect(control, timeout=60) as client:
         for _ in range(reps):
             started = time.monotonic()
-            for op in ("pause", "resume"):
-                sock.sendall(json.dumps({"op": op}).encode() + b"\n")
-                assert json.loads(reader.readline())["ok"]
+            client.call(Pause(), timeout=60)
+            client.call(Resume(), timeout=60)
             out.append((time.monotonic() - started) * 1000)
             time.sleep(0.05)
     return out

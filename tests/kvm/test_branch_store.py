@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from tests.kvm.test_branch_tiny import (
 from tests.kvm.tinyguest import Script, script_machine, wait_until
 from vmfork.ondisk.memplan import snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file, write_state_file
+from vmfork.runtime import control
 from vmfork.runtime.branch import BranchFailed, branch_into_pending, branch_sandbox
 from vmfork.runtime.vmmchild import ControlServer
 from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
@@ -219,6 +221,50 @@ def test_the_op_refuses_fields_of_another_contract(sandbox: Sandbox, tmp_path: P
         reply = json.loads(sock.makefile("rb").readline())
     assert not reply["ok"] and "parent_memory_path" in reply["error"]
     assert not (tmp_path / "m").exists() and not (tmp_path / "s").exists()
+
+
+def test_every_op_through_the_one_client(sandbox: Sandbox, tmp_path: Path) -> None:
+    """The real control server and ``runtime.control``'s client agree on every op."""
+    with control.ControlClient.connect(sandbox.control_path) as client:
+        status = client.call(control.Status())
+        assert not status.paused and status.exit is None and not status.jailed
+        assert control.SnapshotBase("base", "restore") in status.snapshot_bases
+        assert status.snapshot_tracking in ("soft-dirty", "restore-base-only")
+        assert client.call(control.Pause()) == control.Ack()
+        assert client.call(control.Status()).paused
+        at = sandbox.counter()
+        time.sleep(0.2)
+        assert sandbox.counter() == at           # paused: the guest's counter stands
+        assert client.call(control.Resume()) == control.Ack()
+        assert wait_until(lambda: sandbox.counter() > at + 20)
+        assert client.call(control.Exits()).profile["by_reason"]
+        same = str(tmp_path / "same")
+        with pytest.raises(control.ControlError, match="must differ") as refused:
+            client.call(control.Snapshot(memory_path=same, state_path=same))
+        assert refused.value.refused
+        seen: list[control.Resumed] = []
+        live = control.Snapshot(memory_path=str(tmp_path / "m"),
+                                state_path=str(tmp_path / "s"), mode="live", progress=True)
+        reply = client.snapshot(live, on_resumed=seen.append)
+        assert reply.memory_format == "image" and reply.memory_bytes > 0
+        assert [r.pause_s for r in seen] == [reply.pause_s]
+        assert client.call(control.Stop()) == control.Ack()
+        assert sandbox.control.on_stop.is_set()
+
+
+def test_a_request_line_without_end_is_refused_and_dropped(sandbox: Sandbox) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(sandbox.control_path)
+        # One byte over: all of it is read before the server drops the connection (a
+        # close with bytes unread would reset it, and the reply could be lost).
+        sock.sendall(b" " * (control.MAX_LINE_BYTES + 1))
+        reader = sock.makefile("rb")
+        reply = json.loads(reader.readline())
+        assert not reply["ok"] and "longer than" in reply["error"]
+        assert reader.readline() == b""          # and the connection is closed
+    with control.ControlClient.connect(sandbox.control_path) as client:
+        assert not client.call(control.Status()).paused  # others are served as before
 
 
 def test_a_caller_that_claimed_the_tag_itself(store: Store, sandbox: Sandbox) -> None:

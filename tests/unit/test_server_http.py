@@ -43,7 +43,7 @@ from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
 from vmfork.server.requests import SnapshotCreate
-from vmfork.server.spawner import ControlError, ExitNotice, Spawned, SpawnOutcome
+from vmfork.server.spawner import ExitNotice, Spawned, SpawnOutcome
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.vmm.memory import GuestMemory
 
@@ -115,7 +115,6 @@ class FakeSpawner:
     def __init__(self) -> None:
         self.live: set[str] = set()
         self.run_dirs: dict[str, str] = {}
-        self.control_requests: list[dict[str, Any]] = []
         self.branch_requests: list[dict[str, Any]] = []
         self.branch_failure: Exception | None = None
         self.control_gate = threading.Event()
@@ -162,17 +161,6 @@ class FakeSpawner:
 
     def clean_run_dirs(self, keep: set[str]) -> list[str]:
         return []
-
-    def control(self, run_dir: str, request: dict[str, Any],
-                timeout: float = 60.0) -> dict[str, Any]:
-        self.control_gate.wait(10)
-        self.control_requests.append(request)
-        if request.get("mode") == "crash":
-            raise ControlError("boom")
-        Path(request["memory_path"]).write_bytes(b"\1" * 8192)
-        Path(request["state_path"]).write_bytes(b"branched-state")
-        return {"ok": True, "timings": {"paused": 0.004, "vcpu_state": 0.001,
-                                         "memory_write": 0.002, "memory_bytes": 8192.0}}
 
     def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
                parent_tag: str | None, sandbox_id: str,

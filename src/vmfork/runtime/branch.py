@@ -2,10 +2,11 @@
 
 ``branch_sandbox`` is what the daemon's ``POST /v1/sandboxes/:id/branch`` calls.
 It claims the tag in the store first (a bad or taken tag fails before the
-sandbox is touched), asks the sandbox's VMM over its control socket to capture
-itself (the ``snapshot`` op, ``runtime.vmmchild.ControlServer.snapshot``) into
-the pending directory, resolves a diff into a spawnable head
-(``store.layers``), hashes what entered the store, and publishes atomically.
+sandbox is touched), asks the sandbox's VMM over its control socket
+(``runtime.control``) to capture itself (the ``snapshot`` op,
+``runtime.vmmchild.ControlServer.snapshot``) into the pending directory, resolves
+a diff into a spawnable head (``store.layers``), hashes what entered the store, and
+publishes atomically.
 Any failure -- the VMM refusing, dying mid-write, a full disk -- aborts the
 pending directory: nothing is ever listed ready unless complete.
 
@@ -35,19 +36,18 @@ docs/chains.md), so "no report lately" cannot stand for "nothing to come".
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import socket
 import stat
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 
 from vmfork.ondisk import layerfile
 from vmfork.ondisk.stateformat import read_state_file
+from vmfork.runtime import control
 from vmfork.store import PendingSnapshot, Snapshot, SnapshotMeta, SnapshotTimings, Store
 from vmfork.store.errors import SnapshotCorrupt, SnapshotNotFound
 from vmfork.store.store import ChainTooDeep, check_depth_for_child
@@ -55,10 +55,8 @@ from vmfork.store.tags import validate_tag
 from vmfork.vmm.capture import MODES
 from vmfork.vmm.vmstate import MachineState
 
-CONTROL_TIMEOUT = 30.0       # connect and the pause itself
+# Timeouts and the reply bound of the VMM's control socket: runtime.control.
 MAX_STATE_BYTES = 64 << 20   # a jailed VMM's state file taken into the store at most
-WRITE_TIMEOUT = 3600.0       # a live capture's background write of guest RAM
-MAX_REPLY_BYTES = 1 << 20
 # Free page reporting settles when a pass found nothing more: a pass that did re-runs
 # within the guest's 2 s delay, so 3 s without a report means it is idle; one that
 # keeps freeing is waited for SETTLE_MAX_S at most (builds settled in 4-5 s).
@@ -225,64 +223,23 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
             if on_resumed is not None:
                 on_resumed(pause_ms)
 
-    with _connect(control_socket) as control:
-        status = control.call({"op": "status"})
-        bases = status.get("snapshot_bases") or []
-        origin = next((b["tag"] for b in bases if b.get("kind") == "restore"), None)
-        parent: Snapshot | None = None
-        if mode == "diff":
-            parent = _choose_parent(store, bases, parent_tag)
-            try:
-                check_depth_for_child(store, parent.tag)
-            except ChainTooDeep as err:
-                raise BranchFailed(str(err), stage="base") from err
-        # After the checks that can refuse the branch, before the pause.
-        settled = _settle_free_pages(control, status) \
-            if mode == "diff" and settle_free_pages else None
-        memory_path = str(pending.layer_path if mode == "diff" else pending.memory_path)
-        state_path = str(pending.state_path)
-        staged: tuple[str, str] | None = None
-        if status.get("jailed"):
-            run_dir = os.path.dirname(os.path.abspath(control_socket))
-            name = f".branch-{secrets.token_hex(8)}"
-            staged = (os.path.join(run_dir, name + ".memory"),
-                      os.path.join(run_dir, name + ".state"))
-        request: dict[str, Any] = {
-            "op": "snapshot", "mode": mode,
-            "memory_path": staged[0] if staged else memory_path,
-            "state_path": staged[1] if staged else state_path,
-            "tag": pending.tag, "progress": True}
-        if parent is not None:
-            request["base_tag"] = parent.tag
-        try:
-            control.send(request)
-            first = control.receive(CONTROL_TIMEOUT)
-            if first.get("stage") == "resumed":
-                source_resumed(float(first["timings"]["pause_s"]) * 1000)
-                reply = control.receive(WRITE_TIMEOUT)
-            else:
-                reply = first
-            if reply.get("ok") and staged is not None:
-                _take_from_run_dir(staged[1], state_path, MAX_STATE_BYTES)
-                # The state says how large the guest is: a memory image is that size, a
-                # layer (its pages and their index) at most twice it. No more is copied.
-                mem_size = read_state_file(state_path, MachineState).mem_size
-                _take_from_run_dir(staged[0], memory_path, 2 * mem_size + (1 << 20))
-        finally:
-            if staged is not None:
-                for path in staged:
-                    _unlink_quietly(path)
-    if not reply.get("ok"):
-        raise BranchFailed(f"the sandbox's VMM could not snapshot: {reply.get('error')}",
-                           stage="capture")
-    timings = {k: float(v) for k, v in reply["timings"].items()}
-    source_resumed(timings["pause_s"] * 1000)
+    try:
+        with control.ControlClient.connect(control_socket) as client:
+            reply, settled, origin, parent = _capture(
+                client, store, pending, control_socket, mode, parent_tag,
+                settle_free_pages, source_resumed)
+    except control.ControlError as err:
+        # Where callers expect it (the daemon answers 502 and points at the sandbox).
+        raise BranchFailed(f"the sandbox's VMM refused {err.op!r}: {err}" if err.refused
+                           else str(err), stage="control") from err
+    timings = dict(reply.timings)
+    source_resumed(reply.pause_s * 1000)
 
     state = read_state_file(str(pending.state_path), MachineState)
     if mode == "diff":
         assert parent is not None
-        if reply.get("base_tag") != parent.tag:
-            raise BranchFailed(f"the VMM layered on {reply.get('base_tag')!r}, not on "
+        if reply.base_tag != parent.tag:
+            raise BranchFailed(f"the VMM layered on {reply.base_tag!r}, not on "
                                f"{parent.tag!r}", stage="capture")
     origin_meta = _meta_or_none(store, parent.tag if parent else origin)
     meta = SnapshotMeta(
@@ -290,49 +247,105 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         warm_up=origin_meta.warm_up if origin_meta else None,
         timings=SnapshotTimings(
-            pause_ms=timings["pause_s"] * 1000,
+            pause_ms=reply.pause_s * 1000,
             capture_ms=(timings.get("vcpu_state_s", 0.0) + timings.get("device_state_s", 0.0))
             * 1000,
             write_ms=timings.get("memory_write_s", 0.0) * 1000),
         branch_mode=mode, branched_from=sandbox_id, branched_from_tag=origin,
-        extra={"dirty_pages": reply.get("dirty_pages"),
-               "memory_bytes_written": reply.get("memory_bytes"),
+        extra={"dirty_pages": reply.dirty_pages,
+               "memory_bytes_written": reply.memory_bytes,
                **({"free_page_reporting": settled} if settled is not None else {})})
     # A link on parent: the store hashes the layer, computes the link's memory plan
     # over its chain and publishes; a full snapshot is a root.
     snapshot = pending.publish(meta, parent=parent)
-    return BranchResult(snapshot=snapshot, mode=mode, pause_ms=timings["pause_s"] * 1000,
+    return BranchResult(snapshot=snapshot, mode=mode, pause_ms=reply.pause_s * 1000,
                         total_ms=(time.monotonic() - started) * 1000,
-                        memory_bytes=int(reply["memory_bytes"]),
-                        dirty_pages=reply.get("dirty_pages"),
+                        memory_bytes=reply.memory_bytes, dirty_pages=reply.dirty_pages,
                         base_tag=parent.tag if parent else None, vmm_timings=timings)
 
 
-def _settle_free_pages(control: _Control, status: dict[str, Any]) -> dict[str, Any] | None:
+def _capture(client: control.ControlClient, store: Store, pending: PendingSnapshot,
+             control_socket: str, mode: str, parent_tag: str | None,
+             settle_free_pages: bool, source_resumed: Callable[[float], None],
+             ) -> tuple[control.SnapshotReply, dict[str, Any] | None, str | None,
+                        Snapshot | None]:
+    """Have the VMM on ``client`` capture itself into ``pending``'s files: its reply,
+    what settling free pages did (or None), the tag it was restored from and the
+    diff's parent. ``ControlError`` for the VMM unreachable or misbehaving;
+    ``BranchFailed`` for a base it cannot diff against or a capture it refused."""
+    status = client.call(control.Status())
+    bases = status.snapshot_bases
+    origin = next((b.tag for b in bases if b.kind == "restore"), None)
+    parent: Snapshot | None = None
+    if mode == "diff":
+        parent = _choose_parent(store, bases, parent_tag)
+        try:
+            check_depth_for_child(store, parent.tag)
+        except ChainTooDeep as err:
+            raise BranchFailed(str(err), stage="base") from err
+    # After the checks that can refuse the branch, before the pause.
+    settled = _settle_free_pages(client, status) \
+        if mode == "diff" and settle_free_pages else None
+    memory_path = str(pending.layer_path if mode == "diff" else pending.memory_path)
+    state_path = str(pending.state_path)
+    staged: tuple[str, str] | None = None
+    if status.jailed:
+        run_dir = os.path.dirname(os.path.abspath(control_socket))
+        name = f".branch-{secrets.token_hex(8)}"
+        staged = (os.path.join(run_dir, name + ".memory"),
+                  os.path.join(run_dir, name + ".state"))
+    request = control.Snapshot(memory_path=staged[0] if staged else memory_path,
+                               state_path=staged[1] if staged else state_path, mode=mode,
+                               tag=pending.tag, base_tag=parent.tag if parent else None,
+                               progress=True)
+    try:
+        try:
+            reply = client.snapshot(request,
+                                    on_resumed=lambda r: source_resumed(r.pause_s * 1000))
+        except control.ControlError as err:
+            if err.refused:
+                raise BranchFailed(f"the sandbox's VMM could not snapshot: {err}",
+                                   stage="capture") from err
+            raise
+        if staged is not None:
+            _take_from_run_dir(staged[1], state_path, MAX_STATE_BYTES)
+            # The state says how large the guest is: a memory image is that size, a
+            # layer (its pages and their index) at most twice it. No more is copied.
+            mem_size = read_state_file(state_path, MachineState).mem_size
+            _take_from_run_dir(staged[0], memory_path, 2 * mem_size + (1 << 20))
+    finally:
+        if staged is not None:
+            for path in staged:
+                _unlink_quietly(path)
+    return reply, settled, origin, parent
+
+
+def _settle_free_pages(client: control.ControlClient,
+                       status: control.StatusReply) -> dict[str, Any] | None:
     """Wait (bounded) for the guest to finish reporting its free pages; what the VMM's
     balloon did, with the seconds waited and how long ago the guest had last reported
     when the wait began, or None for a VMM or guest without one."""
     started = time.monotonic()
-    balloon = status.get("free_page_reporting")
-    if not isinstance(balloon, dict) or not balloon.get("active"):
+    balloon = status.free_page_reporting
+    if balloon is None or not balloon.active:
         return None
-    age_at_start = balloon.get("last_report_age_s")
-    while isinstance(balloon, dict) and balloon.get("active"):
+    age_at_start = balloon.last_report_age_s
+    while balloon is not None and balloon.active:
         waited = time.monotonic() - started
-        if settled(balloon.get("last_report_age_s"), waited):
-            return {**balloon, "settle_s": round(waited, 2),
+        if settled(balloon.last_report_age_s, waited):
+            return {**balloon.to_wire(), "settle_s": round(waited, 2),
                     "report_age_at_start_s": (None if age_at_start is None
-                                              else round(float(age_at_start), 2))}
+                                              else round(age_at_start, 2))}
         time.sleep(SETTLE_POLL_S)
-        balloon = control.call({"op": "status"}).get("free_page_reporting")
+        balloon = client.call(control.Status()).free_page_reporting
     return None
 
 
-def settled(age: object, waited: float) -> bool:
+def settled(age: float | None, waited: float) -> bool:
     """Whether a diff may be taken now: no report came for ``SETTLE_QUIET_S`` of this
     wait (``age``: seconds since the guest's last report, None if it never reported),
     or the wait reached ``SETTLE_MAX_S``."""
-    quiet = waited if not isinstance(age, (int, float)) else min(float(age), waited)
+    quiet = waited if age is None else min(age, waited)
     return quiet >= SETTLE_QUIET_S or waited >= SETTLE_MAX_S
 
 
@@ -386,11 +399,11 @@ def _meta_or_none(store: Store, tag: str | None) -> SnapshotMeta | None:
         return None
 
 
-def _choose_parent(store: Store, bases: list[dict[str, Any]],
+def _choose_parent(store: Store, bases: tuple[control.SnapshotBase, ...],
                    parent_tag: str | None) -> Snapshot:
     """The base of a diff: ``parent_tag`` if the sandbox can diff against it, else the
     newest base the sandbox offers that is a ready snapshot in this store."""
-    offered: list[str] = [b["tag"] for b in bases if isinstance(b.get("tag"), str)]
+    offered = [b.tag for b in bases if b.tag is not None]
     wanted = [parent_tag] if parent_tag is not None else offered
     for tag in wanted:
         if tag not in offered:
@@ -408,67 +421,3 @@ def _choose_parent(store: Store, bases: list[dict[str, Any]],
     raise BranchFailed("no base to diff against: the snapshot this sandbox was restored "
                        f"from and its previous branches ({', '.join(map(repr, offered)) or 'none'}"
                        ") are not in the store; branch with mode full or live", stage="base")
-
-
-class _Control:
-    """A JSON-lines connection to a VMM's control socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._buffer = b""
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.sock.close()
-
-    def send(self, request: dict[str, Any]) -> None:
-        try:
-            self.sock.sendall(json.dumps(request).encode() + b"\n")
-        except OSError as err:
-            raise BranchFailed(f"the sandbox's VMM is gone ({err})", stage="control") from err
-
-    def receive(self, timeout: float) -> dict[str, Any]:
-        self.sock.settimeout(timeout)
-        while b"\n" not in self._buffer:
-            try:
-                chunk = self.sock.recv(65536)
-            except TimeoutError as err:
-                raise BranchFailed(f"the sandbox's VMM did not answer within {timeout:.0f} s",
-                                   stage="control") from err
-            except OSError as err:
-                raise BranchFailed(f"the sandbox's VMM is gone ({err})",
-                                   stage="control") from err
-            if not chunk:
-                raise BranchFailed("the sandbox's VMM closed the control connection (did it "
-                                   "exit?)", stage="control")
-            self._buffer += chunk
-            if len(self._buffer) > MAX_REPLY_BYTES:
-                raise BranchFailed("the sandbox's VMM sent an oversized reply",
-                                   stage="control")
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        reply = json.loads(line)
-        if not isinstance(reply, dict):
-            raise BranchFailed("the sandbox's VMM sent a malformed reply", stage="control")
-        return reply
-
-    def call(self, request: dict[str, Any], timeout: float = CONTROL_TIMEOUT) -> dict[str, Any]:
-        self.send(request)
-        reply = self.receive(timeout)
-        if not reply.get("ok"):
-            raise BranchFailed(f"the sandbox's VMM refused {request.get('op')!r}: "
-                               f"{reply.get('error')}", stage="control")
-        return reply
-
-
-def _connect(path: str) -> _Control:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(CONTROL_TIMEOUT)
-    try:
-        sock.connect(path)
-    except OSError as err:
-        sock.close()
-        raise BranchFailed(f"cannot reach the sandbox's VMM at {path}: {err.strerror or err}",
-                           stage="control") from err
-    return _Control(sock)

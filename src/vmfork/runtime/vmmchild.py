@@ -42,7 +42,7 @@ imports are already done and a spawn pays only for the restore. Contract:
   once the guest runs, and the agent mounts each (``attach_volumes``). A volume that
   cannot be attached or mounted fails the sandbox: it never runs without a volume it
   was asked for.
-* ``control.sock`` takes JSON-lines requests: ``status``, ``pause``,
+* ``control.sock`` takes JSON-lines requests (``runtime.control``): ``status``, ``pause``,
   ``resume``, ``snapshot`` (full, diff or live; see ``ControlServer.snapshot``),
   ``exits``, ``stop``.
 * The process exits when the guest stops (status 0 for a clean stop, 3 when the
@@ -83,11 +83,11 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.ondisk.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file
-from vmfork.runtime import seccomp, zygote_child
+from vmfork.runtime import control, seccomp, zygote_child
 from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
-from vmfork.vmm.capture import MODES, CaptureError, SnapshotTaker
+from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
@@ -363,12 +363,13 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
     return Machine(config), state
 
 
-_SNAPSHOT_FIELDS = frozenset({"op", "mode", "memory_path", "state_path", "tag", "base_tag",
-                              "resume", "progress"})
+class _Refused(Exception):
+    """A request the VMM will not carry out; its message is the reply's error."""
 
 
 class ControlServer:
-    """JSON-lines control socket; one thread, requests handled in order.
+    """The control socket (``runtime.control``: the protocol, its records and the
+    client); one thread, requests handled in order.
 
     ``origin_tag`` names the snapshot the machine was restored from (the base of
     its first diff); by default the name of the directory holding its memory plan
@@ -398,6 +399,12 @@ class ControlServer:
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
         buffers: dict[socket.socket, bytes] = {}
+
+        def drop(sock: socket.socket) -> None:
+            sel.unregister(sock)
+            buffers.pop(sock, None)
+            sock.close()
+
         while not self.on_stop.is_set():
             for key, _ in sel.select(0.5):
                 sock = key.fileobj
@@ -412,54 +419,69 @@ class ControlServer:
                 except OSError:
                     data = b""
                 if not data:
-                    sel.unregister(sock)
-                    buffers.pop(sock, None)
-                    sock.close()
+                    drop(sock)
                     continue
                 buffers[sock] += data
                 while b"\n" in buffers[sock]:
                     line, buffers[sock] = buffers[sock].split(b"\n", 1)
                     try:
-                        sock.sendall(json.dumps(self._handle(line, sock)).encode() + b"\n")
+                        sock.sendall(control.encode(self._handle(line, sock)))
                     except OSError:
                         break   # the caller went away; its connection is dropped next read
+                if len(buffers.get(sock, b"")) > control.MAX_LINE_BYTES:
+                    # A line without end would grow without bound: refused, and the
+                    # connection dropped (nothing after it can be told from it).
+                    try:
+                        sock.sendall(control.encode(control.error_reply(
+                            f"a request line longer than {control.MAX_LINE_BYTES} bytes")))
+                    except OSError:
+                        pass
+                    drop(sock)
 
     def _handle(self, line: bytes, sock: socket.socket) -> dict[str, Any]:
         try:
-            req = json.loads(line)
-            if not isinstance(req, dict):
-                return {"ok": False, "error": "a request is a JSON object with an \"op\""}
-            op = req.get("op")
-            m = self.machine
-            if op == "status":
-                exit_ = m.exit
-                return {"ok": True, "paused": m.paused,
-                        "exit": None if exit_ is None else exit_.reason,
-                        "snapshot_bases": self.snapshots.bases(),
-                        "snapshot_tracking": self.snapshots.tracking,
-                        "jailed": self.jailed,
-                        "free_page_reporting": m.free_page_reporting()}
-            if op == "pause":
-                m.pause()
-                return {"ok": True}
-            if op == "resume":
-                m.resume()
-                return {"ok": True}
-            if op == "exits":
-                return {"ok": True, "profile": m.exit_profile()}
-            if op == "snapshot":
-                return self.snapshot(req, sock)
-            if op == "stop":
-                self.on_stop.set()
-                return {"ok": True}
-            return {"ok": False, "error": f"unknown op {op!r}"}
+            request = control.parse_request(line)
+        except control.ControlError as err:
+            return control.error_reply(err.message)
+        try:
+            return self._dispatch(request, sock).to_wire()
+        except (_Refused, CaptureError) as err:
+            return control.error_reply(str(err))
         except Exception as err:  # noqa: BLE001 - reported to the caller, never fatal to the VMM
-            return {"ok": False, "error": f"{type(err).__name__}: {err}"}
+            return control.error_reply(f"{type(err).__name__}: {err}")
 
-    def snapshot(self, req: dict[str, Any], sock: socket.socket) -> dict[str, Any]:
+    def _dispatch(self, request: control.AnyRequest,
+                  sock: socket.socket) -> control.WireRecord:
+        m = self.machine
+        match request:
+            case control.Status():
+                exit_ = m.exit
+                fpr = m.free_page_reporting()
+                return control.StatusReply(
+                    paused=m.paused, exit=None if exit_ is None else exit_.reason,
+                    snapshot_bases=tuple(control.SnapshotBase(tag=b["tag"], kind=str(b["kind"]))
+                                         for b in self.snapshots.bases()),
+                    snapshot_tracking=self.snapshots.tracking, jailed=self.jailed,
+                    free_page_reporting=None if fpr is None
+                    else control.FreePageReporting.from_wire(fpr))
+            case control.Pause():
+                m.pause()
+                return control.Ack()
+            case control.Resume():
+                m.resume()
+                return control.Ack()
+            case control.Exits():
+                return control.ExitsReply(profile=m.exit_profile())
+            case control.Snapshot():
+                return self.snapshot(request, sock)
+            case control.Stop():
+                self.on_stop.set()
+                return control.Ack()
+
+    def snapshot(self, req: control.Snapshot, sock: socket.socket) -> control.SnapshotReply:
         """The ``snapshot`` op: capture the running machine, pause-consistent.
 
-        Request (JSON object)::
+        Request (``control.Snapshot``; on the wire, one JSON object)::
 
             {"op": "snapshot", "mode": "full" | "diff" | "live",   # absent: "full"
              "memory_path": P, "state_path": S,      # files to create (their directory
@@ -473,6 +495,9 @@ class ControlServer:
                                 # "timings": {...}} as soon as the source runs again,
                                 # before the final reply (useful for live)
 
+        A field the op does not take is refused (``control.parse_request``), not
+        ignored: a caller that expects another contract must not get a layer at P.
+
         What is written: S is the vCPU/device state (``ondisk.stateformat``). P is a
         whole memory image in memory-file layout (``memory_format: "image"``; full
         and live) or a layer file (``"layer"``; diff): the pages changed since the
@@ -483,7 +508,7 @@ class ControlServer:
         (``base_kind: "previous"``, named by that capture's ``tag``; available when
         the host kernel tracks soft-dirty bits). base image + layer = this capture.
 
-        Reply, sent once both files are completely written::
+        Reply (``control.SnapshotReply``), sent once both files are completely written::
 
             {"ok": true, "mode": ..., "memory_format": "image" | "layer",
              "memory_bytes": int,            # data bytes written to P
@@ -497,53 +522,28 @@ class ControlServer:
 
         or ``{"ok": false, "error": "..."}`` with nothing left at P or S.
         """
-        unknown = sorted(set(req) - _SNAPSHOT_FIELDS)
-        if unknown:
-            # Refused, not ignored: a caller that expects another contract (say, a diff
-            # written as a whole image over some parent file) must not get a layer at P
-            # and publish it as a memory image.
-            return {"ok": False, "error": f"unknown snapshot field(s) {', '.join(unknown)}; "
-                    f"the op takes {', '.join(sorted(_SNAPSHOT_FIELDS - {'op'}))} (a diff "
-                    "writes a layer relative to base_tag: publish it with "
-                    "vmfork.runtime.branch.branch_sandbox)"}
-        mode = req.get("mode", "full")
-        memory_path, state_path = req.get("memory_path"), req.get("state_path")
-        tag, base_tag = req.get("tag"), req.get("base_tag")
-        if mode not in MODES:
-            return {"ok": False, "error": f"mode must be one of {', '.join(MODES)}, "
-                                          f"not {mode!r}"}
-        if not isinstance(memory_path, str) or not isinstance(state_path, str):
-            return {"ok": False, "error": "memory_path and state_path (strings) are required"}
+        memory_path, state_path = req.memory_path, req.state_path
         if os.path.abspath(memory_path) == os.path.abspath(state_path):
-            return {"ok": False, "error": "memory_path and state_path must differ"}
+            raise _Refused("memory_path and state_path must differ")
         for name, path in (("memory_path", memory_path), ("state_path", state_path)):
             if os.path.lexists(path):
-                return {"ok": False, "error": f"{name} {path} exists; give a new path"}
-        for name, value in (("tag", tag), ("base_tag", base_tag)):
-            if value is not None and not isinstance(value, str):
-                return {"ok": False, "error": f"{name} must be a string"}
-        if base_tag is not None and mode != "diff":
-            return {"ok": False, "error": "base_tag applies to mode diff only"}
+                raise _Refused(f"{name} {path} exists; give a new path")
 
         def resumed(timings: dict[str, float]) -> None:
-            if req.get("progress"):
+            if req.progress:
                 try:
-                    sock.sendall(json.dumps({"ok": True, "stage": "resumed",
-                                             "timings": timings}).encode() + b"\n")
+                    sock.sendall(control.encode(control.Resumed(timings)))
                 except OSError:
                     pass   # the final reply will not arrive either; the capture goes on
 
-        try:
-            result = self.snapshots.take(mode, memory_path, state_path, tag=tag,
-                                         base_tag=base_tag,
-                                         resume=bool(req.get("resume", True)),
-                                         on_resumed=resumed)
-        except CaptureError as err:
-            return {"ok": False, "error": str(err)}
-        return {"ok": True, "mode": result.mode, "memory_format": result.memory_format,
-                "memory_bytes": result.memory_bytes, "dirty_pages": result.dirty_pages,
-                "base_tag": result.base_tag, "base_kind": result.base_kind, "tag": tag,
-                "tracking": result.tracking, "timings": result.timings}
+        result = self.snapshots.take(req.mode, memory_path, state_path, tag=req.tag,
+                                     base_tag=req.base_tag, resume=req.resume,
+                                     on_resumed=resumed)
+        return control.SnapshotReply(
+            mode=result.mode, memory_format=result.memory_format,
+            memory_bytes=result.memory_bytes, dirty_pages=result.dirty_pages,
+            base_tag=result.base_tag, base_kind=result.base_kind, tag=req.tag,
+            tracking=result.tracking, timings=result.timings)
 
     def close(self) -> None:
         self.on_stop.set()

@@ -21,18 +21,16 @@ thread gets its own client; the lease connection is used only under its lock.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
@@ -53,7 +51,6 @@ DEFAULT_LEASE_S = 60.0
 SPAWN_READY_TIMEOUT_S = 900.0
 # Its imports (the whole VMM) take seconds; far longer on a loaded or emulated host.
 ZYGOTE_START_TIMEOUT_S = 300.0
-CONTROL_TIMEOUT_S = 3600.0   # a full BRANCH of a large guest writes all its memory
 
 
 @dataclass(frozen=True)
@@ -93,16 +90,6 @@ class SpawnerGone(SpawnerError):
     """The zygote died: every sandbox it ran is gone with it."""
 
 
-class ControlError(Exception):
-    """A sandbox's VMM refused or failed a control request (``message`` is the VMM's),
-    or its control socket cannot be reached (``unreachable``)."""
-
-    def __init__(self, message: str, *, unreachable: bool = False) -> None:
-        super().__init__(message)
-        self.message = message
-        self.unreachable = unreachable
-
-
 class Spawner(Protocol):
     def spawn(self, snapshot: Snapshot, n: int, memory_limit_mib: int | None, *,
               network: HostNetwork | None = None,
@@ -135,10 +122,6 @@ class Spawner(Protocol):
 
     def clean_run_dirs(self, keep: set[str]) -> list[str]:
         """Remove run directories other than ``keep`` (left by a dead zygote)."""
-
-    def control(self, run_dir: str, request: dict[str, Any],
-                timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
-        """One request to the sandbox's VMM control socket; its successful reply."""
 
     def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
                parent_tag: str | None, sandbox_id: str,
@@ -332,10 +315,6 @@ class ZygoteSpawner:
             self._remove_if_empty(batch)
         return removed
 
-    def control(self, run_dir: str, request: dict[str, Any],
-                timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
-        return vmm_control(Path(run_dir) / "control.sock", request, timeout)
-
     def branch(self, run_dir: str, store: Store, pending: PendingSnapshot, mode: str, *,
                parent_tag: str | None, sandbox_id: str,
                settle_free_pages: bool = False) -> BranchResult:
@@ -371,35 +350,3 @@ class ZygoteSpawner:
         while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
             time.sleep(0.05)  # not our child: we cannot wait for it, only watch it go
 
-
-def vmm_control(socket_path: Path, request: dict[str, Any],
-                timeout: float = CONTROL_TIMEOUT_S) -> dict[str, Any]:
-    """One JSON-lines request to a VMM's control socket (``runtime.vmmchild``)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
-    try:
-        try:
-            sock.connect(str(socket_path))
-        except OSError as err:
-            raise ControlError(f"cannot connect to the VMM control socket {socket_path}: "
-                               f"{err.strerror}", unreachable=True) from err
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        with sock.makefile("rb") as reader:
-            line = reader.readline(1 << 20)
-    except TimeoutError as err:
-        raise ControlError(f"the VMM did not answer {request.get('op')!r} within "
-                           f"{timeout:.0f} s") from err
-    except OSError as err:
-        raise ControlError(f"the VMM control connection broke: {err}", unreachable=True) from err
-    finally:
-        sock.close()
-    if not line:
-        raise ControlError("the VMM closed its control connection without answering (it "
-                           "exited?)", unreachable=True)
-    try:
-        reply: dict[str, Any] = json.loads(line)
-    except ValueError as err:
-        raise ControlError(f"the VMM sent a reply that is not JSON: {line[:100]!r}") from err
-    if not reply.get("ok"):
-        raise ControlError(str(reply.get("error", "unknown error")))
-    return reply
