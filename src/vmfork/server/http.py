@@ -233,7 +233,7 @@ class _FrontProtocol(H11Protocol):
 
 
 class _Gone(ConnectionResetError):
-    """The client closed the connection (or the daemon is stopping)."""
+    """The client closed the connection, or the daemon is stopping."""
 
 
 class _ReadTimeout(ApiError):
@@ -271,7 +271,7 @@ class _Exchange:
         if self.gone:
             raise _Gone("the client closed the connection")
         try:
-            message = anyio.from_thread.run(self._next)
+            message = self._in_loop(self._next)
         except TimeoutError:
             self.broken = True
             raise _ReadTimeout(f"the request body stalled: nothing came for "
@@ -317,7 +317,14 @@ class _Exchange:
     def send(self, message: Message) -> None:
         if self.gone:
             raise _Gone("the client closed the connection")
-        anyio.from_thread.run(self._send, message)
+        self._in_loop(self._send, message)
+
+    @staticmethod
+    def _in_loop(call: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        try:
+            return anyio.from_thread.run(call, *args)
+        except RuntimeError as err:   # the loop is gone: the daemon is stopping
+            raise _Gone(f"the daemon is stopping ({err})") from None
 
 
 def _header_problem(name: str, value: object) -> str | None:
@@ -443,11 +450,23 @@ class ApiApp:
         client = scope.get("client")
         remote = str(client[0]) if client else "unix"
         matched = self._match(req)
+        started = time.monotonic()
         async with anyio.create_task_group() as group:
             exchange.task_group = group
-            await anyio.to_thread.run_sync(self._run, req, exchange, matched, remote,
-                                           limiter=self.threads, abandon_on_cancel=True)
-            group.cancel_scope.cancel()
+            try:
+                response, head = await anyio.to_thread.run_sync(
+                    self._prepare, req, exchange, matched, started, remote,
+                    limiter=self.threads, abandon_on_cancel=True)
+                await send({"type": "http.response.start", "status": response.status,
+                            "headers": head})
+                if isinstance(response, api.StreamResponse):
+                    await anyio.to_thread.run_sync(
+                        self._produce, req, exchange, response, matched.name, started,
+                        remote, limiter=self.threads, abandon_on_cancel=True)
+                else:
+                    await send({"type": "http.response.body", "body": response.encode()})
+            finally:
+                group.cancel_scope.cancel()
 
     def _match(self, req: api.Request) -> _Matched:
         e2b_route = e2b.route_for(req)
@@ -460,11 +479,14 @@ class ApiApp:
             return _Matched("unmatched", error=err)
         return _Matched(route.template, route=route, params=params)
 
-    # In the worker thread from here on.
+    # In worker threads from here on: the handler and its reads, a stream's writes.
 
-    def _run(self, req: api.Request, exchange: _Exchange, matched: _Matched,
-             remote: str) -> None:
-        started = time.monotonic()
+    def _prepare(self, req: api.Request, exchange: _Exchange, matched: _Matched,
+                 started: float, remote: str
+                 ) -> tuple[api.Response, list[tuple[bytes, bytes]]]:
+        """The response and its header lines, checked; a whole (not streamed) one is
+        recorded here, before the client sees it, so a client that reads the audit log
+        (or the metrics) right after a reply finds its request there."""
         response = self._respond(req, matched)
         unsafe = _unsafe_header(response.headers)
         if unsafe is not None:
@@ -476,19 +498,10 @@ class ApiApp:
             response = api.Response(502, {"error": f"the reply for {req.path} would carry "
                                           f"header {unsafe[0]!r:.60} with {unsafe[1]}; nothing "
                                           "of it was sent (a hostile or broken guest agent?)"})
-        close = not self._body_finished(req, exchange)
-        try:
-            if isinstance(response, api.StreamResponse):
-                self._stream(req, exchange, response, close)
-                self._record(req, matched.name, response.status, started, remote)
-            else:
-                # Recorded before the client sees the answer, so a client that reads the
-                # audit log (or the metrics) right after a reply finds its request there.
-                self._record(req, matched.name, response.status, started, remote)
-                self._send(exchange, response, close)
-        except (_Gone, RuntimeError) as err:
-            # The client went away, or the daemon is stopping (the loop is gone).
-            log.debug("%s %s: not sent: %s", req.method, req.path, err)
+        head = self._head(response, close=not self._body_finished(req, exchange))
+        if not isinstance(response, api.StreamResponse):
+            self._record(req, matched.name, response.status, started, remote)
+        return response, head
 
     def _respond(self, req: api.Request, matched: _Matched) -> api.Response:
         try:
@@ -532,39 +545,35 @@ class ApiApp:
     def _head(response: api.Response, close: bool) -> list[tuple[bytes, bytes]]:
         headers = [(k.encode("latin-1"), v.encode("latin-1"))
                    for k, v in response.headers.items()]
-        headers.append((b"content-type", response.content_type.encode("latin-1")))
+        if isinstance(response, api.StreamResponse):
+            # No length: h11 sends it chunked (close-delimited to an HTTP/1.0 client).
+            headers.append((b"content-type", response.content_type.encode("latin-1")))
+        else:
+            if response.status != 204 and response.body is not None:
+                headers.append((b"content-type", response.content_type.encode("latin-1")))
+            if response.status != 204:
+                headers.append((b"content-length", str(len(response.encode())).encode()))
         if close and not any(k.lower() == b"connection" for k, _ in headers):
             headers.append((b"connection", b"close"))
         return headers
 
-    def _send(self, exchange: _Exchange, response: api.Response, close: bool) -> None:
-        data = response.encode()
-        headers = self._head(response, close)
-        if response.status == 204 or response.body is None:
-            headers = [h for h in headers if h[0] != b"content-type"]
-        if response.status != 204:
-            headers.append((b"content-length", str(len(data)).encode()))
-        exchange.send({"type": "http.response.start", "status": response.status,
-                       "headers": headers})
-        exchange.send({"type": "http.response.body", "body": data})
-
-    def _stream(self, req: api.Request, exchange: _Exchange, response: api.StreamResponse,
-                close: bool) -> None:
-        exchange.send({"type": "http.response.start", "status": response.status,
-                       "headers": self._head(response, close)})
-
+    def _produce(self, req: api.Request, exchange: _Exchange, response: api.StreamResponse,
+                 route: str, started: float, remote: str) -> None:
         def write(data: bytes) -> None:
             if data:
                 exchange.send({"type": "http.response.body", "body": bytes(data),
                                "more_body": True})
         try:
             response.produce(write)
+            exchange.send({"type": "http.response.body", "body": b""})
         except ApiError as err:
             # Headers are gone: end the stream without its last chunk, so the client
             # sees a truncated body, and log why (uvicorn closes the connection).
             log.warning("%s %s: stream aborted: %s", req.method, req.path, err)
-            return
-        exchange.send({"type": "http.response.body", "body": b""})
+        except _Gone as err:   # the client went away, or the daemon is stopping
+            log.debug("%s %s: stream ended: %s", req.method, req.path, err)
+        finally:
+            self._record(req, route, response.status, started, remote)
 
     def _record(self, req: api.Request, route: str, status: int, started: float,
                 remote: str) -> None:
@@ -685,8 +694,11 @@ class HttpFront:
 
     def listen_tcp(self, bind: str, tls: ssl.SSLContext | None = None) -> Listener:
         host, port = parse_bind(bind)
+        # IPPROTO_TCP named, not 0: accepted sockets inherit it, and asyncio turns Nagle
+        # off only on sockets that say they are TCP (with Nagle on, a response's head
+        # and body, two writes, waited for the client's delayed ACK: +40 ms each).
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
-                             socket.SOCK_STREAM)
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
