@@ -13,7 +13,6 @@ import socket
 import ssl
 import struct
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path

@@ -44,7 +44,7 @@ import stat
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,7 +200,7 @@ class _FrontProtocol(H11Protocol):
             self._await_head(self.limits.idle_timeout)
         super().on_response_complete()   # may start a pipelined request at once
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's own type
         # A client may shut down its side once it has sent the request (HTTP/1.1 lets
         # it): it still gets the answer, and the connection closes after it. A body
         # cut short by that end is bad framing: h11 says so and the client gets a 400.
@@ -317,10 +317,13 @@ class _Exchange:
     def send(self, message: Message) -> None:
         if self.gone:
             raise _Gone("the client closed the connection")
-        self._in_loop(self._send, message)
+        self._in_loop(self._send_now, message)
+
+    async def _send_now(self, message: Message) -> None:
+        await self._send(message)
 
     @staticmethod
-    def _in_loop(call: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+    def _in_loop(call: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
         try:
             return anyio.from_thread.run(call, *args)
         except RuntimeError as err:   # the loop is gone: the daemon is stopping
@@ -660,7 +663,7 @@ class HttpFront:
 
     def _config(self, tls: ssl.SSLContext | None) -> uvicorn.Config:
         config = uvicorn.Config(
-            self.app, http=self._protocol, lifespan="off", log_config=None,  # type: ignore[arg-type]
+            self.app, http=self._protocol, lifespan="off", log_config=None,
             access_log=False, proxy_headers=False, server_header=False,
             headers=[("Server", "vmfork")],
             timeout_keep_alive=max(1, round(self.limits.idle_timeout)),
