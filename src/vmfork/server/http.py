@@ -54,7 +54,6 @@ import anyio.from_thread
 import anyio.to_thread
 import h11
 import uvicorn
-from anyio.abc import TaskGroup
 from starlette.routing import Match
 from starlette.routing import Route as StarletteRoute
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -255,7 +254,7 @@ class _Exchange:
         self.done = False          # the body's last message was received
         self.gone = False          # the client went away
         self.broken = False        # a read failed: where the next request starts is unknown
-        self.task_group: TaskGroup | None = None
+        self.watched = False       # ``watch`` has the receiving side
 
     # The body: ``api.BodyReader``.
     def read(self, n: int = -1) -> bytes:
@@ -270,6 +269,8 @@ class _Exchange:
     def _pull(self) -> None:
         if self.gone:
             raise _Gone("the client closed the connection")
+        if self.watched:   # a stream's producer reads nothing: its handler read the body
+            raise RuntimeError("the request body is read once the response streams")
         try:
             message = self._in_loop(self._next)
         except TimeoutError:
@@ -292,17 +293,17 @@ class _Exchange:
 
     async def _next(self) -> Message:
         with anyio.fail_after(self._read_timeout):
-            message = await self._receive()
-        if message["type"] != "http.disconnect" and not message.get("more_body", False) \
-                and self.task_group is not None:
-            self.task_group.start_soon(self._watch)
-        return message
+            return await self._receive()
 
-    async def _watch(self) -> None:
-        """Once the body is read, the next message is the end of the connection (or of
-        the response): a stream's next write then fails instead of going nowhere."""
-        if (await self._receive())["type"] == "http.disconnect":
-            self.gone = True
+    async def watch(self) -> None:
+        """While a response streams: the next message is the end of the connection (or
+        of the response), after what is left of a body nobody reads any more; a
+        stream's next write then fails instead of going nowhere (uvicorn drops writes
+        to a closed connection silently)."""
+        self.watched = True
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
 
     def drain(self, limit: int) -> bool:
         """Read and drop what is left of the body if it is at most ``limit`` bytes. True
@@ -410,6 +411,14 @@ class _Routes:
         raise NotFound(f"no route {method} {raw_path}; GET /openapi.json lists the API")
 
 
+def _length(header: str | None) -> int | None:
+    """The Content-Length h11 has checked (one value, digits only), as a number."""
+    try:
+        return int(header) if header is not None else None
+    except ValueError:
+        return None
+
+
 async def _no_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
     raise AssertionError("routes are matched, never called")  # pragma: no cover
 
@@ -447,15 +456,13 @@ class ApiApp:
                           query=urllib.parse.parse_qs(scope["query_string"].decode("latin-1"),
                                                       keep_blank_values=True),
                           headers=headers, body=exchange,
-                          content_length=int(length) if length is not None and not chunked
-                          else None,   # h11 checked it
+                          content_length=_length(length) if not chunked else None,
                           chunked=chunked)
         client = scope.get("client")
         remote = str(client[0]) if client else "unix"
         matched = self._match(req)
         started = time.monotonic()
         async with anyio.create_task_group() as group:
-            exchange.task_group = group
             try:
                 response, head = await anyio.to_thread.run_sync(
                     self._prepare, req, exchange, matched, started, remote,
@@ -463,12 +470,17 @@ class ApiApp:
                 await send({"type": "http.response.start", "status": response.status,
                             "headers": head})
                 if isinstance(response, api.StreamResponse):
+                    group.start_soon(exchange.watch)
                     await anyio.to_thread.run_sync(
                         self._produce, req, exchange, response, matched.name, started,
                         remote, limiter=self.threads, abandon_on_cancel=True)
                 else:
                     await send({"type": "http.response.body", "body": response.encode()})
             finally:
+                # Nothing more goes to this client once the app is done, also when it is
+                # cancelled at stop: a producer still running in its thread ends at its
+                # next write.
+                exchange.gone = True
                 group.cancel_scope.cancel()
 
     def _match(self, req: api.Request) -> _Matched:
@@ -724,6 +736,9 @@ class HttpFront:
         for listener in self.listeners:
             self._servers.append(_Server(self._config(listener.tls), listener.sock,
                                          self.limits.header_timeout))
+        # A daemon thread, so anyio's workers, which it starts, are daemon threads too:
+        # a handler abandoned at stop (an exec blocked in a sandbox that outlives the
+        # daemon) must not hold the process's exit, as it could not with the old front.
         self._thread = threading.Thread(target=self._serve, name="http-front", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
