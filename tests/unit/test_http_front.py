@@ -199,3 +199,22 @@ def test_busy_connections_are_not_evicted_and_extra_ones_get_503(tmp_path: Path)
             for s in busy:
                 s.close()
             server.stop()
+
+
+def test_a_stalled_body_is_408_after_the_read_timeout(tmp_path: Path) -> None:
+    """Each read of a body by a handler waits at most ``read_timeout``: a client that
+    stops inside its body gets a 408 and the connection is closed (where its next
+    request would start is unknown)."""
+    for served in _serve(tmp_path, TOKEN):
+        for server in _front(served, FrontLimits(read_timeout=1.0, header_timeout=5,
+                                                 idle_timeout=5)):
+            sock = socket.create_connection(("127.0.0.1", _port(server)), timeout=10)
+            sock.sendall(b"POST /v1/sandboxes HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                         + TOKEN + b"\r\nContent-Length: 100\r\n\r\n{\"snapshot")
+            t0 = time.monotonic()
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            assert response.status == 408 and b"stalled" in response.read()
+            assert 1.0 <= time.monotonic() - t0 < 3.0
+            assert response.getheader("Connection") == "close"
+            sock.close()
