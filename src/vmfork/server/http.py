@@ -139,17 +139,18 @@ class _FrontProtocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._waiting_since: float | None = None
         self._armed_for: object = None
+        # The cap is settled before this connection counts: never one over it.
+        if len(self.connections) >= self.limits.max_connections:
+            waiting = [c for c in self.connections
+                       if isinstance(c, _FrontProtocol) and c._waiting_since is not None]
+            if not waiting:
+                self.transport = transport   # what connection_lost closes
+                transport.write(_REFUSED)
+                transport.close()
+                return
+            min(waiting, key=lambda c: c._waiting_since or 0.0)._cut()
         super().connection_made(transport)
         self._await_head(self.limits.header_timeout)
-        if len(self.connections) > self.limits.max_connections:
-            waiting = [c for c in self.connections if c is not self
-                       and isinstance(c, _FrontProtocol) and c._waiting_since is not None]
-            if waiting:
-                min(waiting, key=lambda c: c._waiting_since or 0.0)._cut()
-            else:
-                self.connections.discard(self)   # before the client can see the answer
-                transport.write(_REFUSED)
-                self._cut()
 
     def _await_head(self, seconds: float) -> None:
         """Arm the deadline for the next request's head: the current cycle (None before
