@@ -35,7 +35,8 @@ DEBIAN_PACKAGES=(
 )
 # The quality gates' tools pinned (pyproject.toml's dev extra says the same): a new
 # mypy or ruff changes what passes; atheris runs the fuzzing tier (tests/fuzz).
-PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 cryptography prometheus_client httpx mcp maturin
+PYTHON_REQUIREMENTS=(pytest pytest-timeout hypothesis schemathesis pyroute2 cryptography prometheus_client httpx
+                     "uvicorn>=0.30,<1" "starlette>=0.40,<2" mcp maturin
                      mypy==2.4.1 ruff==0.17.6 atheris==3.0.0)
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

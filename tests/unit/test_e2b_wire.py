@@ -13,7 +13,6 @@ import socket
 import ssl
 import struct
 import subprocess
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from tests.unit.test_server_processes import AgentBackedSpawner
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller as Ctl
 from vmfork.server.controller import Limits
-from vmfork.server.http import ServerContext, handler_for, tcp_server
+from vmfork.server.http import HttpFront, ServerContext
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
 from vmfork.server.requests import SnapshotCreate
@@ -64,17 +63,14 @@ def _daemon(tmp_path: Path, tls: ssl.SSLContext | None = None) -> Iterator[Daemo
         ctl = Ctl(store, registry, AgentBackedSpawner(agent), DaemonMetrics("test"),
                   make_snapshot=_fake_snapshot, limits=Limits(heavy_concurrency=4))
         ctl.start()
-        server = tcp_server("127.0.0.1:0", handler_for(
-            ServerContext(ctl, TOKEN, AuditLog(tmp_path / "audit.log"))), tls=tls)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
+        front = HttpFront(ServerContext(ctl, TOKEN, AuditLog(tmp_path / "audit.log")))
+        port = front.listen_tcp("127.0.0.1:0", tls=tls).port
+        front.start()
         _fake_snapshot(store, SnapshotCreate(tag="base"))
-        port = server.server_address[1]
         try:
             yield Daemon(f"{'https' if tls else 'http'}://127.0.0.1:{port}", port, ctl)
         finally:
-            server.shutdown()
-            server.server_close()
+            front.stop()
             ctl.stop()
             registry.close()
 

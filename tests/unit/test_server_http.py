@@ -39,7 +39,7 @@ from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller as Ctl
 from vmfork.server.controller import Limits
 from vmfork.server.errors import BadGateway
-from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
+from vmfork.server.http import HttpFront, ServerContext
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.registry import Registry
 from vmfork.server.requests import SnapshotCreate
@@ -246,15 +246,14 @@ def _serve(tmp_path: Path, token: bytes | None, heavy: int = 4,
               limits=Limits(heavy_concurrency=heavy, retry_after_s=3, **limits))
     ctl.start()
     audit = AuditLog(tmp_path / "audit.log")
-    server = UnixHTTPServer(tmp_path / "api.sock", handler_for(ServerContext(ctl, token, audit)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    front = HttpFront(ServerContext(ctl, token, audit))
+    front.listen_unix(tmp_path / "api.sock")
+    front.start()
     try:
         yield Served(f"unix://{tmp_path / 'api.sock'}", tmp_path / "api.sock", spawner, ctl,
                      tmp_path / "audit.log", audit, store)
     finally:
-        server.shutdown()
-        server.server_close()
+        front.stop()
         ctl.stop()
         registry.close()
 
@@ -779,13 +778,14 @@ def test_stale_unix_socket_is_replaced_and_live_one_refused(tmp_path: Path) -> N
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()
-    server = UnixHTTPServer(path, api_handler := handler_for(ServerContext(None)))  # type: ignore[arg-type]
+    front = HttpFront(ServerContext(None))  # type: ignore[arg-type]
+    front.listen_unix(path)
     assert (path.stat().st_mode & 0o777) == 0o600
     try:
         with pytest.raises(OSError, match="another daemon"):
-            UnixHTTPServer(path, api_handler)
+            HttpFront(ServerContext(None)).listen_unix(path)  # type: ignore[arg-type]
     finally:
-        server.server_close()
+        front.stop()
     assert not path.exists()
 
 

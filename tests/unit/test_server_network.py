@@ -30,7 +30,7 @@ from vmfork.runtime import network
 from vmfork.runtime.network import EgressPolicy, HostNetwork
 from vmfork.server.audit import AuditLog
 from vmfork.server.controller import Controller as Ctl
-from vmfork.server.http import ServerContext, UnixHTTPServer, handler_for
+from vmfork.server.http import HttpFront, ServerContext
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks
 from vmfork.server.registry import SCHEMA_VERSION, Registry
@@ -80,16 +80,15 @@ class Daemon:
         self.ctl.start()
         self.audit = AuditLog(tmp_path / "audit.log")
         sock = tmp_path / "api.sock"
-        self.server = UnixHTTPServer(sock, handler_for(ServerContext(self.ctl, TOKEN,
-                                                                     self.audit)))
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.front = HttpFront(ServerContext(self.ctl, TOKEN, self.audit))
+        self.front.listen_unix(sock)
+        self.front.start()
         self.served = Served(f"unix://{sock}", sock, spawner, self.ctl,
                              tmp_path / "audit.log", self.audit, self.store)
         self.client = Controller(self.served.url, token=TOKEN.decode(), timeout=10)
 
     def stop(self, kill_sandboxes: bool = False) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.front.stop()
         self.ctl.stop(kill_sandboxes=kill_sandboxes)
         self.registry.close()
         self.audit.close()

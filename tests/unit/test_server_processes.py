@@ -16,6 +16,7 @@ import pytest
 
 from tests.unit.agent_support import Agent, running_agent
 from tests.unit.test_server_http import TOKEN, FakeSpawner, Served, _fake_snapshot, _serve
+from tests.unix_http import UnixHTTPConnection
 from vmfork.agent.client import AgentClient, unix_connector
 from vmfork.client import Controller, ControllerError, Sandbox
 from vmfork.server.requests import SnapshotCreate
@@ -138,3 +139,28 @@ def test_watch_dir_streams_changes(sandbox: Sandbox, tmp_path: Path) -> None:
             if any(e["name"] == "new.txt" and e["type"] == "create" for e in seen):
                 break
     assert {"name": "new.txt", "type": "create", "is_dir": False} in seen
+
+
+def test_a_stream_whose_client_left_ends_at_its_next_write(
+        served: Served, sandbox: Sandbox, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front turns a write to a client that went away into an error (the server
+    itself would drop it silently), so an idle watch ends at its next heartbeat instead
+    of holding a thread and an agent watch for ever; its audit line, written when the
+    stream ends, shows that it did."""
+    from vmfork.server import api
+    monkeypatch.setattr(api, "WATCH_HEARTBEAT_SECS", 0.3)
+    conn = UnixHTTPConnection(str(served.socket), timeout=10)
+    conn.request("GET", f"/v1/sandboxes/{sandbox.id}/files/watch?path={tmp_path}",
+                 headers={"Authorization": "Bearer " + TOKEN.decode()})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read1(4096).startswith(b"event: watching")
+    conn.close()   # gone, without a word
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = served.audit_path.read_text().splitlines() if served.audit_path.exists() else []
+        if any("/files/watch" in line for line in lines):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the watch stream went on after its client left")

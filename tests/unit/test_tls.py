@@ -8,7 +8,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from tests.tls_certs import Pair, make_ca, make_server
 from vmfork.cli.doctor import tls_check
 from vmfork.client import Controller, ControllerError
 from vmfork.server.daemon import Daemon, DaemonConfig
-from vmfork.server.http import FrontLimits, ServerContext, handler_for, tcp_server
+from vmfork.server.http import FrontLimits, HttpFront, ServerContext
 from vmfork.server.tls import TlsConfigError, server_context
 
 SECRET = "0123456789abcdef0123"
@@ -126,17 +125,15 @@ def test_a_stalled_handshake_is_cut_within_the_header_timeout(
                          max_header_bytes=16 << 10)
     context = server_context(certs["server"].cert, certs["server"].key)
     for served in _serve(tmp_path, TOKEN):
-        server = tcp_server("127.0.0.1:0", handler_for(ServerContext(served.controller, TOKEN)),
-                            limits, tls=context)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
+        server = HttpFront(ServerContext(served.controller, TOKEN), limits)
+        port = server.listen_tcp("127.0.0.1:0", tls=context).port
+        server.start()
         try:
-            port = server.server_address[1]
-            # Eight clients connect and never start TLS: the cap is full of them...
+            # Eight clients connect and never start TLS (as many as the cap)...
             stalled = [socket.create_connection(("127.0.0.1", port), timeout=5)
                        for _ in range(8)]
             time.sleep(0.2)
-            # ... a real client still gets in (the oldest waiter is evicted for it) ...
+            # ... a real client still gets in (a handshake in progress holds no slot) ...
             good = ssl.create_default_context(cafile=str(certs["ca"].cert))
             conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=5, context=good)
             conn.request("GET", "/healthz")
@@ -153,8 +150,7 @@ def test_a_stalled_handshake_is_cut_within_the_header_timeout(
                 time.sleep(0.05)
             assert server.active_connections == 0
         finally:
-            server.shutdown()
-            server.server_close()
+            server.stop()
 
 
 def test_bad_tls_configuration_stops_the_daemon_naming_the_file(

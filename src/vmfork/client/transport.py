@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import httpx
 
 # An idle pooled connection is dropped after this many seconds: the daemon closes one
-# idle for 30 (``FrontConfig.idle_timeout``), and reusing a socket it is closing fails.
+# idle for 30 (``FrontLimits.idle_timeout``), and reusing a socket it is closing fails.
 KEEPALIVE_EXPIRY = 5.0
 # Request bodies read from a file are sent in blocks of this size.
 SEND_BLOCK = 1 << 20

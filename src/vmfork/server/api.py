@@ -1,10 +1,11 @@
 """The REST routes: forkd v0.5.3's ``/v1`` surface plus vmfork's extensions.
 
 One table (``ROUTES``) lists every route with its method, path template, handler
-and accepted query parameters; the HTTP layer matches against it and the OpenAPI
-contract test compares it with ``openapi.json``, so a route cannot exist without
-being documented. Handlers validate everything first (path parameters by the
-matcher, bodies and queries by their ``Field`` specs), then call the controller.
+and accepted query parameters; the HTTP layer routes on it (Starlette routes made
+from it, ``server/http.py``) and the OpenAPI contract test compares it with
+``openapi.json``, so a route cannot exist without being documented. Handlers
+validate everything first (path parameters by the router, with ``PARAM_CHECKS``;
+bodies and queries by their ``Field`` specs), then call the controller.
 
 Wire compatibility (REFERENCE-forkd.md): same paths, field names, defaults and
 status codes. Extensions sit beside forkd's fields: ``env``/``cwd``/``stdin`` on
@@ -33,7 +34,6 @@ from vmfork.server.errors import (
     ApiError,
     BadRequest,
     GatewayTimeout,
-    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
 )
@@ -198,9 +198,6 @@ class Route:
     template: str
     handler: Handler
 
-    @property
-    def segments(self) -> list[str]:
-        return self.template.strip("/").split("/")
 
 
 # -- bodies ----------------------------------------------------------------------------
@@ -1208,45 +1205,8 @@ def _check_path_asset(value: str) -> str:
     return value
 
 
-_PARAM_CHECKS: dict[str, Callable[[str], str]] = {
+PARAM_CHECKS: dict[str, Callable[[str], str]] = {
+    # Each path parameter's check, by its name in the templates (server/http.py matches).
     "tag": check_path_tag, "id": check_sandbox_id, "name": check_workspace_name,
     "image": check_path_image, "port": _check_path_port, "pid": _check_path_pid,
     "job": _check_path_job, "asset": _check_path_asset}
-
-
-def match(method: str, raw_path: str) -> tuple[Route, dict[str, str]]:
-    """The route for ``method`` and the (percent-encoded) path, with its validated
-    parameters. 404 if no template fits, 405 if one fits another method."""
-    path = raw_path if raw_path == "/" else raw_path.rstrip("/") or "/"
-    try:
-        parts = [urllib.parse.unquote(p, errors="strict") for p in path.strip("/").split("/")]
-    except UnicodeDecodeError:
-        raise BadRequest(f"the path {raw_path[:100]!r} is not valid UTF-8 once "
-                         "percent-decoded") from None
-    allowed: list[str] = []
-    for route in ROUTES:
-        segments = route.segments
-        if len(segments) != len(parts):
-            continue
-        params: dict[str, str] = {}
-        for seg, part in zip(segments, parts, strict=True):
-            if seg.startswith("{"):
-                if not part:
-                    break
-                params[seg[1:-1]] = part
-            elif seg != part:
-                break
-        else:
-            if route.method != method:
-                allowed.append(route.method)
-                continue
-            for name, value in params.items():
-                params[name] = _PARAM_CHECKS[name](value)
-            return route, params
-    if allowed:
-        raise MethodNotAllowed(f"{method} is not allowed on {raw_path}; allowed: "
-                               f"{', '.join(sorted(set(allowed)))}",
-                               headers={"Allow": ", ".join(sorted(set(allowed)))})
-    raise NotFound(f"no route {method} {raw_path}; GET /openapi.json lists the API")
-
-

@@ -41,14 +41,7 @@ from vmfork.server.errors import (
     NotFound,
     Unprocessable,
 )
-from vmfork.server.http import (
-    ServerContext,
-    TCPHTTPServer,
-    UnixHTTPServer,
-    handler_for,
-    parse_bind,
-    tcp_server,
-)
+from vmfork.server.http import HttpFront, ServerContext, parse_bind
 from vmfork.server.metrics import DaemonMetrics
 from vmfork.server.networking import SandboxNetworks
 from vmfork.server.registry import Registry
@@ -267,13 +260,15 @@ class Daemon:
                                      networks=self._host_networks())
         self.controller.start()
         maker.networks = self.controller.networks  # None if they failed to start
-        handler = handler_for(ServerContext(self.controller, self.token, self.audit))
-        self.servers: list[UnixHTTPServer | TCPHTTPServer] = []
-        if config.socket_path is not None:
-            self.servers.append(UnixHTTPServer(config.socket_path, handler))
-        if config.bind is not None:
-            self.servers.append(tcp_server(config.bind, handler, tls=self.tls))
-        self._threads: list[threading.Thread] = []
+        self.front = HttpFront(ServerContext(self.controller, self.token, self.audit))
+        try:
+            if config.socket_path is not None:
+                self.front.listen_unix(config.socket_path)
+            if config.bind is not None:
+                self.front.listen_tcp(config.bind, tls=self.tls)
+        except BaseException:
+            self.front.stop()
+            raise
         self._stopped = threading.Event()
 
     def _host_networks(self) -> SandboxNetworks | None:
@@ -297,32 +292,16 @@ class Daemon:
         return SandboxNetworks(self.registry, host)
 
     def addresses(self) -> list[str]:
-        out = []
-        for server in self.servers:
-            if isinstance(server, UnixHTTPServer):
-                out.append(f"unix://{server.socket_path}")
-            else:
-                address, port = server.server_address[:2]
-                host = str(address)
-                if ":" in host:
-                    host = f"[{host}]"   # an IPv6 literal, as URLs write it
-                out.append(f"{'https' if server.tls else 'http'}://{host}:{port}")
-        return out
+        return self.front.addresses()
 
     def start(self) -> None:
-        for server in self.servers:
-            thread = threading.Thread(target=server.serve_forever, name="http-listener",
-                                      daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self.front.start()
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        for server in self.servers:
-            server.shutdown()
-            server.server_close()
+        self.front.stop()
         self.controller.stop(kill_sandboxes=self.config.kill_sandboxes_on_exit)
         self.registry.close()
         self.audit.close()

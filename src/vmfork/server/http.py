@@ -1,46 +1,85 @@
-"""HTTP framing: stdlib ``http.server`` on a Unix socket and/or TCP.
+"""The daemon's HTTP front: uvicorn serving an ASGI app, routed on Starlette.
 
-Why the stdlib and not a framework: the API is ~20 routes of JSON plus two
-streamed bodies; ``ThreadingHTTPServer``-style servers (one thread per
-connection) fit a daemon whose requests mostly block on a VM, keep vmfork's
-runtime free of dependencies, and run on a Unix socket with a few lines. The cost
-is writing the router and chunked encoding ourselves (``api.match``, below).
+Why uvicorn and Starlette: HTTP/1.1 framing (chunked bodies both ways, pipelining,
+keep-alive, ``Expect: 100-continue``), TLS and Unix sockets are a maintained
+server's job (h11 parses, asyncio serves), not ~700 lines of our own; Starlette's
+routes match the table in ``api.ROUTES``. What vmfork adds is what a daemon facing
+untrusted clients needs and uvicorn lacks: a deadline on the whole request head and
+on keep-alive idleness (uvicorn's keep-alive timer stops at the first byte, so a
+client sending one byte a second would hold a connection for ever), eviction of
+waiting connections at the cap, JSON errors for bad framing, a response-splitting
+check, and a half-closed client still getting its answer (``_FrontProtocol``).
 
-Per request, in order: match the route (404/405, path parameters validated),
-check the bearer token (all but ``/healthz``), run the handler, write the
-response (JSON with Content-Length, or chunked for streams), then record metrics
-and one audit line. Errors raised anywhere become ``{"error": "..."}``; an
-unexpected exception is a 500 that names its type and points at the daemon log.
+The handlers stay synchronous: they block on VMs for seconds, and the controller is
+threaded. Each request runs whole in a worker thread (anyio's pool, a limiter of
+``max_connections`` threads): its body is a blocking reader (``_Body``) that pulls the
+ASGI ``receive`` messages through ``anyio.from_thread``, each pull bounded by
+``read_timeout``; its response is sent through ``anyio.from_thread`` too, a streamed
+one write by write as ``produce(write)`` makes it, so each write waits while the
+client is slow to read (uvicorn's flow control: back-pressure holds, nothing piles up
+in the daemon), and a write to a client that went away raises, which ends the stream.
+
+Per request, in order: E2B's wire (routed on headers, ``e2b.route_for``) or the
+``/v1`` table (404/405, path parameters validated), the bearer token (all but
+``auth.OPEN_ROUTES``), the handler, the response (JSON with Content-Length, or
+chunked for streams), then metrics and one audit line. Errors raised anywhere become
+``{"error": "..."}``; an unexpected exception is a 500 that names its type and points
+at the daemon log.
+
+All listeners (the Unix socket, TCP with or without TLS) are uvicorn servers on one
+event loop in one thread (``HttpFront``); uvicorn installs no signal handlers there
+(the daemon owns signals).
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
-import http.client
 import logging
 import os
+import re
 import socket
-import socketserver
 import ssl
 import stat
-import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import h11
+import uvicorn
+from starlette.routing import Match
+from starlette.routing import Route as StarletteRoute
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from vmfork.server import api, auth, e2b
 from vmfork.server.audit import AuditEntry, AuditLog
 from vmfork.server.controller import Controller
-from vmfork.server.errors import ApiError, BadRequest, PayloadTooLarge
+from vmfork.server.errors import ApiError, BadRequest, MethodNotAllowed, NotFound, PayloadTooLarge
 
 log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
 DRAIN_BYTES = 64 << 10
-"""An unread request body up to this size is read and dropped after the answer is
-made (see ``RequestHandler._drain``)."""
+"""An unread request body up to this size is read and dropped after the answer (the
+connection stays usable); a larger one closes the connection after the answer."""
+MAX_CHUNKED_BODY = 64 << 30
+"""The most a chunked body may carry on any route; each route bounds its own body
+below that (a JSON body at ``api.MAX_JSON_BODY``, stdin at ``api.MAX_STDIN_BODY``) by
+reading at most its limit, as it does with a Content-Length."""
+SHUTDOWN_GRACE_S = 3.0
+"""On stop, requests in flight get this long to finish before they are cancelled (a
+handler blocked on a VM runs on in its thread; its next read or write fails)."""
 
 
 @dataclass(frozen=True)
@@ -48,16 +87,18 @@ class FrontLimits:
     """What one client may hold of the daemon's HTTP front, before it has proved anything
     (the token is checked only once a request is whole). Times are in seconds.
 
-    A connection gets ``header_timeout`` from accept to the end of its first request's
+    A connection gets ``header_timeout`` from accept (for TLS: from the start of the
+    handshake, which must also end within it) to the end of its first request's
     headers, and ``idle_timeout`` from the end of a response to the end of the next
-    request's headers (keep-alive); the whole span, not each read, so sending a byte at
-    a time does not extend it. Past it the connection is shut down. Bodies are read by
-    handlers, each read bounded by ``read_timeout``.
+    request's headers (keep-alive); the whole span, not each read, so sending a byte
+    at a time does not extend it. Past it the connection is closed. Each read of a
+    body by a handler waits at most ``read_timeout``.
 
-    At most ``max_connections`` connections are served (one thread each). When all are
-    taken, a new connection evicts the oldest one that has not sent a whole request yet
-    (a slow or stalled client; a busy request is never evicted), so half-open
-    connections cannot lock real clients out; with none to evict it gets a 503.
+    At most ``max_connections`` connections are served (and as many handler
+    threads). When all are taken, a new connection evicts the oldest one that is
+    waiting for a request's headers (a slow or stalled client; a busy request is never
+    evicted), so half-open connections cannot lock real clients out; with none to
+    evict it gets a 503. Request heads over ``max_header_bytes`` are refused (431).
     """
 
     header_timeout: float = 10.0
@@ -69,7 +110,7 @@ class FrontLimits:
 
 
 class ServerContext:
-    """What every request handler needs, shared by the Unix and TCP listeners."""
+    """What every request needs, shared by the Unix and TCP listeners."""
 
     def __init__(self, controller: Controller, token: bytes | None = None,
                  audit: AuditLog | None = None) -> None:
@@ -78,210 +119,217 @@ class ServerContext:
         self.audit = audit
 
 
-class _ChunkedWriter:
-    def __init__(self, wfile: Any) -> None:
-        self._wfile = wfile
+# -- the connection: h11 with deadlines ------------------------------------------------
 
-    def write(self, data: bytes) -> None:
-        if data:
-            self._wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self._wfile.flush()
-
-    def finish(self) -> None:
-        self._wfile.write(b"0\r\n\r\n")
-        self._wfile.flush()
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: 53\r\nConnection: close\r\n\r\n"
+            b'{"error": "too many connections to the daemon open"}\n')
 
 
-class RequestHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "vmfork"
-    context: ServerContext   # set on the subclass made by ``handler_for``
+_END_OF_HEAD = re.compile(rb"\n\r?\n")   # h11 takes bare LF line ends too
 
-    def address_string(self) -> str:
-        if isinstance(self.client_address, tuple) and self.client_address:
-            return str(self.client_address[0])
-        return "unix"
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+class _FrontProtocol(H11Protocol):
+    """uvicorn's h11 connection, with what ``FrontLimits`` asks of it (see the module
+    docstring). ``limits`` is set on the subclass ``HttpFront`` makes."""
 
-    def setup(self) -> None:
-        front: FrontLimits = getattr(self.server, "front_limits", FrontLimits())
-        self._front = front
-        self._requests = 0
-        super().setup()
-        self.connection.settimeout(front.read_timeout)
+    limits: FrontLimits = FrontLimits()
 
-    def handle_one_request(self) -> None:
-        watch = getattr(self.server, "watch", None)
-        if watch is not None:
-            watch(self.connection, self._front.header_timeout if self._requests == 0
-                  else self._front.idle_timeout)
-        self._requests += 1
-        super().handle_one_request()
-
-    def parse_request(self) -> bool:
-        # The request line was read by the caller (the stdlib caps it at 64 KiB); the
-        # headers are read here, through a budget, so that 100 lines of 64 KiB each
-        # (the stdlib's own caps) cannot make one client cost 6.5 MB.
-        original = self.rfile
-        self.rfile = _HeaderBudget(original, self._front.max_header_bytes  # type: ignore[assignment]
-                                   - len(self.raw_requestline))
-        try:
-            ok = super().parse_request()
-        finally:
-            self.rfile = original
-        busy = getattr(self.server, "busy", None)
-        if ok and busy is not None:
-            busy(self.connection)
-        return ok
-
-    def __getattr__(self, name: str) -> Any:
-        # Every method, standard or not (TRACE, QUERY, ...), goes through the router,
-        # which answers 405 with Allow when a path does not take it; the stdlib would
-        # answer 501 with an HTML page.
-        if name.startswith("do_"):
-            return self._dispatch
-        raise AttributeError(name)
-
-    def _dispatch(self) -> None:
-        started = time.monotonic()
-        split = urllib.parse.urlsplit(self.path)
-        route_name = "unmatched"
-        length_header = self.headers.get("Content-Length")
-        req = api.Request(method=self.command, path=split.path,
-                          query=urllib.parse.parse_qs(split.query, keep_blank_values=True),
-                          headers={k.lower(): v for k, v in self.headers.items()},
-                          body=self.rfile, content_length=None)
-        response: api.Response
-        try:
-            if isinstance(self.rfile, _ChunkedReader):
-                req.chunked = True
-            elif "Transfer-Encoding" in self.headers:
-                self.close_connection = True
-                raise BadRequest(f"Transfer-Encoding {self.headers['Transfer-Encoding']!r:.60}"
-                                 " is not supported: send a Content-Length or chunked")
-            elif length_header is not None:
-                try:
-                    req.content_length = int(length_header)
-                    if req.content_length < 0:
-                        raise ValueError
-                except ValueError:
-                    self.close_connection = True
-                    raise BadRequest(f"invalid Content-Length {length_header[:40]!r}") from None
-            e2b_route = e2b.route_for(req)
-            if e2b_route is not None:
-                # E2B's wire (its control plane and envd): its own routes and tokens.
-                route_name = e2b_route.name
-                response = e2b_route.handle(self.context.controller, req, self.context.token)
-            else:
-                route, req.params = api.match(self.command, split.path)
-                route_name = route.template
-                token = self.context.token
-                if token is not None and route.template not in auth.OPEN_ROUTES:
-                    problem = auth.authorize(self.headers.get("Authorization"), token)
-                    if problem is not None:
-                        raise _Unauthorized(problem)
-                response = route.handler(self.context.controller, req)
-        except ApiError as err:
-            response = api.Response(err.status, err.body(), headers=err.headers)
-        except Exception as err:
-            log.exception("%s %s failed", self.command, self.path)
-            response = api.Response(500, {"error": f"internal error: {type(err).__name__}: "
-                                          f"{err}; see the daemon log"})
-        unsafe = _unsafe_header(response.headers)
-        if unsafe is not None:
-            # A header value made from something a guest said (a file's size, a name)
-            # that could end the header line would let the guest write its own headers,
-            # or a whole second response, to the client. Nothing of it is sent.
-            log.warning("%s %s: refused to send header %s: %s", self.command, self.path,
-                        unsafe[0], unsafe[1])
-            response = api.Response(502, {"error": f"the reply for {split.path} would carry "
-                                          f"header {unsafe[0]!r:.60} with {unsafe[1]}; nothing "
-                                          "of it was sent (a hostile or broken guest agent?)"})
-        if isinstance(req.body, _ChunkedReader) and req.body.broken:
-            self.close_connection = True   # the framing is lost: nothing after it is read
-        self._drain(req)
-        if isinstance(response, api.StreamResponse):
-            self._send(response)
-            self._record(req, route_name, response.status, started)
-        else:
-            # Recorded before the client sees the answer, so a client that reads the
-            # audit log (or the metrics) right after a reply finds its request there.
-            self._record(req, route_name, response.status, started)
-            self._send(response)
-
-    def send_header(self, keyword: str, value: str) -> None:
-        # Every header, including the stdlib's own, passes here: the last line of
-        # defence against response splitting, whatever code path made the value.
-        problem = _header_problem(keyword, value)
-        if problem is not None:
-            raise ValueError(f"refusing to send header {keyword!r:.60}: {problem}")
-        super().send_header(keyword, value)
-
-    def _drain(self, req: api.Request) -> None:
-        """Read what the handler left of a small body (a request refused before its
-        body was read: a bad path, a missing token), so the client, which may still
-        be sending it, gets to read the answer and keep-alive works; a large unread
-        body (an upload refused early) closes the connection instead."""
-        body = req.body
-        if isinstance(body, _ChunkedReader):
-            if not body.drain(DRAIN_BYTES):
-                self.close_connection = True
-            return
-        length = req.content_length or 0
-        if not length:
-            return
-        if isinstance(body, _CountingReader) and body.drain(DRAIN_BYTES):
-            return
-        self.close_connection = True
-
-    def _send(self, response: api.Response) -> None:
-        try:
-            self.send_response(response.status)
-            for name, value in response.headers.items():
-                self.send_header(name, value)
-            if isinstance(response, api.StreamResponse):
-                self.send_header("Content-Type", response.content_type)
-                self.send_header("Transfer-Encoding", "chunked")
-                self.end_headers()
-                writer = _ChunkedWriter(self.wfile)
-                try:
-                    response.produce(writer.write)
-                except ApiError as err:
-                    # Headers are gone: end the stream early so the client sees a
-                    # truncated body, and log why.
-                    log.warning("%s %s: stream aborted: %s", self.command, self.path, err)
-                    self.close_connection = True
-                    return
-                writer.finish()
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._deadline: asyncio.TimerHandle | None = None
+        self._waiting_since: float | None = None
+        self._armed_for: object = None
+        # The cap is settled before this connection counts: never one over it.
+        if len(self.connections) >= self.limits.max_connections:
+            waiting = [c for c in self.connections
+                       if isinstance(c, _FrontProtocol) and c._waiting_since is not None]
+            if not waiting:
+                self.transport = transport   # what connection_lost closes
+                transport.write(_REFUSED)
+                transport.close()
                 return
-            data = response.encode()
-            if response.status != 204 and response.body is not None:
-                self.send_header("Content-Type", response.content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+            min(waiting, key=lambda c: c._waiting_since or 0.0)._cut()
+        super().connection_made(transport)
+        self._await_head(self.limits.header_timeout)
 
-    def _record(self, req: api.Request, route: str, status: int, started: float) -> None:
-        elapsed = time.monotonic() - started
-        metrics = self.context.controller.metrics
-        metrics.requests.inc(method=self.command, route=route, status=str(status))
-        if status >= 400:
-            metrics.errors.inc(method=self.command, route=route, status=str(status))
-        metrics.request_seconds.observe(elapsed, method=self.command, route=route)
-        if self.context.audit is not None:
-            try:
-                self.context.audit.write(AuditEntry(
-                    method=self.command, path=req.path, status=status,
-                    latency_us=int(elapsed * 1e6), ua=self.headers.get("User-Agent", ""),
-                    remote=self.address_string(), sandbox_ids=req.sandbox_ids,
-                    snapshot_tag=req.snapshot_tag, image=req.image))
-            except OSError as err:
-                log.error("cannot write the audit log: %s", err)
+    def _await_head(self, seconds: float) -> None:
+        """Arm the deadline for the next request's head: the current cycle (None before
+        the first request) is what it waits to see replaced."""
+        self._disarm()
+        self._armed_for = self.cycle
+        self._waiting_since = time.monotonic()
+        self._deadline = self.loop.call_later(seconds, self._cut)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self._waiting_since = None
+
+    def _cut(self) -> None:
+        self._disarm()
+        # Its slot is free from now on, not once the close has gone through.
+        self.connections.discard(self)
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_since is not None and self.conn.their_state is h11.IDLE:
+            # h11 would refuse the head as well, past its incomplete-event size, but
+            # with uvicorn's 400; a head too large is a 431 (RFC 6585), in JSON.
+            buffered = self.conn.trailing_data[0] + data
+            end = _END_OF_HEAD.search(buffered)
+            if (len(buffered) if end is None else end.end()) > self.limits.max_header_bytes:
+                self._refuse(431, "Request Header Fields Too Large",
+                             "request headers over the daemon's size limit "
+                             f"({self.limits.max_header_bytes} bytes)")
+                return
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._waiting_since is not None and self.cycle is not self._armed_for:
+            self._disarm()   # a new request's head is whole: the handler has it
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self._await_head(self.limits.idle_timeout)
+        super().on_response_complete()   # may start a pipelined request at once
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # asyncio's own type
+        # A client may shut down its side once it has sent the request (HTTP/1.1 lets
+        # it): it still gets the answer, and the connection closes after it. A body
+        # cut short by that end is bad framing: h11 says so and the client gets a 400.
+        if self.cycle is None or self.cycle.response_complete:
+            return None   # nothing in flight: close
+        self.cycle.keep_alive = False
+        if self.conn.their_state is h11.SEND_BODY:
+            self.conn.receive_data(b"")
+            self.handle_events()
+        return True
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400, "Bad Request", f"invalid HTTP request: {msg}")
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer a request h11 could not parse, in JSON, and close."""
+        self._disarm()
+        if self.cycle is None or not self.cycle.response_started:
+            body = api.Response(body={"error": message}).encode()
+            self.transport.write(b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                                 % (status, reason.encode(), len(body), body))
+        if self.cycle is not None:
+            self.cycle.disconnected = True   # the handler's reads and writes now fail
+            self.cycle.message_event.set()
+        self.transport.close()
+
+
+# -- the request in its thread -----------------------------------------------------------
+
+
+class _Gone(ConnectionResetError):
+    """The client closed the connection, or the daemon is stopping."""
+
+
+class _ReadTimeout(ApiError):
+    status = 408
+
+
+class _Exchange:
+    """One request's side of the event loop, for its worker thread: the body as a
+    blocking reader, and sending."""
+
+    def __init__(self, receive: Receive, send: Send, read_timeout: float,
+                 chunked: bool) -> None:
+        self._receive = receive
+        self._send = send
+        self._read_timeout = read_timeout
+        self._chunked = chunked
+        self._buffer = b""
+        self._total = 0
+        self.done = False          # the body's last message was received
+        self.gone = False          # the client went away
+        self.broken = False        # a read failed: where the next request starts is unknown
+        self.watched = False       # ``watch`` has the receiving side
+
+    # The body: ``api.BodyReader``.
+    def read(self, n: int = -1) -> bytes:
+        while not self.done and (n < 0 or not self._buffer):
+            self._pull()
+        if n < 0:
+            out, self._buffer = self._buffer, b""
+        else:
+            out, self._buffer = self._buffer[:n], self._buffer[n:]
+        return out
+
+    def _pull(self) -> None:
+        if self.gone:
+            raise _Gone("the client closed the connection")
+        if self.watched:   # a stream's producer reads nothing: its handler read the body
+            raise RuntimeError("the request body is read once the response streams")
+        try:
+            message = self._in_loop(self._next)
+        except TimeoutError:
+            self.broken = True
+            raise _ReadTimeout(f"the request body stalled: nothing came for "
+                               f"{self._read_timeout:g} s", headers={"Connection": "close"}
+                               ) from None
+        if message["type"] == "http.disconnect":
+            self.gone = self.broken = True
+            raise _Gone("the client closed the connection inside the request body")
+        data = message.get("body", b"")
+        self._total += len(data)
+        if self._chunked and self._total > MAX_CHUNKED_BODY:
+            self.broken = True
+            raise PayloadTooLarge(f"chunked request body over {MAX_CHUNKED_BODY} bytes",
+                                  headers={"Connection": "close"})
+        self._buffer += data
+        if not message.get("more_body", False):
+            self.done = True
+
+    async def _next(self) -> Message:
+        with anyio.fail_after(self._read_timeout):
+            return await self._receive()
+
+    async def watch(self) -> None:
+        """While a response streams: the next message is the end of the connection (or
+        of the response), after what is left of a body nobody reads any more; a
+        stream's next write then fails instead of going nowhere (uvicorn drops writes
+        to a closed connection silently)."""
+        self.watched = True
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+
+    def drain(self, limit: int) -> bool:
+        """Read and drop what is left of the body if it is at most ``limit`` bytes. True
+        if the body has now been read to its end."""
+        try:
+            while not self.done and not self.broken and limit >= 0:
+                limit -= len(self.read(min(limit + 1, 64 << 10)))
+        except (ApiError, OSError):
+            return False
+        return self.done and not self.broken
+
+    def send(self, message: Message) -> None:
+        if self.gone:
+            raise _Gone("the client closed the connection")
+        self._in_loop(self._send_now, message)
+
+    async def _send_now(self, message: Message) -> None:
+        await self._send(message)
+
+    @staticmethod
+    def _in_loop(call: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        try:
+            return anyio.from_thread.run(call, *args)
+        except RuntimeError as err:   # the loop is gone: the daemon is stopping
+            raise _Gone(f"the daemon is stopping ({err})") from None
 
 
 def _header_problem(name: str, value: object) -> str | None:
@@ -310,29 +358,6 @@ def _unsafe_header(headers: dict[str, str]) -> tuple[str, str] | None:
     return None
 
 
-class _HeaderBudget:
-    """The read side while headers are parsed: ``readline`` past ``budget`` bytes
-    raises what the stdlib answers with 431."""
-
-    def __init__(self, raw: Any, budget: int) -> None:
-        self._raw = raw
-        self._left = budget
-
-    def readline(self, limit: int = -1) -> bytes:
-        if self._left <= 0:
-            raise http.client.LineTooLong("request headers over the daemon's size limit")
-        line: bytes = self._raw.readline(self._left + 1 if limit < 0
-                                         else min(limit, self._left + 1))
-        self._left -= len(line)
-        if self._left < 0:
-            raise http.client.LineTooLong("request headers over the daemon's size limit")
-        return line
-
-    def read(self, n: int = -1) -> bytes:
-        data: bytes = self._raw.read(n)
-        return data
-
-
 class _Unauthorized(ApiError):
     status = 401
 
@@ -340,338 +365,419 @@ class _Unauthorized(ApiError):
         super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="vmfork"'})
 
 
-class _CountingReader:
-    """Wraps the socket's read side to know whether the handler read the whole body."""
+@dataclass(frozen=True)
+class _Matched:
+    """What the event loop found for a request, before its thread runs it."""
 
-    def __init__(self, raw: Any, length: int) -> None:
-        self._raw = raw
-        self._left = length
-        self._vmfork_consumed = length == 0
+    name: str                               # for metrics and the audit log
+    route: api.Route | None = None
+    params: dict[str, str] | None = None    # percent-encoded, not validated yet
+    e2b_route: e2b.Route | None = None
+    error: ApiError | None = None
 
-    def read(self, n: int = -1) -> bytes:
-        if self._left <= 0:
-            return b""
-        data: bytes = self._raw.read(self._left if n < 0 else min(n, self._left))
-        self._left -= len(data)
-        if self._left <= 0:
-            self._vmfork_consumed = True
-        return data
 
-    def drain(self, limit: int) -> bool:
-        """Read and drop the rest of the body if it is at most ``limit`` bytes (within
-        the socket's timeout). True if the whole body has now been read."""
-        if self._vmfork_consumed:
-            return True
-        if self._left > limit:
-            return False
+class _Routes:
+    """``api.ROUTES`` as Starlette routes, matched on the percent-encoded path (so a
+    ``%2F`` stays inside its segment, where the parameter check refuses it).
+
+    Matched in the table's order, each template against any method: the first whose
+    path and method fit wins (``POST /v1/snapshots/pull`` is not a tag), and a path
+    that fits only other methods is a 405 naming them all in ``Allow``."""
+
+    def __init__(self, routes: Iterable[api.Route]) -> None:
+        self._routes = [(StarletteRoute(r.template, endpoint=_no_endpoint), r)
+                        for r in routes]
+
+    def match(self, method: str, raw_path: str) -> tuple[api.Route, dict[str, str]]:
+        path = raw_path if raw_path == "/" else raw_path.rstrip("/") or "/"
         try:
-            while self._left > 0 and self.read(self._left):
-                pass
-        except OSError:
-            return False
-        return self._vmfork_consumed
+            urllib.parse.unquote(path, errors="strict")
+        except UnicodeDecodeError:
+            raise BadRequest(f"the path {raw_path[:100]!r} is not valid UTF-8 once "
+                             "percent-decoded") from None
+        probe = {"type": "http", "path": path, "root_path": "", "method": method}
+        allowed: set[str] = set()
+        for starlette_route, route in self._routes:
+            found, child = starlette_route.matches(probe)
+            if found is Match.NONE:
+                continue
+            if route.method != method:
+                allowed.add(route.method)
+                continue
+            return route, dict(child["path_params"])
+        if allowed:
+            listed = ", ".join(sorted(allowed))
+            raise MethodNotAllowed(f"{method} is not allowed on {raw_path}; allowed: {listed}",
+                                   headers={"Allow": listed})
+        raise NotFound(f"no route {method} {raw_path}; GET /openapi.json lists the API")
 
 
-MAX_CHUNK_LINE = 4096
-"""A chunk-size line, extensions included, and each trailer line, in bytes."""
-MAX_TRAILER_BYTES = 16 << 10
-MAX_CHUNKED_BODY = 64 << 30
-"""The most a chunked body may carry on any route; each route bounds its own body
-below that (a JSON body at ``api.MAX_JSON_BODY``, stdin at ``api.MAX_STDIN_BODY``) by
-reading at most its limit, as it does with a Content-Length."""
+def _length(header: str | None) -> int | None:
+    """The Content-Length h11 has checked (one value, digits only), as a number."""
+    try:
+        return int(header) if header is not None else None
+    except ValueError:
+        return None
 
 
-class _ChunkedReader:
-    """A ``Transfer-Encoding: chunked`` request body (RFC 9112 7.1) as a plain reader:
-    ``read`` returns the data of the chunks and b"" after the last one. Bounded: a
-    chunk-size line or trailer line of at most ``MAX_CHUNK_LINE`` bytes, trailers
-    (read and ignored) of at most ``MAX_TRAILER_BYTES``, a body of at most
-    ``MAX_CHUNKED_BODY``. Bad framing raises ``BadRequest`` and marks the reader
-    ``broken`` (the connection is then closed: where the next request starts is
-    unknown). Each read is bounded by the socket's timeout, like any body read."""
+async def _no_endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+    raise AssertionError("routes are matched, never called")  # pragma: no cover
 
-    def __init__(self, raw: Any) -> None:
-        self._raw = raw
-        self._left = 0           # of the current chunk
-        self._total = 0
-        self._done = False
-        self.broken = False
+
+def validated_params(params: dict[str, str]) -> dict[str, str]:
+    """Path parameters percent-decoded and checked (``api.PARAM_CHECKS``)."""
+    out = {}
+    for name, value in params.items():
+        out[name] = api.PARAM_CHECKS[name](urllib.parse.unquote(value, errors="strict"))
+    return out
+
+
+class ApiApp:
+    """The ASGI application: every route of ``api.ROUTES`` and E2B's wire."""
+
+    def __init__(self, context: ServerContext, limits: FrontLimits) -> None:
+        self.context = context
+        self.limits = limits
+        self.routes = _Routes(api.ROUTES)
+        self.threads: anyio.CapacityLimiter | None = None   # made on the loop
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return   # lifespan is off; websockets are not served (uvicorn has none here)
+        if self.threads is None:
+            self.threads = anyio.CapacityLimiter(self.limits.max_connections)
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            headers[name.decode("latin-1")] = value.decode("latin-1")
+        raw_path = scope["raw_path"].decode("latin-1")
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        length = headers.get("content-length")
+        exchange = _Exchange(receive, send, self.limits.read_timeout, chunked)
+        req = api.Request(method=scope["method"], path=raw_path,
+                          query=urllib.parse.parse_qs(scope["query_string"].decode("latin-1"),
+                                                      keep_blank_values=True),
+                          headers=headers, body=exchange,
+                          content_length=_length(length) if not chunked else None,
+                          chunked=chunked)
+        client = scope.get("client")
+        remote = str(client[0]) if client else "unix"
+        matched = self._match(req)
+        started = time.monotonic()
+        async with anyio.create_task_group() as group:
+            try:
+                response, head = await anyio.to_thread.run_sync(
+                    self._prepare, req, exchange, matched, started, remote,
+                    limiter=self.threads, abandon_on_cancel=True)
+                await send({"type": "http.response.start", "status": response.status,
+                            "headers": head})
+                if isinstance(response, api.StreamResponse):
+                    group.start_soon(exchange.watch)
+                    await anyio.to_thread.run_sync(
+                        self._produce, req, exchange, response, matched.name, started,
+                        remote, limiter=self.threads, abandon_on_cancel=True)
+                else:
+                    await send({"type": "http.response.body", "body": response.encode()})
+            finally:
+                # Nothing more goes to this client once the app is done, also when it is
+                # cancelled at stop: a producer still running in its thread ends at its
+                # next write.
+                exchange.gone = True
+                group.cancel_scope.cancel()
+
+    def _match(self, req: api.Request) -> _Matched:
+        e2b_route = e2b.route_for(req)
+        if e2b_route is not None:
+            # E2B's wire (its control plane and envd): its own routes and tokens.
+            return _Matched(e2b_route.name, e2b_route=e2b_route)
+        try:
+            route, params = self.routes.match(req.method, req.path)
+        except ApiError as err:
+            return _Matched("unmatched", error=err)
+        return _Matched(route.template, route=route, params=params)
+
+    # In worker threads from here on: the handler and its reads, a stream's writes.
+
+    def _prepare(self, req: api.Request, exchange: _Exchange, matched: _Matched,
+                 started: float, remote: str
+                 ) -> tuple[api.Response, list[tuple[bytes, bytes]]]:
+        """The response and its header lines, checked; a whole (not streamed) one is
+        recorded here, before the client sees it, so a client that reads the audit log
+        (or the metrics) right after a reply finds its request there."""
+        response = self._respond(req, matched)
+        unsafe = _unsafe_header(response.headers)
+        if unsafe is not None:
+            # A header value made from something a guest said (a file's size, a name)
+            # that could end the header line would let the guest write its own headers,
+            # or a whole second response, to the client. Nothing of it is sent.
+            log.warning("%s %s: refused to send header %s: %s", req.method, req.path,
+                        unsafe[0], unsafe[1])
+            response = api.Response(502, {"error": f"the reply for {req.path} would carry "
+                                          f"header {unsafe[0]!r:.60} with {unsafe[1]}; nothing "
+                                          "of it was sent (a hostile or broken guest agent?)"})
+        head = self._head(response, close=not self._body_finished(req, exchange))
+        if not isinstance(response, api.StreamResponse):
+            self._record(req, matched.name, response.status, started, remote)
+        return response, head
+
+    def _respond(self, req: api.Request, matched: _Matched) -> api.Response:
+        try:
+            if matched.error is not None:
+                raise matched.error
+            if matched.e2b_route is not None:
+                return matched.e2b_route.handle(self.context.controller, req,
+                                                self.context.token)
+            assert matched.route is not None and matched.params is not None
+            req.params = validated_params(matched.params)
+            token = self.context.token
+            if token is not None and matched.route.template not in auth.OPEN_ROUTES:
+                problem = auth.authorize(req.headers.get("authorization"), token)
+                if problem is not None:
+                    raise _Unauthorized(problem)
+            return matched.route.handler(self.context.controller, req)
+        except ApiError as err:
+            return api.Response(err.status, err.body(), headers=err.headers)
+        except _Gone as err:
+            log.debug("%s %s: %s", req.method, req.path, err)
+            return api.Response(400, {"error": str(err)}, headers={"Connection": "close"})
+        except Exception as err:
+            log.exception("%s %s failed", req.method, req.path)
+            return api.Response(500, {"error": f"internal error: {type(err).__name__}: "
+                                      f"{err}; see the daemon log"})
+
+    @staticmethod
+    def _body_finished(req: api.Request, exchange: _Exchange) -> bool:
+        """Whether the connection can carry another request after this answer: what the
+        handler left of the body (a request refused before it was read) is read and
+        dropped when it is small, so the client, which may still be sending it, gets
+        to read the answer; a large one (an upload refused early) closes instead."""
+        if exchange.done or exchange.broken:
+            return not exchange.broken
+        if req.chunked:
+            return exchange.drain(DRAIN_BYTES)
+        # uvicorn reads and drops the rest of a Content-Length body after the answer.
+        return (req.content_length or 0) <= DRAIN_BYTES
+
+    @staticmethod
+    def _head(response: api.Response, close: bool) -> list[tuple[bytes, bytes]]:
+        headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                   for k, v in response.headers.items()]
+        if isinstance(response, api.StreamResponse):
+            # No length: h11 sends it chunked (close-delimited to an HTTP/1.0 client).
+            headers.append((b"content-type", response.content_type.encode("latin-1")))
+        else:
+            if response.status != 204 and response.body is not None:
+                headers.append((b"content-type", response.content_type.encode("latin-1")))
+            if response.status != 204:
+                headers.append((b"content-length", str(len(response.encode())).encode()))
+        if close and not any(k.lower() == b"connection" for k, _ in headers):
+            headers.append((b"connection", b"close"))
+        return headers
+
+    def _produce(self, req: api.Request, exchange: _Exchange, response: api.StreamResponse,
+                 route: str, started: float, remote: str) -> None:
+        def write(data: bytes) -> None:
+            if data:
+                exchange.send({"type": "http.response.body", "body": bytes(data),
+                               "more_body": True})
+        try:
+            response.produce(write)
+            exchange.send({"type": "http.response.body", "body": b""})
+        except ApiError as err:
+            # Headers are gone: end the stream without its last chunk, so the client
+            # sees a truncated body, and log why (uvicorn closes the connection).
+            log.warning("%s %s: stream aborted: %s", req.method, req.path, err)
+        except _Gone as err:   # the client went away, or the daemon is stopping
+            log.debug("%s %s: stream ended: %s", req.method, req.path, err)
+        finally:
+            self._record(req, route, response.status, started, remote)
+
+    def _record(self, req: api.Request, route: str, status: int, started: float,
+                remote: str) -> None:
+        elapsed = time.monotonic() - started
+        metrics = self.context.controller.metrics
+        metrics.requests.inc(method=req.method, route=route, status=str(status))
+        if status >= 400:
+            metrics.errors.inc(method=req.method, route=route, status=str(status))
+        metrics.request_seconds.observe(elapsed, method=req.method, route=route)
+        if self.context.audit is not None:
+            try:
+                self.context.audit.write(AuditEntry(
+                    method=req.method, path=req.path, status=status,
+                    latency_us=int(elapsed * 1e6), ua=req.headers.get("user-agent", ""),
+                    remote=remote, sandbox_ids=req.sandbox_ids,
+                    snapshot_tag=req.snapshot_tag, image=req.image))
+            except OSError as err:
+                log.error("cannot write the audit log: %s", err)
+
+
+# -- listeners ---------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """A uvicorn server on a socket bound beforehand, whose TLS handshake has the
+    header deadline (uvicorn's own start-up leaves asyncio's 60 s)."""
+
+    def __init__(self, config: uvicorn.Config, sock: socket.socket,
+                 handshake_timeout: float) -> None:
+        super().__init__(config)
+        self.sock = sock
+        self.handshake_timeout = handshake_timeout
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> asyncio.Protocol:
+            made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state={})
+            return made
+
+        self.servers = [await loop.create_server(
+            protocol, sock=self.sock, ssl=config.ssl, backlog=config.backlog,
+            ssl_handshake_timeout=self.handshake_timeout if config.ssl else None)]
+        self.started = True
+
+
+@dataclass
+class Listener:
+    sock: socket.socket
+    tls: ssl.SSLContext | None = None
+    unix_path: Path | None = None
 
     @property
-    def _vmfork_consumed(self) -> bool:
-        return self._done
+    def address(self) -> str:
+        if self.unix_path is not None:
+            return f"unix://{self.unix_path}"
+        host, port = self.sock.getsockname()[:2]
+        host = str(host)
+        if ":" in host:
+            host = f"[{host}]"   # an IPv6 literal, as URLs write it
+        return f"{'https' if self.tls else 'http'}://{host}:{port}"
 
-    def _fail(self, problem: str) -> BadRequest:
-        self.broken = True
-        return BadRequest(f"bad chunked request body: {problem}")
+    @property
+    def port(self) -> int:
+        port: int = self.sock.getsockname()[1]
+        return port
 
-    def _line(self) -> bytes:
-        line: bytes = self._raw.readline(MAX_CHUNK_LINE + 1)
-        if not line:
-            raise self._fail("the connection ended inside it")
-        if len(line) > MAX_CHUNK_LINE or not line.endswith(b"\n"):
-            raise self._fail(f"a line over {MAX_CHUNK_LINE} bytes")
-        return line.rstrip(b"\r\n")
 
-    def _next_chunk(self) -> None:
-        size_text = self._line().split(b";", 1)[0].strip()
-        if not size_text or len(size_text) > 16 or any(
-                c not in b"0123456789abcdefABCDEF" for c in size_text):
-            raise self._fail(f"chunk size {size_text[:20]!r} is not hexadecimal")
-        size = int(size_text, 16)
-        if self._total + size > MAX_CHUNKED_BODY:
-            raise PayloadTooLarge(f"chunked request body over {MAX_CHUNKED_BODY} bytes")
-        if size == 0:
-            trailer = 0
-            while True:   # trailers, ignored; the empty line ends the body
-                line = self._line()
-                if not line:
-                    break
-                trailer += len(line)
-                if trailer > MAX_TRAILER_BYTES:
-                    raise self._fail(f"trailers over {MAX_TRAILER_BYTES} bytes")
-            self._done = True
-        self._left = size
+class HttpFront:
+    """The daemon's listeners: each a uvicorn server, all on one event loop in one
+    thread. Sockets are bound when added (a bad address or a live daemon's socket
+    fails there, before anything serves); ``start`` serves them, ``stop`` closes them."""
 
-    def read(self, n: int = -1) -> bytes:
-        out = bytearray()
-        while not self._done and (n < 0 or len(out) < n):
-            if self._left == 0:
-                self._next_chunk()
-                continue
-            want = self._left if n < 0 else min(self._left, n - len(out))
-            data: bytes = self._raw.read(want)
-            if not data:
-                raise self._fail("the connection ended inside a chunk")
-            out += data
-            self._left -= len(data)
-            self._total += len(data)
-            if self._left == 0 and self._raw.read(2) != b"\r\n":
-                raise self._fail("a chunk is not followed by CRLF")
-            if n < 0:
-                continue
-            break   # return what one chunk gave, as a socket read would
-        return bytes(out)
+    def __init__(self, context: ServerContext, limits: FrontLimits | None = None) -> None:
+        self.limits = limits or FrontLimits()
+        self.app = ApiApp(context, self.limits)
+        self.listeners: list[Listener] = []
+        self._servers: list[_Server] = []
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._protocol = type("FrontProtocol", (_FrontProtocol,), {"limits": self.limits})
 
-    def drain(self, limit: int) -> bool:
-        """Read and drop what is left if it is at most ``limit`` bytes. True if the
-        body has now been read to its end, framing intact."""
+    def _config(self, tls: ssl.SSLContext | None) -> uvicorn.Config:
+        config = uvicorn.Config(
+            self.app, http=self._protocol, lifespan="off", log_config=None,
+            access_log=False, proxy_headers=False, server_header=False,
+            headers=[("Server", "vmfork")],
+            timeout_keep_alive=max(1, round(self.limits.idle_timeout)),
+            # uvicorn counts the asking connection among the open ones; the cap of
+            # connections is ours (_FrontProtocol): this one bounds the requests whose
+            # clients left while their handlers still run.
+            limit_concurrency=self.limits.max_connections + 1,
+            h11_max_incomplete_event_size=self.limits.max_header_bytes,
+            timeout_graceful_shutdown=round(SHUTDOWN_GRACE_S))
+        config.load()
+        config.ssl = tls   # the context the daemon checked at start-up (server/tls.py)
+        return config
+
+    def listen_unix(self, path: str | Path) -> Listener:
+        socket_path = Path(path)
+        _remove_stale_socket(socket_path)
+        socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket is born 0600: only this user may connect
         try:
-            while not self._done and not self.broken and limit >= 0:
-                limit -= len(self.read(min(limit + 1, STREAM_DRAIN_READ)))
-        except (ApiError, OSError):
-            return False
-        return self._done and not self.broken
-
-
-STREAM_DRAIN_READ = 64 << 10
-
-
-class _BoundedHandler(RequestHandler):
-    def _dispatch(self) -> None:
-        # Give handlers a reader that stops at the end of the body (Content-Length or
-        # the last chunk; never blocks reading into the next pipelined request) and
-        # records whether it was all read.
-        original = self.rfile
-        if self.headers.get("Transfer-Encoding", "").strip().lower() == "chunked":
-            self.rfile = _ChunkedReader(original)  # type: ignore[assignment]
-            try:
-                super()._dispatch()
-            finally:
-                self.rfile = original
-            return
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = 0
-        self.rfile = _CountingReader(original, max(length, 0))  # type: ignore[assignment]
-        try:
-            super()._dispatch()
+            sock.bind(str(socket_path))
+        except OSError:
+            sock.close()
+            raise
         finally:
-            self.rfile = original
+            os.umask(old)
+        sock.listen(128)
+        listener = Listener(sock, unix_path=socket_path)
+        self.listeners.append(listener)
+        return listener
 
+    def listen_tcp(self, bind: str, tls: ssl.SSLContext | None = None) -> Listener:
+        host, port = parse_bind(bind)
+        # IPPROTO_TCP named, not 0: accepted sockets inherit it, and asyncio turns Nagle
+        # off only on sockets that say they are TCP (with Nagle on, a response's head
+        # and body, two writes, waited for the client's delayed ACK: +40 ms each).
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                             socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        listener = Listener(sock, tls=tls)
+        self.listeners.append(listener)
+        return listener
 
-def handler_for(context: ServerContext) -> type[RequestHandler]:
-    return type("BoundRequestHandler", (_BoundedHandler,), {"context": context})
-
-
-_BUSY = -1.0
-"""The watch deadline of a connection whose request is being handled."""
-_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: "
-            b"application/json\r\nContent-Length: 53\r\nConnection: close\r\n\r\n"
-            b'{"error": "too many connections to the daemon open"}\n')
-
-
-class _BoundedFront(socketserver.ThreadingMixIn):
-    """Bounds connections and the time a connection may take to say what it wants
-    (see ``FrontLimits``). One watchdog thread per server shuts down connections whose
-    deadline passed; shutting the socket down wakes the handler thread blocked in its
-    read, which then ends as if the client had closed."""
-
-    daemon_threads = True
-    request_queue_size = 128
-    front_limits = FrontLimits()
-
-    def _front_init(self, limits: FrontLimits | None) -> None:
-        if limits is not None:
-            self.front_limits = limits
-        self._lock = threading.Lock()
-        # socket -> (deadline: monotonic instant or _BUSY, admitted at)
-        self._conns: dict[socket.socket, tuple[float, float]] = {}
-        self._closing = threading.Event()
-        self._watchdog: threading.Thread | None = None
+    def addresses(self) -> list[str]:
+        return [listener.address for listener in self.listeners]
 
     @property
     def active_connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
+        return sum(len(s.server_state.connections) for s in self._servers)
 
-    def watch(self, conn: socket.socket, seconds: float) -> None:
-        with self._lock:
-            if conn in self._conns:
-                self._conns[conn] = (time.monotonic() + seconds, self._conns[conn][1])
+    def start(self) -> None:
+        for listener in self.listeners:
+            self._servers.append(_Server(self._config(listener.tls), listener.sock,
+                                         self.limits.header_timeout))
+        # A daemon thread, so anyio's workers, which it starts, are daemon threads too:
+        # a handler abandoned at stop (an exec blocked in a sandbox that outlives the
+        # daemon) must not hold the process's exit, as it could not with the old front.
+        self._thread = threading.Thread(target=self._serve, name="http-front", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not all(s.started for s in self._servers):
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the HTTP front did not start: {self._failed}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the HTTP front did not start within 30 s")
+            time.sleep(0.005)
 
-    def busy(self, conn: socket.socket) -> None:
-        with self._lock:
-            if conn in self._conns:
-                self._conns[conn] = (_BUSY, self._conns[conn][1])
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        now = time.monotonic()
-        evict: socket.socket | None = None
-        with self._lock:
-            if len(self._conns) >= self.front_limits.max_connections:
-                waiting = [(admitted, c) for c, (deadline, admitted) in self._conns.items()
-                           if deadline != _BUSY]
-                if not waiting:
-                    self._refuse(request)
-                    return
-                evict = min(waiting, key=lambda pair: pair[0])[1]
-                del self._conns[evict]   # its slot is the newcomer's from now on
-            self._conns[request] = (now + self.front_limits.header_timeout, now)
-            if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch_loop,
-                                                  name="http-front-watchdog", daemon=True)
-                self._watchdog.start()
-        if evict is not None:
-            _shut(evict)
-        super().process_request(request, client_address)
-
-    tls: ssl.SSLContext | None = None
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def _serve(self) -> None:
+        async def serve_all() -> None:
+            await asyncio.gather(*(s.serve() for s in self._servers))
         try:
-            if self.tls is not None:
-                request = self._handshake(request)
-                if request is None:
-                    return
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._lock:
-                self._conns.pop(request, None)
+            asyncio.run(serve_all())
+        except BaseException as err:
+            self._failed = err
+            log.exception("the HTTP front stopped")
 
-    def _handshake(self, raw: socket.socket) -> ssl.SSLSocket | None:
-        """TLS on an admitted connection, in its own handler thread (a slow client's
-        handshake never holds up ``accept``) and inside the same header deadline: the
-        watchdog cuts a client that stalls it, as it cuts one that stalls its headers."""
-        assert self.tls is not None
-        try:
-            conn = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-        except OSError:
-            raw.close()
-            return None
-        with self._lock:   # the wrapped socket owns the descriptor now: watch it instead
-            entry = self._conns.pop(raw, None)
-            if entry is not None:
-                self._conns[conn] = entry
-        try:
-            conn.settimeout(self.front_limits.header_timeout)
-            conn.do_handshake()
-            conn.settimeout(None)
-        except (OSError, ValueError) as err:   # a plain-HTTP client, an old TLS, a cut
-            log.debug("TLS handshake failed: %s", err)
-            with self._lock:
-                self._conns.pop(conn, None)
-            conn.close()
-            return None
-        return conn
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that went away, or was cut off by the watchdog, is not a daemon
-        # error; anything else is logged with its traceback (socketserver would print
-        # it to stderr).
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("connection from %s ended: %s", client_address or "unix", exc)
-        else:
-            log.exception("connection from %s failed", client_address or "unix")
-
-    @staticmethod
-    def _refuse(request: socket.socket) -> None:
-        try:
-            request.send(_REFUSED, socket.MSG_DONTWAIT)
-        except OSError:
-            pass
-        request.close()
-
-    def _watch_loop(self) -> None:
-        while not self._closing.wait(0.25):
-            now = time.monotonic()
-            with self._lock:
-                late = [c for c, (deadline, _) in self._conns.items()
-                        if deadline != _BUSY and deadline <= now]
-                for conn in late:
-                    # Not forgotten here: the handler thread does that as it ends, so
-                    # the count stays true until the thread is gone.
-                    self._conns[conn] = (_BUSY, self._conns[conn][1])
-            for conn in late:
-                _shut(conn)
-
-    def server_close(self) -> None:
-        self._closing.set()
-        super().server_close()
-
-
-def _shut(conn: socket.socket) -> None:
-    try:
-        # The descriptor's shutdown, also for a TLS socket: SSLSocket.shutdown would
-        # first drop its TLS object under the handler thread reading from it.
-        socket.socket.shutdown(conn, socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed by its handler
-
-
-class UnixHTTPServer(_BoundedFront, socketserver.UnixStreamServer):
-    def __init__(self, path: str | Path, handler: type[RequestHandler],
-                 limits: FrontLimits | None = None) -> None:
-        self._front_init(limits)
-        self.socket_path = Path(path)
-        _remove_stale_socket(self.socket_path)
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        old = os.umask(0o177)  # the socket is born 0600: only this user may connect
-        try:
-            super().__init__(str(self.socket_path), handler)
-        finally:
-            os.umask(old)
-
-    def server_close(self) -> None:
-        super().server_close()
-        try:
-            self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
-
-
-class TCPHTTPServer(_BoundedFront, ThreadingHTTPServer):
-    def __init__(self, address: tuple[str, int], handler: type[RequestHandler],
-                 limits: FrontLimits | None = None, tls: ssl.SSLContext | None = None) -> None:
-        self._front_init(limits)
-        self.tls = tls
-        super().__init__(address, handler)
-
-
-class TCP6HTTPServer(TCPHTTPServer):
-    address_family = socket.AF_INET6
+    def stop(self) -> None:
+        """Stop accepting, give requests in flight ``SHUTDOWN_GRACE_S``, close every
+        socket and remove the Unix socket's file."""
+        for server in self._servers:
+            server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(SHUTDOWN_GRACE_S + 10)
+            if self._thread.is_alive():
+                log.error("the HTTP front did not stop within %.0f s", SHUTDOWN_GRACE_S + 10)
+            self._thread = None
+        for listener in self.listeners:
+            listener.sock.close()
+            if listener.unix_path is not None:
+                try:
+                    listener.unix_path.unlink()
+                except FileNotFoundError:
+                    pass
+        self.listeners = []
+        self._servers = []
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -700,11 +806,3 @@ def parse_bind(value: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"--bind {value!r}: expected HOST:PORT, e.g. 127.0.0.1:8889")
     return host.strip("[]"), int(port)
-
-
-def tcp_server(bind: str, handler: type[RequestHandler], limits: FrontLimits | None = None,
-               tls: ssl.SSLContext | None = None) -> TCPHTTPServer:
-    host, port = parse_bind(bind)
-    if ":" in host:
-        return TCP6HTTPServer((host, port), handler, limits, tls)
-    return TCPHTTPServer((host, port), handler, limits, tls)
