@@ -614,28 +614,128 @@ class ApiApp:
 
 
 class _Server(uvicorn.Server):
-    """A uvicorn server on a socket bound beforehand, whose TLS handshake has the
-    header deadline (uvicorn's own start-up leaves asyncio's 60 s)."""
+    """A uvicorn server on a socket bound beforehand. On a TLS listener each accepted
+    connection goes through a ``_TlsGate`` first, so a handshake has the header deadline
+    (uvicorn's own start-up leaves asyncio's 60 s) and holds a slot of the cap."""
 
     def __init__(self, config: uvicorn.Config, sock: socket.socket,
-                 handshake_timeout: float) -> None:
+                 handshake_timeout: float, max_connections: int) -> None:
         super().__init__(config)
         self.sock = sock
         self.handshake_timeout = handshake_timeout
+        self.max_connections = max_connections
+        self.handshaking: dict[_TlsGate, None] = {}   # oldest first
+
+    def make_protocol(self) -> asyncio.Protocol:
+        config = self.config
+        made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=self.server_state, app_state={})
+        return made
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        config = self.config
         loop = asyncio.get_running_loop()
-
-        def protocol() -> asyncio.Protocol:
-            made: asyncio.Protocol = config.http_protocol_class(  # type: ignore[call-arg]
-                config=config, server_state=self.server_state, app_state={})
-            return made
-
-        self.servers = [await loop.create_server(
-            protocol, sock=self.sock, ssl=config.ssl, backlog=config.backlog,
-            ssl_handshake_timeout=self.handshake_timeout if config.ssl else None)]
+        factory: Callable[[], asyncio.Protocol] = self.make_protocol
+        if self.config.ssl is not None:
+            factory = lambda: _TlsGate(self)  # noqa: E731
+        self.servers = [await loop.create_server(factory, sock=self.sock,
+                                                 backlog=self.config.backlog)]
         self.started = True
+
+
+class _TlsGate(asyncio.Protocol):
+    """A TLS connection until its handshake is done. asyncio's own TLS server makes the
+    connection's protocol only once the handshake is over, so handshakes would hold no
+    slot of the cap, and a client opening connections faster than the deadline cuts
+    them could hold any number of sockets. The gate counts from accept: past the cap
+    it cuts the oldest connection still in its handshake (with none, the oldest one
+    waiting for a request's head; with none either, the new one), then runs the handshake (``loop.start_tls``, within the header deadline) and hands
+    the TLS transport to the HTTP protocol, whose own cap and deadlines take over."""
+
+    def __init__(self, server: _Server) -> None:
+        self.server = server
+        self.raw: asyncio.Transport | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.raw = transport
+        # Nothing is read until start_tls has put its protocol in place (it resumes
+        # reading): a ClientHello read here would be lost.
+        transport.pause_reading()
+        server = self.server
+        if len(server.handshaking) + len(server.server_state.connections) \
+                >= server.max_connections:
+            waiting = [c for c in server.server_state.connections
+                       if isinstance(c, _FrontProtocol) and c._waiting_since is not None]
+            if server.handshaking:
+                next(iter(server.handshaking)).cut()
+            elif waiting:
+                min(waiting, key=lambda c: c._waiting_since or 0.0)._cut()
+            else:
+                transport.abort()   # every slot serves a request: no TLS to say 503 in
+                return
+        server.handshaking[self] = None
+        self.task = asyncio.get_running_loop().create_task(self._handshake(transport))
+
+    def cut(self) -> None:
+        self.server.handshaking.pop(self, None)
+        if self.raw is not None:
+            self.raw.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # Only while this gate is the transport's protocol: before start_tls took over.
+        self.server.handshaking.pop(self, None)
+
+    async def _handshake(self, raw: asyncio.Transport) -> None:
+        server = self.server
+        loop = asyncio.get_running_loop()
+        early = _Early(server.config.h11_max_incomplete_event_size or DRAIN_BYTES)
+        assert server.config.ssl is not None
+        try:
+            tls = await loop.start_tls(raw, early, server.config.ssl, server_side=True,
+                                       ssl_handshake_timeout=server.handshake_timeout)
+        except OSError as err:   # SSLError, TimeoutError, ConnectionError among them
+            log.debug("TLS handshake failed: %s", err)
+            raw.abort()
+            return
+        finally:
+            server.handshaking.pop(self, None)
+        if tls is None or tls.is_closing():
+            return
+        if early.overflow:
+            tls.abort()
+            return
+        # What the client sent between the handshake and now (this task runs after the
+        # loop has delivered it) goes to the HTTP protocol after its connection_made.
+        protocol = server.make_protocol()
+        tls.set_protocol(protocol)
+        protocol.connection_made(tls)
+        if early.data and not tls.is_closing():
+            protocol.data_received(bytes(early.data))
+        if early.eof and not tls.is_closing():
+            if not protocol.eof_received():
+                tls.close()
+
+
+class _Early(asyncio.Protocol):
+    """Holds what a TLS connection receives before its HTTP protocol is in place,
+    at most ``limit`` bytes (a request head's bound)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.eof = False
+        self.overflow = False
+
+    def data_received(self, data: bytes) -> None:
+        if len(self.data) + len(data) > self.limit:
+            self.overflow = True
+            return
+        self.data += data
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        return True   # keep the transport open: the HTTP protocol decides
 
 
 @dataclass
@@ -736,7 +836,8 @@ class HttpFront:
     def start(self) -> None:
         for listener in self.listeners:
             self._servers.append(_Server(self._config(listener.tls), listener.sock,
-                                         self.limits.header_timeout))
+                                         self.limits.header_timeout,
+                                         self.limits.max_connections))
         # A daemon thread, so anyio's workers, which it starts, are daemon threads too:
         # a handler abandoned at stop (an exec blocked in a sandbox that outlives the
         # daemon) must not hold the process's exit, as it could not with the old front.
