@@ -89,6 +89,14 @@ def check_interpreter(seen: dict) -> None:
     assert rich["text"] == "Rich()" and rich["html"] == "<b>rich</b>", rich
     assert base64.b64decode(rich["png"]) == b"\x89PNG-bytes", rich
     assert {"html", "png"} <= set(rich["formats"]), rich
+    # display() inside a cell: results in order, the trailing value the main one.
+    displayed = seen["displayed"]
+    assert displayed["results"] == [
+        {"text": "1", "html": None, "main": False},
+        {"text": "Rich()", "html": "<b>rich</b>", "main": False},
+        {"text": "'two'", "html": None, "main": False},
+        {"text": "'end'", "html": None, "main": True}], displayed
+    assert displayed["text"] == "'end'" and displayed["stdout"] == ["before\n"], displayed
     # The SDK's own timeout hangs up; the cell is interrupted and the next one runs.
     assert seen["timed_out"] and "timed out" in seen["timed_out"].lower(), seen
     assert seen["after_timeout"] == "'alive'" and seen["after_timeout_secs"] < 30, seen
