@@ -214,3 +214,22 @@ def check_users(seen: dict, name: str, uid: int, gid: int, home_dir: str, *,
         assert seen["relative"] == f"in my home\n{name}\n"
         assert seen["relative_read"] == "in my home"
         assert seen["root_relative"] == "/root\n"
+
+
+def check_snapshots(seen: dict, *, isolated: bool) -> None:
+    """What tests/e2b_programs/snapshots.py must have seen (``isolated``: each sandbox
+    is a guest of its own, not an agent on the host that all of them share)."""
+    assert seen["named"] == {"id": "e2b-named-snapshot", "names": ["e2b-named-snapshot"]}
+    assert seen["unnamed_differs"] is True and seen["source_runs"] is True, seen
+    assert seen["mine"] is True and seen["all_has_named"] is True, seen
+    assert seen["by_name"] == ["e2b-named-snapshot"], seen
+    assert seen["paged"] == [1, True, 1, False], seen
+    assert seen["filesystem_only"] and "memory: false" in seen["filesystem_only"], seen
+    assert seen["name_taken"] and "e2b-named-snapshot" in seen["name_taken"], seen
+    # A sandbox from the snapshot sees the state it had then, not what came after.
+    assert seen["spawned_reads"] == ("before the snapshot" if isolated
+                                     else "after the snapshot"), seen
+    assert seen["spawned_template"] == "e2b-named-snapshot", seen
+    assert seen["deleted"] is True and seen["deleted_again"] is False, seen
+    assert seen["deleted_unnamed"] is True and seen["left"] == [], seen
+    assert seen["create_from_deleted"], seen

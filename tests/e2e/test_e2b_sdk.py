@@ -14,6 +14,7 @@ import pytest
 
 from tests.e2b_sdk import (
     check_signed_urls,
+    check_snapshots,
     check_tour,
     check_users,
     e2b_env,
@@ -75,3 +76,13 @@ def test_signed_file_urls_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
     seen = run_program(sdk_python(), "signed_urls", ["e2b-base", "/tmp/e2b-signed"],
                        e2b_env(url, TOKEN), timeout=900)
     check_signed_urls(seen)
+
+
+def test_named_snapshots_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
+    """create_snapshot is a BRANCH: a sandbox created from it has the guest's files as
+    they were at the snapshot, not as the source sandbox changed them after."""
+    d, url = daemon
+    seen = run_program(sdk_python(), "snapshots", ["e2b-base", "/tmp/e2b-snapshots"],
+                       e2b_env(url, TOKEN), timeout=900)
+    check_snapshots(seen, isolated=True)
+    assert d.controller.list_sandboxes() == []

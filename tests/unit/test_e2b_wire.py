@@ -23,6 +23,7 @@ import pytest
 from tests.e2b_sdk import (
     check_signed_urls,
     check_signed_urls_js,
+    check_snapshots,
     check_tour,
     check_users,
     e2b_env,
@@ -349,6 +350,47 @@ def test_lifecycle_calls(daemon: Daemon) -> None:
         status, _, raw = _request(daemon, method, f"/sandboxes/{sb['sandboxID']}/{path}",
                                   None if body is None else json.dumps(body).encode(), key)
         assert status == 501 and "lifecycles" in json.loads(raw)["message"], (path, raw)
+
+
+@pytest.mark.parametrize("sdk", ["python", "javascript"])
+def test_named_snapshots_with_the_sdk(daemon: Daemon, tmp_path: Path, sdk: str) -> None:
+    """The SDK's create_snapshot, list_snapshots, delete_snapshot and a sandbox created
+    from a snapshot id (a BRANCH of the sandbox, its tag the id)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = e2b_env(daemon.url, TOKEN.decode())
+    if sdk == "python":
+        seen = run_program(sdk_python(), "snapshots", ["base", str(work)], env)
+    else:
+        seen = run_js_program("snapshots", ["base", str(work)], env)
+    check_snapshots(seen, isolated=False)
+    assert daemon.ctl.list_sandboxes() == []
+    assert [s["tag"] for s in daemon.ctl.list_snapshots()] == ["base"]
+
+
+def test_named_snapshots_refuse_bad_input(daemon: Daemon) -> None:
+    key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
+    sb = _create(daemon)
+    for body, status in (({"name": "bad tag!"}, 400), ({"nope": 1}, 400),
+                         ({"memory": "yes"}, 400)):
+        got, _, raw = _request(daemon, "POST", f"/sandboxes/{sb['sandboxID']}/snapshots",
+                               json.dumps(body).encode(), key)
+        assert got == status, (body, raw)
+    got, _, raw = _request(daemon, "POST", "/sandboxes/nosuch/snapshots", b"{}", key)
+    assert got == 404 and json.loads(raw)["code"] == 404, raw
+    for query in ("limit=0", "nextToken=x", "bogus=1"):
+        got, _, raw = _request(daemon, "GET", f"/snapshots?{query}", None, key)
+        assert got == 400, (query, raw)
+    got, _, raw = _request(daemon, "DELETE", "/templates/bad%20tag", None, key)
+    assert got == 400, raw
+    got, _, raw = _request(daemon, "GET", "/snapshots", None, {})
+    assert got == 401, raw
+    # A pause's own snapshots are the sandbox's: not listed as E2B snapshots.
+    if hasattr(Ctl, "pause_sandbox"):
+        daemon.ctl.pause_sandbox(sb["sandboxID"])
+        got, _, raw = _request(daemon, "GET", "/snapshots", None, key)
+        assert got == 200 and json.loads(raw) == [], raw
+    daemon.ctl.delete_sandbox(sb["sandboxID"])
 
 
 def test_signed_file_urls(daemon: Daemon, tmp_path: Path) -> None:
