@@ -336,7 +336,8 @@ def test_lifecycle_calls(daemon: Daemon) -> None:
         assert 100 < seen["end_in"] <= 120 and 580 < seen["end_in_after"] <= 600
         assert seen["filtered"] == [True] and seen["filtered_none"] == []
         assert seen["states"] == ["paused"] and seen["same_id"] is True
-        assert seen["metrics"] == 1 and seen["kill"] is True
+        # The host's samples (every 5 s, the reaper's thread) and one taken now.
+        assert 1 <= seen["metrics"] <= 3 and seen["kill"] is True
         return
     key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
     for extra in ({"metadata": {"a": "b"}}, {"envVars": {"A": "b"}}):
@@ -391,6 +392,56 @@ def test_named_snapshots_refuse_bad_input(daemon: Daemon) -> None:
         got, _, raw = _request(daemon, "GET", "/snapshots", None, key)
         assert got == 200 and json.loads(raw) == [], raw
     daemon.ctl.delete_sandbox(sb["sandboxID"])
+
+
+def test_metrics_are_a_series_of_host_samples(daemon: Daemon) -> None:
+    """``GET /sandboxes/{id}/metrics``: the samples the host keeps (a bounded ring per
+    running sandbox), filtered by ``start``/``end``, then one taken now."""
+    if not hasattr(Ctl, "sandbox_metric_samples"):
+        pytest.skip("no lifecycles in this controller")
+    import time
+
+    from vmfork.server.controller.usage import MAX_SAMPLES, SAMPLE_INTERVAL_S, cpu_used_pct
+    key = {"X-API-KEY": TOKEN.decode()}
+    sb = _create(daemon)
+    usage = daemon.ctl.usage
+    # Sample times of the test's choosing, in the future: the reaper's own sampling
+    # (now) counts as too soon after them, so it cannot add to the ring meanwhile.
+    base = time.time() + 10**6
+    for i in range(MAX_SAMPLES + 5):
+        usage.sample_running(now=base + i * SAMPLE_INTERVAL_S)
+    usage.sample_running(now=base + (MAX_SAMPLES + 4.5) * SAMPLE_INTERVAL_S)  # too soon
+    kept = daemon.ctl.sandbox_metric_samples(sb["sandboxID"])
+    assert len(kept) == MAX_SAMPLES, len(kept)
+    assert kept[0]["timestamp_unix"] == base + 5 * SAMPLE_INTERVAL_S
+    # The fake spawner's pids are not processes: no CPU time, so no percentage.
+    assert all(k["cpu_used_pct"] is None for k in kept)
+    assert cpu_used_pct({"cpu_seconds": 1.0, "timestamp_unix": 0.0},
+                        {"cpu_seconds": 2.0, "timestamp_unix": 10.0}, 2) == 5.0
+    assert cpu_used_pct({"cpu_seconds": 0.0, "timestamp_unix": 0.0},
+                        {"cpu_seconds": 50.0, "timestamp_unix": 1.0}, 1) == 100.0
+    assert cpu_used_pct(None, kept[0], 1) is None
+    status, _, raw = _request(daemon, "GET", f"/sandboxes/{sb['sandboxID']}/metrics",
+                              None, key)
+    series = json.loads(raw)
+    assert status == 200 and len(series) == MAX_SAMPLES + 1, raw[:200]
+    stamps = [m["timestampUnix"] for m in series]
+    # The kept ones in order, then the one taken now (the test's are in the future).
+    assert stamps[:-1] == sorted(stamps[:-1]) and series[-1]["diskTotal"] > 0
+    assert abs(stamps[-1] - time.time()) < 60
+    assert all(0.0 <= m["cpuUsedPct"] <= 100.0 and m["cpuCount"] >= 1 for m in series)
+    start = int(base) + 100 * int(SAMPLE_INTERVAL_S)
+    end = int(base) + 109 * int(SAMPLE_INTERVAL_S)
+    status, _, raw = _request(daemon, "GET", f"/sandboxes/{sb['sandboxID']}/metrics"
+                              f"?start={start}&end={end}", None, key)
+    assert status == 200 and len(json.loads(raw)) == 10, raw[:300]
+    status, _, raw = _request(daemon, "GET", f"/sandboxes/{sb['sandboxID']}/metrics"
+                              "?start=soon", None, key)
+    assert status == 400, raw
+    # A sandbox that is no longer running loses its ring.
+    daemon.ctl.delete_sandbox(sb["sandboxID"])
+    usage.sample_running(now=base + 10_000 * SAMPLE_INTERVAL_S)
+    assert sb["sandboxID"] not in usage._samples
 
 
 def test_signed_file_urls(daemon: Daemon, tmp_path: Path) -> None:

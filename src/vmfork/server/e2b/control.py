@@ -18,8 +18,8 @@ import time
 from typing import Any
 
 from vmfork.server import api
-from vmfork.server.controller import Controller
-from vmfork.server.controller.core import PAUSE_TAG_PREFIX
+from vmfork.server.controller import PAUSE_TAG_PREFIX, Controller
+from vmfork.server.controller.usage import cpu_used_pct
 from vmfork.server.e2b.envd import ENVD_VERSION
 from vmfork.server.errors import ApiError, BadRequest
 from vmfork.server.requests import Branch, SandboxCreate
@@ -316,17 +316,34 @@ class ControlPlane:
         return api.Response(204)
 
     def metrics(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's metrics series: the host's samples of the sandbox (every
+        ``SAMPLE_INTERVAL_S``, the last ten minutes) within ``start``..``end`` (unix
+        seconds), then one taken now with the guest's disk; CPU % is over the interval
+        before each (the first of the series has none: 0)."""
         sandbox_id = _id(req)
-        m = c.sandbox_metrics(sandbox_id)
+        q = parse_query(req.query, {
+            "start": Field(int, None, between(0, 1 << 40), nullable=True),
+            "end": Field(int, None, between(0, 1 << 40), nullable=True)},
+            f"{req.method} {req.path}")
+        samples = c.sandbox_metric_samples(sandbox_id)
+        now = c.sandbox_metrics(sandbox_id)
+        vcpus = samples[0]["vcpus"] if samples else 1
+        now["cpu_used_pct"] = cpu_used_pct(samples[-1] if samples else None, now, vcpus)
+        series = [*samples, {**now, "vcpus": vcpus}]
+        start, end = q["start"], q["end"]
+        series = [s for s in series if (start is None or s["timestamp_unix"] >= start)
+                  and (end is None or s["timestamp_unix"] <= end + 1)]
+        mem_total = int(now.get("guest_mem_mib") or 0) << 20
         return api.Response(200, [{
-            "timestamp": _iso(time.time()), "timestampUnix": int(time.time()),
-            "cpuCount": int(m.get("vcpus") or 1),
+            "timestamp": _iso(m["timestamp_unix"]), "timestampUnix": int(m["timestamp_unix"]),
+            "cpuCount": int(m["vcpus"]),
             "cpuUsedPct": float(m.get("cpu_used_pct") or 0.0),
             "memUsed": int(m.get("memory_cgroup_bytes") or 0),
-            "memTotal": int(m.get("guest_mem_mib") or 0) << 20,
+            "memTotal": mem_total,
             "memCache": 0,
-            "diskUsed": int(m.get("disk_used_bytes") or 0),
-            "diskTotal": int(m.get("disk_total_bytes") or 0)}])
+            # The disk is asked of the guest only now; samples carry the latest known.
+            "diskUsed": int(now.get("disk_used_bytes") or 0),
+            "diskTotal": int(now.get("disk_total_bytes") or 0)} for m in series])
 
 
 def _snapshot_info(tag: str) -> dict[str, Any]:
