@@ -191,13 +191,16 @@ def check_signed_urls_js(seen: dict) -> None:
 
 
 def check_users(seen: dict, name: str, uid: int, gid: int, home_dir: str, *,
-                home: bool) -> None:
+                home: bool, default: tuple[int, int, str]) -> None:
     """What tests/e2b_programs/users.py must have seen for the user ``name``
-    (``home_dir``: its home in the sandbox's /etc/passwd)."""
+    (``home_dir``: its home in the sandbox's /etc/passwd; ``default``: uid, gid and
+    home of the user a call that names none runs as)."""
     first, second, third = seen["id"].splitlines()
     assert (first, second) == (name, str(uid))
     assert third.split() == [home_dir, name]
-    assert seen["root_id"] == "root\n" and seen["default_id"] == "0\n"
+    assert seen["root_id"] == "root\n" and seen["default_id"] == f"{default[0]}\n", seen
+    assert seen["default_file_owner"] == f"{default[0]}:{default[1]}\n", seen
+    assert seen["default_pwd"] == f"{default[2]}\n", seen
     assert seen["background_id"] == f"{uid}\n"
     assert seen["file_owner"] == f"{uid}:{gid}\n"
     assert seen["dir_owners"] == f"{uid}:{gid}\n" * 3

@@ -68,7 +68,9 @@ def test_envd_users_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
     _, url = daemon
     seen = run_program(sdk_python(), "users", ["e2b-base", "/tmp/e2b-users", "user", "--home"],
                        e2b_env(url, TOKEN), timeout=900)
-    check_users(seen, "user", 1000, 1000, "/home/user", home=True)
+    # The default user is the image's ``user`` too, as in E2B's templates.
+    check_users(seen, "user", 1000, 1000, "/home/user", home=True,
+                default=(1000, 1000, "/home/user"))
 
 
 def test_signed_file_urls_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:

@@ -479,7 +479,27 @@ def test_envd_users(daemon: Daemon, tmp_path: Path) -> None:
     work = str(tmp_path / "work")
     seen = run_program(sdk_python(), "users", ["base", work, "nobody"],
                        e2b_env(daemon.url, TOKEN.decode()))
-    check_users(seen, "nobody", nobody.pw_uid, nobody.pw_gid, nobody.pw_dir, home=False)
+    # No user named: ``user`` if this host has one (as E2B's templates do), else root.
+    try:
+        default_user = pwd.getpwnam("user")
+        default = (default_user.pw_uid, default_user.pw_gid, default_user.pw_dir)
+    except KeyError:
+        default = (0, 0, "/root")
+    check_users(seen, "nobody", nobody.pw_uid, nobody.pw_gid, nobody.pw_dir, home=False,
+                default=default)
+
+
+def test_the_default_user_is_read_from_the_guests_passwd() -> None:
+    """Which user a call that names none runs as comes from the guest's /etc/passwd
+    (its home too); without ``user`` there, root."""
+    from vmfork.server.e2b.envd import DEFAULT_USER, _passwd_home
+    passwd = (b"root:x:0:0:root:/root:/bin/bash\nusers:x:9:9::/nope:/bin/sh\n"
+              b"user:x:1000:1000:User:/home/user:/bin/bash\n")
+    assert DEFAULT_USER == "user" and _passwd_home(passwd, "user") == "/home/user"
+    assert _passwd_home(b"user:x:1000:1000::/srv/u:/bin/sh", "user") == "/srv/u"
+    assert _passwd_home(b"user:x:1000:1000:::/bin/sh", "user") == "/home/user"
+    assert _passwd_home(passwd.replace(b"user:x:1000", b"other:x:1000"), "user") is None
+    assert _passwd_home(b"user:broken", "user") is None
 
 
 def test_envd_user_header_is_checked(daemon: Daemon) -> None:
