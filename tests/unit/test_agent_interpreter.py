@@ -131,3 +131,25 @@ def test_display_sends_results_in_order_within_bounds() -> None:
         assert 4 <= len(full) <= 5, len(full)      # then text only, the reason said
         assert all(r["extra"]["vmfork_dropped"] == ["html"] for r in results[len(full):-1])
         assert sum(len(r.get("html", "")) for r in results) <= MAX_CELL_RESULT_BYTES
+
+
+def test_streamed_output_goes_in_whole_lines() -> None:
+    """The periodic flush does not split a line written in pieces (``print`` writes
+    the text and the newline apart); a line that does not end still goes, later."""
+    with running_agent() as agent:
+        c = agent.client
+        events, _ = _run(c, "import sys, time\nsys.stdout.write('hel')\ntime.sleep(0.2)\n"
+                            "sys.stdout.write('lo\\nnext')\ntime.sleep(0.2)\n"
+                            "sys.stdout.write(' line\\n')")
+        assert [data[0] for kind, data in events if kind == "stdout"] == [
+            "hello\n", "next line\n"], events
+        started = time.monotonic()
+        events = c.cell("import sys, time\nsys.stdout.write('prompt> ')\ntime.sleep(3)",
+                        timeout=30)
+        shown = None
+        for kind, data in events:
+            if kind == "stdout":
+                shown = (data[0], time.monotonic() - started)
+                break
+        events.close()
+        assert shown is not None and shown[0] == "prompt> " and shown[1] < 2.5, shown

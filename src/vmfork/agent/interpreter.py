@@ -20,7 +20,8 @@ restored afterwards) — so two cannot overlap. A cell waiting for another gives
 its own deadline.
 
 Streaming and bounds. stdout/stderr go out as ``stdout``/``stderr`` frames (stamped
-with the wall clock, in nanoseconds) every ``FLUSH_INTERVAL`` while the cell runs;
+with the wall clock, in nanoseconds) every ``FLUSH_INTERVAL`` while the cell runs, in
+whole lines (a line not ended goes after ``PARTIAL_LINE_HOLD``);
 past ``MAX_CELL_OUTPUT`` bytes a cell's output is dropped (said once on stderr and in
 the result). Results go as ``display`` frames (a JSON bundle, split into payloads of
 ``MAX_PAYLOAD``), each at most ``MAX_RESULT_BYTES`` (a larger representation is left
@@ -82,6 +83,9 @@ MAX_TEXT_CHARS = 1 << 20
 """A result's ``text`` (its ``repr``) is cut to this many characters."""
 MAX_TRACEBACK_CHARS = 64 << 10
 FLUSH_INTERVAL = 0.05
+PARTIAL_LINE_HOLD = 0.5
+"""How long the periodic flush holds a line that has not ended (``print(x, end='')``
+shows within this)."""
 _REPRS = (("_repr_html_", "html"), ("_repr_markdown_", "markdown"), ("_repr_svg_", "svg"),
           ("_repr_png_", "png"), ("_repr_jpeg_", "jpeg"), ("_repr_pdf_", "pdf"),
           ("_repr_latex_", "latex"), ("_repr_json_", "json"),
@@ -125,6 +129,7 @@ class _Sink:
         self.lock = threading.Lock()
         self.broken = False
         self.truncated = False
+        self.partial_since: float | None = None   # when the held line's start came
 
     def write(self, text: str) -> None:
         data = text.encode("utf-8", "surrogateescape")
@@ -139,9 +144,27 @@ class _Sink:
         if full:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, whole: bool = True) -> None:
+        """Send what is buffered. The watchdog's periodic flush (``whole`` false) sends
+        whole lines only, holding a line's start for at most ``PARTIAL_LINE_HOLD``:
+        ``print`` writes a line and its newline separately, and a flush between the
+        two would split the line into two messages (E2B's SDKs keep each as one entry
+        of ``logs.stdout``)."""
         with self.lock:
-            data, self.buffer = bytes(self.buffer), bytearray()
+            cut = len(self.buffer)
+            if not whole and cut < OUTPUT_CHUNK:
+                newline = self.buffer.rfind(b"\n") + 1
+                now = time.monotonic()
+                if newline < cut:      # a line begun and not ended
+                    if self.partial_since is None:
+                        self.partial_since = now
+                    if now - self.partial_since < PARTIAL_LINE_HOLD:
+                        cut = newline
+            data, self.buffer = bytes(self.buffer[:cut]), self.buffer[cut:]
+            if not self.buffer:
+                self.partial_since = None
+            elif cut:
+                self.partial_since = time.monotonic()
         for start in range(0, len(data), OUTPUT_CHUNK):
             if self.broken:
                 return
@@ -168,7 +191,7 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(FLUSH_INTERVAL):
             for sink in self.sinks:
-                sink.flush()
+                sink.flush(whole=False)
             if self.raised is not None:
                 continue
             if time.monotonic() >= self.deadline:
