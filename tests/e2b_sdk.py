@@ -91,6 +91,7 @@ def check_interpreter(seen: dict) -> None:
     assert {"html", "png"} <= set(rich["formats"]), rich
     # display() inside a cell: results in order, the trailing value the main one.
     displayed = seen["displayed"]
+    assert displayed["error"] is None, displayed
     assert displayed["results"] == [
         {"text": "1", "html": None, "main": False},
         {"text": "Rich()", "html": "<b>rich</b>", "main": False},

@@ -53,7 +53,8 @@ async function main () {
     seen.displayed = {
       results: shown.results.map((x) => ({ text: x.text, html: x.html ?? null, main: x.isMainResult })),
       text: shown.text,
-      stdout: shown.logs.stdout
+      stdout: shown.logs.stdout,
+      error: shown.error ? [shown.error.name, shown.error.value] : null
     }
     try {
       await sandbox.runCode('while True: pass', { timeoutMs: 2000 })

@@ -66,7 +66,8 @@ def main() -> None:
                                  "'end'")
         seen["displayed"] = {"results": [{"text": r.text, "html": r.html,
                                           "main": r.is_main_result} for r in shown.results],
-                             "text": shown.text, "stdout": shown.logs.stdout}
+                             "text": shown.text, "stdout": shown.logs.stdout,
+                             "error": shown.error and (shown.error.name, shown.error.value)}
         try:
             sandbox.run_code("while True: pass", timeout=2)
             seen["timed_out"] = None
