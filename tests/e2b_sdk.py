@@ -89,6 +89,15 @@ def check_interpreter(seen: dict) -> None:
     assert rich["text"] == "Rich()" and rich["html"] == "<b>rich</b>", rich
     assert base64.b64decode(rich["png"]) == b"\x89PNG-bytes", rich
     assert {"html", "png"} <= set(rich["formats"]), rich
+    # display() inside a cell: results in order, the trailing value the main one.
+    displayed = seen["displayed"]
+    assert displayed["error"] is None, displayed
+    assert displayed["results"] == [
+        {"text": "1", "html": None, "main": False},
+        {"text": "Rich()", "html": "<b>rich</b>", "main": False},
+        {"text": "'two'", "html": None, "main": False},
+        {"text": "'end'", "html": None, "main": True}], displayed
+    assert displayed["text"] == "'end'" and displayed["stdout"] == ["before\n"], displayed
     # The SDK's own timeout hangs up; the cell is interrupted and the next one runs.
     assert seen["timed_out"] and "timed out" in seen["timed_out"].lower(), seen
     assert seen["after_timeout"] == "'alive'" and seen["after_timeout_secs"] < 30, seen
@@ -183,13 +192,16 @@ def check_signed_urls_js(seen: dict) -> None:
 
 
 def check_users(seen: dict, name: str, uid: int, gid: int, home_dir: str, *,
-                home: bool) -> None:
+                home: bool, default: tuple[int, int, str]) -> None:
     """What tests/e2b_programs/users.py must have seen for the user ``name``
-    (``home_dir``: its home in the sandbox's /etc/passwd)."""
+    (``home_dir``: its home in the sandbox's /etc/passwd; ``default``: uid, gid and
+    home of the user a call that names none runs as)."""
     first, second, third = seen["id"].splitlines()
     assert (first, second) == (name, str(uid))
     assert third.split() == [home_dir, name]
-    assert seen["root_id"] == "root\n" and seen["default_id"] == "0\n"
+    assert seen["root_id"] == "root\n" and seen["default_id"] == f"{default[0]}\n", seen
+    assert seen["default_file_owner"] == f"{default[0]}:{default[1]}\n", seen
+    assert seen["default_pwd"] == f"{default[2]}\n", seen
     assert seen["background_id"] == f"{uid}\n"
     assert seen["file_owner"] == f"{uid}:{gid}\n"
     assert seen["dir_owners"] == f"{uid}:{gid}\n" * 3
@@ -206,3 +218,22 @@ def check_users(seen: dict, name: str, uid: int, gid: int, home_dir: str, *,
         assert seen["relative"] == f"in my home\n{name}\n"
         assert seen["relative_read"] == "in my home"
         assert seen["root_relative"] == "/root\n"
+
+
+def check_snapshots(seen: dict, *, isolated: bool) -> None:
+    """What tests/e2b_programs/snapshots.py must have seen (``isolated``: each sandbox
+    is a guest of its own, not an agent on the host that all of them share)."""
+    assert seen["named"] == {"id": "e2b-named-snapshot", "names": ["e2b-named-snapshot"]}
+    assert seen["unnamed_differs"] is True and seen["source_runs"] is True, seen
+    assert seen["mine"] is True and seen["all_has_named"] is True, seen
+    assert seen["by_name"] == ["e2b-named-snapshot"], seen
+    assert seen["paged"] == [1, True, 1, False], seen
+    assert seen["filesystem_only"] and "memory: false" in seen["filesystem_only"], seen
+    assert seen["name_taken"] and "e2b-named-snapshot" in seen["name_taken"], seen
+    # A sandbox from the snapshot sees the state it had then, not what came after.
+    assert seen["spawned_reads"] == ("before the snapshot" if isolated
+                                     else "after the snapshot"), seen
+    assert seen["spawned_template"] == "e2b-named-snapshot", seen
+    assert seen["deleted"] is True and seen["deleted_again"] is False, seen
+    assert seen["deleted_unnamed"] is True and seen["left"] == [], seen
+    assert seen["create_from_deleted"], seen

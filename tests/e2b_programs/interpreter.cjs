@@ -48,6 +48,14 @@ async function main () {
       "    def _repr_png_(self): return b'\\x89PNG-bytes'\nRich()")
     const r = rich.results[0]
     seen.rich = { text: r.text, html: r.html, png: r.png, formats: r.formats().sort() }
+    const shown = await sandbox.runCode("print('before')\ndisplay(1)\n" +
+      "display(Rich(), 'two')\n'end'")
+    seen.displayed = {
+      results: shown.results.map((x) => ({ text: x.text, html: x.html ?? null, main: x.isMainResult })),
+      text: shown.text,
+      stdout: shown.logs.stdout,
+      error: shown.error ? [shown.error.name, shown.error.value] : null
+    }
     try {
       await sandbox.runCode('while True: pass', { timeoutMs: 2000 })
       seen.timed_out = null

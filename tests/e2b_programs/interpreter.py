@@ -62,6 +62,12 @@ def main() -> None:
                                 "    def _repr_png_(self): return b'\\x89PNG-bytes'\nRich()")
         seen["rich"] = {"text": rich.results[0].text, "html": rich.results[0].html,
                         "png": rich.results[0].png, "formats": sorted(rich.results[0].formats())}
+        shown = sandbox.run_code("print('before')\ndisplay(1)\ndisplay(Rich(), 'two')\n"
+                                 "'end'")
+        seen["displayed"] = {"results": [{"text": r.text, "html": r.html,
+                                          "main": r.is_main_result} for r in shown.results],
+                             "text": shown.text, "stdout": shown.logs.stdout,
+                             "error": shown.error and (shown.error.name, shown.error.value)}
         try:
             sandbox.run_code("while True: pass", timeout=2)
             seen["timed_out"] = None

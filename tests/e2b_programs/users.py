@@ -45,8 +45,13 @@ def main() -> None:
         seen["file_owner"] = sandbox.commands.run(owner + f"{work}/by-user.txt").stdout
         seen["dir_owners"] = sandbox.commands.run(
             owner + f"{work}/made {work}/made/by {work}/made/by/user").stdout
-        sandbox.files.write(f"{work}/by-root.txt", "root's")
+        sandbox.files.write(f"{work}/by-root.txt", "root's", user="root")
         seen["root_file_owner"] = sandbox.commands.run(owner + f"{work}/by-root.txt").stdout
+        # No user: the sandbox's default (E2B's templates: ``user``).
+        sandbox.files.write(f"{work}/by-default.txt", "default's")
+        seen["default_file_owner"] = sandbox.commands.run(
+            owner + f"{work}/by-default.txt").stdout
+        seen["default_pwd"] = sandbox.commands.run("pwd").stdout
         seen["read_back"] = sandbox.files.read(f"{work}/by-user.txt", user=user)
         # A signed upload URL for the user: the file it writes is the user's.
         url = sandbox.upload_url(f"{work}/uploaded-by-user.txt", user=user)

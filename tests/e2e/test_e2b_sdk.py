@@ -13,6 +13,7 @@ import pytest
 
 from tests.e2b_sdk import (
     check_signed_urls,
+    check_snapshots,
     check_tour,
     check_users,
     e2b_env,
@@ -55,7 +56,9 @@ def test_envd_users_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
     _, url = daemon
     seen = run_program(sdk_python(), "users", ["e2b-base", "/tmp/e2b-users", "user", "--home"],
                        e2b_env(url, TOKEN), timeout=900)
-    check_users(seen, "user", 1000, 1000, "/home/user", home=True)
+    # The default user is the image's ``user`` too, as in E2B's templates.
+    check_users(seen, "user", 1000, 1000, "/home/user", home=True,
+                default=(1000, 1000, "/home/user"))
 
 
 def test_signed_file_urls_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
@@ -63,3 +66,13 @@ def test_signed_file_urls_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
     seen = run_program(sdk_python(), "signed_urls", ["e2b-base", "/tmp/e2b-signed"],
                        e2b_env(url, TOKEN), timeout=900)
     check_signed_urls(seen)
+
+
+def test_named_snapshots_in_a_guest(daemon: tuple[RunningDaemon, str]) -> None:
+    """create_snapshot is a BRANCH: a sandbox created from it has the guest's files as
+    they were at the snapshot, not as the source sandbox changed them after."""
+    d, url = daemon
+    seen = run_program(sdk_python(), "snapshots", ["e2b-base", "/tmp/e2b-snapshots"],
+                       e2b_env(url, TOKEN), timeout=900)
+    check_snapshots(seen, isolated=True)
+    assert d.controller.list_sandboxes() == []

@@ -22,6 +22,7 @@ import pytest
 from tests.e2b_sdk import (
     check_signed_urls,
     check_signed_urls_js,
+    check_snapshots,
     check_tour,
     check_users,
     e2b_env,
@@ -331,7 +332,8 @@ def test_lifecycle_calls(daemon: Daemon) -> None:
         assert 100 < seen["end_in"] <= 120 and 580 < seen["end_in_after"] <= 600
         assert seen["filtered"] == [True] and seen["filtered_none"] == []
         assert seen["states"] == ["paused"] and seen["same_id"] is True
-        assert seen["metrics"] == 1 and seen["kill"] is True
+        # The host's samples (every 5 s, the reaper's thread) and one taken now.
+        assert 1 <= seen["metrics"] <= 3 and seen["kill"] is True
         return
     key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
     for extra in ({"metadata": {"a": "b"}}, {"envVars": {"A": "b"}}):
@@ -345,6 +347,97 @@ def test_lifecycle_calls(daemon: Daemon) -> None:
         status, _, raw = _request(daemon, method, f"/sandboxes/{sb['sandboxID']}/{path}",
                                   None if body is None else json.dumps(body).encode(), key)
         assert status == 501 and "lifecycles" in json.loads(raw)["message"], (path, raw)
+
+
+@pytest.mark.parametrize("sdk", ["python", "javascript"])
+def test_named_snapshots_with_the_sdk(daemon: Daemon, tmp_path: Path, sdk: str) -> None:
+    """The SDK's create_snapshot, list_snapshots, delete_snapshot and a sandbox created
+    from a snapshot id (a BRANCH of the sandbox, its tag the id)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    env = e2b_env(daemon.url, TOKEN.decode())
+    if sdk == "python":
+        seen = run_program(sdk_python(), "snapshots", ["base", str(work)], env)
+    else:
+        seen = run_js_program("snapshots", ["base", str(work)], env)
+    check_snapshots(seen, isolated=False)
+    assert daemon.ctl.list_sandboxes() == []
+    assert [s["tag"] for s in daemon.ctl.list_snapshots()] == ["base"]
+
+
+def test_named_snapshots_refuse_bad_input(daemon: Daemon) -> None:
+    key = {"X-API-KEY": TOKEN.decode(), "Content-Type": "application/json"}
+    sb = _create(daemon)
+    for body, status in (({"name": "bad tag!"}, 400), ({"nope": 1}, 400),
+                         ({"memory": "yes"}, 400)):
+        got, _, raw = _request(daemon, "POST", f"/sandboxes/{sb['sandboxID']}/snapshots",
+                               json.dumps(body).encode(), key)
+        assert got == status, (body, raw)
+    got, _, raw = _request(daemon, "POST", "/sandboxes/nosuch/snapshots", b"{}", key)
+    assert got == 404 and json.loads(raw)["code"] == 404, raw
+    for query in ("limit=0", "nextToken=x", "bogus=1"):
+        got, _, raw = _request(daemon, "GET", f"/snapshots?{query}", None, key)
+        assert got == 400, (query, raw)
+    got, _, raw = _request(daemon, "DELETE", "/templates/bad%20tag", None, key)
+    assert got == 400, raw
+    got, _, raw = _request(daemon, "GET", "/snapshots", None, {})
+    assert got == 401, raw
+    # A pause's own snapshots are the sandbox's: not listed as E2B snapshots.
+    if hasattr(Ctl, "pause_sandbox"):
+        daemon.ctl.pause_sandbox(sb["sandboxID"])
+        got, _, raw = _request(daemon, "GET", "/snapshots", None, key)
+        assert got == 200 and json.loads(raw) == [], raw
+    daemon.ctl.delete_sandbox(sb["sandboxID"])
+
+
+def test_metrics_are_a_series_of_host_samples(daemon: Daemon) -> None:
+    """``GET /sandboxes/{id}/metrics``: the samples the host keeps (a bounded ring per
+    running sandbox), filtered by ``start``/``end``, then one taken now."""
+    if not hasattr(Ctl, "sandbox_metric_samples"):
+        pytest.skip("no lifecycles in this controller")
+    import time
+
+    from vmfork.server.controller.usage import MAX_SAMPLES, SAMPLE_INTERVAL_S, cpu_used_pct
+    key = {"X-API-KEY": TOKEN.decode()}
+    sb = _create(daemon)
+    usage = daemon.ctl.usage
+    # Sample times of the test's choosing, in the future: the reaper's own sampling
+    # (now) counts as too soon after them, so it cannot add to the ring meanwhile.
+    base = time.time() + 10**6
+    for i in range(MAX_SAMPLES + 5):
+        usage.sample_running(now=base + i * SAMPLE_INTERVAL_S)
+    usage.sample_running(now=base + (MAX_SAMPLES + 4.5) * SAMPLE_INTERVAL_S)  # too soon
+    kept = daemon.ctl.sandbox_metric_samples(sb["sandboxID"])
+    assert len(kept) == MAX_SAMPLES, len(kept)
+    assert kept[0]["timestamp_unix"] == base + 5 * SAMPLE_INTERVAL_S
+    # The fake spawner's pids are not processes: no CPU time, so no percentage.
+    assert all(k["cpu_used_pct"] is None for k in kept)
+    assert cpu_used_pct({"cpu_seconds": 1.0, "timestamp_unix": 0.0},
+                        {"cpu_seconds": 2.0, "timestamp_unix": 10.0}, 2) == 5.0
+    assert cpu_used_pct({"cpu_seconds": 0.0, "timestamp_unix": 0.0},
+                        {"cpu_seconds": 50.0, "timestamp_unix": 1.0}, 1) == 100.0
+    assert cpu_used_pct(None, kept[0], 1) is None
+    status, _, raw = _request(daemon, "GET", f"/sandboxes/{sb['sandboxID']}/metrics",
+                              None, key)
+    series = json.loads(raw)
+    assert status == 200 and len(series) == MAX_SAMPLES + 1, raw[:200]
+    stamps = [m["timestampUnix"] for m in series]
+    # The kept ones in order, then the one taken now (the test's are in the future).
+    assert stamps[:-1] == sorted(stamps[:-1]) and series[-1]["diskTotal"] > 0
+    assert abs(stamps[-1] - time.time()) < 60
+    assert all(0.0 <= m["cpuUsedPct"] <= 100.0 and m["cpuCount"] >= 1 for m in series)
+    start = int(base) + 100 * int(SAMPLE_INTERVAL_S)
+    end = int(base) + 109 * int(SAMPLE_INTERVAL_S)
+    status, _, raw = _request(daemon, "GET", f"/sandboxes/{sb['sandboxID']}/metrics"
+                              f"?start={start}&end={end}", None, key)
+    assert status == 200 and len(json.loads(raw)) == 10, raw[:300]
+    status, _, raw = _request(daemon, "GET", f"/sandboxes/{sb['sandboxID']}/metrics"
+                              "?start=soon", None, key)
+    assert status == 400, raw
+    # A sandbox that is no longer running loses its ring.
+    daemon.ctl.delete_sandbox(sb["sandboxID"])
+    usage.sample_running(now=base + 10_000 * SAMPLE_INTERVAL_S)
+    assert sb["sandboxID"] not in usage._samples
 
 
 def test_signed_file_urls(daemon: Daemon, tmp_path: Path) -> None:
@@ -382,7 +475,27 @@ def test_envd_users(daemon: Daemon, tmp_path: Path) -> None:
     work = str(tmp_path / "work")
     seen = run_program(sdk_python(), "users", ["base", work, "nobody"],
                        e2b_env(daemon.url, TOKEN.decode()))
-    check_users(seen, "nobody", nobody.pw_uid, nobody.pw_gid, nobody.pw_dir, home=False)
+    # No user named: ``user`` if this host has one (as E2B's templates do), else root.
+    try:
+        default_user = pwd.getpwnam("user")
+        default = (default_user.pw_uid, default_user.pw_gid, default_user.pw_dir)
+    except KeyError:
+        default = (0, 0, "/root")
+    check_users(seen, "nobody", nobody.pw_uid, nobody.pw_gid, nobody.pw_dir, home=False,
+                default=default)
+
+
+def test_the_default_user_is_read_from_the_guests_passwd() -> None:
+    """Which user a call that names none runs as comes from the guest's /etc/passwd
+    (its home too); without ``user`` there, root."""
+    from vmfork.server.e2b.envd import DEFAULT_USER, _passwd_home
+    passwd = (b"root:x:0:0:root:/root:/bin/bash\nusers:x:9:9::/nope:/bin/sh\n"
+              b"user:x:1000:1000:User:/home/user:/bin/bash\n")
+    assert DEFAULT_USER == "user" and _passwd_home(passwd, "user") == "/home/user"
+    assert _passwd_home(b"user:x:1000:1000::/srv/u:/bin/sh", "user") == "/srv/u"
+    assert _passwd_home(b"user:x:1000:1000:::/bin/sh", "user") == "/home/user"
+    assert _passwd_home(passwd.replace(b"user:x:1000", b"other:x:1000"), "user") is None
+    assert _passwd_home(b"user:broken", "user") is None
 
 
 def test_envd_user_header_is_checked(daemon: Daemon) -> None:

@@ -10,6 +10,9 @@ bundle of representations — ``text`` (the ``repr``) and whatever the object's
 ``_repr_*_`` methods give (``html`` from a pandas DataFrame, ``png``, ``svg``, ``latex``,
 ``json``…); nothing is imported for this. Figures left open in ``matplotlib.pyplot``
 (if the code imported it) become PNG results and are closed, as a notebook shows them.
+``display(obj, …)`` (IPython's builtin, installed as a builtin here too) sends a result
+at that point of the cell, by the same rules, so a cell gives several results in order;
+the trailing value, sent last but for open figures, is the one marked main.
 
 Cells run one at a time (a kernel's rule): a cell changes process-wide state — the
 working directory (its context's ``cwd``) and the environment (the request's ``env``,
@@ -17,12 +20,14 @@ restored afterwards) — so two cannot overlap. A cell waiting for another gives
 its own deadline.
 
 Streaming and bounds. stdout/stderr go out as ``stdout``/``stderr`` frames (stamped
-with the wall clock, in nanoseconds) every ``FLUSH_INTERVAL`` while the cell runs;
+with the wall clock, in nanoseconds) every ``FLUSH_INTERVAL`` while the cell runs, in
+whole lines (a line not ended goes after ``PARTIAL_LINE_HOLD``);
 past ``MAX_CELL_OUTPUT`` bytes a cell's output is dropped (said once on stderr and in
 the result). Results go as ``display`` frames (a JSON bundle, split into payloads of
 ``MAX_PAYLOAD``), each at most ``MAX_RESULT_BYTES`` (a larger representation is left
-out, the ``text`` kept), at most ``MAX_RESULTS`` a cell. A cell's code is at most
-``MAX_CODE_CHARS``.
+out, the ``text`` kept), at most ``MAX_RESULTS`` and ``MAX_CELL_RESULT_BYTES`` a cell
+(the last slot is kept for the trailing value; past the bounds ``display`` results are
+dropped, said once on stderr). A cell's code is at most ``MAX_CODE_CHARS``.
 
 Interrupting. A cell that passes its ``timeout``, or whose host hangs up (the client
 went away: E2B's SDK closes its connection when its own timeout passes), gets an
@@ -68,6 +73,9 @@ MAX_CELL_OUTPUT = 8 << 20
 """stdout + stderr bytes one cell may send."""
 MAX_RESULT_BYTES = 8 << 20
 MAX_RESULTS = 32
+"""Results of one cell: ``display`` calls, the trailing value, open figures."""
+MAX_CELL_RESULT_BYTES = 32 << 20
+"""Result bytes (their JSON) one cell may send, all its results together."""
 MAX_TIMEOUT = 3600.0
 MAX_ENV = 256
 MAX_ENV_BYTES = 64 << 10
@@ -75,6 +83,9 @@ MAX_TEXT_CHARS = 1 << 20
 """A result's ``text`` (its ``repr``) is cut to this many characters."""
 MAX_TRACEBACK_CHARS = 64 << 10
 FLUSH_INTERVAL = 0.05
+PARTIAL_LINE_HOLD = 0.5
+"""How long the periodic flush holds a line that has not ended (``print(x, end='')``
+shows within this)."""
 _REPRS = (("_repr_html_", "html"), ("_repr_markdown_", "markdown"), ("_repr_svg_", "svg"),
           ("_repr_png_", "png"), ("_repr_jpeg_", "jpeg"), ("_repr_pdf_", "pdf"),
           ("_repr_latex_", "latex"), ("_repr_json_", "json"),
@@ -118,6 +129,7 @@ class _Sink:
         self.lock = threading.Lock()
         self.broken = False
         self.truncated = False
+        self.partial_since: float | None = None   # when the held line's start came
 
     def write(self, text: str) -> None:
         data = text.encode("utf-8", "surrogateescape")
@@ -132,9 +144,27 @@ class _Sink:
         if full:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, whole: bool = True) -> None:
+        """Send what is buffered. The watchdog's periodic flush (``whole`` false) sends
+        whole lines only, holding a line's start for at most ``PARTIAL_LINE_HOLD``:
+        ``print`` writes a line and its newline separately, and a flush between the
+        two would split the line into two messages (E2B's SDKs keep each as one entry
+        of ``logs.stdout``)."""
         with self.lock:
-            data, self.buffer = bytes(self.buffer), bytearray()
+            cut = len(self.buffer)
+            if not whole and cut < OUTPUT_CHUNK:
+                newline = self.buffer.rfind(b"\n") + 1
+                now = time.monotonic()
+                if newline < cut:      # a line begun and not ended
+                    if self.partial_since is None:
+                        self.partial_since = now
+                    if now - self.partial_since < PARTIAL_LINE_HOLD:
+                        cut = newline
+            data, self.buffer = bytes(self.buffer[:cut]), self.buffer[cut:]
+            if not self.buffer:
+                self.partial_since = None
+            elif cut:
+                self.partial_since = time.monotonic()
         for start in range(0, len(data), OUTPUT_CHUNK):
             if self.broken:
                 return
@@ -161,7 +191,7 @@ class _Watchdog(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(FLUSH_INTERVAL):
             for sink in self.sinks:
-                sink.flush()
+                sink.flush(whole=False)
             if self.raised is not None:
                 continue
             if time.monotonic() >= self.deadline:
@@ -196,10 +226,87 @@ class _Watchdog(threading.Thread):
         self.join()
 
 
+class _Results:
+    """One cell's results, sent as they come (``display`` calls, from any thread, while
+    the cell runs; then the trailing value and open figures), within the cell's
+    bounds."""
+
+    def __init__(self, conn: Conn, sinks: tuple[_Sink, _Sink]) -> None:
+        self.conn, self.sinks = conn, sinks
+        self.lock = threading.Lock()    # a result's frames go together, in call order
+        self.count = 0
+        self.sent_bytes = 0
+        self.dropped = 0
+        self.figures: set[int] = set()  # ids of figures already sent (not sent twice)
+
+    def send(self, value: Any, *, main: bool) -> None:
+        self.send_bundle(_bundle(value, self.figures), main=main)
+
+    def send_bundle(self, bundle: dict[str, Any], *, main: bool) -> None:
+        for sink in self.sinks:
+            sink.flush()    # output printed before the result goes before it
+        with self.lock:
+            # The last slot is the trailing value's: displays cannot crowd it out.
+            if self.count >= MAX_RESULTS - (0 if main else 1):
+                self._drop()
+                return
+            data = _result_json(bundle, main)
+            if self.sent_bytes + len(data) > MAX_CELL_RESULT_BYTES:
+                data = _text_only(bundle, main, f"the cell's results are over "
+                                  f"{MAX_CELL_RESULT_BYTES} bytes")
+                if self.sent_bytes + len(data) > MAX_CELL_RESULT_BYTES:
+                    self._drop()
+                    return
+            self.count += 1
+            self.sent_bytes += len(data)
+            for start in range(0, len(data), MAX_PAYLOAD):
+                self.conn.send({"type": "display", "more": start + MAX_PAYLOAD < len(data)},
+                               data[start:start + MAX_PAYLOAD])
+
+    def _drop(self) -> None:
+        self.dropped += 1
+        if self.dropped == 1:
+            err = self.sinks[1]
+            with err.lock:
+                err.buffer += (f"\n[vmfork: this cell passed its {MAX_RESULTS} results or "
+                               f"{MAX_CELL_RESULT_BYTES} bytes of results; the rest were "
+                               "dropped]\n").encode()
+            err.flush()
+
+
+_current_lock = threading.Lock()
+_current: _Results | None = None
+"""The running cell's results (cells run one at a time), for ``display``."""
+
+
+def display(*objs: Any, **kwargs: Any) -> None:
+    """IPython's ``display``: each object becomes a result of the running cell, at this
+    point of it (``text`` from its ``repr``, and its ``_repr_*_`` representations).
+    Outside a cell (the agent's ``eval`` op), each object's ``repr`` is printed, as
+    IPython does without a front end."""
+    if kwargs:
+        # IPython's other options (display_id, raw, include…) are not served: say so
+        # rather than show something other than what was asked.
+        raise TypeError(f"display(): vmfork's interpreter takes objects only, not "
+                        f"{', '.join(sorted(kwargs))[:200]}")
+    with _current_lock:
+        results = _current
+    for obj in objs:
+        if results is None:
+            print(repr(obj))
+        else:
+            results.send(obj, main=False)
+
+
 class Interpreter:
     """The contexts and the ``cell`` and ``contexts`` ops."""
 
     def __init__(self, evaluator: Evaluator) -> None:
+        # ``display`` is a builtin in IPython's kernels (E2B's is one): installed so, it
+        # is found by every context's cells, a restarted one's too, unless one defines
+        # its own.
+        if not hasattr(builtins, "display"):
+            builtins.display = display  # type: ignore[attr-defined]
         self._lock = threading.Lock()
         self._cell_lock = threading.Lock()
         self._default = _Context(DEFAULT_CONTEXT, DEFAULT_CWD, evaluator.namespace, None)
@@ -286,6 +393,7 @@ class Interpreter:
 
     def _run(self, conn: Conn, context: _Context, code: str, env: dict[str, str],
              timeout: float, deadline: float) -> None:
+        global _current
         with self._lock:
             self._counter += 1
             filename = f"<cell-{self._counter}>"
@@ -297,9 +405,12 @@ class Interpreter:
         saved_env = {name: os.environ.get(name) for name in env}
         saved_cwd = _cwd()
         watchdog = _Watchdog(conn, (out, err), deadline, threading.get_ident())
+        results = _Results(conn, (out, err))
         value: Any = None
         error: dict[str, str] | None = None
         stdout.local.sink, stderr.local.sink = out, err
+        with _current_lock:
+            _current = results
         try:
             os.environ.update(env)
             os.chdir(context.cwd)
@@ -315,6 +426,8 @@ class Interpreter:
         finally:
             if watchdog.is_alive():
                 watchdog.finish()
+            with _current_lock:
+                _current = None     # a thread of the cell's displaying later: printed
             stdout.local.sink = stderr.local.sink = None
             linecache.cache.pop(filename, None)
             _restore(saved_env, saved_cwd)
@@ -325,15 +438,10 @@ class Interpreter:
                            "the rest was dropped]\n").encode()
         out.flush()
         err.flush()
-        results = 0
-        figures: set[int] = set()
         if has_value:
-            _send_result(conn, _bundle(value, figures), main=True)
-            results += 1
-        for bundle in _open_figures(figures):
-            if results < MAX_RESULTS:
-                _send_result(conn, bundle, main=False)
-                results += 1
+            results.send(value, main=True)
+        for bundle in _open_figures(results.figures):
+            results.send_bundle(bundle, main=False)
         conn.result(execution_count=context.executions, error=error,
                     output_truncated=truncated)
 
@@ -470,14 +578,15 @@ def _open_figures(seen: set[int]) -> list[dict[str, Any]]:
     return out
 
 
-def _send_result(conn: Conn, bundle: dict[str, Any], *, main: bool) -> None:
+def _result_json(bundle: dict[str, Any], main: bool) -> bytes:
     data = json.dumps({**bundle, "is_main_result": main}).encode()
     if len(data) > MAX_RESULT_BYTES:
-        kept = {"text": bundle["text"], "extra": {
-            "vmfork_dropped": sorted(k for k in bundle if k != "text"),
-            "reason": f"the result's representations are over {MAX_RESULT_BYTES} bytes"}}
-        data = json.dumps({**kept, "is_main_result": main}).encode()
-    for start in range(0, len(data), MAX_PAYLOAD):
-        conn.send({"type": "display", "more": start + MAX_PAYLOAD < len(data)},
-                  data[start:start + MAX_PAYLOAD])
+        data = _text_only(bundle, main, f"the result's representations are over "
+                          f"{MAX_RESULT_BYTES} bytes")
+    return data
 
+
+def _text_only(bundle: dict[str, Any], main: bool, reason: str) -> bytes:
+    kept = {"text": bundle["text"], "extra": {
+        "vmfork_dropped": sorted(k for k in bundle if k != "text"), "reason": reason}}
+    return json.dumps({**kept, "is_main_result": main}).encode()

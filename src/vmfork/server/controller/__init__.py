@@ -104,7 +104,7 @@ class Controller(Part):
         self.io = SandboxIO(core)
         self.usage = Usage(core)
         self.workspaces = Workspaces(core, self.sandboxes, self.branches)
-        self.reconciler = Reconciler(core, self.lifecycle)
+        self.reconciler = Reconciler(core, self.lifecycle, self.usage)
         self.images = ImageBuilds(store, metrics, concurrency=limits.image_builds,
                                   retry_after_s=limits.retry_after_s)
         metrics.set_sources(lambda: registry.count_sandboxes(RUNNING),
@@ -222,6 +222,10 @@ class Controller(Part):
 
     def sandbox_metrics(self, sandbox_id: str, *, disk: bool = True) -> dict[str, Any]:
         return self.usage.sandbox_metrics(sandbox_id, disk=disk)
+
+    def sandbox_metric_samples(self, sandbox_id: str) -> list[dict[str, Any]]:
+        """The host's kept samples of a running sandbox (``Usage.samples``)."""
+        return self.usage.samples(sandbox_id)
 
     # -- in the sandbox: its agent, exec, eval, files ---------------------------------------
 

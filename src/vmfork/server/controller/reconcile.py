@@ -10,6 +10,7 @@ import time
 
 from vmfork.server.controller.core import Core, Part
 from vmfork.server.controller.lifecycle import Lifecycle
+from vmfork.server.controller.usage import Usage
 from vmfork.server.errors import ApiError
 from vmfork.server.registry import EXITED, LOST, PAUSED, RUNNING, SandboxRecord
 from vmfork.server.spawner import SpawnerError, SpawnerGone
@@ -26,9 +27,10 @@ class Reconciler(Part):
     """The daemon's background threads (the exit watcher, the reaper) and what
     ``start`` makes true before the first request."""
 
-    def __init__(self, core: Core, lifecycle: Lifecycle) -> None:
+    def __init__(self, core: Core, lifecycle: Lifecycle, usage: Usage) -> None:
         super().__init__(core)
         self.lifecycle = lifecycle
+        self.usage = usage
         self._watcher: threading.Thread | None = None
         self._reaper: threading.Thread | None = None
 
@@ -175,6 +177,11 @@ class Reconciler(Part):
                 self.reap_expired()
             except Exception as err:  # noqa: BLE001 - keep reaping; say why once a cycle
                 log.error("the reaper failed a cycle: %s", err)
+            try:
+                # The metrics samples ride on this thread: it already wakes every second.
+                self.usage.sample_running()
+            except Exception as err:  # noqa: BLE001 - a sample missed is not worth more
+                log.warning("metrics sampling failed a cycle: %s", err)
 
     def reap_expired(self, now: float | None = None) -> list[str]:
         """End (kill, or pause if spawned with on_timeout=pause) up to

@@ -49,6 +49,9 @@ _CONTROL_ROUTES: tuple[tuple[str, str, str], ...] = (
     ("POST", "/sandboxes/{id}/resume", "resume"),
     ("GET", "/sandboxes/{id}/metrics", "metrics"),
     ("POST", "/sandboxes/{id}/fork", "fork"),
+    ("POST", "/sandboxes/{id}/snapshots", "create_snapshot"),
+    ("GET", "/snapshots", "list_snapshots"),
+    ("DELETE", "/templates/{id}", "delete_template"),
 )
 
 
@@ -84,7 +87,7 @@ def route_for(req: api.Request) -> Route | None:
         known = req.path in ("/files", "/health") or envd.is_rpc(req.path)
         return Route("envd " + req.path if known else "envd unmatched", "envd", sandbox)
     parts = req.path.rstrip("/").strip("/").split("/")
-    if not parts or parts[0] not in ("sandboxes", "v2"):
+    if not parts or parts[0] not in ("sandboxes", "v2", "snapshots", "templates"):
         return None
     if parts[0] == "v2" and (len(parts) < 2 or parts[1] != "sandboxes"):
         return None

@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from vmfork.server import api
-from vmfork.server.controller import Controller
+from vmfork.server.controller import PAUSE_TAG_PREFIX, Controller
+from vmfork.server.controller.usage import cpu_used_pct
 from vmfork.server.e2b.envd import ENVD_VERSION
 from vmfork.server.errors import ApiError, BadRequest
 from vmfork.server.requests import Branch, SandboxCreate
@@ -60,6 +61,9 @@ RESUME = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=Tru
           "autoPause": Field(bool, None, nullable=True)}
 REFRESH = {"duration": Field(int, None, between(0, 3600), nullable=True)}
 MAX_FORK_COUNT = 20
+SNAPSHOT = {"name": Field(str, None, check_tag, nullable=True),
+            "memory": Field(bool, None, nullable=True)}
+"""E2B's ``SandboxSnapshotRequest``."""
 FORK = {"timeout": Field(int, None, between(0, MAX_TIMEOUT_SECS), nullable=True),
         "count": Field(int, 1, between(1, MAX_FORK_COUNT))}
 
@@ -254,18 +258,97 @@ class ControlPlane:
         req.sandbox_ids = [sandbox_id, *(i["id"] for i in infos)]
         return api.Response(201, [{"sandbox": self._sandbox(c, i, req)} for i in infos])
 
-    def metrics(self, c: Controller, req: api.Request) -> api.Response:
+    def create_snapshot(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's named snapshot (``create_snapshot``): a BRANCH of the running sandbox
+        (it pauses briefly and goes on) into the tag ``name``, or one the daemon names.
+        ``snapshotID`` is the tag, which ``Sandbox.create(template=…)`` spawns from."""
         sandbox_id = _id(req)
-        m = c.sandbox_metrics(sandbox_id)
+        where = f"{req.method} {req.path}"
+        body = _body(req, SNAPSHOT, where)
+        if body["memory"] is False:
+            # A snapshot here is always the whole machine; one whose sandboxes cold-boot
+            # would be another thing, so it is refused rather than silently given.
+            raise BadRequest(f"{where}: filesystem-only snapshots (memory: false) are not "
+                             "served; a snapshot here keeps memory and filesystem")
+        _, snapshot = c.branch_sandbox(sandbox_id, Branch(tag=body["name"]))
+        req.snapshot_tag = snapshot["tag"]
+        return api.Response(201, _snapshot_info(snapshot["tag"]))
+
+    def list_snapshots(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's ``list_snapshots``: the snapshots BRANCHed from sandboxes (E2B's
+        snapshots are made from sandboxes; base templates are not listed), ready ones,
+        oldest first, filtered by ``sandboxID`` and ``name``, paged by ``x-next-token``.
+        A pause's own snapshots are the sandbox's, not listed."""
+        where = f"{req.method} {req.path}"
+        q = parse_query(req.query, {
+            "sandboxID": Field(str, None, nullable=True),
+            "name": Field(str, None, nullable=True),
+            "limit": Field(int, None, between(1, MAX_LIST_LIMIT), nullable=True),
+            "nextToken": Field(str, None, nullable=True)}, where)
+        listed = sorted((s for s in c.list_snapshots()
+                         if s.get("status") == "ready" and s.get("branched_from")
+                         and not str(s["tag"]).startswith(PAUSE_TAG_PREFIX)
+                         and q["sandboxID"] in (None, s["branched_from"])
+                         and q["name"] in (None, s["tag"])),
+                        key=lambda s: (s["created_at_unix"], s["tag"]))
+        start = 0
+        if q["nextToken"]:
+            if not q["nextToken"].isdigit():
+                raise BadRequest(f"{where}: nextToken is not one this server gave")
+            start = int(q["nextToken"])
+        limit = q["limit"] or MAX_LIST_LIMIT
+        headers = {}
+        if start + limit < len(listed):
+            headers["x-next-token"] = str(start + limit)
+        return api.Response(200, [_snapshot_info(s["tag"]) for s in listed[start:start + limit]],
+                            headers=headers)
+
+    def delete_template(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's ``delete_snapshot`` (and template deletion): delete the snapshot tag.
+        One that sandboxes or other snapshots still depend on is vmfork's 409; an
+        unknown one 404 (the SDK's ``False``)."""
+        tag = req.params["id"]
+        problem = check_tag(tag)
+        if problem:
+            raise BadRequest(f"{req.method} {req.path}: the template {problem}")
+        req.snapshot_tag = tag
+        c.delete_snapshot(tag, False, False)
+        return api.Response(204)
+
+    def metrics(self, c: Controller, req: api.Request) -> api.Response:
+        """E2B's metrics series: the host's samples of the sandbox (every
+        ``SAMPLE_INTERVAL_S``, the last ten minutes) within ``start``..``end`` (unix
+        seconds), then one taken now with the guest's disk; CPU % is over the interval
+        before each (the first of the series has none: 0)."""
+        sandbox_id = _id(req)
+        q = parse_query(req.query, {
+            "start": Field(int, None, between(0, 1 << 40), nullable=True),
+            "end": Field(int, None, between(0, 1 << 40), nullable=True)},
+            f"{req.method} {req.path}")
+        samples = c.sandbox_metric_samples(sandbox_id)
+        now = c.sandbox_metrics(sandbox_id)
+        vcpus = samples[0]["vcpus"] if samples else 1
+        now["cpu_used_pct"] = cpu_used_pct(samples[-1] if samples else None, now, vcpus)
+        series = [*samples, {**now, "vcpus": vcpus}]
+        start, end = q["start"], q["end"]
+        series = [s for s in series if (start is None or s["timestamp_unix"] >= start)
+                  and (end is None or s["timestamp_unix"] <= end + 1)]
+        mem_total = int(now.get("guest_mem_mib") or 0) << 20
         return api.Response(200, [{
-            "timestamp": _iso(time.time()), "timestampUnix": int(time.time()),
-            "cpuCount": int(m.get("vcpus") or 1),
+            "timestamp": _iso(m["timestamp_unix"]), "timestampUnix": int(m["timestamp_unix"]),
+            "cpuCount": int(m["vcpus"]),
             "cpuUsedPct": float(m.get("cpu_used_pct") or 0.0),
             "memUsed": int(m.get("memory_cgroup_bytes") or 0),
-            "memTotal": int(m.get("guest_mem_mib") or 0) << 20,
+            "memTotal": mem_total,
             "memCache": 0,
-            "diskUsed": int(m.get("disk_used_bytes") or 0),
-            "diskTotal": int(m.get("disk_total_bytes") or 0)}])
+            # The disk is asked of the guest only now; samples carry the latest known.
+            "diskUsed": int(now.get("disk_used_bytes") or 0),
+            "diskTotal": int(now.get("disk_total_bytes") or 0)} for m in series])
+
+
+def _snapshot_info(tag: str) -> dict[str, Any]:
+    """E2B's ``SnapshotInfo``: the id is the tag, and its one name."""
+    return {"snapshotID": tag, "names": [tag]}
 
 
 def _id(req: api.Request) -> str:

@@ -8,7 +8,8 @@ pid (output kept in the agent and replayed on ``Connect``), stdin, signals, PTYs
 inotify watches. What the agent does not have — a process selected by tag — is
 mapped as the docstrings say. envd's users (``Authorization: Basic`` on an RPC,
 ``?username=`` on ``/files``) become the agent's ``user``: processes run as that user
-and what it writes is its own; no user is root, vmfork's default, and relative paths
+and what it writes is its own; no user is ``user`` where the guest has it (E2B's
+templates' default; root otherwise, and ``root`` asks for root), and relative paths
 resolve against the user's home (``GUEST_HOME`` for root). ``/files`` without an
 ``X-Access-Token`` must be a signed URL (``file_signature``), as envd requires on a
 secured sandbox.
@@ -48,6 +49,11 @@ ENVD_VERSION = "0.5.7"
 first with octet-stream uploads and has stdin on ``Start`` and ``CloseStdin``; later
 versions add entry metadata and entries in watch events, which are not emulated."""
 GUEST_HOME = "/root"
+DEFAULT_USER = "user"
+"""E2B's templates run commands and write files as ``user`` (uid 1000) unless a call
+says ``root``; so does this envd, where the guest has that user."""
+MAX_PASSWD_BYTES = 1 << 20
+MAX_DEFAULTS_KNOWN = 4096
 USER_HOMES = "/home"
 """A non-root envd user's home is ``/home/<name>`` (as in E2B's templates and the
 default image's ``user``): where its relative paths and its processes start."""
@@ -95,6 +101,40 @@ class Envd:
         self._lock = threading.Lock()
         self._watchers: dict[str, _Watcher] = {}
         self._access_token = access_token
+        self._defaults: dict[str, _Who] = {}   # sandbox id -> its default user
+
+    def _default_user(self, c: Controller, sandbox_id: str) -> Callable[[], _Who]:
+        """How a call that names no user learns the sandbox's default (asked only
+        then): ``DEFAULT_USER`` when the guest has it in ``/etc/passwd`` and its agent
+        can act as a user (protocol 3), else root (an image without it, an older
+        snapshot's agent: as before). Asked of the guest once per sandbox; the cache is
+        bounded (oldest dropped first)."""
+        def resolve() -> _Who:
+            with self._lock:
+                known = self._defaults.get(sandbox_id)
+            if known is not None:
+                return known
+            agent = c.agent(sandbox_id)
+            with _agent(sandbox_id, "ping"):
+                protocol = agent.ping().protocol
+            who = _ROOT
+            if protocol >= 3:
+                with _agent(sandbox_id, "read"):
+                    try:
+                        passwd = agent.read_file("/etc/passwd", length=MAX_PASSWD_BYTES)
+                    except AgentError as err:
+                        if err.code != "not_found":
+                            raise
+                        passwd = b""
+                home = _passwd_home(passwd, DEFAULT_USER)
+                if home is not None:
+                    who = _Who(DEFAULT_USER, home)
+            with self._lock:
+                while len(self._defaults) >= MAX_DEFAULTS_KNOWN:
+                    self._defaults.pop(next(iter(self._defaults)))
+                self._defaults[sandbox_id] = who
+            return who
+        return resolve
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -141,7 +181,7 @@ class Envd:
             raise ConnectError("invalid_argument", f"{where}: process.envs must map names "
                                "to strings")
         cwd = connect.field(config, "cwd")
-        who = _rpc_user(req, where)
+        who = _rpc_user(req, where, self._default_user(c, sandbox_id))
         cwd = who.home if cwd in (None, "") else _path(cwd, where, who.home)
         pty_size = None
         pty = connect.obj(m, "pty", where)
@@ -283,7 +323,7 @@ class Envd:
 
     def stat(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
              req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where, self._default_user(c, sandbox_id)).home)
         with _agent(sandbox_id, "stat"):
             info = c.agent(sandbox_id).stat(path, follow_symlinks=False)
         return {"entry": _entry(info, path)}
@@ -292,7 +332,7 @@ class Envd:
                  req: api.Request) -> dict[str, Any]:
         """envd makes the parents too, and answers ALREADY_EXISTS for an existing
         directory (the SDK's ``make_dir`` then returns False)."""
-        who = _rpc_user(req, where)
+        who = _rpc_user(req, where, self._default_user(c, sandbox_id))
         path = _path(connect.string(m, "path", where), where, who.home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "mkdir"):
@@ -308,7 +348,7 @@ class Envd:
 
     def move(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
              req: api.Request) -> dict[str, Any]:
-        home = _rpc_user(req, where).home
+        home = _rpc_user(req, where, self._default_user(c, sandbox_id)).home
         source = _path(connect.string(m, "source", where), where, home)
         destination = _path(connect.string(m, "destination", where), where, home)
         agent = c.agent(sandbox_id)
@@ -319,7 +359,7 @@ class Envd:
 
     def list_dir(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                  req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where, self._default_user(c, sandbox_id)).home)
         depth = connect.uint(m, "depth", where, MAX_LIST_DEPTH) or 1
         limit = c.limits.list_entries
         agent = c.agent(sandbox_id)
@@ -344,14 +384,14 @@ class Envd:
 
     def remove(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where, self._default_user(c, sandbox_id)).home)
         with _agent(sandbox_id, "remove"):
             c.agent(sandbox_id).remove(path, recursive=True)
         return {}
 
     def watch_dir(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                   req: api.Request) -> api.Response:
-        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where, self._default_user(c, sandbox_id)).home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "watch"):
             watch = agent.watch(path, recursive=connect.boolean(m, "recursive", where))
@@ -374,7 +414,7 @@ class Envd:
 
     def create_watcher(self, c: Controller, sandbox_id: str, m: dict[str, Any], where: str,
                        req: api.Request) -> dict[str, Any]:
-        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where).home)
+        path = _path(connect.string(m, "path", where), where, _rpc_user(req, where, self._default_user(c, sandbox_id)).home)
         self._expire_watchers()
         with self._lock:
             if len(self._watchers) >= MAX_WATCHERS:
@@ -491,7 +531,7 @@ class Envd:
 
     def _download(self, c: Controller, req: api.Request, sandbox_id: str,
                   where: str) -> api.Response:
-        path = _path(_query(req, "path", where), where, _files_user(req, where).home)
+        path = _path(_query(req, "path", where), where, _files_user(req, where, self._default_user(c, sandbox_id)).home)
         agent = c.agent(sandbox_id)
         with _agent(sandbox_id, "stat"):
             info = agent.stat(path)
@@ -511,7 +551,7 @@ class Envd:
         """Multipart (one part per file, its filename the path; ``?path=`` names a lone
         file) or ``application/octet-stream`` (the body is the file at ``?path=``).
         Parents are made, as envd does. Streamed to the agent, never held whole."""
-        who = _files_user(req, where)
+        who = _files_user(req, where, self._default_user(c, sandbox_id))
         agent = c.agent(sandbox_id)
         kind = req.headers.get("content-type", "")
         written: list[dict[str, str]] = []
@@ -646,11 +686,14 @@ class _Who:
 _ROOT = _Who(None, GUEST_HOME)
 
 
-def _user(name: str | None, where: str) -> _Who:
-    """envd's ``user``: none or empty is the default user (root here: vmfork's guests
-    run as root, where E2B's templates default to ``user``); another name must be a
-    user in the guest, which the agent checks (``unknown_user``)."""
-    if name is None or name in ("", "root"):
+def _user(name: str | None, where: str, default: Callable[[], _Who]) -> _Who:
+    """envd's ``user``: none or empty is the default user (``default``: ``user``, as in
+    E2B's templates, where the guest has one; see ``Envd._default_user``), ``root`` is
+    root; another name must be a user in the guest, which the agent checks
+    (``unknown_user``)."""
+    if name is None or name == "":
+        return default()
+    if name == "root":
         return _ROOT
     if len(name) > 32 or not all(c.isalnum() or c in "._-" for c in name) or name[0] == "-":
         raise ConnectError("invalid_argument", f"{where}: the user {name[:40]!r} is not a "
@@ -658,11 +701,20 @@ def _user(name: str | None, where: str) -> _Who:
     return _Who(name, f"{USER_HOMES}/{name}")
 
 
-def _rpc_user(req: api.Request, where: str) -> _Who:
+def _passwd_home(passwd: bytes, name: str) -> str | None:
+    """``name``'s home in an ``/etc/passwd`` (None: no such user)."""
+    for line in passwd.decode("utf-8", "replace").splitlines():
+        fields = line.split(":")
+        if len(fields) >= 7 and fields[0] == name:
+            return fields[5] or f"{USER_HOMES}/{name}"
+    return None
+
+
+def _rpc_user(req: api.Request, where: str, default: Callable[[], _Who]) -> _Who:
     """The user of an RPC: the SDK sends ``Authorization: Basic base64(<user>:)``."""
     header = req.headers.get("authorization")
     if header is None:
-        return _ROOT
+        return default()
     scheme, _, encoded = header.strip().partition(" ")
     try:
         if scheme.lower() != "basic" or len(encoded) > 256:
@@ -675,11 +727,11 @@ def _rpc_user(req: api.Request, where: str) -> _Who:
         raise ConnectError("invalid_argument", f"{where}: the Authorization header must be "
                            "'Basic ' and base64 of '<user>:' (how the SDK names the user)"
                            ) from err
-    return _user(name, where)
+    return _user(name, where, default)
 
 
-def _files_user(req: api.Request, where: str) -> _Who:
-    return _user(req.query.get("username", [None])[0], where)
+def _files_user(req: api.Request, where: str, default: Callable[[], _Who]) -> _Who:
+    return _user(req.query.get("username", [None])[0], where, default)
 
 
 def _path(value: Any, where: str, home: str = GUEST_HOME) -> str:
