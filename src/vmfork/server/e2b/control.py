@@ -185,16 +185,7 @@ class ControlPlane:
                   and (q["template"] is None or s["templateID"] == q["template"])]
         listed.sort(key=lambda s: (s["startedAt"], s["sandboxID"]),
                     reverse=q["order"] == "desc")
-        start = 0
-        if q["nextToken"]:
-            if not q["nextToken"].isdigit():
-                raise BadRequest(f"{where}: nextToken is not one this server gave")
-            start = int(q["nextToken"])
-        limit = q["limit"] or MAX_LIST_LIMIT
-        page = listed[start:start + limit]
-        headers = {}
-        if start + limit < len(listed):
-            headers["x-next-token"] = str(start + limit)
+        page, headers = _page(listed, q, where)
         return api.Response(200, page, headers=headers)
 
     def get(self, c: Controller, req: api.Request) -> api.Response:
@@ -291,17 +282,8 @@ class ControlPlane:
                          and q["sandboxID"] in (None, s["branched_from"])
                          and q["name"] in (None, s["tag"])),
                         key=lambda s: (s["created_at_unix"], s["tag"]))
-        start = 0
-        if q["nextToken"]:
-            if not q["nextToken"].isdigit():
-                raise BadRequest(f"{where}: nextToken is not one this server gave")
-            start = int(q["nextToken"])
-        limit = q["limit"] or MAX_LIST_LIMIT
-        headers = {}
-        if start + limit < len(listed):
-            headers["x-next-token"] = str(start + limit)
-        return api.Response(200, [_snapshot_info(s["tag"]) for s in listed[start:start + limit]],
-                            headers=headers)
+        page, headers = _page(listed, q, where)
+        return api.Response(200, [_snapshot_info(s["tag"]) for s in page], headers=headers)
 
     def delete_template(self, c: Controller, req: api.Request) -> api.Response:
         """E2B's ``delete_snapshot`` (and template deletion): delete the snapshot tag.
@@ -349,6 +331,22 @@ class ControlPlane:
 def _snapshot_info(tag: str) -> dict[str, Any]:
     """E2B's ``SnapshotInfo``: the id is the tag, and its one name."""
     return {"snapshotID": tag, "names": [tag]}
+
+
+def _page(listed: list[dict[str, Any]], q: dict[str, Any],
+          where: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """E2B's paging: ``limit`` entries from the offset ``nextToken`` (a token this
+    server gave), and the next one's token in ``x-next-token`` while more are left."""
+    start = 0
+    if q["nextToken"]:
+        if not q["nextToken"].isdigit():
+            raise BadRequest(f"{where}: nextToken is not one this server gave")
+        start = int(q["nextToken"])
+    limit = q["limit"] or MAX_LIST_LIMIT
+    headers = {}
+    if start + limit < len(listed):
+        headers["x-next-token"] = str(start + limit)
+    return listed[start:start + limit], headers
 
 
 def _id(req: api.Request) -> str:
