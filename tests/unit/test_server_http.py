@@ -9,6 +9,7 @@ log (including reopen after rotation), and the sandbox routes end to end.
 from __future__ import annotations
 
 import http.client
+import io
 import json
 import os
 import socket
@@ -78,11 +79,16 @@ class FakeAgent:
     def stat(self, path: str) -> FileInfo:
         if path not in self.files:
             raise AgentError("not_found", f"{path}: no such file", op="stat")
-        return FileInfo(name=path.rsplit("/", 1)[1], type="file", size=len(self.files[path]),
+        info = FileInfo(name=path.rsplit("/", 1)[1], type="file", size=len(self.files[path]),
                         mode=0o644, mtime=0.0, path=path)
+        if path.endswith(".log"):
+            self.files[path] += b" and more"   # a file the guest goes on writing
+        return info
 
-    def read_file_to(self, path: str, fileobj: Any) -> int:
-        data = self.files[path]
+    def read_file_to(self, path: str, fileobj: Any, *, offset: int = 0,
+                     length: int | None = None) -> int:
+        data = self.files[path][offset:]
+        data = data if length is None else data[:length]
         for i in range(0, len(data), 1000):
             fileobj.write(data[i:i + 1000])
         return len(data)
@@ -820,3 +826,16 @@ def test_workspace_create_suspend_resume_delete(served: Served, ctl: Controller)
         assert status == 400 and "invalid workspace name" in body["error"]
     status, body, _ = served.request("GET", "/v1/workspaces/none")
     assert status == 404
+
+
+def test_a_file_growing_while_it_is_read_is_read_as_announced(served: Served,
+                                                             ctl: Controller) -> None:
+    """The body is the X-File-Size bytes the stat saw, not what the file has grown to
+    by the read (else every client takes the extra bytes for a broken stream)."""
+    ctl.create_snapshot("base")
+    sid = ctl.spawn_sandboxes("base", 1)[0]["id"]
+    ctl.write_file(sid, "/tmp/app.log", b"first line")
+    for seen in (b"first line", b"first line and more"):
+        out = io.BytesIO()
+        assert ctl.read_file_to(sid, "/tmp/app.log", out) == len(seen)
+        assert out.getvalue() == seen

@@ -741,10 +741,15 @@ def download_file(c: Controller, req: Request) -> Response:
         raise BadRequest(f"{_where(req)}: {path} is a {info['type']}, not a regular file; "
                          "list a directory with GET .../files/list")
     agent = c.agent(sandbox_id)
+    # The body is the file's first X-File-Size bytes: a file growing meanwhile (a log, a
+    # counter) would otherwise send more than announced, which clients take for a broken
+    # stream. Size 0 reads to the end (what /proc and /sys files say of themselves).
+    length = info["size"] or None
 
     def produce(write: Writer) -> None:
         with agent_errors(sandbox_id, "read"):
-            agent.read_file_to(path, _WriterFile(write))  # type: ignore[arg-type]
+            agent.read_file_to(path, _WriterFile(write),  # type: ignore[arg-type]
+                               length=length)
 
     return StreamResponse(200, content_type="application/octet-stream",
                           headers={"X-File-Size": str(info["size"])}, produce=produce)
