@@ -236,7 +236,8 @@ class ScriptedVMM:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(self.path)
         self.sock.listen(4)
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, daemon=True)
+        self._acceptor.start()
 
     def _accept(self) -> None:
         while True:
@@ -263,6 +264,14 @@ class ScriptedVMM:
         return request
 
     def close(self) -> None:
+        # Shut down first: that wakes the blocked accept. A bare close would leave it
+        # blocked on the fd number, and a later test's listener given that number would
+        # have its connections taken by this script (seen: an agent's frames read here).
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._acceptor.join(5)
         self.sock.close()
 
 
