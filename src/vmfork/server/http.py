@@ -129,6 +129,14 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type
 _END_OF_HEAD = re.compile(rb"\n\r?\n")   # h11 takes bare LF line ends too
 
 
+def _oldest_waiting(connections: Iterable[object]) -> _FrontProtocol | None:
+    """The connection that has waited longest for a request's head (the one to evict
+    at the cap), or None when every connection is serving a request."""
+    waiting = [c for c in connections
+               if isinstance(c, _FrontProtocol) and c._waiting_since is not None]
+    return min(waiting, key=lambda c: c._waiting_since or 0.0, default=None)
+
+
 class _FrontProtocol(H11Protocol):
     """uvicorn's h11 connection, with what ``FrontLimits`` asks of it (see the module
     docstring). ``limits`` is set on the subclass ``HttpFront`` makes."""
@@ -141,14 +149,13 @@ class _FrontProtocol(H11Protocol):
         self._armed_for: object = None
         # The cap is settled before this connection counts: never one over it.
         if len(self.connections) >= self.limits.max_connections:
-            waiting = [c for c in self.connections
-                       if isinstance(c, _FrontProtocol) and c._waiting_since is not None]
-            if not waiting:
+            oldest = _oldest_waiting(self.connections)
+            if oldest is None:
                 self.transport = transport   # what connection_lost closes
                 transport.write(_REFUSED)
                 transport.close()
                 return
-            min(waiting, key=lambda c: c._waiting_since or 0.0)._cut()
+            oldest._cut()
         super().connection_made(transport)
         self._await_head(self.limits.header_timeout)
 
@@ -665,12 +672,11 @@ class _TlsGate(asyncio.Protocol):
         server = self.server
         if len(server.handshaking) + len(server.server_state.connections) \
                 >= server.max_connections:
-            waiting = [c for c in server.server_state.connections
-                       if isinstance(c, _FrontProtocol) and c._waiting_since is not None]
+            oldest = _oldest_waiting(server.server_state.connections)
             if server.handshaking:
                 next(iter(server.handshaking)).cut()
-            elif waiting:
-                min(waiting, key=lambda c: c._waiting_since or 0.0)._cut()
+            elif oldest is not None:
+                oldest._cut()
             else:
                 transport.abort()   # every slot serves a request: no TLS to say 503 in
                 return
