@@ -127,15 +127,21 @@ def _routed(name: str) -> ThreadRoutedStream:
         return current
 
 
-def _exception_info(exc: BaseException, filename: str) -> dict[str, str]:
+def traceback_text(exc: BaseException, filename: str) -> str:
+    """``exc``'s traceback from the first frame of the code compiled as ``filename``
+    (the agent's own frames dropped), its last ``MAX_TRACEBACK_CHARS`` characters."""
     tb = exc.__traceback__
-    # Drop our own frames: the traceback starts at the caller's code.
     while tb is not None and tb.tb_frame.f_code.co_filename != filename:
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     if len(text) > MAX_TRACEBACK_CHARS:
         text = "…" + text[-MAX_TRACEBACK_CHARS:]
-    return {"type": type(exc).__qualname__, "message": str(exc), "traceback": text}
+    return text
+
+
+def _exception_info(exc: BaseException, filename: str) -> dict[str, str]:
+    return {"type": type(exc).__qualname__, "message": str(exc),
+            "traceback": traceback_text(exc, filename)}
 
 
 class Evaluator:

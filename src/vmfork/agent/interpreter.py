@@ -52,14 +52,13 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import types
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from vmfork.agent.conn import Conn, PeerGone
-from vmfork.agent.evaluator import Evaluator, _routed
+from vmfork.agent.evaluator import Evaluator, _routed, traceback_text
 from vmfork.agent.protocol import MAX_PAYLOAD, OUTPUT_CHUNK
 from vmfork.agent.request import OpError, get_str
 
@@ -81,7 +80,6 @@ MAX_ENV = 256
 MAX_ENV_BYTES = 64 << 10
 MAX_TEXT_CHARS = 1 << 20
 """A result's ``text`` (its ``repr``) is cut to this many characters."""
-MAX_TRACEBACK_CHARS = 64 << 10
 FLUSH_INTERVAL = 0.05
 PARTIAL_LINE_HOLD = 0.5
 """How long the periodic flush holds a line that has not ended (``print(x, end='')``
@@ -498,13 +496,7 @@ def _error(name: str, value: str, tb: str) -> dict[str, str]:
 
 
 def _exception(exc: BaseException, filename: str, timeout: float) -> dict[str, str]:
-    tb = exc.__traceback__
-    # Drop the agent's own frames: the traceback starts at the cell.
-    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
-        tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    if len(text) > MAX_TRACEBACK_CHARS:
-        text = "…" + text[-MAX_TRACEBACK_CHARS:]
+    text = traceback_text(exc, filename)     # from the cell's first frame
     value = str(exc)
     if isinstance(exc, CellTimeout) and not value:
         value = f"the cell ran longer than its {timeout:g} s and was interrupted"
