@@ -546,3 +546,58 @@ def test_a_crash_while_a_force_delete_rebases_leaves_dependents_spawnable(
     assert reopened.delete("numpy", force=True) == ["numpy"]      # and it can be finished
     for tag in ("pandas", "sklearn"):
         assert image(reopened, tag) == before[tag]
+
+
+def test_a_diff_against_the_restore_base_leaves_out_pages_written_back(
+        chain3: Store) -> None:
+    """A page the guest wrote back to what its restore base holds there (the base's
+    memory file, or a layer of the chain) is private but unchanged: the writer leaves it
+    out, whichever file of the chain the base's bytes come from, and keeps every page
+    that differs, even by one byte."""
+    from vmfork.vmm import capture
+
+    memory_file, plan = memplan.snapshot_memory(str(chain3.get("sklearn").path))
+    memory = GuestMemory.from_file_private(memory_file, MEM, plan)
+    try:
+        memory.write(1 * PAGE_SIZE, b"sklearn-1")       # the same bytes (sklearn's layer)
+        memory.write(2 * PAGE_SIZE, b"numpy-2")         # the same bytes (numpy's layer)
+        memory.write(3 * PAGE_SIZE, b"numpy-3!")        # one byte more
+        memory.write(5 * PAGE_SIZE, bytes(16))          # zeros over zeros (the base file)
+        memory.write(6 * PAGE_SIZE, b"written-6")
+        memory.write(7 * PAGE_SIZE + PAGE_SIZE - 1, b"\x01")   # the page's last byte
+        listed = dirty.changed_private_pages(memory)
+        assert _page_numbers(listed) == \
+            [1, 2, 3, 5, 6, 7]
+        kept = capture._without_unchanged(memory, listed)
+    finally:
+        memory.close()
+    assert kept == [(3 * PAGE_SIZE, PAGE_SIZE), (6 * PAGE_SIZE, 2 * PAGE_SIZE)]
+
+
+def test_unchanged_pages_are_compared_across_chunks_and_overlay_edges(
+        store: Store) -> None:
+    """Runs longer than the writer's compare chunk, and a base whose layers cover part
+    of a run: only the pages that differ are kept."""
+    from vmfork.vmm import capture
+
+    make_root(store, "flat", {n: b"root-%d" % n for n in range(0, MEM // PAGE_SIZE, 3)})
+    make_link(store, "flat", "top", {n: b"top-%d" % n for n in range(10, 700)})
+    memory_file, plan = memplan.snapshot_memory(str(store.get("top").path))
+    memory = GuestMemory.from_file_private(memory_file, MEM, plan)
+    try:
+        view = memory.backing_view(0, MEM)
+        before = bytes(view)
+        view.release()
+        memory.write(0, before)                          # every page private, same bytes
+        for n in (0, 9, 10, 255, 256, 699, 700, MEM // PAGE_SIZE - 1):
+            memory.write(n * PAGE_SIZE + 100, b"\xee")
+        kept = capture._without_unchanged(memory, dirty.changed_private_pages(memory))
+    finally:
+        memory.close()
+    assert _page_numbers(kept) == \
+        [0, 9, 10, 255, 256, 699, 700, MEM // PAGE_SIZE - 1]
+
+
+def _page_numbers(runs: list[tuple[int, int]]) -> list[int]:
+    return [page for offset, length in runs
+            for page in range(offset // PAGE_SIZE, (offset + length) // PAGE_SIZE)]
