@@ -278,6 +278,28 @@ setup_test_wheels() {
 # The dashboard's browser test (tests/ui): Debian's chromium and a font to render with,
 # and playwright-core from npm (tests/ui/package-lock.json) to drive it. Test-only: the
 # demo's set-up does not need a browser.
+# cargo-fuzz, for the native core's libFuzzer targets (scripts/fuzz, a tier of
+# scripts/test): built once from crates.io into the cache, pinned, with its own target
+# directory so the module's build is not invalidated. The targets need a nightly
+# toolchain (libFuzzer's instrumentation); without one scripts/fuzz says so.
+CARGO_FUZZ_VERSION=0.13.2
+CARGO_TOOLS=$CACHE/cargo-tools
+setup_fuzz() {
+  if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH=$HOME/.cargo/bin:$PATH
+  fi
+  if [ "$("$CARGO_TOOLS/bin/cargo-fuzz" --version 2>/dev/null)" = "cargo-fuzz $CARGO_FUZZ_VERSION" ]; then
+    return
+  fi
+  log "cargo-fuzz $CARGO_FUZZ_VERSION (native fuzz targets)"
+  CARGO_TARGET_DIR=$CACHE/cargo-target-tools cargo install cargo-fuzz \
+      --version "$CARGO_FUZZ_VERSION" --locked --root "$CARGO_TOOLS" \
+      --jobs "${VMFORK_BUILD_JOBS:-2}" --quiet || {
+    echo "vmfork setup: building cargo-fuzz failed (output above)" >&2
+    exit 1
+  }
+}
+
 UI_DEBIAN_PACKAGES=(chromium fonts-dejavu-core)
 
 setup_ui() {
