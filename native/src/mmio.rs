@@ -164,10 +164,7 @@ impl Registers {
         config: Option<Vec<u8>>,
     ) -> Result<Self, String> {
         if max_sizes.len() > MAX_QUEUES {
-            return Err(format!(
-                "{} queues, at most {MAX_QUEUES}",
-                max_sizes.len()
-            ));
+            return Err(format!("{} queues, at most {MAX_QUEUES}", max_sizes.len()));
         }
         for &m in max_sizes {
             if !size_is_valid(m, MAX_QUEUE_SIZE) {
@@ -236,7 +233,7 @@ impl Registers {
             }
             return Read::Done;
         }
-        if size != 4 || offset % 4 != 0 {
+        if size != 4 || !offset.is_multiple_of(4) {
             out.fill(0);
             self.bad_accesses += 1;
             return Read::Done;
@@ -285,7 +282,7 @@ impl Registers {
             }
             return;
         }
-        if size != 4 || offset % 4 != 0 {
+        if size != 4 || !offset.is_multiple_of(4) {
             self.bad_accesses += 1;
             return;
         }

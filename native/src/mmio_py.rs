@@ -55,7 +55,9 @@ fn py_event(e: Event) -> PyEvent {
         Event::Activate(epoch) => ("activate", epoch, 0, none()),
         Event::NeedsReset(r) => ("needs_reset", 0, 0, Detail::Text(r)),
         Event::Notify(index, epoch) => ("notify", u64::from(index), epoch, none()),
-        Event::ConfigWrite(offset, data) => ("config_write", u64::from(offset), 0, Detail::Bytes(data)),
+        Event::ConfigWrite(offset, data) => {
+            ("config_write", u64::from(offset), 0, Detail::Bytes(data))
+        }
     }
 }
 
@@ -96,7 +98,12 @@ impl MmioRegisters {
     }
 
     /// The bytes a guest read gets, or None for a config read the device answers.
-    fn read<'py>(&self, py: Python<'py>, offset: u64, size: usize) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: u64,
+        size: usize,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         if size > 8 {
             return Err(PyValueError::new_err(format!("a {size}-byte MMIO read")));
         }
@@ -108,7 +115,10 @@ impl MmioRegisters {
     /// Apply a guest write; the events it caused, in order.
     fn write(&self, offset: u64, data: &[u8]) -> PyResult<Vec<PyEvent>> {
         if data.len() > 8 {
-            return Err(PyValueError::new_err(format!("a {}-byte MMIO write", data.len())));
+            return Err(PyValueError::new_err(format!(
+                "a {}-byte MMIO write",
+                data.len()
+            )));
         }
         let mut events = Vec::new();
         lock(&self.regs).write(offset, data, &mut events);
@@ -256,6 +266,8 @@ struct Window {
     handler: Arc<Py<PyAny>>,
 }
 
+type Found = (u64, Arc<Mutex<Registers>>, Arc<Py<PyAny>>);
+
 /// What an MMIO read in a window asks of the vCPU loop.
 pub enum ReadServed {
     Done,
@@ -278,7 +290,9 @@ pub struct MmioWindows {
 }
 
 impl MmioWindows {
-    fn find(&self, addr: u64) -> Option<(u64, Arc<Mutex<Registers>>, Arc<Py<PyAny>>)> {
+    /// The window holding `addr`: (offset in it, its registers, its handler), cloned
+    /// out so the map's lock is released before anything else happens.
+    fn find(&self, addr: u64) -> Option<Found> {
         let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
         windows
             .iter()
@@ -324,7 +338,12 @@ impl MmioWindows {
     }
 
     /// Serve `[base, base + 0x1000)` with `registers`; `handler` is the transport.
-    fn add(&self, base: u64, registers: &Bound<'_, MmioRegisters>, handler: Py<PyAny>) -> PyResult<()> {
+    fn add(
+        &self,
+        base: u64,
+        registers: &Bound<'_, MmioRegisters>,
+        handler: Py<PyAny>,
+    ) -> PyResult<()> {
         let mut windows = self.windows.write().unwrap_or_else(|p| p.into_inner());
         if windows
             .iter()

@@ -578,14 +578,12 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
                 let native = cb.windows.as_ref().and_then(|w| w.get().read(addr, data));
                 let served = match native {
                     Some(mmio_py::ReadServed::Done) => Ok(()),
-                    Some(mmio_py::ReadServed::Device(handler, offset)) => {
-                        Python::attach(|py| {
-                            let value = handler.call_method1(py, "read", (offset, data.len()));
-                            drop(handler);
-                            fill(data, value?.bind(py).extract::<&[u8]>()?);
-                            Ok(())
-                        })
-                    }
+                    Some(mmio_py::ReadServed::Device(handler, offset)) => Python::attach(|py| {
+                        let value = handler.call_method1(py, "read", (offset, data.len()));
+                        drop(handler);
+                        fill(data, value?.bind(py).extract::<&[u8]>()?);
+                        Ok(())
+                    }),
                     None => Python::attach(|py| mmio_read(py, &cb.mmio, addr, data)),
                 };
                 match served {
