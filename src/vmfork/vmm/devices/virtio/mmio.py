@@ -748,9 +748,6 @@ class MmioTransport:
         except GuestError as err:
             self._device_error(err, epoch)
 
-    def _failed_in(self, epoch: int) -> bool:
-        return self.registers.failed_in(epoch)
-
     def _raise(self, bits: int, epoch: int) -> None:
         if self.registers.raise_interrupt(bits, epoch):
             self.irq.trigger()
