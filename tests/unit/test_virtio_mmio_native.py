@@ -11,9 +11,15 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_virtio_harness import loop, memory  # noqa: F401
 
+from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.device import VIRTIO_F_VERSION_1
+from vmfork.vmm.devices.virtio.rng import VirtioRng
+from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.memory import GuestMemory
 
 try:
     from vmfork import _core
@@ -41,6 +47,16 @@ VALUES = st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 16, 64, 256, 512, 100, 0xF
 OFFSETS = st.one_of(st.sampled_from(REGISTERS), st.integers(0, 0xFFF),
                     st.integers(0x100, 0x120), st.sampled_from([0xFF8, 0xFFC, 0xFFE, 0xFFF]))
 SIZES = st.one_of(st.just(4), st.sampled_from([1, 2, 3, 4, 8]))
+
+
+class Recorder:
+    """A plain bus device (no register file)."""
+
+    def read(self, offset: int, size: int) -> bytes:
+        return bytes(size)
+
+    def write(self, offset: int, data: bytes) -> None:
+        pass
 
 
 def _write(offset: int, value: int, size: int) -> tuple[str, int, bytes]:
@@ -182,3 +198,29 @@ def test_bad_queue_max_sizes_refused(max_sizes: list[int]) -> None:
     with pytest.raises(ValueError) as native_err:
         _core.MmioRegisters(4, 0, max_sizes)
     assert str(py_err.value) == str(native_err.value)
+
+
+
+def test_the_bus_hands_native_register_files_to_its_windows(
+        loop: EventLoop, memory: GuestMemory) -> None:  # noqa: F811
+    """What the native vCPU loop serves: a transport's native register file, added by
+    ``Bus.register``; other devices and Python register files stay the bus's alone."""
+    bus = Bus("mmio")
+    if bus.windows is None:
+        pytest.skip("VMFORK_NATIVE=0: the bus keeps no native windows")
+    irq = IrqLine(gsi=5)
+    try:
+        native = mmio.MmioTransport(VirtioRng(loop), memory, irq, loop, native=True)
+        python = mmio.MmioTransport(VirtioRng(loop), memory, irq, loop, native=False)
+        bus.register(0xD000_0000, 0x1000, native)
+        bus.register(0xD000_1000, 0x1000, python)
+        bus.register(0xD000_2000, 0x10, Recorder())
+        assert len(bus.windows) == 1
+        registers = native.native_registers
+        assert registers is not None and python.native_registers is None
+        with pytest.raises(ValueError, match="overlaps"):
+            bus.windows.add(0xD000_0800, registers, native)
+        # The Python path through the bus reaches the same registers.
+        assert bus.read(0xD000_0000 + mmio.REG_MAGIC, 4) == b"virt"
+    finally:
+        irq.close()
