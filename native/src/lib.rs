@@ -13,6 +13,8 @@
 
 mod console;
 mod guest_ram;
+mod mmio;
+mod mmio_py;
 mod restore;
 mod vcpu;
 mod virtio_py;
@@ -205,6 +207,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<console::Console>()?;
     m.add_class::<virtio_py::GuestRam>()?;
+    m.add_class::<mmio_py::MmioRegisters>()?;
+    m.add_class::<mmio_py::MmioWindows>()?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())

@@ -1,7 +1,8 @@
 //! The vCPU run loop: one native thread per vCPU on `KVM_RUN`, with pause and kick.
 //!
 //! The thread runs the guest until an exit needs the VMM. HLT, interrupt-window and
-//! signal exits are handled here without Python; port and MMIO exits are handed to
+//! signal exits are handled here without Python, and so are COM1/i8042 (`console.rs`)
+//! and the virtio-mmio register files (`mmio_py.rs`); other port and MMIO exits are handed to
 //! the Python buses (`vmfork.vmm.bus.Bus.read`/`write`), the GIL taken only for
 //! them; an exit that ends the vCPU (shutdown, system event, internal error, failed
 //! entry, an exit we do not serve) is reported once to the Python `on_exit`.
@@ -38,6 +39,7 @@ use std::time::{Duration, Instant};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::console::{Console, Served};
+use crate::mmio_py::{self, MmioWindows};
 use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -214,6 +216,8 @@ struct Callbacks {
     on_exit: Py<PyAny>,
     /// COM1 and the i8042, served without Python, when the machine has them native.
     console: Option<Py<Console>>,
+    /// The virtio-mmio register files, served without Python (`mmio_py.rs`).
+    windows: Option<Py<MmioWindows>>,
 }
 
 /// One vCPU's run loop (`vmfork.vmm.native_vcpu.NativeVcpu` wraps it).
@@ -271,9 +275,13 @@ impl VcpuLoop {
     /// call `pio.read(port, size)`/`pio.write(port, data)`, MMIO exits the same on
     /// `mmio`; an exit that ends the vCPU calls `on_exit(reason, detail)` once, on
     /// the vCPU's thread. With `console`, its ports (COM1, the i8042) never reach
-    /// `pio`. The descriptors stay the caller's (the loop uses copies).
+    /// `pio`. With `windows`, MMIO exits in its register files' windows are served
+    /// there, and reach Python only for what needs the device model (the transport's
+    /// `read` for a config read, `apply_events` for what a write caused). The
+    /// descriptors stay the caller's (the loop uses copies).
     #[new]
-    #[pyo3(signature = (kvm_fd, vm_fd, vcpu_fd, index, pio, mmio, on_exit, console = None))]
+    #[pyo3(signature = (kvm_fd, vm_fd, vcpu_fd, index, pio, mmio, on_exit, console = None,
+                        windows = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         kvm_fd: RawFd,
@@ -284,6 +292,7 @@ impl VcpuLoop {
         mmio: Py<PyAny>,
         on_exit: Py<PyAny>,
         console: Option<Py<Console>>,
+        windows: Option<Py<MmioWindows>>,
     ) -> PyResult<Self> {
         let vm = crate::open_vm(kvm_fd, vm_fd)?;
         let mut vcpus = crate::open_vcpus(&vm, &[(vcpu_fd, index)])?;
@@ -296,6 +305,7 @@ impl VcpuLoop {
                 mmio,
                 on_exit,
                 console,
+                windows,
             },
         ))
     }
@@ -447,6 +457,9 @@ impl VcpuLoop {
                 if let Some(console) = cb.console.as_ref() {
                     visit.call(console)?;
                 }
+                if let Some(windows) = cb.windows.as_ref() {
+                    visit.call(windows)?;
+                }
             }
         }
         Ok(())
@@ -562,18 +575,40 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
                 count_io(shared, "mmio", addr & !0xFFF);
-                match Python::attach(|py| mmio_read(py, &cb.mmio, addr, data)) {
+                let native = cb.windows.as_ref().and_then(|w| w.get().read(addr, data));
+                let served = match native {
+                    Some(mmio_py::ReadServed::Done) => Ok(()),
+                    Some(mmio_py::ReadServed::Device(handler, offset)) => Python::attach(|py| {
+                        let value = handler.call_method1(py, "read", (offset, data.len()));
+                        drop(handler);
+                        fill(data, value?.bind(py).extract::<&[u8]>()?);
+                        Ok(())
+                    }),
+                    None => Python::attach(|py| mmio_read(py, &cb.mmio, addr, data)),
+                };
+                match served {
                     Ok(()) => continue,
                     Err(err) => return Some(bus_error(err)),
                 }
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 count_io(shared, "mmio", addr & !0xFFF);
-                let written = Python::attach(|py| {
-                    cb.mmio
-                        .call_method1(py, "write", (addr, PyBytes::new(py, data)))
-                        .map(drop)
-                });
+                let native = cb.windows.as_ref().and_then(|w| w.get().write(addr, data));
+                let written = match native {
+                    Some(mmio_py::WriteServed::Done) => Ok(()),
+                    Some(mmio_py::WriteServed::Events(handler, events)) => Python::attach(|py| {
+                        let applied = handler
+                            .call_method1(py, "apply_events", (mmio_py::events_to_py(events),))
+                            .map(drop);
+                        drop(handler);
+                        applied
+                    }),
+                    None => Python::attach(|py| {
+                        cb.mmio
+                            .call_method1(py, "write", (addr, PyBytes::new(py, data)))
+                            .map(drop)
+                    }),
+                };
                 match written {
                     Ok(()) => continue,
                     Err(err) => return Some(bus_error(err)),

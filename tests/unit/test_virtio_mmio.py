@@ -1,5 +1,7 @@
 """The virtio-mmio v2 transport, driven register by register as a guest would,
-with virtio-rng as the device behind it (real EventLoop thread, real eventfds)."""
+with virtio-rng as the device behind it (real EventLoop thread, real eventfds);
+every test that builds its transport from the fixture runs on both register files
+(the native one where the core is built, and ``PyRegisters``)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,17 @@ def irq() -> Iterator[IrqLine]:
     line.close()
 
 
-@pytest.fixture
-def rng_transport(loop: EventLoop, memory: GuestMemory,  # noqa: F811
-                  irq: IrqLine) -> mmio.MmioTransport:
-    return mmio.MmioTransport(VirtioRng(loop), memory, irq, loop)
+try:
+    from vmfork import _core  # noqa: F401 -- only whether it is built
+    REGISTER_FILES = [True, False]
+except ImportError:
+    REGISTER_FILES = [False]
+
+
+@pytest.fixture(params=REGISTER_FILES, ids=lambda native: "native" if native else "python")
+def rng_transport(request: pytest.FixtureRequest, loop: EventLoop,  # noqa: F811
+                  memory: GuestMemory, irq: IrqLine) -> mmio.MmioTransport:  # noqa: F811
+    return mmio.MmioTransport(VirtioRng(loop), memory, irq, loop, native=request.param)
 
 
 @pytest.fixture

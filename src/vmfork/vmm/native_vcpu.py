@@ -2,8 +2,9 @@
 ``vmfork._core.VcpuLoop`` (``native/src/vcpu.rs``, whose module comment says how
 kicking works there).
 
-Each vCPU is one native thread on ``KVM_RUN``; COM1 and the i8042 (``console``) it
-serves itself; it takes the GIL only for other port and MMIO exits, which it hands
+Each vCPU is one native thread on ``KVM_RUN``; COM1 and the i8042 (``console``) and
+the virtio-mmio register files (``mmio.windows``) it serves itself; it takes the GIL
+only for what those hand back to Python and for other port and MMIO exits, which it hands
 to the same ``Bus`` objects the Python loop uses, and for the one exit that ends it
 (reported to ``on_exit`` as a ``VcpuExitEvent``).
 ``Machine`` uses this class whenever the native core is built (``vmstate.NATIVE``).
@@ -55,7 +56,8 @@ class NativeVcpu:
         self.mmio = mmio
         self.on_exit = on_exit
         self._loop = _core.VcpuLoop(kvm_fd, vm_fd, fd, index, pio, mmio,
-                                    functools.partial(_report, on_exit, index), console)
+                                    functools.partial(_report, on_exit, index), console,
+                                    mmio.windows)
         _live.add(self)
 
     def start(self, paused: bool = False) -> None:

@@ -9,8 +9,13 @@ Threads. Every device method except ``read_config``/``write_config`` runs on
 the VMM's I/O thread (the ``EventLoop``): the transport hands ``activate``,
 ``queue_notify`` and ``reset`` over with ``loop.call_soon``. A device may then
 use the loop freely (``add_reader`` for its sockets) and needs no lock of its
-own for queue work. Config space accesses come from the vCPU thread under the
-transport's lock; devices keep config either immutable or guarded.
+own for queue work. Config space: a device whose config is plain bytes (it
+overrides neither ``read_config`` nor ``write_config``) has its ``config_bytes``
+copied into the transport's register file, which serves them itself; such bytes may
+change only by the device's ``restore`` (the transport's follows it) or right before
+``transport.notify_config_change()`` (which copies them again). Other devices' config
+accesses come from the vCPU thread, with no transport lock held; they keep their
+config immutable or guarded (the balloon's lock).
 
 Errors. A device that finds the guest at fault raises ``GuestError`` out of
 ``queue_notify``, or, from work it started itself (a socket became readable),
@@ -96,7 +101,7 @@ class VirtioDevice:
     def active(self) -> bool:
         return self.memory is not None
 
-    # -- config space (vCPU thread, under the transport lock) ----------------------------
+    # -- config space (see the module comment) -------------------------------------------
     def config_bytes(self) -> bytes:
         return b""
 

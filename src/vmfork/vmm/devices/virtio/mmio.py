@@ -2,9 +2,21 @@
 
 One ``MmioTransport`` is a ``BusDevice`` on the MMIO bus, 0x1000 bytes wide,
 and fronts one ``VirtioDevice``. Register accesses arrive on vCPU threads; all
-device work runs on the I/O thread (``EventLoop``). A lock guards the register
-file, which both sides touch (the I/O thread sets interrupt bits and
-DEVICE_NEEDS_RESET).
+device work runs on the I/O thread (``EventLoop``).
+
+The register file is an object of its own with one lock, which both sides touch
+(the I/O thread sets interrupt bits and DEVICE_NEEDS_RESET): ``PyRegisters`` below,
+or its native twin ``_core.MmioRegisters`` (``native/src/mmio.rs``) when the core is
+built and ``VMFORK_NATIVE`` is not 0. It applies every rule listed here and hands
+back *events* for what needs the device model (reset, acked features, activation,
+a notification, a needs-reset to signal, a config write to a device whose config is
+not plain bytes); the transport acts on them with the register lock released. With
+the native one, the native vCPU loop serves a register access without the GIL
+(``Bus.register`` puts the file into the bus's ``_core.MmioWindows``) and calls
+``apply_events`` (or ``read``, for a config read the device answers) only when there
+are any: an idle guest's interrupt handling (InterruptStatus, InterruptACK) never
+enters Python. Plain config bytes (``config_bytes`` is all a device's config is) are
+copied into the register file at construction, restore and ``notify_config_change``.
 
 Notifications reach us two ways. Without ioeventfds, a guest write to
 QueueNotify exits to the vCPU thread, which hands the work to the loop. With a
@@ -75,11 +87,17 @@ from vmfork.vmm.devices.virtio.device import (
     VirtioDevice,
     run_on_loop,
 )
-from vmfork.vmm.devices.virtio.queue import QueueState, Virtqueue
+from vmfork.vmm.devices.virtio.queue import MAX_QUEUE_SIZE, QueueState, Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import Interrupt
 from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.native import NATIVE
+
+try:  # also when NATIVE is off: the tests hold the two register files to each other
+    from vmfork import _core
+except ImportError:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +142,18 @@ _STATUS_ORDER = (STATUS_ACKNOWLEDGE, STATUS_DRIVER, STATUS_FEATURES_OK, STATUS_D
 RegisterIoeventfd = Callable[[int, int, int], None]
 
 
+# Events a register write causes, for the transport to act on once the register lock is
+# released: (kind, number, number, detail). Both register files return the same ones.
+Event = tuple[str, int, int, "str | bytes"]
+# One queue's registers: (max_size, size, ready, desc, avail, used).
+QueueRegs = tuple[int, int, bool, int, int, int]
+# The saved registers: status, device_features_sel, driver_features_sel, driver_features,
+# driver_features_bad, queue_sel, interrupt_status, config_generation, queues.
+SavedRegs = tuple[int, int, int, int, bool, int, int, int, list[QueueRegs]]
+
+MAX_QUEUES = 64  # a register file's bound (ours have at most 3 queues)
+
+
 @dataclass
 class MmioTransportState:
     """Plain-data twin of ``MmioTransport`` (registers and queues, not fds)."""
@@ -138,6 +168,347 @@ class MmioTransportState:
     interrupt_status: int
     config_generation: int
     queues: list[QueueState] = field(default_factory=list)
+
+
+@dataclass
+class _Queue:
+    max_size: int
+    size: int
+    ready: bool = False
+    desc: int = 0
+    avail: int = 0
+    used: int = 0
+
+    def regs(self) -> QueueRegs:
+        return (self.max_size, self.size, self.ready, self.desc, self.avail, self.used)
+
+
+class PyRegisters:
+    """The register file in Python: the ``VMFORK_NATIVE=0`` path, and the reference
+    the native one (``_core.MmioRegisters``, ``native/src/mmio.rs``) is held to by
+    tests/unit/test_virtio_mmio_native.py. Same methods, same results, same events.
+
+    It knows nothing of the device model; its lock guards only the registers and is
+    never held while the transport calls the device or the loop.
+    """
+
+    def __init__(self, device_type: int, features: int, max_sizes: list[int],
+                 config: bytes | None = None) -> None:
+        if len(max_sizes) > MAX_QUEUES:
+            raise ValueError(f"{len(max_sizes)} queues, at most {MAX_QUEUES}")
+        for m in max_sizes:
+            if not Virtqueue.size_is_valid(m, MAX_QUEUE_SIZE):
+                raise ValueError(f"queue max size {m} is not a power of 2 in 1..{MAX_QUEUE_SIZE}")
+        self._lock = threading.Lock()
+        self.device_type = device_type
+        self.features = features
+        self._max_sizes = list(max_sizes)
+        self._config = config
+        self.epoch = 0
+        self.ignored_writes = 0
+        self.bad_accesses = 0
+        self.device_errors = 0
+        self.last_device_error: str | None = None
+        self._reset_registers()
+
+    def _reset_registers(self) -> None:
+        self.status = 0
+        self.device_features_sel = 0
+        self.driver_features_sel = 0
+        self.driver_features = 0
+        self.driver_features_bad = False
+        self.queue_sel = 0
+        self.interrupt_status = 0
+        self.config_generation = 0
+        self._queues = [_Queue(m, m) for m in self._max_sizes]
+
+    # -- guest accesses -----------------------------------------------------------------------
+    def read(self, offset: int, size: int) -> bytes | None:
+        """The bytes a guest read gets, or None for a config read the device answers."""
+        with self._lock:
+            if offset >= CONFIG_SPACE:
+                if size not in (1, 2, 4, 8) or offset + size > MMIO_WINDOW_SIZE:
+                    self.bad_accesses += 1
+                    return bytes(size)
+                if self._config is None:
+                    return None
+                start = offset - CONFIG_SPACE
+                return (self._config[start:start + size] + bytes(size))[:size]
+            if size != 4 or offset % 4:
+                self.bad_accesses += 1
+                return bytes(size)
+            return self._read_register(offset).to_bytes(4, "little")
+
+    def write(self, offset: int, data: bytes) -> list[Event]:
+        """Apply a guest write; the events it caused, in order."""
+        events: list[Event] = []
+        size = len(data)
+        with self._lock:
+            if offset >= CONFIG_SPACE:
+                if size not in (1, 2, 4, 8) or offset + size > MMIO_WINDOW_SIZE:
+                    self.bad_accesses += 1
+                elif self._config is None:
+                    events.append(("config_write", offset - CONFIG_SPACE, 0, bytes(data)))
+                # else: plain config is read-only for every device we have; dropped
+                return events
+            if size != 4 or offset % 4:
+                self.bad_accesses += 1
+                return events
+            value = int.from_bytes(data, "little")
+            if offset == REG_STATUS and value == 0:
+                self.epoch += 1
+                self._reset_registers()
+                events.append(("reset", 0, 0, ""))
+                return events
+            self._write_register(offset, value, events)
+        return events
+
+    def _selected_queue(self) -> _Queue | None:
+        if self.queue_sel < len(self._queues):
+            return self._queues[self.queue_sel]
+        return None
+
+    def _read_register(self, offset: int) -> int:
+        q = self._selected_queue()
+        if offset == REG_MAGIC:
+            return MAGIC
+        if offset == REG_VERSION:
+            return VERSION
+        if offset == REG_DEVICE_ID:
+            return self.device_type
+        if offset == REG_VENDOR_ID:
+            return VENDOR_ID
+        if offset == REG_DEVICE_FEATURES:
+            if self.device_features_sel > 1:
+                return 0
+            return (self.features >> (32 * self.device_features_sel)) & 0xFFFF_FFFF
+        if offset == REG_QUEUE_NUM_MAX:
+            return q.max_size if q is not None else 0
+        if offset == REG_QUEUE_READY:
+            return int(q.ready) if q is not None else 0
+        if offset == REG_INTERRUPT_STATUS:
+            return self.interrupt_status
+        if offset == REG_STATUS:
+            return self.status
+        if offset == REG_CONFIG_GENERATION:
+            return self.config_generation
+        return 0
+
+    def _ignore(self, what: str) -> None:
+        self.ignored_writes += 1
+        log.debug("ignored virtio-mmio write: %s", what)
+
+    def _write_register(self, offset: int, value: int, events: list[Event]) -> None:
+        if offset == REG_DEVICE_FEATURES_SEL:
+            self.device_features_sel = value
+        elif offset == REG_DRIVER_FEATURES_SEL:
+            self.driver_features_sel = value
+        elif offset == REG_DRIVER_FEATURES:
+            self._write_driver_features(value)
+        elif offset == REG_QUEUE_SEL:
+            self.queue_sel = value
+        elif offset == REG_QUEUE_NOTIFY:
+            self._write_queue_notify(value, events)
+        elif offset == REG_INTERRUPT_ACK:
+            self.interrupt_status &= ~value
+        elif offset == REG_STATUS:
+            self._write_status(value, events)
+        elif offset in (REG_QUEUE_NUM, REG_QUEUE_READY, REG_QUEUE_DESC_LOW,
+                        REG_QUEUE_DESC_HIGH, REG_QUEUE_DRIVER_LOW, REG_QUEUE_DRIVER_HIGH,
+                        REG_QUEUE_DEVICE_LOW, REG_QUEUE_DEVICE_HIGH):
+            self._write_queue_register(offset, value, events)
+        else:
+            self._ignore(f"offset {offset:#x} is not a writable register")
+
+    def _write_driver_features(self, value: int) -> None:
+        if not self.status & STATUS_DRIVER or self.status & STATUS_FEATURES_OK:
+            self._ignore("DriverFeatures outside feature negotiation")
+            return
+        if self.driver_features_sel > 1:
+            if value:
+                self.driver_features_bad = True
+            return
+        shift = 32 * self.driver_features_sel
+        self.driver_features = ((self.driver_features & ~(0xFFFF_FFFF << shift))
+                                | (value << shift))
+
+    def _write_status(self, value: int, events: list[Event]) -> None:
+        current = self.status & _DRIVER_STATUS_BITS
+        wanted = value & _DRIVER_STATUS_BITS
+        if value & STATUS_FAILED:
+            self.status |= STATUS_FAILED
+        if wanted == current:
+            return
+        if current & ~wanted:
+            self._ignore(f"status {value:#x} would clear bits of {self.status:#x}")
+            return
+        for bit in _STATUS_ORDER:
+            if wanted & bit and not current & bit:
+                previous = _STATUS_ORDER[:_STATUS_ORDER.index(bit)]
+                if any(not wanted & b for b in previous):
+                    self._ignore(f"status {value:#x} skips a step before {bit:#x}")
+                    return
+        if wanted & STATUS_FEATURES_OK and not current & STATUS_FEATURES_OK:
+            refused = self._features_refusal()
+            if refused:
+                events.append(("features_refused", 0, 0, refused))
+                wanted &= ~(STATUS_FEATURES_OK | STATUS_DRIVER_OK)
+            else:
+                events.append(("features_ok", self.driver_features, 0, ""))
+        self.status = (self.status & ~_DRIVER_STATUS_BITS) | wanted
+        if (wanted & STATUS_DRIVER_OK and not current & STATUS_DRIVER_OK
+                and not self.status & STATUS_DEVICE_NEEDS_RESET):
+            events.append(("activate", self.epoch, 0, ""))
+
+    def _features_refusal(self) -> str | None:
+        unoffered = self.driver_features & ~self.features
+        if unoffered or self.driver_features_bad:
+            return f"driver accepted feature bits never offered ({unoffered:#x})"
+        if not self.driver_features & VIRTIO_F_VERSION_1:
+            return "driver did not accept VIRTIO_F_VERSION_1 (legacy is not supported)"
+        return None
+
+    def _write_queue_register(self, offset: int, value: int, events: list[Event]) -> None:
+        q = self._selected_queue()
+        if q is None:
+            self._ignore(f"queue register {offset:#x} for missing queue {self.queue_sel}")
+            return
+        if self.status & STATUS_DRIVER_OK or not self.status & STATUS_DRIVER:
+            self._ignore(f"queue register {offset:#x} outside queue setup "
+                         f"(status {self.status:#x})")
+            return
+        if offset == REG_QUEUE_READY:
+            if value in (0, 1):
+                q.ready = bool(value)
+            else:
+                self._ignore(f"QueueReady value {value}")
+            return
+        if q.ready:
+            self._ignore(f"queue register {offset:#x} while queue {self.queue_sel} is ready")
+            return
+        if offset == REG_QUEUE_NUM:
+            if not Virtqueue.size_is_valid(value, q.max_size):
+                self._set_needs_reset(f"queue {self.queue_sel} size {value} is not a power "
+                                      f"of 2 in 1..{q.max_size}", events)
+                return
+            q.size = value
+            return
+        low = 0xFFFF_FFFF
+        high = low << 32
+        if offset == REG_QUEUE_DESC_LOW:
+            q.desc = (q.desc & high) | value
+        elif offset == REG_QUEUE_DESC_HIGH:
+            q.desc = (q.desc & low) | (value << 32)
+        elif offset == REG_QUEUE_DRIVER_LOW:
+            q.avail = (q.avail & high) | value
+        elif offset == REG_QUEUE_DRIVER_HIGH:
+            q.avail = (q.avail & low) | (value << 32)
+        elif offset == REG_QUEUE_DEVICE_LOW:
+            q.used = (q.used & high) | value
+        elif offset == REG_QUEUE_DEVICE_HIGH:
+            q.used = (q.used & low) | (value << 32)
+
+    def _write_queue_notify(self, index: int, events: list[Event]) -> None:
+        if index >= len(self._queues):
+            self._ignore(f"QueueNotify for missing queue {index}")
+            return
+        if not self._running():
+            self._ignore(f"QueueNotify {index} while the device is not running")
+            return
+        events.append(("notify", index, self.epoch, ""))
+
+    def _running(self) -> bool:
+        return bool(self.status & STATUS_DRIVER_OK
+                    and not self.status & STATUS_DEVICE_NEEDS_RESET)
+
+    def _set_needs_reset(self, reason: str, events: list[Event]) -> None:
+        self.device_errors += 1
+        self.last_device_error = reason
+        self.status |= STATUS_DEVICE_NEEDS_RESET
+        self.interrupt_status |= INT_CONFIG_CHANGE
+        events.append(("needs_reset", 0, 0, reason))
+
+    # -- the device side ----------------------------------------------------------------------
+    def raise_interrupt(self, bits: int, epoch: int) -> bool:
+        """Set interrupt bits for a device of ``epoch``; True if it is to be raised."""
+        with self._lock:
+            if epoch != self.epoch:
+                return False
+            self.interrupt_status |= bits
+            return True
+
+    def failed_in(self, epoch: int) -> bool:
+        with self._lock:
+            return epoch != self.epoch or bool(self.status & STATUS_DEVICE_NEEDS_RESET)
+
+    def device_error(self, reason: str, epoch: int) -> bool:
+        """True if this newly set DEVICE_NEEDS_RESET (the interrupt is to be raised)."""
+        with self._lock:
+            if epoch != self.epoch or self.status & STATUS_DEVICE_NEEDS_RESET:
+                return False
+            self._set_needs_reset(reason, [])
+            return True
+
+    def config_changed(self, config: bytes | None = None) -> bool:
+        """A new generation (and config bytes); True if the driver runs and so gets
+        the configuration-change interrupt."""
+        with self._lock:
+            self._config = config
+            self.config_generation = (self.config_generation + 1) & 0xFFFF_FFFF
+            if not self._running():
+                return False
+            self.interrupt_status |= INT_CONFIG_CHANGE
+            return True
+
+    def set_config(self, config: bytes | None = None) -> None:
+        with self._lock:
+            self._config = config
+
+    def running_epoch(self) -> int | None:
+        with self._lock:
+            return self.epoch if self._running() else None
+
+    def activation(self, epoch: int) -> list[QueueRegs] | None:
+        """The queues to activate for ``epoch``; None if stale or the device is broken."""
+        with self._lock:
+            if epoch != self.epoch or self.status & STATUS_DEVICE_NEEDS_RESET:
+                return None
+            return [q.regs() for q in self._queues]
+
+    def queues(self) -> list[QueueRegs]:
+        with self._lock:
+            return [q.regs() for q in self._queues]
+
+    def save(self) -> SavedRegs:
+        with self._lock:
+            return (self.status, self.device_features_sel, self.driver_features_sel,
+                    self.driver_features, self.driver_features_bad, self.queue_sel,
+                    self.interrupt_status, self.config_generation,
+                    [q.regs() for q in self._queues])
+
+    def restore(self, saved: SavedRegs) -> tuple[int, bool]:
+        """Load ``save()``'s tuple (a new epoch); returns (epoch, live)."""
+        (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved
+        if len(queues) != len(self._max_sizes):
+            raise ValueError(f"state has {len(queues)} queues, device has "
+                             f"{len(self._max_sizes)}")
+        for q, m in zip(queues, self._max_sizes):
+            if q[0] != m:
+                raise ValueError(f"queue state has max size {q[0]}, this queue {m}")
+        with self._lock:
+            self.epoch += 1
+            self._reset_registers()
+            self.status = status
+            self.device_features_sel = dfs
+            self.driver_features_sel = drfs
+            self.driver_features = df
+            self.driver_features_bad = bad
+            self.queue_sel = qsel
+            self.interrupt_status = isr
+            self.config_generation = cg
+            self._queues = [_Queue(*q) for q in queues]
+            return self.epoch, self._running()
+
 
 
 class _Signals:
@@ -158,41 +529,54 @@ class _Signals:
 
     @property
     def failed(self) -> bool:
-        return self._transport._failed_in(self._epoch)
+        return self._transport.registers.failed_in(self._epoch)
 
 
 class MmioTransport:
-    """A virtio-mmio v2 register window in front of one device."""
+    """A virtio-mmio v2 register window in front of one device.
+
+    The register file is ``registers``: native (``_core.MmioRegisters``) when the core
+    is built and ``VMFORK_NATIVE`` is not 0 (``native`` overrides), else
+    ``PyRegisters``. With the native one, ``Bus.register`` also hands it to the bus's
+    ``MmioWindows``, so the native vCPU loop serves the guest's register accesses
+    without Python and calls ``read`` (a config read the device answers) or
+    ``apply_events`` only for what needs the device model.
+    """
 
     def __init__(self, device: VirtioDevice, memory: GuestMemory, interrupt: Interrupt,
                  loop: EventLoop, register_ioeventfd: RegisterIoeventfd | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, native: bool | None = None) -> None:
         self.device = device
         self.memory = memory
         self.irq = interrupt
         self.loop = loop
         self.name = name or f"virtio-mmio({type(device).__name__})"
-        self._lock = threading.Lock()
-        self._epoch = 0
-        self._reset_registers()
-        self.ignored_writes = 0
-        self.bad_accesses = 0
-        self.device_errors = 0
-        self.last_device_error: str | None = None
+        self._plain_config = (type(device).read_config is VirtioDevice.read_config
+                              and type(device).write_config is VirtioDevice.write_config)
+        self.native = NATIVE if native is None else native
+        args = (device.device_type, device.features, list(device.queue_max_sizes),
+                self._config())
+        self.registers: PyRegisters | _core.MmioRegisters = (
+            _core.MmioRegisters(*args) if self.native else PyRegisters(*args))
+        # The device's view of the queues: their registers are copied in from
+        # ``registers`` (frozen from DRIVER_OK on), their ring indices are the device's.
+        # Replaced by fresh ones at a reset, so a device's old references are detached.
+        self._queues_lock = threading.Lock()
+        self._queues = [Virtqueue(m) for m in device.queue_max_sizes]
         self._ioeventfds: list[int] = []
         if register_ioeventfd is not None:
             self._setup_ioeventfds(register_ioeventfd)
 
-    def _reset_registers(self) -> None:
-        self.status = 0
-        self.device_features_sel = 0
-        self.driver_features_sel = 0
-        self.driver_features = 0
-        self.driver_features_bad = False
-        self.queue_sel = 0
-        self.interrupt_status = 0
-        self.config_generation = 0
-        self.queues = [Virtqueue(m) for m in self.device.queue_max_sizes]
+    def _config(self) -> bytes | None:
+        """The device's config bytes if they are plain (``config_bytes`` is all there is
+        to it; they change only by a restore or before ``notify_config_change``), which
+        the register file then serves itself; else None (config accesses go to it)."""
+        return self.device.config_bytes() if self._plain_config else None
+
+    @property
+    def native_registers(self) -> _core.MmioRegisters | None:
+        """What the bus's native windows serve (None with the Python register file)."""
+        return None if isinstance(self.registers, PyRegisters) else self.registers
 
     def _setup_ioeventfds(self, register: RegisterIoeventfd) -> None:
         try:
@@ -223,203 +607,95 @@ class MmioTransport:
 
         loop_call(self.loop, drop)
 
+    # -- the registers, read-only views (tests, the machine's stats) --------------------------
+    @property
+    def status(self) -> int:
+        return self.registers.status
+
+    @property
+    def interrupt_status(self) -> int:
+        return self.registers.interrupt_status
+
+    @property
+    def driver_features(self) -> int:
+        return self.registers.driver_features
+
+    @property
+    def config_generation(self) -> int:
+        return self.registers.config_generation
+
+    @property
+    def ignored_writes(self) -> int:
+        return self.registers.ignored_writes
+
+    @property
+    def bad_accesses(self) -> int:
+        return self.registers.bad_accesses
+
+    @property
+    def device_errors(self) -> int:
+        return self.registers.device_errors
+
+    @property
+    def last_device_error(self) -> str | None:
+        return self.registers.last_device_error
+
+    @property
+    def queues(self) -> list[Virtqueue]:
+        """The queues with the registers' current values copied in."""
+        with self._queues_lock:
+            queues = list(self._queues)
+            _load_queue_regs(queues, self.registers.queues())
+        return queues
+
     # -- BusDevice ------------------------------------------------------------------------
     def read(self, offset: int, size: int) -> bytes:
-        if offset >= CONFIG_SPACE:
-            if size not in (1, 2, 4, 8) or offset + size > MMIO_WINDOW_SIZE:
-                self.bad_accesses += 1
-                return bytes(size)
-            with self._lock:
-                return self.device.read_config(offset - CONFIG_SPACE, size)
-        if size != 4 or offset % 4:
-            self.bad_accesses += 1
-            return bytes(size)
-        with self._lock:
-            value = self._read_register(offset)
-        return value.to_bytes(4, "little")
+        data = self.registers.read(offset, size)
+        if data is None:
+            # The device's config is not plain bytes: it answers (under its own lock,
+            # from the vCPU thread, as device.py's contract says).
+            return self.device.read_config(offset - CONFIG_SPACE, size)
+        return data
 
     def write(self, offset: int, data: bytes) -> None:
-        size = len(data)
-        if offset >= CONFIG_SPACE:
-            if size not in (1, 2, 4, 8) or offset + size > MMIO_WINDOW_SIZE:
-                self.bad_accesses += 1
-                return
-            with self._lock:
-                self.device.write_config(offset - CONFIG_SPACE, bytes(data))
-            return
-        if size != 4 or offset % 4:
-            self.bad_accesses += 1
-            return
-        value = int.from_bytes(data, "little")
-        if offset == REG_STATUS and value == 0:
-            self.reset()
-            return
-        with self._lock:
-            self._write_register(offset, value)
+        events = self.registers.write(offset, bytes(data))
+        if events:
+            self.apply_events(events)
 
-    # -- registers (under the lock) --------------------------------------------------------
-    def _selected_queue(self) -> Virtqueue | None:
-        if self.queue_sel < len(self.queues):
-            return self.queues[self.queue_sel]
-        return None
+    def apply_events(self, events: list[Event]) -> None:
+        """Act on what a register write caused (on the writing vCPU's thread, the
+        register lock released: the native loop calls this with the GIL)."""
+        for kind, number, other, detail in events:
+            if kind == "reset":
+                self._after_reset()
+            elif kind == "features_ok":
+                self.device.acked_features = number
+            elif kind == "features_refused":
+                log.info("%s: FEATURES_OK refused: %s", self.name, detail)
+            elif kind == "activate":
+                self.loop.call_soon(partial(self._activate, number))
+            elif kind == "needs_reset":
+                self._needs_reset_raised(str(detail))
+            elif kind == "notify":
+                self.loop.call_soon(partial(self._notify, number, other))
+            elif kind == "config_write":
+                assert isinstance(detail, bytes)
+                self.device.write_config(number, detail)
 
-    def _read_register(self, offset: int) -> int:
-        q = self._selected_queue()
-        if offset == REG_MAGIC:
-            return MAGIC
-        if offset == REG_VERSION:
-            return VERSION
-        if offset == REG_DEVICE_ID:
-            return self.device.device_type
-        if offset == REG_VENDOR_ID:
-            return VENDOR_ID
-        if offset == REG_DEVICE_FEATURES:
-            if self.device_features_sel > 1:
-                return 0
-            return (self.device.features >> (32 * self.device_features_sel)) & 0xFFFF_FFFF
-        if offset == REG_QUEUE_NUM_MAX:
-            return q.max_size if q is not None else 0
-        if offset == REG_QUEUE_READY:
-            return int(q.ready) if q is not None else 0
-        if offset == REG_INTERRUPT_STATUS:
-            return self.interrupt_status
-        if offset == REG_STATUS:
-            return self.status
-        if offset == REG_CONFIG_GENERATION:
-            return self.config_generation
-        return 0
-
-    def _ignore(self, what: str) -> None:
-        self.ignored_writes += 1
-        log.debug("%s: ignored write: %s", self.name, what)
-
-    def _write_register(self, offset: int, value: int) -> None:
-        if offset == REG_DEVICE_FEATURES_SEL:
-            self.device_features_sel = value
-        elif offset == REG_DRIVER_FEATURES_SEL:
-            self.driver_features_sel = value
-        elif offset == REG_DRIVER_FEATURES:
-            self._write_driver_features(value)
-        elif offset == REG_QUEUE_SEL:
-            self.queue_sel = value
-        elif offset == REG_QUEUE_NOTIFY:
-            self._write_queue_notify(value)
-        elif offset == REG_INTERRUPT_ACK:
-            self.interrupt_status &= ~value
-        elif offset == REG_STATUS:
-            self._write_status(value)
-        elif offset in (REG_QUEUE_NUM, REG_QUEUE_READY, REG_QUEUE_DESC_LOW,
-                        REG_QUEUE_DESC_HIGH, REG_QUEUE_DRIVER_LOW, REG_QUEUE_DRIVER_HIGH,
-                        REG_QUEUE_DEVICE_LOW, REG_QUEUE_DEVICE_HIGH):
-            self._write_queue_register(offset, value)
-        else:
-            self._ignore(f"offset {offset:#x} is not a writable register")
-
-    def _write_driver_features(self, value: int) -> None:
-        if not self.status & STATUS_DRIVER or self.status & STATUS_FEATURES_OK:
-            self._ignore("DriverFeatures outside feature negotiation")
-            return
-        if self.driver_features_sel > 1:
-            if value:
-                self.driver_features_bad = True
-            return
-        shift = 32 * self.driver_features_sel
-        self.driver_features = ((self.driver_features & ~(0xFFFF_FFFF << shift))
-                                | (value << shift))
-
-    def _write_status(self, value: int) -> None:
-        current = self.status & _DRIVER_STATUS_BITS
-        wanted = value & _DRIVER_STATUS_BITS
-        if value & STATUS_FAILED:
-            self.status |= STATUS_FAILED
-        if wanted == current:
-            return
-        if current & ~wanted:
-            self._ignore(f"status {value:#x} would clear bits of {self.status:#x}")
-            return
-        for bit in _STATUS_ORDER:
-            if wanted & bit and not current & bit:
-                previous = _STATUS_ORDER[:_STATUS_ORDER.index(bit)]
-                if any(not wanted & b for b in previous):
-                    self._ignore(f"status {value:#x} skips a step before {bit:#x}")
-                    return
-        if wanted & STATUS_FEATURES_OK and not current & STATUS_FEATURES_OK:
-            refused = self._features_refusal()
-            if refused:
-                log.info("%s: FEATURES_OK refused: %s", self.name, refused)
-                wanted &= ~(STATUS_FEATURES_OK | STATUS_DRIVER_OK)
-            else:
-                self.device.acked_features = self.driver_features
-        self.status = (self.status & ~_DRIVER_STATUS_BITS) | wanted
-        if (wanted & STATUS_DRIVER_OK and not current & STATUS_DRIVER_OK
-                and not self.status & STATUS_DEVICE_NEEDS_RESET):
-            epoch = self._epoch
-            self.loop.call_soon(lambda: self._activate(epoch))
-
-    def _features_refusal(self) -> str | None:
-        unoffered = self.driver_features & ~self.device.features
-        if unoffered or self.driver_features_bad:
-            return f"driver accepted feature bits never offered ({unoffered:#x})"
-        if not self.driver_features & VIRTIO_F_VERSION_1:
-            return "driver did not accept VIRTIO_F_VERSION_1 (legacy is not supported)"
-        return None
-
-    def _write_queue_register(self, offset: int, value: int) -> None:
-        q = self._selected_queue()
-        if q is None:
-            self._ignore(f"queue register {offset:#x} for missing queue {self.queue_sel}")
-            return
-        if self.status & STATUS_DRIVER_OK or not self.status & STATUS_DRIVER:
-            self._ignore(f"queue register {offset:#x} outside queue setup "
-                         f"(status {self.status:#x})")
-            return
-        if offset == REG_QUEUE_READY:
-            if value in (0, 1):
-                q.ready = bool(value)
-            else:
-                self._ignore(f"QueueReady value {value}")
-            return
-        if q.ready:
-            self._ignore(f"queue register {offset:#x} while queue {self.queue_sel} is ready")
-            return
-        if offset == REG_QUEUE_NUM:
-            if not Virtqueue.size_is_valid(value, q.max_size):
-                self._set_needs_reset(f"queue {self.queue_sel} size {value} is not a power "
-                                      f"of 2 in 1..{q.max_size}")
-                return
-            q.size = value
-            return
-        low = 0xFFFF_FFFF
-        high = low << 32
-        if offset == REG_QUEUE_DESC_LOW:
-            q.desc_table = (q.desc_table & high) | value
-        elif offset == REG_QUEUE_DESC_HIGH:
-            q.desc_table = (q.desc_table & low) | (value << 32)
-        elif offset == REG_QUEUE_DRIVER_LOW:
-            q.avail_ring = (q.avail_ring & high) | value
-        elif offset == REG_QUEUE_DRIVER_HIGH:
-            q.avail_ring = (q.avail_ring & low) | (value << 32)
-        elif offset == REG_QUEUE_DEVICE_LOW:
-            q.used_ring = (q.used_ring & high) | value
-        elif offset == REG_QUEUE_DEVICE_HIGH:
-            q.used_ring = (q.used_ring & low) | (value << 32)
-
-    def _write_queue_notify(self, index: int) -> None:
-        if index >= len(self.queues):
-            self._ignore(f"QueueNotify for missing queue {index}")
-            return
-        if not self.status & STATUS_DRIVER_OK or self.status & STATUS_DEVICE_NEEDS_RESET:
-            self._ignore(f"QueueNotify {index} while the device is not running")
-            return
-        epoch = self._epoch
-        self.loop.call_soon(lambda: self._notify(index, epoch))
+    def _needs_reset_raised(self, reason: str) -> None:
+        """The register file set DEVICE_NEEDS_RESET and the config-change bit: tell the
+        driver."""
+        log.warning("%s: device needs reset: %s", self.name, reason)
+        self.irq.trigger()
 
     # -- reset ----------------------------------------------------------------------------
     def reset(self) -> None:
         """Device reset (Status = 0): fresh registers now, ``device.reset`` on the loop."""
-        with self._lock:
-            self._epoch += 1
-            self._reset_registers()
+        self.write(REG_STATUS, bytes(4))
+
+    def _after_reset(self) -> None:
+        with self._queues_lock:
+            self._queues = [Virtqueue(m) for m in self.device.queue_max_sizes]
         try:
             run_on_loop(self.loop, self.device.reset)
         except HostError as err:
@@ -431,18 +707,19 @@ class MmioTransport:
             os.eventfd_read(fd)
         except BlockingIOError:
             return
-        with self._lock:
-            running = (self.status & STATUS_DRIVER_OK
-                       and not self.status & STATUS_DEVICE_NEEDS_RESET)
-            epoch = self._epoch
-        if running:
+        epoch = self.registers.running_epoch()
+        if epoch is not None:
             self._notify(index, epoch)
 
     def _activate(self, epoch: int) -> None:
-        with self._lock:
-            if epoch != self._epoch or self.status & STATUS_DEVICE_NEEDS_RESET:
+        # The queue list first, then the epoch check: a reset bumps the epoch before it
+        # replaces the list, so a current epoch means these are the current queues.
+        with self._queues_lock:
+            queues = list(self._queues)
+            regs = self.registers.activation(epoch)
+            if regs is None:
                 return
-            queues = list(self.queues)
+            _load_queue_regs(queues, regs)
         try:
             for index, q in enumerate(queues):
                 if q.ready:
@@ -458,71 +735,47 @@ class MmioTransport:
             # "not active"; after a restore, the rings may hold unserved buffers. A
             # notification per ready queue catches both; a spurious one costs a look.
             for index, q in enumerate(queues):
-                if q.ready and not self._failed_in(epoch):
+                if q.ready and not self.registers.failed_in(epoch):
                     self.device.queue_notify(index)
         except GuestError as err:
             self._device_error(err, epoch)
 
     def _notify(self, index: int, epoch: int) -> None:
-        if self._failed_in(epoch) or not self.device.active:
+        if self.registers.failed_in(epoch) or not self.device.active:
             return
         try:
             self.device.queue_notify(index)
         except GuestError as err:
             self._device_error(err, epoch)
 
-    def _failed_in(self, epoch: int) -> bool:
-        with self._lock:
-            return epoch != self._epoch or bool(self.status & STATUS_DEVICE_NEEDS_RESET)
-
     def _raise(self, bits: int, epoch: int) -> None:
-        with self._lock:
-            if epoch != self._epoch:
-                return
-            self.interrupt_status |= bits
-        self.irq.trigger()
+        if self.registers.raise_interrupt(bits, epoch):
+            self.irq.trigger()
 
     def notify_config_change(self) -> None:
         """The device's configuration space changed (a volume slot got its disk): a
         new ``ConfigGeneration`` (so a driver reading the multi-byte fields across the
         change reads them again) and, if the driver is running, the interrupt. A
         driver that has not started yet reads the new values when it probes."""
-        with self._lock:
-            self.config_generation = (self.config_generation + 1) & 0xFFFF_FFFF
-            if not self.status & STATUS_DRIVER_OK or self.status & STATUS_DEVICE_NEEDS_RESET:
-                return
-            self.interrupt_status |= INT_CONFIG_CHANGE
-        self.irq.trigger()
-
-    def _set_needs_reset(self, reason: str) -> None:
-        """Under the lock: mark the device broken and tell the driver."""
-        self.device_errors += 1
-        self.last_device_error = reason
-        log.warning("%s: device needs reset: %s", self.name, reason)
-        self.status |= STATUS_DEVICE_NEEDS_RESET
-        self.interrupt_status |= INT_CONFIG_CHANGE
-        self.irq.trigger()
+        if self.registers.config_changed(self._config()):
+            self.irq.trigger()
 
     def _device_error(self, err: GuestError, epoch: int) -> None:
-        with self._lock:
-            if epoch != self._epoch or self.status & STATUS_DEVICE_NEEDS_RESET:
-                return
-            self._set_needs_reset(str(err))
+        if self.registers.device_error(str(err), epoch):
+            self._needs_reset_raised(str(err))
 
     # -- snapshots ----------------------------------------------------------------------------
     def save(self) -> MmioTransportState:
         """Capture the registers and queues. Call on the I/O thread (``run_on_loop``)
         with the vCPUs paused, so no device work or register write races it."""
-        with self._lock:
-            return MmioTransportState(
-                device_type=self.device.device_type, status=self.status,
-                device_features_sel=self.device_features_sel,
-                driver_features_sel=self.driver_features_sel,
-                driver_features=self.driver_features,
-                driver_features_bad=self.driver_features_bad, queue_sel=self.queue_sel,
-                interrupt_status=self.interrupt_status,
-                config_generation=self.config_generation,
-                queues=[q.save() for q in self.queues])
+        with self._queues_lock:
+            (status, dfs, drfs, df, bad, qsel, isr, cg, regs) = self.registers.save()
+            queues = [QueueState(m, size, ready, desc, avail, used, q.next_avail, q.next_used)
+                      for q, (m, size, ready, desc, avail, used) in zip(self._queues, regs)]
+        return MmioTransportState(
+            device_type=self.device.device_type, status=status, device_features_sel=dfs,
+            driver_features_sel=drfs, driver_features=df, driver_features_bad=bad,
+            queue_sel=qsel, interrupt_status=isr, config_generation=cg, queues=queues)
 
     def restore(self, state: MmioTransportState) -> None:
         """Load registers and queues; re-activate the device (on the loop) if it was live.
@@ -532,29 +785,30 @@ class MmioTransport:
         if state.device_type != self.device.device_type:
             raise ValueError(f"{self.name}: state is for device type {state.device_type}, "
                              f"this is {self.device.device_type}")
-        if len(state.queues) != len(self.queues):
+        if len(state.queues) != len(self._queues):
             raise ValueError(f"{self.name}: state has {len(state.queues)} queues, "
-                             f"device has {len(self.queues)}")
-        with self._lock:
-            self._epoch += 1
-            self._reset_registers()
-            self.status = state.status
-            self.device_features_sel = state.device_features_sel
-            self.driver_features_sel = state.driver_features_sel
-            self.driver_features = state.driver_features
-            self.driver_features_bad = state.driver_features_bad
-            self.queue_sel = state.queue_sel
-            self.interrupt_status = state.interrupt_status
-            self.config_generation = state.config_generation
-            for q, qs in zip(self.queues, state.queues):
-                q.restore(qs)
-            if self.status & STATUS_FEATURES_OK:
-                self.device.acked_features = self.driver_features
-            epoch = self._epoch
-            live = (self.status & STATUS_DRIVER_OK
-                    and not self.status & STATUS_DEVICE_NEEDS_RESET)
+                             f"device has {len(self._queues)}")
+        queues = [Virtqueue(m) for m in self.device.queue_max_sizes]
+        for q, qs in zip(queues, state.queues):
+            q.restore(qs)
+        with self._queues_lock:
+            epoch, live = self.registers.restore((
+                state.status, state.device_features_sel, state.driver_features_sel,
+                state.driver_features, state.driver_features_bad, state.queue_sel,
+                state.interrupt_status, state.config_generation,
+                [(q.max_size, q.size, q.ready, q.desc_table, q.avail_ring, q.used_ring)
+                 for q in queues]))
+            self._queues = queues
+            self.registers.set_config(self._config())
+            if state.status & STATUS_FEATURES_OK:
+                self.device.acked_features = state.driver_features
         if live:
-            self.loop.call_soon(lambda: self._activate(epoch))
+            self.loop.call_soon(partial(self._activate, epoch))
+
+
+def _load_queue_regs(queues: list[Virtqueue], regs: list[QueueRegs]) -> None:
+    for q, (_, size, ready, desc, avail, used) in zip(queues, regs):
+        q.size, q.ready, q.desc_table, q.avail_ring, q.used_ring = size, ready, desc, avail, used
 
 
 def loop_call(loop: EventLoop, fn: Callable[[], None]) -> None:

@@ -1,0 +1,382 @@
+//! Python's handle on the native virtio-mmio register file (`native/src/mmio.rs`):
+//! `_core.MmioRegisters`, which `vmfork.vmm.devices.virtio.mmio.MmioTransport` uses
+//! in place of its Python twin (`PyRegisters`, same methods, same results), and
+//! `_core.MmioWindows`, the MMIO bus's map of register files that the native vCPU
+//! loop serves without the GIL.
+//!
+//! Locks and the GIL. A register file is one `Mutex`. Python threads (the I/O
+//! thread raising an interrupt, a vCPU thread of the Python loop, tests) call in
+//! with the GIL and take it: GIL, then the Rust lock. A native vCPU thread takes it
+//! without the GIL, and takes the GIL (for the events a write caused, or a config
+//! read the device answers) only after it let go of it: the register lock is never
+//! held while the GIL is waited for, and no Python code runs under it.
+
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use pyo3::{PyTraverseError, PyVisit};
+
+use crate::mmio::{Event, QueueRegs, Read, Registers, Saved, WINDOW_SIZE};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// (kind, number, number, detail): the Python twin returns the same tuples.
+type PyEvent = (&'static str, u64, u64, Detail);
+
+/// An event's text (a reason) or bytes (a config write's data).
+pub enum Detail {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+impl<'py> IntoPyObject<'py> for Detail {
+    type Target = PyAny;
+    type Output = Bound<'py, PyAny>;
+    type Error = PyErr;
+
+    fn into_pyobject(self, py: Python<'py>) -> PyResult<Self::Output> {
+        Ok(match self {
+            Detail::Text(s) => s.into_pyobject(py)?.into_any(),
+            Detail::Bytes(b) => PyBytes::new(py, &b).into_any(),
+        })
+    }
+}
+
+fn py_event(e: Event) -> PyEvent {
+    let none = || Detail::Text(String::new());
+    match e {
+        Event::Reset => ("reset", 0, 0, none()),
+        Event::FeaturesOk(f) => ("features_ok", f, 0, none()),
+        Event::FeaturesRefused(r) => ("features_refused", 0, 0, Detail::Text(r)),
+        Event::Activate(epoch) => ("activate", epoch, 0, none()),
+        Event::NeedsReset(r) => ("needs_reset", 0, 0, Detail::Text(r)),
+        Event::Notify(index, epoch) => ("notify", u64::from(index), epoch, none()),
+        Event::ConfigWrite(offset, data) => {
+            ("config_write", u64::from(offset), 0, Detail::Bytes(data))
+        }
+    }
+}
+
+/// (max_size, size, ready, desc, avail, used)
+type PyQueue = (u32, u32, bool, u64, u64, u64);
+
+fn py_queue(q: &QueueRegs) -> PyQueue {
+    (q.max_size, q.size, q.ready, q.desc, q.avail, q.used)
+}
+
+/// (status, device_features_sel, driver_features_sel, driver_features,
+///  driver_features_bad, queue_sel, interrupt_status, config_generation, queues)
+type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
+
+/// One virtio-mmio register file.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct MmioRegisters {
+    regs: Arc<Mutex<Registers>>,
+}
+
+#[pymethods]
+impl MmioRegisters {
+    /// `config`: the device's config bytes if they are plain (served here), else
+    /// None (config accesses go to the device).
+    #[new]
+    #[pyo3(signature = (device_type, features, max_sizes, config = None))]
+    fn new(
+        device_type: u32,
+        features: u64,
+        max_sizes: Vec<u32>,
+        config: Option<Vec<u8>>,
+    ) -> PyResult<Self> {
+        let regs = Registers::new(device_type, features, &max_sizes, config)
+            .map_err(PyValueError::new_err)?;
+        Ok(MmioRegisters {
+            regs: Arc::new(Mutex::new(regs)),
+        })
+    }
+
+    /// The bytes a guest read gets, or None for a config read the device answers.
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: u64,
+        size: usize,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        if size > 8 {
+            return Err(PyValueError::new_err(format!("a {size}-byte MMIO read")));
+        }
+        let mut buf = [0u8; 8];
+        let done = matches!(lock(&self.regs).read(offset, &mut buf[..size]), Read::Done);
+        Ok(done.then(|| PyBytes::new(py, &buf[..size])))
+    }
+
+    /// Apply a guest write; the events it caused, in order.
+    fn write(&self, offset: u64, data: &[u8]) -> PyResult<Vec<PyEvent>> {
+        if data.len() > 8 {
+            return Err(PyValueError::new_err(format!(
+                "a {}-byte MMIO write",
+                data.len()
+            )));
+        }
+        let mut events = Vec::new();
+        lock(&self.regs).write(offset, data, &mut events);
+        Ok(events.into_iter().map(py_event).collect())
+    }
+
+    fn raise_interrupt(&self, bits: u32, epoch: u64) -> bool {
+        lock(&self.regs).raise(bits, epoch)
+    }
+
+    fn failed_in(&self, epoch: u64) -> bool {
+        lock(&self.regs).failed_in(epoch)
+    }
+
+    fn device_error(&self, reason: String, epoch: u64) -> bool {
+        lock(&self.regs).device_error(reason, epoch)
+    }
+
+    #[pyo3(signature = (config = None))]
+    fn config_changed(&self, config: Option<Vec<u8>>) -> bool {
+        lock(&self.regs).config_changed(config)
+    }
+
+    #[pyo3(signature = (config = None))]
+    fn set_config(&self, config: Option<Vec<u8>>) {
+        lock(&self.regs).config = config;
+    }
+
+    fn running_epoch(&self) -> Option<u64> {
+        lock(&self.regs).running_epoch()
+    }
+
+    fn activation(&self, epoch: u64) -> Option<Vec<PyQueue>> {
+        lock(&self.regs)
+            .activation(epoch)
+            .map(|qs| qs.iter().map(py_queue).collect())
+    }
+
+    fn queues(&self) -> Vec<PyQueue> {
+        lock(&self.regs).queues.iter().map(py_queue).collect()
+    }
+
+    fn save(&self) -> PySaved {
+        let s = lock(&self.regs).save();
+        (
+            s.status,
+            s.device_features_sel,
+            s.driver_features_sel,
+            s.driver_features,
+            s.driver_features_bad,
+            s.queue_sel,
+            s.interrupt_status,
+            s.config_generation,
+            s.queues.iter().map(py_queue).collect(),
+        )
+    }
+
+    /// Load `save()`'s tuple (a new epoch); returns (epoch, live).
+    fn restore(&self, saved: PySaved) -> PyResult<(u64, bool)> {
+        let (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved;
+        let s = Saved {
+            status,
+            device_features_sel: dfs,
+            driver_features_sel: drfs,
+            driver_features: df,
+            driver_features_bad: bad,
+            queue_sel: qsel,
+            interrupt_status: isr,
+            config_generation: cg,
+            queues: queues
+                .into_iter()
+                .map(|(max_size, size, ready, desc, avail, used)| QueueRegs {
+                    max_size,
+                    size,
+                    ready,
+                    desc,
+                    avail,
+                    used,
+                })
+                .collect(),
+        };
+        lock(&self.regs).restore(&s).map_err(PyValueError::new_err)
+    }
+
+    #[getter]
+    fn epoch(&self) -> u64 {
+        lock(&self.regs).epoch
+    }
+    #[getter]
+    fn status(&self) -> u32 {
+        lock(&self.regs).status
+    }
+    #[getter]
+    fn interrupt_status(&self) -> u32 {
+        lock(&self.regs).interrupt_status
+    }
+    #[getter]
+    fn device_features_sel(&self) -> u32 {
+        lock(&self.regs).device_features_sel
+    }
+    #[getter]
+    fn driver_features_sel(&self) -> u32 {
+        lock(&self.regs).driver_features_sel
+    }
+    #[getter]
+    fn driver_features(&self) -> u64 {
+        lock(&self.regs).driver_features
+    }
+    #[getter]
+    fn driver_features_bad(&self) -> bool {
+        lock(&self.regs).driver_features_bad
+    }
+    #[getter]
+    fn queue_sel(&self) -> u32 {
+        lock(&self.regs).queue_sel
+    }
+    #[getter]
+    fn config_generation(&self) -> u32 {
+        lock(&self.regs).config_generation
+    }
+    #[getter]
+    fn ignored_writes(&self) -> u64 {
+        lock(&self.regs).ignored_writes
+    }
+    #[getter]
+    fn bad_accesses(&self) -> u64 {
+        lock(&self.regs).bad_accesses
+    }
+    #[getter]
+    fn device_errors(&self) -> u64 {
+        lock(&self.regs).device_errors
+    }
+    #[getter]
+    fn last_device_error(&self) -> Option<String> {
+        lock(&self.regs).last_device_error.clone()
+    }
+}
+
+struct Window {
+    base: u64,
+    regs: Arc<Mutex<Registers>>,
+    /// The Python transport: its `read` answers config reads the device serves, its
+    /// `apply_events` takes the events a write caused. In an `Arc`, so a vCPU thread
+    /// can hold it past the map's lock without the GIL that cloning a `Py` needs.
+    handler: Arc<Py<PyAny>>,
+}
+
+type Found = (u64, Arc<Mutex<Registers>>, Arc<Py<PyAny>>);
+
+/// What an MMIO read in a window asks of the vCPU loop.
+pub enum ReadServed {
+    Done,
+    /// A config read the device answers: `handler.read(offset, size)`.
+    Device(Arc<Py<PyAny>>, u64),
+}
+
+/// What an MMIO write in a window asks of the vCPU loop.
+pub enum WriteServed {
+    Done,
+    /// `handler.apply_events(events)`.
+    Events(Arc<Py<PyAny>>, Vec<Event>),
+}
+
+/// The MMIO bus's register files by window (each `WINDOW_SIZE` bytes), for the
+/// native vCPU loop; `vmfork.vmm.bus.Bus` adds a transport here when it registers one.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct MmioWindows {
+    windows: RwLock<Vec<Window>>,
+}
+
+impl MmioWindows {
+    /// The window holding `addr`: (offset in it, its registers, its handler), cloned
+    /// out so the map's lock is released before anything else happens.
+    fn find(&self, addr: u64) -> Option<Found> {
+        let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
+        windows
+            .iter()
+            .find(|w| addr >= w.base && addr - w.base < WINDOW_SIZE)
+            .map(|w| (addr - w.base, w.regs.clone(), w.handler.clone()))
+    }
+
+    /// Serve a guest read at `addr` if a window holds it (None if none does).
+    pub fn read(&self, addr: u64, data: &mut [u8]) -> Option<ReadServed> {
+        let (offset, regs, handler) = self.find(addr)?;
+        let read = lock(&regs).read(offset, data);
+        Some(match read {
+            Read::Done => ReadServed::Done,
+            Read::Device => ReadServed::Device(handler, offset),
+        })
+    }
+
+    /// Serve a guest write at `addr` if a window holds it (None if none does).
+    pub fn write(&self, addr: u64, data: &[u8]) -> Option<WriteServed> {
+        let (offset, regs, handler) = self.find(addr)?;
+        let mut events = Vec::new();
+        lock(&regs).write(offset, data, &mut events);
+        Some(if events.is_empty() {
+            WriteServed::Done
+        } else {
+            WriteServed::Events(handler, events)
+        })
+    }
+}
+
+/// The events as the Python transport's `apply_events` takes them.
+pub fn events_to_py(events: Vec<Event>) -> Vec<PyEvent> {
+    events.into_iter().map(py_event).collect()
+}
+
+#[pymethods]
+impl MmioWindows {
+    #[new]
+    fn new() -> Self {
+        MmioWindows {
+            windows: RwLock::new(Vec::new()),
+        }
+    }
+
+    /// Serve `[base, base + 0x1000)` with `registers`; `handler` is the transport.
+    fn add(
+        &self,
+        base: u64,
+        registers: &Bound<'_, MmioRegisters>,
+        handler: Py<PyAny>,
+    ) -> PyResult<()> {
+        let mut windows = self.windows.write().unwrap_or_else(|p| p.into_inner());
+        if windows
+            .iter()
+            .any(|w| base < w.base + WINDOW_SIZE && w.base < base.saturating_add(WINDOW_SIZE))
+        {
+            return Err(PyValueError::new_err(format!(
+                "MMIO window {base:#x} overlaps another"
+            )));
+        }
+        windows.push(Window {
+            base,
+            regs: registers.get().regs.clone(),
+            handler: Arc::new(handler),
+        });
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.windows.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Ok(windows) = self.windows.try_read() {
+            for w in windows.iter() {
+                visit.call(&*w.handler)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        if let Ok(mut windows) = self.windows.try_write() {
+            windows.clear();
+        }
+    }
+}
