@@ -566,11 +566,15 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
         except SpawnFailed as err:
             statuses = [json.loads(p.read_bytes()) for p in run_root.glob("*/status.json")]
             ready = [s for s in statuses if s.get("state") == "ready"]
+            host_pids: list[int] = []   # the zygote's pids went with the failed call
             out = {"running_s": restored_at[0] - started if restored_at else None,
                    "ready_s": None,
                    "incomplete": f"{err}; {len(ready)} of {n} agents had answered"}
         else:
             ready = [c.read_status() for c in report.children]
+            # The zygote's pid of each child: the pid a jailed child reports in its
+            # status is its own in its PID namespace (1), not one /proc here shows.
+            host_pids = [c.pid for c in report.children if c.status.get("state") == "ready"]
             out = {"spawn_s": report.spawn_s, "running_s": report.restored_s,
                    "ready_s": report.ready_s, "network_s": report.network_s,
                    "networks": [c.network for c in report.children if c.network is not None]}
@@ -588,7 +592,7 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
         fork_to_entry = [float(s["fork_to_entry_s"]) for s in statuses
                          if s.get("fork_to_entry_s") is not None]
         is_guest = guest_ram_file(snapshot.memory_path)
-        memory = [read_memory(int(s["pid"]), is_guest) for s in statuses]
+        memory = [read_memory(pid, is_guest) for pid in host_pids]
         return {**out,
                 "child_restore_s": [float(s["restore_s"]) for s in statuses],
                 "child_fork_to_entry_s": fork_to_entry,
