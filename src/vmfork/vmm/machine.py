@@ -322,7 +322,7 @@ class Machine:
         self._irq_lines: list[IrqLine] = []
         self._lines_by_gsi: dict[int, IrqLine] = {}
         self._cmdline_devices: list[str] = []
-        self.devices = DeviceManager(self._mmio_transport)
+        self.devices = DeviceManager(self._mmio_transport, vm_id=self.vm_id)
         self._closers.append(self.devices.close)
         console_log = None
         if config.console_log:

@@ -284,8 +284,9 @@ class DeviceManager:
     docstring). Attach on the machine's construction thread; ``save`` and ``restore``
     with the vCPUs paused, ``save`` on the I/O thread."""
 
-    def __init__(self, transport_factory: TransportFactory) -> None:
+    def __init__(self, transport_factory: TransportFactory, vm_id: str | None = None) -> None:
         self._transport_factory = transport_factory
+        self._vm_id = vm_id   # for errors
         self._attached: list[_Attached] = []
         self._next_slot = 0
         self._first_shared_slot: int | None = None
@@ -320,7 +321,7 @@ class DeviceManager:
             try:
                 irq = slot_irq(slot, first_shared)
             except ValueError as err:
-                raise HostError(str(err), op="add_virtio") from None
+                raise HostError(str(err), vm_id=self._vm_id, op="add_virtio") from None
         except BaseException:
             _run(reversed(closers))   # refused: what the device owns goes now
             raise
@@ -358,7 +359,7 @@ class DeviceManager:
         if have != want:
             raise HostError("the snapshot's devices differ from this machine's: the "
                             f"snapshot has {_describe(want)}; this machine has "
-                            f"{_describe(have)}", op="restore")
+                            f"{_describe(have)}", vm_id=self._vm_id, op="restore")
         for attached, state in zip(self._attached, saved):
             attached.device.restore(state.state)
             if attached.transport is not None:
