@@ -68,7 +68,7 @@ def main() -> None:
                 machine = Machine(MachineConfig(
                     restore_state=state, memory_file=str(memory), mem_mib=256,
                     vcpus=len(state.vcpus), vsock_uds=str(run / "vsock.sock"),
-                    rng=state.rng is not None, guest_cid=state.guest_cid, memfd=False))
+                    guest_cid=state.guest_cid, memfd=False))
                 setups.append(time.perf_counter() - started)
                 with machine:
                     if rep == 0 and slots:

@@ -29,6 +29,7 @@ from vmfork.runtime.guest import BootedGuest
 from vmfork.runtime.spawn import Child, fork_children
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Snapshot, SnapshotMeta, Store
+from vmfork.vmm.devices.manager import BLK
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.vmstate import MachineState
 
@@ -142,9 +143,9 @@ def warm(parent: BootedGuest, store: Store) -> Snapshot:
 
 
 def test_the_snapshot_names_its_disk(warm: Snapshot, disk: Disk) -> None:
-    state = read_state_file(str(warm.state_path), MachineState)
-    assert state.blk is not None
-    assert (state.blk.device.disk_key, state.blk.device.capacity_bytes) == (disk.key, disk.size)
+    root = read_state_file(str(warm.state_path), MachineState).device(BLK)
+    assert root is not None
+    assert (root.disk_key, root.capacity_bytes) == (disk.key, disk.size)
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +190,8 @@ def test_a_branch_of_the_child_carries_the_disk(child: Child, store: Store, disk
     child.agent.write_file("/tmp/branched", b"after the fork")
     job = branch_sandbox(store, str(child.run_dir / "control.sock"), "branched-disk", "diff")
     branched = job.result().snapshot
-    state = read_state_file(str(branched.state_path), MachineState)
-    assert state.blk is not None and state.blk.device.disk_key == disk.key
+    root = read_state_file(str(branched.state_path), MachineState).device(BLK)
+    assert root is not None and root.disk_key == disk.key
     grandchild = _spawn(zygote, branched, run_root)
     try:
         assert grandchild.agent.read_file("/tmp/branched") == b"after the fork"

@@ -5,16 +5,23 @@ No /dev/kvm: these check what the buffers hold and when the cache is trusted."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from vmfork.kvm import structs as s
+from vmfork.ondisk import stateformat
 from vmfork.ondisk.stateformat import StateFormatError, write_state_file
 from vmfork.runtime import vmmchild
 from vmfork.vmm import vmstate
+from vmfork.vmm.devices.manager import KINDS, DeviceKind, DeviceState, slot_irq
 from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.vmstate import (
     MSR_IA32_TSC,
@@ -42,7 +49,32 @@ def make_state(cpuid_entries: int = 3) -> MachineState:
     vm = VmState(pic_master=pattern(s.kvm_irqchip, 10), pic_slave=pattern(s.kvm_irqchip, 11),
                  ioapic=pattern(s.kvm_irqchip, 12), pit=pattern(s.kvm_pit_state2, 13),
                  clock=123456789, clock_flags=2)
-    return MachineState(mem_size=64 << 20, vcpus=[vcpu], vm=vm, serial=SerialState())
+    return MachineState(mem_size=64 << 20, vcpus=[vcpu], vm=vm,
+                        devices=[DeviceState("serial", 1, None, 4, SerialState())])
+
+
+def add_device(state: MachineState, kind: DeviceKind[Any], record: object,
+               transport: MmioTransportState) -> DeviceState:
+    """Put a virtio device into ``state``'s next slot, on the pin a machine gives it."""
+    slot = sum(d.slot is not None for d in state.devices)
+    first_shared = next((d.slot for d in state.devices if KINDS[d.kind].shares_pin), None)
+    if kind.shares_pin and first_shared is None:
+        first_shared = slot
+    entry = DeviceState(kind.name, kind.version, slot, slot_irq(slot, first_shared), record,
+                        transport)
+    state.devices.append(entry)
+    return entry
+
+
+def format_1_file(state: MachineState, **fields: object) -> bytes:
+    """``state`` (serial only) as a format-1 writer wrote it, with these device fields
+    (format 1's shapes, as JSON values) besides its serial."""
+    tree = stateformat.to_json_value(state)
+    del tree["devices"]
+    tree.update(serial=stateformat.to_json_value(SerialState()), guest_cid=3, **fields)
+    body = json.dumps(tree).encode()
+    return struct.pack("<8sIIQ32s", stateformat.MAGIC, 1, 0, len(body),
+                       hashlib.sha256(body).digest()) + body
 
 
 def raw(obj: ctypes.Structure) -> bytes:

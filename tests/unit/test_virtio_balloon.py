@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_restore_prepared import make_state
+from test_restore_prepared import add_device, format_1_file, make_state
 from test_virtio_harness import DriverQueue, GuestDriver, wait_until
 
 from vmfork.ondisk import stateformat
-from vmfork.vmm import dirty, vmstate
+from vmfork.vmm import dirty
+from vmfork.vmm.devices.manager import BALLOON
 from vmfork.vmm.devices.virtio import balloon, mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,
@@ -221,16 +222,17 @@ def test_state_survives_the_state_file_and_old_files_have_no_balloon(env: Env,
                                                                      tmp_path: Path) -> None:
     env.transport.write(mmio.CONFIG_SPACE + 4, (3).to_bytes(4, "little"))
     state = make_state()
-    state.balloon = vmstate.BalloonSnapshot(env.transport.save(), env.dev.save())
+    add_device(state, BALLOON, env.dev.save(), env.transport.save())
     path = tmp_path / "state.bin"
     stateformat.write_state_file(path, state)
     back = stateformat.read_state_file(path, MachineState)
-    assert back.balloon == state.balloon
-    assert back.balloon is not None and back.balloon.device.actual == 3
-    assert back.balloon.device.acked_features == FEATURES
-    old = make_state()   # written before the balloon existed
-    stateformat.write_state_file(tmp_path / "old.bin", old)
-    assert stateformat.read_state_file(tmp_path / "old.bin", MachineState).balloon is None
+    assert back == state
+    saved = back.device(BALLOON)
+    assert saved is not None and saved.actual == 3 and saved.acked_features == FEATURES
+    # A format-1 file written before the balloon existed.
+    (tmp_path / "old.bin").write_bytes(format_1_file(make_state()))
+    assert stateformat.read_state_file(tmp_path / "old.bin", MachineState).device(BALLOON) \
+        is None
 
 
 def test_a_restored_device_serves_a_report_left_on_its_ring(loop: EventLoop,

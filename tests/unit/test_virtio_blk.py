@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 import struct
 from collections.abc import Iterator
@@ -17,12 +16,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_restore_prepared import make_state
+from test_restore_prepared import add_device, format_1_file, make_state
 from test_virtio_harness import MEM_SIZE, DriverQueue, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.image import disk_path
 from vmfork.ondisk import stateformat
 from vmfork.vmm import vmstate
+from vmfork.vmm.devices.manager import BLK, DeviceState
 from vmfork.vmm.devices.virtio import blk, mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,
@@ -555,17 +555,19 @@ def test_disk_path_is_under_the_cache(tmp_path: Path) -> None:
 def test_state_round_trip_restores_a_working_device(env: BlkEnv, loop: EventLoop,  # noqa: F811
                                                     irq: IrqLine, disk: Path) -> None:
     env.read(0, [512])
-    saved = run_on_loop(loop, lambda: vmstate.BlkSnapshot(env.transport.save(), env.dev.save()))
-    state = stateformat.decode_state(stateformat.encode_state(saved), vmstate.BlkSnapshot)
-    assert state == saved
-    assert state.device == blk.BlkState(acked_features=ACKED, disk_key=KEY,
-                                        capacity_bytes=DISK_BYTES)
+    saved = run_on_loop(loop, lambda: DeviceState("blk", 1, 0, 5, env.dev.save(),
+                                                  env.transport.save()))
+    state = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
+    assert state == saved and state.transport is not None
+    assert state.state == blk.BlkState(acked_features=ACKED, disk_key=KEY,
+                                       capacity_bytes=DISK_BYTES)
+    assert isinstance(state.state, blk.BlkState)
     # The parent goes; a clone (as in a forked child) on its own fd of the same file
     # picks up the queue where the parent left it.
     env.transport.reset()
     fd, size = blk.open_disk(str(disk))
     clone = blk.VirtioBlk(loop, fd, size, KEY)
-    clone.restore(state.device)
+    clone.restore(state.state)
     transport = mmio.MmioTransport(clone, env.memory, irq, loop)
     transport.restore(state.transport)
     try:
@@ -593,31 +595,26 @@ def test_restore_onto_another_disk_is_refused(loop: EventLoop, disk_fd: int) -> 
         smaller.restore(state)
 
 
-def _blk_snapshot() -> vmstate.BlkSnapshot:
+def _with_root_disk(state: vmstate.MachineState) -> vmstate.MachineState:
     transport = mmio.MmioTransportState(
         device_type=blk.DEVICE_ID_BLK, status=0xF, device_features_sel=0,
         driver_features_sel=1, driver_features=ACKED, driver_features_bad=False, queue_sel=0,
         interrupt_status=0, config_generation=0)
-    return vmstate.BlkSnapshot(transport, blk.BlkState(ACKED, KEY, DISK_BYTES))
+    add_device(state, BLK, blk.BlkState(ACKED, KEY, DISK_BYTES), transport)
+    return state
 
 
 def test_machine_state_with_a_root_disk_round_trips() -> None:
-    state = make_state()
-    state.blk = _blk_snapshot()
+    state = _with_root_disk(make_state())
     again = stateformat.decode_state(stateformat.encode_state(state), vmstate.MachineState)
-    assert again == state and again.blk is not None and again.blk.device.disk_key == KEY
+    root = again.device(BLK)
+    assert again == state and root is not None and root.disk_key == KEY
 
 
 def test_machine_state_written_before_root_disks_decodes() -> None:
-    """A state.bin from before the field existed has no "blk" key at all."""
-    encoded = stateformat.encode_state(make_state())
-    payload = json.loads(encoded[stateformat.HEADER_SIZE:])
-    del payload["blk"]
-    body = json.dumps(payload).encode()
-    old = struct.pack("<8sIIQ32s", stateformat.MAGIC, stateformat.FORMAT_VERSION, 0, len(body),
-                      hashlib.sha256(body).digest()) + body
-    state = stateformat.decode_state(old, vmstate.MachineState)
-    assert state.blk is None and state == make_state()
+    """A format-1 state.bin from before the field existed has no "blk" key at all."""
+    state = stateformat.decode_state(format_1_file(make_state()), vmstate.MachineState)
+    assert state.device(BLK) is None and state == make_state()
 
 
 # -- machine configuration -------------------------------------------------------------------
@@ -630,8 +627,7 @@ def test_machine_config_root_disk_rules(disk: Path) -> None:
         MachineConfig(kernel="/vmlinux", root_disk=str(disk)).validate()
     with pytest.raises(ValueError, match="content key"):
         MachineConfig(kernel="/vmlinux", root_disk=str(disk), root_disk_key="XYZ").validate()
-    with_disk = make_state()
-    with_disk.blk = _blk_snapshot()
+    with_disk = _with_root_disk(make_state())
     restore = MachineConfig(restore_state=with_disk, memory_file="/m", mem_mib=64)
     with pytest.raises(ValueError, match=f"root disk {KEY}: give root_disk"):
         restore.validate()
@@ -730,8 +726,8 @@ def test_rw_state_round_trips_and_mode_must_match(rw: BlkEnv, loop: EventLoop,  
                                                   rw_disk: Path) -> None:
     saved = run_on_loop(loop, rw.dev.save)
     again = stateformat.decode_state(stateformat.encode_state(
-        vmstate.BlkSnapshot(rw.transport.save(), saved)), vmstate.BlkSnapshot)
-    assert again.device == saved and saved.read_only is False
+        DeviceState("blk", 1, 0, 5, saved, rw.transport.save())), DeviceState)
+    assert again.state == saved and saved.read_only is False
     fd, size = blk.open_disk(str(rw_disk))
     try:
         ro = blk.VirtioBlk(loop, fd, size, KEY, path="ro.img")

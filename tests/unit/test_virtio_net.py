@@ -17,7 +17,7 @@ import pytest
 from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.ondisk import stateformat
-from vmfork.vmm import vmstate
+from vmfork.vmm.devices.manager import DeviceState
 from vmfork.vmm.devices.virtio import mmio, net
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,
@@ -286,10 +286,12 @@ def test_without_a_tap_tx_is_dropped_and_nothing_arrives(loop: EventLoop,  # noq
 def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop,  # noqa: F811
                                                     netns: PrivateNet) -> None:
     env.post_rx(4)
-    saved = run_on_loop(loop, lambda: vmstate.NetSnapshot(env.transport.save(), env.dev.save()))
-    state = stateformat.decode_state(stateformat.encode_state(saved), vmstate.NetSnapshot)
-    assert state == saved
-    assert state.device.mac == GUEST_MAC and state.device.acked_features == ACKED
+    saved = run_on_loop(loop, lambda: DeviceState("net", 1, 2, 7, env.dev.save(),
+                                                  env.transport.save()))
+    state = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
+    assert state == saved and isinstance(state.state, net.NetState)
+    assert state.transport is not None
+    assert state.state.mac == GUEST_MAC and state.state.acked_features == ACKED
 
     # The parent goes; a clone on the same tap is restored from the state.
     env.transport.reset()
@@ -301,7 +303,7 @@ def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop
     env.wire.close()
     env.wire = netns.run(_open_wire, TAP)
     clone = net.VirtioNet(loop, net.parse_mac("52:54:00:00:00:99"), tap_fd)
-    clone.restore(state.device)
+    clone.restore(state.state)
     transport = mmio.MmioTransport(clone, env.memory, env.irq, loop)
     transport.restore(state.transport)
     run_on_loop(loop, lambda: None)

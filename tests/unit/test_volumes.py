@@ -6,7 +6,6 @@ slot lookup, the vmmchild's slot placement, and the registry's read-write holds.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import sqlite3
@@ -17,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_restore_prepared import make_state
+from test_restore_prepared import add_device, format_1_file, make_state
 from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.agent import volumes as agent_volumes
@@ -27,6 +26,7 @@ from vmfork.runtime import volumes as rv
 from vmfork.runtime.vmmchild import snapshot_slot_media
 from vmfork.server.registry import SCHEMA_VERSION, Registry, VolumeHold
 from vmfork.vmm import vmstate
+from vmfork.vmm.devices.manager import VOLUME, DeviceState, VolumeSlotState
 from vmfork.vmm.devices.virtio import blk, mmio
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1, run_on_loop
 from vmfork.vmm.errors import HostError
@@ -170,10 +170,11 @@ def test_slot_state_round_trips_and_must_match_its_media(slot: SlotEnv,
     try:
         slot.insert(fd, size, KEY, read_only=True)
         full = run_on_loop(slot.loop, slot.dev.save)
-        again = stateformat.decode_state(stateformat.encode_state(
-            vmstate.VolumeSnapshot(slot.transport.save(), full, "/data")),
-            vmstate.VolumeSnapshot)
-        assert again.device == full and again.guest_path == "/data"
+        saved = DeviceState("volume", 1, 0, 5, VolumeSlotState(full, "/data"),
+                            slot.transport.save())
+        again = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
+        assert again == saved and isinstance(again.state, VolumeSlotState)
+        assert again.state.disk == full and again.state.guest_path == "/data"
         same = blk.VirtioBlk(slot.loop, fd, size, KEY, path="v", volume_slot=True)
         same.restore(full)
         with pytest.raises(HostError, match=KEY):
@@ -188,29 +189,26 @@ def test_slot_state_round_trips_and_must_match_its_media(slot: SlotEnv,
         os.close(fd)
 
 
-def _volume_snapshot(key: str = "", read_only: bool = True,
-                     guest_path: str = "") -> vmstate.VolumeSnapshot:
+def _add_volume(state: vmstate.MachineState, key: str = "", read_only: bool = True,
+                guest_path: str = "") -> None:
     transport = mmio.MmioTransportState(
         device_type=blk.DEVICE_ID_BLK, status=0xF, device_features_sel=0,
         driver_features_sel=0, driver_features=ACKED_SLOT, driver_features_bad=False,
         queue_sel=0, interrupt_status=0, config_generation=0)
-    return vmstate.VolumeSnapshot(transport, blk.BlkState(
-        ACKED_SLOT, key, DISK_BYTES if key else 0, read_only, True), guest_path)
+    add_device(state, VOLUME, VolumeSlotState(blk.BlkState(
+        ACKED_SLOT, key, DISK_BYTES if key else 0, read_only, True), guest_path), transport)
 
 
 def test_machine_state_with_volumes_round_trips_and_older_files_have_none() -> None:
     state = make_state()
-    state.volumes = [_volume_snapshot(KEY, True, "/data"), _volume_snapshot()]
+    _add_volume(state, KEY, True, "/data")
+    _add_volume(state)
+    assert [d.irq for d in state.devices] == [4, 5, 6]
     assert stateformat.decode_state(stateformat.encode_state(state),
                                     vmstate.MachineState) == state
-    encoded = stateformat.encode_state(make_state())
-    payload = json.loads(encoded[stateformat.HEADER_SIZE:])
-    del payload["volumes"]
-    body = json.dumps(payload).encode()
-    old = struct.pack("<8sIIQ32s", stateformat.MAGIC, stateformat.FORMAT_VERSION, 0, len(body),
-                      hashlib.sha256(body).digest()) + body
+    old = format_1_file(make_state())   # format 1, written before volumes existed
     decoded = stateformat.decode_state(old, vmstate.MachineState)
-    assert decoded.volumes == [] and decoded == make_state()
+    assert decoded.devices_of(VOLUME) == [] and decoded == make_state()
 
 
 def test_machine_config_volume_rules(volume_file: Path) -> None:
@@ -227,7 +225,8 @@ def test_machine_config_volume_rules(volume_file: Path) -> None:
         with pytest.raises(ValueError, match=words):
             config.validate()
     state = make_state()
-    state.volumes = [_volume_snapshot(KEY, True, "/data"), _volume_snapshot()]
+    _add_volume(state, KEY, True, "/data")
+    _add_volume(state)
     restore = MachineConfig(restore_state=state, memory_file="/m", mem_mib=64)
     with pytest.raises(ValueError, match=r"slots \[0\] hold disks"):
         restore.validate()
@@ -244,14 +243,16 @@ def _prepared(key: str, read_only: bool, guest_path: str) -> rv.PreparedVolume:
 
 def test_new_volumes_take_the_free_slots_and_rw_slots_need_their_file() -> None:
     state = make_state()
-    state.volumes = [_volume_snapshot(), _volume_snapshot(KEY, True, "/data"),
-                     _volume_snapshot()]
+    _add_volume(state)
+    _add_volume(state, KEY, True, "/data")
+    _add_volume(state)
     held, new = snapshot_slot_media(state, [_prepared(OTHER_KEY, False, "/w")])
     assert [m.slot for m in held] == [1] and held[0].path.endswith(f"volumes/{KEY}/volume.img")
     assert [(m.slot, m.key, m.read_only) for m in new] == [(0, OTHER_KEY, False)]
     with pytest.raises(ValueError, match="2 empty volume slots"):
         snapshot_slot_media(state, [_prepared(f"{i:032x}", True, f"/v{i}") for i in range(3)])
-    state.volumes[1] = _volume_snapshot(KEY, False, "/work")
+    state.devices_of(VOLUME)[1].disk.read_only = False
+    state.devices_of(VOLUME)[1].guest_path = "/work"
     with pytest.raises(ValueError, match="needs its file"):
         snapshot_slot_media(state, [])
     held, new = snapshot_slot_media(state, [_prepared(KEY, False, "/work")])

@@ -7,7 +7,7 @@ a machine with garbage registers. So a state file is
 
     offset  size  field
     0       8     magic b"VMFKSTAT"            -- "is this a state file at all?"
-    8       4     format version, u32 LE (1)   -- the container layout, not the schema
+    8       4     format version, u32 LE (2)   -- bumped when a payload changes shape
     12      4     flags, u32 LE (0)            -- reserved (e.g. compression); non-zero
                                                   is refused by a v1 reader
     16      8     payload length, u64 LE       -- detects truncation and trailing junk
@@ -18,7 +18,24 @@ and the payload is the state tree with dataclass *field names* as keys, so the
 schema evolves without bumping the format version: a reader ignores fields it
 does not know (a newer writer added them) and fills fields the file lacks from
 the dataclass default (an older writer did not have them). Removing a field or
-changing its meaning is the breaking change that needs a new field name.
+changing its meaning is the breaking change that needs a new field name, or a new
+format version with a conversion:
+
+* version 1: the first layout;
+* version 2: the same container; the machine state's devices became one list of
+  tagged records (``vmm.devices.manager``) instead of a field per device.
+
+A reader takes every version it lists in ``SUPPORTED_VERSIONS``. For an older
+version it hands the decoded JSON tree to the target class's classmethod
+``upgrade_state_payload(version, tree)``, which returns the tree in today's shape
+(``ValueError`` if it cannot); a class without one has the same payload in every
+version, so its older files are read as they are. An older vmfork refuses a newer
+version by its number, with "upgrade vmfork", rather than misreading it.
+
+A record may be a tagged union: a dataclass with the classmethod
+``state_field_types(tree)`` is asked, for each record, the types of the fields that
+depend on its other fields (``{"state": VsockState}`` for a record whose ``kind``
+says "vsock"); a ``ValueError`` from it (an unknown tag) is a field error there.
 
 JSON rather than a packed binary layout because the state is small (~100 KB for
 16 vCPUs, dominated by XSAVE blobs) and read once per restore; field names cost a
@@ -59,8 +76,8 @@ from vmfork.ondisk.errors import OnDiskError
 from vmfork.ondisk.readonly import open_ro
 
 MAGIC = b"VMFKSTAT"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS: tuple[int, ...] = (1,)
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS: tuple[int, ...] = (1, 2)
 
 # magic, version, flags, payload length, sha256(payload)
 _HEADER = struct.Struct("<8sIIQ32s")
@@ -165,14 +182,19 @@ def _encode_value(value: object) -> Any:
                       "float, str, bool, None, bytes, list, tuple, dict or a dataclass")
 
 
-def encode_state(obj: object) -> bytes:
-    """The state file bytes (header + checksummed JSON payload) for a dataclass tree."""
+def encode_state(obj: object, *, version: int = FORMAT_VERSION) -> bytes:
+    """The state file bytes (header + checksummed JSON payload) for a dataclass tree.
+    ``version`` is for tests that write what an older vmfork wrote (the payload is the
+    caller's to shape as that version had it)."""
+    if version not in SUPPORTED_VERSIONS:
+        raise StateFormatError(f"cannot write state format version {version}", kind="encode",
+                               op="encode_state")
     if not (dataclasses.is_dataclass(obj) and not isinstance(obj, type)):
         raise StateFormatError(f"encode_state takes a dataclass instance, not "
                                f"{type(obj).__name__}", kind="encode", op="encode_state")
     payload = json.dumps(to_json_value(obj), ensure_ascii=False, allow_nan=False,
                          separators=(",", ":")).encode("utf-8")
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(payload), hashlib.sha256(payload).digest())
+    header = _HEADER.pack(MAGIC, version, 0, len(payload), hashlib.sha256(payload).digest())
     return header + payload
 
 
@@ -405,14 +427,23 @@ def _dataclass_decoder(cls: type) -> _Decoder:
             built.append((f.name, _decoder_for(hints[f.name]), has_default))
         return built
 
+    tagged = getattr(cls, "state_field_types", None)
+
     def decode(v: Any) -> Any:
         nonlocal plan
         if plan is None:
             plan = resolve()  # built whole, then published: safe if two threads race here
         if not isinstance(v, dict):
             raise _FieldError(f"expected object ({cls.__name__}), found {_json_type_name(v)}")
+        chosen: dict[str, _Decoder] = {}
+        if tagged is not None:
+            try:
+                chosen = {name: _decoder_for(tp) for name, tp in tagged(v).items()}
+            except ValueError as err:
+                raise _FieldError(str(err)) from None
         kwargs: dict[str, Any] = {}
         for name, dec, has_default in plan:
+            dec = chosen.get(name, dec)
             if name in v:
                 try:
                     kwargs[name] = dec(v[name])
@@ -518,7 +549,21 @@ def decode_state(data: bytes, cls: type[T]) -> T:
             f"state file payload is not valid UTF-8 JSON ({str(err)[:200]}) although its "
             "checksum matches: it was written by a broken writer", kind="json",
             op="decode_state") from None
+    if version != FORMAT_VERSION:
+        tree = _upgrade(tree, version, cls)
     return from_json_value(tree, cls)
+
+
+def _upgrade(tree: Any, version: int, cls: type[T]) -> Any:
+    upgrade = getattr(cls, "upgrade_state_payload", None)
+    if upgrade is None:
+        return tree   # the class's payload is the same in every version
+    try:
+        return upgrade(version, tree)
+    except ValueError as err:
+        raise StateFormatError(
+            f"state format version {version} does not convert to {cls.__name__}: {err}",
+            kind="field", op="decode_state") from None
 
 
 # --------------------------------------------------------------------------- files

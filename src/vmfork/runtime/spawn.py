@@ -43,6 +43,7 @@ from vmfork.runtime.volumes import PreparedVolume
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.store import Snapshot
+from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.vmstate import MachineState
 
 VMM_ENTRY = "vmfork.runtime.vmmchild:main"
@@ -252,9 +253,11 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
     # The root disk and the snapshot's read-only volumes go by content key: the zygote
     # resolves them in its own image cache, which is the one its VMMs read (a spawner
     # may run with another).
-    disk_keys = [state.blk.device.disk_key] if state is not None and state.blk else []
-    volume_keys = [v.device.disk_key for v in (state.volumes if state is not None else [])
-                   if v.device.disk_key and v.device.read_only]
+    blk = state.device(devices.BLK) if state is not None else None
+    disk_keys = [blk.disk_key] if blk is not None else []
+    volume_keys = [v.disk.disk_key
+                   for v in (state.devices_of(devices.VOLUME) if state is not None else [])
+                   if v.disk.disk_key and v.disk.read_only]
     # Volumes given at spawn: read-only ones bound and pre-opened as the others; a
     # read-write one (its sandbox's own file) only pre-opened for writing, never bound.
     preopen_rw: list[str] = []

@@ -88,6 +88,7 @@ from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
+from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
@@ -308,18 +309,18 @@ def snapshot_slot_media(state: MachineState,
     by_key = {v.key: v for v in volumes}
     held: list[VolumeMedia] = []
     free: list[int] = []
-    for slot, volume in enumerate(state.volumes):
-        key = volume.device.disk_key
+    for slot, volume in enumerate(state.devices_of(devices.VOLUME)):
+        key = volume.disk.disk_key
         if not key:
             free.append(slot)
             continue
         given = by_key.pop(key, None)
-        if given is None and not volume.device.read_only:
+        if given is None and not volume.disk.read_only:
             raise ValueError(f"the snapshot's read-write volume at {volume.guest_path} "
                              f"({key}) needs its file: only the sandbox that holds it "
                              "(a workspace) can be restored from this snapshot")
         path = given.path if given is not None else str(volume_image_path(key))
-        held.append(VolumeMedia(slot, path, key, volume.device.read_only, volume.guest_path))
+        held.append(VolumeMedia(slot, path, key, volume.disk.read_only, volume.guest_path))
     new = list(by_key.values())
     if len(new) > len(free):
         raise ValueError(f"{len(new)} volumes asked for, but the snapshot has {len(free)} "
@@ -349,13 +350,15 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
     memory_file, plan = load_memory(snapshot_dir)
     # A guest booted on a root disk is named by the disk's content key alone: the
     # snapshot says which disk, the image cache says where it is.
-    disk_key = state.blk.device.disk_key if state.blk is not None else None
+    blk = state.device(devices.BLK)
+    disk_key = blk.disk_key if blk is not None else None
     config = MachineConfig(
         restore_state=state, restore_prepared=prepared,
         memory_file=memory_file, memory_plan=plan,
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
-        vsock_uds=str(run_dir / "vsock.sock") if state.vsock is not None else None,
-        rng=state.rng is not None, guest_cid=state.guest_cid,
+        vsock_uds=(str(run_dir / "vsock.sock") if state.device(devices.VSOCK) is not None
+                   else None),
+        guest_cid=state.guest_cid,
         console_log=str(run_dir / "console.log"), vm_id=vm_id, memfd=False,
         net_tap=net_tap,
         root_disk=str(disk_path(disk_key)) if disk_key is not None else None,
@@ -645,7 +648,7 @@ def main(args: dict[str, Any]) -> int:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
             ready_timeout = float(args.get("ready_timeout", READY_TIMEOUT))
-            unique = make_unique(agent, ready_timeout, net_refresh=state.net is not None)
+            unique = make_unique(agent, ready_timeout, net_refresh=state.device(devices.NET) is not None)
             if new_volumes:
                 mount_started = time.monotonic()
                 attach_volumes(machine, agent, new_volumes, time.monotonic() + ready_timeout)

@@ -75,9 +75,11 @@ def snapshot_has_network(snap: Snapshot) -> bool:
     if recorded is not None:
         return bool(recorded)
     from vmfork.ondisk.stateformat import read_state_file
+    from vmfork.vmm.devices import manager as devices
     from vmfork.vmm.vmstate import MachineState
     try:
-        return read_state_file(str(snap.state_path), MachineState).net is not None
+        state = read_state_file(str(snap.state_path), MachineState)
+        return state.device(devices.NET) is not None
     except Exception:  # noqa: BLE001 - an unreadable state fails the spawn with its reason
         return False
 

@@ -31,6 +31,7 @@ from vmfork.runtime.volumes import (
 from vmfork.server.errors import BadRequest, Conflict
 from vmfork.server.registry import Registry, VolumeHold
 from vmfork.store import Snapshot
+from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.vmstate import MachineState
 
 
@@ -48,8 +49,8 @@ def snapshot_slots(snap: Snapshot) -> list[SlotInfo]:
         state = read_state_file(str(snap.state_path), MachineState)
     except (OnDiskError, OSError):
         return []
-    return [SlotInfo(v.guest_path, v.device.disk_key, v.device.read_only)
-            for v in state.volumes]
+    return [SlotInfo(v.guest_path, v.disk.disk_key, v.disk.read_only)
+            for v in state.devices_of(devices.VOLUME)]
 
 
 def volumes_json(slots: Sequence[SlotInfo]) -> list[dict[str, Any]]:

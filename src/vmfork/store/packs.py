@@ -225,6 +225,7 @@ def _state_volumes(state_path: Path, meta: SnapshotMeta) -> list[tuple[str, bool
     not decode (its spawns fail anyway), what its meta recorded at snapshot time."""
     from vmfork.ondisk.errors import OnDiskError
     from vmfork.ondisk.stateformat import read_state_file
+    from vmfork.vmm.devices.manager import VOLUME
     from vmfork.vmm.vmstate import MachineState
     try:
         state = read_state_file(str(state_path), MachineState)
@@ -232,8 +233,8 @@ def _state_volumes(state_path: Path, meta: SnapshotMeta) -> list[tuple[str, bool
         recorded = meta.extra.get("volumes") or []
         return [(str(v.get("key")), bool(v.get("read_only", True)), str(v.get("guest_path")))
                 for v in recorded if isinstance(v, dict) and v.get("key")]
-    return [(v.device.disk_key, bool(v.device.read_only), v.guest_path)
-            for v in state.volumes if v.device.disk_key]
+    return [(v.disk.disk_key, bool(v.disk.read_only), v.guest_path)
+            for v in state.devices_of(VOLUME) if v.disk.disk_key]
 
 
 def _volume_entries(links: list[Snapshot]) -> tuple[list[dict[str, Any]],

@@ -11,9 +11,10 @@ Construction is a fixed recipe:
 2. create the VM, its guest memory and the memory slots;
 3. create the in-kernel irqchip (PIC + IOAPIC + LAPICs) and PIT, the TSS and
    identity-map pages;
-4. build the buses and the legacy devices (COM1, i8042) and the virtio-mmio
-   devices, each with an irqfd line; the virtio devices are announced to the
-   kernel on its command line (``virtio_mmio.device=4K@<base>:<irq>``);
+4. build the buses and the devices (``devices.manager`` holds them, gives each
+   virtio device its slot and pin, and saves, restores and closes them all): COM1
+   and the i8042, then the virtio-mmio devices, each with an irqfd line, announced
+   to the kernel on its command line (``virtio_mmio.device=4K@<base>:<irq>``);
 5. load Linux (``x86.boot``) and create and set up the vCPUs.
 
 The machine ends when the guest resets (Linux ``reboot=k`` pulses the i8042
@@ -40,6 +41,17 @@ from vmfork.ondisk.memplan import MemoryPlan
 from vmfork.vmm import vmstate
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.i8042 import I8042
+from vmfork.vmm.devices.manager import (
+    BALLOON,
+    BLK,
+    NET,
+    RNG,
+    SERIAL,
+    VOLUME,
+    VSOCK,
+    DeviceManager,
+    VolumeSlot,
+)
 from vmfork.vmm.devices.serial import Serial
 from vmfork.vmm.devices.virtio.balloon import VirtioBalloon
 from vmfork.vmm.devices.virtio.blk import VirtioBlk, open_disk, validate_disk_key
@@ -117,7 +129,7 @@ class MachineConfig:
     console_log: str | None = None
     vsock_uds: str | None = None
     guest_cid: int = 3
-    rng: bool = True
+    rng: bool = True   # for a booted machine; a restored one has it when its snapshot had
     # virtio-balloon with free page reporting only (devices/virtio/balloon.py), for a
     # booted machine; a restored one has it exactly when its snapshot had it.
     # VMFORK_BALLOON=0 leaves it out (a measurement switch: bench/pip_chain.py --no-balloon).
@@ -176,8 +188,9 @@ class MachineConfig:
         self._validate_volumes()
 
     def _validate_volumes(self) -> None:
-        slots = (len(self.restore_state.volumes) if self.restore_state is not None
-                 else self.volume_slots)
+        saved = (self.restore_state.devices_of(VOLUME)
+                 if self.restore_state is not None else None)
+        slots = len(saved) if saved is not None else self.volume_slots
         if not 0 <= slots <= MAX_VOLUME_SLOTS:
             raise ValueError(f"volume_slots must be 0..{MAX_VOLUME_SLOTS}, not {slots}")
         taken: set[int] = set()
@@ -188,10 +201,9 @@ class MachineConfig:
             if media.slot in taken:
                 raise ValueError(f"volume slot {media.slot} is given two disks")
             taken.add(media.slot)
-        if self.restore_state is None:
+        if saved is None:
             return
-        filled = {i for i, v in enumerate(self.restore_state.volumes)
-                  if v.device.disk_key}
+        filled = {i for i, v in enumerate(saved) if v.disk.disk_key}
         if filled != taken:
             raise ValueError(f"the snapshot's volume slots {sorted(filled)} hold disks; "
                              f"give exactly those (given: {sorted(taken)})")
@@ -206,9 +218,9 @@ class MachineConfig:
             validate_disk_key(self.root_disk_key)
         if self.restore_state is None:
             return
-        blk = self.restore_state.blk
+        blk = self.restore_state.device(BLK)
         if blk is not None and self.root_disk is None:
-            raise ValueError(f"the snapshot's guest has root disk {blk.device.disk_key}: give "
+            raise ValueError(f"the snapshot's guest has root disk {blk.disk_key}: give "
                              "root_disk (its image) and root_disk_key")
         if blk is None and self.root_disk is not None:
             raise ValueError(f"the snapshot's guest has no root disk; a restored guest cannot "
@@ -218,8 +230,8 @@ class MachineConfig:
     def net_mac(self) -> str | None:
         """The MAC of the virtio-net device, None if the machine has none."""
         if self.restore_state is not None:
-            net = self.restore_state.net
-            return net.device.mac if net is not None else None
+            net = self.restore_state.device(NET)
+            return net.mac if net is not None else None
         return self.guest_mac
 
 
@@ -309,6 +321,9 @@ class Machine:
         self.loop.start()
         self._irq_lines: list[IrqLine] = []
         self._lines_by_gsi: dict[int, IrqLine] = {}
+        self._cmdline_devices: list[str] = []
+        self.devices = DeviceManager(self._mmio_transport, vm_id=self.vm_id)
+        self._closers.append(self.devices.close)
         console_log = None
         if config.console_log:
             console_log = open(config.console_log, "ab", buffering=0)
@@ -324,19 +339,16 @@ class Machine:
             self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
                 VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
             self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
-        self.virtio_devices: list[MmioTransport] = []
+        self.devices.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
         self.vsock: VirtioVsock | None = None
         self.rng: VirtioRng | None = None
         self.net: VirtioNet | None = None
         self.blk: VirtioBlk | None = None
         self.balloon: VirtioBalloon | None = None
-        self.volume_slots: list[VirtioBlk] = []
-        self.volume_paths: list[str] = []   # guest mount point per slot, "" if empty
-        # Per slot, its place among the virtio-mmio devices (the N of the guest's
+        self.volumes: list[VolumeSlot] = []
+        # Per volume slot, its place among the virtio-mmio devices (the N of the guest's
         # virtio-mmio.N platform device, which the agent finds its disk by).
         self.volume_devices: list[int] = []
-        self._next_virtio_slot = 0
-        self._cmdline_devices: list[str] = []
         self._add_virtio_devices(config)
 
         # 5. Linux (or a test payload, or a snapshot) and the vCPUs
@@ -373,50 +385,30 @@ class Machine:
 
     def _restore(self, state: MachineState, prepared: vmstate.PreparedRestore) -> None:
         """Restore order: the vCPUs are created, then VM state (PIT, clock, irqchips)
-        and vCPU state are set (``vmstate.apply_restore``), then devices: each virtio
-        device before its transport, whose restore re-activates the device; vsock then
-        posts TRANSPORT_RESET so the guest drops the parent's connections and accepts
-        new ones."""
+        and vCPU state are set (``vmstate.apply_restore``), then devices
+        (``DeviceManager.restore``: each virtio device before its transport, whose
+        restore re-activates the device); vsock then posts TRANSPORT_RESET so the guest
+        drops the parent's connections and accepts new ones."""
         started = time.monotonic()
         vcpus = [self._new_vcpu(vcpu_state.index) for vcpu_state in prepared.vcpus]
         # Per vCPU, the snapshot's MSRs this KVM refused (skipped, logged).
         self.restore_refused_msrs = vmstate.apply_restore(self.kvm_fd, self.vm_fd,
                                                           [v.fd for v in vcpus], prepared)
-        self.serial.restore(state.serial)
-        if (state.vsock is None) != (self.vsock is None) or \
-                (state.rng is None) != (self.rng is None) or \
-                (state.blk is None) != (self.blk is None) or \
-                (state.balloon is None) != (self.balloon is None) or \
-                len(state.volumes) != len(self.volume_slots):
-            raise HostError("the snapshot's devices differ from this machine's "
-                            f"(vsock {state.vsock is not None}, rng {state.rng is not None}, "
-                            f"root disk {state.blk is not None}, balloon "
-                            f"{state.balloon is not None}, volume slots "
-                            f"{len(state.volumes)}/{len(self.volume_slots)})",
-                            vm_id=self.vm_id, op="restore")
-        if state.vsock is not None and self.vsock is not None:
-            self.vsock.restore(state.vsock.device)
-            self._transport_of(self.vsock).restore(state.vsock.transport)
-        if state.rng is not None and self.rng is not None:
-            self.rng.restore(state.rng.device)
-            self._transport_of(self.rng).restore(state.rng.transport)
-        if state.net is not None and self.net is not None:
-            self.net.restore(state.net.device)
-            self._transport_of(self.net).restore(state.net.transport)
-        if state.blk is not None and self.blk is not None:
-            self.blk.restore(state.blk.device)   # refuses another disk (key or size)
-            self._transport_of(self.blk).restore(state.blk.transport)
-        if state.balloon is not None and self.balloon is not None:
-            self.balloon.restore(state.balloon.device)
-            self._transport_of(self.balloon).restore(state.balloon.transport)
-        for index, (volume, slot) in enumerate(zip(state.volumes, self.volume_slots)):
-            slot.restore(volume.device)   # refuses another disk (key, size or mode)
-            self._transport_of(slot).restore(volume.transport)
-            self.volume_paths[index] = volume.guest_path
+        self.devices.restore(state.devices)
         self.timings["restore_state"] = time.monotonic() - started
 
+    @property
+    def virtio_devices(self) -> list[MmioTransport]:
+        """The virtio devices' transports, in slot order."""
+        return self.devices.transports
+
+    @property
+    def volume_slots(self) -> list[VirtioBlk]:
+        """The volume slots' devices, by slot."""
+        return [v.blk for v in self.volumes]
+
     def _transport_of(self, device: VirtioDevice) -> MmioTransport:
-        return next(t for t in self.virtio_devices if t.device is device)
+        return next(t for t in self.devices.transports if t.device is device)
 
     def free_page_reporting(self) -> dict[str, Any] | None:
         """What the balloon did (devices/virtio/balloon.py), None without one: whether
@@ -482,28 +474,8 @@ class Machine:
         if not self.loop.in_loop_thread():
             raise StateError("device state must be saved on the I/O thread",
                              vm_id=self.vm_id, op="save_device_state")
-        vsock = rng = None
-        if self.vsock is not None:
-            vsock = vmstate.VsockSnapshot(self._transport_of(self.vsock).save(),
-                                          self.vsock.save())
-        if self.rng is not None:
-            rng = vmstate.RngSnapshot(self._transport_of(self.rng).save(), self.rng.save())
-        state = MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
-                             serial=self.serial.save(), cmdline=self.cmdline,
-                             vsock=vsock, rng=rng, guest_cid=self.config.guest_cid)
-        if self.net is not None:
-            state.net = vmstate.NetSnapshot(self._transport_of(self.net).save(),
-                                            self.net.save())
-        if self.blk is not None:
-            state.blk = vmstate.BlkSnapshot(self._transport_of(self.blk).save(),
-                                            self.blk.save())
-        if self.balloon is not None:
-            state.balloon = vmstate.BalloonSnapshot(self._transport_of(self.balloon).save(),
-                                                    self.balloon.save())
-        state.volumes = [vmstate.VolumeSnapshot(self._transport_of(slot).save(), slot.save(),
-                                                self.volume_paths[index])
-                         for index, slot in enumerate(self.volume_slots)]
-        return state
+        return MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
+                            devices=self.devices.save(), cmdline=self.cmdline)
 
     def _setup_vcpu(self, vcpu: Vcpu | NativeVcpu, supported: list[kvm_cpuid_entry2],
                     index: int) -> None:
@@ -525,64 +497,58 @@ class Machine:
         return line
 
     def _add_virtio_devices(self, config: MachineConfig) -> None:
-        """Create the virtio devices this config asks for: vsock (the agent channel)
-        first, so that it is always ``virtio-mmio.0``, then the entropy source, then
-        the network device, then the root disk, then the balloon. The order is the guest's view
-        (each device's window and IRQ follow from its slot), so a new device goes
-        last: snapshots taken before it existed keep their slots."""
+        """Create the virtio devices this config (or, for a restore, its snapshot) asks
+        for: vsock (the agent channel) first, so that it is always ``virtio-mmio.0``,
+        then the entropy source, the network device, the root disk, the balloon and
+        the volume slots. The order is the guest's view (each device's window and IRQ
+        follow from its slot, ``devices.manager``), so a new device goes last but
+        before the volume slots (which share the pins left): snapshots taken before it
+        existed keep their slots. This is the one place that knows where each device
+        comes from; saving, restoring and closing them is the manager's."""
+        saved = config.restore_state
+        if saved is not None:   # a restored machine has the devices its snapshot had
+            rng, balloon = (saved.device(RNG) is not None,
+                            saved.device(BALLOON) is not None)
+            volume_slots = len(saved.devices_of(VOLUME))
+        else:
+            rng, balloon, volume_slots = config.rng, config.balloon, config.volume_slots
         if config.vsock_uds is not None:
             self.vsock = VirtioVsock(self.loop, config.vsock_uds, config.guest_cid)
-            self._closers.append(self.vsock.close)
-            self.add_virtio(self.vsock)
-        if config.rng:
+            self.devices.attach_virtio(VSOCK, self.vsock, self.vsock,
+                                       closers=(self.vsock.close,))
+        if rng:
             self.rng = VirtioRng(self.loop)
-            self.add_virtio(self.rng)
+            self.devices.attach_virtio(RNG, self.rng, self.rng)
         mac = config.net_mac
         if mac is not None:
             tap_fd = open_tap(config.net_tap) if config.net_tap is not None else None
             self.net = VirtioNet(self.loop, parse_mac(mac), tap_fd)
-            self._closers.append(self.net.close)
-            self.add_virtio(self.net)
+            self.devices.attach_virtio(NET, self.net, self.net, closers=(self.net.close,))
         if config.root_disk is not None:
             assert config.root_disk_key is not None   # validate()
             fd, size = open_disk(config.root_disk)
-            self._closers.append(lambda: self._close_disk(fd))
-            self.blk = VirtioBlk(self.loop, fd, size, config.root_disk_key,
-                                 path=config.root_disk)
-            self.add_virtio(self.blk)
-        balloon = (config.restore_state.balloon is not None
-                   if config.restore_state is not None else config.balloon)
+            try:
+                self.blk = VirtioBlk(self.loop, fd, size, config.root_disk_key,
+                                     path=config.root_disk)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.devices.attach_virtio(BLK, self.blk, self.blk,
+                                       closers=(lambda: self._close_disk(fd),))
         if balloon:
             self.balloon = VirtioBalloon(self.loop)
-            self.add_virtio(self.balloon)
+            self.devices.attach_virtio(BALLOON, self.balloon, self.balloon)
             self._cmdline_devices.append(BALLOON_CMDLINE)
-        self._add_volume_slots(config)
-
-    def _add_volume_slots(self, config: MachineConfig) -> None:
-        """The volume slots, last. IOAPIC pins run out before slots do (24 pins, five
-        taken by legacy devices, up to four by the devices above), so the slots take
-        the pins left and share them round-robin past that: virtio-mmio's interrupt
-        is shared (Linux's handler reads each device's InterruptStatus), and a disk
-        interrupt costs a few more status reads on a shared pin, not a lost wake-up."""
-        count = (len(config.restore_state.volumes) if config.restore_state is not None
-                 else config.volume_slots)
-        if not count:
-            return
-        first_pin = L.FIRST_DEVICE_IRQ + self._next_virtio_slot
-        pins = L.IOAPIC_PINS - first_pin
-        if pins <= 0:
-            raise HostError("no IOAPIC pins left for volume slots", op="add_virtio")
         media = {m.slot: m for m in config.volumes}
-        for index in range(count):
-            slot = VirtioBlk(self.loop, None, 0, "", path=f"<volume slot {index}>",
-                             volume_slot=True)
-            self.volume_slots.append(slot)
-            self.volume_paths.append("")
-            self.volume_devices.append(self._next_virtio_slot)
-            self.add_virtio(slot, irq=first_pin + index % pins)
+        for index in range(volume_slots):
+            slot = VolumeSlot(VirtioBlk(self.loop, None, 0, "", path=f"<volume slot {index}>",
+                                        volume_slot=True))
+            self.volumes.append(slot)
+            self.volume_devices.append(self.devices.next_slot)
+            self.devices.attach_virtio(VOLUME, slot, slot.blk)
             if index in media:
-                self._open_volume(slot, media[index])
-                self.volume_paths[index] = media[index].guest_path
+                self._open_volume(slot.blk, media[index])
+                slot.guest_path = media[index].guest_path
 
     def _open_volume(self, slot: VirtioBlk, media: VolumeMedia) -> None:
         fd, size = open_disk(media.path, writable=not media.read_only, what="volume")
@@ -633,7 +599,7 @@ class Machine:
                 self._closers.append(lambda: self._close_volume(slot, fd))
             raise
         self._closers.append(lambda: self._close_volume(slot, fd))
-        self.volume_paths[media.slot] = media.guest_path
+        self.volumes[media.slot].guest_path = media.guest_path
 
     def _close_disk(self, fd: int) -> None:
         """Close the root disk's fd once the device can no longer read it: a read
@@ -644,16 +610,10 @@ class Machine:
         finally:
             os.close(fd)
 
-    def add_virtio(self, device: VirtioDevice, irq: int | None = None) -> MmioTransport:
-        """Give a virtio device an MMIO window, an IRQ (its own unless ``irq`` names
-        a pin to share) and ioeventfds for its queues, and announce it to the kernel
-        on the command line."""
-        slot = self._next_virtio_slot
-        if irq is None:
-            irq = L.FIRST_DEVICE_IRQ + slot
-        if irq >= L.IOAPIC_PINS:
-            raise HostError("no IOAPIC pins left for another virtio device", op="add_virtio")
-        self._next_virtio_slot += 1
+    def _mmio_transport(self, device: VirtioDevice, slot: int, irq: int) -> MmioTransport:
+        """The manager's transport factory: give a virtio device the MMIO window of
+        ``slot``, the line of pin ``irq`` and ioeventfds for its queues, and announce it
+        to the kernel on the command line."""
         base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
         line = self._irq_line(irq)
 
@@ -663,10 +623,12 @@ class Machine:
         transport = MmioTransport(device, self.memory, line, self.loop,
                                   register_ioeventfd=register_ioeventfd,
                                   name=f"virtio-mmio.{slot}")
-        self._closers.append(transport.close)
-        self.mmio_bus.register(base, L.VIRTIO_MMIO_SIZE, transport)
+        try:
+            self.mmio_bus.register(base, L.VIRTIO_MMIO_SIZE, transport)
+        except BaseException:
+            transport.close()
+            raise
         self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
-        self.virtio_devices.append(transport)
         return transport
 
     # -- running ----------------------------------------------------------------------------

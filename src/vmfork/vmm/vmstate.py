@@ -52,17 +52,14 @@ import errno
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from vmfork.kvm import api
 from vmfork.kvm import structs as s
 from vmfork.vmm import native as _native
-from vmfork.vmm.devices.serial import SerialState
-from vmfork.vmm.devices.virtio.balloon import BalloonState
-from vmfork.vmm.devices.virtio.blk import BlkState
-from vmfork.vmm.devices.virtio.mmio import MmioTransportState
-from vmfork.vmm.devices.virtio.net import NetState
-from vmfork.vmm.devices.virtio.rng import RngState
-from vmfork.vmm.devices.virtio.vsock import VsockState
+from vmfork.vmm.devices import manager
+from vmfork.vmm.devices.manager import DeviceKind, DeviceState
+from vmfork.vmm.devices.virtio.vsock import DEFAULT_GUEST_CID
 from vmfork.vmm.errors import HostError
 
 # Where the core is not built (or VMFORK_NATIVE=0, see vmm.native) the restore runs
@@ -107,69 +104,49 @@ class VmState:
     clock_flags: int
 
 
-@dataclass
-class VsockSnapshot:
-    transport: MmioTransportState
-    device: VsockState
-
-
-@dataclass
-class RngSnapshot:
-    transport: MmioTransportState
-    device: RngState
-
-
-@dataclass
-class NetSnapshot:
-    transport: MmioTransportState
-    device: NetState
-
-
-@dataclass
-class BlkSnapshot:
-    transport: MmioTransportState
-    device: BlkState
-
-
-@dataclass
-class BalloonSnapshot:
-    transport: MmioTransportState
-    device: BalloonState
-
-
-@dataclass
-class VolumeSnapshot:
-    """A volume slot: its transport and device, and where the guest mounted its disk
-    ("" for an empty slot)."""
-
-    transport: MmioTransportState
-    device: BlkState
-    guest_path: str = ""
+R = TypeVar("R")
 
 
 @dataclass
 class MachineState:
-    """Everything but guest memory. ``mem_size`` and the device list must match
-    the machine it is restored into (``Machine`` rebuilds the same devices)."""
+    """Everything but guest memory. ``mem_size``, the vCPUs and the device list must
+    match the machine it is restored into (``Machine`` rebuilds the same devices in
+    the same slots; ``devices.manager``). The list is checked whole on construction
+    (``manager.check_devices``), so a decoded state never lacks its serial device or
+    holds two of a single kind."""
 
     mem_size: int
     vcpus: list[VcpuState]
     vm: VmState
-    serial: SerialState
+    devices: list[DeviceState]
     cmdline: str = ""
-    vsock: VsockSnapshot | None = None
-    rng: RngSnapshot | None = None
-    guest_cid: int = 3
-    net: NetSnapshot | None = None
-    # The read-only root disk; None in state files written before it existed.
-    blk: BlkSnapshot | None = None
     extra: dict[str, str] = field(default_factory=dict)
-    # Volume slots, after every other device; empty in state files written before
-    # volumes existed (their machines had none).
-    volumes: list[VolumeSnapshot] = field(default_factory=list)
-    # The free-page-reporting balloon; None in state files written before it existed
-    # (their machines had none, and their restored children get none).
-    balloon: BalloonSnapshot | None = None
+
+    def __post_init__(self) -> None:
+        manager.check_devices(self.devices)
+
+    @classmethod
+    def upgrade_state_payload(cls, version: int, tree: Any) -> Any:
+        """For ``stateformat``: format 1 had a field per device (``manager``)."""
+        if version == 1:
+            return manager.upgrade_format_1(tree)
+        raise ValueError(f"no conversion from version {version}")
+
+    def device(self, kind: DeviceKind[R]) -> R | None:
+        """The record of the machine's one device of ``kind`` (``manager.VSOCK``, ...),
+        None if it has none."""
+        return manager.device_record(self.devices, kind)
+
+    def devices_of(self, kind: DeviceKind[R]) -> list[R]:
+        """The records of the machine's devices of ``kind`` (``manager.VOLUME``), in
+        slot order."""
+        return manager.device_records(self.devices, kind)
+
+    @property
+    def guest_cid(self) -> int:
+        """The guest's vsock CID (the vsock device's; the default without one)."""
+        vsock = self.device(manager.VSOCK)
+        return vsock.guest_cid if vsock is not None else DEFAULT_GUEST_CID
 
 
 def _raw(obj: ctypes.Structure) -> bytes:
