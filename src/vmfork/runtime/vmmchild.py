@@ -28,6 +28,11 @@ imports are already done and a spawn pays only for the restore. Contract:
   (``prefork``), and inherited by every child forked after it; a child checks
   that ``state.bin`` is still the file that was decoded, and otherwise (or if
   the zygote could not decode it) reads it itself and reports what is wrong.
+* A diff snapshot's RAM (its base with every run of its memory plan mapped over it)
+  is mapped once in the zygote too (``premap_memory``, read-only, never touched
+  there) and inherited only by the children of that snapshot, which adopt it as
+  their RAM (copy-on-write, each its own) once its files are checked to be the ones
+  mapped; any mismatch or failure and the child maps the plan itself, as before.
 * ``netns``/``net_tap`` (optional): the child's network namespace, entered before
   anything else, and the tap in it that its virtio-net device attaches to. A
   restored guest with a network device is told it was forked (``net_refresh``:
@@ -180,8 +185,10 @@ def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
 # Guest RAM of diff snapshots mapped in the zygote (``PremappedRam``), keyed by the
 # plan file's path: the children restoring that snapshot inherit it and adopt it, so
 # none of them maps the chain's runs itself. Bounded in count and in runs (each run is
-# one or two VMAs in the zygote, and every fork copies every VMA: ~1 us each).
-PREMAP_RUNS_KEPT = MAX_RUNS
+# one or two VMAs in the zygote, and every fork walks every VMA, inherited or not:
+# ~1-3 us each, bench/premap_fork_cost.py). A quarter of a plan's budget: at most
+# ~8k VMAs, a few ms on every fork; a bigger plan is mapped by each child, as before.
+PREMAP_RUNS_KEPT = MAX_RUNS // 4
 
 
 @dataclass

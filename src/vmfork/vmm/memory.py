@@ -186,6 +186,8 @@ class PremappedRam:
     """``st_dev, st_ino, st_size, st_mtime_ns`` of each source of the plan, in order:
     the files mapped, as a child must find them again to adopt the mapping."""
     mappings: tuple[mmap.mmap, ...]   # one per region of ``ram_layout(mem_size)``
+    overlays: tuple[tuple[int, int, int, int], ...]
+    """The runs as mapped, split at regions: ``(offset, length, source, file offset)``."""
 
     @classmethod
     def map(cls, path: str, mem_size: int, plan: MemoryPlan) -> PremappedRam:
@@ -213,9 +215,10 @@ class PremappedRam:
                     raise HostError(f"mapping memory file {path}: {os.strerror(err)}",
                                     op="map_snapshot", errno=err)
                 spans.append((layout.backing_offset, layout.size, addr))
-            for run in plan.runs:
-                _map_run(spans, run.offset, run.length, fds[run.source], run.source_offset,
-                         mmap.PROT_READ)
+            overlays = tuple((o.offset, o.length, run.source, o.file_offset)
+                             for run in plan.runs
+                             for o in _map_run(spans, run.offset, run.length, fds[run.source],
+                                               run.source_offset, mmap.PROT_READ))
         except BaseException:
             for m in mappings:
                 m.close()
@@ -223,7 +226,8 @@ class PremappedRam:
         finally:
             for fd in fds:
                 os.close(fd)   # the mappings hold the files
-        return cls(os.path.abspath(path), mem_size, len(plan.runs), sources, tuple(mappings))
+        return cls(os.path.abspath(path), mem_size, len(plan.runs), sources, tuple(mappings),
+                   overlays)
 
     def release(self) -> None:
         """Unmap it (only where it is mapped: the process that made it, or a child
@@ -267,15 +271,19 @@ class GuestMemory:
 
     def __init__(self, regions: list[MemoryRegion], backing_fd: int | None = None,
                  private_file: bool = False,
-                 overlays: tuple[Overlay, ...] = (), overlay_fds: tuple[int, ...] = ()) -> None:
+                 overlays: tuple[Overlay, ...] = (), overlay_fds: tuple[int, ...] = (),
+                 overlay_pieces: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
         self.regions = sorted(regions, key=lambda r: r.guest_phys)
         self.backing_fd = backing_fd  # memfd or snapshot file, if any; owned by us
         # True when RAM is a snapshot file mapped MAP_PRIVATE: every page the guest
         # or the VMM wrote is then a private anonymous page (see vmm.dirty).
         self.private_file = private_file
         # Ranges mapped from layer files over the snapshot file (a diff chain's plan),
-        # sorted; their fds are ours too.
-        self.overlays = overlays
+        # sorted; their fds are ours too. Adopted RAM (PremappedRam) gives them as
+        # ``overlay_pieces`` (offset, length, source, file offset; source i >= 1 is
+        # overlay_fds[i - 1]), made into Overlays only when a capture asks.
+        self._overlays: tuple[Overlay, ...] | None = overlays if overlay_pieces is None else None
+        self._overlay_pieces = overlay_pieces or ()
         self._overlay_fds = overlay_fds
         self.size = sum(r.size for r in self.regions)
         # The native core's view of the same mappings (virtqueue walks and copies run
@@ -283,6 +291,15 @@ class GuestMemory:
         self.native: _core.GuestRam | None = (
             _core.GuestRam([(r.guest_phys, r.size, r.host_addr) for r in self.regions])
             if NATIVE else None)
+
+    @property
+    def overlays(self) -> tuple[Overlay, ...]:
+        if self._overlays is None:
+            fds = self._overlay_fds
+            self._overlays = tuple(Overlay(offset, length, fds[source - 1], file_offset)
+                                   for offset, length, source, file_offset
+                                   in self._overlay_pieces)
+        return self._overlays
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -342,7 +359,7 @@ class GuestMemory:
                           and premapped.sources == tuple(_file_identity(fd) for fd in fds)
                           else "it maps other files")
                 if reason is None and plan is not None:
-                    return cls._adopt(premapped, plan, fds)
+                    return cls._adopt(premapped, fds)
             except BaseException:
                 for fd in fds:
                     os.close(fd)
@@ -375,10 +392,10 @@ class GuestMemory:
                    overlay_fds=tuple(fds[1:]))
 
     @classmethod
-    def _adopt(cls, premapped: PremappedRam, plan: MemoryPlan, fds: list[int]) -> GuestMemory:
-        """RAM from an inherited ``premapped`` of ``plan`` (checked by the caller, who
-        closes ``fds`` if this raises): writable, and its overlays as mapping them
-        here would have recorded them, with this process's fds."""
+    def _adopt(cls, premapped: PremappedRam, fds: list[int]) -> GuestMemory:
+        """RAM from an inherited ``premapped`` (checked by the caller, who
+        closes ``fds`` if this raises): writable, and its overlays those the premap
+        recorded, read through this process's fds."""
         layouts = ram_layout(premapped.mem_size)
         if len(layouts) != len(premapped.mappings) or any(
                 len(m) != layout.size for m, layout in zip(premapped.mappings, layouts)):
@@ -390,13 +407,8 @@ class GuestMemory:
                 err = ctypes.get_errno()
                 raise HostError(f"making the premapped RAM writable: {os.strerror(err)}",
                                 op="map_snapshot", errno=err)
-        spans = _spans(regions)
-        overlays = [Overlay(start, size, fds[run.source], at_file)
-                    for run in plan.runs
-                    for _, start, size, at_file in _split_run(spans, run.offset, run.length,
-                                                              run.source_offset)]
-        return cls(regions, backing_fd=fds[0], private_file=True, overlays=tuple(overlays),
-                   overlay_fds=tuple(fds[1:]))
+        return cls(regions, backing_fd=fds[0], private_file=True, overlay_fds=tuple(fds[1:]),
+                   overlay_pieces=premapped.overlays)
 
     def close(self) -> None:
         if self.native is not None:
@@ -413,6 +425,8 @@ class GuestMemory:
         for fd in self._overlay_fds:
             os.close(fd)
         self._overlay_fds = ()
+        if self._overlays is None:
+            self._overlays = ()   # their fds are gone
 
     def base_sources(self, data_extents: list[tuple[int, int]]) -> Iterator[Overlay]:
         """Where the snapshot this RAM was restored from keeps each range of its data,
