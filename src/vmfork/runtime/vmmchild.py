@@ -270,6 +270,7 @@ def premap_memory(snapshot_dirs: set[str]) -> None:
             continue
         _premaps[plan_path] = _Premap(identity, plan, ram)
         wanted.add(plan_path)
+        log.info("premap: the RAM of %s mapped ahead (%d runs)", snapshot_dir, ram.runs)
     for plan_path, entry in list(_premaps.items()):
         inherited = plan_path in wanted
         if entry.inherited == inherited:

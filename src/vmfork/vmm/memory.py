@@ -359,7 +359,10 @@ class GuestMemory:
                           and premapped.sources == tuple(_file_identity(fd) for fd in fds)
                           else "it maps other files")
                 if reason is None and plan is not None:
-                    return cls._adopt(premapped, fds)
+                    memory = cls._adopt(premapped, fds)
+                    log.info("guest RAM: adopted the premapped %s (%d runs)", path,
+                             premapped.runs)
+                    return memory
             except BaseException:
                 for fd in fds:
                     os.close(fd)
