@@ -185,10 +185,12 @@ def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
 # Guest RAM of diff snapshots mapped in the zygote (``PremappedRam``), keyed by the
 # plan file's path: the children restoring that snapshot inherit it and adopt it, so
 # none of them maps the chain's runs itself. Bounded in count and in runs (each run is
-# one or two VMAs in the zygote, and every fork walks every VMA, inherited or not:
-# ~1-3 us each, bench/premap_fork_cost.py). A quarter of a plan's budget: at most
-# ~8k VMAs, a few ms on every fork; a bigger plan is mapped by each child, as before.
-PREMAP_RUNS_KEPT = MAX_RUNS // 4
+# one or two VMAs in the zygote, and every fork walks every VMA, inherited or not).
+# One plan's budget in all (~33k VMAs at most, half of vm.max_map_count's default):
+# measured (bench/premap_fork_cost.py, natively) a fork of anyone else's snapshot
+# then takes ~30 ms more, while each child of that plan saves ~250 ms of mmaps
+# (in the emulated test host: ~60 ms against ~8.9 s).
+PREMAP_RUNS_KEPT = MAX_RUNS
 
 
 @dataclass
