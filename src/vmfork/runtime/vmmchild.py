@@ -28,6 +28,11 @@ imports are already done and a spawn pays only for the restore. Contract:
   (``prefork``), and inherited by every child forked after it; a child checks
   that ``state.bin`` is still the file that was decoded, and otherwise (or if
   the zygote could not decode it) reads it itself and reports what is wrong.
+* A diff snapshot's RAM (its base with every run of its memory plan mapped over it)
+  is mapped once in the zygote too (``premap_memory``, read-only, never touched
+  there) and inherited only by the children of that snapshot, which adopt it as
+  their RAM (copy-on-write, each its own) once its files are checked to be the ones
+  mapped; any mismatch or failure and the child maps the plan itself, as before.
 * ``netns``/``net_tap`` (optional): the child's network namespace, entered before
   anything else, and the tap in it that its virtio-net device attaches to. A
   restored guest with a network device is told it was forked (``net_refresh``:
@@ -81,7 +86,7 @@ from vmfork.agent.client import (
 )
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
-from vmfork.ondisk.memplan import PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
+from vmfork.ondisk.memplan import MAX_RUNS, PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime import control, seccomp, zygote_child
 from vmfork.runtime.network import enter_netns
@@ -90,6 +95,7 @@ from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
+from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 log = logging.getLogger(__name__)
@@ -177,14 +183,147 @@ def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
     return plan.source_path(0), plan
 
 
+# Guest RAM of diff snapshots mapped in the zygote (``PremappedRam``), keyed by the
+# plan file's path: the children restoring that snapshot inherit it and adopt it, so
+# none of them maps the chain's runs itself. Bounded in count and in runs (each run is
+# one or two VMAs in the zygote, and every fork walks every VMA, inherited or not).
+# One plan's budget in all (~33k VMAs at most, half of vm.max_map_count's default):
+# measured (bench/premap_fork_cost.py, natively) a fork of anyone else's snapshot
+# then takes ~30 ms more, while each child of that plan saves ~250 ms of mmaps
+# (in the emulated test host: ~60 ms against ~8.9 s).
+PREMAP_RUNS_KEPT = MAX_RUNS
+
+
+@dataclass
+class _Premap:
+    identity: tuple[int, int, int, int]   # the plan file's (see _identity)
+    plan: MemoryPlan
+    ram: PremappedRam
+    inherited: bool = False
+    """Copied into the children forked now (MADV_DOFORK): only for the batch's own
+    snapshots. A child sees the value it had at its fork."""
+
+
+_premaps: dict[str, _Premap] = {}
+
+
+def _drop_premap(plan_path: str) -> None:
+    entry = _premaps.pop(plan_path)
+    entry.ram.release()
+
+
+def _sources_unchanged(entry: _Premap) -> bool:
+    """Every file the premap maps is still at its path, the same file."""
+    try:
+        return all(_identity(entry.plan.source_path(i)) == identity
+                   for i, identity in enumerate(entry.ram.sources))
+    except OSError:
+        return False
+
+
+def premap_memory(snapshot_dirs: set[str]) -> None:
+    """Map the RAM of each diff snapshot of ``snapshot_dirs`` here, once (zygote, before
+    a batch is forked), and let only that batch's children inherit it.
+
+    A cached premap is dropped when its plan file or one of the files it maps changed
+    or went away (checked at every batch: a deleted snapshot's files must not stay
+    held open by a mapping), and the oldest ones when the cache is full. A plan that
+    cannot be mapped is logged and left to the children, which map it as without a
+    premap (and report the error, if it is one)."""
+    for plan_path, kept in list(_premaps.items()):
+        try:
+            unchanged = _identity(plan_path) == kept.identity and _sources_unchanged(kept)
+        except OSError:
+            unchanged = False
+        if not unchanged:
+            _drop_premap(plan_path)
+    wanted: set[str] = set()
+    for snapshot_dir in sorted(snapshot_dirs):
+        plan_path = os.path.join(snapshot_dir, PLAN_FILE)
+        try:
+            memory_file, plan = load_memory(snapshot_dir)
+            if plan is None:
+                if plan_path in _premaps:   # materialised since (memory.bin wins)
+                    _drop_premap(plan_path)
+                continue
+            identity = _identity(plan_path)
+        except Exception as err:  # noqa: BLE001 -- the children report it
+            log.info("premap: %s not mapped: %s", snapshot_dir, err)
+            continue
+        entry = _premaps.get(plan_path)
+        if entry is not None and entry.identity == identity and entry.plan is plan:
+            _premaps[plan_path] = _premaps.pop(plan_path)   # most recently used last
+            wanted.add(plan_path)
+            continue
+        if entry is not None:
+            _drop_premap(plan_path)
+        if len(plan.runs) > PREMAP_RUNS_KEPT:
+            continue
+        while _premaps and (len(_premaps) >= SNAPSHOTS_KEPT or len(plan.runs) + sum(
+                e.ram.runs for e in _premaps.values()) > PREMAP_RUNS_KEPT):
+            oldest = next((p for p in _premaps if p not in wanted), None)
+            if oldest is None:
+                break
+            _drop_premap(oldest)
+        try:
+            ram = PremappedRam.map(memory_file, plan.mem_size, plan)
+        except Exception as err:  # noqa: BLE001 -- each child maps it itself
+            log.warning("premap: the RAM of %s not mapped ahead (each child maps it): %s",
+                        snapshot_dir, err)
+            continue
+        _premaps[plan_path] = _Premap(identity, plan, ram)
+        wanted.add(plan_path)
+        log.info("premap: the RAM of %s mapped ahead (%d runs)", snapshot_dir, ram.runs)
+    for plan_path, entry in list(_premaps.items()):
+        inherited = plan_path in wanted
+        if entry.inherited == inherited:
+            continue
+        try:
+            entry.ram.set_inherited(inherited)
+            entry.inherited = inherited
+        except OSError as err:
+            # DOFORK refused: not inherited, children map it. DONTFORK refused:
+            # inherited, and the children of other snapshots unmap it.
+            log.warning("premap: madvise of %s refused: %s", plan_path, err)
+
+
+def inherited_premap(snapshot_dir: str, plan: MemoryPlan | None) -> PremappedRam | None:
+    """In a forked child: the premapped RAM of ``snapshot_dir`` it inherited, if it maps
+    ``plan`` (the plan file unchanged since), after unmapping every other premap it
+    inherited (another snapshot of its batch): a child maps no more than its own RAM.
+    ``GuestMemory.from_file_private`` checks the files before it adopts it.
+
+    Premaps that were not inherited (MADV_DONTFORK) are not mapped here, and their
+    addresses may be reused: they are left alone, and stay referenced (the child
+    leaves through ``os._exit``, so nothing unmaps them at exit either)."""
+    plan_path = os.path.join(snapshot_dir, PLAN_FILE)
+    mine: PremappedRam | None = None
+    for path, entry in _premaps.items():
+        if not entry.inherited:
+            continue
+        entry.inherited = False   # whatever happens next, this process owns it
+        try:
+            ok = (path == plan_path and plan is not None and entry.plan is plan
+                  and _identity(plan_path) == entry.identity)
+        except OSError:
+            ok = False
+        if ok:
+            mine = entry.ram
+        else:
+            entry.ram.release()
+    return mine
+
+
 _warmed_up: set[tuple[str, tuple[int, int, int, int]]] = set()
 
 
 def prefork(batch: list[dict[str, Any]]) -> None:
     """Zygote hook, run before a batch is forked: decode each snapshot once here so
     every child inherits it, and warm the restore path up on its first batch. A
-    snapshot that cannot be loaded is left to the children, which report why."""
-    for snapshot_dir in {str(args.get("snapshot_dir")) for args in batch}:
+    snapshot that cannot be loaded is left to the children, which report why. Then
+    the RAM of each diff snapshot is mapped, once (``premap_memory``)."""
+    snapshot_dirs = {str(args.get("snapshot_dir")) for args in batch}
+    for snapshot_dir in snapshot_dirs:
         try:
             load_snapshot(snapshot_dir)
             key = (snapshot_dir, _identity(os.path.join(snapshot_dir, "state.bin")))
@@ -193,6 +332,7 @@ def prefork(batch: list[dict[str, Any]]) -> None:
                 _warmed_up.add(key)
         except Exception as err:  # noqa: BLE001 -- each child reports it
             log.info("prefork: %s not prepared: %s", snapshot_dir, err)
+    premap_memory(snapshot_dirs)
 
 
 def _warm_up_restore(snapshot_dir: str) -> None:
@@ -348,13 +488,17 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
             volumes: tuple[VolumeMedia, ...] = ()) -> tuple[Machine, MachineState]:
     state, prepared = load_snapshot(snapshot_dir)
     memory_file, plan = load_memory(snapshot_dir)
+    # In a child of the zygote, the RAM its prefork mapped (never in the zygote itself:
+    # its warm-up restore maps its own, and the premap is never written there).
+    premapped = (inherited_premap(snapshot_dir, plan)
+                 if zygote_child.current() is not None else None)
     # A guest booted on a root disk is named by the disk's content key alone: the
     # snapshot says which disk, the image cache says where it is.
     blk = state.device(devices.BLK)
     disk_key = blk.disk_key if blk is not None else None
     config = MachineConfig(
         restore_state=state, restore_prepared=prepared,
-        memory_file=memory_file, memory_plan=plan,
+        memory_file=memory_file, memory_plan=plan, memory_premapped=premapped,
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=(str(run_dir / "vsock.sock") if state.device(devices.VSOCK) is not None
                    else None),

@@ -63,7 +63,7 @@ from vmfork.vmm.devices.virtio.vsock import VirtioVsock
 from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import IrqLine
-from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.memory import GuestMemory, PremappedRam
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
@@ -120,6 +120,9 @@ class MachineConfig:
     memory_file: str | None = None              # ... mapping this file MAP_PRIVATE
     # ... and a diff chain's layers over it (memory_file is then the plan's base)
     memory_plan: MemoryPlan | None = None
+    # ... already mapped by the process this one was forked from, and inherited
+    # (a zygote's prefork, ``memory.PremappedRam``): adopted if it maps that plan.
+    memory_premapped: PremappedRam | None = None
     # restore_state's ioctl buffers, built beforehand (vmstate.prepare_restore) so a
     # forked child only issues ioctls; built from restore_state when not given.
     restore_prepared: vmstate.PreparedRestore | None = None
@@ -164,6 +167,8 @@ class MachineConfig:
             raise ValueError("restore_state and memory_file go together")
         if self.memory_plan is not None and self.memory_file is None:
             raise ValueError("memory_plan needs memory_file (its base)")
+        if self.memory_premapped is not None and self.memory_plan is None:
+            raise ValueError("memory_premapped needs memory_plan (what it maps)")
         if self.restore_state is not None:
             if self.restore_state.mem_size != self.mem_mib << 20:
                 raise ValueError(f"the snapshot has {self.restore_state.mem_size >> 20} MiB of "
@@ -293,7 +298,8 @@ class Machine:
         mem_size = config.mem_mib << 20
         if config.memory_file is not None:
             self.memory = GuestMemory.from_file_private(config.memory_file, mem_size,
-                                                        config.memory_plan)
+                                                        config.memory_plan,
+                                                        config.memory_premapped)
         elif config.memfd:
             self.memory = GuestMemory.memfd(mem_size, f"vmfork-{self.vm_id}")
         else:

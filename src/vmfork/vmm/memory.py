@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 from collections.abc import Iterator
@@ -35,9 +36,14 @@ from vmfork.vmm.openfiles import open_ro
 if NATIVE:
     from vmfork import _core
 
+log = logging.getLogger(__name__)
+
 MMIO_HOLE_START = 0xC000_0000  # 3 GiB: RAM below, device windows above
 FOUR_GIB = 1 << 32
 _MAP_FIXED = 0x10
+_MAP_NORESERVE = 0x4000
+_MADV_DONTFORK = 10
+_MADV_DOFORK = 11
 
 
 @dataclass(frozen=True)
@@ -90,31 +96,152 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_long]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _map_run(regions: list[MemoryRegion], offset: int, length: int, fd: int,
-             file_offset: int) -> list[Overlay]:
+def _check_plan(path: str, mem_size: int, plan: MemoryPlan) -> None:
+    if plan.mem_size != mem_size:
+        raise HostError(f"the memory plan is for {plan.mem_size} bytes of RAM, not "
+                        f"{mem_size}", op="map_snapshot")
+    if os.path.abspath(path) != os.path.abspath(plan.source_path(0)):
+        raise HostError(f"the memory plan's base is {plan.source_path(0)}, not {path}",
+                        op="map_snapshot")
+
+
+def _split_run(spans: list[tuple[int, int, int]], offset: int, length: int,
+               file_offset: int) -> list[tuple[int, int, int, int]]:
+    """A run at ``offset`` (backing layout) split at region boundaries: ``(host
+    address, RAM offset, length, file offset)`` per piece. ``spans`` are the regions'
+    ``(backing_offset, size, host_addr)``."""
+    pieces: list[tuple[int, int, int, int]] = []
+    for backing_offset, size, host_addr in spans:
+        start = max(offset, backing_offset)
+        end = min(offset + length, backing_offset + size)
+        if start < end:
+            pieces.append((host_addr + start - backing_offset, start, end - start,
+                           file_offset + start - offset))
+    return pieces
+
+
+def _map_run(spans: list[tuple[int, int, int]], offset: int, length: int, fd: int,
+             file_offset: int, prot: int = mmap.PROT_READ | mmap.PROT_WRITE) -> list[Overlay]:
     """Map ``fd`` at ``file_offset`` over RAM at ``offset`` (backing layout), split at
     region boundaries, MAP_PRIVATE | MAP_FIXED inside the regions' own mappings (so
     closing a region's mmap unmaps its overlays too)."""
     done: list[Overlay] = []
-    for r in regions:
-        start = max(offset, r.backing_offset)
-        end = min(offset + length, r.backing_offset + r.size)
-        if start >= end:
-            continue
-        at = _libc.mmap(r.host_addr + start - r.backing_offset, end - start,
-                        mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd,
-                        file_offset + start - offset)
+    for addr, start, size, at_file in _split_run(spans, offset, length, file_offset):
+        at = _libc.mmap(addr, size, prot, mmap.MAP_PRIVATE | _MAP_FIXED, fd, at_file)
         if at == _MAP_FAILED or at is None:
             err = ctypes.get_errno()
             hint = ("; the process is out of memory mappings: raise vm.max_map_count or "
                     "compact the snapshot" if err == errno.ENOMEM else "")
-            raise HostError(f"mapping a memory layer over RAM {start:#x}+{end - start:#x} "
+            raise HostError(f"mapping a memory layer over RAM {start:#x}+{size:#x} "
                             f"failed: {os.strerror(err)}{hint}", op="map_snapshot", errno=err)
-        done.append(Overlay(start, end - start, fd, file_offset + start - offset))
+        done.append(Overlay(start, size, fd, at_file))
     return done
+
+
+def _spans(regions: list[MemoryRegion]) -> list[tuple[int, int, int]]:
+    return [(r.backing_offset, r.size, r.host_addr) for r in regions]
+
+
+def _mapping_address(mapping: mmap.mmap) -> int:
+    """Where ``mapping`` starts, without keeping a buffer export of it (one would make
+    ``mapping.close()`` fail)."""
+    view = ctypes.c_char.from_buffer(mapping)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def _file_identity(fd: int) -> tuple[int, int, int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class PremappedRam:
+    """A diff chain's guest RAM mapped ahead of ``fork()``, by the process that forks
+    the VMMs restoring it (the zygote, ``runtime.vmmchild.prefork``): the plan's base
+    ``MAP_PRIVATE`` and every run ``MAP_FIXED`` over it, as ``from_file_private`` maps
+    them, but ``PROT_READ``. A child inherits the mappings with the fork (a private
+    mapping is copy-on-write per process) and adopts them as its RAM
+    (``from_file_private(premapped=)``) instead of issuing one mmap per run.
+
+    Read-only, so that the forking process can never write a page every later child
+    would then inherit (a write faults), and so that it is not charged the RAM's size
+    of commit; nobody touches its pages, so it holds no resident memory either. Each
+    mapping is an anonymous ``mmap`` object (no file descriptor of its own) with the
+    file mapped over it: ``close()`` unmaps the region and its runs, and closes no fd
+    (a forked child has closed every inherited fd; one it reused must not be closed).
+    """
+
+    base_path: str
+    mem_size: int
+    runs: int
+    sources: tuple[tuple[int, int, int, int], ...]
+    """``st_dev, st_ino, st_size, st_mtime_ns`` of each source of the plan, in order:
+    the files mapped, as a child must find them again to adopt the mapping."""
+    mappings: tuple[mmap.mmap, ...]   # one per region of ``ram_layout(mem_size)``
+    overlays: tuple[tuple[int, int, int, int], ...]
+    """The runs as mapped, split at regions: ``(offset, length, source, file offset)``."""
+
+    @classmethod
+    def map(cls, path: str, mem_size: int, plan: MemoryPlan) -> PremappedRam:
+        """Map ``plan`` (whose base is ``path``) for ``mem_size`` bytes of RAM.
+        ``HostError``/``PlanError`` as ``from_file_private`` raises them."""
+        _check_plan(path, mem_size, plan)
+        fds = memplan.open_sources(plan)
+        mappings: list[mmap.mmap] = []
+        try:
+            sources = tuple(_file_identity(fd) for fd in fds)
+            if sources[0][2] < mem_size:
+                raise HostError(f"memory file {path} is shorter than {mem_size} bytes",
+                                op="map_snapshot")
+            spans: list[tuple[int, int, int]] = []
+            for layout in ram_layout(mem_size):
+                # MAP_NORESERVE: the placeholder is replaced at once, never charged.
+                m = mmap.mmap(-1, layout.size, prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                              flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+                mappings.append(m)
+                addr = _mapping_address(m)
+                at = _libc.mmap(addr, layout.size, mmap.PROT_READ,
+                                mmap.MAP_PRIVATE | _MAP_FIXED, fds[0], layout.backing_offset)
+                if at == _MAP_FAILED or at is None:
+                    err = ctypes.get_errno()
+                    raise HostError(f"mapping memory file {path}: {os.strerror(err)}",
+                                    op="map_snapshot", errno=err)
+                spans.append((layout.backing_offset, layout.size, addr))
+            overlays = tuple((o.offset, o.length, run.source, o.file_offset)
+                             for run in plan.runs
+                             for o in _map_run(spans, run.offset, run.length, fds[run.source],
+                                               run.source_offset, mmap.PROT_READ))
+        except BaseException:
+            for m in mappings:
+                m.close()
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)   # the mappings hold the files
+        return cls(os.path.abspath(path), mem_size, len(plan.runs), sources, tuple(mappings),
+                   overlays)
+
+    def release(self) -> None:
+        """Unmap it (only where it is mapped: the process that made it, or a child
+        that inherited it)."""
+        for m in self.mappings:
+            m.close()
+
+    def set_inherited(self, inherited: bool) -> None:
+        """Whether a ``fork()`` copies it (``MADV_DOFORK``/``MADV_DONTFORK``): the
+        children of other snapshots need not inherit it, and then need not unmap it.
+        ``OSError`` if the kernel refuses."""
+        advice = _MADV_DOFORK if inherited else _MADV_DONTFORK
+        for m in self.mappings:
+            m.madvise(advice)
 
 
 def subtract_runs(extents: list[tuple[int, int]],
@@ -144,15 +271,19 @@ class GuestMemory:
 
     def __init__(self, regions: list[MemoryRegion], backing_fd: int | None = None,
                  private_file: bool = False,
-                 overlays: tuple[Overlay, ...] = (), overlay_fds: tuple[int, ...] = ()) -> None:
+                 overlays: tuple[Overlay, ...] = (), overlay_fds: tuple[int, ...] = (),
+                 overlay_pieces: tuple[tuple[int, int, int, int], ...] | None = None) -> None:
         self.regions = sorted(regions, key=lambda r: r.guest_phys)
         self.backing_fd = backing_fd  # memfd or snapshot file, if any; owned by us
         # True when RAM is a snapshot file mapped MAP_PRIVATE: every page the guest
         # or the VMM wrote is then a private anonymous page (see vmm.dirty).
         self.private_file = private_file
         # Ranges mapped from layer files over the snapshot file (a diff chain's plan),
-        # sorted; their fds are ours too.
-        self.overlays = overlays
+        # sorted; their fds are ours too. Adopted RAM (PremappedRam) gives them as
+        # ``overlay_pieces`` (offset, length, source, file offset; source i >= 1 is
+        # overlay_fds[i - 1]), made into Overlays only when a capture asks.
+        self._overlays: tuple[Overlay, ...] | None = overlays if overlay_pieces is None else None
+        self._overlay_pieces = overlay_pieces or ()
         self._overlay_fds = overlay_fds
         self.size = sum(r.size for r in self.regions)
         # The native core's view of the same mappings (virtqueue walks and copies run
@@ -160,6 +291,15 @@ class GuestMemory:
         self.native: _core.GuestRam | None = (
             _core.GuestRam([(r.guest_phys, r.size, r.host_addr) for r in self.regions])
             if NATIVE else None)
+
+    @property
+    def overlays(self) -> tuple[Overlay, ...]:
+        if self._overlays is None:
+            fds = self._overlay_fds
+            self._overlays = tuple(Overlay(offset, length, fds[source - 1], file_offset)
+                                   for offset, length, source, file_offset
+                                   in self._overlay_pieces)
+        return self._overlays
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -189,23 +329,47 @@ class GuestMemory:
 
     @classmethod
     def from_file_private(cls, path: str, mem_size: int,
-                          plan: MemoryPlan | None = None) -> GuestMemory:
+                          plan: MemoryPlan | None = None,
+                          premapped: PremappedRam | None = None) -> GuestMemory:
         """Map a memory file copy-on-write: reads share the page cache, writes are private.
 
         With ``plan`` (a diff chain, ``ondisk.memplan``), ``path`` must be the plan's
         base memory file; each run of the plan is then mapped from its layer file
         over the base, ``MAP_PRIVATE | MAP_FIXED``: nothing is read or copied.
+
+        ``premapped``: the same mapping, made before this process was forked and
+        inherited (``PremappedRam``). It is adopted, made writable, when it maps
+        this very plan: the same base, size and run count, and every source still
+        the file it mapped (device, inode, size, mtime of the file opened now);
+        otherwise it is unmapped and the plan mapped here, as without it. The
+        sources are opened either way: a capture reads the base's extents and the
+        layers through them (``base_sources``).
         """
         if plan is not None:
-            if plan.mem_size != mem_size:
-                raise HostError(f"the memory plan is for {plan.mem_size} bytes of RAM, not "
-                                f"{mem_size}", op="map_snapshot")
-            if os.path.abspath(path) != os.path.abspath(plan.source_path(0)):
-                raise HostError(f"the memory plan's base is {plan.source_path(0)}, not {path}",
-                                op="map_snapshot")
+            _check_plan(path, mem_size, plan)
             fds = memplan.open_sources(plan)
         else:
             fds = [open_ro(path)]
+        if premapped is not None:
+            try:
+                reason = (None if plan is not None
+                          and premapped.base_path == os.path.abspath(path)
+                          and premapped.mem_size == mem_size
+                          and premapped.runs == len(plan.runs)
+                          and premapped.sources == tuple(_file_identity(fd) for fd in fds)
+                          else "it maps other files")
+                if reason is None and plan is not None:
+                    memory = cls._adopt(premapped, fds)
+                    log.info("guest RAM: adopted the premapped %s (%d runs)", path,
+                             premapped.runs)
+                    return memory
+            except BaseException:
+                for fd in fds:
+                    os.close(fd)
+                raise
+            log.warning("the premapped RAM of %s is not adopted (%s); mapping it here",
+                        path, reason)
+            premapped.release()
         regions: list[MemoryRegion] = []
         overlays: list[Overlay] = []
         try:
@@ -217,8 +381,9 @@ class GuestMemory:
                               prot=mmap.PROT_READ | mmap.PROT_WRITE,
                               offset=layout.backing_offset)
                 regions.append(MemoryRegion(layout, m))
+            spans = _spans(regions)
             for run in plan.runs if plan is not None else ():
-                overlays.extend(_map_run(regions, run.offset, run.length, fds[run.source],
+                overlays.extend(_map_run(spans, run.offset, run.length, fds[run.source],
                                          run.source_offset))
         except BaseException:
             for r in regions:
@@ -228,6 +393,25 @@ class GuestMemory:
             raise
         return cls(regions, backing_fd=fds[0], private_file=True, overlays=tuple(overlays),
                    overlay_fds=tuple(fds[1:]))
+
+    @classmethod
+    def _adopt(cls, premapped: PremappedRam, fds: list[int]) -> GuestMemory:
+        """RAM from an inherited ``premapped`` (checked by the caller, who
+        closes ``fds`` if this raises): writable, and its overlays those the premap
+        recorded, read through this process's fds."""
+        layouts = ram_layout(premapped.mem_size)
+        if len(layouts) != len(premapped.mappings) or any(
+                len(m) != layout.size for m, layout in zip(premapped.mappings, layouts)):
+            raise HostError("the premapped RAM does not have the layout of its size",
+                            op="map_snapshot")
+        regions = [MemoryRegion(layout, m) for layout, m in zip(layouts, premapped.mappings)]
+        for r in regions:
+            if _libc.mprotect(r.host_addr, r.size, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+                err = ctypes.get_errno()
+                raise HostError(f"making the premapped RAM writable: {os.strerror(err)}",
+                                op="map_snapshot", errno=err)
+        return cls(regions, backing_fd=fds[0], private_file=True, overlay_fds=tuple(fds[1:]),
+                   overlay_pieces=premapped.overlays)
 
     def close(self) -> None:
         if self.native is not None:
@@ -244,6 +428,8 @@ class GuestMemory:
         for fd in self._overlay_fds:
             os.close(fd)
         self._overlay_fds = ()
+        if self._overlays is None:
+            self._overlays = ()   # their fds are gone
 
     def base_sources(self, data_extents: list[tuple[int, int]]) -> Iterator[Overlay]:
         """Where the snapshot this RAM was restored from keeps each range of its data,
