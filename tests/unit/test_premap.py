@@ -295,3 +295,27 @@ def test_a_restore_outside_a_zygote_child_maps_its_own(tmp_path: Path) -> None:
     finally:
         memory.close()
     assert entry.inherited and not entry.ram.mappings[0].closed
+
+
+def test_a_diff_of_an_adopted_mapping_leaves_out_pages_written_back(tmp_path: Path) -> None:
+    """The diff writer's comparison with the restore base reads through the overlays and
+    fds of an adopted mapping as of one the child mapped itself."""
+    from vmfork.vmm import capture, dirty
+
+    link = _write_chain(tmp_path / "snaps")
+    vmmchild.premap_memory({str(link)})
+
+    def body() -> dict[str, Any]:
+        memory_file, plan = vmmchild.load_memory(str(link))
+        assert plan is not None
+        premapped = vmmchild.inherited_premap(str(link), plan)
+        memory = GuestMemory.from_file_private(memory_file, MEM, plan, premapped)
+        memory.write(3 * PAGE_SIZE, bytes([_layer_byte(3)]) * 8)   # the layer's bytes
+        memory.write(5 * PAGE_SIZE, bytes([5]) * 8)                # the base file's
+        memory.write(10 * PAGE_SIZE + 7, b"\0")                    # not the layer's
+        kept = capture._without_unchanged(memory, dirty.changed_private_pages(memory))
+        return {"adopted": premapped is not None, "kept": kept}
+
+    result = _in_child(body)
+    assert result["adopted"]
+    assert result["kept"] == [[10 * PAGE_SIZE, PAGE_SIZE]]
