@@ -38,6 +38,20 @@ def ensure_kvm_host(script: str, argv: list[str], *, mem_mib: int = 4096,
                              rw_paths=[str(REPO)], cwd=str(REPO), timeout=timeout))
 
 
+def native_vs_python(samples_s: dict[str, list[float]], column: str,
+                     digits: int = 0) -> tuple[dict[str, dict[str, float]], float, str]:
+    """A native-vs-Python benchmark's summary: per path (``native``, ``python``) the
+    median/min/max in µs of ``samples_s`` (seconds), the Python / native ratio of the
+    medians, and the markdown table of them (``column`` heads the median)."""
+    us = {path: summary([t * 1e6 for t in values]) for path, values in samples_s.items()}
+    ratio = us["python"]["median"] / us["native"]["median"]
+    table = (f"| path | {column} | min | max |\n|---|---|---|---|\n"
+             + "".join(f"| {p} | {u['median']:.{digits}f} | {u['min']:.{digits}f} "
+                       f"| {u['max']:.{digits}f} |\n" for p, u in us.items())
+             + f"\nPython / native (median): {ratio:.2f}x\n")
+    return us, ratio, table
+
+
 def where() -> str:
     if os.environ.get("VMFORK_IN_TESTHOST") == "1":
         return "emulated KVM test host (QEMU TCG, AMD SVM, nested kvm_amd): compare ratios only"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ensure_kvm_host, summary, where, write_results
+from _common import ensure_kvm_host, native_vs_python, where, write_results
 
 
 def main() -> None:
@@ -69,15 +69,10 @@ def main() -> None:
         full = run(native, args.writes)
         per_exit["native" if native else "python"].append((full - base) / args.writes)
 
-    us = {path: summary([t * 1e6 for t in values]) for path, values in per_exit.items()}
-    ratio = us["python"]["median"] / us["native"]["median"]
+    us, ratio, table = native_vs_python(per_exit, "median µs/exit (register file)", 1)
     md = (f"# MMIO exit: native register file vs Python\n\n{where()}; "
           f"{args.writes} InterruptACK writes per run, {args.reps} runs per path, "
-          "alternating; a run without writes subtracted.\n\n"
-          "| register file | median µs/exit | min | max |\n|---|---|---|---|\n"
-          + "".join(f"| {p} | {u['median']:.1f} | {u['min']:.1f} | {u['max']:.1f} |\n"
-                    for p, u in us.items())
-          + f"\nPython / native (median): {ratio:.2f}x\n")
+          "alternating; a run without writes subtracted.\n\n" + table)
     write_results("mmio_exit", {"writes": args.writes, "reps": args.reps, "us": us,
                                 "python_over_native": ratio}, md)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import ensure_kvm_host, summary, where, write_results
+from _common import ensure_kvm_host, native_vs_python, where, write_results
 
 LOOP = b"\xeb\xfe"   # jmp .
 
@@ -73,14 +73,9 @@ def main() -> None:
                 os.close(fd)
     os.close(kvm)
 
-    us = {path: summary([t * 1e6 for t in values]) for path, values in times.items()}
-    ratio = us["python"]["median"] / us["native"]["median"]
+    us, ratio, table = native_vs_python(times, "median µs")
     md = (f"# Restore ioctls: native core vs Python\n\n{where()}; {args.vcpus} vCPU(s), "
-          f"{args.reps} restores per path, alternating.\n\n"
-          "| path | median µs | min µs | max µs |\n|---|---|---|---|\n"
-          + "".join(f"| {p} | {u['median']:.0f} | {u['min']:.0f} | {u['max']:.0f} |\n"
-                    for p, u in us.items())
-          + f"\nPython / native (median): {ratio:.2f}x\n")
+          f"{args.reps} restores per path, alternating.\n\n" + table)
     write_results("restore", {"vcpus": args.vcpus, "reps": args.reps, "us": us,
                               "python_over_native": ratio}, md)
 
