@@ -554,3 +554,38 @@ def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
         e.wait_for(lambda h: h.op == Op.RST and h.dst_port == 41000, "RST for port 6000")
         assert not e.needs_reset and not loop.errors
         srv.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-bytes", "python-bytes"])
+def test_a_streaming_connection_does_not_hold_up_a_new_ones_request(
+        loop: EventLoop, native: bool) -> None:  # noqa: F811
+    """Few rx buffers and one connection with plenty to send (the native path serves it
+    up to NATIVE_RX_BATCH packets a turn): a new host connection's REQUEST still goes
+    out within a turn or two, not after the stream (e2e's many children answering)."""
+    with VsockEnv(loop, rx_buffers=4, native=native) as e:
+        a, _ = e.host_connect(1000)
+        total = 100_000  # within the Unix socket's buffer: sendall cannot block
+        a.sendall(b"a" * total)
+        wait_until(lambda: e.rx.used_idx() != e.rx.last_used, what="the stream's first packets")
+        b = socket.socket(socket.AF_UNIX)
+        b.settimeout(5)
+        b.connect(e.uds)
+        b.sendall(b"CONNECT 2000\n")
+        time.sleep(0.2)  # the device has taken B's line and waits for rx buffers
+        streamed = 0
+        deadline = time.monotonic() + 5
+        while True:
+            assert time.monotonic() < deadline, f"no REQUEST after {streamed} stream bytes"
+            e.collect()
+            request = [h for h, _ in e.packets if h.op == Op.REQUEST and h.dst_port == 2000]
+            streamed = sum(len(p) for h, p in e.packets if h.op == Op.RW)
+            if request:
+                break
+            time.sleep(0.002)
+        # A few turns of 4 buffers at most went to the stream before the REQUEST.
+        assert streamed <= 3 * 4 * RX_BUF < total, streamed
+        e.send(pkt(Op.RESPONSE, 2000, request[0].src_port))
+        assert recv_line(b) == f"OK {request[0].src_port}\n".encode()
+        assert e.stream(total) == b"a" * total  # the counted packets are still in e.packets
+        a.close()
+        b.close()
