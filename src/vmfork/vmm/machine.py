@@ -551,10 +551,13 @@ class Machine:
                                         volume_slot=True))
             self.volumes.append(slot)
             self.volume_devices.append(self.devices.next_slot)
-            self.devices.attach_virtio(VOLUME, slot, slot.blk)
+            # The disk before the transport: the native register file copies a plain
+            # config (the capacity) when its transport is made, and a disk inserted
+            # after that is announced only by notify_config_change (attach_volume).
             if index in media:
                 self._open_volume(slot.blk, media[index])
                 slot.guest_path = media[index].guest_path
+            self.devices.attach_virtio(VOLUME, slot, slot.blk)
 
     def _open_volume(self, slot: VirtioBlk, media: VolumeMedia) -> None:
         fd, size = open_disk(media.path, writable=not media.read_only, what="volume")
