@@ -12,7 +12,8 @@ use the loop freely (``add_reader`` for its sockets) and needs no lock of its
 own for queue work. Config space: a device whose config is plain bytes (it
 overrides neither ``read_config`` nor ``write_config``) has its ``config_bytes``
 copied into the transport's register file, which serves them itself; such bytes may
-change only by the device's ``restore`` (the transport's follows it) or right before
+change only before the transport is made (a booted machine's volume disks go in
+first), by the device's ``restore`` (the transport's follows it) or right before
 ``transport.notify_config_change()`` (which copies them again). Other devices' config
 accesses come from the vCPU thread, with no transport lock held; they keep their
 config immutable or guarded (the balloon's lock).
