@@ -18,7 +18,7 @@ import pytest
 
 from vmfork.ondisk.memplan import PLAN_FILE, MemoryPlan, PlanRun, PlanSource, encode_plan
 from vmfork.runtime import vmmchild
-from vmfork.vmm.memory import PAGE_SIZE, GuestMemory, _mapping_address
+from vmfork.vmm.memory import PAGE_SIZE, GuestMemory, PremappedRam, _mapping_address
 
 MEM = 64 * PAGE_SIZE
 LAYER_PAGES = (3, 4, 10, 40)   # RAM pages the layer holds (a run per contiguous range)
@@ -114,12 +114,18 @@ def _rss_kib(addr: int, size: int) -> int:
     return total
 
 
-def _restore_in_child(link: Path, write: bool = False) -> dict[str, Any]:
-    """What a child's restore does with its memory: the inherited premap, adopted."""
+def _child_memory(link: Path) -> tuple[GuestMemory, PremappedRam | None]:
+    """A child's RAM for ``link`` as its restore makes it: the inherited premap adopted
+    when there is one, and which premap that was (None: mapped afresh)."""
     memory_file, plan = vmmchild.load_memory(str(link))
     assert plan is not None
     premapped = vmmchild.inherited_premap(str(link), plan)
-    memory = GuestMemory.from_file_private(memory_file, MEM, plan, premapped)
+    return GuestMemory.from_file_private(memory_file, MEM, plan, premapped), premapped
+
+
+def _restore_in_child(link: Path, write: bool = False) -> dict[str, Any]:
+    """What a child's restore does with its memory: the inherited premap, adopted."""
+    memory, premapped = _child_memory(link)
     adopted = premapped is not None and memory.regions[0].mapping is premapped.mappings[0]
     seen = memory.read(0, MEM)
     if write:
@@ -189,10 +195,7 @@ def test_a_changed_layer_is_not_adopted_and_the_zygote_drops_it(tmp_path: Path) 
     _write_chain(tmp_path / "snaps", layer_fill=lambda p: 0xEE)
 
     def restore() -> dict[str, Any]:
-        memory_file, plan = vmmchild.load_memory(str(link))
-        assert plan is not None
-        premapped = vmmchild.inherited_premap(str(link), plan)
-        memory = GuestMemory.from_file_private(memory_file, MEM, plan, premapped)
+        memory, premapped = _child_memory(link)
         return {"inherited": premapped is not None,
                 "adopted": memory.regions[0].mapping is old.mappings[0],
                 "page3": memory.read(3 * PAGE_SIZE, 1).hex()}
@@ -217,10 +220,7 @@ def test_a_replaced_source_under_an_unchanged_plan_is_mapped_afresh(tmp_path: Pa
     os.utime(plan_path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
     def restore() -> dict[str, Any]:
-        memory_file, plan = vmmchild.load_memory(str(link))
-        assert plan is not None
-        premapped = vmmchild.inherited_premap(str(link), plan)
-        memory = GuestMemory.from_file_private(memory_file, MEM, plan, premapped)
+        memory, premapped = _child_memory(link)
         return {"inherited": premapped is not None,
                 "adopted": premapped is not None
                 and memory.regions[0].mapping is premapped.mappings[0],
@@ -306,10 +306,7 @@ def test_a_diff_of_an_adopted_mapping_leaves_out_pages_written_back(tmp_path: Pa
     vmmchild.premap_memory({str(link)})
 
     def body() -> dict[str, Any]:
-        memory_file, plan = vmmchild.load_memory(str(link))
-        assert plan is not None
-        premapped = vmmchild.inherited_premap(str(link), plan)
-        memory = GuestMemory.from_file_private(memory_file, MEM, plan, premapped)
+        memory, premapped = _child_memory(link)
         memory.write(3 * PAGE_SIZE, bytes([_layer_byte(3)]) * 8)   # the layer's bytes
         memory.write(5 * PAGE_SIZE, bytes([5]) * 8)                # the base file's
         memory.write(10 * PAGE_SIZE + 7, b"\0")                    # not the layer's
