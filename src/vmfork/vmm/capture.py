@@ -234,11 +234,12 @@ class SnapshotTaker:
                             # them as of now, whatever the guest writes after the resume.
                             # Against the restore base it also leaves out the pages that
                             # were written back to the base's bytes (_without_unchanged).
-                            held = (_without_unchanged if base.kind == BASE_RESTORE
-                                    else _all_of)
+                            against_restore = base.kind == BASE_RESTORE
                             writer = _Writer.fork(
                                 tmp_memory, lambda: (_write_layer_file(
-                                    tmp_memory, memory, held(memory, runs)), pages))
+                                    tmp_memory, memory,
+                                    _without_unchanged(memory, runs) if against_restore
+                                    else runs), pages))
                             timings["fork_s"] = time.monotonic() - at
                         else:
                             written = _write_layer_file(tmp_memory, memory, runs)
@@ -321,10 +322,6 @@ def _changed_since(memory: GuestMemory, base: _Base) -> list[dirty.Run]:
 
 # The writer compares a diff's pages with the restore base's a chunk at a time.
 _COMPARE_CHUNK = 1 << 20
-
-
-def _all_of(memory: GuestMemory, runs: list[dirty.Run]) -> list[dirty.Run]:
-    return runs
 
 
 def _without_unchanged(memory: GuestMemory, runs: list[dirty.Run]) -> list[dirty.Run]:
