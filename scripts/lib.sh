@@ -104,7 +104,8 @@ setup_python() {
 # this checkout runs from PYTHONPATH=src. Cargo rebuilds only what changed: its
 # target directory (and the crates it downloaded, in CARGO_HOME) outlive the run.
 # The module is replaced by rename, so a VMM process that has the old one loaded
-# keeps it intact.
+# keeps it intact. VMFORK_CARGO_TARGET names another target directory (a second
+# worktree building its own core beside this one).
 setup_native() {
   # rustup's default place, for shells (and CI) whose PATH does not name it
   if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
@@ -118,7 +119,7 @@ setup_native() {
   local out
   mkdir -p "$CACHE"
   out=$(mktemp -d "$CACHE/native-wheel.XXXXXX")
-  (cd "$REPO" && CARGO_TARGET_DIR=$CACHE/cargo-target "$VENV/bin/maturin" build --release \
+  (cd "$REPO" && CARGO_TARGET_DIR=${VMFORK_CARGO_TARGET:-$CACHE/cargo-target} "$VENV/bin/maturin" build --release \
       --locked --jobs "${VMFORK_BUILD_JOBS:-2}" --interpreter "$PY" --out "$out" --quiet) || {
     rm -rf "$out"
     echo "vmfork setup: building the native core failed (output above)" >&2
