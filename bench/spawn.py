@@ -542,18 +542,21 @@ def qemu_template(fleet: QemuFleet, template: Template, n: int, settle: float,
 # --------------------------------------------------------------------------- vmfork
 
 def thread_switches(pid: int) -> dict[str, int]:
-    """Context switches (voluntary + not) so far of each thread of ``pid``, by thread
-    name (threads of one name summed): a thread that wakes up while the VM is idle runs
-    Python, and every page it writes on the way is the child's own."""
+    """Context switches (voluntary + not) so far of each thread of ``pid``: ``main``, then
+    the others by name and rank of thread id (Python's threads are all named after the
+    interpreter). A thread that wakes up while the VM is idle runs code, and every page
+    it writes on the way is the child's own."""
     out: dict[str, int] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name))
+    for rank, task in enumerate(tasks):
         try:
-            name = (task / "comm").read_text().strip()
+            name = ("main" if task.name == str(pid)
+                    else f"{(task / 'comm').read_text().strip()}-{rank}")
             fields = _kib_fields((task / "status").read_text(),
                                  ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
         except OSError:
             continue   # the thread ended
-        out[name] = out.get(name, 0) + sum(fields.values())
+        out[name] = sum(fields.values())
     return out
 
 

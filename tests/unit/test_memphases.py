@@ -40,24 +40,41 @@ SMAPS = "".join([
     _mapping(0x50000000, 0x50010000, "rw-p", "/x/vmfork/_core.abi3.so", 30),
     _mapping(0x50010000, 0x50011000, "rw-p", "", 4),              # _core's bss
     _mapping(0x60000000, 0x60010000, "rw-p", "/lib/x86_64-linux-gnu/libc.so.6", 16),
+    _mapping(0x60010000, 0x60210000, "rw-p", "", 700),            # libc's bss + heap, merged
     _mapping(0x70000000, 0x70021000, "rw-p", "[stack]", 24),
     _mapping(0x80000000, 0x80002000, "r--p", "[vvar]", 0),
     _mapping(0x90000000, 0x90001000, "rw-p", "/tmp/some.log", 4),
 ])
 
 
-def test_each_mapping_lands_in_its_class() -> None:
-    classes = memphases.classify(SMAPS, memphases.guest_ram_paths(["/snap/memory.bin"]))
-    assert classes == {"python_heap_anon": 500, "brk_heap": 300, "thread_stacks": 40,
+def test_each_mapping_lands_in_its_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the ELF headers of these (made-up) objects would say their bss is.
+    for path, size in (("/lib/libpython3.11.so.1.0", 64 << 10),
+                       ("/x/vmfork/_core.abi3.so", 4 << 10),
+                       ("/lib/x86_64-linux-gnu/libc.so.6", 64 << 10)):
+        monkeypatch.setitem(memphases._bss_sizes, path, size)
+    classes = memphases.classify(SMAPS.encode(), memphases.guest_ram_paths(["/snap/memory.bin"]))
+    assert classes == {"python_heap_anon": 1200, "brk_heap": 300, "thread_stacks": 40,
                        "main_stack": 24, "python_binary": 260, "core_so": 34,
                        "other_libraries": 16, "guest_ram": 9000, "other": 4}
-    assert memphases.own_private_dirty(classes) == 1178
+    assert memphases.own_private_dirty(classes) == 1878
+
+
+def test_the_bss_of_a_real_object_is_read_from_its_elf_headers() -> None:
+    import vmfork._core
+    assert memphases.bss_bytes(vmfork._core.__file__) % memphases.PAGE == 0
+    libc = next(line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                if "/libc.so" in line)
+    assert memphases.bss_bytes(libc) > 0
+    assert memphases.bss_bytes("/nonexistent.so") == 0
+    assert memphases.bss_bytes(__file__) == 0     # not an ELF
 
 
 def test_every_page_of_a_real_process_is_counted_once() -> None:
-    smaps = Path("/proc/self/smaps").read_text()
+    with memphases.read_smaps() as view:
+        smaps = bytes(view)
     total = sum(int(line.split()[1]) for line in smaps.splitlines()
-                if line.startswith("Private_Dirty:"))
+                if line.startswith(b"Private_Dirty:"))
     classes = memphases.classify(smaps, lambda size, path: False)
     assert sum(classes.values()) == total > 0
     assert classes["python_binary"] + classes["other_libraries"] > 0

@@ -19,15 +19,20 @@ emptied before most of its phases.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import re
+import struct
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 ENV = "VMFORK_MEMORY_PHASES"
 PHASES_FILE = "memory-phases.jsonl"
+SMAPS_MAX = 16 << 20
+"""Bytes of smaps read at most (a VMM's is ~100 KiB; a mapping per diff-chain run adds ~1 KiB)."""
 
 
 def _idle_seconds(value: str | None) -> float | None:
@@ -67,7 +72,37 @@ CLASSES = ("python_heap_anon", "brk_heap", "thread_stacks", "main_stack",
 * ``other``: the rest (``[vvar]``, ``[vdso]``, files that are not libraries).
 """
 
-_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+# One match per line that matters: a mapping's header or its Private_Dirty.
+_LINE = re.compile(rb"^(?:([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)"
+                   rb"|Private_Dirty: +(\d+) kB)$", re.MULTILINE)
+PAGE = 4096
+_bss_sizes: dict[str, int] = {}
+
+
+def bss_bytes(path: str) -> int:
+    """Bytes of anonymous memory (page-rounded) the loader maps after the file's last
+    data page for the ELF object at ``path``: its bss. 0 if not an ELF64 or unreadable."""
+    if path in _bss_sizes:
+        return _bss_sizes[path]
+    size = 0
+    try:
+        with open(path, "rb") as f:
+            header = f.read(64)
+            if header[:4] == b"\x7fELF" and header[4] == 2:
+                phoff, = struct.unpack_from("<Q", header, 0x20)
+                phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+                f.seek(phoff)
+                table = f.read(phentsize * min(phnum, 64))
+                for i in range(len(table) // phentsize):
+                    p_type, _, _, vaddr, _, filesz, memsz, _ = struct.unpack_from(
+                        "<IIQQQQQQ", table, i * phentsize)
+                    if p_type == 1 and memsz > filesz:   # PT_LOAD with a bss
+                        file_end = -(-(vaddr + filesz) // PAGE) * PAGE
+                        size += max(0, -(-(vaddr + memsz) // PAGE) * PAGE - file_end)
+    except OSError:
+        size = 0
+    _bss_sizes[path] = size
+    return size
 
 
 def _object_class(path: str) -> str | None:
@@ -81,43 +116,65 @@ def _object_class(path: str) -> str | None:
     return None
 
 
-def classify(smaps: str, is_guest_ram: Callable[[int, str], bool]) -> dict[str, int]:
+def classify(smaps: bytes | memoryview, is_guest_ram: Callable[[int, str], bool]) -> dict[str, int]:
     """Private_Dirty in KiB per class of ``CLASSES`` (every class present), from the
-    text of a ``/proc/<pid>/smaps``. ``is_guest_ram(size_bytes, path)`` picks guest RAM."""
+    contents of a ``/proc/<pid>/smaps``. ``is_guest_ram(size_bytes, path)`` picks guest
+    RAM. An anonymous mapping right after an object's file mappings is that object's
+    bss when it is no larger than the ELF says its bss is (the kernel merges a bss
+    with the anonymous memory mapped just above it, which is then heap)."""
     out = dict.fromkeys(CLASSES, 0)
     current = "other"
-    previous_end, previous_perms, previous_object = -1, "", None
-    for line in smaps.splitlines():
-        header = _HEADER.match(line)
-        if header is not None:
-            start, end = int(header.group(1), 16), int(header.group(2), 16)
-            perms, path = header.group(3), header.group(4).strip()
-            adjacent = start == previous_end
-            obj = _object_class(path) if path.startswith("/") else None
-            if is_guest_ram(end - start, path):
-                current = "guest_ram"
-            elif path == "[heap]":
-                current = "brk_heap"
-            elif path == "[stack]":
-                current = "main_stack"
-            elif obj is not None:
-                current = obj
-            elif not path and adjacent and previous_object is not None:
-                current = previous_object     # an object's bss, right after its data
-            elif not path and adjacent and previous_perms.startswith("---"):
-                current = "thread_stacks"
-            elif not path:
-                current = "python_heap_anon"
-            else:
-                current = "other"
-            # A bss keeps its object's name for the next mapping's adjacency test
-            # only through file mappings: an anonymous run after it is something else.
-            previous_object = obj
-            previous_end, previous_perms = end, perms
+    previous_end, previous_perms, previous_path = -1, b"", ""
+    for match in _LINE.finditer(smaps):
+        dirty = match.group(5)
+        if dirty is not None:
+            out[current] += int(dirty)
             continue
-        if line.startswith("Private_Dirty:"):
-            out[current] += int(line.split()[1])
+        start, end = int(match.group(1), 16), int(match.group(2), 16)
+        perms, path = match.group(3), match.group(4).strip().decode(errors="replace")
+        adjacent = start == previous_end
+        obj = _object_class(path) if path.startswith("/") else None
+        owner = _object_class(previous_path) if adjacent and previous_path else None
+        if is_guest_ram(end - start, path):
+            current = "guest_ram"
+        elif path == "[heap]":
+            current = "brk_heap"
+        elif path == "[stack]":
+            current = "main_stack"
+        elif obj is not None:
+            current = obj
+        elif not path and owner is not None and end - start <= bss_bytes(previous_path):
+            current = owner                   # the object's bss, right after its data
+        elif not path and adjacent and previous_perms.startswith(b"---"):
+            current = "thread_stacks"
+        elif not path:
+            current = "python_heap_anon"
+        else:
+            current = "other"
+        previous_end, previous_perms = end, perms
+        previous_path = path if path.startswith("/") else ""
     return out
+
+
+@contextlib.contextmanager
+def read_smaps(pid: int | str = "self") -> Iterator[memoryview]:
+    """``/proc/<pid>/smaps``, read into an anonymous mapping of its own (unmapped on
+    exit), not into the Python heap: a probe must not grow the heap it measures, and a
+    large bytes object, once freed, would raise glibc's mmap threshold for good."""
+    with mmap.mmap(-1, SMAPS_MAX) as buffer:
+        view = memoryview(buffer)
+        try:
+            fd = os.open(f"/proc/{pid}/smaps", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                filled = 0
+                while filled < SMAPS_MAX and (got := os.readv(fd, [view[filled:]])) > 0:
+                    filled += got
+            finally:
+                os.close(fd)
+            with view[:filled] as contents:
+                yield contents
+        finally:
+            view.release()
 
 
 def own_private_dirty(classes: dict[str, int]) -> int:
@@ -128,7 +185,7 @@ def own_private_dirty(classes: dict[str, int]) -> int:
 def guest_ram_paths(paths: Iterable[str]) -> Callable[[int, str], bool]:
     """``is_guest_ram`` for guest RAM mapped from these files (a snapshot's memory file,
     a diff chain's layers)."""
-    wanted = frozenset(os.path.abspath(p) for p in paths)
+    wanted = frozenset(os.path.realpath(p) for p in paths)   # smaps names the real file
     return lambda size, path: path in wanted
 
 
@@ -144,8 +201,8 @@ def record(phase: str, run_dir: str | None,
     if IDLE_S is None or run_dir is None:
         return
     try:
-        with open("/proc/self/smaps") as smaps:
-            classes = classify(smaps.read(), is_guest_ram)
+        with read_smaps() as smaps:
+            classes = classify(smaps, is_guest_ram)
         line = json.dumps({"phase": phase, "mono_ns": time.monotonic_ns(),
                            "threads": len(os.listdir("/proc/self/task")),
                            "own_private_dirty_kib": own_private_dirty(classes),
