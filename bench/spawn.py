@@ -564,7 +564,7 @@ def memory_breakdown(pid: int, memory_path: Path) -> dict[str, int]:
     """Private_Dirty KiB of ``pid`` per mapping class (``runtime.memphases.CLASSES``)."""
     from vmfork.runtime import memphases
     try:
-        smaps = Path(f"/proc/{pid}/smaps").read_text()
+        smaps = Path(f"/proc/{pid}/smaps").read_bytes()
     except OSError as err:
         raise BenchError(f"read smaps of pid {pid}: {err} (the VM exited?)") from err
     return memphases.classify(smaps, memphases.guest_ram_paths([str(memory_path)]))
