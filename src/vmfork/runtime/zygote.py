@@ -97,7 +97,7 @@ from typing import Any
 
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
-from vmfork.runtime import cgroups, pymalloc_holes, supervise
+from vmfork.runtime import cgroups, supervise
 from vmfork.runtime.jail import JailSpec, PidNamespaces, hold_empty_netns, python_paths
 from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
@@ -310,8 +310,6 @@ class Zygote:
         self.entries: dict[str, Entry] = dict(entries or {})
         self._uids_taken: set[int] = set()   # jail uids of children prepared or alive
         self.conns: dict[int, _Conn] = {}
-        # Objects in the pymalloc holes while a batch is forked (pymalloc_holes.py).
-        self._holes_filled: list[object] = []
         self.stopping = False
         self.sel = selectors.DefaultSelector()
         self.listener = self._listen(socket_path)
@@ -537,8 +535,6 @@ class Zygote:
         except BaseException:
             self._discard(prepared)
             raise
-        finally:
-            self._holes_filled = []
         return {"child": child.info()}
 
     def _op_spawn_many(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -564,17 +560,14 @@ class Zygote:
         self._before_forks(entry, batch)
         spawned: list[dict[str, Any]] = []
         name = str(req["entry"])
-        try:
-            for i, prep in enumerate(batch):
-                try:
-                    spawned.append(self._fork(name, entry, prep).info())
-                except OSError as err:
-                    for rest in batch[i:]:
-                        self._discard(rest)
-                        failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {err}"})
-                    break
-        finally:
-            self._holes_filled = []
+        for i, prep in enumerate(batch):
+            try:
+                spawned.append(self._fork(name, entry, prep).info())
+            except OSError as err:
+                for rest in batch[i:]:
+                    self._discard(rest)
+                    failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {err}"})
+                break
         return {"children": spawned, "failed": failed}
 
     def _op_kill(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -624,8 +617,6 @@ class Zygote:
         self._check_threads()
         gc.collect()
         gc.freeze()
-        # Last, so that nothing frees a block between the fill and the forks.
-        self._holes_filled = pymalloc_holes.fill()
 
     def _check_threads(self) -> None:
         n = _thread_count()
