@@ -182,11 +182,23 @@ def own_private_dirty(classes: dict[str, int]) -> int:
     return sum(kib for name, kib in classes.items() if name != "guest_ram")
 
 
-def guest_ram_paths(paths: Iterable[str]) -> Callable[[int, str], bool]:
+def guest_ram_paths(paths: Iterable[str], size: int | None = None) -> Callable[[int, str], bool]:
     """``is_guest_ram`` for guest RAM mapped from these files (a snapshot's memory file,
-    a diff chain's layers)."""
+    a diff chain's layers) or, with ``size``, any file mapping of exactly the guest's
+    RAM size: a jailed VMM opened its files before ``pivot_root``, and its smaps names
+    them by a path outside its new root."""
     wanted = frozenset(os.path.realpath(p) for p in paths)   # smaps names the real file
-    return lambda size, path: path in wanted
+    return lambda length, path: path in wanted or (
+        size is not None and length == size and path.startswith("/"))
+
+
+def warm_up() -> None:
+    """With phases on, run the probe once here, in the zygote (before a batch is
+    forked): the ELF headers it reads are then cached, and its code quickened, in
+    every child, so that a child's first phases do not count the probe's own start."""
+    if IDLE_S is not None:
+        with read_smaps() as smaps:
+            classify(smaps, _no_guest_ram)
 
 
 def _no_guest_ram(size: int, path: str) -> bool:

@@ -321,8 +321,13 @@ def prefork(batch: list[dict[str, Any]]) -> None:
     """Zygote hook, run before a batch is forked: decode each snapshot once here so
     every child inherits it, and warm the restore path up on its first batch. A
     snapshot that cannot be loaded is left to the children, which report why. Then
-    the RAM of each diff snapshot is mapped, once (``premap_memory``)."""
+    the RAM of each diff snapshot is mapped, once (``premap_memory``). The seccomp
+    program of a jailed child is built here too (``seccomp.vmm_filter``), and the
+    memory-phase probe warmed up when it is on (``memphases.warm_up``)."""
     snapshot_dirs = {str(args.get("snapshot_dir")) for args in batch}
+    for log_only in {bool(args.get("seccomp_log_only")) for args in batch}:
+        seccomp.vmm_filter(log_only=log_only)   # built here once, inherited by each child
+    memphases.warm_up()
     for snapshot_dir in snapshot_dirs:
         try:
             load_snapshot(snapshot_dir)
@@ -796,7 +801,7 @@ def main(args: dict[str, Any]) -> int:
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
         report({"state": "restored", "pid": os.getpid(), **timings})
-        guest_ram = memphases.guest_ram_paths(_guest_ram_files(machine))
+        guest_ram = memphases.guest_ram_paths(_guest_ram_files(machine), state.mem_size)
         memphases.record("restored", str(run_dir), guest_ram)
         control = ControlServer(machine, str(run_dir / "control.sock"), stop, jailed=jailed)
         try:
