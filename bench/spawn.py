@@ -32,6 +32,14 @@ and ``/proc/<pid>/smaps`` (the guest-RAM mapping alone), once every agent has
 answered and the VMs have been idle for ``--settle`` seconds; see
 ``read_memory`` for what is counted where.
 
+``--breakdown`` adds where each idle vmfork child's own Private_Dirty is, by mapping
+class (``runtime/memphases.py``: Python's arenas, the brk heap, thread stacks, the
+interpreter's data and bss, ...), by phase of the child's life (each child records its
+own at fork, set-up, jail, restore, agent answered, start-up memory given back, and
+idle: the zygote runs with ``VMFORK_MEMORY_PHASES``), and its threads' wake-ups per
+second while idle. The probe costs the child a little memory of its own, so compare
+runs made with the same flags.
+
 ``--network`` runs the networking benchmark instead (issue 7), written to
 ``bench/results/spawn-network.{json,md}``: vmfork spawns of N children without
 and with per-child network namespaces, interleaved: made for the spawn, or
