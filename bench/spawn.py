@@ -32,6 +32,14 @@ and ``/proc/<pid>/smaps`` (the guest-RAM mapping alone), once every agent has
 answered and the VMs have been idle for ``--settle`` seconds; see
 ``read_memory`` for what is counted where.
 
+``--breakdown`` adds where each idle vmfork child's own Private_Dirty is, by mapping
+class (``runtime/memphases.py``: Python's arenas, the brk heap, thread stacks, the
+interpreter's data and bss, ...), by phase of the child's life (each child records its
+own at fork, set-up, jail, restore, agent answered, start-up memory given back, and
+idle: the zygote runs with ``VMFORK_MEMORY_PHASES``), and its threads' wake-ups per
+second while idle. The probe costs the child a little memory of its own, so compare
+runs made with the same flags.
+
 ``--network`` runs the networking benchmark instead (issue 7), written to
 ``bench/results/spawn-network.{json,md}``: vmfork spawns of N children without
 and with per-child network namespaces, interleaved: made for the spawn, or
@@ -541,9 +549,41 @@ def qemu_template(fleet: QemuFleet, template: Template, n: int, settle: float,
 
 # --------------------------------------------------------------------------- vmfork
 
+def thread_switches(pid: int) -> dict[str, int]:
+    """Context switches (voluntary + not) so far of each thread of ``pid``: ``main``, then
+    the others by name and rank of thread id (Python's threads are all named after the
+    interpreter). A thread that wakes up while the VM is idle runs code, and every page
+    it writes on the way is the child's own."""
+    out: dict[str, int] = {}
+    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name))
+    for rank, task in enumerate(tasks):
+        try:
+            name = ("main" if task.name == str(pid)
+                    else f"{(task / 'comm').read_text().strip()}-{rank}")
+            fields = _kib_fields((task / "status").read_text(),
+                                 ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"))
+        except OSError:
+            continue   # the thread ended
+        out[name] = sum(fields.values())
+    return out
+
+
+def memory_breakdown(pid: int, memory_path: Path) -> dict[str, int]:
+    """Private_Dirty KiB of ``pid`` per mapping class (``runtime.memphases.CLASSES``)."""
+    from vmfork.runtime import memphases
+    try:
+        smaps = Path(f"/proc/{pid}/smaps").read_bytes()
+    except OSError as err:
+        raise BenchError(f"read smaps of pid {pid}: {err} (the VM exited?)") from err
+    return memphases.classify(smaps, memphases.guest_ram_paths([str(memory_path)]))
+
+
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
-                 timeout: float, network: Any = None) -> dict[str, Any]:
-    """``network``: a ``HostNetwork``; each child then gets a namespace of its own."""
+                 timeout: float, network: Any = None, breakdown: bool = False) -> dict[str, Any]:
+    """``network``: a ``HostNetwork``; each child then gets a namespace of its own.
+    ``breakdown``: also each child's memory per mapping class, the phases it recorded
+    (the zygote must run with ``VMFORK_MEMORY_PHASES``) and its threads' wake-ups
+    while idle."""
     from vmfork.runtime.spawn import SpawnFailed, fork_children
     # Every request may wait behind the zygote's fork loop, which for 100 children
     # on a loaded emulated host can take minutes.
@@ -567,6 +607,7 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
             statuses = [json.loads(p.read_bytes()) for p in run_root.glob("*/status.json")]
             ready = [s for s in statuses if s.get("state") == "ready"]
             host_pids: list[int] = []   # the zygote's pids went with the failed call
+            run_dirs: list[Path] = []
             out = {"running_s": restored_at[0] - started if restored_at else None,
                    "ready_s": None,
                    "incomplete": f"{err}; {len(ready)} of {n} agents had answered"}
@@ -575,6 +616,7 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
             # The zygote's pid of each child: the pid a jailed child reports in its
             # status is its own in its PID namespace (1), not one /proc here shows.
             host_pids = [c.pid for c in report.children if c.status.get("state") == "ready"]
+            run_dirs = [c.run_dir for c in report.children if c.status.get("state") == "ready"]
             out = {"spawn_s": report.spawn_s, "running_s": report.restored_s,
                    "ready_s": report.ready_s, "network_s": report.network_s,
                    "networks": [c.network for c in report.children if c.network is not None]}
@@ -587,8 +629,18 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 out.update(ready_s=None, incomplete=(
                     f"{len(report.failed)} of {n} children failed ({'; '.join(reasons[:3])}); "
                     f"{len(ready)} agents answered, the last after {report.ready_s:.1f} s"))
+        switches_before = [thread_switches(pid) for pid in host_pids] if breakdown else []
         time.sleep(settle)
         statuses = ready
+        if breakdown:
+            from vmfork.runtime import memphases
+            out["breakdown"] = [memory_breakdown(pid, snapshot.memory_path) for pid in host_pids]
+            out["wakeups_per_s"] = [
+                {name: (count - before.get(name, 0)) / settle
+                 for name, count in thread_switches(pid).items()}
+                for pid, before in zip(host_pids, switches_before)]
+            time.sleep(1.0)   # the children's own idle probe fires ~settle s after ready
+            out["phases"] = [memphases.read_phases(str(d)) for d in run_dirs]
         fork_to_entry = [float(s["fork_to_entry_s"]) for s in statuses
                          if s.get("fork_to_entry_s") is not None]
         is_guest = guest_ram_file(snapshot.memory_path)
@@ -685,6 +737,69 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _median_kib(values: list[float]) -> str:
+    return f"{statistics.median(values) / 1024:.2f}" if values else "n/a"
+
+
+def render_breakdown(runs_by_n: dict[int, list[dict[str, Any]]], ns: list[int]) -> list[str]:
+    """The ``--breakdown`` tables (none without it): vmfork's idle children by mapping
+    class, by phase, and their threads' wake-ups."""
+    from vmfork.runtime.memphases import CLASSES
+    with_breakdown = [n for n in ns if any("breakdown" in r for r in runs_by_n.get(n, []))]
+    if not with_breakdown:
+        return []
+    md = ["", "## Where an idle vmfork child's own Private_Dirty is (median over the "
+          "children, MiB)", "",
+          ("Read from outside (`/proc/<pid>/smaps`) when the memory above is; classes as "
+           "in `runtime/memphases.py`. Guest RAM is shown, not counted in \"own\"."), "",
+          "| class | " + " | ".join(f"N = {n}" for n in with_breakdown) + " |",
+          "|---|" + "---|" * len(with_breakdown)]
+    for name in (*CLASSES, "own"):
+        cells = []
+        for n in with_breakdown:
+            children = [c for r in runs_by_n[n] for c in r.get("breakdown", [])]
+            cells.append(_median_kib([
+                float(sum(v for k, v in c.items() if k != "guest_ram") if name == "own"
+                      else c[name]) for c in children]))
+        md.append(f"| {name} | " + " | ".join(cells) + " |")
+    for n in with_breakdown:
+        phases = [p for r in runs_by_n[n] for p in r.get("phases", [])]
+        names: list[str] = []
+        for child in phases:
+            names += [str(p["phase"]) for p in child if p["phase"] not in names]
+        if not names:
+            continue
+        md += ["", f"### By phase, recorded by each child itself, N = {n} (median, MiB)", "",
+               ("Own Private_Dirty (guest RAM excluded) at each phase, and the classes "
+                "that changed most since the previous one."), "",
+               "| phase | own Private_Dirty | threads | Δ own | largest Δ by class |",
+               "|---|---|---|---|---|"]
+        previous: dict[str, float] | None = None
+        previous_own: float | None = None
+        for phase in names:
+            rows = [p for child in phases for p in child if p["phase"] == phase]
+            own = statistics.median(float(p["own_private_dirty_kib"]) for p in rows)
+            threads = statistics.median(int(p["threads"]) for p in rows)
+            classes = {c: statistics.median(float(p["classes_kib"][c]) for p in rows)
+                       for c in CLASSES}
+            delta = "" if previous_own is None else f"{(own - previous_own) / 1024:+.2f}"
+            moved = "" if previous is None else ", ".join(
+                f"{c} {(classes[c] - previous[c]) / 1024:+.2f}"
+                for c in sorted(CLASSES, key=lambda c: -abs(classes[c] - previous[c]))[:3]
+                if classes[c] != previous[c])
+            md.append(f"| {phase} | {own / 1024:.2f} | {threads:g} | {delta} | {moved} |")
+            previous, previous_own = classes, own
+    md += ["", "### Thread wake-ups while idle (context switches per second, median "
+           "over the children)", "", "| N | thread: switches/s |", "|---|---|"]
+    for n in with_breakdown:
+        wakeups = [w for r in runs_by_n[n] for w in r.get("wakeups_per_s", [])]
+        names = sorted({t for w in wakeups for t in w})
+        md.append(f"| {n} | " + ", ".join(
+            f"{t}: {statistics.median(w.get(t, 0.0) for w in wakeups):.1f}"
+            for t in names) + " |")
+    return md
+
+
 def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str, Any]]]],
            skipped: dict[str, dict[int, str]], setup: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ns: list[int] = args.n
@@ -769,6 +884,7 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                       f"{m['own_private_dirty_mib']:.2f} | {m['guest_rss_mib']:.2f} | "
                       f"{m['guest_pss_mib']:.2f} | {m['guest_cow_mib']:.2f} |")
 
+    md += render_breakdown(results["vmfork"], ns)
     md += ["", "## Targets (issue 3)", ""]
     comparable = [n for n in ns if peer("vmfork", n, "running_s") is not None
                   and peer("floor", n, "running_s") is not None]
@@ -988,6 +1104,11 @@ def network_main(args: argparse.Namespace) -> int:
         report = snapshot_parent(Store.open(home), "bench-net", image, mem_mib=args.mem_mib,
                                  warm_code=args.warm, network=net.GuestNetwork())
         snapshot = report.snapshot
+        if args.breakdown:
+            # Each child records its own phases (runtime/memphases.py), the last one
+            # when the bench reads its memory from outside.
+            from vmfork.runtime import memphases
+            os.environ[memphases.ENV] = str(args.settle)
         with open(workdir / "zygote.log", "wb") as zlog:
             zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
         stack.callback(zygote.close)
@@ -1071,6 +1192,11 @@ def vsock_main(args: argparse.Namespace) -> int:
         log("snapshotting a parent")
         snapshot = snapshot_parent(Store.open(home), "bench-vsock", image,
                                    mem_mib=args.mem_mib, warm_code=args.warm).snapshot
+        if args.breakdown:
+            # Each child records its own phases (runtime/memphases.py), the last one
+            # when the bench reads its memory from outside.
+            from vmfork.runtime import memphases
+            os.environ[memphases.ENV] = str(args.settle)
         with open(workdir / "zygote.log", "wb") as zlog:
             zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
         stack.callback(zygote.close)
@@ -1216,6 +1342,9 @@ def parse_args() -> argparse.Namespace:
                         help="memory of the emulated test host, when one is needed")
     parser.add_argument("--host-timeout", type=float, default=3 * 3600.0,
                         help="seconds for the whole run in the emulated test host")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also: each vmfork child's memory by mapping class and by phase, "
+                             "and its threads' wake-ups while idle")
     parser.add_argument("--network", action="store_true",
                         help="run the networking benchmark (N default 10,100) instead")
     parser.add_argument("--throughput-seconds", type=float, default=10.0,
@@ -1306,6 +1435,11 @@ def main() -> int:
         snapshot = report.snapshot
         setup.update(vmfork_boot_s=report.boot_s, vmfork_warm_s=report.warm_s,
                      vmfork_pause_ms=report.pause_ms, vmfork_memory_bytes=report.memory_bytes)
+        if args.breakdown:
+            # Each child records its own phases (runtime/memphases.py), the last one
+            # when the bench reads its memory from outside.
+            from vmfork.runtime import memphases
+            os.environ[memphases.ENV] = str(args.settle)
         with open(workdir / "zygote.log", "wb") as zlog:
             zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
         stack.callback(zygote.close)
@@ -1345,7 +1479,7 @@ def main() -> int:
                     try:
                         if name == "vmfork":
                             out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", args.settle,
-                                               timeout)
+                                               timeout, breakdown=args.breakdown)
                         elif name == "floor":
                             assert floor_bin is not None
                             out = floor_run(floor_bin, snapshot.memory_path,

@@ -125,6 +125,18 @@ def test_the_program_fits_and_names_only_known_syscalls() -> None:
     assert seccomp.available() is None
 
 
+def test_the_vmm_program_is_built_once_and_is_the_allow_list() -> None:
+    """What a zygote builds in its prefork and every child installs: the same program
+    ``build_filter`` gives for the VMM's list, one object per mode."""
+    kill = seccomp.vmm_filter()
+    assert kill is seccomp.vmm_filter()
+    assert kill == seccomp.build_filter(seccomp.VMM_ALLOWED, ioctl_requests=seccomp.vmm_ioctls())
+    logging_only = seccomp.vmm_filter(log_only=True)
+    assert logging_only != kill and logging_only == seccomp.build_filter(
+        seccomp.VMM_ALLOWED, ioctl_requests=seccomp.vmm_ioctls(),
+        default=seccomp.SECCOMP_RET_LOG)
+
+
 def test_a_parent_vmm_makes_threads_but_never_forks() -> None:
     """The parent's list: threads (clone with CLONE_THREAD) and files as a VMM; a fork
     (clone without CLONE_THREAD) dies, as do the VMM's forbidden calls."""

@@ -27,7 +27,7 @@ def _write(args: dict[str, Any], data: object) -> None:
 
 ZYGOTE_ENTRIES = ("sleep", "exit_with", "raise_error", "segfault", "inspect", "fork_to_entry",
                   "allocate", "grandchild", "fill_run_dir", "jail_probe", "jail_forbidden",
-                  "listen_and_sleep", "jail_net_probe")
+                  "listen_and_sleep", "jail_net_probe", "record_phase")
 """Registered with the test zygotes only (``--entries-module test_zygote_entries``)."""
 
 
@@ -226,4 +226,13 @@ def jail_net_probe(args: dict[str, Any]) -> int:
                                      b"4"),
               "uid": os.getuid()}
     print(json.dumps(report), flush=True)
+    return 0
+
+
+def record_phase(args: dict[str, Any]) -> int:
+    """Record a memory phase of the entry's own (``runtime.memphases``), then sleep
+    until killed."""
+    from vmfork.runtime import memphases
+    memphases.record("entry", args["run_dir"])
+    time.sleep(3600)
     return 0

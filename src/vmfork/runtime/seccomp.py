@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import struct
 from collections.abc import Iterable
 
@@ -262,11 +263,20 @@ def install(program: bytes) -> None:
                       + (f" (thread {rc} could not be synchronised)" if rc > 0 else ""))
 
 
+@functools.cache
+def vmm_filter(*, log_only: bool = False) -> bytes:
+    """The VMM's program, built once per process and kept: the zygote builds it before
+    it forks (``vmmchild.prefork``), so that no child spends its own memory on the
+    few hundred objects and the cold code the build takes (each object it allocates,
+    each code object it runs for the first time, is a page copied into that child)."""
+    return build_filter(VMM_ALLOWED, ioctl_requests=vmm_ioctls(),
+                        default=SECCOMP_RET_LOG if log_only else SECCOMP_RET_KILL_PROCESS)
+
+
 def install_vmm_filter(*, log_only: bool = False) -> None:
     """The VMM's allow-list; ``log_only`` logs instead of killing (to collect a
     workload's syscalls: ``journalctl -k``/``dmesg`` show ``type=1326``)."""
-    install(build_filter(VMM_ALLOWED, ioctl_requests=vmm_ioctls(),
-                         default=SECCOMP_RET_LOG if log_only else SECCOMP_RET_KILL_PROCESS))
+    install(vmm_filter(log_only=log_only))
 
 
 # What a parent VMM does once its jail is set up and its machine built: boot a kernel,

@@ -88,7 +88,7 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.ondisk.memplan import MAX_RUNS, PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file
-from vmfork.runtime import control, seccomp, zygote_child
+from vmfork.runtime import control, memphases, seccomp, zygote_child
 from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
@@ -321,8 +321,13 @@ def prefork(batch: list[dict[str, Any]]) -> None:
     """Zygote hook, run before a batch is forked: decode each snapshot once here so
     every child inherits it, and warm the restore path up on its first batch. A
     snapshot that cannot be loaded is left to the children, which report why. Then
-    the RAM of each diff snapshot is mapped, once (``premap_memory``)."""
+    the RAM of each diff snapshot is mapped, once (``premap_memory``). The seccomp
+    program of a jailed child is built here too (``seccomp.vmm_filter``), and the
+    memory-phase probe warmed up when it is on (``memphases.warm_up``)."""
     snapshot_dirs = {str(args.get("snapshot_dir")) for args in batch}
+    for log_only in {bool(args.get("seccomp_log_only")) for args in batch}:
+        seccomp.vmm_filter(log_only=log_only)   # built here once, inherited by each child
+    memphases.warm_up()
     for snapshot_dir in snapshot_dirs:
         try:
             load_snapshot(snapshot_dir)
@@ -722,6 +727,15 @@ def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> fl
     return time.monotonic() - started
 
 
+def _guest_ram_files(machine: Machine) -> list[str]:
+    """The files this machine's guest RAM is mapped from (for ``memphases``)."""
+    config = machine.config
+    if config.memory_plan is not None:
+        return [config.memory_plan.source_path(i)
+                for i in range(len(config.memory_plan.sources))]
+    return [config.memory_file] if config.memory_file is not None else []
+
+
 def _release_start_up_memory() -> None:
     """Give back what restoring and the first handshake allocated and freed.
 
@@ -787,6 +801,8 @@ def main(args: dict[str, Any]) -> int:
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
         report({"state": "restored", "pid": os.getpid(), **timings})
+        guest_ram = memphases.guest_ram_paths(_guest_ram_files(machine), state.mem_size)
+        memphases.record("restored", str(run_dir), guest_ram)
         control = ControlServer(machine, str(run_dir / "control.sock"), stop, jailed=jailed)
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
@@ -806,9 +822,16 @@ def main(args: dict[str, Any]) -> int:
             return EXIT_GUEST_DIED
         report({"state": "ready", "pid": os.getpid(), **timings,
                 "ready_s": time.monotonic() - started, **unique})
+        memphases.record("ready", str(run_dir), guest_ram)
         _release_start_up_memory()
+        memphases.record("released", str(run_dir), guest_ram)
+        idle_probe_at = (None if memphases.IDLE_S is None
+                         else time.monotonic() + memphases.IDLE_S)
         while not stop.is_set():
             exit_ = machine.wait(0.2)
+            if idle_probe_at is not None and time.monotonic() >= idle_probe_at:
+                memphases.record("idle", str(run_dir), guest_ram)
+                idle_probe_at = None
             if exit_ is not None:
                 report({"state": "exited", "reason": exit_.reason, "detail": exit_.detail,
                         "panicked": exit_.panicked, "console_tail": exit_.console_tail})

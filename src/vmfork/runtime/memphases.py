@@ -1,0 +1,242 @@
+"""Where a VMM child's own memory goes: by mapping, and by phase of its life.
+
+A forked VMM's memory is the zygote's, shared copy-on-write, until someone writes to
+it; what a child owns is its ``Private_Dirty``. This module says which mappings hold
+those pages (``classify``: the classes of ``CLASSES``) and, when the zygote was started
+with ``VMFORK_MEMORY_PHASES`` set, lets each child record its own breakdown at the
+phases of its life (``record``): right after ``fork()``, after the child's set-up,
+after the jail, after restore, once the agent answered, after the start-up memory was
+given back, and once idle (``VMFORK_MEMORY_PHASES`` = the idle seconds, e.g. ``5``).
+
+Off by default and free then: ``record`` returns at once. When on, each record reads
+``/proc/self/smaps`` (which itself allocates a little: the figures of later phases
+include that) and appends one JSON line to ``<run_dir>/memory-phases.jsonl``, the
+directory the jail leaves writable; ``bench/spawn.py --breakdown`` reads it.
+
+The setting is read once, at import, in the zygote: a jailed child's environment is
+emptied before most of its phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import re
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+ENV = "VMFORK_MEMORY_PHASES"
+PHASES_FILE = "memory-phases.jsonl"
+SMAPS_MAX = 16 << 20
+"""Bytes of smaps read at most (a VMM's is ~100 KiB; a mapping per diff-chain run adds ~1 KiB)."""
+
+
+def _idle_seconds(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise SystemExit(f"{ENV} must be the idle seconds before the last phase, got "
+                         f"{value!r}") from None
+    if not 0 <= seconds <= 3600:
+        raise SystemExit(f"{ENV} must be 0-3600 seconds, got {value!r}")
+    return seconds
+
+
+IDLE_S = _idle_seconds(os.environ.get(ENV))
+"""None: phases are not recorded. Else the seconds after ``ready`` of the ``idle`` phase."""
+
+CLASSES = ("python_heap_anon", "brk_heap", "thread_stacks", "main_stack",
+           "python_binary", "core_so", "other_libraries", "guest_ram", "other")
+"""What each holds:
+
+* ``python_heap_anon``: anonymous mappings: pymalloc's 256 KiB arenas (CPython's small
+  objects), glibc's mmap'd blocks (objects over 128 KiB), Rust's heap allocations when
+  they are mmap'd;
+* ``brk_heap``: ``[heap]``, glibc's main arena (objects over 512 bytes, C and Rust
+  allocations);
+* ``thread_stacks``: an anonymous mapping right above a ``---p`` guard page (how glibc
+  lays out every ``pthread`` stack: Python's threads and Rust's);
+* ``main_stack``: ``[stack]``;
+* ``python_binary``: the interpreter's (or ``libpython``'s) file mappings, its data
+  and the anonymous bss right after them (type objects, freelists, the GIL state,
+  interned strings of the core);
+* ``core_so``: ``vmfork._core``'s file mappings and bss;
+* ``other_libraries``: every other file-backed object (libc, ld.so, extension modules);
+* ``guest_ram``: the mappings ``is_guest_ram`` picks (not the VMM's own);
+* ``other``: the rest (``[vvar]``, ``[vdso]``, files that are not libraries).
+"""
+
+# One match per line that matters: a mapping's header or its Private_Dirty.
+_LINE = re.compile(rb"^(?:([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)"
+                   rb"|Private_Dirty: +(\d+) kB)$", re.MULTILINE)
+PAGE = 4096
+_bss_sizes: dict[str, int] = {}
+
+
+def bss_bytes(path: str) -> int:
+    """Bytes of anonymous memory (page-rounded) the loader maps after the file's last
+    data page for the ELF object at ``path``: its bss. 0 if not an ELF64 or unreadable."""
+    if path in _bss_sizes:
+        return _bss_sizes[path]
+    size = 0
+    try:
+        with open(path, "rb") as f:
+            header = f.read(64)
+            if header[:4] == b"\x7fELF" and header[4] == 2:
+                phoff, = struct.unpack_from("<Q", header, 0x20)
+                phentsize, phnum = struct.unpack_from("<HH", header, 0x36)
+                f.seek(phoff)
+                table = f.read(phentsize * min(phnum, 64))
+                for i in range(len(table) // phentsize):
+                    p_type, _, _, vaddr, _, filesz, memsz, _ = struct.unpack_from(
+                        "<IIQQQQQQ", table, i * phentsize)
+                    if p_type == 1 and memsz > filesz:   # PT_LOAD with a bss
+                        file_end = -(-(vaddr + filesz) // PAGE) * PAGE
+                        size += max(0, -(-(vaddr + memsz) // PAGE) * PAGE - file_end)
+    except OSError:
+        size = 0
+    _bss_sizes[path] = size
+    return size
+
+
+def _object_class(path: str) -> str | None:
+    name = os.path.basename(path)
+    if name.startswith("_core.") and name.endswith(".so"):
+        return "core_so"
+    if name.startswith("libpython") or name.startswith("python3"):
+        return "python_binary"
+    if ".so" in name:
+        return "other_libraries"
+    return None
+
+
+def classify(smaps: bytes | memoryview, is_guest_ram: Callable[[int, str], bool]) -> dict[str, int]:
+    """Private_Dirty in KiB per class of ``CLASSES`` (every class present), from the
+    contents of a ``/proc/<pid>/smaps``. ``is_guest_ram(size_bytes, path)`` picks guest
+    RAM. An anonymous mapping right after an object's file mappings is that object's
+    bss when it is no larger than the ELF says its bss is (the kernel merges a bss
+    with the anonymous memory mapped just above it, which is then heap)."""
+    out = dict.fromkeys(CLASSES, 0)
+    current = "other"
+    previous_end, previous_perms, previous_path = -1, b"", ""
+    for match in _LINE.finditer(smaps):
+        dirty = match.group(5)
+        if dirty is not None:
+            out[current] += int(dirty)
+            continue
+        start, end = int(match.group(1), 16), int(match.group(2), 16)
+        perms, path = match.group(3), match.group(4).strip().decode(errors="replace")
+        adjacent = start == previous_end
+        obj = _object_class(path) if path.startswith("/") else None
+        owner = _object_class(previous_path) if adjacent and previous_path else None
+        if is_guest_ram(end - start, path):
+            current = "guest_ram"
+        elif path == "[heap]":
+            current = "brk_heap"
+        elif path == "[stack]":
+            current = "main_stack"
+        elif obj is not None:
+            current = obj
+        elif not path and owner is not None and end - start <= bss_bytes(previous_path):
+            current = owner                   # the object's bss, right after its data
+        elif not path and adjacent and previous_perms.startswith(b"---"):
+            current = "thread_stacks"
+        elif not path:
+            current = "python_heap_anon"
+        else:
+            current = "other"
+        previous_end, previous_perms = end, perms
+        previous_path = path if path.startswith("/") else ""
+    return out
+
+
+@contextlib.contextmanager
+def read_smaps(pid: int | str = "self") -> Iterator[memoryview]:
+    """``/proc/<pid>/smaps``, read into an anonymous mapping of its own (unmapped on
+    exit), not into the Python heap: a probe must not grow the heap it measures, and a
+    large bytes object, once freed, would raise glibc's mmap threshold for good."""
+    with mmap.mmap(-1, SMAPS_MAX) as buffer:
+        view = memoryview(buffer)
+        try:
+            fd = os.open(f"/proc/{pid}/smaps", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                filled = 0
+                while filled < SMAPS_MAX and (got := os.readv(fd, [view[filled:]])) > 0:
+                    filled += got
+            finally:
+                os.close(fd)
+            with view[:filled] as contents:
+                yield contents
+        finally:
+            view.release()
+
+
+def own_private_dirty(classes: dict[str, int]) -> int:
+    """KiB: every class but guest RAM."""
+    return sum(kib for name, kib in classes.items() if name != "guest_ram")
+
+
+def guest_ram_paths(paths: Iterable[str], size: int | None = None) -> Callable[[int, str], bool]:
+    """``is_guest_ram`` for guest RAM mapped from these files (a snapshot's memory file,
+    a diff chain's layers) or, with ``size``, any file mapping of exactly the guest's
+    RAM size: a jailed VMM opened its files before ``pivot_root``, and its smaps names
+    them by a path outside its new root."""
+    wanted = frozenset(os.path.realpath(p) for p in paths)   # smaps names the real file
+    return lambda length, path: path in wanted or (
+        size is not None and length == size and path.startswith("/"))
+
+
+def warm_up() -> None:
+    """With phases on, run the probe once here, in the zygote (before a batch is
+    forked): the ELF headers it reads are then cached, and its code quickened, in
+    every child, so that a child's first phases do not count the probe's own start."""
+    if IDLE_S is not None:
+        with read_smaps() as smaps:
+            classify(smaps, _no_guest_ram)
+
+
+def _no_guest_ram(size: int, path: str) -> bool:
+    return False
+
+
+def record(phase: str, run_dir: str | None,
+           is_guest_ram: Callable[[int, str], bool] = _no_guest_ram) -> None:
+    """Append this process's breakdown at ``phase`` to ``<run_dir>/memory-phases.jsonl``,
+    if the zygote was started with ``VMFORK_MEMORY_PHASES``; else nothing. A failure is
+    a line on stderr: a probe never fails the sandbox it measures."""
+    if IDLE_S is None or run_dir is None:
+        return
+    try:
+        with read_smaps() as smaps:
+            classes = classify(smaps, is_guest_ram)
+        line = json.dumps({"phase": phase, "mono_ns": time.monotonic_ns(),
+                           "threads": len(os.listdir("/proc/self/task")),
+                           "own_private_dirty_kib": own_private_dirty(classes),
+                           "classes_kib": classes}) + "\n"
+        fd = os.open(os.path.join(run_dir, PHASES_FILE),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            # The first phases are written as root, the later ones by the jail's uid:
+            # the file is in the child's own run directory, which nobody else can enter.
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, 0o666)
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError as err:
+        print(f"vmfork memphases: phase {phase} not recorded: {err}", file=sys.stderr)
+
+
+def read_phases(run_dir: str) -> list[dict[str, object]]:
+    """The phases a child recorded, in order (empty if none)."""
+    try:
+        with open(os.path.join(run_dir, PHASES_FILE)) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
