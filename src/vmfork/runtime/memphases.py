@@ -198,15 +198,15 @@ def warm_up() -> None:
     every child, so that a child's first phases do not count the probe's own start."""
     if IDLE_S is not None:
         with read_smaps() as smaps:
-            classify(smaps, _no_guest_ram)
+            classify(smaps, no_guest_ram)
 
 
-def _no_guest_ram(size: int, path: str) -> bool:
+def no_guest_ram(size: int, path: str) -> bool:
     return False
 
 
 def record(phase: str, run_dir: str | None,
-           is_guest_ram: Callable[[int, str], bool] = _no_guest_ram) -> None:
+           is_guest_ram: Callable[[int, str], bool] = no_guest_ram) -> None:
     """Append this process's breakdown at ``phase`` to ``<run_dir>/memory-phases.jsonl``,
     if the zygote was started with ``VMFORK_MEMORY_PHASES``; else nothing. A failure is
     a line on stderr: a probe never fails the sandbox it measures."""

@@ -801,7 +801,8 @@ def main(args: dict[str, Any]) -> int:
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
         report({"state": "restored", "pid": os.getpid(), **timings})
-        guest_ram = memphases.guest_ram_paths(_guest_ram_files(machine), state.mem_size)
+        guest_ram = (memphases.guest_ram_paths(_guest_ram_files(machine), state.mem_size)
+                     if memphases.IDLE_S is not None else memphases.no_guest_ram)
         memphases.record("restored", str(run_dir), guest_ram)
         control = ControlServer(machine, str(run_dir / "control.sock"), stop, jailed=jailed)
         try:
