@@ -260,3 +260,10 @@ def test_the_native_path_is_the_one_a_native_build_takes() -> None:
     assert line.triggered == 1 and dev.counters.get_ids == 1
     assert struct.unpack("<HHII", mem.read(USED, 12)) == (0, 1, 0, 21)
     mem.close()
+
+
+def test_the_native_path_syscalls_are_allowed_in_the_jail() -> None:
+    """blk.rs calls preadv, pwritev and fdatasync; a jailed VMM dies on any syscall
+    its seccomp filter does not list."""
+    from vmfork.runtime import seccomp
+    assert {"preadv", "pwritev", "fdatasync"} <= set(seccomp.VMM_ALLOWED)

@@ -83,6 +83,19 @@ write here (``S_IOERR``, as on an RO device) and mounted read-only by the agent.
 slot's media stay until the machine ends (no eject: a mounted file system would see
 its disk vanish).
 
+Native path. Where the native core is built (``GuestMemory.native``), a notification
+is served by one call into Rust (``GuestRam.serve_blk``, ``native/src/blk.rs``): the
+chain walk, the header checks, the ``preadv``/``pwritev`` between the file and guest
+RAM, the status byte and the used ring, under every rule above in the same order;
+the counters, the warnings to log, the queue indices and the guest fault (if one
+ended the call) come back here, and the interrupt and the re-arm stay here, so the
+call works from whatever loop calls ``queue_notify``. Every kind of media takes it:
+the root image, a volume and a slot's media are all one plain fd (copy-on-write lives
+in the guest's RAM overlay, not in this device). The Python path is the
+``VMFORK_NATIVE=0`` twin and the reference a differential test holds the native one
+to (tests/unit/test_virtio_blk_native.py); ``native_requests = False`` takes it on a
+native build (bench/blk.py compares the two in one guest).
+
 The backing fd is opened by the ``Machine`` (``open_disk``) and owned by it;
 the device only reads it, and ``detach`` (on the I/O thread) makes sure no
 read starts after the machine closes it.
