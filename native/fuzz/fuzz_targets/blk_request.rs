@@ -7,14 +7,14 @@
 #![no_main]
 
 #[allow(dead_code)]
+#[path = "../../src/blk.rs"]
+mod blk;
+#[allow(dead_code)]
 #[path = "../../src/guest_ram.rs"]
 mod guest_ram;
 #[allow(dead_code)]
 #[path = "../../src/virtq.rs"]
 mod virtq;
-#[allow(dead_code)]
-#[path = "../../src/blk.rs"]
-mod blk;
 
 use guest_ram::{GuestRam, Region};
 use libfuzzer_sys::fuzz_target;
@@ -94,11 +94,23 @@ fuzz_target!(|input: &[u8]| {
     let disk = blk::Disk {
         fd: if flags & 2 != 0 { None } else { Some(fd) },
         // A capacity that may exceed the file (a file shortened under us).
-        capacity: if flags & 4 != 0 { 2 * DISK as u64 } else { DISK as u64 },
+        capacity: if flags & 4 != 0 {
+            2 * DISK as u64
+        } else {
+            DISK as u64
+        },
         read_only,
         id: b"0123456789abcdef0123",
     };
-    let s = blk::serve(&r, &rings, next_avail, next_avail, &disk, max_requests, max_bytes);
+    let s = blk::serve(
+        &r,
+        &rings,
+        next_avail,
+        next_avail,
+        &disk,
+        max_requests,
+        max_bytes,
+    );
     assert!(s.served <= max_requests);
     assert_eq!(u32::from(s.next_used.wrapping_sub(next_avail)), s.served);
     assert!(s.counters.requests <= u64::from(s.served) + 1);
@@ -107,7 +119,10 @@ fuzz_target!(|input: &[u8]| {
     if read_only || disk.fd.is_none() {
         assert_eq!(before, after, "a read-only or detached disk was written");
     }
-    assert!(after.len() <= disk.capacity as usize, "written past the capacity");
+    assert!(
+        after.len() <= disk.capacity as usize,
+        "written past the capacity"
+    );
     // SAFETY: `fd` is ours, closed once.
     unsafe { libc::close(fd) };
 });
