@@ -1,6 +1,6 @@
 //! Python's handle on the native virtqueue code: `_core.GuestRam`, built by
 //! `GuestMemory` over the regions it mapped, with the split-queue operations and
-//! the rng device's serving loop on it. Python keeps the queue registers (the
+//! the rng and blk devices' serving loops on it. Python keeps the queue registers (the
 //! transport's `Virtqueue` and its `QueueState`), so state stays one plain record;
 //! each call takes the numbers it needs and returns what changed.
 //!
@@ -11,6 +11,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::blk::{self, Disk, Warning};
 use crate::guest_ram::{GuestRam as Ram, Ram as Locked, RamError, Region};
 use crate::virtq::{self, Chain, QueueError, Rings};
 use crate::vsock_io::{self, DataHeader, Stop};
@@ -217,6 +218,98 @@ impl GuestRam {
             }
             Ok((next_avail, next_used, served, bytes))
         })
+    }
+
+    /// virtio-blk's request queue (`blk.rs`): serve at most `max_requests` chains,
+    /// stopping once `max_bytes` were written to guest buffers, on the disk `fd`
+    /// (negative: none, as after `detach`) of `capacity` bytes. Returns (next_avail,
+    /// next_used, served, bytes written, whether the budget ran out first, the
+    /// counters' increments as (name, n), the host failures to log as (kind, a, b, c),
+    /// the guest fault that ended the call or None). A fault is returned, not raised,
+    /// so the caller keeps the counters and the log of the requests served before it.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn serve_blk(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        desc: u64,
+        avail: u64,
+        used: u64,
+        next_avail: u16,
+        next_used: u16,
+        fd: i32,
+        capacity: u64,
+        read_only: bool,
+        disk_id: &[u8],
+        max_requests: u32,
+        max_bytes: u64,
+    ) -> PyResult<(
+        u16,
+        u16,
+        u32,
+        u64,
+        bool,
+        Vec<(&'static str, u64)>,
+        Vec<(&'static str, u64, u64, i64)>,
+        Option<Py<PyAny>>,
+    )> {
+        let rings = Self::rings(size, desc, avail, used);
+        let disk = Disk {
+            fd: (fd >= 0).then_some(fd),
+            capacity,
+            read_only,
+            id: &disk_id[..disk_id.len().min(blk::ID_BYTES)],
+        };
+        // The lock is dropped at the end of the arm, before any Python error is built.
+        let s = match self.ram.lock() {
+            Ok(ram) => blk::serve(
+                &ram,
+                &rings,
+                next_avail,
+                next_used,
+                &disk,
+                max_requests,
+                max_bytes,
+            ),
+            Err(e) => return Err(py_error(py, e.into())),
+        };
+        let c = s.counters;
+        let counters = vec![
+            ("requests", c.requests),
+            ("reads", c.reads),
+            ("bytes_read", c.bytes_read),
+            ("flushes", c.flushes),
+            ("get_ids", c.get_ids),
+            ("writes", c.writes),
+            ("bytes_written", c.bytes_written),
+            ("write_errors", c.write_errors),
+            ("writes_refused", c.writes_refused),
+            ("read_errors", c.read_errors),
+            ("malformed", c.malformed),
+            ("unsupported", c.unsupported),
+        ];
+        let warnings = s
+            .warnings
+            .iter()
+            .map(|w| match *w {
+                Warning::ReadFailed(len, off, e) => ("read_failed", len, off, i64::from(e)),
+                Warning::ReadShort(got, len, off) => ("read_short", got, len, off as i64),
+                Warning::WriteFailed(len, off, e) => ("write_failed", len, off, i64::from(e)),
+                Warning::WriteShort(done, len, off) => ("write_short", done, len, off as i64),
+                Warning::FdatasyncFailed(e) => ("fdatasync_failed", 0, 0, i64::from(e)),
+            })
+            .collect();
+        let error = s.error.map(|e| py_error(py, e).into_value(py).into_any());
+        Ok((
+            s.next_avail,
+            s.next_used,
+            s.served,
+            s.moved,
+            s.more,
+            counters,
+            warnings,
+            error,
+        ))
     }
 
     /// vsock: deliver what the Unix socket `fd` holds to the guest as RW packets on

@@ -68,6 +68,11 @@ class GuestRam:
     def serve_rng(self, size: int, desc: int, avail: int, used: int, next_avail: int,
                   next_used: int, max_requests: int, max_bytes: int,
                   ) -> tuple[int, int, int, int]: ...
+    def serve_blk(self, size: int, desc: int, avail: int, used: int, next_avail: int,
+                  next_used: int, fd: int, capacity: int, read_only: bool, disk_id: bytes,
+                  max_requests: int, max_bytes: int,
+                  ) -> tuple[int, int, int, int, bool, list[tuple[str, int]],
+                             list[tuple[str, int, int, int]], BaseException | None]: ...
     def vsock_rx_data(self, size: int, desc: int, avail: int, used: int, next_avail: int,
                       next_used: int, fd: int,
                       header: tuple[int, int, int, int, int, int], credit: int,

@@ -1,7 +1,11 @@
 """virtio-blk, read-only: a simulated guest driver on one side, a real disk image
 file on the other, a real I/O thread in between. Requests are laid out the way
 the Linux driver lays them out (header, data, status in their own descriptors)
-and, for the hostile cases, every other way the spec allows or forbids."""
+and, for the hostile cases, every other way the spec allows or forbids.
+
+Every test that serves requests runs on both request paths: the native one
+(``native/src/blk.rs``, what a native build takes) and the Python one (the
+``VMFORK_NATIVE=0`` twin); ``test_virtio_blk_native.py`` holds them to each other."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_restore_prepared import add_device, format_1_file, make_state
-from test_virtio_harness import MEM_SIZE, DriverQueue, GuestDriver, loop, memory, wait_until  # noqa: F401
+from test_virtio_harness import MEM_SIZE, DriverQueue, GuestDriver, loop, wait_until  # noqa: F401
 
 from vmfork.image import disk_path
 from vmfork.ondisk import stateformat
@@ -70,6 +74,26 @@ def disk_fd(disk: Path) -> Iterator[int]:
     os.close(fd)
 
 
+@pytest.fixture(params=["python", "native"])
+def memory(request: pytest.FixtureRequest) -> Iterator[GuestMemory]:
+    """Guest memory for one request path: "native" serves in Rust (and the queue's
+    walk is native too), "python" is the whole ``VMFORK_NATIVE=0`` path."""
+    mem = GuestMemory.anonymous(MEM_SIZE)
+    if request.param == "native" and mem.native is None:
+        mem.close()
+        pytest.skip("the native core is not built (scripts/lib.sh setup_native) or "
+                    "VMFORK_NATIVE=0")
+    if request.param == "python" and mem.native is not None:
+        mem.native.close()
+        mem.native = None
+    yield mem
+    mem.close()
+
+
+def python_path_taken(*_: object) -> tuple[int, bool]:
+    raise AssertionError("a native build served a request in Python")
+
+
 @pytest.fixture
 def irq() -> Iterator[IrqLine]:
     line = IrqLine(gsi=7)
@@ -86,6 +110,8 @@ class BlkEnv:
         self.loop, self.memory, self.fd = loop, memory, fd
         self.acked = ACKED if read_only else ACKED_RW
         self.dev = blk.VirtioBlk(loop, fd, size, key, path="test.img", read_only=read_only)
+        if memory.native is not None:   # the native path, and only it, serves
+            self.dev._serve_python = python_path_taken  # type: ignore[method-assign]
         self.raw_ids: dict[int, list[int]] = {}
         self.transport = mmio.MmioTransport(self.dev, memory, irq, loop)
         self.driver = GuestDriver(self.transport, memory)

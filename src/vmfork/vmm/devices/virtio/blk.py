@@ -83,6 +83,19 @@ write here (``S_IOERR``, as on an RO device) and mounted read-only by the agent.
 slot's media stay until the machine ends (no eject: a mounted file system would see
 its disk vanish).
 
+Native path. Where the native core is built (``GuestMemory.native``), a notification
+is served by one call into Rust (``GuestRam.serve_blk``, ``native/src/blk.rs``): the
+chain walk, the header checks, the ``preadv``/``pwritev`` between the file and guest
+RAM, the status byte and the used ring, under every rule above in the same order;
+the counters, the warnings to log, the queue indices and the guest fault (if one
+ended the call) come back here, and the interrupt and the re-arm stay here, so the
+call works from whatever loop calls ``queue_notify``. Every kind of media takes it:
+the root image, a volume and a slot's media are all one plain fd (copy-on-write lives
+in the guest's RAM overlay, not in this device). The Python path is the
+``VMFORK_NATIVE=0`` twin and the reference a differential test holds the native one
+to (tests/unit/test_virtio_blk_native.py); ``native_requests = False`` takes it on a
+native build (bench/blk.py compares the two in one guest).
+
 The backing fd is opened by the ``Machine`` (``open_disk``) and owned by it;
 the device only reads it, and ``detach`` (on the I/O thread) makes sure no
 read starts after the machine closes it.
@@ -103,7 +116,7 @@ import struct
 from dataclasses import dataclass
 
 from vmfork.vmm.devices.virtio.device import VirtioDevice
-from vmfork.vmm.devices.virtio.queue import DescriptorChain
+from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
 from vmfork.vmm.errors import HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
@@ -244,6 +257,9 @@ class VirtioBlk(VirtioDevice):
         self.read_only = True
         self.path = path
         self._id = b"\0" * ID_BYTES
+        # Whether a native build serves requests in Rust (``_serve_native``); False
+        # takes the Python path on the same build, for the benchmark's peers.
+        self.native_requests = True
         if fd is None:
             if not volume_slot or size or disk_key:
                 raise ValueError("only a volume slot is made without a disk, and then with "
@@ -296,22 +312,66 @@ class VirtioBlk(VirtioDevice):
         if not self._usable() or self.memory is None:
             return
         memory, queue = self.memory, self.queues[0]
-        served = moved = 0
-        more = True
-        while served < MAX_REQUESTS_PER_NOTIFY and moved < MAX_BYTES_PER_NOTIFY:
-            chain = queue.pop(memory)
-            if chain is None:
-                more = False
-                break
-            written = self._handle(memory, chain)
-            queue.add_used(memory, chain.head, written)
-            served += 1
-            moved += written
+        if memory.native is not None and self.native_requests:
+            served, more = self._serve_native(memory, queue)
+        else:
+            served, more = self._serve_python(memory, queue)
         if served:
             assert self.interrupt is not None
             self.interrupt.trigger()
         if more:
             self.loop.call_soon(lambda: self._guarded(self._serve))
+
+    def _serve_python(self, memory: GuestMemory, queue: Virtqueue) -> tuple[int, bool]:
+        """Serve up to the per-notify budget; (requests served, whether any are left)."""
+        served = moved = 0
+        while served < MAX_REQUESTS_PER_NOTIFY and moved < MAX_BYTES_PER_NOTIFY:
+            chain = queue.pop(memory)
+            if chain is None:
+                return served, False
+            written = self._handle(memory, chain)
+            queue.add_used(memory, chain.head, written)
+            served += 1
+            moved += written
+        return served, True
+
+    def _serve_native(self, memory: GuestMemory, queue: Virtqueue) -> tuple[int, bool]:
+        """``_serve_python``'s rules in Rust (native/src/blk.rs): the chain walk, the
+        checks and the preadv/pwritev between the file and guest RAM happen there;
+        the counters, the log and the queue indices come back here."""
+        assert memory.native is not None
+        if not queue.ready:   # as Virtqueue.pop says it
+            raise VirtqueueError("pop from a queue that is not ready")
+        (queue.next_avail, queue.next_used, served, _moved, more, counters, warnings,
+         error) = memory.native.serve_blk(
+            queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
+            queue.next_avail, queue.next_used, -1 if self.fd is None else self.fd,
+            self.capacity_bytes, self.read_only, self._id, MAX_REQUESTS_PER_NOTIFY,
+            MAX_BYTES_PER_NOTIFY)
+        for name, n in counters:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+        for kind, a, b, c in warnings:
+            self._log_native_warning(kind, a, b, c)
+        if error is not None:
+            raise error
+        return served, more
+
+    def _log_native_warning(self, kind: str, a: int, b: int, c: int) -> None:
+        """The warnings ``_read``, ``_write`` and ``_flush`` log, for the native path."""
+        if kind == "read_failed":
+            log.warning("virtio-blk %s: read of %d bytes at %d failed: %s", self.path, a, b,
+                        OSError(c, os.strerror(c)))
+        elif kind == "read_short":
+            log.warning("virtio-blk %s: read %d of %d bytes at %d (file shortened?)",
+                        self.path, a, b, c)
+        elif kind == "write_failed":
+            log.warning("virtio-blk %s: write of %d bytes at %d failed: %s", self.path, a, b,
+                        OSError(c, os.strerror(c)))
+        elif kind == "write_short":
+            log.warning("virtio-blk %s: wrote %d of %d bytes at %d", self.path, a, b, c)
+        else:
+            log.warning("virtio-blk %s: fdatasync failed: %s", self.path,
+                        OSError(c, os.strerror(c)))
 
     def _handle(self, memory: GuestMemory, chain: DescriptorChain) -> int:
         """Serve one request; return the bytes written to its writable part (status

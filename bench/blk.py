@@ -1,0 +1,255 @@
+"""virtio-blk throughput: the native request path (native/src/blk.rs) against Python.
+
+One guest (the default image, 256 MiB) boots with a free volume slot; a read-write ext4
+volume is attached and mounted at ``/v``. Then, alternating the device's request path
+between native and Python (``VirtioBlk.native_requests``, so both peers run in the same
+guest on the same file in one run), the guest writes ``--mib`` MiB to ``/v/big`` with
+``dd oflag=direct`` (O_DIRECT: every block goes to the device, none stays in the guest's
+page cache) and reads it back with ``dd iflag=direct``, ``--reps`` times each. For every
+run: MiB/s from the host's wall clock around the guest command, and the CPU time the
+VMM process and its I/O thread (where the device serves requests) spent meanwhile.
+
+Writes ``bench/results/blk.{json,md}``. On a host whose KVM cannot run unmodified
+guests it re-runs itself inside the emulated test host (only ratios between the two
+paths of one run mean anything there).
+
+``--driver`` measures the device alone instead, natively and without a guest
+(``bench/results/blk-driver.{json,md}``): the queue of one ``VirtioBlk`` on real guest
+memory is filled with requests laid out as Linux lays them out (a header, the data in
+``--segment-kib`` segments, a status byte; ``--request-kib`` per request, 64 per
+notification) and served by each path in turn, alternating, over a ``--mib`` MiB file
+in the page cache: MiB/s and CPU time of the serving call alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ensure_kvm_host, summary, where, write_results
+
+VOLUME_KEY = "b1c0ffee" * 4
+
+
+def thread_cpu_s(native_id: int) -> float:
+    """utime + stime of one thread of this process, in seconds."""
+    fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=128, help="MiB per dd run")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--block-kib", type=int, default=1024, help="dd block size")
+    parser.add_argument("--driver", action="store_true",
+                        help="serve requests from a simulated driver, no guest")
+    parser.add_argument("--request-kib", type=int, default=1024)
+    parser.add_argument("--segment-kib", type=int, default=64)
+    args = parser.parse_args()
+    if args.driver:
+        driver_bench(args)
+        return
+    ensure_kvm_host(__file__, sys.argv[1:], mem_mib=3072, timeout=3600)
+
+    from vmfork.image import find_image
+    from vmfork.runtime.guest import BootedGuest
+    from vmfork.vmm.machine import VolumeMedia
+
+    image = find_image()
+    runs: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        volume = Path(tmp) / "volume.img"
+        with open(volume, "wb") as f:
+            f.truncate((args.mib + 64) << 20)
+        subprocess.run([shutil.which("mkfs.ext4") or "/usr/sbin/mkfs.ext4", "-q", "-F", "-E",
+                        "lazy_itable_init=0,lazy_journal_init=0", str(volume)],
+                       check=True, capture_output=True)
+        with BootedGuest(image, mem_mib=256, free_volume_slots=1) as guest:
+            machine, agent = guest.machine, guest.agent
+            assert machine is not None
+            machine.attach_volume(VolumeMedia(0, str(volume), VOLUME_KEY, False, "/v"))
+            agent.mount_volume(machine.volume_devices[0], "/v", read_only=False,
+                               sectors=volume.stat().st_size // 512)
+            device = machine.volume_slots[0]
+            io_thread = next(t for t in threading.enumerate()
+                             if t.name == f"vmm-io-{machine.vm_id}")
+            assert io_thread.native_id is not None
+            count = args.mib * 1024 // args.block_kib
+            commands = {
+                "write": f"dd if=/dev/zero of=/v/big bs={args.block_kib}k count={count} "
+                         "oflag=direct conv=fsync",
+                "read": f"dd if=/v/big of=/dev/null bs={args.block_kib}k count={count} "
+                        "iflag=direct",
+            }
+            for rep in range(args.reps):
+                for path in ("python", "native"):
+                    device.native_requests = path == "native"
+                    for direction in ("write", "read"):
+                        cpu0, io0 = time.process_time(), thread_cpu_s(io_thread.native_id)
+                        t0 = time.perf_counter()
+                        done = agent.exec(commands[direction], timeout=1800)
+                        wall = time.perf_counter() - t0
+                        cpu = time.process_time() - cpu0
+                        io = thread_cpu_s(io_thread.native_id) - io0
+                        if done.exit_code != 0:
+                            raise SystemExit(f"{direction} on the {path} path failed: "
+                                             f"{done.stderr.decode(errors='replace')}")
+                        runs.append({"rep": rep, "path": path, "direction": direction,
+                                     "seconds": wall, "mib_s": args.mib / wall,
+                                     "vmm_cpu_s": cpu, "io_thread_cpu_s": io})
+                        print(f"rep {rep + 1}/{args.reps} {path:6} {direction:5}: "
+                              f"{args.mib / wall:7.1f} MiB/s, VMM CPU {cpu:.2f} s, "
+                              f"I/O thread {io:.2f} s", file=sys.stderr)
+            counters = device.counters
+    rows = {}
+    for path in ("python", "native"):
+        for direction in ("write", "read"):
+            mine = [r for r in runs if r["path"] == path and r["direction"] == direction]
+            rows[f"{path} {direction}"] = {
+                key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
+                for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
+    ratios = {direction: rows[f"native {direction}"]["mib_s"]["median"]
+              / rows[f"python {direction}"]["mib_s"]["median"]
+              for direction in ("write", "read")}
+    io_cpu = {direction: rows[f"python {direction}"]["io_thread_cpu_s"]["median"]
+              / max(rows[f"native {direction}"]["io_thread_cpu_s"]["median"], 1e-9)
+              for direction in ("write", "read")}
+    md = (f"# virtio-blk: native request path against Python\n\n{where()}; default image, "
+          f"256 MiB guest, ext4 read-write volume, dd of {args.mib} MiB in "
+          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row, the two "
+          "paths alternating in one guest.\n\n"
+          "| path | direction | MiB/s (median) | min | max | VMM CPU s | I/O thread CPU s |\n"
+          "|---|---|---|---|---|---|---|\n"
+          + "".join(f"| {name.split()[0]} | {name.split()[1]} | {r['mib_s']['median']:.1f} | "
+                    f"{r['mib_s']['min']:.1f} | {r['mib_s']['max']:.1f} | "
+                    f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} |\n"
+                    for name, r in rows.items())
+          + f"\nnative / Python throughput (median): write {ratios['write']:.2f}x, read "
+            f"{ratios['read']:.2f}x; Python / native I/O-thread CPU: write "
+            f"{io_cpu['write']:.2f}x, read {io_cpu['read']:.2f}x\n")
+    write_results("blk", {"mib": args.mib, "block_kib": args.block_kib, "reps": args.reps,
+                          "runs": runs, "rows": rows, "native_over_python": ratios,
+                          "io_thread_cpu_python_over_native": io_cpu,
+                          "device_counters": vars(counters)}, md)
+
+
+def driver_bench(args: argparse.Namespace) -> None:
+    import struct
+
+    from vmfork.vmm.devices.virtio import blk
+    from vmfork.vmm.devices.virtio.queue import (
+        VIRTQ_DESC_F_NEXT,
+        VIRTQ_DESC_F_WRITE,
+        Virtqueue,
+        avail_ring_bytes,
+    )
+    from vmfork.vmm.eventloop import EventLoop
+    from vmfork.vmm.memory import GuestMemory
+
+    request, segment = args.request_kib << 10, args.segment_kib << 10
+    nseg = request // segment
+    per_notify = min(blk.MAX_REQUESTS_PER_NOTIFY, 256 // (nseg + 2))
+    memory = GuestMemory.anonymous(per_notify * request + (16 << 20))
+    if memory.native is None:
+        raise SystemExit("the native core is not built (scripts/lib.sh setup_native)")
+    desc, avail, used = 0x10000, 0x20000, 0x30000
+    data = 1 << 20
+    queue = Virtqueue(256)
+    queue.size, queue.desc_table, queue.avail_ring, queue.used_ring = 256, desc, avail, used
+    queue.ready = True
+    queue.validate(memory)
+    assert avail + avail_ring_bytes(256) < used
+    runs: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/var/tmp")) as tmp:
+        path = Path(tmp) / "disk.img"
+        with open(path, "wb") as f:
+            for _ in range(args.mib):
+                f.write(os.urandom(1 << 20))
+        fd, size = blk.open_disk(str(path), writable=True, what="bench disk")
+        dev = blk.VirtioBlk(EventLoop("unused"), fd, size, "b1c0ffee" * 4, read_only=False)
+        sectors = size // 512
+
+        def offer(kind: int, first_sector: int) -> None:
+            """``per_notify`` requests of ``request`` bytes from ``first_sector`` on."""
+            index = 0
+            for k in range(per_notify):
+                head = index
+                hdr_at = data + k * 64
+                memory.write(hdr_at, struct.pack("<IIQ", kind, 0,
+                                                 (first_sector + k * request // 512) % sectors))
+                parts = [(hdr_at, 16, 0)]
+                buf = data + (1 << 20) + k * request
+                flag = VIRTQ_DESC_F_WRITE if kind == blk.T_IN else 0
+                parts += [(buf + j * segment, segment, flag) for j in range(nseg)]
+                parts.append((hdr_at + 32, 1, VIRTQ_DESC_F_WRITE))
+                for j, (addr, length, flags) in enumerate(parts):
+                    last = j == len(parts) - 1
+                    memory.write(desc + 16 * index, struct.pack(
+                        "<QIHH", addr, length, flags | (0 if last else VIRTQ_DESC_F_NEXT),
+                        0 if last else index + 1))
+                    index += 1
+                memory.write_u16(avail + 4 + 2 * ((queue.next_avail + k) % 256), head)
+            memory.write_u16(avail + 2, (queue.next_avail + per_notify) & 0xFFFF)
+
+        total = args.mib << 20
+        for rep in range(args.reps):
+            for kind_name, kind in (("write", blk.T_OUT), ("read", blk.T_IN)):
+                for path_name in ("python", "native"):
+                    dev.counters = blk.BlkCounters()
+                    serve = dev._serve_native if path_name == "native" else dev._serve_python
+                    done, busy, cpu, sector = 0, 0.0, 0.0, 0
+                    while done < total:
+                        offer(kind, sector)
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        served, _more = serve(memory, queue)
+                        busy += time.perf_counter() - t0
+                        cpu += time.process_time() - c0
+                        assert served == per_notify, served
+                        done += per_notify * request
+                        sector += per_notify * request // 512
+                    moved = dev.counters.bytes_read + dev.counters.bytes_written
+                    assert moved == done and not dev.counters.read_errors \
+                        and not dev.counters.write_errors, vars(dev.counters)
+                    runs.append({"rep": rep, "path": path_name, "direction": kind_name,
+                                 "mib_s": (done >> 20) / busy, "cpu_s": cpu})
+                    print(f"rep {rep + 1}/{args.reps} {path_name:6} {kind_name:5}: "
+                          f"{(done >> 20) / busy:8.0f} MiB/s, CPU {cpu:.3f} s",
+                          file=sys.stderr)
+        os.close(fd)
+    memory.close()
+    rows = {f"{p} {d}": {"mib_s": summary([float(r["mib_s"]) for r in runs  # type: ignore[arg-type]
+                                            if r["path"] == p and r["direction"] == d]),
+                         "cpu_s": summary([float(r["cpu_s"]) for r in runs  # type: ignore[arg-type]
+                                           if r["path"] == p and r["direction"] == d])}
+            for p in ("python", "native") for d in ("write", "read")}
+    ratios = {d: rows[f"native {d}"]["mib_s"]["median"] / rows[f"python {d}"]["mib_s"]["median"]
+              for d in ("write", "read")}
+    md = (f"# virtio-blk request path, no guest: native against Python\n\n"
+          f"native, on {os.uname().nodename}; {args.mib} MiB moved per row and run, "
+          f"{args.request_kib} KiB requests in {args.segment_kib} KiB segments, {per_notify} "
+          f"per notification, a file in the page cache, {args.reps} runs, paths "
+          "alternating.\n\n| path | direction | MiB/s (median) | min | max | CPU s (median) |\n"
+          "|---|---|---|---|---|---|\n"
+          + "".join(f"| {n.split()[0]} | {n.split()[1]} | {r['mib_s']['median']:.0f} | "
+                    f"{r['mib_s']['min']:.0f} | {r['mib_s']['max']:.0f} | "
+                    f"{r['cpu_s']['median']:.3f} |\n" for n, r in rows.items())
+          + f"\nnative / Python throughput (median): write {ratios['write']:.2f}x, read "
+            f"{ratios['read']:.2f}x\n")
+    write_results("blk-driver", {"mib": args.mib, "request_kib": args.request_kib,
+                                 "segment_kib": args.segment_kib, "per_notify": per_notify,
+                                 "runs": runs, "rows": rows, "native_over_python": ratios}, md)
+
+
+if __name__ == "__main__":
+    main()
