@@ -12,6 +12,7 @@
 //! the GIL, and closes its duplicates before it returns.
 
 mod console;
+mod eventloop;
 mod guest_ram;
 mod mmio;
 mod mmio_py;
@@ -206,6 +207,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedRestore>()?;
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<console::Console>()?;
+    m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;
