@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use crate::rng_serve::{RngQueue, RngServer, Served};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -45,9 +46,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// What serves a readable fd: a Python callback (with the GIL), or a native handler
+/// (without it).
+enum Reader {
+    Python(Py<PyAny>),
+    Rng(Arc<RngServer>),
+}
+
 #[derive(Default)]
 struct State {
-    readers: HashMap<RawFd, Py<PyAny>>,
+    readers: HashMap<RawFd, Reader>,
     pending: VecDeque<Py<PyAny>>,
     /// Due time and sequence number (ties run in `call_later` order); the callback is
     /// in `timer_callbacks` under the sequence number.
@@ -85,7 +93,15 @@ impl State {
 
     /// Take every Python object out, to be dropped with the GIL held.
     fn take_objects(&mut self) -> Vec<Py<PyAny>> {
-        let mut out: Vec<Py<PyAny>> = self.readers.drain().map(|(_, cb)| cb).collect();
+        let mut out: Vec<Py<PyAny>> = Vec::new();
+        for (_, reader) in self.readers.drain() {
+            match reader {
+                Reader::Python(cb) => out.push(cb),
+                // Its Python references go when the last Arc does; the loop thread
+                // drops its clones right after serving.
+                Reader::Rng(server) => drop(server),
+            }
+        }
         out.extend(self.pending.drain(..));
         out.extend(self.timer_callbacks.drain().map(|(_, cb)| cb));
         self.timers.clear();
@@ -155,26 +171,13 @@ impl EventLoop {
 
     /// Call `callback()` on the loop thread whenever `fd` is readable (level-triggered).
     fn add_reader(&self, fd: RawFd, callback: Py<PyAny>) -> PyResult<()> {
-        if fd < 0 {
-            return Err(PyValueError::new_err(format!("invalid file descriptor {fd}")));
-        }
-        let mut state = lock(&self.shared.state);
-        {
-            if state.readers.contains_key(&fd) {
-                // As selectors does: a second registration of one fd is a caller's bug.
-                return Err(PyValueError::new_err(format!("{fd} is already registered")));
-            }
-            self.shared
-                .epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, fd as u64),
-                )
-                .map_err(|e| os_error(&format!("epoll_ctl(add {fd})"), e))?;
-        }
-        state.readers.insert(fd, callback);
-        Ok(())
+        self.add(fd, Reader::Python(callback))
+    }
+
+    /// Serve the virtio-rng queue `rng` natively, without the GIL, whenever its
+    /// ioeventfd `fd` is readable (the eventfd is drained first).
+    fn add_rng_reader(&self, fd: RawFd, rng: &RngQueue) -> PyResult<()> {
+        self.add(fd, Reader::Rng(rng.server.clone()))
     }
 
     /// Stop watching `fd` (nothing happens if it is not watched).
@@ -284,6 +287,32 @@ impl EventLoop {
     }
 }
 
+
+impl EventLoop {
+    fn add(&self, fd: RawFd, reader: Reader) -> PyResult<()> {
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!("invalid file descriptor {fd}")));
+        }
+        let mut state = lock(&self.shared.state);
+        {
+            if state.readers.contains_key(&fd) {
+                // As selectors does: a second registration of one fd is a caller's bug.
+                return Err(PyValueError::new_err(format!("{fd} is already registered")));
+            }
+            self.shared
+                .epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, fd as u64),
+                )
+                .map_err(|e| os_error(&format!("epoll_ctl(add {fd})"), e))?;
+        }
+        state.readers.insert(fd, reader);
+        Ok(())
+    }
+}
+
 /// What one `epoll_wait` found for Python, collected without the GIL.
 struct Ready {
     fds: Vec<RawFd>,
@@ -334,17 +363,45 @@ fn run_thread(shared: &Arc<Shared>) {
             // Non-blocking: a concurrent reader cannot exist, EAGAIN means drained.
             let _ = shared.wake.read();
         }
+        let mut python_fds = Vec::with_capacity(ready.fds.len());
+        let mut faults = Vec::new();
+        for fd in ready.fds {
+            let native = match lock(&shared.state).readers.get(&fd) {
+                Some(Reader::Rng(server)) => Some(server.clone()),
+                Some(Reader::Python(_)) => None,
+                None => continue, // removed meanwhile
+            };
+            match native {
+                Some(server) => {
+                    drain_eventfd(fd);
+                    if let Served::Fault(e) = server.serve() {
+                        faults.push((server, e));
+                    }
+                }
+                None => python_fds.push(fd),
+            }
+        }
         let python_work = {
             let state = lock(&shared.state);
             if state.stopping {
                 break;
             }
-            !ready.fds.is_empty()
+            !python_fds.is_empty()
+                || !faults.is_empty()
                 || !state.pending.is_empty()
                 || state.pop_due_check(Instant::now())
         };
         if python_work {
-            Python::attach(|py| serve_python(py, shared, &ready.fds));
+            Python::attach(|py| {
+                for (server, e) in faults {
+                    let err = crate::virtio_py::py_error(py, e);
+                    if let Err(failed) = server.on_error.call1(py, (err.value(py),)) {
+                        failed.write_unraisable(py, Some(server.on_error.bind(py)));
+                    }
+                    drop(server);
+                }
+                serve_python(py, shared, &python_fds);
+            });
         }
     }
     let objects = {
@@ -366,6 +423,14 @@ impl State {
     }
 }
 
+/// Read an eventfd's counter to zero (non-blocking: EAGAIN means it was zero).
+fn drain_eventfd(fd: RawFd) {
+    let mut buf = [0u8; 8];
+    // SAFETY: 8 bytes into a live buffer; `fd` is registered with this loop, so open
+    // (its owner removes it from the loop before closing it).
+    let _ = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+}
+
 fn call(py: Python<'_>, shared: &Shared, callback: Py<PyAny>) {
     if let Err(err) = shared.dispatch.call1(py, (callback,)) {
         // `dispatch` catches what callbacks raise; this is a BaseException it let
@@ -376,7 +441,10 @@ fn call(py: Python<'_>, shared: &Shared, callback: Py<PyAny>) {
 
 fn serve_python(py: Python<'_>, shared: &Shared, fds: &[RawFd]) {
     for fd in fds {
-        let callback = lock(&shared.state).readers.get(fd).map(|cb| cb.clone_ref(py));
+        let callback = match lock(&shared.state).readers.get(fd) {
+            Some(Reader::Python(cb)) => Some(cb.clone_ref(py)),
+            _ => None,
+        };
         if let Some(callback) = callback {
             call(py, shared, callback);
         }

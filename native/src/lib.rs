@@ -17,6 +17,7 @@ mod guest_ram;
 mod mmio;
 mod mmio_py;
 mod restore;
+mod rng_serve;
 mod vcpu;
 mod virtio_py;
 mod virtq;
@@ -208,6 +209,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<console::Console>()?;
     m.add_class::<eventloop::EventLoop>()?;
+    m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

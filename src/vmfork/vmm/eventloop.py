@@ -184,6 +184,10 @@ class NativeEventLoop(EventLoop):
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)
 
+    def add_native_rng_reader(self, fd: int, rng: _core.RngQueue) -> None:
+        """Serve ``rng`` natively, without the GIL, whenever ``fd`` is readable."""
+        self._native.add_rng_reader(fd, rng)
+
     def remove_reader(self, fd: int) -> None:
         self._native.remove_reader(fd)
 
