@@ -203,3 +203,20 @@ def test_an_idle_native_loop_does_not_wake() -> None:
         os.close(fd)
     finally:
         ev.stop()
+
+
+@pytest.mark.skipif(not HAVE_CORE, reason="the native core is not built")
+def test_a_forked_child_does_not_join_the_parents_loop_thread() -> None:
+    ev = NativeEventLoop("fork-loop")
+    ev.start()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the loop's thread is not here
+            ok = not ev.running
+            ev.stop()   # must return, not wait for a thread that does not exist
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert ev.running
+    finally:
+        ev.stop()

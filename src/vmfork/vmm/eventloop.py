@@ -172,6 +172,17 @@ def _stop_native_loops() -> None:
         loop.stop()
 
 
+def _forget_native_loops() -> None:
+    """In a forked child: the loops' threads are the parent's and do not exist here, so
+    the child's copies are neither running nor to be joined."""
+    for loop in list(_native_loops):
+        loop._forked = True
+    _native_loops.clear()
+
+
+os.register_at_fork(after_in_child=_forget_native_loops)
+
+
 class NativeEventLoop(EventLoop):
     """The epoll loop of ``native/src/eventloop.rs``; each callback runs as ``_call``."""
 
@@ -179,6 +190,7 @@ class NativeEventLoop(EventLoop):
         super().__init__(name)
         self._native = _core.EventLoop(name, self._call)
         self._stopped = False
+        self._forked = False
         _native_loops.add(self)
 
     def add_reader(self, fd: int, callback: Callback) -> None:
@@ -205,10 +217,10 @@ class NativeEventLoop(EventLoop):
 
     @property
     def running(self) -> bool:
-        return bool(self._native.running)
+        return not self._forked and bool(self._native.running)
 
     def stop(self) -> None:
-        if self._stopped and not self.in_loop_thread():
+        if self._forked or (self._stopped and not self.in_loop_thread()):
             return
         self._stopped = True
         self._native.stop()
