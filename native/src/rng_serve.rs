@@ -43,6 +43,8 @@ struct QueueIndices {
     failed: bool,
     served: u64,
     bytes: u64,
+    /// Used-buffer interrupts raised (the irqfd written): the line's statistics.
+    interrupts: u64,
 }
 
 pub struct RngServer {
@@ -112,10 +114,11 @@ impl RngServer {
             st.failed = true;
             return Served::Fault(e);
         }
-        drop(st);
         if served > 0 && lock(regs).raise(INT_USED_BUFFER, self.epoch) {
+            st.interrupts += 1;
             write_eventfd(self.irq.as_raw_fd());
         }
+        drop(st);
         if served == self.max_requests {
             if let Some(fd) = &self.notify {
                 write_eventfd(fd.as_raw_fd());
@@ -204,6 +207,7 @@ impl RngQueue {
                     failed: false,
                     served: 0,
                     bytes: 0,
+                    interrupts: 0,
                 }),
                 on_error,
             }),
@@ -220,9 +224,9 @@ impl RngQueue {
         }
     }
 
-    /// (next_avail, next_used, requests served, bytes served, failed).
-    fn sync(&self) -> (u16, u16, u64, u64, bool) {
+    /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
+    fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
         let st = lock(&self.server.state);
-        (st.next_avail, st.next_used, st.served, st.bytes, st.failed)
+        (st.next_avail, st.next_used, st.served, st.bytes, st.failed, st.interrupts)
     }
 }

@@ -90,7 +90,7 @@ from vmfork.vmm.devices.virtio.device import (
 from vmfork.vmm.devices.virtio.queue import MAX_QUEUE_SIZE, QueueState, Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
-from vmfork.vmm.irq import Interrupt
+from vmfork.vmm.irq import Interrupt, IrqLine
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.native import NATIVE
 
@@ -625,12 +625,22 @@ class MmioTransport:
         loop = self.loop
         notify_fd = self._ioeventfds[index] if index < len(self._ioeventfds) else None
 
+        irq = self.irq
+        counters: list[Callable[[], int]] = []
+
         def attach(handler: _core.RngQueue) -> None:
+            if isinstance(irq, IrqLine):
+                counters.append(lambda: handler.sync()[5])
+                irq.add_native_counter(counters[-1])
             if notify_fd is not None:
                 loop.remove_reader(notify_fd)
                 loop.add_native_rng_reader(notify_fd, handler)
 
         def detach() -> None:
+            for counter in counters:
+                assert isinstance(irq, IrqLine)
+                irq.remove_native_counter(counter)
+            counters.clear()
             # Only if the fd is still ours (``close`` may have dropped it already).
             if notify_fd is not None and notify_fd in self._ioeventfds:
                 loop.remove_reader(notify_fd)
