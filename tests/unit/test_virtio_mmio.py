@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -394,3 +395,29 @@ def test_rng_descriptor_loop_on_the_ioeventfd_path(kicked: _IoeventfdRng,
     q.post(writable=[8])
     kicked.kick()
     wait_until(lambda: q.used_idx() == 1, what="the request after reset")
+
+
+@pytest.mark.skipif(not RNG_PATHS, reason="the native core is not built")
+def test_native_rng_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory,  # noqa: F811
+                                         irq: IrqLine) -> None:
+    """The main thread keeps the GIL (a long switch interval, spinning in Python) while
+    the guest kicks: the native server still fills the request and raises the irqfd."""
+    import sys
+    env = _IoeventfdRng(loop, memory, irq, serve=True)
+    try:
+        q = env.start(16, 64)
+        q.post(writable=[64])
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)   # no other Python thread runs for 30 s
+        try:
+            env.kick()
+            t0 = time.monotonic()
+            while q.used_idx() != 1 and time.monotonic() - t0 < 5:
+                pass
+            served_in = time.monotonic() - t0
+        finally:
+            sys.setswitchinterval(old)
+        assert q.used_idx() == 1 and served_in < 5, served_in
+        assert os.eventfd_read(irq.fd) >= 1
+    finally:
+        env.close()
