@@ -59,7 +59,7 @@ struct State {
     pending: VecDeque<Py<PyAny>>,
     /// Due time and sequence number (ties run in `call_later` order); the callback is
     /// in `timer_callbacks` under the sequence number.
-    timers: BinaryHeap<Reverse<(Instant, u64)>>,
+    timers: TimerHeap,
     timer_callbacks: HashMap<u64, Py<PyAny>>,
     next_seq: u64,
     stopping: bool,
@@ -69,16 +69,8 @@ struct State {
 }
 
 impl State {
-    /// Milliseconds until the first timer, rounded up (never early), or -1 (none).
     fn epoll_timeout(&self, now: Instant) -> i32 {
-        match self.timers.peek() {
-            None => -1,
-            Some(Reverse((due, _))) => {
-                let left = due.saturating_duration_since(now);
-                let ms = left.as_nanos().div_ceil(1_000_000);
-                i32::try_from(ms).unwrap_or(i32::MAX)
-            }
-        }
+        epoll_timeout(&self.timers, now)
     }
 
     fn pop_due_timer(&mut self, now: Instant) -> Option<Py<PyAny>> {
@@ -419,8 +411,26 @@ fn run_thread(shared: &Arc<Shared>) {
 
 impl State {
     fn pop_due_check(&self, now: Instant) -> bool {
-        matches!(self.timers.peek(), Some(Reverse((due, _))) if *due <= now)
+        timer_due(&self.timers, now)
     }
+}
+
+type TimerHeap = BinaryHeap<Reverse<(Instant, u64)>>;
+
+/// Milliseconds until the first timer, rounded up (never early), or -1 (none).
+fn epoll_timeout(timers: &TimerHeap, now: Instant) -> i32 {
+    match timers.peek() {
+        None => -1,
+        Some(Reverse((due, _))) => {
+            let left = due.saturating_duration_since(now);
+            let ms = left.as_nanos().div_ceil(1_000_000);
+            i32::try_from(ms).unwrap_or(i32::MAX)
+        }
+    }
+}
+
+fn timer_due(timers: &TimerHeap, now: Instant) -> bool {
+    matches!(timers.peek(), Some(Reverse((due, _))) if *due <= now)
 }
 
 /// Read an eventfd's counter to zero (non-blocking: EAGAIN means it was zero).
@@ -469,5 +479,32 @@ fn serve_python(py: Python<'_>, shared: &Shared, fds: &[RawFd]) {
             Some(callback) => call(py, shared, callback),
             None => break,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_epoll_timeout_is_never_early_and_none_without_timers() {
+        let mut timers = TimerHeap::new();
+        let now = Instant::now();
+        assert_eq!(epoll_timeout(&timers, now), -1);
+        timers.push(Reverse((now + Duration::from_micros(1500), 0)));
+        assert_eq!(epoll_timeout(&timers, now), 2); // 1.5 ms rounds up, not down
+        timers.push(Reverse((now + Duration::from_nanos(1), 1)));
+        assert_eq!(epoll_timeout(&timers, now), 1);
+        assert_eq!(epoll_timeout(&timers, now + Duration::from_secs(1)), 0); // overdue
+        assert!(timer_due(&timers, now + Duration::from_millis(2)));
+        assert!(!timer_due(&timers, now));
+    }
+
+    #[test]
+    fn a_far_deadline_is_capped_not_overflowed() {
+        let mut timers = TimerHeap::new();
+        let now = Instant::now();
+        timers.push(Reverse((now + Duration::from_secs(1_000_000_000), 0)));
+        assert_eq!(epoll_timeout(&timers, now), i32::MAX);
     }
 }
