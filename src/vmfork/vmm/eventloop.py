@@ -10,7 +10,8 @@ Two loops keep this one interface (``EventLoop``): ``SelectorEventLoop`` here, a
 ``selectors`` loop on a Python thread (the ``VMFORK_NATIVE=0`` path and the reference),
 and ``NativeEventLoop``, an epoll loop on a native thread (``native/src/eventloop.rs``)
 that waits without the GIL and without a timeout when idle, and takes the GIL only to
-run a callback. ``new_event_loop`` picks one, by ``vmm.native.NATIVE``. Both log and
+run a callback. ``new_event_loop`` picks one, by ``vmm.native.NATIVE`` (and
+``VMFORK_NATIVE_LOOP``, see ``NATIVE_LOOP``). Both log and
 count what a callback raises the same way (``_call``, here).
 """
 
@@ -85,9 +86,14 @@ class EventLoop:
             self.error_count += 1
 
 
+# The native loop is the VMM's where the core is in use; ``VMFORK_NATIVE_LOOP=0`` keeps
+# the selector loop with the rest of the core (to rule the loop out while chasing a bug).
+NATIVE_LOOP = NATIVE and os.environ.get("VMFORK_NATIVE_LOOP", "1") != "0"
+
+
 def new_event_loop(name: str = "vmm-io") -> EventLoop:
-    """The native loop where the core is in use, else the selector loop."""
-    return NativeEventLoop(name) if NATIVE else SelectorEventLoop(name)
+    """The native loop where the core is in use (``NATIVE_LOOP``), else the selector loop."""
+    return NativeEventLoop(name) if NATIVE_LOOP else SelectorEventLoop(name)
 
 
 class SelectorEventLoop(EventLoop):
