@@ -8,9 +8,9 @@ never makes us allocate more than that. Work per notification is bounded by
 up on a later loop turn rather than starving the other devices.
 
 Three paths, one contract. With ``VMFORK_NATIVE=0``, Python walks the queue. With the
-native core, ``serve_rng`` walks it in Rust, entered from Python per notification.
-With ``VMFORK_NATIVE_RNG=1`` too (off by default until every KVM tier has run on it),
-and where the transport can (the native loop and register file, an irqfd), the queue
+native core, ``serve_rng`` walks it in Rust, entered from Python per notification
+(with ``VMFORK_NATIVE_RNG=0``, or where the transport cannot do better). By default,
+where the transport can (the native loop and register file, an irqfd), the queue
 is handed at activation to a ``_core.RngQueue`` (``native/src/rng_serve.rs``) that the
 native loop serves on the queue's ioeventfd without ever taking the GIL; it owns the
 ring indices until reset, and ``sync_queues`` copies them back for a snapshot.
@@ -40,8 +40,9 @@ except ImportError:
 MAX_BYTES_PER_REQUEST = 64 * 1024
 MAX_REQUESTS_PER_NOTIFY = 64
 QUEUE_SIZE = 256
-# The GIL-free serving on the native loop: opt-in until the KVM tiers ran on it.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_RNG", "0") == "1"
+# The GIL-free serving on the native loop (tests/kvm and e2e test_fork passed on it);
+# VMFORK_NATIVE_RNG=0 keeps the serve_rng path entered from Python.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_RNG", "1") != "0"
 
 
 @dataclass
