@@ -13,10 +13,12 @@
 
 mod blk;
 mod console;
+mod eventloop;
 mod guest_ram;
 mod mmio;
 mod mmio_py;
 mod restore;
+mod rng_serve;
 mod vcpu;
 mod virtio_py;
 mod virtq;
@@ -207,6 +209,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedRestore>()?;
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<console::Console>()?;
+    m.add_class::<eventloop::EventLoop>()?;
+    m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

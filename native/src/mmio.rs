@@ -40,6 +40,7 @@ pub const REG_QUEUE_DEVICE_HIGH: u64 = 0x0A4;
 pub const REG_CONFIG_GENERATION: u64 = 0x0FC;
 pub const CONFIG_SPACE: u64 = 0x100;
 
+pub const INT_USED_BUFFER: u32 = 0x1;
 pub const INT_CONFIG_CHANGE: u32 = 0x2;
 
 pub const STATUS_ACKNOWLEDGE: u32 = 0x01;

@@ -75,7 +75,7 @@ type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
 /// One virtio-mmio register file.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct MmioRegisters {
-    regs: Arc<Mutex<Registers>>,
+    pub(crate) regs: Arc<Mutex<Registers>>,
 }
 
 #[pymethods]

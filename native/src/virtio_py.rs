@@ -16,7 +16,7 @@ use crate::guest_ram::{GuestRam as Ram, Ram as Locked, RamError, Region};
 use crate::virtq::{self, Chain, QueueError, Rings};
 use crate::vsock_io::{self, DataHeader, Stop};
 
-fn py_error(py: Python<'_>, e: QueueError) -> PyErr {
+pub(crate) fn py_error(py: Python<'_>, e: QueueError) -> PyErr {
     let (class, msg) = match e {
         QueueError::Virtqueue(m) => ("VirtqueueError", m),
         QueueError::Memory(RamError::OutOfRange(m)) => ("GuestMemoryError", m),
@@ -38,7 +38,7 @@ type Segments = Vec<(u64, u32)>;
 /// mappings it keeps until after it called `close()`.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct GuestRam {
-    ram: Ram,
+    pub(crate) ram: Ram,
 }
 
 impl GuestRam {

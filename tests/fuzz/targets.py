@@ -79,8 +79,8 @@ def _vsock() -> object:
     if _vsock_env is None:
         from test_virtio_vsock import VsockEnv
 
-        from vmfork.vmm.eventloop import EventLoop
-        loop = EventLoop("fuzz-vsock")
+        from vmfork.vmm.eventloop import new_event_loop
+        loop = new_event_loop("fuzz-vsock")
         loop.start()
         _vsock_env = VsockEnv(loop)
     return _vsock_env

@@ -21,7 +21,7 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 from vmfork.vmm.vmstate import MachineState
@@ -51,7 +51,7 @@ def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[GuestMemo
 
 @pytest.fixture
 def loop(memory: GuestMemory) -> Iterator[EventLoop]:
-    ev = EventLoop("test-balloon-io")
+    ev = new_event_loop("test-balloon-io")
     ev.start()
     yield ev
     ev.stop()

@@ -24,7 +24,7 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.memory import GuestMemory
 
 MEM_SIZE = 48 << 20
@@ -180,7 +180,7 @@ def memory() -> Iterator[GuestMemory]:
 def loop(memory: GuestMemory) -> Iterator[EventLoop]:
     """The I/O thread. It depends on ``memory`` so that it stops before guest memory
     is unmapped, as in the VMM: no device callback may run on a closed mapping."""
-    ev = EventLoop("test-vmm-io")
+    ev = new_event_loop("test-vmm-io")
     ev.start()
     yield ev
     ev.stop()

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
-from test_virtio_harness import GuestDriver, loop, memory, wait_until  # noqa: F401
+from test_virtio_harness import DriverQueue, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.device import (
@@ -40,17 +41,26 @@ def irq() -> Iterator[IrqLine]:
     line.close()
 
 
+# (native register file, rng served natively on the loop without the GIL)
 try:
     from vmfork import _core  # noqa: F401 -- only whether it is built
-    REGISTER_FILES = [True, False]
+    REGISTER_FILES = [(True, False), (False, False), (True, True)]
 except ImportError:
-    REGISTER_FILES = [False]
+    REGISTER_FILES = [(False, False)]
+RNG_PATHS = [serve for native, serve in REGISTER_FILES if native]
 
 
-@pytest.fixture(params=REGISTER_FILES, ids=lambda native: "native" if native else "python")
+def _path_id(case: tuple[bool, bool]) -> str:
+    return {(True, False): "native", (False, False): "python",
+            (True, True): "native-serve"}[case]
+
+
+@pytest.fixture(params=REGISTER_FILES, ids=_path_id)
 def rng_transport(request: pytest.FixtureRequest, loop: EventLoop,  # noqa: F811
                   memory: GuestMemory, irq: IrqLine) -> mmio.MmioTransport:  # noqa: F811
-    return mmio.MmioTransport(VirtioRng(loop), memory, irq, loop, native=request.param)
+    native, serve = request.param
+    return mmio.MmioTransport(VirtioRng(loop, native_serve=serve), memory, irq, loop,
+                              native=native)
 
 
 @pytest.fixture
@@ -180,7 +190,10 @@ def test_rng_fills_buffers_and_interrupts(driver: GuestDriver, irq: IrqLine) -> 
     [(used_head, written, data)] = q.take_used()
     assert (used_head, written, len(data)) == (head, 300, 300)
     assert len(set(data)) > 10  # random, not zeros
+    # On the native-serve path the server writes the eventfd itself, and IrqLine.count
+    # adds its count in: both the eventfd and the count show the interrupt.
     wait_until(lambda: irq.count >= 1, what="the used-buffer interrupt")
+    assert os.eventfd_read(irq.fd) >= 1
     assert driver.ack_interrupts() == mmio.INT_USED_BUFFER
     assert driver.r(mmio.REG_INTERRUPT_STATUS) == 0
 
@@ -245,10 +258,11 @@ def test_reset_clears_registers_and_queues(driver: GuestDriver) -> None:
     assert driver.t.queues[0].desc_table == 0 and not driver.t.device.active
 
 
+@pytest.mark.parametrize("serve", RNG_PATHS or [False])
 def test_ioeventfd_notifications(loop: EventLoop, memory: GuestMemory,  # noqa: F811
-                                 irq: IrqLine) -> None:
+                                 irq: IrqLine, serve: bool) -> None:
     registered: list[tuple[int, int, int]] = []
-    t = mmio.MmioTransport(VirtioRng(loop), memory, irq, loop,
+    t = mmio.MmioTransport(VirtioRng(loop, native_serve=serve), memory, irq, loop,
                            register_ioeventfd=lambda off, dm, fd: registered.append((off, dm, fd)))
     try:
         assert [(off, dm) for off, dm, _ in registered] == [(0x50, 0)]
@@ -280,8 +294,10 @@ def test_transport_state_round_trip_continues_the_queue(loop: EventLoop,  # noqa
     state = run_on_loop(loop, driver.t.save)
     assert state.queues[0].next_avail == 1 and state.status & STATUS_DRIVER_OK
     # A new device and transport (as in a spawned child) pick up where the parent was.
-    rng = VirtioRng(loop)
-    rng.restore(driver.t.device.save())  # type: ignore[attr-defined]
+    parent = driver.t.device
+    assert isinstance(parent, VirtioRng)
+    rng = VirtioRng(loop, native_serve=parent.native_serve)
+    rng.restore(parent.save())
     child = mmio.MmioTransport(rng, memory, irq, loop)
     child.restore(mmio.MmioTransportState(**vars(state)))
     assert run_on_loop(loop, child.save) == state
@@ -292,3 +308,116 @@ def test_transport_state_round_trip_continues_the_queue(loop: EventLoop,  # noqa
     with pytest.raises(ValueError, match="device type"):
         mmio.MmioTransport(VirtioRng(loop), memory, irq, loop).restore(
             mmio.MmioTransportState(**{**vars(state), "device_type": 19}))
+
+
+# -- rng served on the loop's ioeventfd: natively (no GIL) and in Python, one contract --------
+class _IoeventfdRng:
+    """A transport with ioeventfds (the eventfd is written as KVM would on QueueNotify)."""
+
+    def __init__(self, loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
+                 serve: bool) -> None:
+        fds: list[int] = []
+        self.t = mmio.MmioTransport(VirtioRng(loop, native_serve=serve), memory, irq, loop,
+                                    register_ioeventfd=lambda off, dm, fd: fds.append(fd))
+        self.kick_fd = fds[0]
+        self.serve = serve
+        self.driver = GuestDriver(self.t, memory)
+
+    def start(self, size: int, buf: int) -> DriverQueue:
+        (q,) = self.driver.start([(size, buf)])
+        rng = self.t.device
+        assert isinstance(rng, VirtioRng)
+        wait_until(lambda: rng.active, what="activation")
+        assert rng.serving_natively == self.serve
+        return q
+
+    def kick(self) -> None:
+        os.eventfd_write(self.kick_fd, 1)
+
+    def close(self) -> None:
+        self.t.close()
+        run_on_loop(self.t.loop, lambda: None)
+
+
+@pytest.fixture(params=RNG_PATHS or [False], ids=lambda s: "native-serve" if s else "py-serve")
+def kicked(request: pytest.FixtureRequest, loop: EventLoop, memory: GuestMemory,  # noqa: F811
+           irq: IrqLine) -> Iterator[_IoeventfdRng]:
+    env = _IoeventfdRng(loop, memory, irq, request.param)
+    yield env
+    env.close()
+
+
+def test_rng_budget_rearms_until_every_request_is_served(kicked: _IoeventfdRng) -> None:
+    q = kicked.start(256, 64)
+    for _ in range(200):   # more than MAX_REQUESTS_PER_NOTIFY (64): one kick, four turns
+        q.post(writable=[64])
+    kicked.kick()
+    wait_until(lambda: q.used_idx() == 200, what="every request after one kick")
+    assert all(w == 64 for _, w, _ in q.take_used())
+    state = run_on_loop(kicked.t.loop, kicked.t.save)   # a BRANCH sees the indices
+    assert (state.queues[0].next_avail, state.queues[0].next_used) == (200, 200)
+    assert kicked.t.device.bytes_served == 200 * 64  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("addr, length, message", [
+    (1 << 40, 16, "outside guest RAM"),                 # far beyond RAM
+    ((48 << 20) - 8, 16, "outside guest RAM"),           # crosses the end of RAM
+    (0x1000, 0xFFFF_FFFF, "outside guest RAM"),          # a 4 GiB buffer
+])
+def test_rng_hostile_descriptor_needs_reset(kicked: _IoeventfdRng, memory: GuestMemory,  # noqa: F811
+                                            addr: int, length: int, message: str) -> None:
+    q = kicked.start(16, 4096)
+    head = q.post(writable=[16])
+    desc = q.desc + 16 * q.chains[head][0][0]
+    memory.write_u64(desc, addr)
+    memory.write_u32(desc + 8, length)
+    kicked.kick()
+    wait_until(lambda: kicked.t.status & STATUS_DEVICE_NEEDS_RESET, what="DEVICE_NEEDS_RESET")
+    assert message in (kicked.t.last_device_error or "")
+    assert kicked.t.device_errors == 1 and q.used_idx() == 0
+    kicked.kick()   # a failed device serves no more
+    run_on_loop(kicked.t.loop, lambda: None)
+    assert kicked.t.device_errors == 1 and q.used_idx() == 0
+
+
+def test_rng_descriptor_loop_on_the_ioeventfd_path(kicked: _IoeventfdRng,
+                                                   memory: GuestMemory) -> None:  # noqa: F811
+    q = kicked.start(16, 4096)
+    head = q.post(writable=[16])
+    desc = q.desc + 16 * q.chains[head][0][0]
+    memory.write_u16(desc + 12, VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE)
+    memory.write_u16(desc + 14, head)
+    kicked.kick()
+    wait_until(lambda: kicked.t.status & STATUS_DEVICE_NEEDS_RESET, what="DEVICE_NEEDS_RESET")
+    assert "loop" in (kicked.t.last_device_error or "")
+    # The driver resets and starts again: served again (the native server re-made).
+    (q,) = kicked.driver.start([(16, 4096)])
+    q.post(writable=[8])
+    kicked.kick()
+    wait_until(lambda: q.used_idx() == 1, what="the request after reset")
+
+
+@pytest.mark.skipif(not RNG_PATHS, reason="the native core is not built")
+def test_native_rng_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory,  # noqa: F811
+                                         irq: IrqLine) -> None:
+    """The main thread keeps the GIL (a long switch interval, spinning in Python) while
+    the guest kicks: the native server still fills the request and raises the irqfd."""
+    import sys
+    env = _IoeventfdRng(loop, memory, irq, serve=True)
+    try:
+        q = env.start(16, 64)
+        q.post(writable=[64])
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)   # no other Python thread runs for 30 s
+        try:
+            env.kick()
+            t0 = time.monotonic()
+            while q.used_idx() != 1 and time.monotonic() - t0 < 5:
+                pass
+            served_in = time.monotonic() - t0
+        finally:
+            sys.setswitchinterval(old)
+        assert q.used_idx() == 1 and served_in < 5, served_in
+        assert os.eventfd_read(irq.fd) >= 1
+    finally:
+        env.close()

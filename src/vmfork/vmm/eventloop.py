@@ -5,10 +5,19 @@ on the host -- queue notifications arriving through ioeventfds, Unix sockets of
 the vsock back end, timers -- is handled here, on one thread, so that device
 back ends need no locking among themselves. Work from other threads is handed
 over with ``call_soon`` (thread-safe; it wakes the loop through an eventfd).
+
+Two loops keep this one interface (``EventLoop``): ``SelectorEventLoop`` here, a
+``selectors`` loop on a Python thread (the ``VMFORK_NATIVE=0`` path and the reference),
+and ``NativeEventLoop``, an epoll loop on a native thread (``native/src/eventloop.rs``)
+that waits without the GIL and without a timeout when idle, and takes the GIL only to
+run a callback. ``new_event_loop`` picks one, by ``vmm.native.NATIVE`` (and
+``VMFORK_NATIVE_LOOP``, see ``NATIVE_LOOP``). Both log and
+count what a callback raises the same way (``_call``, here).
 """
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import logging
@@ -16,8 +25,16 @@ import os
 import selectors
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
+
+from vmfork.vmm.native import NATIVE
+
+try:  # also when NATIVE is off: the tests run both loops
+    from vmfork import _core
+except ImportError:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +42,63 @@ Callback = Callable[[], None]
 
 
 class EventLoop:
-    def __init__(self, name: str = "vmm-io") -> None:
+    """The interface both loops keep, and their shared error accounting."""
+
+    def __init__(self, name: str) -> None:
         self.name = name
+        # The last few exceptions escaped from callbacks (a guest that triggers one per
+        # packet must not grow a list without end), and how many there were.
+        self.errors: deque[BaseException] = deque(maxlen=16)
+        self.error_count = 0
+
+    def add_reader(self, fd: int, callback: Callback) -> None:
+        raise NotImplementedError
+
+    def remove_reader(self, fd: int) -> None:
+        raise NotImplementedError
+
+    def call_later(self, delay: float, callback: Callback) -> None:
+        raise NotImplementedError
+
+    def call_soon(self, callback: Callback) -> None:
+        """Run ``callback`` on the loop thread (safe from any thread)."""
+        raise NotImplementedError
+
+    def in_loop_thread(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def _call(self, callback: Callback) -> None:
+        try:
+            callback()
+        except Exception as err:  # a device bug must not stop every other device
+            log.exception("%s: callback %r failed", self.name, callback)
+            self.errors.append(err)
+            self.error_count += 1
+
+
+# The native loop is the VMM's where the core is in use; ``VMFORK_NATIVE_LOOP=0`` keeps
+# the selector loop with the rest of the core (to rule the loop out while chasing a bug).
+NATIVE_LOOP = NATIVE and os.environ.get("VMFORK_NATIVE_LOOP", "1") != "0"
+
+
+def new_event_loop(name: str = "vmm-io") -> EventLoop:
+    """The native loop where the core is in use (``NATIVE_LOOP``), else the selector loop."""
+    return NativeEventLoop(name) if NATIVE_LOOP else SelectorEventLoop(name)
+
+
+class SelectorEventLoop(EventLoop):
+    def __init__(self, name: str = "vmm-io") -> None:
+        super().__init__(name)
         self._sel = selectors.DefaultSelector()
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._sel.register(self._wake_fd, selectors.EVENT_READ, self._drain_wake)
@@ -35,10 +107,6 @@ class EventLoop:
         self._seq = itertools.count()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        # The last few exceptions escaped from callbacks (a guest that triggers one per
-        # packet must not grow a list without end), and how many there were.
-        self.errors: deque[BaseException] = deque(maxlen=16)
-        self.error_count = 0
 
     # -- registration (call from the loop thread, or through call_soon) ----------
     def add_reader(self, fd: int, callback: Callback) -> None:
@@ -85,14 +153,6 @@ class EventLoop:
         self._sel.close()
         os.close(self._wake_fd)
 
-    def _call(self, callback: Callback) -> None:
-        try:
-            callback()
-        except Exception as err:  # a device bug must not stop every other device
-            log.exception("%s: callback %r failed", self.name, callback)
-            self.errors.append(err)
-            self.error_count += 1
-
     def _run(self) -> None:
         while not self._stopping:
             timeout = None
@@ -105,3 +165,68 @@ class EventLoop:
             now = time.monotonic()
             while self._timers and self._timers[0][0] <= now:
                 self._call(heapq.heappop(self._timers)[2])
+
+
+# Native loops still running when the interpreter exits are stopped first: a native
+# thread must not try to take the GIL of a finalising interpreter.
+_native_loops: weakref.WeakSet[NativeEventLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_native_loops() -> None:
+    for loop in list(_native_loops):
+        loop.stop()
+
+
+def _forget_native_loops() -> None:
+    """In a forked child: the loops' threads are the parent's and do not exist here, so
+    the child's copies are neither running nor to be joined."""
+    for loop in list(_native_loops):
+        loop._forked = True
+    _native_loops.clear()
+
+
+os.register_at_fork(after_in_child=_forget_native_loops)
+
+
+class NativeEventLoop(EventLoop):
+    """The epoll loop of ``native/src/eventloop.rs``; each callback runs as ``_call``."""
+
+    def __init__(self, name: str = "vmm-io") -> None:
+        super().__init__(name)
+        self._native = _core.EventLoop(name, self._call)
+        self._stopped = False
+        self._forked = False
+        _native_loops.add(self)
+
+    def add_reader(self, fd: int, callback: Callback) -> None:
+        self._native.add_reader(fd, callback)
+
+    def add_native_rng_reader(self, fd: int, rng: _core.RngQueue) -> None:
+        """Serve ``rng`` natively, without the GIL, whenever ``fd`` is readable."""
+        self._native.add_rng_reader(fd, rng)
+
+    def remove_reader(self, fd: int) -> None:
+        self._native.remove_reader(fd)
+
+    def call_later(self, delay: float, callback: Callback) -> None:
+        self._native.call_later(delay, callback)
+
+    def call_soon(self, callback: Callback) -> None:
+        self._native.call_soon(callback)
+
+    def in_loop_thread(self) -> bool:
+        return bool(self._native.in_loop_thread())
+
+    def start(self) -> None:
+        self._native.start()
+
+    @property
+    def running(self) -> bool:
+        return not self._forked and bool(self._native.running)
+
+    def stop(self) -> None:
+        if self._forked or (self._stopped and not self.in_loop_thread()):
+            return
+        self._stopped = True
+        self._native.stop()

@@ -61,7 +61,7 @@ from vmfork.vmm.devices.virtio.net import VirtioNet, open_tap, parse_mac
 from vmfork.vmm.devices.virtio.rng import VirtioRng
 from vmfork.vmm.devices.virtio.vsock import VirtioVsock
 from vmfork.vmm.errors import HostError, StateError
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory, PremappedRam
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
@@ -322,7 +322,7 @@ class Machine:
         # 4. buses and devices
         self.pio_bus = Bus("pio")
         self.mmio_bus = Bus("mmio")
-        self.loop = EventLoop(f"vmm-io-{self.vm_id}")
+        self.loop = new_event_loop(f"vmm-io-{self.vm_id}")
         self._closers.append(self.loop.stop)
         self.loop.start()
         self._irq_lines: list[IrqLine] = []

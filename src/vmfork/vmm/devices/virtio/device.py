@@ -35,12 +35,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vmfork.vmm.devices.virtio.queue import Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
+
+if TYPE_CHECKING:  # the transport imports this module
+    from vmfork.vmm.devices.virtio.mmio import NativeQueue
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,10 @@ class VirtioInterrupt(Protocol):
     @property
     def failed(self) -> bool:
         """True once ``device_error`` was called (until the driver resets the device)."""
+        ...
+
+    def native_queue(self, index: int) -> NativeQueue | None:
+        """What serving queue ``index`` natively needs (None: serve it in Python)."""
         ...
 
 
@@ -126,6 +133,11 @@ class VirtioDevice:
     def queue_notify(self, index: int) -> None:
         """The driver made buffers available on queue ``index``."""
         raise NotImplementedError
+
+    def sync_queues(self) -> None:
+        """Bring the ``Virtqueue`` objects' ring indices up to date, where native code
+        owns them while the device is active (the transport calls it before ``save``,
+        on the I/O thread). Nothing to do for a device served in Python."""
 
     def reset(self) -> None:
         """The driver reset the device: drop the queues and every in-flight request."""

@@ -89,8 +89,8 @@ from vmfork.vmm.devices.virtio.device import (
 )
 from vmfork.vmm.devices.virtio.queue import MAX_QUEUE_SIZE, QueueState, Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
-from vmfork.vmm.eventloop import EventLoop
-from vmfork.vmm.irq import Interrupt
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
+from vmfork.vmm.irq import Interrupt, IrqLine
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.native import NATIVE
 
@@ -531,6 +531,26 @@ class _Signals:
     def failed(self) -> bool:
         return self._transport.registers.failed_in(self._epoch)
 
+    def native_queue(self, index: int) -> NativeQueue | None:
+        """What serving queue ``index`` natively on the loop needs, or None where that
+        is not possible (the Python loop or register file, no irqfd)."""
+        return self._transport._native_queue(index, self._epoch)
+
+
+@dataclass(frozen=True)
+class NativeQueue:
+    """The transport's side of a queue served by native code on the native loop: the
+    register file (the interrupt bit, the epoch check), the interrupt's eventfd, and
+    the queue's ioeventfd (None without ioeventfds). ``attach`` hands the ioeventfd's
+    readiness to a native handler; ``detach`` gives it back to the transport."""
+
+    registers: _core.MmioRegisters
+    epoch: int
+    irq_fd: int
+    notify_fd: int | None
+    attach: Callable[[_core.RngQueue], None]
+    detach: Callable[[], None]
+
 
 class MmioTransport:
     """A virtio-mmio v2 register window in front of one device.
@@ -595,6 +615,38 @@ class MmioTransport:
                 self.loop.add_reader(fd, partial(self._ioeventfd_ready, index, fd))
 
         loop_call(self.loop, add_readers)
+
+    def _native_queue(self, index: int, epoch: int) -> NativeQueue | None:
+        registers = self.native_registers
+        irq_fd = getattr(self.irq, "fd", None)
+        if (registers is None or not isinstance(self.loop, NativeEventLoop)
+                or not isinstance(irq_fd, int) or irq_fd < 0):
+            return None
+        loop = self.loop
+        notify_fd = self._ioeventfds[index] if index < len(self._ioeventfds) else None
+
+        irq = self.irq
+        counters: list[Callable[[], int]] = []
+
+        def attach(handler: _core.RngQueue) -> None:
+            if isinstance(irq, IrqLine):
+                counters.append(lambda: handler.sync()[5])
+                irq.add_native_counter(counters[-1])
+            if notify_fd is not None:
+                loop.remove_reader(notify_fd)
+                loop.add_native_rng_reader(notify_fd, handler)
+
+        def detach() -> None:
+            for counter in counters:
+                assert isinstance(irq, IrqLine)
+                irq.remove_native_counter(counter)
+            counters.clear()
+            # Only if the fd is still ours (``close`` may have dropped it already).
+            if notify_fd is not None and notify_fd in self._ioeventfds:
+                loop.remove_reader(notify_fd)
+                loop.add_reader(notify_fd, partial(self._ioeventfd_ready, index, notify_fd))
+
+        return NativeQueue(registers, epoch, irq_fd, notify_fd, attach, detach)
 
     def close(self) -> None:
         """Drop the ioeventfds (the machine unregisters them from KVM first)."""
@@ -768,6 +820,7 @@ class MmioTransport:
     def save(self) -> MmioTransportState:
         """Capture the registers and queues. Call on the I/O thread (``run_on_loop``)
         with the vCPUs paused, so no device work or register write races it."""
+        self.device.sync_queues()  # a native server owns the ring indices while active
         with self._queues_lock:
             (status, dfs, drfs, df, bad, qsel, isr, cg, regs) = self.registers.save()
             queues = [QueueState(m, size, ready, desc, avail, used, q.next_avail, q.next_used)

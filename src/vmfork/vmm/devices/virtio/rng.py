@@ -6,22 +6,43 @@ report that many bytes written (the driver accepts short fills), so a request
 never makes us allocate more than that. Work per notification is bounded by
 ``MAX_REQUESTS_PER_NOTIFY``; if the guest has offered more, the rest is picked
 up on a later loop turn rather than starving the other devices.
+
+Three paths, one contract. With ``VMFORK_NATIVE=0``, Python walks the queue. With the
+native core, ``serve_rng`` walks it in Rust, entered from Python per notification
+(with ``VMFORK_NATIVE_RNG=0``, or where the transport cannot do better). By default,
+where the transport can (the native loop and register file, an irqfd), the queue
+is handed at activation to a ``_core.RngQueue`` (``native/src/rng_serve.rs``) that the
+native loop serves on the queue's ioeventfd without ever taking the GIL; it owns the
+ring indices until reset, and ``sync_queues`` copies them back for a snapshot.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmfork.vmm.devices.virtio.device import DEVICE_ID_RNG, VirtioDevice
+from vmfork.vmm.devices.virtio.device import (
+    DEVICE_ID_RNG,
+    VirtioDevice,
+    VirtioInterrupt,
+)
 from vmfork.vmm.devices.virtio.queue import Virtqueue
-from vmfork.vmm.errors import VirtqueueError
+from vmfork.vmm.errors import GuestError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
+
+try:
+    from vmfork import _core
+except ImportError:
+    pass
 
 MAX_BYTES_PER_REQUEST = 64 * 1024
 MAX_REQUESTS_PER_NOTIFY = 64
 QUEUE_SIZE = 256
+# The GIL-free serving on the native loop (tests/kvm and e2e test_fork passed on it);
+# VMFORK_NATIVE_RNG=0 keeps the serve_rng path entered from Python.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_RNG", "1") != "0"
 
 
 @dataclass
@@ -35,10 +56,60 @@ class VirtioRng(VirtioDevice):
     device_type = DEVICE_ID_RNG
     queue_max_sizes = (QUEUE_SIZE,)
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, native_serve: bool | None = None) -> None:
         super().__init__()
         self.loop = loop
-        self.bytes_served = 0
+        self.native_serve = NATIVE_SERVE if native_serve is None else native_serve
+        self._bytes_served = 0
+        self._server: _core.RngQueue | None = None
+        self._detach_server: Callable[[], None] | None = None
+
+    @property
+    def serving_natively(self) -> bool:
+        """Whether the native loop serves the queue without the GIL (this activation)."""
+        return self._server is not None
+
+    @property
+    def bytes_served(self) -> int:
+        if self._server is not None:
+            return self._bytes_served + self._server.sync()[3]
+        return self._bytes_served
+
+    def activate(self, memory: GuestMemory, queues: list[Virtqueue],
+                 interrupt: VirtioInterrupt) -> None:
+        super().activate(memory, queues, interrupt)
+        queue = queues[0]
+        if not (self.native_serve and queue.ready and memory.native is not None):
+            return
+        native = interrupt.native_queue(0)
+        if native is None:
+            return
+        self._server = _core.RngQueue(
+            memory.native, native.registers, native.epoch,
+            (queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
+             queue.next_avail, queue.next_used),
+            native.irq_fd, native.notify_fd, MAX_REQUESTS_PER_NOTIFY,
+            MAX_BYTES_PER_REQUEST, self._native_fault)
+        native.attach(self._server)
+        self._detach_server = native.detach
+
+    def _native_fault(self, err: BaseException) -> None:
+        """The native server found a guest fault (on the loop thread, with the GIL)."""
+        if self.interrupt is not None and isinstance(err, GuestError):
+            self.interrupt.device_error(err)
+
+    def sync_queues(self) -> None:
+        if self._server is not None and self.queues:
+            queue = self.queues[0]
+            queue.next_avail, queue.next_used = self._server.sync()[:2]
+
+    def reset(self) -> None:
+        if self._server is not None:
+            self._bytes_served += self._server.sync()[3]
+            assert self._detach_server is not None
+            self._detach_server()
+        self._server, self._detach_server = None, None
+        super().reset()
 
     def queue_notify(self, index: int) -> None:
         if index == 0:
@@ -46,6 +117,9 @@ class VirtioRng(VirtioDevice):
 
     def _serve(self) -> None:
         if not self._usable() or self.memory is None:
+            return
+        if self._server is not None:
+            self._server.serve()  # a guest fault raises, as below
             return
         memory, queue = self.memory, self.queues[0]
         if memory.native is not None:
@@ -55,7 +129,7 @@ class VirtioRng(VirtioDevice):
                 queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
                 queue.next_avail, queue.next_used, MAX_REQUESTS_PER_NOTIFY,
                 MAX_BYTES_PER_REQUEST)
-            self.bytes_served += written
+            self._bytes_served += written
         else:
             served = self._serve_python(memory, queue)
         if served:
@@ -73,7 +147,7 @@ class VirtioRng(VirtioDevice):
             want = min(chain.writable_len, MAX_BYTES_PER_REQUEST)
             written = chain.write_writable(memory, os.getrandom(want)) if want else 0
             queue.add_used(memory, chain.head, written)
-            self.bytes_served += written
+            self._bytes_served += written
             served += 1
         return served
 

@@ -1,0 +1,510 @@
+//! The VMM's I/O event loop: one epoll on a native thread (`_core.EventLoop`).
+//!
+//! It serves what `vmm/eventloop.py`'s selector loop serves, with the same interface
+//! (the Python wrapper `NativeEventLoop` keeps the error accounting): readers on file
+//! descriptors (queue ioeventfds, sockets, taps), `call_soon` from any thread (woken
+//! through an eventfd) and `call_later` timers. The difference is where the thread
+//! waits: in `epoll_wait` with the GIL released and, when no timer is due, with no
+//! timeout at all, so an idle VMM's loop thread neither wakes nor runs Python. The GIL
+//! is taken only to run a Python callback.
+//!
+//! Order of one turn, as in the Python loop: the ready readers' callbacks, then every
+//! queued `call_soon` (including those queued meanwhile), then the due timers. A reader
+//! removed by an earlier callback of the same turn is not called (the Python loop would
+//! still call it; nothing relies on that).
+//!
+//! Locks (docs/native.md): `state` is taken with the GIL held or by the loop thread
+//! without it only for plain values; it is never held across taking or releasing the
+//! GIL, and no Python code runs under it (callbacks are cloned out, then called).
+//! Python objects are dropped with the GIL held (`clear`).
+//!
+//! The epoll and the wake eventfd are `vmm-sys-util`'s wrappers (already a dependency
+//! of `kvm-ioctls`): thin, owned, close on drop. `event-manager` was not taken: its
+//! subscribers are `Send` Rust objects called with `&mut self`, which would put each
+//! Python callback behind a second registry and its own lock for no gain here.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use crate::rng_serve::{RngQueue, RngServer, Served};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+/// Events taken from one `epoll_wait`; more ready fds are served on the next turn.
+const MAX_EVENTS: usize = 64;
+/// The epoll data of the wake eventfd (fds are non-negative, so it names none).
+const WAKE_TOKEN: u64 = u64::MAX;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic under the lock leaves plain values behind; the loop keeps going.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// What serves a readable fd: a Python callback (with the GIL), or a native handler
+/// (without it).
+enum Reader {
+    Python(Py<PyAny>),
+    Rng(Arc<RngServer>),
+}
+
+#[derive(Default)]
+struct State {
+    readers: HashMap<RawFd, Reader>,
+    pending: VecDeque<Py<PyAny>>,
+    /// Due time and sequence number (ties run in `call_later` order); the callback is
+    /// in `timer_callbacks` under the sequence number.
+    timers: TimerHeap,
+    timer_callbacks: HashMap<u64, Py<PyAny>>,
+    next_seq: u64,
+    stopping: bool,
+    started: bool,
+    finished: bool,
+    thread: Option<ThreadId>,
+}
+
+impl State {
+    fn epoll_timeout(&self, now: Instant) -> i32 {
+        epoll_timeout(&self.timers, now)
+    }
+
+    fn pop_due_timer(&mut self, now: Instant) -> Option<Py<PyAny>> {
+        match self.timers.peek() {
+            Some(Reverse((due, _))) if *due <= now => {
+                let Reverse((_, seq)) = self.timers.pop()?;
+                self.timer_callbacks.remove(&seq)
+            }
+            _ => None,
+        }
+    }
+
+    /// Take every Python object out, to be dropped with the GIL held.
+    fn take_objects(&mut self) -> Vec<Py<PyAny>> {
+        let mut out: Vec<Py<PyAny>> = Vec::new();
+        for (_, reader) in self.readers.drain() {
+            match reader {
+                Reader::Python(cb) => out.push(cb),
+                // Its Python references go when the last Arc does; the loop thread
+                // drops its clones right after serving.
+                Reader::Rng(server) => drop(server),
+            }
+        }
+        out.extend(self.pending.drain(..));
+        out.extend(self.timer_callbacks.drain().map(|(_, cb)| cb));
+        self.timers.clear();
+        out
+    }
+}
+
+struct Shared {
+    epoll: Epoll,
+    wake: EventFd,
+    state: Mutex<State>,
+    /// The Python function each callback is passed to (`NativeEventLoop._call`, which
+    /// logs and counts what a callback raises).
+    dispatch: Py<PyAny>,
+}
+
+impl Shared {
+    fn wake(&self) {
+        // A full counter (2^64 - 2 wake-ups unread) still leaves the loop woken.
+        let _ = self.wake.write(1);
+    }
+}
+
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct EventLoop {
+    name: String,
+    shared: Arc<Shared>,
+    handle: Mutex<Option<JoinHandle<()>>>,
+}
+
+fn os_error(what: &str, err: std::io::Error) -> PyErr {
+    PyOSError::new_err((err.raw_os_error().unwrap_or(0), format!("{what}: {err}")))
+}
+
+#[pymethods]
+impl EventLoop {
+    /// A loop named `name` (its thread's name) that runs each callback as
+    /// `dispatch(callback)`.
+    #[new]
+    fn new(name: String, dispatch: Py<PyAny>) -> PyResult<Self> {
+        let epoll = Epoll::new().map_err(|e| os_error("epoll_create1", e))?;
+        let wake = EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC)
+            .map_err(|e| os_error("eventfd", e))?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                wake.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, WAKE_TOKEN),
+            )
+            .map_err(|e| os_error("epoll_ctl(wake)", e))?;
+        Ok(EventLoop {
+            name,
+            shared: Arc::new(Shared {
+                epoll,
+                wake,
+                state: Mutex::new(State::default()),
+                dispatch,
+            }),
+            handle: Mutex::new(None),
+        })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Call `callback()` on the loop thread whenever `fd` is readable (level-triggered).
+    fn add_reader(&self, fd: RawFd, callback: Py<PyAny>) -> PyResult<()> {
+        self.add(fd, Reader::Python(callback))
+    }
+
+    /// Serve the virtio-rng queue `rng` natively, without the GIL, whenever its
+    /// ioeventfd `fd` is readable (the eventfd is drained first).
+    fn add_rng_reader(&self, fd: RawFd, rng: &RngQueue) -> PyResult<()> {
+        self.add(fd, Reader::Rng(rng.server.clone()))
+    }
+
+    /// Stop watching `fd` (nothing happens if it is not watched).
+    fn remove_reader(&self, _py: Python<'_>, fd: RawFd) {
+        let old = {
+            let mut state = lock(&self.shared.state);
+            let old = state.readers.remove(&fd);
+            if old.is_some() {
+                // The fd may be closed already (then epoll dropped it itself).
+                let _ = self.shared.epoll.ctl(
+                    ControlOperation::Delete,
+                    fd,
+                    EpollEvent::default(),
+                );
+            }
+            old
+        };
+        // Dropped here, with the GIL (`_py`) held.
+        drop(old);
+    }
+
+    /// Run `callback()` on the loop thread (safe from any thread).
+    fn call_soon(&self, callback: Py<PyAny>) {
+        lock(&self.shared.state).pending.push_back(callback);
+        self.shared.wake();
+    }
+
+    /// Run `callback()` on the loop thread `delay` seconds from now (or later).
+    fn call_later(&self, delay: f64, callback: Py<PyAny>) -> PyResult<()> {
+        if delay.is_nan() {
+            return Err(PyValueError::new_err("call_later delay is NaN"));
+        }
+        // A delay beyond any machine's life is capped rather than overflowing Instant.
+        let delay = Duration::from_secs_f64(delay.clamp(0.0, 1e9));
+        {
+            let mut state = lock(&self.shared.state);
+            let seq = state.next_seq;
+            state.next_seq += 1;
+            state.timers.push(Reverse((Instant::now() + delay, seq)));
+            state.timer_callbacks.insert(seq, callback);
+        }
+        // The loop may be waiting with a longer (or no) timeout.
+        self.shared.wake();
+        Ok(())
+    }
+
+    fn in_loop_thread(&self) -> bool {
+        lock(&self.shared.state).thread == Some(std::thread::current().id())
+    }
+
+    #[getter]
+    fn running(&self) -> bool {
+        let state = lock(&self.shared.state);
+        state.started && !state.finished && !state.stopping
+    }
+
+    fn start(&self) -> PyResult<()> {
+        {
+            let mut state = lock(&self.shared.state);
+            if state.started {
+                return Err(PyRuntimeError::new_err(format!("{} already started", self.name)));
+            }
+            state.started = true;
+        }
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(self.name.chars().take(15).collect())
+            .spawn(move || run_thread(&shared));
+        let handle = match spawned {
+            Ok(h) => h,
+            Err(e) => {
+                lock(&self.shared.state).started = false;
+                return Err(os_error(&format!("{}: thread", self.name), e));
+            }
+        };
+        lock(&self.shared.state).thread = Some(handle.thread().id());
+        *lock(&self.handle) = Some(handle);
+        Ok(())
+    }
+
+    /// End the loop and wait for its thread (from the loop thread itself: only ask).
+    /// Callbacks still queued are dropped, as the Python loop drops them.
+    fn stop(&self, py: Python<'_>) {
+        let own_thread = {
+            let mut state = lock(&self.shared.state);
+            state.stopping = true;
+            state.thread == Some(std::thread::current().id())
+        };
+        self.shared.wake();
+        if !own_thread {
+            let handle = lock(&self.handle).take();
+            if let Some(handle) = handle {
+                // The loop thread may be waiting for the GIL to run a callback.
+                py.detach(|| {
+                    let _ = handle.join();
+                });
+            }
+        }
+        let objects = lock(&self.shared.state).take_objects();
+        drop(objects);
+    }
+
+    /// How many readers, queued calls and timers there are (tests, stats).
+    fn counts(&self) -> (usize, usize, usize) {
+        let state = lock(&self.shared.state);
+        (state.readers.len(), state.pending.len(), state.timers.len())
+    }
+}
+
+
+impl EventLoop {
+    fn add(&self, fd: RawFd, reader: Reader) -> PyResult<()> {
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!("invalid file descriptor {fd}")));
+        }
+        let mut state = lock(&self.shared.state);
+        {
+            if state.readers.contains_key(&fd) {
+                // As selectors does: a second registration of one fd is a caller's bug.
+                return Err(PyValueError::new_err(format!("{fd} is already registered")));
+            }
+            self.shared
+                .epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, fd as u64),
+                )
+                .map_err(|e| os_error(&format!("epoll_ctl(add {fd})"), e))?;
+        }
+        state.readers.insert(fd, reader);
+        Ok(())
+    }
+}
+
+/// What one `epoll_wait` found for Python, collected without the GIL.
+struct Ready {
+    fds: Vec<RawFd>,
+    woken: bool,
+}
+
+fn run_thread(shared: &Arc<Shared>) {
+    // One Python thread state for the thread's life, the GIL released (see vcpu.rs):
+    // each turn's `Python::attach` is then a GIL take, not a thread state made anew.
+    // SAFETY: the interpreter is initialised (we were started from Python); the Ensure
+    // is balanced by the Release below, on this thread, after the matching
+    // RestoreThread; the Python wrapper's atexit hook stops every loop before the
+    // interpreter finalises.
+    let (gil, saved) = unsafe {
+        let gil = pyo3::ffi::PyGILState_Ensure();
+        (gil, pyo3::ffi::PyEval_SaveThread())
+    };
+    let mut events = [EpollEvent::default(); MAX_EVENTS];
+    loop {
+        let timeout = {
+            let state = lock(&shared.state);
+            if state.stopping {
+                break;
+            }
+            state.epoll_timeout(Instant::now())
+        };
+        let count = match shared.epoll.wait(timeout, &mut events) {
+            Ok(n) => n,
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+            Err(e) => {
+                // Cannot happen with a valid epoll fd and buffer; say it and end.
+                eprintln!("vmfork event loop: epoll_wait: {e}");
+                break;
+            }
+        };
+        let mut ready = Ready {
+            fds: Vec::with_capacity(count),
+            woken: false,
+        };
+        for ev in &events[..count] {
+            if ev.data() == WAKE_TOKEN {
+                ready.woken = true;
+            } else {
+                ready.fds.push(ev.data() as RawFd);
+            }
+        }
+        if ready.woken {
+            // Non-blocking: a concurrent reader cannot exist, EAGAIN means drained.
+            let _ = shared.wake.read();
+        }
+        let mut python_fds = Vec::with_capacity(ready.fds.len());
+        let mut faults = Vec::new();
+        for fd in ready.fds {
+            let native = match lock(&shared.state).readers.get(&fd) {
+                Some(Reader::Rng(server)) => Some(server.clone()),
+                Some(Reader::Python(_)) => None,
+                None => continue, // removed meanwhile
+            };
+            match native {
+                Some(server) => {
+                    drain_eventfd(fd);
+                    if let Served::Fault(e) = server.serve() {
+                        faults.push((server, e));
+                    }
+                }
+                None => python_fds.push(fd),
+            }
+        }
+        let python_work = {
+            let state = lock(&shared.state);
+            if state.stopping {
+                break;
+            }
+            !python_fds.is_empty()
+                || !faults.is_empty()
+                || !state.pending.is_empty()
+                || state.pop_due_check(Instant::now())
+        };
+        if python_work {
+            Python::attach(|py| {
+                for (server, e) in faults {
+                    let err = crate::virtio_py::py_error(py, e);
+                    if let Err(failed) = server.on_error.call1(py, (err.value(py),)) {
+                        failed.write_unraisable(py, Some(server.on_error.bind(py)));
+                    }
+                    drop(server);
+                }
+                serve_python(py, shared, &python_fds);
+            });
+        }
+    }
+    let objects = {
+        let mut state = lock(&shared.state);
+        state.finished = true;
+        state.take_objects()
+    };
+    Python::attach(|_py| drop(objects));
+    // SAFETY: the state saved above, on this thread; then the Ensure's Release.
+    unsafe {
+        pyo3::ffi::PyEval_RestoreThread(saved);
+        pyo3::ffi::PyGILState_Release(gil);
+    }
+}
+
+impl State {
+    fn pop_due_check(&self, now: Instant) -> bool {
+        timer_due(&self.timers, now)
+    }
+}
+
+type TimerHeap = BinaryHeap<Reverse<(Instant, u64)>>;
+
+/// Milliseconds until the first timer, rounded up (never early), or -1 (none).
+fn epoll_timeout(timers: &TimerHeap, now: Instant) -> i32 {
+    match timers.peek() {
+        None => -1,
+        Some(Reverse((due, _))) => {
+            let left = due.saturating_duration_since(now);
+            let ms = left.as_nanos().div_ceil(1_000_000);
+            i32::try_from(ms).unwrap_or(i32::MAX)
+        }
+    }
+}
+
+fn timer_due(timers: &TimerHeap, now: Instant) -> bool {
+    matches!(timers.peek(), Some(Reverse((due, _))) if *due <= now)
+}
+
+/// Read an eventfd's counter to zero (non-blocking: EAGAIN means it was zero).
+fn drain_eventfd(fd: RawFd) {
+    let mut buf = [0u8; 8];
+    // SAFETY: 8 bytes into a live buffer; `fd` is registered with this loop, so open
+    // (its owner removes it from the loop before closing it).
+    let _ = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+}
+
+fn call(py: Python<'_>, shared: &Shared, callback: Py<PyAny>) {
+    if let Err(err) = shared.dispatch.call1(py, (callback,)) {
+        // `dispatch` catches what callbacks raise; this is a BaseException it let
+        // through (or its own failure): reported, and the loop goes on.
+        err.write_unraisable(py, Some(shared.dispatch.bind(py)));
+    }
+}
+
+fn serve_python(py: Python<'_>, shared: &Shared, fds: &[RawFd]) {
+    for fd in fds {
+        let callback = match lock(&shared.state).readers.get(fd) {
+            Some(Reader::Python(cb)) => Some(cb.clone_ref(py)),
+            _ => None,
+        };
+        if let Some(callback) = callback {
+            call(py, shared, callback);
+        }
+    }
+    loop {
+        let next = {
+            let mut state = lock(&shared.state);
+            if state.stopping {
+                return;
+            }
+            state.pending.pop_front()
+        };
+        match next {
+            Some(callback) => call(py, shared, callback),
+            None => break,
+        }
+    }
+    let now = Instant::now();
+    loop {
+        let next = lock(&shared.state).pop_due_timer(now);
+        match next {
+            Some(callback) => call(py, shared, callback),
+            None => break,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_epoll_timeout_is_never_early_and_none_without_timers() {
+        let mut timers = TimerHeap::new();
+        let now = Instant::now();
+        assert_eq!(epoll_timeout(&timers, now), -1);
+        timers.push(Reverse((now + Duration::from_micros(1500), 0)));
+        assert_eq!(epoll_timeout(&timers, now), 2); // 1.5 ms rounds up, not down
+        timers.push(Reverse((now + Duration::from_nanos(1), 1)));
+        assert_eq!(epoll_timeout(&timers, now), 1);
+        assert_eq!(epoll_timeout(&timers, now + Duration::from_secs(1)), 0); // overdue
+        assert!(timer_due(&timers, now + Duration::from_millis(2)));
+        assert!(!timer_due(&timers, now));
+    }
+
+    #[test]
+    fn a_far_deadline_is_capped_not_overflowed() {
+        let mut timers = TimerHeap::new();
+        let now = Instant::now();
+        timers.push(Reverse((now + Duration::from_secs(1_000_000_000), 0)));
+        assert_eq!(epoll_timeout(&timers, now), i32::MAX);
+    }
+}

@@ -1,0 +1,232 @@
+//! virtio-rng served on the native event loop without the GIL (`_core.RngQueue`).
+//!
+//! While a queue is attached (from the device's activation to its reset), this object
+//! is the **one owner** of the queue's ring indices (`next_avail`, `next_used`); the
+//! Python `Virtqueue` holds them only before (they seed this object) and after (`sync`
+//! copies them back: the transport's `save` asks for it on the loop thread, so a
+//! BRANCH of a running child captures the indices this object advanced). The ring
+//! registers (size, addresses) are fixed from DRIVER_OK on, so they are copied in.
+//!
+//! A notification (the queue's ioeventfd becoming readable, or `serve` from Python
+//! for a QueueNotify exit) pops at most `max_requests` chains, fills at most
+//! `max_bytes` of each with getrandom(2), puts them on the used ring, and raises the
+//! used-buffer interrupt the way the transport does (`Registers::raise` for the
+//! activation's epoch, then a write to the interrupt's eventfd, the KVM irqfd). A run
+//! that used its whole budget re-arms by writing the ioeventfd itself, so the rest is
+//! served on a later loop turn, after the other ready fds (rng.py's `call_soon`).
+//!
+//! A guest fault (`QueueError`) makes the queue stop serving; the event loop hands
+//! the error to Python (`on_error`, with the GIL), which sets DEVICE_NEEDS_RESET.
+//!
+//! Locks, in this order: `state`, then guest RAM's, then the register file's. None is
+//! held across a GIL take or release.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::mmio::INT_USED_BUFFER;
+use crate::mmio_py::MmioRegisters;
+use crate::virtio_py::GuestRam;
+use crate::virtq::{self, QueueError, Rings};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+struct QueueIndices {
+    next_avail: u16,
+    next_used: u16,
+    /// A guest fault was found: serve no more (until the driver resets the device).
+    failed: bool,
+    served: u64,
+    bytes: u64,
+    /// Used-buffer interrupts raised (the irqfd written): the line's statistics.
+    interrupts: u64,
+}
+
+pub struct RngServer {
+    ram: Py<GuestRam>,
+    registers: Py<MmioRegisters>,
+    epoch: u64,
+    rings: Rings,
+    irq: OwnedFd,
+    /// The queue's ioeventfd (a duplicate), written to re-arm; None without one.
+    notify: Option<OwnedFd>,
+    max_requests: u32,
+    max_bytes: usize,
+    state: Mutex<QueueIndices>,
+    /// Called with the GIL as `on_error(exception)` after a guest fault.
+    pub on_error: Py<PyAny>,
+}
+
+/// What one notification did.
+pub enum Served {
+    Done,
+    Fault(QueueError),
+}
+
+impl RngServer {
+    /// Serve one notification (any thread; the loop thread calls it without the GIL).
+    pub fn serve(&self) -> Served {
+        let mut st = lock(&self.state);
+        if st.failed {
+            return Served::Done;
+        }
+        let regs = &self.registers.get().regs;
+        if lock(regs).failed_in(self.epoch) {
+            return Served::Done;
+        }
+        let ram = match self.ram.get().ram.lock() {
+            Ok(ram) => ram,
+            // Guest memory is closed: the machine is going away.
+            Err(_) => return Served::Done,
+        };
+        let mut served = 0u32;
+        let mut fault = None;
+        while served < self.max_requests {
+            let step = (|| -> Result<bool, QueueError> {
+                let Some(chain) = virtq::pop(&ram, &self.rings, st.next_avail)? else {
+                    return Ok(false);
+                };
+                st.next_avail = st.next_avail.wrapping_add(1);
+                let want = (virtq::total(&chain.writable) as usize).min(self.max_bytes);
+                let written = virtq::fill_random(&ram, &chain.writable, want)?;
+                st.next_used =
+                    virtq::add_used(&ram, &self.rings, st.next_used, chain.head, written as u32)?;
+                st.bytes += written as u64;
+                Ok(true)
+            })();
+            match step {
+                Ok(true) => served += 1,
+                Ok(false) => break,
+                Err(e) => {
+                    fault = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(ram);
+        st.served += u64::from(served);
+        if let Some(e) = fault {
+            st.failed = true;
+            return Served::Fault(e);
+        }
+        if served > 0 && lock(regs).raise(INT_USED_BUFFER, self.epoch) {
+            st.interrupts += 1;
+            write_eventfd(self.irq.as_raw_fd());
+        }
+        drop(st);
+        if served == self.max_requests {
+            if let Some(fd) = &self.notify {
+                write_eventfd(fd.as_raw_fd());
+            }
+        }
+        Served::Done
+    }
+}
+
+fn write_eventfd(fd: RawFd) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: `fd` is an eventfd this object owns (a duplicate); 8 bytes from a live
+    // buffer. A full counter (EAGAIN) still leaves the eventfd signalled.
+    let _ = unsafe { libc::write(fd, one.as_ptr().cast(), one.len()) };
+}
+
+fn dup(fd: RawFd) -> PyResult<OwnedFd> {
+    use std::os::fd::BorrowedFd;
+    if fd < 0 {
+        return Err(PyValueError::new_err(format!("invalid file descriptor {fd}")));
+    }
+    // SAFETY: the caller passes an fd it keeps open for the duration of this call.
+    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+    borrowed
+        .try_clone_to_owned()
+        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("dup({fd}): {e}")))
+}
+
+/// Python's handle: built by `VirtioRng.activate` on the native path.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct RngQueue {
+    pub server: Arc<RngServer>,
+}
+
+#[pymethods]
+impl RngQueue {
+    /// `queue` is (size, desc, avail, used, next_avail, next_used) of a ready queue
+    /// checked by `Virtqueue.validate`; `irq_fd` the interrupt's eventfd and
+    /// `notify_fd` the queue's ioeventfd (or None), both duplicated.
+    #[new]
+    #[pyo3(signature = (ram, registers, epoch, queue, irq_fd, notify_fd, max_requests,
+                        max_bytes, on_error))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        ram: Py<GuestRam>,
+        registers: Py<MmioRegisters>,
+        epoch: u64,
+        queue: (u16, u64, u64, u64, u16, u16),
+        irq_fd: RawFd,
+        notify_fd: Option<RawFd>,
+        max_requests: u32,
+        max_bytes: usize,
+        on_error: Py<PyAny>,
+    ) -> PyResult<Self> {
+        let (size, desc, avail, used, next_avail, next_used) = queue;
+        if size == 0 || size > 256 || !size.is_power_of_two() {
+            return Err(PyValueError::new_err(format!(
+                "queue size {size} is not a power of 2 in 1..256"
+            )));
+        }
+        if max_requests == 0 {
+            return Err(PyValueError::new_err("max_requests must be at least 1"));
+        }
+        let notify = match notify_fd {
+            Some(fd) => Some(dup(fd)?),
+            None => None,
+        };
+        Ok(RngQueue {
+            server: Arc::new(RngServer {
+                ram,
+                registers,
+                epoch,
+                rings: Rings {
+                    size,
+                    desc,
+                    avail,
+                    used,
+                },
+                irq: dup(irq_fd)?,
+                notify,
+                max_requests,
+                max_bytes,
+                state: Mutex::new(QueueIndices {
+                    next_avail,
+                    next_used,
+                    failed: false,
+                    served: 0,
+                    bytes: 0,
+                    interrupts: 0,
+                }),
+                on_error,
+            }),
+        })
+    }
+
+    /// Serve a notification now, from Python (a QueueNotify exit, the activation's
+    /// catch-up); a guest fault is raised (`VirtqueueError`/`GuestMemoryError`).
+    fn serve(&self, py: Python<'_>) -> PyResult<()> {
+        let server = self.server.clone();
+        match py.detach(move || server.serve()) {
+            Served::Done => Ok(()),
+            Served::Fault(e) => Err(crate::virtio_py::py_error(py, e)),
+        }
+    }
+
+    /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
+    fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
+        let st = lock(&self.server.state);
+        (st.next_avail, st.next_used, st.served, st.bytes, st.failed, st.interrupts)
+    }
+}
