@@ -399,14 +399,11 @@ fn flush(disk: &Disk<'_>, out: &mut Served) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::guest_ram::{GuestRam, Region};
+    use crate::virtq::test_rings::*;
     use crate::virtq::{F_NEXT, F_WRITE};
     use std::io::{Read, Seek, SeekFrom, Write};
     use std::os::fd::AsRawFd;
 
-    const DESC: u64 = 0x1000;
-    const AVAIL: u64 = 0x2000;
-    const USED: u64 = 0x3000;
     const RINGS: Rings = Rings {
         size: 8,
         desc: DESC,
@@ -414,26 +411,6 @@ mod tests {
         used: USED,
     };
     const ID: &[u8; 20] = b"0123456789abcdef0123";
-
-    fn ram(buf: &mut [u8]) -> GuestRam {
-        // SAFETY: every test keeps `buf` alive for as long as the GuestRam.
-        unsafe {
-            GuestRam::new(vec![Region {
-                gpa: 0,
-                size: buf.len() as u64,
-                host: buf.as_mut_ptr() as usize,
-            }])
-        }
-    }
-
-    fn put(r: &Ram<'_>, i: u64, addr: u64, len: u32, flags: u16, next: u16) {
-        let mut raw = [0u8; 16];
-        raw[..8].copy_from_slice(&addr.to_le_bytes());
-        raw[8..12].copy_from_slice(&len.to_le_bytes());
-        raw[12..14].copy_from_slice(&flags.to_le_bytes());
-        raw[14..].copy_from_slice(&next.to_le_bytes());
-        r.write_from(DESC + 16 * i, &raw).unwrap();
-    }
 
     fn header(r: &Ram<'_>, at: u64, kind: u32, sector: u64) {
         let mut h = [0u8; 16];

@@ -30,9 +30,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
+use crate::rng_serve::{RngQueue, RngServer, Served};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use crate::rng_serve::{RngQueue, RngServer, Served};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -135,8 +135,8 @@ impl EventLoop {
     #[new]
     fn new(name: String, dispatch: Py<PyAny>) -> PyResult<Self> {
         let epoll = Epoll::new().map_err(|e| os_error("epoll_create1", e))?;
-        let wake = EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC)
-            .map_err(|e| os_error("eventfd", e))?;
+        let wake =
+            EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|e| os_error("eventfd", e))?;
         epoll
             .ctl(
                 ControlOperation::Add,
@@ -179,11 +179,10 @@ impl EventLoop {
             let old = state.readers.remove(&fd);
             if old.is_some() {
                 // The fd may be closed already (then epoll dropped it itself).
-                let _ = self.shared.epoll.ctl(
-                    ControlOperation::Delete,
-                    fd,
-                    EpollEvent::default(),
-                );
+                let _ = self
+                    .shared
+                    .epoll
+                    .ctl(ControlOperation::Delete, fd, EpollEvent::default());
             }
             old
         };
@@ -230,7 +229,10 @@ impl EventLoop {
         {
             let mut state = lock(&self.shared.state);
             if state.started {
-                return Err(PyRuntimeError::new_err(format!("{} already started", self.name)));
+                return Err(PyRuntimeError::new_err(format!(
+                    "{} already started",
+                    self.name
+                )));
             }
             state.started = true;
         }
@@ -279,11 +281,12 @@ impl EventLoop {
     }
 }
 
-
 impl EventLoop {
     fn add(&self, fd: RawFd, reader: Reader) -> PyResult<()> {
         if fd < 0 {
-            return Err(PyValueError::new_err(format!("invalid file descriptor {fd}")));
+            return Err(PyValueError::new_err(format!(
+                "invalid file descriptor {fd}"
+            )));
         }
         let mut state = lock(&self.shared.state);
         {

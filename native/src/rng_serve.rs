@@ -138,7 +138,9 @@ fn write_eventfd(fd: RawFd) {
 fn dup(fd: RawFd) -> PyResult<OwnedFd> {
     use std::os::fd::BorrowedFd;
     if fd < 0 {
-        return Err(PyValueError::new_err(format!("invalid file descriptor {fd}")));
+        return Err(PyValueError::new_err(format!(
+            "invalid file descriptor {fd}"
+        )));
     }
     // SAFETY: the caller passes an fd it keeps open for the duration of this call.
     let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
@@ -227,6 +229,13 @@ impl RngQueue {
     /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
     fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
         let st = lock(&self.server.state);
-        (st.next_avail, st.next_used, st.served, st.bytes, st.failed, st.interrupts)
+        (
+            st.next_avail,
+            st.next_used,
+            st.served,
+            st.bytes,
+            st.failed,
+            st.interrupts,
+        )
     }
 }

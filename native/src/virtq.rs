@@ -295,16 +295,17 @@ pub fn fill_random(
     Ok(done)
 }
 
+/// Rings in a test's guest memory, and a descriptor writer: the unit tests of every
+/// device served from a virtqueue (`blk.rs` too) lay their chains out the same way.
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::guest_ram::{GuestRam, Region};
+pub(crate) mod test_rings {
+    use crate::guest_ram::{GuestRam, Ram, Region};
 
-    const DESC: u64 = 0x1000;
-    const AVAIL: u64 = 0x2000;
-    const USED: u64 = 0x3000;
+    pub const DESC: u64 = 0x1000;
+    pub const AVAIL: u64 = 0x2000;
+    pub const USED: u64 = 0x3000;
 
-    fn ram(buf: &mut [u8]) -> GuestRam {
+    pub fn ram(buf: &mut [u8]) -> GuestRam {
         // SAFETY: every test keeps `buf` alive for as long as the GuestRam.
         unsafe {
             GuestRam::new(vec![Region {
@@ -315,7 +316,7 @@ mod tests {
         }
     }
 
-    fn put(r: &Ram<'_>, i: u64, addr: u64, len: u32, flags: u16, next: u16) {
+    pub fn put(r: &Ram<'_>, i: u64, addr: u64, len: u32, flags: u16, next: u16) {
         let mut raw = [0u8; 16];
         raw[..8].copy_from_slice(&addr.to_le_bytes());
         raw[8..12].copy_from_slice(&len.to_le_bytes());
@@ -323,6 +324,12 @@ mod tests {
         raw[14..].copy_from_slice(&next.to_le_bytes());
         r.write_from(DESC + 16 * i, &raw).unwrap();
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_rings::*;
+    use super::*;
 
     const RINGS: Rings = Rings {
         size: 8,
