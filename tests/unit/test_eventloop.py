@@ -107,15 +107,20 @@ def test_timers_run_in_due_order_and_not_early(loop: EventLoop) -> None:
     assert seen[0][1] >= 0.05 and seen[1][1] >= 0.15
 
 
-def test_a_timer_set_from_another_thread_wakes_an_idle_loop(loop: EventLoop) -> None:
+@pytest.mark.skipif(not HAVE_CORE, reason="the native core is not built")
+def test_a_timer_set_from_another_thread_wakes_an_idle_native_loop() -> None:
     # The native loop waits with no timeout when it has no timer: a new one must
-    # shorten that wait. (The selector loop's call_later is for its own thread only.)
-    if isinstance(loop, SelectorEventLoop):
-        pytest.skip("the selector loop's call_later is not thread-safe (by its contract)")
-    done = threading.Event()
-    time.sleep(0.05)
-    loop.call_later(0.01, done.set)
-    assert done.wait(5)
+    # shorten that wait. (The selector loop's call_later is for its own thread only,
+    # by its contract, so this is the native loop's test alone.)
+    loop = NativeEventLoop("test-loop")
+    loop.start()
+    try:
+        done = threading.Event()
+        time.sleep(0.05)
+        loop.call_later(0.01, done.set)   # from this thread, not the loop's
+        assert done.wait(5)
+    finally:
+        loop.stop()
 
 
 def test_the_event_loop_keeps_a_bounded_error_list(loop: EventLoop) -> None:
