@@ -107,6 +107,7 @@ setup_python() {
 # keeps it intact. VMFORK_CARGO_TARGET names another target directory (a second
 # worktree building its own core beside this one).
 setup_native() {
+  [ -n "${VENV:-}" ] || setup_python   # maturin and the interpreter come from the venv
   # rustup's default place, for shells (and CI) whose PATH does not name it
   if ! command -v cargo >/dev/null && [ -x "$HOME/.cargo/bin/cargo" ]; then
     export PATH=$HOME/.cargo/bin:$PATH
