@@ -24,8 +24,9 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop, new_event_loop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, SelectorEventLoop
 from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.native import NATIVE
 
 MEM_SIZE = 48 << 20
 
@@ -179,8 +180,11 @@ def memory() -> Iterator[GuestMemory]:
 @pytest.fixture
 def loop(memory: GuestMemory) -> Iterator[EventLoop]:
     """The I/O thread. It depends on ``memory`` so that it stops before guest memory
-    is unmapped, as in the VMM: no device callback may run on a closed mapping."""
-    ev = new_event_loop("test-vmm-io")
+    is unmapped, as in the VMM: no device callback may run on a closed mapping. The
+    native loop wherever the core is in use, though the VMM's default is still the
+    selector loop (``eventloop.NATIVE_LOOP``): rng's native serving needs it, and the
+    device tests keep both loops exercised (the rest of the suite runs the default)."""
+    ev: EventLoop = NativeEventLoop("test-vmm-io") if NATIVE else SelectorEventLoop("test-vmm-io")
     ev.start()
     yield ev
     ev.stop()

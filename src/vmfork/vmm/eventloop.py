@@ -11,7 +11,7 @@ Two loops keep this one interface (``EventLoop``): ``SelectorEventLoop`` here, a
 and ``NativeEventLoop``, an epoll loop on a native thread (``native/src/eventloop.rs``)
 that waits without the GIL and without a timeout when idle, and takes the GIL only to
 run a callback. ``new_event_loop`` picks one, by ``vmm.native.NATIVE`` (and
-``VMFORK_NATIVE_LOOP``, see ``NATIVE_LOOP``). Both log and
+``VMFORK_NATIVE_LOOP=1``, off by default, see ``NATIVE_LOOP``). Both log and
 count what a callback raises the same way (``_call``, here).
 """
 
@@ -86,9 +86,11 @@ class EventLoop:
             self.error_count += 1
 
 
-# The native loop is the VMM's where the core is in use; ``VMFORK_NATIVE_LOOP=0`` keeps
-# the selector loop with the rest of the core (to rule the loop out while chasing a bug).
-NATIVE_LOOP = NATIVE and os.environ.get("VMFORK_NATIVE_LOOP", "1") != "0"
+# The native loop is opt-in (``VMFORK_NATIVE_LOOP=1``, where the core is in use): with it,
+# the e2e leak test (test_no_leaks_over_200_spawn_kill_cycles) found the zygote holding
+# 15 more fds after 200 spawn/kill cycles than before them, with or without rng's
+# native serving, and the selector loop none; not yet found (design notes).
+NATIVE_LOOP = NATIVE and os.environ.get("VMFORK_NATIVE_LOOP", "0") == "1"
 
 
 def new_event_loop(name: str = "vmm-io") -> EventLoop:
