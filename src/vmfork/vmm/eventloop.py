@@ -243,4 +243,12 @@ class NativeEventLoop(EventLoop):
         if self._forked or (self._stopped and not self.in_loop_thread()):
             return
         self._stopped = True
+        if self.running and not self.in_loop_thread():
+            # As the selector loop does, what was queued before the stop still runs: a
+            # machine's close queues the closing of each transport's ioeventfds here
+            # (``mmio.loop_call``), and the native stop drops what is still queued.
+            drained = threading.Event()
+            self._native.call_soon(drained.set)
+            if not drained.wait(5.0):
+                log.warning("%s: queued work did not finish before the stop", self.name)
         self._native.stop()
