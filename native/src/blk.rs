@@ -404,12 +404,6 @@ mod tests {
     use std::io::{Read, Seek, SeekFrom, Write};
     use std::os::fd::AsRawFd;
 
-    const RINGS: Rings = Rings {
-        size: 8,
-        desc: DESC,
-        avail: AVAIL,
-        used: USED,
-    };
     const ID: &[u8; 20] = b"0123456789abcdef0123";
 
     fn header(r: &Ram<'_>, at: u64, kind: u32, sector: u64) {

@@ -304,6 +304,12 @@ pub(crate) mod test_rings {
     pub const DESC: u64 = 0x1000;
     pub const AVAIL: u64 = 0x2000;
     pub const USED: u64 = 0x3000;
+    pub const RINGS: super::Rings = super::Rings {
+        size: 8,
+        desc: DESC,
+        avail: AVAIL,
+        used: USED,
+    };
 
     pub fn ram(buf: &mut [u8]) -> GuestRam {
         // SAFETY: every test keeps `buf` alive for as long as the GuestRam.
@@ -330,13 +336,6 @@ pub(crate) mod test_rings {
 mod tests {
     use super::test_rings::*;
     use super::*;
-
-    const RINGS: Rings = Rings {
-        size: 8,
-        desc: DESC,
-        avail: AVAIL,
-        used: USED,
-    };
 
     #[test]
     fn a_loop_is_an_error_not_a_hang() {
