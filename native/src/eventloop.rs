@@ -19,14 +19,20 @@
 //! Python objects are dropped with the GIL held (`clear`).
 //!
 //! The epoll and the wake eventfd are `vmm-sys-util`'s wrappers (already a dependency
-//! of `kvm-ioctls`): thin, owned, close on drop. `event-manager` was not taken: its
+//! of `kvm-ioctls`): thin, owned, close on drop. They are closed when the loop stops,
+//! not when the last reference to it goes, as the selector loop closes its own: a
+//! stopped loop still referenced from a cycle (a device's callback, a machine kept for
+//! its stats) would otherwise keep two fds open (the zygote's warm-up restore did).
+//! They sit behind a read-write lock for that: the loop thread holds it shared around
+//! `epoll_wait`, `add_reader`/`call_soon` briefly, and only the close, when the loop
+//! thread is gone, takes it exclusively. `event-manager` was not taken: its
 //! subscribers are `Send` Rust objects called with `&mut self`, which would put each
 //! Python callback behind a second registry and its own lock for no gain here.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -101,9 +107,14 @@ impl State {
     }
 }
 
-struct Shared {
+/// The loop's own fds; `None` once the loop stopped.
+struct Io {
     epoll: Epoll,
     wake: EventFd,
+}
+
+struct Shared {
+    io: RwLock<Option<Io>>,
     state: Mutex<State>,
     /// The Python function each callback is passed to (`NativeEventLoop._call`, which
     /// logs and counts what a callback raises).
@@ -111,9 +122,22 @@ struct Shared {
 }
 
 impl Shared {
+    fn io(&self) -> RwLockReadGuard<'_, Option<Io>> {
+        self.io.read().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn wake(&self) {
-        // A full counter (2^64 - 2 wake-ups unread) still leaves the loop woken.
-        let _ = self.wake.write(1);
+        if let Some(io) = self.io().as_ref() {
+            // A full counter (2^64 - 2 wake-ups unread) still leaves the loop woken.
+            let _ = io.wake.write(1);
+        }
+    }
+
+    /// Close the epoll and the wake eventfd; only once the loop thread is gone (or was
+    /// never started), or from the loop thread itself as it ends.
+    fn close_io(&self) {
+        let io = self.io.write().unwrap_or_else(|p| p.into_inner()).take();
+        drop(io);
     }
 }
 
@@ -147,8 +171,7 @@ impl EventLoop {
         Ok(EventLoop {
             name,
             shared: Arc::new(Shared {
-                epoll,
-                wake,
+                io: RwLock::new(Some(Io { epoll, wake })),
                 state: Mutex::new(State::default()),
                 dispatch,
             }),
@@ -178,11 +201,12 @@ impl EventLoop {
             let mut state = lock(&self.shared.state);
             let old = state.readers.remove(&fd);
             if old.is_some() {
-                // The fd may be closed already (then epoll dropped it itself).
-                let _ = self
-                    .shared
-                    .epoll
-                    .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                if let Some(io) = self.shared.io().as_ref() {
+                    // The fd may be closed already (then epoll dropped it itself).
+                    let _ = io
+                        .epoll
+                        .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+                }
             }
             old
         };
@@ -190,9 +214,16 @@ impl EventLoop {
         drop(old);
     }
 
-    /// Run `callback()` on the loop thread (safe from any thread).
+    /// Run `callback()` on the loop thread (safe from any thread). After a stop it is
+    /// dropped, as the selector loop never runs it either.
     fn call_soon(&self, callback: Py<PyAny>) {
-        lock(&self.shared.state).pending.push_back(callback);
+        {
+            let mut state = lock(&self.shared.state);
+            if state.stopping || state.finished {
+                return;
+            }
+            state.pending.push_back(callback);
+        }
         self.shared.wake();
     }
 
@@ -205,6 +236,9 @@ impl EventLoop {
         let delay = Duration::from_secs_f64(delay.clamp(0.0, 1e9));
         {
             let mut state = lock(&self.shared.state);
+            if state.stopping || state.finished {
+                return Ok(()); // never run, as after the selector loop's stop
+            }
             let seq = state.next_seq;
             state.next_seq += 1;
             state.timers.push(Reverse((Instant::now() + delay, seq)));
@@ -269,6 +303,9 @@ impl EventLoop {
                     let _ = handle.join();
                 });
             }
+            // The thread is gone (or never ran); from its own thread, it closes them
+            // itself as it ends.
+            self.shared.close_io();
         }
         let objects = lock(&self.shared.state).take_objects();
         drop(objects);
@@ -294,8 +331,14 @@ impl EventLoop {
                 // As selectors does: a second registration of one fd is a caller's bug.
                 return Err(PyValueError::new_err(format!("{fd} is already registered")));
             }
-            self.shared
-                .epoll
+            let io = self.shared.io();
+            let Some(io) = io.as_ref() else {
+                return Err(PyRuntimeError::new_err(format!(
+                    "{}: the loop is stopped",
+                    self.name
+                )));
+            };
+            io.epoll
                 .ctl(
                     ControlOperation::Add,
                     fd,
@@ -334,7 +377,11 @@ fn run_thread(shared: &Arc<Shared>) {
             }
             state.epoll_timeout(Instant::now())
         };
-        let count = match shared.epoll.wait(timeout, &mut events) {
+        let waited = match shared.io().as_ref() {
+            Some(io) => io.epoll.wait(timeout, &mut events),
+            None => break,
+        };
+        let count = match waited {
             Ok(n) => n,
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
             Err(e) => {
@@ -355,8 +402,10 @@ fn run_thread(shared: &Arc<Shared>) {
             }
         }
         if ready.woken {
-            // Non-blocking: a concurrent reader cannot exist, EAGAIN means drained.
-            let _ = shared.wake.read();
+            if let Some(io) = shared.io().as_ref() {
+                // Non-blocking: a concurrent reader cannot exist, EAGAIN means drained.
+                let _ = io.wake.read();
+            }
         }
         let mut python_fds = Vec::with_capacity(ready.fds.len());
         let mut faults = Vec::new();
@@ -405,6 +454,7 @@ fn run_thread(shared: &Arc<Shared>) {
         state.take_objects()
     };
     Python::attach(|_py| drop(objects));
+    shared.close_io();
     // SAFETY: the state saved above, on this thread; then the Ensure's Release.
     unsafe {
         pyo3::ffi::PyEval_RestoreThread(saved);

@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
 
 use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
@@ -224,6 +225,15 @@ impl RngQueue {
             Served::Done => Ok(()),
             Served::Fault(e) => Err(crate::virtio_py::py_error(py, e)),
         }
+    }
+
+    /// The Python objects it holds, for the collector: `on_error` is usually a bound
+    /// method of the device that holds this queue, a cycle the collector must see to
+    /// free (with the duplicated eventfds) if nobody closes the device.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.server.ram)?;
+        visit.call(&self.server.registers)?;
+        visit.call(&self.server.on_error)
     }
 
     /// (next_avail, next_used, requests served, bytes served, failed, interrupts).

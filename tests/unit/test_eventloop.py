@@ -247,6 +247,30 @@ def test_a_stopped_loop_gives_its_fds_back_once_dropped(
     assert fds() == before
 
 
+def test_a_stopped_loop_closes_its_fds_while_still_referenced(
+        make_loop: Callable[[str], EventLoop]) -> None:
+    # A stopped loop that something still reaches (a device's callback in a cycle, a
+    # machine kept for its stats) holds no fds: the stop closes them, as the selector
+    # loop's always did. The zygote's warm-up restore left the native loop's epoll and
+    # wake eventfd open this way until the collector ran.
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+    before = fds()
+    kept = []
+    for started in (True, False, True):
+        ev = make_loop("test-fds")
+        if started:
+            ev.start()
+            ev.call_soon(lambda: None)
+        ev.stop()
+        kept.append(ev)
+    assert fds() == before
+    # Work handed to a stopped loop is not run, and asks for no fd.
+    ran: list[int] = []
+    kept[0].call_soon(lambda: ran.append(1))
+    assert ran == [] and fds() == before
+
+
 def test_work_queued_before_a_stop_still_runs(make_loop: Callable[[str], EventLoop]) -> None:
     # A machine's close queues the closing of its ioeventfds on the loop, then stops
     # it: on both loops that work runs (the native loop once dropped it, and the

@@ -181,9 +181,9 @@ def memory() -> Iterator[GuestMemory]:
 def loop(memory: GuestMemory) -> Iterator[EventLoop]:
     """The I/O thread. It depends on ``memory`` so that it stops before guest memory
     is unmapped, as in the VMM: no device callback may run on a closed mapping. The
-    native loop wherever the core is in use, though the VMM's default is still the
-    selector loop (``eventloop.NATIVE_LOOP``): rng's native serving needs it, and the
-    device tests keep both loops exercised (the rest of the suite runs the default)."""
+    native loop wherever the core is in use, as in the VMM (``eventloop.NATIVE_LOOP``,
+    whatever ``VMFORK_NATIVE_LOOP`` says): rng's native serving needs it; the loop tests
+    (test_eventloop.py) run both loops."""
     ev: EventLoop = NativeEventLoop("test-vmm-io") if NATIVE else SelectorEventLoop("test-vmm-io")
     ev.start()
     yield ev

@@ -421,3 +421,27 @@ def test_native_rng_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory,  
         assert os.eventfd_read(irq.fd) >= 1
     finally:
         env.close()
+
+
+def test_rng_closed_after_its_transport_holds_no_fds(loop: EventLoop,  # noqa: F811
+                                                    memory: GuestMemory,  # noqa: F811
+                                                    irq: IrqLine) -> None:
+    """A machine's close runs the transport's close, then the device's: after both, no
+    eventfd of the device is open, even with the device itself still referenced (the
+    native server duplicates the irqfd and the ioeventfd, and holds the device through
+    its fault callback: a cycle only the device's close breaks at once)."""
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+    for serve in RNG_PATHS or [False]:
+        before = fds()
+        env = _IoeventfdRng(loop, memory, irq, serve)
+        q = env.start(16, 64)
+        q.post(writable=[64])
+        env.kick()
+        wait_until(lambda q=q: q.used_idx() == 1, what="a request")
+        rng = env.t.device
+        assert isinstance(rng, VirtioRng)
+        env.close()
+        rng.close()
+        run_on_loop(loop, lambda: None)   # the loop's reader went on the loop thread
+        assert fds() == before, serve

@@ -524,7 +524,7 @@ class Machine:
                                        closers=(self.vsock.close,))
         if rng:
             self.rng = VirtioRng(self.loop)
-            self.devices.attach_virtio(RNG, self.rng, self.rng)
+            self.devices.attach_virtio(RNG, self.rng, self.rng, closers=(self.rng.close,))
         mac = config.net_mac
         if mac is not None:
             tap_fd = open_tap(config.net_tap) if config.net_tap is not None else None

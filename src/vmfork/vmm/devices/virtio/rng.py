@@ -111,6 +111,13 @@ class VirtioRng(VirtioDevice):
         self._server, self._detach_server = None, None
         super().reset()
 
+    def close(self) -> None:
+        """Let go of the native server (after the transport's close): it holds
+        duplicates of the queue's eventfds, and this device through ``on_error``."""
+        if self._detach_server is not None:
+            self._detach_server()
+        self._server, self._detach_server = None, None
+
     def queue_notify(self, index: int) -> None:
         if index == 0:
             self._serve()
