@@ -17,6 +17,7 @@ mod eventloop;
 mod guest_ram;
 mod mmio;
 mod mmio_py;
+mod net;
 mod restore;
 mod rng_serve;
 mod vcpu;

@@ -92,6 +92,14 @@ class GuestRam:
     def serve_rng(self, size: int, desc: int, avail: int, used: int, next_avail: int,
                   next_used: int, max_requests: int, max_bytes: int,
                   ) -> tuple[int, int, int, int]: ...
+    def net_tx(self, size: int, desc: int, avail: int, used: int, next_avail: int,
+               next_used: int, fd: int, max_frames: int, max_tx_bytes: int,
+               ) -> tuple[int, int, int, list[tuple[str, int]], list[tuple[int, int]],
+                          BaseException | None]: ...
+    def net_rx(self, size: int, desc: int, avail: int, used: int, next_avail: int,
+               next_used: int, fd: int, max_frames: int,
+               ) -> tuple[int, int, int, list[tuple[str, int]], str | int,
+                          BaseException | None]: ...
     def serve_blk(self, size: int, desc: int, avail: int, used: int, next_avail: int,
                   next_used: int, fd: int, capacity: int, read_only: bool, disk_id: bytes,
                   max_requests: int, max_bytes: int,

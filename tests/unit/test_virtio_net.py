@@ -1,6 +1,11 @@
 """virtio-net end to end: a simulated guest driver on one side, a real tap device
 in a private network namespace on the other (an AF_PACKET socket on the tap
-plays the host's network), a real I/O thread in between."""
+plays the host's network), a real I/O thread in between.
+
+Every test that moves frames runs on both frame paths: the native one
+(``native/src/net.rs``, what a native build takes; its Python twin is made
+unreachable) and the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without
+its native view). ``test_virtio_net_native.py`` holds them to each other."""
 
 from __future__ import annotations
 
@@ -89,10 +94,17 @@ class NetEnv:
     """A virtio-net device on a tap in ``netns``, the guest half, and the wire."""
 
     def __init__(self, loop: EventLoop, netns: PrivateNet, *,  # noqa: F811
-                 tap: bool = True, features: int = ACKED) -> None:
+                 tap: bool = True, features: int = ACKED, path: str = "native") -> None:
         self.loop = loop
         self.netns = netns
         self.memory = GuestMemory.anonymous(MEM_SIZE)
+        if path == "native" and self.memory.native is None:
+            self.memory.close()
+            pytest.skip("the native core is not built (scripts/lib.sh setup_native) or "
+                        "VMFORK_NATIVE=0")
+        if path == "python" and self.memory.native is not None:
+            self.memory.native.close()
+            self.memory.native = None
         self.irq = IrqLine(gsi=7)
         tap_fd = netns.run(net.open_tap, TAP) if tap else None
         self.wire: socket.socket | None = None
@@ -100,6 +112,9 @@ class NetEnv:
             netns.run(_bring_up, TAP)
             self.wire = netns.run(_open_wire, TAP)
         self.dev = net.VirtioNet(loop, net.parse_mac(GUEST_MAC), tap_fd)
+        if self.memory.native is not None:   # the native path, and only it, moves frames
+            self.dev._transmit_python = python_path_taken  # type: ignore[method-assign]
+            self.dev._receive_python = python_path_taken  # type: ignore[method-assign]
         self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
         self.driver = GuestDriver(self.transport, self.memory)
         status = self.driver.negotiate(features)
@@ -148,6 +163,15 @@ class NetEnv:
         return out
 
 
+def python_path_taken(*_: object) -> int:
+    raise AssertionError("a native build moved a frame in Python")
+
+
+@pytest.fixture(params=["python", "native"])
+def frame_path(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
 def netns() -> Iterator[PrivateNet]:
     ns = PrivateNet()
@@ -156,8 +180,8 @@ def netns() -> Iterator[PrivateNet]:
 
 
 @pytest.fixture
-def env(loop: EventLoop, netns: PrivateNet) -> Iterator[NetEnv]:  # noqa: F811
-    e = NetEnv(loop, netns)
+def env(loop: EventLoop, netns: PrivateNet, frame_path: str) -> Iterator[NetEnv]:  # noqa: F811
+    e = NetEnv(loop, netns, path=frame_path)
     yield e
     e.close()
 
@@ -272,8 +296,9 @@ def test_descriptor_loop_in_tx_needs_reset(env: NetEnv) -> None:
 
 
 def test_without_a_tap_tx_is_dropped_and_nothing_arrives(loop: EventLoop,  # noqa: F811
-                                                         netns: PrivateNet) -> None:
-    env = NetEnv(loop, netns, tap=False)
+                                                         netns: PrivateNet,
+                                                         frame_path: str) -> None:
+    env = NetEnv(loop, netns, tap=False, path=frame_path)
     try:
         env.post_rx(2)
         env.send(b"into the void")

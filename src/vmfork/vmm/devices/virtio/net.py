@@ -35,6 +35,18 @@ reader is removed (a readable tap would otherwise spin the loop) and put back
 when the driver notifies the rx queue. Frames then wait in the tap's queue,
 and the host kernel drops them when it is full, as a NIC would.
 
+Native path. Where the native core is built (``GuestMemory.native``), a tx
+notification and a readable tap are each served by one call into Rust
+(``GuestRam.net_tx``/``net_rx``, ``native/src/net.rs``): the chain walk, the size
+checks, the ``writev``/``readv`` between guest RAM and the tap, ``num_buffers`` and the
+used ring, under every rule above in the same order. The counters' increments, the
+refused writes to log, why the rx loop stopped and the guest fault (if one ended the
+call) come back here; the interrupt, the re-arm and the tap's reader stay here, so the
+calls work from whatever loop runs the device. The Python path is the
+``VMFORK_NATIVE=0`` twin and the reference a differential test holds the native one to
+(tests/unit/test_virtio_net_native.py); ``native_frames = False`` takes it on a
+native build (bench/net.py compares the two in one guest).
+
 Without a tap (``tap_fd=None``) the device is a NIC with its cable pulled:
 the guest sees a working device, tx frames are dropped (counted), nothing is
 received. A snapshot taken with networking can so be restored without it.
@@ -199,6 +211,10 @@ class VirtioNet(VirtioDevice):
         self.counters = NetCounters()
         self._reading = False
         self._overflow = bytearray(1)
+        # Whether a native build moves frames in Rust (``_transmit_native``,
+        # ``_receive_native``); False takes the Python path on the same build, for the
+        # benchmark's peers.
+        self.native_frames = True
 
     # -- config space -----------------------------------------------------------------
     def config_bytes(self) -> bytes:
@@ -246,6 +262,18 @@ class VirtioNet(VirtioDevice):
         if not self._usable() or self.memory is None:
             return
         memory, queue = self.memory, self.queues[TX_QUEUE]
+        if memory.native is not None and self.native_frames:
+            sent = self._transmit_native(memory, queue)
+        else:
+            sent = self._transmit_python(memory, queue)
+        if sent:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+        if sent == MAX_FRAMES_PER_RUN:
+            self.loop.call_soon(lambda: self._guarded(self._transmit))
+
+    def _transmit_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
+        """Send up to ``MAX_FRAMES_PER_RUN`` tx chains; the number put on the used ring."""
         sent = 0
         while sent < MAX_FRAMES_PER_RUN:
             chain = queue.pop(memory)
@@ -254,11 +282,30 @@ class VirtioNet(VirtioDevice):
             self._send_frame(memory, chain)
             queue.add_used(memory, chain.head, 0)
             sent += 1
-        if sent:
-            assert self.interrupt is not None
-            self.interrupt.trigger()
-        if sent == MAX_FRAMES_PER_RUN:
-            self.loop.call_soon(lambda: self._guarded(self._transmit))
+        return sent
+
+    def _transmit_native(self, memory: GuestMemory, queue: Virtqueue) -> int:
+        """``_transmit_python``'s rules in Rust (native/src/net.rs): the walk, the checks
+        and one writev per frame straight from guest RAM; the counters, the log and the
+        queue indices come back here."""
+        assert memory.native is not None
+        if not queue.ready:   # as Virtqueue.pop says it
+            raise VirtqueueError("pop from a queue that is not ready")
+        queue.next_avail, queue.next_used, sent, counters, refused, error = memory.native.net_tx(
+            queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
+            queue.next_avail, queue.next_used, -1 if self.tap_fd is None else self.tap_fd,
+            MAX_FRAMES_PER_RUN, MAX_TX_BYTES)
+        self._count(counters)
+        for length, err in refused:
+            log.debug("virtio-net: tx frame of %d bytes dropped: %s", length,
+                      OSError(err, os.strerror(err)))
+        if error is not None:
+            raise error
+        return sent
+
+    def _count(self, increments: list[tuple[str, int]]) -> None:
+        for name, n in increments:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def _send_frame(self, memory: GuestMemory, chain: DescriptorChain) -> None:
         length = chain.readable_len
@@ -305,6 +352,38 @@ class VirtioNet(VirtioDevice):
         if self.memory is None or self.tap_fd is None:
             return
         memory, queue = self.memory, self.queues[RX_QUEUE]
+        if memory.native is not None and self.native_frames:
+            delivered = self._receive_native(memory, queue, self.tap_fd)
+        else:
+            delivered = self._receive_python(memory, queue)
+        if delivered:
+            assert self.interrupt is not None
+            self.interrupt.trigger()
+
+    def _receive_native(self, memory: GuestMemory, queue: Virtqueue, tap_fd: int) -> int:
+        """``_receive_python``'s rules in Rust (native/src/net.rs): the walk, one readv
+        per frame straight into the chain, num_buffers, the used ring; the counters,
+        why it stopped and the queue indices come back here."""
+        assert memory.native is not None
+        if not queue.ready:   # as Virtqueue.pop says it
+            raise VirtqueueError("pop from a queue that is not ready")
+        queue.next_avail, queue.next_used, delivered, counters, stop, error = \
+            memory.native.net_rx(queue.size, queue.desc_table, queue.avail_ring,
+                                 queue.used_ring, queue.next_avail, queue.next_used, tap_fd,
+                                 MAX_FRAMES_PER_RUN)
+        self._count(counters)
+        if error is not None:
+            raise error
+        if stop == "no_buffers":
+            self._stop_reading()  # until the driver posts buffers (queue_notify)
+        elif isinstance(stop, int):
+            log.error("virtio-net: tap read failed, receive paused: %s",
+                      OSError(stop, os.strerror(stop)))
+            self._stop_reading()
+        return delivered
+
+    def _receive_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
+        """Up to ``MAX_FRAMES_PER_RUN`` loop turns; the number of frames delivered."""
         delivered = 0
         for _ in range(MAX_FRAMES_PER_RUN):
             chain = queue.pop(memory)
@@ -325,9 +404,7 @@ class VirtioNet(VirtioDevice):
             chain.write_writable(memory, struct.pack("<H", 1), NUM_BUFFERS_OFFSET)
             queue.add_used(memory, chain.head, got)
             delivered += 1
-        if delivered:
-            assert self.interrupt is not None
-            self.interrupt.trigger()
+        return delivered
 
     def _read_frame(self, memory: GuestMemory, chain: DescriptorChain) -> int | None:
         """Read one frame into ``chain``: its length, 0 if it was dropped, None if none."""
