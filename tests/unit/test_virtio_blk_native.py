@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_virtio_queue import AVAIL, DESC, HIGH, LOW, USED, CountingMemory, make_queue
+from test_virtio_queue import AVAIL, DESC, HIGH, LOW, USED, BufferLayout, CountingMemory, make_queue
 
 from vmfork.vmm.devices.virtio import blk
 from vmfork.vmm.devices.virtio.queue import (
@@ -85,33 +85,9 @@ def chain(draw: st.DrawFn) -> dict[str, Any]:
             "parts": parts, "payload": draw(st.binary(min_size=0, max_size=64))}
 
 
-class Layout:
-    """Lays chains out in one memory (both memories get the same bytes)."""
-
-    def __init__(self) -> None:
-        self.low, self.high = 0x4000, HIGH.guest_phys
-
-    def place(self, where: str, length: int) -> int:
-        if where == "hole":
-            return LOW.size + 0x100
-        if where == "cross":
-            return LOW.size - max(1, length // 2)
-        if where == "rings":
-            return DESC + 0x40
-        if where == "past":
-            return HIGH.guest_phys + HIGH.size + 0x10
-        if where == "high" and self.high + length <= HIGH.guest_phys + HIGH.size:
-            addr, self.high = self.high, self.high + length
-            return addr
-        if self.low + length > LOW.size:
-            self.low = 0x4000   # wrap: buffers may alias each other, as a guest may make them
-        addr, self.low = self.low, self.low + length
-        return addr
-
-
 def lay_out(mem: CountingMemory, chains: list[dict[str, Any]],
             corruptions: list[tuple[int, int, int]], avail_jump: int) -> None:
-    layout = Layout()
+    layout = BufferLayout(DESC)
     free = 0
     heads = []
     for c in chains:

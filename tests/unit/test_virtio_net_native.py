@@ -34,7 +34,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_virtio_net import ETHERTYPE, PrivateNet, _bring_up
-from test_virtio_queue import HIGH, LOW, CountingMemory
+from test_virtio_queue import HIGH, LOW, BufferLayout, CountingMemory
 
 from vmfork.vmm.devices.virtio import net
 from vmfork.vmm.devices.virtio.queue import (
@@ -113,30 +113,6 @@ op = st.one_of(st.just([("tx",)]), st.just([("rx",)]), sends.map(lambda s: [s]),
                sends.map(lambda s: [s, ("rx",)]), sends.map(lambda s: [s, ("rx",)]))
 
 
-class Layout:
-    """Lays buffers out in one memory (both paths' memories get the same bytes)."""
-
-    def __init__(self) -> None:
-        self.low, self.high = 0x4000, HIGH.guest_phys
-
-    def place(self, where: str, length: int) -> int:
-        if where == "hole":
-            return LOW.size + 0x100
-        if where == "cross":
-            return LOW.size - max(1, length // 2)
-        if where == "rings":
-            return RINGS[net.TX_QUEUE][0] + 0x40
-        if where == "past":
-            return HIGH.guest_phys + HIGH.size + 0x10
-        if where == "high" and self.high + length <= HIGH.guest_phys + HIGH.size:
-            addr, self.high = self.high, self.high + length
-            return addr
-        if self.low + length > LOW.size:
-            self.low = 0x4000   # wrap: buffers may alias each other, as a guest may make them
-        addr, self.low = self.low, self.low + length
-        return addr
-
-
 def make_queue(mem: CountingMemory, index: int) -> Virtqueue:
     q = Virtqueue(net.QUEUE_SIZE)
     q.size = QSIZE
@@ -146,7 +122,7 @@ def make_queue(mem: CountingMemory, index: int) -> Virtqueue:
     return q
 
 
-def lay_out(mem: CountingMemory, layout: Layout, index: int, spec: dict[str, Any]) -> None:
+def lay_out(mem: CountingMemory, layout: BufferLayout, index: int, spec: dict[str, Any]) -> None:
     """One queue's chains, the frames of tx chains in their readable buffers, the
     corruptions, the avail ring."""
     desc, avail, _ = RINGS[index]
@@ -329,7 +305,7 @@ def run_path(backend: str, spec: dict[str, Any],
     try:
         dev = net.VirtioNet(loop, net.parse_mac("52:54:00:12:34:56"), host.device_fd)
         queues = [make_queue(mem, net.RX_QUEUE), make_queue(mem, net.TX_QUEUE)]
-        layout = Layout()
+        layout = BufferLayout(RINGS[net.TX_QUEUE][0])
         lay_out(mem, layout, net.RX_QUEUE, spec["rx"])
         lay_out(mem, layout, net.TX_QUEUE, spec["tx"])
         line = Line()
@@ -426,7 +402,7 @@ def test_the_native_path_is_the_one_a_native_build_takes() -> None:
         queues = [make_queue(mem, net.RX_QUEUE), make_queue(mem, net.TX_QUEUE)]
         line = Line()
         dev.memory, dev.queues, dev.interrupt = mem, queues, line  # type: ignore[assignment]
-        layout = Layout()
+        layout = BufferLayout(RINGS[net.TX_QUEUE][0])
         frame = bytes(12) + b"to the host"
         lay_out(mem, layout, net.TX_QUEUE, {"chains": [[(False, len(frame), "low")]],
                                             "frames": [(frame[:12], frame[12:])],

@@ -301,3 +301,30 @@ def test_native_and_python_walks_agree(size: int, table: list[tuple[int, int, in
     args = (size, table, ring, avail_ahead, next_avail, data, offset)
     assert (_outcomes(CountingMemory("native"), *args)
             == _outcomes(CountingMemory("python"), *args))
+
+
+class BufferLayout:
+    """Lays a differential test's buffers out in one memory (both paths' memories get
+    the same bytes): in low or high RAM, or hostile places (the hole between them, across
+    the end of low RAM, on the rings at ``rings``, past the end of RAM)."""
+
+    def __init__(self, rings: int) -> None:
+        self.rings = rings
+        self.low, self.high = 0x4000, HIGH.guest_phys
+
+    def place(self, where: str, length: int) -> int:
+        if where == "hole":
+            return LOW.size + 0x100
+        if where == "cross":
+            return LOW.size - max(1, length // 2)
+        if where == "rings":
+            return self.rings + 0x40
+        if where == "past":
+            return HIGH.guest_phys + HIGH.size + 0x10
+        if where == "high" and self.high + length <= HIGH.guest_phys + HIGH.size:
+            addr, self.high = self.high, self.high + length
+            return addr
+        if self.low + length > LOW.size:
+            self.low = 0x4000   # wrap: buffers may alias each other, as a guest may make them
+        addr, self.low = self.low, self.low + length
+        return addr
