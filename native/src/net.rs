@@ -282,7 +282,12 @@ fn receive_one(
         return Ok(None);
     }
     out.next_avail = out.next_avail.wrapping_add(1);
-    virtq::write_segments(ram, &chain.writable, &1u16.to_le_bytes(), NUM_BUFFERS_OFFSET)?;
+    virtq::write_segments(
+        ram,
+        &chain.writable,
+        &1u16.to_le_bytes(),
+        NUM_BUFFERS_OFFSET,
+    )?;
     out.next_used = virtq::add_used(ram, rings, out.next_used, chain.head, got as u32)?;
     out.delivered += 1;
     Ok(None)
@@ -353,7 +358,11 @@ mod tests {
         assert!(s.error.is_none() && s.refused.is_empty());
         assert_eq!((s.next_avail, s.next_used, s.chains), (2, 2, 2));
         assert_eq!(
-            (s.counters.tx_frames, s.counters.tx_bytes, s.counters.tx_dropped),
+            (
+                s.counters.tx_frames,
+                s.counters.tx_bytes,
+                s.counters.tx_dropped
+            ),
             (1, 6, 1)
         );
         let mut want = vec![7u8; 12];
@@ -397,7 +406,11 @@ mod tests {
         assert_eq!(s.stop, RxStop::NoBuffers);
         assert_eq!((s.next_avail, s.next_used, s.delivered), (1, 1, 1));
         assert_eq!(
-            (s.counters.rx_frames, s.counters.rx_bytes, s.counters.rx_dropped),
+            (
+                s.counters.rx_frames,
+                s.counters.rx_bytes,
+                s.counters.rx_dropped
+            ),
             (1, 5, 1)
         );
         let mut got = [0u8; 17];

@@ -269,7 +269,14 @@ impl GuestRam {
             ("tx_dropped", c.tx_dropped),
         ];
         let error = s.error.map(|e| py_error(py, e).into_value(py).into_any());
-        Ok((s.next_avail, s.next_used, s.chains, counters, s.refused, error))
+        Ok((
+            s.next_avail,
+            s.next_used,
+            s.chains,
+            counters,
+            s.refused,
+            error,
+        ))
     }
 
     /// virtio-net's rx queue (`net.rs`): at most `max_frames` turns of one `readv`
@@ -315,7 +322,14 @@ impl GuestRam {
             RxStop::Failed(errno) => errno.into_pyobject(py)?.into_any().unbind(),
         };
         let error = s.error.map(|e| py_error(py, e).into_value(py).into_any());
-        Ok((s.next_avail, s.next_used, s.delivered, counters, stop, error))
+        Ok((
+            s.next_avail,
+            s.next_used,
+            s.delivered,
+            counters,
+            stop,
+            error,
+        ))
     }
 
     /// virtio-blk's request queue (`blk.rs`): serve at most `max_requests` chains,
