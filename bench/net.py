@@ -14,6 +14,13 @@ CPU time the VMM's I/O thread (where the device moves frames) and the whole proc
 Writes ``bench/results/net.{json,md}``. On a host whose KVM cannot run unmodified
 guests it re-runs itself inside the emulated test host (only ratios between the two
 paths of one run mean anything there).
+
+``--driver`` measures the frame paths alone instead, natively and without a guest
+(``bench/results/net-driver.{json,md}``): one ``VirtioNet`` on real guest memory, its
+fd an AF_UNIX datagram socket pair (a frame per datagram, as on a tap), 128 chains per
+turn laid out as Linux lays them out (tx: the vnet header and the frame apart; rx: the
+header and ``--frame-bytes`` of room), each path in turn, alternating: ``_transmit``
+and ``_receive`` timed alone (the peer's sends and reads are not), frames/s and MiB/s.
 """
 
 from __future__ import annotations
@@ -120,7 +127,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB per run and direction")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--driver", action="store_true",
+                        help="move frames from a simulated driver, no guest")
+    parser.add_argument("--frame-bytes", type=int, default=1514,
+                        help="--driver: Ethernet frame size (a GSO frame: up to 65550)")
+    parser.add_argument("--turns", type=int, default=400, help="--driver: turns per run")
     args = parser.parse_args()
+    if args.driver:
+        driver_bench(args)
+        return
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=3072, timeout=3600)
     own_network()
 
@@ -200,6 +215,120 @@ def main() -> None:
                           "native_over_python": ratios,
                           "io_thread_cpu_python_over_native": io_cpu,
                           "device_counters": counters}, md)
+
+
+def driver_bench(args: argparse.Namespace) -> None:
+    import struct
+
+    from vmfork.vmm.devices.virtio import net
+    from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, Virtqueue
+    from vmfork.vmm.eventloop import SelectorEventLoop
+    from vmfork.vmm.memory import GuestMemory
+
+    per_turn, frame_len = 128, args.frame_bytes
+    memory = GuestMemory.anonymous(((2 * per_turn * (frame_len + 4096)) + (8 << 20) + 0xFFF) & ~0xFFF)
+    if memory.native is None:
+        raise SystemExit("the native core is not built (scripts/lib.sh setup_native)")
+    rings = {net.RX_QUEUE: (0x10000, 0x20000, 0x30000), net.TX_QUEUE: (0x40000, 0x50000, 0x60000)}
+    queues = []
+    for index in (net.RX_QUEUE, net.TX_QUEUE):
+        q = Virtqueue(256)
+        q.size = 256
+        q.desc_table, q.avail_ring, q.used_ring = rings[index]
+        q.ready = True
+        q.validate(memory)
+        queues.append(q)
+    data = 1 << 20
+    frame = bytes((i * 7) & 0xFF for i in range(frame_len))
+    for index in (net.RX_QUEUE, net.TX_QUEUE):
+        desc = rings[index][0]
+        for k in range(per_turn):
+            hdr_at = data + (index * per_turn + k) * (frame_len + 4096)
+            flag = VIRTQ_DESC_F_WRITE if index == net.RX_QUEUE else 0
+            memory.write(desc + 16 * 2 * k, struct.pack(
+                "<QIHH", hdr_at, net.VNET_HDR_SIZE, flag | VIRTQ_DESC_F_NEXT, 2 * k + 1))
+            memory.write(desc + 16 * (2 * k + 1), struct.pack(
+                "<QIHH", hdr_at + 64, frame_len, flag, 0))
+            if index == net.TX_QUEUE:
+                memory.write(hdr_at, bytes(net.VNET_HDR_SIZE))
+                memory.write(hdr_at + 64, frame)
+
+    def offer(index: int) -> None:
+        avail, q = rings[index][1], queues[index]
+        for k in range(per_turn):
+            memory.write_u16(avail + 4 + 2 * ((q.next_avail + k) % 256), 2 * k)
+        memory.write_u16(avail + 2, (q.next_avail + per_turn) & 0xFFFF)
+
+    class Line:
+        failed = False
+
+        def trigger(self) -> None:
+            pass
+
+    dev_sock, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for s in (dev_sock, peer):
+        s.setblocking(False)
+        s.setsockopt(socket.SOL_SOCKET, 32, 64 << 20)   # SO_SNDBUFFORCE: a turn's frames
+    loop = SelectorEventLoop("unused")
+    dev = net.VirtioNet(loop, net.parse_mac("52:54:00:12:34:56"), dev_sock.fileno())
+    dev.memory, dev.queues, dev.interrupt = memory, queues, Line()  # type: ignore[assignment]
+    host_frame = bytes(net.VNET_HDR_SIZE) + frame
+    runs: list[dict[str, object]] = []
+    for rep in range(args.reps):
+        for direction in ("tx", "rx"):
+            for path in ("python", "native"):
+                dev.native_frames = path == "native"
+                dev.counters = net.NetCounters()
+                busy = cpu = 0.0
+                for _ in range(args.turns):
+                    offer(net.TX_QUEUE if direction == "tx" else net.RX_QUEUE)
+                    if direction == "rx":
+                        for _ in range(per_turn):
+                            peer.send(host_frame)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    if direction == "tx":
+                        dev._transmit()
+                    else:
+                        dev._receive()
+                    busy += time.perf_counter() - t0
+                    cpu += time.process_time() - c0
+                    if direction == "tx":
+                        for _ in range(per_turn):
+                            peer.recv(1 << 17)
+                c = dev.counters
+                frames = c.tx_frames if direction == "tx" else c.rx_frames
+                assert frames == per_turn * args.turns and not c.tx_dropped \
+                    and not c.rx_dropped, vars(c)
+                moved = (frames * frame_len) >> 20
+                runs.append({"rep": rep, "path": path, "direction": direction,
+                             "frames_s": frames / busy, "mib_s": moved / busy, "cpu_s": cpu})
+                print(f"rep {rep + 1}/{args.reps} {path:6} {direction}: "
+                      f"{frames / busy:9.0f} frames/s, {moved / busy:7.0f} MiB/s",
+                      file=sys.stderr)
+    loop.stop()
+    dev_sock.close()
+    peer.close()
+    memory.close()
+    rows = {f"{p} {d}": {key: summary([float(r[key]) for r in runs  # type: ignore[arg-type]
+                                       if r["path"] == p and r["direction"] == d])
+                         for key in ("frames_s", "mib_s", "cpu_s")}
+            for p in ("python", "native") for d in ("tx", "rx")}
+    ratios = {d: rows[f"native {d}"]["frames_s"]["median"]
+              / rows[f"python {d}"]["frames_s"]["median"] for d in ("tx", "rx")}
+    md = (f"# virtio-net frame paths, no guest: native against Python\n\n"
+          f"native, on {os.uname().nodename}; {frame_len}-byte frames, {per_turn} chains per "
+          f"turn, {args.turns} turns per run, an AF_UNIX datagram socket pair as the tap, "
+          f"{args.reps} runs, paths alternating.\n\n| path | direction | frames/s (median) | "
+          "min | max | MiB/s | CPU s |\n|---|---|---|---|---|---|---|\n"
+          + "".join(f"| {n.split()[0]} | {n.split()[1]} | {r['frames_s']['median']:.0f} | "
+                    f"{r['frames_s']['min']:.0f} | {r['frames_s']['max']:.0f} | "
+                    f"{r['mib_s']['median']:.0f} | {r['cpu_s']['median']:.3f} |\n"
+                    for n, r in rows.items())
+          + f"\nnative / Python frames/s (median): tx {ratios['tx']:.2f}x, rx "
+            f"{ratios['rx']:.2f}x\n")
+    write_results("net-driver", {"frame_bytes": frame_len, "per_turn": per_turn,
+                                 "turns": args.turns, "runs": runs, "rows": rows,
+                                 "native_over_python": ratios}, md)
 
 
 if __name__ == "__main__":
