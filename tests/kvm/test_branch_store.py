@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import socket
@@ -277,3 +278,36 @@ def test_a_caller_that_claimed_the_tag_itself(store: Store, sandbox: Sandbox) ->
     with pytest.raises(BranchFailed), store.begin("refused") as pending:
         branch_into_pending(store, pending, sandbox.control_path, "diff", parent_tag="nowhere")
     assert not store.exists("refused")
+
+
+# -- an idle sandbox waits without waking (runtime.vmmchild) ----------------------------------
+def _voluntary_switches(tid: int) -> int:
+    with open(f"/proc/self/task/{tid}/status") as f:
+        return next(int(line.split()[1]) for line in f
+                    if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_an_idle_control_thread_does_not_wake(sandbox: Sandbox) -> None:
+    # An idle VMM that wakes runs Python, and every page that touches becomes the
+    # child's own: the control thread blocks until a request or its close.
+    reply = control.ControlClient(sandbox.control_path).call(control.Status())
+    assert isinstance(reply, control.StatusReply)
+    tid = sandbox.control._thread.native_id
+    assert tid is not None
+    time.sleep(0.1)
+    before = _voluntary_switches(tid)
+    time.sleep(1.2)
+    assert _voluntary_switches(tid) == before
+    sandbox.control.close()
+    assert not sandbox.control._thread.is_alive()
+
+
+def test_the_exit_fd_is_readable_once_the_machine_ends(sandbox: Sandbox) -> None:
+    fd = sandbox.machine.exit_fd()
+    assert sandbox.machine.exit_fd() == fd   # one pipe, however often asked
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(100) == []
+    sandbox.machine.stop()
+    assert poller.poll(5000) == [(fd, select.POLLIN)]
+    assert poller.poll(0) == [(fd, select.POLLIN)]   # and stays readable

@@ -515,6 +515,32 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
     return Machine(config), state
 
 
+class StopSignal(threading.Event):
+    """The child's stop request (SIGTERM, or a control ``stop``): an Event that is
+    also a readable file descriptor once set, so an idle child blocks on it in
+    ``poll`` beside the machine's exit instead of waking to look (an idle VMM that
+    wakes runs Python, and every page that touches becomes its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pipe = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+
+    def fileno(self) -> int:
+        return self._pipe[0]
+
+    def set(self) -> None:
+        # Also run from the SIGTERM handler: a non-blocking write, nothing to wait for.
+        super().set()
+        try:
+            os.write(self._pipe[1], b"x")
+        except BlockingIOError:
+            pass  # full: readable already
+
+    def close(self) -> None:
+        for fd in self._pipe:
+            os.close(fd)
+
+
 class _Refused(Exception):
     """A request the VMM will not carry out; its message is the reply's error."""
 
@@ -544,12 +570,16 @@ class ControlServer:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self.sock.bind(path)
         self.sock.listen(8)
+        # Written by close(): the serving thread blocks with no timeout until a
+        # request or this, so an idle control thread never wakes.
+        self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
+        sel.register(self._wake[0], selectors.EVENT_READ)
         buffers: dict[socket.socket, bytes] = {}
 
         def drop(sock: socket.socket) -> None:
@@ -557,10 +587,21 @@ class ControlServer:
             buffers.pop(sock, None)
             sock.close()
 
+        try:
+            self._serve_until_stopped(sel, buffers, drop)
+        finally:
+            for sock in list(buffers):
+                drop(sock)
+            sel.close()
+
+    def _serve_until_stopped(self, sel: selectors.BaseSelector,
+                             buffers: dict[socket.socket, bytes],
+                             drop: Callable[[socket.socket], None]) -> None:
         while not self.on_stop.is_set():
-            for key, _ in sel.select(0.5):
+            for key, _ in sel.select():
                 sock = key.fileobj
-                assert isinstance(sock, socket.socket)
+                if not isinstance(sock, socket.socket):
+                    continue  # the wake pipe: on_stop is set, the loop ends
                 if sock is self.sock:
                     conn, _ = self.sock.accept()
                     sel.register(conn, selectors.EVENT_READ)
@@ -699,8 +740,16 @@ class ControlServer:
 
     def close(self) -> None:
         self.on_stop.set()
+        try:
+            os.write(self._wake[1], b"x")
+        except BlockingIOError:
+            pass  # full: readable already
         self._thread.join(2)
         self.sock.close()
+        if not self._thread.is_alive():
+            # (A thread still inside a request keeps reading its selector's fds.)
+            for fd in self._wake:
+                os.close(fd)
 
 
 def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> float:
@@ -765,7 +814,7 @@ def main(args: dict[str, Any]) -> int:
     # The VMM logs what its devices see, and the guest decides what they see: one
     # budget for the whole process log, so no guest can fill the disk through it.
     limit_log_handlers(logging.getLogger(), LogBudget("VMM log"))
-    stop = threading.Event()
+    stop = StopSignal()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         forked = zygote_child.current()
@@ -828,8 +877,15 @@ def main(args: dict[str, Any]) -> int:
         memphases.record("released", str(run_dir), guest_ram)
         idle_probe_at = (None if memphases.IDLE_S is None
                          else time.monotonic() + memphases.IDLE_S)
+        # Idle: block until SIGTERM, a control stop or the guest's end (no timeout
+        # but the memory probe's, when it is on).
+        waiting = select.poll()
+        waiting.register(stop.fileno(), select.POLLIN)
+        waiting.register(machine.exit_fd(), select.POLLIN)
         while not stop.is_set():
-            exit_ = machine.wait(0.2)
+            waiting.poll(None if idle_probe_at is None
+                         else max(0.0, idle_probe_at - time.monotonic()) * 1000)
+            exit_ = machine.wait(0)
             if idle_probe_at is not None and time.monotonic() >= idle_probe_at:
                 memphases.record("idle", str(run_dir), guest_ram)
                 idle_probe_at = None

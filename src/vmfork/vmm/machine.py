@@ -265,6 +265,9 @@ class Machine:
         self._exit: MachineExit | None = None
         self._exit_lock = threading.Lock()
         self._exited = threading.Event()
+        # (read end, write end) of a pipe written once the machine ends: made on first
+        # ask (exit_fd), so a waiter can block on it beside other fds, without polling.
+        self._exit_pipe: tuple[int, int] | None = None
         self.timings: dict[str, float] = {}
         self.restore_refused_msrs: list[list[int]] = []
         started = time.monotonic()
@@ -663,6 +666,7 @@ class Machine:
             if self._exit is not None:
                 return
             self._exit = MachineExit(event.reason, event.detail, self.serial.tail_text())
+            self._signal_exit_pipe()
         log.info("vm %s: %s (%s)", self.vm_id, event.reason, event.detail)
         self._exited.set()
         # Stopping the other vCPUs must not happen on a vCPU thread that then
@@ -672,6 +676,35 @@ class Machine:
     def _stop_vcpus(self) -> None:
         for vcpu in self.vcpus:
             vcpu.stop()
+
+    def exit_fd(self) -> int:
+        """A file descriptor that becomes readable once the machine has ended (and
+        stays readable), for a caller that waits on it beside others with ``poll``
+        instead of waking to look. Owned by the machine, closed with it."""
+        with self._exit_lock:
+            if self._exit_pipe is None:
+                self._exit_pipe = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                # First in the list, so closed last: after the vCPUs that may end it.
+                self._closers.insert(0, self._close_exit_pipe)
+                if self._exit is not None:
+                    self._signal_exit_pipe()
+            return self._exit_pipe[0]
+
+    def _signal_exit_pipe(self) -> None:
+        # Under _exit_lock, which _close_exit_pipe takes too: a write never reaches
+        # a descriptor number that was closed and handed to another file.
+        if self._exit_pipe is not None:
+            try:
+                os.write(self._exit_pipe[1], b"x")
+            except BlockingIOError:
+                pass  # full: readable already
+
+    def _close_exit_pipe(self) -> None:
+        with self._exit_lock:
+            pipe, self._exit_pipe = self._exit_pipe, None
+        if pipe is not None:
+            os.close(pipe[0])
+            os.close(pipe[1])
 
     def wait(self, timeout: float | None = None) -> MachineExit | None:
         """Wait for the machine to end; ``None`` if it is still running after ``timeout``."""
