@@ -290,8 +290,8 @@ def _voluntary_switches(tid: int) -> int:
 def test_an_idle_control_thread_does_not_wake(sandbox: Sandbox) -> None:
     # An idle VMM that wakes runs Python, and every page that touches becomes the
     # child's own: the control thread blocks until a request or its close.
-    reply = control.ControlClient(sandbox.control_path).call(control.Status())
-    assert isinstance(reply, control.StatusReply)
+    with control.ControlClient.connect(sandbox.control_path) as client:
+        assert isinstance(client.call(control.Status()), control.StatusReply)
     tid = sandbox.control._thread.native_id
     assert tid is not None
     time.sleep(0.1)

@@ -572,14 +572,15 @@ class ControlServer:
         self.sock.listen(8)
         # Written by close(): the serving thread blocks with no timeout until a
         # request or this, so an idle control thread never wakes.
-        self._wake = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(target=self._serve, name="control", daemon=True)
+        self._wake: tuple[int, int] | None = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._thread = threading.Thread(target=self._serve, args=(self._wake[0],),
+                                        name="control", daemon=True)
         self._thread.start()
 
-    def _serve(self) -> None:
+    def _serve(self, wake: int) -> None:
         sel = selectors.DefaultSelector()
         sel.register(self.sock, selectors.EVENT_READ)
-        sel.register(self._wake[0], selectors.EVENT_READ)
+        sel.register(wake, selectors.EVENT_READ)
         buffers: dict[socket.socket, bytes] = {}
 
         def drop(sock: socket.socket) -> None:
@@ -739,6 +740,9 @@ class ControlServer:
             tracking=result.tracking, timings=result.timings)
 
     def close(self) -> None:
+        """Stop serving and close the socket. Idempotent."""
+        if self._wake is None:
+            return
         self.on_stop.set()
         try:
             os.write(self._wake[1], b"x")
@@ -746,9 +750,10 @@ class ControlServer:
             pass  # full: readable already
         self._thread.join(2)
         self.sock.close()
+        wake, self._wake = self._wake, None
         if not self._thread.is_alive():
             # (A thread still inside a request keeps reading its selector's fds.)
-            for fd in self._wake:
+            for fd in wake:
                 os.close(fd)
 
 
