@@ -629,18 +629,21 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 out.update(ready_s=None, incomplete=(
                     f"{len(report.failed)} of {n} children failed ({'; '.join(reasons[:3])}); "
                     f"{len(ready)} agents answered, the last after {report.ready_s:.1f} s"))
-        switches_before = [thread_switches(pid) for pid in host_pids] if breakdown else []
         time.sleep(settle)
         statuses = ready
         if breakdown:
             from vmfork.runtime import memphases
             out["breakdown"] = [memory_breakdown(pid, snapshot.memory_path) for pid in host_pids]
+            time.sleep(1.0)   # the children's own idle probe fires ~settle s after ready
+            out["phases"] = [memphases.read_phases(str(d)) for d in run_dirs]
+            # Wake-ups over a window of its own, once every child has settled and run
+            # its idle probe: what an idle child does, not its last start-up steps.
+            switches_before = [thread_switches(pid) for pid in host_pids]
+            time.sleep(settle)
             out["wakeups_per_s"] = [
                 {name: (count - before.get(name, 0)) / settle
                  for name, count in thread_switches(pid).items()}
                 for pid, before in zip(host_pids, switches_before)]
-            time.sleep(1.0)   # the children's own idle probe fires ~settle s after ready
-            out["phases"] = [memphases.read_phases(str(d)) for d in run_dirs]
         fork_to_entry = [float(s["fork_to_entry_s"]) for s in statuses
                          if s.get("fork_to_entry_s") is not None]
         is_guest = guest_ram_file(snapshot.memory_path)
