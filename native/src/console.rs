@@ -2,9 +2,11 @@
 //! without Python: COM1 (vm-superio's 16550A `Serial`) and the i8042's CPU reset line.
 //!
 //! COM1's output is cut into lines (at most `LINE_MAX` bytes each; the rest of a
-//! longer line is dropped): each goes to the console log (one `write` per line),
-//! into the last-`TAIL_LINES` ring that errors quote, and, only while Python
-//! listeners are registered (a booting parent waiting for its agent), to them.
+//! longer line is dropped): each goes to the console log (one `write` per line,
+//! within the log's budget: a rate with drop markers and a total cap, since the
+//! guest decides how much it prints), into the last-`TAIL_LINES` ring that errors
+//! quote, and, only while Python listeners are registered (a booting parent waiting
+//! for its agent), to them.
 //! Its interrupt is the line's eventfd (KVM_IRQFD), written from here.
 //!
 //! The i8042 at 0x60/0x64 reads as an idle controller with no data; command 0xFE
@@ -21,6 +23,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use vm_superio::serial::{NoEvents, SerialState};
 use vm_superio::{Serial, Trigger};
+
+use crate::log_budget::LogBudget;
 
 pub const COM1_BASE: u16 = 0x3F8;
 pub const COM1_LEN: u16 = 8;
@@ -75,9 +79,23 @@ pub struct ConsoleOut {
     line: Vec<u8>,
     tail: VecDeque<String>,
     log: Option<File>,
+    budget: LogBudget,
     /// Lines for the Python listeners, handed over after the device lock is released.
     pending: Vec<String>,
     listening: bool,
+}
+
+impl ConsoleOut {
+    fn new(log: Option<File>, budget: LogBudget) -> Self {
+        ConsoleOut {
+            line: Vec::new(),
+            tail: VecDeque::new(),
+            log,
+            budget,
+            pending: Vec::new(),
+            listening: false,
+        }
+    }
 }
 
 impl Write for ConsoleOut {
@@ -91,8 +109,14 @@ impl Write for ConsoleOut {
                 if let Some(log) = self.log.as_mut() {
                     let mut out = text.clone().into_bytes();
                     out.push(b'\n');
+                    let (allowed, marker) = self.budget.take(out.len());
                     // A console log that cannot be written loses lines, never the VM.
-                    let _ = log.write_all(&out);
+                    if let Some(marker) = marker {
+                        let _ = log.write_all(format!("{marker}\n").as_bytes());
+                    }
+                    if allowed {
+                        let _ = log.write_all(&out);
+                    }
                 }
                 if self.listening {
                     self.pending.push(text.clone());
@@ -191,22 +215,31 @@ impl Console {
 #[pymethods]
 impl Console {
     /// `irq_fd`: COM1's interrupt eventfd (duplicated); `log_fd`: the console log,
-    /// opened for appending (duplicated), or None.
+    /// opened for appending (duplicated), or None; the log's budget: `log_burst`
+    /// lines, then `log_per_second`, and `log_total_bytes` in all (serial.py's
+    /// `CONSOLE_*` constants are the machine's).
     #[new]
-    #[pyo3(signature = (irq_fd, log_fd = None))]
-    fn new(irq_fd: RawFd, log_fd: Option<RawFd>) -> PyResult<Self> {
+    #[pyo3(signature = (irq_fd, log_fd = None, *, log_burst = 2000, log_per_second = 100.0,
+                        log_total_bytes = 8 << 20))]
+    fn new(
+        irq_fd: RawFd,
+        log_fd: Option<RawFd>,
+        log_burst: u32,
+        log_per_second: f64,
+        log_total_bytes: u64,
+    ) -> PyResult<Self> {
+        if !(log_per_second.is_finite() && log_per_second >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "log_per_second must be a finite rate >= 0, not {log_per_second}"
+            )));
+        }
         let irq = IrqFd(dup(irq_fd)?);
         let log = match log_fd {
             Some(fd) => Some(File::from(dup(fd)?)),
             None => None,
         };
-        let out = ConsoleOut {
-            line: Vec::new(),
-            tail: VecDeque::new(),
-            log,
-            pending: Vec::new(),
-            listening: false,
-        };
+        let budget = LogBudget::new("console", log_burst, log_per_second, log_total_bytes);
+        let out = ConsoleOut::new(log, budget);
         Ok(Console {
             uart: Mutex::new(Serial::new(irq, out)),
             listeners: Mutex::new(Vec::new()),
@@ -230,6 +263,12 @@ impl Console {
             let mut byte = [data[0]];
             self.pio(COM1_BASE + offset, &mut byte, 1, true);
         }
+    }
+
+    /// Console log lines dropped so far (over the rate, or past the cap).
+    #[getter]
+    fn log_dropped(&self) -> u64 {
+        lock(&self.uart).writer().budget.dropped
     }
 
     /// Call `listener(line)` for every console line from now on (on a vCPU thread).
@@ -307,15 +346,10 @@ impl Console {
         let trigger = IrqFd(dup(std::os::fd::AsRawFd::as_raw_fd(
             &uart.interrupt_evt().0,
         ))?);
+        // The writer (log, budget, tail, listeners) carries over to the restored chip.
         let out = std::mem::replace(
             uart.writer_mut(),
-            ConsoleOut {
-                line: Vec::new(),
-                tail: VecDeque::new(),
-                log: None,
-                pending: Vec::new(),
-                listening: false,
-            },
+            ConsoleOut::new(None, LogBudget::new("console", 0, 0.0, 0)),
         );
         *uart = Serial::from_state(&state, trigger, NoEvents, out)
             .map_err(|e| PyValueError::new_err(format!("serial state: {e:?}")))?;

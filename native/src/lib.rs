@@ -15,6 +15,7 @@ mod blk;
 mod console;
 mod eventloop;
 mod guest_ram;
+mod log_budget;
 mod mmio;
 mod mmio_py;
 mod net;

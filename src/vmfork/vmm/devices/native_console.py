@@ -14,7 +14,12 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 from vmfork import _core
-from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.serial import (
+    CONSOLE_BURST,
+    CONSOLE_LINES_PER_S,
+    CONSOLE_LOG_BYTES,
+    SerialState,
+)
 from vmfork.vmm.irq import IrqLine
 
 
@@ -32,7 +37,10 @@ class _Listeners(list[Callable[[str], None]]):
 
 class NativeSerial:
     def __init__(self, line: IrqLine, log: BinaryIO | None = None) -> None:
-        self.console = _core.Console(line.fd, log.fileno() if log is not None else None)
+        self.console = _core.Console(line.fd, log.fileno() if log is not None else None,
+                                     log_burst=CONSOLE_BURST,
+                                     log_per_second=CONSOLE_LINES_PER_S,
+                                     log_total_bytes=CONSOLE_LOG_BYTES)
         self.line_listeners = _Listeners(self.console)
 
     def tail_text(self) -> str:
