@@ -322,7 +322,7 @@ def test_the_slot_order_is_fixed_and_the_pins_are_those_of_before(
 def test_a_saved_machine_restores_into_one_built_the_same_way(
         build: Callable[..., Built], loop: EventLoop) -> None:  # noqa: F811
     source = build(cid=7)
-    source.serial.write(7, b"\x5a")   # the scratch register
+    source.serial.console.write(7, b"\x5a")   # the scratch register
     source.volumes[0].guest_path = "/data"
     devices = run_on_loop(loop, source.manager.save)
     state = make_state()

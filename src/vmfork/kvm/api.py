@@ -1,13 +1,9 @@
 """Flat wrappers around the KVM ioctls, one function per ioctl.
 
-Every call goes through libc's ``ioctl`` via ctypes, not ``fcntl.ioctl``:
-
-* ``fcntl.ioctl`` retries on EINTR by itself, so a vCPU thread blocked in
-  ``KVM_RUN`` could never be kicked out with a signal. Through ctypes, EINTR
-  comes back to us and the vCPU loop decides what to do.
-* ctypes releases the GIL for the duration of the call, so N vCPU threads run
-  the guest in parallel while Python threads keep working.
-* Buffers are ctypes objects passed by reference; no 1024-byte limit, no copies.
+Every call goes through libc's ``ioctl`` via ctypes, not ``fcntl.ioctl``: ctypes
+releases the GIL for the duration of the call, and buffers are ctypes objects passed
+by reference (no 1024-byte limit, no copies). ``KVM_RUN`` is not here: the vCPU loop
+is the native core's (``vmm/vcpu.py``).
 
 Errors raise ``KvmError`` carrying the ioctl name and errno.
 """
@@ -16,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
-import mmap
 import os
 
 from vmfork.kvm import ioctls as io
@@ -164,10 +159,6 @@ def check_extension(fd: int, cap: int) -> int:
     return _ioctl(fd, io.KVM_CHECK_EXTENSION, cap, op="KVM_CHECK_EXTENSION")
 
 
-def get_vcpu_mmap_size(kvm_fd: int) -> int:
-    return _ioctl(kvm_fd, io.KVM_GET_VCPU_MMAP_SIZE, op="KVM_GET_VCPU_MMAP_SIZE")
-
-
 def create_vm(kvm_fd: int) -> int:
     return _ioctl(kvm_fd, io.KVM_CREATE_VM, 0, op="KVM_CREATE_VM")
 
@@ -288,28 +279,6 @@ def get_dirty_log(vm_fd: int, slot: int, bitmap: ctypes.Array[ctypes.c_uint64]) 
 
 
 # -- vCPU fd --------------------------------------------------------------------------
-def map_run(vcpu_fd: int, mmap_size: int) -> tuple[mmap.mmap, s.kvm_run]:
-    """Map the vCPU's ``struct kvm_run`` page(s)."""
-    m = mmap.mmap(vcpu_fd, mmap_size, flags=mmap.MAP_SHARED,
-                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return m, s.kvm_run.from_buffer(m)
-
-
-def run(vcpu_fd: int) -> int:
-    """``KVM_RUN``. Returns 0, or ``-EINTR`` when a signal (a kick) interrupted it.
-
-    Every other failure raises. EINTR is returned rather than raised because it
-    is the normal way out of the guest when the VMM wants the vCPU back.
-    """
-    ret = _libc_ioctl(vcpu_fd, io.KVM_RUN, None)
-    if ret < 0:
-        err = ctypes.get_errno()
-        if err in (errno_mod.EINTR, errno_mod.EAGAIN):
-            return -errno_mod.EINTR
-        raise KvmError("KVM_RUN", err)
-    return 0
-
-
 def _get(vcpu_fd: int, request: int, struct: type, op: str):  # type: ignore[no-untyped-def]
     buf = struct()
     _ioctl(vcpu_fd, request, buf, op=op)

@@ -40,7 +40,6 @@ from vmfork.kvm.structs import kvm_cpuid_entry2
 from vmfork.ondisk.memplan import MemoryPlan
 from vmfork.vmm import vmstate
 from vmfork.vmm.bus import Bus
-from vmfork.vmm.devices.i8042 import I8042
 from vmfork.vmm.devices.manager import (
     BALLOON,
     BLK,
@@ -64,16 +63,11 @@ from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory, PremappedRam
-from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState, install_kick_handler
+from vmfork.vmm.native import require_core
+from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
 from vmfork.vmm.x86 import layout as L
-
-if vmstate.NATIVE:
-    # The native core's vCPU loop and console (the same interfaces); the Python
-    # ones where the core is not built.
-    from vmfork.vmm.devices.native_console import NativeSerial
-    from vmfork.vmm.native_vcpu import NativeVcpu
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +252,7 @@ class MachineExit:
 class Machine:
     def __init__(self, config: MachineConfig) -> None:
         config.validate()
-        install_kick_handler()
+        require_core()
         self.config = config
         self.vm_id = config.vm_id
         self._closers: list[Any] = []     # callables, run in reverse on close
@@ -318,8 +312,7 @@ class Machine:
         api.create_irqchip(self.vm_fd)
         api.create_pit2(self.vm_fd)
 
-        self.vcpus: list[Vcpu | NativeVcpu] = []
-        self._vcpu_mmap_size = api.get_vcpu_mmap_size(self.kvm_fd)
+        self.vcpus: list[Vcpu] = []
         self._msr_candidates: list[int] | None = None
 
         # 4. buses and devices
@@ -337,17 +330,9 @@ class Machine:
         if config.console_log:
             console_log = open(config.console_log, "ab", buffering=0)
             self._closers.append(console_log.close)
-        self.serial: Serial | NativeSerial
-        if vmstate.NATIVE:
-            # The native vCPU loop serves COM1 and the i8042 itself (a reset ends
-            # the vCPU that saw it, reported as "reset"); they are not on pio_bus.
-            self.serial = NativeSerial(self._irq_line(L.COM1_IRQ), log=console_log)
-        else:
-            self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
-            self.pio_bus.register(L.COM1_PORT, 8, self.serial)
-            self.i8042 = I8042(on_reset=lambda: self._vcpu_exited(
-                VcpuExitEvent(-1, "reset", "the guest pulsed the i8042 reset line")))
-            self.pio_bus.register(L.I8042_DATA_PORT, 5, self.i8042)
+        # The vCPU loop serves COM1 and the i8042 itself (a reset ends the vCPU that
+        # saw it, reported as "reset"); they are not on pio_bus.
+        self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
         self.devices.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
         self.vsock: VirtioVsock | None = None
         self.rng: VirtioRng | None = None
@@ -378,16 +363,10 @@ class Machine:
         for index in range(config.vcpus):
             self._setup_vcpu(self._new_vcpu(index), supported, index)
 
-    def _new_vcpu(self, index: int) -> Vcpu | NativeVcpu:
+    def _new_vcpu(self, index: int) -> Vcpu:
         fd = self._fd(api.create_vcpu(self.vm_fd, index))
-        vcpu: Vcpu | NativeVcpu
-        if vmstate.NATIVE:
-            assert isinstance(self.serial, NativeSerial)
-            vcpu = NativeVcpu(index, fd, self.kvm_fd, self.vm_fd, self.pio_bus, self.mmio_bus,
-                              self._vcpu_exited, console=self.serial.console)
-        else:
-            vcpu = Vcpu(index, fd, self._vcpu_mmap_size, self.pio_bus, self.mmio_bus,
-                        self._vcpu_exited)
+        vcpu = Vcpu(index, fd, self.kvm_fd, self.vm_fd, self.pio_bus, self.mmio_bus,
+                    self._vcpu_exited, console=self.serial.console)
         self._closers.append(vcpu.close)
         self.vcpus.append(vcpu)
         return vcpu
@@ -486,7 +465,7 @@ class Machine:
         return MachineState(mem_size=self.memory.size, vcpus=vcpus, vm=vm,
                             devices=self.devices.save(), cmdline=self.cmdline)
 
-    def _setup_vcpu(self, vcpu: Vcpu | NativeVcpu, supported: list[kvm_cpuid_entry2],
+    def _setup_vcpu(self, vcpu: Vcpu, supported: list[kvm_cpuid_entry2],
                     index: int) -> None:
         boot.setup_vcpu_cpuid_msrs(vcpu.fd, supported, index, self.config.vcpus)
         if index == 0:

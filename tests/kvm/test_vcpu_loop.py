@@ -1,16 +1,14 @@
-"""The native vCPU loop (``vmfork._core.VcpuLoop`` behind ``native_vcpu.NativeVcpu``):
-what only it has. Everything the Python loop does (exits, buses, pause/kick,
-shutdown) is covered by the rest of tests/kvm, which runs on it whenever the
-native core is built."""
+"""The vCPU loop (``vmfork._core.VcpuLoop`` behind ``vcpu.Vcpu``): what the rest of
+tests/kvm (exits, buses, pause/kick, shutdown, all on it) does not cover."""
 
 from __future__ import annotations
 
 import pytest
 
-from vmfork.vmm import vmstate
 from vmfork.vmm.machine import Machine, MachineConfig
+from vmfork.vmm.native import CORE_BUILT
 
-pytestmark = pytest.mark.skipif(not vmstate.NATIVE, reason="the native core is not built "
+pytestmark = pytest.mark.skipif(not CORE_BUILT, reason="the native core is not built "
                                 "(scripts/lib.sh setup_native)")
 
 # xor edx,edx; 1: in al,dx; inc dx; jnz 1b; mov al,0xfe; out 0x64,al (i8042 reset); hlt
@@ -29,9 +27,9 @@ class Broken:
 
 
 def test_machines_run_their_vcpus_natively() -> None:
-    from vmfork.vmm.native_vcpu import NativeVcpu
+    from vmfork.vmm.vcpu import Vcpu
     with Machine(MachineConfig(payload=OUT_E9, mem_mib=32, rng=False)) as m:
-        assert all(isinstance(v, NativeVcpu) for v in m.vcpus)
+        assert all(isinstance(v, Vcpu) for v in m.vcpus)
 
 
 def test_a_bus_handler_that_raises_ends_the_vm_as_a_vmm_error() -> None:

@@ -1,4 +1,4 @@
-"""COM1 of the native core (``_core.Console`` behind ``NativeSerial``), driven as a
+"""COM1 of the native core (``_core.Console`` behind ``serial.Serial``), driven as a
 bus device: no /dev/kvm needed. The vCPU loop reaches the same code for a port
 exit (tests/kvm covers that path with real guests)."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vmfork.vmm import vmstate
-from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.serial import Serial, SerialState
+from vmfork.vmm.native import CORE_BUILT
 
-pytestmark = pytest.mark.skipif(not vmstate.NATIVE, reason="the native core is not built "
+pytestmark = pytest.mark.skipif(not CORE_BUILT, reason="the native core is not built "
                                 "(scripts/lib.sh setup_native)")
 
 DATA, IER, IIR, LCR, MCR, LSR, MSR, SCR = range(8)
@@ -40,11 +40,10 @@ def line() -> Iterator[Line]:
 
 
 def serial(line: Line, log: Path | None = None):  # type: ignore[no-untyped-def]
-    from vmfork.vmm.devices.native_console import NativeSerial
     if log is None:
-        return NativeSerial(line)  # type: ignore[arg-type]
+        return Serial(line)  # type: ignore[arg-type]
     with open(log, "ab", buffering=0) as f:
-        return NativeSerial(line, f)  # type: ignore[arg-type]
+        return Serial(line, f)  # type: ignore[arg-type]
 
 
 def put(s, text: bytes) -> None:  # type: ignore[no-untyped-def]
