@@ -69,6 +69,16 @@ def _kvm_caps() -> Check:
                  f"all {len(api.REQUIRED_CAPS)} needed capabilities; up to {max_vcpus} vCPUs")
 
 
+def _native_core() -> Check:
+    from vmfork.vmm import native
+    try:
+        native.require_core()
+    except native.CoreMissing as err:
+        return Check("native core", "FAIL", "vmfork._core is not built: no VM can run", str(err))
+    switched = "" if native.NATIVE else " (VMFORK_NATIVE=0: the devices' Python paths)"
+    return Check("native core", "PASS", "vmfork._core is built" + switched)
+
+
 def _kvm_runs_guests() -> Check:
     from vmfork.kvm.probe import run_probe
     result = run_probe()
@@ -213,7 +223,7 @@ def tls_check(cert: str | None, key: str | None) -> Check:
 
 
 CHECKS: list[Callable[[], Check]] = [
-    _kvm_device, _kvm_caps, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _netns, _jail, _user_namespaces, _disk,
+    _kvm_device, _kvm_caps, _native_core, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _netns, _jail, _user_namespaces, _disk,
     _image,
 ]
 
