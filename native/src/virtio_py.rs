@@ -549,4 +549,39 @@ impl GuestRam {
             ),
         })
     }
+
+    /// vsock: write one packet into the popped rx chain `head` (`writable` its
+    /// buffers): the header `fields` encoded, then `payload` from byte 44 on, each cut
+    /// at the chain's end, then the used entry. Returns the new next_used.
+    #[allow(clippy::too_many_arguments)]
+    fn vsock_rx_packet(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        used: u64,
+        next_used: u16,
+        head: u16,
+        writable: Segments,
+        fields: HeaderFields,
+        payload: &[u8],
+    ) -> PyResult<u16> {
+        let (src_cid, dst_cid, src_port, dst_port, len, type_, op, flags, buf_alloc, fwd_cnt) =
+            fields;
+        let hdr = Header {
+            src_cid,
+            dst_cid,
+            src_port,
+            dst_port,
+            len,
+            type_,
+            op,
+            flags,
+            buf_alloc,
+            fwd_cnt,
+        };
+        let rings = Self::rings(size, 0, 0, used);
+        self.with(py, |ram| {
+            vsock_packet::deliver_rx(ram, &rings, next_used, head, &writable, &hdr, payload)
+        })
+    }
 }

@@ -22,7 +22,7 @@
 //! length check is in u64 (44 + u32::MAX cannot wrap; the chain's total is a u64).
 
 use crate::guest_ram::Ram;
-use crate::virtq::{self, QueueError};
+use crate::virtq::{self, QueueError, Rings};
 
 pub const HEADER_SIZE: usize = 44;
 pub const MAX_PAYLOAD: u64 = 64 * 1024;
@@ -165,6 +165,26 @@ pub fn classify_header(hdr: &Header, readable: u64, guest_cid: u64) -> Verdict {
     Verdict::Packet(*hdr, Op::from_u16(hdr.op))
 }
 
+/// The rx side: put one packet into `writable` (the buffers of the rx chain `head`,
+/// popped by the caller, which checked they hold a header): the header, then
+/// `payload` from byte 44 on, each cut at the end of the buffers, then the used entry
+/// with the bytes written. Returns the new `next_used`. Which packet, and its fields,
+/// are `vsock.py`'s state machine's (`deliver_rx_python` is the twin).
+pub fn deliver_rx(
+    ram: &Ram<'_>,
+    rings: &Rings,
+    next_used: u16,
+    head: u16,
+    writable: &[(u64, u32)],
+    hdr: &Header,
+    payload: &[u8],
+) -> Result<u16, QueueError> {
+    let mut written = virtq::write_segments(ram, writable, &hdr.encode(), 0)?;
+    written += virtq::write_segments(ram, writable, payload, HEADER_SIZE as u64)?;
+    // At most 44 bytes and the payload (the caller's, at most 64 KiB): fits a u32.
+    virtq::add_used(ram, rings, next_used, head, written as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,6 +253,28 @@ mod tests {
             classify_header(&stream, 44, GUEST),
             Verdict::Packet(stream, None)
         );
+    }
+
+    #[test]
+    fn an_rx_packet_is_written_header_first_and_cut_at_the_chains_end() {
+        use crate::virtq::test_rings::{RINGS, USED};
+        let mut buf = vec![0u8; 0x8000];
+        let gram = ram(&mut buf);
+        let r = gram.lock().unwrap();
+        let hdr = header(5, TYPE_STREAM, Op::Rw as u16);
+        // 40 + 4 bytes of header, then 3 of the 5 payload bytes fit.
+        let segs = [(0x4000, 40), (0x5000, 0), (0x6000, 7)];
+        let next = deliver_rx(&r, &RINGS, 9, 4, &segs, &hdr, b"hello").unwrap();
+        assert_eq!(next, 10);
+        let mut got = [0u8; 47];
+        r.read_into(0x4000, &mut got[..40]).unwrap();
+        r.read_into(0x6000, &mut got[40..]).unwrap();
+        assert_eq!(&got[..44], &hdr.encode());
+        assert_eq!(&got[44..], b"hel");
+        // Used element 9 % 8 = 1: head 4, 47 bytes; the used index 10.
+        assert_eq!(r.read_u32(USED + 4 + 8).unwrap(), 4);
+        assert_eq!(r.read_u32(USED + 4 + 8 + 4).unwrap(), 47);
+        assert_eq!(r.read_u16(USED + 2).unwrap(), 10);
     }
 
     #[test]

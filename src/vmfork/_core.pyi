@@ -115,6 +115,9 @@ class GuestRam:
     def vsock_tx_classify(self, segments: Segments, guest_cid: int,
                           ) -> tuple[str, str | None, VsockHeaderFields | None,
                                      int | None]: ...
+    def vsock_rx_packet(self, size: int, used: int, next_used: int, head: int,
+                        writable: Segments, fields: VsockHeaderFields, payload: bytes,
+                        ) -> int: ...
 
 MmioEvent = tuple[str, int, int, str | bytes]
 MmioQueueRegs = tuple[int, int, bool, int, int, int]

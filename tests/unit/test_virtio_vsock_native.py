@@ -1,4 +1,5 @@
-"""vsock's tx parse, native (``native/src/vsock_packet.rs``) against Python.
+"""vsock's packets, native (``native/src/vsock_packet.rs``) against Python: the tx
+parse of a guest chain, and an rx packet written into one.
 
 A differential property: random, mostly hostile tx chains (headers from our guest and
 from others, to the host and elsewhere; lengths at, around and far beyond the chain's
@@ -6,7 +7,8 @@ readable bytes and the 64 KiB limit; unknown types and ops; headers cut short, s
 over many buffers, zero-length buffers among them, buffers that run over the rings or
 past the end of RAM) are classified by both paths, each over its own guest memory
 holding the same bytes. Both must give the same ``TxPacket`` (verdict, counter key,
-header, op), or fail with the same error type and message.
+header, op), or fail with the same error type and message. On the rx side, random
+headers and payloads written into hostile rx chains must leave the same guest memory.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from test_virtio_queue import HIGH, LOW, CountingMemory
+from test_virtio_queue import AVAIL, DESC, HIGH, LOW, USED, CountingMemory
 
 from vmfork.vmm.devices.virtio import vsock
-from vmfork.vmm.devices.virtio.queue import DescriptorChain
+from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
 from vmfork.vmm.devices.virtio.vsock import (
     HEADER_SIZE,
     MAX_PACKET_PAYLOAD,
@@ -162,3 +164,57 @@ def test_the_rules_and_their_order() -> None:
     assert classify(good, HEADER_SIZE + 3) == {TxPacket(TxVerdict.PACKET, None, good, Op.RW)}
     assert classify(good, HEADER_SIZE + 2) == {TxPacket(TxVerdict.REFUSE, vsock.BAD_LENGTH,
                                                         good, None)}
+
+
+# -- the rx side: a packet written into a popped rx chain ---------------------------------
+RX_PLACES = ["low", "high", "empty"] * 6 + ["rings", "cross", "hole"]
+rx_header = st.builds(
+    PacketHeader, src_cid=st.sampled_from([2, 2**64 - 1]), dst_cid=st.sampled_from([3, 2**32 - 2]),
+    src_port=U32, dst_port=U32, len=st.integers(0, MAX_PACKET_PAYLOAD),
+    type=st.sampled_from([1, 0xFFFF]), op=st.sampled_from(list(Op) + [0xFFFF]), flags=U32,
+    buf_alloc=U32, fwd_cnt=U32)
+
+
+def rx_outcome(mem: CountingMemory, head: int, writable: list[tuple[int, int]],
+               hdr: PacketHeader, payload: bytes, next_used: int) -> list[object]:
+    q = Virtqueue(16)
+    q.size, q.desc_table, q.avail_ring, q.used_ring, q.ready = 16, DESC, AVAIL, USED, True
+    q.next_used = next_used
+    seen: list[object] = []
+    try:
+        vsock.deliver_rx(mem, q, DescriptorChain(head, [], list(writable)), hdr, payload)
+    except GuestError as err:
+        seen.append((type(err).__name__, str(err)))
+    seen += [q.next_used, mem.read(0, LOW.size), mem.read(HIGH.guest_phys, HIGH.size)]
+    return seen
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parts=st.lists(st.tuples(st.sampled_from(RX_PLACES), st.integers(0, 100)),
+                      min_size=1, max_size=6),
+       hdr=rx_header, payload=st.binary(max_size=300), head=st.integers(0, 15),
+       next_used=st.one_of(st.integers(0, 20), st.integers(0, 0xFFFF)))
+def test_native_and_python_rx_deliveries_agree(parts: list[tuple[str, int]], hdr: PacketHeader,
+                                               payload: bytes, head: int,
+                                               next_used: int) -> None:
+    """Whatever the chain's buffers (split anywhere, empty ones, over the used ring,
+    across RAM's end or in the hole) and the packet (longer than the chain or not), both
+    paths leave the same guest memory, used ring and index, or fail alike."""
+    low, high = 0x4000, HIGH.guest_phys
+    writable = []
+    for where, length in parts:
+        if where == "rings":
+            addr = USED  # the used element may land in the packet, or the packet on it
+        elif where == "cross":
+            addr = LOW.size - 10
+        elif where == "hole":
+            addr = LOW.size + 0x100
+        elif where == "high":
+            addr, high = high, high + length
+        else:
+            addr, low = low, low + length
+        writable.append((addr, 0 if where == "empty" else length))
+    native = rx_outcome(CountingMemory("native"), head, writable, hdr, payload, next_used)
+    python = rx_outcome(CountingMemory("python"), head, writable, hdr, payload, next_used)
+    event("delivered" if len(native) == 3 else "failed")
+    assert native == python

@@ -48,6 +48,9 @@ order); it runs natively wherever guest memory has a native view
 (``native/src/vsock_packet.rs``, fuzzed by ``native/fuzz``'s ``vsock_packet``), and
 ``classify_tx_python`` is its ``VMFORK_NATIVE=0`` twin. What it returns (``TxPacket``)
 is all the state machine below sees of the guest's bytes, apart from an RW payload.
+On the rx side, a packet the state machine chose (a control packet, an orphan RST, or
+data read in Python) is written into its chain by ``deliver_rx``: natively one call
+(header encoded, payload, used entry), ``deliver_rx_python`` its twin.
 
 Native byte paths (on wherever the core is built; ``VMFORK_NATIVE_VSOCK=0`` turns
 them off alone, see ``NATIVE_BYTES``). Where guest memory has a native view
@@ -218,6 +221,28 @@ def classify_tx_python(memory: GuestMemory, chain: DescriptorChain, guest_cid: i
     except ValueError:
         op = None
     return TxPacket(TxVerdict.PACKET, None, hdr, op)
+
+
+def deliver_rx(memory: GuestMemory, queue: Virtqueue, chain: DescriptorChain,
+               hdr: PacketHeader, payload: bytes) -> None:
+    """Write a packet into a popped rx chain that holds a header (the header, then the
+    payload from byte 44 on, each cut at the chain's end) and give the chain back to the
+    driver: natively where guest memory has a native view (one call: the header encoded
+    and written, the payload, the used entry), else ``deliver_rx_python``."""
+    if memory.native is None:
+        deliver_rx_python(memory, queue, chain, hdr, payload)
+        return
+    queue.next_used = memory.native.vsock_rx_packet(
+        queue.size, queue.used_ring, queue.next_used, chain.head, chain.writable,
+        (hdr.src_cid, hdr.dst_cid, hdr.src_port, hdr.dst_port, hdr.len, hdr.type, hdr.op,
+         hdr.flags, hdr.buf_alloc, hdr.fwd_cnt), payload)
+
+
+def deliver_rx_python(memory: GuestMemory, queue: Virtqueue, chain: DescriptorChain,
+                      hdr: PacketHeader, payload: bytes) -> None:
+    written = chain.write_writable(memory, hdr.pack())
+    written += chain.write_writable(memory, payload, HEADER_SIZE)
+    queue.add_used(memory, chain.head, written)
 
 
 @dataclass
@@ -788,9 +813,7 @@ class VirtioVsock(VirtioDevice):
                 queue.undo_pop()
                 continue
             hdr, payload = packet
-            written = chain.write_writable(memory, hdr.pack())
-            written += chain.write_writable(memory, payload, HEADER_SIZE)
-            queue.add_used(memory, chain.head, written)
+            deliver_rx(memory, queue, chain, hdr, payload)
             delivered += 1
         if delivered:
             assert self.interrupt is not None
