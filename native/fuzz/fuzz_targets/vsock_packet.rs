@@ -7,7 +7,8 @@
 //! the chain or the 64 KiB limit or a type other than STREAM, and then with the
 //! header; a packet only for one within both and of type STREAM, with its op decoded,
 //! whose payload can be read from the chain in full. Headers round-trip through
-//! `encode`/`decode`. The target shapes some headers as a driver would (`shape`), so
+//! `encode`/`decode`. On the rx side, writing a packet into any chain that holds a
+//! header succeeds, uses the chain, and leaves the header in it. The target shapes some headers as a driver would (`shape`), so
 //! that inputs reach every rule and its boundaries, not only the first ones.
 #![no_main]
 
@@ -112,11 +113,11 @@ fn shape(ram: &guest_ram::Ram<'_>, segments: &[(u64, u32)], guest_cid: u64, flag
 }
 
 fuzz_target!(|input: &[u8]| {
-    if input.len() < 48 {
+    if input.len() < 80 {
         return;
     }
-    let (head, image) = input.split_at(48);
-    let rings = rings(head, 0);
+    let (head, image) = input.split_at(80);
+    let tx_rings = rings(head, 0);
     let next_avail = u16::from_le_bytes([head[1], head[2]]);
     // Our guest's CID: mostly the one most headers in a small image carry (3), else
     // whatever the input says.
@@ -129,10 +130,10 @@ fuzz_target!(|input: &[u8]| {
     let r = guest.ram().lock().unwrap();
 
     // Chains as the queue hands them over: every buffer was checked to be in RAM.
-    if virtq::validate(&r, &rings, 256).is_ok() {
+    if virtq::validate(&r, &tx_rings, 256).is_ok() {
         let mut avail = next_avail;
-        for _ in 0..u32::from(rings.size) + 2 {
-            let Ok(Some(chain)) = virtq::pop(&r, &rings, avail) else {
+        for _ in 0..u32::from(tx_rings.size) + 2 {
+            let Ok(Some(chain)) = virtq::pop(&r, &tx_rings, avail) else {
                 break;
             };
             avail = avail.wrapping_add(1);
@@ -140,6 +141,57 @@ fuzz_target!(|input: &[u8]| {
             let verdict = vsock_packet::classify_tx(&r, &chain.readable, guest_cid)
                 .expect("a walked chain's buffers are in RAM");
             check(&r, &chain.readable, guest_cid, verdict, true);
+        }
+    }
+
+    // The rx side: a header and payload from the input written into each rx chain
+    // that holds a header; the used index moves by one per chain, and the header
+    // lands in the chain unless its buffers overlap each other or the used ring (a
+    // guest may make them).
+    let rx_rings = rings(head, 48);
+    if virtq::validate(&r, &rx_rings, 256).is_ok() {
+        let (mut avail, mut used) = (next_avail, next_avail);
+        let hdr = Header::decode(input[..HEADER_SIZE].try_into().unwrap());
+        let payload = &image[..image.len().min(usize::from(head[6]) * 4)];
+        for _ in 0..u32::from(rx_rings.size) + 2 {
+            let Ok(Some(chain)) = virtq::pop(&r, &rx_rings, avail) else {
+                break;
+            };
+            if virtq::total(&chain.writable) < HEADER_SIZE as u64 {
+                break;
+            }
+            avail = avail.wrapping_add(1);
+            let next = vsock_packet::deliver_rx(
+                &r,
+                &rx_rings,
+                used,
+                chain.head,
+                &chain.writable,
+                &hdr,
+                payload,
+            )
+            .expect("a walked chain's buffers and a validated used ring are in RAM");
+            assert_eq!(next, used.wrapping_add(1));
+            used = next;
+            let mut ranges: Vec<(u64, u64)> = chain
+                .writable
+                .iter()
+                .map(|&(gpa, len)| (gpa, gpa + u64::from(len)))
+                .collect();
+            ranges.push((
+                rx_rings.used,
+                rx_rings.used + 6 + 8 * u64::from(rx_rings.size),
+            ));
+            ranges.sort_unstable();
+            let overlaps = ranges.windows(2).any(|w| w[1].0 < w[0].1);
+            if !overlaps {
+                let back = virtq::read_segments(&r, &chain.writable, HEADER_SIZE, 0).unwrap();
+                assert_eq!(
+                    back.as_slice(),
+                    &hdr.encode()[..],
+                    "the header is in the chain"
+                );
+            }
         }
     }
 
