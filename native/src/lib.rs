@@ -25,6 +25,7 @@ mod vcpu;
 mod virtio_py;
 mod virtq;
 mod vsock_io;
+mod vsock_packet;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 

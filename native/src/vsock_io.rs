@@ -11,11 +11,9 @@
 
 use crate::guest_ram::Ram;
 use crate::virtq::{self, QueueError, Rings};
+use crate::vsock_packet::{Header, Op, HEADER_SIZE, TYPE_STREAM};
 
-pub const HEADER_SIZE: usize = 44;
 pub const MAX_PAYLOAD: usize = 64 * 1024;
-const OP_RW: u16 = 5;
-const TYPE_STREAM: u16 = 1;
 const MAX_IOV: usize = 256;
 
 /// The header fields that are the same for every data packet of a batch.
@@ -31,18 +29,19 @@ pub struct DataHeader {
 
 impl DataHeader {
     fn encode(&self, len: u32) -> [u8; HEADER_SIZE] {
-        let mut h = [0u8; HEADER_SIZE];
-        h[0..8].copy_from_slice(&self.src_cid.to_le_bytes());
-        h[8..16].copy_from_slice(&self.dst_cid.to_le_bytes());
-        h[16..20].copy_from_slice(&self.src_port.to_le_bytes());
-        h[20..24].copy_from_slice(&self.dst_port.to_le_bytes());
-        h[24..28].copy_from_slice(&len.to_le_bytes());
-        h[28..30].copy_from_slice(&TYPE_STREAM.to_le_bytes());
-        h[30..32].copy_from_slice(&OP_RW.to_le_bytes());
-        // flags (32..36) stay 0
-        h[36..40].copy_from_slice(&self.buf_alloc.to_le_bytes());
-        h[40..44].copy_from_slice(&self.fwd_cnt.to_le_bytes());
-        h
+        Header {
+            src_cid: self.src_cid,
+            dst_cid: self.dst_cid,
+            src_port: self.src_port,
+            dst_port: self.dst_port,
+            len,
+            type_: TYPE_STREAM,
+            op: Op::Rw as u16,
+            flags: 0,
+            buf_alloc: self.buf_alloc,
+            fwd_cnt: self.fwd_cnt,
+        }
+        .encode()
     }
 }
 

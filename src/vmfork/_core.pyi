@@ -80,6 +80,8 @@ class RngQueue:
     def sync(self) -> tuple[int, int, int, int, bool, int]: ...
 
 Segments = list[tuple[int, int]]
+# A vsock header's ten fields, in struct virtio_vsock_hdr's order.
+VsockHeaderFields = tuple[int, int, int, int, int, int, int, int, int, int]
 
 class GuestRam:
     """Guest RAM for the native virtqueue code; only ``GuestMemory`` makes one."""
@@ -113,6 +115,12 @@ class GuestRam:
                       header: tuple[int, int, int, int, int, int], credit: int,
                       max_packets: int) -> tuple[int, int, int, int, str | int]: ...
     def vsock_send(self, segments: Segments, offset: int, length: int, fd: int) -> int: ...
+    def vsock_tx_classify(self, segments: Segments, guest_cid: int,
+                          ) -> tuple[str, str | None, VsockHeaderFields | None,
+                                     int | None]: ...
+    def vsock_rx_packet(self, size: int, used: int, next_used: int, head: int,
+                        writable: Segments, fields: VsockHeaderFields, payload: bytes,
+                        ) -> int: ...
 
 MmioEvent = tuple[str, int, int, str | bytes]
 MmioQueueRegs = tuple[int, int, bool, int, int, int]

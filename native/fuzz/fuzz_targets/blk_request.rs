@@ -9,6 +9,8 @@
 #[allow(dead_code)]
 #[path = "../../src/blk.rs"]
 mod blk;
+#[path = "common/guest_image.rs"]
+mod guest_image;
 #[allow(dead_code)]
 #[path = "../../src/guest_ram.rs"]
 mod guest_ram;
@@ -16,13 +18,8 @@ mod guest_ram;
 #[path = "../../src/virtq.rs"]
 mod virtq;
 
-use guest_ram::{GuestRam, Region};
+use guest_image::{rings, GuestImage};
 use libfuzzer_sys::fuzz_target;
-use virtq::Rings;
-
-const LOW: u64 = 0x4000; // [0, 16 KiB)
-const HIGH_AT: u64 = 0x8000; // [32 KiB, 40 KiB)
-const HIGH: u64 = 0x2000;
 const DISK: usize = 8 * 512;
 
 fn disk_file() -> i32 {
@@ -49,42 +46,13 @@ fuzz_target!(|input: &[u8]| {
         return;
     }
     let (head, image) = input.split_at(32);
-    let word = |i: usize| u64::from_le_bytes(head[i..i + 8].try_into().unwrap());
-    let size = 1u16 << (head[0] % 9); // 1..256
-    let rings = Rings {
-        size,
-        desc: (word(8) % LOW) & !15,
-        avail: (word(16) % LOW) & !1,
-        used: (word(24) % LOW) & !3,
-    };
+    let rings = rings(head, 0);
     let next_avail = u16::from_le_bytes([head[2], head[3]]);
     let flags = head[4];
     let max_requests = u32::from(head[5] % 70);
     let max_bytes = u64::from(head[6]) << (head[7] % 24);
-    let mut low = vec![0u8; LOW as usize];
-    let mut high = vec![0u8; HIGH as usize];
-    let n = image.len().min(low.len());
-    low[..n].copy_from_slice(&image[..n]);
-    if image.len() > n {
-        let m = (image.len() - n).min(high.len());
-        high[..m].copy_from_slice(&image[n..n + m]);
-    }
-    // SAFETY: both vectors outlive `ram` (dropped at the end of this closure).
-    let ram = unsafe {
-        GuestRam::new(vec![
-            Region {
-                gpa: 0,
-                size: LOW,
-                host: low.as_mut_ptr() as usize,
-            },
-            Region {
-                gpa: HIGH_AT,
-                size: HIGH,
-                host: high.as_mut_ptr() as usize,
-            },
-        ])
-    };
-    let r = ram.lock().unwrap();
+    let guest = GuestImage::new(image);
+    let r = guest.ram().lock().unwrap();
     if virtq::validate(&r, &rings, 256).is_err() {
         return;
     }

@@ -8,6 +8,8 @@
 //! sometimes the kernel's least (so writes also fail with EAGAIN).
 #![no_main]
 
+#[path = "common/guest_image.rs"]
+mod guest_image;
 #[allow(dead_code)]
 #[path = "../../src/guest_ram.rs"]
 mod guest_ram;
@@ -18,13 +20,8 @@ mod net;
 #[path = "../../src/virtq.rs"]
 mod virtq;
 
-use guest_ram::{GuestRam, Region};
+use guest_image::{rings, GuestImage};
 use libfuzzer_sys::fuzz_target;
-use virtq::Rings;
-
-const LOW: u64 = 0x4000; // [0, 16 KiB)
-const HIGH_AT: u64 = 0x8000; // [32 KiB, 40 KiB)
-const HIGH: u64 = 0x2000;
 
 /// A non-blocking datagram socket pair (device end, host end).
 fn dgram_pair(small_sndbuf: bool) -> (i32, i32) {
@@ -70,16 +67,6 @@ fn drain(fd: i32) -> Vec<Vec<u8>> {
     }
 }
 
-fn rings(head: &[u8], at: usize) -> Rings {
-    let word = |i: usize| u64::from_le_bytes(head[at + i..at + i + 8].try_into().unwrap());
-    Rings {
-        size: 1u16 << (head[at] % 9), // 1..256
-        desc: (word(8) % LOW) & !15,
-        avail: (word(16) % LOW) & !1,
-        used: (word(24) % LOW) & !3,
-    }
-}
-
 fuzz_target!(|input: &[u8]| {
     if input.len() < 72 {
         return;
@@ -94,30 +81,8 @@ fuzz_target!(|input: &[u8]| {
     let count = usize::from(head[68] % 8);
     let frame_len = usize::from(u16::from_le_bytes([head[69], head[70]]) % 4096);
     let (frames, image) = rest.split_at(rest.len().min(count * 8));
-    let mut low = vec![0u8; LOW as usize];
-    let mut high = vec![0u8; HIGH as usize];
-    let n = image.len().min(low.len());
-    low[..n].copy_from_slice(&image[..n]);
-    if image.len() > n {
-        let m = (image.len() - n).min(high.len());
-        high[..m].copy_from_slice(&image[n..n + m]);
-    }
-    // SAFETY: both vectors outlive `ram` (dropped at the end of this closure).
-    let ram = unsafe {
-        GuestRam::new(vec![
-            Region {
-                gpa: 0,
-                size: LOW,
-                host: low.as_mut_ptr() as usize,
-            },
-            Region {
-                gpa: HIGH_AT,
-                size: HIGH,
-                host: high.as_mut_ptr() as usize,
-            },
-        ])
-    };
-    let r = ram.lock().unwrap();
+    let guest = GuestImage::new(image);
+    let r = guest.ram().lock().unwrap();
     let (dev, host) = dgram_pair(flags & 1 != 0);
 
     if virtq::validate(&r, &tx_rings, 256).is_ok() {

@@ -5,6 +5,8 @@
 //! regions have a hole between them, so "outside RAM" includes the hole and the end.
 #![no_main]
 
+#[path = "common/guest_image.rs"]
+mod guest_image;
 #[allow(dead_code)]
 #[path = "../../src/guest_ram.rs"]
 mod guest_ram;
@@ -12,13 +14,9 @@ mod guest_ram;
 #[path = "../../src/virtq.rs"]
 mod virtq;
 
-use guest_ram::{GuestRam, Region};
+use guest_image::{in_ram, GuestImage, LOW};
 use libfuzzer_sys::fuzz_target;
 use virtq::{QueueError, Rings};
-
-const LOW: u64 = 0x4000; // [0, 16 KiB)
-const HIGH_AT: u64 = 0x8000; // [32 KiB, 40 KiB)
-const HIGH: u64 = 0x2000;
 
 fuzz_target!(|input: &[u8]| {
     if input.len() < 32 {
@@ -47,34 +45,8 @@ fuzz_target!(|input: &[u8]| {
         },
     };
     let next_avail = u16::from_le_bytes([head[2], head[3]]);
-    let mut low = vec![0u8; LOW as usize];
-    let mut high = vec![0u8; HIGH as usize];
-    let n = image.len().min(low.len());
-    low[..n].copy_from_slice(&image[..n]);
-    if image.len() > n {
-        let m = (image.len() - n).min(high.len());
-        high[..m].copy_from_slice(&image[n..n + m]);
-    }
-    let check = |gpa: u64, len: u64| {
-        (gpa < LOW && len <= LOW - gpa)
-            || (gpa >= HIGH_AT && gpa < HIGH_AT + HIGH && len <= HIGH_AT + HIGH - gpa)
-    };
-    // SAFETY: both vectors outlive `ram` (dropped at the end of this closure).
-    let ram = unsafe {
-        GuestRam::new(vec![
-            Region {
-                gpa: 0,
-                size: LOW,
-                host: low.as_mut_ptr() as usize,
-            },
-            Region {
-                gpa: HIGH_AT,
-                size: HIGH,
-                host: high.as_mut_ptr() as usize,
-            },
-        ])
-    };
-    let r = ram.lock().unwrap();
+    let guest = GuestImage::new(image);
+    let r = guest.ram().lock().unwrap();
     if virtq::validate(&r, &rings, 256).is_err() {
         return;
     }
@@ -87,7 +59,7 @@ fuzz_target!(|input: &[u8]| {
                 assert!(chain.readable.len() + chain.writable.len() <= usize::from(size));
                 for &(gpa, len) in chain.readable.iter().chain(&chain.writable) {
                     assert!(
-                        check(gpa, u64::from(len)),
+                        in_ram(gpa, u64::from(len)),
                         "segment {gpa:#x}+{len:#x} outside RAM"
                     );
                 }
