@@ -2,15 +2,19 @@
 in a private network namespace on the other (an AF_PACKET socket on the tap
 plays the host's network), a real I/O thread in between.
 
-Every test that moves frames runs on both frame paths: the native one
-(``native/src/net.rs``, what a native build takes; its Python twin is made
-unreachable) and the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without
-its native view). ``test_virtio_net_native.py`` holds them to each other."""
+Every test that moves frames runs on three paths: the device served natively on the
+loop without the GIL (``native/src/net_serve.rs``, what a native build takes: the
+queues' ioeventfds are written as KVM writes them, and every Python path of the device
+is made unreachable), the native frame paths (``native/src/net.rs``) entered from the
+Python device (``VMFORK_NATIVE_NET_SERVE=0``; their Python twins made unreachable) and
+the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without its native view).
+``test_virtio_net_native.py`` holds them to each other."""
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import os
 import socket
 import struct
 import time
@@ -30,7 +34,7 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
     run_on_loop,
 )
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 
@@ -97,11 +101,15 @@ class NetEnv:
                  tap: bool = True, features: int = ACKED, path: str = "native") -> None:
         self.loop = loop
         self.netns = netns
+        self.path = path
         self.memory = GuestMemory.anonymous(MEM_SIZE)
-        if path == "native" and self.memory.native is None:
+        if path != "python" and self.memory.native is None:
             self.memory.close()
             pytest.skip("the native core is not built (scripts/lib.sh setup_native) or "
                         "VMFORK_NATIVE=0")
+        if path == "served" and not isinstance(loop, NativeEventLoop):
+            self.memory.close()
+            pytest.skip("the native loop is off (VMFORK_NATIVE_LOOP=0)")
         if path == "python" and self.memory.native is not None:
             self.memory.native.close()
             self.memory.native = None
@@ -111,11 +119,21 @@ class NetEnv:
         if tap:
             netns.run(_bring_up, TAP)
             self.wire = netns.run(_open_wire, TAP)
-        self.dev = net.VirtioNet(loop, net.parse_mac(GUEST_MAC), tap_fd)
+        self.dev = net.VirtioNet(loop, net.parse_mac(GUEST_MAC), tap_fd,
+                                 native_serve=path == "served")
         if self.memory.native is not None:   # the native path, and only it, moves frames
             self.dev._transmit_python = python_path_taken  # type: ignore[method-assign]
             self.dev._receive_python = python_path_taken  # type: ignore[method-assign]
-        self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
+        if path == "served":   # nothing of the device's runs in Python
+            for name in ("_transmit", "_receive", "_start_reading"):
+                setattr(self.dev, name, python_path_taken)
+        # Served: the queues' ioeventfds, which the test writes as KVM does on the
+        # guest's QueueNotify write (so the native loop, not Python, gets it).
+        self.kick_fds: list[int] = []
+        self.transport = mmio.MmioTransport(
+            self.dev, self.memory, self.irq, loop,
+            register_ioeventfd=((lambda off, dm, fd: self.kick_fds.append(fd))
+                                if path == "served" else None))
         self.driver = GuestDriver(self.transport, self.memory)
         status = self.driver.negotiate(features)
         assert status & STATUS_FEATURES_OK
@@ -123,9 +141,18 @@ class NetEnv:
         self.tx = self.driver.setup_queue(1, 64, RX_BUF)
         self.driver.driver_ok()
         run_on_loop(loop, lambda: None)  # activation has run
+        assert self.dev.serving_natively == (path == "served")
+
+    def kick(self, index: int) -> None:
+        """The driver notifies queue ``index``."""
+        if self.kick_fds:
+            os.eventfd_write(self.kick_fds[index], 1)
+        else:
+            self.driver.notify(index)
 
     def close(self) -> None:
         self.transport.reset()
+        self.transport.close()
         self.dev.close()
         run_on_loop(self.loop, lambda: None)
         if self.wire is not None:
@@ -140,12 +167,12 @@ class NetEnv:
     def send(self, payload: bytes, header: bytes = vnet_header()) -> None:
         """The guest transmits one frame (header and frame in separate buffers, as Linux)."""
         self.tx.post([header, frame(payload)])
-        self.driver.notify(1)
+        self.kick(1)
 
     def post_rx(self, n: int) -> None:
         for _ in range(n):
             self.rx.post(writable=[net.VNET_HDR_SIZE, RX_BUF])
-        self.driver.notify(0)
+        self.kick(0)
 
     def received(self, want: int, timeout: float = 5.0) -> list[bytes]:
         """``want`` frames of our ethertype that reached the guest, header checked."""
@@ -167,7 +194,7 @@ def python_path_taken(*_: object) -> int:
     raise AssertionError("a native build moved a frame in Python")
 
 
-@pytest.fixture(params=["python", "native"])
+@pytest.fixture(params=["python", "native", "served"])
 def frame_path(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -255,7 +282,7 @@ def test_frame_larger_than_the_chain_is_dropped_not_truncated(env: NetEnv) -> No
     env.wire.send(frame(b"small", src=PEER_MAC))
     env.rx.post(writable=[net.VNET_HDR_SIZE, 200])
     env.rx.post(writable=[net.VNET_HDR_SIZE, 200])
-    env.driver.notify(0)
+    env.kick(0)
     assert env.received(1) == [frame(b"small", src=PEER_MAC)]
     assert env.dev.counters.rx_dropped == 1 and not env.needs_reset
 
@@ -264,7 +291,7 @@ def test_frame_larger_than_the_chain_is_dropped_not_truncated(env: NetEnv) -> No
 def test_malformed_tx_sizes_are_dropped(env: NetEnv, length: int) -> None:
     parts = [b"\0" * min(length, RX_BUF) for _ in range((length + RX_BUF - 1) // RX_BUF)]
     env.tx.post(parts or [b""])
-    env.driver.notify(1)
+    env.kick(1)
     wait_until(lambda: env.dev.counters.tx_dropped == 1, what="drop counted")
     assert not env.needs_reset and len(env.tx.take_used()) == 1
 
@@ -282,7 +309,7 @@ def test_rx_chain_shorter_than_the_header_needs_reset(env: NetEnv) -> None:
     assert env.wire is not None
     env.wire.send(frame(b"x", src=PEER_MAC))
     env.rx.post(writable=[4])
-    env.driver.notify(0)
+    env.kick(0)
     wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
 
 
@@ -291,7 +318,7 @@ def test_descriptor_loop_in_tx_needs_reset(env: NetEnv) -> None:
     second = env.tx.chains[head][1][0]
     env.memory.write_u16(env.tx.desc + 16 * second + 12, 1)       # NEXT
     env.memory.write_u16(env.tx.desc + 16 * second + 14, head)    # ... back to the head
-    env.driver.notify(1)
+    env.kick(1)
     wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
 
 
@@ -310,13 +337,22 @@ def test_without_a_tap_tx_is_dropped_and_nothing_arrives(loop: EventLoop,  # noq
 
 def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop,  # noqa: F811
                                                     netns: PrivateNet) -> None:
+    assert env.wire is not None
     env.post_rx(4)
+    env.send(b"before the snapshot")
+    assert env.wire.recv(4096) == frame(b"before the snapshot")
+    wait_until(lambda: env.tx.used_idx() == 1, what="the tx chain used")
     saved = run_on_loop(loop, lambda: DeviceState("net", 1, 2, 7, env.dev.save(),
                                                   env.transport.save()))
     state = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
     assert state == saved and isinstance(state.state, net.NetState)
     assert state.transport is not None
     assert state.state.mac == GUEST_MAC and state.state.acked_features == ACKED
+    # The indices the device advanced (the native server's own, while it serves; the
+    # host kernel may have sent the tap frames of its own, IPv6's, into rx buffers).
+    rx, tx = state.transport.queues
+    assert (tx.next_avail, tx.next_used) == (1, 1)
+    assert rx.next_avail == rx.next_used == env.rx.used_idx()
 
     # The parent goes; a clone on the same tap is restored from the state.
     env.transport.reset()
@@ -324,23 +360,32 @@ def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop
     run_on_loop(loop, lambda: None)
     tap_fd = netns.run(net.open_tap, TAP)  # the test's tap was transient: a new one
     netns.run(_bring_up, TAP)
-    assert env.wire is not None
     env.wire.close()
     env.wire = netns.run(_open_wire, TAP)
-    clone = net.VirtioNet(loop, net.parse_mac("52:54:00:00:00:99"), tap_fd)
+    served = env.path == "served"
+    clone = net.VirtioNet(loop, net.parse_mac("52:54:00:00:00:99"), tap_fd, native_serve=served)
     clone.restore(state.state)
-    transport = mmio.MmioTransport(clone, env.memory, env.irq, loop)
+    kicks: list[int] = []
+    transport = mmio.MmioTransport(clone, env.memory, env.irq, loop, register_ioeventfd=(
+        (lambda off, dm, fd: kicks.append(fd)) if served else None))
     transport.restore(state.transport)
     run_on_loop(loop, lambda: None)
     try:
         assert clone.mac == net.parse_mac(GUEST_MAC), "the MAC comes from the snapshot"
+        assert clone.serving_natively == served
         sent = frame(b"after restore", src=PEER_MAC)
         env.wire.send(sent)
         assert env.received(1) == [sent], "rx buffers posted before the snapshot are used"
         env.tx.post([vnet_header(), frame(b"from the clone")])
-        GuestDriver(transport, env.memory).notify(1)
+        if served:
+            os.eventfd_write(kicks[1], 1)
+        else:
+            GuestDriver(transport, env.memory).notify(1)
         assert env.wire.recv(4096) == frame(b"from the clone")
+        wait_until(lambda: clone.counters.tx_frames == 1 and clone.counters.rx_frames >= 1,
+                   what="the clone's counters")
     finally:
         transport.reset()
+        transport.close()
         clone.close()
         run_on_loop(loop, lambda: None)
