@@ -98,7 +98,8 @@ class NetEnv:
     """A virtio-net device on a tap in ``netns``, the guest half, and the wire."""
 
     def __init__(self, loop: EventLoop, netns: PrivateNet, *,  # noqa: F811
-                 tap: bool = True, features: int = ACKED, path: str = "native") -> None:
+                 tap: bool = True, features: int = ACKED, path: str = "native",
+                 ioeventfds: bool | None = None) -> None:
         self.loop = loop
         self.netns = netns
         self.path = path
@@ -127,13 +128,15 @@ class NetEnv:
         if path == "served":   # nothing of the device's runs in Python
             for name in ("_transmit", "_receive", "_start_reading"):
                 setattr(self.dev, name, python_path_taken)
-        # Served: the queues' ioeventfds, which the test writes as KVM does on the
-        # guest's QueueNotify write (so the native loop, not Python, gets it).
+        # The queues' ioeventfds (served: always), which the test writes as KVM does on
+        # the guest's QueueNotify write (so the native loop, not Python, gets it).
         self.kick_fds: list[int] = []
+        if ioeventfds is None:
+            ioeventfds = path == "served"
         self.transport = mmio.MmioTransport(
             self.dev, self.memory, self.irq, loop,
             register_ioeventfd=((lambda off, dm, fd: self.kick_fds.append(fd))
-                                if path == "served" else None))
+                                if ioeventfds else None))
         self.driver = GuestDriver(self.transport, self.memory)
         status = self.driver.negotiate(features)
         assert status & STATUS_FEATURES_OK
@@ -389,3 +392,196 @@ def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop
         transport.close()
         clone.close()
         run_on_loop(loop, lambda: None)
+
+
+def _no_ipv6() -> None:
+    """The namespace's new interfaces without IPv6: the host kernel then sends the tap
+    no frames of its own (router solicitations), which would take rx buffers and raise
+    interrupts at moments of its choosing."""
+    with open("/proc/sys/net/ipv6/conf/default/disable_ipv6", "w") as f:
+        f.write("1")
+
+
+def test_a_budget_spent_continues_on_later_turns(loop: EventLoop,  # noqa: F811
+                                                  netns: PrivateNet, frame_path: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """More frames than a turn's budget, each way, after one notification: tx re-arms
+    itself, rx comes back while the tap is still readable; every frame arrives."""
+    monkeypatch.setattr(net, "MAX_FRAMES_PER_RUN", 4)   # before the server is made
+    netns.run(_no_ipv6)
+    env = NetEnv(loop, netns, path=frame_path)
+    try:
+        assert env.wire is not None
+        for i in range(20):
+            env.tx.post([vnet_header(), frame(b"out %d" % i)])
+        env.kick(1)
+        assert [env.wire.recv(4096) for _ in range(20)] == [frame(b"out %d" % i)
+                                                             for i in range(20)]
+        wait_until(lambda: env.tx.used_idx() == 20, what="every tx chain used")
+        sent = [frame(b"in %d" % i, src=PEER_MAC) for i in range(20)]
+        for f in sent:
+            env.wire.send(f)
+        for _ in range(20):
+            env.rx.post(writable=[net.VNET_HDR_SIZE, RX_BUF])
+        env.kick(0)
+        assert env.received(20) == sent
+        c = env.dev.counters
+        assert (c.tx_frames, c.rx_frames, c.tx_dropped, c.rx_dropped) == (20, 20, 0, 0)
+        state = run_on_loop(loop, env.transport.save)   # a BRANCH sees the indices
+        assert [(q.next_avail, q.next_used) for q in state.queues] == [(20, 20), (20, 20)]
+    finally:
+        env.close()
+
+
+def test_every_interrupt_is_counted(loop: EventLoop, netns: PrivateNet,  # noqa: F811
+                                    frame_path: str) -> None:
+    """The interrupt line's count (exit_profile's "irqs") is what was written to the
+    irqfd, whether Python or the native server wrote it."""
+    netns.run(_no_ipv6)
+    env = NetEnv(loop, netns, path=frame_path)
+    try:
+        assert env.wire is not None
+        env.post_rx(3)
+        for i in range(3):
+            env.send(b"out %d" % i)
+            assert env.wire.recv(4096) == frame(b"out %d" % i)
+            env.wire.send(frame(b"in %d" % i, src=PEER_MAC))
+            assert len(env.received(1)) == 1
+        wait_until(lambda: env.tx.used_idx() == 3, what="every tx chain used")
+        run_on_loop(loop, lambda: None)
+        written = os.eventfd_read(env.irq.fd)
+        assert written >= 2 and env.irq.count == written
+    finally:
+        env.close()
+
+
+def test_a_reset_after_a_guest_fault_serves_again(env: NetEnv) -> None:
+    assert env.wire is not None
+    early = frame(b"x", src=PEER_MAC)
+    env.rx.post(writable=[4])   # shorter than the vnet header: the driver's bug
+    env.kick(0)
+    env.wire.send(early)
+    wait_until(lambda: env.needs_reset, what="DEVICE_NEEDS_RESET")
+    assert "writable bytes" in (env.transport.last_device_error or "")
+    # The driver resets the device and starts it again.
+    status = env.driver.negotiate(ACKED)
+    assert status & STATUS_FEATURES_OK and not env.needs_reset
+    env.rx = env.driver.setup_queue(0, 64, RX_BUF)
+    env.tx = env.driver.setup_queue(1, 64, RX_BUF)
+    env.driver.driver_ok()
+    run_on_loop(env.loop, lambda: None)
+    assert env.dev.serving_natively == (env.path == "served")
+    env.post_rx(8)
+    sent = frame(b"after the reset", src=PEER_MAC)
+    env.wire.send(sent)
+    assert env.received(2) == [early, sent], "the frame waited in the tap"
+    env.send(b"out after the reset")
+    assert env.wire.recv(4096) == frame(b"out after the reset")
+
+
+@pytest.mark.parametrize("path", ["served", "native"])
+def test_native_net_serving_needs_no_gil(loop: EventLoop, netns: PrivateNet,  # noqa: F811
+                                         path: str) -> None:
+    """The main thread keeps the GIL (a 30 s switch interval, spinning in Python, and the
+    host's frame and the guest's kick made through ``ctypes.PyDLL``, which keeps it
+    across the call) while the guest transmits and a frame comes in from the host: served
+    natively, both are moved and the irqfd written; the device in Python (the control,
+    which shows that the GIL is really held throughout) moves nothing meanwhile."""
+    import sys
+    netns.run(_no_ipv6)
+    env = NetEnv(loop, netns, path=path, ioeventfds=True)
+    libc = ctypes.PyDLL(None, use_errno=True)
+    try:
+        assert env.wire is not None
+        env.post_rx(2)
+        run_on_loop(loop, lambda: None)   # the rx notification was served
+        env.tx.post([vnet_header(), frame(b"out while the GIL is held")])
+        incoming = frame(b"in while the GIL is held", src=PEER_MAC)
+        one = ctypes.c_uint64(1)
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)   # no other Python thread runs for 30 s
+        try:
+            sent = libc.send(env.wire.fileno(), incoming, len(incoming), 0)
+            kicked = libc.write(env.kick_fds[1], ctypes.byref(one), 8)
+            t0 = time.monotonic()
+            limit = 5.0 if path == "served" else 1.0
+            while ((env.tx.used_idx(), env.rx.used_idx()) != (1, 1)
+                   and time.monotonic() - t0 < limit):
+                pass
+            served_in = time.monotonic() - t0
+            moved = (env.tx.used_idx(), env.rx.used_idx())
+        finally:
+            sys.setswitchinterval(old)
+        assert (sent, kicked) == (len(incoming), 8), ctypes.get_errno()
+        if path == "served":
+            assert moved == (1, 1) and served_in < 5, (moved, served_in)
+            assert os.eventfd_read(env.irq.fd) >= 1
+        else:
+            assert moved == (0, 0), "the Python device ran while the GIL was held"
+        assert env.wire.recv(4096) == frame(b"out while the GIL is held")
+        assert env.received(1) == [incoming]
+    finally:
+        env.close()
+
+
+def test_net_closed_after_its_transport_holds_no_fds(loop: EventLoop,  # noqa: F811
+                                                    netns: PrivateNet) -> None:
+    """A machine's close runs the transport's close, then the device's: after both, no
+    fd of the device is open, with the device itself still referenced (the native server
+    duplicates the tap, the irqfd and the tx ioeventfd, and holds the device through its
+    report callback: a cycle only the device's close breaks at once)."""
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+    netns.run(_no_ipv6)
+    for path in ("served", "native"):
+        env = NetEnv(loop, netns, path=path)
+        assert env.wire is not None
+        env.post_rx(2)
+        env.send(b"out")
+        assert env.wire.recv(4096) == frame(b"out")
+        sent = frame(b"in", src=PEER_MAC)
+        env.wire.send(sent)
+        assert env.received(1) == [sent]
+        env.wire.close()
+        env.wire = None
+        before_close = fds()
+        dev = env.dev
+        env.transport.close()
+        dev.close()
+        run_on_loop(loop, lambda: None)   # the device's close runs on the loop thread
+        closed = before_close - fds()
+        # The tap, its duplicate, the two ioeventfds (served only) and the server's
+        # duplicates of the irqfd and the tx ioeventfd.
+        assert len(closed) == (6 if path == "served" else 1), (path, closed)
+        assert dev.tap_fd is None and not dev.serving_natively
+        env.irq.close()
+        env.memory.close()
+
+
+def test_serving_changes_hands_with_the_indices(loop: EventLoop,  # noqa: F811
+                                                netns: PrivateNet) -> None:
+    """``set_native_serve`` on a running device (the benchmark's switch): from the
+    native server to the Python device and back, frames keep flowing each way from the
+    ring indices the other side left, and the counters add up."""
+    netns.run(_no_ipv6)
+    env = NetEnv(loop, netns, path="served")
+    for name in ("_transmit", "_receive", "_start_reading"):   # allowed here
+        delattr(env.dev, name)
+    try:
+        assert env.wire is not None
+        env.post_rx(6)
+        for k, served in enumerate([True, False, True]):
+            run_on_loop(loop, lambda served=served: env.dev.set_native_serve(served))
+            assert env.dev.serving_natively == served
+            env.send(b"out %d" % k)
+            assert env.wire.recv(4096) == frame(b"out %d" % k)
+            sent = frame(b"in %d" % k, src=PEER_MAC)
+            env.wire.send(sent)
+            assert env.received(1) == [sent]
+            wait_until(lambda k=k: env.tx.used_idx() == k + 1, what="the tx chain used")
+        c = env.dev.counters
+        assert (c.tx_frames, c.rx_frames) == (3, 3)
+        state = run_on_loop(loop, env.transport.save)
+        assert [(q.next_avail, q.next_used) for q in state.queues] == [(3, 3), (3, 3)]
+    finally:
+        env.close()
