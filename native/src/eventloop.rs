@@ -8,6 +8,12 @@
 //! timeout at all, so an idle VMM's loop thread neither wakes nor runs Python. The GIL
 //! is taken only to run a Python callback.
 //!
+//! A device's native server (a `NativeReader`: `rng_serve.rs`, `net_serve.rs`) can take
+//! an fd instead of a Python callback: the loop thread serves it without the GIL, and
+//! takes the GIL after the turn's native work only for what the server hands back
+//! (`Deferred`: a guest fault, a line to log). A server may take one of its own fds out
+//! of the epoll set and put it back (`LoopLink::watch`), keeping its reader.
+//!
 //! Order of one turn, as in the Python loop: the ready readers' callbacks, then every
 //! queued `call_soon` (including those queued meanwhile), then the due timers. A reader
 //! removed by an earlier callback of the same turn is not called (the Python loop would
@@ -102,7 +108,10 @@ impl LoopLink {
             return false;
         };
         let (op, event) = if on {
-            (ControlOperation::Add, EpollEvent::new(EventSet::IN, fd as u64))
+            (
+                ControlOperation::Add,
+                EpollEvent::new(EventSet::IN, fd as u64),
+            )
         } else {
             (ControlOperation::Delete, EpollEvent::default())
         };
