@@ -167,6 +167,7 @@ def main() -> None:
     from vmfork.runtime.guest import BootedGuest
     from vmfork.runtime.network import GuestNetwork
     from vmfork.vmm.devices.virtio.device import run_on_loop
+    from vmfork.vmm.irq import IrqLine
 
     image = find_image()
     size = args.mib << 20
@@ -179,6 +180,8 @@ def main() -> None:
         assert machine is not None and machine.net is not None
         device = machine.net
         io_thread = thread_named(machine.loop.name)
+        (line,) = [t.irq for t in machine.devices.transports if t.device is device]
+        assert isinstance(line, IrqLine)
         code = {"guest->host": GUEST_SEND.format(host=HOST_IP, port=PORT, chunk=CHUNK,
                                                  count=count),
                 "host->guest": GUEST_RECEIVE.format(host=HOST_IP, port=PORT)}
@@ -192,11 +195,16 @@ def main() -> None:
                                      "natively (the native loop or core is off)")
                 for direction in ("guest->host", "host->guest"):
                     peer = HostPeer(listener, direction, size)
+                    frames0, irqs0 = device.counters, line.count
                     cpu0, io0 = time.process_time(), thread_cpu_s(io_thread)
                     done = agent.eval(code[direction], timeout=1800)
                     peer.thread.join(60)
                     cpu = time.process_time() - cpu0
                     io = thread_cpu_s(io_thread) - io0
+                    frames1 = device.counters
+                    frames = (frames1.tx_frames - frames0.tx_frames, frames1.rx_frames
+                              - frames0.rx_frames)
+                    irqs = line.count - irqs0
                     if not done.ok or peer.error is not None or peer.thread.is_alive():
                         raise SystemExit(f"{direction} on the {path} path failed: "
                                          f"{done.exception} {peer.error}")
@@ -207,10 +215,13 @@ def main() -> None:
                     mib_s = args.mib / peer.seconds
                     runs.append({"rep": rep, "path": path, "direction": direction,
                                  "seconds": peer.seconds, "mib_s": mib_s,
-                                 "vmm_cpu_s": cpu, "io_thread_cpu_s": io})
+                                 "vmm_cpu_s": cpu, "io_thread_cpu_s": io,
+                                 "tx_frames": frames[0], "rx_frames": frames[1],
+                                 "interrupts": irqs})
                     print(f"rep {rep + 1}/{args.reps} {path:6} {direction}: "
                           f"{mib_s:7.1f} MiB/s, process CPU {cpu:.2f} s, "
-                          f"I/O thread {io:.2f} s", file=sys.stderr)
+                          f"I/O thread {io:.2f} s, frames tx {frames[0]} rx {frames[1]}, "
+                          f"interrupts {irqs}", file=sys.stderr)
         counters = vars(device.counters)
     directions = ("guest->host", "host->guest")
     rows = {}
@@ -219,7 +230,8 @@ def main() -> None:
             mine = [r for r in runs if r["path"] == path and r["direction"] == direction]
             rows[f"{path} {direction}"] = {
                 key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
-                for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
+                for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s", "tx_frames", "rx_frames",
+                            "interrupts")}
     # Each path against the next slower one (served against native, native against Python).
     pairs = [(a, b) for a, b in (("served", "native"), ("native", "python"))
              if a in paths and b in paths]
@@ -233,11 +245,14 @@ def main() -> None:
           f"and this process over a tap, {args.reps} runs per row, the paths "
           "alternating in one guest.\n\n"
           "| path | direction | MiB/s (median) | min | max | process CPU s | "
-          "I/O thread CPU s | I/O thread CPU ms/MiB |\n|---|---|---|---|---|---|---|---|\n"
+          "I/O thread CPU s | I/O thread CPU ms/MiB | tx frames | rx frames | interrupts |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|\n"
           + "".join(f"| {name.split()[0]} | {name.split()[1]} | {r['mib_s']['median']:.1f} | "
                     f"{r['mib_s']['min']:.1f} | {r['mib_s']['max']:.1f} | "
                     f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} | "
-                    f"{1000 * r['io_thread_cpu_s']['median'] / args.mib:.2f} |\n"
+                    f"{1000 * r['io_thread_cpu_s']['median'] / args.mib:.2f} | "
+                    f"{r['tx_frames']['median']:.0f} | {r['rx_frames']['median']:.0f} | "
+                    f"{r['interrupts']['median']:.0f} |\n"
                     for name, r in rows.items())
           + "\nthroughput (medians): "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
