@@ -6,8 +6,9 @@ Every test that moves frames runs on three paths: the device served natively on 
 loop without the GIL (``native/src/net_serve.rs``, what a native build takes: the
 queues' ioeventfds are written as KVM writes them, and every Python path of the device
 is made unreachable), the native frame paths (``native/src/net.rs``) entered from the
-Python device (``VMFORK_NATIVE_NET_SERVE=0``; their Python twins made unreachable) and
-the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without its native view).
+Python device (the default, ``VMFORK_NATIVE_NET_SERVE`` unset; their Python twins made
+unreachable) and the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without its
+native view).
 ``test_virtio_net_native.py`` holds them to each other."""
 
 from __future__ import annotations
