@@ -1,15 +1,20 @@
-"""virtio-net throughput: the native frame paths (native/src/net.rs) against Python.
+"""virtio-net throughput: the device served natively (native/src/net_serve.rs), the
+native frame paths (native/src/net.rs) in the Python device, and Python.
 
 One guest (the default image, 256 MiB) boots with a virtio-net device on a tap in a
 network namespace of this process's own (the tap at 10.123.0.1/30, the guest at
-10.123.0.2). Then, alternating the device's frame paths between native and Python
-(``VirtioNet.native_frames``, so both peers run in the same guest on the same tap in
-one run), the guest sends ``--mib`` MiB over one TCP connection to a socket of this
-process (guest -> host: the device's tx path) and receives as much from it (host ->
-guest: the rx path), ``--reps`` times each. For every run: MiB/s from this process's
-clock (accept to end of stream, so the guest command's start-up is not in it), and the
-CPU time the VMM's I/O thread (where the device moves frames) and the whole process
-(the host-side peer included) spent meanwhile.
+10.123.0.2). Then, alternating the device's paths (``--paths``, so every peer runs in
+the same guest on the same tap in one run): ``served`` (the native loop serves the
+queues and the tap without the GIL, ``VirtioNet.set_native_serve(True)``), ``native``
+(the Python device around the native frame paths, the default without
+``VMFORK_NATIVE_NET_SERVE=1``) and ``python`` (``VirtioNet.native_frames = False``), the guest sends ``--mib``
+MiB over one TCP connection to a socket of this process (guest -> host: the device's tx
+path) and receives as much from it (host -> guest: the rx path), ``--reps`` times each.
+For every run: MiB/s from this process's clock (accept to end of stream, so the guest
+command's start-up is not in it), and the CPU time the VMM's I/O thread (where the
+device moves frames; found by its name in ``/proc/self/task``, as the native loop's
+thread is not a Python one) and the whole process (the host-side peer included) spent
+meanwhile, also per MiB.
 
 Writes ``bench/results/net.{json,md}``. On a host whose KVM cannot run unmodified
 guests it re-runs itself inside the emulated test host (only ratios between the two
@@ -33,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
@@ -69,10 +75,23 @@ _n
 """
 
 
+PATHS = ("python", "native", "served")
+
+
 def thread_cpu_s(native_id: int) -> float:
     """utime + stime of one thread of this process, in seconds."""
     fields = Path(f"/proc/self/task/{native_id}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_named(name: str) -> int:
+    """The id of this process's one thread called ``name`` (as the kernel keeps it: at
+    most 15 bytes), Python's or native."""
+    found = [int(task.name) for task in Path("/proc/self/task").iterdir()
+             if (task / "comm").read_text().rstrip("\n") == name[:15]]
+    if len(found) != 1:
+        raise SystemExit(f"{len(found)} threads named {name[:15]!r}")
+    return found[0]
 
 
 def own_network() -> None:
@@ -127,6 +146,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64, help="MiB per run and direction")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help="the device paths to alternate, of " + ", ".join(PATHS))
     parser.add_argument("--driver", action="store_true",
                         help="move frames from a simulated driver, no guest")
     parser.add_argument("--frame-bytes", type=int, default=1514,
@@ -136,12 +157,17 @@ def main() -> None:
     if args.driver:
         driver_bench(args)
         return
+    paths = [p for p in PATHS if p in args.paths.split(",")]
+    if not paths:
+        raise SystemExit(f"--paths: none of {', '.join(PATHS)}")
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=3072, timeout=3600)
     own_network()
 
     from vmfork.image import find_image
     from vmfork.runtime.guest import BootedGuest
     from vmfork.runtime.network import GuestNetwork
+    from vmfork.vmm.devices.virtio.device import run_on_loop
+    from vmfork.vmm.irq import IrqLine
 
     image = find_image()
     size = args.mib << 20
@@ -153,22 +179,32 @@ def main() -> None:
         machine, agent = guest.machine, guest.agent
         assert machine is not None and machine.net is not None
         device = machine.net
-        io_thread = next(t for t in threading.enumerate()
-                         if t.name == f"vmm-io-{machine.vm_id}")
-        assert io_thread.native_id is not None
+        io_thread = thread_named(machine.loop.name)
+        (line,) = [t.irq for t in machine.devices.transports if t.device is device]
+        assert isinstance(line, IrqLine)
         code = {"guest->host": GUEST_SEND.format(host=HOST_IP, port=PORT, chunk=CHUNK,
                                                  count=count),
                 "host->guest": GUEST_RECEIVE.format(host=HOST_IP, port=PORT)}
         for rep in range(args.reps):
-            for path in ("python", "native"):
-                device.native_frames = path == "native"
+            for path in paths:
+                device.native_frames = path != "python"
+                serve = partial(device.set_native_serve, path == "served")
+                run_on_loop(machine.loop, serve)
+                if device.serving_natively != (path == "served"):
+                    raise SystemExit(f"the {path} path: the device could not be served "
+                                     "natively (the native loop or core is off)")
                 for direction in ("guest->host", "host->guest"):
                     peer = HostPeer(listener, direction, size)
-                    cpu0, io0 = time.process_time(), thread_cpu_s(io_thread.native_id)
+                    frames0, irqs0 = device.counters, line.count
+                    cpu0, io0 = time.process_time(), thread_cpu_s(io_thread)
                     done = agent.eval(code[direction], timeout=1800)
                     peer.thread.join(60)
                     cpu = time.process_time() - cpu0
-                    io = thread_cpu_s(io_thread.native_id) - io0
+                    io = thread_cpu_s(io_thread) - io0
+                    frames1 = device.counters
+                    frames = (frames1.tx_frames - frames0.tx_frames, frames1.rx_frames
+                              - frames0.rx_frames)
+                    irqs = line.count - irqs0
                     if not done.ok or peer.error is not None or peer.thread.is_alive():
                         raise SystemExit(f"{direction} on the {path} path failed: "
                                          f"{done.exception} {peer.error}")
@@ -179,42 +215,52 @@ def main() -> None:
                     mib_s = args.mib / peer.seconds
                     runs.append({"rep": rep, "path": path, "direction": direction,
                                  "seconds": peer.seconds, "mib_s": mib_s,
-                                 "vmm_cpu_s": cpu, "io_thread_cpu_s": io})
+                                 "vmm_cpu_s": cpu, "io_thread_cpu_s": io,
+                                 "tx_frames": frames[0], "rx_frames": frames[1],
+                                 "interrupts": irqs})
                     print(f"rep {rep + 1}/{args.reps} {path:6} {direction}: "
                           f"{mib_s:7.1f} MiB/s, process CPU {cpu:.2f} s, "
-                          f"I/O thread {io:.2f} s", file=sys.stderr)
+                          f"I/O thread {io:.2f} s, frames tx {frames[0]} rx {frames[1]}, "
+                          f"interrupts {irqs}", file=sys.stderr)
         counters = vars(device.counters)
     directions = ("guest->host", "host->guest")
     rows = {}
-    for path in ("python", "native"):
+    for path in paths:
         for direction in directions:
             mine = [r for r in runs if r["path"] == path and r["direction"] == direction]
             rows[f"{path} {direction}"] = {
                 key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
-                for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
-    ratios = {d: rows[f"native {d}"]["mib_s"]["median"] / rows[f"python {d}"]["mib_s"]["median"]
-              for d in directions}
-    io_cpu = {d: rows[f"python {d}"]["io_thread_cpu_s"]["median"]
-              / max(rows[f"native {d}"]["io_thread_cpu_s"]["median"], 1e-9)
-              for d in directions}
-    md = (f"# virtio-net: native frame paths against Python\n\n{where()}; default image, "
+                for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s", "tx_frames", "rx_frames",
+                            "interrupts")}
+    # Each path against the next slower one (served against native, native against Python).
+    pairs = [(a, b) for a, b in (("served", "native"), ("native", "python"))
+             if a in paths and b in paths]
+    ratios = {f"{a}/{b} {d}": rows[f"{a} {d}"]["mib_s"]["median"]
+              / rows[f"{b} {d}"]["mib_s"]["median"] for a, b in pairs for d in directions}
+    io_cpu = {f"{b}/{a} {d}": rows[f"{b} {d}"]["io_thread_cpu_s"]["median"]
+              / max(rows[f"{a} {d}"]["io_thread_cpu_s"]["median"], 1e-9)
+              for a, b in pairs for d in directions}
+    md = (f"# virtio-net: the device's paths\n\n{where()}; default image, "
           f"256 MiB guest, one TCP stream of {args.mib} MiB each way between the guest "
-          f"and this process over a tap, {args.reps} runs per row, the two paths "
+          f"and this process over a tap, {args.reps} runs per row, the paths "
           "alternating in one guest.\n\n"
           "| path | direction | MiB/s (median) | min | max | process CPU s | "
-          "I/O thread CPU s |\n|---|---|---|---|---|---|---|\n"
+          "I/O thread CPU s | I/O thread CPU ms/MiB | tx frames | rx frames | interrupts |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|\n"
           + "".join(f"| {name.split()[0]} | {name.split()[1]} | {r['mib_s']['median']:.1f} | "
                     f"{r['mib_s']['min']:.1f} | {r['mib_s']['max']:.1f} | "
-                    f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} |\n"
+                    f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} | "
+                    f"{1000 * r['io_thread_cpu_s']['median'] / args.mib:.2f} | "
+                    f"{r['tx_frames']['median']:.0f} | {r['rx_frames']['median']:.0f} | "
+                    f"{r['interrupts']['median']:.0f} |\n"
                     for name, r in rows.items())
-          + "\nnative / Python throughput (median): "
-          + ", ".join(f"{d} {ratios[d]:.2f}x" for d in directions)
-          + "; Python / native I/O-thread CPU: "
-          + ", ".join(f"{d} {io_cpu[d]:.2f}x" for d in directions) + "\n")
-    write_results("net", {"mib": args.mib, "reps": args.reps, "runs": runs, "rows": rows,
-                          "native_over_python": ratios,
-                          "io_thread_cpu_python_over_native": io_cpu,
-                          "device_counters": counters}, md)
+          + "\nthroughput (medians): "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+          + "; I/O-thread CPU (medians): "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in io_cpu.items()) + "\n")
+    write_results("net", {"mib": args.mib, "reps": args.reps, "paths": paths, "runs": runs,
+                          "rows": rows, "throughput_ratios": ratios,
+                          "io_thread_cpu_ratios": io_cpu, "device_counters": counters}, md)
 
 
 def driver_bench(args: argparse.Namespace) -> None:
@@ -278,7 +324,7 @@ def driver_bench(args: argparse.Namespace) -> None:
         for direction in ("tx", "rx"):
             for path in ("python", "native"):
                 dev.native_frames = path == "native"
-                dev.counters = net.NetCounters()
+                start = dev.counters
                 busy = cpu = 0.0
                 for _ in range(args.turns):
                     offer(net.TX_QUEUE if direction == "tx" else net.RX_QUEUE)
@@ -296,7 +342,8 @@ def driver_bench(args: argparse.Namespace) -> None:
                         for _ in range(per_turn):
                             peer.recv(1 << 17)
                 c = dev.counters
-                frames = c.tx_frames if direction == "tx" else c.rx_frames
+                frames = (c.tx_frames - start.tx_frames if direction == "tx"
+                          else c.rx_frames - start.rx_frames)
                 assert frames == per_turn * args.turns and not c.tx_dropped \
                     and not c.rx_dropped, vars(c)
                 moved = (frames * frame_len) >> 20

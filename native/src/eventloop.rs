@@ -8,6 +8,12 @@
 //! timeout at all, so an idle VMM's loop thread neither wakes nor runs Python. The GIL
 //! is taken only to run a Python callback.
 //!
+//! A device's native server (a `NativeReader`: `rng_serve.rs`, `net_serve.rs`) can take
+//! an fd instead of a Python callback: the loop thread serves it without the GIL, and
+//! takes the GIL after the turn's native work only for what the server hands back
+//! (`Deferred`: a guest fault, a line to log). A server may take one of its own fds out
+//! of the epoll set and put it back (`LoopLink::watch`), keeping its reader.
+//!
 //! Order of one turn, as in the Python loop: the ready readers' callbacks, then every
 //! queued `call_soon` (including those queued meanwhile), then the due timers. A reader
 //! removed by an earlier callback of the same turn is not called (the Python loop would
@@ -32,12 +38,13 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-use crate::rng_serve::{RngQueue, RngServer, Served};
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use crate::net_serve::NetQueues;
+use crate::rng_serve::RngQueue;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -52,11 +59,68 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Work a native handler leaves for Python (a guest fault to report, a line to log),
+/// run by the loop thread once it holds the GIL.
+pub type Deferred = Box<dyn FnOnce(Python<'_>) + Send>;
+
+/// A device queue served on the loop thread without the GIL (`rng_serve.rs`,
+/// `net_serve.rs`).
+pub trait NativeReader: Send + Sync {
+    /// `fd` (one the handler was added for) is readable: serve it, without the GIL. An
+    /// eventfd is the handler's to drain (a tap is not drained: it is read). What needs
+    /// Python comes back, to be run with the GIL after this turn's native work.
+    fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred>;
+
+    /// The loop it was added to, for a handler that turns its own fds' interest on and
+    /// off (`LoopLink::watch`). Called at every `add_native_reader`.
+    fn bind(&self, _link: LoopLink) {}
+}
+
 /// What serves a readable fd: a Python callback (with the GIL), or a native handler
 /// (without it).
 enum Reader {
     Python(Py<PyAny>),
-    Rng(Arc<RngServer>),
+    Native(Arc<dyn NativeReader>),
+}
+
+/// A native handler's weak link to the loop it is registered with (weak: the loop
+/// holds the handler, and a strong link back would be a cycle never freed).
+#[derive(Clone)]
+pub struct LoopLink(Weak<Shared>);
+
+impl LoopLink {
+    /// Watch `fd` for readability (`on`) or stop watching it, keeping its reader: a
+    /// device parks an fd it cannot serve now (a tap with no rx buffers posted, which
+    /// level-triggered would wake the loop at every turn) and watches it again when it
+    /// can. Only an fd registered with a native reader is touched, so a handler can never
+    /// make the loop watch an fd that has no reader (which would spin the loop); false if
+    /// it is not (or the loop is gone).
+    pub fn watch(&self, fd: RawFd, on: bool) -> bool {
+        let Some(shared) = self.0.upgrade() else {
+            return false;
+        };
+        let state = lock(&shared.state);
+        if !matches!(state.readers.get(&fd), Some(Reader::Native(_))) {
+            return false;
+        }
+        let io = shared.io();
+        let Some(io) = io.as_ref() else {
+            return false;
+        };
+        let (op, event) = if on {
+            (
+                ControlOperation::Add,
+                EpollEvent::new(EventSet::IN, fd as u64),
+            )
+        } else {
+            (ControlOperation::Delete, EpollEvent::default())
+        };
+        match io.epoll.ctl(op, fd, event) {
+            Ok(()) => true,
+            // Already in the state asked for.
+            Err(e) => matches!(e.raw_os_error(), Some(libc::EEXIST) | Some(libc::ENOENT)),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -97,7 +161,7 @@ impl State {
                 Reader::Python(cb) => out.push(cb),
                 // Its Python references go when the last Arc does; the loop thread
                 // drops its clones right after serving.
-                Reader::Rng(server) => drop(server),
+                Reader::Native(handler) => drop(handler),
             }
         }
         out.extend(self.pending.drain(..));
@@ -113,7 +177,7 @@ struct Io {
     wake: EventFd,
 }
 
-struct Shared {
+pub struct Shared {
     io: RwLock<Option<Io>>,
     state: Mutex<State>,
     /// The Python function each callback is passed to (`NativeEventLoop._call`, which
@@ -189,10 +253,22 @@ impl EventLoop {
         self.add(fd, Reader::Python(callback))
     }
 
-    /// Serve the virtio-rng queue `rng` natively, without the GIL, whenever its
-    /// ioeventfd `fd` is readable (the eventfd is drained first).
-    fn add_rng_reader(&self, fd: RawFd, rng: &RngQueue) -> PyResult<()> {
-        self.add(fd, Reader::Rng(rng.server.clone()))
+    /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
+    /// device's native server (`_core.RngQueue`, `_core.NetQueues`), which knows what
+    /// each of its fds is.
+    fn add_native_reader(&self, fd: RawFd, handler: &Bound<'_, PyAny>) -> PyResult<()> {
+        let reader: Arc<dyn NativeReader> = if let Ok(rng) = handler.cast::<RngQueue>() {
+            rng.get().server.clone()
+        } else if let Ok(net) = handler.cast::<NetQueues>() {
+            net.get().server.clone()
+        } else {
+            return Err(PyTypeError::new_err(format!(
+                "{} is not a native queue server",
+                handler.get_type().name()?
+            )));
+        };
+        reader.bind(LoopLink(Arc::downgrade(&self.shared)));
+        self.add(fd, Reader::Native(reader))
     }
 
     /// Stop watching `fd` (nothing happens if it is not watched).
@@ -408,20 +484,15 @@ fn run_thread(shared: &Arc<Shared>) {
             }
         }
         let mut python_fds = Vec::with_capacity(ready.fds.len());
-        let mut faults = Vec::new();
+        let mut deferred: Vec<Deferred> = Vec::new();
         for fd in ready.fds {
             let native = match lock(&shared.state).readers.get(&fd) {
-                Some(Reader::Rng(server)) => Some(server.clone()),
+                Some(Reader::Native(handler)) => Some(handler.clone()),
                 Some(Reader::Python(_)) => None,
                 None => continue, // removed meanwhile
             };
             match native {
-                Some(server) => {
-                    drain_eventfd(fd);
-                    if let Served::Fault(e) = server.serve() {
-                        faults.push((server, e));
-                    }
-                }
+                Some(handler) => deferred.extend(handler.ready(fd)),
                 None => python_fds.push(fd),
             }
         }
@@ -431,18 +502,14 @@ fn run_thread(shared: &Arc<Shared>) {
                 break;
             }
             !python_fds.is_empty()
-                || !faults.is_empty()
+                || !deferred.is_empty()
                 || !state.pending.is_empty()
                 || state.pop_due_check(Instant::now())
         };
         if python_work {
             Python::attach(|py| {
-                for (server, e) in faults {
-                    let err = crate::virtio_py::py_error(py, e);
-                    if let Err(failed) = server.on_error.call1(py, (err.value(py),)) {
-                        failed.write_unraisable(py, Some(server.on_error.bind(py)));
-                    }
-                    drop(server);
+                for work in deferred {
+                    work(py);
                 }
                 serve_python(py, shared, &python_fds);
             });
@@ -487,10 +554,11 @@ fn timer_due(timers: &TimerHeap, now: Instant) -> bool {
 }
 
 /// Read an eventfd's counter to zero (non-blocking: EAGAIN means it was zero).
-fn drain_eventfd(fd: RawFd) {
+pub(crate) fn drain_eventfd(fd: RawFd) {
     let mut buf = [0u8; 8];
-    // SAFETY: 8 bytes into a live buffer; `fd` is registered with this loop, so open
-    // (its owner removes it from the loop before closing it).
+    // SAFETY: 8 bytes into a live buffer; `fd` is an eventfd registered with a loop
+    // (so open: its owner removes it from the loop before closing it), or one the
+    // caller owns.
     let _ = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
 }
 

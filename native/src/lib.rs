@@ -19,6 +19,7 @@ mod log_budget;
 mod mmio;
 mod mmio_py;
 mod net;
+mod net_serve;
 mod restore;
 mod rng_serve;
 mod vcpu;
@@ -214,6 +215,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<console::Console>()?;
     m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<rng_serve::RngQueue>()?;
+    m.add_class::<net_serve::NetQueues>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

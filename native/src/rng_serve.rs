@@ -28,6 +28,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 
+use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
 use crate::virtio_py::GuestRam;
@@ -129,14 +130,30 @@ impl RngServer {
     }
 }
 
-fn write_eventfd(fd: RawFd) {
+impl NativeReader for RngServer {
+    /// The queue's ioeventfd: drain it, serve, and hand a guest fault to `on_error`.
+    fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
+        drain_eventfd(fd);
+        match self.serve() {
+            Served::Done => None,
+            Served::Fault(e) => Some(Box::new(move |py| {
+                let err = crate::virtio_py::py_error(py, e);
+                if let Err(failed) = self.on_error.call1(py, (err.value(py),)) {
+                    failed.write_unraisable(py, Some(self.on_error.bind(py)));
+                }
+            })),
+        }
+    }
+}
+
+pub(crate) fn write_eventfd(fd: RawFd) {
     let one = 1u64.to_ne_bytes();
     // SAFETY: `fd` is an eventfd this object owns (a duplicate); 8 bytes from a live
     // buffer. A full counter (EAGAIN) still leaves the eventfd signalled.
     let _ = unsafe { libc::write(fd, one.as_ptr().cast(), one.len()) };
 }
 
-fn dup(fd: RawFd) -> PyResult<OwnedFd> {
+pub(crate) fn dup(fd: RawFd) -> PyResult<OwnedFd> {
     use std::os::fd::BorrowedFd;
     if fd < 0 {
         return Err(PyValueError::new_err(format!(
@@ -234,6 +251,12 @@ impl RngQueue {
         visit.call(&self.server.ram)?;
         visit.call(&self.server.registers)?;
         visit.call(&self.server.on_error)
+    }
+
+    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
+    #[getter]
+    fn interrupts(&self) -> u64 {
+        lock(&self.server.state).interrupts
     }
 
     /// (next_avail, next_used, requests served, bytes served, failed, interrupts).

@@ -1,4 +1,5 @@
-"""virtio-net's frame paths, native (``native/src/net.rs``) against Python.
+"""virtio-net's frame paths, native (``native/src/net.rs``) against Python, and the
+device served natively (``native/src/net_serve.rs``) against the Python device.
 
 A differential property: random, mostly hostile rx and tx rings (Linux-shaped chains
 and arbitrary ones; buffers in the hole between the RAM regions, across a region's end,
@@ -7,10 +8,15 @@ one is written; rx chains too short for the vnet header; frames over the size li
 no longer than the header; descriptor links, flags and lengths overwritten, loops
 included; the avail index run ahead) are driven through both paths, each over its own
 real guest memory and its own real fd, by the same sequence of device entries
-(``_transmit``, ``_receive``) and of frames the host side sends in between. Both must
-leave the same guest memory (used rings, ``num_buffers``, frame bytes), the same frames
-on the host side of the fd, the same counters, queue indices, interrupts, re-arms,
-reader state, log lines and guest fault, call for call.
+and of frames the host side sends in between, as the loop would deliver them: a tx
+notification, an rx notification, a readable tap (only while the device watches it).
+Three paths: the Python device on the Python frame paths, the Python device on the
+native frame paths (``_transmit``, ``_start_reading``, ``_receive``), and the native
+server (``_core.NetQueues``, driven through ``serve_ready`` for the fd the loop would find
+readable: the queues' ioeventfds, the tap). All must leave the same guest memory (used
+rings, ``num_buffers``, frame bytes), the same frames on the host side of the fd, the
+same counters, queue indices, interrupts, re-arms, reader state, log lines and guest
+fault, call for call.
 
 The fd is real every time: a real tap in a private network namespace (an AF_PACKET
 socket on it plays the host's network; the host kernel validates each vnet header),
@@ -36,7 +42,8 @@ from hypothesis import strategies as st
 from test_virtio_net import ETHERTYPE, PrivateNet, _bring_up
 from test_virtio_queue import HIGH, LOW, BufferLayout, CountingMemory
 
-from vmfork.vmm.devices.virtio import net
+from vmfork.vmm.devices.virtio import mmio, net
+from vmfork.vmm.devices.virtio.device import VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.queue import (
     VIRTQ_DESC_F_INDIRECT,
     VIRTQ_DESC_F_NEXT,
@@ -44,7 +51,12 @@ from vmfork.vmm.devices.virtio.queue import (
     Virtqueue,
 )
 from vmfork.vmm.errors import GuestError
-from vmfork.vmm.eventloop import SelectorEventLoop
+from vmfork.vmm.eventloop import NativeEventLoop, SelectorEventLoop
+
+try:
+    from vmfork import _core
+except ImportError:
+    pass
 
 QSIZE = 16
 TAP = "vmfdiff0"
@@ -107,10 +119,13 @@ def host_frame(draw: st.DrawFn) -> bytes:
     return bytes((fill + i) & 0xFF for i in range(length))
 
 
-# The host's sends are followed by an rx turn mostly, as a readable tap is.
+# The host's sends are followed by an rx turn mostly, as a readable tap is. "rx" is the
+# tap found readable (served only while the device watches it), "rx_notify" the
+# driver's rx notification (which watches it again).
 sends = st.tuples(st.just("send"), st.lists(host_frame(), min_size=1, max_size=6))
-op = st.one_of(st.just([("tx",)]), st.just([("rx",)]), sends.map(lambda s: [s]),
-               sends.map(lambda s: [s, ("rx",)]), sends.map(lambda s: [s, ("rx",)]))
+op = st.one_of(st.just([("tx",)]), st.just([("rx",)]), st.just([("rx_notify",)]),
+               sends.map(lambda s: [s]), sends.map(lambda s: [s, ("rx",)]),
+               sends.map(lambda s: [s, ("rx",)]))
 
 
 def make_queue(mem: CountingMemory, index: int) -> Virtqueue:
@@ -167,6 +182,53 @@ class Line:
 
     def trigger(self) -> None:
         self.triggered += 1
+
+
+class ServedLine(Line):
+    """The transport's side for the native server: a running register file, the irqfd,
+    the queues' ioeventfds on a native loop (never started: ``serve_ready`` is called for
+    the fd it would find readable), and the guest fault ``device_error`` reports."""
+
+    def __init__(self, loop: NativeEventLoop, queues: list[Virtqueue]) -> None:
+        super().__init__()
+        self.loop = loop
+        features = VIRTIO_F_VERSION_1 | net.OFFERED_FEATURES
+        self.registers = _core.MmioRegisters(net.DEVICE_ID_NET, features,
+                                             [net.QUEUE_SIZE, net.QUEUE_SIZE])
+        self.epoch, live = self.registers.restore((
+            0x0F, 0, 0, features, False, 0, 0, 0,
+            [(net.QUEUE_SIZE, q.size, True, q.desc_table, q.avail_ring, q.used_ring)
+             for q in queues]))
+        assert live
+        self.irq_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.kicks = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in queues]
+        self.fault: GuestError | None = None
+
+    def native_queue(self, index: int) -> mmio.NativeQueue:
+        fd = self.kicks[index]
+
+        def attach(handler: _core.RngQueue | _core.NetQueues,
+                   count_interrupts: bool = True) -> None:
+            self.loop.add_native_reader(fd, handler)
+
+        return mmio.NativeQueue(self.registers, self.epoch, self.irq_fd, fd, attach,
+                                lambda: self.loop.remove_reader(fd))
+
+    def device_error(self, err: GuestError) -> None:
+        self.fault = err
+
+    def kick(self, server: _core.NetQueues, index: int) -> int:
+        """The driver notifies queue ``index``, the loop serves it; the tx re-arms."""
+        os.eventfd_write(self.kicks[index], 1)
+        server.serve_ready(self.kicks[index])
+        try:
+            return int(os.eventfd_read(self.kicks[net.TX_QUEUE]) > 0)
+        except BlockingIOError:
+            return 0
+
+    def close(self) -> None:
+        for fd in (self.irq_fd, *self.kicks):
+            os.close(fd)
 
 
 def _tap_host() -> tuple[int, socket.socket, socket.socket]:
@@ -292,7 +354,7 @@ class HostSide:
 
 def run_path(backend: str, spec: dict[str, Any],
              tap: tuple[int, socket.socket, socket.socket] | None) -> dict[str, Any]:
-    mem = CountingMemory(backend)
+    mem = CountingMemory("python" if backend == "python" else "native")
     mem.budget = 200_000
     records: list[str] = []
     handler = logging.Handler()
@@ -301,16 +363,25 @@ def run_path(backend: str, spec: dict[str, Any],
     level = net.log.level
     net.log.setLevel(logging.DEBUG)
     host = HostSide(spec["fd_kind"], tap)
-    loop = SelectorEventLoop("unused")
+    loop = NativeEventLoop("unused") if backend == "served" else SelectorEventLoop("unused")
+    served: ServedLine | None = None
     try:
-        dev = net.VirtioNet(loop, net.parse_mac("52:54:00:12:34:56"), host.device_fd)
+        dev = net.VirtioNet(loop, net.parse_mac("52:54:00:12:34:56"), host.device_fd,
+                            native_serve=backend == "served")
         queues = [make_queue(mem, net.RX_QUEUE), make_queue(mem, net.TX_QUEUE)]
         layout = BufferLayout(RINGS[net.TX_QUEUE][0])
         lay_out(mem, layout, net.RX_QUEUE, spec["rx"])
         lay_out(mem, layout, net.TX_QUEUE, spec["tx"])
         line = Line()
+        if backend == "served":
+            assert isinstance(loop, NativeEventLoop)
+            line = served = ServedLine(loop, queues)
         dev.memory, dev.queues, dev.interrupt = mem, queues, line  # type: ignore[assignment]
-        if host.device_fd is not None:   # watched, as after the driver's first rx notify
+        if served is not None:
+            dev._start_server()   # as activate does
+            server = dev._server
+            assert server is not None
+        elif host.device_fd is not None:   # watched, as after the driver's first rx notify
             loop.add_reader(host.device_fd, lambda: None)
             dev._reading = True
         steps: list[Any] = []
@@ -318,17 +389,41 @@ def run_path(backend: str, spec: dict[str, Any],
             if step[0] == "send":
                 steps.append([host.send(f) for f in step[1]])
                 continue
+            if served is not None:
+                before = server.interrupts
+                rearmed = 0
+                if step[0] == "tx":
+                    rearmed = served.kick(server, net.TX_QUEUE)
+                elif step[0] == "rx_notify":
+                    rearmed = served.kick(server, net.RX_QUEUE)
+                elif server.tap_fd is not None and server.watched:
+                    server.serve_ready(server.tap_fd)
+                if served.fault is not None:
+                    steps.append((type(served.fault).__name__, str(served.fault)))
+                    break
+                steps.append((step[0], server.interrupts - before, rearmed,
+                               server.watched and server.tap_fd is not None, host.received()))
+                continue
+            assert isinstance(loop, SelectorEventLoop)
             before = line.triggered, len(loop._pending)
             try:
-                (dev._transmit if step[0] == "tx" else dev._receive)()
+                if step[0] == "tx":
+                    dev._transmit()
+                elif step[0] == "rx_notify":
+                    dev._start_reading()
+                elif dev._reading:
+                    dev._receive()
             except GuestError as err:
                 steps.append((type(err).__name__, str(err)))
                 break
             steps.append((step[0], line.triggered - before[0], len(loop._pending) - before[1],
                           dev._reading, host.received()))
+        dev._stop_server()   # the indices and counts back to the Python device
     finally:
         host.close()
         loop.stop()
+        if served is not None:
+            served.close()
         net.log.removeHandler(handler)
         net.log.setLevel(level)
     memory = (mem.read(0, LOW.size), mem.read(HIGH.guest_phys, HIGH.size))
@@ -370,6 +465,7 @@ def test_native_and_python_move_frames_alike(
     tap = tap_host if fd_kind == "tap" else None
     python = run_path("python", spec, tap)
     native = run_path("native", spec, tap)
+    served = run_path("served", spec, tap)
     for name, n in python["counters"].items():
         if n:
             event(name)
@@ -377,12 +473,14 @@ def test_native_and_python_move_frames_alike(
     event(f"{fd_kind}: ended by {last[0] if isinstance(last, tuple) else 'send'}"[:60])
     for record in python["log"]:
         event(f"logged: {record.rsplit(':', 1)[1].strip()}")
-    for field in ("steps", "counters", "indices", "log", "received"):
-        assert native[field] == python[field], field
-    for name, (n, p) in zip(("low", "high"), zip(native["memory"], python["memory"])):
-        if n != p:
-            at = next(i for i in range(len(n)) if n[i] != p[i])
-            pytest.fail(f"guest memory differs in the {name} region from byte {at:#x}")
+    for other, path in ((native, "native"), (served, "served")):
+        for field in ("steps", "counters", "indices", "log", "received"):
+            assert other[field] == python[field], (path, field)
+        for name, (n, p) in zip(("low", "high"), zip(other["memory"], python["memory"])):
+            if n != p:
+                at = next(i for i in range(len(n)) if n[i] != p[i])
+                pytest.fail(f"{path}: guest memory differs in the {name} region from "
+                            f"byte {at:#x}")
 
 
 def test_the_native_path_is_the_one_a_native_build_takes() -> None:
@@ -427,7 +525,8 @@ def test_the_native_path_is_the_one_a_native_build_takes() -> None:
 
 
 def test_the_native_path_syscalls_are_allowed_in_the_jail() -> None:
-    """net.rs calls writev and readv; a jailed VMM dies on any syscall its seccomp
-    filter does not list."""
+    """net.rs calls writev and readv; net_serve.rs also reads and writes eventfds,
+    takes the tap in and out of the loop's epoll set and duplicates fds (fcntl
+    F_DUPFD_CLOEXEC); a jailed VMM dies on any syscall its seccomp filter does not list."""
     from vmfork.runtime import seccomp
-    assert {"writev", "readv"} <= set(seccomp.VMM_ALLOWED)
+    assert {"writev", "readv", "read", "write", "epoll_ctl", "fcntl"} <= set(seccomp.VMM_ALLOWED)

@@ -227,9 +227,10 @@ class NativeEventLoop(EventLoop):
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)
 
-    def add_native_rng_reader(self, fd: int, rng: _core.RngQueue) -> None:
-        """Serve ``rng`` natively, without the GIL, whenever ``fd`` is readable."""
-        self._native.add_rng_reader(fd, rng)
+    def add_native_reader(self, fd: int, handler: _core.RngQueue | _core.NetQueues) -> None:
+        """Serve ``fd`` with a device's native server, without the GIL, whenever it is
+        readable (the server knows which of its fds it is)."""
+        self._native.add_native_reader(fd, handler)
 
     def remove_reader(self, fd: int) -> None:
         self._native.remove_reader(fd)

@@ -75,6 +75,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol
 
 from vmfork.vmm.devices.virtio.device import (
     STATUS_ACKNOWLEDGE,
@@ -537,18 +538,28 @@ class _Signals:
         return self._transport._native_queue(index, self._epoch)
 
 
+class AttachNative(Protocol):
+    """``NativeQueue.attach``: a device's native server (``native/src/rng_serve.rs``,
+    ``net_serve.rs``) takes the queue's ioeventfd."""
+
+    def __call__(self, handler: _core.RngQueue | _core.NetQueues,
+                 count_interrupts: bool = True) -> None: ...
+
+
 @dataclass(frozen=True)
 class NativeQueue:
     """The transport's side of a queue served by native code on the native loop: the
     register file (the interrupt bit, the epoch check), the interrupt's eventfd, and
     the queue's ioeventfd (None without ioeventfds). ``attach`` hands the ioeventfd's
-    readiness to a native handler; ``detach`` gives it back to the transport."""
+    readiness to a native handler and adds the interrupts it raises to the line's count
+    (``count_interrupts``: once per handler, so a handler of two queues, virtio-net's,
+    says it for one); ``detach`` gives the ioeventfd back to the transport."""
 
     registers: _core.MmioRegisters
     epoch: int
     irq_fd: int
     notify_fd: int | None
-    attach: Callable[[_core.RngQueue], None]
+    attach: AttachNative
     detach: Callable[[], None]
 
 
@@ -628,13 +639,14 @@ class MmioTransport:
         irq = self.irq
         counters: list[Callable[[], int]] = []
 
-        def attach(handler: _core.RngQueue) -> None:
-            if isinstance(irq, IrqLine):
-                counters.append(lambda: handler.sync()[5])
+        def attach(handler: _core.RngQueue | _core.NetQueues,
+                   count_interrupts: bool = True) -> None:
+            if isinstance(irq, IrqLine) and count_interrupts:
+                counters.append(lambda: handler.interrupts)
                 irq.add_native_counter(counters[-1])
             if notify_fd is not None:
                 loop.remove_reader(notify_fd)
-                loop.add_native_rng_reader(notify_fd, handler)
+                loop.add_native_reader(notify_fd, handler)
 
         def detach() -> None:
             for counter in counters:

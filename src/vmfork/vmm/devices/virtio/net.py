@@ -47,6 +47,25 @@ calls work from whatever loop runs the device. The Python path is the
 (tests/unit/test_virtio_net_native.py); ``native_frames = False`` takes it on a
 native build (bench/net.py compares the two in one guest).
 
+Served natively. With ``VMFORK_NATIVE_NET_SERVE=1`` (or ``native_serve=True``), where
+the transport can (the native loop and register file, an irqfd, both queues ready),
+activation hands the device's whole hot path to a
+``_core.NetQueues`` (``native/src/net_serve.rs``) that the native loop serves without
+ever taking the GIL: the tx queue's ioeventfd (send), the rx queue's ioeventfd (watch the
+tap again, receive) and the tap (receive), with the same frame paths, the same budget
+and re-arm, the same reader rule (the tap is not watched while the guest has no rx
+buffers) and the used-buffer interrupt raised through the register file and the irqfd.
+It owns both queues' ring indices until reset (``sync_queues`` copies them back for a
+snapshot) and counts the frames (``counters`` adds its counts in). What needs Python comes
+back through ``_native_report``: a guest fault (DEVICE_NEEDS_RESET), a failed tap read
+(logged), and the tx frames the tap refused, logged only if this module's logger was at
+DEBUG when the device was activated (else they are only counted, and a guest sending
+bad frames never makes the VMM take the GIL). Opt-in for now: in the emulated test host
+it completes every tx frame at once, the guest takes about one interrupt per frame each
+way and TCP sends smaller segments, and guest -> host throughput fell to 0.72x of the
+Python device's (host -> guest gained 1.09x; bench/net.py, docs/design-notes.md); by
+default the device stays in Python around the native frame paths.
+
 Without a tap (``tap_fd=None``) the device is a NIC with its cable pulled:
 the guest sees a working device, tx frames are dropped (counted), nothing is
 received. A snapshot taken with networking can so be restored without it.
@@ -64,16 +83,27 @@ import logging
 import os
 import re
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from vmfork.vmm import openfiles
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
 from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
-from vmfork.vmm.errors import HostError, VirtqueueError
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
 
+try:
+    from vmfork import _core
+except ImportError:
+    pass
+
 log = logging.getLogger(__name__)
+
+# The device served on the native loop without the GIL (net_serve.rs), opt-in
+# (VMFORK_NATIVE_NET_SERVE=1) until its interrupt rate is moderated (module comment);
+# otherwise the Python device around the native frame paths.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_NET_SERVE", "0") == "1"
 
 DEVICE_ID_NET = 1
 RX_QUEUE, TX_QUEUE = 0, 1
@@ -199,8 +229,11 @@ class VirtioNet(VirtioDevice):
     device_type = DEVICE_ID_NET
     queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE)
 
-    def __init__(self, loop: EventLoop, mac: bytes, tap_fd: int | None) -> None:
-        """``tap_fd`` (from ``open_tap``) is owned by the device from here on."""
+    def __init__(self, loop: EventLoop, mac: bytes, tap_fd: int | None,
+                 native_serve: bool | None = None) -> None:
+        """``tap_fd`` (from ``open_tap``) is owned by the device from here on.
+        ``native_serve``: hand the device to the native loop at activation where the
+        transport can (default ``NATIVE_SERVE``)."""
         super().__init__()
         if len(mac) != 6:
             raise ValueError(f"a MAC is 6 bytes, not {len(mac)}")
@@ -208,13 +241,32 @@ class VirtioNet(VirtioDevice):
         self.loop = loop
         self.mac = mac
         self.tap_fd = tap_fd
-        self.counters = NetCounters()
+        self._counters = NetCounters()
         self._reading = False
         self._overflow = bytearray(1)
         # Whether a native build moves frames in Rust (``_transmit_native``,
         # ``_receive_native``); False takes the Python path on the same build, for the
         # benchmark's peers.
         self.native_frames = True
+        self.native_serve = NATIVE_SERVE if native_serve is None else native_serve
+        self._server: _core.NetQueues | None = None
+        self._stop_server_fds: Callable[[], None] | None = None
+
+    @property
+    def counters(self) -> NetCounters:
+        """Frames and bytes moved and dropped so far: a copy, with the native server's
+        counts added in while it serves."""
+        total = replace(self._counters)
+        server = self._server
+        if server is not None:
+            for name, n in server.counters():
+                setattr(total, name, getattr(total, name) + n)
+        return total
+
+    @property
+    def serving_natively(self) -> bool:
+        """Whether the native loop serves the device without the GIL (this activation)."""
+        return self._server is not None
 
     # -- config space -----------------------------------------------------------------
     def config_bytes(self) -> bytes:
@@ -232,21 +284,34 @@ class VirtioNet(VirtioDevice):
                 # The tap then keeps offloads off and sends only plain frames, which
                 # every driver takes: slower, not wrong.
                 log.warning("virtio-net: tap refused offloads %#x (%s)", offloads, err)
+        if self.native_serve:
+            self._start_server()
 
     def queue_notify(self, index: int) -> None:
+        server = self._server
+        if server is not None:
+            # A QueueNotify exit or the activation's catch-up (ioeventfds go to the
+            # server on the loop); a guest fault comes back through _native_report.
+            if index in (RX_QUEUE, TX_QUEUE) and server.notify(index):
+                self.loop.call_soon(lambda: self._guarded(lambda: self.queue_notify(TX_QUEUE)))
+            return
         if index == RX_QUEUE:
             self._start_reading()
         elif index == TX_QUEUE:
             self._transmit()
 
     def reset(self) -> None:
+        self._stop_server()
         self._stop_reading()
         super().reset()
 
     def close(self) -> None:
-        """Release the tap (call once the machine's vCPUs are stopped)."""
+        """Release the tap (call once the machine's vCPUs are stopped, after the
+        transport's close): the native server first, which holds duplicates of the tap
+        and the eventfds, and this device through ``_native_report``."""
 
         def do() -> None:
+            self._stop_server()
             self._stop_reading()
             if self.tap_fd is not None:
                 os.close(self.tap_fd)
@@ -256,6 +321,96 @@ class VirtioNet(VirtioDevice):
             do()
         else:
             self.loop.call_soon(do)
+
+    # -- served natively --------------------------------------------------------------
+    def _start_server(self) -> None:
+        """Hand both queues and the tap to a ``_core.NetQueues`` on the native loop, if
+        the transport can serve them there (else the device stays in Python)."""
+        memory, interrupt = self.memory, self.interrupt
+        loop = self.loop
+        if (self._server is not None or memory is None or memory.native is None
+                or interrupt is None or not isinstance(loop, NativeEventLoop)
+                or len(self.queues) != 2 or not all(q.ready for q in self.queues)):
+            return
+        rx, tx = interrupt.native_queue(RX_QUEUE), interrupt.native_queue(TX_QUEUE)
+        if rx is None or tx is None:
+            return
+        rxq, txq = self.queues
+        self._stop_reading()   # the Python reader, if this device was in Python until now
+        server = _core.NetQueues(
+            memory.native, tx.registers, tx.epoch,
+            (rxq.size, rxq.desc_table, rxq.avail_ring, rxq.used_ring, rxq.next_avail,
+             rxq.next_used),
+            (txq.size, txq.desc_table, txq.avail_ring, txq.used_ring, txq.next_avail,
+             txq.next_used),
+            tx.irq_fd, self.tap_fd, rx.notify_fd, tx.notify_fd, MAX_FRAMES_PER_RUN,
+            MAX_TX_BYTES, log.isEnabledFor(logging.DEBUG), self._native_report)
+        tap = server.tap_fd
+        if tap is not None:
+            loop.add_native_reader(tap, server)
+        rx.attach(server, count_interrupts=False)
+        tx.attach(server)
+
+        def release() -> None:
+            tx.detach()
+            rx.detach()
+            if tap is not None:
+                loop.remove_reader(tap)
+            server.close()   # after the loop let go of the tap's duplicate
+
+        self._server, self._stop_server_fds = server, release
+
+    def _stop_server(self) -> None:
+        """Take the device back from the native server (on the loop thread): its ring
+        indices into the ``Virtqueue``s, its counts into ours, the ioeventfds to the
+        transport's readers; its duplicated fds are closed."""
+        server, release = self._server, self._stop_server_fds
+        if server is None or release is None:
+            return
+        self.sync_queues()
+        for name, n in server.counters():
+            setattr(self._counters, name, getattr(self._counters, name) + n)
+        self._server, self._stop_server_fds = None, None
+        release()
+
+    def _native_report(self, fault: BaseException | None, refused: list[tuple[int, int]],
+                       read_error: int | None) -> None:
+        """What the native server leaves for Python (on the loop thread, with the GIL):
+        the same log lines and the same fault as the Python paths."""
+        for length, err in refused:
+            log.debug("virtio-net: tx frame of %d bytes dropped: %s", length,
+                      OSError(err, os.strerror(err)))
+        if read_error is not None:
+            log.error("virtio-net: tap read failed, receive paused: %s",
+                      OSError(read_error, os.strerror(read_error)))
+        if fault is None:
+            return
+        if isinstance(fault, GuestError) and self.interrupt is not None:
+            self.interrupt.device_error(fault)
+        else:
+            log.error("virtio-net: native server stopped: %s", fault)
+
+    def sync_queues(self) -> None:
+        server = self._server
+        if server is not None and len(self.queues) == 2:
+            rx, tx = self.queues
+            rx.next_avail, rx.next_used, tx.next_avail, tx.next_used = server.sync()
+
+    def set_native_serve(self, on: bool) -> None:
+        """Serve the running device natively or in Python from now on (on the loop
+        thread): the queues and the tap change hands with their indices. The benchmark
+        compares the two in one guest this way."""
+        self.native_serve = on
+        if not self._usable():
+            return
+        if on and self._server is None:
+            self._start_server()
+            for index in (RX_QUEUE, TX_QUEUE):   # whatever the guest offered meanwhile
+                self.queue_notify(index)
+        elif not on and self._server is not None:
+            self._stop_server()
+            self._start_reading()
+            self._transmit()
 
     # -- guest -> host -----------------------------------------------------------------
     def _transmit(self) -> None:
@@ -305,12 +460,12 @@ class VirtioNet(VirtioDevice):
 
     def _count(self, increments: list[tuple[str, int]]) -> None:
         for name, n in increments:
-            setattr(self.counters, name, getattr(self.counters, name) + n)
+            setattr(self._counters, name, getattr(self._counters, name) + n)
 
     def _send_frame(self, memory: GuestMemory, chain: DescriptorChain) -> None:
         length = chain.readable_len
         if self.tap_fd is None or not VNET_HDR_SIZE < length <= MAX_TX_BYTES:
-            self.counters.tx_dropped += 1
+            self._counters.tx_dropped += 1
             return
         views = [memory.view(gpa, n) for gpa, n in chain.readable if n]
         try:
@@ -318,14 +473,14 @@ class VirtioNet(VirtioDevice):
         except OSError as err:
             # EINVAL: a vnet header the host kernel refused; EAGAIN/ENOBUFS: the
             # host is congested; EIO: the tap is down. All are the frame's loss.
-            self.counters.tx_dropped += 1
+            self._counters.tx_dropped += 1
             log.debug("virtio-net: tx frame of %d bytes dropped: %s", length, err)
             return
         finally:
             for view in views:
                 view.release()
-        self.counters.tx_frames += 1
-        self.counters.tx_bytes += length - VNET_HDR_SIZE
+        self._counters.tx_frames += 1
+        self._counters.tx_bytes += length - VNET_HDR_SIZE
 
     # -- host -> guest -----------------------------------------------------------------
     def _start_reading(self) -> None:
@@ -420,7 +575,7 @@ class VirtioNet(VirtioDevice):
         except OSError as err:
             if err.errno in (errno.EFAULT, errno.EINVAL):
                 # Not even the vnet header fitted: the tap drops the frame.
-                self.counters.rx_dropped += 1
+                self._counters.rx_dropped += 1
                 return 0
             # Not the guest's doing and not expected: stop reading rather than spin
             # on an fd that keeps failing; the next rx notification tries again.
@@ -431,10 +586,10 @@ class VirtioNet(VirtioDevice):
             for view in views:
                 view.release()
         if got > chain.writable_len:
-            self.counters.rx_dropped += 1
+            self._counters.rx_dropped += 1
             return 0
-        self.counters.rx_frames += 1
-        self.counters.rx_bytes += max(0, got - VNET_HDR_SIZE)
+        self._counters.rx_frames += 1
+        self._counters.rx_bytes += max(0, got - VNET_HDR_SIZE)
         return got
 
     # -- snapshots ----------------------------------------------------------------------

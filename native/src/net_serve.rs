@@ -1,0 +1,475 @@
+//! virtio-net served on the native event loop without the GIL (`_core.NetQueues`).
+//!
+//! `net.rs` moves the frames; this object is the device around it while the native loop
+//! serves the device, from its activation to its reset: what `net.py` does on a tx
+//! notification, an rx notification and a readable tap, without Python.
+//!
+//! * **Its fds.** The loop calls it for three: the tx queue's ioeventfd (drain it, send
+//!   at most `max_frames` chains), the rx queue's ioeventfd (drain it, watch the tap
+//!   again, receive) and the tap (receive). The ioeventfds are the transport's (it
+//!   closes them); the tap is a duplicate of the device's, registered under the
+//!   duplicate's number, so the number the loop watches is this object's until
+//!   `close`.
+//! * **One owner of the indices.** Both queues' `next_avail`/`next_used` are this
+//!   object's while it is attached; the Python `Virtqueue`s seed it and get them back in
+//!   `sync` (the transport's `save` asks on the loop thread, so a BRANCH of a running
+//!   child captures what was served), as in `rng_serve.rs`.
+//! * **The tap is watched only while the guest has rx buffers**, as `net.py` does it:
+//!   a receive that finds none, or a read that fails, stops watching the tap (the loop
+//!   keeps its reader; `LoopLink::watch` takes it out of the epoll set, since a readable
+//!   tap would otherwise wake the loop at every turn), and the rx notification watches
+//!   it again. Frames meanwhile wait in the tap's queue.
+//! * **Budget.** One wake serves at most `max_frames` chains (tx) or receive turns (rx).
+//!   A tx run that used its budget re-arms by writing the tx ioeventfd (the rest is
+//!   served on a later turn, after the other ready fds); rx needs nothing, the tap being
+//!   level-triggered and still readable.
+//! * **Interrupt.** A wake that put chains on a used ring sets InterruptStatus for the
+//!   activation's epoch (`Registers::raise`, so a reset in between drops it) and writes
+//!   the irqfd, as the transport's `trigger` does.
+//! * **What goes to Python** (`on_report(fault, refused, read_error)`, with the GIL, on
+//!   the loop thread after the turn's native work): a guest fault (the server stops,
+//!   stops watching the tap, and Python sets DEVICE_NEEDS_RESET), a failed tap read (to
+//!   log; the tap is no longer watched) and, only when `log_refused` (net.py's logger
+//!   at DEBUG when the server was made), the frames the tap refused. A healthy device
+//!   never takes the GIL.
+//!
+//! Locks, in this order: `state`, then guest RAM's or the register file's (never both),
+//! then the loop's (`LoopLink::watch`). None is held across a GIL take or release, and
+//! `link` is only cloned out under its own.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
+
+use crate::eventloop::{drain_eventfd, Deferred, LoopLink, NativeReader};
+use crate::mmio::INT_USED_BUFFER;
+use crate::mmio_py::MmioRegisters;
+use crate::net::{self, Counters, RxStop};
+use crate::rng_serve::{dup, write_eventfd};
+use crate::virtio_py::GuestRam;
+use crate::virtq::{QueueError, Rings};
+
+const RX_QUEUE: u32 = 0;
+const TX_QUEUE: u32 = 1;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Clone, Copy)]
+enum Work {
+    /// The driver offered tx chains.
+    Tx,
+    /// The driver offered rx chains: watch the tap again and receive.
+    RxNotify,
+    /// The tap has frames.
+    TapReadable,
+}
+
+struct NetState {
+    /// The duplicate of the tap (None: no tap, or closed).
+    tap: Option<OwnedFd>,
+    /// The duplicated irqfd and tx ioeventfd (None once closed; the latter also
+    /// without ioeventfds).
+    irq: Option<OwnedFd>,
+    tx_rearm: Option<OwnedFd>,
+    rx_avail: u16,
+    rx_used: u16,
+    tx_avail: u16,
+    tx_used: u16,
+    /// Whether the tap is to be watched (the last thing asked of the loop).
+    watched: bool,
+    /// A guest fault was found: serve no more (until the driver resets the device).
+    failed: bool,
+    closed: bool,
+    counters: Counters,
+    /// Used-buffer interrupts raised (the irqfd written): the line's statistics.
+    interrupts: u64,
+}
+
+/// What a wake leaves for Python.
+#[derive(Default)]
+struct Report {
+    fault: Option<QueueError>,
+    /// (frame length, errno) of the frames the tap refused (only with `log_refused`).
+    refused: Vec<(u64, i32)>,
+    read_error: Option<i32>,
+    /// A tx run used its budget and there is no ioeventfd to re-arm with: the caller
+    /// (Python, which made the call) re-arms.
+    rearm: bool,
+}
+
+impl Report {
+    fn for_python(&self) -> bool {
+        self.fault.is_some() || !self.refused.is_empty() || self.read_error.is_some()
+    }
+}
+
+pub struct NetServer {
+    ram: Py<GuestRam>,
+    registers: Py<MmioRegisters>,
+    epoch: u64,
+    rx: Rings,
+    tx: Rings,
+    /// The numbers of the fds the loop calls `ready` for: the tap's duplicate (fixed
+    /// while registered: `close` comes after the reader's removal) and the transport's
+    /// ioeventfds.
+    tap_fd: Option<RawFd>,
+    rx_notify: Option<RawFd>,
+    tx_notify: Option<RawFd>,
+    max_frames: u32,
+    max_tx_bytes: u64,
+    log_refused: bool,
+    link: Mutex<Option<LoopLink>>,
+    state: Mutex<NetState>,
+    /// Called with the GIL as `on_report(fault or None, refused, read errno or None)`.
+    on_report: Py<PyAny>,
+}
+
+fn add(total: &mut Counters, more: &Counters) {
+    total.rx_frames += more.rx_frames;
+    total.rx_bytes += more.rx_bytes;
+    total.rx_dropped += more.rx_dropped;
+    total.tx_frames += more.tx_frames;
+    total.tx_bytes += more.tx_bytes;
+    total.tx_dropped += more.tx_dropped;
+}
+
+impl NetServer {
+    /// Ask the loop to watch the tap (`on`) or not; `st.watched` is what was asked.
+    fn watch(&self, st: &mut NetState, on: bool) {
+        let Some(fd) = st.tap.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
+        if st.watched == on {
+            return;
+        }
+        st.watched = on;
+        let link = lock(&self.link).clone();
+        if let Some(link) = link {
+            link.watch(fd, on);
+        }
+    }
+
+    /// One wake (any thread; the loop thread calls it without the GIL).
+    fn serve(&self, work: Work) -> Report {
+        let mut report = Report::default();
+        let mut st = lock(&self.state);
+        if st.closed {
+            return report;
+        }
+        if st.failed || lock(&self.registers.get().regs).failed_in(self.epoch) {
+            // A failed or reset device must not leave a readable tap spinning the loop.
+            self.watch(&mut st, false);
+            return report;
+        }
+        match work {
+            Work::TapReadable if !st.watched => return report, // parked earlier this turn
+            Work::RxNotify => self.watch(&mut st, true),
+            _ => {}
+        }
+        let tap = st.tap.as_ref().map(AsRawFd::as_raw_fd);
+        let Ok(ram) = self.ram.get().ram.lock() else {
+            // Guest memory is closed: the machine is going away.
+            self.watch(&mut st, false);
+            return report;
+        };
+        let used = match work {
+            Work::Tx => {
+                let s = net::transmit(
+                    &ram,
+                    &self.tx,
+                    st.tx_avail,
+                    st.tx_used,
+                    tap,
+                    self.max_frames,
+                    self.max_tx_bytes,
+                );
+                drop(ram);
+                (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
+                add(&mut st.counters, &s.counters);
+                if self.log_refused {
+                    report.refused = s.refused;
+                }
+                report.fault = s.error;
+                if report.fault.is_none() && s.chains == self.max_frames {
+                    match &st.tx_rearm {
+                        Some(fd) => write_eventfd(fd.as_raw_fd()),
+                        None => report.rearm = true,
+                    }
+                }
+                s.chains > 0
+            }
+            Work::RxNotify | Work::TapReadable => {
+                let Some(tap) = tap else {
+                    return report; // no tap: nothing is ever received
+                };
+                let r = net::receive(
+                    &ram,
+                    &self.rx,
+                    st.rx_avail,
+                    st.rx_used,
+                    tap,
+                    self.max_frames,
+                );
+                drop(ram);
+                (st.rx_avail, st.rx_used) = (r.next_avail, r.next_used);
+                add(&mut st.counters, &r.counters);
+                report.fault = r.error;
+                if report.fault.is_none() {
+                    match r.stop {
+                        // Until the driver posts buffers (its rx notification).
+                        RxStop::NoBuffers => self.watch(&mut st, false),
+                        // Not the guest's doing: stop rather than spin on an fd that
+                        // keeps failing; the next rx notification tries again.
+                        RxStop::Failed(errno) => {
+                            self.watch(&mut st, false);
+                            report.read_error = Some(errno);
+                        }
+                        RxStop::Drained | RxStop::Budget => {}
+                    }
+                }
+                r.delivered > 0
+            }
+        };
+        if report.fault.is_some() {
+            st.failed = true;
+            self.watch(&mut st, false);
+            return report;
+        }
+        if used && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+            if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
+                st.interrupts += 1;
+                write_eventfd(irq);
+            }
+        }
+        report
+    }
+
+    /// The report's Python half, if it has one.
+    fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
+        if !report.for_python() {
+            return None;
+        }
+        let server = self.clone();
+        Some(Box::new(move |py| {
+            let fault = report
+                .fault
+                .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
+            let args = (fault, report.refused, report.read_error);
+            if let Err(failed) = server.on_report.call1(py, args) {
+                failed.write_unraisable(py, Some(server.on_report.bind(py)));
+            }
+        }))
+    }
+
+    fn work_for(&self, fd: RawFd) -> Option<Work> {
+        if Some(fd) == self.tap_fd {
+            Some(Work::TapReadable)
+        } else if Some(fd) == self.tx_notify {
+            drain_eventfd(fd);
+            Some(Work::Tx)
+        } else if Some(fd) == self.rx_notify {
+            drain_eventfd(fd);
+            Some(Work::RxNotify)
+        } else {
+            None
+        }
+    }
+}
+
+impl NativeReader for NetServer {
+    fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
+        let work = self.work_for(fd)?;
+        let report = self.serve(work);
+        self.deferred(report)
+    }
+
+    fn bind(&self, link: LoopLink) {
+        *lock(&self.link) = Some(link);
+    }
+}
+
+fn check_queue(name: &str, size: u16) -> PyResult<()> {
+    if size == 0 || size > 256 || !size.is_power_of_two() {
+        return Err(PyValueError::new_err(format!(
+            "{name} queue size {size} is not a power of 2 in 1..256"
+        )));
+    }
+    Ok(())
+}
+
+/// (size, desc, avail, used, next_avail, next_used) of a ready queue.
+type PyQueue = (u16, u64, u64, u64, u16, u16);
+
+/// Python's handle: built by `VirtioNet.activate` on the native path.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct NetQueues {
+    pub server: Arc<NetServer>,
+}
+
+#[pymethods]
+impl NetQueues {
+    /// `rx` and `tx` are queues checked by `Virtqueue.validate`; `irq_fd` the
+    /// interrupt's eventfd, `tap_fd` the device's tap (None: none), `rx_notify_fd` and
+    /// `tx_notify_fd` the queues' ioeventfds (None without ioeventfds); the irqfd, the
+    /// tap and the tx ioeventfd are duplicated.
+    #[new]
+    #[pyo3(signature = (ram, registers, epoch, rx, tx, irq_fd, tap_fd, rx_notify_fd,
+                        tx_notify_fd, max_frames, max_tx_bytes, log_refused, on_report))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        ram: Py<GuestRam>,
+        registers: Py<MmioRegisters>,
+        epoch: u64,
+        rx: PyQueue,
+        tx: PyQueue,
+        irq_fd: RawFd,
+        tap_fd: Option<RawFd>,
+        rx_notify_fd: Option<RawFd>,
+        tx_notify_fd: Option<RawFd>,
+        max_frames: u32,
+        max_tx_bytes: u64,
+        log_refused: bool,
+        on_report: Py<PyAny>,
+    ) -> PyResult<Self> {
+        check_queue("rx", rx.0)?;
+        check_queue("tx", tx.0)?;
+        if max_frames == 0 {
+            return Err(PyValueError::new_err("max_frames must be at least 1"));
+        }
+        let tap = tap_fd.map(dup).transpose()?;
+        let tx_rearm = tx_notify_fd.map(dup).transpose()?;
+        let irq = dup(irq_fd)?;
+        let rings = |q: PyQueue| Rings {
+            size: q.0,
+            desc: q.1,
+            avail: q.2,
+            used: q.3,
+        };
+        Ok(NetQueues {
+            server: Arc::new(NetServer {
+                ram,
+                registers,
+                epoch,
+                rx: rings(rx),
+                tx: rings(tx),
+                tap_fd: tap.as_ref().map(AsRawFd::as_raw_fd),
+                rx_notify: rx_notify_fd,
+                tx_notify: tx_notify_fd,
+                max_frames,
+                max_tx_bytes,
+                log_refused,
+                link: Mutex::new(None),
+                state: Mutex::new(NetState {
+                    tap,
+                    irq: Some(irq),
+                    tx_rearm,
+                    rx_avail: rx.4,
+                    rx_used: rx.5,
+                    tx_avail: tx.4,
+                    tx_used: tx.5,
+                    // The loop watches an fd from its `add_native_reader` on.
+                    watched: true,
+                    failed: false,
+                    closed: false,
+                    counters: Counters::default(),
+                    interrupts: 0,
+                }),
+                on_report,
+            }),
+        })
+    }
+
+    /// The driver notified queue `queue` (0 rx, 1 tx) and the call comes from Python (a
+    /// QueueNotify exit, the activation's catch-up). True if a tx run used its budget
+    /// and, with no ioeventfd to write, the caller is to call again later.
+    fn notify(&self, py: Python<'_>, queue: u32) -> PyResult<bool> {
+        let work = match queue {
+            RX_QUEUE => Work::RxNotify,
+            TX_QUEUE => Work::Tx,
+            _ => return Err(PyValueError::new_err(format!("no queue {queue}"))),
+        };
+        let server = self.server.clone();
+        let (rearm, deferred) = py.detach(move || {
+            let report = server.serve(work);
+            (report.rearm, server.deferred(report))
+        });
+        if let Some(work) = deferred {
+            work(py);
+        }
+        Ok(rearm)
+    }
+
+    /// Serve `fd`'s readiness now, exactly as the loop does when it finds it readable
+    /// (the tests drive the server through it, turn by turn).
+    fn serve_ready(&self, py: Python<'_>, fd: RawFd) {
+        let server = self.server.clone();
+        if let Some(work) = py.detach(move || server.ready(fd)) {
+            work(py);
+        }
+    }
+
+    /// Close the duplicated fds and serve no more (after the loop's readers are gone:
+    /// the tap's duplicate is the number the loop watched).
+    fn close(&self) {
+        let mut st = lock(&self.server.state);
+        st.closed = true;
+        st.tap = None;
+        st.irq = None;
+        st.tx_rearm = None;
+    }
+
+    /// The tap's duplicate, the fd to register with the loop (None without a tap).
+    #[getter]
+    fn tap_fd(&self) -> Option<RawFd> {
+        self.server.tap_fd
+    }
+
+    /// Whether the tap is watched (the guest had rx buffers when last looked).
+    #[getter]
+    fn watched(&self) -> bool {
+        lock(&self.server.state).watched
+    }
+
+    #[getter]
+    fn failed(&self) -> bool {
+        lock(&self.server.state).failed
+    }
+
+    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
+    #[getter]
+    fn interrupts(&self) -> u64 {
+        lock(&self.server.state).interrupts
+    }
+
+    /// The counters since this object was made, as `NetCounters`' fields: (name, n).
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let c = lock(&self.server.state).counters;
+        vec![
+            ("rx_frames", c.rx_frames),
+            ("rx_bytes", c.rx_bytes),
+            ("rx_dropped", c.rx_dropped),
+            ("tx_frames", c.tx_frames),
+            ("tx_bytes", c.tx_bytes),
+            ("tx_dropped", c.tx_dropped),
+        ]
+    }
+
+    /// The ring indices: (rx next_avail, rx next_used, tx next_avail, tx next_used).
+    fn sync(&self) -> (u16, u16, u16, u16) {
+        let st = lock(&self.server.state);
+        (st.rx_avail, st.rx_used, st.tx_avail, st.tx_used)
+    }
+
+    /// The Python objects it holds, for the collector: `on_report` is usually a bound
+    /// method of the device that holds this object (see `RngQueue.__traverse__`).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.server.ram)?;
+        visit.call(&self.server.registers)?;
+        visit.call(&self.server.on_report)
+    }
+}
