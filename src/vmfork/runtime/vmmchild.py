@@ -440,6 +440,7 @@ def _retry_until(deadline: float, step: Callable[[], T]) -> T:
         try:
             return step()
         except (AgentUnavailable, AgentTimeout):
+            spawnprofile.mark("agent_unavailable")
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
