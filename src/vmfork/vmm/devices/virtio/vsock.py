@@ -247,8 +247,8 @@ class VirtioVsock(VirtioDevice):
         self._writers: dict[int, _Conn] = {}
         self._next_port = HOST_PORT_FIRST
         self._reset_event_pending = False
-        # A reset event the guest has taken but not yet acknowledged (its next
-        # event-queue notification), and the host connections held until it has.
+        # A reset event the guest has taken but not yet acknowledged (given an event
+        # buffer back, then notified the queue), and the host connections held until then.
         self._reset_delivered = False
         self._buffers_at_delivery = 0   # event buffers available right after it
         self._holding = False
