@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import pstats
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -38,14 +41,10 @@ def _busy(seconds: float) -> None:
         pass
 
 
-@pytest.mark.parametrize("mode", ["1", "cprofile"])
-def test_phases_are_written_in_order_with_their_clocks(tmp_path: Path, mode: str,
+def test_phases_are_written_in_order_with_their_clocks(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(spawnprofile, "MODE", mode)
+    monkeypatch.setattr(spawnprofile, "MODE", "1")
     monkeypatch.setattr(spawnprofile, "_marks", [])
-    if mode == "cprofile":
-        import cProfile
-        monkeypatch.setattr(spawnprofile, "cProfile", cProfile, raising=False)
     forked = time.monotonic_ns()
     spawnprofile.start(forked)
     _busy(0.02)
@@ -62,10 +61,30 @@ def test_phases_are_written_in_order_with_their_clocks(tmp_path: Path, mode: str
     assert phases["work"]["thread_cpu_s"] >= 0.02
     assert phases["wait"]["wall_s"] >= 0.02
     assert phases["wait"]["thread_cpu_s"] < phases["wait"]["wall_s"]
-    stats_file = tmp_path / spawnprofile.STATS_FILE
-    if mode == "cprofile":
-        stats = pstats.Stats(str(stats_file))
-        assert any(func[2] == "_busy" for func in stats.stats)  # type: ignore[attr-defined]
-    else:
-        assert not stats_file.exists()
+    assert not (tmp_path / spawnprofile.STATS_FILE).exists()
     assert not list(tmp_path.glob(".*"))   # the temporary file was renamed
+
+
+PROFILED_CHILD = """
+import sys, time
+from vmfork.runtime import spawnprofile
+def restore_step():
+    return sum(range(1000))
+spawnprofile.start(time.monotonic_ns())
+restore_step()
+spawnprofile.mark("machine")
+spawnprofile.finish(sys.argv[1])
+"""
+
+
+def test_cprofile_mode_from_the_environment(tmp_path: Path) -> None:
+    """As the zygote's children see it: the mode read at import (a fresh interpreter,
+    so that no profiler or hook of this test run is around)."""
+    env = {**os.environ, spawnprofile.ENV: "cprofile",
+           "PYTHONPATH": str(Path(spawnprofile.__file__).resolve().parents[2])}
+    subprocess.run([sys.executable, "-c", PROFILED_CHILD, str(tmp_path)], env=env,
+                   check=True, timeout=120)
+    marks = json.loads((tmp_path / spawnprofile.PROFILE_FILE).read_text())["marks"]
+    assert [m["phase"] for m in marks] == ["fork", "forked", "machine", "finished"]
+    stats = pstats.Stats(str(tmp_path / spawnprofile.STATS_FILE))
+    assert any(func[2] == "restore_step" for func in stats.stats)  # type: ignore[attr-defined]
