@@ -71,6 +71,22 @@ def test_handshake_does_not_swallow_protocol_bytes(tmp: Path) -> None:
         vmm.close()
 
 
+def test_handshake_line_in_pieces_then_protocol_bytes(tmp: Path) -> None:
+    def handle(conn: socket.socket, line: bytes) -> None:
+        conn.sendall(b"OK 10")
+        time.sleep(0.05)   # the client has peeked at the first piece by now
+        conn.sendall(b"73741824\n" + encode_frame({"type": "result", "pong": True}))
+        conn.close()
+
+    vmm = fake_vmm(str(tmp / "v.sock"), handle)
+    try:
+        sock = vsock_uds_connector(str(tmp / "v.sock"), AGENT_PORT, timeout=5)()
+        with sock:
+            assert recv_frame(sock).header == {"type": "result", "pong": True}
+    finally:
+        vmm.close()
+
+
 def test_handshake_failures_are_agent_unavailable(tmp: Path) -> None:
     with pytest.raises(AgentUnavailable) as err:
         vsock_uds_connector(str(tmp / "missing.sock"), AGENT_PORT, timeout=1)()

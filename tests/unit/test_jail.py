@@ -226,3 +226,10 @@ def test_the_zygote_still_kills_and_reaps_a_child_in_its_own_pid_namespace(
     event = client.wait(termed.vm_id)
     assert event.exit_code == 128 + signal.SIGTERM, event.description
     assert not Path(f"/proc/{killed.pid}").exists() and not Path(f"/proc/{termed.pid}").exists()
+
+
+def test_host_facts_are_read_once_per_process() -> None:
+    """The zygote works them out before it forks; its jails (and spawns) reuse them."""
+    assert jail.last_capability() == int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    assert jail.python_paths() is jail.python_paths()
+    assert jail.python_paths.cache_info().currsize == 1

@@ -446,8 +446,114 @@ def test_transport_reset_drops_connections_and_posts_event(
     assert (written, data) == (4, struct.pack("<I", vsock.EVENT_TRANSPORT_RESET))
     assert peer.recv(10) == b"" and host.recv(10) == b""
     assert env.dev.connection_count == 0
-    env.host_connect(1234)[0].close()  # new connections work at once
+    acknowledge_reset(env)
+    env.host_connect(1234)[0].close()  # new connections work once the guest handled it
     peer.close()
+    host.close()
+
+
+def acknowledge_reset(env: VsockEnv) -> None:
+    """What Linux does once it has handled a transport reset: refill the event buffer
+    and notify the event queue."""
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)
+
+
+def requests_sent(env: VsockEnv) -> int:
+    env.collect()
+    return sum(1 for hdr, _ in env.packets if hdr.op == Op.REQUEST)
+
+
+def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
+        env: VsockEnv) -> None:
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)
+    env.dev.transport_reset()
+    wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
+    env.ev.take_used()
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 1234\n")
+    # Its request is held: a guest that has not yet handled the reset would reset the
+    # new connection with the stale ones.
+    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    run_on_loop(env.loop, lambda: None)
+    assert requests_sent(env) == 0
+    acknowledge_reset(env)
+    req, _ = env.wait_op(Op.REQUEST)
+    assert req.dst_port == 1234
+    env.send(pkt(Op.RESPONSE, 1234, req.src_port))
+    assert recv_line(host) == f"OK {req.src_port}\n".encode()
+    assert "host connections sent before the guest acknowledged a transport reset" \
+        not in env.dev.errors
+    host.close()
+
+
+def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
+        env: VsockEnv) -> None:
+    """As a transport's own notification of every queue when it activates the device
+    (a restore) is not."""
+    env.ev.post(writable=[4])
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)
+    env.dev.transport_reset()
+    wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
+    env.ev.take_used()
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 1234\n")
+    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    env.driver.notify(vsock.EVENT_QUEUE)   # one buffer still available, none given back
+    run_on_loop(env.loop, lambda: None)
+    assert requests_sent(env) == 0
+    acknowledge_reset(env)
+    req, _ = env.wait_op(Op.REQUEST)
+    env.send(pkt(Op.RST, 1234, req.src_port))
+    assert closed_by_peer(host)
+    host.close()
+
+
+def test_held_host_connections_go_out_if_the_guest_never_acknowledges(
+        env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vsock, "RESET_ACK_WAIT_S", 0.2)
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)
+    env.dev.transport_reset()
+    wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
+    env.ev.take_used()
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 1234\n")
+    req, _ = env.wait_op(Op.REQUEST)   # after RESET_ACK_WAIT_S, without the notification
+    assert env.dev.errors["host connections sent before the guest acknowledged a "
+                          "transport reset"] == 1
+    env.send(pkt(Op.RESPONSE, 1234, req.src_port))
+    assert recv_line(host) == f"OK {req.src_port}\n".encode()
+    host.close()
+
+
+def test_a_notification_before_the_reset_event_is_not_its_acknowledgement(
+        env: VsockEnv) -> None:
+    env.dev.transport_reset()   # no event buffer yet: the event waits for one
+    run_on_loop(env.loop, lambda: None)
+    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 1234\n")
+    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    env.ev.post(writable=[4])
+    env.driver.notify(vsock.EVENT_QUEUE)   # takes the event, acknowledges nothing yet
+    wait_until(lambda: env.ev.used_idx() == 1, what="the deferred transport reset event")
+    run_on_loop(env.loop, lambda: None)
+    assert requests_sent(env) == 0
+    env.ev.take_used()
+    acknowledge_reset(env)
+    req, _ = env.wait_op(Op.REQUEST)
+    env.send(pkt(Op.RST, 1234, req.src_port))
+    assert closed_by_peer(host)
     host.close()
 
 
@@ -484,6 +590,7 @@ def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  
             parent.uds = child_uds
             parent.transport = transport
             parent.driver.t = transport
+            acknowledge_reset(parent)
             parent.host_connect(4321)[0].close()
         finally:
             child.close()

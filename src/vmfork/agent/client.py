@@ -437,12 +437,15 @@ def vsock_uds_connector(uds_path: str, port: int = AGENT_PORT,
             try:
                 sock.sendall(f"CONNECT {port}\n".encode())
                 line = bytearray()
-                # One byte at a time: anything after '\n' is the agent's.
+                # Up to the '\n' and no further (what follows is the agent's): peek at
+                # what has come, then take the line's part of it (one or two calls, not
+                # one per byte).
                 while not line.endswith(b"\n") and len(line) < 64:
-                    byte = sock.recv(1)
-                    if not byte:
+                    peek = sock.recv(64 - len(line), socket.MSG_PEEK)
+                    if not peek:
                         break
-                    line += byte
+                    newline = peek.find(b"\n")
+                    line += sock.recv(newline + 1 if newline >= 0 else len(peek))
             except OSError as err:
                 raise AgentUnavailable(f"vsock handshake on {uds_path!r} for port {port}: "
                                        f"{err}") from err

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import resource
 import stat
@@ -205,7 +206,7 @@ def enter(spec: JailSpec) -> None:
     if spec.uid <= 0 or spec.gid <= 0:
         raise JailError(f"uid {spec.uid}/gid {spec.gid}: a jail never runs as root",
                         errno.EINVAL)
-    last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    last_cap = last_capability()
     openfiles.preopen(list(spec.preopen))
     openfiles.preopen_rw(list(spec.preopen_rw))
     openfiles.preopen_proc_self({"pagemap": os.O_RDONLY, "clear_refs": os.O_WRONLY})
@@ -329,11 +330,20 @@ def become_pid_namespace_init() -> None:
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
 
 
+@functools.cache
+def last_capability() -> int:
+    """The host kernel's highest capability number (the bounding set ``enter`` empties).
+    Read once per process: the zygote reads it before it forks, for every jail."""
+    return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+
+
+@functools.cache
 def python_paths() -> tuple[str, ...]:
     """What this interpreter may still read after the pivot: its standard library
     (``lib-dynload`` included), its site-packages and vmfork's own source. Nothing
     else of ``sys.path``: an entry such as the working directory or ``/tmp`` would
-    show the jail a whole host directory."""
+    show the jail a whole host directory. The interpreter's own facts: worked out once
+    per process (the zygote's, for each jailed spawn)."""
     import site
     import sys
     import sysconfig

@@ -88,7 +88,7 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.ondisk.memplan import MAX_RUNS, PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file
-from vmfork.runtime import control, memphases, seccomp, zygote_child
+from vmfork.runtime import control, memphases, seccomp, spawnprofile, zygote_child
 from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
@@ -107,7 +107,6 @@ _libc = ctypes.CDLL(None)
 
 RESEED_BYTES = 64
 START_GATE_TIMEOUT = 300.0
-STOP_CHECK_S = 0.5   # how often a wait at the start gate looks for SIGTERM
 READY_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
 EXIT_GUEST_DIED = 3
@@ -440,6 +439,7 @@ def _retry_until(deadline: float, step: Callable[[], T]) -> T:
         try:
             return step()
         except (AgentUnavailable, AgentTimeout):
+            spawnprofile.mark("agent_unavailable")
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
@@ -760,16 +760,24 @@ class ControlServer:
 def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> float:
     """Block until this child takes a byte from the start gate FIFO, the gate is
     closed or gone, ``stop`` is set (SIGTERM) or ``timeout`` passes; returns the
-    seconds waited."""
+    seconds waited. Call it from the main thread, with the handler that sets ``stop``
+    installed: the signal's wake-up byte (``signal.set_wakeup_fd``, on a pipe of its
+    own for the wait) ends the wait, so it sleeps until something happens instead of
+    looking for ``stop`` every so often."""
     started = time.monotonic()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return 0.0
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    previous = signal.set_wakeup_fd(wake_w)
     try:
         deadline = started + timeout
         while (remaining := deadline - time.monotonic()) > 0 and not stop.is_set():
-            if not select.select([fd], [], [], min(remaining, STOP_CHECK_S))[0]:
+            ready = select.select([fd, wake_r], [], [], remaining)[0]
+            if wake_r in ready:
+                os.read(wake_r, 64)   # a signal came: its handler ran; look at stop
+            if fd not in ready:
                 continue
             try:
                 os.read(fd, 1)  # a byte: our turn; b"": the spawner closed it
@@ -777,7 +785,9 @@ def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> fl
             except BlockingIOError:
                 continue  # a sibling took the byte that woke us
     finally:
-        os.close(fd)
+        signal.set_wakeup_fd(previous)
+        for unused in (fd, wake_r, wake_w):
+            os.close(unused)
     return time.monotonic() - started
 
 
@@ -830,8 +840,10 @@ def main(args: dict[str, Any]) -> int:
         asked = [PreparedVolume.from_json(v) for v in args.get("volumes") or ()]
         state, _ = load_snapshot(args["snapshot_dir"])
         held, new_volumes = snapshot_slot_media(state, asked)
+        spawnprofile.mark("entry")
         machine, state = restore(args["snapshot_dir"], run_dir, vm_id, args.get("net_tap"),
                                  held)
+        spawnprofile.mark("machine")
     except Exception as err:  # noqa: BLE001 - whatever failed, the spawner is told why
         report({"state": "failed", "reason": f"restore: {err}"})
         return 1
@@ -840,30 +852,37 @@ def main(args: dict[str, Any]) -> int:
         gate = args.get("start_gate")
         if gate is not None:
             report({"state": "prepared", "pid": os.getpid()})
+            spawnprofile.mark("prepared_report")
             start_wait = _wait_for_start_gate(
                 str(gate), float(args.get("start_gate_timeout", START_GATE_TIMEOUT)), stop)
+            spawnprofile.mark("start_gate")
             if stop.is_set():
                 return 0
         if jailed:
             # Last step of set-up, before the guest runs a single instruction: from
             # here the process may only do what a running VMM does (runtime/seccomp.py).
             seccomp.install_vmm_filter(log_only=bool(args.get("seccomp_log_only")))
+            spawnprofile.mark("seccomp")
         machine.start()
+        spawnprofile.mark("vcpu_start")
         timings = {"restore_s": time.monotonic() - started - start_wait,
                    "start_wait_s": start_wait,
                    # fork() in the zygote to this entry: the child's set-up (zygote_child)
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
         report({"state": "restored", "pid": os.getpid(), **timings})
+        spawnprofile.mark("restored_report")
         guest_ram = (memphases.guest_ram_paths(_guest_ram_files(machine), state.mem_size)
                      if memphases.IDLE_S is not None else memphases.no_guest_ram)
         memphases.record("restored", str(run_dir), guest_ram)
         control = ControlServer(machine, str(run_dir / "control.sock"), stop, jailed=jailed)
+        spawnprofile.mark("control_server")
         try:
             agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
                                                     timeout=CONNECT_TIMEOUT))
             ready_timeout = float(args.get("ready_timeout", READY_TIMEOUT))
             unique = make_unique(agent, ready_timeout, net_refresh=state.device(devices.NET) is not None)
+            spawnprofile.mark("agent_answered")
             if new_volumes:
                 mount_started = time.monotonic()
                 attach_volumes(machine, agent, new_volumes, time.monotonic() + ready_timeout)
@@ -877,6 +896,8 @@ def main(args: dict[str, Any]) -> int:
             return EXIT_GUEST_DIED
         report({"state": "ready", "pid": os.getpid(), **timings,
                 "ready_s": time.monotonic() - started, **unique})
+        spawnprofile.mark("ready_report")
+        spawnprofile.finish(str(run_dir))
         memphases.record("ready", str(run_dir), guest_ram)
         _release_start_up_memory()
         memphases.record("released", str(run_dir), guest_ram)

@@ -98,7 +98,13 @@ from typing import Any
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
-from vmfork.runtime.jail import JailSpec, PidNamespaces, hold_empty_netns, python_paths
+from vmfork.runtime.jail import (
+    JailSpec,
+    PidNamespaces,
+    hold_empty_netns,
+    last_capability,
+    python_paths,
+)
 from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
@@ -865,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() == 0 and not hold_empty_netns():
         log.warning("cannot make the empty network namespace for jailed VMMs; each "
                     "jail will try to make its own")
+    with contextlib.suppress(OSError, ValueError):
+        last_capability()   # once here for every jail (else each jail reads it, and fails)
     gc.collect()
     gc.freeze()  # keep the collector off inherited objects: fewer CoW faults, no finalizers
     zygote = Zygote(opts.socket, done, failed, lease_s=opts.lease_s, entries=entries)

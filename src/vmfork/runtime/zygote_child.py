@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from vmfork.runtime import cgroups, jail, memphases
+from vmfork.runtime import cgroups, jail, memphases, spawnprofile
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
 
 PR_SET_PDEATHSIG = 1
@@ -170,6 +170,7 @@ def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
     its own (a jailed one: ``jail.PidNamespaces``)."""
     global _current
     code = EXIT_SETUP_FAILED
+    spawnprofile.start(forked_ns)
     run_dir = args.get("run_dir")
     memphases.record("forked", run_dir)
     try:
@@ -179,12 +180,14 @@ def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
             except OSError as err:
                 _fail(str(err))
         _setup(zygote_pid, cgroup, log_path, zygote_pidfd)
+        spawnprofile.mark("set_up")
         memphases.record("set_up", run_dir)
         if jail_spec is not None:
             try:
                 jail.enter(jail_spec)
             except OSError as err:
                 _fail(str(err))
+            spawnprofile.mark("jailed")
             memphases.record("jailed", run_dir)
         _current = ChildContext(vm_id, zygote_pid, forked_ns, time.monotonic_ns(),
                                 cgroup.name if cgroup else None, jail_spec is not None)

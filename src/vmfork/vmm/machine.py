@@ -83,6 +83,10 @@ BASE_CMDLINE = ("console=ttyS0 reboot=k panic=1 io_delay=none quiet nomodule "
 # 4 MiB blocks come free (our kernel patch makes the driver honour this).
 BALLOON_CMDLINE = "page_reporting.page_reporting_order=0"
 MAX_VCPUS = 16
+_kvm_checked = False
+"""This process (or the zygote it was forked from, whose warm-up restore built a
+Machine) found /dev/kvm's API version and capabilities right: they are the host's, so
+later machines skip the ~17 ioctls of the check (``Machine._check_kvm``)."""
 MAX_VOLUME_SLOTS = 24   # forkd's cap on volumes per sandbox
 
 
@@ -273,13 +277,12 @@ class Machine:
         self.timings["setup"] = time.monotonic() - started
 
     # -- construction -------------------------------------------------------------------
-    def _fd(self, fd: int) -> int:
-        self._closers.append(lambda: os.close(fd))
-        return fd
-
-    def _create(self, config: MachineConfig) -> None:
-        # 1. KVM and its capabilities
-        self.kvm_fd = self._fd(api.open_kvm())
+    def _check_kvm(self) -> None:
+        """The KVM API version and every capability this VMM needs (once per process,
+        and not again in the children of a zygote that checked: ``_kvm_checked``)."""
+        global _kvm_checked
+        if _kvm_checked:
+            return
         version = api.get_api_version(self.kvm_fd)
         if version != api.KVM_API_VERSION:
             raise HostError(f"KVM API version {version}, expected {api.KVM_API_VERSION}",
@@ -289,6 +292,16 @@ class Machine:
         if missing:
             raise HostError("this host's KVM lacks: " + "; ".join(missing),
                             vm_id=self.vm_id, op="KVM_CHECK_EXTENSION")
+        _kvm_checked = True
+
+    def _fd(self, fd: int) -> int:
+        self._closers.append(lambda: os.close(fd))
+        return fd
+
+    def _create(self, config: MachineConfig) -> None:
+        # 1. KVM and its capabilities
+        self.kvm_fd = self._fd(api.open_kvm())
+        self._check_kvm()
 
         # 2. VM and memory
         self.vm_fd = self._fd(api.create_vm(self.kvm_fd))

@@ -64,8 +64,14 @@ The state machine, credit and bounds above are this file's either way.
 Snapshots. ``VsockState`` holds the guest CID (the queues are the transport's).
 Connections are live host resources and are not saved: ``restore`` arranges a
 VIRTIO_VSOCK_EVENT_TRANSPORT_RESET for when the device is re-activated, which
-makes the guest drop its stale connections and keep its listeners, so new
-connections work at once. ``transport_reset()`` does the same on demand.
+makes the guest drop its stale connections and keep its listeners. ``transport_reset()``
+does the same on demand. The guest handles the event some time after it runs again
+(Linux: in a work item, which resets every connected socket, then gives the event
+buffer back and notifies the queue), and a host connection it accepted before then
+would be reset with the stale ones: so a host connection request made after a reset is
+held until the guest has made a new event buffer available (it handled the event) and
+notified the queue, or for at most ``RESET_ACK_WAIT_S``, and a connection made right
+after a restore works the first time.
 """
 
 from __future__ import annotations
@@ -133,6 +139,10 @@ CONNECT_LINE_MAX = 64
 CONNECT_TIMEOUT = 20.0  # seconds for the CONNECT line, and for the guest's answer (a guest
 # starved of CPU -- many VMs on few cores -- can take seconds to answer a request)
 HOST_PORT_FIRST = 1 << 30
+RESET_ACK_WAIT_S = 10.0
+"""Seconds host connection requests wait for the guest to acknowledge a transport reset
+(module docstring) before they go out anyway: well inside ``CONNECT_TIMEOUT``, which
+runs from the request too."""
 _U32 = 0xFFFF_FFFF
 
 _CONNECT_LINE = re.compile(rb"CONNECT\s+(\d{1,10})\s*\n")
@@ -331,6 +341,14 @@ class VirtioVsock(VirtioDevice):
         self._writers: dict[int, _Conn] = {}
         self._next_port = HOST_PORT_FIRST
         self._reset_event_pending = False
+        # A reset event the guest has taken but not yet acknowledged (given an event
+        # buffer back, then notified the queue), and the host connections held until then.
+        self._reset_delivered = False
+        self._buffers_at_delivery = 0   # event buffers available right after it
+        self._holding = False
+        self._held: list[_Conn] = []
+        self._hold_generation = 0
+        self._hold_timer = -1   # the generation whose hold a timer bounds
         self.errors: dict[str, int] = {}
         self.native_bytes = NATIVE_BYTES  # and guest memory has a native view
         try:
@@ -369,11 +387,14 @@ class VirtioVsock(VirtioDevice):
         elif index == RX_QUEUE:
             self._process_rx()
         elif index == EVENT_QUEUE:
+            if self._reset_delivered and self._holding and self._reset_acknowledged():
+                self._release_held()
             self._post_events()
 
     def reset(self) -> None:
         self._drop_all()
         self._reset_event_pending = False
+        self._reset_delivered = self._holding = False   # a new driver has no stale sockets
         super().reset()
 
     def transport_reset(self) -> None:
@@ -381,7 +402,7 @@ class VirtioVsock(VirtioDevice):
 
         def do() -> None:
             self._drop_all()
-            self._reset_event_pending = True
+            self._arm_reset_event()
             self._guarded(self._post_events)
 
         self._call_on_loop(do)
@@ -409,11 +430,47 @@ class VirtioVsock(VirtioDevice):
         """Load device state; on (re-)activation the guest gets a transport reset."""
         self.guest_cid = state.guest_cid
         self.acked_features = state.acked_features
-        self._reset_event_pending = True
+        self._arm_reset_event()
 
     @property
     def connection_count(self) -> int:
         return len(self._conns)
+
+    # -- transport resets -------------------------------------------------------------------
+    def _arm_reset_event(self) -> None:
+        """A transport reset for the guest: sent when it has an event buffer; host
+        connection requests wait until it was handled."""
+        self._reset_event_pending = True
+        self._reset_delivered = False
+        self._holding = True
+        self._hold_generation += 1
+
+    def _reset_acknowledged(self) -> bool:
+        """The guest gave an event buffer back since the reset event was delivered: it
+        has handled it (not merely been notified: a transport notifies every queue once
+        when it activates the device)."""
+        if not self._usable() or self.memory is None:
+            return False
+        return self.queues[EVENT_QUEUE].pending(self.memory) != self._buffers_at_delivery
+
+    def _hold(self, conn: _Conn) -> None:
+        self._held.append(conn)
+        if self._hold_timer != self._hold_generation:
+            self._hold_timer = generation = self._hold_generation
+            self.loop.call_later(RESET_ACK_WAIT_S, lambda: self._hold_expired(generation))
+
+    def _hold_expired(self, generation: int) -> None:
+        if self._holding and generation == self._hold_generation:
+            self._count("host connections sent before the guest acknowledged a transport reset")
+            self._release_held()
+
+    def _release_held(self) -> None:
+        self._holding = self._reset_delivered = False
+        held, self._held = self._held, []
+        for conn in held:
+            self._schedule(conn)   # (not if it was closed meanwhile)
+        if held:
+            self._guarded(self._process_rx)
 
     # -- helpers ----------------------------------------------------------------------------
     def _call_on_loop(self, fn: Callable[[], None]) -> None:
@@ -472,6 +529,7 @@ class VirtioVsock(VirtioDevice):
             self._close_pending(pending)
         self._rx_queue.clear()
         self._orphan_rsts.clear()
+        self._held.clear()
 
     def _close_pending(self, pending: _PendingHost) -> None:
         if not pending.closed:
@@ -559,8 +617,11 @@ class VirtioVsock(VirtioDevice):
         conn = _Conn(pending.sock, self._allocate_port(port), port, _ConnState.REQUESTED,
                      need_request=True)
         self._conns[conn.key] = conn
-        self._schedule(conn)
         self.loop.call_later(CONNECT_TIMEOUT, lambda: self._connect_timeout(conn))
+        if self._holding:
+            self._hold(conn)   # its request once the guest has handled the reset
+            return
+        self._schedule(conn)
         self._guarded(self._process_rx)
 
     def _allocate_port(self, peer_port: int) -> int:
@@ -948,5 +1009,7 @@ class VirtioVsock(VirtioDevice):
                                  f"a 4-byte event")
         queue.add_used(memory, chain.head, written)
         self._reset_event_pending = False
+        self._reset_delivered = True
+        self._buffers_at_delivery = queue.pending(memory)
         assert self.interrupt is not None
         self.interrupt.trigger()
