@@ -9,9 +9,11 @@ failing callbacks. Growth is measured as the process's peak RSS (``VmHWM``, rese
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_virtio_harness import loop, memory  # noqa: F401
@@ -94,18 +96,24 @@ def _console_lines(console: _core.Console, lines: int, text: bytes = b"x" * 60) 
             console.write(serial.DATA, bytes([byte]))
 
 
-def test_a_flood_of_console_lines_is_capped(tmp_path: Path) -> None:
-    # COM1 as the vCPU loop serves it (the native console). A rate no loop outruns,
-    # so the cap alone decides, however fast or slow this host is.
+@contextlib.contextmanager
+def _logged_console(log_path: Path, **budget: Any) -> Iterator[_core.Console]:
+    """COM1 as the vCPU loop serves it (the native console), logging to ``log_path``
+    with the given budget."""
     irq = IrqLine(gsi=4)
-    log_path = tmp_path / "console.log"
     try:
         with open(log_path, "ab", buffering=0) as log:
-            console = _core.Console(irq.fd, log.fileno(), log_burst=100, log_per_second=1e12,
-                                    log_total_bytes=64 << 10)
-            _console_lines(console, 50_000)   # 3 MB of guest output, far past the cap
+            yield _core.Console(irq.fd, log.fileno(), **budget)
     finally:
         irq.close()
+
+
+def test_a_flood_of_console_lines_is_capped(tmp_path: Path) -> None:
+    # A rate no loop outruns, so the cap alone decides, however fast this host is.
+    log_path = tmp_path / "console.log"
+    with _logged_console(log_path, log_burst=100, log_per_second=1e12,
+                         log_total_bytes=64 << 10) as console:
+        _console_lines(console, 50_000)   # 3 MB of guest output, far past the cap
     text = log_path.read_text()
     assert len(text) <= (64 << 10) + 200
     assert text.rstrip().endswith("later lines are dropped]")   # the cap's final notice
@@ -114,17 +122,12 @@ def test_a_flood_of_console_lines_is_capped(tmp_path: Path) -> None:
 
 
 def test_console_lines_over_the_rate_are_dropped_and_marked(tmp_path: Path) -> None:
-    irq = IrqLine(gsi=4)
     log_path = tmp_path / "console.log"
-    try:
-        with open(log_path, "ab", buffering=0) as log:
-            console = _core.Console(irq.fd, log.fileno(), log_burst=100, log_per_second=1,
-                                    log_total_bytes=1 << 20)
-            _console_lines(console, 300)      # a burst's worth, then 200 over the rate
-            time.sleep(1.05)                  # one token back at 1 line/s
-            _console_lines(console, 1, b"after")
-    finally:
-        irq.close()
+    with _logged_console(log_path, log_burst=100, log_per_second=1,
+                         log_total_bytes=1 << 20) as console:
+        _console_lines(console, 300)      # a burst's worth, then 200 over the rate
+        time.sleep(1.05)                  # one token back at 1 line/s
+        _console_lines(console, 1, b"after")
     lines = log_path.read_text().splitlines()
     # (Lines 100-299 take far less than the second a token needs to come back.)
     assert console.log_dropped == 200

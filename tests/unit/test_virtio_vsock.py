@@ -464,9 +464,11 @@ def requests_sent(env: VsockEnv) -> int:
     return sum(1 for hdr, _ in env.packets if hdr.op == Op.REQUEST)
 
 
-def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
-        env: VsockEnv) -> None:
-    env.ev.post(writable=[4])
+def _host_connects_after_a_transport_reset(env: VsockEnv, event_buffers: int) -> socket.socket:
+    """A transport reset the guest has not acknowledged yet, then a host connection
+    to port 1234 (its CONNECT line sent and taken in)."""
+    for _ in range(event_buffers):
+        env.ev.post(writable=[4])
     env.driver.notify(vsock.EVENT_QUEUE)
     env.dev.transport_reset()
     wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
@@ -475,9 +477,15 @@ def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
     host.settimeout(5)
     host.connect(env.uds)
     host.sendall(b"CONNECT 1234\n")
+    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    return host
+
+
+def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
+        env: VsockEnv) -> None:
+    host = _host_connects_after_a_transport_reset(env, event_buffers=1)
     # Its request is held: a guest that has not yet handled the reset would reset the
     # new connection with the stale ones.
-    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
     run_on_loop(env.loop, lambda: None)
     assert requests_sent(env) == 0
     acknowledge_reset(env)
@@ -494,17 +502,7 @@ def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
         env: VsockEnv) -> None:
     """As a transport's own notification of every queue when it activates the device
     (a restore) is not."""
-    env.ev.post(writable=[4])
-    env.ev.post(writable=[4])
-    env.driver.notify(vsock.EVENT_QUEUE)
-    env.dev.transport_reset()
-    wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
-    env.ev.take_used()
-    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    host.settimeout(5)
-    host.connect(env.uds)
-    host.sendall(b"CONNECT 1234\n")
-    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    host = _host_connects_after_a_transport_reset(env, event_buffers=2)
     env.driver.notify(vsock.EVENT_QUEUE)   # one buffer still available, none given back
     run_on_loop(env.loop, lambda: None)
     assert requests_sent(env) == 0
