@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vmfork.runtime.vmmchild import _wait_for_start_gate
+from vmfork.runtime.vmmchild import StopSignal, _wait_for_start_gate
 
 LONG = 120.0   # a wait that ended before this ended for its reason, not the deadline
 
@@ -31,12 +31,13 @@ def gate(tmp_path: Path) -> Iterator[tuple[str, int]]:
 
 
 @pytest.fixture
-def sigterm_sets() -> Iterator[threading.Event]:
+def sigterm_sets() -> Iterator[StopSignal]:
     """SIGTERM handled as vmmchild.main handles it."""
-    stop = threading.Event()
+    stop = StopSignal()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     yield stop
     signal.signal(signal.SIGTERM, previous)
+    stop.close()
 
 
 def _later(seconds: float, action: object) -> None:
@@ -46,7 +47,7 @@ def _later(seconds: float, action: object) -> None:
     timer.start()
 
 
-def test_a_byte_opens_the_gate(gate: tuple[str, int], sigterm_sets: threading.Event) -> None:
+def test_a_byte_opens_the_gate(gate: tuple[str, int], sigterm_sets: StopSignal) -> None:
     path, writer = gate
     _later(0.1, lambda: os.write(writer, b"x"))
     waited = _wait_for_start_gate(path, LONG, sigterm_sets)
@@ -54,7 +55,7 @@ def test_a_byte_opens_the_gate(gate: tuple[str, int], sigterm_sets: threading.Ev
 
 
 def test_sigterm_ends_the_wait_at_once(gate: tuple[str, int],
-                                       sigterm_sets: threading.Event) -> None:
+                                       sigterm_sets: StopSignal) -> None:
     path, _ = gate
     _later(0.1, lambda: os.kill(os.getpid(), signal.SIGTERM))
     waited = _wait_for_start_gate(path, LONG, sigterm_sets)
@@ -63,7 +64,7 @@ def test_sigterm_ends_the_wait_at_once(gate: tuple[str, int],
 
 
 def test_a_closed_or_missing_gate_and_the_deadline(gate: tuple[str, int], tmp_path: Path,
-                                                   sigterm_sets: threading.Event) -> None:
+                                                   sigterm_sets: StopSignal) -> None:
     path, writer = gate
     assert _wait_for_start_gate(str(tmp_path / "none"), LONG, sigterm_sets) == 0.0
     assert _wait_for_start_gate(path, 0.05, sigterm_sets) >= 0.05   # nobody wrote

@@ -466,7 +466,7 @@ def requests_sent(env: VsockEnv) -> int:
 
 def _host_connects_after_a_transport_reset(env: VsockEnv, event_buffers: int) -> socket.socket:
     """A transport reset the guest has not acknowledged yet, then a host connection
-    to port 1234 (its CONNECT line sent and taken in)."""
+    to port 1234 (its CONNECT line sent)."""
     for _ in range(event_buffers):
         env.ev.post(writable=[4])
     env.driver.notify(vsock.EVENT_QUEUE)
@@ -477,13 +477,13 @@ def _host_connects_after_a_transport_reset(env: VsockEnv, event_buffers: int) ->
     host.settimeout(5)
     host.connect(env.uds)
     host.sendall(b"CONNECT 1234\n")
-    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
     return host
 
 
 def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
         env: VsockEnv) -> None:
     host = _host_connects_after_a_transport_reset(env, event_buffers=1)
+    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
     # Its request is held: a guest that has not yet handled the reset would reset the
     # new connection with the stale ones.
     run_on_loop(env.loop, lambda: None)
@@ -503,6 +503,7 @@ def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
     """As a transport's own notification of every queue when it activates the device
     (a restore) is not."""
     host = _host_connects_after_a_transport_reset(env, event_buffers=2)
+    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
     env.driver.notify(vsock.EVENT_QUEUE)   # one buffer still available, none given back
     run_on_loop(env.loop, lambda: None)
     assert requests_sent(env) == 0
@@ -516,15 +517,7 @@ def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
 def test_held_host_connections_go_out_if_the_guest_never_acknowledges(
         env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vsock, "RESET_ACK_WAIT_S", 0.2)
-    env.ev.post(writable=[4])
-    env.driver.notify(vsock.EVENT_QUEUE)
-    env.dev.transport_reset()
-    wait_until(lambda: env.ev.used_idx() == 1, what="the transport reset event")
-    env.ev.take_used()
-    host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    host.settimeout(5)
-    host.connect(env.uds)
-    host.sendall(b"CONNECT 1234\n")
+    host = _host_connects_after_a_transport_reset(env, event_buffers=1)
     req, _ = env.wait_op(Op.REQUEST)   # after RESET_ACK_WAIT_S, without the notification
     assert env.dev.errors["host connections sent before the guest acknowledged a "
                           "transport reset"] == 1

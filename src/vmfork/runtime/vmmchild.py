@@ -757,27 +757,20 @@ class ControlServer:
                 os.close(fd)
 
 
-def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> float:
+def _wait_for_start_gate(path: str, timeout: float, stop: StopSignal) -> float:
     """Block until this child takes a byte from the start gate FIFO, the gate is
     closed or gone, ``stop`` is set (SIGTERM) or ``timeout`` passes; returns the
-    seconds waited. Call it from the main thread, with the handler that sets ``stop``
-    installed: the signal's wake-up byte (``signal.set_wakeup_fd``, on a pipe of its
-    own for the wait) ends the wait, so it sleeps until something happens instead of
-    looking for ``stop`` every so often."""
+    seconds waited. ``stop``'s own pipe ends the wait, so it sleeps until something
+    happens instead of looking for ``stop`` every so often."""
     started = time.monotonic()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return 0.0
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    previous = signal.set_wakeup_fd(wake_w)
     try:
         deadline = started + timeout
         while (remaining := deadline - time.monotonic()) > 0 and not stop.is_set():
-            ready = select.select([fd, wake_r], [], [], remaining)[0]
-            if wake_r in ready:
-                os.read(wake_r, 64)   # a signal came: its handler ran; look at stop
-            if fd not in ready:
+            if fd not in select.select([fd, stop.fileno()], [], [], remaining)[0]:
                 continue
             try:
                 os.read(fd, 1)  # a byte: our turn; b"": the spawner closed it
@@ -785,9 +778,7 @@ def _wait_for_start_gate(path: str, timeout: float, stop: threading.Event) -> fl
             except BlockingIOError:
                 continue  # a sibling took the byte that woke us
     finally:
-        signal.set_wakeup_fd(previous)
-        for unused in (fd, wake_r, wake_w):
-            os.close(unused)
+        os.close(fd)
     return time.monotonic() - started
 
 
