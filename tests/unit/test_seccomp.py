@@ -7,10 +7,13 @@ the parent reads how the child ended. A denied syscall must end the child by SIG
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import re
 import signal
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -158,3 +161,80 @@ def test_a_parent_vmm_makes_threads_but_never_forks() -> None:
         lambda: socket.socket(socket.AF_INET).close(), parent=True))
     assert _killed_by_sigsys(_in_filtered_child(
         lambda: os.execv("/bin/true", ["true"]), parent=True))
+
+
+def _evaluate(program: bytes, nr: int, args: tuple[int, ...] = (0,) * 6,
+              arch: int = seccomp.AUDIT_ARCH_X86_64) -> tuple[int, int]:
+    """What the kernel would return for one ``seccomp_data``, and how many instructions
+    it ran: classic BPF as the kernel runs it, for the opcodes the builder uses. Jumps
+    must go forward and stay inside the program, or this fails (the kernel's checker
+    refuses such a program at install time)."""
+    data = struct.pack("<iIQ6Q", nr, arch, 0, *args)
+    insns = [struct.unpack_from("<HBBI", program, i) for i in range(0, len(program), 8)]
+    acc, pc, steps = 0, 0, 0
+    while True:
+        assert 0 <= pc < len(insns), f"jump out of the program at {pc}"
+        code, jt, jf, k = insns[pc]
+        steps += 1
+        pc += 1
+        if code == seccomp.BPF_LD_W_ABS:
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code == seccomp.BPF_ALU_AND_K:
+            acc &= k
+        elif code == seccomp.BPF_JA:
+            pc += k
+        elif code == seccomp.BPF_JEQ_K:
+            pc += jt if acc == k else jf
+        elif code == seccomp.BPF_JGE_K:
+            pc += jt if acc >= k else jf
+        elif code == seccomp.BPF_RET_K:
+            return k, steps
+        else:
+            raise AssertionError(f"opcode {code:#x} at {pc - 1}")
+
+
+def test_the_program_decides_every_syscall_as_the_list_says() -> None:
+    """Every syscall number (and the ones past the table, and the x32 ABI's), every
+    ioctl request the VMM uses and many it does not, each socket domain: the search
+    trees give what the allow-list means, in a few dozen instructions at most."""
+    kill, allow = seccomp.SECCOMP_RET_KILL_PROCESS, seccomp.SECCOMP_RET_ALLOW
+    requests = seccomp.vmm_ioctls()
+    prog = seccomp.vmm_filter()
+    allowed = {seccomp.SYSCALLS[n] for n in seccomp.VMM_ALLOWED} - {
+        seccomp.SYSCALLS[n] for n in ("socket", "socketpair", "ioctl")}
+    longest = 0
+    for nr in [*range(1024), 0x40000000, 0x40000001, 0x7FFFFFFF, -1]:
+        verdict, steps = _evaluate(prog, nr)
+        longest = max(longest, steps)
+        if nr == seccomp.SYSCALLS["clone3"]:
+            assert verdict == seccomp.SECCOMP_RET_ERRNO | errno.ENOSYS
+        elif nr == seccomp.SYSCALLS["ioctl"]:
+            assert verdict == kill     # request 0 is not one of ours
+        elif nr in (seccomp.SYSCALLS["socket"], seccomp.SYSCALLS["socketpair"]):
+            assert verdict == kill     # domain 0 is AF_UNSPEC
+            assert _evaluate(prog, nr, (socket.AF_UNIX, 0, 0, 0, 0, 0))[0] == allow
+            assert _evaluate(prog, nr, (socket.AF_INET, 0, 0, 0, 0, 0))[0] == kill
+        else:
+            assert verdict == (allow if nr in allowed else kill), nr
+        assert _evaluate(prog, nr, arch=0x40000003)[0] == kill   # i386
+    rng = random.Random(19)
+    ioctl = seccomp.SYSCALLS["ioctl"]
+    others = {rng.getrandbits(32) for _ in range(3000)} | {r + 1 for r in requests} | {
+        r - 1 for r in requests} | {0x5412}   # TIOCSTI
+    for request in sorted(set(requests) | others):
+        verdict, steps = _evaluate(prog, ioctl, (3, request, 0, 0, 0, 0))
+        longest = max(longest, steps)
+        assert verdict == (allow if request in requests else kill), hex(request)
+        assert _evaluate(prog, ioctl, (3, request | 1 << 32, 0, 0, 0, 0))[0] == kill
+    assert longest <= 32, longest   # the linear program ran up to ~480 for an ioctl
+
+
+def test_a_parent_vmm_program_checks_clone_flags_by_search_too() -> None:
+    prog = seccomp.build_filter(seccomp.PARENT_ALLOWED, ioctl_requests=seccomp.vmm_ioctls(),
+                                threads_only=True)
+    clone = seccomp.SYSCALLS["clone"]
+    thread_flags = 0x3D0F00   # what glibc's pthread_create passes
+    assert _evaluate(prog, clone, (thread_flags, 0, 0, 0, 0, 0))[0] == seccomp.SECCOMP_RET_ALLOW
+    assert _evaluate(prog, clone, (0x11, 0, 0, 0, 0, 0))[0] == seccomp.SECCOMP_RET_KILL_PROCESS
+    for name in ("fork", "vfork", "wait4", "execve"):
+        assert _evaluate(prog, seccomp.SYSCALLS[name])[0] == seccomp.SECCOMP_RET_KILL_PROCESS
