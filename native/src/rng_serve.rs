@@ -67,6 +67,10 @@ pub struct RngServer {
 /// What one notification did.
 pub enum Served {
     Done,
+    /// The whole budget was spent and there is no ioeventfd to re-arm with: the
+    /// caller must serve again later, or the rest waits for the guest's next kick
+    /// (which a driver that has already kicked does not send).
+    Budget,
     Fault(QueueError),
 }
 
@@ -122,8 +126,9 @@ impl RngServer {
         }
         drop(st);
         if served == self.max_requests {
-            if let Some(fd) = &self.notify {
-                write_eventfd(fd.as_raw_fd());
+            match &self.notify {
+                Some(fd) => write_eventfd(fd.as_raw_fd()),
+                None => return Served::Budget,
             }
         }
         Served::Done
@@ -135,7 +140,8 @@ impl NativeReader for RngServer {
     fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
         drain_eventfd(fd);
         match self.serve() {
-            Served::Done => None,
+            // The loop serves only through the ioeventfd, which the server re-arms.
+            Served::Done | Served::Budget => None,
             Served::Fault(e) => Some(Box::new(move |py| {
                 let err = crate::virtio_py::py_error(py, e);
                 if let Err(failed) = self.on_error.call1(py, (err.value(py),)) {
@@ -236,10 +242,12 @@ impl RngQueue {
 
     /// Serve a notification now, from Python (a QueueNotify exit, the activation's
     /// catch-up); a guest fault is raised (`VirtqueueError`/`GuestMemoryError`).
-    fn serve(&self, py: Python<'_>) -> PyResult<()> {
+    /// True when the budget was spent with no ioeventfd to re-arm: call again later.
+    fn serve(&self, py: Python<'_>) -> PyResult<bool> {
         let server = self.server.clone();
         match py.detach(move || server.serve()) {
-            Served::Done => Ok(()),
+            Served::Done => Ok(false),
+            Served::Budget => Ok(true),
             Served::Fault(e) => Err(crate::virtio_py::py_error(py, e)),
         }
     }

@@ -126,7 +126,10 @@ class VirtioRng(VirtioDevice):
         if not self._usable() or self.memory is None:
             return
         if self._server is not None:
-            self._server.serve()  # a guest fault raises, as below
+            # A guest fault raises, as below. Without an ioeventfd to re-arm with, a
+            # spent budget is picked up on a later loop turn, as below.
+            if self._server.serve():
+                self.loop.call_soon(lambda: self._guarded(self._serve))
             return
         memory, queue = self.memory, self.queues[0]
         if memory.native is not None:
