@@ -102,6 +102,14 @@ impl Ram<'_> {
         )))
     }
 
+    /// The region `gpa` lies in, if any.
+    pub fn region_containing(&self, gpa: u64) -> Option<Region> {
+        self.regions
+            .iter()
+            .find(|r| r.gpa <= gpa && gpa - r.gpa < r.size)
+            .copied()
+    }
+
     pub fn check(&self, gpa: u64, len: u64) -> Result<(), RamError> {
         self.host(gpa, len).map(|_| ())
     }

@@ -11,6 +11,7 @@
 //! hands to `kvm-ioctls` (whose wrappers own and close their fd) while it holds
 //! the GIL, and closes its duplicates before it returns.
 
+mod balloon_serve;
 mod blk;
 mod console;
 mod eventloop;
@@ -216,6 +217,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<net_serve::NetQueues>()?;
+    m.add_class::<balloon_serve::BalloonQueues>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

@@ -3,7 +3,11 @@ transport, real guest memory of each kind and the real pagemap (vmm.dirty)."""
 
 from __future__ import annotations
 
+import gc
+import os
 import struct
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,
     STATUS_FEATURES_OK,
     VIRTIO_F_VERSION_1,
+    run_on_loop,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
 from vmfork.vmm.eventloop import EventLoop, new_event_loop
@@ -30,6 +35,14 @@ MEM = 32 << 20
 FEATURES = VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING
 # Guest pages the tests "free"; the driver's rings and buffers sit below 8 MiB.
 FREE_AT = 16 << 20
+
+try:
+    from vmfork import _core  # noqa: F401 -- only whether it is built
+    # How the device is served: in Python; natively on the loop, notified by MMIO
+    # exits (entered from Python); natively on the queues' ioeventfds (as in a VMM).
+    PATHS = ["python", "native", "native-ioeventfd"]
+except ImportError:
+    PATHS = ["python"]
 
 
 def _file_memory(tmp: Path) -> GuestMemory:
@@ -59,22 +72,36 @@ def loop(memory: GuestMemory) -> Iterator[EventLoop]:
 
 
 class Env:
-    def __init__(self, loop: EventLoop, memory: GuestMemory) -> None:
+    def __init__(self, loop: EventLoop, memory: GuestMemory, path: str = "python") -> None:
         self.memory = memory
         self.irq = IrqLine(gsi=9)
-        self.dev = balloon.VirtioBalloon(loop)
-        self.transport = mmio.MmioTransport(self.dev, memory, self.irq, loop)
+        self.dev = balloon.VirtioBalloon(loop, native_serve=path != "python")
+        self.kick_fds: list[int] = []
+        self.transport = mmio.MmioTransport(
+            self.dev, memory, self.irq, loop,
+            register_ioeventfd=(lambda off, dm, fd: self.kick_fds.append(fd))
+            if path == "native-ioeventfd" else None)
         self.driver = GuestDriver(self.transport, memory)
         status = self.driver.negotiate(FEATURES)
         assert status & STATUS_FEATURES_OK, f"FEATURES_OK refused ({status:#x})"
         self.queues = [self.driver.setup_queue(i, balloon.QUEUE_SIZE, 64) for i in range(3)]
         self.driver.driver_ok()
         wait_until(lambda: self.dev.active, what="activation")
+        # The native server is made at the end of the activation, just after ``active``.
+        wait_until(lambda: self.dev.serving_natively == (path != "python"),
+                   what=f"the {path} path serving")
 
-    def report(self, ranges: list[tuple[int, int]], queue: int = balloon.REPORTING_QUEUE,
-               writable: bool = True) -> int:
-        """Post one chain naming ``ranges`` (as Linux's driver does: device-writable
-        buffers, one per free block) and wait for it to come back."""
+    def notify(self, queue: int) -> None:
+        """The driver's kick: the ioeventfd KVM would write, or a QueueNotify exit."""
+        if self.kick_fds:
+            os.eventfd_write(self.kick_fds[queue], 1)
+        else:
+            self.driver.notify(queue)
+
+    def post(self, ranges: list[tuple[int, int]], queue: int = balloon.REPORTING_QUEUE,
+             writable: bool = True) -> None:
+        """Put one chain naming ``ranges`` on ``queue`` (as Linux's driver does:
+        device-writable buffers, one per free block), without a kick."""
         q: DriverQueue = self.queues[queue]
         ids = [q.free.pop(0) for _ in ranges]
         for k, (index, (gpa, length)) in enumerate(zip(ids, ranges)):
@@ -86,8 +113,14 @@ class Env:
         self.memory.write_u16(q.avail + 4 + 2 * (q.avail_idx % q.size), ids[0])
         q.avail_idx = (q.avail_idx + 1) & 0xFFFF
         self.memory.write_u16(q.avail + 2, q.avail_idx)
+
+    def report(self, ranges: list[tuple[int, int]], queue: int = balloon.REPORTING_QUEUE,
+               writable: bool = True) -> int:
+        """Post one chain naming ``ranges``, kick, and wait for it to come back."""
+        q: DriverQueue = self.queues[queue]
         before = q.used_idx()
-        self.driver.notify(queue)
+        self.post(ranges, queue, writable)
+        self.notify(queue)
         wait_until(lambda: q.used_idx() != before
                    or self.transport.status & STATUS_DEVICE_NEEDS_RESET, what="the report back")
         used = q.take_used()
@@ -97,9 +130,9 @@ class Env:
         self.irq.close()
 
 
-@pytest.fixture
-def env(loop: EventLoop, memory: GuestMemory) -> Iterator[Env]:
-    e = Env(loop, memory)
+@pytest.fixture(params=PATHS)
+def env(request: pytest.FixtureRequest, loop: EventLoop, memory: GuestMemory) -> Iterator[Env]:
+    e = Env(loop, memory, request.param)
     yield e
     e.close()
 
@@ -209,6 +242,114 @@ def test_inflate_buffers_and_readable_reports_are_returned_untouched(env: Env) -
     assert env.dev.stats().ignored_buffers == 3
 
 
+@pytest.mark.parametrize("gpa, length", [
+    (MEM - PAGE_SIZE, 2 * PAGE_SIZE),            # crosses the end of RAM
+    (MEM + PAGE_SIZE, PAGE_SIZE),                # past it
+    ((1 << 64) - PAGE_SIZE, 2 * PAGE_SIZE),      # wraps past 2**64
+])
+def test_a_hostile_report_is_a_guest_fault_with_the_same_words(
+        env: Env, gpa: int, length: int) -> None:
+    """Every path refuses the same ranges with the same words (the chain walk checks
+    each buffer against guest RAM before the balloon sees it), drops nothing of the
+    chain, and keeps the guest's memory as it was."""
+    env.memory.write(MEM - PAGE_SIZE, b"\x42" * PAGE_SIZE)
+    env.memory.write(FREE_AT, b"\x43" * PAGE_SIZE)
+    env.report([(FREE_AT, PAGE_SIZE), (gpa, length)])
+    assert env.transport.status & STATUS_DEVICE_NEEDS_RESET
+    assert env.transport.last_device_error == (
+        f"descriptor 1 buffer {gpa:#x}+{length:#x} is outside guest RAM")
+    assert env.memory.read(MEM - PAGE_SIZE, PAGE_SIZE) == b"\x42" * PAGE_SIZE
+    assert env.memory.read(FREE_AT, PAGE_SIZE) == b"\x43" * PAGE_SIZE
+    assert env.dev.stats().bytes_discarded == 0
+
+
+def test_more_reports_than_one_turn_serves_are_all_served_after_one_kick(env: Env) -> None:
+    """One kick for more chains than a turn's budget (16): the rest are served on later
+    turns (the native server re-arms its ioeventfd, or tells the Python caller)."""
+    mem = env.memory
+    count = 3 * balloon.MAX_CHAINS_PER_NOTIFY + 5
+    for k in range(count):
+        mem.write(FREE_AT + k * PAGE_SIZE, b"\x99" * PAGE_SIZE)
+        env.post([(FREE_AT + k * PAGE_SIZE, PAGE_SIZE)])
+    q = env.queues[balloon.REPORTING_QUEUE]
+    env.notify(balloon.REPORTING_QUEUE)
+    wait_until(lambda: q.used_idx() == count, what="every report after one kick")
+    stats = env.dev.stats()
+    assert stats.reports == count and stats.bytes_discarded == count * PAGE_SIZE
+    for k in range(count):
+        page = FREE_AT // PAGE_SIZE + k
+        assert mem.read(page * PAGE_SIZE, PAGE_SIZE) == _expected(mem, page)
+    # A BRANCH's save sees the indices the native server advanced.
+    state = run_on_loop(env.transport.loop, env.transport.save)
+    assert (state.queues[balloon.REPORTING_QUEUE].next_avail,
+            state.queues[balloon.REPORTING_QUEUE].next_used) == (count, count)
+
+
+def test_a_reset_keeps_the_counts_and_the_next_activation_serves(env: Env) -> None:
+    env.report([(FREE_AT, PAGE_SIZE)])
+    env.dev.hold_discards()
+    env.report([(FREE_AT, PAGE_SIZE)])
+    env.driver.w(mmio.REG_STATUS, 0)          # the driver resets the device
+    wait_until(lambda: not env.dev.active, what="the reset")
+    assert env.dev.stats().reports == 2 and env.dev.discards_held == 1
+    status = env.driver.negotiate(FEATURES)
+    assert status & STATUS_FEATURES_OK
+    env.queues = [env.driver.setup_queue(i, balloon.QUEUE_SIZE, 64) for i in range(3)]
+    env.driver.driver_ok()
+    wait_until(lambda: env.dev.active, what="the second activation")
+    env.memory.write(FREE_AT, b"\x31" * PAGE_SIZE)
+    env.report([(FREE_AT, PAGE_SIZE)])   # still held: the hold outlived the reset
+    assert env.memory.read(FREE_AT, PAGE_SIZE) == b"\x31" * PAGE_SIZE
+    env.dev.release_discards()
+    env.report([(FREE_AT, PAGE_SIZE)])
+    assert env.memory.read(FREE_AT, PAGE_SIZE) == _expected(env.memory, FREE_AT // PAGE_SIZE)
+    assert env.dev.stats().reports == 4 and env.dev.discards_held == 2
+
+
+@pytest.mark.skipif("native-ioeventfd" not in PATHS, reason="the native core is not built")
+def test_native_balloon_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory) -> None:
+    """The main thread keeps the GIL (a long switch interval, spinning in Python) while
+    the guest reports: the native server still drops the pages and gives the chain back."""
+    env = Env(loop, memory, "native-ioeventfd")
+    try:
+        memory.write(FREE_AT, b"\x24" * PAGE_SIZE)
+        q = env.queues[balloon.REPORTING_QUEUE]
+        env.post([(FREE_AT, PAGE_SIZE)])
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(30.0)   # no other Python thread runs for 30 s
+        try:
+            env.notify(balloon.REPORTING_QUEUE)
+            t0 = time.monotonic()
+            while q.used_idx() != 1 and time.monotonic() - t0 < 5:
+                pass
+            served_in = time.monotonic() - t0
+        finally:
+            sys.setswitchinterval(old)
+        assert q.used_idx() == 1 and served_in < 5, served_in
+        assert memory.read(FREE_AT, PAGE_SIZE) == _expected(memory, FREE_AT // PAGE_SIZE)
+    finally:
+        env.close()
+
+
+def test_a_closed_balloon_holds_no_fds(loop: EventLoop) -> None:
+    """The transport's close, then the device's: no duplicated eventfd of the native
+    server is left open, even with the device still referenced."""
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+    for path in PATHS:
+        fresh = GuestMemory.anonymous(MEM)   # a ring of its own (no used index left over)
+        gc.collect()   # earlier tests' devices, whose fds would close during this one
+        before = fds()
+        env = Env(loop, fresh, path)
+        env.report([(FREE_AT, PAGE_SIZE)])
+        env.transport.close()
+        env.dev.close()
+        env.close()
+        run_on_loop(loop, lambda: None)   # the loop's readers go on the loop thread
+        assert fds() == before, path
+        fresh.close()
+
+
 def test_discard_refuses_a_range_that_leaves_its_region(loop: EventLoop,
                                                         memory: GuestMemory) -> None:
     dev = balloon.VirtioBalloon(loop)
@@ -235,10 +376,12 @@ def test_state_survives_the_state_file_and_old_files_have_no_balloon(env: Env,
         is None
 
 
+@pytest.mark.parametrize("path", PATHS)
 def test_a_restored_device_serves_a_report_left_on_its_ring(loop: EventLoop,
-                                                           memory: GuestMemory) -> None:
+                                                           memory: GuestMemory,
+                                                           path: str) -> None:
     """A report the guest posted just before the snapshot is served after restore."""
-    env = Env(loop, memory)
+    env = Env(loop, memory, path)
     try:
         q = env.queues[balloon.REPORTING_QUEUE]
         memory.write(FREE_AT, b"\x66" * PAGE_SIZE)
@@ -252,7 +395,7 @@ def test_a_restored_device_serves_a_report_left_on_its_ring(loop: EventLoop,
         saved_transport, saved_dev = env.transport.save(), env.dev.save()
         irq = IrqLine(gsi=10)
         try:
-            dev = balloon.VirtioBalloon(loop)
+            dev = balloon.VirtioBalloon(loop, native_serve=path != "python")
             transport = mmio.MmioTransport(dev, memory, irq, loop)
             dev.restore(saved_dev)
             transport.restore(saved_transport)

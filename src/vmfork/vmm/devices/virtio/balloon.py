@@ -42,21 +42,36 @@ Settling. The guest reports a block about 2 s after it was freed
 (the VMM asks for order 0 on the command line, machine.BALLOON_CMDLINE). A diff
 capture first waits, while the guest runs, until no report came for a few seconds
 (``stats``, read through the control socket's ``status``; runtime/branch.py).
+
+Two paths, one contract. By default, where the transport can (the native loop and
+register file, an irqfd), the three queues are handed at activation to a
+``_core.BalloonQueues`` (``native/src/balloon_serve.rs``) that the native loop serves
+on their ioeventfds without the GIL, with these rules word for word; it owns the ring
+indices until reset (``sync_queues`` copies them back for a snapshot) and the counters
+of its activation. Otherwise (``VMFORK_NATIVE=0``, ``VMFORK_NATIVE_BALLOON=0``, a
+transport that cannot) Python serves them below.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
 from vmfork.vmm.devices.virtio.queue import Virtqueue
-from vmfork.vmm.errors import GuestMemoryError
+from vmfork.vmm.errors import GuestError, GuestMemoryError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
+
+try:
+    from vmfork import _core
+except ImportError:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +83,8 @@ QUEUE_SIZE = 64                 # the driver needs >= 32 on the reporting queue
 MAX_CHAINS_PER_NOTIFY = 16
 CONFIG_SIZE = 16                # num_pages, actual, free_page_hint_cmd_id, poison_val
 _ACTUAL_OFFSET = 4
+# The GIL-free serving on the native loop; VMFORK_NATIVE_BALLOON=0 keeps it in Python.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_BALLOON", "1") != "0"
 
 
 @dataclass
@@ -93,10 +110,13 @@ class VirtioBalloon(VirtioDevice):
     device_type = DEVICE_ID_BALLOON
     queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE, QUEUE_SIZE)
 
-    def __init__(self, loop: EventLoop) -> None:
+    def __init__(self, loop: EventLoop, native_serve: bool | None = None) -> None:
         super().__init__()
         self.features |= VIRTIO_BALLOON_F_REPORTING
         self.loop = loop
+        self.native_serve = NATIVE_SERVE if native_serve is None else native_serve
+        self._server: _core.BalloonQueues | None = None
+        self._detach_server: list[Callable[[], None]] = []
         self._config_lock = threading.Lock()
         self.actual = 0
         self.reports = 0
@@ -107,7 +127,7 @@ class VirtioBalloon(VirtioDevice):
         self._advice: int = mmap.MADV_DONTNEED
         self._holds = 0          # captures in flight (hold_discards); changed under _hold_lock
         self._hold_lock = threading.Lock()
-        self.discards_held = 0   # reported ranges kept because a capture was in flight
+        self._discards_held = 0  # reported ranges kept because a capture was in flight
 
     # -- config space -------------------------------------------------------------------
     def config_bytes(self) -> bytes:
@@ -130,6 +150,77 @@ class VirtioBalloon(VirtioDevice):
         # A memfd mapped shared keeps the data past MADV_DONTNEED; only a hole frees it.
         shared = memory.backing_fd is not None and not memory.private_file
         self._advice = mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
+        if not (self.native_serve and memory.native is not None
+                and all(q.ready for q in queues)):
+            return
+        natives = [interrupt.native_queue(i) for i in range(len(queues))]
+        if any(n is None for n in natives):
+            return
+        first = natives[0]
+        assert first is not None
+        server = _core.BalloonQueues(
+            memory.native, first.registers, first.epoch,
+            tuple((q.size, q.desc_table, q.avail_ring, q.used_ring, q.next_avail, q.next_used)
+                  for q in queues),
+            first.irq_fd, tuple(n.notify_fd for n in natives if n is not None),
+            MAX_CHAINS_PER_NOTIFY, self._advice, self._native_report)
+        with self._hold_lock:
+            for _ in range(self._holds):
+                server.hold()
+            self._server = server
+        for i, native in enumerate(natives):
+            assert native is not None
+            native.attach(server, count_interrupts=i == 0)   # one line, counted once
+            self._detach_server.append(native.detach)
+
+    @property
+    def discards_held(self) -> int:
+        """Reported ranges kept because a capture was in flight (every activation)."""
+        server = self._server
+        return self._discards_held + (server.stats()[4] if server is not None else 0)
+
+    @property
+    def serving_natively(self) -> bool:
+        """Whether the native loop serves the queues without the GIL (this activation)."""
+        return self._server is not None
+
+    def _native_report(self, fault: BaseException | None,
+                       discard_errors: list[tuple[int, int, int]]) -> None:
+        """What the native server leaves for Python (on the loop thread, with the GIL)."""
+        for start, length, err in discard_errors:
+            log.warning("balloon: madvise of %#x+%#x failed: %s", start, length,
+                        os.strerror(err))
+        if fault is not None and self.interrupt is not None and isinstance(fault, GuestError):
+            self.interrupt.device_error(fault)
+
+    def _let_go_of_server(self) -> None:
+        """Fold the native server's counters into ours and close it (a reset, a close)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        for detach in self._detach_server:
+            detach()
+        self._detach_server = []
+        reports, discarded, errors, ignored, held, age = server.stats()
+        self.reports += reports
+        self.bytes_discarded += discarded
+        self.discard_errors += errors
+        self.ignored_buffers += ignored
+        self._discards_held += held
+        if age is not None:
+            self._last_report = time.monotonic() - age
+        server.close()
+
+    def sync_queues(self) -> None:
+        if self._server is not None:
+            for queue, (next_avail, next_used) in zip(self.queues, self._server.sync(),
+                                                      strict=True):
+                queue.next_avail, queue.next_used = next_avail, next_used
+
+    def close(self) -> None:
+        """Let go of the native server (after the transport's close): it holds
+        duplicates of the queues' eventfds, and this device through ``on_report``."""
+        self._let_go_of_server()
 
     def queue_notify(self, index: int) -> None:
         if index in (INFLATE_QUEUE, DEFLATE_QUEUE, REPORTING_QUEUE):
@@ -137,6 +228,12 @@ class VirtioBalloon(VirtioDevice):
 
     def _serve(self, index: int) -> None:
         if not self._usable() or self.memory is None:
+            return
+        if self._server is not None:
+            # A guest fault raises (as below); a spent budget without an ioeventfd to
+            # re-arm with is served again on a later loop turn (as below).
+            if self._server.notify(index):
+                self.loop.call_soon(lambda: self._guarded(lambda: self._serve(index)))
             return
         memory, queue = self.memory, self.queues[index]
         if not queue.ready:
@@ -171,17 +268,21 @@ class VirtioBalloon(VirtioDevice):
         are still acknowledged: the guest's pages stay ours a little longer."""
         with self._hold_lock:
             self._holds += 1
+            if self._server is not None:
+                self._server.hold()
 
     def release_discards(self) -> None:
         with self._hold_lock:
             self._holds = max(0, self._holds - 1)
+            if self._server is not None:
+                self._server.release()
 
     def _discard(self, memory: GuestMemory, gpa: int, length: int) -> None:
         """Drop the whole pages of guest range ``gpa``+``length`` from our mapping."""
         # Read on the I/O thread, which also runs a capture's fork (``run_on_loop``): no
         # drop can straddle the fork, and none starts after a hold.
         if self._holds:
-            self.discards_held += 1
+            self._discards_held += 1
             return
         start = -(-gpa // PAGE_SIZE) * PAGE_SIZE
         end = (gpa + length) // PAGE_SIZE * PAGE_SIZE
@@ -205,6 +306,7 @@ class VirtioBalloon(VirtioDevice):
         raise GuestMemoryError(f"reported range {gpa:#x}+{length:#x} is not in guest RAM")
 
     def reset(self) -> None:
+        self._let_go_of_server()
         super().reset()
         with self._config_lock:
             self.actual = 0
@@ -212,9 +314,17 @@ class VirtioBalloon(VirtioDevice):
     # -- settling (any thread) -----------------------------------------------------------
     def stats(self) -> BalloonStats:
         last = self._last_report
-        return BalloonStats(self.reports, self.bytes_discarded, self.discard_errors,
-                            self.ignored_buffers,
-                            None if last is None else time.monotonic() - last)
+        age = None if last is None else time.monotonic() - last
+        reports, discarded, errors, ignored = (self.reports, self.bytes_discarded,
+                                               self.discard_errors, self.ignored_buffers)
+        server = self._server
+        if server is not None:
+            more = server.stats()
+            reports, discarded, errors, ignored = (reports + more[0], discarded + more[1],
+                                                   errors + more[2], ignored + more[3])
+            if more[5] is not None:
+                age = more[5]   # the server's report is the later one
+        return BalloonStats(reports, discarded, errors, ignored, age)
 
     # -- snapshots ----------------------------------------------------------------------
     def save(self) -> BalloonState:

@@ -1,0 +1,422 @@
+//! virtio-balloon's three queues served on the native event loop without the GIL
+//! (`_core.BalloonQueues`): free page reporting, `balloon.py`'s contract, natively.
+//!
+//! The balloon offers only `VIRTIO_BALLOON_F_REPORTING`, so its work is: a chain on
+//! the reporting queue names free blocks the guest gives up, and each whole page inside
+//! them is dropped from our mapping of guest RAM (`madvise`: `MADV_DONTNEED` on a
+//! snapshot file mapped private or anonymous RAM, `MADV_REMOVE` on a shared memfd; the
+//! device chooses at activation). A chain on the inflate or deflate queue (we never ask
+//! for either) goes back untouched. What it changes and why is `balloon.py`'s module
+//! comment; this file keeps its rules word for word:
+//!
+//! * **The checks, in order, per buffer:** a capture in flight (`hold`) keeps the
+//!   range (counted as held); a buffer holding no whole page is ignored; a range that
+//!   starts outside guest RAM or crosses the end of its region is a guest fault, with
+//!   `balloon.py`'s messages. A failing `madvise` is counted (and logged by Python);
+//!   the buffer still goes back.
+//! * **Budget.** At most `max_chains` chains per queue per wake; a run that used it
+//!   re-arms by writing the queue's ioeventfd (or, without one, tells the Python caller
+//!   to serve again later), as `rng_serve.rs` does.
+//! * **Holds and the fork of a capture.** A capture holds the drops from its pause
+//!   until its writer is done, and forks that writer on the loop thread
+//!   (`run_on_loop`); this object runs on the same thread, so no drop straddles the
+//!   fork, and the hold count is read per buffer, so none starts after a hold.
+//! * **One owner of the indices**, from activation to reset: this object; `sync`
+//!   gives them back for a snapshot (as `rng_serve.rs`).
+//! * **What goes to Python** (`on_report(fault or None, discard errors)`, with the GIL
+//!   after the turn's native work): a guest fault (the queues stop, Python sets
+//!   DEVICE_NEEDS_RESET) and the failed `madvise` calls to log. A healthy balloon never
+//!   takes the GIL.
+//!
+//! Locks, in this order: `state`, then guest RAM's, then the register file's. None is
+//! held across a GIL take or release.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
+
+use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
+use crate::guest_ram::{Ram, RamError};
+use crate::mmio::INT_USED_BUFFER;
+use crate::mmio_py::MmioRegisters;
+use crate::rng_serve::{dup, write_eventfd};
+use crate::virtio_py::GuestRam;
+use crate::virtq::{self, QueueError, Rings};
+
+const REPORTING_QUEUE: usize = 2;
+const PAGE: u64 = 4096;
+/// At most this many failed `madvise` calls kept per wake for Python to log.
+const MAX_ERRORS_KEPT: usize = 8;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Default, Clone, Copy)]
+struct Counters {
+    reports: u64,
+    bytes_discarded: u64,
+    discard_errors: u64,
+    ignored_buffers: u64,
+    discards_held: u64,
+}
+
+struct BalloonState {
+    /// (next_avail, next_used) of the inflate, deflate and reporting queues.
+    indices: [(u16, u16); 3],
+    counters: Counters,
+    last_report: Option<Instant>,
+    /// A guest fault was found: serve no more (until the driver resets the device).
+    failed: bool,
+    closed: bool,
+    /// Used-buffer interrupts raised (the irqfd written): the line's statistics.
+    interrupts: u64,
+    irq: Option<OwnedFd>,
+    /// The queues' ioeventfds, duplicated, written to re-arm (None without one).
+    rearm: [Option<OwnedFd>; 3],
+}
+
+/// What a wake leaves for its caller.
+#[derive(Default)]
+struct Report {
+    fault: Option<QueueError>,
+    /// (start, length, errno) of failed `madvise` calls, for Python to log.
+    discard_errors: Vec<(u64, u64, i32)>,
+    /// The budget was spent and there is no ioeventfd to re-arm with.
+    rearm: bool,
+}
+
+pub struct BalloonServer {
+    ram: Py<GuestRam>,
+    registers: Py<MmioRegisters>,
+    epoch: u64,
+    rings: [Rings; 3],
+    /// The numbers of the transport's ioeventfds the loop calls `ready` for.
+    notify: [Option<RawFd>; 3],
+    max_chains: u32,
+    /// `MADV_DONTNEED` or `MADV_REMOVE`, chosen by the device at activation.
+    advice: i32,
+    /// Captures in flight (`hold`/`release`): their drops are kept.
+    holds: AtomicU64,
+    state: Mutex<BalloonState>,
+    on_report: Py<PyAny>,
+}
+
+/// One buffer's outcome on the reporting queue.
+enum Discard {
+    Dropped(u64),
+    Held,
+    Ignored,
+    Failed(u64, u64, i32),
+}
+
+impl BalloonServer {
+    /// Drop the whole pages of guest range `gpa`+`length` (`balloon.py`'s `_discard`).
+    fn discard(&self, ram: &Ram<'_>, gpa: u64, length: u32) -> Result<Discard, QueueError> {
+        if self.holds.load(Ordering::SeqCst) > 0 {
+            return Ok(Discard::Held);
+        }
+        let start = gpa.div_ceil(PAGE).saturating_mul(PAGE);
+        let end = (gpa.saturating_add(u64::from(length))) / PAGE * PAGE;
+        if end <= start {
+            return Ok(Discard::Ignored);
+        }
+        let Some(region) = ram.region_containing(start) else {
+            return Err(QueueError::Memory(RamError::OutOfRange(format!(
+                "reported range {gpa:#x}+{length:#x} is not in guest RAM"
+            ))));
+        };
+        let region_end = region.gpa + region.size;
+        if end > region_end {
+            return Err(QueueError::Memory(RamError::OutOfRange(format!(
+                "reported range {gpa:#x}+{length:#x} crosses the end of RAM region \
+                 {:#x}..{region_end:#x}",
+                region.gpa
+            ))));
+        }
+        let host = ram.host(start, end - start)?;
+        // SAFETY: `host..host + (end - start)` lies inside one region of guest RAM
+        // (checked just above), which stays mapped while `ram` (the read lock) lives;
+        // start and end are page-aligned, and the region's mapping starts on a page.
+        // Dropping pages the guest gave up is what the device is for: the guest never
+        // reads a reported page before it reuses it (balloon.py).
+        let rc = unsafe { libc::madvise(host.cast(), (end - start) as usize, self.advice) };
+        if rc != 0 {
+            let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
+            return Ok(Discard::Failed(start, end - start, errno));
+        }
+        Ok(Discard::Dropped(end - start))
+    }
+
+    /// Serve queue `index` (any thread; the loop thread calls it without the GIL).
+    fn serve(&self, index: usize) -> Report {
+        let mut report = Report::default();
+        let mut st = lock(&self.state);
+        if st.closed || st.failed || lock(&self.registers.get().regs).failed_in(self.epoch) {
+            return report;
+        }
+        let Ok(ram) = self.ram.get().ram.lock() else {
+            return report; // guest memory is closed: the machine is going away
+        };
+        let rings = &self.rings[index];
+        let (mut next_avail, mut next_used) = st.indices[index];
+        let mut served = 0u32;
+        while served < self.max_chains {
+            let chain = match virtq::pop(&ram, rings, next_avail) {
+                Ok(Some(chain)) => chain,
+                Ok(None) => break,
+                Err(e) => {
+                    report.fault = Some(e);
+                    break;
+                }
+            };
+            next_avail = next_avail.wrapping_add(1);
+            if index == REPORTING_QUEUE {
+                for &(gpa, length) in &chain.writable {
+                    match self.discard(&ram, gpa, length) {
+                        Ok(Discard::Dropped(n)) => st.counters.bytes_discarded += n,
+                        Ok(Discard::Held) => st.counters.discards_held += 1,
+                        Ok(Discard::Ignored) => st.counters.ignored_buffers += 1,
+                        Ok(Discard::Failed(start, len, errno)) => {
+                            st.counters.discard_errors += 1;
+                            if report.discard_errors.len() < MAX_ERRORS_KEPT {
+                                report.discard_errors.push((start, len, errno));
+                            }
+                        }
+                        Err(e) => {
+                            report.fault = Some(e);
+                            break;
+                        }
+                    }
+                }
+                if report.fault.is_some() {
+                    break;
+                }
+                st.counters.ignored_buffers += chain.readable.len() as u64;
+                st.counters.reports += 1;
+                st.last_report = Some(Instant::now());
+            } else {
+                st.counters.ignored_buffers += (chain.readable.len() + chain.writable.len()) as u64;
+            }
+            match virtq::add_used(&ram, rings, next_used, chain.head, 0) {
+                Ok(n) => next_used = n,
+                Err(e) => {
+                    report.fault = Some(e);
+                    break;
+                }
+            }
+            served += 1;
+        }
+        drop(ram);
+        st.indices[index] = (next_avail, next_used);
+        if report.fault.is_some() {
+            st.failed = true;
+            return report;
+        }
+        if served > 0 && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+            if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
+                st.interrupts += 1;
+                write_eventfd(irq);
+            }
+        }
+        if served == self.max_chains {
+            match st.rearm[index].as_ref().map(AsRawFd::as_raw_fd) {
+                Some(fd) => write_eventfd(fd),
+                None => report.rearm = true,
+            }
+        }
+        report
+    }
+
+    /// The report's Python half, if it has one.
+    fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
+        if report.fault.is_none() && report.discard_errors.is_empty() {
+            return None;
+        }
+        let server = self.clone();
+        Some(Box::new(move |py| {
+            let fault = report
+                .fault
+                .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
+            if let Err(failed) = server.on_report.call1(py, (fault, report.discard_errors)) {
+                failed.write_unraisable(py, Some(server.on_report.bind(py)));
+            }
+        }))
+    }
+}
+
+impl NativeReader for BalloonServer {
+    /// A queue's ioeventfd: drain it and serve that queue.
+    fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
+        let index = self.notify.iter().position(|n| *n == Some(fd))?;
+        drain_eventfd(fd);
+        // The loop serves only through the ioeventfds, which the server re-arms.
+        let report = self.serve(index);
+        self.deferred(report)
+    }
+}
+
+/// (size, desc, avail, used, next_avail, next_used) of a ready queue.
+type PyQueue = (u16, u64, u64, u64, u16, u16);
+
+/// Python's handle: built by `VirtioBalloon.activate` on the native path.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct BalloonQueues {
+    pub server: Arc<BalloonServer>,
+}
+
+#[pymethods]
+impl BalloonQueues {
+    /// `queues` are the inflate, deflate and reporting queues, checked by
+    /// `Virtqueue.validate`; `irq_fd` the interrupt's eventfd and `notify_fds` the
+    /// queues' ioeventfds (None without them), all duplicated; `advice` the `madvise`
+    /// advice that drops a page from this machine's RAM mapping.
+    #[new]
+    #[pyo3(signature = (ram, registers, epoch, queues, irq_fd, notify_fds, max_chains,
+                        advice, on_report))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        ram: Py<GuestRam>,
+        registers: Py<MmioRegisters>,
+        epoch: u64,
+        queues: [PyQueue; 3],
+        irq_fd: RawFd,
+        notify_fds: [Option<RawFd>; 3],
+        max_chains: u32,
+        advice: i32,
+        on_report: Py<PyAny>,
+    ) -> PyResult<Self> {
+        for (i, q) in queues.iter().enumerate() {
+            if q.0 == 0 || q.0 > 256 || !q.0.is_power_of_two() {
+                return Err(PyValueError::new_err(format!(
+                    "queue {i} size {} is not a power of 2 in 1..256",
+                    q.0
+                )));
+            }
+        }
+        if max_chains == 0 {
+            return Err(PyValueError::new_err("max_chains must be at least 1"));
+        }
+        if advice != libc::MADV_DONTNEED && advice != libc::MADV_REMOVE {
+            return Err(PyValueError::new_err(format!(
+                "advice {advice} is neither MADV_DONTNEED nor MADV_REMOVE"
+            )));
+        }
+        let irq = dup(irq_fd)?;
+        let mut rearm: [Option<OwnedFd>; 3] = [None, None, None];
+        for (slot, fd) in rearm.iter_mut().zip(notify_fds) {
+            *slot = fd.map(dup).transpose()?;
+        }
+        let rings = queues.map(|q| Rings {
+            size: q.0,
+            desc: q.1,
+            avail: q.2,
+            used: q.3,
+        });
+        Ok(BalloonQueues {
+            server: Arc::new(BalloonServer {
+                ram,
+                registers,
+                epoch,
+                rings,
+                notify: notify_fds,
+                max_chains,
+                advice,
+                holds: AtomicU64::new(0),
+                state: Mutex::new(BalloonState {
+                    indices: queues.map(|q| (q.4, q.5)),
+                    counters: Counters::default(),
+                    last_report: None,
+                    failed: false,
+                    closed: false,
+                    interrupts: 0,
+                    irq: Some(irq),
+                    rearm,
+                }),
+                on_report,
+            }),
+        })
+    }
+
+    /// The driver notified queue `index` and the call comes from Python (a QueueNotify
+    /// exit, the activation's catch-up). True if the budget was spent with no ioeventfd
+    /// to re-arm with: call again later.
+    fn notify(&self, py: Python<'_>, index: usize) -> PyResult<bool> {
+        if index > REPORTING_QUEUE {
+            return Err(PyValueError::new_err(format!("no queue {index}")));
+        }
+        let server = self.server.clone();
+        let (rearm, deferred) = py.detach(move || {
+            let report = server.serve(index);
+            (report.rearm, server.deferred(report))
+        });
+        if let Some(work) = deferred {
+            work(py);
+        }
+        Ok(rearm)
+    }
+
+    /// A capture is in flight: keep reported pages until `release`.
+    fn hold(&self) {
+        self.server.holds.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn release(&self) {
+        // Never below zero, as `balloon.py` (a release without a hold is a no-op).
+        let _ = self
+            .server
+            .holds
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// Close the duplicated fds and serve no more (after the loop's readers are gone).
+    fn close(&self) {
+        let mut st = lock(&self.server.state);
+        st.closed = true;
+        st.irq = None;
+        st.rearm = [None, None, None];
+    }
+
+    /// (reports, bytes_discarded, discard_errors, ignored_buffers, discards_held,
+    /// seconds since the last report or None).
+    fn stats(&self) -> (u64, u64, u64, u64, u64, Option<f64>) {
+        let st = lock(&self.server.state);
+        let c = st.counters;
+        (
+            c.reports,
+            c.bytes_discarded,
+            c.discard_errors,
+            c.ignored_buffers,
+            c.discards_held,
+            st.last_report.map(|t| t.elapsed().as_secs_f64()),
+        )
+    }
+
+    #[getter]
+    fn failed(&self) -> bool {
+        lock(&self.server.state).failed
+    }
+
+    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
+    #[getter]
+    fn interrupts(&self) -> u64 {
+        lock(&self.server.state).interrupts
+    }
+
+    /// The ring indices: (next_avail, next_used) of each queue.
+    fn sync(&self) -> [(u16, u16); 3] {
+        lock(&self.server.state).indices
+    }
+
+    /// The Python objects it holds, for the collector (see `RngQueue.__traverse__`).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.server.ram)?;
+        visit.call(&self.server.registers)?;
+        visit.call(&self.server.on_report)
+    }
+}
