@@ -68,6 +68,41 @@ pub struct Counters {
     pub unsupported: u64,
 }
 
+impl Counters {
+    /// The counters as `BlkCounters`' fields: (name, n).
+    pub fn named(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("requests", self.requests),
+            ("reads", self.reads),
+            ("bytes_read", self.bytes_read),
+            ("flushes", self.flushes),
+            ("get_ids", self.get_ids),
+            ("writes", self.writes),
+            ("bytes_written", self.bytes_written),
+            ("write_errors", self.write_errors),
+            ("writes_refused", self.writes_refused),
+            ("read_errors", self.read_errors),
+            ("malformed", self.malformed),
+            ("unsupported", self.unsupported),
+        ]
+    }
+
+    pub fn add(&mut self, more: &Counters) {
+        self.requests += more.requests;
+        self.reads += more.reads;
+        self.bytes_read += more.bytes_read;
+        self.flushes += more.flushes;
+        self.get_ids += more.get_ids;
+        self.writes += more.writes;
+        self.bytes_written += more.bytes_written;
+        self.write_errors += more.write_errors;
+        self.writes_refused += more.writes_refused;
+        self.read_errors += more.read_errors;
+        self.malformed += more.malformed;
+        self.unsupported += more.unsupported;
+    }
+}
+
 /// A host failure `blk.py` logs as a warning (the caller logs it, with the path).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Warning {
@@ -80,6 +115,19 @@ pub enum Warning {
     WriteShort(u64, u64, u64),
     /// errno
     FdatasyncFailed(i32),
+}
+
+impl Warning {
+    /// (kind, a, b, c) as `VirtioBlk._log_native_warning` takes it.
+    pub fn as_tuple(&self) -> (&'static str, u64, u64, i64) {
+        match *self {
+            Warning::ReadFailed(len, off, e) => ("read_failed", len, off, i64::from(e)),
+            Warning::ReadShort(got, len, off) => ("read_short", got, len, off as i64),
+            Warning::WriteFailed(len, off, e) => ("write_failed", len, off, i64::from(e)),
+            Warning::WriteShort(done, len, off) => ("write_short", done, len, off as i64),
+            Warning::FdatasyncFailed(e) => ("fdatasync_failed", 0, 0, i64::from(e)),
+        }
+    }
 }
 
 /// What one call did. `error` is the guest fault that ended it, if one did; the

@@ -43,6 +43,7 @@ use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use crate::balloon_serve::BalloonQueues;
+use crate::blk_serve::BlkQueue;
 use crate::net_serve::NetQueues;
 use crate::rng_serve::RngQueue;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
@@ -255,7 +256,7 @@ impl EventLoop {
     }
 
     /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
-    /// device's native server (`_core.RngQueue`, `_core.NetQueues`, `_core.BalloonQueues`), which knows what
+    /// device's native server (`_core.RngQueue`, `_core.NetQueues`, `_core.BalloonQueues`, `_core.BlkQueue`), which knows what
     /// each of its fds is.
     fn add_native_reader(&self, fd: RawFd, handler: &Bound<'_, PyAny>) -> PyResult<()> {
         let reader: Arc<dyn NativeReader> = if let Ok(rng) = handler.cast::<RngQueue>() {
@@ -264,6 +265,8 @@ impl EventLoop {
             net.get().server.clone()
         } else if let Ok(balloon) = handler.cast::<BalloonQueues>() {
             balloon.get().server.clone()
+        } else if let Ok(blk) = handler.cast::<BlkQueue>() {
+            blk.get().server.clone()
         } else {
             return Err(PyTypeError::new_err(format!(
                 "{} is not a native queue server",

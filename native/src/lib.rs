@@ -13,6 +13,7 @@
 
 mod balloon_serve;
 mod blk;
+mod blk_serve;
 mod console;
 mod eventloop;
 mod guest_ram;
@@ -218,6 +219,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<net_serve::NetQueues>()?;
     m.add_class::<balloon_serve::BalloonQueues>()?;
+    m.add_class::<blk_serve::BlkQueue>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

@@ -403,32 +403,8 @@ impl GuestRam {
             ),
             Err(e) => return Err(py_error(py, e.into())),
         };
-        let c = s.counters;
-        let counters = vec![
-            ("requests", c.requests),
-            ("reads", c.reads),
-            ("bytes_read", c.bytes_read),
-            ("flushes", c.flushes),
-            ("get_ids", c.get_ids),
-            ("writes", c.writes),
-            ("bytes_written", c.bytes_written),
-            ("write_errors", c.write_errors),
-            ("writes_refused", c.writes_refused),
-            ("read_errors", c.read_errors),
-            ("malformed", c.malformed),
-            ("unsupported", c.unsupported),
-        ];
-        let warnings = s
-            .warnings
-            .iter()
-            .map(|w| match *w {
-                Warning::ReadFailed(len, off, e) => ("read_failed", len, off, i64::from(e)),
-                Warning::ReadShort(got, len, off) => ("read_short", got, len, off as i64),
-                Warning::WriteFailed(len, off, e) => ("write_failed", len, off, i64::from(e)),
-                Warning::WriteShort(done, len, off) => ("write_short", done, len, off as i64),
-                Warning::FdatasyncFailed(e) => ("fdatasync_failed", 0, 0, i64::from(e)),
-            })
-            .collect();
+        let counters = s.counters.named();
+        let warnings = s.warnings.iter().map(Warning::as_tuple).collect();
         let error = s.error.map(|e| py_error(py, e).into_value(py).into_any());
         Ok((
             s.next_avail,

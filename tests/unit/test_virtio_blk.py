@@ -74,18 +74,22 @@ def disk_fd(disk: Path) -> Iterator[int]:
     os.close(fd)
 
 
-@pytest.fixture(params=["python", "native"])
-def memory(request: pytest.FixtureRequest) -> Iterator[GuestMemory]:
-    """Guest memory for one request path: "native" serves in Rust (and the queue's
-    walk is native too), "python" is the whole ``VMFORK_NATIVE=0`` path."""
+@pytest.fixture(params=["python", "native", "native-serve"])
+def memory(request: pytest.FixtureRequest,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[GuestMemory]:
+    """Guest memory for one request path: "native-serve" serves on the native loop
+    without the GIL (``_core.BlkQueue``, the default), "native" by one call into Rust
+    per notification, entered from Python (and the queue's walk is native too),
+    "python" is the whole ``VMFORK_NATIVE=0`` path."""
     mem = GuestMemory.anonymous(MEM_SIZE)
-    if request.param == "native" and mem.native is None:
+    if request.param != "python" and mem.native is None:
         mem.close()
         pytest.skip("the native core is not built (scripts/lib.sh setup_native) or "
                     "VMFORK_NATIVE=0")
     if request.param == "python" and mem.native is not None:
         mem.native.close()
         mem.native = None
+    monkeypatch.setattr(blk, "NATIVE_SERVE", request.param == "native-serve")
     yield mem
     mem.close()
 
@@ -130,6 +134,7 @@ class BlkEnv:
         self.driver.driver_ok()
         wait_until(lambda: self.dev.active, what="activation")
         run_on_loop(self.loop, lambda: None)   # the activation's own notification is done
+        assert self.dev.serving_natively == (blk.NATIVE_SERVE and self.memory.native is not None)
 
     @property
     def needs_reset(self) -> bool:

@@ -228,7 +228,7 @@ class NativeEventLoop(EventLoop):
         self._native.add_reader(fd, callback)
 
     def add_native_reader(self, fd: int, handler: _core.RngQueue | _core.NetQueues
-                          | _core.BalloonQueues) -> None:
+                          | _core.BalloonQueues | _core.BlkQueue) -> None:
         """Serve ``fd`` with a device's native server, without the GIL, whenever it is
         readable (the server knows which of its fds it is)."""
         self._native.add_native_reader(fd, handler)

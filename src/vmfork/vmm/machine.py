@@ -538,7 +538,8 @@ class Machine:
                                        closers=(lambda: self._close_disk(fd),))
         if balloon:
             self.balloon = VirtioBalloon(self.loop)
-            self.devices.attach_virtio(BALLOON, self.balloon, self.balloon)
+            self.devices.attach_virtio(BALLOON, self.balloon, self.balloon,
+                                       closers=(self.balloon.close,))
             self._cmdline_devices.append(BALLOON_CMDLINE)
         media = {m.slot: m for m in config.volumes}
         for index in range(volume_slots):

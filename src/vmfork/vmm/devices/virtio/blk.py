@@ -83,7 +83,12 @@ write here (``S_IOERR``, as on an RO device) and mounted read-only by the agent.
 slot's media stay until the machine ends (no eject: a mounted file system would see
 its disk vanish).
 
-Native path. Where the native core is built (``GuestMemory.native``), a notification
+Native paths. By default, where the transport can (the native loop and register file,
+an irqfd), the queue is handed at activation to a ``_core.BlkQueue``
+(``native/src/blk_serve.rs``) that the native loop serves on the queue's ioeventfd
+without the GIL, with ``blk.rs`` below; it owns the ring indices until reset (or the
+fd's ``detach``), and its counters are added to this device's. Otherwise, where the
+native core is built (``GuestMemory.native``), a notification
 is served by one call into Rust (``GuestRam.serve_blk``, ``native/src/blk.rs``): the
 chain walk, the header checks, the ``preadv``/``pwritev`` between the file and guest
 RAM, the status byte and the used ring, under every rule above in the same order;
@@ -109,20 +114,31 @@ time may scale with the disk's size, DESIGN.md decisions 2 and 5).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmfork.vmm.devices.virtio.device import VirtioDevice
+from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt, run_on_loop
 from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
-from vmfork.vmm.errors import HostError, VirtqueueError
+from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.openfiles import open_ro, open_rw
 
+try:
+    from vmfork import _core
+except ImportError:
+    pass
+
 log = logging.getLogger(__name__)
+
+# The GIL-free serving on the native loop; VMFORK_NATIVE_BLK=0 keeps the requests
+# served by one call into Rust per notification, entered from Python.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_BLK", "1") != "0"
 
 DEVICE_ID_BLK = 2
 QUEUE_SIZE = 256
@@ -246,7 +262,7 @@ class VirtioBlk(VirtioDevice):
         super().__init__()
         self.volume_slot = volume_slot
         self.loop = loop
-        self.counters = BlkCounters()
+        self._counters = BlkCounters()
         if volume_slot:
             self.features |= OFFERED_FEATURES_SLOT
         else:
@@ -257,9 +273,12 @@ class VirtioBlk(VirtioDevice):
         self.read_only = True
         self.path = path
         self._id = b"\0" * ID_BYTES
-        # Whether a native build serves requests in Rust (``_serve_native``); False
-        # takes the Python path on the same build, for the benchmark's peers.
-        self.native_requests = True
+        # Whether a native build serves requests in Rust; False takes the Python path
+        # on the same build, for the benchmark's peers (``native_requests``).
+        self._native_requests = True
+        self.native_serve = NATIVE_SERVE
+        self._server: _core.BlkQueue | None = None
+        self._detach_server: Callable[[], None] | None = None
         if fd is None:
             if not volume_slot or size or disk_key:
                 raise ValueError("only a volume slot is made without a disk, and then with "
@@ -278,6 +297,8 @@ class VirtioBlk(VirtioDevice):
         # The capacity last: a request served meanwhile is bounded by the old one (0).
         self.fd = fd
         self.capacity_bytes = size
+        if self._server is not None:
+            self._server.set_media(fd, size, read_only, self._id)
 
     @property
     def empty(self) -> bool:
@@ -305,11 +326,113 @@ class VirtioBlk(VirtioDevice):
             self._serve()
 
     def detach(self) -> None:
-        """Stop using the fd (call on the I/O thread before the owner closes it)."""
+        """Stop using the fd (call on the I/O thread before the owner closes it). The
+        device's life ends with its fd (there is no eject), so the native server, if
+        one serves, goes too."""
         self.fd = None
+        if self._server is not None:
+            self._server.detach()   # returns once no read or write uses the fd
+        self._let_go_of_server()
+
+    # -- served natively, on the loop, without the GIL ---------------------------------
+    def activate(self, memory: GuestMemory, queues: list[Virtqueue],
+                 interrupt: VirtioInterrupt) -> None:
+        super().activate(memory, queues, interrupt)
+        self._serve_natively()
+
+    def _serve_natively(self) -> None:
+        """Hand the queue to a ``_core.BlkQueue`` where the transport can (the native
+        loop and register file, an irqfd); otherwise ``_serve`` stays the path."""
+        memory, interrupt = self.memory, self.interrupt
+        if (not (self.native_serve and self._native_requests) or memory is None
+                or memory.native is None or interrupt is None or self._server is not None
+                or not self.queues[0].ready):
+            return
+        native = interrupt.native_queue(0)
+        if native is None:
+            return
+        queue = self.queues[0]
+        self._server = _core.BlkQueue(
+            memory.native, native.registers, native.epoch,
+            (queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
+             queue.next_avail, queue.next_used),
+            native.irq_fd, native.notify_fd, -1 if self.fd is None else self.fd,
+            self.capacity_bytes, self.read_only, self._id, MAX_REQUESTS_PER_NOTIFY,
+            MAX_BYTES_PER_NOTIFY, self._native_report)
+        native.attach(self._server)
+        self._detach_server = native.detach
+
+    def _let_go_of_server(self) -> None:
+        """Take the indices and counters back from the native server and close it."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        if self.queues:
+            self.queues[0].next_avail, self.queues[0].next_used = server.sync()
+        for name, n in server.counters():
+            setattr(self._counters, name, getattr(self._counters, name) + n)
+        assert self._detach_server is not None
+        self._detach_server()
+        self._detach_server = None
+        server.close()
+
+    def _native_report(self, fault: BaseException | None,
+                       warnings: list[tuple[str, int, int, int]]) -> None:
+        """What the native server leaves for Python (on the loop thread, with the GIL)."""
+        for kind, a, b, c in warnings:
+            self._log_native_warning(kind, a, b, c)
+        if fault is not None and self.interrupt is not None and isinstance(fault, GuestError):
+            self.interrupt.device_error(fault)
+
+    @property
+    def serving_natively(self) -> bool:
+        """Whether the native loop serves the queue without the GIL (this activation)."""
+        return self._server is not None
+
+    @property
+    def native_requests(self) -> bool:
+        return self._native_requests
+
+    @native_requests.setter
+    def native_requests(self, on: bool) -> None:
+        """Switch between the native and the Python request path (the benchmark's peers,
+        in one guest): on the I/O thread, since the native server is made or let go."""
+        def switch() -> None:
+            self._native_requests = on
+            if on:
+                self._serve_natively()
+            else:
+                self._let_go_of_server()
+        if self.memory is None:
+            self._native_requests = on
+        else:
+            run_on_loop(self.loop, switch)
+
+    @property
+    def counters(self) -> BlkCounters:
+        """The requests served so far, by every path (a copy)."""
+        total = dataclasses.replace(self._counters)
+        if self._server is not None:
+            for name, n in self._server.counters():
+                setattr(total, name, getattr(total, name) + n)
+        return total
+
+    def sync_queues(self) -> None:
+        if self._server is not None and self.queues:
+            self.queues[0].next_avail, self.queues[0].next_used = self._server.sync()
+
+    def reset(self) -> None:
+        self._let_go_of_server()
+        super().reset()
 
     def _serve(self) -> None:
         if not self._usable() or self.memory is None:
+            return
+        if self._server is not None:
+            # A guest fault raises (as below); a spent budget without an ioeventfd to
+            # re-arm with is served again on a later loop turn (as below).
+            if self._server.notify():
+                self.loop.call_soon(lambda: self._guarded(self._serve))
             return
         memory, queue = self.memory, self.queues[0]
         if memory.native is not None and self.native_requests:
@@ -349,7 +472,7 @@ class VirtioBlk(VirtioDevice):
             self.capacity_bytes, self.read_only, self._id, MAX_REQUESTS_PER_NOTIFY,
             MAX_BYTES_PER_NOTIFY)
         for name, n in counters:
-            setattr(self.counters, name, getattr(self.counters, name) + n)
+            setattr(self._counters, name, getattr(self._counters, name) + n)
         for kind, a, b, c in warnings:
             self._log_native_warning(kind, a, b, c)
         if error is not None:
@@ -377,7 +500,7 @@ class VirtioBlk(VirtioDevice):
         """Serve one request; return the bytes written to its writable part (status
         included)."""
         data, status_at = _split_status(chain)
-        self.counters.requests += 1
+        self._counters.requests += 1
         status, written = self._execute(memory, chain, data)
         memory.write(status_at, bytes((status,)))
         return written + 1
@@ -387,28 +510,28 @@ class VirtioBlk(VirtioDevice):
         """(status, data bytes written) for one request."""
         readable = chain.readable_len
         if readable < HEADER.size:
-            self.counters.malformed += 1
+            self._counters.malformed += 1
             return S_IOERR, 0
         kind, _reserved, sector = HEADER.unpack(chain.read_readable(memory, HEADER.size))
         if kind == T_OUT and not self.read_only:
             if data:   # an OUT's data is device-readable; only the status is writable
-                self.counters.malformed += 1
+                self._counters.malformed += 1
                 return S_IOERR, 0
             return self._write(memory, chain, sector), 0
         if kind in WRITE_TYPES:
-            self.counters.writes_refused += 1
+            self._counters.writes_refused += 1
             return S_IOERR, 0
         if kind == T_FLUSH:
-            self.counters.flushes += 1
+            self._counters.flushes += 1
             return self._flush(), 0
         if kind not in (T_IN, T_GET_ID):
-            self.counters.unsupported += 1
+            self._counters.unsupported += 1
             return S_UNSUPP, 0
         if readable != HEADER.size:
-            self.counters.malformed += 1
+            self._counters.malformed += 1
             return S_IOERR, 0
         if kind == T_GET_ID:
-            self.counters.get_ids += 1
+            self._counters.get_ids += 1
             room = sum(n for _, n in data)
             return S_OK, _scatter(memory, data, self._id[:room])
         return self._read(memory, data, sector)
@@ -419,7 +542,7 @@ class VirtioBlk(VirtioDevice):
         offset = sector * SECTOR_SIZE
         if (length % SECTOR_SIZE or length > MAX_BYTES_PER_REQUEST
                 or offset + length > self.capacity_bytes or self.fd is None):
-            self.counters.read_errors += 1
+            self._counters.read_errors += 1
             return S_IOERR, 0
         if length == 0:
             return S_OK, 0
@@ -427,7 +550,7 @@ class VirtioBlk(VirtioDevice):
         try:
             got = os.preadv(self.fd, views, offset)
         except OSError as err:
-            self.counters.read_errors += 1
+            self._counters.read_errors += 1
             log.warning("virtio-blk %s: read of %d bytes at %d failed: %s", self.path,
                         length, offset, err)
             return S_IOERR, 0
@@ -438,12 +561,12 @@ class VirtioBlk(VirtioDevice):
             # A regular file reads short only at its end: it was shortened after we
             # sized it. Whatever arrived is in the guest's buffers; the status says
             # not to trust them.
-            self.counters.read_errors += 1
+            self._counters.read_errors += 1
             log.warning("virtio-blk %s: read %d of %d bytes at %d (file shortened?)",
                         self.path, got, length, offset)
             return S_IOERR, got
-        self.counters.reads += 1
-        self.counters.bytes_read += length
+        self._counters.reads += 1
+        self._counters.bytes_read += length
         return S_OK, length
 
     def _write(self, memory: GuestMemory, chain: DescriptorChain, sector: int) -> int:
@@ -453,7 +576,7 @@ class VirtioBlk(VirtioDevice):
         offset = sector * SECTOR_SIZE
         if (length % SECTOR_SIZE or length > MAX_BYTES_PER_REQUEST
                 or offset + length > self.capacity_bytes or self.fd is None):
-            self.counters.write_errors += 1
+            self._counters.write_errors += 1
             return S_IOERR
         if length == 0:
             return S_OK
@@ -461,7 +584,7 @@ class VirtioBlk(VirtioDevice):
         try:
             done = os.pwritev(self.fd, views, offset)
         except OSError as err:
-            self.counters.write_errors += 1
+            self._counters.write_errors += 1
             log.warning("virtio-blk %s: write of %d bytes at %d failed: %s", self.path,
                         length, offset, err)
             return S_IOERR
@@ -469,12 +592,12 @@ class VirtioBlk(VirtioDevice):
             for view in views:
                 view.release()
         if done != length:   # a full file system; the sectors after `done` are not written
-            self.counters.write_errors += 1
+            self._counters.write_errors += 1
             log.warning("virtio-blk %s: wrote %d of %d bytes at %d", self.path, done, length,
                         offset)
             return S_IOERR
-        self.counters.writes += 1
-        self.counters.bytes_written += length
+        self._counters.writes += 1
+        self._counters.bytes_written += length
         return S_OK
 
     def _flush(self) -> int:

@@ -1,0 +1,320 @@
+//! virtio-blk served on the native event loop without the GIL (`_core.BlkQueue`).
+//!
+//! `blk.rs` serves the requests (chain walk, checks, `preadv`/`pwritev`, status byte,
+//! used ring); this object is the device around it while the native loop serves the
+//! queue, from activation to reset: what `blk.py`'s `_serve` does on a notification,
+//! without Python, as `rng_serve.rs` does it for rng.
+//!
+//! * **The media** are `blk.py`'s (`fd`, capacity, read-only, disk id): Python owns
+//!   the fd and tells this object when it changes (`set_media` for a slot's new disk,
+//!   `detach` before the machine closes the fd). Both take the media lock, which a
+//!   wake holds for its whole serving, so no read or write starts on an fd after
+//!   `detach` returned.
+//! * **One owner of the indices**, as in `rng_serve.rs`; `sync` gives them back.
+//! * **Budget.** At most `max_requests` requests or `max_bytes` bytes per wake; a wake
+//!   that used it re-arms by writing the queue's ioeventfd (or, entered from Python
+//!   without one, says so and Python serves again on a later turn).
+//! * **Counters** accumulate here (`counters`), added to Python's own at reset.
+//! * **What goes to Python** (`on_report(fault or None, warnings)`, with the GIL after
+//!   the turn's native work): a guest fault (the queue stops; Python sets
+//!   DEVICE_NEEDS_RESET) and the host failures `blk.py` logs. A healthy disk never
+//!   takes the GIL.
+//!
+//! Locks, in this order: `state`, then `media`, then guest RAM's, then the register
+//! file's. None is held across a GIL take or release.
+
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::{PyTraverseError, PyVisit};
+
+use crate::blk::{self, Counters, Disk, Warning};
+use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
+use crate::mmio::INT_USED_BUFFER;
+use crate::mmio_py::MmioRegisters;
+use crate::rng_serve::{dup, write_eventfd};
+use crate::virtio_py::GuestRam;
+use crate::virtq::{QueueError, Rings};
+
+/// At most this many warnings kept per wake for Python to log.
+const MAX_WARNINGS_KEPT: usize = 8;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The disk as `blk.py` holds it; `fd` None once detached or for an empty slot.
+struct Media {
+    fd: Option<RawFd>,
+    capacity: u64,
+    read_only: bool,
+    id: Vec<u8>,
+}
+
+struct BlkState {
+    next_avail: u16,
+    next_used: u16,
+    counters: Counters,
+    /// A guest fault was found: serve no more (until the driver resets the device).
+    failed: bool,
+    closed: bool,
+    /// Used-buffer interrupts raised (the irqfd written): the line's statistics.
+    interrupts: u64,
+    irq: Option<OwnedFd>,
+    /// The queue's ioeventfd, duplicated, written to re-arm (None without one).
+    rearm: Option<OwnedFd>,
+}
+
+#[derive(Default)]
+struct Report {
+    fault: Option<QueueError>,
+    warnings: Vec<Warning>,
+    /// The budget was spent and there is no ioeventfd to re-arm with.
+    more: bool,
+}
+
+pub struct BlkServer {
+    ram: Py<GuestRam>,
+    registers: Py<MmioRegisters>,
+    epoch: u64,
+    rings: Rings,
+    /// The number of the transport's ioeventfd the loop calls `ready` for.
+    notify: Option<RawFd>,
+    max_requests: u32,
+    max_bytes: u64,
+    state: Mutex<BlkState>,
+    media: Mutex<Media>,
+    on_report: Py<PyAny>,
+}
+
+impl BlkServer {
+    /// One wake (any thread; the loop thread calls it without the GIL).
+    fn serve(&self) -> Report {
+        let mut report = Report::default();
+        let mut st = lock(&self.state);
+        if st.closed || st.failed || lock(&self.registers.get().regs).failed_in(self.epoch) {
+            return report;
+        }
+        let media = lock(&self.media);
+        let disk = Disk {
+            fd: media.fd,
+            capacity: media.capacity,
+            read_only: media.read_only,
+            id: &media.id,
+        };
+        let Ok(ram) = self.ram.get().ram.lock() else {
+            return report; // guest memory is closed: the machine is going away
+        };
+        let s = blk::serve(
+            &ram,
+            &self.rings,
+            st.next_avail,
+            st.next_used,
+            &disk,
+            self.max_requests,
+            self.max_bytes,
+        );
+        drop(ram);
+        drop(media);
+        (st.next_avail, st.next_used) = (s.next_avail, s.next_used);
+        st.counters.add(&s.counters);
+        report.warnings = s.warnings;
+        report.warnings.truncate(MAX_WARNINGS_KEPT);
+        if let Some(e) = s.error {
+            st.failed = true;
+            report.fault = Some(e);
+            return report;
+        }
+        if s.served > 0 && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+            if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
+                st.interrupts += 1;
+                write_eventfd(irq);
+            }
+        }
+        if s.more {
+            match st.rearm.as_ref().map(AsRawFd::as_raw_fd) {
+                Some(fd) => write_eventfd(fd),
+                None => report.more = true,
+            }
+        }
+        report
+    }
+
+    /// The report's Python half, if it has one.
+    fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
+        if report.fault.is_none() && report.warnings.is_empty() {
+            return None;
+        }
+        let server = self.clone();
+        Some(Box::new(move |py| {
+            let fault = report
+                .fault
+                .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
+            let warnings: Vec<_> = report.warnings.iter().map(Warning::as_tuple).collect();
+            if let Err(failed) = server.on_report.call1(py, (fault, warnings)) {
+                failed.write_unraisable(py, Some(server.on_report.bind(py)));
+            }
+        }))
+    }
+}
+
+impl NativeReader for BlkServer {
+    /// The queue's ioeventfd: drain it and serve.
+    fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
+        if Some(fd) != self.notify {
+            return None;
+        }
+        drain_eventfd(fd);
+        let report = self.serve();
+        self.deferred(report)
+    }
+}
+
+/// Python's handle: built by `VirtioBlk.activate` on the native path.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct BlkQueue {
+    pub server: Arc<BlkServer>,
+}
+
+#[pymethods]
+impl BlkQueue {
+    /// `queue` is (size, desc, avail, used, next_avail, next_used) of a ready queue
+    /// checked by `Virtqueue.validate`; `irq_fd` the interrupt's eventfd and
+    /// `notify_fd` the queue's ioeventfd (or None), both duplicated; the media as
+    /// `blk.py` holds them (`fd` -1: none; the fd stays Python's, see `detach`).
+    #[new]
+    #[pyo3(signature = (ram, registers, epoch, queue, irq_fd, notify_fd, fd, capacity,
+                        read_only, disk_id, max_requests, max_bytes, on_report))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        ram: Py<GuestRam>,
+        registers: Py<MmioRegisters>,
+        epoch: u64,
+        queue: (u16, u64, u64, u64, u16, u16),
+        irq_fd: RawFd,
+        notify_fd: Option<RawFd>,
+        fd: RawFd,
+        capacity: u64,
+        read_only: bool,
+        disk_id: &[u8],
+        max_requests: u32,
+        max_bytes: u64,
+        on_report: Py<PyAny>,
+    ) -> PyResult<Self> {
+        let (size, desc, avail, used, next_avail, next_used) = queue;
+        if size == 0 || size > 256 || !size.is_power_of_two() {
+            return Err(PyValueError::new_err(format!(
+                "queue size {size} is not a power of 2 in 1..256"
+            )));
+        }
+        if max_requests == 0 || max_bytes == 0 {
+            return Err(PyValueError::new_err(
+                "max_requests and max_bytes must be at least 1",
+            ));
+        }
+        let irq = dup(irq_fd)?;
+        let rearm = notify_fd.map(dup).transpose()?;
+        Ok(BlkQueue {
+            server: Arc::new(BlkServer {
+                ram,
+                registers,
+                epoch,
+                rings: Rings {
+                    size,
+                    desc,
+                    avail,
+                    used,
+                },
+                notify: notify_fd,
+                max_requests,
+                max_bytes,
+                state: Mutex::new(BlkState {
+                    next_avail,
+                    next_used,
+                    counters: Counters::default(),
+                    failed: false,
+                    closed: false,
+                    interrupts: 0,
+                    irq: Some(irq),
+                    rearm,
+                }),
+                media: Mutex::new(Media {
+                    fd: (fd >= 0).then_some(fd),
+                    capacity,
+                    read_only,
+                    id: disk_id[..disk_id.len().min(blk::ID_BYTES)].to_vec(),
+                }),
+                on_report,
+            }),
+        })
+    }
+
+    /// Serve a notification now, from Python (a QueueNotify exit, the activation's
+    /// catch-up). True if the budget was spent with no ioeventfd to re-arm with: call
+    /// again later.
+    fn notify(&self, py: Python<'_>) -> bool {
+        let server = self.server.clone();
+        let (more, deferred) = py.detach(move || {
+            let report = server.serve();
+            (report.more, server.deferred(report))
+        });
+        if let Some(work) = deferred {
+            work(py);
+        }
+        more
+    }
+
+    /// A slot's new disk (`insert_media`; the fd stays Python's).
+    fn set_media(&self, fd: RawFd, capacity: u64, read_only: bool, disk_id: &[u8]) {
+        let mut media = lock(&self.server.media);
+        media.fd = (fd >= 0).then_some(fd);
+        media.capacity = capacity;
+        media.read_only = read_only;
+        media.id = disk_id[..disk_id.len().min(blk::ID_BYTES)].to_vec();
+    }
+
+    /// Stop using the fd: once this returns, no read or write uses it again (a wake in
+    /// progress holds the media lock for its whole serving).
+    fn detach(&self) {
+        lock(&self.server.media).fd = None;
+    }
+
+    /// Close the duplicated fds and serve no more (after the loop's reader is gone).
+    fn close(&self) {
+        let mut st = lock(&self.server.state);
+        st.closed = true;
+        st.irq = None;
+        st.rearm = None;
+    }
+
+    /// The counters since this object was made, as `BlkCounters`' fields: (name, n).
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        lock(&self.server.state).counters.named()
+    }
+
+    #[getter]
+    fn failed(&self) -> bool {
+        lock(&self.server.state).failed
+    }
+
+    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
+    #[getter]
+    fn interrupts(&self) -> u64 {
+        lock(&self.server.state).interrupts
+    }
+
+    /// (next_avail, next_used).
+    fn sync(&self) -> (u16, u16) {
+        let st = lock(&self.server.state);
+        (st.next_avail, st.next_used)
+    }
+
+    /// The Python objects it holds, for the collector (see `RngQueue.__traverse__`).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.server.ram)?;
+        visit.call(&self.server.registers)?;
+        visit.call(&self.server.on_report)
+    }
+}
