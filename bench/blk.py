@@ -1,13 +1,17 @@
-"""virtio-blk throughput: the native request path (native/src/blk.rs) against Python.
+"""virtio-blk throughput: the native request paths (native/src/blk.rs) against Python.
 
 One guest (the default image, 256 MiB) boots with a free volume slot; a read-write ext4
 volume is attached and mounted at ``/v``. Then, alternating the device's request path
 between native and Python (``VirtioBlk.native_requests``, so both peers run in the same
 guest on the same file in one run), the guest writes ``--mib`` MiB to ``/v/big`` with
 ``dd oflag=direct`` (O_DIRECT: every block goes to the device, none stays in the guest's
-page cache) and reads it back with ``dd iflag=direct``, ``--reps`` times each. For every
-run: MiB/s from the host's wall clock around the guest command, and the CPU time the
-VMM process and its I/O thread (where the device serves requests) spent meanwhile.
+page cache) and reads it back with ``dd iflag=direct``, ``--reps`` times each. Three
+paths: ``python`` (the ``VMFORK_NATIVE=0`` twin), ``native`` (one call into
+``blk.rs`` per notification, entered from Python on the I/O thread) and ``served``
+(``_core.BlkQueue``: the native loop serves the queue's ioeventfd without the GIL, the
+default). For every run: MiB/s from the host's wall clock around the guest command,
+and the CPU time the VMM process and its I/O thread (where the device serves
+requests) spent meanwhile.
 
 Writes ``bench/results/blk.{json,md}``. On a host whose KVM cannot run unmodified
 guests it re-runs itself inside the emulated test host (only ratios between the two
@@ -29,9 +33,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,6 +43,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_kvm_host, summary, where, write_results
 
 VOLUME_KEY = "b1c0ffee" * 4
+PATHS = ("python", "native", "served")
+
+
+def io_thread_id(name: str) -> int:
+    """The native id of this process's thread ``name`` (the native loop's thread is not
+    a ``threading.Thread``; the kernel keeps 15 characters of a thread's name)."""
+    for task in Path("/proc/self/task").iterdir():
+        if (task / "comm").read_text().strip() == name[:15]:
+            return int(task.name)
+    raise SystemExit(f"no thread named {name!r} in this process")
+
+
+def choose_path(device: Any, path: str) -> None:
+    """Switch the volume's request path (on the I/O thread, between runs)."""
+    device.native_requests = False          # lets the native server go, if one serves
+    device.native_serve = path == "served"
+    device.native_requests = path != "python"
+    assert device.serving_natively == (path == "served"), path
 
 
 def thread_cpu_s(native_id: int) -> float:
@@ -82,9 +104,7 @@ def main() -> None:
             agent.mount_volume(machine.volume_devices[0], "/v", read_only=False,
                                sectors=volume.stat().st_size // 512)
             device = machine.volume_slots[0]
-            io_thread = next(t for t in threading.enumerate()
-                             if t.name == f"vmm-io-{machine.vm_id}")
-            assert io_thread.native_id is not None
+            io_thread = io_thread_id(f"vmm-io-{machine.vm_id}")
             count = args.mib * 1024 // args.block_kib
             commands = {
                 "write": f"dd if=/dev/zero of=/v/big bs={args.block_kib}k count={count} "
@@ -93,15 +113,15 @@ def main() -> None:
                         "iflag=direct",
             }
             for rep in range(args.reps):
-                for path in ("python", "native"):
-                    device.native_requests = path == "native"
+                for path in PATHS:
+                    choose_path(device, path)
                     for direction in ("write", "read"):
-                        cpu0, io0 = time.process_time(), thread_cpu_s(io_thread.native_id)
+                        cpu0, io0 = time.process_time(), thread_cpu_s(io_thread)
                         t0 = time.perf_counter()
                         done = agent.exec(commands[direction], timeout=1800)
                         wall = time.perf_counter() - t0
                         cpu = time.process_time() - cpu0
-                        io = thread_cpu_s(io_thread.native_id) - io0
+                        io = thread_cpu_s(io_thread) - io0
                         if done.exit_code != 0:
                             raise SystemExit(f"{direction} on the {path} path failed: "
                                              f"{done.stderr.decode(errors='replace')}")
@@ -113,21 +133,21 @@ def main() -> None:
                               f"I/O thread {io:.2f} s", file=sys.stderr)
             counters = device.counters
     rows = {}
-    for path in ("python", "native"):
+    for path in PATHS:
         for direction in ("write", "read"):
             mine = [r for r in runs if r["path"] == path and r["direction"] == direction]
             rows[f"{path} {direction}"] = {
                 key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
                 for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
-    ratios = {direction: rows[f"native {direction}"]["mib_s"]["median"]
+    ratios = {f"{path} {direction}": rows[f"{path} {direction}"]["mib_s"]["median"]
               / rows[f"python {direction}"]["mib_s"]["median"]
-              for direction in ("write", "read")}
-    io_cpu = {direction: rows[f"python {direction}"]["io_thread_cpu_s"]["median"]
-              / max(rows[f"native {direction}"]["io_thread_cpu_s"]["median"], 1e-9)
-              for direction in ("write", "read")}
-    md = (f"# virtio-blk: native request path against Python\n\n{where()}; default image, "
-          f"256 MiB guest, ext4 read-write volume, dd of {args.mib} MiB in "
-          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row, the two "
+              for path in ("native", "served") for direction in ("write", "read")}
+    io_cpu = {f"{path} {direction}": rows[f"python {direction}"]["io_thread_cpu_s"]["median"]
+              / max(rows[f"{path} {direction}"]["io_thread_cpu_s"]["median"], 1e-9)
+              for path in ("native", "served") for direction in ("write", "read")}
+    md = (f"# virtio-blk: native request paths against Python\n\n{where()}; default "
+          f"image, 256 MiB guest, ext4 read-write volume, dd of {args.mib} MiB in "
+          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row, the three "
           "paths alternating in one guest.\n\n"
           "| path | direction | MiB/s (median) | min | max | VMM CPU s | I/O thread CPU s |\n"
           "|---|---|---|---|---|---|---|\n"
@@ -135,12 +155,14 @@ def main() -> None:
                     f"{r['mib_s']['min']:.1f} | {r['mib_s']['max']:.1f} | "
                     f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} |\n"
                     for name, r in rows.items())
-          + f"\nnative / Python throughput (median): write {ratios['write']:.2f}x, read "
-            f"{ratios['read']:.2f}x; Python / native I/O-thread CPU: write "
-            f"{io_cpu['write']:.2f}x, read {io_cpu['read']:.2f}x\n")
+          + "\n| path | throughput / Python's: write | read | Python's I/O-thread CPU / "
+            "its: write | read |\n|---|---|---|---|---|\n"
+          + "".join(f"| {path} | {ratios[path + ' write']:.2f}x | {ratios[path + ' read']:.2f}x "
+                    f"| {io_cpu[path + ' write']:.2f}x | {io_cpu[path + ' read']:.2f}x |\n"
+                    for path in ("native", "served")))
     write_results("blk", {"mib": args.mib, "block_kib": args.block_kib, "reps": args.reps,
-                          "runs": runs, "rows": rows, "native_over_python": ratios,
-                          "io_thread_cpu_python_over_native": io_cpu,
+                          "runs": runs, "rows": rows, "over_python": ratios,
+                          "io_thread_cpu_python_over_path": io_cpu,
                           "device_counters": vars(counters)}, md)
 
 
