@@ -44,6 +44,7 @@ use std::time::{Duration, Instant};
 
 use crate::net_serve::NetQueues;
 use crate::rng_serve::RngQueue;
+use crate::vsock_serve::VsockServe;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -261,6 +262,8 @@ impl EventLoop {
             rng.get().server.clone()
         } else if let Ok(net) = handler.cast::<NetQueues>() {
             net.get().server.clone()
+        } else if let Ok(vsock) = handler.cast::<VsockServe>() {
+            vsock.get().server.clone()
         } else {
             return Err(PyTypeError::new_err(format!(
                 "{} is not a native queue server",

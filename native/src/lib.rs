@@ -27,6 +27,7 @@ mod virtio_py;
 mod virtq;
 mod vsock_io;
 mod vsock_packet;
+mod vsock_serve;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
@@ -216,6 +217,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<net_serve::NetQueues>()?;
+    m.add_class::<vsock_serve::VsockServe>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

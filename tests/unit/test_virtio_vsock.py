@@ -22,7 +22,7 @@ from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until 
 from vmfork.vmm.devices.virtio import mmio, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_DEVICE_NEEDS_RESET, run_on_loop
 from vmfork.vmm.devices.virtio.vsock import HEADER_SIZE, Op, PacketHeader, VirtioVsock
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 
@@ -42,7 +42,7 @@ class VsockEnv:
     """A vsock device behind its transport, and the guest half driving it."""
 
     def __init__(self, loop: EventLoop, rx_buffers: int = 32,  # noqa: F811
-                 native: bool = True) -> None:
+                 native: bool = True, serve: bool = False) -> None:
         self.loop = loop
         self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
         self.uds = f"{self.dir}/v.sock"
@@ -51,7 +51,8 @@ class VsockEnv:
             self.memory.native.close()  # the Python virtqueue walk and copies
             self.memory.native = None
         self.irq = IrqLine(gsi=6)
-        self.dev = VirtioVsock(loop, self.uds)
+        self.dev = VirtioVsock(loop, self.uds, native_serve=serve)
+        assert self.dev.serving_natively == serve
         self.dev.native_bytes = native  # the native byte paths, whatever the default
         self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
         self.driver = GuestDriver(self.transport, self.memory)
@@ -181,11 +182,15 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-@pytest.fixture(params=[True, False], ids=["native-bytes", "python-bytes"])
+@pytest.fixture(params=["native-bytes", "python-bytes", "native-serve"])
 def env(loop: EventLoop, request: pytest.FixtureRequest) -> Iterator[VsockEnv]:  # noqa: F811
-    """Each test on both byte paths: the native one (readv/sendmsg over the guest's
-    buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)."""
-    with VsockEnv(loop, native=request.param) as e:
+    """Each test on both byte paths of the Python device -- the native one (readv/sendmsg
+    over the guest's buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)
+    -- and on the device served natively (``_core.VsockServe``)."""
+    if request.param == "native-serve" and not isinstance(loop, NativeEventLoop):
+        pytest.skip("native serving needs the native loop")
+    with VsockEnv(loop, native=request.param != "python-bytes",
+                  serve=request.param == "native-serve") as e:
         yield e
     assert not e.needs_reset
 
@@ -302,8 +307,19 @@ def test_guest_refusal_closes_the_host_socket_without_ok(env: VsockEnv) -> None:
     assert env.dev.connection_count == 0
 
 
-def test_unanswered_request_times_out(env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fast_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before ``env`` (an earlier argument): the native server takes its timeouts when
+    the device is activated."""
     monkeypatch.setattr(vsock, "CONNECT_TIMEOUT", 0.2)
+
+
+@pytest.fixture
+def fast_reset_ack_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vsock, "RESET_ACK_WAIT_S", 0.2)
+
+
+def test_unanswered_request_times_out(fast_connect_timeout: None, env: VsockEnv) -> None:
     host = socket.socket(socket.AF_UNIX)
     host.settimeout(5)
     host.connect(env.uds)
@@ -515,8 +531,7 @@ def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
 
 
 def test_held_host_connections_go_out_if_the_guest_never_acknowledges(
-        env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vsock, "RESET_ACK_WAIT_S", 0.2)
+        fast_reset_ack_wait: None, env: VsockEnv) -> None:
     host = _host_connects_after_a_transport_reset(env, event_buffers=1)
     req, _ = env.wait_op(Op.REQUEST)   # after RESET_ACK_WAIT_S, without the notification
     assert env.dev.errors["host connections sent before the guest acknowledged a "

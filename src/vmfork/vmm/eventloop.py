@@ -227,7 +227,8 @@ class NativeEventLoop(EventLoop):
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)
 
-    def add_native_reader(self, fd: int, handler: _core.RngQueue | _core.NetQueues) -> None:
+    def add_native_reader(self, fd: int, handler: _core.RngQueue | _core.NetQueues
+                          | _core.VsockServe) -> None:
         """Serve ``fd`` with a device's native server, without the GIL, whenever it is
         readable (the server knows which of its fds it is)."""
         self._native.add_native_reader(fd, handler)

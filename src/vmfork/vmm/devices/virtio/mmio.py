@@ -542,7 +542,7 @@ class AttachNative(Protocol):
     """``NativeQueue.attach``: a device's native server (``native/src/rng_serve.rs``,
     ``net_serve.rs``) takes the queue's ioeventfd."""
 
-    def __call__(self, handler: _core.RngQueue | _core.NetQueues,
+    def __call__(self, handler: _core.RngQueue | _core.NetQueues | _core.VsockServe,
                  count_interrupts: bool = True) -> None: ...
 
 
@@ -639,7 +639,7 @@ class MmioTransport:
         irq = self.irq
         counters: list[Callable[[], int]] = []
 
-        def attach(handler: _core.RngQueue | _core.NetQueues,
+        def attach(handler: _core.RngQueue | _core.NetQueues | _core.VsockServe,
                    count_interrupts: bool = True) -> None:
             if isinstance(irq, IrqLine) and count_interrupts:
                 counters.append(lambda: handler.interrupts)
