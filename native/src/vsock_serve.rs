@@ -355,10 +355,12 @@ struct Inner {
     /// `<uds_path>` as bytes; a guest connection to port P goes to `<uds_path>_<P>`.
     uds_path: Option<Vec<u8>>,
     listener: Option<OwnedFd>,
-    epoll: Epoll,
-    timerfd: OwnedFd,
+    /// The private epoll, the timer and the budget's re-arm (None once closed: closed
+    /// by `close`, not left to the collector, which frees the device's cycle late).
+    epoll: Option<Epoll>,
+    timerfd: Option<OwnedFd>,
     timer_armed: Option<Instant>,
-    kick: EventFd,
+    kick: Option<EventFd>,
     next_id: u64,
     conns: HashMap<u64, Conn>,
     keys: HashMap<(u32, u32), u64>,
@@ -430,7 +432,9 @@ impl Inner {
             ),
         };
         // Cannot fail for an open socket this epoll has (or lacks) as asked.
-        let _ = self.epoll.ctl(op, fd, event);
+        if let Some(epoll) = &self.epoll {
+            let _ = epoll.ctl(op, fd, event);
+        }
     }
 
     fn update_interest(&mut self, id: u64) {
@@ -573,9 +577,17 @@ impl Inner {
         }
         if handled == MAX_PACKETS_PER_RUN {
             // The rest on a later turn, after the other ready fds.
-            let _ = self.kick.write(1);
+            self.rearm();
         }
         Ok(())
+    }
+
+    /// Serve the rest of a run that used its budget on a later turn, after the other
+    /// ready fds.
+    fn rearm(&self) {
+        if let Some(kick) = &self.kick {
+            let _ = kick.write(1);
+        }
     }
 
     fn handle_packet(&mut self, ram: &Ram<'_>, chain: &Chain) -> Step {
@@ -863,7 +875,7 @@ impl Inner {
             g.used = true;
         }
         if delivered == MAX_PACKETS_PER_RUN {
-            let _ = self.kick.write(1);
+            self.rearm();
         }
         Ok(())
     }
@@ -1173,10 +1185,12 @@ impl Inner {
     }
 
     fn run_timers(&mut self) {
-        let mut buf = [0u8; 8];
-        // SAFETY: reading 8 bytes from the non-blocking timerfd this object owns into a
-        // live buffer (EAGAIN: it had not expired, nothing to drain).
-        let _ = unsafe { libc::read(self.timerfd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+        if let Some(timerfd) = &self.timerfd {
+            let mut buf = [0u8; 8];
+            // SAFETY: reading 8 bytes from the non-blocking timerfd this object owns into
+            // a live buffer (EAGAIN: it had not expired, nothing to drain).
+            let _ = unsafe { libc::read(timerfd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+        }
         self.timer_armed = None;
         let now = Instant::now();
         while let Some(&Reverse((due, timer))) = self.timers.peek() {
@@ -1209,6 +1223,9 @@ impl Inner {
     /// Set the timerfd to the earliest deadline (a relative time: never zero, which
     /// would disarm it).
     fn arm_timerfd(&mut self) {
+        let Some(timerfd) = self.timerfd.as_ref().map(AsRawFd::as_raw_fd) else {
+            return;
+        };
         let next = self.timers.peek().map(|Reverse((due, _))| *due);
         if next == self.timer_armed {
             return;
@@ -1229,14 +1246,17 @@ impl Inner {
             },
         };
         // SAFETY: timerfd_settime(2) on the timerfd this object owns with a valid spec.
-        unsafe { libc::timerfd_settime(self.timerfd.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        unsafe { libc::timerfd_settime(timerfd, 0, &spec, std::ptr::null_mut()) };
     }
 
     /// What the private epoll has ready, without guest memory (the caller runs the
     /// queues after). Returns whether a budget re-arm (the kick) asked for a tx run.
     fn host_events(&mut self) -> bool {
         let mut events = [EpollEvent::default(); MAX_EVENTS];
-        let n = self.epoll.wait(0, &mut events).unwrap_or(0);
+        let n = match &self.epoll {
+            Some(epoll) => epoll.wait(0, &mut events).unwrap_or(0),
+            None => 0,
+        };
         let mut kicked = false;
         for ev in &events[..n] {
             let token = ev.data();
@@ -1245,7 +1265,9 @@ impl Inner {
                 TOKEN_LISTENER => self.accept(),
                 TOKEN_TIMER => self.run_timers(),
                 TOKEN_KICK => {
-                    let _ = self.kick.read();
+                    if let Some(kick) = &self.kick {
+                        let _ = kick.read();
+                    }
                     kicked = true;
                 }
                 id if self.pending.contains_key(&id) => self.connect_line(id),
@@ -1457,10 +1479,10 @@ impl VsockServe {
                     reset_ack_wait: seconds(reset_ack_wait),
                     uds_path: Some(uds_path.as_bytes().to_vec()),
                     listener: Some(listener),
-                    epoll,
-                    timerfd,
+                    epoll: Some(epoll),
+                    timerfd: Some(timerfd),
                     timer_armed: None,
-                    kick,
+                    kick: Some(kick),
                     next_id: FIRST_ID,
                     conns: HashMap::new(),
                     keys: HashMap::new(),
@@ -1627,6 +1649,9 @@ impl VsockServe {
             inner.closed = true;
             inner.listener = None;
             inner.timers.clear();
+            inner.epoll = None;
+            inner.timerfd = None;
+            inner.kick = None;
             inner.attached.take()
         };
         drop(old);
