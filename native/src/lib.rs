@@ -25,6 +25,7 @@ mod rng_serve;
 mod vcpu;
 mod virtio_py;
 mod virtq;
+mod vsock_connect_line;
 mod vsock_io;
 mod vsock_packet;
 mod vsock_serve;

@@ -47,6 +47,7 @@ use crate::mmio_py::MmioRegisters;
 use crate::rng_serve::{dup, write_eventfd};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, Chain, QueueError, Rings};
+use crate::vsock_connect_line::parse_connect_line;
 use crate::vsock_io::{self, DataHeader, Stop};
 use crate::vsock_packet::{self, Header, Op, Verdict, HEADER_SIZE, HOST_CID, TYPE_STREAM};
 
@@ -95,36 +96,6 @@ const NO_ANSWER: &str = "guest did not answer a host connection request";
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn is_space(b: u8) -> bool {
-    // Python's `\s` on bytes.
-    matches!(b, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
-}
-
-/// The port of a host's CONNECT line: `vsock.py`'s `_CONNECT_LINE`
-/// (`CONNECT\s+(\d{1,10})\s*\n`, the whole line), the number not yet range-checked.
-pub fn parse_connect_line(line: &[u8]) -> Option<u64> {
-    let rest = line.strip_prefix(b"CONNECT")?;
-    let spaces = rest.iter().take_while(|&&b| is_space(b)).count();
-    if spaces == 0 {
-        return None;
-    }
-    let rest = &rest[spaces..];
-    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-    if digits == 0 || digits > 10 {
-        return None;
-    }
-    let tail = &rest[digits..];
-    if tail.last() != Some(&b'\n') || !tail.iter().all(|&b| is_space(b)) {
-        return None;
-    }
-    // At most 10 digits: fits a u64.
-    Some(
-        rest[..digits]
-            .iter()
-            .fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')),
-    )
 }
 
 fn errno() -> i32 {
@@ -1711,27 +1682,6 @@ impl VsockServe {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn connect_lines_parse_as_vsock_pys_pattern() {
-        assert_eq!(parse_connect_line(b"CONNECT 52\n"), Some(52));
-        assert_eq!(
-            parse_connect_line(b"CONNECT\t 4294967295 \r\n"),
-            Some(u32::MAX.into())
-        );
-        assert_eq!(
-            parse_connect_line(b"CONNECT 9999999999\n"),
-            Some(9_999_999_999)
-        );
-        assert_eq!(parse_connect_line(b"CONNECT 12345678901\n"), None); // 11 digits
-        assert_eq!(parse_connect_line(b"CONNECT52\n"), None);
-        assert_eq!(parse_connect_line(b"CONNECT 52"), None);
-        assert_eq!(parse_connect_line(b"CONNECT 52 x\n"), None);
-        assert_eq!(parse_connect_line(b"connect 52\n"), None);
-        assert_eq!(parse_connect_line(b" CONNECT 52\n"), None);
-        assert_eq!(parse_connect_line(b"CONNECT -1\n"), None);
-        assert_eq!(parse_connect_line(b""), None);
-    }
 
     #[test]
     fn credit_never_goes_negative_and_wraps_with_the_counters() {
