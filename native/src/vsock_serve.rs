@@ -758,6 +758,10 @@ impl Inner {
             }
         }
         let pending_out = !conn.out.is_empty();
+        if !pending_out && conn.out.capacity() > MAX_PACKET_PAYLOAD {
+            // An idle connection keeps no burst's buffer (up to BUF_ALLOC) dirty.
+            conn.out = VecDeque::new();
+        }
         if pending_out != conn.writing {
             conn.writing = pending_out;
             self.update_interest(id);
