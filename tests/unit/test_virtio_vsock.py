@@ -794,9 +794,9 @@ def _replay(loop: EventLoop, serve: bool,  # noqa: F811
         srv.bind(f"{e.uds}_5000")
         srv.listen(64)
         for hdr, payload in packets:
-            sent = e.tx.avail_idx
             e.send(hdr, payload)
-            wait_until(lambda: e.tx.used_idx() == sent + 1 or e.needs_reset,
+            posted = e.tx.avail_idx
+            wait_until(lambda posted=posted: e.tx.used_idx() == posted or e.needs_reset,
                        what="the packet handled")
             e.collect()
         out, errors, broken = list(e.packets), e.dev.errors, e.needs_reset
