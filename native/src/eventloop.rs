@@ -46,6 +46,7 @@ use crate::balloon_serve::BalloonQueues;
 use crate::blk_serve::BlkQueue;
 use crate::net_serve::NetQueues;
 use crate::rng_serve::RngQueue;
+use crate::vsock_serve::VsockServe;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -267,6 +268,8 @@ impl EventLoop {
             balloon.get().server.clone()
         } else if let Ok(blk) = handler.cast::<BlkQueue>() {
             blk.get().server.clone()
+        } else if let Ok(vsock) = handler.cast::<VsockServe>() {
+            vsock.get().server.clone()
         } else {
             return Err(PyTypeError::new_err(format!(
                 "{} is not a native queue server",

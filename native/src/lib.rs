@@ -27,8 +27,10 @@ mod rng_serve;
 mod vcpu;
 mod virtio_py;
 mod virtq;
+mod vsock_connect_line;
 mod vsock_io;
 mod vsock_packet;
+mod vsock_serve;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 
@@ -220,6 +222,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<net_serve::NetQueues>()?;
     m.add_class::<balloon_serve::BalloonQueues>()?;
     m.add_class::<blk_serve::BlkQueue>()?;
+    m.add_class::<vsock_serve::VsockServe>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

@@ -4,6 +4,7 @@ in between."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import struct
@@ -22,7 +23,7 @@ from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until 
 from vmfork.vmm.devices.virtio import mmio, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_DEVICE_NEEDS_RESET, run_on_loop
 from vmfork.vmm.devices.virtio.vsock import HEADER_SIZE, Op, PacketHeader, VirtioVsock
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 
@@ -42,7 +43,7 @@ class VsockEnv:
     """A vsock device behind its transport, and the guest half driving it."""
 
     def __init__(self, loop: EventLoop, rx_buffers: int = 32,  # noqa: F811
-                 native: bool = True) -> None:
+                 native: bool = True, serve: bool = False) -> None:
         self.loop = loop
         self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
         self.uds = f"{self.dir}/v.sock"
@@ -51,7 +52,8 @@ class VsockEnv:
             self.memory.native.close()  # the Python virtqueue walk and copies
             self.memory.native = None
         self.irq = IrqLine(gsi=6)
-        self.dev = VirtioVsock(loop, self.uds)
+        self.dev = VirtioVsock(loop, self.uds, native_serve=serve)
+        assert self.dev.serving_natively == serve
         self.dev.native_bytes = native  # the native byte paths, whatever the default
         self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
         self.driver = GuestDriver(self.transport, self.memory)
@@ -181,11 +183,15 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-@pytest.fixture(params=[True, False], ids=["native-bytes", "python-bytes"])
+@pytest.fixture(params=["native-bytes", "python-bytes", "native-serve"])
 def env(loop: EventLoop, request: pytest.FixtureRequest) -> Iterator[VsockEnv]:  # noqa: F811
-    """Each test on both byte paths: the native one (readv/sendmsg over the guest's
-    buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)."""
-    with VsockEnv(loop, native=request.param) as e:
+    """Each test on both byte paths of the Python device -- the native one (readv/sendmsg
+    over the guest's buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)
+    -- and on the device served natively (``_core.VsockServe``)."""
+    if request.param == "native-serve" and not isinstance(loop, NativeEventLoop):
+        pytest.skip("native serving needs the native loop")
+    with VsockEnv(loop, native=request.param != "python-bytes",
+                  serve=request.param == "native-serve") as e:
         yield e
     assert not e.needs_reset
 
@@ -302,8 +308,19 @@ def test_guest_refusal_closes_the_host_socket_without_ok(env: VsockEnv) -> None:
     assert env.dev.connection_count == 0
 
 
-def test_unanswered_request_times_out(env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fast_connect_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before ``env`` (an earlier argument): the native server takes its timeouts when
+    the device is activated."""
     monkeypatch.setattr(vsock, "CONNECT_TIMEOUT", 0.2)
+
+
+@pytest.fixture
+def fast_reset_ack_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vsock, "RESET_ACK_WAIT_S", 0.2)
+
+
+def test_unanswered_request_times_out(fast_connect_timeout: None, env: VsockEnv) -> None:
     host = socket.socket(socket.AF_UNIX)
     host.settimeout(5)
     host.connect(env.uds)
@@ -315,7 +332,8 @@ def test_unanswered_request_times_out(env: VsockEnv, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("line", [b"HELLO\n", b"CONNECT\n", b"CONNECT -1\n",
-                                  b"CONNECT 99999999999\n", b"x" * 70])
+                                  b"CONNECT 99999999999\n", b"CONNECT 4294967296\n",
+                                  b"CONNECT 12 x\n", b"x" * 70, b"CONNECT " + b" " * 60])
 def test_bad_connect_lines_are_closed(env: VsockEnv, line: bytes) -> None:
     host = socket.socket(socket.AF_UNIX)
     host.settimeout(5)
@@ -324,6 +342,66 @@ def test_bad_connect_lines_are_closed(env: VsockEnv, line: bytes) -> None:
     assert closed_by_peer(host)
     env.collect()
     assert not env.packets
+    key = "bad CONNECT line" if b"\n" in line else \
+        "host connection closed without a CONNECT line"
+    wait_until(lambda: env.dev.errors.get(key) == 1, what=key)
+
+
+def test_a_connect_line_may_come_in_pieces(env: VsockEnv) -> None:
+    host = socket.socket(socket.AF_UNIX)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONN")
+    time.sleep(0.05)  # the first piece is taken alone (or not: either way one line)
+    host.sendall(b"ECT\t4294967295 \nfirst")
+    req, _ = env.wait_op(Op.REQUEST)
+    assert req.dst_port == 2**32 - 1
+    env.send(pkt(Op.RESPONSE, 2**32 - 1, req.src_port))
+    assert recv_line(host) == f"OK {req.src_port}\n".encode()
+    assert env.stream(5) == b"first"
+    host.close()
+
+
+def test_a_host_connection_without_its_line_is_closed_after_the_timeout(
+        fast_connect_timeout: None, env: VsockEnv) -> None:
+    host = socket.socket(socket.AF_UNIX)
+    host.settimeout(5)
+    host.connect(env.uds)
+    host.sendall(b"CONNECT 12")   # no newline, ever
+    assert closed_by_peer(host)
+    host.close()
+    env.collect()
+    assert not env.packets and not env.dev.errors
+
+
+def test_closing_the_device_leaves_no_fds_or_threads(loop: EventLoop) -> None:  # noqa: F811
+    """Connections both ways, a host socket owing its line, then close: the process has
+    the fds and threads it had before."""
+    needs_native_loop(loop, True)
+
+    def fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    before, threads = fds(), threading.active_count()
+    with VsockEnv(loop, serve=True) as e:
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(f"{e.uds}_5000")
+        srv.listen(4)
+        e.send(pkt(Op.REQUEST, 40000, 5000))
+        e.wait_op(Op.RESPONSE)
+        accepted, _ = srv.accept()
+        host, hport = e.host_connect(1234)
+        e.send(pkt(Op.RW, 1234, hport, 3), b"abc")
+        assert recv_exact(host, 3) == b"abc"
+        idle = socket.socket(socket.AF_UNIX)
+        idle.connect(e.uds)
+        wait_until(lambda: e.dev._server is not None and e.dev._server.pending_count == 1,
+                   what="the idle host socket accepted")
+        assert e.dev.connection_count == 2
+    assert closed_by_peer(host) and closed_by_peer(idle) and closed_by_peer(accepted)
+    for sock in (host, idle, accepted, srv):
+        sock.close()
+    assert fds() == before and threading.active_count() == threads
 
 
 def test_guest_initiated_connection(env: VsockEnv, guest_listener: socket.socket) -> None:
@@ -515,8 +593,7 @@ def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
 
 
 def test_held_host_connections_go_out_if_the_guest_never_acknowledges(
-        env: VsockEnv, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(vsock, "RESET_ACK_WAIT_S", 0.2)
+        fast_reset_ack_wait: None, env: VsockEnv) -> None:
     host = _host_connects_after_a_transport_reset(env, event_buffers=1)
     req, _ = env.wait_op(Op.REQUEST)   # after RESET_ACK_WAIT_S, without the notification
     assert env.dev.errors["host connections sent before the guest acknowledged a "
@@ -557,8 +634,19 @@ def test_reset_event_waits_for_an_event_buffer(env: VsockEnv) -> None:
     wait_until(lambda: env.ev.used_idx() == 1, what="the deferred transport reset event")
 
 
-def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  # noqa: F811
-    with VsockEnv(loop) as parent:
+SERVE = [pytest.param(False, id="python-device"), pytest.param(True, id="native-serve")]
+
+
+def needs_native_loop(loop: EventLoop, serve: bool) -> None:  # noqa: F811
+    if serve and not isinstance(loop, NativeEventLoop):
+        pytest.skip("native serving needs the native loop")
+
+
+@pytest.mark.parametrize("serve", SERVE)
+def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop,  # noqa: F811
+                                                     serve: bool) -> None:
+    needs_native_loop(loop, serve)
+    with VsockEnv(loop, serve=serve) as parent:
         parent.ev.post(writable=[4])
         parent.driver.notify(vsock.EVENT_QUEUE)
         host, _ = parent.host_connect(1234)
@@ -567,7 +655,7 @@ def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  
         assert dstate == vsock.VsockState(guest_cid=3, acked_features=1 << 32)
         # The child: same guest memory (as if mapped from the snapshot), new host resources.
         child_uds = f"{parent.dir}/child.sock"
-        child = VirtioVsock(loop, child_uds, guest_cid=99)
+        child = VirtioVsock(loop, child_uds, guest_cid=99, native_serve=serve)
         child.restore(vsock.VsockState(**vars(dstate)))
         assert child.guest_cid == 3
         irq = IrqLine(gsi=7)
@@ -608,8 +696,10 @@ def test_reset_by_the_driver_closes_connections(env: VsockEnv) -> None:
     env.host_connect(1234)[0].close()
 
 
-def test_too_small_rx_buffer_needs_reset(loop: EventLoop) -> None:  # noqa: F811
-    with VsockEnv(loop, rx_buffers=0) as e:
+@pytest.mark.parametrize("serve", SERVE)
+def test_too_small_rx_buffer_needs_reset(loop: EventLoop, serve: bool) -> None:  # noqa: F811
+    needs_native_loop(loop, serve)
+    with VsockEnv(loop, rx_buffers=0, serve=serve) as e:
         e.rx.post(writable=[16])
         e.driver.notify(vsock.RX_QUEUE)
         e.send(pkt(Op.REQUEST, 1, 6000))  # answered with RST: needs an rx buffer
@@ -636,11 +726,13 @@ header_fields = st.builds(
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(packets=st.lists(st.tuples(header_fields, st.binary(max_size=80)), max_size=20))
-@pytest.mark.parametrize("native", [True, False], ids=["native-queue", "python-queue"])
+@pytest.mark.parametrize("native,serve", [(True, False), (False, False), (True, True)],
+                         ids=["native-queue", "python-queue", "native-serve"])
 def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
                                                packets: list[tuple[PacketHeader, bytes]],
-                                               native: bool) -> None:
-    with VsockEnv(loop, rx_buffers=16, native=native) as e:
+                                               native: bool, serve: bool) -> None:
+    needs_native_loop(loop, serve)
+    with VsockEnv(loop, rx_buffers=16, native=native, serve=serve) as e:
         srv = socket.socket(socket.AF_UNIX)
         srv.bind(f"{e.uds}_5000")
         srv.listen(64)
@@ -654,13 +746,15 @@ def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
         srv.close()
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-bytes", "python-bytes"])
+@pytest.mark.parametrize("native,serve", [(True, False), (False, False), (True, True)],
+                         ids=["native-bytes", "python-bytes", "native-serve"])
 def test_a_streaming_connection_does_not_hold_up_a_new_ones_request(
-        loop: EventLoop, native: bool) -> None:  # noqa: F811
+        loop: EventLoop, native: bool, serve: bool) -> None:  # noqa: F811
     """Few rx buffers and one connection with plenty to send (the native path serves it
     up to NATIVE_RX_BATCH packets a turn): a new host connection's REQUEST still goes
     out within a turn or two, not after the stream (e2e's many children answering)."""
-    with VsockEnv(loop, rx_buffers=4, native=native) as e:
+    needs_native_loop(loop, serve)
+    with VsockEnv(loop, rx_buffers=4, native=native, serve=serve) as e:
         a, _ = e.host_connect(1000)
         total = 100_000  # within the Unix socket's buffer: sendall cannot block
         a.sendall(b"a" * total)
@@ -687,3 +781,57 @@ def test_a_streaming_connection_does_not_hold_up_a_new_ones_request(
         assert e.stream(total) == b"a" * total  # the counted packets are still in e.packets
         a.close()
         b.close()
+
+
+# -- differential: the native server answers as the Python device does ------------------------
+def _replay(loop: EventLoop, serve: bool,  # noqa: F811
+            packets: list[tuple[PacketHeader, bytes]]) -> tuple[list[tuple[PacketHeader, bytes]],
+                                                                dict[str, int], bool]:
+    """Send the packets one by one, each handled before the next; what the guest got
+    back, the counters and whether the device needs a reset."""
+    with VsockEnv(loop, rx_buffers=24, serve=serve) as e:
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(f"{e.uds}_5000")
+        srv.listen(64)
+        for hdr, payload in packets:
+            e.send(hdr, payload)
+            posted = e.tx.avail_idx
+            wait_until(lambda posted=posted: e.tx.used_idx() == posted or e.needs_reset,
+                       what="the packet handled")
+            e.collect()
+        out, errors, broken = list(e.packets), e.dev.errors, e.needs_reset
+        srv.close()
+    return out, errors, broken
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(packets=st.lists(st.tuples(header_fields, st.binary(max_size=80)), max_size=16))
+def test_the_native_server_answers_every_packet_as_the_python_device(
+        loop: EventLoop, packets: list[tuple[PacketHeader, bytes]]) -> None:  # noqa: F811
+    """Hostile and well-formed packets alike: the same packets back, in the same order,
+    and the same refusal counters."""
+    needs_native_loop(loop, True)
+    assert _replay(loop, True, packets) == _replay(loop, False, packets)
+
+
+@st.composite
+def conversation_packet(draw: st.DrawFn) -> tuple[PacketHeader, bytes]:
+    """A packet of a guest talking to a listener at 5000 (and to nobody at 6000): mostly
+    well formed, so that connections open, carry data, run out of credit, shut down."""
+    op = draw(st.sampled_from([Op.REQUEST, Op.RW, Op.RW, Op.RW, Op.SHUTDOWN, Op.RST,
+                               Op.CREDIT_UPDATE, Op.CREDIT_REQUEST, Op.RESPONSE, 9]))
+    payload = draw(st.binary(max_size=64)) if op == Op.RW else b""
+    return pkt(op, draw(st.sampled_from([40000, 40001])), draw(st.sampled_from([5000, 6000])),
+               len(payload), flags=draw(st.integers(0, 3)),
+               buf_alloc=draw(st.sampled_from([0, 16, 256 * 1024])),
+               fwd_cnt=draw(st.integers(0, 64))), payload
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(packets=st.lists(conversation_packet(), max_size=24))
+def test_the_native_server_holds_a_conversation_as_the_python_device(
+        loop: EventLoop, packets: list[tuple[PacketHeader, bytes]]) -> None:  # noqa: F811
+    needs_native_loop(loop, True)
+    assert _replay(loop, True, packets) == _replay(loop, False, packets)

@@ -28,6 +28,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import TypeAlias
 
 from vmfork.vmm.native import NATIVE
 
@@ -39,6 +40,9 @@ except ImportError:
 log = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
+# A device's server that the native loop runs without the GIL (``native/src/*_serve.rs``).
+NativeServer: TypeAlias = (
+    "_core.RngQueue | _core.NetQueues | _core.BalloonQueues | _core.BlkQueue | _core.VsockServe")
 
 
 class EventLoop:
@@ -227,8 +231,7 @@ class NativeEventLoop(EventLoop):
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)
 
-    def add_native_reader(self, fd: int, handler: _core.RngQueue | _core.NetQueues
-                          | _core.BalloonQueues | _core.BlkQueue) -> None:
+    def add_native_reader(self, fd: int, handler: NativeServer) -> None:
         """Serve ``fd`` with a device's native server, without the GIL, whenever it is
         readable (the server knows which of its fds it is)."""
         self._native.add_native_reader(fd, handler)

@@ -90,7 +90,7 @@ from vmfork.vmm.devices.virtio.device import (
 )
 from vmfork.vmm.devices.virtio.queue import MAX_QUEUE_SIZE, QueueState, Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
-from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, NativeServer
 from vmfork.vmm.irq import Interrupt, IrqLine
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.native import NATIVE
@@ -542,7 +542,7 @@ class AttachNative(Protocol):
     """``NativeQueue.attach``: a device's native server (``native/src/rng_serve.rs``,
     ``net_serve.rs``) takes the queue's ioeventfd."""
 
-    def __call__(self, handler: _core.RngQueue | _core.NetQueues | _core.BalloonQueues | _core.BlkQueue,
+    def __call__(self, handler: NativeServer,
                  count_interrupts: bool = True) -> None: ...
 
 
@@ -639,7 +639,7 @@ class MmioTransport:
         irq = self.irq
         counters: list[Callable[[], int]] = []
 
-        def attach(handler: _core.RngQueue | _core.NetQueues | _core.BalloonQueues | _core.BlkQueue,
+        def attach(handler: NativeServer,
                    count_interrupts: bool = True) -> None:
             if isinstance(irq, IrqLine) and count_interrupts:
                 counters.append(lambda: handler.interrupts)

@@ -72,6 +72,15 @@ would be reset with the stale ones: so a host connection request made after a re
 held until the guest has made a new event buffer available (it handled the event) and
 notified the queue, or for at most ``RESET_ACK_WAIT_S``, and a connection made right
 after a restore works the first time.
+
+Served natively (opt-in: ``VMFORK_NATIVE_VSOCK_SERVE=1``, ``NATIVE_SERVE``). Where the
+VMM runs the native loop, all of the above -- the connection table, credit, the listener
+and its CONNECT lines, the sockets, the timeouts, the reset event and the hold, and the
+three queues -- is ``_core.VsockServe``'s (``native/src/vsock_serve.rs``), served on the
+loop without the GIL; this class then keeps the construction (the listener's bind),
+config space, ``VsockState``'s save and restore (the same contract: no connections, a
+transport reset at the next activation), the counters (read-only, ``errors``) and close.
+The rules, bounds and counter keys are this file's, word for word.
 """
 
 from __future__ import annotations
@@ -92,9 +101,15 @@ from typing import NamedTuple
 
 from vmfork.vmm.devices.virtio.device import DEVICE_ID_VSOCK, VirtioDevice, VirtioInterrupt
 from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
-from vmfork.vmm.errors import HostError, VirtqueueError
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.native import NATIVE
+
+try:
+    from vmfork import _core
+except ImportError:
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +150,9 @@ NATIVE_RX_BATCH = 32
 # test_fork's test_many_concurrent_children_answer timed out a handshake under a load of
 # 10-13; re-examined, no difference from the Python paths was found (design notes).
 NATIVE_BYTES = os.environ.get("VMFORK_NATIVE_VSOCK", "1") != "0"
+# The whole device served on the native loop without the GIL (module docstring):
+# opt-in until every KVM tier has passed on it.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_VSOCK_SERVE", "0") == "1"
 CONNECT_LINE_MAX = 64
 CONNECT_TIMEOUT = 20.0  # seconds for the CONNECT line, and for the guest's answer (a guest
 # starved of CPU -- many VMs on few cores -- can take seconds to answer a request)
@@ -327,7 +345,7 @@ class VirtioVsock(VirtioDevice):
     queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE, QUEUE_SIZE)
 
     def __init__(self, loop: EventLoop, uds_path: str,
-                 guest_cid: int = DEFAULT_GUEST_CID) -> None:
+                 guest_cid: int = DEFAULT_GUEST_CID, native_serve: bool | None = None) -> None:
         super().__init__()
         if guest_cid <= HOST_CID or guest_cid >= _U32:
             raise ValueError(f"guest CID {guest_cid} must be in 3..2**32-2")
@@ -349,7 +367,7 @@ class VirtioVsock(VirtioDevice):
         self._held: list[_Conn] = []
         self._hold_generation = 0
         self._hold_timer = -1   # the generation whose hold a timer bounds
-        self.errors: dict[str, int] = {}
+        self._errors: dict[str, int] = {}
         self.native_bytes = NATIVE_BYTES  # and guest memory has a native view
         try:
             if os.path.exists(uds_path):
@@ -363,12 +381,72 @@ class VirtioVsock(VirtioDevice):
                             errno=err.errno) from err
         self._wpoll = select.epoll()
         listener, wpoll = self._listener, self._wpoll
+        if native_serve is None:
+            native_serve = NATIVE_SERVE
+        self._server: _core.VsockServe | None = None
+        self._detach_queues: list[Callable[[], None]] = []
+        if native_serve and NATIVE and isinstance(loop, NativeEventLoop):
+            server = self._server = _core.VsockServe(
+                listener.fileno(), uds_path, guest_cid, CONNECT_TIMEOUT, RESET_ACK_WAIT_S,
+                self._native_fault)
+
+            def add_server() -> None:
+                loop.add_native_reader(server.epoll_fd, server)
+
+            self._call_on_loop(add_server)
+            return
 
         def add_readers() -> None:
             loop.add_reader(listener.fileno(), self._accept)
             loop.add_reader(wpoll.fileno(), self._writable)
 
         self._call_on_loop(add_readers)
+
+    @property
+    def serving_natively(self) -> bool:
+        """Whether ``_core.VsockServe`` serves the device (``NATIVE_SERVE``)."""
+        return self._server is not None
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Refused packets and connections by reason (a copy; fixed keys)."""
+        if self._server is None:
+            return dict(self._errors)
+        return dict(self._server.errors())
+
+    def _native_fault(self, err: BaseException) -> None:
+        """The native server found a guest fault (on the loop thread, with the GIL)."""
+        if self.interrupt is not None and isinstance(err, GuestError):
+            self.interrupt.device_error(err)
+        else:
+            log.error("vsock: native server stopped: %s", err)
+
+    def _attach_server(self, server: _core.VsockServe, memory: GuestMemory,
+                       queues: list[Virtqueue], interrupt: VirtioInterrupt) -> None:
+        """Hand the three queues to the native server (at an activation)."""
+        natives = [interrupt.native_queue(i) for i in range(3)]
+        if memory.native is None or any(n is None for n in natives) or len(queues) != 3:
+            raise HostError("vsock: native serving needs native guest memory, the native "
+                            "loop and register file and an irqfd", op="activate")
+        rx, tx, ev = (n for n in natives if n is not None)
+
+        def rings(q: Virtqueue) -> tuple[int, int, int, int, int, int]:
+            return (q.size, q.desc_table, q.avail_ring, q.used_ring, q.next_avail,
+                    q.next_used)
+
+        server.attach(memory.native, rx.registers, rx.epoch, self.guest_cid,
+                      rings(queues[RX_QUEUE]), rings(queues[TX_QUEUE]),
+                      rings(queues[EVENT_QUEUE]), rx.irq_fd, (rx.notify_fd, tx.notify_fd, ev.notify_fd),
+                      CONNECT_TIMEOUT, RESET_ACK_WAIT_S)
+        for index, native in enumerate((rx, tx, ev)):
+            native.attach(server, count_interrupts=index == RX_QUEUE)
+            self._detach_queues.append(native.detach)
+
+    def sync_queues(self) -> None:
+        server = self._server
+        if server is not None and len(self.queues) == 3 and self._detach_queues:
+            for queue, (avail, used) in zip(self.queues, server.sync()):
+                queue.next_avail, queue.next_used = avail, used
 
     # -- device contract ----------------------------------------------------------------
     def config_bytes(self) -> bytes:
@@ -377,10 +455,19 @@ class VirtioVsock(VirtioDevice):
     def activate(self, memory: GuestMemory, queues: list[Virtqueue],
                  interrupt: VirtioInterrupt) -> None:
         super().activate(memory, queues, interrupt)
+        if self._server is not None:
+            self._attach_server(self._server, memory, queues, interrupt)
+            return
         if self._reset_event_pending:
             self._guarded(self._post_events)
 
     def queue_notify(self, index: int) -> None:
+        if self._server is not None:
+            # A QueueNotify exit or the activation's catch-up (ioeventfds go to the
+            # server on the loop); a guest fault comes back through _native_fault.
+            if self._detach_queues:
+                self._server.notify(index)
+            return
         if index == TX_QUEUE:
             self._process_tx()
             self._process_rx()
@@ -392,6 +479,9 @@ class VirtioVsock(VirtioDevice):
             self._post_events()
 
     def reset(self) -> None:
+        if self._server is not None:
+            self._release_server_queues()
+            self._server.detach()
         self._drop_all()
         self._reset_event_pending = False
         self._reset_delivered = self._holding = False   # a new driver has no stale sockets
@@ -401,6 +491,9 @@ class VirtioVsock(VirtioDevice):
         """Drop every connection and tell the guest (EVENT_TRANSPORT_RESET). Any thread."""
 
         def do() -> None:
+            if self._server is not None:
+                self._server.transport_reset()
+                return
             self._drop_all()
             self._arm_reset_event()
             self._guarded(self._post_events)
@@ -411,6 +504,11 @@ class VirtioVsock(VirtioDevice):
         """Release the host resources: connections, the listener and its path."""
 
         def do() -> None:
+            server = self._server
+            if server is not None:
+                self.loop.remove_reader(server.epoll_fd)
+                self._release_server_queues()
+                server.close()   # after the loop let go of its epoll
             self._drop_all()
             self.loop.remove_reader(self._listener.fileno())
             self.loop.remove_reader(self._wpoll.fileno())
@@ -430,11 +528,22 @@ class VirtioVsock(VirtioDevice):
         """Load device state; on (re-)activation the guest gets a transport reset."""
         self.guest_cid = state.guest_cid
         self.acked_features = state.acked_features
+        if self._server is not None:
+            self._server.arm_reset_event(state.guest_cid)
+            return
         self._arm_reset_event()
 
     @property
     def connection_count(self) -> int:
+        if self._server is not None:
+            return self._server.connection_count
         return len(self._conns)
+
+    def _release_server_queues(self) -> None:
+        """Give the queues' ioeventfds back to the transport (a reset, the close)."""
+        detach, self._detach_queues = self._detach_queues, []
+        for release in detach:
+            release()
 
     # -- transport resets -------------------------------------------------------------------
     def _arm_reset_event(self) -> None:
@@ -480,7 +589,7 @@ class VirtioVsock(VirtioDevice):
             self.loop.call_soon(fn)
 
     def _count(self, what: str) -> None:
-        self.errors[what] = self.errors.get(what, 0) + 1
+        self._errors[what] = self._errors.get(what, 0) + 1
         log.debug("vsock: %s", what)
 
     def _on_io(self, work: Callable[[], None]) -> None:
