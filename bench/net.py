@@ -167,6 +167,7 @@ def main() -> None:
     from vmfork.runtime.guest import BootedGuest
     from vmfork.runtime.network import GuestNetwork
     from vmfork.vmm.devices.virtio.device import run_on_loop
+    from vmfork.vmm.devices.virtio.net import F_EVENT_IDX
     from vmfork.vmm.irq import IrqLine
 
     image = find_image()
@@ -223,6 +224,7 @@ def main() -> None:
                           f"I/O thread {io:.2f} s, frames tx {frames[0]} rx {frames[1]}, "
                           f"interrupts {irqs}", file=sys.stderr)
         counters = vars(device.counters)
+        event_idx = bool(device.acked_features & F_EVENT_IDX)
     directions = ("guest->host", "host->guest")
     rows = {}
     for path in paths:
@@ -243,7 +245,8 @@ def main() -> None:
     md = (f"# virtio-net: the device's paths\n\n{where()}; default image, "
           f"256 MiB guest, one TCP stream of {args.mib} MiB each way between the guest "
           f"and this process over a tap, {args.reps} runs per row, the paths "
-          "alternating in one guest.\n\n"
+          f"alternating in one guest; the driver "
+          f"{'acked' if event_idx else 'did not ack'} VIRTIO_RING_F_EVENT_IDX.\n\n"
           "| path | direction | MiB/s (median) | min | max | process CPU s | "
           "I/O thread CPU s | I/O thread CPU ms/MiB | tx frames | rx frames | interrupts |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|\n"
@@ -260,7 +263,8 @@ def main() -> None:
           + ", ".join(f"{k} {v:.2f}x" for k, v in io_cpu.items()) + "\n")
     write_results("net", {"mib": args.mib, "reps": args.reps, "paths": paths, "runs": runs,
                           "rows": rows, "throughput_ratios": ratios,
-                          "io_thread_cpu_ratios": io_cpu, "device_counters": counters}, md)
+                          "io_thread_cpu_ratios": io_cpu, "device_counters": counters,
+                          "event_idx": event_idx}, md)
 
 
 def driver_bench(args: argparse.Namespace) -> None:

@@ -23,9 +23,14 @@
 //!   A tx run that used its budget re-arms by writing the tx ioeventfd (the rest is
 //!   served on a later turn, after the other ready fds); rx needs nothing, the tap being
 //!   level-triggered and still readable.
-//! * **Interrupt.** A wake that put chains on a used ring sets InterruptStatus for the
-//!   activation's epoch (`Registers::raise`, so a reset in between drops it) and writes
-//!   the irqfd, as the transport's `trigger` does.
+//! * **Interrupt, once per wake and only if the driver wants it.** A wake that put
+//!   chains on a used ring asks `virtq::needs_interrupt` (EVENT_IDX's `used_event`
+//!   against the used index before and after the wake, or the NO_INTERRUPT flag) and
+//!   only then sets InterruptStatus for the activation's epoch (`Registers::raise`, so a
+//!   reset in between drops it) and writes the irqfd, as the transport's `trigger` does.
+//!   With EVENT_IDX the driver's kicks are moderated too: a queue found empty asks for
+//!   a kick at its next chain (`virtq::pop`), and no kick is asked for while a wake is
+//!   still popping.
 //! * **What goes to Python** (`on_report(fault, refused, read_error)`, with the GIL, on
 //!   the loop thread after the turn's native work): a guest fault (the server stops,
 //!   stops watching the tap, and Python sets DEVICE_NEEDS_RESET), a failed tap read (to
@@ -50,7 +55,7 @@ use crate::mmio_py::MmioRegisters;
 use crate::net::{self, Counters, RxStop};
 use crate::rng_serve::{dup, write_eventfd};
 use crate::virtio_py::GuestRam;
-use crate::virtq::{QueueError, Rings};
+use crate::virtq::{self, QueueError, Rings};
 
 const RX_QUEUE: u32 = 0;
 const TX_QUEUE: u32 = 1;
@@ -177,7 +182,11 @@ impl NetServer {
             self.watch(&mut st, false);
             return report;
         };
-        let used = match work {
+        let (rings, old_used) = match work {
+            Work::Tx => (&self.tx, st.tx_used),
+            Work::RxNotify | Work::TapReadable => (&self.rx, st.rx_used),
+        };
+        let wanted = match work {
             Work::Tx => {
                 let s = net::transmit(
                     &ram,
@@ -188,6 +197,10 @@ impl NetServer {
                     self.max_frames,
                     self.max_tx_bytes,
                 );
+                // A failed read of the guest's word (RAM going away) interrupts: a
+                // spurious interrupt costs a look, a lost one a stall.
+                let wanted =
+                    virtq::needs_interrupt(&ram, rings, old_used, s.next_used).unwrap_or(true);
                 drop(ram);
                 (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
                 add(&mut st.counters, &s.counters);
@@ -201,7 +214,7 @@ impl NetServer {
                         None => report.rearm = true,
                     }
                 }
-                s.chains > 0
+                wanted
             }
             Work::RxNotify | Work::TapReadable => {
                 let Some(tap) = tap else {
@@ -215,6 +228,8 @@ impl NetServer {
                     tap,
                     self.max_frames,
                 );
+                let wanted =
+                    virtq::needs_interrupt(&ram, rings, old_used, r.next_used).unwrap_or(true);
                 drop(ram);
                 (st.rx_avail, st.rx_used) = (r.next_avail, r.next_used);
                 add(&mut st.counters, &r.counters);
@@ -232,7 +247,7 @@ impl NetServer {
                         RxStop::Drained | RxStop::Budget => {}
                     }
                 }
-                r.delivered > 0
+                wanted
             }
         };
         if report.fault.is_some() {
@@ -240,7 +255,7 @@ impl NetServer {
             self.watch(&mut st, false);
             return report;
         }
-        if used && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+        if wanted && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
             if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
                 st.interrupts += 1;
                 write_eventfd(irq);
@@ -316,10 +331,12 @@ impl NetQueues {
     /// `rx` and `tx` are queues checked by `Virtqueue.validate`; `irq_fd` the
     /// interrupt's eventfd, `tap_fd` the device's tap (None: none), `rx_notify_fd` and
     /// `tx_notify_fd` the queues' ioeventfds (None without ioeventfds); the irqfd, the
-    /// tap and the tx ioeventfd are duplicated.
+    /// tap and the tx ioeventfd are duplicated; `event_idx`: the driver acked
+    /// VIRTIO_RING_F_EVENT_IDX (`virtq::pop`, `virtq::needs_interrupt`).
     #[new]
     #[pyo3(signature = (ram, registers, epoch, rx, tx, irq_fd, tap_fd, rx_notify_fd,
-                        tx_notify_fd, max_frames, max_tx_bytes, log_refused, on_report))]
+                        tx_notify_fd, max_frames, max_tx_bytes, log_refused, on_report,
+                        event_idx = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         ram: Py<GuestRam>,
@@ -335,6 +352,7 @@ impl NetQueues {
         max_tx_bytes: u64,
         log_refused: bool,
         on_report: Py<PyAny>,
+        event_idx: bool,
     ) -> PyResult<Self> {
         check_queue("rx", rx.0)?;
         check_queue("tx", tx.0)?;
@@ -349,6 +367,7 @@ impl NetQueues {
             desc: q.1,
             avail: q.2,
             used: q.3,
+            event_idx,
         };
         Ok(NetQueues {
             server: Arc::new(NetServer {

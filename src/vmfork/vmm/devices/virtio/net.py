@@ -88,7 +88,11 @@ from dataclasses import dataclass, replace
 
 from vmfork.vmm import openfiles
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
-from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
+from vmfork.vmm.devices.virtio.queue import (
+    VIRTIO_RING_F_EVENT_IDX,
+    DescriptorChain,
+    Virtqueue,
+)
 from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
@@ -119,8 +123,12 @@ F_GUEST_ECN = 1 << 9
 F_HOST_TSO4 = 1 << 11
 F_HOST_TSO6 = 1 << 12
 F_HOST_ECN = 1 << 13
+# Interrupt and kick moderation (queue.py, "Notification suppression"); only this
+# device offers it, as only its paths (net.rs, net_serve.rs, this file) ask
+# ``needs_interrupt`` before they interrupt.
+F_EVENT_IDX = VIRTIO_RING_F_EVENT_IDX
 OFFERED_FEATURES = (F_CSUM | F_GUEST_CSUM | F_MAC | F_GUEST_TSO4 | F_GUEST_TSO6
-                    | F_GUEST_ECN | F_HOST_TSO4 | F_HOST_TSO6 | F_HOST_ECN)
+                    | F_GUEST_ECN | F_HOST_TSO4 | F_HOST_TSO6 | F_HOST_ECN | F_EVENT_IDX)
 
 VNET_HDR_SIZE = 12       # struct virtio_net_hdr_mrg_rxbuf, what VERSION_1 always uses
 NUM_BUFFERS_OFFSET = 10
@@ -276,6 +284,8 @@ class VirtioNet(VirtioDevice):
     def activate(self, memory: GuestMemory, queues: list[Virtqueue],
                  interrupt: VirtioInterrupt) -> None:
         super().activate(memory, queues, interrupt)
+        for queue in queues:
+            queue.event_idx = bool(self.acked_features & F_EVENT_IDX)
         if self.tap_fd is not None:
             offloads = tap_offloads(self.acked_features)
             try:
@@ -344,7 +354,8 @@ class VirtioNet(VirtioDevice):
             (txq.size, txq.desc_table, txq.avail_ring, txq.used_ring, txq.next_avail,
              txq.next_used),
             tx.irq_fd, self.tap_fd, rx.notify_fd, tx.notify_fd, MAX_FRAMES_PER_RUN,
-            MAX_TX_BYTES, log.isEnabledFor(logging.DEBUG), self._native_report)
+            MAX_TX_BYTES, log.isEnabledFor(logging.DEBUG), self._native_report,
+            event_idx=txq.event_idx)
         tap = server.tap_fd
         if tap is not None:
             loop.add_native_reader(tap, server)
@@ -417,11 +428,12 @@ class VirtioNet(VirtioDevice):
         if not self._usable() or self.memory is None:
             return
         memory, queue = self.memory, self.queues[TX_QUEUE]
+        old_used = queue.next_used
         if memory.native is not None and self.native_frames:
             sent = self._transmit_native(memory, queue)
         else:
             sent = self._transmit_python(memory, queue)
-        if sent:
+        if queue.needs_interrupt(memory, old_used):
             assert self.interrupt is not None
             self.interrupt.trigger()
         if sent == MAX_FRAMES_PER_RUN:
@@ -449,7 +461,7 @@ class VirtioNet(VirtioDevice):
         queue.next_avail, queue.next_used, sent, counters, refused, error = memory.native.net_tx(
             queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
             queue.next_avail, queue.next_used, -1 if self.tap_fd is None else self.tap_fd,
-            MAX_FRAMES_PER_RUN, MAX_TX_BYTES)
+            MAX_FRAMES_PER_RUN, MAX_TX_BYTES, queue.event_idx)
         self._count(counters)
         for length, err in refused:
             log.debug("virtio-net: tx frame of %d bytes dropped: %s", length,
@@ -507,11 +519,12 @@ class VirtioNet(VirtioDevice):
         if self.memory is None or self.tap_fd is None:
             return
         memory, queue = self.memory, self.queues[RX_QUEUE]
+        old_used = queue.next_used
         if memory.native is not None and self.native_frames:
-            delivered = self._receive_native(memory, queue, self.tap_fd)
+            self._receive_native(memory, queue, self.tap_fd)
         else:
-            delivered = self._receive_python(memory, queue)
-        if delivered:
+            self._receive_python(memory, queue)
+        if queue.needs_interrupt(memory, old_used):
             assert self.interrupt is not None
             self.interrupt.trigger()
 
@@ -525,7 +538,7 @@ class VirtioNet(VirtioDevice):
         queue.next_avail, queue.next_used, delivered, counters, stop, error = \
             memory.native.net_rx(queue.size, queue.desc_table, queue.avail_ring,
                                  queue.used_ring, queue.next_avail, queue.next_used, tap_fd,
-                                 MAX_FRAMES_PER_RUN)
+                                 MAX_FRAMES_PER_RUN, queue.event_idx)
         self._count(counters)
         if error is not None:
             raise error
