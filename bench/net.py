@@ -25,7 +25,8 @@ paths of one run mean anything there).
 fd an AF_UNIX datagram socket pair (a frame per datagram, as on a tap), 128 chains per
 turn laid out as Linux lays them out (tx: the vnet header and the frame apart; rx: the
 header and ``--frame-bytes`` of room), each path in turn, alternating: ``_transmit``
-and ``_receive`` timed alone (the peer's sends and reads are not), frames/s and MiB/s.
+and ``_start_reading`` (the rx notification) timed alone (the peer's sends and reads are
+not), frames/s and MiB/s.
 """
 
 from __future__ import annotations
@@ -338,8 +339,8 @@ def driver_bench(args: argparse.Namespace) -> None:
                     t0, c0 = time.perf_counter(), time.process_time()
                     if direction == "tx":
                         dev._transmit()
-                    else:
-                        dev._receive()
+                    else:   # the rx notification: the tap read again (a turn ends
+                        dev._start_reading()   # with no chains left, which stops it)
                     busy += time.perf_counter() - t0
                     cpu += time.process_time() - c0
                     if direction == "tx":

@@ -228,6 +228,10 @@ class ServedLine(Line):
         """The driver notifies queue ``index``, the loop serves it; the tx re-arms."""
         os.eventfd_write(self.kicks[index], 1)
         server.serve_ready(self.kicks[index])
+        return self.rearmed()
+
+    def rearmed(self) -> int:
+        """Whether the last wake re-armed the tx queue (wrote its ioeventfd)."""
         try:
             return int(os.eventfd_read(self.kicks[net.TX_QUEUE]) > 0)
         except BlockingIOError:
@@ -410,6 +414,7 @@ def run_path(backend: str, spec: dict[str, Any],
                     rearmed = served.kick(server, net.RX_QUEUE)
                 elif server.tap_fd is not None and server.watched:
                     server.serve_ready(server.tap_fd)
+                    rearmed = served.rearmed()
                 if served.fault is not None:
                     steps.append((type(served.fault).__name__, str(served.fault)))
                     break
@@ -528,7 +533,7 @@ def test_the_native_path_is_the_one_a_native_build_takes() -> None:
         dev._transmit()
         assert peer.recv(4096) == frame
         peer.send(bytes(12) + b"to the guest")
-        dev._receive()
+        dev._start_reading()   # the rx notification
         assert line.triggered == 2
         assert (dev.counters.tx_frames, dev.counters.rx_frames) == (1, 1)
         assert struct.unpack("<HHII", mem.read(RINGS[net.RX_QUEUE][2], 12)) == (0, 1, 0, 24)

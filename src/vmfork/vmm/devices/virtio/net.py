@@ -420,24 +420,41 @@ class VirtioNet(VirtioDevice):
                 self.queue_notify(index)
         elif not on and self._server is not None:
             self._stop_server()
-            self._start_reading()
-            self._transmit()
+            self._start_reading()   # a wake: both queues
 
-    # -- guest -> host -----------------------------------------------------------------
-    def _transmit(self) -> None:
+    # -- a wake -----------------------------------------------------------------------
+    def _wake(self) -> None:
+        """Whatever woke the device (a tx or rx notification, a readable tap, a tx run's
+        re-arm): the tx queue, then the rx queue while the tap is read, then at most one
+        interrupt for both (the device has one line), if the driver wants one
+        (``Virtqueue.needs_interrupt``). Serving both queues per wake is what moderates a
+        fast device: the answer to a tx frame (a TCP ACK the host wrote during the
+        ``writev``) is usually in the tap already and goes in under the frame's
+        interrupt. ``net_serve.rs`` serves a wake the same way."""
         if not self._usable() or self.memory is None:
             return
-        memory, queue = self.memory, self.queues[TX_QUEUE]
-        old_used = queue.next_used
-        if memory.native is not None and self.native_frames:
-            sent = self._transmit_native(memory, queue)
+        memory, txq, rxq = self.memory, self.queues[TX_QUEUE], self.queues[RX_QUEUE]
+        tx_old, rx_old = txq.next_used, rxq.next_used
+        native = memory.native is not None and self.native_frames
+        if native:
+            sent = self._transmit_native(memory, txq)
         else:
-            sent = self._transmit_python(memory, queue)
-        if queue.needs_interrupt(memory, old_used):
+            sent = self._transmit_python(memory, txq)
+        if self._reading and self.tap_fd is not None:
+            if native:
+                self._receive_native(memory, rxq, self.tap_fd)
+            else:
+                self._receive_python(memory, rxq)
+        if txq.needs_interrupt(memory, tx_old) or rxq.needs_interrupt(memory, rx_old):
             assert self.interrupt is not None
             self.interrupt.trigger()
         if sent == MAX_FRAMES_PER_RUN:
-            self.loop.call_soon(lambda: self._guarded(self._transmit))
+            self.loop.call_soon(lambda: self._guarded(self._wake))
+
+    # -- guest -> host -----------------------------------------------------------------
+    def _transmit(self) -> None:
+        """A tx notification: a wake."""
+        self._wake()
 
     def _transmit_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
         """Send up to ``MAX_FRAMES_PER_RUN`` tx chains; the number put on the used ring."""
@@ -496,12 +513,13 @@ class VirtioNet(VirtioDevice):
 
     # -- host -> guest -----------------------------------------------------------------
     def _start_reading(self) -> None:
-        if self.tap_fd is None or not self._usable():
+        """An rx notification: read the tap again, and a wake."""
+        if not self._usable():
             return
-        if not self._reading:
+        if self.tap_fd is not None and not self._reading:
             self.loop.add_reader(self.tap_fd, self._tap_readable)
             self._reading = True
-        self._receive()
+        self._wake()
 
     def _stop_reading(self) -> None:
         if self._reading and self.tap_fd is not None:
@@ -515,18 +533,9 @@ class VirtioNet(VirtioDevice):
         self._guarded(self._receive)
 
     def _receive(self) -> None:
-        """Move frames from the tap into posted rx chains, one frame per chain."""
-        if self.memory is None or self.tap_fd is None:
-            return
-        memory, queue = self.memory, self.queues[RX_QUEUE]
-        old_used = queue.next_used
-        if memory.native is not None and self.native_frames:
-            self._receive_native(memory, queue, self.tap_fd)
-        else:
-            self._receive_python(memory, queue)
-        if queue.needs_interrupt(memory, old_used):
-            assert self.interrupt is not None
-            self.interrupt.trigger()
+        """The tap is readable: a wake, which moves its frames into posted rx chains,
+        one frame per chain."""
+        self._wake()
 
     def _receive_native(self, memory: GuestMemory, queue: Virtqueue, tap_fd: int) -> int:
         """``_receive_python``'s rules in Rust (native/src/net.rs): the walk, one readv
