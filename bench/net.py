@@ -5,9 +5,9 @@ One guest (the default image, 256 MiB) boots with a virtio-net device on a tap i
 network namespace of this process's own (the tap at 10.123.0.1/30, the guest at
 10.123.0.2). Then, alternating the device's paths (``--paths``, so every peer runs in
 the same guest on the same tap in one run): ``served`` (the native loop serves the
-queues and the tap without the GIL, ``VirtioNet.set_native_serve(True)``), ``native``
-(the Python device around the native frame paths, the default without
-``VMFORK_NATIVE_NET_SERVE=1``) and ``python`` (``VirtioNet.native_frames = False``), the guest sends ``--mib``
+queues and the tap without the GIL, ``VirtioNet.set_native_serve(True)``, the default),
+``native`` (the Python device around the native frame paths, what
+``VMFORK_NATIVE_NET_SERVE=0`` keeps) and ``python`` (``VirtioNet.native_frames = False``), the guest sends ``--mib``
 MiB over one TCP connection to a socket of this process (guest -> host: the device's tx
 path) and receives as much from it (host -> guest: the rx path), ``--reps`` times each.
 For every run: MiB/s from this process's clock (accept to end of stream, so the guest

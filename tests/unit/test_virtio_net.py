@@ -3,10 +3,10 @@ in a private network namespace on the other (an AF_PACKET socket on the tap
 plays the host's network), a real I/O thread in between.
 
 Every test that moves frames runs on three paths: the device served natively on the
-loop without the GIL (``native/src/net_serve.rs``, what a native build takes: the
-queues' ioeventfds are written as KVM writes them, and every Python path of the device
-is made unreachable), the native frame paths (``native/src/net.rs``) entered from the
-Python device (the default, ``VMFORK_NATIVE_NET_SERVE`` unset; their Python twins made
+loop without the GIL (``native/src/net_serve.rs``, what a native build takes by default:
+the queues' ioeventfds are written as KVM writes them, and every Python path of the
+device is made unreachable), the native frame paths (``native/src/net.rs``) entered from
+the Python device (``VMFORK_NATIVE_NET_SERVE=0``; their Python twins made
 unreachable) and the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without its
 native view).
 ``test_virtio_net_native.py`` holds them to each other."""

@@ -35,6 +35,21 @@ reader is removed (a readable tap would otherwise spin the loop) and put back
 when the driver notifies the rx queue. Frames then wait in the tap's queue,
 and the host kernel drops them when it is full, as a NIC would.
 
+Interrupts and kicks are moderated. Whatever wakes the device (a tx or rx
+notification, a readable tap, a tx re-arm), the wake serves the tx queue, then the
+rx queue while the tap is read, and raises at most one interrupt for both, and only
+if the driver wants one (``Virtqueue.needs_interrupt``). We offer
+VIRTIO_RING_F_EVENT_IDX, which Linux takes: the driver then says in ``used_event``
+which used index it wants an interrupt at, and the device, finding a ring empty, says
+in ``avail_event`` that it wants a kick at the next chain and not before (queue.py,
+"Notification suppression"). Without it the avail ring's NO_INTERRUPT flag is
+honoured. The device is the only one offering the feature: only its paths ask before
+they interrupt. Serving both queues per wake matters as much: a fast device
+completing each tx chain at once interrupts once per frame whatever EVENT_IDX says,
+because the guest re-enables interrupts before each; the host's answer to a tx
+frame (a TCP ACK, written during our ``writev``) is usually in the tap by then and
+goes in under the same interrupt (bench/net.py, docs/design-notes.md).
+
 Native path. Where the native core is built (``GuestMemory.native``), a tx
 notification and a readable tap are each served by one call into Rust
 (``GuestRam.net_tx``/``net_rx``, ``native/src/net.rs``): the chain walk, the size
@@ -47,8 +62,8 @@ calls work from whatever loop runs the device. The Python path is the
 (tests/unit/test_virtio_net_native.py); ``native_frames = False`` takes it on a
 native build (bench/net.py compares the two in one guest).
 
-Served natively. With ``VMFORK_NATIVE_NET_SERVE=1`` (or ``native_serve=True``), where
-the transport can (the native loop and register file, an irqfd, both queues ready),
+Served natively, by default (``VMFORK_NATIVE_NET_SERVE=0`` or ``native_serve=False``
+keeps the device in Python around the native frame paths). Where the transport can (the native loop and register file, an irqfd, both queues ready),
 activation hands the device's whole hot path to a
 ``_core.NetQueues`` (``native/src/net_serve.rs``) that the native loop serves without
 ever taking the GIL: the tx queue's ioeventfd (send), the rx queue's ioeventfd (watch the
@@ -60,11 +75,11 @@ snapshot) and counts the frames (``counters`` adds its counts in). What needs Py
 back through ``_native_report``: a guest fault (DEVICE_NEEDS_RESET), a failed tap read
 (logged), and the tx frames the tap refused, logged only if this module's logger was at
 DEBUG when the device was activated (else they are only counted, and a guest sending
-bad frames never makes the VMM take the GIL). Opt-in for now: in the emulated test host
-it completes every tx frame at once, the guest takes about one interrupt per frame each
-way and TCP sends smaller segments, and guest -> host throughput fell to 0.72x of the
-Python device's (host -> guest gained 1.09x; bench/net.py, docs/design-notes.md); by
-default the device stays in Python around the native frame paths.
+bad frames never makes the VMM take the GIL). It was opt-in until its interrupts were
+moderated: completing every tx frame at once, it cost the guest about one interrupt per
+frame each way and lost guest -> host throughput to the Python device; with EVENT_IDX
+and both queues served per wake (above) it no longer does (bench/net.py,
+docs/design-notes.md).
 
 Without a tap (``tap_fd=None``) the device is a NIC with its cable pulled:
 the guest sees a working device, tx frames are dropped (counted), nothing is
@@ -104,10 +119,10 @@ except ImportError:
 
 log = logging.getLogger(__name__)
 
-# The device served on the native loop without the GIL (net_serve.rs), opt-in
-# (VMFORK_NATIVE_NET_SERVE=1) until its interrupt rate is moderated (module comment);
-# otherwise the Python device around the native frame paths.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_NET_SERVE", "0") == "1"
+# The device served on the native loop without the GIL (net_serve.rs) where the
+# transport can; VMFORK_NATIVE_NET_SERVE=0 keeps it in Python around the native frame
+# paths (module comment).
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_NET_SERVE", "1") != "0"
 
 DEVICE_ID_NET = 1
 RX_QUEUE, TX_QUEUE = 0, 1
