@@ -63,13 +63,14 @@ calls work from whatever loop runs the device. The Python path is the
 native build (bench/net.py compares the two in one guest).
 
 Served natively, by default (``VMFORK_NATIVE_NET_SERVE=0`` or ``native_serve=False``
-keeps the device in Python around the native frame paths). Where the transport can (the native loop and register file, an irqfd, both queues ready),
-activation hands the device's whole hot path to a
-``_core.NetQueues`` (``native/src/net_serve.rs``) that the native loop serves without
-ever taking the GIL: the tx queue's ioeventfd (send), the rx queue's ioeventfd (watch the
-tap again, receive) and the tap (receive), with the same frame paths, the same budget
-and re-arm, the same reader rule (the tap is not watched while the guest has no rx
-buffers) and the used-buffer interrupt raised through the register file and the irqfd.
+keeps the device in Python around the native frame paths). Where the transport can (the
+native loop and register file, an irqfd, both queues ready), activation hands the
+device's whole hot path to a ``_core.NetQueues`` (``native/src/net_serve.rs``) that the
+native loop serves without ever taking the GIL: the tx queue's ioeventfd, the rx queue's
+ioeventfd (watch the tap again) and the tap each wake it, with the same wake (both
+queues, one interrupt), the same frame paths, the same budget and re-arm, the same
+reader rule (the tap is not watched while the guest has no rx buffers) and the
+used-buffer interrupt raised through the register file and the irqfd.
 It owns both queues' ring indices until reset (``sync_queues`` copies them back for a
 snapshot) and counts the frames (``counters`` adds its counts in). What needs Python comes
 back through ``_native_report``: a guest fault (DEVICE_NEEDS_RESET), a failed tap read

@@ -23,12 +23,13 @@ Features deliberately *not* offered (so this file needs no code for them):
 VIRTIO_F_INDIRECT_DESC (a descriptor with the INDIRECT flag is therefore an
 error). Packed virtqueues are not offered.
 
-Notification suppression. A device interrupts at most once per batch of used
-buffers, and only if the driver wants it (``needs_interrupt``): without
-VIRTIO_RING_F_EVENT_IDX, unless the avail ring's NO_INTERRUPT flag is set; with it
-(``event_idx``, set by a device that offered and got it: virtio-net), only when the
-batch moved the used index across the driver's ``used_event`` (the avail ring's
-trailing word, ``vring_need_event``). With EVENT_IDX the device also moderates the
+Notification suppression. Every device interrupts at most once per batch of used
+buffers; virtio-net, the one device that asks (``needs_interrupt``), only if the
+driver wants it: without VIRTIO_RING_F_EVENT_IDX, unless the avail ring's NO_INTERRUPT
+flag is set (the others ignore the flag, which the spec allows); with it (``event_idx``,
+set by the device that offered and got it), only when the batch moved the used index
+across the driver's ``used_event`` (the avail ring's trailing word,
+``vring_need_event``). With EVENT_IDX the device also moderates the
 driver's kicks: ``pop`` finding the ring empty publishes ``avail_event`` (the used
 ring's trailing word) as its ``next_avail``, so the driver kicks for the next chain
 and not for those it adds while the device is still popping, and looks again. Both
