@@ -165,7 +165,7 @@ impl NetServer {
     /// it: the tx queue, then the rx queue while the tap is watched, then at most one
     /// interrupt for both (the device has one line), if the driver wants one. Serving
     /// both queues per wake is the moderation that counts with a fast device: a tx
-    /// frame's answer (a TCP ACK the host wrote during the `writev`) is usually in the
+    /// frame's answer (a TCP ACK the host wrote during the `writev`) is often in the
     /// tap already, and goes in under the same interrupt as the frame's completion.
     fn serve(&self, work: Work) -> Report {
         let mut report = Report::default();

@@ -47,7 +47,7 @@ honoured. The device is the only one offering the feature: only its paths ask be
 they interrupt. Serving both queues per wake matters as much: a fast device
 completing each tx chain at once interrupts once per frame whatever EVENT_IDX says,
 because the guest re-enables interrupts before each; the host's answer to a tx
-frame (a TCP ACK, written during our ``writev``) is usually in the tap by then and
+frame (a TCP ACK, written during our ``writev``) is often in the tap by then and
 goes in under the same interrupt (bench/net.py, docs/design-notes.md).
 
 Native path. Where the native core is built (``GuestMemory.native``), a tx
@@ -445,7 +445,7 @@ class VirtioNet(VirtioDevice):
         interrupt for both (the device has one line), if the driver wants one
         (``Virtqueue.needs_interrupt``). Serving both queues per wake is what moderates a
         fast device: the answer to a tx frame (a TCP ACK the host wrote during the
-        ``writev``) is usually in the tap already and goes in under the frame's
+        ``writev``) is often in the tap already and goes in under the frame's
         interrupt. ``net_serve.rs`` serves a wake the same way."""
         if not self._usable() or self.memory is None:
             return
