@@ -5,9 +5,9 @@ One guest (the default image, 256 MiB) boots with a virtio-net device on a tap i
 network namespace of this process's own (the tap at 10.123.0.1/30, the guest at
 10.123.0.2). Then, alternating the device's paths (``--paths``, so every peer runs in
 the same guest on the same tap in one run): ``served`` (the native loop serves the
-queues and the tap without the GIL, ``VirtioNet.set_native_serve(True)``), ``native``
-(the Python device around the native frame paths, the default without
-``VMFORK_NATIVE_NET_SERVE=1``) and ``python`` (``VirtioNet.native_frames = False``), the guest sends ``--mib``
+queues and the tap without the GIL, ``VirtioNet.set_native_serve(True)``, the default),
+``native`` (the Python device around the native frame paths, what
+``VMFORK_NATIVE_NET_SERVE=0`` keeps) and ``python`` (``VirtioNet.native_frames = False``), the guest sends ``--mib``
 MiB over one TCP connection to a socket of this process (guest -> host: the device's tx
 path) and receives as much from it (host -> guest: the rx path), ``--reps`` times each.
 For every run: MiB/s from this process's clock (accept to end of stream, so the guest
@@ -25,7 +25,8 @@ paths of one run mean anything there).
 fd an AF_UNIX datagram socket pair (a frame per datagram, as on a tap), 128 chains per
 turn laid out as Linux lays them out (tx: the vnet header and the frame apart; rx: the
 header and ``--frame-bytes`` of room), each path in turn, alternating: ``_transmit``
-and ``_receive`` timed alone (the peer's sends and reads are not), frames/s and MiB/s.
+and ``_start_reading`` (the rx notification) timed alone (the peer's sends and reads are
+not), frames/s and MiB/s.
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ def main() -> None:
     from vmfork.runtime.guest import BootedGuest
     from vmfork.runtime.network import GuestNetwork
     from vmfork.vmm.devices.virtio.device import run_on_loop
+    from vmfork.vmm.devices.virtio.net import F_EVENT_IDX
     from vmfork.vmm.irq import IrqLine
 
     image = find_image()
@@ -223,6 +225,7 @@ def main() -> None:
                           f"I/O thread {io:.2f} s, frames tx {frames[0]} rx {frames[1]}, "
                           f"interrupts {irqs}", file=sys.stderr)
         counters = vars(device.counters)
+        event_idx = bool(device.acked_features & F_EVENT_IDX)
     directions = ("guest->host", "host->guest")
     rows = {}
     for path in paths:
@@ -243,7 +246,8 @@ def main() -> None:
     md = (f"# virtio-net: the device's paths\n\n{where()}; default image, "
           f"256 MiB guest, one TCP stream of {args.mib} MiB each way between the guest "
           f"and this process over a tap, {args.reps} runs per row, the paths "
-          "alternating in one guest.\n\n"
+          f"alternating in one guest; the driver "
+          f"{'acked' if event_idx else 'did not ack'} VIRTIO_RING_F_EVENT_IDX.\n\n"
           "| path | direction | MiB/s (median) | min | max | process CPU s | "
           "I/O thread CPU s | I/O thread CPU ms/MiB | tx frames | rx frames | interrupts |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|\n"
@@ -260,7 +264,8 @@ def main() -> None:
           + ", ".join(f"{k} {v:.2f}x" for k, v in io_cpu.items()) + "\n")
     write_results("net", {"mib": args.mib, "reps": args.reps, "paths": paths, "runs": runs,
                           "rows": rows, "throughput_ratios": ratios,
-                          "io_thread_cpu_ratios": io_cpu, "device_counters": counters}, md)
+                          "io_thread_cpu_ratios": io_cpu, "device_counters": counters,
+                          "event_idx": event_idx}, md)
 
 
 def driver_bench(args: argparse.Namespace) -> None:
@@ -334,8 +339,8 @@ def driver_bench(args: argparse.Namespace) -> None:
                     t0, c0 = time.perf_counter(), time.process_time()
                     if direction == "tx":
                         dev._transmit()
-                    else:
-                        dev._receive()
+                    else:   # the rx notification: the tap read again (a turn ends
+                        dev._start_reading()   # with no chains left, which stops it)
                     busy += time.perf_counter() - t0
                     cpu += time.process_time() - c0
                     if direction == "tx":

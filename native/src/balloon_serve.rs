@@ -317,6 +317,7 @@ impl BalloonQueues {
             desc: q.1,
             avail: q.2,
             used: q.3,
+            event_idx: false, // not offered: the balloon interrupts after every batch
         });
         Ok(BalloonQueues {
             server: Arc::new(BalloonServer {

@@ -226,6 +226,7 @@ impl BlkQueue {
                     desc,
                     avail,
                     used,
+                    event_idx: false, // not offered: blk interrupts after every batch
                 },
                 notify: notify_fd,
                 max_requests,

@@ -4,9 +4,9 @@
 //! serves the device, from its activation to its reset: what `net.py` does on a tx
 //! notification, an rx notification and a readable tap, without Python.
 //!
-//! * **Its fds.** The loop calls it for three: the tx queue's ioeventfd (drain it, send
-//!   at most `max_frames` chains), the rx queue's ioeventfd (drain it, watch the tap
-//!   again, receive) and the tap (receive). The ioeventfds are the transport's (it
+//! * **Its fds.** The loop calls it for three, each a wake (below): the tx queue's
+//!   ioeventfd (drained), the rx queue's ioeventfd (drained; the tap is watched again)
+//!   and the tap. The ioeventfds are the transport's (it
 //!   closes them); the tap is a duplicate of the device's, registered under the
 //!   duplicate's number, so the number the loop watches is this object's until
 //!   `close`.
@@ -19,13 +19,20 @@
 //!   keeps its reader; `LoopLink::watch` takes it out of the epoll set, since a readable
 //!   tap would otherwise wake the loop at every turn), and the rx notification watches
 //!   it again. Frames meanwhile wait in the tap's queue.
-//! * **Budget.** One wake serves at most `max_frames` chains (tx) or receive turns (rx).
+//! * **Budget.** One wake serves at most `max_frames` chains (tx) and receive turns (rx).
 //!   A tx run that used its budget re-arms by writing the tx ioeventfd (the rest is
 //!   served on a later turn, after the other ready fds); rx needs nothing, the tap being
 //!   level-triggered and still readable.
-//! * **Interrupt.** A wake that put chains on a used ring sets InterruptStatus for the
-//!   activation's epoch (`Registers::raise`, so a reset in between drops it) and writes
-//!   the irqfd, as the transport's `trigger` does.
+//! * **Both queues per wake, one interrupt per wake, and only if the driver wants it.**
+//!   Whatever woke it (a tx or rx notification, the tap), a wake serves the tx queue,
+//!   then the rx queue while the tap is watched (`net.py`'s `_wake`, the same). A wake
+//!   that put chains on a used ring asks `virtq::needs_interrupt` (EVENT_IDX's `used_event`
+//!   against the used index before and after the wake, or the NO_INTERRUPT flag) and
+//!   only then sets InterruptStatus for the activation's epoch (`Registers::raise`, so a
+//!   reset in between drops it) and writes the irqfd, as the transport's `trigger` does.
+//!   With EVENT_IDX the driver's kicks are moderated too: a queue found empty asks for
+//!   a kick at its next chain (`virtq::pop`), and no kick is asked for while a wake is
+//!   still popping.
 //! * **What goes to Python** (`on_report(fault, refused, read_error)`, with the GIL, on
 //!   the loop thread after the turn's native work): a guest fault (the server stops,
 //!   stops watching the tap, and Python sets DEVICE_NEEDS_RESET), a failed tap read (to
@@ -50,7 +57,7 @@ use crate::mmio_py::MmioRegisters;
 use crate::net::{self, Counters, RxStop};
 use crate::rng_serve::{dup, write_eventfd};
 use crate::virtio_py::GuestRam;
-use crate::virtq::{QueueError, Rings};
+use crate::virtq::{self, QueueError, Rings};
 
 const RX_QUEUE: u32 = 0;
 const TX_QUEUE: u32 = 1;
@@ -154,7 +161,12 @@ impl NetServer {
         }
     }
 
-    /// One wake (any thread; the loop thread calls it without the GIL).
+    /// One wake (any thread; the loop thread calls it without the GIL), whatever woke
+    /// it: the tx queue, then the rx queue while the tap is watched, then at most one
+    /// interrupt for both (the device has one line), if the driver wants one. Serving
+    /// both queues per wake is the moderation that counts with a fast device: a tx
+    /// frame's answer (a TCP ACK the host wrote during the `writev`) is often in the
+    /// tap already, and goes in under the same interrupt as the frame's completion.
     fn serve(&self, work: Work) -> Report {
         let mut report = Report::default();
         let mut st = lock(&self.state);
@@ -177,70 +189,67 @@ impl NetServer {
             self.watch(&mut st, false);
             return report;
         };
-        let used = match work {
-            Work::Tx => {
-                let s = net::transmit(
-                    &ram,
-                    &self.tx,
-                    st.tx_avail,
-                    st.tx_used,
-                    tap,
-                    self.max_frames,
-                    self.max_tx_bytes,
-                );
-                drop(ram);
-                (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
-                add(&mut st.counters, &s.counters);
-                if self.log_refused {
-                    report.refused = s.refused;
-                }
-                report.fault = s.error;
-                if report.fault.is_none() && s.chains == self.max_frames {
-                    match &st.tx_rearm {
-                        Some(fd) => write_eventfd(fd.as_raw_fd()),
-                        None => report.rearm = true,
-                    }
-                }
-                s.chains > 0
-            }
-            Work::RxNotify | Work::TapReadable => {
-                let Some(tap) = tap else {
-                    return report; // no tap: nothing is ever received
-                };
-                let r = net::receive(
-                    &ram,
-                    &self.rx,
-                    st.rx_avail,
-                    st.rx_used,
-                    tap,
-                    self.max_frames,
-                );
-                drop(ram);
-                (st.rx_avail, st.rx_used) = (r.next_avail, r.next_used);
-                add(&mut st.counters, &r.counters);
-                report.fault = r.error;
-                if report.fault.is_none() {
-                    match r.stop {
-                        // Until the driver posts buffers (its rx notification).
-                        RxStop::NoBuffers => self.watch(&mut st, false),
-                        // Not the guest's doing: stop rather than spin on an fd that
-                        // keeps failing; the next rx notification tries again.
-                        RxStop::Failed(errno) => {
-                            self.watch(&mut st, false);
-                            report.read_error = Some(errno);
-                        }
-                        RxStop::Drained | RxStop::Budget => {}
-                    }
-                }
-                r.delivered > 0
-            }
-        };
+        let (tx_old, rx_old) = (st.tx_used, st.rx_used);
+        let s = net::transmit(
+            &ram,
+            &self.tx,
+            st.tx_avail,
+            st.tx_used,
+            tap,
+            self.max_frames,
+            self.max_tx_bytes,
+        );
+        (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
+        add(&mut st.counters, &s.counters);
+        if self.log_refused {
+            report.refused = s.refused;
+        }
+        report.fault = s.error;
+        let budget_spent = report.fault.is_none() && s.chains == self.max_frames;
+        let mut rx_stop = None;
+        if let (None, true, Some(tap)) = (&report.fault, st.watched, tap) {
+            let r = net::receive(
+                &ram,
+                &self.rx,
+                st.rx_avail,
+                st.rx_used,
+                tap,
+                self.max_frames,
+            );
+            (st.rx_avail, st.rx_used) = (r.next_avail, r.next_used);
+            add(&mut st.counters, &r.counters);
+            report.fault = r.error;
+            rx_stop = Some(r.stop);
+        }
+        // A failed read of the guest's word (RAM going away) interrupts: a spurious
+        // interrupt costs a look, a lost one a stall.
+        let wanted = report.fault.is_none()
+            && (virtq::needs_interrupt(&ram, &self.tx, tx_old, st.tx_used).unwrap_or(true)
+                || virtq::needs_interrupt(&ram, &self.rx, rx_old, st.rx_used).unwrap_or(true));
+        drop(ram);
         if report.fault.is_some() {
             st.failed = true;
             self.watch(&mut st, false);
             return report;
         }
-        if used && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+        if budget_spent {
+            match &st.tx_rearm {
+                Some(fd) => write_eventfd(fd.as_raw_fd()),
+                None => report.rearm = true,
+            }
+        }
+        match rx_stop {
+            // Until the driver posts buffers (its rx notification).
+            Some(RxStop::NoBuffers) => self.watch(&mut st, false),
+            // Not the guest's doing: stop rather than spin on an fd that keeps failing;
+            // the next rx notification tries again.
+            Some(RxStop::Failed(errno)) => {
+                self.watch(&mut st, false);
+                report.read_error = Some(errno);
+            }
+            Some(RxStop::Drained | RxStop::Budget) | None => {}
+        }
+        if wanted && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
             if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
                 st.interrupts += 1;
                 write_eventfd(irq);
@@ -316,10 +325,12 @@ impl NetQueues {
     /// `rx` and `tx` are queues checked by `Virtqueue.validate`; `irq_fd` the
     /// interrupt's eventfd, `tap_fd` the device's tap (None: none), `rx_notify_fd` and
     /// `tx_notify_fd` the queues' ioeventfds (None without ioeventfds); the irqfd, the
-    /// tap and the tx ioeventfd are duplicated.
+    /// tap and the tx ioeventfd are duplicated; `event_idx`: the driver acked
+    /// VIRTIO_RING_F_EVENT_IDX (`virtq::pop`, `virtq::needs_interrupt`).
     #[new]
     #[pyo3(signature = (ram, registers, epoch, rx, tx, irq_fd, tap_fd, rx_notify_fd,
-                        tx_notify_fd, max_frames, max_tx_bytes, log_refused, on_report))]
+                        tx_notify_fd, max_frames, max_tx_bytes, log_refused, on_report,
+                        event_idx = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         ram: Py<GuestRam>,
@@ -335,6 +346,7 @@ impl NetQueues {
         max_tx_bytes: u64,
         log_refused: bool,
         on_report: Py<PyAny>,
+        event_idx: bool,
     ) -> PyResult<Self> {
         check_queue("rx", rx.0)?;
         check_queue("tx", tx.0)?;
@@ -349,6 +361,7 @@ impl NetQueues {
             desc: q.1,
             avail: q.2,
             used: q.3,
+            event_idx,
         };
         Ok(NetQueues {
             server: Arc::new(NetServer {

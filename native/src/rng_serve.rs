@@ -222,6 +222,7 @@ impl RngQueue {
                     desc,
                     avail,
                     used,
+                    event_idx: false, // not offered: rng interrupts after every batch
                 },
                 irq: dup(irq_fd)?,
                 notify,

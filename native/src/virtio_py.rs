@@ -82,6 +82,7 @@ impl GuestRam {
             desc,
             avail,
             used,
+            event_idx: false,
         }
     }
 }
@@ -130,7 +131,11 @@ impl GuestRam {
         })
     }
 
-    /// The chain at `next_avail`: None, or (head, readable, writable).
+    /// The chain at `next_avail`: None, or (head, readable, writable). With
+    /// `event_idx`, an empty ring gets `avail_event` (in the used ring at `used`) set to
+    /// `next_avail` and is looked at again (`virtq::pop`).
+    #[pyo3(signature = (size, desc, avail, next_avail, used = 0, event_idx = false))]
+    #[allow(clippy::too_many_arguments)]
     fn pop(
         &self,
         py: Python<'_>,
@@ -138,10 +143,14 @@ impl GuestRam {
         desc: u64,
         avail: u64,
         next_avail: u16,
+        used: u64,
+        event_idx: bool,
     ) -> PyResult<Option<(u16, Segments, Segments)>> {
-        let chain = self.with(py, |ram| {
-            virtq::pop(ram, &Self::rings(size, desc, avail, 0), next_avail)
-        })?;
+        let rings = Rings {
+            event_idx,
+            ..Self::rings(size, desc, avail, used)
+        };
+        let chain = self.with(py, |ram| virtq::pop(ram, &rings, next_avail))?;
         Ok(chain.map(
             |Chain {
                  head,
@@ -149,6 +158,27 @@ impl GuestRam {
                  writable,
              }| (head, readable, writable),
         ))
+    }
+
+    /// Whether the driver wants an interrupt for a batch that moved the used index
+    /// from `old_used` to `new_used` (`virtq::needs_interrupt`: `used_event` with
+    /// `event_idx`, else the avail ring's NO_INTERRUPT flag).
+    fn needs_interrupt(
+        &self,
+        py: Python<'_>,
+        size: u16,
+        avail: u64,
+        old_used: u16,
+        new_used: u16,
+        event_idx: bool,
+    ) -> PyResult<bool> {
+        let rings = Rings {
+            event_idx,
+            ..Self::rings(size, 0, avail, 0)
+        };
+        self.with(py, |ram| {
+            virtq::needs_interrupt(ram, &rings, old_used, new_used)
+        })
     }
 
     /// Return `head` to the driver with `written` bytes; returns the new next_used.
@@ -244,7 +274,10 @@ impl GuestRam {
     /// most the vnet header or over `max_tx_bytes` dropped. Returns (next_avail,
     /// next_used, chains used, the counters' increments as (name, n), (frame length,
     /// errno) of each frame the tap refused, the guest fault that ended the call or
-    /// None), the fault returned, not raised, as `serve_blk`'s.
+    /// None), the fault returned, not raised, as `serve_blk`'s. With `event_idx`, a ring
+    /// found empty asks the driver for a kick at the next chain (`virtq::pop`).
+    #[pyo3(signature = (size, desc, avail, used, next_avail, next_used, fd, max_frames,
+                        max_tx_bytes, event_idx = false))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn net_tx(
         &self,
@@ -258,6 +291,7 @@ impl GuestRam {
         fd: i32,
         max_frames: u32,
         max_tx_bytes: u64,
+        event_idx: bool,
     ) -> PyResult<(
         u16,
         u16,
@@ -266,7 +300,10 @@ impl GuestRam {
         Vec<(u64, i32)>,
         Option<Py<PyAny>>,
     )> {
-        let rings = Self::rings(size, desc, avail, used);
+        let rings = Rings {
+            event_idx,
+            ..Self::rings(size, desc, avail, used)
+        };
         // The lock is dropped at the end of the arm, before any Python error is built.
         let s = match self.ram.lock() {
             Ok(ram) => net::transmit(
@@ -301,7 +338,10 @@ impl GuestRam {
     /// from the tap `fd` straight into the next rx chain. Returns (next_avail,
     /// next_used, frames delivered, the counters' increments as (name, n), why it
     /// stopped: "drained", "no_buffers", "budget" or the errno of a failed read, the
-    /// guest fault that ended the call or None).
+    /// guest fault that ended the call or None). With `event_idx`, a ring found empty
+    /// asks the driver for a kick at the next chain (`virtq::pop`).
+    #[pyo3(signature = (size, desc, avail, used, next_avail, next_used, fd, max_frames,
+                        event_idx = false))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn net_rx(
         &self,
@@ -314,6 +354,7 @@ impl GuestRam {
         next_used: u16,
         fd: i32,
         max_frames: u32,
+        event_idx: bool,
     ) -> PyResult<(
         u16,
         u16,
@@ -322,7 +363,10 @@ impl GuestRam {
         Py<PyAny>,
         Option<Py<PyAny>>,
     )> {
-        let rings = Self::rings(size, desc, avail, used);
+        let rings = Rings {
+            event_idx,
+            ..Self::rings(size, desc, avail, used)
+        };
         let s = match self.ram.lock() {
             Ok(ram) => net::receive(&ram, &rings, next_avail, next_used, fd, max_frames),
             Err(e) => return Err(py_error(py, e.into())),

@@ -19,9 +19,24 @@
 //! and its `Queue` wants `vm-memory`'s `GuestMemory` (see guest_ram.rs). The walk is
 //! sixty lines against that contract, fuzzed here (native/fuzz).
 //!
+//! Notification suppression (VIRTIO_RING_F_EVENT_IDX, 2.7.7/2.7.10), where the device
+//! negotiated it (`Rings::event_idx`; virtio-net only): `pop` finding the ring empty
+//! publishes `avail_event` (the used ring's trailing u16) as its `next_avail`, so the
+//! driver kicks for the next chain and not for the ones it adds while the device is
+//! still popping, then looks again; `needs_interrupt` says whether a batch that moved
+//! the used index from `old` to `new` crossed the driver's `used_event` (the avail ring's
+//! trailing u16), or, without EVENT_IDX, whether the driver left VRING_AVAIL_F_NO_INTERRUPT
+//! clear. Both words are read once per decision (the guest may change them any time; a
+//! guest that never lets an interrupt through only starves itself).
+//!
 //! Ordering: x86 is TSO, so program order is the order the spec asks for (the avail
 //! index before the ring entries it covers; used elements before the used index);
-//! the fences below compile to nothing on x86 and keep the compiler from reordering.
+//! the Acquire/Release fences below compile to nothing on x86 and keep the compiler
+//! from reordering. The two suppression protocols need a store before a load, which
+//! TSO does reorder (the store buffer): the used index before `used_event` (else the
+//! driver re-enabling interrupts between the two sees the old index, we the old event:
+//! a lost interrupt) and `avail_event` before the avail index (else a lost kick); those
+//! are SeqCst fences (`mfence`), as Linux's `virtio_mb`.
 
 use std::sync::atomic::{fence, Ordering};
 
@@ -31,6 +46,8 @@ pub const DESC_SIZE: u64 = 16;
 pub const F_NEXT: u16 = 1;
 pub const F_WRITE: u16 = 2;
 pub const F_INDIRECT: u16 = 4;
+/// The avail ring's flag asking for no interrupts (honoured only without EVENT_IDX).
+pub const AVAIL_F_NO_INTERRUPT: u16 = 1;
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum QueueError {
@@ -57,6 +74,8 @@ pub struct Rings {
     pub desc: u64,
     pub avail: u64,
     pub used: u64,
+    /// VIRTIO_RING_F_EVENT_IDX was negotiated: `used_event` and `avail_event` are live.
+    pub event_idx: bool,
 }
 
 /// One available chain: its head and its buffers, readable ones first; every
@@ -112,11 +131,21 @@ pub fn pending(ram: &Ram<'_>, rings: &Rings, next_avail: u16) -> Result<u16, Que
     Ok(ahead)
 }
 
-/// The chain at `next_avail`, or `None` if the driver offered none. The caller
-/// advances its `next_avail` on `Some`.
+/// The chain at `next_avail`, or `None` if the driver offered none (with EVENT_IDX,
+/// having asked for a kick at the next one: `avail_event` is set to `next_avail` and the
+/// ring looked at again, so a chain added before the driver could see the request is
+/// popped now, not left waiting for a kick that will not come). The caller advances
+/// its `next_avail` on `Some`.
 pub fn pop(ram: &Ram<'_>, rings: &Rings, next_avail: u16) -> Result<Option<Chain>, QueueError> {
     if pending(ram, rings, next_avail)? == 0 {
-        return Ok(None);
+        if !rings.event_idx {
+            return Ok(None);
+        }
+        ram.write_u16(rings.used + 4 + 8 * u64::from(rings.size), next_avail)?;
+        fence(Ordering::SeqCst); // avail_event above before the avail index below
+        if pending(ram, rings, next_avail)? == 0 {
+            return Ok(None);
+        }
     }
     fence(Ordering::Acquire); // the index above before the entry below
     let slot = u64::from(next_avail % rings.size);
@@ -197,6 +226,34 @@ pub fn add_used(
     let next = next_used.wrapping_add(1);
     ram.write_u16(rings.used + 2, next)?;
     Ok(next)
+}
+
+/// Whether the driver wants an interrupt for a batch that moved the used index from
+/// `old_used` to `new_used` (the index of the last batch checked and this one's; equal:
+/// nothing to signal). With EVENT_IDX: whether the batch crossed `used_event`
+/// (`vring_need_event`); without: whether VRING_AVAIL_F_NO_INTERRUPT is clear.
+pub fn needs_interrupt(
+    ram: &Ram<'_>,
+    rings: &Rings,
+    old_used: u16,
+    new_used: u16,
+) -> Result<bool, QueueError> {
+    if old_used == new_used {
+        return Ok(false);
+    }
+    fence(Ordering::SeqCst); // the used index the caller stored before the word below
+    if rings.event_idx {
+        let used_event = ram.read_u16(rings.avail + 4 + 2 * u64::from(rings.size))?;
+        Ok(need_event(used_event, new_used, old_used))
+    } else {
+        let flags = ram.read_u16(rings.avail)?;
+        Ok(flags & AVAIL_F_NO_INTERRUPT == 0)
+    }
+}
+
+/// `vring_need_event`: whether `event` lies in `[old, new)`, modulo 2^16.
+pub fn need_event(event: u16, new: u16, old: u16) -> bool {
+    new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
 }
 
 /// Total bytes of segments (u64: 256 x 4 GiB does not fit a u32).
@@ -309,6 +366,7 @@ pub(crate) mod test_rings {
         desc: DESC,
         avail: AVAIL,
         used: USED,
+        event_idx: false,
     };
 
     pub fn ram(buf: &mut [u8]) -> GuestRam {
@@ -363,5 +421,38 @@ mod tests {
         assert_eq!(add_used(&r, &RINGS, 0xFFFF, 3, 6).unwrap(), 0);
         assert_eq!(r.read_u16(USED + 2).unwrap(), 0);
         assert_eq!(r.read_u32(USED + 4 + 8 * 7).unwrap(), 3);
+    }
+
+    #[test]
+    fn event_idx_asks_for_the_next_kick_and_interrupts_at_used_event() {
+        let mut buf = vec![0u8; 0x10000];
+        let g = ram(&mut buf);
+        let r = g.lock().unwrap();
+        let rings = Rings {
+            event_idx: true,
+            ..RINGS
+        };
+        let avail_event = USED + 4 + 8 * 8;
+        let used_event = AVAIL + 4 + 2 * 8;
+        r.write_u16(avail_event, 0xBEEF).unwrap();
+        r.write_u16(AVAIL + 2, 5).unwrap();
+        assert_eq!(pop(&r, &RINGS, 5).unwrap(), None);
+        assert_eq!(r.read_u16(avail_event).unwrap(), 0xBEEF); // not negotiated: untouched
+        assert_eq!(pop(&r, &rings, 5).unwrap(), None);
+        assert_eq!(r.read_u16(avail_event).unwrap(), 5);
+        // used_event 7: a batch 5 -> 7 does not cross it, 7 -> 8 does, so does 6 -> 9.
+        r.write_u16(used_event, 7).unwrap();
+        assert!(!needs_interrupt(&r, &rings, 5, 7).unwrap());
+        assert!(needs_interrupt(&r, &rings, 7, 8).unwrap());
+        assert!(needs_interrupt(&r, &rings, 6, 9).unwrap());
+        assert!(!needs_interrupt(&r, &rings, 8, 8).unwrap());
+        // Across the wrap: used_event 0xFFFF crossed by 0xFFFE -> 0x0001.
+        r.write_u16(used_event, 0xFFFF).unwrap();
+        assert!(needs_interrupt(&r, &rings, 0xFFFE, 1).unwrap());
+        // Without EVENT_IDX the avail ring's NO_INTERRUPT flag decides.
+        r.write_u16(AVAIL, AVAIL_F_NO_INTERRUPT).unwrap();
+        assert!(!needs_interrupt(&r, &RINGS, 0, 1).unwrap());
+        r.write_u16(AVAIL, 0).unwrap();
+        assert!(needs_interrupt(&r, &RINGS, 0, 1).unwrap());
     }
 }

@@ -1516,6 +1516,7 @@ impl VsockServe {
             desc: q.1,
             avail: q.2,
             used: q.3,
+            event_idx: false, // not offered: vsock interrupts after every batch
         };
         let att = Arc::new(Attached {
             ram,

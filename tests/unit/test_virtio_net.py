@@ -3,10 +3,10 @@ in a private network namespace on the other (an AF_PACKET socket on the tap
 plays the host's network), a real I/O thread in between.
 
 Every test that moves frames runs on three paths: the device served natively on the
-loop without the GIL (``native/src/net_serve.rs``, what a native build takes: the
-queues' ioeventfds are written as KVM writes them, and every Python path of the device
-is made unreachable), the native frame paths (``native/src/net.rs``) entered from the
-Python device (the default, ``VMFORK_NATIVE_NET_SERVE`` unset; their Python twins made
+loop without the GIL (``native/src/net_serve.rs``, what a native build takes by default:
+the queues' ioeventfds are written as KVM writes them, and every Python path of the
+device is made unreachable), the native frame paths (``native/src/net.rs``) entered from
+the Python device (``VMFORK_NATIVE_NET_SERVE=0``; their Python twins made
 unreachable) and the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without its
 native view).
 ``test_virtio_net_native.py`` holds them to each other."""
@@ -377,6 +377,7 @@ def test_state_round_trip_restores_a_working_device(env: NetEnv, loop: EventLoop
     try:
         assert clone.mac == net.parse_mac(GUEST_MAC), "the MAC comes from the snapshot"
         assert clone.serving_natively == served
+        assert not any(q.event_idx for q in clone.queues), "not acked, not used"
         sent = frame(b"after restore", src=PEER_MAC)
         env.wire.send(sent)
         assert env.received(1) == [sent], "rx buffers posted before the snapshot are used"
@@ -452,6 +453,55 @@ def test_every_interrupt_is_counted(loop: EventLoop, netns: PrivateNet,  # noqa:
         run_on_loop(loop, lambda: None)
         written = os.eventfd_read(env.irq.fd)
         assert written >= 2 and env.irq.count == written
+    finally:
+        env.close()
+
+
+def test_event_idx_moderates_interrupts_and_kicks_and_is_restored(
+        loop: EventLoop, netns: PrivateNet, frame_path: str) -> None:  # noqa: F811
+    """With VIRTIO_RING_F_EVENT_IDX acked, a batch interrupts only when it moves the used
+    index across the driver's ``used_event``, a ring found empty asks for the next kick
+    (``avail_event``), and a snapshot restores the device with the feature in use."""
+    netns.run(_no_ipv6)
+    env = NetEnv(loop, netns, features=ACKED | net.F_EVENT_IDX, path=frame_path)
+    served = frame_path == "served"
+    tx_avail_event = env.tx.used + 4 + 8 * env.tx.size
+    try:
+        assert env.wire is not None
+        env.memory.write_u16(env.tx.avail + 4 + 2 * env.tx.size, 2)   # after the third
+        env.memory.write_u16(env.rx.avail + 4 + 2 * env.rx.size, 0x8000)   # rx: none
+        counts = []
+        for i in range(4):
+            env.send(b"out %d" % i)
+            assert env.wire.recv(4096) == frame(b"out %d" % i)
+            wait_until(lambda i=i: env.tx.used_idx() == i + 1, what="the tx chain used")
+            run_on_loop(loop, lambda: None)   # the wake's interrupt decision is made
+            counts.append(env.irq.count)
+            assert env.memory.read_u16(tx_avail_event) == i + 1, "the next kick asked for"
+        assert counts == [0, 0, 1, 1]
+
+        saved = run_on_loop(loop, lambda: (env.dev.save(), env.transport.save()))
+        assert saved[1].driver_features & net.F_EVENT_IDX
+        env.transport.reset()
+        run_on_loop(loop, lambda: None)
+        env.memory.write_u16(tx_avail_event, 0)
+        clone = net.VirtioNet(loop, net.parse_mac(GUEST_MAC), None, native_serve=served)
+        clone.restore(saved[0])
+        kicks: list[int] = []
+        transport = mmio.MmioTransport(clone, env.memory, env.irq, loop, register_ioeventfd=(
+            (lambda off, dm, fd: kicks.append(fd)) if served else None))
+        transport.restore(saved[1])
+        run_on_loop(loop, lambda: None)
+        try:
+            assert clone.serving_natively == served
+            assert all(q.event_idx for q in clone.queues)
+            # The activation's catch-up found the tx ring empty and asked for a kick.
+            assert env.memory.read_u16(tx_avail_event) == 4
+        finally:
+            transport.reset()
+            transport.close()
+            clone.close()
+            run_on_loop(loop, lambda: None)
     finally:
         env.close()
 

@@ -6,7 +6,9 @@ and arbitrary ones; buffers in the hole between the RAM regions, across a region
 over the rings; write-only descriptors where a frame is read and read-only ones where
 one is written; rx chains too short for the vnet header; frames over the size limit or
 no longer than the header; descriptor links, flags and lengths overwritten, loops
-included; the avail index run ahead) are driven through both paths, each over its own
+included; the avail index run ahead; with EVENT_IDX negotiated or not, the driver's
+``used_event`` anywhere and moved between calls, the avail ring's flags any value) are
+driven through both paths, each over its own
 real guest memory and its own real fd, by the same sequence of device entries
 and of frames the host side sends in between, as the loop would deliver them: a tx
 notification, an rx notification, a readable tap (only while the device watches it).
@@ -16,7 +18,7 @@ server (``_core.NetQueues``, driven through ``serve_ready`` for the fd the loop 
 readable: the queues' ioeventfds, the tap). All must leave the same guest memory (used
 rings, ``num_buffers``, frame bytes), the same frames on the host side of the fd, the
 same counters, queue indices, interrupts, re-arms, reader state, log lines and guest
-fault, call for call.
+fault, call for call (``avail_event``, which the device writes, is in the memory).
 
 The fd is real every time: a real tap in a private network namespace (an AF_PACKET
 socket on it plays the host's network; the host kernel validates each vnet header),
@@ -123,9 +125,12 @@ def host_frame(draw: st.DrawFn) -> bytes:
 # tap found readable (served only while the device watches it), "rx_notify" the
 # driver's rx notification (which watches it again).
 sends = st.tuples(st.just("send"), st.lists(host_frame(), min_size=1, max_size=6))
+# The driver moving a queue's used_event (EVENT_IDX: where it wants its next interrupt).
+moves = st.tuples(st.just("used_event"), st.sampled_from([net.RX_QUEUE, net.TX_QUEUE]),
+                  st.one_of(st.integers(0, 20), st.integers(0, 0xFFFF)))
 op = st.one_of(st.just([("tx",)]), st.just([("rx",)]), st.just([("rx_notify",)]),
                sends.map(lambda s: [s]), sends.map(lambda s: [s, ("rx",)]),
-               sends.map(lambda s: [s, ("rx",)]))
+               sends.map(lambda s: [s, ("rx",)]), moves.map(lambda m: [m]))
 
 
 def make_queue(mem: CountingMemory, index: int) -> Virtqueue:
@@ -170,6 +175,8 @@ def lay_out(mem: CountingMemory, layout: BufferLayout, index: int, spec: dict[st
     for k, head in enumerate(heads):
         mem.write_u16(avail + 4 + 2 * k, head)
     mem.write_u16(avail + 2, len(heads) + spec["avail_jump"])
+    mem.write_u16(avail, spec["avail_flags"])
+    mem.write_u16(avail + 4 + 2 * QSIZE, spec["used_event"])
 
 
 class Line:
@@ -221,6 +228,10 @@ class ServedLine(Line):
         """The driver notifies queue ``index``, the loop serves it; the tx re-arms."""
         os.eventfd_write(self.kicks[index], 1)
         server.serve_ready(self.kicks[index])
+        return self.rearmed()
+
+    def rearmed(self) -> int:
+        """Whether the last wake re-armed the tx queue (wrote its ioeventfd)."""
         try:
             return int(os.eventfd_read(self.kicks[net.TX_QUEUE]) > 0)
         except BlockingIOError:
@@ -369,6 +380,8 @@ def run_path(backend: str, spec: dict[str, Any],
         dev = net.VirtioNet(loop, net.parse_mac("52:54:00:12:34:56"), host.device_fd,
                             native_serve=backend == "served")
         queues = [make_queue(mem, net.RX_QUEUE), make_queue(mem, net.TX_QUEUE)]
+        for q in queues:   # as activate does from the acked features
+            q.event_idx = spec["event_idx"]
         layout = BufferLayout(RINGS[net.TX_QUEUE][0])
         lay_out(mem, layout, net.RX_QUEUE, spec["rx"])
         lay_out(mem, layout, net.TX_QUEUE, spec["tx"])
@@ -389,6 +402,9 @@ def run_path(backend: str, spec: dict[str, Any],
             if step[0] == "send":
                 steps.append([host.send(f) for f in step[1]])
                 continue
+            if step[0] == "used_event":
+                mem.write_u16(RINGS[step[1]][1] + 4 + 2 * QSIZE, step[2])
+                continue
             if served is not None:
                 before = server.interrupts
                 rearmed = 0
@@ -398,6 +414,7 @@ def run_path(backend: str, spec: dict[str, Any],
                     rearmed = served.kick(server, net.RX_QUEUE)
                 elif server.tap_fd is not None and server.watched:
                     server.serve_ready(server.tap_fd)
+                    rearmed = served.rearmed()
                 if served.fault is not None:
                     steps.append((type(served.fault).__name__, str(served.fault)))
                     break
@@ -443,6 +460,8 @@ def queue_spec(writable: bool) -> st.SearchStrategy[dict[str, Any]]:
             st.tuples(st.integers(0, QSIZE - 1), st.integers(0, 2),
                       st.integers(0, 0xFFFF_FFFF)), max_size=3)),
         "avail_jump": st.sampled_from([0] * 8 + [QSIZE + 1, -1]),
+        "avail_flags": st.sampled_from([0, 0, 0, 1, 0xFFFF]),   # NO_INTERRUPT is bit 0
+        "used_event": st.one_of(st.integers(0, 20), st.integers(0, 0xFFFF)),
     }))
 
 
@@ -453,15 +472,16 @@ def queue_spec(writable: bool) -> st.SearchStrategy[dict[str, Any]]:
        ops=st.lists(op, min_size=1, max_size=5).map(lambda ops: sum(ops, [])),
        fd_kind=st.sampled_from(FD_KINDS),
        max_frames=st.sampled_from([256, 1, 2, 3]),
-       max_tx_bytes=st.sampled_from([net.MAX_TX_BYTES, 100, 2000]))
+       max_tx_bytes=st.sampled_from([net.MAX_TX_BYTES, 100, 2000]),
+       event_idx=st.booleans())
 def test_native_and_python_move_frames_alike(
         monkeypatch: pytest.MonkeyPatch,
         tap_host: tuple[int, socket.socket, socket.socket], rx: dict[str, Any],
         tx: dict[str, Any], ops: list[Any], fd_kind: str, max_frames: int,
-        max_tx_bytes: int) -> None:
+        max_tx_bytes: int, event_idx: bool) -> None:
     monkeypatch.setattr(net, "MAX_FRAMES_PER_RUN", max_frames)
     monkeypatch.setattr(net, "MAX_TX_BYTES", max_tx_bytes)
-    spec = {"rx": rx, "tx": tx, "ops": ops, "fd_kind": fd_kind}
+    spec = {"rx": rx, "tx": tx, "ops": ops, "fd_kind": fd_kind, "event_idx": event_idx}
     tap = tap_host if fd_kind == "tap" else None
     python = run_path("python", spec, tap)
     native = run_path("native", spec, tap)
@@ -504,14 +524,16 @@ def test_the_native_path_is_the_one_a_native_build_takes() -> None:
         frame = bytes(12) + b"to the host"
         lay_out(mem, layout, net.TX_QUEUE, {"chains": [[(False, len(frame), "low")]],
                                             "frames": [(frame[:12], frame[12:])],
-                                            "corruptions": [], "avail_jump": 0})
+                                            "corruptions": [], "avail_jump": 0,
+                                            "avail_flags": 0, "used_event": 0})
         lay_out(mem, layout, net.RX_QUEUE, {"chains": [[(True, 100, "high")]],
                                             "frames": [(b"", b"")], "corruptions": [],
-                                            "avail_jump": 0})
+                                            "avail_jump": 0, "avail_flags": 0,
+                                            "used_event": 0})
         dev._transmit()
         assert peer.recv(4096) == frame
         peer.send(bytes(12) + b"to the guest")
-        dev._receive()
+        dev._start_reading()   # the rx notification
         assert line.triggered == 2
         assert (dev.counters.tx_frames, dev.counters.rx_frames) == (1, 1)
         assert struct.unpack("<HHII", mem.read(RINGS[net.RX_QUEUE][2], 12)) == (0, 1, 0, 24)

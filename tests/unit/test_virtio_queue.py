@@ -19,6 +19,7 @@ from vmfork.vmm.devices.virtio.queue import (
     VIRTQ_DESC_F_INDIRECT,
     VIRTQ_DESC_F_NEXT,
     VIRTQ_DESC_F_WRITE,
+    VRING_AVAIL_F_NO_INTERRUPT,
     QueueState,
     Virtqueue,
 )
@@ -115,6 +116,76 @@ def test_pop_exposes_readable_then_writable_segments(mem: CountingMemory) -> Non
     assert q.pop(mem) is None
     q.add_used(mem, chain.head, 10)
     assert struct.unpack("<HHII", mem.read(USED, 12)) == (0, 1, 2, 10)
+
+
+def avail_event(size: int = 8) -> int:
+    return USED + 4 + 8 * size
+
+
+def used_event(size: int = 8) -> int:
+    return AVAIL + 4 + 2 * size
+
+
+def test_an_empty_pop_asks_for_the_next_kick_only_with_event_idx(mem: CountingMemory) -> None:
+    q = make_queue(mem)
+    put_desc(mem, 0, 0x8000, 1)
+    mem.write_u16(avail_event(), 0xBEEF)
+    offer(mem, 0, 0)
+    assert q.pop(mem) is not None and q.pop(mem) is not None
+    assert q.pop(mem) is None
+    assert mem.read_u16(avail_event()) == 0xBEEF   # not negotiated: the word is the guest's
+    q.event_idx = True
+    assert q.pop(mem) is None
+    assert mem.read_u16(avail_event()) == 2
+    # While chains are there, pops leave it alone: no kicks for chains being popped.
+    offer(mem, 0, 0, start=2)
+    mem.write_u16(avail_event(), 7)
+    assert q.pop(mem) is not None
+    assert mem.read_u16(avail_event()) == 7
+    assert q.pop(mem) is not None and q.pop(mem) is None
+    assert mem.read_u16(avail_event()) == 4
+
+
+class RacingMemory(CountingMemory):
+    """A guest that offers a chain just as the device publishes ``avail_event``, before
+    it could see the request: it will not kick for that chain."""
+
+    raced = False
+
+    def write_u16(self, gpa: int, value: int) -> None:
+        super().write_u16(gpa, value)
+        if gpa == avail_event() and not self.raced:
+            self.raced = True
+            offer(self, 0, start=value)
+
+
+def test_an_empty_pop_looks_again_after_asking_for_a_kick() -> None:
+    mem = RacingMemory("python")
+    q = make_queue(mem)
+    q.event_idx = True
+    put_desc(mem, 0, 0x8000, 1)
+    chain = q.pop(mem)
+    assert mem.raced and chain is not None and chain.head == 0 and q.next_avail == 1
+
+
+def test_interrupts_follow_used_event_or_the_no_interrupt_flag(mem: CountingMemory) -> None:
+    q = make_queue(mem)
+    q.next_used = 5
+    assert not q.needs_interrupt(mem, 5)   # nothing used: nothing to signal
+    q.next_used = 7
+    assert q.needs_interrupt(mem, 5)
+    mem.write_u16(AVAIL, VRING_AVAIL_F_NO_INTERRUPT)
+    assert not q.needs_interrupt(mem, 5)
+    mem.write_u16(used_event(), 9)
+    q.event_idx = True   # the flag means nothing now; used_event decides
+    assert not q.needs_interrupt(mem, 5)   # 5 -> 7 does not cross 9
+    q.next_used = 10
+    assert q.needs_interrupt(mem, 7)       # 7 -> 10 does
+    assert not q.needs_interrupt(mem, 10)
+    mem.write_u16(used_event(), 0xFFFF)
+    q.next_used = 1
+    assert q.needs_interrupt(mem, 0xFFFE)  # across the wrap
+    assert not q.needs_interrupt(mem, 0)
 
 
 def test_indices_wrap_at_16_bits(mem: CountingMemory) -> None:
@@ -254,11 +325,16 @@ def test_hostile_descriptor_tables_fail_only_as_guest_errors(
 
 def _outcomes(mem: CountingMemory, size: int, table: list[tuple[int, int, int, int]],
               ring: list[int], avail_ahead: int, next_avail: int, data: bytes,
-              offset: int) -> list[object]:
-    """Everything a device could learn from popping this queue dry, in order."""
+              offset: int, event_idx: bool = False, flags: int = 0,
+              event: int = 0) -> list[object]:
+    """Everything a device could learn from popping this queue dry, in order, and
+    whether it would interrupt after each chain it used."""
     q = Virtqueue(16)
     q.size, q.desc_table, q.avail_ring, q.used_ring, q.ready = size, DESC, AVAIL, USED, True
     q.next_avail = q.next_used = next_avail
+    q.event_idx = event_idx
+    mem.write_u16(AVAIL, flags)
+    mem.write_u16(used_event(size), event)
     for i, (addr, length, flags, nxt) in enumerate(table):
         put_desc(mem, i, addr, length, flags, nxt)
     for i, head in enumerate(ring[:size]):
@@ -277,8 +353,11 @@ def _outcomes(mem: CountingMemory, size: int, table: list[tuple[int, int, int, i
         seen.append((chain.head, chain.readable, chain.writable,
                      chain.read_readable(mem, 4096, offset),
                      chain.write_writable(mem, data, offset)))
+        old_used = q.next_used
         q.add_used(mem, chain.head, len(data))
-    seen.append((q.next_avail, q.next_used, mem.read(USED, 4 + 8 * size)))
+        seen.append(q.needs_interrupt(mem, old_used))
+    seen.append(q.needs_interrupt(mem, next_avail))   # the whole run as one batch
+    seen.append((q.next_avail, q.next_used, mem.read(USED, 6 + 8 * size)))
     # What the device wrote into the guest's buffers, wherever the chains put them.
     seen.append((mem.read(0x8000, 0x2000), mem.read(0x20000, 0x10000)))
     return seen
@@ -294,11 +373,18 @@ def _outcomes(mem: CountingMemory, size: int, table: list[tuple[int, int, int, i
        avail_ahead=st.one_of(st.integers(0, 17), st.integers(0, 0xFFFF)),
        next_avail=st.integers(0, 0xFFFF),
        data=st.binary(max_size=300),
-       offset=st.one_of(st.integers(0, 8), st.integers(0, 0x2000)))
+       offset=st.one_of(st.integers(0, 8), st.integers(0, 0x2000)),
+       event_idx=st.booleans(),
+       flags=st.one_of(st.sampled_from([0, VRING_AVAIL_F_NO_INTERRUPT]),
+                       st.integers(0, 0xFFFF)),
+       event=st.one_of(st.integers(0, 20), st.integers(0, 0xFFFF)))
 def test_native_and_python_walks_agree(size: int, table: list[tuple[int, int, int, int]],
                                        ring: list[int], avail_ahead: int, next_avail: int,
-                                       data: bytes, offset: int) -> None:
-    args = (size, table, ring, avail_ahead, next_avail, data, offset)
+                                       data: bytes, offset: int, event_idx: bool, flags: int,
+                                       event: int) -> None:
+    """Same chains, errors, used ring, interrupt decisions and ``avail_event``."""
+    args = (size, table, ring, avail_ahead, next_avail, data, offset, event_idx, flags,
+            event)
     assert (_outcomes(CountingMemory("native"), *args)
             == _outcomes(CountingMemory("python"), *args))
 

@@ -43,6 +43,7 @@ fuzz_target!(|input: &[u8]| {
         } else {
             word(24)
         },
+        event_idx: head[1] & 8 != 0,
     };
     let next_avail = u16::from_le_bytes([head[2], head[3]]);
     let guest = GuestImage::new(image);
@@ -75,4 +76,7 @@ fuzz_target!(|input: &[u8]| {
             Err(QueueError::Virtqueue(_)) | Err(QueueError::Memory(_)) => break,
         }
     }
+    // The interrupt decision reads one word the guest wrote, whatever it holds, inside
+    // the validated rings.
+    virtq::needs_interrupt(&r, &rings, next_avail, used).unwrap();
 });

@@ -67,7 +67,8 @@ pub fn in_ram(gpa: u64, len: u64) -> bool {
 }
 
 /// A queue's registers from `head[at..at + 32]`: a size of 1..256 from the first byte,
-/// the three rings from the three words after the first, aligned and in low RAM.
+/// the three rings from the three words after the first, aligned and in low RAM, with
+/// or without EVENT_IDX.
 #[allow(dead_code)] // virtq_chain draws its own, sometimes anywhere
 pub fn rings(head: &[u8], at: usize) -> Rings {
     let word = |i: usize| {
@@ -80,5 +81,7 @@ pub fn rings(head: &[u8], at: usize) -> Rings {
         desc: (word(8) % LOW) & !15,
         avail: (word(16) % LOW) & !1,
         used: (word(24) % LOW) & !3,
+        // A bit the descriptor table's alignment drops: EVENT_IDX negotiated or not.
+        event_idx: word(8) & 8 != 0,
     }
 }

@@ -35,6 +35,21 @@ reader is removed (a readable tap would otherwise spin the loop) and put back
 when the driver notifies the rx queue. Frames then wait in the tap's queue,
 and the host kernel drops them when it is full, as a NIC would.
 
+Interrupts and kicks are moderated. Whatever wakes the device (a tx or rx
+notification, a readable tap, a tx re-arm), the wake serves the tx queue, then the
+rx queue while the tap is read, and raises at most one interrupt for both, and only
+if the driver wants one (``Virtqueue.needs_interrupt``). We offer
+VIRTIO_RING_F_EVENT_IDX, which Linux takes: the driver then says in ``used_event``
+which used index it wants an interrupt at, and the device, finding a ring empty, says
+in ``avail_event`` that it wants a kick at the next chain and not before (queue.py,
+"Notification suppression"). Without it the avail ring's NO_INTERRUPT flag is
+honoured. The device is the only one offering the feature: only its paths ask before
+they interrupt. Serving both queues per wake matters as much: a fast device
+completing each tx chain at once interrupts once per frame whatever EVENT_IDX says,
+because the guest re-enables interrupts before each; the host's answer to a tx
+frame (a TCP ACK, written during our ``writev``) is often in the tap by then and
+goes in under the same interrupt (bench/net.py, docs/design-notes.md).
+
 Native path. Where the native core is built (``GuestMemory.native``), a tx
 notification and a readable tap are each served by one call into Rust
 (``GuestRam.net_tx``/``net_rx``, ``native/src/net.rs``): the chain walk, the size
@@ -47,24 +62,25 @@ calls work from whatever loop runs the device. The Python path is the
 (tests/unit/test_virtio_net_native.py); ``native_frames = False`` takes it on a
 native build (bench/net.py compares the two in one guest).
 
-Served natively. With ``VMFORK_NATIVE_NET_SERVE=1`` (or ``native_serve=True``), where
-the transport can (the native loop and register file, an irqfd, both queues ready),
-activation hands the device's whole hot path to a
-``_core.NetQueues`` (``native/src/net_serve.rs``) that the native loop serves without
-ever taking the GIL: the tx queue's ioeventfd (send), the rx queue's ioeventfd (watch the
-tap again, receive) and the tap (receive), with the same frame paths, the same budget
-and re-arm, the same reader rule (the tap is not watched while the guest has no rx
-buffers) and the used-buffer interrupt raised through the register file and the irqfd.
+Served natively, by default (``VMFORK_NATIVE_NET_SERVE=0`` or ``native_serve=False``
+keeps the device in Python around the native frame paths). Where the transport can (the
+native loop and register file, an irqfd, both queues ready), activation hands the
+device's whole hot path to a ``_core.NetQueues`` (``native/src/net_serve.rs``) that the
+native loop serves without ever taking the GIL: the tx queue's ioeventfd, the rx queue's
+ioeventfd (watch the tap again) and the tap each wake it, with the same wake (both
+queues, one interrupt), the same frame paths, the same budget and re-arm, the same
+reader rule (the tap is not watched while the guest has no rx buffers) and the
+used-buffer interrupt raised through the register file and the irqfd.
 It owns both queues' ring indices until reset (``sync_queues`` copies them back for a
 snapshot) and counts the frames (``counters`` adds its counts in). What needs Python comes
 back through ``_native_report``: a guest fault (DEVICE_NEEDS_RESET), a failed tap read
 (logged), and the tx frames the tap refused, logged only if this module's logger was at
 DEBUG when the device was activated (else they are only counted, and a guest sending
-bad frames never makes the VMM take the GIL). Opt-in for now: in the emulated test host
-it completes every tx frame at once, the guest takes about one interrupt per frame each
-way and TCP sends smaller segments, and guest -> host throughput fell to 0.72x of the
-Python device's (host -> guest gained 1.09x; bench/net.py, docs/design-notes.md); by
-default the device stays in Python around the native frame paths.
+bad frames never makes the VMM take the GIL). It was opt-in until its interrupts were
+moderated: completing every tx frame at once, it cost the guest about one interrupt per
+frame each way and lost guest -> host throughput to the Python device; with EVENT_IDX
+and both queues served per wake (above) it no longer does (bench/net.py,
+docs/design-notes.md).
 
 Without a tap (``tap_fd=None``) the device is a NIC with its cable pulled:
 the guest sees a working device, tx frames are dropped (counted), nothing is
@@ -88,7 +104,11 @@ from dataclasses import dataclass, replace
 
 from vmfork.vmm import openfiles
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
-from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
+from vmfork.vmm.devices.virtio.queue import (
+    VIRTIO_RING_F_EVENT_IDX,
+    DescriptorChain,
+    Virtqueue,
+)
 from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
@@ -100,10 +120,10 @@ except ImportError:
 
 log = logging.getLogger(__name__)
 
-# The device served on the native loop without the GIL (net_serve.rs), opt-in
-# (VMFORK_NATIVE_NET_SERVE=1) until its interrupt rate is moderated (module comment);
-# otherwise the Python device around the native frame paths.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_NET_SERVE", "0") == "1"
+# The device served on the native loop without the GIL (net_serve.rs) where the
+# transport can; VMFORK_NATIVE_NET_SERVE=0 keeps it in Python around the native frame
+# paths (module comment).
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_NET_SERVE", "1") != "0"
 
 DEVICE_ID_NET = 1
 RX_QUEUE, TX_QUEUE = 0, 1
@@ -119,8 +139,12 @@ F_GUEST_ECN = 1 << 9
 F_HOST_TSO4 = 1 << 11
 F_HOST_TSO6 = 1 << 12
 F_HOST_ECN = 1 << 13
+# Interrupt and kick moderation (queue.py, "Notification suppression"); only this
+# device offers it, as only its paths (net.rs, net_serve.rs, this file) ask
+# ``needs_interrupt`` before they interrupt.
+F_EVENT_IDX = VIRTIO_RING_F_EVENT_IDX
 OFFERED_FEATURES = (F_CSUM | F_GUEST_CSUM | F_MAC | F_GUEST_TSO4 | F_GUEST_TSO6
-                    | F_GUEST_ECN | F_HOST_TSO4 | F_HOST_TSO6 | F_HOST_ECN)
+                    | F_GUEST_ECN | F_HOST_TSO4 | F_HOST_TSO6 | F_HOST_ECN | F_EVENT_IDX)
 
 VNET_HDR_SIZE = 12       # struct virtio_net_hdr_mrg_rxbuf, what VERSION_1 always uses
 NUM_BUFFERS_OFFSET = 10
@@ -276,6 +300,8 @@ class VirtioNet(VirtioDevice):
     def activate(self, memory: GuestMemory, queues: list[Virtqueue],
                  interrupt: VirtioInterrupt) -> None:
         super().activate(memory, queues, interrupt)
+        for queue in queues:
+            queue.event_idx = bool(self.acked_features & F_EVENT_IDX)
         if self.tap_fd is not None:
             offloads = tap_offloads(self.acked_features)
             try:
@@ -344,7 +370,8 @@ class VirtioNet(VirtioDevice):
             (txq.size, txq.desc_table, txq.avail_ring, txq.used_ring, txq.next_avail,
              txq.next_used),
             tx.irq_fd, self.tap_fd, rx.notify_fd, tx.notify_fd, MAX_FRAMES_PER_RUN,
-            MAX_TX_BYTES, log.isEnabledFor(logging.DEBUG), self._native_report)
+            MAX_TX_BYTES, log.isEnabledFor(logging.DEBUG), self._native_report,
+            event_idx=txq.event_idx)
         tap = server.tap_fd
         if tap is not None:
             loop.add_native_reader(tap, server)
@@ -409,23 +436,41 @@ class VirtioNet(VirtioDevice):
                 self.queue_notify(index)
         elif not on and self._server is not None:
             self._stop_server()
-            self._start_reading()
-            self._transmit()
+            self._start_reading()   # a wake: both queues
 
-    # -- guest -> host -----------------------------------------------------------------
-    def _transmit(self) -> None:
+    # -- a wake -----------------------------------------------------------------------
+    def _wake(self) -> None:
+        """Whatever woke the device (a tx or rx notification, a readable tap, a tx run's
+        re-arm): the tx queue, then the rx queue while the tap is read, then at most one
+        interrupt for both (the device has one line), if the driver wants one
+        (``Virtqueue.needs_interrupt``). Serving both queues per wake is what moderates a
+        fast device: the answer to a tx frame (a TCP ACK the host wrote during the
+        ``writev``) is often in the tap already and goes in under the frame's
+        interrupt. ``net_serve.rs`` serves a wake the same way."""
         if not self._usable() or self.memory is None:
             return
-        memory, queue = self.memory, self.queues[TX_QUEUE]
-        if memory.native is not None and self.native_frames:
-            sent = self._transmit_native(memory, queue)
+        memory, txq, rxq = self.memory, self.queues[TX_QUEUE], self.queues[RX_QUEUE]
+        tx_old, rx_old = txq.next_used, rxq.next_used
+        native = memory.native is not None and self.native_frames
+        if native:
+            sent = self._transmit_native(memory, txq)
         else:
-            sent = self._transmit_python(memory, queue)
-        if sent:
+            sent = self._transmit_python(memory, txq)
+        if self._reading and self.tap_fd is not None:
+            if native:
+                self._receive_native(memory, rxq, self.tap_fd)
+            else:
+                self._receive_python(memory, rxq)
+        if txq.needs_interrupt(memory, tx_old) or rxq.needs_interrupt(memory, rx_old):
             assert self.interrupt is not None
             self.interrupt.trigger()
         if sent == MAX_FRAMES_PER_RUN:
-            self.loop.call_soon(lambda: self._guarded(self._transmit))
+            self.loop.call_soon(lambda: self._guarded(self._wake))
+
+    # -- guest -> host -----------------------------------------------------------------
+    def _transmit(self) -> None:
+        """A tx notification: a wake."""
+        self._wake()
 
     def _transmit_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
         """Send up to ``MAX_FRAMES_PER_RUN`` tx chains; the number put on the used ring."""
@@ -449,7 +494,7 @@ class VirtioNet(VirtioDevice):
         queue.next_avail, queue.next_used, sent, counters, refused, error = memory.native.net_tx(
             queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
             queue.next_avail, queue.next_used, -1 if self.tap_fd is None else self.tap_fd,
-            MAX_FRAMES_PER_RUN, MAX_TX_BYTES)
+            MAX_FRAMES_PER_RUN, MAX_TX_BYTES, queue.event_idx)
         self._count(counters)
         for length, err in refused:
             log.debug("virtio-net: tx frame of %d bytes dropped: %s", length,
@@ -484,12 +529,13 @@ class VirtioNet(VirtioDevice):
 
     # -- host -> guest -----------------------------------------------------------------
     def _start_reading(self) -> None:
-        if self.tap_fd is None or not self._usable():
+        """An rx notification: read the tap again, and a wake."""
+        if not self._usable():
             return
-        if not self._reading:
+        if self.tap_fd is not None and not self._reading:
             self.loop.add_reader(self.tap_fd, self._tap_readable)
             self._reading = True
-        self._receive()
+        self._wake()
 
     def _stop_reading(self) -> None:
         if self._reading and self.tap_fd is not None:
@@ -503,17 +549,9 @@ class VirtioNet(VirtioDevice):
         self._guarded(self._receive)
 
     def _receive(self) -> None:
-        """Move frames from the tap into posted rx chains, one frame per chain."""
-        if self.memory is None or self.tap_fd is None:
-            return
-        memory, queue = self.memory, self.queues[RX_QUEUE]
-        if memory.native is not None and self.native_frames:
-            delivered = self._receive_native(memory, queue, self.tap_fd)
-        else:
-            delivered = self._receive_python(memory, queue)
-        if delivered:
-            assert self.interrupt is not None
-            self.interrupt.trigger()
+        """The tap is readable: a wake, which moves its frames into posted rx chains,
+        one frame per chain."""
+        self._wake()
 
     def _receive_native(self, memory: GuestMemory, queue: Virtqueue, tap_fd: int) -> int:
         """``_receive_python``'s rules in Rust (native/src/net.rs): the walk, one readv
@@ -525,7 +563,7 @@ class VirtioNet(VirtioDevice):
         queue.next_avail, queue.next_used, delivered, counters, stop, error = \
             memory.native.net_rx(queue.size, queue.desc_table, queue.avail_ring,
                                  queue.used_ring, queue.next_avail, queue.next_used, tap_fd,
-                                 MAX_FRAMES_PER_RUN)
+                                 MAX_FRAMES_PER_RUN, queue.event_idx)
         self._count(counters)
         if error is not None:
             raise error

@@ -21,10 +21,21 @@ read it, possibly hostile. The rules that keep the VMM safe:
 
 Features deliberately *not* offered (so this file needs no code for them):
 VIRTIO_F_INDIRECT_DESC (a descriptor with the INDIRECT flag is therefore an
-error) and VIRTIO_F_EVENT_IDX (we interrupt after every batch of used
-buffers; the Linux drivers we serve cope, and suppression logic is a classic
-source of lost-wakeup bugs). The avail ring's NO_INTERRUPT flag is ignored,
-which the spec allows without EVENT_IDX. Packed virtqueues are not offered.
+error). Packed virtqueues are not offered.
+
+Notification suppression. Every device interrupts at most once per batch of used
+buffers; virtio-net, the one device that asks (``needs_interrupt``), only if the
+driver wants it: without VIRTIO_RING_F_EVENT_IDX, unless the avail ring's NO_INTERRUPT
+flag is set (the others ignore the flag, which the spec allows); with it (``event_idx``,
+set by the device that offered and got it), only when the batch moved the used index
+across the driver's ``used_event`` (the avail ring's trailing word,
+``vring_need_event``). With EVENT_IDX the device also moderates the
+driver's kicks: ``pop`` finding the ring empty publishes ``avail_event`` (the used
+ring's trailing word) as its ``next_avail``, so the driver kicks for the next chain
+and not for those it adds while the device is still popping, and looks again. Both
+words are the guest's: each is read once per decision, and a guest that never lets
+an interrupt through only starves itself. Suppression is a classic source of lost
+wake-ups; the two places where one hides are the barriers below.
 
 Memory ordering. The driver writes a ring entry, then (after a write barrier)
 the avail index; we read the index first, then the entries. The device writes
@@ -33,6 +44,12 @@ older loads and stores are not reordered with older stores, and CPython issues
 our loads and stores in program order, one bytecode at a time; so program order
 *is* the required order and no explicit fence is needed. A port to a weakly
 ordered architecture would need fences where the comments say "barrier".
+Suppression is the exception: it needs a store ordered before a later load, which
+TSO does not give (the store buffer). The used index must be visible before we read
+``used_event`` (else a driver re-enabling interrupts in between reads our old index
+and we its old event: neither acts, a lost interrupt), and ``avail_event`` before we
+read the avail index again (else a lost kick). ``_full_barrier`` is a locked
+instruction there, as Linux's ``virtio_mb`` is.
 
 Native path. Where the native core is built (``GuestMemory.native``), the walk, the
 used ring and the copies run in Rust (``native/src/virtq.rs``) under the same rules
@@ -43,6 +60,7 @@ snapshot's record is one and the same. The Python code below is the
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from vmfork.vmm.errors import GuestMemoryError, VirtqueueError
@@ -55,9 +73,28 @@ VIRTQ_DESC_F_WRITE = 2
 VIRTQ_DESC_F_INDIRECT = 4
 
 DESC_SIZE = 16
+
+# The ring feature that makes ``used_event`` and ``avail_event`` live (virtio 1.x, 6).
+VIRTIO_RING_F_EVENT_IDX = 1 << 29
+VRING_AVAIL_F_NO_INTERRUPT = 1
 # avail: flags u16, idx u16, ring[size] u16, (used_event u16: only with EVENT_IDX,
 # but the layout reserves it and Linux allocates it, so we check it too)
 # used: flags u16, idx u16, ring[size] {id u32, len u32}, (avail_event u16)
+
+
+_BARRIER = threading.Lock()
+
+
+def _full_barrier() -> None:
+    """A full memory barrier: an uncontended lock's acquire is a locked
+    read-modify-write, which x86 orders against every earlier store and later load."""
+    with _BARRIER:
+        pass
+
+
+def need_event(event: int, new: int, old: int) -> bool:
+    """``vring_need_event``: whether ``event`` lies in ``[old, new)``, modulo 2**16."""
+    return (new - event - 1) & 0xFFFF < (new - old) & 0xFFFF
 
 
 def avail_ring_bytes(size: int) -> int:
@@ -160,6 +197,9 @@ class Virtqueue:
         self.used_ring = 0
         self.next_avail = 0  # free-running u16, like the ring indices
         self.next_used = 0
+        # Whether the driver acked VIRTIO_RING_F_EVENT_IDX (the device sets it at
+        # activation from its acked features; not saved: the features are).
+        self.event_idx = False
 
     # -- configuration checks ---------------------------------------------------------
     @staticmethod
@@ -202,18 +242,24 @@ class Virtqueue:
         return ahead
 
     def pop(self, memory: GuestMemory) -> DescriptorChain | None:
-        """The next available chain, or ``None`` if the driver has offered none."""
+        """The next available chain, or ``None`` if the driver has offered none (with
+        EVENT_IDX, having asked for a kick at the next one and looked again)."""
         if not self.ready:
             raise VirtqueueError("pop from a queue that is not ready")
         if memory.native is not None:
             got = memory.native.pop(self.size, self.desc_table, self.avail_ring,
-                                    self.next_avail)
+                                    self.next_avail, self.used_ring, self.event_idx)
             if got is None:
                 return None
             self.next_avail = (self.next_avail + 1) & 0xFFFF
             return DescriptorChain(*got)
         if self.pending(memory) == 0:
-            return None
+            if not self.event_idx:
+                return None
+            memory.write_u16(self.used_ring + 4 + 8 * self.size, self.next_avail)
+            _full_barrier()  # avail_event above before the avail index below
+            if self.pending(memory) == 0:
+                return None
         # barrier: the avail idx load above precedes the ring-entry load below (TSO).
         slot = self.next_avail % self.size
         head = memory.read_u16(self.avail_ring + 4 + 2 * slot)
@@ -272,6 +318,20 @@ class Virtqueue:
         # barrier: the element stores above become visible before the index store (TSO).
         self.next_used = (self.next_used + 1) & 0xFFFF
         memory.write_u16(self.used_ring + 2, self.next_used)
+
+    def needs_interrupt(self, memory: GuestMemory, old_used: int) -> bool:
+        """Whether the driver wants an interrupt for the batch that moved the used
+        index from ``old_used`` to ``next_used`` (nothing moved: no)."""
+        if old_used == self.next_used:
+            return False
+        if memory.native is not None:
+            return memory.native.needs_interrupt(self.size, self.avail_ring, old_used,
+                                                 self.next_used, self.event_idx)
+        _full_barrier()  # the used index add_used stored before the word below
+        if self.event_idx:
+            used_event = memory.read_u16(self.avail_ring + 4 + 2 * self.size)
+            return need_event(used_event, self.next_used, old_used)
+        return not memory.read_u16(self.avail_ring) & VRING_AVAIL_F_NO_INTERRUPT
 
     # -- snapshots ----------------------------------------------------------------------------
     def save(self) -> QueueState:
