@@ -63,7 +63,8 @@ Jail: a spawn may carry ``jail: {uid, gid | uid_range, read_only: [path],
 devices: [path]}`` (it needs a ``run_dir``); the child then builds
 ``runtime/jail.py``'s jail before its entry, rooted at ``<run_dir>/.jail-root``, with
 the run directory writable and Python's own paths (``jail.python_paths()``)
-read-only besides ``read_only``. ``uid_range: [first, count]`` has the zygote pick
+read-only besides ``read_only``: those from one ``jail.SharedTree`` the zygote binds
+once, at ``<socket>.jail`` in a mount namespace of its own, that each jail binds whole. ``uid_range: [first, count]`` has the zygote pick
 the lowest uid of the range that no live child of its holds (gid = uid), so no two
 sandboxes ever share a uid; explicit ids must be positive.
 
@@ -99,10 +100,13 @@ from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
 from vmfork.runtime.jail import (
+    JailError,
     JailSpec,
     PidNamespaces,
+    SharedTree,
     hold_empty_netns,
     last_capability,
+    own_mount_namespace,
     python_paths,
 )
 from vmfork.runtime.volumes import VolumeError, volume_image_path
@@ -192,7 +196,7 @@ def _thread_count() -> int:
 
 
 def _jail_spec(value: object, run_dir: str | None, taken: set[int],
-               args: dict[str, Any]) -> JailSpec | None:
+               args: dict[str, Any], shared: SharedTree | None = None) -> JailSpec | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
@@ -246,7 +250,8 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
     if not (netns is None or isinstance(netns, str)) or not (tap is None or isinstance(tap, str)):
         raise RequestError("args.netns and args.net_tap must be strings")
     return JailSpec(netns=netns, tap=tap, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
-                    read_only=(*python_paths(), *paths["read_only"]),
+                    read_only=(*(python_paths() if shared is None else ()),
+                               *paths["read_only"]), shared=shared,
                     writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
                     preopen=paths["preopen"], preopen_rw=paths["preopen_rw"])
 
@@ -307,6 +312,7 @@ class Zygote:
         if os.geteuid() == 0:
             with contextlib.suppress(OSError):
                 self._pid_namespaces = PidNamespaces()
+        self._shared_tree = self._build_shared_tree(socket_path)
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
         self.by_pidfd: dict[int, _Child] = {}
@@ -327,6 +333,22 @@ class Zygote:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: None)
         self.sel.register(self.sig_r, selectors.EVENT_READ, "signal")
+
+    @staticmethod
+    def _build_shared_tree(socket_path: str) -> SharedTree | None:
+        """The read-only tree every jail of this zygote binds whole (``jail.SharedTree``),
+        in a mount namespace of the zygote's own, so that no mount of it outlives the
+        zygote. None where jails cannot be built (not root): each jail then binds
+        Python's paths itself, as it did before."""
+        if os.geteuid() != 0:
+            return None
+        try:
+            if not own_mount_namespace():
+                return None
+            return SharedTree.build(socket_path + ".jail", python_paths())
+        except (JailError, OSError) as err:
+            log.warning("no shared jail tree (%s); each jail binds Python's paths itself", err)
+            return None
 
     @staticmethod
     def _listen(path: str) -> socket.socket:
@@ -660,7 +682,8 @@ class Zygote:
                     cgroups.remove(cg)
                 raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
                                    "HostError") from err
-        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args)
+        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args,
+                               self._shared_tree)
         if jail_spec is not None and run_dir is not None:
             os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
             self._uids_taken.add(jail_spec.uid)
@@ -817,6 +840,8 @@ class Zygote:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        if self._shared_tree is not None:
+            self._shared_tree.close()
 
 
 def _error(type: str, message: str) -> dict[str, Any]:
