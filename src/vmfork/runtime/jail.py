@@ -21,15 +21,19 @@ privileges the next ones drop):
    the zygote's fork (``PidNamespaces``: the process is pid 1 of a namespace of its
    own), since ``unshare`` of one moves only the caller's children. Every mount is
    made private first, so nothing done here propagates back to the host.
-2. **A new root** on a small tmpfs at ``spec.root`` holding only: the device nodes
-   (``mknod``'d anew, owned by the jail's uid: ``/dev/kvm``, ``/dev/net/tun`` when
-   networked, ``/dev/null``, ``/dev/urandom``), ``spec.read_only`` paths (the
-   snapshot's files, the disk images, the Python installation and vmfork's source,
-   so that a late import still works) bound read-only, nosuid and nodev at the same
-   paths, ``spec.writable`` (the run directory) bound read-write, and a ``/proc`` of
-   its own PID namespace (``hidepid=invisible`` besides, for a jail entered without
-   one: a jailed parent VMM). ``pivot_root`` into it, the old root
-   detached, the new root remounted read-only.
+2. **A new root** on a small tmpfs at ``spec.root`` (nosuid, nodev) holding only:
+   ``spec.read_only`` paths (the snapshot's files, the disk images) bound read-only,
+   nosuid and nodev at the same paths; the Python installation and vmfork's source
+   (so that a late import still works) through the zygote's ``SharedTree`` (bound once
+   by the zygote, read-only, nosuid and nodev, in a mount namespace of its own: the
+   jail binds it whole at ``SHARED_AT`` with one ``MS_BIND | MS_REC`` and shows each of
+   its paths at its own place as a symbolic link into it; a jail without one, a parent
+   VMM's, binds them one by one like the rest); ``spec.writable`` (the run directory)
+   bound read-write; and a ``/proc`` of its own PID namespace (``hidepid=invisible``
+   besides, for a jail entered without one: a jailed parent VMM). No device node: the
+   devices it uses (``spec.devices``: ``/dev/kvm``) are opened before the drop and
+   reached through ``openfiles.open_device``, like the tap. ``pivot_root`` into it,
+   the old root detached, the new root remounted read-only.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
    ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
    configured range): the kernel clears every capability at that change.
