@@ -110,7 +110,7 @@ from vmfork.runtime.jail import (
     python_paths,
 )
 from vmfork.runtime.volumes import VolumeError, volume_image_path
-from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
+from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child, set_sigmask
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
 log = logging.getLogger("vmfork.zygote")
@@ -714,7 +714,7 @@ class Zygote:
             if self._pid_namespaces is None:
                 self._pid_namespaces = PidNamespaces()
             pidns = self._pid_namespaces
-        signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
+        set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
         try:
             if pidns is not None:
                 pidns.before_fork()
@@ -730,7 +730,7 @@ class Zygote:
                 if pidns is not None:
                     pidns.after_fork()
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
+            set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)
         child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
                        time.monotonic(), time.time(),
