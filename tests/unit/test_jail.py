@@ -111,6 +111,7 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["dev_node"].startswith("refused: FileNotFoundError")
     assert report["late_import"] == "fresh allowed"
     assert report["source_write"].startswith("refused: OSError 30")     # EROFS
+    assert report["shared_write"].startswith("refused: OSError 30")
     # Not the host's network: the zygote's empty namespace, a loopback and nothing else.
     assert report["netns"] != os.readlink("/proc/self/ns/net")
     assert report["interfaces"] == ["lo"]

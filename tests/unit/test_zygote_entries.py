@@ -164,6 +164,7 @@ def jail_probe(args: dict[str, Any]) -> int:
         "late_import": ("fresh " if "colorsys" not in sys.modules else "") + attempt(
             "import", lambda: __import__("colorsys")),
         "source_write": attempt("src", lambda: open(os.path.join(source, "x.py"), "w").close()),
+        "shared_write": attempt("shared", lambda: open("/.vmfork-shared/x", "w").close()),
         "shadow": attempt("shadow", lambda: open("/etc/shadow", "rb").close()),
         "peer_socket": attempt("peer", lambda: connect(args["peer_socket"])),
         "peer_mem": attempt("mem", lambda: open(f"/proc/{args['peer_pid']}/mem", "rb").close()),
