@@ -64,9 +64,10 @@ devices: [path]}`` (it needs a ``run_dir``); the child then builds
 ``runtime/jail.py``'s jail before its entry, rooted at ``<run_dir>/.jail-root``, with
 the run directory writable and Python's own paths (``jail.python_paths()``)
 read-only besides ``read_only``: those from one ``jail.SharedTree`` the zygote binds
-once, at ``<socket>.jail`` in a mount namespace of its own, that each jail binds whole. ``uid_range: [first, count]`` has the zygote pick
-the lowest uid of the range that no live child of its holds (gid = uid), so no two
-sandboxes ever share a uid; explicit ids must be positive.
+once, at ``<socket>.jail`` in a mount namespace of its own, that each jail binds
+whole. ``uid_range: [first, count]`` has the zygote pick the lowest uid of the range
+that no live child of its holds (gid = uid), so no two sandboxes ever share a uid;
+explicit ids must be positive.
 
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
