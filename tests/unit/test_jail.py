@@ -108,6 +108,10 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["peer_signal"] == "refused: ProcessLookupError 3"
     assert report["zygote_signal"] == "refused: ProcessLookupError 3"
     assert report["kvm_api"] == 12
+    assert report["dev_node"].startswith("refused: FileNotFoundError")
+    assert report["late_import"] == "fresh allowed"
+    assert report["source_write"].startswith("refused: OSError 30")     # EROFS
+    assert report["shared_write"].startswith("refused: OSError 30")
     # Not the host's network: the zygote's empty namespace, a loopback and nothing else.
     assert report["netns"] != os.readlink("/proc/self/ns/net")
     assert report["interfaces"] == ["lo"]
@@ -226,6 +230,27 @@ def test_the_zygote_still_kills_and_reaps_a_child_in_its_own_pid_namespace(
     event = client.wait(termed.vm_id)
     assert event.exit_code == 128 + signal.SIGTERM, event.description
     assert not Path(f"/proc/{killed.pid}").exists() and not Path(f"/proc/{termed.pid}").exists()
+
+
+def test_the_shared_tree_is_the_zygote_s_alone_and_goes_with_it(base: Path) -> None:
+    """The tree of Python's paths every jail binds is mounted in the zygote's own mount
+    namespace: the host never sees it, and nothing of it is left once the zygote exits."""
+    sock = base / "own" / "zygote.sock"
+    sock.parent.mkdir()
+    tree = Path(str(sock) + ".jail")
+    z = start_zygote(sock, env=dict(os.environ, PYTHONPATH=str(HERE)),
+                     entries_modules=["test_zygote_entries"])
+    try:
+        run_dir = base / "run" / vid()
+        child = z.client().spawn(E + "sleep", {"run_dir": str(run_dir), "seconds": 0},
+                                 vm_id=vid(), jail=_jail(71005))
+        assert z.client().wait(child.vm_id).exit_code == 0
+        zygote_mounts = Path(f"/proc/{z.proc.pid}/mountinfo").read_text()
+        assert f" {tree} " in zygote_mounts
+        assert f" {tree} " not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        z.close()
+    assert not tree.exists()
 
 
 def test_host_facts_are_read_once_per_process() -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from vmfork.runtime.zygote_child import current
-from vmfork.vmm.openfiles import open_ro
+from vmfork.vmm.openfiles import open_device, open_ro
 
 
 def _write(args: dict[str, Any], data: object) -> None:
@@ -148,12 +149,22 @@ def jail_probe(args: dict[str, Any]) -> int:
 
     status = dict(line.split(":\t", 1) for line in
                   Path("/proc/self/status").read_text().splitlines() if ":\t" in line)
-    kvm = os.open("/dev/kvm", os.O_RDWR)
+    # No device node in the jail: /dev/kvm is the descriptor the jail opened first.
+    kvm = open_device("/dev/kvm")
+    assert kvm is not None
+    import vmfork
+    source = os.path.dirname(vmfork.__file__)
     report = {
         "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
         "cap_eff": status["CapEff"].strip(), "cap_bnd": status["CapBnd"].strip(),
         "no_new_privs": status["NoNewPrivs"].strip(), "env": dict(os.environ),
         "root": sorted(os.listdir("/")),
+        "dev_node": attempt("dev", lambda: os.open("/dev/kvm", os.O_RDWR)),
+        # Python's paths (the zygote's shared tree): readable, importable, read-only.
+        "late_import": ("fresh " if "colorsys" not in sys.modules else "") + attempt(
+            "import", lambda: __import__("colorsys")),
+        "source_write": attempt("src", lambda: open(os.path.join(source, "x.py"), "w").close()),
+        "shared_write": attempt("shared", lambda: open("/.vmfork-shared/x", "w").close()),
         "shadow": attempt("shadow", lambda: open("/etc/shadow", "rb").close()),
         "peer_socket": attempt("peer", lambda: connect(args["peer_socket"])),
         "peer_mem": attempt("mem", lambda: open(f"/proc/{args['peer_pid']}/mem", "rb").close()),

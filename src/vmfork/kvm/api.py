@@ -139,7 +139,10 @@ def _ioctl(fd: int, request: int, arg: object = None, op: str = "ioctl") -> int:
 
 
 # -- /dev/kvm -------------------------------------------------------------------------
-def open_kvm(path: str = "/dev/kvm") -> int:
+KVM_PATH = "/dev/kvm"
+
+
+def open_kvm(path: str = KVM_PATH) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError as err:

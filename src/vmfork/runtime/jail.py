@@ -21,15 +21,19 @@ privileges the next ones drop):
    the zygote's fork (``PidNamespaces``: the process is pid 1 of a namespace of its
    own), since ``unshare`` of one moves only the caller's children. Every mount is
    made private first, so nothing done here propagates back to the host.
-2. **A new root** on a small tmpfs at ``spec.root`` holding only: the device nodes
-   (``mknod``'d anew, owned by the jail's uid: ``/dev/kvm``, ``/dev/net/tun`` when
-   networked, ``/dev/null``, ``/dev/urandom``), ``spec.read_only`` paths (the
-   snapshot's files, the disk images, the Python installation and vmfork's source,
-   so that a late import still works) bound read-only, nosuid and nodev at the same
-   paths, ``spec.writable`` (the run directory) bound read-write, and a ``/proc`` of
-   its own PID namespace (``hidepid=invisible`` besides, for a jail entered without
-   one: a jailed parent VMM). ``pivot_root`` into it, the old root
-   detached, the new root remounted read-only.
+2. **A new root** on a small tmpfs at ``spec.root`` (nosuid, nodev) holding only:
+   ``spec.read_only`` paths (the snapshot's files, the disk images) bound read-only,
+   nosuid and nodev at the same paths; the Python installation and vmfork's source
+   (so that a late import still works) through the zygote's ``SharedTree`` (bound once
+   by the zygote, read-only, nosuid and nodev, in a mount namespace of its own: the
+   jail binds it whole at ``SHARED_AT`` with one ``MS_BIND | MS_REC`` and shows each of
+   its paths at its own place as a symbolic link into it; a jail without one, a parent
+   VMM's, binds them one by one like the rest); ``spec.writable`` (the run directory)
+   bound read-write; and a ``/proc`` of its own PID namespace (``hidepid=invisible``
+   besides, for a jail entered without one: a jailed parent VMM). No device node: the
+   devices it uses (``spec.devices``: ``/dev/kvm``) are opened before the drop and
+   reached through ``openfiles.open_device``, like the tap. ``pivot_root`` into it,
+   the old root detached, the new root remounted read-only.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
    ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
    configured range): the kernel clears every capability at that change.
@@ -69,6 +73,7 @@ MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+MS_SLAVE = 1 << 19
 MNT_DETACH = 2
 PR_SET_DUMPABLE = 4
 PR_CAPBSET_DROP = 24
@@ -76,9 +81,6 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 SYS_PIVOT_ROOT = 155
-
-DEVICES = ("/dev/null", "/dev/urandom")
-"""Device nodes every jail gets, besides ``JailSpec.devices``."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -100,6 +102,11 @@ class JailSpec:
     read_only: tuple[str, ...] = ()
     writable: tuple[str, ...] = ()
     devices: tuple[str, ...] = ("/dev/kvm",)
+    """Character devices the VMM uses, opened before the drop (``openfiles.open_device``):
+    the jail holds no device node."""
+    shared: SharedTree | None = None
+    """The zygote's tree of read-only paths every jail holds, bound whole; its paths are
+    then not in ``read_only``."""
     nofile: int = 4096
     nproc: int = 512
     """Threads count: a VMM has one per vCPU, an I/O thread and a few helpers."""
@@ -134,12 +141,11 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int,
 def _bind(host: str, inside: str, *, read_only: bool) -> None:
     """Bind ``host`` at ``inside`` (created to match: directory or file), then remount
     the bind with its flags (a bind mount ignores them on the first call)."""
-    if os.path.isdir(host):
-        os.makedirs(inside, exist_ok=True)
-    else:
-        os.makedirs(os.path.dirname(inside), exist_ok=True)
-        with open(inside, "a"):
-            pass
+    _make_mount_point(inside, os.path.isdir(host), set())
+    _bind_at(host, inside, read_only=read_only)
+
+
+def _bind_at(host: str, inside: str, *, read_only: bool) -> None:
     # Not MS_REC: mounts below ``host`` (the jail's own root when it sits in the run
     # directory, anything a host mounted there) stay out of the jail.
     _mount(host, inside, None, MS_BIND, None, f"bind {host}")
@@ -147,13 +153,96 @@ def _bind(host: str, inside: str, *, read_only: bool) -> None:
     _mount(None, inside, None, flags, None, f"remount {host}")
 
 
-def _make_device(host: str, inside: str, uid: int, gid: int) -> None:
-    st = os.stat(host)
-    if not stat.S_ISCHR(st.st_mode):
-        raise JailError(f"device {host} is not a character device", errno.ENODEV)
-    os.makedirs(os.path.dirname(inside), exist_ok=True)
-    os.mknod(inside, stat.S_IFCHR | 0o600, st.st_rdev)
-    os.chown(inside, uid, gid)
+def _make_dirs(path: str, made: set[str]) -> None:
+    """``os.makedirs`` for a tree this process alone fills (the jail's fresh tmpfs):
+    ``made`` remembers what exists, so no directory is looked up twice."""
+    if path in made or path == "/":
+        return
+    _make_dirs(os.path.dirname(path), made)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    made.add(path)
+
+
+def _make_mount_point(inside: str, is_dir: bool, made: set[str]) -> None:
+    if is_dir:
+        _make_dirs(inside, made)
+    else:
+        _make_dirs(os.path.dirname(inside), made)
+        try:
+            os.mknod(inside, stat.S_IFREG | 0o600)
+        except FileExistsError:
+            pass
+
+
+SHARED_AT = "/.vmfork-shared"
+"""Where a jail sees its zygote's ``SharedTree`` (inside the jail's root)."""
+
+
+def own_mount_namespace() -> bool:
+    """Give this process (the zygote, once, as root, before it forks anything) a mount
+    namespace of its own that still receives the host's mounts (``MS_SLAVE``: a
+    sandbox's network namespace is a bind mount in ``/run/netns`` made after the zygote
+    started) and sends none back: the ``SharedTree`` it mounts there is seen by no one
+    else and goes away with the namespace, however the zygote ends. False if it cannot
+    (no ``CAP_SYS_ADMIN``)."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        return False
+    _mount(None, "/", None, MS_REC | MS_SLAVE, None, "make the zygote's mounts slaves")
+    return True
+
+
+class SharedTree:
+    """The read-only paths every jail of a zygote holds (Python's installation and
+    vmfork's source: ``python_paths``), bound once by the zygote on a small read-only
+    tmpfs at ``path`` in its own mount namespace (``own_mount_namespace``), instead of
+    once per jail. A jail binds the whole tree (``MS_BIND | MS_REC``: one mount, whose
+    copies keep the read-only, nosuid and nodev flags they were made with) at
+    ``SHARED_AT`` and shows each path at its own place as a symbolic link into it, on
+    its own root (read-only too once it is built)."""
+
+    def __init__(self, path: str, paths: tuple[str, ...]) -> None:
+        self.path = path
+        self.paths = _outermost(paths)
+
+    @classmethod
+    def build(cls, path: str, paths: tuple[str, ...]) -> SharedTree:
+        """Mount and fill the tree at ``path`` (made if missing; left empty by ``close``).
+        Raises ``JailError`` with nothing left mounted."""
+        tree = cls(path, tuple(p for p in paths if os.path.isdir(p)))
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755",
+               "tmpfs for the shared tree")
+        try:
+            for shared in tree.paths:
+                _bind(shared, path + shared, read_only=True)
+            _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                   None, "remount the shared tree read-only")
+            # Private: nothing the host mounts below these paths later reaches a jail.
+            _mount(None, path, None, MS_REC | MS_PRIVATE, None, "make the shared tree private")
+        except BaseException:
+            tree.close()
+            raise
+        return tree
+
+    def close(self) -> None:
+        """Unmount the tree (its binds with it) and remove its mount point."""
+        _libc.umount2(self.path.encode(), MNT_DETACH)
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass
+
+
+def _outermost(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """``paths`` without those under another of them (seen through it), parents first."""
+    kept: list[str] = []
+    for path in sorted(set(paths), key=len):
+        if not any(path.startswith(parent.rstrip("/") + "/") for parent in kept):
+            kept.append(path)
+    return tuple(kept)
 
 
 _empty_netns: int | None = None
@@ -210,6 +299,11 @@ def enter(spec: JailSpec) -> None:
     openfiles.preopen(list(spec.preopen))
     openfiles.preopen_rw(list(spec.preopen_rw))
     openfiles.preopen_proc_self({"pagemap": os.O_RDONLY, "clear_refs": os.O_WRONLY})
+    for device in spec.devices:
+        try:
+            openfiles.preopen_device(device)
+        except OSError as err:
+            raise JailError(f"open device {device}", err.errno or errno.ENODEV) from err
     if spec.netns is not None:
         # setns needs CAP_SYS_ADMIN and TUNSETIFF on a tap the jail's uid does not own
         # needs CAP_NET_ADMIN: both happen here, as root, and only the tap's descriptor
@@ -229,26 +323,42 @@ def enter(spec: JailSpec) -> None:
     _check(_libc.unshare(flags), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
     root = spec.root
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755", "tmpfs root")
-    for device in (*DEVICES, *spec.devices):
-        _make_device(device, root + device, spec.uid, spec.gid)
+    # nodev: the jail holds no device node, its devices are descriptors (above).
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", "tmpfs root")
+    # The tmpfs is new and this process alone fills it: each directory is made once,
+    # and each host path looked up once (``os.stat``), since every call costs.
+    made: set[str] = {root}
+    bound: list[str] = []
+    if spec.shared is not None:
+        os.mkdir(root + SHARED_AT)
+        _mount(spec.shared.path, root + SHARED_AT, None, MS_BIND | MS_REC, None,
+               "bind the shared tree")
+        for path in spec.shared.paths:
+            _make_dirs(os.path.dirname(root + path), made)
+            os.symlink(SHARED_AT + path, root + path)
+            bound.append(path)
     # Read-only first, parents before children, then the writable paths: a later bind
     # covers what an earlier one showed at the same place, never the reverse.
-    bound: list[str] = []
     for path in sorted(set(spec.read_only), key=len):
         # A path under a directory bound already is visible through it (a diff's own
         # layer, named by its plan, sits in its snapshot directory), and a mount point
         # cannot be made inside a read-only bind.
-        if any(path.startswith(parent.rstrip("/") + "/") for parent in bound):
+        if any(path == parent or path.startswith(parent.rstrip("/") + "/")
+               for parent in bound):
             continue
-        if os.path.exists(path):
-            _bind(path, root + path, read_only=True)
-            if os.path.isdir(path):
-                bound.append(path)
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+        except OSError:
+            continue   # missing: whoever needs it reports it, as outside a jail
+        _make_mount_point(root + path, is_dir, made)
+        _bind_at(path, root + path, read_only=True)
+        if is_dir:
+            bound.append(path)
     for path in spec.writable:
-        _bind(path, root + path, read_only=False)
+        _make_mount_point(root + path, os.path.isdir(path), made)
+        _bind_at(path, root + path, read_only=False)
         os.chown(path, spec.uid, spec.gid)
-    os.makedirs(root + "/proc")
+    os.mkdir(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
            "hidepid=invisible", "mount /proc")
     old = root + "/.old-root"
@@ -257,7 +367,7 @@ def enter(spec: JailSpec) -> None:
     os.chdir("/")
     _check(_libc.umount2(b"/.old-root", MNT_DETACH), "detach the old root")
     os.rmdir("/.old-root")
-    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID, None,
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None,
            "remount / read-only")
     name = spec.hostname.encode()
     _check(_libc.sethostname(name, len(name)), "sethostname")

@@ -63,9 +63,11 @@ Jail: a spawn may carry ``jail: {uid, gid | uid_range, read_only: [path],
 devices: [path]}`` (it needs a ``run_dir``); the child then builds
 ``runtime/jail.py``'s jail before its entry, rooted at ``<run_dir>/.jail-root``, with
 the run directory writable and Python's own paths (``jail.python_paths()``)
-read-only besides ``read_only``. ``uid_range: [first, count]`` has the zygote pick
-the lowest uid of the range that no live child of its holds (gid = uid), so no two
-sandboxes ever share a uid; explicit ids must be positive.
+read-only besides ``read_only``: those from one ``jail.SharedTree`` the zygote binds
+once, at ``<socket>.jail`` in a mount namespace of its own, that each jail binds
+whole. ``uid_range: [first, count]`` has the zygote pick the lowest uid of the range
+that no live child of its holds (gid = uid), so no two sandboxes ever share a uid;
+explicit ids must be positive.
 
 ``run_dir`` contract: if a spawn's ``args`` contain ``run_dir`` (an absolute path,
 at least two levels below ``/``), the zygote creates that directory (mode 0700)
@@ -99,14 +101,17 @@ from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
 from vmfork.runtime.jail import (
+    JailError,
     JailSpec,
     PidNamespaces,
+    SharedTree,
     hold_empty_netns,
     last_capability,
+    own_mount_namespace,
     python_paths,
 )
 from vmfork.runtime.volumes import VolumeError, volume_image_path
-from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child
+from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child, set_sigmask
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
 log = logging.getLogger("vmfork.zygote")
@@ -192,7 +197,7 @@ def _thread_count() -> int:
 
 
 def _jail_spec(value: object, run_dir: str | None, taken: set[int],
-               args: dict[str, Any]) -> JailSpec | None:
+               args: dict[str, Any], shared: SharedTree | None = None) -> JailSpec | None:
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
@@ -246,7 +251,8 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
     if not (netns is None or isinstance(netns, str)) or not (tap is None or isinstance(tap, str)):
         raise RequestError("args.netns and args.net_tap must be strings")
     return JailSpec(netns=netns, tap=tap, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
-                    read_only=(*python_paths(), *paths["read_only"]),
+                    read_only=(*(python_paths() if shared is None else ()),
+                               *paths["read_only"]), shared=shared,
                     writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
                     preopen=paths["preopen"], preopen_rw=paths["preopen_rw"])
 
@@ -307,6 +313,7 @@ class Zygote:
         if os.geteuid() == 0:
             with contextlib.suppress(OSError):
                 self._pid_namespaces = PidNamespaces()
+        self._shared_tree = self._build_shared_tree(socket_path)
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
         self.by_pidfd: dict[int, _Child] = {}
@@ -327,6 +334,22 @@ class Zygote:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: None)
         self.sel.register(self.sig_r, selectors.EVENT_READ, "signal")
+
+    @staticmethod
+    def _build_shared_tree(socket_path: str) -> SharedTree | None:
+        """The read-only tree every jail of this zygote binds whole (``jail.SharedTree``),
+        in a mount namespace of the zygote's own, so that no mount of it outlives the
+        zygote. None where jails cannot be built (not root): each jail then binds
+        Python's paths itself, as it did before."""
+        if os.geteuid() != 0:
+            return None
+        try:
+            if not own_mount_namespace():
+                return None
+            return SharedTree.build(socket_path + ".jail", python_paths())
+        except (JailError, OSError) as err:
+            log.warning("no shared jail tree (%s); each jail binds Python's paths itself", err)
+            return None
 
     @staticmethod
     def _listen(path: str) -> socket.socket:
@@ -660,7 +683,8 @@ class Zygote:
                     cgroups.remove(cg)
                 raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
                                    "HostError") from err
-        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args)
+        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args,
+                               self._shared_tree)
         if jail_spec is not None and run_dir is not None:
             os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
             self._uids_taken.add(jail_spec.uid)
@@ -691,7 +715,7 @@ class Zygote:
             if self._pid_namespaces is None:
                 self._pid_namespaces = PidNamespaces()
             pidns = self._pid_namespaces
-        signal.pthread_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
+        set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
         try:
             if pidns is not None:
                 pidns.before_fork()
@@ -707,7 +731,7 @@ class Zygote:
                 if pidns is not None:
                     pidns.after_fork()
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
+            set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         pidfd = os.pidfd_open(pid)
         child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
                        time.monotonic(), time.time(),
@@ -817,6 +841,8 @@ class Zygote:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        if self._shared_tree is not None:
+            self._shared_tree.close()
 
 
 def _error(type: str, message: str) -> dict[str, Any]:

@@ -52,13 +52,14 @@ The child contract, in the order the steps run (each has a reason):
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import select
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -69,6 +70,13 @@ PR_SET_PDEATHSIG = 1
 OOM_SCORE_ADJ = 1000
 """A VMM is the first process the OOM killer takes (the maximum; see step 5)."""
 _libc = ctypes.CDLL(None, use_errno=True)
+
+set_sigmask: Callable[[int, Iterable[int]], set[int]] = (
+    importlib.import_module("_signal").pthread_sigmask)
+"""``signal.pthread_sigmask`` without its wrapper, which turns the old mask it returns
+into a set of ``Signals``, one enum lookup per signal: 62 of them after the zygote's
+block-all, at each fork in the zygote and again in each child (the one profiled
+cost of a child's set-up left in Python: ``bench/spawn_profile.py --cprofile``)."""
 
 Entry = Callable[[dict[str, Any]], object]
 
@@ -136,7 +144,7 @@ def _setup(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | 
     os.setsid()
     signal.signal(signal.SIGTERM, _terminate if zygote_pidfd is not None else signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    set_sigmask(signal.SIG_SETMASK, ())
     try:
         with open("/proc/self/oom_score_adj", "w") as adj:
             adj.write(str(OOM_SCORE_ADJ))

@@ -38,7 +38,7 @@ from typing import Any
 from vmfork.kvm import api
 from vmfork.kvm.structs import kvm_cpuid_entry2
 from vmfork.ondisk.memplan import MemoryPlan
-from vmfork.vmm import vmstate
+from vmfork.vmm import openfiles, vmstate
 from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.manager import (
     BALLOON,
@@ -300,7 +300,9 @@ class Machine:
 
     def _create(self, config: MachineConfig) -> None:
         # 1. KVM and its capabilities
-        self.kvm_fd = self._fd(api.open_kvm())
+        # A jailed VMM has no /dev/kvm node: its jail opened one before the drop.
+        preopened = openfiles.open_device(api.KVM_PATH)
+        self.kvm_fd = self._fd(preopened if preopened is not None else api.open_kvm())
         self._check_kvm()
 
         # 2. VM and memory

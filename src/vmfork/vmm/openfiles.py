@@ -11,19 +11,43 @@ usual (an unjailed VMM pre-opens nothing). ``open_ro`` and ``preopen`` are defin
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 
 # The read-only half lives with the formats it reads (the state file, memory plans):
 # one registry, filled by the jail, for both packages.
 from vmfork.ondisk.readonly import open_ro, preopen
 
-__all__ = ["open_ro", "open_proc_self", "open_rw", "preopen", "preopen_proc_self",
-           "preopen_rw", "preopen_tap", "take_tap"]
+__all__ = ["open_device", "open_ro", "open_proc_self", "open_rw", "preopen", "preopen_device",
+           "preopen_proc_self", "preopen_rw", "preopen_tap", "take_tap"]
 
 _preopened_rw: dict[str, int] = {}
 _taps: dict[str, int] = {}
 _proc_self: dict[str, tuple[int, int]] = {}   # name -> (fd, open flags)
+_devices: dict[str, int] = {}
+
+
+def preopen_device(path: str) -> None:
+    """Open the character device ``path`` (``/dev/kvm``) read-write for ``open_device``.
+    A jail holds no device nodes at all: what its VMM needs of ``/dev`` it gets as a
+    descriptor opened before the drop. Raises ``OSError`` (``ENODEV`` for a path that
+    is not a character device): the jail cannot be built without it."""
+    if path in _devices:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    if not stat.S_ISCHR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ENODEV, f"{path} is not a character device")
+    _devices[path] = fd
+
+
+def open_device(path: str) -> int | None:
+    """A new descriptor of the pre-opened device ``path`` (the caller closes it), or
+    None when none was: the caller then opens the path itself."""
+    fd = _devices.get(path)
+    return None if fd is None else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
 
 
 def preopen_rw(paths: list[str]) -> None:
