@@ -73,7 +73,8 @@ held until the guest has made a new event buffer available (it handled the event
 notified the queue, or for at most ``RESET_ACK_WAIT_S``, and a connection made right
 after a restore works the first time.
 
-Served natively (opt-in: ``VMFORK_NATIVE_VSOCK_SERVE=1``, ``NATIVE_SERVE``). Where the
+Served natively (the default; ``VMFORK_NATIVE_VSOCK_SERVE=0`` keeps this file's state
+machine, ``NATIVE_SERVE``). Where the
 VMM runs the native loop, all of the above -- the connection table, credit, the listener
 and its CONNECT lines, the sockets, the timeouts, the reset event and the hold, and the
 three queues -- is ``_core.VsockServe``'s (``native/src/vsock_serve.rs``), served on the
@@ -150,9 +151,9 @@ NATIVE_RX_BATCH = 32
 # test_fork's test_many_concurrent_children_answer timed out a handshake under a load of
 # 10-13; re-examined, no difference from the Python paths was found (design notes).
 NATIVE_BYTES = os.environ.get("VMFORK_NATIVE_VSOCK", "1") != "0"
-# The whole device served on the native loop without the GIL (module docstring):
-# opt-in until every KVM tier has passed on it.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_VSOCK_SERVE", "0") == "1"
+# The whole device served on the native loop without the GIL (module docstring);
+# VMFORK_NATIVE_VSOCK_SERVE=0 keeps the state machine below.
+NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_VSOCK_SERVE", "1") != "0"
 CONNECT_LINE_MAX = 64
 CONNECT_TIMEOUT = 20.0  # seconds for the CONNECT line, and for the guest's answer (a guest
 # starved of CPU -- many VMs on few cores -- can take seconds to answer a request)
