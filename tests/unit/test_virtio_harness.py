@@ -10,6 +10,7 @@ The other ``test_virtio_*`` modules import it (pytest puts this directory on
 from __future__ import annotations
 
 import struct
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -37,6 +38,23 @@ def wait_until(cond: Callable[[], object], timeout: float = 5.0, what: str = "co
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.002)
+
+
+def spin_holding_the_gil(kick: Callable[[], object], done: Callable[[], bool],
+                         limit: float = 5.0) -> float:
+    """``kick()``, then spin in Python until ``done()`` or ``limit`` seconds, with no
+    other Python thread let run meanwhile (a 30 s switch interval): what a native server
+    does in that time it did without the GIL. Returns the seconds spent."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        kick()
+        t0 = time.monotonic()
+        while not done() and time.monotonic() - t0 < limit:
+            pass
+        return time.monotonic() - t0
+    finally:
+        sys.setswitchinterval(old)
 
 
 class DriverQueue:
