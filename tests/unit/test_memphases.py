@@ -60,6 +60,16 @@ def test_each_mapping_lands_in_its_class(monkeypatch: pytest.MonkeyPatch) -> Non
     assert memphases.own_private_dirty(classes) == 1878
 
 
+def test_guest_ram_is_found_behind_another_namespace_s_root() -> None:
+    """A snapshot's RAM the zygote mapped in its own mount namespace is named from that
+    namespace's root when the reader is chrooted (the test host's /newroot)."""
+    is_ram = memphases.guest_ram_paths(["/snap/memory.bin"])
+    assert is_ram(1 << 20, "/snap/memory.bin")
+    assert is_ram(1 << 20, "/newroot/snap/memory.bin")
+    assert not is_ram(1 << 20, "/snap/memory.bin.old")
+    assert not is_ram(1 << 20, "/other/xsnap/memory.bin")
+
+
 def test_the_bss_of_a_real_object_is_read_from_its_elf_headers() -> None:
     import vmfork._core
     assert memphases.bss_bytes(vmfork._core.__file__) % memphases.PAGE == 0

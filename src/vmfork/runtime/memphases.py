@@ -188,7 +188,12 @@ def guest_ram_paths(paths: Iterable[str], size: int | None = None) -> Callable[[
     RAM size: a jailed VMM opened its files before ``pivot_root``, and its smaps names
     them by a path outside its new root."""
     wanted = frozenset(os.path.realpath(p) for p in paths)   # smaps names the real file
-    return lambda length, path: path in wanted or (
+    # A file mapped in another mount namespace (the zygote's own, which premaps a
+    # snapshot's RAM) that the reader cannot reach from its root is named from that
+    # namespace's root: with the reader in a chroot (the emulated test host's
+    # /newroot), that is the real path behind a prefix (at a component boundary: every
+    # wanted path starts with "/").
+    return lambda length, path: any(path.endswith(w) for w in wanted) or (
         size is not None and length == size and path.startswith("/"))
 
 
