@@ -405,8 +405,10 @@ def guest_ram_anonymous(mem_bytes: int) -> Callable[[int, str], bool]:
 
 
 def guest_ram_file(path: Path) -> Callable[[int, str], bool]:
-    target = str(path)
-    return lambda size, p: p == target
+    """The mapping of ``path`` in a peer's smaps (as the children's own breakdown
+    finds it: also when mapped in another mount namespace, ``memphases``)."""
+    from vmfork.runtime import memphases
+    return memphases.guest_ram_paths([str(path)])
 
 
 def qemu_cold(fleet: QemuFleet, n: int, settle: float, timeout: float) -> dict[str, Any]:
