@@ -42,9 +42,8 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::{Ram, RamError};
-use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
-use crate::rng_serve::{dup, write_eventfd};
+use crate::queue_server::{self, call_python, dup, raise_used_buffer, rearm, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -218,17 +217,15 @@ impl BalloonServer {
             st.failed = true;
             return report;
         }
-        if served > 0 && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+        if served > 0 {
             if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
-                st.interrupts += 1;
-                write_eventfd(irq);
+                if raise_used_buffer(&self.registers, self.epoch, irq) {
+                    st.interrupts += 1;
+                }
             }
         }
         if served == self.max_chains {
-            match st.rearm[index].as_ref().map(AsRawFd::as_raw_fd) {
-                Some(fd) => write_eventfd(fd),
-                None => report.rearm = true,
-            }
+            report.rearm = !rearm(st.rearm[index].as_ref().map(AsRawFd::as_raw_fd));
         }
         report
     }
@@ -243,9 +240,7 @@ impl BalloonServer {
             let fault = report
                 .fault
                 .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
-            if let Err(failed) = server.on_report.call1(py, (fault, report.discard_errors)) {
-                failed.write_unraisable(py, Some(server.on_report.bind(py)));
-            }
+            call_python(py, &server.on_report, (fault, report.discard_errors));
         }))
     }
 }
@@ -260,9 +255,6 @@ impl NativeReader for BalloonServer {
         self.deferred(report)
     }
 }
-
-/// (size, desc, avail, used, next_avail, next_used) of a ready queue.
-type PyQueue = (u16, u64, u64, u64, u16, u16);
 
 /// Python's handle: built by `VirtioBalloon.activate` on the native path.
 #[pyclass(frozen, module = "vmfork._core")]
@@ -291,14 +283,12 @@ impl BalloonQueues {
         advice: i32,
         on_report: Py<PyAny>,
     ) -> PyResult<Self> {
-        for (i, q) in queues.iter().enumerate() {
-            if q.0 == 0 || q.0 > 256 || !q.0.is_power_of_two() {
-                return Err(PyValueError::new_err(format!(
-                    "queue {i} size {} is not a power of 2 in 1..256",
-                    q.0
-                )));
-            }
-        }
+        // EVENT_IDX is not offered: the balloon interrupts after every batch.
+        let rings = [
+            queue_server::rings("inflate", queues[0], false)?,
+            queue_server::rings("deflate", queues[1], false)?,
+            queue_server::rings("reporting", queues[2], false)?,
+        ];
         if max_chains == 0 {
             return Err(PyValueError::new_err("max_chains must be at least 1"));
         }
@@ -312,13 +302,6 @@ impl BalloonQueues {
         for (slot, fd) in rearm.iter_mut().zip(notify_fds) {
             *slot = fd.map(dup).transpose()?;
         }
-        let rings = queues.map(|q| Rings {
-            size: q.0,
-            desc: q.1,
-            avail: q.2,
-            used: q.3,
-            event_idx: false, // not offered: the balloon interrupts after every batch
-        });
         Ok(BalloonQueues {
             server: Arc::new(BalloonServer {
                 ram,

@@ -32,9 +32,8 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::blk::{self, Counters, Disk, Warning};
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
-use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
-use crate::rng_serve::{dup, write_eventfd};
+use crate::queue_server::{self, call_python, dup, raise_used_buffer, rearm, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{QueueError, Rings};
 
@@ -127,17 +126,15 @@ impl BlkServer {
             report.fault = Some(e);
             return report;
         }
-        if s.served > 0 && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+        if s.served > 0 {
             if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
-                st.interrupts += 1;
-                write_eventfd(irq);
+                if raise_used_buffer(&self.registers, self.epoch, irq) {
+                    st.interrupts += 1;
+                }
             }
         }
         if s.more {
-            match st.rearm.as_ref().map(AsRawFd::as_raw_fd) {
-                Some(fd) => write_eventfd(fd),
-                None => report.more = true,
-            }
+            report.more = !rearm(st.rearm.as_ref().map(AsRawFd::as_raw_fd));
         }
         report
     }
@@ -153,9 +150,7 @@ impl BlkServer {
                 .fault
                 .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
             let warnings: Vec<_> = report.warnings.iter().map(Warning::as_tuple).collect();
-            if let Err(failed) = server.on_report.call1(py, (fault, warnings)) {
-                failed.write_unraisable(py, Some(server.on_report.bind(py)));
-            }
+            call_python(py, &server.on_report, (fault, warnings));
         }))
     }
 }
@@ -192,7 +187,7 @@ impl BlkQueue {
         ram: Py<GuestRam>,
         registers: Py<MmioRegisters>,
         epoch: u64,
-        queue: (u16, u64, u64, u64, u16, u16),
+        queue: PyQueue,
         irq_fd: RawFd,
         notify_fd: Option<RawFd>,
         fd: RawFd,
@@ -203,12 +198,9 @@ impl BlkQueue {
         max_bytes: u64,
         on_report: Py<PyAny>,
     ) -> PyResult<Self> {
-        let (size, desc, avail, used, next_avail, next_used) = queue;
-        if size == 0 || size > 256 || !size.is_power_of_two() {
-            return Err(PyValueError::new_err(format!(
-                "queue size {size} is not a power of 2 in 1..256"
-            )));
-        }
+        // EVENT_IDX is not offered: blk interrupts after every batch.
+        let rings = queue_server::rings("request", queue, false)?;
+        let (next_avail, next_used) = (queue.4, queue.5);
         if max_requests == 0 || max_bytes == 0 {
             return Err(PyValueError::new_err(
                 "max_requests and max_bytes must be at least 1",
@@ -221,13 +213,7 @@ impl BlkQueue {
                 ram,
                 registers,
                 epoch,
-                rings: Rings {
-                    size,
-                    desc,
-                    avail,
-                    used,
-                    event_idx: false, // not offered: blk interrupts after every batch
-                },
+                rings,
                 notify: notify_fd,
                 max_requests,
                 max_bytes,

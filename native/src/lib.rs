@@ -22,6 +22,7 @@ mod mmio;
 mod mmio_py;
 mod net;
 mod net_serve;
+mod queue_server;
 mod restore;
 mod rng_serve;
 mod vcpu;

@@ -52,10 +52,9 @@ use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::{drain_eventfd, Deferred, LoopLink, NativeReader};
-use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
 use crate::net::{self, Counters, RxStop};
-use crate::rng_serve::{dup, write_eventfd};
+use crate::queue_server::{self, call_python, dup, raise_used_buffer, write_eventfd, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -249,10 +248,11 @@ impl NetServer {
             }
             Some(RxStop::Drained | RxStop::Budget) | None => {}
         }
-        if wanted && lock(&self.registers.get().regs).raise(INT_USED_BUFFER, self.epoch) {
+        if wanted {
             if let Some(irq) = st.irq.as_ref().map(AsRawFd::as_raw_fd) {
-                st.interrupts += 1;
-                write_eventfd(irq);
+                if raise_used_buffer(&self.registers, self.epoch, irq) {
+                    st.interrupts += 1;
+                }
             }
         }
         report
@@ -269,9 +269,7 @@ impl NetServer {
                 .fault
                 .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
             let args = (fault, report.refused, report.read_error);
-            if let Err(failed) = server.on_report.call1(py, args) {
-                failed.write_unraisable(py, Some(server.on_report.bind(py)));
-            }
+            call_python(py, &server.on_report, args);
         }))
     }
 
@@ -301,18 +299,6 @@ impl NativeReader for NetServer {
         *lock(&self.link) = Some(link);
     }
 }
-
-fn check_queue(name: &str, size: u16) -> PyResult<()> {
-    if size == 0 || size > 256 || !size.is_power_of_two() {
-        return Err(PyValueError::new_err(format!(
-            "{name} queue size {size} is not a power of 2 in 1..256"
-        )));
-    }
-    Ok(())
-}
-
-/// (size, desc, avail, used, next_avail, next_used) of a ready queue.
-type PyQueue = (u16, u64, u64, u64, u16, u16);
 
 /// Python's handle: built by `VirtioNet.activate` on the native path.
 #[pyclass(frozen, module = "vmfork._core")]
@@ -348,28 +334,23 @@ impl NetQueues {
         on_report: Py<PyAny>,
         event_idx: bool,
     ) -> PyResult<Self> {
-        check_queue("rx", rx.0)?;
-        check_queue("tx", tx.0)?;
+        let (rx_rings, tx_rings) = (
+            queue_server::rings("rx", rx, event_idx)?,
+            queue_server::rings("tx", tx, event_idx)?,
+        );
         if max_frames == 0 {
             return Err(PyValueError::new_err("max_frames must be at least 1"));
         }
         let tap = tap_fd.map(dup).transpose()?;
         let tx_rearm = tx_notify_fd.map(dup).transpose()?;
         let irq = dup(irq_fd)?;
-        let rings = |q: PyQueue| Rings {
-            size: q.0,
-            desc: q.1,
-            avail: q.2,
-            used: q.3,
-            event_idx,
-        };
         Ok(NetQueues {
             server: Arc::new(NetServer {
                 ram,
                 registers,
                 epoch,
-                rx: rings(rx),
-                tx: rings(tx),
+                rx: rx_rings,
+                tx: tx_rings,
                 tap_fd: tap.as_ref().map(AsRawFd::as_raw_fd),
                 rx_notify: rx_notify_fd,
                 tx_notify: tx_notify_fd,

@@ -29,8 +29,8 @@ use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
-use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
+use crate::queue_server::{self, call_python, dup, raise_used_buffer, rearm, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -120,16 +120,12 @@ impl RngServer {
             st.failed = true;
             return Served::Fault(e);
         }
-        if served > 0 && lock(regs).raise(INT_USED_BUFFER, self.epoch) {
+        if served > 0 && raise_used_buffer(&self.registers, self.epoch, self.irq.as_raw_fd()) {
             st.interrupts += 1;
-            write_eventfd(self.irq.as_raw_fd());
         }
         drop(st);
-        if served == self.max_requests {
-            match &self.notify {
-                Some(fd) => write_eventfd(fd.as_raw_fd()),
-                None => return Served::Budget,
-            }
+        if served == self.max_requests && !rearm(self.notify.as_ref().map(AsRawFd::as_raw_fd)) {
+            return Served::Budget;
         }
         Served::Done
     }
@@ -144,33 +140,10 @@ impl NativeReader for RngServer {
             Served::Done | Served::Budget => None,
             Served::Fault(e) => Some(Box::new(move |py| {
                 let err = crate::virtio_py::py_error(py, e);
-                if let Err(failed) = self.on_error.call1(py, (err.value(py),)) {
-                    failed.write_unraisable(py, Some(self.on_error.bind(py)));
-                }
+                call_python(py, &self.on_error, (err.value(py),));
             })),
         }
     }
-}
-
-pub(crate) fn write_eventfd(fd: RawFd) {
-    let one = 1u64.to_ne_bytes();
-    // SAFETY: `fd` is an eventfd this object owns (a duplicate); 8 bytes from a live
-    // buffer. A full counter (EAGAIN) still leaves the eventfd signalled.
-    let _ = unsafe { libc::write(fd, one.as_ptr().cast(), one.len()) };
-}
-
-pub(crate) fn dup(fd: RawFd) -> PyResult<OwnedFd> {
-    use std::os::fd::BorrowedFd;
-    if fd < 0 {
-        return Err(PyValueError::new_err(format!(
-            "invalid file descriptor {fd}"
-        )));
-    }
-    // SAFETY: the caller passes an fd it keeps open for the duration of this call.
-    let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
-    borrowed
-        .try_clone_to_owned()
-        .map_err(|e| pyo3::exceptions::PyOSError::new_err(format!("dup({fd}): {e}")))
 }
 
 /// Python's handle: built by `VirtioRng.activate` on the native path.
@@ -192,19 +165,16 @@ impl RngQueue {
         ram: Py<GuestRam>,
         registers: Py<MmioRegisters>,
         epoch: u64,
-        queue: (u16, u64, u64, u64, u16, u16),
+        queue: PyQueue,
         irq_fd: RawFd,
         notify_fd: Option<RawFd>,
         max_requests: u32,
         max_bytes: usize,
         on_error: Py<PyAny>,
     ) -> PyResult<Self> {
-        let (size, desc, avail, used, next_avail, next_used) = queue;
-        if size == 0 || size > 256 || !size.is_power_of_two() {
-            return Err(PyValueError::new_err(format!(
-                "queue size {size} is not a power of 2 in 1..256"
-            )));
-        }
+        // EVENT_IDX is not offered: rng interrupts after every batch.
+        let rings = queue_server::rings("request", queue, false)?;
+        let (next_avail, next_used) = (queue.4, queue.5);
         if max_requests == 0 {
             return Err(PyValueError::new_err("max_requests must be at least 1"));
         }
@@ -217,13 +187,7 @@ impl RngQueue {
                 ram,
                 registers,
                 epoch,
-                rings: Rings {
-                    size,
-                    desc,
-                    avail,
-                    used,
-                    event_idx: false, // not offered: rng interrupts after every batch
-                },
+                rings,
                 irq: dup(irq_fd)?,
                 notify,
                 max_requests,

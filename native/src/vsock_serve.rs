@@ -42,9 +42,8 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::Ram;
-use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
-use crate::rng_serve::{dup, write_eventfd};
+use crate::queue_server::{self, call_python, dup, raise_used_buffer, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, Chain, QueueError, Rings};
 use crate::vsock_connect_line::parse_connect_line;
@@ -1337,9 +1336,8 @@ impl VsockServer {
         if fault.is_some() {
             inner.failed = true;
         }
-        if used && lock(&att.registers.get().regs).raise(INT_USED_BUFFER, att.epoch) {
+        if used && raise_used_buffer(&att.registers, att.epoch, att.irq.as_raw_fd()) {
             inner.interrupts += 1;
-            write_eventfd(att.irq.as_raw_fd());
         }
         fault
     }
@@ -1349,9 +1347,7 @@ impl VsockServer {
         let server = self.clone();
         Some(Box::new(move |py| {
             let err = crate::virtio_py::py_error(py, fault);
-            if let Err(failed) = server.on_fault.call1(py, (err.value(py),)) {
-                failed.write_unraisable(py, Some(server.on_fault.bind(py)));
-            }
+            call_python(py, &server.on_fault, (err.value(py),));
         }))
     }
 }
@@ -1378,18 +1374,6 @@ impl NativeReader for VsockServer {
 fn os_error(what: &str, err: std::io::Error) -> PyErr {
     PyOSError::new_err(format!("vsock: {what}: {err}"))
 }
-
-fn check_queue(name: &str, size: u16) -> PyResult<()> {
-    if size == 0 || size > 256 || !size.is_power_of_two() {
-        return Err(PyValueError::new_err(format!(
-            "{name} queue size {size} is not a power of 2 in 1..256"
-        )));
-    }
-    Ok(())
-}
-
-/// (size, desc, avail, used, next_avail, next_used) of a ready queue.
-type PyQueue = (u16, u64, u64, u64, u16, u16);
 
 /// Python's handle: made by `VirtioVsock.__init__` on the native path.
 #[pyclass(frozen, module = "vmfork._core")]
@@ -1508,21 +1492,17 @@ impl VsockServe {
         connect_timeout: f64,
         reset_ack_wait: f64,
     ) -> PyResult<()> {
-        check_queue("rx", rx.0)?;
-        check_queue("tx", tx.0)?;
-        check_queue("event", event.0)?;
-        let rings = |q: PyQueue| Rings {
-            size: q.0,
-            desc: q.1,
-            avail: q.2,
-            used: q.3,
-            event_idx: false, // not offered: vsock interrupts after every batch
-        };
+        // EVENT_IDX is not offered: vsock interrupts after every batch.
+        let rings = [
+            queue_server::rings("rx", rx, false)?,
+            queue_server::rings("tx", tx, false)?,
+            queue_server::rings("event", event, false)?,
+        ];
         let att = Arc::new(Attached {
             ram,
             registers,
             epoch,
-            rings: [rings(rx), rings(tx), rings(event)],
+            rings,
             irq: dup(irq_fd)?,
             notify: [notify_fds.0, notify_fds.1, notify_fds.2],
         });
