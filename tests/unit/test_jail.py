@@ -258,3 +258,54 @@ def test_host_facts_are_read_once_per_process() -> None:
     assert jail.last_capability() == int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     assert jail.python_paths() is jail.python_paths()
     assert jail.python_paths.cache_info().currsize == 1
+
+
+def test_a_zygote_in_its_own_mount_namespace_sees_the_host_s_later_mounts() -> None:
+    """A sandbox's network namespace is a bind mount the host makes after the zygote took
+    a mount namespace of its own; where propagation does not reach (a private /run, as
+    in the emulated test host), the zygote still finds it through the host's root
+    (``jail.host_root``), and a jail lets go of that descriptor. Played out in a forked
+    "host" with a private mount namespace of its own, so nothing here touches the
+    machine's mounts."""
+    ready_r, ready_w = os.pipe()
+    mounted_r, mounted_w = os.pipe()
+    host = os.fork()
+    if host == 0:
+        status = 1
+        try:
+            assert jail._libc.unshare(jail.CLONE_NEWNS) == 0
+            jail._mount(None, "/", None, jail.MS_REC | jail.MS_PRIVATE, None, "private /")
+            top = tempfile.mkdtemp(prefix="vmfork-hostroot-")
+            jail._mount("tmpfs", top, "tmpfs", 0, "size=1m", "tmpfs")   # private: no propagation
+            zygote = os.fork()
+            if zygote == 0:
+                code = 1
+                try:
+                    os.close(ready_r)
+                    os.close(mounted_w)
+                    assert jail.own_mount_namespace() and jail.host_root() is not None
+                    os.write(ready_w, b"x")
+                    assert os.read(mounted_r, 1) == b"x"
+                    later = os.path.join(top, "later")
+                    here = os.stat(later).st_dev
+                    through_host = os.stat(later.lstrip("/"), dir_fd=jail.host_root()).st_dev
+                    assert through_host != here, "the host's later mount is not seen"
+                    jail._let_go_of_host_root()
+                    assert jail.host_root() is None
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(ready_w)     # the zygote's end alone: its exit is an EOF here
+            os.close(mounted_r)
+            assert os.read(ready_r, 1) == b"x"
+            os.mkdir(os.path.join(top, "later"))
+            jail._mount("tmpfs", os.path.join(top, "later"), "tmpfs", 0, "size=1m", "later")
+            os.write(mounted_w, b"x")
+            _, zstatus = os.waitpid(zygote, 0)
+            status = 0 if os.WIFEXITED(zstatus) and os.WEXITSTATUS(zstatus) == 0 else 2
+        finally:
+            os._exit(status)
+    for fd in (ready_r, ready_w, mounted_r, mounted_w):
+        os.close(fd)
+    _, status = os.waitpid(host, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status

@@ -181,17 +181,43 @@ SHARED_AT = "/.vmfork-shared"
 """Where a jail sees its zygote's ``SharedTree`` (inside the jail's root)."""
 
 
+_host_root: int | None = None
+"""The host mount namespace's root (an ``O_PATH`` descriptor), kept by a zygote that
+took a mount namespace of its own: the paths the host makes after that (a sandbox's
+network namespace, ``/run/netns/<name>``) are looked up through it."""
+
+
 def own_mount_namespace() -> bool:
     """Give this process (the zygote, once, as root, before it forks anything) a mount
-    namespace of its own that still receives the host's mounts (``MS_SLAVE``: a
-    sandbox's network namespace is a bind mount in ``/run/netns`` made after the zygote
-    started) and sends none back: the ``SharedTree`` it mounts there is seen by no one
-    else and goes away with the namespace, however the zygote ends. False if it cannot
-    (no ``CAP_SYS_ADMIN``)."""
+    namespace of its own that sends no mount back: the ``SharedTree`` it mounts there is
+    seen by no one else and goes away with the namespace, however the zygote ends. It
+    receives the host's mounts only where propagation reaches (``MS_SLAVE``), and a
+    host whose ``/run`` is private shares none, so a sandbox's network namespace (a bind
+    mount in ``/run/netns`` made after the zygote started) is looked up from the host's
+    root (``host_root``) instead, which a lookup through it sees as the host does.
+    False if it cannot (no ``CAP_SYS_ADMIN``)."""
+    global _host_root
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     if _libc.unshare(CLONE_NEWNS) != 0:
+        os.close(root)
         return False
+    _host_root = root
     _mount(None, "/", None, MS_REC | MS_SLAVE, None, "make the zygote's mounts slaves")
     return True
+
+
+def host_root() -> int | None:
+    """``own_mount_namespace``'s descriptor of the host's root, if it took one."""
+    return _host_root
+
+
+def _let_go_of_host_root() -> None:
+    """A jail must not hold the host's root: a descriptor of it is a way out of any
+    ``pivot_root`` (``openat`` from it walks the host's tree)."""
+    global _host_root
+    if _host_root is not None:
+        os.close(_host_root)
+        _host_root = None
 
 
 class SharedTree:
@@ -312,11 +338,12 @@ def enter(spec: JailSpec) -> None:
         from vmfork.runtime.network import NetworkError, enter_netns
         from vmfork.vmm.devices.virtio.net import open_tap
         try:
-            enter_netns(spec.netns)
+            enter_netns(spec.netns, root_fd=_host_root)
         except NetworkError as err:
             raise JailError(f"join network namespace {spec.netns}: {err}", errno.EPERM) from err
         if spec.tap is not None:
             openfiles.preopen_tap(spec.tap, open_tap(spec.tap))
+    _let_go_of_host_root()
     flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
     if spec.netns is None and not _in_empty_netns:
         flags |= CLONE_NEWNET   # no held namespace to join (a parent VMM): one of its own

@@ -125,16 +125,22 @@ def _setns(fd: int, what: str) -> None:
     _check(_libc.setns(fd, CLONE_NEWNET), f"setns({what})")
 
 
-def enter_netns(name: str) -> None:
-    """Move the calling thread into network namespace ``/run/netns/<name>``.
+def enter_netns(name: str, root_fd: int | None = None) -> None:
+    """Move the calling thread into network namespace ``/run/netns/<name>``, looked up
+    from ``root_fd`` when given (the host's root, for a process in a mount namespace of
+    its own that the host's later mounts may not reach: ``jail.host_root``).
 
     For the VMM process of a child, before it creates any thread: threads it
     starts afterwards inherit the namespace, and ``/dev/net/tun`` then attaches
     to the tap inside it.
     """
     _validate_netns_name(name)
+    path = NETNS_DIR / name
     try:
-        fd = os.open(NETNS_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+        if root_fd is None:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            fd = os.open(path.relative_to("/"), os.O_RDONLY | os.O_CLOEXEC, dir_fd=root_fd)
     except OSError as err:
         raise NetworkError(f"open network namespace {name}: {err.strerror}") from err
     try:
