@@ -185,6 +185,7 @@ _host_root: int | None = None
 """The host mount namespace's root (an ``O_PATH`` descriptor), kept by a zygote that
 took a mount namespace of its own: the paths the host makes after that (a sandbox's
 network namespace, ``/run/netns/<name>``) are looked up through it."""
+_host_root_id: tuple[int, int] = (0, 0)
 
 
 def own_mount_namespace() -> bool:
@@ -196,12 +197,13 @@ def own_mount_namespace() -> bool:
     mount in ``/run/netns`` made after the zygote started) is looked up from the host's
     root (``host_root``) instead, which a lookup through it sees as the host does.
     False if it cannot (no ``CAP_SYS_ADMIN``)."""
-    global _host_root
+    global _host_root, _host_root_id
     root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     if _libc.unshare(CLONE_NEWNS) != 0:
         os.close(root)
         return False
-    _host_root = root
+    st = os.fstat(root)
+    _host_root, _host_root_id = root, (st.st_dev, st.st_ino)
     _mount(None, "/", None, MS_REC | MS_SLAVE, None, "make the zygote's mounts slaves")
     return True
 
@@ -213,11 +215,35 @@ def host_root() -> int | None:
 
 def _let_go_of_host_root() -> None:
     """A jail must not hold the host's root: a descriptor of it is a way out of any
-    ``pivot_root`` (``openat`` from it walks the host's tree)."""
+    ``pivot_root`` (``openat`` from it walks the host's tree). A zygote child has
+    usually closed it already with every inherited descriptor (its number may even be
+    another file's by now): only a descriptor that still is the host's root is closed."""
     global _host_root
-    if _host_root is not None:
-        os.close(_host_root)
-        _host_root = None
+    fd, _host_root = _host_root, None
+    if fd is None:
+        return
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return
+    if (st.st_dev, st.st_ino) == _host_root_id and stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+
+
+_in_sandbox_netns = False
+
+
+def join_sandbox_netns(name: str) -> None:
+    """Join the sandbox's network namespace ``/run/netns/<name>`` (found from the host's
+    root, when the zygote keeps one): in a zygote child, before its set-up closes the
+    descriptors it inherited, that one among them. ``enter`` then does not join again."""
+    global _in_sandbox_netns
+    from vmfork.runtime.network import NetworkError, enter_netns
+    try:
+        enter_netns(name, root_fd=_host_root)
+    except NetworkError as err:
+        raise JailError(f"join network namespace {name}: {err}", errno.EPERM) from err
+    _in_sandbox_netns = True
 
 
 class SharedTree:
@@ -335,12 +361,9 @@ def enter(spec: JailSpec) -> None:
         # needs CAP_NET_ADMIN: both happen here, as root, and only the tap's descriptor
         # crosses into the jail. The process stays in the sandbox's namespace, whose
         # only way out is the egress policy on its host end.
-        from vmfork.runtime.network import NetworkError, enter_netns
         from vmfork.vmm.devices.virtio.net import open_tap
-        try:
-            enter_netns(spec.netns, root_fd=_host_root)
-        except NetworkError as err:
-            raise JailError(f"join network namespace {spec.netns}: {err}", errno.EPERM) from err
+        if not _in_sandbox_netns:
+            join_sandbox_netns(spec.netns)
         if spec.tap is not None:
             openfiles.preopen_tap(spec.tap, open_tap(spec.tap))
     _let_go_of_host_root()

@@ -182,9 +182,14 @@ def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
     run_dir = args.get("run_dir")
     memphases.record("forked", run_dir)
     try:
-        if jail_spec is not None and jail_spec.netns is None:
+        if jail_spec is not None:
+            # Before _setup closes the descriptors the joins need (the held empty
+            # namespace; the host's root the sandbox's namespace is found from).
             try:
-                jail.join_empty_netns()   # before _setup closes the descriptor it needs
+                if jail_spec.netns is None:
+                    jail.join_empty_netns()
+                else:
+                    jail.join_sandbox_netns(jail_spec.netns)
             except OSError as err:
                 _fail(str(err))
         _setup(zygote_pid, cgroup, log_path, zygote_pidfd)
