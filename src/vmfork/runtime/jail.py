@@ -8,7 +8,10 @@ privileges the next ones drop):
 0. **The sandbox's network**, when it has one: ``setns`` into its network namespace
    and attach to its tap there (``vmm/openfiles.preopen_tap``), while the process still
    has the capabilities both need; the VMM later takes that descriptor instead of
-   opening ``/dev/net/tun`` (which the jail does not hold).
+   opening ``/dev/net/tun`` (which the jail does not hold). A zygote child joins it
+   first thing (``join_sandbox_netns``), through the host's root that a zygote in a
+   mount namespace of its own keeps (``host_root``), before its set-up closes every
+   inherited descriptor, that one among them; a jail never holds it.
 1. **Namespaces.** A VMM without a network of its own joins an empty network
    namespace the zygote made once (``hold_empty_netns``): no interface but a loopback
    that is down, no route to the host or anywhere, none of the host's abstract Unix
