@@ -43,7 +43,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::{Ram, RamError};
 use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, call_python, dup, raise_used_buffer, rearm, PyQueue};
+use crate::queue_server::{self, dup, raise_used_buffer, rearm, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -232,16 +232,7 @@ impl BalloonServer {
 
     /// The report's Python half, if it has one.
     fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
-        if report.fault.is_none() && report.discard_errors.is_empty() {
-            return None;
-        }
-        let server = self.clone();
-        Some(Box::new(move |py| {
-            let fault = report
-                .fault
-                .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
-            call_python(py, &server.on_report, (fault, report.discard_errors));
-        }))
+        queue_server::report(self, |s| &s.on_report, report.fault, report.discard_errors)
     }
 }
 

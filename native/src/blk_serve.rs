@@ -33,7 +33,7 @@ use pyo3::{PyTraverseError, PyVisit};
 use crate::blk::{self, Counters, Disk, Warning};
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, call_python, dup, raise_used_buffer, rearm, PyQueue};
+use crate::queue_server::{self, dup, raise_used_buffer, rearm, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{QueueError, Rings};
 
@@ -141,17 +141,8 @@ impl BlkServer {
 
     /// The report's Python half, if it has one.
     fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
-        if report.fault.is_none() && report.warnings.is_empty() {
-            return None;
-        }
-        let server = self.clone();
-        Some(Box::new(move |py| {
-            let fault = report
-                .fault
-                .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
-            let warnings: Vec<_> = report.warnings.iter().map(Warning::as_tuple).collect();
-            call_python(py, &server.on_report, (fault, warnings));
-        }))
+        let warnings = report.warnings.iter().map(Warning::as_tuple).collect();
+        queue_server::report(self, |s| &s.on_report, report.fault, warnings)
     }
 }
 

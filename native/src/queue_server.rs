@@ -4,13 +4,15 @@
 //! duplicates and writes, and the call into Python that reports what needs the GIL.
 
 use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
+use std::sync::Arc;
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::eventloop::Deferred;
 use crate::mmio::INT_USED_BUFFER;
 use crate::mmio_py::MmioRegisters;
-use crate::virtq::Rings;
+use crate::virtq::{QueueError, Rings};
 
 /// (size, desc, avail, used, next_avail, next_used) of a ready queue, as Python's
 /// `Virtqueue` holds it once `Virtqueue.validate` checked it.
@@ -71,6 +73,29 @@ where
     if let Err(failed) = callback.call1(py, args) {
         failed.write_unraisable(py, Some(callback.bind(py)));
     }
+}
+
+/// A wake's report for Python, to run with the GIL after the turn's native work:
+/// `on_report(fault or None, details)`, or nothing when it has neither. `server` keeps
+/// the callback (`on_report(server)`) alive until then.
+pub fn report<S, T>(
+    server: &Arc<S>,
+    on_report: fn(&S) -> &Py<PyAny>,
+    fault: Option<QueueError>,
+    details: Vec<T>,
+) -> Option<Deferred>
+where
+    S: Send + Sync + 'static,
+    T: Send + 'static + for<'py> IntoPyObject<'py>,
+{
+    if fault.is_none() && details.is_empty() {
+        return None;
+    }
+    let server = server.clone();
+    Some(Box::new(move |py| {
+        let fault = fault.map(|e| crate::virtio_py::py_error(py, e).into_value(py));
+        call_python(py, on_report(&server), (fault, details));
+    }))
 }
 
 pub(crate) fn write_eventfd(fd: RawFd) {
