@@ -592,8 +592,13 @@ class Machine:
 
         def insert() -> None:
             try:
+                # The queue's ioeventfd first (an empty slot had none), so a failure
+                # changes nothing the guest sees.
+                transport = self._transport_of(slot)
+                if transport.add_ioeventfds():
+                    slot.rewake()
                 slot.insert_media(fd, size, media.key, media.read_only, media.path)
-                self._transport_of(slot).notify_config_change()
+                transport.notify_config_change()
             finally:
                 finished.append(True)
 

@@ -304,6 +304,20 @@ class VirtioBlk(VirtioDevice):
     def empty(self) -> bool:
         return self.capacity_bytes == 0
 
+    @property
+    def wants_ioeventfds(self) -> bool:
+        # An empty slot has nothing to serve: most never get a disk, and the eventfd,
+        # KVM_IOEVENTFD and loop reader each would cost are a spawn's system calls.
+        return not (self.volume_slot and self.empty)
+
+    def rewake(self) -> None:
+        """The transport gave the queue its ioeventfd after activation (a disk went
+        into an empty slot): serve it natively again, now woken by that fd (on the I/O
+        thread)."""
+        if self._server is not None:
+            self._let_go_of_server()
+            self._serve_natively()
+
     def insert_media(self, fd: int, size: int, disk_key: str, read_only: bool,
                      path: str) -> None:
         """Give an empty volume slot its disk (call on the I/O thread; the caller
