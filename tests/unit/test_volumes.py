@@ -152,17 +152,19 @@ def test_an_empty_slot_gets_its_ioeventfd_only_with_a_disk(
     # Most slots stay empty: a spawn should not pay an eventfd, a KVM_IOEVENTFD and a
     # loop reader for each. The disk's arrival (as Machine.attach_volume does it) adds
     # them, and the queue is then served on them.
-    line = IrqLine(gsi=9)
+    lines: list[int] = []
+    line = IrqLine(gsi=9, connect=lines.append)   # as Machine makes it: at first use
     slot = SlotEnv(loop, memory, line, ioeventfds=True)
     fd, size = blk.open_disk(str(volume_file))
     try:
-        assert slot.registered == []
+        assert slot.registered == [] and lines == [] and not slot.dev.serving_natively
         assert slot.request([header(blk.T_IN, 0)], [512, 1])[1] == blk.S_IOERR  # the exit
+        assert lines == [line.fd]   # its answer is the line's first use
 
         def insert() -> None:
             assert slot.transport.add_ioeventfds()
-            slot.dev.rewake()
             slot.dev.insert_media(fd, size, KEY, True, "vol.img")
+            slot.dev.rewake()
             slot.transport.notify_config_change()
         run_on_loop(loop, insert)
         assert [(off, dm) for off, dm, _ in slot.registered] == [(mmio.REG_QUEUE_NOTIFY, 0)]

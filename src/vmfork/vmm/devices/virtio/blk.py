@@ -311,12 +311,10 @@ class VirtioBlk(VirtioDevice):
         return not (self.volume_slot and self.empty)
 
     def rewake(self) -> None:
-        """The transport gave the queue its ioeventfd after activation (a disk went
-        into an empty slot): serve it natively again, now woken by that fd (on the I/O
-        thread)."""
-        if self._server is not None:
-            self._let_go_of_server()
-            self._serve_natively()
+        """A disk went into this slot, and its transport gave the queue an ioeventfd:
+        serve it natively from now on, woken by that fd (on the I/O thread)."""
+        self._let_go_of_server()
+        self._serve_natively()
 
     def insert_media(self, fd: int, size: int, disk_key: str, read_only: bool,
                      path: str) -> None:
@@ -358,7 +356,11 @@ class VirtioBlk(VirtioDevice):
         """Hand the queue to a ``_core.BlkQueue`` where the transport can (the native
         loop and register file, an irqfd); otherwise ``_serve`` stays the path."""
         memory, interrupt = self.memory, self.interrupt
+        # An empty slot has no server until its disk comes (``rewake``): the server
+        # would take its line's eventfd, which an empty slot need never make
+        # (``IrqLine``), and the ``IOERR``s it owes meanwhile come from ``_serve``.
         if (not (self.native_serve and self._native_requests) or memory is None
+                or (self.volume_slot and self.empty)
                 or memory.native is None or interrupt is None or self._server is not None
                 or not self.queues[0].ready):
             return
