@@ -297,6 +297,18 @@ class VirtioBlk(VirtioDevice):
     def empty(self) -> bool:
         return self.capacity_bytes == 0
 
+    @property
+    def wants_ioeventfds(self) -> bool:
+        # An empty slot has nothing to serve: most never get a disk, and the eventfd,
+        # KVM_IOEVENTFD and loop reader each would cost are a spawn's system calls.
+        return not (self.volume_slot and self.empty)
+
+    def rewake(self) -> None:
+        """A disk went into this slot, and its transport gave the queue an ioeventfd:
+        serve it natively from now on, woken by that fd (on the I/O thread)."""
+        self._let_go_of_server()
+        self._serve_natively()
+
     def insert_media(self, fd: int, size: int, disk_key: str, read_only: bool,
                      path: str) -> None:
         """Give an empty volume slot its disk (call on the I/O thread; the caller
@@ -337,7 +349,10 @@ class VirtioBlk(VirtioDevice):
         """Hand the queue to a ``_core.BlkQueue`` where the transport can (the native
         loop and register file, an irqfd); otherwise ``_serve`` enters it per notification."""
         memory, interrupt = self.memory, self.interrupt
-        if (not self.native_serve or memory is None
+        # An empty slot has no server until its disk comes (``rewake``): the server
+        # would take its line's eventfd, which an empty slot need never make
+        # (``IrqLine``), and the ``IOERR``s it owes meanwhile come from ``_serve``.
+        if (not self.native_serve or memory is None or (self.volume_slot and self.empty)
                 or memory.native is None or interrupt is None or self._server is not None
                 or not self.queues[0].ready):
             return
