@@ -58,7 +58,11 @@ iperf3 over the same kind of veth path (what the host's network path carries).
 through its agent over vsock each way, ``--reps`` times: host -> guest (``write_file``
 into the guest's RAM-backed ``/tmp``) and guest -> host (``read_file`` of it back).
 What it measures is the whole path users see (the vsock device, the host Unix socket
-and the agent's framing), so the agent's share stays in both columns alike.
+and the agent's framing), so the agent's share stays in both columns alike. It has one
+peer: vsock has one implementation, the native server; the Python device it was
+compared with (``VMFORK_NATIVE_VSOCK_SERVE=0``) is gone, and its figures against the
+server are in docs/design-notes.md's session-15 entry "vsock served on the loop without
+the GIL".
 
 Writes ``bench/results/spawn.{json,md}``. On a host whose KVM cannot run
 unmodified guests it re-runs itself inside the emulated test host, where only
@@ -1237,7 +1241,6 @@ def vsock_main(args: argparse.Namespace) -> int:
           (f"| guest -> host (read_file) | {to_host_med:.2f} | "
            f"{args.vsock_mib / to_host_med:.1f} |"), ""]
     write_results("spawn-vsock", {"mib": args.vsock_mib, "reps": args.reps,
-                                  "native": os.environ.get("VMFORK_NATIVE", "1"),
                                   "runs": runs}, "\n".join(md))
     return 0
 

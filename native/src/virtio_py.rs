@@ -15,7 +15,6 @@ use crate::blk::{self, Disk, Warning};
 use crate::guest_ram::{GuestRam as Ram, Ram as Locked, RamError, Region};
 use crate::net::{self, RxStop};
 use crate::virtq::{self, Chain, QueueError, Rings};
-use crate::vsock_io::{self, DataHeader, Stop};
 use crate::vsock_packet::{self, Header, Verdict};
 
 pub(crate) fn py_error(py: Python<'_>, e: QueueError) -> PyErr {
@@ -460,81 +459,6 @@ impl GuestRam {
             warnings,
             error,
         ))
-    }
-
-    /// vsock: deliver what the Unix socket `fd` holds to the guest as RW packets on
-    /// the rx queue, one per chain, at most `max_packets` and `credit` bytes.
-    /// `header` is (src_cid, dst_cid, src_port, dst_port, buf_alloc, fwd_cnt).
-    /// Returns (next_avail, next_used, packets, bytes, why it stopped: "drained",
-    /// "eof", "credit", "no_buffers", "budget", or the errno of a failed read).
-    #[allow(clippy::too_many_arguments)]
-    fn vsock_rx_data(
-        &self,
-        py: Python<'_>,
-        size: u16,
-        desc: u64,
-        avail: u64,
-        used: u64,
-        next_avail: u16,
-        next_used: u16,
-        fd: i32,
-        header: (u64, u64, u32, u32, u32, u32),
-        credit: u64,
-        max_packets: u32,
-    ) -> PyResult<(u16, u16, u32, u64, Py<PyAny>)> {
-        let rings = Self::rings(size, desc, avail, used);
-        let (src_cid, dst_cid, src_port, dst_port, buf_alloc, fwd_cnt) = header;
-        let header = DataHeader {
-            src_cid,
-            dst_cid,
-            src_port,
-            dst_port,
-            buf_alloc,
-            fwd_cnt,
-        };
-        let b = self.with(py, |ram| {
-            vsock_io::rx_data(
-                ram,
-                &rings,
-                next_avail,
-                next_used,
-                fd,
-                &header,
-                credit,
-                max_packets,
-            )
-        })?;
-        let stop = match b.stop {
-            Stop::Drained => "drained".into_pyobject(py)?.into_any().unbind(),
-            Stop::Eof => "eof".into_pyobject(py)?.into_any().unbind(),
-            Stop::Credit => "credit".into_pyobject(py)?.into_any().unbind(),
-            Stop::NoBuffers => "no_buffers".into_pyobject(py)?.into_any().unbind(),
-            Stop::Budget => "budget".into_pyobject(py)?.into_any().unbind(),
-            Stop::Failed(errno) => errno.into_pyobject(py)?.into_any().unbind(),
-        };
-        Ok((b.next_avail, b.next_used, b.packets, b.bytes, stop))
-    }
-
-    /// vsock: send up to `length` bytes of `segments` from `offset` to the Unix socket
-    /// `fd` (one sendmsg, MSG_NOSIGNAL | MSG_DONTWAIT, at most 64 KiB). Returns the
-    /// bytes sent (0 when the socket is full); raises OSError if the socket failed.
-    fn vsock_send(
-        &self,
-        py: Python<'_>,
-        segments: Segments,
-        offset: u64,
-        length: usize,
-        fd: i32,
-    ) -> PyResult<usize> {
-        let sent = self.with(py, |ram| {
-            vsock_io::send_segments(ram, &segments, offset, length, fd)
-        })?;
-        sent.map_err(|errno| {
-            pyo3::exceptions::PyOSError::new_err((
-                errno,
-                std::io::Error::from_raw_os_error(errno).to_string(),
-            ))
-        })
     }
 
     /// vsock: parse and check the packet in a tx chain's readable `segments` for the

@@ -1,4 +1,4 @@
-//! A host's CONNECT line (Firecracker's convention, `vsock.py`'s `_CONNECT_LINE`):
+//! A host's CONNECT line (Firecracker's convention, `CONNECT\s+(\d{1,10})\s*\n`):
 //! the one parser of host-peer bytes in the native vsock server (`vsock_serve.rs`),
 //! kept apart so that the fuzz target (`native/fuzz`'s `vsock_connect_line`) builds it
 //! without Python. Its input is at most one line of at most 127 bytes (the server reads
@@ -9,8 +9,8 @@ pub fn is_space(b: u8) -> bool {
     matches!(b, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
 }
 
-/// The port of a host's CONNECT line: `vsock.py`'s `_CONNECT_LINE`
-/// (`CONNECT\s+(\d{1,10})\s*\n`, the whole line), the number not yet range-checked.
+/// The port of a host's CONNECT line (`CONNECT\s+(\d{1,10})\s*\n`, the whole line,
+/// `\s` as Python's regexes read it on bytes), the number not yet range-checked.
 pub fn parse_connect_line(line: &[u8]) -> Option<u64> {
     let rest = line.strip_prefix(b"CONNECT")?;
     let spaces = rest.iter().take_while(|&&b| is_space(b)).count();

@@ -1,9 +1,8 @@
 //! The vsock device's byte paths, natively: stream data moves between a host Unix
 //! socket and the guest's virtqueue buffers with one `readv`/`sendmsg` over the
 //! buffers themselves, never through a Python object. The connection state machine,
-//! credit bookkeeping and the Firecracker convention are `vsock.py`'s, or
-//! `vsock_serve.rs`'s where the device is served natively; either calls these with a
-//! connection's numbers and applies what they report.
+//! credit bookkeeping and the Firecracker convention are `vsock_serve.rs`'s; it calls
+//! these with a connection's numbers and applies what they report.
 //!
 //! Bounds: a batch serves at most `max_packets` rx chains; each packet carries at most
 //! `min(room in the chain, the guest's credit, MAX_PAYLOAD)` bytes, so neither the

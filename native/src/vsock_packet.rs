@@ -1,12 +1,10 @@
 //! vsock's packet header (virtio 1.2, 5.10.6) and the tx side's parse of one guest
 //! chain: the header is copied once out of the chain's readable buffers, decoded from
-//! our copy, and checked by `vsock.py`'s rules in `vsock.py`'s order, each refusal
-//! with `vsock.py`'s counter key word for word. What comes back is a `Verdict` that
-//! `vsock.py` acts on; the connection state machine (which needs the connection
-//! table, the Unix sockets and the credit counters) stays there for now.
+//! our copy, and checked by the rules below in their order, each refusal with the
+//! counter key `vsock.py` names word for word. What comes back is a `Verdict` that
+//! `vsock_serve.rs`'s connection state machine acts on.
 //!
-//! The rules, in order (`VirtioVsock._handle_packet`, whose Python twin is
-//! `vsock.classify_tx`):
+//! The rules, in order:
 //! 1. fewer than 44 readable bytes: dropped ("shorter than the header");
 //! 2. not from our guest's CID to the host's: dropped, never answered (the key is
 //!    fixed, never the CIDs, which are the guest's choice);
@@ -14,7 +12,7 @@
 //!    connection, if any, is reset; else an RST answers it unless it is one);
 //! 4. a socket type other than STREAM: refused the same way;
 //! 5. otherwise a packet, its op decoded (`None` for an op we do not know: what
-//!    that means depends on whether a connection exists, which Python knows).
+//!    that means depends on whether a connection exists, which the server knows).
 //!
 //! Hostile input: the guest writes its buffers while we read them; `read_segments`
 //! copies the 44 bytes once and only our copy is interpreted. Nothing here loops on
@@ -169,7 +167,7 @@ pub fn classify_header(hdr: &Header, readable: u64, guest_cid: u64) -> Verdict {
 /// popped by the caller, which checked they hold a header): the header, then
 /// `payload` from byte 44 on, each cut at the end of the buffers, then the used entry
 /// with the bytes written. Returns the new `next_used`. Which packet, and its fields,
-/// are `vsock.py`'s state machine's (`deliver_rx_python` is the twin).
+/// are `vsock_serve.rs`'s state machine's.
 pub fn deliver_rx(
     ram: &Ram<'_>,
     rings: &Rings,

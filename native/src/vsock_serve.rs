@@ -1,15 +1,15 @@
 //! virtio-vsock served on the native event loop without the GIL (`_core.VsockServe`).
 //!
-//! `vsock.py`'s device, natively: the connection table, the state machine, credit, the
-//! host listener and its CONNECT lines, the per-connection Unix sockets, the transport
-//! reset event and the hold of host connections until the guest handled it, and the
-//! three queues (rx, tx, event). The rules, bounds and counter keys are `vsock.py`'s,
-//! word for word (its module docstring explains them); only where the work runs moved.
-//! Python keeps construction, config space, `VsockState`'s save and restore, and close.
+//! The vsock device's one implementation: the connection table, the state machine,
+//! credit, the host listener and its CONNECT lines, the per-connection Unix sockets,
+//! the transport reset event and the hold of host connections until the guest handled
+//! it, and the three queues (rx, tx, event). The contract, bounds and counter keys are
+//! those `vsock.py`'s module docstring and constants state. Python (`VirtioVsock`)
+//! keeps construction, config space, `VsockState`'s save and restore, and close.
 //!
 //! * **Its fds.** One private epoll holds the listener, every accepted socket still
 //!   owing its CONNECT line, every connection's socket (readable and/or writable
-//!   interest, as `vsock.py` keeps a reader or a write-poll entry), a timerfd for the
+//!   interest), a timerfd for the
 //!   timeouts and an eventfd to re-arm a run that used its budget. The loop watches the
 //!   private epoll's fd (readable when any member is ready) and, while the device is
 //!   active, the queues' ioeventfds: four fds on the loop whatever the connection count.
@@ -18,10 +18,9 @@
 //!   takes them back at the driver's reset, dropping every connection, as
 //!   `VirtioVsock.reset` does. While attached it is the one owner of the queues' ring
 //!   indices (`sync` copies them back for a snapshot), as in `rng_serve.rs`.
-//! * **Timers.** `vsock.py`'s `call_later`s (the CONNECT line's and the guest answer's
-//!   `CONNECT_TIMEOUT`, `RESET_ACK_WAIT_S`) are deadlines in a heap; the timerfd is set
-//!   to the earliest. Entries for a connection that went away meanwhile expire as no-ops,
-//!   as a Python timer does.
+//! * **Timers.** The CONNECT line's and the guest answer's `CONNECT_TIMEOUT` and
+//!   `RESET_ACK_WAIT_S` are deadlines in a heap; the timerfd is set to the earliest.
+//!   Entries for a connection that went away meanwhile expire as no-ops.
 //! * **What goes to Python** (`on_fault(error)`, with the GIL): a guest fault only (the
 //!   device becomes NEEDS_RESET). A healthy device never takes the GIL.
 //!
@@ -76,7 +75,7 @@ const TOKEN_TIMER: u64 = 2;
 const TOKEN_KICK: u64 = 3;
 const FIRST_ID: u64 = 16;
 
-// vsock.py's counter keys (`_count`), fixed strings.
+// The counter keys (`VirtioVsock.errors`), fixed strings: never a guest number.
 const TOO_MANY_GUEST: &str = "guest connection refused: too many connections";
 const REQUEST_EXISTS: &str = "REQUEST on a connection that already exists";
 const NOT_ESTABLISHED: &str = "op on a connection that is not established";
@@ -187,33 +186,50 @@ enum ConnState {
     Established,
 }
 
-/// `vsock.py`'s `_Conn` (its fields' comments say what each is).
+/// One connection, either way (the credit fields count payload bytes, mod 2**32).
 struct Conn {
     sock: OwnedFd,
+    /// The host side's vsock port.
     local_port: u32,
+    /// The guest side's vsock port.
     peer_port: u32,
     state: ConnState,
+    /// The guest's credit, from the last header it sent on this connection.
     peer_buf_alloc: u32,
     peer_fwd_cnt: u32,
+    /// Payload bytes sent to the guest.
     tx_cnt: u32,
+    /// Payload bytes received from the guest.
     rx_cnt: u32,
+    /// Of those, bytes written to the Unix socket.
     fwd_cnt: u32,
+    /// `fwd_cnt` in the last header we sent.
     last_told_fwd: u32,
     /// Guest -> host bytes not yet written; at most BUF_ALLOC (checked before adding).
     out: VecDeque<u8>,
+    /// Control packets owed to the guest.
     need_request: bool,
     need_response: bool,
     need_credit_update: bool,
     need_credit_request: bool,
+    /// A CREDIT_REQUEST went out and credit has not returned since.
     credit_requested: bool,
+    /// SHUTDOWN flags owed to the guest.
     shutdown_to_send: u32,
+    /// The Unix socket was readable; its bytes wait for an rx buffer and credit.
     data_ready: bool,
+    /// The Unix socket's reader side hit EOF (SHUTDOWN sent or owed).
     host_eof: bool,
+    /// We shut the Unix socket's writing side (the guest will send no more).
     host_wr_shut: bool,
+    /// SHUTDOWN flags received from the guest.
     peer_shut: u32,
+    /// Both directions shut: RST once the buffered bytes are written.
     reset_after_flush: bool,
+    /// Read and write interest wanted in the private epoll.
     reading: bool,
     writing: bool,
+    /// In the rx turn queue.
     queued: bool,
     /// The interest the private epoll has for the socket (0: not in it).
     interest: u32,
@@ -1375,7 +1391,7 @@ fn os_error(what: &str, err: std::io::Error) -> PyErr {
     PyOSError::new_err(format!("vsock: {what}: {err}"))
 }
 
-/// Python's handle: made by `VirtioVsock.__init__` on the native path.
+/// Python's handle: made by `VirtioVsock.__init__`.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct VsockServe {
     pub server: Arc<VsockServer>,

@@ -31,10 +31,10 @@ def test_without_the_core_a_machine_is_refused_with_the_fix(
 
 def test_devices_without_a_python_path_refuse_memory_without_its_native_view(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """rng, the balloon, blk and net are served only natively: ``VMFORK_NATIVE=0`` (guest
-    memory without its native view) is a host error there and a FAIL in the doctor, not
-    a device that silently serves nothing."""
-    from vmfork.vmm.devices.virtio import blk, rng
+    """rng, the balloon, blk, net and vsock are served only natively: ``VMFORK_NATIVE=0``
+    (guest memory without its native view, the selector loop) is a host error there and
+    a FAIL in the doctor, not a device that silently serves nothing."""
+    from vmfork.vmm.devices.virtio import blk, rng, vsock
     from vmfork.vmm.devices.virtio.queue import Virtqueue
     from vmfork.vmm.eventloop import EventLoop
     from vmfork.vmm.memory import GuestMemory
@@ -55,6 +55,8 @@ def test_devices_without_a_python_path_refuse_memory_without_its_native_view(
                 device.queue_notify(0)
     finally:
         memory.close()
+    with pytest.raises(HostError, match="only natively"):
+        vsock.VirtioVsock(EventLoop("unused"), "/nonexistent/vsock.sock")
     monkeypatch.setattr(native, "NATIVE", False)
     check = doctor._native_core()
     assert check.status == "FAIL" and "VMFORK_NATIVE" in check.fix

@@ -1,6 +1,11 @@
 """virtio-vsock end to end: a simulated guest driver on one side, real Unix
-sockets (Firecracker's CONNECT/OK convention) on the other, a real I/O thread
-in between."""
+sockets (Firecracker's CONNECT/OK convention) on the other, the native server
+(``_core.VsockServe``, the one implementation) on a real I/O thread in between.
+
+The examples are the spec's answers (RST for an unknown connection or a port nobody
+listens on, OP_RESPONSE for a listened one, credit honoured both ways, bytes delivered
+in order, the transport reset after a restore); the properties hold the server to the
+contract on hostile and on conversational input."""
 
 from __future__ import annotations
 
@@ -42,19 +47,13 @@ def pkt(op: int, src_port: int, dst_port: int, length: int = 0, *, flags: int = 
 class VsockEnv:
     """A vsock device behind its transport, and the guest half driving it."""
 
-    def __init__(self, loop: EventLoop, rx_buffers: int = 32,  # noqa: F811
-                 native: bool = True, serve: bool = False) -> None:
+    def __init__(self, loop: EventLoop, rx_buffers: int = 32) -> None:  # noqa: F811
         self.loop = loop
         self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
         self.uds = f"{self.dir}/v.sock"
         self.memory = GuestMemory.anonymous(MEM_SIZE)
-        if not native and self.memory.native is not None:
-            self.memory.native.close()  # the Python virtqueue walk and copies
-            self.memory.native = None
         self.irq = IrqLine(gsi=6)
-        self.dev = VirtioVsock(loop, self.uds, native_serve=serve)
-        assert self.dev.serving_natively == serve
-        self.dev.native_bytes = native  # the native byte paths, whatever the default
+        self.dev = VirtioVsock(loop, self.uds)
         self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
         self.driver = GuestDriver(self.transport, self.memory)
         self.rx, self.tx, self.ev = self.driver.start(
@@ -183,15 +182,15 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return out
 
 
-@pytest.fixture(params=["native-bytes", "python-bytes", "native-serve"])
-def env(loop: EventLoop, request: pytest.FixtureRequest) -> Iterator[VsockEnv]:  # noqa: F811
-    """Each test on both byte paths of the Python device -- the native one (readv/sendmsg
-    over the guest's buffers, native chain walks) and the Python one (VMFORK_NATIVE=0's)
-    -- and on the device served natively (``_core.VsockServe``)."""
-    if request.param == "native-serve" and not isinstance(loop, NativeEventLoop):
-        pytest.skip("native serving needs the native loop")
-    with VsockEnv(loop, native=request.param != "python-bytes",
-                  serve=request.param == "native-serve") as e:
+def needs_native_loop(loop: EventLoop) -> None:  # noqa: F811
+    if not isinstance(loop, NativeEventLoop):
+        pytest.skip("vsock is served only natively: it needs the native loop")
+
+
+@pytest.fixture
+def env(loop: EventLoop) -> Iterator[VsockEnv]:  # noqa: F811
+    needs_native_loop(loop)
+    with VsockEnv(loop) as e:
         yield e
     assert not e.needs_reset
 
@@ -377,13 +376,13 @@ def test_a_host_connection_without_its_line_is_closed_after_the_timeout(
 def test_closing_the_device_leaves_no_fds_or_threads(loop: EventLoop) -> None:  # noqa: F811
     """Connections both ways, a host socket owing its line, then close: the process has
     the fds and threads it had before."""
-    needs_native_loop(loop, True)
+    needs_native_loop(loop)
 
     def fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))
 
     before, threads = fds(), threading.active_count()
-    with VsockEnv(loop, serve=True) as e:
+    with VsockEnv(loop) as e:
         srv = socket.socket(socket.AF_UNIX)
         srv.bind(f"{e.uds}_5000")
         srv.listen(4)
@@ -395,7 +394,7 @@ def test_closing_the_device_leaves_no_fds_or_threads(loop: EventLoop) -> None:  
         assert recv_exact(host, 3) == b"abc"
         idle = socket.socket(socket.AF_UNIX)
         idle.connect(e.uds)
-        wait_until(lambda: e.dev._server is not None and e.dev._server.pending_count == 1,
+        wait_until(lambda: e.dev._server.pending_count == 1,
                    what="the idle host socket accepted")
         assert e.dev.connection_count == 2
     assert closed_by_peer(host) and closed_by_peer(idle) and closed_by_peer(accepted)
@@ -634,19 +633,9 @@ def test_reset_event_waits_for_an_event_buffer(env: VsockEnv) -> None:
     wait_until(lambda: env.ev.used_idx() == 1, what="the deferred transport reset event")
 
 
-SERVE = [pytest.param(False, id="python-device"), pytest.param(True, id="native-serve")]
-
-
-def needs_native_loop(loop: EventLoop, serve: bool) -> None:  # noqa: F811
-    if serve and not isinstance(loop, NativeEventLoop):
-        pytest.skip("native serving needs the native loop")
-
-
-@pytest.mark.parametrize("serve", SERVE)
-def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop,  # noqa: F811
-                                                     serve: bool) -> None:
-    needs_native_loop(loop, serve)
-    with VsockEnv(loop, serve=serve) as parent:
+def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  # noqa: F811
+    needs_native_loop(loop)
+    with VsockEnv(loop) as parent:
         parent.ev.post(writable=[4])
         parent.driver.notify(vsock.EVENT_QUEUE)
         host, _ = parent.host_connect(1234)
@@ -655,7 +644,7 @@ def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop,  # noqa: F
         assert dstate == vsock.VsockState(guest_cid=3, acked_features=1 << 32)
         # The child: same guest memory (as if mapped from the snapshot), new host resources.
         child_uds = f"{parent.dir}/child.sock"
-        child = VirtioVsock(loop, child_uds, guest_cid=99, native_serve=serve)
+        child = VirtioVsock(loop, child_uds, guest_cid=99)
         child.restore(vsock.VsockState(**vars(dstate)))
         assert child.guest_cid == 3
         irq = IrqLine(gsi=7)
@@ -696,10 +685,9 @@ def test_reset_by_the_driver_closes_connections(env: VsockEnv) -> None:
     env.host_connect(1234)[0].close()
 
 
-@pytest.mark.parametrize("serve", SERVE)
-def test_too_small_rx_buffer_needs_reset(loop: EventLoop, serve: bool) -> None:  # noqa: F811
-    needs_native_loop(loop, serve)
-    with VsockEnv(loop, rx_buffers=0, serve=serve) as e:
+def test_too_small_rx_buffer_needs_reset(loop: EventLoop) -> None:  # noqa: F811
+    needs_native_loop(loop)
+    with VsockEnv(loop, rx_buffers=0) as e:
         e.rx.post(writable=[16])
         e.driver.notify(vsock.RX_QUEUE)
         e.send(pkt(Op.REQUEST, 1, 6000))  # answered with RST: needs an rx buffer
@@ -726,13 +714,10 @@ header_fields = st.builds(
 @settings(max_examples=30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(packets=st.lists(st.tuples(header_fields, st.binary(max_size=80)), max_size=20))
-@pytest.mark.parametrize("native,serve", [(True, False), (False, False), (True, True)],
-                         ids=["native-queue", "python-queue", "native-serve"])
 def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
-                                               packets: list[tuple[PacketHeader, bytes]],
-                                               native: bool, serve: bool) -> None:
-    needs_native_loop(loop, serve)
-    with VsockEnv(loop, rx_buffers=16, native=native, serve=serve) as e:
+                                               packets: list[tuple[PacketHeader, bytes]]) -> None:
+    needs_native_loop(loop)
+    with VsockEnv(loop, rx_buffers=16) as e:
         srv = socket.socket(socket.AF_UNIX)
         srv.bind(f"{e.uds}_5000")
         srv.listen(64)
@@ -746,15 +731,13 @@ def test_random_packets_never_break_the_device(loop: EventLoop,  # noqa: F811
         srv.close()
 
 
-@pytest.mark.parametrize("native,serve", [(True, False), (False, False), (True, True)],
-                         ids=["native-bytes", "python-bytes", "native-serve"])
 def test_a_streaming_connection_does_not_hold_up_a_new_ones_request(
-        loop: EventLoop, native: bool, serve: bool) -> None:  # noqa: F811
-    """Few rx buffers and one connection with plenty to send (the native path serves it
-    up to NATIVE_RX_BATCH packets a turn): a new host connection's REQUEST still goes
-    out within a turn or two, not after the stream (e2e's many children answering)."""
-    needs_native_loop(loop, serve)
-    with VsockEnv(loop, rx_buffers=4, native=native, serve=serve) as e:
+        loop: EventLoop) -> None:  # noqa: F811
+    """Few rx buffers and one connection with plenty to send (the server serves it up
+    to a batch of packets a turn): a new host connection's REQUEST still goes out
+    within a turn or two, not after the stream (e2e's many children answering)."""
+    needs_native_loop(loop)
+    with VsockEnv(loop, rx_buffers=4) as e:
         a, _ = e.host_connect(1000)
         total = 100_000  # within the Unix socket's buffer: sendall cannot block
         a.sendall(b"a" * total)
@@ -783,13 +766,24 @@ def test_a_streaming_connection_does_not_hold_up_a_new_ones_request(
         b.close()
 
 
-# -- differential: the native server answers as the Python device does ------------------------
-def _replay(loop: EventLoop, serve: bool,  # noqa: F811
-            packets: list[tuple[PacketHeader, bytes]]) -> tuple[list[tuple[PacketHeader, bytes]],
-                                                                dict[str, int], bool]:
-    """Send the packets one by one, each handled before the next; what the guest got
-    back, the counters and whether the device needs a reset."""
-    with VsockEnv(loop, rx_buffers=24, serve=serve) as e:
+# -- contract: what a conforming device answers, on hostile and conversational input --------
+# The counter keys a guest's packets can raise (fixed strings: the guest cannot grow the
+# dict), each packet at most once.
+PACKET_KEYS = {vsock.SHORT_HEADER, vsock.WRONG_CID, vsock.BAD_LENGTH, vsock.BAD_TYPE,
+               "REQUEST on a connection that already exists",
+               "op on a connection that is not established", "tx packet with an unknown op",
+               "RESPONSE on a connection that did not request one",
+               "data after the guest shut down sending",
+               "guest overran the credit we advertised"}
+Replay = tuple[list[tuple[PacketHeader, bytes]], dict[str, int], bool, list[bytes]]
+
+
+def _replay(loop: EventLoop, packets: list[tuple[PacketHeader, bytes]]) -> Replay:  # noqa: F811
+    """Send the packets one by one, each handled before the next, with a listener at
+    port 5000; what the guest got back, the counters, whether the device needs a reset,
+    and what each connection the device made to the listener carried (read after the
+    device closed them)."""
+    with VsockEnv(loop, rx_buffers=24) as e:
         srv = socket.socket(socket.AF_UNIX)
         srv.bind(f"{e.uds}_5000")
         srv.listen(64)
@@ -800,19 +794,93 @@ def _replay(loop: EventLoop, serve: bool,  # noqa: F811
                        what="the packet handled")
             e.collect()
         out, errors, broken = list(e.packets), e.dev.errors, e.needs_reset
-        srv.close()
-    return out, errors, broken
+    carried = []
+    srv.setblocking(False)
+    while True:
+        try:
+            conn, _ = srv.accept()
+        except BlockingIOError:
+            break
+        conn.settimeout(5)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        conn.close()
+        carried.append(data)
+    srv.close()
+    return out, errors, broken, carried
+
+
+def well_formed(hdr: PacketHeader, payload: bytes) -> bool:
+    return hdr.len <= min(len(payload), vsock.MAX_PACKET_PAYLOAD) and hdr.type == vsock.TYPE_STREAM
+
+
+def from_our_guest(hdr: PacketHeader) -> bool:
+    return hdr.src_cid == GUEST and hdr.dst_cid == HOST
+
+
+def check_contract(packets: list[tuple[PacketHeader, bytes]], replay: Replay) -> None:
+    out, errors, broken, carried = replay
+    # Hostile packets are the guest's business: never NEEDS_RESET.
+    assert not broken
+    # Every packet back is a well-formed stream packet from the host to our guest.
+    for hdr, payload in out:
+        assert (hdr.src_cid, hdr.dst_cid, hdr.type) == (HOST, GUEST, vsock.TYPE_STREAM), hdr
+        assert Op.REQUEST <= hdr.op <= Op.CREDIT_REQUEST and hdr.len == len(payload), hdr
+        assert hdr.op != Op.RW, "the host side sent nothing"
+    # Counters: fixed keys, each packet counted at most once; the tx checks exactly.
+    assert set(errors) <= PACKET_KEYS, errors
+    assert sum(errors.values()) <= len(packets)
+    wrong_cid = [h for h, _ in packets if not from_our_guest(h)]
+    ours = [(h, p) for h, p in packets if from_our_guest(h)]
+    bad_len = [h for h, p in ours if h.len > min(len(p), vsock.MAX_PACKET_PAYLOAD)]
+    bad_type = [h for h, p in ours if h not in bad_len and h.type != vsock.TYPE_STREAM]
+    assert errors.get(vsock.WRONG_CID, 0) == len(wrong_cid)
+    assert errors.get(vsock.BAD_LENGTH, 0) == len(bad_len)
+    assert errors.get(vsock.BAD_TYPE, 0) == len(bad_type)
+    # Nobody listens but at 5000, so no connection exists on any other port: each of our
+    # guest's packets there but an RST is answered by exactly one RST (an unknown
+    # connection, a refused packet, or a refused REQUEST), a wrong-CID one by nothing.
+    want_rsts: dict[tuple[int, int], int] = {}
+    for hdr, _ in ours:
+        if hdr.dst_port != 5000 and hdr.op != Op.RST:
+            key = (hdr.dst_port, hdr.src_port)
+            want_rsts[key] = want_rsts.get(key, 0) + 1
+    got_rsts: dict[tuple[int, int], int] = {}
+    for hdr, _ in out:
+        if hdr.src_port != 5000:
+            assert hdr.op == Op.RST, hdr
+            key = (hdr.src_port, hdr.dst_port)
+            got_rsts[key] = got_rsts.get(key, 0) + 1
+    assert got_rsts == want_rsts
+    # OP_RESPONSE only for the listened port, to a guest port that asked for it.
+    asked = {h.src_port for h, p in ours
+             if h.op == Op.REQUEST and h.dst_port == 5000 and well_formed(h, p)}
+    for hdr, _ in out:
+        if hdr.op == Op.RESPONSE:
+            assert hdr.src_port == 5000 and hdr.dst_port in asked, hdr
+    assert sum(1 for h, _ in out if h.op == Op.RESPONSE) == len(carried)
+    # Bytes delivered in order: each connection carried a contiguous run of one guest
+    # port's data to 5000, nothing invented, nothing reordered or repeated.
+    runs = {}
+    for port in {h.src_port for h, _ in ours}:
+        runs[port] = [p[:h.len] for h, p in ours
+                      if h.src_port == port and h.dst_port == 5000 and h.op == Op.RW
+                      and well_formed(h, p) and h.len]
+    for data in carried:
+        if data:
+            assert any(data == b"".join(rw[i:j]) for rw in runs.values()
+                       for i in range(len(rw)) for j in range(i + 1, len(rw) + 1)), data
 
 
 @settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(packets=st.lists(st.tuples(header_fields, st.binary(max_size=80)), max_size=16))
-def test_the_native_server_answers_every_packet_as_the_python_device(
+def test_hostile_packets_get_the_contracts_answers(
         loop: EventLoop, packets: list[tuple[PacketHeader, bytes]]) -> None:  # noqa: F811
-    """Hostile and well-formed packets alike: the same packets back, in the same order,
-    and the same refusal counters."""
-    needs_native_loop(loop, True)
-    assert _replay(loop, True, packets) == _replay(loop, False, packets)
+    """Hostile and well-formed packets alike."""
+    needs_native_loop(loop)
+    check_contract(packets, _replay(loop, packets))
 
 
 @st.composite
@@ -821,7 +889,7 @@ def conversation_packet(draw: st.DrawFn) -> tuple[PacketHeader, bytes]:
     well formed, so that connections open, carry data, run out of credit, shut down."""
     op = draw(st.sampled_from([Op.REQUEST, Op.RW, Op.RW, Op.RW, Op.SHUTDOWN, Op.RST,
                                Op.CREDIT_UPDATE, Op.CREDIT_REQUEST, Op.RESPONSE, 9]))
-    payload = draw(st.binary(max_size=64)) if op == Op.RW else b""
+    payload = draw(st.binary(min_size=1, max_size=64)) if op == Op.RW else b""
     return pkt(op, draw(st.sampled_from([40000, 40001])), draw(st.sampled_from([5000, 6000])),
                len(payload), flags=draw(st.integers(0, 3)),
                buf_alloc=draw(st.sampled_from([0, 16, 256 * 1024])),
@@ -831,7 +899,24 @@ def conversation_packet(draw: st.DrawFn) -> tuple[PacketHeader, bytes]:
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(packets=st.lists(conversation_packet(), max_size=24))
-def test_the_native_server_holds_a_conversation_as_the_python_device(
+def test_a_conversation_gets_the_contracts_answers(
         loop: EventLoop, packets: list[tuple[PacketHeader, bytes]]) -> None:  # noqa: F811
-    needs_native_loop(loop, True)
-    assert _replay(loop, True, packets) == _replay(loop, False, packets)
+    needs_native_loop(loop)
+    check_contract(packets, _replay(loop, packets))
+
+
+def test_a_clean_conversation_is_answered_by_the_spec(loop: EventLoop) -> None:  # noqa: F811
+    """The spec's answers, spelt out: a REQUEST to a listened port gets OP_RESPONSE with
+    our credit; its data reaches the listener in order; one to a port nobody listens on
+    gets RST; the connection's RST ends it."""
+    needs_native_loop(loop)
+    packets = [(pkt(Op.REQUEST, 40000, 5000), b""),
+               (pkt(Op.RW, 40000, 5000, 3), b"one"),
+               (pkt(Op.REQUEST, 40001, 6000), b""),
+               (pkt(Op.RW, 40000, 5000, 3), b"two"),
+               (pkt(Op.RST, 40000, 5000), b"")]
+    out, errors, broken, carried = _replay(loop, packets)
+    assert [(h.op, h.src_port, h.dst_port) for h, _ in out] == [
+        (Op.RESPONSE, 5000, 40000), (Op.RST, 6000, 40001)]
+    assert out[0][0].buf_alloc == vsock.BUF_ALLOC
+    assert carried == [b"onetwo"] and errors == {} and not broken

@@ -1,5 +1,5 @@
 //! The native vsock server's CONNECT line parser (`vsock_connect_line.rs`) against a
-//! second reading of `vsock.py`'s pattern (`CONNECT\s+(\d{1,10})\s*\n`, the whole
+//! second reading of the convention's pattern (`CONNECT\s+(\d{1,10})\s*\n`, the whole
 //! line), written from the other end: strip the newline and trailing spaces, take the
 //! trailing digits, and what is left between them and `CONNECT` must be spaces. On any
 //! bytes the two agree, the port is the digits' decimal value, and a line that parses
