@@ -33,6 +33,11 @@ def preopen(paths: list[str]) -> None:
         _preopened[key] = fd
 
 
+def adopt(path: str, fd: int) -> None:
+    """Keep ``fd``, opened read-only for ``path`` by a jail before its drop."""
+    _preopened[os.path.abspath(path)] = fd
+
+
 def open_ro(path: str) -> int:
     """A new read-only descriptor of ``path`` (the caller closes it)."""
     fd = _preopened.get(os.path.abspath(path))

@@ -18,15 +18,38 @@ import stat
 
 # The read-only half lives with the formats it reads (the state file, memory plans):
 # one registry, filled by the jail, for both packages.
+from collections.abc import Iterable
+
+from vmfork.ondisk import readonly
 from vmfork.ondisk.readonly import open_ro, preopen
 
-__all__ = ["open_device", "open_ro", "open_proc_self", "open_rw", "preopen", "preopen_device",
-           "preopen_proc_self", "preopen_rw", "preopen_tap", "take_tap"]
+__all__ = ["adopt", "open_device", "open_ro", "open_proc_self", "open_rw", "preopen",
+           "preopen_device", "preopen_proc_self", "preopen_rw", "preopen_tap", "take_tap"]
 
 _preopened_rw: dict[str, int] = {}
 _taps: dict[str, int] = {}
 _proc_self: dict[str, tuple[int, int]] = {}   # name -> (fd, open flags)
 _devices: dict[str, int] = {}
+
+
+def adopt(*, ro: Iterable[tuple[str, int]], rw: Iterable[tuple[str, int]],
+          proc_self: dict[str, tuple[int, int]], devices: Iterable[tuple[str, int]],
+          tap: tuple[str, int] | None) -> None:
+    """Keep the descriptors a jail opened before its drop (``native/src/child.rs``:
+    read-only and read-write files, -1 for one that was missing; ``/proc/self`` files
+    as (fd, flags); devices; the tap) for the ``open_*`` calls, as the ``preopen_*``
+    calls would have."""
+    for path, fd in ro:
+        if fd >= 0:
+            readonly.adopt(path, fd)
+    for path, fd in rw:
+        if fd >= 0:
+            _preopened_rw[os.path.abspath(path)] = fd
+    _proc_self.update(proc_self)
+    for path, fd in devices:
+        _devices[path] = fd
+    if tap is not None:
+        preopen_tap(*tap)
 
 
 def preopen_device(path: str) -> None:
