@@ -104,6 +104,16 @@ def test_entry_exception_exits_70_with_traceback_in_log(client: ZygoteClient,
     assert event.log_tail[-1] == "RuntimeError: boom from the entry"
 
 
+def test_a_failed_set_up_step_exits_71_before_the_entry(client: ZygoteClient,
+                                                         tmp_path: Path) -> None:
+    """The log's directory is a file: the native set-up cannot open the log, says so on
+    the zygote's stderr and exits 71; the entry (which would exit 7) never runs."""
+    (tmp_path / "not-a-dir").write_text("")
+    event = client.wait(client.spawn(E + "exit_with", {
+        "code": 7, "log_path": str(tmp_path / "not-a-dir" / "child.log")}, vm_id=vid()).vm_id)
+    assert (event.reason, event.exit_code) == ("exited", 71), event
+
+
 def test_kill_with_a_signal_is_reported_as_killed(client: ZygoteClient) -> None:
     child = client.spawn(E + "sleep", vm_id=vid())
     event = client.kill_and_wait(child.vm_id, signal.SIGTERM)

@@ -1,17 +1,23 @@
 """The jail of one VMM process, built by the process itself right after fork.
 
-A VMM runs a guest that runs untrusted code, and its device emulation is Python that
-parses what the guest writes. If that code has a bug, the jail is what stands between
-the guest and the host. ``enter(spec)`` builds it, in this order (each step needs the
-privileges the next ones drop):
+A VMM runs a guest that runs untrusted code, and its device emulation parses what
+the guest writes. If that code has a bug, the jail is what stands between the guest and
+the host. The steps run natively (``native/src/child.rs``, ``ChildPlan.enter_jail``),
+from a plan this module builds before the fork (``plan(spec)``: in the zygote, once per
+spawn; ``enter(spec)`` for a parent VMM, which builds and enters it at once), so a
+jailed child builds its jail without touching a Python object of the zygote's; the
+descriptors opened before the drop come back to ``vmm/openfiles.py``'s registries
+(``adopt``), which also empties ``os.environ`` (Python's copy of the environment). In
+this order (each step needs the privileges the next ones drop):
 
 0. **The sandbox's network**, when it has one: ``setns`` into its network namespace
    and attach to its tap there (``vmm/openfiles.preopen_tap``), while the process still
    has the capabilities both need; the VMM later takes that descriptor instead of
    opening ``/dev/net/tun`` (which the jail does not hold). A zygote child joins it
-   first thing (``join_sandbox_netns``), through the host's root that a zygote in a
+   first thing (its set-up's step 0), through the host's root that a zygote in a
    mount namespace of its own keeps (``host_root``), before its set-up closes every
-   inherited descriptor, that one among them; a jail never holds it.
+   inherited descriptor, that one among them; a jail never holds it
+   (``_let_go_of_host_root``).
 1. **Namespaces.** A VMM without a network of its own joins an empty network
    namespace the zygote made once (``hold_empty_netns``): no interface but a loopback
    that is down, no route to the host or anywhere, none of the host's abstract Unix
@@ -59,9 +65,12 @@ import resource
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from vmfork.vmm import openfiles
+
+if TYPE_CHECKING:
+    from vmfork._core import ChildPlan
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -308,7 +317,7 @@ def hold_empty_netns() -> bool:
 
 
 def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None] | None = None
-         ) -> Any:
+         ) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
     ``spec`` and, for a zygote child, of its set-up (``zygote_child``: the zygote's pid,
     its pidfd for a PID namespace's first process, the ``cgroup.procs`` files to join,

@@ -53,10 +53,13 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vmfork.runtime import cgroups, jail, memphases, spawnprofile
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
+
+if TYPE_CHECKING:
+    from vmfork._core import ChildPlan
 
 OOM_SCORE_ADJ = 1000
 """A VMM is the first process the OOM killer takes (the maximum; see step 5; set by
@@ -109,7 +112,7 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
-         jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None) -> Any:
+         jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None) -> ChildPlan:
     """The ``_core.ChildPlan`` of one spawn, built by the zygote before the fork.
     ``zygote_pidfd``: given when the child is the first process of a PID namespace of
     its own (a jailed one: ``jail.PidNamespaces``). Raises ``JailError`` for a jail no
@@ -125,7 +128,7 @@ def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | No
 
 def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
               args: dict[str, Any], cgroup: cgroups.ChildCgroup | None,
-              child_plan: Any, jail_spec: jail.JailSpec | None = None) -> NoReturn:
+              child_plan: ChildPlan, jail_spec: jail.JailSpec | None = None) -> NoReturn:
     """Set the child up (steps 1-7 above, ``child_plan``: ``plan``), run ``entry(args)``
     and exit. Never returns."""
     global _current
