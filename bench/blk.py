@@ -1,15 +1,16 @@
-"""virtio-blk throughput: the native request paths (native/src/blk.rs) against Python.
+"""virtio-blk throughput: the two ways into its one request path (native/src/blk.rs).
 
 One guest (the default image, 256 MiB) boots with a free volume slot; a read-write ext4
-volume is attached and mounted at ``/v``. Then, alternating the device's request path
-between native and Python (``VirtioBlk.native_requests``, so both peers run in the same
-guest on the same file in one run), the guest writes ``--mib`` MiB to ``/v/big`` with
-``dd oflag=direct`` (O_DIRECT: every block goes to the device, none stays in the guest's
-page cache) and reads it back with ``dd iflag=direct``, ``--reps`` times each. Three
-paths: ``python`` (the ``VMFORK_NATIVE=0`` twin), ``native`` (one call into
-``blk.rs`` per notification, entered from Python on the I/O thread) and ``served``
-(``_core.BlkQueue``: the native loop serves the queue's ioeventfd without the GIL, the
-default). For every run: MiB/s from the host's wall clock around the guest command,
+volume is attached and mounted at ``/v``. Then, alternating how the device is entered
+(``VirtioBlk.set_native_serve``, so both peers run in the same guest on the same file
+in one run), the guest writes ``--mib`` MiB to ``/v/big`` with ``dd oflag=direct``
+(O_DIRECT: every block goes to the device, none stays in the guest's page cache) and
+reads it back with ``dd iflag=direct``, ``--reps`` times each. Two paths: ``native``
+(one call into ``blk.rs`` per notification, entered from Python on the I/O thread) and
+``served`` (``_core.BlkQueue``: the native loop serves the queue's ioeventfd without
+the GIL, the default). The Python request path these were measured against is gone
+(one implementation per device, issue 19); its before/after figures are in
+docs/design-notes.md (session 15's closing numbers). For every run: MiB/s from the host's wall clock around the guest command,
 and the CPU time the VMM process and its I/O thread (where the device serves
 requests) spent meanwhile.
 
@@ -21,8 +22,8 @@ paths of one run mean anything there).
 (``bench/results/blk-driver.{json,md}``): the queue of one ``VirtioBlk`` on real guest
 memory is filled with requests laid out as Linux lays them out (a header, the data in
 ``--segment-kib`` segments, a status byte; ``--request-kib`` per request, 64 per
-notification) and served by each path in turn, alternating, over a ``--mib`` MiB file
-in the page cache: MiB/s and CPU time of the serving call alone.
+notification) and served by the native request path over a ``--mib`` MiB file in the
+page cache: MiB/s and CPU time of the serving call alone.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_kvm_host, summary, where, write_results
 
 VOLUME_KEY = "b1c0ffee" * 4
-PATHS = ("python", "native", "served")
+PATHS = ("native", "served")
 
 
 def io_thread_id(name: str) -> int:
@@ -56,10 +57,9 @@ def io_thread_id(name: str) -> int:
 
 
 def choose_path(device: Any, path: str) -> None:
-    """Switch the volume's request path (on the I/O thread, between runs)."""
-    device.native_requests = False          # lets the native server go, if one serves
-    device.native_serve = path == "served"
-    device.native_requests = path != "python"
+    """Switch how the volume is entered (on the I/O thread, between runs)."""
+    from vmfork.vmm.devices.virtio.device import run_on_loop
+    run_on_loop(device.loop, lambda: device.set_native_serve(path == "served"))
     assert device.serving_natively == (path == "served"), path
 
 
@@ -139,15 +139,15 @@ def main() -> None:
             rows[f"{path} {direction}"] = {
                 key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
                 for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
-    ratios = {f"{path} {direction}": rows[f"{path} {direction}"]["mib_s"]["median"]
-              / rows[f"python {direction}"]["mib_s"]["median"]
-              for path in ("native", "served") for direction in ("write", "read")}
-    io_cpu = {f"{path} {direction}": rows[f"python {direction}"]["io_thread_cpu_s"]["median"]
-              / max(rows[f"{path} {direction}"]["io_thread_cpu_s"]["median"], 1e-9)
-              for path in ("native", "served") for direction in ("write", "read")}
-    md = (f"# virtio-blk: native request paths against Python\n\n{where()}; default "
-          f"image, 256 MiB guest, ext4 read-write volume, dd of {args.mib} MiB in "
-          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row, the three "
+    ratios = {direction: rows[f"served {direction}"]["mib_s"]["median"]
+              / rows[f"native {direction}"]["mib_s"]["median"]
+              for direction in ("write", "read")}
+    io_cpu = {direction: rows[f"native {direction}"]["io_thread_cpu_s"]["median"]
+              / max(rows[f"served {direction}"]["io_thread_cpu_s"]["median"], 1e-9)
+              for direction in ("write", "read")}
+    md = (f"# virtio-blk: served on the loop against entered per notification\n\n{where()}; "
+          f"default image, 256 MiB guest, ext4 read-write volume, dd of {args.mib} MiB in "
+          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row, the two "
           "paths alternating in one guest.\n\n"
           "| path | direction | MiB/s (median) | min | max | VMM CPU s | I/O thread CPU s |\n"
           "|---|---|---|---|---|---|---|\n"
@@ -155,14 +155,12 @@ def main() -> None:
                     f"{r['mib_s']['min']:.1f} | {r['mib_s']['max']:.1f} | "
                     f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} |\n"
                     for name, r in rows.items())
-          + "\n| path | throughput / Python's: write | read | Python's I/O-thread CPU / "
-            "its: write | read |\n|---|---|---|---|---|\n"
-          + "".join(f"| {path} | {ratios[path + ' write']:.2f}x | {ratios[path + ' read']:.2f}x "
-                    f"| {io_cpu[path + ' write']:.2f}x | {io_cpu[path + ' read']:.2f}x |\n"
-                    for path in ("native", "served")))
+          + f"\nserved / native throughput: write {ratios['write']:.2f}x, read "
+            f"{ratios['read']:.2f}x; native's I/O-thread CPU / served's: write "
+            f"{io_cpu['write']:.2f}x, read {io_cpu['read']:.2f}x\n")
     write_results("blk", {"mib": args.mib, "block_kib": args.block_kib, "reps": args.reps,
-                          "runs": runs, "rows": rows, "over_python": ratios,
-                          "io_thread_cpu_python_over_path": io_cpu,
+                          "runs": runs, "rows": rows, "served_over_native": ratios,
+                          "io_thread_cpu_native_over_served": io_cpu,
                           "device_counters": vars(counters)}, md)
 
 
@@ -227,9 +225,9 @@ def driver_bench(args: argparse.Namespace) -> None:
         total = args.mib << 20
         for rep in range(args.reps):
             for kind_name, kind in (("write", blk.T_OUT), ("read", blk.T_IN)):
-                for path_name in ("python", "native"):
-                    dev.counters = blk.BlkCounters()
-                    serve = dev._serve_native if path_name == "native" else dev._serve_python
+                for path_name in ("native",):
+                    before = dev.counters
+                    serve = dev._serve_native
                     done, busy, cpu, sector = 0, 0.0, 0.0, 0
                     while done < total:
                         offer(kind, sector)
@@ -240,9 +238,11 @@ def driver_bench(args: argparse.Namespace) -> None:
                         assert served == per_notify, served
                         done += per_notify * request
                         sector += per_notify * request // 512
-                    moved = dev.counters.bytes_read + dev.counters.bytes_written
-                    assert moved == done and not dev.counters.read_errors \
-                        and not dev.counters.write_errors, vars(dev.counters)
+                    after = dev.counters
+                    moved = (after.bytes_read + after.bytes_written
+                             - before.bytes_read - before.bytes_written)
+                    assert moved == done and after.read_errors == before.read_errors \
+                        and after.write_errors == before.write_errors, vars(after)
                     runs.append({"rep": rep, "path": path_name, "direction": kind_name,
                                  "mib_s": (done >> 20) / busy, "cpu_s": cpu})
                     print(f"rep {rep + 1}/{args.reps} {path_name:6} {kind_name:5}: "
@@ -254,23 +254,19 @@ def driver_bench(args: argparse.Namespace) -> None:
                                             if r["path"] == p and r["direction"] == d]),
                          "cpu_s": summary([float(r["cpu_s"]) for r in runs  # type: ignore[arg-type]
                                            if r["path"] == p and r["direction"] == d])}
-            for p in ("python", "native") for d in ("write", "read")}
-    ratios = {d: rows[f"native {d}"]["mib_s"]["median"] / rows[f"python {d}"]["mib_s"]["median"]
-              for d in ("write", "read")}
-    md = (f"# virtio-blk request path, no guest: native against Python\n\n"
+            for p in ("native",) for d in ("write", "read")}
+    md = (f"# virtio-blk request path, no guest\n\n"
           f"native, on {os.uname().nodename}; {args.mib} MiB moved per row and run, "
           f"{args.request_kib} KiB requests in {args.segment_kib} KiB segments, {per_notify} "
-          f"per notification, a file in the page cache, {args.reps} runs, paths "
-          "alternating.\n\n| path | direction | MiB/s (median) | min | max | CPU s (median) |\n"
+          f"per notification, a file in the page cache, {args.reps} runs, reads and "
+          "writes alternating.\n\n| path | direction | MiB/s (median) | min | max | CPU s (median) |\n"
           "|---|---|---|---|---|---|\n"
           + "".join(f"| {n.split()[0]} | {n.split()[1]} | {r['mib_s']['median']:.0f} | "
                     f"{r['mib_s']['min']:.0f} | {r['mib_s']['max']:.0f} | "
-                    f"{r['cpu_s']['median']:.3f} |\n" for n, r in rows.items())
-          + f"\nnative / Python throughput (median): write {ratios['write']:.2f}x, read "
-            f"{ratios['read']:.2f}x\n")
+                    f"{r['cpu_s']['median']:.3f} |\n" for n, r in rows.items()))
     write_results("blk-driver", {"mib": args.mib, "request_kib": args.request_kib,
                                  "segment_kib": args.segment_kib, "per_notify": per_notify,
-                                 "runs": runs, "rows": rows, "native_over_python": ratios}, md)
+                                 "runs": runs, "rows": rows}, md)
 
 
 if __name__ == "__main__":

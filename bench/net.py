@@ -1,14 +1,13 @@
-"""virtio-net throughput: the device served natively (native/src/net_serve.rs), the
-native frame paths (native/src/net.rs) in the Python device, and Python.
+"""virtio-net throughput: the device served on the native loop (native/src/net_serve.rs)
+against its per-wake entry from Python, both on its one frame path (native/src/net.rs).
 
 One guest (the default image, 256 MiB) boots with a virtio-net device on a tap in a
 network namespace of this process's own (the tap at 10.123.0.1/30, the guest at
 10.123.0.2). Then, alternating the device's paths (``--paths``, so every peer runs in
 the same guest on the same tap in one run): ``served`` (the native loop serves the
 queues and the tap without the GIL, ``VirtioNet.set_native_serve(True)``, the default),
-``native`` (the Python device around the native frame paths, what
-``VMFORK_NATIVE_NET_SERVE=0`` keeps) and ``python`` (``VirtioNet.native_frames = False``), the guest sends ``--mib``
-MiB over one TCP connection to a socket of this process (guest -> host: the device's tx
+and ``native`` (the wake entered from Python on the loop, around the same frame paths,
+``set_native_serve(False)``), the guest sends ``--mib`` MiB over one TCP connection to a socket of this process (guest -> host: the device's tx
 path) and receives as much from it (host -> guest: the rx path), ``--reps`` times each.
 For every run: MiB/s from this process's clock (accept to end of stream, so the guest
 command's start-up is not in it), and the CPU time the VMM's I/O thread (where the
@@ -18,15 +17,16 @@ meanwhile, also per MiB.
 
 Writes ``bench/results/net.{json,md}``. On a host whose KVM cannot run unmodified
 guests it re-runs itself inside the emulated test host (only ratios between the two
-paths of one run mean anything there).
+paths of one run mean anything there). The Python frame paths these were measured
+against are gone (one implementation per device, issue 19); their before/after figures
+are in docs/design-notes.md (session 15's closing numbers).
 
 ``--driver`` measures the frame paths alone instead, natively and without a guest
 (``bench/results/net-driver.{json,md}``): one ``VirtioNet`` on real guest memory, its
 fd an AF_UNIX datagram socket pair (a frame per datagram, as on a tap), 128 chains per
 turn laid out as Linux lays them out (tx: the vnet header and the frame apart; rx: the
-header and ``--frame-bytes`` of room), each path in turn, alternating: ``_transmit``
-and ``_start_reading`` (the rx notification) timed alone (the peer's sends and reads are
-not), frames/s and MiB/s.
+header and ``--frame-bytes`` of room): ``_transmit`` and ``_start_reading`` (the rx notification)
+timed alone (the peer's sends and reads are not), frames/s and MiB/s.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ _n
 """
 
 
-PATHS = ("python", "native", "served")
+PATHS = ("native", "served")
 
 
 def thread_cpu_s(native_id: int) -> float:
@@ -189,7 +189,6 @@ def main() -> None:
                 "host->guest": GUEST_RECEIVE.format(host=HOST_IP, port=PORT)}
         for rep in range(args.reps):
             for path in paths:
-                device.native_frames = path != "python"
                 serve = partial(device.set_native_serve, path == "served")
                 run_on_loop(machine.loop, serve)
                 if device.serving_natively != (path == "served"):
@@ -235,9 +234,8 @@ def main() -> None:
                 key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
                 for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s", "tx_frames", "rx_frames",
                             "interrupts")}
-    # Each path against the next slower one (served against native, native against Python).
-    pairs = [(a, b) for a, b in (("served", "native"), ("native", "python"))
-             if a in paths and b in paths]
+    # Served on the loop against the wake entered from Python.
+    pairs = [(a, b) for a, b in (("served", "native"),) if a in paths and b in paths]
     ratios = {f"{a}/{b} {d}": rows[f"{a} {d}"]["mib_s"]["median"]
               / rows[f"{b} {d}"]["mib_s"]["median"] for a, b in pairs for d in directions}
     io_cpu = {f"{b}/{a} {d}": rows[f"{b} {d}"]["io_thread_cpu_s"]["median"]
@@ -327,8 +325,7 @@ def driver_bench(args: argparse.Namespace) -> None:
     runs: list[dict[str, object]] = []
     for rep in range(args.reps):
         for direction in ("tx", "rx"):
-            for path in ("python", "native"):
-                dev.native_frames = path == "native"
+            for path in ("native",):
                 start = dev.counters
                 busy = cpu = 0.0
                 for _ in range(args.turns):
@@ -364,23 +361,18 @@ def driver_bench(args: argparse.Namespace) -> None:
     rows = {f"{p} {d}": {key: summary([float(r[key]) for r in runs  # type: ignore[arg-type]
                                        if r["path"] == p and r["direction"] == d])
                          for key in ("frames_s", "mib_s", "cpu_s")}
-            for p in ("python", "native") for d in ("tx", "rx")}
-    ratios = {d: rows[f"native {d}"]["frames_s"]["median"]
-              / rows[f"python {d}"]["frames_s"]["median"] for d in ("tx", "rx")}
-    md = (f"# virtio-net frame paths, no guest: native against Python\n\n"
+            for p in ("native",) for d in ("tx", "rx")}
+    md = (f"# virtio-net frame paths, no guest\n\n"
           f"native, on {os.uname().nodename}; {frame_len}-byte frames, {per_turn} chains per "
           f"turn, {args.turns} turns per run, an AF_UNIX datagram socket pair as the tap, "
-          f"{args.reps} runs, paths alternating.\n\n| path | direction | frames/s (median) | "
+          f"{args.reps} runs, directions alternating.\n\n| path | direction | frames/s (median) | "
           "min | max | MiB/s | CPU s |\n|---|---|---|---|---|---|---|\n"
           + "".join(f"| {n.split()[0]} | {n.split()[1]} | {r['frames_s']['median']:.0f} | "
                     f"{r['frames_s']['min']:.0f} | {r['frames_s']['max']:.0f} | "
                     f"{r['mib_s']['median']:.0f} | {r['cpu_s']['median']:.3f} |\n"
-                    for n, r in rows.items())
-          + f"\nnative / Python frames/s (median): tx {ratios['tx']:.2f}x, rx "
-            f"{ratios['rx']:.2f}x\n")
+                    for n, r in rows.items()))
     write_results("net-driver", {"frame_bytes": frame_len, "per_turn": per_turn,
-                                 "turns": args.turns, "runs": runs, "rows": rows,
-                                 "native_over_python": ratios}, md)
+                                 "turns": args.turns, "runs": runs, "rows": rows}, md)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,11 @@ class (``runtime/memphases.py``: Python's arenas, the brk heap, thread stacks, t
 interpreter's data and bss, ...), by phase of the child's life (each child records its
 own at fork, set-up, jail, restore, agent answered, start-up memory given back, and
 idle: the zygote runs with ``VMFORK_MEMORY_PHASES``), and its threads' wake-ups per
-second while idle. The probe costs the child a little memory of its own, so compare
-runs made with the same flags.
+second while idle. The probe costs the child a little memory of its own, and time:
+each phase reads the child's ``smaps`` (tens of ms in the emulated host; one run's
+jailed children took 181 ms from fork to their entry with it, against ~40 ms in
+``bench/spawn_profile.py``), so compare runs made with the same flags, and take spawn
+times from runs without it.
 
 ``--network`` runs the networking benchmark instead (issue 7), written to
 ``bench/results/spawn-network.{json,md}``: vmfork spawns of N children without

@@ -115,7 +115,8 @@ enum Discard {
 }
 
 impl BalloonServer {
-    /// Drop the whole pages of guest range `gpa`+`length` (`balloon.py`'s `_discard`).
+    /// Drop the whole pages of guest range `gpa`+`length` (the rule in `balloon.py`'s
+    /// module comment).
     fn discard(&self, ram: &Ram<'_>, gpa: u64, length: u32) -> Result<Discard, QueueError> {
         if self.holds.load(Ordering::SeqCst) > 0 {
             return Ok(Discard::Held);

@@ -1,10 +1,10 @@
 //! virtio-blk's request path, natively: pop a request chain, parse and bound its
 //! header, move the data with one `preadv`/`pwritev` straight between the backing
 //! file and the guest's buffers, write the status byte, put the chain on the used
-//! ring. What a request may be and what each wrong one gets are `blk.py`'s rules,
-//! whose module comment gives the reasons; this file applies them in the same order,
-//! counter for counter, so the differential test (tests/unit/test_virtio_blk_native.py)
-//! holds both paths to one used ring, one set of status bytes and one file.
+//! ring. What a request may be and what each wrong one gets are the rules in
+//! `blk.py`'s module comment, which gives the reasons; this file is their one
+//! implementation (tests/unit/test_virtio_blk_native.py drives hostile chains through
+//! it and works the spec's answers out for clean ones).
 //!
 //! Bounds on what the guest drives: a call serves at most `max_requests` chains and
 //! stops once `max_bytes` have been written to guest buffers (the caller re-arms, as
@@ -16,7 +16,7 @@
 //! The device state (counters, the media, the queue indices) stays in Python: a call
 //! takes the numbers it needs and reports what changed, including the counters and
 //! the host failures to log of the requests served before a guest fault, which
-//! `blk.py` would have counted and logged before raising.
+//! `blk.py` counts and logs before it raises the fault.
 
 use crate::guest_ram::Ram;
 use crate::virtq::{self, QueueError, Rings};

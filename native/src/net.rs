@@ -2,10 +2,10 @@
 //! straight from the chain's readable buffers, tap -> guest one `readv` per rx chain
 //! straight into its writable buffers. Nothing is copied through a Python object.
 //!
-//! What a frame may be and what each wrong one gets are `net.py`'s rules, whose module
-//! comment gives the reasons; this file applies them in the same order, counter for
-//! counter, so the differential test (tests/unit/test_virtio_net_native.py) holds both
-//! paths to one used ring, one set of frames on the fd and one set of counters:
+//! What a frame may be and what each wrong one gets are the rules in `net.py`'s module
+//! comment, which gives the reasons; this file is their one implementation, entered
+//! by `net_serve.rs` and by `net.py`'s wake (tests/unit/test_virtio_net_native.py holds
+//! the two wakes to one used ring, one set of frames on the fd and one set of counters):
 //! * tx: the frame is the chain's readable part, the 12-byte `virtio_net_hdr_mrg_rxbuf`
 //!   first (the tap has IFF_VNET_HDR with that size and takes it as is); writable
 //!   descriptors in a tx chain are ignored. A frame of at most the header, or over

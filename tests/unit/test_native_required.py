@@ -27,3 +27,34 @@ def test_without_the_core_a_machine_is_refused_with_the_fix(
     assert isinstance(refused.value, HostError)
     check = doctor._native_core()
     assert check.status == "FAIL" and "pip install ." in check.fix
+
+
+def test_devices_without_a_python_path_refuse_memory_without_its_native_view(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """rng, the balloon, blk and net are served only natively: ``VMFORK_NATIVE=0`` (guest
+    memory without its native view) is a host error there and a FAIL in the doctor, not
+    a device that silently serves nothing."""
+    from vmfork.vmm.devices.virtio import blk, rng
+    from vmfork.vmm.devices.virtio.queue import Virtqueue
+    from vmfork.vmm.eventloop import EventLoop
+    from vmfork.vmm.memory import GuestMemory
+
+    class Line:
+        failed = False
+
+    memory = GuestMemory.anonymous(1 << 20)
+    assert memory.native is not None
+    memory.native.close()
+    memory.native = None
+    try:
+        for device in (rng.VirtioRng(EventLoop("unused"), native_serve=False),
+                       blk.VirtioBlk(EventLoop("unused"), None, 0, "", volume_slot=True)):
+            device.memory, device.queues = memory, [Virtqueue(16)]
+            device.interrupt = Line()  # type: ignore[assignment]
+            with pytest.raises(HostError, match="only natively"):
+                device.queue_notify(0)
+    finally:
+        memory.close()
+    monkeypatch.setattr(native, "NATIVE", False)
+    check = doctor._native_core()
+    assert check.status == "FAIL" and "VMFORK_NATIVE" in check.fix

@@ -34,13 +34,9 @@ FEATURES = VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING
 # Guest pages the tests "free"; the driver's rings and buffers sit below 8 MiB.
 FREE_AT = 16 << 20
 
-try:
-    from vmfork import _core  # noqa: F401 -- only whether it is built
-    # How the device is served: in Python; natively on the loop, notified by MMIO
-    # exits (entered from Python); natively on the queues' ioeventfds (as in a VMM).
-    PATHS = ["python", "native", "native-ioeventfd"]
-except ImportError:
-    PATHS = ["python"]
+# How the (native) server is kicked: by QueueNotify exits, entered from Python; on the
+# queues' ioeventfds, without the GIL (as in a VMM).
+PATHS = ["native", "native-ioeventfd"]
 
 
 def _file_memory(tmp: Path) -> GuestMemory:
@@ -70,10 +66,10 @@ def loop(memory: GuestMemory) -> Iterator[EventLoop]:
 
 
 class Env:
-    def __init__(self, loop: EventLoop, memory: GuestMemory, path: str = "python") -> None:
+    def __init__(self, loop: EventLoop, memory: GuestMemory, path: str = "native") -> None:
         self.memory = memory
         self.irq = IrqLine(gsi=9)
-        self.dev = balloon.VirtioBalloon(loop, native_serve=path != "python")
+        self.dev = balloon.VirtioBalloon(loop)
         self.kick_fds: list[int] = []
         self.transport = mmio.MmioTransport(
             self.dev, memory, self.irq, loop,
@@ -86,8 +82,7 @@ class Env:
         self.driver.driver_ok()
         wait_until(lambda: self.dev.active, what="activation")
         # The native server is made at the end of the activation, just after ``active``.
-        wait_until(lambda: self.dev.serving_natively == (path != "python"),
-                   what=f"the {path} path serving")
+        wait_until(lambda: self.dev.serving_natively, what="the native server")
 
     def notify(self, queue: int) -> None:
         """The driver's kick: the ioeventfd KVM would write, or a QueueNotify exit."""
@@ -247,7 +242,7 @@ def test_inflate_buffers_and_readable_reports_are_returned_untouched(env: Env) -
 ])
 def test_a_hostile_report_is_a_guest_fault_with_the_same_words(
         env: Env, gpa: int, length: int) -> None:
-    """Every path refuses the same ranges with the same words (the chain walk checks
+    """The server refuses each range with these words (the chain walk checks
     each buffer against guest RAM before the balloon sees it), drops nothing of the
     chain, and keeps the guest's memory as it was."""
     env.memory.write(MEM - PAGE_SIZE, b"\x42" * PAGE_SIZE)
@@ -304,7 +299,6 @@ def test_a_reset_keeps_the_counts_and_the_next_activation_serves(env: Env) -> No
     assert env.dev.stats().reports == 4 and env.dev.discards_held == 2
 
 
-@pytest.mark.skipif("native-ioeventfd" not in PATHS, reason="the native core is not built")
 def test_native_balloon_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory) -> None:
     """The main thread keeps the GIL (a long switch interval, spinning in Python) while
     the guest reports: the native server still drops the pages and gives the chain back."""
@@ -338,15 +332,6 @@ def test_a_closed_balloon_holds_no_fds(loop: EventLoop) -> None:
         run_on_loop(loop, lambda: None)   # the loop's readers go on the loop thread
         assert fds() == before, path
         fresh.close()
-
-
-def test_discard_refuses_a_range_that_leaves_its_region(loop: EventLoop,
-                                                        memory: GuestMemory) -> None:
-    dev = balloon.VirtioBalloon(loop)
-    with pytest.raises(Exception, match="crosses the end"):
-        dev._discard(memory, MEM - PAGE_SIZE, 2 * PAGE_SIZE)
-    with pytest.raises(Exception, match="not in guest RAM"):
-        dev._discard(memory, MEM + PAGE_SIZE, PAGE_SIZE)
 
 
 def test_state_survives_the_state_file_and_old_files_have_no_balloon(env: Env,
@@ -385,7 +370,7 @@ def test_a_restored_device_serves_a_report_left_on_its_ring(loop: EventLoop,
         saved_transport, saved_dev = env.transport.save(), env.dev.save()
         irq = IrqLine(gsi=10)
         try:
-            dev = balloon.VirtioBalloon(loop, native_serve=path != "python")
+            dev = balloon.VirtioBalloon(loop)
             transport = mmio.MmioTransport(dev, memory, irq, loop)
             dev.restore(saved_dev)
             transport.restore(saved_transport)

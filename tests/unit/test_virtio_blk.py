@@ -3,9 +3,9 @@ file on the other, a real I/O thread in between. Requests are laid out the way
 the Linux driver lays them out (header, data, status in their own descriptors)
 and, for the hostile cases, every other way the spec allows or forbids.
 
-Every test that serves requests runs on both request paths: the native one
-(``native/src/blk.rs``, what a native build takes) and the Python one (the
-``VMFORK_NATIVE=0`` twin); ``test_virtio_blk_native.py`` holds them to each other."""
+Every test that serves requests runs both ways into the one request path
+(``native/src/blk.rs``): served on the native loop without the GIL, and entered per
+notification; ``test_virtio_blk_native.py`` drives hostile chains through it."""
 
 from __future__ import annotations
 
@@ -74,28 +74,16 @@ def disk_fd(disk: Path) -> Iterator[int]:
     os.close(fd)
 
 
-@pytest.fixture(params=["python", "native", "native-serve"])
+@pytest.fixture(params=["native", "native-serve"])
 def memory(request: pytest.FixtureRequest,
            monkeypatch: pytest.MonkeyPatch) -> Iterator[GuestMemory]:
-    """Guest memory for one request path: "native-serve" serves on the native loop
-    without the GIL (``_core.BlkQueue``, the default), "native" by one call into Rust
-    per notification, entered from Python (and the queue's walk is native too),
-    "python" is the whole ``VMFORK_NATIVE=0`` path."""
+    """Guest memory, and how the device is entered: "native-serve" serves on the native
+    loop without the GIL (``_core.BlkQueue``, the default), "native" by one call into
+    Rust per notification, entered from Python."""
     mem = GuestMemory.anonymous(MEM_SIZE)
-    if request.param != "python" and mem.native is None:
-        mem.close()
-        pytest.skip("the native core is not built (scripts/lib.sh setup_native) or "
-                    "VMFORK_NATIVE=0")
-    if request.param == "python" and mem.native is not None:
-        mem.native.close()
-        mem.native = None
-    monkeypatch.setattr(blk, "NATIVE_SERVE", request.param == "native-serve")
+    monkeypatch.setattr(blk.VirtioBlk, "native_serve", request.param == "native-serve")
     yield mem
     mem.close()
-
-
-def python_path_taken(*_: object) -> tuple[int, bool]:
-    raise AssertionError("a native build served a request in Python")
 
 
 @pytest.fixture
@@ -114,8 +102,6 @@ class BlkEnv:
         self.loop, self.memory, self.fd = loop, memory, fd
         self.acked = ACKED if read_only else ACKED_RW
         self.dev = blk.VirtioBlk(loop, fd, size, key, path="test.img", read_only=read_only)
-        if memory.native is not None:   # the native path, and only it, serves
-            self.dev._serve_python = python_path_taken  # type: ignore[method-assign]
         self.raw_ids: dict[int, list[int]] = {}
         self.transport = mmio.MmioTransport(self.dev, memory, irq, loop)
         self.driver = GuestDriver(self.transport, memory)
@@ -134,7 +120,7 @@ class BlkEnv:
         self.driver.driver_ok()
         wait_until(lambda: self.dev.active, what="activation")
         run_on_loop(self.loop, lambda: None)   # the activation's own notification is done
-        assert self.dev.serving_natively == (blk.NATIVE_SERVE and self.memory.native is not None)
+        assert self.dev.serving_natively == blk.VirtioBlk.native_serve
 
     @property
     def needs_reset(self) -> bool:

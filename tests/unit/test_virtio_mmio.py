@@ -454,3 +454,32 @@ def test_rng_closed_after_its_transport_holds_no_fds(loop: EventLoop,  # noqa: F
         rng.close()
         run_on_loop(loop, lambda: None)   # the loop's reader went on the loop thread
         assert fds() == before, serve
+
+
+def test_a_lazily_connected_line_makes_its_eventfd_at_first_use() -> None:
+    # (Machine connects each line this way: KVM_IRQFD on the eventfd, made when a
+    # device first needs it, so an empty volume slot's pin costs a spawn nothing.)
+    connected: list[int] = []
+    line = IrqLine(gsi=11, connect=connected.append)
+    assert not line.in_use and connected == []
+    line.trigger()
+    assert line.in_use and connected == [line.fd] and line.count == 1
+    assert os.eventfd_read(line.fd) == 1
+    line.trigger()
+    assert connected == [line.fd]   # connected once
+    line.close()
+    assert line.fd == -1
+    line.trigger()                  # a closed line raises nothing, and makes no fd
+    assert line.count == 2
+
+
+def test_a_line_that_cannot_connect_keeps_no_eventfd() -> None:
+    def refuse(fd: int) -> None:
+        raise OSError(22, "KVM_IRQFD refused")
+    line = IrqLine(gsi=12, connect=refuse)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="refused"):
+        line.trigger()
+    assert not line.in_use and len(os.listdir("/proc/self/fd")) == before
+    line.close()
+    assert line.fd == -1

@@ -2,14 +2,12 @@
 in a private network namespace on the other (an AF_PACKET socket on the tap
 plays the host's network), a real I/O thread in between.
 
-Every test that moves frames runs on three paths: the device served natively on the
-loop without the GIL (``native/src/net_serve.rs``, what a native build takes by default:
-the queues' ioeventfds are written as KVM writes them, and every Python path of the
-device is made unreachable), the native frame paths (``native/src/net.rs``) entered from
-the Python device (``VMFORK_NATIVE_NET_SERVE=0``; their Python twins made
-unreachable) and the Python one (the ``VMFORK_NATIVE=0`` path, guest memory without its
-native view).
-``test_virtio_net_native.py`` holds them to each other."""
+Every test that moves frames runs both ways into the device's one frame path
+(``native/src/net.rs``): served natively on the loop without the GIL
+(``native/src/net_serve.rs``, the default: the queues' ioeventfds are written as KVM
+writes them, and the device's Python wake is made unreachable), and the wake entered
+from Python on the loop (``native_serve=False``, where a transport cannot hand the
+queues over). ``test_virtio_net_native.py`` holds the two wakes to each other."""
 
 from __future__ import annotations
 
@@ -105,16 +103,9 @@ class NetEnv:
         self.netns = netns
         self.path = path
         self.memory = GuestMemory.anonymous(MEM_SIZE)
-        if path != "python" and self.memory.native is None:
-            self.memory.close()
-            pytest.skip("the native core is not built (scripts/lib.sh setup_native) or "
-                        "VMFORK_NATIVE=0")
         if path == "served" and not isinstance(loop, NativeEventLoop):
             self.memory.close()
             pytest.skip("the native loop is off (VMFORK_NATIVE_LOOP=0)")
-        if path == "python" and self.memory.native is not None:
-            self.memory.native.close()
-            self.memory.native = None
         self.irq = IrqLine(gsi=7)
         tap_fd = netns.run(net.open_tap, TAP) if tap else None
         self.wire: socket.socket | None = None
@@ -123,9 +114,6 @@ class NetEnv:
             self.wire = netns.run(_open_wire, TAP)
         self.dev = net.VirtioNet(loop, net.parse_mac(GUEST_MAC), tap_fd,
                                  native_serve=path == "served")
-        if self.memory.native is not None:   # the native path, and only it, moves frames
-            self.dev._transmit_python = python_path_taken  # type: ignore[method-assign]
-            self.dev._receive_python = python_path_taken  # type: ignore[method-assign]
         if path == "served":   # nothing of the device's runs in Python
             for name in ("_transmit", "_receive", "_start_reading"):
                 setattr(self.dev, name, python_path_taken)
@@ -195,10 +183,10 @@ class NetEnv:
 
 
 def python_path_taken(*_: object) -> int:
-    raise AssertionError("a native build moved a frame in Python")
+    raise AssertionError("the device served natively woke in Python")
 
 
-@pytest.fixture(params=["python", "native", "served"])
+@pytest.fixture(params=["native", "served"])
 def frame_path(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

@@ -48,10 +48,16 @@ def header(kind: int, sector: int = 0) -> bytes:
 class SlotEnv:
     """An empty volume slot behind its transport, with the driver running."""
 
-    def __init__(self, loop: EventLoop, memory: GuestMemory, irq: IrqLine) -> None:  # noqa: F811
+    def __init__(self, loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
+                 ioeventfds: bool = False) -> None:
         self.loop, self.memory, self.irq = loop, memory, irq
         self.dev = blk.VirtioBlk(loop, None, 0, "", path="slot", volume_slot=True)
-        self.transport = mmio.MmioTransport(self.dev, memory, irq, loop)
+        # (offset, datamatch, fd) of each ioeventfd the transport asked KVM for.
+        self.registered: list[tuple[int, int, int]] = []
+        self.transport = mmio.MmioTransport(
+            self.dev, memory, irq, loop,
+            register_ioeventfd=(lambda off, dm, fd: self.registered.append((off, dm, fd)))
+            if ioeventfds else None)
         self.driver = GuestDriver(self.transport, memory)
         assert self.driver.negotiate(ACKED_SLOT) & STATUS_FEATURES_OK
         self.q = self.driver.setup_queue(0, 16, 64 * 1024)
@@ -70,11 +76,16 @@ class SlotEnv:
         run_on_loop(self.loop, go)
 
     def request(self, readable: list[bytes], writable: list[int]) -> tuple[bytes, int]:
+        """Post one chain and kick: through the queue's ioeventfd if it has one (as
+        KVM would), else a QueueNotify write (the exit)."""
         before = self.q.used_idx()
         head = self.q.post(readable, writable)
         last_index, last_len, _ = self.q.chains[head][-1]
         status_at = self.q.buf_addr(last_index) + last_len - 1
-        self.driver.notify(0)
+        if self.registered:
+            os.eventfd_write(self.registered[0][2], 1)
+        else:
+            self.driver.notify(0)
         wait_until(lambda: self.q.used_idx() != before, what="the request")
         [(_, written, data)] = self.q.take_used()
         return data[:max(0, written - 1)], self.memory.read(status_at, 1)[0]
@@ -134,6 +145,42 @@ def test_inserted_read_only_media_read_and_refuse_writes(slot: SlotEnv,
     finally:
         run_on_loop(slot.loop, slot.dev.detach)
         os.close(fd)
+
+
+def test_an_empty_slot_gets_its_ioeventfd_only_with_a_disk(
+        loop: EventLoop, memory: GuestMemory, volume_file: Path) -> None:  # noqa: F811
+    # Most slots stay empty: a spawn should not pay an eventfd, a KVM_IOEVENTFD and a
+    # loop reader for each. The disk's arrival (as Machine.attach_volume does it) adds
+    # them, and the queue is then served on them.
+    lines: list[int] = []
+    line = IrqLine(gsi=9, connect=lines.append)   # as Machine makes it: at first use
+    slot = SlotEnv(loop, memory, line, ioeventfds=True)
+    fd, size = blk.open_disk(str(volume_file))
+    try:
+        assert slot.registered == [] and lines == [] and not slot.dev.serving_natively
+        assert slot.request([header(blk.T_IN, 0)], [512, 1])[1] == blk.S_IOERR  # the exit
+        assert lines == [line.fd]   # its answer is the line's first use
+
+        def insert() -> None:
+            assert slot.transport.add_ioeventfds()
+            slot.dev.insert_media(fd, size, KEY, True, "vol.img")
+            slot.dev.rewake()
+            slot.transport.notify_config_change()
+        run_on_loop(loop, insert)
+        assert [(off, dm) for off, dm, _ in slot.registered] == [(mmio.REG_QUEUE_NOTIFY, 0)]
+        assert slot.dev.serving_natively == slot.dev.native_serve
+        for sector in (0, 5):   # each kicked through the new ioeventfd only
+            data, status = slot.request([header(blk.T_IN, sector)], [512, 1])
+            assert status == blk.S_OK
+            assert data == volume_file.read_bytes()[sector * 512:(sector + 1) * 512]
+        assert not run_on_loop(loop, slot.transport.add_ioeventfds)   # once
+        assert len(slot.registered) == 1
+    finally:
+        run_on_loop(loop, slot.dev.detach)
+        os.close(fd)
+        slot.close()
+        slot.transport.close()
+        line.close()
 
 
 def test_inserted_read_write_media_take_writes(slot: SlotEnv, volume_file: Path) -> None:

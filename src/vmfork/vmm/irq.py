@@ -9,6 +9,7 @@ what virtio-mmio and our 8250 need (they re-raise on every new event).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Protocol
 
@@ -18,13 +19,51 @@ class Interrupt(Protocol):
 
 
 class IrqLine:
-    def __init__(self, gsi: int) -> None:
+    """One line: an eventfd a write to which raises the GSI. With ``connect`` (the
+    machine's ``KVM_IRQFD`` for the GSI), the eventfd is made, and connected, at its
+    first use instead: a volume slot that stays empty never raises its line, and a
+    spawn then pays no eventfd and no ``KVM_IRQFD`` for it. KVM injects a count the
+    eventfd already holds when it is connected, but none is ever written first: the
+    fd is handed out only once connected."""
+
+    def __init__(self, gsi: int, connect: Callable[[int], None] | None = None) -> None:
         self.gsi = gsi
-        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._connect = connect
+        self._fd: int | None = None
+        self._closed = False
+        self._made = threading.Lock()
+        if connect is None:
+            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._count = 0
         # Native code that writes ``fd`` itself (rng served on the native loop) counts
         # its own triggers; ``count`` adds them in.
         self._native_counters: list[Callable[[], int]] = []
+
+    @property
+    def fd(self) -> int:
+        """The eventfd (made and connected now if it was not yet); -1 once closed."""
+        fd = self._fd
+        if fd is not None:
+            return fd
+        with self._made:
+            if self._fd is None:
+                if self._closed:
+                    return -1
+                fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                try:
+                    assert self._connect is not None
+                    self._connect(fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fd = fd
+            return self._fd
+
+    @property
+    def in_use(self) -> bool:
+        """Whether the eventfd exists (a lazily connected line that was never used
+        has none)."""
+        return self._fd is not None and self._fd >= 0
 
     @property
     def count(self) -> int:
@@ -48,6 +87,7 @@ class IrqLine:
         os.eventfd_write(fd, 1)
 
     def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
+        with self._made:
+            fd, self._fd, self._closed = self._fd, -1, True
+        if fd is not None and fd >= 0:
             os.close(fd)

@@ -492,9 +492,8 @@ class Machine:
         line = self._lines_by_gsi.get(gsi)
         if line is not None:
             return line
-        line = IrqLine(gsi)
+        line = IrqLine(gsi, connect=lambda fd: api.irqfd(self.vm_fd, fd, gsi))
         self._closers.append(line.close)
-        api.irqfd(self.vm_fd, line.fd, gsi)
         self._irq_lines.append(line)
         self._lines_by_gsi[gsi] = line
         return line
@@ -592,8 +591,13 @@ class Machine:
 
         def insert() -> None:
             try:
+                # The queue's ioeventfd first (an empty slot had none), so a failure
+                # changes nothing the guest sees.
+                transport = self._transport_of(slot)
+                transport.add_ioeventfds()
                 slot.insert_media(fd, size, media.key, media.read_only, media.path)
-                self._transport_of(slot).notify_config_change()
+                slot.rewake()
+                transport.notify_config_change()
             finally:
                 finished.append(True)
 

@@ -3,12 +3,12 @@ device paths; decided once.
 
 The core is built by the set-up (scripts/lib.sh ``setup_native``) or by ``pip
 install .``, not by importing: a source checkout that was never set up has none.
-The vCPU loop and the console have no Python twin any more, so a machine cannot
-run without it (``require_core``). The devices that still have one (the virtqueue
-walk, the register file, blk, net, vsock, rng, the I/O loop) take it where the core
-is missing or ``VMFORK_NATIVE=0`` says so (to compare the two, or to rule the core's
-device paths out while chasing a bug); it is read once, when the VMM's modules are
-imported. One module decides, so that guest memory, the virtqueues and the restore
+The vCPU loop, the console and the request paths of rng, the balloon, blk and net
+have no Python twin any more, so a machine cannot run without it (``require_core``),
+and those devices refuse guest memory without its native view. The pieces that still
+have one (the virtqueue walk, the register file, vsock, the I/O loop) take it where
+``VMFORK_NATIVE=0`` says so (to rule the core's paths out while chasing a bug); it is
+read once, when the VMM's modules are imported. One module decides, so that guest memory, the virtqueues and the restore
 never disagree about it.
 """
 

@@ -30,8 +30,8 @@ reporting queue of at least 32 entries (``PAGE_REPORTING_CAPACITY``): each repor
 is one chain of up to 32 device-writable buffers, one free block each, and the
 driver waits for it to come back before it reuses those pages.
 
-Hostile input. Every buffer is checked against guest RAM when its chain is walked
-(``Virtqueue``); we check again that it lies in one RAM region and discard only the
+Hostile input. Every buffer is checked against guest RAM when its chain is walked;
+the server checks again that it lies in one RAM region and discards only the
 whole pages inside it, so a misaligned or short buffer drops nothing it did not
 name. Work per notification is bounded by ``MAX_CHAINS_PER_NOTIFY`` chains of at
 most ``QUEUE_SIZE`` buffers each. A failing ``madvise`` is counted and logged; the
@@ -43,13 +43,15 @@ Settling. The guest reports a block about 2 s after it was freed
 capture first waits, while the guest runs, until no report came for a few seconds
 (``stats``, read through the control socket's ``status``; runtime/branch.py).
 
-Two paths, one contract. By default, where the transport can (the native loop and
-register file, an irqfd), the three queues are handed at activation to a
+One implementation, native. At activation the three queues are handed to a
 ``_core.BalloonQueues`` (``native/src/balloon_serve.rs``) that the native loop serves
-on their ioeventfds without the GIL, with these rules word for word; it owns the ring
-indices until reset (``sync_queues`` copies them back for a snapshot) and the counters
-of its activation. Otherwise (``VMFORK_NATIVE=0``, ``VMFORK_NATIVE_BALLOON=0``, a
-transport that cannot) Python serves them below.
+on their ioeventfds without the GIL (a QueueNotify exit without an ioeventfd enters
+it through ``queue_notify``); it owns the ring indices until reset (``sync_queues``
+copies them back for a snapshot) and the counters of its activation. This class owns
+it: config space, the holds of a capture, the counters of earlier activations, state.
+A driver that leaves a queue not ready (Linux readies all three) gets none served. A
+transport that cannot hand its queues over (the Python register file or loop, no
+irqfd) has no balloon: the activation fails as a host error.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ from dataclasses import dataclass
 
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
 from vmfork.vmm.devices.virtio.queue import Virtqueue
-from vmfork.vmm.errors import GuestError, GuestMemoryError
+from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop
-from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
+from vmfork.vmm.memory import GuestMemory
 
 try:
     from vmfork import _core
@@ -83,8 +85,6 @@ QUEUE_SIZE = 64                 # the driver needs >= 32 on the reporting queue
 MAX_CHAINS_PER_NOTIFY = 16
 CONFIG_SIZE = 16                # num_pages, actual, free_page_hint_cmd_id, poison_val
 _ACTUAL_OFFSET = 4
-# The GIL-free serving on the native loop; VMFORK_NATIVE_BALLOON=0 keeps it in Python.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_BALLOON", "1") != "0"
 
 
 @dataclass
@@ -110,11 +110,10 @@ class VirtioBalloon(VirtioDevice):
     device_type = DEVICE_ID_BALLOON
     queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE, QUEUE_SIZE)
 
-    def __init__(self, loop: EventLoop, native_serve: bool | None = None) -> None:
+    def __init__(self, loop: EventLoop) -> None:
         super().__init__()
         self.features |= VIRTIO_BALLOON_F_REPORTING
         self.loop = loop
-        self.native_serve = NATIVE_SERVE if native_serve is None else native_serve
         self._server: _core.BalloonQueues | None = None
         self._detach_server: list[Callable[[], None]] = []
         self._config_lock = threading.Lock()
@@ -127,7 +126,7 @@ class VirtioBalloon(VirtioDevice):
         self._advice: int = mmap.MADV_DONTNEED
         self._holds = 0          # captures in flight (hold_discards); changed under _hold_lock
         self._hold_lock = threading.Lock()
-        self._discards_held = 0  # reported ranges kept because a capture was in flight
+        self._discards_held = 0  # reported ranges kept, in earlier activations
 
     # -- config space -------------------------------------------------------------------
     def config_bytes(self) -> bytes:
@@ -150,12 +149,13 @@ class VirtioBalloon(VirtioDevice):
         # A memfd mapped shared keeps the data past MADV_DONTNEED; only a hole frees it.
         shared = memory.backing_fd is not None and not memory.private_file
         self._advice = mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
-        if not (self.native_serve and memory.native is not None
-                and all(q.ready for q in queues)):
+        if not all(q.ready for q in queues):
             return
         natives = [interrupt.native_queue(i) for i in range(len(queues))]
-        if any(n is None for n in natives):
-            return
+        if memory.native is None or any(n is None for n in natives):
+            raise HostError("virtio-balloon is served only natively: its transport needs "
+                            "the native register file and loop and an irqfd, its guest "
+                            "memory a native view", op="balloon activate")
         first = natives[0]
         assert first is not None
         server = _core.BalloonQueues(
@@ -227,36 +227,11 @@ class VirtioBalloon(VirtioDevice):
             self._serve(index)
 
     def _serve(self, index: int) -> None:
-        if not self._usable() or self.memory is None:
+        if not self._usable() or self._server is None:
             return
-        if self._server is not None:
-            # A guest fault raises (as below); a spent budget without an ioeventfd to
-            # re-arm with is served again on a later loop turn (as below).
-            if self._server.notify(index):
-                self.loop.call_soon(lambda: self._guarded(lambda: self._serve(index)))
-            return
-        memory, queue = self.memory, self.queues[index]
-        if not queue.ready:
-            return
-        served = 0
-        while served < MAX_CHAINS_PER_NOTIFY:
-            chain = queue.pop(memory)
-            if chain is None:
-                break
-            if index == REPORTING_QUEUE:
-                for gpa, length in chain.writable:
-                    self._discard(memory, gpa, length)
-                self.ignored_buffers += len(chain.readable)
-                self.reports += 1
-                self._last_report = time.monotonic()
-            else:
-                self.ignored_buffers += len(chain.readable) + len(chain.writable)
-            queue.add_used(memory, chain.head, 0)
-            served += 1
-        if served:
-            assert self.interrupt is not None
-            self.interrupt.trigger()
-        if served == MAX_CHAINS_PER_NOTIFY:
+        # A guest fault raises; a spent budget without an ioeventfd to re-arm with is
+        # served again on a later loop turn.
+        if self._server.notify(index):
             self.loop.call_soon(lambda: self._guarded(lambda: self._serve(index)))
 
     # -- captures (vmm/capture.py) ---------------------------------------------------------
@@ -276,34 +251,6 @@ class VirtioBalloon(VirtioDevice):
             self._holds = max(0, self._holds - 1)
             if self._server is not None:
                 self._server.release()
-
-    def _discard(self, memory: GuestMemory, gpa: int, length: int) -> None:
-        """Drop the whole pages of guest range ``gpa``+``length`` from our mapping."""
-        # Read on the I/O thread, which also runs a capture's fork (``run_on_loop``): no
-        # drop can straddle the fork, and none starts after a hold.
-        if self._holds:
-            self._discards_held += 1
-            return
-        start = -(-gpa // PAGE_SIZE) * PAGE_SIZE
-        end = (gpa + length) // PAGE_SIZE * PAGE_SIZE
-        if end <= start:
-            self.ignored_buffers += 1
-            return
-        for region in memory.regions:
-            if region.guest_phys <= start < region.end:
-                if end > region.end:
-                    raise GuestMemoryError(f"reported range {gpa:#x}+{length:#x} crosses the "
-                                           f"end of RAM region {region.guest_phys:#x}.."
-                                           f"{region.end:#x}")
-                try:
-                    region.mapping.madvise(self._advice, start - region.guest_phys, end - start)
-                except OSError as err:
-                    self.discard_errors += 1
-                    log.warning("balloon: madvise of %#x+%#x failed: %s", start, end - start, err)
-                    return
-                self.bytes_discarded += end - start
-                return
-        raise GuestMemoryError(f"reported range {gpa:#x}+{length:#x} is not in guest RAM")
 
     def reset(self) -> None:
         self._let_go_of_server()

@@ -44,7 +44,7 @@ every device here treats a broken driver).
 * An IN whose data is not a whole number of sectors, or more than
   ``MAX_BYTES_PER_REQUEST``, or that reaches past ``capacity``: ``S_IOERR``
   before anything is read; the guest's buffers are untouched. (Sector numbers
-  are u64 and lengths sums of u32s; Python ints do not overflow.)
+  are u64 and lengths sums of u32s; the bounds are checked without overflow.)
 * A read the host cannot complete (an I/O error, or the file was shortened
   under us): ``S_IOERR``.
 
@@ -83,23 +83,22 @@ write here (``S_IOERR``, as on an RO device) and mounted read-only by the agent.
 slot's media stay until the machine ends (no eject: a mounted file system would see
 its disk vanish).
 
-Native paths. By default, where the transport can (the native loop and register file,
-an irqfd), the queue is handed at activation to a ``_core.BlkQueue``
-(``native/src/blk_serve.rs``) that the native loop serves on the queue's ioeventfd
-without the GIL, with ``blk.rs`` below; it owns the ring indices until reset (or the
-fd's ``detach``), and its counters are added to this device's. Otherwise, where the
-native core is built (``GuestMemory.native``), a notification
-is served by one call into Rust (``GuestRam.serve_blk``, ``native/src/blk.rs``): the
-chain walk, the header checks, the ``preadv``/``pwritev`` between the file and guest
-RAM, the status byte and the used ring, under every rule above in the same order;
-the counters, the warnings to log, the queue indices and the guest fault (if one
-ended the call) come back here, and the interrupt and the re-arm stay here, so the
-call works from whatever loop calls ``queue_notify``. Every kind of media takes it:
-the root image, a volume and a slot's media are all one plain fd (copy-on-write lives
-in the guest's RAM overlay, not in this device). The Python path is the
-``VMFORK_NATIVE=0`` twin and the reference a differential test holds the native one
-to (tests/unit/test_virtio_blk_native.py); ``native_requests = False`` takes it on a
-native build (bench/blk.py compares the two in one guest).
+One implementation, native (``native/src/blk.rs``): the chain walk, the header
+checks, the ``preadv``/``pwritev`` between the file and guest RAM, the status byte and
+the used ring, under every rule above in that order. Where the transport can (the
+native loop and register file, an irqfd), the queue is handed at activation to a
+``_core.BlkQueue`` (``native/src/blk_serve.rs``) that the native loop serves on the
+queue's ioeventfd without the GIL; it owns the ring indices until reset (or the fd's
+``detach``), and its counters are added to this device's. Otherwise (a transport
+without an ioeventfd and irqfd to hand over, or ``native_serve`` False, as
+bench/blk.py's per-notification peer) a notification is served by one call into the
+same code (``GuestRam.serve_blk``): the counters, the warnings to log, the queue
+indices and the guest fault (if one ended the call) come back here, and the interrupt
+and the re-arm stay here, so the call works from whatever loop calls ``queue_notify``.
+Every kind of media takes it: the root image, a volume and a slot's media are all one
+plain fd (copy-on-write lives in the guest's RAM overlay, not in this device). This
+class owns the server: config space, features, media, activation and reset, state,
+the counters of earlier activations, the log.
 
 The backing fd is opened by the ``Machine`` (``open_disk``) and owned by it;
 the device only reads it, and ``detach`` (on the I/O thread) makes sure no
@@ -122,8 +121,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt, run_on_loop
-from vmfork.vmm.devices.virtio.queue import DescriptorChain, Virtqueue
+from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
+from vmfork.vmm.devices.virtio.queue import Virtqueue
 from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
@@ -135,10 +134,6 @@ except ImportError:
     pass
 
 log = logging.getLogger(__name__)
-
-# The GIL-free serving on the native loop; VMFORK_NATIVE_BLK=0 keeps the requests
-# served by one call into Rust per notification, entered from Python.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_BLK", "1") != "0"
 
 DEVICE_ID_BLK = 2
 QUEUE_SIZE = 256
@@ -169,7 +164,6 @@ S_OK = 0
 S_IOERR = 1
 S_UNSUPP = 2
 
-HEADER = struct.Struct("<IIQ")   # type, reserved, sector
 ID_BYTES = 20
 
 # 128 segments: with a 256-entry queue and no indirect descriptors, two requests
@@ -251,6 +245,9 @@ class BlkCounters:
 class VirtioBlk(VirtioDevice):
     device_type = DEVICE_ID_BLK
     queue_max_sizes = (QUEUE_SIZE,)
+    # False keeps ``serve_blk`` entered per notification even where the loop could
+    # serve the queue itself (the tests and bench/blk.py compare the two entries).
+    native_serve = True
 
     def __init__(self, loop: EventLoop, fd: int | None, size: int, disk_key: str,
                  path: str = "<disk>", read_only: bool = True,
@@ -273,10 +270,6 @@ class VirtioBlk(VirtioDevice):
         self.read_only = True
         self.path = path
         self._id = b"\0" * ID_BYTES
-        # Whether a native build serves requests in Rust; False takes the Python path
-        # on the same build, for the benchmark's peers (``native_requests``).
-        self._native_requests = True
-        self.native_serve = NATIVE_SERVE
         self._server: _core.BlkQueue | None = None
         self._detach_server: Callable[[], None] | None = None
         if fd is None:
@@ -303,6 +296,18 @@ class VirtioBlk(VirtioDevice):
     @property
     def empty(self) -> bool:
         return self.capacity_bytes == 0
+
+    @property
+    def wants_ioeventfds(self) -> bool:
+        # An empty slot has nothing to serve: most never get a disk, and the eventfd,
+        # KVM_IOEVENTFD and loop reader each would cost are a spawn's system calls.
+        return not (self.volume_slot and self.empty)
+
+    def rewake(self) -> None:
+        """A disk went into this slot, and its transport gave the queue an ioeventfd:
+        serve it natively from now on, woken by that fd (on the I/O thread)."""
+        self._let_go_of_server()
+        self._serve_natively()
 
     def insert_media(self, fd: int, size: int, disk_key: str, read_only: bool,
                      path: str) -> None:
@@ -342,9 +347,12 @@ class VirtioBlk(VirtioDevice):
 
     def _serve_natively(self) -> None:
         """Hand the queue to a ``_core.BlkQueue`` where the transport can (the native
-        loop and register file, an irqfd); otherwise ``_serve`` stays the path."""
+        loop and register file, an irqfd); otherwise ``_serve`` enters it per notification."""
         memory, interrupt = self.memory, self.interrupt
-        if (not (self.native_serve and self._native_requests) or memory is None
+        # An empty slot has no server until its disk comes (``rewake``): the server
+        # would take its line's eventfd, which an empty slot need never make
+        # (``IrqLine``), and the ``IOERR``s it owes meanwhile come from ``_serve``.
+        if (not self.native_serve or memory is None or (self.volume_slot and self.empty)
                 or memory.native is None or interrupt is None or self._server is not None
                 or not self.queues[0].ready):
             return
@@ -389,24 +397,14 @@ class VirtioBlk(VirtioDevice):
         """Whether the native loop serves the queue without the GIL (this activation)."""
         return self._server is not None
 
-    @property
-    def native_requests(self) -> bool:
-        return self._native_requests
-
-    @native_requests.setter
-    def native_requests(self, on: bool) -> None:
-        """Switch between the native and the Python request path (the benchmark's peers,
-        in one guest): on the I/O thread, since the native server is made or let go."""
-        def switch() -> None:
-            self._native_requests = on
-            if on:
-                self._serve_natively()
-            else:
-                self._let_go_of_server()
-        if self.memory is None:
-            self._native_requests = on
+    def set_native_serve(self, on: bool) -> None:
+        """Make the native server, or let it go and serve per notification (the
+        benchmark's two peers, in one guest); on the I/O thread, as activation does."""
+        self.native_serve = on
+        if on:
+            self._serve_natively()
         else:
-            run_on_loop(self.loop, switch)
+            self._let_go_of_server()
 
     @property
     def counters(self) -> BlkCounters:
@@ -434,35 +432,21 @@ class VirtioBlk(VirtioDevice):
             if self._server.notify():
                 self.loop.call_soon(lambda: self._guarded(self._serve))
             return
-        memory, queue = self.memory, self.queues[0]
-        if memory.native is not None and self.native_requests:
-            served, more = self._serve_native(memory, queue)
-        else:
-            served, more = self._serve_python(memory, queue)
+        served, more = self._serve_native(self.memory, self.queues[0])
         if served:
             assert self.interrupt is not None
             self.interrupt.trigger()
         if more:
             self.loop.call_soon(lambda: self._guarded(self._serve))
 
-    def _serve_python(self, memory: GuestMemory, queue: Virtqueue) -> tuple[int, bool]:
-        """Serve up to the per-notify budget; (requests served, whether any are left)."""
-        served = moved = 0
-        while served < MAX_REQUESTS_PER_NOTIFY and moved < MAX_BYTES_PER_NOTIFY:
-            chain = queue.pop(memory)
-            if chain is None:
-                return served, False
-            written = self._handle(memory, chain)
-            queue.add_used(memory, chain.head, written)
-            served += 1
-            moved += written
-        return served, True
-
     def _serve_native(self, memory: GuestMemory, queue: Virtqueue) -> tuple[int, bool]:
-        """``_serve_python``'s rules in Rust (native/src/blk.rs): the chain walk, the
-        checks and the preadv/pwritev between the file and guest RAM happen there;
-        the counters, the log and the queue indices come back here."""
-        assert memory.native is not None
+        """One call into native/src/blk.rs: the chain walk, the checks and the
+        preadv/pwritev between the file and guest RAM happen there; the counters, the
+        log and the queue indices come back here; (requests served, whether any are
+        left)."""
+        if memory.native is None:
+            raise HostError("virtio-blk is served only natively, and this guest memory has "
+                            "no native view (VMFORK_NATIVE=0?)", op="blk serve")
         if not queue.ready:   # as Virtqueue.pop says it
             raise VirtqueueError("pop from a queue that is not ready")
         (queue.next_avail, queue.next_used, served, _moved, more, counters, warnings,
@@ -480,7 +464,8 @@ class VirtioBlk(VirtioDevice):
         return served, more
 
     def _log_native_warning(self, kind: str, a: int, b: int, c: int) -> None:
-        """The warnings ``_read``, ``_write`` and ``_flush`` log, for the native path."""
+        """A warning the native request path left for the log: a host read, write or
+        fdatasync that failed or came up short."""
         if kind == "read_failed":
             log.warning("virtio-blk %s: read of %d bytes at %d failed: %s", self.path, a, b,
                         OSError(c, os.strerror(c)))
@@ -495,124 +480,6 @@ class VirtioBlk(VirtioDevice):
         else:
             log.warning("virtio-blk %s: fdatasync failed: %s", self.path,
                         OSError(c, os.strerror(c)))
-
-    def _handle(self, memory: GuestMemory, chain: DescriptorChain) -> int:
-        """Serve one request; return the bytes written to its writable part (status
-        included)."""
-        data, status_at = _split_status(chain)
-        self._counters.requests += 1
-        status, written = self._execute(memory, chain, data)
-        memory.write(status_at, bytes((status,)))
-        return written + 1
-
-    def _execute(self, memory: GuestMemory, chain: DescriptorChain,
-                 data: list[tuple[int, int]]) -> tuple[int, int]:
-        """(status, data bytes written) for one request."""
-        readable = chain.readable_len
-        if readable < HEADER.size:
-            self._counters.malformed += 1
-            return S_IOERR, 0
-        kind, _reserved, sector = HEADER.unpack(chain.read_readable(memory, HEADER.size))
-        if kind == T_OUT and not self.read_only:
-            if data:   # an OUT's data is device-readable; only the status is writable
-                self._counters.malformed += 1
-                return S_IOERR, 0
-            return self._write(memory, chain, sector), 0
-        if kind in WRITE_TYPES:
-            self._counters.writes_refused += 1
-            return S_IOERR, 0
-        if kind == T_FLUSH:
-            self._counters.flushes += 1
-            return self._flush(), 0
-        if kind not in (T_IN, T_GET_ID):
-            self._counters.unsupported += 1
-            return S_UNSUPP, 0
-        if readable != HEADER.size:
-            self._counters.malformed += 1
-            return S_IOERR, 0
-        if kind == T_GET_ID:
-            self._counters.get_ids += 1
-            room = sum(n for _, n in data)
-            return S_OK, _scatter(memory, data, self._id[:room])
-        return self._read(memory, data, sector)
-
-    def _read(self, memory: GuestMemory, data: list[tuple[int, int]],
-              sector: int) -> tuple[int, int]:
-        length = sum(n for _, n in data)
-        offset = sector * SECTOR_SIZE
-        if (length % SECTOR_SIZE or length > MAX_BYTES_PER_REQUEST
-                or offset + length > self.capacity_bytes or self.fd is None):
-            self._counters.read_errors += 1
-            return S_IOERR, 0
-        if length == 0:
-            return S_OK, 0
-        views = [memory.view(gpa, n) for gpa, n in data]
-        try:
-            got = os.preadv(self.fd, views, offset)
-        except OSError as err:
-            self._counters.read_errors += 1
-            log.warning("virtio-blk %s: read of %d bytes at %d failed: %s", self.path,
-                        length, offset, err)
-            return S_IOERR, 0
-        finally:
-            for view in views:
-                view.release()
-        if got != length:
-            # A regular file reads short only at its end: it was shortened after we
-            # sized it. Whatever arrived is in the guest's buffers; the status says
-            # not to trust them.
-            self._counters.read_errors += 1
-            log.warning("virtio-blk %s: read %d of %d bytes at %d (file shortened?)",
-                        self.path, got, length, offset)
-            return S_IOERR, got
-        self._counters.reads += 1
-        self._counters.bytes_read += length
-        return S_OK, length
-
-    def _write(self, memory: GuestMemory, chain: DescriptorChain, sector: int) -> int:
-        """Write the data after the header at ``sector``; the status."""
-        segments = _skip(chain.readable, HEADER.size)
-        length = sum(n for _, n in segments)
-        offset = sector * SECTOR_SIZE
-        if (length % SECTOR_SIZE or length > MAX_BYTES_PER_REQUEST
-                or offset + length > self.capacity_bytes or self.fd is None):
-            self._counters.write_errors += 1
-            return S_IOERR
-        if length == 0:
-            return S_OK
-        views = [memory.view(gpa, n) for gpa, n in segments]
-        try:
-            done = os.pwritev(self.fd, views, offset)
-        except OSError as err:
-            self._counters.write_errors += 1
-            log.warning("virtio-blk %s: write of %d bytes at %d failed: %s", self.path,
-                        length, offset, err)
-            return S_IOERR
-        finally:
-            for view in views:
-                view.release()
-        if done != length:   # a full file system; the sectors after `done` are not written
-            self._counters.write_errors += 1
-            log.warning("virtio-blk %s: wrote %d of %d bytes at %d", self.path, done, length,
-                        offset)
-            return S_IOERR
-        self._counters.writes += 1
-        self._counters.bytes_written += length
-        return S_OK
-
-    def _flush(self) -> int:
-        """A read-only disk has no cache to flush (OK, and true); a writable one is
-        ``fdatasync``ed, so the guest's flushed writes are on the host's disk."""
-        if self.read_only:
-            return S_OK
-        if self.fd is None:
-            return S_IOERR
-        try:
-            os.fdatasync(self.fd)
-        except OSError as err:
-            log.warning("virtio-blk %s: fdatasync failed: %s", self.path, err)
-            return S_IOERR
-        return S_OK
 
     # -- snapshots ----------------------------------------------------------------------
     def save(self) -> BlkState:
@@ -639,39 +506,3 @@ class VirtioBlk(VirtioDevice):
             raise HostError(f"the snapshot's disk {state.disk_key} was {want}, and "
                             f"{self.path} is not given {want}", op="restore")
         self.acked_features = state.acked_features
-
-
-def _split_status(chain: DescriptorChain) -> tuple[list[tuple[int, int]], int]:
-    """The data segments of the writable part and the address of the status byte
-    (its very last byte). Zero-length descriptors carry nothing and are dropped."""
-    segments = [(gpa, n) for gpa, n in chain.writable if n]
-    if not segments:
-        raise VirtqueueError(f"virtio-blk request {chain.head} has no device-writable "
-                             "byte for its status")
-    gpa, n = segments[-1]
-    data = segments[:-1] + ([(gpa, n - 1)] if n > 1 else [])
-    return data, gpa + n - 1
-
-
-def _skip(segments: list[tuple[int, int]], skip: int) -> list[tuple[int, int]]:
-    """``segments`` without their first ``skip`` bytes (the header may span several)."""
-    out = []
-    for gpa, n in segments:
-        if skip >= n:
-            skip -= n
-            continue
-        out.append((gpa + skip, n - skip))
-        skip = 0
-    return [(gpa, n) for gpa, n in out if n]
-
-
-def _scatter(memory: GuestMemory, segments: list[tuple[int, int]], payload: bytes) -> int:
-    """Write ``payload`` across ``segments`` (which hold at least that much)."""
-    done = 0
-    for gpa, n in segments:
-        if done >= len(payload):
-            break
-        take = min(n, len(payload) - done)
-        memory.write(gpa, payload[done:done + take])
-        done += take
-    return done

@@ -109,6 +109,15 @@ class VirtioDevice:
     def active(self) -> bool:
         return self.memory is not None
 
+    @property
+    def wants_ioeventfds(self) -> bool:
+        """Whether its transport should give its queues ioeventfds now. A device that
+        expects no notifications until something happens on the host (an empty volume
+        slot, until a disk goes in: ``MmioTransport.add_ioeventfds``) says False, and
+        a notification the guest sends meanwhile exits to the vCPU thread, which hands
+        it on all the same."""
+        return True
+
     # -- config space (see the module comment) -------------------------------------------
     def config_bytes(self) -> bytes:
         return b""

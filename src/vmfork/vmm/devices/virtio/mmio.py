@@ -595,7 +595,8 @@ class MmioTransport:
         self._queues_lock = threading.Lock()
         self._queues = [Virtqueue(m) for m in device.queue_max_sizes]
         self._ioeventfds: list[int] = []
-        if register_ioeventfd is not None:
+        self._register_ioeventfd = register_ioeventfd
+        if register_ioeventfd is not None and device.wants_ioeventfds:
             self._setup_ioeventfds(register_ioeventfd)
 
     def _config(self) -> bytes | None:
@@ -626,6 +627,16 @@ class MmioTransport:
                 self.loop.add_reader(fd, partial(self._ioeventfd_ready, index, fd))
 
         loop_call(self.loop, add_readers)
+
+    def add_ioeventfds(self) -> bool:
+        """Give the queues the ioeventfds a device that did not want them at first
+        (``VirtioDevice.wants_ioeventfds``) now wants; True if they were added (a
+        device serving natively must then take its queue again, to be woken by them).
+        On the loop thread, as the readers are added at once."""
+        if self._ioeventfds or self._register_ioeventfd is None:
+            return False
+        self._setup_ioeventfds(self._register_ioeventfd)
+        return True
 
     def _native_queue(self, index: int, epoch: int) -> NativeQueue | None:
         registers = self.native_registers

@@ -50,37 +50,29 @@ because the guest re-enables interrupts before each; the host's answer to a tx
 frame (a TCP ACK, written during our ``writev``) is often in the tap by then and
 goes in under the same interrupt (bench/net.py, docs/design-notes.md).
 
-Native path. Where the native core is built (``GuestMemory.native``), a tx
-notification and a readable tap are each served by one call into Rust
-(``GuestRam.net_tx``/``net_rx``, ``native/src/net.rs``): the chain walk, the size
-checks, the ``writev``/``readv`` between guest RAM and the tap, ``num_buffers`` and the
-used ring, under every rule above in the same order. The counters' increments, the
-refused writes to log, why the rx loop stopped and the guest fault (if one ended the
-call) come back here; the interrupt, the re-arm and the tap's reader stay here, so the
-calls work from whatever loop runs the device. The Python path is the
-``VMFORK_NATIVE=0`` twin and the reference a differential test holds the native one to
-(tests/unit/test_virtio_net_native.py); ``native_frames = False`` takes it on a
-native build (bench/net.py compares the two in one guest).
-
-Served natively, by default (``VMFORK_NATIVE_NET_SERVE=0`` or ``native_serve=False``
-keeps the device in Python around the native frame paths). Where the transport can (the
-native loop and register file, an irqfd, both queues ready), activation hands the
-device's whole hot path to a ``_core.NetQueues`` (``native/src/net_serve.rs``) that the
-native loop serves without ever taking the GIL: the tx queue's ioeventfd, the rx queue's
-ioeventfd (watch the tap again) and the tap each wake it, with the same wake (both
-queues, one interrupt), the same frame paths, the same budget and re-arm, the same
-reader rule (the tap is not watched while the guest has no rx buffers) and the
-used-buffer interrupt raised through the register file and the irqfd.
+One implementation, native. The frame paths are ``native/src/net.rs``: the chain walk,
+the size checks, the ``writev``/``readv`` between guest RAM and the tap,
+``num_buffers`` and the used ring, under every rule above in that order. By default,
+where the transport can (the native loop and register file, an irqfd, both queues
+ready), activation hands the device's whole hot path to a ``_core.NetQueues``
+(``native/src/net_serve.rs``) that the native loop serves without ever taking the GIL:
+the tx queue's ioeventfd, the rx queue's ioeventfd (watch the tap again) and the tap
+each wake it, with the same wake (both queues, one interrupt), the same budget and
+re-arm, the same reader rule (the tap is not watched while the guest has no rx
+buffers) and the used-buffer interrupt raised through the register file and the irqfd.
 It owns both queues' ring indices until reset (``sync_queues`` copies them back for a
-snapshot) and counts the frames (``counters`` adds its counts in). What needs Python comes
-back through ``_native_report``: a guest fault (DEVICE_NEEDS_RESET), a failed tap read
-(logged), and the tx frames the tap refused, logged only if this module's logger was at
-DEBUG when the device was activated (else they are only counted, and a guest sending
-bad frames never makes the VMM take the GIL). It was opt-in until its interrupts were
-moderated: completing every tx frame at once, it cost the guest about one interrupt per
-frame each way and lost guest -> host throughput to the Python device; with EVENT_IDX
-and both queues served per wake (above) it no longer does (bench/net.py,
-docs/design-notes.md).
+snapshot) and counts the frames (``counters`` adds its counts in). What needs Python
+comes back through ``_native_report``: a guest fault (DEVICE_NEEDS_RESET), a failed tap
+read (logged), and the tx frames the tap refused, logged only if this module's logger
+was at DEBUG when the device was activated (else they are only counted, and a guest
+sending bad frames never makes the VMM take the GIL). Where the transport cannot hand
+the queues over (or ``native_serve`` is False, bench/net.py's other peer), the wake
+below runs on the loop and enters the same frame paths once per queue
+(``GuestRam.net_tx``/``net_rx``); the counters' increments, the refused writes to log,
+why the rx loop stopped and the guest fault come back to it, and the interrupt, the
+re-arm and the tap's reader stay here. ``test_virtio_net_native.py`` holds that wake to
+``net_serve.rs``'s. The Python frame paths this module had are gone (one
+implementation per device, issue 19).
 
 Without a tap (``tap_fd=None``) the device is a NIC with its cable pulled:
 the guest sees a working device, tx frames are dropped (counted), nothing is
@@ -93,7 +85,6 @@ state, not the config: the guest driver read it at boot and keeps using it.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import logging
 import os
@@ -104,11 +95,7 @@ from dataclasses import dataclass, replace
 
 from vmfork.vmm import openfiles
 from vmfork.vmm.devices.virtio.device import VirtioDevice, VirtioInterrupt
-from vmfork.vmm.devices.virtio.queue import (
-    VIRTIO_RING_F_EVENT_IDX,
-    DescriptorChain,
-    Virtqueue,
-)
+from vmfork.vmm.devices.virtio.queue import VIRTIO_RING_F_EVENT_IDX, Virtqueue
 from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
@@ -119,11 +106,6 @@ except ImportError:
     pass
 
 log = logging.getLogger(__name__)
-
-# The device served on the native loop without the GIL (net_serve.rs) where the
-# transport can; VMFORK_NATIVE_NET_SERVE=0 keeps it in Python around the native frame
-# paths (module comment).
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_NET_SERVE", "1") != "0"
 
 DEVICE_ID_NET = 1
 RX_QUEUE, TX_QUEUE = 0, 1
@@ -248,10 +230,10 @@ class VirtioNet(VirtioDevice):
     queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE)
 
     def __init__(self, loop: EventLoop, mac: bytes, tap_fd: int | None,
-                 native_serve: bool | None = None) -> None:
+                 native_serve: bool = True) -> None:
         """``tap_fd`` (from ``open_tap``) is owned by the device from here on.
         ``native_serve``: hand the device to the native loop at activation where the
-        transport can (default ``NATIVE_SERVE``)."""
+        transport can (False keeps the wake below, for the tests and the benchmark)."""
         super().__init__()
         if len(mac) != 6:
             raise ValueError(f"a MAC is 6 bytes, not {len(mac)}")
@@ -261,12 +243,7 @@ class VirtioNet(VirtioDevice):
         self.tap_fd = tap_fd
         self._counters = NetCounters()
         self._reading = False
-        self._overflow = bytearray(1)
-        # Whether a native build moves frames in Rust (``_transmit_native``,
-        # ``_receive_native``); False takes the Python path on the same build, for the
-        # benchmark's peers.
-        self.native_frames = True
-        self.native_serve = NATIVE_SERVE if native_serve is None else native_serve
+        self.native_serve = native_serve
         self._server: _core.NetQueues | None = None
         self._stop_server_fds: Callable[[], None] | None = None
 
@@ -345,7 +322,7 @@ class VirtioNet(VirtioDevice):
     # -- served natively --------------------------------------------------------------
     def _start_server(self) -> None:
         """Hand both queues and the tap to a ``_core.NetQueues`` on the native loop, if
-        the transport can serve them there (else the device stays in Python)."""
+        the transport can serve them there (else the wake below enters net.rs)."""
         memory, interrupt = self.memory, self.interrupt
         loop = self.loop
         if (self._server is not None or memory is None or memory.native is None
@@ -397,7 +374,7 @@ class VirtioNet(VirtioDevice):
     def _native_report(self, fault: BaseException | None, refused: list[tuple[int, int]],
                        read_error: int | None) -> None:
         """What the native server leaves for Python (on the loop thread, with the GIL):
-        the same log lines and the same fault as the Python paths."""
+        the same log lines and the same fault as the wake below."""
         for length, err in refused:
             log.debug("virtio-net: tx frame of %d bytes dropped: %s", length,
                       OSError(err, os.strerror(err)))
@@ -418,9 +395,9 @@ class VirtioNet(VirtioDevice):
             rx.next_avail, rx.next_used, tx.next_avail, tx.next_used = server.sync()
 
     def set_native_serve(self, on: bool) -> None:
-        """Serve the running device natively or in Python from now on (on the loop
-        thread): the queues and the tap change hands with their indices. The benchmark
-        compares the two in one guest this way."""
+        """Serve the running device on the native loop, or by the wake below, from now
+        on (on the loop thread): the queues and the tap change hands with their
+        indices. The benchmark compares the two in one guest this way."""
         self.native_serve = on
         if not self._usable():
             return
@@ -444,17 +421,13 @@ class VirtioNet(VirtioDevice):
         if not self._usable() or self.memory is None:
             return
         memory, txq, rxq = self.memory, self.queues[TX_QUEUE], self.queues[RX_QUEUE]
+        if memory.native is None:
+            raise HostError("virtio-net is served only natively, and this guest memory has "
+                            "no native view (VMFORK_NATIVE=0?)", op="net wake")
         tx_old, rx_old = txq.next_used, rxq.next_used
-        native = memory.native is not None and self.native_frames
-        if native:
-            sent = self._transmit_native(memory, txq)
-        else:
-            sent = self._transmit_python(memory, txq)
+        sent = self._transmit_native(memory, txq)
         if self._reading and self.tap_fd is not None:
-            if native:
-                self._receive_native(memory, rxq, self.tap_fd)
-            else:
-                self._receive_python(memory, rxq)
+            self._receive_native(memory, rxq, self.tap_fd)
         if txq.needs_interrupt(memory, tx_old) or rxq.needs_interrupt(memory, rx_old):
             assert self.interrupt is not None
             self.interrupt.trigger()
@@ -466,22 +439,10 @@ class VirtioNet(VirtioDevice):
         """A tx notification: a wake."""
         self._wake()
 
-    def _transmit_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
-        """Send up to ``MAX_FRAMES_PER_RUN`` tx chains; the number put on the used ring."""
-        sent = 0
-        while sent < MAX_FRAMES_PER_RUN:
-            chain = queue.pop(memory)
-            if chain is None:
-                break
-            self._send_frame(memory, chain)
-            queue.add_used(memory, chain.head, 0)
-            sent += 1
-        return sent
-
     def _transmit_native(self, memory: GuestMemory, queue: Virtqueue) -> int:
-        """``_transmit_python``'s rules in Rust (native/src/net.rs): the walk, the checks
-        and one writev per frame straight from guest RAM; the counters, the log and the
-        queue indices come back here."""
+        """Up to ``MAX_FRAMES_PER_RUN`` tx chains, in native/src/net.rs: the walk, the
+        checks and one writev per frame straight from guest RAM; the counters, the log
+        and the queue indices come back here. The number put on the used ring."""
         assert memory.native is not None
         if not queue.ready:   # as Virtqueue.pop says it
             raise VirtqueueError("pop from a queue that is not ready")
@@ -500,26 +461,6 @@ class VirtioNet(VirtioDevice):
     def _count(self, increments: list[tuple[str, int]]) -> None:
         for name, n in increments:
             setattr(self._counters, name, getattr(self._counters, name) + n)
-
-    def _send_frame(self, memory: GuestMemory, chain: DescriptorChain) -> None:
-        length = chain.readable_len
-        if self.tap_fd is None or not VNET_HDR_SIZE < length <= MAX_TX_BYTES:
-            self._counters.tx_dropped += 1
-            return
-        views = [memory.view(gpa, n) for gpa, n in chain.readable if n]
-        try:
-            os.writev(self.tap_fd, views)
-        except OSError as err:
-            # EINVAL: a vnet header the host kernel refused; EAGAIN/ENOBUFS: the
-            # host is congested; EIO: the tap is down. All are the frame's loss.
-            self._counters.tx_dropped += 1
-            log.debug("virtio-net: tx frame of %d bytes dropped: %s", length, err)
-            return
-        finally:
-            for view in views:
-                view.release()
-        self._counters.tx_frames += 1
-        self._counters.tx_bytes += length - VNET_HDR_SIZE
 
     # -- host -> guest -----------------------------------------------------------------
     def _start_reading(self) -> None:
@@ -548,9 +489,10 @@ class VirtioNet(VirtioDevice):
         self._wake()
 
     def _receive_native(self, memory: GuestMemory, queue: Virtqueue, tap_fd: int) -> int:
-        """``_receive_python``'s rules in Rust (native/src/net.rs): the walk, one readv
-        per frame straight into the chain, num_buffers, the used ring; the counters,
-        why it stopped and the queue indices come back here."""
+        """Up to ``MAX_FRAMES_PER_RUN`` frames from the tap, in native/src/net.rs: the
+        walk, one readv per frame straight into the chain (a frame that does not fit
+        whole is dropped), num_buffers, the used ring; the counters, why it stopped and
+        the queue indices come back here. The number of frames delivered."""
         assert memory.native is not None
         if not queue.ready:   # as Virtqueue.pop says it
             raise VirtqueueError("pop from a queue that is not ready")
@@ -568,61 +510,6 @@ class VirtioNet(VirtioDevice):
                       OSError(stop, os.strerror(stop)))
             self._stop_reading()
         return delivered
-
-    def _receive_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
-        """Up to ``MAX_FRAMES_PER_RUN`` loop turns; the number of frames delivered."""
-        delivered = 0
-        for _ in range(MAX_FRAMES_PER_RUN):
-            chain = queue.pop(memory)
-            if chain is None:
-                self._stop_reading()  # until the driver posts buffers (queue_notify)
-                break
-            if chain.writable_len < VNET_HDR_SIZE:
-                raise VirtqueueError(f"rx chain {chain.head} has {chain.writable_len} "
-                                     f"writable bytes, less than the {VNET_HDR_SIZE}-byte "
-                                     f"header")
-            got = self._read_frame(memory, chain)
-            if got is None:
-                queue.undo_pop()
-                break
-            if got == 0:
-                queue.undo_pop()  # frame dropped by the tap; the chain is still free
-                continue
-            chain.write_writable(memory, struct.pack("<H", 1), NUM_BUFFERS_OFFSET)
-            queue.add_used(memory, chain.head, got)
-            delivered += 1
-        return delivered
-
-    def _read_frame(self, memory: GuestMemory, chain: DescriptorChain) -> int | None:
-        """Read one frame into ``chain``: its length, 0 if it was dropped, None if none."""
-        assert self.tap_fd is not None
-        views = [memory.view(gpa, n) for gpa, n in chain.writable if n]
-        # One byte past the chain: the tap truncates a frame that does not fit, and
-        # a truncated frame must be dropped, not handed to the guest as if whole.
-        views.append(memoryview(self._overflow))
-        try:
-            got = os.readv(self.tap_fd, views)
-        except BlockingIOError:
-            return None
-        except OSError as err:
-            if err.errno in (errno.EFAULT, errno.EINVAL):
-                # Not even the vnet header fitted: the tap drops the frame.
-                self._counters.rx_dropped += 1
-                return 0
-            # Not the guest's doing and not expected: stop reading rather than spin
-            # on an fd that keeps failing; the next rx notification tries again.
-            log.error("virtio-net: tap read failed, receive paused: %s", err)
-            self._stop_reading()
-            return None
-        finally:
-            for view in views:
-                view.release()
-        if got > chain.writable_len:
-            self._counters.rx_dropped += 1
-            return 0
-        self._counters.rx_frames += 1
-        self._counters.rx_bytes += max(0, got - VNET_HDR_SIZE)
-        return got
 
     # -- snapshots ----------------------------------------------------------------------
     def save(self) -> NetState:

@@ -7,18 +7,18 @@ never makes us allocate more than that. Work per notification is bounded by
 ``MAX_REQUESTS_PER_NOTIFY``; if the guest has offered more, the rest is picked
 up on a later loop turn rather than starving the other devices.
 
-Three paths, one contract. With ``VMFORK_NATIVE=0``, Python walks the queue. With the
-native core, ``serve_rng`` walks it in Rust, entered from Python per notification
-(with ``VMFORK_NATIVE_RNG=0``, or where the transport cannot do better). By default,
-where the transport can (the native loop and register file, an irqfd), the queue
-is handed at activation to a ``_core.RngQueue`` (``native/src/rng_serve.rs``) that the
-native loop serves on the queue's ioeventfd without ever taking the GIL; it owns the
-ring indices until reset, and ``sync_queues`` copies them back for a snapshot.
+One implementation, native (``native/src/rng_serve.rs``); Python only owns it. Where
+the transport can (the native loop and register file, an irqfd), the queue is handed
+at activation to a ``_core.RngQueue`` that the native loop serves on the queue's
+ioeventfd without ever taking the GIL; it owns the ring indices until reset, and
+``sync_queues`` copies them back for a snapshot. Where the transport cannot (no
+ioeventfd or irqfd to hand over: the unit tests' bare transports, the Python register
+file), the same walk is entered per notification, ``GuestRam.serve_rng``. There is no
+walk in Python any more: guest memory without its native view cannot be served.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +28,7 @@ from vmfork.vmm.devices.virtio.device import (
     VirtioInterrupt,
 )
 from vmfork.vmm.devices.virtio.queue import Virtqueue
-from vmfork.vmm.errors import GuestError, VirtqueueError
+from vmfork.vmm.errors import GuestError, HostError, VirtqueueError
 from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.memory import GuestMemory
 
@@ -40,9 +40,6 @@ except ImportError:
 MAX_BYTES_PER_REQUEST = 64 * 1024
 MAX_REQUESTS_PER_NOTIFY = 64
 QUEUE_SIZE = 256
-# The GIL-free serving on the native loop (tests/kvm and e2e test_fork passed on it);
-# VMFORK_NATIVE_RNG=0 keeps the serve_rng path entered from Python.
-NATIVE_SERVE = os.environ.get("VMFORK_NATIVE_RNG", "1") != "0"
 
 
 @dataclass
@@ -56,10 +53,12 @@ class VirtioRng(VirtioDevice):
     device_type = DEVICE_ID_RNG
     queue_max_sizes = (QUEUE_SIZE,)
 
-    def __init__(self, loop: EventLoop, native_serve: bool | None = None) -> None:
+    def __init__(self, loop: EventLoop, native_serve: bool = True) -> None:
         super().__init__()
         self.loop = loop
-        self.native_serve = NATIVE_SERVE if native_serve is None else native_serve
+        # False keeps the walk entered per notification even where the loop could serve
+        # the queue itself (the tests and bench/rng_notify.py compare the two entries).
+        self.native_serve = native_serve
         self._bytes_served = 0
         self._server: _core.RngQueue | None = None
         self._detach_server: Callable[[], None] | None = None
@@ -132,34 +131,21 @@ class VirtioRng(VirtioDevice):
                 self.loop.call_soon(lambda: self._guarded(self._serve))
             return
         memory, queue = self.memory, self.queues[0]
-        if memory.native is not None:
-            if not queue.ready:  # as Virtqueue.pop says it
-                raise VirtqueueError("pop from a queue that is not ready")
-            queue.next_avail, queue.next_used, served, written = memory.native.serve_rng(
-                queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
-                queue.next_avail, queue.next_used, MAX_REQUESTS_PER_NOTIFY,
-                MAX_BYTES_PER_REQUEST)
-            self._bytes_served += written
-        else:
-            served = self._serve_python(memory, queue)
+        if memory.native is None:
+            raise HostError("virtio-rng is served only natively, and this guest memory has "
+                            "no native view (VMFORK_NATIVE=0?)", op="rng serve")
+        if not queue.ready:  # as Virtqueue.pop says it
+            raise VirtqueueError("pop from a queue that is not ready")
+        queue.next_avail, queue.next_used, served, written = memory.native.serve_rng(
+            queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
+            queue.next_avail, queue.next_used, MAX_REQUESTS_PER_NOTIFY,
+            MAX_BYTES_PER_REQUEST)
+        self._bytes_served += written
         if served:
             assert self.interrupt is not None
             self.interrupt.trigger()
         if served == MAX_REQUESTS_PER_NOTIFY:
             self.loop.call_soon(lambda: self._guarded(self._serve))
-
-    def _serve_python(self, memory: GuestMemory, queue: Virtqueue) -> int:
-        served = 0
-        while served < MAX_REQUESTS_PER_NOTIFY:
-            chain = queue.pop(memory)
-            if chain is None:
-                break
-            want = min(chain.writable_len, MAX_BYTES_PER_REQUEST)
-            written = chain.write_writable(memory, os.getrandom(want)) if want else 0
-            queue.add_used(memory, chain.head, written)
-            self._bytes_served += written
-            served += 1
-        return served
 
     def save(self) -> RngState:
         return RngState(acked_features=self.acked_features)
