@@ -14,6 +14,7 @@
 mod balloon_serve;
 mod blk;
 mod blk_serve;
+mod child;
 mod console;
 mod eventloop;
 mod guest_ram;
@@ -227,7 +228,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;
+    m.add_class::<child::ChildPlan>()?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
+    m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;
+    m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;
+    m.add_function(wrap_pyfunction!(child::die_with_parent, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())
 }

@@ -8,6 +8,7 @@ compromised VMM would reach. Needs root (namespaces, mounts, another uid) and
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -139,6 +140,21 @@ def test_a_jail_as_root_or_without_a_run_dir_is_refused(client: ZygoteClient,
                      jail=_jail(0))
     with pytest.raises(ZygoteError, match="needs args.run_dir"):
         client.spawn(E + "sleep", vm_id=vid(), jail=_jail(71004))
+
+
+def test_a_failed_jail_step_exits_71_with_the_step_and_errno_in_the_log(
+        client: ZygoteClient, base: Path) -> None:
+    """A "device" that is a regular file: the jail refuses it before it drops anything,
+    and the child's log (opened by the set-up, before the jail) names the step."""
+    run_dir = base / "run" / vid()
+    log = base / f"{vid()}.log"
+    child = client.spawn(E + "sleep", {"run_dir": str(run_dir), "log_path": str(log)},
+                         vm_id=vid(), jail={**_jail(71005), "devices": ["/etc/hostname"]})
+    event = client.wait(child.vm_id)
+    assert (event.reason, event.exit_code) == ("exited", 71), event
+    assert log.read_text().splitlines()[-1] == (
+        f"vmfork child: [Errno {errno.ENODEV}] jail: open device /etc/hostname: "
+        f"{os.strerror(errno.ENODEV)}")
 
 
 def test_uid_range_gives_each_live_child_its_own_uid(client: ZygoteClient, base: Path) -> None:

@@ -104,6 +104,16 @@ def test_entry_exception_exits_70_with_traceback_in_log(client: ZygoteClient,
     assert event.log_tail[-1] == "RuntimeError: boom from the entry"
 
 
+def test_a_failed_set_up_step_exits_71_before_the_entry(client: ZygoteClient,
+                                                         tmp_path: Path) -> None:
+    """The log's directory is a file: the native set-up cannot open the log, says so on
+    the zygote's stderr and exits 71; the entry (which would exit 7) never runs."""
+    (tmp_path / "not-a-dir").write_text("")
+    event = client.wait(client.spawn(E + "exit_with", {
+        "code": 7, "log_path": str(tmp_path / "not-a-dir" / "child.log")}, vm_id=vid()).vm_id)
+    assert (event.reason, event.exit_code) == ("exited", 71), event
+
+
 def test_kill_with_a_signal_is_reported_as_killed(client: ZygoteClient) -> None:
     child = client.spawn(E + "sleep", vm_id=vid())
     event = client.kill_and_wait(child.vm_id, signal.SIGTERM)
@@ -192,7 +202,10 @@ def test_child_inherits_no_zygote_fd_and_fresh_signals(zygote: ZygoteProcess,
     assert report["fds"] == {"0": "/dev/null", "1": str(log), "2": str(log)}
     assert report["ppid"] == zygote.pid
     assert report["sid"] == report["pid"] == report["pgid"]
-    assert report["sigterm_default"] and report["sigint_python"]
+    # SIGTERM and SIGINT at their default action: neither caught nor ignored.
+    default = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGINT - 1))
+    assert int(report["sigcgt"], 16) & default == 0
+    assert int(report["sigign"], 16) & default == 0
     assert int(report["sigblk"], 16) == 0
     assert report["ctx"] == {"vm_id": child.vm_id, "zygote_pid": zygote.pid, "cgroup": None}
     # Under memory pressure the kernel kills a VMM before the zygote or the daemon.

@@ -69,8 +69,9 @@ def inspect(args: dict[str, Any]) -> int:
     _write(args, {
         "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "pgid": os.getpgid(0),
         "fds": fds, "sigblk": status["SigBlk"].strip(),
-        "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
-        "sigint_python": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        # The kernel's dispositions (the child's set-up is native: Python's own table
+        # names the zygote's handlers until an entry installs its own).
+        "sigcgt": status["SigCgt"].strip(), "sigign": status["SigIgn"].strip(),
         "cgroup": Path("/proc/self/cgroup").read_text(),
         "ctx": {"vm_id": ctx.vm_id, "zygote_pid": ctx.zygote_pid, "cgroup": ctx.cgroup},
         "fork_to_entry_ns": ctx.entry_started_ns - ctx.forked_ns,

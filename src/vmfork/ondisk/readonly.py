@@ -3,7 +3,7 @@
 A jailed VMM (``runtime/jail.py``) runs as a uid of its own, and the files it maps
 (a snapshot's ``memory.bin`` is 0600, owned by the daemon's user) are not readable by
 that uid. The jail opens them first, as the daemon's user, and leaves the descriptors
-here; code reading its inputs -- the state file, the memory plan and the files it
+here (``adopt``); code reading its inputs -- the state file, the memory plan and the files it
 maps (this package), a kernel or a disk (``vmfork.vmm``) -- opens them through
 ``open_ro``, which hands out a duplicate of a pre-opened descriptor for that path and
 otherwise opens the path as usual (an unjailed VMM pre-opens nothing).
@@ -19,18 +19,9 @@ import os
 _preopened: dict[str, int] = {}
 
 
-def preopen(paths: list[str]) -> None:
-    """Open each regular file of ``paths`` read-only (missing ones are skipped: the
-    VMM reports them itself when it needs them)."""
-    for path in paths:
-        key = os.path.abspath(path)
-        if key in _preopened:
-            continue
-        try:
-            fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
-        except (FileNotFoundError, IsADirectoryError):
-            continue
-        _preopened[key] = fd
+def adopt(path: str, fd: int) -> None:
+    """Keep ``fd``, opened read-only for ``path`` by a jail before its drop."""
+    _preopened[os.path.abspath(path)] = fd
 
 
 def open_ro(path: str) -> int:

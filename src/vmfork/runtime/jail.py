@@ -1,17 +1,23 @@
 """The jail of one VMM process, built by the process itself right after fork.
 
-A VMM runs a guest that runs untrusted code, and its device emulation is Python that
-parses what the guest writes. If that code has a bug, the jail is what stands between
-the guest and the host. ``enter(spec)`` builds it, in this order (each step needs the
-privileges the next ones drop):
+A VMM runs a guest that runs untrusted code, and its device emulation parses what
+the guest writes. If that code has a bug, the jail is what stands between the guest and
+the host. The steps run natively (``native/src/child.rs``, ``ChildPlan.enter_jail``),
+from a plan this module builds before the fork (``plan(spec)``: in the zygote, once per
+spawn; ``enter(spec)`` for a parent VMM, which builds and enters it at once), so a
+jailed child builds its jail without touching a Python object of the zygote's; the
+descriptors opened before the drop come back to ``vmm/openfiles.py``'s registries
+(``adopt``), which also empties ``os.environ`` (Python's copy of the environment). In
+this order (each step needs the privileges the next ones drop):
 
 0. **The sandbox's network**, when it has one: ``setns`` into its network namespace
    and attach to its tap there (``vmm/openfiles.preopen_tap``), while the process still
    has the capabilities both need; the VMM later takes that descriptor instead of
    opening ``/dev/net/tun`` (which the jail does not hold). A zygote child joins it
-   first thing (``join_sandbox_netns``), through the host's root that a zygote in a
+   first thing (its set-up's step 0), through the host's root that a zygote in a
    mount namespace of its own keeps (``host_root``), before its set-up closes every
-   inherited descriptor, that one among them; a jail never holds it.
+   inherited descriptor, that one among them; a jail never holds it
+   (``_let_go_of_host_root``).
 1. **Namespaces.** A VMM without a network of its own joins an empty network
    namespace the zygote made once (``hold_empty_netns``): no interface but a loopback
    that is down, no route to the host or anywhere, none of the host's abstract Unix
@@ -59,8 +65,12 @@ import resource
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vmfork.vmm import openfiles
+
+if TYPE_CHECKING:
+    from vmfork._core import ChildPlan
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -217,36 +227,16 @@ def host_root() -> int | None:
 
 
 def _let_go_of_host_root() -> None:
-    """A jail must not hold the host's root: a descriptor of it is a way out of any
-    ``pivot_root`` (``openat`` from it walks the host's tree). A zygote child has
-    usually closed it already with every inherited descriptor (its number may even be
-    another file's by now): only a descriptor that still is the host's root is closed."""
+    """Forget the host's root and close its descriptor if it still is the host's root
+    (``_core.let_go_of_host_root``, the jail's own step: a jail must not hold it, since
+    ``openat`` from it walks the host's tree past any ``pivot_root``; a zygote child
+    has closed it already with every inherited descriptor, and its number may be
+    another file's by now)."""
     global _host_root
     fd, _host_root = _host_root, None
-    if fd is None:
-        return
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return
-    if (st.st_dev, st.st_ino) == _host_root_id and stat.S_ISDIR(st.st_mode):
-        os.close(fd)
-
-
-_in_sandbox_netns = False
-
-
-def join_sandbox_netns(name: str) -> None:
-    """Join the sandbox's network namespace ``/run/netns/<name>`` (found from the host's
-    root, when the zygote keeps one): in a zygote child, before its set-up closes the
-    descriptors it inherited, that one among them. ``enter`` then does not join again."""
-    global _in_sandbox_netns
-    from vmfork.runtime.network import NetworkError, enter_netns
-    try:
-        enter_netns(name, root_fd=_host_root)
-    except NetworkError as err:
-        raise JailError(f"join network namespace {name}: {err}", errno.EPERM) from err
-    _in_sandbox_netns = True
+    if fd is not None:
+        from vmfork import _core
+        _core.let_go_of_host_root(fd, *_host_root_id)
 
 
 class SharedTree:
@@ -326,118 +316,59 @@ def hold_empty_netns() -> bool:
     return True
 
 
-_in_empty_netns = False
+def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None] | None = None
+         ) -> ChildPlan:
+    """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
+    ``spec`` and, for a zygote child, of its set-up (``zygote_child``: the zygote's pid,
+    its pidfd for a PID namespace's first process, the ``cgroup.procs`` files to join,
+    the log): everything resolved here, before the fork, so the child runs the steps
+    without building a Python object. Raises ``JailError`` for a spec no jail can be
+    built from."""
+    from vmfork import _core
+    from vmfork.runtime.network import NetworkError, _validate_netns_name
+    from vmfork.vmm.devices.virtio.net import valid_tap_name
+    if spec.netns is not None:
+        try:
+            _validate_netns_name(spec.netns)
+        except NetworkError as err:
+            raise JailError(f"join network namespace {spec.netns}: {err}",
+                            errno.EINVAL) from None
+    if spec.tap is not None and not valid_tap_name(spec.tap):
+        raise JailError(f"tap {spec.tap!r} is not a Linux interface name", errno.EINVAL)
+    shared = None if spec.shared is None else (spec.shared.path, list(spec.shared.paths))
+    return _core.ChildPlan(
+        error=JailError, set_up=set_up,
+        jail=(spec.root, spec.uid, spec.gid, spec.hostname,
+              (spec.nofile, spec.nproc, spec.fsize), last_capability()),
+        paths=(sorted(set(spec.read_only), key=len), list(spec.writable), list(spec.devices),
+               shared, [os.path.abspath(p) for p in spec.preopen],
+               [os.path.abspath(p) for p in spec.preopen_rw]),
+        tap=spec.tap if spec.netns is not None else None,
+        host_root=None if _host_root is None else (_host_root, *_host_root_id),
+        held_netns=_empty_netns if set_up is not None else None, netns=spec.netns)
 
 
-def join_empty_netns() -> None:
-    """In a child of the zygote about to be jailed without a network: join the held
-    empty namespace (before the child closes what it inherited, the descriptor with it).
-    Does nothing where the zygote holds none; ``enter`` then makes one."""
-    global _empty_netns, _in_empty_netns
-    if _empty_netns is None:
-        return
-    try:
-        _check(_libc.setns(_empty_netns, CLONE_NEWNET), "join the empty network namespace")
-    finally:
-        os.close(_empty_netns)
-        _empty_netns = None
-    _in_empty_netns = True
+def adopt(spec: JailSpec, opened: tuple[list[int], list[int], tuple[int, int], list[int],
+                                        int | None]) -> None:
+    """Register the descriptors ``ChildPlan.enter_jail`` opened before the drop (the
+    VMM takes them through ``vmm/openfiles.py``) and give Python the jail's clean
+    environment: ``os.environ`` is Python's copy, which a native ``clearenv`` would
+    leave stale, so it is emptied here, the jail's last step."""
+    ro, rw, (pagemap, clear_refs), devices, tap = opened
+    openfiles.adopt(ro=zip(spec.preopen, ro), rw=zip(spec.preopen_rw, rw),
+                    proc_self={"pagemap": (pagemap, os.O_RDONLY),
+                               "clear_refs": (clear_refs, os.O_WRONLY)},
+                    devices=zip(spec.devices, devices),
+                    tap=None if tap is None or spec.tap is None else (spec.tap, tap))
+    os.environ.clear()
+    os.environ.update(spec.env)
 
 
 def enter(spec: JailSpec) -> None:
-    """Build the jail and move this process into it (see the module docstring).
+    """Build the jail and move this process into it, for a process the zygote did not
+    fork (a parent VMM): the native steps (``native/src/child.rs``), then ``adopt``.
     Raises ``JailError`` naming the step that failed; the process must then exit."""
-    if spec.uid <= 0 or spec.gid <= 0:
-        raise JailError(f"uid {spec.uid}/gid {spec.gid}: a jail never runs as root",
-                        errno.EINVAL)
-    last_cap = last_capability()
-    openfiles.preopen(list(spec.preopen))
-    openfiles.preopen_rw(list(spec.preopen_rw))
-    openfiles.preopen_proc_self({"pagemap": os.O_RDONLY, "clear_refs": os.O_WRONLY})
-    for device in spec.devices:
-        try:
-            openfiles.preopen_device(device)
-        except OSError as err:
-            raise JailError(f"open device {device}", err.errno or errno.ENODEV) from err
-    if spec.netns is not None:
-        # setns needs CAP_SYS_ADMIN and TUNSETIFF on a tap the jail's uid does not own
-        # needs CAP_NET_ADMIN: both happen here, as root, and only the tap's descriptor
-        # crosses into the jail. The process stays in the sandbox's namespace, whose
-        # only way out is the egress policy on its host end.
-        from vmfork.vmm.devices.virtio.net import open_tap
-        if not _in_sandbox_netns:
-            join_sandbox_netns(spec.netns)
-        if spec.tap is not None:
-            openfiles.preopen_tap(spec.tap, open_tap(spec.tap))
-    _let_go_of_host_root()
-    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
-    if spec.netns is None and not _in_empty_netns:
-        flags |= CLONE_NEWNET   # no held namespace to join (a parent VMM): one of its own
-    _check(_libc.unshare(flags), "unshare")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, None, "make / private")
-    root = spec.root
-    # nodev: the jail holds no device node, its devices are descriptors (above).
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", "tmpfs root")
-    # The tmpfs is new and this process alone fills it: each directory is made once,
-    # and each host path looked up once (``os.stat``), since every call costs.
-    made: set[str] = {root}
-    bound: list[str] = []
-    if spec.shared is not None:
-        os.mkdir(root + SHARED_AT)
-        _mount(spec.shared.path, root + SHARED_AT, None, MS_BIND | MS_REC, None,
-               "bind the shared tree")
-        for path in spec.shared.paths:
-            _make_dirs(os.path.dirname(root + path), made)
-            os.symlink(SHARED_AT + path, root + path)
-            bound.append(path)
-    # Read-only first, parents before children, then the writable paths: a later bind
-    # covers what an earlier one showed at the same place, never the reverse.
-    for path in sorted(set(spec.read_only), key=len):
-        # A path under a directory bound already is visible through it (a diff's own
-        # layer, named by its plan, sits in its snapshot directory), and a mount point
-        # cannot be made inside a read-only bind.
-        if any(path == parent or path.startswith(parent.rstrip("/") + "/")
-               for parent in bound):
-            continue
-        try:
-            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
-        except OSError:
-            continue   # missing: whoever needs it reports it, as outside a jail
-        _make_mount_point(root + path, is_dir, made)
-        _bind_at(path, root + path, read_only=True)
-        if is_dir:
-            bound.append(path)
-    for path in spec.writable:
-        _make_mount_point(root + path, os.path.isdir(path), made)
-        _bind_at(path, root + path, read_only=False)
-        os.chown(path, spec.uid, spec.gid)
-    os.mkdir(root + "/proc")
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-           "hidepid=invisible", "mount /proc")
-    old = root + "/.old-root"
-    os.mkdir(old)
-    _check(_libc.syscall(SYS_PIVOT_ROOT, root.encode(), old.encode()), "pivot_root")
-    os.chdir("/")
-    _check(_libc.umount2(b"/.old-root", MNT_DETACH), "detach the old root")
-    os.rmdir("/.old-root")
-    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None,
-           "remount / read-only")
-    name = spec.hostname.encode()
-    _check(_libc.sethostname(name, len(name)), "sethostname")
-    for cap in range(last_cap + 1):
-        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
-    _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient")
-    os.setgroups([])
-    os.setresgid(spec.gid, spec.gid, spec.gid)
-    os.setresuid(spec.uid, spec.uid, spec.uid)
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    _check(_libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "not dumpable")
-    for limit, value in ((resource.RLIMIT_NOFILE, spec.nofile),
-                         (resource.RLIMIT_NPROC, spec.nproc),
-                         (resource.RLIMIT_FSIZE, spec.fsize), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(limit, (value, value))
-    os.environ.clear()
-    os.environ.update(spec.env)
+    adopt(spec, plan(spec).enter_jail())
 
 
 class PidNamespaces:

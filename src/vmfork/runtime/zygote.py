@@ -112,6 +112,7 @@ from vmfork.runtime.jail import (
 )
 from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child, set_sigmask
+from vmfork.runtime.zygote_child import plan as plan_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
 log = logging.getLogger("vmfork.zygote")
@@ -162,6 +163,8 @@ class _Prepared:
     log_path: str | None
     run_dir: str | None
     jail: JailSpec | None = None
+    plan: Any = None
+    """The child's ``_core.ChildPlan`` (``zygote_child.plan``), built here, not in it."""
 
 
 class _Slot:
@@ -685,10 +688,17 @@ class Zygote:
                                    "HostError") from err
         jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args,
                                self._shared_tree)
+        try:
+            child_plan = plan_child(self.pid, cg, log_path, jail_spec,
+                                    self.own_pidfd if jail_spec is not None else None)
+        except JailError as err:
+            if cg is not None:
+                cgroups.remove(cg)
+            raise RequestError(str(err)) from None
         if jail_spec is not None and run_dir is not None:
             os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
             self._uids_taken.add(jail_spec.uid)
-        return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec)
+        return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec, child_plan)
 
     def _discard(self, prep: _Prepared) -> None:
         if prep.cgroup is not None:
@@ -725,8 +735,7 @@ class Zygote:
                 if pid == 0:
                     run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
                               entry=entry, args=prep.args, cgroup=prep.cgroup,
-                              log_path=prep.log_path, jail_spec=prep.jail,
-                              zygote_pidfd=self.own_pidfd if pidns is not None else None)
+                              child_plan=prep.plan, jail_spec=prep.jail)
             finally:
                 if pidns is not None:
                     pidns.after_fork()

@@ -2,26 +2,27 @@
 
 A jailed VMM (``runtime/jail.py``) runs as a uid of its own, and the files it maps
 (a snapshot's ``memory.bin`` is 0600, owned by the daemon's user) are not readable by
-that uid. The jail opens them first, as the daemon's user, and leaves the descriptors
-here; the VMM's code opens its read-only inputs through ``open_ro``, which hands out a
-duplicate of a pre-opened descriptor for that path and otherwise opens the path as
-usual (an unjailed VMM pre-opens nothing). ``open_ro`` and ``preopen`` are defined in
-``vmfork.ondisk.readonly`` (the state file and memory plans are read through them).
+that uid. The jail opens them first, as the daemon's user (``native/src/child.rs``),
+and leaves the descriptors here (``adopt``); the VMM's code opens its read-only inputs
+through ``open_ro``, which hands out a duplicate of a pre-opened descriptor for that
+path and otherwise opens the path as usual (an unjailed VMM pre-opens nothing).
+``open_ro`` is defined in ``vmfork.ondisk.readonly`` (the state file and memory plans
+are read through it).
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import stat
+from collections.abc import Iterable
 
 # The read-only half lives with the formats it reads (the state file, memory plans):
 # one registry, filled by the jail, for both packages.
-from vmfork.ondisk.readonly import open_ro, preopen
+from vmfork.ondisk import readonly
+from vmfork.ondisk.readonly import open_ro
 
-__all__ = ["open_device", "open_ro", "open_proc_self", "open_rw", "preopen", "preopen_device",
-           "preopen_proc_self", "preopen_rw", "preopen_tap", "take_tap"]
+__all__ = ["adopt", "open_device", "open_ro", "open_proc_self", "open_rw", "preopen_tap",
+           "take_tap"]
 
 _preopened_rw: dict[str, int] = {}
 _taps: dict[str, int] = {}
@@ -29,18 +30,24 @@ _proc_self: dict[str, tuple[int, int]] = {}   # name -> (fd, open flags)
 _devices: dict[str, int] = {}
 
 
-def preopen_device(path: str) -> None:
-    """Open the character device ``path`` (``/dev/kvm``) read-write for ``open_device``.
-    A jail holds no device nodes at all: what its VMM needs of ``/dev`` it gets as a
-    descriptor opened before the drop. Raises ``OSError`` (``ENODEV`` for a path that
-    is not a character device): the jail cannot be built without it."""
-    if path in _devices:
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    if not stat.S_ISCHR(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.ENODEV, f"{path} is not a character device")
-    _devices[path] = fd
+def adopt(*, ro: Iterable[tuple[str, int]], rw: Iterable[tuple[str, int]],
+          proc_self: dict[str, tuple[int, int]], devices: Iterable[tuple[str, int]],
+          tap: tuple[str, int] | None) -> None:
+    """Keep the descriptors a jail opened before its drop (``native/src/child.rs``:
+    read-only and read-write files, -1 for one that was missing; ``/proc/self`` files
+    as (fd, flags); devices, each checked to be a character device; the tap) for the
+    ``open_*`` calls and ``take_tap``."""
+    for path, fd in ro:
+        if fd >= 0:
+            readonly.adopt(path, fd)
+    for path, fd in rw:
+        if fd >= 0:
+            _preopened_rw[os.path.abspath(path)] = fd
+    _proc_self.update(proc_self)
+    for path, fd in devices:
+        _devices[path] = fd
+    if tap is not None:
+        preopen_tap(*tap)
 
 
 def open_device(path: str) -> int | None:
@@ -48,20 +55,6 @@ def open_device(path: str) -> int | None:
     None when none was: the caller then opens the path itself."""
     fd = _devices.get(path)
     return None if fd is None else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
-
-
-def preopen_rw(paths: list[str]) -> None:
-    """Open each of ``paths`` read-write (a sandbox's read-write volumes): unlike
-    read-only inputs they are never bound into the jail, so the descriptor is the
-    VMM's only way to them. A missing one is skipped: the VMM reports it."""
-    for path in paths:
-        key = os.path.abspath(path)
-        if key in _preopened_rw:
-            continue
-        try:
-            _preopened_rw[key] = os.open(key, os.O_RDWR | os.O_CLOEXEC)
-        except (FileNotFoundError, IsADirectoryError):
-            continue
 
 
 def open_rw(path: str) -> int:
@@ -84,17 +77,6 @@ def preopen_tap(name: str, fd: int) -> None:
 def take_tap(name: str) -> int | None:
     """The pre-opened descriptor of tap ``name`` (now the caller's), or None."""
     return _taps.pop(name, None)
-
-
-def preopen_proc_self(names: dict[str, int]) -> None:
-    """Open ``/proc/self/<name>`` with the given flags for each entry, for
-    ``open_proc_self``. A process whose uid changed is not dumpable, so its own
-    ``/proc/self`` files belong to root and its new uid cannot open ``pagemap`` or
-    ``clear_refs`` (dirty-page tracking for BRANCH): the jail opens them first. Both
-    check access at open only and keep referring to this process's memory."""
-    for name, flags in names.items():
-        if name not in _proc_self:
-            _proc_self[name] = (os.open(f"/proc/self/{name}", flags | os.O_CLOEXEC), flags)
 
 
 def open_proc_self(name: str, flags: int) -> int:

@@ -135,19 +135,13 @@ MAX_FRAMES_PER_RUN = 256
 # A GSO frame is at most 64 KiB of IP packet plus the Ethernet (and a VLAN) header.
 MAX_TX_BYTES = VNET_HDR_SIZE + 65536 + 64
 
-# <linux/if_tun.h>
-TUNSETIFF = 0x400454CA           # _IOW('T', 202, int)
+# <linux/if_tun.h> (the attach itself, TUNSETIFF and TUNSETVNETHDRSZ, is native/src/child.rs's)
 TUNSETOFFLOAD = 0x400454D0       # _IOW('T', 208, unsigned int)
-TUNSETVNETHDRSZ = 0x400454D8     # _IOW('T', 216, int)
-IFF_TAP = 0x0002
-IFF_NO_PI = 0x1000
-IFF_VNET_HDR = 0x4000
 TUN_F_CSUM = 0x01
 TUN_F_TSO4 = 0x02
 TUN_F_TSO6 = 0x04
 TUN_F_TSO_ECN = 0x08
 IFNAMSIZ = 16
-_IFREQ = struct.Struct("16sH22x")  # ifr_name, ifr_flags, rest of the 40-byte union
 
 _MAC_TEXT = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
 _IFNAME = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
@@ -181,22 +175,22 @@ def open_tap(name: str) -> int:
     preopened = openfiles.take_tap(name)
     if preopened is not None:
         return preopened
-    if not _IFNAME.match(name):
+    if not valid_tap_name(name):
         raise ValueError(f"tap name {name!r} is not a Linux interface name "
                          f"(1-15 of letters, digits, '_', '.', '-')")
+    from vmfork import _core  # the jail's implementation (native/src/child.rs)
     try:
-        fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd: int = _core.open_tap(name)
     except OSError as err:
-        raise HostError(f"open /dev/net/tun: {err}", op="open_tap", errno=err.errno) from err
-    try:
-        ifreq = _IFREQ.pack(name.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
-        fcntl.ioctl(fd, TUNSETIFF, ifreq)
-        fcntl.ioctl(fd, TUNSETVNETHDRSZ, struct.pack("i", VNET_HDR_SIZE))
-    except OSError as err:
-        os.close(fd)
-        raise HostError(f"tap {name}: TUNSETIFF/TUNSETVNETHDRSZ: {err}", op="open_tap",
-                        errno=err.errno) from err
+        where = "" if err.strerror == "open /dev/net/tun" else f"tap {name}: "
+        raise HostError(f"{where}{err.strerror}: {os.strerror(err.errno or 0)}",
+                        op="open_tap", errno=err.errno) from err
     return fd
+
+
+def valid_tap_name(name: str) -> bool:
+    """Whether ``name`` is a Linux interface name (1-15 of letters, digits, '_', '.', '-')."""
+    return bool(_IFNAME.match(name))
 
 
 def tap_offloads(acked_features: int) -> int:

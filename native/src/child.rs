@@ -1,0 +1,1036 @@
+//! A VMM child's set-up and jail, run natively between `fork()` and its entry.
+//!
+//! Every step here used to be Python (`zygote_child._setup`, `jail.enter`), and every
+//! Python object those steps touched was a copy-on-write page the child made its own
+//! (design notes, "Where an idle jailed child's ~5.5 MiB goes"). The zygote now builds
+//! a `ChildPlan` per spawn, before the fork, from the `JailSpec` and the set-up
+//! arguments (every path already a C string, every list already in the order the steps
+//! want); the child makes two calls on it, `set_up` and `enter_jail`, and touches no
+//! other Python object until its entry. A parent VMM (`runtime/parent.py`) builds a
+//! plan without set-up and calls `enter_jail` on it: one implementation for both.
+//!
+//! **Set-up** (`set_up`, a zygote child only), in this order:
+//!
+//! 0. *The network namespace*, for a jailed child: the held empty one (the zygote's
+//!    descriptor, `jail.hold_empty_netns`) or the sandbox's (`/run/netns/<name>`,
+//!    looked up from the host's root the zygote keeps, `jail.host_root`). First, since
+//!    step 6 closes both descriptors.
+//! 1. *Die with the zygote*: `PR_SET_PDEATHSIG` SIGKILL, then the check that closes the
+//!    race with a zygote that died before the prctl: `getppid()` still the zygote, or,
+//!    for the first process of a PID namespace (where `getppid()` is 0), the zygote's
+//!    inherited pidfd not readable yet. A zygote already gone: exit 71 in silence.
+//! 2. *Own session* (`setsid`): one `killpg` reaches the child and what it started.
+//! 3. *Signals.* SIGTERM's default action, except for the first process of a PID
+//!    namespace, which the kernel spares signals it has no handler for: there a native
+//!    handler exits 128 + 15 until the entry installs its own. SIGINT: the default
+//!    action too (a VMM has no terminal; terminate is right, and a namespace's first
+//!    process ignores it, as before). These replace the C-level handlers the zygote's
+//!    Python installed; Python's own table keeps naming the zygote's handlers until
+//!    the entry calls `signal.signal` (it never runs them: no C handler trips them).
+//!    The zygote's wakeup fd is switched off in Python before this call
+//!    (`signal.set_wakeup_fd(-1)`: Python's state, not the kernel's). Then the mask is
+//!    emptied: signals sent since the fork are delivered here, to these dispositions.
+//! 4. *OOM order*: `oom_score_adj` 1000, the first process the OOM killer takes.
+//! 5. *Cgroup*: the child's pid into each of its groups' `cgroup.procs`, before it
+//!    allocates anything of its own (v1 charges do not follow a process that moves).
+//! 6. *Fds*: stdin `/dev/null`, stdout and stderr the log (append, created 0644), then
+//!    `close_range(3, ~0)`: the zygote's sockets, pidfds, epoll and the host's root.
+//!
+//! **The jail** (`enter_jail`), the order and reasons of `runtime/jail.py`'s docstring:
+//! the files, devices and tap opened while the process may (their descriptors handed
+//! back to Python's registries); the network namespace joined if set-up did not; the
+//! host's root let go of; `unshare`; a tmpfs root with the binds, the shared tree and
+//! `/proc`; `pivot_root`; capabilities, groups, ids, `NO_NEW_PRIVS`, not dumpable;
+//! the limits. A failed step raises the `error` type the plan was built with
+//! (`jail.JailError(step, errno)`); a zygote child then exits 71 with its message.
+//!
+//! Every syscall here runs before the VMM installs its seccomp filter (its entry does,
+//! once the machine is set up), so none needs to be on `runtime/seccomp.py`'s list.
+
+use std::collections::HashSet;
+use std::ffi::{CStr, CString};
+use std::io;
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+/// `EXIT_SETUP_FAILED` of `runtime/zygote_protocol.py`.
+const EXIT_SETUP_FAILED: i32 = 71;
+const OOM_SCORE_ADJ: &[u8] = b"1000";
+/// Where a jail sees its zygote's `SharedTree` (`jail.SHARED_AT`).
+const SHARED_AT: &str = "/.vmfork-shared";
+const TUNSETIFF: libc::c_ulong = 0x4004_54CA;
+const TUNSETVNETHDRSZ: libc::c_ulong = 0x4004_54D8;
+const IFF_TAP: libc::c_short = 0x0002;
+const IFF_NO_PI: libc::c_short = 0x1000;
+const IFF_VNET_HDR: libc::c_short = 0x4000;
+/// `struct virtio_net_hdr_mrg_rxbuf`, what VERSION_1 always uses (`net.VNET_HDR_SIZE`).
+const VNET_HDR_SIZE: libc::c_int = 12;
+
+/// Set once this process joined the network namespace its plan names (set-up does it,
+/// before it closes the descriptors the join needs), so the jail does not join again.
+/// A process-wide fact, like the namespace itself.
+static NET_JOINED: AtomicBool = AtomicBool::new(false);
+
+/// A step that failed: its name (the words of the Python steps it replaced) and errno.
+#[derive(Debug)]
+pub struct Failure {
+    pub step: String,
+    pub errno: i32,
+}
+
+type Step<T> = Result<T, Failure>;
+
+fn last_errno() -> i32 {
+    io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+fn fail<T>(step: impl Into<String>) -> Step<T> {
+    Err(Failure {
+        step: step.into(),
+        errno: last_errno(),
+    })
+}
+
+fn check(rc: libc::c_long, step: impl FnOnce() -> String) -> Step<()> {
+    if rc < 0 {
+        fail(step())
+    } else {
+        Ok(())
+    }
+}
+
+fn cstring(s: &str) -> Step<CString> {
+    CString::new(s).map_err(|_| Failure {
+        step: format!("path {s:?} holds a NUL byte"),
+        errno: libc::EINVAL,
+    })
+}
+
+fn strerror(errno: i32) -> String {
+    io::Error::from_raw_os_error(errno)
+        .to_string()
+        .split(" (os error")
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn open(path: &CStr, flags: libc::c_int, mode: libc::mode_t) -> Result<RawFd, i32> {
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    let fd = unsafe { libc::open(path.as_ptr(), flags | libc::O_CLOEXEC, mode) };
+    if fd < 0 {
+        Err(last_errno())
+    } else {
+        Ok(fd)
+    }
+}
+
+fn close(fd: RawFd) {
+    // SAFETY: closing a descriptor this process owns (or one that is already closed:
+    // EBADF, harmless); nothing else holds it as an owned Rust handle.
+    unsafe { libc::close(fd) };
+}
+
+/// `(st_dev, st_ino, st_mode)` of `fd`, or None if it is not open.
+fn fstat(fd: RawFd) -> Option<(u64, u64, u32)> {
+    // SAFETY: an all-zero `stat` is a valid buffer for fstat to fill.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a valid, writable stat buffer for the duration of the call.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return None;
+    }
+    Some((st.st_dev, st.st_ino, st.st_mode))
+}
+
+/// Whether `path` is a directory; None if it cannot be looked up (missing).
+fn is_dir(path: &CStr) -> Option<bool> {
+    // SAFETY: an all-zero `stat` is a valid buffer for stat to fill.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated and `st` a valid, writable stat buffer.
+    if unsafe { libc::stat(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+}
+
+/// Close `fd` if it still is the host's root (`dev`, `ino`, a directory): a jail must
+/// not hold it, since `openat` from it walks the host's tree past any `pivot_root`. A
+/// zygote child closed it already with every inherited descriptor, and its number may
+/// be another file's by now: only a descriptor that still is the host's root is closed.
+pub fn let_go_of_host_root(fd: RawFd, dev: u64, ino: u64) {
+    if let Some((d, i, mode)) = fstat(fd) {
+        if d == dev && i == ino && mode & libc::S_IFMT == libc::S_IFDIR {
+            close(fd);
+        }
+    }
+}
+
+/// Attach to tap `name` in this thread's network namespace (non-blocking,
+/// close-on-exec, vnet header on): the one implementation, for a jail before its drop
+/// and for `net.open_tap`. `name` is checked by the caller (a Linux interface name).
+pub fn open_tap(name: &str) -> Step<RawFd> {
+    let fd =
+        open(c"/dev/net/tun", libc::O_RDWR | libc::O_NONBLOCK, 0).map_err(|errno| Failure {
+            step: "open /dev/net/tun".into(),
+            errno,
+        })?;
+    // SAFETY: an all-zero ifreq is a valid "no name, no flags" request.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (slot, byte) in ifr
+        .ifr_name
+        .iter_mut()
+        .zip(name.bytes().take(libc::IFNAMSIZ - 1))
+    {
+        *slot = byte as libc::c_char;
+    }
+    ifr.ifr_ifru.ifru_flags = IFF_TAP | IFF_NO_PI | IFF_VNET_HDR;
+    let hdr: libc::c_int = VNET_HDR_SIZE;
+    // SAFETY: `fd` is the tun device opened above; TUNSETIFF reads one ifreq and
+    // TUNSETVNETHDRSZ one int, both valid for the duration of each call.
+    let ok = unsafe {
+        libc::ioctl(fd, TUNSETIFF as _, &ifr) == 0
+            && libc::ioctl(fd, TUNSETVNETHDRSZ as _, &hdr) == 0
+    };
+    if !ok {
+        let errno = last_errno();
+        close(fd);
+        return Err(Failure {
+            step: "TUNSETIFF/TUNSETVNETHDRSZ".into(),
+            errno,
+        });
+    }
+    Ok(fd)
+}
+
+/// Which network namespace the process ends in.
+enum Net {
+    /// One of its own, unshared with the jail's other namespaces (no held one: a parent
+    /// VMM; an unjailed child stays in the zygote's).
+    Own,
+    /// The zygote's held empty namespace (an inherited descriptor).
+    Held(RawFd),
+    /// The sandbox's `/run/netns/<name>`, looked up from the host's root if given.
+    Sandbox {
+        name: String,
+        relative: CString,
+        absolute: CString,
+        host_root: Option<RawFd>,
+    },
+}
+
+impl Net {
+    fn join(&self) -> Step<()> {
+        let (fd, step) = match self {
+            Net::Own => return Ok(()),
+            Net::Held(fd) => (*fd, "join the empty network namespace".to_string()),
+            Net::Sandbox {
+                name,
+                relative,
+                absolute,
+                host_root,
+            } => {
+                let step = format!("join network namespace {name}");
+                let fd = match host_root {
+                    // SAFETY: `root` is the host root's O_PATH descriptor and `relative`
+                    // a NUL-terminated path below it.
+                    Some(root) => unsafe {
+                        libc::openat(*root, relative.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC)
+                    },
+                    None => open(absolute, libc::O_RDONLY, 0).unwrap_or(-1),
+                };
+                if fd < 0 {
+                    return fail(step);
+                }
+                (fd, step)
+            }
+        };
+        // SAFETY: `fd` refers to a network namespace file (or the kernel says EINVAL).
+        let rc = unsafe { libc::setns(fd, libc::CLONE_NEWNET) };
+        let errno = last_errno();
+        // The held descriptor is not needed again either: close it in both cases.
+        close(fd);
+        if rc != 0 {
+            return Err(Failure { step, errno });
+        }
+        NET_JOINED.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// The set-up half of a plan (a zygote child's).
+struct SetUp {
+    zygote_pid: libc::pid_t,
+    /// The zygote's pidfd, for the first process of a PID namespace.
+    zygote_pidfd: Option<RawFd>,
+    cgroup_procs: Vec<CString>,
+    log_path: Option<CString>,
+}
+
+/// Another process's SIGTERM to the first process of a PID namespace: exit as the
+/// default action would (the kernel ignores default-action signals sent to it).
+extern "C" fn exit_on_sigterm(_signum: libc::c_int) {
+    // SAFETY: _exit is async-signal-safe and ends the process at once.
+    unsafe { libc::_exit(128 + libc::SIGTERM) };
+}
+
+fn set_disposition(sig: libc::c_int, handler: libc::sighandler_t) -> Step<()> {
+    // SAFETY: an all-zero sigaction with an empty mask and no flags is valid.
+    let mut act: libc::sigaction = unsafe { std::mem::zeroed() };
+    act.sa_sigaction = handler;
+    // SAFETY: `act` is a valid sigaction; the old one is not asked for.
+    let rc = unsafe { libc::sigaction(sig, &act, std::ptr::null_mut()) };
+    check(rc as libc::c_long, || format!("sigaction({sig})"))
+}
+
+fn write_file(path: &CStr, value: &[u8]) -> Result<(), i32> {
+    let fd = open(path, libc::O_WRONLY, 0)?;
+    // SAFETY: `value` is a valid buffer of its length for the duration of the call.
+    let n = unsafe { libc::write(fd, value.as_ptr().cast(), value.len()) };
+    let errno = last_errno();
+    close(fd);
+    if n < 0 {
+        Err(errno)
+    } else {
+        Ok(())
+    }
+}
+
+impl SetUp {
+    /// Steps 1-6 of the module comment. `Ok(false)`: the zygote died before the prctl.
+    fn run(&self) -> Result<bool, String> {
+        let text = |step: &str, errno: i32| format!("{step}: {}", strerror(errno));
+        // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and unused zeros.
+        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+            return Err(text("prctl(PR_SET_PDEATHSIG) failed", last_errno()));
+        }
+        let alive = match self.zygote_pidfd {
+            Some(pidfd) => {
+                let mut poll = libc::pollfd {
+                    fd: pidfd,
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                // SAFETY: one valid pollfd, no timeout.
+                let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+                ready == 0
+            }
+            // SAFETY: getppid cannot fail.
+            None => (unsafe { libc::getppid() }) == self.zygote_pid,
+        };
+        if !alive {
+            return Ok(false);
+        }
+        // SAFETY: setsid has no arguments; a failure is reported.
+        if unsafe { libc::setsid() } < 0 {
+            return Err(text("setsid", last_errno()));
+        }
+        let sigterm = if self.zygote_pidfd.is_some() {
+            exit_on_sigterm as extern "C" fn(libc::c_int) as libc::sighandler_t
+        } else {
+            libc::SIG_DFL
+        };
+        set_disposition(libc::SIGTERM, sigterm)
+            .and_then(|()| set_disposition(libc::SIGINT, libc::SIG_DFL))
+            .map_err(|f| text(&f.step, f.errno))?;
+        // SAFETY: an empty set, built by sigemptyset, replaces the mask.
+        let rc = unsafe {
+            let mut empty: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut empty);
+            libc::sigprocmask(libc::SIG_SETMASK, &empty, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(text("sigprocmask", last_errno()));
+        }
+        write_file(c"/proc/self/oom_score_adj", OOM_SCORE_ADJ)
+            .map_err(|errno| text("cannot set oom_score_adj", errno))?;
+        if !self.cgroup_procs.is_empty() {
+            // SAFETY: getpid cannot fail.
+            let pid = unsafe { libc::getpid() }.to_string();
+            for procs in &self.cgroup_procs {
+                write_file(procs, pid.as_bytes()).map_err(|errno| {
+                    format!(
+                        "cgroup join: writing '{pid}' to {} failed: {}",
+                        procs.to_string_lossy(),
+                        strerror(errno)
+                    )
+                })?;
+            }
+        }
+        let null = open(c"/dev/null", libc::O_RDONLY, 0).map_err(|e| text("open /dev/null", e))?;
+        dup_onto(null, &[0]).map_err(|e| text("dup2 /dev/null", e))?;
+        if let Some(log_path) = &self.log_path {
+            let log = open(
+                log_path,
+                libc::O_WRONLY | libc::O_CREAT | libc::O_APPEND,
+                0o644,
+            )
+            .map_err(|e| {
+                text(
+                    &format!("cannot open log_path {}", log_path.to_string_lossy()),
+                    e,
+                )
+            })?;
+            dup_onto(log, &[1, 2]).map_err(|e| text("dup2 the log", e))?;
+        }
+        close_from(3);
+        Ok(true)
+    }
+}
+
+/// Duplicate `fd` onto each of `targets` (inheritable, as stdio is), then close it.
+fn dup_onto(fd: RawFd, targets: &[RawFd]) -> Result<(), i32> {
+    for &target in targets {
+        // SAFETY: both are descriptor numbers; dup2 replaces `target` atomically.
+        if unsafe { libc::dup2(fd, target) } < 0 {
+            return Err(last_errno());
+        }
+    }
+    if !targets.contains(&fd) {
+        close(fd);
+    }
+    Ok(())
+}
+
+/// Close every descriptor from `first` up: close_range(2), or one by one below 2^20
+/// (the bound `os.closerange` used) on a kernel without it.
+fn close_from(first: u32) {
+    // SAFETY: close_range takes two descriptor numbers and flags; it only closes.
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32) };
+    if rc != 0 {
+        for fd in first..(1 << 20) {
+            close(fd as RawFd);
+        }
+    }
+}
+
+/// The jail half of a plan: `JailSpec`, with the paths as the steps use them.
+struct Jail {
+    root: String,
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    /// Sorted by length (parents before children), duplicates removed.
+    read_only: Vec<String>,
+    writable: Vec<String>,
+    devices: Vec<String>,
+    shared: Option<(CString, Vec<String>)>,
+    limits: [(libc::__rlimit_resource_t, u64, &'static str); 4],
+    hostname: String,
+    preopen: Vec<CString>,
+    preopen_rw: Vec<CString>,
+    tap: Option<String>,
+    host_root: Option<(RawFd, u64, u64)>,
+    last_cap: u32,
+}
+
+/// The descriptors a jail opened before its drop, for Python's registries: `-1` where
+/// a path was missing (the VMM reports it when it needs it).
+type Opened = (
+    Vec<RawFd>,
+    Vec<RawFd>,
+    (RawFd, RawFd),
+    Vec<RawFd>,
+    Option<RawFd>,
+);
+
+fn mount(
+    source: Option<&CStr>,
+    target: &str,
+    fstype: Option<&CStr>,
+    flags: libc::c_ulong,
+    data: Option<&CStr>,
+    step: impl FnOnce() -> String,
+) -> Step<()> {
+    let target = cstring(target)?;
+    let ptr = |s: Option<&CStr>| s.map_or(std::ptr::null(), CStr::as_ptr);
+    // SAFETY: every pointer is NUL-terminated or null and outlives the call.
+    let rc = unsafe {
+        libc::mount(
+            ptr(source),
+            target.as_ptr(),
+            ptr(fstype),
+            flags,
+            ptr(data).cast(),
+        )
+    };
+    check(rc as libc::c_long, step)
+}
+
+/// Bind `host` at `inside`, then remount the bind with its flags (a bind mount ignores
+/// them on the first call). Not MS_REC: mounts below `host` (the jail's own root when it
+/// sits in the run directory, anything a host mounted there) stay out of the jail.
+fn bind_at(host: &str, inside: &str, read_only: bool) -> Step<()> {
+    let source = cstring(host)?;
+    mount(Some(&source), inside, None, libc::MS_BIND, None, || {
+        format!("bind {host}")
+    })?;
+    let flags = libc::MS_REMOUNT
+        | libc::MS_BIND
+        | libc::MS_NOSUID
+        | libc::MS_NODEV
+        | if read_only { libc::MS_RDONLY } else { 0 };
+    mount(None, inside, None, flags, None, || {
+        format!("remount {host}")
+    })
+}
+
+fn mkdir(path: &str, step: impl FnOnce() -> String) -> Step<()> {
+    let c = cstring(path)?;
+    // SAFETY: `c` is NUL-terminated.
+    if unsafe { libc::mkdir(c.as_ptr(), 0o755) } != 0 && last_errno() != libc::EEXIST {
+        return fail(step());
+    }
+    Ok(())
+}
+
+/// `mkdir -p` for a tree this process alone fills (the jail's fresh tmpfs): `made`
+/// remembers what exists, so no directory is made twice. The depth is the path's.
+fn make_dirs(path: &str, made: &mut HashSet<String>) -> Step<()> {
+    if path.is_empty() || path == "/" || made.contains(path) {
+        return Ok(());
+    }
+    if let Some(cut) = path.rfind('/') {
+        make_dirs(&path[..cut], made)?;
+    }
+    mkdir(path, || format!("mkdir {path}"))?;
+    made.insert(path.to_string());
+    Ok(())
+}
+
+fn parent_of(path: &str) -> &str {
+    path.rfind('/').map_or("", |cut| &path[..cut])
+}
+
+fn make_mount_point(inside: &str, dir: bool, made: &mut HashSet<String>) -> Step<()> {
+    if dir {
+        return make_dirs(inside, made);
+    }
+    make_dirs(parent_of(inside), made)?;
+    let c = cstring(inside)?;
+    // SAFETY: `c` is NUL-terminated; a regular file needs no device number.
+    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0
+        && last_errno() != libc::EEXIST
+    {
+        return fail(format!("mknod {inside}"));
+    }
+    Ok(())
+}
+
+impl Jail {
+    fn open_files(&self) -> Step<Opened> {
+        // Missing (or a directory, for read-write) is skipped: the VMM reports it.
+        let optional = |path: &CString, flags| match open(path, flags, 0) {
+            Ok(fd) => Ok(fd),
+            Err(libc::ENOENT | libc::EISDIR) => Ok(-1),
+            Err(errno) => Err(Failure {
+                step: format!("open {}", path.to_string_lossy()),
+                errno,
+            }),
+        };
+        let ro = self
+            .preopen
+            .iter()
+            .map(|p| optional(p, libc::O_RDONLY))
+            .collect::<Step<Vec<_>>>()?;
+        let rw = self
+            .preopen_rw
+            .iter()
+            .map(|p| optional(p, libc::O_RDWR))
+            .collect::<Step<Vec<_>>>()?;
+        // A process whose uid changed is not dumpable, so its own /proc/self files
+        // become root's: BRANCH's dirty-page tracking opens them now.
+        let proc_self = |path: &CStr, flags| {
+            open(path, flags, 0).map_err(|errno| Failure {
+                step: format!("open {}", path.to_string_lossy()),
+                errno,
+            })
+        };
+        let pagemap = proc_self(c"/proc/self/pagemap", libc::O_RDONLY)?;
+        let clear_refs = proc_self(c"/proc/self/clear_refs", libc::O_WRONLY)?;
+        let mut devices = Vec::with_capacity(self.devices.len());
+        for device in &self.devices {
+            let step = || format!("open device {device}");
+            let fd = open(&cstring(device)?, libc::O_RDWR, 0).map_err(|errno| Failure {
+                step: step(),
+                errno,
+            })?;
+            if !matches!(fstat(fd), Some((_, _, mode)) if mode & libc::S_IFMT == libc::S_IFCHR) {
+                close(fd);
+                return Err(Failure {
+                    step: step(),
+                    errno: libc::ENODEV,
+                });
+            }
+            devices.push(fd);
+        }
+        Ok((ro, rw, (pagemap, clear_refs), devices, None))
+    }
+
+    /// The jail's steps (module comment); returns the descriptors opened before the drop.
+    fn enter(&self, net: &Net) -> Step<Opened> {
+        if self.uid == 0 || self.gid == 0 {
+            return Err(Failure {
+                step: format!(
+                    "uid {}/gid {}: a jail never runs as root",
+                    self.uid, self.gid
+                ),
+                errno: libc::EINVAL,
+            });
+        }
+        let mut opened = self.open_files()?;
+        // setns needs CAP_SYS_ADMIN and TUNSETIFF on a tap the jail's uid does not own
+        // needs CAP_NET_ADMIN: both happen here, as root, and only the tap's descriptor
+        // crosses into the jail.
+        if !NET_JOINED.load(Ordering::SeqCst) {
+            net.join()?;
+        }
+        if let (Net::Sandbox { name, .. }, Some(tap)) = (net, &self.tap) {
+            opened.4 = Some(open_tap(tap).map_err(|f| Failure {
+                step: format!("tap {tap} in {name}: {}", f.step),
+                errno: f.errno,
+            })?);
+        }
+        if let Some((fd, dev, ino)) = self.host_root {
+            let_go_of_host_root(fd, dev, ino);
+        }
+        let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+        if matches!(net, Net::Own) {
+            flags |= libc::CLONE_NEWNET; // no held namespace to join: one of its own
+        }
+        // SAFETY: unshare takes flags only.
+        check(unsafe { libc::unshare(flags) } as libc::c_long, || {
+            "unshare".into()
+        })?;
+        mount(
+            None,
+            "/",
+            None,
+            libc::MS_REC | libc::MS_PRIVATE,
+            None,
+            || "make / private".into(),
+        )?;
+        let root = self.root.as_str();
+        // nodev: the jail holds no device node, its devices are descriptors (above).
+        mount(
+            Some(c"tmpfs"),
+            root,
+            Some(c"tmpfs"),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            Some(c"size=1m,mode=0755"),
+            || "tmpfs root".into(),
+        )?;
+        // The tmpfs is new and this process alone fills it: each directory is made
+        // once, and each host path looked up once.
+        let mut made: HashSet<String> = HashSet::from([root.to_string()]);
+        let mut bound: Vec<&str> = Vec::new();
+        if let Some((tree, paths)) = &self.shared {
+            let at = format!("{root}{SHARED_AT}");
+            mkdir(&at, || format!("mkdir {at}"))?;
+            mount(
+                Some(tree),
+                &at,
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+                || "bind the shared tree".into(),
+            )?;
+            for path in paths {
+                let link = format!("{root}{path}");
+                make_dirs(parent_of(&link), &mut made)?;
+                let target = cstring(&format!("{SHARED_AT}{path}"))?;
+                let c_link = cstring(&link)?;
+                // SAFETY: both are NUL-terminated.
+                if unsafe { libc::symlink(target.as_ptr(), c_link.as_ptr()) } != 0 {
+                    return fail(format!("symlink {link}"));
+                }
+                bound.push(path);
+            }
+        }
+        // Read-only first, parents before children, then the writable paths: a later
+        // bind covers what an earlier one showed at the same place, never the reverse.
+        for path in &self.read_only {
+            // A path under a directory bound already is visible through it, and a mount
+            // point cannot be made inside a read-only bind.
+            let under = |parent: &&str| {
+                path == parent
+                    || path
+                        .strip_prefix(parent.trim_end_matches('/'))
+                        .is_some_and(|rest| rest.starts_with('/'))
+            };
+            if bound.iter().any(under) {
+                continue;
+            }
+            let Some(dir) = is_dir(&cstring(path)?) else {
+                continue; // missing: whoever needs it reports it, as outside a jail
+            };
+            let inside = format!("{root}{path}");
+            make_mount_point(&inside, dir, &mut made)?;
+            bind_at(path, &inside, true)?;
+            if dir {
+                bound.push(path);
+            }
+        }
+        for path in &self.writable {
+            let c = cstring(path)?;
+            let inside = format!("{root}{path}");
+            make_mount_point(&inside, is_dir(&c).unwrap_or(false), &mut made)?;
+            bind_at(path, &inside, false)?;
+            // SAFETY: `c` is NUL-terminated.
+            if unsafe { libc::chown(c.as_ptr(), self.uid, self.gid) } != 0 {
+                return fail(format!("chown {path}"));
+            }
+        }
+        let proc = format!("{root}/proc");
+        mkdir(&proc, || format!("mkdir {proc}"))?;
+        // hidepid=invisible matters for a jail without a PID namespace of its own.
+        mount(
+            Some(c"proc"),
+            &proc,
+            Some(c"proc"),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            Some(c"hidepid=invisible"),
+            || "mount /proc".into(),
+        )?;
+        let old = format!("{root}/.old-root");
+        mkdir(&old, || format!("mkdir {old}"))?;
+        let (c_root, c_old) = (cstring(root)?, cstring(&old)?);
+        // SAFETY: both paths are NUL-terminated; pivot_root only reads them.
+        let rc = unsafe { libc::syscall(libc::SYS_pivot_root, c_root.as_ptr(), c_old.as_ptr()) };
+        check(rc, || "pivot_root".into())?;
+        // SAFETY: a static NUL-terminated path.
+        check(
+            unsafe { libc::chdir(c"/".as_ptr()) } as libc::c_long,
+            || "chdir /".into(),
+        )?;
+        // SAFETY: a static NUL-terminated path.
+        let rc = unsafe { libc::umount2(c"/.old-root".as_ptr(), libc::MNT_DETACH) };
+        check(rc as libc::c_long, || "detach the old root".into())?;
+        // SAFETY: a static NUL-terminated path.
+        check(
+            unsafe { libc::rmdir(c"/.old-root".as_ptr()) } as libc::c_long,
+            || "remove the old root's mount point".into(),
+        )?;
+        mount(
+            None,
+            "/",
+            None,
+            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+            None,
+            || "remount / read-only".into(),
+        )?;
+        let name = self.hostname.as_bytes();
+        // SAFETY: `name` is valid for its length.
+        let rc = unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) };
+        check(rc as libc::c_long, || "sethostname".into())?;
+        self.drop_identity()?;
+        for (resource, value, what) in self.limits {
+            let limit = libc::rlimit {
+                rlim_cur: value,
+                rlim_max: value,
+            };
+            // SAFETY: `limit` is a valid rlimit for the duration of the call.
+            let rc = unsafe { libc::setrlimit(resource, &limit) };
+            check(rc as libc::c_long, || format!("setrlimit {what}"))?;
+        }
+        Ok(opened)
+    }
+
+    /// Capability bounding set and ambient set emptied, no supplementary groups, then
+    /// the jail's ids (the kernel clears every capability at that change); no new
+    /// privileges, not dumpable (no ptrace or /proc/<pid>/mem by a peer of the same uid).
+    fn drop_identity(&self) -> Step<()> {
+        for cap in 0..=self.last_cap {
+            // SAFETY: prctl(PR_CAPBSET_DROP) takes a capability number and unused zeros.
+            let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+            check(rc as libc::c_long, || format!("drop capability {cap}"))?;
+        }
+        // SAFETY: prctl(PR_CAP_AMBIENT, CLEAR_ALL) takes no pointer.
+        let rc = unsafe {
+            libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+                0,
+                0,
+                0,
+            )
+        };
+        check(rc as libc::c_long, || "clear ambient".into())?;
+        // SAFETY: an empty group list: the pointer is not read.
+        check(
+            unsafe { libc::setgroups(0, std::ptr::null()) } as libc::c_long,
+            || "setgroups".into(),
+        )?;
+        let (uid, gid) = (self.uid, self.gid);
+        // SAFETY: setresgid/setresuid take ids only.
+        check(
+            unsafe { libc::setresgid(gid, gid, gid) } as libc::c_long,
+            || "setresgid".into(),
+        )?;
+        // SAFETY: as above.
+        check(
+            unsafe { libc::setresuid(uid, uid, uid) } as libc::c_long,
+            || "setresuid".into(),
+        )?;
+        // SAFETY: prctl with integer arguments only.
+        let rc = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+        check(rc as libc::c_long, || "no_new_privs".into())?;
+        // SAFETY: prctl with integer arguments only.
+        let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+        check(rc as libc::c_long, || "not dumpable".into())
+    }
+}
+
+/// Everything a forked child's set-up and jail need, built once per spawn by the
+/// zygote (`jail.plan`), before the fork; a parent VMM builds one without set-up.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct ChildPlan {
+    set_up: Option<SetUp>,
+    jail: Option<Jail>,
+    net: Net,
+    /// `jail.JailError`, built as `error(step, errno)` when a jail step fails.
+    error: Py<PyType>,
+}
+
+fn cstrings(paths: &[String]) -> PyResult<Vec<CString>> {
+    paths.iter().map(|p| cstr_arg(p)).collect()
+}
+
+fn cstr_arg(s: &str) -> PyResult<CString> {
+    CString::new(s).map_err(|_| PyValueError::new_err(format!("{s:?} holds a NUL byte")))
+}
+
+#[pymethods]
+impl ChildPlan {
+    /// `set_up`: `(zygote_pid, zygote_pidfd or None, [cgroup.procs paths], log_path or
+    /// None)`, for a zygote child. `jail`: `(root, uid, gid, hostname, (nofile, nproc,
+    /// fsize), last capability)` and `paths`: `(read_only sorted by length, writable,
+    /// devices, (shared tree path, its paths) or None, preopen, preopen_rw)`, the
+    /// `JailSpec` resolved by `jail.plan`; `tap`; `host_root`: `(fd, dev, ino)` of the
+    /// zygote's descriptor of the host's root, let go of. `held_netns`: the zygote's
+    /// empty namespace's descriptor; `netns`: the sandbox's namespace name (checked by
+    /// the caller), looked up from `host_root` when given.
+    #[new]
+    #[pyo3(signature = (*, error, set_up=None, jail=None, paths=None, tap=None,
+                        host_root=None, held_netns=None, netns=None))]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    fn new(
+        error: Bound<'_, PyType>,
+        set_up: Option<(i32, Option<RawFd>, Vec<String>, Option<String>)>,
+        jail: Option<(String, u32, u32, String, (u64, u64, u64), u32)>,
+        paths: Option<(
+            Vec<String>,
+            Vec<String>,
+            Vec<String>,
+            Option<(String, Vec<String>)>,
+            Vec<String>,
+            Vec<String>,
+        )>,
+        tap: Option<String>,
+        host_root: Option<(RawFd, u64, u64)>,
+        held_netns: Option<RawFd>,
+        netns: Option<String>,
+    ) -> PyResult<Self> {
+        let set_up = match set_up {
+            None => None,
+            Some((zygote_pid, zygote_pidfd, procs, log_path)) => Some(SetUp {
+                zygote_pid,
+                zygote_pidfd,
+                cgroup_procs: cstrings(&procs)?,
+                log_path: log_path.as_deref().map(cstr_arg).transpose()?,
+            }),
+        };
+        let net = match (netns, held_netns) {
+            (Some(name), _) => Net::Sandbox {
+                relative: cstr_arg(&format!("run/netns/{name}"))?,
+                absolute: cstr_arg(&format!("/run/netns/{name}"))?,
+                name,
+                host_root: host_root.map(|(fd, _, _)| fd),
+            },
+            (None, Some(fd)) => Net::Held(fd),
+            (None, None) => Net::Own,
+        };
+        let jail = match (jail, paths) {
+            (None, _) => None,
+            (Some(_), None) => return Err(PyValueError::new_err("a jail needs its paths")),
+            (
+                Some((root, uid, gid, hostname, (nofile, nproc, fsize), last_cap)),
+                Some((read_only, writable, devices, shared, preopen, preopen_rw)),
+            ) => Some(Jail {
+                root,
+                uid,
+                gid,
+                read_only,
+                writable,
+                devices,
+                shared: shared
+                    .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
+                    .transpose()?,
+                limits: [
+                    (libc::RLIMIT_NOFILE, nofile, "RLIMIT_NOFILE"),
+                    (libc::RLIMIT_NPROC, nproc, "RLIMIT_NPROC"),
+                    (libc::RLIMIT_FSIZE, fsize, "RLIMIT_FSIZE"),
+                    (libc::RLIMIT_CORE, 0, "RLIMIT_CORE"),
+                ],
+                hostname,
+                preopen: cstrings(&preopen)?,
+                preopen_rw: cstrings(&preopen_rw)?,
+                tap,
+                host_root,
+                last_cap,
+            }),
+        };
+        Ok(ChildPlan {
+            set_up,
+            jail,
+            net,
+            error: error.unbind(),
+        })
+    }
+
+    /// The child's set-up (steps 0-6 of the module comment), right after `fork()`.
+    /// Never fails: a failed step writes `vmfork child: <step>: <error>` to stderr and
+    /// exits 71 (`EXIT_SETUP_FAILED`), as does a child whose zygote is already gone
+    /// (silently: nobody is left to tell). Nothing here runs Python.
+    fn set_up(&self) {
+        let Some(set_up) = &self.set_up else {
+            return;
+        };
+        let outcome = if self.jail.is_some() {
+            self.net.join().map_err(|f| {
+                format!(
+                    "[Errno {}] jail: {}: {}",
+                    f.errno,
+                    f.step,
+                    strerror(f.errno)
+                )
+            })
+        } else {
+            Ok(())
+        }
+        .and_then(|()| set_up.run());
+        match outcome {
+            Ok(true) => {}
+            Ok(false) => exit_setup_failed(None),
+            Err(message) => exit_setup_failed(Some(&message)),
+        }
+    }
+
+    /// Build the jail and move this process into it. Returns the descriptors opened
+    /// before the drop, for `jail.adopt`: (read-only files in `preopen`'s order, -1 for
+    /// a missing one; read-write files likewise; (pagemap, clear_refs); devices; the
+    /// tap's or None). Raises the plan's `error(step, errno)`.
+    fn enter_jail(&self, py: Python<'_>) -> PyResult<Opened> {
+        let Some(jail) = &self.jail else {
+            return Err(PyValueError::new_err("this plan has no jail"));
+        };
+        jail.enter(&self.net)
+            .map_err(|f| match self.error.bind(py).call1((f.step, f.errno)) {
+                Ok(err) => PyErr::from_value(err),
+                Err(err) => err,
+            })
+    }
+}
+
+fn exit_setup_failed(message: Option<&str>) -> ! {
+    if let Some(message) = message {
+        let line = format!("vmfork child: {message}\n");
+        // SAFETY: `line` is valid for its length; a short or failed write is all
+        // there is left to do before exiting.
+        unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+    }
+    // SAFETY: _exit ends the process without running anything of Python's.
+    unsafe { libc::_exit(EXIT_SETUP_FAILED) }
+}
+
+/// `let_go_of_host_root` for Python (`jail._let_go_of_host_root`).
+#[pyfunction(name = "let_go_of_host_root")]
+pub fn py_let_go_of_host_root(fd: RawFd, dev: u64, ino: u64) {
+    let_go_of_host_root(fd, dev, ino);
+}
+
+/// `open_tap` for Python (`net.open_tap`): raises `OSError(errno, step)`.
+#[pyfunction(name = "open_tap")]
+pub fn py_open_tap(name: &str) -> PyResult<RawFd> {
+    open_tap(name).map_err(|f| PyOSError::new_err((f.errno, f.step)))
+}
+
+/// `PR_SET_PDEATHSIG` SIGKILL, then whether the parent `parent_pid` is still there
+/// (the zygote itself, under `--parent-pid`). Raises `OSError` if the prctl fails.
+#[pyfunction]
+pub fn die_with_parent(parent_pid: i32) -> PyResult<bool> {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and unused zeros.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+        return Err(PyOSError::new_err((
+            last_errno(),
+            "prctl(PR_SET_PDEATHSIG) failed",
+        )));
+    }
+    // SAFETY: getppid cannot fail.
+    Ok(unsafe { libc::getppid() } == parent_pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parents_of_paths() {
+        assert_eq!(parent_of("/a/b/c"), "/a/b");
+        assert_eq!(parent_of("/a"), "");
+        assert_eq!(parent_of("a"), "");
+    }
+
+    #[test]
+    fn make_dirs_makes_each_directory_once() {
+        let base = std::env::temp_dir().join(format!("vmfork-child-test-{}", std::process::id()));
+        let base = base.to_str().unwrap().to_string();
+        let mut made = HashSet::new();
+        make_dirs(&format!("{base}/x/y"), &mut made).unwrap();
+        assert!(made.contains(&format!("{base}/x/y")) && made.contains(&format!("{base}/x")));
+        assert!(is_dir(&cstring(&format!("{base}/x/y")).unwrap()) == Some(true));
+        make_mount_point(&format!("{base}/x/f"), false, &mut made).unwrap();
+        assert_eq!(
+            is_dir(&cstring(&format!("{base}/x/f")).unwrap()),
+            Some(false)
+        );
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn a_path_with_a_nul_is_refused_not_truncated() {
+        let err = cstring("/a\0b").unwrap_err();
+        assert_eq!(err.errno, libc::EINVAL);
+    }
+
+    #[test]
+    fn strerror_has_no_os_error_suffix() {
+        assert_eq!(strerror(libc::ENOENT), "No such file or directory");
+    }
+
+    #[test]
+    fn the_host_root_is_closed_only_while_it_still_is_the_host_root() {
+        let dir = open(c"/", libc::O_PATH | libc::O_DIRECTORY, 0).unwrap();
+        let (dev, ino, _) = fstat(dir).unwrap();
+        let other = open(c"/dev/null", libc::O_RDONLY, 0).unwrap();
+        let_go_of_host_root(other, dev, ino);
+        assert!(
+            fstat(other).is_some(),
+            "another file's descriptor was closed"
+        );
+        let_go_of_host_root(dir, dev, ino);
+        // The number may be reused at once by another test's thread: only the host's
+        // root itself must be gone from it.
+        let now = fstat(dir).map(|(d, i, _)| (d, i));
+        assert_ne!(
+            now,
+            Some((dev, ino)),
+            "the host root's descriptor is still open"
+        );
+        close(other);
+    }
+}
