@@ -162,7 +162,7 @@ def test_the_tx_parse_follows_the_rules_on_hostile_chains(
     if not all(in_ram(addr, length) for addr, length in header_buffers):
         assert got == "GuestError", got
         return
-    seen = b"".join(mem.read(addr, length) for addr, length in header_buffers)
+    seen = b"".join(mem.read(addr, length) for addr, length in header_buffers if length)
     want = by_the_rules(seen[:HEADER_SIZE], sum(length for _, length in segments), guest_cid)
     if all(in_ram(addr, length) for addr, length in segments):
         assert got == want
@@ -265,15 +265,20 @@ def test_an_rx_packet_lands_in_its_chain_and_nowhere_else(
                 gpa = base + i
                 assert any(a <= gpa < a + n for a, n in allowed), hex(gpa)
     inside = all(in_ram(addr, length) for addr, length in writable)
-    if not inside or any(addr <= slot + 8 and slot < addr + length or
-                         addr <= USED + 4 and USED + 2 < addr + length
-                         for addr, length in writable):
-        return   # a refused chain, or one the used entry overwrites: the bound above only
+    def overlap(a: int, n: int, b: int, m: int) -> bool:
+        return a < b + m and b < a + n
+
+    spans = [(addr, length) for addr, length in writable if length]
+    if not inside or any(overlap(addr, length, slot, 8) or overlap(addr, length, USED + 2, 2)
+                         for addr, length in spans) or any(
+            overlap(*x, *y) for k, x in enumerate(spans) for y in spans[k + 1:]):
+        return   # refused, or bytes written twice (buffers overlapping each other or the
+        # used ring's entry and index): the bound above only
     assert got == (next_used + 1) & 0xFFFF
     packet = (hdr.pack() + payload)
     room = sum(length for _, length in writable)
     written = packet[:HEADER_SIZE] + payload[:max(0, room - HEADER_SIZE)]
     written = written[:room]
-    landed = b"".join(mem.read(addr, length) for addr, length in writable)
+    landed = b"".join(mem.read(addr, length) for addr, length in spans)
     assert landed[:len(written)] == written
     assert mem.read(slot, 8) == struct.pack("<II", head, len(written))
