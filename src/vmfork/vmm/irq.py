@@ -29,8 +29,7 @@ class IrqLine:
     def __init__(self, gsi: int, connect: Callable[[int], None] | None = None) -> None:
         self.gsi = gsi
         self._connect = connect
-        self._fd: int | None = None
-        self._closed = False
+        self._fd: int | None = None   # None: not made yet; -1: closed
         self._made = threading.Lock()
         if connect is None:
             self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -47,8 +46,6 @@ class IrqLine:
             return fd
         with self._made:
             if self._fd is None:
-                if self._closed:
-                    return -1
                 fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                 try:
                     assert self._connect is not None
@@ -88,6 +85,6 @@ class IrqLine:
 
     def close(self) -> None:
         with self._made:
-            fd, self._fd, self._closed = self._fd, -1, True
+            fd, self._fd = self._fd, -1
         if fd is not None and fd >= 0:
             os.close(fd)

@@ -630,9 +630,8 @@ class MmioTransport:
 
     def add_ioeventfds(self) -> bool:
         """Give the queues the ioeventfds a device that did not want them at first
-        (``VirtioDevice.wants_ioeventfds``) now wants; True if they were added (a
-        device serving natively must then take its queue again, to be woken by them).
-        On the loop thread, as the readers are added at once."""
+        (``VirtioDevice.wants_ioeventfds``) now wants; True if they were added, False if
+        it had them already. On the loop thread, as the readers are added at once."""
         if self._ioeventfds or self._register_ioeventfd is None:
             return False
         self._setup_ioeventfds(self._register_ioeventfd)
