@@ -9,6 +9,14 @@ one first spawn that warms the zygote up, as ``bench/spawn.py`` does), and print
 the median of each phase over all children, then the functions that took the most of
 the children's main-thread time (all children of an N summed: ``pstats``).
 
+Per N it also gives the batch's timeline, which medians hide: from the spawn request,
+when the last child was forked, prepared (restored, at the start gate), released by the
+gate, restored (vCPU started) and ready, each from the children's own clocks, beside
+when the spawner saw every child restored and ready. The gaps between them say where
+a large batch's time goes: the serial forks and restores before the gate, the wait for
+the gate, the children's steps after it (competing with the guests already running),
+and the spawner's view.
+
 Writes ``bench/results/spawn-profile.{json,md}`` (and the merged statistics,
 ``spawn-profile-n<N>.pstats``). Runs inside the emulated test host where this host's KVM
 cannot run unmodified guests: compare runs made in the same host only; cProfile slows
@@ -62,28 +70,72 @@ def wait_for_file(path: Path, deadline: float) -> bool:
     return True
 
 
+# The batch's milestones (``timeline``): a child's mark, and what the batch waits for.
+MILESTONES = (("forked", "forked"), ("prepared", "prepared_report"),
+              ("released by the gate", "start_gate"), ("restored", "restored_report"),
+              ("ready", "ready_report"))
+
+
+def timeline(requested_ns: int, marks: list[list[dict[str, Any]]],
+             seen: dict[str, float]) -> dict[str, Any]:
+    """One batch's critical path, in seconds from the spawn request (``requested_ns``,
+    this process's monotonic clock, the children's too): per milestone, when the first
+    and the last child reached it (``MILESTONES``; a milestone a child never marked is
+    left out), and ``seen``, when the spawner saw the batch restored and ready."""
+    out: dict[str, Any] = {}
+    for name, phase in MILESTONES:
+        times = [(int(m["mono_ns"]) - requested_ns) / 1e9
+                 for child in marks for m in child if m["phase"] == phase]
+        if times:
+            out[name] = {"first_s": min(times), "last_s": max(times)}
+    out["spawner saw"] = seen
+    return out
+
+
+def timeline_table(batches: list[dict[str, Any]]) -> list[str]:
+    """The median over reps of each milestone's first and last child."""
+    md = ["| milestone | first child s | last child s |", "|---|---|---|"]
+    for name, _ in MILESTONES:
+        got = [b[name] for b in batches if name in b]
+        if got:
+            md.append(f"| {name} | {statistics.median(g['first_s'] for g in got):.3f} | "
+                      f"{statistics.median(g['last_s'] for g in got):.3f} |")
+    for what in ("restored_s", "ready_s"):
+        md.append(f"| the spawner saw every child {what[:-2]} | | "
+                  f"{statistics.median(b['spawner saw'][what] for b in batches):.3f} |")
+    return md
+
+
 def spawn_once(zygote: Any, snapshot: Any, n: int, run_root: Path, timeout: float,
-               jail: bool, stats_out: list[str], keep: Path) -> list[list[dict[str, Any]]]:
-    """N children to ready; each one's phases (``spawnprofile.phases``)."""
+               jail: bool, stats_out: list[str], keep: Path,
+               batches: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """N children to ready; each one's phases (``spawnprofile.phases``); the batch's
+    ``timeline`` appended to ``batches``."""
     from vmfork.runtime import spawnprofile
     from vmfork.runtime.spawn import fork_children
     client = zygote.client(timeout=max(120.0, timeout))
     try:
+        requested_ns = time.monotonic_ns()
         report = fork_children(client, snapshot, n, run_root, timeout=timeout, jail=jail)
         if report.failed:
             raise RuntimeError(f"children failed: {report.failed[:3]}")
         out = []
+        marks = []
         deadline = time.monotonic() + 60
         for child in report.children:
             profile = child.run_dir / spawnprofile.PROFILE_FILE
             if not wait_for_file(profile, deadline):
                 raise RuntimeError(f"{child.vm_id} wrote no {profile.name}")
-            out.append(spawnprofile.phases(json.loads(profile.read_text())["marks"]))
+            marks.append(json.loads(profile.read_text())["marks"])
+            out.append(spawnprofile.phases(marks[-1]))
             stats = child.run_dir / spawnprofile.STATS_FILE
             if stats.exists():
                 kept = keep / f"{child.vm_id}.pstats"
                 shutil.copyfile(stats, kept)
                 stats_out.append(str(kept))
+        # fork_children's figures count from its own start, a moment after ours.
+        batches.append(timeline(requested_ns, marks, {"restored_s": report.restored_s,
+                                                      "ready_s": report.ready_s}))
         return out
     finally:
         for child in client.list():
@@ -175,14 +227,19 @@ def main() -> int:
                 client.close()
             for n in args.n:
                 children: list[list[dict[str, Any]]] = []
+                batches: list[dict[str, Any]] = []
                 stats_files: list[str] = []
                 for rep in range(args.reps):
                     print(f"spawn_profile: N={n} rep {rep + 1}", file=sys.stderr, flush=True)
                     children += spawn_once(zygote, snapshot, n, workdir / f"vms-{n}-{rep}",
-                                           args.timeout, not args.no_jail, stats_files, keep)
+                                           args.timeout, not args.no_jail, stats_files, keep,
+                                           batches)
                 table, medians = phase_table(children)
-                results[str(n)] = {"phases": medians, "children": children}
-                md += [f"## N = {n} ({len(children)} children)", "", *table, ""]
+                results[str(n)] = {"phases": medians, "children": children,
+                                   "timelines": batches}
+                md += [f"## N = {n} ({len(children)} children)", "", *table, "",
+                       f"### N = {n}: the batch's timeline (seconds from the spawn request; "
+                       f"median over {len(batches)} reps)", "", *timeline_table(batches), ""]
                 if stats_files:
                     RESULTS.mkdir(exist_ok=True)
                     save = RESULTS / f"spawn-profile-n{n}.pstats"

@@ -31,6 +31,9 @@
 //!    (`signal.set_wakeup_fd(-1)`: Python's state, not the kernel's). Then the mask is
 //!    emptied: signals sent since the fork are delivered here, to these dispositions.
 //! 4. *OOM order*: `oom_score_adj` 1000, the first process the OOM killer takes.
+//!    *CPU order*: the plan's nice value (`zygote_child.VMM_NICE`), which every thread
+//!    the VMM starts later inherits: when guests keep the CPUs busy, the control plane
+//!    (the daemon, the zygote, a spawner waiting for its batch) still runs.
 //! 5. *Cgroup*: the child's pid into each of its groups' `cgroup.procs`, before it
 //!    allocates anything of its own (v1 charges do not follow a process that moves).
 //! 6. *Fds*: stdin `/dev/null`, stdout and stderr the log (append, created 0644), then
@@ -270,6 +273,8 @@ struct SetUp {
     zygote_pidfd: Option<RawFd>,
     cgroup_procs: Vec<CString>,
     log_path: Option<CString>,
+    /// The nice value (0-19; checked by the caller) the VMM runs at.
+    nice: i32,
 }
 
 /// Another process's SIGTERM to the first process of a PID namespace: exit as the
@@ -349,6 +354,13 @@ impl SetUp {
         }
         write_file(c"/proc/self/oom_score_adj", OOM_SCORE_ADJ)
             .map_err(|errno| text("cannot set oom_score_adj", errno))?;
+        // Linux keeps a nice value per thread; this process has one thread yet, and
+        // the threads it starts inherit it. Lowering one's own priority needs no
+        // privilege.
+        // SAFETY: setpriority takes a selector, an id (0: this thread) and the value.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, self.nice) } != 0 {
+            return Err(text(&format!("setpriority({})", self.nice), last_errno()));
+        }
         if !self.cgroup_procs.is_empty() {
             // SAFETY: getpid cannot fail.
             let pid = unsafe { libc::getpid() }.to_string();
@@ -807,7 +819,7 @@ fn cstr_arg(s: &str) -> PyResult<CString> {
 #[pymethods]
 impl ChildPlan {
     /// `set_up`: `(zygote_pid, zygote_pidfd or None, [cgroup.procs paths], log_path or
-    /// None)`, for a zygote child. `jail`: `(root, uid, gid, hostname, (nofile, nproc,
+    /// None, nice)`, for a zygote child. `jail`: `(root, uid, gid, hostname, (nofile, nproc,
     /// fsize), last capability)` and `paths`: `(read_only sorted by length, writable,
     /// devices, (shared tree path, its paths) or None, preopen, preopen_rw)`, the
     /// `JailSpec` resolved by `jail.plan`; `tap`; `host_root`: `(fd, dev, ino)` of the
@@ -820,7 +832,7 @@ impl ChildPlan {
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn new(
         error: Bound<'_, PyType>,
-        set_up: Option<(i32, Option<RawFd>, Vec<String>, Option<String>)>,
+        set_up: Option<(i32, Option<RawFd>, Vec<String>, Option<String>, i32)>,
         jail: Option<(String, u32, u32, String, (u64, u64, u64), u32)>,
         paths: Option<(
             Vec<String>,
@@ -837,11 +849,12 @@ impl ChildPlan {
     ) -> PyResult<Self> {
         let set_up = match set_up {
             None => None,
-            Some((zygote_pid, zygote_pidfd, procs, log_path)) => Some(SetUp {
+            Some((zygote_pid, zygote_pidfd, procs, log_path, nice)) => Some(SetUp {
                 zygote_pid,
                 zygote_pidfd,
                 cgroup_procs: cstrings(&procs)?,
                 log_path: log_path.as_deref().map(cstr_arg).transpose()?,
+                nice,
             }),
         };
         let net = match (netns, held_netns) {

@@ -267,7 +267,7 @@ class MmioWindows:
 class ChildPlan:
     """A forked child's set-up and jail (native/src/child.rs), built by the zygote."""
     def __init__(self, *, error: type[OSError],
-                 set_up: tuple[int, int | None, list[str], str | None] | None = ...,
+                 set_up: tuple[int, int | None, list[str], str | None, int] | None = ...,
                  jail: tuple[str, int, int, str, tuple[int, int, int], int] | None = ...,
                  paths: tuple[list[str], list[str], list[str],
                               tuple[str, list[str]] | None, list[str], list[str]] | None = ...,

@@ -34,6 +34,7 @@ import pytest
 
 from vmfork.client import AsyncSandbox, Controller, ControllerError, Sandbox
 from vmfork.runtime import cgroups
+from vmfork.runtime.zygote_child import VMM_NICE
 from vmfork.runtime.zygote_client import ZygoteClient
 from vmfork.runtime.zygote_protocol import ZygoteError
 from vmfork.server.spawner import default_memory_limit_mib
@@ -155,6 +156,10 @@ def _assert_contained(pids: list[int], guest_mib: int) -> None:
         assert status["Seccomp"].strip() == "2" and status["NoNewPrivs"].strip() == "1"
         uids.add(uid)
         assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
+        # Every thread of the VMM (main, I/O, vCPU, control) yields to the control plane.
+        nices = {os.getpriority(os.PRIO_PROCESS, int(tid))
+                 for tid in os.listdir(f"/proc/{pid}/task")}
+        assert nices == {VMM_NICE}, nices
         h = cgroups.detect()
         assert h is not None
         line = next(x for x in Path(f"/proc/{pid}/cgroup").read_text().splitlines()

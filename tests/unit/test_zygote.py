@@ -19,6 +19,7 @@ import pytest
 
 from vmfork.runtime import cgroups
 from vmfork.runtime.supervise import child_pids, leak_snapshot
+from vmfork.runtime.zygote_child import VMM_NICE, _vmm_nice
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
 from vmfork.runtime.zygote_protocol import SpawnItem, ZygoteError
 
@@ -211,6 +212,32 @@ def test_child_inherits_no_zygote_fd_and_fresh_signals(zygote: ZygoteProcess,
     # Under memory pressure the kernel kills a VMM before the zygote or the daemon.
     assert report["oom_score_adj"] == OOM_SCORE_ADJ_CHILD
     assert int(Path(f"/proc/{zygote.pid}/oom_score_adj").read_text()) < OOM_SCORE_ADJ_CHILD
+    # Busy guests yield the CPU to the control plane: the VMM and every thread it
+    # starts run at VMM_NICE, the zygote at the nice it was started with.
+    assert report["nice"] == report["thread_nice"] == VMM_NICE
+    assert os.getpriority(os.PRIO_PROCESS, zygote.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_the_vmm_nice_value_comes_from_the_zygotes_environment(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(HERE), VMFORK_VMM_NICE="3")
+    z = start_zygote(tmp_path / "zygote.sock", env=env, entries_modules=["test_zygote_entries"])
+    out = tmp_path / "inspect.json"
+    with z.client() as c:
+        child = c.spawn(E + "inspect", {"out": str(out)}, vm_id=vid())
+        assert c.wait(child.vm_id).exit_code == 0
+    assert z.close() == 0
+    assert _read_json(out)["nice"] == 3
+
+
+def test_vmms_run_at_nice_10_unless_told() -> None:
+    assert _vmm_nice(None) == _vmm_nice("") == 10
+    assert _vmm_nice("0") == 0 and _vmm_nice("19") == 19
+
+
+@pytest.mark.parametrize("value", ["20", "-1", "ten"])
+def test_a_vmm_nice_value_out_of_range_is_refused(value: str) -> None:
+    with pytest.raises(SystemExit, match="VMFORK_VMM_NICE must be a nice value 0-19"):
+        _vmm_nice(value)
 
 
 def test_children_die_when_the_zygote_is_sigkilled(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,9 +77,20 @@ def inspect(args: dict[str, Any]) -> int:
         "ctx": {"vm_id": ctx.vm_id, "zygote_pid": ctx.zygote_pid, "cgroup": ctx.cgroup},
         "fork_to_entry_ns": ctx.entry_started_ns - ctx.forked_ns,
         "oom_score_adj": int(Path("/proc/self/oom_score_adj").read_text()),
+        "nice": os.getpriority(os.PRIO_PROCESS, 0),
+        # A thread started now inherits the nice value (Linux keeps one per thread).
+        "thread_nice": _thread_nice(),
     })
     time.sleep(float(args.get("linger", 0)))
     return 0
+
+
+def _thread_nice() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))
+    thread.start()
+    thread.join()
+    return seen[0]
 
 
 def fork_to_entry(args: dict[str, Any]) -> int:

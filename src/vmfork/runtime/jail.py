@@ -316,12 +316,12 @@ def hold_empty_netns() -> bool:
     return True
 
 
-def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None] | None = None
+def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None
          ) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
     ``spec`` and, for a zygote child, of its set-up (``zygote_child``: the zygote's pid,
     its pidfd for a PID namespace's first process, the ``cgroup.procs`` files to join,
-    the log): everything resolved here, before the fork, so the child runs the steps
+    the log, the nice value): everything resolved here, before the fork, so the child runs the steps
     without building a Python object. Raises ``JailError`` for a spec no jail can be
     built from."""
     from vmfork import _core

@@ -23,6 +23,12 @@ descriptors it opened registered by ``jail.adopt``), then the entry. The contrac
    ``signal.signal``. SIGINT terminates: a VMM has no terminal to be interrupted from.
 5. **OOM order.** ``oom_score_adj`` 1000 (``OOM_SCORE_ADJ``): when the host runs out of
    memory, the kernel kills VMMs (one sandbox each) before the zygote or the daemon.
+   **CPU order**: nice ``VMM_NICE`` (10 unless ``VMFORK_VMM_NICE`` says otherwise in
+   the zygote's environment), inherited by every thread the VMM starts. A batch's
+   guests all run at once, and without it they starved the processes that serve them:
+   at N = 100 on one CPU the spawner saw the last child restored 44 s after it was
+   (``bench/spawn_profile.py``'s timeline). The control plane runs at the nice it was
+   started with.
 5b. **Cgroup.** If the spawn asked for a memory limit, the child joins its group
    before it allocates anything of its own (v1 charges do not follow a later move).
 6. **Fds.** stdin is ``/dev/null``; stdout and stderr go to ``args["log_path"]``
@@ -64,6 +70,25 @@ if TYPE_CHECKING:
 OOM_SCORE_ADJ = 1000
 """A VMM is the first process the OOM killer takes (the maximum; see step 5; set by
 ``native/src/child.rs``, named here for the tests)."""
+NICE_ENV = "VMFORK_VMM_NICE"
+
+
+def _vmm_nice(value: str | None) -> int:
+    if value is None or value == "":
+        return 10
+    try:
+        nice = int(value)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise SystemExit(f"{NICE_ENV} must be a nice value 0-19 (0: VMMs compete with the "
+                         f"control plane as equals), got {value!r}")
+    return nice
+
+
+VMM_NICE = _vmm_nice(os.environ.get(NICE_ENV))
+"""The nice value of every VMM this zygote forks (step 5; set by ``native/src/child.rs``).
+Read once, in the zygote: a jailed child's environment is emptied."""
 set_sigmask: Callable[[int, Iterable[int]], set[int]] = (
     importlib.import_module("_signal").pthread_sigmask)
 """``signal.pthread_sigmask`` without its wrapper, which turns the old mask it returns
@@ -119,7 +144,7 @@ def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | No
     child could build."""
     set_up = (zygote_pid, zygote_pidfd,
               [str(path / "cgroup.procs") for path in cgroup.paths] if cgroup else [],
-              log_path)
+              log_path, VMM_NICE)
     if jail_spec is not None:
         return jail.plan(jail_spec, set_up)
     from vmfork import _core
