@@ -841,6 +841,18 @@ def main(args: dict[str, Any]) -> int:
     with machine:
         start_wait = 0.0
         gate = args.get("start_gate")
+        if jailed:
+            # Last step of set-up, before the guest runs a single instruction: from
+            # here the process may only do what a running VMM does (runtime/seccomp.py;
+            # waiting at the start gate is such a thing).
+            seccomp.install_vmm_filter(log_only=bool(args.get("seccomp_log_only")))
+            spawnprofile.mark("seccomp")
+        # Behind a start gate, everything but the guest's first instruction happens
+        # before it: once the gate opens, the batch's guests run and take the CPU from
+        # every sibling still on its way (bench/spawn_profile.py's timeline), so each
+        # child then only wakes its parked vCPUs and says so.
+        machine.start(paused=gate is not None)
+        spawnprofile.mark("vcpu_start")
         if gate is not None:
             report({"state": "prepared", "pid": os.getpid()})
             spawnprofile.mark("prepared_report")
@@ -849,13 +861,8 @@ def main(args: dict[str, Any]) -> int:
             spawnprofile.mark("start_gate")
             if stop.is_set():
                 return 0
-        if jailed:
-            # Last step of set-up, before the guest runs a single instruction: from
-            # here the process may only do what a running VMM does (runtime/seccomp.py).
-            seccomp.install_vmm_filter(log_only=bool(args.get("seccomp_log_only")))
-            spawnprofile.mark("seccomp")
-        machine.start()
-        spawnprofile.mark("vcpu_start")
+            machine.resume()
+            spawnprofile.mark("resumed")
         timings = {"restore_s": time.monotonic() - started - start_wait,
                    "start_wait_s": start_wait,
                    # fork() in the zygote to this entry: the child's set-up (zygote_child)

@@ -643,10 +643,13 @@ class Machine:
         return transport
 
     # -- running ----------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, paused: bool = False) -> None:
+        """Start the vCPU threads; ``paused``: each parks before its first guest
+        instruction, until ``resume`` (what is left to do when the guest may run is
+        then a wake-up per vCPU, not a thread start)."""
         self.timings["started_at"] = time.monotonic()
         for vcpu in self.vcpus:
-            vcpu.start()
+            vcpu.start(paused)
 
     def pause(self) -> None:
         for vcpu in self.vcpus:
