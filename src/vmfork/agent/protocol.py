@@ -126,7 +126,7 @@ peer gets a RST; listening sockets and loopback connections stay) and flushes th
 network interface's neighbour cache (``agent/network.py``).
     → ``result {interface, connections_aborted, neighbours_flushed}``.
 
-``after_fork`` — what a restored child needs, in one round trip instead of one per
+``after_fork`` — what a restored child needs, on one connection instead of one per
 op: ``ns`` (the host's wall clock when it sent the request), payload = host random
 bytes and ``entropy_bits`` as for ``reseed``, ``net_refresh`` (default false),
 ``clock_exchange`` (protocol 4, default false). Sets the clock to ``ns`` first (its
@@ -144,10 +144,10 @@ refreshes as ``net_refresh``.
       T3, ``T2 = T3 - processing_ns`` (the guest's clock when it was set) and its own
       receive time T4 — half the round trip net of the guest's processing, since T2 is
       T1 — or 0 when that round trip was within the host's tolerance (0 leaves the
-      clock alone). The
-      magnitude is at most ``MAX_CLOCK_STEP_NS``; a frame of another type, or an
-      ``offset_ns`` that is not an integer in that range, is ``error bad_request``
-      (the clock stays as the request set it; the reseed and refresh have happened).
+      clock alone). The magnitude is at most ``MAX_CLOCK_STEP_NS``; a frame of another
+      type, or an ``offset_ns`` that is not an integer in that range, is ``error
+      bad_request`` (the clock stays as the request set it; the reseed and refresh
+      have happened).
     → ``result`` as above plus ``clock_step {offset_ns, previous_ns, ns} | null``:
       null when no step arrived within the agent's ``CLOCK_STEP_TIMEOUT`` (10 s) or
       the host half-closed instead, so a host that never answers cannot hold the
