@@ -9,12 +9,28 @@ import time
 import pytest
 
 from vmfork.agent.client import AgentError, AgentTimeout
+from vmfork.agent.protocol import PROTOCOL_VERSION
 from vmfork.runtime.guest import BootedGuest
 
 
 def test_ping_reports_the_guest_agent(guest: BootedGuest) -> None:
     pong = guest.agent.ping()
     assert pong.pid == 1
+    assert pong.protocol == PROTOCOL_VERSION, "the image's agent is not this tree's: " \
+        "rebuild it (vmfork image build)"
+
+
+def test_after_fork_corrects_the_clock_on_its_own_connection(guest: BootedGuest) -> None:
+    # Tolerance 0: the step is always sent, so its sign and size are what is checked.
+    r = guest.agent.after_fork(os.urandom(64), clock_tolerance_ns=0)
+    assert r.clock_step_ns > 0, "the guest was set to the request's send time: behind"
+    assert r.reseed.bytes == 64
+    before = time.time_ns()
+    guest_now = guest.agent.step_time(0)
+    after = time.time_ns()
+    off = guest_now - (before + after) // 2
+    assert abs(off) <= (after - before) // 2 + r.clock_error_bound_ns + 1, \
+        f"the guest's clock is {off} ns off the host's after the exchange"
 
 
 def test_guest_is_our_kernel_with_two_cpus(guest: BootedGuest) -> None:

@@ -33,6 +33,7 @@ from typing import Any, BinaryIO, Self
 from vmfork.agent.protocol import (
     AGENT_PORT,
     CHUNK_SIZE,
+    MAX_CLOCK_STEP_NS,
     MAX_PAYLOAD,
     ConnectionClosed,
     Frame,
@@ -311,8 +312,12 @@ class AfterForkResult:
     previous_ns: int
     """The guest's wall clock just before it was set."""
     clock_error_bound_ns: int
-    """The most the guest's clock can be off after the call: the round trip, or half
+    """The most the guest's clock can be off after the call: the round trip (net of
+    the guest's processing when the agent took part in the clock exchange), or half
     the round trip of the correction ``after_fork`` made when that was too long."""
+    clock_step_ns: int
+    """The correction applied after the clock was set (0: none was needed, or none
+    arrived in time and the round trip was within tolerance)."""
 
 
 @dataclass(frozen=True)
@@ -555,6 +560,25 @@ def _chunks(source: StdinSource) -> Iterator[bytes]:
         view = memoryview(piece).cast("B")
         for start in range(0, len(view), MAX_PAYLOAD):
             yield bytes(view[start:start + MAX_PAYLOAD])
+
+
+def clock_exchange_step(sent_ns: int, guest_ns: int, processing_ns: int,
+                        received_ns: int) -> tuple[int, int]:
+    """``after_fork``'s clock exchange, NTP style: ``(step, round trip)`` in ns.
+
+    The host sent the request at ``sent_ns`` (T1) and the agent set its clock to that
+    on arrival; the agent read ``guest_ns`` (T3) just before answering,
+    ``processing_ns`` after setting the clock; the host received the answer at
+    ``received_ns`` (T4). With T2 = T3 - processing (the guest's clock when it was
+    set), the guest is behind by ``((T1 - T2) + (T4 - T3)) / 2``, give or take half
+    the round trip net of the processing, ``(T4 - T1) - processing``. The processing
+    time comes from the guest, so it is kept within the round trip: a lie can move
+    only the guest's own clock, never make the host's error bound negative.
+    """
+    processing = min(max(processing_ns, 0), max(received_ns - sent_ns, 0))
+    guest_set = guest_ns - processing
+    step = ((sent_ns - guest_set) + (received_ns - guest_ns)) // 2
+    return step, max(received_ns - sent_ns - processing, 0)
 
 
 class AgentClient:
@@ -1111,29 +1135,70 @@ class AgentClient:
 
     def after_fork(self, data: bytes, *, net_refresh: bool = False,
                    clock_tolerance_ns: int = 50_000_000) -> AfterForkResult:
-        """Everything a restored child needs in one round trip: set the guest's clock
+        """Everything a restored child needs in one connection: set the guest's clock
         to the host's, mix ``data`` into its RNGs (as ``reseed``), and refresh its
         network (as ``net_refresh``) if asked.
 
         The clock is set to the host's time at sending, so it ends up behind by the
-        request's transit time, which the round trip bounds. A round trip over
-        ``clock_tolerance_ns`` (a starved guest) is followed by one bracketed
-        correction, as ``sync_clock`` makes. Raises ``AgentError`` with code
-        ``unknown_op`` from an agent older than this op.
+        request's transit time. The agent then sends its clock reading on the same
+        connection and the host answers with a step (the op's ``clock_exchange``):
+        when the round trip net of the guest's processing is over
+        ``clock_tolerance_ns`` (a starved guest), half of it; otherwise none. An agent
+        older than the exchange answers at once, and a round trip over the tolerance
+        is then followed by one bracketed correction, as ``sync_clock`` makes (two more
+        connections). Raises ``AgentError`` with code ``unknown_op`` from an agent
+        older than this op.
         """
-        before = time.time_ns()
-        r = self._simple("after_fork", bytes(data), ns=before, net_refresh=net_refresh)
-        bound = time.time_ns() - before
-        if bound > clock_tolerance_ns:
-            bound = min(bound, self._sync_clock(1)[0] // 2)
+        op = "after_fork"
+        sent = time.time_ns()
+        call = self._open(op, {"ns": sent, "net_refresh": net_refresh, "clock_exchange": True},
+                          bytes(data), self.io_timeout, self._deadline(self.io_timeout))
+        try:
+            frame = call.recv()
+            received = time.time_ns()
+            if frame.type == "result":  # an agent without the exchange
+                r, step, round_trip = frame.header, 0, received - sent
+                if round_trip > clock_tolerance_ns:
+                    correction_round_trip, step = self._sync_clock(1)
+                    bound = min(round_trip, correction_round_trip // 2)
+                else:
+                    bound = round_trip
+            elif frame.type == "clock":
+                step, round_trip = clock_exchange_step(
+                    sent, _int(frame.header, "ns", op),
+                    _int(frame.header, "processing_ns", op), received)
+                if abs(step) > MAX_CLOCK_STEP_NS:
+                    raise AgentProtocolError(
+                        f"the agent's clock reads {step} ns off the time it was just set "
+                        f"to, beyond any transit time", op=op)
+                if round_trip <= clock_tolerance_ns:
+                    step = 0
+                try:
+                    call.send({"type": "clock_step", "offset_ns": step})
+                except OSError as err:
+                    raise AgentProtocolError(f"sending the clock step: {err}", op=op) from err
+                r = call.expect("result").header
+                bound = round_trip // 2 if step else round_trip
+                if r.get("clock_step") is None:  # the step came too late for the agent
+                    step = 0
+                    if round_trip > clock_tolerance_ns:
+                        correction_round_trip, step = self._sync_clock(1)
+                        bound = min(round_trip, correction_round_trip // 2)
+                else:
+                    step = _int(_record(r, "clock_step", op), "offset_ns", op)
+            else:
+                raise AgentProtocolError(f"expected a 'clock' or 'result' frame, got "
+                                         f"{frame.header!r:.200}", op=op)
+        finally:
+            call.close()
         net = r.get("net")
         return AfterForkResult(
             ping=PingResult.from_reply(r),
-            reseed=_reseed_result(_record(r, "reseed", "after_fork")),
-            net=None if net is None else NetRefreshResult.from_reply(_record(r, "net",
-                                                                             "after_fork")),
-            previous_ns=_int(_record(r, "clock", "after_fork"), "previous_ns", "after_fork"),
-            clock_error_bound_ns=bound)
+            reseed=_reseed_result(_record(r, "reseed", op)),
+            net=None if net is None else NetRefreshResult.from_reply(_record(r, "net", op)),
+            previous_ns=_int(_record(r, "clock", op), "previous_ns", op),
+            clock_error_bound_ns=bound,
+            clock_step_ns=step)
 
     def set_time(self, ns: int | None = None) -> int:
         """Set the guest's wall clock to ``ns`` nanoseconds since the epoch (default: the

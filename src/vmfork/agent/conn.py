@@ -65,9 +65,12 @@ class Conn:
             except OSError as err:
                 raise PeerGone(f"sending a {header.get('type')!r} frame: {err}") from err
 
-    def recv(self, timeout: float | None) -> Frame:
+    def recv(self, timeout: float | None, deadline: float | None = None) -> Frame:
+        """The host's next frame. ``timeout`` bounds each read; ``deadline`` (a
+        ``time.monotonic()`` instant) the whole frame, so a host that trickles bytes
+        cannot stretch the wait (``TimeoutError`` either way)."""
         self.sock.settimeout(timeout)
-        return recv_frame(self.sock)
+        return recv_frame(self.sock, deadline)
 
     def result(self, **fields: Any) -> None:
         self.send({"type": "result", **fields})

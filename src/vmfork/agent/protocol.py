@@ -126,14 +126,34 @@ peer gets a RST; listening sockets and loopback connections stay) and flushes th
 network interface's neighbour cache (``agent/network.py``).
     → ``result {interface, connections_aborted, neighbours_flushed}``.
 
-``after_fork`` — what a restored child needs, in one round trip instead of one per
+``after_fork`` — what a restored child needs, on one connection instead of one per
 op: ``ns`` (the host's wall clock when it sent the request), payload = host random
-bytes and ``entropy_bits`` as for ``reseed``, ``net_refresh`` (default false). Sets
-the clock to ``ns`` first (its error is the request's one-way transit time, which
-the host bounds by the round trip and corrects with ``set_time offset_ns`` when that
-is too long), then reseeds as ``reseed``, then refreshes as ``net_refresh``.
-    → ``result {pong, pid, version, protocol, uptime, boot_id, clock {previous_ns, ns},
-      reseed {bytes, entropy_bits, kernel_reseeded}, net null | {interface, …}}``.
+bytes and ``entropy_bits`` as for ``reseed``, ``net_refresh`` (default false),
+``clock_exchange`` (protocol 4, default false). Sets the clock to ``ns`` first (its
+error is the request's one-way transit time), then reseeds as ``reseed``, then
+refreshes as ``net_refresh``.
+    → without ``clock_exchange``: ``result {pong, pid, version, protocol, uptime,
+      boot_id, clock {previous_ns, ns}, reseed {bytes, entropy_bits, kernel_reseeded},
+      net null | {interface, …}}``; the host bounds the clock's error by the round trip
+      and corrects it with ``set_time offset_ns`` when that is too long.
+    → with ``clock_exchange`` the correction happens on this connection, NTP style:
+      ``clock {ns, processing_ns}`` (the guest's clock just before sending, and the
+      monotonic nanoseconds since it set the clock to the request's ``ns``).
+    ← the host sends one ``clock_step {offset_ns}`` frame: the step to apply, the NTP
+      offset ``((T1 - T2) + (T4 - T3)) / 2`` from its send time T1, the guest's reading
+      T3, ``T2 = T3 - processing_ns`` (the guest's clock when it was set) and its own
+      receive time T4 — half the round trip net of the guest's processing, since T2 is
+      T1 — or 0 when that round trip was within the host's tolerance (0 leaves the
+      clock alone). The magnitude is at most ``MAX_CLOCK_STEP_NS``; a frame of another
+      type, or an ``offset_ns`` that is not an integer in that range, is ``error
+      bad_request`` (the clock stays as the request set it; the reseed and refresh
+      have happened).
+    → ``result`` as above plus ``clock_step {offset_ns, previous_ns, ns} | null``:
+      null when no step arrived within the agent's ``CLOCK_STEP_TIMEOUT`` (10 s) or
+      the host half-closed instead, so a host that never answers cannot hold the
+      agent's thread longer than that. An agent older than protocol 4 ignores the
+      field and answers ``result`` at once, without ``clock_step``: that first frame
+      is how the host tells, and it falls back to ``set_time``.
 
 ``rename`` — ``path``, ``new_path``, ``overwrite`` (default false: an existing
 ``new_path`` is an ``exists`` error, checked atomically with RENAME_NOREPLACE).
@@ -222,11 +242,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 AGENT_PORT = 1024
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """2 added ``rename``, ``watch`` and background processes (``start`` … ``ps``);
 an agent that answers 1 (an older snapshot's) does not have them. 3 added ``user`` on
 ``exec``, ``start``, ``write`` and ``mkdir``; an older agent ignores the field, so its
-replies' ``uid`` (which it does not send) is how the host tells."""
+replies' ``uid`` (which it does not send) is how the host tells. 4 added
+``after_fork``'s ``clock_exchange``; an older agent ignores the field, so a ``result``
+where the ``clock`` frame would be is how the host tells."""
 
 HEADER = struct.Struct(">II")
 MAX_HEADER = 1 << 20
@@ -236,6 +258,11 @@ CHUNK_SIZE = 256 << 10
 OUTPUT_CHUNK = 64 << 10
 """Largest stdout/stderr frame (one pipe read)."""
 LIST_BATCH = 512
+MAX_CLOCK_STEP_NS = 3600 * 10**9
+"""The largest ``clock_step`` an agent applies in ``after_fork`` (one hour). An honest
+step is half a round trip the host sat through, seconds at worst on a starved host; a
+value beyond this is a confused host, and stepping a guest's clock by hours would
+break its certificates' and caches' idea of now for no correction at all."""
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_ENV: dict[str, str] = {

@@ -35,6 +35,7 @@ from vmfork.agent.interpreter import Interpreter
 from vmfork.agent.jobs import JobTable
 from vmfork.agent.process import run_exec
 from vmfork.agent.protocol import (
+    MAX_CLOCK_STEP_NS,
     OPS,
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -49,6 +50,11 @@ from vmfork.agent.request import OpError, get_bool, get_int
 REQUEST_TIMEOUT = 30.0
 """Seconds a new connection may take to send its request frame."""
 MAX_CONNECTIONS = 256
+CLOCK_STEP_TIMEOUT = 10.0
+"""Seconds ``after_fork`` waits for the host's ``clock_step`` after sending its clock.
+An honest host answers as soon as the reading arrives; a starved guest's reading can
+take seconds to get out, the host's answer seconds to get in, so this is generous, and
+it is the longest a host that never answers can hold the connection's thread."""
 
 Logger = Callable[[str], None]
 PowerAction = Callable[[bool], None]
@@ -244,15 +250,23 @@ class AgentServer:
 
     def _after_fork(self, conn: Conn, frame: Frame) -> None:
         """Clock first (the request's age is the clock's error), then the RNGs, then
-        the network; answers like ``ping`` plus each step's result."""
+        the network; answers like ``ping`` plus each step's result. With
+        ``clock_exchange`` the clock's error is then corrected on this connection
+        (``_clock_exchange``) instead of by two more ``set_time`` ops."""
         ns = get_int(frame.header, "ns", None, minimum=1)
         if ns is None:
             raise OpError("bad_request", "after_fork: 'ns' (the host's wall clock, "
                                          "nanoseconds since the epoch) is required")
+        exchange = get_bool(frame.header, "clock_exchange", False)
         clock = system.set_time(ns)
+        set_at = time.monotonic_ns()
         reseeded = system.reseed(frame.header, frame.payload)
         net = network.refresh({}) if get_bool(frame.header, "net_refresh", False) else None
-        conn.result(**_pong(), clock=clock, reseed=reseeded, net=net)
+        if not exchange:
+            conn.result(**_pong(), clock=clock, reseed=reseeded, net=net)
+            return
+        step = _clock_exchange(conn, set_at)
+        conn.result(**_pong(), clock=clock, reseed=reseeded, net=net, clock_step=step)
 
     def _shutdown(self, conn: Conn, frame: Frame) -> None:
         reboot = get_bool(frame.header, "reboot", False)
@@ -262,6 +276,43 @@ class AgentServer:
                                          "refusing to power off the machine it runs on")
         conn.result(action="reboot" if reboot else "poweroff")
         conn.after = lambda: power(reboot)
+
+
+def _clock_exchange(conn: Conn, set_at: int) -> dict[str, int] | None:
+    """``after_fork``'s clock correction: send the clock as it reads now and how long
+    ago (monotonic) it was set to the request's ``ns``, wait at most
+    ``CLOCK_STEP_TIMEOUT`` for the host's ``clock_step`` and apply it. Returns
+    ``{offset_ns, previous_ns, ns}``, or None when no step came (the host went quiet
+    or hung up): the op then ends with its result all the same, the clock left as the
+    request set it, so a missing step can hold this thread only that long."""
+    now = time.clock_gettime_ns(time.CLOCK_REALTIME)
+    conn.send({"type": "clock", "ns": now, "processing_ns": time.monotonic_ns() - set_at})
+    try:
+        reply = conn.recv(CLOCK_STEP_TIMEOUT, time.monotonic() + CLOCK_STEP_TIMEOUT)
+    except TimeoutError:
+        return None
+    except ConnectionClosed as err:
+        if err.lost:
+            raise
+        if not err.clean:
+            raise OpError("bad_request",
+                          f"after_fork: the clock step frame was cut short ({err.message}); "
+                          "the clock is as the request set it") from err
+        return None  # the host half-closed without a step: it may still read the result
+    if reply.header.get("type") != "clock_step":
+        raise OpError("bad_request", f"after_fork: expected a 'clock_step' frame, got "
+                                     f"{reply.header!r:.120}; the clock is as the request set it")
+    offset = reply.header.get("offset_ns")
+    if (isinstance(offset, bool) or not isinstance(offset, int)
+            or abs(offset) > MAX_CLOCK_STEP_NS):
+        raise OpError("bad_request",
+                      f"after_fork: 'offset_ns' must be an integer of magnitude at most "
+                      f"{MAX_CLOCK_STEP_NS} (the step corrects a transit time), got "
+                      f"{offset!r:.80}; the clock is as the request set it")
+    previous = time.clock_gettime_ns(time.CLOCK_REALTIME)
+    if offset == 0:
+        return {"offset_ns": 0, "previous_ns": previous, "ns": previous}
+    return {"offset_ns": offset, **system.set_time(previous + offset, previous)}
 
 
 def _pong() -> dict[str, Any]:

@@ -394,10 +394,11 @@ def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT, *,
     forked; returns timings in seconds and, with ``net_refresh``, what the guest's
     refresh did (``{"connections_aborted", "neighbours_flushed"}``).
 
-    One ``after_fork`` round trip does all of it. It is retried until ``timeout``
-    while the guest cannot take a connection yet (``AgentUnavailable``: a starved
-    guest, its vsock still resetting); repeating it is harmless. An agent older than
-    that op gets the same steps one op (and one connection) each.
+    One ``after_fork`` connection does all of it, the clock's correction included. It
+    is retried until ``timeout`` while the guest cannot take a connection yet
+    (``AgentUnavailable``: a starved guest, its vsock still resetting); repeating it
+    is harmless. An agent older than that op gets the same steps one op (and one
+    connection) each.
     """
     started = time.monotonic()
     deadline = started + timeout
