@@ -60,10 +60,14 @@ anything else, or unset, jails every VMM this process spawns (docs/security.md).
 def jail_by_default() -> bool:
     """Whether a spawn that does not say is jailed: yes unless ``VMFORK_JAIL=0``."""
     return os.environ.get(JAIL_ENV, "1") != "0"
-# Every child's status.json is re-read this often even without a FIFO line.
+# Every child's status.json is re-read once no FIFO line came for this long (a line
+# can be lost: a child writes it without blocking). Not on a clock while lines come:
+# at N = 100 a scan every 0.25 s read ~16,000 status files between the start gate and
+# ready, and that CPU was the guests' (bench/spawn_profile.py's timeline).
 FULL_SCAN_S = 0.25
-# The zygote's exit events (children that died without a status) this often.
-EVENTS_CHECK_S = 0.1
+# The zygote's exit events (children that died without a status) this often: each
+# check is a round trip that wakes the zygote too.
+EVENTS_CHECK_S = 0.5
 # The start gate opens once every child is prepared, or once no child became
 # prepared for this long: one child stuck in its restore must not hold back the
 # siblings that are ready to run.
@@ -339,8 +343,11 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             stuck = "; ".join(_describe_stuck(c) for c in list(pending.values())[:5])
             raise SpawnFailed(f"{len(pending)} of {n} children not ready after {timeout:.0f} s"
                               f" ({stuck})")
-        changed |= _read_notifications(notify_fd)
-        if now >= next_full_scan:
+        lines = _read_notifications(notify_fd)
+        if lines:
+            changed |= lines
+            next_full_scan = now + FULL_SCAN_S
+        elif now >= next_full_scan:
             changed |= set(pending)
             next_full_scan = now + FULL_SCAN_S
         for vm_id in changed & pending.keys():
