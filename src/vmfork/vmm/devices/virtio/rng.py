@@ -133,8 +133,8 @@ class VirtioRng(VirtioDevice):
         memory, queue = self.memory, self.queues[0]
         if memory.native is None:
             raise HostError("virtio-rng is served only natively, and this guest memory has "
-                            "no native view (VMFORK_NATIVE=0?)", op="rng serve")
-        if not queue.ready:  # as Virtqueue.pop says it
+                            "no native view (is the native core built?)", op="rng serve")
+        if not queue.ready:  # the driver never enabled it: no rings to walk
             raise VirtqueueError("pop from a queue that is not ready")
         queue.next_avail, queue.next_used, served, written = memory.native.serve_rng(
             queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,

@@ -78,7 +78,7 @@ from vmfork.vmm.devices.virtio.queue import Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.native import NATIVE
+from vmfork.vmm.native import CORE_BUILT
 
 try:
     from vmfork import _core
@@ -175,9 +175,9 @@ class VirtioVsock(VirtioDevice):
         super().__init__()
         if guest_cid <= HOST_CID or guest_cid >= _U32:
             raise ValueError(f"guest CID {guest_cid} must be in 3..2**32-2")
-        if not (NATIVE and isinstance(loop, NativeEventLoop)):
+        if not (CORE_BUILT and isinstance(loop, NativeEventLoop)):
             raise HostError("vsock is served only natively: it needs the native core and "
-                            "the native loop (unset VMFORK_NATIVE)", op="vsock")
+                            "the native loop", op="vsock")
         self.loop = loop
         self.uds_path = uds_path
         self.guest_cid = guest_cid
