@@ -215,7 +215,7 @@ MmioQueueRegs = tuple[int, int, bool, int, int, int]
 MmioSaved = tuple[int, int, int, int, bool, int, int, int, list[MmioQueueRegs]]
 
 class MmioRegisters:
-    """A virtio-mmio register file: ``mmio.PyRegisters``'s native twin (same methods)."""
+    """A virtio-mmio register file (``native/src/mmio.rs``; ``mmio.py`` lists its rules)."""
     def __init__(self, device_type: int, features: int, max_sizes: list[int],
                  config: bytes | None = None) -> None: ...
     def read(self, offset: int, size: int) -> bytes | None: ...

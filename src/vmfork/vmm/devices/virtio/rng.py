@@ -8,12 +8,12 @@ never makes us allocate more than that. Work per notification is bounded by
 up on a later loop turn rather than starving the other devices.
 
 One implementation, native (``native/src/rng_serve.rs``); Python only owns it. Where
-the transport can (the native loop and register file, an irqfd), the queue is handed
+the transport can (the native loop, an irqfd), the queue is handed
 at activation to a ``_core.RngQueue`` that the native loop serves on the queue's
 ioeventfd without ever taking the GIL; it owns the ring indices until reset, and
 ``sync_queues`` copies them back for a snapshot. Where the transport cannot (no
-ioeventfd or irqfd to hand over: the unit tests' bare transports, the Python register
-file), the same walk is entered per notification, ``GuestRam.serve_rng``. There is no
+ioeventfd or irqfd to hand over: the unit tests' bare transports, ``native_serve``
+False), the same walk is entered per notification, ``GuestRam.serve_rng``. There is no
 walk in Python any more: guest memory without its native view cannot be served.
 """
 
