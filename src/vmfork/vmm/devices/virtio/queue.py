@@ -45,10 +45,6 @@ def avail_ring_bytes(size: int) -> int:
     return 6 + 2 * size
 
 
-def used_ring_bytes(size: int) -> int:
-    return 6 + 8 * size
-
-
 @dataclass
 class QueueState:
     """Plain-data twin of ``Virtqueue`` for snapshots."""
