@@ -271,7 +271,7 @@ def driver_bench(args: argparse.Namespace) -> None:
 
     from vmfork.vmm.devices.virtio import net
     from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, Virtqueue
-    from vmfork.vmm.eventloop import SelectorEventLoop
+    from vmfork.vmm.eventloop import NativeEventLoop
     from vmfork.vmm.memory import GuestMemory
 
     per_turn, frame_len = 128, args.frame_bytes
@@ -318,7 +318,7 @@ def driver_bench(args: argparse.Namespace) -> None:
     for s in (dev_sock, peer):
         s.setblocking(False)
         s.setsockopt(socket.SOL_SOCKET, 32, 64 << 20)   # SO_SNDBUFFORCE: a turn's frames
-    loop = SelectorEventLoop("unused")
+    loop = NativeEventLoop("unused")   # never started: what the device queues is dropped
     dev = net.VirtioNet(loop, net.parse_mac("52:54:00:12:34:56"), dev_sock.fileno())
     dev.memory, dev.queues, dev.interrupt = memory, queues, Line()  # type: ignore[assignment]
     host_frame = bytes(net.VNET_HDR_SIZE) + frame

@@ -1,13 +1,12 @@
-"""virtio-rng per notification, in process: the three serving paths side by side.
+"""virtio-rng per notification, in process: the two serving paths side by side.
 
 A driver (tests/unit's ``GuestDriver``, over real guest memory, a real transport and
 the queue's real ioeventfd) posts ``--batch`` requests of ``--bytes`` bytes, writes the
 ioeventfd as KVM would on the guest's QueueNotify, and waits for the interrupt's
 eventfd (as the guest waits for its interrupt) until the used ring holds them all; ``--rounds`` such rounds per run. Paths, alternated run by run:
 
-* ``selector+py``: the Python selector loop; the ioeventfd's Python callback enters
-  ``serve_rng`` (Rust) from Python (today's VMM);
-* ``native+py``: the native epoll loop, still calling the same Python callback;
+* ``native+py``: the native epoll loop calling the ioeventfd's Python callback, which
+  enters ``serve_rng`` (Rust) from Python (a transport without an irqfd);
 * ``native+serve``: the native loop serving the queue itself, no GIL (``_core.RngQueue``).
 
 ``--busy`` adds a Python thread that spins meanwhile: the paths that run a Python
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import summary, write_results
 
-PATHS = ("selector+py", "native+py", "native+serve")
+PATHS = ("native+py", "native+serve")
 
 
 def _spin(stop: threading.Event) -> None:
@@ -50,12 +49,12 @@ def run(path: str, rounds: int, batch: int, size: int, busy: bool) -> float:
 
     from vmfork.vmm.devices.virtio import mmio
     from vmfork.vmm.devices.virtio.rng import VirtioRng
-    from vmfork.vmm.eventloop import NativeEventLoop, SelectorEventLoop
+    from vmfork.vmm.eventloop import NativeEventLoop
     from vmfork.vmm.irq import IrqLine
     from vmfork.vmm.memory import GuestMemory
 
     memory = GuestMemory.anonymous(MEM_SIZE)
-    loop = SelectorEventLoop("bench-io") if path == "selector+py" else NativeEventLoop("bench-io")
+    loop = NativeEventLoop("bench-io")
     loop.start()
     irq = IrqLine(gsi=5)
     fds: list[int] = []
@@ -116,7 +115,7 @@ def main() -> None:
     for _ in range(args.reps):
         for p in PATHS:
             times[p].append(run(p, args.rounds, args.batch, args.bytes, args.busy))
-    base = statistics.median(times["selector+py"])
+    base = statistics.median(times["native+py"])
     rows = [f"| {p} | {statistics.median(v) * 1e6:.1f} | "
             f"{args.batch / statistics.median(v):,.0f} | "
             f"{statistics.median(v) / base:.2f}× |" for p, v in times.items()]
@@ -124,7 +123,7 @@ def main() -> None:
         f"# virtio-rng per notification (in process, {args.batch} request(s) of "
         f"{args.bytes} B per notification, {args.rounds} rounds × {args.reps} runs"
         f"{', a Python thread spinning' if args.busy else ''})", "",
-        "| path | µs per notification (median) | requests/s | vs selector+py |",
+        "| path | µs per notification (median) | requests/s | vs native+py |",
         "|---|---|---|---|", *rows, ""])
     write_results("rng_notify", {"args": vars(args),
                                  "seconds_per_round": {p: summary(v) for p, v in times.items()}},

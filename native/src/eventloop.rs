@@ -1,7 +1,8 @@
 //! The VMM's I/O event loop: one epoll on a native thread (`_core.EventLoop`).
 //!
-//! It serves what `vmm/eventloop.py`'s selector loop serves, with the same interface
-//! (the Python wrapper `NativeEventLoop` keeps the error accounting): readers on file
+//! The VMM's only I/O loop (the Python selector loop it replaced is deleted), behind
+//! `vmm/eventloop.py`'s `EventLoop` interface (the Python wrapper `NativeEventLoop`
+//! keeps the error accounting): readers on file
 //! descriptors (queue ioeventfds, sockets, taps), `call_soon` from any thread (woken
 //! through an eventfd) and `call_later` timers. The difference is where the thread
 //! waits: in `epoll_wait` with the GIL released and, when no timer is due, with no
@@ -14,10 +15,9 @@
 //! (`Deferred`: a guest fault, a line to log). A server may take one of its own fds out
 //! of the epoll set and put it back (`LoopLink::watch`), keeping its reader.
 //!
-//! Order of one turn, as in the Python loop: the ready readers' callbacks, then every
-//! queued `call_soon` (including those queued meanwhile), then the due timers. A reader
-//! removed by an earlier callback of the same turn is not called (the Python loop would
-//! still call it; nothing relies on that).
+//! Order of one turn: the ready readers' callbacks, then every queued `call_soon`
+//! (including those queued meanwhile), then the due timers. A reader removed by an
+//! earlier callback of the same turn is not called.
 //!
 //! Locks (docs/native.md): `state` is taken with the GIL held or by the loop thread
 //! without it only for plain values; it is never held across taking or releasing the
@@ -26,8 +26,7 @@
 //!
 //! The epoll and the wake eventfd are `vmm-sys-util`'s wrappers (already a dependency
 //! of `kvm-ioctls`): thin, owned, close on drop. They are closed when the loop stops,
-//! not when the last reference to it goes, as the selector loop closes its own: a
-//! stopped loop still referenced from a cycle (a device's callback, a machine kept for
+//! not when the last reference to it goes: a stopped loop still referenced from a cycle (a device's callback, a machine kept for
 //! its stats) would otherwise keep two fds open (the zygote's warm-up restore did).
 //! They sit behind a read-write lock for that: the loop thread holds it shared around
 //! `epoll_wait`, `add_reader`/`call_soon` briefly, and only the close, when the loop
@@ -300,7 +299,7 @@ impl EventLoop {
     }
 
     /// Run `callback()` on the loop thread (safe from any thread). After a stop it is
-    /// dropped, as the selector loop never runs it either.
+    /// dropped: nothing runs it.
     fn call_soon(&self, callback: Py<PyAny>) {
         {
             let mut state = lock(&self.shared.state);
@@ -322,7 +321,7 @@ impl EventLoop {
         {
             let mut state = lock(&self.shared.state);
             if state.stopping || state.finished {
-                return Ok(()); // never run, as after the selector loop's stop
+                return Ok(()); // never run: the loop is stopping
             }
             let seq = state.next_seq;
             state.next_seq += 1;
@@ -372,7 +371,7 @@ impl EventLoop {
     }
 
     /// End the loop and wait for its thread (from the loop thread itself: only ask).
-    /// Callbacks still queued are dropped, as the Python loop drops them.
+    /// Callbacks still queued are dropped.
     fn stop(&self, py: Python<'_>) {
         let own_thread = {
             let mut state = lock(&self.shared.state);

@@ -1,9 +1,9 @@
 //! The virtio-mmio v2 register file (virtio 1.x, 4.2), device side, without Python.
 //!
-//! This is the rule set of `vmfork.vmm.devices.virtio.mmio.PyRegisters`, word for
-//! word and message for message (the Python module comment lists the rules; the
-//! differential test in tests/unit/test_virtio_mmio_native.py holds the two to the
-//! same reads, states and events). It knows nothing of the device model: what needs
+//! The one implementation: the rules are those `vmfork.vmm.devices.virtio.mmio`'s
+//! module comment lists (its Python twin, `PyRegisters`, is deleted), and the contract
+//! properties in tests/unit/test_virtio_mmio_native.py hold this file to them on
+//! hostile register sequences. It knows nothing of the device model: what needs
 //! the device (activation, reset, the acked features, a device error, a notification
 //! without an ioeventfd, a config access to a device whose config is not a plain byte
 //! string) comes back as an `Event` for the caller to hand to Python once the lock is

@@ -1,11 +1,11 @@
 //! Python's handle on the native virtio-mmio register file (`native/src/mmio.rs`):
-//! `_core.MmioRegisters`, which `vmfork.vmm.devices.virtio.mmio.MmioTransport` uses
-//! in place of its Python twin (`PyRegisters`, same methods, same results), and
+//! `_core.MmioRegisters`, the register file of every
+//! `vmfork.vmm.devices.virtio.mmio.MmioTransport` (there is no Python one), and
 //! `_core.MmioWindows`, the MMIO bus's map of register files that the native vCPU
 //! loop serves without the GIL.
 //!
 //! Locks and the GIL. A register file is one `Mutex`. Python threads (the I/O
-//! thread raising an interrupt, a vCPU thread of the Python loop, tests) call in
+//! thread raising an interrupt, the bus's Python path, tests) call in
 //! with the GIL and take it: GIL, then the Rust lock. A native vCPU thread takes it
 //! without the GIL, and takes the GIL (for the events a write caused, or a config
 //! read the device answers) only after it let go of it: the register lock is never

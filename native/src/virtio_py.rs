@@ -4,6 +4,13 @@
 //! transport's `Virtqueue` and its `QueueState`), so state stays one plain record;
 //! each call takes the numbers it needs and returns what changed.
 //!
+//! `pop`, `add_used`, `read` and `write` have no caller in the VMM: every device walks
+//! its rings inside its native server. They are how the hostile-descriptor properties
+//! (`tests/unit/test_virtio_queue.py`) and the atheris target (`tests/fuzz/targets.py`)
+//! reach `virtq.rs`'s walk, used ring and copies, and are kept for that alone; the
+//! same holds for `vsock_tx_classify`/`vsock_rx_packet` and `vsock_packet.rs`
+//! (`tests/unit/test_virtio_vsock_native.py`).
+//!
 //! Errors are the Python hierarchy's own (`vmfork.vmm.errors`): a guest fault is a
 //! `VirtqueueError` or `GuestMemoryError` (the transport turns either into
 //! DEVICE_NEEDS_RESET), a closed memory a `HostError`.
@@ -120,13 +127,6 @@ impl GuestRam {
     ) -> PyResult<()> {
         self.with(py, |ram| {
             virtq::validate(ram, &Self::rings(size, desc, avail, used), max_size)
-        })
-    }
-
-    /// Chains offered and not yet popped.
-    fn pending(&self, py: Python<'_>, size: u16, avail: u64, next_avail: u16) -> PyResult<u16> {
-        self.with(py, |ram| {
-            virtq::pending(ram, &Self::rings(size, 0, avail, 0), next_avail)
         })
     }
 

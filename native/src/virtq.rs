@@ -1,9 +1,11 @@
 //! The device side of a split virtqueue (virtio 1.x, 2.7), natively: the chain walk,
 //! the used ring, and the copies in and out of a chain's buffers.
 //!
-//! The rules are those of `vmm/devices/virtio/queue.py`, whose module comment gives
-//! the reasons, and the errors carry its messages word for word, so the hostile
-//! descriptor tests hold both paths to one contract:
+//! The one implementation (its Python twin is deleted; `vmm/devices/virtio/queue.py`
+//! keeps the queue's registers and record), held by the hostile-descriptor properties
+//! of `tests/unit/test_virtio_queue.py` through `GuestRam` and fuzzed here
+//! (native/fuzz). Every number in the rings is the guest's, written perhaps while we
+//! read it; the rules:
 //! * a chain is walked at most `size` descriptors (a longer one must loop), a `next`
 //!   at or beyond `size` is an error, an avail index more than `size` ahead of ours
 //!   is an error;
@@ -13,11 +15,14 @@
 //! * copies are bounded by the caller's limit and by the chain, whatever lengths
 //!   the guest claims, so no guest number sizes an allocation.
 //!
+//! * any violation is a `QueueError` (Python's `VirtqueueError`), which the transport
+//!   turns into DEVICE_NEEDS_RESET; nothing here repairs a broken ring.
+//!
 //! Why not rust-vmm's `virtio-queue`: its chain iterator ends a chain quietly at a
 //! loop or an out-of-range `next` (a truncated chain the device then serves), where
 //! our contract makes both a device error (DEVICE_NEEDS_RESET) that the tests pin;
 //! and its `Queue` wants `vm-memory`'s `GuestMemory` (see guest_ram.rs). The walk is
-//! sixty lines against that contract, fuzzed here (native/fuzz).
+//! sixty lines against that contract.
 //!
 //! Notification suppression (VIRTIO_RING_F_EVENT_IDX, 2.7.7/2.7.10), where the device
 //! negotiated it (`Rings::event_idx`; virtio-net only): `pop` finding the ring empty

@@ -36,7 +36,8 @@ Target = Callable[[bytes], None]
 
 # -- virtqueue descriptor chains ----------------------------------------------------------
 # The input is the guest's rings: a descriptor table at 0, the available ring at 0x1000,
-# buffers after; the device pops and reads every chain it is offered.
+# buffers after; the native walk (virtq.rs, through GuestRam) pops and copies every chain
+# it is offered, as a device's server does.
 _QSIZE = 64
 _MEMORY = GuestMemory.anonymous(1 << 20)
 
@@ -44,18 +45,28 @@ _MEMORY = GuestMemory.anonymous(1 << 20)
 def virtqueue(data: bytes) -> None:
     _MEMORY.write(0, bytes(0x3000))
     _MEMORY.write(0, data[:0x3000])
+    ram = _MEMORY.native
+    assert ram is not None, "the native core is not built"
     queue = Virtqueue(_QSIZE)
     queue.desc_table, queue.avail_ring, queue.used_ring = 0, 0x1000, 0x2000
     queue.ready = True
+    # EVENT_IDX as the input's last byte says, so the empty pop's avail_event is driven too.
+    event_idx = bool(data[-1] & 1) if data else False
     try:
         queue.validate(_MEMORY)
+        next_avail = next_used = 0
         for _ in range(_QSIZE + 1):
-            chain = queue.pop(_MEMORY)
+            chain = ram.pop(_QSIZE, 0, 0x1000, next_avail, 0x2000, event_idx)
             if chain is None:
                 break
-            assert len(chain.read_readable(_MEMORY, 1 << 16)) <= chain.readable_len
-            chain.write_writable(_MEMORY, b"x" * min(chain.writable_len, 64))
-            queue.add_used(_MEMORY, chain.head, 0)
+            next_avail = (next_avail + 1) & 0xFFFF
+            head, readable, writable = chain
+            readable_len = sum(n for _, n in readable)
+            writable_len = sum(n for _, n in writable)
+            assert len(ram.read(readable, 1 << 16)) == min(readable_len, 1 << 16)
+            want = min(writable_len, 64)
+            assert ram.write(writable, b"x" * want) == want
+            next_used = ram.add_used(_QSIZE, 0x2000, next_used, head, 0)
     except VirtqueueError:
         pass
 

@@ -1,5 +1,5 @@
-"""The VMM's I/O loop, on both implementations: the selector loop (``VMFORK_NATIVE=0``)
-and the native epoll loop (``native/src/eventloop.rs``), held to one contract."""
+"""The VMM's I/O loop: the native epoll loop (``native/src/eventloop.rs``, the one
+implementation) behind ``EventLoop``'s contract."""
 
 from __future__ import annotations
 
@@ -11,23 +11,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, SelectorEventLoop
-
-try:
-    from vmfork import _core  # noqa: F401
-    HAVE_CORE = True
-except ImportError:
-    HAVE_CORE = False
-
-LOOPS: dict[str, Callable[[str], EventLoop]] = {
-    "selector": SelectorEventLoop, "native": NativeEventLoop}
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, new_event_loop
 
 
-@pytest.fixture(params=sorted(LOOPS))
-def make_loop(request: pytest.FixtureRequest) -> Callable[[str], EventLoop]:
-    if request.param == "native" and not HAVE_CORE:
-        pytest.skip("the native core is not built")
-    return LOOPS[request.param]
+@pytest.fixture
+def make_loop() -> Callable[[str], EventLoop]:
+    return new_event_loop
 
 
 @pytest.fixture
@@ -108,11 +97,9 @@ def test_timers_run_in_due_order_and_not_early(loop: EventLoop) -> None:
     assert seen[0][1] >= 0.05 and seen[1][1] >= 0.15
 
 
-@pytest.mark.skipif(not HAVE_CORE, reason="the native core is not built")
 def test_a_timer_set_from_another_thread_wakes_an_idle_native_loop() -> None:
     # The native loop waits with no timeout when it has no timer: a new one must
-    # shorten that wait. (The selector loop's call_later is for its own thread only,
-    # by its contract, so this is the native loop's test alone.)
+    # shorten that wait.
     loop = NativeEventLoop("test-loop")
     loop.start()
     try:
@@ -151,7 +138,6 @@ def test_stop_before_start_and_running(make_loop: Callable[[str], EventLoop]) ->
     assert not ev.running
 
 
-@pytest.mark.skipif(not HAVE_CORE, reason="the native core is not built")
 def test_the_native_loop_rejects_bad_input_clearly() -> None:
     ev = NativeEventLoop("test-bad")
     try:
@@ -189,7 +175,6 @@ def _task_cpu_ticks(thread_name: str) -> tuple[int, int]:
     raise AssertionError(f"no thread named {thread_name}")
 
 
-@pytest.mark.skipif(not HAVE_CORE, reason="the native core is not built")
 def test_an_idle_native_loop_does_not_wake() -> None:
     ev = NativeEventLoop("idle-loop")
     ev.start()
@@ -211,7 +196,6 @@ def test_an_idle_native_loop_does_not_wake() -> None:
         ev.stop()
 
 
-@pytest.mark.skipif(not HAVE_CORE, reason="the native core is not built")
 def test_a_forked_child_does_not_join_the_parents_loop_thread() -> None:
     ev = NativeEventLoop("fork-loop")
     ev.start()
@@ -250,9 +234,9 @@ def test_a_stopped_loop_gives_its_fds_back_once_dropped(
 def test_a_stopped_loop_closes_its_fds_while_still_referenced(
         make_loop: Callable[[str], EventLoop]) -> None:
     # A stopped loop that something still reaches (a device's callback in a cycle, a
-    # machine kept for its stats) holds no fds: the stop closes them, as the selector
-    # loop's always did. The zygote's warm-up restore left the native loop's epoll and
-    # wake eventfd open this way until the collector ran.
+    # machine kept for its stats) holds no fds: the stop closes them. The zygote's
+    # warm-up restore left the native loop's epoll and wake eventfd open this way until
+    # the collector ran.
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
     before = fds()
@@ -273,8 +257,8 @@ def test_a_stopped_loop_closes_its_fds_while_still_referenced(
 
 def test_work_queued_before_a_stop_still_runs(make_loop: Callable[[str], EventLoop]) -> None:
     # A machine's close queues the closing of its ioeventfds on the loop, then stops
-    # it: on both loops that work runs (the native loop once dropped it, and the
-    # zygote's warm-up restore leaked 14 eventfds).
+    # it: that work runs (the native loop once dropped it, and the zygote's warm-up
+    # restore leaked 14 eventfds).
     ev = make_loop("test-drain")
     ev.start()
     ran: list[int] = []

@@ -29,11 +29,10 @@ def test_without_the_core_a_machine_is_refused_with_the_fix(
     assert check.status == "FAIL" and "pip install ." in check.fix
 
 
-def test_devices_without_a_python_path_refuse_memory_without_its_native_view(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """rng, the balloon, blk, net and vsock are served only natively: ``VMFORK_NATIVE=0``
-    (guest memory without its native view, the selector loop) is a host error there and
-    a FAIL in the doctor, not a device that silently serves nothing."""
+def test_devices_without_a_python_path_refuse_memory_without_its_native_view() -> None:
+    """rng, the balloon, blk, net, vsock and the virtqueues are served only natively:
+    guest memory without its native view, or a loop that is not the native one, is a
+    host error there, not a device that silently serves nothing."""
     from vmfork.vmm.devices.virtio import blk, rng, vsock
     from vmfork.vmm.devices.virtio.queue import Virtqueue
     from vmfork.vmm.eventloop import EventLoop
@@ -53,10 +52,32 @@ def test_devices_without_a_python_path_refuse_memory_without_its_native_view(
             device.interrupt = Line()  # type: ignore[assignment]
             with pytest.raises(HostError, match="only natively"):
                 device.queue_notify(0)
+        queue = Virtqueue(16)
+        for ask in (lambda: queue.validate(memory), lambda: queue.needs_interrupt(memory, 1)):
+            with pytest.raises(HostError, match="only natively"):
+                ask()
     finally:
         memory.close()
     with pytest.raises(HostError, match="only natively"):
         vsock.VirtioVsock(EventLoop("unused"), "/nonexistent/vsock.sock")
-    monkeypatch.setattr(native, "NATIVE", False)
-    check = doctor._native_core()
-    assert check.status == "FAIL" and "VMFORK_NATIVE" in check.fix
+
+
+def test_without_the_core_there_is_no_loop_nor_register_file(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The I/O loop and the virtio-mmio register file have no Python twin: asked for
+    without the core, each names the set-up to run (``CoreMissing``)."""
+    from vmfork.vmm import eventloop
+    from vmfork.vmm.devices.virtio import mmio, rng
+    from vmfork.vmm.eventloop import EventLoop
+    from vmfork.vmm.memory import GuestMemory
+
+    monkeypatch.setattr(native, "CORE_BUILT", False)
+    with pytest.raises(native.CoreMissing, match=r"setup_native"):
+        eventloop.new_event_loop("unused")
+    memory = GuestMemory.anonymous(1 << 20)
+    try:
+        with pytest.raises(native.CoreMissing, match=r"setup_native"):
+            mmio.MmioTransport(rng.VirtioRng(EventLoop("unused")), memory,
+                               None, EventLoop("unused"))  # type: ignore[arg-type]
+    finally:
+        memory.close()

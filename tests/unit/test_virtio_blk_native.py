@@ -216,7 +216,7 @@ def test_hostile_requests_keep_the_device_within_its_contract(
     monkeypatch.setattr(blk, "MAX_BYTES_PER_NOTIFY", max_bytes)
     disk = (seed * (SECTORS * 512 // 8))
     disk = bytes((b + i) & 0xFF for i, b in enumerate(disk))
-    mem = CountingMemory("native")
+    mem = CountingMemory()
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
@@ -317,7 +317,7 @@ def test_hostile_requests_keep_the_device_within_its_contract(
 def test_the_per_notification_entry_serves_a_request() -> None:
     """``queue_notify`` on a device without a native server (a transport with no
     ioeventfd and irqfd to hand over) serves through one call into blk.rs."""
-    mem = CountingMemory("native")
+    mem = CountingMemory()
     dev = blk.VirtioBlk(EventLoop("unused"), None, 0, "", volume_slot=True)
     dev.memory = mem
     queue = make_queue(mem, QSIZE)

@@ -25,9 +25,8 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, SelectorEventLoop
+from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.native import NATIVE
 
 MEM_SIZE = 48 << 20
 
@@ -199,10 +198,8 @@ def memory() -> Iterator[GuestMemory]:
 def loop(memory: GuestMemory) -> Iterator[EventLoop]:
     """The I/O thread. It depends on ``memory`` so that it stops before guest memory
     is unmapped, as in the VMM: no device callback may run on a closed mapping. The
-    native loop wherever the core is in use, as in the VMM (``eventloop.NATIVE_LOOP``,
-    whatever ``VMFORK_NATIVE_LOOP`` says): rng's native serving needs it; the loop tests
-    (test_eventloop.py) run both loops."""
-    ev: EventLoop = NativeEventLoop("test-vmm-io") if NATIVE else SelectorEventLoop("test-vmm-io")
+    VMM's loop, the native one (``eventloop.new_event_loop``)."""
+    ev = new_event_loop("test-vmm-io")
     ev.start()
     yield ev
     ev.stop()

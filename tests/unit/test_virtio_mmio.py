@@ -1,7 +1,7 @@
 """The virtio-mmio v2 transport, driven register by register as a guest would,
-with virtio-rng as the device behind it (real EventLoop thread, real eventfds);
-every test that builds its transport from the fixture runs on both register files
-(the native one where the core is built, and ``PyRegisters``)."""
+with virtio-rng as the device behind it (real EventLoop thread, real eventfds, the
+native register file); every test that builds its transport from the fixture runs
+with rng served both ways: by its native server on the loop, and per notification."""
 
 from __future__ import annotations
 
@@ -47,26 +47,19 @@ def irq() -> Iterator[IrqLine]:
     line.close()
 
 
-# (native register file, rng served natively on the loop without the GIL)
-try:
-    from vmfork import _core  # noqa: F401 -- only whether it is built
-    REGISTER_FILES = [(True, False), (False, False), (True, True)]
-except ImportError:
-    REGISTER_FILES = [(False, False)]
-RNG_PATHS = [serve for native, serve in REGISTER_FILES if native]
+# Whether rng is served natively on the loop without the GIL (else per notification).
+RNG_PATHS = [False, True]
 
 
-def _path_id(case: tuple[bool, bool]) -> str:
-    return {(True, False): "native", (False, False): "python",
-            (True, True): "native-serve"}[case]
+def _path_id(serve: bool) -> str:
+    return "native-serve" if serve else "per-notification"
 
 
-@pytest.fixture(params=REGISTER_FILES, ids=_path_id)
+@pytest.fixture(params=RNG_PATHS, ids=_path_id)
 def rng_transport(request: pytest.FixtureRequest, loop: EventLoop,  # noqa: F811
                   memory: GuestMemory, irq: IrqLine) -> mmio.MmioTransport:  # noqa: F811
-    native, serve = request.param
-    return mmio.MmioTransport(VirtioRng(loop, native_serve=serve), memory, irq, loop,
-                              native=native)
+    return mmio.MmioTransport(VirtioRng(loop, native_serve=request.param), memory, irq,
+                              loop)
 
 
 @pytest.fixture
@@ -277,7 +270,7 @@ def test_reset_clears_registers_and_queues(driver: GuestDriver) -> None:
     assert driver.t.queues[0].desc_table == 0 and not driver.t.device.active
 
 
-@pytest.mark.parametrize("serve", RNG_PATHS or [False])
+@pytest.mark.parametrize("serve", RNG_PATHS, ids=_path_id)
 def test_ioeventfd_notifications(loop: EventLoop, memory: GuestMemory,  # noqa: F811
                                  irq: IrqLine, serve: bool) -> None:
     registered: list[tuple[int, int, int]] = []
@@ -329,7 +322,7 @@ def test_transport_state_round_trip_continues_the_queue(loop: EventLoop,  # noqa
             mmio.MmioTransportState(**{**vars(state), "device_type": 19}))
 
 
-# -- rng served on the loop's ioeventfd: natively (no GIL) and in Python, one contract --------
+# -- rng on the loop's ioeventfd: by its native server (no GIL) or per notification, one contract
 class _IoeventfdRng:
     """A transport with ioeventfds (the eventfd is written as KVM would on QueueNotify)."""
 
@@ -358,7 +351,7 @@ class _IoeventfdRng:
         run_on_loop(self.t.loop, lambda: None)
 
 
-@pytest.fixture(params=RNG_PATHS or [False], ids=lambda s: "native-serve" if s else "py-serve")
+@pytest.fixture(params=RNG_PATHS, ids=_path_id)
 def kicked(request: pytest.FixtureRequest, loop: EventLoop, memory: GuestMemory,  # noqa: F811
            irq: IrqLine) -> Iterator[_IoeventfdRng]:
     env = _IoeventfdRng(loop, memory, irq, request.param)
@@ -416,7 +409,6 @@ def test_rng_descriptor_loop_on_the_ioeventfd_path(kicked: _IoeventfdRng,
     wait_until(lambda: q.used_idx() == 1, what="the request after reset")
 
 
-@pytest.mark.skipif(not RNG_PATHS, reason="the native core is not built")
 def test_native_rng_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory,  # noqa: F811
                                          irq: IrqLine) -> None:
     """The main thread keeps the GIL (a long switch interval, spinning in Python) while
@@ -441,7 +433,7 @@ def test_rng_closed_after_its_transport_holds_no_fds(loop: EventLoop,  # noqa: F
     its fault callback: a cycle only the device's close breaks at once)."""
     def fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))
-    for serve in RNG_PATHS or [False]:
+    for serve in RNG_PATHS:
         before = fds()
         env = _IoeventfdRng(loop, memory, irq, serve)
         q = env.start(16, 64)

@@ -33,7 +33,7 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
     run_on_loop,
 )
-from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
+from vmfork.vmm.eventloop import EventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 
@@ -103,9 +103,6 @@ class NetEnv:
         self.netns = netns
         self.path = path
         self.memory = GuestMemory.anonymous(MEM_SIZE)
-        if path == "served" and not isinstance(loop, NativeEventLoop):
-            self.memory.close()
-            pytest.skip("the native loop is off (VMFORK_NATIVE_LOOP=0)")
         self.irq = IrqLine(gsi=7)
         tap_fd = netns.run(net.open_tap, TAP) if tap else None
         self.wire: socket.socket | None = None

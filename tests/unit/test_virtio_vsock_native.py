@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import struct
 
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_virtio_queue import HIGH, LOW, USED, CountingMemory
@@ -35,10 +34,6 @@ from vmfork.vmm.devices.virtio.vsock import (
     PacketHeader,
 )
 from vmfork.vmm.errors import GuestError
-from vmfork.vmm.native import NATIVE
-
-pytestmark = pytest.mark.skipif(not NATIVE, reason="the native core is not built "
-                                "(scripts/lib.sh setup_native) or VMFORK_NATIVE=0")
 
 GUEST_CIDS = [3, 3, 4, 2**32 - 2]
 U32 = st.one_of(st.sampled_from([0, 1, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
@@ -146,7 +141,7 @@ def by_the_rules(raw: bytes, readable: int, guest_cid: int) -> Verdict:
 def test_the_tx_parse_follows_the_rules_on_hostile_chains(
         data: st.DataObject, cuts: list[int], places: list[str], guest_cid: int) -> None:
     raw, extra = data.draw(packet(guest_cid))
-    mem = CountingMemory("native")
+    mem = CountingMemory()
     segments = lay_out([mem], raw, extra, cuts, places)
     got = classify(mem, segments, guest_cid)
     event(got if isinstance(got, str) else got[0] + (f" {got[1]}" if got[1] else ""))
@@ -181,7 +176,7 @@ def in_ram(addr: int, length: int) -> bool:
 def test_the_rules_and_their_order() -> None:
     """The contract, spelt out: each rule's verdict and key, and which rule wins when
     several apply."""
-    mem = CountingMemory("native")
+    mem = CountingMemory()
     good = PacketHeader(3, 2, 40000, 5000, 3, 1, Op.RW, 0, 4096, 0)
 
     def parse(hdr: PacketHeader, readable: int | None = None) -> Verdict | str:
@@ -249,7 +244,7 @@ def test_an_rx_packet_lands_in_its_chain_and_nowhere_else(
         else:
             addr, low = low, low + length
         writable.append((addr, 0 if where == "empty" else length))
-    mem = CountingMemory("native")
+    mem = CountingMemory()
     fill = bytes(range(256)) * (LOW.size // 256)
     mem.write(0, fill)
     mem.write(HIGH.guest_phys, fill)

@@ -26,9 +26,9 @@ import logging
 import threading
 from typing import Protocol
 
-from vmfork.vmm.native import NATIVE
+from vmfork.vmm.native import CORE_BUILT
 
-if NATIVE:
+if CORE_BUILT:
     from vmfork import _core
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class Bus:
         self.unmapped_reads = 0
         self.unmapped_writes = 0
         self._logged: dict[int, int] = {}
-        self.windows: _core.MmioWindows | None = _core.MmioWindows() if NATIVE else None
+        self.windows: _core.MmioWindows | None = _core.MmioWindows() if CORE_BUILT else None
 
     def register(self, base: int, length: int, device: BusDevice) -> None:
         if length <= 0:

@@ -1,4 +1,4 @@
-"""The VMM's I/O thread: one selector loop for every device back end.
+"""The VMM's I/O thread: one loop for every device back end.
 
 vCPU threads handle register accesses (MMIO/PIO exits). Everything that waits
 on the host -- queue notifications arriving through ioeventfds, Unix sockets of
@@ -6,36 +6,30 @@ the vsock back end, timers -- is handled here, on one thread, so that device
 back ends need no locking among themselves. Work from other threads is handed
 over with ``call_soon`` (thread-safe; it wakes the loop through an eventfd).
 
-Two loops keep this one interface (``EventLoop``): ``SelectorEventLoop`` here, a
-``selectors`` loop on a Python thread (the ``VMFORK_NATIVE=0`` path and the reference),
-and ``NativeEventLoop``, an epoll loop on a native thread (``native/src/eventloop.rs``)
-that waits without the GIL and without a timeout when idle, and takes the GIL only to
-run a callback. ``new_event_loop`` picks one, by ``vmm.native.NATIVE`` (and
-``VMFORK_NATIVE_LOOP=0`` keeps the selector loop, see ``NATIVE_LOOP``). Both log and
-count what a callback raises the same way (``_call``, here).
+The loop is ``NativeEventLoop``, an epoll loop on a native thread
+(``native/src/eventloop.rs``) that waits without the GIL and without a timeout when
+idle, and takes the GIL only to run a callback; the devices' native servers
+(``add_native_reader``) run on it without the GIL at all. ``EventLoop`` is its
+interface, and logs and counts what a callback raises (``_call``). There is no Python
+loop: the selector loop that was its twin is deleted (design notes, "The last Python
+twins").
 """
 
 from __future__ import annotations
 
 import atexit
-import heapq
-import itertools
 import logging
 import os
-import selectors
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TypeAlias
 
-from vmfork.vmm.native import NATIVE
+from vmfork.vmm.native import CORE_BUILT, require_core
 
-try:  # also when NATIVE is off: the tests run both loops
+if CORE_BUILT:
     from vmfork import _core
-except ImportError:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +40,7 @@ NativeServer: TypeAlias = (
 
 
 class EventLoop:
-    """The interface both loops keep, and their shared error accounting."""
+    """The loop's interface, and its error accounting."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -90,98 +84,10 @@ class EventLoop:
             self.error_count += 1
 
 
-# The native loop wherever the core is in use; ``VMFORK_NATIVE_LOOP=0`` keeps the selector
-# loop (the reference, and what a leak or a hang is compared against).
-NATIVE_LOOP = NATIVE and os.environ.get("VMFORK_NATIVE_LOOP", "1") != "0"
-
-
 def new_event_loop(name: str = "vmm-io") -> EventLoop:
-    """The native loop where the core is in use (``NATIVE_LOOP``), else the selector loop."""
-    return NativeEventLoop(name) if NATIVE_LOOP else SelectorEventLoop(name)
-
-
-class SelectorEventLoop(EventLoop):
-    def __init__(self, name: str = "vmm-io") -> None:
-        super().__init__(name)
-        self._sel = selectors.DefaultSelector()
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._sel.register(self._wake_fd, selectors.EVENT_READ, self._drain_wake)
-        self._pending: deque[Callback] = deque()
-        self._timers: list[tuple[float, int, Callback]] = []
-        self._seq = itertools.count()
-        self._stopping = False
-        # Held to write the wake fd and to close it: once stopped, its number may be
-        # another file's, and a late call_soon must not write there.
-        self._wake_lock = threading.Lock()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    # -- registration (call from the loop thread, or through call_soon) ----------
-    def add_reader(self, fd: int, callback: Callback) -> None:
-        self._sel.register(fd, selectors.EVENT_READ, callback)
-
-    def remove_reader(self, fd: int) -> None:
-        try:
-            self._sel.unregister(fd)
-        except (KeyError, ValueError):
-            pass
-
-    def call_later(self, delay: float, callback: Callback) -> None:
-        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), callback))
-
-    # -- cross-thread ---------------------------------------------------------------
-    def call_soon(self, callback: Callback) -> None:
-        """Run ``callback`` on the loop thread (safe from any thread); after a stop it
-        is never run."""
-        with self._wake_lock:
-            if self._stopping:
-                return
-            self._pending.append(callback)
-            os.eventfd_write(self._wake_fd, 1)
-
-    def in_loop_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def _drain_wake(self) -> None:
-        try:
-            os.eventfd_read(self._wake_fd)
-        except BlockingIOError:
-            pass
-
-    # -- running ----------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
-
-    def stop(self) -> None:
-        with self._wake_lock:
-            if self._closed:
-                return
-            self._stopping = True
-            os.eventfd_write(self._wake_fd, 1)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        with self._wake_lock:
-            self._closed = True
-            self._sel.close()
-            os.close(self._wake_fd)
-
-    def _run(self) -> None:
-        while not self._stopping:
-            timeout = None
-            if self._timers:
-                timeout = max(0.0, self._timers[0][0] - time.monotonic())
-            for key, _ in self._sel.select(timeout):
-                self._call(key.data)
-            while self._pending:
-                self._call(self._pending.popleft())
-            now = time.monotonic()
-            while self._timers and self._timers[0][0] <= now:
-                self._call(heapq.heappop(self._timers)[2])
+    """The VMM's I/O loop (``CoreMissing`` where the native core is not built)."""
+    require_core()
+    return NativeEventLoop(name)
 
 
 # Native loops still running when the interpreter exits are stopped first: a native
@@ -260,9 +166,9 @@ class NativeEventLoop(EventLoop):
             return
         self._stopped = True
         if self.running and not self.in_loop_thread():
-            # As the selector loop does, what was queued before the stop still runs: a
-            # machine's close queues the closing of each transport's ioeventfds here
-            # (``mmio.loop_call``), and the native stop drops what is still queued.
+            # What was queued before the stop still runs: a machine's close queues the
+            # closing of each transport's ioeventfds here (``mmio.loop_call``), and the
+            # native stop drops what is still queued.
             drained = threading.Event()
             self._native.call_soon(drained.set)
             if not drained.wait(5.0):

@@ -30,10 +30,10 @@ from vmfork.ondisk import memplan
 from vmfork.ondisk.layerfile import PAGE_SIZE as PAGE_SIZE  # guest RAM's, and its files'
 from vmfork.ondisk.memplan import MemoryPlan
 from vmfork.vmm.errors import GuestMemoryError, HostError
-from vmfork.vmm.native import NATIVE
+from vmfork.vmm.native import CORE_BUILT
 from vmfork.vmm.openfiles import open_ro
 
-if NATIVE:
+if CORE_BUILT:
     from vmfork import _core
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class GuestMemory:
         # there); it forgets them in close(), before they are unmapped.
         self.native: _core.GuestRam | None = (
             _core.GuestRam([(r.guest_phys, r.size, r.host_addr) for r in self.regions])
-            if NATIVE else None)
+            if CORE_BUILT else None)
 
     @property
     def overlays(self) -> tuple[Overlay, ...]:

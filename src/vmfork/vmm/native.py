@@ -1,21 +1,16 @@
-"""Whether the native core (``vmfork._core``) is here, and whether the VMM uses its
-device paths; decided once.
+"""Whether the native core (``vmfork._core``) is here; decided once.
 
 The core is built by the set-up (scripts/lib.sh ``setup_native``) or by ``pip
 install .``, not by importing: a source checkout that was never set up has none.
-The vCPU loop, the console and the request paths of rng, the balloon, blk, net and
-vsock have no Python twin any more, so a machine cannot run without it
-(``require_core``), and those devices refuse guest memory without its native view
-(vsock refuses a loop that is not the native one). The pieces that still have one
-(the virtqueue walk, the register file, the I/O loop) take it where ``VMFORK_NATIVE=0``
-says so (to rule the core's paths out while chasing a bug); it is read once, when the
-VMM's modules are imported. One module decides, so that guest memory, the virtqueues
-and the restore never disagree about it.
+The vCPU loop, the console, the virtqueue walk, the virtio-mmio register file, the
+I/O loop and the request paths of rng, the balloon, blk, net and vsock have no Python
+twin, so a machine cannot run without it (``require_core``), and those devices refuse
+guest memory without its native view. There is no switch to turn the core off: the
+modules only ask whether it imported, so that one without it can still be imported
+and report what is missing (``vmfork doctor``).
 """
 
 from __future__ import annotations
-
-import os
 
 from vmfork.vmm.errors import HostError
 
@@ -24,7 +19,6 @@ try:
     CORE_BUILT = True
 except ImportError:
     CORE_BUILT = False
-NATIVE = CORE_BUILT and os.environ.get("VMFORK_NATIVE", "1") != "0"
 
 
 class CoreMissing(HostError):

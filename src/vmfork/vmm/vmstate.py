@@ -62,12 +62,12 @@ from vmfork.vmm.devices.manager import DeviceKind, DeviceState
 from vmfork.vmm.devices.virtio.vsock import DEFAULT_GUEST_CID
 from vmfork.vmm.errors import HostError
 
-# Where the core is not built (or VMFORK_NATIVE=0, see vmm.native) the restore runs
-# in Python; that fallback is the only reason the Python path below is kept; the state
-# formats and their preparation stay Python's either way.
-NATIVE = _native.NATIVE  # read here by machine, tests and bench
+# Where the core is not built the restore runs in Python; that fallback is the only
+# reason the Python path below is kept; the state formats and their preparation stay
+# Python's either way.
+NATIVE = _native.CORE_BUILT  # read here by tests and bench
 
-try:  # also when NATIVE is off: tests compare the two paths in one process
+try:  # the tests compare the two paths in one process
     from vmfork import _core
 except ImportError:
     pass

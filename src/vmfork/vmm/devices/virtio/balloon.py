@@ -50,7 +50,7 @@ it through ``queue_notify``); it owns the ring indices until reset (``sync_queue
 copies them back for a snapshot) and the counters of its activation. This class owns
 it: config space, the holds of a capture, the counters of earlier activations, state.
 A driver that leaves a queue not ready (Linux readies all three) gets none served. A
-transport that cannot hand its queues over (the Python register file or loop, no
+transport that cannot hand its queues over (a loop that is not the native one, no
 irqfd) has no balloon: the activation fails as a host error.
 """
 

@@ -446,8 +446,8 @@ class VirtioBlk(VirtioDevice):
         left)."""
         if memory.native is None:
             raise HostError("virtio-blk is served only natively, and this guest memory has "
-                            "no native view (VMFORK_NATIVE=0?)", op="blk serve")
-        if not queue.ready:   # as Virtqueue.pop says it
+                            "no native view (is the native core built?)", op="blk serve")
+        if not queue.ready:  # the driver never enabled it: no rings to walk
             raise VirtqueueError("pop from a queue that is not ready")
         (queue.next_avail, queue.next_used, served, _moved, more, counters, warnings,
          error) = memory.native.serve_blk(

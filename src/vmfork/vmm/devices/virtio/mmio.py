@@ -5,13 +5,12 @@ and fronts one ``VirtioDevice``. Register accesses arrive on vCPU threads; all
 device work runs on the I/O thread (``EventLoop``).
 
 The register file is an object of its own with one lock, which both sides touch
-(the I/O thread sets interrupt bits and DEVICE_NEEDS_RESET): ``PyRegisters`` below,
-or its native twin ``_core.MmioRegisters`` (``native/src/mmio.rs``) when the core is
-built and ``VMFORK_NATIVE`` is not 0. It applies every rule listed here and hands
-back *events* for what needs the device model (reset, acked features, activation,
-a notification, a needs-reset to signal, a config write to a device whose config is
-not plain bytes); the transport acts on them with the register lock released. With
-the native one, the native vCPU loop serves a register access without the GIL
+(the I/O thread sets interrupt bits and DEVICE_NEEDS_RESET): ``_core.MmioRegisters``
+(``native/src/mmio.rs``; it has no Python twin). It applies every rule listed here
+and hands back *events* for what needs the device model (reset, acked features,
+activation, a notification, a needs-reset to signal, a config write to a device
+whose config is not plain bytes); the transport acts on them with the register lock
+released. The native vCPU loop serves a register access without the GIL
 (``Bus.register`` puts the file into the bus's ``_core.MmioWindows``) and calls
 ``apply_events`` (or ``read``, for a config read the device answers) only when there
 are any: an idle guest's interrupt handling (InterruptStatus, InterruptACK) never
@@ -78,27 +77,19 @@ from functools import partial
 from typing import Protocol
 
 from vmfork.vmm.devices.virtio.device import (
-    STATUS_ACKNOWLEDGE,
-    STATUS_DEVICE_NEEDS_RESET,
-    STATUS_DRIVER,
-    STATUS_DRIVER_OK,
-    STATUS_FAILED,
     STATUS_FEATURES_OK,
-    VIRTIO_F_VERSION_1,
     VirtioDevice,
     run_on_loop,
 )
-from vmfork.vmm.devices.virtio.queue import MAX_QUEUE_SIZE, QueueState, Virtqueue
+from vmfork.vmm.devices.virtio.queue import QueueState, Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, NativeServer
 from vmfork.vmm.irq import Interrupt, IrqLine
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.native import NATIVE
+from vmfork.vmm.native import CORE_BUILT, require_core
 
-try:  # also when NATIVE is off: the tests hold the two register files to each other
+if CORE_BUILT:
     from vmfork import _core
-except ImportError:
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -136,23 +127,14 @@ CONFIG_SPACE = 0x100
 INT_USED_BUFFER = 0x1
 INT_CONFIG_CHANGE = 0x2
 
-_DRIVER_STATUS_BITS = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK
-# Each step's bit may be set only once the bits before it are.
-_STATUS_ORDER = (STATUS_ACKNOWLEDGE, STATUS_DRIVER, STATUS_FEATURES_OK, STATUS_DRIVER_OK)
-
 RegisterIoeventfd = Callable[[int, int, int], None]
 
 
 # Events a register write causes, for the transport to act on once the register lock is
-# released: (kind, number, number, detail). Both register files return the same ones.
+# released: (kind, number, number, detail).
 Event = tuple[str, int, int, "str | bytes"]
 # One queue's registers: (max_size, size, ready, desc, avail, used).
 QueueRegs = tuple[int, int, bool, int, int, int]
-# The saved registers: status, device_features_sel, driver_features_sel, driver_features,
-# driver_features_bad, queue_sel, interrupt_status, config_generation, queues.
-SavedRegs = tuple[int, int, int, int, bool, int, int, int, list[QueueRegs]]
-
-MAX_QUEUES = 64  # a register file's bound (ours have at most 3 queues)
 
 
 @dataclass
@@ -169,347 +151,6 @@ class MmioTransportState:
     interrupt_status: int
     config_generation: int
     queues: list[QueueState] = field(default_factory=list)
-
-
-@dataclass
-class _Queue:
-    max_size: int
-    size: int
-    ready: bool = False
-    desc: int = 0
-    avail: int = 0
-    used: int = 0
-
-    def regs(self) -> QueueRegs:
-        return (self.max_size, self.size, self.ready, self.desc, self.avail, self.used)
-
-
-class PyRegisters:
-    """The register file in Python: the ``VMFORK_NATIVE=0`` path, and the reference
-    the native one (``_core.MmioRegisters``, ``native/src/mmio.rs``) is held to by
-    tests/unit/test_virtio_mmio_native.py. Same methods, same results, same events.
-
-    It knows nothing of the device model; its lock guards only the registers and is
-    never held while the transport calls the device or the loop.
-    """
-
-    def __init__(self, device_type: int, features: int, max_sizes: list[int],
-                 config: bytes | None = None) -> None:
-        if len(max_sizes) > MAX_QUEUES:
-            raise ValueError(f"{len(max_sizes)} queues, at most {MAX_QUEUES}")
-        for m in max_sizes:
-            if not Virtqueue.size_is_valid(m, MAX_QUEUE_SIZE):
-                raise ValueError(f"queue max size {m} is not a power of 2 in 1..{MAX_QUEUE_SIZE}")
-        self._lock = threading.Lock()
-        self.device_type = device_type
-        self.features = features
-        self._max_sizes = list(max_sizes)
-        self._config = config
-        self.epoch = 0
-        self.ignored_writes = 0
-        self.bad_accesses = 0
-        self.device_errors = 0
-        self.last_device_error: str | None = None
-        self._reset_registers()
-
-    def _reset_registers(self) -> None:
-        self.status = 0
-        self.device_features_sel = 0
-        self.driver_features_sel = 0
-        self.driver_features = 0
-        self.driver_features_bad = False
-        self.queue_sel = 0
-        self.interrupt_status = 0
-        self.config_generation = 0
-        self._queues = [_Queue(m, m) for m in self._max_sizes]
-
-    # -- guest accesses -----------------------------------------------------------------------
-    def read(self, offset: int, size: int) -> bytes | None:
-        """The bytes a guest read gets, or None for a config read the device answers."""
-        with self._lock:
-            if offset >= CONFIG_SPACE:
-                if size not in (1, 2, 4, 8) or offset + size > MMIO_WINDOW_SIZE:
-                    self.bad_accesses += 1
-                    return bytes(size)
-                if self._config is None:
-                    return None
-                start = offset - CONFIG_SPACE
-                return (self._config[start:start + size] + bytes(size))[:size]
-            if size != 4 or offset % 4:
-                self.bad_accesses += 1
-                return bytes(size)
-            return self._read_register(offset).to_bytes(4, "little")
-
-    def write(self, offset: int, data: bytes) -> list[Event]:
-        """Apply a guest write; the events it caused, in order."""
-        events: list[Event] = []
-        size = len(data)
-        with self._lock:
-            if offset >= CONFIG_SPACE:
-                if size not in (1, 2, 4, 8) or offset + size > MMIO_WINDOW_SIZE:
-                    self.bad_accesses += 1
-                elif self._config is None:
-                    events.append(("config_write", offset - CONFIG_SPACE, 0, bytes(data)))
-                # else: plain config is read-only for every device we have; dropped
-                return events
-            if size != 4 or offset % 4:
-                self.bad_accesses += 1
-                return events
-            value = int.from_bytes(data, "little")
-            if offset == REG_STATUS and value == 0:
-                self.epoch += 1
-                self._reset_registers()
-                events.append(("reset", 0, 0, ""))
-                return events
-            self._write_register(offset, value, events)
-        return events
-
-    def _selected_queue(self) -> _Queue | None:
-        if self.queue_sel < len(self._queues):
-            return self._queues[self.queue_sel]
-        return None
-
-    def _read_register(self, offset: int) -> int:
-        q = self._selected_queue()
-        if offset == REG_MAGIC:
-            return MAGIC
-        if offset == REG_VERSION:
-            return VERSION
-        if offset == REG_DEVICE_ID:
-            return self.device_type
-        if offset == REG_VENDOR_ID:
-            return VENDOR_ID
-        if offset == REG_DEVICE_FEATURES:
-            if self.device_features_sel > 1:
-                return 0
-            return (self.features >> (32 * self.device_features_sel)) & 0xFFFF_FFFF
-        if offset == REG_QUEUE_NUM_MAX:
-            return q.max_size if q is not None else 0
-        if offset == REG_QUEUE_READY:
-            return int(q.ready) if q is not None else 0
-        if offset == REG_INTERRUPT_STATUS:
-            return self.interrupt_status
-        if offset == REG_STATUS:
-            return self.status
-        if offset == REG_CONFIG_GENERATION:
-            return self.config_generation
-        return 0
-
-    def _ignore(self, what: str) -> None:
-        self.ignored_writes += 1
-        log.debug("ignored virtio-mmio write: %s", what)
-
-    def _write_register(self, offset: int, value: int, events: list[Event]) -> None:
-        if offset == REG_DEVICE_FEATURES_SEL:
-            self.device_features_sel = value
-        elif offset == REG_DRIVER_FEATURES_SEL:
-            self.driver_features_sel = value
-        elif offset == REG_DRIVER_FEATURES:
-            self._write_driver_features(value)
-        elif offset == REG_QUEUE_SEL:
-            self.queue_sel = value
-        elif offset == REG_QUEUE_NOTIFY:
-            self._write_queue_notify(value, events)
-        elif offset == REG_INTERRUPT_ACK:
-            self.interrupt_status &= ~value
-        elif offset == REG_STATUS:
-            self._write_status(value, events)
-        elif offset in (REG_QUEUE_NUM, REG_QUEUE_READY, REG_QUEUE_DESC_LOW,
-                        REG_QUEUE_DESC_HIGH, REG_QUEUE_DRIVER_LOW, REG_QUEUE_DRIVER_HIGH,
-                        REG_QUEUE_DEVICE_LOW, REG_QUEUE_DEVICE_HIGH):
-            self._write_queue_register(offset, value, events)
-        else:
-            self._ignore(f"offset {offset:#x} is not a writable register")
-
-    def _write_driver_features(self, value: int) -> None:
-        if not self.status & STATUS_DRIVER or self.status & STATUS_FEATURES_OK:
-            self._ignore("DriverFeatures outside feature negotiation")
-            return
-        if self.driver_features_sel > 1:
-            if value:
-                self.driver_features_bad = True
-            return
-        shift = 32 * self.driver_features_sel
-        self.driver_features = ((self.driver_features & ~(0xFFFF_FFFF << shift))
-                                | (value << shift))
-
-    def _write_status(self, value: int, events: list[Event]) -> None:
-        current = self.status & _DRIVER_STATUS_BITS
-        wanted = value & _DRIVER_STATUS_BITS
-        if value & STATUS_FAILED:
-            self.status |= STATUS_FAILED
-        if wanted == current:
-            return
-        if current & ~wanted:
-            self._ignore(f"status {value:#x} would clear bits of {self.status:#x}")
-            return
-        for bit in _STATUS_ORDER:
-            if wanted & bit and not current & bit:
-                previous = _STATUS_ORDER[:_STATUS_ORDER.index(bit)]
-                if any(not wanted & b for b in previous):
-                    self._ignore(f"status {value:#x} skips a step before {bit:#x}")
-                    return
-        if wanted & STATUS_FEATURES_OK and not current & STATUS_FEATURES_OK:
-            refused = self._features_refusal()
-            if refused:
-                events.append(("features_refused", 0, 0, refused))
-                wanted &= ~(STATUS_FEATURES_OK | STATUS_DRIVER_OK)
-            else:
-                events.append(("features_ok", self.driver_features, 0, ""))
-        self.status = (self.status & ~_DRIVER_STATUS_BITS) | wanted
-        if (wanted & STATUS_DRIVER_OK and not current & STATUS_DRIVER_OK
-                and not self.status & STATUS_DEVICE_NEEDS_RESET):
-            events.append(("activate", self.epoch, 0, ""))
-
-    def _features_refusal(self) -> str | None:
-        unoffered = self.driver_features & ~self.features
-        if unoffered or self.driver_features_bad:
-            return f"driver accepted feature bits never offered ({unoffered:#x})"
-        if not self.driver_features & VIRTIO_F_VERSION_1:
-            return "driver did not accept VIRTIO_F_VERSION_1 (legacy is not supported)"
-        return None
-
-    def _write_queue_register(self, offset: int, value: int, events: list[Event]) -> None:
-        q = self._selected_queue()
-        if q is None:
-            self._ignore(f"queue register {offset:#x} for missing queue {self.queue_sel}")
-            return
-        if self.status & STATUS_DRIVER_OK or not self.status & STATUS_DRIVER:
-            self._ignore(f"queue register {offset:#x} outside queue setup "
-                         f"(status {self.status:#x})")
-            return
-        if offset == REG_QUEUE_READY:
-            if value in (0, 1):
-                q.ready = bool(value)
-            else:
-                self._ignore(f"QueueReady value {value}")
-            return
-        if q.ready:
-            self._ignore(f"queue register {offset:#x} while queue {self.queue_sel} is ready")
-            return
-        if offset == REG_QUEUE_NUM:
-            if not Virtqueue.size_is_valid(value, q.max_size):
-                self._set_needs_reset(f"queue {self.queue_sel} size {value} is not a power "
-                                      f"of 2 in 1..{q.max_size}", events)
-                return
-            q.size = value
-            return
-        low = 0xFFFF_FFFF
-        high = low << 32
-        if offset == REG_QUEUE_DESC_LOW:
-            q.desc = (q.desc & high) | value
-        elif offset == REG_QUEUE_DESC_HIGH:
-            q.desc = (q.desc & low) | (value << 32)
-        elif offset == REG_QUEUE_DRIVER_LOW:
-            q.avail = (q.avail & high) | value
-        elif offset == REG_QUEUE_DRIVER_HIGH:
-            q.avail = (q.avail & low) | (value << 32)
-        elif offset == REG_QUEUE_DEVICE_LOW:
-            q.used = (q.used & high) | value
-        elif offset == REG_QUEUE_DEVICE_HIGH:
-            q.used = (q.used & low) | (value << 32)
-
-    def _write_queue_notify(self, index: int, events: list[Event]) -> None:
-        if index >= len(self._queues):
-            self._ignore(f"QueueNotify for missing queue {index}")
-            return
-        if not self._running():
-            self._ignore(f"QueueNotify {index} while the device is not running")
-            return
-        events.append(("notify", index, self.epoch, ""))
-
-    def _running(self) -> bool:
-        return bool(self.status & STATUS_DRIVER_OK
-                    and not self.status & STATUS_DEVICE_NEEDS_RESET)
-
-    def _set_needs_reset(self, reason: str, events: list[Event]) -> None:
-        self.device_errors += 1
-        self.last_device_error = reason
-        self.status |= STATUS_DEVICE_NEEDS_RESET
-        self.interrupt_status |= INT_CONFIG_CHANGE
-        events.append(("needs_reset", 0, 0, reason))
-
-    # -- the device side ----------------------------------------------------------------------
-    def raise_interrupt(self, bits: int, epoch: int) -> bool:
-        """Set interrupt bits for a device of ``epoch``; True if it is to be raised."""
-        with self._lock:
-            if epoch != self.epoch:
-                return False
-            self.interrupt_status |= bits
-            return True
-
-    def failed_in(self, epoch: int) -> bool:
-        with self._lock:
-            return epoch != self.epoch or bool(self.status & STATUS_DEVICE_NEEDS_RESET)
-
-    def device_error(self, reason: str, epoch: int) -> bool:
-        """True if this newly set DEVICE_NEEDS_RESET (the interrupt is to be raised)."""
-        with self._lock:
-            if epoch != self.epoch or self.status & STATUS_DEVICE_NEEDS_RESET:
-                return False
-            self._set_needs_reset(reason, [])
-            return True
-
-    def config_changed(self, config: bytes | None = None) -> bool:
-        """A new generation (and config bytes); True if the driver runs and so gets
-        the configuration-change interrupt."""
-        with self._lock:
-            self._config = config
-            self.config_generation = (self.config_generation + 1) & 0xFFFF_FFFF
-            if not self._running():
-                return False
-            self.interrupt_status |= INT_CONFIG_CHANGE
-            return True
-
-    def set_config(self, config: bytes | None = None) -> None:
-        with self._lock:
-            self._config = config
-
-    def running_epoch(self) -> int | None:
-        with self._lock:
-            return self.epoch if self._running() else None
-
-    def activation(self, epoch: int) -> list[QueueRegs] | None:
-        """The queues to activate for ``epoch``; None if stale or the device is broken."""
-        with self._lock:
-            if epoch != self.epoch or self.status & STATUS_DEVICE_NEEDS_RESET:
-                return None
-            return [q.regs() for q in self._queues]
-
-    def queues(self) -> list[QueueRegs]:
-        with self._lock:
-            return [q.regs() for q in self._queues]
-
-    def save(self) -> SavedRegs:
-        with self._lock:
-            return (self.status, self.device_features_sel, self.driver_features_sel,
-                    self.driver_features, self.driver_features_bad, self.queue_sel,
-                    self.interrupt_status, self.config_generation,
-                    [q.regs() for q in self._queues])
-
-    def restore(self, saved: SavedRegs) -> tuple[int, bool]:
-        """Load ``save()``'s tuple (a new epoch); returns (epoch, live)."""
-        (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved
-        if len(queues) != len(self._max_sizes):
-            raise ValueError(f"state has {len(queues)} queues, device has "
-                             f"{len(self._max_sizes)}")
-        for q, m in zip(queues, self._max_sizes):
-            if q[0] != m:
-                raise ValueError(f"queue state has max size {q[0]}, this queue {m}")
-        with self._lock:
-            self.epoch += 1
-            self._reset_registers()
-            self.status = status
-            self.device_features_sel = dfs
-            self.driver_features_sel = drfs
-            self.driver_features = df
-            self.driver_features_bad = bad
-            self.queue_sel = qsel
-            self.interrupt_status = isr
-            self.config_generation = cg
-            self._queues = [_Queue(*q) for q in queues]
-            return self.epoch, self._running()
-
 
 
 class _Signals:
@@ -534,7 +175,8 @@ class _Signals:
 
     def native_queue(self, index: int) -> NativeQueue | None:
         """What serving queue ``index`` natively on the loop needs, or None where that
-        is not possible (the Python loop or register file, no irqfd)."""
+        is not possible (no irqfd, or a loop that is not the native one: a unit test's
+        stand-in)."""
         return self._transport._native_queue(index, self._epoch)
 
 
@@ -566,17 +208,15 @@ class NativeQueue:
 class MmioTransport:
     """A virtio-mmio v2 register window in front of one device.
 
-    The register file is ``registers``: native (``_core.MmioRegisters``) when the core
-    is built and ``VMFORK_NATIVE`` is not 0 (``native`` overrides), else
-    ``PyRegisters``. With the native one, ``Bus.register`` also hands it to the bus's
-    ``MmioWindows``, so the native vCPU loop serves the guest's register accesses
-    without Python and calls ``read`` (a config read the device answers) or
-    ``apply_events`` only for what needs the device model.
+    The register file is ``registers`` (``_core.MmioRegisters``). ``Bus.register`` also
+    hands it to the bus's ``MmioWindows``, so the native vCPU loop serves the guest's
+    register accesses without Python and calls ``read`` (a config read the device
+    answers) or ``apply_events`` only for what needs the device model.
     """
 
     def __init__(self, device: VirtioDevice, memory: GuestMemory, interrupt: Interrupt,
                  loop: EventLoop, register_ioeventfd: RegisterIoeventfd | None = None,
-                 name: str | None = None, native: bool | None = None) -> None:
+                 name: str | None = None) -> None:
         self.device = device
         self.memory = memory
         self.irq = interrupt
@@ -584,11 +224,9 @@ class MmioTransport:
         self.name = name or f"virtio-mmio({type(device).__name__})"
         self._plain_config = (type(device).read_config is VirtioDevice.read_config
                               and type(device).write_config is VirtioDevice.write_config)
-        self.native = NATIVE if native is None else native
-        args = (device.device_type, device.features, list(device.queue_max_sizes),
-                self._config())
-        self.registers: PyRegisters | _core.MmioRegisters = (
-            _core.MmioRegisters(*args) if self.native else PyRegisters(*args))
+        require_core()
+        self.registers = _core.MmioRegisters(device.device_type, device.features,
+                                             list(device.queue_max_sizes), self._config())
         # The device's view of the queues: their registers are copied in from
         # ``registers`` (frozen from DRIVER_OK on), their ring indices are the device's.
         # Replaced by fresh ones at a reset, so a device's old references are detached.
@@ -606,9 +244,9 @@ class MmioTransport:
         return self.device.config_bytes() if self._plain_config else None
 
     @property
-    def native_registers(self) -> _core.MmioRegisters | None:
-        """What the bus's native windows serve (None with the Python register file)."""
-        return None if isinstance(self.registers, PyRegisters) else self.registers
+    def native_registers(self) -> _core.MmioRegisters:
+        """What the bus's native windows serve."""
+        return self.registers
 
     def _setup_ioeventfds(self, register: RegisterIoeventfd) -> None:
         try:
@@ -638,10 +276,9 @@ class MmioTransport:
         return True
 
     def _native_queue(self, index: int, epoch: int) -> NativeQueue | None:
-        registers = self.native_registers
+        registers = self.registers
         irq_fd = getattr(self.irq, "fd", None)
-        if (registers is None or not isinstance(self.loop, NativeEventLoop)
-                or not isinstance(irq_fd, int) or irq_fd < 0):
+        if not isinstance(self.loop, NativeEventLoop) or not isinstance(irq_fd, int) or irq_fd < 0:
             return None
         loop = self.loop
         notify_fd = self._ioeventfds[index] if index < len(self._ioeventfds) else None

@@ -41,7 +41,7 @@ rx queue while the tap is read, and raises at most one interrupt for both, and o
 if the driver wants one (``Virtqueue.needs_interrupt``). We offer
 VIRTIO_RING_F_EVENT_IDX, which Linux takes: the driver then says in ``used_event``
 which used index it wants an interrupt at, and the device, finding a ring empty, says
-in ``avail_event`` that it wants a kick at the next chain and not before (queue.py,
+in ``avail_event`` that it wants a kick at the next chain and not before (virtq.rs,
 "Notification suppression"). Without it the avail ring's NO_INTERRUPT flag is
 honoured. The device is the only one offering the feature: only its paths ask before
 they interrupt. Serving both queues per wake matters as much: a fast device
@@ -121,7 +121,7 @@ F_GUEST_ECN = 1 << 9
 F_HOST_TSO4 = 1 << 11
 F_HOST_TSO6 = 1 << 12
 F_HOST_ECN = 1 << 13
-# Interrupt and kick moderation (queue.py, "Notification suppression"); only this
+# Interrupt and kick moderation (virtq.rs, "Notification suppression"); only this
 # device offers it, as only its paths (net.rs, net_serve.rs, this file) ask
 # ``needs_interrupt`` before they interrupt.
 F_EVENT_IDX = VIRTIO_RING_F_EVENT_IDX
@@ -423,7 +423,7 @@ class VirtioNet(VirtioDevice):
         memory, txq, rxq = self.memory, self.queues[TX_QUEUE], self.queues[RX_QUEUE]
         if memory.native is None:
             raise HostError("virtio-net is served only natively, and this guest memory has "
-                            "no native view (VMFORK_NATIVE=0?)", op="net wake")
+                            "no native view (is the native core built?)", op="net wake")
         tx_old, rx_old = txq.next_used, rxq.next_used
         sent = self._transmit_native(memory, txq)
         if self._reading and self.tap_fd is not None:
@@ -444,7 +444,7 @@ class VirtioNet(VirtioDevice):
         checks and one writev per frame straight from guest RAM; the counters, the log
         and the queue indices come back here. The number put on the used ring."""
         assert memory.native is not None
-        if not queue.ready:   # as Virtqueue.pop says it
+        if not queue.ready:  # the driver never enabled it: no rings to walk
             raise VirtqueueError("pop from a queue that is not ready")
         queue.next_avail, queue.next_used, sent, counters, refused, error = memory.native.net_tx(
             queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,
@@ -494,7 +494,7 @@ class VirtioNet(VirtioDevice):
         whole is dropped), num_buffers, the used ring; the counters, why it stopped and
         the queue indices come back here. The number of frames delivered."""
         assert memory.native is not None
-        if not queue.ready:   # as Virtqueue.pop says it
+        if not queue.ready:  # the driver never enabled it: no rings to walk
             raise VirtqueueError("pop from a queue that is not ready")
         queue.next_avail, queue.next_used, delivered, counters, stop, error = \
             memory.native.net_rx(queue.size, queue.desc_table, queue.avail_ring,

@@ -8,12 +8,12 @@ never makes us allocate more than that. Work per notification is bounded by
 up on a later loop turn rather than starving the other devices.
 
 One implementation, native (``native/src/rng_serve.rs``); Python only owns it. Where
-the transport can (the native loop and register file, an irqfd), the queue is handed
+the transport can (the native loop, an irqfd), the queue is handed
 at activation to a ``_core.RngQueue`` that the native loop serves on the queue's
 ioeventfd without ever taking the GIL; it owns the ring indices until reset, and
 ``sync_queues`` copies them back for a snapshot. Where the transport cannot (no
-ioeventfd or irqfd to hand over: the unit tests' bare transports, the Python register
-file), the same walk is entered per notification, ``GuestRam.serve_rng``. There is no
+ioeventfd or irqfd to hand over: the unit tests' bare transports, ``native_serve``
+False), the same walk is entered per notification, ``GuestRam.serve_rng``. There is no
 walk in Python any more: guest memory without its native view cannot be served.
 """
 
@@ -133,8 +133,8 @@ class VirtioRng(VirtioDevice):
         memory, queue = self.memory, self.queues[0]
         if memory.native is None:
             raise HostError("virtio-rng is served only natively, and this guest memory has "
-                            "no native view (VMFORK_NATIVE=0?)", op="rng serve")
-        if not queue.ready:  # as Virtqueue.pop says it
+                            "no native view (is the native core built?)", op="rng serve")
+        if not queue.ready:  # the driver never enabled it: no rings to walk
             raise VirtqueueError("pop from a queue that is not ready")
         queue.next_avail, queue.next_used, served, written = memory.native.serve_rng(
             queue.size, queue.desc_table, queue.avail_ring, queue.used_ring,

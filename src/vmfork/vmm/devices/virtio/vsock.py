@@ -7,8 +7,8 @@ the listener and its CONNECT lines, the per-connection sockets, the timeouts, th
 transport-reset event and the hold, and the three queues. This class owns it: the
 listener's bind, config space (the guest CID), features, activation (the queues handed
 to the server) and reset, ``VsockState``'s save and restore, the counters and close.
-There is no Python twin (``VMFORK_NATIVE=0``, or a loop that is not the native one, is
-a host error here, as at rng, the balloon, blk and net).
+There is no Python twin (guest memory without its native view, or a loop that is not
+the native one, is a host error here, as at rng, the balloon, blk and net).
 
 Queues: rx (0, device -> guest packets), tx (1, guest -> device packets),
 event (2, device -> guest events). Config space: ``guest_cid`` as a u64.
@@ -78,7 +78,7 @@ from vmfork.vmm.devices.virtio.queue import Virtqueue
 from vmfork.vmm.errors import GuestError, HostError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.native import NATIVE
+from vmfork.vmm.native import CORE_BUILT
 
 try:
     from vmfork import _core
@@ -175,9 +175,9 @@ class VirtioVsock(VirtioDevice):
         super().__init__()
         if guest_cid <= HOST_CID or guest_cid >= _U32:
             raise ValueError(f"guest CID {guest_cid} must be in 3..2**32-2")
-        if not (NATIVE and isinstance(loop, NativeEventLoop)):
+        if not (CORE_BUILT and isinstance(loop, NativeEventLoop)):
             raise HostError("vsock is served only natively: it needs the native core and "
-                            "the native loop (unset VMFORK_NATIVE)", op="vsock")
+                            "the native loop", op="vsock")
         self.loop = loop
         self.uds_path = uds_path
         self.guest_cid = guest_cid
@@ -231,8 +231,8 @@ class VirtioVsock(VirtioDevice):
     def activate(self, memory: GuestMemory, queues: list[Virtqueue],
                  interrupt: VirtioInterrupt) -> None:
         """Hand the three queues to the server. A transport that cannot (no native view
-        of guest memory, the Python register file, no irqfd) fails the activation as a
-        host error: there is no other way to serve them."""
+        of guest memory, a loop that is not the native one, no irqfd) fails the
+        activation as a host error: there is no other way to serve them."""
         super().activate(memory, queues, interrupt)
         natives = [interrupt.native_queue(i) for i in range(3)]
         if memory.native is None or any(n is None for n in natives) or len(queues) != 3:
