@@ -53,7 +53,7 @@ const SYSTEM_EVENT_SHUTDOWN: u32 = 1;
 const SYSTEM_EVENT_RESET: u32 = 2;
 const SYSTEM_EVENT_CRASH: u32 = 3;
 
-/// The kick signal: `SIGRTMIN + 3` (the Python loop uses `SIGRTMIN + 2`).
+/// The kick signal: `SIGRTMIN + 3`, a real-time signal nothing else in the VMM uses.
 fn kick_signal() -> libc::c_int {
     libc::SIGRTMIN() + 3
 }
