@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from tests.unit.agent_support import Agent, running_agent
+from vmfork.agent import client
 from vmfork.agent import server as agent_server
 from vmfork.agent.client import (
     AgentProtocolError,
@@ -214,6 +215,18 @@ def test_beyond_tolerance_the_step_rides_the_same_connection(agent: Agent) -> No
     assert 0 < r.clock_step_ns < MAX_CLOCK_STEP_NS
     assert 0 <= r.clock_error_bound_ns
     assert abs(r.previous_ns - time.time_ns()) < 5_000_000_000
+
+
+def test_a_round_trip_too_long_to_split_is_bracketed_again_on_fresh_connections(
+        agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A guest just restored takes the request late and answers at once: half of such
+    # a round trip is no estimate of the transit, so no step rides the exchange and
+    # sync_clock brackets the clock again, as for an older agent.
+    monkeypatch.setattr(client, "CLOCK_EXCHANGE_MAX_BOUND_NS", 1)
+    counts = _count_ops(agent, "after_fork", "set_time")
+    r = agent.client.after_fork(os.urandom(64), clock_tolerance_ns=0)
+    assert counts == {"after_fork": 1, "set_time": 2}, "step_time(0), then the step"
+    assert r.clock_step_ns != 0 and 0 <= r.clock_error_bound_ns
 
 
 def _as_an_older_agent(agent: Agent) -> None:
