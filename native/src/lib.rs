@@ -233,6 +233,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;
     m.add_function(wrap_pyfunction!(child::die_with_parent, m)?)?;
+    m.add_function(wrap_pyfunction!(child::fork_single_threaded, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())
 }

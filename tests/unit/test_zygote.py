@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -216,6 +217,33 @@ def test_child_inherits_no_zygote_fd_and_fresh_signals(zygote: ZygoteProcess,
     # starts run at VMM_NICE, the zygote at the nice it was started with.
     assert report["nice"] == report["thread_nice"] == VMM_NICE
     assert os.getpriority(os.PRIO_PROCESS, zygote.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_a_child_runs_no_after_fork_hook_and_python_still_works(client: ZygoteClient,
+                                                                  tmp_path: Path) -> None:
+    # zygote_child.fork: a child skips CPython's after-fork work (each Python call of it
+    # a page copied), and threads, logging and signal handlers work in it all the same.
+    out = tmp_path / "after_fork.json"
+    child = client.spawn(E + "python_after_fork", {"out": str(out)}, vm_id=vid())
+    assert client.wait(child.vm_id).exit_code == 0
+    report = _read_json(out)
+    assert report["hooks_run"] == []
+    assert report["seen"] == ["SIGUSR1", "thread 0", "thread 1", "thread 2"]
+    assert report["logged"] == [f"logged from pid {report['pid']}"]
+    assert report["main"] is True
+
+
+def test_a_process_with_a_second_thread_is_not_forked_bare() -> None:
+    from vmfork import _core
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        with pytest.raises(RuntimeError, match="threads"):
+            _core.fork_single_threaded()
+    finally:
+        release.set()
+        thread.join()
 
 
 def test_the_vmm_nice_value_comes_from_the_zygotes_environment(tmp_path: Path) -> None:

@@ -20,6 +20,12 @@ from vmfork.runtime.zygote_child import current
 from vmfork.vmm.openfiles import open_device, open_ro
 
 
+_after_fork_hooks_run: list[int] = []
+# Registered in the zygote, which imports this module before it forks anything: a
+# child forked by ``os.fork()`` would run it, one forked by ``zygote_child.fork`` does not.
+os.register_at_fork(after_in_child=lambda: _after_fork_hooks_run.append(os.getpid()))
+
+
 def _write(args: dict[str, Any], data: object) -> None:
     out = Path(args["out"])
     tmp = out.with_suffix(".tmp")
@@ -29,7 +35,7 @@ def _write(args: dict[str, Any], data: object) -> None:
 
 ZYGOTE_ENTRIES = ("sleep", "exit_with", "raise_error", "segfault", "inspect", "fork_to_entry",
                   "allocate", "grandchild", "fill_run_dir", "jail_probe", "jail_forbidden",
-                  "listen_and_sleep", "jail_net_probe", "record_phase")
+                  "listen_and_sleep", "jail_net_probe", "record_phase", "python_after_fork")
 """Registered with the test zygotes only (``--entries-module test_zygote_entries``)."""
 
 
@@ -259,4 +265,31 @@ def record_phase(args: dict[str, Any]) -> int:
     from vmfork.runtime import memphases
     memphases.record("entry", args["run_dir"])
     time.sleep(3600)
+    return 0
+
+
+def python_after_fork(args: dict[str, Any]) -> int:
+    """Report what a child forked without CPython's after-fork work can still do: run
+    threads, log, install a signal handler (which needs the main thread)."""
+    import logging
+    seen: list[str] = []
+    threads = [threading.Thread(target=lambda i=i: seen.append(f"thread {i}")) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("python_after_fork")
+    logger.addHandler(Keep())
+    logger.warning("logged from pid %d", os.getpid())
+    signal.signal(signal.SIGUSR1, lambda *_: seen.append("SIGUSR1"))
+    signal.raise_signal(signal.SIGUSR1)
+    _write(args, {"hooks_run": _after_fork_hooks_run, "seen": sorted(seen), "logged": records,
+                  "main": threading.current_thread() is threading.main_thread(),
+                  "pid": os.getpid()})
     return 0

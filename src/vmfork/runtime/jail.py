@@ -378,10 +378,10 @@ class PidNamespaces:
 
     ``unshare(CLONE_NEWPID)`` moves only the caller's *next* children, and a second one
     is refused while the first is pending, so the zygote brackets each jailed
-    ``os.fork()`` with ``before_fork`` (a new namespace for the child to come) and
+    fork with ``before_fork`` (a new namespace for the child to come) and
     ``after_fork`` (``setns`` back to its own, so the next jailed fork gets a fresh
-    one and an unjailed fork none). A plain ``os.fork``: CPython's before- and
-    after-fork hooks run as for any child, no raw ``clone``. What a namespace's first
+    one and an unjailed fork none). A plain ``fork()`` (``zygote_child.fork``), no raw
+    ``clone``. What a namespace's first
     process changes (``zygote_child``): ``getppid()`` is 0 (the zygote is outside), and
     the kernel delivers it only the signals it has a handler for, besides SIGKILL and
     SIGSTOP from the zygote's namespace."""

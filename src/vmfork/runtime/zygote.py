@@ -14,7 +14,11 @@ the import lock, a logging handler's lock), so the zygote must never have a
 second thread: not its own, not one started by a preloaded module or a C
 extension. The count of ``/proc/self/task`` entries (which sees native threads
 too, unlike ``threading``) is asserted to be 1 before every fork batch; a zygote
-that grew a thread refuses to fork rather than produce children that hang.
+that grew a thread refuses to fork rather than produce children that hang. Since
+there is nothing for CPython to repair after such a fork, the zygote forks without
+CPython's after-fork work (``zygote_child.fork``, which checks the count again at
+every fork): the child runs none of the ~53 Python-level after-fork calls, each a
+page it would have copied.
 Everything is therefore one ``selectors`` loop: the listening socket, client
 connections, one pidfd per child, and a signal wakeup socket.
 
@@ -111,7 +115,13 @@ from vmfork.runtime.jail import (
     python_paths,
 )
 from vmfork.runtime.volumes import VolumeError, volume_image_path
-from vmfork.runtime.zygote_child import Entry, die_with_parent, run_child, set_sigmask
+from vmfork.runtime.zygote_child import (
+    Entry,
+    die_with_parent,
+    run_child,
+    set_sigmask,
+)
+from vmfork.runtime.zygote_child import fork as fork_child
 from vmfork.runtime.zygote_child import plan as plan_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
@@ -731,7 +741,7 @@ class Zygote:
                 pidns.before_fork()
             try:
                 forked_ns = time.monotonic_ns()
-                pid = os.fork()
+                pid = fork_child()
                 if pid == 0:
                     run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
                               entry=entry, args=prep.args, cgroup=prep.cgroup,

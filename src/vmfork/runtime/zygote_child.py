@@ -1,5 +1,10 @@
 """What a forked child does between ``fork()`` and its entry function.
 
+The zygote forks through ``fork`` (``_core.fork_single_threaded``), so the child
+starts without CPython's after-fork work: no ``os.register_at_fork`` hook runs in it,
+and the module-level ``random`` generator is the zygote's (nothing in a VMM draws from
+it; its secrets come from ``os.urandom``).
+
 The steps run natively (``native/src/child.rs``, whose doc comment gives each one's
 reason), from a ``_core.ChildPlan`` the zygote built for this spawn before the fork
 (``plan``), so that the child touches no Python object of the zygote's on its way to
@@ -137,6 +142,16 @@ def die_with_parent(parent_pid: int) -> bool:
     from vmfork import _core
     alive: bool = _core.die_with_parent(parent_pid)
     return alive
+
+
+def fork() -> int:
+    """``fork()`` for the zygote, without CPython's after-fork work in the child
+    (``_core.fork_single_threaded``: why it is sound for a one-thread zygote, what the
+    child does without it, and the check at every fork): 0 in the child, its pid in
+    the zygote. ``RuntimeError`` if the process has another thread."""
+    from vmfork import _core
+    pid: int = _core.fork_single_threaded()
+    return pid
 
 
 def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,

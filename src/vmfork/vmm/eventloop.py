@@ -103,7 +103,9 @@ def _stop_native_loops() -> None:
 
 def _forget_native_loops() -> None:
     """In a forked child: the loops' threads are the parent's and do not exist here, so
-    the child's copies are neither running nor to be joined."""
+    the child's copies are neither running nor to be joined. (A zygote's children do
+    not run it, ``zygote_child.fork``: a zygote forks with one thread, so with no loop
+    running, and a stopped loop is not stopped again.)"""
     for loop in list(_native_loops):
         loop._forked = True
     _native_loops.clear()
