@@ -8,6 +8,7 @@ returns the child's exit status. Files they write go to ``args["out"]``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -18,7 +19,6 @@ from typing import Any
 
 from vmfork.runtime.zygote_child import current
 from vmfork.vmm.openfiles import open_device, open_ro
-
 
 _after_fork_hooks_run: list[int] = []
 # Registered in the zygote, which imports this module before it forks anything: a
@@ -271,7 +271,6 @@ def record_phase(args: dict[str, Any]) -> int:
 def python_after_fork(args: dict[str, Any]) -> int:
     """Report what a child forked without CPython's after-fork work can still do: run
     threads, log, install a signal handler (which needs the main thread)."""
-    import logging
     seen: list[str] = []
     threads = [threading.Thread(target=lambda i=i: seen.append(f"thread {i}")) for i in range(3)]
     for thread in threads:
