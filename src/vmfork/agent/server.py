@@ -1,5 +1,5 @@
 """The agent's server: accepts connections on a listening socket and runs one op per
-connection, each on its own thread (stdlib only).
+connection, each on its own thread, reused between connections (stdlib only).
 
 ``AgentServer`` takes any listening stream socket — AF_VSOCK in the guest, AF_UNIX in
 the unit tests — and knows nothing about being PID 1; ``main.py`` adds those duties.
