@@ -62,6 +62,65 @@ def test_ping(client: AgentClient) -> None:
     assert pong.uptime > 0
 
 
+# -- connection threads ----------------------------------------------------------------
+
+
+def _wait_for_idle_workers(agent: Agent, count: int) -> None:
+    """Until ``count`` workers wait for a connection (a worker counts itself idle only
+    after its connection's drain, once the client has hung up)."""
+    deadline = time.monotonic() + 10
+    while agent.server._idle < count:
+        assert time.monotonic() < deadline, f"idle workers: {agent.server._idle}, not {count}"
+        time.sleep(0.01)
+
+
+def _connection_threads() -> set[int | None]:
+    return {t.native_id for t in threading.enumerate() if t.name == "agent-conn"}
+
+
+def test_connections_after_the_first_are_served_by_the_idle_worker(
+        agent: Agent, client: AgentClient) -> None:
+    client.ping()
+    _wait_for_idle_workers(agent, 1)
+    workers = _connection_threads()
+    assert len(workers) == 1
+    for _ in range(3):
+        client.ping()
+        _wait_for_idle_workers(agent, 1)
+        assert _connection_threads() == workers
+
+
+def test_a_thread_that_ran_eval_code_ends_and_a_fresh_worker_takes_its_place(
+        agent: Agent, client: AgentClient) -> None:
+    client.ping()
+    _wait_for_idle_workers(agent, 1)
+    result = client.eval("import threading\nthreading.get_native_id()")
+    assert result.value is not None
+    eval_thread = int(result.value)
+    _wait_for_idle_workers(agent, 1)
+    deadline = time.monotonic() + 10
+    while eval_thread in _connection_threads():
+        assert time.monotonic() < deadline, "the thread that ran the eval is still alive"
+        time.sleep(0.01)
+    client.ping()  # served by the fresh worker
+    _wait_for_idle_workers(agent, 1)
+    assert len(_connection_threads()) == 1
+
+
+def test_concurrent_connections_leave_at_most_the_idle_limit_of_workers(
+        agent: Agent, client: AgentClient) -> None:
+    from vmfork.agent.server import MAX_IDLE_WORKERS
+    with ThreadPoolExecutor(max_workers=MAX_IDLE_WORKERS * 2) as pool:
+        list(pool.map(lambda _: client.exec(["sleep", "0.3"]), range(MAX_IDLE_WORKERS * 2)))
+    _wait_for_idle_workers(agent, MAX_IDLE_WORKERS)
+    deadline = time.monotonic() + 10
+    while len(_connection_threads()) > MAX_IDLE_WORKERS:
+        assert time.monotonic() < deadline, f"{len(_connection_threads())} workers left"
+        time.sleep(0.01)
+    client.ping()
+    assert agent.server._idle <= MAX_IDLE_WORKERS
+
+
 # -- exec ----------------------------------------------------------------------------
 
 

@@ -24,25 +24,36 @@ class PeerGone(Exception):
     """Sending to the host failed: it closed the connection or the VM's vsock broke."""
 
 
-def _set_send_timeout(sock: socket.socket, seconds: int) -> None:
-    """SO_SNDTIMEO, so a host that stops reading cannot block a send forever.
+_TIMEVAL = struct.pack("@ll", SEND_STALL_TIMEOUT, 0)
+_vsock_setsockopt: Any = None
+"""libc's ``setsockopt`` and the timeval buffer, looked up on the first vsock connection
+(the parent's first ping) and kept: a restored child then pays one foreign call per
+connection, not a ``dlopen`` and a ctypes function object (measured: ~40 ms of guest
+CPU in the emulated host, each object ctypes touches a page the child faults in)."""
+
+
+def _set_send_timeout(sock: socket.socket) -> None:
+    """SO_SNDTIMEO of ``SEND_STALL_TIMEOUT`` s, so a host that stops reading cannot
+    block a send forever.
 
     CPython's ``setsockopt`` on an AF_VSOCK socket accepts only integers (it
     parses the value as a u64 for the vsock-level options), so the struct
     timeval goes through libc directly there.
     """
-    timeval = struct.pack("@ll", seconds, 0)
+    global _vsock_setsockopt
     if sock.family != getattr(socket, "AF_VSOCK", -1):
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _TIMEVAL)
         except OSError:
             pass  # a family without SO_SNDTIMEO: sends may block indefinitely
         return
-    import ctypes
+    if _vsock_setsockopt is None:
+        import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    buf = ctypes.create_string_buffer(timeval, len(timeval))
-    libc.setsockopt(sock.fileno(), socket.SOL_SOCKET, socket.SO_SNDTIMEO, buf, len(timeval))
+        buf = ctypes.create_string_buffer(_TIMEVAL, len(_TIMEVAL))
+        _vsock_setsockopt = (ctypes.CDLL(None, use_errno=True).setsockopt, buf)
+    setsockopt, buf = _vsock_setsockopt
+    setsockopt(sock.fileno(), socket.SOL_SOCKET, socket.SO_SNDTIMEO, buf, len(_TIMEVAL))
 
 
 class Conn:
@@ -56,7 +67,7 @@ class Conn:
         self.input_drained = False
         """Set by an op that already read the host's input to its end (exec's stdin)."""
         self._send_lock = threading.Lock()
-        _set_send_timeout(sock, SEND_STALL_TIMEOUT)
+        _set_send_timeout(sock)
 
     def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
         with self._send_lock:

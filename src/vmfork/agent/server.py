@@ -1,8 +1,18 @@
 """The agent's server: accepts connections on a listening socket and runs one op per
-connection, each on its own thread (stdlib only).
+connection, each on its own thread, reused between connections (stdlib only).
 
 ``AgentServer`` takes any listening stream socket — AF_VSOCK in the guest, AF_UNIX in
 the unit tests — and knows nothing about being PID 1; ``main.py`` adds those duties.
+
+Threads. A connection is served by an idle worker thread if there is one, else by a new
+one. A worker goes back to waiting for the next connection after an op that ran no user
+code (``USER_CODE_OPS``: eval code and cells can leave thread state behind, a cell's
+watchdog can still raise in its thread, so their threads end as before), at most
+``MAX_IDLE_WORKERS`` of them. Why: a child restored from a snapshot faults in every page
+it touches, and starting a thread touches many (its stack, the kernel's task, Python's
+thread state and bootstrap); a worker parked in the snapshot is woken instead. Measured in
+the emulated test host, the thread's start was ~15-65 ms of the guest's ~200 ms of work
+for ``after_fork`` (docs/design-notes.md, "The guest's own work for after_fork").
 
 Connection life cycle: read the request frame (within ``REQUEST_TIMEOUT``), run the op,
 which sends zero or more streamed frames and exactly one final ``result``/``error``
@@ -19,6 +29,7 @@ accept loop survives errors such as EMFILE.
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
 import threading
@@ -50,6 +61,10 @@ from vmfork.agent.request import OpError, get_bool, get_int
 REQUEST_TIMEOUT = 30.0
 """Seconds a new connection may take to send its request frame."""
 MAX_CONNECTIONS = 256
+MAX_IDLE_WORKERS = 4
+"""Worker threads kept waiting for a connection (see the module docstring)."""
+USER_CODE_OPS = frozenset({"eval", "cell"})
+"""Ops whose thread runs user code; it ends with the connection instead of being reused."""
 CLOCK_STEP_TIMEOUT = 10.0
 """Seconds ``after_fork`` waits for the host's ``clock_step`` after sending its clock.
 An honest host answers as soon as the reading arrives; a starved guest's reading can
@@ -83,6 +98,13 @@ class AgentServer:
         self.jobs = JobTable(self.owned)
         self.interpreter = Interpreter(self.evaluator)
         self._slots = threading.BoundedSemaphore(max_connections)
+        # Idle workers wait on ``_handoff``; ``_idle`` counts them, under ``_pool_lock``.
+        # A worker counts itself idle only just before it waits, and the accept loop
+        # takes one off the count before it hands a socket over, so every socket put
+        # there has a worker that will take it.
+        self._handoff: queue.SimpleQueue[socket.socket | None] = queue.SimpleQueue()
+        self._pool_lock = threading.Lock()
+        self._idle = 0
         self._stopping = threading.Event()
         self._handlers: dict[str, Callable[[Conn, Frame], None]] = {
             "ping": self._ping,
@@ -134,8 +156,15 @@ class AgentServer:
             if not self._slots.acquire(blocking=False):
                 self._refuse(sock)
                 continue
+            with self._pool_lock:
+                reuse = self._idle > 0
+                if reuse:
+                    self._idle -= 1
+            if reuse:
+                self._handoff.put(sock)
+                continue
             try:
-                threading.Thread(target=self._serve_connection, args=(sock,),
+                threading.Thread(target=self._worker, args=(sock,),
                                  name="agent-conn", daemon=True).start()
             except RuntimeError as err:  # can't start new thread
                 self._slots.release()
@@ -150,6 +179,10 @@ class AgentServer:
 
     def stop(self) -> None:
         self._stopping.set()
+        with self._pool_lock:
+            idle, self._idle = self._idle, 0
+        for _ in range(idle):
+            self._handoff.put(None)
         try:
             # shutdown() wakes a thread blocked in accept(); close() alone does not.
             self.listener.shutdown(socket.SHUT_RDWR)
@@ -169,10 +202,34 @@ class AgentServer:
 
     # -- one connection ----------------------------------------------------------
 
-    def _serve_connection(self, sock: socket.socket) -> None:
-        conn = Conn(sock)
+    def _worker(self, sock: socket.socket | None) -> None:
+        """Serve ``sock`` (if any), then (see the module docstring) wait for the next one
+        or end."""
+        while True:
+            if sock is not None and not self._serve_connection(sock):
+                return
+            with self._pool_lock:
+                if self._idle >= MAX_IDLE_WORKERS or self._stopping.is_set():
+                    return
+                self._idle += 1
+            handed = self._handoff.get()
+            if handed is None:  # stop()
+                return
+            sock = handed
+
+    def _add_idle_worker(self) -> None:
         try:
-            self._dispatch(conn)
+            threading.Thread(target=self._worker, args=(None,), name="agent-conn",
+                             daemon=True).start()
+        except RuntimeError as err:  # can't start new thread: connections start their own
+            self.log(f"cannot start an idle worker thread: {err}")
+
+    def _serve_connection(self, sock: socket.socket) -> bool:
+        """Serve one connection; whether its thread may serve another."""
+        conn = Conn(sock)
+        op: str | None = None
+        try:
+            op = self._dispatch(conn)
         except BaseException:  # noqa: BLE001 - a connection must never take PID 1 down
             self.log("connection failed:\n" + traceback.format_exc())
         finally:
@@ -183,8 +240,10 @@ class AgentServer:
             self._slots.release()
         if conn.after is not None:
             conn.after()
+        return op is not None and op not in USER_CODE_OPS
 
-    def _dispatch(self, conn: Conn) -> None:
+    def _dispatch(self, conn: Conn) -> str:
+        """Read the request and run its op; the op's name ("?" if none was read)."""
         op = "?"
         try:
             try:
@@ -196,15 +255,20 @@ class AgentServer:
                 # connections are routinely reset.
                 if not err.clean and not err.lost:
                     conn.error("bad_request", f"reading the request: {err.message}")
-                return
+                return op
             except TimeoutError:
                 conn.error("bad_request", f"no request frame within {REQUEST_TIMEOUT:g} s")
-                return
+                return op
             conn.sock.settimeout(None)
             raw_op = frame.header.get("op")
             if not isinstance(raw_op, str):
                 raise OpError("bad_request", "the request frame has no string field 'op'")
             op = raw_op
+            if op in USER_CODE_OPS:
+                # This thread ends with the connection: a fresh one takes its place in
+                # the pool now, so that a snapshot taken after (say) a warm-up eval
+                # still holds an idle worker for its children's first connection.
+                self._add_idle_worker()
             handler = self._handlers.get(op)
             if handler is None:
                 raise OpError("unknown_op", f"unknown op {op!r}; known ops: {', '.join(OPS)}")
@@ -230,6 +294,7 @@ class AgentServer:
         except Exception as err:  # noqa: BLE001 - report bugs to the caller, keep serving
             self.log(f"{op}: internal error:\n{traceback.format_exc()}")
             self._send_error(conn, "internal", f"{op}: {type(err).__name__}: {err}")
+        return op
 
     def _send_error(self, conn: Conn, code: str, message: str, **extra: Any) -> None:
         if conn.finished:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import fcntl
-import hashlib
 import os
 import random
 import socket
@@ -75,12 +74,22 @@ def uptime() -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
+_boot_id: str | None = None
+
+
 def boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
+    """The kernel's boot id, read once: it is fixed at boot, and a child restored from a
+    snapshot runs the same boot of the same kernel. Every ``after_fork`` answers it, and
+    opening a text file is one of the costliest things a restored child's Python can do
+    (each object it touches is a page the child faults in)."""
+    global _boot_id
+    if _boot_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+                _boot_id = f.read().decode("ascii", "replace").strip()
+        except OSError:
+            return None
+    return _boot_id
 
 
 # -- ops ---------------------------------------------------------------------------
@@ -112,7 +121,10 @@ def reseed(req: dict[str, Any], data: bytes) -> dict[str, Any]:
             kernel_reseeded = False  # CRNG not initialised yet: the credit above does it
     finally:
         os.close(fd)
-    random.seed(hashlib.sha512(data + os.urandom(32)).digest())
+    # An int seeds the Mersenne Twister with every bit of it (``init_by_array``); a
+    # bytes seed would first be hashed with SHA-512, which in a restored child is
+    # OpenSSL's digest machinery faulted in page by page for nothing.
+    random.seed(int.from_bytes(data + os.urandom(32), "big"))
     return {"bytes": len(data), "entropy_bits": bits, "kernel_reseeded": kernel_reseeded}
 
 
