@@ -21,6 +21,7 @@ import pytest
 
 from tests.unit.agent_support import Agent, running_agent
 from vmfork.agent import client
+from vmfork.agent import conn as agent_conn
 from vmfork.agent import server as agent_server
 from vmfork.agent.client import (
     AgentProtocolError,
@@ -227,6 +228,30 @@ def test_a_round_trip_too_long_to_split_is_bracketed_again_on_fresh_connections(
     r = agent.client.after_fork(os.urandom(64), clock_tolerance_ns=0)
     assert counts == {"after_fork": 1, "set_time": 2}, "step_time(0), then the step"
     assert r.clock_step_ns != 0 and 0 <= r.clock_error_bound_ns
+
+
+def test_a_step_sent_after_the_agent_hung_up_is_late_not_a_failure(
+        agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A starved VMM answers the clock frame after the agent stopped waiting and hung
+    # up: its send breaks, the result is still there to read, and the clock is
+    # bracketed on fresh connections as for any step that came too late.
+    monkeypatch.setattr(agent_server, "CLOCK_STEP_TIMEOUT", 0.05)
+    monkeypatch.setattr(agent_conn, "DRAIN_TIMEOUT", 0.05)
+    hung_up = []
+    step = client.clock_exchange_step
+
+    def slow_host(*args: int) -> tuple[int, int]:
+        time.sleep(1.0)   # the agent's wait and drain are 0.1 s: it has hung up
+        hung_up.append(True)
+        return step(*args)
+
+    monkeypatch.setattr(client, "clock_exchange_step", slow_host)
+    counts = _count_ops(agent, "after_fork", "set_time")
+    r = agent.client.after_fork(os.urandom(64), clock_tolerance_ns=0)
+    assert hung_up
+    assert counts == {"after_fork": 1, "set_time": 2}, "step_time(0), then the step"
+    assert r.clock_step_ns != 0 and 0 <= r.clock_error_bound_ns
+    assert r.reseed.bytes == 64
 
 
 def _as_an_older_agent(agent: Agent) -> None:

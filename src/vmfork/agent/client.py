@@ -1188,8 +1188,13 @@ class AgentClient:
                     step = 0
                 try:
                     call.send({"type": "clock_step", "offset_ns": step})
-                except OSError as err:
-                    raise AgentProtocolError(f"sending the clock step: {err}", op=op) from err
+                except OSError:
+                    # The agent stopped waiting for the step (``server.CLOCK_STEP_TIMEOUT``:
+                    # a VMM starved of the CPU, as at N = 100, answered later than that)
+                    # and hung up after its result, which is still here to read: the
+                    # step then counts as too late, below (a fresh-clone benchmark's
+                    # child failed on this broken pipe).
+                    pass
                 r = call.expect("result").header
                 bound = round_trip // 2 if step else round_trip
                 if r.get("clock_step") is None or uneven:  # too late for the agent, or too long
