@@ -187,10 +187,13 @@ def read_memory(pid: int, is_guest_ram: Callable[[int, str], bool]) -> MemUse:
             in_guest = is_guest_ram(size, header.group(3).strip())
             continue
         key, _, rest = line.partition(":")
+        if key not in total and not (in_guest and key in guest):
+            continue
+        kib = int(rest.split()[0])
         if key in total:
-            total[key] += int(rest.split()[0])
+            total[key] += kib
         if in_guest and key in guest:
-            guest[key] += int(rest.split()[0])
+            guest[key] += kib
     return MemUse(total["Pss"], total["Private_Dirty"], guest["Pss"], guest["Private_Dirty"],
                   guest["Rss"], guest["Anonymous"])
 
