@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::Write;
 use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
@@ -139,12 +139,19 @@ impl Write for ConsoleOut {
 
 type Uart = Serial<IrqFd, NoEvents, ConsoleOut>;
 
-/// COM1 and the i8042, shared by a machine's vCPUs (`vmfork.vmm.devices.native`
+/// COM1 and the i8042 as a Rust value, shared by a machine's vCPU loops (each holds
+/// an `Arc`), so a loop serves them with no Python object in hand.
+pub struct ConsoleDevices {
+    uart: Mutex<Uart>,
+    /// Called only while registered (a booting parent waiting for its agent).
+    listeners: Mutex<Vec<Py<PyAny>>>,
+}
+
+/// `_core.Console`: the PyO3 wrapper of [`ConsoleDevices`] (`devices/serial.py`
 /// wraps it as the machine's `serial`).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct Console {
-    uart: Mutex<Uart>,
-    listeners: Mutex<Vec<Py<PyAny>>>,
+    devices: Arc<ConsoleDevices>,
 }
 
 /// What a port access to the console devices asks of the vCPU loop.
@@ -153,7 +160,7 @@ pub enum Served {
     Reset,
 }
 
-impl Console {
+impl ConsoleDevices {
     /// Serve a port access if it is ours (`None` if it is not).
     /// `data` is `size`-byte elements (string I/O has several); like the chips, the
     /// devices see the low byte of each and read as one byte, zero-extended.
@@ -212,6 +219,13 @@ impl Console {
     }
 }
 
+impl Console {
+    /// The devices, for a vCPU loop to serve.
+    pub fn devices(&self) -> Arc<ConsoleDevices> {
+        self.devices.clone()
+    }
+}
+
 #[pymethods]
 impl Console {
     /// `irq_fd`: COM1's interrupt eventfd (duplicated); `log_fd`: the console log,
@@ -241,8 +255,10 @@ impl Console {
         let budget = LogBudget::new("console", log_burst, log_per_second, log_total_bytes);
         let out = ConsoleOut::new(log, budget);
         Ok(Console {
-            uart: Mutex::new(Serial::new(irq, out)),
-            listeners: Mutex::new(Vec::new()),
+            devices: Arc::new(ConsoleDevices {
+                uart: Mutex::new(Serial::new(irq, out)),
+                listeners: Mutex::new(Vec::new()),
+            }),
         })
     }
 
@@ -252,7 +268,8 @@ impl Console {
         let mut data = vec![0xFF; size.clamp(1, 8)];
         if offset < COM1_LEN {
             let width = data.len();
-            self.pio(COM1_BASE + offset, &mut data, width, false);
+            self.devices
+                .pio(COM1_BASE + offset, &mut data, width, false);
         }
         PyBytes::new(py, &data)
     }
@@ -261,25 +278,25 @@ impl Console {
     fn write(&self, offset: u16, data: &[u8]) {
         if offset < COM1_LEN && !data.is_empty() {
             let mut byte = [data[0]];
-            self.pio(COM1_BASE + offset, &mut byte, 1, true);
+            self.devices.pio(COM1_BASE + offset, &mut byte, 1, true);
         }
     }
 
     /// Console log lines dropped so far (over the rate, or past the cap).
     #[getter]
     fn log_dropped(&self) -> u64 {
-        lock(&self.uart).writer().budget.dropped
+        lock(&self.devices.uart).writer().budget.dropped
     }
 
     /// Call `listener(line)` for every console line from now on (on a vCPU thread).
     fn add_line_listener(&self, listener: Py<PyAny>) {
-        lock(&self.listeners).push(listener);
-        lock(&self.uart).writer_mut().listening = true;
+        lock(&self.devices.listeners).push(listener);
+        lock(&self.devices.uart).writer_mut().listening = true;
     }
 
     /// The last lines of output and the line being written, joined by newlines.
     fn tail_text(&self) -> String {
-        let uart = lock(&self.uart);
+        let uart = lock(&self.devices.uart);
         let out = uart.writer();
         let mut lines: Vec<String> = out.tail.iter().cloned().collect();
         if !out.line.is_empty() {
@@ -291,7 +308,7 @@ impl Console {
     /// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
     /// thre_pending, rx).
     fn save(&self) -> (u8, u8, u8, u8, u8, u8, bool, Vec<u8>) {
-        let s = lock(&self.uart).state();
+        let s = lock(&self.devices.uart).state();
         (
             s.baud_divisor_low,
             s.baud_divisor_high,
@@ -342,7 +359,7 @@ impl Console {
             scratch: scr,
             in_buffer,
         };
-        let mut uart = lock(&self.uart);
+        let mut uart = lock(&self.devices.uart);
         let trigger = IrqFd(dup(std::os::fd::AsRawFd::as_raw_fd(
             &uart.interrupt_evt().0,
         ))?);
@@ -359,7 +376,7 @@ impl Console {
     /// Queue host input for the guest (at most the FIFO's free room); returns how
     /// many bytes were queued.
     fn queue_input(&self, data: &[u8]) -> usize {
-        let mut uart = lock(&self.uart);
+        let mut uart = lock(&self.devices.uart);
         let room = uart.fifo_capacity().min(data.len());
         uart.enqueue_raw_bytes(&data[..room]).unwrap_or(0)
     }

@@ -29,6 +29,7 @@ mod rng_serve;
 mod vcpu;
 mod virtio_py;
 mod virtq;
+mod vm;
 mod vsock_connect_line;
 mod vsock_io;
 mod vsock_packet;
@@ -48,7 +49,7 @@ create_exception!(
     "A KVM ioctl of a native call failed: args are (errno, op, vcpu index or None)."
 );
 
-fn ioctl_error(f: restore::Failure) -> PyErr {
+pub(crate) fn ioctl_error(f: restore::Failure) -> PyErr {
     IoctlError::new_err((f.errno, f.op, f.vcpu))
 }
 
@@ -58,8 +59,8 @@ fn bad_field(b: restore::BadField) -> PyErr {
 
 /// One vCPU's restore buffers, built once per snapshot.
 #[pyclass(frozen, module = "vmfork._core")]
-struct PreparedVcpu {
-    inner: restore::VcpuBuffers,
+pub(crate) struct PreparedVcpu {
+    pub(crate) inner: restore::VcpuBuffers,
 }
 
 #[pymethods]
@@ -111,9 +112,9 @@ impl PreparedVcpu {
 
 /// A machine's restore buffers (VM-wide state and its vCPUs), built once per snapshot.
 #[pyclass(frozen, module = "vmfork._core")]
-struct PreparedRestore {
-    vm: restore::VmBuffers,
-    vcpus: Vec<Py<PreparedVcpu>>,
+pub(crate) struct PreparedRestore {
+    pub(crate) vm: restore::VmBuffers,
+    pub(crate) vcpus: Vec<Py<PreparedVcpu>>,
 }
 
 #[pymethods]
@@ -207,6 +208,7 @@ fn restore_machine(
         .collect();
     let vm = open_vm(kvm_fd, vm_fd)?;
     let vcpus = open_vcpus(&vm, &fds)?;
+    let vcpus: Vec<&VcpuFd> = vcpus.iter().collect();
     let report = py
         .detach(|| restore::apply(&vm, &vcpus, &prepared.vm, &states))
         .map_err(ioctl_error)?;
@@ -218,6 +220,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedVcpu>()?;
     m.add_class::<PreparedRestore>()?;
     m.add_class::<vcpu::VcpuLoop>()?;
+    m.add_class::<vm::PyVmCore>()?;
     m.add_class::<console::Console>()?;
     m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<rng_serve::RngQueue>()?;

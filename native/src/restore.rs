@@ -300,7 +300,7 @@ pub fn apply_vcpu(
 /// `states[i]`; the caller checked the lengths match.
 pub fn apply(
     vm: &VmFd,
-    vcpus: &[VcpuFd],
+    vcpus: &[&VcpuFd],
     vm_state: &VmBuffers,
     states: &[&VcpuBuffers],
 ) -> Result<Report, Failure> {

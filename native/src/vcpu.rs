@@ -1,11 +1,16 @@
 //! The vCPU run loop: one native thread per vCPU on `KVM_RUN`, with pause and kick.
 //!
 //! The thread runs the guest until an exit needs the VMM. HLT, interrupt-window and
-//! signal exits are handled here without Python, and so are COM1/i8042 (`console.rs`)
-//! and the virtio-mmio register files (`mmio_py.rs`); other port and MMIO exits are handed to
-//! the Python buses (`vmfork.vmm.bus.Bus.read`/`write`), the GIL taken only for
-//! them; an exit that ends the vCPU (shutdown, system event, internal error, failed
-//! entry, an exit we do not serve) is reported once to the Python `on_exit`.
+//! signal exits are handled here, and so are COM1/i8042 (`console.rs`, held as a
+//! Rust value); other port and MMIO exits go to the loop's host (`VcpuHost`), and
+//! an exit that ends the vCPU (shutdown, system event, internal error, failed
+//! entry, an exit we do not serve) is reported to it once. The host is either
+//! Python's (`PyHost`: the virtio-mmio register files of `mmio_py.rs` served
+//! without Python, the rest handed to the Python buses `vmfork.vmm.bus.Bus.read`/
+//! `write` and `on_exit`, the GIL taken only inside) or native (`NativeHost`: no
+//! Python object at all, the exit recorded in an `ExitSink` and its eventfd
+//! signalled), so a loop can be built and run from Rust alone (`VcpuLoop::build`,
+//! on a `vm::VmCore`, whose descriptors it keeps open until its thread ends).
 //!
 //! Getting a vCPU back from the guest (pause for a snapshot, stop):
 //!
@@ -30,7 +35,7 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::thread::JoinHandleExt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::{JoinHandle, ThreadId};
@@ -38,8 +43,10 @@ use std::time::{Duration, Instant};
 
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
-use crate::console::{Console, Served};
+use crate::console::{Console, ConsoleDevices, Served};
 use crate::mmio_py::{self, MmioWindows};
+use crate::restore::Failure;
+use crate::vm::{PyVmCore, VmCore};
 use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -76,7 +83,7 @@ extern "C" fn on_kick(_signal: libc::c_int) {
 
 static INSTALL_KICK: Once = Once::new();
 
-fn install_kick_handler() -> PyResult<()> {
+fn install_kick_handler() -> std::io::Result<()> {
     let mut failed = None;
     INSTALL_KICK.call_once(|| {
         // SAFETY: a zeroed sigaction is valid (no flags, empty mask, no handler)
@@ -93,9 +100,7 @@ fn install_kick_handler() -> PyResult<()> {
         }
     });
     match failed {
-        Some(err) => Err(PyOSError::new_err(format!(
-            "sigaction for the vCPU kick: {err}"
-        ))),
+        Some(err) => Err(err),
         None => Ok(()),
     }
 }
@@ -171,7 +176,6 @@ struct Shared {
     ctl: Mutex<Control>,
     cond: Condvar,
     counters: Mutex<Counters>,
-    error: Mutex<Option<Py<PyAny>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -209,30 +213,303 @@ impl Shared {
     }
 }
 
-/// What the Python side gave the loop: the buses and the exit callback.
-struct Callbacks {
+/// A port or MMIO access the host could not serve, ending the vCPU as a
+/// `vmm_error` with this detail.
+pub struct HostFailure(pub String);
+
+/// What a vCPU loop hands to the VMM around it: the port and MMIO accesses it does
+/// not serve itself (COM1, the i8042 and the register files are served before
+/// these are asked), and the one exit that ends it. Called on the vCPU's thread.
+///
+/// Two hosts: [`PyHost`] (the Python buses and `on_exit`, the GIL taken only
+/// inside its methods) and [`NativeHost`] (no Python object: unclaimed accesses
+/// read as all ones and are dropped, the exit is recorded in an [`ExitSink`]).
+pub trait VcpuHost: Send + 'static {
+    /// Fill `data` (`size`-byte elements, string I/O has several) read at `port`.
+    fn pio_read(&self, port: u16, data: &mut [u8], size: usize) -> Result<(), HostFailure>;
+    /// Take `data` (`size`-byte elements) written at `port`.
+    fn pio_write(&self, port: u16, data: &[u8], size: usize) -> Result<(), HostFailure>;
+    /// Fill `data` read at guest-physical `addr`.
+    fn mmio_read(&self, addr: u64, data: &mut [u8]) -> Result<(), HostFailure>;
+    /// Take `data` written at guest-physical `addr`.
+    fn mmio_write(&self, addr: u64, data: &[u8]) -> Result<(), HostFailure>;
+    /// The vCPU ended for good (`reason` is one of the loop's reasons); called once,
+    /// as the loop's last step before its thread lets go of the vCPU.
+    fn exited(&self, reason: &'static str, detail: &str);
+    /// Whether the thread needs a Python thread state (it calls into Python, and
+    /// drops the host with the GIL held).
+    fn uses_python(&self) -> bool;
+    /// The host as `Any`, for the Python wrapper's garbage-collector support.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+/// The exception a Python bus handler raised, for `VcpuLoop.error`.
+type ErrorSlot = Arc<Mutex<Option<Py<PyAny>>>>;
+
+/// The Python host: today's buses, register files and exit callback.
+pub struct PyHost {
     pio: Py<PyAny>,
     mmio: Py<PyAny>,
     on_exit: Py<PyAny>,
-    /// COM1 and the i8042, served without Python, when the machine has them native.
-    console: Option<Py<Console>>,
-    /// The virtio-mmio register files, served without Python (`mmio_py.rs`).
+    /// The virtio-mmio register files, served without Python (`mmio_py.rs`); only
+    /// what needs the device model takes the GIL. A `Py` until `MmioWindows` is a
+    /// Rust value of its own (branch `nservers`).
     windows: Option<Py<MmioWindows>>,
+    error: ErrorSlot,
 }
 
-/// One vCPU's run loop (`vmfork.vmm.native_vcpu.NativeVcpu` wraps it).
+impl PyHost {
+    fn failed(&self, py: Python<'_>, err: PyErr) -> HostFailure {
+        let detail = err
+            .value(py)
+            .repr()
+            .map(|r| r.to_string())
+            .unwrap_or_else(|_| "an exception".to_string());
+        *lock(&self.error) = Some(err.value(py).clone().into_any().unbind());
+        HostFailure(detail)
+    }
+}
+
+impl VcpuHost for PyHost {
+    fn pio_read(&self, port: u16, data: &mut [u8], size: usize) -> Result<(), HostFailure> {
+        Python::attach(|py| {
+            for chunk in data.chunks_exact_mut(size) {
+                let read = self
+                    .pio
+                    .call_method1(py, "read", (port, size))
+                    .and_then(|value| {
+                        fill(chunk, value.bind(py).extract::<&[u8]>()?);
+                        Ok(())
+                    });
+                read.map_err(|err| self.failed(py, err))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn pio_write(&self, port: u16, data: &[u8], size: usize) -> Result<(), HostFailure> {
+        Python::attach(|py| {
+            for chunk in data.chunks_exact(size) {
+                self.pio
+                    .call_method1(py, "write", (port, PyBytes::new(py, chunk)))
+                    .map_err(|err| self.failed(py, err))?;
+            }
+            Ok(())
+        })
+    }
+
+    fn mmio_read(&self, addr: u64, data: &mut [u8]) -> Result<(), HostFailure> {
+        let native = self.windows.as_ref().and_then(|w| w.get().read(addr, data));
+        match native {
+            Some(mmio_py::ReadServed::Done) => Ok(()),
+            Some(mmio_py::ReadServed::Device(handler, offset)) => Python::attach(|py| {
+                let value = handler.call_method1(py, "read", (offset, data.len()));
+                drop(handler);
+                value
+                    .and_then(|value| {
+                        fill(data, value.bind(py).extract::<&[u8]>()?);
+                        Ok(())
+                    })
+                    .map_err(|err| self.failed(py, err))
+            }),
+            None => Python::attach(|py| {
+                self.mmio
+                    .call_method1(py, "read", (addr, data.len()))
+                    .and_then(|value| {
+                        fill(data, value.bind(py).extract::<&[u8]>()?);
+                        Ok(())
+                    })
+                    .map_err(|err| self.failed(py, err))
+            }),
+        }
+    }
+
+    fn mmio_write(&self, addr: u64, data: &[u8]) -> Result<(), HostFailure> {
+        let native = self
+            .windows
+            .as_ref()
+            .and_then(|w| w.get().write(addr, data));
+        match native {
+            Some(mmio_py::WriteServed::Done) => Ok(()),
+            Some(mmio_py::WriteServed::Events(handler, events)) => Python::attach(|py| {
+                let applied = handler
+                    .call_method1(py, "apply_events", (mmio_py::events_to_py(events),))
+                    .map(drop);
+                drop(handler);
+                applied.map_err(|err| self.failed(py, err))
+            }),
+            None => Python::attach(|py| {
+                self.mmio
+                    .call_method1(py, "write", (addr, PyBytes::new(py, data)))
+                    .map(drop)
+                    .map_err(|err| self.failed(py, err))
+            }),
+        }
+    }
+
+    fn exited(&self, reason: &'static str, detail: &str) {
+        Python::attach(|py| {
+            if let Err(err) = self.on_exit.call1(py, (reason, detail)) {
+                err.write_unraisable(py, Some(self.on_exit.bind(py)));
+            }
+        });
+    }
+
+    fn uses_python(&self) -> bool {
+        true
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Where a vCPU run with no Python object reports how it ended: the first exit is
+/// recorded, and an eventfd (counter semantics, non-blocking) becomes readable.
+pub struct ExitSink {
+    exit: Mutex<Option<(&'static str, String)>>,
+    event: OwnedFd,
+}
+
+impl ExitSink {
+    pub fn new() -> std::io::Result<Arc<Self>> {
+        // SAFETY: eventfd2 with constant flags; the result is checked below.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Arc::new(ExitSink {
+            exit: Mutex::new(None),
+            // SAFETY: a new descriptor nothing else owns.
+            event: unsafe { OwnedFd::from_raw_fd(fd) },
+        }))
+    }
+
+    /// How the vCPU ended, once it has: (reason, detail).
+    pub fn exit(&self) -> Option<(&'static str, String)> {
+        lock(&self.exit).clone()
+    }
+
+    /// Readable once an exit is recorded (and stays so until read).
+    pub fn event_fd(&self) -> RawFd {
+        self.event.as_raw_fd()
+    }
+
+    fn record(&self, reason: &'static str, detail: &str) {
+        let mut exit = lock(&self.exit);
+        if exit.is_some() {
+            return;
+        }
+        *exit = Some((reason, detail.to_string()));
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: 8 bytes from a live local buffer to the eventfd this sink owns.
+        // EAGAIN (the counter at its maximum) leaves it readable, which is all a
+        // waiter needs.
+        unsafe { libc::write(self.event.as_raw_fd(), one.as_ptr().cast(), 8) };
+    }
+}
+
+/// A host with no Python object: the buses empty (reads all ones, writes
+/// dropped, as an unclaimed address on a real bus; counted), the exit recorded.
+pub struct NativeHost {
+    sink: Arc<ExitSink>,
+    unclaimed: Arc<Mutex<UnclaimedCounts>>,
+}
+
+/// Accesses nobody served, by kind.
+#[derive(Clone, Copy, Default)]
+pub struct UnclaimedCounts {
+    pub pio_reads: u64,
+    pub pio_writes: u64,
+    pub mmio_reads: u64,
+    pub mmio_writes: u64,
+}
+
+impl NativeHost {
+    pub fn new(sink: Arc<ExitSink>) -> (Self, Arc<Mutex<UnclaimedCounts>>) {
+        let unclaimed = Arc::new(Mutex::new(UnclaimedCounts::default()));
+        (
+            NativeHost {
+                sink,
+                unclaimed: unclaimed.clone(),
+            },
+            unclaimed,
+        )
+    }
+}
+
+impl VcpuHost for NativeHost {
+    fn pio_read(&self, _port: u16, data: &mut [u8], _size: usize) -> Result<(), HostFailure> {
+        lock(&self.unclaimed).pio_reads += 1;
+        data.fill(0xFF);
+        Ok(())
+    }
+
+    fn pio_write(&self, _port: u16, _data: &[u8], _size: usize) -> Result<(), HostFailure> {
+        lock(&self.unclaimed).pio_writes += 1;
+        Ok(())
+    }
+
+    fn mmio_read(&self, _addr: u64, data: &mut [u8]) -> Result<(), HostFailure> {
+        lock(&self.unclaimed).mmio_reads += 1;
+        data.fill(0xFF);
+        Ok(())
+    }
+
+    fn mmio_write(&self, _addr: u64, _data: &[u8]) -> Result<(), HostFailure> {
+        lock(&self.unclaimed).mmio_writes += 1;
+        Ok(())
+    }
+
+    fn exited(&self, reason: &'static str, detail: &str) {
+        self.sink.record(reason, detail);
+    }
+
+    fn uses_python(&self) -> bool {
+        false
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// What a loop's thread runs on: the vCPU, its host, the console it serves, and
+/// the VM core whose descriptors must outlive it.
+struct Parts {
+    vcpu: VcpuFd,
+    host: Box<dyn VcpuHost>,
+    /// COM1 and the i8042, served without the host.
+    console: Option<Arc<ConsoleDevices>>,
+    /// Held, not used: the VM's descriptors stay open until this thread ends.
+    _core: Arc<VmCore>,
+}
+
+/// One vCPU's run loop (`vmfork.vmm.vcpu.Vcpu` wraps it).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct VcpuLoop {
     index: u32,
     shared: Arc<Shared>,
-    /// Until `start`: the vCPU and the callbacks, then moved into the thread.
-    pending: Mutex<Option<(VcpuFd, Callbacks)>>,
+    /// Until `start`: what the thread runs on, then moved into it.
+    pending: Mutex<Option<Parts>>,
     handle: Mutex<Option<JoinHandle<()>>>,
+    /// The Python host's bus error, if it ended the loop.
+    error: ErrorSlot,
+    /// A native host's exit and unclaimed accesses.
+    sink: Option<(Arc<ExitSink>, Arc<Mutex<UnclaimedCounts>>)>,
 }
 
 impl VcpuLoop {
-    fn with_vcpu(index: u32, vcpu: VcpuFd, callbacks: Callbacks) -> Self {
-        VcpuLoop {
+    /// A loop for the vCPU at `position` of `core`, reporting to `host`, serving
+    /// `console`: what a machine built with no Python object runs.
+    pub fn build(
+        core: Arc<VmCore>,
+        position: usize,
+        host: Box<dyn VcpuHost>,
+        console: Option<Arc<ConsoleDevices>>,
+    ) -> Result<Self, Failure> {
+        let (index, vcpu) = core.vcpu_for_loop(position)?;
+        Ok(VcpuLoop {
             index,
             shared: Arc::new(Shared {
                 ctl: Mutex::new(Control {
@@ -243,11 +520,55 @@ impl VcpuLoop {
                 }),
                 cond: Condvar::new(),
                 counters: Mutex::new(Counters::default()),
-                error: Mutex::new(None),
             }),
-            pending: Mutex::new(Some((vcpu, callbacks))),
+            pending: Mutex::new(Some(Parts {
+                vcpu,
+                host,
+                console,
+                _core: core,
+            })),
             handle: Mutex::new(None),
+            error: Arc::new(Mutex::new(None)),
+            sink: None,
+        })
+    }
+
+    /// Start the thread; with `paused`, it parks before entering the guest.
+    pub fn start_thread(&self, paused: bool) -> Result<(), String> {
+        install_kick_handler().map_err(|e| format!("sigaction for the vCPU kick: {e}"))?;
+        let parts = lock(&self.pending)
+            .take()
+            .ok_or_else(|| format!("vcpu{} already started", self.index))?;
+        lock(&self.shared.ctl).want_pause = paused;
+        let shared = self.shared.clone();
+        let index = self.index;
+        // The new thread inherits the blocked kick signal (see the module comment).
+        let old = mask_kick(libc::SIG_BLOCK);
+        let spawned = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || run_thread(parts, shared));
+        restore_mask(&old);
+        let handle = spawned.map_err(|e| format!("vcpu{index}: thread: {e}"))?;
+        lock(&self.shared.ctl).thread = Some((handle.as_pthread_t(), handle.thread().id()));
+        *lock(&self.handle) = Some(handle);
+        Ok(())
+    }
+
+    /// Ask the loop to end and wait (kicking) up to `timeout`; on the vCPU's own
+    /// thread, only ask. True once it has ended (or never started).
+    pub fn stop_thread(&self, timeout: Duration) -> bool {
+        {
+            let mut ctl = lock(&self.shared.ctl);
+            ctl.want_stop = true;
+            self.shared.cond.notify_all();
+            match ctl.thread {
+                None => return true,
+                Some((_, id)) if id == std::thread::current().id() => return false,
+                Some(_) => {}
+            }
         }
+        self.shared
+            .wait_for(Some(timeout), |s| s == RunState::Stopped)
     }
 
     fn join_if_stopped(&self, py: Python<'_>) {
@@ -269,68 +590,71 @@ impl VcpuLoop {
     }
 }
 
+fn failure_to_py(f: Failure) -> PyErr {
+    crate::ioctl_error(f)
+}
+
 #[pymethods]
 impl VcpuLoop {
-    /// A loop for the vCPU `vcpu_fd` (index `index`) of the VM `vm_fd`. Port exits
-    /// call `pio.read(port, size)`/`pio.write(port, data)`, MMIO exits the same on
-    /// `mmio`; an exit that ends the vCPU calls `on_exit(reason, detail)` once, on
-    /// the vCPU's thread. With `console`, its ports (COM1, the i8042) never reach
-    /// `pio`. With `windows`, MMIO exits in its register files' windows are served
-    /// there, and reach Python only for what needs the device model (the transport's
-    /// `read` for a config read, `apply_events` for what a write caused). The
-    /// descriptors stay the caller's (the loop uses copies).
+    /// A loop for the vCPU at `position` of the VM core `core` (`_core.VmCore`).
+    /// Port exits call `pio.read(port, size)`/`pio.write(port, data)`, MMIO exits
+    /// the same on `mmio`; an exit that ends the vCPU calls `on_exit(reason,
+    /// detail)` once, on the vCPU's thread. With `console`, its ports (COM1, the
+    /// i8042) never reach `pio`. With `windows`, MMIO exits in its register files'
+    /// windows are served there, and reach Python only for what needs the device
+    /// model (the transport's `read` for a config read, `apply_events` for what a
+    /// write caused). The loop runs on its own copy of the vCPU's descriptor.
     #[new]
-    #[pyo3(signature = (kvm_fd, vm_fd, vcpu_fd, index, pio, mmio, on_exit, console = None,
-                        windows = None))]
+    #[pyo3(signature = (core, position, pio, mmio, on_exit, console = None, windows = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        kvm_fd: RawFd,
-        vm_fd: RawFd,
-        vcpu_fd: RawFd,
-        index: u32,
+        core: &Bound<'_, PyVmCore>,
+        position: usize,
         pio: Py<PyAny>,
         mmio: Py<PyAny>,
         on_exit: Py<PyAny>,
-        console: Option<Py<Console>>,
+        console: Option<&Bound<'_, Console>>,
         windows: Option<Py<MmioWindows>>,
     ) -> PyResult<Self> {
-        let vm = crate::open_vm(kvm_fd, vm_fd)?;
-        let mut vcpus = crate::open_vcpus(&vm, &[(vcpu_fd, index)])?;
-        let vcpu = vcpus.pop().expect("one vCPU asked, one opened");
-        Ok(VcpuLoop::with_vcpu(
-            index,
-            vcpu,
-            Callbacks {
-                pio,
-                mmio,
-                on_exit,
-                console,
-                windows,
-            },
-        ))
+        let error: ErrorSlot = Arc::new(Mutex::new(None));
+        let host = PyHost {
+            pio,
+            mmio,
+            on_exit,
+            windows,
+            error: error.clone(),
+        };
+        let devices = console.map(|c| c.get().devices());
+        let mut built = VcpuLoop::build(core.get().get()?, position, Box::new(host), devices)
+            .map_err(failure_to_py)?;
+        built.error = error;
+        Ok(built)
+    }
+
+    /// A loop for the vCPU at `position` of `core` with no Python object behind
+    /// it: unclaimed port and MMIO accesses read as all ones and are dropped
+    /// (`unclaimed` counts them), and the exit is recorded (`exit`) with `exit_fd`
+    /// made readable. With `console`, COM1 and the i8042 are served.
+    #[staticmethod]
+    #[pyo3(signature = (core, position, console = None))]
+    fn native(
+        core: &Bound<'_, PyVmCore>,
+        position: usize,
+        console: Option<&Bound<'_, Console>>,
+    ) -> PyResult<Self> {
+        let sink = ExitSink::new().map_err(|e| PyOSError::new_err(format!("eventfd: {e}")))?;
+        let (host, unclaimed) = NativeHost::new(sink.clone());
+        let devices = console.map(|c| c.get().devices());
+        let mut built = VcpuLoop::build(core.get().get()?, position, Box::new(host), devices)
+            .map_err(failure_to_py)?;
+        built.sink = Some((sink, unclaimed));
+        Ok(built)
     }
 
     /// Start the thread; with `paused`, it parks before entering the guest.
     #[pyo3(signature = (paused = false))]
     fn start(&self, paused: bool) -> PyResult<()> {
-        install_kick_handler()?;
-        let (vcpu, callbacks) = lock(&self.pending).take().ok_or_else(|| {
-            PyRuntimeError::new_err(format!("vcpu{} already started", self.index))
-        })?;
-        lock(&self.shared.ctl).want_pause = paused;
-        let shared = self.shared.clone();
-        let index = self.index;
-        // The new thread inherits the blocked kick signal (see the module comment).
-        let old = mask_kick(libc::SIG_BLOCK);
-        let spawned = std::thread::Builder::new()
-            .name(format!("vcpu{index}"))
-            .spawn(move || run_thread(vcpu, callbacks, shared));
-        restore_mask(&old);
-        let handle =
-            spawned.map_err(|e| PyOSError::new_err(format!("vcpu{index}: thread: {e}")))?;
-        lock(&self.shared.ctl).thread = Some((handle.as_pthread_t(), handle.thread().id()));
-        *lock(&self.handle) = Some(handle);
-        Ok(())
+        self.start_thread(paused).map_err(PyRuntimeError::new_err)
     }
 
     /// Ask the vCPU to park and wait until it has (kicking it out of the guest);
@@ -364,22 +688,8 @@ impl VcpuLoop {
     /// vCPU's own thread (an exit callback), only ask.
     #[pyo3(signature = (timeout = 5.0))]
     fn stop(&self, py: Python<'_>, timeout: f64) {
-        {
-            let mut ctl = lock(&self.shared.ctl);
-            ctl.want_stop = true;
-            self.shared.cond.notify_all();
-            match ctl.thread {
-                None => return,
-                Some((_, id)) if id == std::thread::current().id() => return,
-                Some(_) => {}
-            }
-        }
-        let shared = self.shared.clone();
-        py.detach(move || {
-            shared.wait_for(Some(Duration::from_secs_f64(timeout.max(0.0))), |s| {
-                s == RunState::Stopped
-            })
-        });
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(|| self.stop_thread(timeout));
         self.join_if_stopped(py);
     }
 
@@ -414,10 +724,11 @@ impl VcpuLoop {
     }
 
     /// Stop the loop (if it runs) and release the vCPU's run mapping and descriptor
-    /// and the callbacks. Idempotent.
+    /// and the host. Idempotent.
     fn close(&self, py: Python<'_>) {
         self.stop(py, 5.0);
-        lock(&self.pending).take();
+        let parts = lock(&self.pending).take();
+        drop(parts);
     }
 
     #[getter]
@@ -433,7 +744,35 @@ impl VcpuLoop {
     /// The exception that ended the loop (a bus handler's), if one did.
     #[getter]
     fn error(&self, py: Python<'_>) -> Option<Py<PyAny>> {
-        lock(&self.shared.error).as_ref().map(|e| e.clone_ref(py))
+        lock(&self.error).as_ref().map(|e| e.clone_ref(py))
+    }
+
+    /// A native loop's exit, once it has ended: (reason, detail); None before, or
+    /// for a loop with a Python host (which reports to `on_exit`).
+    #[getter]
+    fn exit(&self) -> Option<(&'static str, String)> {
+        self.sink.as_ref().and_then(|(sink, _)| sink.exit())
+    }
+
+    /// A native loop's eventfd, readable once `exit` is set (the loop's: not to be
+    /// closed by the caller); None for a loop with a Python host.
+    #[getter]
+    fn exit_fd(&self) -> Option<RawFd> {
+        self.sink.as_ref().map(|(sink, _)| sink.event_fd())
+    }
+
+    /// A native loop's accesses nobody served: {"pio_reads", "pio_writes",
+    /// "mmio_reads", "mmio_writes"}; None for a loop with a Python host.
+    fn unclaimed(&self) -> Option<HashMap<&'static str, u64>> {
+        self.sink.as_ref().map(|(_, counts)| {
+            let c = *lock(counts);
+            HashMap::from([
+                ("pio_reads", c.pio_reads),
+                ("pio_writes", c.pio_writes),
+                ("mmio_reads", c.mmio_reads),
+                ("mmio_writes", c.mmio_writes),
+            ])
+        })
     }
 
     /// VM exits by reason name (KVM's names, lower case), and "intr" for kicks.
@@ -447,17 +786,17 @@ impl VcpuLoop {
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        // Only a loop that never started holds callbacks (a running one moved them
-        // into its thread, which drops them when it ends).
+        // Only a loop that never started holds its host (a running one moved it
+        // into its thread, which drops it when it ends).
         if let Ok(pending) = self.pending.try_lock() {
-            if let Some((_, cb)) = pending.as_ref() {
-                visit.call(&cb.pio)?;
-                visit.call(&cb.mmio)?;
-                visit.call(&cb.on_exit)?;
-                if let Some(console) = cb.console.as_ref() {
-                    visit.call(console)?;
-                }
-                if let Some(windows) = cb.windows.as_ref() {
+            let host = pending
+                .as_ref()
+                .and_then(|parts| parts.host.as_any().downcast_ref::<PyHost>());
+            if let Some(host) = host {
+                visit.call(&host.pio)?;
+                visit.call(&host.mmio)?;
+                visit.call(&host.on_exit)?;
+                if let Some(windows) = host.windows.as_ref() {
                     visit.call(windows)?;
                 }
             }
@@ -473,47 +812,57 @@ impl VcpuLoop {
 }
 
 /// How the loop ended: asked to stop (None), or an exit to report.
-type Ended = Option<(&'static str, String, Option<PyErr>)>;
+type Ended = Option<(&'static str, String)>;
 
-fn run_thread(mut vcpu: VcpuFd, callbacks: Callbacks, shared: Arc<Shared>) {
+fn run_thread(parts: Parts, shared: Arc<Shared>) {
+    let Parts {
+        mut vcpu,
+        host,
+        console,
+        _core,
+    } = parts;
     let flag: *mut u8 = &mut vcpu.get_kvm_run().immediate_exit;
     IMMEDIATE_EXIT.with(|f| f.set(flag));
     mask_kick(libc::SIG_UNBLOCK);
-    // One Python thread state for the thread's whole life, the GIL released: each
-    // exit's `Python::attach` is then a GIL take and release, not a thread state
-    // created and destroyed per exit (PyGILState_Ensure/Release on a thread without
-    // one).
-    // SAFETY: the interpreter is initialised (we were started from Python); the
-    // Ensure is balanced by the Release below, on this thread, after the matching
-    // RestoreThread; atexit stops every loop before the interpreter finalises.
-    let (gil, saved) = unsafe {
+    // A host that calls into Python gets one Python thread state for the thread's
+    // whole life, the GIL released: each exit's `Python::attach` is then a GIL take
+    // and release, not a thread state created and destroyed per exit
+    // (PyGILState_Ensure/Release on a thread without one). A native host has none.
+    let python = host.uses_python();
+    // SAFETY: the interpreter is initialised (a host that uses Python was made from
+    // Python); the Ensure is balanced by the Release below, on this thread, after
+    // the matching RestoreThread; atexit stops every loop before the interpreter
+    // finalises.
+    let thread_state = python.then(|| unsafe {
         let gil = pyo3::ffi::PyGILState_Ensure();
         (gil, pyo3::ffi::PyEval_SaveThread())
-    };
+    });
     {
         let mut ctl = lock(&shared.ctl);
         ctl.state = RunState::Running;
         shared.cond.notify_all();
     }
-    let ended = run_loop(&mut vcpu, &callbacks, &shared);
+    let ended = run_loop(&mut vcpu, host.as_ref(), console.as_deref(), &shared);
     // No kick may touch the run page from here on (it is unmapped with `vcpu`).
     IMMEDIATE_EXIT.with(|f| f.set(std::ptr::null_mut()));
-    Python::attach(|py| {
-        if let Some((reason, detail, err)) = ended {
-            if let Some(err) = err {
-                *lock(&shared.error) = Some(err.value(py).clone().into_any().unbind());
-            }
-            if let Err(err) = callbacks.on_exit.call1(py, (reason, detail)) {
-                err.write_unraisable(py, Some(callbacks.on_exit.bind(py)));
-            }
-        }
-        drop(callbacks);
-    });
+    if let Some((reason, detail)) = ended {
+        host.exited(reason, &detail);
+    }
+    if python {
+        // Its Python references are released with the GIL held.
+        Python::attach(|_py| drop(host));
+    } else {
+        drop(host);
+    }
+    drop(console);
     drop(vcpu);
-    // SAFETY: the state saved above, on this thread, with the GIL released since.
-    unsafe {
-        pyo3::ffi::PyEval_RestoreThread(saved);
-        pyo3::ffi::PyGILState_Release(gil);
+    drop(_core);
+    if let Some((gil, saved)) = thread_state {
+        // SAFETY: the state saved above, on this thread, with the GIL released since.
+        unsafe {
+            pyo3::ffi::PyEval_RestoreThread(saved);
+            pyo3::ffi::PyGILState_Release(gil);
+        }
     }
     let mut ctl = lock(&shared.ctl);
     ctl.state = RunState::Stopped;
@@ -550,7 +899,16 @@ enum Io {
     Out,
 }
 
-fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
+fn bus_error(failure: HostFailure) -> Ended {
+    Some(("vmm_error", failure.0))
+}
+
+fn run_loop(
+    vcpu: &mut VcpuFd,
+    host: &dyn VcpuHost,
+    console: Option<&ConsoleDevices>,
+    shared: &Shared,
+) -> Ended {
     loop {
         if !park_if_asked(vcpu, shared) {
             return None;
@@ -567,7 +925,7 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
             }
             Err(e) => {
                 let err = std::io::Error::from_raw_os_error(e.errno());
-                return Some(("vmm_error", format!("KVM_RUN: {err}"), None));
+                return Some(("vmm_error", format!("KVM_RUN: {err}")));
             }
             Ok(VcpuExit::IoIn(port, data)) => (Io::In, port, data.as_mut_ptr(), data.len()),
             Ok(VcpuExit::IoOut(port, data)) => {
@@ -575,43 +933,16 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
                 count_io(shared, "mmio", addr & !0xFFF);
-                let native = cb.windows.as_ref().and_then(|w| w.get().read(addr, data));
-                let served = match native {
-                    Some(mmio_py::ReadServed::Done) => Ok(()),
-                    Some(mmio_py::ReadServed::Device(handler, offset)) => Python::attach(|py| {
-                        let value = handler.call_method1(py, "read", (offset, data.len()));
-                        drop(handler);
-                        fill(data, value?.bind(py).extract::<&[u8]>()?);
-                        Ok(())
-                    }),
-                    None => Python::attach(|py| mmio_read(py, &cb.mmio, addr, data)),
-                };
-                match served {
+                match host.mmio_read(addr, data) {
                     Ok(()) => continue,
-                    Err(err) => return Some(bus_error(err)),
+                    Err(failure) => return bus_error(failure),
                 }
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 count_io(shared, "mmio", addr & !0xFFF);
-                let native = cb.windows.as_ref().and_then(|w| w.get().write(addr, data));
-                let written = match native {
-                    Some(mmio_py::WriteServed::Done) => Ok(()),
-                    Some(mmio_py::WriteServed::Events(handler, events)) => Python::attach(|py| {
-                        let applied = handler
-                            .call_method1(py, "apply_events", (mmio_py::events_to_py(events),))
-                            .map(drop);
-                        drop(handler);
-                        applied
-                    }),
-                    None => Python::attach(|py| {
-                        cb.mmio
-                            .call_method1(py, "write", (addr, PyBytes::new(py, data)))
-                            .map(drop)
-                    }),
-                };
-                match written {
+                match host.mmio_write(addr, data) {
                     Ok(()) => continue,
-                    Err(err) => return Some(bus_error(err)),
+                    Err(failure) => return bus_error(failure),
                 }
             }
             Ok(VcpuExit::Hlt) => {
@@ -628,7 +959,7 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
             }
             Ok(VcpuExit::Shutdown) => {
                 lock(&shared.counters).exit("shutdown");
-                return Some(("shutdown", "triple fault".to_string(), None));
+                return Some(("shutdown", "triple fault".to_string()));
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
                 lock(&shared.counters).exit("system_event");
@@ -638,24 +969,20 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
                     SYSTEM_EVENT_CRASH => "crash",
                     _ => "system_event",
                 };
-                return Some((reason, format!("system event {kind}"), None));
+                return Some((reason, format!("system event {kind}")));
             }
             Ok(VcpuExit::FailEntry(reason, _cpu)) => {
                 lock(&shared.counters).exit("fail_entry");
-                return Some((
-                    "fail_entry",
-                    format!("hardware entry failure {reason:#x}"),
-                    None,
-                ));
+                return Some(("fail_entry", format!("hardware entry failure {reason:#x}")));
             }
             Ok(VcpuExit::InternalError) => {
                 lock(&shared.counters).exit("internal_error");
-                return Some(("internal_error", internal_error_detail(vcpu), None));
+                return Some(("internal_error", internal_error_detail(vcpu)));
             }
             Ok(other) => {
                 let name = exit_name(&other);
                 lock(&shared.counters).exit(name);
-                return Some(("unhandled_exit", format!("exit reason {name}"), None));
+                return Some(("unhandled_exit", format!("exit reason {name}")));
             }
         };
         let (direction, port, ptr, len) = io;
@@ -672,42 +999,23 @@ fn run_loop(vcpu: &mut VcpuFd, cb: &Callbacks, shared: &Shared) -> Ended {
             return Some((
                 "vmm_error",
                 format!("port I/O exit at {port:#x}: {len} bytes of {size}-byte elements"),
-                None,
             ));
         }
-        if let Some(console) = cb.console.as_ref() {
-            match console
-                .get()
-                .pio(port, data, size, matches!(direction, Io::Out))
-            {
+        if let Some(console) = console {
+            match console.pio(port, data, size, matches!(direction, Io::Out)) {
                 Some(Served::Done) => continue,
                 Some(Served::Reset) => {
-                    return Some((
-                        "reset",
-                        "the guest pulsed the i8042 reset line".into(),
-                        None,
-                    ))
+                    return Some(("reset", "the guest pulsed the i8042 reset line".into()))
                 }
                 None => {}
             }
         }
-        let served = Python::attach(|py| -> PyResult<()> {
-            for chunk in data.chunks_exact_mut(size) {
-                match direction {
-                    Io::Out => {
-                        cb.pio
-                            .call_method1(py, "write", (port, PyBytes::new(py, chunk)))?;
-                    }
-                    Io::In => {
-                        let value = cb.pio.call_method1(py, "read", (port, size))?;
-                        fill(chunk, value.bind(py).extract::<&[u8]>()?);
-                    }
-                }
-            }
-            Ok(())
-        });
-        if let Err(err) = served {
-            return Some(bus_error(err));
+        let served = match direction {
+            Io::Out => host.pio_write(port, data, size),
+            Io::In => host.pio_read(port, data, size),
+        };
+        if let Err(failure) = served {
+            return bus_error(failure);
         }
     }
 }
@@ -723,22 +1031,6 @@ fn fill(dest: &mut [u8], value: &[u8]) {
     let n = dest.len().min(value.len());
     dest[..n].copy_from_slice(&value[..n]);
     dest[n..].fill(0xFF);
-}
-
-fn mmio_read(py: Python<'_>, mmio: &Py<PyAny>, addr: u64, data: &mut [u8]) -> PyResult<()> {
-    let value = mmio.call_method1(py, "read", (addr, data.len()))?;
-    fill(data, value.bind(py).extract::<&[u8]>()?);
-    Ok(())
-}
-
-fn bus_error(err: PyErr) -> (&'static str, String, Option<PyErr>) {
-    let detail = Python::attach(|py| {
-        err.value(py)
-            .repr()
-            .map(|r| r.to_string())
-            .unwrap_or_else(|_| "an exception".to_string())
-    });
-    ("vmm_error", detail, Some(err))
 }
 
 fn internal_error_detail(vcpu: &mut VcpuFd) -> String {

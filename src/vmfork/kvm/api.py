@@ -203,22 +203,10 @@ def create_vcpu(vm_fd: int, vcpu_id: int) -> int:
     return _ioctl(vm_fd, io.KVM_CREATE_VCPU, vcpu_id, op="KVM_CREATE_VCPU")
 
 
-def set_user_memory_region(vm_fd: int, slot: int, guest_phys: int, size: int,
-                           host_addr: int, flags: int = 0) -> None:
-    region = s.kvm_userspace_memory_region(slot=slot, flags=flags, guest_phys_addr=guest_phys,
-                                           memory_size=size, userspace_addr=host_addr)
-    _ioctl(vm_fd, io.KVM_SET_USER_MEMORY_REGION, region, op="KVM_SET_USER_MEMORY_REGION")
-
-
 def set_tss_addr(vm_fd: int, addr: int) -> None:
     # The address is an unsigned long above 2 GiB: passed as a plain integer
     # argument through c_void_p, never through fcntl's signed int.
     _ioctl(vm_fd, io.KVM_SET_TSS_ADDR, addr, op="KVM_SET_TSS_ADDR")
-
-
-def set_identity_map_addr(vm_fd: int, addr: int) -> None:
-    value = ctypes.c_uint64(addr)
-    _ioctl(vm_fd, io.KVM_SET_IDENTITY_MAP_ADDR, value, op="KVM_SET_IDENTITY_MAP_ADDR")
 
 
 def create_irqchip(vm_fd: int) -> None:

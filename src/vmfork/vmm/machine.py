@@ -8,14 +8,17 @@ mappings, threads, sockets); ``close`` releases all of them.
 Construction is a fixed recipe:
 
 1. open ``/dev/kvm``, check the API version and the capabilities we need;
-2. create the VM, its guest memory and the memory slots;
-3. create the in-kernel irqchip (PIC + IOAPIC + LAPICs) and PIT, the TSS and
-   identity-map pages;
+2. map guest memory;
+3. build the VM core in one native call (``_core.VmCore``, ``native/src/vm.rs``):
+   the VM, the memory slots, the TSS and identity-map pages, the in-kernel irqchip
+   (PIC + IOAPIC + LAPICs) and PIT, the vCPUs, and for a restore every SET ioctl
+   of the snapshot's VM and vCPU state;
 4. build the buses and the devices (``devices.manager`` holds them, gives each
    virtio device its slot and pin, and saves, restores and closes them all): COM1
    and the i8042, then the virtio-mmio devices, each with an irqfd line, announced
    to the kernel on its command line (``virtio_mmio.device=4K@<base>:<irq>``);
-5. load Linux (``x86.boot``) and create and set up the vCPUs.
+5. make a run loop per vCPU (its thread starts with ``start``), and load Linux
+   (``x86.boot``) and set the vCPUs up, or restore the devices.
 
 The machine ends when the guest resets (Linux ``reboot=k`` pulses the i8042
 reset line: that is both "reboot" and "power off" for a microVM, and what a
@@ -63,11 +66,14 @@ from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory, PremappedRam
-from vmfork.vmm.native import require_core
+from vmfork.vmm.native import CORE_BUILT, require_core
 from vmfork.vmm.vcpu import Vcpu, VcpuExitEvent, VcpuRunState
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import boot
 from vmfork.vmm.x86 import layout as L
+
+if CORE_BUILT:   # else no machine is made (Machine calls require_core first)
+    from vmfork import _core
 
 log = logging.getLogger(__name__)
 
@@ -305,8 +311,7 @@ class Machine:
         self.kvm_fd = self._fd(preopened if preopened is not None else api.open_kvm())
         self._check_kvm()
 
-        # 2. VM and memory
-        self.vm_fd = self._fd(api.create_vm(self.kvm_fd))
+        # 2. guest memory
         mem_size = config.mem_mib << 20
         if config.memory_file is not None:
             self.memory = GuestMemory.from_file_private(config.memory_file, mem_size,
@@ -317,20 +322,42 @@ class Machine:
         else:
             self.memory = GuestMemory.anonymous(mem_size)
         self._closers.append(self.memory.close)
-        for slot, region in enumerate(self.memory.regions):
-            api.set_user_memory_region(self.vm_fd, slot, region.guest_phys, region.size,
-                                       region.host_addr)
 
-        # 3. interrupt controllers, PIT, real-mode helper pages
-        api.set_tss_addr(self.vm_fd, L.TSS_ADDR)
-        api.set_identity_map_addr(self.vm_fd, L.IDENTITY_MAP_ADDR)
-        api.create_irqchip(self.vm_fd)
-        api.create_pit2(self.vm_fd)
+        # 3. the VM core, in one native call (native/src/vm.rs): the VM, a memory slot
+        # per region, the real-mode helper pages, the irqchip and PIT, the vCPUs and,
+        # for a restore, the snapshot's VM and vCPU state (restore.rs).
+        prepared: vmstate.PreparedRestore | None = None
+        if config.restore_state is not None:
+            prepared = config.restore_prepared or vmstate.prepare_restore(config.restore_state)
+            indices = [v.index for v in prepared.vcpus]
+        else:
+            indices = list(range(config.vcpus))
+        started = time.monotonic()
+        try:
+            self.core = _core.VmCore(
+                self.kvm_fd, [(r.guest_phys, r.size, r.host_addr) for r in self.memory.regions],
+                tss_addr=L.TSS_ADDR, identity_map_addr=L.IDENTITY_MAP_ADDR, vcpus=indices,
+                prepared=prepared.native if prepared is not None else None)
+        except _core.IoctlError as err:
+            raise vmstate.kvm_error(err) from err
+        # After the memory's closer, so run before it: KVM's slots name the mappings.
+        # The core's descriptors stay open until the last vCPU thread ends.
+        self._closers.append(self.core.close)
+        self.vm_fd = self.core.vm_fd
+        if prepared is not None:
+            report = self.core.restore_report
+            if report is None:   # buffers without the native half: the reference path
+                self.restore_refused_msrs = vmstate.apply_restore(
+                    self.kvm_fd, self.vm_fd, [self.core.vcpu_fd(i) for i in range(len(indices))],
+                    prepared)
+            else:
+                self.restore_refused_msrs = vmstate.report_native_restore(prepared, *report)
+        self.timings["vm_core"] = time.monotonic() - started
 
         self.vcpus: list[Vcpu] = []
         self._msr_candidates: list[int] | None = None
 
-        # 4. buses and devices
+        # 4. buses and devices (the vCPUs exist: their loops are made after the buses)
         self.pio_bus = Bus("pio")
         self.mmio_bus = Bus("mmio")
         self.loop = new_event_loop(f"vmm-io-{self.vm_id}")
@@ -360,13 +387,14 @@ class Machine:
         self.volume_devices: list[int] = []
         self._add_virtio_devices(config)
 
-        # 5. Linux (or a test payload, or a snapshot) and the vCPUs
+        # 5. the vCPU loops, and Linux (or a test payload), or the snapshot's devices
         cmdline = " ".join(p for p in (BASE_CMDLINE, *self._cmdline_devices,
                                        config.cmdline_extra) if p)
         self.cmdline = cmdline
+        for position, index in enumerate(indices):
+            self._new_vcpu(position, index)
         if config.restore_state is not None:
-            prepared = config.restore_prepared or vmstate.prepare_restore(config.restore_state)
-            self._restore(config.restore_state, prepared)
+            self._restore(config.restore_state)
             return
         if config.kernel is not None:
             self.boot_info = boot.load_linux(self.memory, config.kernel, config.initrd, cmdline,
@@ -375,30 +403,25 @@ class Machine:
             assert config.payload is not None
             self.boot_info = boot.load_flat_payload(self.memory, config.payload)
         supported = api.get_supported_cpuid(self.kvm_fd)
-        for index in range(config.vcpus):
-            self._setup_vcpu(self._new_vcpu(index), supported, index)
+        for vcpu in self.vcpus:
+            self._setup_vcpu(vcpu, supported, vcpu.index)
 
-    def _new_vcpu(self, index: int) -> Vcpu:
-        fd = self._fd(api.create_vcpu(self.vm_fd, index))
-        vcpu = Vcpu(index, fd, self.kvm_fd, self.vm_fd, self.pio_bus, self.mmio_bus,
-                    self._vcpu_exited, console=self.serial.console)
+    def _new_vcpu(self, position: int, index: int) -> Vcpu:
+        vcpu = Vcpu(index, self.core, position, self.pio_bus, self.mmio_bus, self._vcpu_exited,
+                    console=self.serial.console)
         self._closers.append(vcpu.close)
         self.vcpus.append(vcpu)
         return vcpu
 
-    def _restore(self, state: MachineState, prepared: vmstate.PreparedRestore) -> None:
-        """Restore order: the vCPUs are created, then VM state (PIT, clock, irqchips)
-        and vCPU state are set (``vmstate.apply_restore``), then devices
+    def _restore(self, state: MachineState) -> None:
+        """Restore order: the vCPUs were created and the VM state (PIT, clock,
+        irqchips) and vCPU state set with the VM core (step 3); then the devices
         (``DeviceManager.restore``: each virtio device before its transport, whose
         restore re-activates the device); vsock then posts TRANSPORT_RESET so the guest
         drops the parent's connections and accepts new ones."""
         started = time.monotonic()
-        vcpus = [self._new_vcpu(vcpu_state.index) for vcpu_state in prepared.vcpus]
-        # Per vCPU, the snapshot's MSRs this KVM refused (skipped, logged).
-        self.restore_refused_msrs = vmstate.apply_restore(self.kvm_fd, self.vm_fd,
-                                                          [v.fd for v in vcpus], prepared)
         self.devices.restore(state.devices)
-        self.timings["restore_state"] = time.monotonic() - started
+        self.timings["restore_state"] = self.timings["vm_core"] + time.monotonic() - started
 
     @property
     def virtio_devices(self) -> list[MmioTransport]:

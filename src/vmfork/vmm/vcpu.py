@@ -70,15 +70,18 @@ def _report(on_exit: Callable[[VcpuExitEvent], None], index: int, reason: str,
 
 
 class Vcpu:
-    def __init__(self, index: int, fd: int, kvm_fd: int, vm_fd: int, pio: Bus, mmio: Bus,
+    """vCPU ``index``, at ``position`` in the machine's VM core (``_core.VmCore``,
+    which owns its descriptor: ``fd`` is for the state ioctls, never closed here)."""
+
+    def __init__(self, index: int, core: _core.VmCore, position: int, pio: Bus, mmio: Bus,
                  on_exit: Callable[[VcpuExitEvent], None],
                  console: _core.Console | None = None) -> None:
         self.index = index
-        self.fd = fd
+        self.fd = core.vcpu_fd(position)
         self.pio = pio
         self.mmio = mmio
         self.on_exit = on_exit
-        self._loop = _core.VcpuLoop(kvm_fd, vm_fd, fd, index, pio, mmio,
+        self._loop = _core.VcpuLoop(core, position, pio, mmio,
                                     functools.partial(_report, on_exit, index), console,
                                     mmio.windows)
         _live.add(self)

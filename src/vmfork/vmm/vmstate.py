@@ -380,7 +380,9 @@ def apply_restore(kvm_fd: int, vm_fd: int, vcpu_fds: list[int],
     """Set a snapshot's VM and vCPU state on a fresh VM whose vCPUs exist
     (``vcpu_fds[i]`` is vCPU ``prepared.vcpus[i].index``): the VM state, then each
     vCPU, in the order the module docstring gives. Returns the MSRs KVM refused, per
-    vCPU (logged, not fatal). Natively when ``prepared`` has the native buffers."""
+    vCPU (logged, not fatal). Natively when ``prepared`` has the native buffers.
+    (A machine restores through its VM core, ``Machine._create``; this is the
+    reference path the tests hold the native one to, and bench/restore.py's.)"""
     if len(vcpu_fds) != len(prepared.vcpus):
         raise HostError(f"{len(vcpu_fds)} vCPUs for a snapshot of {len(prepared.vcpus)}",
                         op="restore")
@@ -388,15 +390,8 @@ def apply_restore(kvm_fd: int, vm_fd: int, vcpu_fds: list[int],
         try:
             refused, unscaled = _core.restore(kvm_fd, vm_fd, vcpu_fds, prepared.native)
         except _core.IoctlError as err:
-            code, op, index = err.args
-            raise api.KvmError(op, code, "" if index is None else f"vcpu{index}") from err
-        for index, wanted, host, code in unscaled:
-            log.warning("guest TSC was %d kHz, host is %d kHz and cannot scale it (%s): "
-                        "guest time may drift (vcpu%d)", wanted, host, os.strerror(code), index)
-        for vcpu, msrs in zip(prepared.vcpus, refused):
-            if msrs:
-                log.debug("vcpu%d: KVM refused MSRs %s", vcpu.index, [hex(m) for m in msrs])
-        return refused
+            raise kvm_error(err) from err
+        return report_native_restore(prepared, refused, unscaled)
     apply_vm(vm_fd, prepared.vm)
     host_tsc_khz = None
     refused = []
@@ -404,6 +399,26 @@ def apply_restore(kvm_fd: int, vm_fd: int, vcpu_fds: list[int],
         if host_tsc_khz is None:
             host_tsc_khz = api.get_tsc_khz(fd)
         refused.append(apply_vcpu(fd, vcpu, host_tsc_khz))
+    return refused
+
+
+def kvm_error(err: _core.IoctlError) -> api.KvmError:
+    """A native call's failed ioctl as the ``KvmError`` the Python wrappers raise
+    (the same op name and errno, the vCPU as detail)."""
+    code, op, index = err.args
+    return api.KvmError(op, code, "" if index is None else f"vcpu{index}")
+
+
+def report_native_restore(prepared: PreparedRestore, refused: list[list[int]],
+                          unscaled: list[tuple[int, int, int, int]]) -> list[list[int]]:
+    """Log what a native restore reported (TSC frequencies this host could not set,
+    MSRs KVM refused); returns the refused MSRs, per vCPU."""
+    for index, wanted, host, code in unscaled:
+        log.warning("guest TSC was %d kHz, host is %d kHz and cannot scale it (%s): "
+                    "guest time may drift (vcpu%d)", wanted, host, os.strerror(code), index)
+    for vcpu, msrs in zip(prepared.vcpus, refused):
+        if msrs:
+            log.debug("vcpu%d: KVM refused MSRs %s", vcpu.index, [hex(m) for m in msrs])
     return refused
 
 
