@@ -404,9 +404,13 @@ def apply_restore(kvm_fd: int, vm_fd: int, vcpu_fds: list[int],
 
 def kvm_error(err: _core.IoctlError) -> api.KvmError:
     """A native call's failed ioctl as the ``KvmError`` the Python wrappers raise
-    (the same op name and errno, the vCPU as detail)."""
-    code, op, index = err.args
-    return api.KvmError(op, code, "" if index is None else f"vcpu{index}")
+    (the same op name and errno, the vCPU as detail). Read by attribute: an
+    ``OSError`` made with three arguments keeps only two in ``args`` (the third is
+    its ``filename``, here the vCPU index), so unpacking ``args`` failed exactly for
+    a per-vCPU ioctl."""
+    index = err.filename
+    return api.KvmError(str(err.strerror), int(err.errno or 0),
+                        "" if index is None else f"vcpu{index}")
 
 
 def report_native_restore(prepared: PreparedRestore, refused: list[list[int]],
