@@ -9,7 +9,9 @@
 //!
 //! File descriptors stay Python's: a call borrows them, duplicates the ones it
 //! hands to `kvm-ioctls` (whose wrappers own and close their fd) while it holds
-//! the GIL, and closes its duplicates before it returns.
+//! the GIL, and closes its duplicates before it returns. The exception is the VM
+//! core (`vm.rs`): the VM and vCPU descriptors it creates are its own, read (never
+//! closed) by Python, and kept open by each vCPU loop until its thread ends.
 
 mod balloon_serve;
 mod blk;
