@@ -161,6 +161,14 @@ pub enum Served {
 }
 
 impl ConsoleDevices {
+    /// COM1 raising `irq`, its lines written to `log` within `budget`, and the i8042.
+    pub fn new(irq: IrqFd, log: Option<File>, budget: LogBudget) -> Self {
+        ConsoleDevices {
+            uart: Mutex::new(Serial::new(irq, ConsoleOut::new(log, budget))),
+            listeners: Mutex::new(Vec::new()),
+        }
+    }
+
     /// Serve a port access if it is ours (`None` if it is not).
     /// `data` is `size`-byte elements (string I/O has several); like the chips, the
     /// devices see the low byte of each and read as one byte, zero-extended.
@@ -253,12 +261,8 @@ impl Console {
             None => None,
         };
         let budget = LogBudget::new("console", log_burst, log_per_second, log_total_bytes);
-        let out = ConsoleOut::new(log, budget);
         Ok(Console {
-            devices: Arc::new(ConsoleDevices {
-                uart: Mutex::new(Serial::new(irq, out)),
-                listeners: Mutex::new(Vec::new()),
-            }),
+            devices: Arc::new(ConsoleDevices::new(irq, log, budget)),
         })
     }
 
