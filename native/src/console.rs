@@ -52,6 +52,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// COM1's interrupt: the eventfd its GSI is bound to with KVM_IRQFD.
 pub struct IrqFd(OwnedFd);
 
+impl IrqFd {
+    pub fn new(eventfd: OwnedFd) -> Self {
+        IrqFd(eventfd)
+    }
+}
+
 impl Trigger for IrqFd {
     type E = std::io::Error;
 
@@ -143,15 +149,21 @@ type Uart = Serial<IrqFd, NoEvents, ConsoleOut>;
 /// an `Arc`), so a loop serves them with no Python object in hand.
 pub struct ConsoleDevices {
     uart: Mutex<Uart>,
-    /// Called only while registered (a booting parent waiting for its agent).
-    listeners: Mutex<Vec<Py<PyAny>>>,
+    /// Where finished lines go while someone listens (a booting parent waiting for
+    /// its agent); called with no lock held.
+    line_sink: Mutex<Option<LineSink>>,
 }
+
+/// A receiver of console lines, called on a vCPU thread.
+pub type LineSink = Arc<dyn Fn(&[String]) + Send + Sync>;
 
 /// `_core.Console`: the PyO3 wrapper of [`ConsoleDevices`] (`devices/serial.py`
 /// wraps it as the machine's `serial`).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct Console {
     devices: Arc<ConsoleDevices>,
+    /// The Python line listeners, behind the devices' line sink once one is added.
+    listeners: Arc<Mutex<Vec<Py<PyAny>>>>,
 }
 
 /// What a port access to the console devices asks of the vCPU loop.
@@ -165,8 +177,14 @@ impl ConsoleDevices {
     pub fn new(irq: IrqFd, log: Option<File>, budget: LogBudget) -> Self {
         ConsoleDevices {
             uart: Mutex::new(Serial::new(irq, ConsoleOut::new(log, budget))),
-            listeners: Mutex::new(Vec::new()),
+            line_sink: Mutex::new(None),
         }
+    }
+
+    /// Send every console line from now on to `sink` too.
+    pub fn set_line_sink(&self, sink: LineSink) {
+        *lock(&self.line_sink) = Some(sink);
+        lock(&self.uart).writer_mut().listening = true;
     }
 
     /// Serve a port access if it is ours (`None` if it is not).
@@ -211,20 +229,26 @@ impl ConsoleDevices {
     }
 
     fn tell_listeners(&self, lines: Vec<String>) {
-        Python::attach(|py| {
-            let listeners: Vec<Py<PyAny>> = lock(&self.listeners)
-                .iter()
-                .map(|l| l.clone_ref(py))
-                .collect();
-            for line in &lines {
-                for listener in &listeners {
-                    if let Err(err) = listener.call1(py, (line.as_str(),)) {
-                        err.write_unraisable(py, Some(listener.bind(py)));
-                    }
+        let sink = lock(&self.line_sink).clone();
+        if let Some(sink) = sink {
+            sink(&lines);
+        }
+    }
+}
+
+/// Call each Python listener with each line, the GIL taken (and no Rust lock held
+/// when a listener runs).
+fn tell_python(listeners: &Mutex<Vec<Py<PyAny>>>, lines: &[String]) {
+    Python::attach(|py| {
+        let listeners: Vec<Py<PyAny>> = lock(listeners).iter().map(|l| l.clone_ref(py)).collect();
+        for line in lines {
+            for listener in &listeners {
+                if let Err(err) = listener.call1(py, (line.as_str(),)) {
+                    err.write_unraisable(py, Some(listener.bind(py)));
                 }
             }
-        });
-    }
+        }
+    });
 }
 
 impl Console {
@@ -263,6 +287,7 @@ impl Console {
         let budget = LogBudget::new("console", log_burst, log_per_second, log_total_bytes);
         Ok(Console {
             devices: Arc::new(ConsoleDevices::new(irq, log, budget)),
+            listeners: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -294,8 +319,18 @@ impl Console {
 
     /// Call `listener(line)` for every console line from now on (on a vCPU thread).
     fn add_line_listener(&self, listener: Py<PyAny>) {
-        lock(&self.devices.listeners).push(listener);
-        lock(&self.devices.uart).writer_mut().listening = true;
+        let first = {
+            let mut listeners = lock(&self.listeners);
+            listeners.push(listener);
+            listeners.len() == 1
+        };
+        if first {
+            let listeners = self.listeners.clone();
+            self.devices
+                .set_line_sink(Arc::new(move |lines: &[String]| {
+                    tell_python(&listeners, lines)
+                }));
+        }
     }
 
     /// The last lines of output and the line being written, joined by newlines.

@@ -236,9 +236,9 @@ pub trait VcpuHost: Send + 'static {
     /// The vCPU ended for good (`reason` is one of the loop's reasons); called once,
     /// as the loop's last step before its thread lets go of the vCPU.
     fn exited(&self, reason: &'static str, detail: &str);
-    /// Whether the thread needs a Python thread state (it calls into Python, and
-    /// drops the host with the GIL held).
-    fn uses_python(&self) -> bool;
+    /// Run the vCPU thread's `body` (the loop, then the exit report) in the thread
+    /// state this host needs, and let go of the host there.
+    fn host_thread(self: Box<Self>, body: &mut dyn FnMut(&dyn VcpuHost));
     /// The host as `Any`, for the Python wrapper's garbage-collector support.
     fn as_any(&self) -> &dyn std::any::Any;
 }
@@ -355,8 +355,27 @@ impl VcpuHost for PyHost {
         });
     }
 
-    fn uses_python(&self) -> bool {
-        true
+    fn host_thread(self: Box<Self>, body: &mut dyn FnMut(&dyn VcpuHost)) {
+        // One Python thread state for the thread's whole life, the GIL released: each
+        // exit's `Python::attach` is then a GIL take and release, not a thread state
+        // created and destroyed per exit (PyGILState_Ensure/Release on a thread
+        // without one).
+        // SAFETY: the interpreter is initialised (this host was made from Python);
+        // the Ensure is balanced by the Release below, on this thread, after the
+        // matching RestoreThread; atexit stops every loop before the interpreter
+        // finalises.
+        let (gil, saved) = unsafe {
+            let gil = pyo3::ffi::PyGILState_Ensure();
+            (gil, pyo3::ffi::PyEval_SaveThread())
+        };
+        body(&*self);
+        // Its Python references are released with the GIL held.
+        Python::attach(|_py| drop(self));
+        // SAFETY: the state saved above, on this thread, with the GIL released since.
+        unsafe {
+            pyo3::ffi::PyEval_RestoreThread(saved);
+            pyo3::ffi::PyGILState_Release(gil);
+        }
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -465,8 +484,8 @@ impl VcpuHost for NativeHost {
         self.sink.record(reason, detail);
     }
 
-    fn uses_python(&self) -> bool {
-        false
+    fn host_thread(self: Box<Self>, body: &mut dyn FnMut(&dyn VcpuHost)) {
+        body(&*self);
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
@@ -819,51 +838,27 @@ fn run_thread(parts: Parts, shared: Arc<Shared>) {
         mut vcpu,
         host,
         console,
-        _core,
+        _core: core,
     } = parts;
     let flag: *mut u8 = &mut vcpu.get_kvm_run().immediate_exit;
     IMMEDIATE_EXIT.with(|f| f.set(flag));
     mask_kick(libc::SIG_UNBLOCK);
-    // A host that calls into Python gets one Python thread state for the thread's
-    // whole life, the GIL released: each exit's `Python::attach` is then a GIL take
-    // and release, not a thread state created and destroyed per exit
-    // (PyGILState_Ensure/Release on a thread without one). A native host has none.
-    let python = host.uses_python();
-    // SAFETY: the interpreter is initialised (a host that uses Python was made from
-    // Python); the Ensure is balanced by the Release below, on this thread, after
-    // the matching RestoreThread; atexit stops every loop before the interpreter
-    // finalises.
-    let thread_state = python.then(|| unsafe {
-        let gil = pyo3::ffi::PyGILState_Ensure();
-        (gil, pyo3::ffi::PyEval_SaveThread())
+    host.host_thread(&mut |host| {
+        {
+            let mut ctl = lock(&shared.ctl);
+            ctl.state = RunState::Running;
+            shared.cond.notify_all();
+        }
+        let ended = run_loop(&mut vcpu, host, console.as_deref(), &shared);
+        // No kick may touch the run page from here on (it is unmapped with `vcpu`).
+        IMMEDIATE_EXIT.with(|f| f.set(std::ptr::null_mut()));
+        if let Some((reason, detail)) = ended {
+            host.exited(reason, &detail);
+        }
     });
-    {
-        let mut ctl = lock(&shared.ctl);
-        ctl.state = RunState::Running;
-        shared.cond.notify_all();
-    }
-    let ended = run_loop(&mut vcpu, host.as_ref(), console.as_deref(), &shared);
-    // No kick may touch the run page from here on (it is unmapped with `vcpu`).
-    IMMEDIATE_EXIT.with(|f| f.set(std::ptr::null_mut()));
-    if let Some((reason, detail)) = ended {
-        host.exited(reason, &detail);
-    }
-    if python {
-        // Its Python references are released with the GIL held.
-        Python::attach(|_py| drop(host));
-    } else {
-        drop(host);
-    }
     drop(console);
     drop(vcpu);
-    drop(_core);
-    if let Some((gil, saved)) = thread_state {
-        // SAFETY: the state saved above, on this thread, with the GIL released since.
-        unsafe {
-            pyo3::ffi::PyEval_RestoreThread(saved);
-            pyo3::ffi::PyGILState_Release(gil);
-        }
-    }
+    drop(core);
     let mut ctl = lock(&shared.ctl);
     ctl.state = RunState::Stopped;
     shared.cond.notify_all();
@@ -1059,5 +1054,118 @@ fn exit_name(exit: &VcpuExit<'_>) -> &'static str {
         VcpuExit::X86Rdmsr(_) => "x86_rdmsr",
         VcpuExit::X86Wrmsr(_) => "x86_wrmsr",
         _ => "other",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::console::IrqFd;
+    use crate::log_budget::LogBudget;
+    use crate::vm::{Layout, Region};
+    use kvm_ioctls::Kvm;
+
+    // Real mode at 0x1000: in al,0xe9; inc al; jnz 1f; out 0xe9,al;
+    // 1: mov al,0xfe; out 0x64,al (the i8042's reset); hlt. The write to 0xe9 happens
+    // only if the unclaimed read gave all ones.
+    const READ_E9_THEN_RESET: [u8; 13] = [
+        0xE4, 0xE9, 0xFE, 0xC0, 0x75, 0x02, 0xE6, 0xE9, 0xB0, 0xFE, 0xE6, 0x64, 0xF4,
+    ];
+    const ENTRY: usize = 0x1000;
+
+    fn eventfd() -> OwnedFd {
+        // SAFETY: eventfd2 with constant flags, checked; a new descriptor we own.
+        unsafe {
+            let fd = libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK);
+            assert!(fd >= 0);
+            OwnedFd::from_raw_fd(fd)
+        }
+    }
+
+    /// A machine wired in Rust alone: the VM core, the console devices and a loop
+    /// with the native host; no Python object is made and the interpreter is never
+    /// entered (this test binary does not even link libpython).
+    #[test]
+    fn a_vcpu_runs_to_its_exit_with_no_python_object() {
+        let Ok(kvm) = Kvm::new() else {
+            eprintln!("skipped: no usable /dev/kvm");
+            return;
+        };
+        let size = 1 << 20;
+        // SAFETY: an anonymous private mapping with no address hint, checked; never
+        // unmapped in this test process, so it outlives the VM.
+        let ram = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ram, libc::MAP_FAILED);
+        // SAFETY: ENTRY + the code's length is inside the mapping made above.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                READ_E9_THEN_RESET.as_ptr(),
+                ram.cast::<u8>().add(ENTRY),
+                READ_E9_THEN_RESET.len(),
+            )
+        };
+        let region = Region {
+            guest_phys: 0,
+            size: size as u64,
+            host_addr: ram as u64,
+        };
+        let layout = Layout {
+            tss_addr: 0xFFFB_D000,
+            identity_map_addr: 0xFFFB_C000,
+        };
+        // SAFETY: the mapping stays for the test process's life.
+        let (core, _) = unsafe { VmCore::create(&kvm, &[region], layout, &[0], None) }
+            .expect("a VM on this host's KVM");
+        let (_, vcpu) = core.vcpu(0).expect("vCPU 0");
+        let mut sregs = vcpu.get_sregs().expect("sregs");
+        sregs.cs.base = 0;
+        sregs.cs.selector = 0;
+        vcpu.set_sregs(&sregs).expect("sregs");
+        let mut regs = vcpu.get_regs().expect("regs");
+        regs.rip = ENTRY as u64;
+        regs.rflags = 2;
+        vcpu.set_regs(&regs).expect("regs");
+
+        let console = Arc::new(ConsoleDevices::new(
+            IrqFd::new(eventfd()),
+            None,
+            LogBudget::new("console", 0, 0.0, 0),
+        ));
+        let sink = ExitSink::new().expect("eventfd");
+        let (host, unclaimed) = NativeHost::new(sink.clone());
+        // Never dropped, not even by a failed assertion's unwinding: the wrapper's slot
+        // for a Python host's exception is a Python reference, whose drop would link
+        // libpython into this test binary.
+        let vloop = std::mem::ManuallyDrop::new(
+            VcpuLoop::build(Arc::new(core), 0, Box::new(host), Some(console))
+                .expect("a loop on the core"),
+        );
+        vloop.start_thread(false).expect("a thread");
+        let mut ready = libc::pollfd {
+            fd: sink.event_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, live for the call.
+        let n = unsafe { libc::poll(&mut ready, 1, 60_000) };
+        assert_eq!(n, 1, "no exit within 60 s");
+        assert_eq!(
+            sink.exit(),
+            Some(("reset", "the guest pulsed the i8042 reset line".to_string()))
+        );
+        let counts = *lock(&unclaimed);
+        assert_eq!((counts.pio_reads, counts.pio_writes), (1, 1));
+        assert_eq!((counts.mmio_reads, counts.mmio_writes), (0, 0));
+        assert!(vloop.stop_thread(Duration::from_secs(5)));
+        assert_eq!(lock(&vloop.shared.ctl).state.name(), "stopped");
     }
 }
