@@ -4,7 +4,7 @@
 //! duplicates and writes, and where it sends what it cannot act on itself
 //! (`DeviceEvents`: Python's callback, or a native record that needs no Python).
 
-use std::os::fd::{BorrowedFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyOSError, PyValueError};
@@ -181,15 +181,44 @@ pub struct EventRecord {
 }
 
 /// A device's events kept in Rust, for a machine wired with no Python: counters and the
-/// last fault's message, read later (`record`). Nothing goes to Python.
+/// last fault's message, read later (`record`), and, given its transport, what the
+/// Python transport's `_device_error` does with a fault: DEVICE_NEEDS_RESET for the
+/// activation's epoch and the configuration-change interrupt. Nothing goes to Python.
 #[cfg_attr(not(test), allow(dead_code))]
 #[derive(Default)]
 pub struct NativeEvents {
     record: Mutex<EventRecord>,
+    transport: Option<Transport>,
+}
+
+/// The register file a fault sets DEVICE_NEEDS_RESET in, the activation's epoch, and the
+/// interrupt's eventfd (the KVM irqfd, a duplicate owned here).
+struct Transport {
+    registers: Arc<Mutex<Registers>>,
+    epoch: u64,
+    irq: OwnedFd,
 }
 
 #[cfg_attr(not(test), allow(dead_code))]
 impl NativeEvents {
+    /// Counters and the last fault only.
+    pub fn new() -> Self {
+        NativeEvents::default()
+    }
+
+    /// A fault also sets DEVICE_NEEDS_RESET in `registers` for `epoch` and, when that
+    /// is new, signals `irq` (InterruptStatus's config-change bit is set with it).
+    pub fn for_transport(registers: Arc<Mutex<Registers>>, epoch: u64, irq: OwnedFd) -> Self {
+        NativeEvents {
+            record: Mutex::default(),
+            transport: Some(Transport {
+                registers,
+                epoch,
+                irq,
+            }),
+        }
+    }
+
     pub fn record(&self) -> EventRecord {
         self.record
             .lock()
@@ -206,20 +235,32 @@ impl<D: Details> DeviceEvents<D> for NativeEvents {
             record.reports += 1;
             record.details += count;
         }
-        if let Some(fault) = fault {
-            record.faults += 1;
-            let mut text = match fault {
-                QueueError::Virtqueue(m) => m,
-                QueueError::Memory(e) => e.to_string(),
-            };
-            if text.len() > MAX_FAULT_TEXT {
-                let mut cut = MAX_FAULT_TEXT;
-                while !text.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                text.truncate(cut);
+        let fault = fault?;
+        record.faults += 1;
+        let mut text = match fault {
+            QueueError::Virtqueue(m) => m,
+            QueueError::Memory(e) => e.to_string(),
+        };
+        if text.len() > MAX_FAULT_TEXT {
+            let mut cut = MAX_FAULT_TEXT;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
             }
-            record.last_fault = Some(text);
+            text.truncate(cut);
+        }
+        record.last_fault = Some(text.clone());
+        drop(record);
+        if let Some(t) = &self.transport {
+            // The record's lock is released: a server's locks come before the
+            // register file's, and none is held here.
+            let newly = t
+                .registers
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .device_error(text, t.epoch);
+            if newly {
+                write_eventfd(t.irq.as_raw_fd());
+            }
         }
         None
     }
@@ -252,7 +293,7 @@ mod tests {
 
     #[test]
     fn native_events_count_and_keep_the_last_fault_bounded() {
-        let native = Arc::new(NativeEvents::default());
+        let native = Arc::new(NativeEvents::new());
         let events: Arc<dyn DeviceEvents<Vec<u8>>> = native.clone();
         // Nothing to report: the sink is not called at all.
         assert!(report(&events, None, Vec::new()).is_none());

@@ -22,7 +22,9 @@
 //!   `RESET_ACK_WAIT_S` are deadlines in a heap; the timerfd is set to the earliest.
 //!   Entries for a connection that went away meanwhile expire as no-ops.
 //! * **What goes to Python** (`on_fault(error)`, with the GIL): a guest fault only (the
-//!   device becomes NEEDS_RESET). A healthy device never takes the GIL.
+//!   device becomes NEEDS_RESET). A healthy device never takes the GIL. It goes through
+//!   the server's `DeviceEvents`: `VsockServe` installs Python's `on_fault`; a machine
+//!   wired in Rust (`VsockServer::new`) a native record.
 //!
 //! Locks, in this order: `inner`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -1403,9 +1405,8 @@ impl VsockServer {
     }
 
     /// Take the queues at an activation and deliver a pending transport reset; a guest
-    /// fault found doing it comes back. The previous activation's part is returned, to
-    /// be dropped where the caller chooses.
-    fn attach(&self, a: Activation) -> (Option<QueueError>, Option<Arc<Attached>>) {
+    /// fault found doing it comes back.
+    pub fn attach(&self, a: Activation) -> Option<QueueError> {
         let att = Arc::new(Attached {
             ram: a.ram,
             registers: a.registers,
@@ -1425,7 +1426,8 @@ impl VsockServer {
             inner.interrupts = 0;
             inner.attached.replace(att)
         };
-        (self.serve(Work::Notify(EV)), old)
+        drop(old); // after the lock: the old activation's irqfd closes outside it
+        self.serve(Work::Notify(EV))
     }
 
     /// One wake (any thread; the loop thread calls it without the GIL). A guest fault
@@ -1592,8 +1594,7 @@ impl VsockServe {
             reset_ack_wait: seconds(reset_ack_wait),
         };
         let server = self.server.clone();
-        let (fault, old) = py.detach(move || server.attach(activation));
-        drop(old);
+        let fault = py.detach(move || server.attach(activation));
         match fault {
             Some(e) => Err(crate::virtio_py::py_error(py, e)),
             None => Ok(()),
@@ -1611,7 +1612,7 @@ impl VsockServe {
             inner.holding = false;
             inner.attached.take()
         };
-        drop(old); // with the GIL
+        drop(old); // after the lock: the activation's irqfd closes outside it
     }
 
     /// The driver notified queue `queue` and the call comes from Python (a QueueNotify
