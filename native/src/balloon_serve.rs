@@ -26,7 +26,9 @@
 //! * **What goes to Python** (`on_report(fault or None, discard errors)`, with the GIL
 //!   after the turn's native work): a guest fault (the queues stop, Python sets
 //!   DEVICE_NEEDS_RESET) and the failed `madvise` calls to log. A healthy balloon never
-//!   takes the GIL.
+//!   takes the GIL. Both go through the server's `DeviceEvents`: `BalloonQueues`
+//!   installs Python's `on_report`; a machine wired in Rust (`BalloonServer::new`) a
+//!   native record, and then nothing goes to Python.
 //!
 //! Locks, in this order: `state`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -41,9 +43,10 @@ use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
-use crate::guest_ram::{Ram, RamError};
+use crate::guest_ram::{GuestRam as GuestRamInner, Ram, RamError};
+use crate::mmio::Registers;
 use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, dup, raise_used_buffer, rearm, PyQueue};
+use crate::queue_server::{self, dup, raise_used_buffer, rearm, DeviceEvents, PyOnReport, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -85,14 +88,17 @@ struct BalloonState {
 struct Report {
     fault: Option<QueueError>,
     /// (start, length, errno) of failed `madvise` calls, for Python to log.
-    discard_errors: Vec<(u64, u64, i32)>,
+    discard_errors: Vec<DiscardError>,
     /// The budget was spent and there is no ioeventfd to re-arm with.
     rearm: bool,
 }
 
+/// (start, length, errno) of a failed `madvise`: the details a wake reports.
+pub type DiscardError = (u64, u64, i32);
+
 pub struct BalloonServer {
-    ram: Py<GuestRam>,
-    registers: Py<MmioRegisters>,
+    ram: Arc<GuestRamInner>,
+    registers: Arc<Mutex<Registers>>,
     epoch: u64,
     rings: [Rings; 3],
     /// The numbers of the transport's ioeventfds the loop calls `ready` for.
@@ -103,7 +109,9 @@ pub struct BalloonServer {
     /// Captures in flight (`hold`/`release`): their drops are kept.
     holds: AtomicU64,
     state: Mutex<BalloonState>,
-    on_report: Py<PyAny>,
+    /// Where a guest fault and the failed discards go (Python's `on_report`, or a
+    /// native record).
+    events: Arc<dyn DeviceEvents<Vec<DiscardError>>>,
 }
 
 /// One buffer's outcome on the reporting queue.
@@ -115,6 +123,57 @@ enum Discard {
 }
 
 impl BalloonServer {
+    /// A server for the inflate, deflate and reporting queues' ready `rings` (checked by
+    /// the caller: `Virtqueue.validate` from Python), their ring indices starting at
+    /// `indices`, for the transport's activation `epoch`; `irq` is the interrupt's
+    /// eventfd (the KVM irqfd), `notify` the queues' ioeventfds (the numbers the loop
+    /// calls `ready` with) and `rearm` duplicates of them, owned from here on; `advice`
+    /// the `madvise` advice that drops a page from this machine's RAM mapping.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ram: Arc<GuestRamInner>,
+        registers: Arc<Mutex<Registers>>,
+        epoch: u64,
+        rings: [Rings; 3],
+        indices: [(u16, u16); 3],
+        irq: OwnedFd,
+        notify: [Option<RawFd>; 3],
+        rearm: [Option<OwnedFd>; 3],
+        max_chains: u32,
+        advice: i32,
+        events: Arc<dyn DeviceEvents<Vec<DiscardError>>>,
+    ) -> Result<Self, String> {
+        if max_chains == 0 {
+            return Err("max_chains must be at least 1".to_owned());
+        }
+        if advice != libc::MADV_DONTNEED && advice != libc::MADV_REMOVE {
+            return Err(format!(
+                "advice {advice} is neither MADV_DONTNEED nor MADV_REMOVE"
+            ));
+        }
+        Ok(BalloonServer {
+            ram,
+            registers,
+            epoch,
+            rings,
+            notify,
+            max_chains,
+            advice,
+            holds: AtomicU64::new(0),
+            state: Mutex::new(BalloonState {
+                indices,
+                counters: Counters::default(),
+                last_report: None,
+                failed: false,
+                closed: false,
+                interrupts: 0,
+                irq: Some(irq),
+                rearm,
+            }),
+            events,
+        })
+    }
+
     /// Drop the whole pages of guest range `gpa`+`length` (the rule in `balloon.py`'s
     /// module comment).
     fn discard(&self, ram: &Ram<'_>, gpa: u64, length: u32) -> Result<Discard, QueueError> {
@@ -157,10 +216,10 @@ impl BalloonServer {
     fn serve(&self, index: usize) -> Report {
         let mut report = Report::default();
         let mut st = lock(&self.state);
-        if st.closed || st.failed || lock(&self.registers.get().regs).failed_in(self.epoch) {
+        if st.closed || st.failed || lock(&self.registers).failed_in(self.epoch) {
             return report;
         }
-        let Ok(ram) = self.ram.get().ram.lock() else {
+        let Ok(ram) = self.ram.lock() else {
             return report; // guest memory is closed: the machine is going away
         };
         let rings = &self.rings[index];
@@ -231,9 +290,9 @@ impl BalloonServer {
         report
     }
 
-    /// The report's Python half, if it has one.
-    fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
-        queue_server::report(self, |s| &s.on_report, report.fault, report.discard_errors)
+    /// Hand the report to the events, if it has anything for them.
+    fn deferred(&self, report: Report) -> Option<Deferred> {
+        queue_server::report(&self.events, report.fault, report.discard_errors)
     }
 }
 
@@ -265,8 +324,8 @@ impl BalloonQueues {
                         advice, on_report))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        ram: Py<GuestRam>,
-        registers: Py<MmioRegisters>,
+        ram: &Bound<'_, GuestRam>,
+        registers: &Bound<'_, MmioRegisters>,
         epoch: u64,
         queues: [PyQueue; 3],
         irq_fd: RawFd,
@@ -281,41 +340,27 @@ impl BalloonQueues {
             queue_server::rings("deflate", queues[1], false)?,
             queue_server::rings("reporting", queues[2], false)?,
         ];
-        if max_chains == 0 {
-            return Err(PyValueError::new_err("max_chains must be at least 1"));
-        }
-        if advice != libc::MADV_DONTNEED && advice != libc::MADV_REMOVE {
-            return Err(PyValueError::new_err(format!(
-                "advice {advice} is neither MADV_DONTNEED nor MADV_REMOVE"
-            )));
-        }
         let irq = dup(irq_fd)?;
         let mut rearm: [Option<OwnedFd>; 3] = [None, None, None];
         for (slot, fd) in rearm.iter_mut().zip(notify_fds) {
             *slot = fd.map(dup).transpose()?;
         }
+        let server = BalloonServer::new(
+            ram.get().ram(),
+            registers.get().regs.clone(),
+            epoch,
+            rings,
+            queues.map(|q| (q.4, q.5)),
+            irq,
+            notify_fds,
+            rearm,
+            max_chains,
+            advice,
+            Arc::new(PyOnReport(on_report)),
+        )
+        .map_err(PyValueError::new_err)?;
         Ok(BalloonQueues {
-            server: Arc::new(BalloonServer {
-                ram,
-                registers,
-                epoch,
-                rings,
-                notify: notify_fds,
-                max_chains,
-                advice,
-                holds: AtomicU64::new(0),
-                state: Mutex::new(BalloonState {
-                    indices: queues.map(|q| (q.4, q.5)),
-                    counters: Counters::default(),
-                    last_report: None,
-                    failed: false,
-                    closed: false,
-                    interrupts: 0,
-                    irq: Some(irq),
-                    rearm,
-                }),
-                on_report,
-            }),
+            server: Arc::new(server),
         })
     }
 
@@ -391,8 +436,6 @@ impl BalloonQueues {
 
     /// The Python objects it holds, for the collector (see `RngQueue.__traverse__`).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.server.ram)?;
-        visit.call(&self.server.registers)?;
-        visit.call(&self.server.on_report)
+        self.server.events.traverse(&visit)
     }
 }

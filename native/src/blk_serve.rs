@@ -18,7 +18,8 @@
 //! * **What goes to Python** (`on_report(fault or None, warnings)`, with the GIL after
 //!   the turn's native work): a guest fault (the queue stops; Python sets
 //!   DEVICE_NEEDS_RESET) and the host failures `blk.py` logs. A healthy disk never
-//!   takes the GIL.
+//!   takes the GIL. Both go through the server's `DeviceEvents`: `BlkQueue` installs
+//!   Python's `on_report`; a machine wired in Rust (`BlkServer::new`) a native record.
 //!
 //! Locks, in this order: `state`, then `media`, then guest RAM's, then the register
 //! file's. None is held across a GIL take or release.
@@ -32,8 +33,10 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::blk::{self, Counters, Disk, Warning};
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
+use crate::guest_ram::GuestRam as Ram;
+use crate::mmio::Registers;
 use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, dup, raise_used_buffer, rearm, PyQueue};
+use crate::queue_server::{self, dup, raise_used_buffer, rearm, DeviceEvents, PyOnReport, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{QueueError, Rings};
 
@@ -74,9 +77,20 @@ struct Report {
     more: bool,
 }
 
+/// A host failure as `blk.py` logs it (`Warning::as_tuple`): the details a wake reports.
+pub type WarningFields = (&'static str, u64, u64, i64);
+
+/// The disk a `BlkServer` starts with; `fd` stays the caller's (see `BlkQueue.detach`).
+pub struct MediaSpec<'a> {
+    pub fd: Option<RawFd>,
+    pub capacity: u64,
+    pub read_only: bool,
+    pub id: &'a [u8],
+}
+
 pub struct BlkServer {
-    ram: Py<GuestRam>,
-    registers: Py<MmioRegisters>,
+    ram: Arc<Ram>,
+    registers: Arc<Mutex<Registers>>,
     epoch: u64,
     rings: Rings,
     /// The number of the transport's ioeventfd the loop calls `ready` for.
@@ -85,15 +99,68 @@ pub struct BlkServer {
     max_bytes: u64,
     state: Mutex<BlkState>,
     media: Mutex<Media>,
-    on_report: Py<PyAny>,
+    /// Where a guest fault and the host failures go (Python's `on_report`, or a native
+    /// record).
+    events: Arc<dyn DeviceEvents<Vec<WarningFields>>>,
 }
 
 impl BlkServer {
+    /// A server for the ready queue `rings` (checked by the caller: `Virtqueue.validate`
+    /// from Python) whose ring indices start at `next_avail`/`next_used`, for the
+    /// transport's activation `epoch`; `irq` is the interrupt's eventfd (the KVM irqfd),
+    /// `notify` the queue's ioeventfd (the number the loop calls `ready` with) and
+    /// `rearm` a duplicate of it, owned from here on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ram: Arc<Ram>,
+        registers: Arc<Mutex<Registers>>,
+        epoch: u64,
+        rings: Rings,
+        (next_avail, next_used): (u16, u16),
+        irq: OwnedFd,
+        notify: Option<RawFd>,
+        rearm: Option<OwnedFd>,
+        media: MediaSpec<'_>,
+        max_requests: u32,
+        max_bytes: u64,
+        events: Arc<dyn DeviceEvents<Vec<WarningFields>>>,
+    ) -> Result<Self, String> {
+        if max_requests == 0 || max_bytes == 0 {
+            return Err("max_requests and max_bytes must be at least 1".to_owned());
+        }
+        Ok(BlkServer {
+            ram,
+            registers,
+            epoch,
+            rings,
+            notify,
+            max_requests,
+            max_bytes,
+            state: Mutex::new(BlkState {
+                next_avail,
+                next_used,
+                counters: Counters::default(),
+                failed: false,
+                closed: false,
+                interrupts: 0,
+                irq: Some(irq),
+                rearm,
+            }),
+            media: Mutex::new(Media {
+                fd: media.fd,
+                capacity: media.capacity,
+                read_only: media.read_only,
+                id: media.id[..media.id.len().min(blk::ID_BYTES)].to_vec(),
+            }),
+            events,
+        })
+    }
+
     /// One wake (any thread; the loop thread calls it without the GIL).
     fn serve(&self) -> Report {
         let mut report = Report::default();
         let mut st = lock(&self.state);
-        if st.closed || st.failed || lock(&self.registers.get().regs).failed_in(self.epoch) {
+        if st.closed || st.failed || lock(&self.registers).failed_in(self.epoch) {
             return report;
         }
         let media = lock(&self.media);
@@ -103,7 +170,7 @@ impl BlkServer {
             read_only: media.read_only,
             id: &media.id,
         };
-        let Ok(ram) = self.ram.get().ram.lock() else {
+        let Ok(ram) = self.ram.lock() else {
             return report; // guest memory is closed: the machine is going away
         };
         let s = blk::serve(
@@ -139,10 +206,10 @@ impl BlkServer {
         report
     }
 
-    /// The report's Python half, if it has one.
-    fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
+    /// Hand the report to the events, if it has anything for them.
+    fn deferred(&self, report: Report) -> Option<Deferred> {
         let warnings = report.warnings.iter().map(Warning::as_tuple).collect();
-        queue_server::report(self, |s| &s.on_report, report.fault, warnings)
+        queue_server::report(&self.events, report.fault, warnings)
     }
 }
 
@@ -175,8 +242,8 @@ impl BlkQueue {
                         read_only, disk_id, max_requests, max_bytes, on_report))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        ram: Py<GuestRam>,
-        registers: Py<MmioRegisters>,
+        ram: &Bound<'_, GuestRam>,
+        registers: &Bound<'_, MmioRegisters>,
         epoch: u64,
         queue: PyQueue,
         irq_fd: RawFd,
@@ -191,41 +258,31 @@ impl BlkQueue {
     ) -> PyResult<Self> {
         // EVENT_IDX is not offered: blk interrupts after every batch.
         let rings = queue_server::rings("request", queue, false)?;
-        let (next_avail, next_used) = (queue.4, queue.5);
-        if max_requests == 0 || max_bytes == 0 {
-            return Err(PyValueError::new_err(
-                "max_requests and max_bytes must be at least 1",
-            ));
-        }
         let irq = dup(irq_fd)?;
         let rearm = notify_fd.map(dup).transpose()?;
+        let media = MediaSpec {
+            fd: (fd >= 0).then_some(fd),
+            capacity,
+            read_only,
+            id: disk_id,
+        };
+        let server = BlkServer::new(
+            ram.get().ram(),
+            registers.get().regs.clone(),
+            epoch,
+            rings,
+            (queue.4, queue.5),
+            irq,
+            notify_fd,
+            rearm,
+            media,
+            max_requests,
+            max_bytes,
+            Arc::new(PyOnReport(on_report)),
+        )
+        .map_err(PyValueError::new_err)?;
         Ok(BlkQueue {
-            server: Arc::new(BlkServer {
-                ram,
-                registers,
-                epoch,
-                rings,
-                notify: notify_fd,
-                max_requests,
-                max_bytes,
-                state: Mutex::new(BlkState {
-                    next_avail,
-                    next_used,
-                    counters: Counters::default(),
-                    failed: false,
-                    closed: false,
-                    interrupts: 0,
-                    irq: Some(irq),
-                    rearm,
-                }),
-                media: Mutex::new(Media {
-                    fd: (fd >= 0).then_some(fd),
-                    capacity,
-                    read_only,
-                    id: disk_id[..disk_id.len().min(blk::ID_BYTES)].to_vec(),
-                }),
-                on_report,
-            }),
+            server: Arc::new(server),
         })
     }
 
@@ -291,8 +348,6 @@ impl BlkQueue {
 
     /// The Python objects it holds, for the collector (see `RngQueue.__traverse__`).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.server.ram)?;
-        visit.call(&self.server.registers)?;
-        visit.call(&self.server.on_report)
+        self.server.events.traverse(&visit)
     }
 }

@@ -15,6 +15,13 @@
 //! (`Deferred`: a guest fault, a line to log). A server may take one of its own fds out
 //! of the epoll set and put it back (`LoopLink::watch`), keeping its reader.
 //!
+//! The loop is generic over its host (`LoopHost`): `PyHost`, the VMM's loop behind
+//! `_core.EventLoop`, runs Python callbacks, `call_soon`, `call_later` and the
+//! servers' `Deferred` work with the GIL; `NoPython` (`NativeLoop`) serves native readers
+//! only, in a process with no interpreter: a machine wired in Rust. The loop's code is
+//! the same for both; the host decides only what a turn's non-native work is and what
+//! the thread does around its body.
+//!
 //! Order of one turn: the ready readers' callbacks, then every queued `call_soon`
 //! (including those queued meanwhile), then the due timers. A reader removed by an
 //! earlier callback of the same turn is not called.
@@ -78,17 +85,113 @@ pub trait NativeReader: Send + Sync {
     fn bind(&self, _link: LoopLink) {}
 }
 
-/// What serves a readable fd: a Python callback (with the GIL), or a native handler
-/// (without it).
-enum Reader {
-    Python(Py<PyAny>),
+/// What serves a readable fd: the host's callback (a Python callable, with the GIL), or
+/// a native handler (without it).
+enum Reader<C> {
+    Callback(C),
     Native(Arc<dyn NativeReader>),
+}
+
+/// What a loop runs besides its native readers, and what its thread does around its
+/// body.
+pub trait LoopHost: Send + Sync + Sized + 'static {
+    /// A callback the host registers for an fd, queues or times.
+    type Callback: Send;
+
+    /// Run the loop thread's body.
+    fn run_thread(body: impl FnOnce());
+
+    /// A turn's work for the host, after its native work: what the native readers
+    /// handed back, then the ready callbacks of `fds`, the queued calls, the due timers.
+    fn serve(shared: &Shared<Self>, fds: &[RawFd], deferred: Vec<Deferred>);
+
+    /// Drop what is left when the loop ends (on the loop thread, in `run_thread`).
+    fn drop_callbacks(callbacks: Vec<Self::Callback>);
+}
+
+/// The VMM's loop: Python callbacks, each run as `dispatch(callback)` with the GIL.
+pub struct PyHost {
+    /// The Python function each callback is passed to (`NativeEventLoop._call`, which
+    /// logs and counts what a callback raises).
+    dispatch: Py<PyAny>,
+}
+
+impl LoopHost for PyHost {
+    type Callback = Py<PyAny>;
+
+    fn run_thread(body: impl FnOnce()) {
+        // One Python thread state for the thread's life, the GIL released (see vcpu.rs):
+        // each turn's `Python::attach` is then a GIL take, not a thread state made anew.
+        // SAFETY: the interpreter is initialised (we were started from Python); the
+        // Ensure is balanced by the Release below, on this thread, after the matching
+        // RestoreThread; the Python wrapper's atexit hook stops every loop before the
+        // interpreter finalises.
+        let (gil, saved) = unsafe {
+            let gil = pyo3::ffi::PyGILState_Ensure();
+            (gil, pyo3::ffi::PyEval_SaveThread())
+        };
+        body();
+        // SAFETY: the state saved above, on this thread; then the Ensure's Release.
+        unsafe {
+            pyo3::ffi::PyEval_RestoreThread(saved);
+            pyo3::ffi::PyGILState_Release(gil);
+        }
+    }
+
+    fn serve(shared: &Shared<Self>, fds: &[RawFd], deferred: Vec<Deferred>) {
+        Python::attach(|py| {
+            for work in deferred {
+                work(py);
+            }
+            serve_python(py, shared, fds);
+        });
+    }
+
+    fn drop_callbacks(callbacks: Vec<Py<PyAny>>) {
+        Python::attach(|_py| drop(callbacks));
+    }
+}
+
+/// A callback that cannot exist: a loop without Python registers none.
+pub enum NoCallback {}
+
+/// A loop for a machine wired in Rust: native readers only, no interpreter needed.
+pub struct NoPython;
+
+impl LoopHost for NoPython {
+    type Callback = NoCallback;
+
+    fn run_thread(body: impl FnOnce()) {
+        body();
+    }
+
+    fn serve(_shared: &Shared<Self>, _fds: &[RawFd], deferred: Vec<Deferred>) {
+        // Only a server given a Python sink hands work back, and a machine wired in Rust
+        // gives its servers native ones (`queue_server::NativeEvents`): a wiring bug,
+        // said rather than run (there is no interpreter to run it with).
+        if !deferred.is_empty() {
+            eprintln!(
+                "vmfork event loop: {} report(s) for Python dropped: a server on a loop \
+                 without Python reports to Python",
+                deferred.len()
+            );
+        }
+    }
+
+    fn drop_callbacks(callbacks: Vec<NoCallback>) {
+        drop(callbacks);
+    }
+}
+
+/// What `LoopLink` reaches: the loop's fd interest, whatever its host.
+trait Watch: Send + Sync {
+    fn watch(&self, fd: RawFd, on: bool) -> bool;
 }
 
 /// A native handler's weak link to the loop it is registered with (weak: the loop
 /// holds the handler, and a strong link back would be a cycle never freed).
 #[derive(Clone)]
-pub struct LoopLink(Weak<Shared>);
+pub struct LoopLink(Weak<dyn Watch>);
 
 impl LoopLink {
     /// Watch `fd` for readability (`on`) or stop watching it, keeping its reader: a
@@ -98,14 +201,20 @@ impl LoopLink {
     /// make the loop watch an fd that has no reader (which would spin the loop); false if
     /// it is not (or the loop is gone).
     pub fn watch(&self, fd: RawFd, on: bool) -> bool {
-        let Some(shared) = self.0.upgrade() else {
-            return false;
-        };
-        let state = lock(&shared.state);
+        match self.0.upgrade() {
+            Some(shared) => shared.watch(fd, on),
+            None => false,
+        }
+    }
+}
+
+impl<H: LoopHost> Watch for Shared<H> {
+    fn watch(&self, fd: RawFd, on: bool) -> bool {
+        let state = lock(&self.state);
         if !matches!(state.readers.get(&fd), Some(Reader::Native(_))) {
             return false;
         }
-        let io = shared.io();
+        let io = self.io();
         let Some(io) = io.as_ref() else {
             return false;
         };
@@ -125,14 +234,13 @@ impl LoopLink {
     }
 }
 
-#[derive(Default)]
-struct State {
-    readers: HashMap<RawFd, Reader>,
-    pending: VecDeque<Py<PyAny>>,
+struct State<C> {
+    readers: HashMap<RawFd, Reader<C>>,
+    pending: VecDeque<C>,
     /// Due time and sequence number (ties run in `call_later` order); the callback is
     /// in `timer_callbacks` under the sequence number.
     timers: TimerHeap,
-    timer_callbacks: HashMap<u64, Py<PyAny>>,
+    timer_callbacks: HashMap<u64, C>,
     next_seq: u64,
     stopping: bool,
     started: bool,
@@ -140,12 +248,28 @@ struct State {
     thread: Option<ThreadId>,
 }
 
-impl State {
+impl<C> Default for State<C> {
+    fn default() -> Self {
+        State {
+            readers: HashMap::new(),
+            pending: VecDeque::new(),
+            timers: TimerHeap::new(),
+            timer_callbacks: HashMap::new(),
+            next_seq: 0,
+            stopping: false,
+            started: false,
+            finished: false,
+            thread: None,
+        }
+    }
+}
+
+impl<C> State<C> {
     fn epoll_timeout(&self, now: Instant) -> i32 {
         epoll_timeout(&self.timers, now)
     }
 
-    fn pop_due_timer(&mut self, now: Instant) -> Option<Py<PyAny>> {
+    fn pop_due_timer(&mut self, now: Instant) -> Option<C> {
         match self.timers.peek() {
             Some(Reverse((due, _))) if *due <= now => {
                 let Reverse((_, seq)) = self.timers.pop()?;
@@ -155,12 +279,13 @@ impl State {
         }
     }
 
-    /// Take every Python object out, to be dropped with the GIL held.
-    fn take_objects(&mut self) -> Vec<Py<PyAny>> {
-        let mut out: Vec<Py<PyAny>> = Vec::new();
+    /// Take every callback out, to be dropped as the host drops them (Python's with
+    /// the GIL held).
+    fn take_objects(&mut self) -> Vec<C> {
+        let mut out: Vec<C> = Vec::new();
         for (_, reader) in self.readers.drain() {
             match reader {
-                Reader::Python(cb) => out.push(cb),
+                Reader::Callback(cb) => out.push(cb),
                 // Its Python references go when the last Arc does; the loop thread
                 // drops its clones right after serving.
                 Reader::Native(handler) => drop(handler),
@@ -179,15 +304,13 @@ struct Io {
     wake: EventFd,
 }
 
-pub struct Shared {
+pub struct Shared<H: LoopHost> {
     io: RwLock<Option<Io>>,
-    state: Mutex<State>,
-    /// The Python function each callback is passed to (`NativeEventLoop._call`, which
-    /// logs and counts what a callback raises).
-    dispatch: Py<PyAny>,
+    state: Mutex<State<H::Callback>>,
+    host: H,
 }
 
-impl Shared {
+impl<H: LoopHost> Shared<H> {
     fn io(&self) -> RwLockReadGuard<'_, Option<Io>> {
         self.io.read().unwrap_or_else(|p| p.into_inner())
     }
@@ -207,15 +330,215 @@ impl Shared {
     }
 }
 
+/// Why a reader was not added.
+#[derive(Debug)]
+pub enum AddError {
+    InvalidFd(RawFd),
+    AlreadyRegistered(RawFd),
+    Stopped,
+    Epoll(RawFd, std::io::Error),
+}
+
+/// Why the loop's thread was not started.
+#[derive(Debug)]
+pub enum StartError {
+    AlreadyStarted,
+    Spawn(std::io::Error),
+}
+
+/// One loop and its thread, for either host (`_core.EventLoop` wraps a `PyHost` one;
+/// `NativeLoop` is the one without Python).
+pub struct Loop<H: LoopHost> {
+    name: String,
+    shared: Arc<Shared<H>>,
+    handle: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A loop that serves native readers in a process with no interpreter.
+pub type NativeLoop = Loop<NoPython>;
+
+// Until the native machine assembly builds its loop, only the cargo tests that wire a
+// device in Rust run one.
+#[cfg_attr(not(test), allow(dead_code))]
+impl NativeLoop {
+    pub fn new(name: String) -> std::io::Result<Self> {
+        Loop::with_host(name, NoPython)
+    }
+
+    /// End the loop and wait for its thread (from the loop thread itself: only ask).
+    pub fn stop(&self) {
+        if !self.request_stop() {
+            self.join();
+        }
+        NoPython::drop_callbacks(self.take_callbacks());
+    }
+}
+
+impl<H: LoopHost> Loop<H> {
+    fn with_host(name: String, host: H) -> std::io::Result<Self> {
+        let epoll = Epoll::new()?;
+        let wake = EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC)?;
+        epoll.ctl(
+            ControlOperation::Add,
+            wake.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, WAKE_TOKEN),
+        )?;
+        Ok(Loop {
+            name,
+            shared: Arc::new(Shared {
+                io: RwLock::new(Some(Io { epoll, wake })),
+                state: Mutex::new(State::default()),
+                host,
+            }),
+            handle: Mutex::new(None),
+        })
+    }
+
+    /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
+    /// device's native server, which knows what each of its fds is.
+    pub fn add_native(&self, fd: RawFd, handler: Arc<dyn NativeReader>) -> Result<(), AddError> {
+        let shared: Weak<dyn Watch> = Arc::downgrade(&self.shared) as Weak<Shared<H>>;
+        handler.bind(LoopLink(shared));
+        self.add(fd, Reader::Native(handler))
+    }
+
+    fn add(&self, fd: RawFd, reader: Reader<H::Callback>) -> Result<(), AddError> {
+        if fd < 0 {
+            return Err(AddError::InvalidFd(fd));
+        }
+        let mut state = lock(&self.shared.state);
+        {
+            if state.readers.contains_key(&fd) {
+                // As selectors does: a second registration of one fd is a caller's bug.
+                return Err(AddError::AlreadyRegistered(fd));
+            }
+            let io = self.shared.io();
+            let Some(io) = io.as_ref() else {
+                return Err(AddError::Stopped);
+            };
+            io.epoll
+                .ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, fd as u64),
+                )
+                .map_err(|e| AddError::Epoll(fd, e))?;
+        }
+        state.readers.insert(fd, reader);
+        Ok(())
+    }
+
+    /// Stop watching `fd`; its reader comes back, to be dropped as the host drops it.
+    fn remove(&self, fd: RawFd) -> Option<Reader<H::Callback>> {
+        let mut state = lock(&self.shared.state);
+        let old = state.readers.remove(&fd);
+        if old.is_some() {
+            if let Some(io) = self.shared.io().as_ref() {
+                // The fd may be closed already (then epoll dropped it itself).
+                let _ = io
+                    .epoll
+                    .ctl(ControlOperation::Delete, fd, EpollEvent::default());
+            }
+        }
+        old
+    }
+
+    /// Start the loop's thread.
+    pub fn start(&self) -> Result<(), StartError> {
+        {
+            let mut state = lock(&self.shared.state);
+            if state.started {
+                return Err(StartError::AlreadyStarted);
+            }
+            state.started = true;
+        }
+        let shared = self.shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name(self.name.chars().take(15).collect())
+            .spawn(move || H::run_thread(|| run_turns(&shared)));
+        let handle = match spawned {
+            Ok(h) => h,
+            Err(e) => {
+                lock(&self.shared.state).started = false;
+                return Err(StartError::Spawn(e));
+            }
+        };
+        lock(&self.shared.state).thread = Some(handle.thread().id());
+        *lock(&self.handle) = Some(handle);
+        Ok(())
+    }
+
+    /// Ask the loop to end; true if called from the loop thread itself (which then
+    /// closes the loop's fds as it ends: nothing to wait for).
+    fn request_stop(&self) -> bool {
+        let own_thread = {
+            let mut state = lock(&self.shared.state);
+            state.stopping = true;
+            state.thread == Some(std::thread::current().id())
+        };
+        self.shared.wake();
+        own_thread
+    }
+
+    /// Wait for the loop thread (not from itself), then close the loop's fds: the
+    /// thread is gone (or never ran).
+    fn join(&self) {
+        let handle = lock(&self.handle).take();
+        if let Some(handle) = handle {
+            let _ = handle.join();
+        }
+        self.shared.close_io();
+    }
+
+    /// The callbacks still held (after a stop: queued ones are never run).
+    fn take_callbacks(&self) -> Vec<H::Callback> {
+        lock(&self.shared.state).take_objects()
+    }
+
+    fn in_loop_thread(&self) -> bool {
+        lock(&self.shared.state).thread == Some(std::thread::current().id())
+    }
+
+    pub fn running(&self) -> bool {
+        let state = lock(&self.shared.state);
+        state.started && !state.finished && !state.stopping
+    }
+
+    /// How many readers, queued calls and timers there are (tests, stats).
+    pub fn counts(&self) -> (usize, usize, usize) {
+        let state = lock(&self.shared.state);
+        (state.readers.len(), state.pending.len(), state.timers.len())
+    }
+}
+
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct EventLoop {
-    name: String,
-    shared: Arc<Shared>,
-    handle: Mutex<Option<JoinHandle<()>>>,
+    inner: Loop<PyHost>,
 }
 
 fn os_error(what: &str, err: std::io::Error) -> PyErr {
     PyOSError::new_err((err.raw_os_error().unwrap_or(0), format!("{what}: {err}")))
+}
+
+impl EventLoop {
+    fn add(&self, fd: RawFd, reader: Reader<Py<PyAny>>) -> PyResult<()> {
+        self.inner.add(fd, reader).map_err(|e| self.add_error(e))
+    }
+
+    fn add_error(&self, e: AddError) -> PyErr {
+        match e {
+            AddError::InvalidFd(fd) => {
+                PyValueError::new_err(format!("invalid file descriptor {fd}"))
+            }
+            AddError::AlreadyRegistered(fd) => {
+                PyValueError::new_err(format!("{fd} is already registered"))
+            }
+            AddError::Stopped => {
+                PyRuntimeError::new_err(format!("{}: the loop is stopped", self.inner.name))
+            }
+            AddError::Epoll(fd, e) => os_error(&format!("epoll_ctl(add {fd})"), e),
+        }
+    }
 }
 
 #[pymethods]
@@ -224,35 +547,19 @@ impl EventLoop {
     /// `dispatch(callback)`.
     #[new]
     fn new(name: String, dispatch: Py<PyAny>) -> PyResult<Self> {
-        let epoll = Epoll::new().map_err(|e| os_error("epoll_create1", e))?;
-        let wake =
-            EventFd::new(EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(|e| os_error("eventfd", e))?;
-        epoll
-            .ctl(
-                ControlOperation::Add,
-                wake.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, WAKE_TOKEN),
-            )
-            .map_err(|e| os_error("epoll_ctl(wake)", e))?;
-        Ok(EventLoop {
-            name,
-            shared: Arc::new(Shared {
-                io: RwLock::new(Some(Io { epoll, wake })),
-                state: Mutex::new(State::default()),
-                dispatch,
-            }),
-            handle: Mutex::new(None),
-        })
+        let inner = Loop::with_host(name, PyHost { dispatch })
+            .map_err(|e| os_error("event loop set-up", e))?;
+        Ok(EventLoop { inner })
     }
 
     #[getter]
     fn name(&self) -> &str {
-        &self.name
+        &self.inner.name
     }
 
     /// Call `callback()` on the loop thread whenever `fd` is readable (level-triggered).
     fn add_reader(&self, fd: RawFd, callback: Py<PyAny>) -> PyResult<()> {
-        self.add(fd, Reader::Python(callback))
+        self.add(fd, Reader::Callback(callback))
     }
 
     /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
@@ -275,40 +582,29 @@ impl EventLoop {
                 handler.get_type().name()?
             )));
         };
-        reader.bind(LoopLink(Arc::downgrade(&self.shared)));
-        self.add(fd, Reader::Native(reader))
+        self.inner
+            .add_native(fd, reader)
+            .map_err(|e| self.add_error(e))
     }
 
     /// Stop watching `fd` (nothing happens if it is not watched).
     fn remove_reader(&self, _py: Python<'_>, fd: RawFd) {
-        let old = {
-            let mut state = lock(&self.shared.state);
-            let old = state.readers.remove(&fd);
-            if old.is_some() {
-                if let Some(io) = self.shared.io().as_ref() {
-                    // The fd may be closed already (then epoll dropped it itself).
-                    let _ = io
-                        .epoll
-                        .ctl(ControlOperation::Delete, fd, EpollEvent::default());
-                }
-            }
-            old
-        };
         // Dropped here, with the GIL (`_py`) held.
-        drop(old);
+        drop(self.inner.remove(fd));
     }
 
     /// Run `callback()` on the loop thread (safe from any thread). After a stop it is
     /// dropped: nothing runs it.
     fn call_soon(&self, callback: Py<PyAny>) {
+        let shared = &self.inner.shared;
         {
-            let mut state = lock(&self.shared.state);
+            let mut state = lock(&shared.state);
             if state.stopping || state.finished {
                 return;
             }
             state.pending.push_back(callback);
         }
-        self.shared.wake();
+        shared.wake();
     }
 
     /// Run `callback()` on the loop thread `delay` seconds from now (or later).
@@ -318,8 +614,9 @@ impl EventLoop {
         }
         // A delay beyond any machine's life is capped rather than overflowing Instant.
         let delay = Duration::from_secs_f64(delay.clamp(0.0, 1e9));
+        let shared = &self.inner.shared;
         {
-            let mut state = lock(&self.shared.state);
+            let mut state = lock(&shared.state);
             if state.stopping || state.finished {
                 return Ok(()); // never run: the loop is stopping
             }
@@ -329,109 +626,42 @@ impl EventLoop {
             state.timer_callbacks.insert(seq, callback);
         }
         // The loop may be waiting with a longer (or no) timeout.
-        self.shared.wake();
+        shared.wake();
         Ok(())
     }
 
     fn in_loop_thread(&self) -> bool {
-        lock(&self.shared.state).thread == Some(std::thread::current().id())
+        self.inner.in_loop_thread()
     }
 
     #[getter]
     fn running(&self) -> bool {
-        let state = lock(&self.shared.state);
-        state.started && !state.finished && !state.stopping
+        self.inner.running()
     }
 
     fn start(&self) -> PyResult<()> {
-        {
-            let mut state = lock(&self.shared.state);
-            if state.started {
-                return Err(PyRuntimeError::new_err(format!(
-                    "{} already started",
-                    self.name
-                )));
+        self.inner.start().map_err(|e| match e {
+            StartError::AlreadyStarted => {
+                PyRuntimeError::new_err(format!("{} already started", self.inner.name))
             }
-            state.started = true;
-        }
-        let shared = self.shared.clone();
-        let spawned = std::thread::Builder::new()
-            .name(self.name.chars().take(15).collect())
-            .spawn(move || run_thread(&shared));
-        let handle = match spawned {
-            Ok(h) => h,
-            Err(e) => {
-                lock(&self.shared.state).started = false;
-                return Err(os_error(&format!("{}: thread", self.name), e));
-            }
-        };
-        lock(&self.shared.state).thread = Some(handle.thread().id());
-        *lock(&self.handle) = Some(handle);
-        Ok(())
+            StartError::Spawn(e) => os_error(&format!("{}: thread", self.inner.name), e),
+        })
     }
 
     /// End the loop and wait for its thread (from the loop thread itself: only ask).
     /// Callbacks still queued are dropped.
     fn stop(&self, py: Python<'_>) {
-        let own_thread = {
-            let mut state = lock(&self.shared.state);
-            state.stopping = true;
-            state.thread == Some(std::thread::current().id())
-        };
-        self.shared.wake();
-        if !own_thread {
-            let handle = lock(&self.handle).take();
-            if let Some(handle) = handle {
-                // The loop thread may be waiting for the GIL to run a callback.
-                py.detach(|| {
-                    let _ = handle.join();
-                });
-            }
-            // The thread is gone (or never ran); from its own thread, it closes them
-            // itself as it ends.
-            self.shared.close_io();
+        if !self.inner.request_stop() {
+            // The loop thread may be waiting for the GIL to run a callback.
+            py.detach(|| self.inner.join());
         }
-        let objects = lock(&self.shared.state).take_objects();
-        drop(objects);
+        // Dropped here, with the GIL held.
+        drop(self.inner.take_callbacks());
     }
 
     /// How many readers, queued calls and timers there are (tests, stats).
     fn counts(&self) -> (usize, usize, usize) {
-        let state = lock(&self.shared.state);
-        (state.readers.len(), state.pending.len(), state.timers.len())
-    }
-}
-
-impl EventLoop {
-    fn add(&self, fd: RawFd, reader: Reader) -> PyResult<()> {
-        if fd < 0 {
-            return Err(PyValueError::new_err(format!(
-                "invalid file descriptor {fd}"
-            )));
-        }
-        let mut state = lock(&self.shared.state);
-        {
-            if state.readers.contains_key(&fd) {
-                // As selectors does: a second registration of one fd is a caller's bug.
-                return Err(PyValueError::new_err(format!("{fd} is already registered")));
-            }
-            let io = self.shared.io();
-            let Some(io) = io.as_ref() else {
-                return Err(PyRuntimeError::new_err(format!(
-                    "{}: the loop is stopped",
-                    self.name
-                )));
-            };
-            io.epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, fd as u64),
-                )
-                .map_err(|e| os_error(&format!("epoll_ctl(add {fd})"), e))?;
-        }
-        state.readers.insert(fd, reader);
-        Ok(())
+        self.inner.counts()
     }
 }
 
@@ -441,17 +671,8 @@ struct Ready {
     woken: bool,
 }
 
-fn run_thread(shared: &Arc<Shared>) {
-    // One Python thread state for the thread's life, the GIL released (see vcpu.rs):
-    // each turn's `Python::attach` is then a GIL take, not a thread state made anew.
-    // SAFETY: the interpreter is initialised (we were started from Python); the Ensure
-    // is balanced by the Release below, on this thread, after the matching
-    // RestoreThread; the Python wrapper's atexit hook stops every loop before the
-    // interpreter finalises.
-    let (gil, saved) = unsafe {
-        let gil = pyo3::ffi::PyGILState_Ensure();
-        (gil, pyo3::ffi::PyEval_SaveThread())
-    };
+/// The loop thread's body (inside `LoopHost::run_thread`).
+fn run_turns<H: LoopHost>(shared: &Arc<Shared<H>>) {
     let mut events = [EpollEvent::default(); MAX_EVENTS];
     loop {
         let timeout = {
@@ -496,7 +717,7 @@ fn run_thread(shared: &Arc<Shared>) {
         for fd in ready.fds {
             let native = match lock(&shared.state).readers.get(&fd) {
                 Some(Reader::Native(handler)) => Some(handler.clone()),
-                Some(Reader::Python(_)) => None,
+                Some(Reader::Callback(_)) => None,
                 None => continue, // removed meanwhile
             };
             match native {
@@ -515,12 +736,7 @@ fn run_thread(shared: &Arc<Shared>) {
                 || state.pop_due_check(Instant::now())
         };
         if python_work {
-            Python::attach(|py| {
-                for work in deferred {
-                    work(py);
-                }
-                serve_python(py, shared, &python_fds);
-            });
+            H::serve(shared, &python_fds, deferred);
         }
     }
     let objects = {
@@ -528,16 +744,11 @@ fn run_thread(shared: &Arc<Shared>) {
         state.finished = true;
         state.take_objects()
     };
-    Python::attach(|_py| drop(objects));
+    H::drop_callbacks(objects);
     shared.close_io();
-    // SAFETY: the state saved above, on this thread; then the Ensure's Release.
-    unsafe {
-        pyo3::ffi::PyEval_RestoreThread(saved);
-        pyo3::ffi::PyGILState_Release(gil);
-    }
 }
 
-impl State {
+impl<C> State<C> {
     fn pop_due_check(&self, now: Instant) -> bool {
         timer_due(&self.timers, now)
     }
@@ -570,18 +781,19 @@ pub(crate) fn drain_eventfd(fd: RawFd) {
     let _ = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
 }
 
-fn call(py: Python<'_>, shared: &Shared, callback: Py<PyAny>) {
-    if let Err(err) = shared.dispatch.call1(py, (callback,)) {
+fn call(py: Python<'_>, shared: &Shared<PyHost>, callback: Py<PyAny>) {
+    let dispatch = &shared.host.dispatch;
+    if let Err(err) = dispatch.call1(py, (callback,)) {
         // `dispatch` catches what callbacks raise; this is a BaseException it let
         // through (or its own failure): reported, and the loop goes on.
-        err.write_unraisable(py, Some(shared.dispatch.bind(py)));
+        err.write_unraisable(py, Some(dispatch.bind(py)));
     }
 }
 
-fn serve_python(py: Python<'_>, shared: &Shared, fds: &[RawFd]) {
+fn serve_python(py: Python<'_>, shared: &Shared<PyHost>, fds: &[RawFd]) {
     for fd in fds {
         let callback = match lock(&shared.state).readers.get(fd) {
-            Some(Reader::Python(cb)) => Some(cb.clone_ref(py)),
+            Some(Reader::Callback(cb)) => Some(cb.clone_ref(py)),
             _ => None,
         };
         if let Some(callback) = callback {

@@ -23,6 +23,8 @@ mod guest_ram;
 mod log_budget;
 mod mmio;
 mod mmio_py;
+#[cfg(test)]
+mod native_wiring;
 mod net;
 mod net_serve;
 mod queue_server;

@@ -72,7 +72,8 @@ fn py_queue(q: &QueueRegs) -> PyQueue {
 ///  driver_features_bad, queue_sel, interrupt_status, config_generation, queues)
 type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
 
-/// One virtio-mmio register file.
+/// One virtio-mmio register file. A thin handle over the `Arc`'d register file, which
+/// the device servers and the MMIO windows hold themselves, with no Python object.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct MmioRegisters {
     pub(crate) regs: Arc<Mutex<Registers>>,

@@ -38,7 +38,9 @@
 //!   stops watching the tap, and Python sets DEVICE_NEEDS_RESET), a failed tap read (to
 //!   log; the tap is no longer watched) and, only when `log_refused` (net.py's logger
 //!   at DEBUG when the server was made), the frames the tap refused. A healthy device
-//!   never takes the GIL.
+//!   never takes the GIL. All of it goes through the server's `DeviceEvents`:
+//!   `NetQueues` installs Python's `on_report`; a machine wired in Rust
+//!   (`NetServer::new`) a native record, and then nothing goes to Python.
 //!
 //! Locks, in this order: `state`, then guest RAM's or the register file's (never both),
 //! then the loop's (`LoopLink::watch`). None is held across a GIL take or release, and
@@ -52,9 +54,13 @@ use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::{drain_eventfd, Deferred, LoopLink, NativeReader};
+use crate::guest_ram::GuestRam as Ram;
+use crate::mmio::Registers;
 use crate::mmio_py::MmioRegisters;
 use crate::net::{self, Counters, RxStop};
-use crate::queue_server::{self, call_python, dup, raise_used_buffer, write_eventfd, PyQueue};
+use crate::queue_server::{
+    self, call_python, dup, raise_used_buffer, write_eventfd, Details, DeviceEvents, PyQueue,
+};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -100,23 +106,59 @@ struct NetState {
 #[derive(Default)]
 struct Report {
     fault: Option<QueueError>,
-    /// (frame length, errno) of the frames the tap refused (only with `log_refused`).
-    refused: Vec<(u64, i32)>,
-    read_error: Option<i32>,
+    details: NetDetails,
     /// A tx run used its budget and there is no ioeventfd to re-arm with: the caller
     /// (Python, which made the call) re-arms.
     rearm: bool,
 }
 
-impl Report {
-    fn for_python(&self) -> bool {
-        self.fault.is_some() || !self.refused.is_empty() || self.read_error.is_some()
+/// What a wake reports besides a fault.
+#[derive(Default)]
+pub struct NetDetails {
+    /// (frame length, errno) of the frames the tap refused (only with `log_refused`).
+    pub refused: Vec<(u64, i32)>,
+    /// The errno of a failed tap read (the tap is no longer watched).
+    pub read_error: Option<i32>,
+}
+
+impl Details for NetDetails {
+    fn count(&self) -> u64 {
+        self.refused.len() as u64 + u64::from(self.read_error.is_some())
     }
 }
 
+/// Python's `on_report(fault or None, refused, read errno or None)`.
+struct PyNetReport(Py<PyAny>);
+
+impl DeviceEvents<NetDetails> for PyNetReport {
+    fn report(self: Arc<Self>, fault: Option<QueueError>, details: NetDetails) -> Option<Deferred> {
+        Some(Box::new(move |py| {
+            let fault = fault.map(|e| crate::virtio_py::py_error(py, e).into_value(py));
+            let args = (fault, details.refused, details.read_error);
+            call_python(py, &self.0, args);
+        }))
+    }
+
+    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.0)
+    }
+}
+
+/// The fds a `NetServer` is made with: the tap (owned: its number is what the loop
+/// calls `ready` with), the queues' ioeventfds' numbers (the transport's, registered
+/// with the loop) and a duplicate of the tx one to re-arm with (owned), the irqfd
+/// (owned).
+pub struct NetFds {
+    pub tap: Option<OwnedFd>,
+    pub rx_notify: Option<RawFd>,
+    pub tx_notify: Option<RawFd>,
+    pub tx_rearm: Option<OwnedFd>,
+    pub irq: OwnedFd,
+}
+
 pub struct NetServer {
-    ram: Py<GuestRam>,
-    registers: Py<MmioRegisters>,
+    ram: Arc<Ram>,
+    registers: Arc<Mutex<Registers>>,
     epoch: u64,
     rx: Rings,
     tx: Rings,
@@ -131,8 +173,9 @@ pub struct NetServer {
     log_refused: bool,
     link: Mutex<Option<LoopLink>>,
     state: Mutex<NetState>,
-    /// Called with the GIL as `on_report(fault or None, refused, read errno or None)`.
-    on_report: Py<PyAny>,
+    /// Where a guest fault, a failed tap read and the refused frames go (Python's
+    /// `on_report`, or a native record).
+    events: Arc<dyn DeviceEvents<NetDetails>>,
 }
 
 fn add(total: &mut Counters, more: &Counters) {
@@ -145,6 +188,57 @@ fn add(total: &mut Counters, more: &Counters) {
 }
 
 impl NetServer {
+    /// A server for the ready rx and tx queues (their rings, checked by the caller:
+    /// `Virtqueue.validate` from Python, and their ring indices' start), for the
+    /// transport's activation `epoch`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ram: Arc<Ram>,
+        registers: Arc<Mutex<Registers>>,
+        epoch: u64,
+        (rx, (rx_avail, rx_used)): (Rings, (u16, u16)),
+        (tx, (tx_avail, tx_used)): (Rings, (u16, u16)),
+        fds: NetFds,
+        max_frames: u32,
+        max_tx_bytes: u64,
+        log_refused: bool,
+        events: Arc<dyn DeviceEvents<NetDetails>>,
+    ) -> Result<Self, String> {
+        if max_frames == 0 {
+            return Err("max_frames must be at least 1".to_owned());
+        }
+        Ok(NetServer {
+            ram,
+            registers,
+            epoch,
+            rx,
+            tx,
+            tap_fd: fds.tap.as_ref().map(AsRawFd::as_raw_fd),
+            rx_notify: fds.rx_notify,
+            tx_notify: fds.tx_notify,
+            max_frames,
+            max_tx_bytes,
+            log_refused,
+            link: Mutex::new(None),
+            state: Mutex::new(NetState {
+                tap: fds.tap,
+                irq: Some(fds.irq),
+                tx_rearm: fds.tx_rearm,
+                rx_avail,
+                rx_used,
+                tx_avail,
+                tx_used,
+                // The loop watches an fd from its `add_native_reader` on.
+                watched: true,
+                failed: false,
+                closed: false,
+                counters: Counters::default(),
+                interrupts: 0,
+            }),
+            events,
+        })
+    }
+
     /// Ask the loop to watch the tap (`on`) or not; `st.watched` is what was asked.
     fn watch(&self, st: &mut NetState, on: bool) {
         let Some(fd) = st.tap.as_ref().map(AsRawFd::as_raw_fd) else {
@@ -172,7 +266,7 @@ impl NetServer {
         if st.closed {
             return report;
         }
-        if st.failed || lock(&self.registers.get().regs).failed_in(self.epoch) {
+        if st.failed || lock(&self.registers).failed_in(self.epoch) {
             // A failed or reset device must not leave a readable tap spinning the loop.
             self.watch(&mut st, false);
             return report;
@@ -183,7 +277,7 @@ impl NetServer {
             _ => {}
         }
         let tap = st.tap.as_ref().map(AsRawFd::as_raw_fd);
-        let Ok(ram) = self.ram.get().ram.lock() else {
+        let Ok(ram) = self.ram.lock() else {
             // Guest memory is closed: the machine is going away.
             self.watch(&mut st, false);
             return report;
@@ -201,7 +295,7 @@ impl NetServer {
         (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
         add(&mut st.counters, &s.counters);
         if self.log_refused {
-            report.refused = s.refused;
+            report.details.refused = s.refused;
         }
         report.fault = s.error;
         let budget_spent = report.fault.is_none() && s.chains == self.max_frames;
@@ -244,7 +338,7 @@ impl NetServer {
             // the next rx notification tries again.
             Some(RxStop::Failed(errno)) => {
                 self.watch(&mut st, false);
-                report.read_error = Some(errno);
+                report.details.read_error = Some(errno);
             }
             Some(RxStop::Drained | RxStop::Budget) | None => {}
         }
@@ -258,19 +352,9 @@ impl NetServer {
         report
     }
 
-    /// The report's Python half, if it has one.
-    fn deferred(self: &Arc<Self>, report: Report) -> Option<Deferred> {
-        if !report.for_python() {
-            return None;
-        }
-        let server = self.clone();
-        Some(Box::new(move |py| {
-            let fault = report
-                .fault
-                .map(|e| crate::virtio_py::py_error(py, e).into_value(py));
-            let args = (fault, report.refused, report.read_error);
-            call_python(py, &server.on_report, args);
-        }))
+    /// Hand the report to the events, if it has anything for them.
+    fn deferred(&self, report: Report) -> Option<Deferred> {
+        queue_server::report(&self.events, report.fault, report.details)
     }
 
     fn work_for(&self, fd: RawFd) -> Option<Work> {
@@ -319,8 +403,8 @@ impl NetQueues {
                         event_idx = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        ram: Py<GuestRam>,
-        registers: Py<MmioRegisters>,
+        ram: &Bound<'_, GuestRam>,
+        registers: &Bound<'_, MmioRegisters>,
         epoch: u64,
         rx: PyQueue,
         tx: PyQueue,
@@ -338,43 +422,28 @@ impl NetQueues {
             queue_server::rings("rx", rx, event_idx)?,
             queue_server::rings("tx", tx, event_idx)?,
         );
-        if max_frames == 0 {
-            return Err(PyValueError::new_err("max_frames must be at least 1"));
-        }
-        let tap = tap_fd.map(dup).transpose()?;
-        let tx_rearm = tx_notify_fd.map(dup).transpose()?;
-        let irq = dup(irq_fd)?;
+        let fds = NetFds {
+            tap: tap_fd.map(dup).transpose()?,
+            rx_notify: rx_notify_fd,
+            tx_notify: tx_notify_fd,
+            tx_rearm: tx_notify_fd.map(dup).transpose()?,
+            irq: dup(irq_fd)?,
+        };
+        let server = NetServer::new(
+            ram.get().ram(),
+            registers.get().regs.clone(),
+            epoch,
+            (rx_rings, (rx.4, rx.5)),
+            (tx_rings, (tx.4, tx.5)),
+            fds,
+            max_frames,
+            max_tx_bytes,
+            log_refused,
+            Arc::new(PyNetReport(on_report)),
+        )
+        .map_err(PyValueError::new_err)?;
         Ok(NetQueues {
-            server: Arc::new(NetServer {
-                ram,
-                registers,
-                epoch,
-                rx: rx_rings,
-                tx: tx_rings,
-                tap_fd: tap.as_ref().map(AsRawFd::as_raw_fd),
-                rx_notify: rx_notify_fd,
-                tx_notify: tx_notify_fd,
-                max_frames,
-                max_tx_bytes,
-                log_refused,
-                link: Mutex::new(None),
-                state: Mutex::new(NetState {
-                    tap,
-                    irq: Some(irq),
-                    tx_rearm,
-                    rx_avail: rx.4,
-                    rx_used: rx.5,
-                    tx_avail: tx.4,
-                    tx_used: tx.5,
-                    // The loop watches an fd from its `add_native_reader` on.
-                    watched: true,
-                    failed: false,
-                    closed: false,
-                    counters: Counters::default(),
-                    interrupts: 0,
-                }),
-                on_report,
-            }),
+            server: Arc::new(server),
         })
     }
 
@@ -462,8 +531,6 @@ impl NetQueues {
     /// The Python objects it holds, for the collector: `on_report` is usually a bound
     /// method of the device that holds this object (see `RngQueue.__traverse__`).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.server.ram)?;
-        visit.call(&self.server.registers)?;
-        visit.call(&self.server.on_report)
+        self.server.events.traverse(&visit)
     }
 }

@@ -15,8 +15,13 @@
 //! that used its whole budget re-arms by writing the ioeventfd itself, so the rest is
 //! served on a later loop turn, after the other ready fds (rng.py's `call_soon`).
 //!
-//! A guest fault (`QueueError`) makes the queue stop serving; the event loop hands
-//! the error to Python (`on_error`, with the GIL), which sets DEVICE_NEEDS_RESET.
+//! A guest fault (`QueueError`) makes the queue stop serving and goes to the server's
+//! `DeviceEvents`: from Python, `on_error` (called by the event loop with the GIL), which
+//! sets DEVICE_NEEDS_RESET; in a machine wired in Rust, a `NativeEvents` record.
+//!
+//! The server holds Rust values only (guest RAM's and the register file's `Arc`s, the
+//! events sink): `RngServer::new` builds one with no Python object, and `RngQueue` is
+//! Python's handle on it.
 //!
 //! Locks, in this order: `state`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -29,8 +34,10 @@ use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
+use crate::guest_ram::GuestRam as Ram;
+use crate::mmio::Registers;
 use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, call_python, dup, raise_used_buffer, rearm, PyQueue};
+use crate::queue_server::{self, dup, raise_used_buffer, rearm, DeviceEvents, PyOnFault, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, QueueError, Rings};
 
@@ -50,8 +57,8 @@ struct QueueIndices {
 }
 
 pub struct RngServer {
-    ram: Py<GuestRam>,
-    registers: Py<MmioRegisters>,
+    ram: Arc<Ram>,
+    registers: Arc<Mutex<Registers>>,
     epoch: u64,
     rings: Rings,
     irq: OwnedFd,
@@ -60,8 +67,8 @@ pub struct RngServer {
     max_requests: u32,
     max_bytes: usize,
     state: Mutex<QueueIndices>,
-    /// Called with the GIL as `on_error(exception)` after a guest fault.
-    pub on_error: Py<PyAny>,
+    /// Where a guest fault goes (Python's `on_error`, or a native record).
+    events: Arc<dyn DeviceEvents<()>>,
 }
 
 /// What one notification did.
@@ -75,17 +82,70 @@ pub enum Served {
 }
 
 impl RngServer {
+    /// A server for the ready queue `rings` (checked by the caller: `Virtqueue.validate`
+    /// from Python) whose ring indices start at `next_avail`/`next_used`, for the
+    /// transport's activation `epoch`; `irq` is the interrupt's eventfd (the KVM irqfd)
+    /// and `notify` the queue's ioeventfd (None without one), both owned from here on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        ram: Arc<Ram>,
+        registers: Arc<Mutex<Registers>>,
+        epoch: u64,
+        rings: Rings,
+        (next_avail, next_used): (u16, u16),
+        irq: OwnedFd,
+        notify: Option<OwnedFd>,
+        max_requests: u32,
+        max_bytes: usize,
+        events: Arc<dyn DeviceEvents<()>>,
+    ) -> Result<Self, String> {
+        if max_requests == 0 {
+            return Err("max_requests must be at least 1".to_owned());
+        }
+        Ok(RngServer {
+            ram,
+            registers,
+            epoch,
+            rings,
+            irq,
+            notify,
+            max_requests,
+            max_bytes,
+            state: Mutex::new(QueueIndices {
+                next_avail,
+                next_used,
+                failed: false,
+                served: 0,
+                bytes: 0,
+                interrupts: 0,
+            }),
+            events,
+        })
+    }
+
+    /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
+    pub fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
+        let st = lock(&self.state);
+        (
+            st.next_avail,
+            st.next_used,
+            st.served,
+            st.bytes,
+            st.failed,
+            st.interrupts,
+        )
+    }
+
     /// Serve one notification (any thread; the loop thread calls it without the GIL).
     pub fn serve(&self) -> Served {
         let mut st = lock(&self.state);
         if st.failed {
             return Served::Done;
         }
-        let regs = &self.registers.get().regs;
-        if lock(regs).failed_in(self.epoch) {
+        if lock(&self.registers).failed_in(self.epoch) {
             return Served::Done;
         }
-        let ram = match self.ram.get().ram.lock() {
+        let ram = match self.ram.lock() {
             Ok(ram) => ram,
             // Guest memory is closed: the machine is going away.
             Err(_) => return Served::Done,
@@ -132,16 +192,13 @@ impl RngServer {
 }
 
 impl NativeReader for RngServer {
-    /// The queue's ioeventfd: drain it, serve, and hand a guest fault to `on_error`.
+    /// The queue's ioeventfd: drain it, serve, and hand a guest fault to the events.
     fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
         drain_eventfd(fd);
         match self.serve() {
             // The loop serves only through the ioeventfd, which the server re-arms.
             Served::Done | Served::Budget => None,
-            Served::Fault(e) => Some(Box::new(move |py| {
-                let err = crate::virtio_py::py_error(py, e);
-                call_python(py, &self.on_error, (err.value(py),));
-            })),
+            Served::Fault(e) => self.events.clone().report(Some(e), ()),
         }
     }
 }
@@ -162,8 +219,8 @@ impl RngQueue {
                         max_bytes, on_error))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        ram: Py<GuestRam>,
-        registers: Py<MmioRegisters>,
+        ram: &Bound<'_, GuestRam>,
+        registers: &Bound<'_, MmioRegisters>,
         epoch: u64,
         queue: PyQueue,
         irq_fd: RawFd,
@@ -174,34 +231,25 @@ impl RngQueue {
     ) -> PyResult<Self> {
         // EVENT_IDX is not offered: rng interrupts after every batch.
         let rings = queue_server::rings("request", queue, false)?;
-        let (next_avail, next_used) = (queue.4, queue.5);
-        if max_requests == 0 {
-            return Err(PyValueError::new_err("max_requests must be at least 1"));
-        }
         let notify = match notify_fd {
             Some(fd) => Some(dup(fd)?),
             None => None,
         };
+        let server = RngServer::new(
+            ram.get().ram(),
+            registers.get().regs.clone(),
+            epoch,
+            rings,
+            (queue.4, queue.5),
+            dup(irq_fd)?,
+            notify,
+            max_requests,
+            max_bytes,
+            Arc::new(PyOnFault(on_error)),
+        )
+        .map_err(PyValueError::new_err)?;
         Ok(RngQueue {
-            server: Arc::new(RngServer {
-                ram,
-                registers,
-                epoch,
-                rings,
-                irq: dup(irq_fd)?,
-                notify,
-                max_requests,
-                max_bytes,
-                state: Mutex::new(QueueIndices {
-                    next_avail,
-                    next_used,
-                    failed: false,
-                    served: 0,
-                    bytes: 0,
-                    interrupts: 0,
-                }),
-                on_error,
-            }),
+            server: Arc::new(server),
         })
     }
 
@@ -221,9 +269,7 @@ impl RngQueue {
     /// method of the device that holds this queue, a cycle the collector must see to
     /// free (with the duplicated eventfds) if nobody closes the device.
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.server.ram)?;
-        visit.call(&self.server.registers)?;
-        visit.call(&self.server.on_error)
+        self.server.events.traverse(&visit)
     }
 
     /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
@@ -234,14 +280,6 @@ impl RngQueue {
 
     /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
     fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
-        let st = lock(&self.server.state);
-        (
-            st.next_avail,
-            st.next_used,
-            st.served,
-            st.bytes,
-            st.failed,
-            st.interrupts,
-        )
+        self.server.sync()
     }
 }

@@ -15,6 +15,8 @@
 //! `VirtqueueError` or `GuestMemoryError` (the transport turns either into
 //! DEVICE_NEEDS_RESET), a closed memory a `HostError`.
 
+use std::sync::Arc;
+
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -60,13 +62,20 @@ fn header_fields(h: &Header) -> HeaderFields {
 }
 
 /// Guest RAM for the native device code. Only `GuestMemory` makes one, over
-/// mappings it keeps until after it called `close()`.
+/// mappings it keeps until after it called `close()`. A thin handle: the device
+/// servers hold the `Arc`'d regions themselves (`ram()`), so Rust code can hold and
+/// share guest RAM with no Python object.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct GuestRam {
-    pub(crate) ram: Ram,
+    ram: Arc<Ram>,
 }
 
 impl GuestRam {
+    /// The regions, for a device server to hold.
+    pub(crate) fn ram(&self) -> Arc<Ram> {
+        self.ram.clone()
+    }
+
     /// Run `op` with the regions locked, and build a Python error (which runs Python
     /// code, so the GIL may pass to a thread that wants to `close()`) only after the
     /// lock is released.
@@ -106,7 +115,7 @@ impl GuestRam {
         // mappings it owns (`ctypes.addressof` of each region's mmap) and calls
         // `close()` before it unmaps any of them (`GuestMemory.close`).
         GuestRam {
-            ram: unsafe { Ram::new(regions) },
+            ram: Arc::new(unsafe { Ram::new(regions) }),
         }
     }
 

@@ -22,7 +22,9 @@
 //!   `RESET_ACK_WAIT_S` are deadlines in a heap; the timerfd is set to the earliest.
 //!   Entries for a connection that went away meanwhile expire as no-ops.
 //! * **What goes to Python** (`on_fault(error)`, with the GIL): a guest fault only (the
-//!   device becomes NEEDS_RESET). A healthy device never takes the GIL.
+//!   device becomes NEEDS_RESET). A healthy device never takes the GIL. It goes through
+//!   the server's `DeviceEvents`: `VsockServe` installs Python's `on_fault`; a machine
+//!   wired in Rust (`VsockServer::new`) a native record.
 //!
 //! Locks, in this order: `inner`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -40,9 +42,10 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
-use crate::guest_ram::Ram;
+use crate::guest_ram::{GuestRam as GuestRamInner, Ram};
+use crate::mmio::Registers;
 use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, call_python, dup, raise_used_buffer, PyQueue};
+use crate::queue_server::{self, dup, raise_used_buffer, DeviceEvents, PyOnFault, PyQueue};
 use crate::virtio_py::GuestRam;
 use crate::virtq::{self, Chain, QueueError, Rings};
 use crate::vsock_connect_line::parse_connect_line;
@@ -318,8 +321,8 @@ enum Timer {
 
 /// The activation's fixed part: what the transport handed over.
 struct Attached {
-    ram: Py<GuestRam>,
-    registers: Py<MmioRegisters>,
+    ram: Arc<GuestRamInner>,
+    registers: Arc<Mutex<Registers>>,
     epoch: u64,
     rings: [Rings; 3],
     irq: OwnedFd,
@@ -382,7 +385,7 @@ impl Inner {
 
     fn usable(&self) -> bool {
         match &self.attached {
-            Some(att) => !self.failed && !lock(&att.registers.get().regs).failed_in(att.epoch),
+            Some(att) => !self.failed && !lock(&att.registers).failed_in(att.epoch),
             None => false,
         }
     }
@@ -1298,11 +1301,135 @@ enum Work {
 pub struct VsockServer {
     inner: Mutex<Inner>,
     epoll_fd: RawFd,
-    /// Called with the GIL as `on_fault(error)` after a guest fault.
-    on_fault: Py<PyAny>,
+    /// Where a guest fault goes (Python's `on_fault`, or a native record).
+    events: Arc<dyn DeviceEvents<()>>,
+}
+
+/// What an activation hands a `VsockServer` (`VsockServer::attach`).
+pub struct Activation {
+    pub ram: Arc<GuestRamInner>,
+    pub registers: Arc<Mutex<Registers>>,
+    pub epoch: u64,
+    pub guest_cid: u64,
+    /// The rx, tx and event queues' rings (checked by the caller: `Virtqueue.validate`
+    /// from Python) and their (next_avail, next_used).
+    pub rings: [Rings; 3],
+    pub indices: [(u16, u16); 3],
+    /// The interrupt's eventfd (the KVM irqfd), owned from here on.
+    pub irq: OwnedFd,
+    /// The queues' ioeventfds' numbers (the transport's; None without ioeventfds).
+    pub notify: [Option<RawFd>; 3],
+    pub connect_timeout: Duration,
+    pub reset_ack_wait: Duration,
+}
+
+fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
 }
 
 impl VsockServer {
+    /// A device listening on `listener` (a bound, listening Unix socket at `uds_path`,
+    /// owned from here on); guest-initiated connections to port P go to
+    /// `<uds_path>_<P>`.
+    pub fn new(
+        listener: OwnedFd,
+        uds_path: &str,
+        guest_cid: u64,
+        connect_timeout: Duration,
+        reset_ack_wait: Duration,
+        events: Arc<dyn DeviceEvents<()>>,
+    ) -> std::io::Result<Self> {
+        let epoll = Epoll::new()?;
+        // SAFETY: plain timerfd_create(2); the fd is owned right below.
+        let tfd = unsafe {
+            libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            )
+        };
+        if tfd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a fresh fd owned by nobody else.
+        let timerfd = unsafe { OwnedFd::from_raw_fd(tfd) };
+        let kick = EventFd::new(EFD_NONBLOCK)?;
+        for (fd, token) in [
+            (listener.as_raw_fd(), TOKEN_LISTENER),
+            (timerfd.as_raw_fd(), TOKEN_TIMER),
+            (kick.as_raw_fd(), TOKEN_KICK),
+        ] {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )?;
+        }
+        let epoll_fd = epoll.as_raw_fd();
+        Ok(VsockServer {
+            inner: Mutex::new(Inner {
+                closed: false,
+                attached: None,
+                avail: [0; 3],
+                used: [0; 3],
+                failed: false,
+                interrupts: 0,
+                guest_cid,
+                connect_timeout,
+                reset_ack_wait,
+                uds_path: Some(uds_path.as_bytes().to_vec()),
+                listener: Some(listener),
+                epoll: Some(epoll),
+                timerfd: Some(timerfd),
+                timer_armed: None,
+                kick: Some(kick),
+                next_id: FIRST_ID,
+                conns: HashMap::new(),
+                keys: HashMap::new(),
+                pending: HashMap::new(),
+                rx_queue: VecDeque::new(),
+                orphan_rsts: VecDeque::new(),
+                timers: BinaryHeap::new(),
+                next_port: HOST_PORT_FIRST,
+                reset_event_pending: false,
+                reset_delivered: false,
+                buffers_at_delivery: 0,
+                holding: false,
+                held: Vec::new(),
+                hold_generation: 0,
+                hold_timer: None,
+                errors: BTreeMap::new(),
+            }),
+            epoll_fd,
+            events,
+        })
+    }
+
+    /// Take the queues at an activation and deliver a pending transport reset; a guest
+    /// fault found doing it comes back.
+    pub fn attach(&self, a: Activation) -> Option<QueueError> {
+        let att = Arc::new(Attached {
+            ram: a.ram,
+            registers: a.registers,
+            epoch: a.epoch,
+            rings: a.rings,
+            irq: a.irq,
+            notify: a.notify,
+        });
+        let old = {
+            let mut inner = lock(&self.inner);
+            inner.guest_cid = a.guest_cid;
+            inner.connect_timeout = a.connect_timeout;
+            inner.reset_ack_wait = a.reset_ack_wait;
+            inner.avail = a.indices.map(|i| i.0);
+            inner.used = a.indices.map(|i| i.1);
+            inner.failed = false;
+            inner.interrupts = 0;
+            inner.attached.replace(att)
+        };
+        drop(old); // after the lock: the old activation's irqfd closes outside it
+        self.serve(Work::Notify(EV))
+    }
+
     /// One wake (any thread; the loop thread calls it without the GIL). A guest fault
     /// comes back.
     fn serve(&self, work: Work) -> Option<QueueError> {
@@ -1324,7 +1451,7 @@ impl VsockServer {
             return None;
         }
         let att = inner.attached.clone()?;
-        let Ok(ram) = att.ram.get().ram.lock() else {
+        let Ok(ram) = att.ram.lock() else {
             return None; // guest memory is closed: the machine is going away
         };
         let mut g = Guest {
@@ -1358,13 +1485,9 @@ impl VsockServer {
         fault
     }
 
-    fn deferred(self: &Arc<Self>, fault: Option<QueueError>) -> Option<Deferred> {
-        let fault = fault?;
-        let server = self.clone();
-        Some(Box::new(move |py| {
-            let err = crate::virtio_py::py_error(py, fault);
-            call_python(py, &server.on_fault, (err.value(py),));
-        }))
+    /// Hand a guest fault to the events.
+    fn deferred(&self, fault: Option<QueueError>) -> Option<Deferred> {
+        queue_server::report(&self.events, fault, ())
     }
 }
 
@@ -1411,73 +1534,17 @@ impl VsockServe {
         on_fault: Py<PyAny>,
     ) -> PyResult<Self> {
         let listener = dup(listener_fd)?;
-        let epoll = Epoll::new().map_err(|e| os_error("epoll_create1", e))?;
-        // SAFETY: plain timerfd_create(2); the fd is owned right below.
-        let tfd = unsafe {
-            libc::timerfd_create(
-                libc::CLOCK_MONOTONIC,
-                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
-            )
-        };
-        if tfd < 0 {
-            return Err(os_error("timerfd_create", std::io::Error::last_os_error()));
-        }
-        // SAFETY: a fresh fd owned by nobody else.
-        let timerfd = unsafe { OwnedFd::from_raw_fd(tfd) };
-        let kick = EventFd::new(EFD_NONBLOCK).map_err(|e| os_error("eventfd", e))?;
-        for (fd, token) in [
-            (listener.as_raw_fd(), TOKEN_LISTENER),
-            (timerfd.as_raw_fd(), TOKEN_TIMER),
-            (kick.as_raw_fd(), TOKEN_KICK),
-        ] {
-            epoll
-                .ctl(
-                    ControlOperation::Add,
-                    fd,
-                    EpollEvent::new(EventSet::IN, token),
-                )
-                .map_err(|e| os_error("epoll_ctl", e))?;
-        }
-        let seconds = |s: f64| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
-        let epoll_fd = epoll.as_raw_fd();
+        let server = VsockServer::new(
+            listener,
+            uds_path,
+            guest_cid,
+            seconds(connect_timeout),
+            seconds(reset_ack_wait),
+            Arc::new(PyOnFault(on_fault)),
+        )
+        .map_err(|e| os_error("set-up", e))?;
         Ok(VsockServe {
-            server: Arc::new(VsockServer {
-                inner: Mutex::new(Inner {
-                    closed: false,
-                    attached: None,
-                    avail: [0; 3],
-                    used: [0; 3],
-                    failed: false,
-                    interrupts: 0,
-                    guest_cid,
-                    connect_timeout: seconds(connect_timeout),
-                    reset_ack_wait: seconds(reset_ack_wait),
-                    uds_path: Some(uds_path.as_bytes().to_vec()),
-                    listener: Some(listener),
-                    epoll: Some(epoll),
-                    timerfd: Some(timerfd),
-                    timer_armed: None,
-                    kick: Some(kick),
-                    next_id: FIRST_ID,
-                    conns: HashMap::new(),
-                    keys: HashMap::new(),
-                    pending: HashMap::new(),
-                    rx_queue: VecDeque::new(),
-                    orphan_rsts: VecDeque::new(),
-                    timers: BinaryHeap::new(),
-                    next_port: HOST_PORT_FIRST,
-                    reset_event_pending: false,
-                    reset_delivered: false,
-                    buffers_at_delivery: 0,
-                    holding: false,
-                    held: Vec::new(),
-                    hold_generation: 0,
-                    hold_timer: None,
-                    errors: BTreeMap::new(),
-                }),
-                epoll_fd,
-                on_fault,
-            }),
+            server: Arc::new(server),
         })
     }
 
@@ -1496,8 +1563,8 @@ impl VsockServe {
     fn attach(
         &self,
         py: Python<'_>,
-        ram: Py<GuestRam>,
-        registers: Py<MmioRegisters>,
+        ram: &Bound<'_, GuestRam>,
+        registers: &Bound<'_, MmioRegisters>,
         epoch: u64,
         guest_cid: u64,
         rx: PyQueue,
@@ -1514,29 +1581,20 @@ impl VsockServe {
             queue_server::rings("tx", tx, false)?,
             queue_server::rings("event", event, false)?,
         ];
-        let att = Arc::new(Attached {
-            ram,
-            registers,
+        let activation = Activation {
+            ram: ram.get().ram(),
+            registers: registers.get().regs.clone(),
             epoch,
+            guest_cid,
             rings,
+            indices: [(rx.4, rx.5), (tx.4, tx.5), (event.4, event.5)],
             irq: dup(irq_fd)?,
             notify: [notify_fds.0, notify_fds.1, notify_fds.2],
-        });
-        let seconds = |s: f64| Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
-        let old = {
-            let mut inner = lock(&self.server.inner);
-            inner.guest_cid = guest_cid;
-            inner.connect_timeout = seconds(connect_timeout);
-            inner.reset_ack_wait = seconds(reset_ack_wait);
-            inner.avail = [rx.4, tx.4, event.4];
-            inner.used = [rx.5, tx.5, event.5];
-            inner.failed = false;
-            inner.interrupts = 0;
-            inner.attached.replace(att)
+            connect_timeout: seconds(connect_timeout),
+            reset_ack_wait: seconds(reset_ack_wait),
         };
-        drop(old); // with the GIL
         let server = self.server.clone();
-        let fault = py.detach(move || server.serve(Work::Notify(EV)));
+        let fault = py.detach(move || server.attach(activation));
         match fault {
             Some(e) => Err(crate::virtio_py::py_error(py, e)),
             None => Ok(()),
@@ -1554,7 +1612,7 @@ impl VsockServe {
             inner.holding = false;
             inner.attached.take()
         };
-        drop(old); // with the GIL
+        drop(old); // after the lock: the activation's irqfd closes outside it
     }
 
     /// The driver notified queue `queue` and the call comes from Python (a QueueNotify
@@ -1669,14 +1727,7 @@ impl VsockServe {
     /// is free now (a busy loop thread holds it without the GIL; skipping a visit only
     /// delays a collection).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.server.on_fault)?;
-        if let Ok(inner) = self.server.inner.try_lock() {
-            if let Some(att) = &inner.attached {
-                visit.call(&att.ram)?;
-                visit.call(&att.registers)?;
-            }
-        }
-        Ok(())
+        self.server.events.traverse(&visit)
     }
 }
 
