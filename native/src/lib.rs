@@ -18,6 +18,7 @@ mod blk;
 mod blk_serve;
 mod child;
 mod console;
+mod control_serve;
 mod eventloop;
 mod guest_ram;
 mod log_budget;
@@ -226,6 +227,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<vm::PyVmCore>()?;
     m.add_class::<console::Console>()?;
+    m.add_class::<control_serve::ControlServe>()?;
     m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<net_serve::NetQueues>()?;

@@ -504,6 +504,49 @@ struct Parts {
     _core: Arc<VmCore>,
 }
 
+/// Pause, resume and the paused state of one vCPU loop, for a thread that holds no
+/// Python object (the control server, `control_serve.rs`): the loop's own methods
+/// run through it, so both paths are one.
+#[derive(Clone)]
+pub struct VcpuControl {
+    index: u32,
+    shared: Arc<Shared>,
+}
+
+impl VcpuControl {
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// Ask the vCPU to park and wait until it has (kicking it out of the guest);
+    /// false if it did not within `timeout`. Blocks: call without the GIL.
+    pub fn pause(&self, timeout: Duration) -> bool {
+        {
+            let mut ctl = lock(&self.shared.ctl);
+            // Asked first: a vCPU still Paused after a resume it has not woken up
+            // for yet then stays parked (its wait loop sees the request again).
+            ctl.want_pause = true;
+            if matches!(ctl.state, RunState::Paused | RunState::Stopped) {
+                return true;
+            }
+        }
+        self.shared.wait_for(Some(timeout), |s| {
+            matches!(s, RunState::Paused | RunState::Stopped)
+        })
+    }
+
+    pub fn resume(&self) {
+        let mut ctl = lock(&self.shared.ctl);
+        ctl.want_pause = false;
+        self.shared.cond.notify_all();
+    }
+
+    /// Parked now (what `Machine.paused` reads as the state "paused").
+    pub fn is_paused(&self) -> bool {
+        lock(&self.shared.ctl).state == RunState::Paused
+    }
+}
+
 /// One vCPU's run loop (`vmfork.vmm.vcpu.Vcpu` wraps it).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct VcpuLoop {
@@ -519,6 +562,14 @@ pub struct VcpuLoop {
 }
 
 impl VcpuLoop {
+    /// A handle that pauses and resumes this loop from any thread.
+    pub fn control(&self) -> VcpuControl {
+        VcpuControl {
+            index: self.index,
+            shared: self.shared.clone(),
+        }
+    }
+
     /// A loop for the vCPU at `position` of `core`, reporting to `host`, serving
     /// `console`: what a machine built with no Python object runs.
     pub fn build(
@@ -680,27 +731,12 @@ impl VcpuLoop {
     /// false if it did not within `timeout` seconds.
     #[pyo3(signature = (timeout = 5.0))]
     fn pause(&self, py: Python<'_>, timeout: f64) -> bool {
-        {
-            let mut ctl = lock(&self.shared.ctl);
-            // Asked first: a vCPU still Paused after a resume it has not woken up
-            // for yet then stays parked (its wait loop sees the request again).
-            ctl.want_pause = true;
-            if matches!(ctl.state, RunState::Paused | RunState::Stopped) {
-                return true;
-            }
-        }
-        let shared = self.shared.clone();
-        py.detach(move || {
-            shared.wait_for(Some(Duration::from_secs_f64(timeout.max(0.0))), |s| {
-                matches!(s, RunState::Paused | RunState::Stopped)
-            })
-        })
+        let control = self.control();
+        py.detach(move || control.pause(Duration::from_secs_f64(timeout.max(0.0))))
     }
 
     fn resume(&self) {
-        let mut ctl = lock(&self.shared.ctl);
-        ctl.want_pause = false;
-        self.shared.cond.notify_all();
+        self.control().resume();
     }
 
     /// Ask the loop to end and wait (kicking) up to `timeout` seconds; on the

@@ -14,7 +14,6 @@ import select
 import shutil
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +33,7 @@ from vmfork.ondisk.memplan import snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file, write_state_file
 from vmfork.runtime import control
 from vmfork.runtime.branch import BranchFailed, branch_into_pending, branch_sandbox
-from vmfork.runtime.vmmchild import ControlServer
+from vmfork.runtime.vmmchild import ControlServer, StopSignal
 from vmfork.store import Snapshot, SnapshotMeta, Store, TagExists
 from vmfork.vmm import dirty
 from vmfork.vmm.machine import Machine, MachineConfig
@@ -71,7 +70,8 @@ class Sandbox:
         if start:
             self.machine.start()
         self.control_path = str(run_dir / "control.sock")
-        self.control = ControlServer(self.machine, self.control_path, threading.Event())
+        self.stop = StopSignal()
+        self.control = ControlServer(self.machine, self.control_path, self.stop)
 
     def counter(self) -> int:
         return self.machine.memory.read_u64(FILL_AT)
@@ -79,6 +79,7 @@ class Sandbox:
     def close(self) -> None:
         self.control.close()
         self.machine.close()
+        self.stop.close()
 
 
 @pytest.fixture
@@ -299,7 +300,7 @@ def test_an_idle_control_thread_does_not_wake(sandbox: Sandbox) -> None:
     time.sleep(1.2)
     assert _voluntary_switches(tid) == before
     sandbox.control.close()
-    assert not sandbox.control._thread.is_alive()
+    assert not sandbox.control.serving
 
 
 def test_the_exit_fd_is_readable_once_the_machine_ends(sandbox: Sandbox) -> None:

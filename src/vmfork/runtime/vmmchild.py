@@ -63,7 +63,6 @@ import json
 import logging
 import os
 import select
-import selectors
 import shutil
 import signal
 import socket
@@ -96,7 +95,11 @@ from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
+from vmfork.vmm.native import CORE_BUILT
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
+
+if CORE_BUILT:   # else no machine is made, and no control server (Machine needs the core)
+    from vmfork import _core
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -529,6 +532,22 @@ class StopSignal(threading.Event):
     def fileno(self) -> int:
         return self._pipe[0]
 
+    @property
+    def write_fd(self) -> int:
+        """The pipe's write end: the native control server writes a byte to it for a
+        ``stop`` (it has no way to set the Event), which ``is_set`` then sees."""
+        return self._pipe[1]
+
+    def is_set(self) -> bool:
+        if super().is_set():
+            return True
+        poller = select.poll()
+        poller.register(self._pipe[0], select.POLLIN)
+        if poller.poll(0):
+            super().set()   # set from the native side: remembered as set here too
+            return True
+        return False
+
     def set(self) -> None:
         # Also run from the SIGTERM handler: a non-blocking write, nothing to wait for.
         super().set()
@@ -546,16 +565,39 @@ class _Refused(Exception):
     """A request the VMM will not carry out; its message is the reply's error."""
 
 
+def handover_reply(line: bytes,
+                   dispatch: Callable[[control.AnyRequest], control.WireRecord]) -> bytes:
+    """The reply line to a request line the native server handed over: the request
+    parsed (``control.parse_request``: the one author of a refusal's text), then
+    ``dispatch``-ed; what it raises is the reply's error, never the VMM's end."""
+    try:
+        request = control.parse_request(line)
+    except control.ControlError as err:
+        return control.encode(control.error_reply(err.message))
+    try:
+        reply = dispatch(request).to_wire()
+    except (_Refused, CaptureError) as err:
+        reply = control.error_reply(str(err))
+    except Exception as err:  # noqa: BLE001 - reported to the caller, never fatal to the VMM
+        reply = control.error_reply(f"{type(err).__name__}: {err}")
+    return control.encode(reply)
+
+
 class ControlServer:
     """The control socket (``runtime.control``: the protocol, its records and the
-    client); one thread, requests handled in order.
+    client), served by a native thread (``_core.ControlServe``, ``control_serve.rs``):
+    ``pause``, ``resume``, ``stop`` and (without a balloon) ``status`` there, without
+    Python; every other line is handed to ``handle_line`` with the GIL, for that
+    line only, on the control thread. This object owns what the hand-over needs:
+    the snapshot state (``SnapshotTaker``) and what ``status`` says of it, pushed
+    to the native server after each capture.
 
     ``origin_tag`` names the snapshot the machine was restored from (the base of
     its first diff); by default the name of the directory holding its memory plan
     or, for a flat snapshot, the memory file it maps: the tag in a store.
     """
 
-    def __init__(self, machine: Machine, path: str, on_stop: threading.Event,
+    def __init__(self, machine: Machine, path: str, on_stop: StopSignal,
                  origin_tag: str | None = None, *, jailed: bool = False) -> None:
         self.machine = machine
         # A jailed VMM sees only its run directory: a BRANCH must name files there
@@ -568,85 +610,35 @@ class ControlServer:
             origin_tag = os.path.basename(os.path.dirname(
                 os.path.abspath(machine.config.memory_file))) or None
         self.snapshots = SnapshotTaker(machine, origin_tag)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.sock.bind(path)
-        self.sock.listen(8)
-        # Written by close(): the serving thread blocks with no timeout until a
-        # request or this, so an idle control thread never wakes.
-        self._wake: tuple[int, int] | None = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        self._thread = threading.Thread(target=self._serve, args=(self._wake[0],),
-                                        name="control", daemon=True)
-        self._thread.start()
-
-    def _serve(self, wake: int) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self.sock, selectors.EVENT_READ)
-        sel.register(wake, selectors.EVENT_READ)
-        buffers: dict[socket.socket, bytes] = {}
-
-        def drop(sock: socket.socket) -> None:
-            sel.unregister(sock)
-            buffers.pop(sock, None)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(path)
+            sock.listen(8)
+        except BaseException:
             sock.close()
+            raise
+        # The listener is the native server's from here (it closes it).
+        self._server = _core.ControlServe(
+            sock.detach(), on_stop.write_fd, [vcpu.loop for vcpu in machine.vcpus],
+            jailed, machine.balloon is None, self.handle_line)
+        self._push_snapshot_status()
+        machine.on_exit(self._server.set_exit)
+        self._closed = False
 
-        try:
-            self._serve_until_stopped(sel, buffers, drop)
-        finally:
-            for sock in list(buffers):
-                drop(sock)
-            sel.close()
+    def _push_snapshot_status(self) -> None:
+        self._server.set_snapshot_status(
+            [(b["tag"], str(b["kind"])) for b in self.snapshots.bases()],
+            self.snapshots.tracking)
 
-    def _serve_until_stopped(self, sel: selectors.BaseSelector,
-                             buffers: dict[socket.socket, bytes],
-                             drop: Callable[[socket.socket], None]) -> None:
-        while not self.on_stop.is_set():
-            for key, _ in sel.select():
-                sock = key.fileobj
-                if not isinstance(sock, socket.socket):
-                    continue  # the wake pipe: on_stop is set, the loop ends
-                if sock is self.sock:
-                    conn, _ = self.sock.accept()
-                    sel.register(conn, selectors.EVENT_READ)
-                    buffers[conn] = b""
-                    continue
-                try:
-                    data = sock.recv(65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    drop(sock)
-                    continue
-                buffers[sock] += data
-                while b"\n" in buffers[sock]:
-                    line, buffers[sock] = buffers[sock].split(b"\n", 1)
-                    try:
-                        sock.sendall(control.encode(self._handle(line, sock)))
-                    except OSError:
-                        break   # the caller went away; its connection is dropped next read
-                if len(buffers.get(sock, b"")) > control.MAX_LINE_BYTES:
-                    # A line without end would grow without bound: refused, and the
-                    # connection dropped (nothing after it can be told from it).
-                    try:
-                        sock.sendall(control.encode(control.error_reply(
-                            f"a request line longer than {control.MAX_LINE_BYTES} bytes")))
-                    except OSError:
-                        pass
-                    drop(sock)
+    def handle_line(self, line: bytes, fd: int) -> bytes:
+        """A request line the native server hands over, its reply line out; ``fd``:
+        the connection, borrowed for the call (a snapshot's progress goes there)."""
+        return handover_reply(line, lambda request: self._dispatch(request, fd))
 
-    def _handle(self, line: bytes, sock: socket.socket) -> dict[str, Any]:
-        try:
-            request = control.parse_request(line)
-        except control.ControlError as err:
-            return control.error_reply(err.message)
-        try:
-            return self._dispatch(request, sock).to_wire()
-        except (_Refused, CaptureError) as err:
-            return control.error_reply(str(err))
-        except Exception as err:  # noqa: BLE001 - reported to the caller, never fatal to the VMM
-            return control.error_reply(f"{type(err).__name__}: {err}")
-
-    def _dispatch(self, request: control.AnyRequest,
-                  sock: socket.socket) -> control.WireRecord:
+    def _dispatch(self, request: control.AnyRequest, fd: int) -> control.WireRecord:
+        # Status comes here when the machine has a balloon; pause, resume and stop
+        # only for a line the native server did not recognise as plain (an escaped
+        # op name, say): the same loops and the same stop pipe either way.
         m = self.machine
         match request:
             case control.Status():
@@ -668,7 +660,10 @@ class ControlServer:
             case control.Exits():
                 return control.ExitsReply(profile=m.exit_profile())
             case control.Snapshot():
-                return self.snapshot(request, sock)
+                # The connection stays the native server's: the capture gets its own
+                # descriptor of it, closed when the capture returns.
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    return self.snapshot(request, sock)
             case control.Stop():
                 self.on_stop.set()
                 return control.Ack()
@@ -731,31 +726,37 @@ class ControlServer:
                 except OSError:
                     pass   # the final reply will not arrive either; the capture goes on
 
-        result = self.snapshots.take(req.mode, memory_path, state_path, tag=req.tag,
-                                     base_tag=req.base_tag, resume=req.resume,
-                                     on_resumed=resumed)
+        try:
+            result = self.snapshots.take(req.mode, memory_path, state_path, tag=req.tag,
+                                         base_tag=req.base_tag, resume=req.resume,
+                                         on_resumed=resumed)
+        finally:
+            self._push_snapshot_status()
         return control.SnapshotReply(
             mode=result.mode, memory_format=result.memory_format,
             memory_bytes=result.memory_bytes, dirty_pages=result.dirty_pages,
             base_tag=result.base_tag, base_kind=result.base_kind, tag=req.tag,
             tracking=result.tracking, timings=result.timings)
 
+    @property
+    def serving(self) -> bool:
+        """Whether the native thread still serves."""
+        return bool(self._server.serving)
+
+    @property
+    def thread_id(self) -> int:
+        """The native thread's kernel id (0 until it has started)."""
+        return int(self._server.thread_id)
+
     def close(self) -> None:
-        """Stop serving and close the socket. Idempotent."""
-        if self._wake is None:
+        """Stop serving: the native thread closes the socket and its connections.
+        Idempotent."""
+        if self._closed:
             return
+        self._closed = True
         self.on_stop.set()
-        try:
-            os.write(self._wake[1], b"x")
-        except BlockingIOError:
-            pass  # full: readable already
-        self._thread.join(2)
-        self.sock.close()
-        wake, self._wake = self._wake, None
-        if not self._thread.is_alive():
-            # (A thread still inside a request keeps reading its selector's fds.)
-            for fd in wake:
-                os.close(fd)
+        # (A thread still inside a request -- a snapshot -- ends when it is done.)
+        self._server.close(2.0)
 
 
 def _wait_for_start_gate(path: str, timeout: float, stop: StopSignal) -> float:

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,9 @@ class Machine:
         # (read end, write end) of a pipe written once the machine ends: made on first
         # ask (exit_fd), so a waiter can block on it beside other fds, without polling.
         self._exit_pipe: tuple[int, int] | None = None
+        # Told the exit's reason once it happens (on_exit): the native control
+        # server answers status from what it was told.
+        self._exit_listeners: list[Callable[[str], None]] = []
         self.timings: dict[str, float] = {}
         self.restore_refused_msrs: list[list[int]] = []
         started = time.monotonic()
@@ -692,6 +696,9 @@ class Machine:
                 return
             self._exit = MachineExit(event.reason, event.detail, self.serial.tail_text())
             self._signal_exit_pipe()
+            listeners = list(self._exit_listeners)
+        for listener in listeners:
+            listener(event.reason)
         log.info("vm %s: %s (%s)", self.vm_id, event.reason, event.detail)
         self._exited.set()
         # Stopping the other vCPUs must not happen on a vCPU thread that then
@@ -701,6 +708,16 @@ class Machine:
     def _stop_vcpus(self) -> None:
         for vcpu in self.vcpus:
             vcpu.stop()
+
+    def on_exit(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener`` with the exit's reason once the machine has ended (now,
+        if it has), on the thread that ended it."""
+        with self._exit_lock:
+            exit_ = self._exit
+            if exit_ is None:
+                self._exit_listeners.append(listener)
+        if exit_ is not None:
+            listener(exit_.reason)
 
     def exit_fd(self) -> int:
         """A file descriptor that becomes readable once the machine has ended (and

@@ -104,6 +104,11 @@ class Vcpu:
         self._loop.join(timeout)
 
     @property
+    def loop(self) -> _core.VcpuLoop:
+        """The native loop (the control server pauses and resumes it without Python)."""
+        return self._loop
+
+    @property
     def state(self) -> VcpuRunState:
         return VcpuRunState(self._loop.state)
 

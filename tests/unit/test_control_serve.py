@@ -1,0 +1,300 @@
+"""The native control server (``_core.ControlServe``, ``native/src/control_serve.rs``)
+on a real Unix socket, with no machine: no vCPU loops (so a machine of none is paused,
+as ``Machine.paused`` says of it), the hand-over handler ``vmmchild.handover_reply``
+over a dispatch the test writes. What a client sees must be the protocol's
+(``runtime.control``): one reply line per request line, in order, a refusal's text
+``control.parse_request``'s, an overlong line refused and the connection dropped, at
+most ``MAX_CONNECTIONS`` connections."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from vmfork.runtime import control
+from vmfork.runtime.vmmchild import StopSignal, handover_reply
+from vmfork.vmm.native import CORE_BUILT
+
+if not CORE_BUILT:
+    pytest.skip("the native core is not built", allow_module_level=True)
+
+from vmfork import _core  # noqa: E402 - after the skip
+
+MAX_CONNECTIONS = 16     # control_serve.rs
+
+
+class Served:
+    """A server on ``path``, its stop signal, and the lines handed over to Python."""
+
+    def __init__(self, path: Path, *, status_native: bool = True, jailed: bool = False,
+                 dispatch: Callable[[control.AnyRequest], control.WireRecord] | None = None,
+                 handler: Callable[[bytes, int], bytes] | None = None) -> None:
+        self.path = str(path)
+        self.stop = StopSignal()
+        self.handed: list[bytes] = []
+
+        def default_dispatch(request: control.AnyRequest) -> control.WireRecord:
+            if isinstance(request, control.Exits):
+                return control.ExitsReply(profile={"hlt": 3})
+            if isinstance(request, control.Status):
+                return control.StatusReply(paused=False, exit=None)
+            raise RuntimeError(f"{request.op} is not served here")
+
+        def handover(line: bytes, fd: int) -> bytes:
+            self.handed.append(line)
+            return handover_reply(line, dispatch or default_dispatch)
+
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind(self.path)
+        listener.listen(8)
+        self.server = _core.ControlServe(listener.detach(), self.stop.write_fd, [], jailed,
+                                         status_native, handler or handover)
+
+    def connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(30)
+        sock.connect(self.path)
+        return sock
+
+    def close(self) -> None:
+        assert self.server.close(10.0)
+        self.stop.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Callable[..., Served]]:
+    made: list[Served] = []
+
+    def make(**kwargs: object) -> Served:
+        s = Served(tmp_path / f"control{len(made)}.sock", **kwargs)  # type: ignore[arg-type]
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def read_lines(sock: socket.socket, count: int) -> list[bytes]:
+    buffer = b""
+    while buffer.count(b"\n") < count:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {buffer!r}"
+        buffer += chunk
+    lines = buffer.split(b"\n")
+    assert lines[count:] == [b""], "more than the replies asked for"
+    return [line + b"\n" for line in lines[:count]]
+
+
+def read_to_end(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def refusal(line: bytes) -> bytes:
+    with pytest.raises(control.ControlError) as err:
+        control.parse_request(line)
+    return control.encode(control.error_reply(err.value.message))
+
+
+def test_pause_resume_and_status_are_served_without_python(
+        served: Callable[..., Served]) -> None:
+    s = served(jailed=True)
+    s.server.set_snapshot_status([("base", "restore"), (None, "previous"),
+                                  ("t\u00e9\"\n\U0001f600", "previous")], "soft-dirty")
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "pause"}\n{"op":"resume"}\n {"op" : "status"} \r\n')
+        replies = read_lines(sock, 3)
+    assert replies[:2] == [control.encode(control.Ack())] * 2
+    assert replies[2] == control.encode(control.StatusReply(
+        paused=True, exit=None,
+        snapshot_bases=(control.SnapshotBase("base", "restore"),
+                        control.SnapshotBase(None, "previous"),
+                        control.SnapshotBase("t\u00e9\"\n\U0001f600", "previous")),
+        snapshot_tracking="soft-dirty", jailed=True))
+    assert s.handed == []
+
+
+def test_status_says_the_exit_it_was_told(served: Callable[..., Served]) -> None:
+    s = served()
+    s.server.set_exit("reset")
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "status"}\n')
+        reply = control.parse_reply(control.Status(), read_lines(sock, 1)[0][:-1])
+    assert reply == control.StatusReply(paused=True, exit="reset")
+
+
+def test_status_with_a_balloon_is_handed_over(served: Callable[..., Served]) -> None:
+    s = served(status_native=False)
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "status"}\n')
+        assert read_lines(sock, 1) == [control.encode(control.StatusReply(paused=False,
+                                                                          exit=None))]
+    assert s.handed == [b'{"op": "status"}']
+
+
+@pytest.mark.parametrize("line", [
+    b"",
+    b"not json",
+    b"[1, 2]",
+    b'{"op": "status"',
+    b'{"op": "reboot"}',
+    b'{"op": 7}',
+    b'{"op": "status", "x": 1}',
+    b'{"op": "snapshot", "mode": "full"}',
+    b'{"op": "snapshot", "memory_path": "m", "state_path": "s", "parent": "p"}',
+    b"\xff\xfe{",
+    b"[" * 100_000,
+])
+def test_a_malformed_line_gets_parse_requests_refusal(
+        served: Callable[..., Served], line: bytes) -> None:
+    s = served()
+    with s.connect() as sock:
+        sock.sendall(line + b"\n" + b'{"op": "pause"}\n')
+        assert read_lines(sock, 2) == [refusal(line), control.encode(control.Ack())]
+    assert s.handed == [line]
+
+
+def test_replies_come_in_request_order_across_both_sides(
+        served: Callable[..., Served]) -> None:
+    s = served()
+    with s.connect() as sock:
+        # One write, split at every byte boundary the kernel likes: the framing holds.
+        sock.sendall(b'{"op": "exits"}\n{"op": "status"}\n{"op": "exits"}\n'
+                     b'{"op": "resume"}\n')
+        replies = read_lines(sock, 4)
+    exits = control.encode(control.ExitsReply(profile={"hlt": 3}))
+    assert replies[0] == replies[2] == exits
+    assert control.parse_reply(control.Status(), replies[1][:-1]).paused
+    assert replies[3] == control.encode(control.Ack())
+
+
+def test_a_line_sent_a_byte_at_a_time_is_one_request(served: Callable[..., Served]) -> None:
+    s = served()
+    with s.connect() as sock:
+        for byte in b'{"op": "exits"}\n':
+            sock.send(bytes([byte]))
+        assert read_lines(sock, 1) == [control.encode(control.ExitsReply({"hlt": 3}))]
+
+
+def test_a_dispatch_that_raises_is_an_error_reply(served: Callable[..., Served]) -> None:
+    s = served()
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "snapshot", "memory_path": "m", "state_path": "s"}\n')
+        assert read_lines(sock, 1) == [control.encode(control.error_reply(
+            "RuntimeError: snapshot is not served here"))]
+
+
+def test_a_handler_that_fails_is_an_error_reply_not_the_servers_end(
+        served: Callable[..., Served]) -> None:
+    answers: list[object] = [ValueError("boom"), "a str, not bytes", b"two\nlines\n"]
+
+    def handler(line: bytes, fd: int) -> bytes:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    s = served(handler=handler)
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "exits"}\n' * 3 + b'{"op": "pause"}\n')
+        replies = [control.decode(line[:-1]) for line in read_lines(sock, 4)]
+    assert replies[0] == control.error_reply("ValueError: boom")
+    assert replies[1]["ok"] is False and replies[2]["ok"] is False
+    assert replies[3] == {"ok": True}
+
+
+def test_an_overlong_line_is_refused_and_the_connection_dropped(
+        served: Callable[..., Served]) -> None:
+    s = served()
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "pause"}\n' + b"x" * (control.MAX_LINE_BYTES + 1))
+        assert read_to_end(sock) == control.encode(control.Ack()) + control.encode(
+            control.error_reply(f"a request line longer than {control.MAX_LINE_BYTES} bytes"))
+    assert s.handed == []
+    with s.connect() as sock:   # the server itself serves on
+        sock.sendall(b'{"op": "resume"}\n')
+        assert read_lines(sock, 1) == [control.encode(control.Ack())]
+
+
+def test_connections_beyond_the_bound_are_refused(served: Callable[..., Served]) -> None:
+    s = served()
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):   # each one accepted and served (one at a
+            held.append(s.connect())       # time: the listen backlog is 8)
+            held[-1].sendall(b'{"op": "pause"}\n')
+            assert read_lines(held[-1], 1) == [control.encode(control.Ack())]
+        with s.connect() as extra:
+            reply = read_to_end(extra)
+        assert control.decode(reply[:-1]) == control.error_reply(
+            f"too many control connections (at most {MAX_CONNECTIONS}); close one and retry")
+        held.pop().close()
+        # A request on a held connection after the close: the server's turn that
+        # serves it has seen the closed one go (it was readable first).
+        held[0].sendall(b'{"op": "resume"}\n')
+        assert read_lines(held[0], 1) == [control.encode(control.Ack())]
+        with s.connect() as again:
+            again.sendall(b'{"op": "resume"}\n')
+            assert read_lines(again, 1) == [control.encode(control.Ack())]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_stop_sets_the_stop_signal_and_ends_serving(served: Callable[..., Served]) -> None:
+    s = served()
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "stop"}\n')
+        assert read_to_end(sock) == control.encode(control.Ack())
+    assert s.stop.is_set()
+    assert s.server.close(10.0)
+    assert not s.server.serving
+    with pytest.raises(OSError):
+        s.connect()
+
+
+def test_close_ends_the_thread_and_the_listener(served: Callable[..., Served]) -> None:
+    s = served()
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "pause"}\n')
+        read_lines(sock, 1)
+        assert s.server.close(10.0)
+        assert read_to_end(sock) == b""   # its connections closed with it
+    assert not s.server.serving
+    assert not s.stop.is_set()
+    with pytest.raises(OSError):
+        s.connect()
+    assert s.server.close(10.0)   # idempotent
+
+
+def test_the_snapshot_hand_over_gets_the_connection(served: Callable[..., Served]) -> None:
+    # As ControlServer.snapshot does: its own descriptor of the connection, for the
+    # progress line before the reply.
+    def dispatch(request: control.AnyRequest) -> control.WireRecord:
+        raise AssertionError("not reached")
+
+    def handler(line: bytes, fd: int) -> bytes:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.sendall(control.encode(control.Resumed({"pause_s": 0.5})))
+        return handover_reply(b'{"op": "reboot"}', dispatch)
+
+    s = served(handler=handler)
+    with s.connect() as sock:
+        sock.sendall(b'{"op": "snapshot", "memory_path": "m", "state_path": "s"}\n')
+        lines = read_lines(sock, 2)
+    assert lines[0] == control.encode(control.Resumed({"pause_s": 0.5}))
+    assert lines[1] == refusal(b'{"op": "reboot"}')
+
+
+def test_the_bounds_are_the_protocols() -> None:
+    source = (Path(__file__).parents[2] / "native/src/control_serve.rs").read_text()
+    assert f"pub const MAX_LINE_BYTES: usize = 1 << {control.MAX_LINE_BYTES.bit_length() - 1};" \
+        in source
+    assert f"pub const MAX_CONNECTIONS: usize = {MAX_CONNECTIONS};" in source
