@@ -442,7 +442,7 @@ impl Handover for PyHandover {
             let reply = self
                 .0
                 .call1(py, (PyBytes::new(py, line), fd))
-                .and_then(|r| r.extract::<Vec<u8>>(py).map_err(PyErr::from));
+                .and_then(|r| r.extract::<Vec<u8>>(py));
             match reply {
                 Ok(bytes)
                     if bytes.ends_with(b"\n") && !bytes[..bytes.len() - 1].contains(&b'\n') =>
