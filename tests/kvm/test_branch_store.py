@@ -293,8 +293,8 @@ def test_an_idle_control_thread_does_not_wake(sandbox: Sandbox) -> None:
     # child's own: the control thread blocks until a request or its close.
     with control.ControlClient.connect(sandbox.control_path) as client:
         assert isinstance(client.call(control.Status()), control.StatusReply)
-    tid = sandbox.control._thread.native_id
-    assert tid is not None
+    tid = sandbox.control.thread_id     # the native control thread's
+    assert tid > 0
     time.sleep(0.1)
     before = _voluntary_switches(tid)
     time.sleep(1.2)
