@@ -280,13 +280,16 @@ enum Verdict {
     Drop,
 }
 
-fn serve_readable(shared: &Shared, conn: &mut Conn, chunk: &mut [u8]) -> Verdict {
-    // SAFETY: receives into a live buffer of the given length.
+fn serve_readable(shared: &Shared, conn: &mut Conn, chunk: &mut Vec<u8>) -> Verdict {
+    // Into the chunk's capacity, never zeroed: an idle child's own memory counts every
+    // page written, and a request line touches one page of the chunk, not sixteen.
+    chunk.clear();
+    // SAFETY: receives into the vector's allocation, at most its capacity.
     let got = unsafe {
         libc::recv(
             conn.fd.as_raw_fd(),
             chunk.as_mut_ptr().cast(),
-            chunk.len(),
+            chunk.capacity(),
             0,
         )
     };
@@ -296,7 +299,9 @@ fn serve_readable(shared: &Shared, conn: &mut Conn, chunk: &mut [u8]) -> Verdict
     if got <= 0 {
         return Verdict::Drop;
     }
-    conn.buffer.extend_from_slice(&chunk[..got as usize]);
+    // SAFETY: recv initialised the first `got` bytes, and `got` <= capacity.
+    unsafe { chunk.set_len(got as usize) };
+    conn.buffer.extend_from_slice(chunk);
     let mut start = 0;
     while let Some(at) = conn.buffer[conn.scanned..].iter().position(|&b| b == b'\n') {
         let end = conn.scanned + at;
@@ -366,7 +371,7 @@ fn run(shared: Arc<Shared>, listener: OwnedFd) {
     let tid = unsafe { libc::gettid() };
     shared.thread_id.store(tid, Ordering::Release);
     let mut conns: Vec<Conn> = Vec::new();
-    let mut chunk = vec![0u8; RECV_CHUNK];
+    let mut chunk: Vec<u8> = Vec::with_capacity(RECV_CHUNK);
     let mut polled: Vec<libc::pollfd> = Vec::with_capacity(MAX_CONNECTIONS + 2);
     'serve: loop {
         polled.clear();
