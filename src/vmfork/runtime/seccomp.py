@@ -134,7 +134,9 @@ SYSCALLS: dict[str, int] = {
 # threads, signals, files in its run directory), KVM (ioctl, mmap of the run structs
 # and guest RAM), the event loop (epoll, eventfd), Unix sockets, the live-branch
 # writer (fork without exec, copy_file_range, waitid) and the dirty-page scan
-# (/proc/self/pagemap, clear_refs).
+# (/proc/self/pagemap, clear_refs). The native control server (control_serve.rs,
+# started after the filter) needs nothing more: fcntl (F_DUPFD_CLOEXEC), eventfd2,
+# the thread's start, gettid, poll, accept4, recvfrom, sendto, write, close.
 VMM_ALLOWED = (
     "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev",
     "preadv2", "pwritev2", "open", "openat", "close", "close_range", "stat", "fstat",
