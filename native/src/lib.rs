@@ -11,10 +11,12 @@
 //! hands to `kvm-ioctls` (whose wrappers own and close their fd) while it holds
 //! the GIL, and closes its duplicates before it returns.
 
+mod agent_handshake;
 mod balloon_serve;
 mod blk;
 mod blk_serve;
 mod child;
+mod child_report;
 mod console;
 mod eventloop;
 mod guest_ram;
@@ -229,6 +231,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;
     m.add_class::<child::ChildPlan>()?;
+    m.add_class::<child_report::ChildReporter>()?;
+    m.add_class::<agent_handshake::AgentTarget>()?;
+    m.add_function(wrap_pyfunction!(agent_handshake::agent_after_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        agent_handshake::py_clock_exchange_step,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;
