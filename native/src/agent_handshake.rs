@@ -36,12 +36,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use serde_json::{Map, Value};
 
-pub const MAX_HEADER: usize = 1 << 20;
-pub const MAX_PAYLOAD: usize = 1 << 20;
-/// `protocol.MAX_CLOCK_STEP_NS`.
-pub const MAX_CLOCK_STEP_NS: i128 = 3600 * 1_000_000_000;
-/// `client.CLOCK_EXCHANGE_MAX_BOUND_NS`.
-pub const CLOCK_EXCHANGE_MAX_BOUND_NS: i128 = 250_000_000;
+use crate::agent_frame::{
+    check_result, clock_exchange_step, frame_lengths, int, parse_header, quoted, record, shown,
+    Refusal, CLOCK_EXCHANGE_MAX_BOUND_NS, MAX_CLOCK_STEP_NS,
+};
+
 /// `vmmchild.RESEED_BYTES`.
 pub const RESEED_BYTES: usize = 64;
 const RETRY_INTERVAL: Duration = Duration::from_millis(50);
@@ -64,6 +63,15 @@ pub enum Failure {
         code: String,
         message: String,
     },
+}
+
+impl From<Refusal> for Failure {
+    fn from(r: Refusal) -> Self {
+        Failure::Protocol {
+            op: r.op,
+            message: r.message,
+        }
+    }
 }
 
 impl Failure {
@@ -143,11 +151,6 @@ fn os_error_text(err: &io::Error) -> String {
         None if err.kind() == io::ErrorKind::TimedOut => "timed out".to_owned(),
         None => err.to_string(),
     }
-}
-
-/// Python's `repr` of a str, near enough for a message: single quotes.
-fn quoted(s: &str) -> String {
-    format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
 /// Python's `repr` of bytes, for the CONNECT reply a VMM sent instead of `OK`.
@@ -458,83 +461,10 @@ fn strerror(err: &io::Error) -> String {
     }
 }
 
-/// Python's name for a JSON value's type (`type(value).__name__`).
-fn type_name(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "NoneType",
-        Value::Bool(_) => "bool",
-        Value::Number(n) if n.is_f64() => "float",
-        Value::Number(_) => "int",
-        Value::String(_) => "str",
-        Value::Array(_) => "list",
-        Value::Object(_) => "dict",
-    }
-}
-
-/// Python's `repr` of the value `json.loads` makes of `v` (what the client's
-/// messages show), at most `limit` characters.
-fn shown(v: &Value, limit: usize) -> String {
-    let mut out = String::new();
-    py_repr(v, &mut out, limit);
-    out.chars().take(limit).collect()
-}
-
-fn py_repr(v: &Value, out: &mut String, limit: usize) {
-    // Past the limit nothing more is shown: a header of 1 MiB is not walked whole.
-    if out.len() > limit {
-        return;
-    }
-    match v {
-        Value::Null => out.push_str("None"),
-        Value::Bool(true) => out.push_str("True"),
-        Value::Bool(false) => out.push_str("False"),
-        Value::Number(n) => out.push_str(&n.to_string()),
-        Value::String(s) => out.push_str(&quoted(s)),
-        Value::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                py_repr(item, out, limit);
-            }
-            out.push(']');
-        }
-        Value::Object(map) => {
-            out.push('{');
-            for (i, (k, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
-                }
-                out.push_str(&quoted(k));
-                out.push_str(": ");
-                py_repr(item, out, limit);
-            }
-            out.push('}');
-        }
-    }
-}
-
 fn read_frame(conn: &Conn, deadline: Instant) -> Result<Frame, FrameFailure> {
     let mut prefix = [0u8; 8];
     read_exact(conn, &mut prefix, "length prefix", false, deadline)?;
-    let header_len = u32::from_be_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
-    let payload_len = u32::from_be_bytes([prefix[4], prefix[5], prefix[6], prefix[7]]) as usize;
-    if header_len == 0 {
-        return Err(FrameFailure::Malformed(
-            "frame header length is 0; a JSON object is required".to_owned(),
-        ));
-    }
-    if header_len > MAX_HEADER {
-        return Err(FrameFailure::Malformed(format!(
-            "frame header length {header_len} is over the {MAX_HEADER} cap"
-        )));
-    }
-    if payload_len > MAX_PAYLOAD {
-        return Err(FrameFailure::Malformed(format!(
-            "frame payload length {payload_len} is over the {MAX_PAYLOAD} cap"
-        )));
-    }
+    let (header_len, payload_len) = frame_lengths(&prefix).map_err(FrameFailure::Malformed)?;
     let mut raw = vec![0u8; header_len];
     read_exact(conn, &mut raw, "header", true, deadline)?;
     let mut left = payload_len;
@@ -544,15 +474,9 @@ fn read_frame(conn: &Conn, deadline: Instant) -> Result<Frame, FrameFailure> {
         read_exact(conn, &mut sink[..chunk], "payload", true, deadline)?;
         left -= chunk;
     }
-    let header: Value = serde_json::from_slice(&raw)
-        .map_err(|err| FrameFailure::Malformed(format!("frame header is not UTF-8 JSON: {err}")))?;
-    match header {
-        Value::Object(header) => Ok(Frame { header }),
-        other => Err(FrameFailure::Malformed(format!(
-            "frame header must be a JSON object, got {}",
-            type_name(&other)
-        ))),
-    }
+    parse_header(&raw)
+        .map(|header| Frame { header })
+        .map_err(FrameFailure::Malformed)
 }
 
 /// One op on one connection (`client._Call`).
@@ -647,118 +571,14 @@ impl Call {
     }
 }
 
-// -- typed reading of replies (client.py's `_field` and friends) --------------------
-
-fn field<'a>(r: &'a Map<String, Value>, key: &str, op: &'static str) -> Outcome<&'a Value> {
-    match r.get(key) {
-        None | Some(Value::Null) => Err(Failure::protocol(
-            op,
-            format!("the agent's reply lacks '{key}'"),
-        )),
-        Some(v) => Ok(v),
-    }
-}
-
-fn wrong_type(key: &str, v: &Value, expected: &str, op: &'static str) -> Failure {
-    if let Value::Bool(_) = v {
-        return Failure::protocol(
-            op,
-            format!("the agent's '{key}' is a bool, expected {expected}"),
-        );
-    }
-    Failure::protocol(
-        op,
-        format!(
-            "the agent's '{key}' is {} {}, expected {expected}",
-            type_name(v),
-            shown(v, 60)
-        ),
-    )
-}
-
-fn int(
-    r: &Map<String, Value>,
-    key: &str,
-    op: &'static str,
-    minimum: Option<i128>,
-) -> Outcome<i128> {
-    let v = field(r, key, op)?;
-    let value = match v {
-        Value::Number(n) if n.is_i64() => i128::from(n.as_i64().unwrap_or_default()),
-        Value::Number(n) if n.is_u64() => i128::from(n.as_u64().unwrap_or_default()),
-        _ => return Err(wrong_type(key, v, "int", op)),
-    };
-    if let Some(min) = minimum {
-        if value < min {
-            return Err(Failure::protocol(
-                op,
-                format!("the agent's '{key}' is {value}, below {min}"),
-            ));
-        }
-    }
-    Ok(value)
-}
-
-fn num(r: &Map<String, Value>, key: &str, op: &'static str) -> Outcome<f64> {
-    let v = field(r, key, op)?;
-    match v {
-        Value::Number(n) => n.as_f64().filter(|f| f.is_finite()).ok_or_else(|| {
-            Failure::protocol(op, format!("the agent's '{key}' is not a finite number"))
-        }),
-        _ => Err(wrong_type(key, v, "int/float", op)),
-    }
-}
-
-fn string(r: &Map<String, Value>, key: &str, op: &'static str, optional: bool) -> Outcome<()> {
-    match r.get(key) {
-        None | Some(Value::Null) if optional => Ok(()),
-        _ => match field(r, key, op)? {
-            Value::String(_) => Ok(()),
-            v => Err(wrong_type(key, v, "str", op)),
-        },
-    }
-}
-
-fn boolean(r: &Map<String, Value>, key: &str, op: &'static str) -> Outcome<bool> {
-    match field(r, key, op)? {
-        Value::Bool(b) => Ok(*b),
-        v => Err(wrong_type(key, v, "bool", op)),
-    }
-}
-
-fn record<'a>(
-    r: &'a Map<String, Value>,
-    key: &str,
-    op: &'static str,
-) -> Outcome<&'a Map<String, Value>> {
-    match field(r, key, op)? {
-        Value::Object(m) => Ok(m),
-        v => Err(wrong_type(key, v, "dict", op)),
-    }
-}
-
 // -- the clock -------------------------------------------------------------------------
-
-/// `client.clock_exchange_step`: `(step, round trip)` in ns, NTP style; the guest's
-/// processing time is kept within the round trip, so a lie moves only its own clock.
-pub fn clock_exchange_step(
-    sent: i128,
-    guest: i128,
-    processing: i128,
-    received: i128,
-) -> (i128, i128) {
-    let processing = processing.max(0).min((received - sent).max(0));
-    let guest_set = guest - processing;
-    let step = ((sent - guest_set) + (received - guest)).div_euclid(2);
-    (step, (received - sent - processing).max(0))
-}
 
 /// `AgentClient.step_time`: a `set_time offset_ns` call; the guest's clock before.
 fn step_time(target: &Target, offset_ns: i128) -> Outcome<i128> {
     let request = format!("{{\"op\":\"set_time\",\"offset_ns\":{offset_ns}}}");
     let mut call = Call::open(target, "set_time", request.as_bytes(), b"")?;
     let reply = call.expect("result")?;
-    int(&reply.header, "previous_ns", "set_time", None)
+    Ok(int(&reply.header, "previous_ns", "set_time", None)?)
 }
 
 /// `AgentClient._sync_clock(1)`: the guest's clock read between two host readings,
@@ -861,39 +681,13 @@ pub fn after_fork(
         }
     };
     drop(call);
-    // AfterForkResult's checks, in its order: the ping's fields, the reseed, the
-    // network refresh, the clock.
-    int(&r, "pid", "ping", Some(0))?;
-    string(&r, "version", "ping", false)?;
-    int(&r, "protocol", "ping", None)?;
-    num(&r, "uptime", "ping")?;
-    string(&r, "boot_id", "ping", true)?;
-    let reseed = record(&r, "reseed", op)?;
-    int(reseed, "bytes", "reseed", Some(0))?;
-    int(reseed, "entropy_bits", "reseed", Some(0))?;
-    boolean(reseed, "kernel_reseeded", "reseed")?;
-    let net = match r.get("net") {
-        None | Some(Value::Null) => None,
-        Some(_) => {
-            let net = record(&r, "net", op)?;
-            let refresh = "net_refresh";
-            string(net, "interface", refresh, true)?;
-            let aborted = int(net, "connections_aborted", refresh, Some(0))?;
-            let flushed = int(net, "neighbours_flushed", refresh, Some(0))?;
-            Some((clamp_u64(aborted), clamp_u64(flushed)))
-        }
-    };
-    int(record(&r, "clock", op)?, "previous_ns", op, None)?;
+    let net = check_result(&r)?;
     Ok(Handshake {
         clock_error_bound_ns: bound,
         clock_step_ns: step,
         net,
         retries: 0,
     })
-}
-
-fn clamp_u64(v: i128) -> u64 {
-    u64::try_from(v).unwrap_or(u64::MAX)
 }
 
 /// `make_unique`'s loop: `after_fork`, again every 50 ms while the agent is

@@ -11,6 +11,7 @@
 //! hands to `kvm-ioctls` (whose wrappers own and close their fd) while it holds
 //! the GIL, and closes its duplicates before it returns.
 
+mod agent_frame;
 mod agent_handshake;
 mod balloon_serve;
 mod blk;
