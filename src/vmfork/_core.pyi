@@ -1,6 +1,7 @@
 """Types of the native core (``native/``, built into ``vmfork/_core.abi3.so``)."""
 
 from collections.abc import Callable
+from typing import Any
 
 class IoctlError(OSError):
     """A KVM ioctl of a native call failed; ``args`` is (errno, op, vCPU index or None)."""
@@ -300,3 +301,23 @@ def let_go_of_host_root(fd: int, dev: int, ino: int) -> None: ...
 def open_tap(name: str) -> int: ...
 def die_with_parent(parent_pid: int) -> bool: ...
 def fork_single_threaded() -> int: ...
+
+class ChildReporter:
+    """A child's status reports (native/src/child_report.rs): status.json replaced
+    atomically, then ``<vm_id> <state>`` to the FIFO; a failure's reason to stderr."""
+    def __init__(self, run_dir: str, vm_id: str, notify_path: str | None = ...) -> None: ...
+    def report(self, status: dict[str, Any]) -> None: ...
+
+class AgentTarget:
+    """Where a child's agent is (native/src/agent_handshake.rs); ``port`` None: an
+    agent served on the Unix socket ``path`` itself."""
+    def __init__(self, path: str, port: int | None, connect_timeout: float,
+                 io_timeout: float) -> None: ...
+
+def agent_after_fork(
+    target: AgentTarget, timeout: float, net_refresh: bool,
+    clock_tolerance_ns: int = ...,
+) -> tuple[tuple[int, int, tuple[int, int] | None, int] | None,
+           tuple[str, str | None, str, str] | None]: ...
+def clock_exchange_step(sent: int, guest: int, processing: int,
+                        received: int) -> tuple[int, int]: ...
