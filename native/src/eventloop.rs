@@ -428,6 +428,20 @@ impl<H: LoopHost> Loop<H> {
         Ok(())
     }
 
+    /// Stop serving `fd` if a native reader serves it (a device transport dropping its
+    /// server at a reset); a host callback on `fd` is left alone. True if one was removed.
+    /// A turn that picked the reader up before the removal may still run it once: the
+    /// caller waits that out on the server's own lock.
+    #[cfg_attr(not(test), allow(dead_code))] // the native transport's (transport.rs)
+    pub fn remove_native(&self, fd: RawFd) -> bool {
+        let native = matches!(
+            lock(&self.shared.state).readers.get(&fd),
+            Some(Reader::Native(_))
+        );
+        // Only native readers, whose drop needs no host: dropped right here.
+        native && self.remove(fd).is_some()
+    }
+
     /// Stop watching `fd`; its reader comes back, to be dropped as the host drops it.
     fn remove(&self, fd: RawFd) -> Option<Reader<H::Callback>> {
         let mut state = lock(&self.shared.state);

@@ -30,6 +30,7 @@ mod net_serve;
 mod queue_server;
 mod restore;
 mod rng_serve;
+mod transport;
 mod vcpu;
 mod virtio_py;
 mod virtq;
