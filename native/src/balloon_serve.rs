@@ -298,7 +298,6 @@ impl BalloonServer {
     /// Serve queue `index` now, on the caller's thread (a notify with no ioeventfd, to a
     /// server whose events need no Python: a native transport's); true if the budget
     /// was spent and more may be waiting.
-    #[cfg_attr(not(test), allow(dead_code))] // the native transport's (transport.rs)
     pub(crate) fn serve_now(&self, index: usize) -> bool {
         let report = self.serve(index);
         let rearm = report.rearm;
@@ -310,7 +309,6 @@ impl BalloonServer {
     }
 
     /// The three queues' (next_avail, next_used), after any serve in flight.
-    #[cfg_attr(not(test), allow(dead_code))] // the native transport's (transport.rs)
     pub(crate) fn indices(&self) -> [(u16, u16); 3] {
         lock(&self.state).indices
     }

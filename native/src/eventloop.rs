@@ -432,7 +432,6 @@ impl<H: LoopHost> Loop<H> {
     /// server at a reset); a host callback on `fd` is left alone. True if one was removed.
     /// A turn that picked the reader up before the removal may still run it once: the
     /// caller waits that out on the server's own lock.
-    #[cfg_attr(not(test), allow(dead_code))] // the native transport's (transport.rs)
     pub fn remove_native(&self, fd: RawFd) -> bool {
         let native = matches!(
             lock(&self.shared.state).readers.get(&fd),
@@ -527,7 +526,8 @@ impl<H: LoopHost> Loop<H> {
 
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct EventLoop {
-    inner: Loop<PyHost>,
+    /// In an `Arc`: a native transport holds it to add and remove its server's readers.
+    pub(crate) inner: Arc<Loop<PyHost>>,
 }
 
 fn os_error(what: &str, err: std::io::Error) -> PyErr {
@@ -563,7 +563,9 @@ impl EventLoop {
     fn new(name: String, dispatch: Py<PyAny>) -> PyResult<Self> {
         let inner = Loop::with_host(name, PyHost { dispatch })
             .map_err(|e| os_error("event loop set-up", e))?;
-        Ok(EventLoop { inner })
+        Ok(EventLoop {
+            inner: Arc::new(inner),
+        })
     }
 
     #[getter]

@@ -31,6 +31,7 @@ mod queue_server;
 mod restore;
 mod rng_serve;
 mod transport;
+mod transport_py;
 mod vcpu;
 mod virtio_py;
 mod virtq;
@@ -236,6 +237,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;
+    m.add_class::<transport_py::NativeDevice>()?;
     m.add_class::<child::ChildPlan>()?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;

@@ -21,6 +21,7 @@ use pyo3::{PyTraverseError, PyVisit};
 
 use crate::mmio::{Event, QueueRegs, Read, Registers, Saved, CONFIG_SPACE};
 use crate::transport::{TransportFailure, TransportHost, Windows};
+use crate::transport_py::NativeDevice;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -64,7 +65,7 @@ fn py_event(e: Event) -> PyEvent {
 }
 
 /// (max_size, size, ready, desc, avail, used)
-type PyQueue = (u32, u32, bool, u64, u64, u64);
+pub(crate) type PyQueue = (u32, u32, bool, u64, u64, u64);
 
 fn py_queue(q: &QueueRegs) -> PyQueue {
     (q.max_size, q.size, q.ready, q.desc, q.avail, q.used)
@@ -72,7 +73,46 @@ fn py_queue(q: &QueueRegs) -> PyQueue {
 
 /// (status, device_features_sel, driver_features_sel, driver_features,
 ///  driver_features_bad, queue_sel, interrupt_status, config_generation, queues)
-type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
+pub(crate) type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
+
+pub(crate) fn py_saved(s: &Saved) -> PySaved {
+    (
+        s.status,
+        s.device_features_sel,
+        s.driver_features_sel,
+        s.driver_features,
+        s.driver_features_bad,
+        s.queue_sel,
+        s.interrupt_status,
+        s.config_generation,
+        s.queues.iter().map(py_queue).collect(),
+    )
+}
+
+pub(crate) fn saved_from_py(saved: PySaved) -> Saved {
+    let (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved;
+    Saved {
+        status,
+        device_features_sel: dfs,
+        driver_features_sel: drfs,
+        driver_features: df,
+        driver_features_bad: bad,
+        queue_sel: qsel,
+        interrupt_status: isr,
+        config_generation: cg,
+        queues: queues
+            .into_iter()
+            .map(|(max_size, size, ready, desc, avail, used)| QueueRegs {
+                max_size,
+                size,
+                ready,
+                desc,
+                avail,
+                used,
+            })
+            .collect(),
+    }
+}
 
 /// One virtio-mmio register file. A thin handle over the `Arc`'d register file, which
 /// the device servers and the MMIO windows hold themselves, with no Python object.
@@ -165,45 +205,14 @@ impl MmioRegisters {
     }
 
     fn save(&self) -> PySaved {
-        let s = lock(&self.regs).save();
-        (
-            s.status,
-            s.device_features_sel,
-            s.driver_features_sel,
-            s.driver_features,
-            s.driver_features_bad,
-            s.queue_sel,
-            s.interrupt_status,
-            s.config_generation,
-            s.queues.iter().map(py_queue).collect(),
-        )
+        py_saved(&lock(&self.regs).save())
     }
 
     /// Load `save()`'s tuple (a new epoch); returns (epoch, live).
     fn restore(&self, saved: PySaved) -> PyResult<(u64, bool)> {
-        let (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved;
-        let s = Saved {
-            status,
-            device_features_sel: dfs,
-            driver_features_sel: drfs,
-            driver_features: df,
-            driver_features_bad: bad,
-            queue_sel: qsel,
-            interrupt_status: isr,
-            config_generation: cg,
-            queues: queues
-                .into_iter()
-                .map(|(max_size, size, ready, desc, avail, used)| QueueRegs {
-                    max_size,
-                    size,
-                    ready,
-                    desc,
-                    avail,
-                    used,
-                })
-                .collect(),
-        };
-        lock(&self.regs).restore(&s).map_err(PyValueError::new_err)
+        lock(&self.regs)
+            .restore(&saved_from_py(saved))
+            .map_err(PyValueError::new_err)
     }
 
     #[getter]
@@ -350,6 +359,14 @@ impl MmioWindows {
                 registers.get().regs.clone(),
                 Arc::new(PyTransport { handler }),
             )
+            .map_err(PyValueError::new_err)
+    }
+
+    /// Serve `[base, base + 0x1000)` with a device whose transport is native.
+    fn add_native(&self, base: u64, device: &Bound<'_, NativeDevice>) -> PyResult<()> {
+        let transport = device.get().transport.clone();
+        self.windows
+            .add(base, transport.registers(), transport)
             .map_err(PyValueError::new_err)
     }
 
