@@ -630,6 +630,10 @@ fn balloon_restored_from_a_plan_keeps_its_config_and_drops_reported_pages() {
     ram.lock().unwrap().read_into(pages, &mut dropped).unwrap();
     assert!(dropped.iter().all(|&b| b == 0));
     assert_eq!(child.plan().indices, vec![(0, 0), (0, 0), (1, 1)]);
+    // The device dropped (its bus with it): its readers leave the loop.
+    drop(child_bus);
+    drop(child);
+    assert_eq!(child_loop.counts().0, 0);
     child_loop.stop();
     ram.close();
 }

@@ -672,6 +672,22 @@ impl NativeTransport {
     }
 }
 
+impl Drop for NativeTransport {
+    /// The server's readers leave the loop with the transport: the loop holds the
+    /// server, and its ioeventfds (duplicates owned here) are about to close, which
+    /// epoll does not notice while the machine keeps the originals open.
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let Some(active) = st.active.take() else {
+            return;
+        };
+        for fd in self.notify.iter().flatten() {
+            self.readers.remove_reader(fd.as_raw_fd());
+        }
+        let _ = active.server.indices();
+    }
+}
+
 impl TransportHost for NativeTransport {
     fn read_config(&self, offset: u64, data: &mut [u8]) -> Result<(), TransportFailure> {
         data.fill(0);
