@@ -500,6 +500,7 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     bus_write(&windows, mmio::REG_STATUS, 0);
     assert!(!booted.active());
     assert_eq!(first_loop.counts().0, 0);
+    assert_eq!(booted.plan().indices, vec![(0, 0)]); // fresh queues
     first_loop.stop();
 
     // A child restored from the plan: another loop, bus and eventfds, the same RAM.
@@ -519,6 +520,27 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     assert_eq!(child.plan().indices, vec![(2, 2)]);
     assert_eq!(child.record().faults, 0);
     child_loop.stop();
+
+    // A snapshot taken between FEATURES_OK and DRIVER_OK: not live when restored, and
+    // the driver's DRIVER_OK starts the server from the plan's indices.
+    let mut early = child.plan();
+    early.registers.status &= !mmio::STATUS_DRIVER_OK;
+    let early_loop = started_loop("rng-early");
+    let early_bus = Windows::new();
+    let (restored, irq, notify) = restore_on_bus(&early, &ram, &early_loop, &early_bus, true);
+    assert!(!restored.active());
+    assert_eq!(restored.plan().indices, vec![(2, 2)]);
+    bus_write(
+        &early_bus,
+        mmio::REG_STATUS,
+        early.registers.status | mmio::STATUS_DRIVER_OK,
+    );
+    assert!(restored.active());
+    assert_eq!(restored.plan().indices, vec![(2, 2)]);
+    drop(early_bus);
+    drop(restored);
+    drop((irq, notify));
+    early_loop.stop();
 
     // The same plan with no ioeventfd: a QueueNotify write is served on the writer's
     // thread, the used entry and the interrupt there when the write returns.

@@ -352,6 +352,10 @@ struct TransportState {
     /// The device's config bytes the host serves (the balloon's), else empty.
     config: Vec<u8>,
     active: Option<Active>,
+    /// Each queue's (next_avail, next_used) while no server runs: the plan's after a
+    /// restore (a DRIVER_OK still to come starts from them, as the Python transport's
+    /// restored queues do), zeros after a reset.
+    indices: Vec<(u16, u16)>,
     /// Faults recorded by activations since dropped (the current one's is live).
     earlier: EventRecord,
     features_refused: u64,
@@ -422,6 +426,7 @@ impl NativeTransport {
                 acked_features,
                 config,
                 active: None,
+                indices: plan.indices.clone(),
                 earlier: EventRecord::default(),
                 features_refused: 0,
             }),
@@ -445,7 +450,7 @@ impl NativeTransport {
         let registers = lock(&self.regs).save();
         let indices = match &st.active {
             Some(active) => active.server.indices(),
-            None => vec![(0, 0); self.notify.len()],
+            None => st.indices.clone(),
         };
         let kind = match self.kind {
             DeviceKind::Balloon {
@@ -615,7 +620,7 @@ impl NativeTransport {
     }
 
     /// Drop the running server: its readers off the loop, then its lock taken once
-    /// (`indices`), so a serve the loop had started is over when this returns.
+    /// (`indices`, kept), so a serve the loop had started is over when this returns.
     fn deactivate(&self, st: &mut TransportState) {
         let Some(active) = st.active.take() else {
             return;
@@ -623,7 +628,7 @@ impl NativeTransport {
         for fd in self.notify.iter().flatten() {
             self.readers.remove_reader(fd.as_raw_fd());
         }
-        let _ = active.server.indices();
+        st.indices = active.server.indices();
         let record = active.events.record();
         st.earlier.faults += record.faults;
         st.earlier.reports += record.reports;
@@ -711,11 +716,13 @@ impl TransportHost for NativeTransport {
                     let mut st = lock(&self.state);
                     self.deactivate(&mut st);
                     st.acked_features = 0;
+                    // Fresh queues, as the Python transport's reset makes.
+                    st.indices = vec![(0, 0); self.notify.len()];
                 }
                 Event::FeaturesOk(features) => lock(&self.state).acked_features = features,
                 Event::FeaturesRefused(_) => lock(&self.state).features_refused += 1,
                 Event::Activate(epoch) => {
-                    let indices = vec![(0, 0); self.notify.len()];
+                    let indices = lock(&self.state).indices.clone();
                     self.activate(epoch, &indices).map_err(failure)?;
                 }
                 // The register file set DEVICE_NEEDS_RESET and the config-change bit.

@@ -140,8 +140,10 @@ def test_an_rng_snapshot_restores_natively_and_goes_on_where_it_left_off(
 def test_a_balloon_plan_keeps_actual_and_a_reset_device_stays_inactive(
         memory: GuestMemory, loops: tuple[NativeEventLoop, NativeEventLoop]) -> None:
     _, child_loop = loops
-    # A balloon the driver reset after writing ``actual``: registers fresh, not live.
-    queues = [QueueState(64, 64, False, 0, 0, 0, 0, 0) for _ in range(3)]
+    # A balloon the driver had not started (no DRIVER_OK) when the snapshot was taken:
+    # not live; its queues' indices kept for the DRIVER_OK to come, as the Python
+    # transport keeps them.
+    queues = [QueueState(64, 64, False, 0, 0, 0, 3 + i, 3 + i) for i in range(3)]
     transport = MmioTransportState(device_type=5, status=0, device_features_sel=0,
                                    driver_features_sel=0, driver_features=0,
                                    driver_features_bad=False, queue_sel=0,
