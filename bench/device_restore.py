@@ -57,7 +57,8 @@ def main() -> None:
     from vmfork.vmm.memory import GuestMemory
 
     memory = GuestMemory.anonymous(MEM_SIZE)
-    assert memory.native is not None
+    ram = memory.native
+    assert ram is not None
     loop = NativeEventLoop("bench-io")
     loop.start()
     line = IrqLine(gsi=5)
@@ -89,11 +90,12 @@ def main() -> None:
         assert rng.active
         run_on_loop(loop, rng.reset)
         t.close()
+        rng.close()
         return took
 
     def native_restore() -> float:
         start = time.perf_counter()
-        restored = _core.NativeDevice.restore(plan, memory.native, loop._native, line.fd,
+        restored = _core.NativeDevice.restore(plan, ram, loop._native, line.fd,
                                               [notify])
         took = time.perf_counter() - start
         assert restored.active
