@@ -33,6 +33,8 @@ mod net_serve;
 mod queue_server;
 mod restore;
 mod rng_serve;
+mod transport;
+mod transport_py;
 mod vcpu;
 mod virtio_py;
 mod virtq;
@@ -238,6 +240,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;
+    m.add_class::<transport_py::NativeDevice>()?;
     m.add_class::<child::ChildPlan>()?;
     m.add_class::<child_report::ChildReporter>()?;
     m.add_class::<agent_handshake::AgentTarget>()?;
