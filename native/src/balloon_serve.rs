@@ -294,6 +294,24 @@ impl BalloonServer {
     fn deferred(&self, report: Report) -> Option<Deferred> {
         queue_server::report(&self.events, report.fault, report.discard_errors)
     }
+
+    /// Serve queue `index` now, on the caller's thread (a notify with no ioeventfd, to a
+    /// server whose events need no Python: a native transport's); true if the budget
+    /// was spent and more may be waiting.
+    pub(crate) fn serve_now(&self, index: usize) -> bool {
+        let report = self.serve(index);
+        let rearm = report.rearm;
+        // A native sink acts on the report itself and hands nothing back.
+        if let Some(work) = self.deferred(report) {
+            drop(work);
+        }
+        rearm
+    }
+
+    /// The three queues' (next_avail, next_used), after any serve in flight.
+    pub(crate) fn indices(&self) -> [(u16, u16); 3] {
+        lock(&self.state).indices
+    }
 }
 
 impl NativeReader for BalloonServer {

@@ -428,6 +428,19 @@ impl<H: LoopHost> Loop<H> {
         Ok(())
     }
 
+    /// Stop serving `fd` if a native reader serves it (a device transport dropping its
+    /// server at a reset); a host callback on `fd` is left alone. True if one was removed.
+    /// A turn that picked the reader up before the removal may still run it once: the
+    /// caller waits that out on the server's own lock.
+    pub fn remove_native(&self, fd: RawFd) -> bool {
+        let native = matches!(
+            lock(&self.shared.state).readers.get(&fd),
+            Some(Reader::Native(_))
+        );
+        // Only native readers, whose drop needs no host: dropped right here.
+        native && self.remove(fd).is_some()
+    }
+
     /// Stop watching `fd`; its reader comes back, to be dropped as the host drops it.
     fn remove(&self, fd: RawFd) -> Option<Reader<H::Callback>> {
         let mut state = lock(&self.shared.state);
@@ -513,7 +526,8 @@ impl<H: LoopHost> Loop<H> {
 
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct EventLoop {
-    inner: Loop<PyHost>,
+    /// In an `Arc`: a native transport holds it to add and remove its server's readers.
+    pub(crate) inner: Arc<Loop<PyHost>>,
 }
 
 fn os_error(what: &str, err: std::io::Error) -> PyErr {
@@ -549,7 +563,9 @@ impl EventLoop {
     fn new(name: String, dispatch: Py<PyAny>) -> PyResult<Self> {
         let inner = Loop::with_host(name, PyHost { dispatch })
             .map_err(|e| os_error("event loop set-up", e))?;
-        Ok(EventLoop { inner })
+        Ok(EventLoop {
+            inner: Arc::new(inner),
+        })
     }
 
     #[getter]

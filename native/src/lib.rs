@@ -13,10 +13,13 @@
 //! core (`vm.rs`): the VM and vCPU descriptors it creates are its own, read (never
 //! closed) by Python, and kept open by each vCPU loop until its thread ends.
 
+mod agent_frame;
+mod agent_handshake;
 mod balloon_serve;
 mod blk;
 mod blk_serve;
 mod child;
+mod child_report;
 mod console;
 mod control_serve;
 mod eventloop;
@@ -31,6 +34,8 @@ mod net_serve;
 mod queue_server;
 mod restore;
 mod rng_serve;
+mod transport;
+mod transport_py;
 mod vcpu;
 mod virtio_py;
 mod virtq;
@@ -237,7 +242,15 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;
+    m.add_class::<transport_py::NativeDevice>()?;
     m.add_class::<child::ChildPlan>()?;
+    m.add_class::<child_report::ChildReporter>()?;
+    m.add_class::<agent_handshake::AgentTarget>()?;
+    m.add_function(wrap_pyfunction!(agent_handshake::agent_after_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        agent_handshake::py_clock_exchange_step,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;

@@ -11,14 +11,17 @@
 //! read the device answers) only after it let go of it: the register lock is never
 //! held while the GIL is waited for, and no Python code runs under it.
 
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::any::Any;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::mmio::{Event, QueueRegs, Read, Registers, Saved, WINDOW_SIZE};
+use crate::mmio::{Event, QueueRegs, Read, Registers, Saved, CONFIG_SPACE};
+use crate::transport::{TransportFailure, TransportHost, Windows};
+use crate::transport_py::NativeDevice;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -62,7 +65,7 @@ fn py_event(e: Event) -> PyEvent {
 }
 
 /// (max_size, size, ready, desc, avail, used)
-type PyQueue = (u32, u32, bool, u64, u64, u64);
+pub(crate) type PyQueue = (u32, u32, bool, u64, u64, u64);
 
 fn py_queue(q: &QueueRegs) -> PyQueue {
     (q.max_size, q.size, q.ready, q.desc, q.avail, q.used)
@@ -70,7 +73,46 @@ fn py_queue(q: &QueueRegs) -> PyQueue {
 
 /// (status, device_features_sel, driver_features_sel, driver_features,
 ///  driver_features_bad, queue_sel, interrupt_status, config_generation, queues)
-type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
+pub(crate) type PySaved = (u32, u32, u32, u64, bool, u32, u32, u32, Vec<PyQueue>);
+
+pub(crate) fn py_saved(s: &Saved) -> PySaved {
+    (
+        s.status,
+        s.device_features_sel,
+        s.driver_features_sel,
+        s.driver_features,
+        s.driver_features_bad,
+        s.queue_sel,
+        s.interrupt_status,
+        s.config_generation,
+        s.queues.iter().map(py_queue).collect(),
+    )
+}
+
+pub(crate) fn saved_from_py(saved: PySaved) -> Saved {
+    let (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved;
+    Saved {
+        status,
+        device_features_sel: dfs,
+        driver_features_sel: drfs,
+        driver_features: df,
+        driver_features_bad: bad,
+        queue_sel: qsel,
+        interrupt_status: isr,
+        config_generation: cg,
+        queues: queues
+            .into_iter()
+            .map(|(max_size, size, ready, desc, avail, used)| QueueRegs {
+                max_size,
+                size,
+                ready,
+                desc,
+                avail,
+                used,
+            })
+            .collect(),
+    }
+}
 
 /// One virtio-mmio register file. A thin handle over the `Arc`'d register file, which
 /// the device servers and the MMIO windows hold themselves, with no Python object.
@@ -163,45 +205,14 @@ impl MmioRegisters {
     }
 
     fn save(&self) -> PySaved {
-        let s = lock(&self.regs).save();
-        (
-            s.status,
-            s.device_features_sel,
-            s.driver_features_sel,
-            s.driver_features,
-            s.driver_features_bad,
-            s.queue_sel,
-            s.interrupt_status,
-            s.config_generation,
-            s.queues.iter().map(py_queue).collect(),
-        )
+        py_saved(&lock(&self.regs).save())
     }
 
     /// Load `save()`'s tuple (a new epoch); returns (epoch, live).
     fn restore(&self, saved: PySaved) -> PyResult<(u64, bool)> {
-        let (status, dfs, drfs, df, bad, qsel, isr, cg, queues) = saved;
-        let s = Saved {
-            status,
-            device_features_sel: dfs,
-            driver_features_sel: drfs,
-            driver_features: df,
-            driver_features_bad: bad,
-            queue_sel: qsel,
-            interrupt_status: isr,
-            config_generation: cg,
-            queues: queues
-                .into_iter()
-                .map(|(max_size, size, ready, desc, avail, used)| QueueRegs {
-                    max_size,
-                    size,
-                    ready,
-                    desc,
-                    avail,
-                    used,
-                })
-                .collect(),
-        };
-        lock(&self.regs).restore(&s).map_err(PyValueError::new_err)
+        lock(&self.regs)
+            .restore(&saved_from_py(saved))
+            .map_err(PyValueError::new_err)
     }
 
     #[getter]
@@ -258,70 +269,67 @@ impl MmioRegisters {
     }
 }
 
-struct Window {
-    base: u64,
-    regs: Arc<Mutex<Registers>>,
-    /// The Python transport: its `read` answers config reads the device serves, its
-    /// `apply_events` takes the events a write caused. In an `Arc`, so a vCPU thread
-    /// can hold it past the map's lock without the GIL that cloning a `Py` needs.
-    handler: Arc<Py<PyAny>>,
+/// The Python transport as a `TransportHost`: its `read` answers config reads the
+/// device serves, its `apply_events` takes the events a write caused; each call takes
+/// the GIL (the vCPU thread holds no Rust lock then). What it raises comes back as the
+/// failure's `raised` (a `Py<PyAny>`), for `VcpuLoop.error`.
+pub struct PyTransport {
+    handler: Py<PyAny>,
 }
 
-type Found = (u64, Arc<Mutex<Registers>>, Arc<Py<PyAny>>);
-
-/// What an MMIO read in a window asks of the vCPU loop.
-pub enum ReadServed {
-    Done,
-    /// A config read the device answers: `handler.read(offset, size)`.
-    Device(Arc<Py<PyAny>>, u64),
+impl PyTransport {
+    fn failure(py: Python<'_>, err: PyErr) -> TransportFailure {
+        let detail = err
+            .value(py)
+            .repr()
+            .map(|r| r.to_string())
+            .unwrap_or_else(|_| "an exception".to_string());
+        let raised: Py<PyAny> = err.value(py).clone().into_any().unbind();
+        TransportFailure {
+            detail,
+            raised: Some(Box::new(raised)),
+        }
+    }
 }
 
-/// What an MMIO write in a window asks of the vCPU loop.
-pub enum WriteServed {
-    Done,
-    /// `handler.apply_events(events)`.
-    Events(Arc<Py<PyAny>>, Vec<Event>),
+impl TransportHost for PyTransport {
+    fn read_config(&self, offset: u64, data: &mut [u8]) -> Result<(), TransportFailure> {
+        Python::attach(|py| {
+            let value = self
+                .handler
+                .call_method1(py, "read", (CONFIG_SPACE + offset, data.len()));
+            value
+                .and_then(|value| {
+                    let bytes = value.bind(py).extract::<&[u8]>()?;
+                    let n = bytes.len().min(data.len());
+                    data[..n].copy_from_slice(&bytes[..n]);
+                    // As a bus read the device answered short: the rest reads as ones.
+                    data[n..].fill(0xFF);
+                    Ok(())
+                })
+                .map_err(|err| PyTransport::failure(py, err))
+        })
+    }
+
+    fn apply(&self, events: Vec<Event>) -> Result<(), TransportFailure> {
+        Python::attach(|py| {
+            self.handler
+                .call_method1(py, "apply_events", (events_to_py(events),))
+                .map(drop)
+                .map_err(|err| PyTransport::failure(py, err))
+        })
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
-/// The MMIO bus's register files by window (each `WINDOW_SIZE` bytes), for the
-/// native vCPU loop; `vmfork.vmm.bus.Bus` adds a transport here when it registers one.
+/// The MMIO bus's register files by window (`transport::Windows`), for the native
+/// vCPU loop; `vmfork.vmm.bus.Bus` adds a transport here when it registers one.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct MmioWindows {
-    windows: RwLock<Vec<Window>>,
-}
-
-impl MmioWindows {
-    /// The window holding `addr`: (offset in it, its registers, its handler), cloned
-    /// out so the map's lock is released before anything else happens.
-    fn find(&self, addr: u64) -> Option<Found> {
-        let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
-        windows
-            .iter()
-            .find(|w| addr >= w.base && addr - w.base < WINDOW_SIZE)
-            .map(|w| (addr - w.base, w.regs.clone(), w.handler.clone()))
-    }
-
-    /// Serve a guest read at `addr` if a window holds it (None if none does).
-    pub fn read(&self, addr: u64, data: &mut [u8]) -> Option<ReadServed> {
-        let (offset, regs, handler) = self.find(addr)?;
-        let read = lock(&regs).read(offset, data);
-        Some(match read {
-            Read::Done => ReadServed::Done,
-            Read::Device => ReadServed::Device(handler, offset),
-        })
-    }
-
-    /// Serve a guest write at `addr` if a window holds it (None if none does).
-    pub fn write(&self, addr: u64, data: &[u8]) -> Option<WriteServed> {
-        let (offset, regs, handler) = self.find(addr)?;
-        let mut events = Vec::new();
-        lock(&regs).write(offset, data, &mut events);
-        Some(if events.is_empty() {
-            WriteServed::Done
-        } else {
-            WriteServed::Events(handler, events)
-        })
-    }
+    pub(crate) windows: Windows,
 }
 
 /// The events as the Python transport's `apply_events` takes them.
@@ -334,7 +342,7 @@ impl MmioWindows {
     #[new]
     fn new() -> Self {
         MmioWindows {
-            windows: RwLock::new(Vec::new()),
+            windows: Windows::new(),
         }
     }
 
@@ -345,39 +353,37 @@ impl MmioWindows {
         registers: &Bound<'_, MmioRegisters>,
         handler: Py<PyAny>,
     ) -> PyResult<()> {
-        let mut windows = self.windows.write().unwrap_or_else(|p| p.into_inner());
-        if windows
-            .iter()
-            .any(|w| base < w.base + WINDOW_SIZE && w.base < base.saturating_add(WINDOW_SIZE))
-        {
-            return Err(PyValueError::new_err(format!(
-                "MMIO window {base:#x} overlaps another"
-            )));
-        }
-        windows.push(Window {
-            base,
-            regs: registers.get().regs.clone(),
-            handler: Arc::new(handler),
-        });
-        Ok(())
+        self.windows
+            .add(
+                base,
+                registers.get().regs.clone(),
+                Arc::new(PyTransport { handler }),
+            )
+            .map_err(PyValueError::new_err)
+    }
+
+    /// Serve `[base, base + 0x1000)` with a device whose transport is native.
+    fn add_native(&self, base: u64, device: &Bound<'_, NativeDevice>) -> PyResult<()> {
+        let transport = device.get().transport.clone();
+        self.windows
+            .add(base, transport.registers(), transport)
+            .map_err(PyValueError::new_err)
     }
 
     fn __len__(&self) -> usize {
-        self.windows.read().unwrap_or_else(|p| p.into_inner()).len()
+        self.windows.len()
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        if let Ok(windows) = self.windows.try_read() {
-            for w in windows.iter() {
-                visit.call(&*w.handler)?;
+        for host in self.windows.hosts().unwrap_or_default() {
+            if let Some(py) = host.as_any().downcast_ref::<PyTransport>() {
+                visit.call(&py.handler)?;
             }
         }
         Ok(())
     }
 
     fn __clear__(&self) {
-        if let Ok(mut windows) = self.windows.try_write() {
-            windows.clear();
-        }
+        self.windows.clear();
     }
 }

@@ -3,7 +3,10 @@
 //! `NativeEvents` sink, an eventfd as the irqfd and one as the queue's ioeventfd. What
 //! the native machine assembly (docs/native.md, "Where the line goes next") will do for
 //! every device, done here for rng and balloon; the test binary has no interpreter
-//! linked, so any path into Python would not even link.
+//! linked, so any path into Python would not even link. The last tests go one step
+//! further: the device restored from a `DevicePlan` built in Rust, its transport a
+//! `NativeTransport` on a `Windows` map, the driver's register writes what builds and
+//! drops its server.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{fence, Ordering};
@@ -15,6 +18,7 @@ use crate::guest_ram::{GuestRam, Region};
 use crate::mmio::{self, Event, Registers, INT_CONFIG_CHANGE, INT_USED_BUFFER};
 use crate::queue_server::{DeviceEvents, NativeEvents};
 use crate::rng_serve::{RngServer, Served};
+use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, Windows};
 use crate::virtq::{self, Rings};
 
 const RAM_SIZE: usize = 1 << 20;
@@ -352,5 +356,306 @@ fn balloon_reports_drop_pages_on_the_native_loop_with_no_python_object() {
     assert!(kept.iter().all(|&b| b == 0xAB));
     assert_eq!(events.record(), Default::default());
     event_loop.stop();
+    ram.close();
+}
+
+/// Where the device's window is on the test's MMIO bus.
+const WINDOW: u64 = 0xd000_0000;
+
+fn bus_write(windows: &Windows, offset: u64, value: u32) {
+    let served = windows.serve_write(WINDOW + offset, &value.to_le_bytes());
+    assert!(
+        matches!(served, Some(Ok(()))),
+        "write {offset:#x} not served"
+    );
+}
+
+fn bus_read(windows: &Windows, offset: u64, data: &mut [u8]) {
+    let served = windows.serve_read(WINDOW + offset, data);
+    assert!(
+        matches!(served, Some(Ok(()))),
+        "read {offset:#x} not served"
+    );
+}
+
+/// `bring_up`, through the bus: the transport's host acts on the events (the
+/// activation builds the server). Each queue's rings as `bring_up` lays them out.
+fn bring_up_on_bus(windows: &Windows, sizes: &[u32]) -> Vec<Rings> {
+    let mut magic = [0u8; 4];
+    bus_read(windows, mmio::REG_MAGIC, &mut magic);
+    assert_eq!(u32::from_le_bytes(magic), mmio::MAGIC);
+    let features_ok = mmio::STATUS_ACKNOWLEDGE | mmio::STATUS_DRIVER | mmio::STATUS_FEATURES_OK;
+    bus_write(windows, mmio::REG_STATUS, mmio::STATUS_ACKNOWLEDGE);
+    bus_write(
+        windows,
+        mmio::REG_STATUS,
+        mmio::STATUS_ACKNOWLEDGE | mmio::STATUS_DRIVER,
+    );
+    bus_write(windows, mmio::REG_DRIVER_FEATURES_SEL, 1);
+    bus_write(windows, mmio::REG_DRIVER_FEATURES, 1);
+    bus_write(windows, mmio::REG_STATUS, features_ok);
+    let mut rings = Vec::new();
+    for (i, &size) in sizes.iter().enumerate() {
+        let base = 0x10000 * (i as u32 + 1);
+        bus_write(windows, mmio::REG_QUEUE_SEL, i as u32);
+        bus_write(windows, mmio::REG_QUEUE_NUM, size);
+        bus_write(windows, mmio::REG_QUEUE_DESC_LOW, base);
+        bus_write(windows, mmio::REG_QUEUE_DRIVER_LOW, base + 0x1000);
+        bus_write(windows, mmio::REG_QUEUE_DEVICE_LOW, base + 0x2000);
+        bus_write(windows, mmio::REG_QUEUE_READY, 1);
+        rings.push(Rings {
+            size: size as u16,
+            desc: u64::from(base),
+            avail: u64::from(base) + 0x1000,
+            used: u64::from(base) + 0x2000,
+            event_idx: false,
+        });
+    }
+    bus_write(
+        windows,
+        mmio::REG_STATUS,
+        features_ok | mmio::STATUS_DRIVER_OK,
+    );
+    rings
+}
+
+/// A started loop, as the trait object a transport registers its server on.
+fn started_loop(name: &str) -> Arc<NativeLoop> {
+    let event_loop = Arc::new(NativeLoop::new(name.into()).unwrap());
+    event_loop.start().unwrap();
+    event_loop
+}
+
+/// A transport restored from `plan` on `windows`, with fresh eventfds (each queue's
+/// ioeventfd only if `ioeventfds`): the transport, the irqfd, the ioeventfds.
+fn restore_on_bus(
+    plan: &DevicePlan,
+    ram: &Arc<GuestRam>,
+    event_loop: &Arc<NativeLoop>,
+    windows: &Windows,
+    ioeventfds: bool,
+) -> (Arc<NativeTransport>, OwnedFd, Vec<OwnedFd>) {
+    let irq = eventfd();
+    let notify: Vec<OwnedFd> = if ioeventfds {
+        plan.max_sizes.iter().map(|_| eventfd()).collect()
+    } else {
+        Vec::new()
+    };
+    let handed = if ioeventfds {
+        notify
+            .iter()
+            .map(|n| Some(n.try_clone().unwrap()))
+            .collect()
+    } else {
+        plan.max_sizes.iter().map(|_| None).collect()
+    };
+    let transport = NativeTransport::restore(
+        plan,
+        ram.clone(),
+        event_loop.clone() as Arc<dyn Readers>,
+        irq.try_clone().unwrap(),
+        handed,
+    )
+    .unwrap();
+    windows
+        .add(WINDOW, transport.registers(), transport.clone())
+        .unwrap();
+    (transport, irq, notify)
+}
+
+#[test]
+fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let rng = DeviceKind::Rng {
+        max_requests: 64,
+        max_bytes: 64 * 1024,
+    };
+    let boot = DevicePlan::fresh(rng, mmio::VIRTIO_F_VERSION_1, vec![256]).unwrap();
+
+    // A booted device: the driver's DRIVER_OK builds the server, one request served.
+    let first_loop = started_loop("rng-boot");
+    let windows = Windows::new();
+    let (booted, irq, notify) = restore_on_bus(&boot, &ram, &first_loop, &windows, true);
+    assert!(!booted.active());
+    let rings = bring_up_on_bus(&windows, &[16]);
+    assert!(booted.active());
+    assert_eq!(first_loop.counts().0, 1); // the queue's ioeventfd
+    let mut driver = Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    };
+    driver.offer(&ram, 0, 0x80000, 64, DESC_F_WRITE);
+    signal(&notify[0]);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 0), (1, (0, 64)));
+
+    // The snapshot: the plan the running device gives back.
+    let snapshot = booted.plan();
+    assert_eq!(snapshot.indices, vec![(1, 1)]);
+    assert_ne!(snapshot.registers.status & mmio::STATUS_DRIVER_OK, 0);
+    assert_eq!(snapshot.registers.queues[0].desc, rings[0].desc);
+    assert_eq!(booted.acked_features(), mmio::VIRTIO_F_VERSION_1);
+    // The driver's reset drops the server: its ioeventfd is off the loop.
+    bus_write(&windows, mmio::REG_STATUS, 0);
+    assert!(!booted.active());
+    assert_eq!(first_loop.counts().0, 0);
+    assert_eq!(booted.plan().indices, vec![(0, 0)]); // fresh queues
+    first_loop.stop();
+
+    // A child restored from the plan: another loop, bus and eventfds, the same RAM.
+    let child_loop = started_loop("rng-child");
+    let child_bus = Windows::new();
+    let (child, irq, notify) = restore_on_bus(&snapshot, &ram, &child_loop, &child_bus, true);
+    assert!(child.active());
+    assert_eq!(child.acked_features(), mmio::VIRTIO_F_VERSION_1);
+    let mut status = [0u8; 4];
+    bus_read(&child_bus, mmio::REG_STATUS, &mut status);
+    assert_eq!(u32::from_le_bytes(status), snapshot.registers.status);
+    // The guest's next request: the ring indices go on from the snapshot's.
+    driver.offer(&ram, 1, 0x81000, 32, DESC_F_WRITE);
+    signal(&notify[0]);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 1), (2, (1, 32)));
+    assert_eq!(child.plan().indices, vec![(2, 2)]);
+    assert_eq!(child.record().faults, 0);
+    child_loop.stop();
+
+    // A snapshot taken between FEATURES_OK and DRIVER_OK: not live when restored, and
+    // the driver's DRIVER_OK starts the server from the plan's indices.
+    let mut early = child.plan();
+    early.registers.status &= !mmio::STATUS_DRIVER_OK;
+    let early_loop = started_loop("rng-early");
+    let early_bus = Windows::new();
+    let (restored, irq, notify) = restore_on_bus(&early, &ram, &early_loop, &early_bus, true);
+    assert!(!restored.active());
+    assert_eq!(restored.plan().indices, vec![(2, 2)]);
+    bus_write(
+        &early_bus,
+        mmio::REG_STATUS,
+        early.registers.status | mmio::STATUS_DRIVER_OK,
+    );
+    assert!(restored.active());
+    assert_eq!(restored.plan().indices, vec![(2, 2)]);
+    drop(early_bus);
+    drop(restored);
+    drop((irq, notify));
+    early_loop.stop();
+
+    // The same plan with no ioeventfd: a QueueNotify write is served on the writer's
+    // thread, the used entry and the interrupt there when the write returns.
+    let plan = child.plan();
+    let bare_loop = started_loop("rng-bare");
+    let bare_bus = Windows::new();
+    let (bare, irq, _) = restore_on_bus(&plan, &ram, &bare_loop, &bare_bus, false);
+    assert!(bare.active());
+    assert_eq!(bare_loop.counts().0, 0);
+    driver.offer(&ram, 2, 0x82000, 16, DESC_F_WRITE);
+    bus_write(&bare_bus, mmio::REG_QUEUE_NOTIFY, 0);
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    assert_eq!(driver.used(&ram, 2), (3, (2, 16)));
+    let mut isr = [0u8; 4];
+    bus_read(&bare_bus, mmio::REG_INTERRUPT_STATUS, &mut isr);
+    assert_eq!(u32::from_le_bytes(isr), INT_USED_BUFFER);
+    bare_loop.stop();
+    ram.close();
+}
+
+#[test]
+fn a_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let rng = DeviceKind::Rng {
+        max_requests: 64,
+        max_bytes: 64 * 1024,
+    };
+    let boot = DevicePlan::fresh(rng, mmio::VIRTIO_F_VERSION_1, vec![256]).unwrap();
+    let event_loop = started_loop("rng-bad");
+    let windows = Windows::new();
+    let (booted, _irq, _notify) = restore_on_bus(&boot, &ram, &event_loop, &windows, true);
+    bring_up_on_bus(&windows, &[16]);
+    let mut plan = booted.plan();
+    plan.registers.queues[0].used = RAM_SIZE as u64; // the used ring past the end of RAM
+    let bad_bus = Windows::new();
+    let (bad, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &bad_bus, true);
+    assert!(!bad.active());
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    let regs = bad.registers();
+    let r = regs.lock().unwrap();
+    assert_ne!(r.status & mmio::STATUS_DEVICE_NEEDS_RESET, 0);
+    assert_eq!(r.interrupt_status, INT_CONFIG_CHANGE);
+    assert!(
+        r.last_device_error
+            .as_deref()
+            .unwrap()
+            .starts_with("queue 0: "),
+        "{:?}",
+        r.last_device_error
+    );
+    drop(r);
+    event_loop.stop();
+    ram.close();
+}
+
+#[test]
+fn balloon_restored_from_a_plan_keeps_its_config_and_drops_reported_pages() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let balloon = DeviceKind::Balloon {
+        max_chains: 16,
+        advice: libc::MADV_DONTNEED,
+        actual: 0,
+    };
+    let features = mmio::VIRTIO_F_VERSION_1 | 1 << 5; // VIRTIO_BALLOON_F_REPORTING
+    let boot = DevicePlan::fresh(balloon, features, vec![64, 64, 64]).unwrap();
+    let first_loop = started_loop("balloon-boot");
+    let windows = Windows::new();
+    let (booted, _irq, _notify) = restore_on_bus(&boot, &ram, &first_loop, &windows, true);
+    let rings = bring_up_on_bus(&windows, &[32, 32, 32]);
+    assert!(booted.active());
+    assert_eq!(first_loop.counts().0, 3);
+    // The driver writes `actual` (config offset 4), and reads it back from the host.
+    bus_write(&windows, mmio::CONFIG_SPACE + 4, 7);
+    let mut actual = [0u8; 4];
+    bus_read(&windows, mmio::CONFIG_SPACE + 4, &mut actual);
+    assert_eq!(u32::from_le_bytes(actual), 7);
+    let snapshot = booted.plan();
+    assert!(matches!(
+        snapshot.kind,
+        DeviceKind::Balloon { actual: 7, .. }
+    ));
+    bus_write(&windows, mmio::REG_STATUS, 0);
+    assert_eq!(first_loop.counts().0, 0);
+    first_loop.stop();
+
+    let child_loop = started_loop("balloon-child");
+    let child_bus = Windows::new();
+    let (child, irq, notify) = restore_on_bus(&snapshot, &ram, &child_loop, &child_bus, true);
+    assert!(child.active());
+    let mut actual = [0u8; 8];
+    bus_read(&child_bus, mmio::CONFIG_SPACE, &mut actual);
+    assert_eq!(actual, [0, 0, 0, 0, 7, 0, 0, 0]);
+    let pages = 0xA0000;
+    ram.lock()
+        .unwrap()
+        .write_from(pages, &[0xAB; PAGE as usize])
+        .unwrap();
+    let mut driver = Driver {
+        rings: rings[2],
+        avail_idx: 0,
+    };
+    driver.offer(&ram, 0, pages, PAGE as u32, DESC_F_WRITE);
+    signal(&notify[2]);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 0), (1, (0, 0)));
+    let mut dropped = vec![0xFFu8; PAGE as usize];
+    ram.lock().unwrap().read_into(pages, &mut dropped).unwrap();
+    assert!(dropped.iter().all(|&b| b == 0));
+    assert_eq!(child.plan().indices, vec![(0, 0), (0, 0), (1, 1)]);
+    // The device dropped (its bus with it): its readers leave the loop.
+    drop(child_bus);
+    drop(child);
+    assert_eq!(child_loop.counts().0, 0);
+    child_loop.stop();
     ram.close();
 }

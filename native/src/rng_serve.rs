@@ -123,6 +123,11 @@ impl RngServer {
         })
     }
 
+    /// Where a guest fault goes, for a caller that served it itself (`serve`).
+    pub fn events(&self) -> Arc<dyn DeviceEvents<()>> {
+        self.events.clone()
+    }
+
     /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
     pub fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
         let st = lock(&self.state);

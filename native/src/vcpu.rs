@@ -44,8 +44,9 @@ use std::time::{Duration, Instant};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
 use crate::console::{Console, ConsoleDevices, Served};
-use crate::mmio_py::{self, MmioWindows};
+use crate::mmio_py::MmioWindows;
 use crate::restore::Failure;
+use crate::transport::{ReadServed, TransportFailure, TransportHost, WriteServed};
 use crate::vm::{PyVmCore, VmCore};
 use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
@@ -270,6 +271,33 @@ impl PyHost {
     }
 }
 
+impl PyHost {
+    /// A transport host's answer: what the Python transport raised goes to
+    /// `VcpuLoop.error`, as a bus handler's does. The host's `Arc` is let go with the
+    /// GIL held when it is the last one (a Python transport's handler).
+    fn transport_result(
+        &self,
+        host: Arc<dyn TransportHost>,
+        result: Result<(), TransportFailure>,
+    ) -> Result<(), HostFailure> {
+        if Arc::strong_count(&host) == 1 {
+            // The windows were cleared meanwhile: this is the last reference.
+            Python::attach(|_py| drop(host));
+        }
+        let failure = match result {
+            Ok(()) => return Ok(()),
+            Err(failure) => failure,
+        };
+        if let Some(raised) = failure.raised {
+            if let Ok(raised) = raised.downcast::<Py<PyAny>>() {
+                // Moved into the slot: no reference count changes, no GIL needed.
+                *lock(&self.error) = Some(*raised);
+            }
+        }
+        Err(HostFailure(failure.detail))
+    }
+}
+
 impl VcpuHost for PyHost {
     fn pio_read(&self, port: u16, data: &mut [u8], size: usize) -> Result<(), HostFailure> {
         Python::attach(|py| {
@@ -299,19 +327,16 @@ impl VcpuHost for PyHost {
     }
 
     fn mmio_read(&self, addr: u64, data: &mut [u8]) -> Result<(), HostFailure> {
-        let native = self.windows.as_ref().and_then(|w| w.get().read(addr, data));
+        let native = self
+            .windows
+            .as_ref()
+            .and_then(|w| w.get().windows.read(addr, data));
         match native {
-            Some(mmio_py::ReadServed::Done) => Ok(()),
-            Some(mmio_py::ReadServed::Device(handler, offset)) => Python::attach(|py| {
-                let value = handler.call_method1(py, "read", (offset, data.len()));
-                drop(handler);
-                value
-                    .and_then(|value| {
-                        fill(data, value.bind(py).extract::<&[u8]>()?);
-                        Ok(())
-                    })
-                    .map_err(|err| self.failed(py, err))
-            }),
+            Some(ReadServed::Done) => Ok(()),
+            Some(ReadServed::Device(host, offset)) => {
+                let read = host.read_config(offset, data);
+                self.transport_result(host, read)
+            }
             None => Python::attach(|py| {
                 self.mmio
                     .call_method1(py, "read", (addr, data.len()))
@@ -328,16 +353,13 @@ impl VcpuHost for PyHost {
         let native = self
             .windows
             .as_ref()
-            .and_then(|w| w.get().write(addr, data));
+            .and_then(|w| w.get().windows.write(addr, data));
         match native {
-            Some(mmio_py::WriteServed::Done) => Ok(()),
-            Some(mmio_py::WriteServed::Events(handler, events)) => Python::attach(|py| {
-                let applied = handler
-                    .call_method1(py, "apply_events", (mmio_py::events_to_py(events),))
-                    .map(drop);
-                drop(handler);
-                applied.map_err(|err| self.failed(py, err))
-            }),
+            Some(WriteServed::Done) => Ok(()),
+            Some(WriteServed::Events(host, events)) => {
+                let applied = host.apply(events);
+                self.transport_result(host, applied)
+            }
             None => Python::attach(|py| {
                 self.mmio
                     .call_method1(py, "write", (addr, PyBytes::new(py, data)))

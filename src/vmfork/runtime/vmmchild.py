@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
 import logging
 import os
 import select
@@ -73,11 +72,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from vmfork.agent.client import (
     AgentClient,
     AgentError,
+    AgentProtocolError,
     AgentTimeout,
     AgentUnavailable,
     NetRefreshResult,
@@ -98,6 +98,8 @@ from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
+if TYPE_CHECKING:
+    from vmfork._core import AgentTarget, ChildReporter
 if CORE_BUILT:   # else no machine is made, and no control server (Machine needs the core)
     from vmfork import _core
 
@@ -112,6 +114,7 @@ RESEED_BYTES = 64
 START_GATE_TIMEOUT = 300.0
 READY_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
+AGENT_IO_TIMEOUT = 60.0  # a call's whole reply (AgentClient's default io_timeout)
 EXIT_GUEST_DIED = 3
 
 
@@ -327,6 +330,7 @@ def prefork(batch: list[dict[str, Any]]) -> None:
     program of a jailed child is built here too (``seccomp.vmm_filter``), and the
     memory-phase probe warmed up when it is on (``memphases.warm_up``)."""
     snapshot_dirs = {str(args.get("snapshot_dir")) for args in batch}
+    _prepare_child_ends(batch)
     for log_only in {bool(args.get("seccomp_log_only")) for args in batch}:
         seccomp.vmm_filter(log_only=log_only)   # built here once, inherited by each child
     memphases.warm_up()
@@ -360,63 +364,84 @@ def _warm_up_restore(snapshot_dir: str) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _write_status(run_dir: Path, status: dict[str, Any]) -> None:
-    """Replace status.json: write a temporary file, rename it over.
+@dataclass(frozen=True)
+class _ChildEnd:
+    """What a child needs after its machine runs, as native values: where its status
+    goes (``_core.ChildReporter``: status.json's paths and the FIFO's, as C strings)
+    and where its agent is (``_core.AgentTarget``). Built by the zygote before the
+    fork (``prefork``), so the child's reports and its handshake touch no Python
+    object of their own (docs/native.md, "Nothing of Python's between fork and
+    entry")."""
 
-    No fsync: the file describes this live process and its directory is removed
-    when the process ends, so surviving a host crash is worth nothing here.
-    """
-    data = json.dumps(status).encode()
-    tmp = run_dir / ".status.json.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, run_dir / "status.json")
+    reporter: ChildReporter
+    agent: AgentTarget
 
 
-def _notify(path: str, line: bytes) -> None:
-    """Write one line to the spawner's FIFO; a line under PIPE_BUF is written whole.
-    Never blocks: if the spawner is gone or its FIFO full, it still polls the files."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        os.write(fd, line)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+# The children of the batch being forked, by vm_id: replaced at every batch.
+_child_ends: dict[str, _ChildEnd] = {}
 
 
-def make_unique(agent: AgentClient, timeout: float = READY_TIMEOUT, *,
-                net_refresh: bool = False) -> dict[str, Any]:
+def _child_end(args: dict[str, Any]) -> _ChildEnd:
+    from vmfork import _core
+    run_dir = str(args["run_dir"])
+    notify = args.get("notify_path")
+    return _ChildEnd(
+        reporter=_core.ChildReporter(run_dir, str(args["vm_id"]),
+                                     None if notify is None else str(notify)),
+        agent=_core.AgentTarget(os.path.join(run_dir, "vsock.sock"), AGENT_PORT,
+                                CONNECT_TIMEOUT, AGENT_IO_TIMEOUT))
+
+
+def _prepare_child_ends(batch: list[dict[str, Any]]) -> None:
+    _child_ends.clear()
+    for args in batch:
+        try:
+            _child_ends[str(args["vm_id"])] = _child_end(args)
+        except Exception as err:  # noqa: BLE001 -- the child builds it, or says why
+            log.info("prefork: %s's reporter not prepared: %s", args.get("vm_id"), err)
+
+
+def make_unique(target: AgentTarget, client: Callable[[], AgentClient],
+                timeout: float = READY_TIMEOUT, *, net_refresh: bool = False) -> dict[str, Any]:
     """Set the guest's clock, reseed it and (``net_refresh``) tell its network it was
     forked; returns timings in seconds and, with ``net_refresh``, what the guest's
     refresh did (``{"connections_aborted", "neighbours_flushed"}``).
 
-    One ``after_fork`` connection does all of it, the clock's correction included. It
-    is retried until ``timeout`` while the guest cannot take a connection yet
-    (``AgentUnavailable``: a starved guest, its vsock still resetting); repeating it
-    is harmless. An agent older than that op gets the same steps one op (and one
-    connection) each.
+    One ``after_fork`` connection does all of it, the clock's correction included,
+    natively (``_core.agent_after_fork`` on ``target``, a ``_core.AgentTarget``, with
+    the GIL released: ``AgentClient.after_fork``'s contract, retried every 50 ms
+    until ``timeout`` while the guest cannot take a connection yet). Its failures are
+    raised as the client's (``AgentUnavailable``, ``AgentTimeout``,
+    ``AgentProtocolError``, ``AgentError``). An agent older than that op gets the same
+    steps one op (and one connection) each, through ``client()``'s ``AgentClient``.
     """
+    from vmfork import _core
     started = time.monotonic()
     deadline = started + timeout
-    try:
-        result = _retry_until(deadline, lambda: agent.after_fork(
-            os.urandom(RESEED_BYTES), net_refresh=net_refresh))
-    except AgentError as err:
+    done, failure = _core.agent_after_fork(target, timeout, net_refresh)
+    if failure is not None:
+        err = _agent_failure(*failure)
         if err.code != "unknown_op":
-            raise
-        return _make_unique_op_by_op(agent, started, deadline, net_refresh)
+            raise err
+        return _make_unique_op_by_op(client(), started, deadline, net_refresh)
+    assert done is not None   # one of the two is
+    bound_ns, _step_ns, net, _retries = done
     out: dict[str, Any] = {"agent_ready": time.monotonic() - started,  # all steps included
-                           "clock_error_bound_s": result.clock_error_bound_ns / 1e9}
-    if result.net is not None:
-        out["net_refresh"] = _refreshed(result.net)
+                           "clock_error_bound_s": bound_ns / 1e9}
+    if net is not None:
+        out["net_refresh"] = {"connections_aborted": net[0], "neighbours_flushed": net[1]}
     return out
+
+
+def _agent_failure(kind: str, op: str | None, code: str, message: str) -> AgentError:
+    """The client's exception for a native handshake's failure (``agent_handshake.rs``)."""
+    if kind == "unavailable":
+        return AgentUnavailable(message)
+    if kind == "timeout":
+        return AgentTimeout(message, op=op)
+    if kind == "protocol":
+        return AgentProtocolError(message, op=op)
+    return AgentError(code, message, op=op)
 
 
 def _make_unique_op_by_op(agent: AgentClient, started: float, deadline: float,
@@ -808,16 +833,17 @@ def main(args: dict[str, Any]) -> int:
     started = time.monotonic()
     run_dir = Path(args["run_dir"])
     vm_id = str(args["vm_id"])
-    notify = args.get("notify_path")
-
-    def report(status: dict[str, Any]) -> None:
-        _write_status(run_dir, status)
-        if notify is not None:
-            _notify(str(notify), f"{vm_id} {status['state']}\n".encode())
-        if status["state"] == "failed":
-            # Also in the log: the zygote removes run_dir (and status.json) as soon
-            # as this process is reaped, but passes the log's tail on with the exit.
-            print(f"vmfork vmm {vm_id}: {status['reason']}", file=sys.stderr, flush=True)
+    end = _child_ends.get(vm_id)
+    if end is None:   # not forked by a zygote's batch (or its prefork failed)
+        try:
+            end = _child_end(args)
+        except ImportError as err:
+            # No status.json without the core (a machine needs it anyway): the zygote
+            # passes this line on with the exit.
+            print(f"vmfork vmm {vm_id}: the native core is not built: {err}", file=sys.stderr,
+                  flush=True)
+            return 1
+    report = end.reporter.report
 
     # The VMM logs what its devices see, and the guest decides what they see: one
     # budget for the whole process log, so no guest can fill the disk through it.
@@ -877,15 +903,19 @@ def main(args: dict[str, Any]) -> int:
         memphases.record("restored", str(run_dir), guest_ram)
         control = ControlServer(machine, str(run_dir / "control.sock"), stop, jailed=jailed)
         spawnprofile.mark("control_server")
+        def agent() -> AgentClient:
+            return AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
+                                                   timeout=CONNECT_TIMEOUT),
+                               io_timeout=AGENT_IO_TIMEOUT)
+
         try:
-            agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
-                                                    timeout=CONNECT_TIMEOUT))
             ready_timeout = float(args.get("ready_timeout", READY_TIMEOUT))
-            unique = make_unique(agent, ready_timeout, net_refresh=state.device(devices.NET) is not None)
+            unique = make_unique(end.agent, agent, ready_timeout,
+                                 net_refresh=state.device(devices.NET) is not None)
             spawnprofile.mark("agent_answered")
             if new_volumes:
                 mount_started = time.monotonic()
-                attach_volumes(machine, agent, new_volumes, time.monotonic() + ready_timeout)
+                attach_volumes(machine, agent(), new_volumes, time.monotonic() + ready_timeout)
                 unique["volumes_s"] = time.monotonic() - mount_started
         except Exception as err:  # noqa: BLE001 - reported as the child's failure
             exit_ = machine.exit

@@ -1,0 +1,779 @@
+//! The virtio-mmio transport's device side, and a device restored from a plan, without
+//! Python.
+//!
+//! The register file (`mmio.rs`) applies every register rule itself and hands back an
+//! `Event` for what needs the device model. What acts on those events, and answers a
+//! config read the register file does not serve, is a `TransportHost`:
+//!
+//! * the Python transport (`mmio_py.rs`'s `PyTransport`, over
+//!   `vmfork.vmm.devices.virtio.mmio.MmioTransport`), the GIL taken inside: today's
+//!   machine;
+//! * `NativeTransport`, here: at DRIVER_OK it builds the device's native server
+//!   (`rng_serve.rs`, `balloon_serve.rs`) from the register file (queue addresses and
+//!   sizes, the ring indices) with a `NativeEvents` sink, and registers it on the loop
+//!   (`Readers`: a `NativeLoop`, or the Python loop's native registration); at a reset
+//!   it drops it; a notify with no ioeventfd is served on the writing thread; the
+//!   device's config bytes are a Rust value (rng: none; balloon: its 16 bytes, of which
+//!   the driver writes `actual`).
+//!
+//! `Windows` is the MMIO bus's map of register files by window, a Rust value: the
+//! native vCPU loop serves an access there and calls the window's host only for what
+//! needs the device.
+//!
+//! A `DevicePlan` is one device's restore reduced to plain values: the transport's
+//! register image (`mmio::Saved`), each queue's ring indices and the device's record
+//! (what its native server takes). Python builds it once from the decoded
+//! `MachineState` (the format keeps its one reader); `NativeTransport::restore` imports
+//! the register image and, if the driver had the device running, re-activates it with
+//! the saved indices; `NativeTransport::plan` exports the same values back (BRANCH).
+//!
+//! Locks, in this order: the transport's `state`, a server's state, guest RAM's, the
+//! register file's; the loop's own lock is taken with the transport's held (to add or
+//! remove a reader) and never the other way round. No Python anywhere in this file.
+
+use std::any::Any;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use crate::balloon_serve::{BalloonServer, DiscardError};
+use crate::eventloop::{Loop, LoopHost, NativeReader};
+use crate::guest_ram::GuestRam;
+use crate::mmio::{
+    Event, QueueRegs, Read, Registers, Saved, STATUS_FEATURES_OK, VIRTIO_F_VERSION_1, WINDOW_SIZE,
+};
+use crate::queue_server::{write_eventfd, DeviceEvents, EventRecord, NativeEvents};
+use crate::rng_serve::{RngServer, Served};
+use crate::virtq::{self, QueueError, Rings};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Why a host could not act on an access: said in `detail`; `raised` is what the
+/// Python transport raised (a `Py<PyAny>`, for `VcpuLoop.error`), None from a native
+/// host. `Any`, so this trait names no Python type and a binary without libpython
+/// links it.
+pub struct TransportFailure {
+    pub detail: String,
+    pub raised: Option<Box<dyn Any + Send>>,
+}
+
+/// What a register access causes that the register file cannot do by itself. Called
+/// on the accessing vCPU's thread, the register file's lock released.
+pub trait TransportHost: Send + Sync {
+    /// A config read the register file does not serve (the config is not plain bytes):
+    /// fill `data` (1, 2, 4 or 8 bytes) from config offset `offset`.
+    fn read_config(&self, offset: u64, data: &mut [u8]) -> Result<(), TransportFailure>;
+
+    /// Act on the events one register write caused, in order.
+    fn apply(&self, events: Vec<Event>) -> Result<(), TransportFailure>;
+
+    /// The host as `Any`: the Python wrapper's collector support finds its transport.
+    fn as_any(&self) -> &dyn Any;
+}
+
+struct Window {
+    base: u64,
+    regs: Arc<Mutex<Registers>>,
+    host: Arc<dyn TransportHost>,
+}
+
+/// A window found: the offset in it, its registers, its host.
+type Found = (u64, Arc<Mutex<Registers>>, Arc<dyn TransportHost>);
+
+/// What a read in a window asks of its caller.
+pub enum ReadServed {
+    Done,
+    /// A config read the host answers: `host.read_config(offset, data)`.
+    Device(Arc<dyn TransportHost>, u64),
+}
+
+/// What a write in a window asks of its caller.
+pub enum WriteServed {
+    Done,
+    /// `host.apply(events)`.
+    Events(Arc<dyn TransportHost>, Vec<Event>),
+}
+
+/// The MMIO bus's register files by window (each `WINDOW_SIZE` bytes).
+#[derive(Default)]
+pub struct Windows {
+    windows: RwLock<Vec<Window>>,
+}
+
+impl Windows {
+    pub fn new() -> Self {
+        Windows::default()
+    }
+
+    /// Serve `[base, base + 0x1000)` with `regs`; `host` acts on their events.
+    pub fn add(
+        &self,
+        base: u64,
+        regs: Arc<Mutex<Registers>>,
+        host: Arc<dyn TransportHost>,
+    ) -> Result<(), String> {
+        let mut windows = self.windows.write().unwrap_or_else(|p| p.into_inner());
+        if windows
+            .iter()
+            .any(|w| base < w.base + WINDOW_SIZE && w.base < base.saturating_add(WINDOW_SIZE))
+        {
+            return Err(format!("MMIO window {base:#x} overlaps another"));
+        }
+        windows.push(Window { base, regs, host });
+        Ok(())
+    }
+
+    pub fn len(&self) -> usize {
+        self.windows.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The hosts, for the Python wrapper's collector; None while the map is being
+    /// changed (the collector then skips it, as it may).
+    pub fn hosts(&self) -> Option<Vec<Arc<dyn TransportHost>>> {
+        let windows = self.windows.try_read().ok()?;
+        Some(windows.iter().map(|w| w.host.clone()).collect())
+    }
+
+    /// Drop every window (the collector's clear), unless the map is being changed.
+    pub fn clear(&self) {
+        if let Ok(mut windows) = self.windows.try_write() {
+            windows.clear();
+        }
+    }
+
+    /// The window holding `addr`: (offset in it, its registers, its host), cloned out
+    /// so the map's lock is released before anything else happens.
+    fn find(&self, addr: u64) -> Option<Found> {
+        let windows = self.windows.read().unwrap_or_else(|p| p.into_inner());
+        windows
+            .iter()
+            .find(|w| addr >= w.base && addr - w.base < WINDOW_SIZE)
+            .map(|w| (addr - w.base, w.regs.clone(), w.host.clone()))
+    }
+
+    /// A guest read at `addr` if a window holds it (None if none does).
+    pub fn read(&self, addr: u64, data: &mut [u8]) -> Option<ReadServed> {
+        let (offset, regs, host) = self.find(addr)?;
+        let read = lock(&regs).read(offset, data);
+        Some(match read {
+            Read::Done => ReadServed::Done,
+            Read::Device => ReadServed::Device(host, offset - crate::mmio::CONFIG_SPACE),
+        })
+    }
+
+    /// A guest write at `addr` if a window holds it (None if none does).
+    pub fn write(&self, addr: u64, data: &[u8]) -> Option<WriteServed> {
+        let (offset, regs, host) = self.find(addr)?;
+        let mut events = Vec::new();
+        lock(&regs).write(offset, data, &mut events);
+        Some(if events.is_empty() {
+            WriteServed::Done
+        } else {
+            WriteServed::Events(host, events)
+        })
+    }
+
+    // The native vCPU host's, once it serves windows (it does not yet: the tests').
+    #[cfg_attr(not(test), allow(dead_code))]
+    /// A read served to the end, the host called if it must (a caller with no GIL to
+    /// manage: the native vCPU host, tests).
+    pub fn serve_read(&self, addr: u64, data: &mut [u8]) -> Option<Result<(), TransportFailure>> {
+        Some(match self.read(addr, data)? {
+            ReadServed::Done => Ok(()),
+            ReadServed::Device(host, offset) => host.read_config(offset, data),
+        })
+    }
+
+    // The native vCPU host's, once it serves windows (it does not yet: the tests').
+    #[cfg_attr(not(test), allow(dead_code))]
+    /// A write served to the end, its events applied by the host.
+    pub fn serve_write(&self, addr: u64, data: &[u8]) -> Option<Result<(), TransportFailure>> {
+        Some(match self.write(addr, data)? {
+            WriteServed::Done => Ok(()),
+            WriteServed::Events(host, events) => host.apply(events),
+        })
+    }
+}
+
+/// Where a native transport registers its server's ioeventfds: a loop, whatever its
+/// host (a `NativeLoop`, or the loop behind `_core.EventLoop`).
+pub trait Readers: Send + Sync {
+    fn add_reader(&self, fd: RawFd, handler: Arc<dyn NativeReader>) -> Result<(), String>;
+    fn remove_reader(&self, fd: RawFd);
+}
+
+impl<H: LoopHost> Readers for Loop<H> {
+    fn add_reader(&self, fd: RawFd, handler: Arc<dyn NativeReader>) -> Result<(), String> {
+        self.add_native(fd, handler)
+            .map_err(|e| format!("add reader {fd}: {e:?}"))
+    }
+
+    fn remove_reader(&self, fd: RawFd) {
+        self.remove_native(fd);
+    }
+}
+
+/// virtio-balloon's config space: num_pages, actual, free_page_hint_cmd_id, poison_val.
+pub const BALLOON_CONFIG_SIZE: usize = 16;
+const BALLOON_ACTUAL: u64 = 4;
+const DEVICE_ID_RNG: u32 = 4;
+const DEVICE_ID_BALLOON: u32 = 5;
+
+/// A device a native transport serves, and what its server takes beyond the rings.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// virtio-rng (`rng.py`'s budget per notification).
+    Rng { max_requests: u32, max_bytes: usize },
+    /// virtio-balloon: the budget, the `madvise` advice that drops a page from this
+    /// machine's RAM mapping, and the config's `actual` (the driver's to write).
+    Balloon {
+        max_chains: u32,
+        advice: i32,
+        actual: u32,
+    },
+}
+
+impl DeviceKind {
+    pub fn device_type(&self) -> u32 {
+        match self {
+            DeviceKind::Rng { .. } => DEVICE_ID_RNG,
+            DeviceKind::Balloon { .. } => DEVICE_ID_BALLOON,
+        }
+    }
+
+    fn queue_count(&self) -> usize {
+        match self {
+            DeviceKind::Rng { .. } => 1,
+            DeviceKind::Balloon { .. } => 3,
+        }
+    }
+}
+
+/// One device's restore as plain values (see the module comment).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DevicePlan {
+    pub kind: DeviceKind,
+    /// The features the device offers, and each queue's largest size.
+    pub features: u64,
+    pub max_sizes: Vec<u32>,
+    /// The transport's register image.
+    pub registers: Saved,
+    /// Each queue's (next_avail, next_used).
+    pub indices: Vec<(u16, u16)>,
+}
+
+impl DevicePlan {
+    /// A device's plan before any driver touched it (a boot): fresh registers.
+    // A booted native device's, once the assembly boots one (the tests' until then).
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub fn fresh(kind: DeviceKind, features: u64, max_sizes: Vec<u32>) -> Result<Self, String> {
+        let registers = Registers::new(kind.device_type(), features, &max_sizes, None)?.save();
+        let indices = vec![(0, 0); max_sizes.len()];
+        Ok(DevicePlan {
+            kind,
+            features,
+            max_sizes,
+            registers,
+            indices,
+        })
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let n = self.kind.queue_count();
+        if self.max_sizes.len() != n || self.indices.len() != n {
+            return Err(format!(
+                "device type {} has {n} queues: plan has {} sizes and {} index pairs",
+                self.kind.device_type(),
+                self.max_sizes.len(),
+                self.indices.len()
+            ));
+        }
+        if self.features & VIRTIO_F_VERSION_1 == 0 {
+            return Err("a device must offer VIRTIO_F_VERSION_1".into());
+        }
+        Ok(())
+    }
+}
+
+/// The server of one activation.
+#[derive(Clone)]
+enum Server {
+    Rng(Arc<RngServer>),
+    Balloon(Arc<BalloonServer>),
+}
+
+impl Server {
+    fn reader(&self) -> Arc<dyn NativeReader> {
+        match self {
+            Server::Rng(s) => s.clone(),
+            Server::Balloon(s) => s.clone(),
+        }
+    }
+
+    /// Each queue's (next_avail, next_used); waits out a serve in flight (the
+    /// server's own lock), so after a reset's removal nothing more touches the rings.
+    fn indices(&self) -> Vec<(u16, u16)> {
+        match self {
+            Server::Rng(s) => {
+                let (next_avail, next_used, ..) = s.sync();
+                vec![(next_avail, next_used)]
+            }
+            Server::Balloon(s) => s.indices().to_vec(),
+        }
+    }
+
+    /// Serve queue `index` now (a notify with no ioeventfd); true if its budget was
+    /// spent and more may be waiting.
+    fn serve(&self, index: usize) -> bool {
+        match self {
+            Server::Rng(s) => match s.serve() {
+                Served::Done => false,
+                Served::Budget => true,
+                Served::Fault(e) => {
+                    // The native sink needs no Python: it hands nothing back.
+                    let _ = s.events().report(Some(e), ());
+                    false
+                }
+            },
+            Server::Balloon(s) => s.serve_now(index),
+        }
+    }
+}
+
+struct Active {
+    epoch: u64,
+    server: Server,
+    events: Arc<NativeEvents>,
+}
+
+struct TransportState {
+    acked_features: u64,
+    /// The device's config bytes the host serves (the balloon's), else empty.
+    config: Vec<u8>,
+    active: Option<Active>,
+    /// Each queue's (next_avail, next_used) while no server runs: the plan's after a
+    /// restore (a DRIVER_OK still to come starts from them, as the Python transport's
+    /// restored queues do), zeros after a reset.
+    indices: Vec<(u16, u16)>,
+    /// Faults recorded by activations since dropped (the current one's is live).
+    earlier: EventRecord,
+    features_refused: u64,
+}
+
+/// A transport whose device events are acted on in Rust (see the module comment).
+pub struct NativeTransport {
+    kind: DeviceKind,
+    regs: Arc<Mutex<Registers>>,
+    ram: Arc<GuestRam>,
+    readers: Arc<dyn Readers>,
+    /// The interrupt's eventfd (the KVM irqfd).
+    irq: OwnedFd,
+    /// Each queue's ioeventfd (registered with KVM by the machine), or None.
+    notify: Vec<Option<OwnedFd>>,
+    state: Mutex<TransportState>,
+}
+
+impl NativeTransport {
+    /// Restore a device from `plan` over guest RAM `ram`, its server registered on
+    /// `readers` when it runs; `irq` is the interrupt's eventfd, `notify` each queue's
+    /// ioeventfd (or None), both owned from here on. If the driver had the device
+    /// running, it is re-activated with the plan's ring indices, its rings checked as
+    /// at DRIVER_OK (a bad ring sets DEVICE_NEEDS_RESET, as the Python transport does).
+    pub fn restore(
+        plan: &DevicePlan,
+        ram: Arc<GuestRam>,
+        readers: Arc<dyn Readers>,
+        irq: OwnedFd,
+        notify: Vec<Option<OwnedFd>>,
+    ) -> Result<Arc<Self>, String> {
+        plan.check()?;
+        if notify.len() != plan.max_sizes.len() {
+            return Err(format!(
+                "{} ioeventfds for {} queues",
+                notify.len(),
+                plan.max_sizes.len()
+            ));
+        }
+        let plain = match plan.kind {
+            DeviceKind::Rng { .. } => Some(Vec::new()),
+            DeviceKind::Balloon { .. } => None,
+        };
+        let mut regs = Registers::new(
+            plan.kind.device_type(),
+            plan.features,
+            &plan.max_sizes,
+            plain,
+        )?;
+        let (epoch, live) = regs.restore(&plan.registers)?;
+        let config = match plan.kind {
+            DeviceKind::Rng { .. } => Vec::new(),
+            DeviceKind::Balloon { actual, .. } => balloon_config(actual),
+        };
+        let acked_features = if plan.registers.status & STATUS_FEATURES_OK != 0 {
+            plan.registers.driver_features
+        } else {
+            0
+        };
+        let transport = Arc::new(NativeTransport {
+            kind: plan.kind.clone(),
+            regs: Arc::new(Mutex::new(regs)),
+            ram,
+            readers,
+            irq,
+            notify,
+            state: Mutex::new(TransportState {
+                acked_features,
+                config,
+                active: None,
+                indices: plan.indices.clone(),
+                earlier: EventRecord::default(),
+                features_refused: 0,
+            }),
+        });
+        if live {
+            transport.activate(epoch, &plan.indices)?;
+        }
+        Ok(transport)
+    }
+
+    /// The register file, for the bus's `Windows` (and for Python's handle on it).
+    pub fn registers(&self) -> Arc<Mutex<Registers>> {
+        self.regs.clone()
+    }
+
+    /// The device as a plan again: the register image, the indices the running server
+    /// advanced (or the last ones it had), the record. For a snapshot (BRANCH): call
+    /// with the vCPUs paused.
+    pub fn plan(&self) -> DevicePlan {
+        let st = lock(&self.state);
+        let registers = lock(&self.regs).save();
+        let indices = match &st.active {
+            Some(active) => active.server.indices(),
+            None => st.indices.clone(),
+        };
+        let kind = match self.kind {
+            DeviceKind::Balloon {
+                max_chains, advice, ..
+            } => DeviceKind::Balloon {
+                max_chains,
+                advice,
+                actual: balloon_actual(&st.config),
+            },
+            ref rng => rng.clone(),
+        };
+        let max_sizes = registers.queues.iter().map(|q| q.max_size).collect();
+        DevicePlan {
+            kind,
+            features: lock(&self.regs).features,
+            max_sizes,
+            registers,
+            indices,
+        }
+    }
+
+    /// The features the driver acked (FEATURES_OK).
+    pub fn acked_features(&self) -> u64 {
+        lock(&self.state).acked_features
+    }
+
+    /// Whether a server runs (DRIVER_OK reached, rings good, not reset since).
+    pub fn active(&self) -> bool {
+        lock(&self.state).active.is_some()
+    }
+
+    /// The device's events over its life: faults and reports, the last fault.
+    pub fn record(&self) -> EventRecord {
+        let st = lock(&self.state);
+        let mut record = st.earlier.clone();
+        if let Some(active) = &st.active {
+            let now = active.events.record();
+            record.faults += now.faults;
+            record.reports += now.reports;
+            record.details += now.details;
+            if now.last_fault.is_some() {
+                record.last_fault = now.last_fault;
+            }
+        }
+        record
+    }
+
+    /// Build and register the server for `epoch` with ring indices `indices`; a stale
+    /// epoch does nothing. A ring that does not lie in guest RAM sets
+    /// DEVICE_NEEDS_RESET (not an error of ours: the guest's).
+    fn activate(&self, epoch: u64, indices: &[(u16, u16)]) -> Result<(), String> {
+        let mut st = lock(&self.state);
+        self.deactivate(&mut st);
+        let Some(queues) = lock(&self.regs).activation(epoch) else {
+            return Ok(());
+        };
+        let rings: Vec<Rings> = queues.iter().map(rings_of).collect();
+        if let Err(reason) = self.validate(&queues, &rings) {
+            self.device_error(reason, epoch);
+            return Ok(());
+        }
+        // As rng.py and balloon.py: a device whose queues the driver did not make ready
+        // activates without a server.
+        let ready = match self.kind {
+            DeviceKind::Rng { .. } => queues[0].ready,
+            DeviceKind::Balloon { .. } => queues.iter().all(|q| q.ready),
+        };
+        if !ready {
+            return Ok(());
+        }
+        let events = Arc::new(NativeEvents::for_transport(
+            self.regs.clone(),
+            epoch,
+            self.irq
+                .try_clone()
+                .map_err(|e| format!("dup irqfd: {e}"))?,
+        ));
+        let server = self.server(epoch, &rings, indices, &events)?;
+        for fd in self.notify.iter().flatten() {
+            if let Err(e) = self.readers.add_reader(fd.as_raw_fd(), server.reader()) {
+                for added in self.notify.iter().flatten() {
+                    self.readers.remove_reader(added.as_raw_fd());
+                }
+                return Err(e);
+            }
+        }
+        st.active = Some(Active {
+            epoch,
+            server: server.clone(),
+            events,
+        });
+        drop(st);
+        // An ioeventfd kick right at DRIVER_OK, or buffers a snapshot left unserved:
+        // one look per queue catches both, on the loop where there is an ioeventfd.
+        for (index, notify) in self.notify.iter().enumerate() {
+            match notify {
+                Some(fd) => write_eventfd(fd.as_raw_fd()),
+                None => self.serve_inline(&server, index, epoch),
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&self, queues: &[QueueRegs], rings: &[Rings]) -> Result<(), String> {
+        let ram = self.ram.lock().map_err(|e| format!("guest memory: {e}"))?;
+        for (index, (q, r)) in queues.iter().zip(rings).enumerate() {
+            if q.ready {
+                virtq::validate(&ram, r, q.max_size)
+                    .map_err(|e| format!("queue {index}: {}", fault_text(e)))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn server(
+        &self,
+        epoch: u64,
+        rings: &[Rings],
+        indices: &[(u16, u16)],
+        events: &Arc<NativeEvents>,
+    ) -> Result<Server, String> {
+        let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| format!("dup eventfd: {e}"));
+        let irq = dup(&self.irq)?;
+        Ok(match self.kind {
+            DeviceKind::Rng {
+                max_requests,
+                max_bytes,
+            } => {
+                let notify = self.notify[0].as_ref().map(dup).transpose()?;
+                Server::Rng(Arc::new(RngServer::new(
+                    self.ram.clone(),
+                    self.regs.clone(),
+                    epoch,
+                    rings[0],
+                    indices[0],
+                    irq,
+                    notify,
+                    max_requests,
+                    max_bytes,
+                    events.clone() as Arc<dyn DeviceEvents<()>>,
+                )?))
+            }
+            DeviceKind::Balloon {
+                max_chains, advice, ..
+            } => {
+                let raw = [0, 1, 2].map(|i| self.notify[i].as_ref().map(AsRawFd::as_raw_fd));
+                let rearm = [
+                    self.notify[0].as_ref().map(dup).transpose()?,
+                    self.notify[1].as_ref().map(dup).transpose()?,
+                    self.notify[2].as_ref().map(dup).transpose()?,
+                ];
+                Server::Balloon(Arc::new(BalloonServer::new(
+                    self.ram.clone(),
+                    self.regs.clone(),
+                    epoch,
+                    [rings[0], rings[1], rings[2]],
+                    [indices[0], indices[1], indices[2]],
+                    irq,
+                    raw,
+                    rearm,
+                    max_chains,
+                    advice,
+                    events.clone() as Arc<dyn DeviceEvents<Vec<DiscardError>>>,
+                )?))
+            }
+        })
+    }
+
+    /// Drop the running server: its readers off the loop, then its lock taken once
+    /// (`indices`, kept), so a serve the loop had started is over when this returns.
+    fn deactivate(&self, st: &mut TransportState) {
+        let Some(active) = st.active.take() else {
+            return;
+        };
+        for fd in self.notify.iter().flatten() {
+            self.readers.remove_reader(fd.as_raw_fd());
+        }
+        st.indices = active.server.indices();
+        let record = active.events.record();
+        st.earlier.faults += record.faults;
+        st.earlier.reports += record.reports;
+        st.earlier.details += record.details;
+        if record.last_fault.is_some() {
+            st.earlier.last_fault = record.last_fault;
+        }
+    }
+
+    /// A notify with no ioeventfd, on the writing vCPU's thread. A ring holds at most
+    /// `size` chains at a time, so `size / budget + 1` rounds serve every chain posted
+    /// before the kick; what the guest posts meanwhile waits for its next kick.
+    fn serve_inline(&self, server: &Server, index: usize, epoch: u64) {
+        if lock(&self.regs).failed_in(epoch) {
+            return;
+        }
+        let rounds = match self.kind {
+            DeviceKind::Rng { max_requests, .. } => 256 / max_requests.max(1) + 1,
+            DeviceKind::Balloon { max_chains, .. } => 256 / max_chains.max(1) + 1,
+        };
+        for _ in 0..rounds {
+            if !server.serve(index) {
+                break;
+            }
+        }
+    }
+
+    /// DEVICE_NEEDS_RESET for `epoch` and, if newly set, the interrupt.
+    fn device_error(&self, reason: String, epoch: u64) {
+        if lock(&self.regs).device_error(reason, epoch) {
+            write_eventfd(self.irq.as_raw_fd());
+        }
+    }
+
+    fn notify(&self, index: usize, epoch: u64) {
+        let server = {
+            let st = lock(&self.state);
+            match &st.active {
+                Some(active) if active.epoch == epoch => active.server.clone(),
+                _ => return,
+            }
+        };
+        if index < self.notify.len() {
+            self.serve_inline(&server, index, epoch);
+        }
+    }
+}
+
+impl Drop for NativeTransport {
+    /// The server's readers leave the loop with the transport: the loop holds the
+    /// server, and its ioeventfds (duplicates owned here) are about to close, which
+    /// epoll does not notice while the machine keeps the originals open.
+    fn drop(&mut self) {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        let Some(active) = st.active.take() else {
+            return;
+        };
+        for fd in self.notify.iter().flatten() {
+            self.readers.remove_reader(fd.as_raw_fd());
+        }
+        let _ = active.server.indices();
+    }
+}
+
+impl TransportHost for NativeTransport {
+    fn read_config(&self, offset: u64, data: &mut [u8]) -> Result<(), TransportFailure> {
+        data.fill(0);
+        let st = lock(&self.state);
+        let start = offset as usize;
+        if start < st.config.len() {
+            let n = (st.config.len() - start).min(data.len());
+            data[..n].copy_from_slice(&st.config[start..start + n]);
+        }
+        Ok(())
+    }
+
+    fn apply(&self, events: Vec<Event>) -> Result<(), TransportFailure> {
+        let failure = |detail: String| TransportFailure {
+            detail,
+            raised: None,
+        };
+        for event in events {
+            match event {
+                Event::Reset => {
+                    let mut st = lock(&self.state);
+                    self.deactivate(&mut st);
+                    st.acked_features = 0;
+                    // Fresh queues, as the Python transport's reset makes.
+                    st.indices = vec![(0, 0); self.notify.len()];
+                }
+                Event::FeaturesOk(features) => lock(&self.state).acked_features = features,
+                Event::FeaturesRefused(_) => lock(&self.state).features_refused += 1,
+                Event::Activate(epoch) => {
+                    let indices = lock(&self.state).indices.clone();
+                    self.activate(epoch, &indices).map_err(failure)?;
+                }
+                // The register file set DEVICE_NEEDS_RESET and the config-change bit.
+                Event::NeedsReset(_) => write_eventfd(self.irq.as_raw_fd()),
+                Event::Notify(index, epoch) => self.notify(index as usize, epoch),
+                Event::ConfigWrite(offset, data) => {
+                    // Only the balloon's `actual` is the driver's to write (balloon.py).
+                    let mut st = lock(&self.state);
+                    if matches!(self.kind, DeviceKind::Balloon { .. })
+                        && u64::from(offset) == BALLOON_ACTUAL
+                        && data.len() == 4
+                    {
+                        st.config[BALLOON_ACTUAL as usize..][..4].copy_from_slice(&data);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+fn rings_of(q: &QueueRegs) -> Rings {
+    Rings {
+        // The register file keeps sizes in 1..=256 (`mmio::MAX_QUEUE_SIZE`).
+        size: q.size as u16,
+        desc: q.desc,
+        avail: q.avail,
+        used: q.used,
+        // Neither rng nor the balloon offers EVENT_IDX.
+        event_idx: false,
+    }
+}
+
+fn fault_text(e: QueueError) -> String {
+    match e {
+        QueueError::Virtqueue(m) => m,
+        QueueError::Memory(e) => e.to_string(),
+    }
+}
+
+fn balloon_config(actual: u32) -> Vec<u8> {
+    let mut config = vec![0u8; BALLOON_CONFIG_SIZE];
+    config[BALLOON_ACTUAL as usize..][..4].copy_from_slice(&actual.to_le_bytes());
+    config
+}
+
+fn balloon_actual(config: &[u8]) -> u32 {
+    let at = BALLOON_ACTUAL as usize;
+    u32::from_le_bytes([config[at], config[at + 1], config[at + 2], config[at + 3]])
+}

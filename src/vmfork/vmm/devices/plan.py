@@ -1,0 +1,103 @@
+"""A device's restore as plain values, for its native transport (``native/src/transport.rs``).
+
+The state format has one reader (``vmstate``, ``stateformat``, the device manager's
+typed records): this module only turns an already decoded ``DeviceState`` into the
+tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back into a
+``DeviceState`` (what a snapshot of a natively served device saves). A plan is:
+
+    (kind, features, max_sizes, registers, indices)
+
+* ``kind``: ``("rng", max_requests, max_bytes, 0)`` or ``("balloon", max_chains,
+  madvise advice, actual)``: the device's record reduced to what its native server
+  takes, with the budgets ``rng.py`` and ``balloon.py`` serve with;
+* ``features`` and ``max_sizes``: what the device offers, as its Python class does;
+* ``registers``: the transport's register image, as ``MmioRegisters.save`` gives it;
+* ``indices``: each queue's ``(next_avail, next_used)``.
+
+Only rng and the balloon have a native transport so far (docs/native.md says what
+vsock, blk and net still need).
+"""
+
+from __future__ import annotations
+
+import mmap
+
+from vmfork.vmm.devices.manager import BALLOON, RNG, DeviceState
+from vmfork.vmm.devices.virtio import balloon, rng
+from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
+from vmfork.vmm.devices.virtio.mmio import MmioTransportState
+from vmfork.vmm.devices.virtio.queue import QueueState
+
+NATIVE_KINDS = (RNG.name, BALLOON.name)
+
+Kind = tuple[str, int, int, int]
+Registers = tuple[int, int, int, int, bool, int, int, int,
+                  list[tuple[int, int, bool, int, int, int]]]
+Plan = tuple[Kind, int, list[int], Registers, list[tuple[int, int]]]
+
+
+def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
+    """(features, queue max sizes, device type) of a device of ``kind``, as its class."""
+    if kind == "rng":
+        return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
+    return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
+            balloon.VirtioBalloon.queue_max_sizes, balloon.VirtioBalloon.device_type)
+
+
+def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
+    """The plan of a decoded rng or balloon record (``ValueError`` for another kind, or
+    a record that does not fit the device). ``balloon_advice`` is how this machine
+    drops a reported page (``MADV_REMOVE`` for guest RAM on a shared memfd)."""
+    if state.kind not in NATIVE_KINDS:
+        raise ValueError(f"no native transport for a {state.kind} device")
+    t = state.transport
+    if t is None:
+        raise ValueError(f"the {state.kind} record has no transport state")
+    features, max_sizes, device_type = _offer(state.kind)
+    if t.device_type != device_type:
+        raise ValueError(f"the {state.kind} record's transport is for device type "
+                         f"{t.device_type}, not {device_type}")
+    if len(t.queues) != len(max_sizes):
+        raise ValueError(f"the {state.kind} record has {len(t.queues)} queues, the "
+                         f"device {len(max_sizes)}")
+    kind: Kind
+    if state.kind == RNG.name:
+        kind = ("rng", rng.MAX_REQUESTS_PER_NOTIFY, rng.MAX_BYTES_PER_REQUEST, 0)
+    else:
+        record = state.state
+        assert isinstance(record, balloon.BalloonState)   # DeviceState types it by kind
+        kind = ("balloon", balloon.MAX_CHAINS_PER_NOTIFY, balloon_advice,
+                record.actual & 0xFFFF_FFFF)
+    registers: Registers = (
+        t.status, t.device_features_sel, t.driver_features_sel, t.driver_features,
+        t.driver_features_bad, t.queue_sel, t.interrupt_status, t.config_generation,
+        [(q.max_size, q.size, q.ready, q.desc_table, q.avail_ring, q.used_ring)
+         for q in t.queues])
+    indices = [(q.next_avail, q.next_used) for q in t.queues]
+    return kind, features, list(max_sizes), registers, indices
+
+
+def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
+    """The ``DeviceState`` a natively served device saves: ``plan`` is its ``plan()``;
+    ``slot`` and ``irq`` where it is on the machine."""
+    (name, _, second, actual), _, _, registers, indices = plan
+    status, dfs, drfs, df, bad, qsel, isr, cg, queues = registers
+    # As the Python transport: the acked features are the driver's from FEATURES_OK on.
+    acked = df if status & STATUS_FEATURES_OK else 0
+    record: rng.RngState | balloon.BalloonState
+    if name == "rng":
+        record = rng.RngState(acked_features=acked)
+    elif name == "balloon":
+        record = balloon.BalloonState(acked_features=acked, actual=actual)
+    else:
+        raise ValueError(f"no native transport for a {name} device")
+    _, _, device_type = _offer(name)
+    transport = MmioTransportState(
+        device_type=device_type, status=status, device_features_sel=dfs,
+        driver_features_sel=drfs, driver_features=df, driver_features_bad=bad,
+        queue_sel=qsel, interrupt_status=isr, config_generation=cg,
+        queues=[QueueState(m, size, ready, desc, avail, used, next_avail, next_used)
+                for (m, size, ready, desc, avail, used), (next_avail, next_used)
+                in zip(queues, indices)])
+    version = RNG.version if name == RNG.name else BALLOON.version
+    return DeviceState(name, version, slot, irq, record, transport)
