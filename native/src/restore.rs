@@ -204,7 +204,8 @@ pub struct Report {
     pub tsc_not_scaled: Vec<TscNotScaled>,
 }
 
-fn step<T>(
+/// `r`, its error named by the ioctl `op` (and the vCPU it was for).
+pub(crate) fn step<T>(
     op: &'static str,
     vcpu: Option<u32>,
     r: Result<T, kvm_ioctls::Error>,

@@ -25,7 +25,7 @@ use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::restore::{self, Failure, Report, VcpuBuffers, VmBuffers};
+use crate::restore::{self, step, Failure, Report, VcpuBuffers, VmBuffers};
 
 /// KVM's limit on vCPU ids for this VMM (`machine.MAX_VCPUS`).
 const MAX_VCPUS: usize = 16;
@@ -60,18 +60,6 @@ pub struct VmCore {
     vm: VmFd,
     /// (index, vCPU), in the order asked.
     vcpus: Vec<(u32, VcpuFd)>,
-}
-
-fn step<T>(
-    op: &'static str,
-    vcpu: Option<u32>,
-    r: Result<T, kvm_ioctls::Error>,
-) -> Result<T, Failure> {
-    r.map_err(|e| Failure {
-        op,
-        errno: e.errno(),
-        vcpu,
-    })
 }
 
 impl VmCore {
