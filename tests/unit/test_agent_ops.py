@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.unit.agent_support import Agent, running_agent
+from vmfork.agent import server as agent_server
 from vmfork.agent.client import (
     AgentClient,
     AgentError,
@@ -652,3 +653,15 @@ def test_console_log_never_blocks_and_says_what_it_dropped(
     finally:
         os.close(read_end)
         os.close(write_end)
+
+
+def test_a_request_that_never_comes_is_a_timeout_the_host_retries(
+        agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A guest starved of CPU past the wait sees a connection whose request it never
+    # read in time: "timeout" (which both clients raise as AgentTimeout and the
+    # after_fork handshake retries), not "bad_request" (which fails the child).
+    monkeypatch.setattr(agent_server, "REQUEST_TIMEOUT", 0.2)
+    with agent.raw() as sock:
+        reply = recv_frame(sock).header
+    assert reply["type"] == "error" and reply["error"] == "timeout"
+    assert "no request frame within 0.2 s" in reply["message"]
