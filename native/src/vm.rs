@@ -338,6 +338,16 @@ mod tests {
         addr as u64
     }
 
+    /// 2 MiB of fresh anonymous RAM as guest-physical 0.
+    fn two_mib_at_zero() -> Region {
+        let size = 2 << 20;
+        Region {
+            guest_phys: 0,
+            size: size as u64,
+            host_addr: ram(size),
+        }
+    }
+
     const LAYOUT: Layout = Layout {
         tss_addr: 0xFFFB_D000,
         identity_map_addr: 0xFFFB_C000,
@@ -346,12 +356,7 @@ mod tests {
     #[test]
     fn a_core_has_its_vcpus_in_the_order_asked_and_a_loop_gets_its_own_copy() {
         let Some(kvm) = kvm() else { return };
-        let size = 2 << 20;
-        let region = Region {
-            guest_phys: 0,
-            size: size as u64,
-            host_addr: ram(size),
-        };
+        let region = two_mib_at_zero();
         // SAFETY: the mapping is never unmapped in this test process.
         let (core, report) = unsafe { VmCore::create(&kvm, &[region], LAYOUT, &[1, 0], None) }
             .expect("a VM on this host's KVM");
@@ -368,12 +373,7 @@ mod tests {
     #[test]
     fn each_failed_step_names_its_ioctl() {
         let Some(kvm) = kvm() else { return };
-        let size = 2 << 20;
-        let region = Region {
-            guest_phys: 0,
-            size: size as u64,
-            host_addr: ram(size),
-        };
+        let region = two_mib_at_zero();
         // A host address that is not page aligned: KVM refuses the slot.
         let unaligned = Region {
             host_addr: region.host_addr + 1,
