@@ -181,6 +181,17 @@ impl ConsoleDevices {
         }
     }
 
+    /// The last lines of output and the line being written, joined by newlines.
+    pub fn tail_text(&self) -> String {
+        let uart = lock(&self.uart);
+        let out = uart.writer();
+        let mut lines: Vec<String> = out.tail.iter().cloned().collect();
+        if !out.line.is_empty() {
+            lines.push(String::from_utf8_lossy(&out.line).into_owned());
+        }
+        lines.join("\n")
+    }
+
     /// Send every console line from now on to `sink` too.
     pub fn set_line_sink(&self, sink: LineSink) {
         *lock(&self.line_sink) = Some(sink);
@@ -335,13 +346,7 @@ impl Console {
 
     /// The last lines of output and the line being written, joined by newlines.
     fn tail_text(&self) -> String {
-        let uart = lock(&self.devices.uart);
-        let out = uart.writer();
-        let mut lines: Vec<String> = out.tail.iter().cloned().collect();
-        if !out.line.is_empty() {
-            lines.push(String::from_utf8_lossy(&out.line).into_owned());
-        }
-        lines.join("\n")
+        self.devices.tail_text()
     }
 
     /// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
