@@ -236,7 +236,7 @@ fn wait_for_start_gate(path: &CString, timeout: Duration, stop: &StopSources) {
 /// `seccomp.install`: no new privileges, then the program on every thread (TSYNC).
 fn install_seccomp(program: &[u8]) -> Result<(), String> {
     const SOCK_FILTER_SIZE: usize = 8;
-    if program.is_empty() || program.len() % SOCK_FILTER_SIZE != 0 {
+    if program.is_empty() || !program.len().is_multiple_of(SOCK_FILTER_SIZE) {
         return Err(format!(
             "a seccomp program of {} bytes is not whole instructions",
             program.len()
@@ -428,7 +428,11 @@ impl Life<'_> {
             self.plan.reporter.failure_line(reason.unwrap_or_default())
         });
         let json = Value::Object(fields).to_string();
-        if let Err(err) = self.plan.reporter.write(&state, json.as_bytes(), failure.as_deref()) {
+        if let Err(err) = self
+            .plan
+            .reporter
+            .write(&state, json.as_bytes(), failure.as_deref())
+        {
             let line = format!("vmfork vmm: status.json not written: {err}\n");
             // SAFETY: fd 2 borrowed for one write of a live buffer.
             unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
@@ -619,7 +623,10 @@ fn serve<M: ChildMachine>(
     };
     let mut ready = object(vec![("state", "ready".into())]);
     ready.extend(timings.into_iter().map(|(k, v)| (k.to_owned(), v)));
-    ready.insert("ready_s".into(), seconds(monotonic_ns() - life.forked.entry_ns));
+    ready.insert(
+        "ready_s".into(),
+        seconds(monotonic_ns() - life.forked.entry_ns),
+    );
     ready.insert("agent_ready".into(), agent_ready.into());
     ready.insert(
         "clock_error_bound_s".into(),
@@ -640,7 +647,12 @@ fn serve<M: ChildMachine>(
     // SAFETY: malloc_trim takes a pad size and touches only the allocator's state.
     unsafe { libc::malloc_trim(0) };
     let [sigterm, stop_read] = stop.fds();
-    let waited = [sigterm, stop_read, machine.exit_fd(), relay.wake.as_raw_fd()];
+    let waited = [
+        sigterm,
+        stop_read,
+        machine.exit_fd(),
+        relay.wake.as_raw_fd(),
+    ];
     loop {
         match poll_readable(&waited, -1) {
             Some(fd) if fd == relay.wake.as_raw_fd() => relay.serve(handler),
@@ -680,7 +692,7 @@ mod tests {
     const RESET_NOW: [u8; 5] = [0xB0, 0xFE, 0xE6, 0x64, 0xF4];
     /// Real mode, interrupts off: hlt; jmp back to it. Runs until stopped.
     const HALT_FOREVER: [u8; 3] = [0xF4, 0xEB, 0xFD];
-    const WAIT: Duration = Duration::from_secs(60);
+    const WAIT: Duration = Duration::from_secs(30);
 
     fn kvm_usable() -> bool {
         let usable = kvm_ioctls::Kvm::new().is_ok();
@@ -845,7 +857,11 @@ mod tests {
         };
         assert_eq!(rc, 0);
         assert_eq!(life.join().expect("the life ends"), 0);
-        assert_eq!(run.status()["state"], "prepared", "no restored after a SIGTERM");
+        assert_eq!(
+            run.status()["state"],
+            "prepared",
+            "no restored after a SIGTERM"
+        );
         assert_eq!(run.notified(), "vm1 prepared\n");
         assert!(!run.path.join("control.sock").exists());
     }
@@ -868,7 +884,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(200));
         assert_eq!(run.status()["state"], "prepared", "the gate holds it");
         // SAFETY: a one-byte write from a live buffer to the gate we hold.
-        assert_eq!(unsafe { libc::write(gate.as_raw_fd(), b"x".as_ptr().cast(), 1) }, 1);
+        assert_eq!(
+            unsafe { libc::write(gate.as_raw_fd(), b"x".as_ptr().cast(), 1) },
+            1
+        );
         assert_eq!(life.join().expect("the life ends"), EXIT_GUEST_DIED);
         assert_eq!(run.notified(), "vm1 prepared\nvm1 restored\nvm1 failed\n");
         let failed = run.status();
@@ -898,9 +917,12 @@ mod tests {
         }
         assert_eq!(restored["start_wait_s"], 0.0);
         let control = UnixStream::connect(run.path.join("control.sock")).expect("control");
+        control.set_read_timeout(Some(WAIT)).expect("a timeout");
         let mut replies = BufReader::new(control.try_clone().expect("a second handle"));
         let mut ask = |line: &str| {
-            (&control).write_all(format!("{line}\n").as_bytes()).expect("sent");
+            (&control)
+                .write_all(format!("{line}\n").as_bytes())
+                .expect("sent");
             let mut reply = String::new();
             replies.read_line(&mut reply).expect("a reply");
             serde_json::from_str::<Value>(&reply).expect("JSON")

@@ -65,9 +65,7 @@ impl ChildReporter {
     /// The targets of the child whose run directory is `run_dir`; an error names a
     /// path holding a NUL byte.
     pub fn at(run_dir: &str, vm_id: &str, notify_path: Option<&str>) -> Result<Self, String> {
-        let c = |path: &str| {
-            CString::new(path).map_err(|_| format!("a NUL byte in {path:?}"))
-        };
+        let c = |path: &str| CString::new(path).map_err(|_| format!("a NUL byte in {path:?}"));
         let dir = run_dir.trim_end_matches('/');
         Ok(Self {
             tmp: c(&format!("{dir}/.status.json.tmp"))?,

@@ -86,10 +86,7 @@ impl ChildLife {
                     .map_err(PyValueError::new_err)?,
                 start_gate,
                 seccomp,
-                control_path: c_string(&format!(
-                    "{}/control.sock",
-                    run_dir.trim_end_matches('/')
-                ))?,
+                control_path: c_string(&format!("{}/control.sock", run_dir.trim_end_matches('/')))?,
                 jailed,
                 status_native,
                 agent: agent.target().clone(),
@@ -163,7 +160,9 @@ pub fn fork_native(
     prelude: Option<Py<PyAny>>,
 ) -> PyResult<i32> {
     let (module, function) = handover.split_once(':').ok_or_else(|| {
-        PyValueError::new_err(format!("handover must be 'module:function', got {handover:?}"))
+        PyValueError::new_err(format!(
+            "handover must be 'module:function', got {handover:?}"
+        ))
     })?;
     let mut after_fork = AfterForkPython {
         module: module.to_owned(),

@@ -84,7 +84,9 @@ impl TinyMachinePlan {
         let (core, _) = unsafe { VmCore::create(&kvm, &[region], LAYOUT, &[0], None) }
             .map_err(|f| format!("{}: errno {}", f.op, f.errno))?;
         let (_, vcpu) = core.vcpu(0).ok_or("no vCPU 0")?;
-        let mut sregs = vcpu.get_sregs().map_err(|e| format!("KVM_GET_SREGS: {e}"))?;
+        let mut sregs = vcpu
+            .get_sregs()
+            .map_err(|e| format!("KVM_GET_SREGS: {e}"))?;
         sregs.cs.base = 0;
         sregs.cs.selector = 0;
         vcpu.set_sregs(&sregs)
@@ -92,7 +94,8 @@ impl TinyMachinePlan {
         let mut regs = vcpu.get_regs().map_err(|e| format!("KVM_GET_REGS: {e}"))?;
         regs.rip = ENTRY as u64;
         regs.rflags = 2;
-        vcpu.set_regs(&regs).map_err(|e| format!("KVM_SET_REGS: {e}"))?;
+        vcpu.set_regs(&regs)
+            .map_err(|e| format!("KVM_SET_REGS: {e}"))?;
         // SAFETY: eventfd2 with constant flags, checked before it is owned.
         let irq = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if irq < 0 {

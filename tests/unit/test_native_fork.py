@@ -36,13 +36,14 @@ pytestmark = pytest.mark.skipif(
 RESET_AFTER_SECONDS = bytes.fromhex("0f31" "6689d3" "6683c303" "0f31" "6639da" "72f9"
                                     "b0fe" "e664" "f4")
 
-# The forking process: one thread, the zygote's calls. Its ``answer`` is the hand-over
-# handler named in the plan ("__main__:answer"); the at-fork hook it registers runs
-# only in a child that ran ``PyOS_AfterFork_Child``.
+# The forking process: one thread, the zygote's calls; its child runs under the VMM's
+# seccomp filter from before its guest starts, as a jailed one does. Its ``answer`` is
+# the hand-over handler named in the plan ("__main__:answer"); the at-fork hook it
+# registers runs only in a child that ran ``PyOS_AfterFork_Child``.
 FORKER = """
 import json, os, sys, time
 from vmfork import _core
-from vmfork.runtime import control, jail
+from vmfork.runtime import control, jail, seccomp
 
 cfg = json.loads(sys.argv[1])
 after_fork_hooks = []
@@ -57,7 +58,7 @@ def answer(line, fd):
 plan = _core.ChildPlan(error=jail.JailError, set_up=(os.getpid(), None, [], cfg["log"], 0))
 life = _core.ChildLife(
     run_dir=cfg["run_dir"], vm_id="vm1", notify_path=None, start_gate=cfg["gate"],
-    start_gate_timeout=60.0, seccomp=None, jailed=False, status_native=True,
+    start_gate_timeout=60.0, seccomp=seccomp.vmm_filter(), jailed=False, status_native=True,
     agent=_core.AgentTarget(cfg["agent"], None, 5.0, 30.0), ready_timeout=60.0,
     net_refresh=False)
 machine = _core.TinyMachinePlan(bytes.fromhex(cfg["code"]))
@@ -127,6 +128,7 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
             assert exits == {"ok": True, "profile": {
                 "op": "Exits", "pid": pid, "after_fork_hooks": [pid]}}, exits
             assert _ask(control, {"op": "status"})["paused"] is False
+        assert Path(f"/proc/{pid}/status").read_text().count("Seccomp:\t2") == 1
         exited = _status(run_dir, "exited")
         assert (exited["reason"], exited["panicked"]) == ("reset", False), exited
         assert int(forker.stdout.readline()) == 0, "a clean end exits 0"
