@@ -8,6 +8,7 @@ real agent serves from a thread of this one)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -22,9 +23,10 @@ import pytest
 
 import vmfork
 from tests.unit.agent_support import Agent, running_agent
+from vmfork.runtime import vmmchild, zygote, zygote_child
 from vmfork.vmm.native import CORE_BUILT
 
-pytestmark = pytest.mark.skipif(
+needs_kvm = pytest.mark.skipif(
     not CORE_BUILT or not os.access("/dev/kvm", os.R_OK | os.W_OK),
     reason="needs the native core and /dev/kvm")
 
@@ -98,6 +100,7 @@ def _ask(sock: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+@needs_kvm
 def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         agent: Agent, tmp_path: Path) -> None:
     run_dir = Path(agent.root) / "run"   # short: AF_UNIX paths
@@ -136,3 +139,19 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         os.close(gate_fd)
         forker.kill()
         forker.wait()
+
+
+def test_the_knob_is_off_by_default_and_on_a_spawn_without_a_native_machine_fails(
+        tmp_path: Path) -> None:
+    assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") == "1")
+    prep = zygote._Prepared("vm1", {"vm_id": "vm1", "run_dir": str(tmp_path),
+                                    "snapshot_dir": str(tmp_path)}, None, None,
+                            str(tmp_path))
+    # An entry module without the hook forks as before.
+    assert zygote.Zygote._native_child(zygote_child.run_child, prep) is None
+    # vmmchild offers one, which fails the spawn (never a silent Python child) until
+    # its machine is native.
+    with pytest.raises(OSError) as raised:
+        zygote.Zygote._native_child(vmmchild.main, prep)
+    assert raised.value.errno == errno.ENOTSUP
+    assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
