@@ -40,7 +40,7 @@ use serde_json::{Map, Value};
 
 use crate::agent_handshake::{self, Failure as AgentFailure, Handshake, Target};
 use crate::child_report::ChildReporter;
-use crate::control_serve::{ControlServe, Handover};
+use crate::control_serve::{error_line, ControlServe, Handover, CLOSING};
 use crate::vcpu::VcpuControl;
 
 /// `vmmchild.EXIT_GUEST_DIED`: the guest panicked, faulted or never answered.
@@ -341,9 +341,8 @@ impl Handover for MainThreadRelay {
     }
 }
 
-/// The control server's own words for a VMM on its way out.
 fn closing_reply() -> Vec<u8> {
-    b"{\"ok\": false, \"error\": \"the VMM is closing its control socket\"}\n".to_vec()
+    error_line(CLOSING)
 }
 
 /// A listening Unix socket at `path` (`ControlServer.__init__`).

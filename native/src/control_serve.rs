@@ -163,7 +163,7 @@ fn json_opt_str(out: &mut String, s: Option<&str>) {
 }
 
 /// `control.encode(control.error_reply(message))`.
-fn error_line(message: &str) -> Vec<u8> {
+pub(crate) fn error_line(message: &str) -> Vec<u8> {
     let mut out = String::from("{\"ok\": false, \"error\": ");
     json_str(&mut out, message);
     out.push_str("}\n");
@@ -171,6 +171,8 @@ fn error_line(message: &str) -> Vec<u8> {
 }
 
 const ACK: &[u8] = b"{\"ok\": true}\n";
+/// The reply to a line that came while the VMM stops serving.
+pub(crate) const CLOSING: &str = "the VMM is closing its control socket";
 
 impl Shared {
     fn serve_line(&self, line: &[u8], fd: RawFd) -> Vec<u8> {
@@ -243,7 +245,7 @@ impl Shared {
         let handover = lock(&self.handover).clone();
         match handover {
             Some(h) => h.handle(line, fd),
-            None => error_line("the VMM is closing its control socket"),
+            None => error_line(CLOSING),
         }
     }
 }

@@ -35,7 +35,7 @@ use crate::agent_handshake::AgentTarget;
 use crate::child::{exit_setup_failed, fork_checked, ChildPlan, Opened};
 use crate::child_life::{self, Forked, LifePlan};
 use crate::child_report::ChildReporter;
-use crate::control_serve::{Handover, PyHandover};
+use crate::control_serve::{error_line, Handover, PyHandover};
 use crate::tiny_machine::TinyMachinePlan;
 
 /// A child's `LifePlan`, built by the zygote before the fork (`vmmchild.native_life`).
@@ -131,13 +131,7 @@ impl Handover for AfterForkPython {
     fn handle(&self, line: &[u8], fd: RawFd) -> Vec<u8> {
         match self.handler.get_or_init(|| self.resolve()) {
             Ok(handler) => handler.handle(line, fd),
-            Err(err) => {
-                let reply = serde_json::json!({
-                    "ok": false,
-                    "error": format!("the VMM's hand-over is not available: {err}"),
-                });
-                format!("{reply}\n").into_bytes()
-            }
+            Err(err) => error_line(&format!("the VMM's hand-over is not available: {err}")),
         }
     }
 }
