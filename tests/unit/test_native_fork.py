@@ -155,3 +155,13 @@ def test_the_knob_is_off_by_default_and_on_a_spawn_without_a_native_machine_fail
         zygote.Zygote._native_child(vmmchild.main, prep)
     assert raised.value.errno == errno.ENOTSUP
     assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
+
+
+def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for_now() -> None:
+    exits = json.loads(vmmchild.native_handover(b'{"op": "exits"}', -1))
+    assert exits == {"ok": False, "error": "a native child does not serve Exits yet "
+                                           "(it needs the machine's Python view)"}
+    # A malformed line gets control.parse_request's words, as ControlServer.handle_line's.
+    malformed = b'{"op": "exits", "x": 1}'
+    assert (vmmchild.native_handover(malformed, -1)
+            == vmmchild.handover_reply(malformed, lambda request: pytest.fail("dispatched")))
