@@ -38,6 +38,9 @@ use crate::child_report::ChildReporter;
 use crate::control_serve::{error_line, Handover, PyHandover};
 use crate::tiny_machine::TinyMachinePlan;
 
+/// `EXIT_ENTRY_RAISED` of `runtime/zygote_protocol.py`.
+const EXIT_ENTRY_RAISED: i32 = 70;
+
 /// A child's `LifePlan`, built by the zygote before the fork (`vmmchild.native_life`).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct ChildLife {
@@ -179,7 +182,13 @@ pub fn fork_native(
         forked_ns,
         entry_ns: child_life::monotonic_ns(),
     };
-    let code = child_life::live(&life.plan, forked, || machine.build(), &after_fork);
+    // A panic must not unwind into the zygote's frames either (pyo3 would turn it into
+    // a Python exception, in a child running the zygote's loop): it exits as an entry
+    // that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.
+    let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        child_life::live(&life.plan, forked, || machine.build(), &after_fork)
+    }))
+    .unwrap_or(EXIT_ENTRY_RAISED);
     // SAFETY: _exit ends the process without unwinding into the zygote's frames.
     unsafe { libc::_exit(code) }
 }
