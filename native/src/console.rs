@@ -166,6 +166,18 @@ pub struct Console {
     listeners: Arc<Mutex<Vec<Py<PyAny>>>>,
 }
 
+/// COM1's registers as a snapshot keeps them (`devices/serial.py`'s `SerialState`).
+pub struct SerialRegs {
+    pub dll: u8,
+    pub dlm: u8,
+    pub ier: u8,
+    pub lcr: u8,
+    pub mcr: u8,
+    pub scr: u8,
+    pub thre_pending: bool,
+    pub rx: Vec<u8>,
+}
+
 /// What a port access to the console devices asks of the vCPU loop.
 pub enum Served {
     Done,
@@ -226,6 +238,71 @@ impl ConsoleDevices {
             return Some(Served::Done);
         }
         None
+    }
+
+    /// The last lines of output and the line being written, joined by newlines.
+    pub fn tail_text(&self) -> String {
+        let uart = lock(&self.uart);
+        let out = uart.writer();
+        let mut lines: Vec<String> = out.tail.iter().cloned().collect();
+        if !out.line.is_empty() {
+            lines.push(String::from_utf8_lossy(&out.line).into_owned());
+        }
+        lines.join("\n")
+    }
+
+    /// Set COM1's registers from a snapshot's (`SerialState`); pending input beyond
+    /// the 64-byte FIFO is dropped. The writer (log, budget, tail, listeners) carries
+    /// over to the restored chip.
+    pub fn restore(&self, regs: SerialRegs) -> Result<(), String> {
+        let SerialRegs {
+            dll,
+            dlm,
+            ier,
+            lcr,
+            mcr,
+            scr,
+            thre_pending,
+            rx,
+        } = regs;
+        let mut in_buffer = rx;
+        in_buffer.truncate(FIFO_SIZE);
+        let mut iir = if thre_pending { IIR_THR_EMPTY } else { 0 };
+        if !in_buffer.is_empty() {
+            iir |= IIR_RDA;
+        }
+        let state = SerialState {
+            baud_divisor_low: dll,
+            baud_divisor_high: dlm,
+            interrupt_enable: ier & 0x0F,
+            interrupt_identification: if iir == 0 { IIR_NONE } else { iir },
+            line_control: lcr,
+            line_status: LSR_THR_EMPTY
+                | LSR_IDLE
+                | if in_buffer.is_empty() {
+                    0
+                } else {
+                    LSR_DATA_READY
+                },
+            modem_control: mcr & 0x1F,
+            modem_status: MSR_IDLE,
+            scratch: scr,
+            in_buffer,
+        };
+        let mut uart = lock(&self.uart);
+        let trigger = IrqFd(
+            uart.interrupt_evt()
+                .0
+                .try_clone()
+                .map_err(|e| format!("dup COM1's irqfd: {e}"))?,
+        );
+        let out = std::mem::replace(
+            uart.writer_mut(),
+            ConsoleOut::new(None, LogBudget::new("console", 0, 0.0, 0)),
+        );
+        *uart = Serial::from_state(&state, trigger, NoEvents, out)
+            .map_err(|e| format!("serial state: {e:?}"))?;
+        Ok(())
     }
 
     fn tell_listeners(&self, lines: Vec<String>) {
@@ -335,13 +412,7 @@ impl Console {
 
     /// The last lines of output and the line being written, joined by newlines.
     fn tail_text(&self) -> String {
-        let uart = lock(&self.devices.uart);
-        let out = uart.writer();
-        let mut lines: Vec<String> = out.tail.iter().cloned().collect();
-        if !out.line.is_empty() {
-            lines.push(String::from_utf8_lossy(&out.line).into_owned());
-        }
-        lines.join("\n")
+        self.devices.tail_text()
     }
 
     /// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
@@ -374,42 +445,17 @@ impl Console {
         thre_pending: bool,
         rx: Vec<u8>,
     ) -> PyResult<()> {
-        let mut in_buffer = rx;
-        in_buffer.truncate(FIFO_SIZE);
-        let mut iir = if thre_pending { IIR_THR_EMPTY } else { 0 };
-        if !in_buffer.is_empty() {
-            iir |= IIR_RDA;
-        }
-        let state = SerialState {
-            baud_divisor_low: dll,
-            baud_divisor_high: dlm,
-            interrupt_enable: ier & 0x0F,
-            interrupt_identification: if iir == 0 { IIR_NONE } else { iir },
-            line_control: lcr,
-            line_status: LSR_THR_EMPTY
-                | LSR_IDLE
-                | if in_buffer.is_empty() {
-                    0
-                } else {
-                    LSR_DATA_READY
-                },
-            modem_control: mcr & 0x1F,
-            modem_status: MSR_IDLE,
-            scratch: scr,
-            in_buffer,
+        let regs = SerialRegs {
+            dll,
+            dlm,
+            ier,
+            lcr,
+            mcr,
+            scr,
+            thre_pending,
+            rx,
         };
-        let mut uart = lock(&self.devices.uart);
-        let trigger = IrqFd(dup(std::os::fd::AsRawFd::as_raw_fd(
-            &uart.interrupt_evt().0,
-        ))?);
-        // The writer (log, budget, tail, listeners) carries over to the restored chip.
-        let out = std::mem::replace(
-            uart.writer_mut(),
-            ConsoleOut::new(None, LogBudget::new("console", 0, 0.0, 0)),
-        );
-        *uart = Serial::from_state(&state, trigger, NoEvents, out)
-            .map_err(|e| PyValueError::new_err(format!("serial state: {e:?}")))?;
-        Ok(())
+        self.devices.restore(regs).map_err(PyValueError::new_err)
     }
 
     /// Queue host input for the guest (at most the FIFO's free room); returns how

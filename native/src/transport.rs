@@ -174,10 +174,8 @@ impl Windows {
         })
     }
 
-    // The native vCPU host's, once it serves windows (it does not yet: the tests').
-    #[cfg_attr(not(test), allow(dead_code))]
     /// A read served to the end, the host called if it must (a caller with no GIL to
-    /// manage: the native vCPU host, tests).
+    /// manage: the native vCPU host).
     pub fn serve_read(&self, addr: u64, data: &mut [u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.read(addr, data)? {
             ReadServed::Done => Ok(()),
@@ -185,8 +183,6 @@ impl Windows {
         })
     }
 
-    // The native vCPU host's, once it serves windows (it does not yet: the tests').
-    #[cfg_attr(not(test), allow(dead_code))]
     /// A write served to the end, its events applied by the host.
     pub fn serve_write(&self, addr: u64, data: &[u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.write(addr, data)? {

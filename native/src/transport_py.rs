@@ -22,7 +22,7 @@ use crate::virtio_py::GuestRam;
 type PyKind = (String, u64, i64, u32);
 
 /// (kind, features, max_sizes, register image, each queue's (next_avail, next_used)).
-type PyPlan = (PyKind, u64, Vec<u32>, PySaved, Vec<(u16, u16)>);
+pub(crate) type PyPlan = (PyKind, u64, Vec<u32>, PySaved, Vec<(u16, u16)>);
 
 fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     let (name, budget, second, actual) = kind;
@@ -44,6 +44,18 @@ fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
             "no native transport for a {other:.40} device"
         ))),
     }
+}
+
+/// The plan `vmm/devices/plan.py` builds, as the Rust value.
+pub(crate) fn plan_from_py(plan: PyPlan) -> PyResult<DevicePlan> {
+    let (kind, features, max_sizes, registers, indices) = plan;
+    Ok(DevicePlan {
+        kind: kind_from_py(kind)?,
+        features,
+        max_sizes,
+        registers: saved_from_py(registers),
+        indices,
+    })
 }
 
 fn kind_to_py(kind: &DeviceKind) -> PyKind {
@@ -85,14 +97,7 @@ impl NativeDevice {
         irq_fd: RawFd,
         notify_fds: Vec<Option<RawFd>>,
     ) -> PyResult<Self> {
-        let (kind, features, max_sizes, registers, indices) = plan;
-        let plan = DevicePlan {
-            kind: kind_from_py(kind)?,
-            features,
-            max_sizes,
-            registers: saved_from_py(registers),
-            indices,
-        };
+        let plan = plan_from_py(plan)?;
         let irq = dup(irq_fd)?;
         let notify = notify_fds
             .into_iter()
