@@ -46,13 +46,16 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Snapshot]:
     yield Snapshot(state, memory)
 
 
-def restore(snap: Snapshot, console_log: Path) -> _core.NativeMachine:
+def restore(snap: Snapshot, console_log: Path,
+            prepared: vmstate.PreparedRestore | None = None) -> _core.NativeMachine:
+    """``snap`` as a native machine, its console logged to ``console_log``; with the
+    restore buffers ``prepared`` if given (built here if not)."""
     state = snap.state
     saved_serial = state.device(SERIAL)
     assert saved_serial is not None
     devices = [(d.slot, d.irq, device_plan(d)) for d in state.devices
                if d.kind in NATIVE_KINDS and d.slot is not None]
-    prepared = vmstate.prepare_restore(state)
+    prepared = prepared or vmstate.prepare_restore(state)
     assert prepared.native is not None
     kvm_fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
     memory_fd = os.open(snap.memory, os.O_RDONLY | os.O_CLOEXEC)
