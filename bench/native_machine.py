@@ -18,7 +18,6 @@ Neither machine is started. Writes ``bench/results/native_machine.{json,md}``.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -62,7 +61,6 @@ def main() -> None:
                                        console_log=str(work / "python.log")))
         samples["python"].append(time.perf_counter() - started)
         python.close()
-        os.unlink(uds)
         started = time.perf_counter()
         native = restore(snap, work / "native.log", prepared)
         samples["native"].append(time.perf_counter() - started)
