@@ -43,7 +43,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
-use crate::console::{ConsoleDevices, IrqFd, SerialRegs};
+use crate::console::{log_budget, ConsoleDevices, IrqFd, SerialFields, SerialRegs};
 use crate::eventloop::NativeLoop;
 use crate::guest_ram::{self, GuestRam};
 use crate::log_budget::LogBudget;
@@ -610,10 +610,6 @@ impl Drop for NativeMachine {
     }
 }
 
-/// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
-/// thre_pending, rx).
-type PySerial = (u8, u8, u8, u8, u8, u8, bool, Vec<u8>);
-
 /// `_core.NativeMachine`: a machine restored and run by `machine.rs` alone; Python
 /// only hands it the plain values and reads its reports.
 #[pyclass(frozen, name = "NativeMachine", module = "vmfork._core")]
@@ -640,17 +636,14 @@ impl PyNativeMachine {
         mem_size: u64,
         prepared: &Bound<'_, crate::PreparedRestore>,
         devices: Vec<(u32, u32, PyPlan)>,
-        serial: Option<PySerial>,
+        serial: Option<SerialFields>,
         console_log_fd: Option<RawFd>,
         log_burst: u32,
         log_per_second: f64,
         log_total_bytes: u64,
     ) -> PyResult<Self> {
-        if !(log_per_second.is_finite() && log_per_second >= 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "log_per_second must be a finite rate >= 0, not {log_per_second}"
-            )));
-        }
+        let budget = log_budget(log_burst, log_per_second, log_total_bytes)
+            .map_err(PyValueError::new_err)?;
         let devices = devices
             .into_iter()
             .map(|(slot, irq, plan)| {
@@ -664,18 +657,7 @@ impl PyNativeMachine {
         let log = console_log_fd
             .map(|fd| queue_server::dup(fd).map(File::from))
             .transpose()?;
-        let serial = serial.map(
-            |(dll, dlm, ier, lcr, mcr, scr, thre_pending, rx)| SerialRegs {
-                dll,
-                dlm,
-                ier,
-                lcr,
-                mcr,
-                scr,
-                thre_pending,
-                rx,
-            },
-        );
+        let serial = serial.map(SerialRegs::from_fields);
         let prepared = prepared.get();
         let states: Vec<&VcpuBuffers> = prepared.vcpus.iter().map(|v| &v.get().inner).collect();
         let indices: Vec<u32> = states.iter().map(|s| s.index()).collect();
@@ -696,7 +678,7 @@ impl PyNativeMachine {
             }),
             console: ConsolePlan {
                 log,
-                budget: LogBudget::new("console", log_burst, log_per_second, log_total_bytes),
+                budget,
                 serial,
             },
             devices,
@@ -795,6 +777,7 @@ mod tests {
 
     use super::*;
     use crate::transport::DeviceKind;
+    use crate::vm::test_ram_with;
     use kvm_bindings::kvm_segment;
     use std::io::Read;
 
@@ -889,36 +872,6 @@ mod tests {
             .count())
     }
 
-    /// 1 MiB of anonymous RAM at guest address 0 holding `code` at `ENTRY` (never
-    /// unmapped: the child exits).
-    fn ram_with(code: &[u8]) -> Region {
-        // SAFETY: a fresh anonymous mapping; checked below.
-        let ram = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                RAM_SIZE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ram, libc::MAP_FAILED);
-        // SAFETY: ENTRY + the code's length is inside the mapping made above.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                code.as_ptr(),
-                ram.cast::<u8>().add(ENTRY as usize),
-                code.len(),
-            )
-        };
-        Region {
-            guest_phys: 0,
-            size: RAM_SIZE as u64,
-            host_addr: ram as u64,
-        }
-    }
-
     /// A machine with `code` in its RAM, rng at virtio-mmio.0 as a boot has it, one
     /// vCPU in 32-bit flat protected mode at `ENTRY`, the console logged to `log`.
     fn machine(kvm: &Kvm, code: &[u8], log: Option<File>) -> Result<NativeMachine, String> {
@@ -927,7 +880,7 @@ mod tests {
             max_bytes: 64 * 1024,
         };
         let plan = MachinePlan {
-            ram: RamSource::Mapped(vec![ram_with(code)]),
+            ram: RamSource::Mapped(vec![test_ram_with(RAM_SIZE, ENTRY as usize, code)]),
             vcpus: &[0],
             restore: None,
             console: ConsolePlan {

@@ -1193,7 +1193,7 @@ mod tests {
     use super::*;
     use crate::console::IrqFd;
     use crate::log_budget::LogBudget;
-    use crate::vm::{Layout, Region};
+    use crate::vm::{test_ram_with, Layout};
     use kvm_ioctls::Kvm;
 
     // Real mode at 0x1000: in al,0xe9; inc al; jnz 1f; out 0xe9,al;
@@ -1222,33 +1222,7 @@ mod tests {
             eprintln!("skipped: no usable /dev/kvm");
             return;
         };
-        let size = 1 << 20;
-        // SAFETY: an anonymous private mapping with no address hint, checked; never
-        // unmapped in this test process, so it outlives the VM.
-        let ram = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ram, libc::MAP_FAILED);
-        // SAFETY: ENTRY + the code's length is inside the mapping made above.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                READ_E9_THEN_RESET.as_ptr(),
-                ram.cast::<u8>().add(ENTRY),
-                READ_E9_THEN_RESET.len(),
-            )
-        };
-        let region = Region {
-            guest_phys: 0,
-            size: size as u64,
-            host_addr: ram as u64,
-        };
+        let region = test_ram_with(1 << 20, ENTRY, &READ_E9_THEN_RESET);
         let layout = Layout {
             tss_addr: 0xFFFB_D000,
             identity_map_addr: 0xFFFB_C000,
