@@ -561,6 +561,29 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     ram.close();
 }
 
+/// `plan` restores as a device the guest broke: not active, DEVICE_NEEDS_RESET with
+/// the config-change interrupt raised once, the error naming the queue (`queue`).
+fn assert_restores_as_needs_reset(
+    plan: &DevicePlan,
+    ram: &Arc<GuestRam>,
+    event_loop: &Arc<NativeLoop>,
+    queue: &str,
+) {
+    let bad_bus = Windows::new();
+    let (bad, irq, _) = restore_on_bus(plan, ram, event_loop, &bad_bus, true);
+    assert!(!bad.active());
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    let regs = bad.registers();
+    let r = regs.lock().unwrap();
+    assert_ne!(r.status & mmio::STATUS_DEVICE_NEEDS_RESET, 0);
+    assert_eq!(r.interrupt_status, INT_CONFIG_CHANGE);
+    assert!(
+        r.last_device_error.as_deref().unwrap().starts_with(queue),
+        "{:?}",
+        r.last_device_error
+    );
+}
+
 #[test]
 fn a_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
     let mapping = Mapping::new(RAM_SIZE);
@@ -576,23 +599,7 @@ fn a_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
     bring_up_on_bus(&windows, &[16]);
     let mut plan = booted.plan();
     plan.registers.queues[0].used = RAM_SIZE as u64; // the used ring past the end of RAM
-    let bad_bus = Windows::new();
-    let (bad, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &bad_bus, true);
-    assert!(!bad.active());
-    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
-    let regs = bad.registers();
-    let r = regs.lock().unwrap();
-    assert_ne!(r.status & mmio::STATUS_DEVICE_NEEDS_RESET, 0);
-    assert_eq!(r.interrupt_status, INT_CONFIG_CHANGE);
-    assert!(
-        r.last_device_error
-            .as_deref()
-            .unwrap()
-            .starts_with("queue 0: "),
-        "{:?}",
-        r.last_device_error
-    );
-    drop(r);
+    assert_restores_as_needs_reset(&plan, &ram, &event_loop, "queue 0: ");
     event_loop.stop();
     ram.close();
 }
@@ -750,6 +757,29 @@ impl Drop for SocketDir {
     }
 }
 
+/// A vsock booted from a fresh plan that binds its own socket at `path`, on `event_loop`
+/// and a bus of its own, brought up by the driver (its reset first): the device, its
+/// bus, each queue's rings.
+fn booted_vsock(
+    ram: &Arc<GuestRam>,
+    event_loop: &Arc<NativeLoop>,
+    path: &str,
+) -> (Arc<NativeTransport>, Windows, Vec<Rings>) {
+    let boot = DevicePlan::fresh(
+        vsock_kind(path, None),
+        mmio::VIRTIO_F_VERSION_1,
+        vec![256; 3],
+    )
+    .unwrap();
+    let windows = Windows::new();
+    let (booted, _irq, _notify) = restore_on_bus(&boot, ram, event_loop, &windows, true);
+    assert!(std::path::Path::new(path).exists());
+    bus_write(&windows, mmio::REG_STATUS, 0);
+    let rings = bring_up_on_bus(&windows, &[16, 16, 16]);
+    assert!(booted.active());
+    (booted, windows, rings)
+}
+
 #[test]
 fn vsock_restored_from_a_plan_resets_the_guests_connections_and_carries_a_host_connection() {
     use std::io::{Read, Write};
@@ -760,19 +790,8 @@ fn vsock_restored_from_a_plan_resets_the_guests_connections_and_carries_a_host_c
     // The parent: a vsock booted from a fresh plan that binds its own socket path, the
     // driver's bring-up through the bus; its plan is the snapshot.
     let parent_path = dir.path("parent.sock");
-    let boot = DevicePlan::fresh(
-        vsock_kind(&parent_path, None),
-        mmio::VIRTIO_F_VERSION_1,
-        vec![256; 3],
-    )
-    .unwrap();
     let first_loop = started_loop("vsock-boot");
-    let windows = Windows::new();
-    let (booted, _irq, _notify) = restore_on_bus(&boot, &ram, &first_loop, &windows, true);
-    assert!(std::path::Path::new(&parent_path).exists());
-    bus_write(&windows, mmio::REG_STATUS, 0); // the driver's reset before its bring-up
-    let rings = bring_up_on_bus(&windows, &[16, 16, 16]);
-    assert!(booted.active());
+    let (booted, windows, rings) = booted_vsock(&ram, &first_loop, &parent_path);
     assert_eq!(first_loop.counts().0, 4); // the private epoll and three ioeventfds
     let mut cid = [0u8; 8];
     bus_read(&windows, mmio::CONFIG_SPACE, &mut cid);
@@ -904,37 +923,13 @@ fn a_vsock_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
     let ram = mapping.ram();
     let dir = SocketDir::new("vsock-bad");
     let path = dir.path("vsock.sock");
-    let boot = DevicePlan::fresh(
-        vsock_kind(&path, None),
-        mmio::VIRTIO_F_VERSION_1,
-        vec![256; 3],
-    )
-    .unwrap();
     let event_loop = started_loop("vsock-bad");
-    let windows = Windows::new();
-    let (booted, _irq, _notify) = restore_on_bus(&boot, &ram, &event_loop, &windows, true);
-    bring_up_on_bus(&windows, &[16, 16, 16]);
+    let (booted, windows, _) = booted_vsock(&ram, &event_loop, &path);
     let mut plan = booted.plan();
     drop(windows);
     drop(booted);
     plan.registers.queues[2].used = RAM_SIZE as u64; // the event queue's used ring
-    let bad_bus = Windows::new();
-    let (bad, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &bad_bus, true);
-    assert!(!bad.active());
-    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
-    let regs = bad.registers();
-    let r = regs.lock().unwrap();
-    assert_ne!(r.status & mmio::STATUS_DEVICE_NEEDS_RESET, 0);
-    assert_eq!(r.interrupt_status, INT_CONFIG_CHANGE);
-    assert!(
-        r.last_device_error
-            .as_deref()
-            .unwrap()
-            .starts_with("queue 2: "),
-        "{:?}",
-        r.last_device_error
-    );
-    drop(r);
+    assert_restores_as_needs_reset(&plan, &ram, &event_loop, "queue 2: ");
     // A CID the device cannot have is refused, not served.
     let mut wrong = plan.clone();
     wrong.kind = DeviceKind::Vsock {
