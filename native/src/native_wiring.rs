@@ -952,3 +952,39 @@ fn a_vsock_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
     event_loop.stop();
     ram.close();
 }
+
+#[test]
+fn a_vsock_restored_before_driver_ok_drops_its_reset_event_at_the_drivers_reset() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("vsock-early");
+    let path = dir.path("vsock.sock");
+    let event_loop = started_loop("vsock-early");
+    let (booted, windows, rings) = booted_vsock(&ram, &event_loop, &path);
+    let mut plan = booted.plan();
+    drop(windows);
+    drop(booted);
+    // A snapshot between FEATURES_OK and DRIVER_OK: restored not live, its reset event
+    // armed for an activation to come, and an event buffer already posted.
+    plan.registers.status &= !mmio::STATUS_DRIVER_OK;
+    let mut event_queue = Driver {
+        rings: rings[2],
+        avail_idx: 0,
+    };
+    event_queue.offer(&ram, 0, 0x90000, 8, DESC_F_WRITE);
+    let bus = Windows::new();
+    let (restored, _irq, _notify) = restore_on_bus(&plan, &ram, &event_loop, &bus, true);
+    assert!(!restored.active());
+    // A new driver resets the device first: it has no stale connections to drop, so
+    // its bring-up gets no reset event (vsock.py's reset drops the pending one).
+    bus_write(&bus, mmio::REG_STATUS, 0);
+    bring_up_on_bus(&bus, &[16, 16, 16]);
+    assert!(restored.active());
+    std::thread::sleep(std::time::Duration::from_millis(50)); // the loop's look at each queue
+    assert_eq!(event_queue.used(&ram, 0).0, 0);
+    assert_eq!(restored.plan().indices, vec![(0, 0); 3]);
+    drop(bus);
+    drop(restored);
+    event_loop.stop();
+    ram.close();
+}
