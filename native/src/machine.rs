@@ -650,7 +650,7 @@ impl PyNativeMachine {
                 Ok(SlotPlan {
                     slot,
                     irq,
-                    plan: plan_from_py(plan)?,
+                    plan: plan_from_py(plan, None)?,
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
