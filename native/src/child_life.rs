@@ -678,6 +678,41 @@ fn serve<M: ChildMachine>(
     }
 }
 
+/// The machine a spawn restores (`machine.rs`): its own methods are the trait's.
+impl ChildMachine for crate::machine::NativeMachine {
+    fn start(&self, paused: bool) -> Result<(), String> {
+        crate::machine::NativeMachine::start(self, paused)
+    }
+
+    fn resume(&self) {
+        crate::machine::NativeMachine::resume(self)
+    }
+
+    fn pause(&self, timeout: Duration) -> bool {
+        crate::machine::NativeMachine::pause(self, timeout)
+    }
+
+    fn vcpu_controls(&self) -> Vec<VcpuControl> {
+        crate::machine::NativeMachine::vcpu_controls(self)
+    }
+
+    fn exit_fd(&self) -> RawFd {
+        crate::machine::NativeMachine::exit_fd(self)
+    }
+
+    fn exit(&self) -> Option<(&'static str, String)> {
+        crate::machine::NativeMachine::exit(self)
+    }
+
+    fn console_tail(&self) -> String {
+        crate::machine::NativeMachine::console_tail(self)
+    }
+
+    fn stop(&self) {
+        crate::machine::NativeMachine::stop(self)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -166,6 +166,49 @@ pub struct Console {
     listeners: Arc<Mutex<Vec<Py<PyAny>>>>,
 }
 
+/// COM1's registers as `SerialState`'s fields cross from Python: (dll, dlm, ier, lcr,
+/// mcr, scr, thre_pending, rx).
+pub type SerialFields = (u8, u8, u8, u8, u8, u8, bool, Vec<u8>);
+
+/// COM1's registers as a snapshot keeps them (`devices/serial.py`'s `SerialState`).
+pub struct SerialRegs {
+    pub dll: u8,
+    pub dlm: u8,
+    pub ier: u8,
+    pub lcr: u8,
+    pub mcr: u8,
+    pub scr: u8,
+    pub thre_pending: bool,
+    pub rx: Vec<u8>,
+}
+
+impl SerialRegs {
+    pub fn from_fields(fields: SerialFields) -> Self {
+        let (dll, dlm, ier, lcr, mcr, scr, thre_pending, rx) = fields;
+        SerialRegs {
+            dll,
+            dlm,
+            ier,
+            lcr,
+            mcr,
+            scr,
+            thre_pending,
+            rx,
+        }
+    }
+}
+
+/// The console log's budget (`LogBudget`): `burst` lines, then `per_second`, and
+/// `total_bytes` in all; a rate that is not a finite number >= 0 is refused.
+pub fn log_budget(burst: u32, per_second: f64, total_bytes: u64) -> Result<LogBudget, String> {
+    if !(per_second.is_finite() && per_second >= 0.0) {
+        return Err(format!(
+            "log_per_second must be a finite rate >= 0, not {per_second}"
+        ));
+    }
+    Ok(LogBudget::new("console", burst, per_second, total_bytes))
+}
+
 /// What a port access to the console devices asks of the vCPU loop.
 pub enum Served {
     Done,
@@ -179,17 +222,6 @@ impl ConsoleDevices {
             uart: Mutex::new(Serial::new(irq, ConsoleOut::new(log, budget))),
             line_sink: Mutex::new(None),
         }
-    }
-
-    /// The last lines of output and the line being written, joined by newlines.
-    pub fn tail_text(&self) -> String {
-        let uart = lock(&self.uart);
-        let out = uart.writer();
-        let mut lines: Vec<String> = out.tail.iter().cloned().collect();
-        if !out.line.is_empty() {
-            lines.push(String::from_utf8_lossy(&out.line).into_owned());
-        }
-        lines.join("\n")
     }
 
     /// Send every console line from now on to `sink` too.
@@ -239,6 +271,61 @@ impl ConsoleDevices {
         None
     }
 
+    /// The last lines of output and the line being written, joined by newlines.
+    pub fn tail_text(&self) -> String {
+        let uart = lock(&self.uart);
+        let out = uart.writer();
+        let mut lines: Vec<String> = out.tail.iter().cloned().collect();
+        if !out.line.is_empty() {
+            lines.push(String::from_utf8_lossy(&out.line).into_owned());
+        }
+        lines.join("\n")
+    }
+
+    /// Set COM1's registers from a snapshot's (`SerialState`); pending input beyond
+    /// the 64-byte FIFO is dropped. The writer (log, budget, tail, listeners) carries
+    /// over to the restored chip.
+    pub fn restore(&self, regs: SerialRegs) -> Result<(), String> {
+        let mut in_buffer = regs.rx;
+        in_buffer.truncate(FIFO_SIZE);
+        let mut iir = if regs.thre_pending { IIR_THR_EMPTY } else { 0 };
+        if !in_buffer.is_empty() {
+            iir |= IIR_RDA;
+        }
+        let state = SerialState {
+            baud_divisor_low: regs.dll,
+            baud_divisor_high: regs.dlm,
+            interrupt_enable: regs.ier & 0x0F,
+            interrupt_identification: if iir == 0 { IIR_NONE } else { iir },
+            line_control: regs.lcr,
+            line_status: LSR_THR_EMPTY
+                | LSR_IDLE
+                | if in_buffer.is_empty() {
+                    0
+                } else {
+                    LSR_DATA_READY
+                },
+            modem_control: regs.mcr & 0x1F,
+            modem_status: MSR_IDLE,
+            scratch: regs.scr,
+            in_buffer,
+        };
+        let mut uart = lock(&self.uart);
+        let trigger = IrqFd(
+            uart.interrupt_evt()
+                .0
+                .try_clone()
+                .map_err(|e| format!("dup COM1's irqfd: {e}"))?,
+        );
+        let out = std::mem::replace(
+            uart.writer_mut(),
+            ConsoleOut::new(None, LogBudget::new("console", 0, 0.0, 0)),
+        );
+        *uart = Serial::from_state(&state, trigger, NoEvents, out)
+            .map_err(|e| format!("serial state: {e:?}"))?;
+        Ok(())
+    }
+
     fn tell_listeners(&self, lines: Vec<String>) {
         let sink = lock(&self.line_sink).clone();
         if let Some(sink) = sink {
@@ -285,17 +372,13 @@ impl Console {
         log_per_second: f64,
         log_total_bytes: u64,
     ) -> PyResult<Self> {
-        if !(log_per_second.is_finite() && log_per_second >= 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "log_per_second must be a finite rate >= 0, not {log_per_second}"
-            )));
-        }
+        let budget = log_budget(log_burst, log_per_second, log_total_bytes)
+            .map_err(PyValueError::new_err)?;
         let irq = IrqFd(dup(irq_fd)?);
         let log = match log_fd {
             Some(fd) => Some(File::from(dup(fd)?)),
             None => None,
         };
-        let budget = LogBudget::new("console", log_burst, log_per_second, log_total_bytes);
         Ok(Console {
             devices: Arc::new(ConsoleDevices::new(irq, log, budget)),
             listeners: Arc::new(Mutex::new(Vec::new())),
@@ -351,7 +434,7 @@ impl Console {
 
     /// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
     /// thre_pending, rx).
-    fn save(&self) -> (u8, u8, u8, u8, u8, u8, bool, Vec<u8>) {
+    fn save(&self) -> SerialFields {
         let s = lock(&self.devices.uart).state();
         (
             s.baud_divisor_low,
@@ -379,42 +462,8 @@ impl Console {
         thre_pending: bool,
         rx: Vec<u8>,
     ) -> PyResult<()> {
-        let mut in_buffer = rx;
-        in_buffer.truncate(FIFO_SIZE);
-        let mut iir = if thre_pending { IIR_THR_EMPTY } else { 0 };
-        if !in_buffer.is_empty() {
-            iir |= IIR_RDA;
-        }
-        let state = SerialState {
-            baud_divisor_low: dll,
-            baud_divisor_high: dlm,
-            interrupt_enable: ier & 0x0F,
-            interrupt_identification: if iir == 0 { IIR_NONE } else { iir },
-            line_control: lcr,
-            line_status: LSR_THR_EMPTY
-                | LSR_IDLE
-                | if in_buffer.is_empty() {
-                    0
-                } else {
-                    LSR_DATA_READY
-                },
-            modem_control: mcr & 0x1F,
-            modem_status: MSR_IDLE,
-            scratch: scr,
-            in_buffer,
-        };
-        let mut uart = lock(&self.devices.uart);
-        let trigger = IrqFd(dup(std::os::fd::AsRawFd::as_raw_fd(
-            &uart.interrupt_evt().0,
-        ))?);
-        // The writer (log, budget, tail, listeners) carries over to the restored chip.
-        let out = std::mem::replace(
-            uart.writer_mut(),
-            ConsoleOut::new(None, LogBudget::new("console", 0, 0.0, 0)),
-        );
-        *uart = Serial::from_state(&state, trigger, NoEvents, out)
-            .map_err(|e| PyValueError::new_err(format!("serial state: {e:?}")))?;
-        Ok(())
+        let regs = SerialRegs::from_fields((dll, dlm, ier, lcr, mcr, scr, thre_pending, rx));
+        self.devices.restore(regs).map_err(PyValueError::new_err)
     }
 
     /// Queue host input for the guest (at most the FIFO's free room); returns how

@@ -26,6 +26,7 @@ mod control_serve;
 mod eventloop;
 mod guest_ram;
 mod log_budget;
+mod machine;
 mod mmio;
 mod mmio_py;
 mod native_fork;
@@ -234,6 +235,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PreparedRestore>()?;
     m.add_class::<vcpu::VcpuLoop>()?;
     m.add_class::<vm::PyVmCore>()?;
+    m.add_class::<machine::PyNativeMachine>()?;
     m.add_class::<console::Console>()?;
     m.add_class::<control_serve::ControlServe>()?;
     m.add_class::<eventloop::EventLoop>()?;

@@ -18,7 +18,7 @@ use crate::guest_ram::{GuestRam, Region};
 use crate::mmio::{self, Event, Registers, INT_CONFIG_CHANGE, INT_USED_BUFFER};
 use crate::queue_server::{DeviceEvents, NativeEvents};
 use crate::rng_serve::{RngServer, Served};
-use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, Windows};
+use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener, Windows};
 use crate::virtq::{self, Rings};
 
 const RAM_SIZE: usize = 1 << 20;
@@ -561,6 +561,29 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     ram.close();
 }
 
+/// `plan` restores as a device the guest broke: not active, DEVICE_NEEDS_RESET with
+/// the config-change interrupt raised once, the error naming the queue (`queue`).
+fn assert_restores_as_needs_reset(
+    plan: &DevicePlan,
+    ram: &Arc<GuestRam>,
+    event_loop: &Arc<NativeLoop>,
+    queue: &str,
+) {
+    let bad_bus = Windows::new();
+    let (bad, irq, _) = restore_on_bus(plan, ram, event_loop, &bad_bus, true);
+    assert!(!bad.active());
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    let regs = bad.registers();
+    let r = regs.lock().unwrap();
+    assert_ne!(r.status & mmio::STATUS_DEVICE_NEEDS_RESET, 0);
+    assert_eq!(r.interrupt_status, INT_CONFIG_CHANGE);
+    assert!(
+        r.last_device_error.as_deref().unwrap().starts_with(queue),
+        "{:?}",
+        r.last_device_error
+    );
+}
+
 #[test]
 fn a_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
     let mapping = Mapping::new(RAM_SIZE);
@@ -576,23 +599,7 @@ fn a_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
     bring_up_on_bus(&windows, &[16]);
     let mut plan = booted.plan();
     plan.registers.queues[0].used = RAM_SIZE as u64; // the used ring past the end of RAM
-    let bad_bus = Windows::new();
-    let (bad, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &bad_bus, true);
-    assert!(!bad.active());
-    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
-    let regs = bad.registers();
-    let r = regs.lock().unwrap();
-    assert_ne!(r.status & mmio::STATUS_DEVICE_NEEDS_RESET, 0);
-    assert_eq!(r.interrupt_status, INT_CONFIG_CHANGE);
-    assert!(
-        r.last_device_error
-            .as_deref()
-            .unwrap()
-            .starts_with("queue 0: "),
-        "{:?}",
-        r.last_device_error
-    );
-    drop(r);
+    assert_restores_as_needs_reset(&plan, &ram, &event_loop, "queue 0: ");
     event_loop.stop();
     ram.close();
 }
@@ -657,5 +664,327 @@ fn balloon_restored_from_a_plan_keeps_its_config_and_drops_reported_pages() {
     drop(child);
     assert_eq!(child_loop.counts().0, 0);
     child_loop.stop();
+    ram.close();
+}
+
+/// A vsock packet header (`struct virtio_vsock_hdr`, 44 bytes little-endian) as a
+/// driver lays it out: (src_cid, dst_cid, src_port, dst_port, len, op, buf_alloc).
+fn vsock_header(fields: (u64, u64, u32, u32, u32, u16, u32)) -> Vec<u8> {
+    let (src_cid, dst_cid, src_port, dst_port, len, op, buf_alloc) = fields;
+    let mut h = Vec::with_capacity(44);
+    h.extend_from_slice(&src_cid.to_le_bytes());
+    h.extend_from_slice(&dst_cid.to_le_bytes());
+    h.extend_from_slice(&src_port.to_le_bytes());
+    h.extend_from_slice(&dst_port.to_le_bytes());
+    h.extend_from_slice(&len.to_le_bytes());
+    h.extend_from_slice(&1u16.to_le_bytes()); // VIRTIO_VSOCK_TYPE_STREAM
+    h.extend_from_slice(&op.to_le_bytes());
+    h.extend_from_slice(&0u32.to_le_bytes()); // flags
+    h.extend_from_slice(&buf_alloc.to_le_bytes());
+    h.extend_from_slice(&0u32.to_le_bytes()); // fwd_cnt
+    h
+}
+
+/// (src_port, dst_port, len, op) of the header at `addr`, and its payload.
+fn read_vsock_packet(ram: &GuestRam, addr: u64, used_len: u32) -> ((u32, u32, u32, u16), Vec<u8>) {
+    let r = ram.lock().unwrap();
+    let src_cid = r.read_u32(addr).unwrap();
+    assert_eq!(src_cid, 2, "the host's CID");
+    let fields = (
+        r.read_u32(addr + 16).unwrap(),
+        r.read_u32(addr + 20).unwrap(),
+        r.read_u32(addr + 24).unwrap(),
+        r.read_u16(addr + 30).unwrap(),
+    );
+    let mut payload = vec![0u8; used_len as usize - 44];
+    r.read_into(addr + 44, &mut payload).unwrap();
+    (fields, payload)
+}
+
+/// Wait until the used ring's index reaches `n`: its last entry.
+fn wait_used(driver: &Driver, ram: &GuestRam, n: u16) -> (u32, u32) {
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(HANG_GUARD_MS as u64);
+    loop {
+        let (idx, entry) = driver.used(ram, n - 1);
+        if idx >= n {
+            assert_eq!(idx, n, "more used entries than expected");
+            return entry;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "used index stuck at {idx}, waiting for {n}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+const GUEST_CID: u64 = 42;
+const OP_REQUEST: u16 = 1;
+const OP_RESPONSE: u16 = 2;
+const OP_RW: u16 = 5;
+
+fn vsock_kind(path: &str, bound: Option<RawFd>) -> DeviceKind {
+    DeviceKind::Vsock {
+        guest_cid: GUEST_CID,
+        connect_timeout: std::time::Duration::from_secs(20),
+        reset_ack_wait: std::time::Duration::from_secs(10),
+        listener: VsockListener {
+            path: path.into(),
+            bound,
+        },
+    }
+}
+
+/// A fresh directory for a test's sockets, removed when dropped.
+struct SocketDir(std::path::PathBuf);
+
+impl SocketDir {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("vmfork-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        SocketDir(dir)
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.0.join(name).to_str().unwrap().into()
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A vsock booted from a fresh plan that binds its own socket at `path`, on `event_loop`
+/// and a bus of its own, brought up by the driver (its reset first): the device, its
+/// bus, each queue's rings.
+fn booted_vsock(
+    ram: &Arc<GuestRam>,
+    event_loop: &Arc<NativeLoop>,
+    path: &str,
+) -> (Arc<NativeTransport>, Windows, Vec<Rings>) {
+    let boot = DevicePlan::fresh(
+        vsock_kind(path, None),
+        mmio::VIRTIO_F_VERSION_1,
+        vec![256; 3],
+    )
+    .unwrap();
+    let windows = Windows::new();
+    let (booted, _irq, _notify) = restore_on_bus(&boot, ram, event_loop, &windows, true);
+    assert!(std::path::Path::new(path).exists());
+    bus_write(&windows, mmio::REG_STATUS, 0);
+    let rings = bring_up_on_bus(&windows, &[16, 16, 16]);
+    assert!(booted.active());
+    (booted, windows, rings)
+}
+
+#[test]
+fn vsock_restored_from_a_plan_resets_the_guests_connections_and_carries_a_host_connection() {
+    use std::io::{Read, Write};
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("vsock-plan");
+
+    // The parent: a vsock booted from a fresh plan that binds its own socket path, the
+    // driver's bring-up through the bus; its plan is the snapshot.
+    let parent_path = dir.path("parent.sock");
+    let first_loop = started_loop("vsock-boot");
+    let (booted, windows, rings) = booted_vsock(&ram, &first_loop, &parent_path);
+    assert_eq!(first_loop.counts().0, 4); // the private epoll and three ioeventfds
+    let mut cid = [0u8; 8];
+    bus_read(&windows, mmio::CONFIG_SPACE, &mut cid);
+    assert_eq!(u64::from_le_bytes(cid), GUEST_CID);
+    let snapshot = booted.plan();
+    assert_eq!(snapshot.kind, vsock_kind(&parent_path, None));
+    assert_eq!(snapshot.indices, vec![(0, 0); 3]);
+    // The device dropped: off the loop, and the path it bound removed.
+    drop(windows);
+    drop(booted);
+    assert_eq!(first_loop.counts().0, 0);
+    assert!(!std::path::Path::new(&parent_path).exists());
+    first_loop.stop();
+
+    // The guest had an event buffer posted when the snapshot was taken.
+    let mut event_queue = Driver {
+        rings: rings[2],
+        avail_idx: 0,
+    };
+    event_queue.offer(&ram, 0, 0x90000, 8, DESC_F_WRITE);
+
+    // The child: its listener bound before the restore (the zygote's prefork), carried
+    // in the plan as an fd.
+    let child_path = dir.path("child.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&child_path).unwrap();
+    let mut plan = snapshot.clone();
+    plan.kind = vsock_kind(&child_path, Some(listener.as_raw_fd()));
+    let child_loop = started_loop("vsock-child");
+    let child_bus = Windows::new();
+    let (child, irq, notify) = restore_on_bus(&plan, &ram, &child_loop, &child_bus, true);
+    drop(listener); // the device holds its own duplicate
+    assert!(child.active());
+    // The restore posted VIRTIO_VSOCK_EVENT_TRANSPORT_RESET (id 0) at once.
+    assert_eq!(wait_used(&event_queue, &ram, 1), (0, 4));
+    assert!(wait_signalled(&irq) >= 1);
+    let mut event = [0xFFu8; 4];
+    ram.lock().unwrap().read_into(0x90000, &mut event).unwrap();
+    assert_eq!(event, [0, 0, 0, 0]);
+
+    // A host process connects; the request is held until the guest handled the reset
+    // (gave an event buffer back), then reaches the guest's rx queue as OP_REQUEST.
+    let mut host = std::os::unix::net::UnixStream::connect(&child_path).unwrap();
+    host.set_read_timeout(Some(std::time::Duration::from_millis(HANG_GUARD_MS as u64)))
+        .unwrap();
+    host.write_all(b"CONNECT 1234\n").unwrap();
+    let mut rx = Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    };
+    for head in 0..4u16 {
+        rx.offer(
+            &ram,
+            head,
+            0xA0000 + 0x1000 * u64::from(head),
+            4096,
+            DESC_F_WRITE,
+        );
+    }
+    signal(&notify[0]);
+    event_queue.offer(&ram, 1, 0x90000, 8, DESC_F_WRITE);
+    signal(&notify[2]);
+    let (head, len) = wait_used(&rx, &ram, 1);
+    assert_eq!((head, len), (0, 44));
+    let ((host_port, port, _, op), _) = read_vsock_packet(&ram, 0xA0000, len);
+    assert_eq!((port, op), (1234, OP_REQUEST));
+    assert!(host_port >= 1 << 30);
+
+    // The guest accepts: OP_RESPONSE on the tx queue; the host reads OK <its port>.
+    let mut tx = Driver {
+        rings: rings[1],
+        avail_idx: 0,
+    };
+    let response = vsock_header((GUEST_CID, 2, 1234, host_port, 0, OP_RESPONSE, 65536));
+    ram.lock().unwrap().write_from(0xC0000, &response).unwrap();
+    tx.offer(&ram, 0, 0xC0000, 44, 0);
+    signal(&notify[1]);
+    let ok = format!("OK {host_port}\n");
+    let mut line = vec![0u8; ok.len()];
+    host.read_exact(&mut line).unwrap();
+    assert_eq!(line, ok.as_bytes());
+    assert_eq!(wait_used(&tx, &ram, 1).0, 0);
+
+    // Host -> guest: the bytes arrive in an rx buffer as OP_RW.
+    host.write_all(b"ping").unwrap();
+    let (head, len) = wait_used(&rx, &ram, 2);
+    assert_eq!((head, len), (1, 48));
+    let ((src, dst, n, op), payload) = read_vsock_packet(&ram, 0xA1000, len);
+    assert_eq!((src, dst, n, op), (host_port, 1234, 4, OP_RW));
+    assert_eq!(payload, b"ping");
+
+    // Guest -> host.
+    let mut packet = vsock_header((GUEST_CID, 2, 1234, host_port, 4, OP_RW, 65536));
+    packet.extend_from_slice(b"pong");
+    ram.lock().unwrap().write_from(0xC1000, &packet).unwrap();
+    tx.offer(&ram, 1, 0xC1000, 48, 0);
+    signal(&notify[1]);
+    let mut pong = [0u8; 4];
+    host.read_exact(&mut pong).unwrap();
+    assert_eq!(&pong, b"pong");
+    assert_eq!(wait_used(&tx, &ram, 2).0, 1);
+    assert_eq!(child.record().faults, 0);
+    let [rx_indices, tx_indices, ev_indices] = child.plan().indices[..] else {
+        panic!("three queues");
+    };
+    assert_eq!(
+        (rx_indices, tx_indices, ev_indices),
+        ((2, 2), (2, 2), (1, 1))
+    );
+
+    // The driver's reset drops the connection: the host process sees EOF.
+    bus_write(&child_bus, mmio::REG_STATUS, 0);
+    assert!(!child.active());
+    let mut rest = Vec::new();
+    host.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty(), "{rest:?}");
+    assert_eq!(child_loop.counts().0, 1); // the private epoll stays with the device
+    drop(child_bus);
+    drop(child);
+    drop((irq, notify));
+    assert_eq!(child_loop.counts().0, 0);
+    assert!(std::path::Path::new(&child_path).exists()); // not ours to remove
+    child_loop.stop();
+    ram.close();
+}
+
+#[test]
+fn a_vsock_plan_whose_rings_are_outside_ram_restores_as_needs_reset() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("vsock-bad");
+    let path = dir.path("vsock.sock");
+    let event_loop = started_loop("vsock-bad");
+    let (booted, windows, _) = booted_vsock(&ram, &event_loop, &path);
+    let mut plan = booted.plan();
+    drop(windows);
+    drop(booted);
+    plan.registers.queues[2].used = RAM_SIZE as u64; // the event queue's used ring
+    assert_restores_as_needs_reset(&plan, &ram, &event_loop, "queue 2: ");
+    // A CID the device cannot have is refused, not served.
+    let mut wrong = plan.clone();
+    wrong.kind = DeviceKind::Vsock {
+        guest_cid: 2,
+        connect_timeout: std::time::Duration::from_secs(1),
+        reset_ack_wait: std::time::Duration::from_secs(1),
+        listener: VsockListener { path, bound: None },
+    };
+    let refused = NativeTransport::restore(
+        &wrong,
+        ram.clone(),
+        event_loop.clone() as Arc<dyn Readers>,
+        eventfd(),
+        vec![None, None, None],
+    );
+    assert_eq!(
+        refused.err().as_deref(),
+        Some("guest CID 2 must be in 3..2**32-2")
+    );
+    event_loop.stop();
+    ram.close();
+}
+
+#[test]
+fn a_vsock_restored_before_driver_ok_drops_its_reset_event_at_the_drivers_reset() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("vsock-early");
+    let path = dir.path("vsock.sock");
+    let event_loop = started_loop("vsock-early");
+    let (booted, windows, rings) = booted_vsock(&ram, &event_loop, &path);
+    let mut plan = booted.plan();
+    drop(windows);
+    drop(booted);
+    // A snapshot between FEATURES_OK and DRIVER_OK: restored not live, its reset event
+    // armed for an activation to come, and an event buffer already posted.
+    plan.registers.status &= !mmio::STATUS_DRIVER_OK;
+    let mut event_queue = Driver {
+        rings: rings[2],
+        avail_idx: 0,
+    };
+    event_queue.offer(&ram, 0, 0x90000, 8, DESC_F_WRITE);
+    let bus = Windows::new();
+    let (restored, _irq, _notify) = restore_on_bus(&plan, &ram, &event_loop, &bus, true);
+    assert!(!restored.active());
+    // A new driver resets the device first: it has no stale connections to drop, so
+    // its bring-up gets no reset event (vsock.py's reset drops the pending one).
+    bus_write(&bus, mmio::REG_STATUS, 0);
+    bring_up_on_bus(&bus, &[16, 16, 16]);
+    assert!(restored.active());
+    std::thread::sleep(std::time::Duration::from_millis(50)); // the loop's look at each queue
+    assert_eq!(event_queue.used(&ram, 0).0, 0);
+    assert_eq!(restored.plan().indices, vec![(0, 0); 3]);
+    drop(bus);
+    drop(restored);
+    event_loop.stop();
     ram.close();
 }

@@ -4,7 +4,6 @@
 //! fork (`native_fork.rs`) are tested on, in a cargo test and through `_core`, until
 //! `NativeMachine` (a restored snapshot) is the one a spawn forks.
 
-use std::mem::ManuallyDrop;
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +15,7 @@ use pyo3::prelude::*;
 use crate::child_life::ChildMachine;
 use crate::console::{ConsoleDevices, IrqFd};
 use crate::log_budget::LogBudget;
-use crate::vcpu::{ExitSink, NativeHost, VcpuControl, VcpuLoop};
+use crate::vcpu::{ExitSink, NativeHost, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, VmCore};
 
 /// Where the program is loaded and starts (CS = 0, IP = this).
@@ -108,11 +107,11 @@ impl TinyMachinePlan {
             LogBudget::new("console", 0, 0.0, 0),
         ));
         let sink = ExitSink::new().map_err(|e| format!("eventfd: {e}"))?;
-        let (host, _) = NativeHost::new(sink.clone());
-        let vloop = VcpuLoop::build(Arc::new(core), 0, Box::new(host), Some(console.clone()))
+        let (host, _) = NativeHost::new(sink.clone(), None);
+        let vcpu = VcpuThread::build(Arc::new(core), 0, Box::new(host), Some(console.clone()))
             .map_err(|f| format!("{}: errno {}", f.op, f.errno))?;
         Ok(TinyMachine {
-            vloop: ManuallyDrop::new(vloop),
+            vcpu,
             sink,
             console,
         })
@@ -130,28 +129,26 @@ impl TinyMachinePlan {
 
 /// A running tiny machine.
 pub struct TinyMachine {
-    /// Never dropped: the loop's slot for a Python host's error is a Python
-    /// reference, and this machine lives until its process exits.
-    vloop: ManuallyDrop<VcpuLoop>,
+    vcpu: VcpuThread,
     sink: Arc<ExitSink>,
     console: Arc<ConsoleDevices>,
 }
 
 impl ChildMachine for TinyMachine {
     fn start(&self, paused: bool) -> Result<(), String> {
-        self.vloop.start_thread(paused)
+        self.vcpu.start(paused)
     }
 
     fn resume(&self) {
-        self.vloop.control().resume();
+        self.vcpu.control().resume();
     }
 
     fn pause(&self, timeout: Duration) -> bool {
-        self.vloop.control().pause(timeout)
+        self.vcpu.control().pause(timeout)
     }
 
     fn vcpu_controls(&self) -> Vec<VcpuControl> {
-        vec![self.vloop.control()]
+        vec![self.vcpu.control()]
     }
 
     fn exit_fd(&self) -> RawFd {
@@ -167,6 +164,6 @@ impl ChildMachine for TinyMachine {
     }
 
     fn stop(&self) {
-        self.vloop.stop_thread(STOP_TIMEOUT);
+        self.vcpu.stop(STOP_TIMEOUT);
     }
 }

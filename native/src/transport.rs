@@ -14,7 +14,12 @@
 //!   (`Readers`: a `NativeLoop`, or the Python loop's native registration); at a reset
 //!   it drops it; a notify with no ioeventfd is served on the writing thread; the
 //!   device's config bytes are a Rust value (rng: none; balloon: its 16 bytes, of which
-//!   the driver writes `actual`).
+//!   the driver writes `actual`; vsock: the guest CID, plain, served by the register
+//!   file). vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
+//!   its host listener does: built at the restore with its private epoll on the loop,
+//!   handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
+//!   reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
+//!   restore does, so the guest drops the parent's connections.
 //!
 //! `Windows` is the MMIO bus's map of register files by window, a Rust value: the
 //! native vCPU loop serves an access there and calls the window's host only for what
@@ -32,8 +37,9 @@
 //! remove a reader) and never the other way round. No Python anywhere in this file.
 
 use std::any::Any;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
 
 use crate::balloon_serve::{BalloonServer, DiscardError};
 use crate::eventloop::{Loop, LoopHost, NativeReader};
@@ -44,6 +50,7 @@ use crate::mmio::{
 use crate::queue_server::{write_eventfd, DeviceEvents, EventRecord, NativeEvents};
 use crate::rng_serve::{RngServer, Served};
 use crate::virtq::{self, QueueError, Rings};
+use crate::vsock_serve::{self, Activation, VsockServer};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -174,10 +181,8 @@ impl Windows {
         })
     }
 
-    // The native vCPU host's, once it serves windows (it does not yet: the tests').
-    #[cfg_attr(not(test), allow(dead_code))]
     /// A read served to the end, the host called if it must (a caller with no GIL to
-    /// manage: the native vCPU host, tests).
+    /// manage: the native vCPU host).
     pub fn serve_read(&self, addr: u64, data: &mut [u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.read(addr, data)? {
             ReadServed::Done => Ok(()),
@@ -185,8 +190,6 @@ impl Windows {
         })
     }
 
-    // The native vCPU host's, once it serves windows (it does not yet: the tests').
-    #[cfg_attr(not(test), allow(dead_code))]
     /// A write served to the end, its events applied by the host.
     pub fn serve_write(&self, addr: u64, data: &[u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.write(addr, data)? {
@@ -219,6 +222,7 @@ pub const BALLOON_CONFIG_SIZE: usize = 16;
 const BALLOON_ACTUAL: u64 = 4;
 const DEVICE_ID_RNG: u32 = 4;
 const DEVICE_ID_BALLOON: u32 = 5;
+const DEVICE_ID_VSOCK: u32 = 19;
 
 /// A device a native transport serves, and what its server takes beyond the rings.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -232,6 +236,26 @@ pub enum DeviceKind {
         advice: i32,
         actual: u32,
     },
+    /// virtio-vsock: the guest's CID (the config bytes), `vsock.py`'s timeouts, and the
+    /// host side (`plan()` gives it back as the restore was given it).
+    Vsock {
+        guest_cid: u64,
+        connect_timeout: Duration,
+        reset_ack_wait: Duration,
+        listener: VsockListener,
+    },
+}
+
+/// Where a native vsock device listens for host connections (Firecracker's convention:
+/// a host process connects to `path` and writes `CONNECT <port>\n`; a guest connection
+/// to port P goes to `<path>_<P>`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VsockListener {
+    pub path: String,
+    /// A listening socket already bound at `path` (the zygote binds a child's before
+    /// the fork), duplicated by the restore and made non-blocking; None: the restore
+    /// binds `path` itself and the device unlinks it when dropped.
+    pub bound: Option<RawFd>,
 }
 
 impl DeviceKind {
@@ -239,13 +263,14 @@ impl DeviceKind {
         match self {
             DeviceKind::Rng { .. } => DEVICE_ID_RNG,
             DeviceKind::Balloon { .. } => DEVICE_ID_BALLOON,
+            DeviceKind::Vsock { .. } => DEVICE_ID_VSOCK,
         }
     }
 
     fn queue_count(&self) -> usize {
         match self {
             DeviceKind::Rng { .. } => 1,
-            DeviceKind::Balloon { .. } => 3,
+            DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } => 3,
         }
     }
 }
@@ -292,6 +317,12 @@ impl DevicePlan {
         if self.features & VIRTIO_F_VERSION_1 == 0 {
             return Err("a device must offer VIRTIO_F_VERSION_1".into());
         }
+        if let DeviceKind::Vsock { guest_cid, .. } = self.kind {
+            // vsock.py's range: above the host's CID 2, below the reserved 2**32 - 1.
+            if guest_cid <= 2 || guest_cid >= u64::from(u32::MAX) {
+                return Err(format!("guest CID {guest_cid} must be in 3..2**32-2"));
+            }
+        }
         Ok(())
     }
 }
@@ -301,6 +332,8 @@ impl DevicePlan {
 enum Server {
     Rng(Arc<RngServer>),
     Balloon(Arc<BalloonServer>),
+    /// The device's one vsock server, attached to this activation's queues.
+    Vsock(Arc<VsockServer>),
 }
 
 impl Server {
@@ -308,6 +341,7 @@ impl Server {
         match self {
             Server::Rng(s) => s.clone(),
             Server::Balloon(s) => s.clone(),
+            Server::Vsock(s) => s.clone(),
         }
     }
 
@@ -320,6 +354,7 @@ impl Server {
                 vec![(next_avail, next_used)]
             }
             Server::Balloon(s) => s.indices().to_vec(),
+            Server::Vsock(s) => s.sync().to_vec(),
         }
     }
 
@@ -337,6 +372,75 @@ impl Server {
                 }
             },
             Server::Balloon(s) => s.serve_now(index),
+            Server::Vsock(s) => {
+                // The native sink hands nothing back; a spent budget re-arms itself
+                // through the server's own eventfd.
+                let _ = s.notify(index);
+                false
+            }
+        }
+    }
+}
+
+/// A vsock device's host side, for the device's life: its server (the listener, the
+/// connections, the private epoll registered on the loop) and the path this transport
+/// bound itself, unlinked when it is dropped.
+struct VsockHost {
+    server: Arc<VsockServer>,
+    bound_here: Option<String>,
+}
+
+impl VsockHost {
+    /// The server of a device restored from `kind` (a vsock's), its epoll on `readers`
+    /// and the transport-reset event armed for the activation to come.
+    fn open(kind: &DeviceKind, readers: &Arc<dyn Readers>) -> Result<Option<Self>, String> {
+        let DeviceKind::Vsock {
+            guest_cid,
+            connect_timeout,
+            reset_ack_wait,
+            listener,
+        } = kind
+        else {
+            return Ok(None);
+        };
+        let path = &listener.path;
+        let (fd, bound_here) = match listener.bound {
+            Some(fd) => {
+                // SAFETY: the plan's listener is open for the duration of the restore.
+                let borrowed = unsafe { BorrowedFd::borrow_raw(fd) };
+                let owned = borrowed
+                    .try_clone_to_owned()
+                    .map_err(|e| format!("vsock: dup listener {fd}: {e}"))?;
+                (owned, None)
+            }
+            None => {
+                let owned = vsock_serve::bind_listener(path)
+                    .map_err(|e| format!("vsock: listen on {path}: {e}"))?;
+                (owned, Some(path.clone()))
+            }
+        };
+        let host = VsockHost {
+            bound_here,
+            server: Arc::new(
+                VsockServer::new(fd, path, *guest_cid, *connect_timeout, *reset_ack_wait)
+                    .map_err(|e| format!("vsock: set-up: {e}"))?,
+            ),
+        };
+        // Connections are live host resources, not state: the guest is told to drop
+        // the parent's when the device runs again (vsock.py's restore).
+        host.server.arm_reset_event(*guest_cid);
+        readers.add_reader(host.server.epoll_fd(), host.server.clone())?;
+        Ok(Some(host))
+    }
+}
+
+impl Drop for VsockHost {
+    /// Close every socket (the transport took the epoll off the loop first) and remove
+    /// the path this transport bound.
+    fn drop(&mut self) {
+        self.server.close();
+        if let Some(path) = &self.bound_here {
+            let _ = std::fs::remove_file(path);
         }
     }
 }
@@ -371,6 +475,8 @@ pub struct NativeTransport {
     irq: OwnedFd,
     /// Each queue's ioeventfd (registered with KVM by the machine), or None.
     notify: Vec<Option<OwnedFd>>,
+    /// vsock's host side, which outlives activations.
+    vsock: Option<VsockHost>,
     state: Mutex<TransportState>,
 }
 
@@ -398,6 +504,7 @@ impl NativeTransport {
         let plain = match plan.kind {
             DeviceKind::Rng { .. } => Some(Vec::new()),
             DeviceKind::Balloon { .. } => None,
+            DeviceKind::Vsock { guest_cid, .. } => Some(guest_cid.to_le_bytes().to_vec()),
         };
         let mut regs = Registers::new(
             plan.kind.device_type(),
@@ -407,7 +514,7 @@ impl NativeTransport {
         )?;
         let (epoch, live) = regs.restore(&plan.registers)?;
         let config = match plan.kind {
-            DeviceKind::Rng { .. } => Vec::new(),
+            DeviceKind::Rng { .. } | DeviceKind::Vsock { .. } => Vec::new(),
             DeviceKind::Balloon { actual, .. } => balloon_config(actual),
         };
         let acked_features = if plan.registers.status & STATUS_FEATURES_OK != 0 {
@@ -415,6 +522,7 @@ impl NativeTransport {
         } else {
             0
         };
+        let vsock = VsockHost::open(&plan.kind, &readers)?;
         let transport = Arc::new(NativeTransport {
             kind: plan.kind.clone(),
             regs: Arc::new(Mutex::new(regs)),
@@ -422,6 +530,7 @@ impl NativeTransport {
             readers,
             irq,
             notify,
+            vsock,
             state: Mutex::new(TransportState {
                 acked_features,
                 config,
@@ -460,7 +569,7 @@ impl NativeTransport {
                 advice,
                 actual: balloon_actual(&st.config),
             },
-            ref rng => rng.clone(),
+            ref other => other.clone(),
         };
         let max_sizes = registers.queues.iter().map(|q| q.max_size).collect();
         DevicePlan {
@@ -513,10 +622,10 @@ impl NativeTransport {
             return Ok(());
         }
         // As rng.py and balloon.py: a device whose queues the driver did not make ready
-        // activates without a server.
+        // activates without a server (vsock's needs all three, as the balloon's).
         let ready = match self.kind {
             DeviceKind::Rng { .. } => queues[0].ready,
-            DeviceKind::Balloon { .. } => queues.iter().all(|q| q.ready),
+            DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } => queues.iter().all(|q| q.ready),
         };
         if !ready {
             return Ok(());
@@ -616,6 +725,36 @@ impl NativeTransport {
                     events.clone() as Arc<dyn DeviceEvents<Vec<DiscardError>>>,
                 )?))
             }
+            DeviceKind::Vsock {
+                guest_cid,
+                connect_timeout,
+                reset_ack_wait,
+                ..
+            } => {
+                let vsock = self
+                    .vsock
+                    .as_ref()
+                    .ok_or("a vsock transport without its server")?;
+                let fault = vsock.server.attach(Activation {
+                    ram: self.ram.clone(),
+                    registers: self.regs.clone(),
+                    epoch,
+                    guest_cid,
+                    rings: [rings[0], rings[1], rings[2]],
+                    indices: [indices[0], indices[1], indices[2]],
+                    irq,
+                    notify: [0, 1, 2].map(|i| self.notify[i].as_ref().map(AsRawFd::as_raw_fd)),
+                    connect_timeout,
+                    reset_ack_wait,
+                    events: events.clone() as Arc<dyn DeviceEvents<()>>,
+                });
+                // Posting the reset event found a guest fault (an event buffer too small
+                // for it): DEVICE_NEEDS_RESET, as the Python transport's activation does.
+                if let Some(fault) = fault {
+                    let _ = (events.clone() as Arc<dyn DeviceEvents<()>>).report(Some(fault), ());
+                }
+                Server::Vsock(vsock.server.clone())
+            }
         })
     }
 
@@ -648,6 +787,7 @@ impl NativeTransport {
         let rounds = match self.kind {
             DeviceKind::Rng { max_requests, .. } => 256 / max_requests.max(1) + 1,
             DeviceKind::Balloon { max_chains, .. } => 256 / max_chains.max(1) + 1,
+            DeviceKind::Vsock { .. } => 1,
         };
         for _ in 0..rounds {
             if !server.serve(index) {
@@ -682,6 +822,9 @@ impl Drop for NativeTransport {
     /// server, and its ioeventfds (duplicates owned here) are about to close, which
     /// epoll does not notice while the machine keeps the originals open.
     fn drop(&mut self) {
+        if let Some(vsock) = &self.vsock {
+            self.readers.remove_reader(vsock.server.epoll_fd());
+        }
         let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let Some(active) = st.active.take() else {
             return;
@@ -714,6 +857,12 @@ impl TransportHost for NativeTransport {
             match event {
                 Event::Reset => {
                     let mut st = lock(&self.state);
+                    // vsock's server first lets go of the rings and drops every
+                    // connection and a restore's pending reset event, active or not
+                    // (vsock.py's reset): a new driver has no stale sockets.
+                    if let Some(vsock) = &self.vsock {
+                        vsock.server.detach();
+                    }
                     self.deactivate(&mut st);
                     st.acked_features = 0;
                     // Fresh queues, as the Python transport's reset makes.
@@ -755,7 +904,7 @@ fn rings_of(q: &QueueRegs) -> Rings {
         desc: q.desc,
         avail: q.avail,
         used: q.used,
-        // Neither rng nor the balloon offers EVENT_IDX.
+        // None of rng, the balloon and vsock offers EVENT_IDX.
         event_idx: false,
     }
 }

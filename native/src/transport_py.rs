@@ -8,6 +8,7 @@
 
 use std::os::fd::RawFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -15,14 +16,36 @@ use pyo3::prelude::*;
 use crate::eventloop::EventLoop;
 use crate::mmio_py::{py_saved, saved_from_py, MmioRegisters, PySaved};
 use crate::queue_server::dup;
-use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers};
+use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener};
 use crate::virtio_py::GuestRam;
 
-/// ("rng", max_requests, max_bytes, 0) or ("balloon", max_chains, advice, actual).
+/// ("rng", max_requests, max_bytes, 0), ("balloon", max_chains, advice, actual) or
+/// ("vsock", guest_cid, connect timeout ms, reset ack wait ms).
 type PyKind = (String, u64, i64, u32);
 
+/// A vsock's host side: (socket path, its bound listening fd or None to bind it).
+type PyListener = (String, Option<RawFd>);
+
+/// A vsock kind: its plan's numbers and the listener `NativeDevice.restore` was given.
+fn vsock_kind(kind: PyKind, listener: Option<PyListener>) -> PyResult<DeviceKind> {
+    let (_, guest_cid, connect_ms, reset_ack_ms) = kind;
+    let Some((path, bound)) = listener else {
+        return Err(PyValueError::new_err(
+            "a vsock device needs its listener (vsock_listener)",
+        ));
+    };
+    let connect_ms = u64::try_from(connect_ms)
+        .map_err(|_| PyValueError::new_err(format!("vsock: connect timeout {connect_ms} ms")))?;
+    Ok(DeviceKind::Vsock {
+        guest_cid,
+        connect_timeout: Duration::from_millis(connect_ms),
+        reset_ack_wait: Duration::from_millis(u64::from(reset_ack_ms)),
+        listener: VsockListener { path, bound },
+    })
+}
+
 /// (kind, features, max_sizes, register image, each queue's (next_avail, next_used)).
-type PyPlan = (PyKind, u64, Vec<u32>, PySaved, Vec<(u16, u16)>);
+pub(crate) type PyPlan = (PyKind, u64, Vec<u32>, PySaved, Vec<(u16, u16)>);
 
 fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     let (name, budget, second, actual) = kind;
@@ -46,6 +69,27 @@ fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     }
 }
 
+/// The plan `vmm/devices/plan.py` builds, as the Rust value.
+/// A plan from Python's tuple; a vsock's also takes its listener (None for the others).
+pub(crate) fn plan_from_py(
+    plan: PyPlan,
+    vsock_listener: Option<PyListener>,
+) -> PyResult<DevicePlan> {
+    let (kind, features, max_sizes, registers, indices) = plan;
+    let kind = if kind.0 == "vsock" {
+        vsock_kind(kind, vsock_listener)?
+    } else {
+        kind_from_py(kind)?
+    };
+    Ok(DevicePlan {
+        kind,
+        features,
+        max_sizes,
+        registers: saved_from_py(registers),
+        indices,
+    })
+}
+
 fn kind_to_py(kind: &DeviceKind) -> PyKind {
     match *kind {
         DeviceKind::Rng {
@@ -62,6 +106,17 @@ fn kind_to_py(kind: &DeviceKind) -> PyKind {
             i64::from(advice),
             actual,
         ),
+        DeviceKind::Vsock {
+            guest_cid,
+            connect_timeout,
+            reset_ack_wait,
+            ..
+        } => (
+            "vsock".into(),
+            guest_cid,
+            i64::try_from(connect_timeout.as_millis()).unwrap_or(i64::MAX),
+            u32::try_from(reset_ack_wait.as_millis()).unwrap_or(u32::MAX),
+        ),
     }
 }
 
@@ -75,8 +130,11 @@ pub struct NativeDevice {
 impl NativeDevice {
     /// Restore the device from `plan` over `ram`, its server on `event_loop` while it
     /// runs; `irq_fd` is the interrupt's eventfd, `notify_fds` each queue's ioeventfd
-    /// (or None), all duplicated. Re-activated at once if the driver had it running.
+    /// (or None), all duplicated. A vsock also takes `vsock_listener`: (the socket
+    /// path, its bound listening fd, duplicated, or None to bind the path here).
+    /// Re-activated at once if the driver had it running.
     #[staticmethod]
+    #[pyo3(signature = (plan, ram, event_loop, irq_fd, notify_fds, vsock_listener=None))]
     fn restore(
         py: Python<'_>,
         plan: PyPlan,
@@ -84,15 +142,9 @@ impl NativeDevice {
         event_loop: &Bound<'_, EventLoop>,
         irq_fd: RawFd,
         notify_fds: Vec<Option<RawFd>>,
+        vsock_listener: Option<PyListener>,
     ) -> PyResult<Self> {
-        let (kind, features, max_sizes, registers, indices) = plan;
-        let plan = DevicePlan {
-            kind: kind_from_py(kind)?,
-            features,
-            max_sizes,
-            registers: saved_from_py(registers),
-            indices,
-        };
+        let plan = plan_from_py(plan, vsock_listener)?;
         let irq = dup(irq_fd)?;
         let notify = notify_fds
             .into_iter()

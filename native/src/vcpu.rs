@@ -8,9 +8,11 @@
 //! Python's (`PyHost`: the virtio-mmio register files of `mmio_py.rs` served
 //! without Python, the rest handed to the Python buses `vmfork.vmm.bus.Bus.read`/
 //! `write` and `on_exit`, the GIL taken only inside) or native (`NativeHost`: no
-//! Python object at all, the exit recorded in an `ExitSink` and its eventfd
-//! signalled), so a loop can be built and run from Rust alone (`VcpuLoop::build`,
-//! on a `vm::VmCore`, whose descriptors it keeps open until its thread ends).
+//! Python object at all: the machine's virtio-mmio `transport::Windows` served on
+//! the vCPU's thread, the exit recorded in an `ExitSink` and its eventfd signalled),
+//! so a loop can be built and run from Rust alone (`VcpuThread::build`, on a
+//! `vm::VmCore`, whose descriptors it keeps open until its thread ends; `machine.rs`
+//! assembles a whole machine of them).
 //!
 //! Getting a vCPU back from the guest (pause for a snapshot, stop):
 //!
@@ -46,7 +48,7 @@ use kvm_ioctls::{VcpuExit, VcpuFd};
 use crate::console::{Console, ConsoleDevices, Served};
 use crate::mmio_py::MmioWindows;
 use crate::restore::Failure;
-use crate::transport::{ReadServed, TransportFailure, TransportHost, WriteServed};
+use crate::transport::{ReadServed, TransportFailure, TransportHost, Windows, WriteServed};
 use crate::vm::{PyVmCore, VmCore};
 use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
@@ -450,11 +452,14 @@ impl ExitSink {
     }
 }
 
-/// A host with no Python object: the buses empty (reads all ones, writes
-/// dropped, as an unclaimed address on a real bus; counted), the exit recorded.
+/// A host with no Python object: MMIO in the machine's virtio-mmio windows served
+/// there (`transport::Windows`, the device's host called on this thread for what
+/// needs the device), everything else unclaimed (reads all ones, writes dropped, as
+/// an unclaimed address on a real bus; counted), the exit recorded.
 pub struct NativeHost {
     sink: Arc<ExitSink>,
     unclaimed: Arc<Mutex<UnclaimedCounts>>,
+    windows: Option<Arc<Windows>>,
 }
 
 /// Accesses nobody served, by kind.
@@ -467,16 +472,28 @@ pub struct UnclaimedCounts {
 }
 
 impl NativeHost {
-    pub fn new(sink: Arc<ExitSink>) -> (Self, Arc<Mutex<UnclaimedCounts>>) {
+    /// A host reporting to `sink`, serving `windows` if given; with the counts of
+    /// the accesses nobody served.
+    pub fn new(
+        sink: Arc<ExitSink>,
+        windows: Option<Arc<Windows>>,
+    ) -> (Self, Arc<Mutex<UnclaimedCounts>>) {
         let unclaimed = Arc::new(Mutex::new(UnclaimedCounts::default()));
         (
             NativeHost {
                 sink,
                 unclaimed: unclaimed.clone(),
+                windows,
             },
             unclaimed,
         )
     }
+}
+
+/// A transport's failure ends the vCPU as the Python host's does: a `vmm_error`
+/// with the transport's detail (a native transport raises nothing to keep).
+fn transport_failure(served: Result<(), TransportFailure>) -> Result<(), HostFailure> {
+    served.map_err(|failure| HostFailure(failure.detail))
 }
 
 impl VcpuHost for NativeHost {
@@ -491,13 +508,24 @@ impl VcpuHost for NativeHost {
         Ok(())
     }
 
-    fn mmio_read(&self, _addr: u64, data: &mut [u8]) -> Result<(), HostFailure> {
+    fn mmio_read(&self, addr: u64, data: &mut [u8]) -> Result<(), HostFailure> {
+        let served = self.windows.as_ref().and_then(|w| w.serve_read(addr, data));
+        if let Some(served) = served {
+            return transport_failure(served);
+        }
         lock(&self.unclaimed).mmio_reads += 1;
         data.fill(0xFF);
         Ok(())
     }
 
-    fn mmio_write(&self, _addr: u64, _data: &[u8]) -> Result<(), HostFailure> {
+    fn mmio_write(&self, addr: u64, data: &[u8]) -> Result<(), HostFailure> {
+        let served = self
+            .windows
+            .as_ref()
+            .and_then(|w| w.serve_write(addr, data));
+        if let Some(served) = served {
+            return transport_failure(served);
+        }
         lock(&self.unclaimed).mmio_writes += 1;
         Ok(())
     }
@@ -569,21 +597,27 @@ impl VcpuControl {
     }
 }
 
-/// One vCPU's run loop (`vmfork.vmm.vcpu.Vcpu` wraps it).
-#[pyclass(frozen, module = "vmfork._core")]
-pub struct VcpuLoop {
+/// One vCPU's thread and what it runs on, with no Python object: what a machine
+/// assembled in Rust holds (`machine.rs`), and what `VcpuLoop` wraps for Python.
+pub struct VcpuThread {
     index: u32,
     shared: Arc<Shared>,
     /// Until `start`: what the thread runs on, then moved into it.
     pending: Mutex<Option<Parts>>,
     handle: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// One vCPU's run loop (`vmfork.vmm.vcpu.Vcpu` wraps it).
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct VcpuLoop {
+    thread: VcpuThread,
     /// The Python host's bus error, if it ended the loop.
     error: ErrorSlot,
     /// A native host's exit and unclaimed accesses.
     sink: Option<(Arc<ExitSink>, Arc<Mutex<UnclaimedCounts>>)>,
 }
 
-impl VcpuLoop {
+impl VcpuThread {
     /// A handle that pauses and resumes this loop from any thread.
     pub fn control(&self) -> VcpuControl {
         VcpuControl {
@@ -601,7 +635,7 @@ impl VcpuLoop {
         console: Option<Arc<ConsoleDevices>>,
     ) -> Result<Self, Failure> {
         let (index, vcpu) = core.vcpu_for_loop(position)?;
-        Ok(VcpuLoop {
+        Ok(VcpuThread {
             index,
             shared: Arc::new(Shared {
                 ctl: Mutex::new(Control {
@@ -620,13 +654,11 @@ impl VcpuLoop {
                 _core: core,
             })),
             handle: Mutex::new(None),
-            error: Arc::new(Mutex::new(None)),
-            sink: None,
         })
     }
 
     /// Start the thread; with `paused`, it parks before entering the guest.
-    pub fn start_thread(&self, paused: bool) -> Result<(), String> {
+    pub fn start(&self, paused: bool) -> Result<(), String> {
         install_kick_handler().map_err(|e| format!("sigaction for the vCPU kick: {e}"))?;
         let parts = lock(&self.pending)
             .take()
@@ -648,7 +680,7 @@ impl VcpuLoop {
 
     /// Ask the loop to end and wait (kicking) up to `timeout`; on the vCPU's own
     /// thread, only ask. True once it has ended (or never started).
-    pub fn stop_thread(&self, timeout: Duration) -> bool {
+    pub fn stop(&self, timeout: Duration) -> bool {
         {
             let mut ctl = lock(&self.shared.ctl);
             ctl.want_stop = true;
@@ -663,18 +695,54 @@ impl VcpuLoop {
             .wait_for(Some(timeout), |s| s == RunState::Stopped)
     }
 
-    fn join_if_stopped(&self, py: Python<'_>) {
-        let stopped = lock(&self.shared.ctl).state == RunState::Stopped;
-        // Taken in a statement of its own: no lock may be held across `detach`,
-        // since reattaching waits for the GIL that another caller may hold while it
-        // waits for that lock.
-        let handle = if stopped {
+    /// The thread's handle once it has ended (it set Stopped as its last step, so a
+    /// join returns at once); None while it runs, or once taken.
+    fn stopped_handle(&self) -> Option<JoinHandle<()>> {
+        if lock(&self.shared.ctl).state == RunState::Stopped {
             lock(&self.handle).take()
         } else {
             None
-        };
+        }
+    }
+
+    /// Join the thread if it has ended; true if it has (or never started).
+    pub fn join_if_stopped(&self) -> bool {
+        if let Some(handle) = self.stopped_handle() {
+            let _ = handle.join();
+        }
+        lock(&self.handle).is_none()
+    }
+
+    /// Let go of what a thread that never started would have run on (its vCPU's
+    /// descriptor and run mapping, its host).
+    pub fn release(&self) {
+        let parts = lock(&self.pending).take();
+        drop(parts);
+    }
+
+    /// "created", "running", "paused" or "stopped".
+    pub fn state(&self) -> &'static str {
+        lock(&self.shared.ctl).state.name()
+    }
+
+    /// VM exits by reason name (KVM's names, lower case), and "intr" for kicks.
+    pub fn exits(&self) -> HashMap<&'static str, u64> {
+        lock(&self.shared.counters).exits.clone()
+    }
+}
+
+impl VcpuLoop {
+    /// A handle that pauses and resumes this loop from any thread.
+    pub fn control(&self) -> VcpuControl {
+        self.thread.control()
+    }
+
+    fn join_if_stopped(&self, py: Python<'_>) {
+        // Taken in a statement of its own: no lock may be held across `detach`,
+        // since reattaching waits for the GIL that another caller may hold while it
+        // waits for that lock.
+        let handle = self.thread.stopped_handle();
         if let Some(handle) = handle {
-            // The thread has set Stopped as its last step: this returns at once.
             py.detach(|| {
                 let _ = handle.join();
             });
@@ -717,10 +785,13 @@ impl VcpuLoop {
             error: error.clone(),
         };
         let devices = console.map(|c| c.get().devices());
-        let mut built = VcpuLoop::build(core.get().get()?, position, Box::new(host), devices)
+        let thread = VcpuThread::build(core.get().get()?, position, Box::new(host), devices)
             .map_err(failure_to_py)?;
-        built.error = error;
-        Ok(built)
+        Ok(VcpuLoop {
+            thread,
+            error,
+            sink: None,
+        })
     }
 
     /// A loop for the vCPU at `position` of `core` with no Python object behind
@@ -735,18 +806,21 @@ impl VcpuLoop {
         console: Option<&Bound<'_, Console>>,
     ) -> PyResult<Self> {
         let sink = ExitSink::new().map_err(|e| PyOSError::new_err(format!("eventfd: {e}")))?;
-        let (host, unclaimed) = NativeHost::new(sink.clone());
+        let (host, unclaimed) = NativeHost::new(sink.clone(), None);
         let devices = console.map(|c| c.get().devices());
-        let mut built = VcpuLoop::build(core.get().get()?, position, Box::new(host), devices)
+        let thread = VcpuThread::build(core.get().get()?, position, Box::new(host), devices)
             .map_err(failure_to_py)?;
-        built.sink = Some((sink, unclaimed));
-        Ok(built)
+        Ok(VcpuLoop {
+            thread,
+            error: Arc::new(Mutex::new(None)),
+            sink: Some((sink, unclaimed)),
+        })
     }
 
     /// Start the thread; with `paused`, it parks before entering the guest.
     #[pyo3(signature = (paused = false))]
     fn start(&self, paused: bool) -> PyResult<()> {
-        self.start_thread(paused).map_err(PyRuntimeError::new_err)
+        self.thread.start(paused).map_err(PyRuntimeError::new_err)
     }
 
     /// Ask the vCPU to park and wait until it has (kicking it out of the guest);
@@ -766,17 +840,17 @@ impl VcpuLoop {
     #[pyo3(signature = (timeout = 5.0))]
     fn stop(&self, py: Python<'_>, timeout: f64) {
         let timeout = Duration::from_secs_f64(timeout.max(0.0));
-        py.detach(|| self.stop_thread(timeout));
+        py.detach(|| self.thread.stop(timeout));
         self.join_if_stopped(py);
     }
 
     /// Wait for the loop to end (at most `timeout` seconds, or for ever).
     #[pyo3(signature = (timeout = None))]
     fn join(&self, py: Python<'_>, timeout: Option<f64>) {
-        if lock(&self.shared.ctl).thread.is_none() {
+        if lock(&self.thread.shared.ctl).thread.is_none() {
             return;
         }
-        let shared = self.shared.clone();
+        let shared = self.thread.shared.clone();
         let limit = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
         // Waiting, not kicking: a join does not ask the vCPU to stop.
         py.detach(move || {
@@ -804,18 +878,17 @@ impl VcpuLoop {
     /// and the host. Idempotent.
     fn close(&self, py: Python<'_>) {
         self.stop(py, 5.0);
-        let parts = lock(&self.pending).take();
-        drop(parts);
+        self.thread.release();
     }
 
     #[getter]
     fn state(&self) -> &'static str {
-        lock(&self.shared.ctl).state.name()
+        self.thread.state()
     }
 
     #[getter]
     fn index(&self) -> u32 {
-        self.index
+        self.thread.index
     }
 
     /// The exception that ended the loop (a bus handler's), if one did.
@@ -854,18 +927,18 @@ impl VcpuLoop {
 
     /// VM exits by reason name (KVM's names, lower case), and "intr" for kicks.
     fn exits(&self) -> HashMap<&'static str, u64> {
-        lock(&self.shared.counters).exits.clone()
+        self.thread.exits()
     }
 
     /// Port and MMIO exits by (bus, port or 4 KiB page).
     fn io_exits(&self) -> HashMap<(&'static str, u64), u64> {
-        lock(&self.shared.counters).io.clone()
+        lock(&self.thread.shared.counters).io.clone()
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         // Only a loop that never started holds its host (a running one moved it
         // into its thread, which drops it when it ends).
-        if let Ok(pending) = self.pending.try_lock() {
+        if let Ok(pending) = self.thread.pending.try_lock() {
             let host = pending
                 .as_ref()
                 .and_then(|parts| parts.host.as_any().downcast_ref::<PyHost>());
@@ -882,7 +955,7 @@ impl VcpuLoop {
     }
 
     fn __clear__(&self) {
-        if let Ok(mut pending) = self.pending.try_lock() {
+        if let Ok(mut pending) = self.thread.pending.try_lock() {
             pending.take();
         }
     }
@@ -1120,7 +1193,7 @@ mod tests {
     use super::*;
     use crate::console::IrqFd;
     use crate::log_budget::LogBudget;
-    use crate::vm::{Layout, Region};
+    use crate::vm::{test_ram_with, Layout};
     use kvm_ioctls::Kvm;
 
     // Real mode at 0x1000: in al,0xe9; inc al; jnz 1f; out 0xe9,al;
@@ -1149,33 +1222,7 @@ mod tests {
             eprintln!("skipped: no usable /dev/kvm");
             return;
         };
-        let size = 1 << 20;
-        // SAFETY: an anonymous private mapping with no address hint, checked; never
-        // unmapped in this test process, so it outlives the VM.
-        let ram = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(ram, libc::MAP_FAILED);
-        // SAFETY: ENTRY + the code's length is inside the mapping made above.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                READ_E9_THEN_RESET.as_ptr(),
-                ram.cast::<u8>().add(ENTRY),
-                READ_E9_THEN_RESET.len(),
-            )
-        };
-        let region = Region {
-            guest_phys: 0,
-            size: size as u64,
-            host_addr: ram as u64,
-        };
+        let region = test_ram_with(1 << 20, ENTRY, &READ_E9_THEN_RESET);
         let layout = Layout {
             tss_addr: 0xFFFB_D000,
             identity_map_addr: 0xFFFB_C000,
@@ -1199,15 +1246,12 @@ mod tests {
             LogBudget::new("console", 0, 0.0, 0),
         ));
         let sink = ExitSink::new().expect("eventfd");
-        let (host, unclaimed) = NativeHost::new(sink.clone());
-        // Never dropped, not even by a failed assertion's unwinding: the wrapper's slot
-        // for a Python host's exception is a Python reference, whose drop would link
-        // libpython into this test binary.
-        let vloop = std::mem::ManuallyDrop::new(
-            VcpuLoop::build(Arc::new(core), 0, Box::new(host), Some(console))
-                .expect("a loop on the core"),
-        );
-        vloop.start_thread(false).expect("a thread");
+        let (host, unclaimed) = NativeHost::new(sink.clone(), None);
+        // The thread, not its Python wrapper (whose slot for a Python host's exception
+        // is a Python reference, and whose drop would link libpython into this binary).
+        let vloop = VcpuThread::build(Arc::new(core), 0, Box::new(host), Some(console))
+            .expect("a loop on the core");
+        vloop.start(false).expect("a thread");
         let mut ready = libc::pollfd {
             fd: sink.event_fd(),
             events: libc::POLLIN,
@@ -1223,7 +1267,8 @@ mod tests {
         let counts = *lock(&unclaimed);
         assert_eq!((counts.pio_reads, counts.pio_writes), (1, 1));
         assert_eq!((counts.mmio_reads, counts.mmio_writes), (0, 0));
-        assert!(vloop.stop_thread(Duration::from_secs(5)));
-        assert_eq!(lock(&vloop.shared.ctl).state.name(), "stopped");
+        assert!(vloop.stop(Duration::from_secs(5)));
+        assert_eq!(vloop.state(), "stopped");
+        assert!(vloop.join_if_stopped());
     }
 }

@@ -308,6 +308,34 @@ impl PyVmCore {
     }
 }
 
+/// `size` bytes of fresh anonymous RAM as guest address 0, holding `code` at `entry`:
+/// a test guest's. Never unmapped (the test's process keeps it for its life).
+#[cfg(test)]
+pub(crate) fn test_ram_with(size: usize, entry: usize, code: &[u8]) -> Region {
+    assert!(entry + code.len() <= size);
+    // SAFETY: a fresh anonymous mapping with no address hint; checked below.
+    let ram = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(ram, libc::MAP_FAILED);
+    // SAFETY: `entry + code.len()` is inside the mapping made above (asserted).
+    unsafe {
+        std::ptr::copy_nonoverlapping(code.as_ptr(), ram.cast::<u8>().add(entry), code.len())
+    };
+    Region {
+        guest_phys: 0,
+        size: size as u64,
+        host_addr: ram as u64,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

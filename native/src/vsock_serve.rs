@@ -23,8 +23,9 @@
 //!   Entries for a connection that went away meanwhile expire as no-ops.
 //! * **What goes to Python** (`on_fault(error)`, with the GIL): a guest fault only (the
 //!   device becomes NEEDS_RESET). A healthy device never takes the GIL. It goes through
-//!   the server's `DeviceEvents`: `VsockServe` installs Python's `on_fault`; a machine
-//!   wired in Rust (`VsockServer::new`) a native record.
+//!   the activation's `DeviceEvents` (each `Activation` brings its own, so a fault is
+//!   told to the activation that found it): `VsockServe` hands over Python's
+//!   `on_fault`; the native transport (`transport.rs`) a `NativeEvents` for the epoch.
 //!
 //! Locks, in this order: `inner`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -328,6 +329,8 @@ struct Attached {
     irq: OwnedFd,
     /// The queues' ioeventfds (the transport's; None without ioeventfds).
     notify: [Option<RawFd>; 3],
+    /// Where a guest fault this activation finds goes.
+    events: Arc<dyn DeviceEvents<()>>,
 }
 
 struct Inner {
@@ -1301,9 +1304,10 @@ enum Work {
 pub struct VsockServer {
     inner: Mutex<Inner>,
     epoll_fd: RawFd,
-    /// Where a guest fault goes (Python's `on_fault`, or a native record).
-    events: Arc<dyn DeviceEvents<()>>,
 }
+
+/// A guest fault one wake found, and the activation that found it.
+type Fault = (QueueError, Arc<Attached>);
 
 /// What an activation hands a `VsockServer` (`VsockServer::attach`).
 pub struct Activation {
@@ -1321,6 +1325,9 @@ pub struct Activation {
     pub notify: [Option<RawFd>; 3],
     pub connect_timeout: Duration,
     pub reset_ack_wait: Duration,
+    /// Where a guest fault this activation finds goes (Python's `on_fault`, or the
+    /// native transport's record for the activation's epoch).
+    pub events: Arc<dyn DeviceEvents<()>>,
 }
 
 fn seconds(s: f64) -> Duration {
@@ -1329,16 +1336,16 @@ fn seconds(s: f64) -> Duration {
 
 impl VsockServer {
     /// A device listening on `listener` (a bound, listening Unix socket at `uds_path`,
-    /// owned from here on); guest-initiated connections to port P go to
-    /// `<uds_path>_<P>`.
+    /// owned from here on, made non-blocking: a wake accepts until it would block);
+    /// guest-initiated connections to port P go to `<uds_path>_<P>`.
     pub fn new(
         listener: OwnedFd,
         uds_path: &str,
         guest_cid: u64,
         connect_timeout: Duration,
         reset_ack_wait: Duration,
-        events: Arc<dyn DeviceEvents<()>>,
     ) -> std::io::Result<Self> {
+        set_nonblocking(listener.as_raw_fd())?;
         let epoll = Epoll::new()?;
         // SAFETY: plain timerfd_create(2); the fd is owned right below.
         let tfd = unsafe {
@@ -1400,8 +1407,12 @@ impl VsockServer {
                 errors: BTreeMap::new(),
             }),
             epoll_fd,
-            events,
         })
+    }
+
+    /// The fd the loop watches for every host socket and timer, for the device's life.
+    pub fn epoll_fd(&self) -> RawFd {
+        self.epoll_fd
     }
 
     /// Take the queues at an activation and deliver a pending transport reset; a guest
@@ -1414,6 +1425,7 @@ impl VsockServer {
             rings: a.rings,
             irq: a.irq,
             notify: a.notify,
+            events: a.events,
         });
         let old = {
             let mut inner = lock(&self.inner);
@@ -1427,12 +1439,84 @@ impl VsockServer {
             inner.attached.replace(att)
         };
         drop(old); // after the lock: the old activation's irqfd closes outside it
+        self.wake(Work::Notify(EV)).map(|(error, _)| error)
+    }
+
+    /// The driver notified queue `queue` (no ioeventfd: a QueueNotify write, or the
+    /// activation's catch-up); a guest fault goes to the activation's events.
+    pub fn notify(&self, queue: usize) -> Option<Deferred> {
+        self.serve(Work::Notify(queue))
+    }
+
+    /// The driver reset the device: drop every connection (and a pending reset event:
+    /// a new driver has no stale sockets) and let go of the queues.
+    pub fn detach(&self) {
+        let old = {
+            let mut inner = lock(&self.inner);
+            inner.drop_all();
+            inner.reset_event_pending = false;
+            inner.reset_delivered = false;
+            inner.holding = false;
+            inner.attached.take()
+        };
+        drop(old); // after the lock: the activation's irqfd closes outside it
+    }
+
+    /// Drop every connection and tell the guest (EVENT_TRANSPORT_RESET); host
+    /// connection requests are held until it handled it.
+    pub fn transport_reset(&self) -> Option<Deferred> {
+        {
+            let mut inner = lock(&self.inner);
+            inner.drop_all();
+            inner.arm_reset_event();
+        }
         self.serve(Work::Notify(EV))
     }
 
+    /// A restore: a transport reset for when the device is next activated.
+    pub fn arm_reset_event(&self, guest_cid: u64) {
+        let mut inner = lock(&self.inner);
+        inner.guest_cid = guest_cid;
+        inner.arm_reset_event();
+    }
+
+    /// Close every socket, the listener's duplicate, the epoll, the timer (after the
+    /// loop's reader of `epoll_fd` is gone).
+    pub fn close(&self) {
+        let old = {
+            let mut inner = lock(&self.inner);
+            inner.drop_all();
+            inner.closed = true;
+            inner.listener = None;
+            inner.timers.clear();
+            inner.epoll = None;
+            inner.timerfd = None;
+            inner.kick = None;
+            inner.attached.take()
+        };
+        drop(old);
+    }
+
+    /// Each queue's (next_avail, next_used): rx, tx, event.
+    pub fn sync(&self) -> [(u16, u16); 3] {
+        let inner = lock(&self.inner);
+        [RX, TX, EV].map(|i| (inner.avail[i], inner.used[i]))
+    }
+
+    /// Host connections established or being requested.
+    pub fn connection_count(&self) -> usize {
+        lock(&self.inner).conns.len()
+    }
+
+    /// One wake, its guest fault handed to the events of the activation that found it.
+    fn serve(&self, work: Work) -> Option<Deferred> {
+        let (error, att) = self.wake(work)?;
+        queue_server::report(&att.events, Some(error), ())
+    }
+
     /// One wake (any thread; the loop thread calls it without the GIL). A guest fault
-    /// comes back.
-    fn serve(&self, work: Work) -> Option<QueueError> {
+    /// comes back with its activation.
+    fn wake(&self, work: Work) -> Option<Fault> {
         let mut inner = lock(&self.inner);
         if inner.closed {
             return None;
@@ -1446,7 +1530,7 @@ impl VsockServer {
         fault
     }
 
-    fn run_queues(&self, inner: &mut Inner, work: Work, kicked: bool) -> Option<QueueError> {
+    fn run_queues(&self, inner: &mut Inner, work: Work, kicked: bool) -> Option<Fault> {
         if !inner.usable() {
             return None;
         }
@@ -1482,12 +1566,7 @@ impl VsockServer {
         if used && raise_used_buffer(&att.registers, att.epoch, att.irq.as_raw_fd()) {
             inner.interrupts += 1;
         }
-        fault
-    }
-
-    /// Hand a guest fault to the events.
-    fn deferred(&self, fault: Option<QueueError>) -> Option<Deferred> {
-        queue_server::report(&self.events, fault, ())
+        fault.map(|error| (error, att))
     }
 }
 
@@ -1505,9 +1584,29 @@ impl NativeReader for VsockServer {
             drain_eventfd(fd);
             Work::Notify(queue)
         };
-        let fault = self.serve(work);
-        self.deferred(fault)
+        self.serve(work)
     }
+}
+
+/// Set `O_NONBLOCK` on `fd` (its open file description: a caller's duplicate too).
+fn set_nonblocking(fd: RawFd) -> std::io::Result<()> {
+    // SAFETY: fcntl(2) F_GETFL on an fd the caller keeps open.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above, F_SETFL with the flags just read plus O_NONBLOCK.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A listening Unix socket bound at `path` (a stale socket file there replaced, as
+/// `vsock.py` does), for a native vsock device that is not handed one.
+pub fn bind_listener(path: &str) -> std::io::Result<OwnedFd> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    Ok(std::os::unix::net::UnixListener::bind(path)?.into())
 }
 
 fn os_error(what: &str, err: std::io::Error) -> PyErr {
@@ -1518,6 +1617,8 @@ fn os_error(what: &str, err: std::io::Error) -> PyErr {
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct VsockServe {
     pub server: Arc<VsockServer>,
+    /// Python's `on_fault`, each activation's events.
+    on_fault: Arc<PyOnFault>,
 }
 
 #[pymethods]
@@ -1540,11 +1641,11 @@ impl VsockServe {
             guest_cid,
             seconds(connect_timeout),
             seconds(reset_ack_wait),
-            Arc::new(PyOnFault(on_fault)),
         )
         .map_err(|e| os_error("set-up", e))?;
         Ok(VsockServe {
             server: Arc::new(server),
+            on_fault: Arc::new(PyOnFault(on_fault)),
         })
     }
 
@@ -1592,6 +1693,7 @@ impl VsockServe {
             notify: [notify_fds.0, notify_fds.1, notify_fds.2],
             connect_timeout: seconds(connect_timeout),
             reset_ack_wait: seconds(reset_ack_wait),
+            events: self.on_fault.clone(),
         };
         let server = self.server.clone();
         let fault = py.detach(move || server.attach(activation));
@@ -1604,15 +1706,7 @@ impl VsockServe {
     /// The driver reset the device: drop every connection (and a pending reset event:
     /// a new driver has no stale sockets) and let go of the queues.
     fn detach(&self) {
-        let old = {
-            let mut inner = lock(&self.server.inner);
-            inner.drop_all();
-            inner.reset_event_pending = false;
-            inner.reset_delivered = false;
-            inner.holding = false;
-            inner.attached.take()
-        };
-        drop(old); // after the lock: the activation's irqfd closes outside it
+        self.server.detach();
     }
 
     /// The driver notified queue `queue` and the call comes from Python (a QueueNotify
@@ -1623,11 +1717,7 @@ impl VsockServe {
             return Err(PyValueError::new_err(format!("no queue {queue}")));
         }
         let server = self.server.clone();
-        let deferred = py.detach(move || {
-            let fault = server.serve(Work::Notify(queue));
-            server.deferred(fault)
-        });
-        if let Some(work) = deferred {
+        if let Some(work) = py.detach(move || server.notify(queue)) {
             work(py);
         }
         Ok(())
@@ -1636,11 +1726,7 @@ impl VsockServe {
     /// Serve the host sockets' and timers' readiness now, as the loop does (tests).
     fn serve_host(&self, py: Python<'_>) {
         let server = self.server.clone();
-        let deferred = py.detach(move || {
-            let fault = server.serve(Work::Host);
-            server.deferred(fault)
-        });
-        if let Some(work) = deferred {
+        if let Some(work) = py.detach(move || server.serve(Work::Host)) {
             work(py);
         }
     }
@@ -1648,50 +1734,27 @@ impl VsockServe {
     /// Drop every connection and tell the guest (EVENT_TRANSPORT_RESET); host
     /// connection requests are held until it handled it.
     fn transport_reset(&self, py: Python<'_>) {
-        {
-            let mut inner = lock(&self.server.inner);
-            inner.drop_all();
-            inner.arm_reset_event();
-        }
         let server = self.server.clone();
-        let deferred = py.detach(move || {
-            let fault = server.serve(Work::Notify(EV));
-            server.deferred(fault)
-        });
-        if let Some(work) = deferred {
+        if let Some(work) = py.detach(move || server.transport_reset()) {
             work(py);
         }
     }
 
     /// A restore: a transport reset for when the device is next activated.
     fn arm_reset_event(&self, guest_cid: u64) {
-        let mut inner = lock(&self.server.inner);
-        inner.guest_cid = guest_cid;
-        inner.arm_reset_event();
+        self.server.arm_reset_event(guest_cid);
     }
 
     /// Close every socket, the listener's duplicate, the epoll, the timer (after the
     /// loop's reader of `epoll_fd` is gone).
     fn close(&self) {
-        let old = {
-            let mut inner = lock(&self.server.inner);
-            inner.drop_all();
-            inner.closed = true;
-            inner.listener = None;
-            inner.timers.clear();
-            inner.epoll = None;
-            inner.timerfd = None;
-            inner.kick = None;
-            inner.attached.take()
-        };
-        drop(old);
+        self.server.close();
     }
 
     /// (rx next_avail, rx next_used, tx ..., event ...).
     fn sync(&self) -> ((u16, u16), (u16, u16), (u16, u16)) {
-        let inner = lock(&self.server.inner);
-        let q = |i: usize| (inner.avail[i], inner.used[i]);
-        (q(RX), q(TX), q(EV))
+        let [rx, tx, ev] = self.server.sync();
+        (rx, tx, ev)
     }
 
     /// The refusal counters (`VirtioVsock.errors`' keys): (key, n).
@@ -1702,7 +1765,7 @@ impl VsockServe {
 
     #[getter]
     fn connection_count(&self) -> usize {
-        lock(&self.server.inner).conns.len()
+        self.server.connection_count()
     }
 
     /// Accepted host sockets still owing their CONNECT line.
@@ -1723,11 +1786,9 @@ impl VsockServe {
     }
 
     /// The Python objects it holds, for the collector (`on_fault` is a bound method of
-    /// the device that holds this object). The activation's are visited when the lock
-    /// is free now (a busy loop thread holds it without the GIL; skipping a visit only
-    /// delays a collection).
+    /// the device that holds this object; an activation holds the same `Arc`).
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.server.events.traverse(&visit)
+        self.on_fault.traverse(&visit)
     }
 }
 

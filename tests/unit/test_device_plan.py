@@ -5,7 +5,9 @@ state file keeps, through ``stateformat``) becomes a plan (``devices/plan.py``),
 ``_core.NativeDevice`` (``native/src/transport.rs``) restores from it on another loop
 with its own eventfds: the guest's next request is served from where the snapshot left
 the ring, and the device's plan turns back into the same record with the indices moved
-on. The balloon's plan keeps the config the driver wrote.
+on. The balloon's plan keeps the config the driver wrote. A vsock restored natively has no
+connections, posts the transport-reset event, and serves host connections on the
+listener it is handed.
 """
 
 from __future__ import annotations
@@ -13,23 +15,36 @@ from __future__ import annotations
 import mmap
 import os
 import select
+import socket
+import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_virtio_harness import GuestDriver, wait_until
+from test_virtio_harness import DriverQueue, GuestDriver, wait_until
+from test_virtio_vsock import VsockEnv, pkt, recv_exact, recv_line
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
 from vmfork.vmm.devices.manager import DeviceState
 from vmfork.vmm.devices.plan import device_plan, plan_state
+from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.balloon import BalloonState
 from vmfork.vmm.devices.virtio.device import run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
 from vmfork.vmm.devices.virtio.rng import RngState, VirtioRng
-from vmfork.vmm.devices.virtio.vsock import VsockState
+from vmfork.vmm.devices.virtio.vsock import (
+    CONNECT_TIMEOUT,
+    EVENT_TRANSPORT_RESET,
+    HEADER_SIZE,
+    RESET_ACK_WAIT_S,
+    Op,
+    PacketHeader,
+    VsockState,
+)
 from vmfork.vmm.eventloop import NativeEventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
@@ -43,7 +58,7 @@ GOLDEN = Path(__file__).parent / "golden"
 
 @pytest.fixture
 def memory() -> Iterator[GuestMemory]:
-    mem = GuestMemory.anonymous(16 << 20)
+    mem = GuestMemory.anonymous(32 << 20)   # the golden file's vsock rings are at 20 MiB
     yield mem
     mem.close()
 
@@ -172,12 +187,14 @@ def test_a_plan_refuses_a_record_that_does_not_fit_its_device() -> None:
         device_plan(DeviceState("rng", 1, 0, 5, RngState(0), rng_regs))
     with pytest.raises(ValueError, match="device type 4, not 5"):
         device_plan(DeviceState("balloon", 1, 0, 5, BalloonState(0), rng_regs))
-    with pytest.raises(ValueError, match="no native transport for a vsock device"):
+    with pytest.raises(ValueError, match="device type 4, not 19"):
         device_plan(DeviceState("vsock", 1, 0, 5, VsockState(guest_cid=3, acked_features=0),
                                 rng_regs))
+    with pytest.raises(ValueError, match="no native transport for a serial device"):
+        device_plan(DeviceState("serial", 1, None, 4, SerialState(), None))
 
 
-def test_an_old_snapshots_records_make_plans(memory: GuestMemory) -> None:
+def test_an_old_snapshots_records_make_plans(memory: GuestMemory, tmp_path: Path) -> None:
     """The format-1 golden file (written before the device list): its rng record decodes
     as it always did and restores natively, live, from its plan; its balloon's queues
     are 256 long where today's balloon offers 64, which the native register file refuses
@@ -203,6 +220,120 @@ def test_an_old_snapshots_records_make_plans(memory: GuestMemory) -> None:
         with pytest.raises(ValueError, match="max size 256, this queue 64"):
             _core.NativeDevice.restore(device_plan(balloon_saved), _ram(memory),
                                        loop._native, irq, [None] * 3)
+
+        # Its vsock restores live, binding the socket path it is given; its config is
+        # the record's CID.
+        [vsock_saved] = [d for d in state.devices if d.kind == "vsock"]
+        assert vsock_saved.transport is not None
+        for q in vsock_saved.transport.queues:
+            memory.write_u16(q.avail_ring + 2, q.next_avail)
+            memory.write_u16(q.used_ring + 2, q.next_used)
+        uds = tmp_path / "v.sock"
+        vsock = _core.NativeDevice.restore(device_plan(vsock_saved), _ram(memory),
+                                           loop._native, irq, [None] * 3, (str(uds), None))
+        assert vsock.active and uds.exists()
+        assert vsock.registers.read(0x100, 8) == struct.pack("<Q", 7)
+        assert plan_state(vsock.plan(), vsock_saved.slot, vsock_saved.irq) == vsock_saved
+        del vsock
+        assert not uds.exists()   # the path it bound goes with it
     finally:
         loop.stop()
         os.close(irq)
+
+
+def _wait_packet(rx: DriverQueue, op: Op) -> tuple[PacketHeader, bytes]:
+    """The next packet of ``op`` the device put in the guest's rx queue (others skipped)."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while time.monotonic() < deadline:
+        for _, written, data in rx.take_used():
+            hdr = PacketHeader.unpack(data[:HEADER_SIZE])
+            if hdr.op == op:
+                return hdr, data[HEADER_SIZE:written]
+        time.sleep(0.002)
+    raise AssertionError(f"no {op.name} packet in the rx queue")
+
+
+def test_a_vsock_snapshot_restores_natively_without_the_parents_connections(
+        loops: tuple[NativeEventLoop, NativeEventLoop]) -> None:
+    parent_loop, child_loop = loops
+    with VsockEnv(parent_loop) as parent:
+        # The parent: served by the Python transport, a host connection established and
+        # an event buffer posted when the snapshot is taken.
+        parent.ev.post(writable=[4])
+        parent.driver.notify(2)
+        old_host, _ = parent.host_connect(1234)
+        dev_state = run_on_loop(parent_loop, parent.dev.save)
+        saved = DeviceState("vsock", 1, 0, 6, dev_state,
+                            run_on_loop(parent_loop, parent.transport.save))
+        # The parent lets go of the rings (the child maps the same guest memory).
+        run_on_loop(parent_loop, parent.transport.reset)
+        assert old_host.recv(10) == b""
+        old_host.close()
+
+        decoded = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
+        plan = device_plan(decoded)
+        assert plan[0] == ("vsock", 3, round(CONNECT_TIMEOUT * 1000),
+                           round(RESET_ACK_WAIT_S * 1000))
+        child_uds = f"{parent.dir}/child.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(child_uds)
+        listener.listen(8)
+        irq = _eventfd()
+        notify = [_eventfd() for _ in range(3)]
+        native = None
+        try:
+            with pytest.raises(ValueError, match="needs its listener"):
+                _core.NativeDevice.restore(plan, _ram(parent.memory), child_loop._native, irq,
+                                           notify)
+            native = _core.NativeDevice.restore(plan, _ram(parent.memory), child_loop._native,
+                                                irq, notify, (child_uds, listener.fileno()))
+            listener.close()   # the device holds its own duplicate
+            assert native.active
+            assert native.registers.read(0x100, 8) == struct.pack("<Q", 3)   # config: the CID
+            # Connection-less, and the guest told so: the reset event in the buffer the
+            # parent left posted.
+            wait_until(lambda: parent.ev.used_idx() == 1, HANG_GUARD_S,
+                       "the transport reset event")
+            [(_, _, data)] = parent.ev.take_used()
+            assert data == struct.pack("<I", EVENT_TRANSPORT_RESET)
+
+            # A host connection on the child's listener, held until the guest handled the
+            # reset (a new event buffer), then a REQUEST; the guest accepts; data both ways.
+            host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            host.settimeout(HANG_GUARD_S)
+            host.connect(child_uds)
+            host.sendall(b"CONNECT 4321\n")
+            parent.ev.post(writable=[4])
+            os.eventfd_write(notify[2], 1)
+            request, _ = _wait_packet(parent.rx, Op.REQUEST)
+            assert (request.src_cid, request.dst_cid, request.dst_port) == (2, 3, 4321)
+            parent.tx.post(readable=[pkt(Op.RESPONSE, 4321, request.src_port).pack()])
+            os.eventfd_write(notify[1], 1)
+            assert recv_line(host) == f"OK {request.src_port}\n".encode()
+            host.sendall(b"ping")
+            parent.rx.post(writable=[HEADER_SIZE, 4096])
+            os.eventfd_write(notify[0], 1)
+            rw, payload = _wait_packet(parent.rx, Op.RW)
+            assert (rw.dst_port, payload) == (4321, b"ping")
+            parent.tx.post(readable=[pkt(Op.RW, 4321, request.src_port, 4).pack(), b"pong"])
+            os.eventfd_write(notify[1], 1)
+            assert recv_exact(host, 4) == b"pong"
+            host.close()
+            assert native.record() == (0, 0, 0, None)
+
+            # The device's plan is the saved record again, its ring indices moved on.
+            back = plan_state(native.plan(), 0, 6)
+            assert back.state == decoded.state == dev_state
+            assert back.transport is not None and decoded.transport is not None
+            moved = [(q.next_avail, q.next_used) for q in back.transport.queues]
+            was = [(q.next_avail, q.next_used) for q in decoded.transport.queues]
+            assert moved[2] == (was[2][0] + 1, was[2][1] + 1)   # the reset event
+            assert moved[1][0] >= was[1][0] + 2                 # RESPONSE, RW
+            back.transport.queues = decoded.transport.queues
+            assert back == decoded
+        finally:
+            del native   # off the loop, its sockets closed
+            listener.close()
+            os.close(irq)
+            for fd in notify:
+                os.close(fd)

@@ -145,19 +145,21 @@ def test_the_tx_parse_follows_the_rules_on_hostile_chains(
     segments = lay_out([mem], raw, extra, cuts, places)
     got = classify(mem, segments, guest_cid)
     event(got if isinstance(got, str) else got[0] + (f" {got[1]}" if got[1] else ""))
-    # A buffer outside RAM among those the header spans makes the walk refuse the
-    # chain; else the rules decide on the bytes the header's buffers hold (the extra
-    # buffer at 0 too, where the guest's bytes stop short) and the readable length.
-    header_buffers, spanned = [], 0
+    # A header byte outside RAM makes the parse refuse the chain (only the header's
+    # bytes are read: the rest of the buffer holding its last byte is the chain walk's
+    # to check, which this call does not run); else the rules decide on the bytes the
+    # header's buffers hold (the extra buffer at 0 too, where the guest's bytes stop
+    # short) and the readable length.
+    header_reads, spanned = [], 0
     for addr, length in segments:
         if spanned >= HEADER_SIZE:
             break
-        header_buffers.append((addr, length))
+        header_reads.append((addr, min(length, HEADER_SIZE - spanned)))
         spanned += length
-    if not all(in_ram(addr, length) for addr, length in header_buffers):
+    if not all(in_ram(addr, length) for addr, length in header_reads):
         assert got == "GuestError", got
         return
-    seen = b"".join(mem.read(addr, length) for addr, length in header_buffers if length)
+    seen = b"".join(mem.read(addr, length) for addr, length in header_reads if length)
     want = by_the_rules(seen[:HEADER_SIZE], sum(length for _, length in segments), guest_cid)
     if all(in_ram(addr, length) for addr, length in segments):
         assert got == want

@@ -7,28 +7,33 @@ tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back in
 
     (kind, features, max_sizes, registers, indices)
 
-* ``kind``: ``("rng", max_requests, max_bytes, 0)`` or ``("balloon", max_chains,
-  madvise advice, actual)``: the device's record reduced to what its native server
-  takes, with the budgets ``rng.py`` and ``balloon.py`` serve with;
+* ``kind``: ``("rng", max_requests, max_bytes, 0)``, ``("balloon", max_chains,
+  madvise advice, actual)`` or ``("vsock", guest_cid, connect timeout ms, reset
+  acknowledgement wait ms)``: the device's record reduced to what its native server
+  takes, with the budgets and timeouts ``rng.py``, ``balloon.py`` and ``vsock.py``
+  serve with (a vsock's host listener is not in the record: ``NativeDevice.restore``
+  takes it beside the plan, ``vsock_listener``);
 * ``features`` and ``max_sizes``: what the device offers, as its Python class does;
 * ``registers``: the transport's register image, as ``MmioRegisters.save`` gives it;
 * ``indices``: each queue's ``(next_avail, next_used)``.
 
-Only rng and the balloon have a native transport so far (docs/native.md says what
-vsock, blk and net still need).
+rng, the balloon and vsock have a native transport (``PLANNED_KINDS``); the machine
+restores natively those in ``NATIVE_KINDS`` (docs/native.md says what blk and net still
+need).
 """
 
 from __future__ import annotations
 
 import mmap
 
-from vmfork.vmm.devices.manager import BALLOON, RNG, DeviceState
-from vmfork.vmm.devices.virtio import balloon, rng
+from vmfork.vmm.devices.manager import BALLOON, RNG, VSOCK, DeviceState
+from vmfork.vmm.devices.virtio import balloon, rng, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
 
 NATIVE_KINDS = (RNG.name, BALLOON.name)
+PLANNED_KINDS = (*NATIVE_KINDS, VSOCK.name)
 
 Kind = tuple[str, int, int, int]
 Registers = tuple[int, int, int, int, bool, int, int, int,
@@ -40,15 +45,18 @@ def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
     """(features, queue max sizes, device type) of a device of ``kind``, as its class."""
     if kind == "rng":
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
+    if kind == "vsock":
+        return (VIRTIO_F_VERSION_1, vsock.VirtioVsock.queue_max_sizes,
+                vsock.VirtioVsock.device_type)
     return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
             balloon.VirtioBalloon.queue_max_sizes, balloon.VirtioBalloon.device_type)
 
 
 def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
-    """The plan of a decoded rng or balloon record (``ValueError`` for another kind, or
-    a record that does not fit the device). ``balloon_advice`` is how this machine
-    drops a reported page (``MADV_REMOVE`` for guest RAM on a shared memfd)."""
-    if state.kind not in NATIVE_KINDS:
+    """The plan of a decoded rng, balloon or vsock record (``ValueError`` for another
+    kind, or a record that does not fit the device). ``balloon_advice`` is how this
+    machine drops a reported page (``MADV_REMOVE`` for guest RAM on a shared memfd)."""
+    if state.kind not in PLANNED_KINDS:
         raise ValueError(f"no native transport for a {state.kind} device")
     t = state.transport
     if t is None:
@@ -63,6 +71,11 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
     kind: Kind
     if state.kind == RNG.name:
         kind = ("rng", rng.MAX_REQUESTS_PER_NOTIFY, rng.MAX_BYTES_PER_REQUEST, 0)
+    elif state.kind == VSOCK.name:
+        cid = state.state
+        assert isinstance(cid, vsock.VsockState)   # DeviceState types it by kind
+        kind = ("vsock", cid.guest_cid, round(vsock.CONNECT_TIMEOUT * 1000),
+                round(vsock.RESET_ACK_WAIT_S * 1000))
     else:
         record = state.state
         assert isinstance(record, balloon.BalloonState)   # DeviceState types it by kind
@@ -80,15 +93,17 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
 def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
     """The ``DeviceState`` a natively served device saves: ``plan`` is its ``plan()``;
     ``slot`` and ``irq`` where it is on the machine."""
-    (name, _, second, actual), _, _, registers, indices = plan
+    (name, first, _, last), _, _, registers, indices = plan
     status, dfs, drfs, df, bad, qsel, isr, cg, queues = registers
     # As the Python transport: the acked features are the driver's from FEATURES_OK on.
     acked = df if status & STATUS_FEATURES_OK else 0
-    record: rng.RngState | balloon.BalloonState
+    record: rng.RngState | balloon.BalloonState | vsock.VsockState
     if name == "rng":
         record = rng.RngState(acked_features=acked)
     elif name == "balloon":
-        record = balloon.BalloonState(acked_features=acked, actual=actual)
+        record = balloon.BalloonState(acked_features=acked, actual=last)
+    elif name == "vsock":
+        record = vsock.VsockState(guest_cid=first, acked_features=acked)
     else:
         raise ValueError(f"no native transport for a {name} device")
     _, _, device_type = _offer(name)
@@ -99,5 +114,6 @@ def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
         queues=[QueueState(m, size, ready, desc, avail, used, next_avail, next_used)
                 for (m, size, ready, desc, avail, used), (next_avail, next_used)
                 in zip(queues, indices)])
-    version = RNG.version if name == RNG.name else BALLOON.version
+    version = {RNG.name: RNG.version, BALLOON.name: BALLOON.version,
+               VSOCK.name: VSOCK.version}[name]
     return DeviceState(name, version, slot, irq, record, transport)
