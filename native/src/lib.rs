@@ -27,6 +27,7 @@ mod eventloop;
 mod guest_ram;
 mod log_budget;
 mod machine;
+mod machine_plan;
 mod mmio;
 mod mmio_py;
 mod native_fork;
@@ -263,6 +264,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(child::fork_single_threaded, m)?)?;
     m.add_class::<native_fork::ChildLife>()?;
     m.add_class::<tiny_machine::TinyMachinePlan>()?;
+    m.add_class::<machine_plan::SnapshotMachinePlan>()?;
+    m.add_class::<machine_plan::ChildMachinePlan>()?;
     m.add_function(wrap_pyfunction!(native_fork::fork_native, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())

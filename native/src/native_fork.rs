@@ -36,6 +36,7 @@ use crate::child::{exit_setup_failed, fork_checked, ChildPlan, Opened};
 use crate::child_life::{self, Forked, LifePlan};
 use crate::child_report::ChildReporter;
 use crate::control_serve::{error_line, Handover, PyHandover};
+use crate::machine_plan::ChildMachinePlan;
 use crate::tiny_machine::TinyMachinePlan;
 
 /// `EXIT_ENTRY_RAISED` of `runtime/zygote_protocol.py`.
@@ -139,8 +140,41 @@ impl Handover for AfterForkPython {
     }
 }
 
-/// Fork a child that runs `plan`'s set-up and jail, then `life` with `machine`, and
-/// never returns into Python (it `_exit`s with the life's status). `forked_ns`: the
+/// The machine a native child builds after its set-up and jail.
+enum ForkedMachine {
+    /// A snapshot's (`machine_plan.rs`).
+    Restored(Py<ChildMachinePlan>),
+    /// The tests' real-mode program (`tiny_machine.rs`).
+    Tiny(TinyMachinePlan),
+}
+
+impl ForkedMachine {
+    fn from_py(machine: &Bound<'_, PyAny>) -> PyResult<Self> {
+        if let Ok(restored) = machine.cast::<ChildMachinePlan>() {
+            return Ok(ForkedMachine::Restored(restored.clone().unbind()));
+        }
+        Ok(ForkedMachine::Tiny(
+            machine.cast::<TinyMachinePlan>()?.get().clone(),
+        ))
+    }
+
+    /// The life of this machine; in the child, with no Python.
+    fn live(&self, life: &LifePlan, forked: Forked, after_fork: &AfterForkPython) -> i32 {
+        let opened = after_fork.opened.as_ref();
+        match self {
+            ForkedMachine::Restored(plan) => {
+                child_life::live(life, forked, || plan.get().build(opened), after_fork)
+            }
+            ForkedMachine::Tiny(plan) => {
+                child_life::live(life, forked, || plan.build(), after_fork)
+            }
+        }
+    }
+}
+
+/// Fork a child that runs `plan`'s set-up and jail, then `life` with `machine` (a
+/// `ChildMachinePlan` or a `TinyMachinePlan`), and never returns into Python (it
+/// `_exit`s with the life's status). `forked_ns`: the
 /// zygote's CLOCK_MONOTONIC at the fork, for `fork_to_entry_s`; `handover`:
 /// `module:function`, the Python handler of handed-over control lines; `prelude`:
 /// called with the jail's descriptors before the first. Returns the child's pid;
@@ -151,7 +185,7 @@ pub fn fork_native(
     py: Python<'_>,
     plan: &ChildPlan,
     life: &ChildLife,
-    machine: &TinyMachinePlan,
+    machine: &Bound<'_, PyAny>,
     forked_ns: i64,
     handover: &str,
     prelude: Option<Py<PyAny>>,
@@ -161,6 +195,7 @@ pub fn fork_native(
             "handover must be 'module:function', got {handover:?}"
         ))
     })?;
+    let machine = ForkedMachine::from_py(machine)?;
     let mut after_fork = AfterForkPython {
         module: module.to_owned(),
         function: function.to_owned(),
@@ -186,7 +221,7 @@ pub fn fork_native(
     // a Python exception, in a child running the zygote's loop): it exits as an entry
     // that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.
     let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        child_life::live(&life.plan, forked, || machine.build(), &after_fork)
+        machine.live(&life.plan, forked, &after_fork)
     }))
     .unwrap_or(EXIT_ENTRY_RAISED);
     // SAFETY: _exit ends the process without unwinding into the zygote's frames.

@@ -1,0 +1,203 @@
+//! The plan of the `NativeMachine` a native child restores (`native_fork.rs`): built
+//! by the zygote before the fork, built into a machine by the child after its set-up
+//! and jail, with no Python.
+//!
+//! Two parts, so that what costs is paid once per snapshot:
+//! * `SnapshotMachinePlan`: a snapshot's machine as plain values (the memory file's
+//!   path and size, the prepared restore, COM1's registers, the console's budget, the
+//!   virtio devices' plans), built once per snapshot (`vmmchild._snapshot_machine`);
+//! * `ChildMachinePlan`: one child's, `SnapshotMachinePlan.for_child`: its run
+//!   directory (the console log and the vsock listener go there) and, for a jailed
+//!   child, where its jail's opened descriptors hold the memory file and `/dev/kvm`.
+//!
+//! The child opens all it needs itself (its set-up's `close_range` closed the zygote's
+//! descriptors): `/dev/kvm` and the memory file (from the jail's, once its uid may
+//! not open them), the console log, and its vsock device binds `<run_dir>/vsock.sock`.
+
+use std::fs::File;
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+
+use kvm_ioctls::Kvm;
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::child::Opened;
+use crate::console::{log_budget, SerialFields, SerialRegs};
+use crate::machine::{ConsolePlan, MachinePlan, NativeMachine, RamSource, SlotPlan};
+use crate::restore::VcpuBuffers;
+use crate::transport::{DeviceKind, DevicePlan, VsockListener};
+use crate::transport_py::{plan_from_py, PyPlan};
+use crate::vm::Restore;
+use crate::PreparedRestore;
+
+/// The console log's mode when the child creates it (as `Machine`'s, the VMM's own).
+const CONSOLE_LOG_MODE: u32 = 0o600;
+
+/// A snapshot's machine as plain values (module comment).
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct SnapshotMachinePlan {
+    memory_path: PathBuf,
+    mem_size: u64,
+    prepared: Py<PreparedRestore>,
+    /// (slot, pin, plan); a vsock's listener path is set per child (`for_child`).
+    devices: Vec<(u32, u32, DevicePlan)>,
+    serial: Option<SerialFields>,
+    log_budget: (u32, f64, u64),
+}
+
+#[pymethods]
+impl SnapshotMachinePlan {
+    /// The machine of a snapshot: its memory file `memory_path` (`mem_size` bytes,
+    /// mapped `MAP_PRIVATE` by each child), its restore buffers `prepared`, COM1's
+    /// registers `serial` (`SerialState`'s fields), the console log's budget, and the
+    /// virtio devices `devices`: (slot, IOAPIC pin, plan as `plan.machine_plan`
+    /// builds them). `ValueError` for a plan that does not fit its device.
+    #[new]
+    #[pyo3(signature = (memory_path, mem_size, prepared, *, devices, serial, log_burst,
+                        log_per_second, log_total_bytes))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        memory_path: PathBuf,
+        mem_size: u64,
+        prepared: Py<PreparedRestore>,
+        devices: Vec<(u32, u32, PyPlan)>,
+        serial: Option<SerialFields>,
+        log_burst: u32,
+        log_per_second: f64,
+        log_total_bytes: u64,
+    ) -> PyResult<Self> {
+        log_budget(log_burst, log_per_second, log_total_bytes).map_err(PyValueError::new_err)?;
+        let devices = devices
+            .into_iter()
+            .map(|(slot, irq, plan)| {
+                // Any path: each child's is its own run directory's (`ChildMachinePlan`).
+                let listener = Some((String::new(), None));
+                Ok((slot, irq, plan_from_py(plan, listener)?))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(SnapshotMachinePlan {
+            memory_path,
+            mem_size,
+            prepared,
+            devices,
+            serial,
+            log_budget: (log_burst, log_per_second, log_total_bytes),
+        })
+    }
+
+    /// One child's plan: its `run_dir`; for a jailed child, the index of the memory
+    /// file among the jail's read-only opened files (`JailSpec.preopen`) and of
+    /// `/dev/kvm` among its devices (`JailSpec.devices`).
+    #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None))]
+    fn for_child(
+        slf: Py<Self>,
+        run_dir: PathBuf,
+        jail_memory: Option<usize>,
+        jail_kvm: Option<usize>,
+    ) -> ChildMachinePlan {
+        ChildMachinePlan {
+            snapshot: slf,
+            run_dir,
+            jail_memory,
+            jail_kvm,
+        }
+    }
+}
+
+/// One child's machine (module comment).
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct ChildMachinePlan {
+    snapshot: Py<SnapshotMachinePlan>,
+    run_dir: PathBuf,
+    jail_memory: Option<usize>,
+    jail_kvm: Option<usize>,
+}
+
+/// The descriptor at `index` of `fds`, the jail's opened `what`, owned from here.
+fn jail_fd(fds: &[RawFd], index: usize, what: &str) -> Result<RawFd, String> {
+    match fds.get(index) {
+        Some(&fd) if fd >= 0 => Ok(fd),
+        _ => Err(format!("the jail opened no {what}")),
+    }
+}
+
+impl ChildMachinePlan {
+    /// The machine, nothing running yet; `opened`: what the child's jail opened
+    /// (None unjailed). Runs in the forked child, without Python.
+    pub fn build(&self, opened: Option<&Opened>) -> Result<NativeMachine, String> {
+        let snapshot = self.snapshot.get();
+        let (kvm, memory) = match opened {
+            Some((ro, _, _, devices, _)) => {
+                let kvm_at = self.jail_kvm.ok_or("a jailed child needs its /dev/kvm")?;
+                let memory_at = self
+                    .jail_memory
+                    .ok_or("a jailed child needs its memory file opened by the jail")?;
+                let kvm = jail_fd(devices, kvm_at, "/dev/kvm")?;
+                let memory = jail_fd(ro, memory_at, "memory file")?;
+                // SAFETY: descriptors the jail opened for this process and nothing else
+                // in it owns (no Python runs to adopt them): each is taken once, here.
+                unsafe { (Kvm::from_raw_fd(kvm), File::from_raw_fd(memory)) }
+            }
+            None => (
+                Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?,
+                File::open(&snapshot.memory_path)
+                    .map_err(|e| format!("{}: {e}", snapshot.memory_path.display()))?,
+            ),
+        };
+        let log_path = self.run_dir.join("console.log");
+        let log = File::options()
+            .create(true)
+            .append(true)
+            .mode(CONSOLE_LOG_MODE)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&log_path)
+            .map_err(|e| format!("{}: {e}", log_path.display()))?;
+        let (burst, per_second, total) = snapshot.log_budget;
+        let vsock_path = self.run_dir.join("vsock.sock");
+        let vsock_path = vsock_path
+            .to_str()
+            .ok_or_else(|| format!("{} is not UTF-8", vsock_path.display()))?;
+        let devices = snapshot
+            .devices
+            .iter()
+            .map(|(slot, irq, plan)| {
+                let mut plan = plan.clone();
+                if let DeviceKind::Vsock { listener, .. } = &mut plan.kind {
+                    *listener = VsockListener {
+                        path: vsock_path.to_owned(),
+                        bound: None,
+                    };
+                }
+                SlotPlan {
+                    slot: *slot,
+                    irq: *irq,
+                    plan,
+                }
+            })
+            .collect();
+        let prepared = snapshot.prepared.get();
+        let states: Vec<&VcpuBuffers> = prepared.vcpus.iter().map(|v| &v.get().inner).collect();
+        let indices: Vec<u32> = states.iter().map(|s| s.index()).collect();
+        let plan = MachinePlan {
+            ram: RamSource::File {
+                fd: std::os::fd::AsFd::as_fd(&memory),
+                mem_size: snapshot.mem_size,
+            },
+            vcpus: &indices,
+            restore: Some(Restore {
+                vm: &prepared.vm,
+                vcpus: &states,
+            }),
+            console: ConsolePlan {
+                log: Some(log),
+                budget: log_budget(burst, per_second, total)?,
+                serial: snapshot.serial.clone().map(SerialRegs::from_fields),
+            },
+            devices,
+        };
+        // SAFETY: the RAM is a file mapping the machine makes and owns.
+        unsafe { NativeMachine::restore(&kvm, plan) }
+    }
+}
