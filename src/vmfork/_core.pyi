@@ -392,7 +392,25 @@ class TinyMachinePlan:
     (native/src/tiny_machine.rs)."""
     def __init__(self, code: bytes) -> None: ...
 
-def fork_native(plan: ChildPlan, life: ChildLife, machine: TinyMachinePlan, forked_ns: int,
+class SnapshotMachinePlan:
+    """A snapshot's ``NativeMachine`` as plain values, built once per snapshot
+    (native/src/machine_plan.rs); ``for_child`` gives one child's plan."""
+    def __init__(self, memory_path: str, mem_size: int, prepared: PreparedRestore,
+                 *, devices: list[tuple[int, int, tuple[
+                     tuple[str, int, int, int], int, list[int],
+                     tuple[int, int, int, int, bool, int, int, int,
+                           list[tuple[int, int, bool, int, int, int]]],
+                     list[tuple[int, int]]]]],
+                 serial: tuple[int, int, int, int, int, int, bool, bytes] | None,
+                 log_burst: int, log_per_second: float, log_total_bytes: int) -> None: ...
+    def for_child(self, run_dir: str, *, jail_memory: int | None = ...,
+                  jail_kvm: int | None = ...) -> ChildMachinePlan: ...
+
+class ChildMachinePlan:
+    """One native child's machine: its snapshot's plan and its run directory."""
+
+def fork_native(plan: ChildPlan, life: ChildLife,
+                machine: ChildMachinePlan | TinyMachinePlan, forked_ns: int,
                 handover: str, prelude: Callable[..., object] | None = ...) -> int: ...
 
 def agent_after_fork(

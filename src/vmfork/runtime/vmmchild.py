@@ -86,6 +86,7 @@ from vmfork.agent.client import (
 )
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
+from vmfork.kvm.api import KVM_PATH
 from vmfork.ondisk.memplan import MAX_RUNS, PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime import control, jail, memphases, seccomp, spawnprofile, zygote_child
@@ -95,6 +96,8 @@ from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
+from vmfork.vmm.devices import serial
+from vmfork.vmm.devices.plan import machine_plan
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
@@ -412,7 +415,7 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
     values (``_core.ChildLife``), built before the fork from what ``prefork`` built
     (the agent's target, the snapshot's decoded state, the seccomp program).
     Raises for a spawn a native child cannot serve yet: new volumes (attached in
-    Python), and any spawn until the machine it restores is native (``nmachine``)."""
+    Python), and a snapshot ``_snapshot_machine`` refuses."""
     from vmfork import _core
     if args.get("volumes"):
         raise ValueError("a native child attaches no volumes yet (Machine.attach_volume)")
@@ -432,15 +435,61 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
         agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
         net_refresh=state.device(devices.NET) is not None)
     return zygote_child.NativeChild(
-        life, _native_machine(args), NATIVE_HANDOVER,
+        life, _native_machine(args, jail_spec), NATIVE_HANDOVER,
         functools.partial(jail.adopt, jail_spec) if jail_spec is not None else None)
 
 
-def _native_machine(args: dict[str, Any]) -> Any:
-    """The plan of the machine a native child restores from ``args["snapshot_dir"]``:
-    ``NativeMachine``'s, which the ``nmachine`` branch builds; this build has none."""
-    raise NotImplementedError(f"no native machine assembly in this build to restore "
-                              f"{args.get('snapshot_dir')} (NativeMachine)")
+# Each snapshot's native machine (``_core.SnapshotMachinePlan``), keyed by its
+# ``state.bin`` path, valid while ``load_snapshot`` gives the same ``PreparedRestore``.
+_snapshot_machines: dict[str, tuple[PreparedRestore, Any]] = {}
+
+
+def _snapshot_machine(snapshot_dir: str) -> Any:
+    """The machine of ``snapshot_dir`` as ``_core.SnapshotMachinePlan``, built once per
+    snapshot in the zygote (beside its ``PreparedRestore``, which it holds). Raises
+    ``ValueError`` for a snapshot a native machine cannot restore yet: a virtio device
+    with no native transport (blk, net, volume slots), or a diff snapshot's memory
+    plan (its premap is the Python ``Machine``'s to adopt)."""
+    from vmfork import _core
+    state, prepared = load_snapshot(snapshot_dir)
+    key = os.path.join(snapshot_dir, "state.bin")
+    cached = _snapshot_machines.get(key)
+    if cached is not None and cached[0] is prepared:
+        return cached[1]
+    memory_file, memory_plan = load_memory(snapshot_dir)
+    if memory_plan is not None:
+        raise ValueError(f"{snapshot_dir} is a diff snapshot: a native child maps only a "
+                         "flat memory file yet")
+    if prepared.native is None:
+        raise ValueError(f"{snapshot_dir}'s restore buffers are not native")
+    com1 = state.device(devices.SERIAL)
+    machine = _core.SnapshotMachinePlan(
+        memory_file, state.mem_size, prepared.native, devices=machine_plan(state),
+        serial=None if com1 is None else (com1.dll, com1.dlm, com1.ier, com1.lcr, com1.mcr,
+                                          com1.scr, com1.thre_pending, bytes(com1.rx)),
+        log_burst=serial.CONSOLE_BURST, log_per_second=serial.CONSOLE_LINES_PER_S,
+        log_total_bytes=serial.CONSOLE_LOG_BYTES)
+    _snapshot_machines.pop(key, None)
+    _snapshot_machines[key] = (prepared, machine)
+    while len(_snapshot_machines) > SNAPSHOTS_KEPT:
+        del _snapshot_machines[next(iter(_snapshot_machines))]
+    return machine
+
+
+def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
+    """The plan of the machine a native child restores from ``args["snapshot_dir"]``
+    (``_core.ChildMachinePlan``): its snapshot's, with its run directory and, jailed,
+    where the jail's opened descriptors hold the memory file and ``/dev/kvm``."""
+    snapshot_dir = str(args["snapshot_dir"])
+    machine = _snapshot_machine(snapshot_dir)
+    run_dir = str(args["run_dir"])
+    if jail_spec is None:
+        return machine.for_child(run_dir)
+    memory_file, _ = load_memory(snapshot_dir)
+    if memory_file not in jail_spec.preopen or KVM_PATH not in jail_spec.devices:
+        raise ValueError(f"the jail opens no {memory_file} or {KVM_PATH} for the machine")
+    return machine.for_child(run_dir, jail_memory=jail_spec.preopen.index(memory_file),
+                             jail_kvm=jail_spec.devices.index(KVM_PATH))
 
 
 def native_handover(line: bytes, fd: int) -> bytes:

@@ -73,7 +73,7 @@ from vmfork.runtime import cgroups, jail, memphases, spawnprofile
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
 
 if TYPE_CHECKING:
-    from vmfork._core import ChildLife, ChildPlan, TinyMachinePlan
+    from vmfork._core import ChildLife, ChildMachinePlan, ChildPlan, TinyMachinePlan
 
 OOM_SCORE_ADJ = 1000
 """A VMM is the first process the OOM killer takes (the maximum; see step 5; set by
@@ -165,7 +165,7 @@ class NativeChild:
     entry module's ``native_child(args, jail_spec)`` in the zygote, before the fork."""
 
     life: ChildLife
-    machine: TinyMachinePlan
+    machine: ChildMachinePlan | TinyMachinePlan
     handover: str
     """``module:function``: the Python handler of the control lines the native server
     hands over (``ControlServer.handle_line``'s contract), resolved in the child at the

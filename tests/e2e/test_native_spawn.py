@@ -1,0 +1,93 @@
+"""A real spawn whose children run no Python (``VMFORK_NATIVE_CHILD=1``): the zygote
+forks each with ``_core.fork_native``, and the child restores the snapshot as a
+``NativeMachine`` (native/src/machine_plan.rs) after its set-up and jail, then lives
+natively (native/src/child_life.rs): the reports, the control server, the agent's
+handshake, the idle wait and the exit.
+
+The children are jailed, as spawns are by default. That they run natively is checked
+through what only a native child refuses: ``exits``, a hand-over it has no Python
+view of the machine for."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from vmfork.image import find_image
+from vmfork.runtime import control
+from vmfork.runtime.parent import snapshot_parent
+from vmfork.runtime.spawn import Child, fork_children
+from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
+from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
+from vmfork.store import Snapshot, Store
+
+WARM = "marker = 'from the parent'\n"
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
+    store = Store.open(tmp_path_factory.mktemp("home"))
+    return snapshot_parent(store, "warm", find_image(), mem_mib=256, warm_code=WARM).snapshot
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
+    path = tmp_path_factory.mktemp("zygote") / "z.sock"
+    # As test_fork's: the imports over the test host's 9p take long.
+    proc = start_zygote(str(path), timeout=180.0,
+                        env={**os.environ, NATIVE_CHILD_ENV: "1"})
+    yield proc
+    proc.close()
+
+
+@pytest.fixture(scope="module")
+def children(zygote: ZygoteProcess, warm: Snapshot,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Child]]:
+    client = zygote.client()
+    report = fork_children(client, warm, 2, tmp_path_factory.mktemp("vms"))
+    assert not report.failed, report.failed
+    yield report.children
+    for child in report.children:
+        if child.vm_id in {c.vm_id for c in client.list()}:
+            client.kill_and_wait(child.vm_id)
+
+
+def test_native_children_become_ready_and_run_code(children: list[Child]) -> None:
+    for child in children:
+        status = child.read_status()
+        assert status["state"] == "ready", status
+        assert status["fork_to_entry_s"] is not None
+        agent = child.agent
+        assert agent.eval("marker").value == repr("from the parent")
+        assert agent.exec(["echo", "native"]).stdout == b"native\n"
+        # A native child: the machine's Python view is not there to hand over to.
+        with control.ControlClient.connect(child.run_dir / "control.sock") as ctl:
+            with pytest.raises(control.ControlError, match="a native child does not serve"):
+                ctl.call(control.Exits())
+
+
+def test_native_children_pause_resume_and_report_status(children: list[Child]) -> None:
+    child = children[0]
+    with control.ControlClient.connect(child.run_dir / "control.sock") as ctl:
+        status = ctl.call(control.Status())
+        assert (status.paused, status.exit, status.jailed) == (False, None, True)
+        ctl.call(control.Pause())
+        assert ctl.call(control.Status()).paused
+        ctl.call(control.Resume())
+        assert not ctl.call(control.Status()).paused
+    assert child.agent.eval("1 + 1").value == "2"
+
+
+def test_native_children_exit_cleanly_on_stop_and_on_sigterm(
+        zygote: ZygoteProcess, children: list[Child]) -> None:
+    client = zygote.client()
+    by_stop, by_signal = children
+    with control.ControlClient.connect(by_stop.run_dir / "control.sock") as ctl:
+        ctl.call(control.Stop())
+    event = client.wait(by_stop.vm_id, timeout=60.0)
+    assert (event.reason, event.exit_code) == ("exited", 0), event
+    event = client.kill_and_wait(by_signal.vm_id, signal.SIGTERM, timeout=60.0)
+    assert (event.reason, event.exit_code) == ("exited", 0), event
