@@ -4,7 +4,7 @@ forks each with ``_core.fork_native``, and the child restores the snapshot as a
 natively (native/src/child_life.rs): the reports, the control server, the agent's
 handshake, the idle wait and the exit.
 
-The children are jailed, as spawns are by default. That they run natively is checked
+The children are jailed, as spawns are by default; the snapshot has rng and vsock. That they run natively is checked
 through what only a native child refuses: ``exits``, a hand-over it has no Python
 view of the machine for."""
 
@@ -29,8 +29,13 @@ WARM = "marker = 'from the parent'\n"
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
+    # No balloon: a native child hands a status with one over to Python, which it has
+    # no machine view for yet (docs/native.md).
     store = Store.open(tmp_path_factory.mktemp("home"))
-    return snapshot_parent(store, "warm", find_image(), mem_mib=256, warm_code=WARM).snapshot
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VMFORK_BALLOON", "0")
+        return snapshot_parent(store, "warm", find_image(), mem_mib=256,
+                               warm_code=WARM).snapshot
 
 
 @pytest.fixture(scope="module")

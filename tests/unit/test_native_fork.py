@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -141,20 +142,26 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         forker.wait()
 
 
-def test_the_knob_is_off_by_default_and_on_a_spawn_without_a_native_machine_fails(
+def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
         tmp_path: Path) -> None:
     assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") == "1")
+    # The format-1 golden snapshot: its blk and net have no native transport.
+    snapshot_dir = tmp_path / "snapshot"
+    snapshot_dir.mkdir()
+    shutil.copy(Path(__file__).parent / "golden" / "state-v1.bin", snapshot_dir / "state.bin")
+    (snapshot_dir / "memory.bin").write_bytes(b"")
     prep = zygote._Prepared("vm1", {"vm_id": "vm1", "run_dir": str(tmp_path),
-                                    "snapshot_dir": str(tmp_path)}, None, None,
+                                    "snapshot_dir": str(snapshot_dir)}, None, None,
                             str(tmp_path))
     # An entry module without the hook forks as before.
     assert zygote.Zygote._native_child(zygote_child.run_child, prep) is None
-    # vmmchild offers one, which fails the spawn (never a silent Python child) until
-    # its machine is native.
+    # vmmchild offers one, which fails the spawn (never a silent Python child) for a
+    # machine it cannot build natively, naming the device.
     with pytest.raises(OSError) as raised:
         zygote.Zygote._native_child(vmmchild.main, prep)
     assert raised.value.errno == errno.ENOTSUP
     assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
+    assert "net device (virtio-mmio.2) has no native transport" in str(raised.value)
 
 
 def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for_now() -> None:
