@@ -969,7 +969,9 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
     md += ["", "## Set-up (once per run)", "",
            (f"- vmfork parent: boot {setup['vmfork_boot_s']:.2f} s, warm-up "
            f"{setup['vmfork_warm_s']:.2f} s, snapshot pause {setup['vmfork_pause_ms']:.1f} ms, "
-           f"memory file {setup['vmfork_memory_bytes'] / MIB:.0f} MiB"),
+           f"memory file {setup['vmfork_memory_bytes'] / MIB:.0f} MiB; children "
+           + ("run no Python (VMFORK_NATIVE_CHILD=1)" if setup.get("native_child")
+              else "run Python (vmmchild.main)")),
            (f"- vmfork zygote's first spawn from the snapshot (decodes it and warms the restore "
             f"path up, once; then restored): {fmt_s(setup.get('vmfork_first_spawn_s'))}"),
            (f"- QEMU template parent: boot + warm-up {setup['template_boot_s']:.2f} s, "
@@ -1359,6 +1361,11 @@ def parse_args() -> argparse.Namespace:
                         help="memory of the emulated test host, when one is needed")
     parser.add_argument("--host-timeout", type=float, default=3 * 3600.0,
                         help="seconds for the whole run in the emulated test host")
+    parser.add_argument("--free-volume-slots", type=int, default=None,
+                        help="empty volume slots of the vmfork parent (default: "
+                             "snapshot_parent's); children that run no Python "
+                             "(VMFORK_NATIVE_CHILD=1, which passes into the test host) "
+                             "need 0: a volume slot has no native transport")
     parser.add_argument("--breakdown", action="store_true",
                         help="also: each vmfork child's memory by mapping class and by phase, "
                              "and its threads' wake-ups while idle")
@@ -1434,7 +1441,10 @@ def main() -> int:
     results: dict[str, dict[int, list[dict[str, Any]]]] = {p: {} for p in PEERS}
     skipped: dict[str, dict[int, str]] = {p: {} for p in PEERS}
     setup: dict[str, Any] = {"vsock": vsock, "image": image.name,
-                             "kernel": str(image.kernel), "initrd": str(image.initrd)}
+                             "kernel": str(image.kernel), "initrd": str(image.initrd),
+                             "native_child": os.environ.get("VMFORK_NATIVE_CHILD") == "1"}
+    slots = {} if args.free_volume_slots is None else {"free_volume_slots":
+                                                       args.free_volume_slots}
 
     def log(msg: str) -> None:
         print(f"spawn: {msg}", file=sys.stderr, flush=True)
@@ -1448,7 +1458,7 @@ def main() -> int:
 
         log("snapshotting the vmfork parent")
         report = snapshot_parent(Store.open(home), "bench-spawn", image, mem_mib=args.mem_mib,
-                                 warm_code=args.warm)
+                                 warm_code=args.warm, **slots)
         snapshot = report.snapshot
         setup.update(vmfork_boot_s=report.boot_s, vmfork_warm_s=report.warm_s,
                      vmfork_pause_ms=report.pause_ms, vmfork_memory_bytes=report.memory_bytes)

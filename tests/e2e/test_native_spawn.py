@@ -29,13 +29,13 @@ WARM = "marker = 'from the parent'\n"
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
-    # No balloon: a native child hands a status with one over to Python, which it has
-    # no machine view for yet (docs/native.md).
+    # No balloon (a native child hands a status with one over to Python, which it has
+    # no machine view for yet) and no empty volume slot (blk: no native transport).
     store = Store.open(tmp_path_factory.mktemp("home"))
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VMFORK_BALLOON", "0")
-        return snapshot_parent(store, "warm", find_image(), mem_mib=256,
-                               warm_code=WARM).snapshot
+        return snapshot_parent(store, "warm", find_image(), mem_mib=256, warm_code=WARM,
+                               free_volume_slots=0).snapshot
 
 
 @pytest.fixture(scope="module")
