@@ -15,7 +15,7 @@
 //! not open them), the console log, and its vsock device binds `<run_dir>/vsock.sock`.
 
 use std::fs::File;
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::{AsFd, FromRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
@@ -182,7 +182,7 @@ impl ChildMachinePlan {
         let indices: Vec<u32> = states.iter().map(|s| s.index()).collect();
         let plan = MachinePlan {
             ram: RamSource::File {
-                fd: std::os::fd::AsFd::as_fd(&memory),
+                fd: memory.as_fd(),
                 mem_size: snapshot.mem_size,
             },
             vcpus: &indices,
