@@ -24,7 +24,7 @@ use crate::virtio_py::GuestRam;
 type PyKind = (String, u64, i64, u32);
 
 /// A vsock's host side: (socket path, its bound listening fd or None to bind it).
-type PyListener = (String, Option<RawFd>);
+pub(crate) type PyListener = (String, Option<RawFd>);
 
 /// A vsock kind: its plan's numbers and the listener `NativeDevice.restore` was given.
 fn vsock_kind(kind: PyKind, listener: Option<PyListener>) -> PyResult<DeviceKind> {

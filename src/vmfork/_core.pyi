@@ -306,7 +306,8 @@ class NativeDevice:
                                   list[tuple[int, int, bool, int, int, int]]],
                             list[tuple[int, int]]],
                 ram: GuestRam, event_loop: EventLoop, irq_fd: int,
-                notify_fds: list[int | None]) -> NativeDevice: ...
+                notify_fds: list[int | None],
+                vsock_listener: tuple[str, int | None] | None = ...) -> NativeDevice: ...
     def plan(self) -> tuple[tuple[str, int, int, int], int, list[int],
                             tuple[int, int, int, int, bool, int, int, int,
                                   list[tuple[int, int, bool, int, int, int]]],
@@ -322,8 +323,10 @@ class NativeDevice:
 class NativeMachine:
     """A machine restored and run by the native core alone (native/src/machine.rs):
     guest RAM mapped from the snapshot's memory file, the VM core, the console, the
-    I/O loop, the rng and balloon devices from their plans at their slots, and the
-    vCPUs; Python hands it plain values and reads its reports."""
+    I/O loop, the rng, balloon and vsock devices from their plans at their slots (a
+    vsock's host side ``vsock_listener``: its socket path and bound listening fd, or
+    None to bind the path), and the vCPUs; Python hands it plain values and reads its
+    reports."""
     def __init__(self, kvm_fd: int, memory_fd: int, mem_size: int, prepared: PreparedRestore,
                  *, devices: list[tuple[int, int, tuple[
                      tuple[str, int, int, int], int, list[int],
@@ -332,7 +335,8 @@ class NativeMachine:
                      list[tuple[int, int]]]]],
                  serial: tuple[int, int, int, int, int, int, bool, bytes] | None = ...,
                  console_log_fd: int | None = ..., log_burst: int, log_per_second: float,
-                 log_total_bytes: int) -> None: ...
+                 log_total_bytes: int,
+                 vsock_listener: tuple[str, int | None] | None = ...) -> None: ...
     def start(self, paused: bool = ...) -> None: ...
     def pause(self, timeout: float = ...) -> bool: ...
     def resume(self) -> None: ...

@@ -19,18 +19,23 @@ tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back in
 
 rng, the balloon and vsock have a native transport (``PLANNED_KINDS``); the machine
 restores natively those in ``NATIVE_KINDS`` (docs/native.md says what blk and net still
-need).
+need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
+takes them, built once per snapshot.
 """
 
 from __future__ import annotations
 
 import mmap
+from typing import TYPE_CHECKING
 
 from vmfork.vmm.devices.manager import BALLOON, RNG, VSOCK, DeviceState
 from vmfork.vmm.devices.virtio import balloon, rng, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
+
+if TYPE_CHECKING:
+    from vmfork.vmm.vmstate import MachineState
 
 NATIVE_KINDS = (RNG.name, BALLOON.name)
 PLANNED_KINDS = (*NATIVE_KINDS, VSOCK.name)
@@ -88,6 +93,22 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
          for q in t.queues])
     indices = [(q.next_avail, q.next_used) for q in t.queues]
     return kind, features, list(max_sizes), registers, indices
+
+
+def machine_plan(state: MachineState,
+                 balloon_advice: int = mmap.MADV_DONTNEED) -> list[tuple[int, int, Plan]]:
+    """Every virtio device of the decoded snapshot ``state`` as ``(slot, IOAPIC pin,
+    plan)``, at the slot and pin the device manager gave it (``DeviceState``), for
+    ``_core.NativeMachine``'s ``devices``; COM1, a legacy device, is its ``serial``.
+    ``ValueError`` naming the first device with no native transport (blk, net, a
+    volume slot: those machines restore through the Python ``Machine``)."""
+    for device in state.devices:
+        if device.slot is not None and device.kind not in PLANNED_KINDS:
+            raise ValueError(f"the snapshot's {device.kind} device (virtio-mmio."
+                             f"{device.slot}) has no native transport: this machine "
+                             "restores through the Python Machine")
+    return [(device.slot, device.irq, device_plan(device, balloon_advice))
+            for device in state.devices if device.slot is not None]
 
 
 def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
