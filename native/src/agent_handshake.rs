@@ -727,6 +727,13 @@ pub struct AgentTarget {
     target: Target,
 }
 
+impl AgentTarget {
+    /// Where the agent is, for a native caller.
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+}
+
 #[pymethods]
 impl AgentTarget {
     /// `port` None: an agent served on the Unix socket `path` itself (no CONNECT line).

@@ -442,7 +442,7 @@ struct Jail {
 
 /// The descriptors a jail opened before its drop, for Python's registries: `-1` where
 /// a path was missing (the VMM reports it when it needs it).
-type Opened = (
+pub(crate) type Opened = (
     Vec<RawFd>,
     Vec<RawFd>,
     (RawFd, RawFd),
@@ -909,19 +909,12 @@ impl ChildPlan {
     /// Never fails: a failed step writes `vmfork child: <step>: <error>` to stderr and
     /// exits 71 (`EXIT_SETUP_FAILED`), as does a child whose zygote is already gone
     /// (silently: nobody is left to tell). Nothing here runs Python.
-    fn set_up(&self) {
+    pub fn set_up(&self) {
         let Some(set_up) = &self.set_up else {
             return;
         };
         let outcome = if self.jail.is_some() {
-            self.net.join().map_err(|f| {
-                format!(
-                    "[Errno {}] jail: {}: {}",
-                    f.errno,
-                    f.step,
-                    strerror(f.errno)
-                )
-            })
+            self.net.join().map_err(|f| jail_failure_text(&f))
         } else {
             Ok(())
         }
@@ -949,7 +942,31 @@ impl ChildPlan {
     }
 }
 
-fn exit_setup_failed(message: Option<&str>) -> ! {
+impl ChildPlan {
+    /// `enter_jail` for a child that runs no Python: None without a jail; a failed
+    /// step says what `str(JailError)` says.
+    pub fn enter_jail_native(&self) -> Result<Option<Opened>, String> {
+        match &self.jail {
+            None => Ok(None),
+            Some(jail) => jail
+                .enter(&self.net)
+                .map(Some)
+                .map_err(|f| jail_failure_text(&f)),
+        }
+    }
+}
+
+/// `str(jail.JailError(step, errno))`.
+fn jail_failure_text(f: &Failure) -> String {
+    format!(
+        "[Errno {}] jail: {}: {}",
+        f.errno,
+        f.step,
+        strerror(f.errno)
+    )
+}
+
+pub(crate) fn exit_setup_failed(message: Option<&str>) -> ! {
     if let Some(message) = message {
         let line = format!("vmfork child: {message}\n");
         // SAFETY: `line` is valid for its length; a short or failed write is all
@@ -1026,6 +1043,12 @@ fn num_threads(stat: &[u8]) -> Option<u64> {
 /// Returns 0 in the child and the child's pid in the zygote; `OSError` if fork fails.
 #[pyfunction]
 pub fn fork_single_threaded(py: Python<'_>) -> PyResult<i32> {
+    fork_checked(py)
+}
+
+/// `fork()` once the process is checked to have one thread (`fork_single_threaded`'s
+/// reasons), with the GIL held: the native fork (`native_fork.rs`) forks the same way.
+pub(crate) fn fork_checked(py: Python<'_>) -> PyResult<i32> {
     match thread_count() {
         Some(1) => {}
         Some(n) => {

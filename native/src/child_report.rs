@@ -31,22 +31,12 @@ pub struct ChildReporter {
     vm_id: String,
 }
 
-fn c_path(path: &str) -> PyResult<CString> {
-    CString::new(path).map_err(|_| PyValueError::new_err(format!("a NUL byte in {path:?}")))
-}
-
 #[pymethods]
 impl ChildReporter {
     #[new]
     #[pyo3(signature = (run_dir, vm_id, notify_path=None))]
     fn new(run_dir: &str, vm_id: &str, notify_path: Option<&str>) -> PyResult<Self> {
-        let dir = run_dir.trim_end_matches('/');
-        Ok(Self {
-            tmp: c_path(&format!("{dir}/.status.json.tmp"))?,
-            status: c_path(&format!("{dir}/status.json"))?,
-            notify: notify_path.map(c_path).transpose()?,
-            vm_id: vm_id.to_owned(),
-        })
+        Self::at(run_dir, vm_id, notify_path).map_err(PyValueError::new_err)
     }
 
     /// Write `status` (a dict with a str `state`) to status.json, then the FIFO line;
@@ -62,26 +52,46 @@ impl ChildReporter {
             .extract()?;
         let failure = if state == "failed" {
             let reason = status.get_item("reason")?.map(|r| r.to_string());
-            Some(format!(
-                "vmfork vmm {}: {}\n",
-                self.vm_id,
-                reason.unwrap_or_default()
-            ))
+            Some(self.failure_line(&reason.unwrap_or_default()))
         } else {
             None
         };
-        let line = format!("{} {}\n", self.vm_id, state);
-        py.detach(|| {
-            let written = write_status(&self.tmp, &self.status, json.as_bytes());
-            if let Some(fifo) = &self.notify {
-                notify(fifo, line.as_bytes());
-            }
-            if let Some(text) = &failure {
-                write_stderr(text.as_bytes());
-            }
-            written
+        py.detach(|| self.write(&state, json.as_bytes(), failure.as_deref()))
+            .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string())))
+    }
+}
+
+impl ChildReporter {
+    /// The targets of the child whose run directory is `run_dir`; an error names a
+    /// path holding a NUL byte.
+    pub fn at(run_dir: &str, vm_id: &str, notify_path: Option<&str>) -> Result<Self, String> {
+        let c = |path: &str| CString::new(path).map_err(|_| format!("a NUL byte in {path:?}"));
+        let dir = run_dir.trim_end_matches('/');
+        Ok(Self {
+            tmp: c(&format!("{dir}/.status.json.tmp"))?,
+            status: c(&format!("{dir}/status.json"))?,
+            notify: notify_path.map(c).transpose()?,
+            vm_id: vm_id.to_owned(),
         })
-        .map_err(|e| PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string())))
+    }
+
+    /// Write one status already encoded (`json`, whose `state` is `state`) to
+    /// status.json, then the FIFO line, then `failure` (with its newline) to stderr:
+    /// the one writer of both the Python and the native child's reports.
+    pub fn write(&self, state: &str, json: &[u8], failure: Option<&str>) -> io::Result<()> {
+        let written = write_status(&self.tmp, &self.status, json);
+        if let Some(fifo) = &self.notify {
+            notify(fifo, format!("{} {}\n", self.vm_id, state).as_bytes());
+        }
+        if let Some(text) = failure {
+            write_stderr(text.as_bytes());
+        }
+        written
+    }
+
+    /// `vmfork vmm <vm_id>: <reason>`, the line a failed status also writes to stderr.
+    pub fn failure_line(&self, reason: &str) -> String {
+        format!("vmfork vmm {}: {}\n", self.vm_id, reason)
     }
 }
 

@@ -163,7 +163,7 @@ fn json_opt_str(out: &mut String, s: Option<&str>) {
 }
 
 /// `control.encode(control.error_reply(message))`.
-fn error_line(message: &str) -> Vec<u8> {
+pub(crate) fn error_line(message: &str) -> Vec<u8> {
     let mut out = String::from("{\"ok\": false, \"error\": ");
     json_str(&mut out, message);
     out.push_str("}\n");
@@ -171,6 +171,8 @@ fn error_line(message: &str) -> Vec<u8> {
 }
 
 const ACK: &[u8] = b"{\"ok\": true}\n";
+/// The reply to a line that came while the VMM stops serving.
+pub(crate) const CLOSING: &str = "the VMM is closing its control socket";
 
 impl Shared {
     fn serve_line(&self, line: &[u8], fd: RawFd) -> Vec<u8> {
@@ -243,7 +245,7 @@ impl Shared {
         let handover = lock(&self.handover).clone();
         match handover {
             Some(h) => h.handle(line, fd),
-            None => error_line("the VMM is closing its control socket"),
+            None => error_line(CLOSING),
         }
     }
 }
@@ -439,7 +441,7 @@ pub struct ControlServe {
 }
 
 /// The Python hand-over: `handler(line: bytes, fd: int) -> bytes`, called with the GIL.
-struct PyHandover(Py<PyAny>);
+pub(crate) struct PyHandover(pub(crate) Py<PyAny>);
 
 impl Handover for PyHandover {
     fn handle(&self, line: &[u8], fd: RawFd) -> Vec<u8> {
@@ -469,17 +471,70 @@ impl Handover for PyHandover {
     }
 }
 
-fn dup(fd: RawFd) -> PyResult<OwnedFd> {
+fn dup(fd: RawFd) -> Result<OwnedFd, String> {
     // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor, ours alone.
     let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
     if new < 0 {
-        return Err(PyOSError::new_err(format!(
+        return Err(format!(
             "control server: dup of fd {fd}: {}",
             std::io::Error::last_os_error()
-        )));
+        ));
     }
     // SAFETY: a new descriptor nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
+impl ControlServe {
+    /// Serve `listener` (taken over: the server closes it) on a new thread, for a
+    /// caller with or without Python: `stop_fd` is the stop signal's write end
+    /// (duplicated), `vcpus` the machine's controls, `handover` where every line not
+    /// served here goes. An error names the step that failed.
+    pub fn start(
+        listener: OwnedFd,
+        stop_fd: RawFd,
+        vcpus: Vec<VcpuControl>,
+        jailed: bool,
+        status_native: bool,
+        handover: Arc<dyn Handover>,
+    ) -> Result<Self, String> {
+        let stop = dup(stop_fd)?;
+        // SAFETY: eventfd makes a new descriptor, ours alone.
+        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if wake < 0 {
+            return Err(format!(
+                "control server: eventfd: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let shared = Arc::new(Shared {
+            vcpus,
+            jailed,
+            status_native,
+            status: Mutex::new(Status::default()),
+            // SAFETY: the new eventfd above.
+            wake: unsafe { OwnedFd::from_raw_fd(wake) },
+            stop,
+            stopped: AtomicBool::new(false),
+            handover: Mutex::new(Some(handover)),
+            done: Mutex::new(false),
+            done_cond: Condvar::new(),
+            thread_id: AtomicI32::new(0),
+        });
+        let for_thread = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("control".into())
+            .spawn(move || run(for_thread, listener))
+            .map_err(|e| format!("control server: thread: {e}"))?;
+        Ok(ControlServe {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The guest's exit reason, for `status` (what `set_exit` does for Python).
+    pub fn record_exit(&self, reason: &str) {
+        lock(&self.shared.status).exit = Some(reason.to_owned());
+    }
 }
 
 #[pymethods]
@@ -500,43 +555,20 @@ impl ControlServe {
     ) -> PyResult<Self> {
         // SAFETY: the caller hands the descriptor over (`socket.detach()`).
         let listener = unsafe { OwnedFd::from_raw_fd(listener) };
-        let stop = dup(stop_fd)?;
-        // SAFETY: eventfd makes a new descriptor, ours alone.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if wake < 0 {
-            return Err(PyOSError::new_err(format!(
-                "control server: eventfd: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        let shared = Arc::new(Shared {
-            vcpus: vcpus.iter().map(|v| v.get().control()).collect(),
+        ControlServe::start(
+            listener,
+            stop_fd,
+            vcpus.iter().map(|v| v.get().control()).collect(),
             jailed,
             status_native,
-            status: Mutex::new(Status::default()),
-            // SAFETY: the new eventfd above.
-            wake: unsafe { OwnedFd::from_raw_fd(wake) },
-            stop,
-            stopped: AtomicBool::new(false),
-            handover: Mutex::new(Some(Arc::new(PyHandover(handler)))),
-            done: Mutex::new(false),
-            done_cond: Condvar::new(),
-            thread_id: AtomicI32::new(0),
-        });
-        let for_thread = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("control".into())
-            .spawn(move || run(for_thread, listener))
-            .map_err(|e| PyOSError::new_err(format!("control server: thread: {e}")))?;
-        Ok(ControlServe {
-            shared,
-            thread: Mutex::new(Some(thread)),
-        })
+            Arc::new(PyHandover(handler)),
+        )
+        .map_err(PyOSError::new_err)
     }
 
     /// The guest's exit reason, once the machine has ended (`Machine.on_exit`).
-    fn set_exit(&self, reason: String) {
-        lock(&self.shared.status).exit = Some(reason);
+    fn set_exit(&self, reason: &str) {
+        self.record_exit(reason);
     }
 
     /// What `status` says of snapshots, after each capture: `bases` as `(tag, kind)`

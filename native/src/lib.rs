@@ -19,6 +19,7 @@ mod balloon_serve;
 mod blk;
 mod blk_serve;
 mod child;
+mod child_life;
 mod child_report;
 mod console;
 mod control_serve;
@@ -28,6 +29,7 @@ mod log_budget;
 mod machine;
 mod mmio;
 mod mmio_py;
+mod native_fork;
 #[cfg(test)]
 mod native_wiring;
 mod net;
@@ -35,6 +37,7 @@ mod net_serve;
 mod queue_server;
 mod restore;
 mod rng_serve;
+mod tiny_machine;
 mod transport;
 mod transport_py;
 mod vcpu;
@@ -258,6 +261,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;
     m.add_function(wrap_pyfunction!(child::die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(child::fork_single_threaded, m)?)?;
+    m.add_class::<native_fork::ChildLife>()?;
+    m.add_class::<tiny_machine::TinyMachinePlan>()?;
+    m.add_function(wrap_pyfunction!(native_fork::fork_native, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())
 }

@@ -383,6 +383,22 @@ class AgentTarget:
     def __init__(self, path: str, port: int | None, connect_timeout: float,
                  io_timeout: float) -> None: ...
 
+class ChildLife:
+    """A natively forked child's life after its set-up (native/src/child_life.rs):
+    ``vmmchild.main``'s steps from the seccomp filter to the exit, built by the zygote."""
+    def __init__(self, *, run_dir: str, vm_id: str, notify_path: str | None,
+                 start_gate: str | None, start_gate_timeout: float, seccomp: bytes | None,
+                 jailed: bool, status_native: bool, agent: AgentTarget,
+                 ready_timeout: float, net_refresh: bool) -> None: ...
+
+class TinyMachinePlan:
+    """A one-vCPU machine running a real-mode program loaded at 0x1000
+    (native/src/tiny_machine.rs)."""
+    def __init__(self, code: bytes) -> None: ...
+
+def fork_native(plan: ChildPlan, life: ChildLife, machine: TinyMachinePlan, forked_ns: int,
+                handover: str, prelude: Callable[..., object] | None = ...) -> int: ...
+
 def agent_after_fork(
     target: AgentTarget, timeout: float, net_refresh: bool,
     clock_tolerance_ns: int = ...,

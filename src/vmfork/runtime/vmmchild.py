@@ -58,6 +58,7 @@ imports are already done and a spawn pays only for the restore. Contract:
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -87,7 +88,8 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import disk_path
 from vmfork.ondisk.memplan import MAX_RUNS, PLAN_FILE, MemoryPlan, read_plan, snapshot_memory
 from vmfork.ondisk.stateformat import read_state_file
-from vmfork.runtime import control, memphases, seccomp, spawnprofile, zygote_child
+from vmfork.runtime import control, jail, memphases, seccomp, spawnprofile, zygote_child
+from vmfork.runtime.jail import JailSpec
 from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
@@ -399,6 +401,58 @@ def _prepare_child_ends(batch: list[dict[str, Any]]) -> None:
             _child_ends[str(args["vm_id"])] = _child_end(args)
         except Exception as err:  # noqa: BLE001 -- the child builds it, or says why
             log.info("prefork: %s's reporter not prepared: %s", args.get("vm_id"), err)
+
+
+NATIVE_HANDOVER = f"{__name__}:native_handover"
+
+
+def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_child.NativeChild:
+    """The zygote's hook for a child that runs no Python (``VMFORK_NATIVE_CHILD=1``,
+    ``zygote_child.NativeChild``): ``main``'s steps from the filter on, as native
+    values (``_core.ChildLife``), built before the fork from what ``prefork`` built
+    (the agent's target, the snapshot's decoded state, the seccomp program).
+    Raises for a spawn a native child cannot serve yet: new volumes (attached in
+    Python), and any spawn until the machine it restores is native (``nmachine``)."""
+    from vmfork import _core
+    if args.get("volumes"):
+        raise ValueError("a native child attaches no volumes yet (Machine.attach_volume)")
+    vm_id = str(args["vm_id"])
+    end = _child_ends.get(vm_id) or _child_end(args)
+    state, _ = load_snapshot(args["snapshot_dir"])
+    jailed = jail_spec is not None
+    notify, gate = args.get("notify_path"), args.get("start_gate")
+    life = _core.ChildLife(
+        run_dir=str(args["run_dir"]), vm_id=vm_id,
+        notify_path=None if notify is None else str(notify),
+        start_gate=None if gate is None else str(gate),
+        start_gate_timeout=float(args.get("start_gate_timeout", START_GATE_TIMEOUT)),
+        seccomp=(seccomp.vmm_filter(log_only=bool(args.get("seccomp_log_only")))
+                 if jailed else None),
+        jailed=jailed, status_native=state.device(devices.BALLOON) is None,
+        agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
+        net_refresh=state.device(devices.NET) is not None)
+    return zygote_child.NativeChild(
+        life, _native_machine(args), NATIVE_HANDOVER,
+        functools.partial(jail.adopt, jail_spec) if jail_spec is not None else None)
+
+
+def _native_machine(args: dict[str, Any]) -> Any:
+    """The plan of the machine a native child restores from ``args["snapshot_dir"]``:
+    ``NativeMachine``'s, which the ``nmachine`` branch builds; this build has none."""
+    raise NotImplementedError(f"no native machine assembly in this build to restore "
+                              f"{args.get('snapshot_dir')} (NativeMachine)")
+
+
+def native_handover(line: bytes, fd: int) -> bytes:
+    """A native child's hand-over (``NATIVE_HANDOVER``): a line its control server does
+    not serve, parsed as ``ControlServer.handle_line`` parses it. The ops it hands over
+    (``exits``, ``snapshot``, ``status`` with a balloon) read the machine's Python
+    view, which ``NativeMachine`` does not offer yet: they are refused, saying so."""
+    def dispatch(request: control.AnyRequest) -> control.WireRecord:
+        raise _Refused(f"a native child does not serve {type(request).__name__} yet "
+                       "(it needs the machine's Python view)")
+
+    return handover_reply(line, dispatch)
 
 
 def make_unique(target: AgentTarget, client: Callable[[], AgentClient],

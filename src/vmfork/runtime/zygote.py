@@ -85,6 +85,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
 import gc
 import importlib
 import json
@@ -116,8 +117,12 @@ from vmfork.runtime.jail import (
 )
 from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import (
+    NATIVE_CHILD,
+    NATIVE_CHILD_ENV,
     Entry,
+    NativeChild,
     die_with_parent,
+    fork_native,
     run_child,
     set_sigmask,
 )
@@ -735,17 +740,21 @@ class Zygote:
             if self._pid_namespaces is None:
                 self._pid_namespaces = PidNamespaces()
             pidns = self._pid_namespaces
+        native = self._native_child(entry, prep) if NATIVE_CHILD else None
         set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
         try:
             if pidns is not None:
                 pidns.before_fork()
             try:
                 forked_ns = time.monotonic_ns()
-                pid = fork_child()
-                if pid == 0:
-                    run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
-                              entry=entry, args=prep.args, cgroup=prep.cgroup,
-                              child_plan=prep.plan, jail_spec=prep.jail)
+                if native is not None:
+                    pid = fork_native(prep.plan, native, forked_ns)   # never 0: no return
+                else:
+                    pid = fork_child()
+                    if pid == 0:
+                        run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
+                                  entry=entry, args=prep.args, cgroup=prep.cgroup,
+                                  child_plan=prep.plan, jail_spec=prep.jail)
             finally:
                 if pidns is not None:
                     pidns.after_fork()
@@ -759,6 +768,22 @@ class Zygote:
         self.by_pidfd[pidfd] = child
         self.sel.register(pidfd, selectors.EVENT_READ, child)
         return child
+
+    @staticmethod
+    def _native_child(entry: Entry, prep: _Prepared) -> NativeChild | None:
+        """The entry module's ``native_child`` plan for this spawn (``NATIVE_CHILD``),
+        None if the module offers none. A plan that cannot be built fails the spawn
+        (``OSError``: a batch's later children are not forked either), never falls back
+        to a Python child the operator did not ask for."""
+        hook = getattr(sys.modules.get(entry.__module__), "native_child", None)
+        if not callable(hook):
+            return None
+        try:
+            native: NativeChild = hook(prep.args, prep.jail)
+        except Exception as err:
+            raise OSError(errno.ENOTSUP, f"{NATIVE_CHILD_ENV}=1: no native child for "
+                          f"{prep.vm_id}: {err}") from err
+        return native
 
     def _child(self, req: dict[str, Any]) -> _Child:
         vm_id = str(req.get("vm_id"))

@@ -73,7 +73,7 @@ from vmfork.runtime import cgroups, jail, memphases, spawnprofile
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
 
 if TYPE_CHECKING:
-    from vmfork._core import ChildPlan
+    from vmfork._core import ChildLife, ChildPlan, TinyMachinePlan
 
 OOM_SCORE_ADJ = 1000
 """A VMM is the first process the OOM killer takes (the maximum; see step 5; set by
@@ -97,6 +97,11 @@ def _vmm_nice(value: str | None) -> int:
 VMM_NICE = _vmm_nice(os.environ.get(NICE_ENV))
 """The nice value of every VMM this zygote forks (step 5; set by ``native/src/child.rs``).
 Read once, in the zygote: a jailed child's environment is emptied."""
+NATIVE_CHILD_ENV = "VMFORK_NATIVE_CHILD"
+NATIVE_CHILD = os.environ.get(NATIVE_CHILD_ENV) == "1"
+"""Fork children that run no Python (``fork_native``) for an entry that offers it
+(``native_child``). Opt-in, read once in the zygote: off until the native machine
+assembly lands; off, nothing changes."""
 set_sigmask: Callable[[int, Iterable[int]], set[int]] = (
     importlib.import_module("_signal").pthread_sigmask)
 """``signal.pthread_sigmask`` without its wrapper, which turns the old mask it returns
@@ -151,6 +156,31 @@ def fork() -> int:
     the zygote. ``RuntimeError`` if the process has another thread."""
     from vmfork import _core
     pid: int = _core.fork_single_threaded()
+    return pid
+
+
+@dataclass(frozen=True)
+class NativeChild:
+    """What a child forked by ``fork_native`` runs instead of an entry, built by the
+    entry module's ``native_child(args, jail_spec)`` in the zygote, before the fork."""
+
+    life: ChildLife
+    machine: TinyMachinePlan
+    handover: str
+    """``module:function``: the Python handler of the control lines the native server
+    hands over (``ControlServer.handle_line``'s contract), resolved in the child at the
+    first one, after ``PyOS_AfterFork_Child``."""
+    prelude: Callable[..., object] | None = None
+    """Called with the jail's descriptors before the first hand-over (``jail.adopt``)."""
+
+
+def fork_native(child_plan: ChildPlan, native: NativeChild, forked_ns: int) -> int:
+    """Fork a child that runs ``child_plan``'s set-up and jail and then ``native``, all
+    natively, and never returns into Python (``native/src/native_fork.rs``): its pid.
+    ``RuntimeError`` if the process has another thread (as ``fork``)."""
+    from vmfork import _core
+    pid: int = _core.fork_native(child_plan, native.life, native.machine, forked_ns,
+                                 native.handover, native.prelude)
     return pid
 
 

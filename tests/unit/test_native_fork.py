@@ -1,0 +1,167 @@
+"""The native fork (``_core.fork_native``, native/src/native_fork.rs): a child forked by
+a one-thread process runs its set-up, a real tiny machine on this host's KVM and its
+whole life natively, answers a real agent and the control socket, runs Python only
+for a handed-over line, and exits with the life's status.
+
+The forking process is a subprocess (the fork needs a process of one thread; the
+real agent serves from a thread of this one)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import vmfork
+from tests.unit.agent_support import Agent, running_agent
+from vmfork.runtime import vmmchild, zygote, zygote_child
+from vmfork.vmm.native import CORE_BUILT
+
+needs_kvm = pytest.mark.skipif(
+    not CORE_BUILT or not os.access("/dev/kvm", os.R_OK | os.W_OK),
+    reason="needs the native core and /dev/kvm")
+
+# Real mode: wait for the TSC's high half to pass its value at start + 3 (some
+# seconds, however fast the CPU runs the loop), then pulse the i8042's reset line.
+#   rdtsc; mov ebx, edx; add ebx, 3
+#   1: rdtsc; cmp edx, ebx; jb 1b
+#   mov al, 0xfe; out 0x64, al; hlt
+RESET_AFTER_SECONDS = bytes.fromhex("0f31" "6689d3" "6683c303" "0f31" "6639da" "72f9"
+                                    "b0fe" "e664" "f4")
+
+# The forking process: one thread, the zygote's calls; its child runs under the VMM's
+# seccomp filter from before its guest starts, as a jailed one does. Its ``answer`` is
+# the hand-over handler named in the plan ("__main__:answer"); the at-fork hook it
+# registers runs only in a child that ran ``PyOS_AfterFork_Child``.
+FORKER = """
+import json, os, sys, time
+from vmfork import _core
+from vmfork.runtime import control, jail, seccomp
+
+cfg = json.loads(sys.argv[1])
+after_fork_hooks = []
+os.register_at_fork(after_in_child=lambda: after_fork_hooks.append(os.getpid()))
+
+def answer(line, fd):
+    request = control.parse_request(line)
+    return control.encode(control.ExitsReply(profile={
+        "op": type(request).__name__, "pid": os.getpid(),
+        "after_fork_hooks": after_fork_hooks}))
+
+plan = _core.ChildPlan(error=jail.JailError, set_up=(os.getpid(), None, [], cfg["log"], 0))
+life = _core.ChildLife(
+    run_dir=cfg["run_dir"], vm_id="vm1", notify_path=None, start_gate=cfg["gate"],
+    start_gate_timeout=60.0, seccomp=seccomp.vmm_filter(), jailed=False, status_native=True,
+    agent=_core.AgentTarget(cfg["agent"], None, 5.0, 30.0), ready_timeout=60.0,
+    net_refresh=False)
+machine = _core.TinyMachinePlan(bytes.fromhex(cfg["code"]))
+pid = _core.fork_native(plan, life, machine, time.monotonic_ns(), "__main__:answer")
+print(pid, flush=True)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    with running_agent() as a:
+        yield a
+
+
+def _status(run_dir: Path, state: str, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status: dict[str, Any] = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            status = {}
+        if status.get("state") == state:
+            return status
+        assert time.monotonic() < deadline, f"no {state!r} report; last: {status}"
+        time.sleep(0.01)
+
+
+def _ask(sock: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
+    sock.sendall(json.dumps(request).encode() + b"\n")
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        assert chunk, "the control socket closed"
+        reply += chunk
+    answer: dict[str, Any] = json.loads(reply)
+    return answer
+
+
+@needs_kvm
+def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
+        agent: Agent, tmp_path: Path) -> None:
+    run_dir = Path(agent.root) / "run"   # short: AF_UNIX paths
+    run_dir.mkdir()
+    gate = run_dir / "gate"
+    os.mkfifo(gate)
+    gate_fd = os.open(gate, os.O_RDWR | os.O_NONBLOCK)   # the spawner's end
+    cfg = {"run_dir": str(run_dir), "gate": str(gate), "agent": agent.sock_path,
+           "log": str(tmp_path / "child.log"), "code": RESET_AFTER_SECONDS.hex()}
+    package_root = str(Path(vmfork.__file__).parent.parent)
+    forker = subprocess.Popen([sys.executable, "-c", FORKER, json.dumps(cfg)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": package_root})
+    try:
+        assert forker.stdout is not None
+        pid = int(forker.stdout.readline())
+        assert _status(run_dir, "prepared")["pid"] == pid
+        os.write(gate_fd, b"x")
+        ready = _status(run_dir, "ready")
+        assert ready["pid"] == pid
+        for key in ("restore_s", "start_wait_s", "fork_to_entry_s", "ready_s",
+                    "agent_ready", "clock_error_bound_s"):
+            assert isinstance(ready[key], float) and ready[key] >= 0, (key, ready)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control:
+            control.settimeout(30)
+            control.connect(str(run_dir / "control.sock"))
+            exits = _ask(control, {"op": "exits"})
+            assert exits == {"ok": True, "profile": {
+                "op": "Exits", "pid": pid, "after_fork_hooks": [pid]}}, exits
+            assert _ask(control, {"op": "status"})["paused"] is False
+        assert Path(f"/proc/{pid}/status").read_text().count("Seccomp:\t2") == 1
+        exited = _status(run_dir, "exited")
+        assert (exited["reason"], exited["panicked"]) == ("reset", False), exited
+        assert int(forker.stdout.readline()) == 0, "a clean end exits 0"
+    finally:
+        os.close(gate_fd)
+        forker.kill()
+        forker.wait()
+
+
+def test_the_knob_is_off_by_default_and_on_a_spawn_without_a_native_machine_fails(
+        tmp_path: Path) -> None:
+    assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") == "1")
+    prep = zygote._Prepared("vm1", {"vm_id": "vm1", "run_dir": str(tmp_path),
+                                    "snapshot_dir": str(tmp_path)}, None, None,
+                            str(tmp_path))
+    # An entry module without the hook forks as before.
+    assert zygote.Zygote._native_child(zygote_child.run_child, prep) is None
+    # vmmchild offers one, which fails the spawn (never a silent Python child) until
+    # its machine is native.
+    with pytest.raises(OSError) as raised:
+        zygote.Zygote._native_child(vmmchild.main, prep)
+    assert raised.value.errno == errno.ENOTSUP
+    assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
+
+
+def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for_now() -> None:
+    exits = json.loads(vmmchild.native_handover(b'{"op": "exits"}', -1))
+    assert exits == {"ok": False, "error": "a native child does not serve Exits yet "
+                                           "(it needs the machine's Python view)"}
+    # A malformed line gets control.parse_request's words, as ControlServer.handle_line's.
+    malformed = b'{"op": "exits", "x": 1}'
+    assert (vmmchild.native_handover(malformed, -1)
+            == vmmchild.handover_reply(malformed, lambda request: pytest.fail("dispatched")))
