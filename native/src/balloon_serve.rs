@@ -59,13 +59,37 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-#[derive(Default, Clone, Copy)]
-struct Counters {
-    reports: u64,
-    bytes_discarded: u64,
-    discard_errors: u64,
-    ignored_buffers: u64,
-    discards_held: u64,
+/// What a server did over its activation (`balloon.py`'s `BalloonStats`, plus the
+/// reports kept for a capture).
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counters {
+    pub reports: u64,
+    pub bytes_discarded: u64,
+    pub discard_errors: u64,
+    pub ignored_buffers: u64,
+    pub discards_held: u64,
+}
+
+impl Counters {
+    /// `self` and `other` added (an earlier activation's and the running one's).
+    pub fn plus(self, other: Counters) -> Counters {
+        Counters {
+            reports: self.reports + other.reports,
+            bytes_discarded: self.bytes_discarded + other.bytes_discarded,
+            discard_errors: self.discard_errors + other.discard_errors,
+            ignored_buffers: self.ignored_buffers + other.ignored_buffers,
+            discards_held: self.discards_held + other.discards_held,
+        }
+    }
+}
+
+/// A server's statistics: its counters, when the guest last reported, and the
+/// used-buffer interrupts it raised.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct BalloonStats {
+    pub counters: Counters,
+    pub last_report: Option<Instant>,
+    pub interrupts: u64,
 }
 
 struct BalloonState {
@@ -312,6 +336,27 @@ impl BalloonServer {
     pub(crate) fn indices(&self) -> [(u16, u16); 3] {
         lock(&self.state).indices
     }
+
+    /// A capture is in flight: keep reported pages until `release`.
+    pub(crate) fn hold(&self) {
+        self.holds.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn release(&self) {
+        // Never below zero, as `balloon.py` (a release without a hold is a no-op).
+        let _ = self
+            .holds
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    pub(crate) fn stats(&self) -> BalloonStats {
+        let st = lock(&self.state);
+        BalloonStats {
+            counters: st.counters,
+            last_report: st.last_report,
+            interrupts: st.interrupts,
+        }
+    }
 }
 
 impl NativeReader for BalloonServer {
@@ -402,15 +447,11 @@ impl BalloonQueues {
 
     /// A capture is in flight: keep reported pages until `release`.
     fn hold(&self) {
-        self.server.holds.fetch_add(1, Ordering::SeqCst);
+        self.server.hold();
     }
 
     fn release(&self) {
-        // Never below zero, as `balloon.py` (a release without a hold is a no-op).
-        let _ = self
-            .server
-            .holds
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        self.server.release();
     }
 
     /// Close the duplicated fds and serve no more (after the loop's readers are gone).
@@ -424,15 +465,15 @@ impl BalloonQueues {
     /// (reports, bytes_discarded, discard_errors, ignored_buffers, discards_held,
     /// seconds since the last report or None).
     fn stats(&self) -> (u64, u64, u64, u64, u64, Option<f64>) {
-        let st = lock(&self.server.state);
-        let c = st.counters;
+        let stats = self.server.stats();
+        let c = stats.counters;
         (
             c.reports,
             c.bytes_discarded,
             c.discard_errors,
             c.ignored_buffers,
             c.discards_held,
-            st.last_report.map(|t| t.elapsed().as_secs_f64()),
+            stats.last_report.map(|t| t.elapsed().as_secs_f64()),
         )
     }
 

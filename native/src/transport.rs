@@ -34,8 +34,9 @@
 use std::any::Any;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Instant;
 
-use crate::balloon_serve::{BalloonServer, DiscardError};
+use crate::balloon_serve::{BalloonServer, Counters, DiscardError};
 use crate::eventloop::{Loop, LoopHost, NativeReader};
 use crate::guest_ram::GuestRam;
 use crate::mmio::{
@@ -174,10 +175,8 @@ impl Windows {
         })
     }
 
-    // The native vCPU host's, once it serves windows (it does not yet: the tests').
-    #[cfg_attr(not(test), allow(dead_code))]
     /// A read served to the end, the host called if it must (a caller with no GIL to
-    /// manage: the native vCPU host, tests).
+    /// manage, or one whose hosts take it themselves: `_core.MmioWindows.read`).
     pub fn serve_read(&self, addr: u64, data: &mut [u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.read(addr, data)? {
             ReadServed::Done => Ok(()),
@@ -185,8 +184,6 @@ impl Windows {
         })
     }
 
-    // The native vCPU host's, once it serves windows (it does not yet: the tests').
-    #[cfg_attr(not(test), allow(dead_code))]
     /// A write served to the end, its events applied by the host.
     pub fn serve_write(&self, addr: u64, data: &[u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.write(addr, data)? {
@@ -265,8 +262,6 @@ pub struct DevicePlan {
 
 impl DevicePlan {
     /// A device's plan before any driver touched it (a boot): fresh registers.
-    // A booted native device's, once the assembly boots one (the tests' until then).
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn fresh(kind: DeviceKind, features: u64, max_sizes: Vec<u32>) -> Result<Self, String> {
         let registers = Registers::new(kind.device_type(), features, &max_sizes, None)?.save();
         let indices = vec![(0, 0); max_sizes.len()];
@@ -296,6 +291,33 @@ impl DevicePlan {
     }
 }
 
+/// What a device did over its life (every activation), for the machine's stats and
+/// the control socket's `status`.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct DeviceStats {
+    /// Used-buffer interrupts its servers raised (the irq line's count).
+    pub interrupts: u64,
+    /// rng: requests and bytes served.
+    pub requests: u64,
+    pub bytes: u64,
+    /// balloon: its servers' counters, and when the guest last reported.
+    pub balloon: Counters,
+    pub last_report: Option<Instant>,
+}
+
+impl DeviceStats {
+    /// `self` (earlier activations) and `later` (the one after them) added.
+    fn plus(self, later: DeviceStats) -> DeviceStats {
+        DeviceStats {
+            interrupts: self.interrupts + later.interrupts,
+            requests: self.requests + later.requests,
+            bytes: self.bytes + later.bytes,
+            balloon: self.balloon.plus(later.balloon),
+            last_report: later.last_report.or(self.last_report),
+        }
+    }
+}
+
 /// The server of one activation.
 #[derive(Clone)]
 enum Server {
@@ -320,6 +342,29 @@ impl Server {
                 vec![(next_avail, next_used)]
             }
             Server::Balloon(s) => s.indices().to_vec(),
+        }
+    }
+
+    fn stats(&self) -> DeviceStats {
+        match self {
+            Server::Rng(s) => {
+                let (_, _, requests, bytes, _, interrupts) = s.sync();
+                DeviceStats {
+                    interrupts,
+                    requests,
+                    bytes,
+                    ..DeviceStats::default()
+                }
+            }
+            Server::Balloon(s) => {
+                let stats = s.stats();
+                DeviceStats {
+                    interrupts: stats.interrupts,
+                    balloon: stats.counters,
+                    last_report: stats.last_report,
+                    ..DeviceStats::default()
+                }
+            }
         }
     }
 
@@ -358,6 +403,12 @@ struct TransportState {
     indices: Vec<(u16, u16)>,
     /// Faults recorded by activations since dropped (the current one's is live).
     earlier: EventRecord,
+    /// What activations since dropped did (the current one's is live).
+    earlier_stats: DeviceStats,
+    /// Captures in flight (`hold`): each balloon server starts with them.
+    holds: u64,
+    /// `close` ran: no server runs again.
+    closed: bool,
     features_refused: u64,
 }
 
@@ -428,6 +479,9 @@ impl NativeTransport {
                 active: None,
                 indices: plan.indices.clone(),
                 earlier: EventRecord::default(),
+                earlier_stats: DeviceStats::default(),
+                holds: 0,
+                closed: false,
                 features_refused: 0,
             }),
         });
@@ -482,6 +536,55 @@ impl NativeTransport {
         lock(&self.state).active.is_some()
     }
 
+    /// What the device did over its life: interrupts, and the rng's or the balloon's
+    /// counters.
+    pub fn stats(&self) -> DeviceStats {
+        let st = lock(&self.state);
+        match &st.active {
+            Some(active) => st.earlier_stats.plus(active.server.stats()),
+            None => st.earlier_stats,
+        }
+    }
+
+    /// A capture is in flight: the balloon keeps reported pages until `release`
+    /// (`balloon.py`'s `hold_discards` says why); this and every later activation.
+    pub fn hold(&self) {
+        let mut st = lock(&self.state);
+        st.holds += 1;
+        if let Some(Active {
+            server: Server::Balloon(s),
+            ..
+        }) = &st.active
+        {
+            s.hold();
+        }
+    }
+
+    /// The end of a capture `hold` began; one without a hold does nothing.
+    pub fn release(&self) {
+        let mut st = lock(&self.state);
+        if st.holds == 0 {
+            return;
+        }
+        st.holds -= 1;
+        if let Some(Active {
+            server: Server::Balloon(s),
+            ..
+        }) = &st.active
+        {
+            s.release();
+        }
+    }
+
+    /// Serve no more: the running server leaves the loop (its duplicated fds close with
+    /// it) and a later DRIVER_OK starts none. The machine's close, before its loop
+    /// stops and its eventfds close.
+    pub fn close(&self) {
+        let mut st = lock(&self.state);
+        self.deactivate(&mut st);
+        st.closed = true;
+    }
+
     /// The device's events over its life: faults and reports, the last fault.
     pub fn record(&self) -> EventRecord {
         let st = lock(&self.state);
@@ -504,6 +607,9 @@ impl NativeTransport {
     fn activate(&self, epoch: u64, indices: &[(u16, u16)]) -> Result<(), String> {
         let mut st = lock(&self.state);
         self.deactivate(&mut st);
+        if st.closed {
+            return Ok(());
+        }
         let Some(queues) = lock(&self.regs).activation(epoch) else {
             return Ok(());
         };
@@ -529,6 +635,11 @@ impl NativeTransport {
                 .map_err(|e| format!("dup irqfd: {e}"))?,
         ));
         let server = self.server(epoch, &rings, indices, &events)?;
+        if let Server::Balloon(s) = &server {
+            for _ in 0..st.holds {
+                s.hold();
+            }
+        }
         for fd in self.notify.iter().flatten() {
             if let Err(e) = self.readers.add_reader(fd.as_raw_fd(), server.reader()) {
                 for added in self.notify.iter().flatten() {
@@ -629,6 +740,7 @@ impl NativeTransport {
             self.readers.remove_reader(fd.as_raw_fd());
         }
         st.indices = active.server.indices();
+        st.earlier_stats = st.earlier_stats.plus(active.server.stats());
         let record = active.events.record();
         st.earlier.faults += record.faults;
         st.earlier.reports += record.reports;
