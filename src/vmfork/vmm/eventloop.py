@@ -136,6 +136,11 @@ class NativeEventLoop(EventLoop):
         self._forked = False
         _native_loops.add(self)
 
+    @property
+    def native_loop(self) -> _core.EventLoop:
+        """The native loop itself, where a native device registers its server."""
+        return self._native
+
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)
 

@@ -14,21 +14,31 @@ tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back in
 * ``registers``: the transport's register image, as ``MmioRegisters.save`` gives it;
 * ``indices``: each queue's ``(next_avail, next_used)``.
 
-Only rng and the balloon have a native transport so far (docs/native.md says what
-vsock, blk and net still need).
+A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
+(``Machine._native_device``): a booted one from ``boot_plan``, a restored one from
+``device_plan`` of its snapshot's record; ``NativeVirtio`` is the handle the device
+manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
+``_kind`` and ``_offer``. Only rng and the balloon are native so far (docs/native.md
+says what vsock, blk and net still need).
 """
 
 from __future__ import annotations
 
 import mmap
+from typing import TYPE_CHECKING
 
 from vmfork.vmm.devices.manager import BALLOON, RNG, DeviceState
 from vmfork.vmm.devices.virtio import balloon, rng
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
+from vmfork.vmm.native import CORE_BUILT
 
-NATIVE_KINDS = (RNG.name, BALLOON.name)
+if CORE_BUILT or TYPE_CHECKING:
+    from vmfork import _core
+
+# The kinds a machine serves through their native transport.
+NATIVE_KINDS = frozenset((RNG.name, BALLOON.name))
 
 Kind = tuple[str, int, int, int]
 Registers = tuple[int, int, int, int, bool, int, int, int,
@@ -42,6 +52,23 @@ def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
     return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
             balloon.VirtioBalloon.queue_max_sizes, balloon.VirtioBalloon.device_type)
+
+
+def _kind(name: str, balloon_advice: int, actual: int = 0) -> Kind:
+    """A ``name`` device's record reduced to what its native server takes."""
+    if name == RNG.name:
+        return ("rng", rng.MAX_REQUESTS_PER_NOTIFY, rng.MAX_BYTES_PER_REQUEST, 0)
+    return ("balloon", balloon.MAX_CHAINS_PER_NOTIFY, balloon_advice, actual & 0xFFFF_FFFF)
+
+
+def boot_plan(name: str, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
+    """The plan of a ``name`` device no driver has touched yet (a booted machine's)."""
+    if name not in NATIVE_KINDS:
+        raise ValueError(f"no native transport for a {name} device")
+    features, max_sizes, _ = _offer(name)
+    plan: Plan = _core.NativeDevice.fresh_plan(_kind(name, balloon_advice), features,
+                                               list(max_sizes))
+    return plan
 
 
 def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
@@ -60,14 +87,9 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
     if len(t.queues) != len(max_sizes):
         raise ValueError(f"the {state.kind} record has {len(t.queues)} queues, the "
                          f"device {len(max_sizes)}")
-    kind: Kind
-    if state.kind == RNG.name:
-        kind = ("rng", rng.MAX_REQUESTS_PER_NOTIFY, rng.MAX_BYTES_PER_REQUEST, 0)
-    else:
-        record = state.state
-        assert isinstance(record, balloon.BalloonState)   # DeviceState types it by kind
-        kind = ("balloon", balloon.MAX_CHAINS_PER_NOTIFY, balloon_advice,
-                record.actual & 0xFFFF_FFFF)
+    record = state.state
+    actual = record.actual if isinstance(record, balloon.BalloonState) else 0
+    kind = _kind(state.kind, balloon_advice, actual)
     registers: Registers = (
         t.status, t.device_features_sel, t.driver_features_sel, t.driver_features,
         t.driver_features_bad, t.queue_sel, t.interrupt_status, t.config_generation,
@@ -101,3 +123,21 @@ def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
                 in zip(queues, indices)])
     version = RNG.version if name == RNG.name else BALLOON.version
     return DeviceState(name, version, slot, irq, record, transport)
+
+
+class NativeVirtio:
+    """A machine's handle on a device its native transport serves: what the device
+    manager saves and closes, and what the machine's stats read (``device``)."""
+
+    def __init__(self, device: _core.NativeDevice, restored_from: DeviceState | None) -> None:
+        self.device = device
+        # The record it was restored from when it was attached (the manager's restore
+        # checks it is the one it is asked to restore).
+        self.restored_from = restored_from
+
+    def save_state(self, slot: int, irq: int) -> DeviceState:
+        """Its ``DeviceState`` (the vCPUs paused)."""
+        return plan_state(self.device.plan(), slot, irq)
+
+    def close(self) -> None:
+        self.device.close()
