@@ -283,6 +283,9 @@ class NativeVirtio(Protocol):
     def close(self) -> None: ...
 
 
+N = TypeVar("N", bound=NativeVirtio)
+
+
 @dataclass
 class _Attached:
     kind: DeviceKind[Any]
@@ -335,8 +338,7 @@ class DeviceManager:
         self._first_shared_slot = first_shared
         return entry.transport
 
-    def attach_native(self, kind: DeviceKind[Any],
-                      build: Callable[[int, int], NativeVirtio]) -> NativeVirtio:
+    def attach_native(self, kind: DeviceKind[Any], build: Callable[[int, int], N]) -> N:
         """Give a device served by its native transport the next window and its pin:
         ``build(slot, irq)`` makes it there (the machine's: the window, ioeventfds,
         the line, the command-line entry). ``HostError`` when no pin is left."""
