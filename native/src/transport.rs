@@ -407,9 +407,17 @@ struct TransportState {
     earlier_stats: DeviceStats,
     /// Captures in flight (`hold`): each balloon server starts with them.
     holds: u64,
-    /// `close` ran: no server runs again.
-    closed: bool,
+    /// The device's eventfds; None once `close` ran (no server runs again).
+    fds: Option<Fds>,
     features_refused: u64,
+}
+
+/// A native transport's eventfds, owned (duplicates of the machine's).
+struct Fds {
+    /// The interrupt's eventfd (the KVM irqfd).
+    irq: OwnedFd,
+    /// Each queue's ioeventfd (registered with KVM by the machine), or None.
+    notify: Vec<Option<OwnedFd>>,
 }
 
 /// A transport whose device events are acted on in Rust (see the module comment).
@@ -418,10 +426,6 @@ pub struct NativeTransport {
     regs: Arc<Mutex<Registers>>,
     ram: Arc<GuestRam>,
     readers: Arc<dyn Readers>,
-    /// The interrupt's eventfd (the KVM irqfd).
-    irq: OwnedFd,
-    /// Each queue's ioeventfd (registered with KVM by the machine), or None.
-    notify: Vec<Option<OwnedFd>>,
     state: Mutex<TransportState>,
 }
 
@@ -471,8 +475,6 @@ impl NativeTransport {
             regs: Arc::new(Mutex::new(regs)),
             ram,
             readers,
-            irq,
-            notify,
             state: Mutex::new(TransportState {
                 acked_features,
                 config,
@@ -481,7 +483,7 @@ impl NativeTransport {
                 earlier: EventRecord::default(),
                 earlier_stats: DeviceStats::default(),
                 holds: 0,
-                closed: false,
+                fds: Some(Fds { irq, notify }),
                 features_refused: 0,
             }),
         });
@@ -576,13 +578,13 @@ impl NativeTransport {
         }
     }
 
-    /// Serve no more: the running server leaves the loop (its duplicated fds close with
-    /// it) and a later DRIVER_OK starts none. The machine's close, before its loop
-    /// stops and its eventfds close.
+    /// Serve no more: the running server leaves the loop, the eventfds close (the
+    /// server's copies with it) and a later DRIVER_OK starts none. The machine's
+    /// close, before its loop stops.
     pub fn close(&self) {
         let mut st = lock(&self.state);
         self.deactivate(&mut st);
-        st.closed = true;
+        st.fds = None;
     }
 
     /// The device's events over its life: faults and reports, the last fault.
@@ -607,15 +609,15 @@ impl NativeTransport {
     fn activate(&self, epoch: u64, indices: &[(u16, u16)]) -> Result<(), String> {
         let mut st = lock(&self.state);
         self.deactivate(&mut st);
-        if st.closed {
+        let Some(fds) = &st.fds else {
             return Ok(());
-        }
+        };
         let Some(queues) = lock(&self.regs).activation(epoch) else {
             return Ok(());
         };
         let rings: Vec<Rings> = queues.iter().map(rings_of).collect();
         if let Err(reason) = self.validate(&queues, &rings) {
-            self.device_error(reason, epoch);
+            self.device_error(fds.irq.as_raw_fd(), reason, epoch);
             return Ok(());
         }
         // As rng.py and balloon.py: a device whose queues the driver did not make ready
@@ -630,22 +632,32 @@ impl NativeTransport {
         let events = Arc::new(NativeEvents::for_transport(
             self.regs.clone(),
             epoch,
-            self.irq
+            fds.irq
                 .try_clone()
                 .map_err(|e| format!("dup irqfd: {e}"))?,
         ));
-        let server = self.server(epoch, &rings, indices, &events)?;
+        let server = self.server(epoch, &rings, indices, &events, fds)?;
         if let Server::Balloon(s) = &server {
             for _ in 0..st.holds {
                 s.hold();
             }
         }
-        for fd in self.notify.iter().flatten() {
+        for fd in fds.notify.iter().flatten() {
             if let Err(e) = self.readers.add_reader(fd.as_raw_fd(), server.reader()) {
-                for added in self.notify.iter().flatten() {
+                for added in fds.notify.iter().flatten() {
                     self.readers.remove_reader(added.as_raw_fd());
                 }
                 return Err(e);
+            }
+        }
+        // An ioeventfd kick right at DRIVER_OK, or buffers a snapshot left unserved:
+        // one look per queue catches both, on the loop where there is an ioeventfd
+        // (kicked here, while the fds are surely open), else on this thread below.
+        let mut inline = Vec::new();
+        for (index, notify) in fds.notify.iter().enumerate() {
+            match notify {
+                Some(fd) => write_eventfd(fd.as_raw_fd()),
+                None => inline.push(index),
             }
         }
         st.active = Some(Active {
@@ -654,13 +666,8 @@ impl NativeTransport {
             events,
         });
         drop(st);
-        // An ioeventfd kick right at DRIVER_OK, or buffers a snapshot left unserved:
-        // one look per queue catches both, on the loop where there is an ioeventfd.
-        for (index, notify) in self.notify.iter().enumerate() {
-            match notify {
-                Some(fd) => write_eventfd(fd.as_raw_fd()),
-                None => self.serve_inline(&server, index, epoch),
-            }
+        for index in inline {
+            self.serve_inline(&server, index, epoch);
         }
         Ok(())
     }
@@ -682,15 +689,16 @@ impl NativeTransport {
         rings: &[Rings],
         indices: &[(u16, u16)],
         events: &Arc<NativeEvents>,
+        fds: &Fds,
     ) -> Result<Server, String> {
         let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| format!("dup eventfd: {e}"));
-        let irq = dup(&self.irq)?;
+        let irq = dup(&fds.irq)?;
         Ok(match self.kind {
             DeviceKind::Rng {
                 max_requests,
                 max_bytes,
             } => {
-                let notify = self.notify[0].as_ref().map(dup).transpose()?;
+                let notify = fds.notify[0].as_ref().map(dup).transpose()?;
                 Server::Rng(Arc::new(RngServer::new(
                     self.ram.clone(),
                     self.regs.clone(),
@@ -707,11 +715,11 @@ impl NativeTransport {
             DeviceKind::Balloon {
                 max_chains, advice, ..
             } => {
-                let raw = [0, 1, 2].map(|i| self.notify[i].as_ref().map(AsRawFd::as_raw_fd));
+                let raw = [0, 1, 2].map(|i| fds.notify[i].as_ref().map(AsRawFd::as_raw_fd));
                 let rearm = [
-                    self.notify[0].as_ref().map(dup).transpose()?,
-                    self.notify[1].as_ref().map(dup).transpose()?,
-                    self.notify[2].as_ref().map(dup).transpose()?,
+                    fds.notify[0].as_ref().map(dup).transpose()?,
+                    fds.notify[1].as_ref().map(dup).transpose()?,
+                    fds.notify[2].as_ref().map(dup).transpose()?,
                 ];
                 Server::Balloon(Arc::new(BalloonServer::new(
                     self.ram.clone(),
@@ -736,7 +744,7 @@ impl NativeTransport {
         let Some(active) = st.active.take() else {
             return;
         };
-        for fd in self.notify.iter().flatten() {
+        for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
         }
         st.indices = active.server.indices();
@@ -768,10 +776,10 @@ impl NativeTransport {
         }
     }
 
-    /// DEVICE_NEEDS_RESET for `epoch` and, if newly set, the interrupt.
-    fn device_error(&self, reason: String, epoch: u64) {
+    /// DEVICE_NEEDS_RESET for `epoch` and, if newly set, the interrupt on `irq`.
+    fn device_error(&self, irq: RawFd, reason: String, epoch: u64) {
         if lock(&self.regs).device_error(reason, epoch) {
-            write_eventfd(self.irq.as_raw_fd());
+            write_eventfd(irq);
         }
     }
 
@@ -783,7 +791,7 @@ impl NativeTransport {
                 _ => return,
             }
         };
-        if index < self.notify.len() {
+        if index < self.kind.queue_count() {
             self.serve_inline(&server, index, epoch);
         }
     }
@@ -798,7 +806,7 @@ impl Drop for NativeTransport {
         let Some(active) = st.active.take() else {
             return;
         };
-        for fd in self.notify.iter().flatten() {
+        for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
         }
         let _ = active.server.indices();
@@ -829,7 +837,7 @@ impl TransportHost for NativeTransport {
                     self.deactivate(&mut st);
                     st.acked_features = 0;
                     // Fresh queues, as the Python transport's reset makes.
-                    st.indices = vec![(0, 0); self.notify.len()];
+                    st.indices = vec![(0, 0); self.kind.queue_count()];
                 }
                 Event::FeaturesOk(features) => lock(&self.state).acked_features = features,
                 Event::FeaturesRefused(_) => lock(&self.state).features_refused += 1,
@@ -838,7 +846,11 @@ impl TransportHost for NativeTransport {
                     self.activate(epoch, &indices).map_err(failure)?;
                 }
                 // The register file set DEVICE_NEEDS_RESET and the config-change bit.
-                Event::NeedsReset(_) => write_eventfd(self.irq.as_raw_fd()),
+                Event::NeedsReset(_) => {
+                    if let Some(fds) = &lock(&self.state).fds {
+                        write_eventfd(fds.irq.as_raw_fd());
+                    }
+                }
                 Event::Notify(index, epoch) => self.notify(index as usize, epoch),
                 Event::ConfigWrite(offset, data) => {
                     // Only the balloon's `actual` is the driver's to write (balloon.py).

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import mmap
 import os
 import threading
 import time
@@ -58,7 +57,13 @@ from vmfork.vmm.devices.manager import (
     DeviceManager,
     VolumeSlot,
 )
-from vmfork.vmm.devices.plan import NATIVE_KINDS, NativeVirtio, boot_plan, device_plan
+from vmfork.vmm.devices.plan import (
+    NATIVE_KINDS,
+    NativeVirtio,
+    balloon_advice,
+    boot_plan,
+    device_plan,
+)
 from vmfork.vmm.devices.serial import Serial
 from vmfork.vmm.devices.virtio.blk import VirtioBlk, open_disk, validate_disk_key
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
@@ -678,9 +683,7 @@ class Machine:
         if kind.name not in NATIVE_KINDS:
             raise ValueError(f"{kind.name} has no native transport")
         base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
-        # A memfd mapped shared keeps the data past MADV_DONTNEED; only a hole frees it.
-        shared = self.memory.backing_fd is not None and not self.memory.private_file
-        advice = mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
+        advice = balloon_advice(self.memory)
         saved = self.config.restore_state
         record = None if saved is None else next(d for d in saved.devices
                                                  if d.kind == kind.name)

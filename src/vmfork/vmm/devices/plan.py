@@ -32,6 +32,7 @@ from vmfork.vmm.devices.virtio import balloon, rng
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
+from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.native import CORE_BUILT
 
 if CORE_BUILT or TYPE_CHECKING:
@@ -52,6 +53,13 @@ def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
     return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
             balloon.VirtioBalloon.queue_max_sizes, balloon.VirtioBalloon.device_type)
+
+
+def balloon_advice(memory: GuestMemory) -> int:
+    """How a balloon drops a reported page from ``memory``: a memfd mapped shared keeps
+    the data past ``MADV_DONTNEED``; only a hole (``MADV_REMOVE``) frees it."""
+    shared = memory.backing_fd is not None and not memory.private_file
+    return mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
 
 
 def _kind(name: str, balloon_advice: int, actual: int = 0) -> Kind:
