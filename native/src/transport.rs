@@ -632,9 +632,7 @@ impl NativeTransport {
         let events = Arc::new(NativeEvents::for_transport(
             self.regs.clone(),
             epoch,
-            fds.irq
-                .try_clone()
-                .map_err(|e| format!("dup irqfd: {e}"))?,
+            fds.irq.try_clone().map_err(|e| format!("dup irqfd: {e}"))?,
         ));
         let server = self.server(epoch, &rings, indices, &events, fds)?;
         if let Server::Balloon(s) = &server {

@@ -52,7 +52,7 @@ def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
     if kind == "rng":
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
     return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
-            balloon.VirtioBalloon.queue_max_sizes, balloon.VirtioBalloon.device_type)
+            (balloon.QUEUE_SIZE,) * 3, balloon.DEVICE_ID_BALLOON)
 
 
 def balloon_advice(memory: GuestMemory) -> int:
