@@ -203,7 +203,7 @@ class SnapshotTaker:
         cleared = False
         balloon = machine.balloon.device if machine.balloon is not None else None
         if balloon is not None:
-            balloon.hold()   # until the writer is done: see balloon.py's "Holds"
+            balloon.hold()   # until the writer is done: balloon.py's "Holds" says why
         try:
             machine.pause()
             paused_at = time.monotonic()

@@ -43,6 +43,13 @@ Settling. The guest reports a block about 2 s after it was freed
 capture first waits, while the guest runs, until no report came for a few seconds
 (``stats``, read through the control socket's ``status``; runtime/branch.py).
 
+Holds. A capture's writer, forked at the pause, lists the pages that changed by reading
+this process's page tables after the resume (a live capture); a page dropped then would
+read as the base file's, and the snapshot would lose what the page held at the pause.
+So a capture holds the drops from before its pause until its writer is done
+(``NativeDevice.hold``/``release``, vmm/capture.py): reports are still acknowledged,
+and the guest's pages stay ours a little longer.
+
 One implementation, native: the balloon's ``NativeTransport`` (``native/src/transport.rs``)
 builds a ``BalloonServer`` (``native/src/balloon_serve.rs``) at each activation, which the
 native loop serves on the queues' ioeventfds without the GIL (a QueueNotify without an
