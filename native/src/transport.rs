@@ -553,11 +553,7 @@ impl NativeTransport {
     pub fn hold(&self) {
         let mut st = lock(&self.state);
         st.holds += 1;
-        if let Some(Active {
-            server: Server::Balloon(s),
-            ..
-        }) = &st.active
-        {
+        if let Some(s) = running_balloon(&st) {
             s.hold();
         }
     }
@@ -569,11 +565,7 @@ impl NativeTransport {
             return;
         }
         st.holds -= 1;
-        if let Some(Active {
-            server: Server::Balloon(s),
-            ..
-        }) = &st.active
-        {
+        if let Some(s) = running_balloon(&st) {
             s.release();
         }
     }
@@ -867,6 +859,17 @@ impl TransportHost for NativeTransport {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// The balloon server of the running activation, if the device is a running balloon.
+fn running_balloon(st: &TransportState) -> Option<&Arc<BalloonServer>> {
+    match &st.active {
+        Some(Active {
+            server: Server::Balloon(s),
+            ..
+        }) => Some(s),
+        _ => None,
     }
 }
 
