@@ -50,7 +50,7 @@ use crate::log_budget::LogBudget;
 use crate::mmio::{self, WINDOW_SIZE};
 use crate::queue_server;
 use crate::restore::{Failure, VcpuBuffers};
-use crate::transport::{DevicePlan, NativeTransport, Readers, Windows};
+use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, Windows};
 use crate::transport_py::{plan_from_py, PyListener, PyPlan};
 use crate::vcpu::{ExitSink, NativeHost, UnclaimedCounts, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, Restore, VmCore};
@@ -517,6 +517,17 @@ impl NativeMachine {
 
     /// The virtio devices, in slot order, their registers read through the windows
     /// as the guest reads them.
+    /// The balloon's transport, if the machine has one (its counters are `status`'s).
+    pub fn balloon(&self) -> Option<Arc<NativeTransport>> {
+        lock(&self.parts).as_ref().and_then(|parts| {
+            parts
+                .transports
+                .iter()
+                .find(|(device, _)| matches!(device.plan.kind, DeviceKind::Balloon { .. }))
+                .map(|(_, transport)| transport.clone())
+        })
+    }
+
     pub fn devices(&self) -> Vec<DeviceReport> {
         // Cloned out: no machine lock is held while a window is read.
         let (windows, transports) = match lock(&self.parts).as_ref() {
@@ -780,7 +791,6 @@ mod tests {
     //! that counting `/proc/self/fd` sees no other test's descriptors come and go.
 
     use super::*;
-    use crate::transport::DeviceKind;
     use crate::vm::test_ram_with;
     use kvm_bindings::kvm_segment;
     use std::io::Read;
