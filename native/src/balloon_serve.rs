@@ -1,5 +1,6 @@
-//! virtio-balloon's three queues served on the native event loop without the GIL
-//! (`_core.BalloonQueues`): free page reporting, `balloon.py`'s contract, natively.
+//! virtio-balloon's three queues served on the native event loop without the GIL: free
+//! page reporting, `balloon.py`'s contract, natively (the server a balloon's
+//! `NativeTransport` builds at each activation, `transport.rs`).
 //!
 //! The balloon offers only `VIRTIO_BALLOON_F_REPORTING`, so its work is: a chain on
 //! the reporting queue names free blocks the guest gives up, and each whole page inside
@@ -12,23 +13,21 @@
 //! * **The checks, in order, per buffer:** a capture in flight (`hold`) keeps the
 //!   range (counted as held); a buffer holding no whole page is ignored; a range that
 //!   starts outside guest RAM or crosses the end of its region is a guest fault, with
-//!   `balloon.py`'s messages. A failing `madvise` is counted (and logged by Python);
-//!   the buffer still goes back.
+//!   `balloon.py`'s messages. A failing `madvise` is counted; the buffer still goes
+//!   back.
 //! * **Budget.** At most `max_chains` chains per queue per wake; a run that used it
-//!   re-arms by writing the queue's ioeventfd (or, without one, tells the Python caller
-//!   to serve again later), as `rng_serve.rs` does.
+//!   re-arms by writing the queue's ioeventfd (or, without one, tells its caller to
+//!   serve again), as `rng_serve.rs` does.
 //! * **Holds and the fork of a capture.** A capture holds the drops from its pause
 //!   until its writer is done, and forks that writer on the loop thread
 //!   (`run_on_loop`); this object runs on the same thread, so no drop straddles the
 //!   fork, and the hold count is read per buffer, so none starts after a hold.
-//! * **One owner of the indices**, from activation to reset: this object; `sync`
+//! * **One owner of the indices**, from activation to reset: this object; `indices`
 //!   gives them back for a snapshot (as `rng_serve.rs`).
-//! * **What goes to Python** (`on_report(fault or None, discard errors)`, with the GIL
-//!   after the turn's native work): a guest fault (the queues stop, Python sets
-//!   DEVICE_NEEDS_RESET) and the failed `madvise` calls to log. A healthy balloon never
-//!   takes the GIL. Both go through the server's `DeviceEvents`: `BalloonQueues`
-//!   installs Python's `on_report`; a machine wired in Rust (`BalloonServer::new`) a
-//!   native record, and then nothing goes to Python.
+//! * **What it reports**: a guest fault (the queues stop, the transport's register
+//!   file gets DEVICE_NEEDS_RESET) and the failed `madvise` calls, through the
+//!   server's `DeviceEvents`, the transport's `NativeEvents` record: nothing goes to
+//!   Python.
 //!
 //! Locks, in this order: `state`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -38,16 +37,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
-use pyo3::exceptions::PyValueError;
-use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
-
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::{GuestRam as GuestRamInner, Ram, RamError};
 use crate::mmio::Registers;
-use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, dup, raise_used_buffer, rearm, DeviceEvents, PyOnReport, PyQueue};
-use crate::virtio_py::GuestRam;
+use crate::queue_server::{self, raise_used_buffer, rearm, DeviceEvents};
 use crate::virtq::{self, QueueError, Rings};
 
 const REPORTING_QUEUE: usize = 2;
@@ -59,13 +52,37 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-#[derive(Default, Clone, Copy)]
-struct Counters {
-    reports: u64,
-    bytes_discarded: u64,
-    discard_errors: u64,
-    ignored_buffers: u64,
-    discards_held: u64,
+/// What a server did over its activation (`balloon.py`'s `BalloonStats`, plus the
+/// reports kept for a capture).
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counters {
+    pub reports: u64,
+    pub bytes_discarded: u64,
+    pub discard_errors: u64,
+    pub ignored_buffers: u64,
+    pub discards_held: u64,
+}
+
+impl Counters {
+    /// `self` and `other` added (an earlier activation's and the running one's).
+    pub fn plus(self, other: Counters) -> Counters {
+        Counters {
+            reports: self.reports + other.reports,
+            bytes_discarded: self.bytes_discarded + other.bytes_discarded,
+            discard_errors: self.discard_errors + other.discard_errors,
+            ignored_buffers: self.ignored_buffers + other.ignored_buffers,
+            discards_held: self.discards_held + other.discards_held,
+        }
+    }
+}
+
+/// A server's statistics: its counters, when the guest last reported, and the
+/// used-buffer interrupts it raised.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct BalloonStats {
+    pub counters: Counters,
+    pub last_report: Option<Instant>,
+    pub interrupts: u64,
 }
 
 struct BalloonState {
@@ -75,7 +92,6 @@ struct BalloonState {
     last_report: Option<Instant>,
     /// A guest fault was found: serve no more (until the driver resets the device).
     failed: bool,
-    closed: bool,
     /// Used-buffer interrupts raised (the irqfd written): the line's statistics.
     interrupts: u64,
     irq: Option<OwnedFd>,
@@ -109,8 +125,7 @@ pub struct BalloonServer {
     /// Captures in flight (`hold`/`release`): their drops are kept.
     holds: AtomicU64,
     state: Mutex<BalloonState>,
-    /// Where a guest fault and the failed discards go (Python's `on_report`, or a
-    /// native record).
+    /// Where a guest fault and the failed discards go (the transport's native record).
     events: Arc<dyn DeviceEvents<Vec<DiscardError>>>,
 }
 
@@ -165,7 +180,6 @@ impl BalloonServer {
                 counters: Counters::default(),
                 last_report: None,
                 failed: false,
-                closed: false,
                 interrupts: 0,
                 irq: Some(irq),
                 rearm,
@@ -216,7 +230,7 @@ impl BalloonServer {
     fn serve(&self, index: usize) -> Report {
         let mut report = Report::default();
         let mut st = lock(&self.state);
-        if st.closed || st.failed || lock(&self.registers).failed_in(self.epoch) {
+        if st.failed || lock(&self.registers).failed_in(self.epoch) {
             return report;
         }
         let Ok(ram) = self.ram.lock() else {
@@ -312,6 +326,27 @@ impl BalloonServer {
     pub(crate) fn indices(&self) -> [(u16, u16); 3] {
         lock(&self.state).indices
     }
+
+    /// A capture is in flight: keep reported pages until `release`.
+    pub(crate) fn hold(&self) {
+        self.holds.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub(crate) fn release(&self) {
+        // Never below zero, as `balloon.py` (a release without a hold is a no-op).
+        let _ = self
+            .holds
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    pub(crate) fn stats(&self) -> BalloonStats {
+        let st = lock(&self.state);
+        BalloonStats {
+            counters: st.counters,
+            last_report: st.last_report,
+            interrupts: st.interrupts,
+        }
+    }
 }
 
 impl NativeReader for BalloonServer {
@@ -322,138 +357,5 @@ impl NativeReader for BalloonServer {
         // The loop serves only through the ioeventfds, which the server re-arms.
         let report = self.serve(index);
         self.deferred(report)
-    }
-}
-
-/// Python's handle: built by `VirtioBalloon.activate` on the native path.
-#[pyclass(frozen, module = "vmfork._core")]
-pub struct BalloonQueues {
-    pub server: Arc<BalloonServer>,
-}
-
-#[pymethods]
-impl BalloonQueues {
-    /// `queues` are the inflate, deflate and reporting queues, checked by
-    /// `Virtqueue.validate`; `irq_fd` the interrupt's eventfd and `notify_fds` the
-    /// queues' ioeventfds (None without them), all duplicated; `advice` the `madvise`
-    /// advice that drops a page from this machine's RAM mapping.
-    #[new]
-    #[pyo3(signature = (ram, registers, epoch, queues, irq_fd, notify_fds, max_chains,
-                        advice, on_report))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ram: &Bound<'_, GuestRam>,
-        registers: &Bound<'_, MmioRegisters>,
-        epoch: u64,
-        queues: [PyQueue; 3],
-        irq_fd: RawFd,
-        notify_fds: [Option<RawFd>; 3],
-        max_chains: u32,
-        advice: i32,
-        on_report: Py<PyAny>,
-    ) -> PyResult<Self> {
-        // EVENT_IDX is not offered: the balloon interrupts after every batch.
-        let rings = [
-            queue_server::rings("inflate", queues[0], false)?,
-            queue_server::rings("deflate", queues[1], false)?,
-            queue_server::rings("reporting", queues[2], false)?,
-        ];
-        let irq = dup(irq_fd)?;
-        let mut rearm: [Option<OwnedFd>; 3] = [None, None, None];
-        for (slot, fd) in rearm.iter_mut().zip(notify_fds) {
-            *slot = fd.map(dup).transpose()?;
-        }
-        let server = BalloonServer::new(
-            ram.get().ram(),
-            registers.get().regs.clone(),
-            epoch,
-            rings,
-            queues.map(|q| (q.4, q.5)),
-            irq,
-            notify_fds,
-            rearm,
-            max_chains,
-            advice,
-            Arc::new(PyOnReport(on_report)),
-        )
-        .map_err(PyValueError::new_err)?;
-        Ok(BalloonQueues {
-            server: Arc::new(server),
-        })
-    }
-
-    /// The driver notified queue `index` and the call comes from Python (a QueueNotify
-    /// exit, the activation's catch-up). True if the budget was spent with no ioeventfd
-    /// to re-arm with: call again later.
-    fn notify(&self, py: Python<'_>, index: usize) -> PyResult<bool> {
-        if index > REPORTING_QUEUE {
-            return Err(PyValueError::new_err(format!("no queue {index}")));
-        }
-        let server = self.server.clone();
-        let (rearm, deferred) = py.detach(move || {
-            let report = server.serve(index);
-            (report.rearm, server.deferred(report))
-        });
-        if let Some(work) = deferred {
-            work(py);
-        }
-        Ok(rearm)
-    }
-
-    /// A capture is in flight: keep reported pages until `release`.
-    fn hold(&self) {
-        self.server.holds.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn release(&self) {
-        // Never below zero, as `balloon.py` (a release without a hold is a no-op).
-        let _ = self
-            .server
-            .holds
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
-    }
-
-    /// Close the duplicated fds and serve no more (after the loop's readers are gone).
-    fn close(&self) {
-        let mut st = lock(&self.server.state);
-        st.closed = true;
-        st.irq = None;
-        st.rearm = [None, None, None];
-    }
-
-    /// (reports, bytes_discarded, discard_errors, ignored_buffers, discards_held,
-    /// seconds since the last report or None).
-    fn stats(&self) -> (u64, u64, u64, u64, u64, Option<f64>) {
-        let st = lock(&self.server.state);
-        let c = st.counters;
-        (
-            c.reports,
-            c.bytes_discarded,
-            c.discard_errors,
-            c.ignored_buffers,
-            c.discards_held,
-            st.last_report.map(|t| t.elapsed().as_secs_f64()),
-        )
-    }
-
-    #[getter]
-    fn failed(&self) -> bool {
-        lock(&self.server.state).failed
-    }
-
-    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
-    #[getter]
-    fn interrupts(&self) -> u64 {
-        lock(&self.server.state).interrupts
-    }
-
-    /// The ring indices: (next_avail, next_used) of each queue.
-    fn sync(&self) -> [(u16, u16); 3] {
-        lock(&self.server.state).indices
-    }
-
-    /// The Python objects it holds, for the collector (see `RngQueue.__traverse__`).
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.server.events.traverse(&visit)
     }
 }

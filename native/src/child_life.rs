@@ -41,6 +41,7 @@ use serde_json::{Map, Value};
 use crate::agent_handshake::{self, Failure as AgentFailure, Handshake, Target};
 use crate::child_report::ChildReporter;
 use crate::control_serve::{error_line, ControlServe, Handover, CLOSING};
+use crate::transport::NativeTransport;
 use crate::vcpu::VcpuControl;
 
 /// `vmmchild.EXIT_GUEST_DIED`: the guest panicked, faulted or never answered.
@@ -71,6 +72,8 @@ pub trait ChildMachine {
     fn exit(&self) -> Option<(&'static str, String)>;
     /// The console's last lines.
     fn console_tail(&self) -> String;
+    /// The balloon, whose counters `status` reports, if the machine has one.
+    fn balloon(&self) -> Option<Arc<NativeTransport>>;
     /// Stop the vCPUs (the process is about to exit).
     fn stop(&self);
 }
@@ -85,8 +88,6 @@ pub struct LifePlan {
     /// `run_dir/control.sock`.
     pub control_path: CString,
     pub jailed: bool,
-    /// False with a balloon: `status` is handed over (its counters are Python's).
-    pub status_native: bool,
     pub agent: Target,
     pub ready_timeout: Duration,
     /// The snapshot has a network device: the guest is told it was forked.
@@ -534,7 +535,7 @@ fn run<M: ChildMachine>(
             stop.stop_write.as_raw_fd(),
             machine.vcpu_controls(),
             plan.jailed,
-            plan.status_native,
+            machine.balloon(),
             relay.clone(),
         )
     }) {
@@ -708,6 +709,10 @@ impl ChildMachine for crate::machine::NativeMachine {
         crate::machine::NativeMachine::console_tail(self)
     }
 
+    fn balloon(&self) -> Option<Arc<NativeTransport>> {
+        crate::machine::NativeMachine::balloon(self)
+    }
+
     fn stop(&self) {
         crate::machine::NativeMachine::stop(self)
     }
@@ -783,7 +788,6 @@ mod tests {
                 seccomp: None,
                 control_path: c(&self.path.join("control.sock")),
                 jailed: false,
-                status_native: true,
                 agent: Target {
                     path: c(&self.path.join("no-agent.sock")),
                     port: Some(1024),

@@ -5,17 +5,18 @@
 //! connection; it holds no Python object but the hand-over handler, and takes the GIL
 //! only to call it.
 //!
-//! Served here, without Python: `pause`, `resume`, `stop`, and `status` when the
-//! machine has no balloon (its counters are the balloon server's, read in Python).
-//! Everything else -- `exits`, `snapshot`, `status` with a balloon, and every line
-//! that is not exactly `{"op": "<one of those>"}` (malformed lines included) -- goes
-//! to the handler, for that line only: it runs `control.parse_request`, so an error
-//! reply's text has one author.
+//! Served here, without Python: `pause`, `resume`, `stop` and `status` (a balloon's
+//! counters are its native transport's, `transport.rs`). Everything else -- `exits`,
+//! `snapshot`, and every line that is not exactly `{"op": "<one of those>"}`
+//! (malformed lines included) -- goes to the handler, for that line only: it runs
+//! `control.parse_request`, so an error reply's text has one author.
 //!
 //! Bounds a client can drive: at most `MAX_CONNECTIONS` connections (one more is told
 //! so and closed), a connection's buffer at most `MAX_LINE_BYTES` plus one read (a
 //! longer line is refused and the connection dropped, as the protocol says), one
-//! `recv` of at most `RECV_CHUNK` bytes per readable connection per turn.
+//! `recv` of at most `RECV_CHUNK` bytes per readable connection per turn, and a reply
+//! waits at most `SEND_TIMEOUT` for a client that does not read (`SO_SNDTIMEO`; the
+//! connection is dropped then), so one such client cannot stall the others.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
@@ -27,6 +28,8 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::transport::NativeTransport;
+use crate::transport_py::NativeDevice;
 use crate::vcpu::{VcpuControl, VcpuLoop};
 
 /// `control.MAX_LINE_BYTES`: one request line (a test holds them equal).
@@ -36,6 +39,10 @@ pub const MAX_CONNECTIONS: usize = 16;
 const RECV_CHUNK: usize = 65536;
 /// `Vcpu.pause`'s default: how long a vCPU may take to park.
 const PAUSE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a reply may wait for room in a connection's send buffer. A client that
+/// reads its replies never makes one wait (a reply is a few hundred bytes, the buffer
+/// hundreds of KiB); one that stops reading is dropped after this.
+pub const SEND_TIMEOUT: Duration = Duration::from_secs(2);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -60,8 +67,8 @@ struct Status {
 struct Shared {
     vcpus: Vec<VcpuControl>,
     jailed: bool,
-    /// False with a balloon: its counters are read in Python (`status` hands over).
-    status_native: bool,
+    /// The machine's balloon, whose counters `status` reports.
+    balloon: Option<Arc<NativeTransport>>,
     status: Mutex<Status>,
     /// Written by `close`: the thread ends at its next turn.
     wake: OwnedFd,
@@ -155,6 +162,48 @@ fn json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
+/// A finite non-negative `f64` the way Python's `json.dumps` (its `repr`) writes it:
+/// Rust's `{:?}` picks the same shortest digits and the same switch to an exponent
+/// (below 1e-4, from 1e16 on), but writes `1e-5` and `1e16` where Python writes
+/// `1e-05` and `1e+16`.
+fn json_f64(out: &mut String, x: f64) {
+    let text = format!("{x:?}");
+    match text.split_once('e') {
+        None => out.push_str(&text),
+        Some((mantissa, exponent)) => {
+            let (sign, digits) = match exponent.strip_prefix('-') {
+                Some(digits) => ('-', digits),
+                None => ('+', exponent),
+            };
+            out.push_str(mantissa);
+            out.push('e');
+            out.push(sign);
+            if digits.len() < 2 {
+                out.push('0');
+            }
+            out.push_str(digits);
+        }
+    }
+}
+
+/// `control.FreePageReporting(...).to_wire()` of `balloon`, as `json.dumps` writes it.
+fn free_page_reporting(out: &mut String, balloon: &NativeTransport) {
+    let stats = balloon.stats();
+    let c = stats.balloon;
+    out.push_str("{\"active\": ");
+    out.push_str(if balloon.active() { "true" } else { "false" });
+    out.push_str(&format!(
+        ", \"reports\": {}, \"bytes_discarded\": {}, \"discard_errors\": {}, \
+         \"last_report_age_s\": ",
+        c.reports, c.bytes_discarded, c.discard_errors
+    ));
+    match stats.last_report {
+        Some(at) => json_f64(out, at.elapsed().as_secs_f64()),
+        None => out.push_str("null"),
+    }
+    out.push('}');
+}
+
 fn json_opt_str(out: &mut String, s: Option<&str>) {
     match s {
         Some(s) => json_str(out, s),
@@ -188,7 +237,7 @@ impl Shared {
                 self.signal_stop();
                 ACK.to_vec()
             }
-            Some(Op::Status) if self.status_native => self.status_line(),
+            Some(Op::Status) => self.status_line(),
             _ => self.hand_over(line, fd),
         }
     }
@@ -214,7 +263,7 @@ impl Shared {
         unsafe { libc::write(self.stop.as_raw_fd(), b"x".as_ptr().cast(), 1) };
     }
 
-    /// `control.encode(control.StatusReply(...))` for a machine without a balloon.
+    /// `control.encode(control.StatusReply(...))`.
     fn status_line(&self) -> Vec<u8> {
         let paused = self.vcpus.iter().all(VcpuControl::is_paused);
         let status = lock(&self.status);
@@ -237,7 +286,12 @@ impl Shared {
         json_opt_str(&mut out, status.tracking.as_deref());
         out.push_str(", \"jailed\": ");
         out.push_str(if self.jailed { "true" } else { "false" });
-        out.push_str(", \"free_page_reporting\": null}\n");
+        out.push_str(", \"free_page_reporting\": ");
+        match &self.balloon {
+            None => out.push_str("null"),
+            Some(balloon) => free_page_reporting(&mut out, balloon),
+        }
+        out.push_str("}\n");
         out.into_bytes()
     }
 
@@ -345,6 +399,23 @@ fn accept(listener: &OwnedFd, conns: &mut Vec<Conn>) {
     }
     // SAFETY: accept4 returned a new descriptor nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let timeout = libc::timeval {
+        tv_sec: SEND_TIMEOUT.as_secs() as libc::time_t,
+        tv_usec: SEND_TIMEOUT.subsec_micros() as libc::suseconds_t,
+    };
+    // SAFETY: sets an option on our descriptor from a live timeval of the size given.
+    let set = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&timeout as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if set != 0 {
+        return; // a connection whose replies could block us forever is not served
+    }
     if conns.len() >= MAX_CONNECTIONS {
         let refusal = error_line(&format!(
             "too many control connections (at most {MAX_CONNECTIONS}); close one and retry"
@@ -487,14 +558,15 @@ fn dup(fd: RawFd) -> Result<OwnedFd, String> {
 impl ControlServe {
     /// Serve `listener` (taken over: the server closes it) on a new thread, for a
     /// caller with or without Python: `stop_fd` is the stop signal's write end
-    /// (duplicated), `vcpus` the machine's controls, `handover` where every line not
-    /// served here goes. An error names the step that failed.
+    /// (duplicated), `vcpus` the machine's controls, `balloon` the machine's balloon
+    /// (its counters in `status`), `handover` where every line not served here goes.
+    /// An error names the step that failed.
     pub fn start(
         listener: OwnedFd,
         stop_fd: RawFd,
         vcpus: Vec<VcpuControl>,
         jailed: bool,
-        status_native: bool,
+        balloon: Option<Arc<NativeTransport>>,
         handover: Arc<dyn Handover>,
     ) -> Result<Self, String> {
         let stop = dup(stop_fd)?;
@@ -509,7 +581,7 @@ impl ControlServe {
         let shared = Arc::new(Shared {
             vcpus,
             jailed,
-            status_native,
+            balloon,
             status: Mutex::new(Status::default()),
             // SAFETY: the new eventfd above.
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
@@ -541,16 +613,15 @@ impl ControlServe {
 impl ControlServe {
     /// Serve `listener` (a listening Unix socket's fd, taken over: the server closes
     /// it) on a new thread. `stop_fd`: the stop signal's write end (duplicated);
-    /// `vcpus`: the machine's loops; `status_native`: False when `status` must be
-    /// handed over (a balloon's counters); `handler(line, fd) -> bytes`: everything
-    /// else.
+    /// `vcpus`: the machine's loops; `balloon`: the machine's balloon, if it has one
+    /// (`status` reports its counters); `handler(line, fd) -> bytes`: everything else.
     #[new]
     fn new(
         listener: RawFd,
         stop_fd: RawFd,
         vcpus: Vec<Bound<'_, VcpuLoop>>,
         jailed: bool,
-        status_native: bool,
+        balloon: Option<Bound<'_, NativeDevice>>,
         handler: Py<PyAny>,
     ) -> PyResult<Self> {
         // SAFETY: the caller hands the descriptor over (`socket.detach()`).
@@ -560,7 +631,7 @@ impl ControlServe {
             stop_fd,
             vcpus.iter().map(|v| v.get().control()).collect(),
             jailed,
-            status_native,
+            balloon.map(|b| b.get().transport.clone()),
             Arc::new(PyHandover(handler)),
         )
         .map_err(PyOSError::new_err)
@@ -649,6 +720,30 @@ mod tests {
                 "{:?}",
                 String::from_utf8_lossy(other)
             );
+        }
+    }
+
+    #[test]
+    fn seconds_are_written_as_pythons_json_writes_them() {
+        // Each as `json.dumps(float(x))` writes it (Python 3.11).
+        for (x, python) in [
+            (0.0, "0.0"),
+            (2.0, "2.0"),
+            (1.5, "1.5"),
+            (0.1, "0.1"),
+            (0.0001, "0.0001"),
+            (0.00001, "1e-05"),
+            (1.2345e-7, "1.2345e-07"),
+            (123456.789, "123456.789"),
+            (1e15, "1000000000000000.0"),
+            (1e16, "1e+16"),
+            (1.2345678901234568e22, "1.2345678901234568e+22"),
+            (1e100, "1e+100"),
+            (3.0000000000000004, "3.0000000000000004"),
+        ] {
+            let mut out = String::new();
+            json_f64(&mut out, x);
+            assert_eq!(out, python, "{x}");
         }
     }
 

@@ -50,8 +50,8 @@ use crate::log_budget::LogBudget;
 use crate::mmio::{self, WINDOW_SIZE};
 use crate::queue_server;
 use crate::restore::{Failure, VcpuBuffers};
-use crate::transport::{DevicePlan, NativeTransport, Readers, Windows};
-use crate::transport_py::{plan_from_py, PyPlan};
+use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, Windows};
+use crate::transport_py::{plan_from_py, PyListener, PyPlan};
 use crate::vcpu::{ExitSink, NativeHost, UnclaimedCounts, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, Restore, VmCore};
 
@@ -517,6 +517,17 @@ impl NativeMachine {
 
     /// The virtio devices, in slot order, their registers read through the windows
     /// as the guest reads them.
+    /// The balloon's transport, if the machine has one (its counters are `status`'s).
+    pub fn balloon(&self) -> Option<Arc<NativeTransport>> {
+        lock(&self.parts).as_ref().and_then(|parts| {
+            parts
+                .transports
+                .iter()
+                .find(|(device, _)| matches!(device.plan.kind, DeviceKind::Balloon { .. }))
+                .map(|(_, transport)| transport.clone())
+        })
+    }
+
     pub fn devices(&self) -> Vec<DeviceReport> {
         // Cloned out: no machine lock is held while a window is read.
         let (windows, transports) = match lock(&self.parts).as_ref() {
@@ -624,10 +635,13 @@ impl PyNativeMachine {
     /// borrowed for the call), COM1's registers `serial` (`SerialState`'s fields),
     /// the console log `console_log_fd` (duplicated) within its budget, and the
     /// virtio devices `devices`: (slot, IOAPIC pin, plan as `vmm/devices/plan.py`
-    /// builds it). The GIL is released for the build; nothing runs until `start`.
+    /// builds it), a vsock's host side `vsock_listener` as `NativeDevice.restore`
+    /// takes it (the socket path, its bound listening fd, duplicated, or None to bind
+    /// the path here). The GIL is released for the build; nothing runs until `start`.
     #[new]
     #[pyo3(signature = (kvm_fd, memory_fd, mem_size, prepared, *, devices, serial = None,
-                        console_log_fd = None, log_burst, log_per_second, log_total_bytes))]
+                        console_log_fd = None, log_burst, log_per_second, log_total_bytes,
+                        vsock_listener = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -641,6 +655,7 @@ impl PyNativeMachine {
         log_burst: u32,
         log_per_second: f64,
         log_total_bytes: u64,
+        vsock_listener: Option<PyListener>,
     ) -> PyResult<Self> {
         let budget = log_budget(log_burst, log_per_second, log_total_bytes)
             .map_err(PyValueError::new_err)?;
@@ -650,7 +665,7 @@ impl PyNativeMachine {
                 Ok(SlotPlan {
                     slot,
                     irq,
-                    plan: plan_from_py(plan, None)?,
+                    plan: plan_from_py(plan, vsock_listener.clone())?,
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -776,7 +791,6 @@ mod tests {
     //! that counting `/proc/self/fd` sees no other test's descriptors come and go.
 
     use super::*;
-    use crate::transport::DeviceKind;
     use crate::vm::test_ram_with;
     use kvm_bindings::kvm_segment;
     use std::io::Read;

@@ -374,6 +374,36 @@ impl MmioWindows {
         self.windows.len()
     }
 
+    /// A guest's read of `size` (1, 2, 4 or 8) bytes at `addr`, served as the vCPU
+    /// loop serves it (a window's host called if it must): the bytes, or None if no
+    /// window holds `addr`. For a driver in a test; the vCPU loop reads without Python.
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        addr: u64,
+        size: usize,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        if !matches!(size, 1 | 2 | 4 | 8) {
+            return Err(PyValueError::new_err(format!("a read of {size} bytes")));
+        }
+        let mut data = [0u8; 8];
+        match self.windows.serve_read(addr, &mut data[..size]) {
+            None => Ok(None),
+            Some(Ok(())) => Ok(Some(PyBytes::new(py, &data[..size]))),
+            Some(Err(failure)) => Err(PyValueError::new_err(failure.detail)),
+        }
+    }
+
+    /// A guest's write of `data` at `addr`, its events applied by the window's host:
+    /// False if no window holds `addr`.
+    fn write(&self, addr: u64, data: &[u8]) -> PyResult<bool> {
+        match self.windows.serve_write(addr, data) {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err(failure)) => Err(PyValueError::new_err(failure.detail)),
+        }
+    }
+
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         for host in self.windows.hosts().unwrap_or_default() {
             if let Some(py) = host.as_any().downcast_ref::<PyTransport>() {

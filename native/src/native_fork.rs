@@ -61,11 +61,11 @@ fn duration(seconds: f64) -> PyResult<Duration> {
 impl ChildLife {
     /// `vmmchild.main`'s arguments, resolved: the reports' `run_dir`, `vm_id` and
     /// `notify_path`; `start_gate` and its timeout (seconds); `seccomp`, the
-    /// program's bytes for a jailed child; `status_native`: False with a balloon;
+    /// program's bytes for a jailed child;
     /// `agent` and `ready_timeout` (seconds); `net_refresh`: the snapshot has a network.
     #[new]
     #[pyo3(signature = (*, run_dir, vm_id, notify_path, start_gate, start_gate_timeout,
-                        seccomp, jailed, status_native, agent, ready_timeout, net_refresh))]
+                        seccomp, jailed, agent, ready_timeout, net_refresh))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         run_dir: &str,
@@ -75,7 +75,6 @@ impl ChildLife {
         start_gate_timeout: f64,
         seccomp: Option<Vec<u8>>,
         jailed: bool,
-        status_native: bool,
         agent: &AgentTarget,
         ready_timeout: f64,
         net_refresh: bool,
@@ -92,7 +91,6 @@ impl ChildLife {
                 seccomp,
                 control_path: c_string(&format!("{}/control.sock", run_dir.trim_end_matches('/')))?,
                 jailed,
-                status_native,
                 agent: agent.target().clone(),
                 ready_timeout: duration(ready_timeout)?,
                 net_refresh,

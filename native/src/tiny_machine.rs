@@ -15,6 +15,7 @@ use pyo3::prelude::*;
 use crate::child_life::ChildMachine;
 use crate::console::{ConsoleDevices, IrqFd};
 use crate::log_budget::LogBudget;
+use crate::transport::NativeTransport;
 use crate::vcpu::{ExitSink, NativeHost, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, VmCore};
 
@@ -161,6 +162,10 @@ impl ChildMachine for TinyMachine {
 
     fn console_tail(&self) -> String {
         self.console.tail_text()
+    }
+
+    fn balloon(&self) -> Option<Arc<NativeTransport>> {
+        None // a console and a vCPU: no devices
     }
 
     fn stop(&self) {

@@ -39,9 +39,9 @@
 use std::any::Any;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::balloon_serve::{BalloonServer, DiscardError};
+use crate::balloon_serve::{BalloonServer, Counters, DiscardError};
 use crate::eventloop::{Loop, LoopHost, NativeReader};
 use crate::guest_ram::GuestRam;
 use crate::mmio::{
@@ -182,7 +182,8 @@ impl Windows {
     }
 
     /// A read served to the end, the host called if it must (a caller with no GIL to
-    /// manage: the native vCPU host).
+    /// manage: the native vCPU host; or one whose hosts take it themselves:
+    /// `_core.MmioWindows.read`).
     pub fn serve_read(&self, addr: u64, data: &mut [u8]) -> Option<Result<(), TransportFailure>> {
         Some(match self.read(addr, data)? {
             ReadServed::Done => Ok(()),
@@ -290,8 +291,6 @@ pub struct DevicePlan {
 
 impl DevicePlan {
     /// A device's plan before any driver touched it (a boot): fresh registers.
-    // A booted native device's, once the assembly boots one (the tests' until then).
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn fresh(kind: DeviceKind, features: u64, max_sizes: Vec<u32>) -> Result<Self, String> {
         let registers = Registers::new(kind.device_type(), features, &max_sizes, None)?.save();
         let indices = vec![(0, 0); max_sizes.len()];
@@ -327,6 +326,33 @@ impl DevicePlan {
     }
 }
 
+/// What a device did over its life (every activation), for the machine's stats and
+/// the control socket's `status`.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct DeviceStats {
+    /// Used-buffer interrupts its servers raised (the irq line's count).
+    pub interrupts: u64,
+    /// rng: requests and bytes served.
+    pub requests: u64,
+    pub bytes: u64,
+    /// balloon: its servers' counters, and when the guest last reported.
+    pub balloon: Counters,
+    pub last_report: Option<Instant>,
+}
+
+impl DeviceStats {
+    /// `self` (earlier activations) and `later` (the one after them) added.
+    fn plus(self, later: DeviceStats) -> DeviceStats {
+        DeviceStats {
+            interrupts: self.interrupts + later.interrupts,
+            requests: self.requests + later.requests,
+            bytes: self.bytes + later.bytes,
+            balloon: self.balloon.plus(later.balloon),
+            last_report: later.last_report.or(self.last_report),
+        }
+    }
+}
+
 /// The server of one activation.
 #[derive(Clone)]
 enum Server {
@@ -355,6 +381,32 @@ impl Server {
             }
             Server::Balloon(s) => s.indices().to_vec(),
             Server::Vsock(s) => s.sync().to_vec(),
+        }
+    }
+
+    fn stats(&self) -> DeviceStats {
+        match self {
+            Server::Rng(s) => {
+                let (_, _, requests, bytes, _, interrupts) = s.sync();
+                DeviceStats {
+                    interrupts,
+                    requests,
+                    bytes,
+                    ..DeviceStats::default()
+                }
+            }
+            Server::Balloon(s) => {
+                let stats = s.stats();
+                DeviceStats {
+                    interrupts: stats.interrupts,
+                    balloon: stats.counters,
+                    last_report: stats.last_report,
+                    ..DeviceStats::default()
+                }
+            }
+            // The vsock server outlives activations, so its counters are not an
+            // activation's to add up; nothing reads them through the transport yet.
+            Server::Vsock(_) => DeviceStats::default(),
         }
     }
 
@@ -462,7 +514,23 @@ struct TransportState {
     indices: Vec<(u16, u16)>,
     /// Faults recorded by activations since dropped (the current one's is live).
     earlier: EventRecord,
+    /// What activations since dropped did (the current one's is live).
+    earlier_stats: DeviceStats,
+    /// Captures in flight (`hold`): each balloon server starts with them.
+    holds: u64,
+    /// The device's eventfds; None once `close` ran (no server runs again).
+    fds: Option<Fds>,
+    /// vsock's host side, which outlives activations; None once `close` ran.
+    vsock: Option<VsockHost>,
     features_refused: u64,
+}
+
+/// A native transport's eventfds, owned (duplicates of the machine's).
+struct Fds {
+    /// The interrupt's eventfd (the KVM irqfd).
+    irq: OwnedFd,
+    /// Each queue's ioeventfd (registered with KVM by the machine), or None.
+    notify: Vec<Option<OwnedFd>>,
 }
 
 /// A transport whose device events are acted on in Rust (see the module comment).
@@ -471,12 +539,6 @@ pub struct NativeTransport {
     regs: Arc<Mutex<Registers>>,
     ram: Arc<GuestRam>,
     readers: Arc<dyn Readers>,
-    /// The interrupt's eventfd (the KVM irqfd).
-    irq: OwnedFd,
-    /// Each queue's ioeventfd (registered with KVM by the machine), or None.
-    notify: Vec<Option<OwnedFd>>,
-    /// vsock's host side, which outlives activations.
-    vsock: Option<VsockHost>,
     state: Mutex<TransportState>,
 }
 
@@ -528,15 +590,16 @@ impl NativeTransport {
             regs: Arc::new(Mutex::new(regs)),
             ram,
             readers,
-            irq,
-            notify,
-            vsock,
             state: Mutex::new(TransportState {
                 acked_features,
                 config,
                 active: None,
                 indices: plan.indices.clone(),
                 earlier: EventRecord::default(),
+                earlier_stats: DeviceStats::default(),
+                holds: 0,
+                fds: Some(Fds { irq, notify }),
+                vsock,
                 features_refused: 0,
             }),
         });
@@ -591,6 +654,53 @@ impl NativeTransport {
         lock(&self.state).active.is_some()
     }
 
+    /// What the device did over its life: interrupts, and the rng's or the balloon's
+    /// counters.
+    pub fn stats(&self) -> DeviceStats {
+        let st = lock(&self.state);
+        match &st.active {
+            Some(active) => st.earlier_stats.plus(active.server.stats()),
+            None => st.earlier_stats,
+        }
+    }
+
+    /// A capture is in flight: the balloon keeps reported pages until `release`
+    /// (`balloon.py`'s `hold_discards` says why); this and every later activation.
+    pub fn hold(&self) {
+        let mut st = lock(&self.state);
+        st.holds += 1;
+        if let Some(s) = running_balloon(&st) {
+            s.hold();
+        }
+    }
+
+    /// The end of a capture `hold` began; one without a hold does nothing.
+    pub fn release(&self) {
+        let mut st = lock(&self.state);
+        if st.holds == 0 {
+            return;
+        }
+        st.holds -= 1;
+        if let Some(s) = running_balloon(&st) {
+            s.release();
+        }
+    }
+
+    /// Serve no more: the running server leaves the loop, the eventfds close (the
+    /// server's copies with it) and a later DRIVER_OK starts none. The machine's
+    /// close, before its loop stops.
+    pub fn close(&self) {
+        let mut st = lock(&self.state);
+        self.deactivate(&mut st);
+        st.fds = None;
+        let vsock = st.vsock.take();
+        drop(st);
+        // Off the loop before its sockets and epoll close (the drop), as at Drop.
+        if let Some(vsock) = vsock {
+            self.readers.remove_reader(vsock.server.epoll_fd());
+        }
+    }
+
     /// The device's events over its life: faults and reports, the last fault.
     pub fn record(&self) -> EventRecord {
         let st = lock(&self.state);
@@ -613,12 +723,15 @@ impl NativeTransport {
     fn activate(&self, epoch: u64, indices: &[(u16, u16)]) -> Result<(), String> {
         let mut st = lock(&self.state);
         self.deactivate(&mut st);
+        let Some(fds) = &st.fds else {
+            return Ok(());
+        };
         let Some(queues) = lock(&self.regs).activation(epoch) else {
             return Ok(());
         };
         let rings: Vec<Rings> = queues.iter().map(rings_of).collect();
         if let Err(reason) = self.validate(&queues, &rings) {
-            self.device_error(reason, epoch);
+            self.device_error(fds.irq.as_raw_fd(), reason, epoch);
             return Ok(());
         }
         // As rng.py and balloon.py: a device whose queues the driver did not make ready
@@ -633,17 +746,30 @@ impl NativeTransport {
         let events = Arc::new(NativeEvents::for_transport(
             self.regs.clone(),
             epoch,
-            self.irq
-                .try_clone()
-                .map_err(|e| format!("dup irqfd: {e}"))?,
+            fds.irq.try_clone().map_err(|e| format!("dup irqfd: {e}"))?,
         ));
-        let server = self.server(epoch, &rings, indices, &events)?;
-        for fd in self.notify.iter().flatten() {
+        let server = self.server(epoch, &rings, indices, &events, fds, st.vsock.as_ref())?;
+        if let Server::Balloon(s) = &server {
+            for _ in 0..st.holds {
+                s.hold();
+            }
+        }
+        for fd in fds.notify.iter().flatten() {
             if let Err(e) = self.readers.add_reader(fd.as_raw_fd(), server.reader()) {
-                for added in self.notify.iter().flatten() {
+                for added in fds.notify.iter().flatten() {
                     self.readers.remove_reader(added.as_raw_fd());
                 }
                 return Err(e);
+            }
+        }
+        // An ioeventfd kick right at DRIVER_OK, or buffers a snapshot left unserved:
+        // one look per queue catches both, on the loop where there is an ioeventfd
+        // (kicked here, while the fds are surely open), else on this thread below.
+        let mut inline = Vec::new();
+        for (index, notify) in fds.notify.iter().enumerate() {
+            match notify {
+                Some(fd) => write_eventfd(fd.as_raw_fd()),
+                None => inline.push(index),
             }
         }
         st.active = Some(Active {
@@ -652,13 +778,8 @@ impl NativeTransport {
             events,
         });
         drop(st);
-        // An ioeventfd kick right at DRIVER_OK, or buffers a snapshot left unserved:
-        // one look per queue catches both, on the loop where there is an ioeventfd.
-        for (index, notify) in self.notify.iter().enumerate() {
-            match notify {
-                Some(fd) => write_eventfd(fd.as_raw_fd()),
-                None => self.serve_inline(&server, index, epoch),
-            }
+        for index in inline {
+            self.serve_inline(&server, index, epoch);
         }
         Ok(())
     }
@@ -680,15 +801,17 @@ impl NativeTransport {
         rings: &[Rings],
         indices: &[(u16, u16)],
         events: &Arc<NativeEvents>,
+        fds: &Fds,
+        vsock: Option<&VsockHost>,
     ) -> Result<Server, String> {
         let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| format!("dup eventfd: {e}"));
-        let irq = dup(&self.irq)?;
+        let irq = dup(&fds.irq)?;
         Ok(match self.kind {
             DeviceKind::Rng {
                 max_requests,
                 max_bytes,
             } => {
-                let notify = self.notify[0].as_ref().map(dup).transpose()?;
+                let notify = fds.notify[0].as_ref().map(dup).transpose()?;
                 Server::Rng(Arc::new(RngServer::new(
                     self.ram.clone(),
                     self.regs.clone(),
@@ -705,11 +828,11 @@ impl NativeTransport {
             DeviceKind::Balloon {
                 max_chains, advice, ..
             } => {
-                let raw = [0, 1, 2].map(|i| self.notify[i].as_ref().map(AsRawFd::as_raw_fd));
+                let raw = [0, 1, 2].map(|i| fds.notify[i].as_ref().map(AsRawFd::as_raw_fd));
                 let rearm = [
-                    self.notify[0].as_ref().map(dup).transpose()?,
-                    self.notify[1].as_ref().map(dup).transpose()?,
-                    self.notify[2].as_ref().map(dup).transpose()?,
+                    fds.notify[0].as_ref().map(dup).transpose()?,
+                    fds.notify[1].as_ref().map(dup).transpose()?,
+                    fds.notify[2].as_ref().map(dup).transpose()?,
                 ];
                 Server::Balloon(Arc::new(BalloonServer::new(
                     self.ram.clone(),
@@ -731,10 +854,7 @@ impl NativeTransport {
                 reset_ack_wait,
                 ..
             } => {
-                let vsock = self
-                    .vsock
-                    .as_ref()
-                    .ok_or("a vsock transport without its server")?;
+                let vsock = vsock.ok_or("a vsock transport without its server")?;
                 let fault = vsock.server.attach(Activation {
                     ram: self.ram.clone(),
                     registers: self.regs.clone(),
@@ -743,7 +863,7 @@ impl NativeTransport {
                     rings: [rings[0], rings[1], rings[2]],
                     indices: [indices[0], indices[1], indices[2]],
                     irq,
-                    notify: [0, 1, 2].map(|i| self.notify[i].as_ref().map(AsRawFd::as_raw_fd)),
+                    notify: [0, 1, 2].map(|i| fds.notify[i].as_ref().map(AsRawFd::as_raw_fd)),
                     connect_timeout,
                     reset_ack_wait,
                     events: events.clone() as Arc<dyn DeviceEvents<()>>,
@@ -764,10 +884,11 @@ impl NativeTransport {
         let Some(active) = st.active.take() else {
             return;
         };
-        for fd in self.notify.iter().flatten() {
+        for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
         }
         st.indices = active.server.indices();
+        st.earlier_stats = st.earlier_stats.plus(active.server.stats());
         let record = active.events.record();
         st.earlier.faults += record.faults;
         st.earlier.reports += record.reports;
@@ -796,10 +917,10 @@ impl NativeTransport {
         }
     }
 
-    /// DEVICE_NEEDS_RESET for `epoch` and, if newly set, the interrupt.
-    fn device_error(&self, reason: String, epoch: u64) {
+    /// DEVICE_NEEDS_RESET for `epoch` and, if newly set, the interrupt on `irq`.
+    fn device_error(&self, irq: RawFd, reason: String, epoch: u64) {
         if lock(&self.regs).device_error(reason, epoch) {
-            write_eventfd(self.irq.as_raw_fd());
+            write_eventfd(irq);
         }
     }
 
@@ -811,7 +932,7 @@ impl NativeTransport {
                 _ => return,
             }
         };
-        if index < self.notify.len() {
+        if index < self.kind.queue_count() {
             self.serve_inline(&server, index, epoch);
         }
     }
@@ -822,14 +943,14 @@ impl Drop for NativeTransport {
     /// server, and its ioeventfds (duplicates owned here) are about to close, which
     /// epoll does not notice while the machine keeps the originals open.
     fn drop(&mut self) {
-        if let Some(vsock) = &self.vsock {
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if let Some(vsock) = &st.vsock {
             self.readers.remove_reader(vsock.server.epoll_fd());
         }
-        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         let Some(active) = st.active.take() else {
             return;
         };
-        for fd in self.notify.iter().flatten() {
+        for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
         }
         let _ = active.server.indices();
@@ -860,13 +981,13 @@ impl TransportHost for NativeTransport {
                     // vsock's server first lets go of the rings and drops every
                     // connection and a restore's pending reset event, active or not
                     // (vsock.py's reset): a new driver has no stale sockets.
-                    if let Some(vsock) = &self.vsock {
+                    if let Some(vsock) = &st.vsock {
                         vsock.server.detach();
                     }
                     self.deactivate(&mut st);
                     st.acked_features = 0;
                     // Fresh queues, as the Python transport's reset makes.
-                    st.indices = vec![(0, 0); self.notify.len()];
+                    st.indices = vec![(0, 0); self.kind.queue_count()];
                 }
                 Event::FeaturesOk(features) => lock(&self.state).acked_features = features,
                 Event::FeaturesRefused(_) => lock(&self.state).features_refused += 1,
@@ -875,7 +996,11 @@ impl TransportHost for NativeTransport {
                     self.activate(epoch, &indices).map_err(failure)?;
                 }
                 // The register file set DEVICE_NEEDS_RESET and the config-change bit.
-                Event::NeedsReset(_) => write_eventfd(self.irq.as_raw_fd()),
+                Event::NeedsReset(_) => {
+                    if let Some(fds) = &lock(&self.state).fds {
+                        write_eventfd(fds.irq.as_raw_fd());
+                    }
+                }
                 Event::Notify(index, epoch) => self.notify(index as usize, epoch),
                 Event::ConfigWrite(offset, data) => {
                     // Only the balloon's `actual` is the driver's to write (balloon.py).
@@ -894,6 +1019,17 @@ impl TransportHost for NativeTransport {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+}
+
+/// The balloon server of the running activation, if the device is a running balloon.
+fn running_balloon(st: &TransportState) -> Option<&Arc<BalloonServer>> {
+    match &st.active {
+        Some(Active {
+            server: Server::Balloon(s),
+            ..
+        }) => Some(s),
+        _ => None,
     }
 }
 

@@ -24,7 +24,7 @@ use crate::virtio_py::GuestRam;
 type PyKind = (String, u64, i64, u32);
 
 /// A vsock's host side: (socket path, its bound listening fd or None to bind it).
-type PyListener = (String, Option<RawFd>);
+pub(crate) type PyListener = (String, Option<RawFd>);
 
 /// A vsock kind: its plan's numbers and the listener `NativeDevice.restore` was given.
 fn vsock_kind(kind: PyKind, listener: Option<PyListener>) -> PyResult<DeviceKind> {
@@ -160,17 +160,19 @@ impl NativeDevice {
         Ok(NativeDevice { transport })
     }
 
+    /// The plan of a device of `kind` offering `features` and queues of `max_sizes`
+    /// before any driver touched it: what a booted machine's device starts from.
+    #[staticmethod]
+    fn fresh_plan(kind: PyKind, features: u64, max_sizes: Vec<u32>) -> PyResult<PyPlan> {
+        let plan = DevicePlan::fresh(kind_from_py(kind)?, features, max_sizes)
+            .map_err(PyValueError::new_err)?;
+        Ok(plan_to_py(&plan))
+    }
+
     /// The plan again: what a snapshot saves (the vCPUs paused).
     fn plan(&self, py: Python<'_>) -> PyPlan {
         let transport = self.transport.clone();
-        let plan = py.detach(move || transport.plan());
-        (
-            kind_to_py(&plan.kind),
-            plan.features,
-            plan.max_sizes,
-            py_saved(&plan.registers),
-            plan.indices,
-        )
+        plan_to_py(&py.detach(move || transport.plan()))
     }
 
     /// A handle on the register file (the machine's stats, tests).
@@ -191,9 +193,61 @@ impl NativeDevice {
         self.transport.acked_features()
     }
 
+    /// Used-buffer interrupts raised over the device's life (its irq line's count).
+    #[getter]
+    fn interrupts(&self) -> u64 {
+        self.transport.stats().interrupts
+    }
+
+    /// An rng's (requests, bytes) served over its life.
+    fn rng_served(&self) -> (u64, u64) {
+        let stats = self.transport.stats();
+        (stats.requests, stats.bytes)
+    }
+
+    /// A balloon's (reports, bytes_discarded, discard_errors, ignored_buffers,
+    /// discards_held, seconds since the last report or None) over its life.
+    fn balloon_stats(&self) -> (u64, u64, u64, u64, u64, Option<f64>) {
+        let stats = self.transport.stats();
+        let c = stats.balloon;
+        (
+            c.reports,
+            c.bytes_discarded,
+            c.discard_errors,
+            c.ignored_buffers,
+            c.discards_held,
+            stats.last_report.map(|t| t.elapsed().as_secs_f64()),
+        )
+    }
+
+    /// A capture is in flight: a balloon keeps reported pages until `release`.
+    fn hold(&self) {
+        self.transport.hold();
+    }
+
+    fn release(&self) {
+        self.transport.release();
+    }
+
+    /// Serve no more (the machine's close): the server leaves the loop.
+    fn close(&self, py: Python<'_>) {
+        let transport = self.transport.clone();
+        py.detach(move || transport.close());
+    }
+
     /// (faults, reports, details, last fault) over the device's life.
     fn record(&self) -> (u64, u64, u64, Option<String>) {
         let r = self.transport.record();
         (r.faults, r.reports, r.details, r.last_fault)
     }
+}
+
+fn plan_to_py(plan: &DevicePlan) -> PyPlan {
+    (
+        kind_to_py(&plan.kind),
+        plan.features,
+        plan.max_sizes.clone(),
+        py_saved(&plan.registers),
+        plan.indices.clone(),
+    )
 }

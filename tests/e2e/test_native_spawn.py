@@ -4,7 +4,8 @@ forks each with ``_core.fork_native``, and the child restores the snapshot as a
 natively (native/src/child_life.rs): the reports, the control server, the agent's
 handshake, the idle wait and the exit.
 
-The children are jailed, as spawns are by default; the snapshot has rng and vsock. That they run natively is checked
+The children are jailed, as spawns are by default; the snapshot has rng, the balloon
+(whose counters ``status`` reports natively) and vsock. That they run natively is checked
 through what only a native child refuses: ``exits``, a hand-over it has no Python
 view of the machine for."""
 
@@ -29,13 +30,10 @@ WARM = "marker = 'from the parent'\n"
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
-    # No balloon (a native child hands a status with one over to Python, which it has
-    # no machine view for yet) and no empty volume slot (blk: no native transport).
+    # No empty volume slot: blk has no native transport.
     store = Store.open(tmp_path_factory.mktemp("home"))
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VMFORK_BALLOON", "0")
-        return snapshot_parent(store, "warm", find_image(), mem_mib=256, warm_code=WARM,
-                               free_volume_slots=0).snapshot
+    return snapshot_parent(store, "warm", find_image(), mem_mib=256, warm_code=WARM,
+                           free_volume_slots=0).snapshot
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +77,7 @@ def test_native_children_pause_resume_and_report_status(children: list[Child]) -
     with control.ControlClient.connect(child.run_dir / "control.sock") as ctl:
         status = ctl.call(control.Status())
         assert (status.paused, status.exit, status.jailed) == (False, None, True)
+        assert status.free_page_reporting is not None   # the balloon's, served natively
         ctl.call(control.Pause())
         assert ctl.call(control.Status()).paused
         ctl.call(control.Resume())

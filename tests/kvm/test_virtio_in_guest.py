@@ -67,7 +67,8 @@ def test_guest_driver_gets_random_bytes_through_a_virtqueue() -> None:
         # read INTERRUPT_STATUS in between; the bit must be up once the VM is done (the
         # guest never acks it).
         del int_status
-        assert machine.virtio_devices[0].interrupt_status & R.INT_USED_BUFFER
+        assert machine.rng is not None
+        assert machine.rng.device.registers.interrupt_status & R.INT_USED_BUFFER
         assert used_idx & 0xFFFF == 1
         _, used_len = struct.unpack_from("<II", machine.memory.read(USED + 4, 8))
         assert used_len == 64
@@ -90,7 +91,8 @@ def test_descriptor_outside_guest_memory_is_a_device_error_not_a_crash() -> None
     with machine:
         _publish(machine, 0x7FFF_F000_0000, 64)   # far outside the 64 MiB of RAM
         machine.start()
-        transport = machine.virtio_devices[0]
+        assert machine.rng is not None
+        transport = machine.rng.device.registers
         from tests.kvm.tinyguest import wait_until
         assert wait_until(lambda: transport.status & STATUS_NEEDS_RESET)
         assert machine.exit is None               # the VM runs on

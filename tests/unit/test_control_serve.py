@@ -8,15 +8,23 @@ most ``MAX_CONNECTIONS`` connections."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from test_virtio_harness import GuestDriver
 
 from vmfork.runtime import control
 from vmfork.runtime.vmmchild import StopSignal, handover_reply
+from vmfork.vmm.devices.plan import boot_plan
+from vmfork.vmm.devices.virtio.balloon import REPORTING_QUEUE, VIRTIO_BALLOON_F_REPORTING
+from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
+from vmfork.vmm.eventloop import NativeEventLoop, new_event_loop
+from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.native import CORE_BUILT
 
 if not CORE_BUILT:
@@ -25,12 +33,14 @@ if not CORE_BUILT:
 from vmfork import _core  # noqa: E402 - after the skip
 
 MAX_CONNECTIONS = 16     # control_serve.rs
+SEND_TIMEOUT_S = 2       # control_serve.rs
 
 
 class Served:
     """A server on ``path``, its stop signal, and the lines handed over to Python."""
 
-    def __init__(self, path: Path, *, status_native: bool = True, jailed: bool = False,
+    def __init__(self, path: Path, *, balloon: _core.NativeDevice | None = None,
+                 jailed: bool = False,
                  dispatch: Callable[[control.AnyRequest], control.WireRecord] | None = None,
                  handler: Callable[[bytes, int], bytes] | None = None) -> None:
         self.path = str(path)
@@ -52,7 +62,7 @@ class Served:
         listener.bind(self.path)
         listener.listen(8)
         self.server = _core.ControlServe(listener.detach(), self.stop.write_fd, [], jailed,
-                                         status_native, handler or handover)
+                                         balloon, handler or handover)
 
     def connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -130,13 +140,96 @@ def test_status_says_the_exit_it_was_told(served: Callable[..., Served]) -> None
     assert reply == control.StatusReply(paused=True, exit="reset")
 
 
-def test_status_with_a_balloon_is_handed_over(served: Callable[..., Served]) -> None:
-    s = served(status_native=False)
-    with s.connect() as sock:
-        sock.sendall(b'{"op": "status"}\n')
-        assert read_lines(sock, 1) == [control.encode(control.StatusReply(paused=False,
-                                                                          exit=None))]
-    assert s.handed == [b'{"op": "status"}']
+class Window:
+    """A native device's register window as its driver sees it: through the MMIO
+    bus's map, served as the vCPU loop serves it."""
+
+    def __init__(self, windows: _core.MmioWindows, base: int) -> None:
+        self.windows, self.base = windows, base
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = self.windows.read(self.base + offset, size)
+        assert data is not None
+        return data
+
+    def write(self, offset: int, data: bytes) -> None:
+        assert self.windows.write(self.base + offset, bytes(data))
+
+
+def test_status_with_a_balloon_is_served_natively_as_python_answers_it(
+        served: Callable[..., Served]) -> None:
+    """A native balloon that served a report: ``status`` is answered without Python,
+    the very bytes ``control.encode`` writes for the counters the machine reports."""
+    memory = GuestMemory.anonymous(16 << 20)
+    loop = new_event_loop("control-balloon")
+    assert isinstance(loop, NativeEventLoop) and memory.native is not None
+    loop.start()
+    irq = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        device = _core.NativeDevice.restore(boot_plan("balloon"), memory.native,
+                                            loop.native_loop, irq, [None] * 3)
+        windows = _core.MmioWindows()
+        windows.add_native(0xD000_0000, device)
+        driver = GuestDriver(Window(windows, 0xD000_0000), memory)  # type: ignore[arg-type]
+        assert driver.negotiate(VIRTIO_F_VERSION_1 | VIRTIO_BALLOON_F_REPORTING) \
+            & STATUS_FEATURES_OK
+        queues = [driver.setup_queue(i, 64, 8 * 4096) for i in range(3)]
+        driver.driver_ok()
+        assert device.active
+        reporting = queues[REPORTING_QUEUE]
+        reporting.post(writable=[8 * 4096])   # one free block of 8 pages
+        driver.notify(REPORTING_QUEUE)        # served on this thread (no ioeventfd)
+        assert len(reporting.take_used()) == 1
+
+        s = served(balloon=device)
+        with s.connect() as sock:
+            sock.sendall(b'{"op": "status"}\n')
+            [line] = read_lines(sock, 1)
+        assert s.handed == []
+        age = json.loads(line)["free_page_reporting"]["last_report_age_s"]
+        assert isinstance(age, float) and 0 <= age < 60
+        assert line == control.encode(control.StatusReply(
+            paused=True, exit=None, free_page_reporting=control.FreePageReporting(
+                active=True, reports=1, bytes_discarded=8 * 4096, discard_errors=0,
+                last_report_age_s=age)))
+        device.close()
+        assert not device.active
+    finally:
+        loop.stop()
+        os.close(irq)
+        memory.close()
+
+
+def test_a_client_that_never_reads_does_not_stall_the_others(
+        served: Callable[..., Served]) -> None:
+    """Requests whose replies fill the socket's buffer, never read: the control thread
+    gives up on that connection after its send timeout and serves the next client."""
+    s = served()
+    hog = s.connect()
+    hog.setblocking(False)
+    request = b'{"op": "status"}\n' * 4096
+    sent = 0
+    try:
+        # Until the server stops reading us: its replies to us have filled both buffers.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                sent += hog.send(request)
+            except BlockingIOError:
+                time.sleep(0.5)
+                try:
+                    sent += hog.send(request)
+                except BlockingIOError:
+                    break
+        assert sent > 0
+        started = time.monotonic()
+        with s.connect() as sock:
+            sock.sendall(b'{"op": "status"}\n')
+            [line] = read_lines(sock, 1)
+        assert json.loads(line)["ok"]
+        assert time.monotonic() - started < SEND_TIMEOUT_S + 10
+    finally:
+        hog.close()
 
 
 @pytest.mark.parametrize("line", [

@@ -24,6 +24,7 @@ import pytest
 from test_restore_prepared import add_device, format_1_file, make_state
 from test_virtio_harness import loop, memory  # noqa: F401
 
+from vmfork import _core
 from vmfork.ondisk import stateformat
 from vmfork.ondisk.stateformat import StateFormatError
 from vmfork.vmm import vmstate
@@ -36,21 +37,23 @@ from vmfork.vmm.devices.manager import (
     SERIAL,
     VOLUME,
     VSOCK,
+    DeviceKind,
     DeviceManager,
     DeviceState,
     VolumeSlot,
     VolumeSlotState,
 )
+from vmfork.vmm.devices.plan import NativeVirtio, boot_plan, device_plan
 from vmfork.vmm.devices.serial import Serial, SerialState
 from vmfork.vmm.devices.virtio import blk
-from vmfork.vmm.devices.virtio.balloon import BalloonState, VirtioBalloon
+from vmfork.vmm.devices.virtio.balloon import BalloonState
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransport, MmioTransportState
 from vmfork.vmm.devices.virtio.net import NetState, VirtioNet, parse_mac
 from vmfork.vmm.devices.virtio.rng import RngState, VirtioRng
 from vmfork.vmm.devices.virtio.vsock import VirtioVsock, VsockState
 from vmfork.vmm.errors import HostError
-from vmfork.vmm.eventloop import EventLoop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.machine import MAX_VOLUME_SLOTS
 from vmfork.vmm.memory import GuestMemory
@@ -238,10 +241,12 @@ def test_a_record_of_the_wrong_class_is_refused_in_code() -> None:
 
 class Built:
     """A machine's devices as ``Machine._add_virtio_devices`` attaches them, on the test's
-    I/O thread and memory, with transports without ioeventfds."""
+    I/O thread and memory, with transports without ioeventfds: rng and the balloon
+    served natively, built from ``saved``'s records (a restore) or fresh."""
 
     def __init__(self, loop: EventLoop, memory: GuestMemory, tmp: Path, *,  # noqa: F811
-                 rng: bool = True, volumes: int = 2, cid: int = 3, disk_key: str = KEY) -> None:
+                 rng: bool = True, volumes: int = 2, cid: int = 3, disk_key: str = KEY,
+                 saved: list[DeviceState] | None = None) -> None:
         self.lines: dict[int, IrqLine] = {}
         self.closed: list[str] = []
 
@@ -249,14 +254,24 @@ class Built:
             line = self.lines.setdefault(irq, IrqLine(irq))
             return MmioTransport(device, memory, line, loop, name=f"virtio-mmio.{slot}")
 
+        def native(kind: DeviceKind[Any]) -> Callable[[int, int], NativeVirtio]:
+            def build(slot: int, irq: int) -> NativeVirtio:
+                line = self.lines.setdefault(irq, IrqLine(irq))
+                record = next((d for d in saved or () if d.kind == kind.name), None)
+                plan = boot_plan(kind.name) if record is None else device_plan(record)
+                assert isinstance(loop, NativeEventLoop) and memory.native is not None
+                return NativeVirtio(_core.NativeDevice.restore(
+                    plan, memory.native, loop.native_loop, line.fd, [None] * len(plan[2])),
+                    record)
+            return build
+
         self.manager = DeviceManager(factory)
         self.serial = Serial(self.lines.setdefault(4, IrqLine(4)))
         self.manager.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
         self.vsock = VirtioVsock(loop, str(tmp / f"vsock-{os.urandom(4).hex()}.sock"), cid)
         self.manager.attach_virtio(VSOCK, self.vsock, self.vsock, closers=(self.vsock.close,))
         if rng:
-            self.rng = VirtioRng(loop)
-            self.manager.attach_virtio(RNG, self.rng, self.rng)
+            self.rng = self.manager.attach_native(RNG, native(RNG))
         self.net = VirtioNet(loop, parse_mac("02:00:00:00:00:01"), None)
         self.manager.attach_virtio(NET, self.net, self.net, closers=(self.net.close,))
         path = tmp / "disk.img"
@@ -267,8 +282,7 @@ class Built:
         self.manager.attach_virtio(BLK, self.blk, self.blk,
                                    closers=(lambda: self.closed.append("disk"),
                                             lambda: os.close(self.fd)))
-        self.balloon = VirtioBalloon(loop)
-        self.manager.attach_virtio(BALLOON, self.balloon, self.balloon)
+        self.balloon = self.manager.attach_native(BALLOON, native(BALLOON))
         self.volumes = []
         for index in range(volumes):
             slot = VolumeSlot(blk.VirtioBlk(loop, None, 0, "", path=f"<slot {index}>",
@@ -312,8 +326,9 @@ def test_the_slot_order_is_fixed_and_the_pins_are_those_of_before(
     assert [s for _, s, _ in places] == [None, *range(5 + MAX_VOLUME_SLOTS)]
     assert [irq for _, _, irq in places[1:]] == old_rule_irqs(5, MAX_VOLUME_SLOTS)
     assert first.manager.next_slot == 5 + MAX_VOLUME_SLOTS
+    # rng (slot 1) and the balloon (slot 4) have native transports.
     assert [t.name for t in first.manager.transports] == \
-        [f"virtio-mmio.{s}" for s in range(5 + MAX_VOLUME_SLOTS)]
+        [f"virtio-mmio.{s}" for s in range(5 + MAX_VOLUME_SLOTS) if s not in (1, 4)]
     # Without the entropy source every later device moves up a slot (as it always did).
     assert [irq for _, _, irq in build(rng=False, volumes=3).places()[1:]] == \
         old_rule_irqs(4, 3)
@@ -330,7 +345,7 @@ def test_a_saved_machine_restores_into_one_built_the_same_way(
     back = stateformat.decode_state(stateformat.encode_state(MachineState(
         state.mem_size, state.vcpus, state.vm, devices)), MachineState)
     assert back.devices == devices
-    target = build(cid=3)
+    target = build(cid=3, saved=back.devices)
     target.manager.restore(back.devices)
     assert target.vsock.guest_cid == 7 and target.serial.save().scr == 0x5A
     assert target.volumes[0].guest_path == "/data"
@@ -346,7 +361,7 @@ def test_a_machine_with_other_devices_is_refused_before_any_restore(
                                         r"virtio-mmio.0 \(irq 5\), rng at virtio-mmio.1"):
         target.manager.restore(devices)
     assert target.vsock.guest_cid == 3, "nothing was restored"
-    other_disk = build(cid=3, disk_key="d" * 64)
+    other_disk = build(cid=3, disk_key="d" * 64, saved=devices)
     with pytest.raises(HostError, match="root disk is c+, but this machine was given d+"):
         other_disk.manager.restore(devices)
 
@@ -356,11 +371,10 @@ def test_attach_refuses_a_second_single_device_and_an_own_pin_after_shared_ones(
     built = build(volumes=1)
     closed: list[str] = []
     with pytest.raises(ValueError, match="at most one balloon"):
-        built.manager.attach_virtio(BALLOON, VirtioBalloon(loop), VirtioBalloon(loop),
-                                    closers=(lambda: closed.append("b"),))
+        built.manager.attach_native(BALLOON, lambda slot, irq: pytest.fail("built"))
     with pytest.raises(ValueError, match="rng has a pin of its own: it goes before"):
         _own_after_shared(loop, closed)
-    assert closed == ["b", "rng"], "a refused device's closers ran"
+    assert closed == ["rng"], "a refused device's closers ran"
     rng = VirtioRng(loop)
     with pytest.raises(ValueError, match="serial is not a virtio device"):
         built.manager.attach_virtio(SERIAL, Serial(built.lines[4]), rng)

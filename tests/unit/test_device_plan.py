@@ -12,6 +12,7 @@ listener it is handed.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import select
@@ -27,8 +28,8 @@ from test_virtio_vsock import VsockEnv, pkt, recv_exact, recv_line
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
-from vmfork.vmm.devices.manager import DeviceState
-from vmfork.vmm.devices.plan import device_plan, plan_state
+from vmfork.vmm.devices.manager import DeviceState, slot_irq
+from vmfork.vmm.devices.plan import device_plan, machine_plan, plan_state
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.balloon import BalloonState
@@ -337,3 +338,24 @@ def test_a_vsock_snapshot_restores_natively_without_the_parents_connections(
             os.close(irq)
             for fd in notify:
                 os.close(fd)
+
+
+def test_a_machine_plan_is_every_virtio_device_at_its_slot_and_pin() -> None:
+    """The format-1 golden file's machine: its net and blk have no native transport, so
+    the whole machine is refused, naming the first; without them, each device is at the
+    slot and pin the device manager gave it (``slot_irq``), COM1 left to the console."""
+    state = stateformat.read_state_file(GOLDEN / "state-v1.bin", MachineState)
+    with pytest.raises(ValueError, match=r"net device \(virtio-mmio\.2\) has no native"):
+        machine_plan(state)
+    # The machine without them: the devices after move up a slot, as the device
+    # manager would have attached them.
+    [serial_saved] = [d for d in state.devices if d.slot is None]
+    virtio = [dataclasses.replace(d, slot=slot, irq=slot_irq(slot, None)) for slot, d in
+              enumerate(d for d in state.devices if d.kind in ("vsock", "rng", "balloon"))]
+    devices = machine_plan(dataclasses.replace(state, devices=[serial_saved, *virtio]))
+    assert [(slot, irq, plan[0][0]) for slot, irq, plan in devices] == [
+        (0, slot_irq(0, None), "vsock"), (1, slot_irq(1, None), "rng"),
+        (2, slot_irq(2, None), "balloon")]
+    for (slot, irq, plan), saved in zip(devices, virtio):
+        assert plan == device_plan(saved)
+        assert plan_state(plan, slot, irq) == saved

@@ -61,7 +61,7 @@ def answer(line, fd):
 plan = _core.ChildPlan(error=jail.JailError, set_up=(os.getpid(), None, [], cfg["log"], 0))
 life = _core.ChildLife(
     run_dir=cfg["run_dir"], vm_id="vm1", notify_path=None, start_gate=cfg["gate"],
-    start_gate_timeout=60.0, seccomp=seccomp.vmm_filter(), jailed=False, status_native=True,
+    start_gate_timeout=60.0, seccomp=seccomp.vmm_filter(), jailed=False,
     agent=_core.AgentTarget(cfg["agent"], None, 5.0, 30.0), ready_timeout=60.0,
     net_refresh=False)
 machine = _core.TinyMachinePlan(bytes.fromhex(cfg["code"]))

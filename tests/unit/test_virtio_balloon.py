@@ -1,5 +1,7 @@
-"""virtio-balloon with free page reporting (devices/virtio/balloon.py), against a real
-transport, real guest memory of each kind and the real pagemap (vmm.dirty)."""
+"""virtio-balloon with free page reporting (devices/virtio/balloon.py), served by its
+native transport (``_core.NativeDevice``, as every machine serves it) in a window of
+the MMIO bus's map, against real guest memory of each kind and the real pagemap
+(vmm.dirty)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,17 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from test_restore_prepared import add_device, format_1_file, make_state
 from test_virtio_harness import DriverQueue, GuestDriver, spin_holding_the_gil, wait_until
 
+from vmfork import _core
 from vmfork.ondisk import stateformat
 from vmfork.vmm import dirty
-from vmfork.vmm.devices.manager import BALLOON
+from vmfork.vmm.devices.manager import BALLOON, DeviceState
+from vmfork.vmm.devices.plan import balloon_advice, boot_plan, device_plan, plan_state
 from vmfork.vmm.devices.virtio import balloon, mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DEVICE_NEEDS_RESET,
@@ -24,8 +29,7 @@ from vmfork.vmm.devices.virtio.device import (
     run_on_loop,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop, new_event_loop
-from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.eventloop import NativeEventLoop, new_event_loop
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory
 from vmfork.vmm.vmstate import MachineState
 
@@ -34,9 +38,10 @@ FEATURES = VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING
 # Guest pages the tests "free"; the driver's rings and buffers sit below 8 MiB.
 FREE_AT = 16 << 20
 
-# How the (native) server is kicked: by QueueNotify exits, entered from Python; on the
-# queues' ioeventfds, without the GIL (as in a VMM).
+# How the server is kicked: by QueueNotify writes, served on the writing thread; on
+# the queues' ioeventfds, on the loop (as in a VMM).
 PATHS = ["native", "native-ioeventfd"]
+WINDOW = 0xD000_0000
 
 
 def _file_memory(tmp: Path) -> GuestMemory:
@@ -57,35 +62,85 @@ def memory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[GuestMemo
 
 
 @pytest.fixture
-def loop(memory: GuestMemory) -> Iterator[EventLoop]:
+def loop(memory: GuestMemory) -> Iterator[NativeEventLoop]:
     ev = new_event_loop("test-balloon-io")
+    assert isinstance(ev, NativeEventLoop)
     ev.start()
+    # The loop thread takes the GIL once, to make its thread state: before a test spins
+    # holding it (test_native_balloon_serving_needs_no_gil).
+    run_on_loop(ev, lambda: None)
     yield ev
     ev.stop()
     assert not ev.errors, f"exceptions escaped device callbacks: {ev.errors!r}"
 
 
+class Window:
+    """The device's register window as its driver sees it: through the MMIO bus's
+    map, served as the vCPU loop serves it."""
+
+    def __init__(self, windows: _core.MmioWindows) -> None:
+        self.windows = windows
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = self.windows.read(WINDOW + offset, size)
+        assert data is not None
+        return data
+
+    def write(self, offset: int, data: bytes) -> None:
+        assert self.windows.write(WINDOW + offset, bytes(data))
+
+
+def restore(loop: NativeEventLoop, memory: GuestMemory, plan: object, irq: int,
+            notify: list[int | None]) -> tuple[_core.NativeDevice, Window]:
+    """A native balloon from ``plan`` in the window of a map of its own."""
+    assert memory.native is not None
+    device = _core.NativeDevice.restore(plan, memory.native,  # type: ignore[arg-type]
+                                        loop.native_loop, irq, notify)
+    windows = _core.MmioWindows()
+    windows.add_native(WINDOW, device)
+    return device, Window(windows)
+
+
+class Stats(NamedTuple):
+    reports: int
+    bytes_discarded: int
+    discard_errors: int
+    ignored_buffers: int
+    last_report_age_s: float | None
+
+
+def stats_of(device: _core.NativeDevice) -> Stats:
+    reports, discarded, errors, ignored, _, age = device.balloon_stats()
+    return Stats(reports, discarded, errors, ignored, age)
+
+
+def held(device: _core.NativeDevice) -> int:
+    return device.balloon_stats()[4]
+
+
 class Env:
-    def __init__(self, loop: EventLoop, memory: GuestMemory, path: str = "native") -> None:
+    def __init__(self, loop: NativeEventLoop, memory: GuestMemory, path: str = "native"
+                 ) -> None:
         self.memory = memory
-        self.irq = IrqLine(gsi=9)
-        self.dev = balloon.VirtioBalloon(loop)
-        self.kick_fds: list[int] = []
-        self.transport = mmio.MmioTransport(
-            self.dev, memory, self.irq, loop,
-            register_ioeventfd=(lambda off, dm, fd: self.kick_fds.append(fd))
-            if path == "native-ioeventfd" else None)
-        self.driver = GuestDriver(self.transport, memory)
+        self.irq = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.kick_fds = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+                         for _ in range(3)] if path == "native-ioeventfd" else []
+        self.dev, self.window = restore(loop, memory, boot_plan("balloon",
+                                                                balloon_advice(memory)),
+                                        self.irq, [*self.kick_fds] or [None] * 3)
+        self.driver = GuestDriver(self.window, memory)  # type: ignore[arg-type]
         status = self.driver.negotiate(FEATURES)
         assert status & STATUS_FEATURES_OK, f"FEATURES_OK refused ({status:#x})"
         self.queues = [self.driver.setup_queue(i, balloon.QUEUE_SIZE, 64) for i in range(3)]
         self.driver.driver_ok()
-        wait_until(lambda: self.dev.active, what="activation")
-        # The native server is made at the end of the activation, just after ``active``.
-        wait_until(lambda: self.dev.serving_natively, what="the native server")
+        assert self.dev.active
+
+    @property
+    def registers(self) -> _core.MmioRegisters:
+        return self.dev.registers
 
     def notify(self, queue: int) -> None:
-        """The driver's kick: the ioeventfd KVM would write, or a QueueNotify exit."""
+        """The driver's kick: the ioeventfd KVM would write, or a QueueNotify write."""
         if self.kick_fds:
             os.eventfd_write(self.kick_fds[queue], 1)
         else:
@@ -115,16 +170,20 @@ class Env:
         self.post(ranges, queue, writable)
         self.notify(queue)
         wait_until(lambda: q.used_idx() != before
-                   or self.transport.status & STATUS_DEVICE_NEEDS_RESET, what="the report back")
+                   or self.registers.status & STATUS_DEVICE_NEEDS_RESET,
+                   what="the report back")
         used = q.take_used()
         return len(used)
 
     def close(self) -> None:
-        self.irq.close()
+        self.dev.close()
+        for fd in (self.irq, *self.kick_fds):
+            os.close(fd)
 
 
 @pytest.fixture(params=PATHS)
-def env(request: pytest.FixtureRequest, loop: EventLoop, memory: GuestMemory) -> Iterator[Env]:
+def env(request: pytest.FixtureRequest, loop: NativeEventLoop, memory: GuestMemory
+        ) -> Iterator[Env]:
     e = Env(loop, memory, request.param)
     yield e
     e.close()
@@ -145,11 +204,11 @@ def test_offers_reporting_only_and_never_asks_to_inflate(env: Env) -> None:
     high = d.r(mmio.REG_DEVICE_FEATURES)
     assert (high << 32 | low) == FEATURES
     assert d.r(mmio.REG_DEVICE_ID) == balloon.DEVICE_ID_BALLOON
-    assert env.transport.read(mmio.CONFIG_SPACE, 4) == bytes(4)     # num_pages: 0
-    env.transport.write(mmio.CONFIG_SPACE + 4, (7).to_bytes(4, "little"))   # actual
-    assert env.transport.read(mmio.CONFIG_SPACE + 4, 4) == (7).to_bytes(4, "little")
-    env.transport.write(mmio.CONFIG_SPACE, (99).to_bytes(4, "little"))      # read-only
-    assert env.transport.read(mmio.CONFIG_SPACE, 4) == bytes(4)
+    assert env.window.read(mmio.CONFIG_SPACE, 4) == bytes(4)     # num_pages: 0
+    env.window.write(mmio.CONFIG_SPACE + 4, (7).to_bytes(4, "little"))   # actual
+    assert env.window.read(mmio.CONFIG_SPACE + 4, 4) == (7).to_bytes(4, "little")
+    env.window.write(mmio.CONFIG_SPACE, (99).to_bytes(4, "little"))      # read-only
+    assert env.window.read(mmio.CONFIG_SPACE, 4) == bytes(4)
 
 
 def test_reported_pages_are_dropped_and_no_longer_changed(env: Env) -> None:
@@ -173,10 +232,10 @@ def test_reported_pages_are_dropped_and_no_longer_changed(env: Env) -> None:
                    for off in range(off, off + n, PAGE_SIZE)}
         assert not {p * PAGE_SIZE for p in pages} & changed
         assert kept in changed
-    stats = env.dev.stats()
+    stats = stats_of(env.dev)
     assert stats.reports == 1 and stats.bytes_discarded == 64 * PAGE_SIZE
     assert stats.last_report_age_s is not None and stats.discard_errors == 0
-    assert env.transport.read(mmio.REG_INTERRUPT_STATUS, 4)[0] & mmio.INT_USED_BUFFER
+    assert env.window.read(mmio.REG_INTERRUPT_STATUS, 4)[0] & mmio.INT_USED_BUFFER
 
 
 def test_reports_during_a_capture_are_acknowledged_and_kept(env: Env) -> None:
@@ -184,17 +243,17 @@ def test_reports_during_a_capture_are_acknowledged_and_kept(env: Env) -> None:
     writer is done) must see the page tables as they were at the pause."""
     mem = env.memory
     mem.write(FREE_AT, b"\xcd" * PAGE_SIZE)
-    env.dev.hold_discards()
-    env.dev.hold_discards()     # two captures: both must end before a page goes
+    env.dev.hold()
+    env.dev.hold()     # two captures: both must end before a page goes
     assert env.report([(FREE_AT, PAGE_SIZE)]) == 1
-    env.dev.release_discards()
+    env.dev.release()
     assert env.report([(FREE_AT, PAGE_SIZE)]) == 1
     assert mem.read(FREE_AT, PAGE_SIZE) == b"\xcd" * PAGE_SIZE
-    assert env.dev.stats().bytes_discarded == 0 and env.dev.discards_held == 2
-    env.dev.release_discards()
+    assert stats_of(env.dev).bytes_discarded == 0 and held(env.dev) == 2
+    env.dev.release()
     assert env.report([(FREE_AT, PAGE_SIZE)]) == 1
     assert mem.read(FREE_AT, PAGE_SIZE) == _expected(mem, FREE_AT // PAGE_SIZE)
-    assert env.dev.stats().bytes_discarded == PAGE_SIZE
+    assert stats_of(env.dev).bytes_discarded == PAGE_SIZE
 
 
 def test_a_ragged_range_drops_only_the_whole_pages_inside_it(env: Env) -> None:
@@ -212,16 +271,16 @@ def test_a_ragged_range_drops_only_the_whole_pages_inside_it(env: Env) -> None:
     env.report([(FREE_AT + 8, 100), (FREE_AT + 3 * PAGE_SIZE, 0)])
     assert mem.read(FREE_AT, PAGE_SIZE) == b"\x10" * PAGE_SIZE
     assert mem.read(FREE_AT + 3 * PAGE_SIZE, PAGE_SIZE) == b"\x13" * PAGE_SIZE
-    assert env.dev.stats().bytes_discarded == 2 * PAGE_SIZE
+    assert stats_of(env.dev).bytes_discarded == 2 * PAGE_SIZE
 
 
 def test_a_range_outside_guest_ram_resets_the_device_and_drops_nothing(env: Env) -> None:
     mem = env.memory
     mem.write(MEM - PAGE_SIZE, b"\x77" * PAGE_SIZE)
     env.report([(MEM - PAGE_SIZE, 2 * PAGE_SIZE)])
-    assert env.transport.status & STATUS_DEVICE_NEEDS_RESET
+    assert env.registers.status & STATUS_DEVICE_NEEDS_RESET
     assert mem.read(MEM - PAGE_SIZE, PAGE_SIZE) == b"\x77" * PAGE_SIZE
-    assert env.dev.stats().bytes_discarded == 0
+    assert stats_of(env.dev).bytes_discarded == 0
 
 
 def test_inflate_buffers_and_readable_reports_are_returned_untouched(env: Env) -> None:
@@ -231,8 +290,8 @@ def test_inflate_buffers_and_readable_reports_are_returned_untouched(env: Env) -
     assert env.report([(FREE_AT, PAGE_SIZE)], queue=balloon.DEFLATE_QUEUE) == 1
     assert env.report([(FREE_AT, PAGE_SIZE)], writable=False) == 1
     assert mem.read(FREE_AT, PAGE_SIZE) == b"\x55" * PAGE_SIZE
-    assert env.dev.stats().bytes_discarded == 0
-    assert env.dev.stats().ignored_buffers == 3
+    assert stats_of(env.dev).bytes_discarded == 0
+    assert stats_of(env.dev).ignored_buffers == 3
 
 
 @pytest.mark.parametrize("gpa, length", [
@@ -248,12 +307,12 @@ def test_a_hostile_report_is_a_guest_fault_with_the_same_words(
     env.memory.write(MEM - PAGE_SIZE, b"\x42" * PAGE_SIZE)
     env.memory.write(FREE_AT, b"\x43" * PAGE_SIZE)
     env.report([(FREE_AT, PAGE_SIZE), (gpa, length)])
-    assert env.transport.status & STATUS_DEVICE_NEEDS_RESET
-    assert env.transport.last_device_error == (
+    assert env.registers.status & STATUS_DEVICE_NEEDS_RESET
+    assert env.registers.last_device_error == (
         f"descriptor 1 buffer {gpa:#x}+{length:#x} is outside guest RAM")
     assert env.memory.read(MEM - PAGE_SIZE, PAGE_SIZE) == b"\x42" * PAGE_SIZE
     assert env.memory.read(FREE_AT, PAGE_SIZE) == b"\x43" * PAGE_SIZE
-    assert env.dev.stats().bytes_discarded == 0
+    assert stats_of(env.dev).bytes_discarded == 0
 
 
 def test_more_reports_than_one_turn_serves_are_all_served_after_one_kick(env: Env) -> None:
@@ -267,39 +326,41 @@ def test_more_reports_than_one_turn_serves_are_all_served_after_one_kick(env: En
     q = env.queues[balloon.REPORTING_QUEUE]
     env.notify(balloon.REPORTING_QUEUE)
     wait_until(lambda: q.used_idx() == count, what="every report after one kick")
-    stats = env.dev.stats()
+    stats = stats_of(env.dev)
     assert stats.reports == count and stats.bytes_discarded == count * PAGE_SIZE
     for k in range(count):
         page = FREE_AT // PAGE_SIZE + k
         assert mem.read(page * PAGE_SIZE, PAGE_SIZE) == _expected(mem, page)
     # A BRANCH's save sees the indices the native server advanced.
-    state = run_on_loop(env.transport.loop, env.transport.save)
+    state = plan_state(env.dev.plan(), 0, 5).transport
+    assert state is not None
     assert (state.queues[balloon.REPORTING_QUEUE].next_avail,
             state.queues[balloon.REPORTING_QUEUE].next_used) == (count, count)
 
 
 def test_a_reset_keeps_the_counts_and_the_next_activation_serves(env: Env) -> None:
     env.report([(FREE_AT, PAGE_SIZE)])
-    env.dev.hold_discards()
+    env.dev.hold()
     env.report([(FREE_AT, PAGE_SIZE)])
     env.driver.w(mmio.REG_STATUS, 0)          # the driver resets the device
-    wait_until(lambda: not env.dev.active, what="the reset")
-    assert env.dev.stats().reports == 2 and env.dev.discards_held == 1
+    assert not env.dev.active
+    assert stats_of(env.dev).reports == 2 and held(env.dev) == 1
     status = env.driver.negotiate(FEATURES)
     assert status & STATUS_FEATURES_OK
     env.queues = [env.driver.setup_queue(i, balloon.QUEUE_SIZE, 64) for i in range(3)]
     env.driver.driver_ok()
-    wait_until(lambda: env.dev.active, what="the second activation")
+    assert env.dev.active
     env.memory.write(FREE_AT, b"\x31" * PAGE_SIZE)
     env.report([(FREE_AT, PAGE_SIZE)])   # still held: the hold outlived the reset
     assert env.memory.read(FREE_AT, PAGE_SIZE) == b"\x31" * PAGE_SIZE
-    env.dev.release_discards()
+    env.dev.release()
     env.report([(FREE_AT, PAGE_SIZE)])
     assert env.memory.read(FREE_AT, PAGE_SIZE) == _expected(env.memory, FREE_AT // PAGE_SIZE)
-    assert env.dev.stats().reports == 4 and env.dev.discards_held == 2
+    assert stats_of(env.dev).reports == 4 and held(env.dev) == 2
 
 
-def test_native_balloon_serving_needs_no_gil(loop: EventLoop, memory: GuestMemory) -> None:
+def test_native_balloon_serving_needs_no_gil(loop: NativeEventLoop, memory: GuestMemory
+                                            ) -> None:
     """The main thread keeps the GIL (a long switch interval, spinning in Python) while
     the guest reports: the native server still drops the pages and gives the chain back."""
     env = Env(loop, memory, "native-ioeventfd")
@@ -315,9 +376,9 @@ def test_native_balloon_serving_needs_no_gil(loop: EventLoop, memory: GuestMemor
         env.close()
 
 
-def test_a_closed_balloon_holds_no_fds(loop: EventLoop) -> None:
-    """The transport's close, then the device's: no duplicated eventfd of the native
-    server is left open, even with the device still referenced."""
+def test_a_closed_balloon_holds_no_fds(loop: NativeEventLoop) -> None:
+    """The device's close: no duplicated eventfd of the transport or its server is left
+    open, even with the device still referenced."""
     def fds() -> set[str]:
         return set(os.listdir("/proc/self/fd"))
     for path in PATHS:
@@ -326,19 +387,19 @@ def test_a_closed_balloon_holds_no_fds(loop: EventLoop) -> None:
         before = fds()
         env = Env(loop, fresh, path)
         env.report([(FREE_AT, PAGE_SIZE)])
-        env.transport.close()
-        env.dev.close()
         env.close()
-        run_on_loop(loop, lambda: None)   # the loop's readers go on the loop thread
+        assert not env.dev.active
         assert fds() == before, path
         fresh.close()
 
 
 def test_state_survives_the_state_file_and_old_files_have_no_balloon(env: Env,
                                                                      tmp_path: Path) -> None:
-    env.transport.write(mmio.CONFIG_SPACE + 4, (3).to_bytes(4, "little"))
+    env.window.write(mmio.CONFIG_SPACE + 4, (3).to_bytes(4, "little"))
     state = make_state()
-    add_device(state, BALLOON, env.dev.save(), env.transport.save())
+    saved = plan_state(env.dev.plan(), 0, 5)
+    assert saved.transport is not None
+    add_device(state, BALLOON, saved.state, saved.transport)
     path = tmp_path / "state.bin"
     stateformat.write_state_file(path, state)
     back = stateformat.read_state_file(path, MachineState)
@@ -352,7 +413,7 @@ def test_state_survives_the_state_file_and_old_files_have_no_balloon(env: Env,
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_restored_device_serves_a_report_left_on_its_ring(loop: EventLoop,
+def test_a_restored_device_serves_a_report_left_on_its_ring(loop: NativeEventLoop,
                                                            memory: GuestMemory,
                                                            path: str) -> None:
     """A report the guest posted just before the snapshot is served after restore."""
@@ -367,18 +428,22 @@ def test_a_restored_device_serves_a_report_left_on_its_ring(loop: EventLoop,
         memory.write_u16(q.avail + 4 + 2 * (q.avail_idx % q.size), index)
         q.avail_idx += 1
         memory.write_u16(q.avail + 2, q.avail_idx)     # posted, not notified
-        saved_transport, saved_dev = env.transport.save(), env.dev.save()
-        irq = IrqLine(gsi=10)
+        saved = stateformat.decode_state(stateformat.encode_state(
+            plan_state(env.dev.plan(), 0, 5)), DeviceState)
+        env.dev.close()
+        irq = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        kicks = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(3)] \
+            if path == "native-ioeventfd" else []
         try:
-            dev = balloon.VirtioBalloon(loop)
-            transport = mmio.MmioTransport(dev, memory, irq, loop)
-            dev.restore(saved_dev)
-            transport.restore(saved_transport)
+            dev, _ = restore(loop, memory, device_plan(saved, balloon_advice(memory)), irq,
+                             [*kicks] or [None] * 3)
             wait_until(lambda: q.used_idx() == 1, what="the report served after restore")
             assert memory.read(FREE_AT, PAGE_SIZE) == _expected(memory, FREE_AT // PAGE_SIZE)
-            assert dev.stats().reports == 1
+            assert stats_of(dev).reports == 1
+            dev.close()
         finally:
-            irq.close()
+            for fd in (irq, *kicks):
+                os.close(fd)
     finally:
         env.close()
 

@@ -431,7 +431,7 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
         start_gate_timeout=float(args.get("start_gate_timeout", START_GATE_TIMEOUT)),
         seccomp=(seccomp.vmm_filter(log_only=bool(args.get("seccomp_log_only")))
                  if jailed else None),
-        jailed=jailed, status_native=state.device(devices.BALLOON) is None,
+        jailed=jailed,
         agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
         net_refresh=state.device(devices.NET) is not None)
     return zygote_child.NativeChild(
@@ -495,7 +495,7 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
 def native_handover(line: bytes, fd: int) -> bytes:
     """A native child's hand-over (``NATIVE_HANDOVER``): a line its control server does
     not serve, parsed as ``ControlServer.handle_line`` parses it. The ops it hands over
-    (``exits``, ``snapshot``, ``status`` with a balloon) read the machine's Python
+    (``exits``, ``snapshot``) read the machine's Python
     view, which ``NativeMachine`` does not offer yet: they are refused, saying so."""
     def dispatch(request: control.AnyRequest) -> control.WireRecord:
         raise _Refused(f"a native child does not serve {type(request).__name__} yet "
@@ -714,8 +714,8 @@ def handover_reply(line: bytes,
 class ControlServer:
     """The control socket (``runtime.control``: the protocol, its records and the
     client), served by a native thread (``_core.ControlServe``, ``control_serve.rs``):
-    ``pause``, ``resume``, ``stop`` and (without a balloon) ``status`` there, without
-    Python; every other line is handed to ``handle_line`` with the GIL, for that
+    ``pause``, ``resume``, ``stop`` and ``status`` (the balloon's counters are its
+    native device's) there, without Python; every other line is handed to ``handle_line`` with the GIL, for that
     line only, on the control thread. This object owns what the hand-over needs:
     the snapshot state (``SnapshotTaker``) and what ``status`` says of it, pushed
     to the native server after each capture.
@@ -748,7 +748,8 @@ class ControlServer:
         # The listener is the native server's from here (it closes it).
         self._server = _core.ControlServe(
             sock.detach(), on_stop.write_fd, [vcpu.loop for vcpu in machine.vcpus],
-            jailed, machine.balloon is None, self.handle_line)
+            jailed, None if machine.balloon is None else machine.balloon.device,
+            self.handle_line)
         self._push_snapshot_status()
         machine.on_exit(self._server.set_exit)
         self._closed = False
@@ -764,9 +765,9 @@ class ControlServer:
         return handover_reply(line, lambda request: self._dispatch(request, fd))
 
     def _dispatch(self, request: control.AnyRequest, fd: int) -> control.WireRecord:
-        # Status comes here when the machine has a balloon; pause, resume and stop
-        # only for a line the native server did not recognise as plain (an escaped
-        # op name, say): the same loops and the same stop pipe either way.
+        # Status, pause, resume and stop come here only for a line the native server
+        # did not recognise as plain (an escaped op name, say): the same loops, the
+        # same counters and the same stop pipe either way.
         m = self.machine
         match request:
             case control.Status():

@@ -201,9 +201,9 @@ class SnapshotTaker:
         writer: _Writer | None = None
         changed: list[dirty.Run] | None = None   # full, sandbox: base data still to copy
         cleared = False
-        balloon = machine.balloon
+        balloon = machine.balloon.device if machine.balloon is not None else None
         if balloon is not None:
-            balloon.hold_discards()   # until the writer is done: see hold_discards
+            balloon.hold()   # until the writer is done: balloon.py's "Holds" says why
         try:
             machine.pause()
             paused_at = time.monotonic()
@@ -298,7 +298,7 @@ class SnapshotTaker:
             raise
         finally:
             if balloon is not None:
-                balloon.release_discards()
+                balloon.release()
         timings["total_s"] = time.monotonic() - started
         if track:
             self._previous = _Base(tag, BASE_PREVIOUS)

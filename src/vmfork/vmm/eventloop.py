@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 Callback = Callable[[], None]
 # A device's server that the native loop runs without the GIL (``native/src/*_serve.rs``).
 NativeServer: TypeAlias = (
-    "_core.RngQueue | _core.NetQueues | _core.BalloonQueues | _core.BlkQueue | _core.VsockServe")
+    "_core.RngQueue | _core.NetQueues | _core.BlkQueue | _core.VsockServe")
 
 
 class EventLoop:
@@ -135,6 +135,11 @@ class NativeEventLoop(EventLoop):
         self._stopped = False
         self._forked = False
         _native_loops.add(self)
+
+    @property
+    def native_loop(self) -> _core.EventLoop:
+        """The native loop itself, where a native device registers its server."""
+        return self._native
 
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)

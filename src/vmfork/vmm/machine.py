@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +53,25 @@ from vmfork.vmm.devices.manager import (
     SERIAL,
     VOLUME,
     VSOCK,
+    DeviceKind,
     DeviceManager,
     VolumeSlot,
 )
+from vmfork.vmm.devices.plan import (
+    NATIVE_KINDS,
+    NativeVirtio,
+    balloon_advice,
+    boot_plan,
+    device_plan,
+)
 from vmfork.vmm.devices.serial import Serial
-from vmfork.vmm.devices.virtio.balloon import VirtioBalloon
 from vmfork.vmm.devices.virtio.blk import VirtioBlk, open_disk, validate_disk_key
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
-from vmfork.vmm.devices.virtio.mmio import MmioTransport
+from vmfork.vmm.devices.virtio.mmio import REG_QUEUE_NOTIFY, MmioTransport
 from vmfork.vmm.devices.virtio.net import VirtioNet, open_tap, parse_mac
-from vmfork.vmm.devices.virtio.rng import VirtioRng
 from vmfork.vmm.devices.virtio.vsock import VirtioVsock
 from vmfork.vmm.errors import HostError, StateError
-from vmfork.vmm.eventloop import EventLoop, new_event_loop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory, PremappedRam
 from vmfork.vmm.native import CORE_BUILT, require_core
@@ -381,10 +388,11 @@ class Machine:
         self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
         self.devices.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
         self.vsock: VirtioVsock | None = None
-        self.rng: VirtioRng | None = None
+        # rng and the balloon are served by their native transports (devices/plan.py).
+        self.rng: NativeVirtio | None = None
         self.net: VirtioNet | None = None
         self.blk: VirtioBlk | None = None
-        self.balloon: VirtioBalloon | None = None
+        self.balloon: NativeVirtio | None = None
         self.volumes: list[VolumeSlot] = []
         # Per volume slot, its place among the virtio-mmio devices (the N of the guest's
         # virtio-mmio.N platform device, which the agent finds its disk by).
@@ -445,11 +453,10 @@ class Machine:
         the guest's driver runs it, its counters, and seconds since the last report."""
         if self.balloon is None:
             return None
-        stats = self.balloon.stats()
-        return {"active": self.balloon.active, "reports": stats.reports,
-                "bytes_discarded": stats.bytes_discarded,
-                "discard_errors": stats.discard_errors,
-                "last_report_age_s": stats.last_report_age_s}
+        device = self.balloon.device
+        reports, discarded, errors, _, _, age = device.balloon_stats()
+        return {"active": device.active, "reports": reports, "bytes_discarded": discarded,
+                "discard_errors": errors, "last_report_age_s": age}
 
     # -- snapshots ----------------------------------------------------------------------------
     def snapshot(self, memory_path: str, *, resume: bool = True) -> tuple[MachineState,
@@ -546,8 +553,7 @@ class Machine:
             self.devices.attach_virtio(VSOCK, self.vsock, self.vsock,
                                        closers=(self.vsock.close,))
         if rng:
-            self.rng = VirtioRng(self.loop)
-            self.devices.attach_virtio(RNG, self.rng, self.rng, closers=(self.rng.close,))
+            self.rng = self.devices.attach_native(RNG, partial(self._native_device, RNG))
         mac = config.net_mac
         if mac is not None:
             tap_fd = open_tap(config.net_tap) if config.net_tap is not None else None
@@ -565,9 +571,8 @@ class Machine:
             self.devices.attach_virtio(BLK, self.blk, self.blk,
                                        closers=(lambda: self._close_disk(fd),))
         if balloon:
-            self.balloon = VirtioBalloon(self.loop)
-            self.devices.attach_virtio(BALLOON, self.balloon, self.balloon,
-                                       closers=(self.balloon.close,))
+            self.balloon = self.devices.attach_native(BALLOON,
+                                                      partial(self._native_device, BALLOON))
             self._cmdline_devices.append(BALLOON_CMDLINE)
         media = {m.slot: m for m in config.volumes}
         for index in range(volume_slots):
@@ -668,6 +673,48 @@ class Machine:
             raise
         self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
         return transport
+
+    def _native_device(self, kind: DeviceKind[Any], slot: int, irq: int) -> NativeVirtio:
+        """The manager's builder for a device its native transport serves (a kind in
+        ``plan.NATIVE_KINDS``): restored, in one call, from the plan of the snapshot's
+        record, or from a fresh plan for a boot; on the MMIO window of ``slot`` and the
+        line of pin ``irq``, each queue's ioeventfd registered with KVM and handed to
+        it (the native loop serves them, and the device keeps its own copies)."""
+        if kind.name not in NATIVE_KINDS:
+            raise ValueError(f"{kind.name} has no native transport")
+        base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
+        advice = balloon_advice(self.memory)
+        saved = self.config.restore_state
+        record = None if saved is None else next(d for d in saved.devices
+                                                 if d.kind == kind.name)
+        plan = boot_plan(kind.name, advice) if record is None else device_plan(record, advice)
+        assert isinstance(self.loop, NativeEventLoop) and self.memory.native is not None
+        notify: list[int] = []
+        try:
+            for index in range(len(plan[2])):
+                notify.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+                api.ioeventfd(self.vm_fd, notify[-1], base + REG_QUEUE_NOTIFY, 4,
+                              datamatch=index)
+            line = self._irq_line(irq)
+            device = _core.NativeDevice.restore(plan, self.memory.native,
+                                                self.loop.native_loop, line.fd,
+                                                [*notify])
+        except (OSError, ValueError) as err:
+            raise HostError(f"{kind.name} at virtio-mmio.{slot}: {err}", vm_id=self.vm_id,
+                            op="add_native") from err
+        finally:
+            for fd in notify:   # KVM and the device hold their own references
+                os.close(fd)
+        handle = NativeVirtio(device, record)
+        try:
+            assert self.mmio_bus.windows is not None
+            self.mmio_bus.windows.add_native(base, device)
+        except BaseException:
+            handle.close()
+            raise
+        line.add_native_counter(lambda: device.interrupts)
+        self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
+        return handle
 
     # -- running ----------------------------------------------------------------------------
     def start(self, paused: bool = False) -> None:

@@ -18,6 +18,11 @@ list differs before touching any device, then restores each device before its
 transport (the transport's restore re-activates the device). ``close`` releases the
 transports and what each device owns, last attached first.
 
+A device whose transport is native (``attach_native``; the kinds in
+``devices/plan.py``'s ``NATIVE_KINDS``) is one ``NativeVirtio`` handle: restored from
+its snapshot's record when the machine attaches it (its plan is the restore, one
+call), saved as ``plan_state`` of its plan, closed with the others.
+
 ``MachineState.devices`` is that list. State files of format version 1 had a field
 per device; ``upgrade_format_1`` turns such a payload into the list, with the slots
 and pins the machine of that time gave its devices (the same rule, ``slot_irq``).
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio.balloon import BalloonState
@@ -264,10 +269,27 @@ def upgrade_format_1(tree: Any) -> Any:
     return tree
 
 
+@runtime_checkable
+class NativeVirtio(Protocol):
+    """A virtio device served by its native transport (``devices/plan.py``'s
+    ``NativeVirtio``): its state as the manager saves it, the record it was restored
+    from when it was attached (None for a booted one), and its close."""
+
+    @property
+    def restored_from(self) -> DeviceState | None: ...
+
+    def save_state(self, slot: int, irq: int) -> DeviceState: ...
+
+    def close(self) -> None: ...
+
+
+N = TypeVar("N", bound=NativeVirtio)
+
+
 @dataclass
 class _Attached:
     kind: DeviceKind[Any]
-    device: Persist[Any]
+    device: Persist[Any] | NativeVirtio
     slot: int | None
     irq: int
     transport: MmioTransport | None
@@ -307,6 +329,30 @@ class DeviceManager:
         """Give ``virtio`` (the device behind ``device``, often the same object) the
         next window and its pin, and take ``closers`` (what the device owns) to run at
         ``close``, after its transport's. ``HostError`` when no pin is left."""
+        slot, irq, first_shared = self._place(kind, closers)
+        entry = _Attached(kind, device, slot, irq, None, closers)
+        # Its closers are the manager's from here, even if the transport fails.
+        self._attached.append(entry)
+        entry.transport = self._transport_factory(virtio, slot, irq)
+        self._next_slot = slot + 1
+        self._first_shared_slot = first_shared
+        return entry.transport
+
+    def attach_native(self, kind: DeviceKind[Any], build: Callable[[int, int], N]) -> N:
+        """Give a device served by its native transport the next window and its pin:
+        ``build(slot, irq)`` makes it there (the machine's: the window, ioeventfds,
+        the line, the command-line entry). ``HostError`` when no pin is left."""
+        slot, irq, first_shared = self._place(kind, ())
+        device = build(slot, irq)
+        self._attached.append(_Attached(kind, device, slot, irq, None, ()))
+        self._next_slot = slot + 1
+        self._first_shared_slot = first_shared
+        return device
+
+    def _place(self, kind: DeviceKind[Any], closers: tuple[Callable[[], None], ...]
+               ) -> tuple[int, int, int | None]:
+        """The next virtio device's (slot, pin, first pin-sharing slot); if ``kind``
+        may not go there, ``closers`` run and the refusal is raised."""
         slot = self._next_slot
         first_shared = self._first_shared_slot
         if kind.shares_pin and first_shared is None:
@@ -325,13 +371,7 @@ class DeviceManager:
         except BaseException:
             _run(reversed(closers))   # refused: what the device owns goes now
             raise
-        entry = _Attached(kind, device, slot, irq, None, closers)
-        # Its closers are the manager's from here, even if the transport fails.
-        self._attached.append(entry)
-        entry.transport = self._transport_factory(virtio, slot, irq)
-        self._next_slot = slot + 1
-        self._first_shared_slot = first_shared
-        return entry.transport
+        return slot, irq, first_shared
 
     def _attach_check(self, kind: DeviceKind[Any]) -> None:
         if KINDS.get(kind.name) is not kind:
@@ -346,9 +386,7 @@ class DeviceManager:
 
     def save(self) -> list[DeviceState]:
         """Every device's record, transport and place, in attach order."""
-        return [DeviceState(a.kind.name, a.kind.version, a.slot, a.irq, a.device.save(),
-                            a.transport.save() if a.transport is not None else None)
-                for a in self._attached]
+        return [_save(a) for a in self._attached]
 
     def restore(self, saved: Sequence[DeviceState]) -> None:
         """Restore every device from ``saved``, which must list the same devices in the
@@ -361,7 +399,14 @@ class DeviceManager:
                             f"snapshot has {_describe(want)}; this machine has "
                             f"{_describe(have)}", vm_id=self._vm_id, op="restore")
         for attached, state in zip(self._attached, saved):
-            attached.device.restore(state.state)
+            device = attached.device
+            if isinstance(device, NativeVirtio):
+                if device.restored_from is not state:
+                    raise HostError(f"{attached.kind.name} is served natively: it is "
+                                    "restored from its record when it is attached",
+                                    vm_id=self._vm_id, op="restore")
+                continue
+            device.restore(state.state)
             if attached.transport is not None:
                 assert state.transport is not None   # DeviceState checks it
                 attached.transport.restore(state.transport)
@@ -373,12 +418,23 @@ class DeviceManager:
         while self._attached:
             attached = self._attached.pop()
             steps = [attached.transport.close] if attached.transport is not None else []
+            if isinstance(attached.device, NativeVirtio):
+                steps.append(attached.device.close)
             try:
                 _run([*steps, *reversed(attached.closers)])
             except Exception as err:  # noqa: BLE001 - the other devices still close
                 failed = failed or err
         if failed is not None:
             raise failed
+
+
+def _save(a: _Attached) -> DeviceState:
+    device = a.device
+    if isinstance(device, NativeVirtio):
+        assert a.slot is not None   # a virtio device
+        return device.save_state(a.slot, a.irq)
+    return DeviceState(a.kind.name, a.kind.version, a.slot, a.irq, device.save(),
+                       a.transport.save() if a.transport is not None else None)
 
 
 def _run(steps: Iterable[Callable[[], None]]) -> None:

@@ -17,10 +17,14 @@ tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back in
 * ``registers``: the transport's register image, as ``MmioRegisters.save`` gives it;
 * ``indices``: each queue's ``(next_avail, next_used)``.
 
-rng, the balloon and vsock have a native transport (``PLANNED_KINDS``); the machine
-restores natively those in ``NATIVE_KINDS`` (docs/native.md says what blk and net still
-need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
-takes them, built once per snapshot.
+A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
+(``Machine._native_device``): a booted one from ``boot_plan``, a restored one from
+``device_plan`` of its snapshot's record; ``NativeVirtio`` is the handle the device
+manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
+``_kind`` and ``_offer``. rng, the balloon and vsock have a plan (``PLANNED_KINDS``);
+vsock is not switched on in the Python ``Machine`` yet (docs/native.md says what it and
+blk and net still need). ``machine_plan`` is a whole snapshot's virtio devices as
+``_core.NativeMachine`` takes them, built once per snapshot.
 """
 
 from __future__ import annotations
@@ -33,12 +37,18 @@ from vmfork.vmm.devices.virtio import balloon, rng, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
+from vmfork.vmm.memory import GuestMemory
+from vmfork.vmm.native import CORE_BUILT
 
+if CORE_BUILT or TYPE_CHECKING:
+    from vmfork import _core
 if TYPE_CHECKING:
     from vmfork.vmm.vmstate import MachineState
 
-NATIVE_KINDS = (RNG.name, BALLOON.name)
-PLANNED_KINDS = (*NATIVE_KINDS, VSOCK.name)
+# The kinds a machine serves through their native transport.
+NATIVE_KINDS = frozenset((RNG.name, BALLOON.name))
+# The kinds with a plan (``_core.NativeMachine`` restores them all).
+PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name}
 
 Kind = tuple[str, int, int, int]
 Registers = tuple[int, int, int, int, bool, int, int, int,
@@ -54,7 +64,35 @@ def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
         return (VIRTIO_F_VERSION_1, vsock.VirtioVsock.queue_max_sizes,
                 vsock.VirtioVsock.device_type)
     return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
-            balloon.VirtioBalloon.queue_max_sizes, balloon.VirtioBalloon.device_type)
+            (balloon.QUEUE_SIZE,) * 3, balloon.DEVICE_ID_BALLOON)
+
+
+def balloon_advice(memory: GuestMemory) -> int:
+    """How a balloon drops a reported page from ``memory``: a memfd mapped shared keeps
+    the data past ``MADV_DONTNEED``; only a hole (``MADV_REMOVE``) frees it."""
+    shared = memory.backing_fd is not None and not memory.private_file
+    return mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
+
+
+def _kind(name: str, balloon_advice: int, actual: int = 0, guest_cid: int = 0) -> Kind:
+    """A ``name`` device's record reduced to what its native server takes (the
+    balloon's ``actual``, vsock's ``guest_cid``)."""
+    if name == RNG.name:
+        return ("rng", rng.MAX_REQUESTS_PER_NOTIFY, rng.MAX_BYTES_PER_REQUEST, 0)
+    if name == VSOCK.name:
+        return ("vsock", guest_cid, round(vsock.CONNECT_TIMEOUT * 1000),
+                round(vsock.RESET_ACK_WAIT_S * 1000))
+    return ("balloon", balloon.MAX_CHAINS_PER_NOTIFY, balloon_advice, actual & 0xFFFF_FFFF)
+
+
+def boot_plan(name: str, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
+    """The plan of a ``name`` device no driver has touched yet (a booted machine's)."""
+    if name not in NATIVE_KINDS:
+        raise ValueError(f"no native transport for a {name} device")
+    features, max_sizes, _ = _offer(name)
+    plan: Plan = _core.NativeDevice.fresh_plan(_kind(name, balloon_advice), features,
+                                               list(max_sizes))
+    return plan
 
 
 def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
@@ -73,19 +111,12 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
     if len(t.queues) != len(max_sizes):
         raise ValueError(f"the {state.kind} record has {len(t.queues)} queues, the "
                          f"device {len(max_sizes)}")
-    kind: Kind
-    if state.kind == RNG.name:
-        kind = ("rng", rng.MAX_REQUESTS_PER_NOTIFY, rng.MAX_BYTES_PER_REQUEST, 0)
-    elif state.kind == VSOCK.name:
-        cid = state.state
-        assert isinstance(cid, vsock.VsockState)   # DeviceState types it by kind
-        kind = ("vsock", cid.guest_cid, round(vsock.CONNECT_TIMEOUT * 1000),
-                round(vsock.RESET_ACK_WAIT_S * 1000))
+    record = state.state
+    if isinstance(record, vsock.VsockState):
+        kind = _kind(state.kind, balloon_advice, guest_cid=record.guest_cid)
     else:
-        record = state.state
-        assert isinstance(record, balloon.BalloonState)   # DeviceState types it by kind
-        kind = ("balloon", balloon.MAX_CHAINS_PER_NOTIFY, balloon_advice,
-                record.actual & 0xFFFF_FFFF)
+        actual = record.actual if isinstance(record, balloon.BalloonState) else 0
+        kind = _kind(state.kind, balloon_advice, actual)
     registers: Registers = (
         t.status, t.device_features_sel, t.driver_features_sel, t.driver_features,
         t.driver_features_bad, t.queue_sel, t.interrupt_status, t.config_generation,
@@ -138,3 +169,21 @@ def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
     version = {RNG.name: RNG.version, BALLOON.name: BALLOON.version,
                VSOCK.name: VSOCK.version}[name]
     return DeviceState(name, version, slot, irq, record, transport)
+
+
+class NativeVirtio:
+    """A machine's handle on a device its native transport serves: what the device
+    manager saves and closes, and what the machine's stats read (``device``)."""
+
+    def __init__(self, device: _core.NativeDevice, restored_from: DeviceState | None) -> None:
+        self.device = device
+        # The record it was restored from when it was attached (the manager's restore
+        # checks it is the one it is asked to restore).
+        self.restored_from = restored_from
+
+    def save_state(self, slot: int, irq: int) -> DeviceState:
+        """Its ``DeviceState`` (the vCPUs paused)."""
+        return plan_state(self.device.plan(), slot, irq)
+
+    def close(self) -> None:
+        self.device.close()
