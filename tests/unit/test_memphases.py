@@ -44,6 +44,10 @@ SMAPS = "".join([
     _mapping(0x70000000, 0x70021000, "rw-p", "[stack]", 24),
     _mapping(0x80000000, 0x80002000, "r--p", "[vvar]", 0),
     _mapping(0x90000000, 0x90001000, "rw-p", "/tmp/some.log", 4),
+    _mapping(0xA4000000, 0xA4021000, "rw-p", "", 132),            # a thread's malloc arena
+    _mapping(0xA4021000, 0xA8000000, "---p", "", 0),              # ... and its reserve
+    _mapping(0xAC000000, 0xB0000000, "rw-p", "", 8),              # an arena grown in full
+    _mapping(0xB4000000, 0xB4100000, "rw-p", "", 12),             # aligned, but no arena
 ])
 
 
@@ -54,10 +58,10 @@ def test_each_mapping_lands_in_its_class(monkeypatch: pytest.MonkeyPatch) -> Non
                        ("/lib/x86_64-linux-gnu/libc.so.6", 64 << 10)):
         monkeypatch.setitem(memphases._bss_sizes, path, size)
     classes = memphases.classify(SMAPS.encode(), memphases.guest_ram_paths(["/snap/memory.bin"]))
-    assert classes == {"python_heap_anon": 1200, "brk_heap": 300, "thread_stacks": 40,
-                       "main_stack": 24, "python_binary": 260, "core_so": 34,
-                       "other_libraries": 16, "guest_ram": 9000, "other": 4}
-    assert memphases.own_private_dirty(classes) == 1878
+    assert classes == {"python_heap_anon": 1212, "malloc_arenas": 140, "brk_heap": 300,
+                       "thread_stacks": 40, "main_stack": 24, "python_binary": 260,
+                       "core_so": 34, "other_libraries": 16, "guest_ram": 9000, "other": 4}
+    assert memphases.own_private_dirty(classes) == 2030
 
 
 def test_guest_ram_is_found_behind_another_namespace_s_root() -> None:

@@ -20,6 +20,7 @@ emptied before most of its phases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import mmap
 import os
@@ -28,6 +29,7 @@ import struct
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 ENV = "VMFORK_MEMORY_PHASES"
 PHASES_FILE = "memory-phases.jsonl"
@@ -51,15 +53,18 @@ def _idle_seconds(value: str | None) -> float | None:
 IDLE_S = _idle_seconds(os.environ.get(ENV))
 """None: phases are not recorded. Else the seconds after ``ready`` of the ``idle`` phase."""
 
-CLASSES = ("python_heap_anon", "brk_heap", "thread_stacks", "main_stack",
+CLASSES = ("python_heap_anon", "malloc_arenas", "brk_heap", "thread_stacks", "main_stack",
            "python_binary", "core_so", "other_libraries", "guest_ram", "other")
 """What each holds:
 
-* ``python_heap_anon``: anonymous mappings: pymalloc's 256 KiB arenas (CPython's small
+* ``python_heap_anon``: anonymous mappings: pymalloc's arenas (CPython's small
   objects), glibc's mmap'd blocks (objects over 128 KiB), Rust's heap allocations when
   they are mmap'd;
+* ``malloc_arenas``: glibc's per-thread malloc arenas (a thread's first ``malloc``
+  gives it one, up to 8 per core, each a 64 MiB-aligned reservation of which the part
+  in use is readable): the allocations of threads other than the main one;
 * ``brk_heap``: ``[heap]``, glibc's main arena (objects over 512 bytes, C and Rust
-  allocations);
+  allocations of the main thread);
 * ``thread_stacks``: an anonymous mapping right above a ``---p`` guard page (how glibc
   lays out every ``pthread`` stack: Python's threads and Rust's);
 * ``main_stack``: ``[stack]``;
@@ -76,6 +81,9 @@ CLASSES = ("python_heap_anon", "brk_heap", "thread_stacks", "main_stack",
 _LINE = re.compile(rb"^(?:([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ *(.*)"
                    rb"|Private_Dirty: +(\d+) kB)$", re.MULTILINE)
 PAGE = 4096
+ARENA_BYTES = 64 << 20
+"""glibc's ``HEAP_MAX_SIZE`` on 64-bit: a non-main arena's reservation, mapped at a
+multiple of its size."""
 _bss_sizes: dict[str, int] = {}
 
 
@@ -116,43 +124,74 @@ def _object_class(path: str) -> str | None:
     return None
 
 
-def classify(smaps: bytes | memoryview, is_guest_ram: Callable[[int, str], bool]) -> dict[str, int]:
-    """Private_Dirty in KiB per class of ``CLASSES`` (every class present), from the
-    contents of a ``/proc/<pid>/smaps``. ``is_guest_ram(size_bytes, path)`` picks guest
-    RAM. An anonymous mapping right after an object's file mappings is that object's
-    bss when it is no larger than the ELF says its bss is (the kernel merges a bss
-    with the anonymous memory mapped just above it, which is then heap)."""
-    out = dict.fromkeys(CLASSES, 0)
-    current = "other"
-    previous_end, previous_perms, previous_path = -1, b"", ""
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """One mapping of a ``/proc/<pid>/smaps``: its range, ``perms`` (``rw-p``), the
+    path or pseudo-name (empty when anonymous), its Private_Dirty (KiB) and its class
+    (one of ``CLASSES``)."""
+    start: int
+    end: int
+    perms: str
+    path: str
+    private_dirty_kib: int
+    cls: str
+
+
+def mappings(smaps: bytes | memoryview,
+             is_guest_ram: Callable[[int, str], bool]) -> list[Mapping]:
+    """Every mapping of the contents of a ``/proc/<pid>/smaps``, classified.
+    ``is_guest_ram(size_bytes, path)`` picks guest RAM. An anonymous mapping right after
+    an object's file mappings is that object's bss when it is no larger than the ELF
+    says its bss is (the kernel merges a bss with the anonymous memory mapped just
+    above it, which is then heap)."""
+    raw: list[list[Any]] = []      # [start, end, perms, path, dirty], dirty filled in
     for match in _LINE.finditer(smaps):
         dirty = match.group(5)
         if dirty is not None:
-            out[current] += int(dirty)
+            if raw:
+                raw[-1][4] += int(dirty)
             continue
-        start, end = int(match.group(1), 16), int(match.group(2), 16)
-        perms, path = match.group(3), match.group(4).strip().decode(errors="replace")
-        adjacent = start == previous_end
+        raw.append([int(match.group(1), 16), int(match.group(2), 16),
+                    match.group(3).decode(), match.group(4).strip().decode(errors="replace"), 0])
+    out: list[Mapping] = []
+    for i, (start, end, perms, path, dirty) in enumerate(raw):
+        previous = raw[i - 1] if i else None
+        following = raw[i + 1] if i + 1 < len(raw) else None
+        adjacent = previous is not None and previous[1] == start
+        previous_path = previous[3] if adjacent and previous and previous[3].startswith("/") else ""
         obj = _object_class(path) if path.startswith("/") else None
-        owner = _object_class(previous_path) if adjacent and previous_path else None
+        owner = _object_class(previous_path) if previous_path else None
+        reserve_follows = (following is not None and following[0] == end
+                           and not following[3] and following[2].startswith("---"))
         if is_guest_ram(end - start, path):
-            current = "guest_ram"
+            cls = "guest_ram"
         elif path == "[heap]":
-            current = "brk_heap"
+            cls = "brk_heap"
         elif path == "[stack]":
-            current = "main_stack"
+            cls = "main_stack"
         elif obj is not None:
-            current = obj
+            cls = obj
         elif not path and owner is not None and end - start <= bss_bytes(previous_path):
-            current = owner                   # the object's bss, right after its data
-        elif not path and adjacent and previous_perms.startswith(b"---"):
-            current = "thread_stacks"
+            cls = owner                   # the object's bss, right after its data
+        elif (not path and start % ARENA_BYTES == 0
+              and (reserve_follows or end - start == ARENA_BYTES)):
+            cls = "malloc_arenas"
+        elif not path and adjacent and previous is not None and previous[2].startswith("---"):
+            cls = "thread_stacks"
         elif not path:
-            current = "python_heap_anon"
+            cls = "python_heap_anon"
         else:
-            current = "other"
-        previous_end, previous_perms = end, perms
-        previous_path = path if path.startswith("/") else ""
+            cls = "other"
+        out.append(Mapping(start, end, perms, path, dirty, cls))
+    return out
+
+
+def classify(smaps: bytes | memoryview, is_guest_ram: Callable[[int, str], bool]) -> dict[str, int]:
+    """Private_Dirty in KiB per class of ``CLASSES`` (every class present), from the
+    contents of a ``/proc/<pid>/smaps`` (``mappings``)."""
+    out = dict.fromkeys(CLASSES, 0)
+    for mapping in mappings(smaps, is_guest_ram):
+        out[mapping.cls] += mapping.private_dirty_kib
     return out
 
 
