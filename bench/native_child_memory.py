@@ -16,7 +16,7 @@ tree. Without it, this tree alone. Runs in the emulated test host when this host
 KVM cannot run guests. Writes ``bench/results/native-child-memory.{json,md}``.
 
     VMFORK_NATIVE_CHILD=1 python bench/native_child_memory.py --n 1,10 --reps 2 \\
-        --tree before=/tmp/before/src --tree after=src --host-mem-mib 6144
+        --tree before=~/.cache/before/src --tree after=src --host-mem-mib 6144
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import pytest
 
 import vmfork
 from tests.unit.agent_support import Agent, running_agent
-from vmfork.runtime import vmmchild, zygote, zygote_child
+from vmfork.runtime import memphases, vmmchild, zygote, zygote_child
 from vmfork.vmm.native import CORE_BUILT
 
 needs_kvm = pytest.mark.skipif(
@@ -38,6 +39,8 @@ needs_kvm = pytest.mark.skipif(
 #   mov al, 0xfe; out 0x64, al; hlt
 RESET_AFTER_SECONDS = bytes.fromhex("0f31" "6689d3" "6683c303" "0f31" "6639da" "72f9"
                                     "b0fe" "e664" "f4")
+# Real mode, interrupts off: hlt; jmp back to it. Runs until the child is stopped.
+HALT_FOREVER = bytes.fromhex("f4" "ebfd")
 
 # The forking process: one thread, the zygote's calls; its child runs under the VMM's
 # seccomp filter from before its guest starts, as a jailed one does. Its ``answer`` is
@@ -101,6 +104,20 @@ def _ask(sock: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
+def _forker(cfg: dict[str, Any]) -> subprocess.Popen[str]:
+    """The forking process of ``cfg``; it prints the child's pid, then its exit status."""
+    package_root = str(Path(vmfork.__file__).parent.parent)
+    return subprocess.Popen([sys.executable, "-c", FORKER, json.dumps(cfg)],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": package_root})
+
+
+def _malloc_arenas(pid: int) -> int:
+    with memphases.read_smaps(pid) as smaps:
+        return sum(m.cls == "malloc_arenas"
+                   for m in memphases.mappings(smaps, memphases.no_guest_ram))
+
+
 @needs_kvm
 def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         agent: Agent, tmp_path: Path) -> None:
@@ -111,10 +128,7 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
     gate_fd = os.open(gate, os.O_RDWR | os.O_NONBLOCK)   # the spawner's end
     cfg = {"run_dir": str(run_dir), "gate": str(gate), "agent": agent.sock_path,
            "log": str(tmp_path / "child.log"), "code": RESET_AFTER_SECONDS.hex()}
-    package_root = str(Path(vmfork.__file__).parent.parent)
-    forker = subprocess.Popen([sys.executable, "-c", FORKER, json.dumps(cfg)],
-                              stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": package_root})
+    forker = _forker(cfg)
     try:
         assert forker.stdout is not None
         pid = int(forker.stdout.readline())
@@ -138,6 +152,34 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         assert int(forker.stdout.readline()) == 0, "a clean end exits 0"
     finally:
         os.close(gate_fd)
+        forker.kill()
+        forker.wait()
+
+
+@needs_kvm
+def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
+        agent: Agent, tmp_path: Path) -> None:
+    """glibc gives each thread that allocates an arena of its own, whose pages it then
+    dirties: the child's vCPU, control and handshake threads (each allocates) make
+    none, so its arenas are the forker's."""
+    run_dir = Path(agent.root) / "run"
+    run_dir.mkdir()
+    cfg = {"run_dir": str(run_dir), "gate": None, "agent": agent.sock_path,
+           "log": str(tmp_path / "child.log"), "code": HALT_FOREVER.hex()}
+    forker = _forker(cfg)
+    try:
+        assert forker.stdout is not None
+        pid = int(forker.stdout.readline())
+        _status(run_dir, "ready")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control:
+            control.settimeout(30)
+            control.connect(str(run_dir / "control.sock"))
+            assert _ask(control, {"op": "status"})["paused"] is False
+        assert len(os.listdir(f"/proc/{pid}/task")) >= 3   # main, vCPU, control
+        assert _malloc_arenas(pid) == _malloc_arenas(forker.pid)
+        os.kill(pid, signal.SIGTERM)
+        assert int(forker.stdout.readline()) == 0, "a SIGTERM ends the child with 0"
+    finally:
         forker.kill()
         forker.wait()
 
