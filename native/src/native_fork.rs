@@ -171,12 +171,12 @@ impl ForkedMachine {
 }
 
 /// Let every thread of this child allocate from glibc's main arena. Left to itself,
-/// glibc gives each thread that allocates an arena of its own (up to 8 per core): a
-/// native child's vCPU, I/O loop, control and handshake threads each dirtied one
-/// (its header, its top chunk's pages and what the thread keeps there), ~0.2 MiB of
-/// a 1.5 MiB child (design notes, "Where a native child's memory goes"). Its threads
-/// allocate at set-up and rarely after, so they do not contend for the one lock.
-/// Before the first thread starts: an arena is chosen at a thread's first `malloc`.
+/// glibc gives each thread that allocates an arena of its own (up to 8 per core), and
+/// a native child's vCPU, I/O loop, control and handshake threads each dirtied one
+/// (its header, its thread cache, its top chunk): ~48 KiB of a 1.7 MiB idle child
+/// (design notes, "Where an idle native child's memory goes"). Its threads allocate
+/// at set-up and rarely after, so they hardly contend for the one lock. Before the
+/// first thread starts: a thread's arena is chosen at its first `malloc`.
 fn one_malloc_arena() {
     // SAFETY: mallopt sets an allocator parameter; this process has one thread.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
