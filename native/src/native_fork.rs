@@ -173,7 +173,7 @@ impl ForkedMachine {
 /// Let every thread of this child allocate from glibc's main arena. Left to itself,
 /// glibc gives each thread that allocates an arena of its own (up to 8 per core), and
 /// a native child's vCPU, I/O loop, control and handshake threads each dirtied one
-/// (its header, its thread cache, its top chunk): ~48 KiB of a 1.7 MiB idle child
+/// (its header, its thread cache, its top chunk): 26-48 KiB of a 1.7 MiB idle child
 /// (design notes, "Where an idle native child's memory goes"). Its threads allocate
 /// at set-up and rarely after, so they hardly contend for the one lock. Before the
 /// first thread starts: a thread's arena is chosen at its first `malloc`.
