@@ -265,7 +265,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tiny_machine::TinyMachinePlan>()?;
     m.add_class::<machine_plan::SnapshotMachinePlan>()?;
     m.add_class::<machine_plan::ChildMachinePlan>()?;
-    m.add_function(wrap_pyfunction!(native_fork::fork_native, m)?)?;
+    m.add_class::<native_fork::NativeFork>()?;
+    m.add_function(wrap_pyfunction!(native_fork::fork_native_batch, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())
 }

@@ -1,6 +1,7 @@
-//! `_core.fork_native`: the zygote's fork of a child that never returns into Python.
+//! `_core.fork_native_batch`: the zygote's fork of children that never return into
+//! Python, a batch's back to back (`NativeFork`, one a child, built before the first).
 //!
-//! The zygote forks as `fork_single_threaded` does (`child::fork_checked`: one
+//! The zygote forks each as `fork_single_threaded` does (`child::fork_checked`: one
 //! thread, the GIL held, no after-fork work in the child). In the child, with no
 //! Python: the `ChildPlan`'s set-up and jail (`child.rs`), then the life
 //! (`child_life.rs`) of the machine the plan names, then `_exit` with its status.
@@ -28,7 +29,7 @@ use std::os::fd::RawFd;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::agent_handshake::AgentTarget;
@@ -100,16 +101,18 @@ impl ChildLife {
 }
 
 /// The hand-over of a child whose Python has not run since the fork (module comment).
-struct AfterForkPython {
-    module: String,
-    function: String,
-    prelude: Option<Py<PyAny>>,
+/// It borrows its names and prelude from the child's `NativeFork`: the child holds
+/// the zygote's objects by reference and writes none of them.
+struct AfterForkPython<'a> {
+    module: &'a str,
+    function: &'a str,
+    prelude: Option<&'a Py<PyAny>>,
     opened: Option<Opened>,
     /// The handler, or why there is none, resolved at the first hand-over.
     handler: OnceLock<Result<PyHandover, String>>,
 }
 
-impl AfterForkPython {
+impl AfterForkPython<'_> {
     fn resolve(&self) -> Result<PyHandover, String> {
         // SAFETY: on the thread that forked (the relay runs hand-overs there), which
         // holds the GIL as it did at the fork, in a child that has run no Python since:
@@ -117,19 +120,19 @@ impl AfterForkPython {
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         Python::attach(|py| {
             let shown = |err: PyErr| err.to_string();
-            if let Some(prelude) = &self.prelude {
+            if let Some(prelude) = self.prelude {
                 prelude.call1(py, (self.opened.clone(),)).map_err(shown)?;
             }
             let function = py
-                .import(self.module.as_str())
-                .and_then(|m| m.getattr(self.function.as_str()))
+                .import(self.module)
+                .and_then(|m| m.getattr(self.function))
                 .map_err(shown)?;
             Ok(PyHandover(function.unbind()))
         })
     }
 }
 
-impl Handover for AfterForkPython {
+impl Handover for AfterForkPython<'_> {
     fn handle(&self, line: &[u8], fd: RawFd) -> Vec<u8> {
         match self.handler.get_or_init(|| self.resolve()) {
             Ok(handler) => handler.handle(line, fd),
@@ -157,7 +160,7 @@ impl ForkedMachine {
     }
 
     /// The life of this machine; in the child, with no Python.
-    fn live(&self, life: &LifePlan, forked: Forked, after_fork: &AfterForkPython) -> i32 {
+    fn live(&self, life: &LifePlan, forked: Forked, after_fork: &AfterForkPython<'_>) -> i32 {
         let opened = after_fork.opened.as_ref();
         match self {
             ForkedMachine::Restored(plan) => {
@@ -182,59 +185,140 @@ fn one_malloc_arena() {
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
 }
 
-/// Fork a child that runs `plan`'s set-up and jail, then `life` with `machine` (a
-/// `ChildMachinePlan` or a `TinyMachinePlan`), and never returns into Python (it
-/// `_exit`s with the life's status). `forked_ns`: the
-/// zygote's CLOCK_MONOTONIC at the fork, for `fork_to_entry_s`; `handover`:
-/// `module:function`, the Python handler of handed-over control lines; `prelude`:
-/// called with the jail's descriptors before the first. Returns the child's pid;
-/// `RuntimeError`/`OSError` as `fork_single_threaded`.
-#[pyfunction]
-#[pyo3(signature = (plan, life, machine, forked_ns, handover, prelude=None))]
-pub fn fork_native(
-    py: Python<'_>,
-    plan: &ChildPlan,
-    life: &ChildLife,
-    machine: &Bound<'_, PyAny>,
-    forked_ns: i64,
-    handover: &str,
+/// One child of `fork_native_batch`, built by the zygote before the batch: `plan`'s
+/// set-up and jail, then `life` with `machine` (a `ChildMachinePlan` or a
+/// `TinyMachinePlan`); `handover`: `module:function`, the Python handler of
+/// handed-over control lines; `prelude`: called with the jail's descriptors before
+/// the first; `own_pid_namespace`: given, the child is the first process of a new PID
+/// namespace (`jail.PidNamespaces`), and this descriptor of the zygote's own is where
+/// the zygote returns after forking it.
+#[pyclass(frozen, module = "vmfork._core")]
+pub struct NativeFork {
+    plan: Py<ChildPlan>,
+    life: Py<ChildLife>,
+    machine: ForkedMachine,
+    module: String,
+    function: String,
     prelude: Option<Py<PyAny>>,
-) -> PyResult<i32> {
-    let (module, function) = handover.split_once(':').ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "handover must be 'module:function', got {handover:?}"
-        ))
-    })?;
-    let machine = ForkedMachine::from_py(machine)?;
-    let mut after_fork = AfterForkPython {
-        module: module.to_owned(),
-        function: function.to_owned(),
-        prelude,
-        opened: None,
-        handler: OnceLock::new(),
-    };
-    let pid = fork_checked(py)?;
-    if pid != 0 {
-        return Ok(pid);
+    own_pid_namespace: Option<RawFd>,
+}
+
+#[pymethods]
+impl NativeFork {
+    #[new]
+    #[pyo3(signature = (plan, life, machine, handover, prelude=None, own_pid_namespace=None))]
+    fn new(
+        plan: Py<ChildPlan>,
+        life: Py<ChildLife>,
+        machine: &Bound<'_, PyAny>,
+        handover: &str,
+        prelude: Option<Py<PyAny>>,
+        own_pid_namespace: Option<RawFd>,
+    ) -> PyResult<Self> {
+        let (module, function) = handover.split_once(':').ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "handover must be 'module:function', got {handover:?}"
+            ))
+        })?;
+        Ok(NativeFork {
+            plan,
+            life,
+            machine: ForkedMachine::from_py(machine)?,
+            module: module.to_owned(),
+            function: function.to_owned(),
+            prelude,
+            own_pid_namespace,
+        })
     }
-    // The child: nothing below returns, and nothing runs Python but a hand-over.
-    one_malloc_arena();
-    plan.set_up();
-    after_fork.opened = match plan.enter_jail_native() {
-        Ok(opened) => opened,
-        Err(message) => exit_setup_failed(Some(&message)),
-    };
-    let forked = Forked {
-        forked_ns,
-        entry_ns: child_life::monotonic_ns(),
-    };
-    // A panic must not unwind into the zygote's frames either (pyo3 would turn it into
-    // a Python exception, in a child running the zygote's loop): it exits as an entry
-    // that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.
-    let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        machine.live(&life.plan, forked, &after_fork)
-    }))
-    .unwrap_or(EXIT_ENTRY_RAISED);
-    // SAFETY: _exit ends the process without unwinding into the zygote's frames.
-    unsafe { libc::_exit(code) }
+}
+
+impl NativeFork {
+    /// The child's side of the fork: its set-up, jail and life; never returns.
+    fn live(&self, forked_ns: i64) -> ! {
+        // Nothing below returns, and nothing runs Python but a hand-over.
+        one_malloc_arena();
+        let plan = self.plan.get();
+        plan.set_up();
+        let opened = match plan.enter_jail_native() {
+            Ok(opened) => opened,
+            Err(message) => exit_setup_failed(Some(&message)),
+        };
+        let after_fork = AfterForkPython {
+            module: &self.module,
+            function: &self.function,
+            prelude: self.prelude.as_ref(),
+            opened,
+            handler: OnceLock::new(),
+        };
+        let forked = Forked {
+            forked_ns,
+            entry_ns: child_life::monotonic_ns(),
+        };
+        let life = &self.life.get().plan;
+        // A panic must not unwind into the zygote's frames either (pyo3 would turn it
+        // into a Python exception, in a child running the zygote's loop): it exits as an
+        // entry that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.machine.live(life, forked, &after_fork)
+        }))
+        .unwrap_or(EXIT_ENTRY_RAISED);
+        // SAFETY: _exit ends the process without unwinding into the zygote's frames.
+        unsafe { libc::_exit(code) }
+    }
+}
+
+fn os_error(what: &str) -> PyErr {
+    let err = std::io::Error::last_os_error();
+    PyOSError::new_err((err.raw_os_error().unwrap_or(0), format!("{what}: {err}")))
+}
+
+/// Fork every child of `forks`, in order and back to back: nothing runs between two
+/// forks but each child's PID-namespace bracket and the fork's own check (one thread),
+/// so the zygote writes no page its earlier children share while it forks the later
+/// ones (design notes, "A native batch forked back to back"). Each child takes
+/// `fork_native`'s path (`NativeFork`) and never returns into Python; its `forked_ns`
+/// is the zygote's CLOCK_MONOTONIC just before its fork.
+///
+/// Returns `(pids, error)`: the pids of the children forked, in order, and the error
+/// that stopped the batch (`RuntimeError`/`OSError` as `fork_single_threaded`, or the
+/// namespace's `OSError`), None if all were forked; the children from `len(pids)` on
+/// were not forked. A child forked before its `setns` back failed is in `pids`.
+#[pyfunction]
+pub fn fork_native_batch(
+    py: Python<'_>,
+    forks: Vec<PyRef<'_, NativeFork>>,
+) -> (Vec<i32>, Option<PyErr>) {
+    let mut pids = Vec::with_capacity(forks.len());
+    for fork in &forks {
+        if fork.own_pid_namespace.is_some() {
+            // SAFETY: unshare takes no pointer; it moves this process's next children
+            // into a new PID namespace, not this process.
+            if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+                return (pids, Some(os_error("unshare(CLONE_NEWPID)")));
+            }
+        }
+        let forked_ns = child_life::monotonic_ns();
+        let forked = fork_checked(py);
+        if let Ok(0) = forked {
+            fork.live(forked_ns);
+        }
+        // Back to the zygote's own namespace even when the fork failed: the next jailed
+        // fork needs a fresh one (a second unshare is refused while one is pending) and
+        // an unjailed one none.
+        let returned = match fork.own_pid_namespace {
+            // SAFETY: setns takes a descriptor the caller keeps open and no pointer.
+            Some(own) if unsafe { libc::setns(own, libc::CLONE_NEWPID) } != 0 => Err(
+                os_error("setns back to the zygote's PID namespace"),
+            ),
+            _ => Ok(()),
+        };
+        match forked {
+            Ok(pid) => pids.push(pid),
+            Err(err) => return (pids, Some(err)),
+        }
+        if let Err(err) = returned {
+            return (pids, Some(err));
+        }
+    }
+    (pids, None)
 }

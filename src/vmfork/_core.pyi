@@ -412,9 +412,14 @@ class SnapshotMachinePlan:
 class ChildMachinePlan:
     """One native child's machine: its snapshot's plan and its run directory."""
 
-def fork_native(plan: ChildPlan, life: ChildLife,
-                machine: ChildMachinePlan | TinyMachinePlan, forked_ns: int,
-                handover: str, prelude: Callable[..., object] | None = ...) -> int: ...
+class NativeFork:
+    """One child of ``fork_native_batch``, built before the batch."""
+    def __init__(self, plan: ChildPlan, life: ChildLife,
+                 machine: ChildMachinePlan | TinyMachinePlan, handover: str,
+                 prelude: Callable[..., object] | None = ...,
+                 own_pid_namespace: int | None = ...) -> None: ...
+
+def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException | None]: ...
 
 def agent_after_fork(
     target: AgentTarget, timeout: float, net_refresh: bool,

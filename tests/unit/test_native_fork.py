@@ -1,4 +1,4 @@
-"""The native fork (``_core.fork_native``, native/src/native_fork.rs): a child forked by
+"""The native fork (``_core.fork_native_batch``, native/src/native_fork.rs): a child forked by
 a one-thread process runs its set-up, a real tiny machine on this host's KVM and its
 whole life natively, answers a real agent and the control socket, runs Python only
 for a handed-over line, and exits with the life's status.
@@ -47,7 +47,7 @@ HALT_FOREVER = bytes.fromhex("f4" "ebfd")
 # the hand-over handler named in the plan ("__main__:answer"); the at-fork hook it
 # registers runs only in a child that ran ``PyOS_AfterFork_Child``.
 FORKER = """
-import json, os, sys, time
+import json, os, sys
 from vmfork import _core
 from vmfork.runtime import control, jail, seccomp
 
@@ -68,9 +68,39 @@ life = _core.ChildLife(
     agent=_core.AgentTarget(cfg["agent"], None, 5.0, 30.0), ready_timeout=60.0,
     net_refresh=False)
 machine = _core.TinyMachinePlan(bytes.fromhex(cfg["code"]))
-pid = _core.fork_native(plan, life, machine, time.monotonic_ns(), "__main__:answer")
+(pid,), error = _core.fork_native_batch(
+    [_core.NativeFork(plan, life, machine, "__main__:answer")])
+assert error is None, error
 print(pid, flush=True)
 print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+# A batch forker: one child for each of ``cfg["namespaces"]`` (its ``own_pid_namespace``),
+# each parked at its start gate; it prints the batch's pids and error, then each
+# child's wait status once the test has killed it.
+BATCH_FORKER = """
+import json, os, sys
+from vmfork import _core
+from vmfork.runtime import jail
+
+cfg = json.loads(sys.argv[1])
+forks = []
+for i, own_pid_namespace in enumerate(cfg["namespaces"]):
+    run_dir = os.path.join(cfg["root"], f"vm{i}")
+    os.mkdir(run_dir)
+    pidfd = os.pidfd_open(os.getpid()) if own_pid_namespace is not None else None
+    plan = _core.ChildPlan(error=jail.JailError, set_up=(os.getpid(), pidfd, [], None, 0))
+    life = _core.ChildLife(
+        run_dir=run_dir, vm_id=f"vm{i}", notify_path=None, start_gate=cfg["gate"],
+        start_gate_timeout=60.0, seccomp=None, jailed=False,
+        agent=_core.AgentTarget(cfg["agent"], None, 5.0, 30.0), ready_timeout=60.0,
+        net_refresh=False)
+    machine = _core.TinyMachinePlan(bytes.fromhex(cfg["code"]))
+    forks.append(_core.NativeFork(plan, life, machine, "json:dumps", None, own_pid_namespace))
+pids, error = _core.fork_native_batch(forks)
+print(json.dumps({"pids": pids, "errno": getattr(error, "errno", None)}), flush=True)
+for pid in pids:
+    print(os.waitpid(pid, 0)[1], flush=True)
 """
 
 
@@ -195,12 +225,10 @@ def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
     prep = zygote._Prepared("vm1", {"vm_id": "vm1", "run_dir": str(tmp_path),
                                     "snapshot_dir": str(snapshot_dir)}, None, None,
                             str(tmp_path))
-    # An entry module without the hook forks as before.
-    assert zygote.Zygote._native_child(zygote_child.run_child, prep) is None
-    # vmmchild offers one, which fails the spawn (never a silent Python child) for a
-    # machine it cannot build natively, naming the device.
+    # vmmchild's hook fails the spawn (never a silent Python child) for a machine it
+    # cannot build natively, naming the device.
     with pytest.raises(OSError) as raised:
-        zygote.Zygote._native_child(vmmchild.main, prep)
+        zygote.Zygote._native_child(vmmchild.native_child, prep)
     assert raised.value.errno == errno.ENOTSUP
     assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
     assert "net device (virtio-mmio.2) has no native transport" in str(raised.value)
@@ -214,3 +242,40 @@ def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for
     malformed = b'{"op": "exits", "x": 1}'
     assert (vmmchild.native_handover(malformed, -1)
             == vmmchild.handover_reply(malformed, lambda request: pytest.fail("dispatched")))
+
+
+@needs_kvm
+@pytest.mark.skipif(os.geteuid() != 0, reason="a new PID namespace needs CAP_SYS_ADMIN")
+def test_a_batch_stopped_by_a_failure_returns_the_children_it_forked(
+        agent: Agent) -> None:
+    """The second child of three is forked into a PID namespace of its own (it is pid 1
+    there), and the forker's return to its own fails (a descriptor that is not open):
+    the batch stops there, with both forked children in its pids and the third never
+    forked."""
+    root = Path(agent.root)
+    gate = root / "gate"
+    os.mkfifo(gate)
+    gate_fd = os.open(gate, os.O_RDWR | os.O_NONBLOCK)   # open, never written: all park
+    not_open = 1000
+    cfg = {"root": str(root), "gate": str(gate), "agent": agent.sock_path,
+           "code": HALT_FOREVER.hex(), "namespaces": [None, not_open, None]}
+    package_root = str(Path(vmfork.__file__).parent.parent)
+    forker = subprocess.Popen([sys.executable, "-c", BATCH_FORKER, json.dumps(cfg)],
+                              stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": package_root})
+    try:
+        assert forker.stdout is not None
+        batch = json.loads(forker.stdout.readline())
+        assert batch["errno"] == errno.EBADF, batch
+        first, second = batch["pids"]
+        assert _status(root / "vm0", "prepared")["pid"] == first
+        assert _status(root / "vm1", "prepared")["pid"] == 1   # its namespace's first
+        assert os.readlink(f"/proc/{second}/ns/pid") != os.readlink(f"/proc/{first}/ns/pid")
+        assert not (root / "vm2" / "status.json").exists()
+        for pid in (first, second):
+            os.kill(pid, signal.SIGKILL)
+            assert os.WTERMSIG(int(forker.stdout.readline())) == signal.SIGKILL
+    finally:
+        os.close(gate_fd)
+        forker.kill()
+        forker.wait()

@@ -381,19 +381,21 @@ class PidNamespaces:
     fork with ``before_fork`` (a new namespace for the child to come) and
     ``after_fork`` (``setns`` back to its own, so the next jailed fork gets a fresh
     one and an unjailed fork none). A plain ``fork()`` (``zygote_child.fork``), no raw
-    ``clone``. What a namespace's first
+    ``clone``; a native batch (``_core.fork_native_batch``) brackets each of its forks
+    the same way natively, returning to ``own``. What a namespace's first
     process changes (``zygote_child``): ``getppid()`` is 0 (the zygote is outside), and
     the kernel delivers it only the signals it has a handler for, besides SIGKILL and
     SIGSTOP from the zygote's namespace."""
 
     def __init__(self) -> None:
-        self._own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        self.own = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        """The zygote's own PID namespace, a descriptor kept open."""
 
     def before_fork(self) -> None:
         _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
 
     def after_fork(self) -> None:
-        _check(_libc.setns(self._own, CLONE_NEWPID), "setns back to the zygote's PID namespace")
+        _check(_libc.setns(self.own, CLONE_NEWPID), "setns back to the zygote's PID namespace")
 
 
 def become_pid_namespace_init() -> None:

@@ -98,9 +98,10 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
@@ -122,13 +123,17 @@ from vmfork.runtime.zygote_child import (
     Entry,
     NativeChild,
     die_with_parent,
-    fork_native,
+    fork_native_batch,
+    native_fork,
     run_child,
     set_sigmask,
 )
 from vmfork.runtime.zygote_child import fork as fork_child
 from vmfork.runtime.zygote_child import plan as plan_child
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
+
+if TYPE_CHECKING:
+    from vmfork._core import NativeFork
 
 log = logging.getLogger("vmfork.zygote")
 
@@ -578,11 +583,13 @@ class Zygote:
         prepared = self._prepare(req)
         self._before_forks(entry, [prepared])
         try:
-            child = self._fork(str(req["entry"]), entry, prepared)
+            children, error = self._fork_batch(str(req["entry"]), entry, [prepared])
+            if error is not None:
+                raise error
         except BaseException:
             self._discard(prepared)
             raise
-        return {"child": child.info()}
+        return {"child": children[0].info()}
 
     def _op_spawn_many(self, req: dict[str, Any]) -> dict[str, Any]:
         entry = self._resolve(req.get("entry"))
@@ -605,17 +612,11 @@ class Zygote:
             except (RequestError, ValueError, cgroups.CgroupError, OSError) as err:
                 failed.append({"vm_id": vm_id, "error": str(err)})
         self._before_forks(entry, batch)
-        spawned: list[dict[str, Any]] = []
-        name = str(req["entry"])
-        for i, prep in enumerate(batch):
-            try:
-                spawned.append(self._fork(name, entry, prep).info())
-            except OSError as err:
-                for rest in batch[i:]:
-                    self._discard(rest)
-                    failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {err}"})
-                break
-        return {"children": spawned, "failed": failed}
+        children, error = self._fork_batch(str(req["entry"]), entry, batch)
+        for rest in batch[len(children):]:
+            self._discard(rest)
+            failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {error}"})
+        return {"children": [child.info() for child in children], "failed": failed}
 
     def _op_kill(self, req: dict[str, Any]) -> dict[str, Any]:
         child = self._child(req)
@@ -726,6 +727,31 @@ class Zygote:
         if prep.jail is not None:
             self._uids_taken.discard(prep.jail.uid)
 
+    def _fork_batch(self, name: str, entry: Entry,
+                    batch: list[_Prepared]) -> tuple[list[_Child], Exception | None]:
+        """Fork ``batch`` in order: the children forked, recorded, and the error (an
+        ``OSError``, or a native batch's ``RuntimeError``) that stopped the batch (the rest, from ``len(children)`` on, are not forked)."""
+        hook = getattr(sys.modules.get(entry.__module__), "native_child", None)
+        if NATIVE_CHILD and callable(hook):
+            return self._fork_native_batch(name, hook, batch)
+        children: list[_Child] = []
+        for prep in batch:
+            try:
+                children.append(self._fork(name, entry, prep))
+            except OSError as err:
+                return children, err
+        return children, None
+
+    def _pid_namespaces_for(self, prep: _Prepared) -> PidNamespaces | None:
+        """Where a jailed child's PID namespace comes from; None for an unjailed one.
+        A jailed child is the first process of a PID namespace of its own
+        (jail.PidNamespaces): it can name no other process of the host."""
+        if prep.jail is None:
+            return None
+        if self._pid_namespaces is None:
+            self._pid_namespaces = PidNamespaces()
+        return self._pid_namespaces
+
     def _fork(self, name: str, entry: Entry, prep: _Prepared) -> _Child:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -733,33 +759,59 @@ class Zygote:
         # and its wakeup fd, a signal sent to it (a quick kill) would run the zygote's
         # handler and write into the zygote's own wakeup socket, which the child
         # shares: the zygote would read the child's SIGTERM as its own.
-        # A jailed child is the first process of a PID namespace of its own
-        # (jail.PidNamespaces): it can name no other process of the host.
-        pidns = None
-        if prep.jail is not None:
-            if self._pid_namespaces is None:
-                self._pid_namespaces = PidNamespaces()
-            pidns = self._pid_namespaces
-        native = self._native_child(entry, prep) if NATIVE_CHILD else None
+        pidns = self._pid_namespaces_for(prep)
         set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)
         try:
             if pidns is not None:
                 pidns.before_fork()
             try:
                 forked_ns = time.monotonic_ns()
-                if native is not None:
-                    pid = fork_native(prep.plan, native, forked_ns)   # never 0: no return
-                else:
-                    pid = fork_child()
-                    if pid == 0:
-                        run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
-                                  entry=entry, args=prep.args, cgroup=prep.cgroup,
-                                  child_plan=prep.plan, jail_spec=prep.jail)
+                pid = fork_child()
+                if pid == 0:
+                    run_child(vm_id=prep.vm_id, zygote_pid=self.pid, forked_ns=forked_ns,
+                              entry=entry, args=prep.args, cgroup=prep.cgroup,
+                              child_plan=prep.plan, jail_spec=prep.jail)
             finally:
                 if pidns is not None:
                     pidns.after_fork()
         finally:
             set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
+        return self._record(name, prep, pid)
+
+    def _fork_native_batch(self, name: str, hook: Callable[..., NativeChild],
+                           batch: list[_Prepared]) -> tuple[list[_Child], Exception | None]:
+        """``_fork_batch`` under ``NATIVE_CHILD``: every child's plan built first, then
+        one native call forks them back to back, then the records. Between two forks
+        the zygote runs no Python: a page it wrote there would leave each earlier
+        sibling the only holder of the old one, memory of its own (design notes, "A
+        native batch forked back to back"). A plan that cannot be built stops the batch
+        there (the children before it are forked)."""
+        forks: list[NativeFork] = []
+        unbuilt: OSError | None = None
+        for prep in batch:
+            try:
+                native = self._native_child(hook, prep)
+            except OSError as err:
+                unbuilt = err
+                break
+            pidns = self._pid_namespaces_for(prep)
+            forks.append(native_fork(prep.plan, native,
+                                     pidns.own if pidns is not None else None))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)   # as in _fork
+        try:
+            pids, unforked = fork_native_batch(forks)
+        finally:
+            set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
+        children = [self._record(name, prep, pid) for prep, pid in zip(batch, pids)]
+        if unforked is None:
+            return children, unbuilt
+        if isinstance(unforked, Exception):   # the rest are discarded, as after an OSError
+            return children, unforked
+        raise unforked
+
+    def _record(self, name: str, prep: _Prepared, pid: int) -> _Child:
         pidfd = os.pidfd_open(pid)
         child = _Child(prep.vm_id, pid, pidfd, name, prep.cgroup, prep.log_path, prep.run_dir,
                        time.monotonic(), time.time(),
@@ -770,14 +822,11 @@ class Zygote:
         return child
 
     @staticmethod
-    def _native_child(entry: Entry, prep: _Prepared) -> NativeChild | None:
-        """The entry module's ``native_child`` plan for this spawn (``NATIVE_CHILD``),
-        None if the module offers none. A plan that cannot be built fails the spawn
-        (``OSError``: a batch's later children are not forked either), never falls back
-        to a Python child the operator did not ask for."""
-        hook = getattr(sys.modules.get(entry.__module__), "native_child", None)
-        if not callable(hook):
-            return None
+    def _native_child(hook: Callable[..., NativeChild], prep: _Prepared) -> NativeChild:
+        """The entry module's ``native_child`` plan for this spawn (``NATIVE_CHILD``).
+        A plan that cannot be built fails the spawn (``OSError``: a batch's later
+        children are not forked either), never falls back to a Python child the
+        operator did not ask for."""
         try:
             native: NativeChild = hook(prep.args, prep.jail)
         except Exception as err:

@@ -73,7 +73,7 @@ from vmfork.runtime import cgroups, jail, memphases, spawnprofile
 from vmfork.runtime.zygote_protocol import EXIT_ENTRY_RAISED, EXIT_SETUP_FAILED
 
 if TYPE_CHECKING:
-    from vmfork._core import ChildLife, ChildMachinePlan, ChildPlan, TinyMachinePlan
+    from vmfork._core import ChildLife, ChildMachinePlan, ChildPlan, NativeFork, TinyMachinePlan
 
 OOM_SCORE_ADJ = 1000
 """A VMM is the first process the OOM killer takes (the maximum; see step 5; set by
@@ -99,7 +99,7 @@ VMM_NICE = _vmm_nice(os.environ.get(NICE_ENV))
 Read once, in the zygote: a jailed child's environment is emptied."""
 NATIVE_CHILD_ENV = "VMFORK_NATIVE_CHILD"
 NATIVE_CHILD = os.environ.get(NATIVE_CHILD_ENV) == "1"
-"""Fork children that run no Python (``fork_native``) for an entry that offers it
+"""Fork children that run no Python (``fork_native_batch``) for an entry that offers it
 (``native_child``). Opt-in, read once in the zygote: off until the native machine
 assembly lands; off, nothing changes."""
 set_sigmask: Callable[[int, Iterable[int]], set[int]] = (
@@ -161,7 +161,7 @@ def fork() -> int:
 
 @dataclass(frozen=True)
 class NativeChild:
-    """What a child forked by ``fork_native`` runs instead of an entry, built by the
+    """What a child forked by ``fork_native_batch`` runs instead of an entry, built by the
     entry module's ``native_child(args, jail_spec)`` in the zygote, before the fork."""
 
     life: ChildLife
@@ -174,14 +174,23 @@ class NativeChild:
     """Called with the jail's descriptors before the first hand-over (``jail.adopt``)."""
 
 
-def fork_native(child_plan: ChildPlan, native: NativeChild, forked_ns: int) -> int:
-    """Fork a child that runs ``child_plan``'s set-up and jail and then ``native``, all
-    natively, and never returns into Python (``native/src/native_fork.rs``): its pid.
-    ``RuntimeError`` if the process has another thread (as ``fork``)."""
+def native_fork(child_plan: ChildPlan, native: NativeChild,
+                own_pid_namespace: int | None) -> NativeFork:
+    """One child of ``fork_native_batch``: ``child_plan``'s set-up and jail, then
+    ``native``. ``own_pid_namespace``: given (the zygote's, ``jail.PidNamespaces.own``),
+    the child is the first process of a new PID namespace."""
     from vmfork import _core
-    pid: int = _core.fork_native(child_plan, native.life, native.machine, forked_ns,
-                                 native.handover, native.prelude)
-    return pid
+    return _core.NativeFork(child_plan, native.life, native.machine, native.handover,
+                            native.prelude, own_pid_namespace)
+
+
+def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException | None]:
+    """Fork each child of ``forks``, back to back, all natively; none returns into
+    Python (``native/src/native_fork.rs``). The pids of those forked, in order, and the
+    error that stopped the rest (``RuntimeError`` if the process has another thread, as
+    ``fork``; ``OSError``), None if all were forked."""
+    from vmfork import _core
+    return _core.fork_native_batch(forks)
 
 
 def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
