@@ -1,7 +1,7 @@
 //! A spawned VMM child's life after its set-up and jail, with no Python: what
 //! `runtime/vmmchild.py`'s `main` does from the seccomp filter to the exit, step for
 //! step, for a machine built natively (`ChildMachine`, which `NativeMachine`
-//! implements) in a child forked by `_core.fork_native` (`native_fork.rs`).
+//! implements) in a child forked by `_core.fork_native_batch` (`native_fork.rs`).
 //!
 //! The steps, each `main`'s, with the same reports (`child_report.rs`: the same
 //! status.json fields and FIFO lines the spawner, `runtime/spawn.py`, parses):

@@ -275,9 +275,9 @@ fn os_error(what: &str) -> PyErr {
 /// Fork every child of `forks`, in order and back to back: nothing runs between two
 /// forks but each child's PID-namespace bracket and the fork's own check (one thread),
 /// so the zygote writes no page its earlier children share while it forks the later
-/// ones (design notes, "A native batch forked back to back"). Each child takes
-/// `fork_native`'s path (`NativeFork`) and never returns into Python; its `forked_ns`
-/// is the zygote's CLOCK_MONOTONIC just before its fork.
+/// ones (design notes, "A native batch forked back to back"). Each child lives as
+/// `NativeFork::live` says and never returns into Python; its `forked_ns` is the
+/// zygote's CLOCK_MONOTONIC just before its fork.
 ///
 /// Returns `(pids, error)`: the pids of the children forked, in order, and the error
 /// that stopped the batch (`RuntimeError`/`OSError` as `fork_single_threaded`, or the
@@ -307,9 +307,9 @@ pub fn fork_native_batch(
         // an unjailed one none.
         let returned = match fork.own_pid_namespace {
             // SAFETY: setns takes a descriptor the caller keeps open and no pointer.
-            Some(own) if unsafe { libc::setns(own, libc::CLONE_NEWPID) } != 0 => Err(
-                os_error("setns back to the zygote's PID namespace"),
-            ),
+            Some(own) if unsafe { libc::setns(own, libc::CLONE_NEWPID) } != 0 => {
+                Err(os_error("setns back to the zygote's PID namespace"))
+            }
             _ => Ok(()),
         };
         match forked {

@@ -1,5 +1,5 @@
 """A real spawn whose children run no Python (``VMFORK_NATIVE_CHILD=1``): the zygote
-forks each with ``_core.fork_native``, and the child restores the snapshot as a
+forks them with ``_core.fork_native_batch``, and the child restores the snapshot as a
 ``NativeMachine`` (native/src/machine_plan.rs) after its set-up and jail, then lives
 natively (native/src/child_life.rs): the reports, the control server, the agent's
 handshake, the idle wait and the exit.
