@@ -730,7 +730,8 @@ class Zygote:
     def _fork_batch(self, name: str, entry: Entry,
                     batch: list[_Prepared]) -> tuple[list[_Child], Exception | None]:
         """Fork ``batch`` in order: the children forked, recorded, and the error (an
-        ``OSError``, or a native batch's ``RuntimeError``) that stopped the batch (the rest, from ``len(children)`` on, are not forked)."""
+        ``OSError``, or a native batch's ``RuntimeError``) that stopped the batch; the
+        rest, from ``len(children)`` on, are not forked."""
         hook = getattr(sys.modules.get(entry.__module__), "native_child", None)
         if NATIVE_CHILD and callable(hook):
             return self._fork_native_batch(name, hook, batch)
