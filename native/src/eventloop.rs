@@ -356,9 +356,6 @@ pub struct Loop<H: LoopHost> {
 /// A loop that serves native readers in a process with no interpreter.
 pub type NativeLoop = Loop<NoPython>;
 
-// Until the native machine assembly builds its loop, only the cargo tests that wire a
-// device in Rust run one.
-#[cfg_attr(not(test), allow(dead_code))]
 impl NativeLoop {
     pub fn new(name: String) -> std::io::Result<Self> {
         Loop::with_host(name, NoPython)

@@ -82,8 +82,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub enum RamSource<'a> {
     /// Regions the caller mapped and keeps mapped until the machine is stopped (the
     /// zygote's premap).
-    // The native fork's (branch `nfork`), which hands over the premap; the tests' until
-    // the two are joined.
+    // For a diff snapshot's premap, which the native child does not adopt yet
+    // (docs/native.md): the tests' until then.
     #[cfg_attr(not(test), allow(dead_code))]
     Mapped(Vec<Region>),
     /// A snapshot's memory file of `mem_size` bytes, mapped here `MAP_PRIVATE`: no
@@ -444,8 +444,6 @@ impl NativeMachine {
     }
 
     /// Pause and resume handles, one per vCPU (for a control server's thread).
-    // The native fork's control server (branch `nfork`), once the two are joined.
-    #[cfg_attr(not(test), allow(dead_code))]
     pub fn vcpu_controls(&self) -> Vec<VcpuControl> {
         self.controls.clone()
     }

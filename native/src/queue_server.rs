@@ -162,13 +162,9 @@ where
 
 /// The longest fault message `NativeEvents` keeps (a guest's messages are short and
 /// formatted from numbers, but the record stays bounded whatever they hold).
-#[cfg_attr(not(test), allow(dead_code))]
 const MAX_FAULT_TEXT: usize = 512;
 
 /// What `NativeEvents` recorded, readable at any time.
-// Until the native machine assembly (docs/native.md, "Where the line goes next")
-// builds its servers with it, only the cargo tests that wire a device in Rust do.
-#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EventRecord {
     /// Guest faults reported (each stopped its queue until the driver resets it).
@@ -184,7 +180,6 @@ pub struct EventRecord {
 /// last fault's message, read later (`record`), and, given its transport, what the
 /// Python transport's `_device_error` does with a fault: DEVICE_NEEDS_RESET for the
 /// activation's epoch and the configuration-change interrupt. Nothing goes to Python.
-#[cfg_attr(not(test), allow(dead_code))]
 #[derive(Default)]
 pub struct NativeEvents {
     record: Mutex<EventRecord>,
@@ -199,9 +194,9 @@ struct Transport {
     irq: OwnedFd,
 }
 
-#[cfg_attr(not(test), allow(dead_code))]
 impl NativeEvents {
-    /// Counters and the last fault only.
+    /// Counters and the last fault only (the wiring tests'; a transport's are `for_transport`).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub fn new() -> Self {
         NativeEvents::default()
     }

@@ -255,8 +255,8 @@ pub struct PyHost {
     mmio: Py<PyAny>,
     on_exit: Py<PyAny>,
     /// The virtio-mmio register files, served without Python (`mmio_py.rs`); only
-    /// what needs the device model takes the GIL. A `Py` until `MmioWindows` is a
-    /// Rust value of its own (branch `nservers`).
+    /// what needs the device model takes the GIL. Held as the Python handle the
+    /// machine registers its windows through (`MmioWindows` owns its `Windows`).
     windows: Option<Py<MmioWindows>>,
     error: ErrorSlot,
 }

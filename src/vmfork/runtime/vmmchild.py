@@ -441,12 +441,13 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
 
 # Each snapshot's native machine (``_core.SnapshotMachinePlan``), keyed by its
 # ``state.bin`` path, valid while ``load_snapshot`` gives the same ``PreparedRestore``.
-_snapshot_machines: dict[str, tuple[PreparedRestore, Any]] = {}
+_snapshot_machines: dict[str, tuple[PreparedRestore, Any, str]] = {}
 
 
-def _snapshot_machine(snapshot_dir: str) -> Any:
+def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str]:
     """The machine of ``snapshot_dir`` as ``_core.SnapshotMachinePlan``, built once per
-    snapshot in the zygote (beside its ``PreparedRestore``, which it holds). Raises
+    snapshot in the zygote (beside its ``PreparedRestore``, which it holds), and the
+    memory file it maps. Raises
     ``ValueError`` for a snapshot a native machine cannot restore yet: a virtio device
     with no native transport (blk, net, volume slots), or a diff snapshot's memory
     plan (its premap is the Python ``Machine``'s to adopt)."""
@@ -455,7 +456,7 @@ def _snapshot_machine(snapshot_dir: str) -> Any:
     key = os.path.join(snapshot_dir, "state.bin")
     cached = _snapshot_machines.get(key)
     if cached is not None and cached[0] is prepared:
-        return cached[1]
+        return cached[1], cached[2]
     memory_file, memory_plan = load_memory(snapshot_dir)
     if memory_plan is not None:
         raise ValueError(f"{snapshot_dir} is a diff snapshot: a native child maps only a "
@@ -470,22 +471,20 @@ def _snapshot_machine(snapshot_dir: str) -> Any:
         log_burst=serial.CONSOLE_BURST, log_per_second=serial.CONSOLE_LINES_PER_S,
         log_total_bytes=serial.CONSOLE_LOG_BYTES)
     _snapshot_machines.pop(key, None)
-    _snapshot_machines[key] = (prepared, machine)
+    _snapshot_machines[key] = (prepared, machine, memory_file)
     while len(_snapshot_machines) > SNAPSHOTS_KEPT:
         del _snapshot_machines[next(iter(_snapshot_machines))]
-    return machine
+    return machine, memory_file
 
 
 def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
     """The plan of the machine a native child restores from ``args["snapshot_dir"]``
     (``_core.ChildMachinePlan``): its snapshot's, with its run directory and, jailed,
     where the jail's opened descriptors hold the memory file and ``/dev/kvm``."""
-    snapshot_dir = str(args["snapshot_dir"])
-    machine = _snapshot_machine(snapshot_dir)
+    machine, memory_file = _snapshot_machine(str(args["snapshot_dir"]))
     run_dir = str(args["run_dir"])
     if jail_spec is None:
         return machine.for_child(run_dir)
-    memory_file, _ = load_memory(snapshot_dir)
     if memory_file not in jail_spec.preopen or KVM_PATH not in jail_spec.devices:
         raise ValueError(f"the jail opens no {memory_file} or {KVM_PATH} for the machine")
     return machine.for_child(run_dir, jail_memory=jail_spec.preopen.index(memory_file),
@@ -495,8 +494,8 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
 def native_handover(line: bytes, fd: int) -> bytes:
     """A native child's hand-over (``NATIVE_HANDOVER``): a line its control server does
     not serve, parsed as ``ControlServer.handle_line`` parses it. The ops it hands over
-    (``exits``, ``snapshot``) read the machine's Python
-    view, which ``NativeMachine`` does not offer yet: they are refused, saying so."""
+    (``exits``, ``snapshot``) read the machine's Python view, which ``NativeMachine``
+    does not offer yet: they are refused, saying so."""
     def dispatch(request: control.AnyRequest) -> control.WireRecord:
         raise _Refused(f"a native child does not serve {type(request).__name__} yet "
                        "(it needs the machine's Python view)")
@@ -715,10 +714,10 @@ class ControlServer:
     """The control socket (``runtime.control``: the protocol, its records and the
     client), served by a native thread (``_core.ControlServe``, ``control_serve.rs``):
     ``pause``, ``resume``, ``stop`` and ``status`` (the balloon's counters are its
-    native device's) there, without Python; every other line is handed to ``handle_line`` with the GIL, for that
-    line only, on the control thread. This object owns what the hand-over needs:
-    the snapshot state (``SnapshotTaker``) and what ``status`` says of it, pushed
-    to the native server after each capture.
+    native device's) there, without Python; every other line is handed to
+    ``handle_line`` with the GIL, for that line only, on the control thread. This
+    object owns what the hand-over needs: the snapshot state (``SnapshotTaker``) and
+    what ``status`` says of it, pushed to the native server after each capture.
 
     ``origin_tag`` names the snapshot the machine was restored from (the base of
     its first diff); by default the name of the directory holding its memory plan

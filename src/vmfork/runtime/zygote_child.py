@@ -100,8 +100,8 @@ Read once, in the zygote: a jailed child's environment is emptied."""
 NATIVE_CHILD_ENV = "VMFORK_NATIVE_CHILD"
 NATIVE_CHILD = os.environ.get(NATIVE_CHILD_ENV) == "1"
 """Fork children that run no Python (``fork_native_batch``) for an entry that offers it
-(``native_child``). Opt-in, read once in the zygote: off until the native machine
-assembly lands; off, nothing changes."""
+(``native_child``). Opt-in, read once in the zygote: off until a native child serves
+what a Python one does (BRANCH, blk, net, diff snapshots); off, nothing changes."""
 set_sigmask: Callable[[int, Iterable[int]], set[int]] = (
     importlib.import_module("_signal").pthread_sigmask)
 """``signal.pthread_sigmask`` without its wrapper, which turns the old mask it returns
