@@ -26,6 +26,17 @@ and initramfs, 256 MiB, 1 vCPU), four peers start N VMs in parallel:
   Timed from the first clone start to all ``running`` and to all pings.
 * **the floor** (``bench/kvm_floor.c``, compiled here with ``cc``): per child
   a ``fork`` and only the KVM calls a restore needs, no VMM around them.
+* **vmfork, native children** (``--peers ...,native``): the same spawns from a second
+  zygote started with ``VMFORK_NATIVE_CHILD=1``, whose children run no Python after
+  the fork (``native/src/native_fork.rs``); the ``vmfork`` peer's zygote then runs
+  Python children, so the two are measured side by side, alternated per N. It needs a
+  parent without volume slots (``--free-volume-slots 0``).
+
+``--phases`` starts the zygotes with ``VMFORK_SPAWN_PROFILE=1``: each child, Python or
+native, records the end of each step from ``fork()`` to ready in its
+``spawn-profile.json`` (``runtime/spawnprofile.py``; ``native/src/spawn_profile.rs``
+writes the same record under the same phase names), and the results get a table of
+the median of each phase per peer and N, beside the agent's retries.
 
 Memory per idle child is read from ``/proc/<pid>/smaps`` (the whole process and the
 guest-RAM mapping alone, from one read), once every agent has answered and the VMs
@@ -99,10 +110,13 @@ READY_MARKER = b"vmfork-agent: ready"
 MIB = 1 << 20
 # Run in this order at each N; templating last, because 100 clones (100 vhost
 # workers) is what has crashed the emulated host's kernel.
-PEERS = ("vmfork", "floor", "cold", "template")
+PEERS = ("vmfork", "native", "floor", "cold", "template")
+# The peers that are vmfork spawns: Python children, and children that run no Python.
+VMFORK_PEERS = ("vmfork", "native")
 # --network: no network, a namespace made per child, a namespace taken from the pool.
 NETWORK_MODES = ("plain", "netns", "pooled")
-PEER_TITLES = {"vmfork": "vmfork", "floor": "floor (C, KVM calls only)",
+PEER_TITLES = {"vmfork": "vmfork", "native": "vmfork, native children",
+               "floor": "floor (C, KVM calls only)",
                "template": "QEMU templating", "cold": "QEMU cold boot"}
 # vhost-vsock CIDs are global on the host; give each QEMU peer its own range.
 COLD_CID_BASE = 1000
@@ -594,11 +608,13 @@ def memory_breakdown(pid: int, memory_path: Path) -> dict[str, int]:
 
 
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
-                 timeout: float, network: Any = None, breakdown: bool = False) -> dict[str, Any]:
+                 timeout: float, network: Any = None, breakdown: bool = False,
+                 phases: bool = False) -> dict[str, Any]:
     """``network``: a ``HostNetwork``; each child then gets a namespace of its own.
     ``breakdown``: also each child's memory per mapping class, the phases it recorded
     (the zygote must run with ``VMFORK_MEMORY_PHASES``) and its threads' wake-ups
-    while idle."""
+    while idle. ``phases``: also each child's steps from fork to ready (the zygote
+    must run with ``VMFORK_SPAWN_PROFILE``)."""
     from vmfork.runtime.spawn import SpawnFailed, fork_children
     # Every request may wait behind the zygote's fork loop, which for 100 children
     # on a loaded emulated host can take minutes.
@@ -659,6 +675,8 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 {name: (count - before.get(name, 0)) / settle
                  for name, count in thread_switches(pid).items()}
                 for pid, before in zip(host_pids, switches_before)]
+        if phases:
+            out["spawn_phases"] = [read_spawn_phases(d) for d in run_dirs]
         fork_to_entry = [float(s["fork_to_entry_s"]) for s in statuses
                          if s.get("fork_to_entry_s") is not None]
         is_guest = guest_ram_file(snapshot.memory_path)
@@ -675,12 +693,66 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 "child_agent_ready_s": [float(s.get("agent_ready", "nan")) for s in statuses],
                 "child_reseed_and_clock_s": [float(s.get("reseed_and_clock", "nan"))
                                              for s in statuses],
+                # after_fork calls that found the agent unavailable, each 50 ms apart
+                "child_agent_retries": [float(s.get("agent_retries", "nan")) for s in statuses],
+                # the answering call: the VMM's OK to its CONNECT, the agent's first frame
+                "child_agent_connected_s": [float(s.get("agent_connected", "nan"))
+                                            for s in statuses],
+                "child_agent_first_frame_s": [float(s.get("agent_first_frame", "nan"))
+                                              for s in statuses],
                 "memory": [asdict(m) for m in memory], "memory_summary": memory_summary(memory)}
     finally:
         kill_children(client)
         client.close()
         for status_file in run_root.glob("*/status.json"):
             status_file.unlink()
+
+
+def read_spawn_phases(run_dir: Path) -> list[dict[str, float | str]]:
+    """A child's steps from fork to ready, as its ``spawn-profile.json`` has them
+    (``spawnprofile.phases``); none if it wrote none."""
+    from vmfork.runtime import spawnprofile
+    try:
+        record = json.loads((run_dir / spawnprofile.PROFILE_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    return spawnprofile.phases(record["marks"])
+
+
+def render_phases(results: dict[str, dict[int, list[dict[str, Any]]]],
+                  ns: list[int]) -> list[str]:
+    """The ``--phases`` table (none without it): per N, each step's median wall time
+    (and the child's main-thread CPU in it) over the children of each vmfork peer."""
+    md: list[str] = []
+    for n in ns:
+        by_peer = {p: [c for r in results[p].get(n, []) for c in r.get("spawn_phases", [])]
+                   for p in VMFORK_PEERS}
+        by_peer = {p: children for p, children in by_peer.items() if any(children)}
+        if not by_peer:
+            continue
+        names: list[str] = []
+        for children in by_peer.values():
+            for child in children:
+                names += [str(p["phase"]) for p in child if p["phase"] not in names]
+        md += ["", f"### Where a child's time goes, fork to ready, N = {n} (medians)", "",
+               ("Each phase ends at its name (`runtime/spawnprofile.py`'s marks; a native "
+                "child writes the same ones, `native/src/spawn_profile.rs`): wall ms, and in "
+                "brackets the child's main-thread CPU ms. `fork`: the zygote's clock before "
+                "fork(); `forked`: the child's first step (its clock starts there)."), "",
+               "| phase | " + " | ".join(PEER_TITLES[p] for p in by_peer) + " |",
+               "|---|" + "---|" * len(by_peer)]
+        for name in names:
+            cells = []
+            for children in by_peer.values():
+                rows = [p for child in children for p in child if p["phase"] == name]
+                if not rows:
+                    cells.append("–")
+                    continue
+                wall = statistics.median(float(p["wall_s"]) for p in rows)
+                cpu = statistics.median(float(p["thread_cpu_s"]) for p in rows)
+                cells.append(f"{wall * 1000:.1f} ({cpu * 1000:.1f})")
+            md.append(f"| {name} | " + " | ".join(cells) + " |")
+    return md
 
 
 def vmfork_first_spawn(zygote: Any, snapshot: Any, run_root: Path, timeout: float) -> float:
@@ -831,6 +903,16 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
     def peer(name: str, n: int, key: str) -> float | None:
         return median_of(results[name].get(n, []), key)
 
+    if any(results["native"].values()):
+        md += ["## vmfork's children: Python and native, side by side", "",
+               "| N | Python restored | Python ready | native restored | native ready |",
+               "|---|---|---|---|---|"]
+        for n in ns:
+            md.append(f"| {n} | {fmt_s(peer('vmfork', n, 'running_s'))} | "
+                      f"{fmt_s(peer('vmfork', n, 'ready_s'))} | "
+                      f"{fmt_s(peer('native', n, 'running_s'))} | "
+                      f"{fmt_s(peer('native', n, 'ready_s'))} |")
+        md.append("")
     md += ["## Time until all N VMs run / all N agents answer", "",
            ("| N | vmfork restored | vmfork ready | QEMU cold running | QEMU cold ready | "
            "QEMU templating running | QEMU templating ready | floor |"),
@@ -864,22 +946,31 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                   f"{fmt_x(ratio(v_run, floor))} | {fmt_s(beyond)} | {fmt_s(per_child)} |")
 
     md += ["", "## Per child (medians over all children of all runs)", "",
-           ("| N | vmfork fork → entry (child set-up) | vmfork restore, in the child | "
-           "… then the agent's first answer (after_fork: clock, reseed) | … then reseed + "
-           "clock (agents without after_fork) | "
+           ("| peer | N | fork → entry (child set-up) | restore, in the child | "
+           "… then the agent's first answer (after_fork: clock, reseed) | its retries | "
+           "… its answering call: CONNECT answered | … the agent's first frame | "
+           "… then reseed + clock (agents without after_fork) | "
            "floor, in the child |"),
-           "|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|"]
     def child_median(name: str, n: int, key: str) -> float | None:
         values = [x for r in results[name].get(n, []) for x in r.get(key, [])
                   if not math.isnan(x)]
         return statistics.median(values) if values else None
 
-    for n in ns:
-        md.append(f"| {n} | {fmt_s(child_median('vmfork', n, 'child_fork_to_entry_s'))} | "
-                  f"{fmt_s(child_median('vmfork', n, 'child_restore_s'))} | "
-                  f"{fmt_s(child_median('vmfork', n, 'child_agent_ready_s'))} | "
-                  f"{fmt_s(child_median('vmfork', n, 'child_reseed_and_clock_s'))} | "
-                  f"{fmt_s(child_median('floor', n, 'child_restore_s'))} |")
+    for name in VMFORK_PEERS:
+        for n in ns:
+            if not results[name].get(n):
+                continue
+            retries = child_median(name, n, "child_agent_retries")
+            md.append(f"| {PEER_TITLES[name]} | {n} | "
+                      f"{fmt_s(child_median(name, n, 'child_fork_to_entry_s'))} | "
+                      f"{fmt_s(child_median(name, n, 'child_restore_s'))} | "
+                      f"{fmt_s(child_median(name, n, 'child_agent_ready_s'))} | "
+                      f"{'n/a' if retries is None else f'{retries:g}'} | "
+                      f"{fmt_s(child_median(name, n, 'child_agent_connected_s'))} | "
+                      f"{fmt_s(child_median(name, n, 'child_agent_first_frame_s'))} | "
+                      f"{fmt_s(child_median(name, n, 'child_reseed_and_clock_s'))} | "
+                      f"{fmt_s(child_median('floor', n, 'child_restore_s'))} |")
 
     md += ["", "## Memory per idle child (median over the children, MiB)", "",
            ("VMM own = whole process minus the guest-RAM mapping (one read of smaps). Guest "
@@ -892,7 +983,7 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            ("| peer | N | process Pss | VMM own Pss | VMM own Private_Dirty | guest-RAM Rss | "
             "guest-RAM Pss | guest pages dirtied (own copies) |"),
            "|---|---|---|---|---|---|---|---|"]
-    for name in ("vmfork", "template", "cold"):
+    for name in ("vmfork", "native", "template", "cold"):
         for n in ns:
             runs = results[name].get(n, [])
             if not runs:
@@ -902,6 +993,7 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                       f"{m['own_private_dirty_mib']:.2f} | {m['guest_rss_mib']:.2f} | "
                       f"{m['guest_pss_mib']:.2f} | {m['guest_cow_mib']:.2f} |")
 
+    md += render_phases(results, ns)
     md += render_breakdown(results["vmfork"], ns)
     md += ["", "## Targets (issue 3)", ""]
     comparable = [n for n in ns if peer("vmfork", n, "running_s") is not None
@@ -1369,6 +1461,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true",
                         help="also: each vmfork child's memory by mapping class and by phase, "
                              "and its threads' wake-ups while idle")
+    parser.add_argument("--phases", action="store_true",
+                        help="also: each vmfork child's steps from fork to ready "
+                             "(VMFORK_SPAWN_PROFILE=1 in the zygotes)")
     parser.add_argument("--network", action="store_true",
                         help="run the networking benchmark (N default 10,100) instead")
     parser.add_argument("--throughput-seconds", type=float, default=10.0,
@@ -1403,6 +1498,15 @@ def vmfork_home(workdir: Path) -> Iterator[Path]:
             os.environ["VMFORK_HOME"] = old
 
 
+def alternated(peers: list[str], rep: int) -> list[str]:
+    """``peers`` in their order for an even ``rep``; for an odd one, the vmfork peers
+    among them in reverse (each in the other's place), so neither always goes first."""
+    if rep % 2 == 0:
+        return peers
+    swapped = iter([p for p in peers if p in VMFORK_PEERS][::-1])
+    return [next(swapped) if p in VMFORK_PEERS else p for p in peers]
+
+
 def fits(name: str, n: int, results: dict[str, dict[int, list[dict[str, Any]]]]) -> str | None:
     """Why ``name`` cannot run N VMs in this host's memory, or None if it can."""
     smaller = [m for m in results[name] if m < n]
@@ -1433,6 +1537,8 @@ def main() -> int:
 
     from vmfork.image import find_image
     from vmfork.runtime.parent import snapshot_parent
+    from vmfork.runtime.spawnprofile import ENV as SPAWN_PROFILE_ENV
+    from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
     from vmfork.runtime.zygote_client import start_zygote
     from vmfork.store import Store
 
@@ -1442,7 +1548,8 @@ def main() -> int:
     skipped: dict[str, dict[int, str]] = {p: {} for p in PEERS}
     setup: dict[str, Any] = {"vsock": vsock, "image": image.name,
                              "kernel": str(image.kernel), "initrd": str(image.initrd),
-                             "native_child": os.environ.get("VMFORK_NATIVE_CHILD") == "1"}
+                             "native_child": (os.environ.get(NATIVE_CHILD_ENV) == "1"
+                                              and "native" not in args.peers)}
     slots = {} if args.free_volume_slots is None else {"free_volume_slots":
                                                        args.free_volume_slots}
 
@@ -1467,12 +1574,24 @@ def main() -> int:
             # when the bench reads its memory from outside.
             from vmfork.runtime import memphases
             os.environ[memphases.ENV] = str(args.settle)
-        with open(workdir / "zygote.log", "wb") as zlog:
-            zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
-        stack.callback(zygote.close)
-        log("first spawn from the cold zygote (per-snapshot preparation, not in the runs)")
-        setup["vmfork_first_spawn_s"] = vmfork_first_spawn(zygote, snapshot, workdir / "first",
-                                                           args.timeout)
+        zygotes: dict[str, Any] = {}
+        for name in (p for p in VMFORK_PEERS if p in args.peers):
+            env = dict(os.environ)
+            if "native" in args.peers:
+                # Side by side: the vmfork peer's children run Python, the native's none.
+                env.pop(NATIVE_CHILD_ENV, None)
+            if name == "native":
+                env[NATIVE_CHILD_ENV] = "1"
+            if args.phases:
+                env[SPAWN_PROFILE_ENV] = "1"
+            with open(workdir / f"zygote-{name}.log", "wb") as zlog:
+                zygotes[name] = start_zygote(str(workdir / f"zygote-{name}.sock"), stderr=zlog,
+                                             timeout=300.0, env=env)
+            stack.callback(zygotes[name].close)
+            log(f"{name}: first spawn from the cold zygote (per-snapshot preparation, "
+                "not in the runs)")
+            setup[f"{name}_first_spawn_s"] = vmfork_first_spawn(
+                zygotes[name], snapshot, workdir / f"first-{name}", args.timeout)
         floor_bin = build_floor(workdir) if "floor" in args.peers else None
         template: Template | None = None
         if "template" in args.peers:
@@ -1492,8 +1611,9 @@ def main() -> int:
         RESULTS.mkdir(exist_ok=True)
         for rep in range(args.reps):
             for n in args.n:
-                # Interleaved per N, so drift on a shared machine hits every peer alike.
-                for name in args.peers:
+                # Interleaved per N, so drift on a shared machine hits every peer alike;
+                # the two vmfork peers swap places every other run.
+                for name in alternated(args.peers, rep):
                     if name == "template" and template is None:
                         continue
                     why = fits(name, n, results)
@@ -1504,9 +1624,10 @@ def main() -> int:
                     log(f"{name} N={n} (run {rep + 1}/{args.reps})")
                     timeout = max(args.timeout, args.timeout_per_vm * n)
                     try:
-                        if name == "vmfork":
-                            out = vmfork_spawn(zygote, snapshot, n, workdir / "vms", args.settle,
-                                               timeout, breakdown=args.breakdown)
+                        if name in VMFORK_PEERS:
+                            out = vmfork_spawn(zygotes[name], snapshot, n, workdir / "vms",
+                                               args.settle, timeout, breakdown=args.breakdown,
+                                               phases=args.phases)
                         elif name == "floor":
                             assert floor_bin is not None
                             out = floor_run(floor_bin, snapshot.memory_path,

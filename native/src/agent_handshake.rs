@@ -106,6 +106,23 @@ pub struct Handshake {
     pub net: Option<(u64, u64)>,
     /// Calls that found the agent unavailable or silent and were tried again.
     pub retries: u32,
+    /// Where the answering call's time went (the others are in `retries`).
+    pub timing: CallTiming,
+}
+
+/// The answering `after_fork` call, from its start (ns): the VMM's `OK` to the
+/// `CONNECT` (the guest's kernel accepted the connection), then the agent's first
+/// frame (its `clock`, or an older agent's `result`), then its `result` (and any
+/// clock correction after it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CallTiming {
+    pub connected_ns: u64,
+    pub first_frame_ns: u64,
+    pub done_ns: u64,
+}
+
+fn ns_since(start: Instant) -> u64 {
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }
 
 type Outcome<T> = Result<T, Failure>;
@@ -601,13 +618,16 @@ pub fn after_fork(
     clock_tolerance_ns: i128,
 ) -> Outcome<Handshake> {
     let op = "after_fork";
+    let started = Instant::now();
     let sent = realtime_ns();
     let request = format!(
         "{{\"op\":\"after_fork\",\"ns\":{sent},\"net_refresh\":{net_refresh},\"clock_exchange\":true}}"
     );
     let mut call = Call::open(target, op, request.as_bytes(), data)?;
+    let connected_ns = ns_since(started);
     let frame = call.recv()?;
     let received = realtime_ns();
+    let first_frame_ns = ns_since(started);
     let (r, step, bound) = match frame.kind() {
         "result" => {
             // An agent without the exchange.
@@ -687,6 +707,11 @@ pub fn after_fork(
         clock_step_ns: step,
         net,
         retries: 0,
+        timing: CallTiming {
+            connected_ns,
+            first_frame_ns,
+            done_ns: ns_since(started),
+        },
     })
 }
 
@@ -769,9 +794,10 @@ fn failure_tuple(f: Failure) -> FailureTuple {
     }
 }
 
-/// `((clock_error_bound_ns, clock_step_ns, net, retries), None)` or `(None, failure)`.
+/// `((clock_error_bound_ns, clock_step_ns, net, retries, (connected_ns,
+/// first_frame_ns, done_ns)), None)` (`CallTiming`) or `(None, failure)`.
 type HandshakeResult = (
-    Option<(i128, i128, Option<(u64, u64)>, u32)>,
+    Option<(i128, i128, Option<(u64, u64)>, u32, (u64, u64, u64))>,
     Option<FailureTuple>,
 );
 
@@ -799,7 +825,17 @@ pub fn agent_after_fork(
     });
     Ok(match outcome {
         Ok(h) => (
-            Some((h.clock_error_bound_ns, h.clock_step_ns, h.net, h.retries)),
+            Some((
+                h.clock_error_bound_ns,
+                h.clock_step_ns,
+                h.net,
+                h.retries,
+                (
+                    h.timing.connected_ns,
+                    h.timing.first_frame_ns,
+                    h.timing.done_ns,
+                ),
+            )),
             None,
         ),
         Err(f) => (None, Some(failure_tuple(f))),

@@ -41,6 +41,7 @@ use serde_json::{Map, Value};
 use crate::agent_handshake::{self, Failure as AgentFailure, Handshake, Target};
 use crate::child_report::ChildReporter;
 use crate::control_serve::{error_line, ControlServe, Handover, CLOSING};
+use crate::spawn_profile::SpawnProfile;
 use crate::transport::NativeTransport;
 use crate::vcpu::VcpuControl;
 
@@ -92,6 +93,17 @@ pub struct LifePlan {
     pub ready_timeout: Duration,
     /// The snapshot has a network device: the guest is told it was forked.
     pub net_refresh: bool,
+    /// Each phase's end recorded (`VMFORK_SPAWN_PROFILE` in the zygote), or None.
+    pub profile: Option<SpawnProfile>,
+}
+
+impl LifePlan {
+    /// The end of `phase`, when the child's phases are recorded.
+    pub fn mark(&self, phase: &'static str) {
+        if let Some(profile) = &self.profile {
+            profile.mark(phase);
+        }
+    }
 }
 
 /// When the child was forked and when its entry started (CLOCK_MONOTONIC ns).
@@ -403,6 +415,10 @@ fn seconds(ns: i64) -> Value {
     Value::from(ns as f64 / 1e9)
 }
 
+fn seconds_u(ns: u64) -> Value {
+    Value::from(ns as f64 / 1e9)
+}
+
 fn object(pairs: Vec<(&str, Value)>) -> Map<String, Value> {
     pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
 }
@@ -486,6 +502,7 @@ pub fn live<M: ChildMachine>(
         Ok(machine) => machine,
         Err(err) => return life.failed(format!("restore: {err}")),
     };
+    plan.mark("machine");
     let code = run(&life, &machine, &stop, handler);
     machine.stop();
     code
@@ -502,28 +519,34 @@ fn run<M: ChildMachine>(
         if let Err(err) = install_seccomp(program) {
             return life.failed(format!("seccomp: {err}"));
         }
+        plan.mark("seccomp");
     }
     if let Err(err) = machine.start(plan.start_gate.is_some()) {
         return life.failed(format!("start: {err}"));
     }
+    plan.mark("vcpu_start");
     let mut start_wait_ns = 0;
     if let Some((gate, timeout)) = &plan.start_gate {
         life.report(object(vec![
             ("state", "prepared".into()),
             ("pid", life.pid.into()),
         ]));
+        plan.mark("prepared_report");
         let waited_from = monotonic_ns();
         wait_for_start_gate(gate, *timeout, stop);
         start_wait_ns = monotonic_ns() - waited_from;
+        plan.mark("start_gate");
         if stop.is_set() {
             return 0;
         }
         machine.resume();
+        plan.mark("resumed");
     }
     let timings = life.timings(start_wait_ns);
     let mut restored = object(vec![("state", "restored".into())]);
     restored.extend(timings.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     life.report(restored);
+    plan.mark("restored_report");
 
     let relay = match MainThreadRelay::new() {
         Ok(relay) => relay,
@@ -542,6 +565,7 @@ fn run<M: ChildMachine>(
         Ok(control) => control,
         Err(err) => return life.failed(format!("control: {err}")),
     };
+    plan.mark("control_server");
     let code = serve(life, machine, stop, handler, &relay, &control, timings);
     relay.close();
     code
@@ -606,6 +630,7 @@ fn serve<M: ChildMachine>(
     let asked = Instant::now();
     let handshake = handshake_serving(plan, relay, handler);
     let agent_ready = asked.elapsed().as_secs_f64();
+    plan.mark("agent_answered");
     let done: Handshake = match handshake {
         Ok(done) => done,
         Err(failure) => {
@@ -628,6 +653,11 @@ fn serve<M: ChildMachine>(
         seconds(monotonic_ns() - life.forked.entry_ns),
     );
     ready.insert("agent_ready".into(), agent_ready.into());
+    ready.insert("agent_retries".into(), done.retries.into());
+    let call = done.timing;
+    ready.insert("agent_connected".into(), seconds_u(call.connected_ns));
+    ready.insert("agent_first_frame".into(), seconds_u(call.first_frame_ns));
+    ready.insert("agent_call".into(), seconds_u(call.done_ns));
     ready.insert(
         "clock_error_bound_s".into(),
         Value::from(done.clock_error_bound_ns as f64 / 1e9),
@@ -642,6 +672,10 @@ fn serve<M: ChildMachine>(
         );
     }
     life.report(ready);
+    plan.mark("ready_report");
+    if let Some(profile) = &plan.profile {
+        profile.finish();
+    }
     // What the set-up allocated and freed goes back to the kernel: an idle child's
     // every written page is its own.
     // SAFETY: malloc_trim takes a pad size and touches only the allocator's state.
@@ -796,6 +830,7 @@ mod tests {
                 },
                 ready_timeout,
                 net_refresh: false,
+                profile: None,
             }
         }
 

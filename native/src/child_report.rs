@@ -79,7 +79,7 @@ impl ChildReporter {
     /// status.json, then the FIFO line, then `failure` (with its newline) to stderr:
     /// the one writer of both the Python and the native child's reports.
     pub fn write(&self, state: &str, json: &[u8], failure: Option<&str>) -> io::Result<()> {
-        let written = write_status(&self.tmp, &self.status, json);
+        let written = replace_file(&self.tmp, &self.status, json);
         if let Some(fifo) = &self.notify {
             notify(fifo, format!("{} {}\n", self.vm_id, state).as_bytes());
         }
@@ -190,13 +190,13 @@ fn write_all(fd: &OwnedFd, mut data: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
-/// Replace `status` with `data`: write `tmp`, rename it over.
-fn write_status(tmp: &CString, status: &CString, data: &[u8]) -> io::Result<()> {
+/// Replace `path` with `data`: write `tmp`, rename it over.
+pub(crate) fn replace_file(tmp: &CString, path: &CString, data: &[u8]) -> io::Result<()> {
     let fd = open(tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC)?;
     write_all(&fd, data)?;
     drop(fd);
     // SAFETY: both are NUL-terminated C strings that outlive the call.
-    if unsafe { libc::rename(tmp.as_ptr(), status.as_ptr()) } != 0 {
+    if unsafe { libc::rename(tmp.as_ptr(), path.as_ptr()) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(())

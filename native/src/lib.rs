@@ -38,6 +38,7 @@ mod net_serve;
 mod queue_server;
 mod restore;
 mod rng_serve;
+mod spawn_profile;
 mod tiny_machine;
 mod transport;
 mod transport_py;

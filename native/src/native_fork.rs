@@ -38,6 +38,7 @@ use crate::child_life::{self, Forked, LifePlan};
 use crate::child_report::ChildReporter;
 use crate::control_serve::{error_line, Handover, PyHandover};
 use crate::machine_plan::ChildMachinePlan;
+use crate::spawn_profile::SpawnProfile;
 use crate::tiny_machine::TinyMachinePlan;
 
 /// `EXIT_ENTRY_RAISED` of `runtime/zygote_protocol.py`.
@@ -63,10 +64,12 @@ impl ChildLife {
     /// `vmmchild.main`'s arguments, resolved: the reports' `run_dir`, `vm_id` and
     /// `notify_path`; `start_gate` and its timeout (seconds); `seccomp`, the
     /// program's bytes for a jailed child;
-    /// `agent` and `ready_timeout` (seconds); `net_refresh`: the snapshot has a network.
+    /// `agent` and `ready_timeout` (seconds); `net_refresh`: the snapshot has a network;
+    /// `profile`: record each phase's end in `run_dir/spawn-profile.json`
+    /// (`runtime/spawnprofile.py`'s record, `spawn_profile.rs`).
     #[new]
     #[pyo3(signature = (*, run_dir, vm_id, notify_path, start_gate, start_gate_timeout,
-                        seccomp, jailed, agent, ready_timeout, net_refresh))]
+                        seccomp, jailed, agent, ready_timeout, net_refresh, profile=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         run_dir: &str,
@@ -79,6 +82,7 @@ impl ChildLife {
         agent: &AgentTarget,
         ready_timeout: f64,
         net_refresh: bool,
+        profile: bool,
     ) -> PyResult<Self> {
         let start_gate = match start_gate {
             Some(gate) => Some((c_string(gate)?, duration(start_gate_timeout)?)),
@@ -95,6 +99,11 @@ impl ChildLife {
                 agent: agent.target().clone(),
                 ready_timeout: duration(ready_timeout)?,
                 net_refresh,
+                profile: if profile {
+                    Some(SpawnProfile::at(run_dir).map_err(PyValueError::new_err)?)
+                } else {
+                    None
+                },
             },
         })
     }
@@ -236,13 +245,21 @@ impl NativeFork {
     /// The child's side of the fork: its set-up, jail and life; never returns.
     fn live(&self, forked_ns: i64) -> ! {
         // Nothing below returns, and nothing runs Python but a hand-over.
+        let life = &self.life.get().plan;
+        if let Some(profile) = &life.profile {
+            profile.start(forked_ns);
+        }
         one_malloc_arena();
         let plan = self.plan.get();
         plan.set_up();
+        life.mark("set_up");
         let opened = match plan.enter_jail_native() {
             Ok(opened) => opened,
             Err(message) => exit_setup_failed(Some(&message)),
         };
+        if opened.is_some() {
+            life.mark("jailed");
+        }
         let after_fork = AfterForkPython {
             module: &self.module,
             function: &self.function,
@@ -254,7 +271,6 @@ impl NativeFork {
             forked_ns,
             entry_ns: child_life::monotonic_ns(),
         };
-        let life = &self.life.get().plan;
         // A panic must not unwind into the zygote's frames either (pyo3 would turn it
         // into a Python exception, in a child running the zygote's loop): it exits as an
         // entry that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.

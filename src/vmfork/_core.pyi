@@ -388,7 +388,7 @@ class ChildLife:
     def __init__(self, *, run_dir: str, vm_id: str, notify_path: str | None,
                  start_gate: str | None, start_gate_timeout: float, seccomp: bytes | None,
                  jailed: bool, agent: AgentTarget,
-                 ready_timeout: float, net_refresh: bool) -> None: ...
+                 ready_timeout: float, net_refresh: bool, profile: bool = False) -> None: ...
 
 class TinyMachinePlan:
     """A one-vCPU machine running a real-mode program loaded at 0x1000
@@ -424,7 +424,7 @@ def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException
 def agent_after_fork(
     target: AgentTarget, timeout: float, net_refresh: bool,
     clock_tolerance_ns: int = ...,
-) -> tuple[tuple[int, int, tuple[int, int] | None, int] | None,
+) -> tuple[tuple[int, int, tuple[int, int] | None, int, tuple[int, int, int]] | None,
            tuple[str, str | None, str, str] | None]: ...
 def clock_exchange_step(sent: int, guest: int, processing: int,
                         received: int) -> tuple[int, int]: ...

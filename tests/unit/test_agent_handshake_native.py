@@ -193,7 +193,7 @@ def _native(path: str, port: int | None, *, tolerance_ns: int = 50_000_000,
     if failure is not None:
         raise vmmchild._agent_failure(*failure)
     assert done is not None
-    return done
+    return done[:4]   # the answering call's timings are for the reports, not compared
 
 
 def _python(path: str, port: int | None, *, tolerance_ns: int = 50_000_000,

@@ -433,7 +433,8 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
                  if jailed else None),
         jailed=jailed,
         agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
-        net_refresh=state.device(devices.NET) is not None)
+        net_refresh=state.device(devices.NET) is not None,
+        profile=spawnprofile.MODE is not None)
     return zygote_child.NativeChild(
         life, _native_machine(args, jail_spec), NATIVE_HANDOVER,
         functools.partial(jail.adopt, jail_spec) if jail_spec is not None else None)
@@ -527,8 +528,13 @@ def make_unique(target: AgentTarget, client: Callable[[], AgentClient],
             raise err
         return _make_unique_op_by_op(client(), started, deadline, net_refresh)
     assert done is not None   # one of the two is
-    bound_ns, _step_ns, net, _retries = done
+    bound_ns, _step_ns, net, retries, (connected_ns, first_frame_ns, call_ns) = done
     out: dict[str, Any] = {"agent_ready": time.monotonic() - started,  # all steps included
+                           # the answering call: CONNECT answered, the agent's first
+                           # frame, its result (agent_handshake.CallTiming)
+                           "agent_retries": retries, "agent_connected": connected_ns / 1e9,
+                           "agent_first_frame": first_frame_ns / 1e9,
+                           "agent_call": call_ns / 1e9,
                            "clock_error_bound_s": bound_ns / 1e9}
     if net is not None:
         out["net_refresh"] = {"connections_aborted": net[0], "neighbours_flushed": net[1]}
