@@ -25,7 +25,7 @@ import pytest
 
 import vmfork
 from tests.unit.agent_support import Agent, running_agent
-from vmfork.runtime import memphases, vmmchild, zygote, zygote_child
+from vmfork.runtime import memphases, spawnprofile, vmmchild, zygote, zygote_child
 from vmfork.vmm.native import CORE_BUILT
 
 needs_kvm = pytest.mark.skipif(
@@ -66,7 +66,7 @@ life = _core.ChildLife(
     run_dir=cfg["run_dir"], vm_id="vm1", notify_path=None, start_gate=cfg["gate"],
     start_gate_timeout=60.0, seccomp=seccomp.vmm_filter(), jailed=False,
     agent=_core.AgentTarget(cfg["agent"], None, 5.0, 30.0), ready_timeout=60.0,
-    net_refresh=False)
+    net_refresh=False, profile=cfg.get("profile", False))
 machine = _core.TinyMachinePlan(bytes.fromhex(cfg["code"]))
 (pid,), error = _core.fork_native_batch(
     [_core.NativeFork(plan, life, machine, "__main__:answer")])
@@ -142,6 +142,23 @@ def _forker(cfg: dict[str, Any]) -> subprocess.Popen[str]:
                             env={**os.environ, "PYTHONPATH": package_root})
 
 
+def _assert_phases_recorded(run_dir: Path) -> None:
+    """The child's ``spawn-profile.json`` (written after its ready report): the Python
+    child's phases, in the Python child's order, each ending after the one before."""
+    deadline = time.monotonic() + 30
+    while not (run_dir / spawnprofile.PROFILE_FILE).exists():
+        assert time.monotonic() < deadline, "no spawn-profile.json"
+        time.sleep(0.01)
+    marks = json.loads((run_dir / spawnprofile.PROFILE_FILE).read_text())["marks"]
+    assert [m["phase"] for m in marks] == [
+        "fork", "forked", "set_up", "machine", "seccomp", "vcpu_start", "prepared_report",
+        "start_gate", "resumed", "restored_report", "control_server", "agent_answered",
+        "ready_report", "finished"]
+    phases = spawnprofile.phases(marks)
+    assert all(float(p["wall_s"]) >= 0 for p in phases), phases
+    assert float(marks[-1]["thread_cpu_ns"]) > 0, marks
+
+
 def _malloc_arenas(pid: int) -> int:
     with memphases.read_smaps(pid) as smaps:
         return sum(m.cls == "malloc_arenas"
@@ -157,7 +174,8 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
     os.mkfifo(gate)
     gate_fd = os.open(gate, os.O_RDWR | os.O_NONBLOCK)   # the spawner's end
     cfg = {"run_dir": str(run_dir), "gate": str(gate), "agent": agent.sock_path,
-           "log": str(tmp_path / "child.log"), "code": RESET_AFTER_SECONDS.hex()}
+           "log": str(tmp_path / "child.log"), "code": RESET_AFTER_SECONDS.hex(),
+           "profile": True}
     forker = _forker(cfg)
     try:
         assert forker.stdout is not None
@@ -167,8 +185,12 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         ready = _status(run_dir, "ready")
         assert ready["pid"] == pid
         for key in ("restore_s", "start_wait_s", "fork_to_entry_s", "ready_s",
-                    "agent_ready", "clock_error_bound_s"):
+                    "agent_ready", "clock_error_bound_s", "agent_connected",
+                    "agent_first_frame", "agent_call"):
             assert isinstance(ready[key], float) and ready[key] >= 0, (key, ready)
+        assert ready["agent_connected"] <= ready["agent_first_frame"] <= ready["agent_call"]
+        assert ready["agent_retries"] == 0
+        _assert_phases_recorded(run_dir)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control:
             control.settimeout(30)
             control.connect(str(run_dir / "control.sock"))
@@ -207,6 +229,7 @@ def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
             assert _ask(control, {"op": "status"})["paused"] is False
         assert len(os.listdir(f"/proc/{pid}/task")) >= 3   # main, vCPU, control
         assert _malloc_arenas(pid) == _malloc_arenas(forker.pid)
+        assert not (run_dir / spawnprofile.PROFILE_FILE).exists(), "no record unless asked"
         os.kill(pid, signal.SIGTERM)
         assert int(forker.stdout.readline()) == 0, "a SIGTERM ends the child with 0"
     finally:
