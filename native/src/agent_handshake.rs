@@ -110,19 +110,15 @@ pub struct Handshake {
     pub timing: CallTiming,
 }
 
-/// The answering `after_fork` call, from its start (ns): the VMM's `OK` to the
-/// `CONNECT` (the guest's kernel accepted the connection), then the agent's first
-/// frame (its `clock`, or an older agent's `result`), then its `result` (and any
-/// clock correction after it).
+/// The answering `after_fork` call, from its start: the VMM's `OK` to the `CONNECT`
+/// (the guest's kernel accepted the connection), then the agent's first frame (its
+/// `clock`, or an older agent's `result`), then its `result` (and any clock
+/// correction after it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CallTiming {
-    pub connected_ns: u64,
-    pub first_frame_ns: u64,
-    pub done_ns: u64,
-}
-
-fn ns_since(start: Instant) -> u64 {
-    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    pub connected: Duration,
+    pub first_frame: Duration,
+    pub done: Duration,
 }
 
 type Outcome<T> = Result<T, Failure>;
@@ -624,10 +620,10 @@ pub fn after_fork(
         "{{\"op\":\"after_fork\",\"ns\":{sent},\"net_refresh\":{net_refresh},\"clock_exchange\":true}}"
     );
     let mut call = Call::open(target, op, request.as_bytes(), data)?;
-    let connected_ns = ns_since(started);
+    let connected = started.elapsed();
     let frame = call.recv()?;
     let received = realtime_ns();
-    let first_frame_ns = ns_since(started);
+    let first_frame = started.elapsed();
     let (r, step, bound) = match frame.kind() {
         "result" => {
             // An agent without the exchange.
@@ -708,9 +704,9 @@ pub fn after_fork(
         net,
         retries: 0,
         timing: CallTiming {
-            connected_ns,
-            first_frame_ns,
-            done_ns: ns_since(started),
+            connected,
+            first_frame,
+            done: started.elapsed(),
         },
     })
 }
@@ -823,6 +819,7 @@ pub fn agent_after_fork(
             i128::from(clock_tolerance_ns),
         )
     });
+    let ns = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
     Ok(match outcome {
         Ok(h) => (
             Some((
@@ -831,9 +828,9 @@ pub fn agent_after_fork(
                 h.net,
                 h.retries,
                 (
-                    h.timing.connected_ns,
-                    h.timing.first_frame_ns,
-                    h.timing.done_ns,
+                    ns(h.timing.connected),
+                    ns(h.timing.first_frame),
+                    ns(h.timing.done),
                 ),
             )),
             None,

@@ -415,10 +415,6 @@ fn seconds(ns: i64) -> Value {
     Value::from(ns as f64 / 1e9)
 }
 
-fn seconds_u(ns: u64) -> Value {
-    Value::from(ns as f64 / 1e9)
-}
-
 fn object(pairs: Vec<(&str, Value)>) -> Map<String, Value> {
     pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
 }
@@ -655,9 +651,15 @@ fn serve<M: ChildMachine>(
     ready.insert("agent_ready".into(), agent_ready.into());
     ready.insert("agent_retries".into(), done.retries.into());
     let call = done.timing;
-    ready.insert("agent_connected".into(), seconds_u(call.connected_ns));
-    ready.insert("agent_first_frame".into(), seconds_u(call.first_frame_ns));
-    ready.insert("agent_call".into(), seconds_u(call.done_ns));
+    ready.insert(
+        "agent_connected".into(),
+        call.connected.as_secs_f64().into(),
+    );
+    ready.insert(
+        "agent_first_frame".into(),
+        call.first_frame.as_secs_f64().into(),
+    );
+    ready.insert("agent_call".into(), call.done.as_secs_f64().into());
     ready.insert(
         "clock_error_bound_s".into(),
         Value::from(done.clock_error_bound_ns as f64 / 1e9),
