@@ -1043,6 +1043,8 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            "their vCPUs together, once all have restored their state). vmfork ready: → every "
            "child's agent answered a ping over vsock **and** the child reseeded the guest and "
            "set its clock (`ready`). In-child restore time excludes the wait for siblings."),
+           ("- vmfork, native children: the same, from a second zygote whose children run no "
+            "Python after the fork (`VMFORK_NATIVE_CHILD=1`); the vmfork peer's then run Python."),
            ("- QEMU cold boot: first `qemu-system-x86_64` started → every QMP `query-status` says "
            "`running` (QEMU set up, vCPU started at the kernel entry) / → every agent answered "
            "a ping over vhost-vsock after a full kernel boot."),
@@ -1065,7 +1067,9 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            + ("run no Python (VMFORK_NATIVE_CHILD=1)" if setup.get("native_child")
               else "run Python (vmmchild.main)")),
            (f"- vmfork zygote's first spawn from the snapshot (decodes it and warms the restore "
-            f"path up, once; then restored): {fmt_s(setup.get('vmfork_first_spawn_s'))}"),
+            f"path up, once; then restored): {fmt_s(setup.get('vmfork_first_spawn_s'))}"
+            + (f"; the native children's zygote's: {fmt_s(setup['native_first_spawn_s'])}"
+               if "native_first_spawn_s" in setup else "")),
            (f"- QEMU template parent: boot + warm-up {setup['template_boot_s']:.2f} s, "
             f"state migration {setup['template_migrate_s'] * 1000:.1f} ms, state file "
             f"{setup['template_state_bytes'] / 1024:.0f} KiB" if "template_boot_s" in setup
