@@ -19,6 +19,12 @@ diff, kill the sandbox). Reported:
   because every spawn re-hashes and re-copies every link);
 * **compact, pack, unpack** -- time, and the pack's size (chain only, no image).
 
+With ``VMFORK_NATIVE_CHILD=1`` (which passes into the test host) the spawns are
+measured on children that run no Python: the chain is built by a daemon whose zygote
+forks Python children (a link's BRANCH needs the child's Python view of its machine),
+then a second daemon on the same store, whose zygote forks native children, takes the
+spawns. Such a child has no native virtio-blk yet: give ``--free-volume-slots 0``.
+
 forkd's published chain numbers (REFERENCE-forkd.md, bare metal) are quoted for
 reference; inside the emulated test host only ratios within the run mean anything.
 Writes ``bench/results/chain.{json,md}``.
@@ -27,6 +33,7 @@ Writes ``bench/results/chain.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -51,6 +58,9 @@ def parse_args() -> argparse.Namespace:
                    help="distinct data each link writes into the guest (MiB)")
     p.add_argument("--spawns", type=int, default=10, help="spawns measured per depth")
     p.add_argument("--name", default="chain")
+    p.add_argument("--free-volume-slots", type=int, default=None,
+                   help="empty volume slots of the base (default: the daemon's); children "
+                        "that run no Python (VMFORK_NATIVE_CHILD=1) need 0")
     p.add_argument("--host-mem-mib", type=int, default=8192)
     p.add_argument("--host-timeout", type=float, default=3600)
     return p.parse_args()
@@ -84,15 +94,19 @@ def main() -> int:
     args = parse_args()
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
+    from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
     from vmfork.store import Store, disk_usage, packs
 
+    # The chain's daemon forks Python children; only the spawns' may fork native ones.
+    native_child = os.environ.pop(NATIVE_CHILD_ENV, None) == "1"
     work = Path(tempfile.mkdtemp(prefix="vmfork-bench-chain-"))
     home = work / "home"
     daemon, ctl = local_daemon(work, home, networking=False)
     try:
         store = Store.open(home)
         started = time.monotonic()
-        ctl.create_snapshot("base", mem_mib=args.mem_mib, warm_code="import json, os, sys")
+        ctl.create_snapshot("base", mem_mib=args.mem_mib, warm_code="import json, os, sys",
+                            volume_slots=args.free_volume_slots)
         base_s = time.monotonic() - started
 
         builds: list[dict[str, Any]] = []
@@ -132,6 +146,10 @@ def main() -> int:
         started = time.monotonic()
         ctl.compact_snapshot(LINKS[-1], "compacted")
         compact_ms = (time.monotonic() - started) * 1000
+        if native_child:
+            daemon.stop()
+            os.environ[NATIVE_CHILD_ENV] = "1"
+            daemon, ctl = local_daemon(work, home, name="native", networking=False)
         chain = ("base", *LINKS)
         spawns = spawn_times(ctl, {**{str(d): chain[d] for d in SPAWN_DEPTHS},
                                    "compacted": "compacted"}, args.spawns)
@@ -154,6 +172,7 @@ def main() -> int:
     compacted = spawn_stats["compacted"]["p50"]
     deepest = str(SPAWN_DEPTHS[-1])
     data = {"mem_mib": args.mem_mib, "dirty_mib": args.dirty_mib, "base_snapshot_s": base_s,
+            "native_child": native_child, "free_volume_slots": args.free_volume_slots,
             "links": builds, "spawn_ms": spawn_stats, "spawn_raw_ms": spawns,
             "depth3_over_flat_p50": spawn_stats["3"]["p50"] / flat,
             # The compacted head holds the same memory as the deepest link, flat.
@@ -164,7 +183,8 @@ def main() -> int:
             "pack_bytes": pack_bytes, "forkd_spawn_ms": FORKD_SPAWN_MS}
     mib = 1 << 20
     lines = [(f"# Chain benchmark ({args.mem_mib} MiB guest, {args.dirty_mib} MiB written "
-             "per link)"), "",
+             "per link" + (", spawned children run no Python" if native_child else "") + ")"),
+             "",
              "## Disk per link", "",
              ("| link | depth | build ms | BRANCH ms | pause ms | changed MiB | memory on disk "
               "MiB (layer + plan) | memory disk / changed | whole dir MiB | dir / changed "
