@@ -3,9 +3,10 @@
 //!
 //! `NativeMachine::restore` builds, from plain values and with no Python object:
 //!
-//! 1. guest RAM: regions the caller mapped (the zygote's premap), or a snapshot's
-//!    memory file mapped here `MAP_PRIVATE` (the layout of `vmm/memory.py`'s
-//!    `ram_layout`: RAM below the MMIO hole at 3 GiB, the rest from 4 GiB);
+//! 1. guest RAM: regions the caller mapped (a diff snapshot's premap, inherited from
+//!    the zygote and adopted, `InheritedRam`), or a snapshot's memory file mapped here
+//!    `MAP_PRIVATE` (the layout of `vmm/memory.py`'s `ram_layout`: RAM below the MMIO
+//!    hole at 3 GiB, the rest from 4 GiB);
 //! 2. the VM core (`vm.rs`): the VM, its slots, irqchip, PIT and vCPUs, and the
 //!    snapshot's VM and vCPU state when there is one (`restore.rs`);
 //! 3. the console (`console.rs`): COM1 raising its pin through an irqfd, its lines
@@ -80,11 +81,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// Where guest RAM comes from.
 pub enum RamSource<'a> {
-    /// Regions the caller mapped and keeps mapped until the machine is stopped (the
-    /// zygote's premap).
-    // For a diff snapshot's premap, which the native child does not adopt yet
-    // (docs/native.md): the tests' until then.
-    #[cfg_attr(not(test), allow(dead_code))]
+    /// Regions the caller mapped and keeps mapped until the machine is stopped (a
+    /// diff snapshot's premap, `InheritedRam::adopt`).
     Mapped(Vec<Region>),
     /// A snapshot's memory file of `mem_size` bytes, mapped here `MAP_PRIVATE`: no
     /// page is read or copied, the machine's writes stay its own.
@@ -195,6 +193,139 @@ fn map_file(fd: BorrowedFd<'_>, mem_size: u64) -> Result<(Vec<Region>, OwnedRam)
         });
     }
     Ok((regions, owned))
+}
+
+/// The diff snapshots' RAM the zygote mapped before forking this process
+/// (`vmm/memory.py`'s `PremappedRam`: a plan's base `MAP_PRIVATE` and every run of the
+/// plan `MAP_FIXED` over it, `PROT_READ`, `MADV_DOFORK` for the batch's snapshots):
+/// this machine's own, if its snapshot is a diff, and the batch's other snapshots',
+/// which the fork copied too. Adopting it costs a `munmap` per other mapping and an
+/// `mprotect` per region, whatever the plan's run count: no child maps a run of its
+/// own (issue 19).
+pub struct InheritedRam {
+    mine: Option<Vec<Region>>,
+    others: Vec<(usize, usize)>,
+}
+
+/// `host..host + len` as whole pages of this address space.
+fn page_range(host: u64, len: u64) -> Result<(usize, usize), String> {
+    match (
+        usize::try_from(host),
+        usize::try_from(len),
+        host.checked_add(len),
+    ) {
+        (Ok(at), Ok(n), Some(_))
+            if at != 0
+                && n != 0
+                && host.is_multiple_of(PAGE_SIZE)
+                && len.is_multiple_of(PAGE_SIZE) =>
+        {
+            Ok((at, n))
+        }
+        _ => Err(format!(
+            "a premapped range {host:#x}+{len:#x} is not whole pages"
+        )),
+    }
+}
+
+impl InheritedRam {
+    /// `mine`: (guest address, size, host address) of each region of this machine's
+    /// premap, which must be `ram_layout(mem_size)`'s, page-aligned; `others`: (host
+    /// address, length) of each other inherited premap's mapping, page-aligned, none
+    /// overlapping `mine`.
+    pub fn new(
+        mem_size: u64,
+        mine: Option<&[(u64, u64, u64)]>,
+        others: &[(u64, u64)],
+    ) -> Result<Self, String> {
+        let mine = mine.map(|mine| own_regions(mem_size, mine)).transpose()?;
+        let mut unmapped = Vec::with_capacity(others.len());
+        for &(host, len) in others {
+            let range = page_range(host, len)?;
+            if mine
+                .iter()
+                .flatten()
+                .any(|r| host < r.host_addr + r.size && r.host_addr < host + len)
+            {
+                return Err(format!(
+                    "another premap's {host:#x}+{len:#x} overlaps this machine's RAM"
+                ));
+            }
+            unmapped.push(range);
+        }
+        Ok(InheritedRam {
+            mine,
+            others: unmapped,
+        })
+    }
+
+    /// Unmap the other snapshots' premaps (a child maps no more than its own RAM) and
+    /// make this machine's regions writable (still `MAP_PRIVATE`: each page the guest
+    /// writes is copied into this process, the files and the siblings untouched).
+    /// Its regions, for `RamSource::Mapped`; None without a premap of its own.
+    ///
+    /// # Safety
+    ///
+    /// Each range given to `new` must be a mapping this process inherited from the
+    /// zygote's premaps (or made as one) that nothing else in it uses; the regions
+    /// must stay mapped until the machine built on them is stopped.
+    pub unsafe fn adopt(&self) -> Result<Option<Vec<Region>>, String> {
+        for &(addr, len) in &self.others {
+            // SAFETY: the caller's contract: another snapshot's premap, used by nothing.
+            if unsafe { libc::munmap(addr as *mut libc::c_void, len) } != 0 {
+                return Err(format!(
+                    "unmap another snapshot's premap at {addr:#x}: {}",
+                    std::io::Error::last_os_error()
+                ));
+            }
+        }
+        for r in self.mine.iter().flatten() {
+            // SAFETY: the caller's contract: this process's premap of its own RAM,
+            // `new` checked it is whole pages; only its protection changes.
+            let made_writable = unsafe {
+                libc::mprotect(
+                    r.host_addr as *mut libc::c_void,
+                    r.size as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                )
+            };
+            if made_writable != 0 {
+                return Err(format!(
+                    "make the premapped RAM at {:#x} writable: {}",
+                    r.host_addr,
+                    std::io::Error::last_os_error()
+                ));
+            }
+        }
+        Ok(self.mine.clone())
+    }
+}
+
+/// A premap's regions, checked against the layout of `mem_size` bytes of RAM.
+fn own_regions(mem_size: u64, mine: &[(u64, u64, u64)]) -> Result<Vec<Region>, String> {
+    let layout = ram_layout(mem_size)?;
+    if mine.len() != layout.len()
+        || mine
+            .iter()
+            .zip(&layout)
+            .any(|(&(gpa, size, _), &(want_gpa, want_size, _))| {
+                (gpa, size) != (want_gpa, want_size)
+            })
+    {
+        return Err(format!(
+            "the premapped RAM {mine:x?} does not have the layout of {mem_size} bytes"
+        ));
+    }
+    mine.iter()
+        .map(|&(guest_phys, size, host_addr)| {
+            page_range(host_addr, size)?;
+            Ok(Region {
+                guest_phys,
+                size,
+                host_addr,
+            })
+        })
+        .collect()
 }
 
 fn failure_text(f: Failure) -> String {
@@ -792,6 +923,8 @@ mod tests {
     use crate::vm::test_ram_with;
     use kvm_bindings::kvm_segment;
     use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    use std::sync::OnceLock;
 
     const RNG_SLOT: u32 = 0;
     const RNG_IRQ: u32 = 5;
@@ -884,15 +1017,16 @@ mod tests {
             .count())
     }
 
-    /// A machine with `code` in its RAM, rng at virtio-mmio.0 as a boot has it, one
-    /// vCPU in 32-bit flat protected mode at `ENTRY`, the console logged to `log`.
-    fn machine(kvm: &Kvm, code: &[u8], log: Option<File>) -> Result<NativeMachine, String> {
+    /// A machine on `ram` (its code at `ENTRY`), rng at virtio-mmio.0 as a boot has
+    /// it, one vCPU in 32-bit flat protected mode at `ENTRY`, the console logged to
+    /// `log`.
+    fn machine(kvm: &Kvm, ram: Region, log: Option<File>) -> Result<NativeMachine, String> {
         let rng = DeviceKind::Rng {
             max_requests: 64,
             max_bytes: 64 * 1024,
         };
         let plan = MachinePlan {
-            ram: RamSource::Mapped(vec![test_ram_with(RAM_SIZE, ENTRY as usize, code)]),
+            ram: RamSource::Mapped(vec![ram]),
             vcpus: &[0],
             restore: None,
             console: ConsolePlan {
@@ -965,7 +1099,8 @@ mod tests {
                 .append(true)
                 .open(&log_path)
                 .map_err(|e| format!("{}: {e}", log_path.display()))?;
-            let machine = machine(&kvm, &READ_RNG_PRINT_RESET, Some(log))?;
+            let ram = test_ram_with(RAM_SIZE, ENTRY as usize, &READ_RNG_PRINT_RESET);
+            let machine = machine(&kvm, ram, Some(log))?;
             check(machine.exit().is_none(), || "an exit before start".into())?;
             machine.start(false)?;
             let mut ready = libc::pollfd {
@@ -1033,7 +1168,7 @@ mod tests {
         in_child(|| {
             let kvm = Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?;
             let before = open_fds()?;
-            let machine = machine(&kvm, &SPIN, None)?;
+            let machine = machine(&kvm, test_ram_with(RAM_SIZE, ENTRY as usize, &SPIN), None)?;
             check(machine.vcpu_states() == ["created"], || {
                 "not created".into()
             })?;
@@ -1072,5 +1207,132 @@ mod tests {
                 format!("{before} descriptors before the machine, {after} after stop")
             })
         });
+    }
+
+    /// What `a_child_adopts_its_inherited_premap_and_unmaps_the_others` mapped before
+    /// its fork, as the zygote does: (this snapshot's RAM, another snapshot's premap),
+    /// their host addresses.
+    static PREMAPS: OnceLock<(usize, usize)> = OnceLock::new();
+    const OTHER_PREMAP_LEN: usize = 2 * PAGE_SIZE as usize;
+    /// A byte of the base the child writes, never the file.
+    const WRITTEN_AT: usize = 0x10;
+
+    fn map(at: usize, len: usize, flags: i32, fd: RawFd) -> usize {
+        // SAFETY: a new read-only mapping, at `at` only over one this test made.
+        let addr = unsafe {
+            libc::mmap(
+                at as *mut libc::c_void,
+                len,
+                libc::PROT_READ,
+                libc::MAP_PRIVATE | libc::MAP_NORESERVE | flags,
+                fd,
+                0,
+            )
+        };
+        assert_ne!(addr, libc::MAP_FAILED, "mmap");
+        addr as usize
+    }
+
+    fn is_mapped(addr: usize, len: usize) -> bool {
+        let mut resident = vec![0u8; len.div_ceil(PAGE_SIZE as usize)];
+        // SAFETY: a vector of one byte per page of the range for mincore to fill.
+        let rc = unsafe { libc::mincore(addr as *mut libc::c_void, len, resident.as_mut_ptr()) };
+        rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOMEM)
+    }
+
+    /// The premap as `PremappedRam.map` makes it, here of a base of zeros and one run
+    /// from a layer file, the guest's code at `ENTRY`; the zygote makes it before it
+    /// forks (here: before `in_child`'s fork), read-only; the child adopts it.
+    #[test]
+    fn a_child_adopts_its_inherited_premap_and_unmaps_the_others() {
+        if kvm().is_none() {
+            return;
+        }
+        let dir = std::env::temp_dir();
+        let base_path = dir.join(format!("vmfork-premap-base-{}", std::process::id()));
+        let layer_path = dir.join(format!("vmfork-premap-layer-{}", std::process::id()));
+        let base = File::create(&base_path).unwrap();
+        base.set_len(RAM_SIZE as u64).unwrap();
+        let layer = File::create(&layer_path).unwrap();
+        layer.set_len(PAGE_SIZE).unwrap();
+        layer.write_all_at(&READ_RNG_PRINT_RESET, 0).unwrap();
+        let base = File::open(&base_path).unwrap();
+        let layer = File::open(&layer_path).unwrap();
+        let mine = map(0, RAM_SIZE, 0, base.as_raw_fd());
+        map(
+            mine + ENTRY as usize,
+            PAGE_SIZE as usize,
+            libc::MAP_FIXED,
+            layer.as_raw_fd(),
+        );
+        let other = map(0, OTHER_PREMAP_LEN, libc::MAP_ANONYMOUS, -1);
+        drop((base, layer)); // the mappings hold the files
+        let _ = std::fs::remove_file(&base_path);
+        let _ = std::fs::remove_file(&layer_path);
+        assert!(PREMAPS.set((mine, other)).is_ok());
+        in_child(|| {
+            let &(mine, other) = PREMAPS.get().ok_or("no premap")?;
+            let inherited = InheritedRam::new(
+                RAM_SIZE as u64,
+                Some(&[(0, RAM_SIZE as u64, mine as u64)]),
+                &[(other as u64, OTHER_PREMAP_LEN as u64)],
+            )?;
+            check(is_mapped(other, OTHER_PREMAP_LEN), || {
+                "the other premap was not inherited".into()
+            })?;
+            // SAFETY: both mapped by the test before this fork, used by nothing else.
+            let regions = unsafe { inherited.adopt() }?.ok_or("no own premap")?;
+            check(!is_mapped(other, OTHER_PREMAP_LEN), || {
+                "the other snapshot's premap is still mapped".into()
+            })?;
+            let ram = *regions.first().ok_or("no region")?;
+            // SAFETY: inside the adopted region, now writable; a fault here fails the test.
+            unsafe { *((ram.host_addr as usize + WRITTEN_AT) as *mut u8) = 0xA5 };
+            let kvm = Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?;
+            let machine = machine(&kvm, ram, None)?;
+            machine.start(false)?;
+            let mut ended = libc::pollfd {
+                fd: machine.exit_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one pollfd, live for the call.
+            let n = unsafe { libc::poll(&mut ended, 1, HANG_GUARD_MS) };
+            check(n == 1, || format!("the exit fd was not readable: {n}"))?;
+            // The run's page (the code) reached the guest through KVM's slot.
+            let tail = machine.console_tail();
+            check(tail == "ok", || {
+                format!("console tail {tail:?}, exit {:?}", machine.exit())
+            })
+        });
+        // The child's writes were its own: the premap still reads the file.
+        // SAFETY: this process's read-only mapping made above.
+        let byte = unsafe { *((mine + WRITTEN_AT) as *const u8) };
+        assert_eq!(byte, 0, "the child's write reached the zygote's premap");
+        assert!(is_mapped(other, OTHER_PREMAP_LEN));
+    }
+
+    #[test]
+    fn an_inherited_premap_must_have_the_snapshots_layout() {
+        let size = RAM_SIZE as u64;
+        let host = 0x7f00_0000_0000;
+        let fits = InheritedRam::new(size, Some(&[(0, size, host)]), &[(host + size, 4096)]);
+        assert!(fits.is_ok());
+        let flat = InheritedRam::new(size, None, &[(host, 4096)]);
+        assert!(flat.is_ok());
+        for (mine, others) in [
+            (vec![(0, size / 2, host)], vec![]),  // not the layout's size
+            (vec![(0x1000, size, host)], vec![]), // nor its address
+            (vec![(0, size, host + 1)], vec![]),  // not page-aligned
+            (vec![(0, size, 0)], vec![]),         // no mapping
+            (vec![(0, size, host)], vec![(host + 4096, 4096)]), // overlaps this RAM
+            (vec![(0, size, host)], vec![(host - 4096, 100)]), // not whole pages
+            (vec![(0, size, host)], vec![(u64::MAX - 4095, 8192)]), // wraps
+        ] {
+            assert!(
+                InheritedRam::new(size, Some(&mine), &others).is_err(),
+                "{mine:x?} {others:x?} accepted"
+            );
+        }
     }
 }

@@ -7,12 +7,17 @@
 //!   path and size, the prepared restore, COM1's registers, the console's budget, the
 //!   virtio devices' plans), built once per snapshot (`vmmchild._snapshot_machine`);
 //! * `ChildMachinePlan`: one child's, `SnapshotMachinePlan.for_child`: its run
-//!   directory (the console log and the vsock listener go there) and, for a jailed
-//!   child, where its jail's opened descriptors hold the memory file and `/dev/kvm`.
+//!   directory (the console log and the vsock listener go there), for a jailed
+//!   child where its jail's opened descriptors hold the memory file and `/dev/kvm`,
+//!   and the zygote's premaps it inherits (`machine::InheritedRam`, as plain values,
+//!   `vmmchild.inherited_ram` finds them): a diff snapshot's RAM, and the batch's
+//!   other snapshots', which it unmaps.
 //!
 //! The child opens all it needs itself (its set-up's `close_range` closed the zygote's
-//! descriptors): `/dev/kvm` and the memory file (from the jail's, once its uid may
-//! not open them), the console log, and its vsock device binds `<run_dir>/vsock.sock`.
+//! descriptors): `/dev/kvm` and, for a flat snapshot, the memory file (from the
+//! jail's, once its uid may not open them), the console log, and its vsock device
+//! binds `<run_dir>/vsock.sock`. A diff snapshot's RAM is the inherited premap,
+//! adopted (no file opened, no run mapped).
 
 use std::fs::File;
 use std::os::fd::{AsFd, FromRawFd, RawFd};
@@ -25,7 +30,7 @@ use pyo3::prelude::*;
 
 use crate::child::Opened;
 use crate::console::{log_budget, SerialFields, SerialRegs};
-use crate::machine::{ConsolePlan, MachinePlan, NativeMachine, RamSource, SlotPlan};
+use crate::machine::{ConsolePlan, InheritedRam, MachinePlan, NativeMachine, RamSource, SlotPlan};
 use crate::restore::VcpuBuffers;
 use crate::transport::{DeviceKind, DevicePlan, VsockListener};
 use crate::transport_py::{plan_from_py, PyPlan};
@@ -89,20 +94,30 @@ impl SnapshotMachinePlan {
 
     /// One child's plan: its `run_dir`; for a jailed child, the index of the memory
     /// file among the jail's read-only opened files (`JailSpec.preopen`) and of
-    /// `/dev/kvm` among its devices (`JailSpec.devices`).
-    #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None))]
+    /// `/dev/kvm` among its devices (`JailSpec.devices`). `premapped`: the RAM the
+    /// child inherits instead of mapping the memory file, (guest address, size, host
+    /// address) per region of the snapshot's layout (the memory file is then not
+    /// needed); `other_premaps`: (host address, length) of each other premap the fork
+    /// copies, which the child unmaps. `ValueError` for ranges that do not fit.
+    #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None, premapped = None,
+                        other_premaps = Vec::new()))]
     fn for_child(
         slf: Py<Self>,
         run_dir: PathBuf,
         jail_memory: Option<usize>,
         jail_kvm: Option<usize>,
-    ) -> ChildMachinePlan {
-        ChildMachinePlan {
+        premapped: Option<Vec<(u64, u64, u64)>>,
+        other_premaps: Vec<(u64, u64)>,
+    ) -> PyResult<ChildMachinePlan> {
+        let inherited = InheritedRam::new(slf.get().mem_size, premapped.as_deref(), &other_premaps)
+            .map_err(PyValueError::new_err)?;
+        Ok(ChildMachinePlan {
             snapshot: slf,
             run_dir,
             jail_memory,
             jail_kvm,
-        }
+            inherited,
+        })
     }
 }
 
@@ -113,6 +128,7 @@ pub struct ChildMachinePlan {
     run_dir: PathBuf,
     jail_memory: Option<usize>,
     jail_kvm: Option<usize>,
+    inherited: InheritedRam,
 }
 
 /// The descriptor at `index` of `fds`, the jail's opened `what`, owned from here.
@@ -124,27 +140,51 @@ fn jail_fd(fds: &[RawFd], index: usize, what: &str) -> Result<RawFd, String> {
 }
 
 impl ChildMachinePlan {
+    /// The snapshot's memory file: the jail's descriptor (`opened`), or opened here.
+    fn memory_file(&self, opened: Option<&Opened>) -> Result<File, String> {
+        match opened {
+            Some((ro, ..)) => {
+                let memory_at = self
+                    .jail_memory
+                    .ok_or("a jailed child needs its memory file opened by the jail")?;
+                let memory = jail_fd(ro, memory_at, "memory file")?;
+                // SAFETY: a descriptor the jail opened for this process and nothing else
+                // in it owns (no Python runs to adopt it): taken once, here.
+                Ok(unsafe { File::from_raw_fd(memory) })
+            }
+            None => {
+                let path = &self.snapshot.get().memory_path;
+                File::open(path).map_err(|e| format!("{}: {e}", path.display()))
+            }
+        }
+    }
+
     /// The machine, nothing running yet; `opened`: what the child's jail opened
     /// (None unjailed). Runs in the forked child, without Python.
     pub fn build(&self, opened: Option<&Opened>) -> Result<NativeMachine, String> {
         let snapshot = self.snapshot.get();
-        let (kvm, memory) = match opened {
-            Some((ro, _, _, devices, _)) => {
+        let kvm = match opened {
+            Some((_, _, _, devices, _)) => {
                 let kvm_at = self.jail_kvm.ok_or("a jailed child needs its /dev/kvm")?;
-                let memory_at = self
-                    .jail_memory
-                    .ok_or("a jailed child needs its memory file opened by the jail")?;
                 let kvm = jail_fd(devices, kvm_at, "/dev/kvm")?;
-                let memory = jail_fd(ro, memory_at, "memory file")?;
-                // SAFETY: descriptors the jail opened for this process and nothing else
-                // in it owns (no Python runs to adopt them): each is taken once, here.
-                unsafe { (Kvm::from_raw_fd(kvm), File::from_raw_fd(memory)) }
+                // SAFETY: as the memory file's (`memory_file`).
+                unsafe { Kvm::from_raw_fd(kvm) }
             }
-            None => (
-                Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?,
-                File::open(&snapshot.memory_path)
-                    .map_err(|e| format!("{}: {e}", snapshot.memory_path.display()))?,
-            ),
+            None => Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?,
+        };
+        let memory;
+        // SAFETY: `for_child`'s ranges are the zygote's premaps this child inherited
+        // (`vmmchild.inherited_ram`), which nothing else in it uses; its own stays
+        // mapped for the child's life (it leaves through `_exit`).
+        let ram = match unsafe { self.inherited.adopt() }? {
+            Some(regions) => RamSource::Mapped(regions),
+            None => {
+                memory = self.memory_file(opened)?;
+                RamSource::File {
+                    fd: memory.as_fd(),
+                    mem_size: snapshot.mem_size,
+                }
+            }
         };
         let log_path = self.run_dir.join("console.log");
         let log = File::options()
@@ -181,10 +221,7 @@ impl ChildMachinePlan {
         let states: Vec<&VcpuBuffers> = prepared.vcpus.iter().map(|v| &v.get().inner).collect();
         let indices: Vec<u32> = states.iter().map(|s| s.index()).collect();
         let plan = MachinePlan {
-            ram: RamSource::File {
-                fd: memory.as_fd(),
-                mem_size: snapshot.mem_size,
-            },
+            ram,
             vcpus: &indices,
             restore: Some(Restore {
                 vm: &prepared.vm,
@@ -197,7 +234,8 @@ impl ChildMachinePlan {
             },
             devices,
         };
-        // SAFETY: the RAM is a file mapping the machine makes and owns.
+        // SAFETY: the RAM is a file mapping the machine makes and owns, or the adopted
+        // premap, mapped until this process exits.
         unsafe { NativeMachine::restore(&kvm, plan) }
     }
 }

@@ -415,7 +415,8 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
     values (``_core.ChildLife``), built before the fork from what ``prefork`` built
     (the agent's target, the snapshot's decoded state, the seccomp program).
     Raises for a spawn a native child cannot serve yet: new volumes (attached in
-    Python), and a snapshot ``_snapshot_machine`` refuses."""
+    Python), a snapshot ``_snapshot_machine`` refuses, and a diff snapshot whose RAM
+    the zygote did not map ahead (``inherited_ram``)."""
     from vmfork import _core
     if args.get("volumes"):
         raise ValueError("a native child attaches no volumes yet (Machine.attach_volume)")
@@ -448,20 +449,17 @@ _snapshot_machines: dict[str, tuple[PreparedRestore, Any, str]] = {}
 def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str]:
     """The machine of ``snapshot_dir`` as ``_core.SnapshotMachinePlan``, built once per
     snapshot in the zygote (beside its ``PreparedRestore``, which it holds), and the
-    memory file it maps. Raises
-    ``ValueError`` for a snapshot a native machine cannot restore yet: a virtio device
-    with no native transport (blk, net, volume slots), or a diff snapshot's memory
-    plan (its premap is the Python ``Machine``'s to adopt)."""
+    memory file it maps (a diff snapshot's base: its children adopt the premap
+    instead, ``inherited_ram``). Raises ``ValueError`` for a snapshot a native machine
+    cannot restore yet: a virtio device with no native transport (blk, net, volume
+    slots)."""
     from vmfork import _core
     state, prepared = load_snapshot(snapshot_dir)
     key = os.path.join(snapshot_dir, "state.bin")
     cached = _snapshot_machines.get(key)
     if cached is not None and cached[0] is prepared:
         return cached[1], cached[2]
-    memory_file, memory_plan = load_memory(snapshot_dir)
-    if memory_plan is not None:
-        raise ValueError(f"{snapshot_dir} is a diff snapshot: a native child maps only a "
-                         "flat memory file yet")
+    memory_file, _ = load_memory(snapshot_dir)
     if prepared.native is None:
         raise ValueError(f"{snapshot_dir}'s restore buffers are not native")
     com1 = state.device(devices.SERIAL)
@@ -478,18 +476,50 @@ def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str]:
     return machine, memory_file
 
 
+def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,
+                                              list[tuple[int, int]]]:
+    """What a native child of ``snapshot_dir`` forked next (after ``prefork``) inherits
+    of the zygote's premaps, as plain values for ``SnapshotMachinePlan.for_child``: its
+    own RAM's regions (``PremappedRam.host_regions``), None for a flat snapshot, and
+    ``(host address, length)`` of each other premap the fork copies (the batch's other
+    snapshots'), which it unmaps, as ``inherited_premap`` does in a Python child.
+
+    The zygote checked the plan and every file it maps at this batch's
+    ``premap_memory``; the child adopts the mapping without looking again (it runs no
+    Python). Raises ``ValueError`` for a diff snapshot that has no premap to inherit
+    (its plan beyond ``PREMAP_RUNS_KEPT``, a map or ``MADV_DOFORK`` that failed): a
+    native child maps no run of a plan itself."""
+    plan_path = os.path.join(snapshot_dir, PLAN_FILE)
+    _, plan = load_memory(snapshot_dir)
+    mine = _premaps.get(plan_path) if plan is not None else None
+    if plan is not None and (mine is None or not mine.inherited or mine.plan is not plan):
+        raise ValueError(f"{snapshot_dir} is a diff snapshot whose RAM the zygote did not map "
+                         "ahead (see its log): a native child maps no memory plan itself")
+    others = [(host, size) for path, entry in _premaps.items()
+              if entry.inherited and path != plan_path
+              for _, size, host in entry.ram.host_regions()]
+    return (None if mine is None else mine.ram.host_regions()), others
+
+
 def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
     """The plan of the machine a native child restores from ``args["snapshot_dir"]``
-    (``_core.ChildMachinePlan``): its snapshot's, with its run directory and, jailed,
-    where the jail's opened descriptors hold the memory file and ``/dev/kvm``."""
-    machine, memory_file = _snapshot_machine(str(args["snapshot_dir"]))
+    (``_core.ChildMachinePlan``): its snapshot's, with its run directory, the premaps
+    it inherits (``inherited_ram``) and, jailed, where the jail's opened descriptors
+    hold ``/dev/kvm`` and, for a flat snapshot, the memory file."""
+    snapshot_dir = str(args["snapshot_dir"])
+    machine, memory_file = _snapshot_machine(snapshot_dir)
+    premapped, other_premaps = inherited_ram(snapshot_dir)
     run_dir = str(args["run_dir"])
     if jail_spec is None:
-        return machine.for_child(run_dir)
-    if memory_file not in jail_spec.preopen or KVM_PATH not in jail_spec.devices:
-        raise ValueError(f"the jail opens no {memory_file} or {KVM_PATH} for the machine")
-    return machine.for_child(run_dir, jail_memory=jail_spec.preopen.index(memory_file),
-                             jail_kvm=jail_spec.devices.index(KVM_PATH))
+        return machine.for_child(run_dir, premapped=premapped, other_premaps=other_premaps)
+    if KVM_PATH not in jail_spec.devices:
+        raise ValueError(f"the jail opens no {KVM_PATH} for the machine")
+    if premapped is None and memory_file not in jail_spec.preopen:
+        raise ValueError(f"the jail opens no {memory_file} for the machine")
+    return machine.for_child(
+        run_dir, jail_kvm=jail_spec.devices.index(KVM_PATH), premapped=premapped,
+        other_premaps=other_premaps,
+        jail_memory=None if premapped is not None else jail_spec.preopen.index(memory_file))
 
 
 def native_handover(line: bytes, fd: int) -> bytes:

@@ -229,6 +229,12 @@ class PremappedRam:
         return cls(os.path.abspath(path), mem_size, len(plan.runs), sources, tuple(mappings),
                    overlays)
 
+    def host_regions(self) -> list[tuple[int, int, int]]:
+        """``(guest address, size, host address)`` of each region: where a child that
+        runs no Python finds it (``runtime.vmmchild.inherited_ram``)."""
+        return [(layout.guest_phys, layout.size, _mapping_address(m))
+                for layout, m in zip(ram_layout(self.mem_size), self.mappings)]
+
     def release(self) -> None:
         """Unmap it (only where it is mapped: the process that made it, or a child
         that inherited it)."""
