@@ -316,3 +316,28 @@ def test_a_diff_of_an_adopted_mapping_leaves_out_pages_written_back(tmp_path: Pa
     result = _in_child(body)
     assert result["adopted"]
     assert result["kept"] == [[10 * PAGE_SIZE, PAGE_SIZE]]
+
+
+def test_a_native_child_is_given_its_premap_and_the_others_to_unmap(tmp_path: Path) -> None:
+    """What a child that runs no Python is told of the premaps its fork copies
+    (``vmmchild.inherited_ram``, for ``SnapshotMachinePlan.for_child``): its own RAM's
+    regions, and every other inherited premap's range, which it unmaps."""
+    link = _write_chain(tmp_path / "snaps")
+    other = _write_chain(tmp_path / "snaps", tag="other")
+    vmmchild.premap_memory({str(link), str(other)})
+    mine = vmmchild._premaps[str(link / PLAN_FILE)].ram
+    theirs = vmmchild._premaps[str(other / PLAN_FILE)].ram
+    assert vmmchild.inherited_ram(str(link)) == (
+        [(0, MEM, _mapping_address(mine.mappings[0]))],
+        [(_mapping_address(theirs.mappings[0]), MEM)])
+    # A flat snapshot's child in the same batch maps its file and unmaps both.
+    flat, others = vmmchild.inherited_ram(str(tmp_path / "snaps/base"))
+    assert flat is None and sorted(others) == sorted(
+        (_mapping_address(m.mappings[0]), MEM) for m in (mine, theirs))
+    # Not this batch's (MADV_DONTFORK: not inherited): a native child cannot adopt it,
+    # nor unmap it.
+    vmmchild.premap_memory({str(other)})
+    with pytest.raises(ValueError, match="did not map ahead"):
+        vmmchild.inherited_ram(str(link))
+    assert vmmchild.inherited_ram(str(other)) == (
+        [(0, MEM, _mapping_address(theirs.mappings[0]))], [])
