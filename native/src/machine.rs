@@ -1075,6 +1075,18 @@ mod tests {
         Ok(machine)
     }
 
+    /// Wait until the machine ended (its exit fd readable), at most `HANG_GUARD_MS`.
+    fn wait_for_exit(machine: &NativeMachine) -> Result<(), String> {
+        let mut ended = libc::pollfd {
+            fd: machine.exit_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd, live for the call.
+        let n = unsafe { libc::poll(&mut ended, 1, HANG_GUARD_MS) };
+        check(n == 1, || format!("the exit fd was not readable: {n}"))
+    }
+
     fn kvm() -> Option<Kvm> {
         let kvm = Kvm::new().ok();
         if kvm.is_none() {
@@ -1103,14 +1115,7 @@ mod tests {
             let machine = machine(&kvm, ram, Some(log))?;
             check(machine.exit().is_none(), || "an exit before start".into())?;
             machine.start(false)?;
-            let mut ready = libc::pollfd {
-                fd: machine.exit_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one pollfd, live for the call.
-            let n = unsafe { libc::poll(&mut ready, 1, HANG_GUARD_MS) };
-            check(n == 1, || format!("the exit fd was not readable: {n}"))?;
+            wait_for_exit(&machine)?;
             let exit = machine.exit();
             check(
                 exit == Some(("reset", "the guest pulsed the i8042 reset line".into())),
@@ -1291,14 +1296,7 @@ mod tests {
             let kvm = Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?;
             let machine = machine(&kvm, ram, None)?;
             machine.start(false)?;
-            let mut ended = libc::pollfd {
-                fd: machine.exit_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one pollfd, live for the call.
-            let n = unsafe { libc::poll(&mut ended, 1, HANG_GUARD_MS) };
-            check(n == 1, || format!("the exit fd was not readable: {n}"))?;
+            wait_for_exit(&machine)?;
             // The run's page (the code) reached the guest through KVM's slot.
             let tail = machine.console_tail();
             check(tail == "ok", || {

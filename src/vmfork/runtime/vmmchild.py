@@ -32,7 +32,10 @@ imports are already done and a spawn pays only for the restore. Contract:
   is mapped once in the zygote too (``premap_memory``, read-only, never touched
   there) and inherited only by the children of that snapshot, which adopt it as
   their RAM (copy-on-write, each its own) once its files are checked to be the ones
-  mapped; any mismatch or failure and the child maps the plan itself, as before.
+  mapped; any mismatch or failure and the child maps the plan itself, as before. A
+  child that runs no Python (``native_child``) adopts it natively, as the zygote
+  checked it at this batch's ``premap_memory`` (``inherited_ram``); without a premap
+  its spawn fails (it maps no plan run itself).
 * ``netns``/``net_tap`` (optional): the child's network namespace, entered before
   anything else, and the tap in it that its virtio-net device attaches to. A
   restored guest with a network device is told it was forked (``net_refresh``:
