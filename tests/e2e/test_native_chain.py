@@ -109,16 +109,21 @@ def children(chain: dict[str, Snapshot],
 
 
 def _chain_mappings(pid: int, chain: dict[str, Snapshot]) -> list[tuple[int, str]]:
-    """(bytes, file) of each mapping in ``pid`` of a file of the chain's memory."""
-    files = {str(chain["base"].path / "memory.bin")} | {
-        str(chain[tag].path / "layer.bin") for tag, _ in LINKS}
+    """(bytes, file) of each mapping in ``pid`` of a file of the chain's memory. The
+    files are known by inode and name: under an overlay (the test host's root) ``maps``
+    names the upper layer's file and device, which keeps the inode."""
+    files = [chain["base"].path / "memory.bin", *(chain[t].path / "layer.bin" for t, _ in LINKS)]
+    by_inode = {(f.stat().st_ino, f.name): str(f) for f in files}
     out = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() in files:
+            if len(fields) < 6:
+                continue
+            file = by_inode.get((int(fields[4]), os.path.basename(fields[5].strip())))
+            if file is not None:
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                out.append((hi - lo, fields[5].strip()))
+                out.append((hi - lo, file))
     return out
 
 
