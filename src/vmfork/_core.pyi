@@ -407,7 +407,9 @@ class SnapshotMachinePlan:
                  serial: tuple[int, int, int, int, int, int, bool, bytes] | None,
                  log_burst: int, log_per_second: float, log_total_bytes: int) -> None: ...
     def for_child(self, run_dir: str, *, jail_memory: int | None = ...,
-                  jail_kvm: int | None = ...) -> ChildMachinePlan: ...
+                  jail_kvm: int | None = ...,
+                  premapped: list[tuple[int, int, int]] | None = ...,
+                  other_premaps: list[tuple[int, int]] = ...) -> ChildMachinePlan: ...
 
 class ChildMachinePlan:
     """One native child's machine: its snapshot's plan and its run directory."""
