@@ -1503,6 +1503,11 @@ impl VsockServer {
         [RX, TX, EV].map(|i| (inner.avail[i], inner.used[i]))
     }
 
+    /// Used-buffer interrupts raised this activation (the irqfd written).
+    pub fn interrupts(&self) -> u64 {
+        lock(&self.inner).interrupts
+    }
+
     /// Host connections established or being requested.
     pub fn connection_count(&self) -> usize {
         lock(&self.inner).conns.len()
@@ -1782,7 +1787,7 @@ impl VsockServe {
     /// Used-buffer interrupts raised this activation (the irqfd written).
     #[getter]
     fn interrupts(&self) -> u64 {
-        lock(&self.server.inner).interrupts
+        self.server.interrupts()
     }
 
     /// The Python objects it holds, for the collector (`on_fault` is a bound method of

@@ -494,9 +494,10 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
 
 def native_handover(line: bytes, fd: int) -> bytes:
     """A native child's hand-over (``NATIVE_HANDOVER``): a line its control server does
-    not serve, parsed as ``ControlServer.handle_line`` parses it. The ops it hands over
-    (``exits``, ``snapshot``) read the machine's Python view, which ``NativeMachine``
-    does not offer yet: they are refused, saying so."""
+    not serve, parsed as ``ControlServer.handle_line`` parses it. The op it hands over
+    (``snapshot``, and a served op in a line the server did not recognise as plain)
+    reads the machine's Python view, which ``NativeMachine`` does not offer yet: it is
+    refused, saying so."""
     def dispatch(request: control.AnyRequest) -> control.WireRecord:
         raise _Refused(f"a native child does not serve {type(request).__name__} yet "
                        "(it needs the machine's Python view)")
@@ -719,8 +720,10 @@ def handover_reply(line: bytes,
 class ControlServer:
     """The control socket (``runtime.control``: the protocol, its records and the
     client), served by a native thread (``_core.ControlServe``, ``control_serve.rs``):
-    ``pause``, ``resume``, ``stop`` and ``status`` (the balloon's counters are its
-    native device's) there, without Python; every other line is handed to
+    ``pause``, ``resume``, ``stop``, ``status`` (the balloon's counters are its native
+    device's) and ``exits`` (the vCPU loops' counters; the buses' and interrupt lines',
+    which are Python objects, from ``Machine.exit_counters`` with the GIL) there, without
+    Python's dispatch; every other line is handed to
     ``handle_line`` with the GIL, for that line only, on the control thread. This
     object owns what the hand-over needs: the snapshot state (``SnapshotTaker``) and
     what ``status`` says of it, pushed to the native server after each capture.
@@ -754,7 +757,7 @@ class ControlServer:
         self._server = _core.ControlServe(
             sock.detach(), on_stop.write_fd, [vcpu.loop for vcpu in machine.vcpus],
             jailed, None if machine.balloon is None else machine.balloon.device,
-            self.handle_line)
+            machine.exit_counters, self.handle_line)
         self._push_snapshot_status()
         machine.on_exit(self._server.set_exit)
         self._closed = False
@@ -770,9 +773,9 @@ class ControlServer:
         return handover_reply(line, lambda request: self._dispatch(request, fd))
 
     def _dispatch(self, request: control.AnyRequest, fd: int) -> control.WireRecord:
-        # Status, pause, resume and stop come here only for a line the native server
-        # did not recognise as plain (an escaped op name, say): the same loops, the
-        # same counters and the same stop pipe either way.
+        # Status, pause, resume, exits and stop come here only for a line the native
+        # server did not recognise as plain (an escaped op name, say): the same loops,
+        # the same counters and the same stop pipe either way.
         m = self.machine
         match request:
             case control.Status():

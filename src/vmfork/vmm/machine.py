@@ -34,7 +34,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -816,24 +816,24 @@ class Machine:
         return self._exit
 
     def exit_profile(self) -> dict[str, Any]:
-        """VM exits by reason (all vCPUs) and the busiest I/O addresses."""
+        """VM exits by reason (all vCPUs) and the busiest I/O addresses, unmapped
+        accesses and interrupts by line (``exit_profile_of``)."""
         by_reason: collections.Counter[str] = collections.Counter()
         by_address: collections.Counter[tuple[str, int]] = collections.Counter()
         for vcpu in self.vcpus:
             by_reason.update(vcpu.exits)
             by_address.update(vcpu.io_exits)
-        return {
-            "by_reason": dict(by_reason.most_common()),
-            "top_io": [{"bus": bus, "address": hex(addr), "count": n}
-                       for (bus, addr), n in by_address.most_common(10)],
-            "unmapped": {"pio_reads": self.pio_bus.unmapped_reads,
-                         "pio_writes": self.pio_bus.unmapped_writes,
-                         "mmio_reads": self.mmio_bus.unmapped_reads,
-                         "mmio_writes": self.mmio_bus.unmapped_writes},
-            "irqs": {line.gsi: line.count for line in self._irq_lines},
-        }
+        return exit_profile_of(by_reason, by_address, *self.exit_counters())
 
-    # -- teardown ---------------------------------------------------------------------------
+    def exit_counters(self) -> tuple[tuple[int, int, int, int], list[tuple[int, int]]]:
+        """The counters of ``exit_profile`` that are not the vCPU loops': unmapped
+        (port reads, port writes, MMIO reads, MMIO writes) and (GSI, interrupts) per
+        line. The native control server asks for them to answer ``exits``."""
+        unmapped = (self.pio_bus.unmapped_reads, self.pio_bus.unmapped_writes,
+                    self.mmio_bus.unmapped_reads, self.mmio_bus.unmapped_writes)
+        return unmapped, [(line.gsi, line.count) for line in self._irq_lines]
+
+        # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the vCPUs and release every resource. Idempotent."""
         vcpus = getattr(self, "vcpus", [])
@@ -860,6 +860,30 @@ class Machine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+TOP_IO = 10   # the busiest I/O addresses an exit profile lists (control_serve.rs)
+
+
+def exit_profile_of(by_reason: Mapping[str, int], by_address: Mapping[tuple[str, int], int],
+                    unmapped: tuple[int, int, int, int],
+                    irqs: Iterable[tuple[int, int]]) -> dict[str, Any]:
+    """An exit profile's dict (the ``exits`` op's ``profile``) from its counters, each
+    listed by count, most first, ties by key, so that the native control server, which
+    writes the same reply from the same counters (``control_serve.rs``), writes the
+    same bytes."""
+    def busiest(counts: Mapping[Any, int]) -> list[tuple[Any, int]]:
+        return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    pio_reads, pio_writes, mmio_reads, mmio_writes = unmapped
+    return {
+        "by_reason": dict(busiest(by_reason)),
+        "top_io": [{"bus": bus, "address": hex(addr), "count": n}
+                   for (bus, addr), n in busiest(by_address)[:TOP_IO]],
+        "unmapped": {"pio_reads": pio_reads, "pio_writes": pio_writes,
+                     "mmio_reads": mmio_reads, "mmio_writes": mmio_writes},
+        "irqs": dict(irqs),
+    }
 
 
 def console_log_path(run_dir: Path, vm_id: str) -> Path:
