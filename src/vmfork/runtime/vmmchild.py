@@ -97,7 +97,7 @@ from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
-from vmfork.vmm.devices.plan import machine_plan
+from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
@@ -130,9 +130,13 @@ SNAPSHOTS_KEPT = 8
 
 @dataclass(frozen=True)
 class _LoadedSnapshot:
-    identity: tuple[int, int, int, int]   # st_dev, st_ino, st_size, st_mtime_ns of state.bin
+    # st_dev, st_ino, st_size, st_mtime_ns of state.bin; None: not cached
+    identity: tuple[int, int, int, int] | None
     state: MachineState
     prepared: PreparedRestore
+    # The natively served devices' plans (``plan.restore_plans``); None for records
+    # that do not fit their device: the child's machine then says why.
+    plans: dict[str, Plan] | None
 
 
 _snapshots: dict[str, _LoadedSnapshot] = {}
@@ -150,6 +154,12 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
     """The decoded state of ``snapshot_dir`` and its ioctl buffers, from the cache when
     ``state.bin`` is unchanged (same inode, size and mtime), else read, checked and
     cached. Raises what ``read_state_file``/``prepare_restore`` raise for a bad file."""
+    loaded = _load_snapshot(snapshot_dir)
+    return loaded.state, loaded.prepared
+
+
+def _load_snapshot(snapshot_dir: str) -> _LoadedSnapshot:
+    """``load_snapshot``'s cache entry, its devices' plans with it."""
     path = os.path.join(snapshot_dir, "state.bin")
     try:
         before = _identity(path)
@@ -157,16 +167,21 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
         before = None
     cached = _snapshots.get(path)
     if cached is not None and cached.identity == before:
-        return cached.state, cached.prepared
+        return cached
     state = read_state_file(path, MachineState)
     prepared = prepare_restore(state)
+    try:
+        plans: dict[str, Plan] | None = restore_plans(state)
+    except ValueError:
+        plans = None
+    loaded = _LoadedSnapshot(before, state, prepared, plans)
     # Cache only if the file did not change while it was read.
     if before is not None and _identity(path) == before:
         _snapshots.pop(path, None)
-        _snapshots[path] = _LoadedSnapshot(before, state, prepared)
+        _snapshots[path] = loaded
         while len(_snapshots) > SNAPSHOTS_KEPT:
             del _snapshots[next(iter(_snapshots))]
-    return state, prepared
+    return loaded
 
 
 def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
@@ -329,7 +344,8 @@ _warmed_up: set[tuple[str, tuple[int, int, int, int]]] = set()
 
 def prefork(batch: list[dict[str, Any]]) -> None:
     """Zygote hook, run before a batch is forked: decode each snapshot once here so
-    every child inherits it, and warm the restore path up on its first batch. A
+    every child inherits it (its ioctl buffers and its native devices' plans with it),
+    and warm the restore path up on its first batch. A
     snapshot that cannot be loaded is left to the children, which report why. Then
     the RAM of each diff snapshot is mapped, once (``premap_memory``). The seccomp
     program of a jailed child is built here too (``seccomp.vmm_filter``), and the
@@ -629,7 +645,8 @@ def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
 def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
             net_tap: str | None = None,
             volumes: tuple[VolumeMedia, ...] = ()) -> tuple[Machine, MachineState]:
-    state, prepared = load_snapshot(snapshot_dir)
+    loaded = _load_snapshot(snapshot_dir)
+    state = loaded.state
     memory_file, plan = load_memory(snapshot_dir)
     # In a child of the zygote, the RAM its prefork mapped (never in the zygote itself:
     # its warm-up restore maps its own, and the premap is never written there).
@@ -640,7 +657,7 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
     blk = state.device(devices.BLK)
     disk_key = blk.disk_key if blk is not None else None
     config = MachineConfig(
-        restore_state=state, restore_prepared=prepared,
+        restore_state=state, restore_prepared=loaded.prepared, restore_plans=loaded.plans,
         memory_file=memory_file, memory_plan=plan, memory_premapped=premapped,
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=(str(run_dir / "vsock.sock") if state.device(devices.VSOCK) is not None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import threading
 import time
@@ -60,6 +61,7 @@ from vmfork.vmm.devices.manager import (
 from vmfork.vmm.devices.plan import (
     NATIVE_KINDS,
     NativeVirtio,
+    Plan,
     balloon_advice,
     boot_plan,
     device_plan,
@@ -138,6 +140,11 @@ class MachineConfig:
     # restore_state's ioctl buffers, built beforehand (vmstate.prepare_restore) so a
     # forked child only issues ioctls; built from restore_state when not given.
     restore_prepared: vmstate.PreparedRestore | None = None
+    # restore_state's natively served devices' plans by kind (``plan.restore_plans``),
+    # built beforehand with the balloon dropping pages by MADV_DONTNEED (guest RAM
+    # mapped private, as a forked child's is), so a forked child does not build them;
+    # built from restore_state when not given or when its RAM drops pages otherwise.
+    restore_plans: Mapping[str, Plan] | None = None
     cmdline_extra: str = ""
     mem_mib: int = 256
     vcpus: int = 1
@@ -188,8 +195,8 @@ class MachineConfig:
             if len(self.restore_state.vcpus) != self.vcpus:
                 raise ValueError(f"the snapshot has {len(self.restore_state.vcpus)} vCPUs, "
                                  f"the config {self.vcpus}")
-        elif self.restore_prepared is not None:
-            raise ValueError("restore_prepared needs restore_state")
+        elif self.restore_prepared is not None or self.restore_plans is not None:
+            raise ValueError("restore_prepared and restore_plans need restore_state")
         if not 1 <= self.vcpus <= MAX_VCPUS:
             raise ValueError(f"vcpus must be 1..{MAX_VCPUS}, not {self.vcpus}")
         if not 32 <= self.mem_mib <= 64 * 1024:
@@ -687,7 +694,13 @@ class Machine:
         saved = self.config.restore_state
         record = None if saved is None else next(d for d in saved.devices
                                                  if d.kind == kind.name)
-        plan = boot_plan(kind.name, advice) if record is None else device_plan(record, advice)
+        prebuilt = self.config.restore_plans if advice == mmap.MADV_DONTNEED else None
+        if record is None:
+            plan = boot_plan(kind.name, advice)
+        elif prebuilt is not None and kind.name in prebuilt:
+            plan = prebuilt[kind.name]
+        else:
+            plan = device_plan(record, advice)
         assert isinstance(self.loop, NativeEventLoop) and self.memory.native is not None
         notify: list[int] = []
         try:
