@@ -1338,9 +1338,9 @@ pub struct Activation {
 /// host's RST, or for `VSOCK_CLOSE_TIMEOUT` (8 s) when none comes, transport reset or
 /// not, and the guest answers a REQUEST whose ports name such a socket with RST
 /// (`virtio_transport_recv_pkt`). Numbered from one fixed port, a child's Nth
-/// connection had the source's Nth connection's ports, and failed so whenever the
-/// capture fell inside that one's close (a child of a branch of a child failed its
-/// second `eval`). A random start makes a reuse as likely as a guess of 30 bits.
+/// connection had the source's Nth connection's ports, and was refused whenever the
+/// capture fell inside that one's close (`test_branch.py`'s branch of a branch: its
+/// child's second `eval`). A random start makes a reuse as likely as a 30-bit guess.
 fn first_host_port() -> u32 {
     let mut bytes = [0u8; 4];
     // SAFETY: getrandom writes at most the 4 bytes of this live local buffer.
