@@ -78,7 +78,9 @@ struct Shared {
     jailed: bool,
     /// The machine's balloon, whose counters `status` reports.
     balloon: Option<Arc<NativeTransport>>,
-    counters: Arc<dyn MachineCounters>,
+    /// The machine's counters for `exits` (a Python machine's hold it: let go at
+    /// `close`, as the hand-over is).
+    counters: Mutex<Option<Arc<dyn MachineCounters>>>,
     status: Mutex<Status>,
     /// Written by `close`: the thread ends at its next turn.
     wake: OwnedFd,
@@ -372,7 +374,12 @@ impl Shared {
                 *io.entry(address).or_insert(0) += n;
             }
         }
-        match self.counters.counts() {
+        // Cloned out: no lock is held while a Python machine's are read with the GIL.
+        let counters = lock(&self.counters).clone();
+        let Some(counters) = counters else {
+            return error_line(CLOSING);
+        };
+        match counters.counts() {
             Ok((unclaimed, irqs)) => exits_line(
                 &by_reason.into_iter().collect::<Vec<_>>(),
                 &io.into_iter().collect::<Vec<_>>(),
@@ -697,7 +704,7 @@ impl ControlServe {
             vcpus,
             jailed,
             balloon,
-            counters,
+            counters: Mutex::new(Some(counters)),
             status: Mutex::new(Status::default()),
             // SAFETY: the new eventfd above.
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
@@ -792,10 +799,13 @@ impl ControlServe {
             if let Some(thread) = lock(&self.thread).take() {
                 py.detach(move || drop(thread.join()));
             }
-            // The handler is a bound method of the Python object holding us: let go of
-            // it so the pair is freed without the cycle collector.
+            // The handler and a Python machine's counters are bound methods of Python
+            // objects that hold us: let go of them so each pair is freed without the
+            // cycle collector.
             let handover = lock(&self.shared.handover).take();
             drop(handover);
+            let counters = lock(&self.shared.counters).take();
+            drop(counters);
         }
         ended
     }

@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -223,6 +224,22 @@ def test_exits_is_served_natively_with_the_machines_counters(
     assert s.handed == []
     assert replies == [control.encode(control.ExitsReply(profile=exit_profile_of(
         {}, {}, (1, 2, 3, n), [(4, 0), (5, 12)]))) for n in (1, 2)]
+
+
+def test_close_lets_go_of_the_machines_counters(tmp_path: Path) -> None:
+    """A Python machine's counters are its bound method, and the machine holds the
+    server: ``close`` lets go of them, so the pair needs no cycle collector."""
+    class Machine:
+        def counters(self) -> _core.MachineCounts:
+            return (0, 0, 0, 0), []
+
+    machine = Machine()
+    gone = weakref.finalize(machine, lambda: None)
+    s = Served(tmp_path / "control.sock", counters=machine.counters)
+    del machine
+    assert gone.alive
+    s.close()
+    assert not gone.alive
 
 
 def test_counters_that_fail_are_an_error_reply(served: Callable[..., Served]) -> None:
