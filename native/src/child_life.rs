@@ -40,7 +40,7 @@ use serde_json::{Map, Value};
 
 use crate::agent_handshake::{self, Failure as AgentFailure, Handshake, Target};
 use crate::child_report::ChildReporter;
-use crate::control_serve::{error_line, ControlServe, Handover, CLOSING};
+use crate::control_serve::{error_line, ControlServe, Handover, MachineCounters, CLOSING};
 use crate::spawn_profile::SpawnProfile;
 use crate::transport::NativeTransport;
 use crate::vcpu::VcpuControl;
@@ -75,6 +75,8 @@ pub trait ChildMachine {
     fn console_tail(&self) -> String;
     /// The balloon, whose counters `status` reports, if the machine has one.
     fn balloon(&self) -> Option<Arc<NativeTransport>>;
+    /// The counters `exits` reports besides the vCPU loops' own.
+    fn counters(&self) -> Arc<dyn MachineCounters>;
     /// Stop the vCPUs (the process is about to exit).
     fn stop(&self);
 }
@@ -555,6 +557,7 @@ fn run<M: ChildMachine>(
             machine.vcpu_controls(),
             plan.jailed,
             machine.balloon(),
+            machine.counters(),
             relay.clone(),
         )
     }) {
@@ -749,6 +752,10 @@ impl ChildMachine for crate::machine::NativeMachine {
         crate::machine::NativeMachine::balloon(self)
     }
 
+    fn counters(&self) -> Arc<dyn MachineCounters> {
+        crate::machine::NativeMachine::counters(self)
+    }
+
     fn stop(&self) {
         crate::machine::NativeMachine::stop(self)
     }
@@ -767,6 +774,8 @@ mod tests {
     const RESET_NOW: [u8; 5] = [0xB0, 0xFE, 0xE6, 0x64, 0xF4];
     /// Real mode, interrupts off: hlt; jmp back to it. Runs until stopped.
     const HALT_FOREVER: [u8; 3] = [0xF4, 0xEB, 0xFD];
+    /// Real mode: out 0x80,al (a port no device claims); then `HALT_FOREVER`.
+    const UNCLAIMED_OUT_THEN_HALT: [u8; 5] = [0xE6, 0x80, 0xF4, 0xEB, 0xFD];
     const WAIT: Duration = Duration::from_secs(30);
 
     fn kvm_usable() -> bool {
@@ -983,7 +992,7 @@ mod tests {
         let handler = Arc::new(ThreadTelling(AtomicI32::new(0)));
         let (tid, life) = spawn_life(
             run.plan(false, Duration::from_secs(3)),
-            &HALT_FOREVER,
+            &UNCLAIMED_OUT_THEN_HALT,
             handler.clone(),
         );
         let restored = run.wait_for_state("restored");
@@ -1005,8 +1014,30 @@ mod tests {
         assert_eq!(ask("{\"op\": \"pause\"}")["ok"], true);
         assert_eq!(ask("{\"op\": \"status\"}")["paused"], true);
         assert_eq!(ask("{\"op\": \"resume\"}")["ok"], true);
-        let exits = ask("{\"op\": \"exits\"}");
-        assert_eq!(exits["line"], "{\"op\": \"exits\"}");
+        // `exits` natively: the guest's one port write, unclaimed, once it is done.
+        let deadline = Instant::now() + WAIT;
+        let exits = loop {
+            let exits = ask("{\"op\": \"exits\"}");
+            if exits["profile"]["by_reason"]["io"] == 1 || Instant::now() > deadline {
+                break exits;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(exits["ok"], true, "{exits}");
+        assert_eq!(exits["profile"]["by_reason"]["io"], 1, "{exits}");
+        assert_eq!(
+            exits["profile"]["top_io"],
+            serde_json::json!([{"bus": "pio", "address": "0x80", "count": 1}])
+        );
+        assert_eq!(exits["profile"]["unmapped"]["pio_writes"], 1, "{exits}");
+        assert_eq!(exits["profile"]["irqs"], serde_json::json!({}));
+        assert_eq!(
+            handler.0.load(Ordering::Acquire),
+            0,
+            "exits is not handed over"
+        );
+        let snapshot = ask("{\"op\": \"snapshot\"}");
+        assert_eq!(snapshot["line"], "{\"op\": \"snapshot\"}");
         assert_eq!(
             handler.0.load(Ordering::Acquire),
             tid.load(Ordering::Acquire),

@@ -5,8 +5,9 @@
 //! connection; it holds no Python object but the hand-over handler, and takes the GIL
 //! only to call it.
 //!
-//! Served here, without Python: `pause`, `resume`, `stop` and `status` (a balloon's
-//! counters are its native transport's, `transport.rs`). Everything else -- `exits`,
+//! Served here, without Python: `pause`, `resume`, `stop`, `status` (a balloon's
+//! counters are its native transport's, `transport.rs`) and `exits` (the vCPU loops'
+//! counters, `vcpu.rs`, and the machine's, `MachineCounters`). Everything else --
 //! `snapshot`, and every line that is not exactly `{"op": "<one of those>"}`
 //! (malformed lines included) -- goes to the handler, for that line only: it runs
 //! `control.parse_request`, so an error reply's text has one author.
@@ -18,6 +19,7 @@
 //! waits at most `SEND_TIMEOUT` for a client that does not read (`SO_SNDTIMEO`; the
 //! connection is dropped then), so one such client cannot stall the others.
 
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -30,7 +32,7 @@ use pyo3::types::PyBytes;
 
 use crate::transport::NativeTransport;
 use crate::transport_py::NativeDevice;
-use crate::vcpu::{VcpuControl, VcpuLoop};
+use crate::vcpu::{UnclaimedCounts, VcpuControl, VcpuLoop};
 
 /// `control.MAX_LINE_BYTES`: one request line (a test holds them equal).
 pub const MAX_LINE_BYTES: usize = 1 << 20;
@@ -55,6 +57,13 @@ pub trait Handover: Send + Sync {
     fn handle(&self, line: &[u8], fd: RawFd) -> Vec<u8>;
 }
 
+/// What `exits` reports of a machine besides its vCPU loops' own counters: the port
+/// and MMIO accesses no device claimed, and the interrupts raised per line as
+/// `(GSI, count)` in the order `exits` lists them. Read on the server's thread.
+pub trait MachineCounters: Send + Sync {
+    fn counts(&self) -> Result<(UnclaimedCounts, Vec<(u32, u64)>), String>;
+}
+
 /// What `status` answers besides the loops' state, pushed by Python when it changes.
 #[derive(Default)]
 struct Status {
@@ -69,6 +78,9 @@ struct Shared {
     jailed: bool,
     /// The machine's balloon, whose counters `status` reports.
     balloon: Option<Arc<NativeTransport>>,
+    /// The machine's counters for `exits` (a Python machine's hold it: let go at
+    /// `close`, as the hand-over is).
+    counters: Mutex<Option<Arc<dyn MachineCounters>>>,
     status: Mutex<Status>,
     /// Written by `close`: the thread ends at its next turn.
     wake: OwnedFd,
@@ -89,6 +101,7 @@ enum Op {
     Pause,
     Resume,
     Stop,
+    Exits,
 }
 
 /// The op of a line that is exactly one JSON object with one member `"op"` whose value
@@ -132,6 +145,7 @@ fn native_op(line: &[u8]) -> Option<Op> {
         b"pause" => Some(Op::Pause),
         b"resume" => Some(Op::Resume),
         b"stop" => Some(Op::Stop),
+        b"exits" => Some(Op::Exits),
         _ => None,
     }
 }
@@ -211,6 +225,57 @@ fn json_opt_str(out: &mut String, s: Option<&str>) {
     }
 }
 
+/// `control.encode(control.ExitsReply(profile=machine.exit_profile_of(...)))` for
+/// these counters: `by_reason` and `io` summed over the vCPUs, each listed by count,
+/// most first, ties by key; the ten busiest I/O addresses; `irqs` as given.
+pub(crate) fn exits_line(
+    by_reason: &[(&str, u64)],
+    io: &[((&str, u64), u64)],
+    unclaimed: UnclaimedCounts,
+    irqs: &[(u32, u64)],
+) -> Vec<u8> {
+    let mut by_reason = by_reason.to_vec();
+    by_reason.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let mut io = io.to_vec();
+    io.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut out = String::from("{\"ok\": true, \"profile\": {\"by_reason\": {");
+    for (i, (reason, count)) in by_reason.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        json_str(&mut out, reason);
+        out.push_str(&format!(": {count}"));
+    }
+    out.push_str("}, \"top_io\": [");
+    for (i, ((bus, address), count)) in io.iter().take(TOP_IO).enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        out.push_str("{\"bus\": ");
+        json_str(&mut out, bus);
+        out.push_str(&format!(
+            ", \"address\": \"{address:#x}\", \"count\": {count}}}"
+        ));
+    }
+    out.push_str(&format!(
+        "], \"unmapped\": {{\"pio_reads\": {}, \"pio_writes\": {}, \"mmio_reads\": {}, \
+         \"mmio_writes\": {}}}, \"irqs\": {{",
+        unclaimed.pio_reads, unclaimed.pio_writes, unclaimed.mmio_reads, unclaimed.mmio_writes
+    ));
+    for (i, (gsi, count)) in irqs.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        // A JSON object's keys are strings: `json.dumps` writes an int key quoted.
+        out.push_str(&format!("\"{gsi}\": {count}"));
+    }
+    out.push_str("}}}\n");
+    out.into_bytes()
+}
+
+/// How many of the busiest I/O addresses `exits` lists (`machine.TOP_IO`).
+const TOP_IO: usize = 10;
+
 /// `control.encode(control.error_reply(message))`.
 pub(crate) fn error_line(message: &str) -> Vec<u8> {
     let mut out = String::from("{\"ok\": false, \"error\": ");
@@ -238,7 +303,8 @@ impl Shared {
                 ACK.to_vec()
             }
             Some(Op::Status) => self.status_line(),
-            _ => self.hand_over(line, fd),
+            Some(Op::Exits) => self.exits_line(),
+            None => self.hand_over(line, fd),
         }
     }
 
@@ -293,6 +359,35 @@ impl Shared {
         }
         out.push_str("}\n");
         out.into_bytes()
+    }
+
+    /// `control.encode(control.ExitsReply(profile=Machine.exit_profile()))`.
+    fn exits_line(&self) -> Vec<u8> {
+        let mut by_reason: HashMap<&str, u64> = HashMap::new();
+        let mut io: HashMap<(&str, u64), u64> = HashMap::new();
+        for vcpu in &self.vcpus {
+            let counters = vcpu.counters();
+            for (reason, n) in counters.exits {
+                *by_reason.entry(reason).or_insert(0) += n;
+            }
+            for (address, n) in counters.io {
+                *io.entry(address).or_insert(0) += n;
+            }
+        }
+        // Cloned out: no lock is held while a Python machine's are read with the GIL.
+        let counters = lock(&self.counters).clone();
+        let Some(counters) = counters else {
+            return error_line(CLOSING);
+        };
+        match counters.counts() {
+            Ok((unclaimed, irqs)) => exits_line(
+                &by_reason.into_iter().collect::<Vec<_>>(),
+                &io.into_iter().collect::<Vec<_>>(),
+                unclaimed,
+                &irqs,
+            ),
+            Err(err) => error_line(&err),
+        }
     }
 
     fn hand_over(&self, line: &[u8], fd: RawFd) -> Vec<u8> {
@@ -542,6 +637,32 @@ impl Handover for PyHandover {
     }
 }
 
+/// A Python machine's counters (`Machine.exit_counters`): `counters()` returns
+/// `((pio_reads, pio_writes, mmio_reads, mmio_writes), [(gsi, count), ...])`, called
+/// with the GIL (its buses and interrupt lines are Python objects).
+struct PyMachineCounters(Py<PyAny>);
+
+impl MachineCounters for PyMachineCounters {
+    fn counts(&self) -> Result<(UnclaimedCounts, Vec<(u32, u64)>), String> {
+        Python::attach(|py| {
+            type Counts = ((u64, u64, u64, u64), Vec<(u32, u64)>);
+            let counts = self.0.call0(py).and_then(|c| c.extract::<Counts>(py));
+            match counts {
+                Ok(((pio_reads, pio_writes, mmio_reads, mmio_writes), irqs)) => Ok((
+                    UnclaimedCounts {
+                        pio_reads,
+                        pio_writes,
+                        mmio_reads,
+                        mmio_writes,
+                    },
+                    irqs,
+                )),
+                Err(err) => Err(format!("the machine's counters: {}", err.value(py))),
+            }
+        })
+    }
+}
+
 fn dup(fd: RawFd) -> Result<OwnedFd, String> {
     // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor, ours alone.
     let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
@@ -559,14 +680,15 @@ impl ControlServe {
     /// Serve `listener` (taken over: the server closes it) on a new thread, for a
     /// caller with or without Python: `stop_fd` is the stop signal's write end
     /// (duplicated), `vcpus` the machine's controls, `balloon` the machine's balloon
-    /// (its counters in `status`), `handover` where every line not served here goes.
-    /// An error names the step that failed.
+    /// (its counters in `status`), `counters` the machine's for `exits`, `handover`
+    /// where every line not served here goes. An error names the step that failed.
     pub fn start(
         listener: OwnedFd,
         stop_fd: RawFd,
         vcpus: Vec<VcpuControl>,
         jailed: bool,
         balloon: Option<Arc<NativeTransport>>,
+        counters: Arc<dyn MachineCounters>,
         handover: Arc<dyn Handover>,
     ) -> Result<Self, String> {
         let stop = dup(stop_fd)?;
@@ -582,6 +704,7 @@ impl ControlServe {
             vcpus,
             jailed,
             balloon,
+            counters: Mutex::new(Some(counters)),
             status: Mutex::new(Status::default()),
             // SAFETY: the new eventfd above.
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
@@ -614,7 +737,9 @@ impl ControlServe {
     /// Serve `listener` (a listening Unix socket's fd, taken over: the server closes
     /// it) on a new thread. `stop_fd`: the stop signal's write end (duplicated);
     /// `vcpus`: the machine's loops; `balloon`: the machine's balloon, if it has one
-    /// (`status` reports its counters); `handler(line, fd) -> bytes`: everything else.
+    /// (`status` reports its counters); `counters() -> ((pio_reads, pio_writes,
+    /// mmio_reads, mmio_writes), [(gsi, count), ...])`: the machine's, for `exits`;
+    /// `handler(line, fd) -> bytes`: everything else.
     #[new]
     fn new(
         listener: RawFd,
@@ -622,6 +747,7 @@ impl ControlServe {
         vcpus: Vec<Bound<'_, VcpuLoop>>,
         jailed: bool,
         balloon: Option<Bound<'_, NativeDevice>>,
+        counters: Py<PyAny>,
         handler: Py<PyAny>,
     ) -> PyResult<Self> {
         // SAFETY: the caller hands the descriptor over (`socket.detach()`).
@@ -632,6 +758,7 @@ impl ControlServe {
             vcpus.iter().map(|v| v.get().control()).collect(),
             jailed,
             balloon.map(|b| b.get().transport.clone()),
+            Arc::new(PyMachineCounters(counters)),
             Arc::new(PyHandover(handler)),
         )
         .map_err(PyOSError::new_err)
@@ -672,10 +799,13 @@ impl ControlServe {
             if let Some(thread) = lock(&self.thread).take() {
                 py.detach(move || drop(thread.join()));
             }
-            // The handler is a bound method of the Python object holding us: let go of
-            // it so the pair is freed without the cycle collector.
+            // The handler and a Python machine's counters are bound methods of Python
+            // objects that hold us: let go of them so each pair is freed without the
+            // cycle collector.
             let handover = lock(&self.shared.handover).take();
             drop(handover);
+            let counters = lock(&self.shared.counters).take();
+            drop(counters);
         }
         ended
     }
@@ -693,6 +823,32 @@ impl ControlServe {
     }
 }
 
+/// `exits`' reply line for these counters, as the control server writes it: for
+/// `test_control_serve.py`'s property that it is the bytes Python's `json.dumps`
+/// writes of `Machine.exit_profile`'s dict (`machine.exit_profile_of`).
+#[pyfunction]
+pub fn exits_reply_line<'py>(
+    py: Python<'py>,
+    by_reason: HashMap<String, u64>,
+    io: HashMap<(String, u64), u64>,
+    unclaimed: (u64, u64, u64, u64),
+    irqs: Vec<(u32, u64)>,
+) -> Bound<'py, PyBytes> {
+    let by_reason: Vec<(&str, u64)> = by_reason.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+    let io: Vec<((&str, u64), u64)> = io
+        .iter()
+        .map(|((bus, address), n)| ((bus.as_str(), *address), *n))
+        .collect();
+    let (pio_reads, pio_writes, mmio_reads, mmio_writes) = unclaimed;
+    let unclaimed = UnclaimedCounts {
+        pio_reads,
+        pio_writes,
+        mmio_reads,
+        mmio_writes,
+    };
+    PyBytes::new(py, &exits_line(&by_reason, &io, unclaimed, &irqs))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -703,9 +859,9 @@ mod tests {
         assert_eq!(native_op(b" {\"op\":\"pause\"} \r"), Some(Op::Pause));
         assert_eq!(native_op(b"{ \"op\" :\t\"resume\" }"), Some(Op::Resume));
         assert_eq!(native_op(b"{\"op\": \"stop\"}"), Some(Op::Stop));
+        assert_eq!(native_op(b"{\"op\": \"exits\"}"), Some(Op::Exits));
         for other in [
-            &b"{\"op\": \"exits\"}"[..],
-            b"{\"op\": \"snapshot\"}",
+            &b"{\"op\": \"snapshot\"}"[..],
             b"{\"op\": \"status\", \"x\": 1}",
             b"{\"op\": \"stat\\u0075s\"}",
             b"{\"op\": \"status\"} x",
@@ -745,6 +901,42 @@ mod tests {
             json_f64(&mut out, x);
             assert_eq!(out, python, "{x}");
         }
+    }
+
+    #[test]
+    fn exits_is_written_as_pythons_json_writes_it() {
+        // `control.encode(control.ExitsReply(profile=machine.exit_profile_of(...)))`
+        // of the same counters (Python 3.11): ties by key, ints as quoted keys.
+        let line = exits_line(
+            &[("io", 3), ("hlt", 3), ("mmio", 7), ("\u{e9}", 1)],
+            &[
+                (("pio", 0x80), 2),
+                (("mmio", 0xD000_0000), 2),
+                (("other", 0), 9),
+            ],
+            UnclaimedCounts {
+                pio_reads: 1,
+                pio_writes: 2,
+                mmio_reads: 3,
+                mmio_writes: 4,
+            },
+            &[(4, 0), (5, 12)],
+        );
+        assert_eq!(
+            String::from_utf8(line).expect("ASCII"),
+            "{\"ok\": true, \"profile\": {\"by_reason\": {\"mmio\": 7, \"hlt\": 3, \"io\": 3, \
+             \"\\u00e9\": 1}, \"top_io\": [{\"bus\": \"other\", \"address\": \"0x0\", \"count\": 9}, \
+             {\"bus\": \"mmio\", \"address\": \"0xd0000000\", \"count\": 2}, {\"bus\": \"pio\", \
+             \"address\": \"0x80\", \"count\": 2}], \"unmapped\": {\"pio_reads\": 1, \"pio_writes\": 2, \
+             \"mmio_reads\": 3, \"mmio_writes\": 4}, \"irqs\": {\"4\": 0, \"5\": 12}}}\n"
+        );
+        let empty = exits_line(&[], &[], UnclaimedCounts::default(), &[]);
+        assert_eq!(
+            String::from_utf8(empty).expect("ASCII"),
+            "{\"ok\": true, \"profile\": {\"by_reason\": {}, \"top_io\": [], \"unmapped\": \
+             {\"pio_reads\": 0, \"pio_writes\": 0, \"mmio_reads\": 0, \"mmio_writes\": 0}, \
+             \"irqs\": {}}}\n"
+        );
     }
 
     #[test]

@@ -258,6 +258,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m
     )?)?;
     m.add_function(wrap_pyfunction!(restore_machine, m)?)?;
+    m.add_function(wrap_pyfunction!(control_serve::exits_reply_line, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;
     m.add_function(wrap_pyfunction!(child::die_with_parent, m)?)?;

@@ -34,7 +34,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use std::mem::ManuallyDrop;
@@ -45,6 +45,7 @@ use pyo3::prelude::*;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::console::{log_budget, ConsoleDevices, IrqFd, SerialFields, SerialRegs};
+use crate::control_serve::MachineCounters;
 use crate::eventloop::NativeLoop;
 use crate::guest_ram::{self, GuestRam};
 use crate::log_budget::LogBudget;
@@ -380,6 +381,48 @@ pub struct NativeMachine {
     kept: Mutex<Kept>,
 }
 
+/// A native machine's counters for `exits`: each vCPU host's unclaimed accesses, and
+/// per interrupt pin (ascending) the native transports raising it, held weakly so the
+/// control server does not keep a stopped machine's devices (a device gone counts
+/// nothing). COM1's pin is not listed: the console does not count its interrupts.
+#[derive(Default)]
+pub struct NativeCounters {
+    pub unclaimed: Vec<Arc<Mutex<UnclaimedCounts>>>,
+    pub pins: Vec<(u32, Vec<Weak<NativeTransport>>)>,
+}
+
+impl NativeCounters {
+    fn sum(hosts: &[Arc<Mutex<UnclaimedCounts>>]) -> UnclaimedCounts {
+        let mut all = UnclaimedCounts::default();
+        for counts in hosts {
+            let c = *lock(counts);
+            all.pio_reads += c.pio_reads;
+            all.pio_writes += c.pio_writes;
+            all.mmio_reads += c.mmio_reads;
+            all.mmio_writes += c.mmio_writes;
+        }
+        all
+    }
+}
+
+impl MachineCounters for NativeCounters {
+    fn counts(&self) -> Result<(UnclaimedCounts, Vec<(u32, u64)>), String> {
+        let irqs = self
+            .pins
+            .iter()
+            .map(|(pin, transports)| {
+                let raised = transports
+                    .iter()
+                    .filter_map(Weak::upgrade)
+                    .map(|transport| transport.stats().interrupts)
+                    .sum();
+                (*pin, raised)
+            })
+            .collect();
+        Ok((NativeCounters::sum(&self.unclaimed), irqs))
+    }
+}
+
 /// A device as the machine's report shows it: its slot and pin, the window's magic,
 /// device id and status registers as the guest reads them, and whether it serves.
 pub struct DeviceReport {
@@ -631,17 +674,31 @@ impl NativeMachine {
 
     /// Accesses no device claimed, over all vCPUs.
     pub fn unclaimed(&self) -> UnclaimedCounts {
-        let mut all = UnclaimedCounts::default();
-        if let Some(parts) = lock(&self.parts).as_ref() {
-            for counts in &parts.unclaimed {
-                let c = *lock(counts);
-                all.pio_reads += c.pio_reads;
-                all.pio_writes += c.pio_writes;
-                all.mmio_reads += c.mmio_reads;
-                all.mmio_writes += c.mmio_writes;
+        lock(&self.parts)
+            .as_ref()
+            .map_or_else(UnclaimedCounts::default, |parts| {
+                NativeCounters::sum(&parts.unclaimed)
+            })
+    }
+
+    /// The counters `exits` reports besides the vCPUs' own (a control server's).
+    pub fn counters(&self) -> Arc<dyn MachineCounters> {
+        let parts = lock(&self.parts);
+        let Some(parts) = parts.as_ref() else {
+            return Arc::new(NativeCounters::default());
+        };
+        let mut pins: Vec<(u32, Vec<Weak<NativeTransport>>)> = Vec::new();
+        for (device, transport) in &parts.transports {
+            match pins.iter_mut().find(|(pin, _)| *pin == device.irq) {
+                Some((_, on_pin)) => on_pin.push(Arc::downgrade(transport)),
+                None => pins.push((device.irq, vec![Arc::downgrade(transport)])),
             }
         }
-        all
+        pins.sort_by_key(|(pin, _)| *pin);
+        Arc::new(NativeCounters {
+            unclaimed: parts.unclaimed.clone(),
+            pins,
+        })
     }
 
     /// The virtio devices, in slot order, their registers read through the windows

@@ -5,7 +5,7 @@
 //! `NativeMachine` (a restored snapshot) is the one a spawn forks.
 
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvm_ioctls::Kvm;
@@ -14,9 +14,11 @@ use pyo3::prelude::*;
 
 use crate::child_life::ChildMachine;
 use crate::console::{ConsoleDevices, IrqFd};
+use crate::control_serve::MachineCounters;
 use crate::log_budget::LogBudget;
+use crate::machine::NativeCounters;
 use crate::transport::NativeTransport;
-use crate::vcpu::{ExitSink, NativeHost, VcpuControl, VcpuThread};
+use crate::vcpu::{ExitSink, NativeHost, UnclaimedCounts, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, VmCore};
 
 /// Where the program is loaded and starts (CS = 0, IP = this).
@@ -108,13 +110,14 @@ impl TinyMachinePlan {
             LogBudget::new("console", 0, 0.0, 0),
         ));
         let sink = ExitSink::new().map_err(|e| format!("eventfd: {e}"))?;
-        let (host, _) = NativeHost::new(sink.clone(), None);
+        let (host, unclaimed) = NativeHost::new(sink.clone(), None);
         let vcpu = VcpuThread::build(Arc::new(core), 0, Box::new(host), Some(console.clone()))
             .map_err(|f| format!("{}: errno {}", f.op, f.errno))?;
         Ok(TinyMachine {
             vcpu,
             sink,
             console,
+            unclaimed,
         })
     }
 }
@@ -133,6 +136,7 @@ pub struct TinyMachine {
     vcpu: VcpuThread,
     sink: Arc<ExitSink>,
     console: Arc<ConsoleDevices>,
+    unclaimed: Arc<Mutex<UnclaimedCounts>>,
 }
 
 impl ChildMachine for TinyMachine {
@@ -166,6 +170,13 @@ impl ChildMachine for TinyMachine {
 
     fn balloon(&self) -> Option<Arc<NativeTransport>> {
         None // a console and a vCPU: no devices
+    }
+
+    fn counters(&self) -> Arc<dyn MachineCounters> {
+        Arc::new(NativeCounters {
+            unclaimed: vec![self.unclaimed.clone()],
+            pins: Vec::new(),
+        })
     }
 
     fn stop(&self) {

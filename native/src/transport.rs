@@ -404,9 +404,12 @@ impl Server {
                     ..DeviceStats::default()
                 }
             }
-            // The vsock server outlives activations, so its counters are not an
-            // activation's to add up; nothing reads them through the transport yet.
-            Server::Vsock(_) => DeviceStats::default(),
+            // The server outlives activations but counts its interrupts per
+            // activation (zeroed at each attach), as the others do.
+            Server::Vsock(s) => DeviceStats {
+                interrupts: s.interrupts(),
+                ..DeviceStats::default()
+            },
         }
     }
 

@@ -154,10 +154,12 @@ struct Control {
     thread: Option<(libc::pthread_t, ThreadId)>,
 }
 
-#[derive(Default)]
-struct Counters {
-    exits: HashMap<&'static str, u64>,
-    io: HashMap<(&'static str, u64), u64>,
+/// A loop's exit counters: by reason, and port and MMIO exits by (bus, port or
+/// 4 KiB page).
+#[derive(Clone, Default)]
+pub struct Counters {
+    pub exits: HashMap<&'static str, u64>,
+    pub io: HashMap<(&'static str, u64), u64>,
 }
 
 impl Counters {
@@ -594,6 +596,11 @@ impl VcpuControl {
     /// Parked now (what `Machine.paused` reads as the state "paused").
     pub fn is_paused(&self) -> bool {
         lock(&self.shared.ctl).state == RunState::Paused
+    }
+
+    /// The loop's exit counters as they are now (a control server's `exits`).
+    pub fn counters(&self) -> Counters {
+        lock(&self.shared.counters).clone()
     }
 }
 

@@ -1330,6 +1330,38 @@ pub struct Activation {
     pub events: Arc<dyn DeviceEvents<()>>,
 }
 
+/// Where a device numbers its host-initiated connections' ports from: a random point
+/// of their range, as an OS randomises its ephemeral ports (RFC 6056), for the same
+/// reason: an old connection's 4-tuple may still be alive at the peer. A restored
+/// device's guest may hold sockets of the snapshot source's last connections: a socket
+/// the guest's agent closed stays in the guest kernel's connected table until the
+/// host's RST, or for `VSOCK_CLOSE_TIMEOUT` (8 s) when none comes, transport reset or
+/// not, and the guest answers a REQUEST whose ports name such a socket with RST
+/// (`virtio_transport_recv_pkt`). Numbered from one fixed port, a child's Nth
+/// connection had the source's Nth connection's ports, and was refused whenever the
+/// capture fell inside that one's close (`test_branch.py`'s branch of a branch: its
+/// child's second `eval`). A random start makes a reuse as likely as a 30-bit guess.
+fn first_host_port() -> u32 {
+    let mut bytes = [0u8; 4];
+    // SAFETY: getrandom writes at most the 4 bytes of this live local buffer.
+    let got = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    let random = if got == 4 {
+        u32::from_ne_bytes(bytes)
+    } else {
+        // Not before the host's entropy pool is up, which a running host's is; a
+        // clock's low bits still differ from the source's start.
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a live timespec to write; CLOCK_MONOTONIC always exists.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+        ts.tv_nsec as u32
+    };
+    // `allocate_port` hands out HOST_PORT_FIRST ..= u32::MAX - 1.
+    HOST_PORT_FIRST + random % (u32::MAX - HOST_PORT_FIRST)
+}
+
 fn seconds(s: f64) -> Duration {
     Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
 }
@@ -1396,7 +1428,7 @@ impl VsockServer {
                 rx_queue: VecDeque::new(),
                 orphan_rsts: VecDeque::new(),
                 timers: BinaryHeap::new(),
-                next_port: HOST_PORT_FIRST,
+                next_port: first_host_port(),
                 reset_event_pending: false,
                 reset_delivered: false,
                 buffers_at_delivery: 0,
@@ -1501,6 +1533,11 @@ impl VsockServer {
     pub fn sync(&self) -> [(u16, u16); 3] {
         let inner = lock(&self.inner);
         [RX, TX, EV].map(|i| (inner.avail[i], inner.used[i]))
+    }
+
+    /// Used-buffer interrupts raised this activation (the irqfd written).
+    pub fn interrupts(&self) -> u64 {
+        lock(&self.inner).interrupts
     }
 
     /// Host connections established or being requested.
@@ -1782,7 +1819,7 @@ impl VsockServe {
     /// Used-buffer interrupts raised this activation (the irqfd written).
     #[getter]
     fn interrupts(&self) -> u64 {
-        lock(&self.server.inner).interrupts
+        self.server.interrupts()
     }
 
     /// The Python objects it holds, for the collector (`on_fault` is a bound method of

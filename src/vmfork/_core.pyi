@@ -1,6 +1,6 @@
 """Types of the native core (``native/``, built into ``vmfork/_core.abi3.so``)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 class IoctlError(OSError):
@@ -62,9 +62,13 @@ class VcpuLoop:
     def exits(self) -> dict[str, int]: ...
     def io_exits(self) -> dict[tuple[str, int], int]: ...
 
+# A machine's exit counters besides its vCPU loops': unmapped (port reads, port writes,
+# MMIO reads, MMIO writes) and (GSI, interrupts) per line.
+MachineCounts = tuple[tuple[int, int, int, int], list[tuple[int, int]]]
+
 class ControlServe:
     def __init__(self, listener: int, stop_fd: int, vcpus: list[VcpuLoop], jailed: bool,
-                 balloon: NativeDevice | None,
+                 balloon: NativeDevice | None, counters: Callable[[], MachineCounts],
                  handler: Callable[[bytes, int], bytes]) -> None: ...
     def set_exit(self, reason: str) -> None: ...
     def set_snapshot_status(self, bases: list[tuple[str | None, str]],
@@ -365,6 +369,9 @@ class ChildPlan:
     def enter_jail(self) -> tuple[list[int], list[int], tuple[int, int], list[int],
                                   int | None]: ...
 
+def exits_reply_line(by_reason: Mapping[str, int], io: Mapping[tuple[str, int], int],
+                     unclaimed: tuple[int, int, int, int],
+                     irqs: list[tuple[int, int]]) -> bytes: ...
 def let_go_of_host_root(fd: int, dev: int, ino: int) -> None: ...
 def open_tap(name: str) -> int: ...
 def die_with_parent(parent_pid: int) -> bool: ...

@@ -138,7 +138,8 @@ def test_native_children_of_diff_snapshots_see_their_chain(
         # A native child: the machine's Python view is not there to hand over to.
         with control.ControlClient.connect(child.run_dir / "control.sock") as ctl:
             with pytest.raises(control.ControlError, match="a native child does not serve"):
-                ctl.call(control.Exits())
+                ctl.call(control.Snapshot(memory_path=str(child.run_dir / "m"),
+                                          state_path=str(child.run_dir / "s")))
 
 
 def test_a_native_child_maps_only_its_own_snapshots_ram(

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from tests.kvm.tinyguest import Script, script_machine, wait_until
+from vmfork.vmm.devices.plan import device_plan
 from vmfork.vmm.machine import Machine, MachineConfig
 
 COUNTER = 0x300000
@@ -48,3 +49,27 @@ def test_restored_guest_continues_where_it_stopped(tmp_path: Path) -> None:
     finally:
         for child in children:
             child.close()
+
+
+def test_a_restore_serves_its_native_devices_from_the_plans_it_is_handed(
+        tmp_path: Path) -> None:
+    """A forked child is handed its snapshot's device plans, built once in the zygote
+    (``MachineConfig.restore_plans``), and builds none itself: a plan that differs from
+    the one the record makes (rng's per-notify budget) is the one the device serves
+    with. Without plans, the record's."""
+    mem = str(tmp_path / "memory.bin")
+    parent, _ = script_machine(Script().count_forever(COUNTER), rng=True, memfd=True)
+    with parent:
+        parent.start(paused=True)
+        state, _ = parent.snapshot(mem, resume=False)
+        parent.stop()
+    (record,) = (d for d in state.devices if d.kind == "rng")
+    plan = device_plan(record)
+    (name, requests, request_bytes, last), *rest = plan
+    handed = {"rng": ((name, requests + 7, request_bytes, last), *rest)}
+    for plans, served in ((handed, requests + 7), (None, requests)):
+        child = Machine(MachineConfig(restore_state=state, restore_plans=plans,  # type: ignore[arg-type]
+                                      memory_file=mem, mem_mib=64, memfd=False))
+        with child:
+            assert child.rng is not None
+            assert child.rng.device.plan()[0] == (name, served, request_bytes, last)

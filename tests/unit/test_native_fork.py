@@ -194,9 +194,12 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control:
             control.settimeout(30)
             control.connect(str(run_dir / "control.sock"))
+            # Served natively: not the hand-over handler's answer.
             exits = _ask(control, {"op": "exits"})
-            assert exits == {"ok": True, "profile": {
-                "op": "Exits", "pid": pid, "after_fork_hooks": [pid]}}, exits
+            assert exits["ok"] and "profile" in exits and "op" not in exits["profile"], exits
+            handed = _ask(control, {"op": "snapshot", "memory_path": "m", "state_path": "s"})
+            assert handed == {"ok": True, "profile": {
+                "op": "Snapshot", "pid": pid, "after_fork_hooks": [pid]}}, handed
             assert _ask(control, {"op": "status"})["paused"] is False
         assert Path(f"/proc/{pid}/status").read_text().count("Seccomp:\t2") == 1
         exited = _status(run_dir, "exited")
@@ -258,9 +261,10 @@ def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
 
 
 def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for_now() -> None:
-    exits = json.loads(vmmchild.native_handover(b'{"op": "exits"}', -1))
-    assert exits == {"ok": False, "error": "a native child does not serve Exits yet "
-                                           "(it needs the machine's Python view)"}
+    snapshot = json.loads(vmmchild.native_handover(
+        b'{"op": "snapshot", "memory_path": "m", "state_path": "s"}', -1))
+    assert snapshot == {"ok": False, "error": "a native child does not serve Snapshot yet "
+                                              "(it needs the machine's Python view)"}
     # A malformed line gets control.parse_request's words, as ControlServer.handle_line's.
     malformed = b'{"op": "exits", "x": 1}'
     assert (vmmchild.native_handover(malformed, -1)

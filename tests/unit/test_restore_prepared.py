@@ -19,9 +19,14 @@ from vmfork.ondisk import stateformat
 from vmfork.ondisk.stateformat import StateFormatError, write_state_file
 from vmfork.runtime import vmmchild
 from vmfork.vmm import vmstate
-from vmfork.vmm.devices.manager import KINDS, DeviceKind, DeviceState, slot_irq
+from vmfork.vmm.devices.manager import BALLOON, KINDS, RNG, VSOCK, DeviceKind, DeviceState, slot_irq
+from vmfork.vmm.devices.plan import device_plan
 from vmfork.vmm.devices.serial import SerialState
+from vmfork.vmm.devices.virtio.balloon import BalloonState
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
+from vmfork.vmm.devices.virtio.queue import QueueState
+from vmfork.vmm.devices.virtio.rng import RngState
+from vmfork.vmm.devices.virtio.vsock import VsockState
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.vmstate import (
     MSR_IA32_TSC,
@@ -187,3 +192,36 @@ def test_more_msrs_than_one_kvm_set_msrs_takes_are_refused_by_name() -> None:
     state.vcpus[0].msrs = {f"{0xC000_0000 + i:#x}": i for i in range(257)}
     with pytest.raises(HostError, match="msrs: 257 entries, at most 256"):
         prepare_restore(state)
+
+
+def test_load_snapshot_builds_the_native_devices_plans_once(snapshot_dir: Path) -> None:
+    """The zygote's cache holds the plans a forked child's ``Machine`` is handed
+    (``MachineConfig.restore_plans``): rng's and the balloon's, not vsock's (the
+    Python ``Machine`` serves it in Python), built once while the file is unchanged."""
+    state = make_state()
+    queue = QueueState(64, 64, True, 0x1000, 0x2000, 0x3000, 5, 4)
+    for kind, record, device_type, queues in (
+            (RNG, RngState(acked_features=0), 4, 1),
+            (BALLOON, BalloonState(acked_features=0, actual=9), 5, 3),
+            (VSOCK, VsockState(guest_cid=7, acked_features=0), 19, 3)):
+        add_device(state, kind, record, MmioTransportState(
+            device_type=device_type, status=0, device_features_sel=0, driver_features_sel=0,
+            driver_features=0, driver_features_bad=False, queue_sel=0, interrupt_status=0,
+            config_generation=0, queues=[queue] * queues))
+    write_state_file(snapshot_dir / "state.bin", state)
+    loaded = vmmchild._load_snapshot(str(snapshot_dir))
+    assert loaded.plans == {d.kind: device_plan(d) for d in state.devices
+                            if d.kind in ("rng", "balloon")}
+    assert vmmchild._load_snapshot(str(snapshot_dir)).plans is loaded.plans
+
+
+def test_a_record_that_fits_no_plan_leaves_the_plans_to_the_machine(
+        snapshot_dir: Path) -> None:
+    state = make_state()
+    add_device(state, RNG, RngState(acked_features=0), MmioTransportState(
+        device_type=5, status=0, device_features_sel=0, driver_features_sel=0,
+        driver_features=0, driver_features_bad=False, queue_sel=0, interrupt_status=0,
+        config_generation=0))   # a balloon's transport: device_plan refuses it
+    write_state_file(snapshot_dir / "state.bin", state)
+    loaded = vmmchild._load_snapshot(str(snapshot_dir))
+    assert loaded.plans is None and loaded.state == state

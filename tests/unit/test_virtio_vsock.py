@@ -529,6 +529,37 @@ def test_transport_reset_drops_connections_and_posts_event(
     host.close()
 
 
+def test_a_restored_device_connects_from_ports_its_sources_guest_may_still_hold(
+        loop: EventLoop) -> None:  # noqa: F811
+    """A snapshot taken while the guest closes its last connections (its agent closed
+    them; the guest kernel keeps each socket in its connected table until the host's
+    RST, or for 8 s) restores into a guest that still holds those sockets, transport
+    reset or not, and answers a REQUEST from any of their ports with RST, as Linux's
+    ``virtio_transport_recv_pkt`` does (a stale socket: ``SOCK_DONE`` or not
+    ``TCP_ESTABLISHED``). The restored device is a new one: its host connections must
+    come from other ports, or the client's CONNECT is closed without ``OK`` (the flake
+    of test_branch.py's branch of a branch, its child's second ``eval``)."""
+    needs_native_loop(loop)
+    with VsockEnv(loop) as source:
+        held_by_the_guest = set()
+        for _ in range(3):
+            host, port = source.host_connect(1024)
+            held_by_the_guest.add(port)
+            host.close()
+    with VsockEnv(loop) as child:
+        for _ in range(3):
+            host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            host.settimeout(5)
+            host.connect(child.uds)
+            host.sendall(b"CONNECT 1024\n")
+            req, _ = child.wait_op(Op.REQUEST)
+            answer = Op.RST if req.src_port in held_by_the_guest else Op.RESPONSE
+            child.send(pkt(answer, 1024, req.src_port))
+            assert recv_line(host) == f"OK {req.src_port}\n".encode(), \
+                f"port {req.src_port} reused: the guest still holds a socket of it"
+            host.close()
+
+
 def acknowledge_reset(env: VsockEnv) -> None:
     """What Linux does once it has handled a transport reset: refill the event buffer
     and notify the event queue."""

@@ -100,7 +100,7 @@ from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
-from vmfork.vmm.devices.plan import machine_plan
+from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
@@ -133,9 +133,13 @@ SNAPSHOTS_KEPT = 8
 
 @dataclass(frozen=True)
 class _LoadedSnapshot:
-    identity: tuple[int, int, int, int]   # st_dev, st_ino, st_size, st_mtime_ns of state.bin
+    # st_dev, st_ino, st_size, st_mtime_ns of state.bin; None: not cached
+    identity: tuple[int, int, int, int] | None
     state: MachineState
     prepared: PreparedRestore
+    # The natively served devices' plans (``plan.restore_plans``); None for records
+    # that do not fit their device: the child's machine then says why.
+    plans: dict[str, Plan] | None
 
 
 _snapshots: dict[str, _LoadedSnapshot] = {}
@@ -153,6 +157,12 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
     """The decoded state of ``snapshot_dir`` and its ioctl buffers, from the cache when
     ``state.bin`` is unchanged (same inode, size and mtime), else read, checked and
     cached. Raises what ``read_state_file``/``prepare_restore`` raise for a bad file."""
+    loaded = _load_snapshot(snapshot_dir)
+    return loaded.state, loaded.prepared
+
+
+def _load_snapshot(snapshot_dir: str) -> _LoadedSnapshot:
+    """``load_snapshot``'s cache entry, its devices' plans with it."""
     path = os.path.join(snapshot_dir, "state.bin")
     try:
         before = _identity(path)
@@ -160,16 +170,21 @@ def load_snapshot(snapshot_dir: str) -> tuple[MachineState, PreparedRestore]:
         before = None
     cached = _snapshots.get(path)
     if cached is not None and cached.identity == before:
-        return cached.state, cached.prepared
+        return cached
     state = read_state_file(path, MachineState)
     prepared = prepare_restore(state)
+    try:
+        plans: dict[str, Plan] | None = restore_plans(state)
+    except ValueError:
+        plans = None
+    loaded = _LoadedSnapshot(before, state, prepared, plans)
     # Cache only if the file did not change while it was read.
     if before is not None and _identity(path) == before:
         _snapshots.pop(path, None)
-        _snapshots[path] = _LoadedSnapshot(before, state, prepared)
+        _snapshots[path] = loaded
         while len(_snapshots) > SNAPSHOTS_KEPT:
             del _snapshots[next(iter(_snapshots))]
-    return state, prepared
+    return loaded
 
 
 def load_memory(snapshot_dir: str) -> tuple[str, MemoryPlan | None]:
@@ -332,7 +347,8 @@ _warmed_up: set[tuple[str, tuple[int, int, int, int]]] = set()
 
 def prefork(batch: list[dict[str, Any]]) -> None:
     """Zygote hook, run before a batch is forked: decode each snapshot once here so
-    every child inherits it, and warm the restore path up on its first batch. A
+    every child inherits it (its ioctl buffers and its native devices' plans with it),
+    and warm the restore path up on its first batch. A
     snapshot that cannot be loaded is left to the children, which report why. Then
     the RAM of each diff snapshot is mapped, once (``premap_memory``). The seccomp
     program of a jailed child is built here too (``seccomp.vmm_filter``), and the
@@ -527,9 +543,10 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
 
 def native_handover(line: bytes, fd: int) -> bytes:
     """A native child's hand-over (``NATIVE_HANDOVER``): a line its control server does
-    not serve, parsed as ``ControlServer.handle_line`` parses it. The ops it hands over
-    (``exits``, ``snapshot``) read the machine's Python view, which ``NativeMachine``
-    does not offer yet: they are refused, saying so."""
+    not serve, parsed as ``ControlServer.handle_line`` parses it. The op it hands over
+    (``snapshot``, and a served op in a line the server did not recognise as plain)
+    reads the machine's Python view, which ``NativeMachine`` does not offer yet: it is
+    refused, saying so."""
     def dispatch(request: control.AnyRequest) -> control.WireRecord:
         raise _Refused(f"a native child does not serve {type(request).__name__} yet "
                        "(it needs the machine's Python view)")
@@ -661,7 +678,8 @@ def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
 def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
             net_tap: str | None = None,
             volumes: tuple[VolumeMedia, ...] = ()) -> tuple[Machine, MachineState]:
-    state, prepared = load_snapshot(snapshot_dir)
+    loaded = _load_snapshot(snapshot_dir)
+    state = loaded.state
     memory_file, plan = load_memory(snapshot_dir)
     # In a child of the zygote, the RAM its prefork mapped (never in the zygote itself:
     # its warm-up restore maps its own, and the premap is never written there).
@@ -672,7 +690,7 @@ def restore(snapshot_dir: str, run_dir: Path, vm_id: str,
     blk = state.device(devices.BLK)
     disk_key = blk.disk_key if blk is not None else None
     config = MachineConfig(
-        restore_state=state, restore_prepared=prepared,
+        restore_state=state, restore_prepared=loaded.prepared, restore_plans=loaded.plans,
         memory_file=memory_file, memory_plan=plan, memory_premapped=premapped,
         mem_mib=state.mem_size >> 20, vcpus=len(state.vcpus),
         vsock_uds=(str(run_dir / "vsock.sock") if state.device(devices.VSOCK) is not None
@@ -752,8 +770,10 @@ def handover_reply(line: bytes,
 class ControlServer:
     """The control socket (``runtime.control``: the protocol, its records and the
     client), served by a native thread (``_core.ControlServe``, ``control_serve.rs``):
-    ``pause``, ``resume``, ``stop`` and ``status`` (the balloon's counters are its
-    native device's) there, without Python; every other line is handed to
+    ``pause``, ``resume``, ``stop``, ``status`` (the balloon's counters are its native
+    device's) and ``exits`` (the vCPU loops' counters; the buses' and interrupt lines',
+    which are Python objects, from ``Machine.exit_counters`` with the GIL) there, without
+    Python's dispatch; every other line is handed to
     ``handle_line`` with the GIL, for that line only, on the control thread. This
     object owns what the hand-over needs: the snapshot state (``SnapshotTaker``) and
     what ``status`` says of it, pushed to the native server after each capture.
@@ -787,7 +807,7 @@ class ControlServer:
         self._server = _core.ControlServe(
             sock.detach(), on_stop.write_fd, [vcpu.loop for vcpu in machine.vcpus],
             jailed, None if machine.balloon is None else machine.balloon.device,
-            self.handle_line)
+            machine.exit_counters, self.handle_line)
         self._push_snapshot_status()
         machine.on_exit(self._server.set_exit)
         self._closed = False
@@ -803,9 +823,9 @@ class ControlServer:
         return handover_reply(line, lambda request: self._dispatch(request, fd))
 
     def _dispatch(self, request: control.AnyRequest, fd: int) -> control.WireRecord:
-        # Status, pause, resume and stop come here only for a line the native server
-        # did not recognise as plain (an escaped op name, say): the same loops, the
-        # same counters and the same stop pipe either way.
+        # Status, pause, resume, exits and stop come here only for a line the native
+        # server did not recognise as plain (an escaped op name, say): the same loops,
+        # the same counters and the same stop pipe either way.
         m = self.machine
         match request:
             case control.Status():

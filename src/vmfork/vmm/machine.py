@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import collections
 import logging
+import mmap
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -60,6 +61,7 @@ from vmfork.vmm.devices.manager import (
 from vmfork.vmm.devices.plan import (
     NATIVE_KINDS,
     NativeVirtio,
+    Plan,
     balloon_advice,
     boot_plan,
     device_plan,
@@ -138,6 +140,11 @@ class MachineConfig:
     # restore_state's ioctl buffers, built beforehand (vmstate.prepare_restore) so a
     # forked child only issues ioctls; built from restore_state when not given.
     restore_prepared: vmstate.PreparedRestore | None = None
+    # restore_state's natively served devices' plans by kind (``plan.restore_plans``),
+    # built beforehand with the balloon dropping pages by MADV_DONTNEED (guest RAM
+    # mapped private, as a forked child's is), so a forked child does not build them;
+    # built from restore_state when not given or when its RAM drops pages otherwise.
+    restore_plans: Mapping[str, Plan] | None = None
     cmdline_extra: str = ""
     mem_mib: int = 256
     vcpus: int = 1
@@ -188,8 +195,8 @@ class MachineConfig:
             if len(self.restore_state.vcpus) != self.vcpus:
                 raise ValueError(f"the snapshot has {len(self.restore_state.vcpus)} vCPUs, "
                                  f"the config {self.vcpus}")
-        elif self.restore_prepared is not None:
-            raise ValueError("restore_prepared needs restore_state")
+        elif self.restore_prepared is not None or self.restore_plans is not None:
+            raise ValueError("restore_prepared and restore_plans need restore_state")
         if not 1 <= self.vcpus <= MAX_VCPUS:
             raise ValueError(f"vcpus must be 1..{MAX_VCPUS}, not {self.vcpus}")
         if not 32 <= self.mem_mib <= 64 * 1024:
@@ -687,7 +694,13 @@ class Machine:
         saved = self.config.restore_state
         record = None if saved is None else next(d for d in saved.devices
                                                  if d.kind == kind.name)
-        plan = boot_plan(kind.name, advice) if record is None else device_plan(record, advice)
+        prebuilt = self.config.restore_plans if advice == mmap.MADV_DONTNEED else None
+        if record is None:
+            plan = boot_plan(kind.name, advice)
+        elif prebuilt is not None and kind.name in prebuilt:
+            plan = prebuilt[kind.name]
+        else:
+            plan = device_plan(record, advice)
         assert isinstance(self.loop, NativeEventLoop) and self.memory.native is not None
         notify: list[int] = []
         try:
@@ -816,24 +829,24 @@ class Machine:
         return self._exit
 
     def exit_profile(self) -> dict[str, Any]:
-        """VM exits by reason (all vCPUs) and the busiest I/O addresses."""
+        """VM exits by reason (all vCPUs) and the busiest I/O addresses, unmapped
+        accesses and interrupts by line (``exit_profile_of``)."""
         by_reason: collections.Counter[str] = collections.Counter()
         by_address: collections.Counter[tuple[str, int]] = collections.Counter()
         for vcpu in self.vcpus:
             by_reason.update(vcpu.exits)
             by_address.update(vcpu.io_exits)
-        return {
-            "by_reason": dict(by_reason.most_common()),
-            "top_io": [{"bus": bus, "address": hex(addr), "count": n}
-                       for (bus, addr), n in by_address.most_common(10)],
-            "unmapped": {"pio_reads": self.pio_bus.unmapped_reads,
-                         "pio_writes": self.pio_bus.unmapped_writes,
-                         "mmio_reads": self.mmio_bus.unmapped_reads,
-                         "mmio_writes": self.mmio_bus.unmapped_writes},
-            "irqs": {line.gsi: line.count for line in self._irq_lines},
-        }
+        return exit_profile_of(by_reason, by_address, *self.exit_counters())
 
-    # -- teardown ---------------------------------------------------------------------------
+    def exit_counters(self) -> tuple[tuple[int, int, int, int], list[tuple[int, int]]]:
+        """The counters of ``exit_profile`` that are not the vCPU loops': unmapped
+        (port reads, port writes, MMIO reads, MMIO writes) and (GSI, interrupts) per
+        line. The native control server asks for them to answer ``exits``."""
+        unmapped = (self.pio_bus.unmapped_reads, self.pio_bus.unmapped_writes,
+                    self.mmio_bus.unmapped_reads, self.mmio_bus.unmapped_writes)
+        return unmapped, [(line.gsi, line.count) for line in self._irq_lines]
+
+        # -- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
         """Stop the vCPUs and release every resource. Idempotent."""
         vcpus = getattr(self, "vcpus", [])
@@ -860,6 +873,30 @@ class Machine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+TOP_IO = 10   # the busiest I/O addresses an exit profile lists (control_serve.rs)
+
+
+def exit_profile_of(by_reason: Mapping[str, int], by_address: Mapping[tuple[str, int], int],
+                    unmapped: tuple[int, int, int, int],
+                    irqs: Iterable[tuple[int, int]]) -> dict[str, Any]:
+    """An exit profile's dict (the ``exits`` op's ``profile``) from its counters, each
+    listed by count, most first, ties by key, so that the native control server, which
+    writes the same reply from the same counters (``control_serve.rs``), writes the
+    same bytes."""
+    def busiest(counts: Mapping[Any, int]) -> list[tuple[Any, int]]:
+        return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+
+    pio_reads, pio_writes, mmio_reads, mmio_writes = unmapped
+    return {
+        "by_reason": dict(busiest(by_reason)),
+        "top_io": [{"bus": bus, "address": hex(addr), "count": n}
+                   for (bus, addr), n in busiest(by_address)[:TOP_IO]],
+        "unmapped": {"pio_reads": pio_reads, "pio_writes": pio_writes,
+                     "mmio_reads": mmio_reads, "mmio_writes": mmio_writes},
+        "irqs": dict(irqs),
+    }
 
 
 def console_log_path(run_dir: Path, vm_id: str) -> Path:

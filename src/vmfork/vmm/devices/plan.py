@@ -21,7 +21,9 @@ A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
 (``Machine._native_device``): a booted one from ``boot_plan``, a restored one from
 ``device_plan`` of its snapshot's record; ``NativeVirtio`` is the handle the device
 manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
-``_kind`` and ``_offer``. rng, the balloon and vsock have a plan (``PLANNED_KINDS``);
+``_kind`` and ``_offer``; a forked child's ``Machine`` is handed its snapshot's plans
+(``restore_plans``), built once per snapshot in the zygote's prefork. rng, the balloon
+and vsock have a plan (``PLANNED_KINDS``);
 vsock is not switched on in the Python ``Machine`` yet (docs/native.md says what it and
 blk and net still need). ``machine_plan`` is a whole snapshot's virtio devices as
 ``_core.NativeMachine`` takes them, built once per snapshot.
@@ -124,6 +126,15 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
          for q in t.queues])
     indices = [(q.next_avail, q.next_used) for q in t.queues]
     return kind, features, list(max_sizes), registers, indices
+
+
+def restore_plans(state: MachineState,
+                  balloon_advice: int = mmap.MADV_DONTNEED) -> dict[str, Plan]:
+    """The plan of each device of the decoded snapshot ``state`` that the Python
+    ``Machine`` serves natively (``NATIVE_KINDS``), by kind: what its restore takes
+    (``MachineConfig.restore_plans``), built once per snapshot in the zygote."""
+    return {device.kind: device_plan(device, balloon_advice)
+            for device in state.devices if device.kind in NATIVE_KINDS}
 
 
 def machine_plan(state: MachineState,

@@ -17,8 +17,10 @@ The contract the server keeps (its tests hold it to these words, ``tests/unit/
 test_virtio_vsock*.py``). Host side, following Firecracker's convention:
 
 * **Host-initiated.** We listen on ``uds_path``. A host process connects and
-  writes ``CONNECT <port>\\n``; we pick a fresh host-side port (from 2**30 up),
-  send OP_REQUEST to the guest, and on OP_RESPONSE answer ``OK <hostport>\\n``
+  writes ``CONNECT <port>\\n``; we pick a fresh host-side port (from 2**30 up,
+  numbered on from a random start per device: a restored guest may still hold sockets
+  of its source's last ports, and answers a REQUEST from one with RST), send
+  OP_REQUEST to the guest, and on OP_RESPONSE answer ``OK <hostport>\\n``
   on the Unix socket; from then on its bytes are the stream. A guest RST (no
   listener), a refusal, or no answer within ``CONNECT_TIMEOUT`` closes the Unix
   socket: the host process sees EOF without ``OK``.
