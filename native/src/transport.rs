@@ -291,7 +291,7 @@ impl BlkDisk {
         if !key_ok {
             return Err(format!("disk key {:.70?} is not a content key", self.key));
         }
-        if self.capacity % SECTOR_SIZE != 0 {
+        if !self.capacity.is_multiple_of(SECTOR_SIZE) {
             return Err(format!(
                 "disk {}: capacity {} is not a multiple of {SECTOR_SIZE}",
                 self.key, self.capacity
@@ -917,16 +917,7 @@ impl NativeTransport {
             epoch,
             fds.irq.try_clone().map_err(|e| format!("dup irqfd: {e}"))?,
         ));
-        let disk_fd = st.disk.as_ref().map(AsRawFd::as_raw_fd);
-        let server = self.server(
-            epoch,
-            &rings,
-            indices,
-            &events,
-            fds,
-            st.vsock.as_ref(),
-            disk_fd,
-        )?;
+        let server = self.server(epoch, &rings, indices, &events, fds, &st)?;
         if let Server::Balloon(s) = &server {
             for _ in 0..st.holds {
                 s.hold();
@@ -980,8 +971,7 @@ impl NativeTransport {
         indices: &[(u16, u16)],
         events: &Arc<NativeEvents>,
         fds: &Fds,
-        vsock: Option<&VsockHost>,
-        disk_fd: Option<RawFd>,
+        st: &TransportState,
     ) -> Result<Server, String> {
         let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| format!("dup eventfd: {e}"));
         let irq = dup(&fds.irq)?;
@@ -1033,7 +1023,10 @@ impl NativeTransport {
                 reset_ack_wait,
                 ..
             } => {
-                let vsock = vsock.ok_or("a vsock transport without its server")?;
+                let vsock = st
+                    .vsock
+                    .as_ref()
+                    .ok_or("a vsock transport without its server")?;
                 let fault = vsock.server.attach(Activation {
                     ram: self.ram.clone(),
                     registers: self.regs.clone(),
@@ -1067,7 +1060,7 @@ impl NativeTransport {
                     notify.map(AsRawFd::as_raw_fd),
                     notify.map(dup).transpose()?,
                     MediaSpec {
-                        fd: disk_fd,
+                        fd: st.disk.as_ref().map(AsRawFd::as_raw_fd),
                         capacity: disk.capacity,
                         read_only: disk.read_only,
                         id: &id,
