@@ -189,9 +189,14 @@ impl ChildMachinePlan {
         let vsock_path = vsock_path
             .to_str()
             .ok_or_else(|| format!("{} is not UTF-8", vsock_path.display()))?;
-        // Each disk open until the machine is built (its transport keeps a duplicate).
-        let mut disks = HashMap::with_capacity(snapshot.disks.len());
+        // Each disk file open until the machine is built (its transport keeps a
+        // duplicate), once per path: two slots may hold one read-only disk, and the
+        // jail opened it once.
+        let mut files: HashMap<&PathBuf, File> = HashMap::with_capacity(snapshot.disks.len());
         for (slot, path) in &snapshot.disks {
+            if files.contains_key(path) {
+                continue;
+            }
             let file = match opened {
                 Some((ro, ..)) => {
                     let at = self
@@ -200,13 +205,17 @@ impl ChildMachinePlan {
                         .ok_or_else(|| format!("the jail opened no {}", path.display()))?;
                     let fd = jail_fd(ro, *at, "disk")?;
                     // SAFETY: as the memory file's: the jail opened it for this
-                    // process, and it is taken once, here.
+                    // process, and it is taken once, here (once per path).
                     unsafe { File::from_raw_fd(fd) }
                 }
                 None => File::open(path).map_err(|e| format!("{}: {e}", path.display()))?,
             };
-            disks.insert(*slot, file);
+            files.insert(path, file);
         }
+        let disk_file = |slot: &u32| {
+            let path = snapshot.disks.get(slot)?;
+            files.get(path).map(File::as_raw_fd)
+        };
         let devices = snapshot
             .devices
             .iter()
@@ -219,7 +228,7 @@ impl ChildMachinePlan {
                             bound: None,
                         };
                     }
-                    DeviceKind::Blk(disk) => disk.file = disks.get(slot).map(File::as_raw_fd),
+                    DeviceKind::Blk(disk) => disk.file = disk_file(slot),
                     _ => {}
                 }
                 SlotPlan {
