@@ -28,8 +28,9 @@ A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
 manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
 ``_kind`` and ``_offer``. rng, the balloon, vsock, blk and volume slots have a plan
 (``PLANNED_KINDS``); vsock and the disks are not switched on in the Python ``Machine``
-yet (docs/native.md says what they and net still need). ``machine_plan`` is a whole snapshot's virtio devices as
-``_core.NativeMachine`` takes them, built once per snapshot.
+yet (docs/native.md says what they and net still need). ``machine_plan`` is a whole
+snapshot's virtio devices as ``_core.NativeMachine`` takes them, built once per
+snapshot.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _offer(kind: str, disk: blk.BlkState | None = None) -> tuple[int, tuple[int,
     """(features, queue max sizes, device type) of a device of ``kind``, as its class
     (a disk's features, as ``VirtioBlk``'s, follow from its record ``disk``)."""
     if kind in DISK_KINDS:
-        assert disk is not None
+        if disk is None:
+            raise ValueError(f"a {kind} device's features follow from its record")
         features = (blk.OFFERED_FEATURES_SLOT if disk.volume_slot else
                     blk.OFFERED_FEATURES if disk.read_only else blk.OFFERED_FEATURES_RW)
         return VIRTIO_F_VERSION_1 | features, blk.VirtioBlk.queue_max_sizes, blk.DEVICE_ID_BLK
