@@ -9,13 +9,15 @@
 //!   `vmfork.vmm.devices.virtio.mmio.MmioTransport`), the GIL taken inside: today's
 //!   machine;
 //! * `NativeTransport`, here: at DRIVER_OK it builds the device's native server
-//!   (`rng_serve.rs`, `balloon_serve.rs`) from the register file (queue addresses and
-//!   sizes, the ring indices) with a `NativeEvents` sink, and registers it on the loop
-//!   (`Readers`: a `NativeLoop`, or the Python loop's native registration); at a reset
-//!   it drops it; a notify with no ioeventfd is served on the writing thread; the
+//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`) from the register file
+//!   (queue addresses and sizes, the ring indices) with a `NativeEvents` sink, and
+//!   registers it on the loop (`Readers`: a `NativeLoop`, or the Python loop's native
+//!   registration); at a reset it drops it (a disk's server retired first: it lets go
+//!   of the file); a notify with no ioeventfd is served on the writing thread; the
 //!   device's config bytes are a Rust value (rng: none; balloon: its 16 bytes, of which
-//!   the driver writes `actual`; vsock: the guest CID, plain, served by the register
-//!   file). vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
+//!   the driver writes `actual`; vsock: the guest CID; blk: capacity, `SIZE_MAX`,
+//!   `SEG_MAX`; the last two plain, served by the register file). A disk's file comes
+//!   with its plan (`BlkDisk.file`) and is the transport's, duplicated, until `close`. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
 //!   its host listener does: built at the restore with its private epoll on the loop,
 //!   handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
 //!   reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
@@ -283,11 +285,13 @@ pub struct BlkDisk {
 
 impl BlkDisk {
     fn check(&self) -> Result<(), String> {
-        let key_ok = self.key.len() <= 64
-            && self
-                .key
-                .bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        // `blk.py`'s `validate_disk_key`: 8 to 64 lowercase hex digits, or none.
+        let key_ok = self.key.is_empty()
+            || ((8..=64).contains(&self.key.len())
+                && self
+                    .key
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
         if !key_ok {
             return Err(format!("disk key {:.70?} is not a content key", self.key));
         }
