@@ -131,8 +131,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="vmfork-nmem-"))
     home = work / "home"
     print("snapshotting the parent", file=sys.stderr, flush=True)
-    snapshot_parent(Store.open(home), "nmem", find_image(), mem_mib=MEM_MIB, warm_code=WARM,
-                    free_volume_slots=0)
+    snapshot_parent(Store.open(home), "nmem", find_image(), mem_mib=MEM_MIB, warm_code=WARM)
     per: dict[str, dict[int, list[dict[str, int]]]] = {t: {} for t in trees}
     for rep in range(args.reps):
         for n in args.n:

@@ -1459,9 +1459,7 @@ def parse_args() -> argparse.Namespace:
                         help="seconds for the whole run in the emulated test host")
     parser.add_argument("--free-volume-slots", type=int, default=None,
                         help="empty volume slots of the vmfork parent (default: "
-                             "snapshot_parent's); children that run no Python "
-                             "(VMFORK_NATIVE_CHILD=1, which passes into the test host) "
-                             "need 0: a volume slot has no native transport")
+                             "snapshot_parent's)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also: each vmfork child's memory by mapping class and by phase, "
                              "and its threads' wake-ups while idle")

@@ -206,6 +206,39 @@ impl BlkServer {
         report
     }
 
+    /// Serve now, on the calling thread (a notify with no ioeventfd, from a native
+    /// transport): true if the budget was spent with no ioeventfd to re-arm with.
+    /// What a wake leaves for the events goes to them (a native sink hands nothing
+    /// back to run).
+    pub fn serve_now(&self) -> bool {
+        let report = self.serve();
+        let more = report.more;
+        let _ = self.deferred(report);
+        more
+    }
+
+    /// (next_avail, next_used); waits out a wake in progress (the state lock).
+    pub fn indices(&self) -> (u16, u16) {
+        let st = lock(&self.state);
+        (st.next_avail, st.next_used)
+    }
+
+    /// The requests served since this server was made, and the used-buffer
+    /// interrupts it raised.
+    pub fn stats(&self) -> (Counters, u64) {
+        let st = lock(&self.state);
+        (st.counters, st.interrupts)
+    }
+
+    /// Serve no more and stop using the fd: once this returns no read or write uses
+    /// it again (a wake in progress holds the state and media locks for its serving),
+    /// and a wake the loop had already begun to dispatch finds the server closed.
+    pub fn retire(&self) {
+        let mut st = lock(&self.state);
+        st.closed = true;
+        lock(&self.media).fd = None;
+    }
+
     /// Hand the report to the events, if it has anything for them.
     fn deferred(&self, report: Report) -> Option<Deferred> {
         let warnings = report.warnings.iter().map(Warning::as_tuple).collect();

@@ -16,7 +16,8 @@
 //!    (`KVM_IRQFD`, one line per pin, shared by the devices on it, as
 //!    `Machine._irq_line` does), an ioeventfd per queue on the window's QueueNotify
 //!    with the queue's index as datamatch (`KVM_IOEVENTFD`, as
-//!    `Machine._mmio_transport` does), its `NativeTransport` in the machine's
+//!    `Machine._mmio_transport` does; none for an empty volume slot,
+//!    `DevicePlan::wants_ioeventfds`), its `NativeTransport` in the machine's
 //!    `Windows` at `VIRTIO_MMIO_BASE + slot * 4 KiB` (`vmm/x86/layout.py`);
 //! 6. a `VcpuThread` per vCPU with a `NativeHost` over those windows, all reporting
 //!    to one `ExitSink`: the first exit of any vCPU is the machine's.
@@ -523,6 +524,10 @@ impl NativeMachine {
             let irq = line(device.irq, &mut eventfds)?;
             let mut notify = Vec::with_capacity(device.plan.max_sizes.len());
             for queue in 0..device.plan.max_sizes.len() {
+                if !device.plan.wants_ioeventfds() {
+                    notify.push(None);
+                    continue;
+                }
                 let fd = new_eventfd()?;
                 let at = IoEventAddress::Mmio(base + mmio::REG_QUEUE_NOTIFY);
                 core.vm()
@@ -823,11 +828,13 @@ impl PyNativeMachine {
     /// virtio devices `devices`: (slot, IOAPIC pin, plan as `vmm/devices/plan.py`
     /// builds it), a vsock's host side `vsock_listener` as `NativeDevice.restore`
     /// takes it (the socket path, its bound listening fd, duplicated, or None to bind
-    /// the path here). The GIL is released for the build; nothing runs until `start`.
+    /// the path here), each disk's file in `disk_files` by slot (duplicated; an empty
+    /// volume slot has none). The GIL is released for the build; nothing runs until
+    /// `start`.
     #[new]
     #[pyo3(signature = (kvm_fd, memory_fd, mem_size, prepared, *, devices, serial = None,
                         console_log_fd = None, log_burst, log_per_second, log_total_bytes,
-                        vsock_listener = None))]
+                        vsock_listener = None, disk_files = HashMap::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -842,6 +849,7 @@ impl PyNativeMachine {
         log_per_second: f64,
         log_total_bytes: u64,
         vsock_listener: Option<PyListener>,
+        disk_files: HashMap<u32, RawFd>,
     ) -> PyResult<Self> {
         let budget = log_budget(log_burst, log_per_second, log_total_bytes)
             .map_err(PyValueError::new_err)?;
@@ -851,7 +859,11 @@ impl PyNativeMachine {
                 Ok(SlotPlan {
                     slot,
                     irq,
-                    plan: plan_from_py(plan, vsock_listener.clone())?,
+                    plan: plan_from_py(
+                        plan,
+                        vsock_listener.clone(),
+                        disk_files.get(&slot).copied(),
+                    )?,
                 })
             })
             .collect::<PyResult<Vec<_>>>()?;

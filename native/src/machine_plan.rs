@@ -14,13 +14,16 @@
 //!   other snapshots', which it unmaps.
 //!
 //! The child opens all it needs itself (its set-up's `close_range` closed the zygote's
-//! descriptors): `/dev/kvm` and, for a flat snapshot, the memory file (from the
-//! jail's, once its uid may not open them), the console log, and its vsock device
+//! descriptors): `/dev/kvm`, for a flat snapshot the memory file, and each disk (from
+//! the jail's, once its uid may not open them), the console log, and its vsock device
 //! binds `<run_dir>/vsock.sock`. A diff snapshot's RAM is the inherited premap,
-//! adopted (no file opened, no run mapped).
+//! adopted (no file opened, no run mapped). A disk's path is the zygote's (from its
+//! content key in the snapshot's record), never one the guest gives; each is opened
+//! read-only.
 
+use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::{AsFd, FromRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
@@ -46,8 +49,11 @@ pub struct SnapshotMachinePlan {
     memory_path: PathBuf,
     mem_size: u64,
     prepared: Py<PreparedRestore>,
-    /// (slot, pin, plan); a vsock's listener path is set per child (`for_child`).
+    /// (slot, pin, plan); a vsock's listener path is set per child (`for_child`), a
+    /// disk's file is opened by the child (`disks`).
     devices: Vec<(u32, u32, DevicePlan)>,
+    /// Each disk's file by slot (an empty volume slot has none).
+    disks: HashMap<u32, PathBuf>,
     serial: Option<SerialFields>,
     log_budget: (u32, f64, u64),
 }
@@ -56,12 +62,14 @@ pub struct SnapshotMachinePlan {
 impl SnapshotMachinePlan {
     /// The machine of a snapshot: its memory file `memory_path` (`mem_size` bytes,
     /// mapped `MAP_PRIVATE` by each child), its restore buffers `prepared`, COM1's
-    /// registers `serial` (`SerialState`'s fields), the console log's budget, and the
+    /// registers `serial` (`SerialState`'s fields), the console log's budget, the
     /// virtio devices `devices`: (slot, IOAPIC pin, plan as `plan.machine_plan`
-    /// builds them). `ValueError` for a plan that does not fit its device.
+    /// builds them), and each disk's file `disks` by slot (read-only disks only).
+    /// `ValueError` for a plan that does not fit its device, or a disk without its
+    /// file.
     #[new]
     #[pyo3(signature = (memory_path, mem_size, prepared, *, devices, serial, log_burst,
-                        log_per_second, log_total_bytes))]
+                        log_per_second, log_total_bytes, disks = HashMap::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         memory_path: PathBuf,
@@ -72,6 +80,7 @@ impl SnapshotMachinePlan {
         log_burst: u32,
         log_per_second: f64,
         log_total_bytes: u64,
+        disks: HashMap<u32, PathBuf>,
     ) -> PyResult<Self> {
         log_budget(log_burst, log_per_second, log_total_bytes).map_err(PyValueError::new_err)?;
         let devices = devices
@@ -79,7 +88,23 @@ impl SnapshotMachinePlan {
             .map(|(slot, irq, plan)| {
                 // Any path: each child's is its own run directory's (`ChildMachinePlan`).
                 let listener = Some((String::new(), None));
-                Ok((slot, irq, plan_from_py(plan, listener)?))
+                let plan = plan_from_py(plan, listener, None)?;
+                if let DeviceKind::Blk(disk) = &plan.kind {
+                    if disk.capacity > 0 && !disks.contains_key(&slot) {
+                        return Err(PyValueError::new_err(format!(
+                            "virtio-mmio.{slot}: the disk {} has no file",
+                            disk.key
+                        )));
+                    }
+                    if !disk.read_only {
+                        return Err(PyValueError::new_err(format!(
+                            "virtio-mmio.{slot}: the disk {} is read-write: a native \
+                             child opens read-only disks only",
+                            disk.key
+                        )));
+                    }
+                }
+                Ok((slot, irq, plan))
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(SnapshotMachinePlan {
@@ -87,25 +112,29 @@ impl SnapshotMachinePlan {
             mem_size,
             prepared,
             devices,
+            disks,
             serial,
             log_budget: (log_burst, log_per_second, log_total_bytes),
         })
     }
 
     /// One child's plan: its `run_dir`; for a jailed child, the index of the memory
-    /// file among the jail's read-only opened files (`JailSpec.preopen`) and of
-    /// `/dev/kvm` among its devices (`JailSpec.devices`). `premapped`: the RAM the
-    /// child inherits instead of mapping the memory file, (guest address, size, host
-    /// address) per region of the snapshot's layout (the memory file is then not
-    /// needed); `other_premaps`: (host address, length) of each other premap the fork
-    /// copies, which the child unmaps. `ValueError` for ranges that do not fit.
-    #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None, premapped = None,
+    /// file and of each disk (by slot) among the jail's read-only opened files
+    /// (`JailSpec.preopen`) and of `/dev/kvm` among its devices (`JailSpec.devices`).
+    /// `premapped`: the RAM the child inherits instead of mapping the memory file,
+    /// (guest address, size, host address) per region of the snapshot's layout (the
+    /// memory file is then not needed); `other_premaps`: (host address, length) of each
+    /// other premap the fork copies, which the child unmaps. `ValueError` for ranges
+    /// that do not fit.
+    #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None,
+                        jail_disks = HashMap::new(), premapped = None,
                         other_premaps = Vec::new()))]
     fn for_child(
         slf: Py<Self>,
         run_dir: PathBuf,
         jail_memory: Option<usize>,
         jail_kvm: Option<usize>,
+        jail_disks: HashMap<u32, usize>,
         premapped: Option<Vec<(u64, u64, u64)>>,
         other_premaps: Vec<(u64, u64)>,
     ) -> PyResult<ChildMachinePlan> {
@@ -116,6 +145,7 @@ impl SnapshotMachinePlan {
             run_dir,
             jail_memory,
             jail_kvm,
+            jail_disks,
             inherited,
         })
     }
@@ -128,6 +158,7 @@ pub struct ChildMachinePlan {
     run_dir: PathBuf,
     jail_memory: Option<usize>,
     jail_kvm: Option<usize>,
+    jail_disks: HashMap<u32, usize>,
     inherited: InheritedRam,
 }
 
@@ -199,16 +230,47 @@ impl ChildMachinePlan {
         let vsock_path = vsock_path
             .to_str()
             .ok_or_else(|| format!("{} is not UTF-8", vsock_path.display()))?;
+        // Each disk file open until the machine is built (its transport keeps a
+        // duplicate), once per path: two slots may hold one read-only disk, and the
+        // jail opened it once.
+        let mut files: HashMap<&PathBuf, File> = HashMap::with_capacity(snapshot.disks.len());
+        for (slot, path) in &snapshot.disks {
+            if files.contains_key(path) {
+                continue;
+            }
+            let file = match opened {
+                Some((ro, ..)) => {
+                    let at = self
+                        .jail_disks
+                        .get(slot)
+                        .ok_or_else(|| format!("the jail opened no {}", path.display()))?;
+                    let fd = jail_fd(ro, *at, "disk")?;
+                    // SAFETY: as the memory file's: the jail opened it for this
+                    // process, and it is taken once, here (once per path).
+                    unsafe { File::from_raw_fd(fd) }
+                }
+                None => File::open(path).map_err(|e| format!("{}: {e}", path.display()))?,
+            };
+            files.insert(path, file);
+        }
+        let disk_file = |slot: &u32| {
+            let path = snapshot.disks.get(slot)?;
+            files.get(path).map(File::as_raw_fd)
+        };
         let devices = snapshot
             .devices
             .iter()
             .map(|(slot, irq, plan)| {
                 let mut plan = plan.clone();
-                if let DeviceKind::Vsock { listener, .. } = &mut plan.kind {
-                    *listener = VsockListener {
-                        path: vsock_path.to_owned(),
-                        bound: None,
-                    };
+                match &mut plan.kind {
+                    DeviceKind::Vsock { listener, .. } => {
+                        *listener = VsockListener {
+                            path: vsock_path.to_owned(),
+                            bound: None,
+                        };
+                    }
+                    DeviceKind::Blk(disk) => disk.file = disk_file(slot),
+                    _ => {}
                 }
                 SlotPlan {
                     slot: *slot,

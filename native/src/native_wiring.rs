@@ -18,11 +18,14 @@ use crate::guest_ram::{GuestRam, Region};
 use crate::mmio::{self, Event, Registers, INT_CONFIG_CHANGE, INT_USED_BUFFER};
 use crate::queue_server::{DeviceEvents, NativeEvents};
 use crate::rng_serve::{RngServer, Served};
-use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener, Windows};
+use crate::transport::{
+    BlkDisk, DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener, Windows,
+};
 use crate::virtq::{self, Rings};
 
 const RAM_SIZE: usize = 1 << 20;
 const PAGE: u64 = 4096;
+const DESC_F_NEXT: u16 = 1;
 const DESC_F_WRITE: u16 = 2;
 /// How long a wait for the loop thread may take before the test calls it hung (a
 /// guard against a hang, not a measurement: a healthy run takes microseconds).
@@ -178,6 +181,29 @@ impl Driver {
         let slot = u64::from(self.avail_idx % self.rings.size);
         r.write_u16(self.rings.avail + 4 + 2 * slot, head).unwrap();
         // The entry before the index that publishes it, as a driver's write barrier.
+        fence(Ordering::SeqCst);
+        self.avail_idx = self.avail_idx.wrapping_add(1);
+        r.write_u16(self.rings.avail + 2, self.avail_idx).unwrap();
+    }
+
+    /// Place a chain of descriptors from `head` on (addr, len, flags each; NEXT is
+    /// added) and publish it.
+    fn offer_chain(&mut self, ram: &GuestRam, head: u16, parts: &[(u64, u32, u16)]) {
+        let r = ram.lock().unwrap();
+        for (i, &(addr, len, flags)) in parts.iter().enumerate() {
+            let index = head + i as u16;
+            let last = i + 1 == parts.len();
+            let mut d = [0u8; 16];
+            d[..8].copy_from_slice(&addr.to_le_bytes());
+            d[8..12].copy_from_slice(&len.to_le_bytes());
+            let flags = if last { flags } else { flags | DESC_F_NEXT };
+            d[12..14].copy_from_slice(&flags.to_le_bytes());
+            d[14..16].copy_from_slice(&(index + 1).to_le_bytes());
+            r.write_from(self.rings.desc + 16 * u64::from(index), &d)
+                .unwrap();
+        }
+        let slot = u64::from(self.avail_idx % self.rings.size);
+        r.write_u16(self.rings.avail + 4 + 2 * slot, head).unwrap();
         fence(Ordering::SeqCst);
         self.avail_idx = self.avail_idx.wrapping_add(1);
         r.write_u16(self.rings.avail + 2, self.avail_idx).unwrap();
@@ -985,6 +1011,246 @@ fn a_vsock_restored_before_driver_ok_drops_its_reset_event_at_the_drivers_reset(
     assert_eq!(restored.plan().indices, vec![(0, 0); 3]);
     drop(bus);
     drop(restored);
+    event_loop.stop();
+    ram.close();
+}
+
+/// A disk's content key (the id GET_ID answers is its first 20 bytes).
+const DISK_KEY: &str = "0123456789abcdef0123456789abcdef";
+/// `blk.py`'s features: a read-only disk's and a volume slot's.
+const BLK_RO_FEATURES: u64 = mmio::VIRTIO_F_VERSION_1 | (1 << 1) | (1 << 2) | (1 << 5);
+const BLK_SLOT_FEATURES: u64 = mmio::VIRTIO_F_VERSION_1 | (1 << 1) | (1 << 2) | (1 << 9);
+const SECTOR: usize = 512;
+
+/// A disk file of `sectors` sectors, sector i filled with byte i + 1, in `dir`.
+fn disk_file(dir: &SocketDir, name: &str, sectors: usize) -> std::fs::File {
+    let path = dir.path(name);
+    let bytes: Vec<u8> = (0..sectors * SECTOR)
+        .map(|i| (i / SECTOR) as u8 + 1)
+        .collect();
+    std::fs::write(&path, bytes).unwrap();
+    std::fs::File::open(&path).unwrap()
+}
+
+fn root_disk(file: Option<RawFd>, capacity: u64) -> DeviceKind {
+    DeviceKind::Blk(BlkDisk {
+        key: DISK_KEY.into(),
+        capacity,
+        read_only: true,
+        volume: None,
+        file,
+    })
+}
+
+/// Post one blk request at `head` (header at 0x80000 + 0x1000 * n, data after it,
+/// the status byte last): `data` bytes for the device to write, or to read (`out`).
+fn blk_request(
+    driver: &mut Driver,
+    ram: &GuestRam,
+    head: u16,
+    kind: u32,
+    sector: u64,
+    data: u32,
+    out: bool,
+) -> u64 {
+    let at = 0x80000 + 0x1000 * u64::from(head);
+    let mut header = kind.to_le_bytes().to_vec();
+    header.extend_from_slice(&0u32.to_le_bytes());
+    header.extend_from_slice(&sector.to_le_bytes());
+    ram.lock().unwrap().write_from(at, &header).unwrap();
+    ram.lock().unwrap().write_from(at + 0x800, &[0xEE]).unwrap();
+    let data_flags = if out { 0 } else { DESC_F_WRITE };
+    driver.offer_chain(
+        ram,
+        head,
+        &[
+            (at, 16, 0),
+            (at + 0x20, data, data_flags),
+            (at + 0x800, 1, DESC_F_WRITE),
+        ],
+    );
+    at
+}
+
+fn status_of(ram: &GuestRam, at: u64) -> u8 {
+    let mut status = [0u8];
+    ram.lock()
+        .unwrap()
+        .read_into(at + 0x800, &mut status)
+        .unwrap();
+    status[0]
+}
+
+#[test]
+fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("blk-plan");
+    let disk = disk_file(&dir, "disk.img", 8);
+    let boot = DevicePlan::fresh(
+        root_disk(Some(disk.as_raw_fd()), 8 * SECTOR as u64),
+        BLK_RO_FEATURES,
+        vec![256],
+    )
+    .unwrap();
+    assert!(boot.wants_ioeventfds());
+
+    // A booted disk: its config space as blk.py packs it, the driver's DRIVER_OK
+    // builds the server on the loop.
+    let first_loop = started_loop("blk-boot");
+    let windows = Windows::new();
+    let (booted, irq, notify) = restore_on_bus(&boot, &ram, &first_loop, &windows, true);
+    let mut config = [0u8; 16];
+    for (i, chunk) in config.chunks_mut(4).enumerate() {
+        bus_read(&windows, mmio::CONFIG_SPACE + 4 * i as u64, chunk);
+    }
+    let mut want = 8u64.to_le_bytes().to_vec();
+    want.extend_from_slice(&(64u32 * 1024).to_le_bytes());
+    want.extend_from_slice(&128u32.to_le_bytes());
+    assert_eq!(config.to_vec(), want);
+    let rings = bring_up_on_bus(&windows, &[16]);
+    assert!(booted.active());
+    assert_eq!(first_loop.counts().0, 1);
+    let mut driver = Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    };
+    // Sector 2 read from the file into the guest's buffer.
+    let at = blk_request(&mut driver, &ram, 0, 0, 2, SECTOR as u32, false);
+    signal(&notify[0]);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 0), (1, (0, SECTOR as u32 + 1)));
+    assert_eq!(status_of(&ram, at), 0);
+    let mut data = vec![0u8; SECTOR];
+    ram.lock().unwrap().read_into(at + 0x20, &mut data).unwrap();
+    assert!(data.iter().all(|&b| b == 3), "sector 2 is the file's third");
+    // GET_ID: the key's first 20 bytes; a write to a read-only disk: IOERR.
+    let at = blk_request(&mut driver, &ram, 3, 8, 0, 20, false);
+    let write = blk_request(&mut driver, &ram, 6, 1, 0, SECTOR as u32, true);
+    signal(&notify[0]);
+    assert_eq!(wait_used(&driver, &ram, 3), (6, 1));
+    let mut id = [0u8; 20];
+    ram.lock().unwrap().read_into(at + 0x20, &mut id).unwrap();
+    assert_eq!(&id, &DISK_KEY.as_bytes()[..20]);
+    assert_eq!(status_of(&ram, write), 1);
+    let stats = booted.stats().blk;
+    assert_eq!((stats.requests, stats.reads, stats.get_ids), (3, 1, 1));
+    assert_eq!((stats.bytes_read, stats.writes_refused), (SECTOR as u64, 1));
+
+    // The snapshot: the plan gives the disk back without its file.
+    let snapshot = booted.plan();
+    assert_eq!(snapshot.kind, root_disk(None, 8 * SECTOR as u64));
+    assert_eq!(snapshot.indices, vec![(3, 3)]);
+    drop(windows);
+    drop(booted);
+    assert_eq!(first_loop.counts().0, 0);
+    first_loop.stop();
+
+    // A plan with no file, or another file, is not this disk.
+    let child_loop = started_loop("blk-child");
+    let restore = |plan: &DevicePlan| {
+        NativeTransport::restore(
+            plan,
+            ram.clone(),
+            child_loop.clone() as Arc<dyn Readers>,
+            eventfd(),
+            vec![None],
+        )
+        .map(|_| ())
+    };
+    assert_eq!(
+        restore(&snapshot).err().as_deref(),
+        Some(&*format!("disk {DISK_KEY}: no file given"))
+    );
+    let other = disk_file(&dir, "other.img", 4);
+    let mut plan = snapshot.clone();
+    plan.kind = root_disk(Some(other.as_raw_fd()), 8 * SECTOR as u64);
+    let refused = restore(&plan).err().unwrap();
+    assert!(refused.contains("its file has 2048"), "{refused}");
+
+    // The child: the same disk's file, the ring indices where the snapshot left them.
+    plan.kind = root_disk(Some(disk.as_raw_fd()), 8 * SECTOR as u64);
+    let child_bus = Windows::new();
+    let (child, irq, notify) = restore_on_bus(&plan, &ram, &child_loop, &child_bus, true);
+    drop(disk); // the transport holds its own duplicate
+    assert!(child.active());
+    let at = blk_request(&mut driver, &ram, 9, 0, 7, 2 * SECTOR as u32, false);
+    signal(&notify[0]);
+    assert_eq!(wait_signalled(&irq), 1);
+    // Sector 7 is the last: a read of two reaches past the capacity, refused with
+    // only the status byte written.
+    assert_eq!(driver.used(&ram, 3), (4, (9, 1)));
+    assert_eq!(status_of(&ram, at), 1);
+    let at = blk_request(&mut driver, &ram, 12, 0, 7, SECTOR as u32, false);
+    signal(&notify[0]);
+    assert_eq!(wait_used(&driver, &ram, 5), (12, SECTOR as u32 + 1));
+    assert_eq!(status_of(&ram, at), 0);
+    ram.lock().unwrap().read_into(at + 0x20, &mut data).unwrap();
+    assert!(data.iter().all(|&b| b == 8));
+    assert_eq!(child.plan().indices, vec![(5, 5)]);
+    let stats = child.stats().blk;
+    assert_eq!((stats.requests, stats.reads, stats.read_errors), (2, 1, 1));
+    assert_eq!(child.record().faults, 0);
+    drop(child_bus);
+    drop(child);
+    drop((irq, notify));
+    assert_eq!(child_loop.counts().0, 0);
+    child_loop.stop();
+    ram.close();
+}
+
+#[test]
+fn an_empty_volume_slot_has_no_ioeventfd_and_answers_on_the_writing_thread() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let empty_disk = BlkDisk {
+        key: String::new(),
+        capacity: 0,
+        read_only: true,
+        volume: Some(String::new()),
+        file: None,
+    };
+    let slot = DeviceKind::Blk(empty_disk.clone());
+    let plan = DevicePlan::fresh(slot.clone(), BLK_SLOT_FEATURES, vec![256]).unwrap();
+    assert!(!plan.wants_ioeventfds());
+    let event_loop = started_loop("blk-slot");
+    let windows = Windows::new();
+    let (empty, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &windows, false);
+    let mut capacity = [0xFFu8; 8];
+    bus_read(&windows, mmio::CONFIG_SPACE, &mut capacity);
+    assert_eq!(capacity, [0; 8]);
+    let rings = bring_up_on_bus(&windows, &[16]);
+    assert!(empty.active());
+    assert_eq!(event_loop.counts().0, 0); // nothing on the loop
+    let mut driver = Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    };
+    // A read of an empty slot: IOERR, answered before the notify's write returns.
+    let at = blk_request(&mut driver, &ram, 0, 0, 0, SECTOR as u32, false);
+    bus_write(&windows, mmio::REG_QUEUE_NOTIFY, 0);
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    assert_eq!(driver.used(&ram, 0), (1, (0, 1)));
+    assert_eq!(status_of(&ram, at), 1);
+    let saved = empty.plan();
+    assert_eq!(saved.kind, slot);
+    assert_eq!(saved.indices, vec![(1, 1)]);
+    // An empty slot has no file, and a root disk is never empty.
+    let mut refused = plan.clone();
+    refused.kind = DeviceKind::Blk(BlkDisk {
+        volume: None,
+        ..empty_disk
+    });
+    let err = NativeTransport::restore(
+        &refused,
+        ram.clone(),
+        event_loop.clone() as Arc<dyn Readers>,
+        eventfd(),
+        vec![None],
+    );
+    assert_eq!(err.err().as_deref(), Some("a root disk cannot be empty"));
+    drop(windows);
+    drop(empty);
     event_loop.stop();
     ram.close();
 }

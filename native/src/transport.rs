@@ -9,13 +9,15 @@
 //!   `vmfork.vmm.devices.virtio.mmio.MmioTransport`), the GIL taken inside: today's
 //!   machine;
 //! * `NativeTransport`, here: at DRIVER_OK it builds the device's native server
-//!   (`rng_serve.rs`, `balloon_serve.rs`) from the register file (queue addresses and
-//!   sizes, the ring indices) with a `NativeEvents` sink, and registers it on the loop
-//!   (`Readers`: a `NativeLoop`, or the Python loop's native registration); at a reset
-//!   it drops it; a notify with no ioeventfd is served on the writing thread; the
+//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`) from the register file
+//!   (queue addresses and sizes, the ring indices) with a `NativeEvents` sink, and
+//!   registers it on the loop (`Readers`: a `NativeLoop`, or the Python loop's native
+//!   registration); at a reset it drops it (a disk's server retired first: it lets go
+//!   of the file); a notify with no ioeventfd is served on the writing thread; the
 //!   device's config bytes are a Rust value (rng: none; balloon: its 16 bytes, of which
-//!   the driver writes `actual`; vsock: the guest CID, plain, served by the register
-//!   file). vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
+//!   the driver writes `actual`; vsock: the guest CID; blk: capacity, `SIZE_MAX`,
+//!   `SEG_MAX`; the last two plain, served by the register file). A disk's file comes
+//!   with its plan (`BlkDisk.file`) and is the transport's, duplicated, until `close`. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
 //!   its host listener does: built at the restore with its private epoll on the loop,
 //!   handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
 //!   reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
@@ -42,6 +44,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::balloon_serve::{BalloonServer, Counters, DiscardError};
+use crate::blk::{self, Counters as BlkCounters, SECTOR_SIZE};
+use crate::blk_serve::{BlkServer, MediaSpec, WarningFields};
 use crate::eventloop::{Loop, LoopHost, NativeReader};
 use crate::guest_ram::GuestRam;
 use crate::mmio::{
@@ -221,6 +225,7 @@ impl<H: LoopHost> Readers for Loop<H> {
 /// virtio-balloon's config space: num_pages, actual, free_page_hint_cmd_id, poison_val.
 pub const BALLOON_CONFIG_SIZE: usize = 16;
 const BALLOON_ACTUAL: u64 = 4;
+const DEVICE_ID_BLK: u32 = 2;
 const DEVICE_ID_RNG: u32 = 4;
 const DEVICE_ID_BALLOON: u32 = 5;
 const DEVICE_ID_VSOCK: u32 = 19;
@@ -245,6 +250,119 @@ pub enum DeviceKind {
         reset_ack_wait: Duration,
         listener: VsockListener,
     },
+    /// virtio-blk: the root disk or a volume slot (`blk.py`).
+    Blk(BlkDisk),
+}
+
+/// `blk.py`'s budget per notification: requests and bytes.
+pub const BLK_MAX_REQUESTS: u32 = 64;
+pub const BLK_MAX_BYTES: u64 = 4 * blk::MAX_BYTES_PER_REQUEST;
+/// `blk.py`'s `SIZE_MAX` and `SEG_MAX`, in its config space after the capacity.
+const BLK_SIZE_MAX: u32 = 64 * 1024;
+const BLK_SEG_MAX: u32 = 128;
+/// A ring holds at most this many chains: a notify served on the writing thread
+/// (no ioeventfd) serves at most this many rounds, each of at least one chain.
+const MAX_CHAINS_IN_RING: u32 = 256;
+
+/// A virtio-blk device's disk: `BlkState` (and `VolumeSlotState`'s guest path) as
+/// plain values, and the file. An empty volume slot has no disk: key "", capacity 0,
+/// no file. Its media never change here: a new volume's attach (`config_changed`)
+/// is the Python `Machine`'s.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlkDisk {
+    /// The disk's content key ("" for an empty slot); the id GET_ID answers is its
+    /// first 20 bytes, NUL-padded.
+    pub key: String,
+    /// In bytes, a multiple of 512 (0 for an empty slot).
+    pub capacity: u64,
+    pub read_only: bool,
+    /// A volume slot's guest path (`Some("")` for an empty one); None: the root disk.
+    pub volume: Option<String>,
+    /// The disk file, borrowed for the restore (duplicated there, its size checked
+    /// against `capacity`); None for an empty slot, and in a plan given back.
+    pub file: Option<RawFd>,
+}
+
+impl BlkDisk {
+    fn check(&self) -> Result<(), String> {
+        // `blk.py`'s `validate_disk_key`: 8 to 64 lowercase hex digits, or none.
+        let key_ok = self.key.is_empty()
+            || ((8..=64).contains(&self.key.len())
+                && self
+                    .key
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+        if !key_ok {
+            return Err(format!("disk key {:.70?} is not a content key", self.key));
+        }
+        if !self.capacity.is_multiple_of(SECTOR_SIZE) {
+            return Err(format!(
+                "disk {}: capacity {} is not a multiple of {SECTOR_SIZE}",
+                self.key, self.capacity
+            ));
+        }
+        if self.key.is_empty() != (self.capacity == 0) {
+            return Err(format!(
+                "disk {:?} of {} bytes: only an empty volume slot has no key, and then \
+                 no bytes",
+                self.key, self.capacity
+            ));
+        }
+        if self.capacity == 0 && self.volume.is_none() {
+            return Err("a root disk cannot be empty".into());
+        }
+        if self.capacity == 0 && self.file.is_some() {
+            return Err("an empty volume slot has no disk file".into());
+        }
+        Ok(())
+    }
+
+    /// The id GET_ID answers (`blk.py`'s `_id`).
+    fn id(&self) -> Vec<u8> {
+        let mut id = self.key.as_bytes()[..self.key.len().min(blk::ID_BYTES)].to_vec();
+        id.resize(blk::ID_BYTES, 0);
+        id
+    }
+
+    /// The config space, byte for byte `blk.py`'s `config_bytes`: capacity in
+    /// sectors, `SIZE_MAX`, `SEG_MAX`.
+    fn config(&self) -> Vec<u8> {
+        let mut config = (self.capacity / SECTOR_SIZE).to_le_bytes().to_vec();
+        config.extend_from_slice(&BLK_SIZE_MAX.to_le_bytes());
+        config.extend_from_slice(&BLK_SEG_MAX.to_le_bytes());
+        config
+    }
+
+    /// The file, duplicated, if its size is the capacity (a restore must be given
+    /// the snapshot's very disk: `VirtioBlk.restore`'s size check).
+    fn open(&self) -> Result<Option<OwnedFd>, String> {
+        if self.capacity == 0 {
+            return Ok(None);
+        }
+        let Some(fd) = self.file else {
+            return Err(format!("disk {}: no file given", self.key));
+        };
+        // SAFETY: the plan's file is open for the duration of the restore.
+        let owned = unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .map_err(|e| format!("disk {}: dup {fd}: {e}", self.key))?;
+        // The end, not fstat's size: a block device's st_size is 0 (as `open_disk`).
+        // Only preadv/pwritev use the file, so its offset does not matter.
+        // SAFETY: lseek on a descriptor owned here; no memory is involved.
+        let size = unsafe { libc::lseek(owned.as_raw_fd(), 0, libc::SEEK_END) };
+        if size < 0 {
+            let err = std::io::Error::last_os_error();
+            return Err(format!("disk {}: size: {err}", self.key));
+        }
+        if size as u64 != self.capacity {
+            return Err(format!(
+                "the snapshot's disk {} had {} bytes, but its file has {size}: not the \
+                 same disk",
+                self.key, self.capacity
+            ));
+        }
+        Ok(Some(owned))
+    }
 }
 
 /// Where a native vsock device listens for host connections (Firecracker's convention:
@@ -265,12 +383,13 @@ impl DeviceKind {
             DeviceKind::Rng { .. } => DEVICE_ID_RNG,
             DeviceKind::Balloon { .. } => DEVICE_ID_BALLOON,
             DeviceKind::Vsock { .. } => DEVICE_ID_VSOCK,
+            DeviceKind::Blk(_) => DEVICE_ID_BLK,
         }
     }
 
     fn queue_count(&self) -> usize {
         match self {
-            DeviceKind::Rng { .. } => 1,
+            DeviceKind::Rng { .. } | DeviceKind::Blk(_) => 1,
             DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } => 3,
         }
     }
@@ -304,6 +423,9 @@ impl DevicePlan {
     }
 
     fn check(&self) -> Result<(), String> {
+        if let DeviceKind::Blk(disk) = &self.kind {
+            disk.check()?;
+        }
         let n = self.kind.queue_count();
         if self.max_sizes.len() != n || self.indices.len() != n {
             return Err(format!(
@@ -324,6 +446,15 @@ impl DevicePlan {
         }
         Ok(())
     }
+
+    /// Whether the machine gives the device's queues ioeventfds. An empty volume slot
+    /// has nothing to serve (most never get a disk): the eventfds and `KVM_IOEVENTFD`s
+    /// would be a spawn's system calls for nothing, and a guest's rare notify to it is
+    /// served on the writing vCPU's thread (`Machine`'s rule, `blk.py`'s
+    /// `wants_ioeventfds`).
+    pub fn wants_ioeventfds(&self) -> bool {
+        !matches!(&self.kind, DeviceKind::Blk(disk) if disk.capacity == 0)
+    }
 }
 
 /// What a device did over its life (every activation), for the machine's stats and
@@ -338,12 +469,17 @@ pub struct DeviceStats {
     /// balloon: its servers' counters, and when the guest last reported.
     pub balloon: Counters,
     pub last_report: Option<Instant>,
+    /// blk: the requests served (`BlkCounters`).
+    pub blk: BlkCounters,
 }
 
 impl DeviceStats {
     /// `self` (earlier activations) and `later` (the one after them) added.
     fn plus(self, later: DeviceStats) -> DeviceStats {
+        let mut blk = self.blk;
+        blk.add(&later.blk);
         DeviceStats {
+            blk,
             interrupts: self.interrupts + later.interrupts,
             requests: self.requests + later.requests,
             bytes: self.bytes + later.bytes,
@@ -360,6 +496,7 @@ enum Server {
     Balloon(Arc<BalloonServer>),
     /// The device's one vsock server, attached to this activation's queues.
     Vsock(Arc<VsockServer>),
+    Blk(Arc<BlkServer>),
 }
 
 impl Server {
@@ -368,6 +505,16 @@ impl Server {
             Server::Rng(s) => s.clone(),
             Server::Balloon(s) => s.clone(),
             Server::Vsock(s) => s.clone(),
+            Server::Blk(s) => s.clone(),
+        }
+    }
+
+    /// The activation ends: a blk server stops using the disk file (waiting out a
+    /// wake in progress), so no wake the loop had begun to dispatch reads it after
+    /// the transport closes it.
+    fn retire(&self) {
+        if let Server::Blk(s) = self {
+            s.retire();
         }
     }
 
@@ -381,6 +528,7 @@ impl Server {
             }
             Server::Balloon(s) => s.indices().to_vec(),
             Server::Vsock(s) => s.sync().to_vec(),
+            Server::Blk(s) => vec![s.indices()],
         }
     }
 
@@ -410,6 +558,14 @@ impl Server {
                 interrupts: s.interrupts(),
                 ..DeviceStats::default()
             },
+            Server::Blk(s) => {
+                let (blk, interrupts) = s.stats();
+                DeviceStats {
+                    interrupts,
+                    blk,
+                    ..DeviceStats::default()
+                }
+            }
         }
     }
 
@@ -433,6 +589,7 @@ impl Server {
                 let _ = s.notify(index);
                 false
             }
+            Server::Blk(s) => s.serve_now(),
         }
     }
 }
@@ -525,6 +682,9 @@ struct TransportState {
     fds: Option<Fds>,
     /// vsock's host side, which outlives activations; None once `close` ran.
     vsock: Option<VsockHost>,
+    /// blk's disk file (a duplicate of the plan's); None for an empty slot and once
+    /// `close` ran.
+    disk: Option<OwnedFd>,
     features_refused: u64,
 }
 
@@ -570,6 +730,8 @@ impl NativeTransport {
             DeviceKind::Rng { .. } => Some(Vec::new()),
             DeviceKind::Balloon { .. } => None,
             DeviceKind::Vsock { guest_cid, .. } => Some(guest_cid.to_le_bytes().to_vec()),
+            // Plain: its media never change on this transport.
+            DeviceKind::Blk(ref disk) => Some(disk.config()),
         };
         let mut regs = Registers::new(
             plan.kind.device_type(),
@@ -579,8 +741,12 @@ impl NativeTransport {
         )?;
         let (epoch, live) = regs.restore(&plan.registers)?;
         let config = match plan.kind {
-            DeviceKind::Rng { .. } | DeviceKind::Vsock { .. } => Vec::new(),
+            DeviceKind::Rng { .. } | DeviceKind::Vsock { .. } | DeviceKind::Blk(_) => Vec::new(),
             DeviceKind::Balloon { actual, .. } => balloon_config(actual),
+        };
+        let disk = match &plan.kind {
+            DeviceKind::Blk(disk) => disk.open()?,
+            _ => None,
         };
         let acked_features = if plan.registers.status & STATUS_FEATURES_OK != 0 {
             plan.registers.driver_features
@@ -603,6 +769,7 @@ impl NativeTransport {
                 holds: 0,
                 fds: Some(Fds { irq, notify }),
                 vsock,
+                disk,
                 features_refused: 0,
             }),
         });
@@ -635,6 +802,11 @@ impl NativeTransport {
                 advice,
                 actual: balloon_actual(&st.config),
             },
+            // The file is this machine's, not a plan value.
+            DeviceKind::Blk(ref disk) => DeviceKind::Blk(BlkDisk {
+                file: None,
+                ..disk.clone()
+            }),
             ref other => other.clone(),
         };
         let max_sizes = registers.queues.iter().map(|q| q.max_size).collect();
@@ -696,6 +868,7 @@ impl NativeTransport {
         let mut st = lock(&self.state);
         self.deactivate(&mut st);
         st.fds = None;
+        st.disk = None;
         let vsock = st.vsock.take();
         drop(st);
         // Off the loop before its sockets and epoll close (the drop), as at Drop.
@@ -740,7 +913,7 @@ impl NativeTransport {
         // As rng.py and balloon.py: a device whose queues the driver did not make ready
         // activates without a server (vsock's needs all three, as the balloon's).
         let ready = match self.kind {
-            DeviceKind::Rng { .. } => queues[0].ready,
+            DeviceKind::Rng { .. } | DeviceKind::Blk(_) => queues[0].ready,
             DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } => queues.iter().all(|q| q.ready),
         };
         if !ready {
@@ -751,7 +924,7 @@ impl NativeTransport {
             epoch,
             fds.irq.try_clone().map_err(|e| format!("dup irqfd: {e}"))?,
         ));
-        let server = self.server(epoch, &rings, indices, &events, fds, st.vsock.as_ref())?;
+        let server = self.server(epoch, &rings, indices, &events, fds, &st)?;
         if let Server::Balloon(s) = &server {
             for _ in 0..st.holds {
                 s.hold();
@@ -805,7 +978,7 @@ impl NativeTransport {
         indices: &[(u16, u16)],
         events: &Arc<NativeEvents>,
         fds: &Fds,
-        vsock: Option<&VsockHost>,
+        st: &TransportState,
     ) -> Result<Server, String> {
         let dup = |fd: &OwnedFd| fd.try_clone().map_err(|e| format!("dup eventfd: {e}"));
         let irq = dup(&fds.irq)?;
@@ -857,7 +1030,10 @@ impl NativeTransport {
                 reset_ack_wait,
                 ..
             } => {
-                let vsock = vsock.ok_or("a vsock transport without its server")?;
+                let vsock = st
+                    .vsock
+                    .as_ref()
+                    .ok_or("a vsock transport without its server")?;
                 let fault = vsock.server.attach(Activation {
                     ram: self.ram.clone(),
                     registers: self.regs.clone(),
@@ -878,6 +1054,29 @@ impl NativeTransport {
                 }
                 Server::Vsock(vsock.server.clone())
             }
+            DeviceKind::Blk(ref disk) => {
+                let notify = fds.notify[0].as_ref();
+                let id = disk.id();
+                Server::Blk(Arc::new(BlkServer::new(
+                    self.ram.clone(),
+                    self.regs.clone(),
+                    epoch,
+                    rings[0],
+                    indices[0],
+                    irq,
+                    notify.map(AsRawFd::as_raw_fd),
+                    notify.map(dup).transpose()?,
+                    MediaSpec {
+                        fd: st.disk.as_ref().map(AsRawFd::as_raw_fd),
+                        capacity: disk.capacity,
+                        read_only: disk.read_only,
+                        id: &id,
+                    },
+                    BLK_MAX_REQUESTS,
+                    BLK_MAX_BYTES,
+                    events.clone() as Arc<dyn DeviceEvents<Vec<WarningFields>>>,
+                )?))
+            }
         })
     }
 
@@ -890,6 +1089,7 @@ impl NativeTransport {
         for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
         }
+        active.server.retire();
         st.indices = active.server.indices();
         st.earlier_stats = st.earlier_stats.plus(active.server.stats());
         let record = active.events.record();
@@ -912,6 +1112,7 @@ impl NativeTransport {
             DeviceKind::Rng { max_requests, .. } => 256 / max_requests.max(1) + 1,
             DeviceKind::Balloon { max_chains, .. } => 256 / max_chains.max(1) + 1,
             DeviceKind::Vsock { .. } => 1,
+            DeviceKind::Blk(_) => MAX_CHAINS_IN_RING,
         };
         for _ in 0..rounds {
             if !server.serve(index) {
@@ -956,6 +1157,7 @@ impl Drop for NativeTransport {
         for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
         }
+        active.server.retire();
         let _ = active.server.indices();
     }
 }
@@ -1043,7 +1245,7 @@ fn rings_of(q: &QueueRegs) -> Rings {
         desc: q.desc,
         avail: q.avail,
         used: q.used,
-        // None of rng, the balloon and vsock offers EVENT_IDX.
+        // None of rng, the balloon, vsock and blk offers EVENT_IDX.
         event_idx: false,
     }
 }

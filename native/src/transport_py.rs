@@ -16,18 +16,27 @@ use pyo3::prelude::*;
 use crate::eventloop::EventLoop;
 use crate::mmio_py::{py_saved, saved_from_py, MmioRegisters, PySaved};
 use crate::queue_server::dup;
-use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener};
+use crate::transport::{BlkDisk, DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener};
 use crate::virtio_py::GuestRam;
 
-/// ("rng", max_requests, max_bytes, 0), ("balloon", max_chains, advice, actual) or
-/// ("vsock", guest_cid, connect timeout ms, reset ack wait ms).
-type PyKind = (String, u64, i64, u32);
+/// A device's kind as Python's plan gives it: ("rng", max_requests, max_bytes, 0),
+/// ("balloon", max_chains, advice, actual) or ("vsock", guest_cid, connect timeout
+/// ms, reset ack wait ms); or a disk: ("blk" | "volume", disk key, capacity bytes,
+/// read-only, a volume's guest path ("" for the root disk)).
+#[derive(FromPyObject, IntoPyObject)]
+pub(crate) enum PyKind {
+    Numbers(String, u64, i64, u32),
+    Disk(String, String, u64, bool, String),
+}
+
+/// The numbers of a kind that is not a disk's.
+type PyNumbers = (String, u64, i64, u32);
 
 /// A vsock's host side: (socket path, its bound listening fd or None to bind it).
 pub(crate) type PyListener = (String, Option<RawFd>);
 
 /// A vsock kind: its plan's numbers and the listener `NativeDevice.restore` was given.
-fn vsock_kind(kind: PyKind, listener: Option<PyListener>) -> PyResult<DeviceKind> {
+fn vsock_kind(kind: PyNumbers, listener: Option<PyListener>) -> PyResult<DeviceKind> {
     let (_, guest_cid, connect_ms, reset_ack_ms) = kind;
     let Some((path, bound)) = listener else {
         return Err(PyValueError::new_err(
@@ -47,8 +56,45 @@ fn vsock_kind(kind: PyKind, listener: Option<PyListener>) -> PyResult<DeviceKind
 /// (kind, features, max_sizes, register image, each queue's (next_avail, next_used)).
 pub(crate) type PyPlan = (PyKind, u64, Vec<u32>, PySaved, Vec<(u16, u16)>);
 
+/// A disk's kind: its plan's values and its file (`disk_file`, borrowed for the
+/// restore; None for an empty slot).
+fn disk_kind(
+    (name, key, capacity, read_only, guest_path): (String, String, u64, bool, String),
+    file: Option<RawFd>,
+) -> PyResult<DeviceKind> {
+    let volume = match name.as_str() {
+        "blk" if guest_path.is_empty() => None,
+        "blk" => {
+            return Err(PyValueError::new_err(
+                "a root disk has no guest path (a volume slot's)",
+            ))
+        }
+        "volume" => Some(guest_path),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "no native transport for a {other:.40} disk"
+            )))
+        }
+    };
+    Ok(DeviceKind::Blk(BlkDisk {
+        key,
+        capacity,
+        read_only,
+        volume,
+        file,
+    }))
+}
+
 fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
-    let (name, budget, second, actual) = kind;
+    match kind {
+        PyKind::Numbers(name, budget, second, actual) => numbers_kind(name, budget, second, actual),
+        PyKind::Disk(..) => Err(PyValueError::new_err(
+            "a disk's kind is restored with its file (plan_from_py)",
+        )),
+    }
+}
+
+fn numbers_kind(name: String, budget: u64, second: i64, actual: u32) -> PyResult<DeviceKind> {
     let budget = u32::try_from(budget)
         .map_err(|_| PyValueError::new_err(format!("{name}: budget {budget} too large")))?;
     match name.as_str() {
@@ -69,17 +115,24 @@ fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     }
 }
 
-/// The plan `vmm/devices/plan.py` builds, as the Rust value.
-/// A plan from Python's tuple; a vsock's also takes its listener (None for the others).
+/// The plan `vmm/devices/plan.py` builds, as the Rust value: a vsock's also takes its
+/// listener, a disk its file (each None for the others).
 pub(crate) fn plan_from_py(
     plan: PyPlan,
     vsock_listener: Option<PyListener>,
+    disk_file: Option<RawFd>,
 ) -> PyResult<DevicePlan> {
     let (kind, features, max_sizes, registers, indices) = plan;
-    let kind = if kind.0 == "vsock" {
-        vsock_kind(kind, vsock_listener)?
-    } else {
-        kind_from_py(kind)?
+    let kind = match kind {
+        PyKind::Numbers(name, cid, connect, reset) if name == "vsock" => {
+            vsock_kind((name, cid, connect, reset), vsock_listener)?
+        }
+        PyKind::Numbers(name, budget, second, actual) => {
+            numbers_kind(name, budget, second, actual)?
+        }
+        PyKind::Disk(name, key, capacity, read_only, guest_path) => {
+            disk_kind((name, key, capacity, read_only, guest_path), disk_file)?
+        }
     };
     Ok(DevicePlan {
         kind,
@@ -91,7 +144,7 @@ pub(crate) fn plan_from_py(
 }
 
 fn kind_to_py(kind: &DeviceKind) -> PyKind {
-    match *kind {
+    let (name, first, second, third) = match *kind {
         DeviceKind::Rng {
             max_requests,
             max_bytes,
@@ -117,7 +170,22 @@ fn kind_to_py(kind: &DeviceKind) -> PyKind {
             i64::try_from(connect_timeout.as_millis()).unwrap_or(i64::MAX),
             u32::try_from(reset_ack_wait.as_millis()).unwrap_or(u32::MAX),
         ),
-    }
+        DeviceKind::Blk(ref disk) => {
+            return PyKind::Disk(
+                if disk.volume.is_some() {
+                    "volume"
+                } else {
+                    "blk"
+                }
+                .into(),
+                disk.key.clone(),
+                disk.capacity,
+                disk.read_only,
+                disk.volume.clone().unwrap_or_default(),
+            )
+        }
+    };
+    PyKind::Numbers(name, first, second, third)
 }
 
 /// A virtio device served by a native transport: its events acted on in Rust.
@@ -131,10 +199,13 @@ impl NativeDevice {
     /// Restore the device from `plan` over `ram`, its server on `event_loop` while it
     /// runs; `irq_fd` is the interrupt's eventfd, `notify_fds` each queue's ioeventfd
     /// (or None), all duplicated. A vsock also takes `vsock_listener`: (the socket
-    /// path, its bound listening fd, duplicated, or None to bind the path here).
+    /// path, its bound listening fd, duplicated, or None to bind the path here); a
+    /// disk `disk_file`, its file (duplicated; None for an empty volume slot).
     /// Re-activated at once if the driver had it running.
     #[staticmethod]
-    #[pyo3(signature = (plan, ram, event_loop, irq_fd, notify_fds, vsock_listener=None))]
+    #[pyo3(signature = (plan, ram, event_loop, irq_fd, notify_fds, vsock_listener=None,
+                        disk_file=None))]
+    #[allow(clippy::too_many_arguments)]
     fn restore(
         py: Python<'_>,
         plan: PyPlan,
@@ -143,8 +214,9 @@ impl NativeDevice {
         irq_fd: RawFd,
         notify_fds: Vec<Option<RawFd>>,
         vsock_listener: Option<PyListener>,
+        disk_file: Option<RawFd>,
     ) -> PyResult<Self> {
-        let plan = plan_from_py(plan, vsock_listener)?;
+        let plan = plan_from_py(plan, vsock_listener, disk_file)?;
         let irq = dup(irq_fd)?;
         let notify = notify_fds
             .into_iter()
@@ -218,6 +290,11 @@ impl NativeDevice {
             c.discards_held,
             stats.last_report.map(|t| t.elapsed().as_secs_f64()),
         )
+    }
+
+    /// A disk's requests served over its life, as `BlkCounters`' fields: (name, n).
+    fn blk_counters(&self) -> Vec<(&'static str, u64)> {
+        self.transport.stats().blk.named()
     }
 
     /// A capture is in flight: a balloon keeps reported pages until `release`.

@@ -234,6 +234,10 @@ class GuestRam:
 MmioEvent = tuple[str, int, int, str | bytes]
 MmioQueueRegs = tuple[int, int, bool, int, int, int]
 MmioSaved = tuple[int, int, int, int, bool, int, int, int, list[MmioQueueRegs]]
+# A native device's kind: (name, numbers...) of rng, the balloon and vsock, or a
+# disk's (name, key, capacity, read-only, guest path); and its plan (devices/plan.py).
+DeviceKindTuple = tuple[str, int, int, int] | tuple[str, str, int, bool, str]
+DevicePlanTuple = tuple[DeviceKindTuple, int, list[int], MmioSaved, list[tuple[int, int]]]
 
 class MmioRegisters:
     """A virtio-mmio register file (``native/src/mmio.rs``; ``mmio.py`` lists its rules)."""
@@ -291,23 +295,15 @@ class NativeDevice:
     """A virtio device whose transport is native (native/src/transport.rs): restored
     from the plan ``vmfork.vmm.devices.plan`` builds, giving it back for a snapshot."""
     @staticmethod
-    def restore(plan: tuple[tuple[str, int, int, int], int, list[int],
-                            tuple[int, int, int, int, bool, int, int, int,
-                                  list[tuple[int, int, bool, int, int, int]]],
-                            list[tuple[int, int]]],
+    def restore(plan: DevicePlanTuple,
                 ram: GuestRam, event_loop: EventLoop, irq_fd: int,
                 notify_fds: list[int | None],
-                vsock_listener: tuple[str, int | None] | None = ...) -> NativeDevice: ...
+                vsock_listener: tuple[str, int | None] | None = ...,
+                disk_file: int | None = ...) -> NativeDevice: ...
     @staticmethod
     def fresh_plan(kind: tuple[str, int, int, int], features: int, max_sizes: list[int]
-                   ) -> tuple[tuple[str, int, int, int], int, list[int],
-                              tuple[int, int, int, int, bool, int, int, int,
-                                    list[tuple[int, int, bool, int, int, int]]],
-                              list[tuple[int, int]]]: ...
-    def plan(self) -> tuple[tuple[str, int, int, int], int, list[int],
-                            tuple[int, int, int, int, bool, int, int, int,
-                                  list[tuple[int, int, bool, int, int, int]]],
-                            list[tuple[int, int]]]: ...
+                   ) -> DevicePlanTuple: ...
+    def plan(self) -> DevicePlanTuple: ...
     @property
     def registers(self) -> MmioRegisters: ...
     @property
@@ -319,6 +315,7 @@ class NativeDevice:
     def interrupts(self) -> int: ...
     def rng_served(self) -> tuple[int, int]: ...
     def balloon_stats(self) -> tuple[int, int, int, int, int, float | None]: ...
+    def blk_counters(self) -> list[tuple[str, int]]: ...
     def hold(self) -> None: ...
     def release(self) -> None: ...
     def close(self) -> None: ...
@@ -326,20 +323,17 @@ class NativeDevice:
 class NativeMachine:
     """A machine restored and run by the native core alone (native/src/machine.rs):
     guest RAM mapped from the snapshot's memory file, the VM core, the console, the
-    I/O loop, the rng, balloon and vsock devices from their plans at their slots (a
-    vsock's host side ``vsock_listener``: its socket path and bound listening fd, or
-    None to bind the path), and the vCPUs; Python hands it plain values and reads its
-    reports."""
+    I/O loop, the rng, balloon, vsock and disk devices from their plans at their slots
+    (a vsock's host side ``vsock_listener``: its socket path and bound listening fd, or
+    None to bind the path; each disk's file in ``disk_files`` by slot), and the vCPUs;
+    Python hands it plain values and reads its reports."""
     def __init__(self, kvm_fd: int, memory_fd: int, mem_size: int, prepared: PreparedRestore,
-                 *, devices: list[tuple[int, int, tuple[
-                     tuple[str, int, int, int], int, list[int],
-                     tuple[int, int, int, int, bool, int, int, int,
-                           list[tuple[int, int, bool, int, int, int]]],
-                     list[tuple[int, int]]]]],
+                 *, devices: list[tuple[int, int, DevicePlanTuple]],
                  serial: tuple[int, int, int, int, int, int, bool, bytes] | None = ...,
                  console_log_fd: int | None = ..., log_burst: int, log_per_second: float,
                  log_total_bytes: int,
-                 vsock_listener: tuple[str, int | None] | None = ...) -> None: ...
+                 vsock_listener: tuple[str, int | None] | None = ...,
+                 disk_files: dict[int, int] = ...) -> None: ...
     def start(self, paused: bool = ...) -> None: ...
     def pause(self, timeout: float = ...) -> bool: ...
     def resume(self) -> None: ...
@@ -406,15 +400,13 @@ class SnapshotMachinePlan:
     """A snapshot's ``NativeMachine`` as plain values, built once per snapshot
     (native/src/machine_plan.rs); ``for_child`` gives one child's plan."""
     def __init__(self, memory_path: str, mem_size: int, prepared: PreparedRestore,
-                 *, devices: list[tuple[int, int, tuple[
-                     tuple[str, int, int, int], int, list[int],
-                     tuple[int, int, int, int, bool, int, int, int,
-                           list[tuple[int, int, bool, int, int, int]]],
-                     list[tuple[int, int]]]]],
+                 *, devices: list[tuple[int, int, DevicePlanTuple]],
                  serial: tuple[int, int, int, int, int, int, bool, bytes] | None,
-                 log_burst: int, log_per_second: float, log_total_bytes: int) -> None: ...
+                 log_burst: int, log_per_second: float, log_total_bytes: int,
+                 disks: dict[int, str] = ...) -> None: ...
     def for_child(self, run_dir: str, *, jail_memory: int | None = ...,
                   jail_kvm: int | None = ...,
+                  jail_disks: dict[int, int] = ...,
                   premapped: list[tuple[int, int, int]] | None = ...,
                   other_premaps: list[tuple[int, int]] = ...) -> ChildMachinePlan: ...
 

@@ -4,37 +4,53 @@ forks them with ``_core.fork_native_batch``, and the child restores the snapshot
 natively (native/src/child_life.rs): the reports, the control server, the agent's
 handshake, the idle wait and the exit.
 
-The children are jailed, as spawns are by default; the snapshot has rng, the balloon
-(whose counters ``status`` reports natively) and vsock. That they run natively is checked
+The children are jailed, as spawns are by default; the snapshot is the default parent's:
+rng, the balloon (whose counters ``status`` reports natively), vsock and its empty volume
+slots (virtio-blk, served by the native transport). That they run natively is checked
 through what only a native child refuses: ``snapshot``, a hand-over it has no Python
 view of the machine for; ``exits`` is served natively from the vCPU loops' and the
-devices' counters."""
+devices' counters. What the guest sees of its empty slots is compared with what a
+Python ``Machine`` restored from the same snapshot shows its guest."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from vmfork.agent.client import AgentClient, AgentUnavailable, vsock_uds_connector
+from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import find_image
-from vmfork.runtime import control
+from vmfork.ondisk.stateformat import read_state_file
+from vmfork.runtime import control, vmmchild
 from vmfork.runtime.parent import snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
+from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS
 from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Snapshot, Store
+from vmfork.vmm.devices.manager import VOLUME
+from vmfork.vmm.vmstate import MachineState
 
 WARM = "marker = 'from the parent'\n"
+# Each virtio disk as its guest sees it: name, sectors, read-only, and its serial, which
+# the guest's driver asks the device for (GET_ID) when it is read.
+# How long the Python child's agent may take to answer (a guard against a hang).
+AGENT_GUARD_S = 120.0
+DISKS = ("for d in /sys/block/vd*; do echo \"${d##*/} $(cat $d/size) $(cat $d/ro) "
+         "[$(cat $d/serial)]\"; done")
 
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
-    # No empty volume slot: blk has no native transport.
+    # The default parent: its empty volume slots are the native transport's virtio-blk.
     store = Store.open(tmp_path_factory.mktemp("home"))
-    return snapshot_parent(store, "warm", find_image(), mem_mib=256, warm_code=WARM,
-                           free_volume_slots=0).snapshot
+    return snapshot_parent(store, "warm", find_image(), mem_mib=256,
+                           warm_code=WARM).snapshot
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +94,36 @@ def test_native_children_become_ready_and_run_code(children: list[Child]) -> Non
             with pytest.raises(control.ControlError, match="a native child does not serve"):
                 ctl.call(control.Snapshot(memory_path=str(child.run_dir / "m"),
                                           state_path=str(child.run_dir / "s")))
+
+
+def test_native_children_see_the_empty_volume_slots_as_a_python_child_does(
+        children: list[Child], warm: Snapshot, tmp_path: Path) -> None:
+    state = read_state_file(str(warm.state_path), MachineState)
+    slots = state.devices_of(VOLUME)
+    assert len(slots) == DEFAULT_FREE_SLOTS and not any(s.disk.disk_key for s in slots)
+    native = children[0].agent.exec(DISKS).stdout.decode()
+    # Empty (no sectors), offered read-write (a slot may get either), no serial.
+    assert sorted(line.split(" ", 1)[1] for line in native.splitlines()) == \
+        ["0 0 []"] * DEFAULT_FREE_SLOTS, native
+    # The same snapshot restored by the Python Machine, in this process.
+    run_dir = tmp_path / "python-child"
+    run_dir.mkdir()
+    machine, _ = vmmchild.restore(str(warm.path), run_dir, "python-child")
+    try:
+        machine.start()
+        agent = AgentClient(vsock_uds_connector(str(run_dir / "vsock.sock"), AGENT_PORT,
+                                                timeout=5.0))
+        deadline = time.monotonic() + AGENT_GUARD_S
+        while True:
+            try:
+                agent.ping()
+                break
+            except AgentUnavailable:
+                assert time.monotonic() < deadline, "the Python child's agent never answered"
+                time.sleep(0.1)
+        assert agent.exec(DISKS).stdout.decode() == native
+    finally:
+        machine.close()
 
 
 def test_native_children_pause_resume_and_report_status(children: list[Child]) -> None:

@@ -4,7 +4,9 @@ fork and BRANCH (issue 13).
 The disk is a small squashfs built here with ``mksquashfs``; its content key is
 its SHA-256, and it sits where the image cache keeps disks
 (``vmfork.image.disk_path``) of a cache of this module's own, which the zygote
-is pointed at: a forked child finds its disk from the snapshot's state alone.
+is pointed at: a forked child finds its disk from the snapshot's state alone. A child
+that runs no Python (``VMFORK_NATIVE_CHILD=1``) reads it through the native transport,
+its jail opening the file by the snapshot's key.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import pytest
 from vmfork.agent.client import AgentClient
 from vmfork.image import disk_path, find_image
 from vmfork.ondisk.stateformat import read_state_file, write_state_file
-from vmfork.runtime import vmmchild
+from vmfork.runtime import control, vmmchild
 from vmfork.runtime.branch import branch_sandbox
 from vmfork.runtime.guest import BootedGuest
 from vmfork.runtime.spawn import Child, fork_children
+from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Snapshot, SnapshotMeta, Store
 from vmfork.vmm.devices.manager import BLK
@@ -108,17 +111,21 @@ def test_the_guest_sees_a_read_only_disk_with_the_host_file_s_bytes(parent: Boot
     assert parent.machine.blk.counters.bytes_read >= disk.size
 
 
-def test_the_guest_mounts_it_and_cannot_write_it(parent: BootedGuest, disk: Disk) -> None:
-    _sh(parent.agent, f"mkdir -p {MOUNT} && mount -t squashfs -o ro /dev/vda {MOUNT}")
-    assert parent.agent.read_file(f"{MOUNT}/hello.txt") == HELLO
-    assert _sh(parent.agent, f"sha256sum {MOUNT}/blob").split()[0] == disk.blob_sha256
+def _check_mounted_and_unwritable(agent: AgentClient, disk: Disk) -> None:
+    """The mounted disk's files are the host file's, and a write never reaches it."""
+    assert agent.read_file(f"{MOUNT}/hello.txt") == HELLO
+    assert _sh(agent, f"sha256sum {MOUNT}/blob").split()[0] == disk.blob_sha256
     before = _sha256(disk.path)
     # The block layer refuses a write open of a read-only disk; if it ever let one
     # through, the device would answer IOERR. Either way nothing reaches the file.
-    wrote = parent.agent.exec("dd if=/dev/zero of=/dev/vda bs=512 count=8 conv=fsync",
-                              timeout=60)
+    wrote = agent.exec("dd if=/dev/zero of=/dev/vda bs=512 count=8 conv=fsync", timeout=60)
     assert wrote.exit_code != 0
     assert _sha256(disk.path) == before
+
+
+def test_the_guest_mounts_it_and_cannot_write_it(parent: BootedGuest, disk: Disk) -> None:
+    _sh(parent.agent, f"mkdir -p {MOUNT} && mount -t squashfs -o ro /dev/vda {MOUNT}")
+    _check_mounted_and_unwritable(parent.agent, disk)
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +225,28 @@ def test_a_restore_onto_a_different_disk_fails_naming_both(
                                         rf"{disk.size + 4096}"):
         vmmchild.restore(str(warm.path), run_dir, "wrong-disk")
     assert time.monotonic() - started < 120
+
+
+@pytest.fixture(scope="module")
+def native_zygote(tmp_path_factory: pytest.TempPathFactory,
+                  disk: Disk) -> Iterator[ZygoteProcess]:
+    env = {**os.environ, "VMFORK_CACHE_DIR": str(disk.cache), NATIVE_CHILD_ENV: "1"}
+    proc = start_zygote(str(tmp_path_factory.mktemp("native-zygote") / "z.sock"),
+                        timeout=300.0, env=env)
+    yield proc
+    proc.close()
+
+
+def test_a_native_child_reads_the_same_disk_and_cannot_write_it(
+        native_zygote: ZygoteProcess, warm: Snapshot, run_root: Path, disk: Disk) -> None:
+    native = _spawn(native_zygote, warm, run_root)
+    try:
+        # A native child: the machine's Python view is not there to hand over to.
+        with control.ControlClient.connect(native.run_dir / "control.sock") as ctl:
+            with pytest.raises(control.ControlError, match="a native child does not serve"):
+                ctl.call(control.Snapshot(memory_path=str(native.run_dir / "m"),
+                                          state_path=str(native.run_dir / "s")))
+        _check_reads(native.agent, disk)
+        _check_mounted_and_unwritable(native.agent, disk)
+    finally:
+        native_zygote.client().kill_and_wait(native.vm_id)

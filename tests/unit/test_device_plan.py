@@ -7,7 +7,8 @@ with its own eventfds: the guest's next request is served from where the snapsho
 the ring, and the device's plan turns back into the same record with the indices moved
 on. The balloon's plan keeps the config the driver wrote. A vsock restored natively has no
 connections, posts the transport-reset event, and serves host connections on the
-listener it is handed.
+listener it is handed. A disk (the root disk, a volume slot) restores natively on the
+file it is handed, checked to be the record's size, and an empty volume slot on none.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from test_virtio_vsock import VsockEnv, pkt, recv_exact, recv_line
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
-from vmfork.vmm.devices.manager import DeviceState, slot_irq
+from vmfork.vmm.devices.manager import DeviceState, VolumeSlotState, slot_irq
 from vmfork.vmm.devices.plan import device_plan, machine_plan, plan_state
 from vmfork.vmm.devices.serial import SerialState
-from vmfork.vmm.devices.virtio import mmio
+from vmfork.vmm.devices.virtio import blk, mmio
 from vmfork.vmm.devices.virtio.balloon import BalloonState
-from vmfork.vmm.devices.virtio.device import run_on_loop
+from vmfork.vmm.devices.virtio.device import VIRTIO_F_VERSION_1, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
 from vmfork.vmm.devices.virtio.rng import RngState, VirtioRng
@@ -341,21 +342,153 @@ def test_a_vsock_snapshot_restores_natively_without_the_parents_connections(
 
 
 def test_a_machine_plan_is_every_virtio_device_at_its_slot_and_pin() -> None:
-    """The format-1 golden file's machine: its net and blk have no native transport, so
-    the whole machine is refused, naming the first; without them, each device is at the
-    slot and pin the device manager gave it (``slot_irq``), COM1 left to the console."""
+    """The format-1 golden file's machine: its net has no native transport, so the
+    whole machine is refused, naming it; without it, each device (its root disk and
+    volume slots too) is at the slot and pin the device manager gave it (``slot_irq``),
+    COM1 left to the console."""
     state = stateformat.read_state_file(GOLDEN / "state-v1.bin", MachineState)
     with pytest.raises(ValueError, match=r"net device \(virtio-mmio\.2\) has no native"):
         machine_plan(state)
-    # The machine without them: the devices after move up a slot, as the device
-    # manager would have attached them.
+    # The machine without it: the devices after move up a slot, as the device manager
+    # would have attached them.
     [serial_saved] = [d for d in state.devices if d.slot is None]
-    virtio = [dataclasses.replace(d, slot=slot, irq=slot_irq(slot, None)) for slot, d in
-              enumerate(d for d in state.devices if d.kind in ("vsock", "rng", "balloon"))]
+    kept = [d for d in state.devices if d.slot is not None and d.kind != "net"]
+    first_shared = next(slot for slot, d in enumerate(kept) if d.kind == "volume")
+    virtio = [dataclasses.replace(d, slot=slot, irq=slot_irq(slot, first_shared))
+              for slot, d in enumerate(kept)]
     devices = machine_plan(dataclasses.replace(state, devices=[serial_saved, *virtio]))
     assert [(slot, irq, plan[0][0]) for slot, irq, plan in devices] == [
-        (0, slot_irq(0, None), "vsock"), (1, slot_irq(1, None), "rng"),
-        (2, slot_irq(2, None), "balloon")]
+        (slot, slot_irq(slot, first_shared), kind) for slot, kind in
+        enumerate(("vsock", "rng", "blk", "balloon", "volume", "volume"))]
     for (slot, irq, plan), saved in zip(devices, virtio):
         assert plan == device_plan(saved)
         assert plan_state(plan, slot, irq) == saved
+
+
+def _disk_file(path: Path, size: int) -> int:
+    """A read-only fd on a fresh file of ``size`` bytes, sector i filled with byte i."""
+    path.write_bytes(b"".join(bytes([i % 256]) * blk.SECTOR_SIZE
+                              for i in range(size // blk.SECTOR_SIZE)))
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def test_an_old_snapshots_disks_restore_natively_on_their_files(
+        memory: GuestMemory, tmp_path: Path) -> None:
+    """The format-1 golden file's root disk, filled volume slot and empty slot: each
+    record makes a plan (its kind the record's values), restores natively and live on
+    a file of its size (the empty slot on none), serves config bytes as ``blk.py``
+    packs them, and gives the same record back; a file of another size, or none, is
+    refused."""
+    state = stateformat.read_state_file(GOLDEN / "state-v1.bin", MachineState)
+    [root, filled, empty] = [d for d in state.devices if d.kind in ("blk", "volume")]
+    assert isinstance(filled.state, VolumeSlotState) and isinstance(empty.state, VolumeSlotState)
+    assert device_plan(root)[0] == ("blk", "a" * 64, 1 << 20, True, "")
+    assert device_plan(filled)[0] == ("volume", "b" * 64, 65536, True, "/data")
+    assert device_plan(empty)[0] == ("volume", "", 0, True, "")
+    # What each offers is VirtioBlk's.
+    assert device_plan(root)[1] == VIRTIO_F_VERSION_1 | blk.OFFERED_FEATURES
+    assert device_plan(filled)[1] == VIRTIO_F_VERSION_1 | blk.OFFERED_FEATURES_SLOT
+    loop = new_event_loop("plan-disks")
+    assert isinstance(loop, NativeEventLoop)
+    loop.start()
+    irq = _eventfd()
+    files = {"root": _disk_file(tmp_path / "root.img", 1 << 20),
+             "filled": _disk_file(tmp_path / "data.img", 65536),
+             "short": _disk_file(tmp_path / "short.img", 4096)}
+    try:
+        for saved, fd, config in ((root, files["root"], blk.VirtioBlk(
+                                       loop, files["root"], 1 << 20, "a" * 64)),
+                                  (filled, files["filled"], blk.VirtioBlk(
+                                      loop, files["filled"], 65536, "b" * 64,
+                                      volume_slot=True)),
+                                  (empty, None, blk.VirtioBlk(loop, None, 0, "",
+                                                              volume_slot=True))):
+            assert saved.transport is not None
+            [q] = saved.transport.queues
+            memory.write_u16(q.avail_ring + 2, q.next_avail)
+            memory.write_u16(q.used_ring + 2, q.next_used)
+            device = _core.NativeDevice.restore(device_plan(saved), _ram(memory),
+                                                loop._native, irq, [None], disk_file=fd)
+            assert device.active, saved.where
+            assert b"".join(device.registers.read(0x100 + at, 4)
+                            for at in range(0, 16, 4)) == config.config_bytes()
+            assert plan_state(device.plan(), saved.slot, saved.irq) == saved
+            device.close()
+        with pytest.raises(ValueError, match="no file given"):
+            _core.NativeDevice.restore(device_plan(root), _ram(memory), loop._native, irq,
+                                       [None])
+        with pytest.raises(ValueError, match="had 1048576 bytes, but its file has 4096"):
+            _core.NativeDevice.restore(device_plan(root), _ram(memory), loop._native, irq,
+                                       [None], disk_file=files["short"])
+        with pytest.raises(ValueError, match="an empty volume slot has no disk file"):
+            _core.NativeDevice.restore(device_plan(empty), _ram(memory), loop._native, irq,
+                                       [None], disk_file=files["short"])
+    finally:
+        loop.stop()
+        os.close(irq)
+        for fd in files.values():
+            os.close(fd)
+
+
+def test_a_disk_snapshot_restores_natively_and_reads_on_from_where_it_left_off(
+        memory: GuestMemory, loops: tuple[NativeEventLoop, NativeEventLoop],
+        tmp_path: Path) -> None:
+    """A root disk the Python transport served until a snapshot; its decoded record's
+    plan restores natively on the same file, on another loop: the guest's next read is
+    served from the file where the ring left off, GET_ID answers the key's first 20
+    bytes, a write is refused, and the plan is the record again."""
+    parent_loop, child_loop = loops
+    key = "0123456789abcdef" * 4
+    fd = _disk_file(tmp_path / "disk.img", 8 * blk.SECTOR_SIZE)
+    line = IrqLine(8)
+    device = blk.VirtioBlk(parent_loop, fd, 8 * blk.SECTOR_SIZE, key)
+    transport = mmio.MmioTransport(device, memory, line, parent_loop)
+    driver = GuestDriver(transport, memory)
+    [queue] = driver.start([(16, 4096)])
+    queue.post(readable=[struct.pack("<IIQ", blk.T_IN, 0, 1)],
+               writable=[blk.SECTOR_SIZE, 1])
+    driver.notify(0)
+    wait_until(lambda: queue.used_idx() == 1, what="the Python transport's read")
+    [(_, written, data)] = queue.take_used()
+    assert (written, data) == (blk.SECTOR_SIZE + 1, b"\1" * blk.SECTOR_SIZE + b"\0")
+
+    saved = DeviceState("blk", 1, 3, 8, device.save(),
+                        run_on_loop(parent_loop, transport.save))
+    run_on_loop(parent_loop, transport.reset)   # the parent lets go of the rings
+    decoded = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
+    plan = device_plan(decoded)
+    assert plan[0] == ("blk", key, 8 * blk.SECTOR_SIZE, True, "")
+    assert plan[4] == [(1, 1)]
+    irq, notify = _eventfd(), _eventfd()
+    native = None
+    try:
+        native = _core.NativeDevice.restore(plan, _ram(memory), child_loop._native, irq,
+                                            [notify], disk_file=fd)
+        assert native.active
+        queue.post(readable=[struct.pack("<IIQ", blk.T_IN, 0, 6)],
+                   writable=[blk.SECTOR_SIZE, 1])
+        queue.post(readable=[struct.pack("<IIQ", blk.T_GET_ID, 0, 0)], writable=[20, 1])
+        queue.post(readable=[struct.pack("<IIQ", blk.T_OUT, 0, 0), b"x" * blk.SECTOR_SIZE],
+                   writable=[1])
+        os.eventfd_write(notify, 1)
+        assert _wait_signalled(irq) >= 1
+        wait_until(lambda: queue.used_idx() == 4, HANG_GUARD_S, "the native disk's answers")
+        answers = [data for _, _, data in queue.take_used()]
+        assert answers == [b"\6" * blk.SECTOR_SIZE + b"\0", key[:20].encode() + b"\0",
+                           bytes([blk.S_IOERR])]
+        counters = dict(native.blk_counters())
+        assert (counters["requests"], counters["reads"], counters["get_ids"],
+                counters["writes_refused"]) == (3, 1, 1, 1)
+        assert native.record() == (0, 0, 0, None)
+
+        back = plan_state(native.plan(), 3, 8)
+        assert back.state == decoded.state == saved.state
+        assert back.transport is not None and decoded.transport is not None
+        assert [(q.next_avail, q.next_used) for q in back.transport.queues] == [(4, 4)]
+        back.transport.queues = decoded.transport.queues
+        assert back == decoded
+    finally:
+        del native
+        os.close(irq)
+        os.close(notify)
+        os.close(fd)

@@ -101,6 +101,7 @@ from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
 from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
+from vmfork.vmm.devices.virtio.blk import BlkState
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
@@ -462,37 +463,60 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
 
 # Each snapshot's native machine (``_core.SnapshotMachinePlan``), keyed by its
 # ``state.bin`` path, valid while ``load_snapshot`` gives the same ``PreparedRestore``.
-_snapshot_machines: dict[str, tuple[PreparedRestore, Any, str]] = {}
+_snapshot_machines: dict[str, tuple[PreparedRestore, Any, str, dict[int, str]]] = {}
 
 
-def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str]:
+def _snapshot_disks(state: MachineState) -> dict[int, str]:
+    """Each disk of the snapshot by slot, found by its content key where a Python
+    child finds it (``restore``, ``snapshot_slot_media``) and the jail opens it
+    (``spawn._jail_request``): the root disk in the image cache, a read-only volume in
+    the volume cache; never a path the guest gave. ``ValueError`` for a read-write
+    volume: its file is its sandbox's own, given at spawn (``volumes``), which a native
+    child does not take yet."""
+    disks: dict[int, str] = {}
+    for device in state.devices:
+        if device.slot is None:
+            continue
+        if isinstance(device.state, BlkState):
+            disks[device.slot] = str(disk_path(device.state.disk_key))
+        elif isinstance(device.state, devices.VolumeSlotState) and device.state.disk.disk_key:
+            if not device.state.disk.read_only:
+                raise ValueError(f"the snapshot's read-write volume at "
+                                 f"{device.state.guest_path} needs its file: a native "
+                                 "child takes no volumes yet")
+            disks[device.slot] = str(volume_image_path(device.state.disk.disk_key))
+    return disks
+
+
+def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str, dict[int, str]]:
     """The machine of ``snapshot_dir`` as ``_core.SnapshotMachinePlan``, built once per
-    snapshot in the zygote (beside its ``PreparedRestore``, which it holds), and the
+    snapshot in the zygote (beside its ``PreparedRestore``, which it holds), the
     memory file it maps (a diff snapshot's base: its children adopt the premap
-    instead, ``inherited_ram``). Raises ``ValueError`` for a snapshot a native machine
-    cannot restore yet: a virtio device with no native transport (blk, net, volume
-    slots)."""
+    instead, ``inherited_ram``) and its disks by slot (``_snapshot_disks``). Raises
+    ``ValueError`` for a snapshot a native machine cannot restore yet: a virtio device
+    with no native transport (net), or a read-write volume."""
     from vmfork import _core
     state, prepared = load_snapshot(snapshot_dir)
     key = os.path.join(snapshot_dir, "state.bin")
     cached = _snapshot_machines.get(key)
     if cached is not None and cached[0] is prepared:
-        return cached[1], cached[2]
+        return cached[1], cached[2], cached[3]
     memory_file, _ = load_memory(snapshot_dir)
     if prepared.native is None:
         raise ValueError(f"{snapshot_dir}'s restore buffers are not native")
     com1 = state.device(devices.SERIAL)
+    disks = _snapshot_disks(state)
     machine = _core.SnapshotMachinePlan(
         memory_file, state.mem_size, prepared.native, devices=machine_plan(state),
         serial=None if com1 is None else (com1.dll, com1.dlm, com1.ier, com1.lcr, com1.mcr,
                                           com1.scr, com1.thre_pending, bytes(com1.rx)),
         log_burst=serial.CONSOLE_BURST, log_per_second=serial.CONSOLE_LINES_PER_S,
-        log_total_bytes=serial.CONSOLE_LOG_BYTES)
+        log_total_bytes=serial.CONSOLE_LOG_BYTES, disks=disks)
     _snapshot_machines.pop(key, None)
-    _snapshot_machines[key] = (prepared, machine, memory_file)
+    _snapshot_machines[key] = (prepared, machine, memory_file, disks)
     while len(_snapshot_machines) > SNAPSHOTS_KEPT:
         del _snapshot_machines[next(iter(_snapshot_machines))]
-    return machine, memory_file
+    return machine, memory_file, disks
 
 
 def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,
@@ -524,21 +548,23 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
     """The plan of the machine a native child restores from ``args["snapshot_dir"]``
     (``_core.ChildMachinePlan``): its snapshot's, with its run directory, the premaps
     it inherits (``inherited_ram``) and, jailed, where the jail's opened descriptors
-    hold ``/dev/kvm`` and, for a flat snapshot, the memory file."""
+    hold ``/dev/kvm``, each disk and, for a flat snapshot, the memory file."""
     snapshot_dir = str(args["snapshot_dir"])
-    machine, memory_file = _snapshot_machine(snapshot_dir)
+    machine, memory_file, disks = _snapshot_machine(snapshot_dir)
     premapped, other_premaps = inherited_ram(snapshot_dir)
     run_dir = str(args["run_dir"])
     if jail_spec is None:
         return machine.for_child(run_dir, premapped=premapped, other_premaps=other_premaps)
-    if KVM_PATH not in jail_spec.devices:
-        raise ValueError(f"the jail opens no {KVM_PATH} for the machine")
-    if premapped is None and memory_file not in jail_spec.preopen:
-        raise ValueError(f"the jail opens no {memory_file} for the machine")
+    needed = [*disks.values(), *([memory_file] if premapped is None else [])]
+    unopened = [path for path in needed if path not in jail_spec.preopen]
+    if unopened or KVM_PATH not in jail_spec.devices:
+        raise ValueError(f"the jail opens no {', '.join(unopened) or KVM_PATH} for the "
+                         "machine")
     return machine.for_child(
         run_dir, jail_kvm=jail_spec.devices.index(KVM_PATH), premapped=premapped,
         other_premaps=other_premaps,
-        jail_memory=None if premapped is not None else jail_spec.preopen.index(memory_file))
+        jail_memory=None if premapped is not None else jail_spec.preopen.index(memory_file),
+        jail_disks={slot: jail_spec.preopen.index(path) for slot, path in disks.items()})
 
 
 def native_handover(line: bytes, fd: int) -> bytes:

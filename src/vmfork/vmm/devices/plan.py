@@ -12,7 +12,12 @@ tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back in
   acknowledgement wait ms)``: the device's record reduced to what its native server
   takes, with the budgets and timeouts ``rng.py``, ``balloon.py`` and ``vsock.py``
   serve with (a vsock's host listener is not in the record: ``NativeDevice.restore``
-  takes it beside the plan, ``vsock_listener``);
+  takes it beside the plan, ``vsock_listener``); or a disk's, ``("blk" | "volume",
+  disk key, capacity bytes, read-only, guest path)``: ``BlkState`` (and a volume
+  slot's ``VolumeSlotState.guest_path``, "" for the root disk), whose budget is
+  ``blk.py``'s in the native transport; an empty slot's key is "" and its capacity 0.
+  The disk's file is not in the record either: ``NativeDevice.restore`` takes it
+  beside the plan (``disk_file``), ``NativeMachine`` by slot (``disk_files``);
 * ``features`` and ``max_sizes``: what the device offers, as its Python class does;
 * ``registers``: the transport's register image, as ``MmioRegisters.save`` gives it;
 * ``indices``: each queue's ``(next_avail, next_used)``.
@@ -22,20 +27,29 @@ A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
 ``device_plan`` of its snapshot's record; ``NativeVirtio`` is the handle the device
 manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
 ``_kind`` and ``_offer``; a forked child's ``Machine`` is handed its snapshot's plans
-(``restore_plans``), built once per snapshot in the zygote's prefork. rng, the balloon
-and vsock have a plan (``PLANNED_KINDS``);
-vsock is not switched on in the Python ``Machine`` yet (docs/native.md says what it and
-blk and net still need). ``machine_plan`` is a whole snapshot's virtio devices as
-``_core.NativeMachine`` takes them, built once per snapshot.
+(``restore_plans``), built once per snapshot in the zygote's prefork. rng, the balloon,
+vsock, blk and volume slots have a plan (``PLANNED_KINDS``); vsock and the disks are not
+switched on in the Python ``Machine`` yet (docs/native.md says what they and net still
+need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
+takes them, built once per snapshot.
 """
 
 from __future__ import annotations
 
 import mmap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from vmfork.vmm.devices.manager import BALLOON, RNG, VSOCK, DeviceState
-from vmfork.vmm.devices.virtio import balloon, rng, vsock
+from vmfork.vmm.devices.manager import (
+    BALLOON,
+    BLK,
+    RNG,
+    VOLUME,
+    VSOCK,
+    DeviceKind,
+    DeviceState,
+    VolumeSlotState,
+)
+from vmfork.vmm.devices.virtio import balloon, blk, rng, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
@@ -50,16 +64,28 @@ if TYPE_CHECKING:
 # The kinds a machine serves through their native transport.
 NATIVE_KINDS = frozenset((RNG.name, BALLOON.name))
 # The kinds with a plan (``_core.NativeMachine`` restores them all).
-PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name}
+PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, BLK.name, VOLUME.name}
+DISK_KINDS = frozenset((BLK.name, VOLUME.name))
 
-Kind = tuple[str, int, int, int]
+# (name, numbers...) of rng, the balloon and vsock; (name, key, capacity, read-only,
+# guest path) of a disk.
+NumbersKind = tuple[str, int, int, int]
+DiskKind = tuple[str, str, int, bool, str]
+Kind = NumbersKind | DiskKind
 Registers = tuple[int, int, int, int, bool, int, int, int,
                   list[tuple[int, int, bool, int, int, int]]]
 Plan = tuple[Kind, int, list[int], Registers, list[tuple[int, int]]]
 
 
-def _offer(kind: str) -> tuple[int, tuple[int, ...], int]:
-    """(features, queue max sizes, device type) of a device of ``kind``, as its class."""
+def _offer(kind: str, disk: blk.BlkState | None = None) -> tuple[int, tuple[int, ...], int]:
+    """(features, queue max sizes, device type) of a device of ``kind``, as its class
+    (a disk's features, as ``VirtioBlk``'s, follow from its record ``disk``)."""
+    if kind in DISK_KINDS:
+        if disk is None:
+            raise ValueError(f"a {kind} device's features follow from its record")
+        features = (blk.OFFERED_FEATURES_SLOT if disk.volume_slot else
+                    blk.OFFERED_FEATURES if disk.read_only else blk.OFFERED_FEATURES_RW)
+        return VIRTIO_F_VERSION_1 | features, blk.VirtioBlk.queue_max_sizes, blk.DEVICE_ID_BLK
     if kind == "rng":
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
     if kind == "vsock":
@@ -76,7 +102,7 @@ def balloon_advice(memory: GuestMemory) -> int:
     return mmap.MADV_REMOVE if shared else mmap.MADV_DONTNEED
 
 
-def _kind(name: str, balloon_advice: int, actual: int = 0, guest_cid: int = 0) -> Kind:
+def _kind(name: str, balloon_advice: int, actual: int = 0, guest_cid: int = 0) -> NumbersKind:
     """A ``name`` device's record reduced to what its native server takes (the
     balloon's ``actual``, vsock's ``guest_cid``)."""
     if name == RNG.name:
@@ -97,16 +123,27 @@ def boot_plan(name: str, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
     return plan
 
 
+def _disk(state: DeviceState) -> tuple[blk.BlkState, str] | None:
+    """A disk's ``BlkState`` and guest path ("" for the root disk); None if not a disk."""
+    if isinstance(state.state, VolumeSlotState):
+        return state.state.disk, state.state.guest_path
+    if isinstance(state.state, blk.BlkState):
+        return state.state, ""
+    return None
+
+
 def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
-    """The plan of a decoded rng, balloon or vsock record (``ValueError`` for another
-    kind, or a record that does not fit the device). ``balloon_advice`` is how this
-    machine drops a reported page (``MADV_REMOVE`` for guest RAM on a shared memfd)."""
+    """The plan of a decoded rng, balloon, vsock, blk or volume slot record
+    (``ValueError`` for another kind, or a record that does not fit the device).
+    ``balloon_advice`` is how this machine drops a reported page (``MADV_REMOVE`` for
+    guest RAM on a shared memfd)."""
     if state.kind not in PLANNED_KINDS:
         raise ValueError(f"no native transport for a {state.kind} device")
     t = state.transport
     if t is None:
         raise ValueError(f"the {state.kind} record has no transport state")
-    features, max_sizes, device_type = _offer(state.kind)
+    disk = _disk(state)
+    features, max_sizes, device_type = _offer(state.kind, disk[0] if disk else None)
     if t.device_type != device_type:
         raise ValueError(f"the {state.kind} record's transport is for device type "
                          f"{t.device_type}, not {device_type}")
@@ -114,7 +151,11 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
         raise ValueError(f"the {state.kind} record has {len(t.queues)} queues, the "
                          f"device {len(max_sizes)}")
     record = state.state
-    if isinstance(record, vsock.VsockState):
+    kind: Kind
+    if disk is not None:
+        d, guest_path = disk
+        kind = (state.kind, d.disk_key, d.capacity_bytes, d.read_only, guest_path)
+    elif isinstance(record, vsock.VsockState):
         kind = _kind(state.kind, balloon_advice, guest_cid=record.guest_cid)
     else:
         actual = record.actual if isinstance(record, balloon.BalloonState) else 0
@@ -142,8 +183,9 @@ def machine_plan(state: MachineState,
     """Every virtio device of the decoded snapshot ``state`` as ``(slot, IOAPIC pin,
     plan)``, at the slot and pin the device manager gave it (``DeviceState``), for
     ``_core.NativeMachine``'s ``devices``; COM1, a legacy device, is its ``serial``.
-    ``ValueError`` naming the first device with no native transport (blk, net, a
-    volume slot: those machines restore through the Python ``Machine``)."""
+    ``ValueError`` naming the first device with no native transport (net: such a
+    machine restores through the Python ``Machine``). A disk's file is the caller's
+    to open (``disk_files``)."""
     for device in state.devices:
         if device.slot is not None and device.kind not in PLANNED_KINDS:
             raise ValueError(f"the snapshot's {device.kind} device (virtio-mmio."
@@ -156,20 +198,31 @@ def machine_plan(state: MachineState,
 def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
     """The ``DeviceState`` a natively served device saves: ``plan`` is its ``plan()``;
     ``slot`` and ``irq`` where it is on the machine."""
-    (name, first, _, last), _, _, registers, indices = plan
+    kind, _, _, registers, indices = plan
     status, dfs, drfs, df, bad, qsel, isr, cg, queues = registers
     # As the Python transport: the acked features are the driver's from FEATURES_OK on.
     acked = df if status & STATUS_FEATURES_OK else 0
-    record: rng.RngState | balloon.BalloonState | vsock.VsockState
-    if name == "rng":
-        record = rng.RngState(acked_features=acked)
-    elif name == "balloon":
-        record = balloon.BalloonState(acked_features=acked, actual=last)
-    elif name == "vsock":
-        record = vsock.VsockState(guest_cid=first, acked_features=acked)
+    saved: object      # the kind's record
+    record_kind: DeviceKind[Any]
+    disk: blk.BlkState | None = None
+    if len(kind) == 5:
+        name, disk_key, capacity, read_only, guest_path = kind
+        disk = blk.BlkState(acked_features=acked, disk_key=disk_key,
+                            capacity_bytes=capacity, read_only=read_only,
+                            volume_slot=name == VOLUME.name)
+        record_kind = VOLUME if disk.volume_slot else BLK
+        saved = VolumeSlotState(disk, guest_path) if disk.volume_slot else disk
     else:
-        raise ValueError(f"no native transport for a {name} device")
-    _, _, device_type = _offer(name)
+        name, first, _, last = kind
+        if name == RNG.name:
+            saved, record_kind = rng.RngState(acked_features=acked), RNG
+        elif name == BALLOON.name:
+            saved, record_kind = balloon.BalloonState(acked_features=acked, actual=last), BALLOON
+        elif name == VSOCK.name:
+            saved, record_kind = vsock.VsockState(guest_cid=first, acked_features=acked), VSOCK
+        else:
+            raise ValueError(f"no native transport for a {name} device")
+    _, _, device_type = _offer(name, disk)
     transport = MmioTransportState(
         device_type=device_type, status=status, device_features_sel=dfs,
         driver_features_sel=drfs, driver_features=df, driver_features_bad=bad,
@@ -177,9 +230,7 @@ def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
         queues=[QueueState(m, size, ready, desc, avail, used, next_avail, next_used)
                 for (m, size, ready, desc, avail, used), (next_avail, next_used)
                 in zip(queues, indices)])
-    version = {RNG.name: RNG.version, BALLOON.name: BALLOON.version,
-               VSOCK.name: VSOCK.version}[name]
-    return DeviceState(name, version, slot, irq, record, transport)
+    return DeviceState(record_kind.name, record_kind.version, slot, irq, saved, transport)
 
 
 class NativeVirtio:
