@@ -1268,6 +1268,11 @@ mod tests {
             })?;
             check(controls[0].is_paused(), || "the control disagrees".into())?;
             machine.resume();
+            // Not paused from the resume on, whether or not its thread woke yet: a
+            // `status` after a `resume`'s reply must not say paused.
+            check(!controls[0].is_paused(), || {
+                "paused after the resume".into()
+            })?;
             check(machine.exit().is_none(), || {
                 "a spinning guest exited".into()
             })?;

@@ -593,9 +593,12 @@ impl VcpuControl {
         self.shared.cond.notify_all();
     }
 
-    /// Parked now (what `Machine.paused` reads as the state "paused").
+    /// Parked and still asked to be (what `Machine.paused` reads as the state
+    /// "paused"): a vCPU a `resume` released but not yet scheduled is not paused, so a
+    /// `status` right after a `resume`'s reply does not contradict it.
     pub fn is_paused(&self) -> bool {
-        lock(&self.shared.ctl).state == RunState::Paused
+        let ctl = lock(&self.shared.ctl);
+        ctl.state == RunState::Paused && ctl.want_pause
     }
 
     /// The loop's exit counters as they are now (a control server's `exits`).
