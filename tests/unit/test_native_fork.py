@@ -243,7 +243,8 @@ def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
 def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
         tmp_path: Path) -> None:
     assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") == "1")
-    # The format-1 golden snapshot: its blk and net have no native transport.
+    # The format-1 golden snapshot, networked: an unjailed native child has no tap (its
+    # jail opens one in the sandbox's network namespace).
     snapshot_dir = tmp_path / "snapshot"
     snapshot_dir.mkdir()
     shutil.copy(Path(__file__).parent / "golden" / "state-v1.bin", snapshot_dir / "state.bin")
@@ -257,7 +258,8 @@ def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
         zygote.Zygote._native_child(vmmchild.native_child, prep)
     assert raised.value.errno == errno.ENOTSUP
     assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
-    assert "net device (virtio-mmio.2) has no native transport" in str(raised.value)
+    assert "takes its tap from its jail" in str(raised.value)
+    assert "this spawn has no jail" in str(raised.value)
 
 
 def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for_now() -> None:
