@@ -549,18 +549,15 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
     (``_core.ChildMachinePlan``): its snapshot's, with its run directory, the premaps
     it inherits (``inherited_ram``) and, jailed, where the jail's opened descriptors
     hold ``/dev/kvm``, each disk and, for a flat snapshot, the memory file. A
-    networked snapshot's child takes the tap its jail opened in its network namespace
-    (``ChildMachinePlan.build``): ``ValueError`` for one without a jail, or whose jail
-    opens no tap (an unjailed native child does not join the namespace, as ``main``
-    does, yet)."""
+    networked snapshot's child given a tap (``net_tap``) takes the one its jail opened
+    in its network namespace (``ChildMachinePlan.build``); given none, its device has
+    no tap, as a Python child's. ``ValueError`` for a tap asked of an unjailed child
+    (it does not join the namespace, as ``main`` does, yet)."""
     snapshot_dir = str(args["snapshot_dir"])
     machine, memory_file, disks = _snapshot_machine(snapshot_dir)
-    state, _ = load_snapshot(snapshot_dir)
-    if state.device(devices.NET) is not None and (
-            jail_spec is None or jail_spec.netns is None or jail_spec.tap is None):
-        raise ValueError("a native child of a networked snapshot takes its tap from its "
-                         "jail (in the sandbox's network namespace): this spawn has "
-                         + ("no jail" if jail_spec is None else "no netns or tap"))
+    if args.get("net_tap") and (jail_spec is None or jail_spec.tap is None):
+        raise ValueError("a native child takes its tap from its jail (in the sandbox's "
+                         "network namespace): this spawn has no jail")
     premapped, other_premaps = inherited_ram(snapshot_dir)
     run_dir = str(args["run_dir"])
     if jail_spec is None:
