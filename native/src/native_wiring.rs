@@ -1081,6 +1081,21 @@ fn status_of(ram: &GuestRam, at: u64) -> u8 {
     status[0]
 }
 
+/// The bus and the transport dropped, then its eventfds: nothing of the device is left
+/// on the loop, which stops.
+fn tear_down(
+    windows: Windows,
+    transport: Arc<NativeTransport>,
+    fds: (OwnedFd, Vec<OwnedFd>),
+    event_loop: &NativeLoop,
+) {
+    drop(windows);
+    drop(transport);
+    drop(fds);
+    assert_eq!(event_loop.counts().0, 0);
+    event_loop.stop();
+}
+
 #[test]
 fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     let mapping = Mapping::new(RAM_SIZE);
@@ -1191,11 +1206,7 @@ fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     let stats = child.stats().blk;
     assert_eq!((stats.requests, stats.reads, stats.read_errors), (2, 1, 1));
     assert_eq!(child.record().faults, 0);
-    drop(child_bus);
-    drop(child);
-    drop((irq, notify));
-    assert_eq!(child_loop.counts().0, 0);
-    child_loop.stop();
+    tear_down(child_bus, child, (irq, notify), &child_loop);
     ram.close();
 }
 
@@ -1431,11 +1442,7 @@ fn net_restored_from_a_plan_moves_frames_both_ways_through_its_tap() {
     let stats = child.stats().net;
     assert_eq!((stats.tx_frames, stats.tx_bytes), (2, 170));
     assert_eq!(child.record().faults, 0);
-    drop(child_bus);
-    drop(child);
-    drop((irq, notify));
-    assert_eq!(child_loop.counts().0, 0);
-    child_loop.stop();
+    tear_down(child_bus, child, (irq, notify), &child_loop);
     ram.close();
 }
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -26,16 +25,16 @@ from tests.e2e.test_network import (
     internet,
     run_root,
     snapshot,
+    spawner,
     store,
 )
 from vmfork.runtime import control
-from vmfork.runtime.network import HostNetwork
 from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
-from vmfork.store import Snapshot
 
-# test_network.py's module fixtures, used here by name.
-__all__ = ["hostnet", "internet", "run_root", "snapshot", "store"]
+# test_network.py's fixtures, used here by name (its `spawner` takes this module's
+# `zygote`, whose children run no Python).
+__all__ = ["hostnet", "internet", "run_root", "snapshot", "spawner", "store"]
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +44,6 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     proc = start_zygote(str(path), timeout=300.0, env={**os.environ, NATIVE_CHILD_ENV: "1"})
     yield proc
     proc.close()
-
-
-@pytest.fixture
-def spawner(zygote: ZygoteProcess, snapshot: Snapshot, run_root: Path,
-            hostnet: HostNetwork) -> Iterator[Spawner]:
-    s = Spawner(zygote, snapshot, run_root, hostnet)
-    yield s
-    s.close()
 
 
 def test_a_native_child_of_a_networked_parent_reaches_the_network_both_ways(
