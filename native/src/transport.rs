@@ -9,15 +9,18 @@
 //!   `vmfork.vmm.devices.virtio.mmio.MmioTransport`), the GIL taken inside: today's
 //!   machine;
 //! * `NativeTransport`, here: at DRIVER_OK it builds the device's native server
-//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`) from the register file
-//!   (queue addresses and sizes, the ring indices) with a `NativeEvents` sink, and
-//!   registers it on the loop (`Readers`: a `NativeLoop`, or the Python loop's native
-//!   registration); at a reset it drops it (a disk's server retired first: it lets go
-//!   of the file); a notify with no ioeventfd is served on the writing thread; the
-//!   device's config bytes are a Rust value (rng: none; balloon: its 16 bytes, of which
-//!   the driver writes `actual`; vsock: the guest CID; blk: capacity, `SIZE_MAX`,
-//!   `SEG_MAX`; the last two plain, served by the register file). A disk's file comes
-//!   with its plan (`BlkDisk.file`) and is the transport's, duplicated, until `close`. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
+//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`, `net_serve.rs`) from the
+//!   register file (queue addresses and sizes, the ring indices) with a `NativeEvents`
+//!   sink, and registers it on the loop (`Readers`: a `NativeLoop`, or the Python
+//!   loop's native registration); at a reset it drops it (a disk's or net's server
+//!   retired first: it lets go of the file or the tap); a notify with no ioeventfd is
+//!   served on the writing thread; the device's config bytes are a Rust value (rng:
+//!   none; balloon: its 16 bytes, of which the driver writes `actual`; vsock: the guest
+//!   CID; blk: capacity, `SIZE_MAX`, `SEG_MAX`; net: the MAC, the link status; the last
+//!   three plain, served by the register file). A disk's file (`BlkDisk.file`) and
+//!   net's tap (`NetTap.tap`) come with the plan and are the transport's, duplicated,
+//!   until `close`; the tap is on the loop beside the ioeventfds while an activation
+//!   runs. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
 //!   its host listener does: built at the restore with its private epoll on the loop,
 //!   handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
 //!   reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
