@@ -829,12 +829,14 @@ impl PyNativeMachine {
     /// builds it), a vsock's host side `vsock_listener` as `NativeDevice.restore`
     /// takes it (the socket path, its bound listening fd, duplicated, or None to bind
     /// the path here), each disk's file in `disk_files` by slot (duplicated; an empty
-    /// volume slot has none). The GIL is released for the build; nothing runs until
+    /// volume slot has none), each net device's tap in `tap_fds` by slot (duplicated;
+    /// none: no tap). The GIL is released for the build; nothing runs until
     /// `start`.
     #[new]
     #[pyo3(signature = (kvm_fd, memory_fd, mem_size, prepared, *, devices, serial = None,
                         console_log_fd = None, log_burst, log_per_second, log_total_bytes,
-                        vsock_listener = None, disk_files = HashMap::new()))]
+                        vsock_listener = None, disk_files = HashMap::new(),
+                        tap_fds = HashMap::new()))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -850,6 +852,7 @@ impl PyNativeMachine {
         log_total_bytes: u64,
         vsock_listener: Option<PyListener>,
         disk_files: HashMap<u32, RawFd>,
+        tap_fds: HashMap<u32, RawFd>,
     ) -> PyResult<Self> {
         let budget = log_budget(log_burst, log_per_second, log_total_bytes)
             .map_err(PyValueError::new_err)?;
@@ -863,6 +866,7 @@ impl PyNativeMachine {
                         plan,
                         vsock_listener.clone(),
                         disk_files.get(&slot).copied(),
+                        tap_fds.get(&slot).copied(),
                     )?,
                 })
             })

@@ -23,7 +23,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
@@ -88,7 +88,7 @@ impl SnapshotMachinePlan {
             .map(|(slot, irq, plan)| {
                 // Any path: each child's is its own run directory's (`ChildMachinePlan`).
                 let listener = Some((String::new(), None));
-                let plan = plan_from_py(plan, listener, None)?;
+                let plan = plan_from_py(plan, listener, None, None)?;
                 if let DeviceKind::Blk(disk) = &plan.kind {
                     if disk.capacity > 0 && !disks.contains_key(&slot) {
                         return Err(PyValueError::new_err(format!(
@@ -253,6 +253,17 @@ impl ChildMachinePlan {
             };
             files.insert(path, file);
         }
+        // The tap the child's jail opened in its network namespace (`Jail::enter`,
+        // before the privilege drop): the process's own from here, closed when the
+        // machine is built (its transport keeps a duplicate). An unjailed child is
+        // not in its sandbox's namespace here: `vmmchild._native_machine` refuses it.
+        let tap_file = match opened {
+            // SAFETY: a descriptor the jail opened for this process and nothing else in
+            // it owns (no Python runs to adopt it): taken once, here.
+            Some((.., Some(fd))) => Some(unsafe { OwnedFd::from_raw_fd(*fd) }),
+            _ => None,
+        };
+        let tap = tap_file.as_ref().map(AsRawFd::as_raw_fd);
         let disk_file = |slot: &u32| {
             let path = snapshot.disks.get(slot)?;
             files.get(path).map(File::as_raw_fd)
@@ -270,6 +281,7 @@ impl ChildMachinePlan {
                         };
                     }
                     DeviceKind::Blk(disk) => disk.file = disk_file(slot),
+                    DeviceKind::Net(net) => net.tap = tap,
                     _ => {}
                 }
                 SlotPlan {

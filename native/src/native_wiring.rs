@@ -19,7 +19,7 @@ use crate::mmio::{self, Event, Registers, INT_CONFIG_CHANGE, INT_USED_BUFFER};
 use crate::queue_server::{DeviceEvents, NativeEvents};
 use crate::rng_serve::{RngServer, Served};
 use crate::transport::{
-    BlkDisk, DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener, Windows,
+    BlkDisk, DeviceKind, DevicePlan, NativeTransport, NetTap, Readers, VsockListener, Windows,
 };
 use crate::virtq::{self, Rings};
 
@@ -1081,6 +1081,21 @@ fn status_of(ram: &GuestRam, at: u64) -> u8 {
     status[0]
 }
 
+/// The bus and the transport dropped, then its eventfds: nothing of the device is left
+/// on the loop, which stops.
+fn tear_down(
+    windows: Windows,
+    transport: Arc<NativeTransport>,
+    fds: (OwnedFd, Vec<OwnedFd>),
+    event_loop: &NativeLoop,
+) {
+    drop(windows);
+    drop(transport);
+    drop(fds);
+    assert_eq!(event_loop.counts().0, 0);
+    event_loop.stop();
+}
+
 #[test]
 fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     let mapping = Mapping::new(RAM_SIZE);
@@ -1191,11 +1206,7 @@ fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     let stats = child.stats().blk;
     assert_eq!((stats.requests, stats.reads, stats.read_errors), (2, 1, 1));
     assert_eq!(child.record().faults, 0);
-    drop(child_bus);
-    drop(child);
-    drop((irq, notify));
-    assert_eq!(child_loop.counts().0, 0);
-    child_loop.stop();
+    tear_down(child_bus, child, (irq, notify), &child_loop);
     ram.close();
 }
 
@@ -1251,6 +1262,216 @@ fn an_empty_volume_slot_has_no_ioeventfd_and_answers_on_the_writing_thread() {
     assert_eq!(err.err().as_deref(), Some("a root disk cannot be empty"));
     drop(windows);
     drop(empty);
+    event_loop.stop();
+    ram.close();
+}
+
+const MAC: [u8; 6] = [0x02, 0x00, 0x5e, 0x10, 0x00, 0x07];
+const NET_HDR: usize = 12;
+
+/// A datagram socketpair standing in for a tap (the test host may have no
+/// `/dev/net/tun`): like a tap with IFF_VNET_HDR, one write is one frame and one read
+/// gives one frame. The device's end, the host's end; both non-blocking as a tap is.
+fn tap_pair() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0; 2];
+    // SAFETY: socketpair writes two fds into a live two-int array.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "socketpair");
+    // SAFETY: two fresh fds owned by nobody else.
+    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
+}
+
+/// The next frame the device wrote to the tap (the host's end), waiting for it.
+fn host_reads(host: &OwnedFd) -> Vec<u8> {
+    let mut pfd = libc::pollfd {
+        fd: host.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    assert_eq!(
+        unsafe { libc::poll(&mut pfd, 1, HANG_GUARD_MS) },
+        1,
+        "no frame"
+    );
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: reads into a live buffer of its length.
+    let n = unsafe { libc::read(host.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+    assert!(n > 0, "read the tap's other end");
+    buf.truncate(n as usize);
+    buf
+}
+
+fn host_writes(host: &OwnedFd, frame: &[u8]) {
+    // SAFETY: writes from a live buffer of its length.
+    let n = unsafe { libc::write(host.as_raw_fd(), frame.as_ptr().cast(), frame.len()) };
+    assert_eq!(n, frame.len() as isize);
+}
+
+/// A frame as the guest's driver lays one out: the virtio-net header (zeros: no
+/// offload), then `len` bytes of `fill`.
+fn net_frame(fill: u8, len: usize) -> Vec<u8> {
+    let mut frame = vec![0u8; NET_HDR];
+    frame.extend(std::iter::repeat_n(fill, len));
+    frame
+}
+
+/// Post `frame` on the tx queue as one readable descriptor at `at`.
+fn post_tx(driver: &mut Driver, ram: &GuestRam, head: u16, at: u64, frame: &[u8]) {
+    ram.lock().unwrap().write_from(at, frame).unwrap();
+    driver.offer(ram, head, at, frame.len() as u32, 0);
+}
+
+fn net_kind(tap: Option<RawFd>) -> DeviceKind {
+    DeviceKind::Net(NetTap { mac: MAC, tap })
+}
+
+#[test]
+fn net_restored_from_a_plan_moves_frames_both_ways_through_its_tap() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let (tap, host) = tap_pair();
+    let boot = DevicePlan::fresh(
+        net_kind(Some(tap.as_raw_fd())),
+        mmio::VIRTIO_F_VERSION_1 | (1 << 5),
+        vec![256, 256],
+    )
+    .unwrap();
+
+    // A booted device: its config space is net.py's (the MAC, the link up), the
+    // driver's DRIVER_OK builds the server with the tap on the loop.
+    let first_loop = started_loop("net-boot");
+    let windows = Windows::new();
+    let (booted, irq, notify) = restore_on_bus(&boot, &ram, &first_loop, &windows, true);
+    drop(tap); // the transport holds its own duplicate
+    let mut config = [0u8; 8];
+    for (i, chunk) in config.chunks_mut(4).enumerate() {
+        bus_read(&windows, mmio::CONFIG_SPACE + 4 * i as u64, chunk);
+    }
+    assert_eq!(config, [0x02, 0x00, 0x5e, 0x10, 0x00, 0x07, 1, 0]);
+    let rings = bring_up_on_bus(&windows, &[16, 16]);
+    assert!(booted.active());
+    assert_eq!(first_loop.counts().0, 3, "both ioeventfds and the tap");
+    let mut rx = Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    };
+    let mut tx = Driver {
+        rings: rings[1],
+        avail_idx: 0,
+    };
+    // Guest to host: the frame, header and all, is one write on the tap.
+    let sent = net_frame(0xAB, 60);
+    post_tx(&mut tx, &ram, 0, 0x80000, &sent);
+    signal(&notify[1]);
+    assert_eq!(host_reads(&host), sent);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(tx.used(&ram, 0), (1, (0, 0)));
+    // Host to guest: a buffer posted, the host's frame read into it, num_buffers 1.
+    rx.offer(&ram, 0, 0x90000, 2048, DESC_F_WRITE);
+    signal(&notify[0]);
+    let arriving = net_frame(0xCD, 90);
+    host_writes(&host, &arriving);
+    assert_eq!(wait_used(&rx, &ram, 1), (0, arriving.len() as u32));
+    let mut got = vec![0u8; arriving.len()];
+    ram.lock().unwrap().read_into(0x90000, &mut got).unwrap();
+    let mut want = arriving.clone();
+    want[10] = 1; // num_buffers
+    assert_eq!(got, want);
+    let stats = booted.stats().net;
+    assert_eq!((stats.tx_frames, stats.rx_frames), (1, 1));
+    assert_eq!(stats.rx_bytes, 90);
+
+    // The snapshot: the plan gives the MAC back without the tap.
+    let snapshot = booted.plan();
+    assert_eq!(snapshot.kind, net_kind(None));
+    assert_eq!(snapshot.indices, vec![(1, 1), (1, 1)]);
+    drop(windows);
+    drop(booted);
+    assert_eq!(
+        first_loop.counts().0,
+        0,
+        "the tap left the loop with the device"
+    );
+    first_loop.stop();
+
+    // The child: its own tap, the rings where the snapshot left them.
+    let (tap, host) = tap_pair();
+    let mut plan = snapshot.clone();
+    plan.kind = net_kind(Some(tap.as_raw_fd()));
+    let child_loop = started_loop("net-child");
+    let child_bus = Windows::new();
+    let (child, irq, notify) = restore_on_bus(&plan, &ram, &child_loop, &child_bus, true);
+    drop(tap);
+    assert!(child.active());
+    assert_eq!(child_loop.counts().0, 3);
+    let sent = net_frame(0x11, 100);
+    post_tx(&mut tx, &ram, 1, 0x81000, &sent);
+    signal(&notify[1]);
+    assert_eq!(host_reads(&host), sent);
+    assert_eq!(wait_used(&tx, &ram, 2), (1, 0));
+    // The driver resets the device: the server and the tap leave the loop, the
+    // counters stay; a new activation serves the same tap and adds to them.
+    bus_write(&child_bus, mmio::REG_STATUS, 0);
+    assert!(!child.active());
+    assert_eq!(child_loop.counts().0, 0);
+    let _ = read_counter(irq.as_raw_fd());
+    // A driver starts its rings afresh after a reset (the same addresses here).
+    for ring in [rx.rings, tx.rings] {
+        let r = ram.lock().unwrap();
+        r.write_u16(ring.avail + 2, 0).unwrap();
+        r.write_u16(ring.used + 2, 0).unwrap();
+    }
+    let rings = bring_up_on_bus(&child_bus, &[16, 16]);
+    let mut tx = Driver {
+        rings: rings[1],
+        avail_idx: 0,
+    };
+    let sent = net_frame(0x22, 70);
+    post_tx(&mut tx, &ram, 0, 0x82000, &sent);
+    signal(&notify[1]);
+    assert_eq!(host_reads(&host), sent);
+    assert_eq!(wait_used(&tx, &ram, 1), (0, 0));
+    let stats = child.stats().net;
+    assert_eq!((stats.tx_frames, stats.tx_bytes), (2, 170));
+    assert_eq!(child.record().faults, 0);
+    tear_down(child_bus, child, (irq, notify), &child_loop);
+    ram.close();
+}
+
+#[test]
+fn a_net_plan_refuses_a_multicast_mac() {
+    let mut kind = NetTap {
+        mac: MAC,
+        tap: None,
+    };
+    kind.mac[0] |= 1;
+    let plan = DevicePlan::fresh(
+        DeviceKind::Net(kind),
+        mmio::VIRTIO_F_VERSION_1,
+        vec![256, 256],
+    )
+    .unwrap();
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let event_loop = started_loop("net-mac");
+    let refused = NativeTransport::restore(
+        &plan,
+        ram.clone(),
+        event_loop.clone() as Arc<dyn Readers>,
+        eventfd(),
+        vec![None, None],
+    )
+    .err()
+    .unwrap();
+    assert!(refused.contains("not a unicast address"), "{refused}");
     event_loop.stop();
     ram.close();
 }

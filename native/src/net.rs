@@ -44,6 +44,30 @@ pub struct Counters {
     pub tx_dropped: u64,
 }
 
+impl Counters {
+    /// Add `more` (a later call's increments) to these.
+    pub fn add(&mut self, more: &Counters) {
+        self.rx_frames += more.rx_frames;
+        self.rx_bytes += more.rx_bytes;
+        self.rx_dropped += more.rx_dropped;
+        self.tx_frames += more.tx_frames;
+        self.tx_bytes += more.tx_bytes;
+        self.tx_dropped += more.tx_dropped;
+    }
+
+    /// As `NetCounters`' fields: (name, n).
+    pub fn named(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("rx_frames", self.rx_frames),
+            ("rx_bytes", self.rx_bytes),
+            ("rx_dropped", self.rx_dropped),
+            ("tx_frames", self.tx_frames),
+            ("tx_bytes", self.tx_bytes),
+            ("tx_dropped", self.tx_dropped),
+        ]
+    }
+}
+
 /// What one `transmit` did. `error` is the guest fault that ended it, if one did.
 #[derive(Debug)]
 pub struct Sent {

@@ -178,15 +178,6 @@ pub struct NetServer {
     events: Arc<dyn DeviceEvents<NetDetails>>,
 }
 
-fn add(total: &mut Counters, more: &Counters) {
-    total.rx_frames += more.rx_frames;
-    total.rx_bytes += more.rx_bytes;
-    total.rx_dropped += more.rx_dropped;
-    total.tx_frames += more.tx_frames;
-    total.tx_bytes += more.tx_bytes;
-    total.tx_dropped += more.tx_dropped;
-}
-
 impl NetServer {
     /// A server for the ready rx and tx queues (their rings, checked by the caller:
     /// `Virtqueue.validate` from Python, and their ring indices' start), for the
@@ -293,7 +284,7 @@ impl NetServer {
             self.max_tx_bytes,
         );
         (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
-        add(&mut st.counters, &s.counters);
+        st.counters.add(&s.counters);
         if self.log_refused {
             report.details.refused = s.refused;
         }
@@ -310,7 +301,7 @@ impl NetServer {
                 self.max_frames,
             );
             (st.rx_avail, st.rx_used) = (r.next_avail, r.next_used);
-            add(&mut st.counters, &r.counters);
+            st.counters.add(&r.counters);
             report.fault = r.error;
             rx_stop = Some(r.stop);
         }
@@ -350,6 +341,51 @@ impl NetServer {
             }
         }
         report
+    }
+
+    /// Serve queue `queue` (0 rx, 1 tx) now, on the calling thread (a notify with no
+    /// ioeventfd, from a native transport): true if a tx run used its budget with no
+    /// ioeventfd to re-arm with. What a wake leaves for the events goes to them (a
+    /// native sink hands nothing back to run).
+    pub fn serve_now(&self, queue: u32) -> bool {
+        let work = if queue == RX_QUEUE {
+            Work::RxNotify
+        } else {
+            Work::Tx
+        };
+        let report = self.serve(work);
+        let rearm = report.rearm;
+        let _ = self.deferred(report);
+        rearm
+    }
+
+    /// The tap's duplicate, the fd the loop watches (None without a tap).
+    pub fn tap_fd(&self) -> Option<RawFd> {
+        self.tap_fd
+    }
+
+    /// Both queues' (next_avail, next_used), rx first; waits out a wake in progress.
+    pub fn indices(&self) -> [(u16, u16); 2] {
+        let st = lock(&self.state);
+        [(st.rx_avail, st.rx_used), (st.tx_avail, st.tx_used)]
+    }
+
+    /// The frames moved since this server was made, and the used-buffer interrupts
+    /// it raised.
+    pub fn stats(&self) -> (Counters, u64) {
+        let st = lock(&self.state);
+        (st.counters, st.interrupts)
+    }
+
+    /// Close the duplicated fds and serve no more (after the loop's readers are gone:
+    /// the tap's duplicate is the number the loop watched); a wake in progress holds
+    /// the state lock, so once this returns none uses them.
+    pub fn retire(&self) {
+        let mut st = lock(&self.state);
+        st.closed = true;
+        st.tap = None;
+        st.irq = None;
+        st.tx_rearm = None;
     }
 
     /// Hand the report to the events, if it has anything for them.
@@ -479,11 +515,7 @@ impl NetQueues {
     /// Close the duplicated fds and serve no more (after the loop's readers are gone:
     /// the tap's duplicate is the number the loop watched).
     fn close(&self) {
-        let mut st = lock(&self.server.state);
-        st.closed = true;
-        st.tap = None;
-        st.irq = None;
-        st.tx_rearm = None;
+        self.server.retire();
     }
 
     /// The tap's duplicate, the fd to register with the loop (None without a tap).
@@ -511,15 +543,7 @@ impl NetQueues {
 
     /// The counters since this object was made, as `NetCounters`' fields: (name, n).
     fn counters(&self) -> Vec<(&'static str, u64)> {
-        let c = lock(&self.server.state).counters;
-        vec![
-            ("rx_frames", c.rx_frames),
-            ("rx_bytes", c.rx_bytes),
-            ("rx_dropped", c.rx_dropped),
-            ("tx_frames", c.tx_frames),
-            ("tx_bytes", c.tx_bytes),
-            ("tx_dropped", c.tx_dropped),
-        ]
+        lock(&self.server.state).counters.named()
     }
 
     /// The ring indices: (rx next_avail, rx next_used, tx next_avail, tx next_used).

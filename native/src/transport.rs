@@ -9,15 +9,18 @@
 //!   `vmfork.vmm.devices.virtio.mmio.MmioTransport`), the GIL taken inside: today's
 //!   machine;
 //! * `NativeTransport`, here: at DRIVER_OK it builds the device's native server
-//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`) from the register file
-//!   (queue addresses and sizes, the ring indices) with a `NativeEvents` sink, and
-//!   registers it on the loop (`Readers`: a `NativeLoop`, or the Python loop's native
-//!   registration); at a reset it drops it (a disk's server retired first: it lets go
-//!   of the file); a notify with no ioeventfd is served on the writing thread; the
-//!   device's config bytes are a Rust value (rng: none; balloon: its 16 bytes, of which
-//!   the driver writes `actual`; vsock: the guest CID; blk: capacity, `SIZE_MAX`,
-//!   `SEG_MAX`; the last two plain, served by the register file). A disk's file comes
-//!   with its plan (`BlkDisk.file`) and is the transport's, duplicated, until `close`. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
+//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`, `net_serve.rs`) from the
+//!   register file (queue addresses and sizes, the ring indices) with a `NativeEvents`
+//!   sink, and registers it on the loop (`Readers`: a `NativeLoop`, or the Python
+//!   loop's native registration); at a reset it drops it (a disk's or net's server
+//!   retired first: it lets go of the file or the tap); a notify with no ioeventfd is
+//!   served on the writing thread; the device's config bytes are a Rust value (rng:
+//!   none; balloon: its 16 bytes, of which the driver writes `actual`; vsock: the guest
+//!   CID; blk: capacity, `SIZE_MAX`, `SEG_MAX`; net: the MAC, the link status; the last
+//!   three plain, served by the register file). A disk's file (`BlkDisk.file`) and
+//!   net's tap (`NetTap.tap`) come with the plan and are the transport's, duplicated,
+//!   until `close`; the tap is on the loop beside the ioeventfds while an activation
+//!   runs. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
 //!   its host listener does: built at the restore with its private epoll on the loop,
 //!   handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
 //!   reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
@@ -51,6 +54,8 @@ use crate::guest_ram::GuestRam;
 use crate::mmio::{
     Event, QueueRegs, Read, Registers, Saved, STATUS_FEATURES_OK, VIRTIO_F_VERSION_1, WINDOW_SIZE,
 };
+use crate::net::Counters as NetCounters;
+use crate::net_serve::{NetDetails, NetFds, NetServer};
 use crate::queue_server::{write_eventfd, DeviceEvents, EventRecord, NativeEvents};
 use crate::rng_serve::{RngServer, Served};
 use crate::virtq::{self, QueueError, Rings};
@@ -225,6 +230,9 @@ impl<H: LoopHost> Readers for Loop<H> {
 /// virtio-balloon's config space: num_pages, actual, free_page_hint_cmd_id, poison_val.
 pub const BALLOON_CONFIG_SIZE: usize = 16;
 const BALLOON_ACTUAL: u64 = 4;
+const DEVICE_ID_NET: u32 = 1;
+/// Interrupt and kick moderation (virtio 1.x, 2.7.10), which only net offers.
+const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
 const DEVICE_ID_BLK: u32 = 2;
 const DEVICE_ID_RNG: u32 = 4;
 const DEVICE_ID_BALLOON: u32 = 5;
@@ -252,6 +260,87 @@ pub enum DeviceKind {
     },
     /// virtio-blk: the root disk or a volume slot (`blk.py`).
     Blk(BlkDisk),
+    /// virtio-net: its MAC and its tap (`net.py`).
+    Net(NetTap),
+}
+
+/// `net.py`'s budget per wake (`MAX_FRAMES_PER_RUN`) and largest tx frame
+/// (`MAX_TX_BYTES`: the virtio-net header, 64 KiB of IP packet, an Ethernet header
+/// with a VLAN tag).
+pub const NET_MAX_FRAMES: u32 = 256;
+pub const NET_MAX_TX_BYTES: u64 = 12 + 65536 + 64;
+/// `net.py`'s `LINK_UP`, the config's status word after the MAC.
+const NET_LINK_UP: u16 = 1;
+/// Feature bits the driver acks to receive offloaded frames (virtio 1.x, 5.1.3), and
+/// the `<linux/if_tun.h>` offloads each lets the tap give (`net.py`'s `tap_offloads`).
+const NET_F_GUEST_CSUM: u64 = 1 << 1;
+const NET_F_GUEST_TSO4: u64 = 1 << 7;
+const NET_F_GUEST_TSO6: u64 = 1 << 8;
+const NET_F_GUEST_ECN: u64 = 1 << 9;
+const TUNSETOFFLOAD: libc::c_ulong = 0x4004_54D0;
+const TUN_F_CSUM: libc::c_uint = 0x01;
+const TUN_F_TSO4: libc::c_uint = 0x02;
+const TUN_F_TSO6: libc::c_uint = 0x04;
+const TUN_F_TSO_ECN: libc::c_uint = 0x08;
+
+/// A virtio-net device's MAC (`NetState.mac`) and its tap: borrowed for the restore
+/// (duplicated there), None for a device without one (its tx frames are dropped, it
+/// receives nothing), and in a plan given back. The tap is always a descriptor the
+/// VMM opened (`child::open_tap`, a jail's), never a path from the guest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NetTap {
+    pub mac: [u8; 6],
+    pub tap: Option<RawFd>,
+}
+
+impl NetTap {
+    fn check(&self) -> Result<(), String> {
+        // `net.py`'s `parse_mac`: a unicast address, not all zeros.
+        if self.mac[0] & 1 != 0 || self.mac == [0; 6] {
+            return Err(format!("MAC {:02x?} is not a unicast address", self.mac));
+        }
+        Ok(())
+    }
+
+    /// The config space, byte for byte `net.py`'s `config_bytes`: the MAC, then the
+    /// link status (always up).
+    fn config(&self) -> Vec<u8> {
+        let mut config = self.mac.to_vec();
+        config.extend_from_slice(&NET_LINK_UP.to_le_bytes());
+        config
+    }
+
+    /// The tap, duplicated (None without one).
+    fn open(&self) -> Result<Option<OwnedFd>, String> {
+        let Some(fd) = self.tap else {
+            return Ok(None);
+        };
+        // SAFETY: the plan's tap is open for the duration of the restore.
+        unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .map(Some)
+            .map_err(|e| format!("net: dup tap {fd}: {e}"))
+    }
+}
+
+/// The `TUN_F_*` offloads matching what the driver acked to receive.
+fn tap_offloads(acked_features: u64) -> libc::c_uint {
+    let mut flags = 0;
+    if acked_features & NET_F_GUEST_CSUM != 0 {
+        flags |= TUN_F_CSUM;
+        if acked_features & NET_F_GUEST_TSO4 != 0 {
+            flags |= TUN_F_TSO4;
+        }
+        if acked_features & NET_F_GUEST_TSO6 != 0 {
+            flags |= TUN_F_TSO6;
+        }
+        if acked_features & (NET_F_GUEST_TSO4 | NET_F_GUEST_TSO6) != 0
+            && acked_features & NET_F_GUEST_ECN != 0
+        {
+            flags |= TUN_F_TSO_ECN;
+        }
+    }
+    flags
 }
 
 /// `blk.py`'s budget per notification: requests and bytes.
@@ -384,12 +473,14 @@ impl DeviceKind {
             DeviceKind::Balloon { .. } => DEVICE_ID_BALLOON,
             DeviceKind::Vsock { .. } => DEVICE_ID_VSOCK,
             DeviceKind::Blk(_) => DEVICE_ID_BLK,
+            DeviceKind::Net(_) => DEVICE_ID_NET,
         }
     }
 
     fn queue_count(&self) -> usize {
         match self {
             DeviceKind::Rng { .. } | DeviceKind::Blk(_) => 1,
+            DeviceKind::Net(_) => 2,
             DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } => 3,
         }
     }
@@ -423,8 +514,10 @@ impl DevicePlan {
     }
 
     fn check(&self) -> Result<(), String> {
-        if let DeviceKind::Blk(disk) = &self.kind {
-            disk.check()?;
+        match &self.kind {
+            DeviceKind::Blk(disk) => disk.check()?,
+            DeviceKind::Net(net) => net.check()?,
+            _ => {}
         }
         let n = self.kind.queue_count();
         if self.max_sizes.len() != n || self.indices.len() != n {
@@ -471,6 +564,8 @@ pub struct DeviceStats {
     pub last_report: Option<Instant>,
     /// blk: the requests served (`BlkCounters`).
     pub blk: BlkCounters,
+    /// net: the frames moved and dropped.
+    pub net: NetCounters,
 }
 
 impl DeviceStats {
@@ -480,6 +575,11 @@ impl DeviceStats {
         blk.add(&later.blk);
         DeviceStats {
             blk,
+            net: {
+                let mut net = self.net;
+                net.add(&later.net);
+                net
+            },
             interrupts: self.interrupts + later.interrupts,
             requests: self.requests + later.requests,
             bytes: self.bytes + later.bytes,
@@ -497,6 +597,7 @@ enum Server {
     /// The device's one vsock server, attached to this activation's queues.
     Vsock(Arc<VsockServer>),
     Blk(Arc<BlkServer>),
+    Net(Arc<NetServer>),
 }
 
 impl Server {
@@ -506,15 +607,27 @@ impl Server {
             Server::Balloon(s) => s.clone(),
             Server::Vsock(s) => s.clone(),
             Server::Blk(s) => s.clone(),
+            Server::Net(s) => s.clone(),
         }
     }
 
-    /// The activation ends: a blk server stops using the disk file (waiting out a
-    /// wake in progress), so no wake the loop had begun to dispatch reads it after
-    /// the transport closes it.
+    /// The fd the server reads besides the queues' ioeventfds: a net server's tap
+    /// (its duplicate, registered on the loop while the activation runs).
+    fn tap_fd(&self) -> Option<RawFd> {
+        match self {
+            Server::Net(s) => s.tap_fd(),
+            _ => None,
+        }
+    }
+
+    /// The activation ends: a blk server stops using the disk file, a net server its
+    /// tap and eventfds (each waiting out a wake in progress), so no wake the loop had
+    /// begun to dispatch uses them after the transport closes them.
     fn retire(&self) {
-        if let Server::Blk(s) = self {
-            s.retire();
+        match self {
+            Server::Blk(s) => s.retire(),
+            Server::Net(s) => s.retire(),
+            _ => {}
         }
     }
 
@@ -529,6 +642,7 @@ impl Server {
             Server::Balloon(s) => s.indices().to_vec(),
             Server::Vsock(s) => s.sync().to_vec(),
             Server::Blk(s) => vec![s.indices()],
+            Server::Net(s) => s.indices().to_vec(),
         }
     }
 
@@ -566,6 +680,14 @@ impl Server {
                     ..DeviceStats::default()
                 }
             }
+            Server::Net(s) => {
+                let (net, interrupts) = s.stats();
+                DeviceStats {
+                    interrupts,
+                    net,
+                    ..DeviceStats::default()
+                }
+            }
         }
     }
 
@@ -590,6 +712,7 @@ impl Server {
                 false
             }
             Server::Blk(s) => s.serve_now(),
+            Server::Net(s) => s.serve_now(index as u32),
         }
     }
 }
@@ -682,9 +805,9 @@ struct TransportState {
     fds: Option<Fds>,
     /// vsock's host side, which outlives activations; None once `close` ran.
     vsock: Option<VsockHost>,
-    /// blk's disk file (a duplicate of the plan's); None for an empty slot and once
-    /// `close` ran.
-    disk: Option<OwnedFd>,
+    /// blk's disk file or net's tap (a duplicate of the plan's); None for an empty
+    /// slot, a device without a tap, and once `close` ran.
+    file: Option<OwnedFd>,
     features_refused: u64,
 }
 
@@ -732,6 +855,7 @@ impl NativeTransport {
             DeviceKind::Vsock { guest_cid, .. } => Some(guest_cid.to_le_bytes().to_vec()),
             // Plain: its media never change on this transport.
             DeviceKind::Blk(ref disk) => Some(disk.config()),
+            DeviceKind::Net(ref net) => Some(net.config()),
         };
         let mut regs = Registers::new(
             plan.kind.device_type(),
@@ -741,11 +865,15 @@ impl NativeTransport {
         )?;
         let (epoch, live) = regs.restore(&plan.registers)?;
         let config = match plan.kind {
-            DeviceKind::Rng { .. } | DeviceKind::Vsock { .. } | DeviceKind::Blk(_) => Vec::new(),
+            DeviceKind::Rng { .. }
+            | DeviceKind::Vsock { .. }
+            | DeviceKind::Blk(_)
+            | DeviceKind::Net(_) => Vec::new(),
             DeviceKind::Balloon { actual, .. } => balloon_config(actual),
         };
-        let disk = match &plan.kind {
+        let file = match &plan.kind {
             DeviceKind::Blk(disk) => disk.open()?,
+            DeviceKind::Net(net) => net.open()?,
             _ => None,
         };
         let acked_features = if plan.registers.status & STATUS_FEATURES_OK != 0 {
@@ -769,7 +897,7 @@ impl NativeTransport {
                 holds: 0,
                 fds: Some(Fds { irq, notify }),
                 vsock,
-                disk,
+                file,
                 features_refused: 0,
             }),
         });
@@ -806,6 +934,10 @@ impl NativeTransport {
             DeviceKind::Blk(ref disk) => DeviceKind::Blk(BlkDisk {
                 file: None,
                 ..disk.clone()
+            }),
+            DeviceKind::Net(ref net) => DeviceKind::Net(NetTap {
+                tap: None,
+                ..net.clone()
             }),
             ref other => other.clone(),
         };
@@ -868,7 +1000,7 @@ impl NativeTransport {
         let mut st = lock(&self.state);
         self.deactivate(&mut st);
         st.fds = None;
-        st.disk = None;
+        st.file = None;
         let vsock = st.vsock.take();
         drop(st);
         // Off the loop before its sockets and epoll close (the drop), as at Drop.
@@ -905,7 +1037,9 @@ impl NativeTransport {
         let Some(queues) = lock(&self.regs).activation(epoch) else {
             return Ok(());
         };
-        let rings: Vec<Rings> = queues.iter().map(rings_of).collect();
+        let event_idx = matches!(self.kind, DeviceKind::Net(_))
+            && st.acked_features & VIRTIO_RING_F_EVENT_IDX != 0;
+        let rings: Vec<Rings> = queues.iter().map(|q| rings_of(q, event_idx)).collect();
         if let Err(reason) = self.validate(&queues, &rings) {
             self.device_error(fds.irq.as_raw_fd(), reason, epoch);
             return Ok(());
@@ -914,7 +1048,9 @@ impl NativeTransport {
         // activates without a server (vsock's needs all three, as the balloon's).
         let ready = match self.kind {
             DeviceKind::Rng { .. } | DeviceKind::Blk(_) => queues[0].ready,
-            DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } => queues.iter().all(|q| q.ready),
+            DeviceKind::Balloon { .. } | DeviceKind::Vsock { .. } | DeviceKind::Net(_) => {
+                queues.iter().all(|q| q.ready)
+            }
         };
         if !ready {
             return Ok(());
@@ -930,11 +1066,19 @@ impl NativeTransport {
                 s.hold();
             }
         }
-        for fd in fds.notify.iter().flatten() {
-            if let Err(e) = self.readers.add_reader(fd.as_raw_fd(), server.reader()) {
-                for added in fds.notify.iter().flatten() {
-                    self.readers.remove_reader(added.as_raw_fd());
+        let watched: Vec<RawFd> = fds
+            .notify
+            .iter()
+            .flatten()
+            .map(AsRawFd::as_raw_fd)
+            .chain(server.tap_fd())
+            .collect();
+        for fd in &watched {
+            if let Err(e) = self.readers.add_reader(*fd, server.reader()) {
+                for added in &watched {
+                    self.readers.remove_reader(*added);
                 }
+                server.retire();
                 return Err(e);
             }
         }
@@ -1067,7 +1211,7 @@ impl NativeTransport {
                     notify.map(AsRawFd::as_raw_fd),
                     notify.map(dup).transpose()?,
                     MediaSpec {
-                        fd: st.disk.as_ref().map(AsRawFd::as_raw_fd),
+                        fd: st.file.as_ref().map(AsRawFd::as_raw_fd),
                         capacity: disk.capacity,
                         read_only: disk.read_only,
                         id: &id,
@@ -1075,6 +1219,42 @@ impl NativeTransport {
                     BLK_MAX_REQUESTS,
                     BLK_MAX_BYTES,
                     events.clone() as Arc<dyn DeviceEvents<Vec<WarningFields>>>,
+                )?))
+            }
+            DeviceKind::Net(_) => {
+                let tap = st.file.as_ref().map(dup).transpose()?;
+                if let Some(tap) = &tap {
+                    let offloads = tap_offloads(st.acked_features);
+                    // SAFETY: TUNSETOFFLOAD takes its flags by value, on a descriptor
+                    // owned here. A refusal leaves the tap's offloads off: it then
+                    // gives only plain frames, which every driver takes (slower, not
+                    // wrong; `net.py` logs it, and here nothing is to be done).
+                    let _ = unsafe {
+                        libc::ioctl(
+                            tap.as_raw_fd(),
+                            TUNSETOFFLOAD as _,
+                            offloads as libc::c_ulong,
+                        )
+                    };
+                }
+                let raw = |i: usize| fds.notify[i].as_ref().map(AsRawFd::as_raw_fd);
+                Server::Net(Arc::new(NetServer::new(
+                    self.ram.clone(),
+                    self.regs.clone(),
+                    epoch,
+                    (rings[0], indices[0]),
+                    (rings[1], indices[1]),
+                    NetFds {
+                        tap,
+                        rx_notify: raw(0),
+                        tx_notify: raw(1),
+                        tx_rearm: fds.notify[1].as_ref().map(dup).transpose()?,
+                        irq,
+                    },
+                    NET_MAX_FRAMES,
+                    NET_MAX_TX_BYTES,
+                    false,
+                    events.clone() as Arc<dyn DeviceEvents<NetDetails>>,
                 )?))
             }
         })
@@ -1088,6 +1268,9 @@ impl NativeTransport {
         };
         for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
+        }
+        if let Some(tap) = active.server.tap_fd() {
+            self.readers.remove_reader(tap);
         }
         active.server.retire();
         st.indices = active.server.indices();
@@ -1113,6 +1296,7 @@ impl NativeTransport {
             DeviceKind::Balloon { max_chains, .. } => 256 / max_chains.max(1) + 1,
             DeviceKind::Vsock { .. } => 1,
             DeviceKind::Blk(_) => MAX_CHAINS_IN_RING,
+            DeviceKind::Net(_) => MAX_CHAINS_IN_RING / NET_MAX_FRAMES + 1,
         };
         for _ in 0..rounds {
             if !server.serve(index) {
@@ -1156,6 +1340,9 @@ impl Drop for NativeTransport {
         };
         for fd in st.fds.iter().flat_map(|f| f.notify.iter().flatten()) {
             self.readers.remove_reader(fd.as_raw_fd());
+        }
+        if let Some(tap) = active.server.tap_fd() {
+            self.readers.remove_reader(tap);
         }
         active.server.retire();
         let _ = active.server.indices();
@@ -1238,15 +1425,16 @@ fn running_balloon(st: &TransportState) -> Option<&Arc<BalloonServer>> {
     }
 }
 
-fn rings_of(q: &QueueRegs) -> Rings {
+/// A queue's rings; `event_idx`: the driver acked VIRTIO_RING_F_EVENT_IDX (only net
+/// offers it).
+fn rings_of(q: &QueueRegs, event_idx: bool) -> Rings {
     Rings {
         // The register file keeps sizes in 1..=256 (`mmio::MAX_QUEUE_SIZE`).
         size: q.size as u16,
         desc: q.desc,
         avail: q.avail,
         used: q.used,
-        // None of rng, the balloon, vsock and blk offers EVENT_IDX.
-        event_idx: false,
+        event_idx,
     }
 }
 

@@ -16,17 +16,21 @@ use pyo3::prelude::*;
 use crate::eventloop::EventLoop;
 use crate::mmio_py::{py_saved, saved_from_py, MmioRegisters, PySaved};
 use crate::queue_server::dup;
-use crate::transport::{BlkDisk, DeviceKind, DevicePlan, NativeTransport, Readers, VsockListener};
+use crate::transport::{
+    BlkDisk, DeviceKind, DevicePlan, NativeTransport, NetTap, Readers, VsockListener,
+};
 use crate::virtio_py::GuestRam;
 
 /// A device's kind as Python's plan gives it: ("rng", max_requests, max_bytes, 0),
 /// ("balloon", max_chains, advice, actual) or ("vsock", guest_cid, connect timeout
 /// ms, reset ack wait ms); or a disk: ("blk" | "volume", disk key, capacity bytes,
-/// read-only, a volume's guest path ("" for the root disk)).
+/// read-only, a volume's guest path ("" for the root disk)); or ("net", MAC as
+/// `NetState.mac` writes it, "aa:bb:cc:dd:ee:ff").
 #[derive(FromPyObject, IntoPyObject)]
 pub(crate) enum PyKind {
     Numbers(String, u64, i64, u32),
     Disk(String, String, u64, bool, String),
+    Net(String, String),
 }
 
 /// The numbers of a kind that is not a disk's.
@@ -85,12 +89,52 @@ fn disk_kind(
     }))
 }
 
+/// A net kind: its MAC and its tap (`tap`, borrowed for the restore; None: no tap).
+fn net_kind((name, mac): (String, String), tap: Option<RawFd>) -> PyResult<DeviceKind> {
+    if name != "net" {
+        return Err(PyValueError::new_err(format!(
+            "no native transport for a {name:.40} device"
+        )));
+    }
+    Ok(DeviceKind::Net(NetTap {
+        mac: parse_mac(&mac)?,
+        tap,
+    }))
+}
+
+/// `net.py`'s `parse_mac` on the text form: six hex pairs joined by ':' (the
+/// unicast check is the plan's, `NetTap::check`).
+fn parse_mac(text: &str) -> PyResult<[u8; 6]> {
+    let bad = || PyValueError::new_err(format!("{text:.40?} is not a MAC address"));
+    let mut mac = [0u8; 6];
+    let mut parts = text.split(':');
+    for byte in &mut mac {
+        let part = parts.next().ok_or_else(bad)?;
+        if part.len() != 2 {
+            return Err(bad());
+        }
+        *byte = u8::from_str_radix(part, 16).map_err(|_| bad())?;
+    }
+    if parts.next().is_some() {
+        return Err(bad());
+    }
+    Ok(mac)
+}
+
+fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
 fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     match kind {
         PyKind::Numbers(name, budget, second, actual) => numbers_kind(name, budget, second, actual),
         PyKind::Disk(..) => Err(PyValueError::new_err(
             "a disk's kind is restored with its file (plan_from_py)",
         )),
+        PyKind::Net(name, mac) => net_kind((name, mac), None),
     }
 }
 
@@ -116,11 +160,12 @@ fn numbers_kind(name: String, budget: u64, second: i64, actual: u32) -> PyResult
 }
 
 /// The plan `vmm/devices/plan.py` builds, as the Rust value: a vsock's also takes its
-/// listener, a disk its file (each None for the others).
+/// listener, a disk its file, a net device its tap (each None for the others).
 pub(crate) fn plan_from_py(
     plan: PyPlan,
     vsock_listener: Option<PyListener>,
     disk_file: Option<RawFd>,
+    tap: Option<RawFd>,
 ) -> PyResult<DevicePlan> {
     let (kind, features, max_sizes, registers, indices) = plan;
     let kind = match kind {
@@ -133,6 +178,7 @@ pub(crate) fn plan_from_py(
         PyKind::Disk(name, key, capacity, read_only, guest_path) => {
             disk_kind((name, key, capacity, read_only, guest_path), disk_file)?
         }
+        PyKind::Net(name, mac) => net_kind((name, mac), tap)?,
     };
     Ok(DevicePlan {
         kind,
@@ -184,6 +230,7 @@ fn kind_to_py(kind: &DeviceKind) -> PyKind {
                 disk.volume.clone().unwrap_or_default(),
             )
         }
+        DeviceKind::Net(ref net) => return PyKind::Net("net".into(), format_mac(&net.mac)),
     };
     PyKind::Numbers(name, first, second, third)
 }
@@ -200,11 +247,12 @@ impl NativeDevice {
     /// runs; `irq_fd` is the interrupt's eventfd, `notify_fds` each queue's ioeventfd
     /// (or None), all duplicated. A vsock also takes `vsock_listener`: (the socket
     /// path, its bound listening fd, duplicated, or None to bind the path here); a
-    /// disk `disk_file`, its file (duplicated; None for an empty volume slot).
+    /// disk `disk_file`, its file (duplicated; None for an empty volume slot); a net
+    /// device `tap_fd`, its tap (duplicated; None: no tap).
     /// Re-activated at once if the driver had it running.
     #[staticmethod]
     #[pyo3(signature = (plan, ram, event_loop, irq_fd, notify_fds, vsock_listener=None,
-                        disk_file=None))]
+                        disk_file=None, tap_fd=None))]
     #[allow(clippy::too_many_arguments)]
     fn restore(
         py: Python<'_>,
@@ -215,8 +263,9 @@ impl NativeDevice {
         notify_fds: Vec<Option<RawFd>>,
         vsock_listener: Option<PyListener>,
         disk_file: Option<RawFd>,
+        tap_fd: Option<RawFd>,
     ) -> PyResult<Self> {
-        let plan = plan_from_py(plan, vsock_listener, disk_file)?;
+        let plan = plan_from_py(plan, vsock_listener, disk_file, tap_fd)?;
         let irq = dup(irq_fd)?;
         let notify = notify_fds
             .into_iter()
@@ -295,6 +344,11 @@ impl NativeDevice {
     /// A disk's requests served over its life, as `BlkCounters`' fields: (name, n).
     fn blk_counters(&self) -> Vec<(&'static str, u64)> {
         self.transport.stats().blk.named()
+    }
+
+    /// A net device's frames over its life, as `NetCounters`' fields: (name, n).
+    fn net_counters(&self) -> Vec<(&'static str, u64)> {
+        self.transport.stats().net.named()
     }
 
     /// A capture is in flight: a balloon keeps reported pages until `release`.

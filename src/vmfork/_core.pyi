@@ -235,8 +235,9 @@ MmioEvent = tuple[str, int, int, str | bytes]
 MmioQueueRegs = tuple[int, int, bool, int, int, int]
 MmioSaved = tuple[int, int, int, int, bool, int, int, int, list[MmioQueueRegs]]
 # A native device's kind: (name, numbers...) of rng, the balloon and vsock, or a
-# disk's (name, key, capacity, read-only, guest path); and its plan (devices/plan.py).
-DeviceKindTuple = tuple[str, int, int, int] | tuple[str, str, int, bool, str]
+# disk's (name, key, capacity, read-only, guest path), or net's (name, MAC); and its
+# plan (devices/plan.py).
+DeviceKindTuple = tuple[str, int, int, int] | tuple[str, str, int, bool, str] | tuple[str, str]
 DevicePlanTuple = tuple[DeviceKindTuple, int, list[int], MmioSaved, list[tuple[int, int]]]
 
 class MmioRegisters:
@@ -299,7 +300,8 @@ class NativeDevice:
                 ram: GuestRam, event_loop: EventLoop, irq_fd: int,
                 notify_fds: list[int | None],
                 vsock_listener: tuple[str, int | None] | None = ...,
-                disk_file: int | None = ...) -> NativeDevice: ...
+                disk_file: int | None = ...,
+                tap_fd: int | None = ...) -> NativeDevice: ...
     @staticmethod
     def fresh_plan(kind: tuple[str, int, int, int], features: int, max_sizes: list[int]
                    ) -> DevicePlanTuple: ...
@@ -316,6 +318,7 @@ class NativeDevice:
     def rng_served(self) -> tuple[int, int]: ...
     def balloon_stats(self) -> tuple[int, int, int, int, int, float | None]: ...
     def blk_counters(self) -> list[tuple[str, int]]: ...
+    def net_counters(self) -> list[tuple[str, int]]: ...
     def hold(self) -> None: ...
     def release(self) -> None: ...
     def close(self) -> None: ...
@@ -323,9 +326,10 @@ class NativeDevice:
 class NativeMachine:
     """A machine restored and run by the native core alone (native/src/machine.rs):
     guest RAM mapped from the snapshot's memory file, the VM core, the console, the
-    I/O loop, the rng, balloon, vsock and disk devices from their plans at their slots
-    (a vsock's host side ``vsock_listener``: its socket path and bound listening fd, or
-    None to bind the path; each disk's file in ``disk_files`` by slot), and the vCPUs;
+    I/O loop, the rng, balloon, vsock, disk and net devices from their plans at their
+    slots (a vsock's host side ``vsock_listener``: its socket path and bound listening
+    fd, or None to bind the path; each disk's file in ``disk_files`` and each net
+    device's tap in ``tap_fds`` by slot), and the vCPUs;
     Python hands it plain values and reads its reports."""
     def __init__(self, kvm_fd: int, memory_fd: int, mem_size: int, prepared: PreparedRestore,
                  *, devices: list[tuple[int, int, DevicePlanTuple]],
@@ -333,7 +337,8 @@ class NativeMachine:
                  console_log_fd: int | None = ..., log_burst: int, log_per_second: float,
                  log_total_bytes: int,
                  vsock_listener: tuple[str, int | None] | None = ...,
-                 disk_files: dict[int, int] = ...) -> None: ...
+                 disk_files: dict[int, int] = ...,
+                 tap_fds: dict[int, int] = ...) -> None: ...
     def start(self, paused: bool = ...) -> None: ...
     def pause(self, timeout: float = ...) -> bool: ...
     def resume(self) -> None: ...

@@ -9,11 +9,11 @@ on. The balloon's plan keeps the config the driver wrote. A vsock restored nativ
 connections, posts the transport-reset event, and serves host connections on the
 listener it is handed. A disk (the root disk, a volume slot) restores natively on the
 file it is handed, checked to be the record's size, and an empty volume slot on none.
+A net device restores natively on the tap it is handed and moves frames both ways.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 import os
 import select
@@ -29,10 +29,10 @@ from test_virtio_vsock import VsockEnv, pkt, recv_exact, recv_line
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
-from vmfork.vmm.devices.manager import DeviceState, VolumeSlotState, slot_irq
+from vmfork.vmm.devices.manager import DeviceState, VolumeSlotState
 from vmfork.vmm.devices.plan import device_plan, machine_plan, plan_state
 from vmfork.vmm.devices.serial import SerialState
-from vmfork.vmm.devices.virtio import blk, mmio
+from vmfork.vmm.devices.virtio import blk, mmio, net
 from vmfork.vmm.devices.virtio.balloon import BalloonState
 from vmfork.vmm.devices.virtio.device import VIRTIO_F_VERSION_1, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
@@ -342,27 +342,101 @@ def test_a_vsock_snapshot_restores_natively_without_the_parents_connections(
 
 
 def test_a_machine_plan_is_every_virtio_device_at_its_slot_and_pin() -> None:
-    """The format-1 golden file's machine: its net has no native transport, so the
-    whole machine is refused, naming it; without it, each device (its root disk and
-    volume slots too) is at the slot and pin the device manager gave it (``slot_irq``),
-    COM1 left to the console."""
+    """The format-1 golden file's machine: each device (its root disk, volume slots and
+    net too) is at the slot and pin the device manager gave it, COM1 left to the
+    console, and each plan turns back into its record."""
     state = stateformat.read_state_file(GOLDEN / "state-v1.bin", MachineState)
-    with pytest.raises(ValueError, match=r"net device \(virtio-mmio\.2\) has no native"):
-        machine_plan(state)
-    # The machine without it: the devices after move up a slot, as the device manager
-    # would have attached them.
-    [serial_saved] = [d for d in state.devices if d.slot is None]
-    kept = [d for d in state.devices if d.slot is not None and d.kind != "net"]
-    first_shared = next(slot for slot, d in enumerate(kept) if d.kind == "volume")
-    virtio = [dataclasses.replace(d, slot=slot, irq=slot_irq(slot, first_shared))
-              for slot, d in enumerate(kept)]
-    devices = machine_plan(dataclasses.replace(state, devices=[serial_saved, *virtio]))
+    virtio = [d for d in state.devices if d.slot is not None]
+    devices = machine_plan(state)
     assert [(slot, irq, plan[0][0]) for slot, irq, plan in devices] == [
-        (slot, slot_irq(slot, first_shared), kind) for slot, kind in
-        enumerate(("vsock", "rng", "blk", "balloon", "volume", "volume"))]
+        (d.slot, d.irq, kind) for d, kind in
+        zip(virtio, ("vsock", "rng", "net", "blk", "balloon", "volume", "volume"))]
     for (slot, irq, plan), saved in zip(devices, virtio):
         assert plan == device_plan(saved)
         assert plan_state(plan, slot, irq) == saved
+
+
+def _post(memory: GuestMemory, q: QueueState, buf: int, length: int, flags: int) -> None:
+    """A driver's chain of one descriptor (at the queue's next free head) published on
+    ``q``'s avail ring after the entries the snapshot's device already served."""
+    head = q.next_avail % q.size
+    memory.write(q.desc_table + 16 * head, struct.pack("<QIHH", buf, length, flags, 0))
+    memory.write_u16(q.avail_ring + 4 + 2 * head, head)
+    memory.write_u16(q.avail_ring + 2, q.next_avail + 1)
+
+
+def _wait_used(memory: GuestMemory, q: QueueState, index: int) -> tuple[int, int]:
+    """The used ring's entry ``index`` (id, length), waiting until the device wrote it."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while memory.read_u16(q.used_ring + 2) <= index % 65536:
+        assert time.monotonic() < deadline, "the used entry never came"
+        time.sleep(0.002)
+    at = q.used_ring + 4 + 8 * (index % q.size)
+    return memory.read_u32(at), memory.read_u32(at + 4)
+
+
+def test_an_old_snapshots_net_restores_natively_and_moves_frames_on_its_tap(
+        memory: GuestMemory) -> None:
+    """The format-1 golden file's net record makes a plan (its MAC; what ``VirtioNet``
+    offers), restores natively and live on the tap it is handed (a datagram
+    socketpair: one write a frame, as a tap with IFF_VNET_HDR), serves ``net.py``'s
+    config bytes, sends a guest frame to the tap and puts the host's in the guest's
+    buffer, and gives the record back with both rings moved on by one."""
+    state = stateformat.read_state_file(GOLDEN / "state-v1.bin", MachineState)
+    [saved] = [d for d in state.devices if d.kind == "net"]
+    assert isinstance(saved.state, net.NetState) and saved.transport is not None
+    kind, features, *_ = device_plan(saved)
+    assert kind == ("net", saved.state.mac)
+    assert features == VIRTIO_F_VERSION_1 | net.OFFERED_FEATURES
+    rxq, txq = saved.transport.queues
+    for q in (rxq, txq):
+        memory.write_u16(q.avail_ring + 2, q.next_avail)
+        memory.write_u16(q.used_ring + 2, q.next_used)
+    loop = new_event_loop("plan-net")
+    assert isinstance(loop, NativeEventLoop)
+    loop.start()
+    irq, notify = _eventfd(), [_eventfd(), _eventfd()]
+    tap, host = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    tap.setblocking(False)
+    host.settimeout(HANG_GUARD_S)
+    try:
+        device = _core.NativeDevice.restore(device_plan(saved), _ram(memory), loop._native,
+                                            irq, notify, tap_fd=tap.fileno())
+        tap.close()   # the device holds its own duplicate
+        assert device.active
+        config = net.VirtioNet(loop, net.parse_mac(saved.state.mac), None).config_bytes()
+        assert b"".join(device.registers.read(0x100 + at, 2) for at in range(0, 8, 2)) == config
+        # Guest to host: the frame, its virtio-net header first, one write on the tap.
+        frame = bytes(net.VNET_HDR_SIZE) + b"\xab" * 60
+        memory.write(0x300000, frame)
+        _post(memory, txq, 0x300000, len(frame), 0)
+        os.eventfd_write(notify[net.TX_QUEUE], 1)
+        assert host.recv(4096) == frame
+        assert _wait_used(memory, txq, txq.next_used) == (txq.next_avail % txq.size, 0)
+        # Host to guest: into the buffer the driver posts, num_buffers 1.
+        _post(memory, rxq, 0x310000, 2048, 2)   # VIRTQ_DESC_F_WRITE
+        os.eventfd_write(notify[net.RX_QUEUE], 1)
+        arriving = bytes(net.VNET_HDR_SIZE) + b"\xcd" * 90
+        host.send(arriving)
+        assert _wait_used(memory, rxq, rxq.next_used) == (rxq.next_avail % rxq.size,
+                                                          len(arriving))
+        assert memory.read(0x310000, len(arriving)) == (
+            arriving[:net.NUM_BUFFERS_OFFSET] + struct.pack("<H", 1)
+            + arriving[net.VNET_HDR_SIZE:])
+        counters = dict(device.net_counters())
+        assert (counters["tx_frames"], counters["rx_frames"], counters["rx_bytes"]) == (1, 1, 90)
+        back = plan_state(device.plan(), saved.slot, saved.irq)
+        assert back.transport is not None
+        assert [(q.next_avail, q.next_used) for q in back.transport.queues] == [
+            (q.next_avail + 1, q.next_used + 1) for q in (rxq, txq)]
+        back.transport.queues = saved.transport.queues
+        assert back == saved
+        device.close()
+    finally:
+        loop.stop()
+        host.close()
+        for fd in (irq, *notify):
+            os.close(fd)
 
 
 def _disk_file(path: Path, size: int) -> int:

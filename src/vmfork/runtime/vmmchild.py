@@ -493,8 +493,8 @@ def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str, dict[int, str]]:
     snapshot in the zygote (beside its ``PreparedRestore``, which it holds), the
     memory file it maps (a diff snapshot's base: its children adopt the premap
     instead, ``inherited_ram``) and its disks by slot (``_snapshot_disks``). Raises
-    ``ValueError`` for a snapshot a native machine cannot restore yet: a virtio device
-    with no native transport (net), or a read-write volume."""
+    ``ValueError`` for a snapshot a native machine cannot restore yet: a read-write
+    volume."""
     from vmfork import _core
     state, prepared = load_snapshot(snapshot_dir)
     key = os.path.join(snapshot_dir, "state.bin")
@@ -548,9 +548,16 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
     """The plan of the machine a native child restores from ``args["snapshot_dir"]``
     (``_core.ChildMachinePlan``): its snapshot's, with its run directory, the premaps
     it inherits (``inherited_ram``) and, jailed, where the jail's opened descriptors
-    hold ``/dev/kvm``, each disk and, for a flat snapshot, the memory file."""
+    hold ``/dev/kvm``, each disk and, for a flat snapshot, the memory file. A
+    networked snapshot's child given a tap (``net_tap``) takes the one its jail opened
+    in its network namespace (``ChildMachinePlan.build``); given none, its device has
+    no tap, as a Python child's. ``ValueError`` for a tap asked of an unjailed child
+    (it does not join the namespace, as ``main`` does, yet)."""
     snapshot_dir = str(args["snapshot_dir"])
     machine, memory_file, disks = _snapshot_machine(snapshot_dir)
+    if args.get("net_tap") and (jail_spec is None or jail_spec.tap is None):
+        raise ValueError("a native child takes its tap from its jail (in the sandbox's "
+                         "network namespace): this spawn has no jail")
     premapped, other_premaps = inherited_ram(snapshot_dir)
     run_dir = str(args["run_dir"])
     if jail_spec is None:

@@ -17,7 +17,11 @@ tuple ``_core.NativeDevice.restore`` takes, and that device's ``plan()`` back in
   slot's ``VolumeSlotState.guest_path``, "" for the root disk), whose budget is
   ``blk.py``'s in the native transport; an empty slot's key is "" and its capacity 0.
   The disk's file is not in the record either: ``NativeDevice.restore`` takes it
-  beside the plan (``disk_file``), ``NativeMachine`` by slot (``disk_files``);
+  beside the plan (``disk_file``), ``NativeMachine`` by slot (``disk_files``); or
+  net's, ``("net", MAC)``: ``NetState.mac`` as it is written, whose budgets are
+  ``net.py``'s in the native transport; the tap, a live host resource, is not in the
+  record: ``NativeDevice.restore`` takes it beside the plan (``tap_fd``),
+  ``NativeMachine`` by slot (``tap_fds``), a native child from its jail;
 * ``features`` and ``max_sizes``: what the device offers, as its Python class does;
 * ``registers``: the transport's register image, as ``MmioRegisters.save`` gives it;
 * ``indices``: each queue's ``(next_avail, next_used)``.
@@ -27,10 +31,10 @@ A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
 ``device_plan`` of its snapshot's record; ``NativeVirtio`` is the handle the device
 manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
 ``_kind`` and ``_offer``; a forked child's ``Machine`` is handed its snapshot's plans
-(``restore_plans``), built once per snapshot in the zygote's prefork. rng, the balloon,
-vsock, blk and volume slots have a plan (``PLANNED_KINDS``); vsock and the disks are not
-switched on in the Python ``Machine`` yet (docs/native.md says what they and net still
-need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
+(``restore_plans``), built once per snapshot in the zygote's prefork. Every virtio
+kind has a plan (``PLANNED_KINDS``: rng, the balloon, vsock, blk, volume slots, net);
+vsock, the disks and net are not switched on in the Python ``Machine`` yet
+(docs/native.md says what they still need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
 takes them, built once per snapshot.
 """
 
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from vmfork.vmm.devices.manager import (
     BALLOON,
     BLK,
+    NET,
     RNG,
     VOLUME,
     VSOCK,
@@ -49,7 +54,7 @@ from vmfork.vmm.devices.manager import (
     DeviceState,
     VolumeSlotState,
 )
-from vmfork.vmm.devices.virtio import balloon, blk, rng, vsock
+from vmfork.vmm.devices.virtio import balloon, blk, net, rng, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
@@ -64,14 +69,15 @@ if TYPE_CHECKING:
 # The kinds a machine serves through their native transport.
 NATIVE_KINDS = frozenset((RNG.name, BALLOON.name))
 # The kinds with a plan (``_core.NativeMachine`` restores them all).
-PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, BLK.name, VOLUME.name}
+PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, BLK.name, VOLUME.name, NET.name}
 DISK_KINDS = frozenset((BLK.name, VOLUME.name))
 
 # (name, numbers...) of rng, the balloon and vsock; (name, key, capacity, read-only,
-# guest path) of a disk.
+# guest path) of a disk; (name, MAC) of net.
 NumbersKind = tuple[str, int, int, int]
 DiskKind = tuple[str, str, int, bool, str]
-Kind = NumbersKind | DiskKind
+NetKind = tuple[str, str]
+Kind = NumbersKind | DiskKind | NetKind
 Registers = tuple[int, int, int, int, bool, int, int, int,
                   list[tuple[int, int, bool, int, int, int]]]
 Plan = tuple[Kind, int, list[int], Registers, list[tuple[int, int]]]
@@ -88,6 +94,9 @@ def _offer(kind: str, disk: blk.BlkState | None = None) -> tuple[int, tuple[int,
         return VIRTIO_F_VERSION_1 | features, blk.VirtioBlk.queue_max_sizes, blk.DEVICE_ID_BLK
     if kind == "rng":
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
+    if kind == NET.name:
+        return (VIRTIO_F_VERSION_1 | net.OFFERED_FEATURES, net.VirtioNet.queue_max_sizes,
+                net.DEVICE_ID_NET)
     if kind == "vsock":
         return (VIRTIO_F_VERSION_1, vsock.VirtioVsock.queue_max_sizes,
                 vsock.VirtioVsock.device_type)
@@ -155,6 +164,9 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
     if disk is not None:
         d, guest_path = disk
         kind = (state.kind, d.disk_key, d.capacity_bytes, d.read_only, guest_path)
+    elif isinstance(record, net.NetState):
+        net.parse_mac(record.mac)   # a record's MAC is checked where net.py checks it
+        kind = (state.kind, record.mac)
     elif isinstance(record, vsock.VsockState):
         kind = _kind(state.kind, balloon_advice, guest_cid=record.guest_cid)
     else:
@@ -183,14 +195,9 @@ def machine_plan(state: MachineState,
     """Every virtio device of the decoded snapshot ``state`` as ``(slot, IOAPIC pin,
     plan)``, at the slot and pin the device manager gave it (``DeviceState``), for
     ``_core.NativeMachine``'s ``devices``; COM1, a legacy device, is its ``serial``.
-    ``ValueError`` naming the first device with no native transport (net: such a
-    machine restores through the Python ``Machine``). A disk's file is the caller's
-    to open (``disk_files``)."""
-    for device in state.devices:
-        if device.slot is not None and device.kind not in PLANNED_KINDS:
-            raise ValueError(f"the snapshot's {device.kind} device (virtio-mmio."
-                             f"{device.slot}) has no native transport: this machine "
-                             "restores through the Python Machine")
+    ``ValueError`` for a record that does not fit its device (``device_plan``). A
+    disk's file and a net device's tap are the caller's to open (``disk_files``,
+    ``tap_fds``)."""
     return [(device.slot, device.irq, device_plan(device, balloon_advice))
             for device in state.devices if device.slot is not None]
 
@@ -205,7 +212,10 @@ def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
     saved: object      # the kind's record
     record_kind: DeviceKind[Any]
     disk: blk.BlkState | None = None
-    if len(kind) == 5:
+    if len(kind) == 2:
+        name, mac = kind
+        saved, record_kind = net.NetState(mac=mac, acked_features=acked), NET
+    elif len(kind) == 5:
         name, disk_key, capacity, read_only, guest_path = kind
         disk = blk.BlkState(acked_features=acked, disk_key=disk_key,
                             capacity_bytes=capacity, read_only=read_only,
