@@ -1351,12 +1351,15 @@ def vsock_main(args: argparse.Namespace) -> int:
 
 def network_throughput(zygote: Any, snapshot: Any, hostnet: Any, workdir: Path,
                        args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    from vmfork.runtime import network as net
     from vmfork.runtime.spawn import fork_children
 
     log("throughput: guest -> host")
     client = zygote.client(timeout=300.0)
+    # The sink listens on the host: every egress policy refuses the host unless asked.
     spawn = fork_children(client, snapshot, 1, workdir / "vms", timeout=args.timeout,
-                          per_child_netns=True, network=hostnet)
+                          per_child_netns=True, network=hostnet,
+                          egress=net.EgressPolicy(reach_host=True))
     if spawn.failed:
         raise BenchError(f"throughput child failed: {spawn.failed}")
     child = spawn.children[0]
