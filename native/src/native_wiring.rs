@@ -1266,6 +1266,147 @@ fn an_empty_volume_slot_has_no_ioeventfd_and_answers_on_the_writing_thread() {
     ram.close();
 }
 
+#[test]
+fn a_volume_slot_takes_its_media_while_running_and_serves_them_after_the_config_change() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("blk-insert");
+    drop(disk_file(&dir, "volume.img", 8));
+    let disk = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.path("volume.img"))
+        .unwrap();
+    let empty_disk = BlkDisk {
+        key: String::new(),
+        capacity: 0,
+        read_only: true,
+        volume: Some(String::new()),
+        file: None,
+    };
+    let plan = DevicePlan::fresh(
+        DeviceKind::Blk(empty_disk.clone()),
+        BLK_SLOT_FEATURES,
+        vec![256],
+    )
+    .unwrap();
+    let event_loop = started_loop("blk-insert");
+    let windows = Windows::new();
+    let (slot, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &windows, false);
+    let rings = bring_up_on_bus(&windows, &[16]);
+    assert!(slot.active());
+    assert_eq!(event_loop.counts().0, 0);
+    let mut driver = Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    };
+    // A read of the empty slot, left in the ring unnotified: the guest raced the insert.
+    let early = blk_request(&mut driver, &ram, 0, 0, 1, SECTOR as u32, false);
+
+    let media = |key: &str, capacity: u64, file: Option<RawFd>| BlkDisk {
+        key: key.into(),
+        capacity,
+        read_only: false,
+        volume: Some("/data".into()),
+        file,
+    };
+    // Refused, nothing changed: a file of another size, an empty medium.
+    let short = media(DISK_KEY, 16 * SECTOR as u64, Some(disk.as_raw_fd()));
+    let refused = slot.insert_media(short, Some(eventfd())).unwrap_err();
+    assert!(refused.contains("its file has 4096"), "{refused}");
+    let refused = slot.insert_media(empty_disk.clone(), None).unwrap_err();
+    assert!(refused.contains("not empty"), "{refused}");
+    assert_eq!(slot.plan().kind, DeviceKind::Blk(empty_disk.clone()));
+    assert_eq!(event_loop.counts().0, 0);
+
+    let notify = eventfd();
+    let inserted = media(DISK_KEY, 8 * SECTOR as u64, Some(disk.as_raw_fd()));
+    let handed = notify.try_clone().unwrap();
+    slot.insert_media(inserted.clone(), Some(handed)).unwrap();
+    drop(disk); // the transport holds its own duplicate
+                // The new server is on the loop, woken by the new ioeventfd; its first look found
+                // the early request and served it from the new disk.
+    assert_eq!(event_loop.counts().0, 1);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 0), (1, (0, SECTOR as u32 + 1)));
+    assert_eq!(status_of(&ram, early), 0);
+    let mut data = vec![0u8; SECTOR];
+    ram.lock()
+        .unwrap()
+        .read_into(early + 0x20, &mut data)
+        .unwrap();
+    assert!(
+        data.iter().all(|&b| b == 2),
+        "sector 1 is the file's second"
+    );
+
+    // The register file's config still says 0 sectors until the change is announced:
+    // then a new generation, InterruptStatus bit 1 and the irqfd.
+    let mut capacity = [0xFFu8; 8];
+    bus_read(&windows, mmio::CONFIG_SPACE, &mut capacity);
+    assert_eq!(capacity, [0; 8]);
+    let mut generation = [0u8; 4];
+    bus_read(&windows, mmio::REG_CONFIG_GENERATION, &mut generation);
+    let before = u32::from_le_bytes(generation);
+    bus_write(&windows, mmio::REG_INTERRUPT_ACK, mmio::INT_USED_BUFFER);
+    assert!(slot.config_changed());
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    let mut status = [0u8; 4];
+    bus_read(&windows, mmio::REG_INTERRUPT_STATUS, &mut status);
+    assert_eq!(u32::from_le_bytes(status), INT_CONFIG_CHANGE);
+    bus_read(&windows, mmio::REG_CONFIG_GENERATION, &mut generation);
+    assert_eq!(u32::from_le_bytes(generation), before.wrapping_add(1));
+    bus_read(&windows, mmio::CONFIG_SPACE, &mut capacity);
+    assert_eq!(u64::from_le_bytes(capacity), 8);
+
+    // A write after the insert lands in the file through the new ioeventfd.
+    let write = blk_request(&mut driver, &ram, 3, 1, 5, SECTOR as u32, true);
+    ram.lock()
+        .unwrap()
+        .write_from(write + 0x20, &[0xAB; SECTOR])
+        .unwrap();
+    signal(&notify);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 1), (2, (3, 1)));
+    assert_eq!(status_of(&ram, write), 0);
+    let on_disk = std::fs::read(dir.path("volume.img")).unwrap();
+    assert!(on_disk[5 * SECTOR..6 * SECTOR].iter().all(|&b| b == 0xAB));
+    let stats = slot.stats().blk;
+    assert_eq!((stats.reads, stats.writes), (1, 1));
+
+    // A slot holds one disk till the end (no eject); the snapshot names the volume.
+    let again = media(DISK_KEY, 8 * SECTOR as u64, Some(notify.as_raw_fd()));
+    let refused = slot.insert_media(again, None).unwrap_err();
+    assert_eq!(refused, format!("volume slot already holds {DISK_KEY}"));
+    assert_eq!(
+        slot.plan().kind,
+        DeviceKind::Blk(BlkDisk {
+            file: None,
+            ..inserted
+        })
+    );
+    tear_down(windows, slot, (irq, vec![notify]), &event_loop);
+
+    // A root disk takes no media.
+    let root_file = disk_file(&dir, "root.img", 8);
+    let root = DevicePlan::fresh(
+        root_disk(Some(root_file.as_raw_fd()), 8 * SECTOR as u64),
+        BLK_RO_FEATURES,
+        vec![256],
+    )
+    .unwrap();
+    let root_loop = started_loop("blk-root");
+    let root_bus = Windows::new();
+    let (root, root_irq, root_notify) = restore_on_bus(&root, &ram, &root_loop, &root_bus, true);
+    let volume = media(DISK_KEY, 8 * SECTOR as u64, Some(root_file.as_raw_fd()));
+    assert_eq!(
+        root.insert_media(volume, None).unwrap_err(),
+        "this virtio-blk is not a volume slot; its disk is fixed"
+    );
+    tear_down(root_bus, root, (root_irq, root_notify), &root_loop);
+    ram.close();
+}
+
 const MAC: [u8; 6] = [0x02, 0x00, 0x5e, 0x10, 0x00, 0x07];
 const NET_HDR: usize = 12;
 
