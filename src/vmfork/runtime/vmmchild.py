@@ -140,7 +140,7 @@ class _LoadedSnapshot:
     prepared: PreparedRestore
     # The natively served devices' plans (``plan.restore_plans``); None for records
     # that do not fit their device: the child's machine then says why.
-    plans: dict[str, Plan] | None
+    plans: dict[int, Plan] | None
 
 
 _snapshots: dict[str, _LoadedSnapshot] = {}
@@ -175,7 +175,7 @@ def _load_snapshot(snapshot_dir: str) -> _LoadedSnapshot:
     state = read_state_file(path, MachineState)
     prepared = prepare_restore(state)
     try:
-        plans: dict[str, Plan] | None = restore_plans(state)
+        plans: dict[int, Plan] | None = restore_plans(state)
     except ValueError:
         plans = None
     loaded = _LoadedSnapshot(before, state, prepared, plans)
@@ -699,7 +699,7 @@ def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
     """Put each new volume into its slot and have the agent mount it."""
     for media in new:
         machine.attach_volume(media)
-        sectors = machine.volume_slots[media.slot].capacity_bytes // 512
+        sectors = machine.volumes[media.slot].disk.capacity_bytes // 512
 
         def mount(media: VolumeMedia = media, sectors: int = sectors) -> dict[str, Any]:
             return agent.mount_volume(machine.volume_devices[media.slot], media.guest_path,
