@@ -379,7 +379,9 @@ class ChildLife:
     def __init__(self, *, run_dir: str, vm_id: str, notify_path: str | None,
                  start_gate: str | None, start_gate_timeout: float, seccomp: bytes | None,
                  jailed: bool, agent: AgentTarget,
-                 ready_timeout: float, net_refresh: bool, profile: bool = False) -> None: ...
+                 ready_timeout: float, net_refresh: bool,
+                 mounts: list[tuple[int, str, bool, int]] = ...,
+                 profile: bool = False) -> None: ...
 
 class TinyMachinePlan:
     """A one-vCPU machine running a real-mode program loaded at 0x1000
@@ -398,7 +400,9 @@ class SnapshotMachinePlan:
                   jail_kvm: int | None = ...,
                   jail_disks: dict[int, int] = ...,
                   premapped: list[tuple[int, int, int]] | None = ...,
-                  other_premaps: list[tuple[int, int]] = ...) -> ChildMachinePlan: ...
+                  other_premaps: list[tuple[int, int]] = ...,
+                  volumes: list[tuple[int, str, str, int, bool, str, int | None]] = ...
+                  ) -> ChildMachinePlan: ...
 
 class ChildMachinePlan:
     """One native child's machine: its snapshot's plan and its run directory."""
