@@ -153,22 +153,24 @@ impl SnapshotMachinePlan {
             .map_err(PyValueError::new_err)?;
         let volumes = volumes
             .into_iter()
-            .map(|(slot, path, key, capacity, read_only, guest_path, jail_index)| {
-                let volume = ChildVolume {
-                    slot,
-                    path,
-                    disk: BlkDisk {
-                        key,
-                        capacity,
-                        read_only,
-                        volume: Some(guest_path),
-                        file: None,
-                    },
-                    jail_index,
-                };
-                volume.fits(&slf.get().devices)?;
-                Ok(volume)
-            })
+            .map(
+                |(slot, path, key, capacity, read_only, guest_path, jail_index)| {
+                    let volume = ChildVolume {
+                        slot,
+                        path,
+                        disk: BlkDisk {
+                            key,
+                            capacity,
+                            read_only,
+                            volume: Some(guest_path),
+                            file: None,
+                        },
+                        jail_index,
+                    };
+                    volume.fits(&slf.get().devices)?;
+                    Ok(volume)
+                },
+            )
             .collect::<Result<Vec<_>, String>>()
             .map_err(PyValueError::new_err)?;
         for (slot, _, plan) in &slf.get().devices {
