@@ -1072,6 +1072,16 @@ fn blk_request(
     at
 }
 
+/// A one-queue disk on `windows` brought up as its driver brings it up: the driver
+/// of its request queue.
+fn blk_driver(windows: &Windows) -> Driver {
+    let rings = bring_up_on_bus(windows, &[16]);
+    Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    }
+}
+
 fn status_of(ram: &GuestRam, at: u64) -> u8 {
     let mut status = [0u8];
     ram.lock()
@@ -1123,13 +1133,9 @@ fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     want.extend_from_slice(&(64u32 * 1024).to_le_bytes());
     want.extend_from_slice(&128u32.to_le_bytes());
     assert_eq!(config.to_vec(), want);
-    let rings = bring_up_on_bus(&windows, &[16]);
+    let mut driver = blk_driver(&windows);
     assert!(booted.active());
     assert_eq!(first_loop.counts().0, 1);
-    let mut driver = Driver {
-        rings: rings[0],
-        avail_idx: 0,
-    };
     // Sector 2 read from the file into the guest's buffer.
     let at = blk_request(&mut driver, &ram, 0, 0, 2, SECTOR as u32, false);
     signal(&notify[0]);
@@ -1293,13 +1299,9 @@ fn a_volume_slot_takes_its_media_while_running_and_serves_them_after_the_config_
     let event_loop = started_loop("blk-insert");
     let windows = Windows::new();
     let (slot, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &windows, false);
-    let rings = bring_up_on_bus(&windows, &[16]);
+    let mut driver = blk_driver(&windows);
     assert!(slot.active());
     assert_eq!(event_loop.counts().0, 0);
-    let mut driver = Driver {
-        rings: rings[0],
-        avail_idx: 0,
-    };
     // A read of the empty slot, left in the ring unnotified: the guest raced the insert.
     let early = blk_request(&mut driver, &ram, 0, 0, 1, SECTOR as u32, false);
 
