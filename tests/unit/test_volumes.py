@@ -24,7 +24,9 @@ from vmfork import _core
 from vmfork.agent import volumes as agent_volumes
 from vmfork.agent.request import OpError
 from vmfork.ondisk import stateformat
+from vmfork.runtime import vmmchild
 from vmfork.runtime import volumes as rv
+from vmfork.runtime.jail import JailSpec
 from vmfork.runtime.vmmchild import snapshot_slot_media
 from vmfork.server.registry import SCHEMA_VERSION, Registry, VolumeHold
 from vmfork.vmm import vmstate
@@ -298,6 +300,39 @@ def test_new_volumes_take_the_free_slots_and_rw_slots_need_their_file() -> None:
         snapshot_slot_media(state, [])
     held, new = snapshot_slot_media(state, [_prepared(KEY, False, "/work")])
     assert held[0].path == f"/disks/{KEY}" and new == []
+
+
+def test_a_native_childs_own_volumes_are_placed_as_a_python_childs(tmp_path: Path) -> None:
+    """``vmmchild._child_volumes``: the read-write volume a slot holds and the new ones,
+    at their virtio-mmio slots, sized from their files, from the jail's read-only or
+    read-write files; the agent mounts only the new ones."""
+    state = make_state()
+    _add_volume(state, KEY, False, "/work")     # held, read-write
+    _add_volume(state)
+    _add_volume(state, OTHER_KEY, True, "/data")   # held, read-only: a snapshot disk
+    _add_volume(state)
+    slots = [d.slot for d in state.devices if d.kind == VOLUME.name]
+    held_file, new_file = tmp_path / "work.img", tmp_path / "new.img"
+    held_file.write_bytes(bytes(DISK_BYTES))
+    new_file.write_bytes(bytes(2 * DISK_BYTES))
+    held = replace(_prepared(KEY, False, "/work"), path=str(held_file))
+    new = replace(_prepared("ab" * 16, True, "/new"), path=str(new_file))
+    args = {"volumes": [held.to_json(), new.to_json()]}
+    volumes, mounts = vmmchild._child_volumes(state, args, None)
+    assert volumes == [(slots[0], str(held_file), KEY, DISK_BYTES, False, "/work", None),
+                       (slots[1], str(new_file), "ab" * 16, 2 * DISK_BYTES, True, "/new",
+                        None)]
+    assert mounts == [(slots[1], "/new", True, 2 * DISK_BYTES // 512)]
+    jail = JailSpec(root="/j", uid=1, gid=1, preopen=("/m", str(new_file)),
+                    preopen_rw=(str(held_file),))
+    volumes, _ = vmmchild._child_volumes(state, args, jail)
+    assert [v[6] for v in volumes] == [0, 1]
+    with pytest.raises(ValueError, match=f"the jail opens no {held_file}"):
+        vmmchild._child_volumes(state, args, replace(jail, preopen_rw=()))
+    new_file.write_bytes(b"x" * 100)
+    with pytest.raises(ValueError, match="100 bytes; a disk image must be"):
+        vmmchild._child_volumes(state, args, None)
+    assert vmmchild._child_volumes(state, {}, None) == ([], [])
 
 
 # -- SRC:GUEST_PATH[:ro|:rw] ------------------------------------------------------------

@@ -744,7 +744,7 @@ def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
     """Put each new volume into its slot and have the agent mount it."""
     for media in new:
         machine.attach_volume(media)
-        sectors = machine.volumes[media.slot].disk.capacity_bytes // 512
+        sectors = machine.volumes[media.slot].disk.capacity_bytes // SECTOR_SIZE
 
         def mount(media: VolumeMedia = media, sectors: int = sectors) -> dict[str, Any]:
             return agent.mount_volume(machine.volume_devices[media.slot], media.guest_path,
