@@ -24,8 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_virtio_blk import Window
-from test_virtio_harness import DriverQueue, GuestDriver, wait_until
+from test_virtio_harness import DriverQueue, GuestDriver, Window, wait_until
 from test_virtio_vsock import VsockEnv, pkt, recv_exact, recv_line
 
 from vmfork import _core
@@ -516,7 +515,7 @@ def test_a_disk_snapshot_restores_natively_and_reads_on_from_where_it_left_off(
     device = _core.NativeDevice.restore(
         boot_plan("blk", disk=blk.BlkState(0, key, 8 * blk.SECTOR_SIZE)), _ram(memory),
         parent_loop._native, parent_irq, [None], disk_file=fd)
-    driver = GuestDriver(Window(device), memory)  # type: ignore[arg-type]
+    driver = GuestDriver(Window.of(device), memory)  # type: ignore[arg-type]
     [queue] = driver.start([(16, 4096)])
     queue.post(readable=[struct.pack("<IIQ", blk.T_IN, 0, 1)],
                writable=[blk.SECTOR_SIZE, 1])

@@ -25,7 +25,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_restore_prepared import add_device, format_1_file, make_state
-from test_virtio_harness import MEM_SIZE, DriverQueue, GuestDriver, loop, wait_until  # noqa: F401
+from test_virtio_harness import (  # noqa: F401
+    MEM_SIZE,
+    DriverQueue,
+    GuestDriver,
+    Window,
+    loop,
+    wait_until,
+)
 
 from vmfork import _core
 from vmfork.image import disk_path
@@ -57,7 +64,6 @@ CANARY = 0xA5
 # Raw chains (built descriptor by descriptor) use their own scratch area, above
 # the harness's rings and buffers.
 SCRATCH = 16 << 20
-WINDOW = 0xD000_0000
 
 
 def header(kind: int, sector: int = 0) -> bytes:
@@ -94,23 +100,6 @@ def kick(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-class Window:
-    """The device's register window as its driver sees it: through the MMIO bus's
-    map, served as the vCPU loop serves it."""
-
-    def __init__(self, device: _core.NativeDevice) -> None:
-        self.windows = _core.MmioWindows()
-        self.windows.add_native(WINDOW, device)
-
-    def read(self, offset: int, size: int) -> bytes:
-        data = self.windows.read(WINDOW + offset, size)
-        assert data is not None
-        return data
-
-    def write(self, offset: int, data: bytes) -> None:
-        assert self.windows.write(WINDOW + offset, bytes(data))
-
-
 def native_disk(io_loop: EventLoop, memory: GuestMemory, plan: object, fd: int | None,
                 kick: str) -> tuple[_core.NativeDevice, int, list[int]]:
     """A native disk from ``plan`` on ``fd``: the device, its irqfd, its ioeventfds."""
@@ -135,7 +124,7 @@ class BlkEnv:
                               read_only=read_only)
         self.dev, self.irq, self.kicks = native_disk(loop, memory, boot_plan("blk", disk=record),
                                                      fd, kick)
-        self.window = Window(self.dev)
+        self.window = Window.of(self.dev)
         self.raw_ids: dict[int, list[int]] = {}
         self.driver = GuestDriver(self.window, memory)  # type: ignore[arg-type]
         self.q: DriverQueue
@@ -638,7 +627,7 @@ def test_state_round_trip_restores_a_working_device(env: BlkEnv, loop: EventLoop
         if kicks:
             os.eventfd_write(kicks[0], 1)
         else:
-            GuestDriver(Window(clone), env.memory).notify(0)  # type: ignore[arg-type]
+            GuestDriver(Window.of(clone), env.memory).notify(0)  # type: ignore[arg-type]
         wait_until(lambda: env.q.used_idx() == 2, what="a read served by the clone")
         [(_, written, data)] = env.q.take_used()
         assert written == 1025 and data[:1024] == file_bytes(disk, 33 * 512, 1024)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_restore_prepared import add_device, format_1_file, make_state
-from test_virtio_blk import Window
-from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
+from test_virtio_harness import MEM_SIZE, GuestDriver, Window, loop, memory, wait_until  # noqa: F401
 
 from vmfork import _core
 from vmfork.agent import volumes as agent_volumes
@@ -66,7 +65,7 @@ class SlotEnv:
         self.dev = _core.NativeDevice.restore(
             plan or boot_plan("volume", disk=empty_slot()), memory.native,  # type: ignore[arg-type]
             loop.native_loop, self.irq, [None])
-        self.window = Window(self.dev)
+        self.window = Window.of(self.dev)
         self.driver = GuestDriver(self.window, memory)  # type: ignore[arg-type]
         assert self.driver.negotiate(ACKED_SLOT) & STATUS_FEATURES_OK
         self.q = self.driver.setup_queue(0, 16, 64 * 1024)
