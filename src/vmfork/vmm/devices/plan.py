@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 # The kinds a machine serves through their native transport.
 NATIVE_KINDS = frozenset((RNG.name, BALLOON.name, BLK.name, VOLUME.name))
 # The kinds with a plan (``_core.NativeMachine`` restores them all).
-PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, BLK.name, VOLUME.name, NET.name}
+PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, NET.name}
 DISK_KINDS = frozenset((BLK.name, VOLUME.name))
 
 # (name, numbers...) of rng, the balloon and vsock; (name, key, capacity, read-only,
@@ -281,13 +281,11 @@ class NativeVirtio:
     def disk(self) -> blk.BlkState:
         """A disk's record now (a volume slot's media, once inserted); ``ValueError``
         for a device that is not a disk."""
-        kind = self.device.plan()[0]
-        if len(kind) != 5:
-            raise ValueError(f"a {kind[0]} device has no disk")
-        name, disk_key, capacity, read_only, _ = kind
-        return blk.BlkState(acked_features=self.device.acked_features, disk_key=disk_key,
-                            capacity_bytes=capacity, read_only=read_only,
-                            volume_slot=name == VOLUME.name)
+        record = plan_state(self.device.plan(), 0, 0).state   # (its place is not asked)
+        disk = record.disk if isinstance(record, VolumeSlotState) else record
+        if not isinstance(disk, blk.BlkState):
+            raise ValueError(f"a {type(record).__name__} device has no disk")
+        return disk
 
     def close(self) -> None:
         self.device.close()
