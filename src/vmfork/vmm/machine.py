@@ -599,8 +599,7 @@ class Machine:
         if config.root_disk is not None:
             assert config.root_disk_key is not None   # validate()
             self.blk = self.devices.attach_native(BLK, partial(
-                self._native_disk, BLK,
-                VolumeMedia(0, config.root_disk, config.root_disk_key, True, "")))
+                self._native_disk, BLK, config.root_disk, config.root_disk_key, True, ""))
         if balloon:
             self.balloon = self.devices.attach_native(BALLOON,
                                                       partial(self._native_device, BALLOON))
@@ -610,22 +609,22 @@ class Machine:
             self.volume_devices.append(self.devices.next_slot)
             given = media.get(index)
             self.volumes.append(self.devices.attach_native(
-                VOLUME, partial(self._native_disk, VOLUME, given) if given is not None
+                VOLUME, partial(self._native_disk, VOLUME, given.path, given.key,
+                                given.read_only, given.guest_path) if given is not None
                 else partial(self._native_device, VOLUME)))
 
-    def _native_disk(self, kind: DeviceKind[Any], media: VolumeMedia, slot: int,
-                     irq: int) -> NativeVirtio:
-        """The root disk (``kind`` BLK) or a filled volume slot, on ``media``'s file:
-        opened here (read-only unless the volume is read-write), handed to the device,
-        which keeps a duplicate, and closed; a restore's must be the snapshot's disk
-        (its key and mode here, its size where the device takes the file)."""
+    def _native_disk(self, kind: DeviceKind[Any], path: str, key: str, read_only: bool,
+                     guest_path: str, slot: int, irq: int) -> NativeVirtio:
+        """The root disk (``kind`` BLK, at no ``guest_path``) or a filled volume slot,
+        on the file at ``path`` named ``key``: opened here (read-only unless not
+        ``read_only``), handed to the device, which keeps a duplicate, and closed; a
+        restore's must be the snapshot's disk (``OpenedDisk.check_restores``)."""
         what = "root disk" if kind is BLK else "volume"
-        fd, size = open_disk(media.path, writable=not media.read_only, what=what)
+        fd, size = open_disk(path, writable=not read_only, what=what)
         try:
-            disk = OpenedDisk(BlkState(acked_features=0, disk_key=media.key,
-                                       capacity_bytes=size, read_only=media.read_only,
-                                       volume_slot=kind is VOLUME),
-                              media.guest_path, media.path, fd)
+            disk = OpenedDisk(BlkState(acked_features=0, disk_key=key, capacity_bytes=size,
+                                       read_only=read_only, volume_slot=kind is VOLUME),
+                              guest_path, path, fd)
             return self._native_device(kind, slot, irq, disk)
         finally:
             os.close(fd)
