@@ -1072,6 +1072,29 @@ fn blk_request(
     at
 }
 
+/// A booted disk of `kind` offering `features` on a bus and a started loop of its own
+/// (`name`), with ioeventfds unless it is an empty slot: the loop, the bus, the
+/// transport, its irqfd and ioeventfds.
+fn fresh_disk(
+    kind: DeviceKind,
+    features: u64,
+    ram: &Arc<GuestRam>,
+    name: &str,
+) -> (
+    Arc<NativeLoop>,
+    Windows,
+    Arc<NativeTransport>,
+    OwnedFd,
+    Vec<OwnedFd>,
+) {
+    let plan = DevicePlan::fresh(kind, features, vec![256]).unwrap();
+    let event_loop = started_loop(name);
+    let windows = Windows::new();
+    let ioeventfds = plan.wants_ioeventfds();
+    let (transport, irq, notify) = restore_on_bus(&plan, ram, &event_loop, &windows, ioeventfds);
+    (event_loop, windows, transport, irq, notify)
+}
+
 /// A one-queue disk on `windows` brought up as its driver brings it up: the driver
 /// of its request queue.
 fn blk_driver(windows: &Windows) -> Driver {
@@ -1290,15 +1313,12 @@ fn a_volume_slot_takes_its_media_while_running_and_serves_them_after_the_config_
         volume: Some(String::new()),
         file: None,
     };
-    let plan = DevicePlan::fresh(
+    let (event_loop, windows, slot, irq, _) = fresh_disk(
         DeviceKind::Blk(empty_disk.clone()),
         BLK_SLOT_FEATURES,
-        vec![256],
-    )
-    .unwrap();
-    let event_loop = started_loop("blk-insert");
-    let windows = Windows::new();
-    let (slot, irq, _) = restore_on_bus(&plan, &ram, &event_loop, &windows, false);
+        &ram,
+        "blk-insert",
+    );
     let mut driver = blk_driver(&windows);
     assert!(slot.active());
     assert_eq!(event_loop.counts().0, 0);
@@ -1391,15 +1411,12 @@ fn a_volume_slot_takes_its_media_while_running_and_serves_them_after_the_config_
 
     // A root disk takes no media.
     let root_file = disk_file(&dir, "root.img", 8);
-    let root = DevicePlan::fresh(
+    let (root_loop, root_bus, root, root_irq, root_notify) = fresh_disk(
         root_disk(Some(root_file.as_raw_fd()), 8 * SECTOR as u64),
         BLK_RO_FEATURES,
-        vec![256],
-    )
-    .unwrap();
-    let root_loop = started_loop("blk-root");
-    let root_bus = Windows::new();
-    let (root, root_irq, root_notify) = restore_on_bus(&root, &ram, &root_loop, &root_bus, true);
+        &ram,
+        "blk-root",
+    );
     let volume = media(DISK_KEY, 8 * SECTOR as u64, Some(root_file.as_raw_fd()));
     assert_eq!(
         root.insert_media(volume, None).unwrap_err(),
