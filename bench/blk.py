@@ -1,29 +1,27 @@
-"""virtio-blk throughput: the two ways into its one request path (native/src/blk.rs).
+"""virtio-blk throughput through its one request path (native/src/blk.rs).
 
 One guest (the default image, 256 MiB) boots with a free volume slot; a read-write ext4
-volume is attached and mounted at ``/v``. Then, alternating how the device is entered
-(``VirtioBlk.set_native_serve``, so both peers run in the same guest on the same file
-in one run), the guest writes ``--mib`` MiB to ``/v/big`` with ``dd oflag=direct``
-(O_DIRECT: every block goes to the device, none stays in the guest's page cache) and
-reads it back with ``dd iflag=direct``, ``--reps`` times each. Two paths: ``native``
-(one call into ``blk.rs`` per notification, entered from Python on the I/O thread) and
-``served`` (``_core.BlkQueue``: the native loop serves the queue's ioeventfd without
-the GIL, the default). The Python request path these were measured against is gone
-(one implementation per device, issue 19); its before/after figures are in
-docs/design-notes.md (session 15's closing numbers). For every run: MiB/s from the host's wall clock around the guest command,
-and the CPU time the VMM process and its I/O thread (where the device serves
-requests) spent meanwhile.
+volume is attached (``Machine.attach_volume``: the native transport's
+``insert_media``) and mounted at ``/v``. The guest writes ``--mib`` MiB to ``/v/big``
+with ``dd oflag=direct`` (O_DIRECT: every block goes to the device, none stays in the
+guest's page cache) and reads it back with ``dd iflag=direct``, ``--reps`` times each,
+served by the device's native transport on the loop's ioeventfd without the GIL. The
+per-notification peer that earlier runs compared it with (one call into ``blk.rs``
+entered from Python) went with ``VirtioBlk`` (one implementation per device, issue
+19); its figures are in docs/design-notes.md. For every run: MiB/s from the host's
+wall clock around the guest command, and the CPU time the VMM process and its I/O
+thread (where the device serves requests) spent meanwhile.
 
 Writes ``bench/results/blk.{json,md}``. On a host whose KVM cannot run unmodified
 guests it re-runs itself inside the emulated test host (only ratios between the two
 paths of one run mean anything there).
 
-``--driver`` measures the device alone instead, natively and without a guest
-(``bench/results/blk-driver.{json,md}``): the queue of one ``VirtioBlk`` on real guest
-memory is filled with requests laid out as Linux lays them out (a header, the data in
+``--driver`` measures the request path alone instead, without a guest
+(``bench/results/blk-driver.{json,md}``): a queue on real guest memory is filled with
+requests laid out as Linux lays them out (a header, the data in
 ``--segment-kib`` segments, a status byte; ``--request-kib`` per request, 64 per
-notification) and served by the native request path over a ``--mib`` MiB file in the
-page cache: MiB/s and CPU time of the serving call alone.
+notification) and served by one call into the request path (``GuestRam.serve_blk``) over a ``--mib``
+MiB file in the page cache: MiB/s and CPU time of the serving call alone.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_kvm_host, summary, where, write_results
 
 VOLUME_KEY = "b1c0ffee" * 4
-PATHS = ("native", "served")
 
 
 def io_thread_id(name: str) -> int:
@@ -54,13 +50,6 @@ def io_thread_id(name: str) -> int:
         if (task / "comm").read_text().strip() == name[:15]:
             return int(task.name)
     raise SystemExit(f"no thread named {name!r} in this process")
-
-
-def choose_path(device: Any, path: str) -> None:
-    """Switch how the volume is entered (on the I/O thread, between runs)."""
-    from vmfork.vmm.devices.virtio.device import run_on_loop
-    run_on_loop(device.loop, lambda: device.set_native_serve(path == "served"))
-    assert device.serving_natively == (path == "served"), path
 
 
 def thread_cpu_s(native_id: int) -> float:
@@ -103,7 +92,7 @@ def main() -> None:
             machine.attach_volume(VolumeMedia(0, str(volume), VOLUME_KEY, False, "/v"))
             agent.mount_volume(machine.volume_devices[0], "/v", read_only=False,
                                sectors=volume.stat().st_size // 512)
-            device = machine.volume_slots[0]
+            device = machine.volumes[0].device
             io_thread = io_thread_id(f"vmm-io-{machine.vm_id}")
             count = args.mib * 1024 // args.block_kib
             commands = {
@@ -113,55 +102,39 @@ def main() -> None:
                         "iflag=direct",
             }
             for rep in range(args.reps):
-                for path in PATHS:
-                    choose_path(device, path)
-                    for direction in ("write", "read"):
-                        cpu0, io0 = time.process_time(), thread_cpu_s(io_thread)
-                        t0 = time.perf_counter()
-                        done = agent.exec(commands[direction], timeout=1800)
-                        wall = time.perf_counter() - t0
-                        cpu = time.process_time() - cpu0
-                        io = thread_cpu_s(io_thread) - io0
-                        if done.exit_code != 0:
-                            raise SystemExit(f"{direction} on the {path} path failed: "
-                                             f"{done.stderr.decode(errors='replace')}")
-                        runs.append({"rep": rep, "path": path, "direction": direction,
-                                     "seconds": wall, "mib_s": args.mib / wall,
-                                     "vmm_cpu_s": cpu, "io_thread_cpu_s": io})
-                        print(f"rep {rep + 1}/{args.reps} {path:6} {direction:5}: "
-                              f"{args.mib / wall:7.1f} MiB/s, VMM CPU {cpu:.2f} s, "
-                              f"I/O thread {io:.2f} s", file=sys.stderr)
-            counters = device.counters
+                for direction in ("write", "read"):
+                    cpu0, io0 = time.process_time(), thread_cpu_s(io_thread)
+                    t0 = time.perf_counter()
+                    done = agent.exec(commands[direction], timeout=1800)
+                    wall = time.perf_counter() - t0
+                    cpu = time.process_time() - cpu0
+                    io = thread_cpu_s(io_thread) - io0
+                    if done.exit_code != 0:
+                        raise SystemExit(f"{direction} failed: "
+                                         f"{done.stderr.decode(errors='replace')}")
+                    runs.append({"rep": rep, "direction": direction, "seconds": wall,
+                                 "mib_s": args.mib / wall, "vmm_cpu_s": cpu,
+                                 "io_thread_cpu_s": io})
+                    print(f"rep {rep + 1}/{args.reps} {direction:5}: "
+                          f"{args.mib / wall:7.1f} MiB/s, VMM CPU {cpu:.2f} s, "
+                          f"I/O thread {io:.2f} s", file=sys.stderr)
+            counters = dict(device.blk_counters())
     rows = {}
-    for path in PATHS:
-        for direction in ("write", "read"):
-            mine = [r for r in runs if r["path"] == path and r["direction"] == direction]
-            rows[f"{path} {direction}"] = {
-                key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
-                for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
-    ratios = {direction: rows[f"served {direction}"]["mib_s"]["median"]
-              / rows[f"native {direction}"]["mib_s"]["median"]
-              for direction in ("write", "read")}
-    io_cpu = {direction: rows[f"native {direction}"]["io_thread_cpu_s"]["median"]
-              / max(rows[f"served {direction}"]["io_thread_cpu_s"]["median"], 1e-9)
-              for direction in ("write", "read")}
-    md = (f"# virtio-blk: served on the loop against entered per notification\n\n{where()}; "
+    for direction in ("write", "read"):
+        mine = [r for r in runs if r["direction"] == direction]
+        rows[direction] = {key: summary([float(r[key]) for r in mine])  # type: ignore[arg-type]
+                           for key in ("mib_s", "vmm_cpu_s", "io_thread_cpu_s")}
+    md = (f"# virtio-blk: a read-write volume served on the loop\n\n{where()}; "
           f"default image, 256 MiB guest, ext4 read-write volume, dd of {args.mib} MiB in "
-          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row, the two "
-          "paths alternating in one guest.\n\n"
-          "| path | direction | MiB/s (median) | min | max | VMM CPU s | I/O thread CPU s |\n"
-          "|---|---|---|---|---|---|---|\n"
-          + "".join(f"| {name.split()[0]} | {name.split()[1]} | {r['mib_s']['median']:.1f} | "
+          f"{args.block_kib} KiB blocks with O_DIRECT, {args.reps} runs per row.\n\n"
+          "| direction | MiB/s (median) | min | max | VMM CPU s | I/O thread CPU s |\n"
+          "|---|---|---|---|---|---|\n"
+          + "".join(f"| {name} | {r['mib_s']['median']:.1f} | "
                     f"{r['mib_s']['min']:.1f} | {r['mib_s']['max']:.1f} | "
                     f"{r['vmm_cpu_s']['median']:.2f} | {r['io_thread_cpu_s']['median']:.2f} |\n"
-                    for name, r in rows.items())
-          + f"\nserved / native throughput: write {ratios['write']:.2f}x, read "
-            f"{ratios['read']:.2f}x; native's I/O-thread CPU / served's: write "
-            f"{io_cpu['write']:.2f}x, read {io_cpu['read']:.2f}x\n")
+                    for name, r in rows.items()))
     write_results("blk", {"mib": args.mib, "block_kib": args.block_kib, "reps": args.reps,
-                          "runs": runs, "rows": rows, "served_over_native": ratios,
-                          "io_thread_cpu_native_over_served": io_cpu,
-                          "device_counters": vars(counters)}, md)
+                          "runs": runs, "rows": rows, "device_counters": counters}, md)
 
 
 def driver_bench(args: argparse.Namespace) -> None:
@@ -174,7 +147,6 @@ def driver_bench(args: argparse.Namespace) -> None:
         Virtqueue,
         avail_ring_bytes,
     )
-    from vmfork.vmm.eventloop import EventLoop
     from vmfork.vmm.memory import GuestMemory
 
     request, segment = args.request_kib << 10, args.segment_kib << 10
@@ -197,8 +169,9 @@ def driver_bench(args: argparse.Namespace) -> None:
             for _ in range(args.mib):
                 f.write(os.urandom(1 << 20))
         fd, size = blk.open_disk(str(path), writable=True, what="bench disk")
-        dev = blk.VirtioBlk(EventLoop("unused"), fd, size, "b1c0ffee" * 4, read_only=False)
+        disk_id = VOLUME_KEY[:blk.ID_BYTES].encode()
         sectors = size // 512
+        native = memory.native
 
         def offer(kind: int, first_sector: int) -> None:
             """``per_notify`` requests of ``request`` bytes from ``first_sector`` on."""
@@ -225,43 +198,42 @@ def driver_bench(args: argparse.Namespace) -> None:
         total = args.mib << 20
         for rep in range(args.reps):
             for kind_name, kind in (("write", blk.T_OUT), ("read", blk.T_IN)):
-                for path_name in ("native",):
-                    before = dev.counters
-                    serve = dev._serve_native
-                    done, busy, cpu, sector = 0, 0.0, 0.0, 0
-                    while done < total:
-                        offer(kind, sector)
-                        t0, c0 = time.perf_counter(), time.process_time()
-                        served, _more = serve(memory, queue)
-                        busy += time.perf_counter() - t0
-                        cpu += time.process_time() - c0
-                        assert served == per_notify, served
-                        done += per_notify * request
-                        sector += per_notify * request // 512
-                    after = dev.counters
-                    moved = (after.bytes_read + after.bytes_written
-                             - before.bytes_read - before.bytes_written)
-                    assert moved == done and after.read_errors == before.read_errors \
-                        and after.write_errors == before.write_errors, vars(after)
-                    runs.append({"rep": rep, "path": path_name, "direction": kind_name,
-                                 "mib_s": (done >> 20) / busy, "cpu_s": cpu})
-                    print(f"rep {rep + 1}/{args.reps} {path_name:6} {kind_name:5}: "
-                          f"{(done >> 20) / busy:8.0f} MiB/s, CPU {cpu:.3f} s",
-                          file=sys.stderr)
+                moved, errors = 0, 0
+                done, busy, cpu, sector = 0, 0.0, 0.0, 0
+                while done < total:
+                    offer(kind, sector)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    (queue.next_avail, queue.next_used, served, _bytes, _more, counted, _, error
+                     ) = native.serve_blk(
+                        256, desc, avail, used, queue.next_avail, queue.next_used, fd, size,
+                        False, disk_id, blk.MAX_REQUESTS_PER_NOTIFY, blk.MAX_BYTES_PER_NOTIFY)
+                    busy += time.perf_counter() - t0
+                    cpu += time.process_time() - c0
+                    assert error is None and served == per_notify, (error, served)
+                    counts = dict(counted)
+                    moved += counts["bytes_read"] + counts["bytes_written"]
+                    errors += counts["read_errors"] + counts["write_errors"]
+                    done += per_notify * request
+                    sector += per_notify * request // 512
+                assert moved == done and errors == 0, (moved, errors)
+                runs.append({"rep": rep, "direction": kind_name,
+                             "mib_s": (done >> 20) / busy, "cpu_s": cpu})
+                print(f"rep {rep + 1}/{args.reps} {kind_name:5}: "
+                      f"{(done >> 20) / busy:8.0f} MiB/s, CPU {cpu:.3f} s", file=sys.stderr)
         os.close(fd)
     memory.close()
-    rows = {f"{p} {d}": {"mib_s": summary([float(r["mib_s"]) for r in runs  # type: ignore[arg-type]
-                                            if r["path"] == p and r["direction"] == d]),
-                         "cpu_s": summary([float(r["cpu_s"]) for r in runs  # type: ignore[arg-type]
-                                           if r["path"] == p and r["direction"] == d])}
-            for p in ("native",) for d in ("write", "read")}
+    rows = {d: {"mib_s": summary([float(r["mib_s"]) for r in runs  # type: ignore[arg-type]
+                                  if r["direction"] == d]),
+                "cpu_s": summary([float(r["cpu_s"]) for r in runs  # type: ignore[arg-type]
+                                  if r["direction"] == d])}
+            for d in ("write", "read")}
     md = (f"# virtio-blk request path, no guest\n\n"
           f"native, on {os.uname().nodename}; {args.mib} MiB moved per row and run, "
           f"{args.request_kib} KiB requests in {args.segment_kib} KiB segments, {per_notify} "
           f"per notification, a file in the page cache, {args.reps} runs, reads and "
-          "writes alternating.\n\n| path | direction | MiB/s (median) | min | max | CPU s (median) |\n"
-          "|---|---|---|---|---|---|\n"
-          + "".join(f"| {n.split()[0]} | {n.split()[1]} | {r['mib_s']['median']:.0f} | "
+          "writes alternating.\n\n| direction | MiB/s (median) | min | max | CPU s (median) |\n"
+          "|---|---|---|---|---|\n"
+          + "".join(f"| {n} | {r['mib_s']['median']:.0f} | "
                     f"{r['mib_s']['min']:.0f} | {r['mib_s']['max']:.0f} | "
                     f"{r['cpu_s']['median']:.3f} |\n" for n, r in rows.items()))
     write_results("blk-driver", {"mib": args.mib, "request_kib": args.request_kib,

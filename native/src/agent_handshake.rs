@@ -740,6 +740,41 @@ pub fn make_unique(
     }
 }
 
+/// A volume the guest's agent mounts (`AgentClient.mount_volume`'s arguments): the
+/// disk of virtio-mmio device `device`, `sectors` 512-byte sectors, at `guest_path`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Mount {
+    pub device: u32,
+    pub guest_path: String,
+    pub read_only: bool,
+    pub sectors: u64,
+}
+
+/// `vmmchild.attach_volumes`' mount: `AgentClient.mount_volume`, again every 50 ms
+/// while the agent is unavailable or silent, until `deadline` (the agent waits in the
+/// guest until the disk shows up, and answers with a `result`).
+pub fn mount_volume(target: &Target, mount: &Mount, deadline: Instant) -> Outcome<()> {
+    let op = "mount_volume";
+    let request = serde_json::json!({
+        "op": op,
+        "device": mount.device,
+        "guest_path": mount.guest_path,
+        "read_only": mount.read_only,
+        "sectors": mount.sectors,
+    })
+    .to_string();
+    loop {
+        let outcome = Call::open(target, op, request.as_bytes(), b"")
+            .and_then(|mut call| call.expect("result").map(drop));
+        match outcome {
+            Err(failure) if failure.retried() && Instant::now() <= deadline => {
+                std::thread::sleep(RETRY_INTERVAL);
+            }
+            done => return done,
+        }
+    }
+}
+
 // -- Python ----------------------------------------------------------------------------
 
 /// Where a child's agent is, built once (before the fork, where the zygote can).

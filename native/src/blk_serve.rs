@@ -1,43 +1,35 @@
-//! virtio-blk served on the native event loop without the GIL (`_core.BlkQueue`).
+//! virtio-blk served on the native event loop without the GIL: `BlkServer`, built by
+//! `NativeTransport` (`transport.rs`, `DeviceKind::Blk`) at each activation.
 //!
 //! `blk.rs` serves the requests (chain walk, checks, `preadv`/`pwritev`, status byte,
 //! used ring); this object is the device around it while the native loop serves the
-//! queue, from activation to reset: what `blk.py`'s `_serve` does on a notification,
-//! without Python, as `rng_serve.rs` does it for rng.
+//! queue, from activation to reset, as `rng_serve.rs` does it for rng.
 //!
-//! * **The media** are `blk.py`'s (`fd`, capacity, read-only, disk id): Python owns
-//!   the fd and tells this object when it changes (`set_media` for a slot's new disk,
-//!   `detach` before the machine closes the fd). Both take the media lock, which a
-//!   wake holds for its whole serving, so no read or write starts on an fd after
-//!   `detach` returned.
-//! * **One owner of the indices**, as in `rng_serve.rs`; `sync` gives them back.
+//! * **The media** (`fd`, capacity, read-only, disk id) are the transport's: it owns
+//!   the fd and retires the server (`retire`) before it closes it or puts a slot's new
+//!   disk in (a new server then). `retire` takes the media lock, which a wake holds
+//!   for its whole serving, so no read or write starts on an fd after it returned.
+//! * **One owner of the indices**, as in `rng_serve.rs`; `indices` gives them back.
 //! * **Budget.** At most `max_requests` requests or `max_bytes` bytes per wake; a wake
 //!   that used it re-arms by writing the queue's ioeventfd (or, entered from Python
 //!   without one, says so and Python serves again on a later turn).
-//! * **Counters** accumulate here (`counters`), added to Python's own at reset.
-//! * **What goes to Python** (`on_report(fault or None, warnings)`, with the GIL after
-//!   the turn's native work): a guest fault (the queue stops; Python sets
-//!   DEVICE_NEEDS_RESET) and the host failures `blk.py` logs. A healthy disk never
-//!   takes the GIL. Both go through the server's `DeviceEvents`: `BlkQueue` installs
-//!   Python's `on_report`; a machine wired in Rust (`BlkServer::new`) a native record.
+//! * **Counters** accumulate here (`stats`), added to the transport's at reset.
+//! * **Events**: a guest fault (the queue stops; the transport's `NativeEvents` sets
+//!   DEVICE_NEEDS_RESET) and the host failures (a read, write or fdatasync that
+//!   failed or came up short, counted and the last kept) go through the server's
+//!   `DeviceEvents`.
 //!
 //! Locks, in this order: `state`, then `media`, then guest RAM's, then the register
-//! file's. None is held across a GIL take or release.
+//! file's.
 
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
-
-use pyo3::exceptions::PyValueError;
-use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
 
 use crate::blk::{self, Counters, Disk, Warning};
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::GuestRam as Ram;
 use crate::mmio::Registers;
-use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, dup, raise_used_buffer, rearm, DeviceEvents, PyOnReport, PyQueue};
-use crate::virtio_py::GuestRam;
+use crate::queue_server::{self, raise_used_buffer, rearm, DeviceEvents};
 use crate::virtq::{QueueError, Rings};
 
 /// At most this many warnings kept per wake for Python to log.
@@ -255,132 +247,5 @@ impl NativeReader for BlkServer {
         drain_eventfd(fd);
         let report = self.serve();
         self.deferred(report)
-    }
-}
-
-/// Python's handle: built by `VirtioBlk.activate` on the native path.
-#[pyclass(frozen, module = "vmfork._core")]
-pub struct BlkQueue {
-    pub server: Arc<BlkServer>,
-}
-
-#[pymethods]
-impl BlkQueue {
-    /// `queue` is (size, desc, avail, used, next_avail, next_used) of a ready queue
-    /// checked by `Virtqueue.validate`; `irq_fd` the interrupt's eventfd and
-    /// `notify_fd` the queue's ioeventfd (or None), both duplicated; the media as
-    /// `blk.py` holds them (`fd` -1: none; the fd stays Python's, see `detach`).
-    #[new]
-    #[pyo3(signature = (ram, registers, epoch, queue, irq_fd, notify_fd, fd, capacity,
-                        read_only, disk_id, max_requests, max_bytes, on_report))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ram: &Bound<'_, GuestRam>,
-        registers: &Bound<'_, MmioRegisters>,
-        epoch: u64,
-        queue: PyQueue,
-        irq_fd: RawFd,
-        notify_fd: Option<RawFd>,
-        fd: RawFd,
-        capacity: u64,
-        read_only: bool,
-        disk_id: &[u8],
-        max_requests: u32,
-        max_bytes: u64,
-        on_report: Py<PyAny>,
-    ) -> PyResult<Self> {
-        // EVENT_IDX is not offered: blk interrupts after every batch.
-        let rings = queue_server::rings("request", queue, false)?;
-        let irq = dup(irq_fd)?;
-        let rearm = notify_fd.map(dup).transpose()?;
-        let media = MediaSpec {
-            fd: (fd >= 0).then_some(fd),
-            capacity,
-            read_only,
-            id: disk_id,
-        };
-        let server = BlkServer::new(
-            ram.get().ram(),
-            registers.get().regs.clone(),
-            epoch,
-            rings,
-            (queue.4, queue.5),
-            irq,
-            notify_fd,
-            rearm,
-            media,
-            max_requests,
-            max_bytes,
-            Arc::new(PyOnReport(on_report)),
-        )
-        .map_err(PyValueError::new_err)?;
-        Ok(BlkQueue {
-            server: Arc::new(server),
-        })
-    }
-
-    /// Serve a notification now, from Python (a QueueNotify exit, the activation's
-    /// catch-up). True if the budget was spent with no ioeventfd to re-arm with: call
-    /// again later.
-    fn notify(&self, py: Python<'_>) -> bool {
-        let server = self.server.clone();
-        let (more, deferred) = py.detach(move || {
-            let report = server.serve();
-            (report.more, server.deferred(report))
-        });
-        if let Some(work) = deferred {
-            work(py);
-        }
-        more
-    }
-
-    /// A slot's new disk (`insert_media`; the fd stays Python's).
-    fn set_media(&self, fd: RawFd, capacity: u64, read_only: bool, disk_id: &[u8]) {
-        let mut media = lock(&self.server.media);
-        media.fd = (fd >= 0).then_some(fd);
-        media.capacity = capacity;
-        media.read_only = read_only;
-        media.id = disk_id[..disk_id.len().min(blk::ID_BYTES)].to_vec();
-    }
-
-    /// Stop using the fd: once this returns, no read or write uses it again (a wake in
-    /// progress holds the media lock for its whole serving).
-    fn detach(&self) {
-        lock(&self.server.media).fd = None;
-    }
-
-    /// Close the duplicated fds and serve no more (after the loop's reader is gone).
-    fn close(&self) {
-        let mut st = lock(&self.server.state);
-        st.closed = true;
-        st.irq = None;
-        st.rearm = None;
-    }
-
-    /// The counters since this object was made, as `BlkCounters`' fields: (name, n).
-    fn counters(&self) -> Vec<(&'static str, u64)> {
-        lock(&self.server.state).counters.named()
-    }
-
-    #[getter]
-    fn failed(&self) -> bool {
-        lock(&self.server.state).failed
-    }
-
-    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
-    #[getter]
-    fn interrupts(&self) -> u64 {
-        lock(&self.server.state).interrupts
-    }
-
-    /// (next_avail, next_used).
-    fn sync(&self) -> (u16, u16) {
-        let st = lock(&self.server.state);
-        (st.next_avail, st.next_used)
-    }
-
-    /// The Python objects it holds, for the collector (see `RngQueue.__traverse__`).
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.server.events.traverse(&visit)
     }
 }

@@ -95,6 +95,9 @@ pub struct LifePlan {
     pub ready_timeout: Duration,
     /// The snapshot has a network device: the guest is told it was forked.
     pub net_refresh: bool,
+    /// The new volumes the agent mounts after `after_fork` (their disks went into
+    /// the snapshot's empty slots at the restore: `machine_plan.rs`'s `ChildVolume`).
+    pub mounts: Vec<agent_handshake::Mount>,
     /// Each phase's end recorded (`VMFORK_SPAWN_PROFILE` in the zygote), or None.
     pub profile: Option<SpawnProfile>,
 }
@@ -593,7 +596,13 @@ fn handshake_serving(
                     deadline,
                     plan.net_refresh,
                     CLOCK_TOLERANCE_NS,
-                );
+                )
+                .and_then(|done| {
+                    for mount in &plan.mounts {
+                        agent_handshake::mount_volume(&plan.agent, mount, deadline)?;
+                    }
+                    Ok(done)
+                });
                 let one: u64 = 1;
                 // SAFETY: an 8-byte write from a live u64 to the eventfd above.
                 unsafe { libc::write(done.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -841,6 +850,7 @@ mod tests {
                 },
                 ready_timeout,
                 net_refresh: false,
+                mounts: Vec::new(),
                 profile: None,
             }
         }

@@ -706,6 +706,17 @@ impl NativeMachine {
         })
     }
 
+    /// The transport at virtio-mmio `slot`, if the machine has a device there.
+    pub fn transport(&self, slot: u32) -> Option<Arc<NativeTransport>> {
+        lock(&self.parts).as_ref().and_then(|parts| {
+            parts
+                .transports
+                .iter()
+                .find(|(device, _)| device.slot == slot)
+                .map(|(_, transport)| transport.clone())
+        })
+    }
+
     /// The virtio devices, in slot order, their registers read through the windows
     /// as the guest reads them.
     /// The balloon's transport, if the machine has one (its counters are `status`'s).

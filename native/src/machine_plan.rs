@@ -17,9 +17,14 @@
 //! descriptors): `/dev/kvm`, for a flat snapshot the memory file, and each disk (from
 //! the jail's, once its uid may not open them), the console log, and its vsock device
 //! binds `<run_dir>/vsock.sock`. A diff snapshot's RAM is the inherited premap,
-//! adopted (no file opened, no run mapped). A disk's path is the zygote's (from its
-//! content key in the snapshot's record), never one the guest gives; each is opened
-//! read-only.
+//! adopted (no file opened, no run mapped). A read-only disk's path is the zygote's
+//! (from its content key in the snapshot's record), never one the guest gives; each is
+//! opened read-only. A child's own volumes (`ChildVolume`, given at its spawn) are the
+//! exception by design: a read-write volume the snapshot's slot holds (its sandbox's
+//! own file, opened read-write), and new volumes in the snapshot's empty slots, put in
+//! at the restore and announced to the driver by the configuration-change interrupt
+//! once the machine is built (`NativeTransport::config_changed`); the child's agent
+//! mounts them after its `after_fork` (`child_life.rs`, `agent_handshake::mount_volume`).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -35,7 +40,7 @@ use crate::child::Opened;
 use crate::console::{log_budget, SerialFields, SerialRegs};
 use crate::machine::{ConsolePlan, InheritedRam, MachinePlan, NativeMachine, RamSource, SlotPlan};
 use crate::restore::VcpuBuffers;
-use crate::transport::{DeviceKind, DevicePlan, VsockListener};
+use crate::transport::{BlkDisk, DeviceKind, DevicePlan, VsockListener};
 use crate::transport_py::{plan_from_py, PyPlan};
 use crate::vm::Restore;
 use crate::PreparedRestore;
@@ -89,17 +94,18 @@ impl SnapshotMachinePlan {
                 // Any path: each child's is its own run directory's (`ChildMachinePlan`).
                 let listener = Some((String::new(), None));
                 let plan = plan_from_py(plan, listener, None, None)?;
+                // A read-write volume's file is each child's own (`ChildVolume`).
                 if let DeviceKind::Blk(disk) = &plan.kind {
-                    if disk.capacity > 0 && !disks.contains_key(&slot) {
+                    if disk.capacity > 0 && disk.read_only && !disks.contains_key(&slot) {
                         return Err(PyValueError::new_err(format!(
                             "virtio-mmio.{slot}: the disk {} has no file",
                             disk.key
                         )));
                     }
-                    if !disk.read_only {
+                    if !disk.read_only && disks.contains_key(&slot) {
                         return Err(PyValueError::new_err(format!(
-                            "virtio-mmio.{slot}: the disk {} is read-write: a native \
-                             child opens read-only disks only",
+                            "virtio-mmio.{slot}: the disk {} is read-write: its file is \
+                             each child's own",
                             disk.key
                         )));
                     }
@@ -124,11 +130,15 @@ impl SnapshotMachinePlan {
     /// `premapped`: the RAM the child inherits instead of mapping the memory file,
     /// (guest address, size, host address) per region of the snapshot's layout (the
     /// memory file is then not needed); `other_premaps`: (host address, length) of each
-    /// other premap the fork copies, which the child unmaps. `ValueError` for ranges
-    /// that do not fit.
+    /// other premap the fork copies, which the child unmaps; `volumes`: the child's own
+    /// (slot, path, key, capacity, read-only, guest path, index among the jail's
+    /// opened files: its read-only ones or, for a read-write volume, its read-write
+    /// ones), each a read-write volume its slot holds or a new one for an empty slot.
+    /// `ValueError` for ranges that do not fit, or a volume that does not fit its slot.
     #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None,
                         jail_disks = HashMap::new(), premapped = None,
-                        other_premaps = Vec::new()))]
+                        other_premaps = Vec::new(), volumes = Vec::new()))]
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn for_child(
         slf: Py<Self>,
         run_dir: PathBuf,
@@ -137,9 +147,43 @@ impl SnapshotMachinePlan {
         jail_disks: HashMap<u32, usize>,
         premapped: Option<Vec<(u64, u64, u64)>>,
         other_premaps: Vec<(u64, u64)>,
+        volumes: Vec<(u32, PathBuf, String, u64, bool, String, Option<usize>)>,
     ) -> PyResult<ChildMachinePlan> {
         let inherited = InheritedRam::new(slf.get().mem_size, premapped.as_deref(), &other_premaps)
             .map_err(PyValueError::new_err)?;
+        let volumes = volumes
+            .into_iter()
+            .map(
+                |(slot, path, key, capacity, read_only, guest_path, jail_index)| {
+                    let volume = ChildVolume {
+                        slot,
+                        path,
+                        disk: BlkDisk {
+                            key,
+                            capacity,
+                            read_only,
+                            volume: Some(guest_path),
+                            file: None,
+                        },
+                        jail_index,
+                    };
+                    volume.fits(&slf.get().devices)?;
+                    Ok(volume)
+                },
+            )
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(PyValueError::new_err)?;
+        for (slot, _, plan) in &slf.get().devices {
+            if let DeviceKind::Blk(disk) = &plan.kind {
+                if !disk.read_only && !volumes.iter().any(|v| v.slot == *slot) {
+                    return Err(PyValueError::new_err(format!(
+                        "the snapshot's read-write volume {} (virtio-mmio.{slot}) needs its \
+                         file",
+                        disk.key
+                    )));
+                }
+            }
+        }
         Ok(ChildMachinePlan {
             snapshot: slf,
             run_dir,
@@ -147,7 +191,76 @@ impl SnapshotMachinePlan {
             jail_kvm,
             jail_disks,
             inherited,
+            volumes,
         })
+    }
+}
+
+/// A volume of one child, given at its spawn: a read-write volume the snapshot's slot
+/// holds (the same disk, its sandbox's own file), or a new one for an empty slot.
+struct ChildVolume {
+    slot: u32,
+    path: PathBuf,
+    /// The media (`file` None: opened by the child).
+    disk: BlkDisk,
+    /// Where the jail opened it: among its read-only or its read-write files.
+    jail_index: Option<usize>,
+}
+
+impl ChildVolume {
+    /// The slot is a volume slot of the snapshot, empty (a new volume) or holding
+    /// this very read-write disk (key, size).
+    fn fits(&self, devices: &[(u32, u32, DevicePlan)]) -> Result<(), String> {
+        let slot = self.slot;
+        let held = devices.iter().find_map(|(at, _, plan)| match &plan.kind {
+            DeviceKind::Blk(disk) if *at == slot && disk.volume.is_some() => Some(disk),
+            _ => None,
+        });
+        let Some(held) = held else {
+            return Err(format!("virtio-mmio.{slot} is not a volume slot"));
+        };
+        if self.disk.capacity == 0 {
+            return Err(format!("volume {}: no bytes", self.disk.key));
+        }
+        if held.capacity == 0 {
+            return Ok(());
+        }
+        if held.read_only
+            || held.key != self.disk.key
+            || held.capacity != self.disk.capacity
+            || self.disk.read_only
+        {
+            return Err(format!(
+                "virtio-mmio.{slot} holds {} ({} bytes{}): not the volume {} given",
+                held.key,
+                held.capacity,
+                if held.read_only { ", read-only" } else { "" },
+                self.disk.key
+            ));
+        }
+        Ok(())
+    }
+
+    /// Its file: the jail's descriptor (`opened`), or opened here (read-write for a
+    /// read-write volume).
+    fn open(&self, opened: Option<&Opened>) -> Result<File, String> {
+        match opened {
+            Some((ro, rw, ..)) => {
+                let at = self
+                    .jail_index
+                    .ok_or_else(|| format!("the jail opened no {}", self.path.display()))?;
+                let fds = if self.disk.read_only { ro } else { rw };
+                let fd = jail_fd(fds, at, "volume")?;
+                // SAFETY: as the memory file's: the jail opened it for this process,
+                // and each child volume is taken once, here.
+                Ok(unsafe { File::from_raw_fd(fd) })
+            }
+            None => File::options()
+                .read(true)
+                .write(!self.disk.read_only)
+                .open(&self.path)
+                .map_err(|e| format!("{}: {e}", self.path.display())),
+        }
     }
 }
 
@@ -160,6 +273,7 @@ pub struct ChildMachinePlan {
     jail_kvm: Option<usize>,
     jail_disks: HashMap<u32, usize>,
     inherited: InheritedRam,
+    volumes: Vec<ChildVolume>,
 }
 
 /// The descriptor at `index` of `fds`, the jail's opened `what`, owned from here.
@@ -264,6 +378,11 @@ impl ChildMachinePlan {
             _ => None,
         };
         let tap = tap_file.as_ref().map(AsRawFd::as_raw_fd);
+        let volume_files = self
+            .volumes
+            .iter()
+            .map(|v| Ok((v.slot, v.open(opened)?)))
+            .collect::<Result<HashMap<u32, File>, String>>()?;
         let disk_file = |slot: &u32| {
             let path = snapshot.disks.get(slot)?;
             files.get(path).map(File::as_raw_fd)
@@ -280,7 +399,15 @@ impl ChildMachinePlan {
                             bound: None,
                         };
                     }
-                    DeviceKind::Blk(disk) => disk.file = disk_file(slot),
+                    DeviceKind::Blk(disk) => match self.volumes.iter().find(|v| v.slot == *slot) {
+                        Some(volume) => {
+                            *disk = BlkDisk {
+                                file: volume_files.get(slot).map(File::as_raw_fd),
+                                ..volume.disk.clone()
+                            }
+                        }
+                        None => disk.file = disk_file(slot),
+                    },
                     DeviceKind::Net(net) => net.tap = tap,
                     _ => {}
                 }
@@ -310,6 +437,19 @@ impl ChildMachinePlan {
         };
         // SAFETY: the RAM is a file mapping the machine makes and owns, or the adopted
         // premap, mapped until this process exits.
-        unsafe { NativeMachine::restore(&kvm, plan) }
+        let machine = unsafe { NativeMachine::restore(&kvm, plan) }?;
+        // A new volume's slot was empty when the guest's driver last read its config:
+        // the change tells it to read the capacity again (raised before any vCPU runs,
+        // delivered when one does).
+        for (slot, _, plan) in &snapshot.devices {
+            let empty = matches!(&plan.kind, DeviceKind::Blk(disk) if disk.capacity == 0);
+            if empty && self.volumes.iter().any(|v| v.slot == *slot) {
+                machine
+                    .transport(*slot)
+                    .ok_or_else(|| format!("virtio-mmio.{slot}: no transport"))?
+                    .config_changed();
+            }
+        }
+        Ok(machine)
     }
 }

@@ -32,7 +32,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::agent_handshake::AgentTarget;
+use crate::agent_handshake::{AgentTarget, Mount};
 use crate::child::{exit_setup_failed, fork_checked, ChildPlan, Opened};
 use crate::child_life::{self, Forked, LifePlan};
 use crate::child_report::ChildReporter;
@@ -65,11 +65,14 @@ impl ChildLife {
     /// `notify_path`; `start_gate` and its timeout (seconds); `seccomp`, the
     /// program's bytes for a jailed child;
     /// `agent` and `ready_timeout` (seconds); `net_refresh`: the snapshot has a network;
+    /// `mounts`: the new volumes the agent mounts after `after_fork`, each (virtio-mmio
+    /// device, guest path, read-only, sectors), as `AgentClient.mount_volume` takes them;
     /// `profile`: record each phase's end in `run_dir/spawn-profile.json`
     /// (`runtime/spawnprofile.py`'s record, `spawn_profile.rs`).
     #[new]
     #[pyo3(signature = (*, run_dir, vm_id, notify_path, start_gate, start_gate_timeout,
-                        seccomp, jailed, agent, ready_timeout, net_refresh, profile=false))]
+                        seccomp, jailed, agent, ready_timeout, net_refresh, mounts=Vec::new(),
+                        profile=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         run_dir: &str,
@@ -82,6 +85,7 @@ impl ChildLife {
         agent: &AgentTarget,
         ready_timeout: f64,
         net_refresh: bool,
+        mounts: Vec<(u32, String, bool, u64)>,
         profile: bool,
     ) -> PyResult<Self> {
         let start_gate = match start_gate {
@@ -99,6 +103,15 @@ impl ChildLife {
                 agent: agent.target().clone(),
                 ready_timeout: duration(ready_timeout)?,
                 net_refresh,
+                mounts: mounts
+                    .into_iter()
+                    .map(|(device, guest_path, read_only, sectors)| Mount {
+                        device,
+                        guest_path,
+                        read_only,
+                        sectors,
+                    })
+                    .collect(),
                 profile: if profile {
                     Some(SpawnProfile::at(run_dir).map_err(PyValueError::new_err)?)
                 } else {

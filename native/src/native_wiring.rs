@@ -1072,6 +1072,39 @@ fn blk_request(
     at
 }
 
+/// A booted disk of `kind` offering `features` on a bus and a started loop of its own
+/// (`name`), with ioeventfds unless it is an empty slot: the loop, the bus, the
+/// transport, its irqfd and ioeventfds.
+fn fresh_disk(
+    kind: DeviceKind,
+    features: u64,
+    ram: &Arc<GuestRam>,
+    name: &str,
+) -> (
+    Arc<NativeLoop>,
+    Windows,
+    Arc<NativeTransport>,
+    OwnedFd,
+    Vec<OwnedFd>,
+) {
+    let plan = DevicePlan::fresh(kind, features, vec![256]).unwrap();
+    let event_loop = started_loop(name);
+    let windows = Windows::new();
+    let ioeventfds = plan.wants_ioeventfds();
+    let (transport, irq, notify) = restore_on_bus(&plan, ram, &event_loop, &windows, ioeventfds);
+    (event_loop, windows, transport, irq, notify)
+}
+
+/// A one-queue disk on `windows` brought up as its driver brings it up: the driver
+/// of its request queue.
+fn blk_driver(windows: &Windows) -> Driver {
+    let rings = bring_up_on_bus(windows, &[16]);
+    Driver {
+        rings: rings[0],
+        avail_idx: 0,
+    }
+}
+
 fn status_of(ram: &GuestRam, at: u64) -> u8 {
     let mut status = [0u8];
     ram.lock()
@@ -1123,13 +1156,9 @@ fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     want.extend_from_slice(&(64u32 * 1024).to_le_bytes());
     want.extend_from_slice(&128u32.to_le_bytes());
     assert_eq!(config.to_vec(), want);
-    let rings = bring_up_on_bus(&windows, &[16]);
+    let mut driver = blk_driver(&windows);
     assert!(booted.active());
     assert_eq!(first_loop.counts().0, 1);
-    let mut driver = Driver {
-        rings: rings[0],
-        avail_idx: 0,
-    };
     // Sector 2 read from the file into the guest's buffer.
     let at = blk_request(&mut driver, &ram, 0, 0, 2, SECTOR as u32, false);
     signal(&notify[0]);
@@ -1263,6 +1292,137 @@ fn an_empty_volume_slot_has_no_ioeventfd_and_answers_on_the_writing_thread() {
     drop(windows);
     drop(empty);
     event_loop.stop();
+    ram.close();
+}
+
+#[test]
+fn a_volume_slot_takes_its_media_while_running_and_serves_them_after_the_config_change() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let dir = SocketDir::new("blk-insert");
+    drop(disk_file(&dir, "volume.img", 8));
+    let disk = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.path("volume.img"))
+        .unwrap();
+    let empty_disk = BlkDisk {
+        key: String::new(),
+        capacity: 0,
+        read_only: true,
+        volume: Some(String::new()),
+        file: None,
+    };
+    let (event_loop, windows, slot, irq, _) = fresh_disk(
+        DeviceKind::Blk(empty_disk.clone()),
+        BLK_SLOT_FEATURES,
+        &ram,
+        "blk-insert",
+    );
+    let mut driver = blk_driver(&windows);
+    assert!(slot.active());
+    assert_eq!(event_loop.counts().0, 0);
+    // A read of the empty slot, left in the ring unnotified: the guest raced the insert.
+    let early = blk_request(&mut driver, &ram, 0, 0, 1, SECTOR as u32, false);
+
+    let media = |key: &str, capacity: u64, file: Option<RawFd>| BlkDisk {
+        key: key.into(),
+        capacity,
+        read_only: false,
+        volume: Some("/data".into()),
+        file,
+    };
+    // Refused, nothing changed: a file of another size, an empty medium.
+    let short = media(DISK_KEY, 16 * SECTOR as u64, Some(disk.as_raw_fd()));
+    let refused = slot.insert_media(short, Some(eventfd())).unwrap_err();
+    assert!(refused.contains("its file has 4096"), "{refused}");
+    let refused = slot.insert_media(empty_disk.clone(), None).unwrap_err();
+    assert!(refused.contains("not empty"), "{refused}");
+    assert_eq!(slot.plan().kind, DeviceKind::Blk(empty_disk.clone()));
+    assert_eq!(event_loop.counts().0, 0);
+
+    let notify = eventfd();
+    let inserted = media(DISK_KEY, 8 * SECTOR as u64, Some(disk.as_raw_fd()));
+    let handed = notify.try_clone().unwrap();
+    slot.insert_media(inserted.clone(), Some(handed)).unwrap();
+    drop(disk); // the transport holds its own duplicate
+                // The new server is on the loop, woken by the new ioeventfd; its first look found
+                // the early request and served it from the new disk.
+    assert_eq!(event_loop.counts().0, 1);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 0), (1, (0, SECTOR as u32 + 1)));
+    assert_eq!(status_of(&ram, early), 0);
+    let mut data = vec![0u8; SECTOR];
+    ram.lock()
+        .unwrap()
+        .read_into(early + 0x20, &mut data)
+        .unwrap();
+    assert!(
+        data.iter().all(|&b| b == 2),
+        "sector 1 is the file's second"
+    );
+
+    // The register file's config still says 0 sectors until the change is announced:
+    // then a new generation, InterruptStatus bit 1 and the irqfd.
+    let mut capacity = [0xFFu8; 8];
+    bus_read(&windows, mmio::CONFIG_SPACE, &mut capacity);
+    assert_eq!(capacity, [0; 8]);
+    let mut generation = [0u8; 4];
+    bus_read(&windows, mmio::REG_CONFIG_GENERATION, &mut generation);
+    let before = u32::from_le_bytes(generation);
+    bus_write(&windows, mmio::REG_INTERRUPT_ACK, mmio::INT_USED_BUFFER);
+    assert!(slot.config_changed());
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    let mut status = [0u8; 4];
+    bus_read(&windows, mmio::REG_INTERRUPT_STATUS, &mut status);
+    assert_eq!(u32::from_le_bytes(status), INT_CONFIG_CHANGE);
+    bus_read(&windows, mmio::REG_CONFIG_GENERATION, &mut generation);
+    assert_eq!(u32::from_le_bytes(generation), before.wrapping_add(1));
+    bus_read(&windows, mmio::CONFIG_SPACE, &mut capacity);
+    assert_eq!(u64::from_le_bytes(capacity), 8);
+
+    // A write after the insert lands in the file through the new ioeventfd.
+    let write = blk_request(&mut driver, &ram, 3, 1, 5, SECTOR as u32, true);
+    ram.lock()
+        .unwrap()
+        .write_from(write + 0x20, &[0xAB; SECTOR])
+        .unwrap();
+    signal(&notify);
+    assert_eq!(wait_signalled(&irq), 1);
+    assert_eq!(driver.used(&ram, 1), (2, (3, 1)));
+    assert_eq!(status_of(&ram, write), 0);
+    let on_disk = std::fs::read(dir.path("volume.img")).unwrap();
+    assert!(on_disk[5 * SECTOR..6 * SECTOR].iter().all(|&b| b == 0xAB));
+    let stats = slot.stats().blk;
+    assert_eq!((stats.reads, stats.writes), (1, 1));
+
+    // A slot holds one disk till the end (no eject); the snapshot names the volume.
+    let again = media(DISK_KEY, 8 * SECTOR as u64, Some(notify.as_raw_fd()));
+    let refused = slot.insert_media(again, None).unwrap_err();
+    assert_eq!(refused, format!("volume slot already holds {DISK_KEY}"));
+    assert_eq!(
+        slot.plan().kind,
+        DeviceKind::Blk(BlkDisk {
+            file: None,
+            ..inserted
+        })
+    );
+    tear_down(windows, slot, (irq, vec![notify]), &event_loop);
+
+    // A root disk takes no media.
+    let root_file = disk_file(&dir, "root.img", 8);
+    let (root_loop, root_bus, root, root_irq, root_notify) = fresh_disk(
+        root_disk(Some(root_file.as_raw_fd()), 8 * SECTOR as u64),
+        BLK_RO_FEATURES,
+        &ram,
+        "blk-root",
+    );
+    let volume = media(DISK_KEY, 8 * SECTOR as u64, Some(root_file.as_raw_fd()));
+    assert_eq!(
+        root.insert_media(volume, None).unwrap_err(),
+        "this virtio-blk is not a volume slot; its disk is fixed"
+    );
+    tear_down(root_bus, root, (root_irq, root_notify), &root_loop);
     ram.close();
 }
 

@@ -77,7 +77,7 @@ where
 /// Where a device server sends what a wake found that it cannot act on itself: a
 /// guest fault (the queue stopped serving) and the device's details (failed discards,
 /// refused frames). The PyO3 constructors install a Python callback (`PyOnFault`,
-/// `PyOnReport`); a machine assembled in Rust installs `NativeEvents`, which needs no
+/// net's `PyNetReport`); a machine assembled in Rust installs `NativeEvents`, which needs no
 /// Python at all.
 ///
 /// `report` runs on the thread that served (the loop thread without the GIL, or a
@@ -133,25 +133,6 @@ impl DeviceEvents<()> for PyOnFault {
         Some(Box::new(move |py| {
             let err = crate::virtio_py::py_error(py, fault);
             call_python(py, &self.0, (err.value(py),));
-        }))
-    }
-
-    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.0)
-    }
-}
-
-/// Python's `on_report(fault or None, details)` (balloon, blk).
-pub struct PyOnReport(pub Py<PyAny>);
-
-impl<T> DeviceEvents<Vec<T>> for PyOnReport
-where
-    T: Send + 'static + for<'py> IntoPyObject<'py>,
-{
-    fn report(self: Arc<Self>, fault: Option<QueueError>, details: Vec<T>) -> Option<Deferred> {
-        Some(Box::new(move |py| {
-            let fault = fault.map(|e| crate::virtio_py::py_error(py, e).into_value(py));
-            call_python(py, &self.0, (fault, details));
         }))
     }
 

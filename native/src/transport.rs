@@ -355,8 +355,8 @@ const MAX_CHAINS_IN_RING: u32 = 256;
 
 /// A virtio-blk device's disk: `BlkState` (and `VolumeSlotState`'s guest path) as
 /// plain values, and the file. An empty volume slot has no disk: key "", capacity 0,
-/// no file. Its media never change here: a new volume's attach (`config_changed`)
-/// is the Python `Machine`'s.
+/// no file, until `NativeTransport::insert_media` gives it one (and
+/// `config_changed` tells the driver).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlkDisk {
     /// The disk's content key ("" for an empty slot); the id GET_ID answers is its
@@ -445,8 +445,7 @@ impl BlkDisk {
         }
         if size as u64 != self.capacity {
             return Err(format!(
-                "the snapshot's disk {} had {} bytes, but its file has {size}: not the \
-                 same disk",
+                "the disk {} had {} bytes, but its file has {size}: not the same disk",
                 self.key, self.capacity
             ));
         }
@@ -808,6 +807,9 @@ struct TransportState {
     /// blk's disk file or net's tap (a duplicate of the plan's); None for an empty
     /// slot, a device without a tap, and once `close` ran.
     file: Option<OwnedFd>,
+    /// blk's disk as it is now (its `file` None: that is `file` above): the plan's,
+    /// or the media `insert_media` put into an empty slot. None for other kinds.
+    disk: Option<BlkDisk>,
     features_refused: u64,
 }
 
@@ -876,6 +878,13 @@ impl NativeTransport {
             DeviceKind::Net(net) => net.open()?,
             _ => None,
         };
+        let disk = match &plan.kind {
+            DeviceKind::Blk(disk) => Some(BlkDisk {
+                file: None,
+                ..disk.clone()
+            }),
+            _ => None,
+        };
         let acked_features = if plan.registers.status & STATUS_FEATURES_OK != 0 {
             plan.registers.driver_features
         } else {
@@ -898,6 +907,7 @@ impl NativeTransport {
                 fds: Some(Fds { irq, notify }),
                 vsock,
                 file,
+                disk,
                 features_refused: 0,
             }),
         });
@@ -930,11 +940,14 @@ impl NativeTransport {
                 advice,
                 actual: balloon_actual(&st.config),
             },
-            // The file is this machine's, not a plan value.
-            DeviceKind::Blk(ref disk) => DeviceKind::Blk(BlkDisk {
-                file: None,
-                ..disk.clone()
-            }),
+            // The media now (an inserted volume's); the file is this machine's, not
+            // a plan value.
+            DeviceKind::Blk(ref disk) => {
+                DeviceKind::Blk(st.disk.clone().unwrap_or_else(|| BlkDisk {
+                    file: None,
+                    ..disk.clone()
+                }))
+            }
             DeviceKind::Net(ref net) => DeviceKind::Net(NetTap {
                 tap: None,
                 ..net.clone()
@@ -1023,6 +1036,74 @@ impl NativeTransport {
             }
         }
         record
+    }
+
+    /// Give an empty volume slot its disk `media` (its file borrowed: duplicated here
+    /// and checked to be `media.capacity` bytes; its guest path the slot's) and, for a
+    /// slot that had none, the queue's ioeventfd `notify` (registered with KVM by the
+    /// caller; owned from here on). `blk.py`'s `insert_media`: refused for a root disk
+    /// and a slot that holds a disk (no eject: a mounted file system would see its
+    /// disk vanish), nothing changed then. A running activation's server, built for
+    /// the empty slot (no file, capacity 0: every request IOERR), is retired (a wake in
+    /// progress waited out) and one for the new media built at the same epoch and ring
+    /// indices, woken by `notify`; a reset meanwhile makes that epoch stale and
+    /// builds nothing, as at any DRIVER_OK. The driver learns of the disk from
+    /// `config_changed`.
+    pub fn insert_media(&self, media: BlkDisk, notify: Option<OwnedFd>) -> Result<(), String> {
+        let DeviceKind::Blk(BlkDisk {
+            volume: Some(_), ..
+        }) = self.kind
+        else {
+            return Err("this virtio-blk is not a volume slot; its disk is fixed".into());
+        };
+        if media.volume.is_none() || media.capacity == 0 {
+            return Err("a volume slot's media are a volume's disk, not empty".into());
+        }
+        media.check()?;
+        let mut st = lock(&self.state);
+        if let Some(disk) = st.disk.as_ref().filter(|d| d.capacity != 0) {
+            return Err(format!("volume slot already holds {}", disk.key));
+        }
+        if st.fds.is_none() {
+            return Err("the device is closed".into());
+        }
+        let file = media.open()?;
+        let running = st.active.as_ref().map(|a| a.epoch);
+        self.deactivate(&mut st);
+        if let (Some(fds), Some(notify)) = (st.fds.as_mut(), notify) {
+            fds.notify[0] = Some(notify);
+        }
+        st.file = file;
+        st.disk = Some(BlkDisk {
+            file: None,
+            ..media
+        });
+        let indices = st.indices.clone();
+        drop(st);
+        match running {
+            Some(epoch) => self.activate(epoch, &indices),
+            None => Ok(()),
+        }
+    }
+
+    /// The device's config space changed (a volume slot got its disk): the register
+    /// file's plain config bytes become the disk's, a new `ConfigGeneration` and, if
+    /// the driver runs, the configuration-change interrupt (InterruptStatus bit 1 and
+    /// the irqfd), on which Linux's virtio_blk re-reads the capacity. `mmio.py`'s
+    /// `notify_config_change`. True if the interrupt was raised.
+    pub fn config_changed(&self) -> bool {
+        let st = lock(&self.state);
+        let Some(disk) = &st.disk else {
+            return false;
+        };
+        let Some(fds) = &st.fds else {
+            return false;
+        };
+        if !lock(&self.regs).config_changed(Some(disk.config())) {
+            return false;
+        }
+        write_eventfd(fds.irq.as_raw_fd());
+        true
     }
 
     /// Build and register the server for `epoch` with ring indices `indices`; a stale
@@ -1198,7 +1279,8 @@ impl NativeTransport {
                 }
                 Server::Vsock(vsock.server.clone())
             }
-            DeviceKind::Blk(ref disk) => {
+            DeviceKind::Blk(_) => {
+                let disk = st.disk.as_ref().ok_or("a blk transport without its disk")?;
                 let notify = fds.notify[0].as_ref();
                 let id = disk.id();
                 Server::Blk(Arc::new(BlkServer::new(

@@ -131,9 +131,10 @@ fn format_mac(mac: &[u8; 6]) -> String {
 fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     match kind {
         PyKind::Numbers(name, budget, second, actual) => numbers_kind(name, budget, second, actual),
-        PyKind::Disk(..) => Err(PyValueError::new_err(
-            "a disk's kind is restored with its file (plan_from_py)",
-        )),
+        // A fresh plan is values only: the file comes with the restore.
+        PyKind::Disk(name, key, capacity, read_only, guest_path) => {
+            disk_kind((name, key, capacity, read_only, guest_path), None)
+        }
         PyKind::Net(name, mac) => net_kind((name, mac), None),
     }
 }
@@ -349,6 +350,44 @@ impl NativeDevice {
     /// A net device's frames over its life, as `NetCounters`' fields: (name, n).
     fn net_counters(&self) -> Vec<(&'static str, u64)> {
         self.transport.stats().net.named()
+    }
+
+    /// Give an empty volume slot its disk (`Machine.attach_volume`): its file
+    /// `disk_file` (duplicated, checked to be `capacity` bytes), the volume's `key`
+    /// (GET_ID's answer), whether it is `read_only`, the `guest_path` it is mounted
+    /// at, and the queue's ioeventfd `notify_fd` (duplicated; None: the slot keeps
+    /// the one it had, or none). `ValueError` if refused; nothing changed then. Then
+    /// `config_changed` tells the driver.
+    #[pyo3(signature = (disk_file, key, capacity, read_only, guest_path, notify_fd=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn insert_media(
+        &self,
+        py: Python<'_>,
+        disk_file: RawFd,
+        key: String,
+        capacity: u64,
+        read_only: bool,
+        guest_path: String,
+        notify_fd: Option<RawFd>,
+    ) -> PyResult<()> {
+        let notify = notify_fd.map(dup).transpose()?;
+        let media = BlkDisk {
+            key,
+            capacity,
+            read_only,
+            volume: Some(guest_path),
+            file: Some(disk_file),
+        };
+        let transport = self.transport.clone();
+        // Rust locks only; a wake of the slot's old server is waited out.
+        py.detach(move || transport.insert_media(media, notify))
+            .map_err(PyValueError::new_err)
+    }
+
+    /// The config space changed (after `insert_media`): a new generation and, if the
+    /// driver runs, the configuration-change interrupt; true if it was raised.
+    fn config_changed(&self) -> bool {
+        self.transport.config_changed()
     }
 
     /// A capture is in flight: a balloon keeps reported pages until `release`.

@@ -10,12 +10,18 @@ slots (virtio-blk, served by the native transport). That they run natively is ch
 through what only a native child refuses: ``snapshot``, a hand-over it has no Python
 view of the machine for; ``exits`` is served natively from the vCPU loops' and the
 devices' counters. What the guest sees of its empty slots is compared with what a
-Python ``Machine`` restored from the same snapshot shows its guest."""
+Python ``Machine`` restored from the same snapshot shows its guest. Volumes given at
+spawn: a new read-write volume goes into an empty slot at the restore and the child's
+agent mounts it, natively; a read-write volume the snapshot's slot holds (a
+workspace's) is reopened on the file the spawn gives, and a spawn without it is
+refused."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +33,9 @@ from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import find_image
 from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime import control, vmmchild
-from vmfork.runtime.parent import snapshot_parent
+from vmfork.runtime.parent import boot_and_capture, parent_meta, snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
-from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS
+from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, PreparedVolume, parse_volume, prepare
 from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
 from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
 from vmfork.store import Snapshot, Store
@@ -149,3 +155,72 @@ def test_native_children_exit_cleanly_on_stop_and_on_sigterm(
     assert (event.reason, event.exit_code) == ("exited", 0), event
     event = client.kill_and_wait(by_signal.vm_id, signal.SIGTERM, timeout=60.0)
     assert (event.reason, event.exit_code) == ("exited", 0), event
+
+
+def _rw_volume(path: Path, guest_path: str) -> PreparedVolume:
+    """A read-write volume: a fresh 16 MiB ext4 image at ``path``."""
+    with open(path, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run([shutil.which("mkfs.ext4") or "/usr/sbin/mkfs.ext4", "-q", "-F", str(path)],
+                   check=True, capture_output=True)
+    return prepare(parse_volume(f"{path}:{guest_path}:rw"))
+
+
+def _spawn_one(zygote: ZygoteProcess, snapshot: Snapshot, run_root: Path,
+               volumes: tuple[PreparedVolume, ...]) -> Child:
+    report = fork_children(zygote.client(), snapshot, 1, run_root, volumes=volumes)
+    assert not report.failed, report.failed
+    return report.children[0]
+
+
+def test_a_native_child_mounts_a_new_read_write_volume_and_keeps_its_writes(
+        zygote: ZygoteProcess, warm: Snapshot,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The volume goes into the snapshot's first empty slot at the restore; the driver
+    learns its capacity from the configuration change and the agent mounts it before
+    the child reports ready. What one child writes, the next child of the volume reads."""
+    volume = _rw_volume(tmp_path_factory.mktemp("rw") / "work.img", "/work")
+    client = zygote.client()
+    for script in ("echo from-a-native-child > /work/f && sync && cat /work/f",
+                   "cat /work/f"):
+        child = _spawn_one(zygote, warm, tmp_path_factory.mktemp("vms"), (volume,))
+        try:
+            assert child.agent.exec(["/bin/sh", "-c", script]).stdout == \
+                b"from-a-native-child\n"
+            mounted = child.agent.exec(["/bin/sh", "-c", "grep ' /work ' /proc/mounts"])
+            assert b" ext4 rw," in mounted.stdout, mounted.stdout
+            disks = child.agent.exec(DISKS).stdout.decode().splitlines()
+            assert sum(line.split()[1:3] == [str(32768), "0"] for line in disks) == 1, disks
+        finally:
+            client.kill_and_wait(child.vm_id)
+
+
+def test_a_native_child_reopens_the_read_write_volume_its_snapshot_holds(
+        zygote: ZygoteProcess, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A snapshot whose slot holds a read-write volume (as a workspace's suspended
+    sandbox's does; a parent's volumes are read-only, so it is captured here without
+    ``snapshot_parent``'s check): its native child restores the slot on the file the
+    spawn gives and reads what the snapshot's guest wrote; a spawn that does not give
+    the file is refused, naming it."""
+    volume = _rw_volume(tmp_path_factory.mktemp("held") / "held.img", "/held")
+    store = Store.open(tmp_path_factory.mktemp("held-home"))
+    image = find_image()
+    with store.begin("workspace") as pending:
+        captured = boot_and_capture(
+            image, str(pending.memory_path), str(pending.state_path), mem_mib=256, vcpus=1,
+            warm_code=None, warm_cmd="echo from-the-snapshot > /held/f && sync",
+            network=None, net_tap=None, volumes=(volume,), free_volume_slots=1)
+        snapshot = pending.publish(parent_meta(
+            pending.tag, image, captured, mem_mib=256, vcpus=1, warm_up=None, network=False,
+            connected=False, volumes=(), free_volume_slots=2))
+    child = _spawn_one(zygote, snapshot, tmp_path_factory.mktemp("vms"), (volume,))
+    try:
+        agent = child.agent
+        assert agent.exec(["cat", "/held/f"]).stdout == b"from-the-snapshot\n"
+        agent.exec(["/bin/sh", "-c", "echo again > /held/g && sync"])
+        assert agent.exec(["cat", "/held/g"]).stdout == b"again\n"
+    finally:
+        zygote.client().kill_and_wait(child.vm_id)
+    report = fork_children(zygote.client(), snapshot, 1, tmp_path_factory.mktemp("vms"))
+    [(_, reason)] = report.failed
+    assert "read-write volume" in reason and "needs its file" in reason, reason

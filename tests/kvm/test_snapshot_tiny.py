@@ -66,7 +66,8 @@ def test_a_restore_serves_its_native_devices_from_the_plans_it_is_handed(
     (record,) = (d for d in state.devices if d.kind == "rng")
     plan = device_plan(record)
     (name, requests, request_bytes, last), *rest = plan
-    handed = {"rng": ((name, requests + 7, request_bytes, last), *rest)}
+    assert record.slot is not None
+    handed = {record.slot: ((name, requests + 7, request_bytes, last), *rest)}
     for plans, served in ((handed, requests + 7), (None, requests)):
         child = Machine(MachineConfig(restore_state=state, restore_plans=plans,  # type: ignore[arg-type]
                                       memory_file=mem, mem_mib=64, memfd=False))

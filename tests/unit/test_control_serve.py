@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from test_virtio_harness import GuestDriver
+from test_virtio_harness import GuestDriver, Window
 
 from vmfork.runtime import control
 from vmfork.runtime.vmmchild import StopSignal, handover_reply
@@ -145,22 +145,6 @@ def test_status_says_the_exit_it_was_told(served: Callable[..., Served]) -> None
         sock.sendall(b'{"op": "status"}\n')
         reply = control.parse_reply(control.Status(), read_lines(sock, 1)[0][:-1])
     assert reply == control.StatusReply(paused=True, exit="reset")
-
-
-class Window:
-    """A native device's register window as its driver sees it: through the MMIO
-    bus's map, served as the vCPU loop serves it."""
-
-    def __init__(self, windows: _core.MmioWindows, base: int) -> None:
-        self.windows, self.base = windows, base
-
-    def read(self, offset: int, size: int) -> bytes:
-        data = self.windows.read(self.base + offset, size)
-        assert data is not None
-        return data
-
-    def write(self, offset: int, data: bytes) -> None:
-        assert self.windows.write(self.base + offset, bytes(data))
 
 
 def test_status_with_a_balloon_is_served_natively_as_python_answers_it(

@@ -40,10 +40,9 @@ from vmfork.vmm.devices.manager import (
     DeviceKind,
     DeviceManager,
     DeviceState,
-    VolumeSlot,
     VolumeSlotState,
 )
-from vmfork.vmm.devices.plan import NativeVirtio, boot_plan, device_plan
+from vmfork.vmm.devices.plan import DISK_KINDS, NativeVirtio, boot_plan, device_plan, empty_slot
 from vmfork.vmm.devices.serial import Serial, SerialState
 from vmfork.vmm.devices.virtio import blk
 from vmfork.vmm.devices.virtio.balloon import BalloonState
@@ -55,7 +54,7 @@ from vmfork.vmm.devices.virtio.vsock import VirtioVsock, VsockState
 from vmfork.vmm.errors import HostError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.irq import IrqLine
-from vmfork.vmm.machine import MAX_VOLUME_SLOTS
+from vmfork.vmm.machine import MAX_VOLUME_SLOTS, OpenedDisk
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.vmstate import MachineState
 from vmfork.vmm.x86 import layout as L
@@ -241,8 +240,9 @@ def test_a_record_of_the_wrong_class_is_refused_in_code() -> None:
 
 class Built:
     """A machine's devices as ``Machine._add_virtio_devices`` attaches them, on the test's
-    I/O thread and memory, with transports without ioeventfds: rng and the balloon
-    served natively, built from ``saved``'s records (a restore) or fresh."""
+    I/O thread and memory, with transports without ioeventfds: rng, the root disk, the
+    balloon and the volume slots served natively, built from ``saved``'s records (a
+    restore; a filled slot's disk is ``vol.img``) or fresh."""
 
     def __init__(self, loop: EventLoop, memory: GuestMemory, tmp: Path, *,  # noqa: F811
                  rng: bool = True, volumes: int = 2, cid: int = 3, disk_key: str = KEY,
@@ -254,48 +254,60 @@ class Built:
             line = self.lines.setdefault(irq, IrqLine(irq))
             return MmioTransport(device, memory, line, loop, name=f"virtio-mmio.{slot}")
 
-        def native(kind: DeviceKind[Any]) -> Callable[[int, int], NativeVirtio]:
+        def native(kind: DeviceKind[Any], disk: OpenedDisk | None = None
+                   ) -> Callable[[int, int], NativeVirtio]:
             def build(slot: int, irq: int) -> NativeVirtio:
                 line = self.lines.setdefault(irq, IrqLine(irq))
-                record = next((d for d in saved or () if d.kind == kind.name), None)
-                plan = boot_plan(kind.name) if record is None else device_plan(record)
+                record = next((d for d in saved or () if d.slot == slot), None)
+                if record is None:
+                    plan = (boot_plan(kind.name) if kind.name not in DISK_KINDS else
+                            boot_plan(kind.name, disk=disk.record if disk else empty_slot()))
+                else:
+                    plan = device_plan(record)
+                    if disk is not None:
+                        disk.check_restores(record, "test")
+                fd = disk.fd if disk is not None else None
+                if record is not None and isinstance(record.state, VolumeSlotState) \
+                        and record.state.disk.disk_key:
+                    fd = self.volume_fd
                 assert isinstance(loop, NativeEventLoop) and memory.native is not None
                 return NativeVirtio(_core.NativeDevice.restore(
-                    plan, memory.native, loop.native_loop, line.fd, [None] * len(plan[2])),
-                    record)
+                    plan, memory.native, loop.native_loop, line.fd, [None] * len(plan[2]),
+                    disk_file=fd), record)
             return build
 
         self.manager = DeviceManager(factory)
         self.serial = Serial(self.lines.setdefault(4, IrqLine(4)))
         self.manager.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
         self.vsock = VirtioVsock(loop, str(tmp / f"vsock-{os.urandom(4).hex()}.sock"), cid)
-        self.manager.attach_virtio(VSOCK, self.vsock, self.vsock, closers=(self.vsock.close,))
+        self.manager.attach_virtio(VSOCK, self.vsock, self.vsock, closers=(
+            self.vsock.close, lambda: self.closed.append("vsock")))
         if rng:
             self.rng = self.manager.attach_native(RNG, native(RNG))
         self.net = VirtioNet(loop, parse_mac("02:00:00:00:00:01"), None)
-        self.manager.attach_virtio(NET, self.net, self.net, closers=(self.net.close,))
-        path = tmp / "disk.img"
-        if not path.exists():
-            path.write_bytes(os.urandom(DISK_BYTES))
-        self.fd, size = blk.open_disk(str(path))
-        self.blk = blk.VirtioBlk(loop, self.fd, size, disk_key, path=str(path))
-        self.manager.attach_virtio(BLK, self.blk, self.blk,
-                                   closers=(lambda: self.closed.append("disk"),
-                                            lambda: os.close(self.fd)))
+        self.manager.attach_virtio(NET, self.net, self.net, closers=(
+            self.net.close, lambda: self.closed.append("net")))
+        path, volume = tmp / "disk.img", tmp / "vol.img"
+        for made in (path, volume):
+            if not made.exists():
+                made.write_bytes(os.urandom(DISK_BYTES))
+        fd, size = blk.open_disk(str(path))
+        self.volume_fd, _ = blk.open_disk(str(volume))
+        try:
+            self.blk = self.manager.attach_native(BLK, native(BLK, OpenedDisk(
+                blk.BlkState(0, disk_key, size), "", str(path), fd)))
+        finally:
+            os.close(fd)   # the device holds its own duplicate
         self.balloon = self.manager.attach_native(BALLOON, native(BALLOON))
-        self.volumes = []
-        for index in range(volumes):
-            slot = VolumeSlot(blk.VirtioBlk(loop, None, 0, "", path=f"<slot {index}>",
-                                            volume_slot=True))
-            self.volumes.append(slot)
-            self.manager.attach_virtio(VOLUME, slot, slot.blk,
-                                       closers=(lambda i=index: self.closed.append(f"v{i}"),))
+        self.volumes = [self.manager.attach_native(VOLUME, native(VOLUME))
+                        for _ in range(volumes)]
 
     def places(self) -> list[tuple[str, int | None, int]]:
         return [(d.kind, d.slot, d.irq) for d in self.manager.save()]
 
     def close(self) -> None:
         self.manager.close()
+        os.close(self.volume_fd)
         for line in self.lines.values():
             line.close()
 
@@ -326,9 +338,8 @@ def test_the_slot_order_is_fixed_and_the_pins_are_those_of_before(
     assert [s for _, s, _ in places] == [None, *range(5 + MAX_VOLUME_SLOTS)]
     assert [irq for _, _, irq in places[1:]] == old_rule_irqs(5, MAX_VOLUME_SLOTS)
     assert first.manager.next_slot == 5 + MAX_VOLUME_SLOTS
-    # rng (slot 1) and the balloon (slot 4) have native transports.
-    assert [t.name for t in first.manager.transports] == \
-        [f"virtio-mmio.{s}" for s in range(5 + MAX_VOLUME_SLOTS) if s not in (1, 4)]
+    # vsock (slot 0) and net (slot 2) have the Python transport; the others native ones.
+    assert [t.name for t in first.manager.transports] == ["virtio-mmio.0", "virtio-mmio.2"]
     # Without the entropy source every later device moves up a slot (as it always did).
     assert [irq for _, _, irq in build(rng=False, volumes=3).places()[1:]] == \
         old_rule_irqs(4, 3)
@@ -338,7 +349,7 @@ def test_a_saved_machine_restores_into_one_built_the_same_way(
         build: Callable[..., Built], loop: EventLoop) -> None:  # noqa: F811
     source = build(cid=7)
     source.serial.console.write(7, b"\x5a")   # the scratch register
-    source.volumes[0].guest_path = "/data"
+    source.volumes[0].device.insert_media(source.volume_fd, KEY, DISK_BYTES, True, "/data")
     devices = run_on_loop(loop, source.manager.save)
     state = make_state()
     state.devices = devices
@@ -348,7 +359,8 @@ def test_a_saved_machine_restores_into_one_built_the_same_way(
     target = build(cid=3, saved=back.devices)
     target.manager.restore(back.devices)
     assert target.vsock.guest_cid == 7 and target.serial.save().scr == 0x5A
-    assert target.volumes[0].guest_path == "/data"
+    assert target.volumes[0].disk.disk_key == KEY
+    assert target.volumes[0].device.plan()[0][4] == "/data"
     assert run_on_loop(loop, target.manager.save) == devices
 
 
@@ -361,9 +373,8 @@ def test_a_machine_with_other_devices_is_refused_before_any_restore(
                                         r"virtio-mmio.0 \(irq 5\), rng at virtio-mmio.1"):
         target.manager.restore(devices)
     assert target.vsock.guest_cid == 3, "nothing was restored"
-    other_disk = build(cid=3, disk_key="d" * 64, saved=devices)
-    with pytest.raises(HostError, match="root disk is c+, but this machine was given d+"):
-        other_disk.manager.restore(devices)
+    with pytest.raises(HostError, match="snapshot's disk is c+, but this machine was given d+"):
+        build(cid=3, disk_key="d" * 64, saved=devices)
 
 
 def test_attach_refuses_a_second_single_device_and_an_own_pin_after_shared_ones(
@@ -390,8 +401,9 @@ def _own_after_shared(loop: EventLoop, closed: list[str]) -> None:  # noqa: F811
         return made[-1]
 
     devices = DeviceManager(factory)
-    slot = VolumeSlot(blk.VirtioBlk(loop, None, 0, "", volume_slot=True))
-    devices.attach_virtio(VOLUME, slot, slot.blk)
+    # A pin-sharing device: the manager looks only at its kind.
+    shared = VirtioRng(loop)
+    devices.attach_virtio(VOLUME, shared, shared)
     rng = VirtioRng(loop)
     try:
         devices.attach_virtio(RNG, rng, rng, closers=(lambda: closed.append("rng"),))
@@ -416,10 +428,10 @@ def test_close_runs_each_transport_then_its_closers_last_attached_first(
         failing.append("boom")
         raise OSError("a closer failed")
 
-    built.manager.attach_virtio(VOLUME, slot := VolumeSlot(blk.VirtioBlk(
-        built.blk.loop, None, 0, "", volume_slot=True)), slot.blk, closers=(boom,))
+    shared = VirtioRng(built.vsock.loop)   # a pin-sharing device: only its kind matters
+    built.manager.attach_virtio(VOLUME, shared, shared, closers=(boom,))
     with pytest.raises(OSError, match="a closer failed"):
         built.manager.close()
-    assert failing == ["boom"] and built.closed == ["v1", "v0", "disk"]
+    assert failing == ["boom"] and built.closed == ["net", "vsock"]
     built.manager.close()   # idempotent: nothing is left to close
     assert built.manager.transports == []

@@ -24,13 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_virtio_harness import DriverQueue, GuestDriver, wait_until
+from test_virtio_harness import DriverQueue, GuestDriver, Window, wait_until
 from test_virtio_vsock import VsockEnv, pkt, recv_exact, recv_line
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
 from vmfork.vmm.devices.manager import DeviceState, VolumeSlotState
-from vmfork.vmm.devices.plan import device_plan, machine_plan, plan_state
+from vmfork.vmm.devices.plan import boot_plan, device_plan, machine_plan, plan_state
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio import blk, mmio, net
 from vmfork.vmm.devices.virtio.balloon import BalloonState
@@ -459,7 +459,7 @@ def test_an_old_snapshots_disks_restore_natively_on_their_files(
     assert device_plan(root)[0] == ("blk", "a" * 64, 1 << 20, True, "")
     assert device_plan(filled)[0] == ("volume", "b" * 64, 65536, True, "/data")
     assert device_plan(empty)[0] == ("volume", "", 0, True, "")
-    # What each offers is VirtioBlk's.
+    # What each offers is blk.py's.
     assert device_plan(root)[1] == VIRTIO_F_VERSION_1 | blk.OFFERED_FEATURES
     assert device_plan(filled)[1] == VIRTIO_F_VERSION_1 | blk.OFFERED_FEATURES_SLOT
     loop = new_event_loop("plan-disks")
@@ -470,13 +470,10 @@ def test_an_old_snapshots_disks_restore_natively_on_their_files(
              "filled": _disk_file(tmp_path / "data.img", 65536),
              "short": _disk_file(tmp_path / "short.img", 4096)}
     try:
-        for saved, fd, config in ((root, files["root"], blk.VirtioBlk(
-                                       loop, files["root"], 1 << 20, "a" * 64)),
-                                  (filled, files["filled"], blk.VirtioBlk(
-                                      loop, files["filled"], 65536, "b" * 64,
-                                      volume_slot=True)),
-                                  (empty, None, blk.VirtioBlk(loop, None, 0, "",
-                                                              volume_slot=True))):
+        for saved, fd, capacity in ((root, files["root"], 1 << 20),
+                                    (filled, files["filled"], 65536), (empty, None, 0)):
+            config = struct.pack("<QII", capacity // blk.SECTOR_SIZE, blk.SIZE_MAX,
+                                 blk.SEG_MAX)
             assert saved.transport is not None
             [q] = saved.transport.queues
             memory.write_u16(q.avail_ring + 2, q.next_avail)
@@ -485,7 +482,7 @@ def test_an_old_snapshots_disks_restore_natively_on_their_files(
                                                 loop._native, irq, [None], disk_file=fd)
             assert device.active, saved.where
             assert b"".join(device.registers.read(0x100 + at, 4)
-                            for at in range(0, 16, 4)) == config.config_bytes()
+                            for at in range(0, 16, 4)) == config
             assert plan_state(device.plan(), saved.slot, saved.irq) == saved
             device.close()
         with pytest.raises(ValueError, match="no file given"):
@@ -507,28 +504,29 @@ def test_an_old_snapshots_disks_restore_natively_on_their_files(
 def test_a_disk_snapshot_restores_natively_and_reads_on_from_where_it_left_off(
         memory: GuestMemory, loops: tuple[NativeEventLoop, NativeEventLoop],
         tmp_path: Path) -> None:
-    """A root disk the Python transport served until a snapshot; its decoded record's
-    plan restores natively on the same file, on another loop: the guest's next read is
-    served from the file where the ring left off, GET_ID answers the key's first 20
-    bytes, a write is refused, and the plan is the record again."""
+    """A booted root disk served until a snapshot; its decoded record's plan restores
+    on the same file, on another loop: the guest's next read is served from the file
+    where the ring left off, GET_ID answers the key's first 20 bytes, a write is
+    refused, and the plan is the record again."""
     parent_loop, child_loop = loops
     key = "0123456789abcdef" * 4
     fd = _disk_file(tmp_path / "disk.img", 8 * blk.SECTOR_SIZE)
-    line = IrqLine(8)
-    device = blk.VirtioBlk(parent_loop, fd, 8 * blk.SECTOR_SIZE, key)
-    transport = mmio.MmioTransport(device, memory, line, parent_loop)
-    driver = GuestDriver(transport, memory)
+    parent_irq = _eventfd()
+    device = _core.NativeDevice.restore(
+        boot_plan("blk", disk=blk.BlkState(0, key, 8 * blk.SECTOR_SIZE)), _ram(memory),
+        parent_loop._native, parent_irq, [None], disk_file=fd)
+    driver = GuestDriver(Window.of(device), memory)  # type: ignore[arg-type]
     [queue] = driver.start([(16, 4096)])
     queue.post(readable=[struct.pack("<IIQ", blk.T_IN, 0, 1)],
                writable=[blk.SECTOR_SIZE, 1])
     driver.notify(0)
-    wait_until(lambda: queue.used_idx() == 1, what="the Python transport's read")
+    wait_until(lambda: queue.used_idx() == 1, what="the parent's read")
     [(_, written, data)] = queue.take_used()
     assert (written, data) == (blk.SECTOR_SIZE + 1, b"\1" * blk.SECTOR_SIZE + b"\0")
 
-    saved = DeviceState("blk", 1, 3, 8, device.save(),
-                        run_on_loop(parent_loop, transport.save))
-    run_on_loop(parent_loop, transport.reset)   # the parent lets go of the rings
+    saved = plan_state(device.plan(), 3, 8)
+    device.close()   # the parent lets go of the rings
+    os.close(parent_irq)
     decoded = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
     plan = device_plan(decoded)
     assert plan[0] == ("blk", key, 8 * blk.SECTOR_SIZE, True, "")

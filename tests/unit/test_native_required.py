@@ -33,7 +33,7 @@ def test_devices_without_a_python_path_refuse_memory_without_its_native_view() -
     """rng, the balloon, blk, net, vsock and the virtqueues are served only natively:
     guest memory without its native view, or a loop that is not the native one, is a
     host error there, not a device that silently serves nothing."""
-    from vmfork.vmm.devices.virtio import blk, rng, vsock
+    from vmfork.vmm.devices.virtio import rng, vsock
     from vmfork.vmm.devices.virtio.queue import Virtqueue
     from vmfork.vmm.eventloop import EventLoop
     from vmfork.vmm.memory import GuestMemory
@@ -46,8 +46,7 @@ def test_devices_without_a_python_path_refuse_memory_without_its_native_view() -
     memory.native.close()
     memory.native = None
     try:
-        for device in (rng.VirtioRng(EventLoop("unused"), native_serve=False),
-                       blk.VirtioBlk(EventLoop("unused"), None, 0, "", volume_slot=True)):
+        for device in (rng.VirtioRng(EventLoop("unused"), native_serve=False),):
             device.memory, device.queues = memory, [Virtqueue(16)]
             device.interrupt = Line()  # type: ignore[assignment]
             with pytest.raises(HostError, match="only natively"):

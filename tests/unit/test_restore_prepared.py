@@ -210,7 +210,7 @@ def test_load_snapshot_builds_the_native_devices_plans_once(snapshot_dir: Path) 
             config_generation=0, queues=[queue] * queues))
     write_state_file(snapshot_dir / "state.bin", state)
     loaded = vmmchild._load_snapshot(str(snapshot_dir))
-    assert loaded.plans == {d.kind: device_plan(d) for d in state.devices
+    assert loaded.plans == {d.slot: device_plan(d) for d in state.devices
                             if d.kind in ("rng", "balloon")}
     assert vmmchild._load_snapshot(str(snapshot_dir)).plans is loaded.plans
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import pytest
 from test_restore_prepared import add_device, format_1_file, make_state
-from test_virtio_harness import DriverQueue, GuestDriver, spin_holding_the_gil, wait_until
+from test_virtio_harness import DriverQueue, GuestDriver, Window, spin_holding_the_gil, wait_until
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
@@ -41,7 +41,6 @@ FREE_AT = 16 << 20
 # How the server is kicked: by QueueNotify writes, served on the writing thread; on
 # the queues' ioeventfds, on the loop (as in a VMM).
 PATHS = ["native", "native-ioeventfd"]
-WINDOW = 0xD000_0000
 
 
 def _file_memory(tmp: Path) -> GuestMemory:
@@ -74,31 +73,13 @@ def loop(memory: GuestMemory) -> Iterator[NativeEventLoop]:
     assert not ev.errors, f"exceptions escaped device callbacks: {ev.errors!r}"
 
 
-class Window:
-    """The device's register window as its driver sees it: through the MMIO bus's
-    map, served as the vCPU loop serves it."""
-
-    def __init__(self, windows: _core.MmioWindows) -> None:
-        self.windows = windows
-
-    def read(self, offset: int, size: int) -> bytes:
-        data = self.windows.read(WINDOW + offset, size)
-        assert data is not None
-        return data
-
-    def write(self, offset: int, data: bytes) -> None:
-        assert self.windows.write(WINDOW + offset, bytes(data))
-
-
 def restore(loop: NativeEventLoop, memory: GuestMemory, plan: object, irq: int,
             notify: list[int | None]) -> tuple[_core.NativeDevice, Window]:
     """A native balloon from ``plan`` in the window of a map of its own."""
     assert memory.native is not None
     device = _core.NativeDevice.restore(plan, memory.native,  # type: ignore[arg-type]
                                         loop.native_loop, irq, notify)
-    windows = _core.MmioWindows()
-    windows.add_native(WINDOW, device)
-    return device, Window(windows)
+    return device, Window.of(device)
 
 
 class Stats(NamedTuple):

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
+from vmfork import _core
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_ACKNOWLEDGE,
@@ -29,6 +30,8 @@ from vmfork.vmm.eventloop import EventLoop, new_event_loop
 from vmfork.vmm.memory import GuestMemory
 
 MEM_SIZE = 48 << 20
+# Where a native device's window sits in a test's MMIO map (``Window.of``).
+WINDOW = 0xD000_0000
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
@@ -115,6 +118,29 @@ class DriverQueue:
                 self.free.append(index)
             out.append((head, written, bytes(data)))
         return out
+
+
+class Window:
+    """A native device's register window as its driver sees it: through the MMIO
+    bus's map, served as the vCPU loop serves it."""
+
+    def __init__(self, windows: _core.MmioWindows, base: int) -> None:
+        self.windows, self.base = windows, base
+
+    @classmethod
+    def of(cls, device: _core.NativeDevice) -> Window:
+        """``device``'s window, at ``WINDOW`` in a map of its own."""
+        windows = _core.MmioWindows()
+        windows.add_native(WINDOW, device)
+        return cls(windows, WINDOW)
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = self.windows.read(self.base + offset, size)
+        assert data is not None
+        return data
+
+    def write(self, offset: int, data: bytes) -> None:
+        assert self.windows.write(self.base + offset, bytes(data))
 
 
 class GuestDriver:

@@ -1,5 +1,5 @@
-"""Volumes without a VM: the volume-slot device (a simulated driver, a real file, a
-real I/O thread), its state, the machine's volume rules, ``SRC:GUEST_PATH[:ro|:rw]``
+"""Volumes without a VM: the volume-slot device (its native transport, as every
+machine serves it: a simulated driver, a real file, a real I/O thread), its state, the machine's volume rules, ``SRC:GUEST_PATH[:ro|:rw]``
 parsing and checks, sources made into disks, the agent's file-system recognition and
 slot lookup, the vmmchild's slot placement, and the registry's read-write holds."""
 
@@ -17,21 +17,23 @@ from pathlib import Path
 
 import pytest
 from test_restore_prepared import add_device, format_1_file, make_state
-from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
+from test_virtio_harness import MEM_SIZE, GuestDriver, Window, loop, memory, wait_until  # noqa: F401
 
+from vmfork import _core
 from vmfork.agent import volumes as agent_volumes
 from vmfork.agent.request import OpError
 from vmfork.ondisk import stateformat
+from vmfork.runtime import vmmchild
 from vmfork.runtime import volumes as rv
+from vmfork.runtime.jail import JailSpec
 from vmfork.runtime.vmmchild import snapshot_slot_media
 from vmfork.server.registry import SCHEMA_VERSION, Registry, VolumeHold
 from vmfork.vmm import vmstate
 from vmfork.vmm.devices.manager import VOLUME, DeviceState, VolumeSlotState
+from vmfork.vmm.devices.plan import boot_plan, device_plan, empty_slot, plan_state
 from vmfork.vmm.devices.virtio import blk, mmio
-from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1, run_on_loop
-from vmfork.vmm.errors import HostError
-from vmfork.vmm.eventloop import EventLoop
-from vmfork.vmm.irq import IrqLine
+from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
 from vmfork.vmm.machine import MachineConfig, VolumeMedia
 from vmfork.vmm.memory import GuestMemory
 
@@ -45,35 +47,47 @@ def header(kind: int, sector: int = 0) -> bytes:
     return struct.pack("<IIQ", kind, 0, sector)
 
 
-class SlotEnv:
-    """An empty volume slot behind its transport, with the driver running."""
+def _eventfd() -> int:
+    return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
-    def __init__(self, loop: EventLoop, memory: GuestMemory, irq: IrqLine,  # noqa: F811
-                 ioeventfds: bool = False) -> None:
-        self.loop, self.memory, self.irq = loop, memory, irq
-        self.dev = blk.VirtioBlk(loop, None, 0, "", path="slot", volume_slot=True)
-        # (offset, datamatch, fd) of each ioeventfd the transport asked KVM for.
-        self.registered: list[tuple[int, int, int]] = []
-        self.transport = mmio.MmioTransport(
-            self.dev, memory, irq, loop,
-            register_ioeventfd=(lambda off, dm, fd: self.registered.append((off, dm, fd)))
-            if ioeventfds else None)
-        self.driver = GuestDriver(self.transport, memory)
+
+class SlotEnv:
+    """An empty volume slot on its native transport (no ioeventfd: a machine gives an
+    empty slot none), with the driver running."""
+
+    def __init__(self, loop: EventLoop, memory: GuestMemory, plan: object = None  # noqa: F811
+                 ) -> None:
+        assert isinstance(loop, NativeEventLoop) and memory.native is not None
+        self.loop, self.memory = loop, memory
+        self.irq = _eventfd()
+        # The queue's ioeventfd, once a disk brings one (as Machine.attach_volume does).
+        self.kick: int | None = None
+        self.dev = _core.NativeDevice.restore(
+            plan or boot_plan("volume", disk=empty_slot()), memory.native,  # type: ignore[arg-type]
+            loop.native_loop, self.irq, [None])
+        self.window = Window.of(self.dev)
+        self.driver = GuestDriver(self.window, memory)  # type: ignore[arg-type]
         assert self.driver.negotiate(ACKED_SLOT) & STATUS_FEATURES_OK
         self.q = self.driver.setup_queue(0, 16, 64 * 1024)
         self.driver.driver_ok()
-        wait_until(lambda: self.dev.active, what="activation")
-        run_on_loop(loop, lambda: None)
+        assert self.dev.active
 
     def capacity_sectors(self) -> int:
-        return int.from_bytes(self.transport.read(mmio.CONFIG_SPACE, 4), "little") | (
-            int.from_bytes(self.transport.read(mmio.CONFIG_SPACE + 4, 4), "little") << 32)
+        return int.from_bytes(self.window.read(mmio.CONFIG_SPACE, 4), "little") | (
+            int.from_bytes(self.window.read(mmio.CONFIG_SPACE + 4, 4), "little") << 32)
 
-    def insert(self, fd: int, size: int, key: str, read_only: bool) -> None:
-        def go() -> None:
-            self.dev.insert_media(fd, size, key, read_only, "vol.img")
-            self.transport.notify_config_change()
-        run_on_loop(self.loop, go)
+    def insert(self, fd: int, size: int, key: str, read_only: bool,
+               guest_path: str = "/data") -> None:
+        """A disk into the slot, as ``Machine.attach_volume`` puts it: with the queue's
+        new ioeventfd, then the configuration change."""
+        kick = _eventfd()
+        try:
+            self.dev.insert_media(fd, key, size, read_only, guest_path, kick)
+        except BaseException:
+            os.close(kick)
+            raise
+        self.kick = kick
+        assert self.dev.config_changed()
 
     def request(self, readable: list[bytes], writable: list[int]) -> tuple[bytes, int]:
         """Post one chain and kick: through the queue's ioeventfd if it has one (as
@@ -82,8 +96,8 @@ class SlotEnv:
         head = self.q.post(readable, writable)
         last_index, last_len, _ = self.q.chains[head][-1]
         status_at = self.q.buf_addr(last_index) + last_len - 1
-        if self.registered:
-            os.eventfd_write(self.registered[0][2], 1)
+        if self.kick is not None:
+            os.eventfd_write(self.kick, 1)
         else:
             self.driver.notify(0)
         wait_until(lambda: self.q.used_idx() != before, what="the request")
@@ -91,17 +105,17 @@ class SlotEnv:
         return data[:max(0, written - 1)], self.memory.read(status_at, 1)[0]
 
     def close(self) -> None:
-        self.transport.reset()
-        run_on_loop(self.loop, lambda: None)
+        self.dev.close()
+        for fd in (self.irq, self.kick):
+            if fd is not None:
+                os.close(fd)
 
 
 @pytest.fixture
 def slot(loop: EventLoop, memory: GuestMemory) -> Iterator[SlotEnv]:  # noqa: F811
-    line = IrqLine(gsi=9)
-    env = SlotEnv(loop, memory, line)
+    env = SlotEnv(loop, memory)
     yield env
     env.close()
-    line.close()
 
 
 @pytest.fixture
@@ -126,11 +140,15 @@ def test_an_empty_slot_offers_flush_not_ro_and_has_no_capacity(slot: SlotEnv) ->
 
 def test_inserted_read_only_media_read_and_refuse_writes(slot: SlotEnv,
                                                          volume_file: Path) -> None:
+    """The media go in while the driver runs; the driver learns of them from the
+    configuration change (a new generation, InterruptStatus bit 1, the irqfd), and its
+    requests are served from then on through the queue's new ioeventfd."""
     generation = slot.driver.r(mmio.REG_CONFIG_GENERATION)
     slot.driver.ack_interrupts()
     fd, size = blk.open_disk(str(volume_file))
     try:
         slot.insert(fd, size, KEY, read_only=True)
+        assert os.eventfd_read(slot.irq) >= 1
         assert slot.capacity_sectors() == DISK_BYTES // 512
         assert slot.driver.r(mmio.REG_CONFIG_GENERATION) == generation + 1
         assert slot.driver.ack_interrupts() & mmio.INT_CONFIG_CHANGE
@@ -140,99 +158,76 @@ def test_inserted_read_only_media_read_and_refuse_writes(slot: SlotEnv,
         _, status = slot.request([header(blk.T_OUT, 0), b"\x01" * 512], [1])
         assert status == blk.S_IOERR and volume_file.read_bytes() == before
         assert slot.request([header(blk.T_FLUSH)], [1])[1] == blk.S_OK
-        with pytest.raises(HostError, match="already holds"):
-            run_on_loop(slot.loop, lambda: slot.dev.insert_media(fd, size, KEY, True, "x"))
+        with pytest.raises(ValueError, match=f"already holds {KEY}"):
+            slot.dev.insert_media(fd, KEY, size, True, "/x")
     finally:
-        run_on_loop(slot.loop, slot.dev.detach)
-        os.close(fd)
-
-
-def test_an_empty_slot_gets_its_ioeventfd_only_with_a_disk(
-        loop: EventLoop, memory: GuestMemory, volume_file: Path) -> None:  # noqa: F811
-    # Most slots stay empty: a spawn should not pay an eventfd, a KVM_IOEVENTFD and a
-    # loop reader for each. The disk's arrival (as Machine.attach_volume does it) adds
-    # them, and the queue is then served on them.
-    lines: list[int] = []
-    line = IrqLine(gsi=9, connect=lines.append)   # as Machine makes it: at first use
-    slot = SlotEnv(loop, memory, line, ioeventfds=True)
-    fd, size = blk.open_disk(str(volume_file))
-    try:
-        assert slot.registered == [] and lines == [] and not slot.dev.serving_natively
-        assert slot.request([header(blk.T_IN, 0)], [512, 1])[1] == blk.S_IOERR  # the exit
-        assert lines == [line.fd]   # its answer is the line's first use
-
-        def insert() -> None:
-            assert slot.transport.add_ioeventfds()
-            slot.dev.insert_media(fd, size, KEY, True, "vol.img")
-            slot.dev.rewake()
-            slot.transport.notify_config_change()
-        run_on_loop(loop, insert)
-        assert [(off, dm) for off, dm, _ in slot.registered] == [(mmio.REG_QUEUE_NOTIFY, 0)]
-        assert slot.dev.serving_natively == slot.dev.native_serve
-        for sector in (0, 5):   # each kicked through the new ioeventfd only
-            data, status = slot.request([header(blk.T_IN, sector)], [512, 1])
-            assert status == blk.S_OK
-            assert data == volume_file.read_bytes()[sector * 512:(sector + 1) * 512]
-        assert not run_on_loop(loop, slot.transport.add_ioeventfds)   # once
-        assert len(slot.registered) == 1
-    finally:
-        run_on_loop(loop, slot.dev.detach)
-        os.close(fd)
-        slot.close()
-        slot.transport.close()
-        line.close()
+        os.close(fd)   # the device holds its own duplicate
+    data, status = slot.request([header(blk.T_IN, 0)], [512, 1])
+    assert status == blk.S_OK and data == volume_file.read_bytes()[:512]
 
 
 def test_inserted_read_write_media_take_writes(slot: SlotEnv, volume_file: Path) -> None:
     fd, size = blk.open_disk(str(volume_file), writable=True)
     try:
         slot.insert(fd, size, KEY, read_only=False)
-        payload = os.urandom(512)
-        _, status = slot.request([header(blk.T_OUT, 3), payload], [1])
-        assert status == blk.S_OK
-        assert volume_file.read_bytes()[3 * 512:4 * 512] == payload
     finally:
-        run_on_loop(slot.loop, slot.dev.detach)
+        os.close(fd)
+    payload = os.urandom(512)
+    _, status = slot.request([header(blk.T_OUT, 3), payload], [1])
+    assert status == blk.S_OK
+    assert volume_file.read_bytes()[3 * 512:4 * 512] == payload
+    assert dict(slot.dev.blk_counters())["writes"] == 1
+
+
+def test_a_root_disk_takes_no_media_and_a_slot_only_a_disk(
+        loop: EventLoop, memory: GuestMemory, volume_file: Path) -> None:  # noqa: F811
+    assert isinstance(loop, NativeEventLoop) and memory.native is not None
+    fd, size = blk.open_disk(str(volume_file))
+    irq = _eventfd()
+    root = _core.NativeDevice.restore(
+        boot_plan("blk", disk=blk.BlkState(0, KEY, size)), memory.native,
+        loop.native_loop, irq, [None], disk_file=fd)
+    slot = SlotEnv(loop, memory)
+    try:
+        with pytest.raises(ValueError, match="not a volume slot"):
+            root.insert_media(fd, KEY, size, True, "/x")
+        with pytest.raises(ValueError, match="not empty"):
+            slot.dev.insert_media(fd, "", 0, True, "/x")
+        with pytest.raises(ValueError, match=f"its file has {size}"):
+            slot.dev.insert_media(fd, KEY, size + 512, True, "/x")
+        refused = plan_state(slot.dev.plan(), 0, 5).state   # nothing changed
+        assert isinstance(refused, VolumeSlotState) and refused.disk.capacity_bytes == 0
+        assert slot.capacity_sectors() == 0
+    finally:
+        root.close()
+        slot.close()
+        os.close(irq)
         os.close(fd)
 
 
-def test_a_root_disk_takes_no_media_and_an_empty_device_must_be_a_slot(
-        loop: EventLoop, volume_file: Path) -> None:  # noqa: F811
+def test_slot_state_round_trips_with_its_media(slot: SlotEnv, volume_file: Path) -> None:
+    empty = plan_state(slot.dev.plan(), 0, 5).state
+    assert isinstance(empty, VolumeSlotState)
+    assert (empty.disk.volume_slot, empty.disk.disk_key, empty.disk.capacity_bytes,
+            empty.guest_path) == (True, "", 0, "")
     fd, size = blk.open_disk(str(volume_file))
     try:
-        root = blk.VirtioBlk(loop, fd, size, KEY)
-        with pytest.raises(HostError, match="not a volume slot"):
-            root.insert_media(fd, size, KEY, True, "x")
-        with pytest.raises(ValueError, match="only a volume slot"):
-            blk.VirtioBlk(loop, None, 0, "")
-    finally:
-        os.close(fd)
-
-
-def test_slot_state_round_trips_and_must_match_its_media(slot: SlotEnv,
-                                                         volume_file: Path) -> None:
-    empty = run_on_loop(slot.loop, slot.dev.save)
-    assert (empty.volume_slot, empty.disk_key, empty.capacity_bytes) == (True, "", 0)
-    fd, size = blk.open_disk(str(volume_file))
-    try:
-        slot.insert(fd, size, KEY, read_only=True)
-        full = run_on_loop(slot.loop, slot.dev.save)
-        saved = DeviceState("volume", 1, 0, 5, VolumeSlotState(full, "/data"),
-                            slot.transport.save())
+        slot.insert(fd, size, KEY, read_only=True, guest_path="/data")
+        saved = plan_state(slot.dev.plan(), 0, 5)
         again = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
         assert again == saved and isinstance(again.state, VolumeSlotState)
-        assert again.state.disk == full and again.state.guest_path == "/data"
-        same = blk.VirtioBlk(slot.loop, fd, size, KEY, path="v", volume_slot=True)
-        same.restore(full)
-        with pytest.raises(HostError, match=KEY):
-            blk.VirtioBlk(slot.loop, None, 0, "", volume_slot=True).restore(full)
-        with pytest.raises(HostError, match="volume slot"):
-            blk.VirtioBlk(slot.loop, fd, size, KEY).restore(full)
-        with pytest.raises(HostError, match="was read-only"):
-            blk.VirtioBlk(slot.loop, fd, size, KEY, volume_slot=True,
-                          read_only=False).restore(full)
+        assert again.state.disk == blk.BlkState(ACKED_SLOT, KEY, size, True, True)
+        assert again.state.guest_path == "/data"
+        # A child of this snapshot: the slot holds the disk from the start.
+        irq = _eventfd()
+        child = _core.NativeDevice.restore(device_plan(again), slot.memory.native,  # type: ignore[arg-type]
+                                           slot.loop.native_loop, irq, [None], disk_file=fd)
+        try:
+            assert child.active and plan_state(child.plan(), 0, 5) == saved
+        finally:
+            child.close()
+            os.close(irq)
     finally:
-        run_on_loop(slot.loop, slot.dev.detach)
         os.close(fd)
 
 
@@ -304,6 +299,39 @@ def test_new_volumes_take_the_free_slots_and_rw_slots_need_their_file() -> None:
         snapshot_slot_media(state, [])
     held, new = snapshot_slot_media(state, [_prepared(KEY, False, "/work")])
     assert held[0].path == f"/disks/{KEY}" and new == []
+
+
+def test_a_native_childs_own_volumes_are_placed_as_a_python_childs(tmp_path: Path) -> None:
+    """``vmmchild._child_volumes``: the read-write volume a slot holds and the new ones,
+    at their virtio-mmio slots, sized from their files, from the jail's read-only or
+    read-write files; the agent mounts only the new ones."""
+    state = make_state()
+    _add_volume(state, KEY, False, "/work")     # held, read-write
+    _add_volume(state)
+    _add_volume(state, OTHER_KEY, True, "/data")   # held, read-only: a snapshot disk
+    _add_volume(state)
+    slots = [d.slot for d in state.devices if d.kind == VOLUME.name]
+    held_file, new_file = tmp_path / "work.img", tmp_path / "new.img"
+    held_file.write_bytes(bytes(DISK_BYTES))
+    new_file.write_bytes(bytes(2 * DISK_BYTES))
+    held = replace(_prepared(KEY, False, "/work"), path=str(held_file))
+    new = replace(_prepared("ab" * 16, True, "/new"), path=str(new_file))
+    args = {"volumes": [held.to_json(), new.to_json()]}
+    volumes, mounts = vmmchild._child_volumes(state, args, None)
+    assert volumes == [(slots[0], str(held_file), KEY, DISK_BYTES, False, "/work", None),
+                       (slots[1], str(new_file), "ab" * 16, 2 * DISK_BYTES, True, "/new",
+                        None)]
+    assert mounts == [(slots[1], "/new", True, 2 * DISK_BYTES // 512)]
+    jail = JailSpec(root="/j", uid=1, gid=1, preopen=("/m", str(new_file)),
+                    preopen_rw=(str(held_file),))
+    volumes, _ = vmmchild._child_volumes(state, args, jail)
+    assert [v[6] for v in volumes] == [0, 1]
+    with pytest.raises(ValueError, match=f"the jail opens no {held_file}"):
+        vmmchild._child_volumes(state, args, replace(jail, preopen_rw=()))
+    new_file.write_bytes(b"x" * 100)
+    with pytest.raises(ValueError, match="100 bytes; a disk image must be"):
+        vmmchild._child_volumes(state, args, None)
+    assert vmmchild._child_volumes(state, {}, None) == ([], [])
 
 
 # -- SRC:GUEST_PATH[:ro|:rw] ------------------------------------------------------------

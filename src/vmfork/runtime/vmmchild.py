@@ -49,7 +49,10 @@ imports are already done and a spawn pays only for the restore. Contract:
   cache by its key); the others go into the snapshot's empty slots, lowest first,
   once the guest runs, and the agent mounts each (``attach_volumes``). A volume that
   cannot be attached or mounted fails the sandbox: it never runs without a volume it
-  was asked for.
+  was asked for. A native child (``native_child``) takes the same volumes, placed the
+  same way (``_child_volumes``): its machine restores a read-write volume's slot on
+  the given file and a new volume's slot filled, announcing the change to the driver,
+  and its agent mounts the new ones natively after ``after_fork``.
 * ``control.sock`` takes JSON-lines requests (``runtime.control``): ``status``, ``pause``,
   ``resume``, ``snapshot`` (full, diff or live; see ``ControlServer.snapshot``),
   ``exits``, ``stop``.
@@ -101,7 +104,7 @@ from vmfork.vmm.capture import CaptureError, SnapshotTaker
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
 from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
-from vmfork.vmm.devices.virtio.blk import BlkState
+from vmfork.vmm.devices.virtio.blk import SECTOR_SIZE, BlkState
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
@@ -140,7 +143,7 @@ class _LoadedSnapshot:
     prepared: PreparedRestore
     # The natively served devices' plans (``plan.restore_plans``); None for records
     # that do not fit their device: the child's machine then says why.
-    plans: dict[str, Plan] | None
+    plans: dict[int, Plan] | None
 
 
 _snapshots: dict[str, _LoadedSnapshot] = {}
@@ -175,7 +178,7 @@ def _load_snapshot(snapshot_dir: str) -> _LoadedSnapshot:
     state = read_state_file(path, MachineState)
     prepared = prepare_restore(state)
     try:
-        plans: dict[str, Plan] | None = restore_plans(state)
+        plans: dict[int, Plan] | None = restore_plans(state)
     except ValueError:
         plans = None
     loaded = _LoadedSnapshot(before, state, prepared, plans)
@@ -434,15 +437,15 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
     ``zygote_child.NativeChild``): ``main``'s steps from the filter on, as native
     values (``_core.ChildLife``), built before the fork from what ``prefork`` built
     (the agent's target, the snapshot's decoded state, the seccomp program).
-    Raises for a spawn a native child cannot serve yet: new volumes (attached in
-    Python), a snapshot ``_snapshot_machine`` refuses, and a diff snapshot whose RAM
-    the zygote did not map ahead (``inherited_ram``)."""
+    Raises for a spawn a native child cannot serve yet: a snapshot
+    ``_snapshot_machine`` refuses, and a diff snapshot whose RAM the zygote did not
+    map ahead (``inherited_ram``); and for volumes that do not fit the snapshot's
+    slots (``_child_volumes``)."""
     from vmfork import _core
-    if args.get("volumes"):
-        raise ValueError("a native child attaches no volumes yet (Machine.attach_volume)")
     vm_id = str(args["vm_id"])
     end = _child_ends.get(vm_id) or _child_end(args)
     state, _ = load_snapshot(args["snapshot_dir"])
+    volumes, mounts = _child_volumes(state, args, jail_spec)
     jailed = jail_spec is not None
     notify, gate = args.get("notify_path"), args.get("start_gate")
     life = _core.ChildLife(
@@ -454,10 +457,10 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
                  if jailed else None),
         jailed=jailed,
         agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
-        net_refresh=state.device(devices.NET) is not None,
+        net_refresh=state.device(devices.NET) is not None, mounts=mounts,
         profile=spawnprofile.MODE is not None)
     return zygote_child.NativeChild(
-        life, _native_machine(args, jail_spec), NATIVE_HANDOVER,
+        life, _native_machine(args, jail_spec, volumes), NATIVE_HANDOVER,
         functools.partial(jail.adopt, jail_spec) if jail_spec is not None else None)
 
 
@@ -467,34 +470,73 @@ _snapshot_machines: dict[str, tuple[PreparedRestore, Any, str, dict[int, str]]] 
 
 
 def _snapshot_disks(state: MachineState) -> dict[int, str]:
-    """Each disk of the snapshot by slot, found by its content key where a Python
-    child finds it (``restore``, ``snapshot_slot_media``) and the jail opens it
+    """Each read-only disk of the snapshot by slot, found by its content key where a
+    Python child finds it (``restore``, ``snapshot_slot_media``) and the jail opens it
     (``spawn._jail_request``): the root disk in the image cache, a read-only volume in
-    the volume cache; never a path the guest gave. ``ValueError`` for a read-write
-    volume: its file is its sandbox's own, given at spawn (``volumes``), which a native
-    child does not take yet."""
+    the volume cache; never a path the guest gave. A read-write volume's file is its
+    sandbox's own, given at each spawn (``_child_volumes``)."""
     disks: dict[int, str] = {}
     for device in state.devices:
         if device.slot is None:
             continue
         if isinstance(device.state, BlkState):
             disks[device.slot] = str(disk_path(device.state.disk_key))
-        elif isinstance(device.state, devices.VolumeSlotState) and device.state.disk.disk_key:
-            if not device.state.disk.read_only:
-                raise ValueError(f"the snapshot's read-write volume at "
-                                 f"{device.state.guest_path} needs its file: a native "
-                                 "child takes no volumes yet")
+        elif (isinstance(device.state, devices.VolumeSlotState)
+              and device.state.disk.disk_key and device.state.disk.read_only):
             disks[device.slot] = str(volume_image_path(device.state.disk.disk_key))
     return disks
+
+
+# A native child's own volume, as ``SnapshotMachinePlan.for_child`` takes it: (virtio-mmio
+# slot, path, key, bytes, read-only, guest path, index among the jail's opened files).
+ChildVolume = tuple[int, str, str, int, bool, str, "int | None"]
+# A new volume for the agent to mount, as ``ChildLife`` takes it: (virtio-mmio slot,
+# guest path, read-only, sectors).
+ChildMount = tuple[int, str, bool, int]
+
+
+def _child_volumes(state: MachineState, args: dict[str, Any], jail_spec: JailSpec | None
+                   ) -> tuple[list[ChildVolume], list[ChildMount]]:
+    """A native child's own volumes, given at its spawn (``args["volumes"]``, placed as
+    a Python child places them, ``snapshot_slot_media``): a read-write volume its
+    snapshot's slot holds (that sandbox's own file), and each new one, in an empty
+    slot, with the agent's mount of it. A jailed child's come from its jail's opened
+    files (``spawn._jail_request`` opens them: read-only, or read-write). Sized here,
+    in the zygote (an ``fstat``'s worth, not the disk's bytes); ``ValueError`` for a
+    volume that does not fit, or that the jail did not open."""
+    asked = [PreparedVolume.from_json(v) for v in args.get("volumes") or ()]
+    if not asked:
+        return [], []
+    held, new = snapshot_slot_media(state, asked)
+    slots = [d.slot for d in state.devices if d.kind == devices.VOLUME.name]
+    volumes: list[ChildVolume] = []
+    mounts: list[ChildMount] = []
+    for media in [*(m for m in held if not m.read_only), *new]:
+        size = os.stat(media.path).st_size
+        if size <= 0 or size % SECTOR_SIZE:
+            raise ValueError(f"volume {media.path} is {size} bytes; a disk image must be a "
+                             f"positive multiple of {SECTOR_SIZE} bytes")
+        opened = None
+        if jail_spec is not None:
+            files = jail_spec.preopen if media.read_only else jail_spec.preopen_rw
+            if media.path not in files:
+                raise ValueError(f"the jail opens no {media.path} for the machine")
+            opened = files.index(media.path)
+        slot = slots[media.slot]
+        assert slot is not None   # a virtio device's
+        volumes.append((slot, media.path, media.key, size, media.read_only,
+                        media.guest_path, opened))
+        if media in new:
+            mounts.append((slot, media.guest_path, media.read_only, size // SECTOR_SIZE))
+    return volumes, mounts
 
 
 def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str, dict[int, str]]:
     """The machine of ``snapshot_dir`` as ``_core.SnapshotMachinePlan``, built once per
     snapshot in the zygote (beside its ``PreparedRestore``, which it holds), the
     memory file it maps (a diff snapshot's base: its children adopt the premap
-    instead, ``inherited_ram``) and its disks by slot (``_snapshot_disks``). Raises
-    ``ValueError`` for a snapshot a native machine cannot restore yet: a read-write
-    volume."""
+    instead, ``inherited_ram``) and its read-only disks by slot (``_snapshot_disks``).
+    Raises ``ValueError`` for a snapshot a native machine cannot restore."""
     from vmfork import _core
     state, prepared = load_snapshot(snapshot_dir)
     key = os.path.join(snapshot_dir, "state.bin")
@@ -544,11 +586,13 @@ def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,
     return (None if mine is None else mine.ram.host_regions()), others
 
 
-def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
+def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None,
+                    volumes: list[ChildVolume]) -> Any:
     """The plan of the machine a native child restores from ``args["snapshot_dir"]``
     (``_core.ChildMachinePlan``): its snapshot's, with its run directory, the premaps
-    it inherits (``inherited_ram``) and, jailed, where the jail's opened descriptors
-    hold ``/dev/kvm``, each disk and, for a flat snapshot, the memory file. A
+    it inherits (``inherited_ram``), its own ``volumes`` (``_child_volumes``) and,
+    jailed, where the jail's opened descriptors hold ``/dev/kvm``, each disk and, for
+    a flat snapshot, the memory file. A
     networked snapshot's child given a tap (``net_tap``) takes the one its jail opened
     in its network namespace (``ChildMachinePlan.build``); given none, its device has
     no tap, as a Python child's. ``ValueError`` for a tap asked of an unjailed child
@@ -561,7 +605,8 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
     premapped, other_premaps = inherited_ram(snapshot_dir)
     run_dir = str(args["run_dir"])
     if jail_spec is None:
-        return machine.for_child(run_dir, premapped=premapped, other_premaps=other_premaps)
+        return machine.for_child(run_dir, premapped=premapped, other_premaps=other_premaps,
+                                 volumes=volumes)
     needed = [*disks.values(), *([memory_file] if premapped is None else [])]
     unopened = [path for path in needed if path not in jail_spec.preopen]
     if unopened or KVM_PATH not in jail_spec.devices:
@@ -569,7 +614,7 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None) -> Any:
                          "machine")
     return machine.for_child(
         run_dir, jail_kvm=jail_spec.devices.index(KVM_PATH), premapped=premapped,
-        other_premaps=other_premaps,
+        other_premaps=other_premaps, volumes=volumes,
         jail_memory=None if premapped is not None else jail_spec.preopen.index(memory_file),
         jail_disks={slot: jail_spec.preopen.index(path) for slot, path in disks.items()})
 
@@ -699,7 +744,7 @@ def attach_volumes(machine: Machine, agent: AgentClient, new: list[VolumeMedia],
     """Put each new volume into its slot and have the agent mount it."""
     for media in new:
         machine.attach_volume(media)
-        sectors = machine.volume_slots[media.slot].capacity_bytes // 512
+        sectors = machine.volumes[media.slot].disk.capacity_bytes // SECTOR_SIZE
 
         def mount(media: VolumeMedia = media, sectors: int = sectors) -> dict[str, Any]:
             return agent.mount_volume(machine.volume_devices[media.slot], media.guest_path,

@@ -56,18 +56,22 @@ from vmfork.vmm.devices.manager import (
     VSOCK,
     DeviceKind,
     DeviceManager,
-    VolumeSlot,
+    DeviceState,
+    VolumeSlotState,
 )
 from vmfork.vmm.devices.plan import (
+    DISK_KINDS,
     NATIVE_KINDS,
     NativeVirtio,
     Plan,
     balloon_advice,
     boot_plan,
     device_plan,
+    empty_slot,
+    wants_ioeventfds,
 )
 from vmfork.vmm.devices.serial import Serial
-from vmfork.vmm.devices.virtio.blk import VirtioBlk, open_disk, validate_disk_key
+from vmfork.vmm.devices.virtio.blk import BlkState, open_disk, validate_disk_key
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import REG_QUEUE_NOTIFY, MmioTransport
 from vmfork.vmm.devices.virtio.net import VirtioNet, open_tap, parse_mac
@@ -126,6 +130,39 @@ class VolumeMedia:
 
 
 @dataclass(frozen=True)
+class OpenedDisk:
+    """A root disk's or a filled volume slot's disk, opened by the machine for its
+    native device (which keeps a duplicate of ``fd``): the record a boot writes
+    (``record``), the guest path (a volume's, "" for the root disk) and the host path
+    (for errors)."""
+
+    record: BlkState
+    guest_path: str
+    path: str
+    fd: int
+
+    def check_restores(self, saved: DeviceState, vm_id: str) -> None:
+        """A restore must be given the snapshot's very disk: its key, its size (which
+        the native device checks again on the file it takes) and its mode.
+        ``HostError`` naming both if not."""
+        state = saved.state
+        disk = state.disk if isinstance(state, VolumeSlotState) else state
+        assert isinstance(disk, BlkState)   # a disk kind's record
+        if disk.disk_key != self.record.disk_key:
+            raise HostError(f"the snapshot's disk is {disk.disk_key}, but this machine "
+                            f"was given {self.record.disk_key} ({self.path})", vm_id=vm_id,
+                            op="restore")
+        if disk.capacity_bytes != self.record.capacity_bytes:
+            raise HostError(f"the snapshot's disk {disk.disk_key} had {disk.capacity_bytes} "
+                            f"bytes, but {self.path} has {self.record.capacity_bytes}: not "
+                            "the same disk", vm_id=vm_id, op="restore")
+        if disk.read_only != self.record.read_only:
+            want = "read-only" if disk.read_only else "read-write"
+            raise HostError(f"the snapshot's disk {disk.disk_key} was {want}, and "
+                            f"{self.path} is not given {want}", vm_id=vm_id, op="restore")
+
+
+@dataclass(frozen=True)
 class MachineConfig:
     kernel: str | None = None
     initrd: str | None = None
@@ -140,11 +177,11 @@ class MachineConfig:
     # restore_state's ioctl buffers, built beforehand (vmstate.prepare_restore) so a
     # forked child only issues ioctls; built from restore_state when not given.
     restore_prepared: vmstate.PreparedRestore | None = None
-    # restore_state's natively served devices' plans by kind (``plan.restore_plans``),
+    # restore_state's natively served devices' plans by slot (``plan.restore_plans``),
     # built beforehand with the balloon dropping pages by MADV_DONTNEED (guest RAM
     # mapped private, as a forked child's is), so a forked child does not build them;
     # built from restore_state when not given or when its RAM drops pages otherwise.
-    restore_plans: Mapping[str, Plan] | None = None
+    restore_plans: Mapping[int, Plan] | None = None
     cmdline_extra: str = ""
     mem_mib: int = 256
     vcpus: int = 1
@@ -398,9 +435,10 @@ class Machine:
         # rng and the balloon are served by their native transports (devices/plan.py).
         self.rng: NativeVirtio | None = None
         self.net: VirtioNet | None = None
-        self.blk: VirtioBlk | None = None
+        # The root disk and the volume slots too (devices/plan.py).
+        self.blk: NativeVirtio | None = None
         self.balloon: NativeVirtio | None = None
-        self.volumes: list[VolumeSlot] = []
+        self.volumes: list[NativeVirtio] = []
         # Per volume slot, its place among the virtio-mmio devices (the N of the guest's
         # virtio-mmio.N platform device, which the agent finds its disk by).
         self.volume_devices: list[int] = []
@@ -446,14 +484,6 @@ class Machine:
     def virtio_devices(self) -> list[MmioTransport]:
         """The virtio devices' transports, in slot order."""
         return self.devices.transports
-
-    @property
-    def volume_slots(self) -> list[VirtioBlk]:
-        """The volume slots' devices, by slot."""
-        return [v.blk for v in self.volumes]
-
-    def _transport_of(self, device: VirtioDevice) -> MmioTransport:
-        return next(t for t in self.devices.transports if t.device is device)
 
     def free_page_reporting(self) -> dict[str, Any] | None:
         """What the balloon did (devices/virtio/balloon.py), None without one: whether
@@ -568,97 +598,72 @@ class Machine:
             self.devices.attach_virtio(NET, self.net, self.net, closers=(self.net.close,))
         if config.root_disk is not None:
             assert config.root_disk_key is not None   # validate()
-            fd, size = open_disk(config.root_disk)
-            try:
-                self.blk = VirtioBlk(self.loop, fd, size, config.root_disk_key,
-                                     path=config.root_disk)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.devices.attach_virtio(BLK, self.blk, self.blk,
-                                       closers=(lambda: self._close_disk(fd),))
+            self.blk = self.devices.attach_native(BLK, partial(
+                self._native_disk, BLK, config.root_disk, config.root_disk_key, True, ""))
         if balloon:
             self.balloon = self.devices.attach_native(BALLOON,
                                                       partial(self._native_device, BALLOON))
             self._cmdline_devices.append(BALLOON_CMDLINE)
         media = {m.slot: m for m in config.volumes}
         for index in range(volume_slots):
-            slot = VolumeSlot(VirtioBlk(self.loop, None, 0, "", path=f"<volume slot {index}>",
-                                        volume_slot=True))
-            self.volumes.append(slot)
             self.volume_devices.append(self.devices.next_slot)
-            # The disk before the transport: the native register file copies a plain
-            # config (the capacity) when its transport is made, and a disk inserted
-            # after that is announced only by notify_config_change (attach_volume).
-            if index in media:
-                self._open_volume(slot.blk, media[index])
-                slot.guest_path = media[index].guest_path
-            self.devices.attach_virtio(VOLUME, slot, slot.blk)
+            given = media.get(index)
+            self.volumes.append(self.devices.attach_native(
+                VOLUME, partial(self._native_disk, VOLUME, given.path, given.key,
+                                given.read_only, given.guest_path) if given is not None
+                else partial(self._native_device, VOLUME)))
 
-    def _open_volume(self, slot: VirtioBlk, media: VolumeMedia) -> None:
-        fd, size = open_disk(media.path, writable=not media.read_only, what="volume")
-        self._closers.append(lambda: self._close_volume(slot, fd))
+    def _native_disk(self, kind: DeviceKind[Any], path: str, key: str, read_only: bool,
+                     guest_path: str, slot: int, irq: int) -> NativeVirtio:
+        """The root disk (``kind`` BLK, at no ``guest_path``) or a filled volume slot,
+        on the file at ``path`` named ``key``: opened here (read-only unless not
+        ``read_only``), handed to the device, which keeps a duplicate, and closed; a
+        restore's must be the snapshot's disk (``OpenedDisk.check_restores``)."""
+        what = "root disk" if kind is BLK else "volume"
+        fd, size = open_disk(path, writable=not read_only, what=what)
         try:
-            slot.insert_media(fd, size, media.key, media.read_only, media.path)
-        except BaseException:
-            os.close(fd)
-            self._closers.pop()
-            raise
-
-    def _close_volume(self, slot: VirtioBlk, fd: int) -> None:
-        """As ``_close_disk``, for one volume slot's disk."""
-        try:
-            if self.loop.running:
-                run_on_loop(self.loop, slot.detach)
+            disk = OpenedDisk(BlkState(acked_features=0, disk_key=key, capacity_bytes=size,
+                                       read_only=read_only, volume_slot=kind is VOLUME),
+                              guest_path, path, fd)
+            return self._native_device(kind, slot, irq, disk)
         finally:
             os.close(fd)
 
     def attach_volume(self, media: VolumeMedia) -> None:
         """Put ``media`` into an empty volume slot of a running machine and tell the
         guest (a configuration-change interrupt); the guest agent mounts it after
-        (``AgentClient.mount_volume``). Raises ``HostError`` if the slot is missing or
-        full, or the disk cannot be opened; nothing changes then."""
+        (``AgentClient.mount_volume``). The slot's queue gets its ioeventfd now (an
+        empty slot had none). Raises ``HostError`` if the slot is missing or full, or
+        the disk cannot be opened; nothing changes then."""
         media.validate()
-        if media.slot >= len(self.volume_slots):
+        if media.slot >= len(self.volumes):
             raise HostError(f"volume slot {media.slot}: this machine has "
-                            f"{len(self.volume_slots)} slots", vm_id=self.vm_id,
+                            f"{len(self.volumes)} slots", vm_id=self.vm_id,
                             op="attach_volume")
-        slot = self.volume_slots[media.slot]
+        slot = self.volumes[media.slot]
+        held = slot.disk.disk_key
+        if held:
+            raise HostError(f"volume slot {media.slot} already holds {held}",
+                            vm_id=self.vm_id, op="attach_volume")
         fd, size = open_disk(media.path, writable=not media.read_only, what="volume")
-
-        finished: list[bool] = []
-
-        def insert() -> None:
+        notify_at = (L.VIRTIO_MMIO_BASE + self.volume_devices[media.slot] * L.VIRTIO_MMIO_SIZE
+                     + REG_QUEUE_NOTIFY)
+        notify = -1
+        try:
+            notify = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            api.ioeventfd(self.vm_fd, notify, notify_at, 4, datamatch=0)
             try:
-                # The queue's ioeventfd first (an empty slot had none), so a failure
-                # changes nothing the guest sees.
-                transport = self._transport_of(slot)
-                transport.add_ioeventfds()
-                slot.insert_media(fd, size, media.key, media.read_only, media.path)
-                slot.rewake()
-                transport.notify_config_change()
-            finally:
-                finished.append(True)
-
-        try:
-            run_on_loop(self.loop, insert)
-        except BaseException:
-            if finished and slot.fd != fd:   # refused: the device never saw the fd
-                os.close(fd)
-            else:   # it may still run (an I/O thread that timed out): close it last
-                self._closers.append(lambda: self._close_volume(slot, fd))
-            raise
-        self._closers.append(lambda: self._close_volume(slot, fd))
-        self.volumes[media.slot].guest_path = media.guest_path
-
-    def _close_disk(self, fd: int) -> None:
-        """Close the root disk's fd once the device can no longer read it: a read
-        queued on the I/O thread must not land on a reused fd number."""
-        try:
-            if self.blk is not None and self.loop.running:
-                run_on_loop(self.loop, self.blk.detach)
+                slot.device.insert_media(fd, media.key, size, media.read_only,
+                                         media.guest_path, notify)
+            except ValueError as err:
+                api.ioeventfd(self.vm_fd, notify, notify_at, 4, datamatch=0, deassign=True)
+                raise HostError(f"volume slot {media.slot}: {err}", vm_id=self.vm_id,
+                                op="attach_volume") from err
+            slot.device.config_changed()
         finally:
-            os.close(fd)
+            os.close(fd)   # the device and KVM hold their own references
+            if notify >= 0:
+                os.close(notify)
 
     def _mmio_transport(self, device: VirtioDevice, slot: int, irq: int) -> MmioTransport:
         """The manager's transport factory: give a virtio device the MMIO window of
@@ -681,37 +686,46 @@ class Machine:
         self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
         return transport
 
-    def _native_device(self, kind: DeviceKind[Any], slot: int, irq: int) -> NativeVirtio:
+    def _native_device(self, kind: DeviceKind[Any], slot: int, irq: int,
+                       disk: OpenedDisk | None = None) -> NativeVirtio:
         """The manager's builder for a device its native transport serves (a kind in
         ``plan.NATIVE_KINDS``): restored, in one call, from the plan of the snapshot's
         record, or from a fresh plan for a boot; on the MMIO window of ``slot`` and the
         line of pin ``irq``, each queue's ioeventfd registered with KVM and handed to
-        it (the native loop serves them, and the device keeps its own copies)."""
+        it (the native loop serves them, and the device keeps its own copies; an empty
+        volume slot gets none, ``plan.wants_ioeventfds``). A disk's ``disk`` (None for
+        an empty volume slot) is its file and the record a boot would write."""
         if kind.name not in NATIVE_KINDS:
             raise ValueError(f"{kind.name} has no native transport")
         base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
         advice = balloon_advice(self.memory)
         saved = self.config.restore_state
         record = None if saved is None else next(d for d in saved.devices
-                                                 if d.kind == kind.name)
+                                                 if d.kind == kind.name and d.slot == slot)
         prebuilt = self.config.restore_plans if advice == mmap.MADV_DONTNEED else None
-        if record is None:
+        if record is None and kind.name in DISK_KINDS:
+            plan = boot_plan(kind.name, advice, empty_slot() if disk is None else disk.record,
+                             "" if disk is None else disk.guest_path)
+        elif record is None:
             plan = boot_plan(kind.name, advice)
-        elif prebuilt is not None and kind.name in prebuilt:
-            plan = prebuilt[kind.name]
+        elif prebuilt is not None and slot in prebuilt:
+            plan = prebuilt[slot]
         else:
             plan = device_plan(record, advice)
+        if record is not None and disk is not None:
+            disk.check_restores(record, self.vm_id)
         assert isinstance(self.loop, NativeEventLoop) and self.memory.native is not None
         notify: list[int] = []
         try:
-            for index in range(len(plan[2])):
+            for index in range(len(plan[2]) if wants_ioeventfds(plan) else 0):
                 notify.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
                 api.ioeventfd(self.vm_fd, notify[-1], base + REG_QUEUE_NOTIFY, 4,
                               datamatch=index)
             line = self._irq_line(irq)
-            device = _core.NativeDevice.restore(plan, self.memory.native,
-                                                self.loop.native_loop, line.fd,
-                                                [*notify])
+            device = _core.NativeDevice.restore(
+                plan, self.memory.native, self.loop.native_loop, line.fd,
+                [*notify] if notify else [None] * len(plan[2]),
+                disk_file=None if disk is None else disk.fd)
         except (OSError, ValueError) as err:
             raise HostError(f"{kind.name} at virtio-mmio.{slot}: {err}", vm_id=self.vm_id,
                             op="add_native") from err

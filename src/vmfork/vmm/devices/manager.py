@@ -36,7 +36,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio.balloon import BalloonState
-from vmfork.vmm.devices.virtio.blk import BlkState, VirtioBlk
+from vmfork.vmm.devices.virtio.blk import BlkState
 from vmfork.vmm.devices.virtio.device import VirtioDevice
 from vmfork.vmm.devices.virtio.mmio import MmioTransport, MmioTransportState
 from vmfork.vmm.devices.virtio.net import NetState
@@ -74,22 +74,6 @@ class VolumeSlotState:
 
     disk: BlkState
     guest_path: str = ""
-
-
-class VolumeSlot:
-    """A volume slot of a machine: a virtio-blk device that may be empty until a disk
-    is inserted, and the guest path the disk was mounted at."""
-
-    def __init__(self, blk: VirtioBlk) -> None:
-        self.blk = blk
-        self.guest_path = ""
-
-    def save(self) -> VolumeSlotState:
-        return VolumeSlotState(self.blk.save(), self.guest_path)
-
-    def restore(self, state: VolumeSlotState) -> None:
-        self.blk.restore(state.disk)   # refuses another disk (key, size or mode)
-        self.guest_path = state.guest_path
 
 
 # Every kind, in the order a machine attaches them (format 1's fields had that order).

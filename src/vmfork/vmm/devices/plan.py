@@ -31,9 +31,9 @@ A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
 ``device_plan`` of its snapshot's record; ``NativeVirtio`` is the handle the device
 manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
 ``_kind`` and ``_offer``; a forked child's ``Machine`` is handed its snapshot's plans
-(``restore_plans``), built once per snapshot in the zygote's prefork. Every virtio
-kind has a plan (``PLANNED_KINDS``: rng, the balloon, vsock, blk, volume slots, net);
-vsock, the disks and net are not switched on in the Python ``Machine`` yet
+(``restore_plans``, by slot), built once per snapshot in the zygote's prefork. Every
+virtio kind has a plan (``PLANNED_KINDS``: rng, the balloon, vsock, blk, volume slots,
+net); vsock and net are not switched on in the Python ``Machine`` yet
 (docs/native.md says what they still need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
 takes them, built once per snapshot.
 """
@@ -67,9 +67,9 @@ if TYPE_CHECKING:
     from vmfork.vmm.vmstate import MachineState
 
 # The kinds a machine serves through their native transport.
-NATIVE_KINDS = frozenset((RNG.name, BALLOON.name))
+NATIVE_KINDS = frozenset((RNG.name, BALLOON.name, BLK.name, VOLUME.name))
 # The kinds with a plan (``_core.NativeMachine`` restores them all).
-PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, BLK.name, VOLUME.name, NET.name}
+PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, NET.name}
 DISK_KINDS = frozenset((BLK.name, VOLUME.name))
 
 # (name, numbers...) of rng, the balloon and vsock; (name, key, capacity, read-only,
@@ -85,13 +85,13 @@ Plan = tuple[Kind, int, list[int], Registers, list[tuple[int, int]]]
 
 def _offer(kind: str, disk: blk.BlkState | None = None) -> tuple[int, tuple[int, ...], int]:
     """(features, queue max sizes, device type) of a device of ``kind``, as its class
-    (a disk's features, as ``VirtioBlk``'s, follow from its record ``disk``)."""
+    (a disk's features, as ``blk.py`` offers them, follow from its record ``disk``)."""
     if kind in DISK_KINDS:
         if disk is None:
             raise ValueError(f"a {kind} device's features follow from its record")
         features = (blk.OFFERED_FEATURES_SLOT if disk.volume_slot else
                     blk.OFFERED_FEATURES if disk.read_only else blk.OFFERED_FEATURES_RW)
-        return VIRTIO_F_VERSION_1 | features, blk.VirtioBlk.queue_max_sizes, blk.DEVICE_ID_BLK
+        return VIRTIO_F_VERSION_1 | features, (blk.QUEUE_SIZE,), blk.DEVICE_ID_BLK
     if kind == "rng":
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
     if kind == NET.name:
@@ -122,14 +122,32 @@ def _kind(name: str, balloon_advice: int, actual: int = 0, guest_cid: int = 0) -
     return ("balloon", balloon.MAX_CHAINS_PER_NOTIFY, balloon_advice, actual & 0xFFFF_FFFF)
 
 
-def boot_plan(name: str, balloon_advice: int = mmap.MADV_DONTNEED) -> Plan:
-    """The plan of a ``name`` device no driver has touched yet (a booted machine's)."""
+def boot_plan(name: str, balloon_advice: int = mmap.MADV_DONTNEED,
+              disk: blk.BlkState | None = None, guest_path: str = "") -> Plan:
+    """The plan of a ``name`` device no driver has touched yet (a booted machine's);
+    a disk's from its record ``disk`` (an empty slot's: key "", capacity 0) and a
+    volume slot's ``guest_path``."""
     if name not in NATIVE_KINDS:
         raise ValueError(f"no native transport for a {name} device")
-    features, max_sizes, _ = _offer(name)
-    plan: Plan = _core.NativeDevice.fresh_plan(_kind(name, balloon_advice), features,
-                                               list(max_sizes))
+    features, max_sizes, _ = _offer(name, disk)
+    kind: Kind = (_kind(name, balloon_advice) if disk is None else
+                  (name, disk.disk_key, disk.capacity_bytes, disk.read_only, guest_path))
+    plan: Plan = _core.NativeDevice.fresh_plan(kind, features, list(max_sizes))
     return plan
+
+
+def empty_slot() -> blk.BlkState:
+    """The record of a volume slot without a disk (``blk.py``: no key, no bytes)."""
+    return blk.BlkState(acked_features=0, disk_key="", capacity_bytes=0, volume_slot=True)
+
+
+def wants_ioeventfds(plan: Plan) -> bool:
+    """Whether the machine gives the device's queues ioeventfds: not an empty volume
+    slot, which most never get a disk (the eventfd and ``KVM_IOEVENTFD`` would be a
+    spawn's system calls for nothing; a guest's rare notify to it is served on the
+    writing vCPU's thread). ``DevicePlan::wants_ioeventfds``'s rule."""
+    kind = plan[0]
+    return not (len(kind) == 5 and kind[2] == 0)
 
 
 def _disk(state: DeviceState) -> tuple[blk.BlkState, str] | None:
@@ -182,12 +200,13 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
 
 
 def restore_plans(state: MachineState,
-                  balloon_advice: int = mmap.MADV_DONTNEED) -> dict[str, Plan]:
+                  balloon_advice: int = mmap.MADV_DONTNEED) -> dict[int, Plan]:
     """The plan of each device of the decoded snapshot ``state`` that the Python
-    ``Machine`` serves natively (``NATIVE_KINDS``), by kind: what its restore takes
+    ``Machine`` serves natively (``NATIVE_KINDS``), by slot: what its restore takes
     (``MachineConfig.restore_plans``), built once per snapshot in the zygote."""
-    return {device.kind: device_plan(device, balloon_advice)
-            for device in state.devices if device.kind in NATIVE_KINDS}
+    return {device.slot: device_plan(device, balloon_advice)
+            for device in state.devices
+            if device.kind in NATIVE_KINDS and device.slot is not None}
 
 
 def machine_plan(state: MachineState,
@@ -245,7 +264,8 @@ def plan_state(plan: Plan, slot: int | None, irq: int) -> DeviceState:
 
 class NativeVirtio:
     """A machine's handle on a device its native transport serves: what the device
-    manager saves and closes, and what the machine's stats read (``device``)."""
+    manager saves and closes, and what the machine's stats read (``device``); a disk's
+    record as it is now (``disk``)."""
 
     def __init__(self, device: _core.NativeDevice, restored_from: DeviceState | None) -> None:
         self.device = device
@@ -256,6 +276,16 @@ class NativeVirtio:
     def save_state(self, slot: int, irq: int) -> DeviceState:
         """Its ``DeviceState`` (the vCPUs paused)."""
         return plan_state(self.device.plan(), slot, irq)
+
+    @property
+    def disk(self) -> blk.BlkState:
+        """A disk's record now (a volume slot's media, once inserted); ``ValueError``
+        for a device that is not a disk."""
+        record = plan_state(self.device.plan(), 0, 0).state   # (its place is not asked)
+        disk = record.disk if isinstance(record, VolumeSlotState) else record
+        if not isinstance(disk, blk.BlkState):
+            raise ValueError(f"a {type(record).__name__} device has no disk")
+        return disk
 
     def close(self) -> None:
         self.device.close()
