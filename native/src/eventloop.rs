@@ -51,7 +51,6 @@ use std::time::{Duration, Instant};
 use crate::blk_serve::BlkQueue;
 use crate::net_serve::NetQueues;
 use crate::rng_serve::RngQueue;
-use crate::vsock_serve::VsockServe;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -575,7 +574,7 @@ impl EventLoop {
     }
 
     /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
-    /// device's native server (`_core.RngQueue`, `_core.NetQueues`, `_core.BlkQueue`, `_core.VsockServe`), which knows what
+    /// device's native server (`_core.RngQueue`, `_core.NetQueues`, `_core.BlkQueue`), which knows what
     /// each of its fds is.
     fn add_native_reader(&self, fd: RawFd, handler: &Bound<'_, PyAny>) -> PyResult<()> {
         let reader: Arc<dyn NativeReader> = if let Ok(rng) = handler.cast::<RngQueue>() {
@@ -584,8 +583,6 @@ impl EventLoop {
             net.get().server.clone()
         } else if let Ok(blk) = handler.cast::<BlkQueue>() {
             blk.get().server.clone()
-        } else if let Ok(vsock) = handler.cast::<VsockServe>() {
-            vsock.get().server.clone()
         } else {
             return Err(PyTypeError::new_err(format!(
                 "{} is not a native queue server",

@@ -971,6 +971,12 @@ impl NativeTransport {
         }
     }
 
+    /// A vsock device's server (its connections, counters and transport reset), for
+    /// the device's life; None for another kind, and once `close` ran.
+    pub fn vsock(&self) -> Option<Arc<VsockServer>> {
+        lock(&self.state).vsock.as_ref().map(|v| v.server.clone())
+    }
+
     /// A capture is in flight: the balloon keeps reported pages until `release`
     /// (`balloon.py`'s `hold_discards` says why); this and every later activation.
     pub fn hold(&self) {

@@ -259,16 +259,15 @@ def test_a_vsock_snapshot_restores_natively_without_the_parents_connections(
         loops: tuple[NativeEventLoop, NativeEventLoop]) -> None:
     parent_loop, child_loop = loops
     with VsockEnv(parent_loop) as parent:
-        # The parent: served by the Python transport, a host connection established and
-        # an event buffer posted when the snapshot is taken.
+        # The parent: a host connection established and an event buffer posted when
+        # the snapshot is taken.
         parent.ev.post(writable=[4])
         parent.driver.notify(2)
         old_host, _ = parent.host_connect(1234)
-        dev_state = run_on_loop(parent_loop, parent.dev.save)
-        saved = DeviceState("vsock", 1, 0, 6, dev_state,
-                            run_on_loop(parent_loop, parent.transport.save))
+        saved = plan_state(parent.dev.plan(), 0, 6)
+        dev_state = saved.state
         # The parent lets go of the rings (the child maps the same guest memory).
-        run_on_loop(parent_loop, parent.transport.reset)
+        parent.device.close()
         assert old_host.recv(10) == b""
         old_host.close()
 

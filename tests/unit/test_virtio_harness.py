@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
+from vmfork import _core
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_ACKNOWLEDGE,
@@ -25,8 +26,11 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop, new_event_loop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, new_event_loop
 from vmfork.vmm.memory import GuestMemory
+
+# Where a natively served device's window sits in its map of its own.
+NATIVE_WINDOW = 0xD000_0000
 
 MEM_SIZE = 48 << 20
 
@@ -117,8 +121,39 @@ class DriverQueue:
         return out
 
 
+class NativeWindow:
+    """A natively served device's register window as its driver sees it: through the
+    MMIO bus's map, served as the vCPU loop serves it."""
+
+    def __init__(self, windows: _core.MmioWindows) -> None:
+        self.windows = windows
+
+    def read(self, offset: int, size: int) -> bytes:
+        data = self.windows.read(NATIVE_WINDOW + offset, size)
+        assert data is not None
+        return data
+
+    def write(self, offset: int, data: bytes) -> None:
+        assert self.windows.write(NATIVE_WINDOW + offset, bytes(data))
+
+
+def native_device(loop: EventLoop, memory: GuestMemory, plan: object, irq: int,
+                  notify: list[int | None], **host: object
+                  ) -> tuple[_core.NativeDevice, NativeWindow]:
+    """A device restored from ``plan`` by its native transport (as ``Machine`` serves
+    it), in the window of a map of its own; ``host``: ``NativeDevice.restore``'s
+    host resources (a vsock's listener, a net device's tap)."""
+    assert isinstance(loop, NativeEventLoop) and memory.native is not None
+    device = _core.NativeDevice.restore(plan, memory.native,  # type: ignore[arg-type]
+                                        loop.native_loop, irq, notify, **host)
+    windows = _core.MmioWindows()
+    windows.add_native(NATIVE_WINDOW, device)
+    return device, NativeWindow(windows)
+
+
 class GuestDriver:
-    def __init__(self, transport: mmio.MmioTransport, memory: GuestMemory) -> None:
+    def __init__(self, transport: mmio.MmioTransport | NativeWindow,
+                 memory: GuestMemory) -> None:
         self.t = transport
         self.memory = memory
         self.next_free = 0x10000
