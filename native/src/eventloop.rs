@@ -49,7 +49,6 @@ use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
 use crate::blk_serve::BlkQueue;
-use crate::net_serve::NetQueues;
 use crate::rng_serve::RngQueue;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -574,13 +573,11 @@ impl EventLoop {
     }
 
     /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
-    /// device's native server (`_core.RngQueue`, `_core.NetQueues`, `_core.BlkQueue`), which knows what
+    /// device's native server (`_core.RngQueue`, `_core.BlkQueue`), which knows what
     /// each of its fds is.
     fn add_native_reader(&self, fd: RawFd, handler: &Bound<'_, PyAny>) -> PyResult<()> {
         let reader: Arc<dyn NativeReader> = if let Ok(rng) = handler.cast::<RngQueue>() {
             rng.get().server.clone()
-        } else if let Ok(net) = handler.cast::<NetQueues>() {
-            net.get().server.clone()
         } else if let Ok(blk) = handler.cast::<BlkQueue>() {
             blk.get().server.clone()
         } else {
