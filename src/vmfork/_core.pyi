@@ -138,6 +138,10 @@ class RngQueue:
     @property
     def interrupts(self) -> int: ...
 
+Segments = list[tuple[int, int]]
+# A vsock header's ten fields, in struct virtio_vsock_hdr's order.
+VsockHeaderFields = tuple[int, int, int, int, int, int, int, int, int, int]
+
 class GuestRam:
     """Guest RAM for the native virtqueue code; only ``GuestMemory`` makes one."""
     def __init__(self, regions: list[tuple[int, int, int]]) -> None: ...
@@ -350,7 +354,8 @@ class SnapshotMachinePlan:
                   jail_kvm: int | None = ...,
                   jail_disks: dict[int, int] = ...,
                   premapped: list[tuple[int, int, int]] | None = ...,
-                  other_premaps: list[tuple[int, int]] = ...) -> ChildMachinePlan: ...
+                  other_premaps: list[tuple[int, int]] = ...,
+                  tap: str | None = ...) -> ChildMachinePlan: ...
 
 class ChildMachinePlan:
     """One native child's machine: its snapshot's plan and its run directory."""

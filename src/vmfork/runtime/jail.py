@@ -316,6 +316,20 @@ def hold_empty_netns() -> bool:
     return True
 
 
+def check_netns(name: object) -> str:
+    """``name``, if it names a sandbox's network namespace (what ``runtime.network``
+    creates), which a child's set-up joins; else ``JailError``."""
+    from vmfork.runtime.network import NetworkError, _validate_netns_name
+    if not isinstance(name, str):
+        raise JailError(f"a network namespace's name is a string, not {name!r:.40}",
+                        errno.EINVAL)
+    try:
+        _validate_netns_name(name)
+    except NetworkError as err:
+        raise JailError(f"join network namespace {name}: {err}", errno.EINVAL) from None
+    return name
+
+
 def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None
          ) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
@@ -325,14 +339,9 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
     without building a Python object. Raises ``JailError`` for a spec no jail can be
     built from."""
     from vmfork import _core
-    from vmfork.runtime.network import NetworkError, _validate_netns_name
     from vmfork.vmm.devices.virtio.net import valid_tap_name
     if spec.netns is not None:
-        try:
-            _validate_netns_name(spec.netns)
-        except NetworkError as err:
-            raise JailError(f"join network namespace {spec.netns}: {err}",
-                            errno.EINVAL) from None
+        check_netns(spec.netns)
     if spec.tap is not None and not valid_tap_name(spec.tap):
         raise JailError(f"tap {spec.tap!r} is not a Linux interface name", errno.EINVAL)
     shared = None if spec.shared is None else (spec.shared.path, list(spec.shared.paths))
