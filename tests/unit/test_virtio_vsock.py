@@ -22,16 +22,10 @@ from types import TracebackType
 from typing import Self
 
 import pytest
+import test_virtio_harness as harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_virtio_harness import (  # noqa: F401
-    MEM_SIZE,
-    GuestDriver,
-    loop,
-    memory,
-    native_device,
-    wait_until,
-)
+from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
 
 from vmfork.vmm.devices.plan import boot_plan, device_plan, plan_state
 from vmfork.vmm.devices.virtio import mmio, vsock
@@ -60,8 +54,9 @@ class VsockDevice:
                  uds: str) -> None:
         self.irq = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            self.dev, self.window = native_device(loop, memory, plan, self.irq, [None] * 3,
-                                                  vsock_listener=(uds, None))
+            self.dev, self.window = harness.native_device(loop, memory, plan, self.irq,
+                                                          [None] * 3,
+                                                          vsock_listener=(uds, None))
         except BaseException:
             os.close(self.irq)
             raise
