@@ -14,8 +14,8 @@
 //! 0. *The network namespace*: for a jailed child, the held empty one (the zygote's
 //!    descriptor, `jail.hold_empty_netns`) or the sandbox's (`/run/netns/<name>`,
 //!    looked up from the host's root the zygote keeps, `jail.host_root`); for an
-//!    unjailed one, its sandbox's if it has one (`/run/netns/<name>`, where its VMM
-//!    attaches to the tap). First, since step 6 closes both descriptors, and before any
+//!    unjailed one, its sandbox's if it has one (`/run/netns/<name>`, looked up the
+//!    same way, where its VMM attaches to the tap). First, since step 6 closes both descriptors, and before any
 //!    thread: threads started later inherit it.
 //! 1. *Die with the zygote*: `PR_SET_PDEATHSIG` SIGKILL, then the check that closes the
 //!    race with a zygote that died before the prctl: `getppid()` still the zygote, or,

@@ -226,6 +226,12 @@ def host_root() -> int | None:
     return _host_root
 
 
+def host_root_plan() -> tuple[int, int, int] | None:
+    """``host_root`` as a ``ChildPlan`` takes it: (descriptor, device, inode), the last
+    two to let go of it only while it still is the host's root; None without one."""
+    return None if _host_root is None else (_host_root, *_host_root_id)
+
+
 def _let_go_of_host_root() -> None:
     """Forget the host's root and close its descriptor if it still is the host's root
     (``_core.let_go_of_host_root``, the jail's own step: a jail must not hold it, since
@@ -353,7 +359,7 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
                shared, [os.path.abspath(p) for p in spec.preopen],
                [os.path.abspath(p) for p in spec.preopen_rw]),
         tap=spec.tap if spec.netns is not None else None,
-        host_root=None if _host_root is None else (_host_root, *_host_root_id),
+        host_root=host_root_plan(),
         held_netns=_empty_netns if set_up is not None else None, netns=spec.netns)
 
 

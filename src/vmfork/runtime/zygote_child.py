@@ -210,8 +210,11 @@ def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | No
     if jail_spec is not None:
         return jail.plan(jail_spec, set_up)
     from vmfork import _core
+    # The namespace is looked up from the host's root, as a jail's: a zygote in a mount
+    # namespace of its own may not see a sandbox's namespace made after it started.
     return _core.ChildPlan(error=jail.JailError, set_up=set_up,
-                           netns=None if netns is None else jail.check_netns(netns))
+                           netns=None if netns is None else jail.check_netns(netns),
+                           host_root=None if netns is None else jail.host_root_plan())
 
 
 def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,
