@@ -11,10 +11,12 @@
 //!
 //! **Set-up** (`set_up`, a zygote child only), in this order:
 //!
-//! 0. *The network namespace*, for a jailed child: the held empty one (the zygote's
+//! 0. *The network namespace*: for a jailed child, the held empty one (the zygote's
 //!    descriptor, `jail.hold_empty_netns`) or the sandbox's (`/run/netns/<name>`,
-//!    looked up from the host's root the zygote keeps, `jail.host_root`). First, since
-//!    step 6 closes both descriptors.
+//!    looked up from the host's root the zygote keeps, `jail.host_root`); for an
+//!    unjailed one, its sandbox's if it has one (`/run/netns/<name>`, looked up the
+//!    same way, where its VMM attaches to the tap). First, since step 6 closes both descriptors, and before any
+//!    thread: threads started later inherit it.
 //! 1. *Die with the zygote*: `PR_SET_PDEATHSIG` SIGKILL, then the check that closes the
 //!    race with a zygote that died before the prctl: `getppid()` still the zygote, or,
 //!    for the first process of a PID namespace (where `getppid()` is 0), the zygote's
@@ -115,7 +117,7 @@ fn cstring(s: &str) -> Step<CString> {
     })
 }
 
-fn strerror(errno: i32) -> String {
+pub(crate) fn strerror(errno: i32) -> String {
     io::Error::from_raw_os_error(errno)
         .to_string()
         .split(" (os error")
@@ -175,8 +177,8 @@ pub fn let_go_of_host_root(fd: RawFd, dev: u64, ino: u64) {
 }
 
 /// Attach to tap `name` in this thread's network namespace (non-blocking,
-/// close-on-exec, vnet header on): the one implementation, for a jail before its drop
-/// and for `net.open_tap`. `name` is checked by the caller (a Linux interface name).
+/// close-on-exec, vnet header on): the one implementation, for a jail before its drop,
+/// an unjailed native child's machine (`machine_plan.rs`) and `net.open_tap`. `name` is checked by the caller (a Linux interface name).
 pub fn open_tap(name: &str) -> Step<RawFd> {
     let fd =
         open(c"/dev/net/tun", libc::O_RDWR | libc::O_NONBLOCK, 0).map_err(|errno| Failure {
@@ -214,7 +216,7 @@ pub fn open_tap(name: &str) -> Step<RawFd> {
 /// Which network namespace the process ends in.
 enum Net {
     /// One of its own, unshared with the jail's other namespaces (no held one: a parent
-    /// VMM; an unjailed child stays in the zygote's).
+    /// VMM; an unjailed child without a sandbox namespace stays in the zygote's).
     Own,
     /// The zygote's held empty namespace (an inherited descriptor).
     Held(RawFd),
@@ -913,12 +915,13 @@ impl ChildPlan {
         let Some(set_up) = &self.set_up else {
             return;
         };
-        let outcome = if self.jail.is_some() {
-            self.net.join().map_err(|f| jail_failure_text(&f))
-        } else {
-            Ok(())
-        }
-        .and_then(|()| set_up.run());
+        // A jailed child's namespace (its own, the held empty one or the sandbox's), or
+        // an unjailed child's sandbox namespace, where its VMM attaches to the tap.
+        let outcome = self
+            .net
+            .join()
+            .map_err(|f| jail_failure_text(&f))
+            .and_then(|()| set_up.run());
         match outcome {
             Ok(true) => {}
             Ok(false) => exit_setup_failed(None),

@@ -48,9 +48,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-use crate::net_serve::NetQueues;
 use crate::rng_serve::RngQueue;
-use crate::vsock_serve::VsockServe;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -574,15 +572,11 @@ impl EventLoop {
     }
 
     /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
-    /// device's native server (`_core.RngQueue`, `_core.NetQueues`, `_core.VsockServe`), which knows what
+    /// device's native server (`_core.RngQueue`), which knows what
     /// each of its fds is.
     fn add_native_reader(&self, fd: RawFd, handler: &Bound<'_, PyAny>) -> PyResult<()> {
         let reader: Arc<dyn NativeReader> = if let Ok(rng) = handler.cast::<RngQueue>() {
             rng.get().server.clone()
-        } else if let Ok(net) = handler.cast::<NetQueues>() {
-            net.get().server.clone()
-        } else if let Ok(vsock) = handler.cast::<VsockServe>() {
-            vsock.get().server.clone()
         } else {
             return Err(PyTypeError::new_err(format!(
                 "{} is not a native queue server",

@@ -242,8 +242,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<control_serve::ControlServe>()?;
     m.add_class::<eventloop::EventLoop>()?;
     m.add_class::<rng_serve::RngQueue>()?;
-    m.add_class::<net_serve::NetQueues>()?;
-    m.add_class::<vsock_serve::VsockServe>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

@@ -36,7 +36,7 @@ use kvm_ioctls::Kvm;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::child::Opened;
+use crate::child::{self, Opened};
 use crate::console::{log_budget, SerialFields, SerialRegs};
 use crate::machine::{ConsolePlan, InheritedRam, MachinePlan, NativeMachine, RamSource, SlotPlan};
 use crate::restore::VcpuBuffers;
@@ -134,10 +134,14 @@ impl SnapshotMachinePlan {
     /// (slot, path, key, capacity, read-only, guest path, index among the jail's
     /// opened files: its read-only ones or, for a read-write volume, its read-write
     /// ones), each a read-write volume its slot holds or a new one for an empty slot.
-    /// `ValueError` for ranges that do not fit, or a volume that does not fit its slot.
+    /// `tap`: for an unjailed child, the tap its net device attaches to, opened by the
+    /// child in the network namespace its set-up joined (`ChildPlan`'s `netns`; a
+    /// jailed child's jail opens it), a Linux interface name (checked by the caller,
+    /// `vmmchild._native_machine`). `ValueError` for ranges that do not fit, or a
+    /// volume that does not fit its slot.
     #[pyo3(signature = (run_dir, *, jail_memory = None, jail_kvm = None,
                         jail_disks = HashMap::new(), premapped = None,
-                        other_premaps = Vec::new(), volumes = Vec::new()))]
+                        other_premaps = Vec::new(), volumes = Vec::new(), tap = None))]
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn for_child(
         slf: Py<Self>,
@@ -148,6 +152,7 @@ impl SnapshotMachinePlan {
         premapped: Option<Vec<(u64, u64, u64)>>,
         other_premaps: Vec<(u64, u64)>,
         volumes: Vec<(u32, PathBuf, String, u64, bool, String, Option<usize>)>,
+        tap: Option<String>,
     ) -> PyResult<ChildMachinePlan> {
         let inherited = InheritedRam::new(slf.get().mem_size, premapped.as_deref(), &other_premaps)
             .map_err(PyValueError::new_err)?;
@@ -192,6 +197,7 @@ impl SnapshotMachinePlan {
             jail_disks,
             inherited,
             volumes,
+            tap,
         })
     }
 }
@@ -274,6 +280,8 @@ pub struct ChildMachinePlan {
     jail_disks: HashMap<u32, usize>,
     inherited: InheritedRam,
     volumes: Vec<ChildVolume>,
+    /// An unjailed child's tap name (`for_child`).
+    tap: Option<String>,
 }
 
 /// The descriptor at `index` of `fds`, the jail's opened `what`, owned from here.
@@ -367,14 +375,20 @@ impl ChildMachinePlan {
             };
             files.insert(path, file);
         }
-        // The tap the child's jail opened in its network namespace (`Jail::enter`,
-        // before the privilege drop): the process's own from here, closed when the
-        // machine is built (its transport keeps a duplicate). An unjailed child is
-        // not in its sandbox's namespace here: `vmmchild._native_machine` refuses it.
-        let tap_file = match opened {
+        // The tap: the one the child's jail opened in its network namespace
+        // (`Jail::enter`, before the privilege drop), or an unjailed child's, opened
+        // here in the namespace its set-up joined; the process's own from here, closed
+        // when the machine is built (its transport keeps a duplicate).
+        let tap_file = match (opened, &self.tap) {
             // SAFETY: a descriptor the jail opened for this process and nothing else in
             // it owns (no Python runs to adopt it): taken once, here.
-            Some((.., Some(fd))) => Some(unsafe { OwnedFd::from_raw_fd(*fd) }),
+            (Some((.., Some(fd))), _) => Some(unsafe { OwnedFd::from_raw_fd(*fd) }),
+            (None, Some(name)) => {
+                let fd = child::open_tap(name)
+                    .map_err(|f| format!("tap {name}: {}: {}", f.step, child::strerror(f.errno)))?;
+                // SAFETY: `open_tap` returns a descriptor it opened for the caller alone.
+                Some(unsafe { OwnedFd::from_raw_fd(fd) })
+            }
             _ => None,
         };
         let tap = tap_file.as_ref().map(AsRawFd::as_raw_fd);

@@ -4,8 +4,8 @@
 //!
 //! What a frame may be and what each wrong one gets are the rules in `net.py`'s module
 //! comment, which gives the reasons; this file is their one implementation, entered
-//! by `net_serve.rs` and by `net.py`'s wake (tests/unit/test_virtio_net_native.py holds
-//! the two wakes to one used ring, one set of frames on the fd and one set of counters):
+//! by `net_serve.rs` (tests/unit/test_virtio_net_native.py holds the device to the
+//! contract on hostile rings):
 //! * tx: the frame is the chain's readable part, the 12-byte `virtio_net_hdr_mrg_rxbuf`
 //!   first (the tap has IFF_VNET_HDR with that size and takes it as is); writable
 //!   descriptors in a tx chain are ignored. A frame of at most the header, or over
@@ -18,14 +18,13 @@
 //!   guest's for the next frame; `num_buffers` (bytes 10..12) is written 1.
 //!
 //! Bounds on what the guest drives: a call handles at most `max_frames` chains (rx:
-//! loop turns, dropped frames included, as `net.py` counts them); a chain is at most
+//! loop turns, dropped frames included); a chain is at most
 //! the queue size long (`virtq::pop`), so an iovec list has at most 257 entries
 //! (IOV_MAX is 1024). Nothing is allocated by a guest-chosen size.
 //!
 //! The device state (counters, the tap, the queue indices, whether the tap is watched)
-//! stays in Python: a call takes the numbers it needs and reports what changed,
-//! including the counters of the frames handled before a guest fault, which `net.py`
-//! would have counted before raising.
+//! is the caller's (`net_serve.rs`): a call takes the numbers it needs and reports what
+//! changed, including the counters of the frames handled before a guest fault.
 
 use crate::guest_ram::Ram;
 use crate::virtq::{self, QueueError, Rings};
@@ -76,8 +75,6 @@ pub struct Sent {
     /// Chains put on the used ring (frames sent and dropped).
     pub chains: u32,
     pub counters: Counters,
-    /// (frame length, errno) of each frame the tap refused, for the caller's log.
-    pub refused: Vec<(u64, i32)>,
     pub error: Option<QueueError>,
 }
 
@@ -125,8 +122,8 @@ fn iovecs(ram: &Ram<'_>, segments: &[(u64, u32)]) -> Result<Vec<libc::iovec>, Qu
     Ok(iov)
 }
 
-/// Send at most `max_frames` tx chains to the tap `fd` (None: no tap), as
-/// `VirtioNet._transmit` does, from `next_avail`/`next_used`.
+/// Send at most `max_frames` tx chains to the tap `fd` (None: no tap), from
+/// `next_avail`/`next_used`.
 pub fn transmit(
     ram: &Ram<'_>,
     rings: &Rings,
@@ -141,7 +138,6 @@ pub fn transmit(
         next_used,
         chains: 0,
         counters: Counters::default(),
-        refused: Vec::new(),
         error: None,
     };
     while out.chains < max_frames {
@@ -200,10 +196,8 @@ fn send_frame(
         if n >= 0 {
             break;
         }
-        let e = errno();
-        if e != libc::EINTR {
+        if errno() != libc::EINTR {
             out.counters.tx_dropped += 1;
-            out.refused.push((length, e));
             return Ok(());
         }
     }
@@ -213,7 +207,7 @@ fn send_frame(
 }
 
 /// Move frames from the tap `fd` into posted rx chains, one frame per chain, at most
-/// `max_frames` loop turns, as `VirtioNet._receive` does.
+/// `max_frames` loop turns.
 pub fn receive(
     ram: &Ram<'_>,
     rings: &Rings,
@@ -379,7 +373,7 @@ mod tests {
         r.write_u16(AVAIL + 6, 3).unwrap();
         r.write_u16(AVAIL + 2, 2).unwrap();
         let s = transmit(&r, &RINGS, 0, 0, Some(dev), 256, 65612);
-        assert!(s.error.is_none() && s.refused.is_empty());
+        assert!(s.error.is_none());
         assert_eq!((s.next_avail, s.next_used, s.chains), (2, 2, 2));
         assert_eq!(
             (
@@ -399,14 +393,13 @@ mod tests {
     }
 
     #[test]
-    fn tx_a_refused_write_is_a_drop_with_its_errno() {
+    fn tx_a_refused_write_is_a_drop() {
         let mut buf = vec![0u8; 0x10000];
         let g = ram(&mut buf);
         let r = g.lock().unwrap();
         put(&r, 0, 0x4000, 20, 0, 0);
         r.write_u16(AVAIL + 2, 1).unwrap();
         let s = transmit(&r, &RINGS, 0, 0, Some(-1), 256, 65612);
-        assert_eq!(s.refused, vec![(20, libc::EBADF)]);
         assert_eq!((s.chains, s.counters.tx_dropped), (1, 1));
     }
 

@@ -1,31 +1,32 @@
-//! virtio-net served on the native event loop without the GIL (`_core.NetQueues`).
+//! virtio-net served on the native event loop without the GIL (`NativeTransport`'s
+//! `DeviceKind::Net`, `_core.NativeDevice` from Python).
 //!
 //! `net.rs` moves the frames; this object is the device around it while the native loop
-//! serves the device, from its activation to its reset: what `net.py` does on a tx
-//! notification, an rx notification and a readable tap, without Python.
+//! serves the device, from its activation to its reset: what a tx notification, an rx
+//! notification and a readable tap do.
 //!
 //! * **Its fds.** The loop calls it for three, each a wake (below): the tx queue's
 //!   ioeventfd (drained), the rx queue's ioeventfd (drained; the tap is watched again)
 //!   and the tap. The ioeventfds are the transport's (it
 //!   closes them); the tap is a duplicate of the device's, registered under the
 //!   duplicate's number, so the number the loop watches is this object's until
-//!   `close`.
+//!   `retire`.
 //! * **One owner of the indices.** Both queues' `next_avail`/`next_used` are this
-//!   object's while it is attached; the Python `Virtqueue`s seed it and get them back in
-//!   `sync` (the transport's `save` asks on the loop thread, so a BRANCH of a running
-//!   child captures what was served), as in `rng_serve.rs`.
-//! * **The tap is watched only while the guest has rx buffers**, as `net.py` does it:
-//!   a receive that finds none, or a read that fails, stops watching the tap (the loop
-//!   keeps its reader; `LoopLink::watch` takes it out of the epoll set, since a readable
-//!   tap would otherwise wake the loop at every turn), and the rx notification watches
-//!   it again. Frames meanwhile wait in the tap's queue.
+//!   object's while it is attached; the transport seeds it and gets them back
+//!   (`indices`: a BRANCH of a running child captures what was served), as in
+//!   `rng_serve.rs`.
+//! * **The tap is watched only while the guest has rx buffers**: a receive that finds
+//!   none, or a read that fails, stops watching the tap (the loop keeps its reader;
+//!   `LoopLink::watch` takes it out of the epoll set, since a readable tap would
+//!   otherwise wake the loop at every turn), and the rx notification watches it again.
+//!   Frames meanwhile wait in the tap's queue.
 //! * **Budget.** One wake serves at most `max_frames` chains (tx) and receive turns (rx).
 //!   A tx run that used its budget re-arms by writing the tx ioeventfd (the rest is
 //!   served on a later turn, after the other ready fds); rx needs nothing, the tap being
 //!   level-triggered and still readable.
 //! * **Both queues per wake, one interrupt per wake, and only if the driver wants it.**
 //!   Whatever woke it (a tx or rx notification, the tap), a wake serves the tx queue,
-//!   then the rx queue while the tap is watched (`net.py`'s `_wake`, the same). A wake
+//!   then the rx queue while the tap is watched. A wake
 //!   that put chains on a used ring asks `virtq::needs_interrupt` (EVENT_IDX's `used_event`
 //!   against the used index before and after the wake, or the NO_INTERRUPT flag) and
 //!   only then sets InterruptStatus for the activation's epoch (`Registers::raise`, so a
@@ -33,14 +34,10 @@
 //!   With EVENT_IDX the driver's kicks are moderated too: a queue found empty asks for
 //!   a kick at its next chain (`virtq::pop`), and no kick is asked for while a wake is
 //!   still popping.
-//! * **What goes to Python** (`on_report(fault, refused, read_error)`, with the GIL, on
-//!   the loop thread after the turn's native work): a guest fault (the server stops,
-//!   stops watching the tap, and Python sets DEVICE_NEEDS_RESET), a failed tap read (to
-//!   log; the tap is no longer watched) and, only when `log_refused` (net.py's logger
-//!   at DEBUG when the server was made), the frames the tap refused. A healthy device
-//!   never takes the GIL. All of it goes through the server's `DeviceEvents`:
-//!   `NetQueues` installs Python's `on_report`; a machine wired in Rust
-//!   (`NetServer::new`) a native record, and then nothing goes to Python.
+//! * **What it reports** (through the server's `DeviceEvents`, the native transport's
+//!   record): a guest fault (the server stops, stops watching the tap, and the transport
+//!   sets DEVICE_NEEDS_RESET) and a failed tap read (the tap is no longer watched). The
+//!   frames the tap refuses are only counted. Nothing takes the GIL.
 //!
 //! Locks, in this order: `state`, then guest RAM's or the register file's (never both),
 //! then the loop's (`LoopLink::watch`). None is held across a GIL take or release, and
@@ -49,23 +46,14 @@
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pyo3::exceptions::PyValueError;
-use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
-
 use crate::eventloop::{drain_eventfd, Deferred, LoopLink, NativeReader};
 use crate::guest_ram::GuestRam as Ram;
 use crate::mmio::Registers;
-use crate::mmio_py::MmioRegisters;
 use crate::net::{self, Counters, RxStop};
-use crate::queue_server::{
-    self, call_python, dup, raise_used_buffer, write_eventfd, Details, DeviceEvents, PyQueue,
-};
-use crate::virtio_py::GuestRam;
+use crate::queue_server::{self, raise_used_buffer, write_eventfd, Details, DeviceEvents};
 use crate::virtq::{self, QueueError, Rings};
 
 const RX_QUEUE: u32 = 0;
-const TX_QUEUE: u32 = 1;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -108,39 +96,20 @@ struct Report {
     fault: Option<QueueError>,
     details: NetDetails,
     /// A tx run used its budget and there is no ioeventfd to re-arm with: the caller
-    /// (Python, which made the call) re-arms.
+    /// (the transport, serving a notify on the writing thread) serves again.
     rearm: bool,
 }
 
 /// What a wake reports besides a fault.
 #[derive(Default)]
 pub struct NetDetails {
-    /// (frame length, errno) of the frames the tap refused (only with `log_refused`).
-    pub refused: Vec<(u64, i32)>,
     /// The errno of a failed tap read (the tap is no longer watched).
     pub read_error: Option<i32>,
 }
 
 impl Details for NetDetails {
     fn count(&self) -> u64 {
-        self.refused.len() as u64 + u64::from(self.read_error.is_some())
-    }
-}
-
-/// Python's `on_report(fault or None, refused, read errno or None)`.
-struct PyNetReport(Py<PyAny>);
-
-impl DeviceEvents<NetDetails> for PyNetReport {
-    fn report(self: Arc<Self>, fault: Option<QueueError>, details: NetDetails) -> Option<Deferred> {
-        Some(Box::new(move |py| {
-            let fault = fault.map(|e| crate::virtio_py::py_error(py, e).into_value(py));
-            let args = (fault, details.refused, details.read_error);
-            call_python(py, &self.0, args);
-        }))
-    }
-
-    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.0)
+        u64::from(self.read_error.is_some())
     }
 }
 
@@ -170,11 +139,9 @@ pub struct NetServer {
     tx_notify: Option<RawFd>,
     max_frames: u32,
     max_tx_bytes: u64,
-    log_refused: bool,
     link: Mutex<Option<LoopLink>>,
     state: Mutex<NetState>,
-    /// Where a guest fault, a failed tap read and the refused frames go (Python's
-    /// `on_report`, or a native record).
+    /// Where a guest fault and a failed tap read go (the native transport's record).
     events: Arc<dyn DeviceEvents<NetDetails>>,
 }
 
@@ -192,7 +159,6 @@ impl NetServer {
         fds: NetFds,
         max_frames: u32,
         max_tx_bytes: u64,
-        log_refused: bool,
         events: Arc<dyn DeviceEvents<NetDetails>>,
     ) -> Result<Self, String> {
         if max_frames == 0 {
@@ -209,7 +175,6 @@ impl NetServer {
             tx_notify: fds.tx_notify,
             max_frames,
             max_tx_bytes,
-            log_refused,
             link: Mutex::new(None),
             state: Mutex::new(NetState {
                 tap: fds.tap,
@@ -285,9 +250,6 @@ impl NetServer {
         );
         (st.tx_avail, st.tx_used) = (s.next_avail, s.next_used);
         st.counters.add(&s.counters);
-        if self.log_refused {
-            report.details.refused = s.refused;
-        }
         report.fault = s.error;
         let budget_spent = report.fault.is_none() && s.chains == self.max_frames;
         let mut rx_stop = None;
@@ -417,144 +379,5 @@ impl NativeReader for NetServer {
 
     fn bind(&self, link: LoopLink) {
         *lock(&self.link) = Some(link);
-    }
-}
-
-/// Python's handle: built by `VirtioNet.activate` on the native path.
-#[pyclass(frozen, module = "vmfork._core")]
-pub struct NetQueues {
-    pub server: Arc<NetServer>,
-}
-
-#[pymethods]
-impl NetQueues {
-    /// `rx` and `tx` are queues checked by `Virtqueue.validate`; `irq_fd` the
-    /// interrupt's eventfd, `tap_fd` the device's tap (None: none), `rx_notify_fd` and
-    /// `tx_notify_fd` the queues' ioeventfds (None without ioeventfds); the irqfd, the
-    /// tap and the tx ioeventfd are duplicated; `event_idx`: the driver acked
-    /// VIRTIO_RING_F_EVENT_IDX (`virtq::pop`, `virtq::needs_interrupt`).
-    #[new]
-    #[pyo3(signature = (ram, registers, epoch, rx, tx, irq_fd, tap_fd, rx_notify_fd,
-                        tx_notify_fd, max_frames, max_tx_bytes, log_refused, on_report,
-                        event_idx = false))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ram: &Bound<'_, GuestRam>,
-        registers: &Bound<'_, MmioRegisters>,
-        epoch: u64,
-        rx: PyQueue,
-        tx: PyQueue,
-        irq_fd: RawFd,
-        tap_fd: Option<RawFd>,
-        rx_notify_fd: Option<RawFd>,
-        tx_notify_fd: Option<RawFd>,
-        max_frames: u32,
-        max_tx_bytes: u64,
-        log_refused: bool,
-        on_report: Py<PyAny>,
-        event_idx: bool,
-    ) -> PyResult<Self> {
-        let (rx_rings, tx_rings) = (
-            queue_server::rings("rx", rx, event_idx)?,
-            queue_server::rings("tx", tx, event_idx)?,
-        );
-        let fds = NetFds {
-            tap: tap_fd.map(dup).transpose()?,
-            rx_notify: rx_notify_fd,
-            tx_notify: tx_notify_fd,
-            tx_rearm: tx_notify_fd.map(dup).transpose()?,
-            irq: dup(irq_fd)?,
-        };
-        let server = NetServer::new(
-            ram.get().ram(),
-            registers.get().regs.clone(),
-            epoch,
-            (rx_rings, (rx.4, rx.5)),
-            (tx_rings, (tx.4, tx.5)),
-            fds,
-            max_frames,
-            max_tx_bytes,
-            log_refused,
-            Arc::new(PyNetReport(on_report)),
-        )
-        .map_err(PyValueError::new_err)?;
-        Ok(NetQueues {
-            server: Arc::new(server),
-        })
-    }
-
-    /// The driver notified queue `queue` (0 rx, 1 tx) and the call comes from Python (a
-    /// QueueNotify exit, the activation's catch-up). True if a tx run used its budget
-    /// and, with no ioeventfd to write, the caller is to call again later.
-    fn notify(&self, py: Python<'_>, queue: u32) -> PyResult<bool> {
-        let work = match queue {
-            RX_QUEUE => Work::RxNotify,
-            TX_QUEUE => Work::Tx,
-            _ => return Err(PyValueError::new_err(format!("no queue {queue}"))),
-        };
-        let server = self.server.clone();
-        let (rearm, deferred) = py.detach(move || {
-            let report = server.serve(work);
-            (report.rearm, server.deferred(report))
-        });
-        if let Some(work) = deferred {
-            work(py);
-        }
-        Ok(rearm)
-    }
-
-    /// Serve `fd`'s readiness now, exactly as the loop does when it finds it readable
-    /// (the tests drive the server through it, turn by turn).
-    fn serve_ready(&self, py: Python<'_>, fd: RawFd) {
-        let server = self.server.clone();
-        if let Some(work) = py.detach(move || server.ready(fd)) {
-            work(py);
-        }
-    }
-
-    /// Close the duplicated fds and serve no more (after the loop's readers are gone:
-    /// the tap's duplicate is the number the loop watched).
-    fn close(&self) {
-        self.server.retire();
-    }
-
-    /// The tap's duplicate, the fd to register with the loop (None without a tap).
-    #[getter]
-    fn tap_fd(&self) -> Option<RawFd> {
-        self.server.tap_fd
-    }
-
-    /// Whether the tap is watched (the guest had rx buffers when last looked).
-    #[getter]
-    fn watched(&self) -> bool {
-        lock(&self.server.state).watched
-    }
-
-    #[getter]
-    fn failed(&self) -> bool {
-        lock(&self.server.state).failed
-    }
-
-    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
-    #[getter]
-    fn interrupts(&self) -> u64 {
-        lock(&self.server.state).interrupts
-    }
-
-    /// The counters since this object was made, as `NetCounters`' fields: (name, n).
-    fn counters(&self) -> Vec<(&'static str, u64)> {
-        lock(&self.server.state).counters.named()
-    }
-
-    /// The ring indices: (rx next_avail, rx next_used, tx next_avail, tx next_used).
-    fn sync(&self) -> (u16, u16, u16, u16) {
-        let st = lock(&self.server.state);
-        (st.rx_avail, st.rx_used, st.tx_avail, st.tx_used)
-    }
-
-    /// The Python objects it holds, for the collector: `on_report` is usually a bound
-    /// method of the device that holds this object (see `RngQueue.__traverse__`).
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.server.events.traverse(&visit)
     }
 }

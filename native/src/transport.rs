@@ -272,7 +272,7 @@ pub const NET_MAX_TX_BYTES: u64 = 12 + 65536 + 64;
 /// `net.py`'s `LINK_UP`, the config's status word after the MAC.
 const NET_LINK_UP: u16 = 1;
 /// Feature bits the driver acks to receive offloaded frames (virtio 1.x, 5.1.3), and
-/// the `<linux/if_tun.h>` offloads each lets the tap give (`net.py`'s `tap_offloads`).
+/// the `<linux/if_tun.h>` offloads each lets the tap give (`tap_offloads`).
 const NET_F_GUEST_CSUM: u64 = 1 << 1;
 const NET_F_GUEST_TSO4: u64 = 1 << 7;
 const NET_F_GUEST_TSO6: u64 = 1 << 8;
@@ -302,8 +302,7 @@ impl NetTap {
         Ok(())
     }
 
-    /// The config space, byte for byte `net.py`'s `config_bytes`: the MAC, then the
-    /// link status (always up).
+    /// The config space `net.py` states: the MAC, then the link status (always up).
     fn config(&self) -> Vec<u8> {
         let mut config = self.mac.to_vec();
         config.extend_from_slice(&NET_LINK_UP.to_le_bytes());
@@ -984,6 +983,12 @@ impl NativeTransport {
         }
     }
 
+    /// A vsock device's server (its connections, counters and transport reset), for
+    /// the device's life; None for another kind, and once `close` ran.
+    pub fn vsock(&self) -> Option<Arc<VsockServer>> {
+        lock(&self.state).vsock.as_ref().map(|v| v.server.clone())
+    }
+
     /// A capture is in flight: the balloon keeps reported pages until `release`
     /// (`balloon.py`'s `hold_discards` says why); this and every later activation.
     pub fn hold(&self) {
@@ -1310,7 +1315,7 @@ impl NativeTransport {
                     // SAFETY: TUNSETOFFLOAD takes its flags by value, on a descriptor
                     // owned here. A refusal leaves the tap's offloads off: it then
                     // gives only plain frames, which every driver takes (slower, not
-                    // wrong; `net.py` logs it, and here nothing is to be done).
+                    // wrong, and nothing is to be done here).
                     let _ = unsafe {
                         libc::ioctl(
                             tap.as_raw_fd(),
@@ -1335,7 +1340,6 @@ impl NativeTransport {
                     },
                     NET_MAX_FRAMES,
                     NET_MAX_TX_BYTES,
-                    false,
                     events.clone() as Arc<dyn DeviceEvents<NetDetails>>,
                 )?))
             }
@@ -1536,4 +1540,26 @@ fn balloon_config(actual: u32) -> Vec<u8> {
 fn balloon_actual(config: &[u8]) -> u32 {
     let at = BALLOON_ACTUAL as usize;
     u32::from_le_bytes([config[at], config[at + 1], config[at + 2], config[at + 3]])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offloads_follow_the_features_the_guest_accepted() {
+        assert_eq!(tap_offloads(0), 0);
+        // TSO without checksum offload is invalid: the tap is told nothing.
+        assert_eq!(tap_offloads(NET_F_GUEST_TSO4), 0);
+        assert_eq!(tap_offloads(NET_F_GUEST_CSUM), TUN_F_CSUM);
+        assert_eq!(
+            tap_offloads(NET_F_GUEST_CSUM | NET_F_GUEST_TSO6 | NET_F_GUEST_ECN),
+            TUN_F_CSUM | TUN_F_TSO6 | TUN_F_TSO_ECN
+        );
+        let everything = NET_F_GUEST_CSUM | NET_F_GUEST_TSO4 | NET_F_GUEST_TSO6 | NET_F_GUEST_ECN;
+        assert_eq!(
+            tap_offloads(everything),
+            TUN_F_CSUM | TUN_F_TSO4 | TUN_F_TSO6 | TUN_F_TSO_ECN
+        );
+    }
 }

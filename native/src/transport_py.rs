@@ -130,6 +130,11 @@ fn format_mac(mac: &[u8; 6]) -> String {
 
 fn kind_from_py(kind: PyKind) -> PyResult<DeviceKind> {
     match kind {
+        // The listener is not a plan value (`plan_to_py` drops it): `restore` is given
+        // the device's.
+        PyKind::Numbers(name, cid, connect, reset) if name == "vsock" => {
+            vsock_kind((name, cid, connect, reset), Some((String::new(), None)))
+        }
         PyKind::Numbers(name, budget, second, actual) => numbers_kind(name, budget, second, actual),
         // A fresh plan is values only: the file comes with the restore.
         PyKind::Disk(name, key, capacity, read_only, guest_path) => {
@@ -388,6 +393,38 @@ impl NativeDevice {
     /// driver runs, the configuration-change interrupt; true if it was raised.
     fn config_changed(&self) -> bool {
         self.transport.config_changed()
+    }
+
+    /// A vsock device's refusal counters (`vsock.py`'s fixed keys): (key, n); empty for
+    /// another kind.
+    fn vsock_errors(&self) -> Vec<(&'static str, u64)> {
+        self.transport
+            .vsock()
+            .map(|server| server.errors())
+            .unwrap_or_default()
+    }
+
+    /// A vsock device's (connections established or being requested, accepted host
+    /// sockets still owing their CONNECT line); zeros for another kind.
+    fn vsock_connections(&self) -> (usize, usize) {
+        self.transport
+            .vsock()
+            .map(|server| (server.connection_count(), server.pending_count()))
+            .unwrap_or_default()
+    }
+
+    /// A vsock device: drop every connection and tell the guest
+    /// (EVENT_TRANSPORT_RESET); host connection requests are held until it handled it.
+    fn transport_reset(&self, py: Python<'_>) -> PyResult<()> {
+        let server = self
+            .transport
+            .vsock()
+            .ok_or_else(|| PyValueError::new_err("not a running vsock device"))?;
+        // A guest fault goes to the native transport's events, which hand no work back.
+        if let Some(work) = py.detach(move || server.transport_reset()) {
+            work(py);
+        }
+        Ok(())
     }
 
     /// A capture is in flight: a balloon keeps reported pages until `release`.

@@ -22,7 +22,6 @@ use pyo3::types::PyBytes;
 
 use crate::blk::{self, Disk, Warning};
 use crate::guest_ram::{GuestRam as Ram, Ram as Locked, RamError, Region};
-use crate::net::{self, RxStop};
 use crate::virtq::{self, Chain, QueueError, Rings};
 use crate::vsock_packet::{self, Header, Verdict};
 
@@ -275,131 +274,6 @@ impl GuestRam {
             }
             Ok((next_avail, next_used, served, bytes))
         })
-    }
-
-    /// virtio-net's tx queue (`net.rs`): send at most `max_frames` chains to the tap
-    /// `fd` (negative: none), one `writev` each of the readable part, frames of at
-    /// most the vnet header or over `max_tx_bytes` dropped. Returns (next_avail,
-    /// next_used, chains used, the counters' increments as (name, n), (frame length,
-    /// errno) of each frame the tap refused, the guest fault that ended the call or
-    /// None), the fault returned, not raised, as `serve_blk`'s. With `event_idx`, a ring
-    /// found empty asks the driver for a kick at the next chain (`virtq::pop`).
-    #[pyo3(signature = (size, desc, avail, used, next_avail, next_used, fd, max_frames,
-                        max_tx_bytes, event_idx = false))]
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    fn net_tx(
-        &self,
-        py: Python<'_>,
-        size: u16,
-        desc: u64,
-        avail: u64,
-        used: u64,
-        next_avail: u16,
-        next_used: u16,
-        fd: i32,
-        max_frames: u32,
-        max_tx_bytes: u64,
-        event_idx: bool,
-    ) -> PyResult<(
-        u16,
-        u16,
-        u32,
-        Vec<(&'static str, u64)>,
-        Vec<(u64, i32)>,
-        Option<Py<PyAny>>,
-    )> {
-        let rings = Rings {
-            event_idx,
-            ..Self::rings(size, desc, avail, used)
-        };
-        // The lock is dropped at the end of the arm, before any Python error is built.
-        let s = match self.ram.lock() {
-            Ok(ram) => net::transmit(
-                &ram,
-                &rings,
-                next_avail,
-                next_used,
-                (fd >= 0).then_some(fd),
-                max_frames,
-                max_tx_bytes,
-            ),
-            Err(e) => return Err(py_error(py, e.into())),
-        };
-        let c = s.counters;
-        let counters = vec![
-            ("tx_frames", c.tx_frames),
-            ("tx_bytes", c.tx_bytes),
-            ("tx_dropped", c.tx_dropped),
-        ];
-        let error = s.error.map(|e| py_error(py, e).into_value(py).into_any());
-        Ok((
-            s.next_avail,
-            s.next_used,
-            s.chains,
-            counters,
-            s.refused,
-            error,
-        ))
-    }
-
-    /// virtio-net's rx queue (`net.rs`): at most `max_frames` turns of one `readv`
-    /// from the tap `fd` straight into the next rx chain. Returns (next_avail,
-    /// next_used, frames delivered, the counters' increments as (name, n), why it
-    /// stopped: "drained", "no_buffers", "budget" or the errno of a failed read, the
-    /// guest fault that ended the call or None). With `event_idx`, a ring found empty
-    /// asks the driver for a kick at the next chain (`virtq::pop`).
-    #[pyo3(signature = (size, desc, avail, used, next_avail, next_used, fd, max_frames,
-                        event_idx = false))]
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    fn net_rx(
-        &self,
-        py: Python<'_>,
-        size: u16,
-        desc: u64,
-        avail: u64,
-        used: u64,
-        next_avail: u16,
-        next_used: u16,
-        fd: i32,
-        max_frames: u32,
-        event_idx: bool,
-    ) -> PyResult<(
-        u16,
-        u16,
-        u32,
-        Vec<(&'static str, u64)>,
-        Py<PyAny>,
-        Option<Py<PyAny>>,
-    )> {
-        let rings = Rings {
-            event_idx,
-            ..Self::rings(size, desc, avail, used)
-        };
-        let s = match self.ram.lock() {
-            Ok(ram) => net::receive(&ram, &rings, next_avail, next_used, fd, max_frames),
-            Err(e) => return Err(py_error(py, e.into())),
-        };
-        let c = s.counters;
-        let counters = vec![
-            ("rx_frames", c.rx_frames),
-            ("rx_bytes", c.rx_bytes),
-            ("rx_dropped", c.rx_dropped),
-        ];
-        let stop = match s.stop {
-            RxStop::Drained => "drained".into_pyobject(py)?.into_any().unbind(),
-            RxStop::NoBuffers => "no_buffers".into_pyobject(py)?.into_any().unbind(),
-            RxStop::Budget => "budget".into_pyobject(py)?.into_any().unbind(),
-            RxStop::Failed(errno) => errno.into_pyobject(py)?.into_any().unbind(),
-        };
-        let error = s.error.map(|e| py_error(py, e).into_value(py).into_any());
-        Ok((
-            s.next_avail,
-            s.next_used,
-            s.delivered,
-            counters,
-            stop,
-            error,
-        ))
     }
 
     /// virtio-blk's request queue (`blk.rs`): serve at most `max_requests` chains,

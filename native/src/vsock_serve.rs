@@ -1,11 +1,13 @@
-//! virtio-vsock served on the native event loop without the GIL (`_core.VsockServe`).
+//! virtio-vsock served on the native event loop without the GIL (`NativeTransport`'s
+//! `DeviceKind::Vsock`, `_core.NativeDevice` from Python).
 //!
 //! The vsock device's one implementation: the connection table, the state machine,
 //! credit, the host listener and its CONNECT lines, the per-connection Unix sockets,
 //! the transport reset event and the hold of host connections until the guest handled
 //! it, and the three queues (rx, tx, event). The contract, bounds and counter keys are
-//! those `vsock.py`'s module docstring and constants state. Python (`VirtioVsock`)
-//! keeps construction, config space, `VsockState`'s save and restore, and close.
+//! those `vsock.py`'s module docstring and constants state. The native transport
+//! (`transport.rs`) builds it at the restore, hands it the queues at each DRIVER_OK,
+//! and serves config space; Python keeps only `VsockState` and the constants.
 //!
 //! * **Its fds.** One private epoll holds the listener, every accepted socket still
 //!   owing its CONNECT line, every connection's socket (readable and/or writable
@@ -15,17 +17,15 @@
 //!   active, the queues' ioeventfds: four fds on the loop whatever the connection count.
 //! * **Lifetime.** The object lives as long as the device (the listener is open from
 //!   construction on); `attach` gives it the queues at each activation and `detach`
-//!   takes them back at the driver's reset, dropping every connection, as
-//!   `VirtioVsock.reset` does. While attached it is the one owner of the queues' ring
+//!   takes them back at the driver's reset, dropping every connection. While attached it is the one owner of the queues' ring
 //!   indices (`sync` copies them back for a snapshot), as in `rng_serve.rs`.
 //! * **Timers.** The CONNECT line's and the guest answer's `CONNECT_TIMEOUT` and
 //!   `RESET_ACK_WAIT_S` are deadlines in a heap; the timerfd is set to the earliest.
 //!   Entries for a connection that went away meanwhile expire as no-ops.
-//! * **What goes to Python** (`on_fault(error)`, with the GIL): a guest fault only (the
-//!   device becomes NEEDS_RESET). A healthy device never takes the GIL. It goes through
-//!   the activation's `DeviceEvents` (each `Activation` brings its own, so a fault is
-//!   told to the activation that found it): `VsockServe` hands over Python's
-//!   `on_fault`; the native transport (`transport.rs`) a `NativeEvents` for the epoch.
+//! * **A guest fault** (the device becomes NEEDS_RESET) goes through the activation's
+//!   `DeviceEvents` (each `Activation` brings its own, so a fault is told to the
+//!   activation that found it): the native transport's `NativeEvents` for the epoch.
+//!   A healthy device never takes the GIL, nor does a faulty one.
 //!
 //! Locks, in this order: `inner`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -36,18 +36,13 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use pyo3::exceptions::{PyOSError, PyValueError};
-use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::{GuestRam as GuestRamInner, Ram};
 use crate::mmio::Registers;
-use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, dup, raise_used_buffer, DeviceEvents, PyOnFault, PyQueue};
-use crate::virtio_py::GuestRam;
+use crate::queue_server::{self, raise_used_buffer, DeviceEvents};
 use crate::virtq::{self, Chain, QueueError, Rings};
 use crate::vsock_connect_line::parse_connect_line;
 use crate::vsock_io::{self, DataHeader, Stop};
@@ -79,7 +74,7 @@ const TOKEN_TIMER: u64 = 2;
 const TOKEN_KICK: u64 = 3;
 const FIRST_ID: u64 = 16;
 
-// The counter keys (`VirtioVsock.errors`), fixed strings: never a guest number.
+// The counter keys (`NativeDevice.vsock_errors`), fixed strings: never a guest number.
 const TOO_MANY_GUEST: &str = "guest connection refused: too many connections";
 const REQUEST_EXISTS: &str = "REQUEST on a connection that already exists";
 const NOT_ESTABLISHED: &str = "op on a connection that is not established";
@@ -1315,8 +1310,8 @@ pub struct Activation {
     pub registers: Arc<Mutex<Registers>>,
     pub epoch: u64,
     pub guest_cid: u64,
-    /// The rx, tx and event queues' rings (checked by the caller: `Virtqueue.validate`
-    /// from Python) and their (next_avail, next_used).
+    /// The rx, tx and event queues' rings (checked by the caller, the transport) and
+    /// their (next_avail, next_used).
     pub rings: [Rings; 3],
     pub indices: [(u16, u16); 3],
     /// The interrupt's eventfd (the KVM irqfd), owned from here on.
@@ -1325,8 +1320,8 @@ pub struct Activation {
     pub notify: [Option<RawFd>; 3],
     pub connect_timeout: Duration,
     pub reset_ack_wait: Duration,
-    /// Where a guest fault this activation finds goes (Python's `on_fault`, or the
-    /// native transport's record for the activation's epoch).
+    /// Where a guest fault this activation finds goes (the native transport's record
+    /// for the activation's epoch).
     pub events: Arc<dyn DeviceEvents<()>>,
 }
 
@@ -1360,10 +1355,6 @@ fn first_host_port() -> u32 {
     };
     // `allocate_port` hands out HOST_PORT_FIRST ..= u32::MAX - 1.
     HOST_PORT_FIRST + random % (u32::MAX - HOST_PORT_FIRST)
-}
-
-fn seconds(s: f64) -> Duration {
-    Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
 }
 
 impl VsockServer {
@@ -1545,6 +1536,17 @@ impl VsockServer {
         lock(&self.inner).conns.len()
     }
 
+    /// Accepted host sockets still owing their CONNECT line.
+    pub fn pending_count(&self) -> usize {
+        lock(&self.inner).pending.len()
+    }
+
+    /// The refusal counters (`vsock.py`'s keys): (key, n).
+    pub fn errors(&self) -> Vec<(&'static str, u64)> {
+        let inner = lock(&self.inner);
+        inner.errors.iter().map(|(&k, &n)| (k, n)).collect()
+    }
+
     /// One wake, its guest fault handed to the events of the activation that found it.
     fn serve(&self, work: Work) -> Option<Deferred> {
         let (error, att) = self.wake(work)?;
@@ -1644,189 +1646,6 @@ pub fn bind_listener(path: &str) -> std::io::Result<OwnedFd> {
         _ => {}
     }
     Ok(std::os::unix::net::UnixListener::bind(path)?.into())
-}
-
-fn os_error(what: &str, err: std::io::Error) -> PyErr {
-    PyOSError::new_err(format!("vsock: {what}: {err}"))
-}
-
-/// Python's handle: made by `VirtioVsock.__init__`.
-#[pyclass(frozen, module = "vmfork._core")]
-pub struct VsockServe {
-    pub server: Arc<VsockServer>,
-    /// Python's `on_fault`, each activation's events.
-    on_fault: Arc<PyOnFault>,
-}
-
-#[pymethods]
-impl VsockServe {
-    /// `listener_fd` is the device's listening Unix socket at `uds_path` (duplicated);
-    /// guest-initiated connections to port P go to `<uds_path>_<P>`.
-    #[new]
-    fn new(
-        listener_fd: RawFd,
-        uds_path: &str,
-        guest_cid: u64,
-        connect_timeout: f64,
-        reset_ack_wait: f64,
-        on_fault: Py<PyAny>,
-    ) -> PyResult<Self> {
-        let listener = dup(listener_fd)?;
-        let server = VsockServer::new(
-            listener,
-            uds_path,
-            guest_cid,
-            seconds(connect_timeout),
-            seconds(reset_ack_wait),
-        )
-        .map_err(|e| os_error("set-up", e))?;
-        Ok(VsockServe {
-            server: Arc::new(server),
-            on_fault: Arc::new(PyOnFault(on_fault)),
-        })
-    }
-
-    /// The fd the loop watches for every host socket and timer (`add_native_reader`).
-    #[getter]
-    fn epoll_fd(&self) -> RawFd {
-        self.server.epoll_fd
-    }
-
-    /// Take the queues at an activation (queues checked by `Virtqueue.validate`; the
-    /// irqfd duplicated, the ioeventfds' numbers kept: the transport's) and deliver a
-    /// pending transport reset. A guest fault is raised.
-    #[pyo3(signature = (ram, registers, epoch, guest_cid, rx, tx, event, irq_fd, notify_fds,
-                        connect_timeout, reset_ack_wait))]
-    #[allow(clippy::too_many_arguments)]
-    fn attach(
-        &self,
-        py: Python<'_>,
-        ram: &Bound<'_, GuestRam>,
-        registers: &Bound<'_, MmioRegisters>,
-        epoch: u64,
-        guest_cid: u64,
-        rx: PyQueue,
-        tx: PyQueue,
-        event: PyQueue,
-        irq_fd: RawFd,
-        notify_fds: (Option<RawFd>, Option<RawFd>, Option<RawFd>),
-        connect_timeout: f64,
-        reset_ack_wait: f64,
-    ) -> PyResult<()> {
-        // EVENT_IDX is not offered: vsock interrupts after every batch.
-        let rings = [
-            queue_server::rings("rx", rx, false)?,
-            queue_server::rings("tx", tx, false)?,
-            queue_server::rings("event", event, false)?,
-        ];
-        let activation = Activation {
-            ram: ram.get().ram(),
-            registers: registers.get().regs.clone(),
-            epoch,
-            guest_cid,
-            rings,
-            indices: [(rx.4, rx.5), (tx.4, tx.5), (event.4, event.5)],
-            irq: dup(irq_fd)?,
-            notify: [notify_fds.0, notify_fds.1, notify_fds.2],
-            connect_timeout: seconds(connect_timeout),
-            reset_ack_wait: seconds(reset_ack_wait),
-            events: self.on_fault.clone(),
-        };
-        let server = self.server.clone();
-        let fault = py.detach(move || server.attach(activation));
-        match fault {
-            Some(e) => Err(crate::virtio_py::py_error(py, e)),
-            None => Ok(()),
-        }
-    }
-
-    /// The driver reset the device: drop every connection (and a pending reset event:
-    /// a new driver has no stale sockets) and let go of the queues.
-    fn detach(&self) {
-        self.server.detach();
-    }
-
-    /// The driver notified queue `queue` and the call comes from Python (a QueueNotify
-    /// exit without ioeventfds, the activation's catch-up). A guest fault goes to
-    /// `on_fault`, as from the loop.
-    fn notify(&self, py: Python<'_>, queue: usize) -> PyResult<()> {
-        if queue > EV {
-            return Err(PyValueError::new_err(format!("no queue {queue}")));
-        }
-        let server = self.server.clone();
-        if let Some(work) = py.detach(move || server.notify(queue)) {
-            work(py);
-        }
-        Ok(())
-    }
-
-    /// Serve the host sockets' and timers' readiness now, as the loop does (tests).
-    fn serve_host(&self, py: Python<'_>) {
-        let server = self.server.clone();
-        if let Some(work) = py.detach(move || server.serve(Work::Host)) {
-            work(py);
-        }
-    }
-
-    /// Drop every connection and tell the guest (EVENT_TRANSPORT_RESET); host
-    /// connection requests are held until it handled it.
-    fn transport_reset(&self, py: Python<'_>) {
-        let server = self.server.clone();
-        if let Some(work) = py.detach(move || server.transport_reset()) {
-            work(py);
-        }
-    }
-
-    /// A restore: a transport reset for when the device is next activated.
-    fn arm_reset_event(&self, guest_cid: u64) {
-        self.server.arm_reset_event(guest_cid);
-    }
-
-    /// Close every socket, the listener's duplicate, the epoll, the timer (after the
-    /// loop's reader of `epoll_fd` is gone).
-    fn close(&self) {
-        self.server.close();
-    }
-
-    /// (rx next_avail, rx next_used, tx ..., event ...).
-    fn sync(&self) -> ((u16, u16), (u16, u16), (u16, u16)) {
-        let [rx, tx, ev] = self.server.sync();
-        (rx, tx, ev)
-    }
-
-    /// The refusal counters (`VirtioVsock.errors`' keys): (key, n).
-    fn errors(&self) -> Vec<(&'static str, u64)> {
-        let inner = lock(&self.server.inner);
-        inner.errors.iter().map(|(&k, &n)| (k, n)).collect()
-    }
-
-    #[getter]
-    fn connection_count(&self) -> usize {
-        self.server.connection_count()
-    }
-
-    /// Accepted host sockets still owing their CONNECT line.
-    #[getter]
-    fn pending_count(&self) -> usize {
-        lock(&self.server.inner).pending.len()
-    }
-
-    #[getter]
-    fn failed(&self) -> bool {
-        lock(&self.server.inner).failed
-    }
-
-    /// Used-buffer interrupts raised this activation (the irqfd written).
-    #[getter]
-    fn interrupts(&self) -> u64 {
-        self.server.interrupts()
-    }
-
-    /// The Python objects it holds, for the collector (`on_fault` is a bound method of
-    /// the device that holds this object; an activation holds the same `Arc`).
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.on_fault.traverse(&visit)
-    }
 }
 
 #[cfg(test)]

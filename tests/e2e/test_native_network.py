@@ -1,6 +1,7 @@
 """A native child (``VMFORK_NATIVE_CHILD=1``) of a networked parent: its virtio-net is
 the native transport's (``DeviceKind::Net``), on the tap its jail opened in the child's
-own network namespace (``ChildMachinePlan.build``). The topology, the parent and its
+own network namespace, or, unjailed, the tap it opened there itself after its set-up
+joined the namespace (``ChildMachinePlan.build``). The topology, the parent and its
 guest's HTTP server are test_network.py's; the zygote's children run no Python.
 
 The child reaches ready, its guest reaches "the internet" over its tap, and the host
@@ -46,9 +47,10 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     proc.close()
 
 
+@pytest.mark.parametrize("jail", [True, False], ids=["jailed", "unjailed"])
 def test_a_native_child_of_a_networked_parent_reaches_the_network_both_ways(
-        spawner: Spawner) -> None:
-    (child,) = spawner.fork(1)
+        spawner: Spawner, jail: bool) -> None:
+    (child,) = spawner.fork(1, jail=jail)
     assert child.network is not None
     status = child.read_status()
     assert status["state"] == "ready", status

@@ -176,9 +176,11 @@ class Spawner:
         self.hostnet = hostnet
         self.children: list[Child] = []
 
-    def fork(self, n: int, egress: EgressPolicy | None = None) -> list[Child]:
+    def fork(self, n: int, egress: EgressPolicy | None = None,
+             jail: bool | None = None) -> list[Child]:
         report = fork_children(self.client, self.snapshot, n, self.run_root, timeout=600,
-                               per_child_netns=True, network=self.hostnet, egress=egress)
+                               per_child_netns=True, network=self.hostnet, egress=egress,
+                               jail=jail)
         assert not report.failed, report.failed
         self.children += report.children
         return report.children

@@ -259,16 +259,15 @@ def test_a_vsock_snapshot_restores_natively_without_the_parents_connections(
         loops: tuple[NativeEventLoop, NativeEventLoop]) -> None:
     parent_loop, child_loop = loops
     with VsockEnv(parent_loop) as parent:
-        # The parent: served by the Python transport, a host connection established and
-        # an event buffer posted when the snapshot is taken.
+        # The parent: a host connection established and an event buffer posted when
+        # the snapshot is taken.
         parent.ev.post(writable=[4])
         parent.driver.notify(2)
         old_host, _ = parent.host_connect(1234)
-        dev_state = run_on_loop(parent_loop, parent.dev.save)
-        saved = DeviceState("vsock", 1, 0, 6, dev_state,
-                            run_on_loop(parent_loop, parent.transport.save))
+        saved = plan_state(parent.dev.plan(), 0, 6)
+        dev_state = saved.state
         # The parent lets go of the rings (the child maps the same guest memory).
-        run_on_loop(parent_loop, parent.transport.reset)
+        parent.device.close()
         assert old_host.recv(10) == b""
         old_host.close()
 
@@ -377,10 +376,10 @@ def _wait_used(memory: GuestMemory, q: QueueState, index: int) -> tuple[int, int
 
 def test_an_old_snapshots_net_restores_natively_and_moves_frames_on_its_tap(
         memory: GuestMemory) -> None:
-    """The format-1 golden file's net record makes a plan (its MAC; what ``VirtioNet``
+    """The format-1 golden file's net record makes a plan (its MAC; what ``net.py``
     offers), restores natively and live on the tap it is handed (a datagram
-    socketpair: one write a frame, as a tap with IFF_VNET_HDR), serves ``net.py``'s
-    config bytes, sends a guest frame to the tap and puts the host's in the guest's
+    socketpair: one write a frame, as a tap with IFF_VNET_HDR), serves the config
+    space ``net.py`` states (the MAC, then the link up), sends a guest frame to the tap and puts the host's in the guest's
     buffer, and gives the record back with both rings moved on by one."""
     state = stateformat.read_state_file(GOLDEN / "state-v1.bin", MachineState)
     [saved] = [d for d in state.devices if d.kind == "net"]
@@ -404,7 +403,7 @@ def test_an_old_snapshots_net_restores_natively_and_moves_frames_on_its_tap(
                                             irq, notify, tap_fd=tap.fileno())
         tap.close()   # the device holds its own duplicate
         assert device.active
-        config = net.VirtioNet(loop, net.parse_mac(saved.state.mac), None).config_bytes()
+        config = net.parse_mac(saved.state.mac) + struct.pack("<H", net.LINK_UP)
         assert b"".join(device.registers.read(0x100 + at, 2) for at in range(0, 8, 2)) == config
         # Guest to host: the frame, its virtio-net header first, one write on the tap.
         frame = bytes(net.VNET_HDR_SIZE) + b"\xab" * 60

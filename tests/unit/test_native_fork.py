@@ -243,22 +243,22 @@ def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
 def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
         tmp_path: Path) -> None:
     assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") == "1")
-    # The format-1 golden snapshot, networked, its child given a tap: an unjailed native
-    # child has none (its jail opens one in the sandbox's network namespace).
+    # The format-1 golden snapshot, networked, its unjailed child given a tap whose name
+    # is no interface's (a jailed child's spec is refused before, by jail.plan).
     snapshot_dir = tmp_path / "snapshot"
     snapshot_dir.mkdir()
     shutil.copy(Path(__file__).parent / "golden" / "state-v1.bin", snapshot_dir / "state.bin")
     (snapshot_dir / "memory.bin").write_bytes(b"")
     prep = zygote._Prepared("vm1", {"vm_id": "vm1", "run_dir": str(tmp_path),
                                     "snapshot_dir": str(snapshot_dir), "netns": "vmft-1",
-                                    "net_tap": "tap0"}, None, None, str(tmp_path))
+                                    "net_tap": "tap/0"}, None, None, str(tmp_path))
     # vmmchild's hook fails the spawn (never a silent Python child) for a machine it
     # cannot build natively, naming the device.
     with pytest.raises(OSError) as raised:
         zygote.Zygote._native_child(vmmchild.native_child, prep)
     assert raised.value.errno == errno.ENOTSUP
     assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
-    assert "takes its tap from its jail" in str(raised.value)
+    assert "net_tap 'tap/0' is not a Linux interface name" in str(raised.value)
 
 
 def test_the_default_hand_over_parses_as_the_control_server_does_and_refuses_for_now() -> None:

@@ -196,8 +196,8 @@ def test_more_msrs_than_one_kvm_set_msrs_takes_are_refused_by_name() -> None:
 
 def test_load_snapshot_builds_the_native_devices_plans_once(snapshot_dir: Path) -> None:
     """The zygote's cache holds the plans a forked child's ``Machine`` is handed
-    (``MachineConfig.restore_plans``): rng's and the balloon's, not vsock's (the
-    Python ``Machine`` serves it in Python), built once while the file is unchanged."""
+    (``MachineConfig.restore_plans``): those of the kinds it serves natively, here
+    rng's, the balloon's and vsock's, built once while the file is unchanged."""
     state = make_state()
     queue = QueueState(64, 64, True, 0x1000, 0x2000, 0x3000, 5, 4)
     for kind, record, device_type, queues in (
@@ -211,7 +211,7 @@ def test_load_snapshot_builds_the_native_devices_plans_once(snapshot_dir: Path) 
     write_state_file(snapshot_dir / "state.bin", state)
     loaded = vmmchild._load_snapshot(str(snapshot_dir))
     assert loaded.plans == {d.slot: device_plan(d) for d in state.devices
-                            if d.kind in ("rng", "balloon")}
+                            if d.kind in ("rng", "balloon", "vsock")}
     assert vmmchild._load_snapshot(str(snapshot_dir)).plans is loaded.plans
 
 

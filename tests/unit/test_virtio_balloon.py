@@ -14,7 +14,13 @@ from typing import NamedTuple
 
 import pytest
 from test_restore_prepared import add_device, format_1_file, make_state
-from test_virtio_harness import DriverQueue, GuestDriver, Window, spin_holding_the_gil, wait_until
+from test_virtio_harness import (
+    DriverQueue,
+    GuestDriver,
+    native_device,
+    spin_holding_the_gil,
+    wait_until,
+)
 
 from vmfork import _core
 from vmfork.ondisk import stateformat
@@ -73,15 +79,6 @@ def loop(memory: GuestMemory) -> Iterator[NativeEventLoop]:
     assert not ev.errors, f"exceptions escaped device callbacks: {ev.errors!r}"
 
 
-def restore(loop: NativeEventLoop, memory: GuestMemory, plan: object, irq: int,
-            notify: list[int | None]) -> tuple[_core.NativeDevice, Window]:
-    """A native balloon from ``plan`` in the window of a map of its own."""
-    assert memory.native is not None
-    device = _core.NativeDevice.restore(plan, memory.native,  # type: ignore[arg-type]
-                                        loop.native_loop, irq, notify)
-    return device, Window.of(device)
-
-
 class Stats(NamedTuple):
     reports: int
     bytes_discarded: int
@@ -106,10 +103,10 @@ class Env:
         self.irq = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.kick_fds = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
                          for _ in range(3)] if path == "native-ioeventfd" else []
-        self.dev, self.window = restore(loop, memory, boot_plan("balloon",
-                                                                balloon_advice(memory)),
-                                        self.irq, [*self.kick_fds] or [None] * 3)
-        self.driver = GuestDriver(self.window, memory)  # type: ignore[arg-type]
+        plan = boot_plan("balloon", balloon_advice(memory))
+        self.dev, self.window = native_device(loop, memory, plan, self.irq,
+                                              [*self.kick_fds] or [None] * 3)
+        self.driver = GuestDriver(self.window, memory)
         status = self.driver.negotiate(FEATURES)
         assert status & STATUS_FEATURES_OK, f"FEATURES_OK refused ({status:#x})"
         self.queues = [self.driver.setup_queue(i, balloon.QUEUE_SIZE, 64) for i in range(3)]
@@ -416,8 +413,8 @@ def test_a_restored_device_serves_a_report_left_on_its_ring(loop: NativeEventLoo
         kicks = [os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(3)] \
             if path == "native-ioeventfd" else []
         try:
-            dev, _ = restore(loop, memory, device_plan(saved, balloon_advice(memory)), irq,
-                             [*kicks] or [None] * 3)
+            dev, _ = native_device(loop, memory, device_plan(saved, balloon_advice(memory)),
+                                   irq, [*kicks] or [None] * 3)
             wait_until(lambda: q.used_idx() == 1, what="the report served after restore")
             assert memory.read(FREE_AT, PAGE_SIZE) == _expected(memory, FREE_AT // PAGE_SIZE)
             assert stats_of(dev).reports == 1

@@ -26,7 +26,7 @@ from vmfork.vmm.devices.virtio.device import (
     VIRTIO_F_VERSION_1,
 )
 from vmfork.vmm.devices.virtio.queue import VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE
-from vmfork.vmm.eventloop import EventLoop, new_event_loop
+from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, new_event_loop
 from vmfork.vmm.memory import GuestMemory
 
 MEM_SIZE = 48 << 20
@@ -143,8 +143,21 @@ class Window:
         assert self.windows.write(self.base + offset, bytes(data))
 
 
+def native_device(loop: EventLoop, memory: GuestMemory, plan: object, irq: int,
+                  notify: list[int | None], **host: object
+                  ) -> tuple[_core.NativeDevice, Window]:
+    """A device restored from ``plan`` by its native transport (as ``Machine`` serves
+    it), in the window of a map of its own; ``host``: ``NativeDevice.restore``'s
+    host resources (a vsock's listener, a disk's file, a net device's tap)."""
+    assert isinstance(loop, NativeEventLoop) and memory.native is not None
+    device = _core.NativeDevice.restore(plan, memory.native,  # type: ignore[arg-type]
+                                        loop.native_loop, irq, notify, **host)
+    return device, Window.of(device)
+
+
 class GuestDriver:
-    def __init__(self, transport: mmio.MmioTransport, memory: GuestMemory) -> None:
+    def __init__(self, transport: mmio.MmioTransport | Window,
+                 memory: GuestMemory) -> None:
         self.t = transport
         self.memory = memory
         self.next_free = 0x10000

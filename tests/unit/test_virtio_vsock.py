@@ -1,6 +1,7 @@
 """virtio-vsock end to end: a simulated guest driver on one side, real Unix
-sockets (Firecracker's CONNECT/OK convention) on the other, the native server
-(``_core.VsockServe``, the one implementation) on a real I/O thread in between.
+sockets (Firecracker's CONNECT/OK convention) on the other, the device as every machine
+serves it (its native transport, ``_core.NativeDevice``, and ``vsock_serve.rs``, the one
+implementation) on a real I/O thread in between.
 
 The examples are the spec's answers (RST for an unknown connection or a port nobody
 listens on, OP_RESPONSE for a listened one, credit honoured both ways, bytes delivered
@@ -21,15 +22,16 @@ from types import TracebackType
 from typing import Self
 
 import pytest
+import test_virtio_harness as harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_virtio_harness import MEM_SIZE, GuestDriver, loop, memory, wait_until  # noqa: F401
 
+from vmfork.vmm.devices.plan import boot_plan, device_plan, plan_state
 from vmfork.vmm.devices.virtio import mmio, vsock
 from vmfork.vmm.devices.virtio.device import STATUS_DEVICE_NEEDS_RESET, run_on_loop
-from vmfork.vmm.devices.virtio.vsock import HEADER_SIZE, Op, PacketHeader, VirtioVsock
+from vmfork.vmm.devices.virtio.vsock import HEADER_SIZE, Op, PacketHeader
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
-from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 
 GUEST = 3
@@ -44,6 +46,42 @@ def pkt(op: int, src_port: int, dst_port: int, length: int = 0, *, flags: int = 
                         buf_alloc, fwd_cnt)
 
 
+class VsockDevice:
+    """A vsock device restored from ``plan`` by its native transport, listening at
+    ``uds`` (bound by the device), with its own interrupt eventfd."""
+
+    def __init__(self, loop: EventLoop, memory: GuestMemory, plan: object,  # noqa: F811
+                 uds: str) -> None:
+        self.irq = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            self.dev, self.window = harness.native_device(loop, memory, plan, self.irq,
+                                                          [None] * 3,
+                                                          vsock_listener=(uds, None))
+        except BaseException:
+            os.close(self.irq)
+            raise
+
+    @property
+    def errors(self) -> dict[str, int]:
+        return dict(self.dev.vsock_errors())
+
+    @property
+    def connection_count(self) -> int:
+        return self.dev.vsock_connections()[0]
+
+    @property
+    def pending_count(self) -> int:
+        return self.dev.vsock_connections()[1]
+
+    def close(self) -> None:
+        """Serve no more (idempotent): connections and the listener closed."""
+        if self.irq < 0:
+            return
+        self.dev.close()
+        os.close(self.irq)
+        self.irq = -1
+
+
 class VsockEnv:
     """A vsock device behind its transport, and the guest half driving it."""
 
@@ -52,14 +90,23 @@ class VsockEnv:
         self.dir = tempfile.mkdtemp(prefix="vsk", dir="/tmp")  # AF_UNIX paths are short
         self.uds = f"{self.dir}/v.sock"
         self.memory = GuestMemory.anonymous(MEM_SIZE)
-        self.irq = IrqLine(gsi=6)
-        self.dev = VirtioVsock(loop, self.uds)
-        self.transport = mmio.MmioTransport(self.dev, self.memory, self.irq, loop)
-        self.driver = GuestDriver(self.transport, self.memory)
+        self.device = VsockDevice(loop, self.memory, boot_plan("vsock", guest_cid=GUEST),
+                                  self.uds)
+        self.dev = self.device.dev
+        self.driver = GuestDriver(self.device.window, self.memory)
         self.rx, self.tx, self.ev = self.driver.start(
             [(64, RX_BUF), (64, 64 * 1024), (8, 8)])
         self.packets: list[tuple[PacketHeader, bytes]] = []
         self.post_rx(rx_buffers)
+
+    @property
+    def errors(self) -> dict[str, int]:
+        """Refused packets and connections by reason (fixed keys)."""
+        return self.device.errors
+
+    @property
+    def connection_count(self) -> int:
+        return self.device.connection_count
 
     def __enter__(self) -> Self:
         return self
@@ -69,10 +116,10 @@ class VsockEnv:
         self.close()
 
     def close(self) -> None:
-        self.transport.reset()  # the device stops touching guest memory before it goes
-        self.dev.close()
+        # The driver's reset: the device stops touching guest memory before it goes.
+        self.driver.w(mmio.REG_STATUS, 0)
+        self.device.close()
         run_on_loop(self.loop, lambda: None)
-        self.irq.close()
         self.memory.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -206,9 +253,9 @@ def guest_listener(env: VsockEnv) -> Iterator[socket.socket]:
 
 
 def test_config_space_holds_the_guest_cid(env: VsockEnv) -> None:
-    assert env.transport.read(0x100, 8) == struct.pack("<Q", 3)
-    assert env.transport.read(0x100, 4) == b"\3\0\0\0"
-    assert env.transport.read(0x104, 4) == b"\0\0\0\0"
+    assert env.device.window.read(0x100, 8) == struct.pack("<Q", 3)
+    assert env.device.window.read(0x100, 4) == b"\3\0\0\0"
+    assert env.device.window.read(0x104, 4) == b"\0\0\0\0"
 
 
 def test_host_initiated_connection_carries_data_both_ways(env: VsockEnv) -> None:
@@ -227,7 +274,7 @@ def test_host_initiated_connection_carries_data_both_ways(env: VsockEnv) -> None
 def test_a_second_host_connection_gets_its_own_port(env: VsockEnv) -> None:
     a, pa = env.host_connect(1234)
     b, pb = env.host_connect(1234)
-    assert pa != pb and env.dev.connection_count == 2
+    assert pa != pb and env.connection_count == 2
     a.close()
     b.close()
 
@@ -278,7 +325,7 @@ def test_guest_honouring_credit_streams_far_more_than_the_buffer(env: VsockEnv) 
         env.send(pkt(Op.RW, 88, hport, n, fwd_cnt=0), bytes([sent % 251]) * n)
         sent += n
     reader.join(10)
-    assert len(received) == total and env.dev.errors == {}
+    assert len(received) == total and env.errors == {}
     host.close()
 
 
@@ -291,8 +338,8 @@ def test_guest_overrunning_our_credit_is_reset(env: VsockEnv) -> None:
         if any(h.op == Op.RST for h, _ in env.packets):
             break
     env.wait_op(Op.RST)
-    assert env.dev.errors.get("guest overran the credit we advertised") == 1
-    assert env.dev.connection_count == 0
+    assert env.errors.get("guest overran the credit we advertised") == 1
+    assert env.connection_count == 0
     host.close()
 
 
@@ -304,7 +351,7 @@ def test_guest_refusal_closes_the_host_socket_without_ok(env: VsockEnv) -> None:
     req, _ = env.wait_op(Op.REQUEST)
     env.send(pkt(Op.RST, 99, req.src_port))
     assert host.recv(100) == b""
-    assert env.dev.connection_count == 0
+    assert env.connection_count == 0
 
 
 @pytest.fixture
@@ -343,7 +390,7 @@ def test_bad_connect_lines_are_closed(env: VsockEnv, line: bytes) -> None:
     assert not env.packets
     key = "bad CONNECT line" if b"\n" in line else \
         "host connection closed without a CONNECT line"
-    wait_until(lambda: env.dev.errors.get(key) == 1, what=key)
+    wait_until(lambda: env.errors.get(key) == 1, what=key)
 
 
 def test_a_connect_line_may_come_in_pieces(env: VsockEnv) -> None:
@@ -370,7 +417,7 @@ def test_a_host_connection_without_its_line_is_closed_after_the_timeout(
     assert closed_by_peer(host)
     host.close()
     env.collect()
-    assert not env.packets and not env.dev.errors
+    assert not env.packets and not env.errors
 
 
 def test_closing_the_device_leaves_no_fds_or_threads(loop: EventLoop) -> None:  # noqa: F811
@@ -394,9 +441,9 @@ def test_closing_the_device_leaves_no_fds_or_threads(loop: EventLoop) -> None:  
         assert recv_exact(host, 3) == b"abc"
         idle = socket.socket(socket.AF_UNIX)
         idle.connect(e.uds)
-        wait_until(lambda: e.dev._server.pending_count == 1,
+        wait_until(lambda: e.device.pending_count == 1,
                    what="the idle host socket accepted")
-        assert e.dev.connection_count == 2
+        assert e.connection_count == 2
     assert closed_by_peer(host) and closed_by_peer(idle) and closed_by_peer(accepted)
     for sock in (host, idle, accepted, srv):
         sock.close()
@@ -422,7 +469,7 @@ def test_guest_initiated_connection(env: VsockEnv, guest_listener: socket.socket
     assert env.stream(4) == b"late"
     peer.close()  # both directions done: the connection ends with RST
     env.wait_op(Op.RST)
-    wait_until(lambda: env.dev.connection_count == 0, what="the connection to go")
+    wait_until(lambda: env.connection_count == 0, what="the connection to go")
 
 
 def test_host_close_sends_shutdown(env: VsockEnv, guest_listener: socket.socket) -> None:
@@ -457,7 +504,7 @@ def test_guest_connection_without_listener_is_reset(env: VsockEnv) -> None:
     env.send(pkt(Op.REQUEST, 40003, 6000))
     rst, _ = env.wait_op(Op.RST)
     assert (rst.src_port, rst.dst_port, rst.dst_cid) == (6000, 40003, GUEST)
-    assert env.dev.connection_count == 0
+    assert env.connection_count == 0
 
 
 def test_guest_credit_request_is_answered(env: VsockEnv, guest_listener: socket.socket) -> None:
@@ -477,13 +524,13 @@ def test_guest_credit_request_is_answered(env: VsockEnv, guest_listener: socket.
 def test_malformed_packets_are_dropped_and_counted(env: VsockEnv, hdr: PacketHeader,
                                                    payload: bytes, error: str) -> None:
     env.send(hdr, payload)
-    wait_until(lambda: env.dev.errors.get(error) == 1, what=error)
+    wait_until(lambda: env.errors.get(error) == 1, what=error)
 
 
 def test_short_header_is_dropped(env: VsockEnv) -> None:
     env.tx.post(readable=[b"\0" * 20])
     env.driver.notify(vsock.TX_QUEUE)
-    wait_until(lambda: env.dev.errors.get("tx packet shorter than the header") == 1,
+    wait_until(lambda: env.errors.get("tx packet shorter than the header") == 1,
                what="the short header to be counted")
 
 
@@ -522,7 +569,7 @@ def test_transport_reset_drops_connections_and_posts_event(
     [(_, written, data)] = env.ev.take_used()
     assert (written, data) == (4, struct.pack("<I", vsock.EVENT_TRANSPORT_RESET))
     assert peer.recv(10) == b"" and host.recv(10) == b""
-    assert env.dev.connection_count == 0
+    assert env.connection_count == 0
     acknowledge_reset(env)
     env.host_connect(1234)[0].close()  # new connections work once the guest handled it
     peer.close()
@@ -591,7 +638,7 @@ def _host_connects_after_a_transport_reset(env: VsockEnv, event_buffers: int) ->
 def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
         env: VsockEnv) -> None:
     host = _host_connects_after_a_transport_reset(env, event_buffers=1)
-    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    wait_until(lambda: env.connection_count == 1, what="the host connection")
     # Its request is held: a guest that has not yet handled the reset would reset the
     # new connection with the stale ones.
     run_on_loop(env.loop, lambda: None)
@@ -602,7 +649,7 @@ def test_host_connections_wait_until_the_guest_handled_a_transport_reset(
     env.send(pkt(Op.RESPONSE, 1234, req.src_port))
     assert recv_line(host) == f"OK {req.src_port}\n".encode()
     assert "host connections sent before the guest acknowledged a transport reset" \
-        not in env.dev.errors
+        not in env.errors
     host.close()
 
 
@@ -611,7 +658,7 @@ def test_a_notification_without_a_new_event_buffer_is_no_acknowledgement(
     """As a transport's own notification of every queue when it activates the device
     (a restore) is not."""
     host = _host_connects_after_a_transport_reset(env, event_buffers=2)
-    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    wait_until(lambda: env.connection_count == 1, what="the host connection")
     env.driver.notify(vsock.EVENT_QUEUE)   # one buffer still available, none given back
     run_on_loop(env.loop, lambda: None)
     assert requests_sent(env) == 0
@@ -626,7 +673,7 @@ def test_held_host_connections_go_out_if_the_guest_never_acknowledges(
         fast_reset_ack_wait: None, env: VsockEnv) -> None:
     host = _host_connects_after_a_transport_reset(env, event_buffers=1)
     req, _ = env.wait_op(Op.REQUEST)   # after RESET_ACK_WAIT_S, without the notification
-    assert env.dev.errors["host connections sent before the guest acknowledged a "
+    assert env.errors["host connections sent before the guest acknowledged a "
                           "transport reset"] == 1
     env.send(pkt(Op.RESPONSE, 1234, req.src_port))
     assert recv_line(host) == f"OK {req.src_port}\n".encode()
@@ -641,7 +688,7 @@ def test_a_notification_before_the_reset_event_is_not_its_acknowledgement(
     host.settimeout(5)
     host.connect(env.uds)
     host.sendall(b"CONNECT 1234\n")
-    wait_until(lambda: env.dev.connection_count == 1, what="the host connection")
+    wait_until(lambda: env.connection_count == 1, what="the host connection")
     env.ev.post(writable=[4])
     env.driver.notify(vsock.EVENT_QUEUE)   # takes the event, acknowledges nothing yet
     wait_until(lambda: env.ev.used_idx() == 1, what="the deferred transport reset event")
@@ -670,38 +717,30 @@ def test_snapshot_restore_resets_the_guest_transport(loop: EventLoop) -> None:  
         parent.ev.post(writable=[4])
         parent.driver.notify(vsock.EVENT_QUEUE)
         host, _ = parent.host_connect(1234)
-        tstate = run_on_loop(loop, parent.transport.save)
-        dstate = run_on_loop(loop, parent.dev.save)
-        assert dstate == vsock.VsockState(guest_cid=3, acked_features=1 << 32)
-        # The child: same guest memory (as if mapped from the snapshot), new host resources.
+        saved = plan_state(parent.dev.plan(), 0, 5)
+        assert saved.state == vsock.VsockState(guest_cid=3, acked_features=1 << 32)
+        # The child: same guest memory (as if mapped from the snapshot), new host
+        # resources; the source lets go of the rings first (one server per ring).
+        parent.device.close()
+        assert host.recv(10) == b""
         child_uds = f"{parent.dir}/child.sock"
-        child = VirtioVsock(loop, child_uds, guest_cid=99)
-        child.restore(vsock.VsockState(**vars(dstate)))
-        assert child.guest_cid == 3
-        irq = IrqLine(gsi=7)
-        transport = mmio.MmioTransport(child, parent.memory, irq, loop)
-        try:
-            transport.restore(mmio.MmioTransportState(**vars(tstate)))
-            wait_until(lambda: parent.ev.used_idx() == 1, what="the event after restore")
-            [(_, _, data)] = parent.ev.take_used()
-            assert data == struct.pack("<I", vsock.EVENT_TRANSPORT_RESET)
-            # The child serves new connections on its own socket, continuing the rings.
-            parent.uds = child_uds
-            parent.transport = transport
-            parent.driver.t = transport
-            acknowledge_reset(parent)
-            parent.host_connect(4321)[0].close()
-        finally:
-            child.close()
-            run_on_loop(loop, lambda: None)
-            irq.close()
+        parent.device = VsockDevice(loop, parent.memory, device_plan(saved), child_uds)
+        parent.dev, parent.driver.t = parent.device.dev, parent.device.window
+        assert parent.device.window.read(0x100, 8) == struct.pack("<Q", 3)
+        wait_until(lambda: parent.ev.used_idx() == 1, what="the event after restore")
+        [(_, _, data)] = parent.ev.take_used()
+        assert data == struct.pack("<I", vsock.EVENT_TRANSPORT_RESET)
+        # The child serves new connections on its own socket, continuing the rings.
+        parent.uds = child_uds
+        acknowledge_reset(parent)
+        parent.host_connect(4321)[0].close()
         host.close()
 
 
 def test_reset_by_the_driver_closes_connections(env: VsockEnv) -> None:
     host, _ = env.host_connect(1234)
     env.driver.w(mmio.REG_STATUS, 0)
-    assert env.dev.connection_count == 0 and not env.dev.active
+    assert env.connection_count == 0 and not env.dev.active
     assert host.recv(10) == b""
     host.close()
     # Host connections while the driver is down are refused after their CONNECT line.
@@ -723,7 +762,7 @@ def test_too_small_rx_buffer_needs_reset(loop: EventLoop) -> None:  # noqa: F811
         e.driver.notify(vsock.RX_QUEUE)
         e.send(pkt(Op.REQUEST, 1, 6000))  # answered with RST: needs an rx buffer
         wait_until(lambda: e.needs_reset, what="DEVICE_NEEDS_RESET")
-        assert "cannot hold" in (e.transport.last_device_error or "")
+        assert "cannot hold" in (e.dev.record()[3] or "")
 
 
 # -- property: whatever the guest sends, the device survives and stays usable ---------------
@@ -824,7 +863,7 @@ def _replay(loop: EventLoop, packets: list[tuple[PacketHeader, bytes]]) -> Repla
             wait_until(lambda posted=posted: e.tx.used_idx() == posted or e.needs_reset,
                        what="the packet handled")
             e.collect()
-        out, errors, broken = list(e.packets), e.dev.errors, e.needs_reset
+        out, errors, broken = list(e.packets), e.errors, e.needs_reset
     carried = []
     srv.setblocking(False)
     while True:

@@ -226,6 +226,12 @@ def host_root() -> int | None:
     return _host_root
 
 
+def host_root_plan() -> tuple[int, int, int] | None:
+    """``host_root`` as a ``ChildPlan`` takes it: (descriptor, device, inode), the last
+    two to let go of it only while it still is the host's root; None without one."""
+    return None if _host_root is None else (_host_root, *_host_root_id)
+
+
 def _let_go_of_host_root() -> None:
     """Forget the host's root and close its descriptor if it still is the host's root
     (``_core.let_go_of_host_root``, the jail's own step: a jail must not hold it, since
@@ -316,6 +322,20 @@ def hold_empty_netns() -> bool:
     return True
 
 
+def check_netns(name: object) -> str:
+    """``name``, if it names a sandbox's network namespace (what ``runtime.network``
+    creates), which a child's set-up joins; else ``JailError``."""
+    from vmfork.runtime.network import NetworkError, _validate_netns_name
+    if not isinstance(name, str):
+        raise JailError(f"a network namespace's name is a string, not {name!r:.40}",
+                        errno.EINVAL)
+    try:
+        _validate_netns_name(name)
+    except NetworkError as err:
+        raise JailError(f"join network namespace {name}: {err}", errno.EINVAL) from None
+    return name
+
+
 def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None
          ) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
@@ -325,14 +345,9 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
     without building a Python object. Raises ``JailError`` for a spec no jail can be
     built from."""
     from vmfork import _core
-    from vmfork.runtime.network import NetworkError, _validate_netns_name
     from vmfork.vmm.devices.virtio.net import valid_tap_name
     if spec.netns is not None:
-        try:
-            _validate_netns_name(spec.netns)
-        except NetworkError as err:
-            raise JailError(f"join network namespace {spec.netns}: {err}",
-                            errno.EINVAL) from None
+        check_netns(spec.netns)
     if spec.tap is not None and not valid_tap_name(spec.tap):
         raise JailError(f"tap {spec.tap!r} is not a Linux interface name", errno.EINVAL)
     shared = None if spec.shared is None else (spec.shared.path, list(spec.shared.paths))
@@ -344,7 +359,7 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
                shared, [os.path.abspath(p) for p in spec.preopen],
                [os.path.abspath(p) for p in spec.preopen_rw]),
         tap=spec.tap if spec.netns is not None else None,
-        host_root=None if _host_root is None else (_host_root, *_host_root_id),
+        host_root=host_root_plan(),
         held_netns=_empty_netns if set_up is not None else None, netns=spec.netns)
 
 

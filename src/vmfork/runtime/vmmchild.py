@@ -97,7 +97,6 @@ from vmfork.ondisk.memplan import MAX_RUNS, PLAN_FILE, MemoryPlan, read_plan, sn
 from vmfork.ondisk.stateformat import read_state_file
 from vmfork.runtime import control, jail, memphases, seccomp, spawnprofile, zygote_child
 from vmfork.runtime.jail import JailSpec
-from vmfork.runtime.network import enter_netns
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
 from vmfork.vmm.capture import CaptureError, SnapshotTaker
@@ -105,6 +104,7 @@ from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
 from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
 from vmfork.vmm.devices.virtio.blk import SECTOR_SIZE, BlkState
+from vmfork.vmm.devices.virtio.net import valid_tap_name
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
@@ -594,19 +594,19 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None,
     jailed, where the jail's opened descriptors hold ``/dev/kvm``, each disk and, for
     a flat snapshot, the memory file. A
     networked snapshot's child given a tap (``net_tap``) takes the one its jail opened
-    in its network namespace (``ChildMachinePlan.build``); given none, its device has
-    no tap, as a Python child's. ``ValueError`` for a tap asked of an unjailed child
-    (it does not join the namespace, as ``main`` does, yet)."""
+    in its network namespace, or, unjailed, opens it in the namespace its set-up joined
+    (``ChildMachinePlan.build``); given none, its device has no tap, as a Python
+    child's. ``ValueError`` for a tap name that is not an interface's."""
     snapshot_dir = str(args["snapshot_dir"])
     machine, memory_file, disks = _snapshot_machine(snapshot_dir)
-    if args.get("net_tap") and (jail_spec is None or jail_spec.tap is None):
-        raise ValueError("a native child takes its tap from its jail (in the sandbox's "
-                         "network namespace): this spawn has no jail")
     premapped, other_premaps = inherited_ram(snapshot_dir)
     run_dir = str(args["run_dir"])
     if jail_spec is None:
+        tap = args.get("net_tap") or None
+        if tap is not None and not (isinstance(tap, str) and valid_tap_name(tap)):
+            raise ValueError(f"net_tap {tap!r:.40} is not a Linux interface name")
         return machine.for_child(run_dir, premapped=premapped, other_premaps=other_premaps,
-                                 volumes=volumes)
+                                 volumes=volumes, tap=tap)
     needed = [*disks.values(), *([memory_file] if premapped is None else [])]
     unopened = [path for path in needed if path not in jail_spec.preopen]
     if unopened or KVM_PATH not in jail_spec.devices:
@@ -1092,10 +1092,9 @@ def main(args: dict[str, Any]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         forked = zygote_child.current()
+        # In its sandbox's network namespace already, if it has one: its set-up (or
+        # its jail, which also attached the tap while it could) joined it.
         jailed = forked is not None and forked.jailed
-        if args.get("netns") and not jailed:
-            # (A jail joined it already, and attached the tap, while it could.)
-            enter_netns(str(args["netns"]))  # before any thread: they inherit it
         asked = [PreparedVolume.from_json(v) for v in args.get("volumes") or ()]
         state, _ = load_snapshot(args["snapshot_dir"])
         held, new_volumes = snapshot_slot_media(state, asked)

@@ -705,8 +705,12 @@ class Zygote:
         jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args,
                                self._shared_tree)
         try:
+            # An unjailed child joins its sandbox's network namespace in its set-up
+            # (a jailed one's spec names it).
             child_plan = plan_child(self.pid, cg, log_path, jail_spec,
-                                    self.own_pidfd if jail_spec is not None else None)
+                                    self.own_pidfd if jail_spec is not None else None,
+                                    netns=(args.get("netns") or None) if jail_spec is None
+                                    else None)
         except JailError as err:
             if cg is not None:
                 cgroups.remove(cg)

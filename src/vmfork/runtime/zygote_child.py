@@ -49,7 +49,9 @@ descriptors it opened registered by ``jail.adopt``), then the entry. The contrac
 7. **Jail** (only when the spawn asked for one: ``runtime/jail.py``). After the fds,
    since the log must be opened on the host's file system; before the entry, so no
    entry code runs with the zygote's privileges. A jailed child joins its network
-   namespace first of all, before step 6 closes the descriptors the join needs.
+   namespace first of all, before step 6 closes the descriptors the join needs; so
+   does an unjailed child given its sandbox's (``args["netns"]``), where its VMM
+   attaches to the tap.
 8. **Entry.** ``function(args)`` runs; ``current()`` gives it a ``ChildContext``.
    Its return value is the exit status (None is 0; an int must be 0-255). An
    exception prints its traceback to stderr (the log) and exits 70; a failure in
@@ -194,18 +196,25 @@ def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException
 
 
 def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
-         jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None) -> ChildPlan:
+         jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None,
+         netns: object = None) -> ChildPlan:
     """The ``_core.ChildPlan`` of one spawn, built by the zygote before the fork.
     ``zygote_pidfd``: given when the child is the first process of a PID namespace of
-    its own (a jailed one: ``jail.PidNamespaces``). Raises ``JailError`` for a jail no
-    child could build."""
+    its own (a jailed one: ``jail.PidNamespaces``). ``netns``: an unjailed child's
+    sandbox network namespace (``/run/netns/<name>``), joined by its set-up (a jail's
+    spec names its own). Raises ``JailError`` for a jail no child could build, or a
+    namespace name no sandbox has."""
     set_up = (zygote_pid, zygote_pidfd,
               [str(path / "cgroup.procs") for path in cgroup.paths] if cgroup else [],
               log_path, VMM_NICE)
     if jail_spec is not None:
         return jail.plan(jail_spec, set_up)
     from vmfork import _core
-    return _core.ChildPlan(error=jail.JailError, set_up=set_up)
+    # The namespace is looked up from the host's root, as a jail's: a zygote in a mount
+    # namespace of its own may not see a sandbox's namespace made after it started.
+    return _core.ChildPlan(error=jail.JailError, set_up=set_up,
+                           netns=None if netns is None else jail.check_netns(netns),
+                           host_root=None if netns is None else jail.host_root_plan())
 
 
 def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 Callback = Callable[[], None]
 # A device's server that the native loop runs without the GIL (``native/src/*_serve.rs``).
 NativeServer: TypeAlias = (
-    "_core.RngQueue | _core.NetQueues | _core.VsockServe")
+    "_core.RngQueue")
 
 
 class EventLoop:

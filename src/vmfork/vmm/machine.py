@@ -74,8 +74,7 @@ from vmfork.vmm.devices.serial import Serial
 from vmfork.vmm.devices.virtio.blk import BlkState, open_disk, validate_disk_key
 from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
 from vmfork.vmm.devices.virtio.mmio import REG_QUEUE_NOTIFY, MmioTransport
-from vmfork.vmm.devices.virtio.net import VirtioNet, open_tap, parse_mac
-from vmfork.vmm.devices.virtio.vsock import VirtioVsock
+from vmfork.vmm.devices.virtio.net import open_tap, parse_mac
 from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, new_event_loop
 from vmfork.vmm.irq import IrqLine
@@ -431,10 +430,11 @@ class Machine:
         # saw it, reported as "reset"); they are not on pio_bus.
         self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
         self.devices.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
-        self.vsock: VirtioVsock | None = None
-        # rng and the balloon are served by their native transports (devices/plan.py).
+        # vsock, rng, net and the balloon are served by their native transports
+        # (devices/plan.py).
+        self.vsock: NativeVirtio | None = None
         self.rng: NativeVirtio | None = None
-        self.net: VirtioNet | None = None
+        self.net: NativeVirtio | None = None
         # The root disk and the volume slots too (devices/plan.py).
         self.blk: NativeVirtio | None = None
         self.balloon: NativeVirtio | None = None
@@ -586,16 +586,11 @@ class Machine:
         else:
             rng, balloon, volume_slots = config.rng, config.balloon, config.volume_slots
         if config.vsock_uds is not None:
-            self.vsock = VirtioVsock(self.loop, config.vsock_uds, config.guest_cid)
-            self.devices.attach_virtio(VSOCK, self.vsock, self.vsock,
-                                       closers=(self.vsock.close,))
+            self.vsock = self.devices.attach_native(VSOCK, partial(self._native_device, VSOCK))
         if rng:
             self.rng = self.devices.attach_native(RNG, partial(self._native_device, RNG))
-        mac = config.net_mac
-        if mac is not None:
-            tap_fd = open_tap(config.net_tap) if config.net_tap is not None else None
-            self.net = VirtioNet(self.loop, parse_mac(mac), tap_fd)
-            self.devices.attach_virtio(NET, self.net, self.net, closers=(self.net.close,))
+        if config.net_mac is not None:
+            self.net = self.devices.attach_native(NET, partial(self._native_device, NET))
         if config.root_disk is not None:
             assert config.root_disk_key is not None   # validate()
             self.blk = self.devices.attach_native(BLK, partial(
@@ -694,20 +689,25 @@ class Machine:
         line of pin ``irq``, each queue's ioeventfd registered with KVM and handed to
         it (the native loop serves them, and the device keeps its own copies; an empty
         volume slot gets none, ``plan.wants_ioeventfds``). A disk's ``disk`` (None for
-        an empty volume slot) is its file and the record a boot would write."""
+        an empty volume slot) is its file and the record a boot would write. vsock
+        binds its listener at ``config.vsock_uds`` itself (and unlinks it at its
+        close); net is given the tap ``config.net_tap`` names, opened here (the device
+        keeps a duplicate; none: a NIC with its cable pulled)."""
         if kind.name not in NATIVE_KINDS:
             raise ValueError(f"{kind.name} has no native transport")
         base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
         advice = balloon_advice(self.memory)
-        saved = self.config.restore_state
+        config = self.config
+        saved = config.restore_state
         record = None if saved is None else next(d for d in saved.devices
                                                  if d.kind == kind.name and d.slot == slot)
-        prebuilt = self.config.restore_plans if advice == mmap.MADV_DONTNEED else None
+        prebuilt = config.restore_plans if advice == mmap.MADV_DONTNEED else None
         if record is None and kind.name in DISK_KINDS:
             plan = boot_plan(kind.name, advice, empty_slot() if disk is None else disk.record,
                              "" if disk is None else disk.guest_path)
         elif record is None:
-            plan = boot_plan(kind.name, advice)
+            plan = boot_plan(kind.name, advice, guest_cid=config.guest_cid,
+                             mac=config.guest_mac)
         elif prebuilt is not None and slot in prebuilt:
             plan = prebuilt[slot]
         else:
@@ -715,8 +715,12 @@ class Machine:
         if record is not None and disk is not None:
             disk.check_restores(record, self.vm_id)
         assert isinstance(self.loop, NativeEventLoop) and self.memory.native is not None
+        listener = (config.vsock_uds, None) if kind is VSOCK and config.vsock_uds else None
         notify: list[int] = []
+        tap: int | None = None
         try:
+            if kind is NET and config.net_tap is not None:
+                tap = open_tap(config.net_tap)
             for index in range(len(plan[2]) if wants_ioeventfds(plan) else 0):
                 notify.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
                 api.ioeventfd(self.vm_fd, notify[-1], base + REG_QUEUE_NOTIFY, 4,
@@ -725,12 +729,14 @@ class Machine:
             device = _core.NativeDevice.restore(
                 plan, self.memory.native, self.loop.native_loop, line.fd,
                 [*notify] if notify else [None] * len(plan[2]),
-                disk_file=None if disk is None else disk.fd)
+                vsock_listener=listener, disk_file=None if disk is None else disk.fd,
+                tap_fd=tap)
         except (OSError, ValueError) as err:
             raise HostError(f"{kind.name} at virtio-mmio.{slot}: {err}", vm_id=self.vm_id,
                             op="add_native") from err
         finally:
-            for fd in notify:   # KVM and the device hold their own references
+            # KVM and the device hold their own references
+            for fd in (*notify, *([] if tap is None else [tap])):
                 os.close(fd)
         handle = NativeVirtio(device, record)
         try:

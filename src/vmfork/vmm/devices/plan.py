@@ -33,8 +33,9 @@ manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its pla
 ``_kind`` and ``_offer``; a forked child's ``Machine`` is handed its snapshot's plans
 (``restore_plans``, by slot), built once per snapshot in the zygote's prefork. Every
 virtio kind has a plan (``PLANNED_KINDS``: rng, the balloon, vsock, blk, volume slots,
-net); vsock and net are not switched on in the Python ``Machine`` yet
-(docs/native.md says what they still need). ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
+net), and all are switched on in the Python ``Machine``; a vsock's listener, a net
+device's tap and a disk's file are the machine's to give (``Machine._native_device``).
+``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
 takes them, built once per snapshot.
 """
 
@@ -55,7 +56,11 @@ from vmfork.vmm.devices.manager import (
     VolumeSlotState,
 )
 from vmfork.vmm.devices.virtio import balloon, blk, net, rng, vsock
-from vmfork.vmm.devices.virtio.device import STATUS_FEATURES_OK, VIRTIO_F_VERSION_1
+from vmfork.vmm.devices.virtio.device import (
+    DEVICE_ID_VSOCK,
+    STATUS_FEATURES_OK,
+    VIRTIO_F_VERSION_1,
+)
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
 from vmfork.vmm.memory import GuestMemory
@@ -67,7 +72,7 @@ if TYPE_CHECKING:
     from vmfork.vmm.vmstate import MachineState
 
 # The kinds a machine serves through their native transport.
-NATIVE_KINDS = frozenset((RNG.name, BALLOON.name, BLK.name, VOLUME.name))
+NATIVE_KINDS = frozenset((RNG.name, BALLOON.name, VSOCK.name, BLK.name, VOLUME.name, NET.name))
 # The kinds with a plan (``_core.NativeMachine`` restores them all).
 PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, NET.name}
 DISK_KINDS = frozenset((BLK.name, VOLUME.name))
@@ -95,11 +100,10 @@ def _offer(kind: str, disk: blk.BlkState | None = None) -> tuple[int, tuple[int,
     if kind == "rng":
         return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
     if kind == NET.name:
-        return (VIRTIO_F_VERSION_1 | net.OFFERED_FEATURES, net.VirtioNet.queue_max_sizes,
+        return (VIRTIO_F_VERSION_1 | net.OFFERED_FEATURES, (net.QUEUE_SIZE,) * 2,
                 net.DEVICE_ID_NET)
     if kind == "vsock":
-        return (VIRTIO_F_VERSION_1, vsock.VirtioVsock.queue_max_sizes,
-                vsock.VirtioVsock.device_type)
+        return VIRTIO_F_VERSION_1, (vsock.QUEUE_SIZE,) * 3, DEVICE_ID_VSOCK
     return (VIRTIO_F_VERSION_1 | balloon.VIRTIO_BALLOON_F_REPORTING,
             (balloon.QUEUE_SIZE,) * 3, balloon.DEVICE_ID_BALLOON)
 
@@ -123,15 +127,24 @@ def _kind(name: str, balloon_advice: int, actual: int = 0, guest_cid: int = 0) -
 
 
 def boot_plan(name: str, balloon_advice: int = mmap.MADV_DONTNEED,
-              disk: blk.BlkState | None = None, guest_path: str = "") -> Plan:
-    """The plan of a ``name`` device no driver has touched yet (a booted machine's);
+              disk: blk.BlkState | None = None, guest_path: str = "", *,
+              guest_cid: int = vsock.DEFAULT_GUEST_CID, mac: str | None = None) -> Plan:
+    """The plan of a ``name`` device no driver has touched yet (a booted machine's):
     a disk's from its record ``disk`` (an empty slot's: key "", capacity 0) and a
-    volume slot's ``guest_path``."""
+    volume slot's ``guest_path``, a vsock's for ``guest_cid``, a net device's for
+    ``mac`` (``ValueError`` if it is not a unicast MAC, as ``net.parse_mac`` says)."""
     if name not in NATIVE_KINDS:
         raise ValueError(f"no native transport for a {name} device")
     features, max_sizes, _ = _offer(name, disk)
-    kind: Kind = (_kind(name, balloon_advice) if disk is None else
-                  (name, disk.disk_key, disk.capacity_bytes, disk.read_only, guest_path))
+    kind: Kind
+    if disk is not None:
+        kind = (name, disk.disk_key, disk.capacity_bytes, disk.read_only, guest_path)
+    elif name == NET.name:
+        if mac is None:
+            raise ValueError("a net device's plan needs its MAC")
+        kind = (name, net.format_mac(net.parse_mac(mac)))
+    else:
+        kind = _kind(name, balloon_advice, guest_cid=guest_cid)
     plan: Plan = _core.NativeDevice.fresh_plan(kind, features, list(max_sizes))
     return plan
 

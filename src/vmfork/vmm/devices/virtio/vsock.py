@@ -1,14 +1,15 @@
 """virtio-vsock (device id 19) with a user-space back end on host Unix sockets.
 
-One implementation: ``_core.VsockServe`` (``native/src/vsock_serve.rs``, with
-``vsock_packet.rs``, ``vsock_io.rs`` and ``vsock_connect_line.rs``) serves the device on
-the native loop without the GIL: the connection table and its state machine, credit,
-the listener and its CONNECT lines, the per-connection sockets, the timeouts, the
-transport-reset event and the hold, and the three queues. This class owns it: the
-listener's bind, config space (the guest CID), features, activation (the queues handed
-to the server) and reset, ``VsockState``'s save and restore, the counters and close.
-There is no Python twin (guest memory without its native view, or a loop that is not
-the native one, is a host error here, as at rng, the balloon, blk and net).
+One implementation, native: the device's transport is ``native/src/transport.rs``'s
+(``DeviceKind::Vsock``, ``_core.NativeDevice`` from Python, ``Machine._native_device``),
+which binds the listener, serves config space (the guest CID) and features, and hands
+the queues to ``native/src/vsock_serve.rs`` (with ``vsock_packet.rs``, ``vsock_io.rs``
+and ``vsock_connect_line.rs``) at each activation; that server runs on the native loop
+without the GIL: the connection table and its state machine, credit, the listener and
+its CONNECT lines, the per-connection sockets, the timeouts, the transport-reset event
+and the hold, and the three queues. This module keeps the contract below, its
+constants and counter keys, ``VsockState`` (the record both sides read, through
+``devices/plan.py``) and the packet header the tests' guest side writes.
 
 Queues: rx (0, device -> guest packets), tx (1, guest -> device packets),
 event (2, device -> guest events). Config space: ``guest_cid`` as a u64.
@@ -52,10 +53,10 @@ keys below; if they belong to a connection, it is reset. They are the guest's bu
 and never make the device NEEDS_RESET; only a broken virtqueue does.
 
 Snapshots. ``VsockState`` holds the guest CID and the acked features (the queues are
-the transport's). Connections are live host resources and are not saved: ``restore``
+the transport's). Connections are live host resources and are not saved: a restore
 arms a VIRTIO_VSOCK_EVENT_TRANSPORT_RESET for when the device is re-activated, which
 makes the guest drop its stale connections and keep its listeners;
-``transport_reset()`` does the same on demand. The guest handles the event some time
+``NativeDevice.transport_reset()`` does the same on demand. The guest handles the event some time
 after it runs again (Linux: in a work item, which resets every connected socket, then
 gives the event buffer back and notifies the queue), and a host connection it accepted
 before then would be reset with the stale ones: so a host connection request made after
@@ -67,27 +68,9 @@ made right after a restore works the first time.
 from __future__ import annotations
 
 import enum
-import logging
-import os
-import socket
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
-
-from vmfork.vmm.devices.virtio.device import DEVICE_ID_VSOCK, VirtioDevice, VirtioInterrupt
-from vmfork.vmm.devices.virtio.queue import Virtqueue
-from vmfork.vmm.errors import GuestError, HostError
-from vmfork.vmm.eventloop import EventLoop, NativeEventLoop
-from vmfork.vmm.memory import GuestMemory
-from vmfork.vmm.native import CORE_BUILT
-
-try:
-    from vmfork import _core
-except ImportError:
-    pass
-
-log = logging.getLogger(__name__)
 
 HOST_CID = 2
 DEFAULT_GUEST_CID = 3
@@ -126,7 +109,6 @@ RESET_ACK_WAIT_S = 10.0
 """Seconds host connection requests wait for the guest to acknowledge a transport reset
 (module docstring) before they go out anyway: well inside ``CONNECT_TIMEOUT``, which
 runs from the request too."""
-_U32 = 0xFFFF_FFFF
 
 
 class PacketHeader(NamedTuple):
@@ -151,7 +133,7 @@ class PacketHeader(NamedTuple):
         return cls._make(HEADER.unpack(data))
 
 
-# Counter keys of refused tx packets (``VirtioVsock.errors``), fixed strings: never a
+# Counter keys of refused tx packets (``NativeDevice.vsock_errors``), fixed strings: never a
 # guest number, so the guest cannot grow the dict. native/src/vsock_packet.rs has the
 # same words.
 SHORT_HEADER = "tx packet shorter than the header"
@@ -162,148 +144,7 @@ BAD_TYPE = "tx packet of an unknown socket type"
 
 @dataclass
 class VsockState:
-    """Plain-data twin of ``VirtioVsock``. Connections are not state: they are reset."""
+    """A vsock device's record. Connections are not state: they are reset."""
 
     guest_cid: int
     acked_features: int
-
-
-class VirtioVsock(VirtioDevice):
-    device_type = DEVICE_ID_VSOCK
-    queue_max_sizes = (QUEUE_SIZE, QUEUE_SIZE, QUEUE_SIZE)
-
-    def __init__(self, loop: EventLoop, uds_path: str,
-                 guest_cid: int = DEFAULT_GUEST_CID) -> None:
-        super().__init__()
-        if guest_cid <= HOST_CID or guest_cid >= _U32:
-            raise ValueError(f"guest CID {guest_cid} must be in 3..2**32-2")
-        if not (CORE_BUILT and isinstance(loop, NativeEventLoop)):
-            raise HostError("vsock is served only natively: it needs the native core and "
-                            "the native loop", op="vsock")
-        self.loop = loop
-        self.uds_path = uds_path
-        self.guest_cid = guest_cid
-        try:
-            if os.path.exists(uds_path):
-                os.unlink(uds_path)
-            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self._listener.bind(uds_path)
-            self._listener.listen(64)
-            self._listener.setblocking(False)
-        except OSError as err:
-            raise HostError(f"vsock: listen on {uds_path}: {err}", op="listen",
-                            errno=err.errno) from err
-        self._detach_queues: list[Callable[[], None]] = []
-        server = self._server = _core.VsockServe(
-            self._listener.fileno(), uds_path, guest_cid, CONNECT_TIMEOUT, RESET_ACK_WAIT_S,
-            self._native_fault)
-
-        def add_server() -> None:
-            loop.add_native_reader(server.epoll_fd, server)
-
-        self._call_on_loop(add_server)
-
-    @property
-    def errors(self) -> dict[str, int]:
-        """Refused packets and connections by reason (a copy; fixed keys)."""
-        return dict(self._server.errors())
-
-    @property
-    def connection_count(self) -> int:
-        return self._server.connection_count
-
-    def _native_fault(self, err: BaseException) -> None:
-        """The native server found a guest fault (on the loop thread, with the GIL)."""
-        if self.interrupt is not None and isinstance(err, GuestError):
-            self.interrupt.device_error(err)
-        else:
-            log.error("vsock: native server stopped: %s", err)
-
-    def sync_queues(self) -> None:
-        """Copy the server's ring indices into the transport's queues (a capture reads
-        them there)."""
-        if len(self.queues) == 3 and self._detach_queues:
-            for queue, (avail, used) in zip(self.queues, self._server.sync()):
-                queue.next_avail, queue.next_used = avail, used
-
-    # -- device contract ----------------------------------------------------------------
-    def config_bytes(self) -> bytes:
-        return struct.pack("<Q", self.guest_cid)
-
-    def activate(self, memory: GuestMemory, queues: list[Virtqueue],
-                 interrupt: VirtioInterrupt) -> None:
-        """Hand the three queues to the server. A transport that cannot (no native view
-        of guest memory, a loop that is not the native one, no irqfd) fails the
-        activation as a host error: there is no other way to serve them."""
-        super().activate(memory, queues, interrupt)
-        natives = [interrupt.native_queue(i) for i in range(3)]
-        if memory.native is None or any(n is None for n in natives) or len(queues) != 3:
-            raise HostError("vsock is served only natively: it needs native guest memory, "
-                            "the native loop and register file and an irqfd", op="activate")
-        rx, tx, ev = (n for n in natives if n is not None)
-
-        def rings(q: Virtqueue) -> tuple[int, int, int, int, int, int]:
-            return (q.size, q.desc_table, q.avail_ring, q.used_ring, q.next_avail,
-                    q.next_used)
-
-        self._server.attach(memory.native, rx.registers, rx.epoch, self.guest_cid,
-                            rings(queues[RX_QUEUE]), rings(queues[TX_QUEUE]),
-                            rings(queues[EVENT_QUEUE]), rx.irq_fd,
-                            (rx.notify_fd, tx.notify_fd, ev.notify_fd),
-                            CONNECT_TIMEOUT, RESET_ACK_WAIT_S)
-        for index, native in enumerate((rx, tx, ev)):
-            native.attach(self._server, count_interrupts=index == RX_QUEUE)
-            self._detach_queues.append(native.detach)
-
-    def queue_notify(self, index: int) -> None:
-        # A QueueNotify exit or the activation's catch-up (ioeventfds go to the server on
-        # the loop); a guest fault comes back through _native_fault.
-        if self._detach_queues:
-            self._server.notify(index)
-
-    def reset(self) -> None:
-        """The driver reset the device: the server lets go of the queues and drops every
-        connection (a new driver has no stale sockets)."""
-        self._release_server_queues()
-        self._server.detach()
-        super().reset()
-
-    def transport_reset(self) -> None:
-        """Drop every connection and tell the guest (EVENT_TRANSPORT_RESET). Any thread."""
-        self._call_on_loop(self._server.transport_reset)
-
-    def close(self) -> None:
-        """Release the host resources: connections, the listener and its path."""
-
-        def do() -> None:
-            self.loop.remove_reader(self._server.epoll_fd)
-            self._release_server_queues()
-            self._server.close()   # after the loop let go of its epoll
-            self._listener.close()
-            try:
-                os.unlink(self.uds_path)
-            except FileNotFoundError:
-                pass
-
-        self._call_on_loop(do)
-
-    def save(self) -> VsockState:
-        return VsockState(guest_cid=self.guest_cid, acked_features=self.acked_features)
-
-    def restore(self, state: VsockState) -> None:
-        """Load device state; on (re-)activation the guest gets a transport reset."""
-        self.guest_cid = state.guest_cid
-        self.acked_features = state.acked_features
-        self._server.arm_reset_event(state.guest_cid)
-
-    def _release_server_queues(self) -> None:
-        """Give the queues' ioeventfds back to the transport (a reset, the close)."""
-        detach, self._detach_queues = self._detach_queues, []
-        for release in detach:
-            release()
-
-    def _call_on_loop(self, fn: Callable[[], None]) -> None:
-        if self.loop.in_loop_thread():
-            fn()
-        else:
-            self.loop.call_soon(fn)
