@@ -44,7 +44,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -245,6 +245,10 @@ struct State<C> {
     started: bool,
     finished: bool,
     thread: Option<ThreadId>,
+    /// A caller holds the native readers still (`Loop::hold`): no turn starts.
+    held: bool,
+    /// The loop thread is serving native readers.
+    in_turn: bool,
 }
 
 impl<C> Default for State<C> {
@@ -259,6 +263,8 @@ impl<C> Default for State<C> {
             started: false,
             finished: false,
             thread: None,
+            held: false,
+            in_turn: false,
         }
     }
 }
@@ -306,6 +312,8 @@ struct Io {
 pub struct Shared<H: LoopHost> {
     io: RwLock<Option<Io>>,
     state: Mutex<State<H::Callback>>,
+    /// Signalled when a turn's native work ends and when a hold is let go (`hold`).
+    turns: Condvar,
     host: H,
 }
 
@@ -384,6 +392,7 @@ impl<H: LoopHost> Loop<H> {
             shared: Arc::new(Shared {
                 io: RwLock::new(Some(Io { epoll, wake })),
                 state: Mutex::new(State::default()),
+                turns: Condvar::new(),
                 host,
             }),
             handle: Mutex::new(None),
@@ -485,6 +494,7 @@ impl<H: LoopHost> Loop<H> {
             state.stopping = true;
             state.thread == Some(std::thread::current().id())
         };
+        self.shared.turns.notify_all();
         self.shared.wake();
         own_thread
     }
@@ -506,6 +516,33 @@ impl<H: LoopHost> Loop<H> {
 
     fn in_loop_thread(&self) -> bool {
         lock(&self.shared.state).thread == Some(std::thread::current().id())
+    }
+
+    /// Keep every native reader still until `release`: wait (at most `timeout`) for a
+    /// turn in progress to end; no later turn starts meanwhile (ready fds wait in the
+    /// epoll, level-triggered). A capture holds a machine's loop so that no device
+    /// touches guest RAM or changes its state between the two (`vmm/capture.py`).
+    /// False if a turn did not end in time (the hold is let go again). Never from the
+    /// loop thread itself, and, for a loop with Python callbacks, without the GIL.
+    pub fn hold(&self, timeout: Duration) -> bool {
+        let mut state = lock(&self.shared.state);
+        state.held = true;
+        let (mut state, waited) = self
+            .shared
+            .turns
+            .wait_timeout_while(state, timeout, |s| s.in_turn)
+            .unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() && state.in_turn {
+            state.held = false;
+            return false;
+        }
+        true
+    }
+
+    /// Let the native readers run again after `hold`.
+    pub fn release(&self) {
+        lock(&self.shared.state).held = false;
+        self.shared.turns.notify_all();
     }
 
     pub fn running(&self) -> bool {
@@ -722,6 +759,17 @@ fn run_turns<H: LoopHost>(shared: &Arc<Shared<H>>) {
                 let _ = io.wake.read();
             }
         }
+        {
+            let state = lock(&shared.state);
+            let mut state = shared
+                .turns
+                .wait_while(state, |s| s.held && !s.stopping)
+                .unwrap_or_else(|p| p.into_inner());
+            if state.stopping {
+                break;
+            }
+            state.in_turn = true;
+        }
         let mut python_fds = Vec::with_capacity(ready.fds.len());
         let mut deferred: Vec<Deferred> = Vec::new();
         for fd in ready.fds {
@@ -735,6 +783,8 @@ fn run_turns<H: LoopHost>(shared: &Arc<Shared<H>>) {
                 None => python_fds.push(fd),
             }
         }
+        lock(&shared.state).in_turn = false;
+        shared.turns.notify_all();
         let python_work = {
             let state = lock(&shared.state);
             if state.stopping {
