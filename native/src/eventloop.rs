@@ -901,6 +901,82 @@ mod tests {
         assert!(!timer_due(&timers, now));
     }
 
+    /// Counts its wakes, each taking `serve_for`: a device server's turn.
+    struct Counting {
+        served: std::sync::atomic::AtomicUsize,
+        serve_for: Duration,
+    }
+
+    impl NativeReader for Counting {
+        fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
+            drain_eventfd(fd);
+            std::thread::sleep(self.serve_for);
+            self.served
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            None
+        }
+    }
+
+    fn served(reader: &Counting) -> usize {
+        reader.served.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn wait_until(what: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !what() {
+            assert!(Instant::now() < deadline, "timed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn a_held_loop_serves_no_native_reader_until_released() {
+        let event_loop = NativeLoop::new("held".into()).expect("loop");
+        let fd = EventFd::new(EFD_NONBLOCK).expect("eventfd");
+        let reader = Arc::new(Counting {
+            served: 0.into(),
+            serve_for: Duration::from_millis(200),
+        });
+        event_loop
+            .add_native(fd.as_raw_fd(), reader.clone())
+            .expect("add");
+        event_loop.start().expect("start");
+        fd.write(1).expect("write");
+        // Held in the middle of a turn: the hold waits for the turn to end.
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(event_loop.hold(Duration::from_secs(5)));
+        assert_eq!(served(&reader), 1);
+        fd.write(1).expect("write");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(served(&reader), 1, "a held loop served a reader");
+        event_loop.release();
+        wait_until(|| served(&reader) == 2);
+        event_loop.stop();
+    }
+
+    #[test]
+    fn a_hold_gives_up_on_a_turn_that_does_not_end_and_a_stop_ends_a_held_loop() {
+        let event_loop = NativeLoop::new("slow".into()).expect("loop");
+        let fd = EventFd::new(EFD_NONBLOCK).expect("eventfd");
+        let reader = Arc::new(Counting {
+            served: 0.into(),
+            serve_for: Duration::from_millis(500),
+        });
+        event_loop
+            .add_native(fd.as_raw_fd(), reader.clone())
+            .expect("add");
+        event_loop.start().expect("start");
+        fd.write(1).expect("write");
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!event_loop.hold(Duration::from_millis(10)));
+        wait_until(|| served(&reader) == 1);
+        assert!(event_loop.hold(Duration::from_secs(5)));
+        fd.write(1).expect("write");
+        // Stopped while held: the loop ends without serving again.
+        event_loop.stop();
+        assert_eq!(served(&reader), 1);
+    }
+
     #[test]
     fn a_far_deadline_is_capped_not_overflowed() {
         let mut timers = TimerHeap::new();

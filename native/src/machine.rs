@@ -877,10 +877,7 @@ pub struct PyNativeMachine {
 impl PyNativeMachine {
     /// A handle on a machine someone else runs (a native child's life).
     pub fn shared(machine: Arc<NativeMachine>, snapshots: SharedSnapshotStatus) -> Self {
-        PyNativeMachine {
-            machine,
-            snapshots,
-        }
+        PyNativeMachine { machine, snapshots }
     }
 }
 
