@@ -929,21 +929,28 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_held_loop_serves_no_native_reader_until_released() {
+    /// A started loop serving one eventfd with a `Counting` reader, the eventfd
+    /// written once (its first turn has begun when this returns).
+    fn serving(serve_for: Duration) -> (NativeLoop, EventFd, Arc<Counting>) {
         let event_loop = NativeLoop::new("held".into()).expect("loop");
         let fd = EventFd::new(EFD_NONBLOCK).expect("eventfd");
         let reader = Arc::new(Counting {
             served: 0.into(),
-            serve_for: Duration::from_millis(200),
+            serve_for,
         });
         event_loop
             .add_native(fd.as_raw_fd(), reader.clone())
             .expect("add");
         event_loop.start().expect("start");
         fd.write(1).expect("write");
-        // Held in the middle of a turn: the hold waits for the turn to end.
         std::thread::sleep(Duration::from_millis(50));
+        (event_loop, fd, reader)
+    }
+
+    #[test]
+    fn a_held_loop_serves_no_native_reader_until_released() {
+        let (event_loop, fd, reader) = serving(Duration::from_millis(200));
+        // Held in the middle of a turn: the hold waits for the turn to end.
         assert!(event_loop.hold(Duration::from_secs(5)));
         assert_eq!(served(&reader), 1);
         fd.write(1).expect("write");
@@ -956,18 +963,7 @@ mod tests {
 
     #[test]
     fn a_hold_gives_up_on_a_turn_that_does_not_end_and_a_stop_ends_a_held_loop() {
-        let event_loop = NativeLoop::new("slow".into()).expect("loop");
-        let fd = EventFd::new(EFD_NONBLOCK).expect("eventfd");
-        let reader = Arc::new(Counting {
-            served: 0.into(),
-            serve_for: Duration::from_millis(500),
-        });
-        event_loop
-            .add_native(fd.as_raw_fd(), reader.clone())
-            .expect("add");
-        event_loop.start().expect("start");
-        fd.write(1).expect("write");
-        std::thread::sleep(Duration::from_millis(50));
+        let (event_loop, fd, reader) = serving(Duration::from_millis(500));
         assert!(!event_loop.hold(Duration::from_millis(10)));
         wait_until(|| served(&reader) == 1);
         assert!(event_loop.hold(Duration::from_secs(5)));

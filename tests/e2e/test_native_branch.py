@@ -14,30 +14,21 @@ refused ``snapshot`` ("a native child does not serve Snapshot yet")."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_native_chain import _zygote
 from vmfork.image import find_image
 from vmfork.runtime import control
 from vmfork.runtime.branch import branch_sandbox
 from vmfork.runtime.parent import snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
-from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
-from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
+from vmfork.runtime.zygote_client import ZygoteProcess
 from vmfork.store import Store
 
 FILES = "ls /tmp | grep '^branch-' | sort | tr '\\n' ' '"
-
-
-def _zygote(path: Path, native: bool) -> ZygoteProcess:
-    env = {k: v for k, v in os.environ.items() if k != NATIVE_CHILD_ENV}
-    if native:
-        env[NATIVE_CHILD_ENV] = "1"
-    # As test_fork's: the imports over the test host's 9p take long.
-    return start_zygote(str(path), timeout=300.0, env=env)
 
 
 @pytest.fixture(scope="module")
