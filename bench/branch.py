@@ -6,7 +6,9 @@ level (``--dirty-mib``, default 0 = idle and 100) and each mode (full, diff,
 live), the source is branched ``--branches`` times in a row (default 10) with
 ``runtime.branch.branch_sandbox``, exactly as the daemon's branch route does;
 before every branch the guest rewrites ``dirty`` MiB of a buffer, so each branch
-has that much changed since the previous one. Reported per mode:
+has that much changed since the previous one. ``--children python native`` takes
+each series of a Python child's source and of a native child's (its BRANCH through
+the machine's Python view, ``vmm/native_view.py``), back to back. Reported per mode:
 
 * **pause** -- the source's vCPUs were stopped (VMM-measured, ``pause_s``):
   p50, p95, max, and the 2nd vs the 10th branch (forkd's 6th once took 2.7 s);
@@ -35,6 +37,7 @@ ratios within the run mean anything.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import signal
@@ -50,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_kvm_host, write_results
 
 MODES = ("full", "diff", "live")
+CHILDREN = ("python", "native")
 FORKD = {"full": 13500.0, "diff": 202.0, "live": 56.0}
 FORKD_WAIT_FALSE_MS = 69.0
 WARM = "import json, os, sys\nwarm = bytes(range(256)) * 4096\n"
@@ -71,6 +75,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dirty-mib", type=int, nargs="+", default=[0, 100])
     p.add_argument("--branches", type=int, default=10)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--children", nargs="+", default=["python"], choices=CHILDREN,
+                   help="the source's VMM: a Python child, or a native one that runs no "
+                        "Python (VMFORK_NATIVE_CHILD=1), each from a zygote of its own; "
+                        "given both, their series alternate in one run")
     p.add_argument("--qemu", action="store_true",
                    help="also measure QEMU's stop+migrate-to-file and live-migrate pauses")
     p.add_argument("--name", default="branch",
@@ -201,17 +209,18 @@ def qemu_pauses(image: Any, mem_mib: int, workdir: Path, reps: int, log: Any) ->
 
 
 def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
+    children = setup["children"]
     lines = ["# BRANCH: pause of a running sandbox", "",
              (f"Where: {setup['where']}. Guest image {setup['image']}; each series branches one "
               f"source {setup['branches']} times in a row (`runtime.branch.branch_sandbox`, "
               "what the REST route calls). Pause = the source's vCPUs stopped (VMM-measured). "
               "`floor` = control-socket pause+resume with nothing captured, same run."),
              f"Dirty tracking on this host: {setup['tracking']}.", "",
-             ("| guest | dirtied/branch | mode | pause p50 | p95 | max | 2nd -> 10th | floor p50 "
-              "| pause/floor | round trip p50 | written p50 | forkd pause |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             ("| guest | dirtied/branch | child | mode | pause p50 | p95 | max | 2nd -> 10th "
+              "| floor p50 | pause/floor | round trip p50 | written p50 | forkd pause |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, series in results.items():
-        mem, dirty = key.split("/")
+        mem, dirty, child = key.split("/")
         floor = series["floor_ms"]["p50"]
         for mode in MODES:
             r = series.get(mode)
@@ -221,7 +230,8 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
             trend = (f"{r['pause_2nd_ms']:.1f} -> {r['pause_10th_ms']:.1f}"
                      if "pause_10th_ms" in r else "-")
             lines.append(
-                f"| {mem} MiB | {dirty} MiB | {mode} | {p['p50']:.1f} ms | {p['p95']:.1f} | "
+                f"| {mem} MiB | {dirty} MiB | {child} | {mode} | {p['p50']:.1f} ms | "
+                f"{p['p95']:.1f} | "
                 f"{p['max']:.1f} | {trend} | {floor:.1f} ms | {p['p50'] / floor:.1f}x | "
                 f"{r['round_trip_ms']['p50']:.0f} ms | {r['memory_mib']['p50']:.1f} MiB | "
                 f"{FORKD[mode]:.0f} ms (1.5 GiB, bare metal) |")
@@ -251,7 +261,7 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
     qemu = setup.get("qemu") or {}
     if qemu:
         def ours(mem: str, mode: str) -> float:
-            series = results.get(f"{mem}/0", {}).get(mode)
+            series = results.get(f"{mem}/0/{children[0]}", {}).get(mode)
             return float(series["pause_ms"]["p50"]) if series else float("nan")
 
         lines += ["", "QEMU, same run, idle guest (pause p50):", ""]
@@ -278,6 +288,7 @@ def main() -> int:
     from vmfork.image import find_image
     from vmfork.runtime.parent import snapshot_parent
     from vmfork.runtime.spawn import fork_children
+    from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
     from vmfork.runtime.zygote_client import start_zygote
     from vmfork.store import Store
     from vmfork.vmm import dirty
@@ -287,6 +298,7 @@ def main() -> int:
 
     image = find_image()
     setup: dict[str, Any] = {"image": image.name, "branches": args.branches,
+                             "children": args.children,
                              "where": where(),
                              "tracking": "soft-dirty" if dirty.soft_dirty_supported()
                              else "restore base only (no soft-dirty in this kernel)"}
@@ -295,27 +307,33 @@ def main() -> int:
         workdir = Path(tempfile.mkdtemp(prefix="vmfork-bench-branch-"))
         stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         store = Store.open(workdir / "home")
-        with open(workdir / "zygote.log", "wb") as zlog:
-            zygote = start_zygote(str(workdir / "zygote.sock"), stderr=zlog, timeout=300.0)
-        stack.callback(zygote.close)
-        client = zygote.client()
+        clients = {}
+        for child in args.children:
+            env = {k: v for k, v in os.environ.items() if k != NATIVE_CHILD_ENV}
+            if child == "native":
+                env[NATIVE_CHILD_ENV] = "1"
+            with open(workdir / f"zygote-{child}.log", "wb") as zlog:
+                zygote = start_zygote(str(workdir / f"zygote-{child}.sock"), stderr=zlog,
+                                      timeout=300.0, env=env)
+            stack.callback(zygote.close)
+            clients[child] = zygote.client()
         for mem in args.mem_mib:
             log(f"snapshotting a {mem} MiB parent")
             parent = snapshot_parent(store, f"parent-{mem}", image, mem_mib=mem,
                                      warm_code=WARM).snapshot
-            for dirty_mib in args.dirty_mib:
+            for dirty_mib, child in itertools.product(args.dirty_mib, args.children):
+                client = clients[child]
                 report = fork_children(client, parent, 1, workdir / "vms", timeout=600)
                 if report.failed:
                     raise RuntimeError(f"source did not start: {report.failed}")
                 source = report.children[0]
                 try:
-                    key = f"{mem}/{dirty_mib}"
                     series: dict[str, Any] = {
                         "floor_ms": stats(pause_floor_ms(str(source.run_dir / "control.sock")))}
                     for mode in args.modes:
-                        series[mode] = run_series(store, source, mode, dirty_mib,
-                                                  args.branches, f"m{mem}-d{dirty_mib}", log)
-                    results[key] = series
+                        series[mode] = run_series(store, source, mode, dirty_mib, args.branches,
+                                                  f"m{mem}-d{dirty_mib}-{child}", log)
+                    results[f"{mem}/{dirty_mib}/{child}"] = series
                 finally:
                     client.kill_and_wait(source.vm_id)
                 for snap in sorted(store.list(), key=lambda s: -s.meta.created_at_unix):

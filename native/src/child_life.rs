@@ -40,7 +40,9 @@ use serde_json::{Map, Value};
 
 use crate::agent_handshake::{self, Failure as AgentFailure, Handshake, Target};
 use crate::child_report::ChildReporter;
-use crate::control_serve::{error_line, ControlServe, Handover, MachineCounters, CLOSING};
+use crate::control_serve::{
+    error_line, ControlServe, Handover, MachineCounters, SharedSnapshotStatus, CLOSING,
+};
 use crate::spawn_profile::SpawnProfile;
 use crate::transport::NativeTransport;
 use crate::vcpu::VcpuControl;
@@ -100,6 +102,9 @@ pub struct LifePlan {
     pub mounts: Vec<agent_handshake::Mount>,
     /// Each phase's end recorded (`VMFORK_SPAWN_PROFILE` in the zygote), or None.
     pub profile: Option<SpawnProfile>,
+    /// What `status` says of snapshots: the restore base from the start, then what
+    /// each capture of a hand-over sets.
+    pub snapshots: SharedSnapshotStatus,
 }
 
 impl LifePlan {
@@ -561,6 +566,7 @@ fn run<M: ChildMachine>(
             plan.jailed,
             machine.balloon(),
             machine.counters(),
+            plan.snapshots.clone(),
             relay.clone(),
         )
     }) {
@@ -727,6 +733,49 @@ fn serve<M: ChildMachine>(
     }
 }
 
+/// A machine shared with its hand-over (a native child's, whose Python view reads it).
+impl<M: ChildMachine> ChildMachine for Arc<M> {
+    fn start(&self, paused: bool) -> Result<(), String> {
+        M::start(self, paused)
+    }
+
+    fn resume(&self) {
+        M::resume(self)
+    }
+
+    fn pause(&self, timeout: Duration) -> bool {
+        M::pause(self, timeout)
+    }
+
+    fn vcpu_controls(&self) -> Vec<VcpuControl> {
+        M::vcpu_controls(self)
+    }
+
+    fn exit_fd(&self) -> RawFd {
+        M::exit_fd(self)
+    }
+
+    fn exit(&self) -> Option<(&'static str, String)> {
+        M::exit(self)
+    }
+
+    fn console_tail(&self) -> String {
+        M::console_tail(self)
+    }
+
+    fn balloon(&self) -> Option<Arc<NativeTransport>> {
+        M::balloon(self)
+    }
+
+    fn counters(&self) -> Arc<dyn MachineCounters> {
+        M::counters(self)
+    }
+
+    fn stop(&self) {
+        M::stop(self)
+    }
+}
+
 /// The machine a spawn restores (`machine.rs`): its own methods are the trait's.
 impl ChildMachine for crate::machine::NativeMachine {
     fn start(&self, paused: bool) -> Result<(), String> {
@@ -852,6 +901,7 @@ mod tests {
                 net_refresh: false,
                 mounts: Vec::new(),
                 profile: None,
+                snapshots: SharedSnapshotStatus::default(),
             }
         }
 

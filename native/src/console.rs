@@ -282,6 +282,22 @@ impl ConsoleDevices {
         lines.join("\n")
     }
 
+    /// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
+    /// thre_pending, rx).
+    pub fn save(&self) -> SerialFields {
+        let s = lock(&self.uart).state();
+        (
+            s.baud_divisor_low,
+            s.baud_divisor_high,
+            s.interrupt_enable,
+            s.line_control,
+            s.modem_control,
+            s.scratch,
+            s.interrupt_identification & IIR_THR_EMPTY != 0,
+            s.in_buffer,
+        )
+    }
+
     /// Set COM1's registers from a snapshot's (`SerialState`); pending input beyond
     /// the 64-byte FIFO is dropped. The writer (log, budget, tail, listeners) carries
     /// over to the restored chip.
@@ -435,17 +451,7 @@ impl Console {
     /// COM1's registers as `SerialState`'s fields: (dll, dlm, ier, lcr, mcr, scr,
     /// thre_pending, rx).
     fn save(&self) -> SerialFields {
-        let s = lock(&self.devices.uart).state();
-        (
-            s.baud_divisor_low,
-            s.baud_divisor_high,
-            s.interrupt_enable,
-            s.line_control,
-            s.modem_control,
-            s.scratch,
-            s.interrupt_identification & IIR_THR_EMPTY != 0,
-            s.in_buffer,
-        )
+        self.devices.save()
     }
 
     /// Set COM1's registers from `SerialState`'s fields (as `save` gives them);

@@ -64,13 +64,22 @@ pub trait MachineCounters: Send + Sync {
     fn counts(&self) -> Result<(UnclaimedCounts, Vec<(u32, u64)>), String>;
 }
 
-/// What `status` answers besides the loops' state, pushed by Python when it changes.
+/// What `status` says of snapshots (`SnapshotTaker.bases` and `.tracking`), set by
+/// whoever captures: the Python `ControlServer`, or a native child's hand-over (its
+/// machine's Python view) through the `NativeMachine` handle, which shares it.
 #[derive(Default)]
+pub struct SnapshotStatus {
+    /// `(tag, kind)`, newest first.
+    pub bases: Vec<(Option<String>, String)>,
+    pub tracking: Option<String>,
+}
+
+pub type SharedSnapshotStatus = Arc<Mutex<SnapshotStatus>>;
+
+/// What `status` answers besides the loops' state.
 struct Status {
     exit: Option<String>,
-    /// `(tag, kind)`, newest first (`SnapshotTaker.bases`).
-    bases: Vec<(Option<String>, String)>,
-    tracking: Option<String>,
+    snapshots: SharedSnapshotStatus,
 }
 
 struct Shared {
@@ -338,7 +347,8 @@ impl Shared {
         out.push_str(", \"exit\": ");
         json_opt_str(&mut out, status.exit.as_deref());
         out.push_str(", \"snapshot_bases\": [");
-        for (i, (tag, kind)) in status.bases.iter().enumerate() {
+        let snapshots = lock(&status.snapshots);
+        for (i, (tag, kind)) in snapshots.bases.iter().enumerate() {
             if i > 0 {
                 out.push_str(", ");
             }
@@ -349,7 +359,8 @@ impl Shared {
             out.push('}');
         }
         out.push_str("], \"snapshot_tracking\": ");
-        json_opt_str(&mut out, status.tracking.as_deref());
+        json_opt_str(&mut out, snapshots.tracking.as_deref());
+        drop(snapshots);
         out.push_str(", \"jailed\": ");
         out.push_str(if self.jailed { "true" } else { "false" });
         out.push_str(", \"free_page_reporting\": ");
@@ -680,8 +691,10 @@ impl ControlServe {
     /// Serve `listener` (taken over: the server closes it) on a new thread, for a
     /// caller with or without Python: `stop_fd` is the stop signal's write end
     /// (duplicated), `vcpus` the machine's controls, `balloon` the machine's balloon
-    /// (its counters in `status`), `counters` the machine's for `exits`, `handover`
-    /// where every line not served here goes. An error names the step that failed.
+    /// (its counters in `status`), `counters` the machine's for `exits`, `snapshots`
+    /// what `status` says of snapshots, `handover` where every line not served here
+    /// goes. An error names the step that failed.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         listener: OwnedFd,
         stop_fd: RawFd,
@@ -689,6 +702,7 @@ impl ControlServe {
         jailed: bool,
         balloon: Option<Arc<NativeTransport>>,
         counters: Arc<dyn MachineCounters>,
+        snapshots: SharedSnapshotStatus,
         handover: Arc<dyn Handover>,
     ) -> Result<Self, String> {
         let stop = dup(stop_fd)?;
@@ -705,7 +719,10 @@ impl ControlServe {
             jailed,
             balloon,
             counters: Mutex::new(Some(counters)),
-            status: Mutex::new(Status::default()),
+            status: Mutex::new(Status {
+                exit: None,
+                snapshots,
+            }),
             // SAFETY: the new eventfd above.
             wake: unsafe { OwnedFd::from_raw_fd(wake) },
             stop,
@@ -759,6 +776,7 @@ impl ControlServe {
             jailed,
             balloon.map(|b| b.get().transport.clone()),
             Arc::new(PyMachineCounters(counters)),
+            SharedSnapshotStatus::default(),
             Arc::new(PyHandover(handler)),
         )
         .map_err(PyOSError::new_err)
@@ -772,9 +790,8 @@ impl ControlServe {
     /// What `status` says of snapshots, after each capture: `bases` as `(tag, kind)`
     /// newest first, and the tracking in use.
     fn set_snapshot_status(&self, bases: Vec<(Option<String>, String)>, tracking: Option<String>) {
-        let mut status = lock(&self.shared.status);
-        status.bases = bases;
-        status.tracking = tracking;
+        let snapshots = lock(&self.shared.status).snapshots.clone();
+        *lock(&snapshots) = SnapshotStatus { bases, tracking };
     }
 
     /// Stop serving: wake the thread and wait up to `timeout` seconds for it to close

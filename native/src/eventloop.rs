@@ -44,7 +44,7 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
@@ -242,6 +242,10 @@ struct State<C> {
     started: bool,
     finished: bool,
     thread: Option<ThreadId>,
+    /// A caller holds the native readers still (`Loop::hold`): no turn starts.
+    held: bool,
+    /// The loop thread is serving native readers.
+    in_turn: bool,
 }
 
 impl<C> Default for State<C> {
@@ -256,6 +260,8 @@ impl<C> Default for State<C> {
             started: false,
             finished: false,
             thread: None,
+            held: false,
+            in_turn: false,
         }
     }
 }
@@ -303,6 +309,8 @@ struct Io {
 pub struct Shared<H: LoopHost> {
     io: RwLock<Option<Io>>,
     state: Mutex<State<H::Callback>>,
+    /// Signalled when a turn's native work ends and when a hold is let go (`hold`).
+    turns: Condvar,
     host: H,
 }
 
@@ -381,6 +389,7 @@ impl<H: LoopHost> Loop<H> {
             shared: Arc::new(Shared {
                 io: RwLock::new(Some(Io { epoll, wake })),
                 state: Mutex::new(State::default()),
+                turns: Condvar::new(),
                 host,
             }),
             handle: Mutex::new(None),
@@ -482,6 +491,7 @@ impl<H: LoopHost> Loop<H> {
             state.stopping = true;
             state.thread == Some(std::thread::current().id())
         };
+        self.shared.turns.notify_all();
         self.shared.wake();
         own_thread
     }
@@ -503,6 +513,33 @@ impl<H: LoopHost> Loop<H> {
 
     fn in_loop_thread(&self) -> bool {
         lock(&self.shared.state).thread == Some(std::thread::current().id())
+    }
+
+    /// Keep every native reader still until `release`: wait (at most `timeout`) for a
+    /// turn in progress to end; no later turn starts meanwhile (ready fds wait in the
+    /// epoll, level-triggered). A capture holds a machine's loop so that no device
+    /// touches guest RAM or changes its state between the two (`vmm/capture.py`).
+    /// False if a turn did not end in time (the hold is let go again). Never from the
+    /// loop thread itself, and, for a loop with Python callbacks, without the GIL.
+    pub fn hold(&self, timeout: Duration) -> bool {
+        let mut state = lock(&self.shared.state);
+        state.held = true;
+        let (mut state, waited) = self
+            .shared
+            .turns
+            .wait_timeout_while(state, timeout, |s| s.in_turn)
+            .unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() && state.in_turn {
+            state.held = false;
+            return false;
+        }
+        true
+    }
+
+    /// Let the native readers run again after `hold`.
+    pub fn release(&self) {
+        lock(&self.shared.state).held = false;
+        self.shared.turns.notify_all();
     }
 
     pub fn running(&self) -> bool {
@@ -713,6 +750,17 @@ fn run_turns<H: LoopHost>(shared: &Arc<Shared<H>>) {
                 let _ = io.wake.read();
             }
         }
+        {
+            let state = lock(&shared.state);
+            let mut state = shared
+                .turns
+                .wait_while(state, |s| s.held && !s.stopping)
+                .unwrap_or_else(|p| p.into_inner());
+            if state.stopping {
+                break;
+            }
+            state.in_turn = true;
+        }
         let mut python_fds = Vec::with_capacity(ready.fds.len());
         let mut deferred: Vec<Deferred> = Vec::new();
         for fd in ready.fds {
@@ -726,6 +774,8 @@ fn run_turns<H: LoopHost>(shared: &Arc<Shared<H>>) {
                 None => python_fds.push(fd),
             }
         }
+        lock(&shared.state).in_turn = false;
+        shared.turns.notify_all();
         let python_work = {
             let state = lock(&shared.state);
             if state.stopping {
@@ -840,6 +890,78 @@ mod tests {
         assert_eq!(epoll_timeout(&timers, now + Duration::from_secs(1)), 0); // overdue
         assert!(timer_due(&timers, now + Duration::from_millis(2)));
         assert!(!timer_due(&timers, now));
+    }
+
+    /// Counts its wakes, each taking `serve_for`: a device server's turn.
+    struct Counting {
+        served: std::sync::atomic::AtomicUsize,
+        serve_for: Duration,
+    }
+
+    impl NativeReader for Counting {
+        fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred> {
+            drain_eventfd(fd);
+            std::thread::sleep(self.serve_for);
+            self.served
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            None
+        }
+    }
+
+    fn served(reader: &Counting) -> usize {
+        reader.served.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn wait_until(what: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !what() {
+            assert!(Instant::now() < deadline, "timed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// A started loop serving one eventfd with a `Counting` reader, the eventfd
+    /// written once (its first turn has begun when this returns).
+    fn serving(serve_for: Duration) -> (NativeLoop, EventFd, Arc<Counting>) {
+        let event_loop = NativeLoop::new("held".into()).expect("loop");
+        let fd = EventFd::new(EFD_NONBLOCK).expect("eventfd");
+        let reader = Arc::new(Counting {
+            served: 0.into(),
+            serve_for,
+        });
+        event_loop
+            .add_native(fd.as_raw_fd(), reader.clone())
+            .expect("add");
+        event_loop.start().expect("start");
+        fd.write(1).expect("write");
+        std::thread::sleep(Duration::from_millis(50));
+        (event_loop, fd, reader)
+    }
+
+    #[test]
+    fn a_held_loop_serves_no_native_reader_until_released() {
+        let (event_loop, fd, reader) = serving(Duration::from_millis(200));
+        // Held in the middle of a turn: the hold waits for the turn to end.
+        assert!(event_loop.hold(Duration::from_secs(5)));
+        assert_eq!(served(&reader), 1);
+        fd.write(1).expect("write");
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(served(&reader), 1, "a held loop served a reader");
+        event_loop.release();
+        wait_until(|| served(&reader) == 2);
+        event_loop.stop();
+    }
+
+    #[test]
+    fn a_hold_gives_up_on_a_turn_that_does_not_end_and_a_stop_ends_a_held_loop() {
+        let (event_loop, fd, reader) = serving(Duration::from_millis(500));
+        assert!(!event_loop.hold(Duration::from_millis(10)));
+        wait_until(|| served(&reader) == 1);
+        assert!(event_loop.hold(Duration::from_secs(5)));
+        fd.write(1).expect("write");
+        // Stopped while held: the loop ends without serving again.
+        event_loop.stop();
+        assert_eq!(served(&reader), 1);
     }
 
     #[test]

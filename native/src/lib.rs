@@ -266,6 +266,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<machine_plan::ChildMachinePlan>()?;
     m.add_class::<native_fork::NativeFork>()?;
     m.add_function(wrap_pyfunction!(native_fork::fork_native_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(native_fork::forked_machine, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     Ok(())
 }

@@ -46,7 +46,7 @@ use pyo3::prelude::*;
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::console::{log_budget, ConsoleDevices, IrqFd, SerialFields, SerialRegs};
-use crate::control_serve::MachineCounters;
+use crate::control_serve::{MachineCounters, SharedSnapshotStatus, SnapshotStatus};
 use crate::eventloop::NativeLoop;
 use crate::guest_ram::{self, GuestRam};
 use crate::log_budget::LogBudget;
@@ -54,7 +54,7 @@ use crate::mmio::{self, WINDOW_SIZE};
 use crate::queue_server;
 use crate::restore::{Failure, VcpuBuffers};
 use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, Windows};
-use crate::transport_py::{plan_from_py, PyListener, PyPlan};
+use crate::transport_py::{plan_from_py, NativeDevice, PyListener, PyPlan};
 use crate::vcpu::{ExitSink, NativeHost, UnclaimedCounts, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, Restore, VmCore};
 
@@ -380,6 +380,8 @@ pub struct NativeMachine {
     parts: Mutex<Option<Parts>>,
     controls: Vec<VcpuControl>,
     kept: Mutex<Kept>,
+    /// Guest RAM's regions: (guest address, size, host address).
+    regions: Vec<(u64, u64, u64)>,
 }
 
 /// A native machine's counters for `exits`: each vCPU host's unclaimed accesses, and
@@ -571,6 +573,10 @@ impl NativeMachine {
             unclaimed.push(counts);
         }
         let controls = threads.iter().map(VcpuThread::control).collect();
+        let regions = regions
+            .iter()
+            .map(|r| (r.guest_phys, r.size, r.host_addr))
+            .collect();
         Ok(NativeMachine {
             parts: Mutex::new(Some(Parts {
                 vcpus: threads,
@@ -587,6 +593,7 @@ impl NativeMachine {
             })),
             controls,
             kept: Mutex::new(Kept::default()),
+            regions,
         })
     }
 
@@ -625,6 +632,51 @@ impl NativeMachine {
     /// Pause and resume handles, one per vCPU (for a control server's thread).
     pub fn vcpu_controls(&self) -> Vec<VcpuControl> {
         self.controls.clone()
+    }
+
+    /// Whether every vCPU is parked.
+    pub fn paused(&self) -> bool {
+        self.controls.iter().all(VcpuControl::is_paused)
+    }
+
+    /// Guest RAM's regions: (guest address, size, host address), mapped while the
+    /// machine runs.
+    pub fn ram_regions(&self) -> &[(u64, u64, u64)] {
+        &self.regions
+    }
+
+    /// Keep the device servers on the I/O loop still (`Loop::hold`) until
+    /// `release_devices`, so that, with the vCPUs parked, nothing touches guest RAM or
+    /// a device's state; false if the loop's turn did not end within `timeout` (or
+    /// the machine is stopped).
+    pub fn hold_devices(&self, timeout: Duration) -> bool {
+        let event_loop = lock(&self.parts).as_ref().map(|p| p.event_loop.clone());
+        event_loop.is_some_and(|l| l.hold(timeout))
+    }
+
+    /// Let the device servers run again after `hold_devices`.
+    pub fn release_devices(&self) {
+        let event_loop = lock(&self.parts).as_ref().map(|p| p.event_loop.clone());
+        if let Some(event_loop) = event_loop {
+            event_loop.release();
+        }
+    }
+
+    /// The virtio devices' transports: (slot, IOAPIC pin, transport), in plan order.
+    pub fn transports(&self) -> Vec<(u32, u32, Arc<NativeTransport>)> {
+        lock(&self.parts).as_ref().map_or_else(Vec::new, |parts| {
+            parts
+                .transports
+                .iter()
+                .map(|(device, transport)| (device.slot, device.irq, transport.clone()))
+                .collect()
+        })
+    }
+
+    /// COM1's registers (`SerialState`'s fields); None once stopped.
+    pub fn serial(&self) -> Option<SerialFields> {
+        let console = lock(&self.parts).as_ref().map(|p| p.console.clone());
+        console.map(|c| c.save())
     }
 
     /// Readable once the machine ended (a vCPU's exit: reset, shutdown, an error);
@@ -827,7 +879,17 @@ impl Drop for NativeMachine {
 /// only hands it the plain values and reads its reports.
 #[pyclass(frozen, name = "NativeMachine", module = "vmfork._core")]
 pub struct PyNativeMachine {
-    machine: NativeMachine,
+    machine: Arc<NativeMachine>,
+    /// What `status` says of snapshots: a native child's control server's
+    /// (`native_fork::forked_machine`), else this handle's own.
+    snapshots: SharedSnapshotStatus,
+}
+
+impl PyNativeMachine {
+    /// A handle on a machine someone else runs (a native child's life).
+    pub fn shared(machine: Arc<NativeMachine>, snapshots: SharedSnapshotStatus) -> Self {
+        PyNativeMachine { machine, snapshots }
+    }
 }
 
 #[pymethods]
@@ -915,7 +977,10 @@ impl PyNativeMachine {
         let machine = py
             .detach(|| unsafe { NativeMachine::restore(&kvm, plan) })
             .map_err(PyRuntimeError::new_err)?;
-        Ok(PyNativeMachine { machine })
+        Ok(PyNativeMachine::shared(
+            Arc::new(machine),
+            SharedSnapshotStatus::default(),
+        ))
     }
 
     /// Start the I/O loop and the vCPUs; with `paused`, the vCPUs park first.
@@ -934,6 +999,68 @@ impl PyNativeMachine {
 
     fn resume(&self) {
         self.machine.resume();
+    }
+
+    /// Whether every vCPU is parked.
+    #[getter]
+    fn paused(&self) -> bool {
+        self.machine.paused()
+    }
+
+    /// Guest RAM's regions: (guest address, size, host address), the machine's
+    /// mappings (not to be unmapped).
+    fn ram_regions(&self) -> Vec<(u64, u64, u64)> {
+        self.machine.ram_regions().to_vec()
+    }
+
+    /// Each vCPU's (index, descriptor), in the machine's order (the machine's
+    /// descriptors: not to be closed); empty once stopped.
+    fn vcpu_fds(&self) -> Vec<(u32, RawFd)> {
+        let Some(core) = self.machine.core() else {
+            return Vec::new();
+        };
+        (0..core.vcpu_count())
+            .filter_map(|position| core.vcpu(position))
+            .map(|(index, fd)| (index, fd.as_raw_fd()))
+            .collect()
+    }
+
+    /// Keep the device servers still (`NativeMachine::hold_devices`) for at most
+    /// `timeout` seconds of waiting; false if they did not stop in time.
+    #[pyo3(signature = (timeout = 5.0))]
+    fn hold_devices(&self, py: Python<'_>, timeout: f64) -> bool {
+        let timeout = Duration::from_secs_f64(timeout.max(0.0));
+        py.detach(|| self.machine.hold_devices(timeout))
+    }
+
+    fn release_devices(&self) {
+        self.machine.release_devices();
+    }
+
+    /// The virtio devices: (slot, IOAPIC pin, `NativeDevice` handle), in plan order.
+    fn transports(&self) -> Vec<(u32, u32, NativeDevice)> {
+        self.machine
+            .transports()
+            .into_iter()
+            .map(|(slot, irq, transport)| (slot, irq, NativeDevice { transport }))
+            .collect()
+    }
+
+    /// COM1's registers as `SerialState`'s fields; None once stopped.
+    fn serial(&self) -> Option<SerialFields> {
+        self.machine.serial()
+    }
+
+    /// What `status` says of snapshots from now on: `bases` as `(tag, kind)`, newest
+    /// first, and the tracking in use (`ControlServe.set_snapshot_status`).
+    fn set_snapshot_status(&self, bases: Vec<(Option<String>, String)>, tracking: Option<String>) {
+        *lock(&self.snapshots) = SnapshotStatus { bases, tracking };
+    }
+
+    /// What `status` says of snapshots: (bases, tracking).
+    fn snapshot_status(&self) -> (Vec<(Option<String>, String)>, Option<String>) {
+        let status = lock(&self.snapshots);
+        (status.bases.clone(), status.tracking.clone())
     }
 
     /// End the machine and close everything it holds. Idempotent.

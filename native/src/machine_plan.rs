@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 
@@ -256,10 +256,7 @@ impl ChildVolume {
                     .jail_index
                     .ok_or_else(|| format!("the jail opened no {}", self.path.display()))?;
                 let fds = if self.disk.read_only { ro } else { rw };
-                let fd = jail_fd(fds, at, "volume")?;
-                // SAFETY: as the memory file's: the jail opened it for this process,
-                // and each child volume is taken once, here.
-                Ok(unsafe { File::from_raw_fd(fd) })
+                Ok(File::from(jail_fd(fds, at, "volume")?))
             }
             None => File::options()
                 .read(true)
@@ -285,11 +282,19 @@ pub struct ChildMachinePlan {
 }
 
 /// The descriptor at `index` of `fds`, the jail's opened `what`, owned from here.
-fn jail_fd(fds: &[RawFd], index: usize, what: &str) -> Result<RawFd, String> {
-    match fds.get(index) {
-        Some(&fd) if fd >= 0 => Ok(fd),
-        _ => Err(format!("the jail opened no {what}")),
-    }
+/// A duplicate of the descriptor the jail opened at `index` of `fds`: the jail's own
+/// stays open, for the hand-over's Python, which adopts them all (`jail.adopt`: a
+/// capture reads the memory file and `/dev/kvm` through them).
+fn jail_fd(fds: &[RawFd], index: usize, what: &str) -> Result<OwnedFd, String> {
+    let fd = match fds.get(index) {
+        Some(&fd) if fd >= 0 => fd,
+        _ => return Err(format!("the jail opened no {what}")),
+    };
+    // SAFETY: the jail opened `fd` for this process and keeps it open for its life;
+    // borrowed for the duplicate only.
+    unsafe { BorrowedFd::borrow_raw(fd) }
+        .try_clone_to_owned()
+        .map_err(|e| format!("the jail's {what}: {e}"))
 }
 
 impl ChildMachinePlan {
@@ -300,10 +305,7 @@ impl ChildMachinePlan {
                 let memory_at = self
                     .jail_memory
                     .ok_or("a jailed child needs its memory file opened by the jail")?;
-                let memory = jail_fd(ro, memory_at, "memory file")?;
-                // SAFETY: a descriptor the jail opened for this process and nothing else
-                // in it owns (no Python runs to adopt it): taken once, here.
-                Ok(unsafe { File::from_raw_fd(memory) })
+                Ok(File::from(jail_fd(ro, memory_at, "memory file")?))
             }
             None => {
                 let path = &self.snapshot.get().memory_path;
@@ -320,8 +322,8 @@ impl ChildMachinePlan {
             Some((_, _, _, devices, _)) => {
                 let kvm_at = self.jail_kvm.ok_or("a jailed child needs its /dev/kvm")?;
                 let kvm = jail_fd(devices, kvm_at, "/dev/kvm")?;
-                // SAFETY: as the memory file's (`memory_file`).
-                unsafe { Kvm::from_raw_fd(kvm) }
+                // SAFETY: a descriptor of /dev/kvm that is ours alone (`jail_fd`).
+                unsafe { Kvm::from_raw_fd(kvm.into_raw_fd()) }
             }
             None => Kvm::new().map_err(|e| format!("/dev/kvm: {e}"))?,
         };
@@ -366,23 +368,18 @@ impl ChildMachinePlan {
                         .jail_disks
                         .get(slot)
                         .ok_or_else(|| format!("the jail opened no {}", path.display()))?;
-                    let fd = jail_fd(ro, *at, "disk")?;
-                    // SAFETY: as the memory file's: the jail opened it for this
-                    // process, and it is taken once, here (once per path).
-                    unsafe { File::from_raw_fd(fd) }
+                    File::from(jail_fd(ro, *at, "disk")?)
                 }
                 None => File::open(path).map_err(|e| format!("{}: {e}", path.display()))?,
             };
             files.insert(path, file);
         }
         // The tap: the one the child's jail opened in its network namespace
-        // (`Jail::enter`, before the privilege drop), or an unjailed child's, opened
-        // here in the namespace its set-up joined; the process's own from here, closed
-        // when the machine is built (its transport keeps a duplicate).
+        // (`Jail::enter`, before the privilege drop), duplicated (`jail_fd`), or an
+        // unjailed child's, opened here in the namespace its set-up joined; closed when
+        // the machine is built (its transport keeps its own).
         let tap_file = match (opened, &self.tap) {
-            // SAFETY: a descriptor the jail opened for this process and nothing else in
-            // it owns (no Python runs to adopt it): taken once, here.
-            (Some((.., Some(fd))), _) => Some(unsafe { OwnedFd::from_raw_fd(*fd) }),
+            (Some((.., Some(fd))), _) => Some(jail_fd(&[*fd], 0, "tap")?),
             (None, Some(name)) => {
                 let fd = child::open_tap(name)
                     .map_err(|f| format!("tap {name}: {}: {}", f.step, child::strerror(f.errno)))?;

@@ -26,7 +26,7 @@
 
 use std::ffi::CString;
 use std::os::fd::RawFd;
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyOSError, PyValueError};
@@ -36,7 +36,10 @@ use crate::agent_handshake::{AgentTarget, Mount};
 use crate::child::{exit_setup_failed, fork_checked, ChildPlan, Opened};
 use crate::child_life::{self, Forked, LifePlan};
 use crate::child_report::ChildReporter;
-use crate::control_serve::{error_line, Handover, PyHandover};
+use crate::control_serve::{
+    error_line, Handover, PyHandover, SharedSnapshotStatus, SnapshotStatus,
+};
+use crate::machine::{NativeMachine, PyNativeMachine};
 use crate::machine_plan::ChildMachinePlan;
 use crate::spawn_profile::SpawnProfile;
 use crate::tiny_machine::TinyMachinePlan;
@@ -68,11 +71,13 @@ impl ChildLife {
     /// `mounts`: the new volumes the agent mounts after `after_fork`, each (virtio-mmio
     /// device, guest path, read-only, sectors), as `AgentClient.mount_volume` takes them;
     /// `profile`: record each phase's end in `run_dir/spawn-profile.json`
-    /// (`runtime/spawnprofile.py`'s record, `spawn_profile.rs`).
+    /// (`runtime/spawnprofile.py`'s record, `spawn_profile.rs`); `snapshot_bases`
+    /// (`(tag, kind)`, newest first) and `snapshot_tracking`: what `status` says of
+    /// snapshots until a capture says otherwise (`SnapshotTaker.bases`).
     #[new]
     #[pyo3(signature = (*, run_dir, vm_id, notify_path, start_gate, start_gate_timeout,
                         seccomp, jailed, agent, ready_timeout, net_refresh, mounts=Vec::new(),
-                        profile=false))]
+                        profile=false, snapshot_bases=Vec::new(), snapshot_tracking=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         run_dir: &str,
@@ -87,6 +92,8 @@ impl ChildLife {
         net_refresh: bool,
         mounts: Vec<(u32, String, bool, u64)>,
         profile: bool,
+        snapshot_bases: Vec<(Option<String>, String)>,
+        snapshot_tracking: Option<String>,
     ) -> PyResult<Self> {
         let start_gate = match start_gate {
             Some(gate) => Some((c_string(gate)?, duration(start_gate_timeout)?)),
@@ -117,6 +124,10 @@ impl ChildLife {
                 } else {
                     None
                 },
+                snapshots: Arc::new(Mutex::new(SnapshotStatus {
+                    bases: snapshot_bases,
+                    tracking: snapshot_tracking,
+                })),
             },
         })
     }
@@ -186,13 +197,34 @@ impl ForkedMachine {
         let opened = after_fork.opened.as_ref();
         match self {
             ForkedMachine::Restored(plan) => {
-                child_life::live(life, forked, || plan.get().build(opened), after_fork)
+                let build = || {
+                    let machine = Arc::new(plan.get().build(opened)?);
+                    // Built once per process (`live` never returns): set exactly once.
+                    let _ = FORKED_MACHINE.set((machine.clone(), life.snapshots.clone()));
+                    Ok(machine)
+                };
+                child_life::live(life, forked, build, after_fork)
             }
             ForkedMachine::Tiny(plan) => {
                 child_life::live(life, forked, || plan.build(), after_fork)
             }
         }
     }
+}
+
+/// A native child's machine and its `status`'s snapshot record, for its hand-over's
+/// Python view (`forked_machine`); set in the child once its machine is built, never
+/// in the zygote.
+static FORKED_MACHINE: OnceLock<(Arc<NativeMachine>, SharedSnapshotStatus)> = OnceLock::new();
+
+/// `_core.forked_machine()`: in a native child, its machine (`_core.NativeMachine`,
+/// sharing the status's snapshot record with the control server), for the Python view
+/// a hand-over builds (`vmm/native_view.py`); None in any other process.
+#[pyfunction]
+pub fn forked_machine() -> Option<PyNativeMachine> {
+    FORKED_MACHINE
+        .get()
+        .map(|(machine, snapshots)| PyNativeMachine::shared(machine.clone(), snapshots.clone()))
 }
 
 /// Let every thread of this child allocate from glibc's main arena. Left to itself,

@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_native_chain import _zygote
 from vmfork.image import find_image
 from vmfork.runtime.branch import BranchFailed, branch_sandbox
 from vmfork.runtime.parent import snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
-from vmfork.runtime.zygote_client import ZygoteProcess, start_zygote
+from vmfork.runtime.zygote_client import ZygoteProcess
 from vmfork.store import Snapshot, Store
 
 SLOTS = 256
@@ -46,11 +47,18 @@ time.sleep(0.2)
 READ_BUF = "memoryview(bytes(buf)).cast('Q')[::512].tolist()"
 
 
+@pytest.fixture(scope="module", params=["python", "native"])
+def child_kind(request: pytest.FixtureRequest) -> str:
+    """Every test runs on a Python child and on a native one (``VMFORK_NATIVE_CHILD=1``:
+    its BRANCH taken of the machine's Python view, ``vmm/native_view.py``)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+def store(child_kind: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     # Its snapshots are whole memory images (hundreds of MiB each); in the emulated
-    # test host /tmp is RAM, so they go when the module is done, not at session end.
-    home = tmp_path_factory.mktemp("home")
+    # test host /tmp is RAM, so they go when the kind's tests are done.
+    home = tmp_path_factory.mktemp(f"home-{child_kind}")
     yield Store.open(home)
     shutil.rmtree(home, ignore_errors=True)
 
@@ -61,9 +69,10 @@ def warm(store: Store) -> Snapshot:
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
+def zygote(child_kind: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ZygoteProcess]:
     # Generous: the zygote imports over 9p, slow in a busy emulated test host.
-    proc = start_zygote(str(tmp_path_factory.mktemp("zygote") / "z.sock"), timeout=300.0)
+    proc = _zygote(tmp_path_factory.mktemp("zygote") / "z.sock", child_kind == "native")
     yield proc
     proc.close()
 

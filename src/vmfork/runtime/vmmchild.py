@@ -99,7 +99,7 @@ from vmfork.runtime import control, jail, memphases, seccomp, spawnprofile, zygo
 from vmfork.runtime.jail import JailSpec
 from vmfork.runtime.volumes import PreparedVolume, volume_image_path
 from vmfork.vmm.bounded import LogBudget, limit_log_handlers
-from vmfork.vmm.capture import CaptureError, SnapshotTaker
+from vmfork.vmm.capture import BASE_RESTORE, CaptureError, SnapshotTaker, tracking
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
 from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
@@ -108,6 +108,7 @@ from vmfork.vmm.devices.virtio.net import valid_tap_name
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
 from vmfork.vmm.memory import PremappedRam
 from vmfork.vmm.native import CORE_BUILT
+from vmfork.vmm.native_view import NativeMachineView
 from vmfork.vmm.vmstate import MachineState, PreparedRestore, prepare_restore
 
 if TYPE_CHECKING:
@@ -444,7 +445,8 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
     from vmfork import _core
     vm_id = str(args["vm_id"])
     end = _child_ends.get(vm_id) or _child_end(args)
-    state, _ = load_snapshot(args["snapshot_dir"])
+    snapshot_dir = str(args["snapshot_dir"])
+    state, _ = load_snapshot(snapshot_dir)
     volumes, mounts = _child_volumes(state, args, jail_spec)
     jailed = jail_spec is not None
     notify, gate = args.get("notify_path"), args.get("start_gate")
@@ -458,10 +460,14 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
         jailed=jailed,
         agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
         net_refresh=state.device(devices.NET) is not None, mounts=mounts,
-        profile=spawnprofile.MODE is not None)
+        profile=spawnprofile.MODE is not None,
+        # A restored machine's RAM is its snapshot's file, mapped MAP_PRIVATE: what a
+        # Python child's SnapshotTaker.bases says before its first capture.
+        snapshot_bases=[(restore_base_tag(*load_memory(snapshot_dir)), BASE_RESTORE)],
+        snapshot_tracking=tracking())
     return zygote_child.NativeChild(
         life, _native_machine(args, jail_spec, volumes), NATIVE_HANDOVER,
-        functools.partial(jail.adopt, jail_spec) if jail_spec is not None else None)
+        functools.partial(_native_prelude, snapshot_dir, jail_spec))
 
 
 # Each snapshot's native machine (``_core.SnapshotMachinePlan``), keyed by its
@@ -619,15 +625,69 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None,
         jail_disks={slot: jail_spec.preopen.index(path) for slot, path in disks.items()})
 
 
+# A native child's snapshot directory, set by its hand-over's prelude (in the child,
+# before its first hand-over; never in the zygote).
+_native_snapshot_dir: str | None = None
+
+
+def _native_prelude(snapshot_dir: str, jail_spec: JailSpec | None,
+                    opened: tuple[list[int], list[int], tuple[int, int], list[int],
+                                  int | None] | None) -> None:
+    """A native child's first Python, before its first hand-over: the jail's
+    descriptors adopted (``jail.adopt``) and which snapshot it restored remembered
+    (for the machine's view, ``_NativeCaptures``)."""
+    global _native_snapshot_dir
+    if jail_spec is not None:
+        assert opened is not None
+        jail.adopt(jail_spec, opened)
+    _native_snapshot_dir = snapshot_dir
+
+
+class _NativeCaptures:
+    """A native child's captures: its machine's Python view (``NativeMachineView``)
+    and the ``SnapshotTaker`` over it, built at the first ``snapshot`` hand-over; what
+    ``status`` says of snapshots is the machine handle's, which the native control
+    server shares."""
+
+    def __init__(self, machine: _core.NativeMachine, snapshot_dir: str) -> None:
+        state, _ = load_snapshot(snapshot_dir)
+        memory_file, plan = load_memory(snapshot_dir)
+        self.machine = machine
+        self.view = NativeMachineView(machine, state, memory_file, plan)
+        self.snapshots = SnapshotTaker(self.view, restore_base_tag(memory_file, plan))
+
+    def push_status(self) -> None:
+        self.machine.set_snapshot_status(
+            [(b["tag"], str(b["kind"])) for b in self.snapshots.bases()],
+            self.snapshots.tracking)
+
+
+_native_captures: _NativeCaptures | None = None
+
+
+def _native_captures_now() -> _NativeCaptures:
+    global _native_captures
+    if _native_captures is None:
+        machine = _core.forked_machine() if CORE_BUILT else None
+        if machine is None or _native_snapshot_dir is None:
+            raise _Refused("this process runs no native child's machine")
+        _native_captures = _NativeCaptures(machine, _native_snapshot_dir)
+    return _native_captures
+
+
 def native_handover(line: bytes, fd: int) -> bytes:
     """A native child's hand-over (``NATIVE_HANDOVER``): a line its control server does
-    not serve, parsed as ``ControlServer.handle_line`` parses it. The op it hands over
-    (``snapshot``, and a served op in a line the server did not recognise as plain)
-    reads the machine's Python view, which ``NativeMachine`` does not offer yet: it is
-    refused, saying so."""
+    not serve, parsed as ``ControlServer.handle_line`` parses it. ``snapshot`` is
+    taken of the machine's Python view (``_NativeCaptures``, built at the first one),
+    as ``ControlServer.snapshot`` takes it of a ``Machine``; a natively served op in a
+    line the server did not recognise as plain is refused, saying so."""
     def dispatch(request: control.AnyRequest) -> control.WireRecord:
-        raise _Refused(f"a native child does not serve {type(request).__name__} yet "
-                       "(it needs the machine's Python view)")
+        if not isinstance(request, control.Snapshot):
+            raise _Refused(f"a native child serves {type(request).__name__} only as a "
+                           "plain line ({\"op\": ...})")
+        captures = _native_captures_now()
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return take_snapshot(captures.snapshots, request, sock, captures.push_status)
 
     return handover_reply(line, dispatch)
 
@@ -827,6 +887,17 @@ class _Refused(Exception):
     """A request the VMM will not carry out; its message is the reply's error."""
 
 
+def restore_base_tag(memory_file: str | None, plan: MemoryPlan | None) -> str | None:
+    """The tag of the snapshot a machine was restored from (the base of its first
+    diff): the name of the directory holding its memory plan or, for a flat snapshot,
+    the memory file it maps (the tag in a store)."""
+    if plan is not None:
+        return os.path.basename(plan.directory or "") or None
+    if memory_file is not None:
+        return os.path.basename(os.path.dirname(os.path.abspath(memory_file))) or None
+    return None
+
+
 def handover_reply(line: bytes,
                    dispatch: Callable[[control.AnyRequest], control.WireRecord]) -> bytes:
     """The reply line to a request line the native server handed over: the request
@@ -843,6 +914,81 @@ def handover_reply(line: bytes,
     except Exception as err:  # noqa: BLE001 - reported to the caller, never fatal to the VMM
         reply = control.error_reply(f"{type(err).__name__}: {err}")
     return control.encode(reply)
+
+
+def take_snapshot(snapshots: SnapshotTaker, req: control.Snapshot, sock: socket.socket,
+                  push_status: Callable[[], None]) -> control.SnapshotReply:
+    """The ``snapshot`` op: capture the running machine, pause-consistent, with
+    ``snapshots`` (a Python ``Machine``'s or a native child's view of its machine);
+    ``sock``: the request's connection (progress goes there); ``push_status``: tell
+    the native control server what ``status`` now says of snapshots.
+
+    Request (``control.Snapshot``; on the wire, one JSON object)::
+
+        {"op": "snapshot", "mode": "full" | "diff" | "live",   # absent: "full"
+         "memory_path": P, "state_path": S,      # files to create (their directory
+                                                 # must exist; they must not)
+         "tag": T,          # optional: names this capture, so a later diff can be
+                            # based on it (the store tag it is published as)
+         "base_tag": B,     # optional, diff only: the base to diff against, one of
+                            # status's "snapshot_bases" (default: the newest)
+         "resume": true,    # false leaves the source paused afterwards
+         "progress": false} # true: also send {"ok": true, "stage": "resumed",
+                            # "timings": {...}} as soon as the source runs again,
+                            # before the final reply (useful for live)
+
+    A field the op does not take is refused (``control.parse_request``), not
+    ignored: a caller that expects another contract must not get a layer at P.
+
+    What is written: S is the vCPU/device state (``ondisk.stateformat``). P is a
+    whole memory image in memory-file layout (``memory_format: "image"``; full
+    and live) or a layer file (``"layer"``; diff): the pages changed since the
+    base named by ``base_tag`` in the reply, plus their index
+    (``ondisk.layerfile``). The base is either the snapshot this sandbox was
+    restored from (``base_kind: "restore"``, its tag is the directory name of
+    the memory file it maps) or this sandbox's previous successful capture
+    (``base_kind: "previous"``, named by that capture's ``tag``; available when
+    the host kernel tracks soft-dirty bits). base image + layer = this capture.
+
+    Reply (``control.SnapshotReply``), sent once both files are completely written::
+
+        {"ok": true, "mode": ..., "memory_format": "image" | "layer",
+         "memory_bytes": int,            # data bytes written to P
+         "dirty_pages": int | null,      # pages changed since the base
+         "base_tag": str | null, "base_kind": "restore" | "previous" | null,
+         "tag": T | null, "tracking": "soft-dirty" | "restore-base-only",
+         "timings": {"pause_s": float,   # the source's vCPUs were stopped this long
+                     "vcpu_state_s", "device_state_s", "fork_s" (live),
+                     "scan_s" (diff), "memory_write_s", "clear_soft_dirty_s",
+                     "state_write_s", ..., "total_s": float}}
+
+    or ``{"ok": false, "error": "..."}`` with nothing left at P or S.
+    """
+    memory_path, state_path = req.memory_path, req.state_path
+    if os.path.abspath(memory_path) == os.path.abspath(state_path):
+        raise _Refused("memory_path and state_path must differ")
+    for name, path in (("memory_path", memory_path), ("state_path", state_path)):
+        if os.path.lexists(path):
+            raise _Refused(f"{name} {path} exists; give a new path")
+
+    def resumed(timings: dict[str, float]) -> None:
+        if req.progress:
+            try:
+                sock.sendall(control.encode(control.Resumed(timings)))
+            except OSError:
+                pass   # the final reply will not arrive either; the capture goes on
+
+    try:
+        result = snapshots.take(req.mode, memory_path, state_path, tag=req.tag,
+                                base_tag=req.base_tag, resume=req.resume,
+                                on_resumed=resumed)
+    finally:
+        push_status()
+    return control.SnapshotReply(
+        mode=result.mode, memory_format=result.memory_format,
+        memory_bytes=result.memory_bytes, dirty_pages=result.dirty_pages,
+        base_tag=result.base_tag, base_kind=result.base_kind, tag=req.tag,
+        tracking=result.tracking, timings=result.timings)
 
 
 class ControlServer:
@@ -868,11 +1014,8 @@ class ControlServer:
         # (runtime/branch.py copies them into the store), and status says so.
         self.jailed = jailed
         self.on_stop = on_stop
-        if origin_tag is None and machine.config.memory_plan is not None:
-            origin_tag = os.path.basename(machine.config.memory_plan.directory or "") or None
-        elif origin_tag is None and machine.config.memory_file is not None:
-            origin_tag = os.path.basename(os.path.dirname(
-                os.path.abspath(machine.config.memory_file))) or None
+        if origin_tag is None:
+            origin_tag = restore_base_tag(machine.config.memory_file, machine.config.memory_plan)
         self.snapshots = SnapshotTaker(machine, origin_tag)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -934,74 +1077,8 @@ class ControlServer:
                 return control.Ack()
 
     def snapshot(self, req: control.Snapshot, sock: socket.socket) -> control.SnapshotReply:
-        """The ``snapshot`` op: capture the running machine, pause-consistent.
-
-        Request (``control.Snapshot``; on the wire, one JSON object)::
-
-            {"op": "snapshot", "mode": "full" | "diff" | "live",   # absent: "full"
-             "memory_path": P, "state_path": S,      # files to create (their directory
-                                                     # must exist; they must not)
-             "tag": T,          # optional: names this capture, so a later diff can be
-                                # based on it (the store tag it is published as)
-             "base_tag": B,     # optional, diff only: the base to diff against, one of
-                                # status's "snapshot_bases" (default: the newest)
-             "resume": true,    # false leaves the source paused afterwards
-             "progress": false} # true: also send {"ok": true, "stage": "resumed",
-                                # "timings": {...}} as soon as the source runs again,
-                                # before the final reply (useful for live)
-
-        A field the op does not take is refused (``control.parse_request``), not
-        ignored: a caller that expects another contract must not get a layer at P.
-
-        What is written: S is the vCPU/device state (``ondisk.stateformat``). P is a
-        whole memory image in memory-file layout (``memory_format: "image"``; full
-        and live) or a layer file (``"layer"``; diff): the pages changed since the
-        base named by ``base_tag`` in the reply, plus their index
-        (``ondisk.layerfile``). The base is either the snapshot this sandbox was
-        restored from (``base_kind: "restore"``, its tag is the directory name of
-        the memory file it maps) or this sandbox's previous successful capture
-        (``base_kind: "previous"``, named by that capture's ``tag``; available when
-        the host kernel tracks soft-dirty bits). base image + layer = this capture.
-
-        Reply (``control.SnapshotReply``), sent once both files are completely written::
-
-            {"ok": true, "mode": ..., "memory_format": "image" | "layer",
-             "memory_bytes": int,            # data bytes written to P
-             "dirty_pages": int | null,      # pages changed since the base
-             "base_tag": str | null, "base_kind": "restore" | "previous" | null,
-             "tag": T | null, "tracking": "soft-dirty" | "restore-base-only",
-             "timings": {"pause_s": float,   # the source's vCPUs were stopped this long
-                         "vcpu_state_s", "device_state_s", "fork_s" (live),
-                         "scan_s" (diff), "memory_write_s", "clear_soft_dirty_s",
-                         "state_write_s", ..., "total_s": float}}
-
-        or ``{"ok": false, "error": "..."}`` with nothing left at P or S.
-        """
-        memory_path, state_path = req.memory_path, req.state_path
-        if os.path.abspath(memory_path) == os.path.abspath(state_path):
-            raise _Refused("memory_path and state_path must differ")
-        for name, path in (("memory_path", memory_path), ("state_path", state_path)):
-            if os.path.lexists(path):
-                raise _Refused(f"{name} {path} exists; give a new path")
-
-        def resumed(timings: dict[str, float]) -> None:
-            if req.progress:
-                try:
-                    sock.sendall(control.encode(control.Resumed(timings)))
-                except OSError:
-                    pass   # the final reply will not arrive either; the capture goes on
-
-        try:
-            result = self.snapshots.take(req.mode, memory_path, state_path, tag=req.tag,
-                                         base_tag=req.base_tag, resume=req.resume,
-                                         on_resumed=resumed)
-        finally:
-            self._push_snapshot_status()
-        return control.SnapshotReply(
-            mode=result.mode, memory_format=result.memory_format,
-            memory_bytes=result.memory_bytes, dirty_pages=result.dirty_pages,
-            base_tag=result.base_tag, base_kind=result.base_kind, tag=req.tag,
-            tracking=result.tracking, timings=result.timings)
+        """The ``snapshot`` op (``take_snapshot``) of this machine."""
+        return take_snapshot(self.snapshots, req, sock, self._push_snapshot_status)
 
     @property
     def serving(self) -> bool:

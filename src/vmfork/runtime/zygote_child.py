@@ -173,7 +173,9 @@ class NativeChild:
     hands over (``ControlServer.handle_line``'s contract), resolved in the child at the
     first one, after ``PyOS_AfterFork_Child``."""
     prelude: Callable[..., object] | None = None
-    """Called with the jail's descriptors before the first hand-over (``jail.adopt``)."""
+    """Called with the jail's descriptors (None unjailed) before the first hand-over
+    (``vmmchild._native_prelude``: ``jail.adopt``, and what the hand-over needs to know
+    of the spawn)."""
 
 
 def native_fork(child_plan: ChildPlan, native: NativeChild,

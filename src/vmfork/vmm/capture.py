@@ -72,17 +72,16 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from vmfork.ondisk import layerfile
 from vmfork.ondisk.durable import fsync_file, write_file_atomic
 from vmfork.ondisk.errors import OnDiskError
 from vmfork.ondisk.stateformat import encode_state
 from vmfork.vmm import dirty
-from vmfork.vmm.devices.virtio.device import run_on_loop
 from vmfork.vmm.errors import HostError
-from vmfork.vmm.machine import Machine
 from vmfork.vmm.memory import PAGE_SIZE, GuestMemory, subtract_runs
-from vmfork.vmm.vmstate import MachineState
+from vmfork.vmm.vmstate import MachineState, VcpuState, VmState
 
 MODES = ("full", "diff", "live")
 BASE_RESTORE = "restore"      # the snapshot the sandbox was restored from
@@ -94,6 +93,46 @@ _PR_SET_PDEATHSIG = 1
 # Resolved here, not in the forked writer: a symbol lookup there could need a loader
 # lock that another thread held at the fork.
 _prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+T = TypeVar("T")
+
+
+class CaptureHold(Protocol):
+    """A device that must keep what it would give back while a capture is in flight
+    (the balloon's reported pages: ``balloon.py``'s "Holds")."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class CapturedMachine(Protocol):
+    """What a capture reads of a running machine: a Python ``Machine``, or a native
+    child's ``NativeMachine`` through its Python view (``vmm/native_view.py``)."""
+
+    @property
+    def memory(self) -> GuestMemory: ...
+
+    @property
+    def balloon_device(self) -> CaptureHold | None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def save_cpu_state(self) -> tuple[VmState, list[VcpuState]]:
+        """The VM's and each vCPU's state; the vCPUs are paused."""
+        ...
+
+    def save_device_state(self, vm: VmState, vcpus: list[VcpuState]) -> MachineState:
+        """The whole state around ``vm`` and ``vcpus``; inside ``with_devices_still``."""
+        ...
+
+    def with_devices_still(self, fn: Callable[[], T], timeout: float) -> T:
+        """``fn()`` while no device touches guest RAM or changes its state (the I/O
+        thread's guarantee; see the module notes); ``HostError`` after ``timeout``."""
+        ...
 
 
 class CaptureError(HostError):
@@ -121,6 +160,12 @@ class _Base:
     kind: str
 
 
+def tracking() -> str:
+    """How this host finds a diff's pages since a previous capture: "soft-dirty", or
+    "restore-base-only" where the kernel lacks it (the module notes)."""
+    return "soft-dirty" if dirty.soft_dirty_supported() else "restore-base-only"
+
+
 class SnapshotTaker:
     """Takes snapshots of one machine and remembers what the next diff can be based on.
 
@@ -129,7 +174,7 @@ class SnapshotTaker:
     server serialises them).
     """
 
-    def __init__(self, machine: Machine, origin_tag: str | None = None) -> None:
+    def __init__(self, machine: CapturedMachine, origin_tag: str | None = None) -> None:
         self.machine = machine
         self.origin_tag = origin_tag
         self._previous: _Base | None = None   # set once soft-dirty bits track since it
@@ -137,7 +182,7 @@ class SnapshotTaker:
 
     @property
     def tracking(self) -> str:
-        return "soft-dirty" if dirty.soft_dirty_supported() else "restore-base-only"
+        return tracking()
 
     def bases(self) -> list[dict[str, str | None]]:
         """The bases a diff can be taken against now, newest first."""
@@ -201,7 +246,7 @@ class SnapshotTaker:
         writer: _Writer | None = None
         changed: list[dirty.Run] | None = None   # full, sandbox: base data still to copy
         cleared = False
-        balloon = machine.balloon.device if machine.balloon is not None else None
+        balloon = machine.balloon_device
         if balloon is not None:
             balloon.hold()   # until the writer is done: balloon.py's "Holds" says why
         try:
@@ -258,7 +303,7 @@ class SnapshotTaker:
                         timings["clear_soft_dirty_s"] = time.monotonic() - at
                     return state, written, pages
 
-                state, written, pages = run_on_loop(machine.loop, fix_memory, timeout=3600)
+                state, written, pages = machine.with_devices_still(fix_memory, timeout=3600)
             finally:
                 if resume:
                     machine.resume()

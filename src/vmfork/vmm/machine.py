@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from vmfork.kvm import api
 from vmfork.kvm.structs import kvm_cpuid_entry2
@@ -89,6 +89,7 @@ if CORE_BUILT:   # else no machine is made (Machine calls require_core first)
     from vmfork import _core
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Console on COM1; reboot (and so power-off and panic) through the i8042 reset
 # line; no port-0x80 delays (each would be an exit); no PCI, ACPI or modules.
@@ -485,6 +486,16 @@ class Machine:
         """The virtio devices' transports, in slot order."""
         return self.devices.transports
 
+    @property
+    def balloon_device(self) -> _core.NativeDevice | None:
+        """The balloon's native device (a capture holds its reported pages), if any."""
+        return None if self.balloon is None else self.balloon.device
+
+    def with_devices_still(self, fn: Callable[[], T], timeout: float) -> T:
+        """``fn()`` on the I/O thread, where the devices touch guest RAM: nothing else
+        runs there meanwhile (``capture.CapturedMachine``)."""
+        result: T = run_on_loop(self.loop, fn, timeout=timeout)
+        return result
     def free_page_reporting(self) -> dict[str, Any] | None:
         """What the balloon did (devices/virtio/balloon.py), None without one: whether
         the guest's driver runs it, its counters, and seconds since the last report."""

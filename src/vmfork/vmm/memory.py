@@ -67,9 +67,10 @@ def ram_layout(mem_size: int) -> list[RegionLayout]:
 
 
 class MemoryRegion:
-    """One contiguous range of guest RAM and its host mapping."""
+    """One contiguous range of guest RAM and its host mapping: an ``mmap`` this process
+    made, or a byte view of one another owner made (``GuestMemory.borrowed``)."""
 
-    def __init__(self, layout: RegionLayout, mapping: mmap.mmap) -> None:
+    def __init__(self, layout: RegionLayout, mapping: mmap.mmap | memoryview) -> None:
         self.guest_phys = layout.guest_phys
         self.size = layout.size
         self.backing_offset = layout.backing_offset
@@ -393,7 +394,8 @@ class GuestMemory:
                                          run.source_offset))
         except BaseException:
             for r in regions:
-                r.mapping.close()
+                if isinstance(r.mapping, mmap.mmap):   # (all are: mapped just above)
+                    r.mapping.close()
             for fd in fds:
                 os.close(fd)
             raise
@@ -419,10 +421,41 @@ class GuestMemory:
         return cls(regions, backing_fd=fds[0], private_file=True, overlay_fds=tuple(fds[1:]),
                    overlay_pieces=premapped.overlays)
 
+    @classmethod
+    def borrowed(cls, host_regions: list[tuple[int, int, int]], path: str, mem_size: int,
+                 plan: MemoryPlan | None = None) -> GuestMemory:
+        """RAM that another owner mapped ``MAP_PRIVATE`` from the memory file ``path``
+        (with ``plan``: a diff chain's runs mapped over it, as ``from_file_private``
+        maps them) and keeps mapped while this object lives: a native child's
+        ``NativeMachine`` (``vmm/native_view.py``). ``host_regions``: its ``(guest
+        address, size, host address)`` per region of ``ram_layout(mem_size)``. The
+        files are opened here (``open_ro``: the jail's descriptors in a jailed VMM),
+        for a capture's ``base_sources``; ``close`` closes them and unmaps nothing."""
+        layouts = ram_layout(mem_size)
+        if [(gpa, size) for gpa, size, _ in host_regions] != [
+                (layout.guest_phys, layout.size) for layout in layouts]:
+            raise HostError(f"the machine's RAM regions {host_regions} do not have the "
+                            f"layout of {mem_size} bytes", op="map_snapshot")
+        if plan is not None:
+            _check_plan(path, mem_size, plan)
+        fds = memplan.open_sources(plan) if plan is not None else [open_ro(path)]
+        regions = [MemoryRegion(layout, memoryview(
+                       (ctypes.c_char * size).from_address(host)).cast("B"))
+                   for layout, (_, size, host) in zip(layouts, host_regions)]
+        spans = _spans(regions)
+        pieces = tuple((start, size, run.source, at_file)
+                       for run in (plan.runs if plan is not None else ())
+                       for _, start, size, at_file in _split_run(
+                           spans, run.offset, run.length, run.source_offset))
+        return cls(regions, backing_fd=fds[0], private_file=True, overlay_fds=tuple(fds[1:]),
+                   overlay_pieces=pieces)
+
     def close(self) -> None:
         if self.native is not None:
             self.native.close()  # waits for a native access in flight on another thread
         for r in self.regions:
+            if isinstance(r.mapping, memoryview):
+                continue   # borrowed: its owner unmaps it
             try:
                 r.mapping.close()
             except BufferError:
