@@ -33,11 +33,7 @@
 //! 4. *OOM order*: `oom_score_adj` 1000, the first process the OOM killer takes.
 //!    *CPU order*: the plan's nice value (`zygote_child.VMM_NICE`), which every thread
 //!    the VMM starts later inherits: when guests keep the CPUs busy, the control plane
-//!    (the daemon, the zygote, a spawner waiting for its batch) still runs. A child
-//!    that runs no Python takes it later (`set_up_native`, then `lower_priority` once
-//!    its machine is built, before its first thread): its set-up, jail and restore,
-//!    which its "restored" waits for, run at the zygote's priority, not behind the
-//!    zygote's and the spawner's own work after the fork.
+//!    (the daemon, the zygote, a spawner waiting for its batch) still runs.
 //! 5. *Cgroup*: the child's pid into each of its groups' `cgroup.procs`, before it
 //!    allocates anything of its own (v1 charges do not follow a process that moves).
 //! 6. *Fds*: stdin `/dev/null`, stdout and stderr the log (append, created 0644), then
@@ -311,23 +307,8 @@ fn write_file(path: &CStr, value: &[u8]) -> Result<(), i32> {
 }
 
 impl SetUp {
-    /// This thread's nice value, the plan's (step 4), inherited by every thread it
-    /// starts from now on.
-    fn lower_priority(&self) -> Result<(), String> {
-        // Linux keeps a nice value per thread; this process has one thread yet, and
-        // the threads it starts inherit it. Lowering one's own priority needs no
-        // privilege.
-        // SAFETY: setpriority takes a selector, an id (0: this thread) and the value.
-        if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, self.nice) } != 0 {
-            let errno = last_errno();
-            return Err(format!("setpriority({}): {}", self.nice, strerror(errno)));
-        }
-        Ok(())
-    }
-
-    /// Steps 1-6 of the module comment, step 4's nice value only if `lower_now`.
-    /// `Ok(false)`: the zygote died before the prctl.
-    fn run(&self, lower_now: bool) -> Result<bool, String> {
+    /// Steps 1-6 of the module comment. `Ok(false)`: the zygote died before the prctl.
+    fn run(&self) -> Result<bool, String> {
         let text = |step: &str, errno: i32| format!("{step}: {}", strerror(errno));
         // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and unused zeros.
         if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
@@ -373,8 +354,12 @@ impl SetUp {
         }
         write_file(c"/proc/self/oom_score_adj", OOM_SCORE_ADJ)
             .map_err(|errno| text("cannot set oom_score_adj", errno))?;
-        if lower_now {
-            self.lower_priority()?;
+        // Linux keeps a nice value per thread; this process has one thread yet, and
+        // the threads it starts inherit it. Lowering one's own priority needs no
+        // privilege.
+        // SAFETY: setpriority takes a selector, an id (0: this thread) and the value.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, self.nice) } != 0 {
+            return Err(text(&format!("setpriority({})", self.nice), last_errno()));
         }
         if !self.cgroup_procs.is_empty() {
             // SAFETY: getpid cannot fail.
@@ -935,7 +920,20 @@ impl ChildPlan {
     /// exits 71 (`EXIT_SETUP_FAILED`), as does a child whose zygote is already gone
     /// (silently: nobody is left to tell). Nothing here runs Python.
     pub fn set_up(&self) {
-        self.run_set_up(true);
+        let Some(set_up) = &self.set_up else {
+            return;
+        };
+        let outcome = if self.jail.is_some() {
+            self.net.join().map_err(|f| jail_failure_text(&f))
+        } else {
+            Ok(())
+        }
+        .and_then(|()| set_up.run());
+        match outcome {
+            Ok(true) => {}
+            Ok(false) => exit_setup_failed(None),
+            Err(message) => exit_setup_failed(Some(&message)),
+        }
     }
 
     /// Build the jail and move this process into it. Returns the descriptors opened
@@ -946,48 +944,21 @@ impl ChildPlan {
         let Some(jail) = &self.jail else {
             return Err(PyValueError::new_err("this plan has no jail"));
         };
-        jail.enter(&self.net, &|_| {}).map_err(|f| {
-            match self.error.bind(py).call1((f.step, f.errno)) {
+        jail.enter(&self.net, &|_| {})
+            .map_err(|f| match self.error.bind(py).call1((f.step, f.errno)) {
                 Ok(err) => PyErr::from_value(err),
                 Err(err) => err,
-            }
-        })
+            })
     }
 }
 
 impl ChildPlan {
-    /// `set_up` for a child that runs no Python: all but step 4's nice value, which
-    /// it takes with `lower_priority` before its first thread (module comment).
-    pub fn set_up_native(&self) {
-        self.run_set_up(false);
-    }
-
-    /// Step 4's nice value, for a child set up by `set_up_native`; a plan without
-    /// set-up has none to take.
-    pub fn lower_priority(&self) -> Result<(), String> {
-        self.set_up.as_ref().map_or(Ok(()), SetUp::lower_priority)
-    }
-
-    fn run_set_up(&self, lower_now: bool) {
-        let Some(set_up) = &self.set_up else {
-            return;
-        };
-        let outcome = if self.jail.is_some() {
-            self.net.join().map_err(|f| jail_failure_text(&f))
-        } else {
-            Ok(())
-        }
-        .and_then(|()| set_up.run(lower_now));
-        match outcome {
-            Ok(true) => {}
-            Ok(false) => exit_setup_failed(None),
-            Err(message) => exit_setup_failed(Some(&message)),
-        }
-    }
-
     /// `enter_jail` for a child that runs no Python: None without a jail; a failed
     /// step says what `str(JailError)` says. `mark`: `Jail::enter`'s.
-    pub fn enter_jail_native(&self, mark: &dyn Fn(&'static str)) -> Result<Option<Opened>, String> {
+    pub fn enter_jail_native(
+        &self,
+        mark: &dyn Fn(&'static str),
+    ) -> Result<Option<Opened>, String> {
         match &self.jail {
             None => Ok(None),
             Some(jail) => jail
@@ -1166,64 +1137,6 @@ mod tests {
     #[test]
     fn strerror_has_no_os_error_suffix() {
         assert_eq!(strerror(libc::ENOENT), "No such file or directory");
-    }
-
-    /// This thread's nice value, written to fd 1 as one byte (0-19 fit).
-    fn report_nice() {
-        // SAFETY: getpriority takes a selector and an id; errno is not needed here.
-        let nice = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) } as u8;
-        // SAFETY: one byte from a live buffer to fd 1.
-        unsafe { libc::write(1, (&nice as *const u8).cast(), 1) };
-    }
-
-    #[test]
-    fn a_native_childs_set_up_leaves_the_nice_value_to_lower_priority() {
-        let log = std::env::temp_dir().join(format!("vmfork-nice-{}", std::process::id()));
-        // SAFETY: getpriority takes a selector and an id.
-        let own = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
-        // Lower than this thread's (raising it back would need a privilege).
-        let nice = (own + 1).min(19);
-        let set_up = SetUp {
-            // SAFETY: getpid cannot fail.
-            zygote_pid: unsafe { libc::getpid() },
-            zygote_pidfd: None,
-            cgroup_procs: Vec::new(),
-            log_path: Some(cstring(log.to_str().expect("UTF-8")).expect("no NUL")),
-            nice,
-        };
-        // SAFETY: the child makes syscalls only (no allocation, no lock another thread
-        // of this test process could hold) and leaves through _exit.
-        let pid = unsafe { libc::fork() };
-        assert!(pid >= 0, "fork");
-        if pid == 0 {
-            // The set-up sends fd 1 to the log: each report lands there.
-            let status = match set_up.run(false) {
-                Ok(true) => {
-                    report_nice();
-                    set_up.lower_priority().map_or(2, |()| {
-                        report_nice();
-                        0
-                    })
-                }
-                _ => 1,
-            };
-            // SAFETY: ends the forked test process without running the harness's code.
-            unsafe { libc::_exit(status) };
-        }
-        let mut status = 0;
-        // SAFETY: waits for the child just forked; `status` is a live int.
-        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        assert!(
-            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-            "{status}"
-        );
-        let reported = std::fs::read(&log).expect("the child's log");
-        std::fs::remove_file(&log).expect("removed");
-        assert_eq!(
-            reported,
-            [own as u8, nice as u8],
-            "set-up at the forker's nice, then the plan's"
-        );
     }
 
     #[test]

@@ -168,35 +168,18 @@ impl ForkedMachine {
         ))
     }
 
-    /// The life of this machine; in the child, with no Python. The VMM's nice value
-    /// (`child`'s set-up, step 4) is taken once the machine is built, before the filter
-    /// and the first thread, which inherits it: the child restores at the zygote's
-    /// priority (`child.rs`'s module comment).
-    fn live(
-        &self,
-        life: &LifePlan,
-        forked: Forked,
-        after_fork: &AfterForkPython<'_>,
-        child: &ChildPlan,
-    ) -> i32 {
+    /// The life of this machine; in the child, with no Python.
+    fn live(&self, life: &LifePlan, forked: Forked, after_fork: &AfterForkPython<'_>) -> i32 {
         let opened = after_fork.opened.as_ref();
         match self {
-            ForkedMachine::Restored(plan) => child_life::live(
-                life,
-                forked,
-                || lowered(child, plan.get().build(opened)?),
-                after_fork,
-            ),
+            ForkedMachine::Restored(plan) => {
+                child_life::live(life, forked, || plan.get().build(opened), after_fork)
+            }
             ForkedMachine::Tiny(plan) => {
-                child_life::live(life, forked, || lowered(child, plan.build()?), after_fork)
+                child_life::live(life, forked, || plan.build(), after_fork)
             }
         }
     }
-}
-
-/// `machine`, once `child`'s nice value is taken (`ForkedMachine::live`).
-fn lowered<M>(child: &ChildPlan, machine: M) -> Result<M, String> {
-    child.lower_priority().map(|()| machine)
 }
 
 /// Let every thread of this child allocate from glibc's main arena. Left to itself,
@@ -268,11 +251,7 @@ impl NativeFork {
         }
         one_malloc_arena();
         let plan = self.plan.get();
-        if std::env::var_os("VMFORK_NFAST_NICE_AT_SET_UP").is_some() {
-            plan.set_up();
-        } else {
-            plan.set_up_native();
-        }
+        plan.set_up();
         life.mark("set_up");
         let opened = match plan.enter_jail_native(&|phase| life.mark(phase)) {
             Ok(opened) => opened,
@@ -296,7 +275,7 @@ impl NativeFork {
         // into a Python exception, in a child running the zygote's loop): it exits as an
         // entry that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.
         let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            self.machine.live(life, forked, &after_fork, plan)
+            self.machine.live(life, forked, &after_fork)
         }))
         .unwrap_or(EXIT_ENTRY_RAISED);
         // SAFETY: _exit ends the process without unwinding into the zygote's frames.

@@ -61,8 +61,7 @@ def answer(line, fd):
         "op": type(request).__name__, "pid": os.getpid(),
         "after_fork_hooks": after_fork_hooks}))
 
-plan = _core.ChildPlan(error=jail.JailError,
-                       set_up=(os.getpid(), None, [], cfg["log"], cfg.get("nice", 0)))
+plan = _core.ChildPlan(error=jail.JailError, set_up=(os.getpid(), None, [], cfg["log"], 0))
 life = _core.ChildLife(
     run_dir=cfg["run_dir"], vm_id="vm1", notify_path=None, start_gate=cfg["gate"],
     start_gate_timeout=60.0, seccomp=seccomp.vmm_filter(), jailed=False,
@@ -160,16 +159,6 @@ def _assert_phases_recorded(run_dir: Path) -> None:
     assert float(marks[-1]["thread_cpu_ns"]) > 0, marks
 
 
-def _thread_nice_values(pid: int) -> dict[int, int]:
-    """Each thread of ``pid``: its nice value (``stat``'s 19th field, Linux keeps one
-    per thread)."""
-    values = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        values[int(tid)] = int(stat.rsplit(")", 1)[1].split()[16])
-    return values
-
-
 def _malloc_arenas(pid: int) -> int:
     with memphases.read_smaps(pid) as smaps:
         return sum(m.cls == "malloc_arenas"
@@ -223,18 +212,15 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
 
 
 @needs_kvm
-def test_a_native_childs_threads_allocate_from_its_arenas_at_the_vmms_nice_value(
+def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
         agent: Agent, tmp_path: Path) -> None:
     """glibc gives each thread that allocates an arena of its own, whose pages it then
     dirties: the child's vCPU, control and handshake threads (each allocates) make
-    none, so its arenas are the forker's. And each runs at the VMM's nice value,
-    which the child takes only once its machine is built (its restore runs at the
-    forker's)."""
+    none, so its arenas are the forker's."""
     run_dir = Path(agent.root) / "run"
     run_dir.mkdir()
-    vmm_nice = min(os.getpriority(os.PRIO_PROCESS, 0) + 1, 19)   # one this process may set
     cfg = {"run_dir": str(run_dir), "gate": None, "agent": agent.sock_path,
-           "log": str(tmp_path / "child.log"), "code": HALT_FOREVER.hex(), "nice": vmm_nice}
+           "log": str(tmp_path / "child.log"), "code": HALT_FOREVER.hex()}
     forker = _forker(cfg)
     try:
         assert forker.stdout is not None
@@ -246,9 +232,6 @@ def test_a_native_childs_threads_allocate_from_its_arenas_at_the_vmms_nice_value
             assert _ask(control, {"op": "status"})["paused"] is False
         assert len(os.listdir(f"/proc/{pid}/task")) >= 3   # main, vCPU, control
         assert _malloc_arenas(pid) == _malloc_arenas(forker.pid)
-        # The set-up leaves the nice value to the machine's end (native_fork.rs): every
-        # thread started after it, and the main thread, run at the VMM's.
-        assert set(_thread_nice_values(pid).values()) == {vmm_nice}, _thread_nice_values(pid)
         assert not (run_dir / spawnprofile.PROFILE_FILE).exists(), "no record unless asked"
         os.kill(pid, signal.SIGTERM)
         assert int(forker.stdout.readline()) == 0, "a SIGTERM ends the child with 0"
