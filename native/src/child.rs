@@ -944,21 +944,19 @@ impl ChildPlan {
         let Some(jail) = &self.jail else {
             return Err(PyValueError::new_err("this plan has no jail"));
         };
-        jail.enter(&self.net, &|_| {})
-            .map_err(|f| match self.error.bind(py).call1((f.step, f.errno)) {
+        jail.enter(&self.net, &|_| {}).map_err(|f| {
+            match self.error.bind(py).call1((f.step, f.errno)) {
                 Ok(err) => PyErr::from_value(err),
                 Err(err) => err,
-            })
+            }
+        })
     }
 }
 
 impl ChildPlan {
     /// `enter_jail` for a child that runs no Python: None without a jail; a failed
     /// step says what `str(JailError)` says. `mark`: `Jail::enter`'s.
-    pub fn enter_jail_native(
-        &self,
-        mark: &dyn Fn(&'static str),
-    ) -> Result<Option<Opened>, String> {
+    pub fn enter_jail_native(&self, mark: &dyn Fn(&'static str)) -> Result<Option<Opened>, String> {
         match &self.jail {
             None => Ok(None),
             Some(jail) => jail
