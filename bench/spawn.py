@@ -757,9 +757,12 @@ def render_phases(results: dict[str, dict[int, list[dict[str, Any]]]],
                 names += [str(p["phase"]) for p in child if p["phase"] not in names]
         md += ["", f"### Where a child's time goes, fork to ready, N = {n} (medians)", "",
                ("Each phase ends at its name (`runtime/spawnprofile.py`'s marks; a native "
-                "child writes the same ones, `native/src/spawn_profile.rs`): wall ms, and in "
-                "brackets the child's main-thread CPU ms. `fork`: the zygote's clock before "
-                "fork(); `forked`: the child's first step (its clock starts there)."), "",
+                "child writes the same ones, `native/src/spawn_profile.rs`, and its jail's "
+                "steps, `jail_*`): wall ms, and in brackets the child's main-thread CPU ms. "
+                "`fork`: from the spawn call to the zygote's clock before this child's "
+                "fork(); `forked`: the child's first step (its clock starts there); "
+                "`restored_seen`: from its `restored` report to the spawner's knowing every "
+                "child restored."), "",
                "| phase | " + " | ".join(PEER_TITLES[p] for p in by_peer) + " |",
                "|---|" + "---|" * len(by_peer)]
         for name in names:
