@@ -29,8 +29,10 @@ and initramfs, 256 MiB, 1 vCPU), four peers start N VMs in parallel:
 * **vmfork, native children** (``--peers ...,native``): the same spawns from a second
   zygote started with ``VMFORK_NATIVE_CHILD=1``, whose children run no Python after
   the fork (``native/src/native_fork.rs``); the ``vmfork`` peer's zygote then runs
-  Python children, so the two are measured side by side, alternated per N. It needs a
-  parent without volume slots (``--free-volume-slots 0``).
+  Python children, so the two are measured side by side, alternated per N.
+  ``--b-env NAME=VALUE`` (repeatable) adds **native children, B** (``native_b``): a
+  third zygote whose environment adds those, alternated with ``native``, so a knob's
+  before and after are measured in one run.
 
 ``--phases`` starts the zygotes with ``VMFORK_SPAWN_PROFILE=1``: each child, Python or
 native, records the end of each step from ``fork()`` to ready in its
