@@ -29,8 +29,10 @@ and initramfs, 256 MiB, 1 vCPU), four peers start N VMs in parallel:
 * **vmfork, native children** (``--peers ...,native``): the same spawns from a second
   zygote started with ``VMFORK_NATIVE_CHILD=1``, whose children run no Python after
   the fork (``native/src/native_fork.rs``); the ``vmfork`` peer's zygote then runs
-  Python children, so the two are measured side by side, alternated per N. It needs a
-  parent without volume slots (``--free-volume-slots 0``).
+  Python children, so the two are measured side by side, alternated per N.
+  ``--b-env NAME=VALUE`` (repeatable) adds **native children, B** (``native_b``): a
+  third zygote whose environment adds those, alternated with ``native``, so a knob's
+  before and after are measured in one run.
 
 ``--phases`` starts the zygotes with ``VMFORK_SPAWN_PROFILE=1``: each child, Python or
 native, records the end of each step from ``fork()`` to ready in its
@@ -110,12 +112,13 @@ READY_MARKER = b"vmfork-agent: ready"
 MIB = 1 << 20
 # Run in this order at each N; templating last, because 100 clones (100 vhost
 # workers) is what has crashed the emulated host's kernel.
-PEERS = ("vmfork", "native", "floor", "cold", "template")
+PEERS = ("vmfork", "native", "native_b", "floor", "cold", "template")
 # The peers that are vmfork spawns: Python children, and children that run no Python.
-VMFORK_PEERS = ("vmfork", "native")
+VMFORK_PEERS = ("vmfork", "native", "native_b")
 # --network: no network, a namespace made per child, a namespace taken from the pool.
 NETWORK_MODES = ("plain", "netns", "pooled")
 PEER_TITLES = {"vmfork": "vmfork", "native": "vmfork, native children",
+               "native_b": "native children, B",
                "floor": "floor (C, KVM calls only)",
                "template": "QEMU templating", "cold": "QEMU cold boot"}
 # vhost-vsock CIDs are global on the host; give each QEMU peer its own range.
@@ -676,7 +679,12 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                  for name, count in thread_switches(pid).items()}
                 for pid, before in zip(host_pids, switches_before)]
         if phases:
-            out["spawn_phases"] = [read_spawn_phases(d) for d in run_dirs]
+            # The spawn call's instant as `restored_s` counts it (fork_children's own
+            # start, after its FIFOs are made), so the rows add up to `running_s`.
+            called = (restored_at[0] - out["running_s"] if restored_at and out.get("spawn_s")
+                      is not None else started)
+            out["spawn_phases"] = [read_spawn_phases(d, called, restored_at[0] if restored_at
+                                                     else None) for d in run_dirs]
         fork_to_entry = [float(s["fork_to_entry_s"]) for s in statuses
                          if s.get("fork_to_entry_s") is not None]
         is_guest = guest_ram_file(snapshot.memory_path)
@@ -708,15 +716,30 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
             status_file.unlink()
 
 
-def read_spawn_phases(run_dir: Path) -> list[dict[str, float | str]]:
+def read_spawn_phases(run_dir: Path, called: float,
+                      all_restored: float | None) -> list[dict[str, float | str]]:
     """A child's steps from fork to ready, as its ``spawn-profile.json`` has them
-    (``spawnprofile.phases``); none if it wrote none."""
+    (``spawnprofile.phases``); none if it wrote none. Two rows are the spawner's, on the
+    same CLOCK_MONOTONIC (``time.monotonic``) as the children's marks: ``fork`` runs
+    from the spawn call (``called``) to the zygote's fork of this child, and
+    ``restored_seen`` from the child's ``restored`` report to the spawner's knowing
+    every child restored (``all_restored``), so the rows add up to ``restored``."""
     from vmfork.runtime import spawnprofile
     try:
         record = json.loads((run_dir / spawnprofile.PROFILE_FILE).read_text())
     except (OSError, ValueError):
         return []
-    return spawnprofile.phases(record["marks"])
+    marks = record["marks"]
+    called_mark = {"phase": "spawn_call", "mono_ns": int(called * 1e9),
+                   "thread_cpu_ns": 0, "process_cpu_ns": 0}
+    rows = spawnprofile.phases([called_mark, *marks])
+    reported = [m for m in marks if m["phase"] == "restored_report"]
+    if all_restored is not None and reported:
+        at = next(i for i, r in enumerate(rows) if r["phase"] == "restored_report") + 1
+        rows.insert(at, {"phase": "restored_seen",
+                         "wall_s": all_restored - int(reported[0]["mono_ns"]) / 1e9,
+                         "thread_cpu_s": 0.0, "process_cpu_s": 0.0})
+    return rows
 
 
 def render_phases(results: dict[str, dict[int, list[dict[str, Any]]]],
@@ -736,9 +759,12 @@ def render_phases(results: dict[str, dict[int, list[dict[str, Any]]]],
                 names += [str(p["phase"]) for p in child if p["phase"] not in names]
         md += ["", f"### Where a child's time goes, fork to ready, N = {n} (medians)", "",
                ("Each phase ends at its name (`runtime/spawnprofile.py`'s marks; a native "
-                "child writes the same ones, `native/src/spawn_profile.rs`): wall ms, and in "
-                "brackets the child's main-thread CPU ms. `fork`: the zygote's clock before "
-                "fork(); `forked`: the child's first step (its clock starts there)."), "",
+                "child writes the same ones, `native/src/spawn_profile.rs`, and its jail's "
+                "steps, `jail_*`): wall ms, and in brackets the child's main-thread CPU ms. "
+                "`fork`: from the spawn call to the zygote's clock before this child's "
+                "fork(); `forked`: the child's first step (its clock starts there); "
+                "`restored_seen`: from its `restored` report to the spawner's knowing every "
+                "child restored."), "",
                "| phase | " + " | ".join(PEER_TITLES[p] for p in by_peer) + " |",
                "|---|" + "---|" * len(by_peer)]
         for name in names:
@@ -903,15 +929,21 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
     def peer(name: str, n: int, key: str) -> float | None:
         return median_of(results[name].get(n, []), key)
 
-    if any(results["native"].values()):
-        md += ["## vmfork's children: Python and native, side by side", "",
-               "| N | Python restored | Python ready | native restored | native ready |",
-               "|---|---|---|---|---|"]
+    natives = [p for p in ("native", "native_b") if any(results[p].values())]
+    if natives:
+        md += ["## vmfork's children: Python and native, side by side", ""]
+        if "native_b" in natives:
+            md += [f"Native children B: {PEER_TITLES['native_b']}.", ""]
+        heads = [f"{PEER_TITLES[p]} {what}" for p in natives
+                 for what in ("restored", "ready", "restored / floor")]
+        md += ["| N | Python restored | Python ready | " + " | ".join(heads) + " |",
+               "|---|---|---|" + "---|" * len(heads)]
         for n in ns:
+            cells = [c for p in natives for c in (
+                fmt_s(peer(p, n, "running_s")), fmt_s(peer(p, n, "ready_s")),
+                fmt_x(ratio(peer(p, n, "running_s"), peer("floor", n, "running_s"))))]
             md.append(f"| {n} | {fmt_s(peer('vmfork', n, 'running_s'))} | "
-                      f"{fmt_s(peer('vmfork', n, 'ready_s'))} | "
-                      f"{fmt_s(peer('native', n, 'running_s'))} | "
-                      f"{fmt_s(peer('native', n, 'ready_s'))} |")
+                      f"{fmt_s(peer('vmfork', n, 'ready_s'))} | " + " | ".join(cells) + " |")
         md.append("")
     md += ["## Time until all N VMs run / all N agents answer", "",
            ("| N | vmfork restored | vmfork ready | QEMU cold running | QEMU cold ready | "
@@ -983,7 +1015,7 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            ("| peer | N | process Pss | VMM own Pss | VMM own Private_Dirty | guest-RAM Rss | "
             "guest-RAM Pss | guest pages dirtied (own copies) |"),
            "|---|---|---|---|---|---|---|---|"]
-    for name in ("vmfork", "native", "template", "cold"):
+    for name in ("vmfork", "native", "native_b", "template", "cold"):
         for n in ns:
             runs = results[name].get(n, [])
             if not runs:
@@ -1466,6 +1498,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--breakdown", action="store_true",
                         help="also: each vmfork child's memory by mapping class and by phase, "
                              "and its threads' wake-ups while idle")
+    parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="the native_b peer: native children from a third zygote whose "
+                             "environment adds NAME=VALUE (repeatable), alternated with the "
+                             "native peer in the same run: a knob's before and after")
     parser.add_argument("--phases", action="store_true",
                         help="also: each vmfork child's steps from fork to ready "
                              "(VMFORK_SPAWN_PROFILE=1 in the zygotes)")
@@ -1483,8 +1519,14 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.n = [1, 10]
     unknown = set(args.peers) - set(PEERS)
-    if unknown or "vmfork" not in args.peers:
-        parser.error(f"--peers: need vmfork, and only {','.join(PEERS)} (got {args.peers})")
+    if unknown or not {"vmfork", "native"} & set(args.peers):
+        parser.error(f"--peers: need vmfork or native, and only {','.join(PEERS)} "
+                     f"(got {args.peers})")
+    if ("native_b" in args.peers) != bool(args.b_env):
+        parser.error("--b-env goes with the native_b peer, and the native_b peer with it")
+    args.b_env = dict(item.split("=", 1) for item in args.b_env)
+    PEER_TITLES["native_b"] = ("native children, B (" + ", ".join(
+        f"{k}={v}" for k, v in args.b_env.items()) + ")")
     return args
 
 
@@ -1585,8 +1627,10 @@ def main() -> int:
             if "native" in args.peers:
                 # Side by side: the vmfork peer's children run Python, the native's none.
                 env.pop(NATIVE_CHILD_ENV, None)
-            if name == "native":
+            if name in ("native", "native_b"):
                 env[NATIVE_CHILD_ENV] = "1"
+            if name == "native_b":
+                env.update(args.b_env)
             if args.phases:
                 env[SPAWN_PROFILE_ENV] = "1"
             with open(workdir / f"zygote-{name}.log", "wb") as zlog:

@@ -586,7 +586,10 @@ impl Jail {
     }
 
     /// The jail's steps (module comment); returns the descriptors opened before the drop.
-    fn enter(&self, net: &Net) -> Step<Opened> {
+    /// `mark` is told the end of each group of steps (`jail_*`: a native child's phase
+    /// record, `spawn_profile.rs`, where the jail's wall time is the largest of its
+    /// set-up's; a no-op elsewhere).
+    fn enter(&self, net: &Net, mark: &dyn Fn(&'static str)) -> Step<Opened> {
         if self.uid == 0 || self.gid == 0 {
             return Err(Failure {
                 step: format!(
@@ -612,6 +615,7 @@ impl Jail {
         if let Some((fd, dev, ino)) = self.host_root {
             let_go_of_host_root(fd, dev, ino);
         }
+        mark("jail_opened");
         let mut flags = libc::CLONE_NEWNS | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
         if matches!(net, Net::Own) {
             flags |= libc::CLONE_NEWNET; // no held namespace to join: one of its own
@@ -620,6 +624,7 @@ impl Jail {
         check(unsafe { libc::unshare(flags) } as libc::c_long, || {
             "unshare".into()
         })?;
+        mark("jail_unshared");
         mount(
             None,
             "/",
@@ -638,6 +643,7 @@ impl Jail {
             Some(c"size=1m,mode=0755"),
             || "tmpfs root".into(),
         )?;
+        mark("jail_tmpfs");
         // The tmpfs is new and this process alone fills it: each directory is made
         // once, and each host path looked up once.
         let mut made: HashSet<String> = HashSet::from([root.to_string()]);
@@ -699,6 +705,7 @@ impl Jail {
                 return fail(format!("chown {path}"));
             }
         }
+        mark("jail_binds");
         let proc = format!("{root}/proc");
         mkdir(&proc, || format!("mkdir {proc}"))?;
         // hidepid=invisible matters for a jail without a PID namespace of its own.
@@ -710,6 +717,7 @@ impl Jail {
             Some(c"hidepid=invisible"),
             || "mount /proc".into(),
         )?;
+        mark("jail_proc");
         let old = format!("{root}/.old-root");
         mkdir(&old, || format!("mkdir {old}"))?;
         let (c_root, c_old) = (cstring(root)?, cstring(&old)?);
@@ -721,6 +729,7 @@ impl Jail {
             unsafe { libc::chdir(c"/".as_ptr()) } as libc::c_long,
             || "chdir /".into(),
         )?;
+        mark("jail_pivoted");
         // SAFETY: a static NUL-terminated path.
         let rc = unsafe { libc::umount2(c"/.old-root".as_ptr(), libc::MNT_DETACH) };
         check(rc as libc::c_long, || "detach the old root".into())?;
@@ -729,6 +738,7 @@ impl Jail {
             unsafe { libc::rmdir(c"/.old-root".as_ptr()) } as libc::c_long,
             || "remove the old root's mount point".into(),
         )?;
+        mark("jail_old_root_detached");
         mount(
             None,
             "/",
@@ -937,22 +947,23 @@ impl ChildPlan {
         let Some(jail) = &self.jail else {
             return Err(PyValueError::new_err("this plan has no jail"));
         };
-        jail.enter(&self.net)
-            .map_err(|f| match self.error.bind(py).call1((f.step, f.errno)) {
+        jail.enter(&self.net, &|_| {}).map_err(|f| {
+            match self.error.bind(py).call1((f.step, f.errno)) {
                 Ok(err) => PyErr::from_value(err),
                 Err(err) => err,
-            })
+            }
+        })
     }
 }
 
 impl ChildPlan {
     /// `enter_jail` for a child that runs no Python: None without a jail; a failed
-    /// step says what `str(JailError)` says.
-    pub fn enter_jail_native(&self) -> Result<Option<Opened>, String> {
+    /// step says what `str(JailError)` says. `mark`: `Jail::enter`'s.
+    pub fn enter_jail_native(&self, mark: &dyn Fn(&'static str)) -> Result<Option<Opened>, String> {
         match &self.jail {
             None => Ok(None),
             Some(jail) => jail
-                .enter(&self.net)
+                .enter(&self.net, mark)
                 .map(Some)
                 .map_err(|f| jail_failure_text(&f)),
         }

@@ -298,7 +298,7 @@ impl NativeFork {
         let plan = self.plan.get();
         plan.set_up();
         life.mark("set_up");
-        let opened = match plan.enter_jail_native() {
+        let opened = match plan.enter_jail_native(&|phase| life.mark(phase)) {
             Ok(opened) => opened,
             Err(message) => exit_setup_failed(Some(&message)),
         };

@@ -17,6 +17,7 @@ spawn without it is refused. Their BRANCH is ``test_native_branch.py``'s."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ from vmfork.agent.client import AgentClient, AgentUnavailable, vsock_uds_connect
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import find_image
 from vmfork.ondisk.stateformat import read_state_file
-from vmfork.runtime import control, vmmchild
+from vmfork.runtime import control, spawnprofile, vmmchild
 from vmfork.runtime.parent import boot_and_capture, parent_meta, snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
 from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, PreparedVolume, parse_volume, prepare
@@ -61,9 +62,10 @@ def warm(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZygoteProcess]:
     path = tmp_path_factory.mktemp("zygote") / "z.sock"
-    # As test_fork's: the imports over the test host's 9p take long.
+    # As test_fork's: the imports over the test host's 9p take long. Each child records
+    # its phases (spawn_profile.rs), its jail's among them.
     proc = start_zygote(str(path), timeout=180.0,
-                        env={**os.environ, NATIVE_CHILD_ENV: "1"})
+                        env={**os.environ, NATIVE_CHILD_ENV: "1", spawnprofile.ENV: "1"})
     yield proc
     proc.close()
 
@@ -133,6 +135,23 @@ def test_native_children_see_the_empty_volume_slots_as_a_python_child_does(
         assert agent.exec(DISKS).stdout.decode() == native
     finally:
         machine.close()
+
+
+def test_a_jailed_native_child_records_its_jails_steps_between_set_up_and_machine(
+        children: list[Child]) -> None:
+    for child in children:
+        record = child.run_dir / spawnprofile.PROFILE_FILE
+        deadline = time.monotonic() + 30.0   # written right after the ready report
+        while not record.exists():
+            assert time.monotonic() < deadline, f"no {record}"
+            time.sleep(0.05)
+        marks = json.loads(record.read_text())["marks"]
+        names = [m["phase"] for m in marks]
+        assert names[names.index("set_up"):names.index("machine") + 1] == [
+            "set_up", "jail_opened", "jail_unshared", "jail_tmpfs", "jail_binds",
+            "jail_proc", "jail_pivoted", "jail_old_root_detached", "jailed", "machine"], names
+        assert all(later["mono_ns"] >= earlier["mono_ns"]
+                   for earlier, later in zip(marks, marks[1:])), marks
 
 
 def test_native_children_pause_resume_and_report_status(children: list[Child]) -> None:
