@@ -48,8 +48,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, Weak};
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
 
-use crate::rng_serve::RngQueue;
-use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -606,23 +605,6 @@ impl EventLoop {
     /// Call `callback()` on the loop thread whenever `fd` is readable (level-triggered).
     fn add_reader(&self, fd: RawFd, callback: Py<PyAny>) -> PyResult<()> {
         self.add(fd, Reader::Callback(callback))
-    }
-
-    /// Serve `fd` natively, without the GIL, whenever it is readable: `handler` is a
-    /// device's native server (`_core.RngQueue`), which knows what
-    /// each of its fds is.
-    fn add_native_reader(&self, fd: RawFd, handler: &Bound<'_, PyAny>) -> PyResult<()> {
-        let reader: Arc<dyn NativeReader> = if let Ok(rng) = handler.cast::<RngQueue>() {
-            rng.get().server.clone()
-        } else {
-            return Err(PyTypeError::new_err(format!(
-                "{} is not a native queue server",
-                handler.get_type().name()?
-            )));
-        };
-        self.inner
-            .add_native(fd, reader)
-            .map_err(|e| self.add_error(e))
     }
 
     /// Stop watching `fd` (nothing happens if it is not watched).

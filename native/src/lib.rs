@@ -241,7 +241,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<console::Console>()?;
     m.add_class::<control_serve::ControlServe>()?;
     m.add_class::<eventloop::EventLoop>()?;
-    m.add_class::<rng_serve::RngQueue>()?;
     m.add_class::<virtio_py::GuestRam>()?;
     m.add_class::<mmio_py::MmioRegisters>()?;
     m.add_class::<mmio_py::MmioWindows>()?;

@@ -1,26 +1,22 @@
 //! Python's handle on the native virtio-mmio register file (`native/src/mmio.rs`):
-//! `_core.MmioRegisters`, the register file of every
-//! `vmfork.vmm.devices.virtio.mmio.MmioTransport` (there is no Python one), and
-//! `_core.MmioWindows`, the MMIO bus's map of register files that the native vCPU
-//! loop serves without the GIL.
+//! `_core.MmioRegisters`, a register file of its own (its rules' contract tests) or
+//! a native device's (`NativeDevice.registers`), and `_core.MmioWindows`, the MMIO
+//! bus's map of native devices' windows that the vCPU loop serves without the GIL.
 //!
-//! Locks and the GIL. A register file is one `Mutex`. Python threads (the I/O
-//! thread raising an interrupt, the bus's Python path, tests) call in
-//! with the GIL and take it: GIL, then the Rust lock. A native vCPU thread takes it
-//! without the GIL, and takes the GIL (for the events a write caused, or a config
-//! read the device answers) only after it let go of it: the register lock is never
-//! held while the GIL is waited for, and no Python code runs under it.
+//! Locks and the GIL. A register file is one `Mutex`. Python threads (tests, a
+//! machine reading a device's registers) call in with the GIL and take it: GIL, then
+//! the Rust lock. A vCPU thread takes it without the GIL; every window's host is a
+//! `NativeTransport`, so no register access takes the GIL (the Python transport that
+//! did is deleted, session 22).
 
-use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use pyo3::{PyTraverseError, PyVisit};
 
-use crate::mmio::{Event, QueueRegs, Read, Registers, Saved, CONFIG_SPACE};
-use crate::transport::{TransportFailure, TransportHost, Windows};
+use crate::mmio::{Event, QueueRegs, Read, Registers, Saved};
+use crate::transport::Windows;
 use crate::transport_py::NativeDevice;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -269,72 +265,11 @@ impl MmioRegisters {
     }
 }
 
-/// The Python transport as a `TransportHost`: its `read` answers config reads the
-/// device serves, its `apply_events` takes the events a write caused; each call takes
-/// the GIL (the vCPU thread holds no Rust lock then). What it raises comes back as the
-/// failure's `raised` (a `Py<PyAny>`), for `VcpuLoop.error`.
-pub struct PyTransport {
-    handler: Py<PyAny>,
-}
-
-impl PyTransport {
-    fn failure(py: Python<'_>, err: PyErr) -> TransportFailure {
-        let detail = err
-            .value(py)
-            .repr()
-            .map(|r| r.to_string())
-            .unwrap_or_else(|_| "an exception".to_string());
-        let raised: Py<PyAny> = err.value(py).clone().into_any().unbind();
-        TransportFailure {
-            detail,
-            raised: Some(Box::new(raised)),
-        }
-    }
-}
-
-impl TransportHost for PyTransport {
-    fn read_config(&self, offset: u64, data: &mut [u8]) -> Result<(), TransportFailure> {
-        Python::attach(|py| {
-            let value = self
-                .handler
-                .call_method1(py, "read", (CONFIG_SPACE + offset, data.len()));
-            value
-                .and_then(|value| {
-                    let bytes = value.bind(py).extract::<&[u8]>()?;
-                    let n = bytes.len().min(data.len());
-                    data[..n].copy_from_slice(&bytes[..n]);
-                    // As a bus read the device answered short: the rest reads as ones.
-                    data[n..].fill(0xFF);
-                    Ok(())
-                })
-                .map_err(|err| PyTransport::failure(py, err))
-        })
-    }
-
-    fn apply(&self, events: Vec<Event>) -> Result<(), TransportFailure> {
-        Python::attach(|py| {
-            self.handler
-                .call_method1(py, "apply_events", (events_to_py(events),))
-                .map(drop)
-                .map_err(|err| PyTransport::failure(py, err))
-        })
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-}
-
 /// The MMIO bus's register files by window (`transport::Windows`), for the native
 /// vCPU loop; `vmfork.vmm.bus.Bus` adds a transport here when it registers one.
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct MmioWindows {
     pub(crate) windows: Windows,
-}
-
-/// The events as the Python transport's `apply_events` takes them.
-pub fn events_to_py(events: Vec<Event>) -> Vec<PyEvent> {
-    events.into_iter().map(py_event).collect()
 }
 
 #[pymethods]
@@ -344,22 +279,6 @@ impl MmioWindows {
         MmioWindows {
             windows: Windows::new(),
         }
-    }
-
-    /// Serve `[base, base + 0x1000)` with `registers`; `handler` is the transport.
-    fn add(
-        &self,
-        base: u64,
-        registers: &Bound<'_, MmioRegisters>,
-        handler: Py<PyAny>,
-    ) -> PyResult<()> {
-        self.windows
-            .add(
-                base,
-                registers.get().regs.clone(),
-                Arc::new(PyTransport { handler }),
-            )
-            .map_err(PyValueError::new_err)
     }
 
     /// Serve `[base, base + 0x1000)` with a device whose transport is native.
@@ -402,18 +321,5 @@ impl MmioWindows {
             Some(Ok(())) => Ok(true),
             Some(Err(failure)) => Err(PyValueError::new_err(failure.detail)),
         }
-    }
-
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        for host in self.windows.hosts().unwrap_or_default() {
-            if let Some(py) = host.as_any().downcast_ref::<PyTransport>() {
-                visit.call(&py.handler)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn __clear__(&self) {
-        self.windows.clear();
     }
 }

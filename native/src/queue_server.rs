@@ -1,40 +1,17 @@
 //! What every device server on the native loop shares (`rng_serve.rs`, `net_serve.rs`,
-//! `vsock_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`): its queues as Python hands
-//! them over, the used-buffer interrupt as the transport raises it, the eventfds it
+//! `vsock_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`): the used-buffer interrupt as the transport raises it, the eventfds it
 //! duplicates and writes, and where it sends what it cannot act on itself
-//! (`DeviceEvents`: Python's callback, or a native record that needs no Python).
+//! (`DeviceEvents`: its transport's `NativeEvents`, a record that needs no Python).
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
 
 use crate::eventloop::Deferred;
 use crate::mmio::{Registers, INT_USED_BUFFER};
-use crate::virtq::{QueueError, Rings};
-
-/// (size, desc, avail, used, next_avail, next_used) of a ready queue, as Python's
-/// `Virtqueue` holds it once `Virtqueue.validate` checked it.
-pub type PyQueue = (u16, u64, u64, u64, u16, u16);
-
-/// The rings of queue `name`; its size checked again (a power of 2 in 1..256).
-pub fn rings(name: &str, q: PyQueue, event_idx: bool) -> PyResult<Rings> {
-    let size = q.0;
-    if size == 0 || size > 256 || !size.is_power_of_two() {
-        return Err(PyValueError::new_err(format!(
-            "{name} queue size {size} is not a power of 2 in 1..256"
-        )));
-    }
-    Ok(Rings {
-        size,
-        desc: q.1,
-        avail: q.2,
-        used: q.3,
-        event_idx,
-    })
-}
+use crate::virtq::QueueError;
 
 /// The used-buffer interrupt, as the transport's `trigger` raises it: InterruptStatus
 /// for the activation's `epoch` (a reset in between drops it), then a write to the
@@ -52,7 +29,7 @@ pub fn raise_used_buffer(registers: &Mutex<Registers>, epoch: u64, irq: RawFd) -
 
 /// A queue whose per-wake budget is spent is served again on a later loop turn: write
 /// its ioeventfd, so the loop finds it readable after the other ready fds. False when
-/// there is none (a server entered from Python: the caller serves again itself).
+/// there is none (the caller serves again itself).
 pub fn rearm(notify: Option<RawFd>) -> bool {
     match notify {
         Some(fd) => {
@@ -63,22 +40,9 @@ pub fn rearm(notify: Option<RawFd>) -> bool {
     }
 }
 
-/// Call `callback(*args)` with the GIL; an exception it raises is reported as
-/// unraisable (the loop thread has no caller to hand it to).
-pub fn call_python<'py, A>(py: Python<'py>, callback: &Py<PyAny>, args: A)
-where
-    A: pyo3::call::PyCallArgs<'py>,
-{
-    if let Err(failed) = callback.call1(py, args) {
-        failed.write_unraisable(py, Some(callback.bind(py)));
-    }
-}
-
 /// Where a device server sends what a wake found that it cannot act on itself: a
 /// guest fault (the queue stopped serving) and the device's details (failed discards,
-/// refused frames). The PyO3 constructors install a Python callback (`PyOnFault`,
-/// net's `PyNetReport`); a machine assembled in Rust installs `NativeEvents`, which needs no
-/// Python at all.
+/// refused frames). A native transport installs `NativeEvents`, which needs no Python.
 ///
 /// `report` runs on the thread that served (the loop thread without the GIL, or a
 /// Python caller's with the GIL released) with no server lock held, and must not take
@@ -86,12 +50,6 @@ where
 /// with the GIL after the turn's native work.
 pub trait DeviceEvents<D>: Send + Sync {
     fn report(self: Arc<Self>, fault: Option<QueueError>, details: D) -> Option<Deferred>;
-
-    /// The Python objects it holds, for the collector of the class that owns the server
-    /// (a callback is usually a bound method of the device holding that class: a cycle).
-    fn traverse(&self, _visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        Ok(())
-    }
 }
 
 /// How many items a report's details hold, for `NativeEvents`'s count.
@@ -121,24 +79,6 @@ pub fn report<D: Details>(
         return None;
     }
     events.clone().report(fault, details)
-}
-
-/// Python's `on_error(exception)` (rng) or `on_fault(exception)` (vsock): a guest fault
-/// only; the device has no details to report.
-pub struct PyOnFault(pub Py<PyAny>);
-
-impl DeviceEvents<()> for PyOnFault {
-    fn report(self: Arc<Self>, fault: Option<QueueError>, _details: ()) -> Option<Deferred> {
-        let fault = fault?;
-        Some(Box::new(move |py| {
-            let err = crate::virtio_py::py_error(py, fault);
-            call_python(py, &self.0, (err.value(py),));
-        }))
-    }
-
-    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        visit.call(&self.0)
-    }
 }
 
 /// The longest fault message `NativeEvents` keeps (a guest's messages are short and

@@ -1,27 +1,25 @@
-//! virtio-rng served on the native event loop without the GIL (`_core.RngQueue`).
+//! virtio-rng served on the native event loop without the GIL (`RngServer`).
 //!
 //! While a queue is attached (from the device's activation to its reset), this object
 //! is the **one owner** of the queue's ring indices (`next_avail`, `next_used`); the
-//! Python `Virtqueue` holds them only before (they seed this object) and after (`sync`
-//! copies them back: the transport's `save` asks for it on the loop thread, so a
-//! BRANCH of a running child captures the indices this object advanced). The ring
+//! transport holds them only before (they seed this object) and after (`sync` copies
+//! them back for the device's plan, so a BRANCH of a running child captures the
+//! indices this object advanced). The ring
 //! registers (size, addresses) are fixed from DRIVER_OK on, so they are copied in.
 //!
-//! A notification (the queue's ioeventfd becoming readable, or `serve` from Python
-//! for a QueueNotify exit) pops at most `max_requests` chains, fills at most
+//! A notification (the queue's ioeventfd becoming readable, or `serve` on the writing
+//! vCPU's thread for a queue without one) pops at most `max_requests` chains, fills at most
 //! `max_bytes` of each with getrandom(2), puts them on the used ring, and raises the
 //! used-buffer interrupt the way the transport does (`Registers::raise` for the
 //! activation's epoch, then a write to the interrupt's eventfd, the KVM irqfd). A run
 //! that used its whole budget re-arms by writing the ioeventfd itself, so the rest is
-//! served on a later loop turn, after the other ready fds (rng.py's `call_soon`).
+//! served on a later loop turn, after the other ready fds.
 //!
 //! A guest fault (`QueueError`) makes the queue stop serving and goes to the server's
-//! `DeviceEvents`: from Python, `on_error` (called by the event loop with the GIL), which
-//! sets DEVICE_NEEDS_RESET; in a machine wired in Rust, a `NativeEvents` record.
+//! `DeviceEvents`, its transport's `NativeEvents`, which sets DEVICE_NEEDS_RESET.
 //!
 //! The server holds Rust values only (guest RAM's and the register file's `Arc`s, the
-//! events sink): `RngServer::new` builds one with no Python object, and `RngQueue` is
-//! Python's handle on it.
+//! events sink): `RngServer::new` builds one with no Python object.
 //!
 //! Locks, in this order: `state`, then guest RAM's, then the register file's. None is
 //! held across a GIL take or release.
@@ -29,16 +27,10 @@
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pyo3::exceptions::PyValueError;
-use pyo3::prelude::*;
-use pyo3::{PyTraverseError, PyVisit};
-
 use crate::eventloop::{drain_eventfd, Deferred, NativeReader};
 use crate::guest_ram::GuestRam as Ram;
 use crate::mmio::Registers;
-use crate::mmio_py::MmioRegisters;
-use crate::queue_server::{self, dup, raise_used_buffer, rearm, DeviceEvents, PyOnFault, PyQueue};
-use crate::virtio_py::GuestRam;
+use crate::queue_server::{raise_used_buffer, rearm, DeviceEvents};
 use crate::virtq::{self, QueueError, Rings};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -205,86 +197,5 @@ impl NativeReader for RngServer {
             Served::Done | Served::Budget => None,
             Served::Fault(e) => self.events.clone().report(Some(e), ()),
         }
-    }
-}
-
-/// Python's handle: built by `VirtioRng.activate` on the native path.
-#[pyclass(frozen, module = "vmfork._core")]
-pub struct RngQueue {
-    pub server: Arc<RngServer>,
-}
-
-#[pymethods]
-impl RngQueue {
-    /// `queue` is (size, desc, avail, used, next_avail, next_used) of a ready queue
-    /// checked by `Virtqueue.validate`; `irq_fd` the interrupt's eventfd and
-    /// `notify_fd` the queue's ioeventfd (or None), both duplicated.
-    #[new]
-    #[pyo3(signature = (ram, registers, epoch, queue, irq_fd, notify_fd, max_requests,
-                        max_bytes, on_error))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        ram: &Bound<'_, GuestRam>,
-        registers: &Bound<'_, MmioRegisters>,
-        epoch: u64,
-        queue: PyQueue,
-        irq_fd: RawFd,
-        notify_fd: Option<RawFd>,
-        max_requests: u32,
-        max_bytes: usize,
-        on_error: Py<PyAny>,
-    ) -> PyResult<Self> {
-        // EVENT_IDX is not offered: rng interrupts after every batch.
-        let rings = queue_server::rings("request", queue, false)?;
-        let notify = match notify_fd {
-            Some(fd) => Some(dup(fd)?),
-            None => None,
-        };
-        let server = RngServer::new(
-            ram.get().ram(),
-            registers.get().regs.clone(),
-            epoch,
-            rings,
-            (queue.4, queue.5),
-            dup(irq_fd)?,
-            notify,
-            max_requests,
-            max_bytes,
-            Arc::new(PyOnFault(on_error)),
-        )
-        .map_err(PyValueError::new_err)?;
-        Ok(RngQueue {
-            server: Arc::new(server),
-        })
-    }
-
-    /// Serve a notification now, from Python (a QueueNotify exit, the activation's
-    /// catch-up); a guest fault is raised (`VirtqueueError`/`GuestMemoryError`).
-    /// True when the budget was spent with no ioeventfd to re-arm: call again later.
-    fn serve(&self, py: Python<'_>) -> PyResult<bool> {
-        let server = self.server.clone();
-        match py.detach(move || server.serve()) {
-            Served::Done => Ok(false),
-            Served::Budget => Ok(true),
-            Served::Fault(e) => Err(crate::virtio_py::py_error(py, e)),
-        }
-    }
-
-    /// The Python objects it holds, for the collector: `on_error` is usually a bound
-    /// method of the device that holds this queue, a cycle the collector must see to
-    /// free (with the duplicated eventfds) if nobody closes the device.
-    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        self.server.events.traverse(&visit)
-    }
-
-    /// Used-buffer interrupts raised (the irqfd written), for the line's statistics.
-    #[getter]
-    fn interrupts(&self) -> u64 {
-        lock(&self.server.state).interrupts
-    }
-
-    /// (next_avail, next_used, requests served, bytes served, failed, interrupts).
-    fn sync(&self) -> (u16, u16, u64, u64, bool, u64) {
-        self.server.sync()
     }
 }

@@ -83,9 +83,6 @@ pub trait TransportHost: Send + Sync {
 
     /// Act on the events one register write caused, in order.
     fn apply(&self, events: Vec<Event>) -> Result<(), TransportFailure>;
-
-    /// The host as `Any`: the Python wrapper's collector support finds its transport.
-    fn as_any(&self) -> &dyn Any;
 }
 
 struct Window {
@@ -142,20 +139,6 @@ impl Windows {
 
     pub fn len(&self) -> usize {
         self.windows.read().unwrap_or_else(|p| p.into_inner()).len()
-    }
-
-    /// The hosts, for the Python wrapper's collector; None while the map is being
-    /// changed (the collector then skips it, as it may).
-    pub fn hosts(&self) -> Option<Vec<Arc<dyn TransportHost>>> {
-        let windows = self.windows.try_read().ok()?;
-        Some(windows.iter().map(|w| w.host.clone()).collect())
-    }
-
-    /// Drop every window (the collector's clear), unless the map is being changed.
-    pub fn clear(&self) {
-        if let Ok(mut windows) = self.windows.try_write() {
-            windows.clear();
-        }
     }
 
     /// The window holding `addr`: (offset in it, its registers, its host), cloned out
@@ -1493,10 +1476,6 @@ impl TransportHost for NativeTransport {
             }
         }
         Ok(())
-    }
-
-    fn as_any(&self) -> &dyn Any {
-        self
     }
 }
 

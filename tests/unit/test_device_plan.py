@@ -1,6 +1,6 @@
 """A device restored natively from the plan Python builds from its decoded record.
 
-The Python transport serves an rng until a snapshot; its ``DeviceState`` (the record a
+A native rng serves a driver until a snapshot; its ``DeviceState`` (the record a
 state file keeps, through ``stateformat``) becomes a plan (``devices/plan.py``), and
 ``_core.NativeDevice`` (``native/src/transport.rs``) restores from it on another loop
 with its own eventfds: the guest's next request is served from where the snapshot left
@@ -32,12 +32,12 @@ from vmfork.ondisk import stateformat
 from vmfork.vmm.devices.manager import DeviceState, VolumeSlotState
 from vmfork.vmm.devices.plan import boot_plan, device_plan, machine_plan, plan_state
 from vmfork.vmm.devices.serial import SerialState
-from vmfork.vmm.devices.virtio import blk, mmio, net
+from vmfork.vmm.devices.virtio import blk, net
 from vmfork.vmm.devices.virtio.balloon import BalloonState
-from vmfork.vmm.devices.virtio.device import VIRTIO_F_VERSION_1, run_on_loop
+from vmfork.vmm.devices.virtio.device import VIRTIO_F_VERSION_1
 from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.queue import QueueState
-from vmfork.vmm.devices.virtio.rng import RngState, VirtioRng
+from vmfork.vmm.devices.virtio.rng import RngState
 from vmfork.vmm.devices.virtio.vsock import (
     CONNECT_TIMEOUT,
     EVENT_TRANSPORT_RESET,
@@ -48,7 +48,6 @@ from vmfork.vmm.devices.virtio.vsock import (
     VsockState,
 )
 from vmfork.vmm.eventloop import NativeEventLoop, new_event_loop
-from vmfork.vmm.irq import IrqLine
 from vmfork.vmm.memory import GuestMemory
 from vmfork.vmm.vmstate import MachineState
 
@@ -98,32 +97,32 @@ def _wait_signalled(fd: int) -> int:
 def test_an_rng_snapshot_restores_natively_and_goes_on_where_it_left_off(
         memory: GuestMemory, loops: tuple[NativeEventLoop, NativeEventLoop]) -> None:
     parent_loop, child_loop = loops
-    line = IrqLine(5)
-    device = VirtioRng(parent_loop)
-    transport = mmio.MmioTransport(device, memory, line, parent_loop)
-    driver = GuestDriver(transport, memory)
+    parent_irq = _eventfd()
+    parent = _core.NativeDevice.restore(boot_plan("rng"), _ram(memory), parent_loop._native,
+                                        parent_irq, [None])
+    driver = GuestDriver(Window.of(parent), memory)
     [queue] = driver.start([(16, 64)])
     queue.post(writable=[64])
     driver.notify(0)
-    wait_until(lambda: queue.used_idx() == 1, what="the Python transport's rng served")
+    wait_until(lambda: queue.used_idx() == 1, what="the parent's rng served")
     [(_, written, _)] = queue.take_used()
     assert written == 64
 
-    saved = DeviceState("rng", 1, 0, 5, device.save(), run_on_loop(parent_loop, transport.save))
+    saved = plan_state(parent.plan(), 0, 5)
     # Through the state file's encoding and back: the plan is built from a decoded record.
     decoded = stateformat.decode_state(stateformat.encode_state(saved), DeviceState)
     plan = device_plan(decoded)
     kind, features, max_sizes, registers, indices = plan
     assert kind[0] == "rng" and max_sizes == [256] and indices == [(1, 1)]
-    assert registers[0] == transport.status
+    assert registers[0] == parent.registers.status
 
     irq, notify = _eventfd(), _eventfd()
     try:
         native = _core.NativeDevice.restore(plan, _ram(memory), child_loop._native, irq,
                                             [notify])
         assert native.active
-        assert native.registers.status == transport.status
-        assert native.acked_features == device.acked_features
+        assert native.registers.status == parent.registers.status
+        assert native.acked_features == parent.acked_features
         windows = _core.MmioWindows()
         windows.add_native(0xD000_0000, native)
         assert len(windows) == 1
@@ -150,9 +149,8 @@ def test_an_rng_snapshot_restores_natively_and_goes_on_where_it_left_off(
     finally:
         os.close(irq)
         os.close(notify)
-        run_on_loop(parent_loop, transport.close)
-        device.close()   # its native server's cycle, broken now rather than by the collector
-        line.close()
+        parent.close()
+        os.close(parent_irq)
 
 
 def test_a_balloon_plan_keeps_actual_and_a_reset_device_stays_inactive(

@@ -1,8 +1,9 @@
 """A guest-side virtio driver for the unit tests of the virtio devices.
 
 ``GuestDriver`` plays the Linux virtio-mmio driver: it writes the registers of a
-real ``MmioTransport`` and lays out real split virtqueues in a real
-``GuestMemory``; the device under test runs on a real ``EventLoop`` thread.
+native device's window (``Window``, served as the vCPU loop serves it) and lays out
+real split virtqueues in a real ``GuestMemory``; the device's server runs on a real
+native loop.
 The other ``test_virtio_*`` modules import it (pytest puts this directory on
 ``sys.path``); the tests here check the harness itself against the spec layout.
 """
@@ -156,8 +157,7 @@ def native_device(loop: EventLoop, memory: GuestMemory, plan: object, irq: int,
 
 
 class GuestDriver:
-    def __init__(self, transport: mmio.MmioTransport | Window,
-                 memory: GuestMemory) -> None:
+    def __init__(self, transport: Window, memory: GuestMemory) -> None:
         self.t = transport
         self.memory = memory
         self.next_free = 0x10000

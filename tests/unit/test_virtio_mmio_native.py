@@ -20,17 +20,12 @@ from hypothesis import strategies as st
 from test_virtio_harness import loop, memory  # noqa: F401
 
 from vmfork import _core
-from vmfork.vmm.bus import Bus
 from vmfork.vmm.devices.virtio import mmio
 from vmfork.vmm.devices.virtio.device import (
     STATUS_DRIVER_OK,
     STATUS_FEATURES_OK,
     VIRTIO_F_VERSION_1,
 )
-from vmfork.vmm.devices.virtio.rng import VirtioRng
-from vmfork.vmm.eventloop import EventLoop
-from vmfork.vmm.irq import IrqLine
-from vmfork.vmm.memory import GuestMemory
 
 REGISTERS = [mmio.REG_MAGIC, mmio.REG_VERSION, mmio.REG_DEVICE_ID, mmio.REG_VENDOR_ID,
              mmio.REG_DEVICE_FEATURES, mmio.REG_DEVICE_FEATURES_SEL,
@@ -262,24 +257,3 @@ def test_bad_queue_max_sizes_refused(max_sizes: list[int], message: str) -> None
     with pytest.raises(ValueError) as refused:
         _core.MmioRegisters(4, 0, max_sizes)
     assert str(refused.value) == message
-
-
-def test_the_bus_hands_native_register_files_to_its_windows(
-        loop: EventLoop, memory: GuestMemory) -> None:  # noqa: F811
-    """What the native vCPU loop serves: a transport's register file, added by
-    ``Bus.register``; other devices stay the bus's alone."""
-    bus = Bus("mmio")
-    assert bus.windows is not None
-    irq = IrqLine(gsi=5)
-    try:
-        native = mmio.MmioTransport(VirtioRng(loop), memory, irq, loop)
-        bus.register(0xD000_0000, 0x1000, native)
-        bus.register(0xD000_2000, 0x10, Recorder())
-        assert len(bus.windows) == 1
-        registers = native.native_registers
-        with pytest.raises(ValueError, match="overlaps"):
-            bus.windows.add(0xD000_0800, registers, native)
-        # The Python path through the bus reaches the same registers.
-        assert bus.read(0xD000_0000 + mmio.REG_MAGIC, 4) == b"virt"
-    finally:
-        irq.close()

@@ -14,9 +14,9 @@ floods the log or grows it. Linux probes many legacy ports at boot and expects e
 A device's handler runs on the vCPU thread that exited. A device shared with
 other threads (an I/O thread, another vCPU) takes its own lock.
 
-With the native core, the MMIO bus also keeps ``windows`` (``_core.MmioWindows``): a
-device with a ``native_registers`` file (a virtio-mmio transport) is added there too,
-and the native vCPU loop serves its window without calling ``read``/``write`` here.
+With the native core, the MMIO bus also keeps ``windows`` (``_core.MmioWindows``): the
+machine adds each virtio device's register window there (``add_native``), and the
+native vCPU loop serves it without calling ``read``/``write`` here.
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ class Bus:
                     f"{self.name}: {base:#x}+{length:#x} overlaps {self._ranges[i][0]:#x}")
             self._bases.insert(i, base)
             self._ranges.insert(i, (base, length, device))
-            registers = getattr(device, "native_registers", None)
-            if self.windows is not None and registers is not None and length == 0x1000:
-                self.windows.add(base, registers, device)
 
     def find(self, addr: int) -> tuple[BusDevice, int] | None:
         i = bisect.bisect_right(self._bases, addr) - 1

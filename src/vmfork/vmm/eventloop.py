@@ -8,8 +8,8 @@ over with ``call_soon`` (thread-safe; it wakes the loop through an eventfd).
 
 The loop is ``NativeEventLoop``, an epoll loop on a native thread
 (``native/src/eventloop.rs``) that waits without the GIL and without a timeout when
-idle, and takes the GIL only to run a callback; the devices' native servers
-(``add_native_reader``) run on it without the GIL at all. ``EventLoop`` is its
+idle, and takes the GIL only to run a callback; the devices' native servers (which
+their native transports register on ``native_loop``) run on it without the GIL at all. ``EventLoop`` is its
 interface, and logs and counts what a callback raises (``_call``). There is no Python
 loop: the selector loop that was its twin is deleted (design notes, "The last Python
 twins").
@@ -24,7 +24,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TypeAlias
 
 from vmfork.vmm.native import CORE_BUILT, require_core
 
@@ -34,9 +33,6 @@ if CORE_BUILT:
 log = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
-# A device's server that the native loop runs without the GIL (``native/src/*_serve.rs``).
-NativeServer: TypeAlias = (
-    "_core.RngQueue")
 
 
 class EventLoop:
@@ -144,11 +140,6 @@ class NativeEventLoop(EventLoop):
     def add_reader(self, fd: int, callback: Callback) -> None:
         self._native.add_reader(fd, callback)
 
-    def add_native_reader(self, fd: int, handler: NativeServer) -> None:
-        """Serve ``fd`` with a device's native server, without the GIL, whenever it is
-        readable (the server knows which of its fds it is)."""
-        self._native.add_native_reader(fd, handler)
-
     def remove_reader(self, fd: int) -> None:
         self._native.remove_reader(fd)
 
@@ -173,9 +164,8 @@ class NativeEventLoop(EventLoop):
             return
         self._stopped = True
         if self.running and not self.in_loop_thread():
-            # What was queued before the stop still runs: a machine's close queues the
-            # closing of each transport's ioeventfds here (``mmio.loop_call``), and the
-            # native stop drops what is still queued.
+            # What was queued before the stop still runs (the native stop drops what
+            # is still queued).
             drained = threading.Event()
             self._native.call_soon(drained.set)
             if not drained.wait(5.0):

@@ -72,8 +72,8 @@ from vmfork.vmm.devices.plan import (
 )
 from vmfork.vmm.devices.serial import Serial
 from vmfork.vmm.devices.virtio.blk import BlkState, open_disk, validate_disk_key
-from vmfork.vmm.devices.virtio.device import VirtioDevice, run_on_loop
-from vmfork.vmm.devices.virtio.mmio import REG_QUEUE_NOTIFY, MmioTransport
+from vmfork.vmm.devices.virtio.device import run_on_loop
+from vmfork.vmm.devices.virtio.mmio import REG_QUEUE_NOTIFY
 from vmfork.vmm.devices.virtio.net import open_tap, parse_mac
 from vmfork.vmm.errors import HostError, StateError
 from vmfork.vmm.eventloop import EventLoop, NativeEventLoop, new_event_loop
@@ -421,7 +421,7 @@ class Machine:
         self._irq_lines: list[IrqLine] = []
         self._lines_by_gsi: dict[int, IrqLine] = {}
         self._cmdline_devices: list[str] = []
-        self.devices = DeviceManager(self._mmio_transport, vm_id=self.vm_id)
+        self.devices = DeviceManager(vm_id=self.vm_id)
         self._closers.append(self.devices.close)
         console_log = None
         if config.console_log:
@@ -431,12 +431,10 @@ class Machine:
         # saw it, reported as "reset"); they are not on pio_bus.
         self.serial = Serial(self._irq_line(L.COM1_IRQ), log=console_log)
         self.devices.attach_legacy(SERIAL, self.serial, L.COM1_IRQ)
-        # vsock, rng, net and the balloon are served by their native transports
-        # (devices/plan.py).
+        # Every virtio device is served by its native transport (devices/plan.py).
         self.vsock: NativeVirtio | None = None
         self.rng: NativeVirtio | None = None
         self.net: NativeVirtio | None = None
-        # The root disk and the volume slots too (devices/plan.py).
         self.blk: NativeVirtio | None = None
         self.balloon: NativeVirtio | None = None
         self.volumes: list[NativeVirtio] = []
@@ -480,11 +478,6 @@ class Machine:
         started = time.monotonic()
         self.devices.restore(state.devices)
         self.timings["restore_state"] = self.timings["vm_core"] + time.monotonic() - started
-
-    @property
-    def virtio_devices(self) -> list[MmioTransport]:
-        """The virtio devices' transports, in slot order."""
-        return self.devices.transports
 
     @property
     def balloon_device(self) -> _core.NativeDevice | None:
@@ -670,27 +663,6 @@ class Machine:
             os.close(fd)   # the device and KVM hold their own references
             if notify >= 0:
                 os.close(notify)
-
-    def _mmio_transport(self, device: VirtioDevice, slot: int, irq: int) -> MmioTransport:
-        """The manager's transport factory: give a virtio device the MMIO window of
-        ``slot``, the line of pin ``irq`` and ioeventfds for its queues, and announce it
-        to the kernel on the command line."""
-        base = L.VIRTIO_MMIO_BASE + slot * L.VIRTIO_MMIO_SIZE
-        line = self._irq_line(irq)
-
-        def register_ioeventfd(offset: int, datamatch: int, fd: int) -> None:
-            api.ioeventfd(self.vm_fd, fd, base + offset, 4, datamatch=datamatch)
-
-        transport = MmioTransport(device, self.memory, line, self.loop,
-                                  register_ioeventfd=register_ioeventfd,
-                                  name=f"virtio-mmio.{slot}")
-        try:
-            self.mmio_bus.register(base, L.VIRTIO_MMIO_SIZE, transport)
-        except BaseException:
-            transport.close()
-            raise
-        self._cmdline_devices.append(f"virtio_mmio.device=4K@{base:#x}:{irq}")
-        return transport
 
     def _native_device(self, kind: DeviceKind[Any], slot: int, irq: int,
                        disk: OpenedDisk | None = None) -> NativeVirtio:

@@ -14,14 +14,14 @@ KiB``) on pin ``FIRST_DEVICE_IRQ + slot``; the devices that share pins (volume s
 come last and take the pins left round-robin. The guest's kernel was told where every
 device is, so a restored machine must have the very same list: ``save`` records each
 device's kind, slot and pin (``DeviceState``), ``restore`` refuses a machine whose
-list differs before touching any device, then restores each device before its
-transport (the transport's restore re-activates the device). ``close`` releases the
-transports and what each device owns, last attached first.
+list differs before touching any device. ``close`` releases the devices, last
+attached first.
 
-A device whose transport is native (``attach_native``; the kinds in
-``devices/plan.py``'s ``NATIVE_KINDS``) is one ``NativeVirtio`` handle: restored from
-its snapshot's record when the machine attaches it (its plan is the restore, one
-call), saved as ``plan_state`` of its plan, closed with the others.
+Every virtio device is served by its native transport (``attach_native``; every kind
+is in ``devices/plan.py``'s ``NATIVE_KINDS``): one ``NativeVirtio`` handle, restored
+from its snapshot's record when the machine attaches it (its plan is the restore, one
+call), saved as ``plan_state`` of its plan, closed with the others. COM1, the one
+legacy device, is restored from its record by ``restore``.
 
 ``MachineState.devices`` is that list. State files of format version 1 had a field
 per device; ``upgrade_format_1`` turns such a payload into the list, with the slots
@@ -37,8 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 from vmfork.vmm.devices.serial import SerialState
 from vmfork.vmm.devices.virtio.balloon import BalloonState
 from vmfork.vmm.devices.virtio.blk import BlkState
-from vmfork.vmm.devices.virtio.device import VirtioDevice
-from vmfork.vmm.devices.virtio.mmio import MmioTransport, MmioTransportState
+from vmfork.vmm.devices.virtio.mmio import MmioTransportState
 from vmfork.vmm.devices.virtio.net import NetState
 from vmfork.vmm.devices.virtio.rng import RngState
 from vmfork.vmm.devices.virtio.vsock import VsockState
@@ -276,13 +275,6 @@ class _Attached:
     device: Persist[Any] | NativeVirtio
     slot: int | None
     irq: int
-    transport: MmioTransport | None
-    closers: tuple[Callable[[], None], ...]
-
-
-# Builds a virtio device's transport at ``virtio-mmio.<slot>`` on pin ``irq`` (the
-# machine's: the window on its MMIO bus, the ioeventfds, the command-line entry).
-TransportFactory = Callable[[VirtioDevice, int, int], MmioTransport]
 
 
 class DeviceManager:
@@ -290,8 +282,7 @@ class DeviceManager:
     docstring). Attach on the machine's construction thread; ``save`` and ``restore``
     with the vCPUs paused, ``save`` on the I/O thread."""
 
-    def __init__(self, transport_factory: TransportFactory, vm_id: str | None = None) -> None:
-        self._transport_factory = transport_factory
+    def __init__(self, vm_id: str | None = None) -> None:
         self._vm_id = vm_id   # for errors
         self._attached: list[_Attached] = []
         self._next_slot = 0
@@ -304,57 +295,38 @@ class DeviceManager:
 
     def attach_legacy(self, kind: DeviceKind[R], device: Persist[R], irq: int) -> None:
         if kind.virtio:
-            raise ValueError(f"{kind.name} is a virtio device: attach_virtio")
+            raise ValueError(f"{kind.name} is a virtio device: attach_native")
         self._attach_check(kind)
-        self._attached.append(_Attached(kind, device, None, irq, None, ()))
-
-    def attach_virtio(self, kind: DeviceKind[R], device: Persist[R], virtio: VirtioDevice,
-                      closers: tuple[Callable[[], None], ...] = ()) -> MmioTransport:
-        """Give ``virtio`` (the device behind ``device``, often the same object) the
-        next window and its pin, and take ``closers`` (what the device owns) to run at
-        ``close``, after its transport's. ``HostError`` when no pin is left."""
-        slot, irq, first_shared = self._place(kind, closers)
-        entry = _Attached(kind, device, slot, irq, None, closers)
-        # Its closers are the manager's from here, even if the transport fails.
-        self._attached.append(entry)
-        entry.transport = self._transport_factory(virtio, slot, irq)
-        self._next_slot = slot + 1
-        self._first_shared_slot = first_shared
-        return entry.transport
+        self._attached.append(_Attached(kind, device, None, irq))
 
     def attach_native(self, kind: DeviceKind[Any], build: Callable[[int, int], N]) -> N:
         """Give a device served by its native transport the next window and its pin:
         ``build(slot, irq)`` makes it there (the machine's: the window, ioeventfds,
         the line, the command-line entry). ``HostError`` when no pin is left."""
-        slot, irq, first_shared = self._place(kind, ())
+        slot, irq, first_shared = self._place(kind)
         device = build(slot, irq)
-        self._attached.append(_Attached(kind, device, slot, irq, None, ()))
+        self._attached.append(_Attached(kind, device, slot, irq))
         self._next_slot = slot + 1
         self._first_shared_slot = first_shared
         return device
 
-    def _place(self, kind: DeviceKind[Any], closers: tuple[Callable[[], None], ...]
-               ) -> tuple[int, int, int | None]:
-        """The next virtio device's (slot, pin, first pin-sharing slot); if ``kind``
-        may not go there, ``closers`` run and the refusal is raised."""
+    def _place(self, kind: DeviceKind[Any]) -> tuple[int, int, int | None]:
+        """The next virtio device's (slot, pin, first pin-sharing slot), or the
+        refusal if ``kind`` may not go there."""
         slot = self._next_slot
         first_shared = self._first_shared_slot
         if kind.shares_pin and first_shared is None:
             first_shared = slot
+        if not kind.virtio:
+            raise ValueError(f"{kind.name} is not a virtio device: attach_legacy")
+        self._attach_check(kind)
+        if not kind.shares_pin and first_shared is not None:
+            raise ValueError(f"{kind.name} has a pin of its own: it goes before the "
+                             "devices that share pins")
         try:
-            if not kind.virtio:
-                raise ValueError(f"{kind.name} is not a virtio device: attach_legacy")
-            self._attach_check(kind)
-            if not kind.shares_pin and first_shared is not None:
-                raise ValueError(f"{kind.name} has a pin of its own: it goes before the "
-                                 "devices that share pins")
-            try:
-                irq = slot_irq(slot, first_shared)
-            except ValueError as err:
-                raise HostError(str(err), vm_id=self._vm_id, op="add_virtio") from None
-        except BaseException:
-            _run(reversed(closers))   # refused: what the device owns goes now
-            raise
+            irq = slot_irq(slot, first_shared)
+        except ValueError as err:
+            raise HostError(str(err), vm_id=self._vm_id, op="add_virtio") from None
         return slot, irq, first_shared
 
     def _attach_check(self, kind: DeviceKind[Any]) -> None:
@@ -363,11 +335,6 @@ class DeviceManager:
         if not kind.many and any(a.kind is kind for a in self._attached):
             raise ValueError(f"a machine has at most one {kind.name} device")
 
-    @property
-    def transports(self) -> list[MmioTransport]:
-        """The virtio devices' transports, in slot order."""
-        return [a.transport for a in self._attached if a.transport is not None]
-
     def save(self) -> list[DeviceState]:
         """Every device's record, transport and place, in attach order."""
         return [_save(a) for a in self._attached]
@@ -375,7 +342,8 @@ class DeviceManager:
     def restore(self, saved: Sequence[DeviceState]) -> None:
         """Restore every device from ``saved``, which must list the same devices in the
         same places (``HostError`` naming both lists if not, before any device is
-        touched); each device before its transport."""
+        touched). A virtio device was restored from its record when it was attached:
+        this checks it was this record."""
         have = [(a.kind.name, a.slot, a.irq) for a in self._attached]
         want = [(d.kind, d.slot, d.irq) for d in saved]
         if have != want:
@@ -391,25 +359,12 @@ class DeviceManager:
                                     vm_id=self._vm_id, op="restore")
                 continue
             device.restore(state.state)
-            if attached.transport is not None:
-                assert state.transport is not None   # DeviceState checks it
-                attached.transport.restore(state.transport)
 
     def close(self) -> None:
-        """Release each device's transport and then what it owns, last attached first.
-        Idempotent; a failing step is raised after the others ran."""
-        failed: Exception | None = None
-        while self._attached:
-            attached = self._attached.pop()
-            steps = [attached.transport.close] if attached.transport is not None else []
-            if isinstance(attached.device, NativeVirtio):
-                steps.append(attached.device.close)
-            try:
-                _run([*steps, *reversed(attached.closers)])
-            except Exception as err:  # noqa: BLE001 - the other devices still close
-                failed = failed or err
-        if failed is not None:
-            raise failed
+        """Release each virtio device, last attached first. Idempotent; a failing
+        close is raised after the others ran."""
+        closing, self._attached = reversed(self._attached), []
+        _run([a.device.close for a in closing if isinstance(a.device, NativeVirtio)])
 
 
 def _save(a: _Attached) -> DeviceState:
@@ -417,8 +372,7 @@ def _save(a: _Attached) -> DeviceState:
     if isinstance(device, NativeVirtio):
         assert a.slot is not None   # a virtio device
         return device.save_state(a.slot, a.irq)
-    return DeviceState(a.kind.name, a.kind.version, a.slot, a.irq, device.save(),
-                       a.transport.save() if a.transport is not None else None)
+    return DeviceState(a.kind.name, a.kind.version, a.slot, a.irq, device.save(), None)
 
 
 def _run(steps: Iterable[Callable[[], None]]) -> None:

@@ -98,7 +98,7 @@ def _offer(kind: str, disk: blk.BlkState | None = None) -> tuple[int, tuple[int,
                     blk.OFFERED_FEATURES if disk.read_only else blk.OFFERED_FEATURES_RW)
         return VIRTIO_F_VERSION_1 | features, (blk.QUEUE_SIZE,), blk.DEVICE_ID_BLK
     if kind == "rng":
-        return VIRTIO_F_VERSION_1, rng.VirtioRng.queue_max_sizes, rng.VirtioRng.device_type
+        return VIRTIO_F_VERSION_1, rng.QUEUE_MAX_SIZES, rng.DEVICE_TYPE
     if kind == NET.name:
         return (VIRTIO_F_VERSION_1 | net.OFFERED_FEATURES, (net.QUEUE_SIZE,) * 2,
                 net.DEVICE_ID_NET)
