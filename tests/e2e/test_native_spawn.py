@@ -99,10 +99,10 @@ def test_native_children_become_ready_and_run_code(children: list[Child]) -> Non
             assert any(count > 0 for count in profile["irqs"].values()), profile
         # A native child: its I/O loop is NativeMachine's ("vmm-io"), where a Python
         # child's is named after its vm_id (Machine's "vmm-io-<vm_id>").
-        assert "vmm-io" in _thread_names(child.pid)
+        assert "vmm-io" in thread_names(child.pid)
 
 
-def _thread_names(pid: int) -> set[str]:
+def thread_names(pid: int) -> set[str]:
     task = Path(f"/proc/{pid}/task")
     return {(task / tid / "comm").read_text().strip() for tid in os.listdir(task)}
 
