@@ -32,8 +32,8 @@ A machine serves every kind in ``NATIVE_KINDS`` through ``_core.NativeDevice``
 manager keeps. Switching a kind on is adding it to ``NATIVE_KINDS`` with its plan in
 ``_kind`` and ``_offer``; a forked child's ``Machine`` is handed its snapshot's plans
 (``restore_plans``, by slot), built once per snapshot in the zygote's prefork. Every
-virtio kind has a plan (``PLANNED_KINDS``: rng, the balloon, vsock, blk, volume slots,
-net), and all are switched on in the Python ``Machine``; a vsock's listener, a net
+virtio kind has a plan and is switched on (``NATIVE_KINDS``: rng, the balloon, vsock,
+blk, volume slots, net) in the Python ``Machine`` as in ``NativeMachine``; a vsock's listener, a net
 device's tap and a disk's file are the machine's to give (``Machine._native_device``).
 ``machine_plan`` is a whole snapshot's virtio devices as ``_core.NativeMachine``
 takes them, built once per snapshot.
@@ -71,10 +71,9 @@ if CORE_BUILT or TYPE_CHECKING:
 if TYPE_CHECKING:
     from vmfork.vmm.vmstate import MachineState
 
-# The kinds a machine serves through their native transport.
+# The kinds with a plan, which every machine serves through their native transport
+# (``Machine`` and ``_core.NativeMachine`` alike): every virtio kind.
 NATIVE_KINDS = frozenset((RNG.name, BALLOON.name, VSOCK.name, BLK.name, VOLUME.name, NET.name))
-# The kinds with a plan (``_core.NativeMachine`` restores them all).
-PLANNED_KINDS = NATIVE_KINDS | {VSOCK.name, NET.name}
 DISK_KINDS = frozenset((BLK.name, VOLUME.name))
 
 # (name, numbers...) of rng, the balloon and vsock; (name, key, capacity, read-only,
@@ -177,7 +176,7 @@ def device_plan(state: DeviceState, balloon_advice: int = mmap.MADV_DONTNEED) ->
     (``ValueError`` for another kind, or a record that does not fit the device).
     ``balloon_advice`` is how this machine drops a reported page (``MADV_REMOVE`` for
     guest RAM on a shared memfd)."""
-    if state.kind not in PLANNED_KINDS:
+    if state.kind not in NATIVE_KINDS:
         raise ValueError(f"no native transport for a {state.kind} device")
     t = state.transport
     if t is None:
