@@ -1239,17 +1239,22 @@ fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     ram.close();
 }
 
-#[test]
-fn an_empty_volume_slot_has_no_ioeventfd_and_answers_on_the_writing_thread() {
-    let mapping = Mapping::new(RAM_SIZE);
-    let ram = mapping.ram();
-    let empty_disk = BlkDisk {
+/// An empty volume slot's media: no key, no bytes, no file.
+fn empty_slot_disk() -> BlkDisk {
+    BlkDisk {
         key: String::new(),
         capacity: 0,
         read_only: true,
         volume: Some(String::new()),
         file: None,
-    };
+    }
+}
+
+#[test]
+fn an_empty_volume_slot_has_no_ioeventfd_and_answers_on_the_writing_thread() {
+    let mapping = Mapping::new(RAM_SIZE);
+    let ram = mapping.ram();
+    let empty_disk = empty_slot_disk();
     let slot = DeviceKind::Blk(empty_disk.clone());
     let plan = DevicePlan::fresh(slot.clone(), BLK_SLOT_FEATURES, vec![256]).unwrap();
     assert!(!plan.wants_ioeventfds());
@@ -1306,13 +1311,7 @@ fn a_volume_slot_takes_its_media_while_running_and_serves_them_after_the_config_
         .write(true)
         .open(dir.path("volume.img"))
         .unwrap();
-    let empty_disk = BlkDisk {
-        key: String::new(),
-        capacity: 0,
-        read_only: true,
-        volume: Some(String::new()),
-        file: None,
-    };
+    let empty_disk = empty_slot_disk();
     let (event_loop, windows, slot, irq, _) = fresh_disk(
         DeviceKind::Blk(empty_disk.clone()),
         BLK_SLOT_FEATURES,
