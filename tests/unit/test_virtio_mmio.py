@@ -13,9 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 from test_virtio_harness import (  # noqa: F401
-    DriverQueue,
     GuestDriver,
-    Window,
     loop,
     memory,
     native_device,
@@ -240,8 +238,7 @@ def test_rng_caps_each_request(rng: Rng, driver: GuestDriver) -> None:
     assert [w for _, w, _ in q.take_used()] == [64 * 1024, 0]
 
 
-def test_rng_budget_serves_every_request_after_one_notify(rng: Rng, driver: GuestDriver,
-                                                          loop: EventLoop) -> None:  # noqa: F811
+def test_rng_budget_serves_every_request_after_one_notify(rng: Rng, driver: GuestDriver) -> None:
     """One QueueNotify for more requests than one turn's budget (64): the rest is served
     on later turns, the server re-arming its ioeventfd (or, without one, serving on),
     and a snapshot's plan sees the indices the server advanced."""
