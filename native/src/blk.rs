@@ -118,7 +118,7 @@ pub enum Warning {
 }
 
 impl Warning {
-    /// (kind, a, b, c) as `VirtioBlk._log_native_warning` takes it.
+    /// (kind, a, b, c): the warning as plain values, for a Python caller.
     pub fn as_tuple(&self) -> (&'static str, u64, u64, i64) {
         match *self {
             Warning::ReadFailed(len, off, e) => ("read_failed", len, off, i64::from(e)),
@@ -145,7 +145,7 @@ pub struct Served {
     pub error: Option<QueueError>,
 }
 
-/// Serve the request queue as `VirtioBlk._serve` does, from `next_avail`/`next_used`.
+/// Serve the request queue from `next_avail`/`next_used` (`blk_serve.rs`'s wake).
 pub fn serve(
     ram: &Ram<'_>,
     rings: &Rings,

@@ -76,7 +76,7 @@ pub trait NativeReader: Send + Sync {
     fn ready(self: Arc<Self>, fd: RawFd) -> Option<Deferred>;
 
     /// The loop it was added to, for a handler that turns its own fds' interest on and
-    /// off (`LoopLink::watch`). Called at every `add_native_reader`.
+    /// off (`LoopLink::watch`). Called at every `Loop::add_native`.
     fn bind(&self, _link: LoopLink) {}
 }
 

@@ -266,7 +266,7 @@ impl MmioRegisters {
 }
 
 /// The MMIO bus's register files by window (`transport::Windows`), for the native
-/// vCPU loop; `vmfork.vmm.bus.Bus` adds a transport here when it registers one.
+/// vCPU loop; a machine adds each native device's window here (`add_native`).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct MmioWindows {
     pub(crate) windows: Windows,

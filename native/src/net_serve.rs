@@ -184,7 +184,7 @@ impl NetServer {
                 rx_used,
                 tx_avail,
                 tx_used,
-                // The loop watches an fd from its `add_native_reader` on.
+                // The loop watches an fd from its `Loop::add_native` on.
                 watched: true,
                 failed: false,
                 closed: false,

@@ -3,28 +3,25 @@
 //!
 //! The register file (`mmio.rs`) applies every register rule itself and hands back an
 //! `Event` for what needs the device model. What acts on those events, and answers a
-//! config read the register file does not serve, is a `TransportHost`:
-//!
-//! * the Python transport (`mmio_py.rs`'s `PyTransport`, over
-//!   `vmfork.vmm.devices.virtio.mmio.MmioTransport`), the GIL taken inside: today's
-//!   machine;
-//! * `NativeTransport`, here: at DRIVER_OK it builds the device's native server
-//!   (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`, `net_serve.rs`) from the
-//!   register file (queue addresses and sizes, the ring indices) with a `NativeEvents`
-//!   sink, and registers it on the loop (`Readers`: a `NativeLoop`, or the Python
-//!   loop's native registration); at a reset it drops it (a disk's or net's server
-//!   retired first: it lets go of the file or the tap); a notify with no ioeventfd is
-//!   served on the writing thread; the device's config bytes are a Rust value (rng:
-//!   none; balloon: its 16 bytes, of which the driver writes `actual`; vsock: the guest
-//!   CID; blk: capacity, `SIZE_MAX`, `SEG_MAX`; net: the MAC, the link status; the last
-//!   three plain, served by the register file). A disk's file (`BlkDisk.file`) and
-//!   net's tap (`NetTap.tap`) come with the plan and are the transport's, duplicated,
-//!   until `close`; the tap is on the loop beside the ioeventfds while an activation
-//!   runs. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
-//!   its host listener does: built at the restore with its private epoll on the loop,
-//!   handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
-//!   reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
-//!   restore does, so the guest drops the parent's connections.
+//! config read the register file does not serve, is a `TransportHost`, whose one
+//! implementation (the Python transport that was the other is deleted) is
+//! `NativeTransport`, here: at DRIVER_OK it builds the device's native server
+//! (`rng_serve.rs`, `balloon_serve.rs`, `blk_serve.rs`, `net_serve.rs`) from the
+//! register file (queue addresses and sizes, the ring indices) with a `NativeEvents`
+//! sink, and registers it on the loop (`Readers`: a `NativeLoop`, or the Python
+//! loop's native registration); at a reset it drops it (a disk's or net's server
+//! retired first: it lets go of the file or the tap); a notify with no ioeventfd is
+//! served on the writing thread; the device's config bytes are a Rust value (rng:
+//! none; balloon: its 16 bytes, of which the driver writes `actual`; vsock: the guest
+//! CID; blk: capacity, `SIZE_MAX`, `SEG_MAX`; net: the MAC, the link status; the last
+//! three plain, served by the register file). A disk's file (`BlkDisk.file`) and
+//! net's tap (`NetTap.tap`) come with the plan and are the transport's, duplicated,
+//! until `close`; the tap is on the loop beside the ioeventfds while an activation
+//! runs. vsock's server (`vsock_serve.rs`) lives as long as the device instead, as
+//! its host listener does: built at the restore with its private epoll on the loop,
+//! handed the queues at DRIVER_OK (`VsockServer::attach`) and let go of them at a
+//! reset (`detach`); a restore arms the transport-reset event first, as `vsock.py`'s
+//! restore does, so the guest drops the parent's connections.
 //!
 //! `Windows` is the MMIO bus's map of register files by window, a Rust value: the
 //! native vCPU loop serves an access there and calls the window's host only for what
@@ -405,7 +402,7 @@ impl BlkDisk {
     }
 
     /// The file, duplicated, if its size is the capacity (a restore must be given
-    /// the snapshot's very disk: `VirtioBlk.restore`'s size check).
+    /// the snapshot's very disk, as `OpenedDisk.check_restores` also checks).
     fn open(&self) -> Result<Option<OwnedFd>, String> {
         if self.capacity == 0 {
             return Ok(None);
