@@ -1,10 +1,10 @@
 """Split virtqueues (virtio 1.x), the device side: the queue's registers and record.
 
-A ``Virtqueue`` is what the transport and a device know of one queue: the registers
-the driver set (size, ready, the three ring addresses, frozen from DRIVER_OK on), the
-device's ring indices (``next_avail``, ``next_used``; a device's native server owns
-them while it is active and hands them back in ``sync_queues``), and whether EVENT_IDX
-was negotiated. ``QueueState`` is its record in a snapshot.
+A ``Virtqueue`` is one queue's registers as a driver set them (size, ready, the three
+ring addresses), its ring indices (``next_avail``, ``next_used``) and whether EVENT_IDX
+was negotiated: what the unit tests, the fuzz targets and ``bench/blk.py`` hand the
+native walk (the native transport keeps its own, ``mmio.rs``). ``QueueState`` is a
+queue's record in a snapshot.
 
 Everything that reads the rings is native (``native/src/virtq.rs``, through
 ``GuestMemory.native``): the check of the rings at activation (``validate``), the chain
