@@ -610,6 +610,14 @@ def memory_breakdown(pid: int, memory_path: Path) -> dict[str, int]:
     return memphases.classify(smaps, memphases.guest_ram_paths([str(memory_path)]))
 
 
+def daemon_memory_limit_mib(snapshot: Any) -> int:
+    """The memory limit the daemon gives a sandbox spawned without one: the bench's
+    children get it too, so each has its cgroups (the cost of making them, and the
+    CPU weight of the VMMs' parent group against the spawner's) as in the product."""
+    from vmfork.server.spawner import default_memory_limit_mib
+    return default_memory_limit_mib(snapshot.meta.mem_mib)
+
+
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
                  timeout: float, network: Any = None, breakdown: bool = False,
                  phases: bool = False) -> dict[str, Any]:
@@ -635,6 +643,7 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
     try:
         try:
             report = fork_children(client, snapshot, n, run_root, timeout=timeout,
+                                   memory_limit_mib=daemon_memory_limit_mib(snapshot),
                                    progress=progress, per_child_netns=network is not None,
                                    network=network)
         except SpawnFailed as err:
@@ -792,6 +801,7 @@ def vmfork_first_spawn(zygote: Any, snapshot: Any, run_root: Path, timeout: floa
     client = zygote.client(timeout=max(120.0, timeout))
     try:
         return float(fork_children(client, snapshot, 1, run_root, timeout=timeout,
+                                   memory_limit_mib=daemon_memory_limit_mib(snapshot),
                                    wait_for="restored").restored_s)
     finally:
         kill_children(client)

@@ -37,10 +37,18 @@ The subtle parts:
   (``+pids +cpu`` delegated down like ``+memory``, where the root offers them). On v1
   each controller is a hierarchy of its own: where the host mounts ``pids`` and
   ``cpu``, the child gets a group of the same name (``<parent>/<vm_id>``) in each,
-  with ``pids.max`` and ``cpu.shares`` (the v2 weight scaled: 100 is 1024), joined,
-  killed, swept and removed with its memory group (``ChildCgroup.others``). Where
-  they are not mounted (the emulated test host's hybrid layout mounts only
-  ``memory``), a jailed VMM's tasks are bounded by ``RLIMIT_NPROC`` of its own uid.
+  with ``pids.max`` and ``cpu.shares`` (the v2 weight scaled: 100 is 1024). In a
+  hybrid layout whose v2 hierarchy offers ``pids`` or ``cpu`` (they are bound to no
+  v1 hierarchy: the emulated test host's, which mounts only ``memory`` on v1), the
+  child gets one group there with both. Those groups are joined, killed, swept and
+  removed with its memory group (``ChildCgroup.others``). Where neither offers
+  ``pids``, a jailed VMM's tasks are bounded by ``RLIMIT_NPROC`` of its own uid.
+* The VMMs against the control plane: the parent group gets ``cpu.weight``
+  ``VMMS_CPU_WEIGHT`` (``cpu.shares`` on v1) in every hierarchy with the cpu
+  controller, so under contention all VMMs together weigh as much as one busy
+  process of the control plane at nice 0 (the zygote, the daemon, a spawner waiting
+  for its children's reports), however many guests run. A nice value per VMM cannot
+  do that: a hundred guests at nice 10 outweigh a nice-0 process ten to one.
 * ``rmdir`` removes a group only once it has no processes; right after the last
   member is reaped it can still be briefly busy, so removal retries on EBUSY.
 """
@@ -189,8 +197,40 @@ def v1_controllers() -> dict[str, Path]:
         return {}
 
 
+def v2_beside_v1_from(mountinfo: str) -> tuple[Path, tuple[str, ...]] | None:
+    """In a hybrid layout (a v1 memory hierarchy), the v2 hierarchy and which of
+    ``pids`` and ``cpu`` it offers (those no v1 hierarchy holds), from a mountinfo
+    text; None where memory is on v2, or the v2 hierarchy offers neither."""
+    found = detect_from(mountinfo)
+    if found is None or found.version == 2:
+        return None
+    for mount_point, fstype, _ in _mountinfo_entries(mountinfo):
+        if fstype != "cgroup2":
+            continue
+        try:
+            controllers = Path(mount_point, "cgroup.controllers").read_text().split()
+        except OSError:
+            continue
+        offered = tuple(c for c in _OPTIONAL_V2 if c in controllers)
+        if offered:
+            return Path(mount_point), offered
+    return None
+
+
+@functools.cache
+def v2_beside_v1() -> tuple[Path, tuple[str, ...]] | None:
+    """This host's ``v2_beside_v1_from`` (probed once per process)."""
+    try:
+        return v2_beside_v1_from(Path("/proc/self/mountinfo").read_text())
+    except OSError:
+        return None
+
+
 V1_DEFAULT_SHARES = 1024
 V2_DEFAULT_WEIGHT = 100
+VMMS_CPU_WEIGHT = V2_DEFAULT_WEIGHT
+"""The parent group's ``cpu.weight``: every VMM of the parent, together, as much CPU
+under contention as one nice-0 process beside the group (module docstring)."""
 
 
 def shares_for_weight(weight: int) -> int:
@@ -252,25 +292,39 @@ def parent_path(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
 
 def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
     """Create the parent group (and its ancestors); on v2 delegate memory down to it."""
-    target = parent_path(h, parent)
+    if h.version == 1:
+        return _make_parent(h.root / validate_parent(parent))
+    offered = (h.root / "cgroup.controllers").read_text().split()
+    return _ensure_v2_parent(h.root, parent,
+                             ("memory", *(c for c in _OPTIONAL_V2 if c in offered)))
+
+
+def _make_parent(target: Path) -> Path:
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CgroupError(f"cgroup mkdir: cannot create {target}: {os.strerror(err.errno or 0)} "
                           "(run as root, or pass a cgroup_parent delegated to this user)",
                           op="mkdir", path=str(target), errno=err.errno) from err
-    if h.version == 2:
-        node = h.root
-        offered = set((h.root / "cgroup.controllers").read_text().split())
-        for part in [*target.relative_to(h.root).parts, None]:
-            control = node / "cgroup.subtree_control"
-            enabled = control.read_text().split()
-            for controller in ("memory", *(c for c in _OPTIONAL_V2 if c in offered)):
-                if controller not in enabled:
-                    _write(control, f"+{controller}", f"enable-{controller}")
-            if part is None:
-                break
-            node = node / part
+    return target
+
+
+def _ensure_v2_parent(root: Path, parent: str, controllers: tuple[str, ...]) -> Path:
+    """The parent group in the v2 hierarchy at ``root``, ``controllers`` enabled from
+    the root down to it (its children get them), and its weight where cpu is one."""
+    target = _make_parent(root / validate_parent(parent))
+    node = root
+    for part in [*target.relative_to(root).parts, None]:
+        control = node / "cgroup.subtree_control"
+        enabled = control.read_text().split()
+        for controller in controllers:
+            if controller not in enabled:
+                _write(control, f"+{controller}", f"enable-{controller}")
+        if part is None:
+            break
+        node = node / part
+    if "cpu" in controllers:
+        _write(target / "cpu.weight", str(VMMS_CPU_WEIGHT), "set-parent-cpu-weight")
     return target
 
 
@@ -278,12 +332,14 @@ _OPTIONAL_V2 = ("pids", "cpu")
 """v2 controllers a child's group also gets where the hierarchy offers them."""
 
 
-def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
-                      cpu_weight: int | None) -> ChildCgroup:
-    """On v1, the child's groups in the ``pids`` and ``cpu`` hierarchies where the host
-    mounts them (in the memory group itself where one is co-mounted with memory),
-    with ``pids.max`` and ``cpu.shares``: ``cg`` with them. On failure the groups
-    made here are removed (the caller removes the memory group)."""
+def _create_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
+                   cpu_weight: int | None) -> ChildCgroup:
+    """Beside a v1 memory group: the child's groups in the ``pids`` and ``cpu``
+    hierarchies where the host mounts them (in the memory group itself where one is
+    co-mounted with memory), with ``pids.max`` and ``cpu.shares``, and its group in a
+    v2 hierarchy that offers either (``v2_beside_v1``), with ``pids.max`` and
+    ``cpu.weight``: ``cg`` with them. On failure the groups made here are removed
+    (the caller removes the memory group)."""
     wanted = {"pids": ("pids.max", pids_max),
               "cpu": ("cpu.shares", None if cpu_weight is None else shares_for_weight(cpu_weight))}
     made: list[Path] = []
@@ -295,18 +351,22 @@ def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | 
             if root == cg.hierarchy.root:
                 _write(cg.path / knob, str(value), f"set-{knob}")
                 continue
-            group = root / validate_parent(parent) / vm_id
-            try:
-                group.parent.mkdir(parents=True, exist_ok=True)
-                if group.exists() and not _procs(group):
-                    _rmdir(group)   # an empty leftover, as for the memory group
-                group.mkdir()
-            except OSError as err:
-                raise CgroupError(f"cgroup mkdir: cannot create {group}: "
-                                  f"{os.strerror(err.errno or 0)}", op="mkdir",
-                                  path=str(group), errno=err.errno) from err
+            parent_group = _make_parent(root / validate_parent(parent))
+            if name == "cpu":
+                _write(parent_group / knob, str(shares_for_weight(VMMS_CPU_WEIGHT)),
+                       "set-parent-cpu-shares")
+            group = _make_group(parent_group / vm_id)
             made.append(group)
             _write(group / knob, str(value), f"set-{knob}")
+        unified = v2_beside_v1()
+        if unified is not None:
+            root, offered = unified
+            group = _make_group(_ensure_v2_parent(root, parent, offered) / vm_id)
+            made.append(group)
+            if "pids" in offered and pids_max is not None:
+                _write(group / "pids.max", str(pids_max), "set-pids-max")
+            if "cpu" in offered and cpu_weight is not None:
+                _write(group / "cpu.weight", str(cpu_weight), "set-cpu-weight")
     except BaseException:
         for group in made:
             try:
@@ -315,6 +375,19 @@ def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | 
                 pass
         raise
     return ChildCgroup(cg.hierarchy, cg.path, cg.limit_bytes, (*cg.others, *made))
+
+
+def _make_group(group: Path) -> Path:
+    """``group`` made, in place of an empty leftover (a crashed spawner's)."""
+    try:
+        if group.exists() and not _procs(group):
+            _rmdir(group)
+        group.mkdir()
+    except OSError as err:
+        raise CgroupError(f"cgroup mkdir: cannot create {group}: "
+                          f"{os.strerror(err.errno or 0)}", op="mkdir",
+                          path=str(group), errno=err.errno) from err
+    return group
 
 
 def _procs(path: Path) -> list[int]:
@@ -356,7 +429,7 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
             memsw = path / "memory.memsw.limit_in_bytes"
             if memsw.exists():
                 _write(memsw, str(limit_bytes), "set-memsw-limit")
-            cg = _create_v1_others(cg, vm_id, parent, pids_max, cpu_weight)
+            cg = _create_others(cg, vm_id, parent, pids_max, cpu_weight)
         else:
             if (path / "memory.swap.max").exists():
                 _write(path / "memory.swap.max", "0", "set-swap-max")
@@ -449,11 +522,18 @@ def remove(cg: ChildCgroup, timeout: float = _REMOVE_RETRY_S) -> None:
         _rmdir(path, timeout)
 
 
+def _other_roots(h: MemoryHierarchy) -> list[Path]:
+    """Where a child's ``others`` live beside a v1 memory hierarchy (``_create_others``)."""
+    if h.version == 2:
+        return []
+    unified = v2_beside_v1()
+    return ([r for r in dict.fromkeys(v1_controllers().values()) if r != h.root]
+            + ([unified[0]] if unified is not None else []))
+
+
 def remove_parent(h: MemoryHierarchy, parent: str) -> None:
-    """Remove an (empty) parent group, in the v1 ``pids``/``cpu`` hierarchies too."""
-    roots = [h.root] + ([r for r in v1_controllers().values() if r != h.root]
-                        if h.version == 1 else [])
-    for root in roots:
+    """Remove an (empty) parent group, in the ``pids``/``cpu`` hierarchies too."""
+    for root in [h.root, *_other_roots(h)]:
         try:
             os.rmdir(root / validate_parent(parent))
         except FileNotFoundError:
@@ -485,9 +565,8 @@ def sweep_stale(active_ids: set[str] | frozenset[str], *, parent: str = DEFAULT_
     for name in list_groups(h, parent):
         if name in active_ids:
             continue
-        others = () if h.version == 2 else tuple(
-            root / validate_parent(parent) / name for root in v1_controllers().values()
-            if root != h.root and (root / validate_parent(parent) / name).is_dir())
+        others = tuple(root / validate_parent(parent) / name for root in _other_roots(h)
+                       if (root / validate_parent(parent) / name).is_dir())
         cg = ChildCgroup(h, parent_path(h, parent) / name, 0, others)
         if procs(cg) and kill:
             kill_all(cg, 9)
