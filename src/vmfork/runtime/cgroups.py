@@ -60,6 +60,7 @@ import functools
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -220,6 +221,8 @@ def v2_beside_v1_from(mountinfo: str) -> tuple[Path, tuple[str, ...]] | None:
 @functools.cache
 def v2_beside_v1() -> tuple[Path, tuple[str, ...]] | None:
     """This host's ``v2_beside_v1_from`` (probed once per process)."""
+    if os.environ.get("VMFORK_NZYGOTE_NO_V2_BESIDE") == "1":   # TEMPORARY knob: before/after
+        return None
     try:
         return v2_beside_v1_from(Path("/proc/self/mountinfo").read_text())
     except OSError:
@@ -293,26 +296,45 @@ def parent_path(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
 def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
     """Create the parent group (and its ancestors); on v2 delegate memory down to it."""
     if h.version == 1:
-        return _make_parent(h.root / validate_parent(parent))
+        return _ready_parent(h.root / validate_parent(parent))
     offered = (h.root / "cgroup.controllers").read_text().split()
-    return _ensure_v2_parent(h.root, parent,
-                             ("memory", *(c for c in _OPTIONAL_V2 if c in offered)))
+    return _v2_parent(h.root, parent, ("memory", *(c for c in _OPTIONAL_V2 if c in offered)))
 
 
-def _make_parent(target: Path) -> Path:
+_ready_parents: set[Path] = set()
+"""Parent groups this process made ready (``_ready_parent``)."""
+_child_files: dict[Path, frozenset[str]] = {}
+"""Per parent group, the files of a child's group (``_files_of``)."""
+
+
+def _ready_parent(target: Path, prepare: Callable[[Path], None] | None = None) -> Path:
+    """``target`` (and its ancestors) made, and ``prepare``d, once per process: a
+    child's group then costs its own mkdir and writes only (making its parent ready
+    was ~5 of a child's ~11 ms of cgroup calls in the emulated test host). A parent
+    removed since (a sweep, an operator) is made again: ``_make_group``."""
+    if target in _ready_parents:
+        return target
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CgroupError(f"cgroup mkdir: cannot create {target}: {os.strerror(err.errno or 0)} "
                           "(run as root, or pass a cgroup_parent delegated to this user)",
                           op="mkdir", path=str(target), errno=err.errno) from err
+    if prepare is not None:
+        prepare(target)
+    _ready_parents.add(target)
     return target
 
 
-def _ensure_v2_parent(root: Path, parent: str, controllers: tuple[str, ...]) -> Path:
-    """The parent group in the v2 hierarchy at ``root``, ``controllers`` enabled from
-    the root down to it (its children get them), and its weight where cpu is one."""
-    target = _make_parent(root / validate_parent(parent))
+def _v2_parent(root: Path, parent: str, controllers: tuple[str, ...]) -> Path:
+    """The parent group in the v2 hierarchy at ``root``, ready (``_delegate``)."""
+    return _ready_parent(root / validate_parent(parent),
+                         functools.partial(_delegate, root, controllers))
+
+
+def _delegate(root: Path, controllers: tuple[str, ...], target: Path) -> None:
+    """``controllers`` enabled from ``root`` down to ``target`` (its children get
+    them), and its weight where cpu is one."""
     node = root
     for part in [*target.relative_to(root).parts, None]:
         control = node / "cgroup.subtree_control"
@@ -325,11 +347,63 @@ def _ensure_v2_parent(root: Path, parent: str, controllers: tuple[str, ...]) -> 
         node = node / part
     if "cpu" in controllers:
         _write(target / "cpu.weight", str(VMMS_CPU_WEIGHT), "set-parent-cpu-weight")
-    return target
+
+
+def _v1_cpu_parent_shares(target: Path) -> None:
+    _write(target / "cpu.shares", str(shares_for_weight(VMMS_CPU_WEIGHT)),
+           "set-parent-cpu-shares")
 
 
 _OPTIONAL_V2 = ("pids", "cpu")
 """v2 controllers a child's group also gets where the hierarchy offers them."""
+
+
+def _make_group(ready_parent: Callable[[], Path], name: str) -> Path:
+    """The group ``name`` made in ``ready_parent()``, in place of an empty leftover (a
+    crashed spawner's); CgroupBusy where a live group holds the name."""
+    group = ready_parent() / name
+    retried = False
+    while True:
+        try:
+            group.mkdir()
+            return group
+        except FileNotFoundError as err:
+            if retried:
+                raise _mkdir_failed(group, err) from err
+            _ready_parents.discard(group.parent)   # removed since it was made ready
+            ready_parent()
+        except FileExistsError as err:
+            live = _procs(group)
+            if live or retried:
+                raise CgroupBusy(f"cgroup {group} already exists and has processes {live}: "
+                                 f"another child with vm_id {name!r} is alive", op="mkdir",
+                                 path=str(group), errno=errno_mod.EEXIST) from err
+            _rmdir(group)
+        except OSError as err:
+            raise _mkdir_failed(group, err) from err
+        retried = True
+
+
+def _mkdir_failed(group: Path, err: OSError) -> CgroupError:
+    return CgroupError(f"cgroup mkdir: cannot create {group}: {os.strerror(err.errno or 0)}",
+                       op="mkdir", path=str(group), errno=err.errno)
+
+
+def _files_of(group: Path) -> frozenset[str]:
+    """The files of ``group``, a child of its parent: the same for every child of one
+    parent (its controllers, whether swap is accounted), so listed once, from the
+    first, instead of a stat per optional knob for each."""
+    files = _child_files.get(group.parent)
+    if files is None:
+        files = _child_files[group.parent] = frozenset(os.listdir(group))
+    return files
+
+
+def _set_weight(group: Path, knob: str, value: int | None, default: int) -> None:
+    """``cpu.weight``/``cpu.shares`` of a group just made: a value equal to the
+    default is already there."""
+    if value is not None and value != default:
+        _write(group / knob, str(value), f"set-{knob}")
 
 
 def _create_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
@@ -340,33 +414,31 @@ def _create_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | Non
     v2 hierarchy that offers either (``v2_beside_v1``), with ``pids.max`` and
     ``cpu.weight``: ``cg`` with them. On failure the groups made here are removed
     (the caller removes the memory group)."""
-    wanted = {"pids": ("pids.max", pids_max),
-              "cpu": ("cpu.shares", None if cpu_weight is None else shares_for_weight(cpu_weight))}
+    shares = None if cpu_weight is None else shares_for_weight(cpu_weight)
     made: list[Path] = []
     try:
-        for name, (knob, value) in wanted.items():
+        for name, value in (("pids", pids_max), ("cpu", shares)):
             root = v1_controllers().get(name)
             if value is None or root is None:
                 continue
-            if root == cg.hierarchy.root:
-                _write(cg.path / knob, str(value), f"set-{knob}")
-                continue
-            parent_group = _make_parent(root / validate_parent(parent))
-            if name == "cpu":
-                _write(parent_group / knob, str(shares_for_weight(VMMS_CPU_WEIGHT)),
-                       "set-parent-cpu-shares")
-            group = _make_group(parent_group / vm_id)
-            made.append(group)
-            _write(group / knob, str(value), f"set-{knob}")
+            group = cg.path if root == cg.hierarchy.root else _make_group(
+                functools.partial(_ready_parent, root / validate_parent(parent),
+                                  _v1_cpu_parent_shares if name == "cpu" else None), vm_id)
+            if group != cg.path:
+                made.append(group)
+            if name == "pids":
+                _write(group / "pids.max", str(value), "set-pids.max")
+            else:
+                _set_weight(group, "cpu.shares", value, V1_DEFAULT_SHARES)
         unified = v2_beside_v1()
         if unified is not None:
             root, offered = unified
-            group = _make_group(_ensure_v2_parent(root, parent, offered) / vm_id)
+            group = _make_group(functools.partial(_v2_parent, root, parent, offered), vm_id)
             made.append(group)
             if "pids" in offered and pids_max is not None:
                 _write(group / "pids.max", str(pids_max), "set-pids-max")
-            if "cpu" in offered and cpu_weight is not None:
-                _write(group / "cpu.weight", str(cpu_weight), "set-cpu-weight")
+            if "cpu" in offered:
+                _set_weight(group, "cpu.weight", cpu_weight, V2_DEFAULT_WEIGHT)
     except BaseException:
         for group in made:
             try:
@@ -375,19 +447,6 @@ def _create_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | Non
                 pass
         raise
     return ChildCgroup(cg.hierarchy, cg.path, cg.limit_bytes, (*cg.others, *made))
-
-
-def _make_group(group: Path) -> Path:
-    """``group`` made, in place of an empty leftover (a crashed spawner's)."""
-    try:
-        if group.exists() and not _procs(group):
-            _rmdir(group)
-        group.mkdir()
-    except OSError as err:
-        raise CgroupError(f"cgroup mkdir: cannot create {group}: "
-                          f"{os.strerror(err.errno or 0)}", op="mkdir",
-                          path=str(group), errno=err.errno) from err
-    return group
 
 
 def _procs(path: Path) -> list[int]:
@@ -409,36 +468,25 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
     validate_name(vm_id)
     if limit_bytes <= 0:
         raise ValueError(f"memory limit must be positive, got {limit_bytes} bytes")
-    path = ensure_parent(h, parent) / vm_id
-    try:
-        path.mkdir()
-    except FileExistsError:
-        if _procs(path):
-            raise CgroupBusy(f"cgroup {path} already exists and has processes "
-                             f"{_procs(path)}: another child with vm_id {vm_id!r} is alive",
-                             op="mkdir", path=str(path), errno=errno_mod.EEXIST) from None
-        _rmdir(path)
-        path.mkdir()
-    except OSError as err:
-        raise CgroupError(f"cgroup mkdir: cannot create {path}: {os.strerror(err.errno or 0)}",
-                          op="mkdir", path=str(path), errno=err.errno) from err
+    path = _make_group(functools.partial(ensure_parent, h, parent), vm_id)
     cg = ChildCgroup(h, path, limit_bytes)
     try:
         _write(path / h.limit_file, str(limit_bytes), "set-limit")
+        files = _files_of(path)
         if h.version == 1:
-            memsw = path / "memory.memsw.limit_in_bytes"
-            if memsw.exists():
-                _write(memsw, str(limit_bytes), "set-memsw-limit")
+            if "memory.memsw.limit_in_bytes" in files:
+                _write(path / "memory.memsw.limit_in_bytes", str(limit_bytes),
+                       "set-memsw-limit")
             cg = _create_others(cg, vm_id, parent, pids_max, cpu_weight)
         else:
-            if (path / "memory.swap.max").exists():
+            if "memory.swap.max" in files:
                 _write(path / "memory.swap.max", "0", "set-swap-max")
-            if (path / "memory.oom.group").exists():
+            if "memory.oom.group" in files:
                 _write(path / "memory.oom.group", "1", "set-oom-group")
-            if pids_max is not None and (path / "pids.max").exists():
+            if pids_max is not None and "pids.max" in files:
                 _write(path / "pids.max", str(pids_max), "set-pids-max")
-            if cpu_weight is not None and (path / "cpu.weight").exists():
-                _write(path / "cpu.weight", str(cpu_weight), "set-cpu-weight")
+            if "cpu.weight" in files:
+                _set_weight(path, "cpu.weight", cpu_weight, V2_DEFAULT_WEIGHT)
     except BaseException:
         remove(cg)
         raise
@@ -534,8 +582,11 @@ def _other_roots(h: MemoryHierarchy) -> list[Path]:
 def remove_parent(h: MemoryHierarchy, parent: str) -> None:
     """Remove an (empty) parent group, in the ``pids``/``cpu`` hierarchies too."""
     for root in [h.root, *_other_roots(h)]:
+        target = root / validate_parent(parent)
+        _ready_parents.discard(target)
+        _child_files.pop(target, None)
         try:
-            os.rmdir(root / validate_parent(parent))
+            os.rmdir(target)
         except FileNotFoundError:
             pass
 
