@@ -221,8 +221,6 @@ def v2_beside_v1_from(mountinfo: str) -> tuple[Path, tuple[str, ...]] | None:
 @functools.cache
 def v2_beside_v1() -> tuple[Path, tuple[str, ...]] | None:
     """This host's ``v2_beside_v1_from`` (probed once per process)."""
-    if os.environ.get("VMFORK_NZYGOTE_NO_V2_BESIDE") == "1":   # TEMPORARY knob: before/after
-        return None
     try:
         return v2_beside_v1_from(Path("/proc/self/mountinfo").read_text())
     except OSError:
