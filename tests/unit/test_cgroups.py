@@ -228,65 +228,6 @@ def test_v1_groups_bound_pids_and_weigh_cpu_in_their_own_hierarchies(
     assert not any(p.exists() for p in left.paths)
 
 
-def test_v2_beside_v1_is_the_hybrid_layouts_v2_hierarchy_with_pids_or_cpu(
-        tmp_path: Path) -> None:
-    """Where memory is v1, the v2 hierarchy's pids and cpu (those no v1 hierarchy
-    holds: the emulated test host's hybrid layout offers both) are found; where it
-    offers neither (this dev machine's: hugetlb), or memory is v2, there is none."""
-    unified, pure = tmp_path / "unified", tmp_path / "pure"
-    for path, controllers in ((unified, "cpuset cpu io hugetlb pids rdma misc"),
-                              (pure, "cpu memory pids")):
-        path.mkdir()
-        (path / "cgroup.controllers").write_text(controllers + "\n")
-    hybrid = _mountinfo((str(tmp_path / "memory"), "cgroup", "rw,memory"),
-                        (str(unified), "cgroup2", "rw"))
-    assert cgroups.v2_beside_v1_from(hybrid) == (unified, ("pids", "cpu"))
-    (unified / "cgroup.controllers").write_text("hugetlb\n")
-    assert cgroups.v2_beside_v1_from(hybrid) is None
-    assert cgroups.v2_beside_v1_from(_mountinfo((str(pure), "cgroup2", "rw"))) is None
-
-
-@needs_cgroup
-def test_hybrid_groups_weigh_cpu_in_the_v2_hierarchy(
-        hierarchy: cgroups.MemoryHierarchy) -> None:
-    """In a hybrid layout whose v2 hierarchy offers cpu and pids (the emulated test
-    host's), a child gets a group there beside its v1 memory group: joined, bounded
-    and removed with it, under a parent that weighs all VMMs as one nice-0 process
-    (``VMMS_CPU_WEIGHT``); a sweep takes its leftovers there too."""
-    beside = cgroups.v2_beside_v1()
-    if hierarchy.version != 1 or beside is None or beside[1] != ("pids", "cpu"):
-        pytest.skip(f"no v2 pids and cpu beside v1 memory here (memory on "
-                    f"v{hierarchy.version}, v2 beside it: {beside})")
-    root = beside[0]
-    cg = cgroups.create(hierarchy, "vm-hy", 48 << 20, PARENT, pids_max=8, cpu_weight=50)
-    group = root / PARENT / "vm-hy"
-    assert group in cg.others
-    assert (root / PARENT / "cpu.weight").read_text().strip() == str(cgroups.VMMS_CPU_WEIGHT)
-    assert {"pids", "cpu"} <= set((root / PARENT / "cgroup.subtree_control").read_text().split())
-    try:
-        assert (group / "cpu.weight").read_text().strip() == "50"
-        assert (group / "pids.max").read_text().strip() == "8"
-        proc = subprocess.Popen(["sh", "-c", "read go; for i in 1 2 3 4 5 6 7 8 9 10; do "
-                                 "sleep 30 & done; wait"], stdin=subprocess.PIPE)
-        cgroups.join(cg, proc.pid)
-        assert f"0::/{PARENT}/vm-hy" in Path(f"/proc/{proc.pid}/cgroup").read_text().splitlines()
-        assert proc.stdin is not None
-        proc.stdin.write(b"go\n")
-        proc.stdin.close()
-        proc.wait(timeout=60)
-        assert int((group / "pids.events").read_text().split()[1]) > 0, "pids.max hit"
-    finally:
-        cgroups.kill_all(cg, 9)
-        cgroups.remove(cg)
-    assert not group.exists() and not cg.path.exists()
-    left = cgroups.create(hierarchy, "vm-left-hy", 48 << 20, PARENT, cpu_weight=100)
-    report = cgroups.sweep_stale(set(), parent=PARENT, hierarchy=hierarchy)
-    assert report.removed == ("vm-left-hy",)
-    assert not any(p.exists() for p in left.paths)
-    cgroups.remove_parent(hierarchy, PARENT)
-    assert not (root / PARENT).exists()
-
-
 @needs_cgroup
 def test_a_later_childs_groups_touch_nothing_but_their_own(
         hierarchy: cgroups.MemoryHierarchy) -> None:

@@ -37,18 +37,12 @@ The subtle parts:
   (``+pids +cpu`` delegated down like ``+memory``, where the root offers them). On v1
   each controller is a hierarchy of its own: where the host mounts ``pids`` and
   ``cpu``, the child gets a group of the same name (``<parent>/<vm_id>``) in each,
-  with ``pids.max`` and ``cpu.shares`` (the v2 weight scaled: 100 is 1024). In a
-  hybrid layout whose v2 hierarchy offers ``pids`` or ``cpu`` (they are bound to no
-  v1 hierarchy: the emulated test host's, which mounts only ``memory`` on v1), the
-  child gets one group there with both. Those groups are joined, killed, swept and
-  removed with its memory group (``ChildCgroup.others``). Where neither offers
-  ``pids``, a jailed VMM's tasks are bounded by ``RLIMIT_NPROC`` of its own uid.
-* The VMMs against the control plane: the parent group gets ``cpu.weight``
-  ``VMMS_CPU_WEIGHT`` (``cpu.shares`` on v1) in every hierarchy with the cpu
-  controller, so under contention all VMMs together weigh as much as one busy
-  process of the control plane at nice 0 (the zygote, the daemon, a spawner waiting
-  for its children's reports), however many guests run. A nice value per VMM cannot
-  do that: a hundred guests at nice 10 outweigh a nice-0 process ten to one.
+  with ``pids.max`` and ``cpu.shares`` (the v2 weight scaled: 100 is 1024), joined,
+  killed, swept and removed with its memory group (``ChildCgroup.others``). Where
+  they are not mounted (the emulated test host's hybrid layout mounts only
+  ``memory``), a jailed VMM's tasks are bounded by ``RLIMIT_NPROC`` of its own uid.
+* A spawn's groups are cheap: a parent is made ready once per process, a child's
+  groups cost their own ``mkdir`` and writes (``_ready_parent``, ``_files_of``).
 * ``rmdir`` removes a group only once it has no processes; right after the last
   member is reaped it can still be briefly busy, so removal retries on EBUSY.
 """
@@ -198,40 +192,8 @@ def v1_controllers() -> dict[str, Path]:
         return {}
 
 
-def v2_beside_v1_from(mountinfo: str) -> tuple[Path, tuple[str, ...]] | None:
-    """In a hybrid layout (a v1 memory hierarchy), the v2 hierarchy and which of
-    ``pids`` and ``cpu`` it offers (those no v1 hierarchy holds), from a mountinfo
-    text; None where memory is on v2, or the v2 hierarchy offers neither."""
-    found = detect_from(mountinfo)
-    if found is None or found.version == 2:
-        return None
-    for mount_point, fstype, _ in _mountinfo_entries(mountinfo):
-        if fstype != "cgroup2":
-            continue
-        try:
-            controllers = Path(mount_point, "cgroup.controllers").read_text().split()
-        except OSError:
-            continue
-        offered = tuple(c for c in _OPTIONAL_V2 if c in controllers)
-        if offered:
-            return Path(mount_point), offered
-    return None
-
-
-@functools.cache
-def v2_beside_v1() -> tuple[Path, tuple[str, ...]] | None:
-    """This host's ``v2_beside_v1_from`` (probed once per process)."""
-    try:
-        return v2_beside_v1_from(Path("/proc/self/mountinfo").read_text())
-    except OSError:
-        return None
-
-
 V1_DEFAULT_SHARES = 1024
 V2_DEFAULT_WEIGHT = 100
-VMMS_CPU_WEIGHT = V2_DEFAULT_WEIGHT
-"""The parent group's ``cpu.weight``: every VMM of the parent, together, as much CPU
-under contention as one nice-0 process beside the group (module docstring)."""
 
 
 def shares_for_weight(weight: int) -> int:
@@ -296,7 +258,8 @@ def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
     if h.version == 1:
         return _ready_parent(h.root / validate_parent(parent))
     offered = (h.root / "cgroup.controllers").read_text().split()
-    return _v2_parent(h.root, parent, ("memory", *(c for c in _OPTIONAL_V2 if c in offered)))
+    return _ready_parent(h.root / validate_parent(parent), functools.partial(
+        _delegate, h.root, ("memory", *(c for c in _OPTIONAL_V2 if c in offered))))
 
 
 _ready_parents: set[Path] = set()
@@ -307,9 +270,10 @@ _child_files: dict[Path, frozenset[str]] = {}
 
 def _ready_parent(target: Path, prepare: Callable[[Path], None] | None = None) -> Path:
     """``target`` (and its ancestors) made, and ``prepare``d, once per process: a
-    child's group then costs its own mkdir and writes only (making its parent ready
-    was ~5 of a child's ~11 ms of cgroup calls in the emulated test host). A parent
-    removed since (a sweep, an operator) is made again: ``_make_group``."""
+    child's group then costs its own mkdir and writes only (its parent's ``mkdir -p``
+    and a stat per optional knob were ~7 of a child's ~15 ms of cgroup calls in the
+    emulated test host). A parent removed since (a sweep, an operator) is made again:
+    ``_make_group``."""
     if target in _ready_parents:
         return target
     try:
@@ -324,15 +288,9 @@ def _ready_parent(target: Path, prepare: Callable[[Path], None] | None = None) -
     return target
 
 
-def _v2_parent(root: Path, parent: str, controllers: tuple[str, ...]) -> Path:
-    """The parent group in the v2 hierarchy at ``root``, ready (``_delegate``)."""
-    return _ready_parent(root / validate_parent(parent),
-                         functools.partial(_delegate, root, controllers))
-
-
 def _delegate(root: Path, controllers: tuple[str, ...], target: Path) -> None:
     """``controllers`` enabled from ``root`` down to ``target`` (its children get
-    them), and its weight where cpu is one."""
+    them)."""
     node = root
     for part in [*target.relative_to(root).parts, None]:
         control = node / "cgroup.subtree_control"
@@ -343,13 +301,6 @@ def _delegate(root: Path, controllers: tuple[str, ...], target: Path) -> None:
         if part is None:
             break
         node = node / part
-    if "cpu" in controllers:
-        _write(target / "cpu.weight", str(VMMS_CPU_WEIGHT), "set-parent-cpu-weight")
-
-
-def _v1_cpu_parent_shares(target: Path) -> None:
-    _write(target / "cpu.shares", str(shares_for_weight(VMMS_CPU_WEIGHT)),
-           "set-parent-cpu-shares")
 
 
 _OPTIONAL_V2 = ("pids", "cpu")
@@ -404,14 +355,12 @@ def _set_weight(group: Path, knob: str, value: int | None, default: int) -> None
         _write(group / knob, str(value), f"set-{knob}")
 
 
-def _create_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
+def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
                    cpu_weight: int | None) -> ChildCgroup:
-    """Beside a v1 memory group: the child's groups in the ``pids`` and ``cpu``
-    hierarchies where the host mounts them (in the memory group itself where one is
-    co-mounted with memory), with ``pids.max`` and ``cpu.shares``, and its group in a
-    v2 hierarchy that offers either (``v2_beside_v1``), with ``pids.max`` and
-    ``cpu.weight``: ``cg`` with them. On failure the groups made here are removed
-    (the caller removes the memory group)."""
+    """On v1, the child's groups in the ``pids`` and ``cpu`` hierarchies where the host
+    mounts them (in the memory group itself where one is co-mounted with memory),
+    with ``pids.max`` and ``cpu.shares``: ``cg`` with them. On failure the groups
+    made here are removed (the caller removes the memory group)."""
     shares = None if cpu_weight is None else shares_for_weight(cpu_weight)
     made: list[Path] = []
     try:
@@ -420,23 +369,13 @@ def _create_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | Non
             if value is None or root is None:
                 continue
             group = cg.path if root == cg.hierarchy.root else _make_group(
-                functools.partial(_ready_parent, root / validate_parent(parent),
-                                  _v1_cpu_parent_shares if name == "cpu" else None), vm_id)
+                functools.partial(_ready_parent, root / validate_parent(parent)), vm_id)
             if group != cg.path:
                 made.append(group)
             if name == "pids":
                 _write(group / "pids.max", str(value), "set-pids.max")
             else:
                 _set_weight(group, "cpu.shares", value, V1_DEFAULT_SHARES)
-        unified = v2_beside_v1()
-        if unified is not None:
-            root, offered = unified
-            group = _make_group(functools.partial(_v2_parent, root, parent, offered), vm_id)
-            made.append(group)
-            if "pids" in offered and pids_max is not None:
-                _write(group / "pids.max", str(pids_max), "set-pids-max")
-            if "cpu" in offered:
-                _set_weight(group, "cpu.weight", cpu_weight, V2_DEFAULT_WEIGHT)
     except BaseException:
         for group in made:
             try:
@@ -475,7 +414,7 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
             if "memory.memsw.limit_in_bytes" in files:
                 _write(path / "memory.memsw.limit_in_bytes", str(limit_bytes),
                        "set-memsw-limit")
-            cg = _create_others(cg, vm_id, parent, pids_max, cpu_weight)
+            cg = _create_v1_others(cg, vm_id, parent, pids_max, cpu_weight)
         else:
             if "memory.swap.max" in files:
                 _write(path / "memory.swap.max", "0", "set-swap-max")
@@ -569,12 +508,10 @@ def remove(cg: ChildCgroup, timeout: float = _REMOVE_RETRY_S) -> None:
 
 
 def _other_roots(h: MemoryHierarchy) -> list[Path]:
-    """Where a child's ``others`` live beside a v1 memory hierarchy (``_create_others``)."""
+    """Where a child's ``others`` live beside a v1 memory hierarchy (``_create_v1_others``)."""
     if h.version == 2:
         return []
-    unified = v2_beside_v1()
-    return ([r for r in dict.fromkeys(v1_controllers().values()) if r != h.root]
-            + ([unified[0]] if unified is not None else []))
+    return [r for r in dict.fromkeys(v1_controllers().values()) if r != h.root]
 
 
 def remove_parent(h: MemoryHierarchy, parent: str) -> None:

@@ -33,12 +33,10 @@ descriptors it opened registered by ``jail.adopt``), then the entry. The contrac
    guests all run at once, and without it they starved the processes that serve them:
    at N = 100 on one CPU the spawner saw the last child restored 44 s after it was
    (``bench/spawn_profile.py``'s timeline). The control plane runs at the nice it was
-   started with. Where the cpu controller is on (v2, a hybrid layout's v2 beside v1
-   memory, or v1 ``cpu``) and the spawn has a memory limit (the daemon's always do),
-   the VMMs' groups share their parent group's weight (``cgroups.VMMS_CPU_WEIGHT``)
-   against the control plane, which the nice value, a ranking among one group's
-   threads, does not change; the nice value is what works where there is none (a
-   host without the controller or its delegation, a spawn without a limit).
+   started with. Where the cpu controller is on, the VMMs' groups share their parent
+   group's weight against the control plane's group (``cgroups``), which the nice
+   value, a ranking among one group's threads, does not change; it is what works
+   where there is none (the emulated test host, a host without delegation).
 5b. **Cgroup.** If the spawn asked for a memory limit, the child joins its group
    before it allocates anything of its own (v1 charges do not follow a later move).
 6. **Fds.** stdin is ``/dev/null``; stdout and stderr go to ``args["log_path"]``
