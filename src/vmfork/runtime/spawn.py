@@ -303,6 +303,16 @@ def _read_notifications(fd: int) -> dict[str, str]:
     return states
 
 
+def _state_of(child: Child, line: str | None, done_states: tuple[str, ...]) -> str | None:
+    """``child``'s state: its FIFO ``line``'s where that is enough (``LINE_STATES``, short
+    of the state waited for), else its ``status.json``'s."""
+    if (line in LINE_STATES and line not in done_states
+            and os.environ.get("VMFORK_NZYGOTE_READ_FILES") != "1"):   # TEMPORARY knob
+        return line
+    state = child.read_status().get("state")
+    return None if state is None else str(state)
+
+
 def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path,
                    memory_limit_mib: int | None, timeout: float, done_states: tuple[str, ...],
                    progress: Callable[[int, int, int], None] | None, notify: _Fifo,
@@ -364,10 +374,7 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             next_full_scan = now + FULL_SCAN_S
         for vm_id in changed.keys() & pending.keys():
             child = pending[vm_id]
-            state = changed[vm_id]
-            if (state not in LINE_STATES or state in done_states
-                    or os.environ.get("VMFORK_NZYGOTE_READ_FILES") == "1"):   # TEMPORARY knob
-                state = child.read_status().get("state")
+            state = _state_of(child, changed[vm_id], done_states)
             if state in ("prepared", "restored", "ready") and vm_id not in prepared:
                 prepared.add(vm_id)
                 prepared_progress = now
