@@ -306,8 +306,7 @@ def _read_notifications(fd: int) -> dict[str, str]:
 def _state_of(child: Child, line: str | None, done_states: tuple[str, ...]) -> str | None:
     """``child``'s state: its FIFO ``line``'s where that is enough (``LINE_STATES``, short
     of the state waited for), else its ``status.json``'s."""
-    if (line in LINE_STATES and line not in done_states
-            and os.environ.get("VMFORK_NZYGOTE_READ_FILES") != "1"):   # TEMPORARY knob
+    if line in LINE_STATES and line not in done_states:
         return line
     state = child.read_status().get("state")
     return None if state is None else str(state)
