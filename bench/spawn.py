@@ -612,8 +612,8 @@ def memory_breakdown(pid: int, memory_path: Path) -> dict[str, int]:
 
 def daemon_memory_limit_mib(snapshot: Any) -> int:
     """The memory limit the daemon gives a sandbox spawned without one: the bench's
-    children get it too, so each has its cgroups (the cost of making them, and the
-    CPU weight of the VMMs' parent group against the spawner's) as in the product."""
+    children get it too, so each has its cgroup as in the product (and the spawn pays
+    for making it)."""
     from vmfork.server.spawner import default_memory_limit_mib
     return default_memory_limit_mib(snapshot.meta.mem_mib)
 

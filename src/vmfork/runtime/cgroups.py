@@ -356,7 +356,7 @@ def _set_weight(group: Path, knob: str, value: int | None, default: int) -> None
 
 
 def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
-                   cpu_weight: int | None) -> ChildCgroup:
+                      cpu_weight: int | None) -> ChildCgroup:
     """On v1, the child's groups in the ``pids`` and ``cpu`` hierarchies where the host
     mounts them (in the memory group itself where one is co-mounted with memory),
     with ``pids.max`` and ``cpu.shares``: ``cg`` with them. On failure the groups

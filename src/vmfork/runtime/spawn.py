@@ -15,8 +15,8 @@ for). Every file is still re-read now and then, in case a line was lost. A line
 saying ``prepared`` or ``restored`` short of the state waited for is taken at its
 word, the file not read (``LINE_STATES``): those lines come as the batch's guests
 start, and the spawner, one process among a hundred vCPU threads, read and parsed a
-hundred files then before it saw the batch restored. The line names its writer's own
-vm_id, which no sibling knows (the FIFO is write-only to them).
+hundred files then before it saw the batch restored. A line names its writer's own
+vm_id, which no jailed sibling can learn (the FIFO is write-only to its uid).
 
 A batch (n > 1) starts together: each child restores everything, reports
 ``prepared`` and waits at a start gate (a second FIFO) before its vCPUs run; once

@@ -701,8 +701,8 @@ class Zygote:
 
     def _prepare(self, req: dict[str, Any], jails: dict[str, _JailRequest]) -> _Prepared:
         """One child's cgroup, run directory, jail and plan. ``jails``: the batch's jail
-        requests, each resolved once (``_resolve_jail``). Nothing is left behind when it
-        raises."""
+        requests, each resolved once (``_resolve_jail``). What it made is removed when it
+        raises (a run directory that was there before is left alone)."""
         vm_id = cgroups.validate_name(str(req.get("vm_id")))
         if vm_id in self.children:
             raise RequestError(f"a child with vm_id {vm_id!r} is already running "
@@ -720,6 +720,7 @@ class Zygote:
         jail_spec = _jail_spec(self._resolve_jail(req.get("jail"), jails), run_dir,
                                self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
+        made_run_dir = False
         try:
             if limit is not None:
                 parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
@@ -727,6 +728,7 @@ class Zygote:
                                     pids_max=CHILD_PIDS_MAX, cpu_weight=CHILD_CPU_WEIGHT)
             if run_dir is not None:
                 try:
+                    made_run_dir = not os.path.isdir(run_dir)
                     os.makedirs(run_dir, mode=0o700, exist_ok=True)
                     if jail_spec is not None:
                         os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
@@ -743,7 +745,8 @@ class Zygote:
             except JailError as err:
                 raise RequestError(str(err)) from None
         except BaseException:
-            self._discard(_Prepared(vm_id, args, cg, log_path, run_dir))
+            self._discard(_Prepared(vm_id, args, cg, log_path,
+                                    run_dir if made_run_dir else None))
             raise
         if jail_spec is not None:
             self._uids_taken.add(jail_spec.uid)
