@@ -222,7 +222,7 @@ def _thread_count() -> int:
 @dataclass(frozen=True)
 class _JailRequest:
     """A spawn's ``jail`` request, checked and resolved once for a batch whose children
-    ask the same (``_jail_requests``): what they share (``spec``, its root and ids
+    ask the same (``Zygote._resolve_jail``): what they share (``spec``, its root and ids
     placeholders) and where each child's ids come from."""
 
     spec: JailSpec
