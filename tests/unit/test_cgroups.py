@@ -230,7 +230,7 @@ def test_v1_groups_bound_pids_and_weigh_cpu_in_their_own_hierarchies(
 
 @needs_cgroup
 def test_a_later_childs_groups_touch_nothing_but_their_own(
-        hierarchy: cgroups.MemoryHierarchy) -> None:
+        hierarchy: cgroups.MemoryHierarchy, tmp_path: Path) -> None:
     """Once a process has made the parent ready, a child's groups cost their own calls
     only: a mkdir each and their writes; no call names the parent (no mkdir -p, no
     delegation read, no weight written again) and none probes a knob with a stat.
@@ -243,12 +243,13 @@ def test_a_later_childs_groups_touch_nothing_but_their_own(
               f"    cg = cgroups.create(h, f'vm-count{{i}}', 48 << 20, {PARENT!r}, "
               "pids_max=8, cpu_weight=100)\n"
               "    print(len(cg.paths), flush=True)\n")
-    run = subprocess.run(["strace", "-f", "-e", "trace=%file,write", "-o", "/dev/stderr",
+    trace = tmp_path / "strace.txt"
+    run = subprocess.run(["strace", "-f", "-e", "trace=%file,write", "-o", str(trace),
                           sys.executable, "-c", script], capture_output=True, text=True,
                          check=True, env={**os.environ, "PYTHONPATH": str(Path(cgroups.__file__).parents[2])})
     groups = int(run.stdout.split()[-1])
-    segments = re.split(r"write\(1, \"MARK\d", run.stderr)[1:]
-    assert len(segments) == 3
+    segments = re.split(r"write\(1, \"MARK\d", trace.read_text())[1:]
+    assert len(segments) == 3, trace.read_text()[-2000:]
     for i, segment in enumerate(segments[1:], start=1):
         calls = [line for line in segment.splitlines() if f"/{PARENT}" in line]
         assert all(f"/{PARENT}/vm-count{i}" in line for line in calls), calls
