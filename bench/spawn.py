@@ -31,8 +31,8 @@ and initramfs, 256 MiB, 1 vCPU), four peers start N VMs in parallel:
   the fork (``native/src/native_fork.rs``); the ``vmfork`` peer's zygote then runs
   Python children, so the two are measured side by side, alternated per N.
   ``--b-env NAME=VALUE`` (repeatable) adds **native children, B** (``native_b``): a
-  third zygote whose environment adds those, alternated with ``native``, so a knob's
-  before and after are measured in one run.
+  third zygote whose environment adds those (and the spawner's while it spawns from
+  it), alternated with ``native``, so a knob's before and after are measured in one run.
 
 ``--phases`` starts the zygotes with ``VMFORK_SPAWN_PROFILE=1``: each child, Python or
 native, records the end of each step from ``fork()`` to ready in its
@@ -610,6 +610,14 @@ def memory_breakdown(pid: int, memory_path: Path) -> dict[str, int]:
     return memphases.classify(smaps, memphases.guest_ram_paths([str(memory_path)]))
 
 
+def daemon_memory_limit_mib(snapshot: Any) -> int:
+    """The memory limit the daemon gives a sandbox spawned without one: the bench's
+    children get it too, so each has its cgroup as in the product (and the spawn pays
+    for making it)."""
+    from vmfork.server.spawner import default_memory_limit_mib
+    return default_memory_limit_mib(snapshot.meta.mem_mib)
+
+
 def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: float,
                  timeout: float, network: Any = None, breakdown: bool = False,
                  phases: bool = False) -> dict[str, Any]:
@@ -635,6 +643,7 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
     try:
         try:
             report = fork_children(client, snapshot, n, run_root, timeout=timeout,
+                                   memory_limit_mib=daemon_memory_limit_mib(snapshot),
                                    progress=progress, per_child_netns=network is not None,
                                    network=network)
         except SpawnFailed as err:
@@ -792,6 +801,7 @@ def vmfork_first_spawn(zygote: Any, snapshot: Any, run_root: Path, timeout: floa
     client = zygote.client(timeout=max(120.0, timeout))
     try:
         return float(fork_children(client, snapshot, 1, run_root, timeout=timeout,
+                                   memory_limit_mib=daemon_memory_limit_mib(snapshot),
                                    wait_for="restored").restored_s)
     finally:
         kill_children(client)
@@ -1545,6 +1555,22 @@ def vmfork_home(workdir: Path) -> Iterator[Path]:
             os.environ["VMFORK_HOME"] = old
 
 
+@contextmanager
+def environment(changes: dict[str, str]) -> Iterator[None]:
+    """This process's environment with ``changes`` while the block runs: ``native_b``'s
+    spawns see its ``--b-env`` in the spawner (``runtime/spawn.py``) as its zygote does."""
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def alternated(peers: list[str], rep: int) -> list[str]:
     """``peers`` in their order for an even ``rep``; for an odd one, the vmfork peers
     among them in reverse (each in the other's place), so neither always goes first."""
@@ -1674,9 +1700,11 @@ def main() -> int:
                     timeout = max(args.timeout, args.timeout_per_vm * n)
                     try:
                         if name in VMFORK_PEERS:
-                            out = vmfork_spawn(zygotes[name], snapshot, n, workdir / "vms",
-                                               args.settle, timeout, breakdown=args.breakdown,
-                                               phases=args.phases)
+                            with environment(args.b_env if name == "native_b" else {}):
+                                out = vmfork_spawn(zygotes[name], snapshot, n,
+                                                   workdir / "vms", args.settle, timeout,
+                                                   breakdown=args.breakdown,
+                                                   phases=args.phases)
                         elif name == "floor":
                             assert floor_bin is not None
                             out = floor_run(floor_bin, snapshot.memory_path,

@@ -7,6 +7,8 @@ production hosts); they use a parent group of their own and remove it.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -224,6 +226,38 @@ def test_v1_groups_bound_pids_and_weigh_cpu_in_their_own_hierarchies(
     report = cgroups.sweep_stale(set(), parent=PARENT, hierarchy=hierarchy)
     assert report.removed == ("vm-left1",)
     assert not any(p.exists() for p in left.paths)
+
+
+@needs_cgroup
+def test_a_later_childs_groups_touch_nothing_but_their_own(
+        hierarchy: cgroups.MemoryHierarchy, tmp_path: Path) -> None:
+    """Once a process has made the parent ready, a child's groups cost their own calls
+    only: a mkdir each and their writes; no call names the parent (no mkdir -p, no
+    delegation read, no weight written again) and none probes a knob with a stat.
+    Counted by strace around a real process making three children's groups."""
+    if shutil.which("strace") is None:
+        pytest.skip("no strace here")
+    script = ("import os, sys\nfrom vmfork.runtime import cgroups\nh = cgroups.detect()\n"
+              "for i in range(3):\n"
+              "    os.write(1, b'MARK%d\\n' % i)\n"
+              f"    cg = cgroups.create(h, f'vm-count{{i}}', 48 << 20, {PARENT!r}, "
+              "pids_max=8, cpu_weight=100)\n"
+              "    print(len(cg.paths), flush=True)\n")
+    trace = tmp_path / "strace.txt"
+    run = subprocess.run(["strace", "-f", "-e", "trace=%file,write", "-o", str(trace),
+                          sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(Path(cgroups.__file__).parents[2])})
+    groups = int(run.stdout.split()[-1])
+    segments = re.split(r"write\(1, \"MARK\d", trace.read_text())[1:]
+    assert len(segments) == 3, trace.read_text()[-2000:]
+    for i, segment in enumerate(segments[1:], start=1):
+        calls = [line for line in segment.splitlines() if f"/{PARENT}" in line]
+        assert all(f"/{PARENT}/vm-count{i}" in line for line in calls), calls
+        names = [line.split("(", 1)[0].split()[-1] for line in calls]
+        assert names.count("mkdir") == groups, calls
+        assert not [name for name in names if "stat" in name or "access" in name], calls
+    report = cgroups.sweep_stale(set(), parent=PARENT, hierarchy=hierarchy)
+    assert sorted(report.removed) == ["vm-count0", "vm-count1", "vm-count2"]
 
 
 def test_cpu_weight_maps_onto_v1_shares() -> None:

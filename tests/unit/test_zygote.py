@@ -409,6 +409,36 @@ def test_child_joins_its_cgroup_with_the_limit(client: ZygoteClient, tmp_path: P
 
 
 @needs_cgroup
+def test_a_refused_jail_leaves_no_cgroup_and_no_run_dir(client: ZygoteClient,
+                                                       tmp_path: Path) -> None:
+    """A spawn whose jail is refused, in its checks (a root uid) or in its plan (a
+    namespace name no sandbox has), leaves neither its cgroup nor the run directory it
+    made, and leaves alone one that was there before."""
+    h = cgroups.detect()
+    assert h is not None
+    refused = (({"uid": 0, "gid": 0}, {}, "never runs as root"),
+               ({"uid_range": [1_000_000, 8]}, {"netns": "no such ns"}, "network namespace"))
+    for jail, extra, reason in refused:
+        vm_id = vid()
+        run_dir = tmp_path / vm_id
+        with pytest.raises(ZygoteError, match=reason):
+            client.spawn(E + "inspect", {"out": str(tmp_path / "x.json"),
+                                         "run_dir": str(run_dir), **extra},
+                         vm_id=vm_id, memory_limit_mib=64, cgroup_parent=CG_PARENT, jail=jail)
+        assert not run_dir.exists()
+        assert vm_id not in cgroups.list_groups(h, CG_PARENT)
+    # A run directory that was there before the spawn is not the spawn's to remove.
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine").write_text("x")
+    with pytest.raises(ZygoteError, match="network namespace"):
+        client.spawn(E + "inspect", {"out": str(tmp_path / "x.json"), "run_dir": str(kept),
+                                     "netns": "no such ns"}, vm_id=vid(), memory_limit_mib=64,
+                     cgroup_parent=CG_PARENT, jail={"uid_range": [1_000_000, 8]})
+    assert (kept / "mine").read_text() == "x"
+
+
+@needs_cgroup
 def test_oom_kill_is_reported_as_oom_killed(client: ZygoteClient, tmp_path: Path) -> None:
     out = tmp_path / "alloc.json"
     child = client.spawn(E + "allocate", {"mib": 256, "out": str(out)}, vm_id=vid(),

@@ -41,6 +41,8 @@ The subtle parts:
   killed, swept and removed with its memory group (``ChildCgroup.others``). Where
   they are not mounted (the emulated test host's hybrid layout mounts only
   ``memory``), a jailed VMM's tasks are bounded by ``RLIMIT_NPROC`` of its own uid.
+* A spawn's groups are cheap: a parent is made ready once per process, a child's
+  groups cost their own ``mkdir`` and writes (``_ready_parent``, ``_files_of``).
 * ``rmdir`` removes a group only once it has no processes; right after the last
   member is reaped it can still be briefly busy, so removal retries on EBUSY.
 """
@@ -52,6 +54,7 @@ import functools
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -252,30 +255,104 @@ def parent_path(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
 
 def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
     """Create the parent group (and its ancestors); on v2 delegate memory down to it."""
-    target = parent_path(h, parent)
+    if h.version == 1:
+        return _ready_parent(h.root / validate_parent(parent))
+    offered = (h.root / "cgroup.controllers").read_text().split()
+    return _ready_parent(h.root / validate_parent(parent), functools.partial(
+        _delegate, h.root, ("memory", *(c for c in _OPTIONAL_V2 if c in offered))))
+
+
+_ready_parents: set[Path] = set()
+"""Parent groups this process made ready (``_ready_parent``)."""
+_child_files: dict[Path, frozenset[str]] = {}
+"""Per parent group, the files of a child's group (``_files_of``)."""
+
+
+def _ready_parent(target: Path, prepare: Callable[[Path], None] | None = None) -> Path:
+    """``target`` (and its ancestors) made, and ``prepare``d, once per process: a
+    child's group then costs its own mkdir and writes only (its parent's ``mkdir -p``
+    and a stat per optional knob were ~7 of a child's ~15 ms of cgroup calls in the
+    emulated test host). A parent removed since (a sweep, an operator) is made again:
+    ``_make_group``."""
+    if target in _ready_parents:
+        return target
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CgroupError(f"cgroup mkdir: cannot create {target}: {os.strerror(err.errno or 0)} "
                           "(run as root, or pass a cgroup_parent delegated to this user)",
                           op="mkdir", path=str(target), errno=err.errno) from err
-    if h.version == 2:
-        node = h.root
-        offered = set((h.root / "cgroup.controllers").read_text().split())
-        for part in [*target.relative_to(h.root).parts, None]:
-            control = node / "cgroup.subtree_control"
-            enabled = control.read_text().split()
-            for controller in ("memory", *(c for c in _OPTIONAL_V2 if c in offered)):
-                if controller not in enabled:
-                    _write(control, f"+{controller}", f"enable-{controller}")
-            if part is None:
-                break
-            node = node / part
+    if prepare is not None:
+        prepare(target)
+    _ready_parents.add(target)
     return target
+
+
+def _delegate(root: Path, controllers: tuple[str, ...], target: Path) -> None:
+    """``controllers`` enabled from ``root`` down to ``target`` (its children get
+    them)."""
+    node = root
+    for part in [*target.relative_to(root).parts, None]:
+        control = node / "cgroup.subtree_control"
+        enabled = control.read_text().split()
+        for controller in controllers:
+            if controller not in enabled:
+                _write(control, f"+{controller}", f"enable-{controller}")
+        if part is None:
+            break
+        node = node / part
 
 
 _OPTIONAL_V2 = ("pids", "cpu")
 """v2 controllers a child's group also gets where the hierarchy offers them."""
+
+
+def _make_group(ready_parent: Callable[[], Path], name: str) -> Path:
+    """The group ``name`` made in ``ready_parent()``, in place of an empty leftover (a
+    crashed spawner's); CgroupBusy where a live group holds the name."""
+    group = ready_parent() / name
+    retried = False
+    while True:
+        try:
+            group.mkdir()
+            return group
+        except FileNotFoundError as err:
+            if retried:
+                raise _mkdir_failed(group, err) from err
+            _ready_parents.discard(group.parent)   # removed since it was made ready
+            ready_parent()
+        except FileExistsError as err:
+            live = _procs(group)
+            if live or retried:
+                raise CgroupBusy(f"cgroup {group} already exists and has processes {live}: "
+                                 f"another child with vm_id {name!r} is alive", op="mkdir",
+                                 path=str(group), errno=errno_mod.EEXIST) from err
+            _rmdir(group)
+        except OSError as err:
+            raise _mkdir_failed(group, err) from err
+        retried = True
+
+
+def _mkdir_failed(group: Path, err: OSError) -> CgroupError:
+    return CgroupError(f"cgroup mkdir: cannot create {group}: {os.strerror(err.errno or 0)}",
+                       op="mkdir", path=str(group), errno=err.errno)
+
+
+def _files_of(group: Path) -> frozenset[str]:
+    """The files of ``group``, a child of its parent: the same for every child of one
+    parent (its controllers, whether swap is accounted), so listed once, from the
+    first, instead of a stat per optional knob for each."""
+    files = _child_files.get(group.parent)
+    if files is None:
+        files = _child_files[group.parent] = frozenset(os.listdir(group))
+    return files
+
+
+def _set_weight(group: Path, knob: str, value: int | None, default: int) -> None:
+    """``cpu.weight``/``cpu.shares`` of a group just made: a value equal to the
+    default is already there."""
+    if value is not None and value != default:
+        _write(group / knob, str(value), f"set-{knob}")
 
 
 def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | None,
@@ -284,29 +361,21 @@ def _create_v1_others(cg: ChildCgroup, vm_id: str, parent: str, pids_max: int | 
     mounts them (in the memory group itself where one is co-mounted with memory),
     with ``pids.max`` and ``cpu.shares``: ``cg`` with them. On failure the groups
     made here are removed (the caller removes the memory group)."""
-    wanted = {"pids": ("pids.max", pids_max),
-              "cpu": ("cpu.shares", None if cpu_weight is None else shares_for_weight(cpu_weight))}
+    shares = None if cpu_weight is None else shares_for_weight(cpu_weight)
     made: list[Path] = []
     try:
-        for name, (knob, value) in wanted.items():
+        for name, value in (("pids", pids_max), ("cpu", shares)):
             root = v1_controllers().get(name)
             if value is None or root is None:
                 continue
-            if root == cg.hierarchy.root:
-                _write(cg.path / knob, str(value), f"set-{knob}")
-                continue
-            group = root / validate_parent(parent) / vm_id
-            try:
-                group.parent.mkdir(parents=True, exist_ok=True)
-                if group.exists() and not _procs(group):
-                    _rmdir(group)   # an empty leftover, as for the memory group
-                group.mkdir()
-            except OSError as err:
-                raise CgroupError(f"cgroup mkdir: cannot create {group}: "
-                                  f"{os.strerror(err.errno or 0)}", op="mkdir",
-                                  path=str(group), errno=err.errno) from err
-            made.append(group)
-            _write(group / knob, str(value), f"set-{knob}")
+            group = cg.path if root == cg.hierarchy.root else _make_group(
+                functools.partial(_ready_parent, root / validate_parent(parent)), vm_id)
+            if group != cg.path:
+                made.append(group)
+            if name == "pids":
+                _write(group / "pids.max", str(value), "set-pids.max")
+            else:
+                _set_weight(group, "cpu.shares", value, V1_DEFAULT_SHARES)
     except BaseException:
         for group in made:
             try:
@@ -336,36 +405,25 @@ def create(h: MemoryHierarchy, vm_id: str, limit_bytes: int,
     validate_name(vm_id)
     if limit_bytes <= 0:
         raise ValueError(f"memory limit must be positive, got {limit_bytes} bytes")
-    path = ensure_parent(h, parent) / vm_id
-    try:
-        path.mkdir()
-    except FileExistsError:
-        if _procs(path):
-            raise CgroupBusy(f"cgroup {path} already exists and has processes "
-                             f"{_procs(path)}: another child with vm_id {vm_id!r} is alive",
-                             op="mkdir", path=str(path), errno=errno_mod.EEXIST) from None
-        _rmdir(path)
-        path.mkdir()
-    except OSError as err:
-        raise CgroupError(f"cgroup mkdir: cannot create {path}: {os.strerror(err.errno or 0)}",
-                          op="mkdir", path=str(path), errno=err.errno) from err
+    path = _make_group(functools.partial(ensure_parent, h, parent), vm_id)
     cg = ChildCgroup(h, path, limit_bytes)
     try:
         _write(path / h.limit_file, str(limit_bytes), "set-limit")
+        files = _files_of(path)
         if h.version == 1:
-            memsw = path / "memory.memsw.limit_in_bytes"
-            if memsw.exists():
-                _write(memsw, str(limit_bytes), "set-memsw-limit")
+            if "memory.memsw.limit_in_bytes" in files:
+                _write(path / "memory.memsw.limit_in_bytes", str(limit_bytes),
+                       "set-memsw-limit")
             cg = _create_v1_others(cg, vm_id, parent, pids_max, cpu_weight)
         else:
-            if (path / "memory.swap.max").exists():
+            if "memory.swap.max" in files:
                 _write(path / "memory.swap.max", "0", "set-swap-max")
-            if (path / "memory.oom.group").exists():
+            if "memory.oom.group" in files:
                 _write(path / "memory.oom.group", "1", "set-oom-group")
-            if pids_max is not None and (path / "pids.max").exists():
+            if pids_max is not None and "pids.max" in files:
                 _write(path / "pids.max", str(pids_max), "set-pids-max")
-            if cpu_weight is not None and (path / "cpu.weight").exists():
-                _write(path / "cpu.weight", str(cpu_weight), "set-cpu-weight")
+            if "cpu.weight" in files:
+                _set_weight(path, "cpu.weight", cpu_weight, V2_DEFAULT_WEIGHT)
     except BaseException:
         remove(cg)
         raise
@@ -449,13 +507,21 @@ def remove(cg: ChildCgroup, timeout: float = _REMOVE_RETRY_S) -> None:
         _rmdir(path, timeout)
 
 
+def _other_roots(h: MemoryHierarchy) -> list[Path]:
+    """Where a child's ``others`` live beside a v1 memory hierarchy (``_create_v1_others``)."""
+    if h.version == 2:
+        return []
+    return [r for r in dict.fromkeys(v1_controllers().values()) if r != h.root]
+
+
 def remove_parent(h: MemoryHierarchy, parent: str) -> None:
-    """Remove an (empty) parent group, in the v1 ``pids``/``cpu`` hierarchies too."""
-    roots = [h.root] + ([r for r in v1_controllers().values() if r != h.root]
-                        if h.version == 1 else [])
-    for root in roots:
+    """Remove an (empty) parent group, in the ``pids``/``cpu`` hierarchies too."""
+    for root in [h.root, *_other_roots(h)]:
+        target = root / validate_parent(parent)
+        _ready_parents.discard(target)
+        _child_files.pop(target, None)
         try:
-            os.rmdir(root / validate_parent(parent))
+            os.rmdir(target)
         except FileNotFoundError:
             pass
 
@@ -485,9 +551,8 @@ def sweep_stale(active_ids: set[str] | frozenset[str], *, parent: str = DEFAULT_
     for name in list_groups(h, parent):
         if name in active_ids:
             continue
-        others = () if h.version == 2 else tuple(
-            root / validate_parent(parent) / name for root in v1_controllers().values()
-            if root != h.root and (root / validate_parent(parent) / name).is_dir())
+        others = tuple(root / validate_parent(parent) / name for root in _other_roots(h)
+                       if (root / validate_parent(parent) / name).is_dir())
         cg = ChildCgroup(h, parent_path(h, parent) / name, 0, others)
         if procs(cg) and kill:
             kill_all(cg, 9)

@@ -11,7 +11,12 @@ Each child also writes ``<vm_id> <state>`` to a FIFO of this spawn after every
 status change, so the spawner sleeps until something changed and then reads
 only that child's file, instead of re-reading N files every few milliseconds
 (which, with 100 children on two cores, steals CPU from the children it waits
-for). Every file is still re-read now and then, in case a line was lost.
+for). Every file is still re-read now and then, in case a line was lost. A line
+saying ``prepared`` or ``restored`` short of the state waited for is taken at its
+word, the file not read (``LINE_STATES``): those lines come as the batch's guests
+start, and the spawner, one process among a hundred vCPU threads, read and parsed a
+hundred files then before it saw the batch restored. A line names its writer's own
+vm_id, which no jailed sibling can learn (the FIFO is write-only to its uid).
 
 A batch (n > 1) starts together: each child restores everything, reports
 ``prepared`` and waits at a start gate (a second FIFO) before its vCPUs run; once
@@ -72,6 +77,9 @@ EVENTS_CHECK_S = 0.5
 # prepared for this long: one child stuck in its restore must not hold back the
 # siblings that are ready to run.
 GATE_STALL_S = 20.0
+LINE_STATES = ("prepared", "restored")
+"""States a FIFO line is taken at its word for (module docstring); any other, and a
+line missed (the full scan), is read from the child's ``status.json``."""
 
 
 class SpawnFailed(RuntimeError):
@@ -277,8 +285,8 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
             "disk_keys": disk_keys, "volume_keys": volume_keys}
 
 
-def _read_notifications(fd: int) -> set[str]:
-    """vm_ids named by the lines waiting in the FIFO."""
+def _read_notifications(fd: int) -> dict[str, str]:
+    """The last state each vm_id named by the lines waiting in the FIFO reported."""
     data = b""
     while True:
         try:
@@ -288,7 +296,20 @@ def _read_notifications(fd: int) -> set[str]:
         if not chunk:
             break
         data += chunk
-    return {line.split(b" ", 1)[0].decode(errors="replace") for line in data.splitlines()}
+    states: dict[str, str] = {}
+    for line in data.splitlines():
+        vm_id, _, state = line.decode(errors="replace").partition(" ")
+        states[vm_id] = state
+    return states
+
+
+def _state_of(child: Child, line: str | None, done_states: tuple[str, ...]) -> str | None:
+    """``child``'s state: its FIFO ``line``'s where that is enough (``LINE_STATES``, short
+    of the state waited for), else its ``status.json``'s."""
+    if line in LINE_STATES and line not in done_states:
+        return line
+    state = child.read_status().get("state")
+    return None if state is None else str(state)
 
 
 def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Path,
@@ -332,7 +353,7 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
     pending = {c.vm_id: c for c in children}
     next_events_check = started
     next_full_scan = started
-    changed: set[str] = set(pending)
+    changed: dict[str, str | None] = dict.fromkeys(pending)   # None: read its status.json
     restored: set[str] = set()
     prepared: set[str] = set()   # at the start gate, or past it
     prepared_progress = started  # when the last child became prepared
@@ -345,14 +366,14 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
                               f" ({stuck})")
         lines = _read_notifications(notify_fd)
         if lines:
-            changed |= lines
+            changed.update(lines)
             next_full_scan = now + FULL_SCAN_S
         elif now >= next_full_scan:
-            changed |= set(pending)
+            changed.update(dict.fromkeys(pending))
             next_full_scan = now + FULL_SCAN_S
-        for vm_id in changed & pending.keys():
+        for vm_id in changed.keys() & pending.keys():
             child = pending[vm_id]
-            state = child.read_status().get("state")
+            state = _state_of(child, changed[vm_id], done_states)
             if state in ("prepared", "restored", "ready") and vm_id not in prepared:
                 prepared.add(vm_id)
                 prepared_progress = now

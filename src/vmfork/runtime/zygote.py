@@ -99,7 +99,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -219,28 +219,31 @@ def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _jail_spec(value: object, run_dir: str | None, taken: set[int],
-               args: dict[str, Any], shared: SharedTree | None = None) -> JailSpec | None:
-    if value is None:
-        return None
+@dataclass(frozen=True)
+class _JailRequest:
+    """A spawn's ``jail`` request, checked and resolved once for a batch whose children
+    ask the same (``Zygote._resolve_jail``): what they share (``spec``, its root and ids
+    placeholders) and where each child's ids come from."""
+
+    spec: JailSpec
+    uid_range: tuple[int, int] | None
+
+
+def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
                                                     "devices", "preopen", "preopen_rw",
                                                     "disk_keys", "volume_keys"}:
         raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
                            "devices: [path]}")
-    if run_dir is None:
-        raise RequestError("a jailed spawn needs args.run_dir (the jail's writable place)")
     uid, gid = value.get("uid"), value.get("gid")
+    uid_range = None
     if "uid_range" in value:
         span = value["uid_range"]
         if not (isinstance(span, list) and len(span) == 2
                 and all(isinstance(v, int) and v > 0 for v in span)):
             raise RequestError("jail.uid_range must be [first uid, count], both positive")
-        free = next((u for u in range(span[0], span[0] + span[1]) if u not in taken), None)
-        if free is None:
-            raise RequestError(f"every uid of jail.uid_range {span} is held by a live "
-                               "child", "Busy")
-        uid = gid = free
+        uid_range = (span[0], span[1])
+        uid = gid = span[0]
     if not (isinstance(uid, int) and isinstance(gid, int) and uid > 0 and gid > 0):
         raise RequestError(f"jail.uid and jail.gid must be positive integers, got "
                            f"{uid!r}/{gid!r}: a jail never runs as root")
@@ -268,16 +271,37 @@ def _jail_spec(value: object, run_dir: str | None, taken: set[int],
     # The environment is emptied; what vmfork reads from it (where its cache is) is
     # resolved here and passed on, nothing else of the daemon's environment is.
     env = {"VMFORK_CACHE_DIR": str(cache_dir())}
+    return _JailRequest(JailSpec(root="", uid=uid, gid=gid, read_only=(
+        *(python_paths() if shared is None else ()), *paths["read_only"]), shared=shared,
+        devices=paths["devices"] or ("/dev/kvm",), env=env, preopen=paths["preopen"],
+        preopen_rw=paths["preopen_rw"]), uid_range)
+
+
+def _jail_spec(request: _JailRequest | None, run_dir: str | None, taken: set[int],
+               args: dict[str, Any]) -> JailSpec | None:
+    """One child's jail: ``request``'s, rooted in its ``run_dir``, with uids of its own
+    (the lowest of the range no live child holds) and its network."""
+    if request is None:
+        return None
+    if run_dir is None:
+        raise RequestError("a jailed spawn needs args.run_dir (the jail's writable place)")
+    uid = gid = request.spec.uid
+    if request.uid_range is not None:
+        first, count = request.uid_range
+        free = next((u for u in range(first, first + count) if u not in taken), None)
+        if free is None:
+            raise RequestError(f"every uid of jail.uid_range {list(request.uid_range)} is "
+                               "held by a live child", "Busy")
+        uid = gid = free
+    else:
+        gid = request.spec.gid
     # A networked VMM's namespace and tap are in its args (one per child, where the
     # jail request is one per batch); the jail joins and opens them before the drop.
     netns, tap = args.get("netns"), args.get("net_tap")
     if not (netns is None or isinstance(netns, str)) or not (tap is None or isinstance(tap, str)):
         raise RequestError("args.netns and args.net_tap must be strings")
-    return JailSpec(netns=netns, tap=tap, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
-                    read_only=(*(python_paths() if shared is None else ()),
-                               *paths["read_only"]), shared=shared,
-                    writable=(run_dir,), devices=paths["devices"] or ("/dev/kvm",), env=env,
-                    preopen=paths["preopen"], preopen_rw=paths["preopen_rw"])
+    return replace(request.spec, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
+                   writable=(run_dir,), netns=netns, tap=tap)
 
 
 def _validate_run_dir(value: object) -> str | None:
@@ -580,7 +604,7 @@ class Zygote:
 
     def _op_spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         entry = self._resolve(req.get("entry"))
-        prepared = self._prepare(req)
+        prepared = self._prepare(req, {})
         self._before_forks(entry, [prepared])
         try:
             children, error = self._fork_batch(str(req["entry"]), entry, [prepared])
@@ -599,6 +623,7 @@ class Zygote:
         failed: list[dict[str, str]] = []
         batch: list[_Prepared] = []
         seen: set[str] = set()
+        jails: dict[str, _JailRequest] = {}
         for item in items:
             vm_id = str(item.get("vm_id")) if isinstance(item, dict) else "?"
             try:
@@ -607,7 +632,7 @@ class Zygote:
                 if vm_id in seen:
                     raise RequestError(f"vm_id {vm_id!r} appears twice in this batch",
                                        "AlreadyExists")
-                batch.append(self._prepare(item))
+                batch.append(self._prepare(item, jails))
                 seen.add(vm_id)
             except (RequestError, ValueError, cgroups.CgroupError, OSError) as err:
                 failed.append({"vm_id": vm_id, "error": str(err)})
@@ -674,7 +699,10 @@ class Zygote:
                                "refuses. Remove the thread from import time, or restart the "
                                "zygote without that module", "NotForkSafe")
 
-    def _prepare(self, req: dict[str, Any]) -> _Prepared:
+    def _prepare(self, req: dict[str, Any], jails: dict[str, _JailRequest]) -> _Prepared:
+        """One child's cgroup, run directory, jail and plan. ``jails``: the batch's jail
+        requests, each resolved once (``_resolve_jail``). What it made is removed when it
+        raises (a run directory that was there before is left alone)."""
         vm_id = cgroups.validate_name(str(req.get("vm_id")))
         if vm_id in self.children:
             raise RequestError(f"a child with vm_id {vm_id!r} is already running "
@@ -687,38 +715,54 @@ class Zygote:
             raise RequestError("args.log_path must be a string")
         run_dir = _validate_run_dir(args.get("run_dir"))
         limit = req.get("memory_limit_mib")
+        if limit is not None and (not isinstance(limit, int) or limit <= 0):
+            raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
+        jail_spec = _jail_spec(self._resolve_jail(req.get("jail"), jails), run_dir,
+                               self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
-        if limit is not None:
-            if not isinstance(limit, int) or limit <= 0:
-                raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
-            parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
-            cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent,
-                                pids_max=CHILD_PIDS_MAX, cpu_weight=CHILD_CPU_WEIGHT)
-        if run_dir is not None:
-            try:
-                os.makedirs(run_dir, mode=0o700, exist_ok=True)
-            except OSError as err:
-                if cg is not None:
-                    cgroups.remove(cg)
-                raise RequestError(f"cannot create args.run_dir {run_dir}: {err.strerror}",
-                                   "HostError") from err
-        jail_spec = _jail_spec(req.get("jail"), run_dir, self._uids_taken, args,
-                               self._shared_tree)
+        made_run_dir = False
         try:
-            # An unjailed child joins its sandbox's network namespace in its set-up
-            # (a jailed one's spec names it).
-            child_plan = plan_child(self.pid, cg, log_path, jail_spec,
-                                    self.own_pidfd if jail_spec is not None else None,
-                                    netns=(args.get("netns") or None) if jail_spec is None
-                                    else None)
-        except JailError as err:
-            if cg is not None:
-                cgroups.remove(cg)
-            raise RequestError(str(err)) from None
-        if jail_spec is not None and run_dir is not None:
-            os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
+            if limit is not None:
+                parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
+                cg = cgroups.create(cgroups.require(), vm_id, limit << 20, parent,
+                                    pids_max=CHILD_PIDS_MAX, cpu_weight=CHILD_CPU_WEIGHT)
+            if run_dir is not None:
+                try:
+                    made_run_dir = not os.path.isdir(run_dir)
+                    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+                    if jail_spec is not None:
+                        os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
+                except OSError as err:
+                    raise RequestError(f"cannot create args.run_dir {run_dir}: "
+                                       f"{err.strerror}", "HostError") from err
+            try:
+                # An unjailed child joins its sandbox's network namespace in its set-up
+                # (a jailed one's spec names it).
+                child_plan = plan_child(self.pid, cg, log_path, jail_spec,
+                                        self.own_pidfd if jail_spec is not None else None,
+                                        netns=(args.get("netns") or None) if jail_spec is None
+                                        else None)
+            except JailError as err:
+                raise RequestError(str(err)) from None
+        except BaseException:
+            self._discard(_Prepared(vm_id, args, cg, log_path,
+                                    run_dir if made_run_dir else None))
+            raise
+        if jail_spec is not None:
             self._uids_taken.add(jail_spec.uid)
         return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec, child_plan)
+
+    def _resolve_jail(self, value: object, jails: dict[str, _JailRequest]
+                      ) -> _JailRequest | None:
+        """``value`` checked and resolved (``_jail_request``) once for all the children
+        of a batch that ask the same jail (every spawner's batch does)."""
+        if value is None:
+            return None
+        key = json.dumps(value, sort_keys=True)
+        request = jails.get(key)
+        if request is None:
+            request = jails[key] = _jail_request(value, self._shared_tree)
+        return request
 
     def _discard(self, prep: _Prepared) -> None:
         if prep.cgroup is not None:
