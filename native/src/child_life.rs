@@ -527,10 +527,7 @@ fn run<M: ChildMachine>(
         }
         plan.mark("seccomp");
     }
-    // Temporary knob while measuring (njail): the vCPUs always start parked, and
-    // `restored` is written before they are let into the guest.
-    let report_first = std::env::var_os("VMFORK_NJAIL_REPORT_FIRST").is_some();
-    if let Err(err) = machine.start(plan.start_gate.is_some() || report_first) {
+    if let Err(err) = machine.start(plan.start_gate.is_some()) {
         return life.failed(format!("start: {err}"));
     }
     plan.mark("vcpu_start");
@@ -548,20 +545,14 @@ fn run<M: ChildMachine>(
         if stop.is_set() {
             return 0;
         }
-        if !report_first {
-            machine.resume();
-            plan.mark("resumed");
-        }
+        machine.resume();
+        plan.mark("resumed");
     }
     let timings = life.timings(start_wait_ns);
     let mut restored = object(vec![("state", "restored".into())]);
     restored.extend(timings.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     life.report(restored);
     plan.mark("restored_report");
-    if report_first {
-        machine.resume();
-        plan.mark("resumed");
-    }
 
     let relay = match MainThreadRelay::new() {
         Ok(relay) => relay,
