@@ -555,8 +555,9 @@ struct Link {
 
 /// The jail's new root worked out once per plan in the zygote (`ChildPlan::new`):
 /// every path inside it a C string, each directory once with its ancestors by index,
-/// so the child that fills its fresh tmpfs allocates nothing and makes each directory
-/// once. Which host paths exist, and which are directories, the child still asks.
+/// so the child that fills its fresh tmpfs formats no path (each allocation there is
+/// a page of the zygote's heap copied) and makes each directory once. Which host paths
+/// exist, and which are directories, the child still asks.
 struct RootPlan {
     root: CString,
     /// Every directory a step may make under the root, parents before children.
