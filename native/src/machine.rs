@@ -486,7 +486,9 @@ impl NativeMachine {
         // SAFETY: as for the VM core; `stop` closes it before any region is unmapped.
         let ram = Arc::new(unsafe { GuestRam::new(guest_regions) });
         let mut eventfds = Vec::new();
-        let mut lines: HashMap<u32, OwnedFd> = HashMap::new();
+        // Each pin's irqfd, by its place in `eventfds` (which keeps it): a part on the
+        // pin gets a duplicate of it.
+        let mut lines: HashMap<u32, usize> = HashMap::new();
         let mut line = |gsi: u32, eventfds: &mut Vec<OwnedFd>| -> Result<OwnedFd, String> {
             if gsi >= IOAPIC_PINS {
                 return Err(format!(
@@ -494,8 +496,8 @@ impl NativeMachine {
                     IOAPIC_PINS - 1
                 ));
             }
-            if let Some(fd) = lines.get(&gsi) {
-                return dup(fd);
+            if let Some(&at) = lines.get(&gsi) {
+                return dup(&eventfds[at]);
             }
             let fd = new_eventfd()?;
             core.vm()
@@ -503,7 +505,7 @@ impl NativeMachine {
                 .map_err(|e| format!("KVM_IRQFD on pin {gsi}: {e}"))?;
             let fd = owned(fd);
             let handed = dup(&fd)?;
-            lines.insert(gsi, dup(&fd)?);
+            lines.insert(gsi, eventfds.len());
             eventfds.push(fd);
             Ok(handed)
         };
@@ -562,7 +564,6 @@ impl NativeMachine {
             windows.add(base, transport.registers(), transport.clone())?;
             transports.push((device, transport));
         }
-        drop(lines);
         mark("machine_devices");
         // 6. the vCPU loops
         let sink = ExitSink::new().map_err(|e| format!("the exit's eventfd: {e}"))?;
