@@ -52,7 +52,7 @@
 //! Every syscall here runs before the VMM installs its seccomp filter (its entry does,
 //! once the machine is set up), so none needs to be on `runtime/seccomp.py`'s list.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::io;
 use std::os::fd::RawFd;
@@ -425,14 +425,9 @@ fn close_from(first: u32) {
 
 /// The jail half of a plan: `JailSpec`, with the paths as the steps use them.
 struct Jail {
-    root: String,
     uid: libc::uid_t,
     gid: libc::gid_t,
-    /// Sorted by length (parents before children), duplicates removed.
-    read_only: Vec<String>,
-    writable: Vec<String>,
     devices: Vec<String>,
-    shared: Option<(CString, Vec<String>)>,
     limits: [(libc::__rlimit_resource_t, u64, &'static str); 4],
     hostname: String,
     preopen: Vec<CString>,
@@ -440,6 +435,9 @@ struct Jail {
     tap: Option<String>,
     host_root: Option<(RawFd, u64, u64)>,
     last_cap: u32,
+    /// The new root: `JailSpec`'s read-only paths (sorted by length, parents before
+    /// children, duplicates removed), writable paths and shared tree, laid out.
+    root_plan: RootPlan,
 }
 
 /// The descriptors a jail opened before its drop, for Python's registries: `-1` where
@@ -454,13 +452,12 @@ pub(crate) type Opened = (
 
 fn mount(
     source: Option<&CStr>,
-    target: &str,
+    target: &CStr,
     fstype: Option<&CStr>,
     flags: libc::c_ulong,
     data: Option<&CStr>,
     step: impl FnOnce() -> String,
 ) -> Step<()> {
-    let target = cstring(target)?;
     let ptr = |s: Option<&CStr>| s.map_or(std::ptr::null(), CStr::as_ptr);
     // SAFETY: every pointer is NUL-terminated or null and outlives the call.
     let rc = unsafe {
@@ -478,10 +475,10 @@ fn mount(
 /// Bind `host` at `inside`, then remount the bind with its flags (a bind mount ignores
 /// them on the first call). Not MS_REC: mounts below `host` (the jail's own root when it
 /// sits in the run directory, anything a host mounted there) stay out of the jail.
-fn bind_at(host: &str, inside: &str, read_only: bool) -> Step<()> {
-    let source = cstring(host)?;
-    mount(Some(&source), inside, None, libc::MS_BIND, None, || {
-        format!("bind {host}")
+fn bind_at(host: &CStr, inside: &CStr, read_only: bool) -> Step<()> {
+    let name = || host.to_string_lossy();
+    mount(Some(host), inside, None, libc::MS_BIND, None, || {
+        format!("bind {}", name())
     })?;
     let flags = libc::MS_REMOUNT
         | libc::MS_BIND
@@ -489,50 +486,198 @@ fn bind_at(host: &str, inside: &str, read_only: bool) -> Step<()> {
         | libc::MS_NODEV
         | if read_only { libc::MS_RDONLY } else { 0 };
     mount(None, inside, None, flags, None, || {
-        format!("remount {host}")
+        format!("remount {}", name())
     })
 }
 
-fn mkdir(path: &str, step: impl FnOnce() -> String) -> Step<()> {
-    let c = cstring(path)?;
-    // SAFETY: `c` is NUL-terminated.
-    if unsafe { libc::mkdir(c.as_ptr(), 0o755) } != 0 && last_errno() != libc::EEXIST {
-        return fail(step());
+/// `mkdir` of a directory that may exist already.
+fn mkdir(dir: &CStr) -> Step<()> {
+    // SAFETY: `dir` is NUL-terminated.
+    if unsafe { libc::mkdir(dir.as_ptr(), 0o755) } != 0 && last_errno() != libc::EEXIST {
+        return fail(format!("mkdir {}", dir.to_string_lossy()));
     }
     Ok(())
 }
 
-/// `mkdir -p` for a tree this process alone fills (the jail's fresh tmpfs): `made`
-/// remembers what exists, so no directory is made twice. The depth is the path's.
-fn make_dirs(path: &str, made: &mut HashSet<String>) -> Step<()> {
-    if path.is_empty() || path == "/" || made.contains(path) {
-        return Ok(());
-    }
-    if let Some(cut) = path.rfind('/') {
-        make_dirs(&path[..cut], made)?;
-    }
-    mkdir(path, || format!("mkdir {path}"))?;
-    made.insert(path.to_string());
-    Ok(())
+/// `path` is `dir` or lies under it.
+fn holds(dir: &str, path: &str) -> bool {
+    path.strip_prefix(dir.trim_end_matches('/'))
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
-fn parent_of(path: &str) -> &str {
-    path.rfind('/').map_or("", |cut| &path[..cut])
+/// Where a shared path shows in the jail: its shallowest ancestor (itself at the
+/// deepest) under which the jail holds nothing but shared paths, so that one link there
+/// shows the shared tree's copy of that whole directory, whose only entries are shared
+/// paths and the directories above them (`SharedTree.build`). Each directory it saves
+/// is a `mkdir` every child made on its fresh root. `others`: every path the jail
+/// holds that is not seen through the shared tree.
+fn link_point<'a>(shared: &'a str, others: &[&str]) -> &'a str {
+    let mut cut = 0;
+    while let Some(next) = shared[cut + 1..].find('/').map(|i| cut + 1 + i) {
+        let at = &shared[..next];
+        if !others.iter().any(|other| holds(at, other)) {
+            return at;
+        }
+        cut = next;
+    }
+    shared
 }
 
-fn make_mount_point(inside: &str, dir: bool, made: &mut HashSet<String>) -> Step<()> {
-    if dir {
-        return make_dirs(inside, made);
+/// A mount point of the new root: a host path bound at the same path inside.
+struct MountPoint {
+    host: CString,
+    inside: CString,
+    /// The directories above `inside` (`RootPlan::dirs`), outermost first.
+    parents: Vec<usize>,
+    /// `inside` itself in `RootPlan::dirs`, made when the host path is a directory.
+    own: usize,
+    writable: bool,
+    /// The earlier mount points whose directory holds this path (or is it): a bind
+    /// there shows it already (and a mount point cannot be made inside it).
+    under: Vec<usize>,
+}
+
+/// The zygote's shared tree in a jail: bound whole at `at` (inside the new root) from
+/// `tree`, and shown through `links`.
+struct SharedLinks {
+    at: CString,
+    tree: CString,
+    links: Vec<Link>,
+}
+
+/// A symbolic link into the shared tree: made after the directories above it.
+struct Link {
+    /// The directories above the link (`RootPlan::dirs`), outermost first.
+    parents: Vec<usize>,
+    target: CString,
+    link: CString,
+}
+
+/// The jail's new root worked out once per plan in the zygote (`ChildPlan::new`):
+/// every path inside it a C string, each directory once with its ancestors by index,
+/// so the child that fills its fresh tmpfs formats no path (each allocation there is
+/// a page of the zygote's heap copied) and makes each directory once. Which host paths
+/// exist, and which are directories, the child still asks.
+struct RootPlan {
+    root: CString,
+    /// Every directory a step may make under the root, parents before children.
+    dirs: Vec<CString>,
+    shared: Option<SharedLinks>,
+    /// The read-only paths (parents first), then the writable ones.
+    mounts: Vec<MountPoint>,
+    proc: CString,
+    old_root: CString,
+}
+
+impl RootPlan {
+    fn new(
+        root: &str,
+        read_only: &[String],
+        writable: &[String],
+        shared: Option<&(CString, Vec<String>)>,
+    ) -> Step<Self> {
+        let mut dirs: Vec<CString> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        // The directories from the root down to `path` (inside), each registered once.
+        let mut chain = |path: &str, dirs: &mut Vec<CString>| -> Step<Vec<usize>> {
+            let mut out = Vec::new();
+            let mut cut = root.len();
+            loop {
+                let next = path[cut + 1..].find('/').map(|i| cut + 1 + i);
+                let at = &path[..next.unwrap_or(path.len())];
+                let i = match index.get(at) {
+                    Some(&i) => i,
+                    None => {
+                        dirs.push(cstring(at)?);
+                        index.insert(at.to_string(), dirs.len() - 1);
+                        dirs.len() - 1
+                    }
+                };
+                out.push(i);
+                match next {
+                    Some(next) => cut = next,
+                    None => return Ok(out),
+                }
+            }
+        };
+        let shared_paths: &[String] = shared.map_or(&[], |(_, paths)| paths);
+        let seen_through = |path: &str| shared_paths.iter().any(|parent| holds(parent, path));
+        let others: Vec<&str> = read_only
+            .iter()
+            .map(String::as_str)
+            .filter(|path| !seen_through(path))
+            .chain(writable.iter().map(String::as_str))
+            .chain(["/proc", "/.old-root", SHARED_AT])
+            .collect();
+        let shared = match shared {
+            None => None,
+            Some((tree, paths)) => {
+                let mut links = Vec::new();
+                let mut linked: Vec<&str> = Vec::new();
+                for path in paths {
+                    let at = link_point(path, &others);
+                    if linked.iter().any(|l| holds(l, at)) {
+                        continue;
+                    }
+                    linked.push(at);
+                    let link = format!("{root}{at}");
+                    let parents = match link.rfind('/') {
+                        Some(cut) if cut > root.len() => chain(&link[..cut], &mut dirs)?,
+                        _ => Vec::new(),
+                    };
+                    links.push(Link {
+                        parents,
+                        target: cstring(&format!("{SHARED_AT}{at}"))?,
+                        link: cstring(&link)?,
+                    });
+                }
+                Some(SharedLinks {
+                    at: cstring(&format!("{root}{SHARED_AT}"))?,
+                    tree: tree.clone(),
+                    links,
+                })
+            }
+        };
+        let mut mounts: Vec<MountPoint> = Vec::new();
+        let mut hosts: Vec<&str> = Vec::new();
+        for (path, writable) in read_only
+            .iter()
+            .filter(|path| !seen_through(path))
+            .map(|p| (p, false))
+            .chain(writable.iter().map(|p| (p, true)))
+        {
+            let inside = format!("{root}{path}");
+            let mut parents = chain(&inside, &mut dirs)?;
+            let own = parents.pop().unwrap_or_default();
+            let under = if writable {
+                Vec::new()
+            } else {
+                hosts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, parent)| holds(parent, path))
+                    .map(|(i, _)| i)
+                    .collect()
+            };
+            hosts.push(path);
+            mounts.push(MountPoint {
+                host: cstring(path)?,
+                inside: cstring(&inside)?,
+                parents,
+                own,
+                writable,
+                under,
+            });
+        }
+        Ok(RootPlan {
+            root: cstring(root)?,
+            dirs,
+            shared,
+            mounts,
+            proc: cstring(&format!("{root}/proc"))?,
+            old_root: cstring(&format!("{root}/.old-root"))?,
+        })
     }
-    make_dirs(parent_of(inside), made)?;
-    let c = cstring(inside)?;
-    // SAFETY: `c` is NUL-terminated; a regular file needs no device number.
-    if unsafe { libc::mknod(c.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0
-        && last_errno() != libc::EEXIST
-    {
-        return fail(format!("mknod {inside}"));
-    }
-    Ok(())
 }
 
 impl Jail {
@@ -627,102 +772,45 @@ impl Jail {
         mark("jail_unshared");
         mount(
             None,
-            "/",
+            c"/",
             None,
             libc::MS_REC | libc::MS_PRIVATE,
             None,
             || "make / private".into(),
         )?;
-        let root = self.root.as_str();
         // nodev: the jail holds no device node, its devices are descriptors (above).
         mount(
             Some(c"tmpfs"),
-            root,
+            &self.root_plan.root,
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV,
             Some(c"size=1m,mode=0755"),
             || "tmpfs root".into(),
         )?;
         mark("jail_tmpfs");
-        // The tmpfs is new and this process alone fills it: each directory is made
-        // once, and each host path looked up once.
-        let mut made: HashSet<String> = HashSet::from([root.to_string()]);
-        let mut bound: Vec<&str> = Vec::new();
-        if let Some((tree, paths)) = &self.shared {
-            let at = format!("{root}{SHARED_AT}");
-            mkdir(&at, || format!("mkdir {at}"))?;
-            mount(
-                Some(tree),
-                &at,
-                None,
-                libc::MS_BIND | libc::MS_REC,
-                None,
-                || "bind the shared tree".into(),
-            )?;
-            for path in paths {
-                let link = format!("{root}{path}");
-                make_dirs(parent_of(&link), &mut made)?;
-                let target = cstring(&format!("{SHARED_AT}{path}"))?;
-                let c_link = cstring(&link)?;
-                // SAFETY: both are NUL-terminated.
-                if unsafe { libc::symlink(target.as_ptr(), c_link.as_ptr()) } != 0 {
-                    return fail(format!("symlink {link}"));
-                }
-                bound.push(path);
-            }
-        }
-        // Read-only first, parents before children, then the writable paths: a later
-        // bind covers what an earlier one showed at the same place, never the reverse.
-        for path in &self.read_only {
-            // A path under a directory bound already is visible through it, and a mount
-            // point cannot be made inside a read-only bind.
-            let under = |parent: &&str| {
-                path == parent
-                    || path
-                        .strip_prefix(parent.trim_end_matches('/'))
-                        .is_some_and(|rest| rest.starts_with('/'))
-            };
-            if bound.iter().any(under) {
-                continue;
-            }
-            let Some(dir) = is_dir(&cstring(path)?) else {
-                continue; // missing: whoever needs it reports it, as outside a jail
-            };
-            let inside = format!("{root}{path}");
-            make_mount_point(&inside, dir, &mut made)?;
-            bind_at(path, &inside, true)?;
-            if dir {
-                bound.push(path);
-            }
-        }
-        for path in &self.writable {
-            let c = cstring(path)?;
-            let inside = format!("{root}{path}");
-            make_mount_point(&inside, is_dir(&c).unwrap_or(false), &mut made)?;
-            bind_at(path, &inside, false)?;
-            // SAFETY: `c` is NUL-terminated.
-            if unsafe { libc::chown(c.as_ptr(), self.uid, self.gid) } != 0 {
-                return fail(format!("chown {path}"));
-            }
-        }
+        self.fill_root()?;
         mark("jail_binds");
-        let proc = format!("{root}/proc");
-        mkdir(&proc, || format!("mkdir {proc}"))?;
+        let plan = &self.root_plan;
+        mkdir(&plan.proc)?;
         // hidepid=invisible matters for a jail without a PID namespace of its own.
         mount(
             Some(c"proc"),
-            &proc,
+            &plan.proc,
             Some(c"proc"),
             libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             Some(c"hidepid=invisible"),
             || "mount /proc".into(),
         )?;
         mark("jail_proc");
-        let old = format!("{root}/.old-root");
-        mkdir(&old, || format!("mkdir {old}"))?;
-        let (c_root, c_old) = (cstring(root)?, cstring(&old)?);
+        mkdir(&plan.old_root)?;
         // SAFETY: both paths are NUL-terminated; pivot_root only reads them.
-        let rc = unsafe { libc::syscall(libc::SYS_pivot_root, c_root.as_ptr(), c_old.as_ptr()) };
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_pivot_root,
+                plan.root.as_ptr(),
+                plan.old_root.as_ptr(),
+            )
+        };
         check(rc, || "pivot_root".into())?;
         // SAFETY: a static NUL-terminated path.
         check(
@@ -741,7 +829,7 @@ impl Jail {
         mark("jail_old_root_detached");
         mount(
             None,
-            "/",
+            c"/",
             None,
             libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
             None,
@@ -762,6 +850,79 @@ impl Jail {
             check(rc as libc::c_long, || format!("setrlimit {what}"))?;
         }
         Ok(opened)
+    }
+
+    /// The new root's directories, the shared tree and its links, and the binds, as
+    /// `RootPlan` lists them; a host path that is missing is skipped (whoever needs
+    /// it reports it, as outside a jail).
+    fn fill_root(&self) -> Step<()> {
+        let plan = &self.root_plan;
+        let mut made = vec![false; plan.dirs.len()];
+        let make = |dirs: &[usize], made: &mut Vec<bool>| -> Step<()> {
+            for &i in dirs {
+                if !made[i] {
+                    mkdir(&plan.dirs[i])?;
+                    made[i] = true;
+                }
+            }
+            Ok(())
+        };
+        if let Some(shared) = &plan.shared {
+            mkdir(&shared.at)?;
+            mount(
+                Some(&shared.tree),
+                &shared.at,
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+                || "bind the shared tree".into(),
+            )?;
+            for Link {
+                parents,
+                target,
+                link,
+            } in &shared.links
+            {
+                make(parents, &mut made)?;
+                // SAFETY: both are NUL-terminated.
+                if unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) } != 0 {
+                    return fail(format!("symlink {}", link.to_string_lossy()));
+                }
+            }
+        }
+        // Read-only first, parents before children, then the writable paths: a later
+        // bind covers what an earlier one showed at the same place, never the reverse.
+        let mut bound_dir = vec![false; plan.mounts.len()];
+        for (i, point) in plan.mounts.iter().enumerate() {
+            if point.under.iter().any(|&j| bound_dir[j]) {
+                continue;
+            }
+            let dir = match is_dir(&point.host) {
+                Some(dir) => dir,
+                None if point.writable => false,
+                None => continue,
+            };
+            make(&point.parents, &mut made)?;
+            if dir {
+                make(&[point.own], &mut made)?;
+            } else {
+                // SAFETY: `inside` is NUL-terminated; a regular file needs no device.
+                if unsafe { libc::mknod(point.inside.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0
+                    && last_errno() != libc::EEXIST
+                {
+                    return fail(format!("mknod {}", point.inside.to_string_lossy()));
+                }
+            }
+            bind_at(&point.host, &point.inside, !point.writable)?;
+            if point.writable {
+                // SAFETY: `host` is NUL-terminated.
+                if unsafe { libc::chown(point.host.as_ptr(), self.uid, self.gid) } != 0 {
+                    return fail(format!("chown {}", point.host.to_string_lossy()));
+                }
+            }
+            bound_dir[i] = dir;
+        }
+        Ok(())
     }
 
     /// Capability bounding set and ambient set emptied, no supplementary groups, then
@@ -885,29 +1046,31 @@ impl ChildPlan {
             (
                 Some((root, uid, gid, hostname, (nofile, nproc, fsize), last_cap)),
                 Some((read_only, writable, devices, shared, preopen, preopen_rw)),
-            ) => Some(Jail {
-                root,
-                uid,
-                gid,
-                read_only,
-                writable,
-                devices,
-                shared: shared
+            ) => {
+                let shared = shared
                     .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
-                    .transpose()?,
-                limits: [
-                    (libc::RLIMIT_NOFILE, nofile, "RLIMIT_NOFILE"),
-                    (libc::RLIMIT_NPROC, nproc, "RLIMIT_NPROC"),
-                    (libc::RLIMIT_FSIZE, fsize, "RLIMIT_FSIZE"),
-                    (libc::RLIMIT_CORE, 0, "RLIMIT_CORE"),
-                ],
-                hostname,
-                preopen: cstrings(&preopen)?,
-                preopen_rw: cstrings(&preopen_rw)?,
-                tap,
-                host_root,
-                last_cap,
-            }),
+                    .transpose()?;
+                let root_plan = RootPlan::new(&root, &read_only, &writable, shared.as_ref())
+                    .map_err(|f| PyValueError::new_err(f.step))?;
+                Some(Jail {
+                    uid,
+                    gid,
+                    devices,
+                    root_plan,
+                    limits: [
+                        (libc::RLIMIT_NOFILE, nofile, "RLIMIT_NOFILE"),
+                        (libc::RLIMIT_NPROC, nproc, "RLIMIT_NPROC"),
+                        (libc::RLIMIT_FSIZE, fsize, "RLIMIT_FSIZE"),
+                        (libc::RLIMIT_CORE, 0, "RLIMIT_CORE"),
+                    ],
+                    hostname,
+                    preopen: cstrings(&preopen)?,
+                    preopen_rw: cstrings(&preopen_rw)?,
+                    tap,
+                    host_root,
+                    last_cap,
+                })
+            }
         };
         Ok(ChildPlan {
             set_up,
@@ -1107,26 +1270,123 @@ mod tests {
     }
 
     #[test]
-    fn parents_of_paths() {
-        assert_eq!(parent_of("/a/b/c"), "/a/b");
-        assert_eq!(parent_of("/a"), "");
-        assert_eq!(parent_of("a"), "");
+    fn a_shared_path_is_linked_where_the_jail_holds_nothing_else() {
+        // Nothing else under /usr or /work: one link each. /root/.cache also holds a
+        // disk: the venv's link sits just below what they share.
+        let others = ["/root/.cache/vmfork/disks/d1", "/run/vm1", "/proc"];
+        assert_eq!(link_point("/usr/lib/python3.11", &others), "/usr");
+        assert_eq!(link_point("/work/wt/src", &others), "/work");
+        assert_eq!(
+            link_point("/root/.cache/vmfork/venv/lib/site-packages", &others),
+            "/root/.cache/vmfork/venv"
+        );
+        // A path the jail binds itself right below: linked at the path.
+        assert_eq!(link_point("/a/b", &["/a/b/c"]), "/a/b");
+        // A sibling whose name extends the candidate's does not block it.
+        assert_eq!(link_point("/usr/lib", &["/usrx"]), "/usr");
     }
 
     #[test]
-    fn make_dirs_makes_each_directory_once() {
-        let base = std::env::temp_dir().join(format!("vmfork-child-test-{}", std::process::id()));
-        let base = base.to_str().unwrap().to_string();
-        let mut made = HashSet::new();
-        make_dirs(&format!("{base}/x/y"), &mut made).unwrap();
-        assert!(made.contains(&format!("{base}/x/y")) && made.contains(&format!("{base}/x")));
-        assert!(is_dir(&cstring(&format!("{base}/x/y")).unwrap()) == Some(true));
-        make_mount_point(&format!("{base}/x/f"), false, &mut made).unwrap();
-        assert_eq!(
-            is_dir(&cstring(&format!("{base}/x/f")).unwrap()),
-            Some(false)
+    fn the_root_plan_makes_each_directory_once_and_skips_what_the_tree_shows() {
+        let shared = (
+            c"/tree".to_owned(),
+            vec![
+                "/usr/lib/python3.11".to_string(),
+                "/usr/bin".to_string(),
+                "/root/.cache/venv/lib".to_string(),
+            ],
         );
-        std::fs::remove_dir_all(&base).unwrap();
+        let read_only = [
+            "/usr/lib/python3.11/os.py".to_string(), // seen through the tree
+            "/root/.cache/disks/d1".to_string(),
+            "/root/.cache/disks/d1/inner".to_string(),
+        ];
+        let writable = ["/root/run/vm1".to_string()];
+        let plan = RootPlan::new("/j", &read_only, &writable, Some(&shared)).unwrap();
+        let text = |c: &CString| c.to_str().unwrap().to_string();
+        let shared = plan.shared.as_ref().unwrap();
+        assert_eq!(
+            (text(&shared.at), text(&shared.tree)),
+            ("/j/.vmfork-shared".into(), "/tree".into())
+        );
+        let links: Vec<(Vec<String>, String, String)> = shared
+            .links
+            .iter()
+            .map(|l| {
+                let parents = l.parents.iter().map(|&i| text(&plan.dirs[i])).collect();
+                (parents, text(&l.target), text(&l.link))
+            })
+            .collect();
+        assert_eq!(
+            links,
+            [
+                (vec![], "/.vmfork-shared/usr".into(), "/j/usr".into()),
+                (
+                    vec!["/j/root".into(), "/j/root/.cache".into()],
+                    "/.vmfork-shared/root/.cache/venv".into(),
+                    "/j/root/.cache/venv".into()
+                ),
+            ],
+            "/usr/bin is seen through /usr's link"
+        );
+        type Seen = (String, Vec<String>, String, bool, Vec<usize>);
+        let mounts: Vec<Seen> = plan
+            .mounts
+            .iter()
+            .map(|m| {
+                let parents = m.parents.iter().map(|&i| text(&plan.dirs[i])).collect();
+                (
+                    text(&m.host),
+                    parents,
+                    text(&plan.dirs[m.own]),
+                    m.writable,
+                    m.under.clone(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                (
+                    "/root/.cache/disks/d1".into(),
+                    vec![
+                        "/j/root".into(),
+                        "/j/root/.cache".into(),
+                        "/j/root/.cache/disks".into()
+                    ],
+                    "/j/root/.cache/disks/d1".into(),
+                    false,
+                    vec![]
+                ),
+                (
+                    "/root/.cache/disks/d1/inner".into(),
+                    vec![
+                        "/j/root".into(),
+                        "/j/root/.cache".into(),
+                        "/j/root/.cache/disks".into(),
+                        "/j/root/.cache/disks/d1".into()
+                    ],
+                    "/j/root/.cache/disks/d1/inner".into(),
+                    false,
+                    vec![0]
+                ),
+                (
+                    "/root/run/vm1".into(),
+                    vec!["/j/root".into(), "/j/root/run".into()],
+                    "/j/root/run/vm1".into(),
+                    true,
+                    vec![]
+                ),
+            ]
+        );
+        let mut dirs: Vec<String> = plan.dirs.iter().map(text).collect();
+        let count = dirs.len();
+        dirs.dedup();
+        assert_eq!(dirs.len(), count, "each directory listed once");
+        assert_eq!(
+            (text(&plan.proc), text(&plan.old_root)),
+            ("/j/proc".into(), "/j/.old-root".into())
+        );
     }
 
     #[test]

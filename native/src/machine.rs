@@ -439,13 +439,18 @@ pub struct DeviceReport {
 
 impl NativeMachine {
     /// Build the machine of `plan` on `kvm` (borrowed for the call); nothing runs
-    /// until `start`.
+    /// until `start`. `mark` is told the end of each step that costs (`machine_*`: a
+    /// native child's phases, `spawn_profile.rs`).
     ///
     /// # Safety
     ///
     /// With `RamSource::Mapped`, each region must stay mapped, readable and writable
     /// until this machine is stopped or dropped.
-    pub unsafe fn restore(kvm: &Kvm, plan: MachinePlan<'_>) -> Result<Self, String> {
+    pub unsafe fn restore(
+        kvm: &Kvm,
+        plan: MachinePlan<'_>,
+        mark: &dyn Fn(&'static str),
+    ) -> Result<Self, String> {
         let MachinePlan {
             ram,
             vcpus,
@@ -461,12 +466,14 @@ impl NativeMachine {
                 (regions, Some(owned))
             }
         };
+        mark("machine_ram");
         // 2. the VM core
         // SAFETY: the regions are this function's contract's, or mapped above and
         // unmapped only after the core is gone (`Parts` drops `core` before
         // `owned_ram`, and `stop` keeps them when a vCPU did not stop).
         let (core, _report) = unsafe { VmCore::create(kvm, &regions, LAYOUT, vcpus, restore) }
             .map_err(failure_text)?;
+        mark("machine_vm");
         let core = Arc::new(core);
         let guest_regions = regions
             .iter()
@@ -479,7 +486,9 @@ impl NativeMachine {
         // SAFETY: as for the VM core; `stop` closes it before any region is unmapped.
         let ram = Arc::new(unsafe { GuestRam::new(guest_regions) });
         let mut eventfds = Vec::new();
-        let mut lines: HashMap<u32, OwnedFd> = HashMap::new();
+        // Each pin's irqfd, by its place in `eventfds` (which keeps it): a part on the
+        // pin gets a duplicate of it.
+        let mut lines: HashMap<u32, usize> = HashMap::new();
         let mut line = |gsi: u32, eventfds: &mut Vec<OwnedFd>| -> Result<OwnedFd, String> {
             if gsi >= IOAPIC_PINS {
                 return Err(format!(
@@ -487,8 +496,8 @@ impl NativeMachine {
                     IOAPIC_PINS - 1
                 ));
             }
-            if let Some(fd) = lines.get(&gsi) {
-                return dup(fd);
+            if let Some(&at) = lines.get(&gsi) {
+                return dup(&eventfds[at]);
             }
             let fd = new_eventfd()?;
             core.vm()
@@ -496,7 +505,7 @@ impl NativeMachine {
                 .map_err(|e| format!("KVM_IRQFD on pin {gsi}: {e}"))?;
             let fd = owned(fd);
             let handed = dup(&fd)?;
-            lines.insert(gsi, dup(&fd)?);
+            lines.insert(gsi, eventfds.len());
             eventfds.push(fd);
             Ok(handed)
         };
@@ -555,7 +564,7 @@ impl NativeMachine {
             windows.add(base, transport.registers(), transport.clone())?;
             transports.push((device, transport));
         }
-        drop(lines);
+        mark("machine_devices");
         // 6. the vCPU loops
         let sink = ExitSink::new().map_err(|e| format!("the exit's eventfd: {e}"))?;
         let mut threads = Vec::with_capacity(core.vcpu_count());
@@ -975,7 +984,7 @@ impl PyNativeMachine {
         };
         // SAFETY: the RAM is a file mapping the machine makes and owns.
         let machine = py
-            .detach(|| unsafe { NativeMachine::restore(&kvm, plan) })
+            .detach(|| unsafe { NativeMachine::restore(&kvm, plan, &|_| {}) })
             .map_err(PyRuntimeError::new_err)?;
         Ok(PyNativeMachine::shared(
             Arc::new(machine),
@@ -1252,7 +1261,7 @@ mod tests {
             }],
         };
         // SAFETY: the RAM is never unmapped in the child.
-        let machine = unsafe { NativeMachine::restore(kvm, plan) }?;
+        let machine = unsafe { NativeMachine::restore(kvm, plan, &|_| {}) }?;
         let core = machine.core().ok_or("no core")?;
         let (_, vcpu) = core.vcpu(0).ok_or("no vCPU 0")?;
         let mut sregs = vcpu.get_sregs().map_err(|e| format!("sregs: {e}"))?;

@@ -315,8 +315,13 @@ impl ChildMachinePlan {
     }
 
     /// The machine, nothing running yet; `opened`: what the child's jail opened
-    /// (None unjailed). Runs in the forked child, without Python.
-    pub fn build(&self, opened: Option<&Opened>) -> Result<NativeMachine, String> {
+    /// (None unjailed); `mark`: told the end of each step (`machine_opened`, then
+    /// `NativeMachine::restore`'s). Runs in the forked child, without Python.
+    pub fn build(
+        &self,
+        opened: Option<&Opened>,
+        mark: &dyn Fn(&'static str),
+    ) -> Result<NativeMachine, String> {
         let snapshot = self.snapshot.get();
         let kvm = match opened {
             Some((_, _, _, devices, _)) => {
@@ -429,6 +434,7 @@ impl ChildMachinePlan {
                 }
             })
             .collect();
+        mark("machine_opened");
         let prepared = snapshot.prepared.get();
         let states: Vec<&VcpuBuffers> = prepared.vcpus.iter().map(|v| &v.get().inner).collect();
         let indices: Vec<u32> = states.iter().map(|s| s.index()).collect();
@@ -448,7 +454,7 @@ impl ChildMachinePlan {
         };
         // SAFETY: the RAM is a file mapping the machine makes and owns, or the adopted
         // premap, mapped until this process exits.
-        let machine = unsafe { NativeMachine::restore(&kvm, plan) }?;
+        let machine = unsafe { NativeMachine::restore(&kvm, plan, mark) }?;
         // A new volume's slot was empty when the guest's driver last read its config:
         // the change tells it to read the capacity again (raised before any vCPU runs,
         // delivered when one does).

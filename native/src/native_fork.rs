@@ -198,7 +198,7 @@ impl ForkedMachine {
         match self {
             ForkedMachine::Restored(plan) => {
                 let build = || {
-                    let machine = Arc::new(plan.get().build(opened)?);
+                    let machine = Arc::new(plan.get().build(opened, &|phase| life.mark(phase))?);
                     // Built once per process (`live` never returns): set exactly once.
                     let _ = FORKED_MACHINE.set((machine.clone(), life.snapshots.clone()));
                     Ok(machine)

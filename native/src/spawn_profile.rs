@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use crate::child_report::replace_file;
 
-/// More marks than a life makes (it makes 23 with a jail's): the rest are dropped.
+/// More marks than a life makes (it makes 27 with a jail's): the rest are dropped.
 const MAX_MARKS: usize = 32;
 
 struct Mark {

@@ -137,7 +137,7 @@ def test_native_children_see_the_empty_volume_slots_as_a_python_child_does(
         machine.close()
 
 
-def test_a_jailed_native_child_records_its_jails_steps_between_set_up_and_machine(
+def test_a_jailed_native_child_records_its_jails_and_machines_steps(
         children: list[Child]) -> None:
     for child in children:
         record = child.run_dir / spawnprofile.PROFILE_FILE
@@ -149,7 +149,8 @@ def test_a_jailed_native_child_records_its_jails_steps_between_set_up_and_machin
         names = [m["phase"] for m in marks]
         assert names[names.index("set_up"):names.index("machine") + 1] == [
             "set_up", "jail_opened", "jail_unshared", "jail_tmpfs", "jail_binds",
-            "jail_proc", "jail_pivoted", "jail_old_root_detached", "jailed", "machine"], names
+            "jail_proc", "jail_pivoted", "jail_old_root_detached", "jailed",
+            "machine_opened", "machine_ram", "machine_vm", "machine_devices", "machine"], names
         assert all(later["mono_ns"] >= earlier["mono_ns"]
                    for earlier, later in zip(marks, marks[1:])), marks
 

@@ -111,6 +111,12 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["kvm_api"] == 12
     assert report["dev_node"].startswith("refused: FileNotFoundError")
     assert report["late_import"] == "fresh allowed"
+    # Python's paths show through one link each at the shallowest directory that holds
+    # nothing else of the jail's (here each path's first one: the run directory and the
+    # snapshot are under /tmp), not a directory made per level on every child's root.
+    tops = {"/" + Path(p).parts[1] for p in jail.python_paths()} - {"/tmp"}
+    assert {top: report["root_links"].get(top[1:]) for top in tops} == {
+        top: jail.SHARED_AT + top for top in tops}
     assert report["source_write"].startswith("refused: OSError 30")     # EROFS
     assert report["shared_write"].startswith("refused: OSError 30")
     # Not the host's network: the zygote's empty namespace, a loopback and nothing else.

@@ -178,6 +178,8 @@ def jail_probe(args: dict[str, Any]) -> int:
         "cap_eff": status["CapEff"].strip(), "cap_bnd": status["CapBnd"].strip(),
         "no_new_privs": status["NoNewPrivs"].strip(), "env": dict(os.environ),
         "root": sorted(os.listdir("/")),
+        "root_links": {name: os.readlink("/" + name) for name in os.listdir("/")
+                       if os.path.islink("/" + name)},
         "dev_node": attempt("dev", lambda: os.open("/dev/kvm", os.O_RDWR)),
         # Python's paths (the zygote's shared tree): readable, importable, read-only.
         "late_import": ("fresh " if "colorsys" not in sys.modules else "") + attempt(

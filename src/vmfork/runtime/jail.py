@@ -36,8 +36,11 @@ this order (each step needs the privileges the next ones drop):
    (so that a late import still works) through the zygote's ``SharedTree`` (bound once
    by the zygote, read-only, nosuid and nodev, in a mount namespace of its own: the
    jail binds it whole at ``SHARED_AT`` with one ``MS_BIND | MS_REC`` and shows each of
-   its paths at its own place as a symbolic link into it; a jail without one, a parent
-   VMM's, binds them one by one like the rest); ``spec.writable`` (the run directory)
+   its paths at its own place through a symbolic link into it, placed at the shallowest
+   directory above the path that holds nothing else of the jail's (``/usr`` for
+   ``/usr/lib/python3.11``), so a child makes no directory the tree already has (the
+   new root is laid out once per plan: ``child.rs``'s ``RootPlan``); a jail without
+   one, a parent VMM's, binds them one by one like the rest); ``spec.writable`` (the run directory)
    bound read-write; and a ``/proc`` of its own PID namespace (``hidepid=invisible``
    besides, for a jail entered without one: a jailed parent VMM). No device node: the
    devices it uses (``spec.devices``: ``/dev/kvm``) are opened before the drop and
@@ -251,7 +254,8 @@ class SharedTree:
     tmpfs at ``path`` in its own mount namespace (``own_mount_namespace``), instead of
     once per jail. A jail binds the whole tree (``MS_BIND | MS_REC``: one mount, whose
     copies keep the read-only, nosuid and nodev flags they were made with) at
-    ``SHARED_AT`` and shows each path at its own place as a symbolic link into it, on
+    ``SHARED_AT`` and shows each path at its own place through a symbolic link into it
+    (at the shallowest directory above it holding nothing else of the jail's), on
     its own root (read-only too once it is built)."""
 
     def __init__(self, path: str, paths: tuple[str, ...]) -> None:
