@@ -473,6 +473,9 @@ impl Life<'_> {
         let now = monotonic_ns();
         vec![
             ("pid", self.pid.into()),
+            // Which child this is: a Python child says "python" (and, when the
+            // zygote could not give its spawn a native one, why: `native_refused`).
+            ("child", "native".into()),
             (
                 "restore_s",
                 seconds(now - self.forked.entry_ns - start_wait_ns),
@@ -1060,6 +1063,7 @@ mod tests {
             assert!(restored[key].is_f64(), "{key}: {restored}");
         }
         assert_eq!(restored["start_wait_s"], 0.0);
+        assert_eq!(restored["child"], "native", "{restored}");
         let control = UnixStream::connect(run.path.join("control.sock")).expect("control");
         control.set_read_timeout(Some(WAIT)).expect("a timeout");
         let mut replies = BufReader::new(control.try_clone().expect("a second handle"));

@@ -1161,12 +1161,21 @@ def main(args: dict[str, Any]) -> int:
                   flush=True)
             return 1
     report = end.reporter.report
+    # Which child this is, in its restored and ready reports (a native child says
+    # "native", child_life.rs): a Python child of a spawn the zygote could not give a
+    # native one says why.
+    refused = args.get(zygote_child.NATIVE_REFUSED)
+    which: dict[str, Any] = {"child": "python"}
+    if refused is not None:
+        which["native_refused"] = str(refused)
 
     # The VMM logs what its devices see, and the guest decides what they see: one
     # budget for the whole process log, so no guest can fill the disk through it.
     limit_log_handlers(logging.getLogger(), LogBudget("VMM log"))
     stop = StopSignal()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if refused is not None:
+        log.warning("%s runs in a Python child: no native child (%s)", vm_id, refused)
     try:
         forked = zygote_child.current()
         # In its sandbox's network namespace already, if it has one: its set-up (or
@@ -1212,7 +1221,7 @@ def main(args: dict[str, Any]) -> int:
                    # fork() in the zygote to this entry: the child's set-up (zygote_child)
                    "fork_to_entry_s": None if forked is None
                    else (forked.entry_started_ns - forked.forked_ns) / 1e9}
-        report({"state": "restored", "pid": os.getpid(), **timings})
+        report({"state": "restored", "pid": os.getpid(), **which, **timings})
         spawnprofile.mark("restored_report")
         guest_ram = (memphases.guest_ram_paths(_guest_ram_files(machine), state.mem_size)
                      if memphases.IDLE_S is not None else memphases.no_guest_ram)
@@ -1240,7 +1249,7 @@ def main(args: dict[str, Any]) -> int:
                     "console_tail": machine.serial.tail_text()})
             control.close()
             return EXIT_GUEST_DIED
-        report({"state": "ready", "pid": os.getpid(), **timings,
+        report({"state": "ready", "pid": os.getpid(), **which, **timings,
                 "ready_s": time.monotonic() - started, **unique})
         spawnprofile.mark("ready_report")
         spawnprofile.finish(str(run_dir))
