@@ -698,11 +698,9 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 "child_start_wait_s": [float(s.get("start_wait_s", 0.0)) for s in statuses],
                 "child_ready_s": [float(s["ready_s"]) for s in statuses],
                 # inside ready_s: the agent's first answer (after_fork: clock, reseed and
-                # network refresh in one round trip); an agent older than after_fork
-                # answers a ping first, then takes reseed + clock op by op
+                # network refresh in one round trip; an agent older than after_fork takes
+                # them one call each, agent_op_by_op)
                 "child_agent_ready_s": [float(s.get("agent_ready", "nan")) for s in statuses],
-                "child_reseed_and_clock_s": [float(s.get("reseed_and_clock", "nan"))
-                                             for s in statuses],
                 # after_fork calls that found the agent unavailable, each 50 ms apart
                 "child_agent_retries": [float(s.get("agent_retries", "nan")) for s in statuses],
                 # the answering call: the VMM's OK to its CONNECT, the agent's first frame
@@ -983,9 +981,8 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            ("| peer | N | fork → entry (child set-up) | restore, in the child | "
            "… then the agent's first answer (after_fork: clock, reseed) | its retries | "
            "… its answering call: CONNECT answered | … the agent's first frame | "
-           "… then reseed + clock (agents without after_fork) | "
            "floor, in the child |"),
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|"]
     def child_median(name: str, n: int, key: str) -> float | None:
         values = [x for r in results[name].get(n, []) for x in r.get(key, [])
                   if not math.isnan(x)]
@@ -1003,7 +1000,6 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                       f"{'n/a' if retries is None else f'{retries:g}'} | "
                       f"{fmt_s(child_median(name, n, 'child_agent_connected_s'))} | "
                       f"{fmt_s(child_median(name, n, 'child_agent_first_frame_s'))} | "
-                      f"{fmt_s(child_median(name, n, 'child_reseed_and_clock_s'))} | "
                       f"{fmt_s(child_median('floor', n, 'child_restore_s'))} |")
 
     md += ["", "## Memory per idle child (median over the children, MiB)", "",

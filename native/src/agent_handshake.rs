@@ -125,6 +125,37 @@ pub struct CallTiming {
     pub done: Duration,
 }
 
+impl Handshake {
+    /// A handshake done on its first try (`make_unique` counts the retries).
+    fn first_try(
+        op_by_op: bool,
+        clock_error_bound_ns: i128,
+        clock_step_ns: i128,
+        net: Option<(u64, u64)>,
+        timing: CallTiming,
+    ) -> Self {
+        Handshake {
+            op_by_op,
+            clock_error_bound_ns,
+            clock_step_ns,
+            net,
+            retries: 0,
+            timing,
+        }
+    }
+}
+
+impl CallTiming {
+    /// Its two marks, and done now, each since `started`.
+    fn since(started: Instant, connected: Duration, first_frame: Duration) -> Self {
+        CallTiming {
+            connected,
+            first_frame,
+            done: started.elapsed(),
+        }
+    }
+}
+
 type Outcome<T> = Result<T, Failure>;
 
 fn realtime_ns() -> i128 {
@@ -702,18 +733,8 @@ pub fn after_fork(
     };
     drop(call);
     let net = check_result(&r)?;
-    Ok(Handshake {
-        op_by_op: false,
-        clock_error_bound_ns: bound,
-        clock_step_ns: step,
-        net,
-        retries: 0,
-        timing: CallTiming {
-            connected,
-            first_frame,
-            done: started.elapsed(),
-        },
-    })
+    let timing = CallTiming::since(started, connected, first_frame);
+    Ok(Handshake::first_try(false, bound, step, net, timing))
 }
 
 /// `make_unique`'s loop: `after_fork`, again every 50 ms while the agent is
@@ -779,18 +800,14 @@ fn op_by_op(
     } else {
         None
     };
-    Ok(Handshake {
-        op_by_op: true,
-        clock_error_bound_ns: round_trip.div_euclid(2),
-        clock_step_ns: step,
+    let timing = CallTiming::since(started, connected, first_frame);
+    Ok(Handshake::first_try(
+        true,
+        round_trip.div_euclid(2),
+        step,
         net,
-        retries: 0,
-        timing: CallTiming {
-            connected,
-            first_frame,
-            done: started.elapsed(),
-        },
-    })
+        timing,
+    ))
 }
 
 /// `step()`, again every 50 ms while the agent is unavailable or silent, until

@@ -13,7 +13,10 @@ imports are already done and a spawn pays only for the restore. Contract:
   its wall clock -- two children of one snapshot must never share random
   streams or a stale clock.
 * ``status.json`` is written atomically at each stage (``restored``, ``ready``
-  with timings, or ``failed`` with the reason); the spawner reads it. If
+  with timings, or ``failed`` with the reason), each saying which child wrote it
+  (``child``: ``"python"`` here, ``"native"`` for a ``native_child``) and, for a
+  spawn the zygote could not give a native child, why (``native_refused``); the
+  spawner reads it. If
   ``args["notify_path"]`` names a FIFO, one line ``<vm_id> <state>`` is written
   to it after each status change, so the spawner need not poll every file.
 * If ``args["start_gate"]`` names a FIFO (a batch spawn), the child restores
@@ -35,7 +38,7 @@ imports are already done and a spawn pays only for the restore. Contract:
   mapped; any mismatch or failure and the child maps the plan itself, as before. A
   child that runs no Python (``native_child``) adopts it natively, as the zygote
   checked it at this batch's ``premap_memory`` (``inherited_ram``); without a premap
-  its spawn fails (it maps no plan run itself).
+  its spawn runs in a Python child (it maps no plan run itself).
 * ``netns``/``net_tap`` (optional): the child's network namespace, entered before
   anything else, and the tap in it that its virtio-net device attaches to. A
   restored guest with a network device is told it was forked (``net_refresh``:
@@ -432,14 +435,15 @@ NATIVE_HANDOVER = f"{__name__}:native_handover"
 
 
 def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_child.NativeChild:
-    """The zygote's hook for a child that runs no Python (``VMFORK_NATIVE_CHILD=1``,
-    ``zygote_child.NativeChild``): ``main``'s steps from the filter on, as native
-    values (``_core.ChildLife``), built before the fork from what ``prefork`` built
-    (the agent's target, the snapshot's decoded state, the seccomp program).
-    Raises for a spawn a native child cannot serve yet: a snapshot
-    ``_snapshot_machine`` refuses, and a diff snapshot whose RAM the zygote did not
-    map ahead (``inherited_ram``); and for volumes that do not fit the snapshot's
-    slots (``_child_volumes``)."""
+    """The zygote's hook for a child that runs no Python (the default; not with
+    ``VMFORK_NATIVE_CHILD=0``; ``zygote_child.NativeChild``): ``main``'s steps from the
+    filter on, as native values (``_core.ChildLife``), built before the fork from what
+    ``prefork`` built (the agent's target, the snapshot's decoded state, the seccomp
+    program). Raises for a spawn a native child cannot serve, which the zygote then
+    gives a Python child (``main``, told why): a snapshot that does not load or that
+    ``_snapshot_machine`` refuses, a diff snapshot whose RAM the zygote did not map
+    ahead (``inherited_ram``), volumes that do not fit the snapshot's slots
+    (``_child_volumes``)."""
     from vmfork import _core
     vm_id = str(args["vm_id"])
     end = _child_ends.get(vm_id) or _child_end(args)

@@ -751,11 +751,11 @@ class Zygote:
                     return children, err
                 continue
             run = next((i for i in range(at, len(batch)) if natives[i] is None), len(batch))
-            forked, err = self._fork_native_batch(
+            forked, stopped = self._fork_native_batch(
                 name, batch[at:run], [n for n in natives[at:run] if n is not None])
             children += forked
-            if err is not None:
-                return children, err
+            if stopped is not None:
+                return children, stopped
         return children, None
 
     def _pid_namespaces_for(self, prep: _Prepared) -> PidNamespaces | None:
