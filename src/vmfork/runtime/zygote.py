@@ -836,7 +836,7 @@ class Zygote:
         which serves it or fails it as every Python child does (a damaged snapshot's
         exits and leaves its exit event). Never silently: the reason is in the zygote's
         log and in the child's args (``NATIVE_REFUSED``), which its entry reports
-        (``vmmchild.main``: its log, ``restored`` and ``ready``)."""
+        (``vmmchild.main``: its log and every report)."""
         try:
             native: NativeChild = hook(prep.args, prep.jail)
         except Exception as err:  # noqa: BLE001 -- any refusal: a Python child instead
