@@ -77,7 +77,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--children", nargs="+", default=["python"], choices=CHILDREN,
                    help="the source's VMM: a Python child, or a native one that runs no "
-                        "Python (VMFORK_NATIVE_CHILD=1), each from a zygote of its own; "
+                        "Python (VMFORK_NATIVE_CHILD=1 or 0), each from a zygote of its own; "
                         "given both, their series alternate in one run")
     p.add_argument("--qemu", action="store_true",
                    help="also measure QEMU's stop+migrate-to-file and live-migrate pauses")
@@ -309,9 +309,7 @@ def main() -> int:
         store = Store.open(workdir / "home")
         clients = {}
         for child in args.children:
-            env = {k: v for k, v in os.environ.items() if k != NATIVE_CHILD_ENV}
-            if child == "native":
-                env[NATIVE_CHILD_ENV] = "1"
+            env = {**os.environ, NATIVE_CHILD_ENV: "1" if child == "native" else "0"}
             with open(workdir / f"zygote-{child}.log", "wb") as zlog:
                 zygote = start_zygote(str(workdir / f"zygote-{child}.sock"), stderr=zlog,
                                       timeout=300.0, env=env)

@@ -19,11 +19,10 @@ diff, kill the sandbox). Reported:
   because every spawn re-hashes and re-copies every link);
 * **compact, pack, unpack** -- time, and the pack's size (chain only, no image).
 
-With ``VMFORK_NATIVE_CHILD=1`` (which passes into the test host) the spawns are
-measured on children that run no Python: the chain is built by a daemon whose zygote
-forks Python children (a link's BRANCH needs the child's Python view of its machine),
-then a second daemon on the same store, whose zygote forks native children, takes the
-spawns. Such a child has no native virtio-blk yet: give ``--free-volume-slots 0``.
+The spawns are measured on children that run no Python (the default; with
+``VMFORK_NATIVE_CHILD=0``, which passes into the test host, on Python children): the
+chain is built by a daemon whose zygote forks Python children, then a second daemon on
+the same store, whose zygote forks native children, takes the spawns.
 
 forkd's published chain numbers (REFERENCE-forkd.md, bare metal) are quoted for
 reference; inside the emulated test host only ratios within the run mean anything.
@@ -59,8 +58,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--spawns", type=int, default=10, help="spawns measured per depth")
     p.add_argument("--name", default="chain")
     p.add_argument("--free-volume-slots", type=int, default=None,
-                   help="empty volume slots of the base (default: the daemon's); children "
-                        "that run no Python (VMFORK_NATIVE_CHILD=1) need 0")
+                   help="empty volume slots of the base (default: the daemon's)")
     p.add_argument("--host-mem-mib", type=int, default=8192)
     p.add_argument("--host-timeout", type=float, default=3600)
     return p.parse_args()
@@ -98,7 +96,8 @@ def main() -> int:
     from vmfork.store import Store, disk_usage, packs
 
     # The chain's daemon forks Python children; only the spawns' may fork native ones.
-    native_child = os.environ.pop(NATIVE_CHILD_ENV, None) == "1"
+    native_child = os.environ.get(NATIVE_CHILD_ENV, "1") != "0"
+    os.environ[NATIVE_CHILD_ENV] = "0"
     work = Path(tempfile.mkdtemp(prefix="vmfork-bench-chain-"))
     home = work / "home"
     daemon, ctl = local_daemon(work, home, networking=False)

@@ -29,7 +29,9 @@ and initramfs, 256 MiB, 1 vCPU), four peers start N VMs in parallel:
 * **vmfork, native children** (``--peers ...,native``): the same spawns from a second
   zygote started with ``VMFORK_NATIVE_CHILD=1``, whose children run no Python after
   the fork (``native/src/native_fork.rs``); the ``vmfork`` peer's zygote then runs
-  Python children, so the two are measured side by side, alternated per N.
+  Python children (``VMFORK_NATIVE_CHILD=0``), so the two are measured side by side,
+  alternated per N. Without the ``native`` peer the ``vmfork`` peer's children are the
+  default's (native, unless ``VMFORK_NATIVE_CHILD=0``).
   ``--b-env NAME=VALUE`` (repeatable) adds **native children, B** (``native_b``): a
   third zygote whose environment adds those (and the spawner's while it spawns from
   it), alternated with ``native``, so a knob's before and after are measured in one run.
@@ -705,11 +707,9 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
                 "child_start_wait_s": [float(s.get("start_wait_s", 0.0)) for s in statuses],
                 "child_ready_s": [float(s["ready_s"]) for s in statuses],
                 # inside ready_s: the agent's first answer (after_fork: clock, reseed and
-                # network refresh in one round trip); an agent older than after_fork
-                # answers a ping first, then takes reseed + clock op by op
+                # network refresh in one round trip; an agent older than after_fork takes
+                # them one call each, agent_op_by_op)
                 "child_agent_ready_s": [float(s.get("agent_ready", "nan")) for s in statuses],
-                "child_reseed_and_clock_s": [float(s.get("reseed_and_clock", "nan"))
-                                             for s in statuses],
                 # after_fork calls that found the agent unavailable, each 50 ms apart
                 "child_agent_retries": [float(s.get("agent_retries", "nan")) for s in statuses],
                 # the answering call: the VMM's OK to its CONNECT, the agent's first frame
@@ -991,9 +991,8 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            ("| peer | N | fork → entry (child set-up) | restore, in the child | "
            "… then the agent's first answer (after_fork: clock, reseed) | its retries | "
            "… its answering call: CONNECT answered | … the agent's first frame | "
-           "… then reseed + clock (agents without after_fork) | "
            "floor, in the child |"),
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|"]
     def child_median(name: str, n: int, key: str) -> float | None:
         values = [x for r in results[name].get(n, []) for x in r.get(key, [])
                   if not math.isnan(x)]
@@ -1011,7 +1010,6 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
                       f"{'n/a' if retries is None else f'{retries:g}'} | "
                       f"{fmt_s(child_median(name, n, 'child_agent_connected_s'))} | "
                       f"{fmt_s(child_median(name, n, 'child_agent_first_frame_s'))} | "
-                      f"{fmt_s(child_median(name, n, 'child_reseed_and_clock_s'))} | "
                       f"{fmt_s(child_median('floor', n, 'child_restore_s'))} |")
 
     md += ["", "## Memory per idle child (median over the children, MiB)", "",
@@ -1086,7 +1084,8 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            "child's agent answered a ping over vsock **and** the child reseeded the guest and "
            "set its clock (`ready`). In-child restore time excludes the wait for siblings."),
            ("- vmfork, native children: the same, from a second zygote whose children run no "
-            "Python after the fork (`VMFORK_NATIVE_CHILD=1`); the vmfork peer's then run Python."),
+            "Python after the fork (`VMFORK_NATIVE_CHILD=1`); the vmfork peer's then run Python "
+            "(`VMFORK_NATIVE_CHILD=0`)."),
            ("- QEMU cold boot: first `qemu-system-x86_64` started → every QMP `query-status` says "
            "`running` (QEMU set up, vCPU started at the kernel entry) / → every agent answered "
            "a ping over vhost-vsock after a full kernel boot."),
@@ -1106,8 +1105,8 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            (f"- vmfork parent: boot {setup['vmfork_boot_s']:.2f} s, warm-up "
            f"{setup['vmfork_warm_s']:.2f} s, snapshot pause {setup['vmfork_pause_ms']:.1f} ms, "
            f"memory file {setup['vmfork_memory_bytes'] / MIB:.0f} MiB; children "
-           + ("run no Python (VMFORK_NATIVE_CHILD=1)" if setup.get("native_child")
-              else "run Python (vmmchild.main)")),
+           + ("run no Python (the default)" if setup.get("native_child")
+              else "run Python (VMFORK_NATIVE_CHILD=0, or beside the native peer)")),
            (f"- vmfork zygote's first spawn from the snapshot (decodes it and warms the restore "
             f"path up, once; then restored): {fmt_s(setup.get('vmfork_first_spawn_s'))}"
             + (f"; the native children's zygote's: {fmt_s(setup['native_first_spawn_s'])}"
@@ -1611,7 +1610,7 @@ def main() -> int:
     from vmfork.image import find_image
     from vmfork.runtime.parent import snapshot_parent
     from vmfork.runtime.spawnprofile import ENV as SPAWN_PROFILE_ENV
-    from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
+    from vmfork.runtime.zygote_child import NATIVE_CHILD, NATIVE_CHILD_ENV
     from vmfork.runtime.zygote_client import start_zygote
     from vmfork.store import Store
 
@@ -1621,8 +1620,7 @@ def main() -> int:
     skipped: dict[str, dict[int, str]] = {p: {} for p in PEERS}
     setup: dict[str, Any] = {"vsock": vsock, "image": image.name,
                              "kernel": str(image.kernel), "initrd": str(image.initrd),
-                             "native_child": (os.environ.get(NATIVE_CHILD_ENV) == "1"
-                                              and "native" not in args.peers)}
+                             "native_child": NATIVE_CHILD and "native" not in args.peers}
     slots = {} if args.free_volume_slots is None else {"free_volume_slots":
                                                        args.free_volume_slots}
 
@@ -1652,7 +1650,7 @@ def main() -> int:
             env = dict(os.environ)
             if "native" in args.peers:
                 # Side by side: the vmfork peer's children run Python, the native's none.
-                env.pop(NATIVE_CHILD_ENV, None)
+                env[NATIVE_CHILD_ENV] = "0"
             if name in ("native", "native_b"):
                 env[NATIVE_CHILD_ENV] = "1"
             if name == "native_b":

@@ -237,23 +237,32 @@ pub fn check_result(r: &Map<String, Value>) -> Result<Option<(u64, u64)>, Refusa
     int(r, "protocol", "ping", None)?;
     num(r, "uptime", "ping")?;
     string(r, "boot_id", "ping", true)?;
-    let reseed = record(r, "reseed", op)?;
-    int(reseed, "bytes", "reseed", Some(0))?;
-    int(reseed, "entropy_bits", "reseed", Some(0))?;
-    boolean(reseed, "kernel_reseeded", "reseed")?;
+    check_reseed(record(r, "reseed", op)?)?;
     let net = match r.get("net") {
         None | Some(Value::Null) => None,
-        Some(_) => {
-            let net = record(r, "net", op)?;
-            let refresh = "net_refresh";
-            string(net, "interface", refresh, true)?;
-            let aborted = int(net, "connections_aborted", refresh, Some(0))?;
-            let flushed = int(net, "neighbours_flushed", refresh, Some(0))?;
-            Some((clamp_u64(aborted), clamp_u64(flushed)))
-        }
+        Some(_) => Some(net_counts(record(r, "net", op)?)?),
     };
     int(record(r, "clock", op)?, "previous_ns", op, None)?;
     Ok(net)
+}
+
+/// `client._reseed_result`'s checks of a reseed's record (`after_fork`'s `reseed`, or
+/// a `reseed` call's result).
+pub fn check_reseed(reseed: &Map<String, Value>) -> Result<(), Refusal> {
+    int(reseed, "bytes", "reseed", Some(0))?;
+    int(reseed, "entropy_bits", "reseed", Some(0))?;
+    boolean(reseed, "kernel_reseeded", "reseed")?;
+    Ok(())
+}
+
+/// `NetRefreshResult.from_reply`'s checks of a network refresh's record (`after_fork`'s
+/// `net`, or a `net_refresh` call's result): `(connections_aborted, neighbours_flushed)`.
+pub fn net_counts(net: &Map<String, Value>) -> Result<(u64, u64), Refusal> {
+    let refresh = "net_refresh";
+    string(net, "interface", refresh, true)?;
+    let aborted = int(net, "connections_aborted", refresh, Some(0))?;
+    let flushed = int(net, "neighbours_flushed", refresh, Some(0))?;
+    Ok((clamp_u64(aborted), clamp_u64(flushed)))
 }
 
 fn clamp_u64(v: i128) -> u64 {

@@ -37,11 +37,11 @@ use pyo3::prelude::*;
 use serde_json::{Map, Value};
 
 use crate::agent_frame::{
-    check_result, clock_exchange_step, frame_lengths, int, parse_header, quoted, record, shown,
-    Refusal, CLOCK_EXCHANGE_MAX_BOUND_NS, MAX_CLOCK_STEP_NS,
+    check_reseed, check_result, clock_exchange_step, frame_lengths, int, net_counts, parse_header,
+    quoted, record, shown, Refusal, CLOCK_EXCHANGE_MAX_BOUND_NS, MAX_CLOCK_STEP_NS,
 };
 
-/// `vmmchild.RESEED_BYTES`.
+/// The host randomness a restored guest is reseeded with.
 pub const RESEED_BYTES: usize = 64;
 const RETRY_INTERVAL: Duration = Duration::from_millis(50);
 /// The CONNECT reply line is at most this long (`vsock_uds_connector`).
@@ -100,6 +100,9 @@ pub struct Target {
 /// What `make_unique` reports: `AfterForkResult`'s parts the child keeps.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Handshake {
+    /// The agent is older than `after_fork`: the steps were one call each
+    /// (`op_by_op`), and `timing` is theirs.
+    pub op_by_op: bool,
     pub clock_error_bound_ns: i128,
     pub clock_step_ns: i128,
     /// `(connections_aborted, neighbours_flushed)` when the guest refreshed.
@@ -113,12 +116,44 @@ pub struct Handshake {
 /// The answering `after_fork` call, from its start: the VMM's `OK` to the `CONNECT`
 /// (the guest's kernel accepted the connection), then the agent's first frame (its
 /// `clock`, or an older agent's `result`), then its `result` (and any clock
-/// correction after it).
+/// correction after it). For an agent older than `after_fork` (`op_by_op`), from the
+/// first step's start: the reseed answered, the clock set, all done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CallTiming {
     pub connected: Duration,
     pub first_frame: Duration,
     pub done: Duration,
+}
+
+impl Handshake {
+    /// A handshake done on its first try (`make_unique` counts the retries).
+    fn first_try(
+        op_by_op: bool,
+        clock_error_bound_ns: i128,
+        clock_step_ns: i128,
+        net: Option<(u64, u64)>,
+        timing: CallTiming,
+    ) -> Self {
+        Handshake {
+            op_by_op,
+            clock_error_bound_ns,
+            clock_step_ns,
+            net,
+            retries: 0,
+            timing,
+        }
+    }
+}
+
+impl CallTiming {
+    /// Its two marks, and done now, each since `started`.
+    fn since(started: Instant, connected: Duration, first_frame: Duration) -> Self {
+        CallTiming {
+            connected,
+            first_frame,
+            done: started.elapsed(),
+        }
+    }
 }
 
 type Outcome<T> = Result<T, Failure>;
@@ -698,21 +733,13 @@ pub fn after_fork(
     };
     drop(call);
     let net = check_result(&r)?;
-    Ok(Handshake {
-        clock_error_bound_ns: bound,
-        clock_step_ns: step,
-        net,
-        retries: 0,
-        timing: CallTiming {
-            connected,
-            first_frame,
-            done: started.elapsed(),
-        },
-    })
+    let timing = CallTiming::since(started, connected, first_frame);
+    Ok(Handshake::first_try(false, bound, step, net, timing))
 }
 
 /// `make_unique`'s loop: `after_fork`, again every 50 ms while the agent is
-/// unavailable or silent, until `deadline`.
+/// unavailable or silent, until `deadline`. An agent older than that op (its
+/// `unknown_op`) gets the same steps one call each (`op_by_op`).
 pub fn make_unique(
     target: &Target,
     deadline: Instant,
@@ -728,6 +755,11 @@ pub fn make_unique(
                 done.retries = retries;
                 return Ok(done);
             }
+            Err(Failure::Agent { code, .. }) if code == "unknown_op" => {
+                let mut done = op_by_op(target, &data, deadline, net_refresh)?;
+                done.retries = retries;
+                return Ok(done);
+            }
             Err(failure) if failure.retried() => {
                 if Instant::now() > deadline {
                     return Err(failure);
@@ -736,6 +768,57 @@ pub fn make_unique(
                 std::thread::sleep(RETRY_INTERVAL);
             }
             Err(failure) => return Err(failure),
+        }
+    }
+}
+
+/// `after_fork`'s steps for an agent older than it, one call (and one connection)
+/// each, as `AgentClient`'s `reseed`, `sync_clock` and `net_refresh`: the guest reseeded
+/// with `data`, its clock bracketed and stepped to the host's (its error at most half
+/// the bracket's round trip), its network refreshed when asked. The agent has just
+/// answered (its `unknown_op`); each step is tried again while it is unavailable or
+/// silent, until `deadline`.
+fn op_by_op(
+    target: &Target,
+    data: &[u8],
+    deadline: Instant,
+    net_refresh: bool,
+) -> Outcome<Handshake> {
+    let started = Instant::now();
+    retry_until(deadline, || {
+        let mut call = Call::open(target, "reseed", br#"{"op":"reseed"}"#, data)?;
+        Ok(check_reseed(&call.expect("result")?.header)?)
+    })?;
+    let connected = started.elapsed();
+    let (round_trip, step) = retry_until(deadline, || sync_clock(target))?;
+    let first_frame = started.elapsed();
+    let net = if net_refresh {
+        Some(retry_until(deadline, || {
+            let mut call = Call::open(target, "net_refresh", br#"{"op":"net_refresh"}"#, b"")?;
+            Ok(net_counts(&call.expect("result")?.header)?)
+        })?)
+    } else {
+        None
+    };
+    let timing = CallTiming::since(started, connected, first_frame);
+    Ok(Handshake::first_try(
+        true,
+        round_trip.div_euclid(2),
+        step,
+        net,
+        timing,
+    ))
+}
+
+/// `step()`, again every 50 ms while the agent is unavailable or silent, until
+/// `deadline` (`vmmchild._retry_until`).
+fn retry_until<T>(deadline: Instant, mut step: impl FnMut() -> Outcome<T>) -> Outcome<T> {
+    loop {
+        match step() {
+            Err(failure) if failure.retried() && Instant::now() <= deadline => {
+                std::thread::sleep(RETRY_INTERVAL);
+            }
+            done => return done,
         }
     }
 }
@@ -763,16 +846,10 @@ pub fn mount_volume(target: &Target, mount: &Mount, deadline: Instant) -> Outcom
         "sectors": mount.sectors,
     })
     .to_string();
-    loop {
-        let outcome = Call::open(target, op, request.as_bytes(), b"")
-            .and_then(|mut call| call.expect("result").map(drop));
-        match outcome {
-            Err(failure) if failure.retried() && Instant::now() <= deadline => {
-                std::thread::sleep(RETRY_INTERVAL);
-            }
-            done => return done,
-        }
-    }
+    retry_until(deadline, || {
+        Call::open(target, op, request.as_bytes(), b"")
+            .and_then(|mut call| call.expect("result").map(drop))
+    })
 }
 
 // -- Python ----------------------------------------------------------------------------
@@ -828,7 +905,7 @@ fn failure_tuple(f: Failure) -> FailureTuple {
 /// `((clock_error_bound_ns, clock_step_ns, net, retries, (connected_ns,
 /// first_frame_ns, done_ns)), None)` (`CallTiming`) or `(None, failure)`.
 type HandshakeResult = (
-    Option<(i128, i128, Option<(u64, u64)>, u32, (u64, u64, u64))>,
+    Option<(i128, i128, Option<(u64, u64)>, u32, (u64, u64, u64), bool)>,
     Option<FailureTuple>,
 );
 
@@ -867,6 +944,7 @@ pub fn agent_after_fork(
                     ns(h.timing.first_frame),
                     ns(h.timing.done),
                 ),
+                h.op_by_op,
             )),
             None,
         ),

@@ -23,7 +23,7 @@
 //! 6. The agent's `after_fork` (`agent_handshake.rs`), on a thread of its own while
 //!    this one answers hand-overs; its failure reports `failed` with
 //!    `guest not ready: ...` and the console's tail and exits 3. (An agent older than
-//!    `after_fork` fails here: its op-by-op fallback is Python's.)
+//!    `after_fork` gets its steps one call each, `agent_handshake::make_unique`.)
 //! 7. `ready`, `malloc_trim`, then idle until SIGTERM, a `stop` (both exit 0) or the
 //!    guest's end (`exited` with its reason; 0 for a clean end, 3 when it died).
 //!
@@ -439,7 +439,10 @@ struct Life<'a> {
 impl Life<'_> {
     /// Write a report; a status.json that cannot be written is said on stderr (the
     /// log), as an exception out of `report` would be, and the life goes on.
-    fn report(&self, fields: Map<String, Value>) {
+    fn report(&self, mut fields: Map<String, Value>) {
+        // Which child this is, in every report: a Python child says "python" (and,
+        // when the zygote could not give its spawn a native one, why: `native_refused`).
+        fields.insert("child".into(), "native".into());
         let state = fields
             .get("state")
             .and_then(Value::as_str)
@@ -668,6 +671,7 @@ fn serve<M: ChildMachine>(
     );
     ready.insert("agent_ready".into(), agent_ready.into());
     ready.insert("agent_retries".into(), done.retries.into());
+    ready.insert("agent_op_by_op".into(), done.op_by_op.into());
     let call = done.timing;
     ready.insert(
         "agent_connected".into(),
@@ -1060,6 +1064,7 @@ mod tests {
             assert!(restored[key].is_f64(), "{key}: {restored}");
         }
         assert_eq!(restored["start_wait_s"], 0.0);
+        assert_eq!(restored["child"], "native", "{restored}");
         let control = UnixStream::connect(run.path.join("control.sock")).expect("control");
         control.set_read_timeout(Some(WAIT)).expect("a timeout");
         let mut replies = BufReader::new(control.try_clone().expect("a second handle"));

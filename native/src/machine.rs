@@ -158,8 +158,11 @@ fn map_file(fd: BorrowedFd<'_>, mem_size: u64) -> Result<(Vec<Region>, OwnedRam)
     .map_err(|e| format!("stat the memory file: {e}"))?
     .len();
     if file_size < mem_size {
+        // `vmm/memory.py`'s words (`_short_memory_file`), so a caller sees one message
+        // whichever child restored.
         return Err(format!(
-            "the memory file has {file_size} bytes, the machine {mem_size}"
+            "the memory file is {file_size} bytes, shorter than the machine's {mem_size} \
+             bytes of RAM: a damaged snapshot (take it again, or unpack it again from its pack)"
         ));
     }
     let mut owned = OwnedRam {

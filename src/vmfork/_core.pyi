@@ -365,7 +365,7 @@ def forked_machine() -> NativeMachine | None:
 def agent_after_fork(
     target: AgentTarget, timeout: float, net_refresh: bool,
     clock_tolerance_ns: int = ...,
-) -> tuple[tuple[int, int, tuple[int, int] | None, int, tuple[int, int, int]] | None,
+) -> tuple[tuple[int, int, tuple[int, int] | None, int, tuple[int, int, int], bool] | None,
            tuple[str, str | None, str, str] | None]: ...
 def clock_exchange_step(sent: int, guest: int, processing: int,
                         received: int) -> tuple[int, int]: ...

@@ -35,9 +35,7 @@ READY_TIMEOUT = 300.0
 
 
 def _zygote(path: Path, native: bool) -> ZygoteProcess:
-    env = {k: v for k, v in os.environ.items() if k != NATIVE_CHILD_ENV}
-    if native:
-        env[NATIVE_CHILD_ENV] = "1"
+    env = {**os.environ, NATIVE_CHILD_ENV: "1" if native else "0"}
     # As test_fork's: the imports over the test host's 9p take long.
     return start_zygote(str(path), timeout=300.0, env=env)
 

@@ -399,8 +399,6 @@ HOSTILE: dict[str, tuple[bytes, type[AgentError]]] = {
                        AgentError),
     "a-timeout-error": (encode_frame({"type": "error", "error": "timeout", "message": "t"}),
                         AgentTimeout),
-    "unknown-op": (encode_frame({"type": "error", "error": "unknown_op",
-                                 "message": "unknown op 'after_fork'"}), AgentError),
     "ns-not-an-int": (encode_frame({"type": "clock", "ns": "now", "processing_ns": 0}),
                       AgentProtocolError),
     "ns-a-bool": (encode_frame({"type": "clock", "ns": True, "processing_ns": 0}),
@@ -425,6 +423,57 @@ def test_a_hostile_reply_fails_both_the_same_way(tmp_path: Path, case: str) -> N
         py, native = _both_fail(path, tolerance_ns=10**12)
     assert type(native) is type(py) is kind
     assert (native.code, str(native)) == (py.code, str(py))
+
+
+def _older_than_after_fork(replies: dict[str, dict[str, Any]],
+                           seen: list[tuple[str, int]]) -> Script:
+    """An agent of a release before ``after_fork``: ``unknown_op`` for it, ``replies``
+    by op for the rest; ``seen`` gets each request's op and payload length."""
+    def script(conn: socket.socket, request: Frame) -> None:
+        op = str(request.header["op"])
+        seen.append((op, len(request.payload)))
+        conn.sendall(encode_frame(replies.get(op) or {
+            "type": "error", "error": "unknown_op", "message": f"unknown op {op!r}"}))
+        conn.recv(1)   # until the host hangs up
+    return script
+
+
+OLDER_AGENT_REPLIES: dict[str, dict[str, Any]] = {
+    "reseed": {"type": "result", "bytes": 64, "entropy_bits": 512, "kernel_reseeded": True},
+    "set_time": {"type": "result", "previous_ns": 0, "ns": 0},
+    "net_refresh": {"type": "result", "interface": "eth0", "connections_aborted": 2,
+                    "neighbours_flushed": 3},
+}
+
+
+def test_an_agent_older_than_after_fork_gets_its_steps_one_call_each(tmp_path: Path) -> None:
+    # The guest's clock reads 0 (1970): the bracket steps it by the host's clock.
+    seen: list[tuple[str, int]] = []
+    with scripted_agent(tmp_path, _older_than_after_fork(OLDER_AGENT_REPLIES, seen)) as path:
+        done, failure = _core.agent_after_fork(_core.AgentTarget(path, None, 5.0, IO_TIMEOUT),
+                                               10.0, True)
+    assert failure is None, failure
+    assert done is not None
+    bound, step, net, retries, (reseeded, clock_set, all_done), op_by_op = done
+    assert op_by_op and retries == 0 and net == (2, 3)
+    assert abs(step - time.time_ns()) < 60 * 10**9 and 0 <= bound < 5 * 10**9
+    assert 0 < reseeded <= clock_set <= all_done
+    # One connection each: the refused op, the reseed with the host's 64 random bytes,
+    # the clock read and its step (AgentClient.sync_clock's bracket), the refresh.
+    assert seen == [("after_fork", 64), ("reseed", 64),
+                    ("set_time", 0), ("set_time", 0), ("net_refresh", 0)]
+
+
+@pytest.mark.parametrize("op", ["reseed", "net_refresh"])
+def test_an_older_agents_reply_is_checked_as_the_clients(tmp_path: Path, op: str) -> None:
+    replies = {**OLDER_AGENT_REPLIES, op: {**OLDER_AGENT_REPLIES[op], "type": "result",
+                                           **({"kernel_reseeded": "yes"} if op == "reseed"
+                                              else {"neighbours_flushed": -1})}}
+    with scripted_agent(tmp_path, _older_than_after_fork(replies, [])) as path:
+        with pytest.raises(AgentProtocolError) as raised:
+            _native(path, None, timeout=10.0, net_refresh=True)
+    field = "kernel_reseeded" if op == "reseed" else "neighbours_flushed"
+    assert field in str(raised.value) and raised.value.op == op, raised.value
 
 
 def test_garbage_json_is_a_malformed_frame(tmp_path: Path) -> None:

@@ -452,22 +452,25 @@ def test_after_fork_sets_the_clock_and_reseeds_in_one_round_trip(
     assert client.eval("random.getstate()").value != before
 
 
-def test_make_unique_falls_back_to_one_op_each_for_an_older_agent(
+def test_make_unique_gives_an_older_agent_its_steps_one_call_each(
         client: AgentClient, agent: Agent) -> None:
     from vmfork import _core
     from vmfork.runtime.vmmchild import make_unique
 
-    # The native handshake meets the agent's unknown_op; the fallback is the client's.
+    # The native handshake meets the agent's unknown_op, and takes the steps one call
+    # each itself (agent_handshake.rs, op_by_op).
     target = _core.AgentTarget(agent.sock_path, None, 5.0, 30.0)
     del agent.server._handlers["after_fork"]  # as an agent of an earlier release
+    before = client.eval("import random\nrandom.getstate()").value
     try:
-        timings = make_unique(target, lambda: client, timeout=10.0)
+        timings = make_unique(target, timeout=10.0)
     except AgentError as err:
         assert err.code == "permission_denied"
         return
-    assert set(timings) == {"agent_ready", "reseed_and_clock"}, "no network refresh asked"
+    assert timings["agent_op_by_op"] is True and "net_refresh" not in timings
+    assert client.eval("random.getstate()").value != before, "reseeded"
     agent.server._handlers["after_fork"] = agent.server._after_fork
-    assert "clock_error_bound_s" in make_unique(target, lambda: client, timeout=10.0)
+    assert make_unique(target, timeout=10.0)["agent_op_by_op"] is False
 
 
 def test_shutdown_answers_then_powers_off(client: AgentClient, power_calls: list[bool]) -> None:

@@ -1,7 +1,8 @@
 """The native fork (``_core.fork_native_batch``, native/src/native_fork.rs): a child forked by
 a one-thread process runs its set-up, a real tiny machine on this host's KVM and its
 whole life natively, answers a real agent and the control socket, runs Python only
-for a handed-over line, and exits with the life's status.
+for a handed-over line, and exits with the life's status; a zygote forks a spawn its
+entry module's hook refuses as a Python child that says why.
 
 The forking process is a subprocess (the fork needs a process of one thread; the
 real agent serves from a thread of this one)."""
@@ -26,6 +27,8 @@ import pytest
 import vmfork
 from tests.unit.agent_support import Agent, running_agent
 from vmfork.runtime import memphases, spawnprofile, vmmchild, zygote, zygote_child
+from vmfork.runtime.zygote_client import start_zygote
+from vmfork.runtime.zygote_protocol import SpawnItem
 from vmfork.vmm.native import CORE_BUILT
 
 needs_kvm = pytest.mark.skipif(
@@ -240,9 +243,9 @@ def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
         forker.wait()
 
 
-def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
+def test_the_knob_is_on_by_default_and_a_snapshot_with_no_native_machine_falls_back(
         tmp_path: Path) -> None:
-    assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") == "1")
+    assert zygote_child.NATIVE_CHILD is (os.environ.get("VMFORK_NATIVE_CHILD") != "0")
     # The format-1 golden snapshot, networked, its unjailed child given a tap whose name
     # is no interface's (a jailed child's spec is refused before, by jail.plan).
     snapshot_dir = tmp_path / "snapshot"
@@ -252,13 +255,58 @@ def test_the_knob_is_off_by_default_and_a_snapshot_with_no_native_machine_fails(
     prep = zygote._Prepared("vm1", {"vm_id": "vm1", "run_dir": str(tmp_path),
                                     "snapshot_dir": str(snapshot_dir), "netns": "vmft-1",
                                     "net_tap": "tap/0"}, None, None, str(tmp_path))
-    # vmmchild's hook fails the spawn (never a silent Python child) for a machine it
-    # cannot build natively, naming the device.
-    with pytest.raises(OSError) as raised:
-        zygote.Zygote._native_child(vmmchild.native_child, prep)
-    assert raised.value.errno == errno.ENOTSUP
-    assert "VMFORK_NATIVE_CHILD=1: no native child for vm1" in str(raised.value)
-    assert "net_tap 'tap/0' is not a Linux interface name" in str(raised.value)
+    # vmmchild's hook refuses a machine it cannot build natively, naming the device:
+    # the spawn gets a Python child, told why (never a silent one).
+    assert zygote.Zygote._native_child(vmmchild.native_child, prep) is None
+    assert prep.args[zygote_child.NATIVE_REFUSED] == (
+        "ValueError: net_tap 'tap/0' is not a Linux interface name")
+
+
+@needs_kvm
+def test_a_spawn_the_hook_refuses_runs_in_a_python_child_that_says_why(
+        tmp_path: Path) -> None:
+    """A batch of three whose middle spawn the entry module's hook refuses: the first
+    and the last are native children (a native batch each side), the middle one a
+    Python child that its args tell why; a single spawn refused is one too."""
+    env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    z = start_zygote(tmp_path / "z.sock", env=env,
+                     entries_modules=["test_zygote_native_entries"])
+    entry = "test_zygote_native_entries:python_child"
+    runs = tmp_path / "runs"
+
+    def item(vm_id: str, **args: str) -> SpawnItem:
+        return SpawnItem(vm_id, {"vm_id": vm_id, "run_dir": str(runs / vm_id),
+                                 "out": str(tmp_path / f"{vm_id}.json"), **args})
+
+    try:
+        with z.client() as client:
+            result = client.spawn_many(entry, [item("vm0"), item("vm1", refuse="asked to"),
+                                               item("vm2")])
+            assert result.failed == []
+            assert [c.vm_id for c in result.children] == ["vm0", "vm1", "vm2"]
+            single = client.spawn(entry, item("vm3", refuse="once more").args, vm_id="vm3")
+            for vm_id in ("vm0", "vm2"):
+                assert _status(runs / vm_id, "restored")["child"] == "native"
+                assert not (tmp_path / f"{vm_id}.json").exists()
+            for vm_id, why, pid in (("vm1", "asked to", result.children[1].pid),
+                                    ("vm3", "once more", single.pid)):
+                out = tmp_path / f"{vm_id}.json"
+                _until_exists(out)
+                assert json.loads(out.read_text()) == {
+                    "pid": pid, zygote_child.NATIVE_REFUSED: f"ValueError: {why}"}
+            for vm_id in ("vm0", "vm1", "vm2", "vm3"):
+                client.kill(vm_id)
+                assert client.wait(vm_id).reason == "killed"
+    finally:
+        z.close()
+
+
+def _until_exists(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.01)
 
 
 def test_the_default_hand_over_parses_as_the_control_server_does() -> None:

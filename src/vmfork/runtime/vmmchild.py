@@ -13,7 +13,10 @@ imports are already done and a spawn pays only for the restore. Contract:
   its wall clock -- two children of one snapshot must never share random
   streams or a stale clock.
 * ``status.json`` is written atomically at each stage (``restored``, ``ready``
-  with timings, or ``failed`` with the reason); the spawner reads it. If
+  with timings, or ``failed`` with the reason), each saying which child wrote it
+  (``child``: ``"python"`` here, ``"native"`` for a ``native_child``) and, for a
+  spawn the zygote could not give a native child, why (``native_refused``); the
+  spawner reads it. If
   ``args["notify_path"]`` names a FIFO, one line ``<vm_id> <state>`` is written
   to it after each status change, so the spawner need not poll every file.
 * If ``args["start_gate"]`` names a FIFO (a batch spawn), the child restores
@@ -35,7 +38,7 @@ imports are already done and a spawn pays only for the restore. Contract:
   mapped; any mismatch or failure and the child maps the plan itself, as before. A
   child that runs no Python (``native_child``) adopts it natively, as the zygote
   checked it at this batch's ``premap_memory`` (``inherited_ram``); without a premap
-  its spawn fails (it maps no plan run itself).
+  its spawn runs in a Python child (it maps no plan run itself).
 * ``netns``/``net_tap`` (optional): the child's network namespace, entered before
   anything else, and the tap in it that its virtio-net device attaches to. A
   restored guest with a network device is told it was forked (``net_refresh``:
@@ -87,7 +90,6 @@ from vmfork.agent.client import (
     AgentProtocolError,
     AgentTimeout,
     AgentUnavailable,
-    NetRefreshResult,
     vsock_uds_connector,
 )
 from vmfork.agent.protocol import AGENT_PORT
@@ -123,7 +125,6 @@ ZYGOTE_ENTRIES = ("main",)
 """What the zygote may run of this module (see ``zygote.register_entries``)."""
 _libc = ctypes.CDLL(None)
 
-RESEED_BYTES = 64
 START_GATE_TIMEOUT = 300.0
 READY_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
@@ -434,14 +435,15 @@ NATIVE_HANDOVER = f"{__name__}:native_handover"
 
 
 def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_child.NativeChild:
-    """The zygote's hook for a child that runs no Python (``VMFORK_NATIVE_CHILD=1``,
-    ``zygote_child.NativeChild``): ``main``'s steps from the filter on, as native
-    values (``_core.ChildLife``), built before the fork from what ``prefork`` built
-    (the agent's target, the snapshot's decoded state, the seccomp program).
-    Raises for a spawn a native child cannot serve yet: a snapshot
-    ``_snapshot_machine`` refuses, and a diff snapshot whose RAM the zygote did not
-    map ahead (``inherited_ram``); and for volumes that do not fit the snapshot's
-    slots (``_child_volumes``)."""
+    """The zygote's hook for a child that runs no Python (the default; not with
+    ``VMFORK_NATIVE_CHILD=0``; ``zygote_child.NativeChild``): ``main``'s steps from the
+    filter on, as native values (``_core.ChildLife``), built before the fork from what
+    ``prefork`` built (the agent's target, the snapshot's decoded state, the seccomp
+    program). Raises for a spawn a native child cannot serve, which the zygote then
+    gives a Python child (``main``, told why): a snapshot that does not load or that
+    ``_snapshot_machine`` refuses, a diff snapshot whose RAM the zygote did not map
+    ahead (``inherited_ram``), volumes that do not fit the snapshot's slots
+    (``_child_volumes``)."""
     from vmfork import _core
     vm_id = str(args["vm_id"])
     end = _child_ends.get(vm_id) or _child_end(args)
@@ -692,8 +694,8 @@ def native_handover(line: bytes, fd: int) -> bytes:
     return handover_reply(line, dispatch)
 
 
-def make_unique(target: AgentTarget, client: Callable[[], AgentClient],
-                timeout: float = READY_TIMEOUT, *, net_refresh: bool = False) -> dict[str, Any]:
+def make_unique(target: AgentTarget, timeout: float = READY_TIMEOUT, *,
+                net_refresh: bool = False) -> dict[str, Any]:
     """Set the guest's clock, reseed it and (``net_refresh``) tell its network it was
     forked; returns timings in seconds and, with ``net_refresh``, what the guest's
     refresh did (``{"connections_aborted", "neighbours_flushed"}``).
@@ -701,26 +703,25 @@ def make_unique(target: AgentTarget, client: Callable[[], AgentClient],
     One ``after_fork`` connection does all of it, the clock's correction included,
     natively (``_core.agent_after_fork`` on ``target``, a ``_core.AgentTarget``, with
     the GIL released: ``AgentClient.after_fork``'s contract, retried every 50 ms
-    until ``timeout`` while the guest cannot take a connection yet). Its failures are
-    raised as the client's (``AgentUnavailable``, ``AgentTimeout``,
-    ``AgentProtocolError``, ``AgentError``). An agent older than that op gets the same
-    steps one op (and one connection) each, through ``client()``'s ``AgentClient``.
+    until ``timeout`` while the guest cannot take a connection yet). An agent older
+    than that op gets the same steps one call each, natively too (``agent_op_by_op``).
+    Its failures are raised as the client's (``AgentUnavailable``, ``AgentTimeout``,
+    ``AgentProtocolError``, ``AgentError``).
     """
     from vmfork import _core
     started = time.monotonic()
-    deadline = started + timeout
     done, failure = _core.agent_after_fork(target, timeout, net_refresh)
     if failure is not None:
-        err = _agent_failure(*failure)
-        if err.code != "unknown_op":
-            raise err
-        return _make_unique_op_by_op(client(), started, deadline, net_refresh)
+        raise _agent_failure(*failure)
     assert done is not None   # one of the two is
-    bound_ns, _step_ns, net, retries, (connected_ns, first_frame_ns, call_ns) = done
+    bound_ns, _step_ns, net, retries, (connected_ns, first_frame_ns, call_ns), op_by_op = done
     out: dict[str, Any] = {"agent_ready": time.monotonic() - started,  # all steps included
                            # the answering call: CONNECT answered, the agent's first
-                           # frame, its result (agent_handshake.CallTiming)
-                           "agent_retries": retries, "agent_connected": connected_ns / 1e9,
+                           # frame, its result (agent_handshake.CallTiming; one call
+                           # each for an agent older than after_fork: the reseed
+                           # answered, the clock set, all done)
+                           "agent_retries": retries, "agent_op_by_op": op_by_op,
+                           "agent_connected": connected_ns / 1e9,
                            "agent_first_frame": first_frame_ns / 1e9,
                            "agent_call": call_ns / 1e9,
                            "clock_error_bound_s": bound_ns / 1e9}
@@ -738,24 +739,6 @@ def _agent_failure(kind: str, op: str | None, code: str, message: str) -> AgentE
     if kind == "protocol":
         return AgentProtocolError(message, op=op)
     return AgentError(code, message, op=op)
-
-
-def _make_unique_op_by_op(agent: AgentClient, started: float, deadline: float,
-                          net_refresh: bool) -> dict[str, Any]:
-    agent.wait_until_ready(max(0.0, deadline - time.monotonic()))
-    connected = time.monotonic()
-    _retry_until(deadline, lambda: agent.reseed(os.urandom(RESEED_BYTES)))
-    _retry_until(deadline, agent.sync_clock)
-    out: dict[str, Any] = {"agent_ready": connected - started,
-                           "reseed_and_clock": time.monotonic() - connected}
-    if net_refresh:
-        out["net_refresh"] = _refreshed(_retry_until(deadline, agent.net_refresh))
-    return out
-
-
-def _refreshed(net: NetRefreshResult) -> dict[str, int]:
-    return {"connections_aborted": net.connections_aborted,
-            "neighbours_flushed": net.neighbours_flushed}
 
 
 def _retry_until(deadline: float, step: Callable[[], T]) -> T:
@@ -1160,13 +1143,24 @@ def main(args: dict[str, Any]) -> int:
             print(f"vmfork vmm {vm_id}: the native core is not built: {err}", file=sys.stderr,
                   flush=True)
             return 1
-    report = end.reporter.report
+    # Which child this is, in every report (a native child says "native",
+    # child_life.rs): a Python child of a spawn the zygote could not give a native one
+    # says why.
+    refused = args.get(zygote_child.NATIVE_REFUSED)
+    which: dict[str, Any] = {"child": "python"}
+    if refused is not None:
+        which["native_refused"] = str(refused)
+
+    def report(fields: dict[str, Any]) -> None:
+        end.reporter.report({**fields, **which})
 
     # The VMM logs what its devices see, and the guest decides what they see: one
     # budget for the whole process log, so no guest can fill the disk through it.
     limit_log_handlers(logging.getLogger(), LogBudget("VMM log"))
     stop = StopSignal()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if refused is not None:
+        log.warning("%s runs in a Python child: no native child (%s)", vm_id, refused)
     try:
         forked = zygote_child.current()
         # In its sandbox's network namespace already, if it has one: its set-up (or
@@ -1226,7 +1220,7 @@ def main(args: dict[str, Any]) -> int:
 
         try:
             ready_timeout = float(args.get("ready_timeout", READY_TIMEOUT))
-            unique = make_unique(end.agent, agent, ready_timeout,
+            unique = make_unique(end.agent, ready_timeout,
                                  net_refresh=state.device(devices.NET) is not None)
             spawnprofile.mark("agent_answered")
             if new_volumes:

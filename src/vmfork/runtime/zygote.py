@@ -85,7 +85,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import errno
 import gc
 import importlib
 import json
@@ -119,7 +118,7 @@ from vmfork.runtime.jail import (
 from vmfork.runtime.volumes import VolumeError, volume_image_path
 from vmfork.runtime.zygote_child import (
     NATIVE_CHILD,
-    NATIVE_CHILD_ENV,
+    NATIVE_REFUSED,
     Entry,
     NativeChild,
     die_with_parent,
@@ -779,16 +778,28 @@ class Zygote:
                     batch: list[_Prepared]) -> tuple[list[_Child], Exception | None]:
         """Fork ``batch`` in order: the children forked, recorded, and the error (an
         ``OSError``, or a native batch's ``RuntimeError``) that stopped the batch; the
-        rest, from ``len(children)`` on, are not forked."""
+        rest, from ``len(children)`` on, are not forked. Each run of children that
+        run no Python (``NATIVE_CHILD``, an entry module with a ``native_child``
+        hook) is forked in one native batch; a spawn the hook refuses runs ``entry``
+        in a Python child (``_native_child``)."""
         hook = getattr(sys.modules.get(entry.__module__), "native_child", None)
-        if NATIVE_CHILD and callable(hook):
-            return self._fork_native_batch(name, hook, batch)
+        natives = [self._native_child(hook, prep) if NATIVE_CHILD and callable(hook)
+                   else None for prep in batch]
         children: list[_Child] = []
-        for prep in batch:
-            try:
-                children.append(self._fork(name, entry, prep))
-            except OSError as err:
-                return children, err
+        while len(children) < len(batch):
+            at = len(children)
+            if natives[at] is None:
+                try:
+                    children.append(self._fork(name, entry, batch[at]))
+                except OSError as err:
+                    return children, err
+                continue
+            run = next((i for i in range(at, len(batch)) if natives[i] is None), len(batch))
+            forked, stopped = self._fork_native_batch(
+                name, batch[at:run], [n for n in natives[at:run] if n is not None])
+            children += forked
+            if stopped is not None:
+                return children, stopped
         return children, None
 
     def _pid_namespaces_for(self, prep: _Prepared) -> PidNamespaces | None:
@@ -827,22 +838,15 @@ class Zygote:
             set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         return self._record(name, prep, pid)
 
-    def _fork_native_batch(self, name: str, hook: Callable[..., NativeChild],
-                           batch: list[_Prepared]) -> tuple[list[_Child], Exception | None]:
-        """``_fork_batch`` under ``NATIVE_CHILD``: every child's plan built first, then
-        one native call forks them back to back, then the records. Between two forks
-        the zygote runs no Python: a page it wrote there would leave each earlier
-        sibling the only holder of the old one, memory of its own (design notes, "A
-        native batch forked back to back"). A plan that cannot be built stops the batch
-        there (the children before it are forked)."""
+    def _fork_native_batch(self, name: str, batch: list[_Prepared], natives: list[NativeChild]
+                           ) -> tuple[list[_Child], Exception | None]:
+        """``_fork_batch``'s run of children that run no Python, each ``batch[i]`` running
+        ``natives[i]``: one native call forks them back to back, then the records.
+        Between two forks the zygote runs no Python: a page it wrote there would leave
+        each earlier sibling the only holder of the old one, memory of its own (design
+        notes, "A native batch forked back to back")."""
         forks: list[NativeFork] = []
-        unbuilt: OSError | None = None
-        for prep in batch:
-            try:
-                native = self._native_child(hook, prep)
-            except OSError as err:
-                unbuilt = err
-                break
+        for prep, native in zip(batch, natives):
             pidns = self._pid_namespaces_for(prep)
             forks.append(native_fork(prep.plan, native,
                                      pidns.own if pidns is not None else None))
@@ -854,10 +858,8 @@ class Zygote:
         finally:
             set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         children = [self._record(name, prep, pid) for prep, pid in zip(batch, pids)]
-        if unforked is None:
-            return children, unbuilt
-        if isinstance(unforked, Exception):   # the rest are discarded, as after an OSError
-            return children, unforked
+        if unforked is None or isinstance(unforked, Exception):
+            return children, unforked   # the rest are discarded, as after an OSError
         raise unforked
 
     def _record(self, name: str, prep: _Prepared, pid: int) -> _Child:
@@ -871,16 +873,21 @@ class Zygote:
         return child
 
     @staticmethod
-    def _native_child(hook: Callable[..., NativeChild], prep: _Prepared) -> NativeChild:
-        """The entry module's ``native_child`` plan for this spawn (``NATIVE_CHILD``).
-        A plan that cannot be built fails the spawn (``OSError``: a batch's later
-        children are not forked either), never falls back to a Python child the
-        operator did not ask for."""
+    def _native_child(hook: Callable[..., NativeChild], prep: _Prepared) -> NativeChild | None:
+        """The entry module's ``native_child`` plan for this spawn, or None where the hook
+        refuses it (a diff snapshot the zygote could not premap, a damaged snapshot, a
+        machine it cannot build natively): that spawn runs its entry in a Python child,
+        which serves it or fails it as every Python child does (a damaged snapshot's
+        exits and leaves its exit event). Never silently: the reason is in the zygote's
+        log and in the child's args (``NATIVE_REFUSED``), which its entry reports
+        (``vmmchild.main``: its log and every report)."""
         try:
             native: NativeChild = hook(prep.args, prep.jail)
-        except Exception as err:
-            raise OSError(errno.ENOTSUP, f"{NATIVE_CHILD_ENV}=1: no native child for "
-                          f"{prep.vm_id}: {err}") from err
+        except Exception as err:  # noqa: BLE001 -- any refusal: a Python child instead
+            reason = f"{type(err).__name__}: {err}"
+            log.info("%s runs in a Python child: no native child (%s)", prep.vm_id, reason)
+            prep.args[NATIVE_REFUSED] = reason
+            return None
         return native
 
     def _child(self, req: dict[str, Any]) -> _Child:

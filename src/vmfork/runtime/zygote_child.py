@@ -100,10 +100,14 @@ VMM_NICE = _vmm_nice(os.environ.get(NICE_ENV))
 """The nice value of every VMM this zygote forks (step 5; set by ``native/src/child.rs``).
 Read once, in the zygote: a jailed child's environment is emptied."""
 NATIVE_CHILD_ENV = "VMFORK_NATIVE_CHILD"
-NATIVE_CHILD = os.environ.get(NATIVE_CHILD_ENV) == "1"
+NATIVE_CHILD = os.environ.get(NATIVE_CHILD_ENV, "1") != "0"
 """Fork children that run no Python (``fork_native_batch``) for an entry that offers it
-(``native_child``). Opt-in, read once in the zygote: off until a native child serves
-what a Python one does (BRANCH, blk, net, diff snapshots); off, nothing changes."""
+(``native_child``), unless ``VMFORK_NATIVE_CHILD=0`` (the way back to Python children
+for every spawn). Read once, in the zygote. A spawn the hook refuses runs in a Python
+child, saying why (``NATIVE_REFUSED``)."""
+NATIVE_REFUSED = "native_refused"
+"""The args key that tells a Python child why its spawn has no native child (set by the
+zygote; absent where no native child was asked for)."""
 set_sigmask: Callable[[int, Iterable[int]], set[int]] = (
     importlib.import_module("_signal").pthread_sigmask)
 """``signal.pthread_sigmask`` without its wrapper, which turns the old mask it returns

@@ -158,6 +158,14 @@ def _mapping_address(mapping: mmap.mmap) -> int:
         del view
 
 
+def _short_memory_file(path: str, size: int, mem_size: int) -> HostError:
+    """A memory file shorter than the machine's RAM, in the words the native restore
+    uses (``native/src/machine.rs``, ``map_file``)."""
+    return HostError(f"memory file {path} is {size} bytes, shorter than the machine's "
+                     f"{mem_size} bytes of RAM: a damaged snapshot (take it again, or "
+                     "unpack it again from its pack)", op="map_snapshot")
+
+
 def _file_identity(fd: int) -> tuple[int, int, int, int]:
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -200,8 +208,7 @@ class PremappedRam:
         try:
             sources = tuple(_file_identity(fd) for fd in fds)
             if sources[0][2] < mem_size:
-                raise HostError(f"memory file {path} is shorter than {mem_size} bytes",
-                                op="map_snapshot")
+                raise _short_memory_file(path, sources[0][2], mem_size)
             spans: list[tuple[int, int, int]] = []
             for layout in ram_layout(mem_size):
                 # MAP_NORESERVE: the placeholder is replaced at once, never charged.
@@ -380,9 +387,8 @@ class GuestMemory:
         regions: list[MemoryRegion] = []
         overlays: list[Overlay] = []
         try:
-            if os.fstat(fds[0]).st_size < mem_size:
-                raise HostError(f"memory file {path} is shorter than {mem_size} bytes",
-                                op="map_snapshot")
+            if (size := os.fstat(fds[0]).st_size) < mem_size:
+                raise _short_memory_file(path, size, mem_size)
             for layout in ram_layout(mem_size):
                 m = mmap.mmap(fds[0], layout.size, flags=mmap.MAP_PRIVATE,
                               prot=mmap.PROT_READ | mmap.PROT_WRITE,
