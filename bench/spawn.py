@@ -119,7 +119,7 @@ PEERS = ("vmfork", "native", "native_b", "floor", "cold", "template")
 VMFORK_PEERS = ("vmfork", "native", "native_b")
 # --network: no network, a namespace made per child, a namespace taken from the pool.
 NETWORK_MODES = ("plain", "netns", "pooled")
-PEER_TITLES = {"vmfork": "vmfork, Python children", "native": "vmfork, native children",
+PEER_TITLES = {"vmfork": "vmfork", "native": "vmfork, native children",
                "native_b": "native children, B",
                "floor": "floor (C, KVM calls only)",
                "template": "QEMU templating", "cold": "QEMU cold boot"}
@@ -1628,6 +1628,10 @@ def main() -> int:
     setup: dict[str, Any] = {"vsock": vsock, "image": image.name,
                              "kernel": str(image.kernel), "initrd": str(image.initrd),
                              "native_child": NATIVE_CHILD and "native" not in args.peers}
+    # Which children the vmfork peer's are (the default's, or Python ones beside the
+    # native peer): its tables say so.
+    PEER_TITLES["vmfork"] = ("vmfork, native children (the default)" if setup["native_child"]
+                             else "vmfork, Python children")
     slots = {} if args.free_volume_slots is None else {"free_volume_slots":
                                                        args.free_volume_slots}
 

@@ -903,7 +903,8 @@ fn failure_tuple(f: Failure) -> FailureTuple {
 }
 
 /// `((clock_error_bound_ns, clock_step_ns, net, retries, (connected_ns,
-/// first_frame_ns, done_ns)), None)` (`CallTiming`) or `(None, failure)`.
+/// first_frame_ns, done_ns), op_by_op), None)` (`CallTiming`; `op_by_op`: an agent
+/// older than `after_fork`, its steps one call each) or `(None, failure)`.
 type HandshakeResult = (
     Option<(i128, i128, Option<(u64, u64)>, u32, (u64, u64, u64), bool)>,
     Option<FailureTuple>,
