@@ -1,15 +1,23 @@
 """The spawner's wait loop (``runtime/spawn.py``): what a child's FIFO line is taken for.
 
-Real FIFOs and real status files; no zygote or VM (the e2e tier spawns real children)."""
+Real FIFOs and real status files; a real zygote and child where the loop talks to them,
+no VM (the e2e tier spawns real VMs)."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from vmfork.runtime import spawn
 from vmfork.runtime.spawn import Child
+from vmfork.runtime.zygote_client import ZygoteClient, start_zygote
+from vmfork.runtime.zygote_protocol import ExitEvent, SpawnItem, SpawnManyResult
 
 
 def test_lines_give_each_childs_last_state(tmp_path: Path) -> None:
@@ -40,3 +48,52 @@ def test_a_line_short_of_the_state_waited_for_is_taken_without_reading_the_file(
         child.status = {}
         assert spawn._state_of(child, line, done) == "prepared"
         assert child.status["restore_s"] == 0.1
+
+
+class _CountingClient(ZygoteClient):
+    """The real client of a real zygote, counting the exit-event requests made once
+    the spawn was answered."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__(socket_path, timeout=60.0)
+        self.spawned = False
+        self.events_after_spawn = 0
+
+    def spawn_many(self, entry: str, items: Iterable[SpawnItem],
+                   timeout: float | None = None) -> SpawnManyResult:
+        result = super().spawn_many(entry, items, timeout)
+        self.spawned = True
+        return result
+
+    def events(self, since: int = 0) -> tuple[list[ExitEvent], int]:
+        self.events_after_spawn += self.spawned
+        return super().events(since)
+
+
+def test_the_first_exit_event_check_waits_its_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawner asks the zygote for exit events no sooner than ``EVENTS_CHECK_S``
+    after the spawn, not right after it (where the round trip ran the zygote and the
+    spawner while the children waited for the CPU); a child that fails at once is
+    still reported, by its status. Its snapshot is damaged: the zygote gives it a
+    Python child, which reports the failed restore and exits."""
+    monkeypatch.setattr(spawn, "EVENTS_CHECK_S", 60.0)
+    snapshot_dir = tmp_path / "snapshot"
+    snapshot_dir.mkdir()
+    (snapshot_dir / "state.bin").write_bytes(b"not a machine state")
+    zygote = start_zygote(tmp_path / "z.sock")
+    notify = spawn._Fifo.create(tmp_path / ".notify")
+    try:
+        client = _CountingClient(zygote.socket_path)
+        started = time.monotonic()
+        report = spawn._fork_and_wait(
+            client, SimpleNamespace(path=snapshot_dir), 1, tmp_path / "vms", None, 60.0,
+            ("ready",), None, notify, None, [])
+        waited = time.monotonic() - started
+        client.close()
+    finally:
+        notify.remove()
+        zygote.close()
+    assert [reason.startswith("restore: ") for _, reason in report.failed] == [True]
+    assert waited < 60.0
+    assert client.events_after_spawn == 0

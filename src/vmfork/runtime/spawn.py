@@ -70,8 +70,9 @@ def jail_by_default() -> bool:
 # at N = 100 a scan every 0.25 s read ~16,000 status files between the start gate and
 # ready, and that CPU was the guests' (bench/spawn_profile.py's timeline).
 FULL_SCAN_S = 0.25
-# The zygote's exit events (children that died without a status) this often: each
-# check is a round trip that wakes the zygote too.
+# The zygote's exit events (children that died without a status) this often, the
+# first this long after the spawn: each check is a round trip that wakes the zygote
+# too.
 EVENTS_CHECK_S = 0.5
 # The start gate opens once every child is prepared, or once no child became
 # prepared for this long: one child stuck in its restore must not hold back the
@@ -351,7 +352,11 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
     failed = list(result.failed)
     restored_at: float | None = None
     pending = {c.vm_id: c for c in children}
-    next_events_check = started
+    # Not at once: the zygote's exit events wait for the first check like every later
+    # one. A round trip right after the spawn ran the zygote and this loop (at nice 0)
+    # while the children, at nice 10 and in their set-up, waited for the CPU; a child
+    # that fails early writes its status (a FIFO line) anyway.
+    next_events_check = started + EVENTS_CHECK_S
     next_full_scan = started
     changed: dict[str, str | None] = dict.fromkeys(pending)   # None: read its status.json
     restored: set[str] = set()
