@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -18,6 +19,7 @@ from vmfork.runtime import spawn
 from vmfork.runtime.spawn import Child
 from vmfork.runtime.zygote_client import ZygoteClient, start_zygote
 from vmfork.runtime.zygote_protocol import ExitEvent, SpawnItem, SpawnManyResult
+from vmfork.store import Snapshot
 
 
 def test_lines_give_each_childs_last_state(tmp_path: Path) -> None:
@@ -86,9 +88,10 @@ def test_the_first_exit_event_check_waits_its_interval(
     try:
         client = _CountingClient(zygote.socket_path)
         started = time.monotonic()
-        report = spawn._fork_and_wait(
-            client, SimpleNamespace(path=snapshot_dir), 1, tmp_path / "vms", None, 60.0,
-            ("ready",), None, notify, None, [])
+        # The loop reads only the snapshot's directory.
+        snapshot = cast(Snapshot, SimpleNamespace(path=snapshot_dir))
+        report = spawn._fork_and_wait(client, snapshot, 1, tmp_path / "vms", None, 60.0,
+                                      ("ready",), None, notify, None, [])
         waited = time.monotonic() - started
         client.close()
     finally:
