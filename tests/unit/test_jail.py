@@ -312,6 +312,7 @@ def test_the_shared_tree_is_the_zygote_s_alone_and_goes_with_it(base: Path) -> N
     finally:
         z.close()
     assert not tree.exists()
+    assert not Path(str(tree) + "-base").exists()
 
 
 def test_host_facts_are_read_once_per_process() -> None:

@@ -46,6 +46,19 @@ this order (each step needs the privileges the next ones drop):
    devices it uses (``spec.devices``: ``/dev/kvm``) are opened before the drop and
    reached through ``openfiles.open_device``, like the tap. ``pivot_root`` into it,
    the old root detached, the new root remounted read-only.
+   *A zygote's children* do not each build that root: a batch's jailed children of one
+   request join a **jail base** (``build_base``, ``native/src/child.rs``'s ``Base``),
+   a mount namespace the zygote lays out, pivots into and detaches from once, on a
+   thread of its own, with everything above but the run directory and ``/proc``, and
+   an empty directory at the run directories' parent. Each child clones its run
+   directory's mount while it still sees the host (``open_tree``), ``setns``es into the
+   base, ``unshare``s a copy of that small tree (every mount in it private), mounts a
+   tmpfs of its own over the parent (so no sibling's directory, not even its name, is
+   there), moves its run directory there and mounts ``/proc`` of its own PID
+   namespace: no copy of the zygote's whole tree and no old root to detach per child,
+   each a wait behind every sibling for the kernel's namespace lock and an RCU grace
+   period. The base's descriptor is the zygote's until the batch is forked; it goes
+   away, mounts and all, once the last child has moved on to its own copy.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
    ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
    configured range): the kernel clears every capability at that change.

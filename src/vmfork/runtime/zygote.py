@@ -750,6 +750,7 @@ class Zygote:
         jail_spec = _jail_spec(request, run_dir, self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
         made_run_dir = False
+        base: int | None = None
         try:
             if limit is not None:
                 parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
