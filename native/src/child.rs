@@ -699,7 +699,12 @@ impl RootPlan {
         for point in mount_points {
             // A per-child mount there would hide, or show through, the base's own: a
             // bind or link of the base at, below or above it is refused.
-            let clash = hosts.iter().any(|h| holds(h, point) || holds(point, h))
+            // A file or directory right in it is carried over by each child
+            // (`Base::carried`, the spawner's FIFOs); anything deeper is a clash.
+            let in_point = |h: &str| run_dir_parent(h) == Some(point.trim_end_matches('/'));
+            let clash = hosts
+                .iter()
+                .any(|h| holds(h, point) || (holds(point, h) && !in_point(h)))
                 || shared.as_ref().is_some_and(|s| {
                     s.links.iter().any(|l| {
                         let at = &l.link.to_str().unwrap_or_default()[root.len()..];
@@ -913,6 +918,10 @@ struct Base {
     /// The run directory (host and jail path alike) and its parent.
     run_dir: CString,
     parent: CString,
+    /// The read-only paths right in `parent` (the spawner's FIFOs beside the run
+    /// directories), bound there by the base: each child carries their mounts over
+    /// onto the tmpfs it mounts at `parent`.
+    carried: Vec<CString>,
 }
 
 /// Where a jail's root comes from.
@@ -1088,6 +1097,7 @@ impl Jail {
             fd,
             run_dir,
             parent,
+            carried,
         } = base;
         // SAFETY: `run_dir` is NUL-terminated.
         if unsafe { libc::chown(run_dir.as_ptr(), self.uid, self.gid) } != 0 {
@@ -1106,17 +1116,19 @@ impl Jail {
         if tree < 0 {
             return fail(format!("clone the mount of {}", run_dir.to_string_lossy()));
         }
-        let joined = self.attach_in_base(*fd, tree, run_dir, parent, flags, mark);
+        let joined = self.attach_in_base(*fd, tree, run_dir, parent, carried, flags, mark);
         close(tree);
         joined
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn attach_in_base(
         &self,
         base: RawFd,
         tree: RawFd,
         run_dir: &CStr,
         parent: &CStr,
+        carried_paths: &[CString],
         flags: libc::c_int,
         mark: &dyn Fn(&'static str),
     ) -> Step<()> {
@@ -1136,6 +1148,42 @@ impl Jail {
             "unshare".into()
         })?;
         mark("jail_unshared");
+        // The base's binds right in `parent`, cloned (flags and all) before the tmpfs
+        // covers them; a path the base skipped (missing on the host) is skipped here.
+        let mut carried = Vec::new();
+        for path in carried_paths {
+            // SAFETY: as for the run directory's clone.
+            let fd = unsafe {
+                libc::syscall(
+                    libc::SYS_open_tree,
+                    libc::AT_FDCWD,
+                    path.as_ptr(),
+                    OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+                )
+            } as RawFd;
+            if fd >= 0 {
+                carried.push((fd, path));
+            } else if last_errno() != libc::ENOENT {
+                let failure = fail(format!("clone the mount of {}", path.to_string_lossy()));
+                carried.iter().for_each(|&(fd, _)| close(fd));
+                return failure;
+            }
+        }
+        let attached = self.attach_own(tree, run_dir, parent, &carried, mark);
+        carried.iter().for_each(|&(fd, _)| close(fd));
+        attached
+    }
+
+    /// The tmpfs of the child's own at `parent`, its run directory and the carried
+    /// mounts moved there, then `/proc`.
+    fn attach_own(
+        &self,
+        tree: RawFd,
+        run_dir: &CStr,
+        parent: &CStr,
+        carried: &[(RawFd, &CString)],
+        mark: &dyn Fn(&'static str),
+    ) -> Step<()> {
         mount(
             Some(c"tmpfs"),
             parent,
@@ -1159,6 +1207,28 @@ impl Jail {
             )
         };
         check(rc, || format!("bind {}", run_dir.to_string_lossy()))?;
+        for &(fd, path) in carried {
+            let dir =
+                matches!(fstat(fd), Some((_, _, mode)) if mode & libc::S_IFMT == libc::S_IFDIR);
+            if dir {
+                mkdir(path)?;
+            // SAFETY: `path` is NUL-terminated; a regular file needs no device.
+            } else if unsafe { libc::mknod(path.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0 {
+                return fail(format!("mknod {}", path.to_string_lossy()));
+            }
+            // SAFETY: `fd` is open_tree's detached mount, `path` NUL-terminated.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_move_mount,
+                    fd,
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    path.as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH,
+                )
+            };
+            check(rc, || format!("bind {}", path.to_string_lossy()))?;
+        }
         let bind_flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV;
         mount(None, run_dir, None, bind_flags, None, || {
             format!("remount {}", run_dir.to_string_lossy())
@@ -1315,15 +1385,24 @@ impl ChildPlan {
                         RootPlan::new(&root, &read_only, &writable, shared.as_ref(), &[])
                             .map_err(|f| PyValueError::new_err(f.step))?,
                     ),
-                    (Some(fd), [run_dir]) => Root::Base(Base {
-                        fd,
-                        run_dir: cstr_arg(run_dir)?,
-                        parent: cstr_arg(run_dir_parent(run_dir).ok_or_else(|| {
+                    (Some(fd), [run_dir]) => {
+                        let parent = run_dir_parent(run_dir).ok_or_else(|| {
                             PyValueError::new_err(format!(
                                 "run directory {run_dir:?} has no parent below / to hold it"
                             ))
-                        })?)?,
-                    }),
+                        })?;
+                        let carried = read_only
+                            .iter()
+                            .filter(|path| run_dir_parent(path) == Some(parent))
+                            .map(|path| cstr_arg(path))
+                            .collect::<PyResult<_>>()?;
+                        Root::Base(Base {
+                            fd,
+                            run_dir: cstr_arg(run_dir)?,
+                            parent: cstr_arg(parent)?,
+                            carried,
+                        })
+                    }
                     (Some(_), _) => {
                         return Err(PyValueError::new_err(
                             "a jail that joins a base has one writable path, its run \
@@ -1729,7 +1808,7 @@ mod tests {
             .collect();
         assert_eq!(links, ["/j/root/.cache/venv"]);
         for clash in [
-            "/root/.cache/disks",
+            "/root/.cache",
             "/root/.cache/disks/d1/x",
             "/root/.cache/venv/lib",
             "/proc",
@@ -1738,6 +1817,10 @@ mod tests {
             let refused = RootPlan::new("/j", &read_only, &[], Some(&shared), &[clash.to_string()]);
             assert!(refused.is_err(), "{clash} was taken as a mount point");
         }
+        // A read-only path right in the point (the spawner's FIFOs) is each child's to
+        // carry over: no clash.
+        let carried = RootPlan::new("/j", &read_only, &[], None, &["/root/.cache/disks".into()]);
+        assert!(carried.is_ok());
         assert_eq!(run_dir_parent("/srv/run/vm1"), Some("/srv/run"));
         assert_eq!(run_dir_parent("/srv/vm1/"), Some("/srv"));
         assert_eq!(run_dir_parent("/vm1"), None);

@@ -143,10 +143,13 @@ def test_jailed_siblings_of_one_batch_see_neither_each_other_nor_the_host(
         (parent / name).mkdir(parents=True)
         (parent / name / f"secret-{name}").write_text(name)
     (base / "siblings" / "host-file").write_text("the host's")
+    # Beside the run directories, as the spawner's FIFOs are: in every jail, read-only.
+    os.mkfifo(parent / ".batch-fifo", 0o666)
     items = [SpawnItem(name, {
         "run_dir": str(parent / name), "log_path": str(base / f"{name}.log"),
         "host_dir": str(base / "siblings"), "sibling_dir": str(parent / other),
-        "sibling_file": str(parent / other / f"secret-{other}")}, jail=_jail(71010 + i))
+        "sibling_file": str(parent / other / f"secret-{other}"),
+        "fifo": str(parent / ".batch-fifo")}, jail=_jail(71010 + i, str(parent / ".batch-fifo")))
         for i, (name, other) in enumerate(zip(names, reversed(names)))]
     result = client.spawn_many(E + "jail_neighbours", items)
     assert not result.failed and len(result.children) == 2
@@ -158,13 +161,15 @@ def test_jailed_siblings_of_one_batch_see_neither_each_other_nor_the_host(
         log = (base / f"{name}.log").read_text()
         assert event.exit_code == 0, log
         report = json.loads(log.splitlines()[-1])
-        assert report["parent"] == [name]
+        assert report["parent"] == [".batch-fifo", name]
+        assert report["fifo"] == "fifo"
         assert report["own"] == [f"secret-{name}"]
         assert report["host"] == [parent.name]
         assert report["sibling_file"].startswith("refused: FileNotFoundError")
         assert report["sibling_dir"].startswith("refused: FileNotFoundError")
         mounts = {m for m in report["mounts"] if not m.startswith(jail.SHARED_AT)}
-        assert mounts <= {"/", "/proc", str(parent), str(parent / name)}, mounts
+        assert mounts <= {"/", "/proc", str(parent), str(parent / name),
+                          str(parent / ".batch-fifo")}, mounts
         assert {"/", "/proc", str(parent / name)} <= mounts
 
 

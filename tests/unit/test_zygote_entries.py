@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -235,6 +236,7 @@ def jail_neighbours(args: dict[str, Any]) -> int:
         "own": sorted(os.listdir(run_dir)),
         "sibling_file": attempt(lambda: open(args["sibling_file"], "rb").close()),
         "sibling_dir": attempt(lambda: os.listdir(args["sibling_dir"])),
+        "fifo": "fifo" if stat.S_ISFIFO(os.stat(args["fifo"]).st_mode) else "not a fifo",
         "mounts": sorted({line.split()[4] for line in
                           Path("/proc/self/mountinfo").read_text().splitlines()}),
     }
