@@ -277,9 +277,9 @@ struct SetUp {
     log_path: Option<CString>,
     /// The nice value (0-19; checked by the caller) the VMM runs at.
     nice: i32,
-    /// A descriptor the close of every inherited one keeps: the jail base's, which the
+    /// Descriptors the close of every inherited one keeps: the jail base's, which the
     /// jail joins after the set-up.
-    keep: Option<RawFd>,
+    keep: Vec<RawFd>,
 }
 
 /// Another process's SIGTERM to the first process of a PID namespace: exit as the
@@ -395,13 +395,21 @@ impl SetUp {
             })?;
             dup_onto(log, &[1, 2]).map_err(|e| text("dup2 the log", e))?;
         }
-        match self.keep {
-            Some(keep) if keep >= 3 => {
-                close_range(3, keep as u32 - 1);
-                close_from(keep as u32 + 1);
+        let mut first = 3u32;
+        let mut keep: Vec<u32> = self
+            .keep
+            .iter()
+            .filter(|&&fd| fd >= 3)
+            .map(|&fd| fd as u32)
+            .collect();
+        keep.sort_unstable();
+        for fd in keep {
+            if fd > first {
+                close_range(first, fd - 1);
             }
-            _ => close_from(3),
+            first = first.max(fd + 1);
         }
+        close_from(first);
         Ok(true)
     }
 }
@@ -912,9 +920,10 @@ const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x04;
 /// parent (a sibling's directory, its name included, is not in it), moves its run
 /// directory's clone there and mounts a `/proc` of its own PID namespace.
 struct Base {
-    /// The base namespace's descriptor, inherited from the zygote (kept by the
-    /// set-up's close of every other descriptor; closed once joined).
+    /// The base namespace's descriptor and its root's, inherited from the zygote
+    /// (kept by the set-up's close of every other descriptor; closed once joined).
     fd: RawFd,
+    root: RawFd,
     /// The run directory (host and jail path alike) and its parent.
     run_dir: CString,
     parent: CString,
@@ -939,8 +948,8 @@ enum Root {
 /// once that descriptor is closed and the last child that joined it has moved on to
 /// its own copy. The caller waits until the thread is gone (a fork checks that the
 /// process has one thread).
-fn build_base(plan: RootPlan) -> Step<RawFd> {
-    let built = std::thread::spawn(move || -> Step<RawFd> {
+fn build_base(plan: RootPlan) -> Step<(RawFd, RawFd)> {
+    let built = std::thread::spawn(move || -> Step<(RawFd, RawFd)> {
         // SAFETY: unshare takes flags only; with CLONE_NEWNS it also gives this thread
         // a filesystem context of its own, so the process's other threads keep theirs.
         check(
@@ -951,8 +960,18 @@ fn build_base(plan: RootPlan) -> Step<RawFd> {
             step: "open the jail base's mount namespace".into(),
             errno,
         })?;
-        match make_root(&plan, 0, 0, false, &|_| {}) {
-            Ok(()) => Ok(ns),
+        // The base's root as a descriptor too: `setns` puts a joiner at the root of
+        // the namespace's first mount, which is the base's root only where the
+        // zygote's root was that mount's top (not under a chroot of a bind mount, as
+        // in an initramfs that bound its new root onto itself): the joiner goes there.
+        let root = make_root(&plan, 0, 0, false, &|_| {}).and_then(|()| {
+            open(c"/", libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|errno| Failure {
+                step: "open the jail base's root".into(),
+                errno,
+            })
+        });
+        match root {
+            Ok(root) => Ok((ns, root)),
             Err(failure) => {
                 close(ns);
                 Err(failure)
@@ -1095,6 +1114,7 @@ impl Jail {
     fn join_base(&self, base: &Base, flags: libc::c_int, mark: &dyn Fn(&'static str)) -> Step<()> {
         let Base {
             fd,
+            root,
             run_dir,
             parent,
             carried,
@@ -1116,7 +1136,7 @@ impl Jail {
         if tree < 0 {
             return fail(format!("clone the mount of {}", run_dir.to_string_lossy()));
         }
-        let joined = self.attach_in_base(*fd, tree, run_dir, parent, carried, flags, mark);
+        let joined = self.attach_in_base((*fd, *root), tree, run_dir, parent, carried, flags, mark);
         close(tree);
         joined
     }
@@ -1124,7 +1144,7 @@ impl Jail {
     #[allow(clippy::too_many_arguments)]
     fn attach_in_base(
         &self,
-        base: RawFd,
+        (base, root): (RawFd, RawFd),
         tree: RawFd,
         run_dir: &CStr,
         parent: &CStr,
@@ -1137,7 +1157,15 @@ impl Jail {
         let rc = unsafe { libc::setns(base, libc::CLONE_NEWNS) };
         let errno = last_errno();
         close(base);
-        if rc != 0 {
+        // SAFETY: `root` is the base root's O_PATH descriptor; fchdir and chroot take a
+        // descriptor and a static NUL-terminated path.
+        let rooted = rc == 0
+            && unsafe { libc::fchdir(root) } == 0
+            && unsafe { libc::chroot(c".".as_ptr()) } == 0
+            && unsafe { libc::chdir(c"/".as_ptr()) } == 0;
+        let errno = if rc != 0 { errno } else { last_errno() };
+        close(root);
+        if !rooted {
             return Err(Failure {
                 step: "join the jail base".into(),
                 errno,
@@ -1344,7 +1372,7 @@ impl ChildPlan {
         host_root: Option<(RawFd, u64, u64)>,
         held_netns: Option<RawFd>,
         netns: Option<String>,
-        base: Option<RawFd>,
+        base: Option<(RawFd, RawFd)>,
     ) -> PyResult<Self> {
         if base.is_some() && jail.is_none() {
             return Err(PyValueError::new_err("a jail base is for a jail"));
@@ -1357,7 +1385,7 @@ impl ChildPlan {
                 cgroup_procs: cstrings(&procs)?,
                 log_path: log_path.as_deref().map(cstr_arg).transpose()?,
                 nice,
-                keep: base,
+                keep: base.map_or_else(Vec::new, |(ns, root)| vec![ns, root]),
             }),
         };
         let net = match (netns, held_netns) {
@@ -1385,7 +1413,7 @@ impl ChildPlan {
                         RootPlan::new(&root, &read_only, &writable, shared.as_ref(), &[])
                             .map_err(|f| PyValueError::new_err(f.step))?,
                     ),
-                    (Some(fd), [run_dir]) => {
+                    (Some((fd, base_root)), [run_dir]) => {
                         let parent = run_dir_parent(run_dir).ok_or_else(|| {
                             PyValueError::new_err(format!(
                                 "run directory {run_dir:?} has no parent below / to hold it"
@@ -1398,6 +1426,7 @@ impl ChildPlan {
                             .collect::<PyResult<_>>()?;
                         Root::Base(Base {
                             fd,
+                            root: base_root,
                             run_dir: cstr_arg(run_dir)?,
                             parent: cstr_arg(parent)?,
                             carried,
@@ -1502,7 +1531,7 @@ fn run_dir_parent(run_dir: &str) -> Option<&str> {
 /// length), the zygote's `shared` tree (its path and paths) and an empty directory at
 /// each of `run_dir_parents`, built on the empty directory `mount_at` (in a mount
 /// namespace of its own: the host sees nothing of it). Returns the namespace's
-/// descriptor (close-on-exec); raises `error(step, errno)` with nothing left behind.
+/// descriptor and its root's (close-on-exec); raises `error(step, errno)` with nothing left behind.
 #[pyfunction]
 pub fn jail_base(
     error: Bound<'_, PyType>,
@@ -1510,7 +1539,7 @@ pub fn jail_base(
     read_only: Vec<String>,
     shared: Option<(String, Vec<String>)>,
     run_dir_parents: Vec<String>,
-) -> PyResult<RawFd> {
+) -> PyResult<(RawFd, RawFd)> {
     let shared = shared
         .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
         .transpose()?;

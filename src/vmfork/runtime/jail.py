@@ -359,13 +359,14 @@ def check_netns(name: object) -> str:
     return name
 
 
-def build_base(spec: JailSpec, run_dir_parent: str) -> int:
+def build_base(spec: JailSpec, run_dir_parent: str) -> tuple[int, int]:
     """A jail base for children of ``spec``'s request (``native/src/child.rs``'s
     ``Base``): a mount namespace holding the root every such jail would lay out alike
     (``spec``'s read-only paths and shared tree, an empty ``/proc`` and an empty
     ``run_dir_parent``), built, pivoted into and detached from once, where each child
     then joins it and attaches its own run directory and ``/proc``. Returns the
-    namespace's descriptor, the base's only holder besides the children that join it:
+    namespace's descriptor and its root's, the base's only holders besides the children
+    that join it:
     the caller closes it once the batch is forked. Needs the zygote's ``SharedTree``
     (its directory is where the base is built). Raises ``JailError``."""
     from vmfork import _core
@@ -376,12 +377,12 @@ def build_base(spec: JailSpec, run_dir_parent: str) -> int:
 
 
 def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None,
-         base: int | None = None) -> ChildPlan:
+         base: tuple[int, int] | None = None) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
     ``spec`` and, for a zygote child, of its set-up (``zygote_child``: the zygote's pid,
     its pidfd for a PID namespace's first process, the ``cgroup.procs`` files to join,
     the log, the nice value): everything resolved here, before the fork, so the child runs the steps
-    without building a Python object. ``base``: a jail base's descriptor
+    without building a Python object. ``base``: a jail base's descriptors
     (``build_base``, for this spec's request and run directory), which the child joins
     instead of building its own root. Raises ``JailError`` for a spec no jail can be
     built from."""

@@ -237,14 +237,14 @@ class _BatchJails:
 
     def __init__(self) -> None:
         self.requests: dict[str, _JailRequest] = {}
-        self.bases: dict[tuple[int, str], int | None] = {}
+        self.bases: dict[tuple[int, str], tuple[int, int] | None] = {}
 
     def __enter__(self) -> _BatchJails:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for fd in self.bases.values():
-            if fd is not None:
+        for fds in self.bases.values():
+            for fd in fds or ():
                 os.close(fd)
         self.bases.clear()
 
@@ -750,7 +750,7 @@ class Zygote:
         jail_spec = _jail_spec(request, run_dir, self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
         made_run_dir = False
-        base: int | None = None
+        base: tuple[int, int] | None = None
         try:
             if limit is not None:
                 parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
@@ -796,7 +796,7 @@ class Zygote:
         return request
 
     def _jail_base(self, request: _JailRequest, spec: JailSpec | None, jails: _BatchJails
-                   ) -> int | None:
+                   ) -> tuple[int, int] | None:
         """The batch's jail base for ``spec`` (``jail.build_base``: one per request and
         run directories' parent, built on its first child), or None where the jail
         builds its own root: no shared tree (the zygote has no mount namespace of its

@@ -203,7 +203,7 @@ def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException
 
 def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
          jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None,
-         netns: object = None, jail_base: int | None = None) -> ChildPlan:
+         netns: object = None, jail_base: tuple[int, int] | None = None) -> ChildPlan:
     """The ``_core.ChildPlan`` of one spawn, built by the zygote before the fork.
     ``zygote_pidfd``: given when the child is the first process of a PID namespace of
     its own (a jailed one: ``jail.PidNamespaces``). ``netns``: an unjailed child's
