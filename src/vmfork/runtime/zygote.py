@@ -249,10 +249,6 @@ class _BatchJails:
         self.bases.clear()
 
 
-OWN_ROOT = os.environ.get("VMFORK_NNS_OWN_ROOT") == "1"
-"""A temporary knob (A/B of the jail base): every jail builds its own root."""
-
-
 def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
                                                     "devices", "preopen", "preopen_rw",
@@ -801,7 +797,7 @@ class Zygote:
         run directories' parent, built on its first child), or None where the jail
         builds its own root: no shared tree (the zygote has no mount namespace of its
         own), or a base that could not be built (logged, once per batch)."""
-        if spec is None or spec.shared is None or OWN_ROOT or len(spec.writable) != 1:
+        if spec is None or spec.shared is None or len(spec.writable) != 1:
             return None
         key = (id(request), os.path.dirname(spec.writable[0].rstrip("/")))
         if key not in jails.bases:
