@@ -909,6 +909,21 @@ fn mount_proc(at: &CStr) -> Step<()> {
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x04;
 
+/// A detached clone of the mount at `path` (`open_tree(OPEN_TREE_CLONE)`), -1 with
+/// errno set if it cannot be made. Not AT_RECURSIVE: mounts below `path` stay out, as
+/// a bind's do.
+fn clone_mount(path: &CStr) -> RawFd {
+    // SAFETY: open_tree takes a directory fd, a NUL-terminated path and flags.
+    (unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    }) as RawFd
+}
+
 /// A jail base's mount namespace (`jail_base`), which a child joins instead of copying
 /// its zygote's whole mount tree into a root of its own: what every child of a batch
 /// would lay out alike (the tmpfs root, the shared tree and its links, the read-only
@@ -1123,16 +1138,7 @@ impl Jail {
         if unsafe { libc::chown(run_dir.as_ptr(), self.uid, self.gid) } != 0 {
             return fail(format!("chown {}", run_dir.to_string_lossy()));
         }
-        // Not AT_RECURSIVE: mounts below the run directory stay out, as a bind's do.
-        // SAFETY: open_tree takes a directory fd, a NUL-terminated path and flags.
-        let tree = unsafe {
-            libc::syscall(
-                libc::SYS_open_tree,
-                libc::AT_FDCWD,
-                run_dir.as_ptr(),
-                OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-            )
-        } as RawFd;
+        let tree = clone_mount(run_dir);
         if tree < 0 {
             return fail(format!("clone the mount of {}", run_dir.to_string_lossy()));
         }
@@ -1180,15 +1186,7 @@ impl Jail {
         // covers them; a path the base skipped (missing on the host) is skipped here.
         let mut carried = Vec::new();
         for path in carried_paths {
-            // SAFETY: as for the run directory's clone.
-            let fd = unsafe {
-                libc::syscall(
-                    libc::SYS_open_tree,
-                    libc::AT_FDCWD,
-                    path.as_ptr(),
-                    OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-                )
-            } as RawFd;
+            let fd = clone_mount(path);
             if fd >= 0 {
                 carried.push((fd, path));
             } else if last_errno() != libc::ENOENT {
