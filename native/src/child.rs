@@ -277,6 +277,9 @@ struct SetUp {
     log_path: Option<CString>,
     /// The nice value (0-19; checked by the caller) the VMM runs at.
     nice: i32,
+    /// Descriptors the close of every inherited one keeps: the jail base's, which the
+    /// jail joins after the set-up.
+    keep: Vec<RawFd>,
 }
 
 /// Another process's SIGTERM to the first process of a PID namespace: exit as the
@@ -392,7 +395,21 @@ impl SetUp {
             })?;
             dup_onto(log, &[1, 2]).map_err(|e| text("dup2 the log", e))?;
         }
-        close_from(3);
+        let mut first = 3u32;
+        let mut keep: Vec<u32> = self
+            .keep
+            .iter()
+            .filter(|&&fd| fd >= 3)
+            .map(|&fd| fd as u32)
+            .collect();
+        keep.sort_unstable();
+        for fd in keep {
+            if fd > first {
+                close_range(first, fd - 1);
+            }
+            first = first.max(fd + 1);
+        }
+        close_from(first);
         Ok(true)
     }
 }
@@ -411,13 +428,21 @@ fn dup_onto(fd: RawFd, targets: &[RawFd]) -> Result<(), i32> {
     Ok(())
 }
 
-/// Close every descriptor from `first` up: close_range(2), or one by one below 2^20
-/// (the bound `os.closerange` used) on a kernel without it.
+/// Close every descriptor from `first` up (`close_range`).
 fn close_from(first: u32) {
+    close_range(first, u32::MAX);
+}
+
+/// Close every descriptor from `first` to `last`: close_range(2), or one by one up
+/// to 2^20 (the bound `os.closerange` used) on a kernel without it.
+fn close_range(first: u32, last: u32) {
+    if first > last {
+        return;
+    }
     // SAFETY: close_range takes two descriptor numbers and flags; it only closes.
-    let rc = unsafe { libc::syscall(libc::SYS_close_range, first, u32::MAX, 0u32) };
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, first, last, 0u32) };
     if rc != 0 {
-        for fd in first..(1 << 20) {
+        for fd in first..=last.min(1 << 20) {
             close(fd as RawFd);
         }
     }
@@ -436,8 +461,9 @@ struct Jail {
     host_root: Option<(RawFd, u64, u64)>,
     last_cap: u32,
     /// The new root: `JailSpec`'s read-only paths (sorted by length, parents before
-    /// children, duplicates removed), writable paths and shared tree, laid out.
-    root_plan: RootPlan,
+    /// children, duplicates removed), writable paths and shared tree, laid out; or
+    /// the batch's jail base that holds all of it but the run directory.
+    root: Root,
 }
 
 /// The descriptors a jail opened before its drop, for Python's registries: `-1` where
@@ -565,16 +591,23 @@ struct RootPlan {
     shared: Option<SharedLinks>,
     /// The read-only paths (parents first), then the writable ones.
     mounts: Vec<MountPoint>,
+    /// Empty directories (`RootPlan::dirs`, each after the directories above it) a
+    /// jail base leaves for each child's own mount: the parent of a child's run
+    /// directory (`Base`).
+    mount_points: Vec<usize>,
     proc: CString,
     old_root: CString,
 }
 
 impl RootPlan {
+    /// `mount_points`: empty directories to leave in the root (a jail base's, for the
+    /// per-child mounts); nothing else of the root may be at, under or above one.
     fn new(
         root: &str,
         read_only: &[String],
         writable: &[String],
         shared: Option<&(CString, Vec<String>)>,
+        mount_points: &[String],
     ) -> Step<Self> {
         let mut dirs: Vec<CString> = Vec::new();
         let mut index: HashMap<String, usize> = HashMap::new();
@@ -607,6 +640,7 @@ impl RootPlan {
             .map(String::as_str)
             .filter(|path| !seen_through(path))
             .chain(writable.iter().map(String::as_str))
+            .chain(mount_points.iter().map(String::as_str))
             .chain(["/proc", "/.old-root", SHARED_AT])
             .collect();
         let shared = match shared {
@@ -669,15 +703,312 @@ impl RootPlan {
                 under,
             });
         }
+        let mut empty = Vec::new();
+        for point in mount_points {
+            // A per-child mount there would hide, or show through, the base's own: a
+            // bind or link of the base at, below or above it is refused.
+            // A file or directory right in it is carried over by each child
+            // (`Base::carried`, the spawner's FIFOs); anything deeper is a clash.
+            let in_point = |h: &str| run_dir_parent(h) == Some(point.trim_end_matches('/'));
+            let clash = hosts
+                .iter()
+                .any(|h| holds(h, point) || (holds(point, h) && !in_point(h)))
+                || shared.as_ref().is_some_and(|s| {
+                    s.links.iter().any(|l| {
+                        let at = &l.link.to_str().unwrap_or_default()[root.len()..];
+                        holds(at, point) || holds(point, at)
+                    })
+                })
+                || [SHARED_AT, "/proc", "/.old-root"]
+                    .iter()
+                    .any(|own| holds(own, point) || holds(point, own))
+                || !point.starts_with('/')
+                || point.trim_end_matches('/').is_empty();
+            if clash {
+                return Err(Failure {
+                    step: format!(
+                        "{point:?} cannot hold a child's own mount: the jail's root \
+                         has something of its own at, under or above it"
+                    ),
+                    errno: libc::EINVAL,
+                });
+            }
+            empty.extend(chain(&format!("{root}{point}"), &mut dirs)?);
+        }
         Ok(RootPlan {
             root: cstring(root)?,
             dirs,
             shared,
             mounts,
+            mount_points: empty,
             proc: cstring(&format!("{root}/proc"))?,
             old_root: cstring(&format!("{root}/.old-root"))?,
         })
     }
+
+    /// The new root's directories, the shared tree and its links, and the binds, as
+    /// this plan lists them (and its empty mount points); a host path that is missing is skipped (whoever needs
+    /// it reports it, as outside a jail).
+    fn fill(&self, uid: libc::uid_t, gid: libc::gid_t) -> Step<()> {
+        let plan = self;
+        let mut made = vec![false; plan.dirs.len()];
+        let make = |dirs: &[usize], made: &mut Vec<bool>| -> Step<()> {
+            for &i in dirs {
+                if !made[i] {
+                    mkdir(&plan.dirs[i])?;
+                    made[i] = true;
+                }
+            }
+            Ok(())
+        };
+        if let Some(shared) = &plan.shared {
+            mkdir(&shared.at)?;
+            mount(
+                Some(&shared.tree),
+                &shared.at,
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+                || "bind the shared tree".into(),
+            )?;
+            for Link {
+                parents,
+                target,
+                link,
+            } in &shared.links
+            {
+                make(parents, &mut made)?;
+                // SAFETY: both are NUL-terminated.
+                if unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) } != 0 {
+                    return fail(format!("symlink {}", link.to_string_lossy()));
+                }
+            }
+        }
+        // Read-only first, parents before children, then the writable paths: a later
+        // bind covers what an earlier one showed at the same place, never the reverse.
+        let mut bound_dir = vec![false; plan.mounts.len()];
+        for (i, point) in plan.mounts.iter().enumerate() {
+            if point.under.iter().any(|&j| bound_dir[j]) {
+                continue;
+            }
+            let dir = match is_dir(&point.host) {
+                Some(dir) => dir,
+                None if point.writable => false,
+                None => continue,
+            };
+            make(&point.parents, &mut made)?;
+            if dir {
+                make(&[point.own], &mut made)?;
+            } else {
+                // SAFETY: `inside` is NUL-terminated; a regular file needs no device.
+                if unsafe { libc::mknod(point.inside.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0
+                    && last_errno() != libc::EEXIST
+                {
+                    return fail(format!("mknod {}", point.inside.to_string_lossy()));
+                }
+            }
+            bind_at(&point.host, &point.inside, !point.writable)?;
+            if point.writable {
+                // SAFETY: `host` is NUL-terminated.
+                if unsafe { libc::chown(point.host.as_ptr(), uid, gid) } != 0 {
+                    return fail(format!("chown {}", point.host.to_string_lossy()));
+                }
+            }
+            bound_dir[i] = dir;
+        }
+        make(&plan.mount_points, &mut made)
+    }
+}
+
+/// Make `plan`'s root and pivot into it, in a mount namespace of the caller's own
+/// (unshared already): every mount private first, so nothing propagates back; a tmpfs
+/// root filled (`RootPlan::fill`); `/proc` mounted there when `proc` (a jail base
+/// leaves it an empty directory: a proc shows the PID namespace of whoever mounts it,
+/// so each child mounts its own); `pivot_root`, the old root detached, the new root
+/// read-only. `mark`: `Jail::enter`'s.
+fn make_root(
+    plan: &RootPlan,
+    uid: libc::uid_t,
+    gid: libc::gid_t,
+    proc: bool,
+    mark: &dyn Fn(&'static str),
+) -> Step<()> {
+    mount(
+        None,
+        c"/",
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+        || "make / private".into(),
+    )?;
+    // nodev: the jail holds no device node, its devices are descriptors (above).
+    mount(
+        Some(c"tmpfs"),
+        &plan.root,
+        Some(c"tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some(c"size=1m,mode=0755"),
+        || "tmpfs root".into(),
+    )?;
+    mark("jail_tmpfs");
+    plan.fill(uid, gid)?;
+    mark("jail_binds");
+    mkdir(&plan.proc)?;
+    if proc {
+        mount_proc(&plan.proc)?;
+    }
+    mark("jail_proc");
+    mkdir(&plan.old_root)?;
+    // SAFETY: both paths are NUL-terminated; pivot_root only reads them.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pivot_root,
+            plan.root.as_ptr(),
+            plan.old_root.as_ptr(),
+        )
+    };
+    check(rc, || "pivot_root".into())?;
+    // SAFETY: a static NUL-terminated path.
+    check(
+        unsafe { libc::chdir(c"/".as_ptr()) } as libc::c_long,
+        || "chdir /".into(),
+    )?;
+    mark("jail_pivoted");
+    // SAFETY: a static NUL-terminated path.
+    let rc = unsafe { libc::umount2(c"/.old-root".as_ptr(), libc::MNT_DETACH) };
+    check(rc as libc::c_long, || "detach the old root".into())?;
+    // SAFETY: a static NUL-terminated path.
+    check(
+        unsafe { libc::rmdir(c"/.old-root".as_ptr()) } as libc::c_long,
+        || "remove the old root's mount point".into(),
+    )?;
+    mark("jail_old_root_detached");
+    mount(
+        None,
+        c"/",
+        None,
+        libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+        None,
+        || "remount / read-only".into(),
+    )
+}
+
+/// A `/proc` of the caller's PID namespace at `at`; hidepid=invisible matters for a
+/// jail without a PID namespace of its own.
+fn mount_proc(at: &CStr) -> Step<()> {
+    mount(
+        Some(c"proc"),
+        at,
+        Some(c"proc"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        Some(c"hidepid=invisible"),
+        || "mount /proc".into(),
+    )
+}
+
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x04;
+
+/// A detached clone of the mount at `path` (`open_tree(OPEN_TREE_CLONE)`), -1 with
+/// errno set if it cannot be made. Not AT_RECURSIVE: mounts below `path` stay out, as
+/// a bind's do.
+fn clone_mount(path: &CStr) -> RawFd {
+    // SAFETY: open_tree takes a directory fd, a NUL-terminated path and flags.
+    (unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    }) as RawFd
+}
+
+/// A jail base's mount namespace (`jail_base`), which a child joins instead of copying
+/// its zygote's whole mount tree into a root of its own: what every child of a batch
+/// would lay out alike (the tmpfs root, the shared tree and its links, the read-only
+/// binds, an empty `/proc`, the run directories' parent) is laid out, pivoted into and
+/// detached from once. The child (`Jail::join_base`) clones its own run directory's
+/// mount while it still sees the host's tree (`open_tree`), `setns`es into the base,
+/// `unshare`s a copy of that small tree (every mount in it private: nothing it mounts
+/// reaches the base or a sibling), mounts a tmpfs of its own over the run directories'
+/// parent (a sibling's directory, its name included, is not in it), moves its run
+/// directory's clone there and mounts a `/proc` of its own PID namespace.
+struct Base {
+    /// The base namespace's descriptor and its root's, inherited from the zygote
+    /// (kept by the set-up's close of every other descriptor; closed once joined).
+    fd: RawFd,
+    root: RawFd,
+    /// The run directory (host and jail path alike) and its parent.
+    run_dir: CString,
+    parent: CString,
+    /// The read-only paths right in `parent` (the spawner's FIFOs beside the run
+    /// directories), bound there by the base: each child carries their mounts over
+    /// onto the tmpfs it mounts at `parent`.
+    carried: Vec<CString>,
+}
+
+/// Where a jail's root comes from.
+enum Root {
+    /// Laid out, pivoted into and detached from by the child itself.
+    Own(RootPlan),
+    /// A jail base's namespace, joined.
+    Base(Base),
+}
+
+/// The jail base of `plan` (its mount points: the run directories' parents): a mount
+/// namespace built on a thread of its own, since `unshare(CLONE_NEWNS)` and
+/// `pivot_root` there change only that thread's view (`CLONE_FS` is unshared with it),
+/// held by the descriptor returned and by nothing else: it goes away, mounts and all,
+/// once that descriptor is closed and the last child that joined it has moved on to
+/// its own copy. The caller waits until the thread is gone (a fork checks that the
+/// process has one thread).
+fn build_base(plan: RootPlan) -> Step<(RawFd, RawFd)> {
+    let built = std::thread::spawn(move || -> Step<(RawFd, RawFd)> {
+        // SAFETY: unshare takes flags only; with CLONE_NEWNS it also gives this thread
+        // a filesystem context of its own, so the process's other threads keep theirs.
+        check(
+            unsafe { libc::unshare(libc::CLONE_NEWNS) } as libc::c_long,
+            || "unshare the jail base's mount namespace".into(),
+        )?;
+        let ns = open(c"/proc/thread-self/ns/mnt", libc::O_RDONLY, 0).map_err(|errno| Failure {
+            step: "open the jail base's mount namespace".into(),
+            errno,
+        })?;
+        // The base's root as a descriptor too: `setns` puts a joiner at the root of
+        // the namespace's first mount, which is the base's root only where the
+        // zygote's root was that mount's top (not under a chroot of a bind mount, as
+        // in an initramfs that bound its new root onto itself): the joiner goes there.
+        let root = make_root(&plan, 0, 0, false, &|_| {}).and_then(|()| {
+            open(c"/", libc::O_PATH | libc::O_DIRECTORY, 0).map_err(|errno| Failure {
+                step: "open the jail base's root".into(),
+                errno,
+            })
+        });
+        match root {
+            Ok(root) => Ok((ns, root)),
+            Err(failure) => {
+                close(ns);
+                Err(failure)
+            }
+        }
+    })
+    .join()
+    .unwrap_or_else(|_| {
+        Err(Failure {
+            step: "the jail base's thread panicked".into(),
+            errno: libc::EIO,
+        })
+    });
+    // A joined thread may still count in the process's threads for a moment (it is
+    // released after it wakes the joiner): wait, bounded, until it no longer does.
+    for _ in 0..10_000 {
+        if thread_count() == Some(1) {
+            break;
+        }
+        std::thread::yield_now();
+    }
+    built
 }
 
 impl Jail {
@@ -765,76 +1096,17 @@ impl Jail {
         if matches!(net, Net::Own) {
             flags |= libc::CLONE_NEWNET; // no held namespace to join: one of its own
         }
-        // SAFETY: unshare takes flags only.
-        check(unsafe { libc::unshare(flags) } as libc::c_long, || {
-            "unshare".into()
-        })?;
-        mark("jail_unshared");
-        mount(
-            None,
-            c"/",
-            None,
-            libc::MS_REC | libc::MS_PRIVATE,
-            None,
-            || "make / private".into(),
-        )?;
-        // nodev: the jail holds no device node, its devices are descriptors (above).
-        mount(
-            Some(c"tmpfs"),
-            &self.root_plan.root,
-            Some(c"tmpfs"),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            Some(c"size=1m,mode=0755"),
-            || "tmpfs root".into(),
-        )?;
-        mark("jail_tmpfs");
-        self.fill_root()?;
-        mark("jail_binds");
-        let plan = &self.root_plan;
-        mkdir(&plan.proc)?;
-        // hidepid=invisible matters for a jail without a PID namespace of its own.
-        mount(
-            Some(c"proc"),
-            &plan.proc,
-            Some(c"proc"),
-            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-            Some(c"hidepid=invisible"),
-            || "mount /proc".into(),
-        )?;
-        mark("jail_proc");
-        mkdir(&plan.old_root)?;
-        // SAFETY: both paths are NUL-terminated; pivot_root only reads them.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_pivot_root,
-                plan.root.as_ptr(),
-                plan.old_root.as_ptr(),
-            )
-        };
-        check(rc, || "pivot_root".into())?;
-        // SAFETY: a static NUL-terminated path.
-        check(
-            unsafe { libc::chdir(c"/".as_ptr()) } as libc::c_long,
-            || "chdir /".into(),
-        )?;
-        mark("jail_pivoted");
-        // SAFETY: a static NUL-terminated path.
-        let rc = unsafe { libc::umount2(c"/.old-root".as_ptr(), libc::MNT_DETACH) };
-        check(rc as libc::c_long, || "detach the old root".into())?;
-        // SAFETY: a static NUL-terminated path.
-        check(
-            unsafe { libc::rmdir(c"/.old-root".as_ptr()) } as libc::c_long,
-            || "remove the old root's mount point".into(),
-        )?;
-        mark("jail_old_root_detached");
-        mount(
-            None,
-            c"/",
-            None,
-            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
-            None,
-            || "remount / read-only".into(),
-        )?;
+        match &self.root {
+            Root::Own(plan) => {
+                // SAFETY: unshare takes flags only.
+                check(unsafe { libc::unshare(flags) } as libc::c_long, || {
+                    "unshare".into()
+                })?;
+                mark("jail_unshared");
+                make_root(plan, self.uid, self.gid, true, mark)?;
+            }
+            Root::Base(base) => self.join_base(base, flags, mark)?,
+        }
         let name = self.hostname.as_bytes();
         // SAFETY: `name` is valid for its length.
         let rc = unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) };
@@ -852,76 +1124,152 @@ impl Jail {
         Ok(opened)
     }
 
-    /// The new root's directories, the shared tree and its links, and the binds, as
-    /// `RootPlan` lists them; a host path that is missing is skipped (whoever needs
-    /// it reports it, as outside a jail).
-    fn fill_root(&self) -> Step<()> {
-        let plan = &self.root_plan;
-        let mut made = vec![false; plan.dirs.len()];
-        let make = |dirs: &[usize], made: &mut Vec<bool>| -> Step<()> {
-            for &i in dirs {
-                if !made[i] {
-                    mkdir(&plan.dirs[i])?;
-                    made[i] = true;
-                }
+    /// Join `base` (`Base`'s steps): the run directory's clone attached at its own path
+    /// on a tmpfs of the child's own over its parent, `/proc` of its PID namespace.
+    fn join_base(&self, base: &Base, flags: libc::c_int, mark: &dyn Fn(&'static str)) -> Step<()> {
+        let Base {
+            fd,
+            root,
+            run_dir,
+            parent,
+            carried,
+        } = base;
+        // SAFETY: `run_dir` is NUL-terminated.
+        if unsafe { libc::chown(run_dir.as_ptr(), self.uid, self.gid) } != 0 {
+            return fail(format!("chown {}", run_dir.to_string_lossy()));
+        }
+        let tree = clone_mount(run_dir);
+        if tree < 0 {
+            return fail(format!("clone the mount of {}", run_dir.to_string_lossy()));
+        }
+        let joined = self.attach_in_base((*fd, *root), tree, run_dir, parent, carried, flags, mark);
+        close(tree);
+        joined
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attach_in_base(
+        &self,
+        (base, root): (RawFd, RawFd),
+        tree: RawFd,
+        run_dir: &CStr,
+        parent: &CStr,
+        carried_paths: &[CString],
+        flags: libc::c_int,
+        mark: &dyn Fn(&'static str),
+    ) -> Step<()> {
+        // SAFETY: `base` is the inherited mount namespace descriptor (or the kernel
+        // says EINVAL); setns takes it and a namespace type.
+        let rc = unsafe { libc::setns(base, libc::CLONE_NEWNS) };
+        let errno = last_errno();
+        close(base);
+        // SAFETY: `root` is the base root's O_PATH descriptor; fchdir and chroot take a
+        // descriptor and a static NUL-terminated path.
+        let rooted = rc == 0
+            && unsafe { libc::fchdir(root) } == 0
+            && unsafe { libc::chroot(c".".as_ptr()) } == 0
+            && unsafe { libc::chdir(c"/".as_ptr()) } == 0;
+        let errno = if rc != 0 { errno } else { last_errno() };
+        close(root);
+        if !rooted {
+            return Err(Failure {
+                step: "join the jail base".into(),
+                errno,
+            });
+        }
+        // SAFETY: unshare takes flags only.
+        check(unsafe { libc::unshare(flags) } as libc::c_long, || {
+            "unshare".into()
+        })?;
+        mark("jail_unshared");
+        // The base's binds right in `parent`, cloned (flags and all) before the tmpfs
+        // covers them; a path the base skipped (missing on the host) is skipped here.
+        let mut carried = Vec::new();
+        for path in carried_paths {
+            let fd = clone_mount(path);
+            if fd >= 0 {
+                carried.push((fd, path));
+            } else if last_errno() != libc::ENOENT {
+                let failure = fail(format!("clone the mount of {}", path.to_string_lossy()));
+                carried.iter().for_each(|&(fd, _)| close(fd));
+                return failure;
             }
-            Ok(())
+        }
+        let attached = self.attach_own(tree, run_dir, parent, &carried, mark);
+        carried.iter().for_each(|&(fd, _)| close(fd));
+        attached
+    }
+
+    /// The tmpfs of the child's own at `parent`, its run directory and the carried
+    /// mounts moved there, then `/proc`.
+    fn attach_own(
+        &self,
+        tree: RawFd,
+        run_dir: &CStr,
+        parent: &CStr,
+        carried: &[(RawFd, &CString)],
+        mark: &dyn Fn(&'static str),
+    ) -> Step<()> {
+        mount(
+            Some(c"tmpfs"),
+            parent,
+            Some(c"tmpfs"),
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            Some(c"size=16k,mode=0755"),
+            || format!("tmpfs at {}", parent.to_string_lossy()),
+        )?;
+        mark("jail_tmpfs");
+        mkdir(run_dir)?;
+        // SAFETY: `tree` is open_tree's detached mount, `run_dir` NUL-terminated; an
+        // empty source path names `tree` itself.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                tree,
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                run_dir.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            )
         };
-        if let Some(shared) = &plan.shared {
-            mkdir(&shared.at)?;
-            mount(
-                Some(&shared.tree),
-                &shared.at,
-                None,
-                libc::MS_BIND | libc::MS_REC,
-                None,
-                || "bind the shared tree".into(),
-            )?;
-            for Link {
-                parents,
-                target,
-                link,
-            } in &shared.links
-            {
-                make(parents, &mut made)?;
-                // SAFETY: both are NUL-terminated.
-                if unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) } != 0 {
-                    return fail(format!("symlink {}", link.to_string_lossy()));
-                }
-            }
-        }
-        // Read-only first, parents before children, then the writable paths: a later
-        // bind covers what an earlier one showed at the same place, never the reverse.
-        let mut bound_dir = vec![false; plan.mounts.len()];
-        for (i, point) in plan.mounts.iter().enumerate() {
-            if point.under.iter().any(|&j| bound_dir[j]) {
-                continue;
-            }
-            let dir = match is_dir(&point.host) {
-                Some(dir) => dir,
-                None if point.writable => false,
-                None => continue,
-            };
-            make(&point.parents, &mut made)?;
+        check(rc, || format!("bind {}", run_dir.to_string_lossy()))?;
+        for &(fd, path) in carried {
+            let dir =
+                matches!(fstat(fd), Some((_, _, mode)) if mode & libc::S_IFMT == libc::S_IFDIR);
             if dir {
-                make(&[point.own], &mut made)?;
-            } else {
-                // SAFETY: `inside` is NUL-terminated; a regular file needs no device.
-                if unsafe { libc::mknod(point.inside.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0
-                    && last_errno() != libc::EEXIST
-                {
-                    return fail(format!("mknod {}", point.inside.to_string_lossy()));
-                }
+                mkdir(path)?;
+            // SAFETY: `path` is NUL-terminated; a regular file needs no device.
+            } else if unsafe { libc::mknod(path.as_ptr(), libc::S_IFREG | 0o600, 0) } != 0 {
+                return fail(format!("mknod {}", path.to_string_lossy()));
             }
-            bind_at(&point.host, &point.inside, !point.writable)?;
-            if point.writable {
-                // SAFETY: `host` is NUL-terminated.
-                if unsafe { libc::chown(point.host.as_ptr(), self.uid, self.gid) } != 0 {
-                    return fail(format!("chown {}", point.host.to_string_lossy()));
-                }
-            }
-            bound_dir[i] = dir;
+            // SAFETY: `fd` is open_tree's detached mount, `path` NUL-terminated.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_move_mount,
+                    fd,
+                    c"".as_ptr(),
+                    libc::AT_FDCWD,
+                    path.as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH,
+                )
+            };
+            check(rc, || format!("bind {}", path.to_string_lossy()))?;
         }
+        let bind_flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV;
+        mount(None, run_dir, None, bind_flags, None, || {
+            format!("remount {}", run_dir.to_string_lossy())
+        })?;
+        mount(
+            None,
+            parent,
+            None,
+            bind_flags | libc::MS_RDONLY | libc::MS_NOEXEC,
+            None,
+            || format!("remount {} read-only", parent.to_string_lossy()),
+        )?;
+        mark("jail_binds");
+        mount_proc(c"/proc")?;
+        mark("jail_proc");
         Ok(())
     }
 
@@ -998,10 +1346,13 @@ impl ChildPlan {
     /// `JailSpec` resolved by `jail.plan`; `tap`; `host_root`: `(fd, dev, ino)` of the
     /// zygote's descriptor of the host's root, let go of. `held_netns`: the zygote's
     /// empty namespace's descriptor; `netns`: the sandbox's namespace name (checked by
-    /// the caller), looked up from `host_root` when given.
+    /// the caller), looked up from `host_root` when given. `base`: a jail base's
+    /// descriptor (`jail_base`, built with this jail's read-only paths, shared tree and
+    /// its run directory's parent), joined instead of building a root of its own; the
+    /// jail then has one writable path, its run directory.
     #[new]
     #[pyo3(signature = (*, error, set_up=None, jail=None, paths=None, tap=None,
-                        host_root=None, held_netns=None, netns=None))]
+                        host_root=None, held_netns=None, netns=None, base=None))]
     #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn new(
         error: Bound<'_, PyType>,
@@ -1019,7 +1370,11 @@ impl ChildPlan {
         host_root: Option<(RawFd, u64, u64)>,
         held_netns: Option<RawFd>,
         netns: Option<String>,
+        base: Option<(RawFd, RawFd)>,
     ) -> PyResult<Self> {
+        if base.is_some() && jail.is_none() {
+            return Err(PyValueError::new_err("a jail base is for a jail"));
+        }
         let set_up = match set_up {
             None => None,
             Some((zygote_pid, zygote_pidfd, procs, log_path, nice)) => Some(SetUp {
@@ -1028,6 +1383,7 @@ impl ChildPlan {
                 cgroup_procs: cstrings(&procs)?,
                 log_path: log_path.as_deref().map(cstr_arg).transpose()?,
                 nice,
+                keep: base.map_or_else(Vec::new, |(ns, root)| vec![ns, root]),
             }),
         };
         let net = match (netns, held_netns) {
@@ -1050,13 +1406,42 @@ impl ChildPlan {
                 let shared = shared
                     .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
                     .transpose()?;
-                let root_plan = RootPlan::new(&root, &read_only, &writable, shared.as_ref())
-                    .map_err(|f| PyValueError::new_err(f.step))?;
+                let root = match (base, writable.as_slice()) {
+                    (None, _) => Root::Own(
+                        RootPlan::new(&root, &read_only, &writable, shared.as_ref(), &[])
+                            .map_err(|f| PyValueError::new_err(f.step))?,
+                    ),
+                    (Some((fd, base_root)), [run_dir]) => {
+                        let parent = run_dir_parent(run_dir).ok_or_else(|| {
+                            PyValueError::new_err(format!(
+                                "run directory {run_dir:?} has no parent below / to hold it"
+                            ))
+                        })?;
+                        let carried = read_only
+                            .iter()
+                            .filter(|path| run_dir_parent(path) == Some(parent))
+                            .map(|path| cstr_arg(path))
+                            .collect::<PyResult<_>>()?;
+                        Root::Base(Base {
+                            fd,
+                            root: base_root,
+                            run_dir: cstr_arg(run_dir)?,
+                            parent: cstr_arg(parent)?,
+                            carried,
+                        })
+                    }
+                    (Some(_), _) => {
+                        return Err(PyValueError::new_err(
+                            "a jail that joins a base has one writable path, its run \
+                             directory",
+                        ))
+                    }
+                };
                 Some(Jail {
                     uid,
                     gid,
                     devices,
-                    root_plan,
+                    root,
                     limits: [
                         (libc::RLIMIT_NOFILE, nofile, "RLIMIT_NOFILE"),
                         (libc::RLIMIT_NPROC, nproc, "RLIMIT_NPROC"),
@@ -1131,6 +1516,40 @@ impl ChildPlan {
                 .map_err(|f| jail_failure_text(&f)),
         }
     }
+}
+
+/// The directory a jail base leaves empty for a run directory: its parent, if that is
+/// below `/` (the run directory is an absolute path without `..`: the zygote's check).
+fn run_dir_parent(run_dir: &str) -> Option<&str> {
+    let parent = &run_dir[..run_dir.trim_end_matches('/').rfind('/')?];
+    (!parent.is_empty() && run_dir.starts_with('/')).then_some(parent)
+}
+
+/// A jail base (`Base`) for the jails whose root would hold `read_only` (sorted by
+/// length), the zygote's `shared` tree (its path and paths) and an empty directory at
+/// each of `run_dir_parents`, built on the empty directory `mount_at` (in a mount
+/// namespace of its own: the host sees nothing of it). Returns the namespace's
+/// descriptor and its root's (close-on-exec); raises `error(step, errno)` with nothing left behind.
+#[pyfunction]
+pub fn jail_base(
+    error: Bound<'_, PyType>,
+    mount_at: &str,
+    read_only: Vec<String>,
+    shared: Option<(String, Vec<String>)>,
+    run_dir_parents: Vec<String>,
+) -> PyResult<(RawFd, RawFd)> {
+    let shared = shared
+        .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
+        .transpose()?;
+    let raise = |f: Failure| match error.call1((f.step, f.errno)) {
+        Ok(err) => PyErr::from_value(err),
+        Err(err) => err,
+    };
+    let plan = RootPlan::new(mount_at, &read_only, &[], shared.as_ref(), &run_dir_parents)
+        .map_err(raise)?;
+    // The thread touches no Python object; the GIL stays held (the zygote has no
+    // other thread that could run meanwhile).
+    build_base(plan).map_err(raise)
 }
 
 /// `str(jail.JailError(step, errno))`.
@@ -1302,7 +1721,7 @@ mod tests {
             "/root/.cache/disks/d1/inner".to_string(),
         ];
         let writable = ["/root/run/vm1".to_string()];
-        let plan = RootPlan::new("/j", &read_only, &writable, Some(&shared)).unwrap();
+        let plan = RootPlan::new("/j", &read_only, &writable, Some(&shared), &[]).unwrap();
         let text = |c: &CString| c.to_str().unwrap().to_string();
         let shared = plan.shared.as_ref().unwrap();
         assert_eq!(
@@ -1387,6 +1806,51 @@ mod tests {
             (text(&plan.proc), text(&plan.old_root)),
             ("/j/proc".into(), "/j/.old-root".into())
         );
+    }
+
+    #[test]
+    fn a_base_leaves_the_run_directories_parent_empty_and_refuses_a_clash() {
+        let shared = (
+            c"/tree".to_owned(),
+            vec!["/root/.cache/venv/lib".to_string()],
+        );
+        let read_only = ["/root/.cache/disks/d1".to_string()];
+        let parents = ["/root/run".to_string()];
+        let plan = RootPlan::new("/j", &read_only, &[], Some(&shared), &parents).unwrap();
+        let text = |c: &CString| c.to_str().unwrap().to_string();
+        let points: Vec<String> = plan
+            .mount_points
+            .iter()
+            .map(|&i| text(&plan.dirs[i]))
+            .collect();
+        assert_eq!(points, ["/j/root", "/j/root/run"]);
+        // The venv's link stops above /root, which holds the run directories' parent.
+        let links: Vec<String> = plan
+            .shared
+            .as_ref()
+            .unwrap()
+            .links
+            .iter()
+            .map(|l| text(&l.link))
+            .collect();
+        assert_eq!(links, ["/j/root/.cache/venv"]);
+        for clash in [
+            "/root/.cache",
+            "/root/.cache/disks/d1/x",
+            "/root/.cache/venv/lib",
+            "/proc",
+            "/",
+        ] {
+            let refused = RootPlan::new("/j", &read_only, &[], Some(&shared), &[clash.to_string()]);
+            assert!(refused.is_err(), "{clash} was taken as a mount point");
+        }
+        // A read-only path right in the point (the spawner's FIFOs) is each child's to
+        // carry over: no clash.
+        let carried = RootPlan::new("/j", &read_only, &[], None, &["/root/.cache/disks".into()]);
+        assert!(carried.is_ok());
+        assert_eq!(run_dir_parent("/srv/run/vm1"), Some("/srv/run"));
+        assert_eq!(run_dir_parent("/srv/vm1/"), Some("/srv"));
+        assert_eq!(run_dir_parent("/vm1"), None);
     }
 
     #[test]

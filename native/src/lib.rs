@@ -257,6 +257,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(control_serve::exits_reply_line, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_let_go_of_host_root, m)?)?;
     m.add_function(wrap_pyfunction!(child::py_open_tap, m)?)?;
+    m.add_function(wrap_pyfunction!(child::jail_base, m)?)?;
     m.add_function(wrap_pyfunction!(child::die_with_parent, m)?)?;
     m.add_function(wrap_pyfunction!(child::fork_single_threaded, m)?)?;
     m.add_class::<native_fork::ChildLife>()?;

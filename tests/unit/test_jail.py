@@ -23,6 +23,7 @@ import pytest
 
 from vmfork.runtime import jail
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteError, ZygoteProcess, start_zygote
+from vmfork.runtime.zygote_protocol import SpawnItem
 
 HERE = Path(__file__).resolve().parent
 E = "test_zygote_entries:"
@@ -127,6 +128,49 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["snapshot_read"] == "snapshot state"
     assert report["private_open"].startswith("refused: PermissionError")
     assert report["private_preopened"] == "guest memory"
+
+
+def test_jailed_siblings_of_one_batch_see_neither_each_other_nor_the_host(
+        client: ZygoteClient, zygote: ZygoteProcess, base: Path) -> None:
+    """Two jailed children of one batch, their run directories side by side: each sees
+    its own directory and files alone in their parent (not the sibling's, nor its name),
+    nothing of the host directory above but the way down to it, and no mount point but
+    its root, the shared tree, its run directory (and the tmpfs above it), and /proc.
+    After the batch the zygote holds no mount namespace of a jail base."""
+    parent = base / "siblings" / vid()
+    names = [vid(), vid()]
+    for name in names:
+        (parent / name).mkdir(parents=True)
+        (parent / name / f"secret-{name}").write_text(name)
+    (base / "siblings" / "host-file").write_text("the host's")
+    # Beside the run directories, as the spawner's FIFOs are: in every jail, read-only.
+    os.mkfifo(parent / ".batch-fifo", 0o666)
+    items = [SpawnItem(name, {
+        "run_dir": str(parent / name), "log_path": str(base / f"{name}.log"),
+        "host_dir": str(base / "siblings"), "sibling_dir": str(parent / other),
+        "sibling_file": str(parent / other / f"secret-{other}"),
+        "fifo": str(parent / ".batch-fifo")}, jail=_jail(71010 + i, str(parent / ".batch-fifo")))
+        for i, (name, other) in enumerate(zip(names, reversed(names)))]
+    result = client.spawn_many(E + "jail_neighbours", items)
+    assert not result.failed and len(result.children) == 2
+    held = {os.readlink(f"/proc/{zygote.proc.pid}/fd/{fd}")
+            for fd in os.listdir(f"/proc/{zygote.proc.pid}/fd")}
+    assert not [link for link in held if link.startswith("mnt:")], held
+    for name in names:
+        event = client.wait(name)
+        log = (base / f"{name}.log").read_text()
+        assert event.exit_code == 0, log
+        report = json.loads(log.splitlines()[-1])
+        assert report["parent"] == [".batch-fifo", name]
+        assert report["fifo"] == "fifo"
+        assert report["own"] == [f"secret-{name}"]
+        assert report["host"] == [parent.name]
+        assert report["sibling_file"].startswith("refused: FileNotFoundError")
+        assert report["sibling_dir"].startswith("refused: FileNotFoundError")
+        mounts = {m for m in report["mounts"] if not m.startswith(jail.SHARED_AT)}
+        assert mounts <= {"/", "/proc", str(parent), str(parent / name),
+                          str(parent / ".batch-fifo")}, mounts
+        assert {"/", "/proc", str(parent / name)} <= mounts
 
 
 @pytest.mark.parametrize("call", ["execve", "socket_inet", "ptrace"])
@@ -273,6 +317,7 @@ def test_the_shared_tree_is_the_zygote_s_alone_and_goes_with_it(base: Path) -> N
     finally:
         z.close()
     assert not tree.exists()
+    assert not Path(str(tree) + "-base").exists()
 
 
 def test_host_facts_are_read_once_per_process() -> None:

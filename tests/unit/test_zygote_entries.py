@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -35,7 +36,8 @@ def _write(args: dict[str, Any], data: object) -> None:
 
 ZYGOTE_ENTRIES = ("sleep", "exit_with", "raise_error", "segfault", "inspect", "fork_to_entry",
                   "allocate", "grandchild", "fill_run_dir", "jail_probe", "jail_forbidden",
-                  "listen_and_sleep", "jail_net_probe", "record_phase", "python_after_fork")
+                  "listen_and_sleep", "jail_net_probe", "record_phase", "python_after_fork",
+                  "jail_neighbours")
 """Registered with the test zygotes only (``--entries-module test_zygote_entries``)."""
 
 
@@ -209,6 +211,35 @@ def jail_probe(args: dict[str, Any]) -> int:
         "private_preopened": os.read(open_ro(args["private_file"]), 100).decode(),
     }
     os.close(kvm)
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+def jail_neighbours(args: dict[str, Any]) -> int:
+    """From inside a jail, while a sibling of its batch runs beside it: what its run
+    directory's parent and the host directory above it list, whether the sibling's file
+    and directory (their host paths) can be reached, and every mount point it has."""
+    import json
+
+    def attempt(action: Any) -> str:
+        try:
+            action()
+            return "allowed"
+        except OSError as err:
+            return f"refused: {type(err).__name__} {err.errno}"
+
+    run_dir = Path(args["run_dir"])
+    time.sleep(float(args.get("linger", 0.5)))   # the sibling builds its jail meanwhile
+    report = {
+        "parent": sorted(os.listdir(run_dir.parent)),
+        "host": sorted(os.listdir(args["host_dir"])),
+        "own": sorted(os.listdir(run_dir)),
+        "sibling_file": attempt(lambda: open(args["sibling_file"], "rb").close()),
+        "sibling_dir": attempt(lambda: os.listdir(args["sibling_dir"])),
+        "fifo": "fifo" if stat.S_ISFIFO(os.stat(args["fifo"]).st_mode) else "not a fifo",
+        "mounts": sorted({line.split()[4] for line in
+                          Path("/proc/self/mountinfo").read_text().splitlines()}),
+    }
     print(json.dumps(report), flush=True)
     return 0
 

@@ -46,6 +46,19 @@ this order (each step needs the privileges the next ones drop):
    devices it uses (``spec.devices``: ``/dev/kvm``) are opened before the drop and
    reached through ``openfiles.open_device``, like the tap. ``pivot_root`` into it,
    the old root detached, the new root remounted read-only.
+   *A zygote's children* do not each build that root: a batch's jailed children of one
+   request join a **jail base** (``build_base``, ``native/src/child.rs``'s ``Base``),
+   a mount namespace the zygote lays out, pivots into and detaches from once, on a
+   thread of its own, with everything above but the run directory and ``/proc``, and
+   an empty directory at the run directories' parent. Each child clones its run
+   directory's mount while it still sees the host (``open_tree``), ``setns``es into the
+   base, ``unshare``s a copy of that small tree (every mount in it private), mounts a
+   tmpfs of its own over the parent (so no sibling's directory, not even its name, is
+   there), moves its run directory there and mounts ``/proc`` of its own PID
+   namespace: no copy of the zygote's whole tree and no old root to detach per child,
+   each a wait behind every sibling for the kernel's namespace lock and an RCU grace
+   period. The base's descriptor is the zygote's until the batch is forked; it goes
+   away, mounts and all, once the last child has moved on to its own copy.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
    ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
    configured range): the kernel clears every capability at that change.
@@ -261,6 +274,9 @@ class SharedTree:
     def __init__(self, path: str, paths: tuple[str, ...]) -> None:
         self.path = path
         self.paths = _outermost(paths)
+        self.base_at = path + "-base"
+        """An empty directory a jail base's root is mounted on (``build_base``), in the
+        base's own mount namespace only."""
 
     @classmethod
     def build(cls, path: str, paths: tuple[str, ...]) -> SharedTree:
@@ -268,6 +284,7 @@ class SharedTree:
         Raises ``JailError`` with nothing left mounted."""
         tree = cls(path, tuple(p for p in paths if os.path.isdir(p)))
         os.makedirs(path, mode=0o700, exist_ok=True)
+        os.makedirs(tree.base_at, mode=0o700, exist_ok=True)
         _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755",
                "tmpfs for the shared tree")
         try:
@@ -283,12 +300,14 @@ class SharedTree:
         return tree
 
     def close(self) -> None:
-        """Unmount the tree (its binds with it) and remove its mount point."""
+        """Unmount the tree (its binds with it) and remove its mount point and the
+        jail bases' one."""
         _libc.umount2(self.path.encode(), MNT_DETACH)
-        try:
-            os.rmdir(self.path)
-        except OSError:
-            pass
+        for path in (self.path, self.base_at):
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
 
 def _outermost(paths: tuple[str, ...]) -> tuple[str, ...]:
@@ -340,13 +359,32 @@ def check_netns(name: object) -> str:
     return name
 
 
-def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None
-         ) -> ChildPlan:
+def build_base(spec: JailSpec, run_dir_parent: str) -> tuple[int, int]:
+    """A jail base for children of ``spec``'s request (``native/src/child.rs``'s
+    ``Base``): a mount namespace holding the root every such jail would lay out alike
+    (``spec``'s read-only paths and shared tree, an empty ``/proc`` and an empty
+    ``run_dir_parent``), built, pivoted into and detached from once, where each child
+    then joins it and attaches its own run directory and ``/proc``. Returns the
+    namespace's descriptor and its root's, the base's only holders besides the children
+    that join it:
+    the caller closes it once the batch is forked. Needs the zygote's ``SharedTree``
+    (its directory is where the base is built). Raises ``JailError``."""
+    from vmfork import _core
+    if spec.shared is None:
+        raise JailError("a jail base needs the zygote's shared tree", errno.EINVAL)
+    return _core.jail_base(JailError, spec.shared.base_at, sorted(set(spec.read_only), key=len),
+                           (spec.shared.path, list(spec.shared.paths)), [run_dir_parent])
+
+
+def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None,
+         base: tuple[int, int] | None = None) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
     ``spec`` and, for a zygote child, of its set-up (``zygote_child``: the zygote's pid,
     its pidfd for a PID namespace's first process, the ``cgroup.procs`` files to join,
     the log, the nice value): everything resolved here, before the fork, so the child runs the steps
-    without building a Python object. Raises ``JailError`` for a spec no jail can be
+    without building a Python object. ``base``: a jail base's descriptors
+    (``build_base``, for this spec's request and run directory), which the child joins
+    instead of building its own root. Raises ``JailError`` for a spec no jail can be
     built from."""
     from vmfork import _core
     from vmfork.vmm.devices.virtio.net import valid_tap_name
@@ -364,7 +402,7 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
                [os.path.abspath(p) for p in spec.preopen_rw]),
         tap=spec.tap if spec.netns is not None else None,
         host_root=host_root_plan(),
-        held_netns=_empty_netns if set_up is not None else None, netns=spec.netns)
+        held_netns=_empty_netns if set_up is not None else None, netns=spec.netns, base=base)
 
 
 def adopt(spec: JailSpec, opened: tuple[list[int], list[int], tuple[int, int], list[int],

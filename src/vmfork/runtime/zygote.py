@@ -110,6 +110,7 @@ from vmfork.runtime.jail import (
     JailSpec,
     PidNamespaces,
     SharedTree,
+    build_base,
     hold_empty_netns,
     last_capability,
     own_mount_namespace,
@@ -226,6 +227,26 @@ class _JailRequest:
 
     spec: JailSpec
     uid_range: tuple[int, int] | None
+
+
+class _BatchJails:
+    """A batch's jail requests, each checked and resolved once (``_resolve_jail``), and
+    its jail bases (``jail.build_base``), one per request and run directories' parent:
+    the bases' descriptors are closed when the batch is forked (a ``with`` block), so
+    once its children have joined them nothing holds them."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _JailRequest] = {}
+        self.bases: dict[tuple[int, str], tuple[int, int] | None] = {}
+
+    def __enter__(self) -> _BatchJails:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fds in self.bases.values():
+            for fd in fds or ():
+                os.close(fd)
+        self.bases.clear()
 
 
 def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
@@ -603,15 +624,16 @@ class Zygote:
 
     def _op_spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         entry = self._resolve(req.get("entry"))
-        prepared = self._prepare(req, {})
-        self._before_forks(entry, [prepared])
-        try:
-            children, error = self._fork_batch(str(req["entry"]), entry, [prepared])
-            if error is not None:
-                raise error
-        except BaseException:
-            self._discard(prepared)
-            raise
+        with _BatchJails() as jails:
+            prepared = self._prepare(req, jails)
+            self._before_forks(entry, [prepared])
+            try:
+                children, error = self._fork_batch(str(req["entry"]), entry, [prepared])
+                if error is not None:
+                    raise error
+            except BaseException:
+                self._discard(prepared)
+                raise
         return {"child": children[0].info()}
 
     def _op_spawn_many(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -619,10 +641,14 @@ class Zygote:
         items = req.get("items")
         if not isinstance(items, list):
             raise RequestError("spawn_many needs items: a list of {vm_id, args?, ...}")
+        with _BatchJails() as jails:
+            return self._spawn_batch(entry, str(req["entry"]), items, jails)
+
+    def _spawn_batch(self, entry: Entry, name: str, items: list[Any], jails: _BatchJails
+                     ) -> dict[str, Any]:
         failed: list[dict[str, str]] = []
         batch: list[_Prepared] = []
         seen: set[str] = set()
-        jails: dict[str, _JailRequest] = {}
         for item in items:
             vm_id = str(item.get("vm_id")) if isinstance(item, dict) else "?"
             try:
@@ -636,7 +662,7 @@ class Zygote:
             except (RequestError, ValueError, cgroups.CgroupError, OSError) as err:
                 failed.append({"vm_id": vm_id, "error": str(err)})
         self._before_forks(entry, batch)
-        children, error = self._fork_batch(str(req["entry"]), entry, batch)
+        children, error = self._fork_batch(name, entry, batch)
         for rest in batch[len(children):]:
             self._discard(rest)
             failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {error}"})
@@ -698,7 +724,7 @@ class Zygote:
                                "refuses. Remove the thread from import time, or restart the "
                                "zygote without that module", "NotForkSafe")
 
-    def _prepare(self, req: dict[str, Any], jails: dict[str, _JailRequest]) -> _Prepared:
+    def _prepare(self, req: dict[str, Any], jails: _BatchJails) -> _Prepared:
         """One child's cgroup, run directory, jail and plan. ``jails``: the batch's jail
         requests, each resolved once (``_resolve_jail``). What it made is removed when it
         raises (a run directory that was there before is left alone)."""
@@ -716,10 +742,11 @@ class Zygote:
         limit = req.get("memory_limit_mib")
         if limit is not None and (not isinstance(limit, int) or limit <= 0):
             raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
-        jail_spec = _jail_spec(self._resolve_jail(req.get("jail"), jails), run_dir,
-                               self._uids_taken, args)
+        request = self._resolve_jail(req.get("jail"), jails)
+        jail_spec = _jail_spec(request, run_dir, self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
         made_run_dir = False
+        base: tuple[int, int] | None = None
         try:
             if limit is not None:
                 parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
@@ -729,7 +756,9 @@ class Zygote:
                 try:
                     made_run_dir = not os.path.isdir(run_dir)
                     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-                    if jail_spec is not None:
+                    base = None if request is None else self._jail_base(request, jail_spec,
+                                                                         jails)
+                    if jail_spec is not None and base is None:
                         os.makedirs(jail_spec.root, mode=0o755, exist_ok=True)
                 except OSError as err:
                     raise RequestError(f"cannot create args.run_dir {run_dir}: "
@@ -740,7 +769,7 @@ class Zygote:
                 child_plan = plan_child(self.pid, cg, log_path, jail_spec,
                                         self.own_pidfd if jail_spec is not None else None,
                                         netns=(args.get("netns") or None) if jail_spec is None
-                                        else None)
+                                        else None, jail_base=base)
             except JailError as err:
                 raise RequestError(str(err)) from None
         except BaseException:
@@ -751,17 +780,34 @@ class Zygote:
             self._uids_taken.add(jail_spec.uid)
         return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec, child_plan)
 
-    def _resolve_jail(self, value: object, jails: dict[str, _JailRequest]
-                      ) -> _JailRequest | None:
+    def _resolve_jail(self, value: object, jails: _BatchJails) -> _JailRequest | None:
         """``value`` checked and resolved (``_jail_request``) once for all the children
         of a batch that ask the same jail (every spawner's batch does)."""
         if value is None:
             return None
         key = json.dumps(value, sort_keys=True)
-        request = jails.get(key)
+        request = jails.requests.get(key)
         if request is None:
-            request = jails[key] = _jail_request(value, self._shared_tree)
+            request = jails.requests[key] = _jail_request(value, self._shared_tree)
         return request
+
+    def _jail_base(self, request: _JailRequest, spec: JailSpec | None, jails: _BatchJails
+                   ) -> tuple[int, int] | None:
+        """The batch's jail base for ``spec`` (``jail.build_base``: one per request and
+        run directories' parent, built on its first child), or None where the jail
+        builds its own root: no shared tree (the zygote has no mount namespace of its
+        own), or a base that could not be built (logged, once per batch)."""
+        if spec is None or spec.shared is None or len(spec.writable) != 1:
+            return None
+        key = (id(request), os.path.dirname(spec.writable[0].rstrip("/")))
+        if key not in jails.bases:
+            try:
+                jails.bases[key] = build_base(spec, key[1])
+            except JailError as err:
+                log.warning("no jail base for %s (%s): each jail builds its own root",
+                            key[1], err)
+                jails.bases[key] = None
+        return jails.bases[key]
 
     def _discard(self, prep: _Prepared) -> None:
         if prep.cgroup is not None:
