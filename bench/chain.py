@@ -95,22 +95,13 @@ def spawn_times(ctl: Any, tags: dict[str, str], n: int,
     ``run_dir_of`` (the children record their phases), each spawn's phases too. With
     ``b_env``, each tag is also spawned as ``<key> B`` with it in this process's
     environment (the spawner's)."""
-    from spawn import read_spawn_phases
+    from spawn import environment, read_spawn_phases
 
     def once(key: str, tag: str) -> float:
-        saved = {name: os.environ.get(name) for name in (b_env or {})}
-        if key.endswith(" B"):
-            os.environ.update(b_env or {})
-        try:
+        with environment((b_env or {}) if key.endswith(" B") else {}):
             called = time.monotonic()
             sandbox = ctl.spawn_sandboxes(tag, 1)[0]["id"]
             elapsed = (time.monotonic() - called) * 1000
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
         if run_dir_of is not None:
             run_dir = run_dir_of(sandbox)
             deadline = time.monotonic() + 10
