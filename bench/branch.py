@@ -6,9 +6,13 @@ level (``--dirty-mib``, default 0 = idle and 100) and each mode (full, diff,
 live), the source is branched ``--branches`` times in a row (default 10) with
 ``runtime.branch.branch_sandbox``, exactly as the daemon's branch route does;
 before every branch the guest rewrites ``dirty`` MiB of a buffer, so each branch
-has that much changed since the previous one. ``--children python native`` takes
-each series of a Python child's source and of a native child's (its BRANCH through
-the machine's Python view, ``vmm/native_view.py``), back to back. Reported per mode:
+has that much changed since the previous one. ``--children python native`` runs a Python child's source and a native child's (its
+BRANCH through the machine's Python view, ``vmm/native_view.py``) side by side, their
+branches taking turns (``run_series``: back to back, the host's drift over a series
+was larger than the difference between them); ``native_b`` adds a third source, a
+native child from a zygote with ``--b-env``'s environment (a knob's A/B in one run).
+Each source's process is described before and after (``process_facts``: its page
+tables, mappings, threads and seccomp filters, what a pause's kernel work walks). Reported per mode:
 
 * **pause** -- the source's vCPUs were stopped (VMM-measured, ``pause_s``):
   p50, p95, max, and the 2nd vs the 10th branch (forkd's 6th once took 2.7 s);
@@ -37,7 +41,6 @@ ratios within the run mean anything.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import shutil
 import signal
@@ -53,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ensure_kvm_host, write_results
 
 MODES = ("full", "diff", "live")
-CHILDREN = ("python", "native")
+CHILDREN = ("python", "native", "native_b")
 FORKD = {"full": 13500.0, "diff": 202.0, "live": 56.0}
 FORKD_WAIT_FALSE_MS = 69.0
 WARM = "import json, os, sys\nwarm = bytes(range(256)) * 4096\n"
@@ -79,13 +82,37 @@ def parse_args() -> argparse.Namespace:
                    help="the source's VMM: a Python child, or a native one that runs no "
                         "Python (VMFORK_NATIVE_CHILD=1 or 0), each from a zygote of its own; "
                         "given both, their series alternate in one run")
+    p.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="the native_b child's zygote's environment beside native's (a "
+                        "knob's before and after in one run; repeatable)")
     p.add_argument("--qemu", action="store_true",
                    help="also measure QEMU's stop+migrate-to-file and live-migrate pauses")
     p.add_argument("--name", default="branch",
                    help="results go to bench/results/<name>.{json,md}")
     p.add_argument("--host-mem-mib", type=int, default=6144)
     p.add_argument("--host-timeout", type=float, default=3600)
-    return p.parse_args()
+    args = p.parse_args()
+    if ("native_b" in args.children) != bool(args.b_env):
+        p.error("--b-env goes with the native_b child, and the native_b child with it")
+    args.b_env = dict(item.split("=", 1) for item in args.b_env)
+    return args
+
+
+# What a pause's kernel work walks (fork and clear_refs: the page tables and mappings;
+# every system call: the seccomp filters), read from the source's /proc.
+PROCESS_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmPTE", "Threads", "Seccomp_filters")
+
+
+def process_facts(pid: int) -> dict[str, int]:
+    """``PROCESS_FIELDS`` of ``pid`` (kB for sizes) and its count of mappings."""
+    facts: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in PROCESS_FIELDS:
+            facts[name] = int(value.split()[0])
+    with open(f"/proc/{pid}/maps") as maps:
+        facts["mappings"] = sum(1 for _ in maps)
+    return facts
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,33 +139,33 @@ def pause_floor_ms(control: str, reps: int = 10) -> list[float]:
     return out
 
 
-def run_series(store: Any, source: Any, mode: str, dirty_mib: int, branches: int,
-               label: str, log: Any) -> dict[str, Any]:
+def branch_once(store: Any, source: Any, mode: str, dirty_mib: int, tag: str,
+                log: Any) -> dict[str, Any]:
+    """One BRANCH of ``source`` as ``tag``, after its guest dirtied ``dirty_mib`` MiB."""
     from vmfork.runtime.branch import branch_sandbox
     control = str(source.run_dir / "control.sock")
-    rows = []
-    for n in range(branches):
-        if dirty_mib:
-            source.agent.exec(["python3", "-c", "pass"])   # keep the agent warm
-            source.agent.eval(DIRTY.format(mib=dirty_mib))
-        tag = f"{label}-{mode}-{n}"
-        started = time.monotonic()
-        job = branch_sandbox(store, control, tag, mode, sandbox_id=source.vm_id)
-        result = job.result()
-        rows.append({"pause_ms": result.pause_ms, "round_trip_ms": result.total_ms,
-                     "memory_bytes": result.memory_bytes, "dirty_pages": result.dirty_pages,
-                     "base_tag": result.base_tag,
-                     "vmm_ms": {k: v * 1000 for k, v in result.vmm_timings.items()},
-                     "call_ms": (time.monotonic() - started) * 1000})
-        # Keep the store small (the test host's disk is RAM). Diffs stay until the
-        # series ends: each is a layer mapped over its parents (they are its memory),
-        # and only the pages it changed.
-        if mode != "diff":
-            store.delete(tag)
-        log(f"{label} {mode} #{n + 1}: pause {result.pause_ms:.1f} ms, "
-            f"round trip {result.total_ms:.0f} ms, {result.memory_bytes >> 20} MiB written")
-    if mode == "diff":
-        store.delete(f"{label}-{mode}-0", cascade=True)
+    if dirty_mib:
+        source.agent.exec(["python3", "-c", "pass"])   # keep the agent warm
+        source.agent.eval(DIRTY.format(mib=dirty_mib))
+    started = time.monotonic()
+    job = branch_sandbox(store, control, tag, mode, sandbox_id=source.vm_id)
+    result = job.result()
+    # Keep the store small (the test host's disk is RAM). Diffs stay until the
+    # series ends: each is a layer mapped over its parents (they are its memory),
+    # and only the pages it changed.
+    if mode != "diff":
+        store.delete(tag)
+    log(f"{tag}: pause {result.pause_ms:.1f} ms, round trip {result.total_ms:.0f} ms, "
+        f"{result.memory_bytes >> 20} MiB written")
+    return {"pause_ms": result.pause_ms, "round_trip_ms": result.total_ms,
+            "memory_bytes": result.memory_bytes, "dirty_pages": result.dirty_pages,
+            "base_tag": result.base_tag,
+            "vmm_ms": {k: v * 1000 for k, v in result.vmm_timings.items()},
+            "call_ms": (time.monotonic() - started) * 1000}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A series' stats: its pauses, round trips, bytes and each host-side part's p50."""
     out: dict[str, Any] = {"rows": rows,
                            "pause_ms": stats([r["pause_ms"] for r in rows]),
                            "round_trip_ms": stats([r["round_trip_ms"] for r in rows]),
@@ -150,16 +177,47 @@ def run_series(store: Any, source: Any, mode: str, dirty_mib: int, branches: int
     out["vmm_parts_p50_ms"] = {k: statistics.median(v) for k, v in parts.items()}
     if len(rows) >= 10:
         out["pause_2nd_ms"], out["pause_10th_ms"] = rows[1]["pause_ms"], rows[9]["pause_ms"]
+    return out
+
+
+def wait_false_ms(store: Any, source: Any, label: str) -> list[float]:
+    """A live BRANCH's call to return with ``wait=False``, three times."""
+    from vmfork.runtime.branch import branch_sandbox
+    control = str(source.run_dir / "control.sock")
+    trips = []
+    for n in range(3):
+        tag = f"{label}-nowait-{n}"
+        started = time.monotonic()
+        job = branch_sandbox(store, control, tag, "live", wait=False)
+        trips.append((time.monotonic() - started) * 1000)
+        job.result()
+        store.delete(tag)
+    return trips
+
+
+def run_series(store: Any, sources: dict[str, Any], mode: str, dirty_mib: int,
+               branches: int, labels: dict[str, str], log: Any) -> dict[str, dict[str, Any]]:
+    """``branches`` BRANCHes of each source in ``mode``, the sources taking turns (the
+    first one first in even rounds, last in odd ones), so that the host's drift over the
+    series, which on a shared machine is larger than the difference measured, hits
+    every source alike; each source's series summarized."""
+    rows: dict[str, list[dict[str, Any]]] = {child: [] for child in sources}
+    order = list(sources)
+    for n in range(branches):
+        for child in (order if n % 2 == 0 else order[::-1]):
+            rows[child].append(branch_once(store, sources[child], mode, dirty_mib,
+                                           f"{labels[child]}-{mode}-{n}", log))
+    out = {}
+    for child in sources:
+        if mode == "diff":
+            store.delete(f"{labels[child]}-{mode}-0", cascade=True)
+        out[child] = summarize(rows[child])
     if mode == "live":
-        trips = []
-        for n in range(3):
-            tag = f"{label}-nowait-{n}"
-            started = time.monotonic()
-            job = branch_sandbox(store, control, tag, "live", wait=False)
-            trips.append((time.monotonic() - started) * 1000)
-            job.result()
-            store.delete(tag)
-        out["wait_false_ms"] = stats(trips)
+        trips: dict[str, list[float]] = {child: [] for child in sources}
+        for child in order:
+            trips[child] = wait_false_ms(store, sources[child], labels[child])
+        for child in sources:
+            out[child]["wait_false_ms"] = stats(trips[child])
     return out
 
 
@@ -253,6 +311,11 @@ def markdown(results: dict[str, Any], setup: dict[str, Any]) -> str:
             parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}"
                               for k, v in vmm.items() if k not in after)
             lines.append(f"- {key} MiB {mode}: {parts}")
+    lines += ["", "The source's process before / after its series (sizes kB, from /proc):", ""]
+    for key, series in results.items():
+        before, after = series.get("process_before", {}), series.get("process_after", {})
+        lines.append(f"- {key}: " + ", ".join(f"{k} {before.get(k)} / {after.get(k)}"
+                                              for k in (*PROCESS_FIELDS, "mappings")))
     lives = [(k, s["live"]["wait_false_ms"]["p50"]) for k, s in results.items()
              if "live" in s and "wait_false_ms" in s["live"]]
     if lives:
@@ -309,7 +372,8 @@ def main() -> int:
         store = Store.open(workdir / "home")
         clients = {}
         for child in args.children:
-            env = {**os.environ, NATIVE_CHILD_ENV: "1" if child == "native" else "0"}
+            env = {**os.environ, NATIVE_CHILD_ENV: "0" if child == "python" else "1",
+                   **(args.b_env if child == "native_b" else {})}
             with open(workdir / f"zygote-{child}.log", "wb") as zlog:
                 zygote = start_zygote(str(workdir / f"zygote-{child}.sock"), stderr=zlog,
                                       timeout=300.0, env=env)
@@ -319,21 +383,39 @@ def main() -> int:
             log(f"snapshotting a {mem} MiB parent")
             parent = snapshot_parent(store, f"parent-{mem}", image, mem_mib=mem,
                                      warm_code=WARM).snapshot
-            for dirty_mib, child in itertools.product(args.dirty_mib, args.children):
-                client = clients[child]
-                report = fork_children(client, parent, 1, workdir / "vms", timeout=600)
-                if report.failed:
-                    raise RuntimeError(f"source did not start: {report.failed}")
-                source = report.children[0]
+            for dirty_mib in args.dirty_mib:
+                sources: dict[str, Any] = {}
                 try:
-                    series: dict[str, Any] = {
-                        "floor_ms": stats(pause_floor_ms(str(source.run_dir / "control.sock")))}
+                    # Every kind's source runs at once, and each step takes turns
+                    # between them (run_series says why).
+                    for child in args.children:
+                        report = fork_children(clients[child], parent, 1, workdir / "vms",
+                                               timeout=600)
+                        if report.failed:
+                            raise RuntimeError(f"source did not start: {report.failed}")
+                        sources[child] = report.children[0]
+                    series: dict[str, dict[str, Any]] = {child: {} for child in sources}
+                    floors: dict[str, list[float]] = {child: [] for child in sources}
+                    for _ in range(2):
+                        for child, source in sources.items():
+                            floors[child] += pause_floor_ms(
+                                str(source.run_dir / "control.sock"), reps=5)
+                    for child, source in sources.items():
+                        series[child]["floor_ms"] = stats(floors[child])
+                        series[child]["process_before"] = process_facts(source.pid)
+                    labels = {child: f"m{mem}-d{dirty_mib}-{child}" for child in sources}
                     for mode in args.modes:
-                        series[mode] = run_series(store, source, mode, dirty_mib, args.branches,
-                                                  f"m{mem}-d{dirty_mib}-{child}", log)
-                    results[f"{mem}/{dirty_mib}/{child}"] = series
+                        for child, out in run_series(store, sources, mode, dirty_mib,
+                                                     args.branches, labels, log).items():
+                            series[child][mode] = out
+                    for child, source in sources.items():
+                        series[child]["process_after"] = process_facts(source.pid)
+                        log(f"{child} source: {series[child]['process_before']} before, "
+                            f"{series[child]['process_after']} after")
+                        results[f"{mem}/{dirty_mib}/{child}"] = series[child]
                 finally:
-                    client.kill_and_wait(source.vm_id)
+                    for child, source in sources.items():
+                        clients[child].kill_and_wait(source.vm_id)
                 for snap in sorted(store.list(), key=lambda s: -s.meta.created_at_unix):
                     if snap.tag != parent.tag:
                         store.delete(snap.tag)

@@ -13,10 +13,16 @@ diff, kill the sandbox). Reported:
   pages x 4 KiB; the target is <= 1.1x), and of its whole directory (plus its
   vCPU/device state and meta.json); and the plan's size in mappings;
 * **spawn by depth** -- ``--spawns`` single-sandbox spawns (request to agent ready)
-  from depth 0 (the flat base), 1, 3 and 5 and from the depth-5 head compacted into
-  one flat snapshot (the same memory, flat: the closest peer), round-robin,
-  p50/p90; the target is depth 3 within 1.1x of flat (forkd: 1668 vs 59 ms, 28x,
-  because every spawn re-hashes and re-copies every link);
+  from depth 0 (the flat base), 1, 3 and 5 and from each of those links compacted
+  into one flat snapshot (the same memory, flat: the closest peer of a depth, whose
+  guest is in the same state), round-robin in an order rotated every round (so no
+  tag always follows the same one), p50/p90; the target is depth 3 within 1.1x of
+  flat (forkd: 1668 vs 59 ms, 28x, because every spawn re-hashes and re-copies every
+  link). A link's guest is not the base's (its agent has served a fork and a
+  command, its /tmp holds the links' data), so "depth d / the flat base" mixes the
+  chain's cost with the guest's; "depth d / its compacted copy" is the chain's alone.
+  With ``--phases`` each spawn's child records where its time went
+  (``VMFORK_SPAWN_PROFILE``), tabled per tag;
 * **compact, pack, unpack** -- time, and the pack's size (chain only, no image).
 
 The spawns are measured on children that run no Python (the default; with
@@ -38,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +66,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--name", default="chain")
     p.add_argument("--free-volume-slots", type=int, default=None,
                    help="empty volume slots of the base (default: the daemon's)")
+    p.add_argument("--phases", action="store_true",
+                   help="record each spawned child's phases (VMFORK_SPAWN_PROFILE)")
+    p.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="also spawn each tag with NAME=VALUE in this process's environment "
+                        "(the daemon's spawner runs here), as '<tag> B', in the same rounds: "
+                        "a spawner-side knob's A/B in one run (repeatable)")
     p.add_argument("--host-mem-mib", type=int, default=8192)
     p.add_argument("--host-timeout", type=float, default=3600)
-    return p.parse_args()
+    args = p.parse_args()
+    args.b_env = dict(item.split("=", 1) for item in args.b_env)
+    return args
 
 
 def pct(values: list[float], q: float) -> float:
@@ -69,29 +84,81 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def spawn_times(ctl: Any, tags: dict[str, str], n: int) -> dict[str, list[float]]:
+def spawn_times(ctl: Any, tags: dict[str, str], n: int,
+                run_dir_of: Callable[[str], Path] | None = None,
+                b_env: dict[str, str] | None = None,
+                ) -> tuple[dict[str, list[float]], dict[str, list[list[dict[str, Any]]]]]:
     """Request to agent-ready for one sandbox (killed before the next), ``n`` times per
-    tag, round-robin over the tags so that drift in the host hits every depth alike;
-    one unmeasured spawn first warms the zygote and the page cache."""
-    def once(tag: str) -> float:
-        started = time.monotonic()
-        sandbox = ctl.spawn_sandboxes(tag, 1)[0]["id"]
-        elapsed = (time.monotonic() - started) * 1000
+    tag, round-robin over the tags, the order rotated by one every round so that drift
+    in the host, and whatever a spawn or a kill leaves to its successor, hits every tag
+    alike; one unmeasured spawn first warms the zygote and the page cache. With
+    ``run_dir_of`` (the children record their phases), each spawn's phases too. With
+    ``b_env``, each tag is also spawned as ``<key> B`` with it in this process's
+    environment (the spawner's)."""
+    from spawn import environment, read_spawn_phases
+
+    def once(key: str, tag: str) -> float:
+        with environment((b_env or {}) if key.endswith(" B") else {}):
+            called = time.monotonic()
+            sandbox = ctl.spawn_sandboxes(tag, 1)[0]["id"]
+            elapsed = (time.monotonic() - called) * 1000
+        if run_dir_of is not None:
+            run_dir = run_dir_of(sandbox)
+            deadline = time.monotonic() + 10
+            rows = read_spawn_phases(run_dir, called, None)
+            while not rows and time.monotonic() < deadline:
+                time.sleep(0.05)   # the child writes its record just after "ready"
+                rows = read_spawn_phases(run_dir, called, None)
+            phases[key].append(rows)
         ctl.kill_sandbox(sandbox)
         return elapsed
 
-    once(next(iter(tags.values())))
-    out: dict[str, list[float]] = {key: [] for key in tags}
-    for _ in range(n):
-        for key, tag in tags.items():
-            out[key].append(once(tag))
-    return out
+    if b_env:
+        tags = {**tags, **{f"{key} B": tag for key, tag in tags.items()}}
+    keys = list(tags)
+    phases: dict[str, list[list[dict[str, Any]]]] = {key: [] for key in keys}
+    once(keys[0], tags[keys[0]])
+    phases[keys[0]].clear()
+    out: dict[str, list[float]] = {key: [] for key in keys}
+    for round_ in range(n):
+        for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:
+            out[key].append(once(key, tags[key]))
+    return out, phases
+
+
+def phase_table(phases: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
+    """Per tag, each phase's median wall ms (and the child's main-thread CPU ms)."""
+    names: list[str] = []
+    for spawns in phases.values():
+        for rows in spawns:
+            names += [str(r["phase"]) for r in rows if r["phase"] not in names]
+    if not names:
+        return []
+    keys = [k for k, spawns in phases.items() if any(spawns)]
+    lines = ["", "## Where a spawn's time goes, by tag (medians)", "",
+             ("Each phase ends at its name (`runtime/spawnprofile.py`'s marks, written by the "
+              "child; `fork`: from the spawn call to the zygote's fork of the child): wall "
+              "ms, the child's main-thread CPU ms in brackets."), "",
+             "| phase | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    for name in names:
+        cells = []
+        for key in keys:
+            rows = [r for spawn in phases[key] for r in spawn if r["phase"] == name]
+            if not rows:
+                cells.append("–")
+                continue
+            wall = statistics.median(float(r["wall_s"]) for r in rows) * 1000
+            cpu = statistics.median(float(r["thread_cpu_s"]) for r in rows) * 1000
+            cells.append(f"{wall:.1f} ({cpu:.1f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> int:
     args = parse_args()
     ensure_kvm_host(__file__, sys.argv[1:], mem_mib=args.host_mem_mib,
                     timeout=args.host_timeout)
+    from vmfork.runtime import spawnprofile
     from vmfork.runtime.zygote_child import NATIVE_CHILD_ENV
     from vmfork.store import Store, disk_usage, packs
 
@@ -142,16 +209,26 @@ def main() -> int:
                 "mapping": details["memory_mapping"]})
             parent = tag
 
+        chain = ("base", *LINKS)
         started = time.monotonic()
         ctl.compact_snapshot(LINKS[-1], "compacted")
         compact_ms = (time.monotonic() - started) * 1000
-        if native_child:
+        # Each other measured link's flat twin: the same guest, no chain.
+        for depth in SPAWN_DEPTHS[1:-1]:
+            ctl.compact_snapshot(chain[depth], f"compacted-{depth}")
+        if native_child or args.phases:
             daemon.stop()
-            os.environ[NATIVE_CHILD_ENV] = "1"
+            os.environ[NATIVE_CHILD_ENV] = "1" if native_child else "0"
+            if args.phases:
+                os.environ[spawnprofile.ENV] = "1"   # read once, by the zygote
             daemon, ctl = local_daemon(work, home, name="native", networking=False)
-        chain = ("base", *LINKS)
-        spawns = spawn_times(ctl, {**{str(d): chain[d] for d in SPAWN_DEPTHS},
-                                   "compacted": "compacted"}, args.spawns)
+        spawn_daemon = daemon
+        spawns, phases = spawn_times(
+            ctl, {**{str(d): chain[d] for d in SPAWN_DEPTHS},
+                  **{f"compacted-{d}": f"compacted-{d}" for d in SPAWN_DEPTHS[1:-1]},
+                  "compacted": "compacted"}, args.spawns,
+            (lambda sandbox: Path(spawn_daemon.controller.sandbox_run_dir(sandbox)))
+            if args.phases else None, args.b_env)
 
         pack_path = work / "chain.tar.zst"
         started = time.monotonic()
@@ -170,12 +247,28 @@ def main() -> int:
     flat = spawn_stats["0"]["p50"]
     compacted = spawn_stats["compacted"]["p50"]
     deepest = str(SPAWN_DEPTHS[-1])
+
+    def twin(key: str) -> str | None:
+        """The flat snapshot holding the same memory as ``key``'s tag (B: its B spawns)."""
+        if key.endswith(" B"):
+            plain = twin(key.removesuffix(" B"))
+            return None if plain is None else f"{plain} B"
+        if key == "0":
+            return "0"
+        if key == deepest:
+            return "compacted"
+        return f"compacted-{key}" if key.isdigit() else None
+
+    over_twin = {key: spawn_stats[key]["p50"] / spawn_stats[t]["p50"]
+                 for key in spawn_stats if (t := twin(key)) is not None}
     data = {"mem_mib": args.mem_mib, "dirty_mib": args.dirty_mib, "base_snapshot_s": base_s,
             "native_child": native_child, "free_volume_slots": args.free_volume_slots,
             "links": builds, "spawn_ms": spawn_stats, "spawn_raw_ms": spawns,
             "depth3_over_flat_p50": spawn_stats["3"]["p50"] / flat,
             # The compacted head holds the same memory as the deepest link, flat.
             f"depth{deepest}_over_compacted_p50": spawn_stats[deepest]["p50"] / compacted,
+            "depth_over_its_compacted_p50": over_twin,
+            "spawn_phases": phases,
             "max_memory_disk_over_changed": max(b["memory_disk_over_changed"]
                                                 for b in builds),
             "compact_ms": compact_ms, "pack_ms": pack_ms, "unpack_ms": unpack_ms,
@@ -199,19 +292,23 @@ def main() -> int:
                      f"{b['dir_physical_bytes'] / mib:.2f} | {b['dir_over_changed']:.3f}x | "
                      f"{mapping} |")
     lines += ["", "## Spawn by depth", "",
-              ("| spawn from | p50 ms | p90 ms | p50 / flat base | p50 / compacted | "
+              ("| spawn from | p50 ms | p90 ms | p50 / flat base | p50 / its compacted copy | "
                "forkd ms (bare metal) | forkd / flat |"), "|---|---|---|---|---|---|---|"]
     for key, st in spawn_stats.items():
         forkd = FORKD_SPAWN_MS.get(int(key)) if key.isdigit() else None
-        label = f"depth {key}" if key.isdigit() else f"depth {deepest} compacted (flat)"
+        plain = key.removesuffix(" B")
+        label = (f"depth {plain}" if plain.isdigit() else
+                 f"depth {plain.removeprefix('compacted-') if '-' in plain else deepest} "
+                 "compacted (flat)") + (" (B)" if key.endswith(" B") else "")
         lines.append(f"| {label} | {st['p50']:.0f} | {st['p90']:.0f} | {st['p50'] / flat:.2f}x"
-                     f" | {st['p50'] / compacted:.2f}x | "
+                     f" | {f'{over_twin[key]:.2f}x' if key in over_twin else '-'} | "
                      f"{forkd if forkd is not None else '-'} | "
                      f"{f'{forkd / FORKD_SPAWN_MS[0]:.1f}x' if forkd else '-'} |")
     lines += ["", (f"Depth 3 / flat base, p50: {data['depth3_over_flat_p50']:.2f}x; depth "
               f"{deepest} / its compacted copy: "
               f"{data[f'depth{deepest}_over_compacted_p50']:.2f}x. Largest memory disk / "
               f"changed of a link: {data['max_memory_disk_over_changed']:.3f}x.")]
+    lines += phase_table(phases)
     lines += ["", (f"Compact: {compact_ms:.0f} ms. Pack (chain, no image): {pack_ms:.0f} ms, "
               f"{pack_bytes / mib:.1f} MiB. Unpack into a second store: {unpack_ms:.0f} ms."),
               "", ("Targets (issue 6): spawn at depth 3 within 1.1x of flat; a link's memory "

@@ -249,6 +249,63 @@ def test_the_jail_request_of_a_damaged_snapshot_leaves_the_error_to_its_vmm(
     assert sorted(request["preopen"]) == [str(snap / "memory.bin"), str(snap / "state.bin")]
 
 
+def test_the_jail_request_decodes_a_snapshots_plan_and_state_once_per_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spawner decodes a diff snapshot's memory.plan (its chain's files) and its
+    state.bin (the disks' content keys) once per file, not at every spawn; a file
+    published again under the same path (a new inode) is decoded again."""
+    from types import SimpleNamespace
+
+    from vmfork.ondisk.memplan import PLAN_FILE, MemoryPlan, PlanRun, PlanSource, encode_plan
+    from vmfork.runtime import spawn
+
+    monkeypatch.setenv("VMFORK_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache" / "disks").mkdir(parents=True)
+    golden = Path(__file__).parent / "golden" / "state-v1.bin"
+    snap = tmp_path / "snapshots" / "head"
+    snap.mkdir(parents=True)
+    shutil.copyfile(golden, snap / "state.bin")
+    (snap / "layer.bin").write_bytes(b"\0" * 4096)
+
+    def publish_plan(*links: str) -> None:
+        plan = MemoryPlan(1 << 20, (PlanSource("base/memory.bin", 1 << 20), *(
+                              PlanSource(f"{link}/layer.bin", 4096) for link in links)),
+                          (PlanRun(0, 4096, len(links), 0),))
+        tmp = snap / "plan.tmp"
+        tmp.write_bytes(encode_plan(plan))
+        os.replace(tmp, snap / PLAN_FILE)   # as the store publishes: a new inode
+
+    decoded: list[str] = []
+
+    def counting(real):  # the real decoder, counted
+        def decode(path, *args):
+            decoded.append(os.path.basename(str(path)))
+            return real(path, *args)
+        return decode
+
+    monkeypatch.setattr(spawn, "read_plan", counting(spawn.read_plan))
+    monkeypatch.setattr(spawn, "read_state_file", counting(spawn.read_state_file))
+    monkeypatch.setattr(spawn, "_state_keys", {})
+    monkeypatch.setattr(spawn, "_plan_sources", {})
+    snapshot = SimpleNamespace(path=snap)
+    publish_plan("mid", "head")
+    first = spawn._jail_request(snapshot, [])  # type: ignore[arg-type]
+    again = spawn._jail_request(snapshot, [])  # type: ignore[arg-type]
+    assert first == again
+    assert sorted(decoded) == [PLAN_FILE, "state.bin"]
+    sources = [str(tmp_path / "snapshots" / "base" / "memory.bin"),
+               *(str(tmp_path / "snapshots" / link / "layer.bin") for link in ("mid", "head"))]
+    assert first["preopen"][-len(sources):] == sources   # after the snapshot's own files
+    assert first["disk_keys"] == ["a" * 64]
+    assert first["volume_keys"] == ["b" * 64]
+
+    publish_plan("other")
+    republished = spawn._jail_request(snapshot, [])  # type: ignore[arg-type]
+    assert sorted(decoded) == [PLAN_FILE, PLAN_FILE, "state.bin"]
+    assert str(tmp_path / "snapshots" / "other" / "layer.bin") in republished["preopen"]
+    assert str(tmp_path / "snapshots" / "mid" / "layer.bin") not in republished["preopen"]
+
+
 def test_a_networked_jail_holds_its_tap_and_its_own_tracking_files(client: ZygoteClient,
                                                                    base: Path) -> None:
     """The jail joins the sandbox's namespace and attaches to its tap before the drop;

@@ -32,6 +32,7 @@ import json
 import os
 import secrets
 import select
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -242,6 +243,77 @@ class _Fifo:
         self.path.unlink()
 
 
+# What a jail needs from a snapshot's decoded files (``_content_keys``,
+# ``_memory_sources``), kept by the path and identity of the file decoded: a spawn
+# decoded state.bin, and a diff snapshot's memory.plan (~600 runs at depth 5), only to
+# learn these few paths and keys, at every spawn (design notes, session 24: the
+# spawner's share of a chain's spawn). A snapshot's files are never rewritten in
+# place; a tag published again is a new file, with a new identity. The daemon spawns
+# from several threads: the caches are shared under a lock.
+_JAIL_FILES_KEPT = 16
+_Identity = tuple[int, int, int, int]
+_state_keys: dict[str, tuple[_Identity, tuple[list[str], list[str]]]] = {}
+_plan_sources: dict[str, tuple[_Identity, list[str]]] = {}
+_decoded_lock = threading.Lock()
+
+
+def _identity(path: str) -> _Identity:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _remember(cache: dict[str, Any], path: str, entry: Any) -> None:
+    with _decoded_lock:
+        cache.pop(path, None)
+        cache[path] = entry
+        while len(cache) > _JAIL_FILES_KEPT:
+            del cache[next(iter(cache))]
+
+
+def _content_keys(state_path: str) -> tuple[list[str], list[str]] | None:
+    """The snapshot's root disk's and read-only volumes' content keys, from its
+    ``state.bin`` (decoded once per file: ``_state_keys``); None for a state file that
+    does not decode (a damaged snapshot: its VMM says so, as an unjailed one does)."""
+    try:
+        identity = _identity(state_path)
+    except OSError:
+        identity = None
+    with _decoded_lock:
+        cached = _state_keys.get(state_path)
+    if identity is not None and cached is not None and cached[0] == identity:
+        return cached[1]
+    try:
+        state = read_state_file(state_path, MachineState)
+    except OnDiskError:
+        keys = None
+    else:
+        blk = state.device(devices.BLK)
+        keys = ([blk.disk_key] if blk is not None else [],
+                [v.disk.disk_key for v in state.devices_of(devices.VOLUME)
+                 if v.disk.disk_key and v.disk.read_only])
+    if identity is not None and keys is not None:
+        _remember(_state_keys, state_path, (identity, keys))
+    return keys
+
+
+def _memory_sources(plan_path: str) -> list[str]:
+    """The memory files a diff snapshot's ``memory.plan`` maps (its chain's), decoded
+    once per plan file (``_plan_sources``); none for a flat snapshot. A plan that does
+    not decode raises, as ``read_plan`` does."""
+    try:
+        identity = _identity(plan_path)
+    except FileNotFoundError:
+        return []
+    with _decoded_lock:
+        cached = _plan_sources.get(plan_path)
+    if cached is not None and cached[0] == identity:
+        return list(cached[1])
+    plan = read_plan(plan_path)
+    sources = [plan.source_path(i) for i in range(len(plan.sources))]
+    _remember(_plan_sources, plan_path, (identity, sources))
+    return list(sources)
+
+
 def _jail_request(snapshot: Snapshot, fifos: list[Path],
                   volumes: Sequence[PreparedVolume] = ()) -> dict[str, Any]:
     """What a VMM of ``snapshot`` may see: the snapshot's files, the memory files its
@@ -253,24 +325,14 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
     read_only = list(files)
     # Opened before the uid changes: the jail's uid may not read the daemon's files.
     preopen = list(files)
-    plan_path = snapshot.path / PLAN_FILE
-    if plan_path.exists():
-        plan = read_plan(str(plan_path))
-        sources = [plan.source_path(i) for i in range(len(plan.sources))]
-        read_only += sources
-        preopen += sources
-    try:
-        state = read_state_file(str(snapshot.path / "state.bin"), MachineState)
-    except OnDiskError:
-        state = None   # a damaged snapshot: its VMM says so, as for an unjailed one
+    sources = _memory_sources(str(snapshot.path / PLAN_FILE))
+    read_only += sources
+    preopen += sources
     # The root disk and the snapshot's read-only volumes go by content key: the zygote
     # resolves them in its own image cache, which is the one its VMMs read (a spawner
     # may run with another).
-    blk = state.device(devices.BLK) if state is not None else None
-    disk_keys = [blk.disk_key] if blk is not None else []
-    volume_keys = [v.disk.disk_key
-                   for v in (state.devices_of(devices.VOLUME) if state is not None else [])
-                   if v.disk.disk_key and v.disk.read_only]
+    keys = _content_keys(str(snapshot.path / "state.bin"))
+    disk_keys, volume_keys = keys if keys is not None else ([], [])
     # Volumes given at spawn: read-only ones bound and pre-opened as the others; a
     # read-write one (its sandbox's own file) only pre-opened for writing, never bound.
     preopen_rw: list[str] = []
@@ -283,7 +345,7 @@ def _jail_request(snapshot: Snapshot, fifos: list[Path],
     read_only += [str(f) for f in fifos]
     return {"uid_range": list(JAIL_UID_RANGE), "read_only": read_only,
             "devices": ["/dev/kvm"], "preopen": preopen, "preopen_rw": preopen_rw,
-            "disk_keys": disk_keys, "volume_keys": volume_keys}
+            "disk_keys": list(disk_keys), "volume_keys": list(volume_keys)}
 
 
 def _read_notifications(fd: int) -> dict[str, str]:
