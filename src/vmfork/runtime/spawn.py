@@ -270,30 +270,46 @@ def _remember(cache: dict[str, Any], path: str, entry: Any) -> None:
             del cache[next(iter(cache))]
 
 
+def _decoded_once(cache: dict[str, Any], path: str, decode: Callable[[str], Any]) -> Any:
+    """``decode(path)``, or what it gave for this file before (the same path with the
+    same identity). Raises ``OSError`` for a file that cannot be stat'ed and whatever
+    ``decode`` raises, keeping nothing then."""
+    identity = _identity(path)
+    with _decoded_lock:
+        cached = cache.get(path)
+    if cached is not None and cached[0] == identity:
+        return cached[1]
+    value = decode(path)
+    _remember(cache, path, (identity, value))
+    return value
+
+
+def _keys_in_state(state_path: str) -> tuple[list[str], list[str]]:
+    state = read_state_file(state_path, MachineState)
+    blk = state.device(devices.BLK)
+    return ([blk.disk_key] if blk is not None else [],
+            [v.disk.disk_key for v in state.devices_of(devices.VOLUME)
+             if v.disk.disk_key and v.disk.read_only])
+
+
 def _content_keys(state_path: str) -> tuple[list[str], list[str]] | None:
     """The snapshot's root disk's and read-only volumes' content keys, from its
     ``state.bin`` (decoded once per file: ``_state_keys``); None for a state file that
     does not decode (a damaged snapshot: its VMM says so, as an unjailed one does)."""
     try:
-        identity = _identity(state_path)
-    except OSError:
-        identity = None
-    with _decoded_lock:
-        cached = _state_keys.get(state_path)
-    if identity is not None and cached is not None and cached[0] == identity:
-        return cached[1]
-    try:
-        state = read_state_file(state_path, MachineState)
+        try:
+            keys: tuple[list[str], list[str]] = _decoded_once(_state_keys, state_path,
+                                                              _keys_in_state)
+        except OSError:
+            keys = _keys_in_state(state_path)   # no identity to keep it by
     except OnDiskError:
-        keys = None
-    else:
-        blk = state.device(devices.BLK)
-        keys = ([blk.disk_key] if blk is not None else [],
-                [v.disk.disk_key for v in state.devices_of(devices.VOLUME)
-                 if v.disk.disk_key and v.disk.read_only])
-    if identity is not None and keys is not None:
-        _remember(_state_keys, state_path, (identity, keys))
+        return None
     return keys
+
+
+def _sources_in_plan(plan_path: str) -> list[str]:
+    plan = read_plan(plan_path)
+    return [plan.source_path(i) for i in range(len(plan.sources))]
 
 
 def _memory_sources(plan_path: str) -> list[str]:
@@ -301,17 +317,9 @@ def _memory_sources(plan_path: str) -> list[str]:
     once per plan file (``_plan_sources``); none for a flat snapshot. A plan that does
     not decode raises, as ``read_plan`` does."""
     try:
-        identity = _identity(plan_path)
+        return list(_decoded_once(_plan_sources, plan_path, _sources_in_plan))
     except FileNotFoundError:
         return []
-    with _decoded_lock:
-        cached = _plan_sources.get(plan_path)
-    if cached is not None and cached[0] == identity:
-        return list(cached[1])
-    plan = read_plan(plan_path)
-    sources = [plan.source_path(i) for i in range(len(plan.sources))]
-    _remember(_plan_sources, plan_path, (identity, sources))
-    return list(sources)
 
 
 def _jail_request(snapshot: Snapshot, fifos: list[Path],
