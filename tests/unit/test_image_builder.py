@@ -280,3 +280,22 @@ def test_an_imported_oci_image_is_the_base_of_a_build(real_cache: Path, tmp_path
         assert (out / "srv/tool.py").is_file() and (out / "usr/bin/python3.11").is_file()
     finally:
         images.record_path(name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("fmt", ["erofs", "erofs-plain"])
+def test_erofs_disks_compress_only_when_asked(tmp_path: Path, fmt: str) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "zeros").write_bytes(bytes(4 << 20))   # compresses to almost nothing
+    out = tmp_path / "root.img"
+    builder.make_disk(tree, out, fmt)
+    size = out.stat().st_size
+    assert size % 512 == 0 and builder.mount_type(fmt) == "erofs"
+    if fmt == "erofs":
+        assert size < 1 << 20
+    else:
+        assert size > 4 << 20   # every byte stored as it is
+    extracted = tmp_path / "back"
+    extracted.mkdir()
+    builder._extract_disk(out, fmt, extracted)
+    assert (extracted / "zeros").read_bytes() == bytes(4 << 20)

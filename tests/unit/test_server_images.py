@@ -131,7 +131,7 @@ def _snapshot_of(store: Store, tag: str, image: str) -> None:
     ({"name": "a", "env": {"A": 1}}, "field 'env' value of 'A' must be a string"),
     ({"name": "a", "workdir": "tmp"}, "workdir: 'tmp' must be an absolute guest path"),
     ({"name": "a", "user": "root user"}, "user: 'root user' is not NAME, UID, or USER:GROUP"),
-    ({"name": "a", "disk_format": "ext4"}, "field 'disk_format' must be one of squashfs, squashfs-lz4, erofs"),
+    ({"name": "a", "disk_format": "ext4"}, "field 'disk_format' must be one of squashfs, squashfs-lz4, erofs, erofs-plain"),
     ({"name": "a", "pip_index_url": "ftp://mirror"}, "pip_index_url: 'ftp://mirror' is not"),
     ({"name": "a", "pip_find_links": ["wheels"]}, "field 'pip_find_links' holds 'wheels'"),
     ({"name": "a", "requirements": "numpy==2.0.2\n-r /etc/shadow\n"},

@@ -310,7 +310,7 @@ export interface BuildImageOptions extends CallOptions {
   workdir?: string;
   /** NAME, UID or USER:GROUP. */
   user?: string;
-  diskFormat?: "squashfs" | "squashfs-lz4" | "erofs";
+  diskFormat?: "squashfs" | "squashfs-lz4" | "erofs" | "erofs-plain";
   /**
    * Shell commands run in order after the other steps, each in a build VM booted
    * from the image so far with a network; each one's changes become the next layer.

@@ -281,7 +281,7 @@ def _hash_copies(spec: ImageSpec) -> list[tuple[str, str, int, str]]:
 
 
 def _extract_disk(disk: Path, fmt: str | None, dest: Path) -> None:
-    if fmt == "erofs":
+    if fmt in ("erofs", "erofs-plain"):
         _run("base", ["fsck.erofs", f"--extract={dest}", str(disk)])
     else:
         dest.rmdir()
@@ -449,14 +449,15 @@ def _tree_bytes(root: Path) -> int:
 
 def mount_type(fmt: str) -> str:
     """The guest's file-system type for a disk format (``vmfork.rootfs=`` for /init)."""
-    return "erofs" if fmt == "erofs" else "squashfs"
+    return "erofs" if fmt in ("erofs", "erofs-plain") else "squashfs"
 
 
 def make_disk(tree: Path, out: Path, fmt: str) -> None:
     """``tree`` as a read-only file-system image at ``out``; timestamps fixed at 0 so the
     same tree makes the same bytes."""
-    if fmt == "erofs":
-        _run("disk", ["mkfs.erofs", "-zlz4hc", "-T0", str(out), str(tree)])
+    if fmt in ("erofs", "erofs-plain"):
+        compress = ["-zlz4hc"] if fmt == "erofs" else []
+        _run("disk", ["mkfs.erofs", *compress, "-T0", str(out), str(tree)])
     else:
         comp = "lz4" if fmt == "squashfs-lz4" else "zstd"
         _run("disk", ["mksquashfs", str(tree), str(out), "-noappend", "-quiet",

@@ -29,7 +29,9 @@ from typing import Any
 
 from vmfork.image.errors import ImageError
 
-DISK_FORMATS = ("squashfs", "squashfs-lz4", "erofs")   # squashfs: zstd; erofs: lz4hc
+# squashfs: zstd; erofs: lz4hc; erofs-plain: uncompressed, for content that is compressed
+# already (model weights, archives), where lz4hc spends minutes per GiB to save nothing.
+DISK_FORMATS = ("squashfs", "squashfs-lz4", "erofs", "erofs-plain")
 # Where the root lives: a read-only disk under a RAM overlay (the default), or the
 # whole tree unpacked into guest RAM as an initramfs (what the default image does; the
 # benchmark compares the two for the same content).
