@@ -281,7 +281,7 @@ def _hash_copies(spec: ImageSpec) -> list[tuple[str, str, int, str]]:
 
 
 def _extract_disk(disk: Path, fmt: str | None, dest: Path) -> None:
-    if fmt in ("erofs", "erofs-plain"):
+    if mount_type(fmt or "") == "erofs":
         _run("base", ["fsck.erofs", f"--extract={dest}", str(disk)])
     else:
         dest.rmdir()
@@ -455,7 +455,7 @@ def mount_type(fmt: str) -> str:
 def make_disk(tree: Path, out: Path, fmt: str) -> None:
     """``tree`` as a read-only file-system image at ``out``; timestamps fixed at 0 so the
     same tree makes the same bytes."""
-    if fmt in ("erofs", "erofs-plain"):
+    if mount_type(fmt) == "erofs":
         compress = ["-zlz4hc"] if fmt == "erofs" else []
         _run("disk", ["mkfs.erofs", *compress, "-T0", str(out), str(tree)])
     else:
