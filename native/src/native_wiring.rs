@@ -535,6 +535,11 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     let (child, irq, notify) = restore_on_bus(&snapshot, &ram, &child_loop, &child_bus, true);
     assert!(child.active());
     assert_eq!(child.acked_features(), mmio::VIRTIO_F_VERSION_1);
+    // The driver had not acked the used buffer: InterruptStatus was saved set, and the
+    // restore raises the interrupt again (the capture may not have held it), once.
+    assert_eq!(snapshot.registers.interrupt_status, INT_USED_BUFFER);
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+    assert_eq!(read_counter(irq.as_raw_fd()), None);
     let mut status = [0u8; 4];
     bus_read(&child_bus, mmio::REG_STATUS, &mut status);
     assert_eq!(u32::from_le_bytes(status), snapshot.registers.status);
@@ -555,6 +560,7 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     let early_bus = Windows::new();
     let (restored, irq, notify) = restore_on_bus(&early, &ram, &early_loop, &early_bus, true);
     assert!(!restored.active());
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1)); // InterruptStatus still set
     assert_eq!(restored.plan().indices, vec![(2, 2)]);
     bus_write(
         &early_bus,
@@ -576,6 +582,19 @@ fn rng_restored_from_a_plan_serves_where_the_snapshot_left_off() {
     let (bare, irq, _) = restore_on_bus(&plan, &ram, &bare_loop, &bare_bus, false);
     assert!(bare.active());
     assert_eq!(bare_loop.counts().0, 0);
+    // The restore's interrupt (InterruptStatus still set).
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
+
+    // The driver acks: a snapshot taken now restores with no interrupt raised.
+    bus_write(&bare_bus, mmio::REG_INTERRUPT_ACK, INT_USED_BUFFER);
+    let acked = bare.plan();
+    assert_eq!(acked.registers.interrupt_status, 0);
+    let acked_bus = Windows::new();
+    let (quiet, quiet_irq, _) = restore_on_bus(&acked, &ram, &bare_loop, &acked_bus, false);
+    assert!(quiet.active());
+    assert_eq!(read_counter(quiet_irq.as_raw_fd()), None);
+    drop(acked_bus);
+    drop(quiet);
     driver.offer(&ram, 2, 0x82000, 16, DESC_F_WRITE);
     bus_write(&bare_bus, mmio::REG_QUEUE_NOTIFY, 0);
     assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
@@ -1218,6 +1237,8 @@ fn blk_restored_from_a_plan_reads_its_disk_file_on_the_native_loop() {
     let (child, irq, notify) = restore_on_bus(&plan, &ram, &child_loop, &child_bus, true);
     drop(disk); // the transport holds its own duplicate
     assert!(child.active());
+    // InterruptStatus was saved set (nothing acked): the restore's interrupt.
+    assert_eq!(read_counter(irq.as_raw_fd()), Some(1));
     let at = blk_request(&mut driver, &ram, 9, 0, 7, 2 * SECTOR as u32, false);
     signal(&notify[0]);
     assert_eq!(wait_signalled(&irq), 1);
