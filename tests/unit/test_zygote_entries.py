@@ -88,6 +88,7 @@ def inspect(args: dict[str, Any]) -> int:
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         # A thread started now inherits the nice value (Linux keeps one per thread).
         "thread_nice": _thread_nice(),
+        "thp_enabled": status["THP_enabled"].strip(),
     })
     time.sleep(float(args.get("linger", 0)))
     return 0

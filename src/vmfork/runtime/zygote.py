@@ -142,6 +142,15 @@ DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.runtime.vmmchild")
 # malloc arena, each a few pages a child dirties for itself; a VMM child's threads
 # run Python under one GIL anyway, so one shared arena costs nothing.
 M_ARENA_MAX = -8
+# prctl(PR_SET_THP_DISABLE): no transparent huge pages in this process's memory, a flag
+# of the address space that every fork copies. Where THP is "always" (many distributions'
+# default), a thread's stack or the heap that grows into a 2 MiB-aligned range faults
+# in a whole huge page: a VMM child's I/O thread, on a stack glibc reuses from a thread
+# the zygote ran in its prefork (4 MiB, so one aligned range inside), went from ~2 to
+# ~4 MiB of its own memory a few seconds into its idle life (design notes, "A lone
+# child's memory doubled by a huge page"). A VMM gains nothing from huge pages in its
+# own memory, and its guest RAM is a file mapping, which this flag does not change.
+PR_SET_THP_DISABLE = 41
 EVENTS_KEPT = 10_000
 _BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
 
@@ -1080,6 +1089,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--lease-s must be positive")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="vmfork zygote[%(process)d] %(levelname)s %(message)s")
+    # Before the preloads' imports and any thread: every page after it is a small one.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_THP_DISABLE) failed (%s): a child's thread stack or heap "
+                    "may fault in 2 MiB pages", os.strerror(ctypes.get_errno()))
     if opts.parent_pid is not None and not die_with_parent(opts.parent_pid):
         return 1  # the parent is already gone
     done, failed = preload(opts.preload)
@@ -1088,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("preloading started %d threads; a zygote must stay single-threaded",
                   _thread_count() - 1)
         return 1
-    ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1)  # inherited by every child
+    libc.mallopt(M_ARENA_MAX, 1)  # inherited by every child
     if os.geteuid() == 0 and not hold_empty_netns():
         log.warning("cannot make the empty network namespace for jailed VMMs; each "
                     "jail will try to make its own")
