@@ -33,7 +33,6 @@
 //!    (`signal.set_wakeup_fd(-1)`: Python's state, not the kernel's). Then the mask is
 //!    emptied: signals sent since the fork are delivered here, to these dispositions.
 //! 4. *OOM order*: `oom_score_adj` 1000, the first process the OOM killer takes.
-//!    *Memory*: `PR_SET_THP_DISABLE`, no transparent huge page of the child's own.
 //!    *CPU order*: the plan's nice value (`zygote_child.VMM_NICE`), which every thread
 //!    the VMM starts later inherits: when guests keep the CPUs busy, the control plane
 //!    (the daemon, the zygote, a spawner waiting for its batch) still runs.
@@ -360,17 +359,6 @@ impl SetUp {
         }
         write_file(c"/proc/self/oom_score_adj", OOM_SCORE_ADJ)
             .map_err(|errno| text("cannot set oom_score_adj", errno))?;
-        // No transparent huge pages in this process from here on (a flag of the
-        // address space): where THP is "always", khugepaged collapses a 2 MiB range
-        // around a few touched pages of a child's stack or heap into a huge page of its
-        // own, 2 MiB more per idle child (design notes, "A lone child's memory doubled
-        // by a huge page"). The zygote sets it for itself too (fork copies it); here it
-        // holds whatever started the zygote. Guest RAM is a file mapping, which the flag
-        // does not touch.
-        // SAFETY: prctl(PR_SET_THP_DISABLE) takes a flag and unused zeros.
-        if unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) } != 0 {
-            return Err(text("prctl(PR_SET_THP_DISABLE)", last_errno()));
-        }
         // Linux keeps a nice value per thread; this process has one thread yet, and
         // the threads it starts inherit it. Lowering one's own priority needs no
         // privilege.

@@ -870,7 +870,18 @@ impl NativeTransport {
             0
         };
         let vsock = VsockHost::open(&plan.kind, &readers)?;
-        let irq_fd = irq.as_raw_fd();
+        if plan.registers.interrupt_status != 0 {
+            // An interrupt the capture may not have held: a snapshot's device state is
+            // taken after its irqchip's, and KVM injects an irqfd's IOAPIC pin from a
+            // work queue, so a device that raised just before (or while) its machine
+            // paused can be saved with InterruptStatus set and no interrupt pending.
+            // The driver would wait on that device for good (a balloon's page report
+            // never answered, every descendant's page reporting stopped). Raise it
+            // again: the irqchip is restored and the irqfd registered before any
+            // device, and an interrupt the guest finds already handled is harmless
+            // (its handler reads InterruptStatus, as for a shared pin).
+            write_eventfd(irq.as_raw_fd());
+        }
         let transport = Arc::new(NativeTransport {
             kind: plan.kind.clone(),
             regs: Arc::new(Mutex::new(regs)),
@@ -891,18 +902,6 @@ impl NativeTransport {
                 features_refused: 0,
             }),
         });
-        if plan.registers.interrupt_status != 0 {
-            // An interrupt the capture may not have held: a snapshot's device state is
-            // taken after its irqchip's, and KVM injects an irqfd's IOAPIC pin from a
-            // work queue, so a device that raised just before (or while) its machine
-            // paused can be saved with InterruptStatus set and no interrupt pending.
-            // The driver would wait on that device for good (a balloon's page report
-            // never answered, every descendant's page reporting stopped). Raise it
-            // again: the irqchip is restored and the irqfd registered before any
-            // device, and an interrupt the guest finds already handled is harmless
-            // (its handler reads InterruptStatus, as for a shared pin).
-            write_eventfd(irq_fd);
-        }
         if live {
             transport.activate(epoch, &plan.indices)?;
         }

@@ -217,9 +217,9 @@ def test_child_inherits_no_zygote_fd_and_fresh_signals(zygote: ZygoteProcess,
     # starts run at VMM_NICE, the zygote at the nice it was started with.
     assert report["nice"] == report["thread_nice"] == VMM_NICE
     assert os.getpriority(os.PRIO_PROCESS, zygote.pid) == os.getpriority(os.PRIO_PROCESS, 0)
-    # No transparent huge pages in the zygote's memory or a child's (PR_SET_THP_DISABLE
-    # in both: the zygote's, kept across fork, and the child's set-up's): khugepaged's
-    # collapse of 2 MiB around a few touched pages would be the child's own.
+    # No transparent huge pages in the zygote's memory or a child's (the zygote's
+    # PR_SET_THP_DISABLE, kept across fork): khugepaged's collapse of 2 MiB around a few
+    # touched pages would be the child's own.
     zygote_status = Path(f"/proc/{zygote.pid}/status").read_text()
     assert "THP_enabled:\t0" in zygote_status
     assert report["thp_enabled"] == "0"

@@ -143,8 +143,7 @@ DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.runtime.vmmchild")
 # run Python under one GIL anyway, so one shared arena costs nothing.
 M_ARENA_MAX = -8
 # prctl(PR_SET_THP_DISABLE): no transparent huge pages in this process's memory, a flag
-# of the address space that every fork copies (each child's set-up sets it again,
-# `child.rs`). Where THP is "always" (many distributions' default), khugepaged collapses
+# of the address space that every fork copies, so every child has it too. Where THP is "always" (many distributions' default), khugepaged collapses
 # a 2 MiB-aligned range around a few touched pages into a new huge page: in a child, one
 # of its own (the I/O thread's stack, on a 4 MiB block glibc reuses from a thread the
 # zygote ran in its prefork, went from ~2 to ~4 MiB a few seconds into its idle life);
