@@ -478,6 +478,55 @@ def test_a_spawn_refuses_a_plan_whose_files_are_missing_or_changed(chain3: Store
     assert "mismatch" in {c.status for c in chains.verify(chain3, "sklearn")}
 
 
+def test_a_plan_that_passed_is_checked_again_by_its_files_identities(
+        chain3: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    sklearn = chain3.get("sklearn")
+    reads: list[str] = []
+    real_read_plan = memplan.read_plan
+
+    def counted(path: str) -> memplan.MemoryPlan:
+        reads.append(path)
+        return real_read_plan(path)
+
+    monkeypatch.setattr(memplan, "read_plan", counted)
+    # Files written just now are not settled: a pass on them is not kept.
+    chains.check_plan(chain3, sklearn)
+    chains.check_plan(chain3, sklearn)
+    assert len(reads) == 2
+    monkeypatch.setattr(chains, "_SETTLED_S", -60.0)   # every file counts as settled
+    chains.check_plan(chain3, sklearn)
+    chains.check_plan(chain3, sklearn)
+    chains.check_plan(chain3, sklearn)
+    assert len(reads) == 3   # kept: the last two only stat'ed the files
+    # A source's meta.json replaced: read again, and refused.
+    numpy = chain3.get("numpy")
+    chain3.rewrite_meta(numpy, replace(numpy.meta, content_hash="blake2b-256:" + "0" * 64))
+    with pytest.raises(SnapshotCorrupt, match="now names another snapshot"):
+        chains.check_plan(chain3, sklearn)
+    assert len(reads) == 4
+    chain3.rewrite_meta(numpy, numpy.meta)
+    chains.check_plan(chain3, sklearn)
+    chains.check_plan(chain3, sklearn)
+    assert len(reads) == 5
+    # A source file gone: refused, not passed from the kept identities.
+    layer = numpy.path / LAYER_FILE
+    saved = layer.read_bytes()
+    layer.unlink()
+    with pytest.raises(SnapshotCorrupt, match="missing"):
+        chains.check_plan(chain3, sklearn)
+    layer.write_bytes(saved)
+    chains.check_plan(chain3, sklearn)
+    # The plan file itself replaced (damaged): read again, refused. Replaced, not
+    # written in place: under _SETTLED_S < 0 a same-size write within the file
+    # system's timestamp granularity would read as unchanged (why it is 2 s).
+    plan_bytes = sklearn.plan_path.read_bytes()
+    damaged = sklearn.plan_path.with_suffix(".damaged")
+    damaged.write_bytes(plan_bytes[:-1] + bytes([plan_bytes[-1] ^ 1]))
+    os.replace(damaged, sklearn.plan_path)
+    with pytest.raises(SnapshotCorrupt, match="checksum"):
+        chains.check_plan(chain3, sklearn)
+
+
 def test_over_the_vma_budget_a_head_is_materialised_once(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memplan, "MAX_RUNS", 2)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,17 +191,43 @@ def compact(store: Store, source_tag: str, new_tag: str) -> Snapshot:
                 "tag": source.tag, "content_hash": source.meta.content_hash}}))
 
 
+_Identity = tuple[int, int, int, int, int]
+"""``st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns``."""
+
+# ``check_plan``'s passes, by plan file: the identities of the files it read to pass
+# (the plan, and each source's meta.json and file). A spawn whose files all still
+# have them passes again on 1 + 2 x sources stats, without reading the plan and
+# every owner's meta.json again: that read was 13-25 ms of a depth-1 to depth-5
+# spawn in the emulated test host (design notes, "A chain spawn read its chain
+# again"). Bounded; a miss is only the full check.
+_CHECKED_PLANS_KEPT = 256
+_checked_plans: OrderedDict[str, tuple[tuple[str, ...], tuple[_Identity, ...]]] = OrderedDict()
+_checked_lock = threading.Lock()
+# A pass is kept only once every file it read is older than this, in seconds: a file
+# replaced within the file system's timestamp granularity of the pass (coarse, a few
+# ms) by one of the same size could otherwise reuse the inode and read as unchanged
+# (git's "racily clean" entries). Every later change gets a newer ctime.
+_SETTLED_S = 2.0
+
+
 def check_plan(store: Store, snap: Snapshot) -> None:
     """``SnapshotCorrupt`` unless every file ``snap``'s plan maps is still the one it
     was computed from: the snapshot holding it exists under that tag with the
     content hash and file hash the plan recorded, and the file has its size. Reads
-    metadata only (no guest memory): cheap enough for every spawn."""
+    metadata only (no guest memory), and only stats on a plan that passed before
+    and whose files are unchanged since: cheap enough for every spawn."""
     if not snap.is_layered:
         return
+    plan_path = str(snap.plan_path)
+    with _checked_lock:
+        passed = _checked_plans.get(plan_path)
+    if passed is not None and _identities(passed[0]) == passed[1]:
+        return
     try:
-        plan = memplan.read_plan(str(snap.plan_path))
+        plan = memplan.read_plan(plan_path)
     except memplan.PlanError as err:
         raise SnapshotCorrupt(snap.tag, snap.path, str(err), remedy="delete it") from None
+    read = [plan_path]
     for source in plan.sources:
         why = None
         try:
@@ -209,6 +238,7 @@ def check_plan(store: Store, snap: Snapshot) -> None:
             name = source.path.split("/", 1)[1]
             recorded = owner.meta.file_hashes.get(name)
             path = owner.path / name
+            read += [str(owner.meta_path), str(path)]
             if owner.meta.content_hash != source.owner_content_hash or (
                     source.file_hash is not None and recorded is not None
                     and recorded != source.file_hash):
@@ -218,5 +248,26 @@ def check_plan(store: Store, snap: Snapshot) -> None:
         if why is not None:
             raise SnapshotCorrupt(snap.tag, snap.path, f"its memory plan maps {source.path}, "
                                   f"but {why}", remedy="compact it from a backup, or delete it")
+    paths = tuple(read)
+    identities = _identities(paths)
+    settled = time.time_ns() - int(_SETTLED_S * 1e9)
+    if identities is not None and all(i[4] < settled for i in identities):
+        with _checked_lock:
+            _checked_plans.pop(plan_path, None)
+            _checked_plans[plan_path] = (paths, identities)
+            while len(_checked_plans) > _CHECKED_PLANS_KEPT:
+                _checked_plans.popitem(last=False)
+
+
+def _identities(paths: tuple[str, ...]) -> tuple[_Identity, ...] | None:
+    """The ``_Identity`` of each of ``paths``; None if one cannot be stat'ed."""
+    out = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
 
 
