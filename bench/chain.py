@@ -21,6 +21,9 @@ diff, kill the sandbox). Reported:
   link). A link's guest is not the base's (its agent has served a fork and a
   command, its /tmp holds the links' data), so "depth d / the flat base" mixes the
   chain's cost with the guest's; "depth d / its compacted copy" is the chain's alone.
+  Beside each, the spawner's call to ``restored`` as the daemon reports it
+  (``timings.restored_ms``): the VMM's part alone, without the guest's answer, whose
+  run-to-run spread is larger than the chain's cost at six spawns a tag.
   With ``--phases`` each spawn's child records where its time went
   (``VMFORK_SPAWN_PROFILE``), tabled per tag;
 * **compact, pack, unpack** -- time, and the pack's size (chain only, no image).
@@ -87,8 +90,11 @@ def pct(values: list[float], q: float) -> float:
 def spawn_times(ctl: Any, tags: dict[str, str], n: int,
                 run_dir_of: Callable[[str], Path] | None = None,
                 b_env: dict[str, str] | None = None,
-                ) -> tuple[dict[str, list[float]], dict[str, list[list[dict[str, Any]]]]]:
-    """Request to agent-ready for one sandbox (killed before the next), ``n`` times per
+                ) -> tuple[dict[str, list[float]], dict[str, list[float]],
+                           dict[str, list[list[dict[str, Any]]]]]:
+    """Request to agent-ready for one sandbox (killed before the next), and the
+    spawner's call to restored as the daemon reports it (``timings.restored_ms``: the
+    VMM's part, without the guest's answer or the daemon's checks), ``n`` times per
     tag, round-robin over the tags, the order rotated by one every round so that drift
     in the host, and whatever a spawn or a kill leaves to its successor, hits every tag
     alike; one unmeasured spawn first warms the zygote and the page cache. With
@@ -100,8 +106,10 @@ def spawn_times(ctl: Any, tags: dict[str, str], n: int,
     def once(key: str, tag: str) -> float:
         with environment((b_env or {}) if key.endswith(" B") else {}):
             called = time.monotonic()
-            sandbox = ctl.spawn_sandboxes(tag, 1)[0]["id"]
+            spawned = ctl.spawn_sandboxes(tag, 1)[0]
             elapsed = (time.monotonic() - called) * 1000
+        sandbox = spawned["id"]
+        restored[key].append(float(spawned["timings"]["restored_ms"]))
         if run_dir_of is not None:
             run_dir = run_dir_of(sandbox)
             deadline = time.monotonic() + 10
@@ -117,13 +125,15 @@ def spawn_times(ctl: Any, tags: dict[str, str], n: int,
         tags = {**tags, **{f"{key} B": tag for key, tag in tags.items()}}
     keys = list(tags)
     phases: dict[str, list[list[dict[str, Any]]]] = {key: [] for key in keys}
+    restored: dict[str, list[float]] = {key: [] for key in keys}
     once(keys[0], tags[keys[0]])
     phases[keys[0]].clear()
+    restored[keys[0]].clear()
     out: dict[str, list[float]] = {key: [] for key in keys}
     for round_ in range(n):
         for key in keys[round_ % len(keys):] + keys[:round_ % len(keys)]:
             out[key].append(once(key, tags[key]))
-    return out, phases
+    return out, restored, phases
 
 
 def phase_table(phases: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
@@ -223,7 +233,7 @@ def main() -> int:
                 os.environ[spawnprofile.ENV] = "1"   # read once, by the zygote
             daemon, ctl = local_daemon(work, home, name="native", networking=False)
         spawn_daemon = daemon
-        spawns, phases = spawn_times(
+        spawns, restored, phases = spawn_times(
             ctl, {**{str(d): chain[d] for d in SPAWN_DEPTHS},
                   **{f"compacted-{d}": f"compacted-{d}" for d in SPAWN_DEPTHS[1:-1]},
                   "compacted": "compacted"}, args.spawns,
@@ -242,7 +252,8 @@ def main() -> int:
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
-    spawn_stats = {k: {"p50": statistics.median(v), "p90": pct(v, 0.9), "n": len(v)}
+    spawn_stats = {k: {"p50": statistics.median(v), "p90": pct(v, 0.9), "n": len(v),
+                       "restored_p50": statistics.median(restored[k])}
                    for k, v in spawns.items()}
     flat = spawn_stats["0"]["p50"]
     compacted = spawn_stats["compacted"]["p50"]
@@ -261,6 +272,9 @@ def main() -> int:
 
     over_twin = {key: spawn_stats[key]["p50"] / spawn_stats[t]["p50"]
                  for key in spawn_stats if (t := twin(key)) is not None}
+    restored_over_twin = {key: (spawn_stats[key]["restored_p50"]
+                                / spawn_stats[t]["restored_p50"])
+                          for key in spawn_stats if (t := twin(key)) is not None}
     data = {"mem_mib": args.mem_mib, "dirty_mib": args.dirty_mib, "base_snapshot_s": base_s,
             "native_child": native_child, "free_volume_slots": args.free_volume_slots,
             "links": builds, "spawn_ms": spawn_stats, "spawn_raw_ms": spawns,
@@ -268,6 +282,7 @@ def main() -> int:
             # The compacted head holds the same memory as the deepest link, flat.
             f"depth{deepest}_over_compacted_p50": spawn_stats[deepest]["p50"] / compacted,
             "depth_over_its_compacted_p50": over_twin,
+            "restored_over_its_compacted_p50": restored_over_twin,
             "spawn_phases": phases,
             "max_memory_disk_over_changed": max(b["memory_disk_over_changed"]
                                                 for b in builds),
@@ -293,7 +308,8 @@ def main() -> int:
                      f"{mapping} |")
     lines += ["", "## Spawn by depth", "",
               ("| spawn from | p50 ms | p90 ms | p50 / flat base | p50 / its compacted copy | "
-               "forkd ms (bare metal) | forkd / flat |"), "|---|---|---|---|---|---|---|"]
+               "restored p50 ms | restored / its compacted copy | forkd ms (bare metal) | "
+               "forkd / flat |"), "|---" * 9 + "|"]
     for key, st in spawn_stats.items():
         forkd = FORKD_SPAWN_MS.get(int(key)) if key.isdigit() else None
         plain = key.removesuffix(" B")
@@ -302,11 +318,14 @@ def main() -> int:
                  "compacted (flat)") + (" (B)" if key.endswith(" B") else "")
         lines.append(f"| {label} | {st['p50']:.0f} | {st['p90']:.0f} | {st['p50'] / flat:.2f}x"
                      f" | {f'{over_twin[key]:.2f}x' if key in over_twin else '-'} | "
-                     f"{forkd if forkd is not None else '-'} | "
+                     f"{st['restored_p50']:.1f} | "
+                     f"{f'{restored_over_twin[key]:.2f}x' if key in restored_over_twin else '-'}"
+                     f" | {forkd if forkd is not None else '-'} | "
                      f"{f'{forkd / FORKD_SPAWN_MS[0]:.1f}x' if forkd else '-'} |")
     lines += ["", (f"Depth 3 / flat base, p50: {data['depth3_over_flat_p50']:.2f}x; depth "
               f"{deepest} / its compacted copy: "
-              f"{data[f'depth{deepest}_over_compacted_p50']:.2f}x. Largest memory disk / "
+              f"{data[f'depth{deepest}_over_compacted_p50']:.2f}x (restored: "
+              f"{restored_over_twin[deepest]:.2f}x). Largest memory disk / "
               f"changed of a link: {data['max_memory_disk_over_changed']:.3f}x.")]
     lines += phase_table(phases)
     lines += ["", (f"Compact: {compact_ms:.0f} ms. Pack (chain, no image): {pack_ms:.0f} ms, "
