@@ -143,13 +143,14 @@ DEFAULT_PRELOAD = ("vmfork.vmm.machine", "vmfork.runtime.vmmchild")
 # run Python under one GIL anyway, so one shared arena costs nothing.
 M_ARENA_MAX = -8
 # prctl(PR_SET_THP_DISABLE): no transparent huge pages in this process's memory, a flag
-# of the address space that every fork copies, so every child has it too. Where THP is "always" (many distributions' default), khugepaged collapses
-# a 2 MiB-aligned range around a few touched pages into a new huge page: in a child, one
-# of its own (the I/O thread's stack, on a 4 MiB block glibc reuses from a thread the
-# zygote ran in its prefork, went from ~2 to ~4 MiB a few seconds into its idle life);
-# in the zygote, a copy that leaves every live child the old pages of that range as its
-# own (~0.5 MiB more a lone child, measured). Design notes, "A lone child's memory
-# doubled by a huge page". Guest RAM is a file mapping, which this flag does not change.
+# of the address space that every fork copies, so every child has it too. Where THP is
+# "always" (many distributions' default), khugepaged collapses a 2 MiB-aligned range
+# around a few touched pages into a new huge page: in a child, one of its own (the I/O
+# thread's stack, on a 4 MiB block glibc reuses from a thread the zygote ran in its
+# prefork, went from ~2 to ~4 MiB a few seconds into its idle life); in the zygote, a
+# copy that leaves every live child the old pages of that range as its own (~0.5 MiB
+# more a lone child, measured). Design notes, "A lone child's memory doubled by a huge
+# page". Guest RAM is a file mapping, which this flag does not change.
 PR_SET_THP_DISABLE = 41
 EVENTS_KEPT = 10_000
 _BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
