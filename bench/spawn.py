@@ -642,14 +642,15 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
             restored_at.append(time.monotonic())
 
     out: dict[str, Any] = {}
+    batch = daemon_batch_dir(run_root)
     try:
         try:
-            report = fork_children(client, snapshot, n, run_root, timeout=timeout,
+            report = fork_children(client, snapshot, n, batch, timeout=timeout,
                                    memory_limit_mib=daemon_memory_limit_mib(snapshot),
                                    progress=progress, per_child_netns=network is not None,
-                                   network=network)
+                                   network=network, runs_in=run_root)
         except SpawnFailed as err:
-            statuses = [json.loads(p.read_bytes()) for p in run_root.glob("*/status.json")]
+            statuses = [json.loads(p.read_bytes()) for p in batch.glob("*/status.json")]
             ready = [s for s in statuses if s.get("state") == "ready"]
             host_pids: list[int] = []   # the zygote's pids went with the failed call
             run_dirs: list[Path] = []
@@ -721,8 +722,16 @@ def vmfork_spawn(zygote: Any, snapshot: Any, n: int, run_root: Path, settle: flo
     finally:
         kill_children(client)
         client.close()
-        for status_file in run_root.glob("*/status.json"):
+        for status_file in batch.glob("*/status.json"):
             status_file.unlink()
+
+
+def daemon_batch_dir(run_root: Path) -> Path:
+    """A spawn's own directory of run directories in ``run_root``, as the daemon makes
+    one per spawn in its ``run/`` (``server/spawner.py``), which it names the jails'
+    ``runs_in``: where the zygote keeps one jail base for every spawn."""
+    run_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return Path(tempfile.mkdtemp(prefix="spawn-", dir=run_root))
 
 
 def read_spawn_phases(run_dir: Path, called: float,
@@ -794,15 +803,17 @@ def vmfork_first_spawn(zygote: Any, snapshot: Any, run_root: Path, timeout: floa
     """One child from the cold zygote, killed once restored; returns its restored time.
 
     On its first spawn from a snapshot the zygote decodes it and warms its restore
-    path up (``vmmchild.prefork``), once -- as the floor's parent asks /dev/kvm its
-    per-host answers once before it forks. The measured runs spawn from then on.
+    path up (``vmmchild.prefork``) and builds the jail base its spawns join
+    (``jail.KeptBases``), once -- as the floor's parent asks /dev/kvm its per-host
+    answers once before it forks. The measured runs spawn from then on.
     """
     from vmfork.runtime.spawn import fork_children
     client = zygote.client(timeout=max(120.0, timeout))
     try:
-        return float(fork_children(client, snapshot, 1, run_root, timeout=timeout,
+        return float(fork_children(client, snapshot, 1, daemon_batch_dir(run_root),
+                                   timeout=timeout,
                                    memory_limit_mib=daemon_memory_limit_mib(snapshot),
-                                   wait_for="restored").restored_s)
+                                   wait_for="restored", runs_in=run_root).restored_s)
     finally:
         kill_children(client)
         client.close()
@@ -1675,7 +1686,7 @@ def main() -> int:
             log(f"{name}: first spawn from the cold zygote (per-snapshot preparation, "
                 "not in the runs)")
             setup[f"{name}_first_spawn_s"] = vmfork_first_spawn(
-                zygotes[name], snapshot, workdir / f"first-{name}", args.timeout)
+                zygotes[name], snapshot, workdir / "vms", args.timeout)
         floor_bin = build_floor(workdir) if "floor" in args.peers else None
         template: Template | None = None
         if "template" in args.peers:

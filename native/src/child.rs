@@ -707,8 +707,8 @@ impl RootPlan {
         for point in mount_points {
             // A per-child mount there would hide, or show through, the base's own: a
             // bind or link of the base at, below or above it is refused.
-            // A file or directory right in it is carried over by each child
-            // (`Base::carried`, the spawner's FIFOs); anything deeper is a clash.
+            // A file or directory right in it is each child's to bind (`Base::carried`,
+            // the spawner's FIFOs; a base leaves them out); anything deeper is a clash.
             let in_point = |h: &str| run_dir_parent(h) == Some(point.trim_end_matches('/'));
             let clash = hosts
                 .iter()
@@ -929,22 +929,29 @@ fn clone_mount(path: &CStr) -> RawFd {
 /// would lay out alike (the tmpfs root, the shared tree and its links, the read-only
 /// binds, an empty `/proc`, the run directories' parent) is laid out, pivoted into and
 /// detached from once. The child (`Jail::join_base`) clones its own run directory's
-/// mount while it still sees the host's tree (`open_tree`), `setns`es into the base,
-/// `unshare`s a copy of that small tree (every mount in it private: nothing it mounts
-/// reaches the base or a sibling), mounts a tmpfs of its own over the run directories'
-/// parent (a sibling's directory, its name included, is not in it), moves its run
-/// directory's clone there and mounts a `/proc` of its own PID namespace.
+/// mount and the spawn's files beside it while it still sees the host's tree
+/// (`open_tree`), `setns`es into the base, `unshare`s a copy of that small tree (every
+/// mount in it private: nothing it mounts reaches the base or a sibling), mounts a
+/// tmpfs of its own over the run directories' parent (a sibling's directory, its name
+/// included, is not in it), moves its clones there and mounts a `/proc` of its own PID
+/// namespace. Nothing of one spawn's is in the base, so the zygote keeps a base for
+/// the next batches of the same jail (`jail.KeptBases`).
 struct Base {
     /// The base namespace's descriptor and its root's, inherited from the zygote
     /// (kept by the set-up's close of every other descriptor; closed once joined).
     fd: RawFd,
     root: RawFd,
-    /// The run directory (host and jail path alike) and its parent.
+    /// The run directory (host and jail path alike), the base's empty directory the
+    /// child mounts its tmpfs on (the run directories' parent, or a directory above it
+    /// that holds every spawn's: `jail.runs_in`), and the directories from there down
+    /// to the run directory's parent, made on that tmpfs.
     run_dir: CString,
-    parent: CString,
+    mount_point: CString,
+    between: Vec<CString>,
     /// The read-only paths right in `parent` (the spawner's FIFOs beside the run
-    /// directories), bound there by the base: each child carries their mounts over
-    /// onto the tmpfs it mounts at `parent`.
+    /// directories, new for every batch): not in the base; each child clones them
+    /// from the host's tree, as its run directory, onto the tmpfs it mounts at
+    /// `parent`, read-only.
     carried: Vec<CString>,
 }
 
@@ -1131,7 +1138,8 @@ impl Jail {
             fd,
             root,
             run_dir,
-            parent,
+            mount_point,
+            between,
             carried,
         } = base;
         // SAFETY: `run_dir` is NUL-terminated.
@@ -1142,19 +1150,39 @@ impl Jail {
         if tree < 0 {
             return fail(format!("clone the mount of {}", run_dir.to_string_lossy()));
         }
-        let joined = self.attach_in_base((*fd, *root), tree, run_dir, parent, carried, flags, mark);
+        // The spawn's files beside the run directory, cloned from the host's tree too;
+        // one missing on the host is skipped (whoever needs it reports it).
+        let mut clones = Vec::new();
+        for path in carried {
+            let fd = clone_mount(path);
+            if fd >= 0 {
+                clones.push((fd, path));
+            } else if last_errno() != libc::ENOENT {
+                let failure = fail(format!("clone the mount of {}", path.to_string_lossy()));
+                close(tree);
+                clones.iter().for_each(|&(fd, _)| close(fd));
+                return failure;
+            }
+        }
+        let joined = self.attach_in_base(
+            (*fd, *root),
+            tree,
+            (run_dir, mount_point, between),
+            &clones,
+            flags,
+            mark,
+        );
         close(tree);
+        clones.iter().for_each(|&(fd, _)| close(fd));
         joined
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn attach_in_base(
         &self,
         (base, root): (RawFd, RawFd),
         tree: RawFd,
-        run_dir: &CStr,
-        parent: &CStr,
-        carried_paths: &[CString],
+        places: (&CStr, &CStr, &[CString]),
+        carried: &[(RawFd, &CString)],
         flags: libc::c_int,
         mark: &dyn Fn(&'static str),
     ) -> Step<()> {
@@ -1182,43 +1210,31 @@ impl Jail {
             "unshare".into()
         })?;
         mark("jail_unshared");
-        // The base's binds right in `parent`, cloned (flags and all) before the tmpfs
-        // covers them; a path the base skipped (missing on the host) is skipped here.
-        let mut carried = Vec::new();
-        for path in carried_paths {
-            let fd = clone_mount(path);
-            if fd >= 0 {
-                carried.push((fd, path));
-            } else if last_errno() != libc::ENOENT {
-                let failure = fail(format!("clone the mount of {}", path.to_string_lossy()));
-                carried.iter().for_each(|&(fd, _)| close(fd));
-                return failure;
-            }
-        }
-        let attached = self.attach_own(tree, run_dir, parent, &carried, mark);
-        carried.iter().for_each(|&(fd, _)| close(fd));
-        attached
+        self.attach_own(tree, places, carried, mark)
     }
 
-    /// The tmpfs of the child's own at `parent`, its run directory and the carried
-    /// mounts moved there, then `/proc`.
+    /// The tmpfs of the child's own at `mount_point`, the directories down to its run
+    /// directory's parent, its run directory and the carried mounts moved there, then
+    /// `/proc`.
     fn attach_own(
         &self,
         tree: RawFd,
-        run_dir: &CStr,
-        parent: &CStr,
+        (run_dir, mount_point, between): (&CStr, &CStr, &[CString]),
         carried: &[(RawFd, &CString)],
         mark: &dyn Fn(&'static str),
     ) -> Step<()> {
         mount(
             Some(c"tmpfs"),
-            parent,
+            mount_point,
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
             Some(c"size=16k,mode=0755"),
-            || format!("tmpfs at {}", parent.to_string_lossy()),
+            || format!("tmpfs at {}", mount_point.to_string_lossy()),
         )?;
         mark("jail_tmpfs");
+        for dir in between {
+            mkdir(dir)?;
+        }
         mkdir(run_dir)?;
         // SAFETY: `tree` is open_tree's detached mount, `run_dir` NUL-terminated; an
         // empty source path names `tree` itself.
@@ -1233,6 +1249,7 @@ impl Jail {
             )
         };
         check(rc, || format!("bind {}", run_dir.to_string_lossy()))?;
+        let bind_flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV;
         for &(fd, path) in carried {
             let dir =
                 matches!(fstat(fd), Some((_, _, mode)) if mode & libc::S_IFMT == libc::S_IFDIR);
@@ -1254,18 +1271,22 @@ impl Jail {
                 )
             };
             check(rc, || format!("bind {}", path.to_string_lossy()))?;
+            // A clone of the host's mount keeps the host's flags: read-only here, as the
+            // root's binds are.
+            mount(None, path, None, bind_flags | libc::MS_RDONLY, None, || {
+                format!("remount {} read-only", path.to_string_lossy())
+            })?;
         }
-        let bind_flags = libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV;
         mount(None, run_dir, None, bind_flags, None, || {
             format!("remount {}", run_dir.to_string_lossy())
         })?;
         mount(
             None,
-            parent,
+            mount_point,
             None,
             bind_flags | libc::MS_RDONLY | libc::MS_NOEXEC,
             None,
-            || format!("remount {} read-only", parent.to_string_lossy()),
+            || format!("remount {} read-only", mount_point.to_string_lossy()),
         )?;
         mark("jail_binds");
         mount_proc(c"/proc")?;
@@ -1370,7 +1391,7 @@ impl ChildPlan {
         host_root: Option<(RawFd, u64, u64)>,
         held_netns: Option<RawFd>,
         netns: Option<String>,
-        base: Option<(RawFd, RawFd)>,
+        base: Option<(RawFd, RawFd, String)>,
     ) -> PyResult<Self> {
         if base.is_some() && jail.is_none() {
             return Err(PyValueError::new_err("a jail base is for a jail"));
@@ -1383,7 +1404,9 @@ impl ChildPlan {
                 cgroup_procs: cstrings(&procs)?,
                 log_path: log_path.as_deref().map(cstr_arg).transpose()?,
                 nice,
-                keep: base.map_or_else(Vec::new, |(ns, root)| vec![ns, root]),
+                keep: base
+                    .as_ref()
+                    .map_or_else(Vec::new, |(ns, root, _)| vec![*ns, *root]),
             }),
         };
         let net = match (netns, held_netns) {
@@ -1411,22 +1434,15 @@ impl ChildPlan {
                         RootPlan::new(&root, &read_only, &writable, shared.as_ref(), &[])
                             .map_err(|f| PyValueError::new_err(f.step))?,
                     ),
-                    (Some((fd, base_root)), [run_dir]) => {
-                        let parent = run_dir_parent(run_dir).ok_or_else(|| {
-                            PyValueError::new_err(format!(
-                                "run directory {run_dir:?} has no parent below / to hold it"
-                            ))
-                        })?;
-                        let carried = read_only
-                            .iter()
-                            .filter(|path| run_dir_parent(path) == Some(parent))
-                            .map(|path| cstr_arg(path))
-                            .collect::<PyResult<_>>()?;
+                    (Some((fd, base_root, mount_point)), [run_dir]) => {
+                        let (between, carried) = base_places(run_dir, &mount_point, &read_only)
+                            .map_err(PyValueError::new_err)?;
                         Root::Base(Base {
                             fd,
                             root: base_root,
                             run_dir: cstr_arg(run_dir)?,
-                            parent: cstr_arg(parent)?,
+                            mount_point: cstr_arg(&mount_point)?,
+                            between,
                             carried,
                         })
                     }
@@ -1525,18 +1541,63 @@ fn run_dir_parent(run_dir: &str) -> Option<&str> {
     (!parent.is_empty() && run_dir.starts_with('/')).then_some(parent)
 }
 
+/// Where a child of a jail base puts its own mounts (`Base`): the directories from
+/// `mount_point` (excluded) down to `run_dir`'s parent, and the read-only paths right
+/// in that parent (the spawner's FIFOs), each the child's to bind. A read-only path
+/// anywhere else under `mount_point` has no place in the base (it leaves out
+/// everything under it) nor in the child's tree: refused.
+fn base_places(
+    run_dir: &str,
+    mount_point: &str,
+    read_only: &[String],
+) -> Result<(Vec<CString>, Vec<CString>), String> {
+    let mount_point = mount_point.trim_end_matches('/');
+    let parent = run_dir_parent(run_dir)
+        .ok_or_else(|| format!("run directory {run_dir:?} has no parent below / to hold it"))?;
+    if !holds(mount_point, parent) || mount_point.is_empty() {
+        return Err(format!(
+            "run directory {run_dir:?} is not under {mount_point:?}, where its jail base \
+             holds the run directories"
+        ));
+    }
+    let c = |path: &str| CString::new(path).map_err(|_| format!("a NUL byte in {path:?}"));
+    let mut between = Vec::new();
+    let mut at = mount_point.len();
+    while at < parent.len() {
+        at = parent[at + 1..]
+            .find('/')
+            .map_or(parent.len(), |i| at + 1 + i);
+        between.push(c(&parent[..at])?);
+    }
+    let mut carried = Vec::new();
+    for path in read_only {
+        if run_dir_parent(path) == Some(parent) {
+            carried.push(c(path)?);
+        } else if holds(mount_point, path) || holds(path, mount_point) {
+            return Err(format!(
+                "read-only path {path:?} is at, above or under {mount_point:?}, where a \
+                 jail base holds each child's run directory: bind it elsewhere, or \
+                 beside the run directories"
+            ));
+        }
+    }
+    Ok((between, carried))
+}
+
 /// A jail base (`Base`) for the jails whose root would hold `read_only` (sorted by
-/// length), the zygote's `shared` tree (its path and paths) and an empty directory at
-/// each of `run_dir_parents`, built on the empty directory `mount_at` (in a mount
-/// namespace of its own: the host sees nothing of it). Returns the namespace's
-/// descriptor and its root's (close-on-exec); raises `error(step, errno)` with nothing left behind.
+/// length; those under a mount point left out, each child's to bind), the zygote's
+/// `shared` tree (its path and paths) and an empty directory at each of
+/// `mount_points` (where children mount their run directories' tmpfs), built on the
+/// empty directory `mount_at` (in a mount namespace of its own: the host sees nothing
+/// of it). Returns the namespace's descriptor and its root's (close-on-exec); raises
+/// `error(step, errno)` with nothing left behind.
 #[pyfunction]
 pub fn jail_base(
     error: Bound<'_, PyType>,
     mount_at: &str,
     read_only: Vec<String>,
     shared: Option<(String, Vec<String>)>,
-    run_dir_parents: Vec<String>,
+    mount_points: Vec<String>,
 ) -> PyResult<(RawFd, RawFd)> {
     let shared = shared
         .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
@@ -1545,8 +1606,15 @@ pub fn jail_base(
         Ok(err) => PyErr::from_value(err),
         Err(err) => err,
     };
-    let plan = RootPlan::new(mount_at, &read_only, &[], shared.as_ref(), &run_dir_parents)
-        .map_err(raise)?;
+    // What is under a mount point is one batch's (the spawner's FIFOs beside its run
+    // directories): each child binds its own (`Base::carried`), so the base can serve
+    // later batches.
+    let read_only: Vec<String> = read_only
+        .into_iter()
+        .filter(|p| !mount_points.iter().any(|point| holds(point, p)))
+        .collect();
+    let plan =
+        RootPlan::new(mount_at, &read_only, &[], shared.as_ref(), &mount_points).map_err(raise)?;
     // The thread touches no Python object; the GIL stays held (the zygote has no
     // other thread that could run meanwhile).
     build_base(plan).map_err(raise)
@@ -1686,6 +1754,45 @@ mod tests {
         assert_eq!(num_threads(b"no parenthesis at all"), None);
         // This process's own line parses (the harness runs tests on threads of its own).
         assert!(thread_count().is_some_and(|n| n >= 1));
+    }
+
+    #[test]
+    fn a_base_child_makes_the_way_down_to_its_run_directory_and_binds_what_is_beside_it() {
+        let strings = |v: Vec<CString>| -> Vec<String> {
+            v.into_iter().map(|c| c.into_string().unwrap()).collect()
+        };
+        let ro = |paths: &[&str]| paths.iter().map(|p| p.to_string()).collect::<Vec<_>>();
+        // The daemon's layout: a directory per spawn in `run/`, its FIFOs beside the
+        // run directories; the snapshot's files elsewhere are the base's.
+        let (between, carried) = base_places(
+            "/state/run/spawn-ab/vm1",
+            "/state/run/",
+            &ro(&[
+                "/state/snapshots/s/memory.bin",
+                "/state/run/spawn-ab/.notify-1",
+            ]),
+        )
+        .unwrap();
+        assert_eq!(strings(between), ["/state/run/spawn-ab"]);
+        assert_eq!(strings(carried), ["/state/run/spawn-ab/.notify-1"]);
+        // The run directories' parent itself: nothing to make.
+        let (between, carried) =
+            base_places("/run/vms/vm1", "/run/vms", &ro(&["/run/vms/.start-2"])).unwrap();
+        assert!(between.is_empty());
+        assert_eq!(strings(carried), ["/run/vms/.start-2"]);
+        let (between, _) = base_places("/r/a/b/vm", "/r", &[]).unwrap();
+        assert_eq!(strings(between), ["/r/a", "/r/a/b"]);
+        // A run directory elsewhere, a name that only extends the mount point's, and a
+        // read-only path under it but not beside the run directory are refused.
+        assert!(base_places("/elsewhere/vm1", "/state/run", &[]).is_err());
+        assert!(base_places("/state/runx/vm1", "/state/run", &[]).is_err());
+        let deeper = ro(&["/state/run/other/file"]);
+        assert!(
+            base_places("/state/run/spawn-ab/vm1", "/state/run", &deeper)
+                .unwrap_err()
+                .contains("/state/run/other/file")
+        );
+        assert!(base_places("/state/run/spawn-ab/vm1", "/state/run", &ro(&["/state"])).is_err());
     }
 
     #[test]

@@ -130,39 +130,54 @@ def test_a_jailed_child_reaches_kvm_and_nothing_of_the_host(client: ZygoteClient
     assert report["private_preopened"] == "guest memory"
 
 
-def test_jailed_siblings_of_one_batch_see_neither_each_other_nor_the_host(
-        client: ZygoteClient, zygote: ZygoteProcess, base: Path) -> None:
-    """Two jailed children of one batch, their run directories side by side: each sees
-    its own directory and files alone in their parent (not the sibling's, nor its name),
-    nothing of the host directory above but the way down to it, and no mount point but
-    its root, the shared tree, its run directory (and the tmpfs above it), and /proc.
-    After the batch the zygote holds no mount namespace of a jail base."""
-    parent = base / "siblings" / vid()
+def _neighbours(client: ZygoteClient, base: Path, parent: Path, fifo: str, uid: int,
+                *read_only: str) -> dict[str, dict[str, object]]:
+    """Two jailed children of one batch, their run directories side by side in
+    ``parent`` with the spawner's FIFO ``fifo`` beside them: each one's report
+    (``jail_neighbours``), by name."""
     names = [vid(), vid()]
     for name in names:
         (parent / name).mkdir(parents=True)
         (parent / name / f"secret-{name}").write_text(name)
-    (base / "siblings" / "host-file").write_text("the host's")
-    # Beside the run directories, as the spawner's FIFOs are: in every jail, read-only.
-    os.mkfifo(parent / ".batch-fifo", 0o666)
+    os.mkfifo(parent / fifo, 0o666)
     items = [SpawnItem(name, {
         "run_dir": str(parent / name), "log_path": str(base / f"{name}.log"),
-        "host_dir": str(base / "siblings"), "sibling_dir": str(parent / other),
+        "host_dir": str(parent.parent), "sibling_dir": str(parent / other),
         "sibling_file": str(parent / other / f"secret-{other}"),
-        "fifo": str(parent / ".batch-fifo")}, jail=_jail(71010 + i, str(parent / ".batch-fifo")))
+        "fifo": str(parent / fifo), **({"state": read_only[0]} if read_only else {})},
+        jail=_jail(uid + i, str(parent / fifo), *read_only))
         for i, (name, other) in enumerate(zip(names, reversed(names)))]
     result = client.spawn_many(E + "jail_neighbours", items)
     assert not result.failed and len(result.children) == 2
-    held = {os.readlink(f"/proc/{zygote.proc.pid}/fd/{fd}")
-            for fd in os.listdir(f"/proc/{zygote.proc.pid}/fd")}
-    assert not [link for link in held if link.startswith("mnt:")], held
+    reports = {}
     for name in names:
         event = client.wait(name)
         log = (base / f"{name}.log").read_text()
         assert event.exit_code == 0, log
-        report = json.loads(log.splitlines()[-1])
+        reports[name] = json.loads(log.splitlines()[-1])
+    return reports
+
+
+def _bases(client: ZygoteClient) -> tuple[int, int]:
+    """The zygote's jail bases: how many it keeps, and how many it built so far."""
+    bases = client.ping()["jail_bases"]
+    return bases["kept"], bases["built"]
+
+
+def test_jailed_siblings_of_one_batch_see_neither_each_other_nor_the_host(
+        client: ZygoteClient, zygote: ZygoteProcess, base: Path) -> None:
+    """Two jailed children of one batch, their run directories side by side: each sees
+    its own directory and files alone in their parent (not the sibling's, nor its name),
+    nothing of the host directory above but the way down to it, the batch's FIFO
+    read-only, and no mount point but its root, the shared tree, its run directory (and
+    the tmpfs above it), the FIFO and /proc."""
+    parent = base / "siblings" / vid()
+    (base / "siblings").mkdir(exist_ok=True)
+    (base / "siblings" / "host-file").write_text("the host's")
+    reports = _neighbours(client, base, parent, ".batch-fifo", 71010)
+    for name, report in reports.items():
         assert report["parent"] == [".batch-fifo", name]
-        assert report["fifo"] == "fifo"
+        assert report["fifo"] == "fifo" and "ro" in report["fifo_options"]
         assert report["own"] == [f"secret-{name}"]
         assert report["host"] == [parent.name]
         assert report["sibling_file"].startswith("refused: FileNotFoundError")
@@ -170,7 +185,97 @@ def test_jailed_siblings_of_one_batch_see_neither_each_other_nor_the_host(
         mounts = {m for m in report["mounts"] if not m.startswith(jail.SHARED_AT)}
         assert mounts <= {"/", "/proc", str(parent), str(parent / name),
                           str(parent / ".batch-fifo")}, mounts
-        assert {"/", "/proc", str(parent / name)} <= mounts
+        assert {"/", "/proc", str(parent / name), str(parent / ".batch-fifo")} <= mounts
+
+
+def test_a_jail_base_serves_the_next_batches_until_what_it_binds_changes(
+        client: ZygoteClient, zygote: ZygoteProcess, base: Path) -> None:
+    """The zygote keeps a batch's jail base (``jail.KeptBases``): the next batch of the
+    same jail joins it, and sees its own FIFO, not the one before it (a spawn's files
+    are never in a base). A read-only path published again (a new inode) gets a new
+    base, which shows the new file; the old one is let go of."""
+    parent = base / "kept" / vid()
+    snapshot = base / "kept-snapshot"
+    snapshot.mkdir()
+    (snapshot / "state.bin").write_text("first")
+    first = _neighbours(client, base, parent, ".notify-a", 71020, str(snapshot / "state.bin"))
+    kept, built = _bases(client)
+    (parent / ".notify-a").unlink()      # as the spawner does once its batch is spawned
+    again = _neighbours(client, base, parent, ".notify-b", 71020, str(snapshot / "state.bin"))
+    assert _bases(client) == (kept, built)
+    for name, report in again.items():
+        assert report["parent"] == [".notify-b", name]
+        assert report["fifo"] == "fifo" and "ro" in report["fifo_options"]
+    assert {r["state"] for r in [*first.values(), *again.values()]} == {"first"}
+    (snapshot / "state.tmp").write_text("second")
+    os.replace(snapshot / "state.tmp", snapshot / "state.bin")
+    (parent / ".notify-b").unlink()
+    after = _neighbours(client, base, parent, ".notify-c", 71020, str(snapshot / "state.bin"))
+    assert {r["state"] for r in after.values()} == {"second"}
+    assert _bases(client) == (kept, built + 1)
+    # The zygote's descriptors of them: a namespace's and its root's each.
+    fds = f"/proc/{zygote.proc.pid}/fd"
+    assert len([fd for fd in os.listdir(fds) if os.readlink(f"{fds}/{fd}").startswith("mnt:")
+                ]) == kept
+
+
+def test_spawns_in_directories_of_their_own_share_the_base_of_their_runs_in(
+        client: ZygoteClient, base: Path) -> None:
+    """The daemon gives each spawn a directory of its own in ``run/`` and names ``run/``
+    the jails' ``runs_in``: every spawn joins one base, and each child sees the way
+    down to its own run directory and its batch's FIFO, nothing of another spawn's. A
+    run directory outside ``runs_in``, or a read-only path inside it that is not
+    beside the run directory, is refused with the reason."""
+    runs_in = base / "daemon-run"
+    batches = [runs_in / f"spawn-{i}" for i in range(2)]
+    for batch in batches:
+        batch.mkdir(parents=True)
+        os.mkfifo(batch / ".notify-x", 0o666)
+    built = None
+    for batch in batches:
+        name = vid()
+        (batch / name).mkdir()
+        child = client.spawn(E + "jail_neighbours", {
+            "run_dir": str(batch / name), "log_path": str(base / f"{name}.log"),
+            "host_dir": str(runs_in), "sibling_dir": str(batches[0]),
+            "sibling_file": str(batches[0] / "no-file"), "fifo": str(batch / ".notify-x"),
+            "linger": 0}, vm_id=name,
+            jail={**_jail(71040, str(batch / ".notify-x")), "runs_in": str(runs_in)})
+        event = client.wait(child.vm_id)
+        log = (base / f"{name}.log").read_text()
+        assert event.exit_code == 0, log
+        report = json.loads(log.splitlines()[-1])
+        assert report["host"] == [batch.name]
+        assert report["parent"] == [".notify-x", name]
+        assert "ro" in report["fifo_options"]
+        if batch is batches[1]:   # the first batch's directory is not in the second's jail
+            assert report["sibling_dir"].startswith("refused: FileNotFoundError")
+        assert built is None or _bases(client)[1] == built
+        built = _bases(client)[1]
+    with pytest.raises(ZygoteError, match="is not under jail.runs_in"):
+        client.spawn(E + "sleep", {"run_dir": str(base / "outside" / vid())}, vm_id=vid(),
+                     jail={**_jail(71041), "runs_in": str(runs_in)})
+    with pytest.raises(ZygoteError, match="where a jail base holds each child's run"):
+        client.spawn(E + "sleep", {"run_dir": str(batches[0] / vid())}, vm_id=vid(),
+                     jail={**_jail(71041, str(runs_in / "elsewhere" / "file")),
+                           "runs_in": str(runs_in)})
+    with pytest.raises(ZygoteError, match="jail.runs_in must be an absolute path"):
+        client.spawn(E + "sleep", {"run_dir": str(batches[0] / vid())}, vm_id=vid(),
+                     jail={**_jail(71041), "runs_in": "relative/run"})
+
+
+def test_the_zygote_keeps_a_bounded_number_of_jail_bases(client: ZygoteClient,
+                                                         base: Path) -> None:
+    """One base per jail request and run directories' parent, at most
+    ``jail.KEPT_BASES`` of them: the least recently used one goes first."""
+    for i in range(jail.KEPT_BASES + 2):
+        parent = base / "many" / vid()
+        parent.mkdir(parents=True)
+        child = client.spawn(E + "sleep", {"run_dir": str(parent / vid())}, vm_id=vid(),
+                             jail=_jail(71030, str(base / "many" / f"path-{i}")))
+        client.kill_and_wait(child.vm_id)
+    kept, built = _bases(client)
+    assert kept == jail.KEPT_BASES and built >= jail.KEPT_BASES + 2
 
 
 @pytest.mark.parametrize("call", ["execve", "socket_inet", "ptrace"])

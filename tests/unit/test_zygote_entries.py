@@ -231,6 +231,7 @@ def jail_neighbours(args: dict[str, Any]) -> int:
 
     run_dir = Path(args["run_dir"])
     time.sleep(float(args.get("linger", 0.5)))   # the sibling builds its jail meanwhile
+    mountinfo = Path("/proc/self/mountinfo").read_text().splitlines()
     report = {
         "parent": sorted(os.listdir(run_dir.parent)),
         "host": sorted(os.listdir(args["host_dir"])),
@@ -238,9 +239,12 @@ def jail_neighbours(args: dict[str, Any]) -> int:
         "sibling_file": attempt(lambda: open(args["sibling_file"], "rb").close()),
         "sibling_dir": attempt(lambda: os.listdir(args["sibling_dir"])),
         "fifo": "fifo" if stat.S_ISFIFO(os.stat(args["fifo"]).st_mode) else "not a fifo",
-        "mounts": sorted({line.split()[4] for line in
-                          Path("/proc/self/mountinfo").read_text().splitlines()}),
+        "fifo_options": next((line.split()[5].split(",") for line in mountinfo
+                              if line.split()[4] == args["fifo"]), []),
+        "mounts": sorted({line.split()[4] for line in mountinfo}),
     }
+    if "state" in args:
+        report["state"] = Path(args["state"]).read_text()
     print(json.dumps(report), flush=True)
     return 0
 

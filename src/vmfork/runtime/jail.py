@@ -47,18 +47,19 @@ this order (each step needs the privileges the next ones drop):
    reached through ``openfiles.open_device``, like the tap. ``pivot_root`` into it,
    the old root detached, the new root remounted read-only.
    *A zygote's children* do not each build that root: a batch's jailed children of one
-   request join a **jail base** (``build_base``, ``native/src/child.rs``'s ``Base``),
+   request join a **jail base** (``KeptBases``, ``native/src/child.rs``'s ``Base``),
    a mount namespace the zygote lays out, pivots into and detaches from once, on a
-   thread of its own, with everything above but the run directory and ``/proc``, and
-   an empty directory at the run directories' parent. Each child clones its run
-   directory's mount while it still sees the host (``open_tree``), ``setns``es into the
-   base, ``unshare``s a copy of that small tree (every mount in it private), mounts a
-   tmpfs of its own over the parent (so no sibling's directory, not even its name, is
-   there), moves its run directory there and mounts ``/proc`` of its own PID
-   namespace: no copy of the zygote's whole tree and no old root to detach per child,
+   thread of its own, with everything above but the run directory, the spawn's files
+   beside it and ``/proc``, and an empty directory at the run directories' parent.
+   Each child clones its run directory's mount and those files' while it still sees
+   the host (``open_tree``), ``setns``es into the base, ``unshare``s a copy of that
+   small tree (every mount in it private), mounts a tmpfs of its own over the parent
+   (so no sibling's directory, not even its name, is there), moves its clones there
+   (the files read-only) and mounts ``/proc`` of its own PID namespace: no copy of the zygote's whole tree and no old root to detach per child,
    each a wait behind every sibling for the kernel's namespace lock and an RCU grace
-   period. The base's descriptor is the zygote's until the batch is forked; it goes
-   away, mounts and all, once the last child has moved on to its own copy.
+   period. The zygote keeps a base for the next batches of the same request while
+   what it binds is unchanged (``KeptBases``); it goes away, mounts and all, once the
+   zygote lets go of it and the last child has moved on to its own copy.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
    ``setresgid``/``setresuid`` to the jail's ids (an unused uid per sandbox, from the
    configured range): the kernel clears every capability at that change.
@@ -275,7 +276,7 @@ class SharedTree:
         self.path = path
         self.paths = _outermost(paths)
         self.base_at = path + "-base"
-        """An empty directory a jail base's root is mounted on (``build_base``), in the
+        """An empty directory a jail base's root is mounted on (``KeptBases``), in the
         base's own mount namespace only."""
 
     @classmethod
@@ -359,31 +360,100 @@ def check_netns(name: object) -> str:
     return name
 
 
-def build_base(spec: JailSpec, run_dir_parent: str) -> tuple[int, int]:
-    """A jail base for children of ``spec``'s request (``native/src/child.rs``'s
-    ``Base``): a mount namespace holding the root every such jail would lay out alike
-    (``spec``'s read-only paths and shared tree, an empty ``/proc`` and an empty
-    ``run_dir_parent``), built, pivoted into and detached from once, where each child
-    then joins it and attaches its own run directory and ``/proc``. Returns the
-    namespace's descriptor and its root's, the base's only holders besides the children
-    that join it:
-    the caller closes it once the batch is forked. Needs the zygote's ``SharedTree``
-    (its directory is where the base is built). Raises ``JailError``."""
-    from vmfork import _core
-    if spec.shared is None:
-        raise JailError("a jail base needs the zygote's shared tree", errno.EINVAL)
-    return _core.jail_base(JailError, spec.shared.base_at, sorted(set(spec.read_only), key=len),
-                           (spec.shared.path, list(spec.shared.paths)), [run_dir_parent])
+KEPT_BASES = 8
+"""How many jail bases a zygote keeps (``KeptBases``): one per jail request and run
+directories' parent its spawners use (a daemon's spawns share one of each per snapshot
+and volume set), least recently used first out."""
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+class KeptBases:
+    """The zygote's jail bases (``native/src/child.rs``'s ``Base``), kept across
+    batches: a mount namespace holding the root every jail of a request would lay out
+    alike (its read-only paths and the shared tree, an empty ``/proc`` and an empty
+    run directories' parent), built, pivoted into and detached from once, which each
+    child joins to attach its own run directory, the spawn's files beside it (the
+    spawner's FIFOs, never in a base) and ``/proc``. A base costs its build (~6 ms of
+    a lone spawn in the emulated test host) once, not once per batch.
+
+    A base shows what its read-only paths were when it was built, so it is kept by
+    what it binds (the paths, the shared tree, the run directories' parent) and by
+    each path's identity then (``st_dev``, ``st_ino``, or missing): a path replaced
+    (a snapshot published again under the same name), removed or made since is a new
+    inode, and the base is built again. A path removed on the host drops its mount in
+    the base too (the kernel detaches a mount whose mount point another namespace
+    unlinks), so a kept base holds no deleted snapshot's blocks. At most ``capacity``
+    are kept; the descriptors are the base's only holders besides the children that
+    joined it, and ``close`` lets every one go."""
+
+    def __init__(self, capacity: int = KEPT_BASES) -> None:
+        self.capacity = capacity
+        # key -> (namespace fd, root fd, identities); in order of use, oldest first.
+        self._kept: dict[tuple[object, ...], tuple[int, int, tuple[tuple[int, int] | None,
+                                                                     ...]]] = {}
+        self.built = 0
+        """Bases built so far (the tests read it)."""
+
+    def get(self, spec: JailSpec, mount_point: str) -> tuple[int, int, str]:
+        """The base for ``spec``'s jails whose run directories are under ``mount_point``
+        (their parent, or ``jail.runs_in`` above it, where every spawn's are): the
+        namespace's descriptor and its root's, owned here, and ``mount_point``, as
+        ``plan`` takes them. Needs the zygote's ``SharedTree`` (its directory is where a
+        base is built). Raises ``JailError``."""
+        from vmfork import _core
+        if spec.shared is None:
+            raise JailError("a jail base needs the zygote's shared tree", errno.EINVAL)
+        # What is under the mount point is one batch's (the spawner's FIFOs beside its
+        # run directories): each child binds it (the native ``jail_base`` leaves it out
+        # the same way).
+        point = mount_point.rstrip("/")
+        read_only = sorted({p for p in spec.read_only
+                            if p != point and not p.startswith(point + "/")}, key=len)
+        key = (frozenset(read_only), spec.shared.base_at, spec.shared.path,
+               tuple(spec.shared.paths), point)
+        identities = tuple(_identity(p) for p in read_only)
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            if kept[2] == identities:
+                self._kept[key] = kept
+                return kept[0], kept[1], point
+            self._close(kept)
+        fd, root = _core.jail_base(JailError, spec.shared.base_at, read_only,
+                                   (spec.shared.path, list(spec.shared.paths)), [point])
+        self.built += 1
+        self._kept[key] = (fd, root, identities)
+        while len(self._kept) > self.capacity:
+            self._close(self._kept.pop(next(iter(self._kept))))
+        return fd, root, point
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def close(self) -> None:
+        while self._kept:
+            self._close(self._kept.popitem()[1])
+
+    @staticmethod
+    def _close(kept: tuple[int, int, object]) -> None:
+        os.close(kept[0])
+        os.close(kept[1])
 
 
 def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, int] | None = None,
-         base: tuple[int, int] | None = None) -> ChildPlan:
+         base: tuple[int, int, str] | None = None) -> ChildPlan:
     """The native plan (``_core.ChildPlan``, ``native/src/child.rs``) of the jail
     ``spec`` and, for a zygote child, of its set-up (``zygote_child``: the zygote's pid,
     its pidfd for a PID namespace's first process, the ``cgroup.procs`` files to join,
     the log, the nice value): everything resolved here, before the fork, so the child runs the steps
-    without building a Python object. ``base``: a jail base's descriptors
-    (``build_base``, for this spec's request and run directory), which the child joins
+    without building a Python object. ``base``: a jail base's descriptors and mount
+    point (``KeptBases.get``, for this spec's request and run directory), which the child joins
     instead of building its own root. Raises ``JailError`` for a spec no jail can be
     built from."""
     from vmfork import _core

@@ -132,7 +132,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
                   jail: bool | None = None,
                   volumes: Sequence[PreparedVolume] = (),
                   vm_ids: Sequence[str] | None = None,
-                  networks: Sequence[ChildNetwork] | None = None) -> ForkReport:
+                  networks: Sequence[ChildNetwork] | None = None,
+                  runs_in: Path | None = None) -> ForkReport:
     """Spawn ``n`` children and wait until every one is ready (``wait_for="ready"``)
     or only restored and running (``"restored"``), or failed.
 
@@ -157,6 +158,11 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
     ``vm_ids``: the children's ids (default: new ones), and ``networks``: networks
     that exist already, one per child, kept by the caller whatever happens here --
     how a paused sandbox is resumed into its own id and network.
+
+    ``runs_in``: a directory that holds ``run_root`` and every other spawn's (the
+    daemon's ``run/``, which holds a directory per spawn): the zygote keeps one jail
+    base there for all of them (``jail.KeptBases``), where by default it keeps one
+    per ``run_root``.
     """
     if jail is None:
         jail = jail_by_default()
@@ -196,6 +202,8 @@ def fork_children(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: Pa
             gate = _Fifo.create(run_root / f".start-{token}", 0o644 if jail else 0o600)
         jail_request = _jail_request(snapshot, [notify.path] + ([gate.path] if gate else []),
                                      volumes) if jail else None
+        if jail_request is not None and runs_in is not None:
+            jail_request["runs_in"] = str(runs_in)
         report = _fork_and_wait(zygote, snapshot, n, run_root, memory_limit_mib, timeout,
                                 done_states, progress, notify, gate, nets, jail_request,
                                 [v.to_json() for v in volumes], vm_ids)

@@ -108,9 +108,9 @@ from vmfork.runtime import cgroups, supervise
 from vmfork.runtime.jail import (
     JailError,
     JailSpec,
+    KeptBases,
     PidNamespaces,
     SharedTree,
-    build_base,
     hold_empty_netns,
     last_capability,
     own_mount_namespace,
@@ -237,34 +237,34 @@ class _JailRequest:
 
     spec: JailSpec
     uid_range: tuple[int, int] | None
+    runs_in: str | None = None
+    """Where every spawn's run directories are, below their batch's directory (the
+    daemon's ``run/``): a jail base there serves every batch of this request, where one
+    at a batch's own directory serves that batch alone (``Zygote._jail_base``)."""
 
 
 class _BatchJails:
     """A batch's jail requests, each checked and resolved once (``_resolve_jail``), and
-    its jail bases (``jail.build_base``), one per request and run directories' parent:
-    the bases' descriptors are closed when the batch is forked (a ``with`` block), so
-    once its children have joined them nothing holds them."""
+    its jail bases, one per request and run directories' parent, each looked up once
+    in the zygote's kept ones (``jail.KeptBases``: a base serves later batches too);
+    None where this batch could not have one."""
 
     def __init__(self) -> None:
         self.requests: dict[str, _JailRequest] = {}
-        self.bases: dict[tuple[int, str], tuple[int, int] | None] = {}
-
-    def __enter__(self) -> _BatchJails:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for fds in self.bases.values():
-            for fd in fds or ():
-                os.close(fd)
-        self.bases.clear()
+        self.bases: dict[tuple[int, str], tuple[int, int, str] | None] = {}
 
 
 def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
     if not isinstance(value, dict) or set(value) - {"uid", "gid", "uid_range", "read_only",
                                                     "devices", "preopen", "preopen_rw",
-                                                    "disk_keys", "volume_keys"}:
+                                                    "disk_keys", "volume_keys", "runs_in"}:
         raise RequestError("jail must be {uid, gid | uid_range, read_only: [path], "
-                           "devices: [path]}")
+                           "devices: [path], runs_in?: path}")
+    runs_in = value.get("runs_in")
+    if runs_in is not None and not (isinstance(runs_in, str) and os.path.isabs(runs_in)
+                                    and ".." not in runs_in.split("/")
+                                    and runs_in.strip("/")):
+        raise RequestError(f"jail.runs_in must be an absolute path below /, got {runs_in!r:.80}")
     uid, gid = value.get("uid"), value.get("gid")
     uid_range = None
     if "uid_range" in value:
@@ -304,7 +304,8 @@ def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
     return _JailRequest(JailSpec(root="", uid=uid, gid=gid, read_only=(
         *(python_paths() if shared is None else ()), *paths["read_only"]), shared=shared,
         devices=paths["devices"] or ("/dev/kvm",), env=env, preopen=paths["preopen"],
-        preopen_rw=paths["preopen_rw"]), uid_range)
+        preopen_rw=paths["preopen_rw"]), uid_range,
+        None if runs_in is None else os.path.normpath(runs_in))
 
 
 def _jail_spec(request: _JailRequest | None, run_dir: str | None, taken: set[int],
@@ -391,6 +392,7 @@ class Zygote:
             with contextlib.suppress(OSError):
                 self._pid_namespaces = PidNamespaces()
         self._shared_tree = self._build_shared_tree(socket_path)
+        self._kept_bases = KeptBases()
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
         self.by_pidfd: dict[int, _Child] = {}
@@ -606,7 +608,8 @@ class Zygote:
         return {"pid": self.pid, "preloaded": self.preloaded,
                 "preload_failed": self.preload_failed, "children": len(self.children),
                 "uptime_s": time.monotonic() - self.started, "lease_s": self.lease_s,
-                "lease_holders": self._lease_holders()}
+                "lease_holders": self._lease_holders(),
+                "jail_bases": {"kept": len(self._kept_bases), "built": self._kept_bases.built}}
 
     def _lease(self, req: dict[str, Any], conn: _Conn | None) -> dict[str, Any]:
         """``lease {seconds?}``: this connection holds the lease while it is open;
@@ -634,16 +637,15 @@ class Zygote:
 
     def _op_spawn(self, req: dict[str, Any]) -> dict[str, Any]:
         entry = self._resolve(req.get("entry"))
-        with _BatchJails() as jails:
-            prepared = self._prepare(req, jails)
-            self._before_forks(entry, [prepared])
-            try:
-                children, error = self._fork_batch(str(req["entry"]), entry, [prepared])
-                if error is not None:
-                    raise error
-            except BaseException:
-                self._discard(prepared)
-                raise
+        prepared = self._prepare(req, _BatchJails())
+        self._before_forks(entry, [prepared])
+        try:
+            children, error = self._fork_batch(str(req["entry"]), entry, [prepared])
+            if error is not None:
+                raise error
+        except BaseException:
+            self._discard(prepared)
+            raise
         return {"child": children[0].info()}
 
     def _op_spawn_many(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -651,8 +653,7 @@ class Zygote:
         items = req.get("items")
         if not isinstance(items, list):
             raise RequestError("spawn_many needs items: a list of {vm_id, args?, ...}")
-        with _BatchJails() as jails:
-            return self._spawn_batch(entry, str(req["entry"]), items, jails)
+        return self._spawn_batch(entry, str(req["entry"]), items, _BatchJails())
 
     def _spawn_batch(self, entry: Entry, name: str, items: list[Any], jails: _BatchJails
                      ) -> dict[str, Any]:
@@ -756,7 +757,7 @@ class Zygote:
         jail_spec = _jail_spec(request, run_dir, self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
         made_run_dir = False
-        base: tuple[int, int] | None = None
+        base: tuple[int, int, str] | None = None
         try:
             if limit is not None:
                 parent = str(req.get("cgroup_parent") or cgroups.DEFAULT_PARENT)
@@ -802,20 +803,27 @@ class Zygote:
         return request
 
     def _jail_base(self, request: _JailRequest, spec: JailSpec | None, jails: _BatchJails
-                   ) -> tuple[int, int] | None:
-        """The batch's jail base for ``spec`` (``jail.build_base``: one per request and
-        run directories' parent, built on its first child), or None where the jail
-        builds its own root: no shared tree (the zygote has no mount namespace of its
-        own), or a base that could not be built (logged, once per batch)."""
+                   ) -> tuple[int, int, str] | None:
+        """The jail base for ``spec`` (``jail.KeptBases``: one per request and mount
+        point, looked up on a batch's first child), or None where the jail builds its
+        own root: no shared tree (the zygote has no mount namespace of its own), or a
+        base that could not be built (logged, once per batch). Its mount point is the
+        request's ``runs_in`` (every batch's run directories below it: one base serves
+        them all), else the run directory's parent (this batch's alone)."""
         if spec is None or spec.shared is None or len(spec.writable) != 1:
             return None
-        key = (id(request), os.path.dirname(spec.writable[0].rstrip("/")))
+        parent = os.path.dirname(spec.writable[0].rstrip("/"))
+        point = parent if request.runs_in is None else request.runs_in
+        if not (parent == point or parent.startswith(point.rstrip("/") + "/")):
+            raise RequestError(f"args.run_dir {spec.writable[0]} is not under jail.runs_in "
+                               f"{point}")
+        key = (id(request), point)
         if key not in jails.bases:
             try:
-                jails.bases[key] = build_base(spec, key[1])
+                jails.bases[key] = self._kept_bases.get(spec, point)
             except JailError as err:
                 log.warning("no jail base for %s (%s): each jail builds its own root",
-                            key[1], err)
+                            point, err)
                 jails.bases[key] = None
         return jails.bases[key]
 
@@ -1046,6 +1054,7 @@ class Zygote:
             os.unlink(self.socket_path)
         except FileNotFoundError:
             pass
+        self._kept_bases.close()
         if self._shared_tree is not None:
             self._shared_tree.close()
 

@@ -203,13 +203,13 @@ def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException
 
 def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
          jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None,
-         netns: object = None, jail_base: tuple[int, int] | None = None) -> ChildPlan:
+         netns: object = None, jail_base: tuple[int, int, str] | None = None) -> ChildPlan:
     """The ``_core.ChildPlan`` of one spawn, built by the zygote before the fork.
     ``zygote_pidfd``: given when the child is the first process of a PID namespace of
     its own (a jailed one: ``jail.PidNamespaces``). ``netns``: an unjailed child's
     sandbox network namespace (``/run/netns/<name>``), joined by its set-up (a jail's
     spec names its own). ``jail_base``: the batch's jail base the jail joins
-    (``jail.build_base``). Raises ``JailError`` for a jail no child could build, or a
+    (``jail.KeptBases``). Raises ``JailError`` for a jail no child could build, or a
     namespace name no sandbox has."""
     set_up = (zygote_pid, zygote_pidfd,
               [str(path / "cgroup.procs") for path in cgroup.paths] if cgroup else [],

@@ -17,7 +17,8 @@ Requests (fields marked ? are optional):
 * ``list`` -> ``{children: [ChildInfo]}``
 * ``events {since?: 0}`` -> ``{events: [ExitEvent], next: N}`` (pass ``next`` back as
   ``since`` to get only newer events)
-* ``ping`` -> ``{pid, preloaded, children, uptime_s, lease_s, lease_holders}``
+* ``ping`` -> ``{pid, preloaded, children, uptime_s, lease_s, lease_holders, jail_bases:
+  {kept, built}}`` (the jail bases it keeps, ``jail.KeptBases``, and built so far)
 * ``lease {seconds?}`` -> ``{lease_s, holders}``: this connection holds the lease while
   it is open; with no holder for ``lease_s`` seconds the zygote kills its children
   and exits (``seconds`` sets ``lease_s``; see ``runtime.zygote``)

@@ -228,7 +228,8 @@ class ZygoteSpawner:
                                    timeout=SPAWN_READY_TIMEOUT_S,
                                    per_child_netns=network is not None or bool(networks),
                                    network=network, egress=egress, jail=self.jail,
-                                   volumes=volumes, vm_ids=vm_ids, networks=networks)
+                                   volumes=volumes, vm_ids=vm_ids, networks=networks,
+                                   runs_in=self.run_root)
         except SpawnFailed as err:
             self._kill_batch(client, batch)
             raise SpawnerError(f"spawn of {n} sandboxes from {snapshot.tag!r} failed: {err}; "
