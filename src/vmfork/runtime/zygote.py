@@ -245,8 +245,8 @@ class _JailRequest:
 
 class _BatchJails:
     """A batch's jail requests, each checked and resolved once (``_resolve_jail``), and
-    its jail bases, one per request and run directories' parent, each looked up once
-    in the zygote's kept ones (``jail.KeptBases``: a base serves later batches too);
+    its jail bases, one per request and mount point (``Zygote._jail_base``), each looked
+    up once in the zygote's kept ones (``jail.KeptBases``: a base serves later batches too);
     None where this batch could not have one."""
 
     def __init__(self) -> None:
