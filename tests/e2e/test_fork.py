@@ -222,10 +222,16 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, warm: Snapsh
     for leaks, and what keeps 200 cycles affordable in the emulated test host);
     every tenth batch waits for ready agents instead, and every other batch
     runs under a memory cgroup.
+
+    The zygote keeps the jail base these spawns join (``jail.KeptBases``: two
+    descriptors, bounded by ``jail.KEPT_BASES``): a first batch makes it before the
+    baseline, and every later batch must join that one, not build another.
     """
     client = zygote.client()
-    client.ping()  # the client connects lazily; its connection is part of the baseline
     use_cgroups = cgroups.detect() is not None
+    first = fork_children(client, warm, 1, run_root, timeout=600, wait_for="restored")
+    client.kill_and_wait(first.children[0].vm_id)
+    bases = client.ping()["jail_bases"]   # the client's connection: part of the baseline
     baseline = leak_snapshot(zygote.pid, run_root=str(run_root))
     for batch in range(LEAK_CYCLES // LEAK_BATCH):
         report = fork_children(
@@ -238,3 +244,4 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, warm: Snapsh
         for child in report.children:
             client.wait(child.vm_id)
     assert leak_snapshot(zygote.pid, run_root=str(run_root)) == baseline
+    assert client.ping()["jail_bases"] == bases
