@@ -706,9 +706,10 @@ impl RootPlan {
         let mut empty = Vec::new();
         for point in mount_points {
             // A per-child mount there would hide, or show through, the base's own: a
-            // bind or link of the base at, below or above it is refused.
-            // A file or directory right in it is each child's to bind (`Base::carried`,
-            // the spawner's FIFOs; a base leaves them out); anything deeper is a clash.
+            // bind or link of the base at, below or above it is refused. A file or
+            // directory right in it is no clash (a child's tmpfs covers it; the
+            // spawner's FIFOs are each child's to bind, `Base::carried`, and
+            // `jail.KeptBases` leaves them out of a base); anything deeper is.
             let in_point = |h: &str| run_dir_parent(h) == Some(point.trim_end_matches('/'));
             let clash = hosts
                 .iter()
@@ -948,10 +949,10 @@ struct Base {
     run_dir: CString,
     mount_point: CString,
     between: Vec<CString>,
-    /// The read-only paths right in `parent` (the spawner's FIFOs beside the run
-    /// directories, new for every batch): not in the base; each child clones them
-    /// from the host's tree, as its run directory, onto the tmpfs it mounts at
-    /// `parent`, read-only.
+    /// The read-only paths right in the run directory's parent (the spawner's FIFOs
+    /// beside the run directories, new for every batch): not in the base; each child
+    /// clones them from the host's tree, as its run directory, onto its own tmpfs,
+    /// read-only.
     carried: Vec<CString>,
 }
 
@@ -1585,11 +1586,11 @@ fn base_places(
 }
 
 /// A jail base (`Base`) for the jails whose root would hold `read_only` (sorted by
-/// length; those under a mount point left out, each child's to bind), the zygote's
-/// `shared` tree (its path and paths) and an empty directory at each of
-/// `mount_points` (where children mount their run directories' tmpfs), built on the
-/// empty directory `mount_at` (in a mount namespace of its own: the host sees nothing
-/// of it). Returns the namespace's descriptor and its root's (close-on-exec); raises
+/// length; what is under a mount point is each child's to bind, and `jail.KeptBases`
+/// leaves it out), the zygote's `shared` tree (its path and paths) and an empty
+/// directory at each of `mount_points` (where children mount their run directories'
+/// tmpfs), built on the empty directory `mount_at` (in a mount namespace of its own:
+/// the host sees nothing of it). Returns the namespace's descriptor and its root's (close-on-exec); raises
 /// `error(step, errno)` with nothing left behind.
 #[pyfunction]
 pub fn jail_base(
@@ -1606,13 +1607,6 @@ pub fn jail_base(
         Ok(err) => PyErr::from_value(err),
         Err(err) => err,
     };
-    // What is under a mount point is one batch's (the spawner's FIFOs beside its run
-    // directories): each child binds its own (`Base::carried`), so the base can serve
-    // later batches.
-    let read_only: Vec<String> = read_only
-        .into_iter()
-        .filter(|p| !mount_points.iter().any(|point| holds(point, p)))
-        .collect();
     let plan =
         RootPlan::new(mount_at, &read_only, &[], shared.as_ref(), &mount_points).map_err(raise)?;
     // The thread touches no Python object; the GIL stays held (the zygote has no

@@ -55,9 +55,9 @@ this order (each step needs the privileges the next ones drop):
    the host (``open_tree``), ``setns``es into the base, ``unshare``s a copy of that
    small tree (every mount in it private), mounts a tmpfs of its own over the parent
    (so no sibling's directory, not even its name, is there), moves its clones there
-   (the files read-only) and mounts ``/proc`` of its own PID namespace: no copy of the zygote's whole tree and no old root to detach per child,
-   each a wait behind every sibling for the kernel's namespace lock and an RCU grace
-   period. The zygote keeps a base for the next batches of the same request while
+   (the files read-only) and mounts ``/proc`` of its own PID namespace: no copy of the
+   zygote's whole tree and no old root to detach per child, each a wait behind every
+   sibling for the kernel's namespace lock and an RCU grace period. The zygote keeps a base for the next batches of the same request while
    what it binds is unchanged (``KeptBases``); it goes away, mounts and all, once the
    zygote lets go of it and the last child has moved on to its own copy.
 3. **Identity.** Capability bounding set emptied, no supplementary groups, then
@@ -361,8 +361,8 @@ def check_netns(name: object) -> str:
 
 
 KEPT_BASES = 8
-"""How many jail bases a zygote keeps (``KeptBases``): one per jail request and run
-directories' parent its spawners use (a daemon's spawns share one of each per snapshot
+"""How many jail bases a zygote keeps (``KeptBases``): one per jail request and mount
+point its spawners use (a daemon's spawns share one of each per snapshot
 and volume set), least recently used first out."""
 
 
@@ -411,8 +411,8 @@ class KeptBases:
         if spec.shared is None:
             raise JailError("a jail base needs the zygote's shared tree", errno.EINVAL)
         # What is under the mount point is one batch's (the spawner's FIFOs beside its
-        # run directories): each child binds it (the native ``jail_base`` leaves it out
-        # the same way).
+        # run directories): each child binds it (``native/src/child.rs``'s
+        # ``base_places``), so it is not in the base, which the next batches join.
         point = mount_point.rstrip("/")
         read_only = sorted({p for p in spec.read_only
                             if p != point and not p.startswith(point + "/")}, key=len)
