@@ -262,6 +262,31 @@ def test_the_knob_is_on_by_default_and_a_snapshot_with_no_native_machine_falls_b
         "ValueError: net_tap 'tap/0' is not a Linux interface name")
 
 
+def test_a_batch_looks_its_snapshot_up_once_and_the_next_batch_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot_dir = tmp_path / "snapshot"
+    snapshot_dir.mkdir()
+    shutil.copy(Path(__file__).parent / "golden" / "state-v1.bin", snapshot_dir / "state.bin")
+    (snapshot_dir / "memory.bin").write_bytes(b"")
+    args = {"vm_id": "vm1", "run_dir": str(tmp_path / "vm1"), "snapshot_dir": str(snapshot_dir)}
+    vmmchild.prefork([args])   # its warm-up fails on the empty memory file: logged
+    assert str(snapshot_dir) in vmmchild._batch_snapshots
+    # Its children take what the batch's prefork looked up, checking no file again.
+    def looked_up_again(snapshot_dir: str) -> None:
+        raise AssertionError(f"{snapshot_dir} looked up again for a child of its batch")
+    monkeypatch.setattr(vmmchild, "_native_snapshot", looked_up_again)
+    native = vmmchild.native_child(dict(args), None)
+    assert native is not None
+    monkeypatch.undo()
+    # The next batch's prefork replaces them: a snapshot it does not name is gone, and
+    # one that no longer loads is not kept; its child looks again, and is refused why.
+    (snapshot_dir / "state.bin").write_bytes(b"not a state file")
+    vmmchild.prefork([args])
+    assert str(snapshot_dir) not in vmmchild._batch_snapshots
+    with pytest.raises(Exception, match="state"):
+        vmmchild.native_child(dict(args), None)
+
+
 @needs_kvm
 def test_a_spawn_the_hook_refuses_runs_in_a_python_child_that_says_why(
         tmp_path: Path) -> None:

@@ -143,6 +143,33 @@ def test_events_cursor_returns_only_newer_exits(client: ZygoteClient) -> None:
     assert [(e.vm_id, e.exit_code) for e in events] == [(b, 2)]
 
 
+def test_spawn_many_gives_the_events_cursor_its_children_s_exits_are_newer_than(
+        client: ZygoteClient) -> None:
+    # An exit before the batch: at or below the cursor the batch's reply gives.
+    earlier = vid()
+    client.spawn(E + "exit_with", {"code": 1}, vm_id=earlier)
+    client.wait(earlier)
+    a, b = vid(), vid()
+    result = client.spawn_many(E + "exit_with", [SpawnItem(a, {"code": 3}),
+                                                 SpawnItem(b, {"code": 4})])
+    assert result.events_next is not None
+    client.wait(a)
+    client.wait(b)
+    events, _ = client.events(result.events_next)
+    assert sorted((e.vm_id, e.exit_code) for e in events) == sorted([(a, 3), (b, 4)])
+    assert {e.pid for e in events} == {c.pid for c in result.children}
+
+
+def test_a_spawn_item_is_sent_as_given_without_its_unset_fields() -> None:
+    args = {"nested": {"deep": [1, 2]}}
+    item = SpawnItem("vm-1", args, None, None, {"uid": 5})
+    wire = item.to_json()
+    assert wire == {"vm_id": "vm-1", "args": {"nested": {"deep": [1, 2]}}, "jail": {"uid": 5}}
+    assert wire["args"] is args, "encoded at once: no copy is made"
+    assert SpawnItem("vm-2", memory_limit_mib=64, cgroup_parent="p").to_json() == {
+        "vm_id": "vm-2", "args": {}, "memory_limit_mib": 64, "cgroup_parent": "p"}
+
+
 def test_list_shows_running_children_only(client: ZygoteClient) -> None:
     child = client.spawn(E + "sleep", vm_id=vid())
     assert child.vm_id in {c.vm_id for c in client.list()}

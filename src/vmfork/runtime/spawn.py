@@ -419,12 +419,15 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
             args.update(netns=nets[index].netns, net_tap=nets[index].tap)
         items.append(SpawnItem(vm_id, args, memory_limit_mib, jail=jail))
     notify_fd = notify.fd
-    # A child can die before it writes any status (killed, OOM, a crash in the
-    # restore): the zygote's exit events catch those; take the cursor first.
-    _, events_cursor = zygote.events()
     started = time.monotonic()
     result = zygote.spawn_many(VMM_ENTRY, items, timeout=timeout)
     spawned = time.monotonic()
+    # A child can die before it writes any status (killed, OOM, a crash in the
+    # restore): the zygote's exit events catch those, from the cursor its reply gives
+    # (a zygote older than that field: every event it keeps). An event counts by
+    # vm_id and pid: a resumed sandbox's id has an older exit event of its own.
+    events_cursor = result.events_next or 0
+    pids = {c.vm_id: c.pid for c in result.children}
     children = [Child(c.vm_id, c.pid, Path(c.run_dir or run_root / c.vm_id),
                       network=by_vm.get(c.vm_id)) for c in result.children]
     failed = list(result.failed)
@@ -470,7 +473,8 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
         if pending and time.monotonic() >= next_events_check:
             events, events_cursor = zygote.events(events_cursor)
             for event in events:
-                dead = pending.pop(event.vm_id) if event.vm_id in pending else None
+                dead = (pending.pop(event.vm_id) if event.vm_id in pending
+                        and pids.get(event.vm_id) == event.pid else None)
                 if dead is not None and dead.read_status().get("state") not in done_states:
                     tail = "; ".join(event.log_tail[-3:])
                     failed.append((event.vm_id, f"{event.description}"

@@ -374,6 +374,12 @@ def prefork(batch: list[dict[str, Any]]) -> None:
         except Exception as err:  # noqa: BLE001 -- each child reports it
             log.info("prefork: %s not prepared: %s", snapshot_dir, err)
     premap_memory(snapshot_dirs)
+    _batch_snapshots.clear()
+    for snapshot_dir in snapshot_dirs if zygote_child.NATIVE_CHILD else ():
+        try:
+            _batch_snapshots[snapshot_dir] = _native_snapshot(snapshot_dir)
+        except Exception:  # noqa: BLE001 -- native_child finds it again, and refuses
+            pass
 
 
 def _warm_up_restore(snapshot_dir: str) -> None:
@@ -448,7 +454,8 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
     vm_id = str(args["vm_id"])
     end = _child_ends.get(vm_id) or _child_end(args)
     snapshot_dir = str(args["snapshot_dir"])
-    state, _ = load_snapshot(snapshot_dir)
+    snapshot = _batch_snapshots.get(snapshot_dir) or _native_snapshot(snapshot_dir)
+    state = snapshot.state
     volumes, mounts = _child_volumes(state, args, jail_spec)
     jailed = jail_spec is not None
     notify, gate = args.get("notify_path"), args.get("start_gate")
@@ -465,11 +472,45 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
         profile=spawnprofile.MODE is not None,
         # A restored machine's RAM is its snapshot's file, mapped MAP_PRIVATE: what a
         # Python child's SnapshotTaker.bases says before its first capture.
-        snapshot_bases=[(restore_base_tag(*load_memory(snapshot_dir)), BASE_RESTORE)],
+        snapshot_bases=[(snapshot.base_tag, BASE_RESTORE)],
         snapshot_tracking=tracking())
     return zygote_child.NativeChild(
-        life, _native_machine(args, jail_spec, volumes), NATIVE_HANDOVER,
+        life, _native_machine(args, jail_spec, volumes, snapshot), NATIVE_HANDOVER,
         functools.partial(_native_prelude, snapshot_dir, jail_spec))
+
+
+@dataclass(frozen=True)
+class _NativeSnapshot:
+    """What every native child of one snapshot shares: its decoded state, its machine
+    (``_snapshot_machine``), the premaps a child forked next inherits
+    (``inherited_ram``) and its restore base's tag."""
+
+    state: MachineState
+    machine: Any            # _core.SnapshotMachinePlan
+    memory_file: str
+    disks: dict[int, str]
+    premapped: list[tuple[int, int, int]] | None
+    other_premaps: list[tuple[int, int]]
+    base_tag: str | None
+
+
+def _native_snapshot(snapshot_dir: str) -> _NativeSnapshot:
+    """``_NativeSnapshot`` of ``snapshot_dir``, its files checked (``load_snapshot``,
+    ``load_memory``: a ``stat`` each) and its premaps looked up; raises what they raise
+    for a snapshot a native child cannot restore."""
+    state, _ = load_snapshot(snapshot_dir)
+    machine, memory_file, disks = _snapshot_machine(snapshot_dir)
+    premapped, other_premaps = inherited_ram(snapshot_dir)
+    return _NativeSnapshot(state, machine, memory_file, disks, premapped, other_premaps,
+                           restore_base_tag(*load_memory(snapshot_dir)))
+
+
+# The batch being forked: each snapshot's ``_NativeSnapshot``, made once by ``prefork``
+# (which checked its files), so its children do not check them again one by one
+# (~5 ``stat`` calls of the same few files a child, and the lookups around them).
+# Replaced at every batch; a snapshot missing here (it failed) is looked up again by
+# its child's ``native_child``, which then refuses with the reason.
+_batch_snapshots: dict[str, _NativeSnapshot] = {}
 
 
 # Each snapshot's native machine (``_core.SnapshotMachinePlan``), keyed by its
@@ -595,19 +636,18 @@ def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,
 
 
 def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None,
-                    volumes: list[ChildVolume]) -> Any:
+                    volumes: list[ChildVolume], snapshot: _NativeSnapshot) -> Any:
     """The plan of the machine a native child restores from ``args["snapshot_dir"]``
-    (``_core.ChildMachinePlan``): its snapshot's, with its run directory, the premaps
-    it inherits (``inherited_ram``), its own ``volumes`` (``_child_volumes``) and,
+    (``_core.ChildMachinePlan``): its ``snapshot``'s, with its run directory, the
+    premaps it inherits (``inherited_ram``), its own ``volumes`` (``_child_volumes``) and,
     jailed, where the jail's opened descriptors hold ``/dev/kvm``, each disk and, for
     a flat snapshot, the memory file. A
     networked snapshot's child given a tap (``net_tap``) takes the one its jail opened
     in its network namespace, or, unjailed, opens it in the namespace its set-up joined
     (``ChildMachinePlan.build``); given none, its device has no tap, as a Python
     child's. ``ValueError`` for a tap name that is not an interface's."""
-    snapshot_dir = str(args["snapshot_dir"])
-    machine, memory_file, disks = _snapshot_machine(snapshot_dir)
-    premapped, other_premaps = inherited_ram(snapshot_dir)
+    machine, memory_file, disks = snapshot.machine, snapshot.memory_file, snapshot.disks
+    premapped, other_premaps = snapshot.premapped, snapshot.other_premaps
     run_dir = str(args["run_dir"])
     if jail_spec is None:
         tap = args.get("net_tap") or None

@@ -99,7 +99,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vmfork.image import disk_path
@@ -288,19 +287,20 @@ def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
     # Root disks and read-only volumes by content key, in this zygote's cache (the one
     # its VMMs open them from): bound and opened before the drop, like the rest.
     content: list[str] = []
+    cache = cache_dir()
     for key, place in (("disk_keys", disk_path), ("volume_keys", volume_image_path)):
         keys = value.get(key, [])
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
             raise RequestError(f"jail.{key} must be a list of content keys")
         try:
-            content += [str(place(k)) for k in keys]
+            content += [str(place(k, cache)) for k in keys]
         except (ValueError, VolumeError) as err:
             raise RequestError(f"jail.{key}: {err}") from None
     paths["read_only"] += tuple(content)
     paths["preopen"] += tuple(content)
     # The environment is emptied; what vmfork reads from it (where its cache is) is
     # resolved here and passed on, nothing else of the daemon's environment is.
-    env = {"VMFORK_CACHE_DIR": str(cache_dir())}
+    env = {"VMFORK_CACHE_DIR": str(cache)}
     return _JailRequest(JailSpec(root="", uid=uid, gid=gid, read_only=(
         *(python_paths() if shared is None else ()), *paths["read_only"]), shared=shared,
         devices=paths["devices"] or ("/dev/kvm",), env=env, preopen=paths["preopen"],
@@ -341,7 +341,7 @@ def _validate_run_dir(value: object) -> str | None:
     if not isinstance(value, str) or not os.path.isabs(value):
         raise RequestError(f"args.run_dir must be an absolute path, got {value!r}")
     norm = os.path.normpath(value)
-    if len(Path(norm).parts) < 3:
+    if sum(1 for part in norm.split("/") if part) < 2:
         raise RequestError(f"args.run_dir {value!r} is too close to / to be removed on exit; "
                            "use a per-child directory such as /run/vmfork/<vm_id>")
     return norm
@@ -677,7 +677,10 @@ class Zygote:
         for rest in batch[len(children):]:
             self._discard(rest)
             failed.append({"vm_id": rest.vm_id, "error": f"fork failed: {error}"})
-        return {"children": [child.info() for child in children], "failed": failed}
+        # No child of this batch is reaped before this reply is made (the loop reaps),
+        # so each one's exit event is newer than this cursor.
+        return {"children": [child.info() for child in children], "failed": failed,
+                "events_next": self.next_seq - 1}
 
     def _op_kill(self, req: dict[str, Any]) -> dict[str, Any]:
         child = self._child(req)

@@ -113,8 +113,10 @@ class ZygoteClient:
         many children on a loaded host can take longer than one request should."""
         reply = self.request("spawn_many", timeout=timeout, entry=entry,
                              items=[i.to_json() for i in items])
+        cursor = reply.get("events_next")
         return SpawnManyResult([ChildInfo.from_json(c) for c in reply["children"]],
-                               [(f["vm_id"], f["error"]) for f in reply["failed"]])
+                               [(f["vm_id"], f["error"]) for f in reply["failed"]],
+                               cursor if isinstance(cursor, int) else None)
 
     def kill(self, vm_id: str, signal: int = signal_mod.SIGKILL) -> None:
         """Signal the child and its process group; its exit arrives as an event."""

@@ -10,7 +10,9 @@ Requests (fields marked ? are optional):
 * ``spawn {entry: "module:function", vm_id, args?: {...}, memory_limit_mib?,
   cgroup_parent?}`` -> ``{child: ChildInfo}``
 * ``spawn_many {entry, items: [{vm_id, args?, memory_limit_mib?, cgroup_parent?}]}``
-  -> ``{children: [ChildInfo], failed: [{vm_id, error}]}``
+  -> ``{children: [ChildInfo], failed: [{vm_id, error}], events_next: N}``
+  (``events_next``: the ``events`` cursor as the batch was forked, so every exit event
+  of its children is newer; a spawner needs no ``events`` round trip of its own)
 * ``kill {vm_id, signal?: 9}`` -> ``{sent: true}`` (the exit arrives as an event)
 * ``wait {vm_id}`` -> ``{event: ExitEvent}`` once the child is reaped (at once if it
   already was and its event is still kept)
@@ -30,7 +32,7 @@ The records below are the reply shapes; the client decodes into them.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LINE = 16 * 1024 * 1024
@@ -64,7 +66,14 @@ class SpawnItem:
     """``{uid, gid, read_only, devices}``: build the child a jail (``runtime/jail.py``)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # Shallow: the request is encoded at once (``encode``), so nothing needs the deep
+        # copy ``dataclasses.asdict`` makes of ``args`` and ``jail`` (per item, it was
+        # most of a spawner's CPU between its request and its children's fork).
+        return {name: value for name, value in (
+            ("vm_id", self.vm_id), ("args", self.args),
+            ("memory_limit_mib", self.memory_limit_mib),
+            ("cgroup_parent", self.cgroup_parent), ("jail", self.jail))
+            if value is not None}
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,9 @@ class ExitEvent:
 class SpawnManyResult:
     children: list[ChildInfo]
     failed: list[tuple[str, str]]
+    events_next: int | None = None
+    """The ``events`` cursor as the batch was forked (None from a zygote older than
+    the field)."""
 
 
 def encode(obj: dict[str, Any]) -> bytes:
