@@ -32,7 +32,7 @@ The records below are the reply shapes; the client decodes into them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LINE = 16 * 1024 * 1024
@@ -69,11 +69,8 @@ class SpawnItem:
         # Shallow: the request is encoded at once (``encode``), so nothing needs the deep
         # copy ``dataclasses.asdict`` makes of ``args`` and ``jail`` (per item, it was
         # most of a spawner's CPU between its request and its children's fork).
-        return {name: value for name, value in (
-            ("vm_id", self.vm_id), ("args", self.args),
-            ("memory_limit_mib", self.memory_limit_mib),
-            ("cgroup_parent", self.cgroup_parent), ("jail", self.jail))
-            if value is not None}
+        values = ((f.name, getattr(self, f.name)) for f in fields(self))
+        return {name: value for name, value in values if value is not None}
 
 
 @dataclass(frozen=True)
