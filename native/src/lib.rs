@@ -19,6 +19,7 @@ mod balloon_serve;
 mod blk;
 mod blk_serve;
 mod child;
+mod child_heap;
 mod child_life;
 mod child_report;
 mod console;
@@ -268,5 +269,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(native_fork::fork_native_batch, m)?)?;
     m.add_function(wrap_pyfunction!(native_fork::forked_machine, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
+    m.add("CHILD_HEAP_BYTES", child_heap::REGION_BYTES)?;
     Ok(())
 }

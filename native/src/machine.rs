@@ -1137,7 +1137,7 @@ impl PyNativeMachine {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! Machines assembled in this test binary, which links no libpython: any path
     //! into Python would not even link. Each runs in a forked child of its own, so
     //! that counting `/proc/self/fd` sees no other test's descriptors come and go.
@@ -1185,7 +1185,7 @@ mod tests {
 
     /// Run `body` in a forked child and fail with what it reported. The child is
     /// single-threaded when it starts, so its descriptors are its own to count.
-    fn in_child(body: fn() -> Result<(), String>) {
+    pub(crate) fn in_child(body: fn() -> Result<(), String>) {
         let mut pipe = [0; 2];
         // SAFETY: two ints for pipe2 to fill; checked.
         assert_eq!(

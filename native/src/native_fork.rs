@@ -34,6 +34,7 @@ use pyo3::prelude::*;
 
 use crate::agent_handshake::{AgentTarget, Mount};
 use crate::child::{exit_setup_failed, fork_checked, ChildPlan, Opened};
+use crate::child_heap;
 use crate::child_life::{self, Forked, LifePlan};
 use crate::child_report::ChildReporter;
 use crate::control_serve::{
@@ -290,11 +291,16 @@ impl NativeFork {
     /// The child's side of the fork: its set-up, jail and life; never returns.
     fn live(&self, forked_ns: i64) -> ! {
         // Nothing below returns, and nothing runs Python but a hand-over.
+        // First, before anything allocates: the child's own allocations on fresh pages.
+        let fresh_heap = child_heap::use_fresh_pages();
         let life = &self.life.get().plan;
         if let Some(profile) = &life.profile {
             profile.start(forked_ns);
         }
         one_malloc_arena();
+        if let Err(why) = fresh_heap {
+            eprintln!("vmfork child: allocating from the zygote's heap: {why}");
+        }
         let plan = self.plan.get();
         plan.set_up();
         life.mark("set_up");

@@ -48,6 +48,8 @@ SMAPS = "".join([
     _mapping(0xA4021000, 0xA8000000, "---p", "", 0),              # ... and its reserve
     _mapping(0xAC000000, 0xB0000000, "rw-p", "", 8),              # an arena grown in full
     _mapping(0xB4000000, 0xB4100000, "rw-p", "", 12),             # aligned, but no arena
+    _mapping(0xC0001000, 0xC3001000, "rw-p", "", 96),             # a native child's heap
+    _mapping(0xD0000000, 0xD0100000, "rw-p", "[anon:vmfork-child-heap]", 8),  # ... named
 ])
 
 
@@ -59,9 +61,15 @@ def test_each_mapping_lands_in_its_class(monkeypatch: pytest.MonkeyPatch) -> Non
         monkeypatch.setitem(memphases._bss_sizes, path, size)
     classes = memphases.classify(SMAPS.encode(), memphases.guest_ram_paths(["/snap/memory.bin"]))
     assert classes == {"python_heap_anon": 1212, "malloc_arenas": 140, "brk_heap": 300,
-                       "thread_stacks": 40, "main_stack": 24, "python_binary": 260,
-                       "core_so": 34, "other_libraries": 16, "guest_ram": 9000, "other": 4}
-    assert memphases.own_private_dirty(classes) == 2030
+                       "child_heap": 104, "thread_stacks": 40, "main_stack": 24,
+                       "python_binary": 260, "core_so": 34, "other_libraries": 16,
+                       "guest_ram": 9000, "other": 4}
+    assert memphases.own_private_dirty(classes) == 2134
+
+
+def test_the_child_heap_size_is_the_core_s() -> None:
+    from vmfork import _core
+    assert memphases.CHILD_HEAP_BYTES == _core.CHILD_HEAP_BYTES
 
 
 def test_guest_ram_is_found_behind_another_namespace_s_root() -> None:

@@ -162,10 +162,13 @@ def _assert_phases_recorded(run_dir: Path) -> None:
     assert float(marks[-1]["thread_cpu_ns"]) > 0, marks
 
 
-def _malloc_arenas(pid: int) -> int:
+def _mappings(pid: int) -> list[memphases.Mapping]:
     with memphases.read_smaps(pid) as smaps:
-        return sum(m.cls == "malloc_arenas"
-                   for m in memphases.mappings(smaps, memphases.no_guest_ram))
+        return memphases.mappings(smaps, memphases.no_guest_ram)
+
+
+def _malloc_arenas(pid: int) -> int:
+    return sum(m.cls == "malloc_arenas" for m in _mappings(pid))
 
 
 @needs_kvm
@@ -215,11 +218,13 @@ def test_a_natively_forked_child_lives_answers_and_hands_a_line_to_python(
 
 
 @needs_kvm
-def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
+def test_a_native_child_allocates_from_a_heap_of_its_own(
         agent: Agent, tmp_path: Path) -> None:
     """glibc gives each thread that allocates an arena of its own, whose pages it then
     dirties: the child's vCPU, control and handshake threads (each allocates) make
-    none, so its arenas are the forker's."""
+    none, so its arenas are the forker's. Its Rust allocations, on every thread, come
+    from a mapping of its own (``child_heap.rs``), written densely, not from the
+    forker's free lists scattered over the heap it inherited."""
     run_dir = Path(agent.root) / "run"
     run_dir.mkdir()
     cfg = {"run_dir": str(run_dir), "gate": None, "agent": agent.sock_path,
@@ -235,6 +240,9 @@ def test_a_native_childs_threads_allocate_from_the_arenas_it_inherited(
             assert _ask(control, {"op": "status"})["paused"] is False
         assert len(os.listdir(f"/proc/{pid}/task")) >= 3   # main, vCPU, control
         assert _malloc_arenas(pid) == _malloc_arenas(forker.pid)
+        heaps = [m for m in _mappings(pid) if m.cls == "child_heap"]
+        assert len(heaps) == 1 and heaps[0].private_dirty_kib > 0, heaps
+        assert not any(m.cls == "child_heap" for m in _mappings(forker.pid))
         assert not (run_dir / spawnprofile.PROFILE_FILE).exists(), "no record unless asked"
         os.kill(pid, signal.SIGTERM)
         assert int(forker.stdout.readline()) == 0, "a SIGTERM ends the child with 0"

@@ -53,8 +53,8 @@ def _idle_seconds(value: str | None) -> float | None:
 IDLE_S = _idle_seconds(os.environ.get(ENV))
 """None: phases are not recorded. Else the seconds after ``ready`` of the ``idle`` phase."""
 
-CLASSES = ("python_heap_anon", "malloc_arenas", "brk_heap", "thread_stacks", "main_stack",
-           "python_binary", "core_so", "other_libraries", "guest_ram", "other")
+CLASSES = ("python_heap_anon", "malloc_arenas", "brk_heap", "child_heap", "thread_stacks",
+           "main_stack", "python_binary", "core_so", "other_libraries", "guest_ram", "other")
 """What each holds:
 
 * ``python_heap_anon``: anonymous mappings: pymalloc's arenas (CPython's small
@@ -63,8 +63,12 @@ CLASSES = ("python_heap_anon", "malloc_arenas", "brk_heap", "thread_stacks", "ma
 * ``malloc_arenas``: glibc's per-thread malloc arenas (a thread's first ``malloc``
   gives it one, up to 8 per core, each a 64 MiB-aligned reservation of which the part
   in use is readable): the allocations of threads other than the main one;
-* ``brk_heap``: ``[heap]``, glibc's main arena (objects over 512 bytes, C and Rust
-  allocations of the main thread);
+* ``brk_heap``: ``[heap]``, glibc's main arena (objects over 512 bytes, C
+  allocations of the main thread, and Rust's but in a native child);
+* ``child_heap``: a native child's own heap (``native/src/child_heap.rs``), where its
+  Rust allocations under 128 KiB go: named ``[anon:vmfork-child-heap]`` where the
+  kernel names anonymous mappings, else the anonymous ``rw-p`` mapping of exactly
+  ``CHILD_HEAP_BYTES``;
 * ``thread_stacks``: an anonymous mapping right above a ``---p`` guard page (how glibc
   lays out every ``pthread`` stack: Python's threads and Rust's);
 * ``main_stack``: ``[stack]``;
@@ -84,6 +88,10 @@ PAGE = 4096
 ARENA_BYTES = 64 << 20
 """glibc's ``HEAP_MAX_SIZE`` on 64-bit: a non-main arena's reservation, mapped at a
 multiple of its size."""
+CHILD_HEAP_BYTES = 48 << 20
+"""A native child's heap's size (``_core.CHILD_HEAP_BYTES``, checked equal by
+``test_memphases.py``; this module does not import the core)."""
+CHILD_HEAP_NAME = "[anon:vmfork-child-heap]"
 _bss_sizes: dict[str, int] = {}
 
 
@@ -167,6 +175,9 @@ def mappings(smaps: bytes | memoryview,
             cls = "guest_ram"
         elif path == "[heap]":
             cls = "brk_heap"
+        elif path == CHILD_HEAP_NAME or (not path and perms == "rw-p"
+                                         and end - start == CHILD_HEAP_BYTES):
+            cls = "child_heap"
         elif path == "[stack]":
             cls = "main_stack"
         elif obj is not None:
