@@ -278,6 +278,7 @@ def main() -> int:
     data = {"mem_mib": args.mem_mib, "dirty_mib": args.dirty_mib, "base_snapshot_s": base_s,
             "native_child": native_child, "free_volume_slots": args.free_volume_slots,
             "links": builds, "spawn_ms": spawn_stats, "spawn_raw_ms": spawns,
+            "restored_raw_ms": restored,
             "depth3_over_flat_p50": spawn_stats["3"]["p50"] / flat,
             # The compacted head holds the same memory as the deepest link, flat.
             f"depth{deepest}_over_compacted_p50": spawn_stats[deepest]["p50"] / compacted,
