@@ -17,8 +17,7 @@
 //! by whoever owns its address, so the zygote's allocations the child drops go back
 //! to glibc. A full region falls back to glibc as well.
 //!
-//! Locking. One lock, taken for a few hundred nanoseconds at a time: a spin that
-//! yields the CPU, so a single-CPU host runs the holder rather than the spinner.
+//! Locking. One lock, glibc's mutex, taken for a few hundred nanoseconds at a time.
 //! No signal handler of the core allocates (`vcpu.rs`'s kick, `child.rs`'s SIGTERM),
 //! so a handler cannot wait for the lock its own thread holds. A fork from a child
 //! (a diff or live BRANCH's writer, forked by the hand-over's Python) takes the lock
@@ -28,7 +27,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::UnsafeCell;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use talc::base::Talc;
 use talc::source::Manual;
@@ -52,11 +51,15 @@ pub struct CoreAllocator {
     /// The region's bounds; both 0 until `use_fresh_pages`.
     start: AtomicUsize,
     end: AtomicUsize,
-    locked: AtomicBool,
+    /// glibc's mutex: it sleeps in the kernel when taken, so a waiter leaves the CPU to
+    /// the holder (a spinning waiter, tried first, could burn its time slices while the
+    /// holder waited to run behind a hundred other children's threads).
+    lock: UnsafeCell<libc::pthread_mutex_t>,
     talc: UnsafeCell<Talc<Manual, DefaultBinning>>,
 }
 
-// SAFETY: `talc` is only reached through `with_talc`, under `locked`.
+// SAFETY: `talc` is only reached through `with_talc`, under `lock`; the mutex is made
+// for sharing between threads.
 unsafe impl Sync for CoreAllocator {}
 
 #[global_allocator]
@@ -67,24 +70,20 @@ impl CoreAllocator {
         CoreAllocator {
             start: AtomicUsize::new(0),
             end: AtomicUsize::new(0),
-            locked: AtomicBool::new(false),
+            lock: UnsafeCell::new(libc::PTHREAD_MUTEX_INITIALIZER),
             talc: UnsafeCell::new(Talc::new(Manual)),
         }
     }
 
     fn lock(&self) {
-        while self
-            .locked
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            // sched_yield allocates nothing.
-            std::thread::yield_now();
-        }
+        // SAFETY: a mutex initialised statically, never moved once used (it lives in a
+        // static, or in a test's allocator that stays put), locked by this thread.
+        unsafe { libc::pthread_mutex_lock(self.lock.get()) };
     }
 
     fn unlock(&self) {
-        self.locked.store(false, Ordering::Release);
+        // SAFETY: as `lock`; this thread holds it.
+        unsafe { libc::pthread_mutex_unlock(self.lock.get()) };
     }
 
     fn with_talc<R>(&self, f: impl FnOnce(&mut Talc<Manual, DefaultBinning>) -> R) -> R {
@@ -187,8 +186,15 @@ extern "C" fn before_fork() {
     ALLOCATOR.lock();
 }
 
-extern "C" fn after_fork() {
+extern "C" fn after_fork_in_parent() {
     ALLOCATOR.unlock();
+}
+
+extern "C" fn after_fork_in_child() {
+    // The forking thread took the lock; in the child it is the only thread, with
+    // another thread id: the lock is made anew rather than unlocked by a new owner.
+    // SAFETY: one thread runs here, and nothing else refers to the mutex.
+    unsafe { *ALLOCATOR.lock.get() = libc::PTHREAD_MUTEX_INITIALIZER };
 }
 
 /// Serve this process's Rust allocations from fresh pages from now on (the module's
@@ -231,7 +237,13 @@ pub(crate) fn use_fresh_pages() -> Result<(), String> {
     };
     // SAFETY: one thread runs (the caller's contract), so the handlers are registered
     // before any fork this process makes; they take and give back the lock only.
-    let rc = unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+    let rc = unsafe {
+        libc::pthread_atfork(
+            Some(before_fork),
+            Some(after_fork_in_parent),
+            Some(after_fork_in_child),
+        )
+    };
     // SAFETY: the mapping is new, writable, REGION_BYTES long and used by nothing else;
     // no region was served before (`fresh` was false).
     if rc != 0 || !unsafe { ALLOCATOR.serve_from(region.cast(), REGION_BYTES) } {
@@ -391,6 +403,58 @@ mod tests {
                 return Err("the region is not in /proc/self/maps".into());
             }
             Ok(())
+        });
+    }
+
+    #[test]
+    fn a_fork_while_another_thread_allocates_leaves_the_forked_process_an_allocator() {
+        // A BRANCH writer is forked from a child whose I/O thread may be allocating:
+        // without the fork handlers, the writer could inherit the lock held and hang at
+        // its first allocation.
+        crate::machine::tests::in_child(|| {
+            use_fresh_pages()?;
+            let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let churn = {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        let block: Vec<u64> = (0..64).collect();
+                        std::hint::black_box(block);
+                    }
+                })
+            };
+            let mut outcome = Ok(());
+            for _ in 0..50 {
+                // SAFETY: the forked process allocates, then leaves with `_exit`.
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    let block = std::hint::black_box(vec![7u8; 256]);
+                    // SAFETY: leaves at once, running no destructor of the parent's.
+                    unsafe { libc::_exit(i32::from(block[255] != 7)) };
+                }
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                let mut status = 0;
+                // SAFETY: our own child, and a status to fill.
+                while unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == 0 {
+                    if std::time::Instant::now() > deadline {
+                        // SAFETY: our own child.
+                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                        outcome = Err("a forked process hung at its first allocation".into());
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                if outcome.is_err() {
+                    break;
+                }
+                if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                    outcome = Err(format!("the forked process ended with status {status}"));
+                    break;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            churn.join().map_err(|_| "the allocating thread panicked")?;
+            outcome
         });
     }
 }
