@@ -161,8 +161,9 @@ unsafe impl GlobalAlloc for CoreAllocator {
         {
             return ptr;
         }
-        if !ours && !self.fresh() {
-            // SAFETY: glibc's pointer, before any region: glibc resizes it.
+        if !ours && (!self.fresh() || new_size >= SMALL_MAX) {
+            // SAFETY: glibc's pointer, staying glibc's (no region yet, or too large for
+            // it): glibc resizes it, in place where it can.
             return unsafe { System.realloc(ptr, layout, new_size) };
         }
         // Moved: to the region if it fits there (a zygote's block the child grows
@@ -319,6 +320,15 @@ mod tests {
                 !large.is_null() && !local.alloc.owns(large),
                 "a large one stays glibc's"
             );
+
+            // A large glibc block grows as glibc's.
+            let big = Layout::from_size_align(SMALL_MAX, 8).unwrap();
+            let big_block = local.alloc.alloc(big);
+            let bigger = local.alloc.realloc(big_block, big, 2 * SMALL_MAX);
+            assert!(!bigger.is_null() && !local.alloc.owns(bigger));
+            local
+                .alloc
+                .dealloc(bigger, Layout::from_size_align(2 * SMALL_MAX, 8).unwrap());
 
             // A zygote block grown in the child moves to the region, its bytes kept.
             let grown = local.alloc.realloc(before, small, 400);
