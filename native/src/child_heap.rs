@@ -40,6 +40,9 @@ use talc::DefaultBinning;
 /// region apart where the kernel names no anonymous mapping (`_core.CHILD_HEAP_BYTES`).
 pub(crate) const REGION_BYTES: usize = 48 << 20;
 
+/// An inaccessible page on each side of the region.
+const GUARD_BYTES: usize = 4096;
+
 /// Allocations from this size up stay glibc's (its default mmap threshold).
 const SMALL_MAX: usize = 128 << 10;
 
@@ -206,23 +209,39 @@ pub(crate) fn use_fresh_pages() -> Result<(), String> {
     if ALLOCATOR.fresh() {
         return Ok(());
     }
+    // The region between two inaccessible pages: a mapping of its own in smaps, never
+    // merged by the kernel with a neighbour of the same protection and flags (a thread's
+    // stack is `MAP_NORESERVE` too), so `memphases` finds it by its size.
+    let reserved = REGION_BYTES + 2 * GUARD_BYTES;
     // SAFETY: a fresh anonymous private mapping at an address the kernel picks; no
     // existing memory is touched.
-    let region = unsafe {
+    let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
-            REGION_BYTES,
-            libc::PROT_READ | libc::PROT_WRITE,
+            reserved,
+            libc::PROT_NONE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
             0,
         )
     };
-    if region == libc::MAP_FAILED {
+    if base == libc::MAP_FAILED {
         return Err(format!(
             "mmap of the child's heap: {}",
             std::io::Error::last_os_error()
         ));
+    }
+    let unmap = || {
+        // SAFETY: our own mapping, unused.
+        unsafe { libc::munmap(base, reserved) };
+    };
+    // SAFETY: inside the mapping just made.
+    let region = unsafe { base.cast::<u8>().add(GUARD_BYTES) }.cast::<libc::c_void>();
+    // SAFETY: the range lies inside the mapping just made, which nothing else uses.
+    if unsafe { libc::mprotect(region, REGION_BYTES, libc::PROT_READ | libc::PROT_WRITE) } != 0 {
+        let err = std::io::Error::last_os_error();
+        unmap();
+        return Err(format!("mprotect of the child's heap: {err}"));
     }
     // A name in smaps only; a kernel without CONFIG_ANON_VMA_NAME refuses it, harmlessly.
     // SAFETY: the range is the mapping above; the name is a NUL-terminated string the
@@ -248,8 +267,7 @@ pub(crate) fn use_fresh_pages() -> Result<(), String> {
     // SAFETY: the mapping is new, writable, REGION_BYTES long and used by nothing else;
     // no region was served before (`fresh` was false).
     if rc != 0 || !unsafe { ALLOCATOR.serve_from(region.cast(), REGION_BYTES) } {
-        // SAFETY: our own mapping, unused.
-        unsafe { libc::munmap(region, REGION_BYTES) };
+        unmap();
         return Err(if rc != 0 {
             format!("pthread_atfork: {}", std::io::Error::from_raw_os_error(rc))
         } else {
