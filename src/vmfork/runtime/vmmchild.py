@@ -105,6 +105,7 @@ from vmfork.vmm.capture import BASE_RESTORE, CaptureError, SnapshotTaker, tracki
 from vmfork.vmm.devices import manager as devices
 from vmfork.vmm.devices import serial
 from vmfork.vmm.devices.plan import Plan, machine_plan, restore_plans
+from vmfork.vmm.devices.virtio import vsock
 from vmfork.vmm.devices.virtio.blk import SECTOR_SIZE, BlkState
 from vmfork.vmm.devices.virtio.net import valid_tap_name
 from vmfork.vmm.machine import Machine, MachineConfig, VolumeMedia
@@ -127,7 +128,7 @@ _libc = ctypes.CDLL(None)
 
 START_GATE_TIMEOUT = 300.0
 READY_TIMEOUT = 120.0
-CONNECT_TIMEOUT = 20.0   # per connection: a guest starved of CPU answers slowly
+CONNECT_TIMEOUT = vsock.CONNECT_TIMEOUT   # per connection: as long as the device waits
 AGENT_IO_TIMEOUT = 60.0  # a call's whole reply (AgentClient's default io_timeout)
 EXIT_GUEST_DIED = 3
 

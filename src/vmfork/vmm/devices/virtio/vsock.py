@@ -102,8 +102,14 @@ MAX_PACKET_PAYLOAD = 64 * 1024
 MAX_CONNECTIONS = 1024
 MAX_PACKETS_PER_RUN = 256
 MAX_ORPHAN_RSTS = 1024
-CONNECT_TIMEOUT = 20.0  # seconds for the CONNECT line, and for the guest's answer (a guest
-# starved of CPU -- many VMs on few cores -- can take seconds to answer a request)
+CONNECT_TIMEOUT = 60.0
+"""Seconds for the CONNECT line, and for the guest's answer. A guest starved of CPU
+(many VMs on few cores) can take tens of seconds to answer a request, and abandoning
+it does not get it answered sooner: the new request queues behind the same starved
+guest, which then serves both (a 100-guest batch on one emulated CPU answered after
+8-25 s; at 20 s, most of such a batch's first connections were abandoned, design notes
+session 30). Half of a restored child's ready deadline (``vmmchild.READY_TIMEOUT``),
+so a request that did go missing is still retried in time."""
 HOST_PORT_FIRST = 1 << 30
 RESET_ACK_WAIT_S = 10.0
 """Seconds host connection requests wait for the guest to acknowledge a transport reset
