@@ -9,8 +9,9 @@
 //! pages instead, the same allocations pack densely.
 //!
 //! How. Until `use_fresh_pages` is called the allocator is `System`. The call (once
-//! per process, in the child, before its first thread) maps an anonymous region,
-//! names it `[anon:vmfork-child-heap]` in smaps, and from then on serves every
+//! per process, in the child, before its first thread) maps an anonymous region
+//! between two inaccessible pages, names it `[anon:vmfork-child-heap]` in smaps where
+//! the kernel names anonymous mappings, and from then on serves every
 //! allocation under `SMALL_MAX` from it with `talc` (a dlmalloc-style allocator over
 //! a region it is given). Larger ones stay glibc's: it maps them fresh and unmaps
 //! them when freed, where a region would keep their pages dirty. A pointer is freed
