@@ -292,15 +292,14 @@ impl NativeFork {
     fn live(&self, forked_ns: i64) -> ! {
         // Nothing below returns, and nothing runs Python but a hand-over.
         // First, before anything allocates: the child's own allocations on fresh pages.
-        let fresh_heap = child_heap::use_fresh_pages();
+        if let Err(why) = child_heap::use_fresh_pages() {
+            eprintln!("vmfork child: allocating from the zygote's heap: {why}");
+        }
         let life = &self.life.get().plan;
         if let Some(profile) = &life.profile {
             profile.start(forked_ns);
         }
         one_malloc_arena();
-        if let Err(why) = fresh_heap {
-            eprintln!("vmfork child: allocating from the zygote's heap: {why}");
-        }
         let plan = self.plan.get();
         plan.set_up();
         life.mark("set_up");

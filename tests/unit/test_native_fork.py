@@ -167,8 +167,8 @@ def _mappings(pid: int) -> list[memphases.Mapping]:
         return memphases.mappings(smaps, memphases.no_guest_ram)
 
 
-def _malloc_arenas(pid: int) -> int:
-    return sum(m.cls == "malloc_arenas" for m in _mappings(pid))
+def _count(mappings: list[memphases.Mapping], cls: str) -> int:
+    return sum(m.cls == cls for m in mappings)
 
 
 @needs_kvm
@@ -239,10 +239,11 @@ def test_a_native_child_allocates_from_a_heap_of_its_own(
             control.connect(str(run_dir / "control.sock"))
             assert _ask(control, {"op": "status"})["paused"] is False
         assert len(os.listdir(f"/proc/{pid}/task")) >= 3   # main, vCPU, control
-        assert _malloc_arenas(pid) == _malloc_arenas(forker.pid)
-        heaps = [m for m in _mappings(pid) if m.cls == "child_heap"]
+        child, parent = _mappings(pid), _mappings(forker.pid)
+        assert _count(child, "malloc_arenas") == _count(parent, "malloc_arenas")
+        heaps = [m for m in child if m.cls == "child_heap"]
         assert len(heaps) == 1 and heaps[0].private_dirty_kib > 0, heaps
-        assert not any(m.cls == "child_heap" for m in _mappings(forker.pid))
+        assert _count(parent, "child_heap") == 0
         assert not (run_dir / spawnprofile.PROFILE_FILE).exists(), "no record unless asked"
         os.kill(pid, signal.SIGTERM)
         assert int(forker.stdout.readline()) == 0, "a SIGTERM ends the child with 0"
