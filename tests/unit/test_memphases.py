@@ -49,7 +49,11 @@ SMAPS = "".join([
     _mapping(0xAC000000, 0xB0000000, "rw-p", "", 8),              # an arena grown in full
     _mapping(0xB4000000, 0xB4100000, "rw-p", "", 12),             # aligned, but no arena
     _mapping(0xC0001000, 0xC3001000, "rw-p", "", 96),             # a native child's heap
+    _mapping(0xC3001000, 0xC3002000, "---p", "", 0),              # ... its upper guard
+    _mapping(0xC3002000, 0xC3202000, "rw-p", "", 50),             # pymalloc arenas above it
     _mapping(0xD0000000, 0xD0100000, "rw-p", "[anon:vmfork-child-heap]", 8),  # ... named
+    _mapping(0xD0100000, 0xD0102000, "---p", "", 0),              # its guard + a stack's
+    _mapping(0xD0102000, 0xD0902000, "rw-p", "", 20),             # ... that stack
 ])
 
 
@@ -60,11 +64,11 @@ def test_each_mapping_lands_in_its_class(monkeypatch: pytest.MonkeyPatch) -> Non
                        ("/lib/x86_64-linux-gnu/libc.so.6", 64 << 10)):
         monkeypatch.setitem(memphases._bss_sizes, path, size)
     classes = memphases.classify(SMAPS.encode(), memphases.guest_ram_paths(["/snap/memory.bin"]))
-    assert classes == {"python_heap_anon": 1212, "malloc_arenas": 140, "brk_heap": 300,
-                       "child_heap": 104, "thread_stacks": 40, "main_stack": 24,
+    assert classes == {"python_heap_anon": 1262, "malloc_arenas": 140, "brk_heap": 300,
+                       "child_heap": 104, "thread_stacks": 60, "main_stack": 24,
                        "python_binary": 260, "core_so": 34, "other_libraries": 16,
                        "guest_ram": 9000, "other": 4}
-    assert memphases.own_private_dirty(classes) == 2134
+    assert memphases.own_private_dirty(classes) == 2204
 
 
 def test_the_child_heap_size_is_the_core_s() -> None:

@@ -70,7 +70,8 @@ CLASSES = ("python_heap_anon", "malloc_arenas", "brk_heap", "child_heap", "threa
   kernel names anonymous mappings, else the anonymous ``rw-p`` mapping of exactly
   ``CHILD_HEAP_BYTES``;
 * ``thread_stacks``: an anonymous mapping right above a ``---p`` guard page (how glibc
-  lays out every ``pthread`` stack: Python's threads and Rust's);
+  lays out every ``pthread`` stack: Python's threads and Rust's), but for the one page
+  that guards a native child's heap from above;
 * ``main_stack``: ``[stack]``;
 * ``python_binary``: the interpreter's (or ``libpython``'s) file mappings, its data
   and the anonymous bss right after them (type objects, freelists, the GIL state,
@@ -175,8 +176,7 @@ def mappings(smaps: bytes | memoryview,
             cls = "guest_ram"
         elif path == "[heap]":
             cls = "brk_heap"
-        elif path == CHILD_HEAP_NAME or (not path and perms == "rw-p"
-                                         and end - start == CHILD_HEAP_BYTES):
+        elif _is_child_heap(path, perms, end - start):
             cls = "child_heap"
         elif path == "[stack]":
             cls = "main_stack"
@@ -187,7 +187,8 @@ def mappings(smaps: bytes | memoryview,
         elif (not path and start % ARENA_BYTES == 0
               and (reserve_follows or end - start == ARENA_BYTES)):
             cls = "malloc_arenas"
-        elif not path and adjacent and previous is not None and previous[2].startswith("---"):
+        elif (not path and adjacent and previous is not None and previous[2].startswith("---")
+              and not _is_child_heap_guard(raw, i - 1)):
             cls = "thread_stacks"
         elif not path:
             cls = "python_heap_anon"
@@ -195,6 +196,20 @@ def mappings(smaps: bytes | memoryview,
             cls = "other"
         out.append(Mapping(start, end, perms, path, dirty, cls))
     return out
+
+
+def _is_child_heap(path: str, perms: str, size: int) -> bool:
+    return path == CHILD_HEAP_NAME or (not path and perms == "rw-p" and size == CHILD_HEAP_BYTES)
+
+
+def _is_child_heap_guard(raw: list[list[Any]], i: int) -> bool:
+    """Whether ``raw[i]`` is a native child's heap's upper guard page and no more: the
+    mapping right above it is then not a thread's stack. (A stack's own guard placed
+    there would have merged with it: two pages or more.)"""
+    if i < 1 or raw[i][1] - raw[i][0] != PAGE:
+        return False
+    start, end, perms, path, _ = raw[i - 1]
+    return end == raw[i][0] and _is_child_heap(path, perms, end - start)
 
 
 def classify(smaps: bytes | memoryview, is_guest_ram: Callable[[int, str], bool]) -> dict[str, int]:
