@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +23,13 @@ import pytest
 from vmfork.runtime import cgroups
 from vmfork.runtime.supervise import child_pids, leak_snapshot
 from vmfork.runtime.zygote_child import VMM_NICE, _vmm_nice
-from vmfork.runtime.zygote_client import ZygoteClient, ZygoteProcess, start_zygote
+from vmfork.runtime.zygote_client import (
+    NO_STACK_CACHE,
+    ZygoteClient,
+    ZygoteProcess,
+    start_zygote,
+    with_no_stack_cache,
+)
 from vmfork.runtime.zygote_protocol import SpawnItem, ZygoteError
 
 HERE = Path(__file__).resolve().parent
@@ -288,6 +296,57 @@ def test_the_vmm_nice_value_comes_from_the_zygotes_environment(tmp_path: Path) -
         assert c.wait(child.vm_id).exit_code == 0
     assert z.close() == 0
     assert _read_json(out)["nice"] == 3
+
+
+# Run in a process of its own: is a joined thread's stack still mapped (glibc's cache)?
+# The thread is a plain pthread, joined, as the core's threads are (Python's own are
+# detached: glibc frees those later, at its next thread's start or exit). Its start
+# routine is libc's getpid, which ignores its argument and returns at once.
+_STACK_KEPT = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+thread = ctypes.c_ulong()
+assert libc.pthread_create(ctypes.byref(thread), None,
+                           ctypes.cast(libc.getpid, ctypes.c_void_p), None) == 0
+attr = ctypes.create_string_buffer(128)        # a pthread_attr_t is 56 bytes here
+assert libc.pthread_getattr_np(thread, attr) == 0
+stack, size = ctypes.c_void_p(), ctypes.c_size_t()
+assert libc.pthread_attr_getstack(attr, ctypes.byref(stack), ctypes.byref(size)) == 0
+libc.pthread_attr_destroy(attr)
+assert libc.pthread_join(thread, None) == 0
+ranges = [[int(x, 16) for x in line.split()[0].split("-")]
+          for line in open("/proc/self/maps")]
+print(any(lo <= stack.value < hi for lo, hi in ranges))
+"""
+
+
+def _stack_kept(tunables: str | None) -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if tunables is not None:
+        env["GLIBC_TUNABLES"] = tunables
+    out = subprocess.run([sys.executable, "-c", _STACK_KEPT], env=env, check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    return out.strip() == "True"
+
+
+def test_the_zygote_keeps_no_exited_thread_s_stack(zygote: ZygoteProcess) -> None:
+    # Its tunables say so, and on this glibc they are what unmaps a joined thread's
+    # stack: a process without them keeps it for its next thread.
+    environ = dict(entry.split(b"=", 1) for entry in
+                   Path(f"/proc/{zygote.pid}/environ").read_bytes().split(b"\0") if entry)
+    tunables = environ[b"GLIBC_TUNABLES"].decode()
+    assert NO_STACK_CACHE in tunables.split(":")
+    assert not _stack_kept(tunables)
+    assert _stack_kept(None)
+
+
+def test_the_stack_cache_tunable_keeps_the_callers_other_tunables() -> None:
+    env = with_no_stack_cache({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:"
+                                                 "glibc.pthread.stack_cache_size=4096",
+                               "HOME": "/h"})
+    assert env == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{NO_STACK_CACHE}",
+                   "HOME": "/h"}
+    assert with_no_stack_cache({})["GLIBC_TUNABLES"] == NO_STACK_CACHE
 
 
 def test_vmms_run_at_nice_10_unless_told() -> None:
