@@ -106,3 +106,38 @@ def test_a_killed_writer_leaves_no_process_or_descriptor(memory: GuestMemory,
         os.close(gate_w)
     assert writer.pid not in _children()
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_a_layer_spans_its_smallest_gaps_with_their_pages_as_of_the_fork(
+        memory: GuestMemory, tmp_path: Path) -> None:
+    """Runs of 40, 39 and 1 pages with gaps of 1 and 3 pages between them, and a last
+    run 116 pages further: the two small gaps (4 pages, 5% of the 81 changed) are
+    written as of the fork, the large one is not."""
+    changed = [*range(0, 40), *range(41, 80), 83, 200]
+    for page in changed:
+        memory.write(page * PAGE_SIZE, bytes([page % 251 + 1]) * PAGE_SIZE)
+    runs = [(0, 40 * PAGE_SIZE), (41 * PAGE_SIZE, 39 * PAGE_SIZE), (83 * PAGE_SIZE, PAGE_SIZE),
+            (200 * PAGE_SIZE, PAGE_SIZE)]
+    path = tmp_path / "layer.bin"
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+
+    def write() -> tuple[int, int | None]:
+        os.read(gate_r, 1)
+        return _write_layer_file(str(path), memory, runs), len(changed)
+
+    try:
+        writer = _Writer.fork(str(path), write)
+        for page in (40, 81, 120):
+            memory.write(page * PAGE_SIZE, b"\xaa" * PAGE_SIZE)   # "after the resume"
+        os.write(gate_w, b"x")
+        written, _ = writer.wait()
+    finally:
+        os.close(gate_r)
+        os.close(gate_w)
+    with open(path, "rb") as layer:
+        assert layerfile.read_layer_index(layer.fileno()).extents == (
+            (0, 84 * PAGE_SIZE), (200 * PAGE_SIZE, PAGE_SIZE))
+    assert written == 85 * PAGE_SIZE
+    pages = _layer_pages(path)
+    assert pages == {**{p: bytes([p % 251 + 1]) * PAGE_SIZE for p in changed},
+                     **{p: b"\xbb" * PAGE_SIZE for p in (40, 80, 81, 82)}}

@@ -161,3 +161,18 @@ def test_a_memfd_dump_skips_zero_pages(tmp_path: Path) -> None:
         assert len(data) == MEM and data.count(0) == MEM - PAGE_SIZE - 1
     finally:
         memory.close()
+
+
+def test_runs_merge_across_their_smallest_gaps_within_the_share() -> None:
+    from vmfork.vmm.dirty import coalesced
+    p = 4096
+    runs = [(0, 10 * p), (12 * p, 10 * p), (23 * p, 10 * p), (40 * p, 10 * p)]
+    # 40 pages changed: a share of 1/20 allows 2 pages of gaps, so only the 1-page gap
+    # and then not the 2-page one (3 in all would be over); 1/10 allows 4: both.
+    assert coalesced(runs, 1 / 20) == [(0, 10 * p), (12 * p, 21 * p), (40 * p, 10 * p)]
+    assert coalesced(runs, 1 / 10) == [(0, 33 * p), (40 * p, 10 * p)]
+    assert coalesced(runs, 0) == runs
+    assert coalesced(runs, 1) == [(0, 50 * p)]
+    assert coalesced([], 1) == [] and coalesced(runs[:1], 1) == runs[:1]
+    with pytest.raises(ValueError, match="overlap or are out of order"):
+        coalesced([(10 * p, p), (0, p)], 1)

@@ -460,8 +460,11 @@ def _write_file(path: str, write: Callable[[int], int]) -> int:
 
 
 def _write_layer_file(path: str, memory: GuestMemory, runs: list[dirty.Run]) -> int:
-    """Create the layer file of ``runs`` of ``memory`` at ``path``; returns data bytes."""
-    return _write_file(path, lambda fd: layerfile.write_layer(fd, memory, runs))
+    """Create the layer file of ``runs`` of ``memory`` at ``path``, merged across their
+    smallest gaps (``dirty.coalesced``: a gap's pages are read as of the pause, like
+    the runs', so they hold what the layers below hold there); returns data bytes."""
+    extents = dirty.coalesced(runs)
+    return _write_file(path, lambda fd: layerfile.write_layer(fd, memory, extents))
 
 
 def _write_image_file(path: str, memory: GuestMemory) -> tuple[int, int | None]:

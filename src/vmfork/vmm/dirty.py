@@ -154,5 +154,41 @@ def soft_dirty_supported() -> bool:
     return bool(entry[6] & _SOFT_DIRTY) and bool(entry[7] & _PRESENT)
 
 
+# A diff layer's runs are merged across the smallest gaps between them (the gaps'
+# unchanged pages written too) while the pages added stay within this share of the
+# changed ones. Every run of a layer is a mapping in each process that maps its chain
+# (two: it splits the mapping of the layer below), and a fork copies each mapping: a
+# chain's premap of ~600 runs made a native fork ~0.6 ms slower than a flat snapshot's
+# (~10 ms in the emulated test host). On the chain bench's layers, gaps of up to four
+# pages hold 40-45% of the runs, for 4-9% more bytes (design notes, "A diff layer's
+# runs merged across small gaps").
+COALESCE_SHARE = 0.05
+
+
+def coalesced(runs: list[Run], share: float = COALESCE_SHARE) -> list[Run]:
+    """``runs`` (sorted, disjoint) merged across their gaps, the smallest first, while
+    the bytes of the gaps merged stay within ``share`` of the runs' own bytes."""
+    if len(runs) < 2:
+        return list(runs)
+    allowed = int(sum(length for _, length in runs) * share)
+    gaps = sorted((runs[i + 1][0] - runs[i][0] - runs[i][1], i) for i in range(len(runs) - 1))
+    merged: set[int] = set()     # i: runs[i] and runs[i + 1] become one
+    for gap, i in gaps:
+        if gap < 0:
+            raise ValueError(f"runs overlap or are out of order at {runs[i + 1][0]:#x}")
+        if gap > allowed:
+            break
+        allowed -= gap
+        merged.add(i)
+    out: list[Run] = []
+    for i, (offset, length) in enumerate(runs):
+        if i - 1 in merged:
+            start = out[-1][0]
+            out[-1] = (start, offset + length - start)
+        else:
+            out.append((offset, length))
+    return out
+
+
 def page_count(runs: list[Run]) -> int:
     return sum(length for _, length in runs) // PAGE_SIZE
