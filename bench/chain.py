@@ -201,13 +201,12 @@ def main() -> int:
             ctl.kill_sandbox(sandbox)
             build_ms = (time.monotonic() - started) * 1000
             snap = store.get(tag)
-            own = snap.meta.memory_layers[-1]
             details = ctl.snapshot_info(tag)
             files = {f.name: f for f in disk_usage(snap).files}
             memory_disk = sum(files[name].physical_bytes
                               for name in ("layer.bin", "memory.plan", "memory.bin")
                               if name in files)
-            changed = own.pages * PAGE
+            changed = details["changed_bytes"]   # not the gap pages its layer holds
             builds.append({
                 "depth": depth, "tag": tag, "build_ms": build_ms, "branch_ms": branch_ms,
                 "pause_ms": info.get("pause_ms"), "changed_bytes": changed,

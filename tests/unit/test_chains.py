@@ -650,3 +650,15 @@ def test_unchanged_pages_are_compared_across_chunks_and_overlay_edges(
 def _page_numbers(runs: list[tuple[int, int]]) -> list[int]:
     return [page for offset, length in runs
             for page in range(offset // PAGE_SIZE, (offset + length) // PAGE_SIZE)]
+
+
+@pytest.mark.parametrize(("counted", "changed"), [
+    (3, 3), (5, 5), (0, 0),                 # the capture's count, at most the layer's
+    (6, 5), (-1, 5), (True, 5), ("3", 5), (None, 5)])  # else the layer's pages
+def test_a_link_s_changed_pages_are_its_capture_s_count(chain3: Store, counted: object,
+                                                          changed: int) -> None:
+    meta = chain3.get("pandas").meta
+    layer = replace(meta.memory_layers[-1], pages=5)
+    meta = replace(meta, memory_layers=[*meta.memory_layers[:-1], layer],
+                               extra={**meta.extra, "dirty_pages": counted})
+    assert chains.changed_pages(meta) == changed

@@ -280,11 +280,14 @@ class SnapshotTaker:
                             # Against the restore base it also leaves out the pages that
                             # were written back to the base's bytes (_without_unchanged).
                             against_restore = base.kind == BASE_RESTORE
-                            writer = _Writer.fork(
-                                tmp_memory, lambda: (_write_layer_file(
-                                    tmp_memory, memory,
-                                    _without_unchanged(memory, runs) if against_restore
-                                    else runs), pages))
+
+                            def write_layer() -> tuple[int, int | None]:
+                                kept = (_without_unchanged(memory, runs) if against_restore
+                                        else runs)
+                                return (_write_layer_file(tmp_memory, memory, kept),
+                                        dirty.page_count(kept))
+
+                            writer = _Writer.fork(tmp_memory, write_layer)
                             timings["fork_s"] = time.monotonic() - at
                         else:
                             written = _write_layer_file(tmp_memory, memory, runs)
