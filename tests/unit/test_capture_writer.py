@@ -52,29 +52,38 @@ def _layer_pages(path: Path) -> dict[int, bytes]:
     return pages
 
 
+def _write_layer_gated(memory: GuestMemory, path: Path, runs: list[tuple[int, int]],
+                       overwritten: tuple[int, ...]) -> tuple[_Writer, int]:
+    """A forked writer writes the layer of ``runs``, held by a gate until the source has
+    overwritten the pages ``overwritten`` with 0xaa ("after the resume"): the writer
+    and the data bytes it wrote."""
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+
+    def write() -> tuple[int, int | None]:
+        os.read(gate_r, 1)
+        return _write_layer_file(str(path), memory, runs), None
+
+    try:
+        writer = _Writer.fork(str(path), write)
+        for page in overwritten:
+            memory.write(page * PAGE_SIZE, b"\xaa" * PAGE_SIZE)
+        os.write(gate_w, b"x")
+        written, _ = writer.wait()
+    finally:
+        os.close(gate_r)
+        os.close(gate_w)
+    return writer, written
+
+
 def test_the_layer_holds_memory_as_of_the_fork(memory: GuestMemory, tmp_path: Path) -> None:
     """The source overwrites every page of the diff after the fork, before the writer
     reads any of them (a gate holds it): the layer still has the old bytes."""
     for page in (3, 4, 9):
         memory.write(page * PAGE_SIZE, bytes([page]) * PAGE_SIZE)
     runs = [(3 * PAGE_SIZE, 2 * PAGE_SIZE), (9 * PAGE_SIZE, PAGE_SIZE)]
-    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
     path = tmp_path / "layer.bin"
-
-    def write() -> tuple[int, int | None]:
-        os.read(gate_r, 1)
-        return _write_layer_file(str(path), memory, runs), 3
-
-    try:
-        writer = _Writer.fork(str(path), write)
-        for page in (3, 4, 9, 10):
-            memory.write(page * PAGE_SIZE, b"\xaa" * PAGE_SIZE)   # "after the resume"
-        os.write(gate_w, b"x")
-        written, pages = writer.wait()
-    finally:
-        os.close(gate_r)
-        os.close(gate_w)
-    assert (written, pages) == (3 * PAGE_SIZE, 3)
+    writer, written = _write_layer_gated(memory, path, runs, overwritten=(3, 4, 9, 10))
+    assert written == 3 * PAGE_SIZE
     assert _layer_pages(path) == {p: bytes([p]) * PAGE_SIZE for p in (3, 4, 9)}
     assert memory.read(3 * PAGE_SIZE, 1) == b"\xaa"      # the source kept its new bytes
     assert writer.pid not in _children()
@@ -119,21 +128,7 @@ def test_a_layer_spans_its_smallest_gaps_with_their_pages_as_of_the_fork(
     runs = [(0, 40 * PAGE_SIZE), (41 * PAGE_SIZE, 39 * PAGE_SIZE), (83 * PAGE_SIZE, PAGE_SIZE),
             (200 * PAGE_SIZE, PAGE_SIZE)]
     path = tmp_path / "layer.bin"
-    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
-
-    def write() -> tuple[int, int | None]:
-        os.read(gate_r, 1)
-        return _write_layer_file(str(path), memory, runs), len(changed)
-
-    try:
-        writer = _Writer.fork(str(path), write)
-        for page in (40, 81, 120):
-            memory.write(page * PAGE_SIZE, b"\xaa" * PAGE_SIZE)   # "after the resume"
-        os.write(gate_w, b"x")
-        written, _ = writer.wait()
-    finally:
-        os.close(gate_r)
-        os.close(gate_w)
+    _, written = _write_layer_gated(memory, path, runs, overwritten=(40, 81, 120))
     with open(path, "rb") as layer:
         assert layerfile.read_layer_index(layer.fileno()).extents == (
             (0, 84 * PAGE_SIZE), (200 * PAGE_SIZE, PAGE_SIZE))
