@@ -660,5 +660,5 @@ def test_a_link_s_changed_pages_are_its_capture_s_count(chain3: Store, counted: 
     meta = chain3.get("pandas").meta
     layer = replace(meta.memory_layers[-1], pages=5)
     meta = replace(meta, memory_layers=[*meta.memory_layers[:-1], layer],
-                               extra={**meta.extra, "dirty_pages": counted})
+                               extra={**meta.extra, "changed_pages": counted})
     assert chains.changed_pages(meta) == changed

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -54,7 +55,8 @@ STATUS = StatusReply(paused=False, exit=None,
 TIMINGS = {"pause_s": 0.004, "vcpu_state_s": 0.001, "memory_write_s": 0.2, "total_s": 0.3}
 SNAPSHOT_REPLY = SnapshotReply(mode="diff", memory_format="layer", memory_bytes=8192,
                                dirty_pages=2, base_tag="base", base_kind="restore",
-                               tag="d1", tracking="soft-dirty", timings=TIMINGS)
+                               tag="d1", tracking="soft-dirty", timings=TIMINGS,
+                               changed_pages=2)
 SNAPSHOT = Snapshot(memory_path="/r/m", state_path="/r/s", mode="diff", tag="d1",
                     base_tag="base", progress=True)
 
@@ -104,7 +106,14 @@ def test_the_wire_is_the_one_running_vmms_speak() -> None:
         "ok": True, "stage": "resumed", "timings": {"pause_s": 0.01}}
     assert set(json.loads(encode(SNAPSHOT_REPLY))) == {
         "ok", "mode", "memory_format", "memory_bytes", "dirty_pages", "base_tag",
-        "base_kind", "tag", "tracking", "timings"}
+        "base_kind", "tag", "tracking", "timings", "changed_pages"}
+
+
+def test_an_older_vmms_snapshot_reply_reads_with_no_changed_pages() -> None:
+    wire = json.loads(encode(SNAPSHOT_REPLY))
+    del wire["changed_pages"]
+    reply = parse_reply(SNAPSHOT, json.dumps(wire).encode())
+    assert reply == replace(SNAPSHOT_REPLY, changed_pages=None)
 
 
 def test_an_older_vmms_status_reads_with_the_later_fields_at_their_defaults() -> None:

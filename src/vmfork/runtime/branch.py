@@ -253,6 +253,8 @@ def _branch(store: Store, pending: PendingSnapshot, control_socket: str, mode: s
             write_ms=timings.get("memory_write_s", 0.0) * 1000),
         branch_mode=mode, branched_from=sandbox_id, branched_from_tag=origin,
         extra={"dirty_pages": reply.dirty_pages,
+               **({"changed_pages": reply.changed_pages}
+                  if reply.changed_pages is not None else {}),
                "memory_bytes_written": reply.memory_bytes,
                **({"free_page_reporting": settled} if settled is not None else {})})
     # A link on parent: the store hashes the layer, computes the link's memory plan

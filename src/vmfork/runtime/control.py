@@ -324,6 +324,7 @@ class SnapshotReply:
     tag: str | None
     tracking: str | None
     timings: Mapping[str, float] = field(default_factory=dict)
+    changed_pages: int | None = None   # diff: its layer's pages that differ (older VMMs: none)
 
     @property
     def pause_s(self) -> float:
@@ -333,7 +334,8 @@ class SnapshotReply:
         return {"ok": True, "mode": self.mode, "memory_format": self.memory_format,
                 "memory_bytes": self.memory_bytes, "dirty_pages": self.dirty_pages,
                 "base_tag": self.base_tag, "base_kind": self.base_kind, "tag": self.tag,
-                "tracking": self.tracking, "timings": dict(self.timings)}
+                "tracking": self.tracking, "timings": dict(self.timings),
+                "changed_pages": self.changed_pages}
 
     @classmethod
     def from_wire(cls, wire: Mapping[str, Any]) -> SnapshotReply:
@@ -342,7 +344,7 @@ class SnapshotReply:
                    dirty_pages=_opt_int(wire, "dirty_pages"),
                    base_tag=_opt_str(wire, "base_tag"), base_kind=_opt_str(wire, "base_kind"),
                    tag=_opt_str(wire, "tag"), tracking=_opt_str(wire, "tracking"),
-                   timings=_timings(wire))
+                   timings=_timings(wire), changed_pages=_opt_int(wire, "changed_pages"))
 
 
 def error_reply(message: str) -> dict[str, Any]:

@@ -979,6 +979,7 @@ def take_snapshot(snapshots: SnapshotTaker, req: control.Snapshot, sock: socket.
         {"ok": true, "mode": ..., "memory_format": "image" | "layer",
          "memory_bytes": int,            # data bytes written to P
          "dirty_pages": int | null,      # pages changed since the base
+         "changed_pages": int | null,    # diff: the layer's pages that differ from it
          "base_tag": str | null, "base_kind": "restore" | "previous" | null,
          "tag": T | null, "tracking": "soft-dirty" | "restore-base-only",
          "timings": {"pause_s": float,   # the source's vCPUs were stopped this long
@@ -1012,7 +1013,7 @@ def take_snapshot(snapshots: SnapshotTaker, req: control.Snapshot, sock: socket.
         mode=result.mode, memory_format=result.memory_format,
         memory_bytes=result.memory_bytes, dirty_pages=result.dirty_pages,
         base_tag=result.base_tag, base_kind=result.base_kind, tag=req.tag,
-        tracking=result.tracking, timings=result.timings)
+        tracking=result.tracking, timings=result.timings, changed_pages=result.changed_pages)
 
 
 class ControlServer:

@@ -98,11 +98,11 @@ def snapshot_info(store: Store, tag: str) -> dict[str, Any]:
 
 
 def changed_pages(meta: SnapshotMeta) -> int:
-    """The pages a link's own layer changed: what its capture counted (``dirty_pages``
-    in ``extra``: since the base, without the pages written back to the base's bytes),
-    else the pages its layer holds, which may be up to 5% more: the unchanged pages
-    of the small gaps its runs were merged across (``vmm.dirty.coalesced``)."""
-    counted = meta.extra.get("dirty_pages")
+    """The pages a link's own layer changed: what its capture counted (``changed_pages``
+    in ``extra``: the layer's pages that differ from its base), else the pages its layer
+    holds, which may be up to 5% more: the unchanged pages of the small gaps its runs
+    were merged across (``vmm.dirty.coalesced``)."""
+    counted = meta.extra.get("changed_pages")
     layer = meta.memory_layers[-1].pages if meta.memory_layers else 0
     if isinstance(counted, int) and not isinstance(counted, bool) and 0 <= counted <= layer:
         return counted

@@ -152,6 +152,10 @@ class CaptureResult:
     base_kind: str | None             # diff: BASE_RESTORE or BASE_PREVIOUS
     tracking: str                     # "soft-dirty" or "restore-base-only"
     timings: dict[str, float] = field(default_factory=dict)
+    changed_pages: int | None = None  # diff: the layer's pages that differ from its base
+    """A diff's layer holds these and the unchanged pages of the small gaps its runs were
+    merged across (``dirty.coalesced``); against the restore base, ``dirty_pages`` also
+    counts the pages written back to the base's bytes, which the layer leaves out."""
 
 
 @dataclass
@@ -245,6 +249,7 @@ class SnapshotTaker:
         started = time.monotonic()
         writer: _Writer | None = None
         changed: list[dirty.Run] | None = None   # full, sandbox: base data still to copy
+        changed_pages: int | None = None
         cleared = False
         balloon = machine.balloon_device
         if balloon is not None:
@@ -258,7 +263,7 @@ class SnapshotTaker:
                 timings["vcpu_state_s"] = time.monotonic() - paused_at
 
                 def fix_memory() -> tuple[MachineState, int, int | None]:
-                    nonlocal writer, cleared, changed
+                    nonlocal writer, cleared, changed, changed_pages
                     at = time.monotonic()
                     state = machine.save_device_state(vm, vcpus)
                     timings["device_state_s"] = time.monotonic() - at
@@ -284,6 +289,8 @@ class SnapshotTaker:
                             def write_layer() -> tuple[int, int | None]:
                                 kept = (_without_unchanged(memory, runs) if against_restore
                                         else runs)
+                                # The pages kept, not the dirty ones: take reads it
+                                # as changed_pages.
                                 return (_write_layer_file(tmp_memory, memory, kept),
                                         dirty.page_count(kept))
 
@@ -291,6 +298,7 @@ class SnapshotTaker:
                             timings["fork_s"] = time.monotonic() - at
                         else:
                             written = _write_layer_file(tmp_memory, memory, runs)
+                            changed_pages = pages
                             timings["memory_write_s"] = time.monotonic() - at
                     elif memory.private_file:
                         written, changed = _write_changed_pages(tmp_memory, memory)
@@ -315,7 +323,10 @@ class SnapshotTaker:
                 on_resumed(dict(timings))
             at = time.monotonic()
             if writer is not None:
-                written, pages = writer.wait()
+                if mode == "diff":
+                    written, changed_pages = writer.wait()
+                else:
+                    written, pages = writer.wait()
                 timings["memory_write_s"] = time.monotonic() - at
             else:
                 if changed is not None:
@@ -354,7 +365,7 @@ class SnapshotTaker:
         return CaptureResult(
             mode=mode, state=state,
             memory_format=MEMORY_LAYER if mode == "diff" else MEMORY_IMAGE,
-            memory_bytes=written, dirty_pages=pages,
+            memory_bytes=written, dirty_pages=pages, changed_pages=changed_pages,
             base_tag=base.tag if base else None, base_kind=base.kind if base else None,
             tracking=self.tracking, timings=timings)
 
