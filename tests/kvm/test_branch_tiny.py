@@ -273,6 +273,12 @@ def test_a_diff_holds_memory_as_of_the_pause(source: Machine, base: tuple[Machin
     assert overwrote and result.base_kind == "restore"
     assert result.dirty_pages is not None and result.dirty_pages >= bulk // 4096
     assert "fork_s" in result.timings       # the layer was written by the forked writer
+    # The layer holds the pages that differ from the base (changed_pages, no more than
+    # the dirty ones) and the small gaps between their runs: at most 5% more.
+    with open(first / "layer.bin", "rb") as f:
+        layer_pages = layerfile.read_layer_index(f.fileno()).data_bytes // 4096
+    assert result.changed_pages is not None and result.changed_pages <= result.dirty_pages
+    assert result.changed_pages <= layer_pages <= result.changed_pages * 1.05
     _materialise(base[1], first / "layer.bin", first / "memory.bin")
     with open(first / "memory.bin", "rb") as f:
         f.seek(mark_at)
