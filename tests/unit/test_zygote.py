@@ -14,8 +14,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -590,3 +592,36 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, client: Zygo
     after = snap()
     assert after == before, f"leaked: before {before}, after {after}"
     assert child_pids(zygote.pid) == ()
+
+
+def test_a_jail_request_is_resolved_once_for_the_spawns_that_ask_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmfork.runtime import zygote as zygote_module
+    resolved: list[object] = []
+    real = zygote_module._jail_request
+
+    def counted(value: object, shared: Any) -> Any:
+        resolved.append(value)
+        return real(value, shared)
+
+    monkeypatch.setattr(zygote_module, "_jail_request", counted)
+    holder = SimpleNamespace(_jail_requests=OrderedDict(), _shared_tree=None)
+
+    def resolve(value: object) -> Any:
+        return zygote_module.Zygote._resolve_jail(holder, value)  # type: ignore[arg-type]
+
+    def ask(uid: int) -> dict[str, Any]:
+        return {"uid": uid, "gid": uid, "read_only": ["/srv/a"], "devices": ["/dev/kvm"]}
+
+    first = resolve(ask(5))
+    assert resolve({"devices": ["/dev/kvm"], "read_only": ["/srv/a"], "gid": 5, "uid": 5}) \
+        is first and len(resolved) == 1                  # the same request, in any order
+    assert first.spec.uid == 5 and resolve(None) is None
+    others = [resolve(ask(uid)) for uid in range(6, 6 + zygote_module.JAIL_REQUESTS_KEPT - 1)]
+    assert resolve(ask(5)) is first                      # used again: the newest now
+    resolve(ask(100))                                    # one more: uid 6's goes
+    assert len(resolved) == zygote_module.JAIL_REQUESTS_KEPT + 1
+    assert resolve(ask(5)) is first and resolve(ask(7)) is others[1]
+    assert resolve(ask(6)) is not others[0] and len(resolved) == zygote_module.JAIL_REQUESTS_KEPT + 2
+    with pytest.raises(zygote_module.RequestError, match="never runs as root"):
+        resolve(ask(0))

@@ -96,7 +96,7 @@ import signal
 import socket
 import sys
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -152,6 +152,7 @@ M_ARENA_MAX = -8
 # page". Guest RAM is a file mapping, which this flag does not change.
 PR_SET_THP_DISABLE = 41
 EVENTS_KEPT = 10_000
+JAIL_REQUESTS_KEPT = 16
 _BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -230,8 +231,8 @@ def _thread_count() -> int:
 
 @dataclass(frozen=True)
 class _JailRequest:
-    """A spawn's ``jail`` request, checked and resolved once for a batch whose children
-    ask the same (``Zygote._resolve_jail``): what they share (``spec``, its root and ids
+    """A spawn's ``jail`` request, checked and resolved once for the children that ask
+    the same (``Zygote._resolve_jail``): what they share (``spec``, its root and ids
     placeholders) and where each child's ids come from."""
 
     spec: JailSpec
@@ -243,13 +244,11 @@ class _JailRequest:
 
 
 class _BatchJails:
-    """A batch's jail requests, each checked and resolved once (``_resolve_jail``), and
-    its jail bases, one per request and mount point (``Zygote._jail_base``), each looked
-    up once in the zygote's kept ones (``jail.KeptBases``: a base serves later batches too);
-    None where this batch could not have one."""
+    """A batch's jail bases, one per request and mount point (``Zygote._jail_base``),
+    each looked up once in the zygote's kept ones (``jail.KeptBases``: a base serves later
+    batches too); None where this batch could not have one."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, _JailRequest] = {}
         self.bases: dict[tuple[int, str], tuple[int, int, str] | None] = {}
 
 
@@ -393,6 +392,7 @@ class Zygote:
                 self._pid_namespaces = PidNamespaces()
         self._shared_tree = self._build_shared_tree(socket_path)
         self._kept_bases = KeptBases()
+        self._jail_requests: OrderedDict[str, _JailRequest] = OrderedDict()
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
         self.by_pidfd: dict[int, _Child] = {}
@@ -740,8 +740,8 @@ class Zygote:
 
     def _prepare(self, req: dict[str, Any], jails: _BatchJails) -> _Prepared:
         """One child's cgroup, run directory, jail and plan. ``jails``: the batch's jail
-        requests, each resolved once (``_resolve_jail``). What it made is removed when it
-        raises (a run directory that was there before is left alone)."""
+        bases. What it made is removed when it raises (a run directory that was there
+        before is left alone)."""
         vm_id = cgroups.validate_name(str(req.get("vm_id")))
         if vm_id in self.children:
             raise RequestError(f"a child with vm_id {vm_id!r} is already running "
@@ -756,7 +756,7 @@ class Zygote:
         limit = req.get("memory_limit_mib")
         if limit is not None and (not isinstance(limit, int) or limit <= 0):
             raise RequestError(f"memory_limit_mib must be a positive integer, got {limit!r}")
-        request = self._resolve_jail(req.get("jail"), jails)
+        request = self._resolve_jail(req.get("jail"))
         jail_spec = _jail_spec(request, run_dir, self._uids_taken, args)
         cg: cgroups.ChildCgroup | None = None
         made_run_dir = False
@@ -794,15 +794,23 @@ class Zygote:
             self._uids_taken.add(jail_spec.uid)
         return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec, child_plan)
 
-    def _resolve_jail(self, value: object, jails: _BatchJails) -> _JailRequest | None:
-        """``value`` checked and resolved (``_jail_request``) once for all the children
-        of a batch that ask the same jail (every spawner's batch does)."""
+    def _resolve_jail(self, value: object) -> _JailRequest | None:
+        """``value`` checked and resolved (``_jail_request``) once for every child that
+        asks the same jail: a spawner's batch asks one, and so do its later spawns of one
+        snapshot. The last ``JAIL_REQUESTS_KEPT`` are kept (resolving one again was ~3
+        ms of a lone spawn in the emulated test host: design notes, "A lone spawn's
+        jail request resolved once")."""
         if value is None:
             return None
         key = json.dumps(value, sort_keys=True)
-        request = jails.requests.get(key)
+        request = self._jail_requests.get(key)
         if request is None:
-            request = jails.requests[key] = _jail_request(value, self._shared_tree)
+            request = _jail_request(value, self._shared_tree)
+            self._jail_requests[key] = request
+            while len(self._jail_requests) > JAIL_REQUESTS_KEPT:
+                self._jail_requests.popitem(last=False)
+        else:
+            self._jail_requests.move_to_end(key)
         return request
 
     def _jail_base(self, request: _JailRequest, spec: JailSpec | None, jails: _BatchJails
