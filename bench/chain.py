@@ -57,7 +57,6 @@ from _common import ensure_kvm_host, local_daemon, write_results
 FORKD_SPAWN_MS = {0: 59.0, 1: 751.0, 2: 1222.0, 3: 1668.0}
 LINKS = ("numpy", "pandas", "sklearn", "scipy", "torch")
 SPAWN_DEPTHS = (0, 1, 3, 5)
-PAGE = 4096
 
 
 def parse_args() -> argparse.Namespace:
