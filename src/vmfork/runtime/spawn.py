@@ -32,7 +32,6 @@ import json
 import os
 import secrets
 import select
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from typing import Any
 
 from vmfork.agent.client import AgentClient, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
+from vmfork.ondisk.decoded import DecodedFiles
 from vmfork.ondisk.errors import OnDiskError
 from vmfork.ondisk.memplan import PLAN_FILE, read_plan
 from vmfork.ondisk.stateformat import read_state_file
@@ -251,47 +251,6 @@ class _Fifo:
         self.path.unlink()
 
 
-# What a jail needs from a snapshot's decoded files (``_content_keys``,
-# ``_memory_sources``), kept by the path and identity of the file decoded: a spawn
-# decoded state.bin, and a diff snapshot's memory.plan (~600 runs at depth 5), only to
-# learn these few paths and keys, at every spawn (design notes, session 24: the
-# spawner's share of a chain's spawn). A snapshot's files are never rewritten in
-# place; a tag published again is a new file, with a new identity. The daemon spawns
-# from several threads: the caches are shared under a lock.
-_JAIL_FILES_KEPT = 16
-_Identity = tuple[int, int, int, int]
-_state_keys: dict[str, tuple[_Identity, tuple[list[str], list[str]]]] = {}
-_plan_sources: dict[str, tuple[_Identity, list[str]]] = {}
-_decoded_lock = threading.Lock()
-
-
-def _identity(path: str) -> _Identity:
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _remember(cache: dict[str, Any], path: str, entry: Any) -> None:
-    with _decoded_lock:
-        cache.pop(path, None)
-        cache[path] = entry
-        while len(cache) > _JAIL_FILES_KEPT:
-            del cache[next(iter(cache))]
-
-
-def _decoded_once(cache: dict[str, Any], path: str, decode: Callable[[str], Any]) -> Any:
-    """``decode(path)``, or what it gave for this file before (the same path with the
-    same identity). Raises ``OSError`` for a file that cannot be stat'ed and whatever
-    ``decode`` raises, keeping nothing then."""
-    identity = _identity(path)
-    with _decoded_lock:
-        cached = cache.get(path)
-    if cached is not None and cached[0] == identity:
-        return cached[1]
-    value = decode(path)
-    _remember(cache, path, (identity, value))
-    return value
-
-
 def _keys_in_state(state_path: str) -> tuple[list[str], list[str]]:
     state = read_state_file(state_path, MachineState)
     blk = state.device(devices.BLK)
@@ -306,8 +265,7 @@ def _content_keys(state_path: str) -> tuple[list[str], list[str]] | None:
     does not decode (a damaged snapshot: its VMM says so, as an unjailed one does)."""
     try:
         try:
-            keys: tuple[list[str], list[str]] = _decoded_once(_state_keys, state_path,
-                                                              _keys_in_state)
+            keys = _state_keys.get(state_path)
         except OSError:
             keys = _keys_in_state(state_path)   # no identity to keep it by
     except OnDiskError:
@@ -320,12 +278,20 @@ def _sources_in_plan(plan_path: str) -> list[str]:
     return [plan.source_path(i) for i in range(len(plan.sources))]
 
 
+# What a jail needs from a snapshot's decoded files (``_content_keys``,
+# ``_memory_sources``): a spawn decoded state.bin, and a diff snapshot's memory.plan
+# (~600 runs at depth 5), only to learn these few paths and keys, at every spawn
+# (design notes, session 24: the spawner's share of a chain's spawn).
+_state_keys = DecodedFiles(_keys_in_state)
+_plan_sources = DecodedFiles(_sources_in_plan)
+
+
 def _memory_sources(plan_path: str) -> list[str]:
     """The memory files a diff snapshot's ``memory.plan`` maps (its chain's), decoded
     once per plan file (``_plan_sources``); none for a flat snapshot. A plan that does
     not decode raises, as ``read_plan`` does."""
     try:
-        return list(_decoded_once(_plan_sources, plan_path, _sources_in_plan))
+        return list(_plan_sources.get(plan_path))
     except FileNotFoundError:
         return []
 
