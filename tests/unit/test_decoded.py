@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from vmfork.ondisk import decoded
 from vmfork.ondisk.decoded import DecodedFiles
+
+
+@pytest.fixture(autouse=True)
+def settled_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These files are seconds old at most: kept as if settled (but the test below)."""
+    monkeypatch.setattr(decoded, "SETTLED_S", 0.0)
 
 
 def counting_reader(calls: list[str]):
@@ -79,3 +86,16 @@ def test_the_oldest_file_goes_first(tmp_path: Path) -> None:
     files.get(paths[2])   # kept
     files.get(paths[0])   # dropped when c came: decoded again
     assert calls == ["a", "b", "c", "a"]
+
+
+def test_a_file_too_young_is_decoded_every_time(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A file changed within SETTLED_S could still be replaced by one of the same identity.
+    monkeypatch.setattr(decoded, "SETTLED_S", 3600.0)
+    calls: list[str] = []
+    files = DecodedFiles(counting_reader(calls))
+    path = tmp_path / "meta.json"
+    path.write_bytes(b"{}")
+    files.get(str(path))
+    files.get(str(path))
+    assert calls == ["meta.json", "meta.json"]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from vmfork.ondisk import decoded as decoded_files
 from vmfork.ondisk.decoded import DecodedFiles
 from vmfork.runtime import jail
 from vmfork.runtime.zygote_client import ZygoteClient, ZygoteError, ZygoteProcess, start_zygote
@@ -391,6 +392,7 @@ def test_the_jail_request_decodes_a_snapshots_plan_and_state_once_per_file(
 
     monkeypatch.setattr(spawn, "read_plan", counting(spawn.read_plan))
     monkeypatch.setattr(spawn, "read_state_file", counting(spawn.read_state_file))
+    monkeypatch.setattr(decoded_files, "SETTLED_S", 0.0)   # these files are new
     monkeypatch.setattr(spawn, "_state_keys", DecodedFiles(spawn._keys_in_state))
     monkeypatch.setattr(spawn, "_plan_sources", DecodedFiles(spawn._sources_in_plan))
     snapshot = SimpleNamespace(path=snap)

@@ -64,6 +64,19 @@ def test_sandbox_lifecycle(tmp_path: Path) -> None:
     assert not reg.remove_sandbox(_record(1).id)
 
 
+def test_running_sandboxes_counted_by_snapshot(tmp_path: Path) -> None:
+    reg = Registry(tmp_path / "r.db")
+    assert reg.running_by_snapshot() == {}
+    other = [SandboxRecord(id=f"vm-other-{i}", snapshot_tag="other", pid=2000 + i,
+                           run_dir=f"/run/x/o-{i}", status=RUNNING, created_at=200.0)
+             for i in range(3)]
+    reg.add_sandboxes([_record(1), _record(2), _record(3), *other])
+    assert reg.mark_ended(_record(2).id, EXITED, "killed", "killed by signal 9")
+    assert reg.mark_ended(other[0].id, EXITED, "exited", "exited 0")
+    assert reg.running_by_snapshot() == {"base": 2, "other": 2}
+    assert sum(reg.running_by_snapshot().values()) == reg.count_sandboxes()
+
+
 def test_duplicate_id_rolls_back_the_whole_batch(tmp_path: Path) -> None:
     reg = Registry(tmp_path / "r.db")
     reg.add_sandboxes([_record(1)])

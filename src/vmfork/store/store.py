@@ -67,6 +67,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from vmfork.ondisk import layerfile, memplan
+from vmfork.ondisk.decoded import DecodedFiles
 from vmfork.ondisk.durable import (
     fsync_dir,
     fsync_tree,
@@ -207,6 +208,11 @@ def disk_usage(snapshot: Snapshot) -> DiskUsage:
                      tuple(files))
 
 
+def _read_meta(path: str) -> SnapshotMeta:
+    with open(path, "rb") as f:
+        return decode_meta(f.read())
+
+
 class Store:
     """A snapshot store rooted at ``root``. ``Store.open()`` is the usual way in."""
 
@@ -214,6 +220,10 @@ class Store:
         self.root = Path(root) if root is not None else default_root()
         self.snapshots_dir = self.root / "snapshots"
         self.locks_dir = self.root / "locks"
+        # Every spawn loads its snapshot, and admission every running one's: each
+        # meta.json decoded once while it is the same file (a rewrite replaces it).
+        # A loaded meta is shared: replace it (dataclasses.replace), never change it.
+        self._metas = DecodedFiles(_read_meta, kept=256)
 
     @classmethod
     def open(cls, root: str | os.PathLike[str] | None = None) -> Store:
@@ -461,14 +471,12 @@ class Store:
 
     def _load(self, tag: str, path: Path) -> Snapshot:
         try:
-            raw = (path / META_FILE).read_bytes()
+            meta = self._metas.get(str(path / META_FILE))
         except FileNotFoundError:
             raise SnapshotCorrupt(tag, path, f"{META_FILE} is missing") from None
         except OSError as err:
             raise SnapshotCorrupt(tag, path, f"{META_FILE} cannot be read ({err.strerror})",
                                   remedy="check the permissions of the store") from err
-        try:
-            meta = decode_meta(raw)
         except MetaError as err:
             remedy = "upgrade vmfork to use it" if err.newer else None
             raise SnapshotCorrupt(tag, path, str(err), remedy=remedy) from None

@@ -225,17 +225,14 @@ class Core:
         """Admit ``n`` sandboxes of ``mem_mib`` each under the daemon-wide caps, or raise
         ``QuotaExceeded`` (429) saying which cap and how much is in use."""
         with self._admission_lock:
-            running = self.registry.list_sandboxes(RUNNING)
-            sizes: dict[str, int] = {}
-            for record in running:
-                if record.snapshot_tag not in sizes:
-                    try:
-                        sizes[record.snapshot_tag] = self.store.get(record.snapshot_tag
-                                                                    ).meta.mem_mib
-                    except (SnapshotNotFound, SnapshotCorrupt, ValueError):
-                        sizes[record.snapshot_tag] = 0   # deleted since: its size unknown
-            count = len(running) + self._admitted[0]
-            committed = sum(sizes[r.snapshot_tag] for r in running) + self._admitted[1]
+            running = self.registry.running_by_snapshot()
+            committed = self._admitted[1]
+            for snapshot_tag, children in running.items():
+                try:
+                    committed += children * self.store.get(snapshot_tag).meta.mem_mib
+                except (SnapshotNotFound, SnapshotCorrupt, ValueError):
+                    pass   # deleted since: its size unknown
+            count = sum(running.values()) + self._admitted[0]
             cap = self.limits.max_sandboxes
             if count + n > cap:
                 raise QuotaExceeded(
