@@ -290,7 +290,7 @@ class Store:
                 lock = TagLock.acquire(self.locks_dir, tag, "deleting a snapshot")
                 held.callback(lock.release)
                 if not os.path.lexists(self.snapshots_dir / tag):
-                    raise SnapshotNotFound(tag, self.snapshots_dir, self._tag_names())
+                    raise SnapshotNotFound(tag, self.snapshots_dir, self.tag_names())
                 children = self.dependents_map()
                 direct = children.get(tag, [])
                 if direct and not (cascade or force):
@@ -322,7 +322,7 @@ class Store:
         snapshot whose recorded parent hash differs from the snapshot now under its
         parent's tag is not that snapshot's dependent (its parent was replaced)."""
         metas = {}
-        for t in self._tag_names():
+        for t in self.tag_names():
             try:
                 metas[t] = self._load(t, self.snapshots_dir / t).meta
             except SnapshotCorrupt:
@@ -353,7 +353,7 @@ class Store:
         """Snapshot tag -> the other snapshots whose memory plans map one of its files
         (sorted). Read from the plans themselves: they are the reference count."""
         refs: dict[str, set[str]] = {}
-        for t in self._tag_names():
+        for t in self.tag_names():
             try:
                 snap = self._load(t, self.snapshots_dir / t)
                 if not snap.is_layered:
@@ -413,7 +413,7 @@ class Store:
         tag = validate_tag(tag)
         path = self.snapshots_dir / tag
         if not path.is_dir():
-            raise SnapshotNotFound(tag, self.snapshots_dir, self._tag_names())
+            raise SnapshotNotFound(tag, self.snapshots_dir, self.tag_names())
         return self._load(tag, path)
 
     def exists(self, tag: str) -> bool:
@@ -424,7 +424,7 @@ class Store:
         (``list_corrupt`` reports them)."""
         self.cleanup_stale()
         out = []
-        for tag in self._tag_names():
+        for tag in self.tag_names():
             try:
                 out.append(self._load(tag, self.snapshots_dir / tag))
             except SnapshotCorrupt:
@@ -434,7 +434,7 @@ class Store:
     def list_corrupt(self) -> builtins.list[SnapshotCorrupt]:
         """One error per tagged directory that is not a usable snapshot, sorted by tag."""
         problems = []
-        for tag in self._tag_names():
+        for tag in self.tag_names():
             try:
                 self._load(tag, self.snapshots_dir / tag)
             except SnapshotCorrupt as err:
@@ -450,8 +450,9 @@ class Store:
                 raise StoreError(f"cannot create the store directory {d}: {err.strerror}; set "
                                  "VMFORK_HOME to a writable directory", path=d) from err
 
-    def _tag_names(self) -> builtins.list[str]:
-        """Names of tagged directories; dot-entries and foreign names are not snapshots."""
+    def tag_names(self) -> builtins.list[str]:
+        """Names of tagged directories, sorted, none of them loaded (a name may be a
+        damaged snapshot's); dot-entries and foreign names are not snapshots."""
         try:
             entries = list(os.scandir(self.snapshots_dir))
         except FileNotFoundError:

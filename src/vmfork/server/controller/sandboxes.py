@@ -211,7 +211,9 @@ class Sandboxes(Part):
         pause of a resumed sandbox builds on the previous one, so dependents go first
         (each round deletes those nothing depends on any more)."""
         prefix = f"{PAUSE_TAG_PREFIX}{record.id}-"
-        left = [s.tag for s in self.store.list() if s.tag.startswith(prefix)]
+        # By name: loading every snapshot of the store (and sweeping its leftovers) at
+        # every delete made a delete cost what the store holds.
+        left = [tag for tag in self.store.tag_names() if tag.startswith(prefix)]
         while left:
             kept = []
             for tag in left:
