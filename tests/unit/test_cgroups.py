@@ -6,6 +6,7 @@ production hosts); they use a parent group of their own and remove it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -264,3 +265,81 @@ def test_cpu_weight_maps_onto_v1_shares() -> None:
     assert cgroups.shares_for_weight(100) == 1024
     assert cgroups.shares_for_weight(1) == 10 and cgroups.shares_for_weight(10000) == 102400
     assert cgroups.shares_for_weight(0) == 2
+
+
+# The cgroup2 mount as systemd makes it, and a hybrid host's v1 memory mount beside it.
+SYSTEMD_MOUNTINFO = (
+    "25 22 0:22 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 "
+    "cgroup2 rw,nsdelegate,memory_recursiveprot\n"
+    "31 22 0:27 / /sys/fs/cgroup/memory rw,nosuid,nodev,noexec,relatime - cgroup cgroup "
+    "rw,memory\n")
+
+
+def test_favordynmods_is_added_to_the_mounts_own_options() -> None:
+    target, flags, data = cgroups.favor_dynmods_remount(SYSTEMD_MOUNTINFO) or ("", 0, "")
+    assert target == "/sys/fs/cgroup"
+    # The mount keeps nosuid, nodev, noexec and relatime: a remount sets what it is given.
+    assert flags == 32 | 2 | 4 | 8 | (1 << 21)
+    # ... and its cgroup2 options, which a remount not given them clears.
+    assert data == "nsdelegate,memory_recursiveprot,favordynmods"
+
+
+def test_favordynmods_is_left_alone_where_on_read_only_or_absent() -> None:
+    on = SYSTEMD_MOUNTINFO.replace("memory_recursiveprot\n", "memory_recursiveprot,favordynmods\n")
+    assert cgroups.favor_dynmods_remount(on) is None
+    # A container's read-only view is not this process's to change.
+    read_only = SYSTEMD_MOUNTINFO.replace("/sys/fs/cgroup rw,", "/sys/fs/cgroup ro,", 1)
+    assert cgroups.favor_dynmods_remount(read_only) is None
+    v1_only = SYSTEMD_MOUNTINFO.splitlines(keepends=True)[1]
+    assert cgroups.favor_dynmods_remount(v1_only) is None
+    spaced = SYSTEMD_MOUNTINFO.replace("/sys/fs/cgroup rw,", "/sys/fs/my\\040cgroup rw,", 1)
+    assert (cgroups.favor_dynmods_remount(spaced) or ("",))[0] == "/sys/fs/my cgroup"
+
+
+def test_favordynmods_can_be_left_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cgroups.FAVOR_DYNMODS_ENV, "0")
+    cgroups.favor_dynamic_moves.cache_clear()
+    try:
+        assert "left as it is" in cgroups.favor_dynamic_moves()
+    finally:
+        cgroups.favor_dynamic_moves.cache_clear()
+
+
+def _cgroup2_line() -> str | None:
+    return next((line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                 if " - cgroup2 " in line), None)
+
+
+def test_favordynmods_turned_on_keeps_the_mounts_options() -> None:
+    line = _cgroup2_line()
+    try:
+        offered = "favordynmods" in Path("/sys/kernel/cgroup/features").read_text().split()
+    except OSError:
+        offered = False
+    if os.geteuid() != 0 or line is None or not offered:
+        pytest.skip("needs root and a cgroup2 mount on a kernel that offers favordynmods "
+                    f"(euid {os.geteuid()}, cgroup2 mount {line is not None}, offered "
+                    f"{offered})")
+    if "favordynmods" in line.split(" - ")[1].split()[2].split(","):
+        # On already (an earlier test readied a parent group): off first, the same way.
+        target, flags, data = cgroups.favor_dynmods_remount(
+            line.replace(",favordynmods", "")) or ("", 0, "")
+        off = data.removesuffix("favordynmods").rstrip(",")
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.mount(b"cgroup2", os.fsencode(target), b"cgroup2", ctypes.c_ulong(flags),
+                          off.encode()) == 0, os.strerror(ctypes.get_errno())
+        line = _cgroup2_line()
+        assert line is not None and "favordynmods" not in line
+    cgroups.favor_dynamic_moves.cache_clear()
+    try:
+        said = cgroups.favor_dynamic_moves()
+    finally:
+        cgroups.favor_dynamic_moves.cache_clear()
+    assert said == "turned on"
+    after = _cgroup2_line()
+    assert after is not None, said
+    own_before, own_after = line.split()[5], after.split()[5]
+    supers_before = set(line.split(" - ")[1].split()[2].split(","))
+    supers_after = set(after.split(" - ")[1].split()[2].split(","))
+    assert own_after == own_before, said
+    assert supers_after == supers_before | {"favordynmods"}, said
