@@ -114,6 +114,32 @@ def _cgroup_memory() -> Check:
                  "mount cgroup2 on /sys/fs/cgroup (per-sandbox memory limits need it)")
 
 
+def _cgroup_moves() -> Check:
+    from vmfork.runtime import cgroups
+    name = "cgroup joins (favordynmods)"
+    line = next((entry for entry in open("/proc/self/mountinfo").read().splitlines()
+                 if " - cgroup2 " in entry), None)
+    if line is None:
+        return Check(name, "PASS", "no cgroup2 mount (cgroup v1 only)")
+    if "favordynmods" in line.split(" - ")[1].split()[2].split(","):
+        return Check(name, "PASS", "cgroup2 favours dynamic changes: a sandbox's cgroup "
+                     "join waits for no RCU grace period")
+    try:
+        offered = "favordynmods" in open("/sys/kernel/cgroup/features").read().split()
+    except OSError:
+        offered = False
+    if not offered:
+        return Check(name, "WARN", "this kernel has no favordynmods (before Linux 6.0): each "
+                     "sandbox's cgroup join may wait for an RCU grace period",
+                     "a 6.0 or later kernel spawns faster")
+    if os.environ.get(cgroups.FAVOR_DYNMODS_ENV) == "0":
+        return Check(name, "WARN", f"off, and {cgroups.FAVOR_DYNMODS_ENV}=0 keeps it off: on "
+                     "6.1 kernels each sandbox's cgroup join waits for an RCU grace period",
+                     f"unset {cgroups.FAVOR_DYNMODS_ENV}")
+    return Check(name, "PASS", "off for now: vmfork turns it on before its first sandbox's "
+                 "cgroup (runtime/cgroups.py)")
+
+
 def _netns() -> Check:
     if not os.path.exists("/proc/self/ns/net"):
         return Check("network namespaces", "FAIL", "kernel without network namespaces",
@@ -222,7 +248,7 @@ def tls_check(cert: str | None, key: str | None) -> Check:
 
 
 CHECKS: list[Callable[[], Check]] = [
-    _kvm_device, _kvm_caps, _native_core, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _netns, _jail, _user_namespaces, _disk,
+    _kvm_device, _kvm_caps, _native_core, _kvm_runs_guests, _userfaultfd, _cgroup_memory, _cgroup_moves, _netns, _jail, _user_namespaces, _disk,
     _image,
 ]
 
