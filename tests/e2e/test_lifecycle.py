@@ -70,7 +70,10 @@ def test_pause_resume_keeps_id_files_processes_envs_and_metrics(home: Home,
         # State that must survive a pause: a file and a process that keeps counting.
         sb.files.write("/tmp/kept", b"state before the pause")
         counter = sb.commands.start(
-            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done",
+            # Renamed into place, so a read never meets the file truncated and not yet
+            # written again.
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; "
+            "mv /tmp/count.new /tmp/count; sleep 0.2; done",
             tag="counter")
         time.sleep(1.5)
         before = int(sb.files.read("/tmp/count"))

@@ -79,7 +79,9 @@ class FakeAgent:
     def stat(self, path: str) -> FileInfo:
         if path not in self.files:
             raise AgentError("not_found", f"{path}: no such file", op="stat")
-        info = FileInfo(name=path.rsplit("/", 1)[1], type="file", size=len(self.files[path]),
+        # A /proc file says it has no bytes, whatever a read of it returns.
+        size = 0 if path.startswith("/proc/") else len(self.files[path])
+        info = FileInfo(name=path.rsplit("/", 1)[1], type="file", size=size,
                         mode=0o644, mtime=0.0, path=path)
         if path.endswith(".log"):
             self.files[path] += b" and more"   # a file the guest goes on writing
@@ -839,3 +841,18 @@ def test_a_file_growing_while_it_is_read_is_read_as_announced(served: Served,
         out = io.BytesIO()
         assert ctl.read_file_to(sid, "/tmp/app.log", out) == len(seen)
         assert out.getvalue() == seen
+
+
+def test_a_file_that_says_it_is_empty_is_read_to_its_end(served: Served,
+                                                         ctl: Controller) -> None:
+    """A file whose stat says 0 bytes (/proc's, or one being rewritten when it was
+    stat'ed) is read to its end, and no size is announced for a client to hold the body
+    to: it used to announce 0 and every client took the bytes for a broken stream."""
+    ctl.create_snapshot("base")
+    sid = ctl.spawn_sandboxes("base", 1)[0]["id"]
+    ctl.write_file(sid, "/proc/version", b"Linux version 6.1.0")
+    out = io.BytesIO()
+    assert ctl.read_file_to(sid, "/proc/version", out) == 19
+    assert out.getvalue().startswith(b"Linux version")
+    status, _, resp = served.request("GET", f"/v1/sandboxes/{sid}/files?path=/proc/version")
+    assert status == 200 and resp.getheader("X-File-Size") is None

@@ -743,8 +743,11 @@ def download_file(c: Controller, req: Request) -> Response:
     agent = c.agent(sandbox_id)
     # The body is the file's first X-File-Size bytes: a file growing meanwhile (a log, a
     # counter) would otherwise send more than announced, which clients take for a broken
-    # stream. Size 0 reads to the end (what /proc and /sys files say of themselves).
+    # stream. Size 0 reads to the end (what /proc and /sys files say of themselves, and
+    # a file being rewritten may say as it is truncated), and then no size is announced:
+    # clients held such a body to 0 bytes and took every byte for a broken stream.
     length = info["size"] or None
+    headers = {"X-File-Size": str(length)} if length else {}
 
     def produce(write: Writer) -> None:
         with agent_errors(sandbox_id, "read"):
@@ -752,7 +755,7 @@ def download_file(c: Controller, req: Request) -> Response:
                                length=length)
 
     return StreamResponse(200, content_type="application/octet-stream",
-                          headers={"X-File-Size": str(info["size"])}, produce=produce)
+                          headers=headers, produce=produce)
 
 
 def upload_file(c: Controller, req: Request) -> Response:
