@@ -117,18 +117,13 @@ def _cgroup_memory() -> Check:
 def _cgroup_moves() -> Check:
     from vmfork.runtime import cgroups
     name = "cgroup joins (favordynmods)"
-    line = next((entry for entry in open("/proc/self/mountinfo").read().splitlines()
-                 if " - cgroup2 " in entry), None)
-    if line is None:
+    mount = cgroups.cgroup2_mount(open("/proc/self/mountinfo").read())
+    if mount is None:
         return Check(name, "PASS", "no cgroup2 mount (cgroup v1 only)")
-    if "favordynmods" in line.split(" - ")[1].split()[2].split(","):
+    if "favordynmods" in mount[2]:
         return Check(name, "PASS", "cgroup2 favours dynamic changes: a sandbox's cgroup "
                      "join waits for no RCU grace period")
-    try:
-        offered = "favordynmods" in open("/sys/kernel/cgroup/features").read().split()
-    except OSError:
-        offered = False
-    if not offered:
+    if not cgroups.favordynmods_offered():
         return Check(name, "WARN", "this kernel has no favordynmods (before Linux 6.0): each "
                      "sandbox's cgroup join may wait for an RCU grace period",
                      "a 6.0 or later kernel spawns faster")

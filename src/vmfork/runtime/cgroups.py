@@ -148,26 +148,27 @@ class SweepReport:
     busy: tuple[str, ...]
 
 
-def _mountinfo_entries(text: str) -> list[tuple[str, str, str]]:
-    """(mount point, fs type, super options) for each line of /proc/self/mountinfo."""
-    out: list[tuple[str, str, str]] = []
+def _mountinfo_entries(text: str) -> list[tuple[str, str, str, str]]:
+    """(mount point, fs type, super options, the mount's own options) for each line of
+    /proc/self/mountinfo."""
+    out: list[tuple[str, str, str, str]] = []
     for line in text.splitlines():
         left, sep, right = line.partition(" - ")
         if not sep:
             continue
         fields = left.split()
         rfields = right.split()
-        if len(fields) < 5 or len(rfields) < 3:
+        if len(fields) < 6 or len(rfields) < 3:
             continue
         mount_point = fields[4].replace("\\040", " ")
-        out.append((mount_point, rfields[0], rfields[2]))
+        out.append((mount_point, rfields[0], rfields[2], fields[5]))
     return out
 
 
 def detect_from(mountinfo: str) -> MemoryHierarchy | None:
     """Pick the memory hierarchy from a mountinfo text: v2 with memory first, then v1."""
     entries = _mountinfo_entries(mountinfo)
-    for mount_point, fstype, _ in entries:
+    for mount_point, fstype, _, _ in entries:
         if fstype != "cgroup2":
             continue
         try:
@@ -176,7 +177,7 @@ def detect_from(mountinfo: str) -> MemoryHierarchy | None:
             continue
         if "memory" in controllers:
             return MemoryHierarchy(2, Path(mount_point))
-    for mount_point, fstype, options in entries:
+    for mount_point, fstype, options, _ in entries:
         if fstype == "cgroup" and "memory" in options.split(","):
             return MemoryHierarchy(1, Path(mount_point))
     return None
@@ -187,7 +188,7 @@ def v1_controllers_from(mountinfo: str, names: tuple[str, ...] = ("pids", "cpu")
     """Where each v1 controller of ``names`` is mounted (``cpu`` is often co-mounted
     with ``cpuacct``: ``/sys/fs/cgroup/cpu,cpuacct``), from a mountinfo text."""
     found: dict[str, Path] = {}
-    for mount_point, fstype, options in _mountinfo_entries(mountinfo):
+    for mount_point, fstype, options, _ in _mountinfo_entries(mountinfo):
         if fstype != "cgroup":
             continue
         for name in names:
@@ -290,26 +291,40 @@ _MOUNT_FLAGS = {"nosuid": 2, "nodev": 4, "noexec": 8, "nosymfollow": 256,
                 "strictatime": 1 << 24}
 
 
+def cgroup2_mount(mountinfo: str) -> tuple[str, list[str], list[str]] | None:
+    """The first cgroup2 mount of a mountinfo text: its mount point, its own options
+    (mountinfo's sixth field) and its super options; None if there is none."""
+    for mount_point, fstype, super_options, mount_options in _mountinfo_entries(mountinfo):
+        if fstype == "cgroup2":
+            return mount_point, mount_options.split(","), super_options.split(",")
+    return None
+
+
+def favordynmods_offered() -> bool:
+    """Whether this kernel offers cgroup2's ``favordynmods`` (Linux 6.0)."""
+    try:
+        return "favordynmods" in Path("/sys/kernel/cgroup/features").read_text().split()
+    except OSError:
+        return False
+
+
 def favor_dynmods_remount(mountinfo: str) -> tuple[str, int, str] | None:
     """The remount of the first cgroup2 mount of a mountinfo text that turns
     ``favordynmods`` on: ``(mount point, mount(2) flags, data)``. The data repeats the
     mount's cgroup2 options, since a remount clears those it is not given. None when
     it is on already, when there is no cgroup2 mount, or when the mount is read-only
     (a container's view: not this process's to change)."""
-    for line in mountinfo.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, rfields = left.split(), right.split()
-        if not sep or len(fields) < 6 or len(rfields) < 3 or rfields[0] != "cgroup2":
-            continue
-        mount_options = fields[5].split(",")
-        options = [o for o in rfields[2].split(",") if o not in ("rw", "ro")]
-        if "ro" in mount_options or "ro" in rfields[2].split(",") or "favordynmods" in options:
-            return None
-        flags = _MS_REMOUNT
-        for option in mount_options:
-            flags |= _MOUNT_FLAGS.get(option, 0)
-        return fields[4].replace("\\040", " "), flags, ",".join([*options, "favordynmods"])
-    return None
+    mount = cgroup2_mount(mountinfo)
+    if mount is None:
+        return None
+    target, mount_options, super_options = mount
+    options = [o for o in super_options if o not in ("rw", "ro")]
+    if "ro" in mount_options or "ro" in super_options or "favordynmods" in options:
+        return None
+    flags = _MS_REMOUNT
+    for option in mount_options:
+        flags |= _MOUNT_FLAGS.get(option, 0)
+    return target, flags, ",".join([*options, "favordynmods"])
 
 
 @functools.cache
@@ -318,9 +333,9 @@ def favor_dynamic_moves() -> str:
     happened, for the log. Never raises: without it a join is slower, not wrong."""
     if os.environ.get(FAVOR_DYNMODS_ENV, "1") == "0":
         return f"left as it is ({FAVOR_DYNMODS_ENV}=0)"
+    if not favordynmods_offered():
+        return "not offered by this kernel"
     try:
-        if "favordynmods" not in Path("/sys/kernel/cgroup/features").read_text().split():
-            return "not offered by this kernel"
         remount = favor_dynmods_remount(Path("/proc/self/mountinfo").read_text())
     except OSError as err:
         return f"not known: {err}"
