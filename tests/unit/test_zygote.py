@@ -625,3 +625,46 @@ def test_a_jail_request_is_resolved_once_for_the_spawns_that_ask_it(
     assert resolve(ask(6)) is not others[0] and len(resolved) == zygote_module.JAIL_REQUESTS_KEPT + 2
     with pytest.raises(zygote_module.RequestError, match="never runs as root"):
         resolve(ask(0))
+
+
+def test_a_spawns_own_files_leave_its_jail_request_resolved_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each spawn of a snapshot asks its jail with FIFOs of its own, below ``runs_in``:
+    they are not part of what the zygote resolves once, and each spawn's jail still
+    binds its own."""
+    from vmfork.runtime import zygote as zygote_module
+    resolved: list[object] = []
+    real = zygote_module._jail_request
+
+    def counted(value: object, shared: Any) -> Any:
+        resolved.append(value)
+        return real(value, shared)
+
+    monkeypatch.setattr(zygote_module, "_jail_request", counted)
+    holder = SimpleNamespace(_jail_requests=OrderedDict(), _shared_tree=None)
+
+    def resolve(value: object) -> Any:
+        return zygote_module.Zygote._resolve_jail(holder, value)  # type: ignore[arg-type]
+
+    def ask(token: str, runs_in: str = "/run/vmfork/run") -> dict[str, Any]:
+        return {"uid_range": [100000, 8], "devices": ["/dev/kvm"], "runs_in": runs_in,
+                "read_only": ["/srv/snap/state.bin", f"/run/vmfork/run/b-{token}/.notify-{token}",
+                              f"/run/vmfork/run/b-{token}/.start-{token}"]}
+
+    first, second = resolve(ask("a")), resolve(ask("b"))
+    assert len(resolved) == 1 and first.spec is second.spec
+    assert first.spec.read_only[-1] == "/srv/snap/state.bin"
+    assert first.spawn_files == ("/run/vmfork/run/b-a/.notify-a", "/run/vmfork/run/b-a/.start-a")
+    spec = zygote_module._jail_spec(second, "/run/vmfork/run/b-b/vm-1", set(), {})
+    assert spec is not None
+    assert spec.read_only[-3:] == ("/srv/snap/state.bin", "/run/vmfork/run/b-b/.notify-b",
+                                   "/run/vmfork/run/b-b/.start-b")
+    # Not below runs_in (or no runs_in): part of the request, as any read-only path.
+    outside = resolve(ask("c", runs_in="/elsewhere"))
+    assert outside.spawn_files == () and "/run/vmfork/run/b-c/.notify-c" in outside.spec.read_only
+    assert len(resolved) == 2
+    # A spawn's own path is checked as every read-only path is.
+    bad = ask("d")
+    bad["read_only"].append("/run/vmfork/run/b-d/../../../../etc/shadow")
+    with pytest.raises(zygote_module.RequestError, match="absolute paths"):
+        resolve(bad)

@@ -241,6 +241,11 @@ class _JailRequest:
     """Where every spawn's run directories are, below their batch's directory (the
     daemon's ``run/``): a jail base there serves every batch of this request, where one
     at a batch's own directory serves that batch alone (``Zygote._jail_base``)."""
+    spawn_files: tuple[str, ...] = ()
+    """The read-only paths of the request below ``runs_in``: one spawn's own files (the
+    spawner's FIFOs beside its run directories), bound into its jails like the rest,
+    kept out of what is resolved once (``Zygote._resolve_jail``): every spawn has
+    others. ``spec.read_only`` holds the rest."""
 
 
 class _BatchJails:
@@ -277,12 +282,7 @@ def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
                            f"{uid!r}/{gid!r}: a jail never runs as root")
     paths: dict[str, tuple[str, ...]] = {}
     for key in ("read_only", "devices", "preopen", "preopen_rw"):
-        items = value.get(key, [])
-        if not isinstance(items, list) or not all(
-                isinstance(p, str) and os.path.isabs(p) and ".." not in p.split("/")
-                for p in items):
-            raise RequestError(f"jail.{key} must be a list of absolute paths")
-        paths[key] = tuple(items)
+        paths[key] = _absolute_paths(value.get(key, []), key)
     # Root disks and read-only volumes by content key, in this zygote's cache (the one
     # its VMMs open them from): bound and opened before the drop, like the rest.
     content: list[str] = []
@@ -305,6 +305,31 @@ def _jail_request(value: object, shared: SharedTree | None) -> _JailRequest:
         devices=paths["devices"] or ("/dev/kvm",), env=env, preopen=paths["preopen"],
         preopen_rw=paths["preopen_rw"]), uid_range,
         None if runs_in is None else os.path.normpath(runs_in))
+
+
+def _absolute_paths(items: object, key: str) -> tuple[str, ...]:
+    if not isinstance(items, list) or not all(
+            isinstance(p, str) and os.path.isabs(p) and ".." not in p.split("/")
+            for p in items):
+        raise RequestError(f"jail.{key} must be a list of absolute paths")
+    return tuple(items)
+
+
+def _split_spawn_files(value: object) -> tuple[object, tuple[str, ...]]:
+    """``value`` without the read-only paths below its ``runs_in`` (a spawn's own
+    files: ``_JailRequest.spawn_files``), and those paths; ``value`` itself where it
+    names none (or is not a request ``_jail_request`` accepts, which refuses it)."""
+    if not isinstance(value, dict):
+        return value, ()
+    runs_in, read_only = value.get("runs_in"), value.get("read_only")
+    if not (isinstance(runs_in, str) and os.path.isabs(runs_in) and isinstance(read_only, list)):
+        return value, ()
+    below = os.path.normpath(runs_in).rstrip("/") + "/"
+    files = tuple(p for p in read_only if isinstance(p, str) and p.startswith(below))
+    if not files:
+        return value, ()
+    _absolute_paths(list(files), "read_only")
+    return {**value, "read_only": [p for p in read_only if p not in files]}, files
 
 
 def _jail_spec(request: _JailRequest | None, run_dir: str | None, taken: set[int],
@@ -331,6 +356,7 @@ def _jail_spec(request: _JailRequest | None, run_dir: str | None, taken: set[int
     if not (netns is None or isinstance(netns, str)) or not (tap is None or isinstance(tap, str)):
         raise RequestError("args.netns and args.net_tap must be strings")
     return replace(request.spec, root=os.path.join(run_dir, ".jail-root"), uid=uid, gid=gid,
+                   read_only=request.spec.read_only + request.spawn_files,
                    writable=(run_dir,), netns=netns, tap=tap)
 
 
@@ -797,21 +823,24 @@ class Zygote:
     def _resolve_jail(self, value: object) -> _JailRequest | None:
         """``value`` checked and resolved (``_jail_request``) once for every child that
         asks the same jail: a spawner's batch asks one, and so do its later spawns of one
-        snapshot. The last ``JAIL_REQUESTS_KEPT`` are kept (resolving one again was ~3
-        ms of a lone spawn in the emulated test host: design notes, "A lone spawn's
-        jail request resolved once")."""
+        snapshot. Each spawn's own files (its FIFOs, below ``runs_in``) are not part of
+        what is kept, or no two spawns would ask the same (``_split_spawn_files``). The
+        last ``JAIL_REQUESTS_KEPT`` are kept (resolving one again was ~2-3 ms of a lone
+        spawn in the emulated test host: design notes, "A lone spawn's jail request
+        resolved once")."""
         if value is None:
             return None
-        key = json.dumps(value, sort_keys=True)
+        shared, spawn_files = _split_spawn_files(value)
+        key = json.dumps(shared, sort_keys=True)
         request = self._jail_requests.get(key)
         if request is None:
-            request = _jail_request(value, self._shared_tree)
+            request = _jail_request(shared, self._shared_tree)
             self._jail_requests[key] = request
             while len(self._jail_requests) > JAIL_REQUESTS_KEPT:
                 self._jail_requests.popitem(last=False)
         else:
             self._jail_requests.move_to_end(key)
-        return request
+        return replace(request, spawn_files=spawn_files) if spawn_files else request
 
     def _jail_base(self, request: _JailRequest, spec: JailSpec | None, jails: _BatchJails
                    ) -> tuple[int, int, str] | None:
@@ -828,7 +857,7 @@ class Zygote:
         if not (parent == point or parent.startswith(point.rstrip("/") + "/")):
             raise RequestError(f"args.run_dir {spec.writable[0]} is not under jail.runs_in "
                                f"{point}")
-        key = (id(request), point)
+        key = (id(request.spec), point)   # the request is one spawn's copy of the kept one
         if key not in jails.bases:
             try:
                 jails.bases[key] = self._kept_bases.get(spec, point)
