@@ -867,24 +867,35 @@ impl AgentTarget {
     }
 }
 
+impl Target {
+    /// The agent at `path`, on vsock `port` behind it (None: served on the Unix socket
+    /// itself, no CONNECT line), with its timeouts in seconds.
+    pub fn new(
+        path: &str,
+        port: Option<u32>,
+        connect_timeout: f64,
+        io_timeout: f64,
+    ) -> Result<Self, String> {
+        let seconds =
+            |s: f64| Duration::try_from_secs_f64(s).map_err(|_| format!("a timeout of {s} s"));
+        Ok(Target {
+            path: CString::new(path).map_err(|_| "a NUL byte in the socket path".to_owned())?,
+            port,
+            connect_timeout: seconds(connect_timeout)?,
+            io_timeout: seconds(io_timeout)?,
+        })
+    }
+}
+
 #[pymethods]
 impl AgentTarget {
     /// `port` None: an agent served on the Unix socket `path` itself (no CONNECT line).
     #[new]
     #[pyo3(signature = (path, port, connect_timeout, io_timeout))]
     fn new(path: &str, port: Option<u32>, connect_timeout: f64, io_timeout: f64) -> PyResult<Self> {
-        let seconds = |s: f64| {
-            Duration::try_from_secs_f64(s)
-                .map_err(|_| PyValueError::new_err(format!("a timeout of {s} s")))
-        };
         Ok(Self {
-            target: Target {
-                path: CString::new(path)
-                    .map_err(|_| PyValueError::new_err("a NUL byte in the socket path"))?,
-                port,
-                connect_timeout: seconds(connect_timeout)?,
-                io_timeout: seconds(io_timeout)?,
-            },
+            target: Target::new(path, port, connect_timeout, io_timeout)
+                .map_err(PyValueError::new_err)?,
         })
     }
 }

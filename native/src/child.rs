@@ -1347,16 +1347,144 @@ pub struct ChildPlan {
     set_up: Option<SetUp>,
     jail: Option<Jail>,
     net: Net,
-    /// `jail.JailError`, built as `error(step, errno)` when a jail step fails.
-    error: Py<PyType>,
+    /// `jail.JailError`, built as `error(step, errno)` when a jail step fails (None: a
+    /// plan the forker built, whose child enters its jail natively only).
+    error: Option<Py<PyType>>,
 }
 
-fn cstrings(paths: &[String]) -> PyResult<Vec<CString>> {
-    paths.iter().map(|p| cstr_arg(p)).collect()
+/// `ChildPlan`'s constructor arguments as plain values (its `new` says what each is):
+/// what the zygote's Python passes, and what the forker (`forker.rs`) reads from JSON.
+#[derive(Default, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[allow(clippy::type_complexity)]
+pub struct ChildPlanArgs {
+    set_up: Option<(i32, Option<RawFd>, Vec<String>, Option<String>, i32)>,
+    jail: Option<(String, u32, u32, String, (u64, u64, u64), u32)>,
+    paths: Option<(
+        Vec<String>,
+        Vec<String>,
+        Vec<String>,
+        Option<(String, Vec<String>)>,
+        Vec<String>,
+        Vec<String>,
+    )>,
+    tap: Option<String>,
+    host_root: Option<(RawFd, u64, u64)>,
+    held_netns: Option<RawFd>,
+    netns: Option<String>,
+    base: Option<(RawFd, RawFd, String)>,
+}
+
+fn cstrings(paths: &[String]) -> Result<Vec<CString>, String> {
+    paths.iter().map(|p| arg_cstring(p)).collect()
+}
+
+fn arg_cstring(s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{s:?} holds a NUL byte"))
 }
 
 fn cstr_arg(s: &str) -> PyResult<CString> {
-    CString::new(s).map_err(|_| PyValueError::new_err(format!("{s:?} holds a NUL byte")))
+    arg_cstring(s).map_err(PyValueError::new_err)
+}
+
+impl ChildPlan {
+    /// The plan of `args` (`ChildPlan.new`'s), its refusals as text.
+    pub fn from_args(args: ChildPlanArgs, error: Option<Py<PyType>>) -> Result<Self, String> {
+        let ChildPlanArgs {
+            set_up,
+            jail,
+            paths,
+            tap,
+            host_root,
+            held_netns,
+            netns,
+            base,
+        } = args;
+        if base.is_some() && jail.is_none() {
+            return Err("a jail base is for a jail".into());
+        }
+        let set_up = match set_up {
+            None => None,
+            Some((zygote_pid, zygote_pidfd, procs, log_path, nice)) => Some(SetUp {
+                zygote_pid,
+                zygote_pidfd,
+                cgroup_procs: cstrings(&procs)?,
+                log_path: log_path.as_deref().map(arg_cstring).transpose()?,
+                nice,
+                keep: base
+                    .as_ref()
+                    .map_or_else(Vec::new, |(ns, root, _)| vec![*ns, *root]),
+            }),
+        };
+        let net = match (netns, held_netns) {
+            (Some(name), _) => Net::Sandbox {
+                relative: arg_cstring(&format!("run/netns/{name}"))?,
+                absolute: arg_cstring(&format!("/run/netns/{name}"))?,
+                name,
+                host_root: host_root.map(|(fd, _, _)| fd),
+            },
+            (None, Some(fd)) => Net::Held(fd),
+            (None, None) => Net::Own,
+        };
+        let jail = match (jail, paths) {
+            (None, _) => None,
+            (Some(_), None) => return Err("a jail needs its paths".into()),
+            (
+                Some((root, uid, gid, hostname, (nofile, nproc, fsize), last_cap)),
+                Some((read_only, writable, devices, shared, preopen, preopen_rw)),
+            ) => {
+                let shared = shared
+                    .map(|(tree, paths)| Ok::<_, String>((arg_cstring(&tree)?, paths)))
+                    .transpose()?;
+                let root = match (base, writable.as_slice()) {
+                    (None, _) => Root::Own(
+                        RootPlan::new(&root, &read_only, &writable, shared.as_ref(), &[])
+                            .map_err(|f| f.step.to_string())?,
+                    ),
+                    (Some((fd, base_root, mount_point)), [run_dir]) => {
+                        let (between, carried) = base_places(run_dir, &mount_point, &read_only)?;
+                        Root::Base(Base {
+                            fd,
+                            root: base_root,
+                            run_dir: arg_cstring(run_dir)?,
+                            mount_point: arg_cstring(&mount_point)?,
+                            between,
+                            carried,
+                        })
+                    }
+                    (Some(_), _) => {
+                        return Err("a jail that joins a base has one writable path, its run \
+                                    directory"
+                            .into())
+                    }
+                };
+                Some(Jail {
+                    uid,
+                    gid,
+                    devices,
+                    root,
+                    limits: [
+                        (libc::RLIMIT_NOFILE, nofile, "RLIMIT_NOFILE"),
+                        (libc::RLIMIT_NPROC, nproc, "RLIMIT_NPROC"),
+                        (libc::RLIMIT_FSIZE, fsize, "RLIMIT_FSIZE"),
+                        (libc::RLIMIT_CORE, 0, "RLIMIT_CORE"),
+                    ],
+                    hostname,
+                    preopen: cstrings(&preopen)?,
+                    preopen_rw: cstrings(&preopen_rw)?,
+                    tap,
+                    host_root,
+                    last_cap,
+                })
+            }
+        };
+        Ok(ChildPlan {
+            set_up,
+            jail,
+            net,
+            error,
+        })
+    }
 }
 
 #[pymethods]
@@ -1394,92 +1522,17 @@ impl ChildPlan {
         netns: Option<String>,
         base: Option<(RawFd, RawFd, String)>,
     ) -> PyResult<Self> {
-        if base.is_some() && jail.is_none() {
-            return Err(PyValueError::new_err("a jail base is for a jail"));
-        }
-        let set_up = match set_up {
-            None => None,
-            Some((zygote_pid, zygote_pidfd, procs, log_path, nice)) => Some(SetUp {
-                zygote_pid,
-                zygote_pidfd,
-                cgroup_procs: cstrings(&procs)?,
-                log_path: log_path.as_deref().map(cstr_arg).transpose()?,
-                nice,
-                keep: base
-                    .as_ref()
-                    .map_or_else(Vec::new, |(ns, root, _)| vec![*ns, *root]),
-            }),
-        };
-        let net = match (netns, held_netns) {
-            (Some(name), _) => Net::Sandbox {
-                relative: cstr_arg(&format!("run/netns/{name}"))?,
-                absolute: cstr_arg(&format!("/run/netns/{name}"))?,
-                name,
-                host_root: host_root.map(|(fd, _, _)| fd),
-            },
-            (None, Some(fd)) => Net::Held(fd),
-            (None, None) => Net::Own,
-        };
-        let jail = match (jail, paths) {
-            (None, _) => None,
-            (Some(_), None) => return Err(PyValueError::new_err("a jail needs its paths")),
-            (
-                Some((root, uid, gid, hostname, (nofile, nproc, fsize), last_cap)),
-                Some((read_only, writable, devices, shared, preopen, preopen_rw)),
-            ) => {
-                let shared = shared
-                    .map(|(tree, paths)| Ok::<_, PyErr>((cstr_arg(&tree)?, paths)))
-                    .transpose()?;
-                let root = match (base, writable.as_slice()) {
-                    (None, _) => Root::Own(
-                        RootPlan::new(&root, &read_only, &writable, shared.as_ref(), &[])
-                            .map_err(|f| PyValueError::new_err(f.step))?,
-                    ),
-                    (Some((fd, base_root, mount_point)), [run_dir]) => {
-                        let (between, carried) = base_places(run_dir, &mount_point, &read_only)
-                            .map_err(PyValueError::new_err)?;
-                        Root::Base(Base {
-                            fd,
-                            root: base_root,
-                            run_dir: cstr_arg(run_dir)?,
-                            mount_point: cstr_arg(&mount_point)?,
-                            between,
-                            carried,
-                        })
-                    }
-                    (Some(_), _) => {
-                        return Err(PyValueError::new_err(
-                            "a jail that joins a base has one writable path, its run \
-                             directory",
-                        ))
-                    }
-                };
-                Some(Jail {
-                    uid,
-                    gid,
-                    devices,
-                    root,
-                    limits: [
-                        (libc::RLIMIT_NOFILE, nofile, "RLIMIT_NOFILE"),
-                        (libc::RLIMIT_NPROC, nproc, "RLIMIT_NPROC"),
-                        (libc::RLIMIT_FSIZE, fsize, "RLIMIT_FSIZE"),
-                        (libc::RLIMIT_CORE, 0, "RLIMIT_CORE"),
-                    ],
-                    hostname,
-                    preopen: cstrings(&preopen)?,
-                    preopen_rw: cstrings(&preopen_rw)?,
-                    tap,
-                    host_root,
-                    last_cap,
-                })
-            }
-        };
-        Ok(ChildPlan {
+        let args = ChildPlanArgs {
             set_up,
             jail,
-            net,
-            error: error.unbind(),
-        })
+            paths,
+            tap,
+            host_root,
+            held_netns,
+            netns,
+            base,
+        };
+        ChildPlan::from_args(args, Some(error.unbind())).map_err(PyValueError::new_err)
     }
 
     /// The child's set-up (steps 0-6 of the module comment), right after `fork()`.
@@ -1512,12 +1565,14 @@ impl ChildPlan {
         let Some(jail) = &self.jail else {
             return Err(PyValueError::new_err("this plan has no jail"));
         };
-        jail.enter(&self.net, &|_| {}).map_err(|f| {
-            match self.error.bind(py).call1((f.step, f.errno)) {
-                Ok(err) => PyErr::from_value(err),
-                Err(err) => err,
-            }
-        })
+        jail.enter(&self.net, &|_| {})
+            .map_err(|f| match &self.error {
+                Some(error) => match error.bind(py).call1((f.step, f.errno)) {
+                    Ok(err) => PyErr::from_value(err),
+                    Err(err) => err,
+                },
+                None => PyOSError::new_err((f.errno, jail_failure_text(&f))),
+            })
     }
 }
 
@@ -1667,6 +1722,23 @@ fn thread_count() -> Option<u64> {
     num_threads(&std::fs::read("/proc/self/stat").ok()?)
 }
 
+/// Ok if this process has one thread: what a fork or clone that runs none of
+/// CPython's after-fork work needs (`fork_single_threaded`). `what` names the caller
+/// in the refusal.
+pub(crate) fn one_thread(what: &str) -> Result<(), String> {
+    match thread_count() {
+        Some(1) => Ok(()),
+        Some(n) => Err(format!(
+            "{what}: this process has {n} threads; a child forked without CPython's \
+             after-fork work needs the forking thread to be the only one"
+        )),
+        None => Err(format!(
+            "{what}: /proc/self/stat cannot be read, so this process cannot be known \
+             to have one thread"
+        )),
+    }
+}
+
 /// The 20th field (`num_threads`) of a `/proc/<pid>/stat` line.
 fn num_threads(stat: &[u8]) -> Option<u64> {
     // The command name (field 2) is in parentheses and may hold anything, spaces and
@@ -1707,22 +1779,7 @@ pub fn fork_single_threaded(py: Python<'_>) -> PyResult<i32> {
 /// `fork()` once the process is checked to have one thread (`fork_single_threaded`'s
 /// reasons), with the GIL held: the native fork (`native_fork.rs`) forks the same way.
 pub(crate) fn fork_checked(py: Python<'_>) -> PyResult<i32> {
-    match thread_count() {
-        Some(1) => {}
-        Some(n) => {
-            return Err(PyRuntimeError::new_err(format!(
-                "fork_single_threaded: this process has {n} threads; a child forked \
-                 without CPython's after-fork work needs the forking thread to be the \
-                 only one"
-            )))
-        }
-        None => {
-            return Err(PyRuntimeError::new_err(
-                "fork_single_threaded: /proc/self/stat cannot be read, so this process \
-                 cannot be known to have one thread",
-            ))
-        }
-    }
+    one_thread("fork_single_threaded").map_err(PyRuntimeError::new_err)?;
     py.check_signals()?;
     // SAFETY: the process has one thread (checked above; a thread can only be started
     // by this one, which is here), so the child's only thread is this one, holding the

@@ -25,6 +25,7 @@ mod child_report;
 mod console;
 mod control_serve;
 mod eventloop;
+mod forker;
 mod guest_ram;
 mod log_budget;
 mod machine;
@@ -268,6 +269,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<native_fork::NativeFork>()?;
     m.add_function(wrap_pyfunction!(native_fork::fork_native_batch, m)?)?;
     m.add_function(wrap_pyfunction!(native_fork::forked_machine, m)?)?;
+    m.add_function(wrap_pyfunction!(forker::start_forker, m)?)?;
+    m.add_function(wrap_pyfunction!(machine_plan::kept_snapshot_plans, m)?)?;
     m.add("IoctlError", m.py().get_type::<IoctlError>())?;
     m.add("CHILD_HEAP_BYTES", child_heap::REGION_BYTES)?;
     Ok(())

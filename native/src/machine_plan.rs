@@ -31,6 +31,8 @@ use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use kvm_ioctls::Kvm;
 use pyo3::exceptions::PyValueError;
@@ -51,6 +53,8 @@ const CONSOLE_LOG_MODE: u32 = 0o600;
 /// A snapshot's machine as plain values (module comment).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct SnapshotMachinePlan {
+    /// This plan's number in this process (`number`), never reused.
+    number: u64,
     memory_path: PathBuf,
     mem_size: u64,
     prepared: Py<PreparedRestore>,
@@ -114,6 +118,7 @@ impl SnapshotMachinePlan {
             })
             .collect::<PyResult<Vec<_>>>()?;
         Ok(SnapshotMachinePlan {
+            number: NEXT_NUMBER.fetch_add(1, Ordering::Relaxed),
             memory_path,
             mem_size,
             prepared,
@@ -151,11 +156,117 @@ impl SnapshotMachinePlan {
         jail_disks: HashMap<u32, usize>,
         premapped: Option<Vec<(u64, u64, u64)>>,
         other_premaps: Vec<(u64, u64)>,
-        volumes: Vec<(u32, PathBuf, String, u64, bool, String, Option<usize>)>,
+        volumes: Vec<ChildVolumeArgs>,
         tap: Option<String>,
     ) -> PyResult<ChildMachinePlan> {
-        let inherited = InheritedRam::new(slf.get().mem_size, premapped.as_deref(), &other_premaps)
-            .map_err(PyValueError::new_err)?;
+        let args = ForChildArgs {
+            run_dir,
+            jail_memory,
+            jail_kvm,
+            jail_disks,
+            premapped,
+            other_premaps,
+            volumes,
+            tap,
+        };
+        SnapshotMachinePlan::child_plan(slf, args).map_err(PyValueError::new_err)
+    }
+
+    /// This plan's number in this process; from the first read on, a process cloned
+    /// from this one finds the plan by it (`kept_plan`: the forker, `forker.rs`) for
+    /// as long as the plan lives here.
+    #[getter]
+    fn number(slf: &Bound<'_, Self>) -> u64 {
+        let number = slf.get().number;
+        let mut kept = KEPT_PLANS.lock().unwrap_or_else(|e| e.into_inner());
+        if !kept.iter().any(|(n, _)| *n == number) {
+            kept.push((number, slf.as_ptr() as usize));
+        }
+        number
+    }
+}
+
+/// A child volume as `for_child` takes it: (slot, path, key, capacity, read-only,
+/// guest path, index among the jail's opened files).
+type ChildVolumeArgs = (u32, PathBuf, String, u64, bool, String, Option<usize>);
+
+/// `for_child`'s arguments as plain values (its docstring says what each is): what
+/// the forker (`forker.rs`) reads from JSON.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForChildArgs {
+    run_dir: PathBuf,
+    #[serde(default)]
+    jail_memory: Option<usize>,
+    #[serde(default)]
+    jail_kvm: Option<usize>,
+    #[serde(default)]
+    jail_disks: HashMap<u32, usize>,
+    #[serde(default)]
+    premapped: Option<Vec<(u64, u64, u64)>>,
+    #[serde(default)]
+    other_premaps: Vec<(u64, u64)>,
+    #[serde(default)]
+    volumes: Vec<ChildVolumeArgs>,
+    #[serde(default)]
+    tap: Option<String>,
+}
+
+static NEXT_NUMBER: AtomicU64 = AtomicU64::new(1);
+
+/// (number, the plan's Python object) of each plan whose `number` was read, while it
+/// lives (`Drop` takes it out).
+static KEPT_PLANS: Mutex<Vec<(u64, usize)>> = Mutex::new(Vec::new());
+
+impl Drop for SnapshotMachinePlan {
+    fn drop(&mut self) {
+        let number = self.number;
+        KEPT_PLANS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(n, _)| *n != number);
+    }
+}
+
+/// The plan `number` (`SnapshotMachinePlan.number`), if it lives in this process: in
+/// a forker, one its zygote had when it cloned it.
+pub(crate) fn kept_plan(py: Python<'_>, number: u64) -> Option<Py<SnapshotMachinePlan>> {
+    let kept = KEPT_PLANS.lock().unwrap_or_else(|e| e.into_inner());
+    let &(_, object) = kept.iter().find(|(n, _)| *n == number)?;
+    // SAFETY: `object` is a live `SnapshotMachinePlan`'s Python object: its `number`
+    // getter put it here and its `Drop`, which runs before the object is freed, takes
+    // it out under the same lock.
+    let bound = unsafe { Bound::from_borrowed_ptr(py, object as *mut pyo3::ffi::PyObject) };
+    // SAFETY: only `SnapshotMachinePlan`s are put here.
+    Some(unsafe { bound.cast_into_unchecked::<SnapshotMachinePlan>() }.unbind())
+}
+
+/// `_core.kept_snapshot_plans()`: the numbers `kept_plan` finds in this process.
+#[pyfunction]
+pub fn kept_snapshot_plans() -> Vec<u64> {
+    KEPT_PLANS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(n, _)| *n)
+        .collect()
+}
+
+impl SnapshotMachinePlan {
+    /// One child's plan (`for_child`'s checks), its refusals as text.
+    pub fn child_plan(slf: Py<Self>, args: ForChildArgs) -> Result<ChildMachinePlan, String> {
+        let ForChildArgs {
+            run_dir,
+            jail_memory,
+            jail_kvm,
+            jail_disks,
+            premapped,
+            other_premaps,
+            volumes,
+            tap,
+        } = args;
+        let inherited =
+            InheritedRam::new(slf.get().mem_size, premapped.as_deref(), &other_premaps)?;
         let volumes = volumes
             .into_iter()
             .map(
@@ -176,16 +287,15 @@ impl SnapshotMachinePlan {
                     Ok(volume)
                 },
             )
-            .collect::<Result<Vec<_>, String>>()
-            .map_err(PyValueError::new_err)?;
+            .collect::<Result<Vec<_>, String>>()?;
         for (slot, _, plan) in &slf.get().devices {
             if let DeviceKind::Blk(disk) = &plan.kind {
                 if !disk.read_only && !volumes.iter().any(|v| v.slot == *slot) {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(format!(
                         "the snapshot's read-write volume {} (virtio-mmio.{slot}) needs its \
                          file",
                         disk.key
-                    )));
+                    ));
                 }
             }
         }

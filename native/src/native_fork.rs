@@ -31,8 +31,9 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
-use crate::agent_handshake::{AgentTarget, Mount};
+use crate::agent_handshake::{AgentTarget, Mount, Target};
 use crate::child::{exit_setup_failed, fork_checked, ChildPlan, Opened};
 use crate::child_heap;
 use crate::child_life::{self, Forked, LifePlan};
@@ -54,13 +55,132 @@ pub struct ChildLife {
     plan: LifePlan,
 }
 
-fn c_string(s: &str) -> PyResult<CString> {
-    CString::new(s).map_err(|_| PyValueError::new_err(format!("{s:?} holds a NUL byte")))
+/// `ChildLife`'s constructor arguments as plain values (its `new` says what each is),
+/// `agent` as `AgentTarget`'s and `seccomp` in hex: what the forker (`forker.rs`)
+/// reads from JSON.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChildLifeArgs {
+    run_dir: String,
+    vm_id: String,
+    notify_path: Option<String>,
+    start_gate: Option<String>,
+    start_gate_timeout: f64,
+    seccomp: Option<String>,
+    jailed: bool,
+    agent: (String, Option<u32>, f64, f64),
+    ready_timeout: f64,
+    net_refresh: bool,
+    #[serde(default)]
+    mounts: Vec<(u32, String, bool, u64)>,
+    #[serde(default)]
+    profile: bool,
+    #[serde(default)]
+    snapshot_bases: Vec<(Option<String>, String)>,
+    #[serde(default)]
+    snapshot_tracking: Option<String>,
 }
 
-fn duration(seconds: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(seconds)
-        .map_err(|_| PyValueError::new_err(format!("a timeout of {seconds} s")))
+pub(crate) fn from_hex(text: &str) -> Result<Vec<u8>, String> {
+    let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let bytes = text.as_bytes();
+    if !bytes.len().is_multiple_of(2) {
+        return Err("an odd number of hex digits".into());
+    }
+    bytes
+        .chunks(2)
+        .map(|pair| match (digit(pair[0]), digit(pair[1])) {
+            (Some(high), Some(low)) => Ok(high << 4 | low),
+            _ => Err("a character that is not a hex digit".into()),
+        })
+        .collect()
+}
+
+impl ChildLifeArgs {
+    /// The life these arguments name (`ChildLife.new`'s checks).
+    pub fn life(self) -> Result<LifePlan, String> {
+        let (path, port, connect_timeout, io_timeout) = self.agent;
+        let agent = Target::new(&path, port, connect_timeout, io_timeout)?;
+        let seccomp = self.seccomp.as_deref().map(from_hex).transpose()?;
+        life_plan(LifeValues {
+            run_dir: &self.run_dir,
+            vm_id: &self.vm_id,
+            notify_path: self.notify_path.as_deref(),
+            start_gate: self.start_gate.as_deref(),
+            start_gate_timeout: self.start_gate_timeout,
+            seccomp,
+            jailed: self.jailed,
+            agent,
+            ready_timeout: self.ready_timeout,
+            net_refresh: self.net_refresh,
+            mounts: self.mounts,
+            profile: self.profile,
+            snapshot_bases: self.snapshot_bases,
+            snapshot_tracking: self.snapshot_tracking,
+        })
+    }
+}
+
+/// One life's values, whichever way they came (`ChildLife.new`, `ChildLifeArgs`).
+struct LifeValues<'a> {
+    run_dir: &'a str,
+    vm_id: &'a str,
+    notify_path: Option<&'a str>,
+    start_gate: Option<&'a str>,
+    start_gate_timeout: f64,
+    seccomp: Option<Vec<u8>>,
+    jailed: bool,
+    agent: Target,
+    ready_timeout: f64,
+    net_refresh: bool,
+    mounts: Vec<(u32, String, bool, u64)>,
+    profile: bool,
+    snapshot_bases: Vec<(Option<String>, String)>,
+    snapshot_tracking: Option<String>,
+}
+
+fn c_string(s: &str) -> Result<CString, String> {
+    CString::new(s).map_err(|_| format!("{s:?} holds a NUL byte"))
+}
+
+fn duration(seconds: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(seconds).map_err(|_| format!("a timeout of {seconds} s"))
+}
+
+fn life_plan(v: LifeValues<'_>) -> Result<LifePlan, String> {
+    let start_gate = match v.start_gate {
+        Some(gate) => Some((c_string(gate)?, duration(v.start_gate_timeout)?)),
+        None => None,
+    };
+    Ok(LifePlan {
+        reporter: ChildReporter::at(v.run_dir, v.vm_id, v.notify_path)?,
+        start_gate,
+        seccomp: v.seccomp,
+        control_path: c_string(&format!("{}/control.sock", v.run_dir.trim_end_matches('/')))?,
+        jailed: v.jailed,
+        agent: v.agent,
+        ready_timeout: duration(v.ready_timeout)?,
+        net_refresh: v.net_refresh,
+        mounts: v
+            .mounts
+            .into_iter()
+            .map(|(device, guest_path, read_only, sectors)| Mount {
+                device,
+                guest_path,
+                read_only,
+                sectors,
+            })
+            .collect(),
+        profile: if v.profile {
+            Some(SpawnProfile::at(v.run_dir)?)
+        } else {
+            None
+        },
+        snapshots: Arc::new(Mutex::new(SnapshotStatus {
+            bases: v.snapshot_bases,
+            tracking: v.snapshot_tracking,
+        })),
+    })
 }
 
 #[pymethods]
@@ -96,54 +216,53 @@ impl ChildLife {
         snapshot_bases: Vec<(Option<String>, String)>,
         snapshot_tracking: Option<String>,
     ) -> PyResult<Self> {
-        let start_gate = match start_gate {
-            Some(gate) => Some((c_string(gate)?, duration(start_gate_timeout)?)),
-            None => None,
-        };
-        Ok(ChildLife {
-            plan: LifePlan {
-                reporter: ChildReporter::at(run_dir, vm_id, notify_path)
-                    .map_err(PyValueError::new_err)?,
-                start_gate,
-                seccomp,
-                control_path: c_string(&format!("{}/control.sock", run_dir.trim_end_matches('/')))?,
-                jailed,
-                agent: agent.target().clone(),
-                ready_timeout: duration(ready_timeout)?,
-                net_refresh,
-                mounts: mounts
-                    .into_iter()
-                    .map(|(device, guest_path, read_only, sectors)| Mount {
-                        device,
-                        guest_path,
-                        read_only,
-                        sectors,
-                    })
-                    .collect(),
-                profile: if profile {
-                    Some(SpawnProfile::at(run_dir).map_err(PyValueError::new_err)?)
-                } else {
-                    None
-                },
-                snapshots: Arc::new(Mutex::new(SnapshotStatus {
-                    bases: snapshot_bases,
-                    tracking: snapshot_tracking,
-                })),
-            },
+        let plan = life_plan(LifeValues {
+            run_dir,
+            vm_id,
+            notify_path,
+            start_gate,
+            start_gate_timeout,
+            seccomp,
+            jailed,
+            agent: agent.target().clone(),
+            ready_timeout,
+            net_refresh,
+            mounts,
+            profile,
+            snapshot_bases,
+            snapshot_tracking,
         })
+        .map_err(PyValueError::new_err)?;
+        Ok(ChildLife { plan })
     }
 }
 
+/// What a child's first hand-over calls before its handler (`NativeFork`'s prelude).
+pub enum Prelude {
+    /// A Python callable of the zygote's, called with the jail's descriptors.
+    Object(Py<PyAny>),
+    /// `module:function`, called with the JSON list `args` decoded, then the jail's
+    /// descriptors: a forker's child, whose zygote built no object for it.
+    Named { function: String, args: String },
+}
+
 /// The hand-over of a child whose Python has not run since the fork (module comment).
-/// It borrows its names and prelude from the child's `NativeFork`: the child holds
+/// It borrows its names and prelude from the child's `ForkPlan`: the child holds
 /// the zygote's objects by reference and writes none of them.
 struct AfterForkPython<'a> {
     module: &'a str,
     function: &'a str,
-    prelude: Option<&'a Py<PyAny>>,
+    prelude: Option<&'a Prelude>,
     opened: Option<Opened>,
     /// The handler, or why there is none, resolved at the first hand-over.
     handler: OnceLock<Result<PyHandover, String>>,
+}
+
+fn resolve_function(py: Python<'_>, name: &str) -> PyResult<Py<PyAny>> {
+    let (module, function) = name
+        .split_once(':')
+        .ok_or_else(|| PyValueError::new_err(format!("{name:?} is not 'module:function'")))?;
+    Ok(py.import(module)?.getattr(function)?.unbind())
 }
 
 impl AfterForkPython<'_> {
@@ -154,8 +273,25 @@ impl AfterForkPython<'_> {
         unsafe { pyo3::ffi::PyOS_AfterFork_Child() };
         Python::attach(|py| {
             let shown = |err: PyErr| err.to_string();
-            if let Some(prelude) = self.prelude {
-                prelude.call1(py, (self.opened.clone(),)).map_err(shown)?;
+            match self.prelude {
+                None => {}
+                Some(Prelude::Object(prelude)) => {
+                    prelude.call1(py, (self.opened.clone(),)).map_err(shown)?;
+                }
+                Some(Prelude::Named { function, args }) => {
+                    let function = resolve_function(py, function).map_err(shown)?;
+                    let args = py
+                        .import("json")
+                        .and_then(|json| json.getattr("loads")?.call1((args.as_str(),)))
+                        .and_then(|decoded| {
+                            let mut args: Vec<Bound<'_, PyAny>> =
+                                decoded.try_iter()?.collect::<PyResult<_>>()?;
+                            args.push(self.opened.clone().into_pyobject(py)?.into_any());
+                            PyTuple::new(py, args)
+                        })
+                        .map_err(shown)?;
+                    function.call1(py, args).map_err(shown)?;
+                }
             }
             let function = py
                 .import(self.module)
@@ -175,10 +311,25 @@ impl Handover for AfterForkPython<'_> {
     }
 }
 
+/// A value a fork plan holds: the zygote's Python object, or one a forker built.
+pub enum Held<T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync> {
+    Object(Py<T>),
+    Own(T),
+}
+
+impl<T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync> Held<T> {
+    fn get(&self) -> &T {
+        match self {
+            Held::Object(object) => object.get(),
+            Held::Own(value) => value,
+        }
+    }
+}
+
 /// The machine a native child builds after its set-up and jail.
-enum ForkedMachine {
+pub enum ForkedMachine {
     /// A snapshot's (`machine_plan.rs`).
-    Restored(Py<ChildMachinePlan>),
+    Restored(Held<ChildMachinePlan>),
     /// The tests' real-mode program (`tiny_machine.rs`).
     Tiny(TinyMachinePlan),
 }
@@ -186,7 +337,9 @@ enum ForkedMachine {
 impl ForkedMachine {
     fn from_py(machine: &Bound<'_, PyAny>) -> PyResult<Self> {
         if let Ok(restored) = machine.cast::<ChildMachinePlan>() {
-            return Ok(ForkedMachine::Restored(restored.clone().unbind()));
+            return Ok(ForkedMachine::Restored(Held::Object(
+                restored.clone().unbind(),
+            )));
         }
         Ok(ForkedMachine::Tiny(
             machine.cast::<TinyMachinePlan>()?.get().clone(),
@@ -240,22 +393,43 @@ fn one_malloc_arena() {
     unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
 }
 
-/// One child of `fork_native_batch`, built by the zygote before the batch: `plan`'s
-/// set-up and jail, then `life` with `machine` (a `ChildMachinePlan` or a
-/// `TinyMachinePlan`); `handover`: `module:function`, the Python handler of
-/// handed-over control lines; `prelude`: called with the jail's descriptors before
-/// the first; `own_pid_namespace`: given, the child is the first process of a new PID
-/// namespace (`jail.PidNamespaces`), and this descriptor of the zygote's own is where
-/// the zygote returns after forking it.
+/// One child of a native batch: `plan`'s set-up and jail, then `life` with `machine`;
+/// `module:function`, the Python handler of handed-over control lines; `prelude`:
+/// called with the jail's descriptors before the first; `own_pid_namespace`: given,
+/// the child is the first process of a new PID namespace (`jail.PidNamespaces`), and
+/// this descriptor of the forking process's own is where it returns after the fork.
+/// Built by the zygote (`NativeFork`) or by a forker from a recipe (`forker.rs`).
+pub struct ForkPlan {
+    pub plan: Held<ChildPlan>,
+    pub life: Held<ChildLife>,
+    pub machine: ForkedMachine,
+    pub module: String,
+    pub function: String,
+    pub prelude: Option<Prelude>,
+    pub own_pid_namespace: Option<RawFd>,
+}
+
+/// `handover` split into its module and function.
+pub fn handover_names(handover: &str) -> Result<(String, String), String> {
+    let (module, function) = handover
+        .split_once(':')
+        .ok_or_else(|| format!("handover must be 'module:function', got {handover:?}"))?;
+    Ok((module.to_owned(), function.to_owned()))
+}
+
+impl ChildLife {
+    /// A life a forker built (`ChildLifeArgs`).
+    pub fn own(plan: LifePlan) -> Self {
+        ChildLife { plan }
+    }
+}
+
+/// One child of `fork_native_batch`, built by the zygote before the batch (`ForkPlan`:
+/// `machine` a `ChildMachinePlan` or a `TinyMachinePlan`, `handover` its
+/// `module:function`).
 #[pyclass(frozen, module = "vmfork._core")]
 pub struct NativeFork {
-    plan: Py<ChildPlan>,
-    life: Py<ChildLife>,
-    machine: ForkedMachine,
-    module: String,
-    function: String,
-    prelude: Option<Py<PyAny>>,
-    own_pid_namespace: Option<RawFd>,
+    fork: ForkPlan,
 }
 
 #[pymethods]
@@ -270,26 +444,24 @@ impl NativeFork {
         prelude: Option<Py<PyAny>>,
         own_pid_namespace: Option<RawFd>,
     ) -> PyResult<Self> {
-        let (module, function) = handover.split_once(':').ok_or_else(|| {
-            PyValueError::new_err(format!(
-                "handover must be 'module:function', got {handover:?}"
-            ))
-        })?;
+        let (module, function) = handover_names(handover).map_err(PyValueError::new_err)?;
         Ok(NativeFork {
-            plan,
-            life,
-            machine: ForkedMachine::from_py(machine)?,
-            module: module.to_owned(),
-            function: function.to_owned(),
-            prelude,
-            own_pid_namespace,
+            fork: ForkPlan {
+                plan: Held::Object(plan),
+                life: Held::Object(life),
+                machine: ForkedMachine::from_py(machine)?,
+                module,
+                function,
+                prelude: prelude.map(Prelude::Object),
+                own_pid_namespace,
+            },
         })
     }
 }
 
-impl NativeFork {
+impl ForkPlan {
     /// The child's side of the fork: its set-up, jail and life; never returns.
-    fn live(&self, forked_ns: i64) -> ! {
+    pub fn live(&self, forked_ns: i64) -> ! {
         // Nothing below returns, and nothing runs Python but a hand-over.
         // First, before anything allocates: the child's own allocations on fresh pages.
         if let Err(why) = child_heap::use_fresh_pages() {
@@ -321,29 +493,84 @@ impl NativeFork {
             forked_ns,
             entry_ns: child_life::monotonic_ns(),
         };
-        // A panic must not unwind into the zygote's frames either (pyo3 would turn it
-        // into a Python exception, in a child running the zygote's loop): it exits as an
-        // entry that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its message on stderr.
+        // A panic must not unwind into the forking process's frames either (pyo3 would
+        // turn it into a Python exception, in a child running the zygote's loop): it
+        // exits as an entry that raised (`zygote_protocol.EXIT_ENTRY_RAISED`), its
+        // message on stderr.
         let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.machine.live(life, forked, &after_fork)
         }))
         .unwrap_or(EXIT_ENTRY_RAISED);
-        // SAFETY: _exit ends the process without unwinding into the zygote's frames.
+        // SAFETY: _exit ends the process without unwinding into the forker's frames.
         unsafe { libc::_exit(code) }
     }
 }
 
-fn os_error(what: &str) -> PyErr {
-    let err = std::io::Error::last_os_error();
-    PyOSError::new_err((err.raw_os_error().unwrap_or(0), format!("{what}: {err}")))
+/// Why a native batch stopped: a failed call (its errno and what it was) or a
+/// process that may not fork (another thread).
+pub enum BatchStop {
+    Os(i32, String),
+    NotForkSafe(String),
 }
 
-/// Fork every child of `forks`, in order and back to back: nothing runs between two
-/// forks but each child's PID-namespace bracket and the fork's own check (one thread),
-/// so the zygote writes no page its earlier children share while it forks the later
-/// ones (design notes, "A native batch forked back to back"). Each child lives as
-/// `NativeFork::live` says and never returns into Python; its `forked_ns` is the
-/// zygote's CLOCK_MONOTONIC just before its fork.
+/// Fork every child of `forks`, in order and back to back, with `fork` (0 in the
+/// child, the child's pid here): nothing runs between two forks but each child's
+/// PID-namespace bracket, so the forking process writes no page its earlier children
+/// share while it forks the later ones (design notes, "A native batch forked back to
+/// back"). Each child lives as `ForkPlan::live` says; its `forked_ns` is this
+/// process's CLOCK_MONOTONIC just before its fork. `forked` is told each pid as it is
+/// forked. Returns the pids and what stopped the batch (None: all forked); a child
+/// forked before its `setns` back failed is in the pids.
+pub fn fork_batch<'a>(
+    forks: impl IntoIterator<Item = &'a ForkPlan>,
+    fork: &mut dyn FnMut() -> Result<i32, BatchStop>,
+    forked: &mut dyn FnMut(i32),
+) -> (Vec<i32>, Option<BatchStop>) {
+    let mut pids = Vec::new();
+    for plan in forks {
+        if plan.own_pid_namespace.is_some() {
+            // SAFETY: unshare takes no pointer; it moves this process's next children
+            // into a new PID namespace, not this process.
+            if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
+                return (pids, Some(os_stop("unshare(CLONE_NEWPID)")));
+            }
+        }
+        let forked_ns = child_life::monotonic_ns();
+        let outcome = fork();
+        if let Ok(0) = outcome {
+            plan.live(forked_ns);
+        }
+        // Back to this process's own namespace even when the fork failed: the next
+        // jailed fork needs a fresh one (a second unshare is refused while one is
+        // pending) and an unjailed one none.
+        let returned = match plan.own_pid_namespace {
+            // SAFETY: setns takes a descriptor the caller keeps open and no pointer.
+            Some(own) if unsafe { libc::setns(own, libc::CLONE_NEWPID) } != 0 => {
+                Err(os_stop("setns back to the forking process's PID namespace"))
+            }
+            _ => Ok(()),
+        };
+        match outcome {
+            Ok(pid) => {
+                pids.push(pid);
+                forked(pid);
+            }
+            Err(stop) => return (pids, Some(stop)),
+        }
+        if let Err(stop) = returned {
+            return (pids, Some(stop));
+        }
+    }
+    (pids, None)
+}
+
+fn os_stop(what: &str) -> BatchStop {
+    let err = std::io::Error::last_os_error();
+    BatchStop::Os(err.raw_os_error().unwrap_or(0), format!("{what}: {err}"))
+}
+
+/// Fork every child of `forks` back to back (`fork_batch`), each as
+/// `fork_single_threaded` forks (`child::fork_checked`).
 ///
 /// Returns `(pids, error)`: the pids of the children forked, in order, and the error
 /// that stopped the batch (`RuntimeError`/`OSError` as `fork_single_threaded`, or the
@@ -354,37 +581,22 @@ pub fn fork_native_batch(
     py: Python<'_>,
     forks: Vec<PyRef<'_, NativeFork>>,
 ) -> (Vec<i32>, Option<PyErr>) {
-    let mut pids = Vec::with_capacity(forks.len());
-    for fork in &forks {
-        if fork.own_pid_namespace.is_some() {
-            // SAFETY: unshare takes no pointer; it moves this process's next children
-            // into a new PID namespace, not this process.
-            if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
-                return (pids, Some(os_error("unshare(CLONE_NEWPID)")));
-            }
-        }
-        let forked_ns = child_life::monotonic_ns();
-        let forked = fork_checked(py);
-        if let Ok(0) = forked {
-            fork.live(forked_ns);
-        }
-        // Back to the zygote's own namespace even when the fork failed: the next jailed
-        // fork needs a fresh one (a second unshare is refused while one is pending) and
-        // an unjailed one none.
-        let returned = match fork.own_pid_namespace {
-            // SAFETY: setns takes a descriptor the caller keeps open and no pointer.
-            Some(own) if unsafe { libc::setns(own, libc::CLONE_NEWPID) } != 0 => {
-                Err(os_error("setns back to the zygote's PID namespace"))
-            }
-            _ => Ok(()),
-        };
-        match forked {
-            Ok(pid) => pids.push(pid),
-            Err(err) => return (pids, Some(err)),
-        }
-        if let Err(err) = returned {
-            return (pids, Some(err));
-        }
-    }
-    (pids, None)
+    let mut failed: Option<PyErr> = None;
+    let (pids, stop) = fork_batch(
+        forks.iter().map(|f| &f.fork),
+        &mut || {
+            fork_checked(py).map_err(|err| {
+                let stop = BatchStop::NotForkSafe(err.to_string());
+                failed = Some(err);
+                stop
+            })
+        },
+        &mut |_| {},
+    );
+    let error = stop.map(|stop| match (failed, stop) {
+        (Some(err), _) => err,
+        (None, BatchStop::Os(errno, what)) => PyOSError::new_err((errno, what)),
+        (None, BatchStop::NotForkSafe(what)) => pyo3::exceptions::PyRuntimeError::new_err(what),
+    });
+    (pids, error)
 }

@@ -344,6 +344,9 @@ class SnapshotMachinePlan:
                  serial: tuple[int, int, int, int, int, int, bool, bytes] | None,
                  log_burst: int, log_per_second: float, log_total_bytes: int,
                  disks: dict[int, str] = ...) -> None: ...
+    @property
+    def number(self) -> int:
+        """This plan's number in this process, by which a forker finds it (forker.rs)."""
     def for_child(self, run_dir: str, *, jail_memory: int | None = ...,
                   jail_kvm: int | None = ...,
                   jail_disks: dict[int, int] = ...,
@@ -363,6 +366,10 @@ class NativeFork:
                  own_pid_namespace: int | None = ...) -> None: ...
 
 def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException | None]: ...
+def start_forker(channel: int) -> int:
+    """Clone this zygote into a forker reading batches from ``channel`` (forker.rs)."""
+def kept_snapshot_plans() -> list[int]:
+    """The numbers of the snapshot plans a forker cloned now would find."""
 def forked_machine() -> NativeMachine | None:
     """In a native child, its running machine (native_fork.rs); else None."""
 

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -389,3 +390,57 @@ def test_a_batch_stopped_by_a_failure_returns_the_children_it_forked(
         os.close(gate_fd)
         forker.kill()
         forker.wait()
+
+
+def _children_of(pid: int) -> set[int]:
+    return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
+
+
+@needs_kvm
+def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
+        tmp_path: Path) -> None:
+    """With ``VMFORK_FORKER=1`` the zygote clones a forker and sends it each native
+    batch as plain values (runtime/forker.py, native/src/forker.rs): the children are
+    the zygote's own (it reaps them), run natively, and hand a line over to Python
+    after their named prelude ran; the next batch goes to the same forker, which the
+    zygote's shutdown reaps with everything else."""
+    env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["VMFORK_FORKER"] = "1"
+    z = start_zygote(tmp_path / "z.sock", env=env,
+                     entries_modules=["test_zygote_native_entries"])
+    entry = "test_zygote_native_entries:python_child"
+    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))   # short: AF_UNIX paths
+
+    def item(vm_id: str) -> SpawnItem:
+        return SpawnItem(vm_id, {"vm_id": vm_id, "run_dir": str(runs / vm_id),
+                                 "out": str(tmp_path / f"{vm_id}.json")})
+
+    try:
+        with z.client() as client:
+            first = client.spawn_many(entry, [item("vm0"), item("vm1")])
+            assert first.failed == []
+            forkers = _children_of(z.pid) - {c.pid for c in first.children}
+            assert len(forkers) == 1, forkers
+            second = client.spawn(entry, item("vm2").args, vm_id="vm2")
+            assert _children_of(z.pid) - {c.pid for c in first.children} - {second.pid} \
+                == forkers, "the second batch went to the same forker"
+            for child in [*first.children, second]:
+                status = _status(runs / child.vm_id, "restored")
+                assert status["child"] == "native" and status["pid"] == child.pid
+                assert int(Path(f"/proc/{child.pid}/stat").read_text().split()[3]) == z.pid
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control:
+                control.settimeout(30)
+                control.connect(str(runs / "vm1" / "control.sock"))
+                handed = _ask(control, {"op": "snapshot", "memory_path": "m",
+                                        "state_path": "s"})
+            assert handed["profile"]["pid"] == first.children[1].pid
+            assert handed["profile"]["noted"] == ["vm1"], handed
+            for vm_id in ("vm0", "vm1", "vm2"):
+                client.kill(vm_id)
+                assert client.wait(vm_id).reason == "killed"
+            assert _children_of(z.pid) == forkers
+    finally:
+        z.close()
+        shutil.rmtree(runs, ignore_errors=True)
+    assert z.proc.returncode == 0

@@ -10,6 +10,7 @@ told to ``args["out"]`` and sleeps until killed.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -26,17 +27,38 @@ ZYGOTE_ENTRIES = ("python_child",)
 
 
 def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> NativeChild:
+    """A tiny machine that halts forever; its hand-over answers with ``answer``, after
+    the prelude (``prelude``) noted ``args["vm_id"]``. With its recipe, for a forker."""
     from vmfork import _core
     if "refuse" in args:
         raise ValueError(args["refuse"])
-    life = _core.ChildLife(
+    life_args: dict[str, Any] = dict(
         run_dir=args["run_dir"], vm_id=args["vm_id"], notify_path=None, start_gate=None,
-        start_gate_timeout=60.0, seccomp=None, jailed=False,
-        # No agent listens there: the child reports restored, then waits for none.
-        agent=_core.AgentTarget(os.path.join(args["run_dir"], "no-agent.sock"), None, 5.0,
-                                30.0),
-        ready_timeout=600.0, net_refresh=False)
-    return NativeChild(life, _core.TinyMachinePlan(HALT_FOREVER), "json:dumps")
+        start_gate_timeout=60.0, jailed=False, ready_timeout=600.0, net_refresh=False)
+    # No agent listens there: the child reports restored, then waits for none.
+    agent = (os.path.join(args["run_dir"], "no-agent.sock"), None, 5.0, 30.0)
+    life = _core.ChildLife(**life_args, seccomp=None, agent=_core.AgentTarget(*agent))
+    handover = f"{__name__}:answer"
+    prelude = [f"{__name__}:prelude", json.dumps([args["vm_id"]])]
+    return NativeChild(
+        life, _core.TinyMachinePlan(HALT_FOREVER), handover,
+        functools.partial(globals()["prelude"], args["vm_id"]),
+        {"life": {**life_args, "seccomp": None, "agent": agent},
+         "machine": {"tiny": {"code": HALT_FOREVER.hex()}}, "handover": handover,
+         "prelude": prelude})
+
+
+_noted: list[str] = []
+
+
+def prelude(vm_id: str, opened: object) -> None:
+    _noted.append(vm_id)
+
+
+def answer(line: bytes, fd: int) -> bytes:
+    """A handed-over line's answer: this process, what its prelude noted, the line."""
+    return json.dumps({"ok": True, "profile": {"pid": os.getpid(), "noted": _noted,
+                                               "line": line.decode()}}).encode() + b"\n"
 
 
 def python_child(args: dict[str, Any]) -> int:

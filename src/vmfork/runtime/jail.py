@@ -82,7 +82,7 @@ import resource
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vmfork.vmm import openfiles
 
@@ -457,14 +457,22 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
     instead of building its own root. Raises ``JailError`` for a spec no jail can be
     built from."""
     from vmfork import _core
+    return _core.ChildPlan(error=JailError, **plan_args(spec, set_up, base))
+
+
+def plan_args(spec: JailSpec,
+              set_up: tuple[int, int | None, list[str], str | None, int] | None = None,
+              base: tuple[int, int, str] | None = None) -> dict[str, Any]:
+    """``plan``'s ``ChildPlan`` arguments but ``error``, as plain values (a forker
+    builds the plan from them: ``runtime/forker.py``)."""
     from vmfork.vmm.devices.virtio.net import valid_tap_name
     if spec.netns is not None:
         check_netns(spec.netns)
     if spec.tap is not None and not valid_tap_name(spec.tap):
         raise JailError(f"tap {spec.tap!r} is not a Linux interface name", errno.EINVAL)
     shared = None if spec.shared is None else (spec.shared.path, list(spec.shared.paths))
-    return _core.ChildPlan(
-        error=JailError, set_up=set_up,
+    return dict(
+        set_up=set_up,
         jail=(spec.root, spec.uid, spec.gid, spec.hostname,
               (spec.nofile, spec.nproc, spec.fsize), last_capability()),
         paths=(sorted(set(spec.read_only), key=len), list(spec.writable), list(spec.devices),
@@ -475,20 +483,38 @@ def plan(spec: JailSpec, set_up: tuple[int, int | None, list[str], str | None, i
         held_netns=_empty_netns if set_up is not None else None, netns=spec.netns, base=base)
 
 
-def adopt(spec: JailSpec, opened: tuple[list[int], list[int], tuple[int, int], list[int],
-                                        int | None]) -> None:
+Opened = tuple[list[int], list[int], tuple[int, int], list[int], int | None]
+"""What ``ChildPlan.enter_jail`` opened before the drop: (read-only files in
+``preopen``'s order, read-write files likewise, (pagemap, clear_refs), devices, the
+tap's or None)."""
+
+
+def adopt(spec: JailSpec, opened: Opened) -> None:
     """Register the descriptors ``ChildPlan.enter_jail`` opened before the drop (the
     VMM takes them through ``vmm/openfiles.py``) and give Python the jail's clean
     environment: ``os.environ`` is Python's copy, which a native ``clearenv`` would
     leave stale, so it is emptied here, the jail's last step."""
+    adopt_plain(adoption(spec), opened)
+
+
+def adoption(spec: JailSpec) -> dict[str, Any]:
+    """What ``adopt`` reads of ``spec``, as plain values (``adopt_plain``)."""
+    return {"preopen": list(spec.preopen), "preopen_rw": list(spec.preopen_rw),
+            "devices": list(spec.devices), "tap": spec.tap, "env": dict(spec.env)}
+
+
+def adopt_plain(adopted: dict[str, Any], opened: Opened) -> None:
+    """``adopt`` from ``adoption``'s values: how a forker's child adopts, whose
+    zygote built no ``JailSpec`` for it (``runtime/forker.py``)."""
     ro, rw, (pagemap, clear_refs), devices, tap = opened
-    openfiles.adopt(ro=zip(spec.preopen, ro), rw=zip(spec.preopen_rw, rw),
+    openfiles.adopt(ro=zip(adopted["preopen"], ro), rw=zip(adopted["preopen_rw"], rw),
                     proc_self={"pagemap": (pagemap, os.O_RDONLY),
                                "clear_refs": (clear_refs, os.O_WRONLY)},
-                    devices=zip(spec.devices, devices),
-                    tap=None if tap is None or spec.tap is None else (spec.tap, tap))
+                    devices=zip(adopted["devices"], devices),
+                    tap=None if tap is None or adopted["tap"] is None
+                    else (adopted["tap"], tap))
     os.environ.clear()
-    os.environ.update(spec.env)
+    os.environ.update(adopted["env"])
 
 
 def enter(spec: JailSpec) -> None:

@@ -69,6 +69,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import json
 import logging
 import os
 import select
@@ -412,6 +413,8 @@ class _ChildEnd:
 
     reporter: ChildReporter
     agent: AgentTarget
+    agent_args: tuple[str, int, float, float]
+    """``agent``'s arguments (a forker's recipe carries them: ``runtime/forker.py``)."""
 
 
 # The children of the batch being forked, by vm_id: replaced at every batch.
@@ -422,11 +425,12 @@ def _child_end(args: dict[str, Any]) -> _ChildEnd:
     from vmfork import _core
     run_dir = str(args["run_dir"])
     notify = args.get("notify_path")
+    agent_args = (os.path.join(run_dir, "vsock.sock"), AGENT_PORT, CONNECT_TIMEOUT,
+                  AGENT_IO_TIMEOUT)
     return _ChildEnd(
         reporter=_core.ChildReporter(run_dir, str(args["vm_id"]),
                                      None if notify is None else str(notify)),
-        agent=_core.AgentTarget(os.path.join(run_dir, "vsock.sock"), AGENT_PORT,
-                                CONNECT_TIMEOUT, AGENT_IO_TIMEOUT))
+        agent=_core.AgentTarget(*agent_args), agent_args=agent_args)
 
 
 def _prepare_child_ends(batch: list[dict[str, Any]]) -> None:
@@ -460,24 +464,32 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
     volumes, mounts = _child_volumes(state, args, jail_spec)
     jailed = jail_spec is not None
     notify, gate = args.get("notify_path"), args.get("start_gate")
-    life = _core.ChildLife(
+    life_args: dict[str, Any] = dict(
         run_dir=str(args["run_dir"]), vm_id=vm_id,
         notify_path=None if notify is None else str(notify),
         start_gate=None if gate is None else str(gate),
         start_gate_timeout=float(args.get("start_gate_timeout", START_GATE_TIMEOUT)),
-        seccomp=(seccomp.vmm_filter(log_only=bool(args.get("seccomp_log_only")))
-                 if jailed else None),
-        jailed=jailed,
-        agent=end.agent, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
+        jailed=jailed, ready_timeout=float(args.get("ready_timeout", READY_TIMEOUT)),
         net_refresh=state.device(devices.NET) is not None, mounts=mounts,
         profile=spawnprofile.MODE is not None,
         # A restored machine's RAM is its snapshot's file, mapped MAP_PRIVATE: what a
         # Python child's SnapshotTaker.bases says before its first capture.
         snapshot_bases=[(snapshot.base_tag, BASE_RESTORE)],
         snapshot_tracking=tracking())
+    program = seccomp.vmm_filter(log_only=bool(args.get("seccomp_log_only"))) if jailed else None
+    life = _core.ChildLife(**life_args, seccomp=program, agent=end.agent)
+    machine_args = _native_machine(args, jail_spec, volumes, snapshot)
+    machine = snapshot.machine.for_child(**machine_args)
+    adopted = None if jail_spec is None else jail.adoption(jail_spec)
+    recipe = {
+        "life": {**life_args, "seccomp": None if program is None else program.hex(),
+                 "agent": end.agent_args},
+        "machine": {"restored": {"snapshot": snapshot.machine.number, "child": machine_args}},
+        "handover": NATIVE_HANDOVER,
+        "prelude": [f"{__name__}:_native_prelude_plain", json.dumps([snapshot_dir, adopted])]}
     return zygote_child.NativeChild(
-        life, _native_machine(args, jail_spec, volumes, snapshot), NATIVE_HANDOVER,
-        functools.partial(_native_prelude, snapshot_dir, jail_spec))
+        life, machine, NATIVE_HANDOVER,
+        functools.partial(_native_prelude, snapshot_dir, jail_spec), recipe)
 
 
 @dataclass(frozen=True)
@@ -611,6 +623,15 @@ def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str, dict[int, str]]:
     return machine, memory_file, disks
 
 
+def forker_image_key() -> tuple[tuple[str, int, tuple[tuple[int, int, int], ...], bool], ...]:
+    """What a native child's recipe names of the zygote's image besides its snapshot
+    plan: the premaps (their plans, places, and which the children inherit). The
+    zygote's forker hook (``runtime/forker.py``): a forker cloned with another key
+    holds other mappings at those places, so the zygote clones a new one."""
+    return tuple((path, id(entry.plan), tuple(entry.ram.host_regions()), entry.inherited)
+                 for path, entry in _premaps.items())
+
+
 def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,
                                               list[tuple[int, int]]]:
     """What a native child of ``snapshot_dir`` forked next (after ``prefork``) inherits
@@ -637,9 +658,9 @@ def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,
 
 
 def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None,
-                    volumes: list[ChildVolume], snapshot: _NativeSnapshot) -> Any:
-    """The plan of the machine a native child restores from ``args["snapshot_dir"]``
-    (``_core.ChildMachinePlan``): its ``snapshot``'s, with its run directory, the
+                    volumes: list[ChildVolume], snapshot: _NativeSnapshot) -> dict[str, Any]:
+    """The arguments of ``SnapshotMachinePlan.for_child`` for the machine a native
+    child restores from ``args["snapshot_dir"]``: its ``snapshot``'s, with its run directory, the
     premaps it inherits (``inherited_ram``), its own ``volumes`` (``_child_volumes``) and,
     jailed, where the jail's opened descriptors hold ``/dev/kvm``, each disk and, for
     a flat snapshot, the memory file. A
@@ -647,22 +668,22 @@ def _native_machine(args: dict[str, Any], jail_spec: JailSpec | None,
     in its network namespace, or, unjailed, opens it in the namespace its set-up joined
     (``ChildMachinePlan.build``); given none, its device has no tap, as a Python
     child's. ``ValueError`` for a tap name that is not an interface's."""
-    machine, memory_file, disks = snapshot.machine, snapshot.memory_file, snapshot.disks
+    memory_file, disks = snapshot.memory_file, snapshot.disks
     premapped, other_premaps = snapshot.premapped, snapshot.other_premaps
     run_dir = str(args["run_dir"])
     if jail_spec is None:
         tap = args.get("net_tap") or None
         if tap is not None and not (isinstance(tap, str) and valid_tap_name(tap)):
             raise ValueError(f"net_tap {tap!r:.40} is not a Linux interface name")
-        return machine.for_child(run_dir, premapped=premapped, other_premaps=other_premaps,
-                                 volumes=volumes, tap=tap)
+        return dict(run_dir=run_dir, premapped=premapped, other_premaps=other_premaps,
+                    volumes=volumes, tap=tap)
     needed = [*disks.values(), *([memory_file] if premapped is None else [])]
     unopened = [path for path in needed if path not in jail_spec.preopen]
     if unopened or KVM_PATH not in jail_spec.devices:
         raise ValueError(f"the jail opens no {', '.join(unopened) or KVM_PATH} for the "
                          "machine")
-    return machine.for_child(
-        run_dir, jail_kvm=jail_spec.devices.index(KVM_PATH), premapped=premapped,
+    return dict(
+        run_dir=run_dir, jail_kvm=jail_spec.devices.index(KVM_PATH), premapped=premapped,
         other_premaps=other_premaps, volumes=volumes,
         jail_memory=None if premapped is not None else jail_spec.preopen.index(memory_file),
         jail_disks={slot: jail_spec.preopen.index(path) for slot, path in disks.items()})
@@ -679,10 +700,18 @@ def _native_prelude(snapshot_dir: str, jail_spec: JailSpec | None,
     """A native child's first Python, before its first hand-over: the jail's
     descriptors adopted (``jail.adopt``) and which snapshot it restored remembered
     (for the machine's view, ``_NativeCaptures``)."""
+    _native_prelude_plain(snapshot_dir, None if jail_spec is None else jail.adoption(jail_spec),
+                          opened)
+
+
+def _native_prelude_plain(snapshot_dir: str, adopted: dict[str, Any] | None,
+                          opened: jail.Opened | None) -> None:
+    """``_native_prelude`` from plain values (``jail.adoption``'s): a forker's child's
+    (``runtime/forker.py``), whose zygote built no ``JailSpec`` for it."""
     global _native_snapshot_dir
-    if jail_spec is not None:
+    if adopted is not None:
         assert opened is not None
-        jail.adopt(jail_spec, opened)
+        jail.adopt_plain(adopted, opened)
     _native_snapshot_dir = snapshot_dir
 
 

@@ -104,6 +104,8 @@ from typing import TYPE_CHECKING, Any
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
+from vmfork.runtime.forker import Forker, ForkerGone
+from vmfork.runtime.forker import wanted as forker_wanted
 from vmfork.runtime.jail import (
     JailError,
     JailSpec,
@@ -128,7 +130,8 @@ from vmfork.runtime.zygote_child import (
     set_sigmask,
 )
 from vmfork.runtime.zygote_child import fork as fork_child
-from vmfork.runtime.zygote_child import plan as plan_child
+from vmfork.runtime.zygote_child import plan_args as plan_child_args
+from vmfork.runtime.zygote_child import plan_of as plan_child_of
 from vmfork.runtime.zygote_protocol import MAX_LINE, encode
 
 if TYPE_CHECKING:
@@ -153,6 +156,10 @@ M_ARENA_MAX = -8
 PR_SET_THP_DISABLE = 41
 EVENTS_KEPT = 10_000
 JAIL_REQUESTS_KEPT = 16
+FORKER_TIMEOUT_S = 30.0
+FORKER_TIMEOUT_PER_CHILD_S = 2.0
+"""How long a forker may take over a batch before the zygote gives up on it (a
+forker forks ~1 child a millisecond natively; the emulated test host is ~50x slower)."""
 _BLOCK_AT_FORK = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -195,6 +202,8 @@ class _Prepared:
     jail: JailSpec | None = None
     plan: Any = None
     """The child's ``_core.ChildPlan`` (``zygote_child.plan``), built here, not in it."""
+    plan_args: dict[str, Any] | None = None
+    """``plan``'s arguments as plain values (``zygote_child.plan_args``), for a forker."""
 
 
 class _Slot:
@@ -418,6 +427,7 @@ class Zygote:
                 self._pid_namespaces = PidNamespaces()
         self._shared_tree = self._build_shared_tree(socket_path)
         self._kept_bases = KeptBases()
+        self._forker: Forker | None = None
         self._jail_requests: OrderedDict[str, _JailRequest] = OrderedDict()
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
@@ -806,10 +816,12 @@ class Zygote:
             try:
                 # An unjailed child joins its sandbox's network namespace in its set-up
                 # (a jailed one's spec names it).
-                child_plan = plan_child(self.pid, cg, log_path, jail_spec,
-                                        self.own_pidfd if jail_spec is not None else None,
-                                        netns=(args.get("netns") or None) if jail_spec is None
-                                        else None, jail_base=base)
+                plan_args = plan_child_args(
+                    self.pid, cg, log_path, jail_spec,
+                    self.own_pidfd if jail_spec is not None else None,
+                    netns=(args.get("netns") or None) if jail_spec is None else None,
+                    jail_base=base)
+                child_plan = plan_child_of(plan_args)
             except JailError as err:
                 raise RequestError(str(err)) from None
         except BaseException:
@@ -818,7 +830,7 @@ class Zygote:
             raise
         if jail_spec is not None:
             self._uids_taken.add(jail_spec.uid)
-        return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec, child_plan)
+        return _Prepared(vm_id, args, cg, log_path, run_dir, jail_spec, child_plan, plan_args)
 
     def _resolve_jail(self, value: object) -> _JailRequest | None:
         """``value`` checked and resolved (``_jail_request``) once for every child that
@@ -900,7 +912,7 @@ class Zygote:
                 continue
             run = next((i for i in range(at, len(batch)) if natives[i] is None), len(batch))
             forked, stopped = self._fork_native_batch(
-                name, batch[at:run], [n for n in natives[at:run] if n is not None])
+                name, entry, batch[at:run], [n for n in natives[at:run] if n is not None])
             children += forked
             if stopped is not None:
                 return children, stopped
@@ -942,29 +954,83 @@ class Zygote:
             set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         return self._record(name, prep, pid)
 
-    def _fork_native_batch(self, name: str, batch: list[_Prepared], natives: list[NativeChild]
-                           ) -> tuple[list[_Child], Exception | None]:
+    def _fork_native_batch(self, name: str, entry: Entry, batch: list[_Prepared],
+                           natives: list[NativeChild]) -> tuple[list[_Child], Exception | None]:
         """``_fork_batch``'s run of children that run no Python, each ``batch[i]`` running
         ``natives[i]``: one native call forks them back to back, then the records.
         Between two forks the zygote runs no Python: a page it wrote there would leave
         each earlier sibling the only holder of the old one, memory of its own (design
         notes, "A native batch forked back to back")."""
-        forks: list[NativeFork] = []
-        for prep, native in zip(batch, natives):
-            pidns = self._pid_namespaces_for(prep)
-            forks.append(native_fork(prep.plan, native,
-                                     pidns.own if pidns is not None else None))
+        namespaces = [self._pid_namespaces_for(prep) for prep in batch]
         sys.stdout.flush()
         sys.stderr.flush()
-        set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)   # as in _fork
-        try:
-            pids, unforked = fork_native_batch(forks)
-        finally:
-            set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
+        forker = self._forker_for(entry, batch, natives)
+        if forker is not None:
+            recipes = [{**native.recipe, "plan": prep.plan_args,
+                        "own_pid_namespace": pidns.own if pidns is not None else None}
+                       for prep, native, pidns in zip(batch, natives, namespaces)
+                       if native.recipe is not None]
+            pids, unforked = forker.fork(recipes, FORKER_TIMEOUT_S + FORKER_TIMEOUT_PER_CHILD_S
+                                         * len(recipes))
+            if isinstance(unforked, ForkerGone):
+                self._retire_forker(pids)
+        else:
+            forks: list[NativeFork] = [
+                native_fork(prep.plan, native, pidns.own if pidns is not None else None)
+                for prep, native, pidns in zip(batch, natives, namespaces)]
+            set_sigmask(signal.SIG_BLOCK, _BLOCK_AT_FORK)   # as in _fork
+            try:
+                pids, unforked = fork_native_batch(forks)
+            finally:
+                set_sigmask(signal.SIG_UNBLOCK, _BLOCK_AT_FORK)
         children = [self._record(name, prep, pid) for prep, pid in zip(batch, pids)]
         if unforked is None or isinstance(unforked, Exception):
             return children, unforked   # the rest are discarded, as after an OSError
         raise unforked
+
+    def _forker_for(self, entry: Entry, batch: list[_Prepared], natives: list[NativeChild]
+                    ) -> Forker | None:
+        """The forker for this run of native children (``runtime/forker.py``), cloned
+        now if the one there is does not hold their snapshot plans or the entry
+        module's image key changed; None where the zygote forks them itself: no forker
+        wanted (``VMFORK_FORKER``), or a child with no recipe."""
+        if not forker_wanted() or any(n.recipe is None or p.plan_args is None
+                                      for p, n in zip(batch, natives)):
+            return None
+        plans = {int(n.recipe["machine"]["restored"]["snapshot"]) for n in natives
+                 if n.recipe is not None and "restored" in n.recipe["machine"]}
+        key_of = getattr(sys.modules.get(entry.__module__), "forker_image_key", None)
+        image_key = key_of() if callable(key_of) else None
+        if self._forker is not None and self._forker.serves(plans, image_key):
+            return self._forker
+        self._retire_forker([])
+        self._check_threads()
+        self._forker = Forker(image_key)
+        log.info("forker %d cloned for snapshot plans %s", self._forker.pid,
+                 sorted(self._forker.plans))
+        return self._forker
+
+    def _retire_forker(self, told: list[int]) -> None:
+        """Kill and reap the forker; after one that failed mid-batch, kill any child it
+        forked but did not tell (``told``: the pids it did), which the zygote, their
+        parent, would otherwise not know it has."""
+        if self._forker is None:
+            return
+        failed = not self._forker.alive
+        self._forker.close()
+        self._forker = None
+        if failed:
+            known = {child.pid for child in self.children.values()} | set(told)
+            for pid in _own_children(self.pid) - known:
+                log.warning("killing child %d, forked by a forker that failed before "
+                            "telling its pid", pid)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+                except ProcessLookupError:
+                    pass
 
     def _record(self, name: str, prep: _Prepared, pid: int) -> _Child:
         pidfd = os.pidfd_open(pid)
@@ -1097,6 +1163,16 @@ class Zygote:
         self._kept_bases.close()
         if self._shared_tree is not None:
             self._shared_tree.close()
+        self._retire_forker([])
+
+
+def _own_children(pid: int) -> set[int]:
+    """The pids of ``pid``'s children (its one thread's: the zygote's)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return {int(p) for p in f.read().split()}
+    except OSError:
+        return set()
 
 
 def _error(type: str, message: str) -> dict[str, Any]:

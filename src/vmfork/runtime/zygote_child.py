@@ -180,6 +180,15 @@ class NativeChild:
     """Called with the jail's descriptors (None unjailed) before the first hand-over
     (``vmmchild._native_prelude``: ``jail.adopt``, and what the hand-over needs to know
     of the spawn)."""
+    recipe: dict[str, Any] | None = None
+    """The same child as plain values, for a forker (``runtime/forker.py``; the keys of
+    ``native/src/forker.rs``'s ``Recipe`` but ``plan`` and ``own_pid_namespace``, which
+    the zygote adds): ``life`` (``ChildLife``'s arguments, ``agent`` as
+    ``AgentTarget``'s, ``seccomp`` in hex), ``machine`` (``{"restored": {"snapshot":
+    SnapshotMachinePlan.number, "child": for_child's arguments}}`` or ``{"tiny":
+    {"code": hex}}``), ``handover``, and ``prelude`` as ``[module:function, JSON list
+    of its arguments before the jail's descriptors]`` or None. None: this child can
+    only be forked by the zygote itself."""
 
 
 def native_fork(child_plan: ChildPlan, native: NativeChild,
@@ -211,17 +220,31 @@ def plan(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | No
     spec names its own). ``jail_base``: the batch's jail base the jail joins
     (``jail.KeptBases``). Raises ``JailError`` for a jail no child could build, or a
     namespace name no sandbox has."""
+    return plan_of(plan_args(zygote_pid, cgroup, log_path, jail_spec, zygote_pidfd, netns,
+                             jail_base))
+
+
+def plan_of(args: dict[str, Any]) -> ChildPlan:
+    """The ``_core.ChildPlan`` of ``plan_args``'s arguments."""
+    from vmfork import _core
+    return _core.ChildPlan(error=jail.JailError, **args)
+
+
+def plan_args(zygote_pid: int, cgroup: cgroups.ChildCgroup | None, log_path: str | None,
+              jail_spec: jail.JailSpec | None, zygote_pidfd: int | None = None,
+              netns: object = None, jail_base: tuple[int, int, str] | None = None
+              ) -> dict[str, Any]:
+    """``plan``'s ``ChildPlan`` arguments but ``error``, as plain values (a forker
+    builds the plan from them: ``runtime/forker.py``); its refusals."""
     set_up = (zygote_pid, zygote_pidfd,
               [str(path / "cgroup.procs") for path in cgroup.paths] if cgroup else [],
               log_path, VMM_NICE)
     if jail_spec is not None:
-        return jail.plan(jail_spec, set_up, base=jail_base)
-    from vmfork import _core
+        return jail.plan_args(jail_spec, set_up, base=jail_base)
     # The namespace is looked up from the host's root, as a jail's: a zygote in a mount
     # namespace of its own may not see a sandbox's namespace made after it started.
-    return _core.ChildPlan(error=jail.JailError, set_up=set_up,
-                           netns=None if netns is None else jail.check_netns(netns),
-                           host_root=None if netns is None else jail.host_root_plan())
+    return dict(set_up=set_up, netns=None if netns is None else jail.check_netns(netns),
+                host_root=None if netns is None else jail.host_root_plan())
 
 
 def run_child(*, vm_id: str, zygote_pid: int, forked_ns: int, entry: Entry,

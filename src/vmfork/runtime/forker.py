@@ -1,0 +1,130 @@
+"""The zygote's forker: a copy of the zygote that forks its native children and runs no
+Python (``native/src/forker.rs`` says why and how; docs/native.md, "The forker").
+
+The zygote clones one (``Forker``) once a batch's snapshot plans are built, and sends it
+each later batch of native children as plain values (``NativeChild.recipe`` and the
+``ChildPlan``'s arguments, ``zygote_child.plan_args``). The children are the zygote's
+(cloned with ``CLONE_PARENT``), so it reaps and watches them as any other. A forker
+serves the batches whose snapshot plans it has in its image and whose image key (the
+entry module's ``forker_image_key``: the premaps a child inherits) is the one it was
+cloned with; any other batch makes the zygote clone a new one and retire the old.
+
+Off unless ``VMFORK_FORKER=1`` (``wanted``): the zygote forks its native children
+itself, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import time
+from collections.abc import Hashable
+from typing import Any
+
+FORKER_ENV = "VMFORK_FORKER"
+"""``1``: the zygote forks its native children through a forker."""
+
+MAX_REPLY_LINE = 4096
+"""The longest line a forker answers (a pid, or a batch's end with its error)."""
+
+
+def wanted() -> bool:
+    """Whether the zygote's native children come from a forker (``VMFORK_FORKER=1``)."""
+    return os.environ.get(FORKER_ENV) == "1"
+
+
+class ForkerGone(RuntimeError):
+    """The forker died, or stopped answering, during a batch."""
+
+
+class Forker:
+    """One forker and its channel; ``close`` kills and reaps it.
+
+    ``plans``: the snapshot plans its image holds (``_core.kept_snapshot_plans()`` at
+    the clone); ``image_key``: the entry module's key at the clone. The two ends of
+    the channel stay open here for the forker's life: the zygote and the forker share
+    one descriptor table, so closing either end here would close it for the forker.
+    """
+
+    def __init__(self, image_key: Hashable) -> None:
+        from vmfork import _core
+        self.image_key = image_key
+        self.plans = frozenset(_core.kept_snapshot_plans())
+        self._mine, self._its = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.pid: int = _core.start_forker(self._its.fileno())
+        except BaseException:
+            self._mine.close()
+            self._its.close()
+            raise
+        self.pidfd = os.pidfd_open(self.pid)
+        self._buffer = b""
+        self.alive = True
+
+    def serves(self, plans: set[int], image_key: Hashable) -> bool:
+        """Whether this forker can fork children of ``plans`` (snapshot plan numbers)."""
+        return self.alive and plans <= self.plans and image_key == self.image_key
+
+    def fork(self, recipes: list[dict[str, Any]], timeout: float
+             ) -> tuple[list[int], BaseException | None]:
+        """Fork one child per recipe, back to back: the pids forked, in order, and what
+        stopped the rest (``OSError`` with the forker's errno, ``RuntimeError`` for a
+        batch it could not build, ``ForkerGone``), None if all were forked. ``timeout``
+        (seconds) bounds the whole batch."""
+        body = json.dumps({"children": recipes}).encode()
+        deadline = time.monotonic() + timeout
+        pids: list[int] = []
+        try:
+            self._mine.sendall(struct.pack("<I", len(body)) + body)
+            while True:
+                reply = json.loads(self._line(deadline))
+                if "pid" in reply:
+                    pids.append(int(reply["pid"]))
+                    continue
+                error, errno = reply.get("error"), reply.get("errno")
+                if error is None:
+                    return pids, None
+                if errno is not None:
+                    return pids, OSError(int(errno), str(error))
+                return pids, RuntimeError(f"the forker: {error}")
+        except (OSError, ValueError, ForkerGone) as err:
+            self.alive = False
+            gone = err if isinstance(err, ForkerGone) else ForkerGone(f"the forker: {err}")
+            return pids, gone
+
+    def _line(self, deadline: float) -> bytes:
+        while b"\n" not in self._buffer:
+            if len(self._buffer) > MAX_REPLY_LINE:
+                raise ForkerGone("the forker answered a line too long")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ForkerGone("the forker did not finish its batch in time")
+            ready, _, _ = select.select([self._mine.fileno(), self.pidfd], [], [], left)
+            if self._mine.fileno() in ready:
+                chunk = self._mine.recv(MAX_REPLY_LINE)
+                if not chunk:
+                    raise ForkerGone("the forker's channel closed")
+                self._buffer += chunk
+            elif self.pidfd in ready:
+                raise ForkerGone("the forker exited")
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    def close(self) -> None:
+        """Kill the forker and reap it; its children, the zygote's, live on."""
+        if self.pidfd < 0:
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED)
+        os.close(self.pidfd)
+        self.pidfd = -1
+        self.alive = False
+        self._mine.close()
+        self._its.close()
