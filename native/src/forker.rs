@@ -24,8 +24,9 @@
 //!
 //! The children are cloned with `CLONE_PARENT`: the zygote is their parent, so it reaps
 //! them and holds their pidfds as it does for the children it forks itself, and a
-//! forker's exit loses none of them. The forker tells each pid as it is forked, then
-//! the batch's end, one JSON line each; it blocks every signal (the zygote's Python
+//! forker's exit loses none of them. Once the batch is forked the forker tells each
+//! pid, then the batch's end, one JSON line each (a forker that dies before it told
+//! them leaves children the zygote finds among its own and kills); it blocks every signal (the zygote's Python
 //! handlers write into the zygote's wakeup socket, which the table shares), dies with
 //! the zygote (`PR_SET_PDEATHSIG`) and exits at the end of its channel.
 //!
@@ -115,16 +116,17 @@ fn fork_plan(py: Python<'_>, recipe: Recipe) -> Result<ForkPlan, String> {
     })
 }
 
-/// `clone(CLONE_PARENT)`: a child of this process's parent (the zygote), as `fork`
-/// otherwise. Raw, since glibc has no wrapper that forks with it; this process has one
-/// thread and holds no lock (its loop), which is what a raw clone leaves the child.
-fn clone_parent() -> Result<i32, BatchStop> {
-    // SAFETY: clone with no CLONE_VM and no stack: the child runs on a copy of this
-    // stack, as after fork; no pointer is passed.
+/// A raw `clone` with `flags` and no stack: fork's semantics otherwise (the child
+/// runs on a copy of this stack). Raw, since glibc has no wrapper that forks with
+/// these flags; the caller has one thread and holds no lock, which is what a raw
+/// clone leaves the child.
+fn clone_with(flags: libc::c_int) -> std::io::Result<i32> {
+    // SAFETY: clone without CLONE_VM and with no stack and no pointer arguments: the
+    // child runs on a copy of this stack, as after fork.
     let pid = unsafe {
         libc::syscall(
             libc::SYS_clone,
-            libc::CLONE_PARENT | libc::SIGCHLD,
+            flags | libc::SIGCHLD,
             0usize,
             0usize,
             0usize,
@@ -132,13 +134,19 @@ fn clone_parent() -> Result<i32, BatchStop> {
         )
     };
     if pid < 0 {
-        let err = std::io::Error::last_os_error();
-        return Err(BatchStop::Os(
-            err.raw_os_error().unwrap_or(0),
-            format!("clone(CLONE_PARENT): {err}"),
-        ));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(pid as i32)
+}
+
+/// `clone(CLONE_PARENT)`: a child of this process's parent (the zygote).
+fn clone_parent() -> Result<i32, BatchStop> {
+    clone_with(libc::CLONE_PARENT).map_err(|err| {
+        BatchStop::Os(
+            err.raw_os_error().unwrap_or(0),
+            format!("clone(CLONE_PARENT): {err}"),
+        )
+    })
 }
 
 fn json_text(out: &mut String, text: &str) {
@@ -160,13 +168,15 @@ fn serve_batch(py: Python<'_>, body: &[u8], channel: &mut UnixStream) -> String 
             Err(err) => return end_line(Some(&format!("child {index}: {err}")), None),
         }
     }
-    let mut told = true;
-    let (_, stop) = fork_batch(&plans, &mut clone_parent, &mut |pid| {
-        told &= channel
-            .write_all(format!("{{\"pid\": {pid}}}\n").as_bytes())
-            .is_ok();
-    });
-    if !told {
+    let refs: Vec<&ForkPlan> = plans.iter().collect();
+    let (pids, stop) = fork_batch(&refs, &mut clone_parent);
+    // Told once the batch is forked, not between two forks: what this process writes
+    // there is a page copied for every child forked before it.
+    let told: String = pids
+        .iter()
+        .map(|pid| format!("{{\"pid\": {pid}}}\n"))
+        .collect();
+    if channel.write_all(told.as_bytes()).is_err() {
         // The zygote stopped listening: it is going, and so is this forker.
         // SAFETY: _exit ends the process without unwinding.
         unsafe { libc::_exit(0) };
@@ -257,28 +267,49 @@ pub fn start_forker(py: Python<'_>, channel: RawFd) -> PyResult<i32> {
     py.check_signals()?;
     // SAFETY: getpid takes nothing.
     let zygote = unsafe { libc::getpid() };
-    // SAFETY: clone with no CLONE_VM and no stack: the child runs on a copy of this
-    // stack, as after fork, and shares the descriptor table (CLONE_FILES); this
-    // process has one thread (checked above), so no lock is held in the copy.
-    let pid = unsafe {
-        libc::syscall(
-            libc::SYS_clone,
-            libc::CLONE_FILES | libc::SIGCHLD,
-            0usize,
-            0usize,
-            0usize,
-            0usize,
-        )
-    };
-    if pid < 0 {
-        let err = std::io::Error::last_os_error();
-        return Err(PyOSError::new_err((
+    // The copy shares this process's descriptor table (CLONE_FILES); this process has
+    // one thread (checked above), so no lock is held in the copy.
+    let pid = clone_with(libc::CLONE_FILES).map_err(|err| {
+        PyOSError::new_err((
             err.raw_os_error().unwrap_or(0),
             format!("clone(CLONE_FILES) of the forker: {err}"),
-        )));
-    }
+        ))
+    })?;
     if pid == 0 {
         forker_main(channel, zygote);
     }
-    Ok(pid as i32)
+    Ok(pid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recipe(extra: &str) -> String {
+        format!(
+            r#"{{"children": [{{"plan": {{"set_up": [1, null, [], null, 10]}},
+                "life": {{"run_dir": "/r", "vm_id": "vm0", "notify_path": null,
+                          "start_gate": null, "start_gate_timeout": 60.0, "jailed": false,
+                          "agent": ["/r/a.sock", null, 5.0, 30.0], "ready_timeout": 60.0,
+                          "net_refresh": false{extra}}},
+                "machine": {{"tiny": {{"code": "f4ebfd"}}}}, "handover": "json:dumps",
+                "prelude": ["m:f", "[1]"]}}]}}"#
+        )
+    }
+
+    #[test]
+    fn a_batch_record_reads_into_each_childs_constructor_arguments() {
+        let batch: Batch = serde_json::from_str(&recipe("")).expect("parses");
+        let child = batch.children.into_iter().next().unwrap();
+        let life = child.life.life().expect("a life");
+        assert_eq!(life.agent.path.to_str().unwrap(), "/r/a.sock");
+        assert!(matches!(child.machine, MachineRecipe::Tiny { ref code } if code == "f4ebfd"));
+        assert_eq!(child.prelude, Some(("m:f".into(), "[1]".into())));
+        // A field no constructor has is refused, not ignored.
+        let typo = recipe(r#", "readytimeout": 1.0"#);
+        let err = serde_json::from_str::<Batch>(&typo).err().expect("refused");
+        assert!(err.to_string().contains("readytimeout"), "{err}");
+        assert_eq!(hex_bytes("f4ebfd").unwrap(), vec![0xf4, 0xeb, 0xfd]);
+        assert!(hex_bytes("f4e").is_err() && hex_bytes("zz").is_err());
+    }
 }

@@ -255,19 +255,13 @@ pub fn kept_snapshot_plans() -> Vec<u64> {
 impl SnapshotMachinePlan {
     /// One child's plan (`for_child`'s checks), its refusals as text.
     pub fn child_plan(slf: Py<Self>, args: ForChildArgs) -> Result<ChildMachinePlan, String> {
-        let ForChildArgs {
-            run_dir,
-            jail_memory,
-            jail_kvm,
-            jail_disks,
-            premapped,
-            other_premaps,
-            volumes,
-            tap,
-        } = args;
-        let inherited =
-            InheritedRam::new(slf.get().mem_size, premapped.as_deref(), &other_premaps)?;
-        let volumes = volumes
+        let inherited = InheritedRam::new(
+            slf.get().mem_size,
+            args.premapped.as_deref(),
+            &args.other_premaps,
+        )?;
+        let volumes = args
+            .volumes
             .into_iter()
             .map(
                 |(slot, path, key, capacity, read_only, guest_path, jail_index)| {
@@ -301,13 +295,13 @@ impl SnapshotMachinePlan {
         }
         Ok(ChildMachinePlan {
             snapshot: slf,
-            run_dir,
-            jail_memory,
-            jail_kvm,
-            jail_disks,
+            run_dir: args.run_dir,
+            jail_memory: args.jail_memory,
+            jail_kvm: args.jail_kvm,
+            jail_disks: args.jail_disks,
             inherited,
             volumes,
-            tap,
+            tap: args.tap,
         })
     }
 }

@@ -57,7 +57,8 @@ pub struct ChildLife {
 
 /// `ChildLife`'s constructor arguments as plain values (its `new` says what each is),
 /// `agent` as `AgentTarget`'s and `seccomp` in hex: what the forker (`forker.rs`)
-/// reads from JSON.
+/// reads from JSON. The PyO3 constructor fills the same record but for those two,
+/// which it has as values already (`life_plan`).
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChildLifeArgs {
@@ -66,9 +67,11 @@ pub struct ChildLifeArgs {
     notify_path: Option<String>,
     start_gate: Option<String>,
     start_gate_timeout: f64,
+    #[serde(default)]
     seccomp: Option<String>,
     jailed: bool,
-    agent: (String, Option<u32>, f64, f64),
+    #[serde(default)]
+    agent: Option<(String, Option<u32>, f64, f64)>,
     ready_timeout: f64,
     net_refresh: bool,
     #[serde(default)]
@@ -98,45 +101,13 @@ pub(crate) fn from_hex(text: &str) -> Result<Vec<u8>, String> {
 
 impl ChildLifeArgs {
     /// The life these arguments name (`ChildLife.new`'s checks).
-    pub fn life(self) -> Result<LifePlan, String> {
-        let (path, port, connect_timeout, io_timeout) = self.agent;
+    pub fn life(mut self) -> Result<LifePlan, String> {
+        let (path, port, connect_timeout, io_timeout) =
+            self.agent.take().ok_or("a life needs its agent")?;
         let agent = Target::new(&path, port, connect_timeout, io_timeout)?;
-        let seccomp = self.seccomp.as_deref().map(from_hex).transpose()?;
-        life_plan(LifeValues {
-            run_dir: &self.run_dir,
-            vm_id: &self.vm_id,
-            notify_path: self.notify_path.as_deref(),
-            start_gate: self.start_gate.as_deref(),
-            start_gate_timeout: self.start_gate_timeout,
-            seccomp,
-            jailed: self.jailed,
-            agent,
-            ready_timeout: self.ready_timeout,
-            net_refresh: self.net_refresh,
-            mounts: self.mounts,
-            profile: self.profile,
-            snapshot_bases: self.snapshot_bases,
-            snapshot_tracking: self.snapshot_tracking,
-        })
+        let seccomp = self.seccomp.take().as_deref().map(from_hex).transpose()?;
+        life_plan(self, agent, seccomp)
     }
-}
-
-/// One life's values, whichever way they came (`ChildLife.new`, `ChildLifeArgs`).
-struct LifeValues<'a> {
-    run_dir: &'a str,
-    vm_id: &'a str,
-    notify_path: Option<&'a str>,
-    start_gate: Option<&'a str>,
-    start_gate_timeout: f64,
-    seccomp: Option<Vec<u8>>,
-    jailed: bool,
-    agent: Target,
-    ready_timeout: f64,
-    net_refresh: bool,
-    mounts: Vec<(u32, String, bool, u64)>,
-    profile: bool,
-    snapshot_bases: Vec<(Option<String>, String)>,
-    snapshot_tracking: Option<String>,
 }
 
 fn c_string(s: &str) -> Result<CString, String> {
@@ -147,18 +118,23 @@ fn duration(seconds: f64) -> Result<Duration, String> {
     Duration::try_from_secs_f64(seconds).map_err(|_| format!("a timeout of {seconds} s"))
 }
 
-fn life_plan(v: LifeValues<'_>) -> Result<LifePlan, String> {
-    let start_gate = match v.start_gate {
+/// The life of `v`, with its `agent` and `seccomp` program as values.
+fn life_plan(
+    v: ChildLifeArgs,
+    agent: Target,
+    seccomp: Option<Vec<u8>>,
+) -> Result<LifePlan, String> {
+    let start_gate = match &v.start_gate {
         Some(gate) => Some((c_string(gate)?, duration(v.start_gate_timeout)?)),
         None => None,
     };
     Ok(LifePlan {
-        reporter: ChildReporter::at(v.run_dir, v.vm_id, v.notify_path)?,
+        reporter: ChildReporter::at(&v.run_dir, &v.vm_id, v.notify_path.as_deref())?,
         start_gate,
-        seccomp: v.seccomp,
+        seccomp,
         control_path: c_string(&format!("{}/control.sock", v.run_dir.trim_end_matches('/')))?,
         jailed: v.jailed,
-        agent: v.agent,
+        agent,
         ready_timeout: duration(v.ready_timeout)?,
         net_refresh: v.net_refresh,
         mounts: v
@@ -172,7 +148,7 @@ fn life_plan(v: LifeValues<'_>) -> Result<LifePlan, String> {
             })
             .collect(),
         profile: if v.profile {
-            Some(SpawnProfile::at(v.run_dir)?)
+            Some(SpawnProfile::at(&v.run_dir)?)
         } else {
             None
         },
@@ -216,23 +192,24 @@ impl ChildLife {
         snapshot_bases: Vec<(Option<String>, String)>,
         snapshot_tracking: Option<String>,
     ) -> PyResult<Self> {
-        let plan = life_plan(LifeValues {
-            run_dir,
-            vm_id,
-            notify_path,
-            start_gate,
+        let args = ChildLifeArgs {
+            run_dir: run_dir.to_owned(),
+            vm_id: vm_id.to_owned(),
+            notify_path: notify_path.map(str::to_owned),
+            start_gate: start_gate.map(str::to_owned),
             start_gate_timeout,
-            seccomp,
+            seccomp: None,
             jailed,
-            agent: agent.target().clone(),
+            agent: None,
             ready_timeout,
             net_refresh,
             mounts,
             profile,
             snapshot_bases,
             snapshot_tracking,
-        })
-        .map_err(PyValueError::new_err)?;
+        };
+        let plan =
+            life_plan(args, agent.target().clone(), seccomp).map_err(PyValueError::new_err)?;
         Ok(ChildLife { plan })
     }
 }
@@ -518,15 +495,16 @@ pub enum BatchStop {
 /// PID-namespace bracket, so the forking process writes no page its earlier children
 /// share while it forks the later ones (design notes, "A native batch forked back to
 /// back"). Each child lives as `ForkPlan::live` says; its `forked_ns` is this
-/// process's CLOCK_MONOTONIC just before its fork. `forked` is told each pid as it is
-/// forked. Returns the pids and what stopped the batch (None: all forked); a child
-/// forked before its `setns` back failed is in the pids.
-pub fn fork_batch<'a>(
-    forks: impl IntoIterator<Item = &'a ForkPlan>,
+/// process's CLOCK_MONOTONIC just before its fork. Returns the pids and what stopped
+/// the batch (None: all forked); a child forked before its `setns` back failed is in
+/// the pids.
+pub fn fork_batch(
+    forks: &[&ForkPlan],
     fork: &mut dyn FnMut() -> Result<i32, BatchStop>,
-    forked: &mut dyn FnMut(i32),
 ) -> (Vec<i32>, Option<BatchStop>) {
-    let mut pids = Vec::new();
+    // Room for every pid first: a reallocation between two forks would write pages
+    // the earlier children share.
+    let mut pids = Vec::with_capacity(forks.len());
     for plan in forks {
         if plan.own_pid_namespace.is_some() {
             // SAFETY: unshare takes no pointer; it moves this process's next children
@@ -551,10 +529,7 @@ pub fn fork_batch<'a>(
             _ => Ok(()),
         };
         match outcome {
-            Ok(pid) => {
-                pids.push(pid);
-                forked(pid);
-            }
+            Ok(pid) => pids.push(pid),
             Err(stop) => return (pids, Some(stop)),
         }
         if let Err(stop) = returned {
@@ -582,17 +557,14 @@ pub fn fork_native_batch(
     forks: Vec<PyRef<'_, NativeFork>>,
 ) -> (Vec<i32>, Option<PyErr>) {
     let mut failed: Option<PyErr> = None;
-    let (pids, stop) = fork_batch(
-        forks.iter().map(|f| &f.fork),
-        &mut || {
-            fork_checked(py).map_err(|err| {
-                let stop = BatchStop::NotForkSafe(err.to_string());
-                failed = Some(err);
-                stop
-            })
-        },
-        &mut |_| {},
-    );
+    let plans: Vec<&ForkPlan> = forks.iter().map(|f| &f.fork).collect();
+    let (pids, stop) = fork_batch(&plans, &mut || {
+        fork_checked(py).map_err(|err| {
+            let stop = BatchStop::NotForkSafe(err.to_string());
+            failed = Some(err);
+            stop
+        })
+    });
     let error = stop.map(|stop| match (failed, stop) {
         (Some(err), _) => err,
         (None, BatchStop::Os(errno, what)) => PyOSError::new_err((errno, what)),

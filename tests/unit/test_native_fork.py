@@ -399,14 +399,14 @@ def _children_of(pid: int) -> set[int]:
 @needs_kvm
 def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
         tmp_path: Path) -> None:
-    """With ``VMFORK_FORKER=1`` the zygote clones a forker and sends it each native
+    """By default the zygote clones a forker and sends it each native
     batch as plain values (runtime/forker.py, native/src/forker.rs): the children are
     the zygote's own (it reaps them), run natively, and hand a line over to Python
     after their named prelude ran; the next batch goes to the same forker, which the
     zygote's shutdown reaps with everything else."""
     env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
     env["PYTHONPATH"] = str(Path(__file__).parent)
-    env["VMFORK_FORKER"] = "1"
+    env.pop("VMFORK_FORKER", None)
     z = start_zygote(tmp_path / "z.sock", env=env,
                      entries_modules=["test_zygote_native_entries"])
     entry = "test_zygote_native_entries:python_child"
@@ -422,6 +422,7 @@ def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
             assert first.failed == []
             forkers = _children_of(z.pid) - {c.pid for c in first.children}
             assert len(forkers) == 1, forkers
+            assert {client.ping()["forker"]["pid"]} == forkers
             second = client.spawn(entry, item("vm2").args, vm_id="vm2")
             assert _children_of(z.pid) - {c.pid for c in first.children} - {second.pid} \
                 == forkers, "the second batch went to the same forker"
@@ -436,11 +437,42 @@ def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
                                         "state_path": "s"})
             assert handed["profile"]["pid"] == first.children[1].pid
             assert handed["profile"]["noted"] == ["vm1"], handed
-            for vm_id in ("vm0", "vm1", "vm2"):
+            # A forker killed between two batches: the next one clones another.
+            (forker,) = forkers
+            os.kill(forker, signal.SIGKILL)
+            third = client.spawn(entry, item("vm3").args, vm_id="vm3")
+            assert _status(runs / "vm3", "restored")["child"] == "native"
+            replaced = client.ping()["forker"]["pid"]
+            assert replaced != forker and replaced in _children_of(z.pid)
+            assert not Path(f"/proc/{forker}").exists(), "the dead forker was reaped"
+            assert third.pid in _children_of(z.pid)
+            for vm_id in ("vm0", "vm1", "vm2", "vm3"):
                 client.kill(vm_id)
                 assert client.wait(vm_id).reason == "killed"
-            assert _children_of(z.pid) == forkers
+            assert _children_of(z.pid) == {replaced}
     finally:
         z.close()
         shutil.rmtree(runs, ignore_errors=True)
     assert z.proc.returncode == 0
+
+
+@needs_kvm
+def test_with_no_forker_the_zygote_forks_its_native_children_itself(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["VMFORK_FORKER"] = "0"
+    z = start_zygote(tmp_path / "z.sock", env=env,
+                     entries_modules=["test_zygote_native_entries"])
+    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))
+    try:
+        with z.client() as client:
+            child = client.spawn("test_zygote_native_entries:python_child",
+                                 {"vm_id": "vm0", "run_dir": str(runs / "vm0")}, vm_id="vm0")
+            assert _status(runs / "vm0", "restored")["child"] == "native"
+            assert client.ping()["forker"] is None
+            assert _children_of(z.pid) == {child.pid}
+            client.kill("vm0")
+            assert client.wait("vm0").reason == "killed"
+    finally:
+        z.close()
+        shutil.rmtree(runs, ignore_errors=True)

@@ -9,8 +9,8 @@ serves the batches whose snapshot plans it has in its image and whose image key 
 entry module's ``forker_image_key``: the premaps a child inherits) is the one it was
 cloned with; any other batch makes the zygote clone a new one and retire the old.
 
-Off unless ``VMFORK_FORKER=1`` (``wanted``): the zygote forks its native children
-itself, as before.
+On by default; ``VMFORK_FORKER=0`` (``wanted``) makes the zygote fork its native
+children itself.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from collections.abc import Hashable
 from typing import Any
 
 FORKER_ENV = "VMFORK_FORKER"
-"""``1``: the zygote forks its native children through a forker."""
+"""``0``: the zygote forks its native children itself, with no forker."""
 
 MAX_REPLY_LINE = 4096
 """The longest line a forker answers (a pid, or a batch's end with its error)."""
 
 
 def wanted() -> bool:
-    """Whether the zygote's native children come from a forker (``VMFORK_FORKER=1``)."""
-    return os.environ.get(FORKER_ENV) == "1"
+    """Whether the zygote's native children come from a forker: yes unless
+    ``VMFORK_FORKER=0``."""
+    return os.environ.get(FORKER_ENV) != "0"
 
 
 class ForkerGone(RuntimeError):
@@ -66,7 +67,10 @@ class Forker:
         self.alive = True
 
     def serves(self, plans: set[int], image_key: Hashable) -> bool:
-        """Whether this forker can fork children of ``plans`` (snapshot plan numbers)."""
+        """Whether this forker can fork children of ``plans`` (snapshot plan numbers):
+        it holds them, was cloned with ``image_key``, and has not exited."""
+        if self.alive and select.select([self.pidfd], [], [], 0)[0]:
+            self.alive = False   # killed between two batches: its pidfd says so
         return self.alive and plans <= self.plans and image_key == self.image_key
 
     def fork(self, recipes: list[dict[str, Any]], timeout: float

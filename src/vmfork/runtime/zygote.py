@@ -645,7 +645,9 @@ class Zygote:
                 "preload_failed": self.preload_failed, "children": len(self.children),
                 "uptime_s": time.monotonic() - self.started, "lease_s": self.lease_s,
                 "lease_holders": self._lease_holders(),
-                "jail_bases": {"kept": len(self._kept_bases), "built": self._kept_bases.built}}
+                "jail_bases": {"kept": len(self._kept_bases), "built": self._kept_bases.built},
+                "forker": None if self._forker is None else {
+                    "pid": self._forker.pid, "snapshot_plans": sorted(self._forker.plans)}}
 
     def _lease(self, req: dict[str, Any], conn: _Conn | None) -> dict[str, Any]:
         """``lease {seconds?}``: this connection holds the lease while it is open;
@@ -970,10 +972,19 @@ class Zygote:
                         "own_pid_namespace": pidns.own if pidns is not None else None}
                        for prep, native, pidns in zip(batch, natives, namespaces)
                        if native.recipe is not None]
-            pids, unforked = forker.fork(recipes, FORKER_TIMEOUT_S + FORKER_TIMEOUT_PER_CHILD_S
-                                         * len(recipes))
+            timeout = FORKER_TIMEOUT_S + FORKER_TIMEOUT_PER_CHILD_S * len(recipes)
+            pids, unforked = forker.fork(recipes, timeout)
             if isinstance(unforked, ForkerGone):
-                self._retire_forker(pids)
+                # A forker killed just before or during the batch: every child it forked
+                # goes with it (none is recorded yet), and a new one forks the batch.
+                log.warning("%s; forking the batch again with a new forker", unforked)
+                self._retire_forker()
+                forker = self._forker_for(entry, batch, natives)
+                assert forker is not None
+                pids, unforked = forker.fork(recipes, timeout)
+                if isinstance(unforked, ForkerGone):
+                    self._retire_forker()
+                    pids = []
         else:
             forks: list[NativeFork] = [
                 native_fork(prep.plan, native, pidns.own if pidns is not None else None)
@@ -1003,34 +1014,32 @@ class Zygote:
         image_key = key_of() if callable(key_of) else None
         if self._forker is not None and self._forker.serves(plans, image_key):
             return self._forker
-        self._retire_forker([])
+        self._retire_forker()
         self._check_threads()
         self._forker = Forker(image_key)
         log.info("forker %d cloned for snapshot plans %s", self._forker.pid,
                  sorted(self._forker.plans))
         return self._forker
 
-    def _retire_forker(self, told: list[int]) -> None:
-        """Kill and reap the forker; after one that failed mid-batch, kill any child it
-        forked but did not tell (``told``: the pids it did), which the zygote, their
-        parent, would otherwise not know it has."""
+    def _retire_forker(self) -> None:
+        """Kill and reap the forker. After one that failed (killed, or gone during a
+        batch), kill and reap every child of the zygote's that it does not know (a
+        child the failed forker forked and the batch did not record)."""
         if self._forker is None:
             return
         failed = not self._forker.alive
         self._forker.close()
         self._forker = None
-        if failed:
-            known = {child.pid for child in self.children.values()} | set(told)
-            for pid in _own_children(self.pid) - known:
-                log.warning("killing child %d, forked by a forker that failed before "
-                            "telling its pid", pid)
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except ChildProcessError:
-                    pass
-                except ProcessLookupError:
-                    pass
+        if not failed:
+            return
+        known = {child.pid for child in self.children.values()}
+        for pid in _own_children(self.pid) - known:
+            log.warning("killing child %d, forked by a forker that failed", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ChildProcessError, ProcessLookupError):
+                pass
 
     def _record(self, name: str, prep: _Prepared, pid: int) -> _Child:
         pidfd = os.pidfd_open(pid)
@@ -1163,7 +1172,7 @@ class Zygote:
         self._kept_bases.close()
         if self._shared_tree is not None:
             self._shared_tree.close()
-        self._retire_forker([])
+        self._retire_forker()
 
 
 def _own_children(pid: int) -> set[int]:

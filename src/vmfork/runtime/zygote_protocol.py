@@ -20,7 +20,8 @@ Requests (fields marked ? are optional):
 * ``events {since?: 0}`` -> ``{events: [ExitEvent], next: N}`` (pass ``next`` back as
   ``since`` to get only newer events)
 * ``ping`` -> ``{pid, preloaded, children, uptime_s, lease_s, lease_holders, jail_bases:
-  {kept, built}}`` (the jail bases it keeps, ``jail.KeptBases``, and built so far)
+  {kept, built}, forker}`` (the jail bases it keeps, ``jail.KeptBases``, and built so
+  far; its forker's ``{pid, snapshot_plans}`` or null, ``runtime.forker``)
 * ``lease {seconds?}`` -> ``{lease_s, holders}``: this connection holds the lease while
   it is open; with no holder for ``lease_s`` seconds the zygote kills its children
   and exits (``seconds`` sets ``lease_s``; see ``runtime.zygote``)
