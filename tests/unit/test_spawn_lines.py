@@ -77,8 +77,10 @@ def test_the_first_exit_event_check_waits_its_interval(
     """The spawner asks the zygote for exit events no sooner than ``EVENTS_CHECK_S``
     after the spawn, not right after it (where the round trip ran the zygote and the
     spawner while the children waited for the CPU); a child that fails at once is
-    still reported, by its status. Its snapshot is damaged: the zygote gives it a
-    Python child, which reports the failed restore and exits."""
+    still reported, by its status, or, where the zygote reaped it (removing its run
+    directory) before the loop read the status its line announced, by its exit event,
+    asked for at once. Its snapshot is damaged: the zygote gives it a Python child,
+    which reports the failed restore and exits."""
     monkeypatch.setattr(spawn, "EVENTS_CHECK_S", 60.0)
     snapshot_dir = tmp_path / "snapshot"
     snapshot_dir.mkdir()
@@ -97,6 +99,11 @@ def test_the_first_exit_event_check_waits_its_interval(
     finally:
         notify.remove()
         zygote.close()
-    assert [reason.startswith("restore: ") for _, reason in report.failed] == [True]
     assert waited < 60.0
-    assert client.events_after_spawn == 0
+    ((_, reason),) = report.failed
+    if client.events_after_spawn == 0:
+        assert reason.startswith("restore: "), reason   # its status said why
+    else:
+        # The zygote reaped it (removing its run directory, status and all) before this
+        # loop read the status its line announced: its exit event, asked for at once.
+        assert client.events_after_spawn == 1 and reason, reason

@@ -426,6 +426,11 @@ def _fork_and_wait(zygote: ZygoteClient, snapshot: Snapshot, n: int, run_root: P
         for vm_id in changed.keys() & pending.keys():
             child = pending[vm_id]
             state = _state_of(child, changed[vm_id], done_states)
+            if state is None and changed[vm_id] is not None:
+                # It wrote a line, then its status went: it exited and the zygote reaped
+                # it, which removes its run directory. Its exit event says why: asked
+                # for now, not at the next check.
+                next_events_check = now
             if state in ("prepared", "restored", "ready") and vm_id not in prepared:
                 prepared.add(vm_id)
                 prepared_progress = now
