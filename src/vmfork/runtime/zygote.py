@@ -966,6 +966,8 @@ class Zygote:
         namespaces = [self._pid_namespaces_for(prep) for prep in batch]
         sys.stdout.flush()
         sys.stderr.flush()
+        pids: list[int] | None = None
+        unforked: BaseException | None = None
         forker = self._forker_for(entry, batch, natives)
         if forker is not None:
             recipes = [{**native.recipe, "plan": prep.plan_args,
@@ -979,13 +981,14 @@ class Zygote:
                 # goes with it (none is recorded yet), and a new one forks the batch.
                 log.warning("%s; forking the batch again with a new forker", unforked)
                 self._retire_forker()
+                pids, unforked = None, None
                 forker = self._forker_for(entry, batch, natives)
-                assert forker is not None
-                pids, unforked = forker.fork(recipes, timeout)
-                if isinstance(unforked, ForkerGone):
-                    self._retire_forker()
-                    pids = []
-        else:
+                if forker is not None:
+                    pids, unforked = forker.fork(recipes, timeout)
+                    if isinstance(unforked, ForkerGone):
+                        self._retire_forker()
+                        pids = []
+        if pids is None:
             forks: list[NativeFork] = [
                 native_fork(prep.plan, native, pidns.own if pidns is not None else None)
                 for prep, native, pidns in zip(batch, natives, namespaces)]
@@ -1015,8 +1018,13 @@ class Zygote:
         if self._forker is not None and self._forker.serves(plans, image_key):
             return self._forker
         self._retire_forker()
-        self._check_threads()
-        self._forker = Forker(image_key)
+        try:
+            self._forker = Forker(image_key)
+        except (OSError, RuntimeError) as err:
+            # No forker now (the clone refused, another thread): the zygote forks the
+            # batch itself, as with VMFORK_FORKER=0, and tries again next batch.
+            log.warning("no forker (%s): the zygote forks this batch itself", err)
+            return None
         log.info("forker %d cloned for snapshot plans %s", self._forker.pid,
                  sorted(self._forker.plans))
         return self._forker
