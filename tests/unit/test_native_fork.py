@@ -476,3 +476,37 @@ def test_with_no_forker_the_zygote_forks_its_native_children_itself(tmp_path: Pa
     finally:
         z.close()
         shutil.rmtree(runs, ignore_errors=True)
+
+
+@needs_kvm
+def test_a_new_forker_is_cloned_for_a_batch_like_the_one_before(tmp_path: Path) -> None:
+    """A batch the forker cannot serve (here: the entry module's image key changed) is
+    forked by the zygote itself the first time, and a new forker is cloned only when
+    the next batch is like it: batches taking turns between two images clone none."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    z = start_zygote(tmp_path / "z.sock", env=env,
+                     entries_modules=["test_zygote_native_entries"])
+    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))
+    try:
+        with z.client() as client:
+            forkers: list[int | None] = []
+            for n, image in enumerate([1, 2, 1, 2, 2, 2]):
+                vm_id = f"vm{n}"
+                child = client.spawn("test_zygote_native_entries:python_child",
+                                     {"vm_id": vm_id, "run_dir": str(runs / vm_id),
+                                      "image": image}, vm_id=vm_id)
+                assert _status(runs / vm_id, "restored")["child"] == "native"
+                assert child.pid in _children_of(z.pid)
+                forker = client.ping()["forker"]
+                forkers.append(None if forker is None else forker["pid"])
+            first, second = forkers[0], forkers[4]
+            assert first is not None and second is not None and first != second
+            assert forkers == [first, first, first, first, second, second], forkers
+            for n in range(6):
+                client.kill(f"vm{n}")
+                assert client.wait(f"vm{n}").reason == "killed"
+    finally:
+        z.close()
+        shutil.rmtree(runs, ignore_errors=True)

@@ -30,8 +30,10 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> NativeChil
     """A tiny machine that halts forever; its hand-over answers with ``answer``, after
     the prelude (``prelude``) noted ``args["vm_id"]``. With its recipe, for a forker."""
     from vmfork import _core
+    global _image
     if "refuse" in args:
         raise ValueError(args["refuse"])
+    _image = args.get("image", 0)
     life_args: dict[str, Any] = dict(
         run_dir=args["run_dir"], vm_id=args["vm_id"], notify_path=None, start_gate=None,
         start_gate_timeout=60.0, jailed=False, ready_timeout=600.0, net_refresh=False)
@@ -49,6 +51,13 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> NativeChil
 
 
 _noted: list[str] = []
+_image = 0
+
+
+def forker_image_key() -> int:
+    """What a forker must have been cloned with (the zygote's forker hook): the last
+    spawn's ``image`` arg, for the tests of when the zygote clones a new one."""
+    return _image
 
 
 def prelude(vm_id: str, opened: object) -> None:

@@ -97,7 +97,7 @@ import socket
 import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -428,6 +428,8 @@ class Zygote:
         self._shared_tree = self._build_shared_tree(socket_path)
         self._kept_bases = KeptBases()
         self._forker: Forker | None = None
+        self._last_miss: tuple[frozenset[int], Hashable] | None = None
+        """The last native batch the forker could not serve (``_forker_for``)."""
         self._jail_requests: OrderedDict[str, _JailRequest] = OrderedDict()
         self.started = time.monotonic()
         self.children: dict[str, _Child] = {}
@@ -1004,10 +1006,12 @@ class Zygote:
 
     def _forker_for(self, entry: Entry, batch: list[_Prepared], natives: list[NativeChild]
                     ) -> Forker | None:
-        """The forker for this run of native children (``runtime/forker.py``), cloned
-        now if the one there is does not hold their snapshot plans or the entry
-        module's image key changed; None where the zygote forks them itself: no forker
-        wanted (``VMFORK_FORKER``), or a child with no recipe."""
+        """The forker for this run of native children (``runtime/forker.py``): the one
+        there is if it holds their snapshot plans and was cloned with the entry
+        module's image key as it is now, else one cloned now where there is none (or
+        it died) or the batch before was like this one. None where the zygote forks
+        them itself: no forker wanted (``VMFORK_FORKER``), a child with no recipe, the
+        first of such batches, or no clone possible."""
         if not forker_wanted() or any(n.recipe is None or p.plan_args is None
                                       for p, n in zip(batch, natives)):
             return None
@@ -1016,7 +1020,17 @@ class Zygote:
         key_of = getattr(sys.modules.get(entry.__module__), "forker_image_key", None)
         image_key = key_of() if callable(key_of) else None
         if self._forker is not None and self._forker.serves(plans, image_key):
+            self._last_miss = None
             return self._forker
+        # A new forker is cloned for a batch like the one before it (or when there is
+        # none): batches that take turns between snapshots whose premaps differ would
+        # otherwise clone one for every batch (a fork of the zygote each); the zygote
+        # forks those itself, as it does with no forker.
+        miss = (frozenset(plans), image_key)
+        if self._forker is not None and self._forker.alive and miss != self._last_miss:
+            self._last_miss = miss
+            return None
+        self._last_miss = None
         self._retire_forker()
         try:
             self._forker = Forker(image_key)
