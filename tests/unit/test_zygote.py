@@ -594,8 +594,11 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, client: Zygo
     assert child_pids(zygote.pid) == ()
 
 
-def test_a_jail_request_is_resolved_once_for_the_spawns_that_ask_it(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def counted_resolve(monkeypatch: pytest.MonkeyPatch
+                    ) -> tuple[Callable[[object], Any], list[object]]:
+    """The zygote's ``_resolve_jail`` on a fresh cache, and the requests it resolved
+    (``_jail_request``'s calls) so far."""
     from vmfork.runtime import zygote as zygote_module
     resolved: list[object] = []
     real = zygote_module._jail_request
@@ -609,6 +612,14 @@ def test_a_jail_request_is_resolved_once_for_the_spawns_that_ask_it(
 
     def resolve(value: object) -> Any:
         return zygote_module.Zygote._resolve_jail(holder, value)  # type: ignore[arg-type]
+
+    return resolve, resolved
+
+
+def test_a_jail_request_is_resolved_once_for_the_spawns_that_ask_it(
+        counted_resolve: tuple[Callable[[object], Any], list[object]]) -> None:
+    from vmfork.runtime import zygote as zygote_module
+    resolve, resolved = counted_resolve
 
     def ask(uid: int) -> dict[str, Any]:
         return {"uid": uid, "gid": uid, "read_only": ["/srv/a"], "devices": ["/dev/kvm"]}
@@ -628,23 +639,12 @@ def test_a_jail_request_is_resolved_once_for_the_spawns_that_ask_it(
 
 
 def test_a_spawns_own_files_leave_its_jail_request_resolved_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        counted_resolve: tuple[Callable[[object], Any], list[object]]) -> None:
     """Each spawn of a snapshot asks its jail with FIFOs of its own, below ``runs_in``:
     they are not part of what the zygote resolves once, and each spawn's jail still
     binds its own."""
     from vmfork.runtime import zygote as zygote_module
-    resolved: list[object] = []
-    real = zygote_module._jail_request
-
-    def counted(value: object, shared: Any) -> Any:
-        resolved.append(value)
-        return real(value, shared)
-
-    monkeypatch.setattr(zygote_module, "_jail_request", counted)
-    holder = SimpleNamespace(_jail_requests=OrderedDict(), _shared_tree=None)
-
-    def resolve(value: object) -> Any:
-        return zygote_module.Zygote._resolve_jail(holder, value)  # type: ignore[arg-type]
+    resolve, resolved = counted_resolve
 
     def ask(token: str, runs_in: str = "/run/vmfork/run") -> dict[str, Any]:
         return {"uid_range": [100000, 8], "devices": ["/dev/kvm"], "runs_in": runs_in,
