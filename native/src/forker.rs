@@ -155,8 +155,9 @@ fn json_text(out: &mut String, text: &str) {
 }
 
 /// A batch: its children built (every one, before the first fork: a batch that cannot
-/// be built forks none), forked, each pid told; returns the end line.
-fn serve_batch(py: Python<'_>, body: &[u8], channel: &mut UnixStream) -> String {
+/// be built forks none) and forked; returns what to tell the zygote: a line per pid
+/// forked, then the end line.
+fn serve_batch(py: Python<'_>, body: &[u8]) -> String {
     let batch: Batch = match serde_json::from_slice(body) {
         Ok(batch) => batch,
         Err(err) => return end_line(Some(&format!("the batch record: {err}")), None),
@@ -171,21 +172,18 @@ fn serve_batch(py: Python<'_>, body: &[u8], channel: &mut UnixStream) -> String 
     let refs: Vec<&ForkPlan> = plans.iter().collect();
     let (pids, stop) = fork_batch(&refs, &mut clone_parent);
     // Told once the batch is forked, not between two forks: what this process writes
-    // there is a page copied for every child forked before it.
-    let told: String = pids
+    // there is a page copied for every child forked before it. The pids and the end
+    // line go in one write: one wake-up of the zygote, not two.
+    let mut told: String = pids
         .iter()
         .map(|pid| format!("{{\"pid\": {pid}}}\n"))
         .collect();
-    if channel.write_all(told.as_bytes()).is_err() {
-        // The zygote stopped listening: it is going, and so is this forker.
-        // SAFETY: _exit ends the process without unwinding.
-        unsafe { libc::_exit(0) };
-    }
-    match stop {
+    told.push_str(&match stop {
         None => end_line(None, None),
         Some(BatchStop::Os(errno, what)) => end_line(Some(&what), Some(errno)),
         Some(BatchStop::NotForkSafe(what)) => end_line(Some(&what), None),
-    }
+    });
+    told
 }
 
 fn end_line(error: Option<&str>, errno: Option<i32>) -> String {
@@ -244,10 +242,8 @@ fn forker_main(channel: RawFd, zygote: libc::pid_t) -> ! {
                 // SAFETY: as above.
                 unsafe { libc::_exit(0) };
             }
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                serve_batch(py, &body, &mut stream)
-            }))
-            .unwrap_or_else(|_| end_line(Some("the forker panicked serving the batch"), None))
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve_batch(py, &body)))
+                .unwrap_or_else(|_| end_line(Some("the forker panicked serving the batch"), None))
         };
         if stream.write_all(line.as_bytes()).is_err() {
             // SAFETY: as above.
