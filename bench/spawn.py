@@ -1745,7 +1745,9 @@ def main() -> int:
                     if out.get("incomplete"):
                         skipped[name][n] = f"incomplete: {out['incomplete']}"
                     log(f"{name} N={n}: running {fmt_s(out.get('running_s'))}, "
-                        f"ready {fmt_s(out.get('ready_s'))}")
+                        f"ready {fmt_s(out.get('ready_s'))}"
+                        + (f" (incomplete: {out['incomplete']})" if out.get("incomplete")
+                           else ""))
                     # If the emulated host dies later, what was measured survives.
                     partial.write_text(json.dumps({"setup": setup, "results": results,
                                                    "skipped": skipped}, indent=1, default=str))
