@@ -33,6 +33,7 @@
 
 use std::ffi::CString;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -81,6 +82,14 @@ pub trait ChildMachine {
     fn counters(&self) -> Arc<dyn MachineCounters>;
     /// Stop the vCPUs (the process is about to exit).
     fn stop(&self);
+    /// The pages of its snapshot's write set the restore copied (`write_set.rs`).
+    fn prefaulted_pages(&self) -> u64 {
+        0
+    }
+    /// Save the guest pages written so far as `path`, a write set; the pages saved.
+    fn save_write_set(&self, _path: &Path) -> Result<u64, String> {
+        Err("this machine keeps no write set".into())
+    }
 }
 
 /// Everything the life needs but the machine, built in the zygote before the fork.
@@ -105,6 +114,9 @@ pub struct LifePlan {
     /// What `status` says of snapshots: the restore base from the start, then what
     /// each capture of a hand-over sets.
     pub snapshots: SharedSnapshotStatus,
+    /// Where a learner saves its write set at ready (`write_set.rs`); None for a
+    /// child that is not one.
+    pub learn_write_set: Option<PathBuf>,
 }
 
 impl LifePlan {
@@ -551,7 +563,8 @@ fn run<M: ChildMachine>(
         machine.resume();
         plan.mark("resumed");
     }
-    let timings = life.timings(start_wait_ns);
+    let mut timings = life.timings(start_wait_ns);
+    timings.push(("prefaulted_pages", machine.prefaulted_pages().into()));
     let mut restored = object(vec![("state", "restored".into())]);
     restored.extend(timings.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     life.report(restored);
@@ -670,6 +683,13 @@ fn serve<M: ChildMachine>(
         seconds(monotonic_ns() - life.forked.entry_ns),
     );
     ready.insert("agent_ready".into(), agent_ready.into());
+    if let Some(path) = &plan.learn_write_set {
+        match machine.save_write_set(path) {
+            Ok(pages) => ready.insert("write_set_pages".into(), pages.into()),
+            Err(err) => ready.insert("write_set_error".into(), err.into()),
+        };
+        plan.mark("write_set_saved");
+    }
     ready.insert("agent_retries".into(), done.retries.into());
     ready.insert("agent_op_by_op".into(), done.op_by_op.into());
     let call = done.timing;
@@ -778,6 +798,14 @@ impl<M: ChildMachine> ChildMachine for Arc<M> {
     fn stop(&self) {
         M::stop(self)
     }
+
+    fn prefaulted_pages(&self) -> u64 {
+        M::prefaulted_pages(self)
+    }
+
+    fn save_write_set(&self, path: &Path) -> Result<u64, String> {
+        M::save_write_set(self, path)
+    }
 }
 
 /// The machine a spawn restores (`machine.rs`): its own methods are the trait's.
@@ -820,6 +848,14 @@ impl ChildMachine for crate::machine::NativeMachine {
 
     fn stop(&self) {
         crate::machine::NativeMachine::stop(self)
+    }
+
+    fn prefaulted_pages(&self) -> u64 {
+        crate::machine::NativeMachine::prefaulted_pages(self)
+    }
+
+    fn save_write_set(&self, path: &Path) -> Result<u64, String> {
+        crate::machine::NativeMachine::save_write_set(self, path)
     }
 }
 
@@ -906,6 +942,7 @@ mod tests {
                 mounts: Vec::new(),
                 profile: None,
                 snapshots: SharedSnapshotStatus::default(),
+                learn_write_set: None,
             }
         }
 

@@ -52,6 +52,7 @@ mod vsock_connect_line;
 mod vsock_io;
 mod vsock_packet;
 mod vsock_serve;
+mod write_set;
 
 use std::os::fd::{BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawFd};
 

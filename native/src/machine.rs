@@ -57,6 +57,7 @@ use crate::transport::{DeviceKind, DevicePlan, NativeTransport, Readers, Windows
 use crate::transport_py::{plan_from_py, NativeDevice, PyListener, PyPlan};
 use crate::vcpu::{ExitSink, NativeHost, UnclaimedCounts, VcpuControl, VcpuThread};
 use crate::vm::{Layout, Region, Restore, VmCore};
+use crate::write_set;
 
 /// `vmm/x86/layout.py`: where the virtio-mmio windows start, COM1's pin, the pins.
 pub const VIRTIO_MMIO_BASE: u64 = 0xD000_0000;
@@ -114,6 +115,12 @@ pub struct MachinePlan<'a> {
     pub restore: Option<Restore<'a>>,
     pub console: ConsolePlan,
     pub devices: Vec<SlotPlan>,
+    /// The snapshot's write set (`write_set.rs`): guest runs copied for writing once
+    /// the RAM is mapped, before a vCPU runs; empty for none.
+    pub write_set: &'a [(u64, u64)],
+    /// This process's `/proc/self/pagemap`, opened before its uid changed (a jailed
+    /// child's jail opens it); None: opened when needed (`save_write_set`).
+    pub pagemap: Option<OwnedFd>,
 }
 
 /// Guest RAM this machine mapped itself (unmapped when it is dropped).
@@ -133,7 +140,7 @@ impl Drop for OwnedRam {
 
 /// The regions of `mem_size` bytes of RAM (`ram_layout`): (guest address, size,
 /// offset in the memory file).
-fn ram_layout(mem_size: u64) -> Result<Vec<(u64, u64, u64)>, String> {
+pub(crate) fn ram_layout(mem_size: u64) -> Result<Vec<(u64, u64, u64)>, String> {
     if mem_size == 0 || !mem_size.is_multiple_of(PAGE_SIZE) {
         return Err(format!(
             "guest memory size {mem_size} is not a positive multiple of {PAGE_SIZE}"
@@ -385,6 +392,9 @@ pub struct NativeMachine {
     kept: Mutex<Kept>,
     /// Guest RAM's regions: (guest address, size, host address).
     regions: Vec<(u64, u64, u64)>,
+    /// The pages of the snapshot's write set copied at the restore.
+    prefaulted_pages: u64,
+    pagemap: Option<OwnedFd>,
 }
 
 /// A native machine's counters for `exits`: each vCPU host's unclaimed accesses, and
@@ -460,6 +470,8 @@ impl NativeMachine {
             restore,
             console,
             devices,
+            write_set,
+            pagemap,
         } = plan;
         // 1. guest RAM
         let (regions, owned_ram) = match ram {
@@ -470,6 +482,19 @@ impl NativeMachine {
             }
         };
         mark("machine_ram");
+        let prefaulted_pages = if write_set.is_empty() {
+            0
+        } else {
+            let ram: Vec<(u64, u64, u64)> = regions
+                .iter()
+                .map(|r| (r.guest_phys, r.size, r.host_addr))
+                .collect();
+            // SAFETY: the regions are mapped readable and writable (this function's
+            // contract, or mapped above), and no vCPU exists yet.
+            let pages = unsafe { write_set::prefault(&ram, write_set) };
+            mark("machine_write_set");
+            pages
+        };
         // 2. the VM core
         // SAFETY: the regions are this function's contract's, or mapped above and
         // unmapped only after the core is gone (`Parts` drops `core` before
@@ -606,6 +631,8 @@ impl NativeMachine {
             controls,
             kept: Mutex::new(Kept::default()),
             regions,
+            prefaulted_pages,
+            pagemap,
         })
     }
 
@@ -655,6 +682,28 @@ impl NativeMachine {
     /// machine runs.
     pub fn ram_regions(&self) -> &[(u64, u64, u64)] {
         &self.regions
+    }
+
+    /// The pages of the snapshot's write set this machine copied at its restore.
+    pub fn prefaulted_pages(&self) -> u64 {
+        self.prefaulted_pages
+    }
+
+    /// Write the guest pages this process holds copies of, its write set so far
+    /// (`write_set.rs`), as `path`; the pages written.
+    pub fn save_write_set(&self, path: &std::path::Path) -> Result<u64, String> {
+        let opened;
+        let pagemap = match &self.pagemap {
+            Some(fd) => fd.as_raw_fd(),
+            None => {
+                opened = File::open("/proc/self/pagemap")
+                    .map_err(|e| format!("/proc/self/pagemap: {e}"))?;
+                opened.as_raw_fd()
+            }
+        };
+        let runs = write_set::written_runs(pagemap, &self.regions)?;
+        write_set::save(path, &runs)?;
+        Ok(runs.iter().map(|r| r.1 / PAGE_SIZE).sum())
     }
 
     /// Keep the device servers on the I/O loop still (`Loop::hold`) until
@@ -984,6 +1033,8 @@ impl PyNativeMachine {
                 serial,
             },
             devices,
+            write_set: &[],
+            pagemap: None,
         };
         // SAFETY: the RAM is a file mapping the machine makes and owns.
         let machine = py
@@ -1262,6 +1313,8 @@ pub(crate) mod tests {
                 irq: RNG_IRQ,
                 plan: DevicePlan::fresh(rng, mmio::VIRTIO_F_VERSION_1, vec![256])?,
             }],
+            write_set: &[],
+            pagemap: None,
         };
         // SAFETY: the RAM is never unmapped in the child.
         let machine = unsafe { NativeMachine::restore(kvm, plan, &|_| {}) }?;

@@ -32,7 +32,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, IntoRawFd, OwnedFd, RawF
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use kvm_ioctls::Kvm;
 use pyo3::exceptions::PyValueError;
@@ -40,11 +40,14 @@ use pyo3::prelude::*;
 
 use crate::child::{self, Opened};
 use crate::console::{log_budget, SerialFields, SerialRegs};
-use crate::machine::{ConsolePlan, InheritedRam, MachinePlan, NativeMachine, RamSource, SlotPlan};
+use crate::machine::{
+    ram_layout, ConsolePlan, InheritedRam, MachinePlan, NativeMachine, RamSource, SlotPlan,
+};
 use crate::restore::VcpuBuffers;
 use crate::transport::{BlkDisk, DeviceKind, DevicePlan, VsockListener};
 use crate::transport_py::{plan_from_py, PyPlan};
 use crate::vm::Restore;
+use crate::write_set;
 use crate::PreparedRestore;
 
 /// The console log's mode when the child creates it (as `Machine`'s, the VMM's own).
@@ -65,6 +68,8 @@ pub struct SnapshotMachinePlan {
     disks: HashMap<u32, PathBuf>,
     serial: Option<SerialFields>,
     log_budget: (u32, f64, u64),
+    /// Its write set once learnt (`learn_write_set`; `write_set.rs`).
+    write_set: OnceLock<Arc<[(u64, u64)]>>,
 }
 
 #[pymethods]
@@ -126,7 +131,32 @@ impl SnapshotMachinePlan {
             disks,
             serial,
             log_budget: (log_burst, log_per_second, log_total_bytes),
+            write_set: OnceLock::new(),
         })
+    }
+
+    /// Take the write set a learner child saved as `path` (`write_set.rs`): each child
+    /// planned from now on copies its pages for writing at its restore. Returns the
+    /// pages of the set kept (a set larger than the bounds is cut); `ValueError` for a
+    /// file that is not a valid set, with why. A plan that has a set keeps it.
+    fn learn_write_set(&self, path: PathBuf) -> PyResult<u64> {
+        if let Some(runs) = self.write_set.get() {
+            return Ok(pages(runs));
+        }
+        let regions: Vec<(u64, u64, u64)> = ram_layout(self.mem_size)
+            .map_err(PyValueError::new_err)?
+            .into_iter()
+            .map(|(gpa, size, _)| (gpa, size, 0))
+            .collect();
+        let runs = write_set::load(&path, &regions).map_err(PyValueError::new_err)?;
+        Ok(pages(self.write_set.get_or_init(|| runs.into())))
+    }
+
+    /// The pages of the write set its children copy at their restore; None before
+    /// one is learnt.
+    #[getter]
+    fn write_set_pages(&self) -> Option<u64> {
+        self.write_set.get().map(|runs| pages(runs))
     }
 
     /// One child's plan: its `run_dir`; for a jailed child, the index of the memory
@@ -210,6 +240,10 @@ pub struct ForChildArgs {
     volumes: Vec<ChildVolumeArgs>,
     #[serde(default)]
     tap: Option<String>,
+}
+
+fn pages(runs: &[(u64, u64)]) -> u64 {
+    runs.iter().map(|r| r.1 / 4096).sum()
 }
 
 static NEXT_NUMBER: AtomicU64 = AtomicU64::new(1);
@@ -555,6 +589,11 @@ impl ChildMachinePlan {
                 serial: snapshot.serial.clone().map(SerialRegs::from_fields),
             },
             devices,
+            write_set: snapshot.write_set.get().map_or(&[], |runs| runs),
+            pagemap: match opened {
+                Some((_, _, (pagemap, _), ..)) => Some(jail_fd(&[*pagemap], 0, "pagemap")?),
+                None => None,
+            },
         };
         // SAFETY: the RAM is a file mapping the machine makes and owns, or the adopted
         // premap, mapped until this process exits.

@@ -26,6 +26,7 @@
 
 use std::ffi::CString;
 use std::os::fd::RawFd;
+use std::path::Path;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -45,6 +46,7 @@ use crate::machine::{NativeMachine, PyNativeMachine};
 use crate::machine_plan::ChildMachinePlan;
 use crate::spawn_profile::SpawnProfile;
 use crate::tiny_machine::TinyMachinePlan;
+use crate::write_set;
 
 /// `EXIT_ENTRY_RAISED` of `runtime/zygote_protocol.py`.
 const EXIT_ENTRY_RAISED: i32 = 70;
@@ -82,6 +84,8 @@ pub struct ChildLifeArgs {
     snapshot_bases: Vec<(Option<String>, String)>,
     #[serde(default)]
     snapshot_tracking: Option<String>,
+    #[serde(default)]
+    learn_write_set: bool,
 }
 
 pub(crate) fn from_hex(text: &str) -> Result<Vec<u8>, String> {
@@ -156,6 +160,9 @@ fn life_plan(
             bases: v.snapshot_bases,
             tracking: v.snapshot_tracking,
         })),
+        learn_write_set: v
+            .learn_write_set
+            .then(|| Path::new(&v.run_dir).join(write_set::FILE_NAME)),
     })
 }
 
@@ -170,11 +177,14 @@ impl ChildLife {
     /// `profile`: record each phase's end in `run_dir/spawn-profile.json`
     /// (`runtime/spawnprofile.py`'s record, `spawn_profile.rs`); `snapshot_bases`
     /// (`(tag, kind)`, newest first) and `snapshot_tracking`: what `status` says of
-    /// snapshots until a capture says otherwise (`SnapshotTaker.bases`).
+    /// snapshots until a capture says otherwise (`SnapshotTaker.bases`);
+    /// `learn_write_set`: at ready, save the guest pages written so far as
+    /// `run_dir/write-set.json` (`write_set.rs`).
     #[new]
     #[pyo3(signature = (*, run_dir, vm_id, notify_path, start_gate, start_gate_timeout,
                         seccomp, jailed, agent, ready_timeout, net_refresh, mounts=Vec::new(),
-                        profile=false, snapshot_bases=Vec::new(), snapshot_tracking=None))]
+                        profile=false, snapshot_bases=Vec::new(), snapshot_tracking=None,
+                        learn_write_set=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         run_dir: &str,
@@ -191,6 +201,7 @@ impl ChildLife {
         profile: bool,
         snapshot_bases: Vec<(Option<String>, String)>,
         snapshot_tracking: Option<String>,
+        learn_write_set: bool,
     ) -> PyResult<Self> {
         let args = ChildLifeArgs {
             run_dir: run_dir.to_owned(),
@@ -207,6 +218,7 @@ impl ChildLife {
             profile,
             snapshot_bases,
             snapshot_tracking,
+            learn_write_set,
         };
         let plan =
             life_plan(args, agent.target().clone(), seccomp).map_err(PyValueError::new_err)?;

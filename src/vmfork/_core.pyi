@@ -329,7 +329,8 @@ class ChildLife:
                  mounts: list[tuple[int, str, bool, int]] = ...,
                  profile: bool = False,
                  snapshot_bases: list[tuple[str | None, str]] = ...,
-                 snapshot_tracking: str | None = ...) -> None: ...
+                 snapshot_tracking: str | None = ...,
+                 learn_write_set: bool = False) -> None: ...
 
 class TinyMachinePlan:
     """A one-vCPU machine running a real-mode program loaded at 0x1000
@@ -354,6 +355,12 @@ class SnapshotMachinePlan:
                   other_premaps: list[tuple[int, int]] = ...,
                   volumes: list[tuple[int, str, str, int, bool, str, int | None]] = ...,
                   tap: str | None = ...) -> ChildMachinePlan: ...
+    def learn_write_set(self, path: str) -> int:
+        """Take the write set a learner saved as ``path`` (write_set.rs); its pages.
+        ``ValueError`` for a file that is not a valid set."""
+    @property
+    def write_set_pages(self) -> int | None:
+        """The pages each child copies at its restore; None before a set is learnt."""
 
 class ChildMachinePlan:
     """One native child's machine: its snapshot's plan and its run directory."""

@@ -82,6 +82,34 @@ def children(zygote: ZygoteProcess, warm: Snapshot,
             client.kill_and_wait(child.vm_id)
 
 
+def test_a_snapshots_write_set_is_learnt_from_one_child_and_copied_by_the_next(
+        zygote: ZygoteProcess, warm: Snapshot,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """native/src/write_set.rs: the first child of a snapshot is a learner, which saves
+    the guest pages it wrote on its way to ready; the zygote takes the set when it reaps
+    the learner, and the next child copies those pages at its restore, before its vCPU
+    runs. (The first test of the module: no child of ``warm`` came before.)"""
+    client = zygote.client()
+    learner = _spawn_one(zygote, warm, tmp_path_factory.mktemp("vms"), ())
+    status = learner.read_status()
+    assert status["prefaulted_pages"] == 0, status
+    learnt = status["write_set_pages"]
+    # The restore, after_fork's clock and reseed, the agent's answer: hundreds of pages
+    # (~600 in the test host), far below the bound of a quarter of the RAM.
+    assert 50 < learnt < (256 << 20) // 4096 // 4, status
+    saved = json.loads((learner.run_dir / vmmchild.WRITE_SET_FILE).read_text())
+    assert sum(length for _, length in saved["runs"]) == learnt * 4096, saved
+    client.kill_and_wait(learner.vm_id)
+    child = _spawn_one(zygote, warm, tmp_path_factory.mktemp("vms"), ())
+    try:
+        status = child.read_status()
+        assert status["prefaulted_pages"] == learnt, status
+        assert "write_set_pages" not in status, status   # not a learner: its plan has a set
+        assert child.agent.eval("marker").value == repr("from the parent")
+    finally:
+        client.kill_and_wait(child.vm_id)
+
+
 def test_native_children_become_ready_and_run_code(children: list[Child]) -> None:
     for child in children:
         status = child.read_status()
@@ -147,12 +175,14 @@ def test_a_jailed_native_child_records_its_jails_and_machines_steps(
             time.sleep(0.05)
         marks = json.loads(record.read_text())["marks"]
         names = [m["phase"] for m in marks]
+        # The copy of its snapshot's write set, once one was learnt.
+        copied = ["machine_write_set"] if child.read_status()["prefaulted_pages"] else []
         # A child of a batch joins the batch's jail base: no pivot, no old root of its
         # own to detach (runtime/jail.py, step 2).
         assert names[names.index("set_up"):names.index("machine") + 1] == [
             "set_up", "jail_opened", "jail_unshared", "jail_tmpfs", "jail_binds",
-            "jail_proc", "jailed",
-            "machine_opened", "machine_ram", "machine_vm", "machine_devices", "machine"], names
+            "jail_proc", "jailed", "machine_opened", "machine_ram", *copied,
+            "machine_vm", "machine_devices", "machine"], names
         assert all(later["mono_ns"] >= earlier["mono_ns"]
                    for earlier, later in zip(marks, marks[1:])), marks
 

@@ -377,11 +377,93 @@ def prefork(batch: list[dict[str, Any]]) -> None:
             log.info("prefork: %s not prepared: %s", snapshot_dir, err)
     premap_memory(snapshot_dirs)
     _batch_snapshots.clear()
+    _batch_learners.clear()
     for snapshot_dir in snapshot_dirs if zygote_child.NATIVE_CHILD else ():
         try:
             _batch_snapshots[snapshot_dir] = _native_snapshot(snapshot_dir)
         except Exception:  # noqa: BLE001 -- native_child finds it again, and refuses
-            pass
+            continue
+        if write_sets_wanted():
+            _learn_write_set(_batch_snapshots[snapshot_dir].machine, snapshot_dir)
+
+
+WRITE_SET_ENV = "VMFORK_WRITE_SET"
+"""``0``: native children neither learn their snapshot's write set nor copy its pages
+at their restore (``native/src/write_set.rs``)."""
+
+WRITE_SET_FILE = "write-set.json"
+"""Where a learner saves its write set, in its run directory (``write_set.rs``)."""
+
+LEARNERS_KEPT = 16
+"""The learners whose files the zygote looks for, the newest: one that died before
+ready never writes its file, and the next batch of its snapshot names another."""
+
+# The learners (``_is_learner``) by run directory, oldest first: each one's snapshot
+# plan and directory, until its plan learns a set or its run directory goes.
+_learners: dict[str, tuple[Any, str]] = {}
+# The snapshots of the batch being forked that have a learner in it.
+_batch_learners: set[str] = set()
+# How many write sets this zygote learnt: part of the forker's image key, since a
+# forker cloned before holds the plan without the set.
+_write_sets_learnt = 0
+
+
+def write_sets_wanted() -> bool:
+    """Whether native children learn and copy their snapshot's write set: yes unless
+    ``VMFORK_WRITE_SET=0``."""
+    return os.environ.get(WRITE_SET_ENV) != "0"
+
+
+def _learn_write_set(machine: Any, snapshot_dir: str) -> None:
+    """Give ``machine`` (a snapshot's ``SnapshotMachinePlan``) the write set its newest
+    learner saved at ready, if one has and the plan has none."""
+    for run_dir, (learner_of, _) in reversed(list(_learners.items())):
+        if learner_of is machine and _take_write_set(run_dir):
+            return
+
+
+def _take_write_set(run_dir: str) -> bool:
+    """Give the learner's plan the set the learner in ``run_dir`` saved, if it saved
+    one; whether its plan has a set now. A file that is not a valid set is logged,
+    and its learner forgotten."""
+    global _write_sets_learnt
+    machine, snapshot_dir = _learners[run_dir]
+    path = os.path.join(run_dir, WRITE_SET_FILE)
+    if machine.write_set_pages is None:
+        if not os.path.lexists(path):
+            return False
+        try:
+            pages = machine.learn_write_set(path)
+        except ValueError as err:
+            log.warning("%s: the write set a learner saved is refused: %s", snapshot_dir, err)
+            del _learners[run_dir]
+            return False
+        log.info("%s: write set learnt, %d pages (%s)", snapshot_dir, pages, path)
+        _write_sets_learnt += 1
+    for other in [d for d, (m, _) in _learners.items() if m is machine]:
+        del _learners[other]
+    return True
+
+
+def run_dir_ending(run_dir: str) -> None:
+    """Zygote hook, run before it removes an exited child's run directory: a learner's
+    write set is taken now or never."""
+    if run_dir in _learners:
+        _take_write_set(run_dir)
+        _learners.pop(run_dir, None)
+
+
+def _is_learner(machine: Any, snapshot_dir: str, run_dir: str) -> bool:
+    """Whether the child of ``snapshot_dir`` in ``run_dir`` saves its write set at ready:
+    the first of its batch for a snapshot whose plan has none."""
+    if (machine.write_set_pages is not None or snapshot_dir in _batch_learners
+            or not write_sets_wanted()):
+        return False
+    _batch_learners.add(snapshot_dir)
+    _learners[run_dir] = (machine, snapshot_dir)
+    while len(_learners) > LEARNERS_KEPT:
+        del _learners[next(iter(_learners))]
+    return True
 
 
 def _warm_up_restore(snapshot_dir: str) -> None:
@@ -475,7 +557,8 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> zygote_chi
         # A restored machine's RAM is its snapshot's file, mapped MAP_PRIVATE: what a
         # Python child's SnapshotTaker.bases says before its first capture.
         snapshot_bases=[(snapshot.base_tag, BASE_RESTORE)],
-        snapshot_tracking=tracking())
+        snapshot_tracking=tracking(),
+        learn_write_set=_is_learner(snapshot.machine, snapshot_dir, str(args["run_dir"])))
     program = seccomp.vmm_filter(log_only=bool(args.get("seccomp_log_only"))) if jailed else None
     life = _core.ChildLife(**life_args, seccomp=program, agent=end.agent)
     machine_args = _native_machine(args, jail_spec, volumes, snapshot)
@@ -623,13 +706,17 @@ def _snapshot_machine(snapshot_dir: str) -> tuple[Any, str, dict[int, str]]:
     return machine, memory_file, disks
 
 
-def forker_image_key() -> tuple[tuple[str, int, tuple[tuple[int, int, int], ...], bool], ...]:
+def forker_image_key() -> tuple[int, tuple[tuple[str, int, tuple[tuple[int, int, int], ...],
+                                                 bool], ...]]:
     """What a native child's recipe names of the zygote's image besides its snapshot
-    plan: the premaps (their plans, places, and which the children inherit). The
-    zygote's forker hook (``runtime/forker.py``): a forker cloned with another key
-    holds other mappings at those places, so the zygote clones a new one."""
-    return tuple((path, id(entry.plan), tuple(entry.ram.host_regions()), entry.inherited)
-                 for path, entry in _premaps.items())
+    plan: the premaps (their plans, places, and which the children inherit), and the
+    write sets learnt (a plan's set is in the image, not in the recipe). The zygote's
+    forker hook (``runtime/forker.py``): a forker cloned with another key holds other
+    mappings at those places, or plans without their sets, so the zygote clones a new
+    one."""
+    return _write_sets_learnt, tuple(
+        (path, id(entry.plan), tuple(entry.ram.host_regions()), entry.inherited)
+        for path, entry in _premaps.items())
 
 
 def inherited_ram(snapshot_dir: str) -> tuple[list[tuple[int, int, int]] | None,

@@ -1138,6 +1138,7 @@ class Zygote:
                 cleanup_errors.append(str(err))
         tail = supervise.log_tail(child.log_path)
         if child.run_dir is not None:
+            self._run_dir_ending(child.entry, child.run_dir)
             try:
                 shutil.rmtree(child.run_dir)
             except FileNotFoundError:
@@ -1162,6 +1163,27 @@ class Zygote:
         for conn in list(self.conns.values()):
             if conn.slots and conn.slots[0].reply is not None:
                 self._flush(conn)
+
+    def _run_dir_ending(self, name: str, run_dir: str) -> None:
+        """The entry module's ``run_dir_ending`` hook, told of a run directory the zygote
+        is about to remove (vmmchild takes a learner's write set from it). A forker
+        whose image key the hook changed is retired at once: the next batch clones one
+        that holds what changed, instead of being forked by the zygote first (the
+        change is for good, unlike batches that take turns between snapshots)."""
+        entry = self.entries.get(name)
+        module = sys.modules.get(entry.__module__) if entry else None
+        hook = getattr(module, "run_dir_ending", None)
+        if not callable(hook):
+            return
+        try:
+            hook(run_dir)
+        except Exception:  # noqa: BLE001 -- a hook's failure never stops a reap
+            log.exception("run_dir_ending hook of %s failed", getattr(module, "__name__", name))
+            return
+        key_of = getattr(module, "forker_image_key", None)
+        if (self._forker is not None and callable(key_of)
+                and key_of() != self._forker.image_key):
+            self._retire_forker()
 
     def _shutdown_all(self) -> None:
         for child in list(self.children.values()):
