@@ -800,12 +800,14 @@ def render_phases(results: dict[str, dict[int, list[dict[str, Any]]]],
 
 
 def vmfork_first_spawn(zygote: Any, snapshot: Any, run_root: Path, timeout: float) -> float:
-    """One child from the cold zygote, killed once restored; returns its restored time.
+    """One child from the cold zygote, killed once ready; returns its restored time.
 
     On its first spawn from a snapshot the zygote decodes it and warms its restore
     path up (``vmmchild.prefork``) and builds the jail base its spawns join
     (``jail.KeptBases``), once -- as the floor's parent asks /dev/kvm its per-host
-    answers once before it forks. The measured runs spawn from then on.
+    answers once before it forks; that first child, native, is also the snapshot's
+    learner, which saves its write set at ready (``native/src/write_set.rs``), once.
+    The measured runs spawn from then on.
     """
     from vmfork.runtime.spawn import fork_children
     client = zygote.client(timeout=max(120.0, timeout))
@@ -813,7 +815,7 @@ def vmfork_first_spawn(zygote: Any, snapshot: Any, run_root: Path, timeout: floa
         return float(fork_children(client, snapshot, 1, daemon_batch_dir(run_root),
                                    timeout=timeout,
                                    memory_limit_mib=daemon_memory_limit_mib(snapshot),
-                                   wait_for="restored", runs_in=run_root).restored_s)
+                                   wait_for="ready", runs_in=run_root).restored_s)
     finally:
         kill_children(client)
         client.close()
@@ -1126,7 +1128,8 @@ def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str,
            + ("run no Python (the default)" if setup.get("native_child")
               else "run Python (VMFORK_NATIVE_CHILD=0, or beside the native peer)")),
            (f"- vmfork zygote's first spawn from the snapshot (decodes it and warms the restore "
-            f"path up, once; then restored): {fmt_s(setup.get('vmfork_first_spawn_s'))}"
+            "path up, once; a native zygote's child learns the snapshot's write set; waited "
+            f"for until ready), restored: {fmt_s(setup.get('vmfork_first_spawn_s'))}"
             + (f"; the native children's zygote's: {fmt_s(setup['native_first_spawn_s'])}"
                if "native_first_spawn_s" in setup else "")),
            (f"- QEMU template parent: boot + warm-up {setup['template_boot_s']:.2f} s, "
