@@ -225,12 +225,16 @@ def test_no_leaks_over_200_spawn_kill_cycles(zygote: ZygoteProcess, warm: Snapsh
 
     The zygote keeps the jail base these spawns join (``jail.KeptBases``: two
     descriptors, bounded by ``jail.KEPT_BASES``): a first batch makes it before the
-    baseline, and every later batch must join that one, not build another.
+    baseline, and every later batch must join that one, not build another. That
+    first child, waited for until ready, is the snapshot's learner: the zygote takes
+    its write set when it reaps it and retires its forker, which a second batch
+    clones again, before the baseline (``native/src/write_set.rs``).
     """
     client = zygote.client()
     use_cgroups = cgroups.detect() is not None
-    first = fork_children(client, warm, 1, run_root, timeout=600, wait_for="restored")
-    client.kill_and_wait(first.children[0].vm_id)
+    for wait_for in ("ready", "restored"):
+        first = fork_children(client, warm, 1, run_root, timeout=600, wait_for=wait_for)
+        client.kill_and_wait(first.children[0].vm_id)
     bases = client.ping()["jail_bases"]   # the client's connection: part of the baseline
     baseline = leak_snapshot(zygote.pid, run_root=str(run_root))
     for batch in range(LEAK_CYCLES // LEAK_BATCH):
