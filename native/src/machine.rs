@@ -482,16 +482,17 @@ impl NativeMachine {
             }
         };
         mark("machine_ram");
+        // (guest address, size, host address): the machine's `regions`.
+        let ram_regions: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .map(|r| (r.guest_phys, r.size, r.host_addr))
+            .collect();
         let prefaulted_pages = if write_set.is_empty() {
             0
         } else {
-            let ram: Vec<(u64, u64, u64)> = regions
-                .iter()
-                .map(|r| (r.guest_phys, r.size, r.host_addr))
-                .collect();
             // SAFETY: the regions are mapped readable and writable (this function's
             // contract, or mapped above), and no vCPU exists yet.
-            let pages = unsafe { write_set::prefault(&ram, write_set) };
+            let pages = unsafe { write_set::prefault(&ram_regions, write_set) };
             mark("machine_write_set");
             pages
         };
@@ -610,10 +611,6 @@ impl NativeMachine {
             unclaimed.push(counts);
         }
         let controls = threads.iter().map(VcpuThread::control).collect();
-        let regions = regions
-            .iter()
-            .map(|r| (r.guest_phys, r.size, r.host_addr))
-            .collect();
         Ok(NativeMachine {
             parts: Mutex::new(Some(Parts {
                 vcpus: threads,
@@ -630,7 +627,7 @@ impl NativeMachine {
             })),
             controls,
             kept: Mutex::new(Kept::default()),
-            regions,
+            regions: ram_regions,
             prefaulted_pages,
             pagemap,
         })
@@ -703,7 +700,7 @@ impl NativeMachine {
         };
         let runs = write_set::written_runs(pagemap, &self.regions)?;
         write_set::save(path, &runs)?;
-        Ok(runs.iter().map(|r| r.1 / PAGE_SIZE).sum())
+        Ok(write_set::pages(&runs))
     }
 
     /// Keep the device servers on the I/O loop still (`Loop::hold`) until

@@ -141,7 +141,7 @@ impl SnapshotMachinePlan {
     /// file that is not a valid set, with why. A plan that has a set keeps it.
     fn learn_write_set(&self, path: PathBuf) -> PyResult<u64> {
         if let Some(runs) = self.write_set.get() {
-            return Ok(pages(runs));
+            return Ok(write_set::pages(runs));
         }
         let regions: Vec<(u64, u64, u64)> = ram_layout(self.mem_size)
             .map_err(PyValueError::new_err)?
@@ -149,14 +149,14 @@ impl SnapshotMachinePlan {
             .map(|(gpa, size, _)| (gpa, size, 0))
             .collect();
         let runs = write_set::load(&path, &regions).map_err(PyValueError::new_err)?;
-        Ok(pages(self.write_set.get_or_init(|| runs.into())))
+        Ok(write_set::pages(self.write_set.get_or_init(|| runs.into())))
     }
 
     /// The pages of the write set its children copy at their restore; None before
     /// one is learnt.
     #[getter]
     fn write_set_pages(&self) -> Option<u64> {
-        self.write_set.get().map(|runs| pages(runs))
+        self.write_set.get().map(|runs| write_set::pages(runs))
     }
 
     /// One child's plan: its `run_dir`; for a jailed child, the index of the memory
@@ -240,10 +240,6 @@ pub struct ForChildArgs {
     volumes: Vec<ChildVolumeArgs>,
     #[serde(default)]
     tap: Option<String>,
-}
-
-fn pages(runs: &[(u64, u64)]) -> u64 {
-    runs.iter().map(|r| r.1 / 4096).sum()
 }
 
 static NEXT_NUMBER: AtomicU64 = AtomicU64::new(1);

@@ -58,6 +58,11 @@ pub fn max_bytes(mem_size: u64) -> u64 {
     mem_size / 4
 }
 
+/// The pages `runs` cover.
+pub fn pages(runs: &[(u64, u64)]) -> u64 {
+    runs.iter().map(|r| r.1 / PAGE_SIZE).sum()
+}
+
 /// Guest RAM as (guest address, size, host address) per region.
 pub type Regions = [(u64, u64, u64)];
 
