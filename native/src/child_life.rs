@@ -82,9 +82,13 @@ pub trait ChildMachine {
     fn counters(&self) -> Arc<dyn MachineCounters>;
     /// Stop the vCPUs (the process is about to exit).
     fn stop(&self);
-    /// The pages of its snapshot's write set the restore copied (`write_set.rs`).
-    fn prefaulted_pages(&self) -> u64 {
+    /// The pages of its snapshot's write set it copies (`write_set.rs`).
+    fn write_ahead_pages(&self) -> u64 {
         0
+    }
+    /// Wait for the copy of its write set to end: the pages copied and its CPU (ns).
+    fn finish_write_ahead(&self) -> (u64, i64) {
+        (0, 0)
     }
     /// Save the guest pages written so far as `path`, a write set; the pages saved.
     fn save_write_set(&self, _path: &Path) -> Result<u64, String> {
@@ -564,7 +568,7 @@ fn run<M: ChildMachine>(
         plan.mark("resumed");
     }
     let mut timings = life.timings(start_wait_ns);
-    timings.push(("prefaulted_pages", machine.prefaulted_pages().into()));
+    timings.push(("write_ahead_pages", machine.write_ahead_pages().into()));
     let mut restored = object(vec![("state", "restored".into())]);
     restored.extend(timings.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     life.report(restored);
@@ -683,6 +687,9 @@ fn serve<M: ChildMachine>(
         seconds(monotonic_ns() - life.forked.entry_ns),
     );
     ready.insert("agent_ready".into(), agent_ready.into());
+    let (copied, copy_ns) = machine.finish_write_ahead();
+    ready.insert("prefaulted_pages".into(), copied.into());
+    ready.insert("write_ahead_cpu_s".into(), seconds(copy_ns));
     if let Some(path) = &plan.learn_write_set {
         match machine.save_write_set(path) {
             Ok(pages) => ready.insert("write_set_pages".into(), pages.into()),
@@ -799,8 +806,12 @@ impl<M: ChildMachine> ChildMachine for Arc<M> {
         M::stop(self)
     }
 
-    fn prefaulted_pages(&self) -> u64 {
-        M::prefaulted_pages(self)
+    fn write_ahead_pages(&self) -> u64 {
+        M::write_ahead_pages(self)
+    }
+
+    fn finish_write_ahead(&self) -> (u64, i64) {
+        M::finish_write_ahead(self)
     }
 
     fn save_write_set(&self, path: &Path) -> Result<u64, String> {
@@ -850,8 +861,12 @@ impl ChildMachine for crate::machine::NativeMachine {
         crate::machine::NativeMachine::stop(self)
     }
 
-    fn prefaulted_pages(&self) -> u64 {
-        crate::machine::NativeMachine::prefaulted_pages(self)
+    fn write_ahead_pages(&self) -> u64 {
+        crate::machine::NativeMachine::write_ahead_pages(self)
+    }
+
+    fn finish_write_ahead(&self) -> (u64, i64) {
+        crate::machine::NativeMachine::finish_write_ahead(self)
     }
 
     fn save_write_set(&self, path: &Path) -> Result<u64, String> {

@@ -392,8 +392,8 @@ pub struct NativeMachine {
     kept: Mutex<Kept>,
     /// Guest RAM's regions: (guest address, size, host address).
     regions: Vec<(u64, u64, u64)>,
-    /// The pages of the snapshot's write set copied at the restore.
-    prefaulted_pages: u64,
+    /// The copy of the snapshot's write set, begun with the guest.
+    write_ahead: write_set::WriteAhead,
     pagemap: Option<OwnedFd>,
 }
 
@@ -487,15 +487,14 @@ impl NativeMachine {
             .iter()
             .map(|r| (r.guest_phys, r.size, r.host_addr))
             .collect();
-        let prefaulted_pages = if write_set.is_empty() {
-            0
-        } else {
-            // SAFETY: the regions are mapped readable and writable (this function's
-            // contract, or mapped above), and no vCPU exists yet.
-            let pages = unsafe { write_set::prefault(&ram_regions, write_set) };
+        // SAFETY: the regions are mapped readable and writable (this function's
+        // contract, or mapped above) until the machine stops, which cancels the copy
+        // first; no vCPU exists yet.
+        let write_ahead = unsafe { write_set::WriteAhead::new(&ram_regions, write_set) };
+        if write_ahead.copied() > 0 {
+            // Copied in place (a kernel without MADV_POPULATE_WRITE).
             mark("machine_write_set");
-            pages
-        };
+        }
         // 2. the VM core
         // SAFETY: the regions are this function's contract's, or mapped above and
         // unmapped only after the core is gone (`Parts` drops `core` before
@@ -628,7 +627,7 @@ impl NativeMachine {
             controls,
             kept: Mutex::new(Kept::default()),
             regions: ram_regions,
-            prefaulted_pages,
+            write_ahead,
             pagemap,
         })
     }
@@ -645,14 +644,19 @@ impl NativeMachine {
         for vcpu in &parts.vcpus {
             vcpu.start(paused)?;
         }
+        if !paused {
+            self.write_ahead.begin();
+        }
         Ok(())
     }
 
-    /// Let every parked vCPU back into the guest.
+    /// Let every parked vCPU back into the guest (the first time, the copy of the
+    /// write set begins with it).
     pub fn resume(&self) {
         for control in &self.controls {
             control.resume();
         }
+        self.write_ahead.begin();
     }
 
     /// Park every vCPU (kicking each out of the guest), within `timeout` in all;
@@ -681,9 +685,15 @@ impl NativeMachine {
         &self.regions
     }
 
-    /// The pages of the snapshot's write set this machine copied at its restore.
-    pub fn prefaulted_pages(&self) -> u64 {
-        self.prefaulted_pages
+    /// The pages of the snapshot's write set this machine copies.
+    pub fn write_ahead_pages(&self) -> u64 {
+        self.write_ahead.planned()
+    }
+
+    /// Wait for the copy of the write set to end: the pages copied, and the CPU time
+    /// (ns) it took.
+    pub fn finish_write_ahead(&self) -> (u64, i64) {
+        self.write_ahead.finish()
     }
 
     /// Write the guest pages this process holds copies of, its write set so far
@@ -882,6 +892,8 @@ impl NativeMachine {
         let Some(parts) = lock(&self.parts).take() else {
             return;
         };
+        // Nothing may touch RAM mapped here once it is unmapped below.
+        self.write_ahead.cancel();
         *lock(&self.kept) = Kept {
             exit: parts.sink.exit(),
             console_tail: parts.console.tail_text(),

@@ -23,7 +23,7 @@ struct Mark {
     process_cpu_ns: i64,
 }
 
-fn clock_ns(clock: libc::clockid_t) -> i64 {
+pub(crate) fn clock_ns(clock: libc::clockid_t) -> i64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
