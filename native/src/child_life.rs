@@ -86,6 +86,8 @@ pub trait ChildMachine {
     fn write_ahead_pages(&self) -> u64 {
         0
     }
+    /// Copy its write set now, on this thread, while its vCPUs are parked.
+    fn copy_write_set_here(&self) {}
     /// Wait for the copy of its write set to end: the pages copied and its CPU (ns).
     fn finish_write_ahead(&self) -> (u64, i64) {
         (0, 0)
@@ -557,6 +559,11 @@ fn run<M: ChildMachine>(
             ("pid", life.pid.into()),
         ]));
         plan.mark("prepared_report");
+        if machine.write_ahead_pages() > 0 {
+            // Before the siblings' guests run, not beside them (`write_set::WriteAhead`).
+            machine.copy_write_set_here();
+            plan.mark("write_set_copied");
+        }
         let waited_from = monotonic_ns();
         wait_for_start_gate(gate, *timeout, stop);
         start_wait_ns = monotonic_ns() - waited_from;
@@ -810,6 +817,10 @@ impl<M: ChildMachine> ChildMachine for Arc<M> {
         M::write_ahead_pages(self)
     }
 
+    fn copy_write_set_here(&self) {
+        M::copy_write_set_here(self)
+    }
+
     fn finish_write_ahead(&self) -> (u64, i64) {
         M::finish_write_ahead(self)
     }
@@ -863,6 +874,10 @@ impl ChildMachine for crate::machine::NativeMachine {
 
     fn write_ahead_pages(&self) -> u64 {
         crate::machine::NativeMachine::write_ahead_pages(self)
+    }
+
+    fn copy_write_set_here(&self) {
+        crate::machine::NativeMachine::copy_write_set_here(self)
     }
 
     fn finish_write_ahead(&self) -> (u64, i64) {

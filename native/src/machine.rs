@@ -690,6 +690,12 @@ impl NativeMachine {
         self.write_ahead.planned()
     }
 
+    /// Copy the write set now, on this thread, unless its copy has begun: for a
+    /// machine still parked (`WriteAhead::copy_here`).
+    pub fn copy_write_set_here(&self) {
+        self.write_ahead.copy_here();
+    }
+
     /// Wait for the copy of the write set to end: the pages copied, and the CPU time
     /// (ns) it took.
     pub fn finish_write_ahead(&self) -> (u64, i64) {
