@@ -554,16 +554,16 @@ fn run<M: ChildMachine>(
     plan.mark("vcpu_start");
     let mut start_wait_ns = 0;
     if let Some((gate, timeout)) = &plan.start_gate {
+        if machine.write_ahead_pages() > 0 {
+            // Before the batch's guests run, not beside them (`write_set::WriteAhead`).
+            machine.copy_write_set_here();
+            plan.mark("write_set_copied");
+        }
         life.report(object(vec![
             ("state", "prepared".into()),
             ("pid", life.pid.into()),
         ]));
         plan.mark("prepared_report");
-        if machine.write_ahead_pages() > 0 {
-            // Before the siblings' guests run, not beside them (`write_set::WriteAhead`).
-            machine.copy_write_set_here();
-            plan.mark("write_set_copied");
-        }
         let waited_from = monotonic_ns();
         wait_for_start_gate(gate, *timeout, stop);
         start_wait_ns = monotonic_ns() - waited_from;

@@ -392,7 +392,7 @@ pub struct NativeMachine {
     kept: Mutex<Kept>,
     /// Guest RAM's regions: (guest address, size, host address).
     regions: Vec<(u64, u64, u64)>,
-    /// The copy of the snapshot's write set, begun with the guest.
+    /// The copy of the snapshot's write set: at the start gate, or beside the guest.
     write_ahead: write_set::WriteAhead,
     pagemap: Option<OwnedFd>,
 }

@@ -290,23 +290,24 @@ enum Ahead {
     Done(i64),
 }
 
-/// The copy of a snapshot's write set in one child: where a batch's child waits at its
-/// start gate, there (`copy_here`); a lone child's, on a thread of its own begun with
+/// The copy of a snapshot's write set in one child: a batch's child makes it before it
+/// reports itself prepared, its vCPU parked (`copy_here`), so the start gate opens on
+/// copies all made; a lone child, which has no gate, on a thread of its own begun with
 /// its guest (`begin`).
 ///
 /// `MADV_POPULATE_WRITE` takes the same page-table locks a guest's fault does, so the
 /// copy is safe while vCPUs run: a page the guest met first is already its own and
 /// costs the call nothing, and a page the call copied first has its read-only stage-2
 /// mapping invalidated by KVM's MMU notifier, so the guest's next touch maps the copy.
-/// Which of the two places wins was measured in the emulated test host (one CPU):
-/// a lone child's copy beside its guest keeps it off the way to `restored` and the
-/// guest still meets nearly every page copied (ready 283 ms against 325 copying
-/// before the vCPU runs, exits 1,632 against 1,851); for 40 children at once, 40
-/// threads copying beside 40 guests cost ready 14.3 s against 10.6 for copies made
-/// before the guests run (no faster to `restored` either, 2.44 against 2.32 s), so a
-/// batch's child copies while it waits for its siblings. A kernel without the advice
-/// (before 5.14) gets the copy in place instead, by writing back one byte a page: that
-/// races a running guest's writes, so it is done at once, before any vCPU exists.
+/// Measured in the emulated test host, one CPU (docs/design-notes.md, "Where a child
+/// copies its write set"): a lone guest still meets nearly every page after the thread
+/// copied it, and `restored` no longer pays for the copy; but forty threads copying
+/// beside forty running guests made ready a third later than copies made before the
+/// guests ran, and copies made after the `prepared` report, while the gate may already
+/// be open, let the first guests run beside the last copies (100 children: restored
+/// 5.96 s against 3.80 with no copy). A kernel without the advice (before 5.14) gets
+/// the copy in place instead, by writing back one byte a page: that races a running
+/// guest's writes, so it is done at once, before any vCPU exists.
 pub struct WriteAhead {
     ahead: std::sync::Mutex<Ahead>,
     /// Pages of the set (what the copy is to make).
@@ -394,7 +395,7 @@ impl WriteAhead {
     /// Copy the set now, on this thread, unless its copy has begun (then `begin` does
     /// nothing). For a machine whose vCPUs are parked, so that no stage-2 mapping is
     /// invalidated under a running guest and no thread competes with it: the child of
-    /// a batch, waiting at its start gate.
+    /// a batch, before it reports itself prepared.
     pub fn copy_here(&self) {
         let mut ahead = lock(&self.ahead);
         let Ahead::Pending(runs) = &mut *ahead else {

@@ -180,7 +180,7 @@ def test_a_jailed_native_child_records_its_jails_and_machines_steps(
         marks = json.loads(record.read_text())["marks"]
         names = [m["phase"] for m in marks]
         # The copy of its snapshot's write set (write_set.rs WriteAhead): a child of a
-        # batch makes it while it waits at its start gate, its vCPU parked; a kernel
+        # batch makes it before it reports itself prepared, its vCPU parked; a kernel
         # before 5.14 makes it at the restore, in place, instead.
         status = child.read_status()
         release = tuple(int(part) for part in platform.release().split(".")[:2])
@@ -188,8 +188,8 @@ def test_a_jailed_native_child_records_its_jails_and_machines_steps(
         copied = ["machine_write_set"] if in_place else []
         at_gate = ["write_set_copied"] if status["prefaulted_pages"] and not in_place else []
         assert status["prefaulted_pages"] == status["write_ahead_pages"], status
-        assert names[names.index("prepared_report"):names.index("start_gate") + 1] == [
-            "prepared_report", *at_gate, "start_gate"], names
+        assert names[names.index("vcpu_start"):names.index("start_gate") + 1] == [
+            "vcpu_start", *at_gate, "prepared_report", "start_gate"], names
         # A child of a batch joins the batch's jail base: no pivot, no old root of its
         # own to detach (runtime/jail.py, step 2).
         assert names[names.index("set_up"):names.index("machine") + 1] == [
