@@ -554,8 +554,27 @@ mod tests {
         assert_eq!(kept.iter().map(|r| r.1).sum::<u64>(), max_bytes(64 * MIB));
     }
 
-    /// A private mapping of a file, as a child's RAM is.
-    fn private_mapping(pages: u64) -> (File, usize) {
+    /// A private mapping of a file, as a child's RAM is; unmapped when dropped.
+    struct Mapping {
+        addr: usize,
+        len: usize,
+    }
+
+    impl Mapping {
+        /// The mapping as guest RAM's one region, at guest address `gpa`.
+        fn region(&self, gpa: u64) -> [(u64, u64, u64); 1] {
+            [(gpa, self.len as u64, self.addr as u64)]
+        }
+    }
+
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            // SAFETY: the test's own mapping; each test drops its copies first.
+            unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        }
+    }
+
+    fn private_mapping(pages: u64) -> Mapping {
         let dir = tempdir();
         let path = dir.join("memory");
         let mut file = File::create(&path).unwrap();
@@ -565,11 +584,12 @@ mod tests {
         }
         let file = File::open(&path).unwrap();
         std::fs::remove_dir_all(dir).unwrap();
+        let len = (pages * PAGE_SIZE) as usize;
         // SAFETY: a new private mapping of the file, ours alone.
         let addr = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                (pages * PAGE_SIZE) as usize,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE,
                 file.as_raw_fd(),
@@ -577,19 +597,22 @@ mod tests {
             )
         };
         assert_ne!(addr, libc::MAP_FAILED);
-        (file, addr as usize)
+        Mapping {
+            addr: addr as usize,
+            len,
+        }
     }
 
     #[test]
     fn populated_pages_become_the_process_own_copies_unchanged_and_are_read_back() {
         let pages = 16;
-        let (_file, addr) = private_mapping(pages);
-        let regions = [(0x20_0000, pages * PAGE_SIZE, addr as u64)];
+        let ram = private_mapping(pages);
+        let regions = ram.region(0x20_0000);
         let runs = [
             (0x20_0000 + PAGE_SIZE, 2 * PAGE_SIZE),
             (0x20_0000 + 9 * PAGE_SIZE, PAGE_SIZE),
         ];
-        // SAFETY: the test's own mapping, unmapped after the copy is dropped.
+        // SAFETY: the test's own mapping, unmapped after the copy is dropped (`Mapping`).
         let ahead = unsafe { WriteAhead::new(&regions, &runs) };
         assert_eq!(ahead.planned(), 3);
         ahead.begin();
@@ -597,21 +620,18 @@ mod tests {
         assert_eq!(ahead.finish().0, 3);
         for page in 0..pages {
             // SAFETY: a byte of the mapping above.
-            let byte = unsafe { *((addr + (page * PAGE_SIZE) as usize) as *const u8) };
+            let byte = unsafe { *((ram.addr + (page * PAGE_SIZE) as usize) as *const u8) };
             assert_eq!(byte, page as u8 + 1, "page {page} changed");
         }
         let pagemap = File::open("/proc/self/pagemap").unwrap();
         assert_eq!(written_runs(pagemap.as_raw_fd(), &regions).unwrap(), runs);
-        drop(ahead);
-        // SAFETY: the test's mapping, unused from here.
-        unsafe { libc::munmap(addr as *mut libc::c_void, (pages * PAGE_SIZE) as usize) };
     }
 
     #[test]
     fn the_copy_waits_for_begin_and_a_cancelled_one_copies_nothing_more() {
         let pages = 8;
-        let (_file, addr) = private_mapping(pages);
-        let regions = [(0, pages * PAGE_SIZE, addr as u64)];
+        let ram = private_mapping(pages);
+        let regions = ram.region(0);
         let pagemap = File::open("/proc/self/pagemap").unwrap();
         // SAFETY: the test's own mapping, unmapped after the copies are dropped.
         let ahead = unsafe { WriteAhead::new(&regions, &[(0, 4 * PAGE_SIZE)]) };
@@ -631,16 +651,14 @@ mod tests {
             written_runs(pagemap.as_raw_fd(), &regions).unwrap(),
             [(0, PAGE_SIZE), (4 * PAGE_SIZE, PAGE_SIZE)]
         );
-        // SAFETY: the test's mapping, unused from here.
-        unsafe { libc::munmap(addr as *mut libc::c_void, (pages * PAGE_SIZE) as usize) };
     }
 
     #[test]
     fn a_copy_made_here_is_done_when_it_returns_and_begins_no_thread() {
         let pages = 4;
-        let (_file, addr) = private_mapping(pages);
-        let regions = [(0, pages * PAGE_SIZE, addr as u64)];
-        // SAFETY: the test's own mapping, unmapped after the copy is dropped.
+        let ram = private_mapping(pages);
+        let regions = ram.region(0);
+        // SAFETY: the test's own mapping, unmapped after the copy is dropped (`Mapping`).
         let ahead = unsafe { WriteAhead::new(&regions, &[(PAGE_SIZE, 3 * PAGE_SIZE)]) };
         ahead.copy_here();
         assert_eq!(ahead.copied(), 3);
@@ -651,23 +669,17 @@ mod tests {
             written_runs(pagemap.as_raw_fd(), &regions).unwrap(),
             [(PAGE_SIZE, 3 * PAGE_SIZE)]
         );
-        drop(ahead);
-        // SAFETY: the test's mapping, unused from here.
-        unsafe { libc::munmap(addr as *mut libc::c_void, (pages * PAGE_SIZE) as usize) };
     }
 
     #[test]
     fn a_run_outside_the_regions_ends_the_set() {
-        let (_file, addr) = private_mapping(2);
-        let regions = [(0, 2 * PAGE_SIZE, addr as u64)];
-        // SAFETY: the test's own mapping, unmapped after the copy is dropped.
+        let ram = private_mapping(2);
+        let regions = ram.region(0);
+        // SAFETY: the test's own mapping, unmapped after the copy is dropped (`Mapping`).
         let ahead =
             unsafe { WriteAhead::new(&regions, &[(0, PAGE_SIZE), (PAGE_SIZE, 2 * PAGE_SIZE)]) };
         assert_eq!(ahead.planned(), 1);
         ahead.begin();
         assert_eq!(ahead.finish().0, 1);
-        drop(ahead);
-        // SAFETY: the test's mapping, unused from here.
-        unsafe { libc::munmap(addr as *mut libc::c_void, (2 * PAGE_SIZE) as usize) };
     }
 }
