@@ -282,7 +282,7 @@ unsafe fn copy_runs(runs: &[(usize, usize)], copied: &AtomicU64, cancel: &Atomic
 const CHUNK_BYTES: usize = 256 * PAGE_SIZE as usize;
 
 enum Ahead {
-    /// Runs not copied yet: the copy starts with the guest (`begin`).
+    /// Runs not copied yet (`begin` or `copy_here` takes them).
     Pending(Vec<(usize, usize)>),
     /// Copying on its thread, which returns its CPU time (ns).
     Copying(std::thread::JoinHandle<i64>),
@@ -296,9 +296,10 @@ enum Ahead {
 /// its guest (`begin`).
 ///
 /// `MADV_POPULATE_WRITE` takes the same page-table locks a guest's fault does, so the
-/// copy is safe while vCPUs run: a page the guest met first is already its own and
-/// costs the call nothing, and a page the call copied first has its read-only stage-2
-/// mapping invalidated by KVM's MMU notifier, so the guest's next touch maps the copy.
+/// copy is safe while vCPUs run: a page the guest wrote first is already its own and
+/// costs the call nothing, and a page it has only read loses its read-only stage-2
+/// mapping to KVM's MMU notifier when the call copies it, so the guest's next touch
+/// maps the copy.
 /// Measured in the emulated test host, one CPU (docs/design-notes.md, "Where a child
 /// copies its write set"): a lone guest still meets nearly every page after the thread
 /// copied it, and `restored` no longer pays for the copy; but forty threads copying
