@@ -186,10 +186,10 @@ def test_a_jailed_native_child_records_its_jails_and_machines_steps(
         release = tuple(int(part) for part in platform.release().split(".")[:2])
         in_place = release < (5, 14) and status["prefaulted_pages"]
         copied = ["machine_write_set"] if in_place else []
-        at_gate = ["write_set_copied"] if status["prefaulted_pages"] and not in_place else []
+        before_prepared = ["write_set_copied"] if status["prefaulted_pages"] and not in_place else []
         assert status["prefaulted_pages"] == status["write_ahead_pages"], status
         assert names[names.index("vcpu_start"):names.index("start_gate") + 1] == [
-            "vcpu_start", *at_gate, "prepared_report", "start_gate"], names
+            "vcpu_start", *before_prepared, "prepared_report", "start_gate"], names
         # A child of a batch joins the batch's jail base: no pivot, no old root of its
         # own to detach (runtime/jail.py, step 2).
         assert names[names.index("set_up"):names.index("machine") + 1] == [
