@@ -47,6 +47,7 @@ use crate::control_serve::{
 use crate::spawn_profile::SpawnProfile;
 use crate::transport::NativeTransport;
 use crate::vcpu::VcpuControl;
+use crate::write_set::WriteAhead;
 
 /// `vmmchild.EXIT_GUEST_DIED`: the guest panicked, faulted or never answered.
 pub const EXIT_GUEST_DIED: i32 = 3;
@@ -82,15 +83,9 @@ pub trait ChildMachine {
     fn counters(&self) -> Arc<dyn MachineCounters>;
     /// Stop the vCPUs (the process is about to exit).
     fn stop(&self);
-    /// The pages of its snapshot's write set it copies (`write_set.rs`).
-    fn write_ahead_pages(&self) -> u64 {
-        0
-    }
-    /// Copy its write set now, on this thread, while its vCPUs are parked.
-    fn copy_write_set_here(&self) {}
-    /// Wait for the copy of its write set to end: the pages copied and its CPU (ns).
-    fn finish_write_ahead(&self) -> (u64, i64) {
-        (0, 0)
+    /// The copy of its snapshot's write set (`write_set.rs`), if it makes one.
+    fn write_ahead(&self) -> Option<&WriteAhead> {
+        None
     }
     /// Save the guest pages written so far as `path`, a write set; the pages saved.
     fn save_write_set(&self, _path: &Path) -> Result<u64, String> {
@@ -554,9 +549,9 @@ fn run<M: ChildMachine>(
     plan.mark("vcpu_start");
     let mut start_wait_ns = 0;
     if let Some((gate, timeout)) = &plan.start_gate {
-        if machine.write_ahead_pages() > 0 {
-            // Before the batch's guests run, not beside them (`write_set::WriteAhead`).
-            machine.copy_write_set_here();
+        if let Some(copy) = machine.write_ahead().filter(|copy| copy.planned() > 0) {
+            // Before the batch's guests run, not beside them (`WriteAhead`).
+            copy.copy_here();
             plan.mark("write_set_copied");
         }
         life.report(object(vec![
@@ -575,7 +570,8 @@ fn run<M: ChildMachine>(
         plan.mark("resumed");
     }
     let mut timings = life.timings(start_wait_ns);
-    timings.push(("write_ahead_pages", machine.write_ahead_pages().into()));
+    let planned = machine.write_ahead().map_or(0, WriteAhead::planned);
+    timings.push(("write_ahead_pages", planned.into()));
     let mut restored = object(vec![("state", "restored".into())]);
     restored.extend(timings.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
     life.report(restored);
@@ -694,7 +690,7 @@ fn serve<M: ChildMachine>(
         seconds(monotonic_ns() - life.forked.entry_ns),
     );
     ready.insert("agent_ready".into(), agent_ready.into());
-    let (copied, copy_ns) = machine.finish_write_ahead();
+    let (copied, copy_ns) = machine.write_ahead().map_or((0, 0), WriteAhead::finish);
     ready.insert("prefaulted_pages".into(), copied.into());
     ready.insert("write_ahead_cpu_s".into(), seconds(copy_ns));
     if let Some(path) = &plan.learn_write_set {
@@ -813,16 +809,8 @@ impl<M: ChildMachine> ChildMachine for Arc<M> {
         M::stop(self)
     }
 
-    fn write_ahead_pages(&self) -> u64 {
-        M::write_ahead_pages(self)
-    }
-
-    fn copy_write_set_here(&self) {
-        M::copy_write_set_here(self)
-    }
-
-    fn finish_write_ahead(&self) -> (u64, i64) {
-        M::finish_write_ahead(self)
+    fn write_ahead(&self) -> Option<&WriteAhead> {
+        M::write_ahead(self)
     }
 
     fn save_write_set(&self, path: &Path) -> Result<u64, String> {
@@ -872,16 +860,8 @@ impl ChildMachine for crate::machine::NativeMachine {
         crate::machine::NativeMachine::stop(self)
     }
 
-    fn write_ahead_pages(&self) -> u64 {
-        crate::machine::NativeMachine::write_ahead_pages(self)
-    }
-
-    fn copy_write_set_here(&self) {
-        crate::machine::NativeMachine::copy_write_set_here(self)
-    }
-
-    fn finish_write_ahead(&self) -> (u64, i64) {
-        crate::machine::NativeMachine::finish_write_ahead(self)
+    fn write_ahead(&self) -> Option<&WriteAhead> {
+        Some(crate::machine::NativeMachine::write_ahead(self))
     }
 
     fn save_write_set(&self, path: &Path) -> Result<u64, String> {

@@ -685,21 +685,10 @@ impl NativeMachine {
         &self.regions
     }
 
-    /// The pages of the snapshot's write set this machine copies.
-    pub fn write_ahead_pages(&self) -> u64 {
-        self.write_ahead.planned()
-    }
-
-    /// Copy the write set now, on this thread, unless its copy has begun: for a
-    /// machine still parked (`WriteAhead::copy_here`).
-    pub fn copy_write_set_here(&self) {
-        self.write_ahead.copy_here();
-    }
-
-    /// Wait for the copy of the write set to end: the pages copied, and the CPU time
-    /// (ns) it took.
-    pub fn finish_write_ahead(&self) -> (u64, i64) {
-        self.write_ahead.finish()
+    /// The copy of the snapshot's write set: made at a batch's start gate
+    /// (`WriteAhead::copy_here`), else begun with the guest.
+    pub fn write_ahead(&self) -> &write_set::WriteAhead {
+        &self.write_ahead
     }
 
     /// Write the guest pages this process holds copies of, its write set so far
