@@ -939,11 +939,19 @@ def render_breakdown(runs_by_n: dict[int, list[dict[str, Any]]], ns: list[int]) 
     return md
 
 
+def runs_at(args: argparse.Namespace, n: int) -> int:
+    """How many runs each peer makes at ``n``: ``--reps``, and at N = 1 at least
+    ``--lone-reps``."""
+    return max(args.reps, args.lone_reps) if n == 1 else args.reps
+
+
 def render(args: argparse.Namespace, results: dict[str, dict[int, list[dict[str, Any]]]],
            skipped: dict[str, dict[int, str]], setup: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     ns: list[int] = args.n
     md = [(f"# Spawn: N VMs of one warm guest ({args.mem_mib} MiB, 1 vCPU, warm-up "
-          f"`{args.warm}`; median of {args.reps} run(s) per N)"), "",
+          f"`{args.warm}`; median of {args.reps} run(s) per N"
+          + (f", {runs_at(args, 1)} at N = 1" if 1 in ns and runs_at(args, 1) != args.reps
+             else "") + ")"), "",
           f"Measured in: {where()}.", ""]
     if not setup["vsock"]:
         md += [("No `/dev/vhost-vsock`: QEMU cold boot is timed to the agent's `ready` console "
@@ -1507,6 +1515,10 @@ def parse_args() -> argparse.Namespace:
                         default=[1, 10, 100], help="comma-separated N values (default 1,10,100)")
     parser.add_argument("--quick", action="store_true", help="N = 1,10 (for iterating)")
     parser.add_argument("--reps", type=int, default=1, help="runs per N and peer")
+    parser.add_argument("--lone-reps", type=int, default=5,
+                        help="runs per peer at N = 1, at least --reps: one spawn is one "
+                        "sample, and a lone spawn's spread on a shared host is as large as "
+                        "the differences between peers (default 5)")
     parser.add_argument("--peers", type=lambda s: s.split(","), default=list(PEERS),
                         help=f"comma-separated subset of {','.join(PEERS)}")
     parser.add_argument("--mem-mib", type=int, default=256)
@@ -1707,8 +1719,10 @@ def main() -> int:
 
         partial = RESULTS / "spawn.partial.json"
         RESULTS.mkdir(exist_ok=True)
-        for rep in range(args.reps):
+        for rep in range(max(runs_at(args, n) for n in args.n)):
             for n in args.n:
+                if rep >= runs_at(args, n):
+                    continue
                 # Interleaved per N, so drift on a shared machine hits every peer alike;
                 # the two vmfork peers swap places every other run.
                 for name in alternated(args.peers, rep):
@@ -1719,7 +1733,7 @@ def main() -> int:
                         skipped[name][n] = why
                         log(f"{name} N={n}: skipped: {why}")
                         continue
-                    log(f"{name} N={n} (run {rep + 1}/{args.reps})")
+                    log(f"{name} N={n} (run {rep + 1}/{runs_at(args, n)})")
                     timeout = max(args.timeout, args.timeout_per_vm * n)
                     try:
                         if name in VMFORK_PEERS:
@@ -1758,7 +1772,8 @@ def main() -> int:
         markdown, derived = render(args, results, skipped, setup)
         partial.unlink(missing_ok=True)
         write_results("spawn", {
-            "n": args.n, "reps": args.reps, "mem_mib": args.mem_mib, "warm": args.warm,
+            "n": args.n, "reps": args.reps, "lone_reps": runs_at(args, 1),
+            "mem_mib": args.mem_mib, "warm": args.warm,
             "setup": setup, "results": {p: {str(n): runs for n, runs in by_n.items()}
                                         for p, by_n in results.items()},
             "summaries": {p: {str(n): {k: summary([float(r[k]) for r in runs])

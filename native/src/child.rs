@@ -395,23 +395,27 @@ impl SetUp {
             })?;
             dup_onto(log, &[1, 2]).map_err(|e| text("dup2 the log", e))?;
         }
-        let mut first = 3u32;
-        let mut keep: Vec<u32> = self
-            .keep
-            .iter()
-            .filter(|&&fd| fd >= 3)
-            .map(|&fd| fd as u32)
-            .collect();
-        keep.sort_unstable();
-        for fd in keep {
-            if fd > first {
-                close_range(first, fd - 1);
-            }
-            first = first.max(fd + 1);
-        }
-        close_from(first);
+        close_all_but(&self.keep);
         Ok(true)
     }
+}
+
+/// Close every descriptor from 3 up but those of `keep`.
+pub(crate) fn close_all_but(keep: &[RawFd]) {
+    let mut first = 3u32;
+    let mut keep: Vec<u32> = keep
+        .iter()
+        .filter(|&&fd| fd >= 3)
+        .map(|&fd| fd as u32)
+        .collect();
+    keep.sort_unstable();
+    for fd in keep {
+        if fd > first {
+            close_range(first, fd - 1);
+        }
+        first = first.max(fd + 1);
+    }
+    close_from(first);
 }
 
 /// Duplicate `fd` onto each of `targets` (inheritable, as stdio is), then close it.
@@ -1385,6 +1389,26 @@ fn arg_cstring(s: &str) -> Result<CString, String> {
 
 fn cstr_arg(s: &str) -> PyResult<CString> {
     arg_cstring(s).map_err(PyValueError::new_err)
+}
+
+impl ChildPlanArgs {
+    /// The descriptors these arguments name by number (the zygote's, open while the
+    /// batch is forked): what a forker's spare is sent at its activation
+    /// (`forker_spare.rs`), since it was forked before the zygote opened some of them.
+    pub fn descriptors(&self) -> Vec<RawFd> {
+        let mut fds: Vec<RawFd> = Vec::new();
+        if let Some((_, Some(zygote_pidfd), _, _, _)) = &self.set_up {
+            fds.push(*zygote_pidfd);
+        }
+        if let Some((root, _, _)) = &self.host_root {
+            fds.push(*root);
+        }
+        fds.extend(self.held_netns);
+        if let Some((ns, root, _)) = &self.base {
+            fds.extend([*ns, *root]);
+        }
+        fds
+    }
 }
 
 impl ChildPlan {

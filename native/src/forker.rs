@@ -44,6 +44,7 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 
 use crate::child::{one_thread, ChildPlan, ChildPlanArgs};
+use crate::forker_spare::Spares;
 use crate::machine_plan::{kept_plan, ForChildArgs, SnapshotMachinePlan};
 use crate::native_fork::{
     fork_batch, handover_names, BatchStop, ChildLife, ChildLifeArgs, ForkPlan, ForkedMachine, Held,
@@ -83,6 +84,17 @@ enum MachineRecipe {
 #[serde(deny_unknown_fields)]
 struct Batch {
     children: Vec<Recipe>,
+}
+
+impl Recipe {
+    /// The zygote's descriptors the child uses by number.
+    fn descriptors(&self) -> Vec<RawFd> {
+        let mut fds = self.plan.descriptors();
+        fds.extend(self.own_pid_namespace);
+        fds.sort_unstable();
+        fds.dedup();
+        fds
+    }
 }
 
 fn hex_bytes(text: &str) -> Result<Vec<u8>, String> {
@@ -140,8 +152,12 @@ fn clone_with(flags: libc::c_int) -> std::io::Result<i32> {
 }
 
 /// `clone(CLONE_PARENT)`: a child of this process's parent (the zygote).
+pub(crate) fn clone_parent_raw() -> std::io::Result<i32> {
+    clone_with(libc::CLONE_PARENT)
+}
+
 fn clone_parent() -> Result<i32, BatchStop> {
-    clone_with(libc::CLONE_PARENT).map_err(|err| {
+    clone_parent_raw().map_err(|err| {
         BatchStop::Os(
             err.raw_os_error().unwrap_or(0),
             format!("clone(CLONE_PARENT): {err}"),
@@ -157,16 +173,24 @@ fn json_text(out: &mut String, text: &str) {
 /// A batch: its children built (every one, before the first fork: a batch that cannot
 /// be built forks none) and forked; returns what to tell the zygote: a line per pid
 /// forked, then the end line.
-fn serve_batch(py: Python<'_>, body: &[u8]) -> String {
+fn serve_batch(py: Python<'_>, body: &[u8], spares: &mut Spares) -> String {
     let batch: Batch = match serde_json::from_slice(body) {
         Ok(batch) => batch,
         Err(err) => return end_line(Some(&format!("the batch record: {err}")), None),
     };
+    let descriptors: Vec<Vec<RawFd>> = batch.children.iter().map(Recipe::descriptors).collect();
     let mut plans = Vec::with_capacity(batch.children.len());
     for (index, recipe) in batch.children.into_iter().enumerate() {
         match fork_plan(py, recipe) {
             Ok(plan) => plans.push(plan),
             Err(err) => return end_line(Some(&format!("child {index}: {err}")), None),
+        }
+    }
+    // A lone child goes to the spare of its kind, if there is one (`forker_spare.rs`);
+    // the plan built here only checked that the recipe builds.
+    if let [plan] = &plans[..] {
+        if let Some(pid) = spares.give(plan, body, &descriptors[0]) {
+            return format!("{{\"pid\": {pid}}}\n") + &end_line(None, None);
         }
     }
     let refs: Vec<&ForkPlan> = plans.iter().collect();
@@ -201,8 +225,19 @@ fn end_line(error: Option<&str>, errno: Option<i32>) -> String {
     out
 }
 
+/// The child of a batch record of one child, built: a spare's (`forker_spare.rs`).
+pub(crate) fn lone_plan(py: Python<'_>, body: &[u8]) -> Result<ForkPlan, String> {
+    let batch: Batch =
+        serde_json::from_slice(body).map_err(|err| format!("the batch record: {err}"))?;
+    let mut children = batch.children.into_iter();
+    match (children.next(), children.next()) {
+        (Some(recipe), None) => fork_plan(py, recipe),
+        _ => Err("a spare's batch is one child".into()),
+    }
+}
+
 /// The forker's life: batches read from `channel` until it ends; never returns.
-fn forker_main(channel: RawFd, zygote: libc::pid_t) -> ! {
+fn forker_main(channel: RawFd, zygote: libc::pid_t, mut spares: Spares) -> ! {
     // SAFETY: plain libc calls on a signal set of our own; this process has one
     // thread. Every signal blocked: the zygote's Python handlers write into the
     // zygote's wakeup socket (the descriptor table is shared), and none may run here.
@@ -224,6 +259,7 @@ fn forker_main(channel: RawFd, zygote: libc::pid_t) -> ! {
     // (the snapshot plans, by `kept_plan`).
     let py = unsafe { Python::assume_attached() };
     loop {
+        spares.wait_for(channel, py);
         let mut length = [0u8; 4];
         if stream.read_exact(&mut length).is_err() {
             // SAFETY: _exit ends the process without unwinding: the channel ended.
@@ -242,9 +278,12 @@ fn forker_main(channel: RawFd, zygote: libc::pid_t) -> ! {
                 // SAFETY: as above.
                 unsafe { libc::_exit(0) };
             }
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve_batch(py, &body)))
-                .unwrap_or_else(|_| end_line(Some("the forker panicked serving the batch"), None))
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                serve_batch(py, &body, &mut spares)
+            }))
+            .unwrap_or_else(|_| end_line(Some("the forker panicked serving the batch"), None))
         };
+        spares.batch_served();
         if stream.write_all(line.as_bytes()).is_err() {
             // SAFETY: as above.
             unsafe { libc::_exit(0) };
@@ -252,13 +291,16 @@ fn forker_main(channel: RawFd, zygote: libc::pid_t) -> ! {
     }
 }
 
-/// `_core.start_forker(channel)`: clone this process (a zygote, one thread, after its
-/// prefork) into a forker that reads batches from `channel` (one end of a socket pair
-/// the caller keeps open, and never closes while the forker lives: the two share
-/// their descriptor table). Returns the forker's pid; `RuntimeError` if this process
-/// has another thread, `OSError` if the clone fails.
+/// `_core.start_forker(channel, spare_quiet_ms=None)`: clone this process (a zygote,
+/// one thread, after its prefork) into a forker that reads batches from `channel` (one
+/// end of a socket pair the caller keeps open, and never closes while the forker
+/// lives: the two share their descriptor table). `spare_quiet_ms`: after a lone batch,
+/// how long the channel stays quiet before the forker forks a spare for the next
+/// (`forker_spare.rs`); None: no spares. Returns the forker's pid; `RuntimeError` if
+/// this process has another thread, `OSError` if the clone fails.
 #[pyfunction]
-pub fn start_forker(py: Python<'_>, channel: RawFd) -> PyResult<i32> {
+#[pyo3(signature = (channel, spare_quiet_ms=None))]
+pub fn start_forker(py: Python<'_>, channel: RawFd, spare_quiet_ms: Option<u64>) -> PyResult<i32> {
     one_thread("start_forker").map_err(PyRuntimeError::new_err)?;
     py.check_signals()?;
     // SAFETY: getpid takes nothing.
@@ -272,7 +314,8 @@ pub fn start_forker(py: Python<'_>, channel: RawFd) -> PyResult<i32> {
         ))
     })?;
     if pid == 0 {
-        forker_main(channel, zygote);
+        let spares = Spares::new(spare_quiet_ms.map(std::time::Duration::from_millis));
+        forker_main(channel, zygote, spares);
     }
     Ok(pid)
 }

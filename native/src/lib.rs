@@ -26,6 +26,7 @@ mod console;
 mod control_serve;
 mod eventloop;
 mod forker;
+mod forker_spare;
 mod guest_ram;
 mod log_budget;
 mod machine;

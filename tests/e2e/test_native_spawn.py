@@ -29,11 +29,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.forker_support import spare_of
 from vmfork.agent.client import AgentClient, AgentUnavailable, vsock_uds_connector
 from vmfork.agent.protocol import AGENT_PORT
 from vmfork.image import find_image
 from vmfork.ondisk.stateformat import read_state_file
-from vmfork.runtime import control, spawnprofile, vmmchild
+from vmfork.runtime import cgroups, control, spawnprofile, vmmchild
 from vmfork.runtime.parent import boot_and_capture, parent_meta, snapshot_parent
 from vmfork.runtime.spawn import Child, fork_children
 from vmfork.runtime.volumes import DEFAULT_FREE_SLOTS, PreparedVolume, parse_volume, prepare
@@ -292,3 +293,39 @@ def test_a_native_child_reopens_the_read_write_volume_its_snapshot_holds(
     report = fork_children(zygote.client(), snapshot, 1, tmp_path_factory.mktemp("vms"))
     [(_, reason)] = report.failed
     assert "read-write volume" in reason and "needs its file" in reason, reason
+
+
+def test_a_lone_spawn_is_the_forkers_spare(zygote: ZygoteProcess, warm: Snapshot,
+                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """After a lone spawn, once its channel was quiet, the forker forks a spare of the
+    jailed children's kind: the first process of a PID namespace of its own. The next
+    lone spawn is that process, sent the zygote's descriptors its recipe names (its
+    jail base's among them): it joins its cgroup and jail, restores, becomes ready and
+    runs code, as a child forked then would. (Its spawn asks a memory limit: a group
+    of its own, which it joins by path.)"""
+    client = zygote.client()
+    run_root = tmp_path_factory.mktemp("vms")
+    first = _spawn_one(zygote, warm, run_root, ())
+    try:
+        spare = spare_of(zygote)
+        limited = cgroups.detect() is not None
+        report = fork_children(client, warm, 1, run_root,
+                               memory_limit_mib=512 if limited else None)
+        assert not report.failed, report.failed
+        second = report.children[0]
+        try:
+            assert second.pid == spare
+            status = second.read_status()
+            assert (status["state"], status["child"]) == ("ready", "native"), status
+            assert second.agent.eval("marker").value == repr("from the parent")
+            with control.ControlClient.connect(second.run_dir / "control.sock") as ctl:
+                assert ctl.call(control.Status()).jailed
+            nspid = next(line for line in Path(f"/proc/{spare}/status").read_text().splitlines()
+                         if line.startswith("NSpid:")).split()[1:]
+            assert len(nspid) == 2 and nspid[-1] == "1", nspid
+            cgroup = Path(f"/proc/{spare}/cgroup").read_text()
+            assert not limited or f"/{second.vm_id}\n" in cgroup, cgroup   # its limit's group
+        finally:
+            client.kill_and_wait(second.vm_id)
+    finally:
+        client.kill_and_wait(first.vm_id)

@@ -395,12 +395,20 @@ def test_the_jail_request_decodes_a_snapshots_plan_and_state_once_per_file(
     monkeypatch.setattr(decoded_files, "SETTLED_S", 0.0)   # these files are new
     monkeypatch.setattr(spawn, "_state_keys", DecodedFiles(spawn._keys_in_state))
     monkeypatch.setattr(spawn, "_plan_sources", DecodedFiles(spawn._sources_in_plan))
+    listed: list[str] = []
+
+    def listing(path: str) -> tuple[str, ...]:
+        listed.append(path)
+        return spawn._files_in(path)
+
+    monkeypatch.setattr(spawn, "_snapshot_files", DecodedFiles(listing))
     snapshot = SimpleNamespace(path=snap)
     publish_plan("mid", "head")
     first = spawn._jail_request(snapshot, [])  # type: ignore[arg-type]
     again = spawn._jail_request(snapshot, [])  # type: ignore[arg-type]
     assert first == again
     assert sorted(decoded) == [PLAN_FILE, "state.bin"]
+    assert listed == [str(snap)]
     sources = [str(tmp_path / "snapshots" / "base" / "memory.bin"),
                *(str(tmp_path / "snapshots" / link / "layer.bin") for link in ("mid", "head"))]
     assert first["preopen"][-len(sources):] == sources   # after the snapshot's own files
@@ -412,6 +420,16 @@ def test_the_jail_request_decodes_a_snapshots_plan_and_state_once_per_file(
     assert sorted(decoded) == [PLAN_FILE, PLAN_FILE, "state.bin"]
     assert str(tmp_path / "snapshots" / "other" / "layer.bin") in republished["preopen"]
     assert str(tmp_path / "snapshots" / "mid" / "layer.bin") not in republished["preopen"]
+
+    # The snapshot's own files are listed once too, and again once one is added (a
+    # diff snapshot materialised): the directory's mtime moved, past the clock's tick.
+    assert str(snap / "memory.bin") not in republished["read_only"]
+    time.sleep(0.05)
+    (snap / "memory.bin").write_bytes(b"\0" * 4096)
+    materialised = spawn._jail_request(snapshot, [])  # type: ignore[arg-type]
+    assert len(listed) == 3   # the plan's republication changed the directory too
+    assert str(snap / "memory.bin") in materialised["read_only"]
+    assert str(snap / "memory.bin") in materialised["preopen"]
 
 
 def test_a_networked_jail_holds_its_tap_and_its_own_tracking_files(client: ZygoteClient,

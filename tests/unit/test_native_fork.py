@@ -407,6 +407,7 @@ def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
     env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
     env["PYTHONPATH"] = str(Path(__file__).parent)
     env.pop("VMFORK_FORKER", None)
+    env["VMFORK_FORKER_SPARE"] = "0"   # the children counted here are the forked ones
     z = start_zygote(tmp_path / "z.sock", env=env,
                      entries_modules=["test_zygote_native_entries"])
     entry = "test_zygote_native_entries:python_child"
@@ -456,6 +457,72 @@ def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
     assert z.proc.returncode == 0
 
 
+def _unknown_child(z: Any, known: set[int], timeout: float = 30.0) -> int:
+    """The one child of the zygote's besides ``known`` and its forker: a spare."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with z.client() as client:
+            forker = client.ping()["forker"]
+        others = _children_of(z.pid) - known - {forker["pid"] if forker else -1}
+        if others:
+            (spare,) = others
+            return spare
+        assert time.monotonic() < deadline, "no spare forked"
+        time.sleep(0.05)
+
+
+@needs_kvm
+def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
+    """After a lone batch, once its channel was quiet, the forker forks a spare
+    (native/src/forker_spare.rs), a child of the zygote's that it does not know yet;
+    the next lone spawn is that process: the pid the zygote is told, a native child
+    that restores, runs its prelude and hands a line over. A batch of two is forked,
+    leaving the spare waiting; retiring the forker (the zygote's shutdown) reaps it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["VMFORK_FORKER_SPARE"] = "0.2"
+    z = start_zygote(tmp_path / "z.sock", env=env,
+                     entries_modules=["test_zygote_native_entries"])
+    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))
+    entry = "test_zygote_native_entries:python_child"
+
+    def args(vm_id: str) -> dict[str, Any]:
+        return {"vm_id": vm_id, "run_dir": str(runs / vm_id)}
+
+    spare = -1
+    try:
+        with z.client() as client:
+            first = client.spawn(entry, args("vm0"), vm_id="vm0")
+            spare = _unknown_child(z, {first.pid})
+            lone = client.spawn(entry, args("vm1"), vm_id="vm1")
+            assert lone.pid == spare, "the lone spawn is the spare"
+            status = _status(runs / "vm1", "restored")
+            assert status["child"] == "native" and status["pid"] == spare
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as control:
+                control.settimeout(30)
+                control.connect(str(runs / "vm1" / "control.sock"))
+                handed = _ask(control, {"op": "snapshot", "memory_path": "m",
+                                        "state_path": "s"})
+            assert handed["profile"]["pid"] == spare
+            assert handed["profile"]["noted"] == ["vm1"], "its prelude ran, once"
+            spare = _unknown_child(z, {first.pid, lone.pid})
+            pair = client.spawn_many(entry, [SpawnItem("vm2", args("vm2")),
+                                             SpawnItem("vm3", args("vm3"))])
+            assert pair.failed == [] and spare not in {c.pid for c in pair.children}
+            for child in pair.children:
+                assert _status(runs / child.vm_id, "restored")["child"] == "native"
+            assert spare in _children_of(z.pid), "a batch of two leaves the spare waiting"
+            for vm_id in ("vm0", "vm1", "vm2", "vm3"):
+                client.kill(vm_id)
+                assert client.wait(vm_id).reason == "killed"
+    finally:
+        z.close()
+        shutil.rmtree(runs, ignore_errors=True)
+    assert z.proc.returncode == 0
+    assert not Path(f"/proc/{spare}").exists(), "the spare was reaped"
+
+
 @needs_kvm
 def test_with_no_forker_the_zygote_forks_its_native_children_itself(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
@@ -486,6 +553,7 @@ def test_a_new_forker_is_cloned_for_a_batch_like_the_one_before(tmp_path: Path) 
     env = {k: v for k, v in os.environ.items()
            if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
     env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["VMFORK_FORKER_SPARE"] = "0"
     z = start_zygote(tmp_path / "z.sock", env=env,
                      entries_modules=["test_zygote_native_entries"])
     runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))

@@ -254,9 +254,14 @@ def validate_parent(parent: str) -> str:
 
 
 def _write(path: Path, value: str, op: str) -> None:
+    # One write(2) of the whole value, as the kernel's cgroup files want, and none of
+    # the text layers open() would build for it (a child's group takes four of these).
     try:
-        with open(path, "w") as f:
-            f.write(value)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
     except OSError as err:
         raise CgroupError(f"cgroup {op}: writing {value!r} to {path} failed: "
                           f"{os.strerror(err.errno or 0)}", op=op, path=str(path),
@@ -271,9 +276,8 @@ def ensure_parent(h: MemoryHierarchy, parent: str = DEFAULT_PARENT) -> Path:
     """Create the parent group (and its ancestors); on v2 delegate memory down to it."""
     if h.version == 1:
         return _ready_parent(h.root / validate_parent(parent))
-    offered = (h.root / "cgroup.controllers").read_text().split()
-    return _ready_parent(h.root / validate_parent(parent), functools.partial(
-        _delegate, h.root, ("memory", *(c for c in _OPTIONAL_V2 if c in offered))))
+    return _ready_parent(h.root / validate_parent(parent),
+                         functools.partial(_delegate_offered, h.root))
 
 
 _ready_parents: set[Path] = set()
@@ -371,6 +375,13 @@ def _ready_parent(target: Path, prepare: Callable[[Path], None] | None = None) -
         prepare(target)
     _ready_parents.add(target)
     return target
+
+
+def _delegate_offered(root: Path, target: Path) -> None:
+    """memory, and each of ``_OPTIONAL_V2`` the hierarchy offers, delegated down to
+    ``target``: read when a parent is made ready, not at every child's group."""
+    offered = (root / "cgroup.controllers").read_text().split()
+    _delegate(root, ("memory", *(c for c in _OPTIONAL_V2 if c in offered)), target)
 
 
 def _delegate(root: Path, controllers: tuple[str, ...], target: Path) -> None:

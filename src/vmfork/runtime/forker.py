@@ -11,6 +11,13 @@ cloned with; any other batch makes the zygote clone a new one and retire the old
 
 On by default; ``VMFORK_FORKER=0`` (``wanted``) makes the zygote fork its native
 children itself.
+
+After a lone batch the forker forks a spare, the next lone child, once its channel has
+been quiet for ``SPARE_QUIET_S`` (``native/src/forker_spare.rs``): the next lone spawn
+costs no fork. A spare is the zygote's child, unknown to it until the forker tells its
+pid as a forked child's; the zygote kills and reaps the children it does not know when
+it retires a forker. ``VMFORK_FORKER_SPARE=0`` turns spares off; another number is
+the quiet time in seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +35,15 @@ from typing import Any
 FORKER_ENV = "VMFORK_FORKER"
 """``0``: the zygote forks its native children itself, with no forker."""
 
+SPARE_ENV = "VMFORK_FORKER_SPARE"
+"""``0``: no spares; a number: the quiet time before one is forked, in seconds."""
+
+SPARE_QUIET_S = 0.5
+"""How long a forker's channel stays quiet after a lone batch before it forks a spare:
+long enough that the fork does not take the CPU from the child just spawned on its way
+to ready (~0.2 s in the emulated test host), short beside the time between two spawns
+of an agent's sandbox."""
+
 MAX_REPLY_LINE = 4096
 """The longest line a forker answers (a pid, or a batch's end with its error)."""
 
@@ -36,6 +52,23 @@ def wanted() -> bool:
     """Whether the zygote's native children come from a forker: yes unless
     ``VMFORK_FORKER=0``."""
     return os.environ.get(FORKER_ENV) != "0"
+
+
+def spare_quiet_ms() -> int | None:
+    """``VMFORK_FORKER_SPARE`` as the forker takes it: milliseconds, or None for no
+    spares. Raises ``ValueError`` naming the variable for a value that is not a
+    number of seconds."""
+    value = os.environ.get(SPARE_ENV)
+    if value is None:
+        return int(SPARE_QUIET_S * 1000)
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{SPARE_ENV}={value!r}: 0 (no spares) or the seconds a "
+                         "forker waits before it forks one") from None
+    if not 0 <= seconds <= 3600:
+        raise ValueError(f"{SPARE_ENV}={value!r}: between 0 and 3600 seconds")
+    return None if seconds == 0 else max(1, int(seconds * 1000))
 
 
 class ForkerGone(RuntimeError):
@@ -57,7 +90,7 @@ class Forker:
         self.plans = frozenset(_core.kept_snapshot_plans())
         self._mine, self._its = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.pid: int = _core.start_forker(self._its.fileno())
+            self.pid: int = _core.start_forker(self._its.fileno(), spare_quiet_ms())
         except BaseException:
             self._mine.close()
             self._its.close()
@@ -119,7 +152,8 @@ class Forker:
         return line
 
     def close(self) -> None:
-        """Kill the forker and reap it; its children, the zygote's, live on."""
+        """Kill the forker and reap it; its children, the zygote's, live on (its
+        spare too, until it sees the forker gone: the zygote reaps it)."""
         if self.pidfd < 0:
             return
         try:

@@ -104,7 +104,7 @@ from typing import TYPE_CHECKING, Any
 from vmfork.image import disk_path
 from vmfork.paths import cache_dir
 from vmfork.runtime import cgroups, supervise
-from vmfork.runtime.forker import Forker, ForkerGone
+from vmfork.runtime.forker import Forker, ForkerGone, spare_quiet_ms
 from vmfork.runtime.forker import wanted as forker_wanted
 from vmfork.runtime.jail import (
     JailError,
@@ -1044,19 +1044,19 @@ class Zygote:
         return self._forker
 
     def _retire_forker(self) -> None:
-        """Kill and reap the forker. After one that failed (killed, or gone during a
-        batch), kill and reap every child of the zygote's that it does not know (a
-        child the failed forker forked and the batch did not record)."""
+        """Kill and reap the forker, then every child of the zygote's that it does not
+        know: the forker's spare (``runtime/forker.py``), and after a forker that
+        failed (killed, or gone during a batch) a child it forked that the batch did
+        not record. Between two batches every child the zygote has is recorded."""
         if self._forker is None:
             return
         failed = not self._forker.alive
         self._forker.close()
         self._forker = None
-        if not failed:
-            return
         known = {child.pid for child in self.children.values()}
         for pid in _own_children(self.pid) - known:
-            log.warning("killing child %d, forked by a forker that failed", pid)
+            if failed:
+                log.warning("killing child %d, forked by a forker that failed", pid)
             try:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
@@ -1266,6 +1266,10 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(argv)
     if opts.lease_s is not None and opts.lease_s <= 0:
         parser.error("--lease-s must be positive")
+    try:
+        spare_quiet_ms()   # read at every forker's clone: a bad value stops the start
+    except ValueError as err:
+        parser.error(str(err))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="vmfork zygote[%(process)d] %(levelname)s %(message)s")
     # Before the preloads' imports and any thread: every page after it is a small one.
