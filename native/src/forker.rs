@@ -22,6 +22,10 @@
 //! forker's image does not have (a snapshot first spawned after the clone) makes the
 //! zygote clone another forker.
 //!
+//! After a lone batch, once its channel is quiet, the forker forks the next lone child
+//! ahead, a spare, and the next lone batch is given to it instead of forked
+//! (`forker_spare.rs`).
+//!
 //! The children are cloned with `CLONE_PARENT`: the zygote is their parent, so it reaps
 //! them and holds their pidfds as it does for the children it forks itself, and a
 //! forker's exit loses none of them. Once the batch is forked the forker tells each
@@ -178,19 +182,18 @@ fn serve_batch(py: Python<'_>, body: &[u8], spares: &mut Spares) -> String {
         Ok(batch) => batch,
         Err(err) => return end_line(Some(&format!("the batch record: {err}")), None),
     };
-    let descriptors: Vec<Vec<RawFd>> = batch.children.iter().map(Recipe::descriptors).collect();
+    // A lone child goes to the spare of its kind, if there is one (`forker_spare.rs`),
+    // which builds its plan and says so; any other end forks it, as without a spare.
+    if let [child] = &batch.children[..] {
+        if let Some(pid) = spares.give(child.own_pid_namespace, body, &child.descriptors()) {
+            return format!("{{\"pid\": {pid}}}\n") + &end_line(None, None);
+        }
+    }
     let mut plans = Vec::with_capacity(batch.children.len());
     for (index, recipe) in batch.children.into_iter().enumerate() {
         match fork_plan(py, recipe) {
             Ok(plan) => plans.push(plan),
             Err(err) => return end_line(Some(&format!("child {index}: {err}")), None),
-        }
-    }
-    // A lone child goes to the spare of its kind, if there is one (`forker_spare.rs`);
-    // the plan built here only checked that the recipe builds.
-    if let [plan] = &plans[..] {
-        if let Some(pid) = spares.give(plan, body, &descriptors[0]) {
-            return format!("{{\"pid\": {pid}}}\n") + &end_line(None, None);
         }
     }
     let refs: Vec<&ForkPlan> = plans.iter().collect();

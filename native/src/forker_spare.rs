@@ -17,19 +17,20 @@
 //! How. The spare is cloned with `CLONE_PARENT`, as every child of the forker: the
 //! zygote is its parent. At its birth it closes every descriptor but stdio, its end of
 //! a socket pair and a pidfd of the forker, and waits. The next lone batch whose child
-//! is its kind goes to it: the forker checks the recipe builds (the same `fork_plan`
-//! a fork would run), then sends it the batch record with the descriptors the recipe
-//! names (`SCM_RIGHTS`: the zygote may have opened them after the spare was forked,
-//! and the spare closed its copies of the others). The spare puts each at the number
-//! the recipe says, builds the child's plan and lives the child's life, as a child
-//! forked at that moment would. The forker tells the zygote the spare's pid as a
-//! forked child's. A spare whose forker ends (the zygote retired it, or died) exits;
+//! is its kind goes to it: the forker sends it the batch record with the descriptors
+//! the recipe names (`SCM_RIGHTS`: the zygote may have opened them after the spare was
+//! forked, and the spare closed its copies of the others). The spare builds the
+//! child's plan (the same `fork_plan` a fork runs) and answers one byte: built, or
+//! not, and then the forker forks the child instead, whose build says why. Built, it
+//! puts each descriptor at the number the recipe says and lives the child's life, as
+//! a child forked at that moment would. The forker tells the zygote the spare's pid as
+//! a forked child's. A spare whose forker ends (the zygote retired it, or died) exits;
 //! the zygote reaps every child of its own it does not know when it retires a forker.
 //!
 //! The wire, forker to spare: one `Header` (with the descriptors attached), then the
-//! batch record's bytes.
+//! batch record's bytes; spare to forker, `BUILT` or another byte.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -39,7 +40,6 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::child::close_all_but;
 use crate::child_heap;
-use crate::native_fork::ForkPlan;
 
 /// The most descriptors a recipe names (`Recipe::descriptors`: six at most).
 const MAX_DESCRIPTORS: usize = 8;
@@ -144,8 +144,10 @@ impl Spares {
                 return; // readable, closed or an error: the caller's read says which
             }
             if let Some(kind) = self.wanted {
-                if self.fork_spare(kind, py).is_err() {
-                    self.quiet = None; // a refusal now is one later too: fork as before
+                if let Err(why) = self.fork_spare(kind, py) {
+                    // A refusal now is one later too: every child is forked, as before.
+                    eprintln!("vmfork forker: no spare ({why}); lone children are forked");
+                    self.quiet = None;
                 }
             }
         }
@@ -156,16 +158,23 @@ impl Spares {
         self.quiet_since = Instant::now();
     }
 
-    /// A lone batch's child `plan`: its spare, if there is one of its kind, is sent
-    /// `body` (the batch record) with the descriptors the recipe names, `descriptors`,
-    /// and becomes the child; returns its pid. None: fork it.
-    pub fn give(&mut self, plan: &ForkPlan, body: &[u8], descriptors: &[RawFd]) -> Option<i32> {
+    /// A lone batch's child (`own_pid_namespace` its recipe's): its spare, if there is
+    /// one of its kind, is sent `body` (the batch record) with the descriptors the
+    /// recipe names, `descriptors`, and becomes the child once it built the child's
+    /// plan; returns its pid. None: fork it (no spare, or the spare could not build it,
+    /// and the fork's build says why).
+    pub fn give(
+        &mut self,
+        own_pid_namespace: Option<RawFd>,
+        body: &[u8],
+        descriptors: &[RawFd],
+    ) -> Option<i32> {
         self.quiet?; // no spares: every child forked
         self.wanted = Some(Kind {
-            pid_namespace: plan.own_pid_namespace,
+            pid_namespace: own_pid_namespace,
         });
         let spare = self.spare.take()?;
-        if spare.own_pid_namespace != plan.own_pid_namespace.is_some()
+        if spare.own_pid_namespace != own_pid_namespace.is_some()
             || descriptors.len() > MAX_DESCRIPTORS
             || u32::try_from(body.len()).is_err()
         {
@@ -189,15 +198,16 @@ impl Spares {
                 }
             })
             .and_then(|()| {
-                use std::io::Write;
                 (&spare.channel)
                     .write_all(body)
                     .map_err(|err| err.to_string())
-            });
+            })
+            .and_then(|()| built(&spare.channel));
         match sent {
             Ok(()) => Some(spare.pid),
             Err(_) => {
-                // A spare that died or cannot be told: the child is forked instead.
+                // A spare that died, cannot be told or could not build the child: the
+                // child is forked instead, and the fork's build says what is wrong.
                 end_spare(spare);
                 None
             }
@@ -252,6 +262,30 @@ impl Spares {
     }
 }
 
+/// How long a forker waits for its spare to say it built the child it was sent.
+const BUILT_TIMEOUT_MS: i32 = 10_000;
+
+/// The spare's answer to a batch: `BUILT` once it built the child's plan, anything
+/// else (its reason, its end) if it could not.
+const BUILT: u8 = b'+';
+
+fn built(channel: &UnixStream) -> Result<(), String> {
+    let mut poll = libc::pollfd {
+        fd: channel.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd of ours, its count given.
+    if unsafe { libc::poll(&mut poll, 1, BUILT_TIMEOUT_MS) } != 1 {
+        return Err("the spare did not answer".into());
+    }
+    let mut answer = [0u8; 1];
+    match (&*channel).read(&mut answer) {
+        Ok(1) if answer[0] == BUILT => Ok(()),
+        _ => Err("the spare could not build the child".into()),
+    }
+}
+
 /// Kill a spare that will not be used; the zygote reaps it (it is its child) when it
 /// retires this forker.
 fn end_spare(spare: Spare) {
@@ -281,22 +315,33 @@ fn spare_main(channel: RawFd, forker_pidfd: RawFd, py: Python<'_>) -> ! {
             unsafe { libc::_exit(1) }
         }
     };
-    let (header, received, body) = message;
+    let (stream, header, received, body) = message;
+    // The plan first (it names descriptors by number, opening none), and the forker
+    // told: a recipe it cannot build, the forker forks instead, and its build says why.
+    let plan = match crate::forker::lone_plan(py, &body) {
+        Ok(plan) => plan,
+        Err(why) => {
+            let _ = (&stream).write_all(b"-");
+            eprintln!("vmfork spare: {why}");
+            // SAFETY: as above.
+            unsafe { libc::_exit(1) }
+        }
+    };
+    if (&stream).write_all(&[BUILT]).is_err() {
+        // SAFETY: as above: the forker is gone and forks nothing more.
+        unsafe { libc::_exit(0) }
+    }
+    drop(stream);
     close_all_but(&received);
     if let Err(why) = place(&received, &header.targets) {
         eprintln!("vmfork spare: {why}");
         // SAFETY: as above.
         unsafe { libc::_exit(1) }
     }
-    let plan = crate::forker::lone_plan(py, &body).unwrap_or_else(|why| {
-        eprintln!("vmfork spare: {why}");
-        // SAFETY: as above.
-        unsafe { libc::_exit(1) }
-    });
     plan.live(header.sent_ns)
 }
 
-type Message = (Header, Vec<RawFd>, Vec<u8>);
+type Message = (UnixStream, Header, Vec<RawFd>, Vec<u8>);
 
 /// The batch a spare is given, with its descriptors as received; None if the forker
 /// ended first.
@@ -357,7 +402,7 @@ fn receive(channel: RawFd, forker_pidfd: RawFd) -> Result<Option<Message>, Strin
     (&stream)
         .read_exact(&mut body)
         .map_err(|err| format!("the batch: {err}"))?;
-    Ok(Some((header, received, body)))
+    Ok(Some((stream, header, received, body)))
 }
 
 /// Put each of `received` at the number of `targets` at the same place, and close

@@ -457,6 +457,19 @@ def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
     assert z.proc.returncode == 0
 
 
+def _wait_gone_or_zombie(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        assert time.monotonic() < deadline, f"{pid} still {state}"
+        time.sleep(0.05)
+
+
 def _unknown_child(z: Any, known: set[int], timeout: float = 30.0) -> int:
     """The one child of the zygote's besides ``known`` and its forker: a spare."""
     deadline = time.monotonic() + timeout
@@ -477,7 +490,9 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
     (native/src/forker_spare.rs), a child of the zygote's that it does not know yet;
     the next lone spawn is that process: the pid the zygote is told, a native child
     that restores, runs its prelude and hands a line over. A batch of two is forked,
-    leaving the spare waiting; retiring the forker (the zygote's shutdown) reaps it."""
+    leaving the spare waiting; a lone batch the spare cannot build ends it, and is
+    forked and refused as without one; retiring the forker (the zygote's shutdown)
+    reaps what is left."""
     env = {k: v for k, v in os.environ.items()
            if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
     env["PYTHONPATH"] = str(Path(__file__).parent)
@@ -513,6 +528,13 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
             for child in pair.children:
                 assert _status(runs / child.vm_id, "restored")["child"] == "native"
             assert spare in _children_of(z.pid), "a batch of two leaves the spare waiting"
+            # A recipe the spare cannot build: the spare is killed and the child forked,
+            # whose build refuses the batch, saying why, as with no spare.
+            bad = client.spawn_many(entry, [SpawnItem("vm4", {**args("vm4"),
+                                                               "bad_recipe": True})])
+            assert [vm for vm, _ in bad.failed] == ["vm4"] and not bad.children, bad
+            assert "hex" in bad.failed[0][1], bad.failed
+            _wait_gone_or_zombie(spare)
             for vm_id in ("vm0", "vm1", "vm2", "vm3"):
                 client.kill(vm_id)
                 assert client.wait(vm_id).reason == "killed"

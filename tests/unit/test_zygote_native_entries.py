@@ -42,11 +42,14 @@ def native_child(args: dict[str, Any], jail_spec: JailSpec | None) -> NativeChil
     life = _core.ChildLife(**life_args, seccomp=None, agent=_core.AgentTarget(*agent))
     handover = f"{__name__}:answer"
     prelude = [f"{__name__}:prelude", json.dumps([args["vm_id"]])]
+    # ``bad_recipe``: a recipe no forker can build (its code is not hex), the objects
+    # here being right: what a forker, or its spare, refuses.
+    code = "zz" if "bad_recipe" in args else HALT_FOREVER.hex()
     return NativeChild(
         life, _core.TinyMachinePlan(HALT_FOREVER), handover,
         functools.partial(globals()["prelude"], args["vm_id"]),
         {"life": {**life_args, "seccomp": None, "agent": agent},
-         "machine": {"tiny": {"code": HALT_FOREVER.hex()}}, "handover": handover,
+         "machine": {"tiny": {"code": code}}, "handover": handover,
          "prelude": prelude})
 
 
