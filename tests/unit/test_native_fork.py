@@ -396,6 +396,18 @@ def _children_of(pid: int) -> set[int]:
     return {int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()}
 
 
+def _forker_zygote(tmp_path: Path, spare: str) -> tuple[Any, Path]:
+    """A zygote of the tiny-machine entries with its forker on (``VMFORK_FORKER_SPARE``
+    ``spare``), and a short directory for its children's runs (AF_UNIX paths)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    env["VMFORK_FORKER_SPARE"] = spare
+    z = start_zygote(tmp_path / "z.sock", env=env,
+                     entries_modules=["test_zygote_native_entries"])
+    return z, Path(tempfile.mkdtemp(prefix="vmfork-forker-"))
+
+
 @needs_kvm
 def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
         tmp_path: Path) -> None:
@@ -404,14 +416,8 @@ def test_a_forker_forks_the_zygotes_native_children_from_their_recipes(
     the zygote's own (it reaps them), run natively, and hand a line over to Python
     after their named prelude ran; the next batch goes to the same forker, which the
     zygote's shutdown reaps with everything else."""
-    env = {k: v for k, v in os.environ.items() if k != zygote_child.NATIVE_CHILD_ENV}
-    env["PYTHONPATH"] = str(Path(__file__).parent)
-    env.pop("VMFORK_FORKER", None)
-    env["VMFORK_FORKER_SPARE"] = "0"   # the children counted here are the forked ones
-    z = start_zygote(tmp_path / "z.sock", env=env,
-                     entries_modules=["test_zygote_native_entries"])
+    z, runs = _forker_zygote(tmp_path, "0")   # no spare: the children counted are forked
     entry = "test_zygote_native_entries:python_child"
-    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))   # short: AF_UNIX paths
 
     def item(vm_id: str) -> SpawnItem:
         return SpawnItem(vm_id, {"vm_id": vm_id, "run_dir": str(runs / vm_id),
@@ -493,13 +499,7 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
     leaving the spare waiting; a lone batch the spare cannot build ends it, and is
     forked and refused as without one; retiring the forker (the zygote's shutdown)
     reaps what is left."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
-    env["PYTHONPATH"] = str(Path(__file__).parent)
-    env["VMFORK_FORKER_SPARE"] = "0.2"
-    z = start_zygote(tmp_path / "z.sock", env=env,
-                     entries_modules=["test_zygote_native_entries"])
-    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))
+    z, runs = _forker_zygote(tmp_path, "0.2")
     entry = "test_zygote_native_entries:python_child"
 
     def args(vm_id: str) -> dict[str, Any]:
@@ -572,13 +572,7 @@ def test_a_new_forker_is_cloned_for_a_batch_like_the_one_before(tmp_path: Path) 
     """A batch the forker cannot serve (here: the entry module's image key changed) is
     forked by the zygote itself the first time, and a new forker is cloned only when
     the next batch is like it: batches taking turns between two images clone none."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in (zygote_child.NATIVE_CHILD_ENV, "VMFORK_FORKER")}
-    env["PYTHONPATH"] = str(Path(__file__).parent)
-    env["VMFORK_FORKER_SPARE"] = "0"
-    z = start_zygote(tmp_path / "z.sock", env=env,
-                     entries_modules=["test_zygote_native_entries"])
-    runs = Path(tempfile.mkdtemp(prefix="vmfork-forker-"))
+    z, runs = _forker_zygote(tmp_path, "0")
     try:
         with z.client() as client:
             forkers: list[int | None] = []
