@@ -48,7 +48,7 @@ use pyo3::exceptions::{PyOSError, PyRuntimeError};
 use pyo3::prelude::*;
 
 use crate::child::{one_thread, ChildPlan, ChildPlanArgs};
-use crate::forker_spare::Spares;
+use crate::forker_spare::{SpareChannel, Spares};
 use crate::machine_plan::{kept_plan, ForChildArgs, SnapshotMachinePlan};
 use crate::native_fork::{
     fork_batch, handover_names, BatchStop, ChildLife, ChildLifeArgs, ForkPlan, ForkedMachine, Held,
@@ -294,16 +294,22 @@ fn forker_main(channel: RawFd, zygote: libc::pid_t, mut spares: Spares) -> ! {
     }
 }
 
-/// `_core.start_forker(channel, spare_quiet_ms=None)`: clone this process (a zygote,
-/// one thread, after its prefork) into a forker that reads batches from `channel` (one
-/// end of a socket pair the caller keeps open, and never closes while the forker
-/// lives: the two share their descriptor table). `spare_quiet_ms`: after a lone batch,
-/// how long the channel stays quiet before the forker forks a spare for the next
-/// (`forker_spare.rs`); None: no spares. Returns the forker's pid; `RuntimeError` if
+/// `_core.start_forker(channel, spare_channel=None, spare_quiet_ms=None)`: clone this
+/// process (a zygote, one thread, after its prefork) into a forker that reads batches
+/// from `channel` (one end of a socket pair the caller keeps open, and never closes
+/// while the forker lives: the two share their descriptor table). `spare_channel`:
+/// both ends of another such pair, the forker's and its spares'; `spare_quiet_ms`:
+/// after a lone batch, how long the channel stays quiet before the forker forks a
+/// spare for the next (`forker_spare.rs`); either None: no spares. Returns the forker's pid; `RuntimeError` if
 /// this process has another thread, `OSError` if the clone fails.
 #[pyfunction]
-#[pyo3(signature = (channel, spare_quiet_ms=None))]
-pub fn start_forker(py: Python<'_>, channel: RawFd, spare_quiet_ms: Option<u64>) -> PyResult<i32> {
+#[pyo3(signature = (channel, spare_channel=None, spare_quiet_ms=None))]
+pub fn start_forker(
+    py: Python<'_>,
+    channel: RawFd,
+    spare_channel: Option<(RawFd, RawFd)>,
+    spare_quiet_ms: Option<u64>,
+) -> PyResult<i32> {
     one_thread("start_forker").map_err(PyRuntimeError::new_err)?;
     py.check_signals()?;
     // SAFETY: getpid takes nothing.
@@ -317,7 +323,10 @@ pub fn start_forker(py: Python<'_>, channel: RawFd, spare_quiet_ms: Option<u64>)
         ))
     })?;
     if pid == 0 {
-        let spares = Spares::new(spare_quiet_ms.map(std::time::Duration::from_millis));
+        let spares = Spares::new(
+            spare_quiet_ms.map(std::time::Duration::from_millis),
+            spare_channel.map(|(forker, spare)| SpareChannel { forker, spare }),
+        );
         forker_main(channel, zygote, spares);
     }
     Ok(pid)

@@ -86,10 +86,9 @@ impl Header {
     }
 }
 
-/// One spare: its pid (the zygote's child) and the forker's end of its channel.
+/// One spare: its pid (the zygote's child) and its kind.
 struct Spare {
     pid: libc::pid_t,
-    channel: UnixStream,
     own_pid_namespace: bool,
 }
 
@@ -100,26 +99,52 @@ struct Kind {
     pid_namespace: Option<RawFd>,
 }
 
+/// The two ends of the spares' channel, a socket pair the zygote made and keeps open
+/// for the forker's life (`runtime/forker.py`): every descriptor a forker opens is in
+/// the zygote's table too (`CLONE_FILES`), and one the forker left open when it died
+/// would stay there, so the forker opens none that outlives a call. One spare waits at
+/// a time, and reads one batch from it.
+#[derive(Clone, Copy)]
+pub struct SpareChannel {
+    pub forker: RawFd,
+    pub spare: RawFd,
+}
+
+impl SpareChannel {
+    /// The forker's end as a stream, left open when dropped.
+    fn forker_end(&self) -> std::mem::ManuallyDrop<UnixStream> {
+        // SAFETY: the zygote keeps this descriptor open while the forker lives; the
+        // stream is never dropped, so it never closes it.
+        std::mem::ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(self.forker) })
+    }
+}
+
 /// A forker's spare, and when to fork the next one.
 pub struct Spares {
     quiet: Option<Duration>,
+    channel: Option<SpareChannel>,
     wanted: Option<Kind>,
     spare: Option<Spare>,
-    /// A pidfd of the forker itself, opened once: each spare's way to learn it ended.
-    forker_pidfd: Option<RawFd>,
     quiet_since: Instant,
 }
 
 impl Spares {
-    /// `quiet`: how long the channel stays quiet before a spare is forked; None: never.
-    pub fn new(quiet: Option<Duration>) -> Self {
+    /// `quiet`: how long the channel stays quiet before a spare is forked; None, or no
+    /// `channel`: never.
+    pub fn new(quiet: Option<Duration>, channel: Option<SpareChannel>) -> Self {
         Spares {
-            quiet,
+            quiet: channel.and(quiet),
+            channel,
             wanted: None,
             spare: None,
-            forker_pidfd: None,
             quiet_since: Instant::now(),
         }
+    }
+
+    /// No more spares: what broke may have left the channel holding half a batch.
+    fn stop(&mut self, why: &str) {
+        eprintln!("vmfork forker: no more spares ({why}); lone children are forked");
+        self.quiet = None;
     }
 
     /// Wait until `channel` is readable; a spare wanted and not there yet is forked
@@ -145,9 +170,7 @@ impl Spares {
             }
             if let Some(kind) = self.wanted {
                 if let Err(why) = self.fork_spare(kind, py) {
-                    // A refusal now is one later too: every child is forked, as before.
-                    eprintln!("vmfork forker: no spare ({why}); lone children are forked");
-                    self.quiet = None;
+                    self.stop(&why); // a refusal now is one later too
                 }
             }
         }
@@ -170,6 +193,7 @@ impl Spares {
         descriptors: &[RawFd],
     ) -> Option<i32> {
         self.quiet?; // no spares: every child forked
+        let channel = self.channel?;
         self.wanted = Some(Kind {
             pid_namespace: own_pid_namespace,
         });
@@ -178,16 +202,16 @@ impl Spares {
             || descriptors.len() > MAX_DESCRIPTORS
             || u32::try_from(body.len()).is_err()
         {
-            end_spare(spare);
+            end_spare(spare); // nothing sent: the channel is clean for the next
             return None;
         }
+        let stream = channel.forker_end();
         let header = Header {
             sent_ns: crate::child_life::monotonic_ns(),
             body_len: body.len() as u32,
             targets: descriptors.to_vec(),
         };
-        let sent = spare
-            .channel
+        let sent = stream
             .send_with_fds(&[&header.encode()[..]], descriptors)
             .map_err(|err| err.to_string())
             .and_then(|n| {
@@ -197,49 +221,47 @@ impl Spares {
                     Err(format!("{n} bytes of the header"))
                 }
             })
-            .and_then(|()| {
-                (&spare.channel)
-                    .write_all(body)
-                    .map_err(|err| err.to_string())
-            })
-            .and_then(|()| built(&spare.channel));
+            .and_then(|()| (&*stream).write_all(body).map_err(|err| err.to_string()))
+            .and_then(|()| built(&stream));
         match sent {
             Ok(()) => Some(spare.pid),
-            Err(_) => {
+            Err(why) => {
                 // A spare that died, cannot be told or could not build the child: the
                 // child is forked instead, and the fork's build says what is wrong.
                 end_spare(spare);
+                self.stop(&why);
                 None
             }
         }
     }
 
     fn fork_spare(&mut self, kind: Kind, py: Python<'_>) -> Result<(), String> {
-        let forker_pidfd = match self.forker_pidfd {
-            Some(fd) => fd,
-            None => {
-                // SAFETY: pidfd_open of this process; no pointer.
-                let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) };
-                if fd < 0 {
-                    return Err(std::io::Error::last_os_error().to_string());
-                }
-                self.forker_pidfd = Some(fd as RawFd);
-                fd as RawFd
-            }
+        let channel = self.channel.ok_or("no channel")?;
+        // A pidfd of this forker, for the spare to learn it ended; closed here once the
+        // spare has its copy (module comment on `SpareChannel`).
+        // SAFETY: pidfd_open of this process; no pointer.
+        let forker_pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) };
+        if forker_pidfd < 0 {
+            return Err(format!("pidfd_open: {}", std::io::Error::last_os_error()));
+        }
+        let forker_pidfd = forker_pidfd as RawFd;
+        let close_pidfd = || {
+            // SAFETY: the descriptor opened above, used by no one else here.
+            unsafe { libc::close(forker_pidfd) };
         };
-        let (mine, its) = UnixStream::pair().map_err(|err| err.to_string())?;
         if kind.pid_namespace.is_some() {
             // SAFETY: unshare takes no pointer; it moves this process's next child into
             // a new PID namespace, as `fork_batch` does for a jailed child.
             if unsafe { libc::unshare(libc::CLONE_NEWPID) } != 0 {
-                return Err(std::io::Error::last_os_error().to_string());
+                close_pidfd();
+                return Err(format!("unshare: {}", std::io::Error::last_os_error()));
             }
         }
         let pid = crate::forker::clone_parent_raw();
         if let Ok(0) = pid {
-            drop(mine);
-            spare_main(its.as_raw_fd(), forker_pidfd, py);
+            spare_main(channel.spare, forker_pidfd, py);
         }
+        close_pidfd();
         let back = match kind.pid_namespace {
             // SAFETY: setns takes a descriptor the zygote keeps open and no pointer.
             Some(own) if unsafe { libc::setns(own, libc::CLONE_NEWPID) } != 0 => {
@@ -250,7 +272,6 @@ impl Spares {
         let pid = pid.map_err(|err| err.to_string())?;
         let spare = Spare {
             pid,
-            channel: mine,
             own_pid_namespace: kind.pid_namespace.is_some(),
         };
         if let Err(err) = back {

@@ -373,10 +373,12 @@ class NativeFork:
                  own_pid_namespace: int | None = ...) -> None: ...
 
 def fork_native_batch(forks: list[NativeFork]) -> tuple[list[int], BaseException | None]: ...
-def start_forker(channel: int, spare_quiet_ms: int | None = None) -> int:
+def start_forker(channel: int, spare_channel: tuple[int, int] | None = None,
+                 spare_quiet_ms: int | None = None) -> int:
     """Clone this zygote into a forker reading batches from ``channel`` (forker.rs);
-    ``spare_quiet_ms``: fork a spare for the next lone batch once the channel was quiet
-    that long (forker_spare.rs), None: never."""
+    ``spare_channel``: the forker's and its spares' ends of a socket pair the caller
+    keeps open; ``spare_quiet_ms``: fork a spare for the next lone batch once the
+    channel was quiet that long (forker_spare.rs); either None: no spares."""
 def kept_snapshot_plans() -> list[int]:
     """The numbers of the snapshot plans a forker cloned now would find."""
 def forked_machine() -> NativeMachine | None:

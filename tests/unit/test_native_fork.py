@@ -495,8 +495,9 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
     """After a lone batch, once its channel was quiet, the forker forks a spare
     (native/src/forker_spare.rs), a child of the zygote's that it does not know yet;
     the next lone spawn is that process: the pid the zygote is told, a native child
-    that restores, runs its prelude and hands a line over. A batch of two is forked,
-    leaving the spare waiting; a lone batch the spare cannot build ends it, and is
+    that restores, runs its prelude and hands a line over. A forker killed and
+    replaced leaves no descriptor behind. A batch of two is forked, leaving the spare
+    waiting; a lone batch the spare cannot build ends it, and is
     forked and refused as without one; retiring the forker (the zygote's shutdown)
     reaps what is left."""
     z, runs = _forker_zygote(tmp_path, "0.2")
@@ -522,6 +523,16 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
             assert handed["profile"]["pid"] == spare
             assert handed["profile"]["noted"] == ["vm1"], "its prelude ran, once"
             spare = _unknown_child(z, {first.pid, lone.pid})
+            # A forker that dies leaves nothing open in the table it shared: the next
+            # one, with its own spare, holds as many of the zygote's descriptors.
+            held = len(os.listdir(f"/proc/{z.pid}/fd"))
+            os.kill(client.ping()["forker"]["pid"], signal.SIGKILL)
+            third = client.spawn(entry, args("vm5"), vm_id="vm5")
+            client.kill("vm5")
+            assert client.wait("vm5").reason == "killed"
+            _wait_gone_or_zombie(spare)
+            spare = _unknown_child(z, {first.pid, lone.pid, third.pid})
+            assert len(os.listdir(f"/proc/{z.pid}/fd")) == held
             pair = client.spawn_many(entry, [SpawnItem("vm2", args("vm2")),
                                              SpawnItem("vm3", args("vm3"))])
             assert pair.failed == [] and spare not in {c.pid for c in pair.children}

@@ -80,8 +80,9 @@ class Forker:
 
     ``plans``: the snapshot plans its image holds (``_core.kept_snapshot_plans()`` at
     the clone); ``image_key``: the entry module's key at the clone. The two ends of
-    the channel stay open here for the forker's life: the zygote and the forker share
-    one descriptor table, so closing either end here would close it for the forker.
+    the channel, and of the spares' (``spare_quiet_ms``), stay open here for the
+    forker's life: the zygote and the forker share one descriptor table, so closing an
+    end here would close it for the forker.
     """
 
     def __init__(self, image_key: Hashable) -> None:
@@ -89,11 +90,20 @@ class Forker:
         self.image_key = image_key
         self.plans = frozenset(_core.kept_snapshot_plans())
         self._mine, self._its = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The forker's spares' channel (forker_spare.rs): made and closed here, since a
+        # descriptor the forker opened and left would stay in this shared table.
+        quiet = spare_quiet_ms()
+        self._spares: tuple[socket.socket, ...] = (
+            socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) if quiet is not None
+            else ())
         try:
-            self.pid: int = _core.start_forker(self._its.fileno(), spare_quiet_ms())
+            self.pid: int = _core.start_forker(
+                self._its.fileno(),
+                (self._spares[0].fileno(), self._spares[1].fileno()) if self._spares
+                else None, quiet)
         except BaseException:
-            self._mine.close()
-            self._its.close()
+            for end in (self._mine, self._its, *self._spares):
+                end.close()
             raise
         self.pidfd = os.pidfd_open(self.pid)
         self._buffer = b""
@@ -164,5 +174,5 @@ class Forker:
         os.close(self.pidfd)
         self.pidfd = -1
         self.alive = False
-        self._mine.close()
-        self._its.close()
+        for end in (self._mine, self._its, *self._spares):
+            end.close()
