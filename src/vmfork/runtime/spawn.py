@@ -284,14 +284,16 @@ def _sources_in_plan(plan_path: str) -> list[str]:
 # (design notes, session 24: the spawner's share of a chain's spawn).
 _state_keys = DecodedFiles(_keys_in_state)
 _plan_sources = DecodedFiles(_sources_in_plan)
-# And the snapshot directory's own files, listed once while the directory's identity
-# holds (a file added or removed, such as a diff snapshot's materialised memory.bin,
-# changes its mtime): a listing and a stat per file at every spawn were ~1 ms of a lone
-# spawn's spawner time in the emulated test host.
+
+
 def _files_in(directory: str) -> tuple[str, ...]:
     return tuple(entry.path for entry in os.scandir(directory) if entry.is_file())
 
 
+# The snapshot directory's own files, listed once while the directory's identity
+# holds (a file added or removed, such as a diff snapshot's materialised memory.bin,
+# changes its mtime): a listing and a stat per file at every spawn were ~1 ms of a lone
+# spawn's spawner time in the emulated test host.
 _snapshot_files = DecodedFiles(_files_in)
 
 
