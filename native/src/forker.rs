@@ -300,8 +300,9 @@ fn forker_main(channel: RawFd, zygote: libc::pid_t, mut spares: Spares) -> ! {
 /// while the forker lives: the two share their descriptor table). `spare_channel`:
 /// both ends of another such pair, the forker's and its spares'; `spare_quiet_ms`:
 /// after a lone batch, how long the channel stays quiet before the forker forks a
-/// spare for the next (`forker_spare.rs`); either None: no spares. Returns the forker's pid; `RuntimeError` if
-/// this process has another thread, `OSError` if the clone fails.
+/// spare for the next (`forker_spare.rs`); either None: no spares. Returns the
+/// forker's pid; `RuntimeError` if this process has another thread, `OSError` if the
+/// clone fails.
 #[pyfunction]
 #[pyo3(signature = (channel, spare_channel=None, spare_quiet_ms=None))]
 pub fn start_forker(

@@ -121,8 +121,9 @@ impl SpareChannel {
 
 /// A forker's spare, and when to fork the next one.
 pub struct Spares {
-    quiet: Option<Duration>,
-    channel: Option<SpareChannel>,
+    /// The quiet time before a spare is forked, and the spares' channel; None: no
+    /// spares (none asked for, or they stopped).
+    on: Option<(Duration, SpareChannel)>,
     wanted: Option<Kind>,
     spare: Option<Spare>,
     quiet_since: Instant,
@@ -133,8 +134,7 @@ impl Spares {
     /// `channel`: never.
     pub fn new(quiet: Option<Duration>, channel: Option<SpareChannel>) -> Self {
         Spares {
-            quiet: channel.and(quiet),
-            channel,
+            on: quiet.zip(channel),
             wanted: None,
             spare: None,
             quiet_since: Instant::now(),
@@ -144,15 +144,15 @@ impl Spares {
     /// No more spares: what broke may have left the channel holding half a batch.
     fn stop(&mut self, why: &str) {
         eprintln!("vmfork forker: no more spares ({why}); lone children are forked");
-        self.quiet = None;
+        self.on = None;
     }
 
     /// Wait until `channel` is readable; a spare wanted and not there yet is forked
     /// once the channel has been quiet long enough.
     pub fn wait_for(&mut self, channel: RawFd, py: Python<'_>) {
         loop {
-            let timeout = match (self.quiet, self.wanted, &self.spare) {
-                (Some(quiet), Some(_), None) => {
+            let timeout = match (self.on, self.wanted, &self.spare) {
+                (Some((quiet, _)), Some(_), None) => {
                     let left = quiet.saturating_sub(self.quiet_since.elapsed());
                     left.as_millis().min(i32::MAX as u128) as i32
                 }
@@ -192,8 +192,7 @@ impl Spares {
         body: &[u8],
         descriptors: &[RawFd],
     ) -> Option<i32> {
-        self.quiet?; // no spares: every child forked
-        let channel = self.channel?;
+        let (_, channel) = self.on?; // no spares: every child forked
         self.wanted = Some(Kind {
             pid_namespace: own_pid_namespace,
         });
@@ -236,7 +235,7 @@ impl Spares {
     }
 
     fn fork_spare(&mut self, kind: Kind, py: Python<'_>) -> Result<(), String> {
-        let channel = self.channel.ok_or("no channel")?;
+        let (_, channel) = self.on.ok_or("spares are off")?;
         // A pidfd of this forker, for the spare to learn it ended; closed here once the
         // spare has its copy (module comment on `SpareChannel`).
         // SAFETY: pidfd_open of this process; no pointer.

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import vmfork
+from tests.forker_support import spare_of
 from tests.unit.agent_support import Agent, running_agent
 from vmfork.runtime import memphases, spawnprofile, vmmchild, zygote, zygote_child
 from vmfork.runtime.zygote_client import start_zygote
@@ -476,20 +477,6 @@ def _wait_gone_or_zombie(pid: int, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _unknown_child(z: Any, known: set[int], timeout: float = 30.0) -> int:
-    """The one child of the zygote's besides ``known`` and its forker: a spare."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with z.client() as client:
-            forker = client.ping()["forker"]
-        others = _children_of(z.pid) - known - {forker["pid"] if forker else -1}
-        if others:
-            (spare,) = others
-            return spare
-        assert time.monotonic() < deadline, "no spare forked"
-        time.sleep(0.05)
-
-
 @needs_kvm
 def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
     """After a lone batch, once its channel was quiet, the forker forks a spare
@@ -509,8 +496,8 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
     spare = -1
     try:
         with z.client() as client:
-            first = client.spawn(entry, args("vm0"), vm_id="vm0")
-            spare = _unknown_child(z, {first.pid})
+            client.spawn(entry, args("vm0"), vm_id="vm0")
+            spare = spare_of(z)
             lone = client.spawn(entry, args("vm1"), vm_id="vm1")
             assert lone.pid == spare, "the lone spawn is the spare"
             status = _status(runs / "vm1", "restored")
@@ -522,16 +509,16 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
                                         "state_path": "s"})
             assert handed["profile"]["pid"] == spare
             assert handed["profile"]["noted"] == ["vm1"], "its prelude ran, once"
-            spare = _unknown_child(z, {first.pid, lone.pid})
+            spare = spare_of(z)
             # A forker that dies leaves nothing open in the table it shared: the next
             # one, with its own spare, holds as many of the zygote's descriptors.
             held = len(os.listdir(f"/proc/{z.pid}/fd"))
             os.kill(client.ping()["forker"]["pid"], signal.SIGKILL)
-            third = client.spawn(entry, args("vm5"), vm_id="vm5")
+            client.spawn(entry, args("vm5"), vm_id="vm5")
             client.kill("vm5")
             assert client.wait("vm5").reason == "killed"
             _wait_gone_or_zombie(spare)
-            spare = _unknown_child(z, {first.pid, lone.pid, third.pid})
+            spare = spare_of(z)
             assert len(os.listdir(f"/proc/{z.pid}/fd")) == held
             pair = client.spawn_many(entry, [SpawnItem("vm2", args("vm2")),
                                              SpawnItem("vm3", args("vm3"))])
