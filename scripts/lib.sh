@@ -120,8 +120,14 @@ setup_native() {
   local out
   mkdir -p "$CACHE"
   out=$(mktemp -d "$CACHE/native-wheel.XXXXXX")
-  (cd "$REPO" && CARGO_TARGET_DIR=${VMFORK_CARGO_TARGET:-$CACHE/cargo-target} "$VENV/bin/maturin" build --release \
-      --locked --jobs "${VMFORK_BUILD_JOBS:-2}" --interpreter "$PY" --out "$out" --quiet) || {
+  local target=${VMFORK_CARGO_TARGET:-$CACHE/cargo-target}
+  mkdir -p "$target"
+  # One build at a time in a target directory: maturin moves the library through a
+  # path of its own there, and two set-ups at once (the demo beside the tests) broke
+  # each other's build. flock waits for the other to finish.
+  (cd "$REPO" && flock "$target/.vmfork-build.lock" env CARGO_TARGET_DIR="$target" \
+      "$VENV/bin/maturin" build --release --locked --jobs "${VMFORK_BUILD_JOBS:-2}" \
+      --interpreter "$PY" --out "$out" --quiet) || {
     rm -rf "$out"
     echo "vmfork setup: building the native core failed (output above)" >&2
     exit 1
