@@ -497,7 +497,7 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
     try:
         with z.client() as client:
             client.spawn(entry, args("vm0"), vm_id="vm0")
-            spare = spare_of(z)
+            spare = spare_of(z, client=client)
             lone = client.spawn(entry, args("vm1"), vm_id="vm1")
             assert lone.pid == spare, "the lone spawn is the spare"
             status = _status(runs / "vm1", "restored")
@@ -509,7 +509,7 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
                                         "state_path": "s"})
             assert handed["profile"]["pid"] == spare
             assert handed["profile"]["noted"] == ["vm1"], "its prelude ran, once"
-            spare = spare_of(z)
+            spare = spare_of(z, client=client)
             # A forker that dies leaves nothing open in the table it shared: the next
             # one, with its own spare, holds as many of the zygote's descriptors.
             held = len(os.listdir(f"/proc/{z.pid}/fd"))
@@ -518,7 +518,7 @@ def test_a_forkers_spare_becomes_the_next_lone_child(tmp_path: Path) -> None:
             client.kill("vm5")
             assert client.wait("vm5").reason == "killed"
             _wait_gone_or_zombie(spare)
-            spare = spare_of(z)
+            spare = spare_of(z, client=client)
             assert len(os.listdir(f"/proc/{z.pid}/fd")) == held
             pair = client.spawn_many(entry, [SpawnItem("vm2", args("vm2")),
                                              SpawnItem("vm3", args("vm3"))])
